@@ -1,0 +1,48 @@
+# The two commands (see README.md):
+#   make demo   -> set up .venv and run the main job (2-rank DLRM, delta checkpoints, verified restore)
+#   make test   -> set up .venv and run the test suite
+# GPU machines: make VARIANT=gpu ... installs fbgemm-gpu (CUDA) instead of fbgemm-gpu-cpu.
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+VARIANT   ?= cpu
+TORCH     := torch==2.13.0
+FBGEMM_cpu := fbgemm-gpu-cpu==1.8.0
+FBGEMM_gpu := fbgemm-gpu==1.8.0
+TORCHREC  := torchrec==1.8.0
+STAMP     := $(VENV)/.deck-installed-$(VARIANT)
+
+.PHONY: install demo test test-fast lint ruff mypy bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q numpy $(FBGEMM_$(VARIANT))
+	$(BIN)/pip install -q --no-deps $(TORCHREC)
+	$(BIN)/pip install -q tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m deck.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+ruff: $(STAMP)
+	$(BIN)/ruff check deck kernels adapters tests benchmarks
+	$(BIN)/ruff format --check deck kernels adapters tests benchmarks
+
+mypy: $(STAMP)
+	$(BIN)/mypy deck kernels adapters
+
+lint: ruff mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

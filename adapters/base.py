@@ -1,0 +1,107 @@
+"""The interface between deck and one embedding implementation.
+
+Everything that knows a particular model type (TorchRec DMP today) lives behind
+:class:`ModelAdapter`; the checkpointer, format and restore only see :class:`TableShard`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from deck.tracker import TrackerStore
+
+
+@dataclass
+class TableShard:
+    """All rows ``[row_offset, row_offset + rows)`` x columns ``[col_offset, col_offset + cols)`` of
+    one table held by this rank, with live views of every per-row state.
+
+    ``states`` maps a state name ("weight", "momentum1", ...) to a tensor whose first dimension is
+    ``rows``; writing into it changes the live model. ``scalars`` are per-shard states without a
+    row dimension, saved whole every time. ``full_only`` marks shards whose rows can change
+    without a lookup (saved in full by every checkpoint). ``track_base`` is the position of the
+    shard's first row in the tracker's flat row space.
+    """
+
+    table: str
+    num_rows: int
+    num_cols: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    states: dict[str, torch.Tensor]
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
+    full_only: bool = False
+    track_base: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.table, self.col_offset, self.cols)
+
+    def row_bytes(self) -> int:
+        """Bytes one row takes on disk (id + every state)."""
+        return 8 + sum(t[0:1].numel() * t.element_size() for t in self.states.values())
+
+
+class RemovableHandle:
+    """Undo for something an adapter installed (e.g. tracking hooks)."""
+
+    def __init__(self, remove: Callable[[], None]):
+        self._remove: Callable[[], None] | None = remove
+
+    def remove(self) -> None:
+        """Remove it; a second call does nothing."""
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+
+
+class ModelAdapter(abc.ABC):
+    """What deck needs from a model: its table shards, its dense state, and lookup hooks."""
+
+    @abc.abstractmethod
+    def table_shards(self) -> list[TableShard]:
+        """This rank's table shards with fresh live views, in a stable order.
+
+        Flushes any embedding cache first, so the views hold post-update values.
+        """
+
+    @abc.abstractmethod
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """Global (rows, cols) of every row-tracked table of the model, on every rank."""
+
+    @abc.abstractmethod
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """Every plain (replicated) tensor of the model state: dense parameters, buffers,
+        data-parallel tables. Values are live tensors."""
+
+    @abc.abstractmethod
+    def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:
+        """The user's optimizers that own dense state (the adapter's fused ones removed), by name."""
+
+    @abc.abstractmethod
+    def install_tracking(
+        self, store: TrackerStore, shards: list[TableShard], is_active: Callable[[torch.nn.Module], bool]
+    ) -> RemovableHandle:
+        """Record looked-up rows of every tracked shard into ``store``; chains with any hook
+        already installed. ``is_active(module)`` is asked at each lookup (pause, eval)."""
+
+
+def copy_dense_state(live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy ``saved`` into ``live`` in place; returns the problems (missing/unexpected/shape)."""
+    problems = [f"missing in checkpoint: {k}" for k in live if k not in saved]
+    problems += [f"not in model: {k}" for k in saved if k not in live]
+    for k, t in live.items():
+        s = saved.get(k)
+        if s is not None and s.shape != t.shape:
+            problems.append(f"{k}: shape {tuple(s.shape)} in checkpoint, {tuple(t.shape)} in model")
+    if not problems:
+        with torch.no_grad():
+            for k, t in live.items():
+                t.copy_(saved[k])
+    return problems

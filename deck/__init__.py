@@ -1,0 +1,28 @@
+"""deck: delta checkpoints for TorchRec recommendation models.
+
+Quick use::
+
+    ckpt = deck.enable(model, [dense_optimizer], deck.DeckConfig(uri="/ckpt", delta_every_steps=100))
+    start = ckpt.restore() or 0
+    for step in range(start + 1, steps + 1):
+        train_one_step(...)
+        ckpt.step(step)
+"""
+
+__version__ = "0.1.0"
+
+from deck.catalog import CheckpointInfo, list_checkpoints
+from deck.checkpointer import CheckpointError, CheckpointStats, DeltaCheckpointer, enable
+from deck.config import DeckConfig, StagingConfig
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStats",
+    "DeckConfig",
+    "DeltaCheckpointer",
+    "StagingConfig",
+    "__version__",
+    "enable",
+    "list_checkpoints",
+]

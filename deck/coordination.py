@@ -1,0 +1,42 @@
+"""The few collectives a checkpoint needs, over torch.distributed (or none for one process).
+
+Only the training thread calls these: a background thread must never issue collectives.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+import torch.distributed as dist
+
+
+class Coordinator:
+    """Rank, world size and agreement among ranks of the default (or given) process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self._active = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self._active else 0
+        self.world_size = dist.get_world_size(group) if self._active else 1
+
+    def gather(self, values: list[float]) -> torch.Tensor:
+        """Every rank's ``values`` as a (world_size, len(values)) float64 tensor, on every rank."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        if not self._active:
+            return mine.view(1, -1)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return torch.stack(out)
+
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if not self._active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return int(t.item())
+
+    def new_id(self) -> str:
+        """A random 16-hex-digit id, the same on every rank."""
+        return f"{self.broadcast_int(secrets.randbits(63)):016x}"

@@ -1,0 +1,38 @@
+"""Typed errors. Every deck failure a user can act on is a :class:`DeckError`.
+
+Messages name the URI / file / step / table involved and say what to do next.
+"""
+
+from __future__ import annotations
+
+
+class DeckError(Exception):
+    """Base class of all deck errors."""
+
+
+class ConfigError(DeckError, ValueError):
+    """A configuration value is invalid."""
+
+
+class StorageError(DeckError, OSError):
+    """Reading from or writing to a storage URI failed."""
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """A file that should exist at a storage URI does not."""
+
+
+class CorruptCheckpointError(DeckError):
+    """A checkpoint file failed validation (checksum, size, schema)."""
+
+
+class CheckpointNotFoundError(DeckError, LookupError):
+    """No committed checkpoint matches the request."""
+
+
+class IncompatibleModelError(DeckError):
+    """The checkpoint cannot be loaded into this model (table shapes, missing tables, sharding)."""
+
+
+class UnsupportedError(DeckError, NotImplementedError):
+    """The model uses a feature deck does not support yet."""

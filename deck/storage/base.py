@@ -1,0 +1,66 @@
+"""The one storage interface every part of deck talks to.
+
+Paths are relative, '/'-separated keys under the store's root URI. Implementations:
+:class:`deck.storage.local.LocalStorage` (a local directory, atomic rename commit) and
+:class:`deck.storage.fsspec_store.FsspecStorage` (any fsspec URI: s3://, gs://, memory://).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+
+
+class Storage(abc.ABC):
+    """A flat key -> bytes store rooted at one URI.
+
+    Guarantees every implementation gives (checked by tests/storage/test_conformance.py):
+    - ``put`` is all-or-nothing: a reader sees either no object or the complete bytes, never a
+      prefix. A successful return means the bytes are durable at the destination (fsynced locally,
+      acknowledged by the object store remotely).
+    - ``get`` of a missing key raises :class:`deck.errors.NotFoundError` naming the full URI.
+    - ``list`` returns the keys (relative paths) under a prefix, sorted, without temp files.
+    """
+
+    @property
+    @abc.abstractmethod
+    def uri(self) -> str:
+        """The root URI, as given by the user (normalised)."""
+
+    def describe(self, path: str) -> str:
+        """Full URI of ``path``: for error messages."""
+        return f"{self.uri.rstrip('/')}/{path}"
+
+    @abc.abstractmethod
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` at ``path`` atomically and durably, replacing any previous object."""
+
+    @abc.abstractmethod
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (to the end when ``end`` is None)."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes of the object at ``path``."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether an object exists at ``path``."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Delete ``path`` if it exists (no error when it does not)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys of all objects whose path starts with ``prefix`` (a directory-like prefix)."""
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``."""
+        for key in self.list(prefix):
+            self.delete(key)
+
+    def iter_get(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Fetch several whole objects; implementations may overlap the requests."""
+        for p in paths:
+            yield p, self.get(p)

@@ -1,0 +1,241 @@
+"""Storage over any fsspec filesystem (s3://, gs://, az://, memory://, ...).
+
+Object stores have no rename, so ``put`` is one ``pipe_file`` call: a single PUT (or a multipart
+upload that becomes visible only when completed) is all-or-nothing. Every call is retried on
+transient failures per a :class:`deck.storage.retry.RetryPolicy`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import fsspec
+import fsspec.core
+
+from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
+from deck.storage.base import Storage
+from deck.storage.local import validate_key
+from deck.storage.retry import RetryPolicy, call_with_retry, is_transient
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+class FsspecStorage(Storage):
+    """A :class:`Storage` rooted at an fsspec URI.
+
+    Args:
+        uri: root URI, e.g. ``s3://bucket/run-1`` or ``memory://scratch``.
+        storage_options: passed to the fsspec filesystem (for s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ..., "region_name": ...}``, ``config_kwargs``).
+        retry: retry policy for transient failures (default :class:`RetryPolicy`()).
+        max_workers: threads :meth:`iter_get` and :meth:`delete_prefix` use to overlap requests.
+
+    Local paths are refused: fsspec's local ``pipe_file`` is not atomic, use
+    :class:`deck.storage.local.LocalStorage` (``open_storage`` picks it for you).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        max_workers: int = 8,
+    ) -> None:
+        if max_workers < 1:
+            raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+        try:
+            fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        except ImportError as exc:
+            raise ConfigError(
+                f"URI {uri} needs an fsspec backend that is not installed ({exc}); "
+                "for s3:// install s3fs (pip install 'deck[s3]')"
+            ) from exc
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"cannot open storage URI {uri}: {exc}") from exc
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        if protocols & _LOCAL_PROTOCOLS:
+            raise ConfigError(
+                f"{uri} is a local path: use LocalStorage / open_storage, whose put is an atomic "
+                "rename (fsspec's local pipe_file is not)"
+            )
+        self._fs: fsspec.AbstractFileSystem = fs
+        self._root: str = root.rstrip("/")
+        self._uri = uri.rstrip("/")
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._max_workers = max_workers
+
+    @property
+    def uri(self) -> str:
+        """The root URI as given, without a trailing '/'."""
+        return self._uri
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The underlying fsspec filesystem."""
+        return self._fs
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The retry policy applied to every call."""
+        return self._retry
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self._uri!r})"
+
+    def _full(self, path: str) -> str:
+        key = validate_key(path)
+        return f"{self._root}/{key}" if self._root else key
+
+    def _call(self, action: str, path: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with retries; map its failure to a typed error naming the full URI."""
+        where = self.describe(path)
+        try:
+            return call_with_retry(fn, self._retry, f"{action} {where}")
+        except DeckError:
+            raise
+        except FileNotFoundError as exc:
+            if action in ("read", "stat"):
+                raise NotFoundError(f"{where} does not exist") from exc
+            raise StorageError(
+                f"could not {action} {where}: not found ({exc}); does the bucket exist?"
+            ) from exc
+        except Exception as exc:
+            gave_up = (
+                f" (gave up after {self._retry.attempts} attempts)" if is_transient(exc) else ""
+            )
+            raise StorageError(
+                f"could not {action} {where}: {type(exc).__name__}: {exc}{gave_up}; check the "
+                "URI, credentials, endpoint and network"
+            ) from exc
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` at ``path`` with a single ``pipe_file`` (one atomic PUT)."""
+        full = self._full(path)
+        # Some backends (aiohttp-based ones) want bytes-like objects with len(): a 1-D byte view is
+        # accepted by all of them without a copy.
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        payload: bytes | memoryview = view if not isinstance(data, bytes) else data
+        self._call("write", path, lambda: self._fs.pipe_file(full, payload))
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the object (shorter if the object ends first)."""
+        full = self._full(path)
+        if start < 0 or (end is not None and end < start):
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {self.describe(path)}")
+        if end is not None and end == start:
+            # An empty HTTP range is invalid and S3 then returns the whole object: still check
+            # that the object exists, but ask for no bytes.
+            self.size(path)
+            return b""
+        if start == 0 and end is None:
+            return self._call("read", path, lambda: bytes(self._fs.cat_file(full)))
+        return self._call(
+            "read", path, lambda: bytes(self._fs.cat_file(full, start=start, end=end))
+        )
+
+    def _info(self, path: str) -> dict[str, Any]:
+        full = self._full(path)
+
+        def info() -> dict[str, Any]:
+            # Listings are cached by some backends (s3fs): another writer's changes would be
+            # invisible, so always ask the store.
+            self._fs.invalidate_cache(full)
+            return dict(self._fs.info(full))
+
+        return self._call("stat", path, info)
+
+    def size(self, path: str) -> int:
+        """Size in bytes of the object at ``path``."""
+        info = self._info(path)
+        if info.get("type") != "file":
+            raise NotFoundError(f"{self.describe(path)} is a directory, not an object")
+        return int(info["size"])
+
+    def exists(self, path: str) -> bool:
+        """Whether an object (not just a directory-like prefix) exists at ``path``."""
+        try:
+            return self._info(path).get("type") == "file"
+        except NotFoundError:
+            return False
+
+    def delete(self, path: str) -> None:
+        """Delete the object at ``path``; a missing object is not an error."""
+        full = self._full(path)
+
+        def rm() -> None:
+            try:
+                self._fs.rm_file(full)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", path, rm)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys of all objects whose key starts with ``prefix``."""
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        base_key = prefix.rpartition("/")[0]
+        base = "/".join(p for p in (self._root, base_key) if p)
+        strip = f"{self._root}/" if self._root else ""
+
+        def find() -> list[str]:
+            self._fs.invalidate_cache(base)
+            try:
+                return list(self._fs.find(base or "/", withdirs=False))
+            except FileNotFoundError:
+                return []
+
+        keys: list[str] = []
+        for found in self._call("list", prefix, find):
+            # memory:// reports '/root/key' for a root of '/root' but 'key' for an empty root.
+            rel = found[len(strip) :] if strip and found.startswith(strip) else found.lstrip("/")
+            if rel and not rel.endswith("/") and rel.startswith(prefix):
+                keys.append(rel)
+        keys.sort()
+        return keys
+
+    def _map_ordered(self, fn: Callable[[str], T], paths: list[str]) -> Iterator[tuple[str, T]]:
+        """``(p, fn(p))`` in input order, at most ``2 * max_workers`` calls in flight."""
+        if not paths:
+            return
+        workers = min(self._max_workers, len(paths))
+        window = 2 * workers
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deck-storage") as pool:
+            pending: deque[tuple[str, Future[T]]] = deque()
+            it = iter(paths)
+            try:
+                for p in it:
+                    pending.append((p, pool.submit(fn, p)))
+                    if len(pending) >= window:
+                        break
+                while pending:
+                    p, fut = pending.popleft()
+                    result = fut.result()
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        pending.append((nxt, pool.submit(fn, nxt)))
+                    yield p, result
+            finally:
+                # The consumer stopped early or a fetch failed: do not start the rest.
+                for _, fut in pending:
+                    fut.cancel()
+
+    def iter_get(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Fetch whole objects in parallel (bounded), yielding them in the order of ``paths``."""
+        return self._map_ordered(self.get, paths)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix``, several requests in flight."""
+        for _ in self._map_ordered(self.delete, self.list(prefix)):
+            pass

@@ -1,0 +1,245 @@
+"""Storage on a local (or locally mounted) directory.
+
+Commit protocol of :meth:`LocalStorage.put`: write a ``.tmp-*`` file in the destination directory,
+fsync it, ``os.replace`` it over the destination, fsync the directory. A crash at any point leaves
+either the old object or the new one, plus at worst a ``.tmp-*`` file that :meth:`LocalStorage.list`
+never reports and :meth:`LocalStorage.delete_prefix` removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+
+from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+TEMP_PREFIX = ".tmp-"
+_WRITE_HINT = "check permissions / free space"
+_READ_HINT = "check permissions"
+
+
+def validate_key(path: str) -> str:
+    """Return ``path`` if it is a valid storage key, else raise :class:`ConfigError`.
+
+    A key is a relative '/'-separated path without empty, ``.`` or ``..`` components, so that it
+    can never escape the store's root (on disk or in a bucket).
+    """
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"storage key must be a non-empty string, got {path!r}")
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
+        raise ConfigError(
+            f"invalid storage key {path!r}: use a relative '/'-separated path without "
+            "empty, '.' or '..' components"
+        )
+    return path
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(path: str) -> list[str]:
+    """Create ``path`` and missing parents; return the created directories, outermost first."""
+    missing: list[str] = []
+    cur = path
+    while not os.path.isdir(cur):
+        missing.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    created: list[str] = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+            created.append(d)
+        except FileExistsError:
+            if not os.path.isdir(d):  # a regular file is in the way
+                raise
+    return created
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    # os.write may write less than asked (signals, >2 GiB requests): loop until all is written.
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class LocalStorage(Storage):
+    """A :class:`Storage` rooted at a local directory (created on the first ``put``).
+
+    Keys map to files ``root/<key>``. ``put`` is atomic and durable (see the module docstring);
+    ``get`` of a whole file is a single read into one ``bytes`` object.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self._root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+
+    @property
+    def uri(self) -> str:
+        """The absolute root directory."""
+        return self._root
+
+    @property
+    def root(self) -> str:
+        """The absolute root directory."""
+        return self._root
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self._root!r})"
+
+    def local_path(self, path: str) -> str:
+        """Filesystem path of the object at key ``path`` (for ``mmap`` / ``O_DIRECT`` readers)."""
+        return os.path.join(self._root, *validate_key(path).split("/"))
+
+    def _error(self, action: str, path: str, exc: OSError, hint: str) -> StorageError:
+        reason = exc.strerror or str(exc)
+        where = f" ({exc.filename})" if exc.filename else ""
+        return StorageError(f"could not {action} {self.describe(path)}: {reason}{where}; {hint}")
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Atomically and durably replace the file at ``path`` with ``data``.
+
+        On any failure the temp file is removed and the previous object (if any) is untouched.
+        """
+        full = self.local_path(path)
+        directory = os.path.dirname(full)
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        try:
+            created = _makedirs(directory)
+        except OSError as exc:
+            raise self._error("write", path, exc, _WRITE_HINT) from exc
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.path.basename(full)}.{uuid.uuid4().hex}")
+        fd = -1
+        try:
+            # 0o666 & ~umask, like a plain open(): mkstemp's 0o600 would hide checkpoints from
+            # other users of a shared directory.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            _write_all(fd, view)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, full)
+            # The rename is only durable once the directory entry is; new directories also need
+            # their own entries in their parents synced.
+            _fsync_dir(directory)
+            for d in created:
+                _fsync_dir(os.path.dirname(d))
+        except BaseException as exc:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise self._error("write", path, exc, _WRITE_HINT) from exc
+            raise
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the file (shorter if the file ends first)."""
+        full = self.local_path(path)
+        if start < 0 or (end is not None and end < start):
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {self.describe(path)}")
+        try:
+            with open(full, "rb", buffering=0) as f:
+                if start == 0 and end is None:
+                    # FileIO.readall sizes one buffer from fstat: a single read, no copies.
+                    return f.readall()
+                if start:
+                    f.seek(start)
+                if end is None:
+                    return f.readall()
+                remaining = end - start
+                chunks: list[bytes] = []
+                while remaining > 0:
+                    chunk = f.read(remaining)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    remaining -= len(chunk)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+        except OSError as exc:
+            raise self._error("read", path, exc, _READ_HINT) from exc
+
+    def size(self, path: str) -> int:
+        """Size in bytes of the file at ``path``."""
+        full = self.local_path(path)
+        try:
+            return os.stat(full).st_size
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+        except OSError as exc:
+            raise self._error("stat", path, exc, _READ_HINT) from exc
+
+    def exists(self, path: str) -> bool:
+        """Whether a regular file exists at ``path``."""
+        return os.path.isfile(self.local_path(path))
+
+    def delete(self, path: str) -> None:
+        """Remove the file at ``path``; a missing file is not an error."""
+        full = self.local_path(path)
+        try:
+            os.unlink(full)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._error("delete", path, exc, _WRITE_HINT) from exc
+
+    def _walk(self, prefix: str, include_temps: bool) -> list[str]:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        # Only walk the deepest directory the prefix names, not the whole root.
+        base_key = prefix.rpartition("/")[0]
+        base = os.path.join(self._root, *base_key.split("/")) if base_key else self._root
+        keys: list[str] = []
+
+        def onerror(exc: OSError) -> None:
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                raise self._error("list", prefix, exc, _READ_HINT) from exc
+
+        for dirpath, _dirnames, filenames in os.walk(base, onerror=onerror):
+            rel = os.path.relpath(dirpath, self._root)
+            rel_key = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                if not include_temps and name.startswith(TEMP_PREFIX):
+                    continue
+                key = rel_key + name
+                if key.startswith(prefix):
+                    keys.append(key)
+        keys.sort()
+        return keys
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys of all files under the root whose key starts with ``prefix``.
+
+        In-flight or abandoned ``.tmp-*`` files are never reported.
+        """
+        return self._walk(prefix, include_temps=False)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every file under ``prefix`` (abandoned temps too) and prune empty directories."""
+        for key in self._walk(prefix, include_temps=True):
+            self.delete(key)
+        base_key = prefix.rpartition("/")[0]
+        base = os.path.join(self._root, *base_key.split("/")) if base_key else self._root
+        for dirpath, _dirnames, _filenames in os.walk(base, topdown=False):
+            rel = os.path.relpath(dirpath, self._root)
+            if rel != "." and (rel.replace(os.sep, "/") + "/").startswith(prefix):
+                # A concurrent writer may have just created a file here: ENOTEMPTY is fine.
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)

@@ -1,0 +1,192 @@
+"""Retrying transient storage failures with exponential backoff and jitter.
+
+Only failures that can go away by themselves are retried (connection refused/reset, timeouts,
+HTTP 5xx / 429, throttling). A missing object, a permission error or a bad argument fails at once:
+retrying those only delays the error the user has to act on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from deck.errors import ConfigError, DeckError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Never transient, whatever else the exception also is (s3fs maps 403 -> PermissionError, 404 ->
+# FileNotFoundError; deck's own errors are already final).
+_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    DeckError,
+    ValueError,
+    TypeError,
+)
+
+# Matched by class name anywhere in the MRO so that deck does not have to import botocore, aiohttp,
+# requests or urllib3 (all optional) to recognise their network errors.
+_TRANSIENT_CLASS_NAMES = frozenset(
+    {
+        "ConnectionError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "HTTPClientError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "IncompleteRead",
+        "ResponseParserError",
+        "ProtocolError",
+        "ChunkedEncodingError",
+        "Timeout",
+        "ReadTimeout",
+        "ConnectTimeout",
+    }
+)
+
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EIO,  # s3fs maps unrecognised server errors to EIO
+        errno.EREMOTEIO,  # s3fs: InternalError / HTTP 500
+        errno.EBUSY,  # s3fs: ServiceUnavailable / SlowDown / HTTP 503
+        errno.EAGAIN,
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+    }
+)
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """HTTP status carried by a botocore / aiohttp / requests exception, if any."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status if isinstance(status, int) else None
+    for obj in (exc, response):
+        for attr in ("status", "status_code"):
+            status = getattr(obj, attr, None)
+            if isinstance(status, int):
+                return status
+    return None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the chain of exceptions it was raised from (wrappers hide the real cause)."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(chain) < 16:
+        seen.add(id(cur))
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a failure that retrying the same call may get past.
+
+    The outermost exception decides first: a permanent type (missing object, permission, bad
+    argument) is never retried even if it was raised from a network error. Then the whole cause
+    chain is searched for an HTTP status (5xx / 429 transient, other 4xx permanent), a network or
+    timeout exception, or a transient ``errno``.
+    """
+    if isinstance(exc, _PERMANENT_TYPES):
+        return False
+    chain = _causes(exc)
+    for e in chain:
+        status = _http_status(e)
+        if status is not None and status >= 400:
+            return status >= 500 or status == 429
+    for e in chain:
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(e).__mro__):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry a transient storage failure.
+
+    Attempt ``i`` (0-based) that fails transiently is followed by a sleep of
+    ``min(max_delay, initial_delay * multiplier**i)`` scaled by a random factor in
+    ``[1 - jitter, 1]`` (jitter spreads out many ranks retrying against the same store).
+    """
+
+    attempts: int = 5
+    initial_delay: float = 0.2
+    max_delay: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+    retry_on: Callable[[BaseException], bool] = field(default=is_transient, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.initial_delay < 0 or self.max_delay < self.initial_delay:
+            raise ConfigError(
+                "RetryPolicy needs 0 <= initial_delay <= max_delay, got "
+                f"initial_delay={self.initial_delay}, max_delay={self.max_delay}"
+            )
+        if self.multiplier < 1:
+            raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
+        if not 0 <= self.jitter <= 1:
+            raise ConfigError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to sleep after failed attempt number ``attempt`` (0-based)."""
+        base = min(self.max_delay, self.initial_delay * self.multiplier**attempt)
+        return base * (1.0 - self.jitter * random.random())
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, describe: str) -> T:
+    """Return ``fn()``, retrying it per ``policy`` while it fails transiently.
+
+    A permanent failure, or the last transient one, is re-raised unchanged (the caller maps it to
+    a typed error). Each retry is logged at WARNING with ``describe`` (e.g. "put s3://b/k").
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if attempt + 1 >= policy.attempts or not policy.retry_on(exc):
+                raise
+            delay = policy.delay(attempt)
+            attempt += 1
+            logger.warning(
+                "%s failed (%s: %s); retry %d/%d in %.2fs",
+                describe,
+                type(exc).__name__,
+                exc,
+                attempt,
+                policy.attempts - 1,
+                delay,
+            )
+            time.sleep(delay)

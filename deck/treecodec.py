@@ -1,0 +1,99 @@
+"""Nested Python state (dicts, lists, tensors, numbers) <-> bytes, without pickle.
+
+Tensors go into a safetensors body; the structure goes into its metadata as JSON with small
+markers for tensors, tuples, bytes and non-string dict keys. Decoding only ever builds those
+types, so a file from an untrusted place can fail but cannot execute code.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from deck.errors import CorruptCheckpointError, UnsupportedError
+
+_META_KEY = "deck_tree"
+
+
+def encode(obj: Any, what: str) -> bytes:
+    """Serialise ``obj``; ``what`` names it in errors (e.g. "user state").
+
+    Supported leaves: tensors, int, float, bool, str, bytes, None. Containers: dict, list, tuple.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                raise UnsupportedError(
+                    f"{what}: {path} is a {type(x).__name__}; only plain tensors can be saved here "
+                    "(sharded tables must use TorchRec's fused optimizer)"
+                )
+            key = f"t{len(tensors)}"
+            # safetensors refuses shared storage: clone so each entry owns its bytes.
+            tensors[key] = x.detach().cpu().contiguous().clone()
+            return {"__tensor__": key}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, bytes):
+            return {"__bytes__": base64.b64encode(x).decode()}
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: walk(v, f"{path}.{k}") for k, v in x.items()}
+            return {"__dict__": [[walk(k, path), walk(v, f"{path}.{k}")] for k, v in x.items()]}
+        raise UnsupportedError(
+            f"{what}: {path} has type {type(x).__name__}, which deck cannot save without pickle; "
+            "convert it to tensors, numbers, strings, lists or dicts"
+        )
+
+    tree = walk(obj, what)
+    return st_save(tensors, metadata={_META_KEY: json.dumps(tree)})
+
+
+def decode(data: bytes, where: str) -> Any:
+    """Inverse of :func:`encode`; raises CorruptCheckpointError naming ``where`` on bad input."""
+    try:
+        (hlen,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + hlen])
+        tree = json.loads(header["__metadata__"][_META_KEY])
+        tensors = st_load(data)
+    except Exception as e:  # any parse failure of an untrusted file is corruption
+        raise CorruptCheckpointError(f"{where}: not a valid deck state file ({e})") from None
+
+    def build(x: Any) -> Any:
+        if isinstance(x, list):
+            return [build(v) for v in x]
+        if isinstance(x, dict):
+            if "__tensor__" in x:
+                try:
+                    return tensors[x["__tensor__"]]
+                except (KeyError, TypeError):
+                    raise CorruptCheckpointError(f"{where}: missing tensor {x['__tensor__']!r}") from None
+            if "__tuple__" in x:
+                return tuple(build(v) for v in x["__tuple__"])
+            if "__bytes__" in x:
+                return base64.b64decode(x["__bytes__"])
+            if "__dict__" in x:
+                return {_hashable(build(k)): build(v) for k, v in x["__dict__"]}
+            return {k: build(v) for k, v in x.items()}
+        return x
+
+    def _hashable(k: Any) -> Any:
+        if isinstance(k, (list, dict)):
+            raise CorruptCheckpointError(f"{where}: unhashable dict key")
+        return k
+
+    try:
+        return build(tree)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed state tree ({e})") from None

@@ -1,0 +1,31 @@
+"""Session-wide fixtures shared by all test modules (keep small: module fixtures live elsewhere).
+
+`s3_server` is imported by bare name: pytest puts this directory on sys.path (rootdir conftest,
+default "prepend" import mode), which works for both `pytest` and `python -m pytest`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from s3_server import SeaweedS3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A real SeaweedFS S3 server, started once per session (about 4 s) and stopped at the end."""
+    server = SeaweedS3(workdir=tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_uri(s3_server: SeaweedS3) -> str:
+    """A fresh, unique ``s3://bucket/test-<uuid>`` prefix on the session server."""
+    return s3_server.uri(f"test-{uuid.uuid4().hex[:12]}")

@@ -1,0 +1,477 @@
+"""One conformance suite for every Storage implementation, plus local-, retry- and S3-specific tests.
+
+The S3 cases run against a real SeaweedFS server (``s3_server`` fixture) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.storage import (
+    FsspecStorage,
+    LocalStorage,
+    RetryPolicy,
+    Storage,
+    check_writable,
+    open_storage,
+)
+from deck.storage.local import TEMP_PREFIX
+from deck.storage.retry import call_with_retry, is_transient
+
+FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.01)
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Storage:
+    if request.param == "local":
+        return LocalStorage(tmp_path / "store")
+    if request.param == "memory":
+        return FsspecStorage(f"memory://deck-test-{uuid.uuid4().hex}")
+    server = request.getfixturevalue("s3_server")
+    return FsspecStorage(request.getfixturevalue("s3_uri"), server.storage_options)
+
+
+def _temps(root: Any) -> list[str]:
+    return [
+        os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TEMP_PREFIX in f
+    ]
+
+
+class TestConformance:
+    """The contract of :class:`deck.storage.base.Storage`, for every implementation."""
+
+    def test_roundtrip_bytes_like(self, store: Storage) -> None:
+        store.put("a.bin", b"hello")
+        store.put("b.bin", bytearray(b"world"))
+        store.put("c.bin", memoryview(b"xxabcxx")[2:5])
+        assert store.get("a.bin") == b"hello"
+        assert store.get("b.bin") == b"world"
+        assert store.get("c.bin") == b"abc"
+        assert isinstance(store.get("a.bin"), bytes)
+
+    def test_ranged_get(self, store: Storage) -> None:
+        data = bytes(range(256)) * 4
+        store.put("r", data)
+        assert store.get("r", 10, 20) == data[10:20]
+        assert store.get("r", 1000) == data[1000:]
+        assert store.get("r", 0, 1) == data[:1]
+        assert store.get("r", 1020, 5000) == data[1020:]  # past the end: truncated
+        assert store.get("r", 5, 5) == b""
+        with pytest.raises(ConfigError):
+            store.get("r", 10, 5)
+
+    def test_overwrite(self, store: Storage) -> None:
+        store.put("k", b"first version, longer")
+        store.put("k", b"second")
+        assert store.get("k") == b"second"
+        assert store.size("k") == 6
+        assert store.list() == ["k"]
+
+    def test_missing(self, store: Storage) -> None:
+        with pytest.raises(NotFoundError) as info:
+            store.get("no/such/key")
+        assert store.describe("no/such/key") in str(info.value)
+        assert isinstance(info.value, FileNotFoundError)
+        assert isinstance(info.value, StorageError)
+        with pytest.raises(NotFoundError):
+            store.get("no/such/key", 3, 7)
+        with pytest.raises(NotFoundError):
+            store.get("no/such/key", 3, 3)
+        with pytest.raises(NotFoundError, match="no/such/key"):
+            store.size("no/such/key")
+        assert not store.exists("no/such/key")
+
+    def test_list_prefixes(self, store: Storage) -> None:
+        keys = ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]
+        for k in reversed(keys):
+            store.put(k, k.encode())
+        assert store.list() == keys
+        assert store.list("") == keys
+        assert store.list("a/") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
+        assert store.list("a/b") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
+        assert store.list("a/b/") == ["a/b/c", "a/b/d", "a/b/e/f"]
+        assert store.list("a/b/c") == ["a/b/c"]
+        assert store.list("a") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab"]
+        assert store.list("nothing/") == []
+        assert store.list("nothing/deeper/") == []
+
+    def test_exists_and_directories(self, store: Storage) -> None:
+        store.put("dir/obj", b"1")
+        assert store.exists("dir/obj")
+        assert not store.exists("dir")  # a directory-like prefix is not an object
+        assert not store.exists("dir/ob")
+
+    def test_delete_idempotent(self, store: Storage) -> None:
+        store.delete("never/existed")
+        store.put("x/y", b"1")
+        store.delete("x/y")
+        assert not store.exists("x/y")
+        assert store.list() == []
+        store.delete("x/y")
+
+    def test_delete_prefix(self, store: Storage) -> None:
+        for k in ["ck/1/a", "ck/1/b/c", "ck/10/a", "ck/2/a", "other"]:
+            store.put(k, b"v")
+        store.delete_prefix("ck/1/")
+        assert store.list() == ["ck/10/a", "ck/2/a", "other"]
+        store.delete_prefix("ck/")
+        assert store.list() == ["other"]
+        store.delete_prefix("nothing/")
+
+    def test_size(self, store: Storage) -> None:
+        store.put("s", b"12345")
+        assert store.size("s") == 5
+
+    def test_empty_object(self, store: Storage) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.size("empty") == 0
+        assert store.exists("empty")
+        assert store.list() == ["empty"]
+
+    def test_large_object(self, store: Storage) -> None:
+        data = os.urandom(5 * 2**20)
+        store.put("big/obj", data)
+        assert store.size("big/obj") == len(data)
+        assert store.get("big/obj") == data
+        assert store.get("big/obj", 2**20, 3 * 2**20 + 7) == data[2**20 : 3 * 2**20 + 7]
+
+    def test_iter_get_preserves_order(self, store: Storage) -> None:
+        keys = [f"it/{i:03d}" for i in range(25)]
+        for k in keys:
+            store.put(k, k.encode() * 3)
+        order = list(reversed(keys))
+        assert list(store.iter_get(order)) == [(k, k.encode() * 3) for k in order]
+        assert list(store.iter_get([])) == []
+        with pytest.raises(NotFoundError):
+            list(store.iter_get([*keys[:3], "it/missing", *keys[3:]]))
+
+    @pytest.mark.parametrize("bad", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", "a/"])
+    def test_invalid_keys(self, store: Storage, bad: str) -> None:
+        with pytest.raises(ConfigError):
+            store.put(bad, b"x")
+
+    def test_check_writable(self, store: Storage) -> None:
+        check_writable(store)
+        assert store.list() == []  # the probe is gone
+
+
+class TestOpenStorage:
+    def test_plain_path(self, tmp_path: Any) -> None:
+        s = open_storage(str(tmp_path / "a"))
+        assert isinstance(s, LocalStorage)
+        assert s.uri == str(tmp_path / "a")
+
+    def test_relative_and_home(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        rel = open_storage("rel/dir")
+        assert isinstance(rel, LocalStorage) and rel.uri == str(tmp_path / "rel" / "dir")
+        home = open_storage("~/ckpt")
+        assert isinstance(home, LocalStorage) and home.uri == str(tmp_path / "home" / "ckpt")
+
+    def test_file_uri(self, tmp_path: Any) -> None:
+        s = open_storage(f"file://{tmp_path}/f")
+        assert isinstance(s, LocalStorage) and s.uri == f"{tmp_path}/f"
+
+    def test_memory(self) -> None:
+        s = open_storage("memory://deck-open-test")
+        assert isinstance(s, FsspecStorage) and s.uri == "memory://deck-open-test"
+
+    def test_s3_options_reach_s3fs(self) -> None:
+        pytest.importorskip("s3fs")
+        opts = {
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:1", "region_name": "us-east-1"},
+        }
+        s = open_storage("s3://bucket/prefix/", opts)
+        assert isinstance(s, FsspecStorage)
+        assert s.uri == "s3://bucket/prefix"
+        assert s.describe("x/y") == "s3://bucket/prefix/x/y"
+        assert s.fs.client_kwargs["endpoint_url"] == "http://127.0.0.1:1"
+
+    def test_empty_uri(self) -> None:
+        with pytest.raises(ConfigError):
+            open_storage("")
+
+    def test_fsspec_refuses_local(self, tmp_path: Any) -> None:
+        with pytest.raises(ConfigError, match="LocalStorage"):
+            FsspecStorage(f"file://{tmp_path}")
+
+    def test_unknown_protocol(self) -> None:
+        with pytest.raises(ConfigError, match="nosuchproto"):
+            open_storage("nosuchproto://x/y")
+
+
+class TestLocal:
+    def test_unwritable_root(self, tmp_path: Any) -> None:
+        # Root can write anywhere, so make the root unusable: its parent is a regular file.
+        blocker = tmp_path / "file"
+        blocker.write_bytes(b"not a directory")
+        s = LocalStorage(blocker / "sub")
+        with pytest.raises(StorageError, match="not writable") as info:
+            check_writable(s)
+        assert str(blocker / "sub") in str(info.value)
+        assert "pass a directory/bucket you can write to" in str(info.value)
+
+    def test_local_path_and_layout(self, tmp_path: Any) -> None:
+        s = LocalStorage(tmp_path)
+        s.put("a/b/c.bin", b"data")
+        assert s.local_path("a/b/c.bin") == str(tmp_path / "a" / "b" / "c.bin")
+        assert (tmp_path / "a" / "b" / "c.bin").read_bytes() == b"data"
+        assert _temps(tmp_path) == []
+
+    def test_list_skips_temps_and_delete_prefix_removes_them(self, tmp_path: Any) -> None:
+        s = LocalStorage(tmp_path)
+        s.put("ck/1/a", b"1")
+        stray = tmp_path / "ck" / "1" / f"{TEMP_PREFIX}a.deadbeef"
+        stray.write_bytes(b"half")
+        assert s.list() == ["ck/1/a"]
+        s.delete_prefix("ck/1/")
+        assert not (tmp_path / "ck" / "1").exists()  # emptied directories are pruned
+        assert (tmp_path / "ck").is_dir()
+
+    def test_failed_fsync_leaves_old_object_and_no_temp(
+        self, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        s = LocalStorage(tmp_path)
+        s.put("k", b"old")
+
+        def no_space(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("deck.storage.local.os.fsync", no_space)
+        with pytest.raises(StorageError, match="free space") as info:
+            s.put("k", b"new")
+        assert str(tmp_path / "k") in str(info.value)
+        monkeypatch.undo()
+        assert s.get("k") == b"old"
+        assert _temps(tmp_path) == []
+
+    def test_partial_write_leaves_no_temp(
+        self, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        s = LocalStorage(tmp_path)
+        real_write = os.write
+        calls = {"n": 0}
+
+        def flaky_write(fd: int, data: Any) -> int:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                return real_write(fd, bytes(data[:10]))  # short write: put must continue
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("deck.storage.local.os.write", flaky_write)
+        with pytest.raises(StorageError):
+            s.put("d/k", b"x" * 100)
+        monkeypatch.undo()
+        assert not s.exists("d/k")
+        assert _temps(tmp_path) == []
+
+    def test_short_writes_are_completed(
+        self, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        s = LocalStorage(tmp_path)
+        real_write = os.write
+        monkeypatch.setattr(
+            "deck.storage.local.os.write", lambda fd, data: real_write(fd, bytes(data[:7]))
+        )
+        payload = bytes(range(256))
+        s.put("k", payload)
+        monkeypatch.undo()
+        assert s.get("k") == payload
+
+    def test_directory_replaced_by_file(self, tmp_path: Any) -> None:
+        s = LocalStorage(tmp_path)
+        s.put("d/a", b"1")
+        s.delete("d/a")
+        os.rmdir(tmp_path / "d")
+        (tmp_path / "d").write_bytes(b"now a file")
+        with pytest.raises(StorageError, match="could not write"):
+            s.put("d/b", b"2")
+        assert _temps(tmp_path) == []
+
+    def test_non_buffer_data_is_rejected_before_writing(self, tmp_path: Any) -> None:
+        s = LocalStorage(tmp_path)
+        with pytest.raises(TypeError):
+            s.put("k", "not bytes")  # type: ignore[arg-type]
+        assert os.listdir(tmp_path) == []
+
+    def test_non_byte_memoryview(self, tmp_path: Any) -> None:
+        import array
+
+        s = LocalStorage(tmp_path)
+        arr = array.array("i", [1, 2, 3])
+        s.put("ints", memoryview(arr))
+        assert s.get("ints") == arr.tobytes()
+
+    def test_missing_names_full_path(self, tmp_path: Any) -> None:
+        s = LocalStorage(tmp_path)
+        with pytest.raises(NotFoundError, match=str(tmp_path / "x" / "y")):
+            s.get("x/y")
+
+
+class TestRetry:
+    def test_retries_connection_errors_then_succeeds(self, caplog: Any) -> None:
+        calls = {"n": 0}
+
+        def flaky() -> str:
+            calls["n"] += 1
+            if calls["n"] <= 2:
+                raise ConnectionError("connection reset by peer")
+            return "ok"
+
+        with caplog.at_level(logging.WARNING, logger="deck.storage.retry"):
+            assert call_with_retry(flaky, FAST_RETRY, "get s3://b/k") == "ok"
+        assert calls["n"] == 3
+        assert sum("get s3://b/k failed" in r.getMessage() for r in caplog.records) == 2
+
+    def test_does_not_retry_file_not_found(self) -> None:
+        calls = {"n": 0}
+
+        def missing() -> None:
+            calls["n"] += 1
+            raise FileNotFoundError("nope")
+
+        with pytest.raises(FileNotFoundError):
+            call_with_retry(missing, FAST_RETRY, "get x")
+        assert calls["n"] == 1
+
+    def test_gives_up_after_attempts(self) -> None:
+        calls = {"n": 0}
+
+        def down() -> None:
+            calls["n"] += 1
+            raise TimeoutError("timed out")
+
+        with pytest.raises(TimeoutError):
+            call_with_retry(down, FAST_RETRY, "put x")
+        assert calls["n"] == FAST_RETRY.attempts
+
+    def test_backoff_is_bounded(self) -> None:
+        p = RetryPolicy(attempts=10, initial_delay=0.2, max_delay=5.0)
+        delays = [p.delay(i) for i in range(10)]
+        assert all(0 <= d <= 5.0 for d in delays)
+        assert 0.1 <= delays[0] <= 0.2
+        assert delays[9] >= 2.5
+
+    def test_invalid_policy(self) -> None:
+        with pytest.raises(ConfigError):
+            RetryPolicy(attempts=0)
+        with pytest.raises(ConfigError):
+            RetryPolicy(initial_delay=2, max_delay=1)
+
+    def test_classification(self) -> None:
+        assert is_transient(ConnectionResetError())
+        assert is_transient(OSError(errno.EBUSY, "SlowDown"))
+        assert not is_transient(PermissionError("Forbidden"))
+        assert not is_transient(NotFoundError("x"))
+        assert not is_transient(ValueError("bad"))
+        # A permanent error raised from a network error stays permanent.
+        try:
+            try:
+                raise ConnectionError("x")
+            except ConnectionError as inner:
+                raise FileNotFoundError("y") from inner
+        except FileNotFoundError as outer:
+            assert not is_transient(outer)
+
+    def test_classification_botocore(self) -> None:
+        botocore = pytest.importorskip("botocore.exceptions")
+        assert is_transient(botocore.EndpointConnectionError(endpoint_url="http://x"))
+        assert is_transient(botocore.ReadTimeoutError(endpoint_url="http://x"))
+
+        def client_error(status: int) -> Exception:
+            return botocore.ClientError(
+                {"Error": {"Code": str(status)}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                "GetObject",
+            )
+
+        assert is_transient(client_error(503))
+        assert is_transient(client_error(500))
+        assert is_transient(client_error(429))
+        assert not is_transient(client_error(400))
+        wrapped = OSError(errno.EIO, "wrapped")
+        wrapped.__cause__ = client_error(400)
+        assert not is_transient(wrapped)
+
+    def test_fsspec_storage_retries_and_maps_errors(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        s = FsspecStorage(f"memory://deck-retry-{uuid.uuid4().hex}", retry=FAST_RETRY)
+        s.put("k", b"value")
+        real = s.fs.cat_file
+        calls = {"n": 0}
+
+        def flaky(path: str, *args: Any, **kwargs: Any) -> bytes:
+            calls["n"] += 1
+            if calls["n"] <= 2:
+                raise ConnectionResetError("reset")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(s.fs, "cat_file", flaky)
+        assert s.get("k") == b"value"
+        assert calls["n"] == 3
+
+        def always_down(path: str, *args: Any, **kwargs: Any) -> bytes:
+            raise ConnectionRefusedError("refused")
+
+        monkeypatch.setattr(s.fs, "cat_file", always_down)
+        with pytest.raises(StorageError, match="gave up after 3 attempts") as info:
+            s.get("k")
+        assert s.describe("k") in str(info.value)
+
+
+@pytest.mark.slow
+class TestS3:
+    def test_bad_credentials_not_writable(self, s3_server: Any, s3_uri: str) -> None:
+        opts = dict(s3_server.storage_options, secret="wrong")
+        s = FsspecStorage(s3_uri, opts, retry=FAST_RETRY)
+        with pytest.raises(StorageError, match="not writable") as info:
+            check_writable(s)
+        assert s3_uri in str(info.value)
+
+    def test_survives_pause_resume(self, s3_server: Any, s3_uri: str) -> None:
+        s = FsspecStorage(s3_uri, s3_server.storage_options)
+        before = os.urandom(256 * 1024)
+        s.put("before", before)
+        s3_server.pause()
+        try:
+            # During the outage a call with a short policy fails with a typed error naming the URI.
+            quick = FsspecStorage(s3_uri, s3_server.storage_options, retry=FAST_RETRY)
+            with pytest.raises(StorageError, match="gave up after 3 attempts") as info:
+                quick.get("before")
+            assert quick.describe("before") in str(info.value)
+            # A put issued during the outage succeeds once the server is back (retries).
+            patient = FsspecStorage(
+                s3_uri,
+                s3_server.storage_options,
+                retry=RetryPolicy(attempts=60, initial_delay=0.1, max_delay=1.0),
+            )
+            errors: list[BaseException] = []
+
+            def put_during_outage() -> None:
+                try:
+                    patient.put("during", b"written while down")
+                except BaseException as exc:
+                    errors.append(exc)
+
+            writer = threading.Thread(target=put_during_outage)
+            writer.start()
+            time.sleep(1.0)
+        finally:
+            s3_server.resume()
+        writer.join(timeout=60)
+        assert not writer.is_alive() and errors == []
+        assert s.get("before") == before
+        assert s.get("during") == b"written while down"
+        s.put("after", b"ok")
+        assert s.list() == ["after", "before", "during"]
