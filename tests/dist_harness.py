@@ -1,0 +1,33 @@
+"""Run a function on N real gloo ranks (spawned processes) from a test."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deck.demo import free_port, init_process_group
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    init_process_group(rank, world_size, port)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; re-raises a rank's failure.
+
+    ``fn`` must be a module-level function (spawned processes import it by name).
+    """
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
