@@ -1,0 +1,608 @@
+"""Multi-table ("jagged") unique in one pass: validation, dispatch and the CPU kernels.
+
+``values`` holds the ids of T tables back to back and ``lengths`` how many belong to each table;
+:func:`jagged_unique` returns each table's distinct ids in ascending order, back to back, with
+their counts. DECK uses it to compact the shard-local row ids the tracker recorded into the set of
+rows a delta checkpoint must save.
+
+Algorithms (``method``):
+
+- ``"bitmap"``: table ``t`` owns rows ``[sum(bound[:t]), sum(bound[:t+1]))`` of one byte map;
+  every id marks its row and one scan of the map yields all tables' ids, sorted and grouped. Cost
+  O(n + rows), no sort. The bound of a table is ``num_rows[t]`` when given (tracked ids are
+  shard-local row ids, bounded by the shard's local rows), else its largest id plus one.
+- ``"sort"``: one stable sort of a composite key (table index in the high bits, id in the low
+  bits) when the ids leave room for the table index, else a stable sort by id then by table.
+  O(n log n), independent of how large the ids are.
+- ``"auto"`` (default): bitmap when its map has at most ``BITMAP_ROWS_PER_ID`` rows per input id
+  (then scanning the map costs less than sorting the ids), sort otherwise.
+
+On CPU the kernels are numpy: numpy's fancy-index assignment, ``flatnonzero`` and ``take`` are
+tight loops that release the GIL, so disjoint groups of tables run on worker threads (as many as
+``torch.get_num_threads()``), and numpy's large allocations are huge-page backed, which makes the
+first touch of a big temporary cheap. Other devices use the torch-only code in
+:mod:`deck.kernels.gpu`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, NamedTuple, TypeVar, overload
+
+import numpy as np
+import torch
+
+from deck.errors import DeckError
+from deck.kernels import gpu
+
+__all__ = [
+    "BITMAP_ROWS_PER_ID",
+    "KernelInputError",
+    "Method",
+    "jagged_unique",
+]
+
+Method = Literal["auto", "bitmap", "sort"]
+
+# "auto" takes the bitmap path while the map has at most this many rows per input id. Measured on
+# the project's 2-core CPU machines: marking costs ~2 ns per id and zeroing + scanning ~0.7 ns
+# per row, while a stable sort costs ~25 ns per id, so the bitmap wins well past 16 rows per id;
+# 16 keeps its memory (one byte per row) at most twice the int64 input.
+BITMAP_ROWS_PER_ID = 16
+# Below this many rows the map is cheap whatever the number of ids.
+_BITMAP_FREE_ROWS = 1 << 16
+# A map this large (bytes) is a mistake (ids near 2**63 without num_rows), not a workload.
+_BITMAP_MAX_ROWS = 1 << 46
+# Below this much work (ids + rows / 8) a thread handoff costs more than it saves.
+_PARALLEL_MIN_WORK = 1 << 18
+
+_VALUE_DTYPES = (torch.int64, torch.int32)
+_LENGTH_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_METHODS = ("auto", "bitmap", "sort")
+
+
+class KernelInputError(DeckError, ValueError):
+    """The input to a deck kernel is malformed (dtype, shape, negative or out-of-range ids)."""
+
+
+class _Unique(NamedTuple):
+    """Result of one algorithm before conversion to the caller's dtypes."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor | list[int]
+    inverse: torch.Tensor | None
+    first: torch.Tensor | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+@overload
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = ...,
+    *,
+    return_inverse: Literal[False] = ...,
+    return_first: Literal[False] = ...,
+    method: Method = ...,
+    validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = ...,
+    *,
+    return_inverse: Literal[True],
+    return_first: Literal[False] = ...,
+    method: Method = ...,
+    validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = ...,
+    *,
+    return_inverse: Literal[False] = ...,
+    return_first: Literal[True],
+    method: Method = ...,
+    validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = ...,
+    *,
+    return_inverse: Literal[True],
+    return_first: Literal[True],
+    method: Method = ...,
+    validate: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = ...,
+    *,
+    return_inverse: bool = ...,
+    return_first: bool = ...,
+    method: Method = ...,
+    validate: bool = ...,
+) -> tuple[torch.Tensor, ...]: ...
+
+
+def jagged_unique(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    num_rows: torch.Tensor | Sequence[int] | None = None,
+    *,
+    return_inverse: bool = False,
+    return_first: bool = False,
+    method: Method = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """Each table's distinct ids, in ascending order, for T tables held back to back.
+
+    Args:
+        values: 1-D int64 or int32 tensor of non-negative ids (up to ``2**63 - 1``): table 0's
+            ids, then table 1's, ... in any order within a table.
+        lengths: 1-D integer tensor (T,), on the CPU or on ``values.device``: how many ids belong
+            to each table. Must sum to ``values.numel()``; zeros (and T = 0) are fine.
+        num_rows: optional per-table bound (T,): every id of table ``t`` is ``< num_rows[t]``
+            (shard-local row ids are bounded by the shard's local rows). Enables the bitmap path
+            with a known size. Host ints avoid a device sync on GPU.
+        return_inverse: also return ``inverse`` (int64, one per input id) with
+            ``unique_values[inverse[i]] == values[i]``; ``inverse[i]`` points into the part of
+            the output that belongs to the table of position ``i``.
+        return_first: also return ``first`` (int64, one per unique id): the position in
+            ``values`` of the id's first occurrence within its own table's segment.
+        method: ``"auto"``, ``"bitmap"`` or ``"sort"`` (see the module docstring). Every method
+            returns the same result; only the cost differs.
+        validate: check ids against 0 and ``num_rows`` and ``lengths`` against the number of
+            ids (O(n), and on GPU one device->host sync). With ``False`` only dtypes and shapes
+            are checked, and invalid ids give undefined results.
+
+    Returns:
+        ``(unique_values, unique_lengths[, inverse][, first])``: ``unique_values`` has the dtype
+        of ``values``; ``unique_lengths`` (T,) has the dtype of ``lengths`` and sums to
+        ``unique_values.numel()``. All outputs are on ``values.device``. The result does not
+        depend on the method, the device or the number of threads.
+
+    Raises:
+        KernelInputError: wrong dtype or dimensions, ``lengths`` not summing to the number of ids,
+            negative ids, or (``num_rows`` given) an id ``>= num_rows`` of its table.
+
+    On CUDA, besides the optional validation sync, one sync is unavoidable: the number of distinct
+    ids decides the size of the output (see :mod:`deck.kernels.gpu`).
+    """
+    _check_static(values, lengths, method)
+    device = values.device
+    n = values.numel()
+    num_tables = lengths.numel()
+    bounds = _normalize_num_rows(num_rows, num_tables)
+
+    on_cpu = device.type == "cpu"
+    lengths_host: list[int] | None = None
+    min_id: int | None = None
+    table_max: list[int] | None = None
+    need_table_max = (validate and bounds is not None) or (bounds is None and method != "sort")
+    # The sort path needs the largest id to size the composite key; num_rows bounds it for free.
+    need_global_max = bounds is None
+
+    if on_cpu:
+        # Host ints already: checking them is free, and the kernels slice by them.
+        lengths_host = [int(x) for x in lengths.tolist()]
+        _check_lengths(lengths_host, n)
+        if validate:
+            min_id = int(values.min()) if n > 0 else None
+        if need_table_max or need_global_max:
+            table_max = _cpu_table_max(values, lengths_host)
+    elif validate or need_table_max or need_global_max:
+        stats = gpu.device_stats(
+            values, lengths, table_max=need_table_max or need_global_max
+        )  # one device->host sync
+        lengths_host, min_id, table_max = stats.lengths, stats.min_id, stats.table_max
+        _check_lengths(lengths_host, n)
+    elif lengths.device.type == "cpu":
+        # Wrong lengths would make the device kernels size buffers wrongly; on the host the check
+        # costs no sync, so it is done even without validate.
+        _check_lengths([int(x) for x in lengths.tolist()], n)
+
+    if validate:
+        if min_id is not None and min_id < 0:
+            raise KernelInputError(
+                f"values holds a negative id ({min_id}); ids must be non-negative row ids"
+            )
+        if bounds is not None and table_max is not None:
+            _check_within_bounds(table_max, bounds)
+
+    if bounds is None:
+        assert table_max is not None  # computed above whenever num_rows is absent
+        map_bounds = [m + 1 for m in table_max]
+        max_id = max(table_max, default=-1)
+    else:
+        map_bounds = bounds
+        max_id = max(bounds, default=0) - 1
+
+    chosen = _choose_method(method, n, map_bounds)
+    if chosen == "bitmap" and sum(map_bounds) > _BITMAP_MAX_ROWS:
+        raise KernelInputError(
+            f"method='bitmap' would need a {sum(map_bounds)}-row map (ids up to {max_id}); "
+            "pass num_rows, or use method='sort' for ids this large"
+        )
+    id_bits = max(max_id, 0).bit_length()
+    if num_tables.bit_length() + id_bits > 63:
+        id_bits = -1  # no room for a composite key: lexsort
+
+    if on_cpu:
+        assert lengths_host is not None
+        if chosen == "bitmap":
+            result = _cpu_bitmap(
+                values,
+                lengths_host,
+                map_bounds,
+                return_inverse=return_inverse,
+                return_first=return_first,
+            )
+        elif id_bits >= 0:
+            result = _cpu_sort(
+                values,
+                lengths_host,
+                id_bits,
+                return_inverse=return_inverse,
+                return_first=return_first,
+            )
+        else:
+            result = _Unique(
+                *gpu.sort_unique(
+                    values.contiguous(),
+                    lengths.to(torch.int64),
+                    num_tables,
+                    id_bits=None,
+                    return_inverse=return_inverse,
+                    return_first=return_first,
+                )
+            )
+    else:
+        lengths_dev = lengths.to(device=device, dtype=torch.int64, non_blocking=True)
+        if chosen == "bitmap":
+            result = _Unique(
+                *gpu.bitmap_unique(
+                    values.contiguous(),
+                    lengths_dev,
+                    map_bounds,
+                    return_inverse=return_inverse,
+                    return_first=return_first,
+                )
+            )
+        else:
+            result = _Unique(
+                *gpu.sort_unique(
+                    values.contiguous(),
+                    lengths_dev,
+                    num_tables,
+                    id_bits=id_bits if id_bits >= 0 else None,
+                    return_inverse=return_inverse,
+                    return_first=return_first,
+                )
+            )
+
+    if isinstance(result.lengths, list):
+        unique_lengths = torch.tensor(result.lengths, dtype=lengths.dtype).reshape(num_tables)
+        unique_lengths = unique_lengths.to(device)
+    else:
+        unique_lengths = result.lengths.to(lengths.dtype)
+    out: list[torch.Tensor] = [result.values, unique_lengths]
+    if return_inverse:
+        assert result.inverse is not None
+        out.append(result.inverse)
+    if return_first:
+        assert result.first is not None
+        out.append(result.first)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_static(values: object, lengths: object, method: str) -> None:
+    """Checks that need no data: types, dtypes, dimensions, devices, method name."""
+    if not isinstance(values, torch.Tensor):
+        raise KernelInputError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if not isinstance(lengths, torch.Tensor):
+        raise KernelInputError(
+            f"lengths must be a torch.Tensor of per-table counts, got {type(lengths).__name__}"
+        )
+    if values.dtype not in _VALUE_DTYPES:
+        raise KernelInputError(f"values must be int64 or int32 ids, got dtype {values.dtype}")
+    if values.dim() != 1:
+        raise KernelInputError(
+            f"values must be 1-D (all tables back to back), got shape {tuple(values.shape)}"
+        )
+    if lengths.dtype not in _LENGTH_DTYPES:
+        raise KernelInputError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
+    if lengths.dim() != 1:
+        raise KernelInputError(
+            f"lengths must be 1-D (one count per table), got shape {tuple(lengths.shape)}"
+        )
+    if lengths.device != values.device and lengths.device.type != "cpu":
+        raise KernelInputError(
+            f"lengths is on {lengths.device} but values on {values.device}; "
+            "put lengths on the CPU or on the same device"
+        )
+    if method not in _METHODS:
+        raise KernelInputError(f"method must be one of {_METHODS}, got {method!r}")
+
+
+def _normalize_num_rows(
+    num_rows: torch.Tensor | Sequence[int] | None, num_tables: int
+) -> list[int] | None:
+    """``num_rows`` as host ints, checked for length, integrality and sign."""
+    if num_rows is None:
+        return None
+    if isinstance(num_rows, torch.Tensor):
+        if num_rows.dtype not in _LENGTH_DTYPES or num_rows.dim() != 1:
+            raise KernelInputError(
+                "num_rows must be a 1-D integer tensor (one bound per table), got "
+                f"dtype {num_rows.dtype} shape {tuple(num_rows.shape)}"
+            )
+        bounds = [int(x) for x in num_rows.tolist()]  # a sync if num_rows lives on a GPU
+    else:
+        bounds = list(num_rows)
+        for b in bounds:
+            # bool is an int subclass; a True bound is almost surely a bug.
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+                raise KernelInputError(
+                    f"num_rows must hold ints (per-table row counts), got {type(b).__name__}"
+                )
+        bounds = [int(b) for b in bounds]
+    if len(bounds) != num_tables:
+        raise KernelInputError(
+            f"num_rows has {len(bounds)} entries but lengths has {num_tables} tables"
+        )
+    for t, b in enumerate(bounds):
+        if b < 0:
+            raise KernelInputError(f"num_rows[{t}] is negative ({b})")
+    return bounds
+
+
+def _check_lengths(lengths: list[int], n: int) -> None:
+    for t, count in enumerate(lengths):
+        if count < 0:
+            raise KernelInputError(f"lengths[{t}] is negative ({count})")
+    total = sum(lengths)
+    if total != n:
+        raise KernelInputError(
+            f"lengths sum to {total} but values holds {n} ids; lengths[t] must be the number of "
+            "ids of table t"
+        )
+
+
+def _check_within_bounds(table_max: list[int], bounds: list[int]) -> None:
+    for t, (top, bound) in enumerate(zip(table_max, bounds, strict=True)):
+        if top >= bound:
+            raise KernelInputError(
+                f"table {t} holds id {top} but num_rows[{t}] is {bound}; ids must be "
+                "shard-local row ids below the table's local row count"
+            )
+
+
+def _choose_method(method: Method, n: int, bounds: list[int]) -> Literal["bitmap", "sort"]:
+    if method != "auto":
+        return method
+    rows = sum(bounds)
+    return "bitmap" if rows <= BITMAP_ROWS_PER_ID * n + _BITMAP_FREE_ROWS else "sort"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU kernels
+# ---------------------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _run_all(tasks: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Run ``tasks`` concurrently (the first on the calling thread) and return their results."""
+    if len(tasks) <= 1:
+        return [task() for task in tasks]
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="deck-kernels"
+            )
+        pool = _pool
+    futures = [pool.submit(task) for task in tasks[1:]]
+    head = tasks[0]()
+    return [head, *(f.result() for f in futures)]
+
+
+def _split_tables(costs: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous table ranges ``[lo, hi)`` of roughly equal cost, at most ``parts`` of them."""
+    num_tables = len(costs)
+    if parts <= 1 or num_tables <= 1:
+        return [(0, num_tables)]
+    total = sum(costs)
+    bounds = [0]
+    running = 0
+    for t, cost in enumerate(costs):
+        running += cost
+        # Cut once this part has its share; the last part takes whatever is left.
+        if len(bounds) < parts and running >= total * len(bounds) / parts and t + 1 < num_tables:
+            bounds.append(t + 1)
+    bounds.append(num_tables)
+    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+def _workers(work: int, num_tables: int) -> int:
+    if work < _PARALLEL_MIN_WORK:
+        return 1
+    return max(1, min(torch.get_num_threads(), num_tables))
+
+
+def _cpu_table_max(values: torch.Tensor, lengths: list[int]) -> list[int]:
+    """Largest id of each table (-1 for an empty one), one O(n) pass."""
+    out = [-1] * len(lengths)
+    nonempty = [t for t, count in enumerate(lengths) if count > 0]
+    if not nonempty:
+        return out
+    v = values.contiguous().numpy()
+    starts = np.fromiter(itertools.accumulate([0, *lengths[:-1]]), dtype=np.int64)
+    # reduceat over the starts of non-empty tables: each range then spans exactly one table,
+    # because the empty tables in between contribute no elements.
+    maxima = np.maximum.reduceat(v, starts[nonempty])
+    for t, m in zip(nonempty, maxima.tolist(), strict=True):
+        out[t] = int(m)
+    return out
+
+
+def _cpu_bitmap(
+    values: torch.Tensor,
+    lengths: list[int],
+    bounds: list[int],
+    *,
+    return_inverse: bool,
+    return_first: bool,
+) -> _Unique:
+    """Bitmap jagged unique on CPU; requires ``0 <= id < bounds[table]`` (validated)."""
+    v = values.contiguous().numpy()
+    n = v.size
+    num_tables = len(lengths)
+    starts = [0, *itertools.accumulate(lengths)]
+    row_starts = [0, *itertools.accumulate(bounds)]
+    # Marking an id is a random byte write; zeroing and scanning a row is a sequential pass that
+    # costs several times less, hence rows weigh 1/8 in the split.
+    costs = [count + rows // 8 for count, rows in zip(lengths, bounds, strict=True)]
+    groups = _split_tables(costs, _workers(sum(costs), num_tables))
+
+    def mark_and_scan(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        base_row = row_starts[lo]
+        bitmap = np.zeros(row_starts[hi] - base_row, dtype=np.bool_)
+        for t in range(lo, hi):
+            if lengths[t]:
+                table_map = bitmap[row_starts[t] - base_row : row_starts[t + 1] - base_row]
+                table_map[v[starts[t] : starts[t + 1]]] = True
+        rows = np.flatnonzero(bitmap)
+        del bitmap
+        edges = np.asarray(row_starts[lo : hi + 1], dtype=np.int64) - base_row
+        cuts = np.searchsorted(rows, edges)
+        return rows, cuts
+
+    try:
+        scanned = _run_all([lambda lo=lo, hi=hi: mark_and_scan(lo, hi) for lo, hi in groups])
+    except IndexError as exc:  # only reachable with validate=False
+        raise KernelInputError(f"an id is outside its table's bound: {exc}") from exc
+
+    counts: list[int] = []
+    for _, cuts in scanned:
+        counts.extend(np.diff(cuts).tolist())
+    bases = [0, *itertools.accumulate(rows.size for rows, _ in scanned)]
+    num_unique = bases[-1]
+    unique_values = np.empty(num_unique, dtype=v.dtype)
+    want_index = return_inverse or return_first
+    inverse = np.empty(n, dtype=np.int64) if want_index else None
+    first = np.empty(num_unique, dtype=np.int64) if return_first else None
+
+    def emit(g: int) -> None:
+        lo, hi = groups[g]
+        rows, cuts = scanned[g]
+        base = bases[g]
+        base_row = row_starts[lo]
+        for i, t in enumerate(range(lo, hi)):
+            a, b = int(cuts[i]), int(cuts[i + 1])
+            np.subtract(
+                rows[a:b],
+                row_starts[t] - base_row,
+                out=unique_values[base + a : base + b],
+                casting="unsafe",
+            )
+        if inverse is None:
+            return
+        # Rank of every marked row, then one gather per table: O(ids + rows), no search.
+        rank = np.empty(row_starts[hi] - base_row, dtype=np.int64)
+        rank[rows] = np.arange(rows.size, dtype=np.int64)
+        for t in range(lo, hi):
+            table_rank = rank[row_starts[t] - base_row : row_starts[t + 1] - base_row]
+            # mode="clip" skips numpy's buffered bounds check; ids are in range here.
+            np.take(table_rank, v[starts[t] : starts[t + 1]], out=inverse[starts[t] : starts[t + 1]], mode="clip")
+        del rank
+        local = inverse[starts[lo] : starts[hi]]
+        if first is not None:
+            group_first = np.full(rows.size, n, dtype=np.int64)
+            np.minimum.at(group_first, local, np.arange(starts[lo], starts[hi], dtype=np.int64))
+            first[base : base + rows.size] = group_first
+        local += base
+
+    _run_all([lambda g=g: emit(g) for g in range(len(groups))])
+    return _Unique(
+        values=torch.from_numpy(unique_values),
+        lengths=counts,
+        inverse=torch.from_numpy(inverse) if return_inverse and inverse is not None else None,
+        first=torch.from_numpy(first) if first is not None else None,
+    )
+
+
+def _cpu_sort(
+    values: torch.Tensor,
+    lengths: list[int],
+    id_bits: int,
+    *,
+    return_inverse: bool,
+    return_first: bool,
+) -> _Unique:
+    """Composite-key sort jagged unique on CPU; requires ``0 <= id < 2**id_bits``."""
+    v = values.contiguous().numpy()
+    n = v.size
+    num_tables = len(lengths)
+    key_dtype = np.int32 if num_tables.bit_length() + id_bits <= 31 else np.int64
+    starts = [0, *itertools.accumulate(lengths)]
+    # numpy buffers: huge-page backed, so first touch is cheap (torch's CPU allocator is not).
+    key = np.empty(n, dtype=key_dtype)
+    for t in range(num_tables):
+        np.bitwise_or(
+            v[starts[t] : starts[t + 1]],
+            key_dtype(t << id_bits),
+            out=key[starts[t] : starts[t + 1]],
+            casting="unsafe",
+        )
+    sorted_key = np.empty(n, dtype=key_dtype)
+    perm = np.empty(n, dtype=np.int64)
+    # torch's sort is multi-threaded and radix-based for integers; numpy's is neither here.
+    torch.sort(
+        torch.from_numpy(key), stable=True, out=(torch.from_numpy(sorted_key), torch.from_numpy(perm))
+    )
+    del key
+    is_start = np.empty(n, dtype=np.bool_)
+    is_start[:1] = True
+    np.not_equal(sorted_key[1:], sorted_key[:-1], out=is_start[1:])
+    run_starts = np.flatnonzero(is_start)
+    unique_keys = sorted_key[run_starts]
+    del sorted_key
+    mask = key_dtype((1 << id_bits) - 1)
+    unique_values = np.bitwise_and(unique_keys, mask).astype(v.dtype, copy=False)
+    edges = np.arange(num_tables + 1, dtype=np.int64) << id_bits
+    counts = np.diff(np.searchsorted(unique_keys, edges.astype(key_dtype))).tolist()
+    inverse = None
+    if return_inverse:
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[perm] = np.cumsum(is_start, dtype=np.int64) - 1
+    first = perm[run_starts] if return_first else None
+    return _Unique(
+        values=torch.from_numpy(np.ascontiguousarray(unique_values)),
+        lengths=counts,
+        inverse=torch.from_numpy(inverse) if inverse is not None else None,
+        first=torch.from_numpy(first) if first is not None else None,
+    )

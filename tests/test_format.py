@@ -1,0 +1,142 @@
+"""Chunk codec, state codec and manifest validation: exact round trips, and hostile input fails
+with a DeckError (never executes code, never crashes otherwise)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deck import treecodec
+from deck.chunks import decode_chunk, encode_chunk
+from deck.errors import CorruptCheckpointError, DeckError, UnsupportedError
+from deck.format import CheckpointManifest, ChunkRecord, RankManifest, dump_model, load_model
+
+
+def _chunk(rows: int = 5, dim: int = 8):
+    arrays = [
+        ("ids", torch.arange(rows, dtype=torch.int64) * 3),
+        ("weight", torch.randn(rows, dim)),
+        ("momentum1", torch.rand(rows)),
+    ]
+    buf, rec = encode_chunk("t/c0-r0-000000.chunk", arrays)
+    return arrays, bytes(buf), rec
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 3000])
+def test_chunk_round_trip_is_exact_and_page_sized(rows: int) -> None:
+    arrays, data, rec = _chunk(rows)
+    assert len(data) % 4096 == 0 and len(data) >= 4096
+    assert all(s.offset % 64 == 0 for s in rec.segments)
+    out = decode_chunk(data, rec, "f")
+    for name, t in arrays:
+        assert torch.equal(out[name], t)
+
+
+@given(pos=st.integers(min_value=0, max_value=4095), bit=st.integers(min_value=0, max_value=7))
+@settings(max_examples=200, deadline=None)
+def test_any_flipped_bit_is_detected(pos: int, bit: int) -> None:
+    _, data, rec = _chunk()
+    bad = bytearray(data)
+    bad[pos] ^= 1 << bit
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        decode_chunk(bytes(bad), rec, "the/file")
+
+
+def test_truncation_is_detected() -> None:
+    _, data, rec = _chunk()
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        decode_chunk(data[:-1], rec, "the/file")
+
+
+def test_record_that_lies_about_layout_is_rejected() -> None:
+    _, data, rec = _chunk()
+    seg = rec.segments[1].model_copy(update={"shape": (5, 9999)})
+    lying = rec.model_copy(update={"segments": (rec.segments[0], seg, rec.segments[2])})
+    with pytest.raises(CorruptCheckpointError, match="does not fit"):
+        decode_chunk(data, lying, "f")
+
+
+def test_tree_round_trip() -> None:
+    obj = {
+        "step": 7,
+        "lr": 0.1 + 1e-17,
+        "betas": (0.9, 0.999),
+        "rng": torch.get_rng_state(),
+        "state": {0: {"sum": torch.randn(3, 2), "step": torch.tensor(4.0)}},
+        "blob": b"\x00\x01",
+        "none": None,
+        "nested": [[1, 2], {"a": "b"}],
+    }
+    back = treecodec.decode(treecodec.encode(obj, "x"), "f")
+    assert back["betas"] == (0.9, 0.999) and back["lr"] == obj["lr"] and back["blob"] == b"\x00\x01"
+    assert torch.equal(back["rng"], obj["rng"]) and torch.equal(back["state"][0]["sum"], obj["state"][0]["sum"])
+    assert back["nested"] == [[1, 2], {"a": "b"}] and back["none"] is None
+
+
+def test_tree_refuses_unknown_types() -> None:
+    with pytest.raises(UnsupportedError, match="object"):
+        treecodec.encode({"x": object()}, "user state")
+
+
+@given(st.binary(max_size=512))
+@settings(max_examples=300, deadline=None)
+def test_tree_decode_of_garbage_is_a_deck_error(data: bytes) -> None:
+    try:
+        treecodec.decode(data, "f")
+    except DeckError:
+        pass
+
+
+def _manifest_dict() -> dict:
+    return {
+        "format_version": 1,
+        "id": "0123456789abcdef",
+        "step": 10,
+        "kind": "delta",
+        "parent": 5,
+        "parent_id": "fedcba9876543210",
+        "base": 0,
+        "epoch": 0,
+        "world_size": 1,
+        "ranks": [{"rank": 0, "path": "0123456789abcdef/rank-00000.json", "nbytes": 10, "checksum": "ab", "data_bytes": 5}],
+        "created_unix": 0.0,
+        "deck_version": "0.1.0",
+    }
+
+
+def test_manifest_round_trip() -> None:
+    m = CheckpointManifest.model_validate(_manifest_dict())
+    assert load_model(CheckpointManifest, dump_model(m), "f") == m
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"format_version": 99},
+        {"step": -1},
+        {"kind": "merged-by-aliens"},
+        {"parent": None},
+        {"parent": 10},
+        {"ranks": [{"rank": 0, "path": "../../etc/passwd", "nbytes": 1, "checksum": "a", "data_bytes": 1}]},
+        {"ranks": [{"rank": 0, "path": "/abs/path", "nbytes": 1, "checksum": "a", "data_bytes": 1}]},
+        {"ranks": [{"rank": 0, "path": "ok.json", "nbytes": -5, "checksum": "a", "data_bytes": 1}]},
+        {"world_size": 2},
+        {"surprise": True},
+    ],
+)
+def test_hostile_manifests_are_rejected(patch: dict) -> None:
+    d = {**_manifest_dict(), **patch}
+    with pytest.raises(CorruptCheckpointError, match="the/manifest.json"):
+        load_model(CheckpointManifest, json.dumps(d).encode(), "the/manifest.json")
+
+
+@given(st.binary(max_size=256))
+@settings(max_examples=200, deadline=None)
+def test_manifest_garbage_is_a_deck_error(data: bytes) -> None:
+    for cls in (CheckpointManifest, RankManifest, ChunkRecord):
+        with pytest.raises(CorruptCheckpointError):
+            load_model(cls, data, "f")
