@@ -86,13 +86,18 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def install_tracking(
-        self, store: TrackerStore, shards: list[TableShard], is_active: Callable[[torch.nn.Module], bool]
+        self,
+        store: TrackerStore,
+        shards: list[TableShard],
+        is_active: Callable[[torch.nn.Module], bool],
     ) -> RemovableHandle:
         """Record looked-up rows of every tracked shard into ``store``; chains with any hook
         already installed. ``is_active(module)`` is asked at each lookup (pause, eval)."""
 
 
-def copy_dense_state(live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> list[str]:
+def copy_dense_state(
+    live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
+) -> list[str]:
     """Copy ``saved`` into ``live`` in place; returns the problems (missing/unexpected/shape)."""
     problems = [f"missing in checkpoint: {k}" for k in live if k not in saved]
     problems += [f"not in model: {k}" for k in saved if k not in live]

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
 from deck.errors import UnsupportedError
 from deck.tracker import TrackerStore
 
@@ -61,15 +61,24 @@ class TorchRecAdapter(ModelAdapter):
         for module_path, module_plan in self.model.plan.plan.items():
             for name, ps in module_plan.items():  # type: ignore[attr-defined]
                 prefix = f"{module_path}." if module_path else ""
-                candidates = [f"{prefix}embedding_bags.{name}.weight", f"{prefix}embeddings.{name}.weight"]
+                candidates = [
+                    f"{prefix}embedding_bags.{name}.weight",
+                    f"{prefix}embeddings.{name}.weight",
+                ]
                 key = next((k for k in candidates if k in sd_keys), None)
                 if key is None:
-                    raise UnsupportedError(f"table {name!r} of module {module_path!r}: no weight in state_dict")
+                    raise UnsupportedError(
+                        f"table {name!r} of module {module_path!r}: no weight in state_dict"
+                    )
                 if ps.sharding_type == "data_parallel":
-                    logger.info("table %s is data_parallel: saved in full with the dense state", key)
+                    logger.info(
+                        "table %s is data_parallel: saved in full with the dense state", key
+                    )
                     continue
                 if ps.sharding_type not in _TRACKED_TYPES:
-                    raise UnsupportedError(f"table {key}: sharding type {ps.sharding_type} is not supported")
+                    raise UnsupportedError(
+                        f"table {key}: sharding type {ps.sharding_type} is not supported"
+                    )
                 if ps.compute_kernel not in _FUSED_KERNELS:
                     raise UnsupportedError(
                         f"table {key} uses compute kernel {ps.compute_kernel!r}: deck checkpoints sharded "
@@ -79,9 +88,12 @@ class TorchRecAdapter(ModelAdapter):
                 tables[key] = _TableInfo(module_path, key, name, ps.sharding_type)
         return tables
 
-    def _sharded_modules(self) -> dict[str, nn.Module]:
+    def _sharded_modules(self) -> dict[str, Any]:
         root = self.model.module
-        return {path: root.get_submodule(path) if path else root for path in {t.module_path for t in self._tables.values()}}
+        return {
+            path: root.get_submodule(path) if path else root
+            for path in {t.module_path for t in self._tables.values()}
+        }
 
     # ---- state -----------------------------------------------------------------------------
     def table_shards(self) -> list[TableShard]:
@@ -92,13 +104,17 @@ class TorchRecAdapter(ModelAdapter):
             info = self._tables[key]
             weight = sd[key]
             num_rows, num_cols = (int(s) for s in weight.size())
-            wshards = sorted(_sharded_tensor_shards(weight), key=lambda s: tuple(s.metadata.shard_offsets))
+            wshards = sorted(
+                _sharded_tensor_shards(weight), key=lambda s: tuple(s.metadata.shard_offsets)
+            )
             # Optimizer states are ShardedTensors with one local shard per weight shard, in column
             # order (column-wise rowwise states are laid out shard after shard).
             per_state: dict[str, list[torch.Tensor]] = {}
             for sname, st in opt_state.get(key, {}).items():
                 short = sname.split(".", 1)[1] if sname.startswith(info.name + ".") else sname
-                local = sorted(_sharded_tensor_shards(st), key=lambda s: tuple(s.metadata.shard_offsets))
+                local = sorted(
+                    _sharded_tensor_shards(st), key=lambda s: tuple(s.metadata.shard_offsets)
+                )
                 if local:
                     per_state[short] = [s.tensor for s in local]
                 elif isinstance(st, torch.Tensor):
@@ -138,7 +154,11 @@ class TorchRecAdapter(ModelAdapter):
         return {k: (int(sd[k].size(0)), int(sd[k].size(1))) for k in sorted(self._tables)}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.model.state_dict().items() if type(v) is torch.Tensor or isinstance(v, nn.Parameter)}
+        return {
+            k: v
+            for k, v in self.model.state_dict().items()
+            if type(v) is torch.Tensor or isinstance(v, nn.Parameter)
+        }
 
     def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:
         fused_ids = {id(o) for o in _flatten(self.model.fused_optimizer)}
@@ -158,7 +178,9 @@ class TorchRecAdapter(ModelAdapter):
                 if id(leaf) in fused_ids:
                     continue
                 if not hasattr(leaf, "state_dict") or not hasattr(leaf, "load_state_dict"):
-                    raise UnsupportedError(f"optimizer {name!r}: {type(leaf).__name__} has no state_dict()")
+                    raise UnsupportedError(
+                        f"optimizer {name!r}: {type(leaf).__name__} has no state_dict()"
+                    )
                 out[f"{name}.{j}"] = leaf
         return out
 
@@ -172,7 +194,9 @@ class TorchRecAdapter(ModelAdapter):
         for path, module in self._sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
             undo.append(_chain_hooks(module, key_plans, store, is_active))
-        logger.info("deck tracking installed on %d sharded module(s), %d rows", len(undo), store.num_rows)
+        logger.info(
+            "deck tracking installed on %d sharded module(s), %d rows", len(undo), store.num_rows
+        )
 
         def remove() -> None:
             for u in undo:
@@ -183,7 +207,7 @@ class TorchRecAdapter(ModelAdapter):
     def _key_plans(
         self,
         path: str,
-        module: nn.Module,
+        module: Any,
         by_name: dict[tuple[str, str], str],
         bases: dict[tuple[str, int, int], int],
     ) -> dict[tuple[str, ...], torch.Tensor]:
@@ -197,7 +221,7 @@ class TorchRecAdapter(ModelAdapter):
         # EmbeddingBagCollection keeps a list of sharding types, EmbeddingCollection a dict; both
         # are in the order of ``_lookups``.
         types = getattr(module, "_sharding_types", None) or list(module._sharding_type_to_sharding)
-        for sharding_type, lookup in zip(types, module._lookups):  # type: ignore[arg-type]
+        for sharding_type, lookup in zip(types, module._lookups, strict=True):  # type: ignore[arg-type]
             if sharding_type == "data_parallel":
                 continue
             while not hasattr(lookup, "grouped_configs") and hasattr(lookup, "module"):
@@ -213,7 +237,9 @@ class TorchRecAdapter(ModelAdapter):
                     keys.extend(table.feature_names)
                     key_bases.extend([base] * len(table.feature_names))
             if tuple(keys) in plans:
-                raise UnsupportedError(f"module {path!r}: two lookups share the feature order {keys}")
+                raise UnsupportedError(
+                    f"module {path!r}: two lookups share the feature order {keys}"
+                )
             plans[tuple(keys)] = torch.tensor(key_bases, dtype=torch.int64)
         return plans
 
@@ -225,7 +251,7 @@ def _flatten(opt: Any) -> list[Any]:
 
 
 def _chain_hooks(
-    module: nn.Module,
+    module: Any,
     key_plans: dict[tuple[str, ...], torch.Tensor],
     store: TrackerStore,
     is_active: Callable[[nn.Module], bool],
@@ -247,7 +273,9 @@ def _chain_hooks(
             per_key = torch.tensor(features.length_per_key(), device=values.device)
         else:
             per_key = features.lengths().view(len(bases), -1).sum(1)
-        offsets = torch.repeat_interleave(bases.to(values.device), per_key, output_size=values.numel())
+        offsets = torch.repeat_interleave(
+            bases.to(values.device), per_key, output_size=values.numel()
+        )
         store.record(values.to(torch.int64) + offsets)
 
     def on_odist() -> None:

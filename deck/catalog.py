@@ -5,9 +5,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
-from deck.format import MANIFEST, CheckpointManifest, Kind, RankManifest, load_model, parse_step_dir, step_dir
 from deck.chunks import checksum
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
+from deck.format import (
+    MANIFEST,
+    CheckpointManifest,
+    Kind,
+    RankManifest,
+    load_model,
+    parse_step_dir,
+    step_dir,
+)
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
@@ -40,7 +48,9 @@ def read_manifests(storage: Storage) -> dict[int, CheckpointManifest]:
         where = storage.describe(key)
         m = load_model(CheckpointManifest, storage.get(key), where)
         if m.step != step:
-            raise CorruptCheckpointError(f"{where}: manifest says step {m.step}, folder says {step}")
+            raise CorruptCheckpointError(
+                f"{where}: manifest says step {m.step}, folder says {step}"
+            )
         out[step] = m
     return out
 
@@ -71,7 +81,9 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
     against (same id), so deltas of an abandoned timeline are never mixed into another.
     """
     if step not in manifests:
-        raise CheckpointNotFoundError(f"no committed checkpoint at step {step}; committed: {sorted(manifests)}")
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at step {step}; committed: {sorted(manifests)}"
+        )
     chain = [manifests[step]]
     while chain[-1].kind is Kind.DELTA:
         child = chain[-1]
@@ -108,8 +120,12 @@ def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankMan
         try:
             data = storage.get(key)
         except NotFoundError:
-            raise CorruptCheckpointError(f"{where}: rank {ref.rank} part of step {m.step} is missing") from None
+            raise CorruptCheckpointError(
+                f"{where}: rank {ref.rank} part of step {m.step} is missing"
+            ) from None
         if len(data) != ref.nbytes or checksum(data) != ref.checksum:
-            raise CorruptCheckpointError(f"{where}: rank {ref.rank} part of step {m.step} fails its checksum")
+            raise CorruptCheckpointError(
+                f"{where}: rank {ref.rank} part of step {m.step} fails its checksum"
+            )
         out.append(load_model(RankManifest, data, where))
     return out

@@ -18,7 +18,7 @@ from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
 from deck.errors import CheckpointNotFoundError, DeckError, IncompatibleModelError, StorageError
 from deck.format import Kind
-from deck.restore import RestoreStats, apply_chain, load_optimizer, read_state_file
+from deck.restore import apply_chain, load_optimizer, read_state_file
 from deck.storage import Storage, check_writable, open_storage
 from deck.tracker import TrackerStore
 from deck.writer import RankPartWriter, commit, scalar_key
@@ -79,7 +79,9 @@ class DeltaCheckpointer:
         shards = self.adapter.table_shards()
         self.tracker = TrackerStore(sum(s.rows for s in shards), config.consumers)
         self._paused = 0
-        self._hooks: RemovableHandle | None = self.adapter.install_tracking(self.tracker, shards, self._active)
+        self._hooks: RemovableHandle | None = self.adapter.install_tracking(
+            self.tracker, shards, self._active
+        )
         self._parent: tuple[int, str] | None = None
         self._base: int | None = None
         self._epoch = self._next_epoch()
@@ -113,7 +115,9 @@ class DeltaCheckpointer:
         full = self._parent is None or (full_every is not None and step % full_every == 0)
         return self.save("full" if full else "delta", step=step)
 
-    def save(self, kind: Literal["delta", "full"] = "delta", *, step: int | None = None) -> CheckpointStats:
+    def save(
+        self, kind: Literal["delta", "full"] = "delta", *, step: int | None = None
+    ) -> CheckpointStats:
         """Take a checkpoint of ``kind`` at ``step`` (default: the last step given to ``step``).
 
         Returns once it is committed on every rank. On failure nothing is committed, the
@@ -127,14 +131,22 @@ class DeltaCheckpointer:
         if step is None:
             raise ValueError("save() needs step=... before the first call to step()")
         if kind == "delta" and self._parent is None:
-            logger.info("step %d: no committed checkpoint to be a delta of in this process: taking a full", step)
+            logger.info(
+                "step %d: no committed checkpoint to be a delta of in this process: taking a full",
+                step,
+            )
             kind = "full"
         t0 = time.perf_counter()
         ckpt_id = self.coord.new_id()
         token = self.tracker.begin_read(CHECKPOINT_CONSUMER)
         full = kind == "full"
         writer = RankPartWriter(
-            self.storage, step, ckpt_id, self.coord.rank, self.coord.world_size, self.config.staging.chunk_bytes
+            self.storage,
+            step,
+            ckpt_id,
+            self.coord.rank,
+            self.coord.world_size,
+            self.config.staging.chunk_bytes,
         )
         error: BaseException | None = None
         try:
@@ -149,10 +161,21 @@ class DeltaCheckpointer:
             writer.write_part(shards, rows_for, dense, self._extra_state(shards))
         except Exception as e:
             error = e
-        local = [0.0 if error else 1.0, time.perf_counter() - t0, writer.bytes_written, writer.rows_written, writer.chunks_written]
+        local = [
+            0.0 if error else 1.0,
+            time.perf_counter() - t0,
+            writer.bytes_written,
+            writer.rows_written,
+            writer.chunks_written,
+        ]
         gathered = self.coord.gather(local)
         if gathered[:, 0].min() < 1:
-            self._abort(writer, step, error, "rank(s) %s failed" % gathered[:, 0].lt(1).nonzero().view(-1).tolist())
+            self._abort(
+                writer,
+                step,
+                error,
+                f"rank(s) {gathered[:, 0].lt(1).nonzero().view(-1).tolist()} failed",
+            )
         manifest_ok = 1.0
         if self.coord.rank == 0:
             try:
@@ -187,11 +210,18 @@ class DeltaCheckpointer:
         self.history.append(stats)
         logger.info(
             "deck: %s checkpoint step %d committed at %s: %d rows, %.1f MiB, stall %.3f s",
-            kind, step, self.storage.uri, stats.rows, stats.bytes / 2**20, stats.stall_s,
+            kind,
+            step,
+            self.storage.uri,
+            stats.rows,
+            stats.bytes / 2**20,
+            stats.stall_s,
         )
         return stats
 
-    def _abort(self, writer: RankPartWriter, step: int, error: BaseException | None, why: str) -> None:
+    def _abort(
+        self, writer: RankPartWriter, step: int, error: BaseException | None, why: str
+    ) -> None:
         try:
             writer.discard()
         except StorageError as e:  # the files are unreferenced either way; GC removes them later
@@ -207,7 +237,9 @@ class DeltaCheckpointer:
             "optimizers": {
                 name: {
                     "state_dict": opt.state_dict(),
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                    "param_groups": [
+                        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+                    ],
                 }
                 for name, opt in self._optimizers.items()
             },
@@ -242,14 +274,20 @@ class DeltaCheckpointer:
         for name, opt in self._optimizers.items():
             saved = extra["optimizers"].get(name)
             if saved is None:
-                raise IncompatibleModelError(f"optimizer {name} is not in step {target} at {self.storage.uri}")
+                raise IncompatibleModelError(
+                    f"optimizer {name} is not in step {target} at {self.storage.uri}"
+                )
             load_optimizer(opt, saved, name)
         dense_rec = parts[0].dense
         if dense_rec is None:
             raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
-        problems = copy_dense_state(self.adapter.dense_state(), read_state_file(self.storage, target, dense_rec))
+        problems = copy_dense_state(
+            self.adapter.dense_state(), read_state_file(self.storage, target, dense_rec)
+        )
         if problems:
-            raise IncompatibleModelError(f"dense state of step {target} does not fit the model: {problems[:5]}")
+            raise IncompatibleModelError(
+                f"dense state of step {target} does not fit the model: {problems[:5]}"
+            )
         with torch.no_grad():
             for s in shards:
                 for name, t in extra["scalars"].get(scalar_key(s), {}).items():
@@ -264,14 +302,20 @@ class DeltaCheckpointer:
         self.last_restore = stats
         logger.info(
             "deck: restored step %d from %s (%d checkpoints, %d chunks, %.1f MiB on this rank)",
-            target, self.storage.uri, stats.checkpoints, stats.chunks, stats.bytes / 2**20,
+            target,
+            self.storage.uri,
+            stats.checkpoints,
+            stats.chunks,
+            stats.bytes / 2**20,
         )
         return target
 
     def _next_epoch(self, manifests: dict | None = None) -> int:
         if manifests is None:
             manifests = read_manifests(self.storage) if self.coord.rank == 0 else {}
-            return self.coord.broadcast_int(max((m.epoch for m in manifests.values()), default=-1) + 1)
+            return self.coord.broadcast_int(
+                max((m.epoch for m in manifests.values()), default=-1) + 1
+            )
         return max((m.epoch for m in manifests.values()), default=-1) + 1
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -307,6 +351,8 @@ def _user_state(state: UserState | None) -> tuple[Callable[[], Any], Callable[[A
     )
 
 
-def enable(model: torch.nn.Module, optimizers: Any, config: DeckConfig, state: UserState | None = None) -> DeltaCheckpointer:
+def enable(
+    model: torch.nn.Module, optimizers: Any, config: DeckConfig, state: UserState | None = None
+) -> DeltaCheckpointer:
     """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``."""
     return DeltaCheckpointer(model, optimizers, config, state)

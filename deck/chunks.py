@@ -48,7 +48,9 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def encode_chunk(path: str, arrays: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytearray, ChunkRecord]:
+def encode_chunk(
+    path: str, arrays: Sequence[tuple[str, torch.Tensor]]
+) -> tuple[bytearray, ChunkRecord]:
     """Pack ``arrays`` (first is ``ids``) into one page-padded buffer and describe it.
 
     Guarantees: the buffer length is a multiple of 4096; each segment starts on a 64-byte
@@ -72,13 +74,23 @@ def encode_chunk(path: str, arrays: Sequence[tuple[str, torch.Tensor]]) -> tuple
         if nbytes:
             dst[seg_off : seg_off + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
         segments.append(
-            Segment(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), offset=seg_off, nbytes=nbytes)
+            Segment(
+                name=name,
+                dtype=dtype_name(t.dtype),
+                shape=tuple(t.shape),
+                offset=seg_off,
+                nbytes=nbytes,
+            )
         )
-    record = ChunkRecord(path=path, rows=rows, nbytes=total, checksum=checksum(buf), segments=tuple(segments))
+    record = ChunkRecord(
+        path=path, rows=rows, nbytes=total, checksum=checksum(buf), segments=tuple(segments)
+    )
     return buf, record
 
 
-def decode_chunk(data: bytes | bytearray | memoryview, record: ChunkRecord, where: str) -> dict[str, torch.Tensor]:
+def decode_chunk(
+    data: bytes | bytearray | memoryview, record: ChunkRecord, where: str
+) -> dict[str, torch.Tensor]:
     """Verify ``data`` against ``record`` and return its segments as read-only tensor views.
 
     Raises :class:`CorruptCheckpointError` naming ``where`` on a size or checksum mismatch or a
@@ -97,7 +109,9 @@ def decode_chunk(data: bytes | bytearray | memoryview, record: ChunkRecord, wher
         for seg in record.segments:
             dtype = _DTYPES.get(seg.dtype)
             if dtype is None:
-                raise CorruptCheckpointError(f"{where}: unknown dtype {seg.dtype!r} in segment {seg.name}")
+                raise CorruptCheckpointError(
+                    f"{where}: unknown dtype {seg.dtype!r} in segment {seg.name}"
+                )
             itemsize = torch.empty((), dtype=dtype).element_size()
             count = math.prod(seg.shape)
             if (

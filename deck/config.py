@@ -53,11 +53,16 @@ class DeckConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     uri: str = Field(description="Checkpoint location: local path or fsspec URI.")
-    delta_every_steps: int = Field(default=100, description="Delta checkpoint interval in steps (>= 1).")
-    full_every_steps: int | None = Field(
-        default=None, description="Full checkpoint interval in steps (>= 1), or None for first-only."
+    delta_every_steps: int = Field(
+        default=100, description="Delta checkpoint interval in steps (>= 1)."
     )
-    consumers: tuple[str, ...] = Field(default=(CHECKPOINT_CONSUMER,), description="Tracking tenants.")
+    full_every_steps: int | None = Field(
+        default=None,
+        description="Full checkpoint interval in steps (>= 1), or None for first-only.",
+    )
+    consumers: tuple[str, ...] = Field(
+        default=(CHECKPOINT_CONSUMER,), description="Tracking tenants."
+    )
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options.")
     track_eval: bool = Field(default=False, description="Track lookups of eval-mode forwards.")
     staging: StagingConfig = Field(default_factory=StagingConfig)
@@ -66,7 +71,9 @@ class DeckConfig(BaseModel):
     @classmethod
     def _uri_nonempty(cls, v: str) -> str:
         if not v or not v.strip():
-            raise ValueError("must be a non-empty local path or fsspec URI such as s3://bucket/prefix")
+            raise ValueError(
+                "must be a non-empty local path or fsspec URI such as s3://bucket/prefix"
+            )
         return v.strip()
 
     @field_validator("delta_every_steps")

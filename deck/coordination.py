@@ -34,7 +34,9 @@ class Coordinator:
         if not self._active:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        dist.broadcast(
+            t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+        )
         return int(t.item())
 
     def new_id(self) -> str:

@@ -18,7 +18,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,32 +58,51 @@ def init_process_group(rank: int, world_size: int, port: int) -> None:
     """gloo on loopback; one compute thread per rank keeps 2-core machines responsive and runs
     deterministic."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
 
 
 def build_model(spec: ModelSpec, seed: int | None = None) -> tuple[Any, Any]:
     """A DMP model (DLRM over an EmbeddingBagCollection, or an EmbeddingCollection model) and its
     dense optimizer. Needs an initialised process group. ``seed`` sets the initial weights."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+    )
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
     from torchrec.models.dlrm import DLRM
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     torch.manual_seed(spec.seed if seed is None else seed)
     names = [f"t{i}" for i in range(spec.num_tables)]
-    fused = {"optimizer": getattr(EmbOptimType, spec.fused_optimizer), "learning_rate": 0.05, "eps": 1e-8}
+    fused = {
+        "optimizer": getattr(EmbOptimType, spec.fused_optimizer),
+        "learning_rate": 0.05,
+        "eps": 1e-8,
+    }
     if spec.collection == "ebc":
         tables_b = [
-            EmbeddingBagConfig(name=n, embedding_dim=spec.dim, num_embeddings=spec.rows, feature_names=[f"f{i}"])
+            EmbeddingBagConfig(
+                name=n, embedding_dim=spec.dim, num_embeddings=spec.rows, feature_names=[f"f{i}"]
+            )
             for i, n in enumerate(names)
         ]
         module: torch.nn.Module = DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables=tables_b, device=torch.device("meta")),
+            embedding_bag_collection=EmbeddingBagCollection(
+                tables=tables_b, device=torch.device("meta")
+            ),
             dense_in_features=13,
             dense_arch_layer_sizes=[32, spec.dim],
             over_arch_layer_sizes=[32, 1],
@@ -93,25 +111,39 @@ def build_model(spec: ModelSpec, seed: int | None = None) -> tuple[Any, Any]:
         sharder: Any = EmbeddingBagCollectionSharder(fused_params=fused)
     else:
         tables_e = [
-            EmbeddingConfig(name=n, embedding_dim=spec.dim, num_embeddings=spec.rows, feature_names=[f"f{i}"])
+            EmbeddingConfig(
+                name=n, embedding_dim=spec.dim, num_embeddings=spec.rows, feature_names=[f"f{i}"]
+            )
             for i, n in enumerate(names)
         ]
-        module = SequenceModel(EmbeddingCollection(tables=tables_e, device=torch.device("meta")), spec.dim)
+        module = SequenceModel(
+            EmbeddingCollection(tables=tables_e, device=torch.device("meta")), spec.dim
+        )
         sharder = EmbeddingCollectionSharder(fused_params=fused)
     constraints = {}
     for i, n in enumerate(names):
         if i in spec.data_parallel_tables:
-            constraints[n] = ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])
+            constraints[n] = ParameterConstraints(
+                sharding_types=["data_parallel"], compute_kernels=["dense"]
+            )
         elif spec.sharding:
             kw = {"min_partition": max(4, spec.dim // 2)} if "column" in spec.sharding else {}
-            constraints[n] = ParameterConstraints(sharding_types=[spec.sharding], compute_kernels=["fused"], **kw)
+            constraints[n] = ParameterConstraints(
+                sharding_types=[spec.sharding], compute_kernels=["fused"], **kw
+            )
     ws = dist.get_world_size()
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=ws, compute_device="cpu"), constraints=constraints)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=ws, compute_device="cpu"), constraints=constraints
+    )
     plan = planner.collective_plan(module, [sharder], dist.GroupMember.WORLD)
-    model = DistributedModelParallel(module, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    model = DistributedModelParallel(
+        module, device=torch.device("cpu"), sharders=[sharder], plan=plan
+    )
     params = dict(in_backward_optimizer_filter(model.named_parameters()))
     if spec.dense_optimizer == "adam":
-        dense = KeyedOptimizerWrapper(params, lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-4))
+        dense = KeyedOptimizerWrapper(
+            params, lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-4)
+        )
     else:
         dense = KeyedOptimizerWrapper(params, lambda p: torch.optim.Adagrad(p, lr=0.02))
     return model, dense
@@ -123,13 +155,15 @@ class SequenceModel(torch.nn.Module):
     def __init__(self, ec: torch.nn.Module, dim: int):
         super().__init__()
         self.ec = ec
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(13 + dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(13 + dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+        )
 
     def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         out = self.ec(kjt)
-        pooled = sum(
-            torch.segment_reduce(jt.values(), "sum", lengths=jt.lengths()) for jt in out.values()
-        )
+        pooled = torch.stack(
+            [torch.segment_reduce(jt.values(), "sum", lengths=jt.lengths()) for jt in out.values()]
+        ).sum(0)
         return self.mlp(torch.cat([dense, pooled], dim=1))
 
 
@@ -183,7 +217,9 @@ class TrainState:
         torch.set_rng_state(sd["rng"])
 
 
-def capture_state(model: Any, dense_opt: Any, user: TrainState | None = None) -> dict[str, torch.Tensor]:
+def capture_state(
+    model: Any, dense_opt: Any, user: TrainState | None = None
+) -> dict[str, torch.Tensor]:
     """Copy of everything a restore must reproduce, read with TorchRec's own APIs (independent of
     deck's adapter): table shards, fused optimizer states, dense params, dense optimizer state."""
     out: dict[str, torch.Tensor] = {}
@@ -216,7 +252,14 @@ def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     bad = sorted(set(a) ^ set(b))
     for k in sorted(set(a) & set(b)):
         x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point and x.dim() else x, y.view(torch.uint8) if y.dtype.is_floating_point and y.dim() else y):
+        if (
+            x.dtype != y.dtype
+            or x.shape != y.shape
+            or not torch.equal(
+                x.view(torch.uint8) if x.dtype.is_floating_point and x.dim() else x,
+                y.view(torch.uint8) if y.dtype.is_floating_point and y.dim() else y,
+            )
+        ):
             bad.append(k)
     return bad
 
@@ -260,15 +303,15 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
     if args.compare_dcp:
         import torch.distributed.checkpoint as dcp
 
-        dcp_dir = os.path.join(tempfile.mkdtemp(prefix="deck-dcp-"))
-        dcp_dir = [dcp_dir]
-        dist.broadcast_object_list(dcp_dir, src=0)
+        dcp_dir = args.out.rstrip("/") + "-dcp-baseline"
         t0 = time.perf_counter()
-        dcp.save({"model": model.state_dict(), "optim": dense_opt.state_dict()}, checkpoint_id=dcp_dir[0])
+        dcp.save(
+            {"model": model.state_dict(), "optim": dense_opt.state_dict()}, checkpoint_id=dcp_dir
+        )
         dist.barrier()
         dcp_s = time.perf_counter() - t0
         if rank == 0:
-            shutil.rmtree(dcp_dir[0], ignore_errors=True)
+            shutil.rmtree(dcp_dir, ignore_errors=True)
     # A fresh model with other initial weights, restored from the latest checkpoint.
     model2, dense_opt2 = build_model(spec, seed=spec.seed + 1000)
     user2 = TrainState()
@@ -315,7 +358,9 @@ def _fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=None, help="checkpoint directory (default: a fresh temp dir)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--delta-every", type=int, default=10)
@@ -323,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--no-dcp", action="store_true", help="skip the torch.distributed.checkpoint comparison")
+    p.add_argument(
+        "--no-dcp", action="store_true", help="skip the torch.distributed.checkpoint comparison"
+    )
     a = p.parse_args(argv)
     out = a.out or tempfile.mkdtemp(prefix="deck-demo-")
     spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
@@ -333,28 +380,44 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    r = run_demo(DemoArgs(out=out, steps=a.steps, delta_every=a.delta_every, spec=spec, compare_dcp=not a.no_dcp))
+    r = run_demo(
+        DemoArgs(
+            out=out, steps=a.steps, delta_every=a.delta_every, spec=spec, compare_dcp=not a.no_dcp
+        )
+    )
     hist = r["history"]
     fulls = [h for h in hist if h["kind"] == "full"]
     deltas = [h for h in hist if h["kind"] == "delta"]
     print(f"{'step':>6} {'kind':>6} {'rows':>10} {'bytes':>12} {'stall s':>9}")
     for h in hist:
-        print(f"{h['step']:>6} {h['kind']:>6} {h['rows']:>10} {_fmt_bytes(h['bytes']):>12} {h['stall_s']:>9.3f}")
+        print(
+            f"{h['step']:>6} {h['kind']:>6} {h['rows']:>10} {_fmt_bytes(h['bytes']):>12} {h['stall_s']:>9.3f}"
+        )
     if fulls and deltas:
         full_b = fulls[0]["bytes"]
         med_delta_b = float(np.median([h["bytes"] for h in deltas]))
         med_delta_s = float(np.median([h["stall_s"] for h in deltas]))
-        print(f"bytes per delta (median) / full: {_fmt_bytes(med_delta_b)} / {_fmt_bytes(full_b)} = {med_delta_b / full_b:.3f}")
-        print(f"stall per delta (median): {med_delta_s:.3f} s; train step {r['train_step_s']:.3f} s")
+        print(
+            f"bytes per delta (median) / full: {_fmt_bytes(med_delta_b)} / {_fmt_bytes(full_b)} = {med_delta_b / full_b:.3f}"
+        )
+        print(
+            f"stall per delta (median): {med_delta_s:.3f} s; train step {r['train_step_s']:.3f} s"
+        )
         if r["dcp_save_s"] == r["dcp_save_s"]:
-            print(f"torch.distributed.checkpoint.save of the same model: {r['dcp_save_s']:.3f} s "
-                  f"-> delta stall is {med_delta_s / r['dcp_save_s']:.3f}x of it")
+            print(
+                f"torch.distributed.checkpoint.save of the same model: {r['dcp_save_s']:.3f} s "
+                f"-> delta stall is {med_delta_s / r['dcp_save_s']:.3f}x of it"
+            )
     print(f"restore of step {r['restored']} into a fresh model: {r['restore_s']:.2f} s")
     if r["mismatches"]:
-        print(f"VERIFY FAILED: {len(r['mismatches'])} state entries differ, e.g. {r['mismatches'][:5]}")
+        print(
+            f"VERIFY FAILED: {len(r['mismatches'])} state entries differ, e.g. {r['mismatches'][:5]}"
+        )
         return 1
-    print(f"verified: restored state is bitwise equal to the live model at step {r['restored']} "
-          f"(weights, optimizer states, dense params, dense optimizer, user state)")
+    print(
+        f"verified: restored state is bitwise equal to the live model at step {r['restored']} "
+        f"(weights, optimizer states, dense params, dense optimizer, user state)"
+    )
     print(f"demo finished in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -160,9 +160,13 @@ class CheckpointManifest(_Strict):
     def _lineage(self) -> CheckpointManifest:
         if self.kind is Kind.FULL and (self.parent is not None or self.base != self.step):
             raise ValueError("a full checkpoint has no parent and is its own base")
-        if self.kind is Kind.DELTA and (self.parent is None or self.parent_id is None or self.parent >= self.step):
+        if self.kind is Kind.DELTA and (
+            self.parent is None or self.parent_id is None or self.parent >= self.step
+        ):
             raise ValueError("a delta needs a parent (id and step) older than itself")
-        if len({r.rank for r in self.ranks}) != self.world_size or any(r.rank >= self.world_size for r in self.ranks):
+        if len({r.rank for r in self.ranks}) != self.world_size or any(
+            r.rank >= self.world_size for r in self.ranks
+        ):
             raise ValueError("ranks must list each rank of world_size exactly once")
         return self
 

@@ -29,7 +29,9 @@ class RestoreStats:
     rows: int = 0
 
 
-def _match(rec: ShardRecord, shards_by_table: dict[str, list[TableShard]], where: str) -> list[TableShard]:
+def _match(
+    rec: ShardRecord, shards_by_table: dict[str, list[TableShard]], where: str
+) -> list[TableShard]:
     """Local shards that hold rows of ``rec``; raises when the model cannot hold them."""
     local = shards_by_table.get(rec.table)
     if local is None:
@@ -43,7 +45,10 @@ def _match(rec: ShardRecord, shards_by_table: dict[str, list[TableShard]], where
             )
         if (rec.col_offset, rec.cols) != (shard.col_offset, shard.cols):
             continue
-        if rec.row_offset >= shard.row_offset + shard.rows or shard.row_offset >= rec.row_offset + rec.rows:
+        if (
+            rec.row_offset >= shard.row_offset + shard.rows
+            or shard.row_offset >= rec.row_offset + rec.rows
+        ):
             continue
         if set(rec.states) != set(shard.states):
             raise IncompatibleModelError(
@@ -86,7 +91,9 @@ def apply_chain(
                 _apply_shard(storage, m.step, rec, targets, stats)
                 covered.update((t.table, t.row_offset, t.col_offset) for t in targets)
         if i == 0:
-            uncovered = [s.table for s in shards if (s.table, s.row_offset, s.col_offset) not in covered]
+            uncovered = [
+                s.table for s in shards if (s.table, s.row_offset, s.col_offset) not in covered
+            ]
             if uncovered:
                 raise IncompatibleModelError(
                     f"checkpoint step {m.step} at {storage.uri} holds tables {sorted(set(uncovered))} with a "
@@ -95,10 +102,16 @@ def apply_chain(
     return stats, parts
 
 
-def _check_tables(saved: dict[str, tuple[int, int]], model: dict[str, tuple[int, int]], where: str) -> None:
+def _check_tables(
+    saved: dict[str, tuple[int, int]], model: dict[str, tuple[int, int]], where: str
+) -> None:
     missing = sorted(set(model) - set(saved))
     extra = sorted(set(saved) - set(model))
-    shapes = [f"{t}: {saved[t]} saved, {model[t]} in model" for t in sorted(set(saved) & set(model)) if saved[t] != model[t]]
+    shapes = [
+        f"{t}: {saved[t]} saved, {model[t]} in model"
+        for t in sorted(set(saved) & set(model))
+        if saved[t] != model[t]
+    ]
     if missing or extra or shapes:
         parts = []
         if missing:
@@ -112,14 +125,18 @@ def _check_tables(saved: dict[str, tuple[int, int]], model: dict[str, tuple[int,
         )
 
 
-def _apply_shard(storage: Storage, step: int, rec: ShardRecord, targets: list[TableShard], stats: RestoreStats) -> None:
+def _apply_shard(
+    storage: Storage, step: int, rec: ShardRecord, targets: list[TableShard], stats: RestoreStats
+) -> None:
     root = step_dir(step)
     keys = [f"{root}/{c.path}" for c in rec.chunks]
-    for (key, data), chunk in zip(storage.iter_get(keys), rec.chunks):
+    for (key, data), chunk in zip(storage.iter_get(keys), rec.chunks, strict=True):
         where = f"{storage.describe(key)} (table {rec.table}, step {step})"
         arrays = decode_chunk(data, chunk, where)
         ids = arrays["ids"]
-        if ids.numel() and (int(ids[0]) < rec.row_offset or int(ids[-1]) >= rec.row_offset + rec.rows):
+        if ids.numel() and (
+            int(ids[0]) < rec.row_offset or int(ids[-1]) >= rec.row_offset + rec.rows
+        ):
             raise CorruptCheckpointError(f"{where}: row ids outside the shard's range")
         stats.chunks += 1
         stats.bytes += len(data)
@@ -173,5 +190,5 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
         raise IncompatibleModelError(
             f"optimizer {name}: {len(groups)} param groups saved, {len(opt.param_groups)} in the model"
         )
-    for live, hyper in zip(opt.param_groups, groups):
+    for live, hyper in zip(opt.param_groups, groups, strict=True):
         live.update(hyper)

@@ -33,7 +33,9 @@ class ReadToken:
 class TrackerStore:
     """Touched-row state for a flat space of ``num_rows`` rows (all tracked shards back to back)."""
 
-    def __init__(self, num_rows: int, consumers: tuple[str, ...], device: torch.device | None = None):
+    def __init__(
+        self, num_rows: int, consumers: tuple[str, ...], device: torch.device | None = None
+    ):
         self._last = torch.zeros(num_rows, dtype=torch.int32, device=device)
         self._generation = 1
         self._marks = dict.fromkeys(consumers, 0)
@@ -67,7 +69,9 @@ class TrackerStore:
     def begin_read(self, consumer: str) -> ReadToken:
         """Start a read for ``consumer``: rows touched since its last committed read."""
         if consumer not in self._marks:
-            raise ConfigError(f"unknown tracking consumer {consumer!r}; configured: {list(self._marks)}")
+            raise ConfigError(
+                f"unknown tracking consumer {consumer!r}; configured: {list(self._marks)}"
+            )
         self.compact()
         with self._lock:
             token = ReadToken(consumer, self._marks[consumer], self._generation)

@@ -78,7 +78,9 @@ def decode(data: bytes, where: str) -> Any:
                 try:
                     return tensors[x["__tensor__"]]
                 except (KeyError, TypeError):
-                    raise CorruptCheckpointError(f"{where}: missing tensor {x['__tensor__']!r}") from None
+                    raise CorruptCheckpointError(
+                        f"{where}: missing tensor {x['__tensor__']!r}"
+                    ) from None
             if "__tuple__" in x:
                 return tuple(build(v) for v in x["__tuple__"])
             if "__bytes__" in x:

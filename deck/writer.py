@@ -45,7 +45,15 @@ def scalar_key(shard: TableShard) -> str:
 class RankPartWriter:
     """Writes the files of one rank for one checkpoint under ``<step>/<id>/rank-<r>/``."""
 
-    def __init__(self, storage: Storage, step: int, ckpt_id: str, rank: int, world_size: int, chunk_bytes: int):
+    def __init__(
+        self,
+        storage: Storage,
+        step: int,
+        ckpt_id: str,
+        rank: int,
+        world_size: int,
+        chunk_bytes: int,
+    ):
         self.storage = storage
         self.step = step
         self.ckpt_id = ckpt_id
@@ -118,7 +126,9 @@ class RankPartWriter:
             if dense is not None
             else None
         )
-        extra_rec = self._put(f"{self.part}/{EXTRA_FILE}", treecodec.encode(extra, "optimizer/user state"))
+        extra_rec = self._put(
+            f"{self.part}/{EXTRA_FILE}", treecodec.encode(extra, "optimizer/user state")
+        )
         manifest = RankManifest(
             format_version=FORMAT_VERSION,
             step=self.step,
@@ -128,7 +138,9 @@ class RankPartWriter:
             dense=dense_rec,
             extra=extra_rec,
         )
-        self.storage.put(f"{self.root}/{self.ckpt_id}/{rank_manifest_name(self.rank)}", dump_model(manifest))
+        self.storage.put(
+            f"{self.root}/{self.ckpt_id}/{rank_manifest_name(self.rank)}", dump_model(manifest)
+        )
         return manifest
 
     def discard(self) -> None:
@@ -159,7 +171,15 @@ def commit(
         files = [c.nbytes for s in part.shards for c in s.chunks] + [part.extra.nbytes]
         if part.dense is not None:
             files.append(part.dense.nbytes)
-        refs.append(RankRef(rank=rank, path=rel, nbytes=len(data), checksum=checksum(data), data_bytes=sum(files)))
+        refs.append(
+            RankRef(
+                rank=rank,
+                path=rel,
+                nbytes=len(data),
+                checksum=checksum(data),
+                data_bytes=sum(files),
+            )
+        )
     manifest = CheckpointManifest(
         format_version=FORMAT_VERSION,
         id=ckpt_id,

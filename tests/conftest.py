@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from s3_server import SeaweedS3
 
 

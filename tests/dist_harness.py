@@ -14,7 +14,9 @@ import torch.multiprocessing as mp
 from deck.demo import free_port, init_process_group
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
+) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -245,22 +245,21 @@ class SeaweedS3:
             key=opts["key"],
             secret=opts["secret"],
             client_kwargs=opts["client_kwargs"],
-            config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 5},
+            config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 2},
             skip_instance_cache=True,
-            retries=1,
         )
 
     def _wait_ready(self) -> None:
         """Poll until an s3fs client can create the bucket and round-trip an object."""
         deadline = time.monotonic() + self.startup_timeout
         last = "S3 port not open yet"
+        fs = self._client()  # outside the loop: a client misconfiguration must fail at once
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise SeaweedError(f"weed exited with code {code}\n{self.log_tail()}")
             if _port_open(self.ports["s3"]):
                 try:
-                    fs = self._client()
                     if not fs.exists(self.bucket):
                         fs.mkdir(self.bucket)
                     probe = f"{self.bucket}/.ready-{uuid.uuid4().hex}"
@@ -268,7 +267,9 @@ class SeaweedS3:
                     if fs.cat_file(probe) == b"ok":
                         fs.rm_file(probe)
                         return
-                except Exception as exc:  # not ready yet: anything can happen during start-up
+                except (ImportError, TypeError, AttributeError):
+                    raise  # a bug in this helper, not a server still starting
+                except Exception as exc:  # connection refused, 5xx, ... while it starts
                     last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
         raise SeaweedError(
@@ -304,7 +305,7 @@ class SeaweedS3:
             return
         self._launch()
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 1.0) -> None:
         """Stop the server (see :meth:`_kill`); delete the work dir if this object created it."""
         self._kill(grace)
         if self._owns_workdir:

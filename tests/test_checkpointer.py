@@ -10,12 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
 
 import deck
 from deck.catalog import read_manifests, read_rank_manifests
-from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, make_batch, train_step
+from deck.demo import (
+    ModelSpec,
+    TrainState,
+    build_model,
+    capture_state,
+    diff_states,
+    make_batch,
+    train_step,
+)
 from deck.storage import open_storage
-from dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +50,9 @@ def _train_and_verify(rank: int, world_size: int, spec: ModelSpec, uri: str, res
     if spec.data_parallel_tables:
         assert "data_parallel" in types, types
     user = TrainState()
-    config = deck.DeckConfig(uri=uri, delta_every_steps=EVERY, staging=deck.StagingConfig(chunk_bytes=64 * 1024))
+    config = deck.DeckConfig(
+        uri=uri, delta_every_steps=EVERY, staging=deck.StagingConfig(chunk_bytes=64 * 1024)
+    )
     captured: dict[int, dict[str, torch.Tensor]] = {}
     losses: dict[int, float] = {}
     with deck.enable(model, [dense_opt], config, state=user) as ckpt:
@@ -102,7 +112,12 @@ def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str) -> Non
     storage = open_storage(uri)
     manifests = read_manifests(storage)
     assert sorted(manifests) == list(range(0, STEPS + 1, EVERY))
-    full_chunk_bytes = sum(c.nbytes for p in read_rank_manifests(storage, manifests[0]) for r in p.shards for c in r.chunks)
+    full_chunk_bytes = sum(
+        c.nbytes
+        for p in read_rank_manifests(storage, manifests[0])
+        for r in p.shards
+        for c in r.chunks
+    )
     for step, m in manifests.items():
         if m.kind.value == "full":
             continue
@@ -113,16 +128,23 @@ def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str) -> Non
             for rec in part.shards:
                 table = rec.table.split(".")[-2]
                 row_bytes = 8 + sum(
-                    s.nbytes // max(1, s.shape[0]) for s in (rec.chunks[0].segments[1:] if rec.chunks else ())
+                    s.nbytes // max(1, s.shape[0])
+                    for s in (rec.chunks[0].segments[1:] if rec.chunks else ())
                 )
                 for c in rec.chunks:
-                    ids = torch.frombuffer(bytearray(storage.get(f"step-{step:012d}/{c.path}")), dtype=torch.int64, count=c.rows)
+                    ids = torch.frombuffer(
+                        bytearray(storage.get(f"step-{step:012d}/{c.path}")),
+                        dtype=torch.int64,
+                        count=c.rows,
+                    )
                     saved[(table, rec.col_offset)].update(ids.tolist())
                     payload += c.rows * row_bytes
                     data += c.nbytes
                     nchunks += 1
         for (table, _col), ids in saved.items():
-            assert ids == expected[table], f"step {step} {table}: saved {len(ids)} rows, touched {len(expected[table])}"
+            assert ids == expected[table], (
+                f"step {step} {table}: saved {len(ids)} rows, touched {len(expected[table])}"
+            )
         if spec.data_parallel_tables:
             assert not any(t == "t1" for t, _ in saved)  # DP table travels with the dense state
         # Close to touched rows x row bytes: only page padding and 64-byte alignment on top.
@@ -156,7 +178,10 @@ def _errors(rank: int, world_size: int, root: str) -> None:
 
     # Different table shapes: a typed error naming the table.
     other, other_opt = build_model(ModelSpec(**{**SMALL, "rows": 3001}))
-    with deck.enable(other, [other_opt], config) as ck, pytest.raises(deck.errors.IncompatibleModelError, match=r"t0\.weight"):
+    with (
+        deck.enable(other, [other_opt], config) as ck,
+        pytest.raises(deck.errors.IncompatibleModelError, match=r"t0\.weight"),
+    ):
         ck.restore(0)
 
     # An unwritable URI fails at construction and names it.

@@ -17,7 +17,10 @@ def test_defaults() -> None:
         ({"uri": ""}, "uri"),
         ({"uri": "x", "delta_every_steps": 0}, "delta_every_steps"),
         ({"uri": "x", "full_every_steps": 0}, "full_every_steps"),
-        ({"uri": "x", "delta_every_steps": 10, "full_every_steps": 15}, "multiple of delta_every_steps"),
+        (
+            {"uri": "x", "delta_every_steps": 10, "full_every_steps": 15},
+            "multiple of delta_every_steps",
+        ),
         ({"uri": "x", "consumers": ("a", "a")}, "consumers"),
         ({"uri": "x", "consumers": ("bad name",)}, "consumers"),
         ({"uri": "x", "unknown": 1}, "unknown"),

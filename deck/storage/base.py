@@ -8,6 +8,7 @@ Paths are relative, '/'-separated keys under the store's root URI. Implementatio
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterator
 
 
@@ -52,7 +53,7 @@ class Storage(abc.ABC):
         """Delete ``path`` if it exists (no error when it does not)."""
 
     @abc.abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """Keys of all objects whose path starts with ``prefix`` (a directory-like prefix)."""
 
     def delete_prefix(self, prefix: str) -> None:
@@ -60,7 +61,7 @@ class Storage(abc.ABC):
         for key in self.list(prefix):
             self.delete(key)
 
-    def iter_get(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+    def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
         """Fetch several whole objects; implementations may overlap the requests."""
         for p in paths:
             yield p, self.get(p)

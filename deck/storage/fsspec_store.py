@@ -7,6 +7,8 @@ transient failures per a :class:`deck.storage.retry.RetryPolicy`.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -120,12 +122,9 @@ class FsspecStorage(Storage):
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` at ``path`` with a single ``pipe_file`` (one atomic PUT)."""
         full = self._full(path)
-        # Some backends (aiohttp-based ones) want bytes-like objects with len(): a 1-D byte view is
-        # accepted by all of them without a copy.
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        payload: bytes | memoryview = view if not isinstance(data, bytes) else data
+        # botocore only accepts bytes / bytearray / file objects as a PUT body: a memoryview (e.g.
+        # of a tensor) costs one copy here, which is cheap next to the network transfer.
+        payload = data if isinstance(data, (bytes, bytearray)) else memoryview(data).tobytes()
         self._call("write", path, lambda: self._fs.pipe_file(full, payload))
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
@@ -174,10 +173,8 @@ class FsspecStorage(Storage):
         full = self._full(path)
 
         def rm() -> None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(full)
-            except FileNotFoundError:
-                pass
 
         self._call("delete", path, rm)
 
@@ -198,14 +195,21 @@ class FsspecStorage(Storage):
 
         keys: list[str] = []
         for found in self._call("list", prefix, find):
-            # memory:// reports '/root/key' for a root of '/root' but 'key' for an empty root.
-            rel = found[len(strip) :] if strip and found.startswith(strip) else found.lstrip("/")
+            if strip:
+                # Some servers (SeaweedFS) report the root itself as an object once it is empty.
+                if not found.startswith(strip):
+                    continue
+                rel = found[len(strip) :]
+            else:
+                rel = found.lstrip("/")  # memory:// reports '/key' for an empty root
             if rel and not rel.endswith("/") and rel.startswith(prefix):
                 keys.append(rel)
         keys.sort()
         return keys
 
-    def _map_ordered(self, fn: Callable[[str], T], paths: list[str]) -> Iterator[tuple[str, T]]:
+    def _map_ordered(
+        self, fn: Callable[[str], T], paths: builtins.list[str]
+    ) -> Iterator[tuple[str, T]]:
         """``(p, fn(p))`` in input order, at most ``2 * max_workers`` calls in flight."""
         if not paths:
             return
@@ -213,7 +217,7 @@ class FsspecStorage(Storage):
         window = 2 * workers
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deck-storage") as pool:
             pending: deque[tuple[str, Future[T]]] = deque()
-            it = iter(paths)
+            it: Iterator[str] = iter(paths)
             try:
                 for p in it:
                     pending.append((p, pool.submit(fn, p)))
@@ -231,7 +235,7 @@ class FsspecStorage(Storage):
                 for _, fut in pending:
                     fut.cancel()
 
-    def iter_get(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+    def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
         """Fetch whole objects in parallel (bounded), yielding them in the order of ``paths``."""
         return self._map_ordered(self.get, paths)
 

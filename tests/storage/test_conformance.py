@@ -41,9 +41,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Storage:
 
 
 def _temps(root: Any) -> list[str]:
-    return [
-        os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TEMP_PREFIX in f
-    ]
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TEMP_PREFIX in f]
 
 
 class TestConformance:
