@@ -277,10 +277,17 @@ class DemoArgs:
 
 
 def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_file: str) -> None:
+    import warnings
+
     import deck
 
-    init_process_group(rank, world_size, port)
+    # TorchRec / fbgemm emit deprecation and planner warnings on every run; the demo's output is
+    # its summary.
+    warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+    init_process_group(rank, world_size, port)
     spec = args.spec
     model, dense_opt = build_model(spec)
     user = TrainState()
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--delta-every", type=int, default=10)
     p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--rows", type=int, default=250_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument(
