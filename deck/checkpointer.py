@@ -6,22 +6,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from deck import __version__
 from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_dense_state
 from deck.catalog import chain_for, latest_restorable, read_manifests
 from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
-from deck.errors import CheckpointNotFoundError, DeckError, IncompatibleModelError, StorageError
+from deck.errors import CheckpointNotFoundError, DeckError, IncompatibleModelError
 from deck.format import Kind
 from deck.restore import apply_chain, load_optimizer, read_state_file
+from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage, check_writable, open_storage
 from deck.tracker import TrackerStore
-from deck.writer import RankPartWriter, commit, scalar_key
+from deck.writer import RankPartWriter, scalar_key
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +32,6 @@ class Stateful(Protocol):
 
 
 UserState = Stateful | tuple[Callable[[], Any], Callable[[Any], None]]
-
-
-@dataclass(frozen=True)
-class CheckpointStats:
-    """One committed checkpoint as the trainer saw it (summed / maxed over ranks)."""
-
-    step: int
-    kind: str
-    stall_s: float  # max over ranks of the time training was blocked
-    bytes: int  # all ranks
-    rows: int  # all ranks, all tables
-    chunks: int
 
 
 class CheckpointError(DeckError):
@@ -87,6 +74,9 @@ class DeltaCheckpointer:
         self._epoch = self._next_epoch()
         self._last_step: int | None = None
         self.history: list[CheckpointStats] = []
+        self.stager = Stager(self.storage, config.staging, self.coord.rank)
+        self._closed = False
+        self.recovered = self.stager.recover()
 
     # ---- tracking control --------------------------------------------------------------------
     def _active(self, module: torch.nn.Module) -> bool:
@@ -117,12 +107,14 @@ class DeltaCheckpointer:
 
     def save(
         self, kind: Literal["delta", "full"] = "delta", *, step: int | None = None
-    ) -> CheckpointStats:
+    ) -> CheckpointStats | None:
         """Take a checkpoint of ``kind`` at ``step`` (default: the last step given to ``step``).
 
-        Returns once it is committed on every rank. On failure nothing is committed, the
-        tracked rows stay pending for the next checkpoint, and :class:`CheckpointError` names
-        the step and the cause.
+        Returns once every rank's part is in the first staging tier, so training may go on; the
+        upload and commit finish in the background (``flush()`` waits for them, and the returned
+        stats fill in as they go). Returns None when the spool is full and the policy is ``skip``.
+        On failure nothing is committed, the tracked rows stay pending for the next checkpoint,
+        and :class:`CheckpointError` names the step and the cause.
         """
         if kind not in ("delta", "full"):
             raise ValueError(f"kind must be 'delta' or 'full', got {kind!r}")
@@ -130,107 +122,127 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ValueError("save() needs step=... before the first call to step()")
-        if kind == "delta" and self._parent is None:
-            logger.info(
-                "step %d: no committed checkpoint to be a delta of in this process: taking a full",
-                step,
-            )
-            kind = "full"
         t0 = time.perf_counter()
-        ckpt_id = self.coord.new_id()
-        token = self.tracker.begin_read(CHECKPOINT_CONSUMER)
-        full = kind == "full"
-        writer = RankPartWriter(
-            self.storage,
-            step,
-            ckpt_id,
-            self.coord.rank,
-            self.coord.world_size,
-            self.config.staging.chunk_bytes,
+        # One collective agrees on the id and the kind: a part that failed in the background on
+        # any rank breaks the chain, so then every rank takes a full.
+        agreed = self.coord.gather(
+            [float(self.stager.failed.is_set()), float(self.coord.new_id_seed())]
         )
-        error: BaseException | None = None
-        try:
-            shards = self.adapter.table_shards()
-
-            def rows_for(shard: TableShard) -> torch.Tensor | None:
-                if full or shard.full_only:
-                    return None
-                return self.tracker.touched(token, shard.track_base, shard.track_base + shard.rows)
-
-            dense = self.adapter.dense_state() if self.coord.rank == 0 else None
-            writer.write_part(shards, rows_for, dense, self._extra_state(shards))
-        except Exception as e:
-            error = e
-        local = [
-            0.0 if error else 1.0,
-            time.perf_counter() - t0,
-            writer.bytes_written,
-            writer.rows_written,
-            writer.chunks_written,
-        ]
-        gathered = self.coord.gather(local)
-        if gathered[:, 0].min() < 1:
-            self._abort(
-                writer,
-                step,
-                error,
-                f"rank(s) {gathered[:, 0].lt(1).nonzero().view(-1).tolist()} failed",
-            )
-        manifest_ok = 1.0
-        if self.coord.rank == 0:
-            try:
-                base = step if full else self._base
-                commit(
-                    self.storage,
+        ckpt_id = f"{int(agreed[0, 1]):016x}"
+        if kind == "delta" and (self._parent is None or agreed[:, 0].max() > 0):
+            logger.info("step %d: no committed parent to be a delta of: taking a full", step)
+            kind = "full"
+        self.stager.failed.clear()
+        full = kind == "full"
+        shards = self.adapter.table_shards()
+        token = self.tracker.begin_read(CHECKPOINT_CONSUMER)
+        selected: dict[int, torch.Tensor | None] = {}
+        for i, shard in enumerate(shards):
+            if full or shard.full_only:
+                selected[i] = None
+            else:
+                selected[i] = self.tracker.touched(
+                    token, shard.track_base, shard.track_base + shard.rows
+                )
+        estimate = sum(
+            (sh.rows if selected[i] is None else int(selected[i].numel())) * sh.row_bytes()  # type: ignore[union-attr]
+            for i, sh in enumerate(shards)
+        )
+        staged = None
+        if self.stager.reserve(estimate):
+            staged = self.stager.begin(
+                PendingPart(
+                    uri=self.storage.uri,
                     step=step,
                     ckpt_id=ckpt_id,
-                    kind=Kind.FULL if full else Kind.DELTA,
-                    parent=None if full else self._parent,
-                    base=base if base is not None else step,
-                    epoch=self._epoch,
+                    rank=self.coord.rank,
                     world_size=self.coord.world_size,
-                    deck_version=__version__,
+                    kind=Kind.FULL if full else Kind.DELTA,
+                    parent=None if full or self._parent is None else self._parent[0],
+                    parent_id=None if full or self._parent is None else self._parent[1],
+                    base=step if full or self._base is None else self._base,
+                    epoch=self._epoch,
+                    files=(),
+                    part=None,
+                ),
+                estimate,
+            )
+        writer = None
+        error: BaseException | None = None
+        if staged is not None:
+            writer = RankPartWriter(
+                self.storage,
+                step,
+                ckpt_id,
+                self.coord.rank,
+                self.coord.world_size,
+                self.config.staging.chunk_bytes,
+                sink=staged,
+            )
+            order = {id(sh): i for i, sh in enumerate(shards)}
+            try:
+                dense = self.adapter.dense_state() if self.coord.rank == 0 else None
+                writer.write_part(
+                    shards, lambda sh: selected[order[id(sh)]], dense, self._extra_state(shards)
                 )
+                staged.wait_written()
             except Exception as e:
-                error, manifest_ok = e, 0.0
-        if self.coord.gather([manifest_ok])[0, 0] < 1:
-            self._abort(writer, step, error, "the commit record could not be written")
-        self.tracker.commit(token)
-        self._parent = (step, ckpt_id)
-        if full:
-            self._base = step
+                error = e
+        # status per rank: 0 failed, 1 skipped (spool full), 2 staged
+        status = 1.0 if staged is None else (0.0 if error else 2.0)
+        sizes = (
+            [writer.bytes_written, writer.rows_written, writer.chunks_written]
+            if writer
+            else [0, 0, 0]
+        )
+        gathered = self.coord.gather([status, time.perf_counter() - t0, *map(float, sizes)])
+        if gathered[:, 0].min() < 2:
+            if staged is not None:
+                self.stager.discard(staged)
+            if gathered[:, 0].min() == 1:
+                logger.warning(
+                    "deck: step %d skipped: the spool %s is full", step, self.stager.spool_root
+                )
+                return None
+            failed = gathered[:, 0].eq(0).nonzero().view(-1).tolist()
+            raise CheckpointError(
+                f"checkpoint of step {step} at {self.storage.uri} was not committed: rank(s) {failed} failed"
+                + (f"; on rank {self.coord.rank}: {error}" if error else "")
+                + ". Nothing was lost: its rows stay pending for the next checkpoint."
+            ) from error
         stats = CheckpointStats(
             step=step,
             kind=kind,
+            id=ckpt_id,
             stall_s=max(float(gathered[:, 1].max()), time.perf_counter() - t0),
             bytes=int(gathered[:, 2].sum()),
             rows=int(gathered[:, 3].sum()),
             chunks=int(gathered[:, 4].sum()),
+            started=t0,
         )
+        self.stager.enqueue(staged, stats)  # type: ignore[arg-type]
+        # The rows are safe in the first tier: later deltas are relative to this snapshot. If the
+        # background part fails, ``stager.failed`` makes the next checkpoint a full.
+        self.tracker.commit(token)
+        self._parent = (step, ckpt_id)
+        if full:
+            self._base = step
         self.history.append(stats)
         logger.info(
-            "deck: %s checkpoint step %d committed at %s: %d rows, %.1f MiB, stall %.3f s",
+            "deck: %s checkpoint step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s",
             kind,
             step,
-            self.storage.uri,
+            self.stager.tier,
             stats.rows,
             stats.bytes / 2**20,
             stats.stall_s,
         )
         return stats
 
-    def _abort(
-        self, writer: RankPartWriter, step: int, error: BaseException | None, why: str
-    ) -> None:
-        try:
-            writer.discard()
-        except StorageError as e:  # the files are unreferenced either way; GC removes them later
-            logger.warning("could not remove the partial files of step %d: %s", step, e)
-        raise CheckpointError(
-            f"checkpoint of step {step} at {self.storage.uri} was not committed: {why}"
-            + (f"; on rank {self.coord.rank}: {error}" if error else "")
-            + ". Nothing was lost: its rows stay pending for the next checkpoint."
-        ) from error
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every staged checkpoint of this rank is committed or failed; False on
+        timeout. Rank 0's commit waits for every rank's part, so call it on every rank."""
+        return self.stager.flush(timeout)
 
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         return {
@@ -252,6 +264,7 @@ class DeltaCheckpointer:
         """Load committed ``step`` (the latest restorable one when None) into the live model,
         optimizers and user state, bitwise. Returns the step, or None when the URI holds no
         checkpoint. Later checkpoints are deltas relative to the restored one."""
+        self.flush()
         manifests = read_manifests(self.storage)
         target = latest_restorable(manifests) if step is None else step
         if target is None:
@@ -324,6 +337,9 @@ class DeltaCheckpointer:
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+        if not self._closed:
+            self._closed = True
+            self.stager.close()
 
     def __enter__(self) -> DeltaCheckpointer:
         return self

@@ -48,43 +48,90 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+class ChunkLayout:
+    """Where each segment of a chunk of ``rows`` rows goes: 64-byte aligned, page-padded."""
+
+    def __init__(self, rows: int, segments: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.rows = rows
+        self.segments: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
+        off = 0
+        for name, dtype, row_shape in segments:
+            shape = (rows, *row_shape)
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.segments.append((name, dtype, shape, off, nbytes))
+            off = _round_up(off + nbytes, _ALIGN)
+        self.payload_end = off
+        self.nbytes = max(_round_up(off, PAGE_ALIGN), PAGE_ALIGN)
+
+    @staticmethod
+    def overhead(num_segments: int) -> int:
+        """Upper bound of alignment bytes a chunk adds over its rows' payload."""
+        return num_segments * _ALIGN
+
+
+def build_chunk(
+    buf: bytearray,
+    path: str,
+    layout: ChunkLayout,
+    fill: Sequence[torch.Tensor | None],
+    pad_to: int | None = None,
+) -> ChunkRecord:
+    """Fill ``buf`` with one chunk and describe it; returns the record (bytes = ``buf[:nbytes]``).
+
+    ``fill[i]`` is the data of segment i (``rows`` first); ``None`` means the caller already
+    wrote that segment through :func:`segment_view`. Padding is zeroed, so the checksum is a
+    function of the rows alone. ``pad_to`` (a multiple of 4096, at least the layout size) makes a
+    non-final chunk exactly that long.
+    """
+    total = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
+    if len(buf) < total:
+        raise ValueError(
+            f"chunk buffer of {len(buf)} bytes is smaller than the chunk ({total} bytes)"
+        )
+    dst = torch.frombuffer(buf, dtype=torch.uint8, count=total)
+    segments = []
+    prev_end = 0
+    for (name, dtype, shape, off, nbytes), data in zip(layout.segments, fill, strict=True):
+        dst[prev_end:off].zero_()
+        if data is not None and nbytes:
+            segment_view(buf, layout, name).copy_(data)
+        prev_end = off + nbytes
+        segments.append(
+            Segment(name=name, dtype=dtype_name(dtype), shape=shape, offset=off, nbytes=nbytes)
+        )
+    dst[prev_end:total].zero_()
+    return ChunkRecord(
+        path=path,
+        rows=layout.rows,
+        nbytes=total,
+        checksum=checksum(memoryview(buf)[:total]),
+        segments=tuple(segments),
+    )
+
+
+def segment_view(buf: bytearray, layout: ChunkLayout, name: str) -> torch.Tensor:
+    """A typed, writable tensor view of segment ``name`` inside ``buf``."""
+    for seg_name, dtype, shape, off, nbytes in layout.segments:
+        if seg_name == name:
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=off).view(
+                shape
+            )
+    raise KeyError(name)
+
+
 def encode_chunk(
     path: str, arrays: Sequence[tuple[str, torch.Tensor]]
 ) -> tuple[bytearray, ChunkRecord]:
-    """Pack ``arrays`` (first is ``ids``) into one page-padded buffer and describe it.
-
-    Guarantees: the buffer length is a multiple of 4096; each segment starts on a 64-byte
-    boundary; the record's checksum covers the whole buffer, padding included.
-    """
+    """Pack ``arrays`` (first is ``ids``) into a new page-padded buffer and describe it."""
     rows = int(arrays[0][1].shape[0])
-    layout: list[tuple[str, torch.Tensor, int, int]] = []
-    off = 0
     for name, t in arrays:
-        t = t.detach()
         if t.shape[0] != rows:
             raise ValueError(f"segment {name} has {t.shape[0]} rows, expected {rows}")
-        nbytes = t.numel() * t.element_size()
-        layout.append((name, t, off, nbytes))
-        off = _round_up(off + nbytes, _ALIGN)
-    total = max(_round_up(off, PAGE_ALIGN), PAGE_ALIGN)
-    buf = bytearray(total)
-    dst = torch.frombuffer(buf, dtype=torch.uint8)
-    segments = []
-    for name, t, seg_off, nbytes in layout:
-        if nbytes:
-            dst[seg_off : seg_off + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-        segments.append(
-            Segment(
-                name=name,
-                dtype=dtype_name(t.dtype),
-                shape=tuple(t.shape),
-                offset=seg_off,
-                nbytes=nbytes,
-            )
-        )
-    record = ChunkRecord(
-        path=path, rows=rows, nbytes=total, checksum=checksum(buf), segments=tuple(segments)
-    )
+    layout = ChunkLayout(rows, [(name, t.dtype, tuple(t.shape[1:])) for name, t in arrays])
+    buf = bytearray(layout.nbytes)
+    record = build_chunk(buf, path, layout, [t.detach() for _, t in arrays])
     return buf, record
 
 

@@ -6,7 +6,7 @@ message names the field and says what is allowed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -16,14 +16,65 @@ PAGE_BYTES = 4096
 CHECKPOINT_CONSUMER = "checkpoint"
 
 
+Tiers = Literal["auto", "local", "cpu-remote", "cpu-ssd-remote"]
+
+
 class StagingConfig(BaseModel):
-    """How checkpoint bytes are cut and moved. Later tiers (SSD spool, remote upload) extend this."""
+    """How checkpoint bytes travel: CPU chunk buffers -> local SSD spool -> destination URI.
+
+    Tiers:
+    - ``local``: the destination is a local directory; chunks are written straight into it, fsynced
+      and committed in the background.
+    - ``cpu-ssd-remote``: chunks go through ``chunks_in_flight`` CPU buffers to the spool directory
+      (training resumes once every chunk is in the spool), then are uploaded and committed in the
+      background. Training never waits on the remote tier unless the spool holds
+      ``spool_max_bytes``; then ``spool_full`` decides: ``block`` (wait for uploads) or ``skip``
+      (skip this checkpoint; its rows stay pending for the next one).
+    - ``cpu-remote``: no spool; chunks are uploaded from the CPU buffers, so training waits for all
+      but the last ``chunks_in_flight`` chunks to be uploaded.
+    - ``auto`` (default): ``local`` for local paths, ``cpu-ssd-remote`` otherwise.
+
+    CPU memory of the snapshot is ``chunks_in_flight * chunk_bytes`` whatever the model size, plus
+    ``upload_concurrency`` chunk reads in the upload tier.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     chunk_bytes: int = Field(
         default=4 * 1024 * 1024,
-        description="Target size of one chunk file; a multiple of 4096 (the SSD page).",
+        description="Size of one chunk file (the last of a shard may be shorter); a multiple of 4096.",
+    )
+    chunks_in_flight: int = Field(
+        default=4, ge=1, le=256, description="Reusable CPU chunk buffers."
+    )
+    tiers: Tiers = Field(default="auto", description="local | cpu-remote | cpu-ssd-remote | auto.")
+    spool_dir: str | None = Field(
+        default=None,
+        description="Local SSD directory for the spool (default: $TMPDIR/deck-spool). Put it on a "
+        "persistent local disk: a restarted process finishes uploads it finds there.",
+    )
+    spool_max_bytes: int = Field(default=64 * 2**30, ge=0, description="Spool capacity.")
+    spool_full: Literal["block", "skip"] = Field(
+        default="block", description="Policy when the spool is full."
+    )
+    upload_concurrency: int = Field(
+        default=4, ge=1, le=64, description="Parallel uploads per rank."
+    )
+    retry_initial_s: float = Field(
+        default=0.5, gt=0, description="First backoff of a failed upload."
+    )
+    retry_max_s: float = Field(
+        default=30.0, gt=0, description="Longest backoff between upload retries."
+    )
+    upload_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Give up a checkpoint whose upload keeps failing this long.",
+    )
+    commit_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Rank 0 waits this long for every rank's part before giving up.",
     )
 
     @field_validator("chunk_bytes")

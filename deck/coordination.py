@@ -39,6 +39,6 @@ class Coordinator:
         )
         return int(t.item())
 
-    def new_id(self) -> str:
-        """A random 16-hex-digit id, the same on every rank."""
-        return f"{self.broadcast_int(secrets.randbits(63)):016x}"
+    def new_id_seed(self) -> int:
+        """A random 52-bit number (exact in a float64 gather); rank 0's becomes the checkpoint id."""
+        return secrets.randbits(52)

@@ -108,6 +108,7 @@ class RankManifest(_Strict):
 
     format_version: int
     step: NonNeg
+    ckpt_id: str = Field(pattern=r"^[0-9a-f]{16}$")
     rank: NonNeg
     world_size: int = Field(ge=1)
     shards: tuple[ShardRecord, ...]

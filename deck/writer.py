@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from deck import treecodec
 from deck.adapters.base import TableShard
-from deck.chunks import checksum, encode_chunk
+from deck.chunks import ChunkLayout, build_chunk, checksum, segment_view
+from deck.errors import ConfigError
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -42,6 +43,41 @@ def scalar_key(shard: TableShard) -> str:
     return f"{shard.table}|{shard.row_offset}|{shard.col_offset}"
 
 
+class DirectSink:
+    """Writes each file straight to storage (no staging): used by tools and tests."""
+
+    def __init__(self, storage: Storage, step: int, chunk_bytes: int):
+        self.storage = storage
+        self.root = step_dir(step)
+        self.chunk_bytes = chunk_bytes
+
+    def buffer(self) -> bytearray:
+        return bytearray(self.chunk_bytes)
+
+    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None:
+        self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
+
+    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
+        self.storage.put(f"{self.root}/{rel}", data)
+
+    def finish_part(self, part: RankManifest) -> None:
+        self.storage.put(f"{self.root}/{part_manifest_path(part)}", dump_model(part))
+
+
+class Sink(Protocol):
+    """Where a :class:`RankPartWriter` sends files: storage directly, or the stager."""
+
+    def buffer(self) -> bytearray: ...
+    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None: ...
+    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None: ...
+    def finish_part(self, part: RankManifest) -> None: ...
+
+
+def part_manifest_path(part: RankManifest) -> str:
+    """Path of a rank part manifest relative to its step folder."""
+    return f"{part.ckpt_id}/{rank_manifest_name(part.rank)}"
+
+
 class RankPartWriter:
     """Writes the files of one rank for one checkpoint under ``<step>/<id>/rank-<r>/``."""
 
@@ -53,46 +89,64 @@ class RankPartWriter:
         rank: int,
         world_size: int,
         chunk_bytes: int,
+        sink: Sink | None = None,
     ):
-        self.storage = storage
         self.step = step
         self.ckpt_id = ckpt_id
         self.rank = rank
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
-        self.root = step_dir(step)
+        self.sink: Sink = sink or DirectSink(storage, step, chunk_bytes)
         self.part = f"{ckpt_id}/{rank_dir(rank)}"
         self.bytes_written = 0
         self.chunks_written = 0
         self.rows_written = 0
 
-    def _put(self, rel: str, data: bytes | bytearray) -> FileRecord:
-        self.storage.put(f"{self.root}/{rel}", data)
+    def _file(self, rel: str, data: bytes) -> FileRecord:
+        self.sink.submit_bytes(rel, data)
         self.bytes_written += len(data)
         return FileRecord(path=rel, nbytes=len(data), checksum=checksum(data))
 
     def write_shard(self, shard: TableShard, rows: torch.Tensor | None, full: bool) -> ShardRecord:
         """Write ``rows`` (ascending local row indices; None = all rows) of ``shard`` as chunks.
 
-        Each chunk is gathered, encoded and written before the next is gathered, so memory is one
-        chunk whatever the table size.
+        Rows are gathered straight into a sink buffer, one chunk at a time, so memory is the
+        sink's buffers whatever the table size. Every chunk but the last is exactly
+        ``chunk_bytes`` long; the last is padded to a multiple of 4096.
         """
         n = shard.rows if rows is None else int(rows.numel())
-        per_chunk = max(1, self.chunk_bytes // shard.row_bytes())
+        segs = [("ids", torch.int64, ())] + [
+            (k, t.dtype, tuple(t.shape[1:])) for k, t in shard.states.items()
+        ]
+        per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // shard.row_bytes()
+        if per_chunk < 1:
+            raise ConfigError(
+                f"table {shard.table}: one row takes {shard.row_bytes()} bytes, more than "
+                f"staging.chunk_bytes={self.chunk_bytes}; raise chunk_bytes"
+            )
         chunks = []
         folder = f"{self.part}/{table_dir(shard.table)}"
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
+            layout = ChunkLayout(stop - start, segs)
+            buf = self.sink.buffer()
+            ids = segment_view(buf, layout, "ids")
             if rows is None:
-                local = torch.arange(start, stop, dtype=torch.int64)
-                arrays = [(name, t[start:stop]) for name, t in shard.states.items()]
+                torch.arange(start + shard.row_offset, stop + shard.row_offset, out=ids)
+                for name, t in shard.states.items():
+                    segment_view(buf, layout, name).copy_(t[start:stop])
             else:
                 local = rows[start:stop]
-                arrays = [(name, t.index_select(0, local)) for name, t in shard.states.items()]
+                torch.add(local, shard.row_offset, out=ids)
+                for name, t in shard.states.items():
+                    torch.index_select(t, 0, local, out=segment_view(buf, layout, name))
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
-            buf, rec = encode_chunk(rel, [("ids", local + shard.row_offset), *arrays])
-            self.storage.put(f"{self.root}/{rel}", buf)
-            self.bytes_written += len(buf)
+            last = stop == n
+            rec = build_chunk(
+                buf, rel, layout, [None] * len(segs), pad_to=None if last else self.chunk_bytes
+            )
+            self.sink.submit(rel, buf, rec.nbytes)
+            self.bytes_written += rec.nbytes
             self.chunks_written += 1
             chunks.append(rec)
         self.rows_written += n
@@ -116,37 +170,32 @@ class RankPartWriter:
         dense: dict[str, torch.Tensor] | None,
         extra: dict[str, Any],
     ) -> RankManifest:
-        """Write every shard, the dense (rank 0) and extra state, then the rank manifest (last)."""
+        """Write every shard, the dense (rank 0) and extra state, then hand the rank manifest to
+        the sink (which writes it after the data: directly, or once the stager has it all)."""
         records = []
         for shard in shards:
             rows = rows_for(shard)
             records.append(self.write_shard(shard, rows, full=rows is None))
         dense_rec = (
-            self._put(f"{self.part}/{DENSE_FILE}", treecodec.encode(dense, "dense state"))
+            self._file(f"{self.part}/{DENSE_FILE}", treecodec.encode(dense, "dense state"))
             if dense is not None
             else None
         )
-        extra_rec = self._put(
+        extra_rec = self._file(
             f"{self.part}/{EXTRA_FILE}", treecodec.encode(extra, "optimizer/user state")
         )
         manifest = RankManifest(
             format_version=FORMAT_VERSION,
             step=self.step,
+            ckpt_id=self.ckpt_id,
             rank=self.rank,
             world_size=self.world_size,
             shards=tuple(records),
             dense=dense_rec,
             extra=extra_rec,
         )
-        self.storage.put(
-            f"{self.root}/{self.ckpt_id}/{rank_manifest_name(self.rank)}", dump_model(manifest)
-        )
+        self.sink.finish_part(manifest)
         return manifest
-
-    def discard(self) -> None:
-        """Remove whatever this attempt wrote for this rank (no manifest references it)."""
-        self.storage.delete_prefix(f"{self.root}/{self.part}/")
-        self.storage.delete(f"{self.root}/{self.ckpt_id}/{rank_manifest_name(self.rank)}")
 
 
 def commit(

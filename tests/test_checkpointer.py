@@ -27,6 +27,7 @@ from deck.storage import open_storage
 
 pytestmark = pytest.mark.slow
 
+CHUNK = 64 * 1024
 SMALL = dict(num_tables=4, rows=3000, dim=16, batch=128, pooling=2)
 STEPS, EVERY = 40, 5
 
@@ -42,7 +43,9 @@ def touched_by_table(spec: ModelSpec, world_size: int, steps: range) -> dict[str
     return out
 
 
-def _train_and_verify(rank: int, world_size: int, spec: ModelSpec, uri: str, result: str) -> None:
+def _train_and_verify(
+    rank: int, world_size: int, spec: ModelSpec, uri: str, result: str, options: dict, spool: str
+) -> None:
     model, dense_opt = build_model(spec)
     types = {ps.sharding_type for plan in model.plan.plan.values() for ps in plan.values()}
     if spec.sharding:
@@ -51,7 +54,10 @@ def _train_and_verify(rank: int, world_size: int, spec: ModelSpec, uri: str, res
         assert "data_parallel" in types, types
     user = TrainState()
     config = deck.DeckConfig(
-        uri=uri, delta_every_steps=EVERY, staging=deck.StagingConfig(chunk_bytes=64 * 1024)
+        uri=uri,
+        delta_every_steps=EVERY,
+        storage_options=options,
+        staging=deck.StagingConfig(chunk_bytes=CHUNK, spool_dir=spool),
     )
     captured: dict[int, dict[str, torch.Tensor]] = {}
     losses: dict[int, float] = {}
@@ -102,14 +108,21 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str) -> None:
-    spec = SPECS[name]
-    uri = str(tmp_path / "ckpt")
-    run_ranks(_train_and_verify, spec, uri, str(tmp_path / "result.json"))
+@pytest.mark.parametrize("name", [*sorted(SPECS), "s3-ebc-planner"])
+def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str, request: pytest.FixtureRequest) -> None:
+    """Local tier for every model variant; SeaweedFS S3 (spool + upload) for one."""
+    spec = SPECS[name.removeprefix("s3-")]
+    uri, options = str(tmp_path / "ckpt"), {}
+    if name.startswith("s3-"):
+        server = request.getfixturevalue("s3_server")
+        uri, options = server.uri(f"{tmp_path.name}/ckpt"), server.storage_options
+    run_ranks(_train_and_verify, spec, uri, str(tmp_path / "result.json"), options, str(tmp_path / "spool"))
+    if name.startswith("s3-"):
+        # Everything was uploaded and the spool cleaned up behind it.
+        assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]
 
     # Delta contents: exactly the rows looked up since the parent, per table and column shard.
-    storage = open_storage(uri)
+    storage = open_storage(uri, options)
     manifests = read_manifests(storage)
     assert sorted(manifests) == list(range(0, STEPS + 1, EVERY))
     full_chunk_bytes = sum(
@@ -131,6 +144,9 @@ def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str) -> Non
                     s.nbytes // max(1, s.shape[0])
                     for s in (rec.chunks[0].segments[1:] if rec.chunks else ())
                 )
+                # Every chunk but a shard's last is exactly the configured size.
+                assert all(c.nbytes == CHUNK for c in rec.chunks[:-1])
+                assert all(c.nbytes <= CHUNK and c.nbytes % 4096 == 0 for c in rec.chunks)
                 for c in rec.chunks:
                     ids = torch.frombuffer(
                         bytearray(storage.get(f"step-{step:012d}/{c.path}")),

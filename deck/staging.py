@@ -1,0 +1,555 @@
+"""Multi-layer staging: CPU chunk buffers -> local SSD spool -> destination, in the background.
+
+The training thread fills at most ``chunks_in_flight`` reusable buffers; a spool writer thread
+writes each to the spool and hands the buffer back, so CPU memory stays bounded whatever the
+model size. Once every chunk of a rank's part is in the spool, a pending record is written next
+to it and training resumes. A background thread then, per checkpoint and in order: fsyncs the
+spool files (durable-local), uploads them with retries (remote tiers), puts the rank part
+manifest at the destination, and -- on rank 0, once every rank's part manifest is there --
+writes the commit record. The background thread never calls collectives.
+
+A process that restarts finds pending records in the spool and finishes them, or discards them
+when the destination already has them or a later full made them useless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from deck import __version__
+from deck.chunks import checksum
+from deck.config import StagingConfig
+from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError, StorageError
+from deck.format import (
+    MANIFEST,
+    CheckpointManifest,
+    Kind,
+    RankManifest,
+    dump_model,
+    load_model,
+    parse_step_dir,
+    rank_manifest_name,
+    step_dir,
+)
+from deck.storage import LocalStorage, Storage
+from deck.writer import commit
+
+logger = logging.getLogger(__name__)
+
+PENDING_SUFFIX = ".pending.json"
+
+
+class PendingPart(BaseModel):
+    """Everything needed to finish one rank's part of a checkpoint after a restart."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str
+    step: int
+    ckpt_id: str
+    rank: int
+    world_size: int
+    kind: Kind
+    parent: int | None
+    parent_id: str | None
+    base: int
+    epoch: int
+    files: tuple[str, ...] = ()  # relative to the step folder; data files of this part
+    part: RankManifest | None = None  # set once the part is written
+
+
+@dataclass
+class CheckpointStats:
+    """One checkpoint as this rank saw it. Stall and sizes are filled when ``step``/``save``
+    returns (sizes summed over ranks); the background thread fills the rest as it goes."""
+
+    step: int
+    kind: str
+    id: str
+    stall_s: float = 0.0
+    bytes: int = 0
+    rows: int = 0
+    chunks: int = 0
+    durable_local_s: float | None = None  # snapshot start -> this rank's files fsynced
+    committed_s: float | None = None  # snapshot start -> part uploaded (rank 0: manifest written)
+    state: str = "staged"  # staged | recovering | durable | uploaded | committed | failed
+    error: str | None = None
+    spool_reserved: int = field(default=0, repr=False)
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+
+class BufferPool:
+    """``count`` reusable buffers of ``size`` bytes, allocated on first use."""
+
+    def __init__(self, count: int, size: int):
+        self.size = size
+        self.count = count
+        self._free: queue.LifoQueue[bytearray] = queue.LifoQueue()
+        self._allocated = 0
+        self._lock = threading.Lock()
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated * self.size
+
+    def acquire(self) -> bytearray:
+        """A free buffer; blocks while ``count`` are in use (this is the memory bound)."""
+        with self._lock:
+            if self._free.empty() and self._allocated < self.count:
+                self._allocated += 1
+                self._free.put(bytearray(self.size))
+        buf = self._free.get()
+        with self._lock:
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return buf
+
+    def release(self, buf: bytearray) -> None:
+        with self._lock:
+            self.in_use -= 1
+        self._free.put(buf)
+
+
+def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
+    """The tier actually used: ``auto`` is ``local`` for local destinations, else spool + upload."""
+    if staging.tiers == "auto":
+        return "local" if isinstance(storage, LocalStorage) else "cpu-ssd-remote"
+    if staging.tiers == "local" and not isinstance(storage, LocalStorage):
+        raise DeckError(f"staging.tiers='local' needs a local destination, got {storage.uri}")
+    return staging.tiers
+
+
+class StagedPart:
+    """One rank's part of one checkpoint while the training thread writes it (the writer's sink)."""
+
+    def __init__(self, stager: Stager, info: PendingPart, reserved: int):
+        self.stager = stager
+        self.info = info
+        self.reserved = reserved
+        self.files: list[str] = []
+        self._futures: list[Future[None]] = []
+        self.bytes = 0
+        self.part: RankManifest | None = None
+
+    # -- sink interface used by deck.writer.RankPartWriter --
+    def buffer(self) -> bytearray:
+        return self.stager.pool.acquire()
+
+    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None:
+        """Hand a filled pool buffer over; it returns to the pool once written."""
+        self.files.append(rel)
+        self.bytes += nbytes
+        self._futures.append(self.stager.write_out(self.info.step, rel, buf, nbytes, pooled=True))
+
+    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
+        self.files.append(rel)
+        self.bytes += len(data)
+        self._futures.append(
+            self.stager.write_out(self.info.step, rel, data, len(data), pooled=False)
+        )
+
+    def finish_part(self, part: RankManifest) -> None:
+        self.part = part
+
+    # -- protocol --
+    def wait_written(self) -> None:
+        """Block until every submitted file is in the first tier; raises the first write error."""
+        errors = []
+        for f in self._futures:
+            try:
+                f.result()
+            except Exception as e:
+                errors.append(e)
+        self._futures = []
+        if errors:
+            raise errors[0]
+
+    def pending(self) -> PendingPart:
+        if self.part is None:
+            raise DeckError("internal: rank part was not finished")
+        return self.info.model_copy(update={"files": tuple(self.files), "part": self.part})
+
+
+class Stager:
+    """Moves checkpoint parts of one rank from CPU buffers to the destination, in the background."""
+
+    def __init__(self, storage: Storage, staging: StagingConfig, rank: int):
+        self.storage = storage
+        self.cfg = staging
+        self.rank = rank
+        self.tier = resolve_tier(staging, storage)
+        self.pool = BufferPool(staging.chunks_in_flight, staging.chunk_bytes)
+        if self.tier == "local":
+            assert isinstance(storage, LocalStorage)
+            self.spool_root: str | None = storage.root
+        elif self.tier == "cpu-ssd-remote":
+            base = staging.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
+            key = hashlib.sha1(storage.uri.encode()).hexdigest()[:16]
+            self.spool_root = os.path.join(base, key)
+            os.makedirs(self.spool_root, exist_ok=True)
+        else:
+            self.spool_root = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="deck-spool")
+        self._uploads = ThreadPoolExecutor(
+            staging.upload_concurrency, thread_name_prefix="deck-upload"
+        )
+        self._queue: queue.Queue[tuple[PendingPart, CheckpointStats] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._spool_bytes = 0
+        self.failed = threading.Event()  # a part failed after training moved on: take a full next
+        self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
+        self._thread.start()
+
+    # ---- training thread -------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` in the spool: waits (``block``) or returns False (``skip``)."""
+        if self.tier != "cpu-ssd-remote":
+            return True
+        with self._idle:
+            while self._spool_bytes and self._spool_bytes + nbytes > self.cfg.spool_max_bytes:
+                if self.cfg.spool_full == "skip":
+                    return False
+                logger.warning("deck spool %s is full: training waits for uploads", self.spool_root)
+                self._idle.wait(1.0)
+            self._spool_bytes += nbytes
+        return True
+
+    def begin(self, info: PendingPart, reserved: int) -> StagedPart:
+        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it."""
+        return StagedPart(self, info, reserved)
+
+    def write_out(
+        self, step: int, rel: str, data: bytes | bytearray, nbytes: int, pooled: bool
+    ) -> Future[None]:
+        """Write one file to the first tier (spool, or upload for cpu-remote)."""
+        key = f"{step_dir(step)}/{rel}"
+
+        def spool() -> None:
+            try:
+                path = os.path.join(self.spool_root, key)  # type: ignore[arg-type]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(memoryview(data)[:nbytes])
+            finally:
+                if pooled:
+                    self.pool.release(data)  # type: ignore[arg-type]
+
+        def upload() -> None:
+            try:
+                self._put_with_retry(key, bytes(memoryview(data)[:nbytes]))
+            finally:
+                if pooled:
+                    self.pool.release(data)  # type: ignore[arg-type]
+
+        return (
+            self._uploads.submit(upload) if self.spool_root is None else self._writer.submit(spool)
+        )
+
+    def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
+        """Every rank's part is in its first tier: record it as pending and go on in the background."""
+        pending = staged.pending()
+        stats.spool_reserved = staged.reserved
+        if self.spool_root is not None:
+            self._write_pending(pending)
+        with self._idle:
+            self._busy += 1
+        self._queue.put((pending, stats))
+
+    def discard(self, staged: StagedPart) -> None:
+        """Drop a part that will not be committed (another rank failed)."""
+        with contextlib.suppress(Exception):
+            staged.wait_written()
+        self._remove_files(staged.info.step, staged.files, remote=self.spool_root is None)
+        self._release_spool(staged.reserved)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every enqueued part is committed or failed; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        self._writer.shutdown()
+        self._uploads.shutdown()
+
+    # ---- restart ---------------------------------------------------------------------------------
+    def recover(self) -> list[CheckpointStats]:
+        """Find this rank's pending parts in the spool and finish or discard them."""
+        if self.spool_root is None or not os.path.isdir(self.spool_root):
+            return []
+        found = []
+        name = rank_manifest_name(self.rank).replace(".json", PENDING_SUFFIX)
+        for step_name in sorted(os.listdir(self.spool_root)):
+            step_path = os.path.join(self.spool_root, step_name)
+            if parse_step_dir(step_name) is None or not os.path.isdir(step_path):
+                continue
+            for attempt in os.listdir(step_path):
+                path = os.path.join(step_path, attempt, name)
+                if os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        found.append(load_model(PendingPart, f.read(), path))
+        out = []
+        for p in sorted(found, key=lambda p: p.step):
+            if p.uri != self.storage.uri:
+                continue
+            stats = CheckpointStats(
+                step=p.step, kind=p.kind.value, id=p.ckpt_id, state="recovering"
+            )
+            logger.info(
+                "deck: resuming pending %s checkpoint of step %d from spool %s",
+                p.kind.value,
+                p.step,
+                self.spool_root,
+            )
+            stats.spool_reserved = (
+                sum(self._spool_size(p, f) for f in p.files) if self.tier == "cpu-ssd-remote" else 0
+            )
+            with self._idle:
+                self._busy += 1
+                self._spool_bytes += stats.spool_reserved
+            self._queue.put((p, stats))
+            out.append(stats)
+        return out
+
+    # ---- background ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            pending, stats = item
+            try:
+                self._finish(pending, stats)
+            except Exception as e:
+                stats.state, stats.error = "failed", str(e)
+                self.failed.set()
+                logger.error(
+                    "deck: checkpoint of step %d (%s) failed in the background: %s",
+                    pending.step,
+                    pending.ckpt_id,
+                    e,
+                )
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _finish(self, p: PendingPart, stats: CheckpointStats) -> None:
+        if p.part is None:
+            raise DeckError(f"pending part of step {p.step} has no rank manifest")
+        root = step_dir(p.step)
+        if self._committed_id(p.step) == p.ckpt_id:
+            self._cleanup(p, stats)
+            stats.state = "committed"
+            return
+        if stats.state == "recovering":
+            self._check_recovered(p)
+        if self.spool_root is not None:
+            self._fsync(p)
+            stats.durable_local_s = time.perf_counter() - stats.started
+            stats.state = "durable"
+        if self.tier == "cpu-ssd-remote":
+            self._upload(p)
+        self._put_with_retry(f"{root}/{p.ckpt_id}/{rank_manifest_name(p.rank)}", dump_model(p.part))
+        stats.state = "uploaded"
+        if p.rank == 0:
+            self._wait_for_parts(p)
+            if (
+                p.kind is Kind.DELTA
+                and p.parent is not None
+                and self._committed_id(p.parent) != p.parent_id
+            ):
+                raise CheckpointNotFoundError(
+                    f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
+                    f"{self.storage.uri}; the next checkpoint will be a full"
+                )
+            commit(
+                self.storage,
+                step=p.step,
+                ckpt_id=p.ckpt_id,
+                kind=p.kind,
+                parent=(p.parent, p.parent_id) if p.parent is not None and p.parent_id else None,
+                base=p.base,
+                epoch=p.epoch,
+                world_size=p.world_size,
+                deck_version=__version__,
+            )
+            stats.state = "committed"
+        stats.committed_s = time.perf_counter() - stats.started
+        self._cleanup(p, stats)
+
+    def _committed_id(self, step: int) -> str | None:
+        try:
+            data = self.storage.get(f"{step_dir(step)}/{MANIFEST}")
+        except NotFoundError:
+            return None
+        try:
+            return load_model(CheckpointManifest, data, self.storage.describe(step_dir(step))).id
+        except DeckError:
+            return None
+
+    def _spool_path(self, p: PendingPart, rel: str) -> str:
+        assert self.spool_root is not None
+        return os.path.join(self.spool_root, step_dir(p.step), rel)
+
+    def _spool_size(self, p: PendingPart, rel: str) -> int:
+        try:
+            return os.path.getsize(self._spool_path(p, rel))
+        except OSError:
+            return 0
+
+    def _check_recovered(self, p: PendingPart) -> None:
+        """After a crash the spool may hold torn files: verify every one against the manifest."""
+        assert p.part is not None
+        expected = {c.path: (c.nbytes, c.checksum) for s in p.part.shards for c in s.chunks}
+        expected[p.part.extra.path] = (p.part.extra.nbytes, p.part.extra.checksum)
+        if p.part.dense is not None:
+            expected[p.part.dense.path] = (p.part.dense.nbytes, p.part.dense.checksum)
+        for rel, (nbytes, digest) in expected.items():
+            with open(self._spool_path(p, rel), "rb") as f:
+                data = f.read()
+            if len(data) != nbytes or checksum(data) != digest:
+                raise DeckError(
+                    f"spooled file {self._spool_path(p, rel)} of step {p.step} is damaged; discarding it"
+                )
+
+    def _fsync(self, p: PendingPart) -> None:
+        dirs = set()
+        for rel in p.files:
+            path = self._spool_path(p, rel)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(os.path.dirname(path))
+        for d in dirs:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _upload(self, p: PendingPart) -> None:
+        def one(rel: str) -> None:
+            with open(self._spool_path(p, rel), "rb") as f:
+                data = f.read()
+            self._put_with_retry(f"{step_dir(p.step)}/{rel}", data)
+
+        for fut in [self._uploads.submit(one, rel) for rel in p.files]:
+            fut.result()
+
+    def _put_with_retry(self, key: str, data: bytes | bytearray) -> None:
+        """Put with backoff for as long as ``upload_timeout_s``: outages are waited out."""
+        deadline = time.monotonic() + self.cfg.upload_timeout_s
+        delay = self.cfg.retry_initial_s
+        while True:
+            try:
+                self.storage.put(key, data)
+                return
+            except StorageError as e:
+                if time.monotonic() + delay > deadline:
+                    raise StorageError(
+                        f"giving up on {self.storage.describe(key)} after {self.cfg.upload_timeout_s:.0f} s: {e}"
+                    ) from e
+                logger.warning(
+                    "deck: upload of %s failed (%s); retrying in %.1f s",
+                    self.storage.describe(key),
+                    e,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, self.cfg.retry_max_s)
+
+    def _wait_for_parts(self, p: PendingPart) -> None:
+        deadline = time.monotonic() + self.cfg.commit_timeout_s
+        delay = 0.02
+        keys = [
+            f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}" for r in range(p.world_size)
+        ]
+        missing = keys
+        while True:
+            try:
+                missing = [k for k in missing if not self.storage.exists(k)]
+            except StorageError as e:
+                logger.warning("deck: cannot check rank parts of step %d yet: %s", p.step, e)
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise DeckError(
+                    f"step {p.step}: rank parts {missing} did not arrive within {self.cfg.commit_timeout_s:.0f} s; "
+                    "not committing it"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _cleanup(self, p: PendingPart, stats: CheckpointStats) -> None:
+        """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""
+        if self.spool_root is None:
+            return
+        if self.tier == "cpu-ssd-remote":
+            self._remove_files(p.step, list(p.files), remote=False)
+        self._remove_pending(p)
+        self._release_spool(stats.spool_reserved)
+
+    def _pending_path(self, p: PendingPart) -> str:
+        assert self.spool_root is not None
+        return os.path.join(
+            self.spool_root,
+            step_dir(p.step),
+            p.ckpt_id,
+            rank_manifest_name(p.rank).replace(".json", PENDING_SUFFIX),
+        )
+
+    def _write_pending(self, p: PendingPart) -> None:
+        path = self._pending_path(p)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(dump_model(p))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _remove_pending(self, p: PendingPart) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._pending_path(p))
+
+    def _remove_files(self, step: int, files: list[str], remote: bool) -> None:
+        for rel in files:
+            key = f"{step_dir(step)}/{rel}"
+            try:
+                if remote:
+                    self.storage.delete(key)
+                elif self.spool_root is not None:
+                    os.remove(os.path.join(self.spool_root, key))
+            except (OSError, StorageError):
+                pass
+
+    def _release_spool(self, nbytes: int) -> None:
+        if nbytes and self.tier == "cpu-ssd-remote":
+            with self._idle:
+                self._spool_bytes = max(0, self._spool_bytes - nbytes)
+                self._idle.notify_all()
