@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 from deck.catalog import CheckpointInfo, list_checkpoints
 from deck.checkpointer import CheckpointError, CheckpointStats, DeltaCheckpointer, enable
 from deck.config import DeckConfig, StagingConfig
+from deck.lineage import LineageGraph, lineage
 
 __all__ = [
     "CheckpointError",
@@ -21,8 +22,10 @@ __all__ = [
     "CheckpointStats",
     "DeckConfig",
     "DeltaCheckpointer",
+    "LineageGraph",
     "StagingConfig",
     "__version__",
     "enable",
+    "lineage",
     "list_checkpoints",
 ]

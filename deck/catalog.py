@@ -1,24 +1,60 @@
-"""Reading what a URI holds: committed checkpoints, their manifests, and restore chains."""
+"""Reading what a URI holds: committed checkpoints, their manifests, and restore chains.
+
+:func:`read_manifests` returns a :class:`ManifestSet`: the trainer's checkpoints by step (a
+plain ``dict``, as before) that also carries the merger's checkpoints and the quarantine list.
+:func:`chain_for` and :func:`latest_restorable` given a ``ManifestSet`` resolve chains through
+the lineage graph (:mod:`deck.lineage`: the cheapest chain, merged checkpoints included); given a
+plain dict they follow trainer parent links only.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from deck.chunks import checksum
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
 from deck.format import (
+    FORMAT_VERSION,
     MANIFEST,
+    MERGED_ROOT,
+    QUARANTINE_ROOT,
     CheckpointManifest,
     Kind,
+    QuarantineRecord,
     RankManifest,
+    dump_model,
     load_model,
+    parse_merged_dir,
     parse_step_dir,
-    step_dir,
 )
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
+
+
+class ManifestSet(dict[int, CheckpointManifest]):
+    """Committed trainer checkpoints by step (what :func:`read_manifests` always returned), plus
+    ``merged``: the merger's committed checkpoints by id, and ``quarantined``: ids that failed
+    verification, with the reason. Chains built from it never use a quarantined checkpoint."""
+
+    def __init__(
+        self,
+        trainer: Mapping[int, CheckpointManifest] | None = None,
+        merged: Mapping[str, CheckpointManifest] | None = None,
+        quarantined: Mapping[str, str] | None = None,
+        uri: str = "",
+    ) -> None:
+        super().__init__(trainer or {})
+        self.merged: dict[str, CheckpointManifest] = dict(merged or {})
+        self.quarantined: dict[str, str] = dict(quarantined or {})
+        self.uri = uri
+
+    def all(self) -> list[CheckpointManifest]:
+        """Every committed checkpoint, trainer's and merger's."""
+        return [*self.values(), *self.merged.values()]
 
 
 @dataclass(frozen=True)
@@ -36,23 +72,74 @@ class CheckpointInfo:
     id: str
 
 
-def read_manifests(storage: Storage) -> dict[int, CheckpointManifest]:
-    """Every committed checkpoint under ``storage`` by step. Folders without ``manifest.json``
-    (in progress, failed, or crashed) are not checkpoints and are skipped."""
-    out: dict[int, CheckpointManifest] = {}
-    for key in storage.list(""):
+def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> ManifestSet:
+    """Every committed checkpoint under ``storage``: trainer checkpoints by step, and (as
+    attributes of the returned :class:`ManifestSet`) the merger's checkpoints and quarantined ids.
+
+    Folders without ``manifest.json`` (in progress, failed, or crashed) are not checkpoints and
+    are skipped. A damaged trainer record raises :class:`CorruptCheckpointError`; a damaged merger
+    record is skipped with a warning (merged checkpoints only make restores faster). ``keys``: a
+    listing of the whole store the caller already has (saves one ``list``).
+    """
+    trainer: dict[int, CheckpointManifest] = {}
+    merged: dict[str, CheckpointManifest] = {}
+    quarantined: dict[str, str] = {}
+    for key in storage.list("") if keys is None else keys:
         head, _, tail = key.partition("/")
         step = parse_step_dir(head)
-        if step is None or tail != MANIFEST:
-            continue
-        where = storage.describe(key)
-        m = load_model(CheckpointManifest, storage.get(key), where)
-        if m.step != step:
-            raise CorruptCheckpointError(
-                f"{where}: manifest says step {m.step}, folder says {step}"
-            )
-        out[step] = m
-    return out
+        if step is not None and tail == MANIFEST:
+            where = storage.describe(key)
+            m = load_model(CheckpointManifest, storage.get(key), where)
+            if m.step != step or m.is_merged:
+                raise CorruptCheckpointError(
+                    f"{where}: manifest says step {m.step}"
+                    + (" and was written by the merger" if m.is_merged else "")
+                    + f", folder says trainer step {step}"
+                )
+            trainer[step] = m
+        elif head == MERGED_ROOT:
+            name, _, rest = tail.partition("/")
+            parsed = parse_merged_dir(name)
+            if parsed is None or rest != MANIFEST:
+                continue
+            where = storage.describe(key)
+            try:
+                m = load_model(CheckpointManifest, storage.get(key), where)
+                if f"{MERGED_ROOT}/{name}" != m.folder or (m.id, m.step) != parsed:
+                    raise CorruptCheckpointError(f"{where}: record does not match its folder name")
+            except NotFoundError:
+                continue  # deleted by GC between the listing and the read
+            except CorruptCheckpointError as e:
+                logger.warning("ignoring merged checkpoint: %s", e)
+                continue
+            merged[m.id] = m
+        elif head == QUARANTINE_ROOT and tail.endswith(".json"):
+            try:
+                q = load_model(QuarantineRecord, storage.get(key), storage.describe(key))
+            except NotFoundError:
+                continue
+            except CorruptCheckpointError as e:
+                logger.warning("ignoring quarantine record: %s", e)
+                continue
+            quarantined[q.id] = q.reason
+    return ManifestSet(trainer, merged, quarantined, uri=storage.uri)
+
+
+def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
+    """Record that checkpoint ``m`` failed verification, so chains stop using it (idempotent).
+
+    Only for damage (checksum mismatch, missing file of a committed checkpoint), never for a
+    transient storage error. The checkpoint's files stay until GC removes them.
+    """
+    rec = QuarantineRecord(
+        format_version=FORMAT_VERSION,
+        id=m.id,
+        folder=m.folder,
+        reason=reason[:2000],
+        created_unix=time.time(),
+    )
+    storage.put(f"{QUARANTINE_ROOT}/{m.id}.json", dump_model(rec))
+    logger.warning("quarantined checkpoint %s (%s): %s", m.id, m.folder, reason)
 
 
 def list_checkpoints(uri: str, storage_options: dict | None = None) -> list[CheckpointInfo]:
@@ -75,17 +162,26 @@ def list_checkpoints(uri: str, storage_options: dict | None = None) -> list[Chec
 
 
 def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[CheckpointManifest]:
-    """The checkpoints that reproduce ``step``: its full first, then each delta in step order.
+    """The checkpoints that reproduce ``step``: a full first, then deltas / merged deltas in
+    order, ending with the trainer checkpoint of ``step`` itself (whose folder holds the dense
+    and extra state, and whose id later deltas name as parent).
 
-    Follows ``parent`` links and checks each parent is the very checkpoint the delta was taken
-    against (same id), so deltas of an abandoned timeline are never mixed into another.
+    With a :class:`ManifestSet` (what :func:`read_manifests` returns) this is the cheapest chain
+    of the lineage graph (fewest bytes; merged checkpoints included, quarantined ones avoided);
+    with a plain dict it follows ``parent`` links. Either way each link is checked by id, so
+    deltas of an abandoned timeline are never mixed into another. Raises
+    :class:`CheckpointNotFoundError` naming what is missing.
     """
+    if isinstance(manifests, ManifestSet):
+        from deck.lineage import build_graph, cheapest_chain
+
+        return cheapest_chain(build_graph(manifests), step)
     if step not in manifests:
         raise CheckpointNotFoundError(
             f"no committed checkpoint at step {step}; committed: {sorted(manifests)}"
         )
     chain = [manifests[step]]
-    while chain[-1].kind is Kind.DELTA:
+    while chain[-1].kind is not Kind.FULL:
         child = chain[-1]
         parent = manifests.get(child.parent) if child.parent is not None else None
         if parent is None or parent.id != child.parent_id:
@@ -100,7 +196,11 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
 
 
 def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
-    """The newest checkpoint (highest epoch, then step) whose chain is complete."""
+    """The newest trainer checkpoint (highest epoch, then step) whose chain is complete."""
+    if isinstance(manifests, ManifestSet):
+        from deck.lineage import build_graph
+
+        return build_graph(manifests).latest()
     for m in sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True):
         try:
             chain_for(manifests, m.step)
@@ -111,21 +211,26 @@ def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
     return None
 
 
+def describe(m: CheckpointManifest) -> str:
+    """How errors name a checkpoint: ``step 40`` for the trainer's, the folder for the merger's."""
+    return f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder} (step {m.step})"
+
+
 def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankManifest]:
     """The rank parts of a committed checkpoint, each verified against the commit record."""
     out = []
     for ref in m.ranks:
-        key = f"{step_dir(m.step)}/{ref.path}"
+        key = f"{m.folder}/{ref.path}"
         where = storage.describe(key)
         try:
             data = storage.get(key)
         except NotFoundError:
             raise CorruptCheckpointError(
-                f"{where}: rank {ref.rank} part of step {m.step} is missing"
+                f"{where}: rank {ref.rank} part of {describe(m)} is missing"
             ) from None
         if len(data) != ref.nbytes or checksum(data) != ref.checksum:
             raise CorruptCheckpointError(
-                f"{where}: rank {ref.rank} part of step {m.step} fails its checksum"
+                f"{where}: rank {ref.rank} part of {describe(m)} fails its checksum"
             )
         out.append(load_model(RankManifest, data, where))
     return out

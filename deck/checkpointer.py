@@ -264,9 +264,19 @@ class DeltaCheckpointer:
         """Load committed ``step`` (the latest restorable one when None) into the live model,
         optimizers and user state, bitwise. Returns the step, or None when the URI holds no
         checkpoint. Later checkpoints are deltas relative to the restored one."""
+        # Every rank's pending parts first (rank 0's flush is the commit), then rank 0 alone picks
+        # the target so that all ranks load the same step even while other writers commit.
         self.flush()
+        self.coord.gather([0.0])
         manifests = read_manifests(self.storage)
-        target = latest_restorable(manifests) if step is None else step
+        if step is None:
+            chosen = latest_restorable(manifests) if self.coord.rank == 0 else None
+            chosen_all = self.coord.broadcast_int(-1 if chosen is None else chosen)
+            target = None if chosen_all < 0 else chosen_all
+            if target is not None and target not in manifests:
+                manifests = read_manifests(self.storage)
+        else:
+            target = step
         if target is None:
             if manifests:
                 raise CheckpointNotFoundError(

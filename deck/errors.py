@@ -36,3 +36,8 @@ class IncompatibleModelError(DeckError):
 
 class UnsupportedError(DeckError, NotImplementedError):
     """The model uses a feature deck does not support yet."""
+
+
+class MergeError(DeckError):
+    """The merger could not build a merged checkpoint (its inputs are incompatible, missing or
+    corrupt); nothing was committed and the lineage is unchanged."""

@@ -12,6 +12,10 @@ A checkpoint of step S under the root URI is the folder ``step-<S:012d>/``::
 ``<id>`` is the checkpoint's random id: a step saved again (after rolling back) writes new files
 and atomically replaces ``manifest.json``; files are never rewritten in place.
 
+The merger writes its checkpoints (merged deltas, merger fulls) under ``merged/<name>/`` with the
+same files and the same ``manifest.json`` commit record (see :func:`merged_dir`); each record's
+:attr:`CheckpointManifest.folder` says where its files are.
+
 Only ``manifest.json`` makes a checkpoint exist. It is written after every rank's part manifest
 is durable, and it lists them with their checksums, so a reader that sees it can trust the rest.
 Manifests are strict pydantic models: unknown fields, versions, negative sizes, or file names that
@@ -23,9 +27,18 @@ from __future__ import annotations
 import json
 import re
 from enum import Enum
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from deck.errors import CorruptCheckpointError
 
@@ -36,13 +49,19 @@ _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
+CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+MERGED_ROOT = "merged"
+QUARANTINE_ROOT = "quarantine"
+_MERGED_DIR = re.compile(r"^(?:F-(\d{12})|L(\d{2})-(\d{12})-(\d{12}))-([0-9a-f]{16})$")
 
 
 class Kind(str, Enum):
-    """What a checkpoint holds: every row (full) or rows touched since its parent (delta)."""
+    """What a checkpoint holds: every row (full), rows touched since its parent (delta), or the
+    newest version of every row touched in a run of consecutive deltas (merged, by the merger)."""
 
     FULL = "full"
     DELTA = "delta"
+    MERGED = "merged"
 
 
 class _Strict(BaseModel):
@@ -137,10 +156,23 @@ class CheckpointManifest(_Strict):
     ``parent`` is the step this delta is relative to (rows touched after ``parent``'s snapshot);
     ``base`` is the full checkpoint the chain starts from. A full has ``parent is None`` and
     ``base == step``.
+
+    Records written by the merger (``state_id`` set; see docs/format.md, "Merged checkpoints")
+    live under ``merged/`` and reproduce the state of the trainer checkpoint ``(step, state_id)``:
+
+    - a merged delta (``kind == "merged"``, ``layer >= 1``) holds the newest version of every row
+      of the ``inputs`` (consecutive deltas or merged deltas of layer ``layer - 1``, oldest first)
+      and applies on top of state ``(parent, parent_id)``; it covers trainer steps
+      ``first_step .. step``;
+    - a merger full (``kind == "full"``) holds every row, built from ``inputs`` (a full, then the
+      chain up to ``step``).
+
+    The merger's fields default to "trainer checkpoint" and are left out of the JSON at their
+    defaults, so trainer records are byte-for-byte what earlier versions wrote.
     """
 
     format_version: int
-    id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    id: CkptId
     step: NonNeg
     kind: Kind
     parent: NonNeg | None
@@ -151,6 +183,10 @@ class CheckpointManifest(_Strict):
     ranks: tuple[RankRef, ...]
     created_unix: float
     deck_version: str
+    first_step: NonNeg | None = None
+    layer: int = Field(default=0, ge=0, le=64)
+    inputs: tuple[CkptId, ...] = ()
+    state_id: CkptId | None = None
 
     @field_validator("format_version")
     @classmethod
@@ -161,20 +197,128 @@ class CheckpointManifest(_Strict):
     def _lineage(self) -> CheckpointManifest:
         if self.kind is Kind.FULL and (self.parent is not None or self.base != self.step):
             raise ValueError("a full checkpoint has no parent and is its own base")
-        if self.kind is Kind.DELTA and (
+        if self.kind in (Kind.DELTA, Kind.MERGED) and (
             self.parent is None or self.parent_id is None or self.parent >= self.step
         ):
             raise ValueError("a delta needs a parent (id and step) older than itself")
+        if self.state_id is None:
+            if self.kind is Kind.MERGED or self.layer or self.first_step is not None or self.inputs:
+                raise ValueError(
+                    "merged checkpoints need state_id; trainer checkpoints have no layer, "
+                    "first_step or inputs"
+                )
+        elif self.kind is Kind.DELTA:
+            raise ValueError("a checkpoint with state_id is merged or a merger full, not a delta")
+        elif self.kind is Kind.MERGED and (
+            self.layer < 1
+            or len(self.inputs) < 2
+            or self.first_step is None
+            or self.parent is None
+            or not self.parent < self.first_step <= self.step
+        ):
+            raise ValueError(
+                "a merged delta needs layer >= 1, two or more inputs and parent < first_step <= step"
+            )
+        elif self.kind is Kind.FULL and (not self.inputs or self.layer or self.first_step):
+            raise ValueError("a merger full lists its inputs and has no layer or first_step")
         if len({r.rank for r in self.ranks}) != self.world_size or any(
             r.rank >= self.world_size for r in self.ranks
         ):
             raise ValueError("ranks must list each rank of world_size exactly once")
         return self
 
+    @model_serializer(mode="wrap")
+    def _omit_merger_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Trainer records stay exactly what format v1 readers without merging expect (they
+        # forbid unknown keys): the merger's fields are written only when set.
+        out: dict[str, Any] = handler(self)
+        for name, defaults in _MERGER_DEFAULTS.items():
+            if name in out and any(out[name] == d for d in defaults):
+                del out[name]
+        return out
+
     @property
     def data_bytes(self) -> int:
         """Bytes of all files of this checkpoint (chunks, dense, extra, rank manifests)."""
         return sum(r.data_bytes + r.nbytes for r in self.ranks)
+
+    @property
+    def is_merged(self) -> bool:
+        """Written by the merger (a merged delta or a merger full), not by the trainer."""
+        return self.state_id is not None
+
+    @property
+    def state(self) -> tuple[int, str]:
+        """The training state this checkpoint reproduces: (step, id of the trainer checkpoint)."""
+        return (self.step, self.state_id if self.state_id is not None else self.id)
+
+    @property
+    def start(self) -> tuple[int, str] | None:
+        """The state a delta / merged delta applies on; None for a full."""
+        if self.parent is None or self.parent_id is None:
+            return None
+        return (self.parent, self.parent_id)
+
+    @property
+    def covers(self) -> tuple[int, int]:
+        """First and last trainer step whose rows this checkpoint holds (a full: its own step)."""
+        if self.kind is Kind.FULL:
+            return (self.step, self.step)
+        return (self.first_step if self.first_step is not None else self.step, self.step)
+
+    @property
+    def folder(self) -> str:
+        """The folder (relative to the root URI) holding ``manifest.json`` and every path this
+        record and its rank manifests name."""
+        if self.state_id is None:
+            return step_dir(self.step)
+        if self.kind is Kind.FULL:
+            return merged_dir(self.id, self.step)
+        assert self.first_step is not None  # checked by the validator
+        return merged_dir(self.id, self.step, layer=self.layer, first_step=self.first_step)
+
+
+# Values at which the merger's fields are left out of the JSON (tuples dump as lists in JSON mode).
+_MERGER_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "first_step": (None,),
+    "layer": (0,),
+    "inputs": ((), []),
+    "state_id": (None,),
+}
+
+
+class MergePartRecord(_Strict):
+    """One finished partition (one rank's shard) of a merger checkpoint that is being built:
+    ``merged/<name>/parts/<partition>.json``. Written after the partition's chunks are durable;
+    the checkpoint is committed once every partition has one (docs/format.md)."""
+
+    format_version: int
+    item_id: CkptId
+    rank: NonNeg
+    shard: ShardRecord
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        return _check_version(v)
+
+
+class QuarantineRecord(_Strict):
+    """``quarantine/<id>.json``: checkpoint ``id`` (in ``folder``) failed verification; chains
+    avoid it. Written by the merger, ``deck verify --quarantine`` or a restore with fallback."""
+
+    format_version: int
+    id: CkptId
+    folder: str
+    reason: str
+    created_unix: float
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        return _check_version(v)
+
+    _folder = field_validator("folder")(_check_rel_path)
 
 
 def _check_version(v: int) -> int:
@@ -197,6 +341,31 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-<n>`` folder name, or None for anything else."""
     m = _STEP_DIR.match(name)
     return int(m.group(1)) if m else None
+
+
+def merged_dir(
+    ckpt_id: str, step: int, *, layer: int | None = None, first_step: int | None = None
+) -> str:
+    """Folder of a merger-written checkpoint: ``merged/F-<step>-<id>`` for a merger full,
+    ``merged/L<layer>-<first_step>-<step>-<id>`` for a merged delta (steps with 12 digits).
+
+    The id is part of the name, so items of different timelines never share a folder, and the
+    merger's ids are a hash of their inputs, so a rerun writes the same folder.
+    """
+    if layer is None:
+        return f"{MERGED_ROOT}/F-{step:012d}-{ckpt_id}"
+    if first_step is None:
+        raise ValueError("a merged delta's folder needs first_step")
+    return f"{MERGED_ROOT}/L{layer:02d}-{first_step:012d}-{step:012d}-{ckpt_id}"
+
+
+def parse_merged_dir(name: str) -> tuple[str, int] | None:
+    """(id, step) of a ``merged/`` child folder name, or None for anything else."""
+    m = _MERGED_DIR.match(name)
+    if not m:
+        return None
+    step = m.group(1) if m.group(1) is not None else m.group(4)
+    return m.group(5), int(step)
 
 
 def rank_dir(rank: int) -> str:

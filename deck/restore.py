@@ -10,7 +10,7 @@ import torch
 
 from deck import treecodec
 from deck.adapters.base import TableShard
-from deck.catalog import read_rank_manifests
+from deck.catalog import describe, read_rank_manifests
 from deck.chunks import checksum, decode_chunk
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
@@ -65,8 +65,12 @@ def apply_chain(
     shards: list[TableShard],
     tables: dict[str, tuple[int, int]],
 ) -> tuple[RestoreStats, list[RankManifest]]:
-    """Write the rows of ``chain`` (full first, then deltas in order; newest row wins) into
-    ``shards``. Returns read statistics and the rank manifests of the last checkpoint.
+    """Write the rows of ``chain`` (full first, then deltas / merged deltas in order; newest row
+    wins) into ``shards``. Returns read statistics and the rank manifests of the last checkpoint.
+
+    Each checkpoint's files are read from its own folder (``m.folder``: a trainer step folder or
+    a merger folder). A failure part-way leaves the shards half-written; applying another chain
+    afterwards is safe, since every chain starts with a full that rewrites every row.
 
     ``tables`` are the model's tables (all ranks) with their shapes: the full must hold exactly
     these, with the same shapes, and cover every local shard; every chunk is checksum-verified.
@@ -82,13 +86,13 @@ def apply_chain(
         covered: set[tuple[str, int, int]] = set()
         saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
         if i == 0:
-            _check_tables(saved, tables, f"checkpoint step {m.step} at {storage.uri}")
+            _check_tables(saved, tables, f"checkpoint {describe(m)} at {storage.uri}")
         for part in parts:
             for rec in part.shards:
-                targets = _match(rec, by_table, f"step {m.step}")
+                targets = _match(rec, by_table, describe(m))
                 if not targets:
                     continue
-                _apply_shard(storage, m.step, rec, targets, stats)
+                _apply_shard(storage, m, rec, targets, stats)
                 covered.update((t.table, t.row_offset, t.col_offset) for t in targets)
         if i == 0:
             uncovered = [
@@ -96,7 +100,7 @@ def apply_chain(
             ]
             if uncovered:
                 raise IncompatibleModelError(
-                    f"checkpoint step {m.step} at {storage.uri} holds tables {sorted(set(uncovered))} with a "
+                    f"checkpoint {describe(m)} at {storage.uri} holds tables {sorted(set(uncovered))} with a "
                     "different column sharding than the model; build the model with the same plan"
                 )
     return stats, parts
@@ -126,12 +130,16 @@ def _check_tables(
 
 
 def _apply_shard(
-    storage: Storage, step: int, rec: ShardRecord, targets: list[TableShard], stats: RestoreStats
+    storage: Storage,
+    m: CheckpointManifest,
+    rec: ShardRecord,
+    targets: list[TableShard],
+    stats: RestoreStats,
 ) -> None:
-    root = step_dir(step)
+    root = m.folder
     keys = [f"{root}/{c.path}" for c in rec.chunks]
     for (key, data), chunk in zip(storage.iter_get(keys), rec.chunks, strict=True):
-        where = f"{storage.describe(key)} (table {rec.table}, step {step})"
+        where = f"{storage.describe(key)} (table {rec.table}, {describe(m)})"
         arrays = decode_chunk(data, chunk, where)
         ids = arrays["ids"]
         if ids.numel() and (
@@ -159,10 +167,16 @@ def _apply_shard(
                     view.index_copy_(0, local, src)
 
 
-def read_state_file(storage: Storage, step: int, rec: FileRecord) -> Any:
-    """Read, verify and decode a dense / extra state file of checkpoint ``step``."""
-    key = f"{step_dir(step)}/{rec.path}"
-    where = f"{storage.describe(key)} (step {step})"
+def read_state_file(storage: Storage, step: int | CheckpointManifest, rec: FileRecord) -> Any:
+    """Read, verify and decode a dense / extra state file of a checkpoint: ``step`` is the
+    trainer step (its step folder) or the checkpoint's record (its own folder; needed for the
+    merger's checkpoints)."""
+    if isinstance(step, CheckpointManifest):
+        key = f"{step.folder}/{rec.path}"
+        where = f"{storage.describe(key)} ({describe(step)})"
+    else:
+        key = f"{step_dir(step)}/{rec.path}"
+        where = f"{storage.describe(key)} (step {step})"
     try:
         data = storage.get(key)
     except NotFoundError:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deck.catalog import read_rank_manifests
+from deck.catalog import describe, read_rank_manifests
 from deck.chunks import checksum, decode_chunk
 from deck.errors import DeckError
-from deck.format import CheckpointManifest, step_dir
+from deck.format import CheckpointManifest
 from deck.storage import Storage
 
 
@@ -33,7 +33,7 @@ def verify_checkpoint(
     except DeckError as e:
         report.problems.append(str(e))
         return report
-    root = step_dir(m.step)
+    root = m.folder
     for part in parts:
         for rec in part.shards:
             for c in rec.chunks:
@@ -55,7 +55,7 @@ def verify_checkpoint(
                 data = storage.get(key)
                 if len(data) != f.nbytes or checksum(data) != f.checksum:
                     report.problems.append(
-                        f"{storage.describe(key)}: size or checksum mismatch (step {m.step})"
+                        f"{storage.describe(key)}: size or checksum mismatch ({describe(m)})"
                     )
                 report.bytes += len(data)
             except DeckError as e:

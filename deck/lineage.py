@@ -1,0 +1,331 @@
+"""The lineage graph of a URI: every committed checkpoint (trainer fulls and deltas, the merger's
+merged deltas and fulls), what each applies on, and the cheapest chain that reproduces a step.
+
+Lineage is data in the commit records (docs/format.md), never a separate index. The graph's unit
+is the *training state* ``(step, id of the trainer checkpoint of that step)``:
+
+- a full (the trainer's, or a merger full) *reproduces* a state on its own;
+- a delta or a merged delta *takes* state ``start`` (its ``parent`` step and id) *to* its state.
+
+A chain for step ``t`` is a full, then deltas / merged deltas each starting where the previous one
+ended, ending with the trainer checkpoint of ``t`` (whose folder holds the dense and extra state).
+:func:`cheapest_chain` picks the one with the fewest bytes; ids make sure a chain never mixes
+timelines (a step saved again after a rollback gets a new id, so nothing built on the old one
+applies to it).
+
+``deck.lineage(uri)`` (this module's :func:`lineage`) returns the graph of a URI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deck.catalog import ManifestSet, read_manifests
+from deck.errors import CheckpointNotFoundError
+from deck.format import CheckpointManifest, Kind
+from deck.storage import open_storage
+
+logger = logging.getLogger(__name__)
+
+StateKey = tuple[int, str]
+"""A training state: (step, id of the trainer checkpoint saved at that step)."""
+
+
+@dataclass(frozen=True)
+class LineageNode:
+    """One committed checkpoint in the lineage graph."""
+
+    id: str
+    kind: Kind  # full | delta | merged
+    merged: bool  # written by the merger (a merged delta or a merger full)
+    step: int
+    first_step: int  # first trainer step whose rows it holds (a full: its step)
+    layer: int  # 0: trainer checkpoints and merger fulls; i >= 1: merged deltas of layer i
+    start: StateKey | None  # the state it applies on (None for a full)
+    state: StateKey  # the state it reproduces
+    inputs: tuple[str, ...]  # ids it was merged from (merger checkpoints), oldest first
+    bytes: int  # all files of the checkpoint, all ranks
+    epoch: int
+    folder: str
+    quarantined: str | None  # why it must not be used, or None
+    manifest: CheckpointManifest = field(repr=False, compare=False)
+
+    @property
+    def covers(self) -> tuple[int, int]:
+        """(first, last) trainer step whose rows it holds."""
+        return (self.first_step, self.step)
+
+    @property
+    def usable(self) -> bool:
+        return self.quarantined is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description (for ``deck lineage --json``)."""
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "merged": self.merged,
+            "step": self.step,
+            "covers": list(self.covers),
+            "layer": self.layer,
+            "start": list(self.start) if self.start else None,
+            "state": list(self.state),
+            "inputs": list(self.inputs),
+            "bytes": self.bytes,
+            "epoch": self.epoch,
+            "folder": self.folder,
+            "quarantined": self.quarantined,
+        }
+
+
+def _node(m: CheckpointManifest, quarantined: dict[str, str]) -> LineageNode:
+    return LineageNode(
+        id=m.id,
+        kind=m.kind,
+        merged=m.is_merged,
+        step=m.step,
+        first_step=m.covers[0],
+        layer=m.layer,
+        start=m.start,
+        state=m.state,
+        inputs=m.inputs,
+        bytes=m.data_bytes,
+        epoch=m.epoch,
+        folder=m.folder,
+        quarantined=quarantined.get(m.id),
+        manifest=m,
+    )
+
+
+@dataclass(frozen=True)
+class _Best:
+    """Cheapest known way to reach a state: total bytes, then fewest checkpoints, then ids."""
+
+    cost: int
+    path: tuple[str, ...]
+
+    def key(self) -> tuple[int, int, tuple[str, ...]]:
+        return (self.cost, len(self.path), self.path)
+
+
+class LineageGraph:
+    """Every committed checkpoint of one URI and how they connect (see the module docstring).
+
+    ``nodes``: all checkpoints by id. ``trainer``: the trainer's checkpoints by step.
+    ``fulls_at[state]`` / ``ending_at[state]``: fulls reproducing a state, and deltas / merged
+    deltas ending in it. Quarantined checkpoints are in the graph (marked) but never in a chain.
+    """
+
+    def __init__(self, manifests: ManifestSet | dict[int, CheckpointManifest], uri: str = ""):
+        quarantined = manifests.quarantined if isinstance(manifests, ManifestSet) else {}
+        merged = manifests.merged if isinstance(manifests, ManifestSet) else {}
+        self.uri = uri or (manifests.uri if isinstance(manifests, ManifestSet) else "")
+        self.nodes: dict[str, LineageNode] = {}
+        self.trainer: dict[int, LineageNode] = {}
+        self.fulls_at: dict[StateKey, list[LineageNode]] = {}
+        self.ending_at: dict[StateKey, list[LineageNode]] = {}
+        for m in [*manifests.values(), *merged.values()]:
+            n = _node(m, quarantined)
+            self.nodes[n.id] = n
+            if not n.merged:
+                self.trainer[n.step] = n
+            if n.kind is Kind.FULL:
+                self.fulls_at.setdefault(n.state, []).append(n)
+            else:
+                self.ending_at.setdefault(n.state, []).append(n)
+        self._best: dict[StateKey, _Best] | None = None
+        self._best_excluding: frozenset[str] = frozenset()
+
+    # ---- queries ---------------------------------------------------------------------------
+    def trainer_at(self, state: StateKey) -> LineageNode | None:
+        """The trainer checkpoint of ``state`` if it is still committed."""
+        n = self.trainer.get(state[0])
+        return n if n is not None and n.id == state[1] else None
+
+    def parents(self, node_id: str) -> list[LineageNode]:
+        """What a checkpoint was made from / applies on: a merger checkpoint's inputs, or the
+        trainer checkpoint a delta's parent link names (those still committed)."""
+        n = self.nodes[node_id]
+        out = [self.nodes[i] for i in n.inputs if i in self.nodes]
+        if not n.merged and n.start is not None:
+            p = self.trainer_at(n.start)
+            if p is not None:
+                out.append(p)
+        return out
+
+    def children(self, node_id: str) -> list[LineageNode]:
+        """Checkpoints made from this one, or whose parent link names it."""
+        n = self.nodes[node_id]
+        return [
+            c
+            for c in self.nodes.values()
+            if node_id in c.inputs or (not c.merged and not n.merged and c.start == n.state)
+        ]
+
+    def base_full(self, step: int) -> LineageNode:
+        """The full the cheapest chain of ``step`` starts from."""
+        return self.nodes[cheapest_chain(self, step)[0].id]
+
+    def restorable_steps(self) -> list[int]:
+        """Trainer steps that have a complete chain, ascending."""
+        return [s for s in sorted(self.trainer) if self._chain_ids(s, frozenset()) is not None]
+
+    def latest(self) -> int | None:
+        """The newest trainer checkpoint (highest epoch, then step) with a complete chain;
+        checkpoints skipped on the way are logged with the reason."""
+        for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
+            if self._chain_ids(n.step, frozenset()) is not None:
+                return n.step
+            logger.warning("skipping step %d: %s", n.step, self._why_not(n.step, frozenset()))
+        return None
+
+    def chain(self, step: int, exclude: Iterable[str] = ()) -> list[CheckpointManifest]:
+        """Shorthand for :func:`cheapest_chain` ``(self, step, exclude=exclude)``."""
+        return cheapest_chain(self, step, exclude=exclude)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready graph: nodes, plus the cheapest chain of every restorable step."""
+        return {
+            "uri": self.uri,
+            "nodes": [n.to_dict() for n in sorted(self.nodes.values(), key=_order)],
+            "chains": {
+                str(s): [m.id for m in cheapest_chain(self, s)] for s in self.restorable_steps()
+            },
+        }
+
+    # ---- shortest paths ----------------------------------------------------------------------
+    def _usable(self, n: LineageNode, exclude: frozenset[str]) -> bool:
+        return n.quarantined is None and n.id not in exclude
+
+    def best_paths(self, exclude: frozenset[str] = frozenset()) -> dict[StateKey, _Best]:
+        """Cheapest path (bytes) from some full to every reachable state.
+
+        Edges only go to later steps (a delta's parent is older), so one pass in step order is
+        a complete shortest-path computation.
+        """
+        if self._best is not None and self._best_excluding == exclude:
+            return self._best
+        states = sorted({*self.fulls_at, *self.ending_at})
+        best: dict[StateKey, _Best] = {}
+        for st in states:
+            cands = [
+                _Best(f.bytes, (f.id,))
+                for f in self.fulls_at.get(st, ())
+                if self._usable(f, exclude)
+            ]
+            for d in self.ending_at.get(st, ()):
+                if not self._usable(d, exclude) or d.start is None:
+                    continue
+                prev = best.get(d.start)
+                if prev is not None:
+                    cands.append(_Best(prev.cost + d.bytes, (*prev.path, d.id)))
+            if cands:
+                best[st] = min(cands, key=_Best.key)
+        self._best, self._best_excluding = best, exclude
+        return best
+
+    def _chain_ids(self, step: int, exclude: frozenset[str]) -> tuple[str, ...] | None:
+        """Ids of the cheapest chain of trainer step ``step``, or None when there is none."""
+        t = self.trainer.get(step)
+        if t is None or not self._usable(t, exclude):
+            return None
+        if t.kind is Kind.FULL:
+            return (t.id,)
+        best = self.best_paths(exclude)
+        cands: list[_Best] = []
+        if t.start is not None and t.start in best:
+            cands.append(best[t.start])
+        # Or reach the state itself another way (a merger full of it, or a merged delta ending
+        # in it) and apply the trainer's checkpoint again: redundant rows, but it may be cheaper,
+        # and the chain must end in the trainer checkpoint for its dense / extra state.
+        for f in self.fulls_at.get(t.state, ()):
+            if self._usable(f, exclude):
+                cands.append(_Best(f.bytes, (f.id,)))
+        for d in self.ending_at.get(t.state, ()):
+            if d.id != t.id and self._usable(d, exclude) and d.start in best:
+                assert d.start is not None
+                prev = best[d.start]
+                cands.append(_Best(prev.cost + d.bytes, (*prev.path, d.id)))
+        if not cands:
+            return None
+        path = min(cands, key=lambda b: (b.cost + t.bytes, len(b.path), b.path)).path
+        return (*path, t.id)
+
+    def _why_not(self, step: int, exclude: frozenset[str]) -> str:
+        """Why trainer step ``step`` has no chain: the first link that is missing."""
+        t = self.trainer.get(step)
+        if t is None:
+            return f"no committed checkpoint at step {step}; committed: {sorted(self.trainer)}"
+        best = self.best_paths(exclude)
+        node: LineageNode | None = t
+        while node is not None:
+            if not self._usable(node, exclude):
+                why = node.quarantined or "excluded (failed verification)"
+                return (
+                    f"step {step} cannot be restored: its chain needs checkpoint {node.id} at step "
+                    f"{node.step}, which is unusable ({why}) and no merged or full checkpoint "
+                    "covers it; restore an older step or take a new full checkpoint"
+                )
+            if node.kind is Kind.FULL or node.start is None:
+                break
+            if node.start in best:
+                break
+            parent = self.trainer_at(node.start)
+            if parent is None:
+                other = self.trainer.get(node.start[0])
+                return (
+                    f"step {step} cannot be restored: its chain needs checkpoint {node.start[1]} at "
+                    f"step {node.start[0]} (for delta {node.step}), which is "
+                    + ("missing" if other is None else "from another timeline")
+                    + "; restore an older step or take a new full checkpoint"
+                )
+            node = parent
+        return f"step {step} cannot be restored: no full checkpoint starts its chain"
+
+
+def _order(n: LineageNode) -> tuple[int, int, int, str]:
+    return (n.step, n.first_step, n.layer, n.id)
+
+
+def build_graph(
+    manifests: ManifestSet | dict[int, CheckpointManifest], uri: str = ""
+) -> LineageGraph:
+    """The lineage graph of what :func:`deck.catalog.read_manifests` returned."""
+    return LineageGraph(manifests, uri)
+
+
+def lineage(uri: str, storage_options: dict[str, Any] | None = None) -> LineageGraph:
+    """The lineage graph of every committed checkpoint at ``uri`` (trainer's and merger's).
+
+    An empty or missing URI gives an empty graph. Folders without ``manifest.json`` are not
+    checkpoints and are not in it.
+    """
+    storage = open_storage(uri, storage_options)
+    return LineageGraph(read_manifests(storage), storage.uri)
+
+
+def cheapest_chain(
+    graph: LineageGraph, step: int, *, exclude: Iterable[str] = ()
+) -> list[CheckpointManifest]:
+    """The chain with the fewest bytes that reproduces trainer step ``step``: a full (the
+    trainer's or a merger full), then deltas / merged deltas, each starting from the state the
+    previous one ended in, ending with the trainer checkpoint of ``step``.
+
+    Guarantees: every element is committed and not quarantined nor in ``exclude``; each link
+    matches by id (no timeline mixing); ties go to fewer checkpoints. Raises
+    :class:`CheckpointNotFoundError` naming the first missing / unusable link when there is no
+    chain.
+    """
+    ex = frozenset(exclude)
+    ids = graph._chain_ids(step, ex)
+    if ids is None:
+        raise CheckpointNotFoundError(graph._why_not(step, ex))
+    return [graph.nodes[i].manifest for i in ids]
+
+
+def chain_bytes(chain: Iterable[CheckpointManifest]) -> int:
+    """Bytes a restore of ``chain`` reads (all ranks)."""
+    return sum(m.data_bytes for m in chain)

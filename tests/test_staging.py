@@ -1,0 +1,170 @@
+"""Staging: bounded memory, S3 outage, kill -9 during upload and restart recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import deck
+from deck.adapters.base import TableShard
+from deck.catalog import chain_for, read_manifests
+from deck.config import StagingConfig
+from deck.format import Kind
+from deck.restore import apply_chain
+from deck.staging import CheckpointStats, PendingPart, Stager
+from deck.storage import open_storage
+from deck.writer import RankPartWriter
+
+JOB = str(Path(__file__).with_name("staging_job.py"))
+
+
+def _shard(rows: int, dim: int) -> TableShard:
+    g = torch.Generator().manual_seed(rows)
+    return TableShard(
+        table="m.embedding_bags.t0.weight",
+        num_rows=rows,
+        num_cols=dim,
+        row_offset=0,
+        rows=rows,
+        col_offset=0,
+        cols=dim,
+        states={
+            "weight": torch.randn(rows, dim, generator=g),
+            "momentum1": torch.rand(rows, generator=g),
+        },
+    )
+
+
+@pytest.mark.parametrize("uri_kind", ["local", "memory"])
+def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind: str) -> None:
+    """A 100 MiB table goes through 3 buffers of 256 KiB; the result restores exactly."""
+    uri = str(tmp_path / "ck") if uri_kind == "local" else f"memory://deck-{tmp_path.name}"
+    storage = open_storage(uri)
+    cfg = StagingConfig(
+        chunk_bytes=256 * 1024, chunks_in_flight=3, spool_dir=str(tmp_path / "spool")
+    )
+    stager = Stager(storage, cfg, rank=0)
+    shard = _shard(rows=400_000, dim=64)
+    info = PendingPart(
+        uri=storage.uri,
+        step=0,
+        ckpt_id="00000000000000aa",
+        rank=0,
+        world_size=1,
+        kind=Kind.FULL,
+        parent=None,
+        parent_id=None,
+        base=0,
+        epoch=0,
+    )
+    staged = stager.begin(info, reserved=0)
+    writer = RankPartWriter(storage, 0, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
+    writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
+    staged.wait_written()
+    stats = CheckpointStats(step=0, kind="full", id=info.ckpt_id)
+    stager.enqueue(staged, stats)
+    assert stager.flush(timeout=120)
+    stager.close()
+
+    assert writer.bytes_written > 100 * 2**20
+    assert stager.pool.peak_in_use <= cfg.chunks_in_flight
+    assert stager.pool.allocated_bytes <= cfg.chunks_in_flight * cfg.chunk_bytes
+    assert (
+        stats.state == "committed"
+        and stats.durable_local_s is not None
+        and stats.committed_s is not None
+    )
+
+    manifests = read_manifests(storage)
+    target = _shard(rows=400_000, dim=64)
+    for t in target.states.values():
+        t.zero_()
+    apply_chain(storage, chain_for(manifests, 0), [target], {shard.table: (400_000, 64)})
+    assert all(torch.equal(target.states[k], shard.states[k]) for k in shard.states)
+    if uri_kind == "memory":
+        assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]
+
+
+def _start(args: list[str], markers: Path) -> subprocess.Popen[bytes]:
+    log = open(markers / "job.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, JOB, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_marker(path: Path, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"job exited with {proc.returncode}: {(path.parent / 'job.log').read_text()[-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {path.name}")
+        time.sleep(0.1)
+
+
+def _finish(proc: subprocess.Popen[bytes], markers: Path, timeout: float = 600) -> None:
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, (markers / "job.log").read_text()[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["resume", "die"])
+def test_s3_outage_and_kill_during_upload(tmp_path: Path, s3_server, then: str) -> None:
+    """Training goes on while SeaweedFS is down; uploads catch up when it returns (``resume``),
+    or a kill -9 with parts still in the spool is finished by the next process (``die``)."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    common = [
+        "--uri",
+        s3_server.uri(f"{tmp_path.name}/ck"),
+        "--options",
+        json.dumps(s3_server.storage_options),
+        "--spool",
+        str(tmp_path / "spool"),
+        "--markers",
+        str(markers),
+    ]
+    proc = _start(["run", *common, "--then", then], markers)
+    try:
+        _wait_marker(markers / "phase1", proc)
+        s3_server.pause()
+        (markers / "outage").touch()
+        _wait_marker(markers / "phase2", proc)
+        # Steps 15 and 20 are staged and waiting for the store.
+        pending = sorted(p.name for p in (tmp_path / "spool").rglob("*.pending.json"))
+        assert len(pending) == 4, pending  # 2 steps x 2 ranks
+        if then == "die":
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        s3_server.resume()
+        if then == "resume":
+            (markers / "resumed").touch()
+            _finish(proc, markers)
+        else:
+            storage = open_storage(s3_server.uri(f"{tmp_path.name}/ck"), s3_server.storage_options)
+            assert sorted(read_manifests(storage)) == [0, 5, 10]  # nothing half-visible
+            _finish(_start(["verify", *common], markers), markers)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if not s3_server.running:
+            s3_server.resume()
+    infos = deck.list_checkpoints(s3_server.uri(f"{tmp_path.name}/ck"), s3_server.storage_options)
+    assert [(i.step, i.kind) for i in infos] == [
+        (0, "full"),
+        (5, "delta"),
+        (10, "delta"),
+        (15, "delta"),
+        (20, "delta"),
+    ]
+    assert not list((tmp_path / "spool").rglob("*.pending.json"))
