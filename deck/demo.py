@@ -304,6 +304,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
                 user.losses.append(losses[-1])
             ckpt.step(step)
         live = capture_state(model, dense_opt, user)
+        ckpt.flush()  # background uploads and commits
         history = ckpt.history
     dist.barrier()
     dcp_s = float("nan")
@@ -395,11 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     hist = r["history"]
     fulls = [h for h in hist if h["kind"] == "full"]
     deltas = [h for h in hist if h["kind"] == "delta"]
-    print(f"{'step':>6} {'kind':>6} {'rows':>10} {'bytes':>12} {'stall s':>9}")
+    print(
+        f"{'step':>6} {'kind':>6} {'rows':>9} {'bytes':>11} {'chunks':>6} {'stall s':>8} {'durable s':>9} {'commit s':>8}"
+    )
     for h in hist:
+        durable = "-" if h["durable_local_s"] is None else f"{h['durable_local_s']:.3f}"
+        committed = "-" if h["committed_s"] is None else f"{h['committed_s']:.3f}"
         print(
-            f"{h['step']:>6} {h['kind']:>6} {h['rows']:>10} {_fmt_bytes(h['bytes']):>12} {h['stall_s']:>9.3f}"
+            f"{h['step']:>6} {h['kind']:>6} {h['rows']:>9} {_fmt_bytes(h['bytes']):>11} {h['chunks']:>6} "
+            f"{h['stall_s']:>8.3f} {durable:>9} {committed:>8}"
         )
+    print(
+        "stall: training blocked; durable: fsynced locally; commit: manifest written (from snapshot start)"
+    )
     if fulls and deltas:
         full_b = fulls[0]["bytes"]
         med_delta_b = float(np.median([h["bytes"] for h in deltas]))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from deck.adapters.base import TableShard
 
 import deck
-from deck.adapters.base import TableShard
 from deck.catalog import chain_for, read_manifests
 from deck.config import StagingConfig
 from deck.format import Kind
@@ -94,10 +94,13 @@ def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind:
 
 
 def _start(args: list[str], markers: Path) -> subprocess.Popen[bytes]:
-    log = open(markers / "job.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, JOB, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with open(markers / "job.log", "ab") as log:  # the child keeps its own copy of the fd
+        return subprocess.Popen(
+            [sys.executable, JOB, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _wait_marker(path: Path, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
