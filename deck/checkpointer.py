@@ -74,7 +74,8 @@ class DeltaCheckpointer:
         self._epoch = self._next_epoch()
         self._last_step: int | None = None
         self.history: list[CheckpointStats] = []
-        self.stager = Stager(self.storage, config.staging, self.coord.rank)
+        on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
+        self.stager = Stager(self.storage, config.staging, self.coord.rank, pinned=on_gpu)
         self._closed = False
         self.recovered = self.stager.recover()
 

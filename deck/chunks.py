@@ -18,6 +18,7 @@ from deck.errors import CorruptCheckpointError
 from deck.format import PAGE_ALIGN, ChunkRecord, Segment
 
 _ALIGN = 64
+Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
 _DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
@@ -70,7 +71,7 @@ class ChunkLayout:
 
 
 def build_chunk(
-    buf: bytearray,
+    buf: Buffer,
     path: str,
     layout: ChunkLayout,
     fill: Sequence[torch.Tensor | None],
@@ -109,7 +110,7 @@ def build_chunk(
     )
 
 
-def segment_view(buf: bytearray, layout: ChunkLayout, name: str) -> torch.Tensor:
+def segment_view(buf: Buffer, layout: ChunkLayout, name: str) -> torch.Tensor:
     """A typed, writable tensor view of segment ``name`` inside ``buf``."""
     for seg_name, dtype, shape, off, nbytes in layout.segments:
         if seg_name == name:

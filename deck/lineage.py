@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deck.catalog import ManifestSet, read_manifests
+from deck.catalog import ManifestSet, quarantine, read_manifests
 from deck.errors import CheckpointNotFoundError
 from deck.format import CheckpointManifest, Kind
-from deck.storage import open_storage
+from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -329,3 +329,71 @@ def cheapest_chain(
 def chain_bytes(chain: Iterable[CheckpointManifest]) -> int:
     """Bytes a restore of ``chain`` reads (all ranks)."""
     return sum(m.data_bytes for m in chain)
+
+
+@dataclass
+class VerifiedChain:
+    """A chain whose every file was re-read and checksum-verified, and what was skipped."""
+
+    chain: list[CheckpointManifest]
+    rejected: dict[str, list[str]]  # id of a checkpoint that failed verification -> problems
+
+
+def best_valid_chain(
+    storage: Storage,
+    step: int,
+    *,
+    manifests: ManifestSet | None = None,
+    record: bool = True,
+    max_rejects: int = 16,
+) -> VerifiedChain:
+    """The cheapest chain of ``step`` whose files all verify (sizes and checksums).
+
+    Verifies the cheapest chain; a checkpoint with a problem is excluded (and, with ``record``,
+    quarantined so later restores and the merger avoid it too) and the next cheapest chain is
+    tried -- e.g. through a merged delta that covers a damaged delta. Reads every byte of the
+    chain once more than a plain restore: for recovery after a restore failed with
+    :class:`deck.errors.CorruptCheckpointError`. Raises :class:`CheckpointNotFoundError` naming
+    the damaged checkpoints when no valid chain is left.
+    """
+    from deck.verify import verify_checkpoint
+
+    manifests = manifests if manifests is not None else read_manifests(storage)
+    graph = LineageGraph(manifests, storage.uri)
+    rejected: dict[str, list[str]] = {}
+    verified: set[str] = set()
+    while len(rejected) <= max_rejects:
+        try:
+            chain = cheapest_chain(graph, step, exclude=rejected)
+        except CheckpointNotFoundError as e:
+            if not rejected:
+                raise
+            raise CheckpointNotFoundError(
+                f"{e}; damaged checkpoints skipped: "
+                + "; ".join(f"{i}: {p[0]}" for i, p in rejected.items())
+            ) from None
+        bad = None
+        for m in chain:
+            if m.id in verified:
+                continue
+            report = verify_checkpoint(storage, m)
+            if report.problems:
+                bad = m
+                rejected[m.id] = report.problems
+                logger.warning(
+                    "restore of step %d: checkpoint %s (%s) is damaged: %s; trying another chain",
+                    step,
+                    m.id,
+                    m.folder,
+                    report.problems[0],
+                )
+                if record:
+                    quarantine(storage, m, report.problems[0])
+                break
+            verified.add(m.id)
+        if bad is None:
+            return VerifiedChain(chain, rejected)
+    raise CheckpointNotFoundError(
+        f"step {step}: more than {max_rejects} damaged checkpoints in its lineage; run "
+        f"`deck verify {storage.uri} --all`"
+    )

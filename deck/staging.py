@@ -25,10 +25,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from deck import __version__
-from deck.chunks import checksum
+from deck.chunks import Buffer, checksum
 from deck.config import StagingConfig
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError, StorageError
 from deck.format import (
@@ -90,12 +91,18 @@ class CheckpointStats:
 
 
 class BufferPool:
-    """``count`` reusable buffers of ``size`` bytes, allocated on first use."""
+    """``count`` reusable buffers of ``size`` bytes, allocated on first use.
 
-    def __init__(self, count: int, size: int):
+    With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
+    copies into them are true DMA transfers that can run on a side stream.
+    """
+
+    def __init__(self, count: int, size: int, pinned: bool = False):
         self.size = size
         self.count = count
-        self._free: queue.LifoQueue[bytearray] = queue.LifoQueue()
+        self.pinned = pinned
+        self._keep: list[torch.Tensor] = []  # owners of pinned buffers
+        self._free: queue.LifoQueue[Buffer] = queue.LifoQueue()
         self._allocated = 0
         self._lock = threading.Lock()
         self.in_use = 0
@@ -105,19 +112,26 @@ class BufferPool:
     def allocated_bytes(self) -> int:
         return self._allocated * self.size
 
-    def acquire(self) -> bytearray:
+    def _new(self) -> Buffer:
+        if not self.pinned:
+            return bytearray(self.size)
+        owner = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
+        self._keep.append(owner)
+        return memoryview(owner.numpy())  # type: ignore[arg-type]
+
+    def acquire(self) -> Buffer:
         """A free buffer; blocks while ``count`` are in use (this is the memory bound)."""
         with self._lock:
             if self._free.empty() and self._allocated < self.count:
                 self._allocated += 1
-                self._free.put(bytearray(self.size))
+                self._free.put(self._new())
         buf = self._free.get()
         with self._lock:
             self.in_use += 1
             self.peak_in_use = max(self.peak_in_use, self.in_use)
         return buf
 
-    def release(self, buf: bytearray) -> None:
+    def release(self, buf: Buffer) -> None:
         with self._lock:
             self.in_use -= 1
         self._free.put(buf)
@@ -145,10 +159,10 @@ class StagedPart:
         self.part: RankManifest | None = None
 
     # -- sink interface used by deck.writer.RankPartWriter --
-    def buffer(self) -> bytearray:
+    def buffer(self) -> Buffer:
         return self.stager.pool.acquire()
 
-    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None:
+    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
         self.bytes += nbytes
@@ -186,12 +200,12 @@ class StagedPart:
 class Stager:
     """Moves checkpoint parts of one rank from CPU buffers to the destination, in the background."""
 
-    def __init__(self, storage: Storage, staging: StagingConfig, rank: int):
+    def __init__(self, storage: Storage, staging: StagingConfig, rank: int, pinned: bool = False):
         self.storage = storage
         self.cfg = staging
         self.rank = rank
         self.tier = resolve_tier(staging, storage)
-        self.pool = BufferPool(staging.chunks_in_flight, staging.chunk_bytes)
+        self.pool = BufferPool(staging.chunks_in_flight, staging.chunk_bytes, pinned=pinned)
         if self.tier == "local":
             assert isinstance(storage, LocalStorage)
             self.spool_root: str | None = storage.root
@@ -233,7 +247,7 @@ class Stager:
         return StagedPart(self, info, reserved)
 
     def write_out(
-        self, step: int, rel: str, data: bytes | bytearray, nbytes: int, pooled: bool
+        self, step: int, rel: str, data: bytes | Buffer, nbytes: int, pooled: bool
     ) -> Future[None]:
         """Write one file to the first tier (spool, or upload for cpu-remote)."""
         key = f"{step_dir(step)}/{rel}"

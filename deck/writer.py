@@ -14,7 +14,7 @@ import torch
 
 from deck import treecodec
 from deck.adapters.base import TableShard
-from deck.chunks import ChunkLayout, build_chunk, checksum, segment_view
+from deck.chunks import Buffer, ChunkLayout, build_chunk, checksum, segment_view
 from deck.errors import ConfigError
 from deck.format import (
     FORMAT_VERSION,
@@ -51,10 +51,10 @@ class DirectSink:
         self.root = step_dir(step)
         self.chunk_bytes = chunk_bytes
 
-    def buffer(self) -> bytearray:
+    def buffer(self) -> Buffer:
         return bytearray(self.chunk_bytes)
 
-    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None:
+    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
 
     def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
@@ -67,8 +67,8 @@ class DirectSink:
 class Sink(Protocol):
     """Where a :class:`RankPartWriter` sends files: storage directly, or the stager."""
 
-    def buffer(self) -> bytearray: ...
-    def submit(self, rel: str, buf: bytearray, nbytes: int) -> None: ...
+    def buffer(self) -> Buffer: ...
+    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None: ...
     def submit_bytes(self, rel: str, data: bytes | bytearray) -> None: ...
     def finish_part(self, part: RankManifest) -> None: ...
 
@@ -130,16 +130,8 @@ class RankPartWriter:
             stop = min(n, start + per_chunk)
             layout = ChunkLayout(stop - start, segs)
             buf = self.sink.buffer()
-            ids = segment_view(buf, layout, "ids")
-            if rows is None:
-                torch.arange(start + shard.row_offset, stop + shard.row_offset, out=ids)
-                for name, t in shard.states.items():
-                    segment_view(buf, layout, name).copy_(t[start:stop])
-            else:
-                local = rows[start:stop]
-                torch.add(local, shard.row_offset, out=ids)
-                for name, t in shard.states.items():
-                    torch.index_select(t, 0, local, out=segment_view(buf, layout, name))
+            local = None if rows is None else rows[start:stop]
+            _fill_chunk(buf, layout, shard, start, stop, local)
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
             last = stop == n
             rec = build_chunk(
@@ -196,6 +188,49 @@ class RankPartWriter:
         )
         self.sink.finish_part(manifest)
         return manifest
+
+
+_side_streams: dict[Any, Any] = {}
+
+
+def _fill_chunk(
+    buf: Buffer,
+    layout: ChunkLayout,
+    shard: TableShard,
+    start: int,
+    stop: int,
+    local: torch.Tensor | None,
+) -> None:
+    """Gather rows ``[start, stop)`` of the selection (``local``; None = all rows) into ``buf``.
+
+    CPU tables: one ``index_select(out=...)`` per state straight into the buffer. GPU tables: the
+    gather runs on the table's device on a side stream that first waits for the training stream,
+    then copies into the (pinned) buffer without blocking training kernels; one sync per chunk.
+    """
+    ids = segment_view(buf, layout, "ids")
+    if local is None:
+        torch.arange(start + shard.row_offset, stop + shard.row_offset, out=ids)
+    else:
+        torch.add(local.cpu(), shard.row_offset, out=ids)
+    device = next(iter(shard.states.values())).device
+    if device.type == "cpu":
+        for name, t in shard.states.items():
+            out = segment_view(buf, layout, name)
+            if local is None:
+                out.copy_(t[start:stop])
+            else:
+                torch.index_select(t, 0, local, out=out)
+        return
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        idx = None if local is None else local.to(device, non_blocking=True)
+        for name, t in shard.states.items():
+            src = t[start:stop] if idx is None else t.index_select(0, idx)
+            segment_view(buf, layout, name).copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 def commit(

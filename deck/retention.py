@@ -1,0 +1,497 @@
+"""Retention and garbage collection: what stays restorable, and deleting everything else.
+
+Retention rules (:class:`RetentionPolicy`; docs/operations.md, "Retention and GC"):
+
+- **Active window.** The newest restorable trainer checkpoint ("latest"), every trainer
+  checkpoint between it and its newest full (a merger full or the trainer's), and the checkpoints
+  of latest's cheapest chain, are kept: every step of the window restores, the latest fastest.
+- **Rollback fulls** (DECK fig. 9): the newest ``keep_last_fulls`` fulls, and with
+  ``keep_fulls_every = N`` the oldest full of every N-step period, are kept with the trainer
+  checkpoint of their step (whose folder holds that step's dense and extra state).
+- ``keep_all_steps``: every trainer checkpoint that is restorable now stays restorable
+  (IncrCP's "recover any checkpoint"), through the kept fulls and the trainer's deltas.
+
+Everything committed that no retained step needs is deleted -- only ever because something
+committed replaces it, and never what the lineage *grace_s* seconds ago needed (a trainer that
+just restored, or a restore in progress, may still be reading it). Deleting a checkpoint removes
+its ``manifest.json`` first, so a crash mid-way leaves an orphan folder, never a broken record.
+
+Orphans: attempt folders no record references (failed or crashed saves, merger attempts),
+uncommitted step folders once a later step is committed, uncommitted merger folders, and
+partition records of committed merger checkpoints -- all only once every file in them is older
+than ``grace_s`` (their writer may still be running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deck.catalog import ManifestSet, read_manifests, read_rank_manifests
+from deck.errors import CheckpointNotFoundError, ConfigError, DeckError, NotFoundError
+from deck.format import (
+    MANIFEST,
+    MERGED_ROOT,
+    QUARANTINE_ROOT,
+    CheckpointManifest,
+    Kind,
+    load_model,
+    parse_merged_dir,
+    parse_step_dir,
+)
+from deck.lineage import LineageGraph, LineageNode, build_graph
+from deck.storage import LocalStorage, Storage
+from deck.storage.local import TEMP_PREFIX
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """What GC keeps (see the module docstring)."""
+
+    keep_last_fulls: int = 2
+    keep_fulls_every: int | None = None
+    keep_all_steps: bool = False
+    grace_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.keep_last_fulls < 1:
+            raise ConfigError(f"keep_last_fulls must be >= 1, got {self.keep_last_fulls}")
+        if self.keep_fulls_every is not None and self.keep_fulls_every < 1:
+            raise ConfigError(f"keep_fulls_every must be >= 1 steps, got {self.keep_fulls_every}")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass
+class RetentionPlan:
+    """Which steps stay restorable, which checkpoints they need, and what can go."""
+
+    latest: int | None
+    window: list[int]  # trainer steps of the active window
+    retained_steps: list[int]  # every step that stays restorable
+    kept_fulls: list[str]  # ids of the fulls kept for rollback / the window
+    keep: set[str]  # ids of every checkpoint kept
+    delete: dict[str, str]  # id -> why it can go
+
+
+def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
+    """A full that can be a rollback point: usable, and the trainer checkpoint of its state is
+    still there (a merger full of an abandoned timeline whose step was saved again is not)."""
+    return n.kind is Kind.FULL and n.usable and graph.trainer_at(n.state) is not None
+
+
+def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> RetentionPlan:
+    """Apply ``policy`` to the committed lineage (no grace period: see :func:`collect_garbage`)."""
+    graph = build_graph(manifests)
+    latest = graph.latest()
+    if latest is None:
+        # Nothing is restorable: deleting could only make matters worse.
+        return RetentionPlan(None, [], [], [], set(graph.nodes), {})
+    latest_chain = [m.id for m in graph.chain(latest)]
+
+    # The window: from latest back along parent links to the newest state with a full.
+    window: list[int] = []
+    node: LineageNode | None = graph.trainer[latest]
+    while node is not None:
+        window.append(node.step)
+        if node.kind is Kind.FULL or any(f.usable for f in graph.fulls_at.get(node.state, ())):
+            break
+        node = graph.trainer_at(node.start) if node.start is not None else None
+    anchor_state = node.state if node is not None else None
+
+    fulls = [n for n in graph.nodes.values() if _eligible_full(graph, n)]
+    by_state: dict[tuple[int, str], LineageNode] = {}
+    for f in sorted(fulls, key=lambda n: (n.merged, n.bytes, n.id)):
+        by_state.setdefault(f.state, f)  # one full per state: the trainer's, else the smallest
+    kept: dict[tuple[int, str], LineageNode] = {}
+    if anchor_state is not None and anchor_state in by_state:
+        kept[anchor_state] = by_state[anchor_state]
+    newest = sorted(by_state.values(), key=lambda n: (n.epoch, n.step), reverse=True)
+    for f in newest[: policy.keep_last_fulls]:
+        kept[f.state] = f
+    if policy.keep_fulls_every:
+        period: dict[int, LineageNode] = {}
+        for f in sorted(by_state.values(), key=lambda n: (n.step, -n.epoch)):
+            period.setdefault(f.step // policy.keep_fulls_every, f)
+        for f in period.values():
+            kept[f.state] = f
+    for f in graph.fulls_at.get(graph.trainer[latest].state, ()):
+        if f.id in latest_chain:
+            kept[f.state] = f
+
+    # Merged deltas of the window that no committed merged delta consumes yet are the merger's
+    # work in progress (inputs of the next layer): kept until their consumer is committed.
+    window_ids = {graph.trainer[s].id for s in window}
+    consumed = {i for n in graph.nodes.values() for i in n.inputs if n.kind is Kind.MERGED}
+    in_progress = {
+        n.id
+        for n in graph.nodes.values()
+        if n.kind is Kind.MERGED and n.usable and n.state[1] in window_ids and n.id not in consumed
+    }
+
+    retained = set(window) | {st[0] for st in kept}
+    if policy.keep_all_steps:
+        retained |= set(graph.restorable_steps())
+    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and the
+    # latest chain's merged deltas; only when that is impossible do they keep more.
+    allowed = (
+        {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
+    )
+    restricted = [i for i in graph.nodes if i not in allowed]
+    keep: set[str] = set(latest_chain) | in_progress
+    retained_steps = []
+    for step in sorted(retained):
+        try:
+            chain = graph.chain(step, exclude=restricted)
+        except CheckpointNotFoundError:
+            try:
+                chain = graph.chain(step)
+            except CheckpointNotFoundError as e:
+                logger.warning("retention: step %d is not restorable, not retained: %s", step, e)
+                continue
+        keep.update(m.id for m in chain)
+        retained_steps.append(step)
+    delete = {}
+    for n in graph.nodes.values():
+        if n.id in keep:
+            continue
+        if n.quarantined is not None:
+            delete[n.id] = f"quarantined ({n.quarantined})"
+        elif not n.merged:
+            delete[n.id] = f"step {n.step} is not retained"
+        else:
+            delete[n.id] = f"{n.kind.value} {n.folder} is not in the chain of a retained step"
+    return RetentionPlan(
+        latest=latest,
+        window=sorted(window),
+        retained_steps=retained_steps,
+        kept_fulls=sorted(f.id for f in kept.values()),
+        keep=keep,
+        delete=delete,
+    )
+
+
+# ---- garbage collection ------------------------------------------------------------------------
+
+
+@dataclass
+class GcReport:
+    """What :func:`collect_garbage` deleted (or would delete, with ``dry_run``)."""
+
+    dry_run: bool
+    latest: int | None = None
+    retained_steps: list[int] = field(default_factory=list)
+    deleted: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
+    orphans: list[tuple[str, str]] = field(default_factory=list)  # (prefix, why)
+    files: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def file_age_s(storage: Storage, key: str, now: float) -> float | None:
+    """Seconds since ``key`` was last written, when the backend tells (local files, fsspec
+    stores reporting a modification / creation time); None otherwise."""
+    if isinstance(storage, LocalStorage):
+        try:
+            return now - os.stat(storage.local_path(key)).st_mtime
+        except OSError:
+            return None
+    fs = getattr(storage, "fs", None)
+    if fs is None:
+        return None
+    try:
+        info = fs.info(storage.describe(key))
+    except Exception:  # any backend failure: treat the age as unknown (keeps the file)
+        return None
+    for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
+        v = info.get(name)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):
+            return now - float(v.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return now - float(v)
+    return None
+
+
+def _old_enough(storage: Storage, keys: list[str], grace_s: float, now: float) -> bool:
+    """Whether every file under a prefix is older than the grace period (unknown: no)."""
+    if grace_s <= 0:
+        return True
+    for k in keys:
+        age = file_age_s(storage, k, now)
+        if age is None or age < grace_s:
+            return False
+    return True
+
+
+def _referenced(storage: Storage, m: CheckpointManifest) -> set[str] | None:
+    """Every key a committed checkpoint's records name (None when they cannot be read)."""
+    try:
+        parts = read_rank_manifests(storage, m)
+    except DeckError:
+        return None
+    keys = {f"{m.folder}/{MANIFEST}"} | {f"{m.folder}/{r.path}" for r in m.ranks}
+    for p in parts:
+        for rec in p.shards:
+            keys.update(f"{m.folder}/{c.path}" for c in rec.chunks)
+        for f in (p.dense, p.extra):
+            if f is not None:
+                keys.add(f"{m.folder}/{f.path}")
+    return keys
+
+
+def collect_garbage(
+    storage: Storage,
+    policy: RetentionPolicy | None = None,
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GcReport:
+    """Apply ``policy`` at ``storage``: delete checkpoints no retained step needs, then orphans.
+
+    Guarantees: every step retained now, and every checkpoint the lineage needed
+    ``policy.grace_s`` seconds ago, stays restorable; nothing committed less than ``grace_s`` ago
+    is deleted; a checkpoint's ``manifest.json`` goes before its files. Safe to run next to the
+    trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
+    """
+    policy = policy or RetentionPolicy()
+    now = time.time() if now is None else now
+    keys = storage.list("")
+    manifests = read_manifests(storage, keys)
+    plan = plan_retention(manifests, policy)
+    report = GcReport(dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps)
+    protected = set(plan.keep)
+    if policy.grace_s > 0:
+        # The lineage as it was grace_s ago: whatever it needed may still be in use.
+        cutoff = now - policy.grace_s
+        old = ManifestSet(
+            {s: m for s, m in manifests.items() if m.created_unix <= cutoff},
+            {i: m for i, m in manifests.merged.items() if m.created_unix <= cutoff},
+            manifests.quarantined,
+            uri=manifests.uri,
+        )
+        protected |= plan_retention(old, policy).keep
+        protected |= {m.id for m in manifests.all() if m.created_unix > cutoff}
+    graph = build_graph(manifests)
+    by_prefix: dict[str, list[str]] = {}
+    for k in keys:
+        head, _, rest = k.partition("/")
+        if head == MERGED_ROOT:
+            head = f"{head}/{rest.partition('/')[0]}"
+        by_prefix.setdefault(head, []).append(k)
+
+    def size_of(ks: list[str]) -> int:
+        total = 0
+        for k in ks:
+            with contextlib.suppress(DeckError, OSError):
+                total += storage.size(k)
+        return total
+
+    # 1. Checkpoints no retained step needs (manifest first, then the files of that record).
+    for cid, why in sorted(plan.delete.items(), key=lambda kv: graph.nodes[kv[0]].step):
+        if cid in protected:
+            continue
+        n = graph.nodes[cid]
+        if n.merged:
+            files = by_prefix.get(n.folder, [])
+        else:
+            files = [k for k in by_prefix.get(n.folder, []) if k.startswith(f"{n.folder}/{cid}/")]
+            files.append(f"{n.folder}/{MANIFEST}")
+        report.deleted.append((n.folder if n.merged else f"{n.folder} (id {cid})", why))
+        report.files += len(files)
+        report.bytes += size_of(files)
+        if progress:
+            progress(n.folder)
+        if not dry_run:
+            try:
+                _delete_checkpoint(storage, n)
+            except DeckError as e:
+                report.errors.append(f"{n.folder}: {e}")
+
+    # 2. Orphans: files no committed record references, once they are old enough.
+    deleted_ids = {cid for cid in plan.delete if cid not in protected}
+    latest_step = max((m.step for m in manifests.values()), default=-1)
+    for prefix, ks in sorted(by_prefix.items()):
+        if prefix.startswith(f"{MERGED_ROOT}/"):
+            parsed = parse_merged_dir(prefix.partition("/")[2])
+            if parsed is None:
+                continue
+            m = manifests.merged.get(parsed[0])
+            if m is not None and m.id in deleted_ids:
+                continue  # handled above
+            if m is None:
+                if f"{prefix}/{MANIFEST}" in ks:
+                    continue  # a record we could not read: leave it to a human
+                _orphan(
+                    storage,
+                    report,
+                    prefix + "/",
+                    ks,
+                    "uncommitted merger folder",
+                    policy,
+                    now,
+                    dry_run,
+                )
+                continue
+            refs = _referenced(storage, m)
+            if refs is None:
+                continue
+            stale = [k for k in ks if k not in refs]
+            if stale:
+                _orphan_files(
+                    storage,
+                    report,
+                    prefix,
+                    stale,
+                    "files no record references",
+                    policy,
+                    now,
+                    dry_run,
+                )
+            continue
+        step = parse_step_dir(prefix)
+        if step is not None:
+            m = manifests.get(step)
+            attempts: dict[str, list[str]] = {}
+            for k in ks:
+                rest = k[len(prefix) + 1 :]
+                if rest == MANIFEST or "/" not in rest:
+                    continue
+                attempts.setdefault(rest.partition("/")[0], []).append(k)
+            for aid, aks in sorted(attempts.items()):
+                if m is not None and aid == m.id:
+                    continue  # the committed attempt (kept, or deleted above with its record)
+                if m is None and step >= latest_step:
+                    continue  # may be a checkpoint still being uploaded: keep it
+                why = (
+                    "attempt folder no record references"
+                    if m is not None
+                    else "uncommitted checkpoint older than a committed later step"
+                )
+                _orphan(storage, report, f"{prefix}/{aid}/", aks, why, policy, now, dry_run)
+            continue
+        if prefix == QUARANTINE_ROOT:
+            for k in ks:
+                qid = k.rpartition("/")[2].removesuffix(".json")
+                if qid not in graph.nodes or qid in deleted_ids:
+                    report.orphans.append((k, "quarantine record of a deleted checkpoint"))
+                    report.files += 1
+                    if not dry_run:
+                        storage.delete(k)
+    if not dry_run:
+        report.files += _prune_local(storage, "", policy.grace_s, now)
+    # A checkpoint deleted above may come back (the merger rebuilds the same id): its old
+    # quarantine record must not outlive it.
+    if not dry_run:
+        for cid in deleted_ids:
+            if cid in manifests.quarantined:
+                storage.delete(f"{QUARANTINE_ROOT}/{cid}.json")
+    logger.info(
+        "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
+        storage.uri,
+        "would delete" if dry_run else "deleted",
+        len(report.deleted),
+        len(report.orphans),
+        report.bytes / 2**20,
+    )
+    return report
+
+
+def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
+    """Uncommit (delete ``manifest.json``), then delete the checkpoint's files."""
+    man = f"{n.folder}/{MANIFEST}"
+    if n.merged:
+        storage.delete(man)
+        # Partition records first: a merger rebuilding this id must not trust stale ones.
+        storage.delete_prefix(f"{n.folder}/parts/")
+        storage.delete_prefix(f"{n.folder}/")
+        return
+    # A trainer step folder is shared by every save of that step: only delete the record if it
+    # is still this checkpoint's (the trainer may have saved the step again meanwhile), and only
+    # this checkpoint's own attempt folder.
+    try:
+        current = load_model(CheckpointManifest, storage.get(man), storage.describe(man))
+    except NotFoundError:
+        current = None
+    if current is not None and current.id == n.id:
+        storage.delete(man)
+    storage.delete_prefix(f"{n.folder}/{n.id}/")
+
+
+def _prune_local(storage: Storage, prefix: str, grace_s: float, now: float) -> int:
+    """Local stores: delete abandoned temp files (a crashed put's ``.tmp-*``, which ``list``
+    never reports) and empty directories under ``prefix``, both only once unchanged for the
+    grace period (a writer creates a directory just before writing into it)."""
+    if not isinstance(storage, LocalStorage):
+        return 0
+    top = os.path.join(storage.root, *[p for p in prefix.split("/") if p])
+    removed = 0
+    for dirpath, _dirs, files in os.walk(top, topdown=False):
+        for f in files:
+            if not f.startswith(TEMP_PREFIX):
+                continue
+            path = os.path.join(dirpath, f)
+            with contextlib.suppress(OSError):
+                if grace_s <= 0 or now - os.stat(path).st_mtime >= grace_s:
+                    os.unlink(path)
+                    removed += 1
+        if dirpath != storage.root:
+            with contextlib.suppress(OSError):
+                if grace_s <= 0 or now - os.stat(dirpath).st_mtime >= grace_s:
+                    os.rmdir(dirpath)  # only succeeds when empty
+    return removed
+
+
+def _orphan(
+    storage: Storage,
+    report: GcReport,
+    prefix: str,
+    keys: list[str],
+    why: str,
+    policy: RetentionPolicy,
+    now: float,
+    dry_run: bool,
+) -> None:
+    if not _old_enough(storage, keys, policy.grace_s, now):
+        return
+    report.orphans.append((prefix, why))
+    report.files += len(keys)
+    for k in keys:
+        with contextlib.suppress(DeckError, OSError):
+            report.bytes += storage.size(k)
+    if not dry_run:
+        # Only the files we saw: a writer that started after the listing keeps its new files.
+        for k in keys:
+            storage.delete(k)
+        _prune_local(storage, prefix, policy.grace_s, now)
+
+
+def _orphan_files(
+    storage: Storage,
+    report: GcReport,
+    folder: str,
+    keys: list[str],
+    why: str,
+    policy: RetentionPolicy,
+    now: float,
+    dry_run: bool,
+) -> None:
+    old = [k for k in keys if _old_enough(storage, [k], policy.grace_s, now)]
+    if not old:
+        return
+    report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
+    report.files += len(old)
+    for k in old:
+        with contextlib.suppress(DeckError, OSError):
+            report.bytes += storage.size(k)
+    if not dry_run:
+        for k in old:
+            storage.delete(k)
