@@ -22,10 +22,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_harness import run_ranks  # noqa: E402
+from dist_harness import run_ranks
 
-import deck  # noqa: E402
-from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step  # noqa: E402
+import deck
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 
 SPEC = ModelSpec(num_tables=3, rows=2000, dim=16, batch=64)
 STEPS = (0, 5, 10, 15, 20)
