@@ -135,62 +135,43 @@ class DeltaCheckpointer:
             kind = "full"
         self.stager.failed.clear()
         full = kind == "full"
-        shards = self.adapter.table_shards()
         token = self.tracker.begin_read(CHECKPOINT_CONSUMER)
-        selected: dict[int, torch.Tensor | None] = {}
-        for i, shard in enumerate(shards):
-            if full or shard.full_only:
-                selected[i] = None
-            else:
-                selected[i] = self.tracker.touched(
-                    token, shard.track_base, shard.track_base + shard.rows
-                )
-        estimate = sum(
-            (sh.rows if selected[i] is None else int(selected[i].numel())) * sh.row_bytes()  # type: ignore[union-attr]
-            for i, sh in enumerate(shards)
-        )
         staged = None
-        if self.stager.reserve(estimate):
-            staged = self.stager.begin(
-                PendingPart(
-                    uri=self.storage.uri,
-                    step=step,
-                    ckpt_id=ckpt_id,
-                    rank=self.coord.rank,
-                    world_size=self.coord.world_size,
-                    kind=Kind.FULL if full else Kind.DELTA,
-                    parent=None if full or self._parent is None else self._parent[0],
-                    parent_id=None if full or self._parent is None else self._parent[1],
-                    base=step if full or self._base is None else self._base,
-                    epoch=self._epoch,
-                    files=(),
-                    part=None,
-                ),
-                estimate,
-            )
         writer = None
         error: BaseException | None = None
-        if staged is not None:
-            writer = RankPartWriter(
-                self.storage,
-                step,
-                ckpt_id,
-                self.coord.rank,
-                self.coord.world_size,
-                self.config.staging.chunk_bytes,
-                sink=staged,
+        try:  # any failure here must still reach the all-gather below, or other ranks would hang
+            shards = self.adapter.table_shards()
+            selected = [
+                None
+                if full or sh.full_only
+                else self.tracker.touched(token, sh.track_base, sh.track_base + sh.rows)
+                for sh in shards
+            ]
+            estimate = sum(
+                (sh.rows if sel is None else int(sel.numel())) * sh.row_bytes()
+                for sh, sel in zip(shards, selected, strict=True)
             )
-            order = {id(sh): i for i, sh in enumerate(shards)}
-            try:
+            if self.stager.reserve(estimate):
+                staged = self.stager.begin(self._pending_part(step, ckpt_id, full), estimate)
+                writer = RankPartWriter(
+                    self.storage,
+                    step,
+                    ckpt_id,
+                    self.coord.rank,
+                    self.coord.world_size,
+                    self.config.staging.chunk_bytes,
+                    sink=staged,
+                )
+                order = {id(sh): i for i, sh in enumerate(shards)}
                 dense = self.adapter.dense_state() if self.coord.rank == 0 else None
                 writer.write_part(
                     shards, lambda sh: selected[order[id(sh)]], dense, self._extra_state(shards)
                 )
                 staged.wait_written()
-            except Exception as e:
-                error = e
+        except Exception as e:
+            error = e
         # status per rank: 0 failed, 1 skipped (spool full), 2 staged
-        status = 1.0 if staged is None else (0.0 if error else 2.0)
+        status = 0.0 if error else (1.0 if staged is None else 2.0)
         sizes = (
             [writer.bytes_written, writer.rows_written, writer.chunks_written]
             if writer
@@ -198,6 +179,7 @@ class DeltaCheckpointer:
         )
         gathered = self.coord.gather([status, time.perf_counter() - t0, *map(float, sizes)])
         if gathered[:, 0].min() < 2:
+            self.tracker.abort(token)  # nothing was saved: the rows stay pending
             if staged is not None:
                 self.stager.discard(staged)
             if gathered[:, 0].min() == 1:
@@ -239,6 +221,21 @@ class DeltaCheckpointer:
             stats.stall_s,
         )
         return stats
+
+    def _pending_part(self, step: int, ckpt_id: str, full: bool) -> PendingPart:
+        delta_of = None if full else self._parent
+        return PendingPart(
+            uri=self.storage.uri,
+            step=step,
+            ckpt_id=ckpt_id,
+            rank=self.coord.rank,
+            world_size=self.coord.world_size,
+            kind=Kind.FULL if full else Kind.DELTA,
+            parent=None if delta_of is None else delta_of[0],
+            parent_id=None if delta_of is None else delta_of[1],
+            base=step if full or self._base is None else self._base,
+            epoch=self._epoch,
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every staged checkpoint of this rank is committed or failed; False on

@@ -146,6 +146,8 @@ class DeckConfig(BaseModel):
     def _consumers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if len(set(v)) != len(v):
             raise ValueError(f"names must be unique, got {list(v)}")
+        if len(v) > 8 or (len(v) == 8 and CHECKPOINT_CONSUMER not in v):
+            raise ValueError(f"at most 8 consumers (one bit each in the tracker), got {len(v)}")
         for name in v:
             if not name or not name.replace("_", "").replace("-", "").isalnum():
                 raise ValueError(f"names must be non-empty [A-Za-z0-9_-], got {name!r}")

@@ -1,14 +1,15 @@
 """Tracker store: which rows each consumer (tenant) has not saved yet.
 
-One int32 "last touched generation" per tracked row, shared by every consumer, plus one integer
-mark per consumer. A read by consumer ``c`` returns the rows whose generation is newer than
-``c``'s mark; committing the read moves the mark. So K tenants at different intervals cost
-4 bytes per row in total (the bitmap equivalent, independent of K), a read never destroys
-another tenant's delta, and a failed checkpoint loses nothing: its mark does not move.
+A bool-bitmap per row with one bit per consumer (up to 8 consumers share one byte per row: one
+bit per row per tenant). A lookup sets every consumer's bit of the rows it touched. A read by
+consumer ``c`` claims the rows whose bit ``c`` is set (clearing that bit) and holds them as one
+int64 array until the read is committed (dropped) or aborted (bits set again), so a failed
+checkpoint loses nothing, a read never consumes another tenant's rows, and each tenant holds at
+most one extra copy of its delta (DECK fig. 8).
 
 Hot path: :meth:`record` only appends a tensor (no device->host sync); :meth:`compact` scatters
-pending ids into the generation array and is called from the post-output-dist hook so that it
-overlaps the embedding AllToAll.
+pending ids into the bitmap and is called from the post-output-dist hook so that it overlaps the
+embedding AllToAll.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import torch
 
 from deck.errors import ConfigError
 
+MAX_CONSUMERS = 8
+
 
 @dataclass(frozen=True)
 class ReadToken:
-    """An uncommitted read: rows touched after generation ``since`` belong to it."""
+    """An open read: ``rows`` are the claimed flat positions (ascending)."""
 
     consumer: str
-    since: int
-    upto: int
+    rows: torch.Tensor
 
 
 class TrackerStore:
@@ -36,23 +38,27 @@ class TrackerStore:
     def __init__(
         self, num_rows: int, consumers: tuple[str, ...], device: torch.device | None = None
     ):
-        self._last = torch.zeros(num_rows, dtype=torch.int32, device=device)
-        self._generation = 1
-        self._marks = dict.fromkeys(consumers, 0)
+        if not consumers or len(consumers) > MAX_CONSUMERS:
+            raise ConfigError(
+                f"the tracker supports 1 to {MAX_CONSUMERS} consumers, got {list(consumers)}"
+            )
+        self._bits = {c: 1 << i for i, c in enumerate(consumers)}
+        self._all = (1 << len(consumers)) - 1
+        self._dirty = torch.zeros(num_rows, dtype=torch.uint8, device=device)
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     @property
     def num_rows(self) -> int:
-        return int(self._last.numel())
+        return int(self._dirty.numel())
 
     @property
     def consumers(self) -> tuple[str, ...]:
-        return tuple(self._marks)
+        return tuple(self._bits)
 
     def nbytes(self) -> int:
-        """Memory held by the tracking state (excluding not yet compacted ids)."""
-        return self._last.numel() * self._last.element_size()
+        """Memory held by the tracking state (excluding ids not yet compacted and open reads)."""
+        return self._dirty.numel() * self._dirty.element_size()
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""
@@ -60,39 +66,44 @@ class TrackerStore:
             self._pending.append(positions)
 
     def compact(self) -> None:
-        """Fold recorded ids into the generation array; cheap to call when nothing is pending."""
+        """Fold recorded ids into the bitmap; cheap to call when nothing is pending."""
         with self._lock:
             pending, self._pending = self._pending, []
             for pos in pending:
-                self._last.index_fill_(0, pos, self._generation)
+                # A touched row is dirty for every consumer: setting all bits is the OR.
+                self._dirty.index_fill_(0, pos, self._all)
 
     def begin_read(self, consumer: str) -> ReadToken:
-        """Start a read for ``consumer``: rows touched since its last committed read."""
-        if consumer not in self._marks:
+        """Claim the rows touched since ``consumer``'s last committed read."""
+        bit = self._bits.get(consumer)
+        if bit is None:
             raise ConfigError(
-                f"unknown tracking consumer {consumer!r}; configured: {list(self._marks)}"
+                f"unknown tracking consumer {consumer!r}; configured: {list(self._bits)}"
             )
         self.compact()
         with self._lock:
-            token = ReadToken(consumer, self._marks[consumer], self._generation)
-            # Rows touched from now on get a newer generation than this read's upto.
-            self._generation += 1
-        return token
+            rows = torch.nonzero(self._dirty & bit).view(-1)
+            self._dirty.index_put_((rows,), self._dirty[rows] & ~bit & 0xFF)
+        return ReadToken(consumer, rows)
 
     def touched(self, token: ReadToken, start: int, stop: int) -> torch.Tensor:
-        """Ascending positions in ``[start, stop)`` (relative to ``start``) touched for ``token``."""
-        return torch.nonzero(self._last[start:stop] > token.since).view(-1)
+        """Ascending claimed positions in ``[start, stop)``, relative to ``start``."""
+        lo, hi = torch.searchsorted(
+            token.rows, torch.tensor([start, stop], device=token.rows.device)
+        ).tolist()
+        return token.rows[lo:hi] - start
 
     def commit(self, token: ReadToken) -> None:
-        """The read was saved durably: the consumer's next read starts after it."""
+        """The read was saved durably: its rows are no longer pending for its consumer."""
+
+    def abort(self, token: ReadToken) -> None:
+        """The read was not saved: its rows are pending again for its consumer."""
+        bit = self._bits[token.consumer]
         with self._lock:
-            self._marks[token.consumer] = max(self._marks[token.consumer], token.upto)
+            self._dirty.index_put_((token.rows,), self._dirty[token.rows] | bit)
 
     def reset(self) -> None:
         """Forget everything (after a restore the model equals a checkpoint: nothing is dirty)."""
         with self._lock:
             self._pending = []
-            self._last.zero_()
-            self._generation = 1
-            for c in self._marks:
-                self._marks[c] = 0
+            self._dirty.zero_()

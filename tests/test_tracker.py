@@ -1,4 +1,7 @@
+import pytest
 import torch
+
+from deck.errors import ConfigError
 
 from deck.tracker import TrackerStore
 
@@ -20,18 +23,45 @@ def test_two_consumers_each_see_rows_since_their_own_read() -> None:
     assert store.touched(tok_p, 5, 10).tolist() == [4]
 
 
-def test_uncommitted_read_loses_nothing() -> None:
-    store = TrackerStore(10, ("checkpoint",))
+def test_aborted_read_loses_nothing() -> None:
+    store = TrackerStore(10, ("checkpoint", "publish"))
     store.record(torch.tensor([2]))
     tok = store.begin_read("checkpoint")
     assert store.touched(tok, 0, 10).tolist() == [2]
-    # Not committed (the checkpoint failed): the next read still has row 2, plus newer rows.
+    # Rows touched while a read is open belong to the next read.
     store.record(torch.tensor([3]))
+    store.abort(tok)  # the checkpoint failed: row 2 is pending again
     tok2 = store.begin_read("checkpoint")
     assert store.touched(tok2, 0, 10).tolist() == [2, 3]
     store.commit(tok2)
     assert store.touched(store.begin_read("checkpoint"), 0, 10).tolist() == []
 
 
-def test_state_is_four_bytes_per_row_for_any_number_of_consumers() -> None:
-    assert TrackerStore(1000, ("a", "b", "c")).nbytes() == 4000
+def test_state_is_one_bit_per_row_per_consumer() -> None:
+    # Eight consumers share one byte per row.
+    assert TrackerStore(1000, tuple("abcdefgh")).nbytes() == 1000
+    with pytest.raises(ConfigError):
+        TrackerStore(10, tuple("abcdefghi"))
+
+
+def test_many_reads_match_brute_force() -> None:
+    g = torch.Generator().manual_seed(0)
+    store = TrackerStore(500, ("a", "b"))
+    truth: dict[str, set[int]] = {"a": set(), "b": set()}
+    for step in range(60):
+        ids = torch.randint(0, 500, (40,), generator=g)
+        store.record(ids)
+        for c in truth:
+            truth[c] |= set(ids.tolist())
+        if step % 3 == 0:
+            store.compact()
+        for c, every in (("a", 4), ("b", 7)):
+            if step % every == 0:
+                tok = store.begin_read(c)
+                got = set(store.touched(tok, 0, 250).tolist()) | {250 + x for x in store.touched(tok, 250, 500).tolist()}
+                assert got == truth[c]
+                if step % 5 == 0:
+                    store.abort(tok)  # failed: stays pending
+                else:
+                    store.commit(tok)
+                    truth[c] = set()
