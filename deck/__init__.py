@@ -11,10 +11,13 @@ Quick use::
 
 __version__ = "0.1.0"
 
+from deck import errors
 from deck.catalog import CheckpointInfo, list_checkpoints
-from deck.checkpointer import CheckpointError, CheckpointStats, DeltaCheckpointer, enable
+from deck.checkpointer import DeltaCheckpointer, enable
 from deck.config import DeckConfig, StagingConfig
+from deck.errors import CheckpointError
 from deck.lineage import LineageGraph, lineage
+from deck.staging import CheckpointStats
 
 __all__ = [
     "CheckpointError",
@@ -26,6 +29,7 @@ __all__ = [
     "StagingConfig",
     "__version__",
     "enable",
+    "errors",
     "lineage",
     "list_checkpoints",
 ]

@@ -14,7 +14,7 @@ from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_d
 from deck.catalog import chain_for, latest_restorable, read_manifests
 from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
-from deck.errors import CheckpointNotFoundError, DeckError, IncompatibleModelError
+from deck.errors import CheckpointError, CheckpointNotFoundError, IncompatibleModelError
 from deck.format import Kind
 from deck.restore import apply_chain, load_optimizer, read_state_file
 from deck.staging import CheckpointStats, PendingPart, Stager
@@ -32,10 +32,6 @@ class Stateful(Protocol):
 
 
 UserState = Stateful | tuple[Callable[[], Any], Callable[[Any], None]]
-
-
-class CheckpointError(DeckError):
-    """A checkpoint could not be written; nothing was committed and training may go on."""
 
 
 class DeltaCheckpointer:

@@ -41,3 +41,7 @@ class UnsupportedError(DeckError, NotImplementedError):
 class MergeError(DeckError):
     """The merger could not build a merged checkpoint (its inputs are incompatible, missing or
     corrupt); nothing was committed and the lineage is unchanged."""
+
+
+class CheckpointError(DeckError):
+    """A checkpoint could not be written; nothing was committed and training may go on."""
