@@ -14,8 +14,15 @@ from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_d
 from deck.catalog import chain_for, latest_restorable, read_manifests
 from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
-from deck.errors import CheckpointError, CheckpointNotFoundError, IncompatibleModelError
+from deck.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompatibleModelError,
+    LeaseHeldError,
+    StorageError,
+)
 from deck.format import Kind
+from deck.lease import Lease
 from deck.restore import apply_chain, load_optimizer, read_state_file
 from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage, check_writable, open_storage
@@ -57,6 +64,7 @@ class DeltaCheckpointer:
         self.coord = Coordinator()
         self.storage: Storage = open_storage(config.uri, config.storage_options)
         check_writable(self.storage)
+        self._lease = self._take_lease()
         self._optimizers = self.adapter.dense_optimizers(optimizers)
         self._state = _user_state(state)
         shards = self.adapter.table_shards()
@@ -74,6 +82,22 @@ class DeltaCheckpointer:
         self.stager = Stager(self.storage, config.staging, self.coord.rank, pinned=on_gpu)
         self._closed = False
         self.recovered = self.stager.recover()
+
+    def _take_lease(self) -> Lease | None:
+        if self.config.lease_ttl_s is None:
+            return None
+        lease, error = None, None
+        if self.coord.rank == 0:
+            lease = Lease(self.storage, self.config.lease_ttl_s)
+            try:
+                lease.acquire()
+            except (LeaseHeldError, StorageError) as e:
+                error = e
+        if self.coord.broadcast_int(0 if error else 1) == 0:
+            raise error or LeaseHeldError(
+                f"rank 0 could not take the writer lease of {self.storage.uri}; see rank 0's error"
+            )
+        return lease
 
     # ---- tracking control --------------------------------------------------------------------
     def _active(self, module: torch.nn.Module) -> bool:
@@ -122,9 +146,15 @@ class DeltaCheckpointer:
         t0 = time.perf_counter()
         # One collective agrees on the id and the kind: a part that failed in the background on
         # any rank breaks the chain, so then every rank takes a full.
+        lost = self._lease is not None and self._lease.lost.is_set()
         agreed = self.coord.gather(
-            [float(self.stager.failed.is_set()), float(self.coord.new_id_seed())]
+            [float(self.stager.failed.is_set()), float(self.coord.new_id_seed()), float(lost)]
         )
+        if agreed[:, 2].max() > 0:
+            raise CheckpointError(
+                f"step {step}: this job lost the writer lease of {self.storage.uri} to another trainer; "
+                "not writing. Stop one of the two jobs."
+            )
         ckpt_id = f"{int(agreed[0, 1]):016x}"
         if kind == "delta" and (self._parent is None or agreed[:, 0].max() > 0):
             logger.info("step %d: no committed parent to be a delta of: taking a full", step)
@@ -344,6 +374,8 @@ class DeltaCheckpointer:
         if not self._closed:
             self._closed = True
             self.stager.close()
+            if self._lease is not None:
+                self._lease.release()
 
     def __enter__(self) -> DeltaCheckpointer:
         return self

@@ -99,6 +99,7 @@ class DeckConfig(BaseModel):
     - ``storage_options``: passed to fsspec (credentials, endpoint).
     - ``track_eval``: also record ids looked up by forwards in eval mode (off: eval does not
       update rows, so tracking it only costs time).
+    - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -116,6 +117,12 @@ class DeckConfig(BaseModel):
     )
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options.")
     track_eval: bool = Field(default=False, description="Track lookups of eval-mode forwards.")
+    lease_ttl_s: float | None = Field(
+        default=120.0,
+        gt=0,
+        description="Writer lease lifetime: a second trainer on the URI is refused while it is live "
+        "(renewed every third of it); None disables the lease.",
+    )
     staging: StagingConfig = Field(default_factory=StagingConfig)
 
     @field_validator("uri")

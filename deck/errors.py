@@ -45,3 +45,7 @@ class MergeError(DeckError):
 
 class CheckpointError(DeckError):
     """A checkpoint could not be written; nothing was committed and training may go on."""
+
+
+class LeaseHeldError(DeckError):
+    """Another live trainer holds the writer lease of this URI."""
