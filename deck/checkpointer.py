@@ -58,11 +58,14 @@ class DeltaCheckpointer:
         state: UserState | None = None,
         *,
         adapter: ModelAdapter | None = None,
+        storage: Storage | None = None,
     ):
         self.config = config
         self.adapter = adapter or _default_adapter(model)
         self.coord = Coordinator()
-        self.storage: Storage = open_storage(config.uri, config.storage_options)
+        # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
+        # fault-injecting wrapper in tests); everything goes through this one interface.
+        self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
         check_writable(self.storage)
         self._lease = self._take_lease()
         self._optimizers = self.adapter.dense_optimizers(optimizers)
@@ -264,9 +267,12 @@ class DeltaCheckpointer:
         )
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every staged checkpoint of this rank is committed or failed; False on
-        timeout. Rank 0's commit waits for every rank's part, so call it on every rank."""
-        return self.stager.flush(timeout)
+        """Wait until every staged checkpoint is committed (or failed), on every rank: when it
+        returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
+        Returns False if any rank timed out."""
+        done = self.stager.flush(timeout)
+        # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
+        return bool(self.coord.gather([float(done)]).min() > 0)
 
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         return {
@@ -291,7 +297,6 @@ class DeltaCheckpointer:
         # Every rank's pending parts first (rank 0's flush is the commit), then rank 0 alone picks
         # the target so that all ranks load the same step even while other writers commit.
         self.flush()
-        self.coord.gather([0.0])
         manifests = read_manifests(self.storage)
         if step is None:
             chosen = latest_restorable(manifests) if self.coord.rank == 0 else None
@@ -367,12 +372,14 @@ class DeltaCheckpointer:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish pending work and remove the tracking hooks; idempotent."""
+        """Finish pending work (uploads, commits) and remove the tracking hooks; idempotent.
+        Collective: call it on all ranks."""
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
         if not self._closed:
             self._closed = True
+            self.flush()
             self.stager.close()
             if self._lease is not None:
                 self._lease.release()
