@@ -91,7 +91,7 @@ class DeltaCheckpointer:
             return None
         lease, error = None, None
         if self.coord.rank == 0:
-            lease = Lease(self.storage, self.config.lease_ttl_s)
+            lease = Lease(self.storage, self.config.lease_ttl_s, wait_s=self.config.lease_ttl_s)
             try:
                 lease.acquire()
             except (LeaseHeldError, StorageError) as e:

@@ -118,10 +118,11 @@ class DeckConfig(BaseModel):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options.")
     track_eval: bool = Field(default=False, description="Track lookups of eval-mode forwards.")
     lease_ttl_s: float | None = Field(
-        default=120.0,
+        default=60.0,
         gt=0,
-        description="Writer lease lifetime: a second trainer on the URI is refused while it is live "
-        "(renewed every third of it); None disables the lease.",
+        description="Writer lease lifetime, renewed every third of it: a second trainer on the URI "
+        "waits up to this long for it, then is refused; a crashed holder on the same host is taken "
+        "over at once. None disables the lease.",
     )
     staging: StagingConfig = Field(default_factory=StagingConfig)
 

@@ -38,10 +38,11 @@ class LeaseRecord(BaseModel):
 class Lease:
     """The writer lease of one URI for one trainer; ``release()`` (or expiry) frees it."""
 
-    def __init__(self, storage: Storage, ttl_s: float, settle_s: float = 0.2):
+    def __init__(self, storage: Storage, ttl_s: float, settle_s: float = 0.2, wait_s: float = 0.0):
         self.storage = storage
         self.ttl_s = ttl_s
         self.settle_s = settle_s
+        self.wait_s = wait_s
         self.owner = uuid.uuid4().hex
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -65,15 +66,35 @@ class Lease:
             logger.warning("ignoring a damaged lease file at %s", self.storage.describe(LEASE_FILE))
             return None
 
+    def _takeable(self, held: LeaseRecord | None) -> bool:
+        if held is None or held.owner == self.owner or held.expires_unix <= time.time():
+            return True
+        # A holder on this host whose process is gone crashed: a restart need not wait for expiry.
+        return held.host == socket.gethostname() and not _alive(held.pid)
+
     def acquire(self) -> None:
         """Take the lease or raise :class:`LeaseHeldError` naming the holder; renews it from a
-        background thread until :meth:`release`."""
+        background thread until :meth:`release`.
+
+        Free, expired, or held by a dead process on this host: taken at once. Otherwise waited
+        on for up to ``wait_s`` (a holder on another host may have died), then refused."""
+        deadline = time.monotonic() + self.wait_s
         held = self.read()
-        if held is not None and held.owner != self.owner and held.expires_unix > time.time():
-            raise self._held_error(held)
+        while not self._takeable(held):
+            assert held is not None
+            if time.monotonic() >= deadline:
+                raise self._held_error(held)
+            logger.warning(
+                "waiting for the writer lease of %s held by %s (host %s)",
+                self.storage.uri,
+                held.owner,
+                held.host,
+            )
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            held = self.read()
         if held is not None and held.owner != self.owner:
             logger.warning(
-                "taking over the expired writer lease of %s (host %s, pid %d) at %s",
+                "taking over the writer lease of %s (host %s, pid %d: expired or dead) at %s",
                 held.owner,
                 held.host,
                 held.pid,
@@ -133,3 +154,13 @@ class Lease:
                 logger.warning(
                     "deck: could not release the writer lease of %s: %s", self.storage.uri, e
                 )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -25,7 +25,7 @@ from typing import Any
 
 from deck.catalog import ManifestSet, quarantine, read_manifests
 from deck.errors import CheckpointNotFoundError
-from deck.format import CheckpointManifest, Kind
+from deck.format import QUARANTINE_ROOT, CheckpointManifest, Kind
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
@@ -397,3 +397,25 @@ def best_valid_chain(
         f"step {step}: more than {max_rejects} damaged checkpoints in its lineage; run "
         f"`deck verify {storage.uri} --all`"
     )
+
+
+def needs_new_full(storage: Storage, parent: tuple[int, str] | None) -> str | None:
+    """Why the trainer's next checkpoint must be a full instead of a delta of ``parent``
+    (``(step, id)`` of its last committed checkpoint), or None when a delta is fine.
+
+    A delta of ``parent`` is only restorable if ``parent`` is: this says no when ``parent`` is
+    gone or has no valid chain any more (a damaged checkpoint in it was quarantined and nothing
+    covers it; DECK sec. 6: take a full). Costs one ``list`` of ``quarantine/`` when nothing is
+    quarantined, so a trainer can ask before every checkpoint.
+    """
+    if parent is None:
+        return "no committed checkpoint to be a delta of"
+    if not storage.list(f"{QUARANTINE_ROOT}/"):
+        return None
+    graph = LineageGraph(read_manifests(storage), storage.uri)
+    node = graph.trainer.get(parent[0])
+    if node is None or node.id != parent[1]:
+        return f"the parent checkpoint {parent[1]} of step {parent[0]} is no longer committed"
+    if graph._chain_ids(parent[0], frozenset()) is None:
+        return graph._why_not(parent[0], frozenset())
+    return None

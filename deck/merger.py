@@ -391,10 +391,22 @@ def plan(graph: LineageGraph, config: MergeConfig) -> Plan:
             closed.add(node.id)
         node = graph.trainer_at(node.start) if node.start is not None else None
 
+    # An item whose consumer (the next layer's block containing it, or one above) is committed
+    # is not needed any more, even if retention deleted it.
+    consumer: dict[str, str] = {i: it.id for it in wanted_merged.values() for i in it.inputs}
+
+    def consumed(iid: str) -> bool:
+        c = consumer.get(iid)
+        while c is not None:
+            if c in graph.nodes:
+                return True
+            c = consumer.get(c)
+        return False
+
     wanted: list[PlannedItem] = []
     for it in wanted_merged.values():
         end_tid = it.state[1]
-        if end_tid in ancestry and end_tid not in closed:
+        if end_tid in ancestry and end_tid not in closed and not consumed(it.id):
             wanted.append(it)
     for it in planned_full.values():
         if it.state[1] in ancestry and it.state[1] not in closed:
@@ -562,8 +574,11 @@ class _ChunkOut:
             self._flush(self.pending_rows)
 
     def _flush(self, n: int) -> None:
-        ids = torch.cat([p[0] for p in self.pending])
-        states = {k: torch.cat([p[1][k] for p in self.pending]) for k in self.rec.states}
+        if len(self.pending) == 1:  # the common case: no copy before encoding
+            ids, states = self.pending[0]
+        else:
+            ids = torch.cat([p[0] for p in self.pending])
+            states = {k: torch.cat([p[1][k] for p in self.pending]) for k in self.rec.states}
         rel = (
             f"{self.rel_dir}/c{self.rec.col_offset}-r{self.rec.row_offset}-{len(self.chunks):06d}"
             ".chunk"
@@ -586,28 +601,46 @@ def merge_rows(
 
     Each round takes, from every stream, the rows up to the smallest "last id of the current
     chunk" among them, so at least one chunk is used up per round and memory stays at one chunk
-    per stream plus one round's output.
+    per stream plus one round's output. When the oldest stream holds every row of the shard (the
+    full of a new full), newer rows are scattered over a copy of its rows instead of sorted.
     """
     active = [st for st in streams if not st.done]
+    dense_first = bool(streams) and streams[0].rec.full
     while active:
         cutoff = min(st.chunk_last for st in active)
-        pieces = [st.take_upto(cutoff) for st in active]
-        pieces = [p for p in pieces if p[0].numel()]
+        pieces = [(st, *st.take_upto(cutoff)) for st in active]
+        pieces = [p for p in pieces if p[1].numel()]
         if len(pieces) == 1:
-            ids, states = pieces[0]
+            _, ids, states = pieces[0]
             out(ids, states)
+        elif pieces and dense_first and pieces[0][0] is streams[0]:
+            _, ids, states = pieces[0]
+            merged = {k: v.clone() for k, v in states.items()}
+            for _, newer_ids, newer in pieces[1:]:
+                # Every id in (previous cutoff, cutoff] is in the full's piece: find its slot.
+                pos = torch.searchsorted(ids, newer_ids)
+                if pos.numel() and (
+                    int(pos[-1]) >= ids.numel() or not bool(torch.equal(ids[pos], newer_ids))
+                ):
+                    raise CorruptCheckpointError(
+                        f"{streams[0].storage.describe(streams[0].m.folder)}: table "
+                        f"{streams[0].rec.table} is marked full but misses rows of a newer input"
+                    )
+                for k, v in merged.items():
+                    v.index_copy_(0, pos, newer[k])
+            out(ids, merged)
         elif pieces:
-            ids = torch.cat([p[0] for p in pieces])
+            ids = torch.cat([p[1] for p in pieces])
             # Stable sort keeps equal ids in stream order (oldest first): the last of each run
             # of equal ids is the newest version of that row.
             sorted_ids, order = torch.sort(ids, stable=True)
             keep = torch.ones_like(sorted_ids, dtype=torch.bool)
             keep[:-1] = sorted_ids[1:] != sorted_ids[:-1]
             idx = order[keep]
-            names = list(pieces[0][1])
+            names = list(pieces[0][2])
             out(
                 ids.index_select(0, idx),
-                {k: torch.cat([p[1][k] for p in pieces]).index_select(0, idx) for k in names},
+                {k: torch.cat([p[2][k] for p in pieces]).index_select(0, idx) for k in names},
             )
         active = [st for st in active if not st.done]
 
@@ -910,7 +943,8 @@ class PassResult:
     ready: int  # items whose inputs were committed
     waiting: int  # of those, items whose missing partitions belong to other workers
     wanted: int  # items the policy wants that are not committed
-    progressed: bool
+    progressed: bool  # this worker wrote something
+    fingerprint: str  # changes whenever any worker commits or finishes a partition
 
 
 ProgressFn = Callable[[str, WorkStats], None]
@@ -938,19 +972,26 @@ class MergeWorker:
         self.after_pass = after_pass
         self.progress = progress
         self.failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
         self.max_failures = 3
 
     def run_pass(self) -> PassResult:
         t0 = time.perf_counter()
-        manifests = read_manifests(self.storage)
+        keys = self.storage.list("")
+        manifests = read_manifests(self.storage, keys)
         graph = build_graph(manifests)
+        # What every worker can see of everyone's progress: committed checkpoints and finished
+        # partitions. A worker waiting for others watches it change.
+        fingerprint = xxhash.xxh3_64_hexdigest(
+            "|".join([*sorted(graph.nodes), *(k for k in keys if f"/{PARTS_DIR}/" in k)]).encode()
+        )
         p = plan(graph, self.config)
         stats = WorkStats()
         waiting = 0
         progressed = False
         for item in p.ready:
-            if self.failures.get(item.id, 0) >= self.max_failures:
-                continue
+            if time.monotonic() < self._retry_at.get(item.id, 0.0):
+                continue  # failed repeatedly: back off (it may be a lasting storage problem)
             try:
                 inputs = [graph.nodes[i].manifest for i in item.inputs]
                 b = ItemBuilder(self.storage, item, inputs, self.config)
@@ -970,15 +1011,15 @@ class MergeWorker:
                 else:
                     waiting += 1
             except _InputDamaged as e:
-                self._fail(item, str(e))
+                self._fail(item, str(e), stats)
                 if _still_committed(self.storage, e.manifest):
                     quarantine(self.storage, e.manifest, f"found by the merger: {e.error}")
                     progressed = True
             except (MergeError, CorruptCheckpointError) as e:
-                self._fail(item, str(e))
+                self._fail(item, str(e), stats)
             except StorageError as e:
                 # Transient or not, nothing was committed: try again next pass.
-                self._fail(item, f"storage error: {e}")
+                self._fail(item, f"storage error: {e}", stats)
         if self.after_pass is not None:
             self.after_pass(read_manifests(self.storage) if progressed else manifests)
         stats.seconds = time.perf_counter() - t0
@@ -988,42 +1029,52 @@ class MergeWorker:
             waiting=waiting,
             wanted=sum(1 for it in p.wanted if it.id not in graph.nodes),
             progressed=progressed,
+            fingerprint=fingerprint,
         )
 
-    def _fail(self, item: PlannedItem, why: str) -> None:
-        self.failures[item.id] = self.failures.get(item.id, 0) + 1
-        logger.warning(
-            "deck merge: %s failed (attempt %d of %d): %s",
-            item.describe(),
-            self.failures[item.id],
-            self.max_failures,
-            why,
-        )
+    def _fail(self, item: PlannedItem, why: str, stats: WorkStats) -> None:
+        n = self.failures[item.id] = self.failures.get(item.id, 0) + 1
+        stats.failed[item.id] = why
+        if n >= self.max_failures:
+            # Retried at once a few times (a transient error), then with a growing pause.
+            self._retry_at[item.id] = time.monotonic() + min(3600.0, 60.0 * 2 ** (n - 3))
+        logger.warning("deck merge: %s failed (attempt %d): %s", item.describe(), n, why)
 
     def run_once(self, wait_s: float = 60.0, poll_s: float = 0.2) -> tuple[WorkStats, int]:
-        """Catch up: passes until this worker has nothing left to do and no item waits for
-        other workers' partitions (or ``wait_s`` passes without any progress). Returns the
-        summed stats and the number of items still waiting / failed."""
+        """Catch up: passes until every checkpoint the policy wants is committed, or nothing
+        changes (no commit, no finished partition, by any worker) for ``wait_s`` seconds --
+        other workers may still be building what the next items need. A single worker
+        (``num_workers == 1``) stops as soon as a pass does nothing. Returns the summed stats
+        and the number of wanted items left uncommitted."""
         total = WorkStats()
-        idle_since: float | None = None
+        last_change = time.monotonic()
+        seen = ""
         while True:
             r = self.run_pass()
             total.add(r.stats)
             if r.progressed:
-                idle_since = None
+                last_change, seen = time.monotonic(), r.fingerprint
                 continue
-            if r.waiting == 0:
+            if r.wanted == 0:
                 return total, 0
-            now = time.monotonic()
-            idle_since = idle_since or now
-            if now - idle_since >= wait_s:
-                logger.warning(
-                    "deck merge: %d item(s) still wait for partitions of other workers after "
-                    "%.0f s; run the other workers (or fewer --num-workers)",
-                    r.waiting,
-                    wait_s,
-                )
-                return total, r.waiting
+            if r.fingerprint != seen:
+                last_change, seen = time.monotonic(), r.fingerprint
+            if self.config.num_workers == 1 or time.monotonic() - last_change >= wait_s:
+                if self.config.num_workers > 1:
+                    logger.warning(
+                        "deck merge: %d checkpoint(s) still wait for inputs or partitions of "
+                        "other workers after %.0f s without progress; run the other workers "
+                        "(--worker-index 0..%d)",
+                        r.wanted,
+                        wait_s,
+                        self.config.num_workers - 1,
+                    )
+                elif r.wanted and (r.waiting or self.failures):
+                    logger.warning(
+                        "deck merge: %d checkpoint(s) could not be built (see the errors above)",
+                        r.wanted,
+                    )
+                return total, r.wanted
             time.sleep(poll_s)
 
     def follow(self, stop: threading.Event, poll_s: float = 5.0) -> WorkStats:

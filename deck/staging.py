@@ -22,8 +22,10 @@ import queue
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -47,6 +49,7 @@ from deck.storage import LocalStorage, Storage
 from deck.writer import commit
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PENDING_SUFFIX = ".pending.json"
 
@@ -415,9 +418,16 @@ class Stager:
         self._cleanup(p, stats)
 
     def _committed_id(self, step: int) -> str | None:
-        try:
-            data = self.storage.get(f"{step_dir(step)}/{MANIFEST}")
-        except NotFoundError:
+        key = f"{step_dir(step)}/{MANIFEST}"
+
+        def read() -> bytes | None:
+            try:
+                return self.storage.get(key)
+            except NotFoundError:
+                return None
+
+        data = self._retrying("read", key, read)
+        if data is None:
             return None
         try:
             return load_model(CheckpointManifest, data, self.storage.describe(step_dir(step))).id
@@ -476,20 +486,25 @@ class Stager:
             fut.result()
 
     def _put_with_retry(self, key: str, data: bytes | bytearray) -> None:
-        """Put with backoff for as long as ``upload_timeout_s``: outages are waited out."""
+        self._retrying("upload", key, lambda: self.storage.put(key, data))
+
+    def _retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """``fn`` with backoff for as long as ``upload_timeout_s``: outages are waited out (the
+        store's own retries only cover short blips)."""
         deadline = time.monotonic() + self.cfg.upload_timeout_s
         delay = self.cfg.retry_initial_s
         while True:
             try:
-                self.storage.put(key, data)
-                return
+                return fn()
             except StorageError as e:
                 if time.monotonic() + delay > deadline:
                     raise StorageError(
-                        f"giving up on {self.storage.describe(key)} after {self.cfg.upload_timeout_s:.0f} s: {e}"
+                        f"giving up on {what} of {self.storage.describe(key)} after "
+                        f"{self.cfg.upload_timeout_s:.0f} s: {e}"
                     ) from e
                 logger.warning(
-                    "deck: upload of %s failed (%s); retrying in %.1f s",
+                    "deck: %s of %s failed (%s); retrying in %.1f s",
+                    what,
                     self.storage.describe(key),
                     e,
                     delay,
