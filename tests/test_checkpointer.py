@@ -109,14 +109,23 @@ SPECS = {
 
 
 @pytest.mark.parametrize("name", [*sorted(SPECS), "s3-ebc-planner"])
-def test_every_committed_step_restores_bitwise(tmp_path: Path, name: str, request: pytest.FixtureRequest) -> None:
+def test_every_committed_step_restores_bitwise(
+    tmp_path: Path, name: str, request: pytest.FixtureRequest
+) -> None:
     """Local tier for every model variant; SeaweedFS S3 (spool + upload) for one."""
     spec = SPECS[name.removeprefix("s3-")]
     uri, options = str(tmp_path / "ckpt"), {}
     if name.startswith("s3-"):
         server = request.getfixturevalue("s3_server")
         uri, options = server.uri(f"{tmp_path.name}/ckpt"), server.storage_options
-    run_ranks(_train_and_verify, spec, uri, str(tmp_path / "result.json"), options, str(tmp_path / "spool"))
+    run_ranks(
+        _train_and_verify,
+        spec,
+        uri,
+        str(tmp_path / "result.json"),
+        options,
+        str(tmp_path / "spool"),
+    )
     if name.startswith("s3-"):
         # Everything was uploaded and the spool cleaned up behind it.
         assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]

@@ -58,7 +58,9 @@ def test_many_reads_match_brute_force() -> None:
         for c, every in (("a", 4), ("b", 7)):
             if step % every == 0:
                 tok = store.begin_read(c)
-                got = set(store.touched(tok, 0, 250).tolist()) | {250 + x for x in store.touched(tok, 250, 500).tolist()}
+                got = set(store.touched(tok, 0, 250).tolist()) | {
+                    250 + x for x in store.touched(tok, 250, 500).tolist()
+                }
                 assert got == truth[c]
                 if step % 5 == 0:
                     store.abort(tok)  # failed: stays pending
