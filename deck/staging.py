@@ -416,6 +416,16 @@ class Stager:
             stats.state = "committed"
         stats.committed_s = time.perf_counter() - stats.started
         self._cleanup(p, stats)
+        logger.info(
+            "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
+            p.step,
+            stats.state,
+            p.rank,
+            self.storage.uri,
+            "-" if stats.durable_local_s is None else f"{stats.durable_local_s:.3f}",
+            "committed" if p.rank == 0 else "uploaded",
+            stats.committed_s,
+        )
 
     def _committed_id(self, step: int) -> str | None:
         key = f"{step_dir(step)}/{MANIFEST}"
