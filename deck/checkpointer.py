@@ -17,6 +17,7 @@ from deck.coordination import Coordinator
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     IncompatibleModelError,
     LeaseHeldError,
     StorageError,
@@ -66,6 +67,11 @@ class DeltaCheckpointer:
         # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
         # fault-injecting wrapper in tests); everything goes through this one interface.
         self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
+        if self.coord.world_size > 1 and config.uri.startswith("memory://"):
+            raise ConfigError(
+                f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so the ranks "
+                "of a multi-process job cannot see each other's parts; use a shared path or object store"
+            )
         check_writable(self.storage)
         self._lease = self._take_lease()
         self._optimizers = self.adapter.dense_optimizers(optimizers)

@@ -157,7 +157,11 @@ class StagedPart:
         self.info = info
         self.reserved = reserved
         self.files: list[str] = []
-        self._futures: list[Future[None]] = []
+        # A counter and the first error, not one Future per chunk: memory must not grow with
+        # the number of chunks.
+        self._outstanding = 0
+        self._error: BaseException | None = None
+        self._done = threading.Condition()
         self.bytes = 0
         self.part: RankManifest | None = None
 
@@ -169,30 +173,37 @@ class StagedPart:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
         self.bytes += nbytes
-        self._futures.append(self.stager.write_out(self.info.step, rel, buf, nbytes, pooled=True))
+        self._track(self.stager.write_out(self.info.step, rel, buf, nbytes, pooled=True))
 
     def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
         self.files.append(rel)
         self.bytes += len(data)
-        self._futures.append(
-            self.stager.write_out(self.info.step, rel, data, len(data), pooled=False)
-        )
+        self._track(self.stager.write_out(self.info.step, rel, data, len(data), pooled=False))
 
     def finish_part(self, part: RankManifest) -> None:
         self.part = part
 
     # -- protocol --
+    def _track(self, fut: Future[None]) -> None:
+        with self._done:
+            self._outstanding += 1
+
+        def done(f: Future[None]) -> None:
+            with self._done:
+                self._outstanding -= 1
+                if self._error is None and f.exception() is not None:
+                    self._error = f.exception()
+                self._done.notify_all()
+
+        fut.add_done_callback(done)
+
     def wait_written(self) -> None:
         """Block until every submitted file is in the first tier; raises the first write error."""
-        errors = []
-        for f in self._futures:
-            try:
-                f.result()
-            except Exception as e:
-                errors.append(e)
-        self._futures = []
-        if errors:
-            raise errors[0]
+        with self._done:
+            while self._outstanding:
+                self._done.wait()
+            if self._error is not None:
+                raise self._error
 
     def pending(self) -> PendingPart:
         if self.part is None:
@@ -220,6 +231,7 @@ class Stager:
         else:
             self.spool_root = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deck-spool")
+        self._made_dirs: set[str] = set()
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload"
         )
@@ -258,7 +270,10 @@ class Stager:
         def spool() -> None:
             try:
                 path = os.path.join(self.spool_root, key)  # type: ignore[arg-type]
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                folder = os.path.dirname(path)
+                if folder not in self._made_dirs:  # one makedirs per folder, not per chunk
+                    os.makedirs(folder, exist_ok=True)
+                    self._made_dirs.add(folder)
                 with open(path, "wb") as f:
                     f.write(memoryview(data)[:nbytes])
             finally:
@@ -529,6 +544,7 @@ class Stager:
             f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}" for r in range(p.world_size)
         ]
         missing = keys
+        next_report = time.monotonic() + 30
         while True:
             try:
                 missing = [k for k in missing if not self.storage.exists(k)]
@@ -536,6 +552,15 @@ class Stager:
                 logger.warning("deck: cannot check rank parts of step %d yet: %s", p.step, e)
             if not missing:
                 return
+            if time.monotonic() > next_report:
+                logger.warning(
+                    "deck: step %d waits for rank parts %s at %s (giving up in %.0f s)",
+                    p.step,
+                    missing,
+                    self.storage.uri,
+                    deadline - time.monotonic(),
+                )
+                next_report = time.monotonic() + 30
             if time.monotonic() > deadline:
                 raise DeckError(
                     f"step {p.step}: rank parts {missing} did not arrive within {self.cfg.commit_timeout_s:.0f} s; "

@@ -1,0 +1,410 @@
+"""Training stall per delta checkpoint vs a blocking ``torch.distributed.checkpoint.save``.
+
+The 2-rank gloo DLRM of ``deck.demo`` (default 8 tables x 1M rows x 64 dim fp32, about 2 GiB of
+weights, EXACT_ROWWISE_ADAGRAD), Zipf ids (``deck.demo.make_batch``), batch 1024 per rank. In one
+run, for each target:
+
+- ``local``: a DeltaCheckpointer writing to a directory under /tmp (tier ``local``);
+- ``s3`` (with ``--s3``): a SeaweedFS server started by this script, tier ``cpu-ssd-remote``
+  with a spool directory under /tmp;
+
+the model trains ``--steps`` steps with a full checkpoint first and a delta every
+``--delta-every`` steps. Per checkpoint: ``stall_s`` (what ``ckpt.step`` returned), bytes,
+rows, and after ``ckpt.flush()`` the background ``durable_local_s`` / ``committed_s``. Then, in
+the same processes, ``dcp.save({"model": model.state_dict(), "optim": dense_opt.state_dict()})``
+is timed ``--dcp-repeats`` times (median), and ``dcp.async_save`` is tried once (its error is
+printed: on this stack it cannot stage TorchRec's ShardedTensors).
+
+By default training goes on while the first full checkpoint is still being fsynced/uploaded, as
+a real job does (on S3 the deltas then queue behind the 2 GiB upload and share the CPU with it);
+``--settle`` waits for the full to commit first, so the deltas show the steady state.
+
+    python benchmarks/bench_stall.py [--s3] [--settle] [--rows 1000000] [--steps 300] [--delta-every 50]
+    python benchmarks/bench_stall.py --quick          # 100k rows, 100 steps, a delta every 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+GOAL_RATIO = 1 / 20
+AFTER_STEPS = 10  # steps after a checkpoint counted as "while the background stager works"
+
+
+def _quiet() -> None:
+    import logging
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+
+
+def _run_target(
+    model: Any, dense_opt: Any, spec: ModelSpec, a: argparse.Namespace, target: dict[str, Any]
+) -> dict[str, Any]:
+    """Train ``a.steps`` steps after ``target['first_step']`` with a DeltaCheckpointer."""
+    import deck
+    from deck.config import StagingConfig
+
+    staging = StagingConfig(tiers=target["tiers"], spool_dir=target.get("spool"))
+    config = deck.DeckConfig(
+        uri=target["uri"],
+        delta_every_steps=a.delta_every,
+        storage_options=target.get("storage_options", {}),
+        staging=staging,
+    )
+    first = target["first_step"]
+    step_s: list[tuple[int, float]] = []
+    ckpt_call_s: list[tuple[int, float]] = []
+    with deck.enable(model, [dense_opt], config) as ckpt:
+        ckpt.step(first)  # the first checkpoint of a process is a full
+        if a.settle:
+            ckpt.flush()  # deltas then measure the steady state, not the full's upload
+        for step in range(first + 1, first + a.steps + 1):
+            t0 = time.perf_counter()
+            train_step(model, dense_opt, spec, step)
+            t1 = time.perf_counter()
+            ckpt.step(step)
+            t2 = time.perf_counter()
+            step_s.append((step, t1 - t0))
+            if step % a.delta_every == 0:
+                ckpt_call_s.append((step, t2 - t1))
+        t0 = time.perf_counter()
+        ckpt.flush()
+        flush_s = time.perf_counter() - t0
+        history = [
+            {
+                "step": h.step,
+                "kind": h.kind,
+                "stall_s": h.stall_s,
+                "bytes": h.bytes,
+                "rows": h.rows,
+                "chunks": h.chunks,
+                "durable_local_s": h.durable_local_s,
+                "committed_s": h.committed_s,
+                "state": h.state,
+                "error": h.error,
+            }
+            for h in ckpt.history
+        ]
+        tier = ckpt.stager.tier
+    return {
+        "name": target["name"],
+        "tier": tier,
+        "history": history,
+        "step_s": step_s,
+        "ckpt_call_s": ckpt_call_s,
+        "final_flush_s": flush_s,
+    }
+
+
+def _dcp_save(state: dict[str, Any], path: str) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=path)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _worker(
+    rank: int, world_size: int, port: int, a: argparse.Namespace, targets: list[dict], out: str
+) -> None:
+    _quiet()
+    init_process_group(rank, world_size, port)
+    spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+    model, dense_opt = build_model(spec)
+    for _ in range(a.warmup):
+        train_step(model, dense_opt, spec, 10**6)  # steps outside every target's range
+    results: dict[str, Any] = {"targets": [], "dcp_s": []}
+    for target in targets:
+        results["targets"].append(_run_target(model, dense_opt, spec, a, target))
+        dist.barrier()
+    for i in range(a.dcp_repeats):
+        path = os.path.join(a.out, f"dcp-{i}")
+        state = {"model": model.state_dict(), "optim": dense_opt.state_dict()}
+        results["dcp_s"].append(_dcp_save(state, path))
+        if i == 0 and rank == 0:
+            results["dcp_bytes"] = sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+            )
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    with open(os.path.join(a.results, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    # dcp.async_save, once, last: if it hangs, the parent kills us with the results already saved.
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(a.out, "dcp-async")
+    t0 = time.perf_counter()
+    try:
+        fut = dcp.async_save(
+            {"model": model.state_dict(), "optim": dense_opt.state_dict()}, checkpoint_id=path
+        )
+        fut.result(timeout=a.async_timeout)
+        outcome = {"ok": True, "seconds": time.perf_counter() - t0}
+    except BaseException as e:
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        outcome = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}".strip(),
+            "where": tb[-2].strip() if len(tb) > 1 else "",
+        }
+    with open(os.path.join(a.results, f"async{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    with contextlib.suppress(Exception):
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None]) -> None:
+    r0 = ranks[0]
+    dcp_med = _median([max(r["dcp_s"][i] for r in ranks) for i in range(len(r0["dcp_s"]))])
+    model_bytes = a.tables * a.rows * (a.dim * 4 + 4)
+    print(
+        f"DLRM {a.tables} tables x {a.rows} rows x {a.dim} dim fp32 ({_mib(model_bytes)} of table "
+        f"weights + momentum1), EXACT_ROWWISE_ADAGRAD, Zipf ids, batch {a.batch}/rank, 2 gloo ranks, "
+        f"{a.steps} steps per target, a delta every {a.delta_every} steps; "
+        + (
+            "first full committed before training on (--settle)"
+            if a.settle
+            else "training goes on while the first full uploads"
+        )
+    )
+    print()
+    print(
+        f"torch.distributed.checkpoint.save (model + dense optimizer), {len(r0['dcp_s'])} repeats: "
+        + ", ".join(f"{max(r['dcp_s'][i] for r in ranks):.2f}" for i in range(len(r0["dcp_s"])))
+        + f" s; median {dcp_med:.3f} s; {_mib(r0.get('dcp_bytes', 0))} on disk"
+    )
+    print()
+    for ti, t in enumerate(r0["targets"]):
+        hists = [r["targets"][ti]["history"] for r in ranks]
+        print(f"== target {t['name']} (tier {t['tier']}) ==")
+        print(
+            f"{'step':>6} {'kind':>6} {'rows':>10} {'bytes':>11} {'stall s':>8} "
+            f"{'durable s (r0/r1)':>18} {'committed s (r0/r1)':>20} {'state':>10}"
+        )
+        for i, h in enumerate(hists[0]):
+            dur = "/".join(_fmt_s(hs[i]["durable_local_s"]) for hs in hists)
+            com = "/".join(_fmt_s(hs[i]["committed_s"]) for hs in hists)
+            print(
+                f"{h['step']:>6} {h['kind']:>6} {h['rows']:>10} {_mib(h['bytes']):>11} "
+                f"{h['stall_s']:>8.3f} {dur:>18} {com:>20} {h['state']:>10}"
+            )
+        deltas = [h for h in hists[0] if h["kind"] == "delta"]
+        fulls = [h for h in hists[0] if h["kind"] == "full"]
+        steps = dict(t["step_s"])
+        near = set()
+        for h in hists[0]:
+            near.update(range(h["step"] + 1, h["step"] + 1 + AFTER_STEPS))
+        after = [s for st, s in steps.items() if st in near]
+        away = [s for st, s in steps.items() if st not in near]
+        if deltas:
+            stall = _median([h["stall_s"] for h in deltas])
+            dbytes = _median([h["bytes"] for h in deltas])
+            rows = _median([h["rows"] for h in deltas])
+            dur = _median(
+                [
+                    max(hs[i]["durable_local_s"] or 0 for hs in hists)
+                    for i, h in enumerate(hists[0])
+                    if h["kind"] == "delta"
+                ]
+            )
+            com = _median(
+                [
+                    hs[i]["committed_s"] or float("nan")
+                    for hs in hists[:1]
+                    for i, h in enumerate(hists[0])
+                    if h["kind"] == "delta"
+                ]
+            )
+            full_b = fulls[0]["bytes"] if fulls else float("nan")
+            ratio = stall / dcp_med
+            t["summary"] = {"stall": stall, "ratio": ratio}
+            print(
+                f"median of {len(deltas)} deltas: stall {stall:.3f} s, {rows:.0f} rows, "
+                f"{_mib(dbytes)} ({dbytes / full_b:.3f} of the full's {_mib(full_b)}), "
+                f"durable-local {dur:.3f} s (max of ranks), committed {com:.3f} s (rank 0)"
+            )
+            print(
+                f"stall / DCP save = {stall:.3f} / {dcp_med:.3f} = {ratio:.4f} (1/{1 / ratio:.0f}); "
+                f"goal <= {GOAL_RATIO:.3f}: {'MET' if ratio <= GOAL_RATIO else 'NOT MET'}"
+            )
+        if fulls:
+            print(
+                f"full checkpoint stall {fulls[0]['stall_s']:.3f} s "
+                f"({fulls[0]['stall_s'] / dcp_med:.3f} of DCP save)"
+            )
+        print(
+            f"train step median {_median(away) * 1e3:.1f} ms; in the {AFTER_STEPS} steps after a "
+            f"checkpoint (background fsync/upload running) {_median(after) * 1e3:.1f} ms; "
+            f"final flush {t['final_flush_s']:.2f} s"
+        )
+        print()
+    a_ok = [x for x in asyncs if x is not None]
+    if not a_ok:
+        print(
+            f"dcp.async_save: no result within {a.async_timeout + 60:.0f} s (hung; processes killed)"
+        )
+    elif all(x["ok"] for x in a_ok):
+        print(f"dcp.async_save: WORKS here ({max(x['seconds'] for x in a_ok):.2f} s)")
+    else:
+        bad = next(x for x in a_ok if not x["ok"])
+        print(f"dcp.async_save: FAILS on this stack: {bad['error'][:400]}")
+        if bad.get("where"):
+            print(f"  raised at {bad['where'].splitlines()[0]}")
+    summary = [(t["name"], t.get("summary")) for t in r0["targets"]]
+    print()
+    print(
+        f"{'target':<8} {'median delta stall s':>21} {'DCP save s':>11} {'stall/DCP':>10} {'goal':>6}"
+    )
+    for name, s in summary:
+        if s:
+            print(
+                f"{name:<8} {s['stall']:>21.3f} {dcp_med:>11.3f} {s['ratio']:>10.4f} "
+                f"{'MET' if s['ratio'] <= GOAL_RATIO else 'NO':>6}"
+            )
+    print()
+    print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="100k rows, 100 steps, a delta every 25")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=None, help="rows per table (default 1000000)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=None, help="training steps per target (300)")
+    p.add_argument("--delta-every", type=int, default=None, help="(default 50)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dcp-repeats", type=int, default=3)
+    p.add_argument("--s3", action="store_true", help="also a SeaweedFS S3 target (cpu-ssd-remote)")
+    p.add_argument(
+        "--settle",
+        action="store_true",
+        help="wait for the first full to commit before training on (steady-state deltas; "
+        "default: train on while it uploads, as a real job does)",
+    )
+    p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--async-timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
+    a = p.parse_args()
+    a.rows = a.rows or (100_000 if a.quick else 1_000_000)
+    a.steps = a.steps or (100 if a.quick else 300)
+    a.delta_every = a.delta_every or (25 if a.quick else 50)
+    if a.steps % a.delta_every:
+        p.error("--steps must be a multiple of --delta-every")
+    work = a.workdir or tempfile.mkdtemp(prefix="deck-bench-stall-", dir="/tmp")
+    os.makedirs(work, exist_ok=True)
+    a.out = os.path.join(work, "out")
+    a.results = os.path.join(work, "results")
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.results, exist_ok=True)
+    server = None
+    targets: list[dict[str, Any]] = []
+    first = 0
+    if not a.no_local:
+        targets.append(
+            {
+                "name": "local",
+                "uri": os.path.join(work, "ck-local"),
+                "tiers": "local",
+                "first_step": first,
+            }
+        )
+        first += a.steps
+    try:
+        if a.s3:
+            from s3_server import SeaweedS3
+
+            server = SeaweedS3(workdir=os.path.join(work, "seaweed"), volume_size_limit_mb=256)
+            server.start()
+            print(
+                f"SeaweedFS S3 at {server.endpoint_url} (started in {server.startup_seconds:.1f} s)"
+            )
+            targets.append(
+                {
+                    "name": "s3",
+                    "uri": server.uri("bench-stall"),
+                    "storage_options": server.storage_options,
+                    "tiers": "cpu-ssd-remote",
+                    "spool": os.path.join(work, "spool"),
+                    "first_step": first,
+                }
+            )
+        t0 = time.perf_counter()
+        ctx = mp.spawn(_worker, args=(2, free_port(), a, targets, a.out), nprocs=2, join=False)
+        deadline = time.monotonic() + a.timeout
+        async_deadline = None
+        while not ctx.join(timeout=2):
+            now = time.monotonic()
+            done = all(os.path.exists(os.path.join(a.results, f"rank{r}.json")) for r in (0, 1))
+            if done and async_deadline is None:
+                async_deadline = now + a.async_timeout + 60
+            if now > deadline or (async_deadline is not None and now > async_deadline):
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()  # our own spawned ranks, by pid
+                break
+        ranks = []
+        for r in (0, 1):
+            with open(os.path.join(a.results, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+        asyncs: list[dict | None] = []
+        for r in (0, 1):
+            path = os.path.join(a.results, f"async{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    asyncs.append(json.load(f))
+            else:
+                asyncs.append(None)
+        print(f"(run took {time.perf_counter() - t0:.0f} s)")
+        _report(a, ranks, asyncs)
+    finally:
+        if server is not None:
+            server.stop()
+        if a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
