@@ -5,21 +5,27 @@ Importable as ``deck.kernels`` (``pyproject.toml`` maps this folder with ``packa
 - :func:`jagged_unique`: the entry point; validates, picks bitmap or sort, dispatches by device
   (numpy kernels on CPU, torch-only kernels in :mod:`deck.kernels.gpu` elsewhere).
 - :func:`jagged_unique_reference`: a loop of ``torch.unique`` per table, the tests' oracle.
+- :func:`concat_jagged`: per-table lists of id tensors -> the ``(values, lengths)`` layout.
+- :func:`free_cached_buffers`: drop the zeroed map the CPU bitmap kernel keeps between calls.
 - :class:`KernelInputError`: raised for malformed input.
 """
 
-from deck.kernels.jagged_unique import (
+from .jagged_unique import (
     BITMAP_ROWS_PER_ID,
     KernelInputError,
     Method,
+    concat_jagged,
+    free_cached_buffers,
     jagged_unique,
 )
-from deck.kernels.reference import jagged_unique_reference
+from .reference import jagged_unique_reference
 
 __all__ = [
     "BITMAP_ROWS_PER_ID",
     "KernelInputError",
     "Method",
+    "concat_jagged",
+    "free_cached_buffers",
     "jagged_unique",
     "jagged_unique_reference",
 ]

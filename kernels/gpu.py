@@ -120,12 +120,9 @@ def bitmap_unique(
     inverse: torch.Tensor | None = None
     first: torch.Tensor | None = None
     if return_inverse or return_first:
-        # A rank map over the rows (not a search per id): O(n + rows) and rows <= c * n on the
-        # paths the dispatcher sends here.
-        rank = torch.empty(total_rows, dtype=torch.int64, device=device)
-        rank[unique_keys] = torch.arange(num_unique, dtype=torch.int64, device=device)
-        inverse = rank[key]
-        del rank
+        # A binary search per id rather than a rank map over the rows: no memory proportional to
+        # the bounds (which a caller may force large), and on a GPU the search is cheap.
+        inverse = torch.searchsorted(unique_keys, key)
         if return_first:
             first = _first_positions(inverse, num_unique)
     return _Result(unique_values, counts, inverse if return_inverse else None, first)

@@ -66,5 +66,7 @@ def jagged_unique_reference(
             torch.cat(inverses) if inverses else torch.empty(0, dtype=torch.int64, device=device)
         )
     if return_first:
-        out.append(torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.int64, device=device))
+        out.append(
+            torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.int64, device=device)
+        )
     return tuple(out)
