@@ -102,7 +102,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
-    from deck.lineage import cheapest_chain, lineage
+    from deck.lineage import chain_bytes, cheapest_chain, lineage
 
     graph = lineage(a.uri)
     if not graph.nodes:
@@ -124,7 +124,7 @@ def cmd_lineage(a: argparse.Namespace) -> int:
         print("no restorable step")
         return 1
     chain = cheapest_chain(graph, step)
-    total = sum(m.data_bytes for m in chain)
+    total = chain_bytes(chain)
     print(f"cheapest chain of step {step} ({len(chain)} checkpoints, {_human(total)}):")
     for m in chain:
         print(f"  {m.kind.value:>6} {m.covers[0]}..{m.covers[1]}  {m.folder}")
@@ -361,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     mer.add_argument(
         "--full-live-fraction",
         type=float,
-        default=0.25,
+        default=0.1,
         metavar="F",
-        help="new full when a restore reads more than F x a full on top of it (0.25; 0: off)",
+        help="new full when a restore reads more than F x a full on top of it (0.1; 0: off)",
     )
     mer.add_argument(
         "--full-cost-ratio",

@@ -237,10 +237,11 @@ class LineageGraph:
         best = self.best_paths(exclude)
         cands: list[_Best] = []
         if t.start is not None and t.start in best:
-            cands.append(best[t.start])
+            b = best[t.start]
+            cands.append(_Best(b.cost + t.bytes, b.path))
         # Or reach the state itself another way (a merger full of it, or a merged delta ending
-        # in it) and apply the trainer's checkpoint again: redundant rows, but it may be cheaper,
-        # and the chain must end in the trainer checkpoint for its dense / extra state.
+        # in it): the trainer checkpoint then only contributes its records (dense / extra
+        # state, its id), not its rows (restore.apply_chain skips them), so it costs nothing.
         for f in self.fulls_at.get(t.state, ()):
             if self._usable(f, exclude):
                 cands.append(_Best(f.bytes, (f.id,)))
@@ -251,8 +252,7 @@ class LineageGraph:
                 cands.append(_Best(prev.cost + d.bytes, (*prev.path, d.id)))
         if not cands:
             return None
-        path = min(cands, key=lambda b: (b.cost + t.bytes, len(b.path), b.path)).path
-        return (*path, t.id)
+        return (*min(cands, key=_Best.key).path, t.id)
 
     def _why_not(self, step: int, exclude: frozenset[str]) -> str:
         """Why trainer step ``step`` has no chain: the first link that is missing."""
@@ -327,8 +327,14 @@ def cheapest_chain(
 
 
 def chain_bytes(chain: Iterable[CheckpointManifest]) -> int:
-    """Bytes a restore of ``chain`` reads (all ranks)."""
-    return sum(m.data_bytes for m in chain)
+    """Bytes a restore of ``chain`` reads (all ranks; a checkpoint reproducing the same state as
+    the one before it only has its records read, counted as nothing here)."""
+    out, prev = 0, None
+    for m in chain:
+        if prev is None or m.state != prev.state:
+            out += m.data_bytes
+        prev = m
+    return out
 
 
 @dataclass

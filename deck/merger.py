@@ -105,7 +105,7 @@ class FullPolicy:
     """
 
     every: int | None = None
-    max_live_fraction: float | None = 0.25
+    max_live_fraction: float | None = 0.1
     cost_ratio: float | None = None
 
     def __post_init__(self) -> None:

@@ -69,7 +69,8 @@ def apply_chain(
     wins) into ``shards``. Returns read statistics and the rank manifests of the last checkpoint.
 
     Each checkpoint's files are read from its own folder (``m.folder``: a trainer step folder or
-    a merger folder). A failure part-way leaves the shards half-written; applying another chain
+    a merger folder). A checkpoint reproducing the same state as the one before it (``m.state``)
+    adds no rows and is not read again. A failure part-way leaves the shards half-written; applying another chain
     afterwards is safe, since every chain starts with a full that rewrites every row.
 
     ``tables`` are the model's tables (all ranks) with their shapes: the full must hold exactly
@@ -83,6 +84,11 @@ def apply_chain(
     for i, m in enumerate(chain):
         parts = read_rank_manifests(storage, m)
         stats.checkpoints += 1
+        if i and m.state == chain[i - 1].state:
+            # The same training state as the checkpoint just applied (a trainer checkpoint
+            # reached through a merger checkpoint of its step): its rows are there already;
+            # only its records (dense / extra state) are needed.
+            continue
         covered: set[tuple[str, int, int]] = set()
         saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
         if i == 0:

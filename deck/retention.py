@@ -166,7 +166,7 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
         elif not n.merged:
             delete[n.id] = f"step {n.step} is not retained"
         else:
-            delete[n.id] = f"{n.kind.value} {n.folder} is not in the chain of a retained step"
+            delete[n.id] = f"{n.kind.value} checkpoint in no retained step's chain"
     return RetentionPlan(
         latest=latest,
         window=sorted(window),
@@ -351,7 +351,7 @@ def collect_garbage(
                     report,
                     prefix,
                     stale,
-                    "files no record references",
+                    "partition records / attempt files no record references",
                     policy,
                     now,
                     dry_run,

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from deck.errors import ConfigError
-
 from deck.tracker import TrackerStore
 
 

@@ -1,0 +1,194 @@
+"""The Zipf DLRM workload without TorchRec, for the merger / retention benchmarks.
+
+The demo DLRM's embedding side, reproduced with plain tensors so that hundreds of checkpoint
+intervals run in minutes on a CPU box: ``tables`` tables of ``rows`` x ``dim`` fp32 with a
+rowwise-adagrad ``momentum1`` (one fp32 per row), placed table-wise on ``ranks`` ranks (table i on
+rank i % ranks), written through the real writer (:class:`deck.writer.RankPartWriter` and
+:func:`deck.writer.commit`: same chunk files, manifests and commit order as the trainer).
+
+Each interval is ``steps_per_delta`` training steps. A step looks up, per table,
+``batch * pooling`` ids per rank drawn like ``deck.demo.make_batch``: Zipf(``zipf_a``) ranks,
+folded into the table and scattered by a fixed odd multiplier. The looked-up rows get new values
+(weight += noise, momentum1 += noise^2), which is all a checkpoint can see of an optimizer step.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from deck.adapters.base import TableShard
+
+from deck.format import CheckpointManifest, Kind
+from deck.storage import Storage
+from deck.writer import RankPartWriter, commit
+
+
+@dataclass
+class Workload:
+    tables: int = 8
+    rows: int = 100_000
+    dim: int = 64
+    ranks: int = 2
+    batch: int = 1024
+    pooling: int = 2
+    zipf_a: float = 1.2
+    steps_per_delta: int = 10
+    chunk_bytes: int = 4 * 1024 * 1024
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"{self.tables} tables x {self.rows} rows x {self.dim} dim fp32 + rowwise momentum, "
+            f"{self.ranks} ranks, batch {self.batch}/rank, pooling {self.pooling}, "
+            f"Zipf({self.zipf_a}), {self.steps_per_delta} steps per interval"
+        )
+
+
+def make_shards(w: Workload, fill: float | None = None) -> list[TableShard]:
+    g = torch.Generator().manual_seed(w.seed)
+    out = []
+    for t in range(w.tables):
+        if fill is None:
+            weight = torch.randn(w.rows, w.dim, generator=g) * 0.01
+            mom = torch.zeros(w.rows)
+        else:
+            weight = torch.full((w.rows, w.dim), fill)
+            mom = torch.full((w.rows,), fill)
+        out.append(
+            TableShard(
+                table=f"sparse.ebc.t{t}.weight",
+                num_rows=w.rows,
+                num_cols=w.dim,
+                row_offset=0,
+                rows=w.rows,
+                col_offset=0,
+                cols=w.dim,
+                states={"weight": weight, "momentum1": mom},
+                track_base=t % w.ranks,  # the rank holding it
+            )
+        )
+    return out
+
+
+def table_shapes(w: Workload) -> dict[str, tuple[int, int]]:
+    return {f"sparse.ebc.t{t}.weight": (w.rows, w.dim) for t in range(w.tables)}
+
+
+@dataclass
+class ZipfTrainer:
+    """Trains the workload and writes checkpoints of it to ``storage``."""
+
+    w: Workload
+    storage: Storage
+    shards: list[TableShard] = field(init=False)
+    step: int = 0
+    parent: tuple[int, str] | None = None
+    base: int = 0
+
+    def __post_init__(self) -> None:
+        self.shards = make_shards(self.w)
+        self.rng = np.random.default_rng(self.w.seed)
+        self.gen = torch.Generator().manual_seed(self.w.seed + 1)
+        self.pending: list[set[int]] = [set() for _ in self.shards]
+
+    def interval(self) -> list[torch.Tensor]:
+        """Train one checkpoint interval; returns the rows touched in it, per table (sorted)."""
+        w = self.w
+        n = w.batch * w.pooling * w.ranks * w.steps_per_delta
+        touched = []
+        for i, s in enumerate(self.shards):
+            ids = (self.rng.zipf(w.zipf_a, size=n) - 1) % w.rows
+            ids = (ids * 0x9E3779B1) % w.rows
+            rows = torch.from_numpy(np.unique(ids).astype(np.int64))
+            noise = torch.randn(len(rows), w.dim, generator=self.gen) * 1e-3
+            s.states["weight"].index_add_(0, rows, noise)
+            s.states["momentum1"].index_add_(0, rows, noise[:, 0] ** 2)
+            self.pending[i].update(rows.tolist())
+            touched.append(rows)
+        self.step += w.steps_per_delta
+        return touched
+
+    def save(
+        self,
+        kind: str = "delta",
+        rows: Callable[[int, TableShard], torch.Tensor | None] | None = None,
+        parent: tuple[int, str] | None = None,
+        storage: Storage | None = None,
+    ) -> CheckpointManifest:
+        """Write a checkpoint of the current step: a full, a delta of the rows touched since the
+        last checkpoint, or (``rows``) any given rows per table relative to ``parent``. Only
+        checkpoints to the trainer's own storage move its parent / pending rows."""
+        storage = storage or self.storage
+        full = kind == "full"
+        ckpt_id = secrets.token_hex(8)
+        for rank in range(self.w.ranks):
+            mine = [(i, s) for i, s in enumerate(self.shards) if s.track_base == rank]
+            writer = RankPartWriter(
+                storage, self.step, ckpt_id, rank, self.w.ranks, self.w.chunk_bytes
+            )
+            index = {id(s): i for i, s in mine}
+
+            def rows_for(s: TableShard, index: dict[int, int] = index) -> torch.Tensor | None:
+                if full:
+                    return None
+                if rows is not None:
+                    return rows(index[id(s)], s)
+                return torch.tensor(sorted(self.pending[index[id(s)]]), dtype=torch.int64)
+
+            dense = {"mlp": torch.zeros(64)} if rank == 0 else None
+            writer.write_part([s for _, s in mine], rows_for, dense, {"user": {"step": self.step}})
+        p = parent if parent is not None else self.parent
+        m = commit(
+            storage,
+            step=self.step,
+            ckpt_id=ckpt_id,
+            kind=Kind.FULL if full else Kind.DELTA,
+            parent=None if full else p,
+            base=self.step if full else self.base,
+            epoch=0,
+            world_size=self.w.ranks,
+            deck_version="bench",
+        )
+        if rows is None and storage is self.storage:  # the trainer's own lineage
+            self.parent = (self.step, ckpt_id)
+            if full:
+                self.base = self.step
+            for p_ in self.pending:
+                p_.clear()
+        return m
+
+    def live(self) -> dict[str, torch.Tensor]:
+        return {f"{s.table}|{k}": v.clone() for s in self.shards for k, v in s.states.items()}
+
+
+def restore_into_fresh(
+    storage: Storage, chain: list[CheckpointManifest], w: Workload
+) -> tuple[float, dict[str, torch.Tensor], int]:
+    """Apply ``chain`` into freshly allocated tables; returns (seconds, state, bytes read)."""
+    import time
+
+    from deck.restore import apply_chain
+
+    shards = make_shards(w, fill=0.0)
+    t0 = time.perf_counter()
+    stats, _ = apply_chain(storage, chain, shards, table_shapes(w))
+    dt = time.perf_counter() - t0
+    state = {f"{s.table}|{k}": v for s in shards for k, v in s.states.items()}
+    return dt, state, stats.bytes
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a
+    )
+
+
+def tree_bytes(root: str) -> int:
+    """Bytes of every file under a local directory (what the storage holds)."""
+    import os
+
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)

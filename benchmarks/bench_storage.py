@@ -1,0 +1,168 @@
+"""Storage after N checkpoint intervals of the Zipf DLRM workload: deck (deltas + merger + GC)
+vs a faithful Check-N-Run differential strategy vs a full checkpoint every interval.
+
+One run of the workload (benchmarks/_workload.py: the demo's embedding tables as plain tensors,
+written with the real writer and format) drives all three strategies:
+
+- **deck**: the trainer writes a full, then a delta per interval; a merger worker (default policy:
+  stride 4, new full when the live chain passes 10% of a full) and GC run after every interval,
+  as ``deck merge --follow --gc`` would. Storage is every byte under the URI at the end.
+- **Check-N-Run** (Eisenman et al., NSDI'22; the differential strategy IncrCP compares with):
+  each checkpoint holds every row touched since its baseline full; a new baseline is taken when
+  the differential would exceed ``--cnr-reset`` of a full (its baseline reset). Its checkpoints
+  are written in deck's format (a diff is a delta whose parent is the baseline) and measured.
+- **full every interval**: every checkpoint a full (its size is the same every time).
+
+Storage is compared for the same set of restorable steps:
+
+- *every step restorable* (IncrCP's accounting, ``deck gc --keep-all-steps``): all N + 1
+  checkpoints stay restorable under each strategy;
+- *default retention* (``deck gc``: the newest 2 fulls and the active window): deck keeps those
+  steps; Check-N-Run and full-every-interval keep what restoring the same steps needs.
+
+    python benchmarks/bench_storage.py [--intervals 150] [--rows 100000] [--dim 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from _workload import Workload, ZipfTrainer, tree_bytes
+
+from deck.catalog import read_manifests
+from deck.format import MANIFEST
+from deck.lineage import build_graph
+from deck.merger import FullPolicy, MergeConfig, MergeWorker
+from deck.retention import RetentionPolicy, collect_garbage
+from deck.storage import LocalStorage
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    # One compute thread, like each rank of the demo: on a small shared box, OpenMP threads
+    # waiting for a busy core turn every tensor copy into a scheduler tick.
+    torch.set_num_threads(1)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--intervals", type=int, default=150)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--stride", type=int, default=4)
+    p.add_argument("--live-fraction", type=float, default=0.1)
+    p.add_argument("--cnr-reset", type=float, default=0.5, help="Check-N-Run baseline reset")
+    p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
+    a = p.parse_args(argv)
+    w = Workload(tables=a.tables, rows=a.rows, dim=a.dim)
+    work = a.out or tempfile.mkdtemp(prefix="deck-bench-storage-")
+    try:
+        return _run(a, w, work)
+    finally:
+        if a.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
+    t_start = time.perf_counter()
+    uri = os.path.join(work, "deck")
+    storage = LocalStorage(uri)
+    cnr_storage = LocalStorage(os.path.join(work, "cnr"))
+    tr = ZipfTrainer(w, storage)
+    print(f"workload: {w.describe()}; {a.intervals} intervals", flush=True)
+    first = tr.save("full")
+    full_bytes = first.data_bytes
+    worker = MergeWorker(
+        storage, MergeConfig(stride=a.stride, full=FullPolicy(max_live_fraction=a.live_fraction))
+    )
+    keep_all = RetentionPolicy(keep_all_steps=True, grace_s=0)
+    # Check-N-Run: its own baseline, and the union of rows touched since it, per table.
+    cnr_base = first.step
+    cnr_base_id = first.id
+    cnr_union = [torch.zeros(w.rows, dtype=torch.bool) for _ in range(w.tables)]
+    cnr_sizes: dict[int, tuple[int, int]] = {first.step: (first.step, full_bytes)}
+    cnr_fulls = 1
+    steps = [first.step]
+    for i in range(a.intervals):
+        touched = tr.interval()
+        tr.save()
+        worker.run_once()
+        collect_garbage(storage, keep_all)
+        steps.append(tr.step)
+        # Check-N-Run's checkpoint of this interval.
+        for u, rows in zip(cnr_union, touched, strict=True):
+            u[rows] = True
+        frac = sum(int(u.sum()) for u in cnr_union) / (w.rows * w.tables)
+        if frac > a.cnr_reset:
+            m = tr.save("full", storage=cnr_storage, rows=None, parent=None)
+            cnr_base, cnr_base_id, cnr_fulls = tr.step, m.id, cnr_fulls + 1
+            for u in cnr_union:
+                u.zero_()
+        else:
+            m = tr.save(
+                "delta",
+                storage=cnr_storage,
+                rows=lambda t, _s: torch.nonzero(cnr_union[t]).view(-1),
+                parent=(cnr_base, cnr_base_id),
+            )
+        size = m.data_bytes + cnr_storage.size(f"{m.folder}/{MANIFEST}")
+        cnr_sizes[tr.step] = (cnr_base if m.kind.value == "delta" else tr.step, size)
+        cnr_storage.delete_prefix(f"{m.folder}/")  # measured; the bytes are accounted below
+        if (i + 1) % 25 == 0:
+            print(f"  interval {i + 1}: deck {_mib(tree_bytes(uri))}", flush=True)
+
+    full_size = full_bytes + storage.size(f"step-{0:012d}/{MANIFEST}")
+    # Every step restorable.
+    deck_all = tree_bytes(uri)
+    all_steps = build_graph(read_manifests(storage)).restorable_steps()
+    assert all_steps == steps, "deck lost a step under keep-all-steps retention"
+    cnr_all = sum(size for _, size in cnr_sizes.values())
+    full_all = len(steps) * full_size
+    # Default retention: apply it now (what running it all along would have kept).
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
+    deck_def = tree_bytes(uri)
+    kept = rep.retained_steps
+    bases = {cnr_sizes[s][0] for s in kept}
+    cnr_def = sum(cnr_sizes[s][1] for s in kept) + sum(
+        cnr_sizes[b][1] for b in bases if b not in kept
+    )
+    full_def = len(kept) * full_size
+    merger_fulls = sum(1 for m in read_manifests(storage).merged.values() if m.kind.value == "full")
+
+    print()
+    print(f"one full checkpoint: {_mib(full_size)}; Check-N-Run took {cnr_fulls} full(s)")
+    print(
+        f"{'retention':<26} {'restorable':>10} {'deck':>10} {'Check-N-Run':>12} "
+        f"{'full/interval':>14} {'deck/CNR':>9} {'deck/full':>10}"
+    )
+    for name, n, d, c, f in (
+        ("every step restorable", len(steps), deck_all, cnr_all, full_all),
+        ("default (deck gc)", len(kept), deck_def, cnr_def, full_def),
+    ):
+        print(
+            f"{name:<26} {n:>10} {_mib(d):>10} {_mib(c):>12} {_mib(f):>14} "
+            f"{d / c:>8.1%} {d / f:>9.1%}"
+        )
+    print(f"default retention keeps steps {kept} ({merger_fulls} merger full(s) left)")
+    print(
+        f"goal deck <= 40% of Check-N-Run: every step restorable "
+        f"{'met' if deck_all <= 0.4 * cnr_all else 'NOT met'} ({deck_all / cnr_all:.1%}); "
+        f"default retention {'met' if deck_def <= 0.4 * cnr_def else 'NOT met'} "
+        f"({deck_def / cnr_def:.1%})"
+    )
+    print(f"ran in {time.perf_counter() - t_start:.0f} s")
+    print("reproduce: python " + " ".join(sys.argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

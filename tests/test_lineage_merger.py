@@ -1,0 +1,851 @@
+"""Lineage, merger workers, retention and GC.
+
+Most tests use synthetic checkpoints in the exact on-disk format (tests/synth.py: the real
+writer and commit, plain tensors instead of TorchRec) so that many steps, merges, crashes and
+collections run in seconds; the last test runs the real 2-rank TorchRec job and ``deck merge``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from synth import State, SynthTrainer, restore_state, same, snapshot
+
+from deck import treecodec
+from deck.catalog import chain_for, latest_restorable, read_manifests
+from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.format import MANIFEST, CheckpointManifest, Kind, load_model
+from deck.lineage import (
+    best_valid_chain,
+    build_graph,
+    chain_bytes,
+    cheapest_chain,
+    needs_new_full,
+)
+from deck.merger import (
+    FullPolicy,
+    MergeConfig,
+    MergeWorker,
+    full_every_for_bound,
+    plan,
+    stride_for_velocity,
+)
+from deck.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.storage import FsspecStorage, LocalStorage, Storage
+from deck.verify import verify_checkpoint
+
+NO_FULLS = FullPolicy(every=None, max_live_fraction=None)
+
+
+def mem() -> FsspecStorage:
+    return FsspecStorage(f"memory://deck-lineage-{uuid.uuid4().hex}")
+
+
+def merge_all(storage: Storage, config: MergeConfig, workers: int = 1) -> int:
+    """Run ``workers`` workers round-robin in this process until none makes progress."""
+    ws = [
+        MergeWorker(
+            storage,
+            MergeConfig(
+                stride=config.stride,
+                full=config.full,
+                chunk_bytes=config.chunk_bytes,
+                worker_index=i,
+                num_workers=workers,
+            ),
+        )
+        for i in range(workers)
+    ]
+    committed = 0
+    while True:
+        progressed = False
+        for w in ws:
+            r = w.run_pass()
+            committed += r.stats.items_committed
+            progressed = progressed or r.progressed
+            assert not r.stats.failed and not w.failures, w.failures
+        if not progressed:
+            return committed
+
+
+def check_all_restore(
+    storage: Storage, history: dict[str, State], seen: set[tuple[str, ...]] | None = None
+) -> list[int]:
+    """Every restorable step restores bitwise-equal to what the trainer saved under that id.
+
+    ``seen``: chains already checked (committed files never change, so a chain that restored
+    correctly once still does)."""
+    manifests = read_manifests(storage)
+    graph = build_graph(manifests)
+    steps = graph.restorable_steps()
+    for step in steps:
+        chain = chain_for(manifests, step)
+        key = tuple(m.id for m in chain)
+        if seen is not None and key in seen:
+            continue
+        assert chain[0].kind is Kind.FULL and not chain[-1].is_merged
+        assert chain[-1].step == step
+        got, user = restore_state(storage, chain)
+        bad = same(got, history[chain[-1].id])
+        assert not bad, f"step {step} via {[m.folder for m in chain]}: {bad[:4]}"
+        assert user == step
+        if seen is not None:
+            seen.add(key)
+    return steps
+
+
+# ---- unit tests of the pieces ------------------------------------------------------------------
+
+
+def test_merged_manifest_fields_round_trip_and_trainer_records_unchanged() -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    tr.train()
+    m = tr.save()
+    raw = storage.get(f"step-{m.step:012d}/{MANIFEST}")
+    for key in (b"first_step", b"layer", b"inputs", b"state_id"):
+        assert key not in raw  # format v1 readers without merging can still read it
+    assert load_model(CheckpointManifest, raw, "x") == m
+    bad = m.model_dump() | {"kind": "merged"}
+    with pytest.raises(CorruptCheckpointError, match="state_id"):
+        load_model(CheckpointManifest, dump_model_dict(bad), "x")
+
+
+def dump_model_dict(d: dict) -> bytes:
+    import json
+
+    return json.dumps(d).encode()
+
+
+def test_cheapest_chain_prefers_merged_and_checks_ids() -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(8):
+        tr.train(2)
+        tr.save()
+    history = {s.id: s.state for s in tr.saved.values()}
+    naive = chain_for(dict(read_manifests(storage)), 16)  # plain dict: parent links only
+    assert len(naive) == 9
+    assert merge_all(storage, MergeConfig(stride=2, full=NO_FULLS)) == 4 + 2 + 1
+    manifests = read_manifests(storage)
+    chain = chain_for(manifests, 16)
+    assert [(m.kind, m.layer) for m in chain] == [(Kind.FULL, 0), (Kind.MERGED, 3), (Kind.DELTA, 0)]
+    assert chain_bytes(chain) < chain_bytes(naive)
+    # Every step, latest included, restores bitwise through the cheapest chain.
+    assert check_all_restore(storage, history) == sorted(tr.saved)
+    assert latest_restorable(manifests) == 16
+    g = build_graph(manifests)
+    top = chain[1]
+    assert g.nodes[top.id].covers == (2, 16) and len(g.parents(top.id)) == 2
+    assert {n.id for n in g.children(chain[0].id)} >= {manifests[2].id}
+    assert g.to_dict()["chains"]["16"] == [m.id for m in chain]
+
+
+def test_rollback_timelines_never_mix() -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    history = {s.id: s.state for s in tr.saved.values()}
+    merge_all(storage, MergeConfig(stride=2, full=NO_FULLS))
+    tr.rollback(3)
+    for _ in range(3):
+        tr.train()
+        history[tr.save().id] = snapshot(tr.shards)
+    merge_all(storage, MergeConfig(stride=2, full=NO_FULLS))
+    manifests = read_manifests(storage)
+    graph = build_graph(manifests)
+    # Steps 4-6 were saved again: merged deltas of the old timeline end in states whose
+    # trainer checkpoints are gone; nothing of it may be used by the new timeline.
+    for step in (4, 5, 6):
+        ids = {m.id for m in chain_for(manifests, step)}
+        old = [n for n in graph.nodes.values() if n.merged and n.covers[1] >= 4 and n.epoch == 0]
+        assert not ids & {n.id for n in old}
+    assert check_all_restore(storage, history) == list(range(7))
+    assert graph.latest() == 6
+
+
+def test_policy_helpers() -> None:
+    assert full_every_for_bound(4, 0.5, bound=10) >= 4
+    assert full_every_for_bound(2, 0.9, bound=1.5) >= 1
+    assert stride_for_velocity(0.3, 5.0) is not None
+    with pytest.raises(ConfigError, match="stride"):
+        MergeConfig(stride=1)
+    with pytest.raises(ConfigError, match="worker index"):
+        MergeConfig(worker_index=2, num_workers=2)
+    with pytest.raises(ConfigError, match="max_live_fraction"):
+        FullPolicy(max_live_fraction=0)
+    assert FullPolicy(every=3).want_full(3, None, 100)
+    assert FullPolicy(max_live_fraction=0.5).want_full(1, 60, 100)
+    assert not FullPolicy(max_live_fraction=0.5).want_full(1, 40, 100)
+    assert FullPolicy(max_live_fraction=None, cost_ratio=10).want_full(1, 30, 100)
+
+
+@pytest.mark.parametrize("policy", ["every", "live"])
+def test_merger_makes_fulls_and_retention_keeps_the_window(policy: str) -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    history = {}
+    full = FullPolicy(every=6) if policy == "every" else FullPolicy(max_live_fraction=0.6)
+    cfg = MergeConfig(stride=2, full=full)
+    keep = RetentionPolicy(keep_last_fulls=2, grace_s=0)
+    for _ in range(20):
+        tr.train(3)
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+        merge_all(storage, cfg)
+        collect_garbage(storage, keep)
+    history.update({s.id: s.state for s in tr.saved.values()})
+    manifests = read_manifests(storage)
+    graph = build_graph(manifests)
+    merger_fulls = [n for n in graph.nodes.values() if n.merged and n.kind is Kind.FULL]
+    assert merger_fulls, "the merger made no full"
+    assert len(merger_fulls) <= 2  # older ones were collected (keep_last_fulls=2)
+    latest = graph.latest()
+    assert latest == tr.step
+    chain = cheapest_chain(graph, latest)
+    assert chain[0].is_merged and chain[0].kind is Kind.FULL  # the trainer never took another full
+    steps = check_all_restore(storage, history)
+    plan_now = plan_retention(manifests, keep)
+    assert set(plan_now.window) <= set(steps) and latest in steps
+    assert 0 not in manifests  # the trainer's first full is gone: two newer fulls exist
+    # The live chain stayed bounded: never more than the newest full plus a few items.
+    assert len(chain) <= 6
+
+
+def test_retention_keeps_rollback_fulls_and_all_steps_when_asked() -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    history = {tr.saved[0].id: tr.saved[0].state}
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None))
+    for _ in range(24):
+        tr.train()
+        history[tr.save().id] = snapshot(tr.shards)
+        merge_all(storage, cfg)
+    everything = build_graph(read_manifests(storage)).restorable_steps()
+    coarse = RetentionPolicy(keep_last_fulls=1, keep_fulls_every=10, grace_s=0)
+    rep = collect_garbage(storage, RetentionPolicy(**{**coarse.__dict__, "keep_all_steps": True}))
+    assert check_all_restore(storage, history) == everything
+    assert rep.deleted  # superseded merged deltas went
+    fulls = {
+        n.step for n in build_graph(read_manifests(storage)).nodes.values() if n.kind is Kind.FULL
+    }
+    assert {0, 12, 20, 24} <= fulls  # one full per 10 steps (the oldest) + the newest
+    rep = collect_garbage(storage, coarse)
+    steps = check_all_restore(storage, history)
+    assert {0, 12, 20, 24} <= set(steps)
+    assert 5 not in steps and 13 not in steps
+    assert sorted(rep.retained_steps) == steps
+
+
+def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(8):
+        tr.train()
+        tr.save()
+    merge_all(storage, MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None)))
+    # Orphans: a crashed save (no manifest) at an older step, an unreferenced attempt folder of
+    # a committed step, an uncommitted merger folder, and a crashed put's temp file.
+    (tmp_path / "ck/step-000000000003/0123456789abcdef/rank-00000").mkdir(parents=True)
+    (tmp_path / "ck/step-000000000003/0123456789abcdef/rank-00000/x.chunk").write_bytes(b"x")
+    (tmp_path / "ck/step-000000000005/fedcba9876543210").mkdir(parents=True)
+    (tmp_path / "ck/step-000000000005/fedcba9876543210/rank-00000.json").write_bytes(b"{}")
+    crashed = tmp_path / "ck/merged/L01-000000000007-000000000008-00000000000000aa/parts"
+    crashed.mkdir(parents=True)
+    (crashed / "x.json").write_bytes(b"{}")
+    (tmp_path / "ck/step-000000000008/.tmp-manifest.json.abc").write_bytes(b"x")
+    # An in-progress save of the newest step must survive any grace period.
+    (tmp_path / "ck/step-000000000009/1111111111111111").mkdir(parents=True)
+    (tmp_path / "ck/step-000000000009/1111111111111111/rank-00000.json").write_bytes(b"{}")
+
+    before = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=3600))
+    after = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    assert not rep.orphans and before == after  # everything is younger than the grace period
+    dry = collect_garbage(storage, RetentionPolicy(keep_last_fulls=1, grace_s=0), dry_run=True)
+    assert dry.deleted and dry.orphans
+    assert after == sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    rep = collect_garbage(storage, RetentionPolicy(keep_last_fulls=1, grace_s=0))
+    left = {
+        str(p.relative_to(tmp_path / "ck")) for p in (tmp_path / "ck").rglob("*") if p.is_file()
+    }
+    assert not any("0123456789abcdef" in p or "fedcba9876543210" in p for p in left)
+    assert not any("00000000000000aa" in p or ".tmp-" in p for p in left)
+    assert any("1111111111111111" in p for p in left)
+    assert {s for s, _ in [(o, 0) for o, _ in rep.orphans]}
+    manifests = read_manifests(storage)
+    assert latest_restorable(manifests) == 8
+    for m in manifests.all():
+        assert not verify_checkpoint(storage, m).problems
+
+
+def test_corrupt_or_missing_delta_in_the_active_chain(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    history = {s.id: s.state for s in tr.saved.values()}
+    merge_all(storage, MergeConfig(stride=3, full=NO_FULLS))
+
+    def corrupt(m: CheckpointManifest) -> str:
+        chunk = sorted((tmp_path / "ck" / m.folder).rglob("*.chunk"))[0]
+        data = bytearray(chunk.read_bytes())
+        data[3] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        return chunk.name
+
+    # A corrupt delta in the chain of step 5 (full, merged 1..3, delta 4, delta 5): the restore
+    # names the file; there is no other way to step 5, and the fallback says so.
+    chain5 = chain_for(read_manifests(storage), 5)
+    assert [(m.kind, m.covers) for m in chain5] == [
+        (Kind.FULL, (0, 0)),
+        (Kind.MERGED, (1, 3)),
+        (Kind.DELTA, (4, 4)),
+        (Kind.DELTA, (5, 5)),
+    ]
+    d4 = chain5[2]
+    name = corrupt(d4)
+    with pytest.raises(CorruptCheckpointError, match=name):
+        restore_state(storage, chain5)
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointNotFoundError, match=d4.id):
+        best_valid_chain(storage, 5)
+    assert "damaged" in caplog.text
+    # Step 6 goes around it through merged 4..6, and the quarantine makes plain restores do so.
+    manifests = read_manifests(storage)
+    assert d4.id in manifests.quarantined
+    assert latest_restorable(manifests) == 6
+    chain6 = chain_for(manifests, 6)
+    assert [(m.kind, m.covers) for m in chain6] == [
+        (Kind.FULL, (0, 0)),
+        (Kind.MERGED, (1, 3)),
+        (Kind.MERGED, (4, 6)),
+        (Kind.DELTA, (6, 6)),
+    ]
+    got, _ = restore_state(storage, chain6)
+    assert not same(got, history[chain6[-1].id])
+    # A corrupt merged delta in the active chain: the best valid chain replays the deltas.
+    name = corrupt(chain6[1])
+    vc = best_valid_chain(storage, 6)
+    assert chain6[1].id in vc.rejected and name in vc.rejected[chain6[1].id][0]
+    assert [m.covers for m in vc.chain] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 6), (6, 6)]
+    got, _ = restore_state(storage, vc.chain)
+    assert not same(got, history[chain6[-1].id])
+    with pytest.raises(CheckpointNotFoundError, match=f"step {d4.step}"):
+        chain_for(read_manifests(storage), d4.step)
+    # The trainer's next checkpoint after step 6 may be a delta (6 is restorable); one whose
+    # parent is the damaged step 4 (say, after restoring it) must be a full.
+    assert needs_new_full(storage, (6, chain6[-1].id)) is None
+    assert "4" in (needs_new_full(storage, (4, d4.id)) or "")
+    assert needs_new_full(storage, None)
+
+    # A missing delta (its manifest lost) inside a merged stretch: later steps still restore.
+    os.remove(tmp_path / "ck" / f"step-{5:012d}" / MANIFEST)
+    manifests = read_manifests(storage)
+    assert latest_restorable(manifests) == 6
+    got, _ = restore_state(storage, chain_for(manifests, 6))
+    assert not same(got, history[manifests[6].id])
+    # Even step 6's own record missing: merged 4..6 ends in its state, so step 7 restores.
+    os.remove(tmp_path / "ck" / f"step-{6:012d}" / MANIFEST)
+    tr.train()
+    history[tr.save().id] = snapshot(tr.shards)
+    assert latest_restorable(read_manifests(storage)) == 7
+    # A missing delta nothing covers: latest falls back to the step before it, and says why.
+    tr.train()
+    history[tr.save().id] = snapshot(tr.shards)
+    os.remove(tmp_path / "ck" / f"step-{7:012d}" / MANIFEST)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert latest_restorable(read_manifests(storage)) == 3
+    assert "step 8 cannot be restored" in caplog.text and "missing" in caplog.text
+    assert check_all_restore(storage, history) == [0, 1, 2, 3]
+
+
+def test_merger_quarantines_a_corrupt_input(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    m = read_manifests(storage)[3]
+    chunk = sorted((tmp_path / "ck" / m.folder).rglob("*.chunk"))[0]
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    w = MergeWorker(storage, MergeConfig(stride=2, full=NO_FULLS))
+    w.run_once(wait_s=0)
+    manifests = read_manifests(storage)
+    assert m.id in manifests.quarantined
+    assert latest_restorable(manifests) == 2  # 3 is damaged and nothing covers it yet
+    assert all(not verify_checkpoint(storage, x).problems for x in manifests.merged.values())
+
+
+def test_merge_is_bounded_memory_and_sorted(tmp_path: Path) -> None:
+    """Merged chunks are sorted by global row id, cut like the writer's, and a merge reads one
+    chunk per input at a time (checked by counting live chunk buffers)."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage, chunk_bytes=4096)
+    tr.save("full")
+    for _ in range(4):
+        tr.train(rows=120)
+        tr.save()
+    merge_all(storage, MergeConfig(stride=4, full=NO_FULLS, chunk_bytes=4096))
+    manifests = read_manifests(storage)
+    (merged,) = manifests.merged.values()
+    from deck.catalog import read_rank_manifests
+
+    for part in read_rank_manifests(storage, merged):
+        for rec in part.shards:
+            last = -1
+            for c in rec.chunks:
+                assert c.nbytes <= 4096
+                ids = torch.frombuffer(
+                    bytearray(storage.get(f"{merged.folder}/{c.path}")),
+                    dtype=torch.int64,
+                    count=c.rows,
+                )
+                assert int(ids[0]) > last and bool(torch.all(ids[1:] > ids[:-1]))
+                last = int(ids[-1])
+
+
+# ---- the state machine -------------------------------------------------------------------------
+
+
+class SimulatedCrash(BaseException):
+    """kill -9 at this write: nothing after it runs, nothing is cleaned up."""
+
+
+class FaultyStorage(Storage):
+    """Wraps a store; when armed, the n-th write (put or delete) crashes -- before or after it
+    takes effect, like a process killed around a syscall."""
+
+    def __init__(self, inner: Storage):
+        self.inner = inner
+        self.countdown: int | None = None
+        self.after = False
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def arm(self, n: int, after: bool) -> None:
+        self.countdown, self.after = n, after
+
+    def disarm(self) -> None:
+        self.countdown = None
+
+    def _tick(self) -> bool:
+        if self.countdown is None:
+            return False
+        self.countdown -= 1
+        return self.countdown <= 0
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        crash = self._tick()
+        if crash and not self.after:
+            raise SimulatedCrash(path)
+        self.inner.put(path, data)
+        if crash:
+            raise SimulatedCrash(path)
+
+    def delete(self, path: str) -> None:
+        crash = self._tick()
+        if crash and not self.after:
+            raise SimulatedCrash(path)
+        self.inner.delete(path)
+        if crash:
+            raise SimulatedCrash(path)
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.inner.get(path, start, end)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+
+class LineageMachine(RuleBasedStateMachine):
+    """Trainer saves, merges (1 or 2 workers), new fulls, GC, rollbacks and crashes of the
+    merger and of GC, against an exact record of every saved state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storage = FaultyStorage(mem())
+        self.tr = SynthTrainer(self.storage, chunk_bytes=4096)
+        self.history: dict[str, State] = {}
+        self.seen: set[tuple[str, ...]] = set()
+        self.verified: set[str] = set()
+        self.keep = RetentionPolicy(keep_last_fulls=2, keep_fulls_every=None, grace_s=0)
+
+    @initialize(
+        stride=st.sampled_from([2, 3]),
+        every=st.sampled_from([None, 4, 7]),
+        live=st.sampled_from([None, 0.8]),
+        deltas=st.integers(2, 8),
+    )
+    def setup(self, stride: int, every: int | None, live: float | None, deltas: int) -> None:
+        self.cfg = MergeConfig(
+            stride=stride, full=FullPolicy(every=every, max_live_fraction=live), chunk_bytes=4096
+        )
+        self._save("full")
+        for _ in range(deltas):
+            self.tr.train(1)
+            self._save("delta")
+
+    def _save(self, kind: str) -> None:
+        m = self.tr.save(kind)
+        self.history[m.id] = snapshot(self.tr.shards)
+
+    @rule(steps=st.integers(1, 3), rows=st.sampled_from([4, 30]), count=st.integers(1, 6))
+    def produce_deltas(self, steps: int, rows: int, count: int) -> None:
+        for _ in range(count):
+            self.tr.train(steps, rows=rows)
+            self._save("delta")
+
+    @rule()
+    def trainer_full(self) -> None:
+        self.tr.train(1)
+        self._save("full")
+
+    @rule(workers=st.sampled_from([1, 2]))
+    def merge(self, workers: int) -> None:
+        n = merge_all(self.storage, self.cfg, workers)
+        event(f"merge committed {'0' if not n else '1-3' if n < 4 else '4+'}")
+        p = plan(build_graph(read_manifests(self.storage)), self.cfg)
+        assert not p.ready, [it.describe() for it in p.ready]
+
+    @rule(n=st.integers(1, 25), after=st.booleans(), worker=st.sampled_from([(0, 1), (1, 2)]))
+    def crash_merger(self, n: int, after: bool, worker: tuple[int, int]) -> None:
+        cfg = MergeConfig(
+            stride=self.cfg.stride,
+            full=self.cfg.full,
+            chunk_bytes=4096,
+            worker_index=worker[0],
+            num_workers=worker[1],
+        )
+        self.storage.arm(n, after)
+        try:
+            MergeWorker(self.storage, cfg).run_once(wait_s=0)
+        except SimulatedCrash:
+            event("merger crashed")
+        finally:
+            self.storage.disarm()
+
+    @rule()
+    def gc(self) -> None:
+        rep = collect_garbage(self.storage, self.keep)
+        assert not rep.errors
+        # Every step GC promised to keep restores (bitwise: checked by the invariant).
+        graph = build_graph(read_manifests(self.storage))
+        steps = graph.restorable_steps()
+        assert set(rep.retained_steps) <= set(steps), (rep.retained_steps, steps)
+        assert rep.latest == self.tr.step
+        # The merger never wants back what GC just deleted (no build / delete loop).
+        gone = {folder for folder, _ in rep.deleted}
+        assert not [it.folder for it in plan(graph, self.cfg).wanted if it.folder in gone]
+
+    @rule(n=st.integers(1, 30), after=st.booleans())
+    def crash_gc(self, n: int, after: bool) -> None:
+        self.storage.arm(n, after)
+        try:
+            collect_garbage(self.storage, self.keep)
+        except SimulatedCrash:
+            event("gc crashed")
+        finally:
+            self.storage.disarm()
+
+    @precondition(lambda self: len(self.tr.saved) > 2)
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        """Restore an older step and train on from it: a new epoch, a new timeline. (A real
+        trainer saves within the GC grace period after restoring; here GC has no grace, so the
+        restore and the next save are one step.)"""
+        graph = build_graph(read_manifests(self.storage))
+        ours = [s for s in graph.restorable_steps() if s in self.tr.saved and s < self.tr.step]
+        if not ours:
+            return
+        step = data.draw(st.sampled_from(ours))
+        assert graph.trainer[step].id == self.tr.saved[step].id
+        self.tr.rollback(step)
+        self.tr.train(1)
+        self._save("delta")
+
+    @invariant()
+    def every_retained_step_restores_bitwise(self) -> None:
+        if not self.tr.saved:
+            return
+        steps = check_all_restore(self.storage, self.history, self.seen)
+        # What the trainer saved last is always restorable.
+        assert self.tr.step in steps
+        manifests = read_manifests(self.storage)
+        for m in manifests.merged.values():
+            if m.id not in self.verified:
+                assert not verify_checkpoint(self.storage, m).problems
+                self.verified.add(m.id)
+            event(f"merged layer {m.layer}" if m.kind is Kind.MERGED else "merger full")
+
+
+TestLineageMachine = LineageMachine.TestCase
+TestLineageMachine.settings = settings(
+    max_examples=int(os.environ.get("DECK_LINEAGE_EXAMPLES", "20")),
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+# ---- real processes: concurrent workers, kill -9 -------------------------------------------------
+
+
+def _deck(*args: str, **kw: object) -> subprocess.Popen[str]:
+    exe = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
+    return subprocess.Popen(
+        [exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
+
+
+def _written(root: Path, deltas: int, seed: int = 0) -> dict[str, State]:
+    storage = LocalStorage(root)
+    tr = SynthTrainer(storage, seed=seed)
+    tr.save("full")
+    history = {tr.saved[0].id: tr.saved[0].state}
+    for _ in range(deltas):
+        tr.train(2, rows=20)
+        history[tr.save().id] = snapshot(tr.shards)
+    return history
+
+
+MERGE_ARGS = ("--stride", "2", "--full-every", "8", "--full-live-fraction", "0", "--wait", "30")
+
+
+def _assert_complete_and_exact(root: Path, history: dict[str, State]) -> None:
+    storage = LocalStorage(root)
+    manifests = read_manifests(storage)
+    for m in manifests.all():
+        assert not verify_checkpoint(storage, m).problems, m.folder
+    graph = build_graph(manifests)
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=8, max_live_fraction=None))
+    left = plan(graph, cfg)
+    assert not left.ready and all(it.id in graph.nodes for it in left.wanted)
+    assert check_all_restore(storage, history) == sorted(manifests)
+    # Merged checkpoint ids are a function of their inputs: racing workers made no duplicates.
+    folders = [m.folder for m in manifests.merged.values()]
+    assert len(folders) == len(set(folders))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partitions", ["same-by-mistake", "different"])
+def test_two_worker_processes_on_one_uri(tmp_path: Path, partitions: str) -> None:
+    root = tmp_path / "ck"
+    history = _written(root, 20)
+    if partitions == "different":
+        extra = [
+            ("--worker-index", "0", "--num-workers", "2"),
+            ("--worker-index", "1", "--num-workers", "2"),
+        ]
+    else:
+        extra = [("--worker-index", "0", "--num-workers", "1")] * 2
+    procs = [_deck("merge", str(root), "--once", *MERGE_ARGS, *e) for e in extra]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    _assert_complete_and_exact(root, history)
+
+
+@pytest.mark.slow
+def test_workers_option_runs_processes(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    history = _written(root, 12)
+    # GC next to merger workers needs a grace period longer than a merge takes (it must not
+    # take a half-built merged checkpoint for an abandoned one).
+    p = _deck("merge", str(root), *MERGE_ARGS, "--workers", "2", "--gc", "--grace", "5")
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, out + err
+    assert "committed by 2 worker(s)" in out
+    storage = LocalStorage(root)
+    assert latest_restorable(read_manifests(storage)) == 24
+    assert check_all_restore(storage, history)[-1] == 24
+    p = _deck("gc", str(root), "--grace", "0")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, out + err
+    p = _deck("gc", str(root), "--dry-run", "--grace", "0")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "would delete 0 checkpoint(s) and 0 orphan(s)" in out, out + err
+    steps = check_all_restore(storage, history)
+    assert steps == [0, 16, 18, 20, 22, 24]  # two newest fulls (0, 16) + the window from 16
+
+
+def _kill_mid_work(p: subprocess.Popen[str], root: Path, delay: float) -> None:
+    """SIGKILL ``p`` ``delay`` seconds after it starts writing merged files (or gives up)."""
+
+    def files() -> int:
+        return sum(1 for f in (root / "merged").rglob("*") if f.is_file())
+
+    before = files() if (root / "merged").exists() else 0
+    started = time.monotonic()
+    while p.poll() is None and time.monotonic() - started < 60:
+        if (root / "merged").exists() and files() > before:
+            break
+        time.sleep(0.005)
+    time.sleep(delay)
+    p.send_signal(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_kill_9_at_any_moment_leaves_a_valid_lineage(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    storage = LocalStorage(root)
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    history = {tr.saved[0].id: tr.saved[0].state}
+    rng = random.Random(5)
+    partial = 0
+    for attempt in range(5):
+        for _ in range(6):  # the trainer goes on between the merger's crashes
+            tr.train(2, rows=20)
+            history[tr.save().id] = snapshot(tr.shards)
+        p = _deck("merge", str(root), "--once", *MERGE_ARGS)
+        _kill_mid_work(p, root, rng.uniform(0.0, 0.15))
+        p.communicate(timeout=60)
+        # Whatever was committed is complete and exact; the rest does not exist yet.
+        manifests = read_manifests(storage)
+        for m in manifests.merged.values():
+            assert not verify_checkpoint(storage, m).problems, (attempt, m.folder)
+        check_all_restore(storage, history)
+        partial += any(
+            not (d / MANIFEST).exists() for d in (root / "merged").iterdir() if d.is_dir()
+        )
+    assert partial, "no kill landed in the middle of a merge"
+    p = _deck("merge", str(root), "--once", *MERGE_ARGS)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, out + err
+    _assert_complete_and_exact(root, history)
+    # GC afterwards removes the killed attempts' files and keeps every retained step.
+    p = _deck("gc", str(root), "--grace", "0", "--keep-all-steps")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, out + err
+    assert not [f for f in root.rglob("*") if f.is_file() and ".tmp-" in f.name]
+    assert all((d / MANIFEST).exists() for d in (root / "merged").iterdir())
+    _assert_complete_and_exact(root, history)
+
+
+# ---- the real thing: 2-rank TorchRec DMP, `deck merge`, restore through merged chains ------------
+
+TR_STEPS, TR_EVERY = 32, 2
+
+
+def _tr_spec() -> Any:
+    from deck.demo import ModelSpec
+
+    return ModelSpec(num_tables=4, rows=3000, dim=16, batch=128, pooling=2)
+
+
+def _tr_config(uri: str) -> Any:
+    import deck
+
+    return deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=TR_EVERY,
+        staging=deck.StagingConfig(chunk_bytes=64 * 1024),
+    )
+
+
+def _tr_train(rank: int, world_size: int, uri: str, out: str) -> None:
+    import deck
+    from deck.demo import TrainState, build_model, capture_state, train_step
+
+    spec = _tr_spec()
+    model, opt = build_model(spec)
+    user = TrainState()
+    with deck.enable(model, [opt], _tr_config(uri), state=user) as ck:
+        for step in range(TR_STEPS + 1):
+            if step:
+                loss = train_step(model, opt, spec, step)
+                user.step, user.losses = step, [*user.losses, loss]
+            if ck.step(step) is not None and step in (16, 26, TR_STEPS):
+                Path(out, f"r{rank}-{step}.st").write_bytes(
+                    treecodec.encode(capture_state(model, opt, user), "captured")
+                )
+
+
+def _tr_restore(rank: int, world_size: int, uri: str, out: str) -> None:
+    import deck
+    from deck.demo import TrainState, build_model, capture_state, diff_states, train_step
+
+    spec = _tr_spec()
+    naive = {s: s // TR_EVERY + 1 for s in (16, 26, TR_STEPS)}
+    for step in (16, 26, TR_STEPS):
+        model, opt = build_model(spec, seed=spec.seed + 100 + step)
+        user = TrainState()
+        with deck.enable(model, [opt], _tr_config(uri), state=user) as ck:
+            assert ck.restore(None if step == TR_STEPS else step) == step
+            used = ck.last_restore.checkpoints
+            expected = treecodec.decode(Path(out, f"r{rank}-{step}.st").read_bytes(), "captured")
+            bad = diff_states(expected, capture_state(model, opt, user))
+            assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+            assert used < naive[step], (step, used, naive[step])
+            if step == TR_STEPS:
+                # Training on from a restore through merged checkpoints: the next deltas chain
+                # onto it and restore bitwise too.
+                for s in range(step + 1, step + 5):
+                    train_step(model, opt, spec, s)
+                    user.step = s
+                    ck.step(s)
+                after = capture_state(model, opt, user)
+        if step == TR_STEPS:
+            model2, opt2 = build_model(spec, seed=7)
+            user2 = TrainState()
+            with deck.enable(model2, [opt2], _tr_config(uri), state=user2) as ck2:
+                assert ck2.restore() == TR_STEPS + 4
+            bad = diff_states(after, capture_state(model2, opt2, user2))
+            assert not bad, f"rank {rank} after training on: {bad[:5]}"
+
+
+@pytest.mark.slow
+def test_torchrec_two_ranks_merge_and_restore_bitwise(tmp_path: Path) -> None:
+    from dist_harness import run_ranks
+
+    uri, out = str(tmp_path / "ck"), str(tmp_path / "captured")
+    os.makedirs(out)
+    run_ranks(_tr_train, uri, out)
+    p = _deck(
+        "merge", uri, "--once", "--stride", "2", "--full-every", "8", "--full-live-fraction", "0"
+    )
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stdout + stderr
+    graph = build_graph(read_manifests(LocalStorage(uri)))
+    kinds = {(n.kind, n.merged) for n in graph.nodes.values()}
+    assert (Kind.FULL, True) in kinds and (Kind.MERGED, True) in kinds
+    first = cheapest_chain(graph, TR_STEPS)[0]
+    assert first.kind is Kind.FULL and first.is_merged
+    run_ranks(_tr_restore, uri, out)
