@@ -43,20 +43,21 @@ def _shard(rows: int, dim: int) -> TableShard:
     )
 
 
-@pytest.mark.parametrize("uri_kind", ["local", "memory"])
-def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind: str) -> None:
-    """A 100 MiB table goes through 3 buffers of 256 KiB; the result restores exactly."""
-    uri = str(tmp_path / "ck") if uri_kind == "local" else f"memory://deck-{tmp_path.name}"
-    storage = open_storage(uri)
-    cfg = StagingConfig(
-        chunk_bytes=256 * 1024, chunks_in_flight=3, spool_dir=str(tmp_path / "spool")
-    )
-    stager = Stager(storage, cfg, rank=0)
-    shard = _shard(rows=400_000, dim=64)
+def _stage_one_part(
+    storage,
+    cfg: StagingConfig,
+    shard: TableShard,
+    rows_for,
+    dense,
+    ckpt_id: str,
+    pinned: bool = False,
+) -> tuple[Stager, RankPartWriter, CheckpointStats]:
+    """Drive a stager by hand, as the checkpointer does, for a one-rank full checkpoint of step 0."""
+    stager = Stager(storage, cfg, rank=0, pinned=pinned)
     info = PendingPart(
         uri=storage.uri,
         step=0,
-        ckpt_id="00000000000000aa",
+        ckpt_id=ckpt_id,
         rank=0,
         world_size=1,
         kind=Kind.FULL,
@@ -66,11 +67,26 @@ def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind:
         epoch=0,
     )
     staged = stager.begin(info, reserved=0)
-    writer = RankPartWriter(storage, 0, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
-    writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
+    writer = RankPartWriter(storage, 0, ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
+    writer.write_part([shard], rows_for, dense, {"user": None})
     staged.wait_written()
-    stats = CheckpointStats(step=0, kind="full", id=info.ckpt_id)
+    stats = CheckpointStats(step=0, kind="full", id=ckpt_id)
     stager.enqueue(staged, stats)
+    return stager, writer, stats
+
+
+@pytest.mark.parametrize("uri_kind", ["local", "memory"])
+def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind: str) -> None:
+    """A 100 MiB table goes through 3 buffers of 256 KiB; the result restores exactly."""
+    uri = str(tmp_path / "ck") if uri_kind == "local" else f"memory://deck-{tmp_path.name}"
+    storage = open_storage(uri)
+    cfg = StagingConfig(
+        chunk_bytes=256 * 1024, chunks_in_flight=3, spool_dir=str(tmp_path / "spool")
+    )
+    shard = _shard(rows=400_000, dim=64)
+    stager, writer, stats = _stage_one_part(
+        storage, cfg, shard, lambda s: None, {"dense.w": torch.ones(3)}, "00000000000000aa"
+    )
     assert stager.flush(timeout=120)
     stager.close()
 
@@ -181,27 +197,12 @@ def test_gpu_tables_stage_through_pinned_buffers(tmp_path: Path) -> None:
     """Tables on a GPU: gathered on a side stream into pinned buffers; round trip is exact."""
     storage = open_storage(str(tmp_path / "ck"))
     cfg = StagingConfig(chunk_bytes=64 * 1024, chunks_in_flight=2)
-    stager = Stager(storage, cfg, rank=0, pinned=True)
     shard = _shard(rows=50_000, dim=32)
     gpu = TableShard(**{**shard.__dict__, "states": {k: v.cuda() for k, v in shard.states.items()}})
-    info = PendingPart(
-        uri=storage.uri,
-        step=0,
-        ckpt_id="00000000000000bb",
-        rank=0,
-        world_size=1,
-        kind=Kind.FULL,
-        parent=None,
-        parent_id=None,
-        base=0,
-        epoch=0,
-    )
-    staged = stager.begin(info, reserved=0)
-    writer = RankPartWriter(storage, 0, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
     rows = torch.arange(0, 50_000, 3, device="cuda")
-    writer.write_part([gpu], lambda s: rows, None, {})
-    staged.wait_written()
-    stager.enqueue(staged, CheckpointStats(step=0, kind="full", id=info.ckpt_id))
+    stager, _, _ = _stage_one_part(
+        storage, cfg, gpu, lambda s: rows, None, "00000000000000bb", pinned=True
+    )
     assert stager.flush(timeout=60)
     stager.close()
     assert stager.pool.pinned and stager.pool.peak_in_use <= 2
