@@ -24,7 +24,7 @@ from deck.errors import (
 )
 from deck.format import Kind
 from deck.lease import Lease
-from deck.restore import apply_chain, load_optimizer, read_state_file
+from deck.restore import RestoreStats, apply_chain, load_optimizer, read_state_file
 from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage, check_writable, open_storage
 from deck.tracker import TrackerStore
@@ -91,6 +91,7 @@ class DeltaCheckpointer:
         self.stager = Stager(self.storage, config.staging, self.coord.rank, pinned=on_gpu)
         self._closed = False
         self.recovered = self.stager.recover()
+        self.last_restore: RestoreStats | None = None  # what the last restore() read on this rank
 
     def _take_lease(self) -> Lease | None:
         if self.config.lease_ttl_s is None:
