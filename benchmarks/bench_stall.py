@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -175,7 +175,7 @@ def _worker(
         json.dump(outcome, f)
     with contextlib.suppress(Exception):
         dist.barrier()
-        dist.destroy_process_group()
+    end_rank()
 
 
 def _median(xs: list[float]) -> float:

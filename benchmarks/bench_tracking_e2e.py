@@ -21,7 +21,7 @@ import warnings
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
 from deck.tracker import TrackerStore
 
 
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, port: int, a: argparse.Namespace, out: s
         with open(out, "w") as f:
             json.dump(times, f)
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ what the tests use, so the demo and the tests exercise the same training loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -61,6 +62,22 @@ def init_process_group(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
+
+
+def end_rank() -> None:
+    """Leave a spawned rank that finished its work: destroy the process group, flush stdio and
+    exit 0 at once.
+
+    Skipping interpreter finalization is deliberate: torch 2.13's gloo backend can abort a
+    process there ("terminate called without an active exception") when a C++ worker thread
+    drops a tensor that needs the GIL while the interpreter is being torn down (see pytorch
+    PR 179291). Nothing of ours is left to finalize: files are closed and flushed by then.
+    """
+    dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_model(spec: ModelSpec, seed: int | None = None) -> tuple[Any, Any]:
@@ -342,7 +359,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
                 f,
             )
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def run_demo(args: DemoArgs, world_size: int = 2) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import warnings
@@ -11,20 +12,23 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import free_port, init_process_group
+from deck.demo import end_rank, free_port, init_process_group
 
 
 def _entry(
     rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
 ) -> None:
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_process_group(rank, world_size, port)
     try:
         fn(rank, world_size, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
