@@ -22,6 +22,7 @@ from deck.errors import (
     LeaseHeldError,
     StorageError,
 )
+from deck.failpoints import failpoint
 from deck.format import Kind
 from deck.lease import Lease
 from deck.restore import RestoreStats, apply_chain, load_optimizer, read_state_file
@@ -90,7 +91,7 @@ class DeltaCheckpointer:
         on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
         self.stager = Stager(self.storage, config.staging, self.coord.rank, pinned=on_gpu)
         self._closed = False
-        self.recovered = self.stager.recover()
+        self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
         self.last_restore: RestoreStats | None = None  # what the last restore() read on this rank
 
     def _take_lease(self) -> Lease | None:
@@ -204,6 +205,7 @@ class DeltaCheckpointer:
                     shards, lambda sh: selected[order[id(sh)]], dense, self._extra_state(shards)
                 )
                 staged.wait_written()
+                failpoint("checkpointer.save.staged")
         except Exception as e:
             error = e
         # status per rank: 0 failed, 1 skipped (spool full), 2 staged
@@ -240,6 +242,7 @@ class DeltaCheckpointer:
             started=t0,
         )
         self.stager.enqueue(staged, stats)  # type: ignore[arg-type]
+        failpoint("checkpointer.save.enqueued")
         # The rows are safe in the first tier: later deltas are relative to this snapshot. If the
         # background part fails, ``stager.failed`` makes the next checkpoint a full.
         self.tracker.commit(token)

@@ -49,3 +49,8 @@ class CheckpointError(DeckError):
 
 class LeaseHeldError(DeckError):
     """Another live trainer holds the writer lease of this URI."""
+
+
+class SpoolError(StorageError):
+    """Writing to the local staging spool failed (disk full, permissions); the checkpoint that
+    needed it is not taken, committed checkpoints are untouched."""

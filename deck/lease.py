@@ -19,6 +19,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deck.errors import LeaseHeldError, NotFoundError, StorageError
+from deck.failpoints import failpoint
 from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ class Lease:
                 held.pid,
                 self.storage.uri,
             )
+        failpoint("lease.acquire.before_put")
         self.storage.put(LEASE_FILE, self._record().model_dump_json().encode())
+        failpoint("lease.acquire.after_put")
         time.sleep(self.settle_s)  # a simultaneous taker's write lands within this window
         held = self.read()
         if held is None or held.owner != self.owner:

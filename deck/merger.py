@@ -54,6 +54,7 @@ from deck.errors import (
     NotFoundError,
     StorageError,
 )
+from deck.failpoints import failpoint
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -586,6 +587,7 @@ class _ChunkOut:
         arrays = [("ids", ids[:n]), *((k, states[k][:n]) for k in self.rec.states)]
         buf, chunk = encode_chunk(rel, arrays)
         self.storage.put(f"{self.folder}/{rel}", buf)
+        failpoint("merger.chunk.after_put")
         self.chunks.append(chunk)
         self.rows += n
         self.bytes_written += len(buf)
@@ -752,8 +754,11 @@ class ItemBuilder:
         streams = [
             _ShardStream(self.storage, self.inputs[i], recs[i], i) for i in range(first, len(recs))
         ]
+        failpoint("merger.partition.before_read")
         merge_rows(streams, out.add)
+        failpoint("merger.partition.after_read")
         out.close()
+        failpoint("merger.partition.after_chunks")
         full = any(r.full for r in recs[first:])
         if full and out.rows != rec.rows:
             raise _InputDamaged(
@@ -779,6 +784,7 @@ class ItemBuilder:
             format_version=FORMAT_VERSION, item_id=self.item.id, rank=p.rank, shard=shard
         )
         self.storage.put(self.part_path(p), dump_model(record))
+        failpoint("merger.partition.after_record")
         stats.partitions += 1
         stats.bytes_read += sum(st.bytes_read for st in streams)
         stats.bytes_written += out.bytes_written
@@ -829,6 +835,7 @@ class ItemBuilder:
                     self.storage.delete(path)
                     return False
             records[(p.rank, p.index)] = rec.shard
+        failpoint("merger.commit.before_rank_manifests")
         asm = secrets.token_hex(8)
         refs = []
         for r in range(self.world_size):
@@ -884,7 +891,9 @@ class ItemBuilder:
         )
         if self.committed():  # another worker was faster: its record stands
             return True
+        failpoint("merger.commit.before_manifest")
         self.storage.put(f"{self.folder}/{MANIFEST}", dump_model(manifest))
+        failpoint("merger.commit.after_manifest")
         stats.items_committed += 1
         stats.committed.append(it.id)
         logger.info(

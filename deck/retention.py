@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from deck.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, DeckError, NotFoundError
+from deck.failpoints import failpoint
 from deck.format import (
     MANIFEST,
     MERGED_ROOT,
@@ -312,7 +313,9 @@ def collect_garbage(
             progress(n.folder)
         if not dry_run:
             try:
+                failpoint("gc.checkpoint.before_delete")
                 _delete_checkpoint(storage, n)
+                failpoint("gc.checkpoint.after_delete")
             except DeckError as e:
                 report.errors.append(f"{n.folder}: {e}")
 
@@ -410,6 +413,7 @@ def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
     man = f"{n.folder}/{MANIFEST}"
     if n.merged:
         storage.delete(man)
+        failpoint("gc.checkpoint.after_uncommit")
         # Partition records first: a merger rebuilding this id must not trust stale ones.
         storage.delete_prefix(f"{n.folder}/parts/")
         storage.delete_prefix(f"{n.folder}/")
@@ -423,6 +427,7 @@ def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
         current = None
     if current is not None and current.id == n.id:
         storage.delete(man)
+    failpoint("gc.checkpoint.after_uncommit")
     storage.delete_prefix(f"{n.folder}/{n.id}/")
 
 
@@ -469,8 +474,10 @@ def _orphan(
             report.bytes += storage.size(k)
     if not dry_run:
         # Only the files we saw: a writer that started after the listing keeps its new files.
+        failpoint("gc.orphan.before_delete")
         for k in keys:
             storage.delete(k)
+            failpoint("gc.orphan.after_delete_file")
         _prune_local(storage, prefix, policy.grace_s, now)
 
 

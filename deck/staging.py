@@ -15,17 +15,19 @@ when the destination already has them or a later full made them useless.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -33,7 +35,8 @@ from pydantic import BaseModel, ConfigDict
 from deck import __version__
 from deck.chunks import Buffer, checksum
 from deck.config import StagingConfig
-from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError, StorageError
+from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError, SpoolError, StorageError
+from deck.failpoints import failpoint
 from deck.format import (
     MANIFEST,
     CheckpointManifest,
@@ -42,11 +45,15 @@ from deck.format import (
     dump_model,
     load_model,
     parse_step_dir,
+    rank_dir,
     rank_manifest_name,
     step_dir,
 )
 from deck.storage import LocalStorage, Storage
 from deck.writer import commit
+
+if TYPE_CHECKING:
+    from deck.coordination import Coordinator
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -198,12 +205,18 @@ class StagedPart:
         fut.add_done_callback(done)
 
     def wait_written(self) -> None:
-        """Block until every submitted file is in the first tier; raises the first write error."""
+        """Block until every submitted file is in the first tier; raises the first write error.
+
+        With a spool, the part's pending record is then written (fsynced) too: before the ranks
+        agree the part is staged, so that a failure to write it (a full disk) is this rank's
+        staging failure, not a part that silently never commits."""
         with self._done:
             while self._outstanding:
                 self._done.wait()
             if self._error is not None:
                 raise self._error
+        if self.part is not None and self.stager.spool_root is not None:
+            self.stager.write_pending(self.pending())
 
     def pending(self) -> PendingPart:
         if self.part is None:
@@ -271,11 +284,16 @@ class Stager:
             try:
                 path = os.path.join(self.spool_root, key)  # type: ignore[arg-type]
                 folder = os.path.dirname(path)
+                failpoint("stager.spool.before_write")
                 if folder not in self._made_dirs:  # one makedirs per folder, not per chunk
                     os.makedirs(folder, exist_ok=True)
                     self._made_dirs.add(folder)
                 with open(path, "wb") as f:
+                    failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
                     f.write(memoryview(data)[:nbytes])
+                failpoint("stager.spool.after_write")
+            except OSError as e:
+                raise self._spool_error(step, key, e) from e
             finally:
                 if pooled:
                     self.pool.release(data)  # type: ignore[arg-type]
@@ -292,11 +310,10 @@ class Stager:
         )
 
     def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
-        """Every rank's part is in its first tier: record it as pending and go on in the background."""
+        """Every rank's part is in its first tier (and its pending record written by
+        :meth:`StagedPart.wait_written`): go on in the background."""
         pending = staged.pending()
         stats.spool_reserved = staged.reserved
-        if self.spool_root is not None:
-            self._write_pending(pending)
         with self._idle:
             self._busy += 1
         self._queue.put((pending, stats))
@@ -306,6 +323,8 @@ class Stager:
         with contextlib.suppress(Exception):
             staged.wait_written()
         self._remove_files(staged.info.step, staged.files, remote=self.spool_root is None)
+        if self.spool_root is not None:
+            self._remove_pending(staged.info)
         self._release_spool(staged.reserved)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -327,25 +346,19 @@ class Stager:
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
-    def recover(self) -> list[CheckpointStats]:
-        """Find this rank's pending parts in the spool and finish or discard them."""
-        if self.spool_root is None or not os.path.isdir(self.spool_root):
-            return []
-        found = []
-        name = rank_manifest_name(self.rank).replace(".json", PENDING_SUFFIX)
-        for step_name in sorted(os.listdir(self.spool_root)):
-            step_path = os.path.join(self.spool_root, step_name)
-            if parse_step_dir(step_name) is None or not os.path.isdir(step_path):
-                continue
-            for attempt in os.listdir(step_path):
-                path = os.path.join(step_path, attempt, name)
-                if os.path.isfile(path):
-                    with open(path, "rb") as f:
-                        found.append(load_model(PendingPart, f.read(), path))
+    def recover(self, coord: Coordinator | None = None) -> list[CheckpointStats]:
+        """Find this rank's pending parts in the spool and finish or discard them.
+
+        Collective when ``coord`` is given (call it on every rank, on the training thread): a
+        crash can leave a part pending on some ranks only (a rank died before finishing its
+        snapshot). Such a part can never commit, so it is discarded at once instead of rank 0
+        waiting ``commit_timeout_s`` for the missing rank. Spool files of this rank without a
+        pending record (a snapshot cut short) and torn record temps are removed."""
+        found = self._scan_spool()
+        if coord is not None and coord.world_size > 1:
+            found = self._agree_on_pending(found, coord)
         out = []
         for p in sorted(found, key=lambda p: p.step):
-            if p.uri != self.storage.uri:
-                continue
             stats = CheckpointStats(
                 step=p.step, kind=p.kind.value, id=p.ckpt_id, state="recovering"
             )
@@ -364,6 +377,76 @@ class Stager:
             self._queue.put((p, stats))
             out.append(stats)
         return out
+
+    def _scan_spool(self) -> list[PendingPart]:
+        if self.spool_root is None or not os.path.isdir(self.spool_root):
+            return []
+        found = []
+        name = rank_manifest_name(self.rank).replace(".json", PENDING_SUFFIX)
+        part_dir = rank_dir(self.rank)
+        for step_name in sorted(os.listdir(self.spool_root)):
+            step_path = os.path.join(self.spool_root, step_name)
+            if parse_step_dir(step_name) is None or not os.path.isdir(step_path):
+                continue
+            for attempt in os.listdir(step_path):
+                path = os.path.join(step_path, attempt, name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + ".tmp")  # a record torn by a crash: its part never staged
+                p = None
+                if os.path.isfile(path):
+                    try:
+                        with open(path, "rb") as f:
+                            p = load_model(PendingPart, f.read(), path)
+                    except (DeckError, OSError) as e:
+                        logger.warning("deck: ignoring unreadable pending record %s: %s", path, e)
+                        os.remove(path)
+                if p is not None and p.uri == self.storage.uri:
+                    found.append(p)
+                elif self.tier == "cpu-ssd-remote":
+                    # Only a spool holds nothing but pending parts; in the local tier this folder
+                    # may be a committed checkpoint (GC handles attempts that never committed).
+                    shutil.rmtree(os.path.join(step_path, attempt, part_dir), ignore_errors=True)
+        return found
+
+    def _agree_on_pending(self, found: list[PendingPart], coord: Coordinator) -> list[PendingPart]:
+        """Keep the parts every other rank also has pending, or has already uploaded."""
+        n = int(coord.gather([float(len(found))])[:, 0].max())
+        mine = [v for p in found for v in (float(p.step), float(int(p.ckpt_id, 16)))]
+        rows = coord.gather(mine + [-1.0] * (2 * n - len(mine))) if n else None
+        keep = []
+        for p in found:
+            have = {
+                r
+                for r in range(coord.world_size)
+                if rows is not None
+                and any(
+                    rows[r, 2 * i] == p.step and rows[r, 2 * i + 1] == int(p.ckpt_id, 16)
+                    for i in range(n)
+                )
+            }
+            missing = [
+                r
+                for r in range(p.world_size)
+                if r not in have
+                and not self._exists(f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}")
+            ]
+            if missing and self._committed_id(p.step) != p.ckpt_id:
+                logger.warning(
+                    "deck: discarding the spooled part of step %d (%s) in %s: rank(s) %s never "
+                    "staged theirs before the crash, so it cannot be committed",
+                    p.step,
+                    p.ckpt_id,
+                    self.spool_root,
+                    missing,
+                )
+                self._remove_files(p.step, list(p.files), remote=False)
+                self._remove_pending(p)
+                continue
+            keep.append(p)
+        return keep
+
+    def _exists(self, key: str) -> bool:
+        return self._retrying("read", key, lambda: self.storage.exists(key))
 
     # ---- background ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -397,17 +480,23 @@ class Stager:
             stats.state = "committed"
             return
         if stats.state == "recovering":
+            failpoint("stager.recover.before_check")
             self._check_recovered(p)
         if self.spool_root is not None:
+            failpoint("stager.fsync.before")
             self._fsync(p)
+            failpoint("stager.fsync.after")
             stats.durable_local_s = time.perf_counter() - stats.started
             stats.state = "durable"
         if self.tier == "cpu-ssd-remote":
             self._upload(p)
+        failpoint("stager.part_manifest.before_put")
         self._put_with_retry(f"{root}/{p.ckpt_id}/{rank_manifest_name(p.rank)}", dump_model(p.part))
+        failpoint("stager.part_manifest.after_put")
         stats.state = "uploaded"
         if p.rank == 0:
             self._wait_for_parts(p)
+            failpoint("stager.commit.before")
             if (
                 p.kind is Kind.DELTA
                 and p.parent is not None
@@ -505,7 +594,9 @@ class Stager:
         def one(rel: str) -> None:
             with open(self._spool_path(p, rel), "rb") as f:
                 data = f.read()
+            failpoint("stager.upload.before_put")
             self._put_with_retry(f"{step_dir(p.step)}/{rel}", data)
+            failpoint("stager.upload.after_put")
 
         for fut in [self._uploads.submit(one, rel) for rel in p.files]:
             fut.result()
@@ -573,8 +664,10 @@ class Stager:
         """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""
         if self.spool_root is None:
             return
+        failpoint("stager.cleanup.before")
         if self.tier == "cpu-ssd-remote":
             self._remove_files(p.step, list(p.files), remote=False)
+        failpoint("stager.cleanup.after_files")
         self._remove_pending(p)
         self._release_spool(stats.spool_reserved)
 
@@ -587,15 +680,38 @@ class Stager:
             rank_manifest_name(p.rank).replace(".json", PENDING_SUFFIX),
         )
 
-    def _write_pending(self, p: PendingPart) -> None:
+    def write_pending(self, p: PendingPart) -> None:
+        """Durably record a staged part (temp + fsync + rename) so a restart can finish it."""
         path = self._pending_path(p)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(dump_model(p))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        failpoint("stager.pending.before_write")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                failpoint("stager.pending.write", tmp)
+                f.write(dump_model(p))
+                f.flush()
+                os.fsync(f.fileno())
+            failpoint("stager.pending.before_rename")
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+            raise self._spool_error(p.step, os.path.relpath(path, self.spool_root), e) from e
+        failpoint("stager.pending.after_write")
+
+    def _spool_error(self, step: int, key: str, e: OSError) -> SpoolError:
+        hint = (
+            "free space on the spool's disk, lower staging.spool_max_bytes below what it holds, or "
+            "set staging.spool_dir to a larger local disk"
+            if e.errno == errno.ENOSPC
+            else "check the spool directory's permissions and disk"
+        )
+        return SpoolError(
+            f"could not write {key} of step {step} to the spool {self.spool_root}: "
+            f"{e.strerror or e}; {hint}. The checkpoint of step {step} is not taken (its rows stay "
+            "pending for the next one); committed checkpoints are untouched"
+        )
 
     def _remove_pending(self, p: PendingPart) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -16,6 +16,7 @@ from deck import treecodec
 from deck.adapters.base import TableShard
 from deck.chunks import Buffer, ChunkLayout, build_chunk, checksum, segment_view
 from deck.errors import ConfigError
+from deck.failpoints import failpoint
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -131,6 +132,7 @@ class RankPartWriter:
             layout = ChunkLayout(stop - start, segs)
             buf = self.sink.buffer()
             local = None if rows is None else rows[start:stop]
+            failpoint("writer.chunk.before_fill")
             _fill_chunk(buf, layout, shard, start, stop, local)
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
             last = stop == n
@@ -138,6 +140,7 @@ class RankPartWriter:
                 buf, rel, layout, [None] * len(segs), pad_to=None if last else self.chunk_bytes
             )
             self.sink.submit(rel, buf, rec.nbytes)
+            failpoint("writer.chunk.after_submit")
             self.bytes_written += rec.nbytes
             self.chunks_written += 1
             chunks.append(rec)
@@ -168,6 +171,7 @@ class RankPartWriter:
         for shard in shards:
             rows = rows_for(shard)
             records.append(self.write_shard(shard, rows, full=rows is None))
+        failpoint("writer.part.before_state_files")
         dense_rec = (
             self._file(f"{self.part}/{DENSE_FILE}", treecodec.encode(dense, "dense state"))
             if dense is not None
@@ -186,6 +190,7 @@ class RankPartWriter:
             dense=dense_rec,
             extra=extra_rec,
         )
+        failpoint("writer.part.before_manifest")
         self.sink.finish_part(manifest)
         return manifest
 
@@ -278,5 +283,7 @@ def commit(
         created_unix=time.time(),
         deck_version=deck_version,
     )
+    failpoint("commit.before_manifest")
     storage.put(f"{root}/{MANIFEST}", dump_model(manifest))
+    failpoint("commit.after_manifest")
     return manifest
