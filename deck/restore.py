@@ -15,6 +15,7 @@ from deck.chunks import checksum, decode_chunk
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
 from deck.storage import Storage
+from deck.writer import scalar_key
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,22 @@ class RestoreStats:
     chunks: int = 0
     bytes: int = 0
     rows: int = 0
+    # Rows went into shards with other row / column ranges than the ones that saved them.
+    resharded: bool = False
+    # restore(allow_fallback=True) had to skip damaged checkpoints or steps: what and why.
+    fallback: str | None = None
+
+
+def _span(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
+    """The intersection ``[lo, hi)`` of ``[a0, a0 + an)`` and ``[b0, b0 + bn)`` (empty: lo >= hi)."""
+    return max(a0, b0), min(a0 + an, b0 + bn)
 
 
 def _match(
     rec: ShardRecord, shards_by_table: dict[str, list[TableShard]], where: str
 ) -> list[TableShard]:
-    """Local shards that hold rows of ``rec``; raises when the model cannot hold them."""
+    """Local shards that hold some of the rows x columns of ``rec``; raises when the model
+    cannot hold them."""
     local = shards_by_table.get(rec.table)
     if local is None:
         return []
@@ -43,12 +54,9 @@ def _match(
                 f"table {rec.table}: checkpoint {where} has shape ({rec.num_rows}, {rec.num_cols}), "
                 f"the model has ({shard.num_rows}, {shard.num_cols}); build the model with the same tables"
             )
-        if (rec.col_offset, rec.cols) != (shard.col_offset, shard.cols):
-            continue
-        if (
-            rec.row_offset >= shard.row_offset + shard.rows
-            or shard.row_offset >= rec.row_offset + rec.rows
-        ):
+        r0, r1 = _span(rec.row_offset, rec.rows, shard.row_offset, shard.rows)
+        c0, c1 = _span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
+        if r0 >= r1 or c0 >= c1:
             continue
         if set(rec.states) != set(shard.states):
             raise IncompatibleModelError(
@@ -57,6 +65,44 @@ def _match(
             )
         out.append(shard)
     return out
+
+
+def _same_extent(rec: ShardRecord, shard: TableShard) -> bool:
+    return (rec.row_offset, rec.rows, rec.col_offset, rec.cols) == (
+        shard.row_offset,
+        shard.rows,
+        shard.col_offset,
+        shard.cols,
+    )
+
+
+class _Joins:
+    """Per-row states of target shards whose columns come from several saved column shards.
+
+    Each saved shard adds its row values weighted by how many of the target's columns it holds;
+    :meth:`finish` writes the weighted mean once a checkpoint's records are all read. The sums are
+    float64, so equal values average to exactly that value (``v * a + v * b`` and its division by
+    ``a + b`` are exact for float32 / bfloat16 / float16 values and column counts below 2**29).
+    """
+
+    def __init__(self) -> None:
+        self._acc: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, view: torch.Tensor, local: torch.Tensor, src: torch.Tensor, cols: int) -> None:
+        if id(view) not in self._acc:
+            zeros = torch.zeros(view.shape[0], dtype=torch.float64)
+            self._acc[id(view)] = (view, zeros, zeros.clone())
+        _, total, weight = self._acc[id(view)]
+        total.index_add_(0, local, src.to(torch.float64) * cols)
+        weight.index_add_(0, local, torch.full((local.numel(),), float(cols), dtype=torch.float64))
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for view, total, weight in self._acc.values():
+                rows = torch.nonzero(weight > 0).view(-1)
+                mean = total.index_select(0, rows) / weight.index_select(0, rows)
+                view.index_copy_(0, rows, mean.to(view.dtype))
+        self._acc.clear()
 
 
 def apply_chain(
@@ -75,6 +121,16 @@ def apply_chain(
 
     ``tables`` are the model's tables (all ranks) with their shapes: the full must hold exactly
     these, with the same shapes, and cover every local shard; every chunk is checksum-verified.
+
+    The shards may be laid out differently from the writer's (another world size, row split or
+    column split; even checkpoint by checkpoint): each saved row goes to every shard holding some
+    of its rows and columns. Weights and states with one value per column (``rows x cols``, e.g.
+    Adam / exact Adagrad momentum) move column by column, bitwise. States with one value per row
+    (e.g. rowwise Adagrad's ``momentum1``, kept per column shard) go whole to every target shard
+    whose columns lie inside the saved shard (a split, exact); a target whose columns span
+    several saved shards gets the mean of their values weighted by the columns each contributes
+    (a join: exact when the values agree, as after a split). Any other state shape must keep its
+    column range, or :class:`IncompatibleModelError` names it.
     """
     stats = RestoreStats()
     by_table: dict[str, list[TableShard]] = {}
@@ -89,25 +145,30 @@ def apply_chain(
             # reached through a merger checkpoint of its step): its rows are there already;
             # only its records (dense / extra state) are needed.
             continue
-        covered: set[tuple[str, int, int]] = set()
+        covered: dict[int, int] = {}  # id(shard) -> rows x cols the checkpoint's records cover
         saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
         if i == 0:
             _check_tables(saved, tables, f"checkpoint {describe(m)} at {storage.uri}")
+        joins = _Joins()
         for part in parts:
             for rec in part.shards:
                 targets = _match(rec, by_table, describe(m))
                 if not targets:
                     continue
-                _apply_shard(storage, m, rec, targets, stats)
-                covered.update((t.table, t.row_offset, t.col_offset) for t in targets)
+                _apply_shard(storage, m, rec, targets, stats, joins)
+                for t in targets:
+                    r0, r1 = _span(rec.row_offset, rec.rows, t.row_offset, t.rows)
+                    c0, c1 = _span(rec.col_offset, rec.cols, t.col_offset, t.cols)
+                    covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
+                    stats.resharded |= not _same_extent(rec, t)
+        joins.finish()
         if i == 0:
-            uncovered = [
-                s.table for s in shards if (s.table, s.row_offset, s.col_offset) not in covered
-            ]
+            uncovered = [s.table for s in shards if covered.get(id(s), 0) != s.rows * s.cols]
             if uncovered:
-                raise IncompatibleModelError(
-                    f"checkpoint {describe(m)} at {storage.uri} holds tables {sorted(set(uncovered))} with a "
-                    "different column sharding than the model; build the model with the same plan"
+                raise CorruptCheckpointError(
+                    f"full checkpoint {describe(m)} at {storage.uri} does not hold every row and "
+                    f"column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
+                    "and restore another step"
                 )
     return stats, parts
 
@@ -141,6 +202,7 @@ def _apply_shard(
     rec: ShardRecord,
     targets: list[TableShard],
     stats: RestoreStats,
+    joins: _Joins,
 ) -> None:
     root = m.folder
     keys = [f"{root}/{c.path}" for c in rec.chunks]
@@ -165,12 +227,119 @@ def _apply_shard(
             with torch.no_grad():
                 for name, view in shard.states.items():
                     src = arrays[name] if sel is None else arrays[name].index_select(0, sel)
-                    if src.shape[1:] != view.shape[1:] or src.dtype != view.dtype:
-                        raise IncompatibleModelError(
-                            f"{where}: state {name} rows are {tuple(src.shape[1:])} {src.dtype}, the model "
-                            f"has {tuple(view.shape[1:])} {view.dtype}"
-                        )
-                    view.index_copy_(0, local, src)
+                    _copy_state(rec, shard, name, view, src, local, joins, where)
+
+
+def _copy_state(
+    rec: ShardRecord,
+    shard: TableShard,
+    name: str,
+    view: torch.Tensor,
+    src: torch.Tensor,
+    local: torch.Tensor,
+    joins: _Joins,
+    where: str,
+) -> None:
+    """Rows ``src`` of state ``name`` saved by ``rec`` into local rows ``local`` of ``view``."""
+    c0, c1 = _span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
+    if src.dtype != view.dtype:
+        raise IncompatibleModelError(
+            f"{where}: state {name} is {src.dtype}, the model has {view.dtype}; "
+            "use the same embedding and optimizer dtypes"
+        )
+    if (rec.col_offset, rec.cols) == (shard.col_offset, shard.cols):
+        if src.shape[1:] != view.shape[1:]:
+            raise IncompatibleModelError(
+                f"{where}: state {name} rows are {tuple(src.shape[1:])}, the model has "
+                f"{tuple(view.shape[1:])}; use the same fused optimizer"
+            )
+        view.index_copy_(0, local, src)
+    elif (
+        src.dim() == 2
+        and view.dim() == 2
+        and (src.shape[1], view.shape[1])
+        == (
+            rec.cols,
+            shard.cols,
+        )
+    ):
+        # One value per column (weight, exact Adagrad / Adam momentum): move the shared columns.
+        view[:, c0 - shard.col_offset : c1 - shard.col_offset].index_copy_(
+            0, local, src[:, c0 - rec.col_offset : c1 - rec.col_offset]
+        )
+    elif src.dim() == 1 and view.dim() == 1:
+        # One value per row of a column shard (rowwise Adagrad): whole when the saved shard holds
+        # all the target's columns, else the column-weighted mean of the saved shards (_Joins).
+        if c0 == shard.col_offset and c1 == shard.col_offset + shard.cols:
+            view.index_copy_(0, local, src)
+        else:
+            joins.add(view, local, src, c1 - c0)
+    else:
+        raise IncompatibleModelError(
+            f"{where}: state {name} (rows of {tuple(src.shape[1:])}) cannot move from columns "
+            f"[{rec.col_offset}, {rec.col_offset + rec.cols}) to the model's "
+            f"[{shard.col_offset}, {shard.col_offset + shard.cols}); restore with the writer's "
+            "column sharding"
+        )
+
+
+def rank_part(parts: list[RankManifest], rank: int) -> RankManifest:
+    """The part whose extra state (dense optimizers, user state) ``rank`` loads: its own, or
+    rank 0's when the checkpoint was written by fewer ranks (dense optimizer state is replicated
+    across ranks; user state of a rank the writer did not have starts as rank 0's)."""
+    return parts[rank] if rank < len(parts) else parts[0]
+
+
+def same_layout(parts: list[RankManifest], rank: int, shards: list[TableShard]) -> bool:
+    """Whether ``shards`` are exactly the shards ``rank`` saved in ``parts``. When this is false
+    on any rank the restore resharded, and the next checkpoint must be a full: deltas and merged
+    deltas keep one layout from their full on (the merger never mixes layouts)."""
+    if rank >= len(parts):
+        return not shards
+    saved = [(r.table, r.row_offset, r.rows, r.col_offset, r.cols) for r in parts[rank].shards]
+    return saved == [(s.table, s.row_offset, s.rows, s.col_offset, s.cols) for s in shards]
+
+
+def shard_scalars(
+    storage: Storage,
+    step: int,
+    parts: list[RankManifest],
+    own_extra: dict[str, Any],
+    shards: list[TableShard],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The saved per-shard scalars (states without a row dimension) of each of ``shards`` (by
+    ``id``): the shard's own entry in ``own_extra`` when the writer had the same shard, else the
+    entry of a saved shard of the same table that overlaps it (read from that rank's extra
+    file), since such scalars (e.g. an iteration count) are the table's. Raises
+    :class:`IncompatibleModelError` when no saved shard of the table has them."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    extras: dict[int, dict[str, Any]] = {}
+    for s in shards:
+        if not s.scalars:
+            continue
+        found = own_extra["scalars"].get(scalar_key(s))
+        for part in parts if found is None else ():
+            for rec in part.shards:
+                r0, r1 = _span(rec.row_offset, rec.rows, s.row_offset, s.rows)
+                c0, c1 = _span(rec.col_offset, rec.cols, s.col_offset, s.cols)
+                if rec.table != s.table or r0 >= r1 or c0 >= c1:
+                    continue
+                if part.rank not in extras:
+                    extras[part.rank] = read_state_file(storage, step, part.extra)
+                found = extras[part.rank]["scalars"].get(
+                    f"{rec.table}|{rec.row_offset}|{rec.col_offset}"
+                )
+                if found is not None:
+                    break
+            if found is not None:
+                break
+        if found is None:
+            raise IncompatibleModelError(
+                f"table {s.table}: step {step} at {storage.uri} has no saved {sorted(s.scalars)} for "
+                f"rows {s.row_offset}+{s.rows}, columns {s.col_offset}+{s.cols}; use the same fused optimizer"
+            )
+        out[id(s)] = found
+    return out
 
 
 def read_state_file(storage: Storage, step: int | CheckpointManifest, rec: FileRecord) -> Any:
