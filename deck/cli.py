@@ -1,13 +1,25 @@
-"""The ``deck`` command line.
+"""The ``deck`` command line (every command has ``--help``).
 
-    deck ls URI [--json]                 committed checkpoints and their lineage
+    deck ls URI [--json] [--tree]        the lineage as a table: kind, step, layer, covered steps,
+                                         ranks, bytes, age, committed / pending / quarantined
+    deck show URI STEP [--json]          one checkpoint: ranks, tables, shards, rows, bytes,
+                                         chunk files and their checksums
     deck verify URI [--step N | --all]   re-read every file, check every checksum
     deck lineage URI [--json] [--step N] the lineage graph and the cheapest chain of a step
+    deck export URI [--step N] --out DIR --format dcp|safetensors
+                                         the full state of a step as a torch.distributed.checkpoint
+                                         directory (dcp.load into a fresh DMP) or one safetensors
+                                         file of unsharded tables
+    deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
     deck merge URI [--once | --follow]   merger worker(s): hierarchical merging and new fulls
     deck gc URI [--dry-run]              retention: delete what no retained step needs
 
-Exit codes: 0 ok, 1 a check failed (corruption found, nothing to list, merge work left
-waiting or failed), 2 usage or access error.
+Exit codes (for scripts): 0 ok; 1 a check failed or there was nothing to act on (corruption
+found, no checkpoints at the URI, merge work left waiting or failed, GC errors); 2 usage or
+access error (bad arguments, unknown step, unreadable URI, damaged manifest, export target not
+empty). Results go to stdout (``--json`` where offered), errors to stderr as one line
+``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
+terminal.
 """
 
 from __future__ import annotations
@@ -15,15 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing
+import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
-from deck.catalog import latest_restorable, list_checkpoints, quarantine, read_manifests
+from deck.catalog import latest_restorable, quarantine, read_manifests
 from deck.errors import ConfigError, DeckError
 from deck.storage import open_storage
 from deck.verify import verify_checkpoint
@@ -37,23 +50,111 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def cmd_ls(a: argparse.Namespace) -> int:
-    infos = list_checkpoints(a.uri)
-    if a.json:
-        print(json.dumps([asdict(i) for i in infos], indent=1))
-        return 0
-    if not infos:
-        print(f"no committed checkpoints at {a.uri}")
-        return 0
-    print(
-        f"{'step':>10} {'kind':>6} {'parent':>8} {'base':>8} {'epoch':>5} {'ranks':>5} {'bytes':>11}  id"
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.0f}{unit}"
+    return f"{max(0.0, seconds):.0f}s"
+
+
+def _ls_line(r: Any, now: float) -> str:
+    covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
+    ranks = f"{r.ranks}/{r.world_size}"
+    age = _age(None if r.created_unix is None else now - r.created_unix)
+    return (
+        f"{r.kind:>6} {r.step:>10} {r.layer:>5} {covers:>21} {ranks:>5} {_human(r.bytes):>11} "
+        f"{age:>5}  {r.state:<11} {r.id} {r.folder}"
     )
-    for i in infos:
-        parent = "-" if i.parent is None else str(i.parent)
+
+
+def _tree_line(r: Any, now: float) -> str:
+    covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
+    layer = f" L{r.layer}" if r.layer else ""
+    age = _age(None if r.created_unix is None else now - r.created_unix)
+    return (
+        f"{r.kind}{layer} {covers}  {r.ranks}/{r.world_size} ranks  {_human(r.bytes)}  {age}  "
+        f"{r.state}  {r.folder}"
+    )
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    from deck.listing import list_rows, tree_lines
+
+    graph, rows = list_rows(open_storage(a.uri))
+    now = time.time()
+    if a.json:
+        print(json.dumps([r.to_dict(now) for r in rows], indent=1))
+    elif rows and a.tree:
+        print("\n".join(tree_lines(graph, rows, lambda r: _tree_line(r, now))))
+    elif rows:
         print(
-            f"{i.step:>10} {i.kind:>6} {parent:>8} {i.base:>8} {i.epoch:>5} {i.ranks:>5} {_human(i.bytes):>11}  {i.id}"
+            f"{'kind':>6} {'step':>10} {'layer':>5} {'covers':>21} {'ranks':>5} {'bytes':>11} "
+            f"{'age':>5}  {'state':<11} id / folder"
         )
+        for r in rows:
+            print(_ls_line(r, now))
+    if not rows:
+        print(f"no checkpoints at {a.uri}", file=sys.stderr)
+        return 1
     return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    from deck.listing import describe_checkpoint, find_checkpoint
+
+    storage = open_storage(a.uri)
+    d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
+    if a.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    lineage_txt = "" if d["parent"] is None else f", parent step {d['parent']} ({d['parent_id']})"
+    if d["merged"]:
+        lineage_txt += f", layer {d['layer']}, covers {d['covers'][0]}..{d['covers'][1]}"
+        lineage_txt += f", {len(d['inputs'])} inputs"
+    print(
+        f"{d['kind']} checkpoint of step {d['step']}: id {d['id']}, folder {d['folder']}{lineage_txt}, "
+        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} ranks, {_human(d['bytes'])}, "
+        f"committed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d['created_unix']))} "
+        f"({_age(time.time() - d['created_unix'])} ago) by deck {d['deck_version']}"
+    )
+    print("tables:")
+    for name, t in d["tables"].items():
+        print(
+            f"  {name}: {t['shape'][0]} x {t['shape'][1]}, {t['shards']} shard(s), "
+            f"{t['saved_rows']} rows saved, {_human(t['bytes'])}"
+        )
+    for r in d["ranks"]:
+        m = r["manifest"]
+        print(
+            f"rank {r['rank']}: {m['path']} ({m['bytes']} B, xxh3 {m['checksum']}), data {_human(r['data_bytes'])}"
+        )
+        for s in r["shards"]:
+            print(
+                f"  {s['table']} rows {s['row_offset']}..{s['row_offset'] + s['rows']} cols "
+                f"{s['col_offset']}..{s['col_offset'] + s['cols']}: {s['saved_rows']} rows"
+                f"{' (full)' if s['full'] else ''}, states {','.join(s['states'])}, "
+                f"{len(s['chunks'])} chunk(s), {_human(s['bytes'])}"
+            )
+            if not a.no_chunks:
+                for c in s["chunks"]:
+                    print(
+                        f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}"
+                    )
+        for what in ("dense", "extra"):
+            f = r[what]
+            if f is not None:
+                print(f"  {what}: {f['path']}  {f['nbytes']} B  xxh3 {f['checksum']}")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from deck.report import write_report
+
+    rep = write_report(a.uri, a.out)
+    print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
+    return 0 if rep.checkpoints else 1
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -297,6 +398,45 @@ def cmd_gc(a: argparse.Namespace) -> int:
     return 1 if rep.errors else 0
 
 
+def _bar(desc: str, total: int | None = None) -> Any:
+    """A tqdm progress bar on stderr when it is a terminal, else None (quiet for scripts)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, total=total, unit="B", unit_scale=True, leave=False)
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from deck.export import StepState, export_dcp, export_safetensors
+
+    state = StepState(a.uri, a.step)
+    total = sum(math.prod(p.size) * p.dtype.itemsize for p in state.pieces)
+    bar = _bar(f"export step {state.step}", total)
+    progress = bar.update if bar else None
+    t0 = time.perf_counter()
+    try:
+        if a.format == "dcp":
+            rep = export_dcp(state, a.out, progress)
+        else:
+            out = a.out
+            if not out.endswith(".safetensors"):
+                out = os.path.join(out, f"deck-step-{state.step:012d}.safetensors")
+            rep = export_safetensors(state, out, progress)
+    finally:
+        if bar:
+            bar.close()
+    print(
+        f"exported step {rep.step} ({len(rep.chain)} checkpoints: {', '.join(rep.chain)}) to "
+        f"{rep.path} as {a.format}: {rep.tensors} tensors, {_human(rep.bytes_written)} written, "
+        f"{_human(rep.bytes_read)} read, at most {_human(rep.max_held_bytes)} of table state "
+        f"held at once, {time.perf_counter() - t0:.1f} s"
+    )
+    for s in rep.skipped:
+        print(f"  not exported: {s}")
+    return 0
+
+
 def _add_retention_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-last-fulls", type=int, default=2, help="newest fulls kept for rollback (2)"
@@ -327,10 +467,31 @@ def main(argv: list[str] | None = None) -> int:
         prog="deck", description="Inspect, check, merge and collect deck checkpoints."
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list committed checkpoints")
+    ls = sub.add_parser(
+        "ls",
+        help="the lineage as a table: committed and pending checkpoints",
+        description="Every checkpoint at URI: trainer fulls and deltas, the merger's merged deltas "
+        "and fulls, and pending trainer steps (rank parts written, manifest.json not yet). "
+        "Columns: kind, step, layer, covered steps, rank parts present / world size, bytes, age, "
+        "state (committed | pending | quarantined), id and folder. Exit 1 when there is nothing.",
+    )
     ls.add_argument("uri")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")
+    ls.add_argument("--tree", action="store_true", help="as a tree of parent links")
     ls.set_defaults(fn=cmd_ls)
+    show = sub.add_parser(
+        "show",
+        help="one checkpoint: ranks, tables, shards, rows, bytes, chunk files and checksums",
+        description="Describe one committed checkpoint from its manifests (the data is not read; "
+        "`deck verify` checks it).",
+    )
+    show.add_argument("uri")
+    show.add_argument(
+        "checkpoint", metavar="STEP", help="trainer step, or a checkpoint id / merger folder"
+    )
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--no-chunks", action="store_true", help="leave out the chunk files")
+    show.set_defaults(fn=cmd_show)
     ver = sub.add_parser("verify", help="re-read files and check checksums")
     ver.add_argument("uri")
     g = ver.add_mutually_exclusive_group()
@@ -394,6 +555,38 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
     _add_retention_args(gc)
     gc.set_defaults(fn=cmd_gc)
+
+    exp = sub.add_parser(
+        "export",
+        help="write the full state of a step as a DCP checkpoint or one safetensors file",
+        description="Write the full state of a step (its chain applied: tables, fused "
+        "optimizer states, dense parameters, dense optimizer) as a torch.distributed.checkpoint "
+        "directory that dcp.load restores into a freshly built DMP model (keys: model.<state_dict "
+        "key>, optim.state.<param>.<state>, as for {'model': model.state_dict(), 'optim': "
+        "CombinedOptimizer([model.fused_optimizer, dense_opt]).state_dict()}), or as one "
+        "safetensors file of unsharded tensors for inspection. Streams one table shard at a "
+        "time (safetensors: one table).",
+    )
+    exp.add_argument("uri")
+    exp.add_argument("--step", type=int, help="step to export (default: the latest restorable)")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="dcp: a new or empty directory; safetensors: a directory or a *.safetensors path",
+    )
+    exp.add_argument("--format", choices=("dcp", "safetensors"), default="dcp", help="(dcp)")
+    exp.set_defaults(fn=cmd_export)
+
+    rep = sub.add_parser(
+        "report",
+        help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
+        description="Write an HTML page with a picture of the lineage graph and plots of bytes "
+        "per checkpoint and restore cost (bytes the cheapest chain reads) per step; the PNG "
+        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install 'deck[report]').",
+    )
+    rep.add_argument("uri")
+    rep.add_argument("--out", required=True, help="path of the HTML file to write")
+    rep.set_defaults(fn=cmd_report)
 
     a = p.parse_args(argv)
     if a.cmd in ("merge", "gc"):

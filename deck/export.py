@@ -1,0 +1,607 @@
+"""Export the full state of one step to standard formats: a torch.distributed.checkpoint (DCP)
+directory that ``dcp.load`` restores into a freshly built DMP model, or one safetensors file of
+unsharded tensors for inspection.
+
+The state of step N is what ``DeltaCheckpointer.restore(N)`` loads: the rows of its cheapest
+chain (full, then deltas / merged deltas, newest row wins; :func:`deck.restore.apply_chain` does
+the applying, with every chunk checksum-verified), the dense state and the dense optimizer state
+of the trainer checkpoint of N.
+
+**Names.** Tensors get the names a DCP save of this state dict of the live model would give::
+
+    {"model": model.state_dict(),
+     "optim": CombinedOptimizer([model.fused_optimizer, dense_optimizer]).state_dict()}
+
+i.e. ``model.<state_dict key>`` for tables, dense parameters and buffers, and
+``optim.state.<param key>.<state>`` for the fused table states (``<table key>.<table name>.
+momentum1``, laid out as TorchRec's fused optimizer lays them out: a row-wise state of a
+column-sharded table has one block of rows per column shard, in column order) and for the dense
+optimizer's (a TorchRec ``KeyedOptimizer``: keyed by parameter name). A dense optimizer whose
+state is not keyed by parameter name (a plain ``torch.optim`` one) is left out and reported, as
+are non-tensor values and the user's own state (neither can be written without pickle on our
+side).
+
+**Memory.** Tables are read and written one *table shard* at a time (every state of one
+column/row shard, e.g. 2 x 1M x 64 floats for rowwise Adagrad): the DCP export holds at most the
+largest shard plus the dense state; the safetensors export holds the largest *table* (its
+tensors must be contiguous) plus the dense state. Each table shard is written to its own
+``.distcp`` file, so DCP's writer never holds more than that either.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import struct
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deck.adapters.base import TableShard
+from deck.catalog import describe, read_manifests, read_rank_manifests
+from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
+from deck.format import CheckpointManifest, RankManifest
+from deck.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.restore import apply_chain, read_state_file
+from deck.storage import Storage, open_storage
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+_DTYPES = {
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+_SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.bool: "BOOL",
+}
+
+
+class _CachedManifests(Storage):
+    """Storage that remembers the JSON files it read: exporting shard by shard applies the chain
+    once per shard, and each application re-reads the chain's rank manifests."""
+
+    def __init__(self, inner: Storage):
+        self.inner = inner
+        self._cache: dict[str, bytes] = {}
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def describe(self, path: str) -> str:
+        return self.inner.describe(path)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        raise UnsupportedError(f"export never writes to the checkpoint URI ({self.describe(path)})")
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        if not path.endswith(".json") or start or end is not None:
+            return self.inner.get(path, start, end)
+        if path not in self._cache:
+            self._cache[path] = self.inner.get(path)
+        return self._cache[path]
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        raise UnsupportedError(f"export never deletes ({self.describe(path)})")
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list(prefix)
+
+    def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
+        return self.inner.iter_get(paths)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One table shard of the exported step, and the dtype / row shape of each of its states."""
+
+    table: str
+    num_rows: int
+    num_cols: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    rank: int
+    states: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            self.rows * math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            for _, dt, shape in self.states
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one state of one shard goes: tensor ``fqn`` (global ``size``), block at
+    ``offsets`` of shape ``sizes``. ``path`` is the fqn's place in the nested state dict."""
+
+    fqn: str
+    path: tuple[str, ...]
+    state: str
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    shard: int  # index into StepState.shards
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote."""
+
+    step: int
+    chain: list[str]  # folders of the checkpoints applied, oldest first
+    path: str
+    tensors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    max_held_bytes: int = 0  # largest block of table state held at once
+    skipped: list[str] = field(default_factory=list)
+
+
+def table_name(table: str) -> str:
+    """The table's name inside its module (what TorchRec's fused optimizer keys states by) from
+    its state_dict key ``<module path>.embedding_bags.<name>.weight``."""
+    parts = table.split(".")
+    if len(parts) < 2 or parts[-1] != "weight":
+        raise UnsupportedError(f"table key {table!r} does not end in '<name>.weight'")
+    return parts[-2]
+
+
+class StepState:
+    """The state of one committed step of a URI, readable table shard by table shard.
+
+    Opening it reads the commit records and the rank manifests of the chain (small files); the
+    tables are read by :meth:`read_shard`, the dense state by :meth:`eager_state`.
+    """
+
+    def __init__(
+        self, uri: str, step: int | None = None, storage_options: dict[str, Any] | None = None
+    ):
+        base = open_storage(uri, storage_options)
+        self.storage: Storage = _CachedManifests(base)
+        manifests = read_manifests(base)
+        if not manifests:
+            raise CheckpointNotFoundError(f"no committed checkpoints at {base.uri}")
+        graph = build_graph(manifests, base.uri)
+        chosen = graph.latest() if step is None else step
+        if chosen is None:
+            raise CheckpointNotFoundError(f"no restorable step at {base.uri}")
+        self.step: int = chosen
+        self.chain: list[CheckpointManifest] = cheapest_chain(graph, chosen)
+        self.last = self.chain[-1]
+        self.parts: list[RankManifest] = read_rank_manifests(self.storage, self.last)
+        self.read_bytes = chain_bytes(self.chain)
+        self.tables: dict[str, tuple[int, int]] = {}
+        segs: dict[tuple[str, int, int], tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]] = {}
+        for m in self.chain:
+            for part in read_rank_manifests(self.storage, m):
+                for rec in part.shards:
+                    key = (rec.table, rec.col_offset, rec.cols)
+                    if key in segs or not rec.chunks:
+                        continue
+                    segs[key] = tuple(
+                        (s.name, _dtype(s.dtype, rec.table), tuple(s.shape[1:]))
+                        for s in rec.chunks[0].segments
+                        if s.name != "ids"
+                    )
+        self.shards: list[ShardSpec] = []
+        for part in sorted(self.parts, key=lambda p: p.rank):
+            for rec in part.shards:
+                self.tables[rec.table] = (rec.num_rows, rec.num_cols)
+                states = segs.get((rec.table, rec.col_offset, rec.cols))
+                if states is None:
+                    if rec.rows:
+                        raise CheckpointNotFoundError(
+                            f"table {rec.table} (columns {rec.col_offset}..): no chunk in the chain "
+                            f"of step {chosen} at {base.uri} says what its states are"
+                        )
+                    states = ()
+                self.shards.append(
+                    ShardSpec(
+                        table=rec.table,
+                        num_rows=rec.num_rows,
+                        num_cols=rec.num_cols,
+                        row_offset=rec.row_offset,
+                        rows=rec.rows,
+                        col_offset=rec.col_offset,
+                        cols=rec.cols,
+                        rank=part.rank,
+                        states=states,
+                    )
+                )
+        self.shards.sort(key=lambda s: (s.table, s.col_offset, s.row_offset))
+        self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
+        self._check_cover()
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _pieces(self, i: int) -> list[Piece]:
+        s = self.shards[i]
+        same = [t for t in self.shards if t.table == s.table]
+        col_sharded = any(t.cols != t.num_cols for t in same)
+        row_sharded = any(t.rows != t.num_rows for t in same)
+        name = table_name(s.table)
+        out = []
+        for state, dtype, row_shape in s.states:
+            path: tuple[str, ...]
+            if state == "weight":
+                fqn, path = f"model.{s.table}", ("model", s.table)
+            else:
+                key = f"{name}.{state}"
+                fqn, path = f"optim.state.{s.table}.{key}", ("optim", "state", s.table, key)
+            if row_shape == (s.cols,):  # weight, or a pointwise state: the weight's layout
+                size: tuple[int, ...] = (s.num_rows, s.num_cols)
+                offsets: tuple[int, ...] = (s.row_offset, s.col_offset)
+                sizes: tuple[int, ...] = (s.rows, s.cols)
+            elif row_shape == ():
+                # TorchRec's row-wise optimizer state: a column-sharded table gets one block of
+                # num_rows per column shard, in column order (batched_embedding_kernel.py,
+                # get_optimizer_rowwise_shard_metadata_and_global_metadata).
+                if col_sharded and row_sharded:
+                    raise UnsupportedError(
+                        f"table {s.table} is sharded by rows and columns (grid sharding): the "
+                        "layout of its row-wise optimizer state is not supported by export"
+                    )
+                if col_sharded:
+                    order = sorted({t.col_offset for t in same})
+                    size = (s.num_rows * len(order),)
+                    offsets = (order.index(s.col_offset) * s.rows,)
+                else:
+                    size, offsets = (s.num_rows,), (s.row_offset,)
+                sizes = (s.rows,)
+            else:
+                raise UnsupportedError(
+                    f"table {s.table}: state {state} has rows of shape {row_shape}, which "
+                    "export does not know how to lay out"
+                )
+            out.append(Piece(fqn, path, state, size, offsets, sizes, dtype, i))
+        return out
+
+    def _check_cover(self) -> None:
+        """Every exported tensor is covered exactly once by its pieces (shards never overlap)."""
+        volume: dict[str, int] = {}
+        size: dict[str, tuple[int, ...]] = {}
+        for p in self.pieces:
+            if size.setdefault(p.fqn, p.size) != p.size:
+                raise UnsupportedError(f"{p.fqn}: shards disagree on its size")
+            volume[p.fqn] = volume.get(p.fqn, 0) + math.prod(p.sizes)
+        bad = [f for f in volume if volume[f] != math.prod(size[f])]
+        if bad:
+            raise UnsupportedError(
+                f"step {self.step}: the shards of {bad[:3]} do not cover each table exactly once"
+            )
+
+    # ---- data --------------------------------------------------------------------------------
+    def read_shard(self, i: int) -> dict[str, torch.Tensor]:
+        """Every state of shard ``i`` at this step (rows of the whole chain applied)."""
+        s = self.shards[i]
+        shard = TableShard(
+            table=s.table,
+            num_rows=s.num_rows,
+            num_cols=s.num_cols,
+            row_offset=s.row_offset,
+            rows=s.rows,
+            col_offset=s.col_offset,
+            cols=s.cols,
+            states={n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states},
+        )
+        apply_chain(self.storage, self.chain, [shard], self.tables)
+        return shard.states
+
+    def eager_state(self, skipped: list[str] | None = None) -> dict[str, Any]:
+        """The nested state dict of everything but the tables: ``{"model": dense state,
+        "optim": {"state": dense optimizer states and per-shard scalar states}}``. What cannot be
+        exported is described in ``skipped``."""
+        skipped = skipped if skipped is not None else []
+        where = describe(self.last)
+        dense_rec = self.parts[0].dense
+        model: dict[str, torch.Tensor] = {}
+        if dense_rec is None:
+            skipped.append(f"{where}: rank 0 part has no dense state")
+        else:
+            dense = read_state_file(self.storage, self.last, dense_rec)
+            model = {k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}
+        opt_state: dict[str, dict[str, torch.Tensor]] = {}
+        extra = read_state_file(self.storage, self.last, self.parts[0].extra)
+        for name, saved in sorted(extra.get("optimizers", {}).items()):
+            state = saved.get("state_dict", {}).get("state", {})
+            if not all(isinstance(k, str) for k in state):
+                skipped.append(
+                    f"dense optimizer {name}: its state is keyed by parameter index, not name "
+                    "(a plain torch.optim optimizer); wrap it in torchrec's KeyedOptimizerWrapper"
+                )
+                continue
+            for param, values in state.items():
+                for k, v in values.items():
+                    if isinstance(v, torch.Tensor):
+                        opt_state.setdefault(param, {})[k] = v
+                    else:
+                        skipped.append(f"dense optimizer {name}: {param}.{k} is not a tensor")
+        scalars: dict[str, dict[str, list[tuple[tuple[int, int], torch.Tensor]]]] = {}
+        for part in self.parts:
+            ex = extra if part.rank == 0 else read_state_file(self.storage, self.last, part.extra)
+            for key, values in ex.get("scalars", {}).items():
+                table, row_off, col_off = key.rsplit("|", 2)
+                for k, v in values.items():
+                    scalars.setdefault(table, {}).setdefault(k, []).append(
+                        ((int(row_off), int(col_off)), v.reshape(1))
+                    )
+        for table, per_name in scalars.items():
+            for k, blocks in per_name.items():
+                # TorchRec: one value per shard, in the table's shard order.
+                opt_state.setdefault(table, {})[f"{table_name(table)}.{k}"] = torch.cat(
+                    [v for _, v in sorted(blocks, key=lambda b: b[0])]
+                )
+        if extra.get("user") is not None:
+            skipped.append("user state (read it with DeltaCheckpointer.restore)")
+        return {"model": model, "optim": {"state": opt_state}}
+
+
+def _dtype(name: str, table: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UnsupportedError(f"table {table}: unknown dtype {name!r}") from None
+
+
+def flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": x}}`` -> ``{"a.b": x}``: DCP's names for a nested state dict."""
+    out: dict[str, Any] = {}
+    for k, v in nested.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{name}."))
+        else:
+            out[name] = v
+    return out
+
+
+def _nbytes(p: Piece | torch.Tensor) -> int:
+    if isinstance(p, torch.Tensor):
+        return p.numel() * p.element_size()
+    return math.prod(p.size) * torch.empty((), dtype=p.dtype).element_size()
+
+
+# ---- DCP ---------------------------------------------------------------------------------------
+
+
+def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None) -> ExportReport:
+    """Write ``state`` as a DCP checkpoint in ``out_dir`` (which must be empty or absent).
+
+    Guarantee: ``dcp.load({"model": model.state_dict(), "optim": CombinedOptimizer([
+    model.fused_optimizer, dense_opt]).state_dict()}, checkpoint_id=out_dir)`` into a model
+    built with the same tables and plan fills it with exactly (bitwise) what
+    ``DeltaCheckpointer.restore(step)`` loads (tables and fused optimizer states, dense
+    parameters and buffers, dense optimizer state). ``.metadata`` is written last; a crash
+    leaves no loadable checkpoint.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    _check_out_dir(out_dir)
+    report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
+    eager = state.eager_state(report.skipped)
+    by_key = {(p.fqn, p.offsets): p for p in state.pieces}
+
+    def key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
+        off = item.index.offset
+        return (item.index.fqn, tuple(int(x) for x in off) if off is not None else ())
+
+    class Planner(DefaultSavePlanner):
+        """The default planner for the dense state, plus one SHARD item per table piece whose
+        data is read from the checkpoint only when the writer asks for it."""
+
+        current: tuple[int, dict[str, torch.Tensor]] | None = None
+
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items = [
+                WriteItem(
+                    index=MetadataIndex(p.fqn, p.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(
+                            offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)
+                        ),
+                        properties=TensorProperties(dtype=p.dtype),
+                        size=torch.Size(p.size),
+                    ),
+                )
+                for p in state.pieces
+            ]
+            mappings = {**(plan.planner_data or {}), **{p.fqn: p.path for p in state.pieces}}
+            self.plan = dataclasses.replace(
+                plan, items=[*plan.items, *items], planner_data=mappings
+            )
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            piece = by_key.get(key(write_item))
+            if piece is None:
+                return super().resolve_data(write_item)
+            if self.current is None or self.current[0] != piece.shard:
+                self.current = None  # drop the previous shard before reading the next
+                self.current = (piece.shard, state.read_shard(piece.shard))
+                held = sum(_nbytes(t) for t in self.current[1].values())
+                report.max_held_bytes = max(report.max_held_bytes, held)
+            t = self.current[1][piece.state]
+            report.bytes_written += _nbytes(t)
+            if progress:
+                progress(_nbytes(t))
+            return t
+
+    class Writer(FileSystemWriter):
+        """DCP's file writer, with one file per table shard (in plan order) and one for the
+        rest: its writer keeps every tensor of a file until the file is done, so files are the
+        unit of memory."""
+
+        def write_data(self, plan: SavePlan, planner: Any) -> Any:
+            groups: dict[object, list[WriteItem]] = {}
+            for item in plan.items:
+                piece = by_key.get(key(item))
+                groups.setdefault("dense" if piece is None else piece.shard, []).append(item)
+            files: queue.Queue = queue.Queue()
+            for n, items in enumerate(groups.values()):
+                name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
+                files.put((self.fs.concat_path(self.path, name), name, items))
+            return self._write_data(planner, files)
+
+    writer = Writer(out_dir, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
+    with warnings.catch_warnings():
+        # DCP warns that no process group is initialised: one process writing is the point.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp_save(eager, storage_writer=writer, planner=Planner(), no_dist=True)
+    dense = flatten(eager)
+    report.tensors = len(dense) + len({p.fqn for p in state.pieces})
+    report.bytes_written += sum(_nbytes(t) for t in dense.values())
+    report.bytes_read = state.read_bytes
+    return report
+
+
+def _check_out_dir(out_dir: str) -> None:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ConfigError(
+            f"--out {out_dir} exists and is not an empty directory; choose a new or empty directory"
+        )
+
+
+# ---- safetensors -------------------------------------------------------------------------------
+
+
+def export_safetensors(
+    state: StepState, out_path: str, progress: Progress | None = None
+) -> ExportReport:
+    """Write ``state`` as one safetensors file of unsharded tensors (same names as the DCP
+    export; a column-sharded table's row-wise optimizer state in TorchRec's layout), for
+    inspection with any safetensors reader.
+
+    Streams table by table: the header is computed from the manifests first, then each table
+    is assembled from its shards and written (safetensors' own writer needs every tensor in
+    memory at once, hence this writer of its documented format). The file appears atomically
+    (written under a temporary name, then renamed).
+    """
+    report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_path)
+    dense = flatten(state.eager_state(report.skipped))
+    by_fqn: dict[str, list[Piece]] = {}
+    for p in state.pieces:
+        by_fqn.setdefault(p.fqn, []).append(p)
+    # Layout: tables in order, then the dense tensors.
+    layout: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        (f, ps[0].size, ps[0].dtype) for f, ps in by_fqn.items()
+    ]
+    layout += [(k, tuple(v.shape), v.dtype) for k, v in dense.items()]
+    header: dict[str, Any] = {
+        "__metadata__": {
+            "format": "deck-export",
+            "uri": state.storage.uri,
+            "step": str(state.step),
+            "chain": json.dumps(report.chain),
+        }
+    }
+    off = 0
+    for name, size, dtype in layout:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise UnsupportedError(f"{name}: dtype {dtype} has no safetensors name")
+        n = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(size),
+            "data_offsets": [off, off + n],
+        }
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the reference writer pads the header to 8 bytes
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out_path}.tmp-{os.getpid()}"
+    tables: dict[str, list[int]] = {}
+    for i, s in enumerate(state.shards):
+        tables.setdefault(s.table, []).append(i)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for _table, shard_ids in tables.items():
+                full: dict[str, torch.Tensor] = {}
+                for i in shard_ids:
+                    data = state.read_shard(i)
+                    for p in state.pieces:
+                        if p.shard != i:
+                            continue
+                        t = full.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
+                        block = t[
+                            tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))
+                        ]
+                        block.copy_(data[p.state])
+                    del data
+                report.max_held_bytes = max(
+                    report.max_held_bytes, sum(_nbytes(t) for t in full.values())
+                )
+                for fqn in [f for f in by_fqn if f in full]:
+                    _write_tensor(f, full[fqn])
+                    report.bytes_written += _nbytes(full[fqn])
+                    if progress:
+                        progress(_nbytes(full[fqn]))
+                del full
+            for v in dense.values():
+                _write_tensor(f, v)
+                report.bytes_written += _nbytes(v)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    report.tensors = len(layout)
+    report.bytes_read = state.read_bytes
+    return report
+
+
+def _write_tensor(f: Any, t: torch.Tensor) -> None:
+    # Little-endian raw bytes in C order, as safetensors stores them.
+    f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)

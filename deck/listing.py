@@ -1,0 +1,262 @@
+"""What a URI holds, for people and scripts: the rows of ``deck ls`` (committed checkpoints of
+the lineage plus pending trainer steps), its tree view, and the details ``deck show`` prints.
+
+A *pending* checkpoint is a trainer step folder with rank part manifests but no
+``manifest.json``: ranks are still uploading, rank 0 has not committed yet, or the job died
+before committing (GC removes those once they are older than its grace period).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deck.catalog import read_manifests, read_rank_manifests
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
+from deck.format import MANIFEST, CheckpointManifest, RankManifest, load_model
+from deck.lineage import LineageGraph, LineageNode, build_graph
+from deck.storage import Storage
+
+_PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One checkpoint as ``deck ls`` shows it."""
+
+    kind: str  # full | delta | merged
+    step: int
+    layer: int  # 0: trainer checkpoints and merger fulls; L >= 1: merged deltas of layer L
+    first_step: int  # first trainer step whose rows it holds (covers first_step..step)
+    bytes: int  # all its files, all ranks
+    created_unix: float | None  # commit time (pending: newest rank part's file time, if known)
+    state: str  # committed | pending | quarantined
+    ranks: int  # rank parts present
+    world_size: int
+    merged: bool  # written by the merger
+    parent: int | None
+    base: int | None
+    epoch: int | None
+    id: str
+    folder: str
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        """JSON-ready, with ``age_s`` and ``covers``."""
+        d = asdict(self)
+        d["covers"] = [self.first_step, self.step]
+        d["age_s"] = None if self.created_unix is None else round(now - self.created_unix, 3)
+        return d
+
+
+def _row(n: LineageNode) -> Row:
+    m = n.manifest
+    return Row(
+        kind=n.kind.value,
+        step=n.step,
+        layer=n.layer,
+        first_step=n.first_step,
+        bytes=n.bytes,
+        created_unix=m.created_unix,
+        state="quarantined" if n.quarantined else "committed",
+        ranks=len(m.ranks),
+        world_size=m.world_size,
+        merged=n.merged,
+        parent=m.parent,
+        base=m.base,
+        epoch=m.epoch,
+        id=n.id,
+        folder=n.folder,
+    )
+
+
+def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
+    """The lineage graph of ``storage`` and one :class:`Row` per committed checkpoint (trainer's
+    and merger's) and per pending trainer checkpoint, ordered by step, then layer."""
+    keys = storage.list("")
+    graph = build_graph(read_manifests(storage, keys), storage.uri)
+    rows = [_row(n) for n in graph.nodes.values()]
+    have = set(keys)
+    parts: dict[tuple[str, str], list[str]] = {}
+    for k in keys:
+        hit = _PART.match(k)
+        if hit and f"{hit.group(1)}/{MANIFEST}" not in have:
+            parts.setdefault((hit.group(1), hit.group(2)), []).append(k)
+    for (folder, ckpt_id), found in parts.items():
+        rows.append(_pending(storage, folder, ckpt_id, found))
+    rows.sort(key=lambda r: (r.step, r.layer, r.first_step, r.state != "committed", r.id))
+    return graph, rows
+
+
+def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Row:
+    from deck.retention import file_age_s
+
+    parsed: list[RankManifest] = []
+    for k in keys:
+        try:
+            parsed.append(load_model(RankManifest, storage.get(k), storage.describe(k)))
+        except (CorruptCheckpointError, NotFoundError):
+            continue  # being replaced or deleted right now; still pending
+    now = time.time()
+    ages = [a for a in (file_age_s(storage, k, now) for k in keys) if a is not None]
+    nbytes = sum(
+        sum(c.nbytes for rec in p.shards for c in rec.chunks)
+        + sum(f.nbytes for f in (p.dense, p.extra) if f is not None)
+        for p in parsed
+    )
+    shards = [rec for p in parsed for rec in p.shards]
+    step = int(folder.split("-")[1])
+    return Row(
+        kind="full" if shards and all(r.full for r in shards) else "delta",
+        step=step,
+        layer=0,
+        first_step=step,
+        bytes=nbytes,
+        created_unix=now - min(ages) if ages else None,
+        state="pending",
+        ranks=len(keys),
+        world_size=parsed[0].world_size if parsed else 0,
+        merged=False,
+        parent=None,
+        base=None,
+        epoch=None,
+        id=ckpt_id,
+        folder=f"{folder}/{ckpt_id}",
+    )
+
+
+def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
+    """The lineage as an ASCII tree: each trainer full with the trainer deltas built on it
+    (and on them), and under each state the merger checkpoints that apply on it or reproduce
+    it. ``fmt(row)`` renders one line. Pending checkpoints come last."""
+    by_id = {r.id: r for r in rows}
+    children: dict[str, list[LineageNode]] = {}
+    roots: list[LineageNode] = []
+    for n in sorted(graph.nodes.values(), key=lambda n: (n.step, n.layer, n.first_step, n.id)):
+        if n.merged:
+            # A merged delta hangs under the state it applies on, a merger full under the
+            # trainer checkpoint whose state it reproduces.
+            anchor = graph.trainer_at(n.start if n.start is not None else n.state)
+        elif n.start is not None:
+            anchor = graph.trainer_at(n.start)
+        else:
+            anchor = None
+        if anchor is None:
+            roots.append(n)
+        else:
+            children.setdefault(anchor.id, []).append(n)
+    out: list[str] = []
+
+    def walk(n: LineageNode, prefix: str, last: bool, top: bool) -> None:
+        head = "" if top else prefix + ("`- " if last else "|- ")
+        out.append(head + fmt(by_id[n.id]))
+        kids = children.get(n.id, [])
+        # Merger checkpoints first, then the trainer chain goes on: it reads top to bottom.
+        kids = sorted(kids, key=lambda k: (not k.merged, k.step, k.layer, k.id))
+        inner = prefix if top else prefix + ("   " if last else "|  ")
+        for i, k in enumerate(kids):
+            walk(k, inner, i == len(kids) - 1, False)
+
+    for r in roots:
+        walk(r, "", True, True)
+    pending = [r for r in rows if r.state == "pending"]
+    if pending:
+        out.append("pending (rank parts without manifest.json):")
+        out.extend("  " + fmt(r) for r in pending)
+    return out
+
+
+def find_checkpoint(storage: Storage, which: str) -> CheckpointManifest:
+    """The committed checkpoint named by ``which``: a trainer step number, a checkpoint id, or
+    a merger folder (``merged/L01-...`` or its last part). Raises
+    :class:`CheckpointNotFoundError` listing what there is."""
+    manifests = read_manifests(storage)
+    if which.isdigit():
+        m = manifests.get(int(which))
+        if m is not None:
+            return m
+    for cand in manifests.all():
+        if which in (cand.id, cand.folder) or cand.folder.endswith(f"/{which}"):
+            return cand
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint {which!r} at {storage.uri}; trainer steps: {sorted(manifests)}"
+        + (
+            f", merger checkpoints: {len(manifests.merged)} (see `deck ls`)"
+            if manifests.merged
+            else ""
+        )
+    )
+
+
+def describe_checkpoint(storage: Storage, m: CheckpointManifest) -> dict[str, Any]:
+    """Everything about one committed checkpoint, JSON-ready: its record, and per rank the
+    part manifest, dense / extra files and every shard (offsets, saved rows, bytes, chunk files
+    with their checksums); ``tables`` sums the shards per table. Reads the rank manifests
+    (checked against the record), not the data."""
+    parts = read_rank_manifests(storage, m)
+    refs = {r.rank: r for r in m.ranks}
+    tables: dict[str, dict[str, Any]] = {}
+    ranks = []
+    for p in parts:
+        shards = []
+        for rec in p.shards:
+            saved = sum(c.rows for c in rec.chunks)
+            nbytes = sum(c.nbytes for c in rec.chunks)
+            shards.append(
+                {
+                    "table": rec.table,
+                    "shape": [rec.num_rows, rec.num_cols],
+                    "row_offset": rec.row_offset,
+                    "rows": rec.rows,
+                    "col_offset": rec.col_offset,
+                    "cols": rec.cols,
+                    "full": rec.full,
+                    "states": list(rec.states),
+                    "saved_rows": saved,
+                    "bytes": nbytes,
+                    "chunks": [
+                        {"path": c.path, "rows": c.rows, "bytes": c.nbytes, "checksum": c.checksum}
+                        for c in rec.chunks
+                    ],
+                }
+            )
+            t = tables.setdefault(
+                rec.table,
+                {"shape": [rec.num_rows, rec.num_cols], "shards": 0, "saved_rows": 0, "bytes": 0},
+            )
+            t["shards"] += 1
+            t["saved_rows"] += saved
+            t["bytes"] += nbytes
+        ref = refs[p.rank]
+        ranks.append(
+            {
+                "rank": p.rank,
+                "manifest": {"path": ref.path, "bytes": ref.nbytes, "checksum": ref.checksum},
+                "data_bytes": ref.data_bytes,
+                "dense": p.dense.model_dump() if p.dense else None,
+                "extra": p.extra.model_dump(),
+                "shards": shards,
+            }
+        )
+    return {
+        "id": m.id,
+        "kind": m.kind.value,
+        "step": m.step,
+        "folder": m.folder,
+        "merged": m.is_merged,
+        "layer": m.layer,
+        "covers": list(m.covers),
+        "parent": m.parent,
+        "parent_id": m.parent_id,
+        "base": m.base,
+        "epoch": m.epoch,
+        "inputs": list(m.inputs),
+        "state_id": m.state_id,
+        "world_size": m.world_size,
+        "created_unix": m.created_unix,
+        "deck_version": m.deck_version,
+        "bytes": m.data_bytes,
+        "tables": tables,
+        "ranks": ranks,
+    }
