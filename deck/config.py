@@ -42,26 +42,41 @@ class StagingConfig(BaseModel):
 
     chunk_bytes: int = Field(
         default=4 * 1024 * 1024,
-        description="Size of one chunk file (the last of a shard may be shorter); a multiple of 4096.",
+        description="Size of one chunk file; every chunk of a shard but the last is exactly this "
+        "long (SSD-page aligned).",
+        json_schema_extra={"constraints": "a positive multiple of 4096"},
     )
     chunks_in_flight: int = Field(
-        default=4, ge=1, le=256, description="Reusable CPU chunk buffers."
+        default=4,
+        ge=1,
+        le=256,
+        description="Reusable CPU chunk buffers: the snapshot's CPU memory is "
+        "chunks_in_flight x chunk_bytes, whatever the model size.",
     )
-    tiers: Tiers = Field(default="auto", description="local | cpu-remote | cpu-ssd-remote | auto.")
+    tiers: Tiers = Field(
+        default="auto",
+        description="How bytes travel: local (straight into a local destination), cpu-ssd-remote "
+        "(CPU buffers -> spool -> upload), cpu-remote (CPU buffers -> upload, no spool); auto: "
+        "local for paths, cpu-ssd-remote otherwise.",
+    )
     spool_dir: str | None = Field(
         default=None,
         description="Local SSD directory for the spool (default: $TMPDIR/deck-spool). Put it on a "
         "persistent local disk: a restarted process finishes uploads it finds there.",
     )
-    spool_max_bytes: int = Field(default=64 * 2**30, ge=0, description="Spool capacity.")
+    spool_max_bytes: int = Field(
+        default=64 * 2**30, ge=0, description="Spool capacity (bytes staged but not uploaded)."
+    )
     spool_full: Literal["block", "skip"] = Field(
-        default="block", description="Policy when the spool is full."
+        default="block",
+        description="When the spool holds spool_max_bytes: block (the checkpoint waits for "
+        "uploads) or skip (skip the checkpoint; its rows stay pending for the next one).",
     )
     upload_concurrency: int = Field(
         default=4, ge=1, le=64, description="Parallel uploads per rank."
     )
     retry_initial_s: float = Field(
-        default=0.5, gt=0, description="First backoff of a failed upload."
+        default=0.5, gt=0, description="First backoff of a failed upload, doubled per retry."
     )
     retry_max_s: float = Field(
         default=30.0, gt=0, description="Longest backoff between upload retries."
@@ -69,7 +84,8 @@ class StagingConfig(BaseModel):
     upload_timeout_s: float = Field(
         default=3600.0,
         gt=0,
-        description="Give up a checkpoint whose upload keeps failing this long.",
+        description="Give up a checkpoint whose upload keeps failing this long; the next "
+        "checkpoint is then a full.",
     )
     commit_timeout_s: float = Field(
         default=3600.0,
@@ -104,19 +120,38 @@ class DeckConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    uri: str = Field(description="Checkpoint location: local path or fsspec URI.")
+    uri: str = Field(
+        description="Where checkpoints go: a local directory or any fsspec URI (s3://bucket/prefix, "
+        "gs://..., memory:// for one-process jobs).",
+        json_schema_extra={"constraints": "non-empty"},
+    )
     delta_every_steps: int = Field(
-        default=100, description="Delta checkpoint interval in steps (>= 1)."
+        default=100,
+        description="ckpt.step(step) takes a checkpoint when step % n == 0 (a delta, or a full "
+        "when one is due).",
+        json_schema_extra={"constraints": ">= 1"},
     )
     full_every_steps: int | None = Field(
         default=None,
-        description="Full checkpoint interval in steps (>= 1), or None for first-only.",
+        description="Also take a full when step % n == 0. None: only the first checkpoint of a "
+        "process is full (later fulls come from the merger).",
+        json_schema_extra={"constraints": ">= 1 or None; a multiple of delta_every_steps"},
     )
     consumers: tuple[str, ...] = Field(
-        default=(CHECKPOINT_CONSUMER,), description="Tracking tenants."
+        default=(CHECKPOINT_CONSUMER,),
+        description="Tracking tenants that read their own deltas from one tracker store at their "
+        "own pace (e.g. a publisher); checkpoint is always added.",
+        json_schema_extra={"constraints": "unique names of [A-Za-z0-9_-], at most 8"},
     )
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options.")
-    track_eval: bool = Field(default=False, description="Track lookups of eval-mode forwards.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to fsspec: credentials, client_kwargs={'endpoint_url': ...}.",
+    )
+    track_eval: bool = Field(
+        default=False,
+        description="Also track lookups of eval-mode forwards (eval does not update rows, so "
+        "this only costs time).",
+    )
     lease_ttl_s: float | None = Field(
         default=60.0,
         gt=0,
@@ -124,7 +159,10 @@ class DeckConfig(BaseModel):
         "waits up to this long for it, then is refused; a crashed holder on the same host is taken "
         "over at once. None disables the lease.",
     )
-    staging: StagingConfig = Field(default_factory=StagingConfig)
+    staging: StagingConfig = Field(
+        default_factory=StagingConfig,
+        description="How checkpoint bytes travel: buffers, spool, uploads (StagingConfig).",
+    )
 
     @field_validator("uri")
     @classmethod

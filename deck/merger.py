@@ -105,9 +105,35 @@ class FullPolicy:
     every worker takes the same decision.
     """
 
-    every: int | None = None
-    max_live_fraction: float | None = 0.1
-    cost_ratio: float | None = None
+    every: int | None = field(
+        default=None,
+        metadata={
+            "description": "New full after this many deltas since the last full (DECK's fixed "
+            "N; `full_every_for_bound` solves eq. 2 for it). None: no fixed interval.",
+            "constraints": ">= 1 or None",
+            "cli": "deck merge --full-every N",
+        },
+    )
+    max_live_fraction: float | None = field(
+        default=0.1,
+        metadata={
+            "description": "New full when the chain a restore reads on top of the full is "
+            "larger than this fraction of the full (recovery reads about 1 + F fulls). "
+            "None: off.",
+            "constraints": "> 0 or None",
+            "cli": "deck merge --full-live-fraction F (0: off)",
+        },
+    )
+    cost_ratio: float | None = field(
+        default=None,
+        metadata={
+            "description": "IncrCP-style rule: new full when live x R >= 2 x full + live (R: how "
+            "much more a byte read at recovery costs than a byte of background merging). "
+            "None: off.",
+            "constraints": "> 1 or None",
+            "cli": "deck merge --full-cost-ratio R",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 1:
@@ -141,11 +167,44 @@ class FullPolicy:
 class MergeConfig:
     """What a merger worker builds and which share of the work is its own."""
 
-    stride: int = 4
-    full: FullPolicy = field(default_factory=FullPolicy)
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    worker_index: int = 0
-    num_workers: int = 1
+    stride: int = field(
+        default=4,
+        metadata={
+            "description": "Items per merge, s: every s items of layer L become one merged "
+            "delta of layer L + 1 (DECK eq. 1, `stride_for_velocity`, picks s).",
+            "constraints": ">= 2",
+            "cli": "deck merge --stride S",
+        },
+    )
+    full: FullPolicy = field(
+        default_factory=FullPolicy,
+        metadata={"description": "When the merger builds a new full (any rule that is set)."},
+    )
+    chunk_bytes: int = field(
+        default=DEFAULT_CHUNK_BYTES,
+        metadata={
+            "description": "Chunk file size of merged checkpoints.",
+            "constraints": "a positive multiple of 4096",
+            "cli": "deck merge --chunk-bytes B",
+        },
+    )
+    worker_index: int = field(
+        default=0,
+        metadata={
+            "description": "This worker's share of the partitions: those with "
+            "xxh3(partition) % num_workers == worker_index.",
+            "constraints": "0 <= worker_index < num_workers",
+            "cli": "deck merge --worker-index i",
+        },
+    )
+    num_workers: int = field(
+        default=1,
+        metadata={
+            "description": "How many workers split the work (give every worker the same value).",
+            "constraints": ">= 1",
+            "cli": "deck merge --num-workers n (or --workers K on one host)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.stride < 2:

@@ -53,12 +53,44 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """What GC keeps (see the module docstring)."""
+    """What GC keeps (the rules: docs/operations.md, "Retention and GC")."""
 
-    keep_last_fulls: int = 2
-    keep_fulls_every: int | None = None
-    keep_all_steps: bool = False
-    grace_s: float = 3600.0
+    keep_last_fulls: int = field(
+        default=2,
+        metadata={
+            "description": "The newest fulls kept for rollback, each with the trainer "
+            "checkpoint of its step.",
+            "constraints": ">= 1",
+            "cli": "deck gc --keep-last-fulls K",
+        },
+    )
+    keep_fulls_every: int | None = field(
+        default=None,
+        metadata={
+            "description": "Also keep the oldest full of every N-step period (rolling back past "
+            "bad data found late, DECK fig. 9). None: off.",
+            "constraints": ">= 1 or None",
+            "cli": "deck gc --keep-fulls-every N",
+        },
+    )
+    keep_all_steps: bool = field(
+        default=False,
+        metadata={
+            "description": "Every step that is restorable now stays restorable (superseded "
+            "merged deltas and merger fulls still go).",
+            "cli": "deck gc --keep-all-steps",
+        },
+    )
+    grace_s: float = field(
+        default=3600.0,
+        metadata={
+            "description": "Nothing committed in the last S seconds, nothing the lineage needed "
+            "S seconds ago, and no orphan with a file younger than S is deleted. Must exceed "
+            "the longest restore and the time between a restore and the next checkpoint.",
+            "constraints": ">= 0",
+            "cli": "deck gc --grace S",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.keep_last_fulls < 1:

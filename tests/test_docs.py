@@ -1,0 +1,304 @@
+"""Every code sample in README.md and docs/*.md runs, and the generated docs are current.
+
+Conventions for fenced blocks (the info string after the opening backticks; GitHub renders by
+its first word and ignores the rest):
+
+- ```python                 a complete script. Run with this venv's python in a temp directory
+                            shared by the blocks of one document (in document order, so a block
+                            can read what an earlier one wrote); must exit 0. Use ``assert`` to
+                            check results.
+- ```python fixture=NAME    a fragment using names the reader supplies (a model, an optimizer, a
+                            train function). ``FIXTURES[NAME]`` (below) runs first in the same
+                            process and its teardown after; see it for the names it defines.
+- ```python file=NAME       a script saved as NAME in the temp directory and not run by itself:
+                            a later ``run`` shell block of the same document must invoke it.
+- ```python notest          shown, never run. Say why in the text. (Nothing uses it today.)
+- ```bash / console / sh / shell
+                            every line invoking ``deck`` (after an optional ``$ ``) is checked
+                            against the real CLI: the sub-command exists and every ``--flag`` is
+                            in its ``--help``. Other lines (``make demo``) are not run.
+- ```bash run               additionally runs every line for real, in order, in the document's
+                            temp directory, each must exit 0: ``deck ...`` through
+                            ``deck.cli.main`` in this process, anything else (``python``,
+                            ``torchrun``) by bash with this venv first on PATH; ``#`` comments
+                            and blank lines skipped.
+- anything else (```json, plain ```, ```mermaid): not code, not run.
+
+docs/configuration.md is generated (``python -m deck.docgen``); a test compares it with the
+generator's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deck import cli, docgen
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELLS = {"bash", "console", "sh", "shell"}
+BIN = Path(sys.executable).parent
+
+# Names a ``fixture=dlrm`` fragment may use: a one-process gloo world with a small TorchRec DLRM.
+FIXTURES: dict[str, tuple[str, str]] = {
+    "dlrm": (
+        """
+import os
+import torch
+import torch.distributed as dist
+from deck.demo import ModelSpec, TrainState, build_model, free_port, train_step
+
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+os.environ["MASTER_PORT"] = str(free_port())
+dist.init_process_group("gloo")
+_spec = ModelSpec(num_tables=2, rows=1000, dim=8, batch=64)
+model, dense_optimizer = build_model(_spec)  # a DistributedModelParallel and its dense optimizer
+train_state = TrainState()                   # state_dict()/load_state_dict()
+num_steps = 200
+batches = iter(range(1, 10**9))              # next(batches) is the step's batch seed
+
+
+def train_one_step(model, dense_optimizer, batch):
+    return train_step(model, dense_optimizer, _spec, batch)
+
+
+def evaluate(model):
+    from deck.demo import make_batch
+    model.eval()
+    with torch.no_grad():
+        dense, kjt, _ = make_batch(_spec, 0, 0)
+        model(dense, kjt)
+    model.train()
+""",
+        "\ndist.destroy_process_group()\n",
+    ),
+}
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    options: list[str]
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+
+    def option(self, key: str) -> str | None:
+        for o in self.options:
+            if o.startswith(key + "="):
+                return o.split("=", 1)[1]
+        return None
+
+
+def blocks(doc: Path) -> list[Block]:
+    """Fenced code blocks of ``doc`` in order (``` and ~~~ fences; nested fences not supported)."""
+    out: list[Block] = []
+    lines = doc.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(```+|~~~+)\s*(.*)$", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, info = m.groups()
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        words = info.split()
+        out.append(Block(doc, start + 1, words[0] if words else "", words[1:], "\n".join(body)))
+        i += 1
+    return out
+
+
+def shell_commands(code: str) -> list[str]:
+    """Command lines of a shell block: ``$ `` prompts and comments stripped, ``\\`` joined."""
+    out, cur = [], ""
+    for raw in code.splitlines():
+        line = raw.strip()
+        if line.startswith("$ "):
+            line = line[2:]
+        if line.endswith("\\"):
+            cur += line[:-1].rstrip() + " "
+            continue
+        line = cur + line
+        cur = ""
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+_HELP: dict[str, str] = {}
+
+
+def _help(sub: str | None) -> str | None:
+    """``deck [sub] --help`` text (None if ``sub`` is not a sub-command)."""
+    key = sub or ""
+    if key not in _HELP:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                cli.main([*([sub] if sub else []), "--help"])
+            except SystemExit as e:
+                if e.code != 0:
+                    return None
+        _HELP[key] = buf.getvalue()
+    return _HELP[key]
+
+
+def check_deck_command(line: str, where: str) -> None:
+    words = shlex.split(line, comments=True)
+    if not words or words[0] != "deck":
+        return
+    sub = next((w for w in words[1:] if not w.startswith("-")), None)
+    text = _help(sub)
+    assert text is not None, f"{where}: `{line}`: `deck {sub}` is not a deck sub-command"
+    for w in words[1:]:
+        if w.startswith("--"):
+            flag = w.split("=", 1)[0]
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), (
+                f"{where}: `{line}`: `deck {sub}` has no option {flag} (see `deck {sub} --help`)"
+            )
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _run(args: list[str] | str, cwd: Path, where: str, shell: bool = False) -> None:
+    r = subprocess.run(
+        args,
+        cwd=cwd,
+        env=_env(),
+        shell=shell,
+        executable="/bin/bash" if shell else None,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    errors = [ln for ln in r.stderr.splitlines() if re.search(r"\w+(Error|Exception):", ln)]
+    assert r.returncode == 0, (
+        f"{where}: exit {r.returncode}\n--- errors\n" + "\n".join(errors[:10]) + "\n--- stdout\n"
+        f"{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-6000:]}"
+    )
+
+
+def _run_deck(args: list[str], cwd: Path, where: str) -> None:
+    # In-process: the console script itself is tested by test_cli.py, and each interpreter
+    # start would cost seconds here.
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = cli.main(args)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(old)
+    assert rc == 0, (
+        f"{where}: exit {rc}\n--- stdout\n{out.getvalue()}\n--- stderr\n{err.getvalue()}"
+    )
+
+
+def run_doc(doc: Path, tmp: Path) -> int:
+    """Run every runnable block of ``doc`` in order in ``tmp``; returns how many ran."""
+    saved: dict[str, str] = {}
+    invoked: set[str] = set()
+    ran = 0
+    for n, b in enumerate(blocks(doc)):
+        if b.lang == "python" and "notest" not in b.options:
+            name = b.option("file")
+            if name:
+                (tmp / name).write_text(b.code + "\n")
+                saved[name] = b.where
+                continue
+            code = b.code
+            fixture = b.option("fixture")
+            if fixture:
+                assert fixture in FIXTURES, f"{b.where}: unknown fixture {fixture!r}"
+                setup, teardown = FIXTURES[fixture]
+                code = setup + "\n" + code + "\n" + teardown
+            script = tmp / f"_block{n:03d}.py"
+            script.write_text(code + "\n")
+            _run([sys.executable, str(script)], tmp, b.where)
+            ran += 1
+        elif b.lang in SHELLS and "run" in b.options:
+            for line in shell_commands(b.code):
+                words = shlex.split(line, comments=True)
+                invoked.update(w for w in words if w in saved)
+                if words[0] == "deck":
+                    _run_deck(words[1:], tmp, f"{b.where}: `{line}`")
+                else:
+                    _run(line, tmp, f"{b.where}: `{line}`", shell=True)
+                ran += 1
+    never = {name: where for name, where in saved.items() if name not in invoked}
+    assert not never, f"python file=... blocks no `run` block invokes: {never}"
+    return ran
+
+
+def test_fence_parser_finds_the_samples() -> None:
+    """Guards the harness itself: a parser that finds nothing would pass every doc."""
+    qs = blocks(ROOT / "docs" / "quickstart.md")
+    assert [b.lang for b in qs if b.lang == "python"] and any("run" in b.options for b in qs)
+    assert shell_commands("$ deck ls x \\\n  --json  # c\n# only a comment\n") == [
+        "deck ls x --json  # c"
+    ]
+    with pytest.raises(AssertionError, match="no option --nope"):
+        check_deck_command("deck ls URI --nope", "here")
+    with pytest.raises(AssertionError, match="not a deck sub-command"):
+        check_deck_command("deck frobnicate URI", "here")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_deck_commands_in_docs_exist(doc: Path) -> None:
+    """Every `deck ...` line in a shell block names a real sub-command and real options."""
+    for b in blocks(doc):
+        if b.lang in SHELLS:
+            for line in shell_commands(b.code):
+                check_deck_command(line, b.where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "doc",
+    [d for d in DOCS if any(b.lang == "python" or "run" in b.options for b in blocks(d))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_doc_samples_run(doc: Path, tmp_path: Path) -> None:
+    """Every python block and every `run` shell block of the document runs and exits 0."""
+    assert run_doc(doc, tmp_path) > 0
+
+
+def test_configuration_reference_is_current() -> None:
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == docgen.render(), (
+        f"docs/configuration.md is out of date with the config models: run "
+        f"`{docgen.REGENERATE}` and commit the result"
+    )
+
+
+def test_every_config_field_is_documented() -> None:
+    assert docgen.undocumented() == [], (
+        "add Field(description=...) / field(metadata={'description': ...}) to these fields"
+    )
