@@ -106,6 +106,10 @@ def cmd_show(a: argparse.Namespace) -> int:
 
     storage = open_storage(a.uri)
     d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
+    if a.no_chunks:
+        for r in d["ranks"]:
+            for s in r["shards"]:
+                del s["chunks"]
     if a.json:
         print(json.dumps(d, indent=1))
         return 0
@@ -135,13 +139,10 @@ def cmd_show(a: argparse.Namespace) -> int:
                 f"  {s['table']} rows {s['row_offset']}..{s['row_offset'] + s['rows']} cols "
                 f"{s['col_offset']}..{s['col_offset'] + s['cols']}: {s['saved_rows']} rows"
                 f"{' (full)' if s['full'] else ''}, states {','.join(s['states'])}, "
-                f"{len(s['chunks'])} chunk(s), {_human(s['bytes'])}"
+                f"{s['num_chunks']} chunk(s), {_human(s['bytes'])}"
             )
-            if not a.no_chunks:
-                for c in s["chunks"]:
-                    print(
-                        f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}"
-                    )
+            for c in s.get("chunks", ()):
+                print(f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}")
         for what in ("dense", "extra"):
             f = r[what]
             if f is not None:

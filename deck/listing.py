@@ -215,6 +215,7 @@ def describe_checkpoint(storage: Storage, m: CheckpointManifest) -> dict[str, An
                     "states": list(rec.states),
                     "saved_rows": saved,
                     "bytes": nbytes,
+                    "num_chunks": len(rec.chunks),
                     "chunks": [
                         {"path": c.path, "rows": c.rows, "bytes": c.nbytes, "checksum": c.checksum}
                         for c in rec.chunks

@@ -1,8 +1,11 @@
-"""The deck console script, run as a subprocess on a checkpoint written by a 2-rank job."""
+"""The deck console script, run as a subprocess on ONE checkpoint written by a 2-rank job (a
+module fixture: full 0, deltas 5 and 10, and a merged delta of 5..10); commands that change the
+checkpoint work on a copy."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,10 +15,14 @@ import pytest
 from dist_harness import run_ranks
 
 import deck
+from deck.catalog import read_manifests, read_rank_manifests
+from deck.cli import main
 from deck.demo import ModelSpec, build_model, train_step
+from deck.storage import open_storage
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32)
+COMMANDS = ("ls", "show", "verify", "lineage", "export", "report", "merge", "gc")
 
 
 def _write(rank: int, world_size: int, uri: str) -> None:
@@ -27,37 +34,164 @@ def _write(rank: int, world_size: int, uri: str) -> None:
             ck.step(step)
 
 
+EXE = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
+
+
 def _deck(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120)
 
 
-def test_ls_and_verify(tmp_path: Path) -> None:
-    uri = str(tmp_path / "ck")
-    run_ranks(_write, uri)
+def _decks(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Several independent console-script runs at once (each spends seconds importing torch)."""
+    procs = [
+        subprocess.Popen([EXE, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in calls
+    ]
+    out = []
+    for c, p in zip(calls, procs, strict=True):
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess([EXE, *c], p.returncode, stdout, stderr))
+    return out
 
-    r = _deck("ls", uri, "--json")
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli") / "ck"
+    run_ranks(_write, str(root))
+    r = _deck("merge", str(root), "--once", "--stride", "2", "--full-live-fraction", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return root
+
+
+def test_ls_table_tree_json_and_pending(ckpt: Path, tmp_path: Path) -> None:
+    uri = str(ckpt)
+    r, text_r, tree_r, empty, usage = _decks(
+        ("ls", uri, "--json"),
+        ("ls", uri),
+        ("ls", uri, "--tree"),
+        ("ls", str(tmp_path / "no")),
+        ("ls",),
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert [(x["step"], x["kind"], x["ranks"]) for x in rows] == [
-        (0, "full", 2),
-        (5, "delta", 2),
-        (10, "delta", 2),
+    assert [
+        (x["kind"], x["step"], x["layer"], x["covers"], x["ranks"], x["state"]) for x in rows
+    ] == [
+        ("full", 0, 0, [0, 0], 2, "committed"),
+        ("delta", 5, 0, [5, 5], 2, "committed"),
+        ("delta", 10, 0, [10, 10], 2, "committed"),
+        ("merged", 10, 1, [5, 10], 2, "committed"),
     ]
-    assert "delta" in _deck("ls", uri).stdout
+    assert all(x["bytes"] > 0 and 0 <= x["age_s"] < 3600 for x in rows)
 
-    r = _deck("verify", uri, "--all")
+    text = text_r.stdout
+    assert re.search(r"merged\s+10\s+1\s+5\.\.10\s+2/2", text), text
+    tree = tree_r.stdout.splitlines()
+    # The full is the root; delta 5 hangs under it, delta 10 under delta 5; the merged delta
+    # applies on the full's state, so it hangs under the full too.
+    assert tree[0].startswith("full 0") and "step-000000000000" in tree[0], tree
+    depth = {ln.split()[-1]: len(ln) - len(ln.lstrip("|`- ")) for ln in tree}
+    assert depth["step-000000000005"] == 3 and depth["step-000000000010"] == 6, tree
+    assert next(ln for ln in tree if "merged/L01" in ln).startswith("|- merged L1 5..10"), tree
+
+    # A step whose rank parts are there but whose manifest.json is not: pending.
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    (copy / "step-000000000010" / "manifest.json").unlink()
+    rows = json.loads(_deck("ls", str(copy), "--json").stdout)
+    pending = [x for x in rows if x["state"] == "pending"]
+    assert [(x["step"], x["kind"], x["ranks"], x["world_size"]) for x in pending] == [
+        (10, "delta", 2, 2)
+    ]
+
+    assert empty.returncode == 1 and "no checkpoints" in empty.stderr
+    assert usage.returncode == 2 and "usage: deck" in usage.stderr
+
+
+def test_show_names_every_shard_and_chunk(ckpt: Path) -> None:
+    name = next(p.name for p in (ckpt / "merged").iterdir() if p.name.startswith("L01"))
+    r, text_r, merged, missing = _decks(
+        ("show", str(ckpt), "5", "--json"),
+        ("show", str(ckpt), "5"),
+        ("show", str(ckpt), name, "--json", "--no-chunks"),
+        ("show", str(ckpt), "99"),
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["kind"], d["step"], d["parent"], d["world_size"]) == ("delta", 5, 0, 2)
+    storage = open_storage(str(ckpt))
+    parts = read_rank_manifests(storage, read_manifests(storage)[5])
+    want = {
+        (p.rank, rec.table, rec.col_offset, c.path, c.checksum)
+        for p in parts
+        for rec in p.shards
+        for c in rec.chunks
+    }
+    got = {
+        (rk["rank"], s["table"], s["col_offset"], c["path"], c["checksum"])
+        for rk in d["ranks"]
+        for s in rk["shards"]
+        for c in s["chunks"]
+    }
+    assert got == want and want
+    for t in d["tables"].values():
+        assert t["shape"] == [400, 8] and 0 < t["saved_rows"] < 400
+
+    assert "rank 1:" in text_r.stdout and next(iter(want))[4] in text_r.stdout
+    # A merger checkpoint by its folder name, and a step that does not exist.
+    m = json.loads(merged.stdout)
+    assert (m["kind"], m["layer"], m["covers"]) == ("merged", 1, [5, 10])
+    assert not any("chunks" in s for rk in m["ranks"] for s in rk["shards"])
+    assert missing.returncode == 2 and "99" in missing.stderr and "[0, 5, 10]" in missing.stderr
+
+
+def test_verify_names_a_damaged_file(ckpt: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    r = _deck("verify", str(copy), "--all")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 with problems" in r.stdout
-
     # Flip one byte of one chunk of step 5: verify fails and names that file.
-    chunk = sorted((tmp_path / "ck" / "step-000000000005").rglob("*.chunk"))[0]
+    chunk = sorted((copy / "step-000000000005").rglob("*.chunk"))[0]
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    r = _deck("verify", uri, "--step", "5")
+    r, nothing = _decks(("verify", str(copy), "--step", "5"), ("verify", str(tmp_path / "no")))
     assert r.returncode == 1
     assert chunk.name in r.stdout and "checksum" in r.stdout
+    assert nothing.returncode == 1
 
-    assert _deck("ls").returncode == 2  # usage error
-    assert _deck("verify", str(tmp_path / "nothing")).returncode == 1
+
+def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    out = tmp_path / "rep" / "report.html"
+    r = _deck("report", str(ckpt), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    page = out.read_text()
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(images) == ["report-bytes.png", "report-lineage.png", "report-restore-cost.png"]
+    for name in images:
+        img = matplotlib.image.imread(str(out.parent / name))
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, (name, img.shape)
+        assert img.std() > 0  # not a blank canvas
+    assert "merged/L01-000000000005-000000000010-" in page  # the checkpoint table
+
+
+def test_help_on_every_command_and_export_usage_errors(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for cmd in COMMANDS:
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        assert f"usage: deck {cmd}" in capsys.readouterr().out
+    # The console script's own --help, and its exit codes for scripts.
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    h, r = _decks(("export", "--help"), ("export", str(ckpt), "--out", str(busy)))
+    assert h.returncode == 0 and "--format {dcp,safetensors}" in h.stdout
+    assert r.returncode == 2 and "not an empty directory" in r.stderr
+    assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
+    assert "step 7" in capsys.readouterr().err
