@@ -525,6 +525,8 @@ def export_safetensors(
     memory at once, hence this writer of its documented format). The file appears atomically
     (written under a temporary name, then renamed).
     """
+    if os.path.exists(out_path):
+        raise ConfigError(f"--out {out_path} exists; choose a new file name or remove it")
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_path)
     dense = flatten(state.eager_state(report.skipped))
     by_fqn: dict[str, list[Piece]] = {}

@@ -114,3 +114,25 @@ def test_export_dcp_and_safetensors_match_restore(ckpt: str, tmp_path: Path) -> 
     assert r.returncode == 0, r.stdout + r.stderr
     (st_file,) = st_dir.glob("*.safetensors")
     run_ranks(_compare, ckpt, str(out), str(st_file))
+
+
+def test_export_holds_one_shard_at_a_time(ckpt: str, tmp_path: Path) -> None:
+    """The memory bound: DCP export holds one table shard, safetensors one table."""
+    from deck.errors import ConfigError
+    from deck.export import StepState, export_dcp, export_safetensors
+
+    state = StepState(ckpt, STEP)
+    shards = [s.nbytes for s in state.shards]
+    tables: dict[str, int] = {}
+    for s in state.shards:
+        tables[s.table] = tables.get(s.table, 0) + s.nbytes
+    assert len(shards) == 4 and len(tables) == 2  # two column-wise tables, two shards each
+
+    rep = export_dcp(state, str(tmp_path / "dcp"))
+    assert rep.max_held_bytes == max(shards) < sum(shards)
+    # One file per table shard, one for the dense state.
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == len(shards) + 1
+    rep = export_safetensors(state, str(tmp_path / "x.safetensors"))
+    assert rep.max_held_bytes == max(tables.values()) < sum(shards)
+    with pytest.raises(ConfigError, match="exists"):
+        export_safetensors(state, str(tmp_path / "x.safetensors"))
