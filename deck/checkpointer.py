@@ -25,7 +25,15 @@ from deck.errors import (
 from deck.failpoints import failpoint
 from deck.format import Kind
 from deck.lease import Lease
-from deck.restore import RestoreStats, apply_chain, load_optimizer, read_state_file
+from deck.restore import (
+    RestoreStats,
+    apply_chain,
+    load_optimizer,
+    rank_part,
+    read_state_file,
+    same_layout,
+    shard_scalars,
+)
 from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage, check_writable, open_storage
 from deck.tracker import TrackerStore
@@ -156,10 +164,16 @@ class DeltaCheckpointer:
             raise ValueError("save() needs step=... before the first call to step()")
         t0 = time.perf_counter()
         # One collective agrees on the id and the kind: a part that failed in the background on
-        # any rank breaks the chain, so then every rank takes a full.
+        # any rank breaks the chain, so then every rank takes a full; so does a rank without a
+        # parent (e.g. its shards were resharded by the restore).
         lost = self._lease is not None and self._lease.lost.is_set()
         agreed = self.coord.gather(
-            [float(self.stager.failed.is_set()), float(self.coord.new_id_seed()), float(lost)]
+            [
+                float(self.stager.failed.is_set()),
+                float(self.coord.new_id_seed()),
+                float(lost),
+                float(self._parent is None),
+            ]
         )
         if agreed[:, 2].max() > 0:
             raise CheckpointError(
@@ -167,7 +181,7 @@ class DeltaCheckpointer:
                 "not writing. Stop one of the two jobs."
             )
         ckpt_id = f"{int(agreed[0, 1]):016x}"
-        if kind == "delta" and (self._parent is None or agreed[:, 0].max() > 0):
+        if kind == "delta" and (agreed[:, 3].max() > 0 or agreed[:, 0].max() > 0):
             logger.info("step %d: no committed parent to be a delta of: taking a full", step)
             kind = "full"
         self.stager.failed.clear()
@@ -324,14 +338,10 @@ class DeltaCheckpointer:
             return None
         chain = chain_for(manifests, target)
         last = chain[-1]
-        if last.world_size != self.coord.world_size:
-            raise IncompatibleModelError(
-                f"step {target} at {self.storage.uri} was written by {last.world_size} ranks, this job has "
-                f"{self.coord.world_size}; restore with the same world size"
-            )
         shards = self.adapter.table_shards()
+        # Another world size or plan is fine: rows go by global id (deck.restore.apply_chain).
         stats, parts = apply_chain(self.storage, chain, shards, self.adapter.table_shapes())
-        mine = parts[self.coord.rank]
+        mine = rank_part(parts, self.coord.rank)
         extra = read_state_file(self.storage, target, mine.extra)
         for name, opt in self._optimizers.items():
             saved = extra["optimizers"].get(name)
@@ -350,14 +360,17 @@ class DeltaCheckpointer:
             raise IncompatibleModelError(
                 f"dense state of step {target} does not fit the model: {problems[:5]}"
             )
+        scalars = shard_scalars(self.storage, target, parts, extra, shards)
         with torch.no_grad():
             for s in shards:
-                for name, t in extra["scalars"].get(scalar_key(s), {}).items():
+                for name, t in scalars.get(id(s), {}).items():
                     s.scalars[name].copy_(t)
         if self._state is not None:
             self._state[1](extra["user"])
         self.tracker.reset()
-        self._parent = (target, last.id)
+        # Deltas build on the restored checkpoint only in its own layout (save() agrees on it).
+        same = same_layout(parts, self.coord.rank, shards)
+        self._parent = (target, last.id) if same else None
         self._base = chain[0].step
         self._epoch = self._next_epoch(manifests)
         self._last_step = target

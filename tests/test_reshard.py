@@ -9,13 +9,19 @@ other column / row layouts; the slow ones train real 2-rank TorchRec DMP models 
 from __future__ import annotations
 
 import secrets
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from deck.adapters.base import TableShard
+from dist_harness import run_ranks
+from safetensors.torch import load_file, save_file
 
+import deck
 from deck.catalog import chain_for, read_manifests
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
 from deck.format import Kind
 from deck.restore import apply_chain
@@ -260,3 +266,260 @@ def test_states_that_cannot_move_are_refused(tmp_path: Path) -> None:
             target(0, 25, weight=torch.zeros(ROWS, 25), odd=torch.zeros(ROWS, 3)),
             {TABLE: (ROWS, 25)},
         )
+
+
+# ---- real TorchRec DMP models over gloo ranks ------------------------------------------------
+# Each rank dumps what it holds, read with TorchRec's own APIs (not deck's adapter): every local
+# piece of every table's weight and fused optimizer states with its global offsets, and its dense
+# / optimizer / user state. The test process assembles the pieces into unsharded tables.
+
+SMALL = dict(num_tables=3, rows=300, dim=16, batch=32, pooling=2)
+TW = ModelSpec(**SMALL, sharding="table_wise")
+STEP = 20
+
+
+def _dump(model: Any, dense_opt: Any, user: TrainState | None, path: str) -> None:
+    """Write this rank's pieces to ``path``: ``<table>|<state>|<row>|<col>|<cols>`` for tables
+    (per-row states of a column shard carry its column range), ``dense|<key>`` for the rest."""
+    out: dict[str, torch.Tensor] = {}
+    sd = model.state_dict()
+    fused = model.fused_optimizer.state_dict()["state"]
+    for key, w in sd.items():
+        if not hasattr(w, "local_shards"):
+            continue
+        num_rows = int(w.size(0))
+        # Column shards in column order: the k-th holds the k-th block of a per-row state.
+        cols = sorted(
+            {(int(m.shard_offsets[1]), int(m.shard_sizes[1])) for m in w.metadata().shards_metadata}
+        )
+        for s in w.local_shards():
+            r0, c0 = (int(x) for x in s.metadata.shard_offsets)
+            out[f"{key}|weight|{r0}|{c0}|{s.tensor.shape[1]}"] = s.tensor.detach().clone()
+        for name, st in fused.get(key, {}).items():
+            state = name.split(".", 1)[1]
+            for s in st.local_shards():
+                offs = [int(x) for x in s.metadata.shard_offsets]
+                if s.tensor.dim() == 2:
+                    out[f"{key}|{state}|{offs[0]}|{offs[1]}|{s.tensor.shape[1]}"] = s.tensor.clone()
+                else:
+                    c0, n = cols[offs[0] // num_rows]
+                    out[f"{key}|{state}|{offs[0] % num_rows}|{c0}|{n}"] = s.tensor.clone()
+    for k, v in capture_state(model, dense_opt, user).items():
+        if "@" not in k and not k.startswith("fused."):  # sharded pieces are above
+            out[f"dense|{k}"] = v.contiguous()
+    save_file(out, path)
+
+
+def _pieces(paths: list[Path]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Unsharded ``<table>|<state>`` tensors (per-row states widened to one value per column)
+    from every rank's dump, and each rank's dense state."""
+    tables: dict[str, torch.Tensor] = {}
+    dense = []
+    for p in paths:
+        d = load_file(str(p))
+        dense.append({k.split("|", 1)[1]: v for k, v in d.items() if k.startswith("dense|")})
+        for k, v in d.items():
+            if k.startswith("dense|"):
+                continue
+            table, state, r0, c0, n = k.split("|")
+            r, c, cols = int(r0), int(c0), int(n)
+            full = tables.setdefault(
+                f"{table}|{state}", torch.full((TW.rows, TW.dim), float("nan"))
+            )
+            full[r : r + v.shape[0], c : c + cols] = (
+                v if v.dim() == 2 else v[:, None].expand(-1, cols)
+            )
+    for k, t in tables.items():
+        assert not t.isnan().any(), f"{k}: some rows / columns were in no rank's dump"
+    return tables, dense
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return diff_states(a, b)
+
+
+def _write_chain(rank: int, world_size: int, spec: ModelSpec, uri: str, out: str) -> None:
+    """Train 2 ranks with a full at 0 and deltas every 5 steps to STEP; dump the state at STEP."""
+    model, dense_opt = build_model(spec)
+    user = TrainState()
+    config = deck.DeckConfig(
+        uri=uri, delta_every_steps=5, staging=deck.StagingConfig(chunk_bytes=16384)
+    )
+    with deck.enable(model, [dense_opt], config, state=user) as ck:
+        for step in range(STEP + 1):
+            if step:
+                user.step, user.losses = (
+                    step,
+                    [*user.losses, train_step(model, dense_opt, spec, step)],
+                )
+            ck.step(step)
+        assert [h.kind for h in ck.history] == ["full"] + ["delta"] * (STEP // 5)
+    _dump(model, dense_opt, user, f"{out}/r{rank}.safetensors")
+
+
+def _restore_dump(rank: int, spec: ModelSpec, uri: str, step: int, out: str, seed: int) -> None:
+    model, dense_opt = build_model(spec, seed=seed)
+    user = TrainState()
+    with deck.enable(model, [dense_opt], deck.DeckConfig(uri=uri), state=user) as ck:
+        assert ck.restore(step) == step
+    _dump(model, dense_opt, user, f"{out}/r{rank}.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tw_chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A table-wise checkpoint chain written by 2 ranks, and the live state dumped at STEP."""
+    root = tmp_path_factory.mktemp("tw")
+    (root / "live").mkdir()
+    run_ranks(_write_chain, TW, str(root / "ckpt"), str(root / "live"))
+    return str(root / "ckpt"), root / "live"
+
+
+def _expect_same(live: Path, restored: Path, world_size: int, written_by: int = 2) -> None:
+    want, want_dense = _pieces(sorted(live.glob("r*.safetensors")))
+    got, got_dense = _pieces([restored / f"r{r}.safetensors" for r in range(world_size)])
+    assert sorted(got) == sorted(want)
+    bad = _bitwise(want, got)
+    assert not bad, f"tables differ: {bad}"
+    for r in range(world_size):
+        # Dense params and optimizer are replicated; user state is the rank's own, or rank 0's
+        # for a rank the writer did not have.
+        bad = _bitwise(want_dense[r if r < written_by else 0], got_dense[r])
+        assert not bad, f"rank {r}: dense state differs: {bad[:5]}"
+
+
+def _one_rank(rank: int, world_size: int, uri: str, out: str) -> None:
+    _restore_dump(rank, TW, uri, STEP, out, seed=11)
+    # Models that cannot hold the checkpoint: typed errors naming the tables.
+    cases = {
+        r"t\d\.weight: \(300, 16\) saved, \(300, 8\) in model": dict(SMALL, dim=8),
+        r"checkpoint tables not in the model: .*t2\.weight": dict(SMALL, num_tables=2),
+        r"model tables missing from the checkpoint: .*t3\.weight": dict(SMALL, num_tables=4),
+    }
+    for match, kw in cases.items():
+        model, opt = build_model(ModelSpec(**kw, sharding="table_wise"))
+        with (
+            deck.enable(model, [opt], deck.DeckConfig(uri=uri)) as ck,
+            pytest.raises(deck.errors.IncompatibleModelError, match=match),
+        ):
+            ck.restore(STEP)
+
+
+@pytest.mark.slow
+def test_table_wise_into_one_rank(tw_chain: tuple[str, Path], tmp_path: Path) -> None:
+    """2 ranks table-wise -> 1 rank: every table, state and the dense state bitwise; models with
+    another dim or other tables are refused with IncompatibleModelError naming them."""
+    uri, live = tw_chain
+    run_ranks(_one_rank, uri, str(tmp_path), world_size=1)
+    _expect_same(live, tmp_path, 1)
+
+
+def _three_ranks(rank: int, world_size: int, uri: str, out: str) -> None:
+    _restore_dump(rank, TW, uri, STEP, out, seed=12)
+
+
+@pytest.mark.slow
+def test_table_wise_into_three_ranks(tw_chain: tuple[str, Path], tmp_path: Path) -> None:
+    """2 ranks -> 3 ranks: rank 2 (no part of its own) finds the dense and user state."""
+    uri, live = tw_chain
+    run_ranks(_three_ranks, uri, str(tmp_path), world_size=3)
+    _expect_same(live, tmp_path, 3)
+
+
+CW = ModelSpec(**SMALL, sharding="column_wise")
+TCW = ModelSpec(**SMALL, sharding="table_column_wise")
+
+
+def _column_wise_and_back(rank: int, world_size: int, uri: str, out: str) -> None:
+    model, dense_opt = build_model(CW, seed=21)
+    types = {ps.sharding_type for plan in model.plan.plan.values() for ps in plan.values()}
+    assert types == {"column_wise"}, types
+    user = TrainState()
+    config = deck.DeckConfig(
+        uri=uri, delta_every_steps=5, staging=deck.StagingConfig(chunk_bytes=16384)
+    )
+    with deck.enable(model, [dense_opt], config, state=user) as ck:
+        assert ck.restore(STEP) == STEP
+        _dump(model, dense_opt, user, f"{out}/cw{STEP}/r{rank}.safetensors")
+        # Written right after the restore with no training in between; a full, since deltas
+        # never build on a checkpoint of another layout.
+        ck.save(step=STEP + 1)
+        for step in range(STEP + 2, STEP + 11):
+            user.step, user.losses = step, [*user.losses, train_step(model, dense_opt, CW, step)]
+            ck.step(step)
+        assert [h.kind for h in ck.history] == ["full", "delta", "delta"], ck.history
+    _dump(model, dense_opt, user, f"{out}/cw{STEP + 10}/r{rank}.safetensors")
+    _restore_dump(rank, TCW, uri, STEP, f"{out}/tcw{STEP}", seed=22)
+    _restore_dump(rank, TW, uri, STEP + 1, f"{out}/tw{STEP + 1}", seed=23)
+    _restore_dump(rank, TW, uri, STEP + 10, f"{out}/tw{STEP + 10}", seed=24)
+
+
+def _joined(cw: Path) -> dict[str, torch.Tensor]:
+    """What a table-wise restore of the column-wise dump ``cw`` must hold: the same weights and
+    dense state; per-row states the column-weighted mean of the column shards' values (float64,
+    shards in column order, as deck.restore documents)."""
+    tables, _ = _pieces(sorted(cw.glob("r*.safetensors")))
+    per_row: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for p in sorted(cw.glob("r*.safetensors")):
+        for k, v in load_file(str(p)).items():
+            if not k.startswith("dense|") and v.dim() == 1:
+                table, state, _r, c0, n = k.split("|")
+                per_row.setdefault(f"{table}|{state}", []).append((int(c0), int(n), v))
+    for key, blocks in per_row.items():
+        total = torch.zeros(TW.rows, dtype=torch.float64)
+        for _c0, n, v in sorted(blocks, key=lambda b: b[0]):
+            total += v.double() * n
+        mean = (total / sum(n for _, n, _ in blocks)).float()
+        tables[key] = mean[:, None].expand(-1, TW.dim).clone()
+    return tables
+
+
+@pytest.mark.slow
+def test_table_wise_into_column_wise_and_back(tw_chain: tuple[str, Path], tmp_path: Path) -> None:
+    """2 ranks table-wise -> column-wise and table-column-wise: weights bitwise and each column
+    shard's rowwise momentum bitwise the saved row value. A column-wise checkpoint taken right
+    after (a full) restores into table-wise bitwise equal to the original state; after training
+    on column-wise, table-wise gets the weights bitwise and the column-weighted mean momentum."""
+    uri, live = tw_chain
+    copy = tmp_path / "ckpt"
+    shutil.copytree(uri, copy)  # this test writes to it; the fixture's chain stays as it was
+    for d in (f"cw{STEP}", f"cw{STEP + 10}", f"tcw{STEP}", f"tw{STEP + 1}", f"tw{STEP + 10}"):
+        (tmp_path / d).mkdir()
+    run_ranks(_column_wise_and_back, str(copy), str(tmp_path))
+    for d in (f"cw{STEP}", f"tcw{STEP}", f"tw{STEP + 1}"):
+        _expect_same(live, tmp_path / d, 2)
+    got, got_dense = _pieces([tmp_path / f"tw{STEP + 10}" / f"r{r}.safetensors" for r in range(2)])
+    bad = _bitwise(_joined(tmp_path / f"cw{STEP + 10}"), got)
+    assert not bad, f"tables differ: {bad}"
+    _, want_dense = _pieces(sorted((tmp_path / f"cw{STEP + 10}").glob("r*.safetensors")))
+    assert not any(_bitwise(w, g) for w, g in zip(want_dense, got_dense, strict=True))
+    # The join is not the identity here: training made the column shards' momenta differ.
+    cw_tables, _ = _pieces(sorted((tmp_path / f"cw{STEP + 10}").glob("r*.safetensors")))
+    momenta = [t for k, t in cw_tables.items() if k.endswith("|momentum1")]
+    assert momenta and all((m[:, 0] != m[:, -1]).any() for m in momenta)
+
+
+EXACT_CW = ModelSpec(**SMALL, sharding="column_wise", fused_optimizer="EXACT_ADAGRAD")
+
+
+def _exact_adagrad(rank: int, world_size: int, uri: str, out: str) -> None:
+    _write_chain(rank, world_size, EXACT_CW, uri, f"{out}/live")
+    _restore_dump(
+        rank,
+        ModelSpec(**SMALL, sharding="table_wise", fused_optimizer="EXACT_ADAGRAD"),
+        uri,
+        STEP,
+        f"{out}/tw",
+        seed=31,
+    )
+
+
+@pytest.mark.slow
+def test_per_element_states_column_wise_into_table_wise(tmp_path: Path) -> None:
+    """Exact Adagrad (momentum per element): a column-wise chain (full + deltas) restores
+    into table-wise with weights and momentum bitwise."""
+    for d in ("live", "tw"):
+        (tmp_path / d).mkdir()
+    run_ranks(_exact_adagrad, str(tmp_path / "ckpt"), str(tmp_path))
+    live, _ = _pieces(sorted((tmp_path / "live").glob("r*.safetensors")))
+    assert any(t.dim() == 2 and k.endswith("|momentum1") for k, t in live.items())
+    _expect_same(tmp_path / "live", tmp_path / "tw", 2)
