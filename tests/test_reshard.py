@@ -24,9 +24,9 @@ from deck.catalog import chain_for, read_manifests
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
 from deck.format import Kind
-from deck.restore import apply_chain
+from deck.restore import apply_chain, rank_part, read_state_file, shard_scalars
 from deck.storage import Storage, open_storage
-from deck.writer import RankPartWriter, commit
+from deck.writer import RankPartWriter, commit, scalar_key
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------
 
@@ -88,7 +88,11 @@ def _write(
             local = rows - s.row_offset
             return local[(local >= 0) & (local < s.rows)]
 
-        w.write_part(shards, rows_for, {"d": torch.zeros(1)} if rank == 0 else None, {})
+        # Per-shard scalars as the checkpointer saves them (deck.writer.scalar_key).
+        scalars = {scalar_key(s): dict(s.scalars) for s in shards if s.scalars}
+        w.write_part(
+            shards, rows_for, {"d": torch.zeros(1)} if rank == 0 else None, {"scalars": scalars}
+        )
     commit(
         storage,
         step=step,
@@ -266,6 +270,53 @@ def test_states_that_cannot_move_are_refused(tmp_path: Path) -> None:
             target(0, 25, weight=torch.zeros(ROWS, 25), odd=torch.zeros(ROWS, 3)),
             {TABLE: (ROWS, 25)},
         )
+
+
+def test_scalars_and_extra_state_of_other_layouts(tmp_path: Path) -> None:
+    """Per-shard scalars come from the saved shard of the table that overlaps the live one; a
+    rank the writer did not have reads rank 0's extra state."""
+    storage = open_storage(str(tmp_path / "ckpt"))
+    saved = [
+        TableShard(
+            TABLE,
+            ROWS,
+            COLS,
+            0,
+            ROWS,
+            c0,
+            12,
+            states={"weight": torch.zeros(ROWS, 12)},
+            scalars={"iter": torch.tensor([7.0 + c0])},
+        )
+        for c0 in (0, 12)
+    ]
+    _write(storage, 0, [[saved[0]], [saved[1]]], None, None)
+    m = read_manifests(storage)[0]
+    _, parts = apply_chain(
+        storage, [m], _empty_weights([(0, ROWS, 0, 8), (0, ROWS, 16, 8)]), {TABLE: (ROWS, COLS)}
+    )
+    assert rank_part(parts, 1) is parts[1] and rank_part(parts, 2) is parts[0]
+    live = [
+        TableShard(TABLE, ROWS, COLS, 0, ROWS, c0, 8, states={}, scalars={"iter": torch.zeros(1)})
+        for c0 in (0, 16)
+    ]
+    own = read_state_file(storage, 0, rank_part(parts, 2).extra)
+    got = shard_scalars(storage, 0, parts, own, live)
+    assert [float(got[id(s)]["iter"]) for s in live] == [7.0, 19.0]
+    other = TableShard(
+        "emb.other.weight", ROWS, COLS, 0, ROWS, 0, 8, states={}, scalars={"iter": torch.zeros(1)}
+    )
+    with pytest.raises(IncompatibleModelError, match=r"emb\.other\.weight.*\['iter'\]"):
+        shard_scalars(storage, 0, parts, own, [other])
+
+
+def _empty_weights(layout: list[tuple[int, int, int, int]]) -> list[TableShard]:
+    return [
+        TableShard(
+            TABLE, ROWS, COLS, r0, rows, c0, cols, states={"weight": torch.zeros(rows, cols)}
+        )
+        for r0, rows, c0, cols in layout
+    ]
 
 
 # ---- real TorchRec DMP models over gloo ranks ------------------------------------------------
