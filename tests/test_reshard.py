@@ -385,10 +385,6 @@ def _pieces(paths: list[Path]) -> tuple[dict[str, torch.Tensor], list[dict[str, 
     return tables, dense
 
 
-def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return diff_states(a, b)
-
-
 def _write_chain(rank: int, world_size: int, spec: ModelSpec, uri: str, out: str) -> None:
     """Train 2 ranks with a full at 0 and deltas every 5 steps to STEP; dump the state at STEP."""
     model, dense_opt = build_model(spec)
@@ -429,12 +425,12 @@ def _expect_same(live: Path, restored: Path, world_size: int, written_by: int = 
     want, want_dense = _pieces(sorted(live.glob("r*.safetensors")))
     got, got_dense = _pieces([restored / f"r{r}.safetensors" for r in range(world_size)])
     assert sorted(got) == sorted(want)
-    bad = _bitwise(want, got)
+    bad = diff_states(want, got)
     assert not bad, f"tables differ: {bad}"
     for r in range(world_size):
         # Dense params and optimizer are replicated; user state is the rank's own, or rank 0's
         # for a rank the writer did not have.
-        bad = _bitwise(want_dense[r if r < written_by else 0], got_dense[r])
+        bad = diff_states(want_dense[r if r < written_by else 0], got_dense[r])
         assert not bad, f"rank {r}: dense state differs: {bad[:5]}"
 
 
@@ -539,10 +535,10 @@ def test_table_wise_into_column_wise_and_back(tw_chain: tuple[str, Path], tmp_pa
     for d in (f"cw{STEP}", f"tcw{STEP}", f"tw{STEP + 1}"):
         _expect_same(live, tmp_path / d, 2)
     got, got_dense = _pieces([tmp_path / f"tw{STEP + 10}" / f"r{r}.safetensors" for r in range(2)])
-    bad = _bitwise(_joined(tmp_path / f"cw{STEP + 10}"), got)
+    bad = diff_states(_joined(tmp_path / f"cw{STEP + 10}"), got)
     assert not bad, f"tables differ: {bad}"
     _, want_dense = _pieces(sorted((tmp_path / f"cw{STEP + 10}").glob("r*.safetensors")))
-    assert not any(_bitwise(w, g) for w, g in zip(want_dense, got_dense, strict=True))
+    assert not any(diff_states(w, g) for w, g in zip(want_dense, got_dense, strict=True))
     # The join is not the identity here: training made the column shards' momenta differ.
     cw_tables, _ = _pieces(sorted((tmp_path / f"cw{STEP + 10}").glob("r*.safetensors")))
     momenta = [t for k, t in cw_tables.items() if k.endswith("|momentum1")]
