@@ -412,7 +412,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     from deck.export import StepState, export_dcp, export_safetensors
 
     state = StepState(a.uri, a.step)
-    total = sum(math.prod(p.size) * p.dtype.itemsize for p in state.pieces)
+    total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
     bar = _bar(f"export step {state.step}", total)
     progress = bar.update if bar else None
     t0 = time.perf_counter()

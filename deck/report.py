@@ -116,15 +116,28 @@ def _lineage_png(graph: LineageGraph, rows: list[Row], path: str) -> None:
 def _bytes_png(rows: list[Row], path: str) -> None:
     fig = _figure(10, 3.5)
     ax = fig.add_subplot()
-    kinds = sorted({_label(r) for r in rows}, key=list(_COLORS).index)
-    width = 0.8 / max(1, len(kinds))
+
+    # One bar group per step: trainer full / delta, each merged layer, merger fulls side by side.
+    def series(r: Row) -> tuple[int, int, str]:
+        kind = _label(r)
+        order = list(_COLORS).index(kind)
+        return (order, r.layer, f"{kind} L{r.layer}" if kind == "merged" else kind)
+
+    keys = sorted({series(r) for r in rows})
+    width = 0.8 / max(1, len(keys))
     steps = sorted({r.step for r in rows})
     span = (steps[-1] - steps[0]) / max(1, len(steps) - 1) if len(steps) > 1 else 1.0
-    for i, kind in enumerate(kinds):
-        sel = [r for r in rows if _label(r) == kind]
-        xs = [r.step + (i - (len(kinds) - 1) / 2) * width * span for r in sel]
+    for i, key in enumerate(keys):
+        sel = [r for r in rows if series(r) == key]
+        xs = [r.step + (i - (len(keys) - 1) / 2) * width * span for r in sel]
+        kind = _label(sel[0])
         ax.bar(
-            xs, [r.bytes / 2**20 for r in sel], width=width * span, color=_COLORS[kind], label=kind
+            xs,
+            [r.bytes / 2**20 for r in sel],
+            width=width * span,
+            color=_COLORS[kind],
+            alpha=1.0 if kind != "merged" else max(0.35, 1.0 - 0.25 * (key[1] - 1)),
+            label=key[2],
         )
     ax.set_xlabel("step")
     ax.set_ylabel("MiB (all ranks)")
