@@ -390,7 +390,9 @@ class Stager:
                 continue
             for attempt in os.listdir(step_path):
                 path = os.path.join(step_path, attempt, name)
-                with contextlib.suppress(FileNotFoundError):
+                # NotADirectoryError: in the local tier the spool is the destination, whose step
+                # folders also hold manifest.json (a file, not an attempt folder).
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.remove(path + ".tmp")  # a record torn by a crash: its part never staged
                 p = None
                 if os.path.isfile(path):
