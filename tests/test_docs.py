@@ -17,6 +17,9 @@ its first word and ignores the rest):
                             every line invoking ``deck`` (after an optional ``$ ``) is checked
                             against the real CLI: the sub-command exists and every ``--flag`` is
                             in its ``--help``. Other lines (``make demo``) are not run.
+- ``` (no language)          a ``deck ...`` synopsis line (and its indented ``[--flag ...]``
+                            continuation lines; text after 3+ spaces is description) is checked
+                            the same way: the sub-command exists, every ``--flag`` is real.
 - ```bash run               additionally runs every line for real, in order, in the document's
                             temp directory, each must exit 0: ``deck ...`` through
                             ``deck.cli.main`` in this process, anything else (``python``,
@@ -176,6 +179,28 @@ def check_deck_command(line: str, where: str) -> None:
             )
 
 
+def synopsis_lines(code: str) -> list[str]:
+    """``deck ...`` synopsis lines of an untyped block, continuations joined, descriptions cut."""
+    out: list[str] = []
+    for raw in code.splitlines():
+        cmd = re.split(r"\s{3,}", raw.strip(), maxsplit=1)[0]
+        if cmd.startswith("deck "):
+            out.append(cmd)
+        elif out and raw[:1].isspace() and cmd.startswith(("[", "--")):
+            out[-1] += " " + cmd
+    return out
+
+
+def check_synopsis(line: str, where: str) -> None:
+    sub = line.split()[1]
+    text = _help(sub)
+    assert text is not None, f"{where}: `{line}`: `deck {sub}` is not a deck sub-command"
+    for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", line):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), (
+            f"{where}: `{line}`: `deck {sub}` has no option {flag} (see `deck {sub} --help`)"
+        )
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -268,6 +293,11 @@ def test_fence_parser_finds_the_samples() -> None:
         check_deck_command("deck ls URI --nope", "here")
     with pytest.raises(AssertionError, match="not a deck sub-command"):
         check_deck_command("deck frobnicate URI", "here")
+    assert synopsis_lines(
+        "deck merge URI [--once]   merges\n    [--stride S]   more --words\nother"
+    ) == ["deck merge URI [--once] [--stride S]"]
+    with pytest.raises(AssertionError, match="no option --nope"):
+        check_synopsis("deck gc URI [--nope]", "here")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -277,6 +307,9 @@ def test_deck_commands_in_docs_exist(doc: Path) -> None:
         if b.lang in SHELLS:
             for line in shell_commands(b.code):
                 check_deck_command(line, b.where)
+        elif b.lang == "":
+            for line in synopsis_lines(b.code):
+                check_synopsis(line, b.where)
 
 
 @pytest.mark.slow
