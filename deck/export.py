@@ -205,30 +205,39 @@ class StepState:
         self.parts: list[RankManifest] = read_rank_manifests(self.storage, self.last)
         self.read_bytes = chain_bytes(self.chain)
         self.tables: dict[str, tuple[int, int]] = {}
-        segs: dict[tuple[str, int, int], tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]] = {}
+        # State names and dtypes per table, from any chunk of the chain. A state's rows are
+        # either one value (row-wise) or the shard's columns (point-wise), so the shapes follow
+        # the exported layout even where the chain's checkpoints were written with another
+        # column split (a restore into another plan, then deltas).
+        kinds: dict[str, tuple[tuple[str, torch.dtype, bool], ...]] = {}
         for m in self.chain:
             for part in read_rank_manifests(self.storage, m):
                 for rec in part.shards:
-                    key = (rec.table, rec.col_offset, rec.cols)
-                    if key in segs or not rec.chunks:
+                    if rec.table in kinds or not rec.chunks:
                         continue
-                    segs[key] = tuple(
-                        (s.name, _dtype(s.dtype, rec.table), tuple(s.shape[1:]))
-                        for s in rec.chunks[0].segments
-                        if s.name != "ids"
-                    )
+                    specs = []
+                    for seg in rec.chunks[0].segments:
+                        if seg.name == "ids":
+                            continue
+                        if tuple(seg.shape[1:]) not in ((), (rec.cols,)):
+                            raise UnsupportedError(
+                                f"table {rec.table}: state {seg.name} has rows of shape "
+                                f"{tuple(seg.shape[1:])}, which export cannot lay out"
+                            )
+                        specs.append((seg.name, _dtype(seg.dtype, rec.table), len(seg.shape) == 1))
+                    kinds[rec.table] = tuple(specs)
         self.shards: list[ShardSpec] = []
         for part in sorted(self.parts, key=lambda p: p.rank):
             for rec in part.shards:
                 self.tables[rec.table] = (rec.num_rows, rec.num_cols)
-                states = segs.get((rec.table, rec.col_offset, rec.cols))
-                if states is None:
-                    if rec.rows:
-                        raise CheckpointNotFoundError(
-                            f"table {rec.table} (columns {rec.col_offset}..): no chunk in the chain "
-                            f"of step {chosen} at {base.uri} says what its states are"
-                        )
-                    states = ()
+                if rec.table not in kinds:
+                    raise CheckpointNotFoundError(
+                        f"table {rec.table}: no chunk in the chain of step {chosen} at {base.uri} "
+                        "says what its states are"
+                    )
+                states = tuple(
+                    (n, dt, () if rowwise else (rec.cols,)) for n, dt, rowwise in kinds[rec.table]
+                )
                 self.shards.append(
                     ShardSpec(
                         table=rec.table,
