@@ -324,7 +324,8 @@ def _empty_weights(layout: list[tuple[int, int, int, int]]) -> list[TableShard]:
 # piece of every table's weight and fused optimizer states with its global offsets, and its dense
 # / optimizer / user state. The test process assembles the pieces into unsharded tables.
 
-SMALL = dict(num_tables=3, rows=300, dim=16, batch=32, pooling=2)
+# Table t1 is data_parallel: replicated dense state, which every rank must find in any world size.
+SMALL = dict(num_tables=3, rows=300, dim=16, batch=32, pooling=2, data_parallel_tables=(1,))
 TW = ModelSpec(**SMALL, sharding="table_wise")
 STEP = 20
 
@@ -427,6 +428,7 @@ def _expect_same(live: Path, restored: Path, world_size: int, written_by: int = 
     assert sorted(got) == sorted(want)
     bad = diff_states(want, got)
     assert not bad, f"tables differ: {bad}"
+    assert any(k.endswith("embedding_bags.t1.weight") for k in want_dense[0])  # the DP table
     for r in range(world_size):
         # Dense params and optimizer are replicated; user state is the rank's own, or rank 0's
         # for a rank the writer did not have.
@@ -479,7 +481,7 @@ TCW = ModelSpec(**SMALL, sharding="table_column_wise")
 def _column_wise_and_back(rank: int, world_size: int, uri: str, out: str) -> None:
     model, dense_opt = build_model(CW, seed=21)
     types = {ps.sharding_type for plan in model.plan.plan.values() for ps in plan.values()}
-    assert types == {"column_wise"}, types
+    assert types == {"column_wise", "data_parallel"}, types
     user = TrainState()
     config = deck.DeckConfig(
         uri=uri, delta_every_steps=5, staging=deck.StagingConfig(chunk_bytes=16384)
