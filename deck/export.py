@@ -26,6 +26,9 @@ column/row shard, e.g. 2 x 1M x 64 floats for rowwise Adagrad): the DCP export h
 largest shard plus the dense state; the safetensors export holds the largest *table* (its
 tensors must be contiguous) plus the dense state. Each table shard is written to its own
 ``.distcp`` file, so DCP's writer never holds more than that either.
+
+DCP's own format pickles its ``.metadata`` file and ``torch.save``-s each tensor (its reader
+uses ``weights_only`` loading); deck writes it through DCP's writer and never reads it back.
 """
 
 from __future__ import annotations
