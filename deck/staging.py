@@ -35,7 +35,14 @@ from pydantic import BaseModel, ConfigDict
 from deck import __version__
 from deck.chunks import Buffer, checksum
 from deck.config import StagingConfig
-from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError, SpoolError, StorageError
+from deck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DeckError,
+    NotFoundError,
+    SpoolError,
+    StorageError,
+)
 from deck.failpoints import failpoint
 from deck.format import (
     MANIFEST,
@@ -468,6 +475,11 @@ class Stager:
                     pending.ckpt_id,
                     e,
                 )
+                if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
+                    # It can never commit (its parent is gone, or its spooled files are torn):
+                    # drop it, or every restart would retry it.
+                    with contextlib.suppress(Exception):
+                        self._cleanup(pending, stats)
             finally:
                 with self._idle:
                     self._busy -= 1
@@ -481,20 +493,25 @@ class Stager:
             self._cleanup(p, stats)
             stats.state = "committed"
             return
-        if stats.state == "recovering":
+        part_key = f"{root}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
+        # A crash after the part manifest went up (it is written last) may have removed the
+        # spool copies already: the part is at the destination, only the commit is left.
+        uploaded = stats.state == "recovering" and self._exists(part_key)
+        if stats.state == "recovering" and not uploaded:
             failpoint("stager.recover.before_check")
             self._check_recovered(p)
-        if self.spool_root is not None:
+        if self.spool_root is not None and not uploaded:
             failpoint("stager.fsync.before")
             self._fsync(p)
             failpoint("stager.fsync.after")
             stats.durable_local_s = time.perf_counter() - stats.started
             stats.state = "durable"
-        if self.tier == "cpu-ssd-remote":
+        if self.tier == "cpu-ssd-remote" and not uploaded:
             self._upload(p)
-        failpoint("stager.part_manifest.before_put")
-        self._put_with_retry(f"{root}/{p.ckpt_id}/{rank_manifest_name(p.rank)}", dump_model(p.part))
-        failpoint("stager.part_manifest.after_put")
+        if not uploaded:
+            failpoint("stager.part_manifest.before_put")
+            self._put_with_retry(part_key, dump_model(p.part))
+            failpoint("stager.part_manifest.after_put")
         stats.state = "uploaded"
         if p.rank == 0:
             self._wait_for_parts(p)
@@ -568,10 +585,13 @@ class Stager:
         if p.part.dense is not None:
             expected[p.part.dense.path] = (p.part.dense.nbytes, p.part.dense.checksum)
         for rel, (nbytes, digest) in expected.items():
-            with open(self._spool_path(p, rel), "rb") as f:
-                data = f.read()
+            try:
+                with open(self._spool_path(p, rel), "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
             if len(data) != nbytes or checksum(data) != digest:
-                raise DeckError(
+                raise CorruptCheckpointError(
                     f"spooled file {self._spool_path(p, rel)} of step {p.step} is damaged; discarding it"
                 )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -43,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 import deck
 from deck import failpoints
-from deck.catalog import read_manifests
+from deck.catalog import read_manifests, read_rank_manifests
 from deck.demo import (
     ModelSpec,
     TrainState,
@@ -63,7 +64,6 @@ from deck.verify import verify_checkpoint
 
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
 STEPS_PER_RUN = 4  # an incarnation whose point is never hit ends after this many checkpoints
-FULL_EVERY = 4
 RANKS = 2
 
 # (point, nth, rank) for trainer incarnations, in order. nth counts hits in that process.
@@ -76,7 +76,7 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("writer.chunk.before_fill", 3, 1),
     ("writer.chunk.before_fill", 7, 0),
     ("writer.chunk.after_submit", 1, 1),
-    ("writer.chunk.after_submit", 5, 0),
+    ("writer.chunk.after_submit", 3, 0),
     ("writer.part.before_state_files", 1, 0),
     ("writer.part.before_state_files", 2, 1),
     ("writer.part.before_manifest", 1, 1),
@@ -98,6 +98,7 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("checkpointer.save.enqueued", 1, 0),
     ("checkpointer.save.enqueued", 3, 1),
     ("stager.fsync.before", 1, 1),
+    ("stager.recover.before_check", 1, 1),
     ("stager.fsync.before", 2, 0),
     ("stager.fsync.after", 2, 1),
     ("stager.upload.before_put", 1, 0),
@@ -105,7 +106,6 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("stager.upload.after_put", 2, 1),
     ("stager.recover.before_check", 1, 0),
     ("stager.upload.after_put", 7, 0),
-    ("stager.recover.before_check", 1, 1),
     ("stager.part_manifest.before_put", 1, 1),
     ("stager.part_manifest.before_put", 2, 0),
     ("stager.part_manifest.after_put", 1, 0),
@@ -121,6 +121,16 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("stager.cleanup.after_files", 1, 0),
     ("lease.acquire.before_put", 1, 0),
     ("lease.acquire.after_put", 1, 0),
+]
+# New fulls: incarnations that take every checkpoint as a full (a trainer full after restore).
+FULL_POINTS: list[tuple[str, int, int]] = [
+    ("writer.chunk.before_fill", 2, 1),
+    ("writer.chunk.after_submit", 9, 0),
+    ("stager.spool.after_write", 5, 1),
+    ("stager.upload.after_put", 4, 0),
+    ("stager.part_manifest.after_put", 2, 1),
+    ("commit.before_manifest", 2, 0),
+    ("commit.after_manifest", 3, 0),
 ]
 # (point, nth) for `deck merge --once` workers (one process), then for GC.
 MERGER_POINTS: list[tuple[str, int]] = [
@@ -177,7 +187,6 @@ def config(p: Paths) -> deck.DeckConfig:
     return deck.DeckConfig(
         uri=p.uri,
         delta_every_steps=1,
-        full_every_steps=FULL_EVERY,
         lease_ttl_s=60,
         staging=deck.StagingConfig(
             chunk_bytes=4096,
@@ -219,6 +228,8 @@ def _save_ref(p: Paths, step: int, rank: int, state: dict[str, torch.Tensor]) ->
 
 
 def _trainer(rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: str) -> None:
+    """One rank of one incarnation; ``mode``: train (deltas), full (every checkpoint a full),
+    verify-all (restore each step of $CRASH_VERIFY_STEPS, compare, no training)."""
     _child_setup(p, f"inc{inc:03d}-r{rank}", spec)
     t0 = time.perf_counter()
 
@@ -255,7 +266,10 @@ def _trainer(rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: s
                 user.losses.append(train_step(model, opt, SPEC, step))
                 user.step = step
             _save_ref(p, step, rank, capture_state(model, opt, user))
-            ck.step(step)
+            if mode == "full":
+                ck.save("full", step=step)
+            else:
+                ck.step(step)
             log(f"step {step} staged")
     assert ck.flush(timeout=120)
     log("flushed")
@@ -278,10 +292,10 @@ def _trainer_entry(*args: Any) -> None:
     os._exit(0)
 
 
-def _tool_entry(p: Paths, name: str, spec: str | None, what: str) -> None:
+def _tool_entry(p: Paths, name: str, spec: str | None, what: str, uri: str) -> None:
     try:
         _child_setup(p, name, spec)
-        storage = LocalStorage(p.uri)
+        storage = LocalStorage(uri)
         if what == "merge":
             _, left = MergeWorker(storage, MERGE).run_once(wait_s=0)
             assert left == 0, f"{left} merge item(s) left"
@@ -430,8 +444,10 @@ def _check_restart(
     return set()
 
 
-def _tool_run(p: Paths, name: str, spec: str | None, what: str) -> str:
-    pr = mp.get_context("fork").Process(target=_tool_entry, args=(p, name, spec, what))
+def _tool_run(p: Paths, name: str, spec: str | None, what: str, uri: str | None = None) -> str:
+    pr = mp.get_context("fork").Process(
+        target=_tool_entry, args=(p, name, spec, what, uri or p.uri)
+    )
     codes = _run_procs([pr], timeout=240)
     fired = _killed(p)
     if fired is None and codes[0] != 0:
@@ -439,8 +455,26 @@ def _tool_run(p: Paths, name: str, spec: str | None, what: str) -> str:
     return "killed" if fired else "completed"
 
 
-def _verify_all(p: Paths, what: str) -> None:
-    storage = LocalStorage(p.uri)
+def _merged_digest(uri: str) -> dict[str, list[Any]]:
+    """Per merged checkpoint id: the checksums of its data (attempt folders are random names,
+    the bytes are a function of the inputs)."""
+    storage = LocalStorage(uri)
+    out = {}
+    for m in read_manifests(storage).merged.values():
+        out[m.id] = [
+            (
+                part.rank,
+                [(s.table, s.row_offset, [c.checksum for c in s.chunks]) for s in part.shards],
+                part.dense.checksum if part.dense else None,
+                part.extra.checksum,
+            )
+            for part in read_rank_manifests(storage, m)
+        ]
+    return out
+
+
+def _verify_all(p: Paths, what: str, uri: str | None = None) -> None:
+    storage = LocalStorage(uri or p.uri)
     for m in read_manifests(storage).all():
         problems = verify_checkpoint(storage, m).problems
         if problems:
@@ -457,13 +491,14 @@ def drive(root: str) -> Results:
     before: dict[int, str] = {}
     must: set[tuple[int, str]] = set()
     only = os.environ.get("CRASH_ONLY")  # debugging: a comma-separated subset of points
-    for point, nth, rank in TRAINER_POINTS:
+    plan = [(*x, "train") for x in TRAINER_POINTS] + [(*x, "full") for x in FULL_POINTS]
+    for point, nth, rank, mode in plan:
         if only and point not in only.split(","):
             continue
         inc += 1
-        outcome = _trainer_run(p, inc, f"{point}:{nth}", rank)
+        outcome = _trainer_run(p, inc, f"{point}:{nth}", rank, mode)
         carried = _check_restart(p, inc, before, must, res)
-        tag = f"trainer-r{rank}:{point}:{nth}"
+        tag = f"trainer-r{rank}{'-full' if mode == 'full' else ''}:{point}:{nth}"
         (res.kills if outcome == "killed" else res.not_reached).append(tag)
         before = _committed(p)
         must = carried | _must_commit(before, _pending(p))
@@ -473,14 +508,29 @@ def drive(root: str) -> Results:
     _check_restart(p, inc, before, must, res)
     _verify_all(p, "the trainer kills")
 
-    for i, (point, nth) in enumerate(MERGER_POINTS):
-        outcome = _tool_run(p, f"merge{i:02d}", f"{point}:{nth}", "merge")
-        (res.kills if outcome == "killed" else res.not_reached).append(f"merger:{point}:{nth}")
-        _verify_all(p, f"merger kill at {point}:{nth}")
-    _tool_run(p, "merge-final", None, "merge")
-    merged = read_manifests(LocalStorage(p.uri)).merged
-    if not merged:
+    # Merger kills: each on a copy of the trainer's URI as it is now (so every point finds
+    # work), then rerun unarmed; the result must be exactly the uninterrupted merge's.
+    snapshot = os.path.join(p.root, "premerge")
+    shutil.copytree(p.uri, snapshot)
+    _tool_run(p, "merge-ref", None, "merge")
+    want = _merged_digest(p.uri)
+    if not want:
         raise Failure("the merger committed nothing")
+    for i, (point, nth) in enumerate(MERGER_POINTS):
+        work = os.path.join(p.root, f"merge{i:02d}")
+        shutil.copytree(snapshot, work)
+        outcome = _tool_run(p, f"merge{i:02d}", f"{point}:{nth}", "merge", work)
+        (res.kills if outcome == "killed" else res.not_reached).append(f"merger:{point}:{nth}")
+        _verify_all(p, f"merger kill at {point}:{nth}", work)
+        _tool_run(p, f"merge{i:02d}-rerun", None, "merge", work)
+        got = _merged_digest(work)
+        if got != want:
+            raise Failure(
+                f"after a kill at {point}:{nth} and a rerun the merged checkpoints differ from an "
+                f"uninterrupted merge: {sorted(set(got) ^ set(want))[:5]}"
+            )
+        _verify_all(p, f"the rerun after {point}:{nth}", work)
+        shutil.rmtree(work)
     retained = sorted(plan_retention(read_manifests(LocalStorage(p.uri)), KEEP).retained_steps)
     for i, (point, nth) in enumerate(GC_POINTS):
         outcome = _tool_run(p, f"gc{i:02d}", f"{point}:{nth}", "gc")
