@@ -11,13 +11,15 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_dense_state
-from deck.catalog import chain_for, latest_restorable, read_manifests
+from deck.catalog import ManifestSet, chain_for, latest_restorable, read_manifests
 from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
+    DeckError,
     IncompatibleModelError,
     LeaseHeldError,
     StorageError,
@@ -25,6 +27,7 @@ from deck.errors import (
 from deck.failpoints import failpoint
 from deck.format import Kind
 from deck.lease import Lease
+from deck.lineage import best_valid_chain, needs_new_full
 from deck.restore import (
     RestoreStats,
     apply_chain,
@@ -167,12 +170,13 @@ class DeltaCheckpointer:
         # any rank breaks the chain, so then every rank takes a full; so does a rank without a
         # parent (e.g. its shards were resharded by the restore).
         lost = self._lease is not None and self._lease.lost.is_set()
+        broken = kind == "delta" and self._parent_chain_broken()
         agreed = self.coord.gather(
             [
                 float(self.stager.failed.is_set()),
                 float(self.coord.new_id_seed()),
                 float(lost),
-                float(self._parent is None),
+                float(self._parent is None or broken),
             ]
         )
         if agreed[:, 2].max() > 0:
@@ -275,6 +279,26 @@ class DeltaCheckpointer:
         )
         return stats
 
+    def _parent_chain_broken(self) -> bool:
+        """Rank 0: whether the committed parent can no longer be restored (a checkpoint of its
+        chain was quarantined and nothing covers it), so a delta of it would be useless too.
+
+        Only asked while nothing is in flight: a parent still uploading is not committed yet,
+        and a part that fails in the background already forces a full via ``stager.failed``.
+        """
+        if self.coord.rank != 0 or self._parent is None or not self.stager.flush(timeout=0):
+            return False
+        try:
+            why = needs_new_full(self.storage, self._parent)
+        except DeckError as e:
+            # Cannot tell now (e.g. the store is down): a delta still follows its committed
+            # parent, and the next checkpoint asks again.
+            logger.info("deck: could not check the lineage of the last checkpoint: %s", e)
+            return False
+        if why:
+            logger.warning("deck: taking a full: the last checkpoint's chain is broken: %s", why)
+        return why is not None
+
     def _pending_part(self, step: int, ckpt_id: str, full: bool) -> PendingPart:
         delta_of = None if full else self._parent
         return PendingPart(
@@ -314,10 +338,18 @@ class DeltaCheckpointer:
         }
 
     # ---- restoring ---------------------------------------------------------------------------
-    def restore(self, step: int | None = None) -> int | None:
+    def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
         """Load committed ``step`` (the latest restorable one when None) into the live model,
-        optimizers and user state, bitwise. Returns the step, or None when the URI holds no
-        checkpoint. Later checkpoints are deltas relative to the restored one."""
+        optimizers and user state, bitwise. Returns the step restored, or None when the URI
+        holds no checkpoint. Later checkpoints are deltas relative to the restored one.
+        Collective: call it on all ranks; they load the same step or all raise.
+
+        A damaged or missing file raises :class:`CorruptCheckpointError` naming it. With
+        ``allow_fallback`` rank 0 instead re-verifies the lineage (reading every byte once more),
+        quarantines what is damaged, and restores the cheapest valid chain of that step -- or, if
+        it has none, of the newest older step that has one; ``last_restore.fallback`` and a
+        warning say what was skipped and why.
+        """
         # Every rank's pending parts first (rank 0's flush is the commit), then rank 0 alone picks
         # the target so that all ranks load the same step even while other writers commit.
         self.flush()
@@ -336,13 +368,94 @@ class DeltaCheckpointer:
                     f"{self.storage.uri} has checkpoints {sorted(manifests)} but none has a complete chain"
                 )
             return None
+        error, recoverable = self._agreed(lambda: self._load(manifests, target))
+        if error is None:
+            return target
+        if not (allow_fallback and recoverable):
+            raise error
+        fallback, why = self._fallback_target(target, error)
+        if fallback is None:
+            raise CheckpointNotFoundError(f"{why}; nothing older is restorable either") from error
+        logger.warning("deck: %s", why)
+        manifests = read_manifests(self.storage)  # now with rank 0's quarantine records
+        error, _ = self._agreed(lambda: self._load(manifests, fallback))
+        if error is not None:
+            raise error
+        assert self.last_restore is not None
+        self.last_restore.fallback = why
+        return fallback
+
+    def _agreed(self, fn: Callable[[], None]) -> tuple[BaseException | None, bool]:
+        """Run ``fn`` on every rank. Returns (None, False) when it succeeded everywhere, else
+        this rank's error (or one naming the ranks that failed) and, agreed by all ranks,
+        whether every failure was a damaged / missing checkpoint (so a fallback may help)."""
+        error: BaseException | None = None
+        try:
+            fn()
+        except Exception as e:
+            error = e
+        damaged = isinstance(error, CorruptCheckpointError | CheckpointNotFoundError)
+        kinds = self.coord.gather([0.0 if error is None else 2.0 if damaged else 1.0])[:, 0]
+        if kinds.max() == 0:
+            return None, False
+        recoverable = bool((kinds != 1).all())
+        if error is None:
+            failed = kinds.nonzero().view(-1).tolist()
+            error = (CorruptCheckpointError if recoverable else CheckpointError)(
+                f"restore from {self.storage.uri} failed on rank(s) {failed}; see their errors"
+            )
+        return error, recoverable
+
+    def _fallback_target(self, target: int, error: BaseException) -> tuple[int | None, str]:
+        """Rank 0 verifies chains, from ``target`` back to older steps, and picks the first with
+        every file intact (quarantining damaged checkpoints on the way); agreed by all ranks."""
+        chosen, why = -1, ""
+        if self.coord.rank == 0:
+            manifests = read_manifests(self.storage)
+            order = sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True)
+            at = manifests.get(target)
+            key = (at.epoch, at.step) if at is not None else (float("inf"), target)
+            skipped = [f"step {target}: {error}"]
+            for m in (m for m in order if (m.epoch, m.step) <= key):
+                try:
+                    found = best_valid_chain(self.storage, m.step, manifests=manifests)
+                except CheckpointNotFoundError as e:
+                    if m.step != target:
+                        skipped.append(f"step {m.step}: {e}")
+                    continue
+                chosen = m.step
+                damaged = "; ".join(f"{i}: {p[0]}" for i, p in found.rejected.items())
+                if chosen == target:
+                    why = f"step {target}: restored through another chain, skipping {damaged}"
+                else:
+                    why = f"restored step {chosen} instead of step {target}: " + "; ".join(skipped)
+                break
+            else:
+                why = f"no valid chain from step {target} down: " + "; ".join(skipped)
+        chosen = self.coord.broadcast_int(chosen)
+        if self.coord.rank != 0:
+            if chosen < 0:
+                why = f"rank 0 found no valid chain from step {target} down"
+            elif chosen == target:
+                why = (
+                    f"step {target}: restored through another chain (rank 0's log names the damage)"
+                )
+            else:
+                why = (
+                    f"restored step {chosen} instead of step {target}: rank 0 found its chain "
+                    "damaged (rank 0's log names the files)"
+                )
+        return (chosen if chosen >= 0 else None), why
+
+    def _load(self, manifests: ManifestSet | dict, target: int) -> None:
+        """Load the chain of ``target`` into this rank's model and state (one rank's share)."""
         chain = chain_for(manifests, target)
         last = chain[-1]
         shards = self.adapter.table_shards()
         # Another world size or plan is fine: rows go by global id (deck.restore.apply_chain).
         stats, parts = apply_chain(self.storage, chain, shards, self.adapter.table_shapes())
         mine = rank_part(parts, self.coord.rank)
-        extra = read_state_file(self.storage, target, mine.extra)
+        extra = read_state_file(self.storage, last, mine.extra)
         for name, opt in self._optimizers.items():
             saved = extra["optimizers"].get(name)
             if saved is None:
@@ -354,7 +467,7 @@ class DeltaCheckpointer:
         if dense_rec is None:
             raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
         problems = copy_dense_state(
-            self.adapter.dense_state(), read_state_file(self.storage, target, dense_rec)
+            self.adapter.dense_state(), read_state_file(self.storage, last, dense_rec)
         )
         if problems:
             raise IncompatibleModelError(
@@ -383,7 +496,6 @@ class DeltaCheckpointer:
             stats.chunks,
             stats.bytes / 2**20,
         )
-        return target
 
     def _next_epoch(self, manifests: dict | None = None) -> int:
         if manifests is None:
@@ -394,15 +506,18 @@ class DeltaCheckpointer:
         return max((m.epoch for m in manifests.values()), default=-1) + 1
 
     # ---- lifetime ----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
         """Finish pending work (uploads, commits) and remove the tracking hooks; idempotent.
-        Collective: call it on all ranks."""
+        Collective unless ``collective=False``: then this rank only finishes its own background
+        work (rank 0 still commits what every rank uploaded), so a rank leaving on an exception
+        never waits for ranks that went on."""
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
         if not self._closed:
             self._closed = True
-            self.flush()
+            if collective:
+                self.flush()
             self.stager.close()
             if self._lease is not None:
                 self._lease.release()
@@ -410,8 +525,9 @@ class DeltaCheckpointer:
     def __enter__(self) -> DeltaCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an exception: the other ranks may not be leaving with us.
+        self.close(collective=exc_type is None)
 
 
 def _default_adapter(model: torch.nn.Module) -> ModelAdapter:

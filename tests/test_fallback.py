@@ -1,0 +1,91 @@
+"""Damaged checkpoints on a real 2-rank DMP run: restore names the damaged file and step;
+``restore(allow_fallback=True)`` quarantines it and restores the newest older step that has a
+valid chain, bitwise; a trainer whose last chain was broken takes a new full next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from dist_harness import run_ranks
+
+import deck
+from deck.catalog import read_manifests
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.errors import CorruptCheckpointError
+from deck.storage import open_storage
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(num_tables=3, rows=600, dim=8, batch=32)
+
+
+def _restore(config: deck.DeckConfig, step: int | None, **kw: bool) -> tuple[int | None, object]:
+    model, opt = build_model(SPEC, seed=99)
+    user = TrainState()
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        got = ck.restore(step, **kw)
+        return got, (ck.last_restore, capture_state(model, opt, user))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _job(rank: int, world_size: int, root: str) -> None:
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(uri=uri, delta_every_steps=5, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        for step in range(0, 21):
+            if step:
+                train_step(model, opt, SPEC, step)
+                user.step = step
+            if ck.step(step) is not None:
+                live[step] = capture_state(model, opt, user)
+        ck.flush()
+
+        # Damage one chunk of the delta of step 15 (rank 0 does it; every rank then restores).
+        chunk = sorted((Path(uri) / "step-000000000015").rglob("*.chunk"))[0]
+        if rank == 0:
+            _flip(chunk)
+        dist.barrier()
+
+        # A plain restore of the latest step fails on every rank; the rank that read the file names it.
+        with pytest.raises(CorruptCheckpointError) as info:
+            _restore(config, None)
+        assert "restore from" in str(info.value) or (
+            chunk.name in str(info.value) and "step 15" in str(info.value)
+        ), str(info.value)
+
+        # With fallback: steps 20 and 15 need the damaged delta; step 10 is the newest valid one.
+        got, (stats, state) = _restore(config, None, allow_fallback=True)
+        assert got == 10
+        assert stats.fallback and "instead of step 20" in stats.fallback, stats.fallback
+        if rank == 0:
+            assert chunk.name in stats.fallback, stats.fallback
+        bad = diff_states(live[10], state)
+        assert not bad, f"rank {rank}: {bad[:5]}"
+        manifests = read_manifests(open_storage(uri))
+        assert list(manifests.quarantined) == [manifests[15].id]
+
+        # The trainer was at step 20, a delta of 15: its next checkpoint must be a full.
+        for step in range(21, 26):
+            train_step(model, opt, SPEC, step)
+            user.step = step
+        stats25 = ck.step(25)
+        assert stats25 is not None and stats25.kind == "full", stats25
+        live[25] = capture_state(model, opt, user)
+        ck.flush()
+
+    got, (_, state) = _restore(config, None)
+    assert got == 25
+    assert not diff_states(live[25], state)
+
+
+def test_fallback_and_new_full(tmp_path: Path) -> None:
+    run_ranks(_job, str(tmp_path))
