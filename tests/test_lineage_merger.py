@@ -837,10 +837,20 @@ def test_torchrec_two_ranks_merge_and_restore_bitwise(tmp_path: Path) -> None:
 
     uri, out = str(tmp_path / "ck"), str(tmp_path / "captured")
     os.makedirs(out)
-    run_ranks(_tr_train, uri, out)
-    p = _deck(
-        "merge", uri, "--once", "--stride", "2", "--full-every", "8", "--full-live-fraction", "0"
-    )
+    policy = ("--stride", "2", "--full-every", "8", "--full-live-fraction", "0")
+    # A merger worker follows the URI while the trainer writes to it (no coordination between
+    # them but the files): neither may disturb the other. It is stopped by its own pid.
+    follower = _deck("merge", uri, "--follow", "--poll", "0.05", *policy)
+    try:
+        run_ranks(_tr_train, uri, out)
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        stdout, stderr = follower.communicate(timeout=120)
+    assert follower.returncode == 0, stdout + stderr
+    storage = LocalStorage(uri)
+    for m in read_manifests(storage).all():
+        assert not verify_checkpoint(storage, m).problems, m.folder
+    p = _deck("merge", uri, "--once", *policy)  # catch up on what came after the last pass
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stdout + stderr
     graph = build_graph(read_manifests(LocalStorage(uri)))
