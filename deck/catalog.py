@@ -46,11 +46,15 @@ class ManifestSet(dict[int, CheckpointManifest]):
         merged: Mapping[str, CheckpointManifest] | None = None,
         quarantined: Mapping[str, str] | None = None,
         uri: str = "",
+        damaged: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(trainer or {})
         self.merged: dict[str, CheckpointManifest] = dict(merged or {})
         self.quarantined: dict[str, str] = dict(quarantined or {})
         self.uri = uri
+        # Trainer steps whose commit record is unreadable: not checkpoints, but not to be
+        # forgotten either (a restore of the latest step must not silently pass them by).
+        self.damaged: dict[int, str] = dict(damaged or {})
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""
@@ -77,11 +81,12 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
     attributes of the returned :class:`ManifestSet`) the merger's checkpoints and quarantined ids.
 
     Folders without ``manifest.json`` (in progress, failed, or crashed) are not checkpoints and
-    are skipped. A damaged trainer record raises :class:`CorruptCheckpointError`; a damaged merger
-    record is skipped with a warning (merged checkpoints only make restores faster). ``keys``: a
+    are skipped. A damaged trainer record is left out with a warning and listed in ``damaged``
+    (step -> problem, naming the file); a damaged merger record is skipped with a warning (merged checkpoints only make restores faster). ``keys``: a
     listing of the whole store the caller already has (saves one ``list``).
     """
     trainer: dict[int, CheckpointManifest] = {}
+    damaged: dict[int, str] = {}
     merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
     for key in storage.list("") if keys is None else keys:
@@ -89,13 +94,20 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
         step = parse_step_dir(head)
         if step is not None and tail == MANIFEST:
             where = storage.describe(key)
-            m = load_model(CheckpointManifest, storage.get(key), where)
-            if m.step != step or m.is_merged:
-                raise CorruptCheckpointError(
-                    f"{where}: manifest says step {m.step}"
-                    + (" and was written by the merger" if m.is_merged else "")
-                    + f", folder says trainer step {step}"
-                )
+            try:
+                m = load_model(CheckpointManifest, storage.get(key), where)
+                if m.step != step or m.is_merged:
+                    raise CorruptCheckpointError(
+                        f"{where}: manifest says step {m.step}"
+                        + (" and was written by the merger" if m.is_merged else "")
+                        + f", folder says trainer step {step}"
+                    )
+            except NotFoundError:
+                continue  # replaced or deleted between the listing and the read
+            except CorruptCheckpointError as e:
+                logger.warning("step %d is not restorable: %s", step, e)
+                damaged[step] = str(e)
+                continue
             trainer[step] = m
         elif head == MERGED_ROOT:
             name, _, rest = tail.partition("/")
@@ -122,7 +134,7 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
                 logger.warning("ignoring quarantine record: %s", e)
                 continue
             quarantined[q.id] = q.reason
-    return ManifestSet(trainer, merged, quarantined, uri=storage.uri)
+    return ManifestSet(trainer, merged, quarantined, uri=storage.uri, damaged=damaged)
 
 
 def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
@@ -209,6 +221,17 @@ def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
             continue
         return m.step
     return None
+
+
+def damaged_records(manifests: ManifestSet, target: int | None, *, latest: bool) -> str | None:
+    """What a restore of ``target`` would pass by, naming the files: the unreadable commit
+    records of ``target`` itself or, when ``target`` is the latest restorable step (or None),
+    of newer steps. None when there are none."""
+    damaged = manifests.damaged
+    hit = sorted(s for s in damaged if s == target or (latest and (target is None or s > target)))
+    if not hit:
+        return None
+    return f"the commit record of step(s) {hit} is damaged ({damaged[hit[-1]]})"
 
 
 def describe(m: CheckpointManifest) -> str:

@@ -11,7 +11,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_dense_state
-from deck.catalog import ManifestSet, chain_for, latest_restorable, read_manifests
+from deck.catalog import (
+    ManifestSet,
+    chain_for,
+    damaged_records,
+    latest_restorable,
+    read_manifests,
+)
 from deck.config import CHECKPOINT_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
 from deck.errors import (
@@ -362,14 +368,25 @@ class DeltaCheckpointer:
                 manifests = read_manifests(self.storage)
         else:
             target = step
+        skipped = damaged_records(manifests, target, latest=step is None)
+        if skipped and not allow_fallback:
+            raise CorruptCheckpointError(
+                f"{skipped}; restore(allow_fallback=True) restores the newest valid step instead"
+            )
         if target is None:
             if manifests:
                 raise CheckpointNotFoundError(
                     f"{self.storage.uri} has checkpoints {sorted(manifests)} but none has a complete chain"
                 )
+            if skipped:
+                raise CheckpointNotFoundError(f"{skipped}; nothing else is committed")
             return None
         error, recoverable = self._agreed(lambda: self._load(manifests, target))
         if error is None:
+            if skipped:
+                logger.warning("deck: restored step %d; skipped %s", target, skipped)
+                assert self.last_restore is not None
+                self.last_restore.fallback = f"skipped {skipped}"
             return target
         if not (allow_fallback and recoverable):
             raise error

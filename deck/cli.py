@@ -161,6 +161,10 @@ def cmd_report(a: argparse.Namespace) -> int:
 def cmd_verify(a: argparse.Namespace) -> int:
     storage = open_storage(a.uri)
     manifests = read_manifests(storage)
+    # Unreadable commit records are problems of the steps they name (the rest is still checked).
+    damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
+    for s, why in sorted(damaged.items()):
+        print(f"step {s}: commit record damaged\n  BAD {why}")
     if not manifests:
         print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
         return 1
@@ -168,6 +172,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
         targets = [manifests[s] for s in sorted(manifests)] + sorted(
             manifests.merged.values(), key=lambda m: (m.step, m.layer, m.id)
         )
+    elif a.step in damaged:
+        return 1
     else:
         step = a.step if a.step is not None else latest_restorable(manifests)
         if step is None or step not in manifests:
@@ -177,7 +183,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
             )
             return 1
         targets = [manifests[step]]
-    bad = 0
+    bad = len(damaged)
     t0 = time.perf_counter()
     for m in targets:
         label = f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder}"
@@ -198,7 +204,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
             print("  quarantined: restores and the merger will not use it")
         bad += bool(report.problems)
     print(
-        f"verified {len(targets)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; {bad} with problems"
+        f"verified {len(targets) + len(damaged)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; "
+        f"{bad} with problems"
     )
     return 1 if bad else 0
 

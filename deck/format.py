@@ -29,6 +29,7 @@ import re
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
+import xxhash
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -384,13 +385,42 @@ def table_dir(table: str) -> str:
 M = TypeVar("M", bound=BaseModel)
 
 
+# Every manifest carries the xxh3-64 of its own canonical JSON under this key, so that any
+# damage to a manifest (not only to the files it lists) is detected.
+SELF_CHECKSUM = "self_checksum"
+
+
+def _canonical(d: dict[str, Any]) -> bytes:
+    return json.dumps(d, sort_keys=True, indent=1).encode()
+
+
 def dump_model(model: BaseModel) -> bytes:
-    """Serialise a manifest as JSON (UTF-8, sorted keys for stable checksums)."""
-    return json.dumps(model.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+    """Serialise a manifest as JSON (UTF-8, sorted keys for stable checksums) with its own
+    checksum embedded (``self_checksum``)."""
+    d = model.model_dump(mode="json")
+    d[SELF_CHECKSUM] = xxhash.xxh3_64_hexdigest(_canonical(d))
+    return _canonical(d)
 
 
 def load_model(cls: type[M], data: bytes, where: str) -> M:
-    """Parse and validate a manifest; any problem raises CorruptCheckpointError naming ``where``."""
+    """Parse, check and validate a manifest; any problem raises CorruptCheckpointError naming
+    ``where``. The embedded checksum is verified when present: any changed byte of the content
+    is detected (a manifest written without one, by hand, is only validated)."""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: not a {cls.__name__} (invalid JSON: {e}); the file is damaged or was not "
+            "written by deck"
+        ) from None
+    if isinstance(d, dict) and SELF_CHECKSUM in d:
+        want = d.pop(SELF_CHECKSUM)
+        body = _canonical(d)
+        if want != xxhash.xxh3_64_hexdigest(body):
+            raise CorruptCheckpointError(
+                f"{where}: {cls.__name__} fails its own checksum; the file is damaged"
+            )
+        data = body
     try:
         return cls.model_validate_json(data)
     except ValidationError as e:
