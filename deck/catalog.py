@@ -187,6 +187,9 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
     if isinstance(manifests, ManifestSet):
         from deck.lineage import build_graph, cheapest_chain
 
+        if step in manifests.damaged:
+            raise CorruptCheckpointError(f"step {step}: {manifests.damaged[step]}")
+
         return cheapest_chain(build_graph(manifests), step)
     if step not in manifests:
         raise CheckpointNotFoundError(

@@ -13,20 +13,23 @@ from deck.storage import Storage
 
 
 class FaultyStorage(Storage):
-    """Delegates to ``inner``; ``fail_put(key, n)`` decides whether the n-th put fails.
-
-    ``slow_put_s`` delays every put; ``short_read`` truncates every get by that many bytes.
+    """Delegates to ``inner``; ``fail_put(key, n)`` / ``fail_get(key, n)`` decide whether the
+    n-th put / get fails. ``slow_put_s`` delays every put; ``short_read`` truncates every get by
+    that many bytes.
     """
 
     def __init__(
         self,
         inner: Storage,
         fail_put: Callable[[str, int], bool] = lambda key, n: False,
+        fail_get: Callable[[str, int], bool] = lambda key, n: False,
         slow_put_s: float = 0.0,
         short_read: int = 0,
     ):
         self.inner = inner
         self.fail_put = fail_put
+        self.fail_get = fail_get
+        self.gets = 0
         self.slow_put_s = slow_put_s
         self.short_read = short_read
         self.puts = 0
@@ -50,6 +53,11 @@ class FaultyStorage(Storage):
         self.inner.put(path, data)
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        with self._lock:
+            self.gets += 1
+            n = self.gets
+        if self.fail_get(path, n):
+            raise StorageError(f"injected failure of get #{n} ({self.describe(path)})")
         data = self.inner.get(path, start, end)
         return data[: max(0, len(data) - self.short_read)] if self.short_read else data
 

@@ -11,12 +11,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from faulty_storage import FaultyStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from synth import SynthTrainer, restore_step
 
 from deck.catalog import damaged_records, latest_restorable, read_manifests, read_rank_manifests
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format import MANIFEST, parse_step_dir
 from deck.restore import read_state_file
 from deck.storage import LocalStorage
@@ -93,3 +94,15 @@ def test_the_pristine_copy_restores(pristine: Path) -> None:
     restore_step(storage, 2)
     kinds = {f.rsplit(".", 1)[-1] for f in _files(pristine)}
     assert {"chunk", "json", "safetensors"} <= kinds
+
+
+def test_short_and_failed_reads_are_errors_naming_the_file(pristine: Path) -> None:
+    """A store that returns short reads, or fails a read, never yields a silently wrong restore."""
+    short = FaultyStorage(LocalStorage(pristine), short_read=1)
+    with pytest.raises(CorruptCheckpointError, match=r"step-0000000000\d\d/"):
+        restore_step(short, 2)
+    chunk = next(f for f in _files(pristine) if f.endswith(".chunk"))
+    failing = FaultyStorage(LocalStorage(pristine), fail_get=lambda key, n: key == chunk)
+    with pytest.raises(StorageError, match=chunk.replace(".", r"\.")):
+        restore_step(failing, 2)
+    assert failing.gets > 1

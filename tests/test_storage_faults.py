@@ -1,6 +1,6 @@
-"""Storage faults on a real 2-rank DMP run: transient upload errors are retried, a part that
-never uploads makes the next checkpoint a full, a full spool skips a checkpoint without losing
-its rows. Every committed step restores bitwise."""
+"""Storage faults on a real 2-rank DMP run: transient upload errors (with slow writes) are
+retried, a part that never uploads makes the next checkpoint a full, a full spool skips a
+checkpoint without losing its rows. Every committed step restores bitwise."""
 
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def _faults(rank: int, world_size: int, root: str, mode: str) -> None:
             return False
 
         staging = _staging(root, spool_max_bytes=1, spool_full="skip")
-    store = FaultyStorage(LocalStorage(uri), fail_put=fail)
+    # Transient mode also has slow writes (every put waits 10 ms): uploads lag behind training.
+    slow = 0.01 if mode == "transient" else 0.0
+    store = FaultyStorage(LocalStorage(uri), fail_put=fail, slow_put_s=slow)
     config = deck.DeckConfig(uri=uri, delta_every_steps=5, staging=staging, lease_ttl_s=None)
     model, opt = build_model(SPEC)
     user = TrainState()
