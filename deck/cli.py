@@ -1,4 +1,4 @@
-"""The ``deck`` command line (every command has ``--help``).
+"""The ``deck`` command line (``deck [--storage-options JSON] CMD ...``).(every command has ``--help``).
 
     deck ls URI [--json] [--tree]        the lineage as a table: kind, step, layer, covered steps,
                                          ranks, bytes, age, committed / pending / quarantined
@@ -82,7 +82,7 @@ def _tree_line(r: Any, now: float) -> str:
 def cmd_ls(a: argparse.Namespace) -> int:
     from deck.listing import list_rows, tree_lines
 
-    graph, rows = list_rows(open_storage(a.uri))
+    graph, rows = list_rows(open_storage(a.uri, a.storage_options))
     now = time.time()
     if a.json:
         print(json.dumps([r.to_dict(now) for r in rows], indent=1))
@@ -104,7 +104,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 def cmd_show(a: argparse.Namespace) -> int:
     from deck.listing import describe_checkpoint, find_checkpoint
 
-    storage = open_storage(a.uri)
+    storage = open_storage(a.uri, a.storage_options)
     d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
     if a.no_chunks:
         for r in d["ranks"]:
@@ -153,13 +153,13 @@ def cmd_show(a: argparse.Namespace) -> int:
 def cmd_report(a: argparse.Namespace) -> int:
     from deck.report import write_report
 
-    rep = write_report(a.uri, a.out)
+    rep = write_report(a.uri, a.out, a.storage_options)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
     return 0 if rep.checkpoints else 1
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    storage = open_storage(a.uri)
+    storage = open_storage(a.uri, a.storage_options)
     manifests = read_manifests(storage)
     # Unreadable commit records are problems of the steps they name (the rest is still checked).
     damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
@@ -213,7 +213,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 def cmd_lineage(a: argparse.Namespace) -> int:
     from deck.lineage import chain_bytes, cheapest_chain, lineage
 
-    graph = lineage(a.uri)
+    graph = lineage(a.uri, a.storage_options)
     if not graph.nodes:
         print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
         return 1
@@ -278,7 +278,7 @@ def _run_worker(
     from deck.merger import MergeWorker
     from deck.retention import collect_garbage
 
-    storage = open_storage(a.uri)
+    storage = open_storage(a.uri, a.storage_options)
     config = _merge_config(a, worker_index, num_workers)
     after_pass = None
     if a.gc and worker_index == 0:
@@ -384,7 +384,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
 def cmd_gc(a: argparse.Namespace) -> int:
     from deck.retention import collect_garbage
 
-    storage = open_storage(a.uri)
+    storage = open_storage(a.uri, a.storage_options)
     rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
     verb = "would delete" if a.dry_run else "deleted"
     if rep.latest is None:
@@ -418,7 +418,7 @@ def _bar(desc: str, total: int | None = None) -> Any:
 def cmd_export(a: argparse.Namespace) -> int:
     from deck.export import StepState, export_dcp, export_safetensors
 
-    state = StepState(a.uri, a.step)
+    state = StepState(a.uri, a.step, a.storage_options)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
     bar = _bar(f"export step {state.step}", total)
     progress = bar.update if bar else None
@@ -470,9 +470,30 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_options(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="deck", description="Inspect, check, merge and collect deck checkpoints."
+    )
+    p.add_argument(
+        "--storage-options",
+        type=_json_options,
+        default=os.environ.get("DECK_STORAGE_OPTIONS"),
+        metavar="JSON",
+        help="fsspec storage options for the URI, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\' for an S3-compatible store '
+        "(default: $DECK_STORAGE_OPTIONS; s3fs also reads the usual AWS_* variables)",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser(

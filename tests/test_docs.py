@@ -168,10 +168,20 @@ def check_deck_command(line: str, where: str) -> None:
     words = shlex.split(line, comments=True)
     if not words or words[0] != "deck":
         return
-    sub = next((w for w in words[1:] if not w.startswith("-")), None)
+    # Options before the sub-command are deck's own (`deck --storage-options JSON ls URI`).
+    top = _help(None) or ""
+    i = 1
+    while i < len(words) and words[i].startswith("-"):
+        flag = words[i].split("=", 1)[0]
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", top), (
+            f"{where}: `{line}`: deck has no option {flag} (see `deck --help`)"
+        )
+        takes_value = re.search(rf"{re.escape(flag)} [A-Z]", top) and "=" not in words[i]
+        i += 2 if takes_value else 1
+    sub = words[i] if i < len(words) else None
     text = _help(sub)
     assert text is not None, f"{where}: `{line}`: `deck {sub}` is not a deck sub-command"
-    for w in words[1:]:
+    for w in words[i + 1 :]:
         if w.startswith("--"):
             flag = w.split("=", 1)[0]
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,6 +188,14 @@ def test_s3_outage_and_kill_during_upload(tmp_path: Path, s3_server, then: str) 
         (20, "delta"),
     ]
     assert not list((tmp_path / "spool").rglob("*.pending.json"))
+    # The console script reaches the same S3 store through --storage-options.
+    deck_exe = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
+    uri = s3_server.uri(f"{tmp_path.name}/ck")
+    opts = ["--storage-options", json.dumps(s3_server.storage_options)]
+    r = subprocess.run(
+        [deck_exe, *opts, "verify", uri, "--all"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "0 with problems" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.gpu
