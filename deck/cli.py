@@ -1,4 +1,4 @@
-"""The ``deck`` command line (``deck [--storage-options JSON] CMD ...``).(every command has ``--help``).
+"""The ``deck`` command line: ``deck [--storage-options JSON] CMD ...`` (every command has ``--help``).
 
     deck ls URI [--json] [--tree]        the lineage as a table: kind, step, layer, covered steps,
                                          ranks, bytes, age, committed / pending / quarantined
