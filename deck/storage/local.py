@@ -13,6 +13,8 @@ import logging
 import os
 import uuid
 
+import torch
+
 from deck.errors import ConfigError, NotFoundError, StorageError
 from deck.storage.base import Storage
 
@@ -175,6 +177,35 @@ class LocalStorage(Storage):
             raise NotFoundError(f"{self.describe(path)} does not exist") from exc
         except OSError as exc:
             raise self._error("read", path, exc, _READ_HINT) from exc
+
+    def map_file(self, path: str) -> memoryview:
+        """The whole file at ``path`` memory-mapped, as a flat byte view (zero-copy read).
+
+        Pages are read from the page cache on first touch; nothing is copied into Python
+        objects. The mapping is private (``MAP_PRIVATE``) and its file descriptor is closed as
+        soon as it is mapped, so no handle stays open; the mapping itself goes away when the
+        view and every tensor made from it are freed. deck never rewrites a file in place (``put``
+        replaces it with a new inode), so a mapped checkpoint file cannot shrink under the reader.
+        Raises :class:`NotFoundError` / :class:`StorageError` naming the URI like :meth:`get`.
+        """
+        full = self.local_path(path)
+        try:
+            nbytes = os.stat(full).st_size
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+        except OSError as exc:
+            raise self._error("read", path, exc, _READ_HINT) from exc
+        if nbytes == 0:
+            return memoryview(b"")
+        try:
+            mapped = torch.from_file(full, shared=False, size=nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            # torch reports open / mmap failures (file gone, permissions) as RuntimeError.
+            raise StorageError(
+                f"could not map {self.describe(path)} ({full}): {exc}; {_READ_HINT}"
+            ) from exc
+        # numpy's view keeps the tensor (and with it the mapping) alive for the view's lifetime.
+        return mapped.numpy().data.cast("B")
 
     def size(self, path: str) -> int:
         """Size in bytes of the file at ``path``."""
