@@ -13,6 +13,9 @@
     deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
     deck merge URI [--once | --follow]   merger worker(s): hierarchical merging and new fulls
     deck gc URI [--dry-run]              retention: delete what no retained step needs
+    deck history URI --table T --row R [--json]
+                                         one row's value at every restorable step, reading only
+                                         the chunks whose row index may hold it
 
 Exit codes (for scripts): 0 ok; 1 a check failed or there was nothing to act on (corruption
 found, no checkpoints at the URI, merge work left waiting or failed, GC errors); 2 usage or
@@ -208,6 +211,27 @@ def cmd_verify(a: argparse.Namespace) -> int:
         f"{bad} with problems"
     )
     return 1 if bad else 0
+
+
+def cmd_history(a: argparse.Namespace) -> int:
+    from deck.history import row_history
+
+    h = row_history(a.uri, a.table, a.row, a.storage_options)
+    if a.json:
+        print(json.dumps(h.to_dict(), indent=1))
+        return 0
+    print(
+        f"table {h.table} row {h.row}: {len(h.steps)} steps; read {h.chunks_read} of "
+        f"{h.chunks_present} chunks (skipped {h.skipped_range} by id range, {h.skipped_bloom} "
+        f"by bloom filter; {h.false_positives} false positives)"
+    )
+    for s in h.steps:
+        vals = "  ".join(
+            f"{k}=[{', '.join(f'{x:.6g}' for x in v[:8])}{', ...' if len(v) > 8 else ''}]"
+            for k, v in s.values.items()
+        )
+        print(f"step {s.step:>8}  {vals}  from {', '.join(s.sources)}")
+    return 0
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
@@ -538,6 +562,13 @@ def main(argv: list[str] | None = None) -> int:
     lin.add_argument("--json", action="store_true", help="machine-readable graph")
     lin.add_argument("--step", type=int, help="chain of this step (default: the latest)")
     lin.set_defaults(fn=cmd_lineage)
+
+    his = sub.add_parser("history", help="one row's value at every restorable step")
+    his.add_argument("uri")
+    his.add_argument("--table", required=True, help="table key, as `deck show` lists it")
+    his.add_argument("--row", required=True, type=int, help="global row id")
+    his.add_argument("--json", action="store_true", help="machine-readable, full precision")
+    his.set_defaults(fn=cmd_history)
 
     mer = sub.add_parser("merge", help="run merger worker(s): merged deltas and new fulls")
     mer.add_argument("uri")

@@ -86,16 +86,57 @@ class Segment(_Strict):
     nbytes: NonNeg
 
 
+class RowIndex(_Strict):
+    """Which global row ids a chunk can hold, for point queries (``deck history``) that skip the
+    chunks that cannot: every id is in ``[min_id, max_id]``; ``bloom`` (base64 of ``bits`` bits,
+    ``k`` hashes, see :mod:`deck.rowindex`) has no false negatives. ``bloom`` is None when the
+    ids are exactly the range (a full's chunks): the range then says it all."""
+
+    min_id: NonNeg
+    max_id: NonNeg
+    bits: int = Field(default=0, ge=0, le=2**32)
+    k: int = Field(default=0, ge=0, le=16)
+    bloom: str | None = Field(default=None, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RowIndex:
+        if self.min_id > self.max_id:
+            raise ValueError("row index: min_id > max_id")
+        if self.bloom is None:
+            if self.bits or self.k:
+                raise ValueError("row index: bits / k without a bloom filter")
+        elif (
+            self.bits < 8
+            or self.bits % 8
+            or self.k < 1
+            or len(self.bloom) != 4 * ((self.bits // 8 + 2) // 3)
+        ):
+            raise ValueError("row index: bloom filter length does not match bits, or no k")
+        return self
+
+
 class ChunkRecord(_Strict):
-    """One chunk file: ``rows`` global row ids (segment ``ids``) and the same rows of each state."""
+    """One chunk file: ``rows`` global row ids (segment ``ids``) and the same rows of each state.
+
+    ``index`` (optional: older checkpoints have none) bounds the ids it holds; readers that find
+    none must assume any id of the shard."""
 
     path: str
     rows: NonNeg
     nbytes: NonNeg
     checksum: str
     segments: tuple[Segment, ...]
+    index: RowIndex | None = None
 
     _path = field_validator("path")(_check_rel_path)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Chunks without an index dump exactly as before the field existed.
+        out: dict[str, Any] = handler(self)
+        if out.get("index", 0) is None:
+            del out["index"]
+        return out
 
 
 class ShardRecord(_Strict):

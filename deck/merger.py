@@ -74,6 +74,7 @@ from deck.format import (
     table_dir,
 )
 from deck.lineage import LineageGraph, LineageNode, StateKey, build_graph
+from deck.rowindex import build_index
 from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -645,6 +646,7 @@ class _ChunkOut:
         )
         arrays = [("ids", ids[:n]), *((k, states[k][:n]) for k in self.rec.states)]
         buf, chunk = encode_chunk(rel, arrays)
+        chunk = chunk.model_copy(update={"index": build_index(ids[:n])})
         self.storage.put(f"{self.folder}/{rel}", buf)
         failpoint("merger.chunk.after_put")
         self.chunks.append(chunk)

@@ -33,6 +33,7 @@ from deck.format import (
     step_dir,
     table_dir,
 )
+from deck.rowindex import build_index
 from deck.storage import Storage
 
 DENSE_FILE = "dense.safetensors"
@@ -139,6 +140,7 @@ class RankPartWriter:
             rec = build_chunk(
                 buf, rel, layout, [None] * len(segs), pad_to=None if last else self.chunk_bytes
             )
+            rec = rec.model_copy(update={"index": build_index(segment_view(buf, layout, "ids"))})
             self.sink.submit(rel, buf, rec.nbytes)
             failpoint("writer.chunk.after_submit")
             self.bytes_written += rec.nbytes
