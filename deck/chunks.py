@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import xxhash
 
 from deck.errors import CorruptCheckpointError
-from deck.format import PAGE_ALIGN, ChunkRecord, Segment
+from deck.format import PAGE_ALIGN, ChunkRecord, Encoding, Segment
+from deck.quantize import QuantizedStateError, decode_rows, scale_name
 
 _ALIGN = 64
 Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
@@ -76,14 +77,17 @@ def build_chunk(
     layout: ChunkLayout,
     fill: Sequence[torch.Tensor | None],
     pad_to: int | None = None,
+    encoded: Mapping[str, tuple[Encoding, torch.dtype]] | None = None,
 ) -> ChunkRecord:
     """Fill ``buf`` with one chunk and describe it; returns the record (bytes = ``buf[:nbytes]``).
 
     ``fill[i]`` is the data of segment i (``rows`` first); ``None`` means the caller already
     wrote that segment through :func:`segment_view`. Padding is zeroed, so the checksum is a
     function of the rows alone. ``pad_to`` (a multiple of 4096, at least the layout size) makes a
-    non-final chunk exactly that long.
+    non-final chunk exactly that long. ``encoded`` names the segments that hold a quantised
+    encoding (deck.quantize) with the encoding and the dtype they decode to.
     """
+    encoded = encoded or {}
     total = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
     if len(buf) < total:
         raise ValueError(
@@ -97,8 +101,17 @@ def build_chunk(
         if data is not None and nbytes:
             segment_view(buf, layout, name).copy_(data)
         prev_end = off + nbytes
+        enc, source = encoded.get(name, (None, None))
         segments.append(
-            Segment(name=name, dtype=dtype_name(dtype), shape=shape, offset=off, nbytes=nbytes)
+            Segment(
+                name=name,
+                dtype=dtype_name(dtype),
+                shape=shape,
+                offset=off,
+                nbytes=nbytes,
+                encoding=enc,
+                source_dtype=None if source is None else dtype_name(source),
+            )
         )
     dst[prev_end:total].zero_()
     return ChunkRecord(
@@ -137,12 +150,18 @@ def encode_chunk(
 
 
 def decode_chunk(
-    data: bytes | bytearray | memoryview, record: ChunkRecord, where: str
+    data: bytes | bytearray | memoryview,
+    record: ChunkRecord,
+    where: str,
+    allow_quantized: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Verify ``data`` against ``record`` and return its segments as read-only tensor views.
 
     Raises :class:`CorruptCheckpointError` naming ``where`` on a size or checksum mismatch or a
-    record that does not describe a valid layout.
+    record that does not describe a valid layout. A chunk with quantised segments raises
+    :class:`deck.quantize.QuantizedStateError` (after those checks) unless ``allow_quantized``:
+    then those segments come back dequantised to their source dtype (new tensors) and their
+    scale segments are left out, so callers see the chunk's states by name either way.
     """
     if len(data) != record.nbytes:
         raise CorruptCheckpointError(
@@ -175,4 +194,15 @@ def decode_chunk(
             out[seg.name] = flat.view(seg.shape)
     if "ids" not in out or out["ids"].dtype != torch.int64 or out["ids"].dim() != 1:
         raise CorruptCheckpointError(f"{where}: chunk has no int64 'ids' segment")
+    for seg in record.segments:
+        if seg.encoding is None:
+            continue
+        if not allow_quantized:
+            raise QuantizedStateError(
+                f"{where}: segment {seg.name} holds {seg.encoding}-quantised values, not the "
+                "exact state; pass allow_quantized=True to accept approximate rows"
+            )
+        assert seg.source_dtype is not None  # the record's validator requires it
+        scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None
+        out[seg.name] = decode_rows(out[seg.name], scale, seg.encoding, _DTYPES[seg.source_dtype])
     return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from enum import Enum
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import xxhash
 from pydantic import (
@@ -54,6 +54,19 @@ CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
 _MERGED_DIR = re.compile(r"^(?:F-(\d{12})|L(\d{2})-(\d{12})-(\d{12}))-([0-9a-f]{16})$")
+# Quantised encodings of a chunk segment (deck.quantize); None everywhere means exact.
+Encoding = Literal["fp16", "bf16", "int8"]
+_ENCODED_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
+_FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _omit_none(out: dict[str, Any], *names: str) -> dict[str, Any]:
+    # Optional fields added after format v1 shipped are left out at None, so records without
+    # them dump byte-for-byte as before and older readers (extra="forbid") still read them.
+    for name in names:
+        if name in out and out[name] is None:
+            del out[name]
+    return out
 
 
 class Kind(str, Enum):
@@ -77,13 +90,40 @@ def _check_rel_path(v: str) -> str:
 
 
 class Segment(_Strict):
-    """One array inside a chunk file: raw little-endian bytes at [offset, offset + nbytes)."""
+    """One array inside a chunk file: raw little-endian bytes at [offset, offset + nbytes).
+
+    ``encoding`` (optional; None = the exact values) says the segment holds a quantised
+    encoding of a state whose real dtype is ``source_dtype``: ``fp16`` / ``bf16`` values, or
+    ``int8`` values with a per-row fp32 scale in segment ``<name>.scale`` (see deck.quantize)."""
 
     name: str
     dtype: str
     shape: tuple[NonNeg, ...]
     offset: NonNeg
     nbytes: NonNeg
+    encoding: Encoding | None = None
+    source_dtype: str | None = None
+
+    @model_validator(mode="after")
+    def _encoded(self) -> Segment:
+        if self.encoding is None:
+            if self.source_dtype is not None:
+                raise ValueError("segment: source_dtype without an encoding")
+            return self
+        if self.dtype != _ENCODED_DTYPE[self.encoding]:
+            raise ValueError(
+                f"segment {self.name}: encoding {self.encoding} is stored as "
+                f"{_ENCODED_DTYPE[self.encoding]}, not {self.dtype}"
+            )
+        if self.source_dtype not in _FLOAT_DTYPES or len(self.shape) != 2:
+            raise ValueError(
+                f"segment {self.name}: an encoded segment needs a float source_dtype and rows x cols"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_exact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_none(handler(self), "encoding", "source_dtype")
 
 
 class RowIndex(_Strict):
@@ -130,6 +170,27 @@ class ChunkRecord(_Strict):
 
     _path = field_validator("path")(_check_rel_path)
 
+    @model_validator(mode="after")
+    def _scales(self) -> ChunkRecord:
+        by_name = {s.name: s for s in self.segments}
+        if len(by_name) != len(self.segments):
+            raise ValueError("chunk: two segments with the same name")
+        for s in self.segments:
+            if s.encoding != "int8":
+                continue
+            sc = by_name.get(f"{s.name}.scale")
+            if sc is None or sc.dtype != "float32" or sc.shape != s.shape[:1] or sc.encoding:
+                raise ValueError(
+                    f"chunk: int8 segment {s.name} needs a float32 segment {s.name}.scale "
+                    "with one value per row"
+                )
+        return self
+
+    @property
+    def encoding(self) -> Encoding | None:
+        """The quantised encoding of this chunk's segments, None when every segment is exact."""
+        return next((s.encoding for s in self.segments if s.encoding is not None), None)
+
     @model_serializer(mode="wrap")
     def _omit_no_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Chunks without an index dump exactly as before the field existed.
@@ -175,11 +236,26 @@ class RankManifest(_Strict):
     shards: tuple[ShardRecord, ...]
     dense: FileRecord | None
     extra: FileRecord
+    # Set when some chunk of this part holds quantised state (deck.quantize): the encoding.
+    encoding: Encoding | None = None
 
     @field_validator("format_version")
     @classmethod
     def _version(cls, v: int) -> int:
         return _check_version(v)
+
+    @model_validator(mode="after")
+    def _says_encoding(self) -> RankManifest:
+        found = {c.encoding for s in self.shards for c in s.chunks if c.encoding is not None}
+        if found != ({self.encoding} if self.encoding is not None else set()):
+            raise ValueError(
+                f"rank manifest says encoding {self.encoding}, its chunks hold {sorted(found)}"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_exact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_none(handler(self), "encoding")
 
 
 class RankRef(_Strict):
@@ -229,6 +305,9 @@ class CheckpointManifest(_Strict):
     layer: int = Field(default=0, ge=0, le=64)
     inputs: tuple[CkptId, ...] = ()
     state_id: CkptId | None = None
+    # Set when the checkpoint holds quantised weights (some rank manifest says this encoding):
+    # restoring it needs an explicit opt-in (deck.restore.apply_chain(allow_quantized=True)).
+    encoding: Encoding | None = None
 
     @field_validator("format_version")
     @classmethod
@@ -326,6 +405,7 @@ _MERGER_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "layer": (0,),
     "inputs": ((), []),
     "state_id": (None,),
+    "encoding": (None,),  # not a merger field: exact checkpoints dump as before it existed
 }
 
 

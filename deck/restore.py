@@ -15,6 +15,7 @@ from deck.catalog import describe, read_rank_manifests
 from deck.chunks import checksum, decode_chunk
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
+from deck.quantize import QuantizedStateError
 from deck.storage import Storage
 from deck.storage.local import LocalStorage
 from deck.writer import scalar_key
@@ -116,6 +117,7 @@ def apply_chain(
     shards: list[TableShard],
     tables: dict[str, tuple[int, int]],
     zero_copy: bool = True,
+    allow_quantized: bool = False,
 ) -> tuple[RestoreStats, list[RankManifest]]:
     """Write the rows of ``chain`` (full first, then deltas / merged deltas in order; newest row
     wins) into ``shards``. Returns read statistics and the rank manifests of the last checkpoint.
@@ -142,7 +144,21 @@ def apply_chain(
     and rows are copied straight from the mapping into the shards (Portus-style: no read into
     Python bytes, no deserialisation); the checksum is verified over the mapping all the same.
     Any other store, or ``zero_copy=False``, reads each file whole with ``iter_get``.
+
+    A chain holding quantised checkpoints (written with ``quantize``, see deck.quantize) raises
+    :class:`deck.quantize.QuantizedStateError` (an :class:`IncompatibleModelError`) before
+    anything is changed, unless ``allow_quantized``: then their weights are dequantised, within
+    the encoding's documented error bound, and every exact checkpoint still restores bitwise.
     """
+    quantized = [m for m in chain if m.encoding is not None]
+    if quantized and not allow_quantized:
+        q = quantized[0]
+        raise QuantizedStateError(
+            f"checkpoint {describe(q)} at {storage.uri} holds {q.encoding}-quantised weights "
+            f"({len(quantized)} of the chain's {len(chain)} checkpoints do); restoring it would "
+            "not give the exact state: pass allow_quantized=True to accept that, or restore a "
+            "chain of exact checkpoints"
+        )
     stats = RestoreStats()
     by_table: dict[str, list[TableShard]] = {}
     for s in shards:
@@ -166,7 +182,7 @@ def apply_chain(
                 targets = _match(rec, by_table, describe(m))
                 if not targets:
                     continue
-                _apply_shard(storage, m, rec, targets, stats, joins, zero_copy)
+                _apply_shard(storage, m, rec, targets, stats, joins, zero_copy, allow_quantized)
                 for t in targets:
                     r0, r1 = _span(rec.row_offset, rec.rows, t.row_offset, t.rows)
                     c0, c1 = _span(rec.col_offset, rec.cols, t.col_offset, t.cols)
@@ -215,12 +231,13 @@ def _apply_shard(
     stats: RestoreStats,
     joins: _Joins,
     zero_copy: bool,
+    allow_quantized: bool = False,
 ) -> None:
     root = m.folder
     keys = [f"{root}/{c.path}" for c in rec.chunks]
     for (key, data), chunk in zip(_chunk_files(storage, keys, zero_copy), rec.chunks, strict=True):
         where = f"{storage.describe(key)} (table {rec.table}, {describe(m)})"
-        arrays = decode_chunk(data, chunk, where)
+        arrays = decode_chunk(data, chunk, where, allow_quantized)
         ids = arrays["ids"]
         if ids.numel() and (
             int(ids[0]) < rec.row_offset or int(ids[-1]) >= rec.row_offset + rec.rows

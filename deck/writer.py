@@ -6,6 +6,7 @@ part is durable -- the checkpoint manifest, by rank 0, as a single atomic put.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointManifest,
+    Encoding,
     FileRecord,
     Kind,
     RankManifest,
@@ -33,6 +35,7 @@ from deck.format import (
     step_dir,
     table_dir,
 )
+from deck.quantize import QUANTIZED_STATES, check_encoding, encode_rows, scale_name, stored_dtype
 from deck.rowindex import build_index
 from deck.storage import Storage
 
@@ -81,7 +84,13 @@ def part_manifest_path(part: RankManifest) -> str:
 
 
 class RankPartWriter:
-    """Writes the files of one rank for one checkpoint under ``<step>/<id>/rank-<r>/``."""
+    """Writes the files of one rank for one checkpoint under ``<step>/<id>/rank-<r>/``.
+
+    ``quantize`` (None = exact, the default and what checkpoints for recovery use) writes the
+    float ``weight`` state of every chunk row-wise as ``fp16``, ``bf16`` or ``int8`` (per-row
+    scale; bounds in deck.quantize); optimizer states stay exact. Chunk records and the rank
+    manifest name the encoding, and :func:`commit` carries it into the commit record.
+    """
 
     def __init__(
         self,
@@ -92,7 +101,10 @@ class RankPartWriter:
         world_size: int,
         chunk_bytes: int,
         sink: Sink | None = None,
+        quantize: str | None = None,
     ):
+        self.quantize: Encoding | None = check_encoding(quantize)
+        self.encoded_any = False
         self.step = step
         self.ckpt_id = ckpt_id
         self.rank = rank
@@ -117,13 +129,20 @@ class RankPartWriter:
         ``chunk_bytes`` long; the last is padded to a multiple of 4096.
         """
         n = shard.rows if rows is None else int(rows.numel())
-        segs = [("ids", torch.int64, ())] + [
-            (k, t.dtype, tuple(t.shape[1:])) for k, t in shard.states.items()
-        ]
-        per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // shard.row_bytes()
+        encoded = self._encoded(shard)
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("ids", torch.int64, ())]
+        for k, t in shard.states.items():
+            enc = encoded.get(k)
+            segs.append((k, t.dtype if enc is None else stored_dtype(enc[0]), tuple(t.shape[1:])))
+            if enc is not None and enc[0] == "int8":
+                segs.append((scale_name(k), torch.float32, ()))
+        row_bytes = sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in segs
+        )
+        per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // row_bytes
         if per_chunk < 1:
             raise ConfigError(
-                f"table {shard.table}: one row takes {shard.row_bytes()} bytes, more than "
+                f"table {shard.table}: one row takes {row_bytes} bytes, more than "
                 f"staging.chunk_bytes={self.chunk_bytes}; raise chunk_bytes"
             )
         chunks = []
@@ -134,11 +153,16 @@ class RankPartWriter:
             buf = self.sink.buffer()
             local = None if rows is None else rows[start:stop]
             failpoint("writer.chunk.before_fill")
-            _fill_chunk(buf, layout, shard, start, stop, local)
+            _fill_chunk(buf, layout, shard, start, stop, local, encoded)
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
             last = stop == n
             rec = build_chunk(
-                buf, rel, layout, [None] * len(segs), pad_to=None if last else self.chunk_bytes
+                buf,
+                rel,
+                layout,
+                [None] * len(segs),
+                pad_to=None if last else self.chunk_bytes,
+                encoded=encoded,
             )
             rec = rec.model_copy(update={"index": build_index(segment_view(buf, layout, "ids"))})
             self.sink.submit(rel, buf, rec.nbytes)
@@ -146,6 +170,7 @@ class RankPartWriter:
             self.bytes_written += rec.nbytes
             self.chunks_written += 1
             chunks.append(rec)
+            self.encoded_any |= rec.encoding is not None
         self.rows_written += n
         return ShardRecord(
             table=shard.table,
@@ -159,6 +184,16 @@ class RankPartWriter:
             states=tuple(shard.states),
             chunks=tuple(chunks),
         )
+
+    def _encoded(self, shard: TableShard) -> dict[str, tuple[Encoding, torch.dtype]]:
+        """The states of ``shard`` this writer quantises: (encoding, their dtype) by name."""
+        if self.quantize is None:
+            return {}
+        return {
+            k: (self.quantize, t.dtype)
+            for k, t in shard.states.items()
+            if k in QUANTIZED_STATES and t.dtype.is_floating_point and t.dim() == 2
+        }
 
     def write_part(
         self,
@@ -191,6 +226,7 @@ class RankPartWriter:
             shards=tuple(records),
             dense=dense_rec,
             extra=extra_rec,
+            encoding=self.quantize if self.encoded_any else None,
         )
         failpoint("writer.part.before_manifest")
         self.sink.finish_part(manifest)
@@ -207,12 +243,14 @@ def _fill_chunk(
     start: int,
     stop: int,
     local: torch.Tensor | None,
+    encoded: dict[str, tuple[Encoding, torch.dtype]],
 ) -> None:
     """Gather rows ``[start, stop)`` of the selection (``local``; None = all rows) into ``buf``.
 
     CPU tables: one ``index_select(out=...)`` per state straight into the buffer. GPU tables: the
     gather runs on the table's device on a side stream that first waits for the training stream,
     then copies into the (pinned) buffer without blocking training kernels; one sync per chunk.
+    States in ``encoded`` are gathered, then quantised (on the table's device) into the buffer.
     """
     ids = segment_view(buf, layout, "ids")
     if local is None:
@@ -222,6 +260,10 @@ def _fill_chunk(
     device = next(iter(shard.states.values())).device
     if device.type == "cpu":
         for name, t in shard.states.items():
+            if name in encoded:
+                src = t[start:stop] if local is None else t.index_select(0, local)
+                _put_encoded(buf, layout, name, src, encoded[name][0], shard.table)
+                continue
             out = segment_view(buf, layout, name)
             if local is None:
                 out.copy_(t[start:stop])
@@ -236,8 +278,20 @@ def _fill_chunk(
         idx = None if local is None else local.to(device, non_blocking=True)
         for name, t in shard.states.items():
             src = t[start:stop] if idx is None else t.index_select(0, idx)
-            segment_view(buf, layout, name).copy_(src, non_blocking=True)
+            if name in encoded:
+                _put_encoded(buf, layout, name, src, encoded[name][0], shard.table)
+            else:
+                segment_view(buf, layout, name).copy_(src, non_blocking=True)
     stream.synchronize()
+
+
+def _put_encoded(
+    buf: Buffer, layout: ChunkLayout, name: str, src: torch.Tensor, enc: Encoding, table: str
+) -> None:
+    values, scale = encode_rows(src, enc, f"table {table}")
+    segment_view(buf, layout, name).copy_(values)
+    if scale is not None:
+        segment_view(buf, layout, scale_name(name)).copy_(scale)
 
 
 def commit(
@@ -255,10 +309,13 @@ def commit(
     """Rank 0, after every rank's part is durable: verify the parts and write the commit record."""
     root = step_dir(step)
     refs = []
+    encodings: set[Encoding] = set()
     for rank in range(world_size):
         rel = f"{ckpt_id}/{rank_manifest_name(rank)}"
         data = storage.get(f"{root}/{rel}")
         part = load_model(RankManifest, data, storage.describe(f"{root}/{rel}"))
+        if part.encoding is not None:
+            encodings.add(part.encoding)
         files = [c.nbytes for s in part.shards for c in s.chunks] + [part.extra.nbytes]
         if part.dense is not None:
             files.append(part.dense.nbytes)
@@ -284,6 +341,8 @@ def commit(
         ranks=tuple(refs),
         created_unix=time.time(),
         deck_version=deck_version,
+        # Quantised parts make the whole checkpoint quantised (ranks share one writer config).
+        encoding=min(encodings) if encodings else None,
     )
     failpoint("commit.before_manifest")
     storage.put(f"{root}/{MANIFEST}", dump_model(manifest))
