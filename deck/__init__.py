@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from deck import errors
 from deck.catalog import CheckpointInfo, list_checkpoints
 from deck.checkpointer import DeltaCheckpointer, enable
-from deck.config import DeckConfig, StagingConfig
+from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import CheckpointError
 from deck.lineage import LineageGraph, lineage
 from deck.staging import CheckpointStats
@@ -26,6 +26,7 @@ __all__ = [
     "DeckConfig",
     "DeltaCheckpointer",
     "LineageGraph",
+    "PublishConfig",
     "StagingConfig",
     "__version__",
     "enable",

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -18,7 +19,7 @@ from deck.catalog import (
     latest_restorable,
     read_manifests,
 )
-from deck.config import CHECKPOINT_CONSUMER, DeckConfig
+from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
 from deck.errors import (
     CheckpointError,
@@ -60,6 +61,29 @@ class Stateful(Protocol):
 UserState = Stateful | tuple[Callable[[], Any], Callable[[Any], None]]
 
 
+@dataclass
+class _Chain:
+    """One delta chain this checkpointer writes: its tracking consumer, destination, stager and
+    lineage state. The checkpoints are one chain; the publisher's (``DeckConfig.publish``) is
+    another, with its own parent, base and epoch, so neither's failures touch the other."""
+
+    label: str  # "checkpoint" or "publish", for logs and errors
+    consumer: str
+    storage: Storage
+    stager: Stager
+    epoch: int
+    parent: tuple[int, str] | None = None  # the last committed (step, id) a delta builds on
+    base: int | None = None  # step of the full the chain starts from
+    history: list[CheckpointStats] = field(default_factory=list)
+
+
+def _chain_attr(name: str) -> property:
+    # The checkpoint chain's state, under the attribute names the rest of the class uses.
+    return property(
+        lambda self: getattr(self._ckpt, name), lambda self, v: setattr(self._ckpt, name, v)
+    )
+
+
 class DeltaCheckpointer:
     """Delta checkpoints of a TorchRec ``DistributedModelParallel`` model.
 
@@ -95,21 +119,51 @@ class DeltaCheckpointer:
         self._optimizers = self.adapter.dense_optimizers(optimizers)
         self._state = _user_state(state)
         shards = self.adapter.table_shards()
-        self.tracker = TrackerStore(sum(s.rows for s in shards), config.consumers)
+        self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
         self._paused = 0
         self._hooks: RemovableHandle | None = self.adapter.install_tracking(
             self.tracker, shards, self._active
         )
-        self._parent: tuple[int, str] | None = None
-        self._base: int | None = None
-        self._epoch = self._next_epoch()
         self._last_step: int | None = None
-        self.history: list[CheckpointStats] = []
         on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
         self.stager = Stager(self.storage, config.staging, self.coord.rank, pinned=on_gpu)
+        self._ckpt = _Chain(
+            CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, self.stager, self._next_epoch()
+        )
+        self._pub: _Chain | None = self._open_publisher(on_gpu)
         self._closed = False
         self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
+        if self._pub is not None:
+            # Parts of an earlier process's publishes are finished (or dropped); the first
+            # publish of this process is a full all the same.
+            self._pub.stager.recover(self.coord)
         self.last_restore: RestoreStats | None = None  # what the last restore() read on this rank
+
+    _parent = _chain_attr("parent")
+    _base = _chain_attr("base")
+    _epoch = _chain_attr("epoch")
+    history = _chain_attr("history")
+
+    @property
+    def published(self) -> list[CheckpointStats]:
+        """Stats of this process's publishes (empty without ``DeckConfig.publish``)."""
+        return [] if self._pub is None else self._pub.history
+
+    def _open_publisher(self, on_gpu: bool) -> _Chain | None:
+        cfg = self.config.publish
+        if cfg is None:
+            return None
+        storage = open_storage(cfg.uri, cfg.storage_options)
+        if self.coord.world_size > 1 and cfg.uri.startswith("memory://"):
+            raise ConfigError(
+                f"DeckConfig.publish.uri {cfg.uri!r}: memory:// exists inside one process only; "
+                "use a shared path or object store"
+            )
+        check_writable(storage)
+        stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu)
+        return _Chain(
+            "publish", PUBLISH_CONSUMER, storage, stager, self._next_epoch(storage=storage)
+        )
 
     def _take_lease(self) -> Lease | None:
         if self.config.lease_ttl_s is None:
@@ -148,11 +202,36 @@ class DeltaCheckpointer:
         or after an unrecoverable error) or ``step`` is a multiple of ``full_every_steps``.
         """
         self._last_step = step
-        if step % self.config.delta_every_steps:
+        stats = None
+        if step % self.config.delta_every_steps == 0:
+            full_every = self.config.full_every_steps
+            full = self._parent is None or (full_every is not None and step % full_every == 0)
+            stats = self.save("full" if full else "delta", step=step)
+        if self.config.publish is not None and step % self.config.publish.every_steps == 0:
+            self.publish(step)
+        return stats
+
+    def publish(self, step: int | None = None) -> CheckpointStats | None:
+        """Publish the rows touched since the last publish as a delta of the publish chain
+        (``DeckConfig.publish``; a full when it has no committed parent), staged in the background
+        like a checkpoint. ``step()`` calls it every ``publish.every_steps``. Collective.
+
+        A failed publish is logged, never raised, and leaves the checkpoint chain alone; the next
+        publish is then a full. Returns None when nothing was published.
+        """
+        chain = self._pub
+        if chain is None:
+            raise ConfigError("publish() needs DeckConfig(publish=PublishConfig(uri=...))")
+        if step is None:
+            step = self._last_step
+        if step is None:
+            raise ValueError("publish() needs step=... before the first call to step()")
+        try:
+            return self._save_chain(chain, "delta", step)
+        except CheckpointError as e:
+            chain.parent = None
+            logger.error("deck: publish of step %d failed; the next publish is a full: %s", step, e)
             return None
-        full_every = self.config.full_every_steps
-        full = self._parent is None or (full_every is not None and step % full_every == 0)
-        return self.save("full" if full else "delta", step=step)
 
     def save(
         self, kind: Literal["delta", "full"] = "delta", *, step: int | None = None
@@ -171,18 +250,25 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ValueError("save() needs step=... before the first call to step()")
+        return self._save_chain(self._ckpt, kind, step)
+
+    def _save_chain(
+        self, chain: _Chain, kind: Literal["delta", "full"], step: int
+    ) -> CheckpointStats | None:
+        """``save()`` of one chain: the checkpoints, or the publisher's (same format, its own
+        consumer, storage, stager and lineage)."""
         t0 = time.perf_counter()
         # One collective agrees on the id and the kind: a part that failed in the background on
         # any rank breaks the chain, so then every rank takes a full; so does a rank without a
         # parent (e.g. its shards were resharded by the restore).
         lost = self._lease is not None and self._lease.lost.is_set()
-        broken = kind == "delta" and self._parent_chain_broken()
+        broken = kind == "delta" and self._parent_chain_broken(chain)
         agreed = self.coord.gather(
             [
-                float(self.stager.failed.is_set()),
+                float(chain.stager.failed.is_set()),
                 float(self.coord.new_id_seed()),
                 float(lost),
-                float(self._parent is None or broken),
+                float(chain.parent is None or broken),
             ]
         )
         if agreed[:, 2].max() > 0:
@@ -192,11 +278,13 @@ class DeltaCheckpointer:
             )
         ckpt_id = f"{int(agreed[0, 1]):016x}"
         if kind == "delta" and (agreed[:, 3].max() > 0 or agreed[:, 0].max() > 0):
-            logger.info("step %d: no committed parent to be a delta of: taking a full", step)
+            logger.info(
+                "%s step %d: no committed parent to be a delta of: taking a full", chain.label, step
+            )
             kind = "full"
-        self.stager.failed.clear()
+        chain.stager.failed.clear()
         full = kind == "full"
-        token = self.tracker.begin_read(CHECKPOINT_CONSUMER)
+        token = self.tracker.begin_read(chain.consumer)
         staged = None
         writer = None
         error: BaseException | None = None
@@ -212,10 +300,12 @@ class DeltaCheckpointer:
                 (sh.rows if sel is None else int(sel.numel())) * sh.row_bytes()
                 for sh, sel in zip(shards, selected, strict=True)
             )
-            if self.stager.reserve(estimate):
-                staged = self.stager.begin(self._pending_part(step, ckpt_id, full), estimate)
+            if chain.stager.reserve(estimate):
+                staged = chain.stager.begin(
+                    self._pending_part(chain, step, ckpt_id, full), estimate
+                )
                 writer = RankPartWriter(
-                    self.storage,
+                    chain.storage,
                     step,
                     ckpt_id,
                     self.coord.rank,
@@ -243,15 +333,18 @@ class DeltaCheckpointer:
         if gathered[:, 0].min() < 2:
             self.tracker.abort(token)  # nothing was saved: the rows stay pending
             if staged is not None:
-                self.stager.discard(staged)
+                chain.stager.discard(staged)
             if gathered[:, 0].min() == 1:
                 logger.warning(
-                    "deck: step %d skipped: the spool %s is full", step, self.stager.spool_root
+                    "deck: %s step %d skipped: the spool %s is full",
+                    chain.label,
+                    step,
+                    chain.stager.spool_root,
                 )
                 return None
             failed = gathered[:, 0].eq(0).nonzero().view(-1).tolist()
             raise CheckpointError(
-                f"checkpoint of step {step} at {self.storage.uri} was not committed: rank(s) {failed} failed"
+                f"{chain.label} of step {step} at {chain.storage.uri} was not committed: rank(s) {failed} failed"
                 + (f"; on rank {self.coord.rank}: {error}" if error else "")
                 + ". Nothing was lost: its rows stay pending for the next checkpoint."
             ) from error
@@ -265,37 +358,38 @@ class DeltaCheckpointer:
             chunks=int(gathered[:, 4].sum()),
             started=t0,
         )
-        self.stager.enqueue(staged, stats)  # type: ignore[arg-type]
+        chain.stager.enqueue(staged, stats)  # type: ignore[arg-type]
         failpoint("checkpointer.save.enqueued")
         # The rows are safe in the first tier: later deltas are relative to this snapshot. If the
         # background part fails, ``stager.failed`` makes the next checkpoint a full.
         self.tracker.commit(token)
-        self._parent = (step, ckpt_id)
+        chain.parent = (step, ckpt_id)
         if full:
-            self._base = step
-        self.history.append(stats)
+            chain.base = step
+        chain.history.append(stats)
         logger.info(
-            "deck: %s checkpoint step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s",
+            "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s",
             kind,
+            chain.label,
             step,
-            self.stager.tier,
+            chain.stager.tier,
             stats.rows,
             stats.bytes / 2**20,
             stats.stall_s,
         )
         return stats
 
-    def _parent_chain_broken(self) -> bool:
+    def _parent_chain_broken(self, chain: _Chain) -> bool:
         """Rank 0: whether the committed parent can no longer be restored (a checkpoint of its
         chain was quarantined and nothing covers it), so a delta of it would be useless too.
 
         Only asked while nothing is in flight: a parent still uploading is not committed yet,
         and a part that fails in the background already forces a full via ``stager.failed``.
         """
-        if self.coord.rank != 0 or self._parent is None or not self.stager.flush(timeout=0):
+        if self.coord.rank != 0 or chain.parent is None or not chain.stager.flush(timeout=0):
             return False
         try:
-            why = needs_new_full(self.storage, self._parent)
+            why = needs_new_full(chain.storage, chain.parent)
         except DeckError as e:
             # Cannot tell now (e.g. the store is down): a delta still follows its committed
             # parent, and the next checkpoint asks again.
@@ -305,10 +399,10 @@ class DeltaCheckpointer:
             logger.warning("deck: taking a full: the last checkpoint's chain is broken: %s", why)
         return why is not None
 
-    def _pending_part(self, step: int, ckpt_id: str, full: bool) -> PendingPart:
-        delta_of = None if full else self._parent
+    def _pending_part(self, chain: _Chain, step: int, ckpt_id: str, full: bool) -> PendingPart:
+        delta_of = None if full else chain.parent
         return PendingPart(
-            uri=self.storage.uri,
+            uri=chain.storage.uri,
             step=step,
             ckpt_id=ckpt_id,
             rank=self.coord.rank,
@@ -316,8 +410,8 @@ class DeltaCheckpointer:
             kind=Kind.FULL if full else Kind.DELTA,
             parent=None if delta_of is None else delta_of[0],
             parent_id=None if delta_of is None else delta_of[1],
-            base=step if full or self._base is None else self._base,
-            epoch=self._epoch,
+            base=step if full or chain.base is None else chain.base,
+            epoch=chain.epoch,
         )
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -325,6 +419,8 @@ class DeltaCheckpointer:
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
         Returns False if any rank timed out."""
         done = self.stager.flush(timeout)
+        if self._pub is not None:
+            done = self._pub.stager.flush(timeout) and done
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)
 
@@ -498,6 +594,10 @@ class DeltaCheckpointer:
         if self._state is not None:
             self._state[1](extra["user"])
         self.tracker.reset()
+        if self._pub is not None:
+            # The model jumped to the restored step: a delta of the last publish would be wrong.
+            self._pub.parent = None
+            self._pub.epoch += 1
         # Deltas build on the restored checkpoint only in its own layout (save() agrees on it).
         same = same_layout(parts, self.coord.rank, shards)
         self._parent = (target, last.id) if same else None
@@ -514,9 +614,10 @@ class DeltaCheckpointer:
             stats.bytes / 2**20,
         )
 
-    def _next_epoch(self, manifests: dict | None = None) -> int:
+    def _next_epoch(self, manifests: dict | None = None, storage: Storage | None = None) -> int:
         if manifests is None:
-            manifests = read_manifests(self.storage) if self.coord.rank == 0 else {}
+            store = storage or self.storage
+            manifests = read_manifests(store) if self.coord.rank == 0 else {}
             return self.coord.broadcast_int(
                 max((m.epoch for m in manifests.values()), default=-1) + 1
             )
@@ -536,6 +637,8 @@ class DeltaCheckpointer:
             if collective:
                 self.flush()
             self.stager.close()
+            if self._pub is not None:
+                self._pub.stager.close()
             if self._lease is not None:
                 self._lease.release()
 

@@ -10,6 +10,9 @@
                                          the full state of a step as a torch.distributed.checkpoint
                                          directory (dcp.load into a fresh DMP) or one safetensors
                                          file of unsharded tables
+    deck follow URI --out DIR [--once] [--poll S]
+                                         keep DIR/state.safetensors the full state of URI's newest
+                                         step, applying only each new delta's rows
     deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
     deck merge URI [--once | --follow]   merger worker(s): hierarchical merging and new fulls
     deck gc URI [--dry-run]              retention: delete what no retained step needs
@@ -506,6 +509,33 @@ def _json_options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def cmd_follow(a: argparse.Namespace) -> int:
+    from deck.follow import FollowUpdate, follow
+
+    def show(u: FollowUpdate) -> None:
+        if u.how == "unchanged":
+            return
+        print(
+            f"step {u.step} ({u.ckpt_id}): {u.how}, {len(u.applied)} checkpoint(s) read "
+            f"({', '.join(u.applied)}), {_human(u.bytes_read)} of chunks read (a restore of the "
+            f"step reads {_human(u.chain_bytes)}), {u.seconds:.2f} s -> {a.out}",
+            flush=True,
+        )
+
+    try:
+        follow(
+            a.uri,
+            a.out,
+            once=a.once,
+            poll_s=a.poll,
+            storage_options=a.storage_options,
+            on_update=show,
+        )
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="deck", description="Inspect, check, merge and collect deck checkpoints."
@@ -637,6 +667,23 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--format", choices=("dcp", "safetensors"), default="dcp", help="(dcp)")
     exp.set_defaults(fn=cmd_export)
 
+    fol = sub.add_parser(
+        "follow",
+        help="keep a materialised full state of the newest step up to date (a loading service)",
+        description="Keep DIR/state.safetensors (the tensors of 'deck export --format "
+        "safetensors') and DIR/state.json (step, checkpoint id) the full state of URI's newest "
+        "restorable step. The first catch-up restores its chain; each newer delta is then "
+        "applied by reading only its rows. Files are replaced atomically (temp file, fsync, "
+        "rename). Restarting on the same DIR resumes from it.",
+    )
+    fol.add_argument("uri")
+    fol.add_argument("--out", required=True, help="output directory (created if missing)")
+    fol.add_argument("--once", action="store_true", help="catch up once and exit")
+    fol.add_argument(
+        "--poll", type=float, default=10.0, help="seconds between checks for new steps (10)"
+    )
+    fol.set_defaults(fn=cmd_follow)
+
     rep = sub.add_parser(
         "report",
         help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
@@ -649,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(fn=cmd_report)
 
     a = p.parse_args(argv)
-    if a.cmd in ("merge", "gc"):
+    if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(a.fn(a))

@@ -14,6 +14,7 @@ from deck.errors import ConfigError
 
 PAGE_BYTES = 4096
 CHECKPOINT_CONSUMER = "checkpoint"
+PUBLISH_CONSUMER = "publish"
 
 
 Tiers = Literal["auto", "local", "cpu-remote", "cpu-ssd-remote"]
@@ -101,6 +102,42 @@ class StagingConfig(BaseModel):
         return v
 
 
+class PublishConfig(BaseModel):
+    """A publisher tenant: a second delta chain, at its own (usually shorter) interval, to its own
+    URI, for a loading service (``deck follow``) or a serving job to read.
+
+    The publisher reads its own deltas from the tracker (consumer ``"publish"``) and writes an
+    ordinary deck checkpoint chain (first publish a full, then deltas), staged in the background
+    through its own stager. Its failures never touch the checkpoint chain: they are logged and the
+    next publish is a full.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(
+        description="Where published deltas go: a local directory or any fsspec URI; must differ "
+        "from DeckConfig.uri.",
+        json_schema_extra={"constraints": "non-empty, not DeckConfig.uri"},
+    )
+    every_steps: int = Field(
+        default=10,
+        ge=1,
+        description="ckpt.step(step) publishes when step % n == 0 (a delta of the rows touched "
+        "since the last publish; the first publish, or the one after a failure, is a full).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to fsspec for the publish URI: credentials, endpoint.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_nonempty(cls, v: str) -> str:
+        if not v or not v.strip():
+            raise ValueError("must be a non-empty local path or fsspec URI")
+        return v.strip()
+
+
 class DeckConfig(BaseModel):
     """Everything deck needs to checkpoint one TorchRec model.
 
@@ -116,6 +153,7 @@ class DeckConfig(BaseModel):
     - ``track_eval``: also record ids looked up by forwards in eval mode (off: eval does not
       update rows, so tracking it only costs time).
     - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
+    - ``publish``: an optional publisher tenant (:class:`PublishConfig`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -163,6 +201,11 @@ class DeckConfig(BaseModel):
         default_factory=StagingConfig,
         description="How checkpoint bytes travel: buffers, spool, uploads (StagingConfig).",
     )
+    publish: PublishConfig | None = Field(
+        default=None,
+        description="A publisher tenant streaming its own delta chain to its own URI at its own "
+        "interval (PublishConfig); None: no publishing.",
+    )
 
     @field_validator("uri")
     @classmethod
@@ -209,6 +252,22 @@ class DeckConfig(BaseModel):
                 f"delta_every_steps ({self.delta_every_steps}) so fulls land on checkpoint steps"
             )
         return self
+
+    @model_validator(mode="after")
+    def _publish_uri(self) -> DeckConfig:
+        if self.publish is not None and self.publish.uri.rstrip("/") == self.uri.rstrip("/"):
+            raise ValueError(
+                f"publish.uri ({self.publish.uri}) must differ from uri: the two chains "
+                "have their own steps, parents and epochs"
+            )
+        return self
+
+    @property
+    def tracking_consumers(self) -> tuple[str, ...]:
+        """The tracker's tenants: ``consumers``, plus ``"publish"`` when publishing."""
+        if self.publish is None or PUBLISH_CONSUMER in self.consumers:
+            return self.consumers
+        return (*self.consumers, PUBLISH_CONSUMER)
 
     def __init__(self, **data: Any) -> None:
         """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""

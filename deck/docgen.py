@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from deck.config import DeckConfig, StagingConfig
+from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.merger import FullPolicy, MergeConfig
 from deck.retention import RetentionPolicy
 
@@ -36,6 +36,7 @@ REGENERATE = "python -m deck.docgen"
 MODELS: list[tuple[type, str, str]] = [
     (DeckConfig, "deck.DeckConfig", "the trainer: `deck.enable(model, optimizers, config)`"),
     (StagingConfig, "deck.StagingConfig", "the trainer: `DeckConfig(staging=...)`"),
+    (PublishConfig, "deck.PublishConfig", "the trainer: `DeckConfig(publish=...)`"),
     (MergeConfig, "deck.merger.MergeConfig", "merger workers: `deck merge` flags"),
     (FullPolicy, "deck.merger.FullPolicy", "merger workers: `MergeConfig(full=...)`"),
     (RetentionPolicy, "deck.retention.RetentionPolicy", "GC: `deck gc` / `deck merge --gc` flags"),

@@ -336,49 +336,60 @@ class StepState:
         """The nested state dict of everything but the tables: ``{"model": dense state,
         "optim": {"state": dense optimizer states and per-shard scalar states}}``. What cannot be
         exported is described in ``skipped``."""
-        skipped = skipped if skipped is not None else []
-        where = describe(self.last)
-        dense_rec = self.parts[0].dense
-        model: dict[str, torch.Tensor] = {}
-        if dense_rec is None:
-            skipped.append(f"{where}: rank 0 part has no dense state")
-        else:
-            dense = read_state_file(self.storage, self.last, dense_rec)
-            model = {k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}
-        opt_state: dict[str, dict[str, torch.Tensor]] = {}
-        extra = read_state_file(self.storage, self.last, self.parts[0].extra)
-        for name, saved in sorted(extra.get("optimizers", {}).items()):
-            state = saved.get("state_dict", {}).get("state", {})
-            if not all(isinstance(k, str) for k in state):
-                skipped.append(
-                    f"dense optimizer {name}: its state is keyed by parameter index, not name "
-                    "(a plain torch.optim optimizer); wrap it in torchrec's KeyedOptimizerWrapper"
+        return eager_state(self.storage, self.last, self.parts, skipped)
+
+
+def eager_state(
+    storage: Storage,
+    last: CheckpointManifest,
+    parts: list[RankManifest],
+    skipped: list[str] | None = None,
+) -> dict[str, Any]:
+    """:meth:`StepState.eager_state` of checkpoint ``last`` (its rank manifests ``parts``):
+    reads only its dense and extra files, never the tables."""
+    skipped = skipped if skipped is not None else []
+    where = describe(last)
+    dense_rec = parts[0].dense
+    model: dict[str, torch.Tensor] = {}
+    if dense_rec is None:
+        skipped.append(f"{where}: rank 0 part has no dense state")
+    else:
+        dense = read_state_file(storage, last, dense_rec)
+        model = {k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}
+    opt_state: dict[str, dict[str, torch.Tensor]] = {}
+    extra = read_state_file(storage, last, parts[0].extra)
+    for name, saved in sorted(extra.get("optimizers", {}).items()):
+        state = saved.get("state_dict", {}).get("state", {})
+        if not all(isinstance(k, str) for k in state):
+            skipped.append(
+                f"dense optimizer {name}: its state is keyed by parameter index, not name "
+                "(a plain torch.optim optimizer); wrap it in torchrec's KeyedOptimizerWrapper"
+            )
+            continue
+        for param, values in state.items():
+            for k, v in values.items():
+                if isinstance(v, torch.Tensor):
+                    opt_state.setdefault(param, {})[k] = v
+                else:
+                    skipped.append(f"dense optimizer {name}: {param}.{k} is not a tensor")
+    scalars: dict[str, dict[str, list[tuple[tuple[int, int], torch.Tensor]]]] = {}
+    for part in parts:
+        ex = extra if part.rank == 0 else read_state_file(storage, last, part.extra)
+        for key, values in ex.get("scalars", {}).items():
+            table, row_off, col_off = key.rsplit("|", 2)
+            for k, v in values.items():
+                scalars.setdefault(table, {}).setdefault(k, []).append(
+                    ((int(row_off), int(col_off)), v.reshape(1))
                 )
-                continue
-            for param, values in state.items():
-                for k, v in values.items():
-                    if isinstance(v, torch.Tensor):
-                        opt_state.setdefault(param, {})[k] = v
-                    else:
-                        skipped.append(f"dense optimizer {name}: {param}.{k} is not a tensor")
-        scalars: dict[str, dict[str, list[tuple[tuple[int, int], torch.Tensor]]]] = {}
-        for part in self.parts:
-            ex = extra if part.rank == 0 else read_state_file(self.storage, self.last, part.extra)
-            for key, values in ex.get("scalars", {}).items():
-                table, row_off, col_off = key.rsplit("|", 2)
-                for k, v in values.items():
-                    scalars.setdefault(table, {}).setdefault(k, []).append(
-                        ((int(row_off), int(col_off)), v.reshape(1))
-                    )
-        for table, per_name in scalars.items():
-            for k, blocks in per_name.items():
-                # TorchRec: one value per shard, in the table's shard order.
-                opt_state.setdefault(table, {})[f"{table_name(table)}.{k}"] = torch.cat(
-                    [v for _, v in sorted(blocks, key=lambda b: b[0])]
-                )
-        if extra.get("user") is not None:
-            skipped.append("user state (read it with DeltaCheckpointer.restore)")
-        return {"model": model, "optim": {"state": opt_state}}
+    for table, per_name in scalars.items():
+        for k, blocks in per_name.items():
+            # TorchRec: one value per shard, in the table's shard order.
+            opt_state.setdefault(table, {})[f"{table_name(table)}.{k}"] = torch.cat(
+                [v for _, v in sorted(blocks, key=lambda b: b[0])]
+            )
+    if extra.get("user") is not None:
+        skipped.append("user state (read it with DeltaCheckpointer.restore)")
+    return {"model": model, "optim": {"state": opt_state}}
 
 
 def _dtype(name: str, table: str) -> torch.dtype:

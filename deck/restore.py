@@ -117,6 +117,7 @@ def apply_chain(
     shards: list[TableShard],
     tables: dict[str, tuple[int, int]],
     zero_copy: bool = True,
+    onto: bool = False,
     allow_quantized: bool = False,
 ) -> tuple[RestoreStats, list[RankManifest]]:
     """Write the rows of ``chain`` (full first, then deltas / merged deltas in order; newest row
@@ -144,6 +145,9 @@ def apply_chain(
     and rows are copied straight from the mapping into the shards (Portus-style: no read into
     Python bytes, no deserialisation); the checksum is verified over the mapping all the same.
     Any other store, or ``zero_copy=False``, reads each file whole with ``iter_get``.
+
+    ``onto``: the shards already hold the state ``chain[0]`` builds on (its parent), so the
+    chain may start with a delta and only its rows are written (``deck follow``'s catch-up).
 
     A chain holding quantised checkpoints (written with ``quantize``, see deck.quantize) raises
     :class:`deck.quantize.QuantizedStateError` (an :class:`IncompatibleModelError`) before
@@ -174,7 +178,7 @@ def apply_chain(
             continue
         covered: dict[int, int] = {}  # id(shard) -> rows x cols the checkpoint's records cover
         saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
-        if i == 0:
+        if i == 0 and not onto:
             _check_tables(saved, tables, f"checkpoint {describe(m)} at {storage.uri}")
         joins = _Joins()
         for part in parts:
@@ -189,7 +193,7 @@ def apply_chain(
                     covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
                     stats.resharded |= not _same_extent(rec, t)
         joins.finish()
-        if i == 0:
+        if i == 0 and not onto:
             uncovered = [s.table for s in shards if covered.get(id(s), 0) != s.rows * s.cols]
             if uncovered:
                 raise CorruptCheckpointError(

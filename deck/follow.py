@@ -1,0 +1,337 @@
+"""``deck follow``: keep a materialised full state of the newest step of a URI up to date.
+
+The output directory holds ``state.safetensors`` (the same tensors, names and layout as
+``deck export --format safetensors`` of that step) and ``state.json`` (which step and checkpoint
+it is). Both are replaced atomically (written under a temporary name, fsynced, renamed), so a
+reader sees either the previous state or the new one, never a mix; the safetensors metadata
+names the step too, so the data file is self-describing without the sidecar.
+
+The first catch-up restores the cheapest chain of the newest step (every chunk of it). After
+that, a newly committed delta is applied by reading only that delta's rows into the tables held
+in memory (``apply_chain(..., onto=True)``), plus its small dense/extra files; the chain is not
+read again. A new full, a changed set of tables, or a newest step whose chain does not pass
+through the materialised one (e.g. the publisher restarted) is materialised from scratch.
+
+Memory: the whole unsharded state of one step (what a serving job loads anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from deck.adapters.base import TableShard
+from deck.catalog import read_manifests, read_rank_manifests
+from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.export import (
+    _SAFETENSORS_DTYPES,
+    StepState,
+    _write_tensor,
+    eager_state,
+    flatten,
+)
+from deck.format import CheckpointManifest
+from deck.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.restore import apply_chain
+from deck.storage import Storage, open_storage
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.safetensors"
+SIDECAR = "state.json"
+
+
+@dataclass
+class FollowUpdate:
+    """What one catch-up did."""
+
+    step: int
+    ckpt_id: str
+    how: str  # "full" (materialised from a chain), "delta" (applied new deltas), "unchanged"
+    applied: list[str] = field(default_factory=list)  # folders of the checkpoints read
+    bytes_read: int = 0  # table chunk bytes read by this catch-up
+    chain_bytes: int = 0  # what a restore of the step from scratch reads
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One state of one table shard inside an output tensor (fqn), at offsets / sizes."""
+
+    fqn: str
+    state: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Shard:
+    table: str
+    num_rows: int
+    num_cols: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    pieces: tuple[_Piece, ...]
+
+
+class Follower:
+    """The materialised state of ``uri``'s newest step in ``out_dir`` (see the module doc).
+
+    Reopening a directory a previous follower wrote resumes from its files: only the deltas
+    committed since are read.
+    """
+
+    def __init__(self, uri: str, out_dir: str, storage_options: dict[str, Any] | None = None):
+        self.uri = uri
+        self.storage_options = storage_options
+        self.storage: Storage = open_storage(uri, storage_options)
+        self.out_dir = out_dir
+        self.tensors: dict[str, torch.Tensor] = {}  # tables first, then dense, as written
+        self.table_fqns: list[str] = []
+        self.shards: list[_Shard] = []
+        self.tables: dict[str, tuple[int, int]] = {}
+        self.state: tuple[int, str] | None = None  # (step, trainer checkpoint id) held
+        self.chain: list[str] = []
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ConfigError(f"--out {out_dir} is not a directory")
+        os.makedirs(out_dir, exist_ok=True)
+        self._resume()
+
+    # ---- catching up -------------------------------------------------------------------------
+    def catch_up(self) -> FollowUpdate:
+        """Bring the output to the newest restorable step of the URI (at most one write)."""
+        t0 = time.perf_counter()
+        manifests = read_manifests(self.storage)
+        if not manifests:
+            raise CheckpointNotFoundError(f"no committed checkpoints at {self.storage.uri}")
+        graph = build_graph(manifests, self.storage.uri)
+        latest = graph.latest()
+        if latest is None:
+            raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
+        chain = cheapest_chain(graph, latest)
+        last = chain[-1]
+        if self.state == last.state:
+            return FollowUpdate(latest, last.state[1], "unchanged")
+        held = [i for i, m in enumerate(chain) if m.state == self.state]
+        newer = chain[held[-1] + 1 :] if held else []
+        parts = read_rank_manifests(self.storage, last) if newer else []
+        same_tables = {r.table: (r.num_rows, r.num_cols) for p in parts for r in p.shards}
+        if newer and same_tables == self.tables:
+            update = self._apply(newer, parts)
+        else:
+            update = self._materialise(latest)
+        update.chain_bytes = chain_bytes(chain)
+        update.seconds = time.perf_counter() - t0
+        return update
+
+    def _apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
+        last = newer[-1]
+        targets = self._targets()
+        stats, _ = apply_chain(self.storage, newer, targets, self.tables, onto=True)
+        dense = flatten(eager_state(self.storage, last, parts))
+        self._set_dense(dense)
+        self.chain = self.chain + [m.folder for m in newer]
+        self.state = last.state
+        self._write()
+        return FollowUpdate(
+            last.step, last.state[1], "delta", [m.folder for m in newer], bytes_read=stats.bytes
+        )
+
+    def _materialise(self, step: int) -> FollowUpdate:
+        st = StepState(self.uri, step, self.storage_options)
+        tensors: dict[str, torch.Tensor] = {}
+        shards: list[_Shard] = []
+        by_shard: dict[int, list[_Piece]] = {}
+        for p in st.pieces:
+            tensors.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
+            by_shard.setdefault(p.shard, []).append(_Piece(p.fqn, p.state, p.offsets, p.sizes))
+        for i, s in enumerate(st.shards):
+            data = st.read_shard(i)
+            for q in by_shard[i]:
+                _block(tensors[q.fqn], q).copy_(data[q.state])
+            shards.append(
+                _Shard(
+                    s.table,
+                    s.num_rows,
+                    s.num_cols,
+                    s.row_offset,
+                    s.rows,
+                    s.col_offset,
+                    s.cols,
+                    tuple(by_shard[i]),
+                )
+            )
+        self.tensors, self.shards, self.tables = tensors, shards, dict(st.tables)
+        self.table_fqns = list(tensors)
+        self._set_dense(flatten(st.eager_state()))
+        self.state = st.last.state
+        self.chain = [m.folder for m in st.chain]
+        self._write()
+        return FollowUpdate(
+            st.step, st.last.state[1], "full", list(self.chain), bytes_read=st.read_bytes
+        )
+
+    def _set_dense(self, dense: dict[str, Any]) -> None:
+        tables = {k: self.tensors[k] for k in self.table_fqns}
+        self.tensors = {**tables, **{k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}}
+
+    def _targets(self) -> list[TableShard]:
+        """Table shards whose states are views of the held tensors: apply_chain writes into
+        the materialised tables in place."""
+        return [
+            TableShard(
+                table=s.table,
+                num_rows=s.num_rows,
+                num_cols=s.num_cols,
+                row_offset=s.row_offset,
+                rows=s.rows,
+                col_offset=s.col_offset,
+                cols=s.cols,
+                states={p.state: _block(self.tensors[p.fqn], p) for p in s.pieces},
+            )
+            for s in self.shards
+        ]
+
+    # ---- files -------------------------------------------------------------------------------
+    def _write(self) -> None:
+        assert self.state is not None
+        step, ckpt_id = self.state
+        header: dict[str, Any] = {
+            "__metadata__": {
+                "format": "deck-export",
+                "uri": self.storage.uri,
+                "step": str(step),
+                "checkpoint": ckpt_id,
+                "chain": json.dumps(self.chain),
+            }
+        }
+        off = 0
+        for name, t in self.tensors.items():
+            n = t.numel() * t.element_size()
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [off, off + n],
+            }
+            off += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+
+        def data(f: Any) -> None:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for t in self.tensors.values():
+                _write_tensor(f, t)
+
+        _replace(os.path.join(self.out_dir, STATE_FILE), data)
+        sidecar = {
+            "uri": self.storage.uri,
+            "step": step,
+            "checkpoint": ckpt_id,
+            "chain": self.chain,
+            "tables": self.table_fqns,
+            "shards": [asdict(s) for s in self.shards],
+        }
+        body = json.dumps(sidecar, indent=1).encode()
+        _replace(os.path.join(self.out_dir, SIDECAR), lambda f: f.write(body))
+
+    def _resume(self) -> None:
+        side = os.path.join(self.out_dir, SIDECAR)
+        path = os.path.join(self.out_dir, STATE_FILE)
+        if not os.path.exists(side) or not os.path.exists(path):
+            return
+        try:
+            with open(side, "rb") as f:
+                meta = json.loads(f.read())
+            if meta["uri"] != self.storage.uri:
+                raise ConfigError(
+                    f"--out {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
+                    "another directory"
+                )
+            tensors: dict[str, torch.Tensor] = {}
+            with safe_open(path, framework="pt") as f:
+                if f.metadata().get("step") != str(meta["step"]):
+                    raise CorruptCheckpointError(f"{path} and {side} name different steps")
+                for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensors[k] = f.get_tensor(k)
+        except (OSError, ValueError, KeyError) as e:
+            # A damaged output is rebuilt from the chain, not trusted.
+            logger.warning("deck follow: cannot resume from %s (%s): rebuilding it", path, e)
+            return
+        self.shards = [
+            _Shard(
+                **{k: v for k, v in s.items() if k != "pieces"},
+                pieces=tuple(
+                    _Piece(p["fqn"], p["state"], tuple(p["offsets"]), tuple(p["sizes"]))
+                    for p in s["pieces"]
+                ),
+            )
+            for s in meta["shards"]
+        ]
+        self.table_fqns = list(meta["tables"])
+        self.tensors = tensors
+        self.tables = {}
+        for s in self.shards:
+            self.tables[s.table] = (s.num_rows, s.num_cols)
+        self.state = (int(meta["step"]), str(meta["checkpoint"]))
+        self.chain = list(meta["chain"])
+
+
+def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
+    return t[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))]
+
+
+def _replace(path: str, write: Any) -> None:
+    """Write ``path`` atomically: temporary file, fsync, rename, fsync of the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def follow(
+    uri: str,
+    out_dir: str,
+    *,
+    once: bool = False,
+    poll_s: float = 10.0,
+    storage_options: dict[str, Any] | None = None,
+    on_update: Any = None,
+) -> Follower:
+    """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
+    ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
+    otherwise they are logged and retried at the next poll."""
+    follower = Follower(uri, out_dir, storage_options)
+    while True:
+        try:
+            update = follower.catch_up()
+            if on_update is not None:
+                on_update(update)
+        except Exception as e:
+            if once:
+                raise
+            logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
+        if once:
+            return follower
+        time.sleep(poll_s)
