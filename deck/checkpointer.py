@@ -102,6 +102,7 @@ class DeltaCheckpointer:
         *,
         adapter: ModelAdapter | None = None,
         storage: Storage | None = None,
+        publish_storage: Storage | None = None,
     ):
         self.config = config
         self.adapter = adapter or _default_adapter(model)
@@ -130,7 +131,7 @@ class DeltaCheckpointer:
         self._ckpt = _Chain(
             CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, self.stager, self._next_epoch()
         )
-        self._pub: _Chain | None = self._open_publisher(on_gpu)
+        self._pub: _Chain | None = self._open_publisher(on_gpu, publish_storage)
         self._closed = False
         self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
         if self._pub is not None:
@@ -149,11 +150,13 @@ class DeltaCheckpointer:
         """Stats of this process's publishes (empty without ``DeckConfig.publish``)."""
         return [] if self._pub is None else self._pub.history
 
-    def _open_publisher(self, on_gpu: bool) -> _Chain | None:
+    def _open_publisher(self, on_gpu: bool, storage: Storage | None) -> _Chain | None:
         cfg = self.config.publish
         if cfg is None:
             return None
-        storage = open_storage(cfg.uri, cfg.storage_options)
+        # ``publish_storage`` replaces the store of ``publish.uri``, as ``storage`` does for
+        # ``uri`` (a custom backend, or a fault-injecting wrapper in tests).
+        storage = storage or open_storage(cfg.uri, cfg.storage_options)
         if self.coord.world_size > 1 and cfg.uri.startswith("memory://"):
             raise ConfigError(
                 f"DeckConfig.publish.uri {cfg.uri!r}: memory:// exists inside one process only; "

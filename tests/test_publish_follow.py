@@ -152,3 +152,68 @@ def test_publish_chain_and_follow(tmp_path: Path) -> None:
     # Nothing new: a catch-up writes nothing and says nothing.
     r = _deck("follow", pub, "--out", out, "--once")
     assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+
+
+def _failing_publish(rank: int, world_size: int, ckpt: str, pub: str, spool: str) -> None:
+    from faulty_storage import FaultyStorage
+
+    from deck.storage import LocalStorage
+
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=ckpt,
+        delta_every_steps=3,
+        staging=deck.StagingConfig(
+            chunk_bytes=16 * 1024,
+            spool_dir=spool,
+            retry_initial_s=0.01,
+            retry_max_s=0.02,
+            upload_timeout_s=0.2,
+        ),
+        publish=deck.PublishConfig(uri=pub, every_steps=2),
+    )
+    # Every upload of the publish of step 4 fails (a remote store: staged in a spool, uploaded
+    # in the background), so the failure reaches the checkpointer after step() returned.
+    store = FaultyStorage(
+        LocalStorage(pub), fail_put=lambda key, n: key.startswith("step-000000000004")
+    )
+    live: dict[int, dict[str, torch.Tensor]] = {}
+    with deck.DeltaCheckpointer(model, [opt], config, publish_storage=store) as ck:
+        for step in range(0, 9):
+            if step:
+                train_step(model, opt, SPEC, step)
+            ck.step(step)
+            live[step] = capture_state(model, opt)
+            if step == 4:
+                assert ck.flush()  # the failed upload is given up on (not raised)
+                assert ck.published[-1].state == "failed"
+        assert [(s.step, s.kind) for s in ck.published] == [
+            (0, "full"),
+            (2, "delta"),
+            (4, "delta"),
+            (6, "full"),  # after the failed publish
+            (8, "delta"),
+        ]
+        assert [(s.step, s.kind) for s in ck.history] == [(0, "full"), (3, "delta"), (6, "delta")]
+    for uri, steps in ((pub, (2, 6, 8)), (ckpt, (3, 6))):
+        fresh, fresh_opt = build_model(SPEC, seed=99)
+        with deck.DeltaCheckpointer(
+            fresh, [fresh_opt], deck.DeckConfig(uri=uri, lease_ttl_s=None)
+        ) as rc:
+            for step in steps:
+                assert rc.restore(step) == step
+                bad = diff_states(live[step], capture_state(fresh, fresh_opt))
+                assert not bad, f"rank {rank}: {uri} step {step}: {bad[:5]}"
+
+
+def test_failed_publish_leaves_checkpoints_alone(tmp_path: Path) -> None:
+    """A publish whose upload fails is logged, not raised; the next publish is a full and the
+    checkpoint chain (written at the same time) restores bitwise."""
+    run_ranks(
+        _failing_publish, str(tmp_path / "ckpt"), str(tmp_path / "pub"), str(tmp_path / "spool")
+    )
+    r = _deck("ls", str(tmp_path / "pub"), "--json")
+    committed = sorted(
+        (x["step"], x["kind"]) for x in json.loads(r.stdout) if x["state"] == "committed"
+    )
+    assert committed == [(0, "full"), (2, "delta"), (6, "full"), (8, "delta")]
