@@ -518,7 +518,8 @@ def cmd_follow(a: argparse.Namespace) -> int:
         print(
             f"step {u.step} ({u.ckpt_id}): {u.how}, {len(u.applied)} checkpoint(s) read "
             f"({', '.join(u.applied)}), {_human(u.bytes_read)} of chunks read (a restore of the "
-            f"step reads {_human(u.chain_bytes)}), {u.seconds:.2f} s -> {a.out}",
+            f"step reads {_human(u.chain_bytes)}), {u.seconds:.2f} s ({u.write_s:.2f} s "
+            f"writing) -> {a.out}",
             flush=True,
         )
 

@@ -60,6 +60,7 @@ class FollowUpdate:
     bytes_read: int = 0  # table chunk bytes read by this catch-up
     chain_bytes: int = 0  # what a restore of the step from scratch reads
     seconds: float = 0.0
+    write_s: float = 0.0  # of ``seconds``: writing and fsyncing the output files
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,14 @@ class Follower:
         self._set_dense(dense)
         self.chain = self.chain + [m.folder for m in newer]
         self.state = last.state
-        self._write()
+        write_s = self._write()
         return FollowUpdate(
-            last.step, last.state[1], "delta", [m.folder for m in newer], bytes_read=stats.bytes
+            last.step,
+            last.state[1],
+            "delta",
+            [m.folder for m in newer],
+            bytes_read=stats.bytes,
+            write_s=write_s,
         )
 
     def _materialise(self, step: int) -> FollowUpdate:
@@ -176,9 +182,14 @@ class Follower:
         self._set_dense(flatten(st.eager_state()))
         self.state = st.last.state
         self.chain = [m.folder for m in st.chain]
-        self._write()
+        write_s = self._write()
         return FollowUpdate(
-            st.step, st.last.state[1], "full", list(self.chain), bytes_read=st.read_bytes
+            st.step,
+            st.last.state[1],
+            "full",
+            list(self.chain),
+            bytes_read=st.read_bytes,
+            write_s=write_s,
         )
 
     def _set_dense(self, dense: dict[str, Any]) -> None:
@@ -203,7 +214,9 @@ class Follower:
         ]
 
     # ---- files -------------------------------------------------------------------------------
-    def _write(self) -> None:
+    def _write(self) -> float:
+        """Replace the output files; returns the seconds it took."""
+        t0 = time.perf_counter()
         assert self.state is not None
         step, ckpt_id = self.state
         header: dict[str, Any] = {
@@ -244,6 +257,7 @@ class Follower:
         }
         body = json.dumps(sidecar, indent=1).encode()
         _replace(os.path.join(self.out_dir, SIDECAR), lambda f: f.write(body))
+        return time.perf_counter() - t0
 
     def _resume(self) -> None:
         side = os.path.join(self.out_dir, SIDECAR)
