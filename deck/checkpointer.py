@@ -315,6 +315,7 @@ class DeltaCheckpointer:
                     self.coord.world_size,
                     self.config.staging.chunk_bytes,
                     sink=staged,
+                    bundle_bytes=self.config.staging.bundle_bytes,
                 )
                 order = {id(sh): i for i, sh in enumerate(shards)}
                 dense = self.adapter.dense_state() if self.coord.rank == 0 else None

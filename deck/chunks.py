@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import xxhash
@@ -17,6 +17,7 @@ import xxhash
 from deck.errors import CorruptCheckpointError
 from deck.format import PAGE_ALIGN, ChunkRecord, Encoding, Segment
 from deck.quantize import QuantizedStateError, decode_rows, scale_name
+from deck.storage import LocalStorage, Storage
 
 _ALIGN = 64
 Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
@@ -206,3 +207,88 @@ def decode_chunk(
         scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None
         out[seg.name] = decode_rows(out[seg.name], scale, seg.encoding, _DTYPES[seg.source_dtype])
     return out
+
+
+# Files whose reading the kernel starts ahead of the one being copied (zero-copy path).
+_PREFETCH_FILES = 2
+
+
+def _reads(
+    folder: str, chunks: Sequence[ChunkRecord]
+) -> list[tuple[str, int | None, int, list[ChunkRecord]]]:
+    """Group ``chunks`` (in order) into reads: (key, start, end, chunks). A chunk file of its own
+    is one whole-file read (start None); adjacent byte ranges of one bundle coalesce into one."""
+    out: list[tuple[str, int | None, int, list[ChunkRecord]]] = []
+    for c in chunks:
+        key = f"{folder}/{c.path}"
+        if c.offset is None:
+            out.append((key, None, c.nbytes, [c]))
+            continue
+        if out and out[-1][0] == key and out[-1][1] is not None and out[-1][2] == c.offset:
+            prev = out[-1]
+            out[-1] = (key, prev[1], c.offset + c.nbytes, [*prev[3], c])
+        else:
+            out.append((key, c.offset, c.offset + c.nbytes, [c]))
+    return out
+
+
+def chunk_where(storage: Storage, folder: str, c: ChunkRecord) -> str:
+    """How errors name chunk ``c``: its file's URI, and for a bundled chunk its byte range."""
+    where = storage.describe(f"{folder}/{c.path}")
+    if c.offset is not None:
+        where += f" [bundled chunk, bytes {c.offset}..{c.offset + c.nbytes}]"
+    return where
+
+
+def read_chunks(
+    storage: Storage, folder: str, chunks: Sequence[ChunkRecord], zero_copy: bool = False
+) -> Iterator[tuple[ChunkRecord, str, bytes | memoryview]]:
+    """The bytes of each of ``chunks`` (records of files under ``folder``), in order, as
+    ``(chunk, where, data)``; ``where`` names the file (and byte range of a bundled chunk) for
+    errors. Every reader of chunk bytes goes through here, so bundled and unbundled chunks read
+    alike: adjacent chunks of one bundle come from one ranged read, sliced without copying.
+
+    With ``zero_copy`` and a local directory each file is memory-mapped once (a bundle too) and
+    chunks are views of the mapping, while the kernel reads the next files ahead. ``data`` is
+    not verified: pass it to :func:`decode_chunk`. A truncated bundle gives a short ``data``
+    (decode_chunk reports the size); a missing file raises :class:`deck.errors.NotFoundError`.
+    """
+    reads = _reads(folder, chunks)
+    if zero_copy and isinstance(storage, LocalStorage):
+        keys = list(dict.fromkeys(r[0] for r in reads))
+        pos = {k: i for i, k in enumerate(keys)}
+        for key in keys[:_PREFETCH_FILES]:
+            storage.prefetch(key)
+        mapped_key, mapped = "", memoryview(b"")
+        for key, start, _end, group in reads:
+            if key != mapped_key:
+                i = pos[key]
+                if i + _PREFETCH_FILES < len(keys):
+                    storage.prefetch(keys[i + _PREFETCH_FILES])
+                # Drop the previous mapping first: one file mapped at a time.
+                mapped_key, mapped = "", memoryview(b"")
+                mapped_key, mapped = key, storage.map_file(key)
+            for c in group:
+                data = mapped if start is None else mapped[c.offset : (c.offset or 0) + c.nbytes]
+                yield c, chunk_where(storage, folder, c), data
+        return
+    i = 0
+    while i < len(reads):
+        # Runs of whole chunk files go through iter_get (backends overlap those requests).
+        j = i
+        while j < len(reads) and reads[j][1] is None:
+            j += 1
+        if j > i:
+            run = reads[i:j]
+            for (_key, whole), r in zip(storage.iter_get([r[0] for r in run]), run, strict=True):
+                c = r[3][0]
+                yield c, chunk_where(storage, folder, c), whole
+            i = j
+            continue
+        key, start, end, group = reads[i]
+        assert start is not None
+        view = memoryview(storage.get(key, start, end))
+        for c in group:
+            off = (c.offset or 0) - start
+            yield c, chunk_where(storage, folder, c), view[off : off + c.nbytes]
+        i += 1

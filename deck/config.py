@@ -54,6 +54,15 @@ class StagingConfig(BaseModel):
         description="Reusable CPU chunk buffers: the snapshot's CPU memory is "
         "chunks_in_flight x chunk_bytes, whatever the model size.",
     )
+    bundle_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bundle small chunks: chunks of one rank's part are appended (page-aligned) "
+        "into bundle files of up to this many bytes, so a restore issues few large reads and "
+        "the store holds fewer objects. 0 (default): one file per chunk. The snapshot's CPU "
+        "memory becomes chunks_in_flight x bundle_bytes.",
+        json_schema_extra={"constraints": "0, or a multiple of 4096 at least chunk_bytes"},
+    )
     tiers: Tiers = Field(
         default="auto",
         description="How bytes travel: local (straight into a local destination), cpu-ssd-remote "
@@ -100,6 +109,16 @@ class StagingConfig(BaseModel):
         if v < PAGE_BYTES or v % PAGE_BYTES:
             raise ValueError(f"must be a positive multiple of {PAGE_BYTES} bytes, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _bundle_fits(self) -> StagingConfig:
+        b = self.bundle_bytes
+        if b and (b < self.chunk_bytes or b % PAGE_BYTES):
+            raise ValueError(
+                f"bundle_bytes must be 0 (off) or a multiple of {PAGE_BYTES} of at least "
+                f"chunk_bytes={self.chunk_bytes}, got {b}"
+            )
+        return self
 
 
 class PublishConfig(BaseModel):

@@ -167,11 +167,18 @@ class ChunkRecord(_Strict):
     checksum: str
     segments: tuple[Segment, ...]
     index: RowIndex | None = None
+    # Set when the chunk lives inside a bundle file (``path``) at this page-aligned byte offset,
+    # the chunk being bytes [offset, offset + nbytes) of it; None: ``path`` is the chunk's own file.
+    offset: NonNeg | None = None
 
     _path = field_validator("path")(_check_rel_path)
 
     @model_validator(mode="after")
     def _scales(self) -> ChunkRecord:
+        if self.offset is not None and self.offset % PAGE_ALIGN:
+            raise ValueError(
+                f"chunk: bundle offset {self.offset} is not a multiple of {PAGE_ALIGN}"
+            )
         by_name = {s.name: s for s in self.segments}
         if len(by_name) != len(self.segments):
             raise ValueError("chunk: two segments with the same name")
@@ -187,17 +194,19 @@ class ChunkRecord(_Strict):
         return self
 
     @property
+    def bundled(self) -> bool:
+        """Whether the chunk is a byte range of a bundle file rather than a file of its own."""
+        return self.offset is not None
+
+    @property
     def encoding(self) -> Encoding | None:
         """The quantised encoding of this chunk's segments, None when every segment is exact."""
         return next((s.encoding for s in self.segments if s.encoding is not None), None)
 
     @model_serializer(mode="wrap")
     def _omit_no_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Chunks without an index dump exactly as before the field existed.
-        out: dict[str, Any] = handler(self)
-        if out.get("index", 0) is None:
-            del out["index"]
-        return out
+        # Chunks without an index (or not bundled) dump exactly as before those fields existed.
+        return _omit_none(handler(self), "index", "offset")
 
 
 class ShardRecord(_Strict):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from deck.catalog import describe, read_manifests, read_rank_manifests
-from deck.chunks import decode_chunk
+from deck.chunks import decode_chunk, read_chunks
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleModelError
 from deck.format import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.lineage import LineageGraph, cheapest_chain
@@ -106,7 +106,7 @@ class _Reader:
         ]
 
     def row_in(self, m: CheckpointManifest, chunk: ChunkRecord) -> dict[str, torch.Tensor] | None:
-        key = f"{m.folder}/{chunk.path}"
+        key = _chunk_key(m, chunk)
         if key in self.seen:
             return self.seen[key]
         row = self.out.row
@@ -117,8 +117,8 @@ class _Reader:
         elif not may_contain(chunk.index, row):
             self.out.skipped_bloom += 1
         else:
-            where = f"{self.storage.describe(key)} (table {self.out.table}, {describe(m)})"
-            arrays = decode_chunk(self.storage.get(key), chunk, where)
+            _c, at, data = next(read_chunks(self.storage, m.folder, [chunk]))
+            arrays = decode_chunk(data, chunk, f"{at} (table {self.out.table}, {describe(m)})")
             self.out.chunks_read += 1
             ids = arrays["ids"]
             pos = int(torch.searchsorted(ids, torch.tensor([row], dtype=torch.int64))[0])
@@ -133,10 +133,15 @@ class _Reader:
         """Count chunks of the table in ``m`` (any shard) that the query did not look at."""
         for rec in self.records(m, any_row=True):
             for c in rec.chunks:
-                key = f"{m.folder}/{c.path}"
+                key = _chunk_key(m, c)
                 if key not in self.seen:
                     self.seen[key] = None
                     self.out.chunks_present += 1
+
+
+def _chunk_key(m: CheckpointManifest, c: ChunkRecord) -> str:
+    # Chunks of one bundle share a file: the offset tells them apart.
+    return f"{m.folder}/{c.path}" if c.offset is None else f"{m.folder}/{c.path}@{c.offset}"
 
 
 def _value_at(reader: _Reader, chain: list[CheckpointManifest], step: int) -> RowAt:

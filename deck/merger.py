@@ -45,7 +45,14 @@ import xxhash
 
 from deck import __version__
 from deck.catalog import ManifestSet, quarantine, read_manifests, read_rank_manifests
-from deck.chunks import ChunkLayout, checksum, decode_chunk, encode_chunk
+from deck.chunks import (
+    ChunkLayout,
+    checksum,
+    chunk_where,
+    decode_chunk,
+    encode_chunk,
+    read_chunks,
+)
 from deck.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -546,10 +553,11 @@ class _ShardStream:
         while self.i < len(self.rec.chunks):
             c = self.rec.chunks[self.i]
             self.i += 1
-            key = f"{self.m.folder}/{c.path}"
-            where = f"{self.storage.describe(key)} (table {self.rec.table})"
+            where = f"{chunk_where(self.storage, self.m.folder, c)} (table {self.rec.table})"
             try:
-                data = self.storage.get(key)
+                # One chunk at a time (a ranged read of a bundled one): every input stream holds
+                # a single chunk in memory, whatever the bundle size.
+                _c, _at, data = next(read_chunks(self.storage, self.m.folder, [c]))
                 arrays = decode_chunk(data, c, where)
             except NotFoundError as e:
                 raise _InputDamaged(self.m, CorruptCheckpointError(f"{where}: missing")) from e

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,18 +11,14 @@ import torch
 from deck import treecodec
 from deck.adapters.base import TableShard
 from deck.catalog import describe, read_rank_manifests
-from deck.chunks import checksum, decode_chunk
+from deck.chunks import checksum, decode_chunk, read_chunks
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
 from deck.quantize import QuantizedStateError
 from deck.storage import Storage
-from deck.storage.local import LocalStorage
 from deck.writer import scalar_key
 
 logger = logging.getLogger(__name__)
-
-# Chunk files hinted to the kernel ahead of the one being applied (zero-copy restore).
-_PREFETCH_FILES = 2
 
 
 @dataclass
@@ -237,10 +232,8 @@ def _apply_shard(
     zero_copy: bool,
     allow_quantized: bool = False,
 ) -> None:
-    root = m.folder
-    keys = [f"{root}/{c.path}" for c in rec.chunks]
-    for (key, data), chunk in zip(_chunk_files(storage, keys, zero_copy), rec.chunks, strict=True):
-        where = f"{storage.describe(key)} (table {rec.table}, {describe(m)})"
+    for chunk, at, data in read_chunks(storage, m.folder, rec.chunks, zero_copy):
+        where = f"{at} (table {rec.table}, {describe(m)})"
         arrays = decode_chunk(data, chunk, where, allow_quantized)
         ids = arrays["ids"]
         if ids.numel() and (
@@ -261,24 +254,6 @@ def _apply_shard(
                 for name, view in shard.states.items():
                     src = arrays[name] if sel is None else arrays[name].index_select(0, sel)
                     _copy_state(rec, shard, name, view, src, local, joins, where)
-
-
-def _chunk_files(
-    storage: Storage, keys: list[str], zero_copy: bool
-) -> Iterator[tuple[str, bytes | memoryview]]:
-    """The bytes of each chunk file: mapped (one at a time, lazily) from a local directory, else
-    read whole. A mapping is released once the caller drops the view and the tensors over it."""
-    if zero_copy and isinstance(storage, LocalStorage):
-        # The kernel reads the next files while this one's rows are copied: I/O overlaps the
-        # copy (and checksum) instead of alternating with it.
-        for key in keys[:_PREFETCH_FILES]:
-            storage.prefetch(key)
-        for i, key in enumerate(keys):
-            if i + _PREFETCH_FILES < len(keys):
-                storage.prefetch(keys[i + _PREFETCH_FILES])
-            yield key, storage.map_file(key)
-    else:
-        yield from storage.iter_get(keys)
 
 
 def _copy_state(

@@ -239,7 +239,9 @@ class Stager:
         self.cfg = staging
         self.rank = rank
         self.tier = resolve_tier(staging, storage)
-        self.pool = BufferPool(staging.chunks_in_flight, staging.chunk_bytes, pinned=pinned)
+        # A buffer holds one chunk, or one bundle of chunks filled in place (bundle_bytes).
+        size = max(staging.chunk_bytes, staging.bundle_bytes)
+        self.pool = BufferPool(staging.chunks_in_flight, size, pinned=pinned)
         if self.tier == "local":
             assert isinstance(storage, LocalStorage)
             self.spool_root: str | None = storage.root
@@ -580,17 +582,24 @@ class Stager:
     def _check_recovered(self, p: PendingPart) -> None:
         """After a crash the spool may hold torn files: verify every one against the manifest."""
         assert p.part is not None
-        expected = {c.path: (c.nbytes, c.checksum) for s in p.part.shards for c in s.chunks}
-        expected[p.part.extra.path] = (p.part.extra.nbytes, p.part.extra.checksum)
-        if p.part.dense is not None:
-            expected[p.part.dense.path] = (p.part.dense.nbytes, p.part.dense.checksum)
-        for rel, (nbytes, digest) in expected.items():
+        # Per file, the (offset, nbytes, checksum) ranges it must hold: the whole file, or each
+        # chunk of a bundle (which then ends where its last chunk ends).
+        expected: dict[str, list[tuple[int, int, str]]] = {}
+        for s in p.part.shards:
+            for c in s.chunks:
+                expected.setdefault(c.path, []).append((c.offset or 0, c.nbytes, c.checksum))
+        for fr in (p.part.extra, p.part.dense):
+            if fr is not None:
+                expected[fr.path] = [(0, fr.nbytes, fr.checksum)]
+        for rel, ranges in expected.items():
             try:
                 with open(self._spool_path(p, rel), "rb") as f:
-                    data = f.read()
+                    data = memoryview(f.read())
             except FileNotFoundError:
-                data = b""
-            if len(data) != nbytes or checksum(data) != digest:
+                data = memoryview(b"")
+            if len(data) != max(off + n for off, n, _ in ranges) or any(
+                checksum(data[off : off + n]) != digest for off, n, digest in ranges
+            ):
                 raise CorruptCheckpointError(
                     f"spooled file {self._spool_path(p, rel)} of step {p.step} is damaged; discarding it"
                 )

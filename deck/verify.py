@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deck.catalog import describe, read_rank_manifests
-from deck.chunks import checksum, decode_chunk
+from deck.chunks import checksum, decode_chunk, read_chunks
 from deck.errors import DeckError
 from deck.format import CheckpointManifest
 from deck.storage import Storage
@@ -36,18 +37,28 @@ def verify_checkpoint(
     root = m.folder
     for part in parts:
         for rec in part.shards:
-            for c in rec.chunks:
-                key = f"{root}/{c.path}"
+            index = {id(c): i for i, c in enumerate(rec.chunks)}
+            # One group per file: a chunk file, or the run of chunks sharing a bundle.
+            for _path, group in itertools.groupby(rec.chunks, key=lambda c: c.path):
+                chunks = list(group)
+                seen = 0
                 try:
-                    data = storage.get(key)
-                    # Checks checksums and layout only: quantised chunks are valid ones.
-                    decode_chunk(data, c, storage.describe(key), allow_quantized=True)
-                    report.bytes += len(data)
+                    for c, at, data in read_chunks(storage, root, chunks):
+                        seen += 1
+                        where = f"{at} (table {rec.table}, chunk {index[id(c)]}, {describe(m)})"
+                        try:
+                            # Checks checksums and layout only: quantised chunks are valid ones.
+                            decode_chunk(data, c, where, allow_quantized=True)
+                            report.bytes += len(data)
+                        except DeckError as e:
+                            report.problems.append(str(e))
+                        if progress:
+                            progress(c.nbytes)
                 except DeckError as e:
                     report.problems.append(str(e))
+                    if progress:
+                        progress(sum(c.nbytes for c in chunks[seen:]))
                 report.files += 1
-                if progress:
-                    progress(c.nbytes)
         for f in (part.dense, part.extra):
             if f is None:
                 continue

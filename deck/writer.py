@@ -21,6 +21,7 @@ from deck.failpoints import failpoint
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
+    PAGE_ALIGN,
     CheckpointManifest,
     Encoding,
     FileRecord,
@@ -51,13 +52,13 @@ def scalar_key(shard: TableShard) -> str:
 class DirectSink:
     """Writes each file straight to storage (no staging): used by tools and tests."""
 
-    def __init__(self, storage: Storage, step: int, chunk_bytes: int):
+    def __init__(self, storage: Storage, step: int, buffer_bytes: int):
         self.storage = storage
         self.root = step_dir(step)
-        self.chunk_bytes = chunk_bytes
+        self.buffer_bytes = buffer_bytes
 
     def buffer(self) -> Buffer:
-        return bytearray(self.chunk_bytes)
+        return bytearray(self.buffer_bytes)
 
     def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
@@ -70,7 +71,8 @@ class DirectSink:
 
 
 class Sink(Protocol):
-    """Where a :class:`RankPartWriter` sends files: storage directly, or the stager."""
+    """Where a :class:`RankPartWriter` sends files: storage directly, or the stager. Its buffers
+    hold ``max(chunk_bytes, bundle_bytes)`` bytes (a chunk, or a bundle of chunks)."""
 
     def buffer(self) -> Buffer: ...
     def submit(self, rel: str, buf: Buffer, nbytes: int) -> None: ...
@@ -90,6 +92,11 @@ class RankPartWriter:
     float ``weight`` state of every chunk row-wise as ``fp16``, ``bf16`` or ``int8`` (per-row
     scale; bounds in deck.quantize); optimizer states stay exact. Chunk records and the rank
     manifest name the encoding, and :func:`commit` carries it into the commit record.
+
+    ``bundle_bytes`` (0 = off) appends the chunks of this part, page-aligned and back to back,
+    into bundle files ``bundle-<n:06d>.bin`` of at most that many bytes; each chunk record then
+    names the bundle and its ``offset`` (readers go through :func:`deck.chunks.read_chunks`).
+    A sink buffer holds one bundle, filled in place: bundling copies nothing extra.
     """
 
     def __init__(
@@ -102,7 +109,17 @@ class RankPartWriter:
         chunk_bytes: int,
         sink: Sink | None = None,
         quantize: str | None = None,
+        bundle_bytes: int = 0,
     ):
+        if bundle_bytes and (bundle_bytes < chunk_bytes or bundle_bytes % PAGE_ALIGN):
+            raise ConfigError(
+                f"bundle_bytes={bundle_bytes} must be 0 or a multiple of {PAGE_ALIGN} of at least "
+                f"chunk_bytes={chunk_bytes}"
+            )
+        self.bundle_bytes = bundle_bytes
+        self._bundle: Buffer | None = None
+        self._bundle_fill = 0
+        self._bundles = 0
         self.quantize: Encoding | None = check_encoding(quantize)
         self.encoded_any = False
         self.step = step
@@ -110,7 +127,7 @@ class RankPartWriter:
         self.rank = rank
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
-        self.sink: Sink = sink or DirectSink(storage, step, chunk_bytes)
+        self.sink: Sink = sink or DirectSink(storage, step, max(chunk_bytes, bundle_bytes))
         self.part = f"{ckpt_id}/{rank_dir(rank)}"
         self.bytes_written = 0
         self.chunks_written = 0
@@ -150,12 +167,17 @@ class RankPartWriter:
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
             layout = ChunkLayout(stop - start, segs)
-            buf = self.sink.buffer()
+            last = stop == n
+            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
+            offset = None
+            buf: Buffer
+            if self.bundle_bytes:
+                rel, offset, buf = self._bundle_slot(layout.nbytes if last else self.chunk_bytes)
+            else:
+                buf = self.sink.buffer()
             local = None if rows is None else rows[start:stop]
             failpoint("writer.chunk.before_fill")
             _fill_chunk(buf, layout, shard, start, stop, local, encoded)
-            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
-            last = stop == n
             rec = build_chunk(
                 buf,
                 rel,
@@ -164,8 +186,13 @@ class RankPartWriter:
                 pad_to=None if last else self.chunk_bytes,
                 encoded=encoded,
             )
-            rec = rec.model_copy(update={"index": build_index(segment_view(buf, layout, "ids"))})
-            self.sink.submit(rel, buf, rec.nbytes)
+            rec = rec.model_copy(
+                update={"index": build_index(segment_view(buf, layout, "ids")), "offset": offset}
+            )
+            if offset is None:
+                self.sink.submit(rel, buf, rec.nbytes)
+            else:
+                self._bundle_fill += rec.nbytes
             failpoint("writer.chunk.after_submit")
             self.bytes_written += rec.nbytes
             self.chunks_written += 1
@@ -184,6 +211,29 @@ class RankPartWriter:
             states=tuple(shard.states),
             chunks=tuple(chunks),
         )
+
+    def _bundle_slot(self, nbytes: int) -> tuple[str, int, memoryview]:
+        """Room for a chunk of ``nbytes`` in the open bundle (a new one when it is full): the
+        bundle's path, the chunk's offset in it and a view of those bytes to fill."""
+        if self._bundle is not None and self._bundle_fill + nbytes > self.bundle_bytes:
+            self.flush_bundle()
+        if self._bundle is None:
+            self._bundle = self.sink.buffer()
+            self._bundle_fill = 0
+        off = self._bundle_fill
+        return self._bundle_path(), off, memoryview(self._bundle)[off : off + nbytes]
+
+    def _bundle_path(self) -> str:
+        return f"{self.part}/bundle-{self._bundles:06d}.bin"
+
+    def flush_bundle(self) -> None:
+        """Hand the open bundle (if any) to the sink as one file; :meth:`write_part` calls it
+        after the last shard. Callers of :meth:`write_shard` alone must call it too."""
+        if self._bundle is None:
+            return
+        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill)
+        self._bundle = None
+        self._bundles += 1
 
     def _encoded(self, shard: TableShard) -> dict[str, tuple[Encoding, torch.dtype]]:
         """The states of ``shard`` this writer quantises: (encoding, their dtype) by name."""
@@ -208,6 +258,7 @@ class RankPartWriter:
         for shard in shards:
             rows = rows_for(shard)
             records.append(self.write_shard(shard, rows, full=rows is None))
+        self.flush_bundle()
         failpoint("writer.part.before_state_files")
         dense_rec = (
             self._file(f"{self.part}/{DENSE_FILE}", treecodec.encode(dense, "dense state"))

@@ -89,11 +89,17 @@ class SynthTrainer:
     states) with exact knowledge of every saved step."""
 
     def __init__(
-        self, storage: Storage, world_size: int = 2, chunk_bytes: int = 4096, seed: int = 0
+        self,
+        storage: Storage,
+        world_size: int = 2,
+        chunk_bytes: int = 4096,
+        seed: int = 0,
+        bundle_bytes: int = 0,
     ):
         self.storage = storage
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
+        self.bundle_bytes = bundle_bytes
         self.gen = torch.Generator().manual_seed(seed)
         self.shards = make_shards(world_size, seed=seed)
         self.touched: dict[str, set[int]] = {shard_key(s): set() for s in self.shards}
@@ -129,7 +135,15 @@ class SynthTrainer:
         full = kind == "full"
         for rank in range(self.world_size):
             mine = [s for s in self.shards if s.track_base == rank]
-            w = RankPartWriter(self.storage, step, ckpt_id, rank, self.world_size, self.chunk_bytes)
+            w = RankPartWriter(
+                self.storage,
+                step,
+                ckpt_id,
+                rank,
+                self.world_size,
+                self.chunk_bytes,
+                bundle_bytes=self.bundle_bytes,
+            )
 
             def rows_for(s: TableShard) -> torch.Tensor | None:
                 if full or s.full_only:
