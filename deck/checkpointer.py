@@ -75,6 +75,7 @@ class _Chain:
     parent: tuple[int, str] | None = None  # the last committed (step, id) a delta builds on
     base: int | None = None  # step of the full the chain starts from
     history: list[CheckpointStats] = field(default_factory=list)
+    quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
 
 
 def _chain_attr(name: str) -> property:
@@ -165,7 +166,12 @@ class DeltaCheckpointer:
         check_writable(storage)
         stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu)
         return _Chain(
-            "publish", PUBLISH_CONSUMER, storage, stager, self._next_epoch(storage=storage)
+            "publish",
+            PUBLISH_CONSUMER,
+            storage,
+            stager,
+            self._next_epoch(storage=storage),
+            quantize=None if cfg.quantize == "none" else cfg.quantize,
         )
 
     def _take_lease(self) -> Lease | None:
@@ -316,6 +322,7 @@ class DeltaCheckpointer:
                     self.config.staging.chunk_bytes,
                     sink=staged,
                     bundle_bytes=self.config.staging.bundle_bytes,
+                    quantize=chain.quantize,
                 )
                 order = {id(sh): i for i, sh in enumerate(shards)}
                 dense = self.adapter.dense_state() if self.coord.rank == 0 else None

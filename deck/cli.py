@@ -10,7 +10,7 @@
                                          the full state of a step as a torch.distributed.checkpoint
                                          directory (dcp.load into a fresh DMP) or one safetensors
                                          file of unsharded tables
-    deck follow URI --out DIR [--once] [--poll S]
+    deck follow URI --out DIR [--once] [--poll S] [--allow-quantized]
                                          keep DIR/state.safetensors the full state of URI's newest
                                          step, applying only each new delta's rows
     deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
@@ -531,6 +531,7 @@ def cmd_follow(a: argparse.Namespace) -> int:
             poll_s=a.poll,
             storage_options=a.storage_options,
             on_update=show,
+            allow_quantized=a.allow_quantized,
         )
     except KeyboardInterrupt:
         return 0
@@ -682,6 +683,12 @@ def main(argv: list[str] | None = None) -> int:
     fol.add_argument("--once", action="store_true", help="catch up once and exit")
     fol.add_argument(
         "--poll", type=float, default=10.0, help="seconds between checks for new steps (10)"
+    )
+    fol.add_argument(
+        "--allow-quantized",
+        action="store_true",
+        help="accept a publisher's quantised weights (DeckConfig.publish.quantize): the output "
+        "holds them dequantised, and state.json / the file metadata say which encodings",
     )
     fol.set_defaults(fn=cmd_follow)
 

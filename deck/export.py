@@ -191,8 +191,15 @@ class StepState:
     """
 
     def __init__(
-        self, uri: str, step: int | None = None, storage_options: dict[str, Any] | None = None
+        self,
+        uri: str,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_quantized: bool = False,
     ):
+        # A chain with quantised weights (deck.quantize) is refused unless allowed: its tables
+        # are then the dequantised values, not the exact state.
+        self.allow_quantized = allow_quantized
         base = open_storage(uri, storage_options)
         self.storage: Storage = _CachedManifests(base)
         manifests = read_manifests(base)
@@ -220,14 +227,15 @@ class StepState:
                         continue
                     specs = []
                     for seg in rec.chunks[0].segments:
-                        if seg.name == "ids":
-                            continue
+                        if seg.name not in rec.states:
+                            continue  # row ids, a quantised state's per-row scale
                         if tuple(seg.shape[1:]) not in ((), (rec.cols,)):
                             raise UnsupportedError(
                                 f"table {rec.table}: state {seg.name} has rows of shape "
                                 f"{tuple(seg.shape[1:])}, which export cannot lay out"
                             )
-                        specs.append((seg.name, _dtype(seg.dtype, rec.table), len(seg.shape) == 1))
+                        dtype = seg.source_dtype or seg.dtype  # a quantised state's real dtype
+                        specs.append((seg.name, _dtype(dtype, rec.table), len(seg.shape) == 1))
                     kinds[rec.table] = tuple(specs)
         self.shards: list[ShardSpec] = []
         for part in sorted(self.parts, key=lambda p: p.rank):
@@ -329,7 +337,9 @@ class StepState:
             cols=s.cols,
             states={n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states},
         )
-        apply_chain(self.storage, self.chain, [shard], self.tables)
+        apply_chain(
+            self.storage, self.chain, [shard], self.tables, allow_quantized=self.allow_quantized
+        )
         return shard.states
 
     def eager_state(self, skipped: list[str] | None = None) -> dict[str, Any]:

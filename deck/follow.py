@@ -92,9 +92,19 @@ class Follower:
     committed since are read.
     """
 
-    def __init__(self, uri: str, out_dir: str, storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        uri: str,
+        out_dir: str,
+        storage_options: dict[str, Any] | None = None,
+        allow_quantized: bool = False,
+    ):
         self.uri = uri
         self.storage_options = storage_options
+        # A publisher with DeckConfig.publish.quantize writes quantised weights: materialising
+        # them (dequantised) must be asked for, and the output then says so (state.json).
+        self.allow_quantized = allow_quantized
+        self.encodings: set[str] = set()
         self.storage: Storage = open_storage(uri, storage_options)
         self.out_dir = out_dir
         self.tensors: dict[str, torch.Tensor] = {}  # tables first, then dense, as written
@@ -138,7 +148,15 @@ class Follower:
     def _apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
         last = newer[-1]
         targets = self._targets()
-        stats, _ = apply_chain(self.storage, newer, targets, self.tables, onto=True)
+        stats, _ = apply_chain(
+            self.storage,
+            newer,
+            targets,
+            self.tables,
+            onto=True,
+            allow_quantized=self.allow_quantized,
+        )
+        self.encodings |= {m.encoding for m in newer if m.encoding is not None}
         dense = flatten(eager_state(self.storage, last, parts))
         self._set_dense(dense)
         self.chain = self.chain + [m.folder for m in newer]
@@ -154,7 +172,8 @@ class Follower:
         )
 
     def _materialise(self, step: int) -> FollowUpdate:
-        st = StepState(self.uri, step, self.storage_options)
+        st = StepState(self.uri, step, self.storage_options, self.allow_quantized)
+        self.encodings = {m.encoding for m in st.chain if m.encoding is not None}
         tensors: dict[str, torch.Tensor] = {}
         shards: list[_Shard] = []
         by_shard: dict[int, list[_Piece]] = {}
@@ -226,6 +245,8 @@ class Follower:
                 "step": str(step),
                 "checkpoint": ckpt_id,
                 "chain": json.dumps(self.chain),
+                # Weights dequantised from these encodings (empty: the exact state).
+                "quantized": json.dumps(sorted(self.encodings)),
             }
         }
         off = 0
@@ -254,6 +275,7 @@ class Follower:
             "chain": self.chain,
             "tables": self.table_fqns,
             "shards": [asdict(s) for s in self.shards],
+            "quantized": sorted(self.encodings),
         }
         body = json.dumps(sidecar, indent=1).encode()
         _replace(os.path.join(self.out_dir, SIDECAR), lambda f: f.write(body))
@@ -299,6 +321,7 @@ class Follower:
             self.tables[s.table] = (s.num_rows, s.num_cols)
         self.state = (int(meta["step"]), str(meta["checkpoint"]))
         self.chain = list(meta["chain"])
+        self.encodings = set(meta.get("quantized", ()))
 
 
 def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -332,11 +355,12 @@ def follow(
     poll_s: float = 10.0,
     storage_options: dict[str, Any] | None = None,
     on_update: Any = None,
+    allow_quantized: bool = False,
 ) -> Follower:
     """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
     ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
     otherwise they are logged and retried at the next poll."""
-    follower = Follower(uri, out_dir, storage_options)
+    follower = Follower(uri, out_dir, storage_options, allow_quantized)
     while True:
         try:
             update = follower.catch_up()

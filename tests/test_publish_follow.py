@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
+from deck.errors import IncompatibleModelError
 
 pytestmark = pytest.mark.slow
 # Column-wise tables (row-wise optimizer state in TorchRec's per-column-shard layout) and a
@@ -217,3 +218,61 @@ def test_failed_publish_leaves_checkpoints_alone(tmp_path: Path) -> None:
         (x["step"], x["kind"]) for x in json.loads(r.stdout) if x["state"] == "committed"
     )
     assert committed == [(0, "full"), (2, "delta"), (6, "full"), (8, "delta")]
+
+
+def _quantized_publish(rank: int, world_size: int, ckpt: str, pub: str, out: str) -> None:
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=ckpt,
+        delta_every_steps=4,
+        staging=deck.StagingConfig(chunk_bytes=16 * 1024),
+        publish=deck.PublishConfig(uri=pub, every_steps=2, quantize="int8"),
+    )
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(0, 7):
+            if step:
+                train_step(model, opt, SPEC, step)
+            ck.step(step)
+            if step == 4:
+                at4 = capture_state(model, opt)
+        assert ck.flush()
+    if rank == 0:
+        # The loading service refuses quantised weights unless asked, then says what it holds.
+        r = _deck("follow", pub, "--out", out, "--once")
+        assert r.returncode == 2 and "allow_quantized" in r.stderr, r.stdout + r.stderr
+        r = _deck("follow", pub, "--out", out, "--once", "--allow-quantized")
+        assert r.returncode == 0, r.stdout + r.stderr
+        with open(os.path.join(out, "state.json")) as f:
+            meta = json.load(f)
+        assert meta["step"] == 6 and meta["quantized"] == ["int8"], meta
+    dist.barrier()
+    with safe_open(os.path.join(out, "state.safetensors"), "pt") as f:
+        for key, value in model.state_dict().items():
+            if not hasattr(value, "local_shards"):
+                continue
+            full = f.get_tensor(f"model.{key}")
+            for s in value.local_shards():
+                r0, c0 = s.metadata.shard_offsets
+                rows, cols = s.metadata.shard_sizes
+                got, want = full[r0 : r0 + rows, c0 : c0 + cols], s.tensor
+                # int8 with a per-row scale: within absmax(row) / 254 (+ fp32 rounding).
+                bound = want.abs().amax(dim=1, keepdim=True) / 254 * (1 + 1e-5) + 1e-7
+                assert bool(((got - want).abs() <= bound).all()), (rank, key)
+                assert not torch.equal(got, want)  # really quantised
+    # The checkpoint chain stays exact (it restores bitwise); a plain restore of the publish
+    # chain is refused, naming the opt-in.
+    fresh, fresh_opt = build_model(SPEC, seed=5)
+    plain = deck.DeckConfig(uri=ckpt, lease_ttl_s=None)
+    with deck.DeltaCheckpointer(fresh, [fresh_opt], plain) as rc:
+        assert rc.restore() == 4
+    assert not diff_states(at4, capture_state(fresh, fresh_opt))
+    with (
+        pytest.raises(IncompatibleModelError, match="allow_quantized"),
+        deck.DeltaCheckpointer(fresh, [fresh_opt], plain.model_copy(update={"uri": pub})) as rp,
+    ):
+        rp.restore(6)
+
+
+def test_quantized_publish_needs_opt_in(tmp_path: Path) -> None:
+    ckpt, pub, out = str(tmp_path / "ckpt"), str(tmp_path / "pub"), str(tmp_path / "serving")
+    run_ranks(_quantized_publish, ckpt, pub, out)
