@@ -29,7 +29,9 @@ SPEC = ModelSpec(
     num_tables=3, rows=300, dim=16, batch=32, sharding="column_wise", data_parallel_tables=(2,)
 )
 LAST = 14
-FOLLOW_AT = (4, 8, LAST)  # first a full materialisation, then two incremental catch-ups
+# First a full materialisation of the chain 0, 2, 4; then a catch-up after each later delta
+# (one new delta each), and one after three deltas.
+FOLLOW_AT = (4, 6, 8, LAST)
 
 
 def _deck(*args: str) -> subprocess.CompletedProcess[str]:
@@ -130,10 +132,11 @@ def test_publish_chain_and_follow(tmp_path: Path) -> None:
 
     # The first follow materialised the chain 0, 2, 4; the later ones read only the new deltas.
     lines = Path(log).read_text().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert lines[0].startswith("step 4 ") and ": full, 3 checkpoint(s)" in lines[0]
-    assert lines[1].startswith("step 8 ") and ": delta, 2 checkpoint(s)" in lines[1], lines[1]
-    assert lines[2].startswith("step 14 ") and ": delta, 3 checkpoint(s)" in lines[2], lines[2]
+    assert lines[1].startswith("step 6 ") and ": delta, 1 checkpoint(s)" in lines[1], lines[1]
+    assert lines[2].startswith("step 8 ") and ": delta, 1 checkpoint(s)" in lines[2], lines[2]
+    assert lines[3].startswith("step 14 ") and ": delta, 3 checkpoint(s)" in lines[3], lines[3]
 
     # The follower's file holds exactly what `deck export --format safetensors` of the step
     # gives: every table, fused and dense optimizer state and dense tensor, bitwise.
