@@ -248,3 +248,58 @@ def test_bundle_bytes_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="bundle_bytes"):
         RankPartWriter(LocalStorage("/tmp"), 0, "0" * 16, 0, 1, 8192, bundle_bytes=4096)
+
+
+def _dmp_bundled(rank: int, world_size: int, uri: str, spool: str) -> None:
+    import torch.distributed as dist
+
+    import deck
+    from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+
+    spec = ModelSpec(num_tables=4, rows=3000, dim=16, batch=128, pooling=2)
+    config = deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=5,
+        # Through the spool and the upload (the tier that moves files by name), bundled.
+        staging=deck.StagingConfig(
+            chunk_bytes=16 * 1024, bundle_bytes=128 * 1024, tiers="cpu-ssd-remote", spool_dir=spool
+        ),
+    )
+    model, opt = build_model(spec)
+    user = TrainState()
+    captured = {}
+    with deck.enable(model, [opt], config, state=user) as ck:
+        for step in range(11):
+            if step:
+                train_step(model, opt, spec, step)
+                user.step = step
+            if ck.step(step) is not None:
+                captured[step] = capture_state(model, opt, user)
+    dist.barrier()
+    assert sorted(captured) == [0, 5, 10]
+    for step in sorted(captured):
+        model2, opt2 = build_model(spec, seed=spec.seed + 100 + step)
+        user2 = TrainState()
+        with deck.DeltaCheckpointer(model2, [opt2], config, state=user2) as ck2:
+            assert ck2.restore(step) == step
+        bad = diff_states(captured[step], capture_state(model2, opt2, user2))
+        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+
+
+@pytest.mark.slow
+def test_dmp_bundled_checkpoints_restore_bitwise(tmp_path: Path) -> None:
+    from dist_harness import run_ranks
+
+    uri = str(tmp_path / "ckpt")
+    run_ranks(_dmp_bundled, uri, str(tmp_path / "spool"))
+    storage = LocalStorage(uri)
+    names = [k.rsplit("/", 1)[-1] for k in storage.list("")]
+    assert not [n for n in names if n.endswith(".chunk")]
+    bundles = [n for n in names if n.endswith(".bin")]
+    manifests = read_manifests(storage)
+    chunks = [c for s in manifests for _, c in _chunks(storage, s)]
+    assert chunks and all(c.bundled for c in chunks) and len(bundles) < len(chunks)
+    for m in manifests.values():
+        assert not verify_checkpoint(storage, m).problems
+    # The upload tier cleaned its spool copies of the bundles up.
+    assert not [p for p in (tmp_path / "spool").rglob("*.bin")]
