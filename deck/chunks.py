@@ -21,7 +21,8 @@ from deck.storage import LocalStorage, Storage
 
 _ALIGN = 64
 Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
-_DTYPES: dict[str, torch.dtype] = {
+# Format dtype names (segments' ``dtype``) <-> torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
     "float32": torch.float32,
@@ -31,7 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "int8": torch.int8,
 }
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -175,7 +176,7 @@ def decode_chunk(
         # torch warns that views of an immutable bytes object are not writable; we only read.
         warnings.simplefilter("ignore", UserWarning)
         for seg in record.segments:
-            dtype = _DTYPES.get(seg.dtype)
+            dtype = DTYPES.get(seg.dtype)
             if dtype is None:
                 raise CorruptCheckpointError(
                     f"{where}: unknown dtype {seg.dtype!r} in segment {seg.name}"
@@ -205,7 +206,7 @@ def decode_chunk(
             )
         assert seg.source_dtype is not None  # the record's validator requires it
         scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None
-        out[seg.name] = decode_rows(out[seg.name], scale, seg.encoding, _DTYPES[seg.source_dtype])
+        out[seg.name] = decode_rows(out[seg.name], scale, seg.encoding, DTYPES[seg.source_dtype])
     return out
 
 

@@ -50,6 +50,7 @@ import torch
 
 from deck.adapters.base import TableShard
 from deck.catalog import describe, read_manifests, read_rank_manifests
+from deck.chunks import DTYPES
 from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
 from deck.format import CheckpointManifest, RankManifest
 from deck.lineage import build_graph, chain_bytes, cheapest_chain
@@ -59,16 +60,6 @@ from deck.storage import Storage, open_storage
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
-_DTYPES = {
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
 _SAFETENSORS_DTYPES = {
     torch.int64: "I64",
     torch.int32: "I32",
@@ -404,7 +395,7 @@ def eager_state(
 
 def _dtype(name: str, table: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return DTYPES[name]
     except KeyError:
         raise UnsupportedError(f"table {table}: unknown dtype {name!r}") from None
 
