@@ -253,6 +253,12 @@ class Stager:
         else:
             self.spool_root = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deck-spool")
+        # Each spooled file is fsynced as soon as it is written, on its own thread, so that the
+        # part's durability wait overlaps the writes of the files after it instead of starting
+        # when the last one is written (the writer thread never waits for the disk to flush).
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync")
+        self._early_syncs: dict[str, Future[None]] = {}
+        self._syncs_lock = threading.Lock()
         self._made_dirs: set[str] = set()
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload"
@@ -301,6 +307,8 @@ class Stager:
                     failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
                     f.write(memoryview(data)[:nbytes])
                 failpoint("stager.spool.after_write")
+                with self._syncs_lock:
+                    self._early_syncs[path] = self._syncer.submit(_fsync_path, path)
             except OSError as e:
                 raise self._spool_error(step, key, e) from e
             finally:
@@ -352,6 +360,7 @@ class Stager:
         self._queue.put(None)
         self._thread.join()
         self._writer.shutdown()
+        self._syncer.shutdown()
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
@@ -608,18 +617,17 @@ class Stager:
         dirs = set()
         for rel in p.files:
             path = self._spool_path(p, rel)
-            fd = os.open(path, os.O_RDONLY)
+            with self._syncs_lock:
+                early = self._early_syncs.pop(path, None)
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                if early is None:
+                    raise OSError("not fsynced yet")  # e.g. a part recovered after a restart
+                early.result()
+            except OSError:
+                _fsync_path(path)
             dirs.add(os.path.dirname(path))
         for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(d)
 
     def _upload(self, p: PendingPart) -> None:
         def one(rel: str) -> None:
@@ -755,7 +763,10 @@ class Stager:
                 if remote:
                     self.storage.delete(key)
                 elif self.spool_root is not None:
-                    os.remove(os.path.join(self.spool_root, key))
+                    path = os.path.join(self.spool_root, key)
+                    with self._syncs_lock:
+                        self._early_syncs.pop(path, None)
+                    os.remove(path)
             except (OSError, StorageError):
                 pass
 
@@ -764,3 +775,12 @@ class Stager:
             with self._idle:
                 self._spool_bytes = max(0, self._spool_bytes - nbytes)
                 self._idle.notify_all()
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or a folder by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
