@@ -65,7 +65,8 @@ def _run_target(
     import deck
     from deck.config import StagingConfig
 
-    staging = StagingConfig(tiers=target["tiers"], spool_dir=target.get("spool"))
+    extra = {} if a.chunks_in_flight is None else {"chunks_in_flight": a.chunks_in_flight}
+    staging = StagingConfig(tiers=target["tiers"], spool_dir=target.get("spool"), **extra)
     config = deck.DeckConfig(
         uri=target["uri"],
         delta_every_steps=a.delta_every,
@@ -323,6 +324,12 @@ def main() -> int:
         "default: train on while it uploads, as a real job does)",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
+    p.add_argument(
+        "--chunks-in-flight",
+        type=int,
+        default=None,
+        help="StagingConfig.chunks_in_flight (default: the config's default)",
+    )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--async-timeout", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
