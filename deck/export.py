@@ -115,8 +115,9 @@ class _CachedManifests(Storage):
 
 
 @dataclass(frozen=True)
-class ShardSpec:
-    """One table shard of the exported step, and the dtype / row shape of each of its states."""
+class ShardGeometry:
+    """Where a table shard sits in its table: rows ``[row_offset, +rows)`` and columns
+    ``[col_offset, +cols)`` of a ``num_rows x num_cols`` table."""
 
     table: str
     num_rows: int
@@ -125,6 +126,12 @@ class ShardSpec:
     rows: int
     col_offset: int
     cols: int
+
+
+@dataclass(frozen=True)
+class ShardSpec(ShardGeometry):
+    """One table shard of the exported step, and the dtype / row shape of each of its states."""
+
     rank: int
     states: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 

@@ -33,6 +33,7 @@ from deck.catalog import read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.export import (
     _SAFETENSORS_DTYPES,
+    ShardGeometry,
     StepState,
     _write_tensor,
     eager_state,
@@ -74,14 +75,7 @@ class _Piece:
 
 
 @dataclass(frozen=True)
-class _Shard:
-    table: str
-    num_rows: int
-    num_cols: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
+class _Shard(ShardGeometry):
     pieces: tuple[_Piece, ...]
 
 
@@ -110,13 +104,17 @@ class Follower:
         self.tensors: dict[str, torch.Tensor] = {}  # tables first, then dense, as written
         self.table_fqns: list[str] = []
         self.shards: list[_Shard] = []
-        self.tables: dict[str, tuple[int, int]] = {}
         self.state: tuple[int, str] | None = None  # (step, trainer checkpoint id) held
         self.chain: list[str] = []
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ConfigError(f"--out {out_dir} is not a directory")
         os.makedirs(out_dir, exist_ok=True)
         self._resume()
+
+    @property
+    def tables(self) -> dict[str, tuple[int, int]]:
+        """The held tables' shapes (what a chain applied onto them must match)."""
+        return {s.table: (s.num_rows, s.num_cols) for s in self.shards}
 
     # ---- catching up -------------------------------------------------------------------------
     def catch_up(self) -> FollowUpdate:
@@ -196,7 +194,7 @@ class Follower:
                     tuple(by_shard[i]),
                 )
             )
-        self.tensors, self.shards, self.tables = tensors, shards, dict(st.tables)
+        self.tensors, self.shards = tensors, shards
         self.table_fqns = list(tensors)
         self._set_dense(flatten(st.eager_state()))
         self.state = st.last.state
@@ -316,9 +314,6 @@ class Follower:
         ]
         self.table_fqns = list(meta["tables"])
         self.tensors = tensors
-        self.tables = {}
-        for s in self.shards:
-            self.tables[s.table] = (s.num_rows, s.num_cols)
         self.state = (int(meta["step"]), str(meta["checkpoint"]))
         self.chain = list(meta["chain"])
         self.encodings = set(meta.get("quantized", ()))
