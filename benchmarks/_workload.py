@@ -15,6 +15,8 @@ folded into the table and scattered by a fixed odd multiplier. The looked-up row
 from __future__ import annotations
 
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -192,3 +194,13 @@ def tree_bytes(root: str) -> int:
     import os
 
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def in_workdir(out: str | None, prefix: str, run: Callable[[str], int]) -> int:
+    """``run(work)`` in ``out`` (kept afterwards) or in a fresh temp dir (removed afterwards)."""
+    work = out or tempfile.mkdtemp(prefix=prefix)
+    try:
+        return run(work)
+    finally:
+        if out is None:
+            shutil.rmtree(work, ignore_errors=True)

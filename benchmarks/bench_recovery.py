@@ -28,13 +28,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, ZipfTrainer, bitwise_equal, restore_into_fresh
+from _workload import Workload, ZipfTrainer, bitwise_equal, in_workdir, restore_into_fresh
 
 from deck.catalog import chain_for, read_manifests
 from deck.merger import FullPolicy, MergeConfig, MergeWorker
@@ -61,12 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     w = Workload(tables=a.tables, rows=a.rows, dim=a.dim)
-    work = a.out or tempfile.mkdtemp(prefix="deck-bench-recovery-")
-    try:
-        return _run(a, w, work)
-    finally:
-        if a.out is None:
-            shutil.rmtree(work, ignore_errors=True)
+    return in_workdir(a.out, "deck-bench-recovery-", lambda work: _run(a, w, work))
 
 
 def _run(a: argparse.Namespace, w: Workload, work: str) -> int:

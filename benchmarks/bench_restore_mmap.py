@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, ZipfTrainer, bitwise_equal, make_shards, table_shapes
+from _workload import Workload, ZipfTrainer, bitwise_equal, in_workdir, make_shards, table_shapes
 
 from deck.catalog import chain_for, read_manifests
 from deck.format import CheckpointManifest
@@ -93,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     w = Workload(tables=a.tables, rows=a.rows, dim=a.dim, ranks=1)
-    work = a.out or tempfile.mkdtemp(prefix="deck-bench-mmap-")
-    try:
-        return _run(a, w, work)
-    finally:
-        if a.out is None:
-            shutil.rmtree(work, ignore_errors=True)
+    return in_workdir(a.out, "deck-bench-mmap-", lambda work: _run(a, w, work))
 
 
 def _run(a: argparse.Namespace, w: Workload, work: str) -> int:

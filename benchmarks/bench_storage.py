@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, ZipfTrainer, tree_bytes
+from _workload import Workload, ZipfTrainer, in_workdir, tree_bytes
 
 from deck.catalog import read_manifests
 from deck.format import MANIFEST
@@ -64,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     w = Workload(tables=a.tables, rows=a.rows, dim=a.dim)
-    work = a.out or tempfile.mkdtemp(prefix="deck-bench-storage-")
-    try:
-        return _run(a, w, work)
-    finally:
-        if a.out is None:
-            shutil.rmtree(work, ignore_errors=True)
+    return in_workdir(a.out, "deck-bench-storage-", lambda work: _run(a, w, work))
 
 
 def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
