@@ -17,6 +17,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,9 @@ import numpy as np
 import torch
 from deck.adapters.base import TableShard
 
-from deck.format import CheckpointManifest, Kind
+from deck.config import StagingConfig
+from deck.format import CheckpointManifest, Kind, RankManifest
+from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage
 from deck.writer import RankPartWriter, commit
 
@@ -204,3 +207,47 @@ def in_workdir(out: str | None, prefix: str, run: Callable[[str], int]) -> int:
     finally:
         if out is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def save_full(
+    stager: Stager, storage: Storage, shards: list[TableShard], step: int, cfg: StagingConfig
+) -> tuple[CheckpointStats, RankManifest]:
+    """One full checkpoint of ``shards`` through ``stager``, as DeltaCheckpointer.save drives it,
+    waited for until committed; its stats (``started``: the snapshot's start) and rank manifest."""
+    info = PendingPart(
+        uri=storage.uri,
+        step=step,
+        ckpt_id=f"{step + 1:016x}",
+        rank=0,
+        world_size=1,
+        kind=Kind.FULL,
+        parent=None,
+        parent_id=None,
+        base=step,
+        epoch=0,
+    )
+    estimate = sum(s.rows * s.row_bytes() for s in shards)
+    if not stager.reserve(estimate):
+        raise RuntimeError("spool full")
+    t0 = time.perf_counter()
+    staged = stager.begin(info, reserved=estimate)
+    writer = RankPartWriter(storage, step, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
+    writer.write_part(shards, lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
+    staged.wait_written()
+    stats = CheckpointStats(
+        step=step,
+        kind="full",
+        id=info.ckpt_id,
+        stall_s=time.perf_counter() - t0,
+        bytes=writer.bytes_written,
+        rows=writer.rows_written,
+        chunks=writer.chunks_written,
+        started=t0,
+    )
+    stager.enqueue(staged, stats)
+    if not stager.flush(timeout=3600):
+        raise RuntimeError("stager did not finish within an hour")
+    if stats.state != "committed":
+        raise RuntimeError(f"checkpoint not committed: {stats.state} {stats.error}")
+    assert staged.part is not None
+    return stats, staged.part

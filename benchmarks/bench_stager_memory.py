@@ -43,12 +43,12 @@ import torch
 from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
-from deck.format import Kind
-from deck.staging import CheckpointStats, PendingPart, Stager
+from deck.staging import Stager
 from deck.storage import Storage, open_storage
-from deck.writer import RankPartWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from _workload import save_full
 
 MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -128,48 +128,6 @@ def make_shards(total_bytes: int, tables: int, dim: int) -> list[TableShard]:
     return shards
 
 
-def save_full(
-    stager: Stager, storage: Storage, shards: list[TableShard], step: int, cfg: StagingConfig
-) -> tuple[CheckpointStats, int]:
-    """One full checkpoint of ``shards`` through ``stager``, as DeltaCheckpointer.save drives it."""
-    info = PendingPart(
-        uri=storage.uri,
-        step=step,
-        ckpt_id=f"{step + 1:016x}",
-        rank=0,
-        world_size=1,
-        kind=Kind.FULL,
-        parent=None,
-        parent_id=None,
-        base=step,
-        epoch=0,
-    )
-    estimate = sum(s.rows * s.row_bytes() for s in shards)
-    if not stager.reserve(estimate):
-        raise RuntimeError("spool full")
-    t0 = time.perf_counter()
-    staged = stager.begin(info, reserved=estimate)
-    writer = RankPartWriter(storage, step, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
-    writer.write_part(shards, lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
-    staged.wait_written()
-    stats = CheckpointStats(
-        step=step,
-        kind="full",
-        id=info.ckpt_id,
-        stall_s=time.perf_counter() - t0,
-        bytes=writer.bytes_written,
-        rows=writer.rows_written,
-        chunks=writer.chunks_written,
-        started=t0,
-    )
-    stager.enqueue(staged, stats)
-    if not stager.flush(timeout=3600):
-        raise RuntimeError("stager did not finish within an hour")
-    if stats.state != "committed":
-        raise RuntimeError(f"checkpoint not committed: {stats.state} {stats.error}")
-    return stats, writer.chunks_written
-
-
 def _target(spec: dict[str, Any]) -> tuple[Storage, StagingConfig]:
     if spec["target"] == "local":
         return open_storage(spec["uri"]), StagingConfig(tiers="local")
@@ -194,7 +152,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     sampler = RssSampler(spec["interval_ms"] / 1000)
     base = sampler.rss()
     sampler.start()
-    stats, chunks = save_full(stager, storage, shards, spec["rep"], cfg)
+    stats, part = save_full(stager, storage, shards, spec["rep"], cfg)
+    chunks = sum(len(r.chunks) for r in part.shards)
     peak = sampler.stop()
     stager.close()
     if spec["target"] == "local":

@@ -53,12 +53,12 @@ from deck.adapters.base import TableShard
 
 from deck.chunks import ChunkLayout
 from deck.config import StagingConfig
-from deck.format import Kind
-from deck.staging import CheckpointStats, PendingPart, Stager
+from deck.staging import Stager
 from deck.storage import Storage, open_storage
-from deck.writer import RankPartWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from _workload import save_full
 
 MIB = 2**20
 GOAL = 0.8
@@ -96,36 +96,11 @@ def stager_save(
 ) -> dict[str, Any]:
     """A full checkpoint through a fresh Stager; seconds from begin to committed."""
     stager = Stager(storage, cfg, rank=0)
-    info = PendingPart(
-        uri=storage.uri,
-        step=step,
-        ckpt_id=f"{step + 1:016x}",
-        rank=0,
-        world_size=1,
-        kind=Kind.FULL,
-        parent=None,
-        parent_id=None,
-        base=step,
-        epoch=0,
-    )
-    estimate = sum(s.rows * s.row_bytes() for s in shards)
-    stager.reserve(estimate)
-    t0 = time.perf_counter()
-    staged = stager.begin(info, reserved=estimate)
-    writer = RankPartWriter(storage, step, info.ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
-    writer.write_part(shards, lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
-    staged.wait_written()
-    stall = time.perf_counter() - t0
-    stats = CheckpointStats(step=step, kind="full", id=info.ckpt_id, started=t0)
-    stager.enqueue(staged, stats)
-    if not stager.flush(timeout=3600):
-        raise RuntimeError("stager did not finish within an hour")
-    seconds = time.perf_counter() - t0
+    stats, part = save_full(stager, storage, shards, step, cfg)
+    seconds = time.perf_counter() - stats.started
     stager.close()
-    if stats.state != "committed":
-        raise RuntimeError(f"checkpoint not committed: {stats.state} {stats.error}")
-    sizes = [c.nbytes for s in staged.part.shards for c in s.chunks]  # type: ignore[union-attr]
-    return {"seconds": seconds, "stall": stall, "bytes": writer.bytes_written, "sizes": sizes}
+    sizes = [c.nbytes for s in part.shards for c in s.chunks]
+    return {"seconds": seconds, "stall": stats.stall_s, "bytes": stats.bytes, "sizes": sizes}
 
 
 def williams_order(n: int, rep: int) -> list[int]:
