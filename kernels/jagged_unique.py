@@ -17,10 +17,12 @@ Algorithms (``method``):
 - ``"auto"`` (default): bitmap when its map has at most ``BITMAP_ROWS_PER_ID`` rows per input id
   (then scanning the map costs less than sorting the ids), sort otherwise.
 
-On CPU the kernels are numpy: numpy's fancy-index assignment, ``flatnonzero`` and ``take`` are
-tight loops that release the GIL, so disjoint groups of tables run on worker threads (as many as
-``torch.get_num_threads()``), and numpy's large allocations are huge-page backed, which makes the
-first touch of a big temporary cheap. Other devices use the torch-only code in
+On CPU the bitmap path's mark-and-scan is native C (``kernels/_jagged.c``, built at install;
+one pass marks a table's ids, one word-at-a-time scan emits and clears its set rows) with a numpy
+fallback when no compiler built it; the rest is numpy: fancy-index assignment, ``take`` and the
+native call are tight loops that release the GIL, so disjoint groups of tables run on worker
+threads (as many as ``torch.get_num_threads()``), and numpy's large allocations are huge-page
+backed, which makes the first touch of a big temporary cheap. Other devices use the torch-only code in
 :mod:`deck.kernels.gpu`.
 """
 
@@ -28,11 +30,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import importlib
 import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple, TypeVar, overload
+from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import numpy as np
 import torch
@@ -40,6 +43,11 @@ import torch
 from deck.errors import DeckError
 
 from . import gpu
+
+try:  # the native CPU kernel (kernels/_jagged.c), built at install when a C compiler is there
+    _native: Any = importlib.import_module("deck.kernels._jagged")
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
 
 __all__ = [
     "BITMAP_ROWS_PER_ID",
@@ -627,26 +635,27 @@ def _cpu_bitmap(
     whole_map = _zeroed_bytes.take(row_starts[-1])
 
     def mark_and_scan(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The group's distinct ids (table-local, ascending per table) and per-table cuts."""
+        bitmap = whole_map[row_starts[lo] : row_starts[hi]]
+        if _native is not None:  # it checks every id against [0, bound) as it marks
+            return _native_mark_scan(v, lo, hi, starts, row_starts, bitmap, bounds)
         if check_ids and starts[hi] > starts[lo]:
             _check_min_id(int(v[starts[lo] : starts[hi]].min()))
-        base_row = row_starts[lo]
-        bitmap = whole_map[base_row : row_starts[hi]]
         for t in range(lo, hi):
             if not lengths[t]:
                 continue
             ids = v[starts[t] : starts[t + 1]]
-            table_map = bitmap[row_starts[t] - base_row : row_starts[t + 1] - base_row]
+            table_map = bitmap[row_starts[t] - row_starts[lo] : row_starts[t + 1] - row_starts[lo]]
             try:
                 table_map[ids] = True
             except IndexError:
-                raise KernelInputError(
-                    f"table {t} holds id {int(ids.max())} but num_rows[{t}] is {bounds[t]}; ids "
-                    "must be shard-local row ids below the table's local row count"
-                ) from None
+                raise _out_of_range(t, ids, bounds) from None
         rows = np.flatnonzero(bitmap)
         bitmap[rows] = False  # all zero again, ready for the next call
-        edges = np.asarray(row_starts[lo : hi + 1], dtype=np.int64) - base_row
+        edges = np.asarray(row_starts[lo : hi + 1], dtype=np.int64) - row_starts[lo]
         cuts = np.searchsorted(rows, edges)
+        for t in range(lo, hi):  # map rows -> table-local ids
+            rows[cuts[t - lo] : cuts[t - lo + 1]] -= row_starts[t] - row_starts[lo]
         return rows, cuts
 
     # On an error some marks may be left: the map is then dropped, not given back.
@@ -668,15 +677,7 @@ def _cpu_bitmap(
         lo, hi = groups[g]
         rows, cuts = scanned[g]
         base = bases[g]
-        base_row = row_starts[lo]
-        for i, t in enumerate(range(lo, hi)):
-            a, b = int(cuts[i]), int(cuts[i + 1])
-            np.subtract(
-                rows[a:b],
-                row_starts[t] - base_row,
-                out=unique_values[base + a : base + b],
-                casting="unsafe",
-            )
+        unique_values[base : base + rows.size] = rows
         if inverse is None:
             return
         # One rank map the size of the group's largest table, reused table after table: it stays
@@ -708,6 +709,48 @@ def _cpu_bitmap(
         inverse=torch.from_numpy(inverse) if return_inverse and inverse is not None else None,
         first=torch.from_numpy(first) if first is not None else None,
     )
+
+
+def _out_of_range(t: int, ids: np.ndarray, bounds: list[int]) -> KernelInputError:
+    """The error for table ``t`` whose ``ids`` are not all in ``[0, bounds[t])``."""
+    if int(ids.min()) < 0:
+        return KernelInputError(
+            f"values holds a negative id ({int(ids.min())}); ids must be non-negative row ids"
+        )
+    return KernelInputError(
+        f"table {t} holds id {int(ids.max())} but num_rows[{t}] is {bounds[t]}; ids "
+        "must be shard-local row ids below the table's local row count"
+    )
+
+
+def _native_mark_scan(
+    v: np.ndarray,
+    lo: int,
+    hi: int,
+    starts: list[int],
+    row_starts: list[int],
+    bitmap: np.ndarray,
+    bounds: list[int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_cpu_bitmap`'s mark-and-scan of tables ``[lo, hi)`` by the native kernel."""
+    assert _native is not None
+    out = np.empty(starts[hi] - starts[lo], dtype=np.int64)
+    counts = np.empty(hi - lo, dtype=np.int64)
+    written, bad = _native.mark_scan(
+        v,
+        v.itemsize,
+        np.asarray(starts[lo : hi + 1], dtype=np.int64),
+        np.asarray(row_starts[lo : hi + 1], dtype=np.int64),
+        bitmap,
+        out,
+        counts,
+    )
+    if bad >= 0:
+        t = lo + bad
+        raise _out_of_range(t, v[starts[t] : starts[t + 1]], bounds)
+    cuts = np.zeros(hi - lo + 1, dtype=np.int64)
+    np.cumsum(counts, out=cuts[1:])
+    return out[:written], cuts
 
 
 def _cpu_sort(

@@ -30,6 +30,22 @@ ju_module = importlib.import_module("deck.kernels.jagged_unique")
 MAX_ID = 2**63 - 1
 METHODS = ("auto", "bitmap", "sort")
 
+
+@pytest.fixture(autouse=True, scope="module", params=["native", "numpy"])
+def cpu_bitmap_kernel(request: pytest.FixtureRequest) -> Any:
+    """Every test runs with the native CPU bitmap kernel and with its numpy fallback (used where
+    no C compiler built the extension)."""
+    if request.param == "native" and ju_module._native is None:
+        pytest.fail(
+            "the native kernel deck.kernels._jagged is not built (pip install -e . needs gcc)"
+        )
+    saved = ju_module._native
+    if request.param == "numpy":
+        ju_module._native = None
+    yield request.param
+    ju_module._native = saved
+
+
 # Ids drawn per example from one regime: a small range (many duplicates, bitmap-friendly), the
 # whole int64 range, or right below 2**63 - 1 (no room for a composite key: lexsort).
 ID_REGIMES = {
