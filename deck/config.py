@@ -97,6 +97,14 @@ class StagingConfig(BaseModel):
         description="Give up a checkpoint whose upload keeps failing this long; the next "
         "checkpoint is then a full.",
     )
+    background_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Nice increment of the stager's background threads (fsync, upload, commit; "
+        "Linux): uploads and checksums yield the CPU to training, whose steps would otherwise "
+        "slow down while a large checkpoint uploads. 0: the training process's priority.",
+    )
     commit_timeout_s: float = Field(
         default=3600.0,
         gt=0,

@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import mmap
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -259,12 +261,13 @@ class Stager:
         # Each spooled file is fsynced as soon as it is written, on its own thread, so that the
         # part's durability wait overlaps the writes of the files after it instead of starting
         # when the last one is written (the writer thread never waits for the disk to flush).
-        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync")
+        lower = functools.partial(_lower_priority, staging.background_nice)
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync", initializer=lower)
         self._early_syncs: dict[str, Future[None]] = {}
         self._syncs_lock = threading.Lock()
         self._made_dirs: set[str] = set()
         self._uploads = ThreadPoolExecutor(
-            staging.upload_concurrency, thread_name_prefix="deck-upload"
+            staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
         )
         self._queue: queue.Queue[tuple[PendingPart, CheckpointStats] | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -471,6 +474,7 @@ class Stager:
 
     # ---- background ------------------------------------------------------------------------------
     def _run(self) -> None:
+        _lower_priority(self.cfg.background_nice)
         while True:
             item = self._queue.get()
             if item is None:
@@ -822,6 +826,18 @@ def _page_aligned(view: memoryview) -> bool:
         return False
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return address % PAGE_BYTES == 0
+
+
+def _lower_priority(increment: int) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` nice levels (Linux: priorities are
+    per thread; elsewhere a no-op)."""
+    if not increment or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        )
 
 
 def _fsync_path(path: str) -> None:

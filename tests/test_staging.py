@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from deck.adapters.base import TableShard
 
 import deck
+from deck import staging
 from deck.catalog import chain_for, read_manifests
 from deck.config import StagingConfig
 from deck.format import Kind
@@ -108,6 +110,44 @@ def test_stager_memory_is_bounded_and_the_part_commits(tmp_path: Path, uri_kind:
     assert all(torch.equal(target.states[k], shard.states[k]) for k in shard.states)
     if uri_kind == "memory":
         assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_first_tier_writes_direct_or_buffered_hold_the_bytes(tmp_path: Path, direct: bool) -> None:
+    """Page-aligned pool buffers go with O_DIRECT where the filesystem takes it, anything else
+    (and every buffer once a filesystem refused) buffered: the files hold exactly the bytes."""
+    saved = staging._direct_ok
+    staging._direct_ok = direct and staging._O_DIRECT != 0
+    try:
+        pool = staging.BufferPool(1, 3 * 4096)
+        buf = pool.acquire()
+        data = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8).numpy().tobytes()
+        buf[:] = data
+        cases = {
+            "aligned": memoryview(buf),  # a pool buffer: page-aligned, whole pages
+            "partial": memoryview(buf)[: 4096 + 100],  # not whole pages: buffered
+            "bytes": memoryview(data[:5000]),  # read-only (manifests, dense state): buffered
+        }
+        for name, view in cases.items():
+            staging.write_file(str(tmp_path / name), view)
+            assert (tmp_path / name).read_bytes() == bytes(view), name
+    finally:
+        staging._direct_ok = saved
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_background_threads_yield_the_cpu_to_training(tmp_path: Path) -> None:
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    storage = open_storage(str(tmp_path / "ck"))
+    stager = Stager(storage, StagingConfig(background_nice=7), rank=0)
+    try:
+        assert stager._syncer.submit(nice).result() == min(19, nice() + 7)
+        assert stager._uploads.submit(nice).result() == min(19, nice() + 7)
+        assert stager._writer.submit(nice).result() == nice()  # training waits on this one
+    finally:
+        stager.close()
 
 
 def _start(args: list[str], markers: Path) -> subprocess.Popen[bytes]:
