@@ -251,3 +251,19 @@ def save_full(
         raise RuntimeError(f"checkpoint not committed: {stats.state} {stats.error}")
     assert staged.part is not None
     return stats, staged.part
+
+
+def williams_order(n: int, rep: int) -> list[int]:
+    """Row ``rep`` of a Williams design for ``n`` modes: over ``n`` rows (``2n`` when ``n`` is
+    odd) every ordered pair of modes is adjacent equally often."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows[rep % len(rows)]

@@ -15,11 +15,14 @@ after ``--batches`` steps) and ends with each table's sorted distinct ids:
   ``ModelDeltaTracker.get_unique`` runs.
 - ``ours ...``: ``concat_jagged`` (one copy into the jagged layout) + ``jagged_unique``, with
   ``num_rows`` (bitmap path), without (auto: the bitmap sized from the largest ids when that is
-  dense enough, else sort), and forced to the sort path; ``kernel only`` times
-  ``jagged_unique(num_rows)`` alone, for a tracker that writes ids straight into a jagged buffer.
+  dense enough, else sort), and forced to the sort path; ``per-table lists`` is
+  ``unique_per_table(per_table, num_rows)``, the same unique marked straight from the per-batch
+  tensors (no concatenation); ``kernel only`` times ``jagged_unique(num_rows)`` alone, for a
+  tracker that writes ids straight into a jagged buffer.
 
 Each config runs one warm-up round and ``--repeats`` timed rounds; in every round each contender
-runs once, in a rotating order, so allocator and thread-pool state is shared fairly. Medians
+runs once, in the order of a row of a Williams square (each contender follows each other equally
+often), so allocator and thread-pool state is shared fairly. Medians
 (or, with ``--stat min``, minima) are reported, with the ratio ``cat+unique / contender``
 (higher is better). A warning names the rows measured while other processes used the CPUs.
 """
@@ -39,7 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from deck.kernels import concat_jagged, jagged_unique
+from _workload import williams_order
+from deck.kernels import concat_jagged, jagged_unique, unique_per_table
 
 BASELINE = "cat+unique"
 
@@ -125,6 +129,10 @@ def contenders(
             nothing,
             lambda: jagged_unique(*concat_jagged(w.per_table), method="sort"),
         ),
+        "ours per-table lists": (
+            nothing,
+            lambda: unique_per_table(w.per_table, w.num_rows),
+        ),
         "ours kernel only": (
             kernel_setup,
             lambda: jagged_unique(jagged[0], jagged[1], w.num_rows),
@@ -142,6 +150,9 @@ def check_agreement(w: Workload) -> int:
         got_values, got_lengths = jagged_unique(values, lengths, **kwargs)  # type: ignore[arg-type]
         if not torch.equal(got_values, want_values) or got_lengths.tolist() != want_lengths:
             raise SystemExit(f"jagged_unique({kwargs}) disagrees with cat+unique")
+    got_values, got_lengths = unique_per_table(w.per_table, w.num_rows)
+    if not torch.equal(got_values, want_values) or got_lengths.tolist() != want_lengths:
+        raise SystemExit("unique_per_table disagrees with cat+unique")
     return int(want_values.numel())
 
 
@@ -151,8 +162,9 @@ def measure(w: Workload, repeats: int, stat: str) -> dict[str, float]:
     names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(repeats + 1):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+        # A Williams order: each contender follows each other equally often, so none always
+        # pays for the memory its predecessor freed (fresh pages fault on first touch).
+        for name in (names[i] for i in williams_order(len(names), round_index)):
             setup, run = calls[name]
             setup()
             gc.collect()

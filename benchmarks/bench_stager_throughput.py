@@ -58,7 +58,7 @@ from deck.storage import Storage, open_storage
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _workload import save_full
+from _workload import save_full, williams_order
 
 MIB = 2**20
 GOAL = 0.8
@@ -101,22 +101,6 @@ def stager_save(
     stager.close()
     sizes = [c.nbytes for s in part.shards for c in s.chunks]
     return {"seconds": seconds, "stall": stats.stall_s, "bytes": stats.bytes, "sizes": sizes}
-
-
-def williams_order(n: int, rep: int) -> list[int]:
-    """Row ``rep`` of a Williams design for ``n`` modes: over ``n`` rows (``2n`` when ``n`` is
-    odd) every ordered pair of modes is adjacent equally often."""
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    rows = [[(x + i) % n for x in first] for i in range(n)]
-    if n % 2:
-        rows += [row[::-1] for row in rows]
-    return rows[rep % len(rows)]
 
 
 def chunk_sizes(shards: list[TableShard], chunk_bytes: int) -> list[int]:

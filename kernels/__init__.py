@@ -6,6 +6,7 @@ Importable as ``deck.kernels`` (``pyproject.toml`` maps this folder with ``packa
   (numpy kernels on CPU, torch-only kernels in :mod:`deck.kernels.gpu` elsewhere).
 - :func:`jagged_unique_reference`: a loop of ``torch.unique`` per table, the tests' oracle.
 - :func:`concat_jagged`: per-table lists of id tensors -> the ``(values, lengths)`` layout.
+- :func:`unique_per_table`: the same unique straight from per-table lists of id tensors.
 - :func:`free_cached_buffers`: drop the zeroed map the CPU bitmap kernel keeps between calls.
 - :class:`KernelInputError`: raised for malformed input.
 """
@@ -17,6 +18,7 @@ from .jagged_unique import (
     concat_jagged,
     free_cached_buffers,
     jagged_unique,
+    unique_per_table,
 )
 from .reference import jagged_unique_reference
 
@@ -28,4 +30,5 @@ __all__ = [
     "free_cached_buffers",
     "jagged_unique",
     "jagged_unique_reference",
+    "unique_per_table",
 ]

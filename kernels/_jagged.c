@@ -1,111 +1,127 @@
 /* The CPU bitmap kernel of deck.kernels.jagged_unique: mark, scan and clear in one native pass.
  *
- * numpy's version needs one fancy-index pass to mark, a flatnonzero over the whole map (a count
- * pass, then an index pass), a fancy-index pass to clear and a subtract per table to turn map
- * rows into ids. Here a table's ids are marked, then its slice of the map is scanned a 64-bit
- * word at a time -- zero words (most of a sparse map) cost one load -- and each set byte becomes
- * an output id and is cleared on the way, so the map is all zero again when the call returns.
- * The GIL is released: the Python side runs groups of tables on worker threads.
+ * One bit per row: table t owns ceil(bound[t] / 64) 64-bit words of `bits`, so the map of a
+ * 1M-row table is 128 KiB and stays in cache while its ids are marked (numpy's byte map is 8x
+ * larger and needs separate mark, flatnonzero, clear and subtract passes). A table's ids are
+ * marked, then its words are scanned: a zero word (most of a sparse map) costs one load, a set
+ * bit becomes an output id (count-trailing-zeros), and each word is cleared as it is read, so the
+ * map is all zero again when the call returns. The GIL is released: the Python side runs groups
+ * of tables on worker threads, each with its own words.
  *
- * mark_scan(values, itemsize, starts, row_starts, map, out, counts) -> (number of ids written,
- * bad table or -1). values holds ids of `itemsize` bytes (4 or 8) for tables t = 0..T-1 at
- * [starts[t], starts[t+1]); table t owns map bytes [row_starts[t], row_starts[t+1]). Ids of each
- * table are written to `out` (int64) ascending, back to back, and their count to counts[t]. An id
- * outside [0, row_starts[t+1] - row_starts[t]) stops the call: the map is cleared and the
- * table's index is returned as `bad` so that the caller can name it. `out` must hold one int64
- * per id of the group (the most ids it can produce).
+ * mark_scan(ptrs, lens, pieces, itemsize, bounds, bits, out, counts) -> (ids written, bad table)
+ *   ptrs, lens  int64 (P,): addresses and lengths (in ids of `itemsize` bytes, 4 or 8) of
+ *               contiguous id arrays ("pieces": a jagged tensor's table slices, or per-batch id
+ *               tensors); the caller keeps them alive and unchanged for the call
+ *   pieces      int64 (T+1,): table t's ids are in pieces [pieces[t], pieces[t+1]) (absolute
+ *               indices into ptrs)
+ *   bounds      int64 (T,): every id of table t must be in [0, bounds[t])
+ *   bits        uint64, all zero, at least sum(ceil(bounds[t] / 64)) words; all zero again after
+ *   out         int64, at least as many entries as the tables have ids: each table's distinct ids,
+ *               ascending, back to back
+ *   counts      int64 (T,): how many ids of `out` belong to each table
+ * An id outside its table's bound stops the call: the words are cleared and the table's index is
+ * returned as `bad` (else -1) so that the caller can name it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Emit (ascending) and clear every set byte of map[0, rows); returns how many. */
-static int64_t scan_clear(uint8_t *map, int64_t rows, int64_t *out)
+/* Emit (ascending) and clear every set bit of words[0, n); returns how many. */
+static int64_t scan_clear(uint64_t *words, int64_t n, int64_t *out)
 {
-    int64_t k = 0, r = 0;
-    for (; r < rows && ((uintptr_t)(map + r) & 7); ++r)
-        if (map[r]) { map[r] = 0; out[k++] = r; }
-    for (; r + 8 <= rows; r += 8) {
-        uint64_t word;
-        memcpy(&word, map + r, 8);
-        if (!word)
+    int64_t k = 0;
+    for (int64_t w = 0; w < n; ++w) {
+        uint64_t x = words[w];
+        if (!x)
             continue;
-        for (int b = 0; b < 8; ++b)
-            if (map[r + b]) out[k++] = r + b;
-        memset(map + r, 0, 8);
+        words[w] = 0;
+        do {
+            out[k++] = (w << 6) + __builtin_ctzll(x);
+            x &= x - 1;
+        } while (x);
     }
-    for (; r < rows; ++r)
-        if (map[r]) { map[r] = 0; out[k++] = r; }
     return k;
-}
-
-/* Clear what a failed call had marked (tables [0, upto]). */
-static void clear_tables(uint8_t *map, const int64_t *row_starts, int64_t upto)
-{
-    memset(map, 0, (size_t)(row_starts[upto + 1] - row_starts[0]));
 }
 
 #define MARK(TYPE)                                                            \
     do {                                                                      \
-        const TYPE *ids = (const TYPE *)v + starts[t];                     \
-        for (int64_t i = 0; i < count; ++i) {                                 \
-            int64_t id = (int64_t)ids[i];                                     \
-            if ((uint64_t)id >= (uint64_t)rows) { bad = t; break; }           \
-            table_map[id] = 1;                                                \
+        for (int64_t p = pieces[t]; p < pieces[t + 1] && bad < 0; ++p) {      \
+            const TYPE *ids = (const TYPE *)(uintptr_t)ptrs[p];               \
+            for (int64_t i = 0; i < lens[p]; ++i) {                           \
+                uint64_t id = (uint64_t)(int64_t)ids[i];                      \
+                if (id >= (uint64_t)bound) { bad = t; break; }                \
+                table_bits[id >> 6] |= (uint64_t)1 << (id & 63);              \
+            }                                                                 \
         }                                                                     \
     } while (0)
 
 static PyObject *mark_scan(PyObject *self, PyObject *args)
 {
-    Py_buffer values, starts_b, row_starts_b, map_b, out_b, counts_b;
+    Py_buffer ptrs_b, lens_b, pieces_b, bounds_b, bits_b, out_b, counts_b;
     int itemsize;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*iy*y*w*w*w*", &values, &itemsize, &starts_b, &row_starts_b,
-                          &map_b, &out_b, &counts_b))
+    if (!PyArg_ParseTuple(args, "y*y*y*iy*w*w*w*", &ptrs_b, &lens_b, &pieces_b, &itemsize,
+                          &bounds_b, &bits_b, &out_b, &counts_b))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t num_tables = counts_b.len / (Py_ssize_t)sizeof(int64_t);
-    if ((itemsize != 4 && itemsize != 8) ||
-        starts_b.len != (num_tables + 1) * (Py_ssize_t)sizeof(int64_t) ||
-        row_starts_b.len != starts_b.len) {
+    const Py_ssize_t word = (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t num_tables = counts_b.len / word, num_pieces = ptrs_b.len / word;
+    const int64_t *ptrs = ptrs_b.buf, *lens = lens_b.buf, *pieces = pieces_b.buf;
+    const int64_t *bounds = bounds_b.buf;
+    int64_t words_needed = 0, ids_total = 0;
+    if ((itemsize != 4 && itemsize != 8) || lens_b.len != ptrs_b.len ||
+        pieces_b.len != (num_tables + 1) * word || bounds_b.len != num_tables * word ||
+        ((uintptr_t)bits_b.buf & 7)) {
         PyErr_SetString(PyExc_ValueError, "mark_scan: inconsistent arguments");
         goto done;
     }
-    const int64_t *starts = starts_b.buf, *row_starts = row_starts_b.buf;
-    if (values.len < starts[num_tables] * itemsize ||
-        map_b.len < row_starts[num_tables] - row_starts[0] ||
-        out_b.len < (starts[num_tables] - starts[0]) * (Py_ssize_t)sizeof(int64_t)) {
+    for (Py_ssize_t t = 0; t < num_tables; ++t) {
+        if (bounds[t] < 0 || pieces[t] < 0 || pieces[t + 1] < pieces[t] ||
+            pieces[t + 1] > num_pieces) {
+            PyErr_SetString(PyExc_ValueError, "mark_scan: bad bound or piece range");
+            goto done;
+        }
+        words_needed += (bounds[t] + 63) >> 6;
+        for (int64_t p = pieces[t]; p < pieces[t + 1]; ++p) {
+            if (lens[p] < 0) {
+                PyErr_SetString(PyExc_ValueError, "mark_scan: negative piece length");
+                goto done;
+            }
+            ids_total += lens[p];
+        }
+    }
+    if (bits_b.len < words_needed * word || out_b.len < ids_total * word) {
         PyErr_SetString(PyExc_ValueError, "mark_scan: buffers too small");
         goto done;
     }
-    const void *v = values.buf;
-    uint8_t *map = map_b.buf;
+    uint64_t *bits = bits_b.buf;
     int64_t *out = out_b.buf, *counts = counts_b.buf;
-    int64_t written = 0, bad = -1;
+    int64_t written = 0, bad = -1, first_word = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < num_tables && bad < 0; ++t) {
-        int64_t count = starts[t + 1] - starts[t];
-        int64_t rows = row_starts[t + 1] - row_starts[t];
-        uint8_t *table_map = map + (row_starts[t] - row_starts[0]);
+    for (Py_ssize_t t = 0; t < num_tables; ++t) {
+        int64_t bound = bounds[t], words = (bound + 63) >> 6;
+        uint64_t *table_bits = bits + first_word;
         if (itemsize == 8)
             MARK(int64_t);
         else
             MARK(int32_t);
         if (bad >= 0) {
-            clear_tables(map, row_starts, t);
+            memset(bits, 0, (size_t)(first_word + words) * sizeof(uint64_t));
             break;
         }
-        counts[t] = count ? scan_clear(table_map, rows, out + written) : 0;
+        counts[t] = scan_clear(table_bits, words, out + written);
         written += counts[t];
+        first_word += words;
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(LL)", (long long)written, (long long)bad);
 done:
-    PyBuffer_Release(&values);
-    PyBuffer_Release(&starts_b);
-    PyBuffer_Release(&row_starts_b);
-    PyBuffer_Release(&map_b);
+    PyBuffer_Release(&ptrs_b);
+    PyBuffer_Release(&lens_b);
+    PyBuffer_Release(&pieces_b);
+    PyBuffer_Release(&bounds_b);
+    PyBuffer_Release(&bits_b);
     PyBuffer_Release(&out_b);
     PyBuffer_Release(&counts_b);
     return result;

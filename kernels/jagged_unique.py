@@ -56,6 +56,7 @@ __all__ = [
     "concat_jagged",
     "free_cached_buffers",
     "jagged_unique",
+    "unique_per_table",
 ]
 
 Method = Literal["auto", "bitmap", "sort"]
@@ -78,6 +79,7 @@ _CACHED_MAP_MAX_BYTES = 1 << 30
 _VALUE_DTYPES = (torch.int64, torch.int32)
 _LENGTH_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _METHODS = ("auto", "bitmap", "sort")
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class KernelInputError(DeckError, ValueError):
@@ -351,23 +353,73 @@ def concat_jagged(
     ).reshape(len(per_table))
     if not flat:
         return torch.empty(0, dtype=torch.int64), lengths
-    first = flat[0]
-    for x in flat:
-        if x.dim() != 1 or x.dtype != first.dtype or x.device != first.device:
-            raise KernelInputError(
-                "concat_jagged needs 1-D tensors of one dtype on one device, got "
-                f"{x.dtype} {tuple(x.shape)} on {x.device} next to {first.dtype} on {first.device}"
-            )
+    first = _check_pieces("concat_jagged", flat)
     if first.device.type != "cpu":
         return torch.cat(flat), lengths
-    out = np.empty(int(lengths.sum()), dtype=first.numpy().dtype)
+    out = np.empty(int(lengths.sum()), dtype=_NUMPY_DTYPES[first.dtype])
     np.concatenate([x.numpy() for x in flat], out=out)
     return torch.from_numpy(out), lengths
+
+
+def unique_per_table(
+    per_table: Sequence[Sequence[torch.Tensor]],
+    num_rows: torch.Tensor | Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``jagged_unique(*concat_jagged(per_table), num_rows)`` without building the jagged tensor.
+
+    A tracker that keeps each table's ids as a list of per-batch tensors (as TorchRec's
+    DeltaStore does) compacts them here in one pass: on CPU with ``num_rows`` the native kernel
+    marks every id straight from the batch tensors, which skips copying them all into one tensor
+    first (about as costly as the kernel itself at 10M ids). Elsewhere this is exactly the
+    concatenate-then-``jagged_unique`` path. The result, dtypes and errors are those of
+    :func:`jagged_unique` (``unique_lengths`` is int64); ids are always checked against
+    ``num_rows``.
+    """
+    flat = [x for table in per_table for x in table]
+    if not flat or _native is None or num_rows is None:
+        return jagged_unique(*concat_jagged(per_table), num_rows)
+    first = _check_pieces("unique_per_table", flat)
+    if first.device.type != "cpu" or first.dtype not in _VALUE_DTYPES:
+        return jagged_unique(*concat_jagged(per_table), num_rows)
+    bounds = _normalize_num_rows(num_rows, len(per_table))
+    assert bounds is not None
+    _check_map_size(bounds)
+    # Non-contiguous pieces (strided views) are copied; ``keep`` holds them for the call.
+    keep = [x if x.is_contiguous() else x.contiguous() for x in flat]
+    lens = [x.numel() for x in keep]
+    pieces = [0, *itertools.accumulate(len(table) for table in per_table)]
+    lengths = [sum(lens[pieces[t] : pieces[t + 1]]) for t in range(len(per_table))]
+    _, scanned = _native_scan_groups(
+        [x.data_ptr() for x in keep],
+        lens,
+        pieces,
+        first.element_size(),
+        lengths,
+        bounds,
+        lambda t: torch.cat(keep[pieces[t] : pieces[t + 1]]).numpy(),
+    )
+    values = np.concatenate([ids for ids, _ in scanned]).astype(
+        _NUMPY_DTYPES[first.dtype], copy=False
+    )
+    counts = [c for _, cuts in scanned for c in np.diff(cuts).tolist()]
+    return torch.from_numpy(values), torch.tensor(counts, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_pieces(what: str, flat: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every tensor of ``flat`` (non-empty) is 1-D with the first's dtype and device; returns it."""
+    first = flat[0]
+    for x in flat:
+        if x.dim() != 1 or x.dtype != first.dtype or x.device != first.device:
+            raise KernelInputError(
+                f"{what} needs 1-D tensors of one dtype on one device, got "
+                f"{x.dtype} {tuple(x.shape)} on {x.device} next to {first.dtype} on {first.device}"
+            )
+    return first
 
 
 def _check_static(values: object, lengths: object, method: str) -> None:
@@ -626,41 +678,18 @@ def _cpu_bitmap(
     n = v.size
     num_tables = len(lengths)
     starts = [0, *itertools.accumulate(lengths)]
-    row_starts = [0, *itertools.accumulate(bounds)]
-    # Marking an id is a random byte write; zeroing and scanning a row is a sequential pass that
-    # costs several times less, hence rows weigh 1/8 in the split.
-    costs = [count + rows // 8 for count, rows in zip(lengths, bounds, strict=True)]
-    groups = _split_tables(costs, _workers(sum(costs), num_tables))
-
-    whole_map = _zeroed_bytes.take(row_starts[-1])
-
-    def mark_and_scan(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """The group's distinct ids (table-local, ascending per table) and per-table cuts."""
-        bitmap = whole_map[row_starts[lo] : row_starts[hi]]
-        if _native is not None:  # it checks every id against [0, bound) as it marks
-            return _native_mark_scan(v, lo, hi, starts, row_starts, bitmap, bounds)
-        if check_ids and starts[hi] > starts[lo]:
-            _check_min_id(int(v[starts[lo] : starts[hi]].min()))
-        for t in range(lo, hi):
-            if not lengths[t]:
-                continue
-            ids = v[starts[t] : starts[t + 1]]
-            table_map = bitmap[row_starts[t] - row_starts[lo] : row_starts[t + 1] - row_starts[lo]]
-            try:
-                table_map[ids] = True
-            except IndexError:
-                raise _out_of_range(t, ids, bounds) from None
-        rows = np.flatnonzero(bitmap)
-        bitmap[rows] = False  # all zero again, ready for the next call
-        edges = np.asarray(row_starts[lo : hi + 1], dtype=np.int64) - row_starts[lo]
-        cuts = np.searchsorted(rows, edges)
-        for t in range(lo, hi):  # map rows -> table-local ids
-            rows[cuts[t - lo] : cuts[t - lo + 1]] -= row_starts[t] - row_starts[lo]
-        return rows, cuts
-
-    # On an error some marks may be left: the map is then dropped, not given back.
-    scanned = _run_all([functools.partial(mark_and_scan, lo, hi) for lo, hi in groups])
-    _zeroed_bytes.give_back(whole_map)
+    if _native is not None:
+        groups, scanned = _native_scan_groups(
+            [v.ctypes.data + start * v.itemsize for start in starts[:-1]],
+            lengths,
+            list(range(num_tables + 1)),
+            v.itemsize,
+            lengths,
+            bounds,
+            lambda t: v[starts[t] : starts[t + 1]],
+        )
+    else:
+        groups, scanned = _numpy_scan_groups(v, starts, lengths, bounds, check_ids)
 
     counts: list[int] = []
     for _, cuts in scanned:
@@ -711,6 +740,100 @@ def _cpu_bitmap(
     )
 
 
+def _numpy_scan_groups(
+    v: np.ndarray, starts: list[int], lengths: list[int], bounds: list[int], check_ids: bool
+) -> tuple[list[tuple[int, int]], list[tuple[np.ndarray, np.ndarray]]]:
+    """Mark and scan with numpy (one byte per row): the groups of tables, and per group its
+    distinct ids (table-local, ascending per table) with per-table cuts."""
+    num_tables = len(lengths)
+    row_starts = [0, *itertools.accumulate(bounds)]
+    # Marking an id is a random byte write; zeroing and scanning a row is a sequential pass that
+    # costs several times less, hence rows weigh 1/8 in the split.
+    costs = [count + rows // 8 for count, rows in zip(lengths, bounds, strict=True)]
+    groups = _split_tables(costs, _workers(sum(costs), num_tables))
+    whole_map = _zeroed_bytes.take(row_starts[-1])
+
+    def mark_and_scan(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        if check_ids and starts[hi] > starts[lo]:
+            _check_min_id(int(v[starts[lo] : starts[hi]].min()))
+        base_row = row_starts[lo]
+        bitmap = whole_map[base_row : row_starts[hi]]
+        for t in range(lo, hi):
+            if not lengths[t]:
+                continue
+            ids = v[starts[t] : starts[t + 1]]
+            try:
+                bitmap[row_starts[t] - base_row : row_starts[t + 1] - base_row][ids] = True
+            except IndexError:
+                raise _out_of_range(t, ids, bounds) from None
+        rows = np.flatnonzero(bitmap)
+        bitmap[rows] = False  # all zero again, ready for the next call
+        cuts = np.searchsorted(rows, np.asarray(row_starts[lo : hi + 1], dtype=np.int64) - base_row)
+        for t in range(lo, hi):  # map rows -> table-local ids
+            rows[cuts[t - lo] : cuts[t - lo + 1]] -= row_starts[t] - base_row
+        return rows, cuts
+
+    # On an error some marks may be left: the map is then dropped, not given back.
+    scanned = _run_all([functools.partial(mark_and_scan, lo, hi) for lo, hi in groups])
+    _zeroed_bytes.give_back(whole_map)
+    return groups, scanned
+
+
+def _native_scan_groups(
+    ptrs: list[int],
+    lens: list[int],
+    pieces: list[int],
+    itemsize: int,
+    lengths: list[int],
+    bounds: list[int],
+    ids_of: Callable[[int], np.ndarray],
+) -> tuple[list[tuple[int, int]], list[tuple[np.ndarray, np.ndarray]]]:
+    """:func:`_numpy_scan_groups` by the native kernel, from id arrays given by address.
+
+    Piece ``p`` is ``lens[p]`` ids of ``itemsize`` bytes at ``ptrs[p]``; table ``t`` owns pieces
+    ``[pieces[t], pieces[t + 1])`` and ``lengths[t]`` ids in all. The caller keeps the arrays
+    alive. ``ids_of(t)`` gives table ``t``'s ids to name one out of range in the error.
+    """
+    assert _native is not None
+    num_tables = len(lengths)
+    # One bit per row in 64-bit words, a whole number of words per table (so that groups of
+    # tables on different threads never share a word).
+    words = [-(-b // 64) for b in bounds]
+    word_starts = [0, *itertools.accumulate(words)]
+    # Marking an id is a random write; scanning a word is a sequential load of 8 bytes.
+    costs = [count + w for count, w in zip(lengths, words, strict=True)]
+    groups = _split_tables(costs, _workers(sum(costs), num_tables))
+    buffer = _zeroed_bytes.take(word_starts[-1] * 8)
+    bits = buffer[: word_starts[-1] * 8].view(np.uint64)
+    ptr_array = np.asarray(ptrs, dtype=np.int64)
+    len_array = np.asarray(lens, dtype=np.int64)
+    bound_array = np.asarray(bounds, dtype=np.int64)
+    piece_array = np.asarray(pieces, dtype=np.int64)
+
+    def mark_and_scan(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        out = np.empty(sum(lengths[lo:hi]), dtype=np.int64)
+        counts = np.empty(hi - lo, dtype=np.int64)
+        written, bad = _native.mark_scan(
+            ptr_array,
+            len_array,
+            piece_array[lo : hi + 1],
+            itemsize,
+            bound_array[lo:hi],
+            bits[word_starts[lo] : word_starts[hi]],
+            out,
+            counts,
+        )
+        if bad >= 0:  # the kernel cleared its words
+            raise _out_of_range(lo + bad, ids_of(lo + bad), bounds)
+        cuts = np.zeros(hi - lo + 1, dtype=np.int64)
+        np.cumsum(counts, out=cuts[1:])
+        return out[:written], cuts
+
+    scanned = _run_all([functools.partial(mark_and_scan, lo, hi) for lo, hi in groups])
+    _zeroed_bytes.give_back(buffer)
+    return groups, scanned
+
+
 def _out_of_range(t: int, ids: np.ndarray, bounds: list[int]) -> KernelInputError:
     """The error for table ``t`` whose ``ids`` are not all in ``[0, bounds[t])``."""
     if int(ids.min()) < 0:
@@ -721,36 +844,6 @@ def _out_of_range(t: int, ids: np.ndarray, bounds: list[int]) -> KernelInputErro
         f"table {t} holds id {int(ids.max())} but num_rows[{t}] is {bounds[t]}; ids "
         "must be shard-local row ids below the table's local row count"
     )
-
-
-def _native_mark_scan(
-    v: np.ndarray,
-    lo: int,
-    hi: int,
-    starts: list[int],
-    row_starts: list[int],
-    bitmap: np.ndarray,
-    bounds: list[int],
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_cpu_bitmap`'s mark-and-scan of tables ``[lo, hi)`` by the native kernel."""
-    assert _native is not None
-    out = np.empty(starts[hi] - starts[lo], dtype=np.int64)
-    counts = np.empty(hi - lo, dtype=np.int64)
-    written, bad = _native.mark_scan(
-        v,
-        v.itemsize,
-        np.asarray(starts[lo : hi + 1], dtype=np.int64),
-        np.asarray(row_starts[lo : hi + 1], dtype=np.int64),
-        bitmap,
-        out,
-        counts,
-    )
-    if bad >= 0:
-        t = lo + bad
-        raise _out_of_range(t, v[starts[t] : starts[t + 1]], bounds)
-    cuts = np.zeros(hi - lo + 1, dtype=np.int64)
-    np.cumsum(counts, out=cuts[1:])
-    return out[:written], cuts
 
 
 def _cpu_sort(

@@ -18,6 +18,7 @@ from deck.kernels import (
     gpu,
     jagged_unique,
     jagged_unique_reference,
+    unique_per_table,
 )
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -463,3 +464,52 @@ def test_cuda_matches_cpu(method: str, with_bound: bool) -> None:
     assert uv.tolist() == [1, MAX_ID, 0] and ul.tolist() == [2, 1]
     with pytest.raises(KernelInputError, match="negative id"):
         jagged_unique(torch.tensor([1, -1], device="cuda"), torch.tensor([2], device="cuda"))
+
+
+@hyp
+@given(
+    tables=st.lists(st.lists(st.integers(0, 200), max_size=40), max_size=6),
+    cuts_seed=st.integers(0, 2**32 - 1),
+    slack=st.integers(0, 70),
+    dtype=st.sampled_from([torch.int64, torch.int32]),
+    strided=st.booleans(),
+)
+def test_unique_per_table_matches_jagged_unique(
+    tables: list[list[int]], cuts_seed: int, slack: int, dtype: torch.dtype, strided: bool
+) -> None:
+    """Per-table lists of per-batch tensors (empty batches, strided views, int32) give exactly
+    ``jagged_unique`` of their concatenation, with the native kernel and without it."""
+    rng = np.random.default_rng(cuts_seed)
+    per_table: list[list[torch.Tensor]] = []
+    for ids in tables:
+        cuts = np.sort(rng.integers(0, len(ids) + 1, size=rng.integers(0, 4)))
+        parts = np.split(np.asarray(ids, dtype=np.int64), cuts)
+        batches = []
+        for part in parts:
+            t = torch.tensor(part.tolist(), dtype=dtype)
+            if strided:  # every other element of a twice-as-long tensor: not contiguous
+                t = torch.stack([t, torch.full_like(t, -1)], dim=1).reshape(-1)[::2]
+            batches.append(t)
+        per_table.append(batches)
+    num_rows = [max(ids, default=-1) + 1 + slack for ids in tables]
+    got = unique_per_table(per_table, num_rows)
+    values, lengths = concat_jagged(per_table)
+    want = jagged_unique(values, lengths, num_rows)
+    assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+    assert got[0].dtype == dtype or not tables  # no tensor at all: int64, as concat_jagged
+    assert got[1].tolist() == want[1].tolist() == [len(set(ids)) for ids in tables]
+    # Without a bound it is the concatenate-then-unique path.
+    assert torch.equal(unique_per_table(per_table)[0], want[0])
+
+
+def test_unique_per_table_names_the_table_of_a_bad_id() -> None:
+    per_table = [[torch.tensor([0, 3]), torch.tensor([1])], [torch.tensor([2]), torch.tensor([9])]]
+    with pytest.raises(KernelInputError, match=r"table 1 holds id 9 but num_rows\[1\] is 5"):
+        unique_per_table(per_table, [4, 5])
+    with pytest.raises(KernelInputError, match="negative id"):
+        unique_per_table([[torch.tensor([0, -2])]], [4])
+    with pytest.raises(KernelInputError, match="1-D tensors of one dtype"):
+        unique_per_table([[torch.tensor([0]), torch.tensor([1], dtype=torch.int32)]], [4])
+    # The map is clean after an error: the next call is exact.
+    out = unique_per_table([[torch.tensor([3, 1, 3])], [torch.tensor([0])]], [4, 5])
+    assert out[0].tolist() == [1, 3, 0] and out[1].tolist() == [2, 1]
