@@ -11,8 +11,9 @@ files it wrote (``writer.bytes_written``).
 Plain writes of the same bytes (the same number of files/objects of the same sizes as the
 stager's chunks, read from the model's memory, no gather, no checksum):
 
-- local directory (stager tier ``local``: each chunk file is written with a buffered write; the
-  background thread then fsyncs every file and the directory):
+- local directory (stager tier ``local``: each chunk file is written with O_DIRECT from its
+  page-aligned buffer where the filesystem allows it, else buffered; a background thread fsyncs
+  each file as soon as it is written, then the directory):
   - ``files, fsync at end``: f.write each file, then fsync every file and the directory: the same
     durability as the stager (the faithful baseline, used for the ratio);
   - ``files, fsync each``: fsync each file right after writing it (the naive sequential way);

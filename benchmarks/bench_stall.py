@@ -18,8 +18,11 @@ printed: on this stack it cannot stage TorchRec's ShardedTensors).
 By default training goes on while the first full checkpoint is still being fsynced/uploaded, as
 a real job does (on S3 the deltas then queue behind the 2 GiB upload and share the CPU with it);
 ``--settle`` waits for the full to commit first, so the deltas show the steady state.
+``--server-nice 19`` runs the co-located SeaweedFS server at the lowest CPU priority, standing in
+for object storage on other machines (in production the S3 server does not share the trainer's
+cores).
 
-    python benchmarks/bench_stall.py [--s3] [--settle] [--rows 1000000] [--steps 300] [--delta-every 50]
+    python benchmarks/bench_stall.py [--s3] [--settle] [--server-nice 19] [--rows 1000000] [--steps 300] [--delta-every 50]
     python benchmarks/bench_stall.py --quick          # 100k rows, 100 steps, a delta every 25
 """
 
@@ -323,6 +326,13 @@ def main() -> int:
         help="wait for the first full to commit before training on (steady-state deltas; "
         "default: train on while it uploads, as a real job does)",
     )
+    p.add_argument(
+        "--server-nice",
+        type=int,
+        default=0,
+        help="run the SeaweedFS server at this nice level (19: it yields the 2 cores to "
+        "training, standing in for object storage on other machines; default 0)",
+    )
     p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
     p.add_argument(
         "--chunks-in-flight",
@@ -362,7 +372,11 @@ def main() -> int:
         if a.s3:
             from s3_server import SeaweedS3
 
-            server = SeaweedS3(workdir=os.path.join(work, "seaweed"), volume_size_limit_mb=256)
+            server = SeaweedS3(
+                workdir=os.path.join(work, "seaweed"),
+                volume_size_limit_mb=256,
+                nice=a.server_nice,
+            )
             server.start()
             print(
                 f"SeaweedFS S3 at {server.endpoint_url} (started in {server.startup_seconds:.1f} s)"

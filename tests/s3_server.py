@@ -122,7 +122,9 @@ class SeaweedS3:
         bucket: str = "deck-test",
         startup_timeout: float = 60.0,
         volume_size_limit_mb: int = 64,
+        nice: int = 0,
     ) -> None:
+        self.nice = nice  # >0: the server yields the CPU (benchmarks stand in for a remote one)
         self._owns_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="deck-seaweed-"))
         self.data_dir = self.workdir / "data"
@@ -232,10 +234,15 @@ class SeaweedS3:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=self._in_child if sys.platform.startswith("linux") else None,
         )
         self._wait_ready()
         self.startup_seconds = time.monotonic() - t0
+
+    def _in_child(self) -> None:  # pragma: no cover - runs in the child between fork and exec
+        _die_with_parent()
+        if self.nice:
+            os.nice(self.nice)
 
     def _client(self) -> Any:
         import s3fs
