@@ -14,7 +14,7 @@ STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
 .PHONY: install demo test test-fast lint ruff mypy bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile kernels/_jagged.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
@@ -45,4 +45,4 @@ mypy: $(STAMP)
 lint: ruff mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/*.so
