@@ -783,7 +783,7 @@ class Stager:
 
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_direct_ok = _O_DIRECT != 0  # cleared once a filesystem refuses O_DIRECT
+_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 
 
 def write_file(path: str, view: memoryview) -> None:
@@ -793,32 +793,39 @@ def write_file(path: str, view: memoryview) -> None:
     O_DIRECT: writing into fresh page-cache pages is what a training thread waiting for its
     chunks to reach the spool pays for (~0.3-0.6 GB/s on the CI VMs vs ~1.5 GB/s direct), and a
     checkpoint's bytes then do not evict the training job's cache. Filesystems without O_DIRECT
-    (tmpfs on older kernels, some network mounts) and other buffers take the buffered path.
+    (tmpfs on older kernels, some network mounts; remembered per device) and other buffers take
+    the buffered path.
     """
-    global _direct_ok
-    if _direct_ok and _page_aligned(view):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            _direct_ok = False
-        else:
-            try:
-                failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                _direct_ok = False  # the open was accepted but the write was not: go buffered
-            finally:
-                os.close(fd)
+    if _O_DIRECT and _page_aligned(view):
+        device = os.stat(os.path.dirname(path) or ".").st_dev
+        if device not in _no_direct and _write_direct(path, view):
+            return
+        _no_direct.add(device)
     with open(path, "wb") as f:
-        failpoint("stager.spool.write", path)
+        failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
         f.write(view)
+
+
+def _write_direct(path: str, view: memoryview) -> bool:
+    """``write_file`` with O_DIRECT; False when the filesystem refuses it (EINVAL)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        failpoint("stager.spool.write", path)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # the open was accepted but the write was not
+            return False
+        raise
+    finally:
+        os.close(fd)
 
 
 def _page_aligned(view: memoryview) -> bool:
