@@ -8,6 +8,7 @@ dimension. Nothing but bytes and a manifest record describe it: loading never ex
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -137,18 +138,29 @@ def segment_view(buf: Buffer, layout: ChunkLayout, name: str) -> torch.Tensor:
     raise KeyError(name)
 
 
+def aligned_buffer(size: int) -> memoryview:
+    """A writable, zeroed, page-aligned buffer of ``size`` bytes (an anonymous mapping), so that
+    chunks built in it can be written with O_DIRECT (deck.storage.local.write_new_file)."""
+    return memoryview(mmap.mmap(-1, size))
+
+
 def encode_chunk(
-    path: str, arrays: Sequence[tuple[str, torch.Tensor]]
-) -> tuple[bytearray, ChunkRecord]:
-    """Pack ``arrays`` (first is ``ids``) into a new page-padded buffer and describe it."""
+    path: str, arrays: Sequence[tuple[str, torch.Tensor]], out: Buffer | None = None
+) -> tuple[memoryview, ChunkRecord]:
+    """Pack ``arrays`` (first is ``ids``) into a page-padded chunk and describe it.
+
+    The chunk is built in ``out`` when it is large enough (a buffer reused chunk after chunk),
+    else in a new buffer; the returned view holds exactly the chunk's bytes and is valid until
+    ``out`` is reused.
+    """
     rows = int(arrays[0][1].shape[0])
     for name, t in arrays:
         if t.shape[0] != rows:
             raise ValueError(f"segment {name} has {t.shape[0]} rows, expected {rows}")
     layout = ChunkLayout(rows, [(name, t.dtype, tuple(t.shape[1:])) for name, t in arrays])
-    buf = bytearray(layout.nbytes)
+    buf = out if out is not None and len(out) >= layout.nbytes else bytearray(layout.nbytes)
     record = build_chunk(buf, path, layout, [t.detach() for _, t in arrays])
-    return buf, record
+    return memoryview(buf)[: record.nbytes], record
 
 
 def decode_chunk(

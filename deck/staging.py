@@ -15,12 +15,10 @@ when the destination already has them or a later full made them useless.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import hashlib
 import logging
-import mmap
 import os
 import queue
 import shutil
@@ -37,8 +35,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from deck import __version__
-from deck.chunks import Buffer, checksum
-from deck.config import PAGE_BYTES, StagingConfig
+from deck.chunks import Buffer, aligned_buffer, checksum
+from deck.config import StagingConfig
 from deck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -61,6 +59,7 @@ from deck.format import (
     step_dir,
 )
 from deck.storage import LocalStorage, Storage
+from deck.storage.local import write_new_file
 from deck.writer import commit
 
 if TYPE_CHECKING:
@@ -135,8 +134,7 @@ class BufferPool:
 
     def _new(self) -> Buffer:
         if not self.pinned:
-            # Anonymous mappings are page-aligned, so chunks can be written with O_DIRECT.
-            return memoryview(mmap.mmap(-1, self.size))
+            return aligned_buffer(self.size)
         owner = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
         self._keep.append(owner)
         return memoryview(owner.numpy())  # type: ignore[arg-type]
@@ -309,7 +307,8 @@ class Stager:
                 if folder not in self._made_dirs:  # one makedirs per folder, not per chunk
                     os.makedirs(folder, exist_ok=True)
                     self._made_dirs.add(folder)
-                write_file(path, memoryview(data)[:nbytes])
+                failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
+                write_new_file(path, memoryview(data)[:nbytes])
                 failpoint("stager.spool.after_write")
                 with self._syncs_lock:
                     self._early_syncs[path] = self._syncer.submit(_fsync_path, path)
@@ -780,59 +779,6 @@ class Stager:
             with self._idle:
                 self._spool_bytes = max(0, self._spool_bytes - nbytes)
                 self._idle.notify_all()
-
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
-
-
-def write_file(path: str, view: memoryview) -> None:
-    """Write ``view`` as the whole of the new file ``path`` (not fsynced).
-
-    Page-aligned, page-multiple buffers (every chunk and bundle) bypass the page cache with
-    O_DIRECT: writing into fresh page-cache pages is what a training thread waiting for its
-    chunks to reach the spool pays for (~0.3-0.6 GB/s on the CI VMs vs ~1.5 GB/s direct), and a
-    checkpoint's bytes then do not evict the training job's cache. Filesystems without O_DIRECT
-    (tmpfs on older kernels, some network mounts; remembered per device) and other buffers take
-    the buffered path.
-    """
-    if _O_DIRECT and _page_aligned(view):
-        device = os.stat(os.path.dirname(path) or ".").st_dev
-        if device not in _no_direct and _write_direct(path, view):
-            return
-        _no_direct.add(device)
-    with open(path, "wb") as f:
-        failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
-        f.write(view)
-
-
-def _write_direct(path: str, view: memoryview) -> bool:
-    """``write_file`` with O_DIRECT; False when the filesystem refuses it (EINVAL)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise
-    try:
-        failpoint("stager.spool.write", path)
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        return True
-    except OSError as e:
-        if e.errno == errno.EINVAL:  # the open was accepted but the write was not
-            return False
-        raise
-    finally:
-        os.close(fd)
-
-
-def _page_aligned(view: memoryview) -> bool:
-    if not view.nbytes or view.nbytes % PAGE_BYTES or view.readonly:
-        return False
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return address % PAGE_BYTES == 0
 
 
 def _lower_priority(increment: int) -> None:

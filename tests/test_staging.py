@@ -23,7 +23,7 @@ from deck.config import StagingConfig
 from deck.format import Kind
 from deck.restore import apply_chain
 from deck.staging import CheckpointStats, PendingPart, Stager
-from deck.storage import open_storage
+from deck.storage import local, open_storage
 from deck.writer import RankPartWriter
 
 JOB = str(Path(__file__).with_name("staging_job.py"))
@@ -117,9 +117,9 @@ def test_first_tier_writes_direct_or_buffered_hold_the_bytes(tmp_path: Path, dir
     """Page-aligned pool buffers go with O_DIRECT where the filesystem takes it, anything else
     (and every buffer once a filesystem refused) buffered: the files hold exactly the bytes."""
     device = os.stat(tmp_path).st_dev
-    saved = set(staging._no_direct)
+    saved = set(local._no_direct)
     if not direct:
-        staging._no_direct.add(device)
+        local._no_direct.add(device)
     try:
         pool = staging.BufferPool(1, 3 * 4096)
         buf = pool.acquire()
@@ -131,11 +131,11 @@ def test_first_tier_writes_direct_or_buffered_hold_the_bytes(tmp_path: Path, dir
             "bytes": memoryview(data[:5000]),  # read-only (manifests, dense state): buffered
         }
         for name, view in cases.items():
-            staging.write_file(str(tmp_path / name), view)
+            local.write_new_file(str(tmp_path / name), view)
             assert (tmp_path / name).read_bytes() == bytes(view), name
     finally:
-        staging._no_direct.clear()
-        staging._no_direct.update(saved)
+        local._no_direct.clear()
+        local._no_direct.update(saved)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")

@@ -9,6 +9,8 @@ never reports and :meth:`LocalStorage.delete_prefix` removes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -80,6 +82,64 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
+PAGE = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
+
+
+def write_new_file(
+    path: str, view: memoryview, *, exclusive: bool = False, fsync: bool = False
+) -> None:
+    """Create ``path`` (truncating it, or failing if it exists with ``exclusive``) holding exactly
+    ``view``'s bytes; with ``fsync`` they are on disk when this returns.
+
+    Page-aligned buffers of whole pages (chunks, bundles) bypass the page cache with O_DIRECT:
+    filling fresh page-cache pages is most of a large write's cost on the project's VMs (~0.3-0.6
+    GB/s buffered vs ~1.5 GB/s direct), and checkpoint bytes then do not evict the training job's
+    cache. Filesystems that refuse O_DIRECT (tmpfs on older kernels, some network mounts;
+    remembered per device) and other buffers are written through the page cache.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    if _O_DIRECT and _page_aligned(view):
+        device = os.stat(os.path.dirname(path) or ".").st_dev
+        if device not in _no_direct:
+            if _write(path, view, flags | _O_DIRECT, fsync):
+                return
+            _no_direct.add(device)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # what the refused attempt created
+    _write(path, view, flags, fsync)
+
+
+def _write(path: str, view: memoryview, flags: int, fsync: bool) -> bool:
+    """One attempt of :func:`write_new_file`; False if O_DIRECT was refused (EINVAL)."""
+    try:
+        # 0o666 & ~umask, like a plain open(): mkstemp's 0o600 would hide checkpoints from other
+        # users of a shared directory.
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if flags & _O_DIRECT and e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        _write_all(fd, view)
+        if fsync:
+            os.fsync(fd)
+        return True
+    except OSError as e:
+        if flags & _O_DIRECT and e.errno == errno.EINVAL:  # the open was taken, not the write
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
+def _page_aligned(view: memoryview) -> bool:
+    if not view.nbytes or view.nbytes % PAGE or view.readonly or not view.c_contiguous:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
+
+
 class LocalStorage(Storage):
     """A :class:`Storage` rooted at a local directory (created on the first ``put``).
 
@@ -127,15 +187,8 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise self._error("write", path, exc, _WRITE_HINT) from exc
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.path.basename(full)}.{uuid.uuid4().hex}")
-        fd = -1
         try:
-            # 0o666 & ~umask, like a plain open(): mkstemp's 0o600 would hide checkpoints from
-            # other users of a shared directory.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            _write_all(fd, view)
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
+            write_new_file(tmp, view, exclusive=True, fsync=True)
             os.replace(tmp, full)
             # The rename is only durable once the directory entry is; new directories also need
             # their own entries in their parents synced.
@@ -143,9 +196,6 @@ class LocalStorage(Storage):
             for d in created:
                 _fsync_dir(os.path.dirname(d))
         except BaseException as exc:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             if isinstance(exc, OSError):
