@@ -14,9 +14,9 @@ delta, as ``deck merge --follow`` would. Then, in one run:
 
 Each restore applies the chain into freshly allocated tables (one process, all ranks' tables),
 is checked bitwise against the live state, and is repeated in rounds over all strategies; the
-table shows medians. Files are
-read from the page cache (they were just written): times are CPU / memory bound, bytes read are
-what a cold restore would fetch.
+table shows medians. Before each timed restore the chain's files are evicted from the page cache
+(``--cache cold``, default: a restarted job reads them from the disk) or read into it (``--cache
+warm``: times are CPU / memory bound); bytes read are what a cold restore fetches.
 
     python benchmarks/bench_recovery.py [--deltas 47] [--rows 100000] [--dim 64] [--repeats 5]
 """
@@ -36,12 +36,30 @@ import torch
 from _workload import Workload, ZipfTrainer, bitwise_equal, in_workdir, restore_into_fresh
 
 from deck.catalog import chain_for, read_manifests
+from deck.format import CheckpointManifest
 from deck.merger import FullPolicy, MergeConfig, MergeWorker
 from deck.storage import LocalStorage
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def set_cache(storage: LocalStorage, chain: list[CheckpointManifest], mode: str) -> None:
+    """Every file of ``chain``'s checkpoints in the page cache (``warm``) or out of it (``cold``),
+    whichever way they were written (the merger's and the stager's chunks bypass the cache)."""
+    for m in chain:
+        for folder, _, names in os.walk(storage.local_path(m.folder)):
+            for name in names:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    if mode == "warm":
+                        while os.read(fd, 1 << 22):
+                            pass
+                    else:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--live-fraction", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--step-ms", type=float, default=26.0, help="training step time (demo DLRM)")
+    p.add_argument(
+        "--cache",
+        choices=("warm", "cold"),
+        default="cold",
+        help="before each timed restore, evict the chain's files from the page cache (cold, "
+        "default: a restarted job reads them from the disk) or read them into it (warm: CPU / "
+        "memory bound)",
+    )
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     w = Workload(tables=a.tables, rows=a.rows, dim=a.dim)
@@ -119,6 +145,7 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
     read: dict[str, int] = {}
     for _ in range(a.repeats):
         for name, (st, chain) in strategies.items():
+            set_cache(st, chain, a.cache)
             dt, state, read[name] = restore_into_fresh(st, chain, w)
             if not bitwise_equal(state, live):
                 raise SystemExit(f"{name}: restored state differs from the live state")
