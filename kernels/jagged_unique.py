@@ -17,13 +17,14 @@ Algorithms (``method``):
 - ``"auto"`` (default): bitmap when its map has at most ``BITMAP_ROWS_PER_ID`` rows per input id
   (then scanning the map costs less than sorting the ids), sort otherwise.
 
-On CPU the bitmap path's mark-and-scan is native C (``kernels/_jagged.c``, built at install;
-one pass marks a table's ids, one word-at-a-time scan emits and clears its set rows) with a numpy
-fallback when no compiler built it; the rest is numpy: fancy-index assignment, ``take`` and the
-native call are tight loops that release the GIL, so disjoint groups of tables run on worker
-threads (as many as ``torch.get_num_threads()``), and numpy's large allocations are huge-page
-backed, which makes the first touch of a big temporary cheap. Other devices use the torch-only code in
-:mod:`deck.kernels.gpu`.
+On CPU the bitmap path's mark-and-scan is native C (``kernels/_jagged.c``, built at install: one
+bit per row, one pass marks a table's ids, one word-at-a-time scan emits and clears its set rows),
+with a numpy fallback (one byte per row) when no compiler built it; the rest is numpy. Fancy-index
+assignment, ``take`` and the native call are tight loops that release the GIL, so disjoint groups
+of tables run on worker threads (as many as ``torch.get_num_threads()``), and numpy's large
+allocations are huge-page backed, which makes the first touch of a big temporary cheap. Other
+devices use the torch-only code in :mod:`deck.kernels.gpu`. :func:`unique_per_table` runs the
+native kernel straight on per-table lists of id tensors.
 """
 
 from __future__ import annotations
