@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from deck.chunks import aligned_buffer
 from deck.errors import ConfigError, NotFoundError, StorageError
 from deck.storage import (
     FsspecStorage,
@@ -55,6 +56,18 @@ class TestConformance:
         assert store.get("b.bin") == b"world"
         assert store.get("c.bin") == b"abc"
         assert isinstance(store.get("a.bin"), bytes)
+
+    def test_page_aligned_buffers(self, store: Storage) -> None:
+        """Chunks come in page-aligned whole-page buffers (local stores write them with O_DIRECT),
+        views of such buffers too; a put replaces the object and leaves nothing else behind."""
+        buf = aligned_buffer(3 * 4096)
+        buf[:] = bytes(range(256)) * 48
+        store.put("k/aligned", buf)
+        store.put("k/partial", buf[: 4096 + 7])  # aligned start, not whole pages
+        store.put("k/aligned", buf[4096:])  # replaces it with a shorter aligned view
+        assert store.get("k/aligned") == bytes(buf[4096:])
+        assert store.get("k/partial") == bytes(buf[: 4096 + 7])
+        assert sorted(store.list("k")) == ["k/aligned", "k/partial"]
 
     def test_ranged_get(self, store: Storage) -> None:
         data = bytes(range(256)) * 4
