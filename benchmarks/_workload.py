@@ -14,6 +14,7 @@ folded into the table and scattered by a fixed odd multiplier. The looked-up row
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import tempfile
@@ -267,3 +268,22 @@ def williams_order(n: int, rep: int) -> list[int]:
     if n % 2:
         rows += [row[::-1] for row in rows]
     return rows[rep % len(rows)]
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Evict ``paths`` from the page cache (fsynced files: their clean pages go), so the next
+    read of them comes from the disk, as after a restart."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(paths: list[str]) -> None:
+    """Read ``paths`` whole, so the next read of them comes from the page cache."""
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(8 << 20):
+                pass

@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, bitwise_equal, make_shards, table_shapes
+from _workload import Workload, bitwise_equal, drop_cache, make_shards, table_shapes, warm_cache
 
 from deck.catalog import chain_for, read_manifests
 from deck.format import Kind
@@ -55,22 +55,6 @@ def _write(storage: LocalStorage, w: Workload, chunk_bytes: int, bundle_bytes: i
 
 def _data_files(storage: LocalStorage) -> list[str]:
     return [storage.local_path(k) for k in storage.list("") if k.endswith((".chunk", ".bin"))]
-
-
-def _drop_cache(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _warm(paths: list[str]) -> None:
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(8 << 20):
-                pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                         chain = chain_for(read_manifests(storage), 0)
                         shards = make_shards(w, fill=0.0)
                         if cache == "cold":
-                            _drop_cache(files[name])
+                            drop_cache(files[name])
                         else:
-                            _warm(files[name])
+                            warm_cache(files[name])
                         t0 = time.perf_counter()
                         stats, _ = apply_chain(
                             storage, chain, shards, table_shapes(w), zero_copy=zero_copy

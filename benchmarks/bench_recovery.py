@@ -33,7 +33,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, ZipfTrainer, bitwise_equal, in_workdir, restore_into_fresh
+from _workload import (
+    Workload,
+    ZipfTrainer,
+    bitwise_equal,
+    drop_cache,
+    in_workdir,
+    restore_into_fresh,
+    warm_cache,
+)
 
 from deck.catalog import chain_for, read_manifests
 from deck.format import CheckpointManifest
@@ -45,21 +53,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def set_cache(storage: LocalStorage, chain: list[CheckpointManifest], mode: str) -> None:
-    """Every file of ``chain``'s checkpoints in the page cache (``warm``) or out of it (``cold``),
-    whichever way they were written (the merger's and the stager's chunks bypass the cache)."""
-    for m in chain:
-        for folder, _, names in os.walk(storage.local_path(m.folder)):
-            for name in names:
-                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-                try:
-                    if mode == "warm":
-                        while os.read(fd, 1 << 22):
-                            pass
-                    else:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+def chain_files(storage: LocalStorage, chain: list[CheckpointManifest]) -> list[str]:
+    """Every file of ``chain``'s checkpoint folders."""
+    return [
+        os.path.join(folder, name)
+        for m in chain
+        for folder, _, names in os.walk(storage.local_path(m.folder))
+        for name in names
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +146,9 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
     read: dict[str, int] = {}
     for _ in range(a.repeats):
         for name, (st, chain) in strategies.items():
-            set_cache(st, chain, a.cache)
+            # Whichever way the files were written (the merger's and the stager's chunks
+            # bypass the page cache), every strategy starts from the same cache state.
+            (drop_cache if a.cache == "cold" else warm_cache)(chain_files(st, chain))
             dt, state, read[name] = restore_into_fresh(st, chain, w)
             if not bitwise_equal(state, live):
                 raise SystemExit(f"{name}: restored state differs from the live state")

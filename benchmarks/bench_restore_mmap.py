@@ -31,7 +31,15 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _workload import Workload, ZipfTrainer, bitwise_equal, in_workdir, make_shards, table_shapes
+from _workload import (
+    Workload,
+    ZipfTrainer,
+    bitwise_equal,
+    drop_cache,
+    in_workdir,
+    make_shards,
+    table_shapes,
+)
 
 from deck.catalog import chain_for, read_manifests
 from deck.format import CheckpointManifest
@@ -39,15 +47,6 @@ from deck.restore import apply_chain
 from deck.storage import LocalStorage
 
 MODES = ("raw read", "restore, mmap", "restore, bytes")
-
-
-def _drop_cache(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _raw_read(paths: list[str], buf: bytearray) -> int:
@@ -122,7 +121,7 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
                 else:
                     fn = _restore(storage, chain, w, mode == "restore, mmap", expect)
                 if cache == "cold":
-                    _drop_cache(paths)
+                    drop_cache(paths)
                 else:
                     _raw_read(paths, buf)  # make sure every page is cached
                 t0 = time.perf_counter()
