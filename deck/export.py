@@ -127,6 +127,16 @@ class ShardGeometry:
     col_offset: int
     cols: int
 
+    def table_shard(self, states: dict[str, torch.Tensor]) -> TableShard:
+        """A :class:`TableShard` at this place holding ``states`` (what ``apply_chain`` fills)."""
+        return TableShard(**geometry_of(self), states=states)
+
+
+def geometry_of(shard: Any) -> dict[str, Any]:
+    """The :class:`ShardGeometry` fields of any shard-like object (a ``ShardRecord`` of a
+    manifest, a ``TableShard``, a geometry)."""
+    return {f.name: getattr(shard, f.name) for f in dataclasses.fields(ShardGeometry)}
+
 
 @dataclass(frozen=True)
 class ShardSpec(ShardGeometry):
@@ -247,19 +257,7 @@ class StepState:
                 states = tuple(
                     (n, dt, () if rowwise else (rec.cols,)) for n, dt, rowwise in kinds[rec.table]
                 )
-                self.shards.append(
-                    ShardSpec(
-                        table=rec.table,
-                        num_rows=rec.num_rows,
-                        num_cols=rec.num_cols,
-                        row_offset=rec.row_offset,
-                        rows=rec.rows,
-                        col_offset=rec.col_offset,
-                        cols=rec.cols,
-                        rank=part.rank,
-                        states=states,
-                    )
-                )
+                self.shards.append(ShardSpec(**geometry_of(rec), rank=part.rank, states=states))
         self.shards.sort(key=lambda s: (s.table, s.col_offset, s.row_offset))
         self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
         self._check_cover()
@@ -325,15 +323,8 @@ class StepState:
     def read_shard(self, i: int) -> dict[str, torch.Tensor]:
         """Every state of shard ``i`` at this step (rows of the whole chain applied)."""
         s = self.shards[i]
-        shard = TableShard(
-            table=s.table,
-            num_rows=s.num_rows,
-            num_cols=s.num_cols,
-            row_offset=s.row_offset,
-            rows=s.rows,
-            col_offset=s.col_offset,
-            cols=s.cols,
-            states={n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states},
+        shard = s.table_shard(
+            {n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states}
         )
         apply_chain(
             self.storage, self.chain, [shard], self.tables, allow_quantized=self.allow_quantized

@@ -38,6 +38,7 @@ from deck.export import (
     _write_tensor,
     eager_state,
     flatten,
+    geometry_of,
 )
 from deck.format import CheckpointManifest
 from deck.lineage import build_graph, chain_bytes, cheapest_chain
@@ -182,18 +183,7 @@ class Follower:
             data = st.read_shard(i)
             for q in by_shard[i]:
                 _block(tensors[q.fqn], q).copy_(data[q.state])
-            shards.append(
-                _Shard(
-                    s.table,
-                    s.num_rows,
-                    s.num_cols,
-                    s.row_offset,
-                    s.rows,
-                    s.col_offset,
-                    s.cols,
-                    tuple(by_shard[i]),
-                )
-            )
+            shards.append(_Shard(**geometry_of(s), pieces=tuple(by_shard[i])))
         self.tensors, self.shards = tensors, shards
         self.table_fqns = list(tensors)
         self._set_dense(flatten(st.eager_state()))
@@ -217,16 +207,7 @@ class Follower:
         """Table shards whose states are views of the held tensors: apply_chain writes into
         the materialised tables in place."""
         return [
-            TableShard(
-                table=s.table,
-                num_rows=s.num_rows,
-                num_cols=s.num_cols,
-                row_offset=s.row_offset,
-                rows=s.rows,
-                col_offset=s.col_offset,
-                cols=s.cols,
-                states={p.state: _block(self.tensors[p.fqn], p) for p in s.pieces},
-            )
+            s.table_shard({p.state: _block(self.tensors[p.fqn], p) for p in s.pieces})
             for s in self.shards
         ]
 

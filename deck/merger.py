@@ -852,18 +852,7 @@ class ItemBuilder:
                     f"(rank {p.rank}) should hold all {rec.rows} rows, has {out.rows}"
                 ),
             )
-        shard = ShardRecord(
-            table=rec.table,
-            num_rows=rec.num_rows,
-            num_cols=rec.num_cols,
-            row_offset=rec.row_offset,
-            rows=rec.rows,
-            col_offset=rec.col_offset,
-            cols=rec.cols,
-            full=full,
-            states=rec.states,
-            chunks=tuple(out.chunks),
-        )
+        shard = rec.model_copy(update={"full": full, "chunks": tuple(out.chunks)})
         record = MergePartRecord(
             format_version=FORMAT_VERSION, item_id=self.item.id, rank=p.rank, shard=shard
         )
