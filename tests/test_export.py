@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from safetensors_checks import assert_holds_model
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
@@ -78,28 +78,7 @@ def _compare(rank: int, world_size: int, uri: str, dcp_dir: str, st_file: str) -
     # The safetensors file holds every table unsharded: each local shard is its slice.
     with safe_open(st_file, "pt") as f:
         names = set(f.keys())
-        for key, value in model_a.state_dict().items():
-            full = f.get_tensor(f"model.{key}")
-            if hasattr(value, "local_shards"):
-                for s in value.local_shards():
-                    r0, c0 = s.metadata.shard_offsets
-                    rows, cols = s.metadata.shard_sizes
-                    got = full[r0 : r0 + rows, c0 : c0 + cols]
-                    assert torch.equal(got.view(torch.uint8), s.tensor.view(torch.uint8)), key
-            else:
-                assert torch.equal(full, value), key
-        for key, states in model_a.fused_optimizer.state_dict()["state"].items():
-            for name, st in states.items():
-                full = f.get_tensor(f"optim.state.{key}.{name}")
-                assert tuple(full.shape) == tuple(st.size())
-                for s in st.local_shards():
-                    sl = tuple(
-                        slice(o, o + n)
-                        for o, n in zip(
-                            s.metadata.shard_offsets, s.metadata.shard_sizes, strict=True
-                        )
-                    )
-                    assert torch.equal(full[sl], s.tensor), (key, name)
+        assert_holds_model(f, model_a, (rank,))
         assert any(n.startswith("optim.state.dense_arch") for n in names)
     dist.barrier()
 

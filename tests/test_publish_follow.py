@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
 from safetensors import safe_open
+from safetensors_checks import assert_holds_model
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
@@ -46,32 +48,21 @@ def _check_follow_output(model: object, rank: int, out: str, step: int) -> None:
         assert json.load(f)["step"] == step
     with safe_open(os.path.join(out, "state.safetensors"), "pt") as f:
         assert f.metadata()["step"] == str(step)
-        for key, value in model.state_dict().items():  # type: ignore[attr-defined]
-            full = f.get_tensor(f"model.{key}")
-            if hasattr(value, "local_shards"):
-                for s in value.local_shards():
-                    r0, c0 = s.metadata.shard_offsets
-                    rows, cols = s.metadata.shard_sizes
-                    got = full[r0 : r0 + rows, c0 : c0 + cols]
-                    assert torch.equal(got.view(torch.uint8), s.tensor.view(torch.uint8)), (
-                        rank,
-                        step,
-                        key,
-                    )
-            else:
-                assert torch.equal(full, value), (rank, step, key)
-        fused = model.fused_optimizer.state_dict()["state"]  # type: ignore[attr-defined]
-        for key, states in fused.items():
-            for name, st in states.items():
-                full = f.get_tensor(f"optim.state.{key}.{name}")
-                for s in st.local_shards():
-                    sl = tuple(
-                        slice(o, o + n)
-                        for o, n in zip(
-                            s.metadata.shard_offsets, s.metadata.shard_sizes, strict=True
-                        )
-                    )
-                    assert torch.equal(full[sl], s.tensor), (rank, step, key, name)
+        assert_holds_model(f, model, (rank, step))
+
+
+def _check_restores(
+    rank: int, uri: str, steps: Iterable[int], live: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    """Each of ``steps`` restores from ``uri`` into a fresh model bitwise-equal to ``live``."""
+    fresh, fresh_opt = build_model(SPEC, seed=99)
+    with deck.DeltaCheckpointer(
+        fresh, [fresh_opt], deck.DeckConfig(uri=uri, lease_ttl_s=None)
+    ) as rc:
+        for step in steps:
+            assert rc.restore(step) == step
+            bad = diff_states(live[step], capture_state(fresh, fresh_opt))
+            assert not bad, f"rank {rank}: {uri} step {step}: {bad[:5]}"
 
 
 def _run(rank: int, world_size: int, ckpt: str, pub: str, out: str, log: str) -> None:
@@ -107,14 +98,7 @@ def _run(rank: int, world_size: int, ckpt: str, pub: str, out: str, log: str) ->
     # Every published step restores bitwise from the publish URI; every checkpoint from the
     # checkpoint URI (its chain is what it would be without a publisher).
     for uri, steps in ((pub, range(0, LAST + 1, 2)), (ckpt, (0, 6, 12))):
-        fresh, fresh_opt = build_model(SPEC, seed=99)
-        with deck.DeltaCheckpointer(
-            fresh, [fresh_opt], deck.DeckConfig(uri=uri, lease_ttl_s=None)
-        ) as rc:
-            for step in steps:
-                assert rc.restore(step) == step
-                bad = diff_states(live[step], capture_state(fresh, fresh_opt))
-                assert not bad, f"rank {rank}: {uri} step {step}: {bad[:5]}"
+        _check_restores(rank, uri, steps, live)
 
 
 def test_publish_chain_and_follow(tmp_path: Path) -> None:
@@ -200,14 +184,7 @@ def _failing_publish(rank: int, world_size: int, ckpt: str, pub: str, spool: str
         ]
         assert [(s.step, s.kind) for s in ck.history] == [(0, "full"), (3, "delta"), (6, "delta")]
     for uri, steps in ((pub, (2, 6, 8)), (ckpt, (3, 6))):
-        fresh, fresh_opt = build_model(SPEC, seed=99)
-        with deck.DeltaCheckpointer(
-            fresh, [fresh_opt], deck.DeckConfig(uri=uri, lease_ttl_s=None)
-        ) as rc:
-            for step in steps:
-                assert rc.restore(step) == step
-                bad = diff_states(live[step], capture_state(fresh, fresh_opt))
-                assert not bad, f"rank {rank}: {uri} step {step}: {bad[:5]}"
+        _check_restores(rank, uri, steps, live)
 
 
 def test_failed_publish_leaves_checkpoints_alone(tmp_path: Path) -> None:
