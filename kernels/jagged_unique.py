@@ -389,13 +389,11 @@ def unique_per_table(
     keep = [x if x.is_contiguous() else x.contiguous() for x in flat]
     lens = [x.numel() for x in keep]
     pieces = [0, *itertools.accumulate(len(table) for table in per_table)]
-    lengths = [sum(lens[pieces[t] : pieces[t + 1]]) for t in range(len(per_table))]
     _, scanned = _native_scan_groups(
         [x.data_ptr() for x in keep],
         lens,
         pieces,
         first.element_size(),
-        lengths,
         bounds,
         lambda t: torch.cat(keep[pieces[t] : pieces[t + 1]]).numpy(),
     )
@@ -685,7 +683,6 @@ def _cpu_bitmap(
             lengths,
             list(range(num_tables + 1)),
             v.itemsize,
-            lengths,
             bounds,
             lambda t: v[starts[t] : starts[t + 1]],
         )
@@ -785,18 +782,18 @@ def _native_scan_groups(
     lens: list[int],
     pieces: list[int],
     itemsize: int,
-    lengths: list[int],
     bounds: list[int],
     ids_of: Callable[[int], np.ndarray],
 ) -> tuple[list[tuple[int, int]], list[tuple[np.ndarray, np.ndarray]]]:
     """:func:`_numpy_scan_groups` by the native kernel, from id arrays given by address.
 
     Piece ``p`` is ``lens[p]`` ids of ``itemsize`` bytes at ``ptrs[p]``; table ``t`` owns pieces
-    ``[pieces[t], pieces[t + 1])`` and ``lengths[t]`` ids in all. The caller keeps the arrays
-    alive. ``ids_of(t)`` gives table ``t``'s ids to name one out of range in the error.
+    ``[pieces[t], pieces[t + 1])``. The caller keeps the arrays alive. ``ids_of(t)`` gives table
+    ``t``'s ids to name one out of range in the error.
     """
     assert _native is not None
-    num_tables = len(lengths)
+    num_tables = len(bounds)
+    lengths = [sum(lens[pieces[t] : pieces[t + 1]]) for t in range(num_tables)]
     # One bit per row in 64-bit words, a whole number of words per table (so that groups of
     # tables on different threads never share a word).
     words = [-(-b // 64) for b in bounds]
