@@ -165,10 +165,6 @@ class LineageGraph:
             if node_id in c.inputs or (not c.merged and not n.merged and c.start == n.state)
         ]
 
-    def base_full(self, step: int) -> LineageNode:
-        """The full the cheapest chain of ``step`` starts from."""
-        return self.nodes[cheapest_chain(self, step)[0].id]
-
     def restorable_steps(self) -> list[int]:
         """Trainer steps that have a complete chain, ascending."""
         return [s for s in sorted(self.trainer) if self._chain_ids(s, frozenset()) is not None]

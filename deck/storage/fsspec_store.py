@@ -85,11 +85,6 @@ class FsspecStorage(Storage):
         """The underlying fsspec filesystem."""
         return self._fs
 
-    @property
-    def retry_policy(self) -> RetryPolicy:
-        """The retry policy applied to every call."""
-        return self._retry
-
     def __repr__(self) -> str:
         return f"FsspecStorage({self._uri!r})"
 
