@@ -1025,7 +1025,7 @@ class PassResult:
     ready: int  # items whose inputs were committed
     waiting: int  # of those, items whose missing partitions belong to other workers
     wanted: int  # items the policy wants that are not committed
-    progressed: bool  # this worker wrote something
+    progressed: bool  # this worker wrote something, or the lineage changed during the pass
     fingerprint: str  # changes whenever any worker commits or finishes a partition
 
 
@@ -1078,6 +1078,9 @@ class MergeWorker:
                 inputs = [graph.nodes[i].manifest for i in item.inputs]
                 b = ItemBuilder(self.storage, item, inputs, self.config)
                 if b.committed():
+                    # Committed by another worker since this pass listed the store: the plan is
+                    # stale (items built on it may be ready now), so this pass counts as progress.
+                    progressed = progressed or item.id not in graph.nodes
                     continue
                 for part in b.mine():
                     before = stats.partitions

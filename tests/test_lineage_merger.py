@@ -682,6 +682,35 @@ def test_two_worker_processes_on_one_uri(tmp_path: Path, partitions: str) -> Non
     _assert_complete_and_exact(root, history)
 
 
+class _OtherWorkerAfterListing(LocalStorage):
+    """A local store where, right after this worker's first full listing, another worker on the
+    same partition does all the work: the pass then runs on a stale plan."""
+
+    other: MergeWorker | None = None
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys = super().list(prefix)
+        other, self.other = self.other, None
+        if prefix == "" and other is not None:
+            other.run_once(wait_s=0)
+        return keys
+
+
+def test_single_worker_goes_on_when_another_committed_during_its_pass(tmp_path: Path) -> None:
+    """Two workers that each believe they are alone (the same partition by mistake): one that
+    finds its items committed by the other during a pass plans again instead of stopping with
+    work left (what `deck merge --once` reports as failure)."""
+    root = tmp_path / "ck"
+    history = _written(root, 20)
+    config = MergeConfig(stride=2, full=FullPolicy(every=8, max_live_fraction=None))
+    racing = _OtherWorkerAfterListing(root)
+    racing.other = MergeWorker(LocalStorage(root), config)
+    _, left = MergeWorker(racing, config).run_once(wait_s=0)
+    assert racing.other is None  # the other worker did run, after the first listing
+    assert left == 0
+    _assert_complete_and_exact(root, history)
+
+
 @pytest.mark.slow
 def test_workers_option_runs_processes(tmp_path: Path) -> None:
     root = tmp_path / "ck"
