@@ -485,8 +485,10 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--keep-all-steps",
-        action="store_true",
-        help="keep every currently restorable step restorable",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep every currently restorable step restorable (default); --no-keep-all-steps: "
+        "only the active window and the rollback fulls (DECK fig. 9)",
     )
     p.add_argument(
         "--grace",

@@ -461,16 +461,15 @@ def plan(graph: LineageGraph, config: MergeConfig) -> Plan:
         node = graph.trainer_at(node.start) if node.start is not None else None
 
     # An item whose consumer (the next layer's block containing it, or one above) is committed
-    # is not needed any more, even if retention deleted it.
-    consumer: dict[str, str] = {i: it.id for it in wanted_merged.values() for i in it.inputs}
+    # is not needed any more, even if retention deleted it. After a rollback an item can have
+    # a consumer on each timeline (retained old timelines keep theirs): any committed one counts.
+    consumers: dict[str, list[str]] = {}
+    for it in wanted_merged.values():
+        for i in it.inputs:
+            consumers.setdefault(i, []).append(it.id)
 
     def consumed(iid: str) -> bool:
-        c = consumer.get(iid)
-        while c is not None:
-            if c in graph.nodes:
-                return True
-            c = consumer.get(c)
-        return False
+        return any(c in graph.nodes or consumed(c) for c in consumers.get(iid, ()))
 
     wanted: list[PlannedItem] = []
     for it in wanted_merged.values():

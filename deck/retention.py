@@ -2,14 +2,20 @@
 
 Retention rules (:class:`RetentionPolicy`; docs/operations.md, "Retention and GC"):
 
-- **Active window.** The newest restorable trainer checkpoint ("latest"), every trainer
-  checkpoint between it and its newest full (a merger full or the trainer's), and the checkpoints
-  of latest's cheapest chain, are kept: every step of the window restores, the latest fastest.
-- **Rollback fulls** (DECK fig. 9): the newest ``keep_last_fulls`` fulls, and with
-  ``keep_fulls_every = N`` the oldest full of every N-step period, are kept with the trainer
-  checkpoint of their step (whose folder holds that step's dense and extra state).
-- ``keep_all_steps``: every trainer checkpoint that is restorable now stays restorable
-  (IncrCP's "recover any checkpoint"), through the kept fulls and the trainer's deltas.
+- ``keep_all_steps`` (the default): every trainer checkpoint that is restorable now stays
+  restorable (IncrCP's "recover any checkpoint"), through the kept fulls and the trainer's
+  deltas; what GC deletes is what the merger superseded (merged deltas consumed by the next
+  layer, merger fulls no longer newest) and orphans. Deleting training history is an operator's
+  decision, as in Orbax's and torchsnapshot's defaults, never the library's.
+- Bounded (``keep_all_steps=False``, DECK fig. 9) keeps only:
+
+  - **the active window**: the newest restorable trainer checkpoint ("latest"), every trainer
+    checkpoint between it and its newest full (a merger full or the trainer's), and the
+    checkpoints of latest's cheapest chain: every step of the window restores, the latest
+    fastest;
+  - **rollback fulls**: the newest ``keep_last_fulls`` fulls, and with ``keep_fulls_every = N``
+    the oldest full of every N-step period, each with the trainer checkpoint of its step (whose
+    folder holds that step's dense and extra state).
 
 Everything committed that no retained step needs is deleted -- only ever because something
 committed replaces it, and never what the lineage *grace_s* seconds ago needed (a trainer that
@@ -74,11 +80,12 @@ class RetentionPolicy:
         },
     )
     keep_all_steps: bool = field(
-        default=False,
+        default=True,
         metadata={
             "description": "Every step that is restorable now stays restorable (superseded "
-            "merged deltas and merger fulls still go).",
-            "cli": "deck gc --keep-all-steps",
+            "merged deltas and merger fulls still go). False: only the active window and the "
+            "rollback fulls stay (DECK fig. 9), bounding storage.",
+            "cli": "deck gc --no-keep-all-steps",
         },
     )
     grace_s: float = field(

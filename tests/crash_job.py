@@ -156,7 +156,7 @@ GC_POINTS: list[tuple[str, int]] = [
     ("gc.orphan.after_delete_file", 2),
 ]
 MERGE = MergeConfig(stride=2, full=FullPolicy(every=6, max_live_fraction=None), chunk_bytes=4096)
-KEEP = RetentionPolicy(keep_last_fulls=2, grace_s=0)
+KEEP = RetentionPolicy(keep_last_fulls=2, keep_all_steps=False, grace_s=0)
 
 
 @dataclass

@@ -208,7 +208,7 @@ def test_merger_makes_fulls_and_retention_keeps_the_window(policy: str) -> None:
     history = {}
     full = FullPolicy(every=6) if policy == "every" else FullPolicy(max_live_fraction=0.6)
     cfg = MergeConfig(stride=2, full=full)
-    keep = RetentionPolicy(keep_last_fulls=2, grace_s=0)
+    keep = RetentionPolicy(keep_last_fulls=2, keep_all_steps=False, grace_s=0)
     for _ in range(20):
         tr.train(3)
         m = tr.save()
@@ -233,7 +233,7 @@ def test_merger_makes_fulls_and_retention_keeps_the_window(policy: str) -> None:
     assert len(chain) <= 6
 
 
-def test_retention_keeps_rollback_fulls_and_all_steps_when_asked() -> None:
+def test_retention_keeps_all_steps_by_default_and_rollback_fulls_when_bounded() -> None:
     storage = mem()
     tr = SynthTrainer(storage)
     tr.save("full")
@@ -244,8 +244,13 @@ def test_retention_keeps_rollback_fulls_and_all_steps_when_asked() -> None:
         history[tr.save().id] = snapshot(tr.shards)
         merge_all(storage, cfg)
     everything = build_graph(read_manifests(storage)).restorable_steps()
-    coarse = RetentionPolicy(keep_last_fulls=1, keep_fulls_every=10, grace_s=0)
-    rep = collect_garbage(storage, RetentionPolicy(**{**coarse.__dict__, "keep_all_steps": True}))
+    coarse = RetentionPolicy(
+        keep_last_fulls=1, keep_fulls_every=10, keep_all_steps=False, grace_s=0
+    )
+    # keep_all_steps is the default
+    rep = collect_garbage(
+        storage, RetentionPolicy(keep_last_fulls=1, keep_fulls_every=10, grace_s=0)
+    )
     assert check_all_restore(storage, history) == everything
     assert rep.deleted  # superseded merged deltas went
     fulls = {
@@ -285,10 +290,11 @@ def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
     rep = collect_garbage(storage, RetentionPolicy(grace_s=3600))
     after = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
     assert not rep.orphans and before == after  # everything is younger than the grace period
-    dry = collect_garbage(storage, RetentionPolicy(keep_last_fulls=1, grace_s=0), dry_run=True)
+    bounded = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
+    dry = collect_garbage(storage, bounded, dry_run=True)
     assert dry.deleted and dry.orphans
     assert after == sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
-    rep = collect_garbage(storage, RetentionPolicy(keep_last_fulls=1, grace_s=0))
+    rep = collect_garbage(storage, bounded)
     left = {
         str(p.relative_to(tmp_path / "ck")) for p in (tmp_path / "ck").rglob("*") if p.is_file()
     }
@@ -505,15 +511,20 @@ class LineageMachine(RuleBasedStateMachine):
         self.history: dict[str, State] = {}
         self.seen: set[tuple[str, ...]] = set()
         self.verified: set[str] = set()
-        self.keep = RetentionPolicy(keep_last_fulls=2, keep_fulls_every=None, grace_s=0)
+        self.keep = RetentionPolicy()
 
     @initialize(
         stride=st.sampled_from([2, 3]),
         every=st.sampled_from([None, 4, 7]),
         live=st.sampled_from([None, 0.8]),
         deltas=st.integers(2, 8),
+        keep_all=st.booleans(),
     )
-    def setup(self, stride: int, every: int | None, live: float | None, deltas: int) -> None:
+    def setup(
+        self, stride: int, every: int | None, live: float | None, deltas: int, keep_all: bool
+    ) -> None:
+        # The default retention (every step stays restorable) and the bounded one (DECK fig. 9).
+        self.keep = RetentionPolicy(keep_last_fulls=2, keep_all_steps=keep_all, grace_s=0)
         self.cfg = MergeConfig(
             stride=stride, full=FullPolicy(every=every, max_live_fraction=live), chunk_bytes=4096
         )
@@ -563,12 +574,15 @@ class LineageMachine(RuleBasedStateMachine):
 
     @rule()
     def gc(self) -> None:
+        before = build_graph(read_manifests(self.storage)).restorable_steps()
         rep = collect_garbage(self.storage, self.keep)
         assert not rep.errors
         # Every step GC promised to keep restores (bitwise: checked by the invariant).
         graph = build_graph(read_manifests(self.storage))
         steps = graph.restorable_steps()
         assert set(rep.retained_steps) <= set(steps), (rep.retained_steps, steps)
+        if self.keep.keep_all_steps:
+            assert set(before) <= set(steps), sorted(set(before) - set(steps))
         assert rep.latest == self.tr.step
         # The merger never wants back what GC just deleted (no build / delete loop).
         gone = {folder for folder, _ in rep.deleted}
@@ -724,10 +738,16 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     storage = LocalStorage(root)
     assert latest_restorable(read_manifests(storage)) == 24
     assert check_all_restore(storage, history)[-1] == 24
+    # The default keeps every step restorable; bounded retention (DECK fig. 9) keeps the two
+    # newest fulls and the active window.
     p = _deck("gc", str(root), "--grace", "0")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, out + err
-    p = _deck("gc", str(root), "--dry-run", "--grace", "0")
+    assert check_all_restore(storage, history) == list(range(0, 25, 2))
+    p = _deck("gc", str(root), "--grace", "0", "--no-keep-all-steps")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, out + err
+    p = _deck("gc", str(root), "--dry-run", "--grace", "0", "--no-keep-all-steps")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0 and "would delete 0 checkpoint(s) and 0 orphan(s)" in out, out + err
     steps = check_all_restore(storage, history)
