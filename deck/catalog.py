@@ -76,20 +76,45 @@ class CheckpointInfo:
     id: str
 
 
+def manifest_keys(storage: Storage) -> list[str]:
+    """Where the commit records can be: ``manifest.json`` of every trainer step folder and every
+    merger folder (committed or not: reading says), and every quarantine record.
+
+    Lists folders one level at a time, so it costs a few LISTs however many chunk files the
+    store holds (a listing of everything grows with every checkpoint kept)."""
+    keys: list[str] = []
+    for entry in storage.list_dir(""):
+        name = entry.rstrip("/")
+        if not entry.endswith("/"):
+            continue
+        if parse_step_dir(name) is not None:
+            keys.append(f"{name}/{MANIFEST}")
+        elif name == MERGED_ROOT:
+            keys += [
+                f"{MERGED_ROOT}/{sub}{MANIFEST}"
+                for sub in storage.list_dir(f"{MERGED_ROOT}/")
+                if sub.endswith("/")
+            ]
+        elif name == QUARANTINE_ROOT:
+            keys += storage.list(f"{QUARANTINE_ROOT}/")
+    return keys
+
+
 def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> ManifestSet:
     """Every committed checkpoint under ``storage``: trainer checkpoints by step, and (as
     attributes of the returned :class:`ManifestSet`) the merger's checkpoints and quarantined ids.
 
     Folders without ``manifest.json`` (in progress, failed, or crashed) are not checkpoints and
     are skipped. A damaged trainer record is left out with a warning and listed in ``damaged``
-    (step -> problem, naming the file); a damaged merger record is skipped with a warning (merged checkpoints only make restores faster). ``keys``: a
-    listing of the whole store the caller already has (saves one ``list``).
+    (step -> problem, naming the file); a damaged merger record is skipped with a warning
+    (merged checkpoints only make restores faster). ``keys``: keys to look at, a listing the
+    caller already has (default: :func:`manifest_keys`).
     """
     trainer: dict[int, CheckpointManifest] = {}
     damaged: dict[int, str] = {}
     merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
-    for key in storage.list("") if keys is None else keys:
+    for key in manifest_keys(storage) if keys is None else keys:
         head, _, tail = key.partition("/")
         step = parse_step_dir(head)
         if step is not None and tail == MANIFEST:

@@ -290,6 +290,7 @@ def _retention(a: argparse.Namespace) -> Any:
         keep_last_fulls=a.keep_last_fulls,
         keep_fulls_every=a.keep_fulls_every,
         keep_all_steps=a.keep_all_steps,
+        chain_delta_budget=a.chain_delta_budget or None,
         grace_s=a.grace,
     )
 
@@ -489,6 +490,14 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="keep every currently restorable step restorable (default); --no-keep-all-steps: "
         "only the active window and the rollback fulls (DECK fig. 9)",
+    )
+    p.add_argument(
+        "--chain-delta-budget",
+        type=float,
+        default=4.0,
+        metavar="F",
+        help="with every step kept: keep a full wherever the deltas since the last kept one add "
+        "up to F fulls' bytes, bounding old steps' restores (4; 0: off)",
     )
     p.add_argument(
         "--grace",

@@ -44,7 +44,13 @@ import torch
 import xxhash
 
 from deck import __version__
-from deck.catalog import ManifestSet, quarantine, read_manifests, read_rank_manifests
+from deck.catalog import (
+    ManifestSet,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+    read_rank_manifests,
+)
 from deck.chunks import (
     ChunkLayout,
     aligned_buffer,
@@ -66,6 +72,7 @@ from deck.failpoints import failpoint
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
+    MERGED_ROOT,
     CheckpointManifest,
     ChunkRecord,
     FileRecord,
@@ -1058,14 +1065,20 @@ class MergeWorker:
 
     def run_pass(self) -> PassResult:
         t0 = time.perf_counter()
-        keys = self.storage.list("")
+        keys = manifest_keys(self.storage)
         manifests = read_manifests(self.storage, keys)
         graph = build_graph(manifests)
         # What every worker can see of everyone's progress: committed checkpoints and finished
-        # partitions. A worker waiting for others watches it change.
-        fingerprint = xxhash.xxh3_64_hexdigest(
-            "|".join([*sorted(graph.nodes), *(k for k in keys if f"/{PARTS_DIR}/" in k)]).encode()
-        )
+        # partitions (of the merger folders not committed yet). A worker waiting for others
+        # watches it change.
+        committed = {m.folder for m in manifests.merged.values()}
+        parts = [
+            part
+            for k in keys
+            if k.startswith(f"{MERGED_ROOT}/") and k.rpartition("/")[0] not in committed
+            for part in self.storage.list(f"{k.rpartition('/')[0]}/{PARTS_DIR}/")
+        ]
+        fingerprint = xxhash.xxh3_64_hexdigest("|".join([*sorted(graph.nodes), *parts]).encode())
         p = plan(graph, self.config)
         stats = WorkStats()
         waiting = 0

@@ -4,7 +4,8 @@ Retention rules (:class:`RetentionPolicy`; docs/operations.md, "Retention and GC
 
 - ``keep_all_steps`` (the default): every trainer checkpoint that is restorable now stays
   restorable (IncrCP's "recover any checkpoint"), through the kept fulls and the trainer's
-  deltas; what GC deletes is what the merger superseded (merged deltas consumed by the next
+  deltas, with a full kept wherever the deltas since the previous one add up to
+  ``chain_delta_budget`` fulls (so old steps restore from a bounded chain); what GC deletes is what the merger superseded (merged deltas consumed by the next
   layer, merger fulls no longer newest) and orphans. Deleting training history is an operator's
   decision, as in Orbax's and torchsnapshot's defaults, never the library's.
 - Bounded (``keep_all_steps=False``, DECK fig. 9) keeps only:
@@ -88,6 +89,17 @@ class RetentionPolicy:
             "cli": "deck gc --no-keep-all-steps",
         },
     )
+    chain_delta_budget: float | None = field(
+        default=4.0,
+        metadata={
+            "description": "With keep_all_steps: also keep a full wherever the trainer's deltas "
+            "since the previous kept full add up to this many fulls' bytes, so that restoring "
+            "any past step reads at most about 1 + this many fulls. None: only the fulls the "
+            "other rules keep (least storage, old steps replay every delta since them).",
+            "constraints": "> 0 or None",
+            "cli": "deck gc --chain-delta-budget F",
+        },
+    )
     grace_s: float = field(
         default=3600.0,
         metadata={
@@ -104,6 +116,8 @@ class RetentionPolicy:
             raise ConfigError(f"keep_last_fulls must be >= 1, got {self.keep_last_fulls}")
         if self.keep_fulls_every is not None and self.keep_fulls_every < 1:
             raise ConfigError(f"keep_fulls_every must be >= 1 steps, got {self.keep_fulls_every}")
+        if self.chain_delta_budget is not None and self.chain_delta_budget <= 0:
+            raise ConfigError(f"chain_delta_budget must be > 0, got {self.chain_delta_budget}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
 
@@ -164,6 +178,22 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
     for f in graph.fulls_at.get(graph.trainer[latest].state, ()):
         if f.id in latest_chain:
             kept[f.state] = f
+    if policy.keep_all_steps and policy.chain_delta_budget is not None:
+        # Bound every past step's chain: walking up the steps, a full is kept where the deltas
+        # since the last kept one pass the budget (the first full at or after that point; the
+        # merger only ever builds fulls of newer states, so the choice is stable across runs).
+        since = 0
+        for n in sorted(graph.trainer.values(), key=lambda n: (n.step, n.epoch)):
+            anchor = by_state.get(n.state)
+            if anchor is not None and (
+                n.kind is Kind.FULL
+                or anchor.state in kept
+                or since >= policy.chain_delta_budget * anchor.bytes
+            ):
+                kept[anchor.state] = anchor
+                since = 0
+            elif n.kind is not Kind.FULL:
+                since += n.bytes
 
     # Merged deltas of the window that no committed merged delta consumes yet are the merger's
     # work in progress (inputs of the next layer): kept until their consumer is committed.

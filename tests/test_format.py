@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,3 +164,19 @@ def test_manifest_garbage_is_a_deck_error(data: bytes) -> None:
     for cls in (CheckpointManifest, RankManifest, ChunkRecord):
         with pytest.raises(CorruptCheckpointError):
             load_model(cls, data, "f")
+
+
+def test_manifest_self_checksum_detects_changes_and_accepts_the_indented_form() -> None:
+    _, _, rec = _chunk(7)
+    data = dump_model(rec)
+    assert load_model(ChunkRecord, data, "c.json") == rec
+    d = json.loads(data)
+    # What earlier builds wrote: the same content, indent 1, checksum over that form.
+    d.pop("self_checksum")
+    old = json.dumps(d, sort_keys=True, indent=1)
+
+    d["self_checksum"] = xxhash.xxh3_64_hexdigest(old.encode())
+    assert load_model(ChunkRecord, json.dumps(d, indent=1).encode(), "old.json") == rec
+    d["rows"] += 1
+    with pytest.raises(CorruptCheckpointError, match=r"old\.json.*own checksum"):
+        load_model(ChunkRecord, json.dumps(d).encode(), "old.json")

@@ -264,6 +264,33 @@ def test_retention_keeps_all_steps_by_default_and_rollback_fulls_when_bounded() 
     assert sorted(rep.retained_steps) == steps
 
 
+@pytest.mark.parametrize("budget", [None, 1.0])
+def test_default_retention_bounds_old_steps_chains(budget: float | None) -> None:
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    history = {tr.saved[0].id: tr.saved[0].state}
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
+    keep = RetentionPolicy(chain_delta_budget=budget, grace_s=0)
+    for _ in range(30):
+        tr.train(1, rows=30)
+        history[tr.save().id] = snapshot(tr.shards)
+        merge_all(storage, cfg)
+        collect_garbage(storage, keep)
+    assert check_all_restore(storage, history) == sorted(tr.saved)  # every step, bitwise
+    graph = build_graph(read_manifests(storage))
+    full = graph.trainer[0].manifest.data_bytes
+    worst = max(sum(m.data_bytes for m in graph.chain(s)) for s in tr.saved) / full
+    if budget is None:
+        assert worst > 3  # the oldest full plus most deltas
+    else:
+        # At most the budget in deltas after a full, plus the delta that passed it.
+        biggest_delta = max(
+            n.manifest.data_bytes for n in graph.trainer.values() if n.kind is Kind.DELTA
+        )
+        assert worst <= 1 + budget + biggest_delta / full, worst
+
+
 def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)

@@ -56,6 +56,20 @@ class Storage(abc.ABC):
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Keys of all objects whose path starts with ``prefix`` (a directory-like prefix)."""
 
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
+        objects as named, sub-folders with a trailing "/". An absent folder is empty.
+
+        This default derives it from :meth:`list` (everything below); backends override it to
+        read one level only, so that finding manifests costs the same however many chunk
+        files the store holds."""
+        check_folder(prefix)
+        names = set()
+        for key in self.list(prefix):
+            head, sep, _ = key[len(prefix) :].partition("/")
+            names.add(head + sep)
+        return sorted(names)
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``."""
         for key in self.list(prefix):
@@ -65,3 +79,9 @@ class Storage(abc.ABC):
         """Fetch several whole objects; implementations may overlap the requests."""
         for p in paths:
             yield p, self.get(p)
+
+
+def check_folder(prefix: str) -> None:
+    """Refuse a :meth:`Storage.list_dir` prefix that does not name a folder."""
+    if prefix and not prefix.endswith("/"):
+        raise ValueError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")

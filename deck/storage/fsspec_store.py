@@ -19,7 +19,7 @@ import fsspec
 import fsspec.core
 
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
-from deck.storage.base import Storage
+from deck.storage.base import Storage, check_folder
 from deck.storage.local import validate_key
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient
 
@@ -201,6 +201,29 @@ class FsspecStorage(Storage):
                 keys.append(rel)
         keys.sort()
         return keys
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        """One level of :meth:`Storage.list_dir` (``fs.ls``: one delimited LIST on S3)."""
+        check_folder(prefix)
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        base = "/".join(p for p in (self._root, prefix.rstrip("/")) if p)
+
+        def ls() -> builtins.list[dict[str, Any]]:
+            self._fs.invalidate_cache(base)
+            try:
+                return list(self._fs.ls(base or "/", detail=True))
+            except FileNotFoundError:
+                return []
+
+        names = set()
+        for entry in self._call("list", prefix, ls):
+            full = str(entry["name"]).rstrip("/")
+            name = full.rpartition("/")[2]
+            if not name or full.lstrip("/") == base.lstrip("/"):
+                continue  # the folder itself (some servers report it)
+            names.add(name + "/" if entry.get("type") == "directory" else name)
+        return sorted(names)
 
     def _map_ordered(
         self, fn: Callable[[str], T], paths: builtins.list[str]

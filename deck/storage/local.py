@@ -8,6 +8,7 @@ never reports and :meth:`LocalStorage.delete_prefix` removes.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
@@ -17,7 +18,7 @@ import os
 import uuid
 
 from deck.errors import ConfigError, NotFoundError, StorageError
-from deck.storage.base import Storage
+from deck.storage.base import Storage, check_folder
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +331,25 @@ class LocalStorage(Storage):
         In-flight or abandoned ``.tmp-*`` files are never reported.
         """
         return self._walk(prefix, include_temps=False)
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files are left out."""
+        check_folder(prefix)
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        base = os.path.join(self._root, *prefix.rstrip("/").split("/")) if prefix else self._root
+        try:
+            with os.scandir(base) as it:
+                names = [
+                    e.name + "/" if e.is_dir(follow_symlinks=False) else e.name
+                    for e in it
+                    if not e.name.startswith(TEMP_PREFIX)
+                ]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise self._error("list", prefix, exc, _READ_HINT) from exc
+        return sorted(names)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every file under ``prefix`` (abandoned temps too) and prune empty directories."""

@@ -115,6 +115,23 @@ class TestConformance:
         assert store.list("nothing/") == []
         assert store.list("nothing/deeper/") == []
 
+    def test_list_dir_reads_one_level(self, store: Storage) -> None:
+        for k in ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]:
+            store.put(k, k.encode())
+        want = {
+            "": ["a/", "ab", "z"],
+            "a/": ["b/", "bb"],
+            "a/b/": ["c", "d", "e/"],
+            "a/b/e/": ["f"],
+            "nothing/": [],
+        }
+        for prefix, names in want.items():
+            assert store.list_dir(prefix) == names, prefix
+            # The backend's one-level read agrees with the default derived from list().
+            assert Storage.list_dir(store, prefix) == names, prefix
+        with pytest.raises(ValueError, match="folder"):
+            store.list_dir("a")
+
     def test_exists_and_directories(self, store: Storage) -> None:
         store.put("dir/obj", b"1")
         assert store.exists("dir/obj")
