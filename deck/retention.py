@@ -5,9 +5,10 @@ Retention rules (:class:`RetentionPolicy`; docs/operations.md, "Retention and GC
 - ``keep_all_steps`` (the default): every trainer checkpoint that is restorable now stays
   restorable (IncrCP's "recover any checkpoint"), through the kept fulls and the trainer's
   deltas, with a full kept wherever the deltas since the previous one add up to
-  ``chain_delta_budget`` fulls (so old steps restore from a bounded chain); what GC deletes is what the merger superseded (merged deltas consumed by the next
-  layer, merger fulls no longer newest) and orphans. Deleting training history is an operator's
-  decision, as in Orbax's and torchsnapshot's defaults, never the library's.
+  ``chain_delta_budget`` fulls (so old steps restore from a bounded chain). GC deletes what the
+  merger superseded (merged deltas consumed by the next layer, merger fulls no longer needed)
+  and orphans. Deleting training history is an operator's decision, as in Orbax's and
+  torchsnapshot's defaults, never the library's.
 - Bounded (``keep_all_steps=False``, DECK fig. 9) keeps only:
 
   - **the active window**: the newest restorable trainer checkpoint ("latest"), every trainer

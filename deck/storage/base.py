@@ -11,6 +11,8 @@ import abc
 import builtins
 from collections.abc import Iterator
 
+from deck.errors import ConfigError
+
 
 class Storage(abc.ABC):
     """A flat key -> bytes store rooted at one URI.
@@ -82,6 +84,8 @@ class Storage(abc.ABC):
 
 
 def check_folder(prefix: str) -> None:
-    """Refuse a :meth:`Storage.list_dir` prefix that does not name a folder."""
+    """Refuse a :meth:`Storage.list_dir` prefix that does not name a folder under the root."""
     if prefix and not prefix.endswith("/"):
         raise ValueError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")
+    if prefix.startswith("/") or ".." in prefix.split("/"):
+        raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")

@@ -205,8 +205,6 @@ class FsspecStorage(Storage):
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """One level of :meth:`Storage.list_dir` (``fs.ls``: one delimited LIST on S3)."""
         check_folder(prefix)
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
         base = "/".join(p for p in (self._root, prefix.rstrip("/")) if p)
 
         def ls() -> builtins.list[dict[str, Any]]:

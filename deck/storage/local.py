@@ -335,8 +335,6 @@ class LocalStorage(Storage):
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files are left out."""
         check_folder(prefix)
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
         base = os.path.join(self._root, *prefix.rstrip("/").split("/")) if prefix else self._root
         try:
             with os.scandir(base) as it:
