@@ -114,47 +114,52 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
     damaged: dict[int, str] = {}
     merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
+    wanted = []
     for key in manifest_keys(storage) if keys is None else keys:
         head, _, tail = key.partition("/")
+        name, _, rest = tail.partition("/")
+        if (
+            (parse_step_dir(head) is not None and tail == MANIFEST)
+            or (head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST)
+            or (head == QUARANTINE_ROOT and tail.endswith(".json"))
+        ):
+            wanted.append(key)
+    # Fetched concurrently where the backend can (an object store's latency per request times
+    # every retained step would dominate a restore or a merger pass); a key that is gone was
+    # not committed, or was replaced or deleted by GC since the listing.
+    for key, data in storage.get_many(wanted):
+        if data is None:
+            continue
+        head, _, tail = key.partition("/")
+        where = storage.describe(key)
         step = parse_step_dir(head)
-        if step is not None and tail == MANIFEST:
-            where = storage.describe(key)
+        if step is not None:
             try:
-                m = load_model(CheckpointManifest, storage.get(key), where)
+                m = load_model(CheckpointManifest, data, where)
                 if m.step != step or m.is_merged:
                     raise CorruptCheckpointError(
                         f"{where}: manifest says step {m.step}"
                         + (" and was written by the merger" if m.is_merged else "")
                         + f", folder says trainer step {step}"
                     )
-            except NotFoundError:
-                continue  # replaced or deleted between the listing and the read
             except CorruptCheckpointError as e:
                 logger.warning("step %d is not restorable: %s", step, e)
                 damaged[step] = str(e)
                 continue
             trainer[step] = m
         elif head == MERGED_ROOT:
-            name, _, rest = tail.partition("/")
-            parsed = parse_merged_dir(name)
-            if parsed is None or rest != MANIFEST:
-                continue
-            where = storage.describe(key)
+            name = tail.partition("/")[0]
             try:
-                m = load_model(CheckpointManifest, storage.get(key), where)
-                if f"{MERGED_ROOT}/{name}" != m.folder or (m.id, m.step) != parsed:
+                m = load_model(CheckpointManifest, data, where)
+                if f"{MERGED_ROOT}/{name}" != m.folder or (m.id, m.step) != parse_merged_dir(name):
                     raise CorruptCheckpointError(f"{where}: record does not match its folder name")
-            except NotFoundError:
-                continue  # deleted by GC between the listing and the read
             except CorruptCheckpointError as e:
                 logger.warning("ignoring merged checkpoint: %s", e)
                 continue
             merged[m.id] = m
-        elif head == QUARANTINE_ROOT and tail.endswith(".json"):
+        else:
             try:
-                q = load_model(QuarantineRecord, storage.get(key), storage.describe(key))
-            except NotFoundError:
-                continue
+                q = load_model(QuarantineRecord, data, where)
             except CorruptCheckpointError as e:
                 logger.warning("ignoring quarantine record: %s", e)
                 continue

@@ -11,7 +11,7 @@ import abc
 import builtins
 from collections.abc import Iterator
 
-from deck.errors import ConfigError
+from deck.errors import ConfigError, NotFoundError
 
 
 class Storage(abc.ABC):
@@ -81,6 +81,15 @@ class Storage(abc.ABC):
         """Fetch several whole objects; implementations may overlap the requests."""
         for p in paths:
             yield p, self.get(p)
+
+    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
+        """Like :meth:`iter_get` (whole objects, in the order of ``paths``), with None for an
+        object that does not exist instead of :class:`NotFoundError`."""
+        for p in paths:
+            try:
+                yield p, self.get(p)
+            except NotFoundError:
+                yield p, None
 
 
 def check_folder(prefix: str) -> None:

@@ -255,6 +255,17 @@ class FsspecStorage(Storage):
         """Fetch whole objects in parallel (bounded), yielding them in the order of ``paths``."""
         return self._map_ordered(self.get, paths)
 
+    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
+        """:meth:`Storage.get_many` with requests in parallel (bounded), in order."""
+
+        def get_or_none(p: str) -> bytes | None:
+            try:
+                return self.get(p)
+            except NotFoundError:
+                return None
+
+        return self._map_ordered(get_or_none, paths)
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``, several requests in flight."""
         for _ in self._map_ordered(self.delete, self.list(prefix)):

@@ -115,6 +115,14 @@ class TestConformance:
         assert store.list("nothing/") == []
         assert store.list("nothing/deeper/") == []
 
+    def test_get_many_keeps_order_and_reports_missing_as_none(self, store: Storage) -> None:
+        keys = [f"m/{i:03d}.json" for i in range(40)]
+        for k in keys[::2]:
+            store.put(k, k.encode())
+        got = list(store.get_many(keys))
+        assert [k for k, _ in got] == keys
+        assert all(v == (k.encode() if i % 2 == 0 else None) for i, (k, v) in enumerate(got))
+
     def test_list_dir_reads_one_level(self, store: Storage) -> None:
         for k in ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]:
             store.put(k, k.encode())
