@@ -86,15 +86,24 @@ class Storage(abc.ABC):
         """Like :meth:`iter_get` (whole objects, in the order of ``paths``), with None for an
         object that does not exist instead of :class:`NotFoundError`."""
         for p in paths:
-            try:
-                yield p, self.get(p)
-            except NotFoundError:
-                yield p, None
+            yield p, self.get_or_none(p)
+
+    def get_or_none(self, path: str) -> bytes | None:
+        """The whole object at ``path``, or None if there is none."""
+        try:
+            return self.get(path)
+        except NotFoundError:
+            return None
+
+
+def check_prefix(prefix: str) -> None:
+    """Refuse a listing prefix that would leave the root (absolute, or with ``..``)."""
+    if prefix.startswith("/") or ".." in prefix.split("/"):
+        raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
 
 
 def check_folder(prefix: str) -> None:
     """Refuse a :meth:`Storage.list_dir` prefix that does not name a folder under the root."""
     if prefix and not prefix.endswith("/"):
         raise ValueError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")
-    if prefix.startswith("/") or ".." in prefix.split("/"):
-        raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+    check_prefix(prefix)

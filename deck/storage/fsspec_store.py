@@ -19,7 +19,7 @@ import fsspec
 import fsspec.core
 
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
-from deck.storage.base import Storage, check_folder
+from deck.storage.base import Storage, check_folder, check_prefix
 from deck.storage.local import validate_key
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient
 
@@ -175,8 +175,7 @@ class FsspecStorage(Storage):
 
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys of all objects whose key starts with ``prefix``."""
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        check_prefix(prefix)
         base_key = prefix.rpartition("/")[0]
         base = "/".join(p for p in (self._root, base_key) if p)
         strip = f"{self._root}/" if self._root else ""
@@ -257,14 +256,7 @@ class FsspecStorage(Storage):
 
     def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
         """:meth:`Storage.get_many` with requests in parallel (bounded), in order."""
-
-        def get_or_none(p: str) -> bytes | None:
-            try:
-                return self.get(p)
-            except NotFoundError:
-                return None
-
-        return self._map_ordered(get_or_none, paths)
+        return self._map_ordered(self.get_or_none, paths)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``, several requests in flight."""

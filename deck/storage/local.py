@@ -18,7 +18,7 @@ import os
 import uuid
 
 from deck.errors import ConfigError, NotFoundError, StorageError
-from deck.storage.base import Storage, check_folder
+from deck.storage.base import Storage, check_folder, check_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -302,8 +302,7 @@ class LocalStorage(Storage):
             raise self._error("delete", path, exc, _WRITE_HINT) from exc
 
     def _walk(self, prefix: str, include_temps: bool) -> list[str]:
-        if prefix.startswith("/") or ".." in prefix.split("/"):
-            raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+        check_prefix(prefix)
         # Only walk the deepest directory the prefix names, not the whole root.
         base_key = prefix.rpartition("/")[0]
         base = os.path.join(self._root, *base_key.split("/")) if base_key else self._root
