@@ -46,7 +46,6 @@ import xxhash
 from deck import __version__
 from deck.catalog import (
     ManifestSet,
-    manifest_keys,
     quarantine,
     read_manifests,
     read_rank_manifests,
@@ -72,7 +71,6 @@ from deck.failpoints import failpoint
 from deck.format import (
     FORMAT_VERSION,
     MANIFEST,
-    MERGED_ROOT,
     CheckpointManifest,
     ChunkRecord,
     FileRecord,
@@ -1065,21 +1063,14 @@ class MergeWorker:
 
     def run_pass(self) -> PassResult:
         t0 = time.perf_counter()
-        keys = manifest_keys(self.storage)
-        manifests = read_manifests(self.storage, keys)
+        manifests = read_manifests(self.storage)
         graph = build_graph(manifests)
-        # What every worker can see of everyone's progress: committed checkpoints and finished
-        # partitions (of the merger folders not committed yet). A worker waiting for others
-        # watches it change.
-        committed = {m.folder for m in manifests.merged.values()}
-        parts = [
-            part
-            for k in keys
-            if k.startswith(f"{MERGED_ROOT}/") and k.rpartition("/")[0] not in committed
-            for part in self.storage.list(f"{k.rpartition('/')[0]}/{PARTS_DIR}/")
-        ]
-        fingerprint = xxhash.xxh3_64_hexdigest("|".join([*sorted(graph.nodes), *parts]).encode())
         p = plan(graph, self.config)
+        # What every worker can see of everyone's progress: committed checkpoints and the
+        # finished partitions of the items that can be built now. A worker waiting for others
+        # watches it change.
+        parts = [k for it in p.ready for k in self.storage.list(f"{it.folder}/{PARTS_DIR}/")]
+        fingerprint = xxhash.xxh3_64_hexdigest("|".join([*sorted(graph.nodes), *parts]).encode())
         stats = WorkStats()
         waiting = 0
         progressed = False
