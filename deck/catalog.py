@@ -114,25 +114,27 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
     damaged: dict[int, str] = {}
     merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
-    wanted = []
+    # What each key is: a trainer step's record (its step), a merger folder's (its name) or a
+    # quarantine record; anything else is not read.
+    wanted: dict[str, tuple[int | None, str | None]] = {}
     for key in manifest_keys(storage) if keys is None else keys:
         head, _, tail = key.partition("/")
         name, _, rest = tail.partition("/")
-        if (
-            (parse_step_dir(head) is not None and tail == MANIFEST)
-            or (head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST)
-            or (head == QUARANTINE_ROOT and tail.endswith(".json"))
-        ):
-            wanted.append(key)
+        step = parse_step_dir(head)
+        if step is not None and tail == MANIFEST:
+            wanted[key] = (step, None)
+        elif head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST:
+            wanted[key] = (None, name)
+        elif head == QUARANTINE_ROOT and tail.endswith(".json"):
+            wanted[key] = (None, None)
     # Fetched concurrently where the backend can (an object store's latency per request times
     # every retained step would dominate a restore or a merger pass); a key that is gone was
     # not committed, or was replaced or deleted by GC since the listing.
-    for key, data in storage.get_many(wanted):
+    for key, data in storage.get_many(list(wanted)):
         if data is None:
             continue
-        head, _, tail = key.partition("/")
+        step, folder = wanted[key]
         where = storage.describe(key)
-        step = parse_step_dir(head)
         if step is not None:
             try:
                 m = load_model(CheckpointManifest, data, where)
@@ -147,11 +149,12 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
                 damaged[step] = str(e)
                 continue
             trainer[step] = m
-        elif head == MERGED_ROOT:
-            name = tail.partition("/")[0]
+        elif folder is not None:
             try:
                 m = load_model(CheckpointManifest, data, where)
-                if f"{MERGED_ROOT}/{name}" != m.folder or (m.id, m.step) != parse_merged_dir(name):
+                if f"{MERGED_ROOT}/{folder}" != m.folder or (m.id, m.step) != parse_merged_dir(
+                    folder
+                ):
                     raise CorruptCheckpointError(f"{where}: record does not match its folder name")
             except CorruptCheckpointError as e:
                 logger.warning("ignoring merged checkpoint: %s", e)
