@@ -136,13 +136,13 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
     full_all = len(steps) * full_size
     # Bounded retention: apply it now (what running it all along would have kept).
     rep = collect_garbage(storage, RetentionPolicy(keep_all_steps=False, grace_s=0))
-    deck_def = tree_bytes(uri)
+    deck_bounded = tree_bytes(uri)
     kept = rep.retained_steps
     bases = {cnr_sizes[s][0] for s in kept}
-    cnr_def = sum(cnr_sizes[s][1] for s in kept) + sum(
+    cnr_bounded = sum(cnr_sizes[s][1] for s in kept) + sum(
         cnr_sizes[b][1] for b in bases if b not in kept
     )
-    full_def = len(kept) * full_size
+    full_bounded = len(kept) * full_size
     merger_fulls = sum(1 for m in read_manifests(storage).merged.values() if m.kind.value == "full")
 
     print()
@@ -153,7 +153,7 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
     )
     for name, n, d, c, f in (
         ("default (every step)", len(steps), deck_all, cnr_all, full_all),
-        ("bounded (DECK fig. 9)", len(kept), deck_def, cnr_def, full_def),
+        ("bounded (DECK fig. 9)", len(kept), deck_bounded, cnr_bounded, full_bounded),
     ):
         print(
             f"{name:<26} {n:>10} {_mib(d):>10} {_mib(c):>12} {_mib(f):>14} "
@@ -169,7 +169,7 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
         f"goal deck <= 40% of Check-N-Run under default retention: "
         f"{'met' if deck_all <= 0.4 * cnr_all else 'NOT met'} ({deck_all / cnr_all:.1%}; "
         f"{deck_all / full_all:.1%} of a full every interval); bounded retention, same steps: "
-        f"{deck_def / cnr_def:.1%}"
+        f"{deck_bounded / cnr_bounded:.1%}"
     )
     print(f"ran in {time.perf_counter() - t_start:.0f} s")
     print("reproduce: python " + " ".join(sys.argv))
