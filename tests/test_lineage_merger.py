@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from synth import State, SynthTrainer, restore_state, same, snapshot
 
-from deck import treecodec
+from deck import failpoints, treecodec
 from deck.catalog import chain_for, latest_restorable, read_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format import MANIFEST, CheckpointManifest, Kind, load_model
@@ -781,47 +780,69 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     assert steps == [0, 16, 18, 20, 22, 24]  # two newest fulls (0, 16) + the window from 16
 
 
-def _kill_mid_work(p: subprocess.Popen[str], root: Path, delay: float) -> None:
-    """SIGKILL ``p`` ``delay`` seconds after it starts writing merged files (or gives up)."""
+# The merger's crash points (deck/merger.py) and, for each, whether a kill there leaves a
+# merged folder without its commit record behind (the "middle of a merge").
+MERGER_POINTS = {
+    "merger.partition.before_read": False,  # the item's first partition wrote nothing yet
+    "merger.chunk.after_put": True,
+    "merger.partition.after_read": False,  # small partitions put their chunks at close
+    "merger.partition.after_chunks": False,  # a partition without changed rows puts nothing
+    "merger.partition.after_record": True,
+    "merger.commit.before_rank_manifests": True,
+    "merger.commit.before_manifest": True,
+    "merger.commit.after_manifest": False,  # committed: the kill lands between two items
+}
 
-    def files() -> int:
-        return sum(1 for f in (root / "merged").rglob("*") if f.is_file())
 
-    before = files() if (root / "merged").exists() else 0
-    started = time.monotonic()
-    while p.poll() is None and time.monotonic() - started < 60:
-        if (root / "merged").exists() and files() > before:
-            break
-        time.sleep(0.005)
-    time.sleep(delay)
-    p.send_signal(signal.SIGKILL)
+def _uncommitted_merged(root: Path) -> set[str]:
+    merged = root / "merged"
+    if not merged.exists():
+        return set()
+    return {d.name for d in merged.iterdir() if d.is_dir() and not (d / MANIFEST).exists()}
 
 
 @pytest.mark.slow
 def test_kill_9_at_any_moment_leaves_a_valid_lineage(tmp_path: Path) -> None:
+    """`deck merge` SIGKILLed at the merger's crash points (a seeded choice of point and hit,
+    armed with DECK_FAILPOINTS, so where each kill lands does not depend on timing): whatever
+    was committed verifies and every step restores exactly; a final merge completes and GC
+    leaves no temp files."""
     root = tmp_path / "ck"
     storage = LocalStorage(root)
     tr = SynthTrainer(storage)
     tr.save("full")
     history = {tr.saved[0].id: tr.saved[0].state}
     rng = random.Random(5)
-    partial = 0
-    for attempt in range(5):
+    points = sorted(MERGER_POINTS)
+    # Every point once, in a seeded order, then seeded picks: each attempt has at least 3 items
+    # of new work (6 deltas, stride 2), so hits 1..3 of every point are reached.
+    schedule = rng.sample(points, len(points)) + [rng.choice(points) for _ in range(2)]
+    mid_merge = 0
+    for attempt, point in enumerate(schedule):
         for _ in range(6):  # the trainer goes on between the merger's crashes
             tr.train(2, rows=20)
             history[tr.save().id] = snapshot(tr.shards)
-        p = _deck("merge", str(root), "--once", *MERGE_ARGS)
-        _kill_mid_work(p, root, rng.uniform(0.0, 0.15))
-        p.communicate(timeout=60)
+        nth = rng.randint(1, 3)
+        marker = tmp_path / f"killed-{attempt}"
+        env = {
+            **os.environ,
+            failpoints.ENV: f"{point}:{nth}",
+            failpoints.MARKER_ENV: str(marker),
+        }
+        p = _deck("merge", str(root), "--once", *MERGE_ARGS, env=env)
+        out, err = p.communicate(timeout=240)
+        # The kill landed exactly there, every time.
+        assert p.returncode == -signal.SIGKILL, (point, nth, p.returncode, out + err)
+        assert marker.read_text().strip() == f"{point}:{nth}"
+        if MERGER_POINTS[point]:
+            assert _uncommitted_merged(root), (point, nth, "no half-built merged folder")
+            mid_merge += 1
         # Whatever was committed is complete and exact; the rest does not exist yet.
         manifests = read_manifests(storage)
         for m in manifests.merged.values():
             assert not verify_checkpoint(storage, m).problems, (attempt, m.folder)
         check_all_restore(storage, history)
-        partial += any(
-            not (d / MANIFEST).exists() for d in (root / "merged").iterdir() if d.is_dir()
-        )
-    assert partial, "no kill landed in the middle of a merge"
+    assert mid_merge >= len([p for p in points if MERGER_POINTS[p]])
     p = _deck("merge", str(root), "--once", *MERGE_ARGS)
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, out + err
