@@ -11,12 +11,12 @@ Quick use::
 
 __version__ = "0.1.0"
 
-from deck import errors
+from deck import errors, lineage
 from deck.catalog import CheckpointInfo, list_checkpoints
 from deck.checkpointer import DeltaCheckpointer, enable
 from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import CheckpointError
-from deck.lineage import LineageGraph, lineage
+from deck.lineage import LineageGraph, lineage_graph
 from deck.staging import CheckpointStats
 
 __all__ = [
@@ -32,5 +32,6 @@ __all__ = [
     "enable",
     "errors",
     "lineage",
+    "lineage_graph",
     "list_checkpoints",
 ]

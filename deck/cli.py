@@ -238,9 +238,9 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
-    from deck.lineage import chain_bytes, cheapest_chain, lineage
+    from deck.lineage import chain_bytes, cheapest_chain, lineage_graph
 
-    graph = lineage(a.uri, a.storage_options)
+    graph = lineage_graph(a.uri, a.storage_options)
     if not graph.nodes:
         print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
         return 1

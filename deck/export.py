@@ -33,7 +33,6 @@ uses ``weights_only`` loading); deck writes it through DCP's writer and never re
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import json
 import logging
@@ -42,7 +41,7 @@ import os
 import queue
 import struct
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,47 +70,6 @@ _SAFETENSORS_DTYPES = {
     torch.int8: "I8",
     torch.bool: "BOOL",
 }
-
-
-class _CachedManifests(Storage):
-    """Storage that remembers the JSON files it read: exporting shard by shard applies the chain
-    once per shard, and each application re-reads the chain's rank manifests."""
-
-    def __init__(self, inner: Storage):
-        self.inner = inner
-        self._cache: dict[str, bytes] = {}
-
-    @property
-    def uri(self) -> str:
-        return self.inner.uri
-
-    def describe(self, path: str) -> str:
-        return self.inner.describe(path)
-
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        raise UnsupportedError(f"export never writes to the checkpoint URI ({self.describe(path)})")
-
-    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        if not path.endswith(".json") or start or end is not None:
-            return self.inner.get(path, start, end)
-        if path not in self._cache:
-            self._cache[path] = self.inner.get(path)
-        return self._cache[path]
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        raise UnsupportedError(f"export never deletes ({self.describe(path)})")
-
-    def list(self, prefix: str = "") -> builtins.list[str]:
-        return self.inner.list(prefix)
-
-    def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
-        return self.inner.iter_get(paths)
 
 
 @dataclass(frozen=True)
@@ -208,19 +166,25 @@ class StepState:
         # A chain with quantised weights (deck.quantize) is refused unless allowed: its tables
         # are then the dequantised values, not the exact state.
         self.allow_quantized = allow_quantized
-        base = open_storage(uri, storage_options)
-        self.storage: Storage = _CachedManifests(base)
-        manifests = read_manifests(base)
+        # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped
+        # files of a LocalStorage, overlapped gets of a remote one).
+        self.storage: Storage = open_storage(uri, storage_options)
+        manifests = read_manifests(self.storage)
         if not manifests:
-            raise CheckpointNotFoundError(f"no committed checkpoints at {base.uri}")
-        graph = build_graph(manifests, base.uri)
+            raise CheckpointNotFoundError(f"no committed checkpoints at {self.storage.uri}")
+        graph = build_graph(manifests, self.storage.uri)
         chosen = graph.latest() if step is None else step
         if chosen is None:
-            raise CheckpointNotFoundError(f"no restorable step at {base.uri}")
+            raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
         self.step: int = chosen
         self.chain: list[CheckpointManifest] = cheapest_chain(graph, chosen)
         self.last = self.chain[-1]
-        self.parts: list[RankManifest] = read_rank_manifests(self.storage, self.last)
+        # Exporting shard by shard applies the chain once per shard: its rank manifests are
+        # read (and checksum-verified) once, here.
+        self.rank_parts: dict[str, list[RankManifest]] = {
+            m.folder: read_rank_manifests(self.storage, m) for m in self.chain
+        }
+        self.parts: list[RankManifest] = self.rank_parts[self.last.folder]
         self.read_bytes = chain_bytes(self.chain)
         self.tables: dict[str, tuple[int, int]] = {}
         # State names and dtypes per table, from any chunk of the chain. A state's rows are
@@ -229,7 +193,7 @@ class StepState:
         # column split (a restore into another plan, then deltas).
         kinds: dict[str, tuple[tuple[str, torch.dtype, bool], ...]] = {}
         for m in self.chain:
-            for part in read_rank_manifests(self.storage, m):
+            for part in self.rank_parts[m.folder]:
                 for rec in part.shards:
                     if rec.table in kinds or not rec.chunks:
                         continue
@@ -251,7 +215,7 @@ class StepState:
                 self.tables[rec.table] = (rec.num_rows, rec.num_cols)
                 if rec.table not in kinds:
                     raise CheckpointNotFoundError(
-                        f"table {rec.table}: no chunk in the chain of step {chosen} at {base.uri} "
+                        f"table {rec.table}: no chunk in the chain of step {chosen} at {self.storage.uri} "
                         "says what its states are"
                     )
                 states = tuple(
@@ -327,7 +291,12 @@ class StepState:
             {n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states}
         )
         apply_chain(
-            self.storage, self.chain, [shard], self.tables, allow_quantized=self.allow_quantized
+            self.storage,
+            self.chain,
+            [shard],
+            self.tables,
+            allow_quantized=self.allow_quantized,
+            rank_parts=self.rank_parts,
         )
         return shard.states
 

@@ -13,7 +13,8 @@ ended, ending with the trainer checkpoint of ``t`` (whose folder holds the dense
 timelines (a step saved again after a rollback gets a new id, so nothing built on the old one
 applies to it).
 
-``deck.lineage(uri)`` (this module's :func:`lineage`) returns the graph of a URI.
+``deck.lineage_graph(uri)`` (this module's :func:`lineage_graph`) returns the graph of a URI;
+``deck.lineage`` is this module.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def build_graph(
     return LineageGraph(manifests, uri)
 
 
-def lineage(uri: str, storage_options: dict[str, Any] | None = None) -> LineageGraph:
+def lineage_graph(uri: str, storage_options: dict[str, Any] | None = None) -> LineageGraph:
     """The lineage graph of every committed checkpoint at ``uri`` (trainer's and merger's).
 
     An empty or missing URI gives an empty graph. Folders without ``manifest.json`` are not

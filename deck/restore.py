@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,7 @@ def apply_chain(
     zero_copy: bool = True,
     onto: bool = False,
     allow_quantized: bool = False,
+    rank_parts: Mapping[str, list[RankManifest]] | None = None,
 ) -> tuple[RestoreStats, list[RankManifest]]:
     """Write the rows of ``chain`` (full first, then deltas / merged deltas in order; newest row
     wins) into ``shards``. Returns read statistics and the rank manifests of the last checkpoint.
@@ -148,6 +150,9 @@ def apply_chain(
     :class:`deck.quantize.QuantizedStateError` (an :class:`IncompatibleModelError`) before
     anything is changed, unless ``allow_quantized``: then their weights are dequantised, within
     the encoding's documented error bound, and every exact checkpoint still restores bitwise.
+
+    ``rank_parts``: rank manifests already read with :func:`deck.catalog.read_rank_manifests`,
+    by checkpoint folder (a caller applying one chain many times reads them once).
     """
     quantized = [m for m in chain if m.encoding is not None]
     if quantized and not allow_quantized:
@@ -164,7 +169,10 @@ def apply_chain(
         by_table.setdefault(s.table, []).append(s)
     parts: list[RankManifest] = []
     for i, m in enumerate(chain):
-        parts = read_rank_manifests(storage, m)
+        if rank_parts is not None and m.folder in rank_parts:
+            parts = rank_parts[m.folder]
+        else:
+            parts = read_rank_manifests(storage, m)
         stats.checkpoints += 1
         if i and m.state == chain[i - 1].state:
             # The same training state as the checkpoint just applied (a trainer checkpoint

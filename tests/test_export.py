@@ -115,3 +115,56 @@ def test_export_holds_one_shard_at_a_time(ckpt: str, tmp_path: Path) -> None:
     assert rep.max_held_bytes == max(tables.values()) < sum(shards)
     with pytest.raises(ConfigError, match="exists"):
         export_safetensors(state, str(tmp_path / "x.safetensors"))
+
+
+def test_export_reads_the_real_store_memory_mapped(
+    ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Export reads chunks through the store's own fast path (a local directory: memory-mapped
+    files, not ``get``), and each rank manifest of the chain once however many shards it
+    exports."""
+    from deck.export import StepState, export_dcp
+    from deck.storage import LocalStorage
+
+    reads: dict[str, list[str]] = {"map_file": [], "get": [], "iter_get": []}
+    real_map, real_get, real_iter = (
+        LocalStorage.map_file,
+        LocalStorage.get,
+        LocalStorage.iter_get,
+    )
+
+    def map_file(self: LocalStorage, path: str) -> memoryview:
+        reads["map_file"].append(path)
+        return real_map(self, path)
+
+    def get(self: LocalStorage, path: str, start: int = 0, end: int | None = None) -> bytes:
+        reads["get"].append(path)
+        return real_get(self, path, start, end)
+
+    def iter_get(self: LocalStorage, paths: list[str]):  # type: ignore[no-untyped-def]
+        reads["iter_get"].extend(paths)
+        return real_iter(self, paths)
+
+    monkeypatch.setattr(LocalStorage, "map_file", map_file)
+    monkeypatch.setattr(LocalStorage, "get", get)
+    monkeypatch.setattr(LocalStorage, "iter_get", iter_get)
+    state = StepState(ckpt, STEP)
+    # The store itself: its listing and batched reads stay reachable.
+    assert type(state.storage) is LocalStorage
+    assert state.storage.list_dir("")
+    assert len(state.chain) == 3 and state.chain[1].is_merged  # full + merged + delta
+    opened = list(reads["get"])
+    rank_manifests = [f"{m.folder}/{r.path}" for m in state.chain for r in m.ranks]
+    assert sorted(p for p in opened if p in rank_manifests) == sorted(rank_manifests)
+    export_dcp(state, str(tmp_path / "dcp"))
+    later = reads["get"][len(opened) :] + reads["iter_get"]
+    chunks = {
+        f"{m.folder}/{c.path}"
+        for m in state.chain
+        for part in state.rank_parts[m.folder]
+        for rec in part.shards
+        for c in rec.chunks
+    }
+    assert chunks and chunks <= set(reads["map_file"])
+    assert not chunks & set(later), later  # no chunk file read into bytes
+    assert not [p for p in later if p in rank_manifests], later  # read once, at open

@@ -157,6 +157,30 @@ def test_cheapest_chain_prefers_merged_and_checks_ids() -> None:
     assert g.to_dict()["chains"]["16"] == [m.id for m in chain]
 
 
+def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path) -> None:
+    """``import deck.lineage`` gives the module (its functions reachable as attributes, the way
+    the docs use them); ``deck.lineage_graph(uri)`` builds the graph of a URI."""
+    import importlib
+
+    import deck
+    import deck.lineage
+
+    assert deck.lineage is importlib.import_module("deck.lineage")
+    assert callable(deck.lineage.cheapest_chain) and callable(deck.lineage.chain_bytes)
+    assert deck.lineage_graph is deck.lineage.lineage_graph
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(3):
+        tr.train(2)
+        tr.save()
+    graph = deck.lineage_graph(str(tmp_path / "ck"))
+    assert isinstance(graph, deck.LineageGraph) and graph.latest() == 6
+    chain = deck.lineage.cheapest_chain(graph, 6)
+    assert [m.step for m in chain] == [0, 2, 4, 6] and chain[0].kind is Kind.FULL
+    assert not deck.lineage_graph(str(tmp_path / "empty")).nodes
+
+
 def test_rollback_timelines_never_mix() -> None:
     storage = mem()
     tr = SynthTrainer(storage)
