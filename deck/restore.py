@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -396,14 +396,19 @@ def read_state_file(storage: Storage, step: int | CheckpointManifest, rec: FileR
 
 
 def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str) -> None:
-    """Load a saved ``{"state_dict", "param_groups"}`` into ``opt`` exactly."""
+    """Load a saved ``{"state_dict", "param_groups"}`` into ``opt`` exactly.
+
+    Afterwards exactly the parameters that had optimizer state when it was saved have state,
+    with the saved values: a parameter that never got a gradient (no state yet) has none after
+    the load either, whatever ``opt`` held before. Plain torch optimizers do this themselves;
+    a keyed optimizer (TorchRec's ``KeyedOptimizer``, whose strict load copies into existing
+    state of the same parameters) is first given state for exactly the saved parameters.
+    """
     sd = saved["state_dict"]
-    if not opt.state and sd.get("state"):
-        # TorchRec's KeyedOptimizer refuses to load into an empty state; its init_state() runs a
-        # zero-gradient step to create the tensors that load_state_dict then overwrites.
-        init = getattr(opt, "init_state", None)
-        if init is not None:
-            init()
+    params = getattr(opt, "params", None)
+    init = getattr(opt, "init_state", None)
+    if isinstance(params, Mapping) and init is not None:
+        _match_keyed_state(opt, params, init, set(sd.get("state", {})), name)
     try:
         opt.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -415,3 +420,41 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
         )
     for live, hyper in zip(opt.param_groups, groups, strict=True):
         live.update(hyper)
+
+
+def _match_keyed_state(
+    opt: torch.optim.Optimizer,
+    params: Mapping[str, Any],
+    init: Callable[[], None],
+    saved_keys: set[str],
+    name: str,
+) -> None:
+    """Give a keyed optimizer state for exactly the parameters in ``saved_keys``.
+
+    TorchRec's strict load refuses a different number of states and only copies into tensors
+    that exist. Optimizer state is created lazily by a step, so missing state is made by
+    ``init_state()`` (a zero-gradient step over every parameter; the values it writes are all
+    overwritten by the load and the dense parameters restored after it, and the gradients it
+    sets are put back), then state of parameters the checkpoint had none for is dropped.
+    """
+    unknown = sorted(saved_keys - set(params))
+    if unknown:
+        raise IncompatibleModelError(
+            f"optimizer {name}: saved state for parameters the model does not have: "
+            f"{unknown[:5]}; restore into the model the checkpoint was written from"
+        )
+    state = opt.state
+    if any(params[k] not in state for k in saved_keys):
+        grads = {k: p.grad for k, p in params.items()}
+        init()
+        for k, p in params.items():
+            p.grad = grads[k]
+        missing = sorted(k for k in saved_keys if params[k] not in state)
+        if missing:
+            raise IncompatibleModelError(
+                f"optimizer {name}: no state can be made for {missing[:5]} (does the parameter "
+                "require grad?); restore into the model the checkpoint was written from"
+            )
+    for k, p in params.items():
+        if k not in saved_keys and p in state:
+            del state[p]  # no state when saved (never had a gradient): none now either

@@ -1,0 +1,131 @@
+"""Dense optimizer state with parameters that never got a gradient (no state): saving and
+restoring gives exactly the saved subset, for plain torch optimizers and TorchRec's
+KeyedOptimizerWrapper, whatever state the optimizer held before the load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+from deck import treecodec
+from deck.errors import IncompatibleModelError
+from deck.restore import load_optimizer
+
+
+class _Net(torch.nn.Module):
+    """A used linear layer and a parameter the forward never touches (like TorchRec's
+    ``TestDenseArch.dummy_param``)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 3)
+        self.dummy_param = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+
+def _train(net: _Net, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for s in steps:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(s))
+        opt.zero_grad()
+        loss = net(x)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _saved(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What deck writes for a dense optimizer, through its on-disk encoding (no pickle)."""
+    saved = {
+        "state_dict": opt.state_dict(),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    }
+    return treecodec.decode(treecodec.encode(saved, "test"), "test")  # type: ignore[no-any-return]
+
+
+def _flat(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        f"{k}.{n}": v.detach().clone()
+        for k, st in sd["state"].items()
+        for n, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def _keyed(net: _Net, factory: Any) -> KeyedOptimizerWrapper:
+    return KeyedOptimizerWrapper(dict(net.named_parameters()), factory)
+
+
+FACTORIES = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=1e-3),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    # Adagrad makes state for every parameter up front: the unused one has state too.
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+}
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["KeyedOptimizerWrapper", "torch"])
+@pytest.mark.parametrize("before", ["empty", "all-params-have-state"])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_restore_gives_exactly_the_saved_subset(keyed: bool, before: str, name: str) -> None:
+    factory = FACTORIES[name]
+    live = _Net(0)
+    opt: torch.optim.Optimizer = (
+        _keyed(live, factory) if keyed else factory(list(live.parameters()))
+    )
+    _train(live, opt, range(3))
+    want = _flat(opt.state_dict())
+    # Keyed by name (KeyedOptimizerWrapper) or by position (torch).
+    unused = (
+        "dummy_param."
+        if keyed
+        else f"{[n for n, _ in live.named_parameters()].index('dummy_param')}."
+    )
+    unused_has_state = any(k.startswith(unused) for k in want)
+    assert want and unused_has_state == (name == "adagrad")
+    saved = _saved(opt)
+    params = {k: v.detach().clone() for k, v in live.state_dict().items()}
+
+    fresh = _Net(1)
+    opt2: torch.optim.Optimizer = (
+        _keyed(fresh, factory) if keyed else factory(list(fresh.parameters()))
+    )
+    if before == "all-params-have-state":
+        # The optimizer already holds state for every parameter, the unused one included.
+        for p in fresh.parameters():
+            p.grad = torch.ones_like(p)
+        opt2.step()
+        assert len(opt2.state) == 3
+    grads = [p.grad for p in fresh.parameters()]
+    load_optimizer(opt2, saved, "0")
+    assert [p.grad for p in fresh.parameters()] == grads  # the load leaves gradients alone
+    assert _same(want, _flat(opt2.state_dict()))
+    assert (fresh.dummy_param in opt2.state) == unused_has_state  # none saved, none now
+    fresh.load_state_dict(params)
+    # Training on gives the same losses, and the same state, as never stopping.
+    assert _train(fresh, opt2, range(3, 6)) == _train(live, opt, range(3, 6))
+    assert _same(_flat(opt.state_dict()), _flat(opt2.state_dict()))
+
+
+def test_saved_state_for_a_parameter_the_model_lacks_is_refused() -> None:
+    live = _Net(0)
+    opt = _keyed(live, FACTORIES["adam"])
+    _train(live, opt, range(2))
+    saved = _saved(opt)
+    saved["state_dict"]["state"]["gone.weight"] = saved["state_dict"]["state"]["lin.bias"]
+    opt2 = _keyed(_Net(1), FACTORIES["adam"])
+    with pytest.raises(IncompatibleModelError, match="gone.weight"):
+        load_optimizer(opt2, saved, "0")
