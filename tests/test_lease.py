@@ -55,14 +55,18 @@ def test_crashed_local_holder_is_taken_over_at_once(tmp_path: Path) -> None:
 
 def test_other_host_lease_is_waited_for_until_it_expires(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
-    other = LeaseRecord(owner="elsewhere", host="other-host", pid=1, expires_unix=time.time() + 1.0)
+    # Far from expiry however slow this machine is: refused.
+    other = LeaseRecord(
+        owner="elsewhere", host="other-host", pid=1, expires_unix=time.time() + 3600
+    )
     storage.put(LEASE_FILE, other.model_dump_json().encode())
     with pytest.raises(LeaseHeldError, match="other-host"):
         Lease(storage, ttl_s=30, settle_s=0.01).acquire()
     renewed = other.model_copy(update={"expires_unix": time.time() + 1.0})
     storage.put(LEASE_FILE, renewed.model_dump_json().encode())
-    waiter = Lease(storage, ttl_s=30, settle_s=0.01, wait_s=10)
+    waiter = Lease(storage, ttl_s=30, settle_s=0.01, wait_s=300)
     waiter.acquire()  # waits for the expiry, then takes over
+    assert time.time() >= renewed.expires_unix  # not before it
     current = waiter.read()
     assert current is not None and current.owner == waiter.owner
     waiter.release()
@@ -74,7 +78,7 @@ def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:
     lease.acquire()
     intruder = LeaseRecord(owner="someone-else", host="h", pid=1, expires_unix=time.time() + 60)
     storage.put(LEASE_FILE, intruder.model_dump_json().encode())
-    assert lease.lost.wait(timeout=5)
+    assert lease.lost.wait(timeout=120)  # noticed at the next renewal (every ttl / 3)
     lease.release()
     assert storage.exists(LEASE_FILE)  # not ours any more: left alone
 

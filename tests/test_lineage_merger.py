@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -780,8 +781,8 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     history = _written(root, 12)
     # GC next to merger workers needs a grace period longer than a merge takes (it must not
-    # take a half-built merged checkpoint for an abandoned one).
-    p = _deck("merge", str(root), *MERGE_ARGS, "--workers", "2", "--gc", "--grace", "5")
+    # take a half-built merged checkpoint for an abandoned one): far longer, on a busy machine.
+    p = _deck("merge", str(root), *MERGE_ARGS, "--workers", "2", "--gc", "--grace", "600")
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, out + err
     assert "committed by 2 worker(s)" in out
@@ -964,6 +965,14 @@ def test_torchrec_two_ranks_merge_and_restore_bitwise(tmp_path: Path) -> None:
     follower = _deck("merge", uri, "--follow", "--poll", "0.05", *policy)
     try:
         run_ranks(_tr_train, uri, out)
+        # Stop it only once it has committed a merged checkpoint: it is following by then
+        # (its SIGTERM handler is installed) and has done work, however slow the machine.
+        storage = LocalStorage(uri)
+        deadline = time.monotonic() + 300
+        while not read_manifests(storage).merged:
+            assert follower.poll() is None, follower.communicate()
+            assert time.monotonic() < deadline, "the follower committed nothing in 300 s"
+            time.sleep(0.05)
     finally:
         follower.send_signal(signal.SIGTERM)
         stdout, stderr = follower.communicate(timeout=120)

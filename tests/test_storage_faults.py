@@ -48,7 +48,10 @@ def _faults(rank: int, world_size: int, root: str, mode: str) -> None:
         def fail(key: str, n: int) -> bool:
             return rank == 1 and key.startswith("step-000000000010/")
 
-        staging = _staging(root, upload_timeout_s=0.5, commit_timeout_s=3.0)
+        # Rank 1 gives its part up after 0.5 s of failures; rank 0 waits commit_timeout_s for
+        # it. That wait is also how long rank 0 waits for rank 1's good parts of steps 0 and
+        # 5 (flushed one by one below): generous against a busy machine.
+        staging = _staging(root, upload_timeout_s=0.5, commit_timeout_s=15.0)
     else:  # "spool-full": uploads wait at a gate; the spool holds one checkpoint
 
         def fail(key: str, n: int) -> bool:
@@ -81,6 +84,8 @@ def _faults(rank: int, world_size: int, root: str, mode: str) -> None:
                 # The spool holds one checkpoint: the next one is only staged (not skipped) if
                 # this one has been uploaded by then, which must not depend on timing.
                 ck.flush()
+            elif mode == "permanent" and stats is not None:
+                ck.flush()  # rank 0 waits for rank 1's part on an otherwise idle job
         ck.flush()
         states = {h.step: (h.kind, h.state) for h in ck.history}
 
