@@ -69,8 +69,10 @@ RANKS = 2
 # (point, nth, rank) for trainer incarnations, in order. nth counts hits in that process.
 # Per-file points (chunks, spool writes, uploads) hit several times per checkpoint; per-part
 # points once per checkpoint, so nth picks the 1st/2nd/3rd checkpoint of the incarnation (full
-# or delta). After a kill that leaves parts in the spool, "stager.recover.before_check" kills
-# the restart while it finishes them.
+# or delta). "stager.recover.before_check" kills a restart while it finishes the parts the kill
+# before left in the spool: it follows a kill at "stager.fsync.before" of the same rank, which
+# always leaves one (every rank wrote its pending record before the all-gather that precedes
+# the fsync, and the killed rank's part is not uploaded), whatever the other rank was doing.
 TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("writer.chunk.before_fill", 1, 0),
     ("writer.chunk.before_fill", 3, 1),
@@ -100,11 +102,11 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("stager.fsync.before", 1, 1),
     ("stager.recover.before_check", 1, 1),
     ("stager.fsync.before", 2, 0),
+    ("stager.recover.before_check", 1, 0),
     ("stager.fsync.after", 2, 1),
     ("stager.upload.before_put", 1, 0),
     ("stager.upload.before_put", 5, 1),
     ("stager.upload.after_put", 2, 1),
-    ("stager.recover.before_check", 1, 0),
     ("stager.upload.after_put", 7, 0),
     ("stager.part_manifest.before_put", 1, 1),
     ("stager.part_manifest.before_put", 2, 0),
@@ -155,6 +157,20 @@ GC_POINTS: list[tuple[str, int]] = [
     ("gc.orphan.before_delete", 1),
     ("gc.orphan.after_delete_file", 2),
 ]
+# Points hit only on a trainer's training thread inside ck.step (never by a restart's recovery,
+# which runs in the background while restore() does): an incarnation armed with one restores
+# first, always, so its restart is checked. Other points may kill an incarnation before its
+# restore (lease, recovery of what the previous kill left), depending on thread timing.
+AFTER_RESTORE = ("writer.", "checkpointer.save.", "stager.spool.", "stager.pending.")
+
+
+def restarts_always_checked() -> int:
+    """How many restarts :func:`drive` checks however threads interleave: the incarnations armed
+    with an :data:`AFTER_RESTORE` point, the clean restart after the trainer kills and the last
+    one."""
+    return sum(p.startswith(AFTER_RESTORE) for p, _, _ in TRAINER_POINTS + FULL_POINTS) + 2
+
+
 MERGE = MergeConfig(stride=2, full=FullPolicy(every=6, max_live_fraction=None), chunk_bytes=4096)
 KEEP = RetentionPolicy(keep_last_fulls=2, keep_all_steps=False, grace_s=0)
 

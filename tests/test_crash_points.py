@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import crash_job
 import pytest
 import torch.distributed as dist
 from dist_harness import run_ranks
@@ -80,9 +81,12 @@ def test_sigkill_at_every_failpoint_then_restart(tmp_path: Path) -> None:
         f"recovered; {res['seconds']:.0f} s"
     )
     assert len(kills) == len(res["kills"])  # each point armed once
+    # Every armed point fires: each is reached on every run, whatever the timing (the recovery
+    # points follow kills that always leave a part in the spool; see crash_job.TRAINER_POINTS).
+    assert not res["not_reached"], res["not_reached"]
     assert len(kills) >= 50, sorted(kills)
-    assert len(res["not_reached"]) <= 3, res["not_reached"]
-    assert res["recovered_parts"] > 0 and res["restarts_checked"] >= 40
+    assert res["recovered_parts"] > 0
+    assert res["restarts_checked"] >= crash_job.restarts_always_checked()
 
 
 # ---- disk full on the spool ----------------------------------------------------------------------
