@@ -1,9 +1,10 @@
 """TorchRec adapter: DistributedModelParallel with sharded EmbeddingBagCollection /
 EmbeddingCollection tables on the fused (TBE) kernel.
 
-Sharding types: table_wise, column_wise, table_column_wise, row_wise (ids are shard-local, the
-shard's row offset makes them global); data_parallel tables are replicated dense state and are
-saved in full by every checkpoint.
+Modules: EmbeddingBagCollection, EmbeddingCollection, FeatureProcessedEmbeddingBagCollection (its
+inner EBC); ManagedCollision collections are refused. Sharding types: table_wise, column_wise,
+table_column_wise, row_wise (ids are shard-local, the shard's row offset makes them global);
+data_parallel tables are replicated dense state and are saved in full by every checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class TorchRecAdapter(ModelAdapter):
                 f"deck needs a torchrec DistributedModelParallel model, got {type(model).__name__}"
             )
         self.model = model
+        self._replicated: set[str] = set()
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
 
@@ -79,6 +81,7 @@ class TorchRecAdapter(ModelAdapter):
                     logger.info(
                         "table %s is data_parallel: saved in full with the dense state", key
                     )
+                    self._replicated.add(key)
                     continue
                 if ps.sharding_type not in _TRACKED_TYPES:
                     raise UnsupportedError(
@@ -185,6 +188,10 @@ class TorchRecAdapter(ModelAdapter):
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         sd = self.model.state_dict()
         return {k: (int(sd[k].size(0)), int(sd[k].size(1))) for k in sorted(self._tables)}
+
+    def replicated_tables(self) -> dict[str, torch.Tensor]:
+        sd = self.model.state_dict()
+        return {k: sd[k] for k in sorted(self._replicated)}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         return {

@@ -572,3 +572,60 @@ def test_per_element_states_column_wise_into_table_wise(tmp_path: Path) -> None:
     live, _ = _pieces(sorted((tmp_path / "live").glob("r*.safetensors")))
     assert any(t.dim() == 2 and k.endswith("|momentum1") for k, t in live.items())
     _expect_same(tmp_path / "live", tmp_path / "tw", 2)
+
+
+# ---- a table that is data_parallel on one side of the restore and sharded on the other -------
+
+DP12 = ModelSpec(**{**SMALL, "data_parallel_tables": (1, 2)}, sharding="table_wise")
+DP_NONE = ModelSpec(**{**SMALL, "data_parallel_tables": ()}, sharding="table_wise")
+
+
+def _swap_data_parallel(rank: int, world_size: int, uri: str, out: str) -> None:
+    _restore_dump(rank, DP12, uri, STEP, f"{out}/dp12", seed=41)
+    _restore_dump(rank, DP_NONE, uri, STEP, f"{out}/sharded", seed=42)
+
+
+def _only(keys: Any, table: str) -> str:
+    found = [k for k in keys if f"embedding_bags.{table}.weight" in k]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.slow
+def test_table_between_sharded_and_data_parallel(
+    tw_chain: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The table-wise chain (t0, t2 sharded with fused rowwise Adagrad; t1 data_parallel)
+    restores into a plan where t2 is data_parallel (its weight, from the saved rows, bitwise; its
+    fused momentum is dropped) and into one where t1 is sharded (its weight, from the saved dense
+    state, bitwise; its fused momentum starts at zero). Everything else stays bitwise."""
+    uri, live = tw_chain
+    for d in ("dp12", "sharded"):
+        (tmp_path / d).mkdir()
+    run_ranks(_swap_data_parallel, uri, str(tmp_path))
+    want, want_dense = _pieces(sorted(live.glob("r*.safetensors")))
+
+    def same_dense_except(got_dense: list[dict[str, torch.Tensor]], table: str) -> None:
+        for r in range(2):
+            w = {k: v for k, v in want_dense[r].items() if f".{table}." not in k}
+            g = {k: v for k, v in got_dense[r].items() if f".{table}." not in k}
+            assert not diff_states(w, g), f"rank {r}: {diff_states(w, g)[:5]}"
+
+    # t2: sharded -> data_parallel.
+    got, got_dense = _pieces([tmp_path / "dp12" / f"r{r}.safetensors" for r in range(2)])
+    t2 = _only([k for k in want if k.endswith("|weight")], "t2")
+    assert sorted(got) == sorted(k for k in want if not k.startswith(t2.split("|")[0]))
+    assert not diff_states({k: want[k] for k in got}, got)
+    for r in range(2):
+        restored = got_dense[r][_only([k for k in got_dense[r] if k.startswith("model.")], "t2")]
+        assert torch.equal(_bits(restored), _bits(want[t2]))
+    same_dense_except(got_dense, "t2")
+
+    # t1: data_parallel -> sharded.
+    got, got_dense = _pieces([tmp_path / "sharded" / f"r{r}.safetensors" for r in range(2)])
+    t1_saved = want_dense[0][_only([k for k in want_dense[0] if k.startswith("model.")], "t1")]
+    t1 = _only([k for k in got if k.endswith("|weight")], "t1").split("|")[0]
+    assert torch.equal(_bits(got[f"{t1}|weight"]), _bits(t1_saved))
+    assert torch.equal(got[f"{t1}|momentum1"], torch.zeros_like(got[f"{t1}|momentum1"]))
+    assert not diff_states(want, {k: v for k, v in got.items() if not k.startswith(t1)})
+    same_dense_except(got_dense, "t1")
