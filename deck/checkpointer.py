@@ -609,7 +609,18 @@ class DeltaCheckpointer:
                 raise IncompatibleModelError(
                     f"optimizer {name} is not in step {target} at {self.storage.uri}"
                 )
-            load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
+            try:
+                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
+            except IncompatibleModelError as e:
+                if not moved:
+                    raise
+                raise IncompatibleModelError(
+                    f"{e}; tables {sorted(moved)} are data_parallel on one side of this restore "
+                    "and sharded on the other, which changes the dense optimizer's parameters: "
+                    "deck fits a TorchRec KeyedOptimizer(Wrapper)'s state by parameter name, a "
+                    "plain torch optimizer's (by position) it cannot; wrap it in "
+                    "KeyedOptimizerWrapper, or restore with the checkpoint's plan"
+                ) from None
         problems = copy_dense_state(self.adapter.dense_state(), saved_dense)
         if problems:
             raise IncompatibleModelError(

@@ -47,8 +47,9 @@ class _FPModel(torch.nn.Module):
         return self.over(self.fp(kjt).values()).squeeze(-1)
 
 
-def _build_fp(seed: int) -> tuple[Any, Any]:
-    """A DMP over a position-weighted EBC: t0 table_wise on rank 0, t1 column_wise on both."""
+def _build_fp(seed: int, t1: str = "column_wise") -> tuple[Any, Any]:
+    """A DMP over a position-weighted EBC: t0 table_wise on rank 0, t1 column_wise or row_wise
+    (TorchRec then computes positions before the input dist) on both ranks."""
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
@@ -59,6 +60,7 @@ def _build_fp(seed: int) -> tuple[Any, Any]:
     from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,
+        row_wise,
         table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
@@ -92,7 +94,9 @@ def _build_fp(seed: int) -> tuple[Any, Any]:
                 fp,
                 {
                     "t0": table_wise(rank=0, compute_kernel="fused"),
-                    "t1": column_wise(ranks=[0, 1], compute_kernel="fused"),
+                    "t1": column_wise(ranks=[0, 1], compute_kernel="fused")
+                    if t1 == "column_wise"
+                    else row_wise(compute_kernel="fused"),
                 },
                 world_size=ws,
                 device_type="cpu",
@@ -123,8 +127,8 @@ def _fp_step(model: Any, dense: Any, step: int, rank: int) -> float:
     return float(loss.detach())
 
 
-def _fp_job(rank: int, world_size: int, uri: str, out: str) -> None:
-    model, dense = _build_fp(seed=0)
+def _fp_job(rank: int, world_size: int, uri: str, out: str, t1: str) -> None:
+    model, dense = _build_fp(seed=0, t1=t1)
     pw0 = {k: v.clone() for k, v in model.state_dict().items() if "position_weights" in k}
     assert len(pw0) == 2
     config = deck.DeckConfig(uri=uri, delta_every_steps=EVERY)
@@ -141,7 +145,7 @@ def _fp_job(rank: int, world_size: int, uri: str, out: str) -> None:
     assert all(not torch.equal(sd[k], v) for k, v in pw0.items())
     losses = [_fp_step(model, dense, s, rank) for s in range(STEPS + 1, STEPS + 1 + MORE)]
 
-    fresh, fresh_dense = _build_fp(seed=1)
+    fresh, fresh_dense = _build_fp(seed=1, t1=t1)
     assert diff_states(live, capture_state(fresh, fresh_dense))  # it starts elsewhere
     with deck.enable(fresh, [fresh_dense], deck.DeckConfig(uri=uri)) as ck2:
         assert ck2.restore(STEPS) == STEPS
@@ -159,11 +163,13 @@ def _fp_job(rank: int, world_size: int, uri: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_feature_processed_ebc_restores_bitwise(tmp_path: Path) -> None:
-    """Position-weighted EBC (table_wise + column_wise): a full and three deltas restore into a
-    freshly built model bitwise (tables, rowwise momentum, position weights, dense parameters and
-    optimizer), and training on gives the same losses as the model that never stopped."""
-    run_ranks(_fp_job, str(tmp_path / "ckpt"), str(tmp_path))
+@pytest.mark.parametrize("t1", ["column_wise", "row_wise"])
+def test_feature_processed_ebc_restores_bitwise(tmp_path: Path, t1: str) -> None:
+    """Position-weighted EBC (t0 table_wise, t1 column_wise or row_wise): a full and three deltas
+    restore into a freshly built model bitwise (tables, rowwise momentum, position weights, dense
+    parameters and optimizer), and training on gives the same losses as the model that never
+    stopped."""
+    run_ranks(_fp_job, str(tmp_path / "ckpt"), str(tmp_path), t1)
     for r in range(2):
         d = load_file(str(tmp_path / f"r{r}.safetensors"))
         assert int(d["bad"]) == 0

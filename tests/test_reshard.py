@@ -580,9 +580,22 @@ DP12 = ModelSpec(**{**SMALL, "data_parallel_tables": (1, 2)}, sharding="table_wi
 DP_NONE = ModelSpec(**{**SMALL, "data_parallel_tables": ()}, sharding="table_wise")
 
 
-def _swap_data_parallel(rank: int, world_size: int, uri: str, out: str) -> None:
+def _swap_data_parallel(rank: int, world_size: int, uri: str, copy: str, out: str) -> None:
     _restore_dump(rank, DP12, uri, STEP, f"{out}/dp12", seed=41)
     _restore_dump(rank, DP_NONE, uri, STEP, f"{out}/sharded", seed=42)
+    # Training goes on in the new plan: a full first (the layout changed), then deltas, which
+    # restore bitwise into another model of that plan.
+    model, dense_opt = build_model(DP12, seed=43)
+    user = TrainState()
+    config = deck.DeckConfig(uri=copy, delta_every_steps=2)
+    with deck.enable(model, [dense_opt], config, state=user) as ck:
+        assert ck.restore(STEP) == STEP
+        for step in range(STEP + 1, STEP + 5):
+            user.step, user.losses = step, [*user.losses, train_step(model, dense_opt, DP12, step)]
+            ck.step(step)
+        assert [h.kind for h in ck.history] == ["full", "delta"], ck.history
+    _dump(model, dense_opt, user, f"{out}/dp12-live/r{rank}.safetensors")
+    _restore_dump(rank, DP12, copy, STEP + 4, f"{out}/dp12-again", seed=44)
 
 
 def _only(keys: Any, table: str) -> str:
@@ -598,11 +611,14 @@ def test_table_between_sharded_and_data_parallel(
     """The table-wise chain (t0, t2 sharded with fused rowwise Adagrad; t1 data_parallel)
     restores into a plan where t2 is data_parallel (its weight, from the saved rows, bitwise; its
     fused momentum is dropped) and into one where t1 is sharded (its weight, from the saved dense
-    state, bitwise; its fused momentum starts at zero). Everything else stays bitwise."""
+    state, bitwise; its fused momentum starts at zero). Everything else stays bitwise. Training
+    on in the new plan checkpoints a full, then deltas, which restore bitwise."""
     uri, live = tw_chain
-    for d in ("dp12", "sharded"):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(uri, copy)  # written to below; the fixture's chain stays as it was
+    for d in ("dp12", "sharded", "dp12-live", "dp12-again"):
         (tmp_path / d).mkdir()
-    run_ranks(_swap_data_parallel, uri, str(tmp_path))
+    run_ranks(_swap_data_parallel, uri, str(copy), str(tmp_path))
     want, want_dense = _pieces(sorted(live.glob("r*.safetensors")))
 
     def same_dense_except(got_dense: list[dict[str, torch.Tensor]], table: str) -> None:
@@ -629,3 +645,9 @@ def test_table_between_sharded_and_data_parallel(
     assert torch.equal(got[f"{t1}|momentum1"], torch.zeros_like(got[f"{t1}|momentum1"]))
     assert not diff_states(want, {k: v for k, v in got.items() if not k.startswith(t1)})
     same_dense_except(got_dense, "t1")
+
+    # After the restore into the new plan: a full, a delta, and a bitwise restore of the delta.
+    t_live, d_live = _pieces(sorted((tmp_path / "dp12-live").glob("r*.safetensors")))
+    t_again, d_again = _pieces(sorted((tmp_path / "dp12-again").glob("r*.safetensors")))
+    assert not diff_states(t_live, t_again)
+    assert all(not diff_states(a, b) for a, b in zip(d_live, d_again, strict=True))
