@@ -651,3 +651,41 @@ def test_table_between_sharded_and_data_parallel(
     t_again, d_again = _pieces(sorted((tmp_path / "dp12-again").glob("r*.safetensors")))
     assert not diff_states(t_live, t_again)
     assert all(not diff_states(a, b) for a, b in zip(d_live, d_again, strict=True))
+
+
+def test_keyed_optimizer_state_fits_a_moved_table() -> None:
+    """A KeyedOptimizer's saved state fitted to a model where a table moved: a state the live
+    optimizer no longer has is dropped, a moved table it has now keeps its live state, every other
+    state loads exactly; nothing moved (or a plain torch optimizer) leaves the saved state alone."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    from deck.restore import load_optimizer, reconcile_optimizer
+
+    def make(names: list[str], seed: int) -> KeyedOptimizerWrapper:
+        g = torch.Generator().manual_seed(seed)
+        params = {n: torch.nn.Parameter(torch.randn(3, 2, generator=g)) for n in names}
+        opt = KeyedOptimizerWrapper(params, lambda p: torch.optim.Adagrad(p, lr=0.1))
+        for p in params.values():
+            p.grad = torch.randn(3, 2, generator=g)
+        opt.step()
+        return opt
+
+    def saved(opt: KeyedOptimizerWrapper) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"state_dict": opt.state_dict(), "param_groups": groups}
+
+    old = make(["mlp.w", "sparse.embedding_bags.t2.weight"], 1)  # t2 was data_parallel
+    new = make(["mlp.w", "sparse.embedding_bags.t1.weight"], 2)  # t1 is data_parallel now
+    t1_live = new.state_dict()["state"]["sparse.embedding_bags.t1.weight"]["sum"].clone()
+    src = saved(old)
+    assert reconcile_optimizer(new, src, set()) is src
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert reconcile_optimizer(plain, src, {"embedding_bags.t1.weight"}) is src
+    with pytest.raises(IncompatibleModelError, match=r"Different parameter count|not found"):
+        load_optimizer(new, src, "0.0")
+    moved = {"sparse.embedding_bags.t1.weight", "sparse.embedding_bags.t2.weight"}
+    load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0")
+    state = new.state_dict()["state"]
+    assert torch.equal(state["mlp.w"]["sum"], old.state_dict()["state"]["mlp.w"]["sum"])
+    assert torch.equal(state["sparse.embedding_bags.t1.weight"]["sum"], t1_live)
+    assert "sparse.embedding_bags.t2.weight" not in state
