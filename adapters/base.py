@@ -38,6 +38,9 @@ class TableShard:
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)
     full_only: bool = False
     track_base: int = 0
+    # A restore target holding a whole data_parallel table's weight: saved states other than
+    # those in ``states`` (a sharded table's fused optimizer state) are skipped.
+    replicated: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -79,6 +82,12 @@ class ModelAdapter(abc.ABC):
     def dense_state(self) -> dict[str, torch.Tensor]:
         """Every plain (replicated) tensor of the model state: dense parameters, buffers,
         data-parallel tables. Values are live tensors."""
+
+    def replicated_tables(self) -> dict[str, torch.Tensor]:
+        """Embedding tables kept whole on every rank (TorchRec data_parallel), by the same key a
+        sharded table of that name would have; live tensors, also part of :meth:`dense_state`.
+        A restore uses them when the checkpoint sharded such a table (and the other way round)."""
+        return {}
 
     @abc.abstractmethod
     def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:

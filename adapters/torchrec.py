@@ -1,9 +1,10 @@
 """TorchRec adapter: DistributedModelParallel with sharded EmbeddingBagCollection /
 EmbeddingCollection tables on the fused (TBE) kernel.
 
-Sharding types: table_wise, column_wise, table_column_wise, row_wise (ids are shard-local, the
-shard's row offset makes them global); data_parallel tables are replicated dense state and are
-saved in full by every checkpoint.
+Modules: EmbeddingBagCollection, EmbeddingCollection, FeatureProcessedEmbeddingBagCollection (its
+inner EBC); ManagedCollision collections are refused. Sharding types: table_wise, column_wise,
+table_column_wise, row_wise (ids are shard-local, the shard's row offset makes them global);
+data_parallel tables are replicated dense state and are saved in full by every checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Any
 import torch
 from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
 from torch import nn
+from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
+from torchrec.distributed.mc_embedding_modules import (
+    BaseShardedManagedCollisionEmbeddingCollection,
+)
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -51,6 +56,7 @@ class TorchRecAdapter(ModelAdapter):
                 f"deck needs a torchrec DistributedModelParallel model, got {type(model).__name__}"
             )
         self.model = model
+        self._replicated: set[str] = set()
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
 
@@ -58,7 +64,8 @@ class TorchRecAdapter(ModelAdapter):
     def _discover_tables(self) -> dict[str, _TableInfo]:
         sd_keys = set(self.model.state_dict().keys())
         tables: dict[str, _TableInfo] = {}
-        for module_path, module_plan in self.model.plan.plan.items():
+        for plan_path, module_plan in self.model.plan.plan.items():
+            module_path = self._lookup_module_path(plan_path)
             for name, ps in module_plan.items():  # type: ignore[attr-defined]
                 prefix = f"{module_path}." if module_path else ""
                 candidates = [
@@ -68,12 +75,13 @@ class TorchRecAdapter(ModelAdapter):
                 key = next((k for k in candidates if k in sd_keys), None)
                 if key is None:
                     raise UnsupportedError(
-                        f"table {name!r} of module {module_path!r}: no weight in state_dict"
+                        f"table {name!r} of module {plan_path!r}: no weight in state_dict"
                     )
                 if ps.sharding_type == "data_parallel":
                     logger.info(
                         "table %s is data_parallel: saved in full with the dense state", key
                     )
+                    self._replicated.add(key)
                     continue
                 if ps.sharding_type not in _TRACKED_TYPES:
                     raise UnsupportedError(
@@ -87,6 +95,34 @@ class TorchRecAdapter(ModelAdapter):
                     )
                 tables[key] = _TableInfo(module_path, key, name, ps.sharding_type)
         return tables
+
+    def _lookup_module_path(self, plan_path: str) -> str:
+        """Path of the sharded module that owns the lookups of the tables ``plan_path`` shards.
+
+        A FeatureProcessedEmbeddingBagCollection shards into a wrapper whose tables, fused
+        optimizer states and tracker hooks belong to its inner ShardedEmbeddingBagCollection
+        (``<path>._embedding_bag_collection``); its feature processors (position weights) are
+        ordinary dense parameters. ManagedCollision collections are refused (see below).
+        """
+        root = self.model.module
+        module = root.get_submodule(plan_path) if plan_path else root
+        if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
+            raise UnsupportedError(
+                f"module {plan_path!r} is a {type(module).__name__}: deck does not support "
+                "managed-collision (ZCH) collections. Their evictions reset rows through "
+                "fbgemm::reset_weight_momentum, which fbgemm-gpu-cpu has no CPU kernel for (so "
+                "they cannot train, nor be tested, on CPU), and MCHManagedCollisionModule keeps "
+                "remapping state outside its state_dict (the id history since the last eviction "
+                "and the iteration of that eviction) that no restore could bring back exactly; "
+                "use an EmbeddingCollection / EmbeddingBagCollection with hashed ids instead"
+            )
+        if isinstance(module, ShardedFeatureProcessedEmbeddingBagCollection):
+            return (
+                f"{plan_path}._embedding_bag_collection"
+                if plan_path
+                else "_embedding_bag_collection"
+            )
+        return plan_path
 
     def _sharded_modules(self) -> dict[str, Any]:
         root = self.model.module
@@ -152,6 +188,10 @@ class TorchRecAdapter(ModelAdapter):
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         sd = self.model.state_dict()
         return {k: (int(sd[k].size(0)), int(sd[k].size(1))) for k in sorted(self._tables)}
+
+    def replicated_tables(self) -> dict[str, torch.Tensor]:
+        sd = self.model.state_dict()
+        return {k: sd[k] for k in sorted(self._replicated)}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         return {

@@ -18,6 +18,7 @@ from deck.catalog import (
     damaged_records,
     latest_restorable,
     read_manifests,
+    read_rank_manifests,
 )
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.coordination import Coordinator
@@ -38,9 +39,12 @@ from deck.lineage import best_valid_chain, needs_new_full
 from deck.restore import (
     RestoreStats,
     apply_chain,
+    fill_from_dense,
     load_optimizer,
+    plan_moves,
     rank_part,
     read_state_file,
+    reconcile_optimizer,
     same_layout,
     shard_scalars,
 )
@@ -576,8 +580,27 @@ class DeltaCheckpointer:
         chain = chain_for(manifests, target)
         last = chain[-1]
         shards = self.adapter.table_shards()
+        tables = self.adapter.table_shapes()
+        dense_rec = read_rank_manifests(self.storage, last)[0].dense
+        if dense_rec is None:
+            raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
+        saved_dense = read_state_file(self.storage, last, dense_rec)
+        # Tables data_parallel on one side and sharded on the other (another plan).
+        moves = plan_moves(
+            self.storage, chain, tables, self.adapter.replicated_tables(), saved_dense
+        )
+        moved = moves.tables
         # Another world size or plan is fine: rows go by global id (deck.restore.apply_chain).
-        stats, parts = apply_chain(self.storage, chain, shards, self.adapter.table_shapes())
+        stats, parts = apply_chain(
+            self.storage,
+            chain,
+            [s for s in shards if s.table not in moved] + list(moves.to_replicated.values()),
+            {k: v for k, v in tables.items() if k not in moved}
+            | {k: (s.num_rows, s.num_cols) for k, s in moves.to_replicated.items()},
+        )
+        fill_from_dense(moves, shards, saved_dense, f"step {target} at {self.storage.uri}")
+        for key, staged in moves.to_replicated.items():
+            saved_dense[key] = staged.states["weight"]
         mine = rank_part(parts, self.coord.rank)
         extra = read_state_file(self.storage, last, mine.extra)
         for name, opt in self._optimizers.items():
@@ -586,18 +609,26 @@ class DeltaCheckpointer:
                 raise IncompatibleModelError(
                     f"optimizer {name} is not in step {target} at {self.storage.uri}"
                 )
-            load_optimizer(opt, saved, name)
-        dense_rec = parts[0].dense
-        if dense_rec is None:
-            raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
-        problems = copy_dense_state(
-            self.adapter.dense_state(), read_state_file(self.storage, last, dense_rec)
-        )
+            try:
+                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
+            except IncompatibleModelError as e:
+                if not moved:
+                    raise
+                raise IncompatibleModelError(
+                    f"{e}; tables {sorted(moved)} are data_parallel on one side of this restore "
+                    "and sharded on the other, which changes the dense optimizer's parameters: "
+                    "deck fits a TorchRec KeyedOptimizer(Wrapper)'s state by parameter name, a "
+                    "plain torch optimizer's (by position) it cannot; wrap it in "
+                    "KeyedOptimizerWrapper, or restore with the checkpoint's plan"
+                ) from None
+        problems = copy_dense_state(self.adapter.dense_state(), saved_dense)
         if problems:
             raise IncompatibleModelError(
                 f"dense state of step {target} does not fit the model: {problems[:5]}"
             )
-        scalars = shard_scalars(self.storage, target, parts, extra, shards)
+        scalars = shard_scalars(
+            self.storage, target, parts, extra, [s for s in shards if s.table not in moved]
+        )
         with torch.no_grad():
             for s in shards:
                 for name, t in scalars.get(id(s), {}).items():

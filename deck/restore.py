@@ -60,7 +60,8 @@ def _match(
         c0, c1 = _span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
         if r0 >= r1 or c0 >= c1:
             continue
-        if set(rec.states) != set(shard.states):
+        partial = shard.replicated and set(shard.states) <= set(rec.states)
+        if set(rec.states) != set(shard.states) and not partial:
             raise IncompatibleModelError(
                 f"table {rec.table}: checkpoint {where} has states {sorted(rec.states)}, the model's "
                 f"optimizer has {sorted(shard.states)}; use the same fused optimizer"
@@ -458,3 +459,130 @@ def _match_keyed_state(
     for k, p in params.items():
         if k not in saved_keys and p in state:
             del state[p]  # no state when saved (never had a gradient): none now either
+
+
+# ---- tables that are data_parallel on one side and sharded on the other ---------------------
+
+
+@dataclass
+class PlanMoves:
+    """Tables that a checkpoint and the model keep differently.
+
+    ``to_replicated``: sharded (row records) in the checkpoint, data_parallel in the model. Their
+    rows are applied into ``staging`` shards (a whole-table weight, a copy of the live tensor)
+    and then loaded with the dense state, after the dense optimizer (whose init may step).
+    ``from_replicated``: data_parallel in the checkpoint (a tensor of its dense state), sharded in
+    the model: their shards get the saved weight and fresh (zero) fused optimizer states.
+    """
+
+    to_replicated: dict[str, TableShard]
+    from_replicated: list[str]
+
+    @property
+    def tables(self) -> set[str]:
+        return set(self.to_replicated) | set(self.from_replicated)
+
+
+def plan_moves(
+    storage: Storage,
+    chain: list[CheckpointManifest],
+    tables: dict[str, tuple[int, int]],
+    replicated: dict[str, torch.Tensor],
+    saved_dense: dict[str, torch.Tensor],
+) -> PlanMoves:
+    """Which tables of the model change between data_parallel and sharded from ``chain``'s full
+    (whose rank manifests say which tables it holds as rows) and the saved dense state."""
+    saved = {rec.table for p in read_rank_manifests(storage, chain[0]) for rec in p.shards}
+    staging = {}
+    for key, live in replicated.items():
+        if key in saved and key not in tables and live.dim() == 2:
+            rows, cols = (int(x) for x in live.shape)
+            staging[key] = TableShard(
+                key,
+                rows,
+                cols,
+                0,
+                rows,
+                0,
+                cols,
+                {"weight": live.detach().clone()},
+                replicated=True,
+            )
+    from_dense = sorted(k for k in tables if k not in saved and k in saved_dense)
+    return PlanMoves(staging, from_dense)
+
+
+def fill_from_dense(
+    moves: PlanMoves, shards: list[TableShard], saved_dense: dict[str, torch.Tensor], where: str
+) -> None:
+    """Write each ``from_replicated`` table's saved weight (popped from ``saved_dense``) into
+    this rank's shards of it, and zero their other per-row states (as a new TBE starts them)."""
+    for key in moves.from_replicated:
+        full = saved_dense.pop(key)
+        for s in (s for s in shards if s.table == key):
+            if tuple(full.shape) != (s.num_rows, s.num_cols):
+                raise IncompatibleModelError(
+                    f"table {key}: {where} has shape {tuple(full.shape)}, the model has "
+                    f"({s.num_rows}, {s.num_cols}); build the model with the same tables"
+                )
+            with torch.no_grad():
+                for name, view in s.states.items():
+                    if name == "weight":
+                        part = full[s.row_offset : s.row_offset + s.rows]
+                        view.copy_(part[:, s.col_offset : s.col_offset + s.cols].to(view.dtype))
+                    else:
+                        view.zero_()
+        logger.warning(
+            "deck: table %s was data_parallel in %s and is sharded in this model: its weights are "
+            "restored exactly; its fused optimizer state starts fresh (zero), since the saved "
+            "per-element state of the dense optimizer does not fit the fused per-row layout",
+            key,
+            where,
+        )
+    for key in moves.to_replicated:
+        logger.warning(
+            "deck: table %s was sharded in %s and is data_parallel in this model: its weights are "
+            "restored exactly; its per-row fused optimizer state is not carried over (the dense "
+            "optimizer keeps its own state for it, as it starts)",
+            key,
+            where,
+        )
+
+
+def reconcile_optimizer(
+    opt: torch.optim.Optimizer, saved: dict[str, Any], moved: set[str]
+) -> dict[str, Any]:
+    """The saved state of a TorchRec KeyedOptimizer (``{"state_dict", "param_groups"}``), fitted
+    to ``opt`` when the tables ``moved`` changed between data_parallel and sharded: saved states
+    of moved tables the optimizer no longer has are dropped; moved tables it has now keep their
+    live state. Other optimizers, or nothing moved: ``saved`` unchanged."""
+    params = getattr(opt, "params", None)
+    sd = saved["state_dict"]
+    if not moved or not isinstance(params, dict) or "state" not in sd:
+        return saved
+
+    def is_moved(k: str) -> bool:
+        return any(k == m or k.endswith("." + m) for m in moved)
+
+    state = dict(sd["state"])
+    dropped = {k for k in state if k not in params and is_moved(k)}
+    added = [k for k in params if k not in state and is_moved(k)]
+    if not dropped and not added:
+        return saved
+    for k in dropped:
+        del state[k]
+    if added and not opt.state:
+        init = getattr(opt, "init_state", None)
+        if init is not None:
+            init()
+    live = opt.state_dict()
+    for k in added:
+        if k in live["state"]:
+            state[k] = live["state"][k]
+    groups = [dict(g) for g in sd.get("param_groups", [])]
+    for i, g in enumerate(groups):
+        keep = [k for k in g.get("params", []) if k not in dropped]
+        if i < len(live["param_groups"]):
+            keep += [k for k in live["param_groups"][i]["params"] if k in added]
+        g["params"] = keep
+    return {**saved, "state_dict": {**sd, "state": state, "param_groups": groups}}

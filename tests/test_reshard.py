@@ -572,3 +572,120 @@ def test_per_element_states_column_wise_into_table_wise(tmp_path: Path) -> None:
     live, _ = _pieces(sorted((tmp_path / "live").glob("r*.safetensors")))
     assert any(t.dim() == 2 and k.endswith("|momentum1") for k, t in live.items())
     _expect_same(tmp_path / "live", tmp_path / "tw", 2)
+
+
+# ---- a table that is data_parallel on one side of the restore and sharded on the other -------
+
+DP12 = ModelSpec(**{**SMALL, "data_parallel_tables": (1, 2)}, sharding="table_wise")
+DP_NONE = ModelSpec(**{**SMALL, "data_parallel_tables": ()}, sharding="table_wise")
+
+
+def _swap_data_parallel(rank: int, world_size: int, uri: str, copy: str, out: str) -> None:
+    _restore_dump(rank, DP12, uri, STEP, f"{out}/dp12", seed=41)
+    _restore_dump(rank, DP_NONE, uri, STEP, f"{out}/sharded", seed=42)
+    # Training goes on in the new plan: a full first (the layout changed), then deltas, which
+    # restore bitwise into another model of that plan.
+    model, dense_opt = build_model(DP12, seed=43)
+    user = TrainState()
+    config = deck.DeckConfig(uri=copy, delta_every_steps=2)
+    with deck.enable(model, [dense_opt], config, state=user) as ck:
+        assert ck.restore(STEP) == STEP
+        for step in range(STEP + 1, STEP + 5):
+            user.step, user.losses = step, [*user.losses, train_step(model, dense_opt, DP12, step)]
+            ck.step(step)
+        assert [h.kind for h in ck.history] == ["full", "delta"], ck.history
+    _dump(model, dense_opt, user, f"{out}/dp12-live/r{rank}.safetensors")
+    _restore_dump(rank, DP12, copy, STEP + 4, f"{out}/dp12-again", seed=44)
+
+
+def _only(keys: Any, table: str) -> str:
+    found = [k for k in keys if f"embedding_bags.{table}.weight" in k]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.slow
+def test_table_between_sharded_and_data_parallel(
+    tw_chain: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The table-wise chain (t0, t2 sharded with fused rowwise Adagrad; t1 data_parallel)
+    restores into a plan where t2 is data_parallel (its weight, from the saved rows, bitwise; its
+    fused momentum is dropped) and into one where t1 is sharded (its weight, from the saved dense
+    state, bitwise; its fused momentum starts at zero). Everything else stays bitwise. Training
+    on in the new plan checkpoints a full, then deltas, which restore bitwise."""
+    uri, live = tw_chain
+    copy = tmp_path / "ckpt"
+    shutil.copytree(uri, copy)  # written to below; the fixture's chain stays as it was
+    for d in ("dp12", "sharded", "dp12-live", "dp12-again"):
+        (tmp_path / d).mkdir()
+    run_ranks(_swap_data_parallel, uri, str(copy), str(tmp_path))
+    want, want_dense = _pieces(sorted(live.glob("r*.safetensors")))
+
+    def same_dense_except(got_dense: list[dict[str, torch.Tensor]], table: str) -> None:
+        for r in range(2):
+            w = {k: v for k, v in want_dense[r].items() if f".{table}." not in k}
+            g = {k: v for k, v in got_dense[r].items() if f".{table}." not in k}
+            assert not diff_states(w, g), f"rank {r}: {diff_states(w, g)[:5]}"
+
+    # t2: sharded -> data_parallel.
+    got, got_dense = _pieces([tmp_path / "dp12" / f"r{r}.safetensors" for r in range(2)])
+    t2 = _only([k for k in want if k.endswith("|weight")], "t2")
+    assert sorted(got) == sorted(k for k in want if not k.startswith(t2.split("|")[0]))
+    assert not diff_states({k: want[k] for k in got}, got)
+    for r in range(2):
+        restored = got_dense[r][_only([k for k in got_dense[r] if k.startswith("model.")], "t2")]
+        assert torch.equal(_bits(restored), _bits(want[t2]))
+    same_dense_except(got_dense, "t2")
+
+    # t1: data_parallel -> sharded.
+    got, got_dense = _pieces([tmp_path / "sharded" / f"r{r}.safetensors" for r in range(2)])
+    t1_saved = want_dense[0][_only([k for k in want_dense[0] if k.startswith("model.")], "t1")]
+    t1 = _only([k for k in got if k.endswith("|weight")], "t1").split("|")[0]
+    assert torch.equal(_bits(got[f"{t1}|weight"]), _bits(t1_saved))
+    assert torch.equal(got[f"{t1}|momentum1"], torch.zeros_like(got[f"{t1}|momentum1"]))
+    assert not diff_states(want, {k: v for k, v in got.items() if not k.startswith(t1)})
+    same_dense_except(got_dense, "t1")
+
+    # After the restore into the new plan: a full, a delta, and a bitwise restore of the delta.
+    t_live, d_live = _pieces(sorted((tmp_path / "dp12-live").glob("r*.safetensors")))
+    t_again, d_again = _pieces(sorted((tmp_path / "dp12-again").glob("r*.safetensors")))
+    assert not diff_states(t_live, t_again)
+    assert all(not diff_states(a, b) for a, b in zip(d_live, d_again, strict=True))
+
+
+def test_keyed_optimizer_state_fits_a_moved_table() -> None:
+    """A KeyedOptimizer's saved state fitted to a model where a table moved: a state the live
+    optimizer no longer has is dropped, a moved table it has now keeps its live state, every other
+    state loads exactly; nothing moved (or a plain torch optimizer) leaves the saved state alone."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    from deck.restore import load_optimizer, reconcile_optimizer
+
+    def make(names: list[str], seed: int) -> KeyedOptimizerWrapper:
+        g = torch.Generator().manual_seed(seed)
+        params = {n: torch.nn.Parameter(torch.randn(3, 2, generator=g)) for n in names}
+        opt = KeyedOptimizerWrapper(params, lambda p: torch.optim.Adagrad(p, lr=0.1))
+        for p in params.values():
+            p.grad = torch.randn(3, 2, generator=g)
+        opt.step()
+        return opt
+
+    def saved(opt: KeyedOptimizerWrapper) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"state_dict": opt.state_dict(), "param_groups": groups}
+
+    old = make(["mlp.w", "sparse.embedding_bags.t2.weight"], 1)  # t2 was data_parallel
+    new = make(["mlp.w", "sparse.embedding_bags.t1.weight"], 2)  # t1 is data_parallel now
+    t1_live = new.state_dict()["state"]["sparse.embedding_bags.t1.weight"]["sum"].clone()
+    src = saved(old)
+    assert reconcile_optimizer(new, src, set()) is src
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert reconcile_optimizer(plain, src, {"embedding_bags.t1.weight"}) is src
+    with pytest.raises(IncompatibleModelError, match=r"Different parameter count|not found"):
+        load_optimizer(new, src, "0.0")
+    moved = {"sparse.embedding_bags.t1.weight", "sparse.embedding_bags.t2.weight"}
+    load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0")
+    state = new.state_dict()["state"]
+    assert torch.equal(state["mlp.w"]["sum"], old.state_dict()["state"]["mlp.w"]["sum"])
+    assert torch.equal(state["sparse.embedding_bags.t1.weight"]["sum"], t1_live)
+    assert "sparse.embedding_bags.t2.weight" not in state
