@@ -135,11 +135,12 @@ def test_torchrun_two_workers_split_the_work(
     shutil.copytree(root, alone)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["OMP_NUM_THREADS"] = "1"
-    torchrun = Path(sys.executable).parent / "torchrun"
+    # torchrun as this interpreter's module (the console script's shebang may name another).
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     p = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "deck.cli", "merge",
+        [*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "deck.cli", "merge",
          str(root), "--once", *MERGE_ARGS],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
 
