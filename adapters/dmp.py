@@ -109,11 +109,11 @@ class DeckDistributedModelParallel(DistributedModelParallel):
         deck_state: UserState | None = None,
         **kwargs: Any,
     ):
-        super().__init__(module, *args, **kwargs)
-        if not isinstance(deck_config, DeckConfig):
+        if not isinstance(deck_config, DeckConfig):  # before TorchRec's (collective) sharding
             raise ConfigError(
                 f"deck_config must be a deck.DeckConfig, got {type(deck_config).__name__}"
             )
+        super().__init__(module, *args, **kwargs)
         # A plain attribute (not a module): invisible to state_dict / named_parameters.
         self._deck: ModelCheckpointer | None = ModelCheckpointer(
             self, deck_optimizers, deck_config, deck_state
