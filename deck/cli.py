@@ -734,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # Which worker a merger is, and where that came from (flags or launcher variables).
+        logging.getLogger("deck.launch").setLevel(logging.INFO)
     try:
         return int(a.fn(a))
     except DeckError as e:

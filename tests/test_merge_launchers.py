@@ -152,6 +152,8 @@ def test_torchrun_two_workers_split_the_work(
     )
     assert sorted((int(i), int(r)) for i, r, _ in lines) == [(0, 0), (1, 1)], p.stdout
     built = {int(i): int(n) for i, _, n in lines}
+    logged = re.findall(r"worker (\d) of 2 \(from torchrun \$RANK=\d, \$WORLD_SIZE=2\)", p.stderr)
+    assert sorted(logged) == ["0", "1"], p.stderr
 
     # Every partition of every merged checkpoint has its record, was written by exactly one
     # attempt (no worker built another's partition, none built one twice), and each worker
