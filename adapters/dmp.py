@@ -16,7 +16,7 @@ model without dense optimizer), instead of silently leaving dense optimizer stat
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from deck.checkpointer import DeltaCheckpointer, UserState, _user_state
 from deck.config import DeckConfig
 from deck.errors import ConfigError
 from deck.staging import CheckpointStats
+
+if TYPE_CHECKING:  # a runtime import would be circular (adapters/torchrec.py re-exports us)
+    from deck.adapters.torchrec import TorchRecAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class ModelCheckpointer(DeltaCheckpointer):
     ):
         super().__init__(model, [] if optimizers is None else optimizers, config, state)
         self._attached = optimizers is not None
+        self._installed = self._callbacks()
 
     def attach(self, optimizers: Any, state: UserState | None = None) -> ModelCheckpointer:
         """Checkpoint ``optimizers`` (the dense ones; the fused embedding optimizers are found
@@ -60,12 +64,34 @@ class ModelCheckpointer(DeltaCheckpointer):
                 "Otherwise checkpoints would miss the dense optimizer state."
             )
 
+    def _callbacks(self) -> list[tuple[Any, Any]]:
+        modules = cast("TorchRecAdapter", self.adapter)._sharded_modules().values()
+        return [(m, m.post_lookup_tracker_fn) for m in modules]
+
+    def _check_hooks(self) -> None:
+        """Something (e.g. a TorchRec tracker built on the model directly) replaced deck's
+        callbacks since they were installed: rows looked up since then were not tracked, so
+        the next checkpoint and publish are fulls; tracking is chained in again."""
+        if self._hooks is None or all(m.post_lookup_tracker_fn is fn for m, fn in self._installed):
+            return
+        logger.warning(
+            "deck: another tracker replaced deck's lookup hooks on %s; deck chains in again and "
+            "takes a full (rows looked up in between were not tracked)",
+            self.storage.uri,
+        )
+        self._parent = None
+        if self._pub is not None:
+            self._pub.parent = None
+        self.retrack()
+
     def save(self, kind: Any = "delta", *, step: int | None = None) -> CheckpointStats | None:
         self._require_attached("save")
+        self._check_hooks()
         return super().save(kind, step=step)
 
     def publish(self, step: int | None = None) -> CheckpointStats | None:
         self._require_attached("publish")
+        self._check_hooks()
         return super().publish(step)
 
     def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
@@ -81,6 +107,7 @@ class ModelCheckpointer(DeltaCheckpointer):
         self._hooks = self.adapter.install_tracking(
             self.tracker, self.adapter.table_shards(), self._active
         )
+        self._installed = self._callbacks()
 
 
 class DeckDistributedModelParallel(DistributedModelParallel):

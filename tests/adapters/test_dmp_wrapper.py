@@ -60,6 +60,7 @@ def _expected_rows(tables: set[str], steps: range, world_size: int) -> dict[str,
 
 
 def _worker(rank: int, world_size: int, uri: str) -> None:
+    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
     from torchrec.distributed.model_tracker.types import DeltaTrackerConfig
 
     # The wrapper adds nothing TorchRec or DCP would see: same keys, parameters, prefixes.
@@ -122,12 +123,30 @@ def _worker(rank: int, world_size: int, uri: str) -> None:
     bad = diff_states(expected, capture_state(model2, opt2, user2))
     assert not bad, f"rank {rank}: {bad[:5]}"
     for step in range(9, 13):
+        if step == 11:
+            # A TorchRec tracker built on the model directly replaces deck's hooks: the next
+            # checkpoint notices, takes a full (step 11's rows were not tracked) and re-chains.
+            ModelDeltaTrackerTrec(model2)
         assert train_step(model2, opt2, SPEC, step) == losses[step], step
-        model2.deck.step(step)  # deltas of the restored chain at 10 and 12
-    assert [s.kind for s in model2.deck.history] == ["delta", "delta"]
-
-    assert model2.deck.flush()
+        user2.step = step
+        model2.deck.step(step)
+    assert [s.kind for s in model2.deck.history] == ["delta", "full"]
+    for step in (13, 14):
+        train_step(model2, opt2, SPEC, step)
+        user2.step = step
+    model2.deck.step(14)  # a delta again: deck tracked 13 and 14 behind TorchRec's tracker
+    assert [s.kind for s in model2.deck.history] == ["delta", "full", "delta"]
+    expected = capture_state(model2, opt2, user2)
     model2.deck.close()
+
+    # The user state may also come with the wrapper (it exists before the model).
+    user3 = TrainState()
+    model3, opt3 = _wrapped(uri, seed=SPEC.seed + 7, deck_state=user3)
+    model3.deck.attach([opt3])
+    assert model3.deck.restore() == 14
+    bad = diff_states(expected, capture_state(model3, opt3, user3))
+    assert not bad, f"rank {rank} step 14: {bad[:5]}"
+    model3.deck.close()
 
 
 def test_wrapper_trains_restores_bitwise_beside_torchrec_trackers(tmp_path: Path) -> None:
@@ -140,6 +159,7 @@ def test_wrapper_trains_restores_bitwise_beside_torchrec_trackers(tmp_path: Path
         (6, "delta"),
         (8, "delta"),
         (10, "delta"),
-        (12, "delta"),
+        (12, "full"),
+        (14, "delta"),
     ]
-    assert infos[-2].parent == 8  # the restored process's first delta builds on step 8
+    assert infos[-3].parent == 8  # the restored process's first delta builds on step 8
