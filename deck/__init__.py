@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointStats",
     "DeckConfig",
+    "DeckDistributedModelParallel",
     "DeltaCheckpointer",
     "LineageGraph",
     "PublishConfig",
@@ -35,3 +36,12 @@ __all__ = [
     "lineage_graph",
     "list_checkpoints",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: the TorchRec wrapper imports torchrec, which the CLI and merger workers do not need.
+    if name == "DeckDistributedModelParallel":
+        from deck.adapters.dmp import DeckDistributedModelParallel
+
+        return DeckDistributedModelParallel
+    raise AttributeError(f"module 'deck' has no attribute {name!r}")

@@ -343,11 +343,11 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-    if (a.worker_index is None) != (a.num_workers is None):
-        raise ConfigError("--worker-index and --num-workers go together")
-    first, hosts = (a.worker_index or 0), (a.num_workers or 1)
-    if not 0 <= first < hosts:
-        raise ConfigError(f"--worker-index {first} must be in [0, --num-workers {hosts})")
+    from deck.launch import resolve_worker
+
+    # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.launch).
+    slot = resolve_worker(a.worker_index, a.num_workers)
+    first, hosts = slot.index, slot.count
     k = a.workers
     if k < 1:
         raise ConfigError(f"--workers must be >= 1, got {k}")
@@ -361,11 +361,14 @@ def cmd_merge(a: argparse.Namespace) -> int:
 
         bar = tqdm(desc="deck merge", unit=" ckpt", leave=False)
     committed = 0
+    partitions = 0
     if k == 1:
 
         def report(kind: str, _stats: Any) -> None:
-            nonlocal committed
-            if kind == "commit":
+            nonlocal committed, partitions
+            if kind == "partition":
+                partitions += 1
+            elif kind == "commit":
                 committed += 1
                 if bar:
                     bar.update(1)
@@ -389,6 +392,8 @@ def cmd_merge(a: argparse.Namespace) -> int:
                     continue
                 if kind == "exit":
                     codes[x] = y
+                elif kind == "partition":
+                    partitions += 1
                 elif kind == "commit":
                     committed += 1
                     if bar:
@@ -401,9 +406,11 @@ def cmd_merge(a: argparse.Namespace) -> int:
         code = max(codes.values(), default=2)
     if bar:
         bar.close()
+    mine = f"{indices[0]}" if k == 1 else f"{indices[0]}..{indices[-1]}"
     print(
         f"deck merge: {committed} checkpoint(s) committed by {k} worker(s) "
-        f"(of {total}) in {time.perf_counter() - t0:.1f} s"
+        f"(index {mine} of {total}, from {slot.source}), {partitions} partition(s) built, "
+        f"in {time.perf_counter() - t0:.1f} s"
         + ("; some work is left (see the warnings above)" if code == 1 else "")
     )
     return code
@@ -640,8 +647,18 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-bytes", type=int, default=4 * 1024 * 1024, help="chunk size of merged files"
     )
     mer.add_argument("--workers", type=int, default=1, help="worker processes to run here (1)")
-    mer.add_argument("--worker-index", type=int, default=None, help="this host's index")
-    mer.add_argument("--num-workers", type=int, default=None, help="hosts running workers")
+    mer.add_argument(
+        "--worker-index",
+        type=int,
+        default=None,
+        help="this host's index (default: $RANK, $JOB_COMPLETION_INDEX or $SLURM_PROCID)",
+    )
+    mer.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="hosts running workers (default: $WORLD_SIZE, $DECK_NUM_WORKERS or $SLURM_NTASKS)",
+    )
     mer.add_argument("--gc", action="store_true", help="worker 0 also runs GC after each pass")
     mer.add_argument("--poll", type=float, default=5.0, help="--follow: seconds between scans")
     mer.add_argument(
@@ -717,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # Which worker a merger is, and where that came from (flags or launcher variables).
+        logging.getLogger("deck.launch").setLevel(logging.INFO)
     try:
         return int(a.fn(a))
     except DeckError as e:

@@ -19,6 +19,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -80,9 +81,13 @@ def end_rank() -> None:
     os._exit(0)
 
 
-def build_model(spec: ModelSpec, seed: int | None = None) -> tuple[Any, Any]:
+def build_model(
+    spec: ModelSpec, seed: int | None = None, dmp: Callable[..., Any] | None = None
+) -> tuple[Any, Any]:
     """A DMP model (DLRM over an EmbeddingBagCollection, or an EmbeddingCollection model) and its
-    dense optimizer. Needs an initialised process group. ``seed`` sets the initial weights."""
+    dense optimizer. Needs an initialised process group. ``seed`` sets the initial weights;
+    ``dmp`` replaces the ``DistributedModelParallel`` class (same arguments), e.g. a
+    ``functools.partial`` of ``deck.DeckDistributedModelParallel`` with its ``deck_config``."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import (
         EmbeddingBagCollection,
@@ -153,7 +158,7 @@ def build_model(spec: ModelSpec, seed: int | None = None) -> tuple[Any, Any]:
         topology=Topology(world_size=ws, compute_device="cpu"), constraints=constraints
     )
     plan = planner.collective_plan(module, [sharder], dist.GroupMember.WORLD)
-    model = DistributedModelParallel(
+    model = (dmp or DistributedModelParallel)(
         module, device=torch.device("cpu"), sharders=[sharder], plan=plan
     )
     params = dict(in_backward_optimizer_filter(model.named_parameters()))

@@ -85,6 +85,63 @@ def evaluate(model):
 """,
         "\ndist.destroy_process_group()\n",
     ),
+    # The same world, the model not yet wrapped: for the wrapper (DeckDistributedModelParallel).
+    "dlrm_module": (
+        """
+import os
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.models.dlrm import DLRM
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from deck.demo import ModelSpec, TrainState, free_port, make_batch, train_step
+
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+os.environ["MASTER_PORT"] = str(free_port())
+dist.init_process_group("gloo")
+_spec = ModelSpec(num_tables=2, rows=1000, dim=8, batch=64)
+module = DLRM(
+    embedding_bag_collection=EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=1000, feature_names=[f"f{i}"])
+            for i in range(2)
+        ],
+        device=torch.device("meta"),
+    ),
+    dense_in_features=13,
+    dense_arch_layer_sizes=[32, 8],
+    over_arch_layer_sizes=[32, 1],
+    dense_device=torch.device("cpu"),
+)
+sharders = [EmbeddingBagCollectionSharder(
+    fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+)]
+train_state = TrainState()
+num_steps = 200
+batches = iter(range(1, 10**9))
+
+
+def make_dense_optimizer(model):
+    params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    return KeyedOptimizerWrapper(params, lambda p: torch.optim.Adagrad(p, lr=0.02))
+
+
+def train_one_step(model, dense_optimizer, batch):
+    return train_step(model, dense_optimizer, _spec, batch)
+
+
+def evaluate(model):
+    model.eval()
+    with torch.no_grad():
+        dense, kjt, _ = make_batch(_spec, 0, 0)
+        model(dense, kjt)
+    model.train()
+""",
+        "\ndist.destroy_process_group()\n",
+    ),
 }
 
 

@@ -1,0 +1,175 @@
+"""Enable deck through the model wrapper: a TorchRec ``DistributedModelParallel`` that takes a
+``DeckConfig`` beside TorchRec's own arguments (as TorchRec 1.8 turns its trackers on with
+``model_tracker_configs``) and exposes the checkpointer as ``model.deck``.
+
+Why the checkpointer is made in ``__init__`` and the dense optimizers attach later: building
+the checkpointer is collective (writability check, writer lease, recovery of spooled parts), and
+the wrapper's constructor is a point every rank reaches together anyway (TorchRec plans the
+sharding collectively there). Creating it lazily on first access to ``model.deck`` would run
+those collectives wherever a rank first touches the attribute (say, a log line on rank 0 only)
+and hang. The dense optimizer, though, is built from ``model.named_parameters()``, so it exists
+only after the wrapper: ``model.deck.attach(optimizers, state)`` (local, not collective) hands
+it over, and the first checkpoint or restore refuses to run until it has (``attach([])`` for a
+model without dense optimizer), instead of silently leaving dense optimizer state out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+
+from deck.checkpointer import DeltaCheckpointer, UserState, _user_state
+from deck.config import DeckConfig
+from deck.errors import ConfigError
+from deck.staging import CheckpointStats
+
+if TYPE_CHECKING:  # a runtime import would be circular (adapters/torchrec.py re-exports us)
+    from deck.adapters.torchrec import TorchRecAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class ModelCheckpointer(DeltaCheckpointer):
+    """The :class:`~deck.DeltaCheckpointer` of a :class:`DeckDistributedModelParallel`
+    (``model.deck``): the same methods, plus :meth:`attach` for what is built after the model."""
+
+    def __init__(
+        self, model: nn.Module, optimizers: Any, config: DeckConfig, state: UserState | None
+    ):
+        super().__init__(model, [] if optimizers is None else optimizers, config, state)
+        self._attached = optimizers is not None
+        self._installed = self._callbacks()
+
+    def attach(self, optimizers: Any, state: UserState | None = None) -> ModelCheckpointer:
+        """Checkpoint ``optimizers`` (the dense ones; the fused embedding optimizers are found
+        through the model) and, if given, ``state`` (``state_dict()``/``load_state_dict()`` or a
+        ``(get, set)`` pair) from now on. Local, not collective; call it on every rank before the
+        first checkpoint or restore. Pass ``[]`` when the model has no dense optimizer."""
+        self._optimizers = self.adapter.dense_optimizers(optimizers)
+        if state is not None:
+            self._state = _user_state(state)
+        self._attached = True
+        return self
+
+    def _require_attached(self, what: str) -> None:
+        if not self._attached:
+            raise ConfigError(
+                f"model.deck.{what}() at {self.storage.uri}: no dense optimizers given yet; call "
+                "model.deck.attach(optimizers, state) after building them (attach([]) when the "
+                "model has none), or pass deck_optimizers= to DeckDistributedModelParallel. "
+                "Otherwise checkpoints would miss the dense optimizer state."
+            )
+
+    def _callbacks(self) -> list[tuple[Any, Any]]:
+        modules = cast("TorchRecAdapter", self.adapter)._sharded_modules().values()
+        return [(m, m.post_lookup_tracker_fn) for m in modules]
+
+    def _check_hooks(self) -> None:
+        """Something (e.g. a TorchRec tracker built on the model directly) replaced deck's
+        callbacks since they were installed: rows looked up since then were not tracked, so
+        the next checkpoint and publish are fulls; tracking is chained in again."""
+        if self._hooks is None or all(m.post_lookup_tracker_fn is fn for m, fn in self._installed):
+            return
+        logger.warning(
+            "deck: another tracker replaced deck's lookup hooks on %s; deck chains in again and "
+            "takes a full (rows looked up in between were not tracked)",
+            self.storage.uri,
+        )
+        self._parent = None
+        if self._pub is not None:
+            self._pub.parent = None
+        self.retrack()
+
+    def save(self, kind: Any = "delta", *, step: int | None = None) -> CheckpointStats | None:
+        self._require_attached("save")
+        self._check_hooks()
+        return super().save(kind, step=step)
+
+    def publish(self, step: int | None = None) -> CheckpointStats | None:
+        self._require_attached("publish")
+        self._check_hooks()
+        return super().publish(step)
+
+    def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
+        self._require_attached("restore")
+        return super().restore(step, allow_fallback=allow_fallback)
+
+    def retrack(self) -> None:
+        """Install the tracking hooks again, chained after whatever callbacks the sharded
+        modules hold now (TorchRec's setters replace a callback instead of chaining)."""
+        if self._hooks is None:
+            return  # closed: nothing to track
+        self._hooks.remove()
+        self._hooks = self.adapter.install_tracking(
+            self.tracker, self.adapter.table_shards(), self._active
+        )
+        self._installed = self._callbacks()
+
+
+class DeckDistributedModelParallel(DistributedModelParallel):
+    """TorchRec's :class:`DistributedModelParallel` with deck delta checkpoints turned on by
+    ``deck_config``; the checkpointer is ``model.deck`` (``step``, ``restore``, ``save``,
+    ``flush``, ``pause``, ``close``, ``attach``).
+
+    Every other argument is TorchRec's, passed through unchanged (``model_tracker_configs``
+    included: TorchRec's trackers and deck's chain their hooks). ``deck_optimizers`` and
+    ``deck_state`` are optional here because the dense optimizer is usually built from the
+    wrapped model's parameters: give them later with ``model.deck.attach(optimizers, state)``.
+    Construction is collective (every rank, as for TorchRec's planning); so are ``step``,
+    ``save``, ``restore``, ``flush`` and ``close``.
+
+    The wrapper adds no module, parameter or buffer: ``state_dict()``, ``named_parameters()``
+    and the ``_dmp_wrapped_module`` prefixes are exactly those of a plain
+    ``DistributedModelParallel`` of the same module, so TorchRec and DCP code sees no difference.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *args: Any,
+        deck_config: DeckConfig,
+        deck_optimizers: Any = None,
+        deck_state: UserState | None = None,
+        **kwargs: Any,
+    ):
+        if not isinstance(deck_config, DeckConfig):  # before TorchRec's (collective) sharding
+            raise ConfigError(
+                f"deck_config must be a deck.DeckConfig, got {type(deck_config).__name__}"
+            )
+        super().__init__(module, *args, **kwargs)
+        # A plain attribute (not a module): invisible to state_dict / named_parameters.
+        self._deck: ModelCheckpointer | None = ModelCheckpointer(
+            self, deck_optimizers, deck_config, deck_state
+        )
+
+    @property
+    def deck(self) -> ModelCheckpointer:
+        """This model's checkpointer."""
+        if self._deck is None:
+            # Not AttributeError: nn.Module.__getattr__ would replace the message.
+            raise ConfigError(
+                "this model has no deck checkpointer: it is a copy made by "
+                "DistributedModelParallel.copy(); checkpoint through the original model"
+            )
+        return self._deck
+
+    def init_torchrec_delta_tracker(self, delta_tracker_config: Any) -> Any:
+        """TorchRec's own delta tracker (its setters would replace deck's hooks): deck's
+        tracking is chained after it again, so both see every lookup."""
+        tracker = super().init_torchrec_delta_tracker(delta_tracker_config)
+        if self._deck is not None:
+            self._deck.retrack()
+        return tracker
+
+    def copy(self, device: torch.device) -> DistributedModelParallel:
+        """TorchRec's copy to another device (e.g. for inference). The copy has no checkpointer:
+        threads, files and the writer lease stay with this model."""
+        deck, self._deck = self._deck, None
+        try:
+            return super().copy(device)
+        finally:
+            self._deck = deck
