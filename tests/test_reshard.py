@@ -681,7 +681,9 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
     assert reconcile_optimizer(new, src, set()) is src
     plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert reconcile_optimizer(plain, src, {"embedding_bags.t1.weight"}) is src
-    with pytest.raises(IncompatibleModelError, match=r"Different parameter count|not found|does not have"):
+    with pytest.raises(
+        IncompatibleModelError, match=r"Different parameter count|not found|does not have"
+    ):
         load_optimizer(new, src, "0.0")
     moved = {"sparse.embedding_bags.t1.weight", "sparse.embedding_bags.t2.weight"}
     load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0")
