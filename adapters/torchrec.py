@@ -3,8 +3,9 @@ EmbeddingCollection tables on the fused (TBE) kernel.
 
 Modules: EmbeddingBagCollection, EmbeddingCollection, FeatureProcessedEmbeddingBagCollection (its
 inner EBC); ManagedCollision collections are refused. Sharding types: table_wise, column_wise,
-table_column_wise, row_wise (ids are shard-local, the shard's row offset makes them global);
-data_parallel tables are replicated dense state and are saved in full by every checkpoint.
+table_column_wise, row_wise and table_row_wise (ids arrive shard-local: each row shard has its own
+tracker base); data_parallel tables are replicated dense state and are saved in full by every
+checkpoint.
 """
 
 from __future__ import annotations
