@@ -375,6 +375,9 @@ def tbe_scalars(tbe: Any) -> dict[str, torch.Tensor]:
         # COUNTER weight decay passes ``iter`` to its kernel, yet fbgemm 1.8 registers it
         # non-persistent in that mode (only Adam-family, EMA/ensemble and global decay persist it).
         persistent.add("iter")
+    # A count of out-of-range ids seen, for fbgemm's warnings: diagnostics, not optimizer state
+    # (saving it would only tie a restore to the saved layout).
+    persistent.discard("bounds_check_warning")
     out = {}
     for name, buf in tbe.named_buffers(recurse=False):
         if name in split or name not in persistent or buf.numel() != 1:
