@@ -165,8 +165,11 @@ class TorchRecAdapter(ModelAdapter):
                 scalars = tbe_scalars(tbe)
                 for i, table in enumerate(tables):
                     tkey = by_name.get((path, table.name))
-                    offs = table.local_metadata.shard_offsets
-                    shard = by_key.get((tkey, int(offs[0]), int(offs[1]))) if tkey else None
+                    meta = table.local_metadata
+                    if tkey is None or meta is None:  # data_parallel: saved with the dense state
+                        continue
+                    offs = meta.shard_offsets
+                    shard = by_key.get((tkey, int(offs[0]), int(offs[1])))
                     if shard is None:
                         continue
                     for name, view in per_table[i].items():
@@ -284,6 +287,17 @@ class TorchRecAdapter(ModelAdapter):
         return plans
 
 
+_TBE_LAYOUT_BUFFERS = {
+    "D_offsets",
+    "feature_dims",
+    "rows_per_table",
+    "hash_size_cumsum",
+    "bounds_check_warning",
+    "table_wise_cache_miss",
+    "placeholder_autograd_tensor",
+    "lxu_cache_weights",
+}
+
 # fbgemm EmbeddingLocation values: where a split state's table lives (dev / uvm / host buffer).
 _LOCATION_SUFFIX = {0: "_dev", 1: "_uvm", 2: "_uvm", 3: "_host", 4: "_host"}
 
@@ -375,9 +389,11 @@ def tbe_scalars(tbe: Any) -> dict[str, torch.Tensor]:
         # COUNTER weight decay passes ``iter`` to its kernel, yet fbgemm 1.8 registers it
         # non-persistent in that mode (only Adam-family, EMA/ensemble and global decay persist it).
         persistent.add("iter")
-    # A count of out-of-range ids seen, for fbgemm's warnings: diagnostics, not optimizer state
-    # (saving it would only tie a restore to the saved layout).
-    persistent.discard("bounds_check_warning")
+    # Layout metadata (one entry per table or feature: one element for a one-table TBE) and
+    # diagnostics (out-of-range id and cache-miss counts) are not optimizer state; saving them
+    # would only tie a restore to the saved layout. Anything else one-element is kept, so a
+    # buffer a newer fbgemm adds is saved rather than dropped.
+    persistent -= _TBE_LAYOUT_BUFFERS
     out = {}
     for name, buf in tbe.named_buffers(recurse=False):
         if name in split or name not in persistent or buf.numel() != 1:
