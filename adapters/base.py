@@ -93,6 +93,11 @@ class ModelAdapter(abc.ABC):
     def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:
         """The user's optimizers that own dense state (the adapter's fused ones removed), by name."""
 
+    def after_restore(self) -> None:
+        """Called once a restore has written every state back; lets an implementation resync
+        caches it derives from that state (e.g. a step counter kept outside its buffers)."""
+        return None
+
     @abc.abstractmethod
     def install_tracking(
         self,

@@ -60,6 +60,7 @@ class TorchRecAdapter(ModelAdapter):
         self._replicated: set[str] = set()
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
+        self._tbes: list[Any] = []
 
     # ---- discovery -------------------------------------------------------------------------
     def _discover_tables(self) -> dict[str, _TableInfo]:
@@ -180,11 +181,53 @@ class TorchRecAdapter(ModelAdapter):
                         scalars=scalars,
                     )
                 )
+        self._add_tbe_state(shards)
         base = 0
         for s in shards:
             s.track_base = base
             base += s.rows
         return shards
+
+    def _add_tbe_state(self, shards: list[TableShard]) -> None:
+        """Add to ``shards`` what fbgemm's TBE keeps beyond TorchRec's fused optimizer state, and
+        mark the shards whose rows the optimizer rewrites without a lookup as ``full_only``."""
+        by_key = {(s.table, s.row_offset, s.col_offset): s for s in shards}
+        by_name = {(t.module_path, t.name): t.table for t in self._tables.values()}
+        self._tbes = []
+        for path, module in self._sharded_modules().items():
+            for tbe, tables in _tbes_of(module):
+                self._tbes.append(tbe)
+                full_reason = tbe_rewrites_unlooked_rows(tbe)
+                per_table = tbe_table_states(tbe)
+                scalars = tbe_scalars(tbe)
+                for i, table in enumerate(tables):
+                    tkey = by_name.get((path, table.name))
+                    meta = table.local_metadata
+                    if tkey is None or meta is None:  # data_parallel: saved with the dense state
+                        continue
+                    offs = meta.shard_offsets
+                    shard = by_key.get((tkey, int(offs[0]), int(offs[1])))
+                    if shard is None:
+                        continue
+                    for name, view in per_table[i].items():
+                        shard.states.setdefault(name, view)
+                    shard.scalars.update(scalars)
+                    if full_reason is not None:
+                        shard.full_only = True
+                        if shard.table not in self._warned_full:
+                            self._warned_full.add(shard.table)
+                            logger.warning(
+                                "table %s: %s; deck saves it in full on every checkpoint",
+                                shard.table,
+                                full_reason,
+                            )
+
+    def after_restore(self) -> None:
+        # fbgemm counts steps in ``iter_cpu`` (not a buffer) and re-reads the restored ``iter``
+        # buffer only while ``iter_cpu`` is 0.
+        for tbe in self._tbes:
+            if hasattr(tbe, "iter_cpu"):
+                tbe.iter_cpu.zero_()
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         sd = self.model.state_dict()
@@ -283,6 +326,121 @@ class TorchRecAdapter(ModelAdapter):
                 )
             plans[tuple(keys)] = torch.tensor(key_bases, dtype=torch.int64)
         return plans
+
+
+_TBE_LAYOUT_BUFFERS = {
+    "D_offsets",
+    "feature_dims",
+    "rows_per_table",
+    "hash_size_cumsum",
+    "bounds_check_warning",
+    "table_wise_cache_miss",
+    "placeholder_autograd_tensor",
+    "lxu_cache_weights",
+}
+
+# fbgemm EmbeddingLocation values: where a split state's table lives (dev / uvm / host buffer).
+_LOCATION_SUFFIX = {0: "_dev", 1: "_uvm", 2: "_uvm", 3: "_host", 4: "_host"}
+
+
+def _tbes_of(module: Any) -> list[tuple[Any, list[Any]]]:
+    """Every fbgemm TBE under a sharded module with its tables (ShardedEmbeddingTable, in the
+    TBE's table order)."""
+    out: list[tuple[Any, list[Any]]] = []
+    for lookup in getattr(module, "_lookups", []):
+        while not hasattr(lookup, "grouped_configs") and hasattr(lookup, "module"):
+            lookup = lookup.module
+        emb_modules = getattr(lookup, "_emb_modules", None)
+        if emb_modules is None:
+            continue
+        for config, emb in zip(lookup.grouped_configs, emb_modules, strict=True):
+            tbe = getattr(emb, "_emb_module", None)
+            if tbe is not None and hasattr(tbe, "embedding_specs"):
+                out.append((tbe, list(config.embedding_tables)))
+    return out
+
+
+def tbe_rewrites_unlooked_rows(tbe: Any) -> str | None:
+    """Why fbgemm's TBE ``tbe`` changes rows that were not looked up in a step, or None.
+
+    Read from the live module: EMAINPLACE_ROWWISE_ADAGRAD lerps the slow half of every row
+    every ``step_ema`` steps (``ema_inplace``); ENSEMBLE_ROWWISE_ADAGRAD blends and swaps every
+    row and its momentum2 (``ensemble_and_swap``). Weight decay modes (L2, DECOUPLE, COUNTER,
+    DECOUPLE_GLOBAL, COWCLIP) run inside the backward kernel on looked-up rows only (COUNTER and
+    the global mode catch up lazily from the per-row ``prev_iter``, which deck saves).
+    """
+    opt = getattr(getattr(tbe, "optimizer", None), "name", "")
+    if opt == "EMAINPLACE_ROWWISE_ADAGRAD":
+        mode = getattr(tbe, "_emainplace_mode", {})
+        return (
+            f"fbgemm optimizer {opt} rewrites every row every {int(mode.get('step_ema', 1))} "
+            f"step(s) from step {int(mode.get('step_start', 0))} on (ema_inplace)"
+        )
+    if opt == "ENSEMBLE_ROWWISE_ADAGRAD":
+        return f"fbgemm optimizer {opt} blends and swaps every row (ensemble_and_swap)"
+    return None
+
+
+def _split_prefixes(tbe: Any) -> list[str]:
+    """The split (per-table, flat) states fbgemm persists: ``<p>_offsets`` buffers in its
+    state_dict, with some storage behind them."""
+    persistent = set(tbe.state_dict().keys())
+    out = []
+    for key in sorted(persistent):
+        if not key.endswith("_offsets") or f"{key[:-8]}_placements" not in persistent:
+            continue
+        p = key[:-8]
+        if sum(getattr(tbe, p + sfx).numel() for sfx in ("_dev", "_host", "_uvm")) > 0:
+            out.append(p)
+    return out
+
+
+def tbe_table_states(tbe: Any) -> list[dict[str, torch.Tensor]]:
+    """For each table of ``tbe``: every persistent per-row state fbgemm keeps for it (besides
+    ``weights``), as a live view with the table's rows first: rowwise states (momentum1 of
+    rowwise Adagrad, COUNTER's ``prev_iter`` / ``row_counter``) as 1-D, elementwise ones as
+    (rows, dim)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in tbe.embedding_specs]
+    rows = [int(spec[0]) for spec in tbe.embedding_specs]
+    dims = [int(spec[1]) for spec in tbe.embedding_specs]
+    for p in _split_prefixes(tbe):
+        if p == "weights":
+            continue
+        offsets = [int(x) for x in getattr(tbe, p + "_offsets").tolist()]
+        placements = [int(x) for x in getattr(tbe, p + "_placements").tolist()]
+        total = sum(getattr(tbe, p + sfx).numel() for sfx in ("_dev", "_host", "_uvm"))
+        rowwise = total == sum(rows)
+        for i in range(len(rows)):
+            flat = getattr(tbe, p + _LOCATION_SUFFIX.get(placements[i], "_host"))
+            n = rows[i] if rowwise else rows[i] * dims[i]
+            view = flat[offsets[i] : offsets[i] + n]
+            out[i][p] = view if rowwise else view.view(rows[i], dims[i])
+    return out
+
+
+def tbe_scalars(tbe: Any) -> dict[str, torch.Tensor]:
+    """The TBE's persistent one-element buffers (e.g. the step counter ``iter`` that COUNTER
+    weight decay and EMAINPLACE read, COUNTER's ``max_counter``): per-TBE optimizer scalars,
+    saved whole with every checkpoint of each of its tables."""
+    split: set[str] = set()
+    for p in _split_prefixes(tbe):
+        split.update(p + sfx for sfx in ("_dev", "_host", "_uvm", "_offsets", "_placements"))
+    persistent = set(tbe.state_dict().keys())
+    if getattr(tbe, "_used_rowwise_adagrad_with_counter", False):
+        # COUNTER weight decay passes ``iter`` to its kernel, yet fbgemm 1.8 registers it
+        # non-persistent in that mode (only Adam-family, EMA/ensemble and global decay persist it).
+        persistent.add("iter")
+    # Layout metadata (one entry per table or feature: one element for a one-table TBE) and
+    # diagnostics (out-of-range id and cache-miss counts) are not optimizer state; saving them
+    # would only tie a restore to the saved layout. Anything else one-element is kept, so a
+    # buffer a newer fbgemm adds is saved rather than dropped.
+    persistent -= _TBE_LAYOUT_BUFFERS
+    out = {}
+    for name, buf in tbe.named_buffers(recurse=False):
+        if name in split or name not in persistent or buf.numel() != 1:
+            continue
+        out[f"tbe.{name}"] = buf
+    return out
 
 
 def _flatten(opt: Any) -> list[Any]:

@@ -633,6 +633,7 @@ class DeltaCheckpointer:
             for s in shards:
                 for name, t in scalars.get(id(s), {}).items():
                     s.scalars[name].copy_(t)
+        self.adapter.after_restore()
         if self._state is not None:
             self._state[1](extra["user"])
         self.tracker.reset()

@@ -46,6 +46,7 @@ class ModelSpec:
     data_parallel_tables: tuple[int, ...] = ()
     fused_optimizer: str = "EXACT_ROWWISE_ADAGRAD"
     dense_optimizer: str = "adagrad"  # "adagrad" or "adam"
+    fused_params: dict[str, Any] = field(default_factory=dict)  # more fbgemm TBE options
     seed: int = 0
     extra_constraints: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +114,7 @@ def build_model(
         "optimizer": getattr(EmbOptimType, spec.fused_optimizer),
         "learning_rate": 0.05,
         "eps": 1e-8,
+        **spec.fused_params,
     }
     if spec.collection == "ebc":
         tables_b = [
