@@ -15,8 +15,6 @@ What it builds (DECK sec. 3.3; docs/operations.md, "Merger workers"):
   top of the full (the "live" chain) pass ``max_live_fraction`` of a full (DECK eq. 2, dynamic
   form), or by an IncrCP-style cost rule, a merger full of that state is built from the full plus
   its chain. The next deltas count their positions from it; the trainer never takes another full.
-  When several fulls are planned in a row (a merger that fell behind), only the newest is built,
-  from the newest committed full and the chain across the skipped ones.
 
 What gets built is a pure function of the committed trainer checkpoints (and, for the dynamic
 rule, of the sizes of committed merged deltas), and every merged checkpoint's id is a hash of
@@ -90,7 +88,7 @@ from deck.format import (
 )
 from deck.lineage import LineageGraph, LineageNode, StateKey, build_graph
 from deck.rowindex import build_index
-from deck.storage import LocalStorage, Storage
+from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -674,38 +672,14 @@ class _ShardStream:
 _thread_buffers = threading.local()
 
 
-def _chunk_buffer(size: int, which: int = 0) -> memoryview:
-    """This thread's page-aligned chunk buffer ``which`` (0 or 1) of at least ``size`` bytes,
-    reused by every output shard: fresh pages cost a fault each (as much as the write itself on
-    the project's VMs), and aligned chunks are written with O_DIRECT to local storage."""
-    bufs: list[memoryview | None] = getattr(_thread_buffers, "bufs", None) or [None, None]
-    _thread_buffers.bufs = bufs
-    buf = bufs[which]
+def _chunk_buffer(size: int) -> memoryview:
+    """This thread's page-aligned chunk buffer of at least ``size`` bytes, reused by every output
+    shard: fresh pages cost a fault each (as much as the write itself on the project's VMs), and
+    aligned chunks are written with O_DIRECT to local storage."""
+    buf: memoryview | None = getattr(_thread_buffers, "buf", None)
     if buf is None or len(buf) < size:
-        buf = bufs[which] = aligned_buffer(size)
+        buf = _thread_buffers.buf = aligned_buffer(size)
     return buf
-
-
-class _Put:
-    """One chunk write on its own thread, joined before its buffer is reused."""
-
-    def __init__(self, storage: Storage, path: str, data: memoryview):
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(
-            target=self._run, args=(storage, path, data), name="deck-merge-put", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, storage: Storage, path: str, data: memoryview) -> None:
-        try:
-            storage.put(path, data)
-        except BaseException as e:  # re-raised on the merging thread by join()
-            self.error = e
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 class _ChunkOut:
@@ -731,14 +705,7 @@ class _ChunkOut:
         self.chunks: list[ChunkRecord] = []
         self.rows = 0
         self.bytes_written = 0
-        self._chunk_bytes = chunk_bytes
-        # On a local disk the merger would read, merge, then wait for each chunk's write and
-        # fsync in turn: one chunk is written behind (its own buffer, its own thread) while the
-        # next is read and merged. Other stores are written in line, in a deterministic order
-        # (the crash tests count their operations).
-        self._behind = isinstance(storage, LocalStorage)
-        self._which = 0
-        self._inflight: _Put | None = None
+        self._buf = _chunk_buffer(chunk_bytes)
 
     def add(self, ids: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
         if ids.numel() == 0:
@@ -749,16 +716,8 @@ class _ChunkOut:
             self._flush(self.per_chunk)
 
     def close(self) -> None:
-        """Write what is left; every chunk is durable when this returns."""
         if self.pending_rows:
             self._flush(self.pending_rows)
-        self._wait()
-
-    def _wait(self) -> None:
-        if self._inflight is not None:
-            put, self._inflight = self._inflight, None
-            put.join()
-            failpoint("merger.chunk.after_put")
 
     def _flush(self, n: int) -> None:
         if len(self.pending) == 1:  # the common case: no copy before encoding
@@ -771,15 +730,10 @@ class _ChunkOut:
             ".chunk"
         )
         arrays = [("ids", ids[:n]), *((k, states[k][:n]) for k in self.rec.states)]
-        buf, chunk = encode_chunk(rel, arrays, out=_chunk_buffer(self._chunk_bytes, self._which))
+        buf, chunk = encode_chunk(rel, arrays, out=self._buf)
         chunk = chunk.model_copy(update={"index": build_index(ids[:n])})
-        self._wait()  # the previous chunk's write (the other buffer)
-        if self._behind:
-            self._inflight = _Put(self.storage, f"{self.folder}/{rel}", buf)
-            self._which ^= 1
-        else:
-            self.storage.put(f"{self.folder}/{rel}", buf)
-            failpoint("merger.chunk.after_put")
+        self.storage.put(f"{self.folder}/{rel}", buf)
+        failpoint("merger.chunk.after_put")
         self.chunks.append(chunk)
         self.rows += n
         self.bytes_written += len(buf)
