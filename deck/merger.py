@@ -15,6 +15,8 @@ What it builds (DECK sec. 3.3; docs/operations.md, "Merger workers"):
   top of the full (the "live" chain) pass ``max_live_fraction`` of a full (DECK eq. 2, dynamic
   form), or by an IncrCP-style cost rule, a merger full of that state is built from the full plus
   its chain. The next deltas count their positions from it; the trainer never takes another full.
+  When several fulls are planned in a row (a merger that fell behind), only the newest is built,
+  from the newest committed full and the chain across the skipped ones.
 
 What gets built is a pure function of the committed trainer checkpoints (and, for the dynamic
 rule, of the sizes of committed merged deltas), and every merged checkpoint's id is a hash of
