@@ -252,7 +252,8 @@ def sweep(a: argparse.Namespace, w: Workload, work: str) -> None:
             rt.append(restore_into_fresh(storage, worst, w)[0])
         t, full_t = statistics.median(rt), statistics.median(ft)
         full_bytes = full_m.data_bytes
-        desc = " + ".join(("F" if m.kind.value == "full" else f"L{m.layer}") for m in worst)
+        kinds = ["F" if m.kind.value == "full" else f"L{m.layer}" for m in worst]
+        desc = " + ".join(f"{kinds.count(k)}x{k}" for k in dict.fromkeys(kinds))
         wb = sum(m.data_bytes for m in worst)
         print(
             f"{interval:>10.2f} {fulls:>5} {busy / clock:>4.0%} {desc[:22]:>22} {_mib(wb):>11} "
