@@ -15,6 +15,8 @@ What it builds (DECK sec. 3.3; docs/operations.md, "Merger workers"):
   top of the full (the "live" chain) pass ``max_live_fraction`` of a full (DECK eq. 2, dynamic
   form), or by an IncrCP-style cost rule, a merger full of that state is built from the full plus
   its chain. The next deltas count their positions from it; the trainer never takes another full.
+  When several fulls are planned in a row (a merger that fell behind), only the newest is built,
+  from the newest committed full and the chain across the skipped ones.
 
 What gets built is a pure function of the committed trainer checkpoints (and, for the dynamic
 rule, of the sizes of committed merged deltas), and every merged checkpoint's id is a hash of
@@ -476,14 +478,32 @@ def plan(graph: LineageGraph, config: MergeConfig) -> Plan:
     def consumed(iid: str) -> bool:
         return any(c in graph.nodes or consumed(c) for c in consumers.get(iid, ()))
 
+    open_fulls = sorted(
+        (
+            it
+            for it in planned_full.values()
+            if it.state[1] in ancestry and it.state[1] not in closed
+        ),
+        key=lambda it: it.step,
+    )
+    # A merger that fell behind has several fulls planned in a row, each made from the one
+    # before. Building them in order reads and writes a full per planned full; only the newest
+    # is worth building: it is made straight from the newest committed full and the chain across
+    # the skipped anchors, and the older ones (and the merged deltas of their stretches) are
+    # superseded. Every step in between stays restorable from the trainer's own deltas.
+    newest_full: PlannedItem | None = None
+    if len(open_fulls) >= 2:
+        newest_full = _across_skipped(open_fulls[-1], planned_full, wanted_merged, graph)
+        open_fulls = [newest_full]
+
     wanted: list[PlannedItem] = []
     for it in wanted_merged.values():
         end_tid = it.state[1]
-        if end_tid in ancestry and end_tid not in closed and not consumed(it.id):
+        superseded = newest_full is not None and it.step <= newest_full.step
+        live = end_tid in ancestry and end_tid not in closed and not superseded
+        if live and not consumed(it.id):
             wanted.append(it)
-    for it in planned_full.values():
-        if it.state[1] in ancestry and it.state[1] not in closed:
-            wanted.append(it)
+    wanted.extend(open_fulls)
     todo = [it for it in wanted if it.id not in graph.nodes]
     ready = [it for it in todo if all(_committed(graph, i) for i in it.inputs)]
     ready.sort(key=lambda it: (it.kind is Kind.FULL, it.layer, it.step, it.id))
@@ -491,6 +511,46 @@ def plan(graph: LineageGraph, config: MergeConfig) -> Plan:
         wanted=wanted,
         ready=ready,
         undecided=sorted(nodes_at[i].step for i in undecided if i in nodes_at),
+    )
+
+
+def _across_skipped(
+    newest: PlannedItem,
+    planned_full: dict[StateKey, PlannedItem],
+    wanted_merged: dict[str, PlannedItem],
+    graph: LineageGraph,
+) -> PlannedItem:
+    """``newest`` (a planned full) re-planned on the newest committed full: its planned base
+    fulls are replaced by their own inputs, and every merged delta in the chain that is not
+    committed by the items it would be made from (down to the trainer's deltas, which are).
+
+    Depends only on the committed lineage (which merged deltas exist), so every worker derives
+    the same inputs, and the id is the hash of them like any other item's.
+    """
+    planned_by_id = {it.id: it for it in planned_full.values()}
+
+    def expand(iid: str) -> list[str]:
+        below = wanted_merged.get(iid)
+        if below is None or _committed(graph, iid):
+            return [iid]
+        return [x for i in below.inputs for x in expand(i)]
+
+    def full_inputs(f: PlannedItem) -> list[str]:
+        base, *chain = f.inputs
+        head = full_inputs(planned_by_id[base]) if base in planned_by_id else [base]
+        return head + [x for c in chain for x in expand(c)]
+
+    inputs = tuple(full_inputs(newest))
+    return PlannedItem(
+        id=item_id(Kind.FULL, 0, inputs),
+        kind=Kind.FULL,
+        layer=0,
+        inputs=inputs,
+        first_step=None,
+        step=newest.step,
+        start=None,
+        state=newest.state,
+        base=newest.base,
     )
 
 

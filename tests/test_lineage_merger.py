@@ -493,6 +493,62 @@ def test_merge_is_bounded_memory_and_sorted(tmp_path: Path) -> None:
 # ---- the state machine -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "full", [FullPolicy(every=3, max_live_fraction=None), FullPolicy(max_live_fraction=0.3)]
+)
+def test_merger_behind_builds_only_the_newest_full(full: FullPolicy) -> None:
+    """A backlog where the policy plans a full every few deltas: one pass builds the newest
+    full only (from the committed full and the chain across the skipped ones, reusing the
+    merged delta already committed), never the older ones, and every step restores bitwise."""
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    cfg = MergeConfig(stride=2, full=full, chunk_bytes=4096)
+    tr.train(1, rows=4)
+    tr.save()
+    tr.train(1, rows=4)
+    tr.save()
+    merge_all(storage, cfg)  # keeping up so far: every=3 merges steps 1..2 (no full yet);
+    # the live rule wants a full of every step (one delta is ~half a synthetic full) and
+    # builds only the newest of the two
+    graph = build_graph(read_manifests(storage))
+    early = sorted((n.step, n.kind) for n in graph.nodes.values() if n.merged)
+    if full.every:
+        assert early == [(2, Kind.MERGED)]
+    else:
+        assert early == [(2, Kind.FULL)]
+    base = max((n for n in graph.nodes.values() if n.kind is Kind.FULL), key=lambda n: n.step)
+    early_merged = [n.id for n in graph.nodes.values() if n.kind is Kind.MERGED]
+    for _ in range(18):
+        tr.train(1, rows=30)
+        tr.save()
+    graph = build_graph(read_manifests(storage))
+    p = plan(graph, cfg)
+    fulls = [it for it in p.wanted if it.kind is Kind.FULL]
+    assert len(fulls) == 1, [it.describe() for it in fulls]
+    newest = fulls[0]
+    assert newest.step >= 15  # the newest of several: a full every <= 3 deltas
+    assert newest.inputs[0] == base.id  # made from the newest committed full...
+    if early_merged:  # ...and the merged delta that already exists
+        assert newest.inputs[1] == early_merged[0]
+    assert all(i in graph.nodes for i in newest.inputs)  # ready now
+    assert all(it.step > newest.step for it in p.wanted if it.kind is Kind.MERGED)
+
+    r = MergeWorker(storage, cfg).run_pass()
+    assert not r.stats.failed
+    graph = build_graph(read_manifests(storage))
+    made = [n for n in graph.nodes.values() if n.merged and n.kind is Kind.FULL and n.step > 2]
+    assert [(n.id, n.step) for n in made] == [(newest.id, newest.step)]
+    merge_all(storage, cfg)
+    graph = build_graph(read_manifests(storage))
+    made = [n for n in graph.nodes.values() if n.merged and n.kind is Kind.FULL and n.step > 2]
+    assert all(n.step >= newest.step for n in made)  # no older full, ever
+    history = {s.id: s.state for s in tr.saved.values()}
+    assert check_all_restore(storage, history) == list(range(21))
+    chain = cheapest_chain(graph, 20)
+    assert chain[0].is_merged and chain[0].kind is Kind.FULL
+
+
 class SimulatedCrash(BaseException):
     """kill -9 at this write: nothing after it runs, nothing is cleaned up."""
 
