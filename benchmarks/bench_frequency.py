@@ -63,58 +63,75 @@ def _quiet() -> None:
     logging.getLogger().setLevel(logging.ERROR)
 
 
-def _window_none(model: Any, opt: Any, spec: ModelSpec, s0: int, w: int) -> float:
+Window = tuple[float, list[float], list[float]]  # wall s, checkpoint call s, train step s
+
+
+def _train(model: Any, opt: Any, spec: ModelSpec, step: int, train_s: list[float]) -> None:
+    t0 = time.perf_counter()
+    train_step(model, opt, spec, step)
+    train_s.append(time.perf_counter() - t0)
+
+
+def _window_none(model: Any, opt: Any, spec: ModelSpec, s0: int, w: int) -> Window:
+    train_s: list[float] = []
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(s0 + 1, s0 + w + 1):
-        train_step(model, opt, spec, step)
+        _train(model, opt, spec, step, train_s)
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, [], train_s
 
 
 def _window_deck(
     model: Any, opt: Any, spec: ModelSpec, s0: int, w: int, every: int, uri: str
-) -> tuple[float, list[float]]:
+) -> Window:
     import deck
     from deck.config import StagingConfig
 
     config = deck.DeckConfig(uri=uri, delta_every_steps=every, staging=StagingConfig(tiers="local"))
+    train_s: list[float] = []
+    calls: list[float] = []
     with deck.enable(model, [opt], config) as ckpt:
         ckpt.save("full", step=s0)
         ckpt.flush()  # the full is setup, not part of the window
         dist.barrier()
         t0 = time.perf_counter()
         for step in range(s0 + 1, s0 + w + 1):
-            train_step(model, opt, spec, step)
+            _train(model, opt, spec, step, train_s)
+            t1 = time.perf_counter()
             ckpt.step(step)
-        ckpt.flush()
+            if step % every == 0:
+                calls.append(time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        ckpt.flush()  # the last delta's background write is charged to the window
+        calls[-1] += time.perf_counter() - t1
         dist.barrier()
         dt = time.perf_counter() - t0
-        stalls = [h.stall_s for h in ckpt.history if h.kind == "delta"]
         # rank 0 commits; the other ranks' parts end "uploaded"
         bad = [h for h in ckpt.history if h.state == "failed" or h.error]
         if bad:
             raise RuntimeError(f"deck checkpoint not committed: {bad[0].state} {bad[0].error}")
-    return dt, stalls
+    return dt, calls, train_s
 
 
 def _window_dcp(
     model: Any, opt: Any, spec: ModelSpec, s0: int, w: int, every: int, root: str
-) -> tuple[float, list[float]]:
+) -> Window:
     import torch.distributed.checkpoint as dcp
 
-    saves = []
+    train_s: list[float] = []
+    calls: list[float] = []
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(s0 + 1, s0 + w + 1):
-        train_step(model, opt, spec, step)
+        _train(model, opt, spec, step, train_s)
         if step % every == 0:
             t1 = time.perf_counter()
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
             dcp.save(state, checkpoint_id=os.path.join(root, f"step-{step}"))
-            saves.append(time.perf_counter() - t1)
+            calls.append(time.perf_counter() - t1)
     dist.barrier()
-    return time.perf_counter() - t0, saves
+    return time.perf_counter() - t0, calls, train_s
 
 
 def _worker(
@@ -136,17 +153,25 @@ def _worker(
         for mi in williams_order(len(modes), rep):
             kind, every = modes[mi]
             scratch = os.path.join(a.out, f"{kind}-{every}-{rep}")
-            extra: list[float] = []
             if kind == "none":
-                dt = _window_none(model, opt, spec, s0, a.window)
+                dt, calls, train_s = _window_none(model, opt, spec, s0, a.window)
             elif kind == "deck":
-                dt, extra = _window_deck(model, opt, spec, s0, a.window, every, scratch)
+                dt, calls, train_s = _window_deck(model, opt, spec, s0, a.window, every, scratch)
             else:
-                dt, extra = _window_dcp(model, opt, spec, s0, a.window, every, scratch)
+                dt, calls, train_s = _window_dcp(model, opt, spec, s0, a.window, every, scratch)
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
-            runs.append({"rep": rep, "kind": kind, "every": every, "s": dt, "ckpt_s": extra})
+            runs.append(
+                {
+                    "rep": rep,
+                    "kind": kind,
+                    "every": every,
+                    "s": dt,
+                    "ckpt_s": calls,
+                    "train_s": train_s,
+                }
+            )
             s0 += a.window
     if rank == 0:
         with open(os.path.join(a.results, "rank0.json"), "w") as f:
@@ -170,8 +195,16 @@ def _interval_at(points: list[tuple[int, float]], target: float) -> tuple[float,
     return c / target, "fit"
 
 
+def _excess(r: dict[str, Any]) -> float:
+    """The window's time beyond its own median training step, as a fraction of W x that median:
+    checkpoint calls, the final flush, and steps slowed by background work, but not a shift in
+    the machine's load between windows (which the median absorbs)."""
+    med = statistics.median(r["train_s"])
+    return (sum(r["train_s"]) + sum(r["ckpt_s"])) / (len(r["train_s"]) * med) - 1
+
+
 def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]) -> None:
-    base = {r["rep"]: r["s"] for r in runs if r["kind"] == "none"}
+    nones = {r["rep"]: r for r in runs if r["kind"] == "none"}
     model_bytes = a.tables * a.rows * (a.dim * 4 + 4)
     print(
         f"DLRM {a.tables} tables x {a.rows} rows x {a.dim} dim fp32 + rowwise momentum "
@@ -179,27 +212,40 @@ def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]
         f"2 gloo ranks (1 thread each), windows of {a.window} steps, {a.repeats} repeats "
         f"(Williams order), deck tier local; machine: {os.cpu_count()} cores"
     )
-    step_ms = statistics.median(base.values()) / a.window * 1e3
+    step_ms = statistics.median(statistics.median(r["train_s"]) for r in nones.values()) * 1e3
     print(f"no checkpoints: median step {step_ms:.1f} ms")
     print()
     print(
-        f"{'method':<6} {'interval':>8} {'ckpts/window':>12} {'window s (median)':>18} "
-        f"{'cost % (median)':>16} {'cost % per repeat':>26} {'median ckpt call s':>19}"
+        "cost = excess of the window over its own median step, minus the same of the repeat's "
+        "no-checkpoint window; wall = window wall time / no-checkpoint window - 1; "
+        "step = median train step / no-checkpoint one - 1 (all medians over repeats, %)"
+    )
+    print(
+        f"{'method':<6} {'interval':>8} {'ckpts':>6} {'cost %':>7} {'per repeat':>20} "
+        f"{'wall %':>7} {'step %':>7} {'median ckpt call s':>19}"
     )
     curves: dict[str, list[tuple[int, float]]] = {"deck": [], "dcp": []}
+    walls: dict[str, list[tuple[int, float]]] = {"deck": [], "dcp": []}
     for kind, every in modes:
         rs = [r for r in runs if r["kind"] == kind and r["every"] == every]
-        costs = [r["s"] / base[r["rep"]] - 1 for r in rs]
+        costs = [_excess(r) - _excess(nones[r["rep"]]) for r in rs]
         cost = statistics.median(costs)
+        wall = statistics.median(r["s"] / nones[r["rep"]]["s"] - 1 for r in rs)
+        slow = statistics.median(
+            statistics.median(r["train_s"]) / statistics.median(nones[r["rep"]]["train_s"]) - 1
+            for r in rs
+        )
         calls = [x for r in rs for x in r["ckpt_s"]]
         call = f"{statistics.median(calls):.3f}" if calls else "-"
         nck = a.window // every if every else 0
         print(
-            f"{kind:<6} {every or '-':>8} {nck:>12} {statistics.median(r['s'] for r in rs):>18.3f} "
-            f"{cost * 100:>16.2f} {' '.join(f'{c * 100:.1f}' for c in costs):>26} {call:>19}"
+            f"{kind:<6} {every or '-':>8} {nck:>6} {cost * 100:>7.2f} "
+            f"{' '.join(f'{c * 100:.1f}' for c in costs):>20} {wall * 100:>7.1f} "
+            f"{slow * 100:>7.1f} {call:>19}"
         )
         if kind != "none":
             curves[kind].append((every, cost))
+            walls[kind].append((every, wall))
     print()
     print(
         "per-checkpoint overhead from the fit cost = c / interval: "
@@ -211,12 +257,22 @@ def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]
     )
     print()
     print(
-        f"{'equal cost':>10} {'deck interval':>14} {'dcp interval':>13} {'frequency ratio deck/dcp':>25}"
+        f"{'equal cost':>10} {'deck interval':>17} {'dcp interval':>17} {'ratio dcp/deck':>15} "
+        f"{'(from wall %)':>14}"
     )
     for target in a.costs:
         nd, how_d = _interval_at(curves["deck"], target / 100)
         nc, how_c = _interval_at(curves["dcp"], target / 100)
-        print(f"{target:>9.1f}% {nd:>9.1f} ({how_d:>6}) {nc:>8.1f} ({how_c:>6}) {nc / nd:>25.1f}")
+        wd, _ = _interval_at(walls["deck"], target / 100)
+        wc, _ = _interval_at(walls["dcp"], target / 100)
+        print(
+            f"{target:>9.1f}% {nd:>9.1f} ({how_d:>6}) {nc:>9.1f} ({how_c:>6}) {nc / nd:>15.1f} "
+            f"{wc / wd:>14.1f}"
+        )
+    print(
+        "(ratio = interval dcp / interval deck: how many times more often deck checkpoints at the "
+        "same throughput cost)"
+    )
     print()
     print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
 
