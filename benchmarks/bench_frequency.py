@@ -247,12 +247,19 @@ def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]
             curves[kind].append((every, cost))
             walls[kind].append((every, wall))
     print()
+    fit = {
+        k: sum(c / n for n, c in v) / sum(1 / n**2 for n, _ in v) * step_ms
+        for k, v in curves.items()
+        if v
+    }
     print(
         "per-checkpoint overhead from the fit cost = c / interval: "
-        + ", ".join(
-            f"{k} {sum(c / n for n, c in v) / sum(1 / n**2 for n, _ in v) * step_ms:.0f} ms"
-            for k, v in curves.items()
-            if v
+        + ", ".join(f"{k} {ms:.0f} ms" for k, ms in fit.items())
+        + (
+            f"; ratio dcp/deck {fit['dcp'] / fit['deck']:.1f} (the frequency ratio at any equal "
+            "cost if both curves were exactly c / interval)"
+            if fit.get("deck", 0) > 0 and "dcp" in fit
+            else ""
         )
     )
     print()
