@@ -17,6 +17,11 @@ printed: on this stack it cannot stage TorchRec's ShardedTensors).
 
 By default training goes on while the first full checkpoint is still being fsynced/uploaded, as
 a real job does (on S3 the deltas then queue behind the 2 GiB upload and share the CPU with it);
+Before each delta the pure gather of the same rows (every state of every touched row
+``index_select``-ed into one preallocated buffer, read from the tracker without consuming it) is
+timed too, so each delta's stall is also reported as a multiple of that floor (issue 15 item 4:
+goal stall <= 1.5x the gather and <= 1/50 of ``dcp.save``; ``--no-gather`` skips it).
+
 ``--settle`` waits for the full to commit first, so the deltas show the steady state.
 ``--server-nice 19`` runs the co-located SeaweedFS server at the lowest CPU priority, standing in
 for object storage on other machines (in production the S3 server does not share the trainer's
@@ -49,6 +54,9 @@ from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 GOAL_RATIO = 1 / 20
+# issue 15 item 4: the stall should approach the gather of the same rows, and 1/50 of dcp.save
+GATHER_GOAL = 1.5
+DCP_GOAL_15 = 1 / 50
 AFTER_STEPS = 10  # steps after a checkpoint counted as "while the background stager works"
 
 
@@ -59,6 +67,44 @@ def _quiet() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
+
+
+def _gather(ckpt: Any) -> tuple[float, int]:
+    """Time the pure gather of the rows the next delta will save: every state of every touched
+    row ``index_select``-ed into one preallocated buffer (the floor of any snapshot that copies
+    rows out of the live tables). Reads the tracker without consuming it (the rows stay pending
+    for the delta). Returns (seconds, bytes gathered)."""
+    import torch
+
+    tracker = ckpt.tracker
+    token = tracker.begin_read(ckpt._ckpt.consumer)
+    try:
+        jobs = []
+        total = 0
+        for sh in ckpt.adapter.table_shards():
+            sel = (
+                None
+                if sh.full_only
+                else tracker.touched(token, sh.track_base, sh.track_base + sh.rows)
+            )
+            for v in sh.states.values():
+                n = sh.rows if sel is None else int(sel.numel())
+                shape = (n, *v.shape[1:])
+                nbytes = n * v[0:1].numel() * v.element_size()
+                jobs.append((v, sel, shape, total, nbytes))
+                total += -(-nbytes // 8) * 8  # keep every view aligned
+        buf = torch.empty(total, dtype=torch.uint8)
+        outs = [buf[off : off + nb].view(v.dtype).view(shape) for v, _, shape, off, nb in jobs]
+        t0 = time.perf_counter()
+        for (v, sel, _, _, _), out in zip(jobs, outs, strict=True):
+            if sel is None:
+                out.copy_(v)
+            else:
+                torch.index_select(v, 0, sel, out=out)
+        dt = time.perf_counter() - t0
+    finally:
+        tracker.abort(token)
+    return dt, total
 
 
 def _run_target(
@@ -79,6 +125,7 @@ def _run_target(
     first = target["first_step"]
     step_s: list[tuple[int, float]] = []
     ckpt_call_s: list[tuple[int, float]] = []
+    gather_s: list[tuple[int, float, int]] = []
     with deck.enable(model, [dense_opt], config) as ckpt:
         ckpt.step(first)  # the first checkpoint of a process is a full
         if a.settle:
@@ -86,6 +133,8 @@ def _run_target(
         for step in range(first + 1, first + a.steps + 1):
             t0 = time.perf_counter()
             train_step(model, dense_opt, spec, step)
+            if step % a.delta_every == 0 and a.gather:
+                gather_s.append((step, *_gather(ckpt)))
             t1 = time.perf_counter()
             ckpt.step(step)
             t2 = time.perf_counter()
@@ -117,6 +166,7 @@ def _run_target(
         "history": history,
         "step_s": step_s,
         "ckpt_call_s": ckpt_call_s,
+        "gather_s": gather_s,
         "final_flush_s": flush_s,
     }
 
@@ -259,6 +309,20 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
             full_b = fulls[0]["bytes"] if fulls else float("nan")
             ratio = stall / dcp_med
             t["summary"] = {"stall": stall, "ratio": ratio}
+            gathers = {g[0]: g[1] for g in t.get("gather_s", [])}
+            g_bytes = _median([g[2] for g in t.get("gather_s", [])])
+            pairs = [(h["stall_s"], gathers[h["step"]]) for h in deltas if h["step"] in gathers]
+            if pairs:
+                gather = _median([g for _, g in pairs])
+                per = _median([st / g for st, g in pairs])
+                t["summary"].update(gather=gather, stall_gather=per)
+                print(
+                    f"pure gather of the same rows (index_select into one buffer, rank 0, "
+                    f"{_mib(g_bytes)}): median {gather * 1e3:.1f} ms; stall / gather median "
+                    f"{per:.1f}x (goal <= {GATHER_GOAL}: {'MET' if per <= GATHER_GOAL else 'NOT MET'}); "
+                    f"stall / DCP goal <= 1/{1 / DCP_GOAL_15:.0f}: "
+                    f"{'MET' if ratio <= DCP_GOAL_15 else 'NOT MET'}"
+                )
             print(
                 f"median of {len(deltas)} deltas: stall {stall:.3f} s, {rows:.0f} rows, "
                 f"{_mib(dbytes)} ({dbytes / full_b:.3f} of the full's {_mib(full_b)}), "
@@ -295,12 +359,14 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
     print()
     print(
         f"{'target':<8} {'median delta stall s':>21} {'DCP save s':>11} {'stall/DCP':>10} {'goal':>6}"
+        f" {'gather s':>9} {'stall/gather':>13}"
     )
     for name, s in summary:
         if s:
             print(
                 f"{name:<8} {s['stall']:>21.3f} {dcp_med:>11.3f} {s['ratio']:>10.4f} "
                 f"{'MET' if s['ratio'] <= GOAL_RATIO else 'NO':>6}"
+                + (f" {s['gather']:>9.4f} {s['stall_gather']:>13.1f}" if "gather" in s else "")
             )
     print()
     print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
@@ -332,6 +398,12 @@ def main() -> int:
         default=0,
         help="run the SeaweedFS server at this nice level (19: it yields the 2 cores to "
         "training, standing in for object storage on other machines; default 0)",
+    )
+    p.add_argument(
+        "--no-gather",
+        dest="gather",
+        action="store_false",
+        help="skip timing the pure gather of each delta's rows",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
     p.add_argument(
