@@ -214,6 +214,21 @@ def make_batch(spec: ModelSpec, step: int, rank: int) -> tuple[torch.Tensor, Any
     return dense, kjt, labels
 
 
+def looked_up_rows(
+    spec: ModelSpec, tables: set[str], steps: range, world_size: int
+) -> dict[str, set[int]]:
+    """The rows of each table in ``tables`` (named ``t<i>``) that the batches of ``steps`` on
+    every rank look up: what a tracker of those steps must have seen."""
+    out: dict[str, set[int]] = {t: set() for t in tables}
+    for step in steps:
+        for r in range(world_size):
+            _, kjt, _ = make_batch(spec, step, r)
+            for i, key in enumerate(kjt.keys()):
+                if f"t{i}" in out:
+                    out[f"t{i}"].update(kjt[key].values().tolist())
+    return out
+
+
 def train_step(model: Any, dense_opt: Any, spec: ModelSpec, step: int) -> float:
     """One training step; returns the loss."""
     dense, kjt, labels = make_batch(spec, step, dist.get_rank())

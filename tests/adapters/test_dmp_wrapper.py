@@ -18,7 +18,7 @@ from deck.demo import (
     build_model,
     capture_state,
     diff_states,
-    make_batch,
+    looked_up_rows,
     train_step,
 )
 from deck.errors import ConfigError
@@ -46,17 +46,6 @@ def _table(name: str) -> str:
     found = re.findall(r"(?:^|\.)(t\d+)(?:\.|$)", name)
     assert found, name
     return found[-1]
-
-
-def _expected_rows(tables: set[str], steps: range, world_size: int) -> dict[str, set[int]]:
-    out: dict[str, set[int]] = {t: set() for t in tables}
-    for step in steps:
-        for r in range(world_size):
-            _, kjt, _ = make_batch(SPEC, step, r)
-            for i, key in enumerate(kjt.keys()):
-                if f"t{i}" in out:
-                    out[f"t{i}"].update(kjt[key].values().tolist())
-    return out
 
 
 def _worker(rank: int, world_size: int, uri: str) -> None:
@@ -101,7 +90,7 @@ def _worker(rank: int, world_size: int, uri: str) -> None:
     model.deck.tracker.commit(token)
     trec_rows = {_table(k): set(v.tolist()) for k, v in trec.get_unique_ids().items()}
     assert deck_rows and trec_rows == deck_rows, (sorted(trec_rows), sorted(deck_rows))
-    assert deck_rows == _expected_rows(set(deck_rows), range(1, 9), world_size)
+    assert deck_rows == looked_up_rows(SPEC, set(deck_rows), range(1, 9), world_size)
     # DMP.forward stepped both of TorchRec's trackers (model_tracker_configs' and the delta one).
     assert {k: t.curr_batch_idx for k, t in model.model_trackers.items()} == {
         "RAW_ID_TRACKER": 8,
