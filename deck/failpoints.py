@@ -74,6 +74,14 @@ def armed() -> list[str]:
     return sorted(_armed)
 
 
+def hits() -> dict[str, int]:
+    """How often each armed point was reached since it was armed (fired or not): a test arms
+    points with an unreachable ``nth`` in a probe run to learn which hits a real run can be
+    killed at."""
+    with _lock:
+        return {name: point.hits for name, point in _armed.items()}
+
+
 def failpoint(name: str, path: str | None = None) -> None:
     """Crash point ``name``; ``path`` is the file an ``enospc`` error names. No-op unless armed."""
     point = _armed.get(name)

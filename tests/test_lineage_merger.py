@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from synth import State, SynthTrainer, restore_state, same, snapshot
 
-from deck import failpoints, treecodec
+from deck import cli, failpoints, treecodec
 from deck.catalog import chain_for, latest_restorable, read_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format import MANIFEST, CheckpointManifest, Kind, load_model
@@ -885,6 +885,19 @@ def _uncommitted_merged(root: Path) -> set[str]:
     return {d.name for d in merged.iterdir() if d.is_dir() and not (d / MANIFEST).exists()}
 
 
+def _hits_of_a_merge(root: Path, probe: Path, point: str) -> int:
+    """How often `deck merge --once` of ``root`` reaches ``point``, counted in this process on a
+    copy (armed with an unreachable nth, so nothing fires)."""
+    shutil.copytree(root, probe)
+    failpoints.configure(f"{point}:{10**9}")
+    try:
+        assert cli.main(["merge", str(probe), "--once", *MERGE_ARGS]) == 0
+        return failpoints.hits()[point]
+    finally:
+        failpoints.configure(None)
+        shutil.rmtree(probe)
+
+
 @pytest.mark.slow
 def test_kill_9_at_any_moment_leaves_a_valid_lineage(tmp_path: Path) -> None:
     """`deck merge` SIGKILLed at the merger's crash points (a seeded choice of point and hit,
@@ -898,15 +911,20 @@ def test_kill_9_at_any_moment_leaves_a_valid_lineage(tmp_path: Path) -> None:
     history = {tr.saved[0].id: tr.saved[0].state}
     rng = random.Random(5)
     points = sorted(MERGER_POINTS)
-    # Every point once, in a seeded order, then seeded picks: each attempt has at least 3 items
-    # of new work (6 deltas, stride 2), so hits 1..3 of every point are reached.
+    # Every point once, in a seeded order, then seeded picks, each killed at a seeded hit among
+    # the first three that attempt reaches.
     schedule = rng.sample(points, len(points)) + [rng.choice(points) for _ in range(2)]
     mid_merge = 0
     for attempt, point in enumerate(schedule):
         for _ in range(6):  # the trainer goes on between the merger's crashes
             tr.train(2, rows=20)
             history[tr.save().id] = snapshot(tr.shards)
-        nth = rng.randint(1, 3)
+        # The merger is deterministic: a probe run on a copy counts how often this attempt
+        # reaches the point (how many items, partitions, chunks the plan has), so the seeded hit
+        # is always one the real run reaches.
+        reached = _hits_of_a_merge(root, tmp_path / f"probe-{attempt}", point)
+        assert reached >= 1, (attempt, point, "the merge never reaches this point")
+        nth = rng.randint(1, min(3, reached))
         marker = tmp_path / f"killed-{attempt}"
         env = {
             **os.environ,
