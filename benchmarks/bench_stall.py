@@ -115,7 +115,9 @@ def _run_target(
     from deck.config import StagingConfig
 
     extra = {} if a.chunks_in_flight is None else {"chunks_in_flight": a.chunks_in_flight}
-    staging = StagingConfig(tiers=target["tiers"], spool_dir=target.get("spool"), **extra)
+    staging = StagingConfig(
+        tiers=target["tiers"], spool_dir=target.get("spool"), release=target["release"], **extra
+    )
     config = deck.DeckConfig(
         uri=target["uri"],
         delta_every_steps=a.delta_every,
@@ -358,13 +360,13 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
     summary = [(t["name"], t.get("summary")) for t in r0["targets"]]
     print()
     print(
-        f"{'target':<8} {'median delta stall s':>21} {'DCP save s':>11} {'stall/DCP':>10} {'goal':>6}"
+        f"{'target':<26} {'median delta stall s':>21} {'DCP save s':>11} {'stall/DCP':>10} {'goal':>6}"
         f" {'gather s':>9} {'stall/gather':>13}"
     )
     for name, s in summary:
         if s:
             print(
-                f"{name:<8} {s['stall']:>21.3f} {dcp_med:>11.3f} {s['ratio']:>10.4f} "
+                f"{name:<26} {s['stall']:>21.3f} {dcp_med:>11.3f} {s['ratio']:>10.4f} "
                 f"{'MET' if s['ratio'] <= GOAL_RATIO else 'NO':>6}"
                 + (f" {s['gather']:>9.4f} {s['stall_gather']:>13.1f}" if "gather" in s else "")
             )
@@ -407,6 +409,12 @@ def main() -> int:
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
     p.add_argument(
+        "--release",
+        default="in_memory,first_tier",
+        help="StagingConfig.release values to run, one local target each, in this order (the "
+        "S3 target uses the first); default: in_memory,first_tier",
+    )
+    p.add_argument(
         "--chunks-in-flight",
         type=int,
         default=None,
@@ -430,12 +438,14 @@ def main() -> int:
     server = None
     targets: list[dict[str, Any]] = []
     first = 0
-    if not a.no_local:
+    releases = a.release.split(",")
+    for release in [] if a.no_local else releases:
         targets.append(
             {
-                "name": "local",
-                "uri": os.path.join(work, "ck-local"),
+                "name": f"local, release={release}",
+                "uri": os.path.join(work, f"ck-local-{release}"),
                 "tiers": "local",
+                "release": release,
                 "first_step": first,
             }
         )
@@ -455,10 +465,11 @@ def main() -> int:
             )
             targets.append(
                 {
-                    "name": "s3",
+                    "name": f"s3, release={releases[0]}",
                     "uri": server.uri("bench-stall"),
                     "storage_options": server.storage_options,
                     "tiers": "cpu-ssd-remote",
+                    "release": releases[0],
                     "spool": os.path.join(work, "spool"),
                     "first_step": first,
                 }

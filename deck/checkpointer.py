@@ -276,14 +276,18 @@ class DeltaCheckpointer:
         # parent (e.g. its shards were resharded by the restore).
         lost = self._lease is not None and self._lease.lost.is_set()
         broken = kind == "delta" and self._parent_chain_broken(chain)
+        failed_parts = chain.stager.take_failed()
         agreed = self.coord.gather(
             [
                 float(chain.stager.failed.is_set()),
                 float(self.coord.new_id_seed()),
                 float(lost),
                 float(chain.parent is None or broken),
+                float(len(failed_parts)),
             ]
         )
+        if agreed[:, 4].max() > 0:
+            self._tell_rank0_failed(chain, failed_parts, int(agreed[:, 4].max()))
         if agreed[:, 2].max() > 0:
             raise CheckpointError(
                 f"step {step}: this job lost the writer lease of {self.storage.uri} to another trainer; "
@@ -333,7 +337,11 @@ class DeltaCheckpointer:
                 writer.write_part(
                     shards, lambda sh: selected[order[id(sh)]], dense, self._extra_state(shards)
                 )
-                staged.wait_written()
+                staged.seal()
+                if self.config.staging.release == "first_tier":
+                    staged.wait_written()
+                # else a write that fails fails the step in the background, always there (not
+                # here or there by timing): the commit thread reports it, the next one is a full
                 failpoint("checkpointer.save.staged")
         except Exception as e:
             error = e
@@ -375,8 +383,8 @@ class DeltaCheckpointer:
         )
         chain.stager.enqueue(staged, stats)  # type: ignore[arg-type]
         failpoint("checkpointer.save.enqueued")
-        # The rows are safe in the first tier: later deltas are relative to this snapshot. If the
-        # background part fails, ``stager.failed`` makes the next checkpoint a full.
+        # The rows are in the stager's hands: later deltas are relative to this snapshot. If the
+        # part fails in the background, ``stager.failed`` makes the next checkpoint a full.
         self.tracker.commit(token)
         chain.parent = (step, ckpt_id)
         if full:
@@ -429,10 +437,37 @@ class DeltaCheckpointer:
             epoch=chain.epoch,
         )
 
+    def _tell_rank0_failed(self, chain: _Chain, failed: list[tuple[int, str]], most: int) -> None:
+        """Collective: every rank's parts that failed in the background reach rank 0's stager,
+        which stops waiting for them (when their failure records could not be written)."""
+        mine = [v for step, cid in failed for v in (float(step), float(int(cid, 16)))]
+        rows = self.coord.gather(mine + [-1.0] * (2 * most - len(mine)))
+        if self.coord.rank != 0:
+            return
+        for r in range(1, rows.shape[0]):
+            for i in range(most):
+                step, cid = int(rows[r, 2 * i]), int(rows[r, 2 * i + 1])
+                if step >= 0:
+                    chain.stager.abandon(step, f"{cid:016x}", f"rank {r}'s part failed")
+
+    def _exchange_failures(self, chain: _Chain, timeout: float | None) -> None:
+        """Collective: once every rank other than 0 has written (or failed) its staged parts,
+        rank 0 learns which failed. Rank 0 does not wait: its commit thread may be waiting for
+        exactly those parts."""
+        if self.coord.rank != 0:
+            chain.stager.wait_staged(timeout)
+        failed = chain.stager.take_failed()
+        most = int(self.coord.gather([float(len(failed))])[:, 0].max())
+        if most:
+            self._tell_rank0_failed(chain, failed, most)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every staged checkpoint is committed (or failed), on every rank: when it
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
         Returns False if any rank timed out."""
+        for chain in (self._ckpt, self._pub):
+            if chain is not None:
+                self._exchange_failures(chain, timeout)
         done = self.stager.flush(timeout)
         if self._pub is not None:
             done = self._pub.stager.flush(timeout) and done

@@ -108,7 +108,17 @@ class StagingConfig(BaseModel):
     commit_timeout_s: float = Field(
         default=3600.0,
         gt=0,
-        description="Rank 0 waits this long for every rank's part before giving up.",
+        description="Rank 0 waits this long for every rank's part before giving up (a rank "
+        "whose part failed says so at once; this bounds a rank that went silent).",
+    )
+    release: Literal["in_memory", "first_tier"] = Field(
+        default="in_memory",
+        description="When a checkpoint gives training back. in_memory: once every rank's rows "
+        "are in the CPU chunk buffers (the stall is the gather, plus waiting for buffers when a "
+        "rank's part exceeds chunks_in_flight x chunk_bytes); the first-tier writes go on in the "
+        "background, and a write that fails there makes the step uncommitted and the next "
+        "checkpoint a full. first_tier: once every rank's part is written to the first tier "
+        "with its pending record, so a checkpoint save() returned survives a process crash.",
     )
 
     @field_validator("chunk_bytes")

@@ -507,6 +507,13 @@ def rank_manifest_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
+def rank_failure_name(rank: int) -> str:
+    """Beside the rank manifests of an attempt: this rank's part failed after training was
+    released (its first-tier writes), so rank 0 stops waiting for it. UTF-8 text of the error;
+    never read as checkpoint data."""
+    return f"rank-{rank:05d}.failed"
+
+
 def table_dir(table: str) -> str:
     """A file-system-safe folder name for a table key (state_dict key of its weight)."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", table)

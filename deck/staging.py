@@ -2,11 +2,15 @@
 
 The training thread fills at most ``chunks_in_flight`` reusable buffers; a spool writer thread
 writes each to the spool and hands the buffer back, so CPU memory stays bounded whatever the
-model size. Once every chunk of a rank's part is in the spool, a pending record is written next
-to it and training resumes. A background thread then, per checkpoint and in order: fsyncs the
-spool files (durable-local), uploads them with retries (remote tiers), puts the rank part
-manifest at the destination, and -- on rank 0, once every rank's part manifest is there --
-writes the commit record. The background thread never calls collectives.
+model size. Training resumes once every chunk of a rank's part is in a buffer
+(``release="in_memory"``) or written to the spool with the part's pending record beside it
+(``"first_tier"``). A background thread then, per checkpoint and in order: waits for the part's
+writes and pending record, fsyncs the spool files (durable-local), uploads them with retries
+(remote tiers), puts the rank part manifest at the destination, and -- on rank 0, once every
+rank's part manifest is there -- writes the commit record. A part that fails after training was
+released puts a failure record where its manifest would go, so rank 0 stops waiting for it at
+once; the next collective checkpoint or flush also tells rank 0 (the record may not be
+writable). The background thread never calls collectives.
 
 A process that restarts finds pending records in the spool and finishes them, or discards them
 when the destination already has them or a later full made them useless.
@@ -55,6 +59,7 @@ from deck.format import (
     load_model,
     parse_step_dir,
     rank_dir,
+    rank_failure_name,
     rank_manifest_name,
     step_dir,
 )
@@ -69,6 +74,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PENDING_SUFFIX = ".pending.json"
+
+
+class _NeverCommits(DeckError):
+    """A part that failed for good (its writes, or another rank's part): drop it, or every
+    restart would retry it."""
 
 
 class PendingPart(BaseModel):
@@ -108,6 +118,15 @@ class CheckpointStats:
     error: str | None = None
     spool_reserved: int = field(default=0, repr=False)
     started: float = field(default_factory=time.perf_counter, repr=False)
+
+
+@dataclass
+class _Item:
+    """One part for the commit thread: staged by this process, or found in the spool."""
+
+    pending: PendingPart
+    stats: CheckpointStats
+    staged: StagedPart | None = None
 
 
 class BufferPool:
@@ -179,6 +198,7 @@ class StagedPart:
         self._outstanding = 0
         self._error: BaseException | None = None
         self._done = threading.Condition()
+        self._sealed = False  # every file is submitted (and the pending record queued)
         self.bytes = 0
         self.part: RankManifest | None = None
 
@@ -214,19 +234,35 @@ class StagedPart:
 
         fut.add_done_callback(done)
 
-    def wait_written(self) -> None:
-        """Block until every submitted file is in the first tier; raises the first write error.
+    def error(self) -> BaseException | None:
+        """The first write error so far, without waiting."""
+        with self._done:
+            return self._error
 
-        With a spool, the part's pending record is then written (fsynced) too: before the ranks
-        agree the part is staged, so that a failure to write it (a full disk) is this rank's
-        staging failure, not a part that silently never commits."""
+    def seal(self) -> None:
+        """Every file of the part is submitted. With a spool, its pending record is queued on
+        the spool writer behind them (once): written (fsynced) right after the part's last file,
+        unless a write failed, whatever the commit thread is doing, so a restart finds it. A
+        failure to write it (a full disk) is this part's staging failure, not a part that
+        silently never commits."""
+        if self._sealed:
+            return
+        self._sealed = True
+        if self.part is not None and self.stager.spool_root is not None:
+            self._track(self.stager.record_pending(self))
+
+    def wait_written(self, seal: bool = True) -> None:
+        """Seal the part and block until every file and its pending record are in the first
+        tier; raises the first write error. Called by the training thread before the ranks agree
+        the part is staged (``release="first_tier"``) or by the commit thread before it goes on
+        with the part. ``seal=False``: only wait for what was submitted (a discarded part)."""
+        if seal:
+            self.seal()
         with self._done:
             while self._outstanding:
                 self._done.wait()
             if self._error is not None:
                 raise self._error
-        if self.part is not None and self.stager.spool_root is not None:
-            self.stager.write_pending(self.pending())
 
     def pending(self) -> PendingPart:
         if self.part is None:
@@ -267,9 +303,14 @@ class Stager:
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
         )
-        self._queue: queue.Queue[tuple[PendingPart, CheckpointStats] | None] = queue.Queue()
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        # Parts another rank reported failed at a collective (step, id): rank 0 stops waiting.
+        self._abandoned: dict[tuple[int, str], str] = {}
+        # Parts of this rank that failed in the background, not yet told at a collective.
+        self._failed_parts: list[tuple[int, str]] = []
         self._idle = threading.Condition()
         self._busy = 0
+        self._staging = 0  # enqueued parts whose first-tier writes may still be running
         self._spool_bytes = 0
         self.failed = threading.Event()  # a part failed after training moved on: take a full next
         self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
@@ -329,19 +370,57 @@ class Stager:
             self._uploads.submit(upload) if self.spool_root is None else self._writer.submit(spool)
         )
 
+    def record_pending(self, staged: StagedPart) -> Future[None]:
+        """Write ``staged``'s pending record on the spool writer, after the files queued before
+        it; skipped when one of them failed (the part is failing anyway)."""
+
+        def record() -> None:
+            if staged.error() is None:
+                self.write_pending(staged.pending())
+
+        return self._writer.submit(record)
+
     def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
-        """Every rank's part is in its first tier (and its pending record written by
-        :meth:`StagedPart.wait_written`): go on in the background."""
+        """Every rank staged its part (in buffers or already in the first tier): go on in the
+        background, starting by waiting for this part's writes."""
         pending = staged.pending()
         stats.spool_reserved = staged.reserved
         with self._idle:
             self._busy += 1
-        self._queue.put((pending, stats))
+            self._staging += 1
+        self._queue.put(_Item(pending, stats, staged))
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """(step, id) of this rank's parts that failed in the background since the last call:
+        what a collective tells rank 0 (:meth:`abandon`)."""
+        with self._idle:
+            out, self._failed_parts = self._failed_parts, []
+        return out
+
+    def abandon(self, step: int, ckpt_id: str, why: str) -> None:
+        """Rank 0: another rank's part of ``step`` failed; do not wait for it (nor commit)."""
+        with self._idle:
+            self._abandoned[(step, ckpt_id)] = why
+            self._idle.notify_all()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until every enqueued part of this rank is written to its first tier or failed
+        (not uploaded, not committed): then :meth:`take_failed` knows every failed write. False
+        on timeout. Parts wait in order behind the commit thread, so on rank 0 (whose commit
+        thread waits for other ranks) only call it when nothing waits for them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._staging:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def discard(self, staged: StagedPart) -> None:
         """Drop a part that will not be committed (another rank failed)."""
         with contextlib.suppress(Exception):
-            staged.wait_written()
+            staged.wait_written(seal=False)
         self._remove_files(staged.info.step, staged.files, remote=self.spool_root is None)
         if self.spool_root is not None:
             self._remove_pending(staged.info)
@@ -395,7 +474,7 @@ class Stager:
             with self._idle:
                 self._busy += 1
                 self._spool_bytes += stats.spool_reserved
-            self._queue.put((p, stats))
+            self._queue.put(_Item(p, stats))
             out.append(stats)
         return out
 
@@ -478,8 +557,10 @@ class Stager:
             item = self._queue.get()
             if item is None:
                 return
-            pending, stats = item
+            pending, stats = item.pending, item.stats
             try:
+                if item.staged is not None:
+                    self._wait_staged(item)
                 self._finish(pending, stats)
             except Exception as e:
                 stats.state, stats.error = "failed", str(e)
@@ -490,15 +571,44 @@ class Stager:
                     pending.ckpt_id,
                     e,
                 )
-                if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError)):
-                    # It can never commit (its parent is gone, or its spooled files are torn):
-                    # drop it, or every restart would retry it.
+                if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, _NeverCommits)):
+                    # It can never commit (its parent is gone, its spooled files are torn, a
+                    # rank's part failed): drop it, or every restart would retry it.
                     with contextlib.suppress(Exception):
                         self._cleanup(pending, stats)
             finally:
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
+
+    def _wait_staged(self, item: _Item) -> None:
+        """The part's writes and pending record; a failure is recorded for rank 0 (a failure
+        record at the destination, and :meth:`take_failed` for the next collective)."""
+        assert item.staged is not None
+        try:
+            item.staged.wait_written()
+        except Exception as e:
+            p = item.pending
+            with self._idle:
+                self._failed_parts.append((p.step, p.ckpt_id))
+            if p.rank != 0:
+                key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
+                try:
+                    failpoint("stager.failure_record.put", key)
+                    self.storage.put(key, f"rank {p.rank}: {e}".encode())
+                except (StorageError, OSError) as put_error:
+                    logger.warning(
+                        "deck: could not tell rank 0 through %s that step %d failed (%s); it "
+                        "learns at the next checkpoint or flush",
+                        self.storage.describe(key),
+                        p.step,
+                        put_error,
+                    )
+            raise _NeverCommits(str(e)) from e
+        finally:
+            with self._idle:
+                self._staging -= 1
+                self._idle.notify_all()
 
     def _finish(self, p: PendingPart, stats: CheckpointStats) -> None:
         if p.part is None:
@@ -672,36 +782,57 @@ class Stager:
                 delay = min(delay * 2, self.cfg.retry_max_s)
 
     def _wait_for_parts(self, p: PendingPart) -> None:
+        """Rank 0: until every rank's part manifest is at the destination; raises once a rank
+        reports its part failed, or after ``commit_timeout_s``."""
         deadline = time.monotonic() + self.cfg.commit_timeout_s
         delay = 0.02
-        keys = [
-            f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}" for r in range(p.world_size)
-        ]
-        missing = keys
+        folder = f"{step_dir(p.step)}/{p.ckpt_id}"
+        missing = list(range(p.world_size))
         next_report = time.monotonic() + 30
         while True:
             try:
-                missing = [k for k in missing if not self.storage.exists(k)]
+                missing = [
+                    r
+                    for r in missing
+                    if not self.storage.exists(f"{folder}/{rank_manifest_name(r)}")
+                ]
+                self._raise_if_failed(p, [f"{folder}/{rank_failure_name(r)}" for r in missing])
             except StorageError as e:
                 logger.warning("deck: cannot check rank parts of step %d yet: %s", p.step, e)
             if not missing:
                 return
             if time.monotonic() > next_report:
                 logger.warning(
-                    "deck: step %d waits for rank parts %s at %s (giving up in %.0f s)",
+                    "deck: step %d waits for the parts of rank(s) %s at %s (giving up in %.0f s)",
                     p.step,
                     missing,
-                    self.storage.uri,
+                    self.storage.describe(folder),
                     deadline - time.monotonic(),
                 )
                 next_report = time.monotonic() + 30
             if time.monotonic() > deadline:
                 raise DeckError(
-                    f"step {p.step}: rank parts {missing} did not arrive within {self.cfg.commit_timeout_s:.0f} s; "
+                    f"step {p.step}: the parts of rank(s) {missing} did not arrive at "
+                    f"{self.storage.describe(folder)} within {self.cfg.commit_timeout_s:.0f} s; "
                     "not committing it"
                 )
-            time.sleep(delay)
+            with self._idle:  # abandon() wakes it
+                if (p.step, p.ckpt_id) not in self._abandoned:
+                    self._idle.wait(delay)
             delay = min(delay * 2, 1.0)
+
+    def _raise_if_failed(self, p: PendingPart, failure_keys: list[str]) -> None:
+        """A missing rank part that will never come: its rank said so (a failure record, or at
+        a collective through :meth:`abandon`)."""
+        why = None
+        for key in failure_keys:  # first: a record says what failed, the collective only who
+            with contextlib.suppress(NotFoundError):
+                why = self.storage.get(key).decode(errors="replace")
+                break
+        with self._idle:
+            told = self._abandoned.pop((p.step, p.ckpt_id), None)
+        if why is not None or told is not None:
+            raise _NeverCommits(f"step {p.step} is not committed: {why or told}")
 
     def _cleanup(self, p: PendingPart, stats: CheckpointStats) -> None:
         """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""

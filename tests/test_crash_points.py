@@ -120,13 +120,18 @@ def _fill(path: str) -> None:
 
 
 def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -> None:
+    """release="first_tier": the failed writes fail ``ck.step`` on every rank."""
     uri = f"{root}/ck"
     config = deck.DeckConfig(
         uri=uri,
         delta_every_steps=1,
         lease_ttl_s=None,
         staging=deck.StagingConfig(
-            chunk_bytes=4096, tiers="cpu-ssd-remote", spool_dir=spool, retry_initial_s=0.05
+            chunk_bytes=4096,
+            tiers="cpu-ssd-remote",
+            spool_dir=spool,
+            retry_initial_s=0.05,
+            release="first_tier",
         ),
     )
     model, opt = build_model(SPEC)
@@ -193,9 +198,92 @@ def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -
         assert not bad, f"rank {rank} step {step}: {bad[:5]}"
 
 
-def test_spool_disk_full(tmp_path: Path) -> None:
+def _spool_full_after_release(
+    rank: int, world_size: int, root: str, spool: str, real: bool
+) -> None:
+    """release="in_memory": training was given back before the writes failed. ``ck.step``
+    returns; the failed step is never committed, rank 0 learns it at once (the failed rank's
+    failure record) or at the next collective (when even that record cannot be written) instead
+    of waiting ``commit_timeout_s``, and the next checkpoint is a full."""
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=1,
+        lease_ttl_s=None,
+        staging=deck.StagingConfig(
+            chunk_bytes=4096,
+            tiers="cpu-ssd-remote",
+            spool_dir=spool,
+            retry_initial_s=0.05,
+            commit_timeout_s=3600,  # a flush that waited for it would fail the 600 s below
+        ),
+    )
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    ballast = os.path.join(spool, "ballast")
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        for step in range(5):
+            if step:
+                user.losses.append(train_step(model, opt, SPEC, step))
+                user.step = step
+            live[step] = capture_state(model, opt, user)
+            if step == 1:  # the spool's disk is full for this checkpoint
+                if real and rank == 0:
+                    _fill(ballast)
+                dist.barrier()
+                if not real and rank == 1:
+                    failpoints.configure("stager.spool.write:1:enospc")
+            if step == 3 and rank == 1:  # its pending record, and the failure record too
+                failpoints.configure(
+                    "stager.pending.write:1:enospc,stager.failure_record.put:1:enospc"
+                )
+            assert ck.step(step) is not None  # training goes on: nothing raised here
+            if step in (1, 3):
+                assert ck.flush(timeout=600)  # rank 0 did not wait for the failed part
+            failpoints.configure(None)
+            if step == 1:
+                dist.barrier()
+                if real and rank == 0:
+                    os.remove(ballast)
+                dist.barrier()
+        ck.flush()
+        history = {h.step: (h.kind, h.state) for h in ck.history}
+        failures = {h.step: h.error or "" for h in ck.history if h.state == "failed"}
+
+    done = "committed" if rank == 0 else "uploaded"
+    assert history == {
+        0: ("full", done),
+        1: ("delta", "failed"),
+        2: ("full", done),  # the failed part broke the chain: a full follows
+        3: ("delta", "failed"),
+        4: ("full", done),
+    }, history
+    # Step 1: the failed rank's record told rank 0 what failed (or rank 0's own write failed).
+    assert "No space left on device" in failures[1] and "step 1" in failures[1], failures
+    if rank == 0:  # step 3: no record could be written; the flush's collective told rank 0
+        assert "rank 1's part failed" in failures[3], failures
+    storage = LocalStorage(uri)
+    manifests = read_manifests(storage)
+    assert sorted(manifests) == [0, 2, 4]
+    assert all(not verify_checkpoint(storage, m).problems for m in manifests.values())
+    leftovers = [os.path.join(d, f) for d, _, fs in os.walk(spool) for f in fs]
+    assert not leftovers, leftovers
+    for step in (2, 4):
+        model2, opt2 = build_model(SPEC, seed=7 + step)
+        user2 = TrainState()
+        with deck.DeltaCheckpointer(model2, [opt2], config, state=user2) as ck2:
+            assert ck2.restore(step) == step
+        bad = diff_states(live[step], capture_state(model2, opt2, user2))
+        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+
+
+@pytest.mark.parametrize("release", ["first_tier", "in_memory"])
+def test_spool_disk_full(tmp_path: Path, release: str) -> None:
     """ENOSPC on the spool: the checkpoint fails with a SpoolError naming the spool dir and step,
-    nothing committed is touched, training goes on and the next delta carries the rows.
+    nothing committed is touched, training goes on. With release="first_tier" ``ck.step`` raises
+    and the next delta carries the rows; with "in_memory" (the default) the step fails in the
+    background, rank 0 stops waiting for it, and the next checkpoint is a full.
 
     How the full disk is produced: where this process may mount (root), the spool is a real
     1 MiB tmpfs that the test fills with a ballast file, so the kernel returns ENOSPC to the
@@ -206,7 +294,8 @@ def test_spool_disk_full(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     real = _try_tmpfs(spool, "1m")
     try:
-        run_ranks(_spool_full, str(tmp_path), str(spool), real)
+        fn = _spool_full if release == "first_tier" else _spool_full_after_release
+        run_ranks(fn, str(tmp_path), str(spool), real)
     finally:
         if real:
             subprocess.run(["umount", str(spool)], check=False)
