@@ -72,7 +72,8 @@ RANKS = 2
 # or delta). "stager.recover.before_check" kills a restart while it finishes the parts the kill
 # before left in the spool: it follows a kill at "stager.fsync.before" of the same rank, which
 # always leaves one (every rank wrote its pending record before the all-gather that precedes
-# the fsync, and the killed rank's part is not uploaded), whatever the other rank was doing.
+# the fsync: FIRST_TIER_POINTS below; and the killed rank's part is not uploaded), whatever the
+# other rank was doing.
 TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("writer.chunk.before_fill", 1, 0),
     ("writer.chunk.before_fill", 3, 1),
@@ -199,7 +200,18 @@ class Paths:
         return os.path.join(self.refs, f"state-{step:06d}-r{rank}.safetensors")
 
 
-def config(p: Paths) -> deck.DeckConfig:
+# Incarnations armed at these points run with release="first_tier": every rank's pending record
+# is then written before the all-gather that precedes the kill, so the kill always leaves a part
+# pending on every rank for the next incarnation's recovery point to fire on. The rest run with
+# the default "in_memory" (training released before the spool writes).
+FIRST_TIER_POINTS = ("stager.fsync.before",)
+
+
+def release_for(spec: str | None) -> str:
+    return "first_tier" if spec and spec.startswith(FIRST_TIER_POINTS) else "in_memory"
+
+
+def config(p: Paths, release: str = "in_memory") -> deck.DeckConfig:
     return deck.DeckConfig(
         uri=p.uri,
         delta_every_steps=1,
@@ -213,6 +225,7 @@ def config(p: Paths) -> deck.DeckConfig:
             retry_initial_s=0.05,
             retry_max_s=0.2,
             commit_timeout_s=60,
+            release=release,
         ),
     )
 
@@ -243,9 +256,12 @@ def _save_ref(p: Paths, step: int, rank: int, state: dict[str, torch.Tensor]) ->
     os.replace(path + ".tmp", path)
 
 
-def _trainer(rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: str) -> None:
+def _trainer(
+    rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: str, release: str
+) -> None:
     """One rank of one incarnation; ``mode``: train (deltas), full (every checkpoint a full),
-    verify-all (restore each step of $CRASH_VERIFY_STEPS, compare, no training)."""
+    verify-all (restore each step of $CRASH_VERIFY_STEPS, compare, no training); ``release``:
+    the incarnation's StagingConfig.release (the same on every rank)."""
     _child_setup(p, f"inc{inc:03d}-r{rank}", spec)
     t0 = time.perf_counter()
 
@@ -257,7 +273,7 @@ def _trainer(rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: s
     model, opt = build_model(SPEC)
     log("model built")
     user = TrainState()
-    ck = deck.DeltaCheckpointer(model, [opt], config(p), state=user)
+    ck = deck.DeltaCheckpointer(model, [opt], config(p, release), state=user)
     log(f"checkpointer ready, recovering {[s.step for s in ck.recovered]}")
     out: dict[str, Any] = {"recovered": sorted(s.step for s in ck.recovered)}
     if mode == "verify-all":
@@ -420,7 +436,8 @@ def _trainer_run(p: Paths, inc: int, spec: str | None, armed: int, mode: str = "
     port = free_port()
     procs = [
         ctx.Process(
-            target=_trainer_entry, args=(r, port, p, spec if r == armed else None, inc, mode)
+            target=_trainer_entry,
+            args=(r, port, p, spec if r == armed else None, inc, mode, release_for(spec)),
         )
         for r in range(RANKS)
     ]
