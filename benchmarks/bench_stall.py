@@ -154,6 +154,7 @@ def _run_target(
                 "bytes": h.bytes,
                 "rows": h.rows,
                 "chunks": h.chunks,
+                "buffer_wait_s": h.buffer_wait_s,
                 "durable_local_s": h.durable_local_s,
                 "committed_s": h.committed_s,
                 "state": h.state,
@@ -325,6 +326,11 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
                     f"stall / DCP goal <= 1/{1 / DCP_GOAL_15:.0f}: "
                     f"{'MET' if ratio <= DCP_GOAL_15 else 'NOT MET'}"
                 )
+            waits = _median([h.get("buffer_wait_s", 0.0) for h in deltas])
+            print(
+                f"of the stall, waiting for chunk buffers (part > chunks_in_flight x chunk_bytes): "
+                f"median {waits * 1e3:.1f} ms"
+            )
             print(
                 f"median of {len(deltas)} deltas: stall {stall:.3f} s, {rows:.0f} rows, "
                 f"{_mib(dbytes)} ({dbytes / full_b:.3f} of the full's {_mib(full_b)}), "

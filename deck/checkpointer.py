@@ -352,7 +352,8 @@ class DeltaCheckpointer:
             if writer
             else [0, 0, 0]
         )
-        gathered = self.coord.gather([status, time.perf_counter() - t0, *map(float, sizes)])
+        waited = 0.0 if staged is None else staged.buffer_wait_s
+        gathered = self.coord.gather([status, time.perf_counter() - t0, *map(float, sizes), waited])
         if gathered[:, 0].min() < 2:
             self.tracker.abort(token)  # nothing was saved: the rows stay pending
             if staged is not None:
@@ -379,6 +380,7 @@ class DeltaCheckpointer:
             bytes=int(gathered[:, 2].sum()),
             rows=int(gathered[:, 3].sum()),
             chunks=int(gathered[:, 4].sum()),
+            buffer_wait_s=float(gathered[:, 5].max()),
             started=t0,
         )
         chain.stager.enqueue(staged, stats)  # type: ignore[arg-type]
@@ -390,6 +392,17 @@ class DeltaCheckpointer:
         if full:
             chain.base = step
         chain.history.append(stats)
+        if stats.buffer_wait_s > 0.5 * stats.stall_s and not full:
+            logger.info(
+                "deck: %s step %d waited %.3f s of its %.3f s stall for chunk buffers: a rank's "
+                "part is larger than staging.chunks_in_flight x chunk_bytes (%.0f MiB); raise "
+                "chunks_in_flight to trade CPU memory for stall",
+                chain.label,
+                step,
+                stats.buffer_wait_s,
+                stats.stall_s,
+                self.config.staging.chunks_in_flight * self.config.staging.chunk_bytes / 2**20,
+            )
         logger.info(
             "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s",
             kind,

@@ -109,6 +109,9 @@ class CheckpointStats:
     kind: str
     id: str
     stall_s: float = 0.0
+    # Of the stall, the longest any rank waited for a free chunk buffer: > 0 when a rank's part
+    # was larger than the pool (chunks_in_flight x chunk_bytes), which then bounds the stall.
+    buffer_wait_s: float = 0.0
     bytes: int = 0
     rows: int = 0
     chunks: int = 0
@@ -200,11 +203,15 @@ class StagedPart:
         self._done = threading.Condition()
         self._sealed = False  # every file is submitted (and the pending record queued)
         self.bytes = 0
+        self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
         self.part: RankManifest | None = None
 
     # -- sink interface used by deck.writer.RankPartWriter --
     def buffer(self) -> Buffer:
-        return self.stager.pool.acquire()
+        t0 = time.perf_counter()
+        buf = self.stager.pool.acquire()
+        self.buffer_wait_s += time.perf_counter() - t0
+        return buf
 
     def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
