@@ -119,11 +119,9 @@ def _fill(path: str) -> None:
         os.close(fd)
 
 
-def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -> None:
-    """release="first_tier": the failed writes fail ``ck.step`` on every rank."""
-    uri = f"{root}/ck"
-    config = deck.DeckConfig(
-        uri=uri,
+def _spool_config(root: str, spool: str, release: str) -> deck.DeckConfig:
+    return deck.DeckConfig(
+        uri=f"{root}/ck",
         delta_every_steps=1,
         lease_ttl_s=None,
         staging=deck.StagingConfig(
@@ -131,9 +129,35 @@ def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -
             tiers="cpu-ssd-remote",
             spool_dir=spool,
             retry_initial_s=0.05,
-            release="first_tier",
+            release=release,
+            commit_timeout_s=3600,  # a flush that waited for a failed part would not return
         ),
     )
+
+
+def _committed_verify_and_restore(
+    rank: int, config: deck.DeckConfig, spool: str, live: dict, parents: dict[int, int | None]
+) -> None:
+    """Exactly the steps of ``parents`` are committed (with those parents), verify, restore
+    bitwise; the failed attempts' spool files are gone."""
+    storage = LocalStorage(config.uri)
+    manifests = read_manifests(storage)
+    assert {s: m.parent for s, m in manifests.items()} == parents
+    assert all(not verify_checkpoint(storage, m).problems for m in manifests.values())
+    leftovers = [os.path.join(d, f) for d, _, fs in os.walk(spool) for f in fs]
+    assert not leftovers, leftovers
+    for step in sorted(parents)[1:]:
+        model2, opt2 = build_model(SPEC, seed=7 + step)
+        user2 = TrainState()
+        with deck.DeltaCheckpointer(model2, [opt2], config, state=user2) as ck2:
+            assert ck2.restore(step) == step
+        bad = diff_states(live[step], capture_state(model2, opt2, user2))
+        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+
+
+def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -> None:
+    """release="first_tier": the failed writes fail ``ck.step`` on every rank."""
+    config = _spool_config(root, spool, "first_tier")
     model, opt = build_model(SPEC)
     user = TrainState()
     live = {}
@@ -182,20 +206,7 @@ def _spool_full(rank: int, world_size: int, root: str, spool: str, real: bool) -
     # Training went on; the skipped steps' rows went into the next deltas.
     done = "committed" if rank == 0 else "uploaded"
     assert history == {0: ("full", done), 2: ("delta", done), 4: ("delta", done)}, history
-    storage = LocalStorage(uri)
-    manifests = read_manifests(storage)
-    assert sorted(manifests) == [0, 2, 4]
-    assert manifests[2].parent == 0 and manifests[4].parent == 2
-    assert all(not verify_checkpoint(storage, m).problems for m in manifests.values())
-    leftovers = [os.path.join(d, f) for d, _, fs in os.walk(spool) for f in fs]
-    assert not leftovers, leftovers  # the failed attempts' partial spool files are gone
-    for step in (2, 4):
-        model2, opt2 = build_model(SPEC, seed=7 + step)
-        user2 = TrainState()
-        with deck.DeltaCheckpointer(model2, [opt2], config, state=user2) as ck2:
-            assert ck2.restore(step) == step
-        bad = diff_states(live[step], capture_state(model2, opt2, user2))
-        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+    _committed_verify_and_restore(rank, config, spool, live, {0: None, 2: 0, 4: 2})
 
 
 def _spool_full_after_release(
@@ -205,19 +216,7 @@ def _spool_full_after_release(
     returns; the failed step is never committed, rank 0 learns it at once (the failed rank's
     failure record) or at the next collective (when even that record cannot be written) instead
     of waiting ``commit_timeout_s``, and the next checkpoint is a full."""
-    uri = f"{root}/ck"
-    config = deck.DeckConfig(
-        uri=uri,
-        delta_every_steps=1,
-        lease_ttl_s=None,
-        staging=deck.StagingConfig(
-            chunk_bytes=4096,
-            tiers="cpu-ssd-remote",
-            spool_dir=spool,
-            retry_initial_s=0.05,
-            commit_timeout_s=3600,  # a flush that waited for it would fail the 600 s below
-        ),
-    )
+    config = _spool_config(root, spool, "in_memory")
     model, opt = build_model(SPEC)
     user = TrainState()
     live = {}
@@ -263,19 +262,8 @@ def _spool_full_after_release(
     assert "No space left on device" in failures[1] and "step 1" in failures[1], failures
     if rank == 0:  # step 3: no record could be written; the flush's collective told rank 0
         assert "rank 1's part failed" in failures[3], failures
-    storage = LocalStorage(uri)
-    manifests = read_manifests(storage)
-    assert sorted(manifests) == [0, 2, 4]
-    assert all(not verify_checkpoint(storage, m).problems for m in manifests.values())
-    leftovers = [os.path.join(d, f) for d, _, fs in os.walk(spool) for f in fs]
-    assert not leftovers, leftovers
-    for step in (2, 4):
-        model2, opt2 = build_model(SPEC, seed=7 + step)
-        user2 = TrainState()
-        with deck.DeltaCheckpointer(model2, [opt2], config, state=user2) as ck2:
-            assert ck2.restore(step) == step
-        bad = diff_states(live[step], capture_state(model2, opt2, user2))
-        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+    # Fulls after each failure: nothing builds on the failed steps.
+    _committed_verify_and_restore(rank, config, spool, live, {0: None, 2: None, 4: None})
 
 
 @pytest.mark.parametrize("release", ["first_tier", "in_memory"])
