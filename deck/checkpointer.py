@@ -464,11 +464,11 @@ class DeltaCheckpointer:
                     chain.stager.abandon(step, f"{cid:016x}", f"rank {r}'s part failed")
 
     def _exchange_failures(self, chain: _Chain, timeout: float | None) -> None:
-        """Collective: once every rank other than 0 has written (or failed) its staged parts,
-        rank 0 learns which failed. Rank 0 does not wait: its commit thread may be waiting for
-        exactly those parts."""
+        """Collective: once every rank other than 0 has finished (or failed) its parts, rank 0
+        learns which failed. Rank 0 does not wait: its commit thread may be waiting for exactly
+        those parts; the other ranks' background work never waits for another rank."""
         if self.coord.rank != 0:
-            chain.stager.wait_staged(timeout)
+            chain.stager.flush(timeout)
         failed = chain.stager.take_failed()
         most = int(self.coord.gather([float(len(failed))])[:, 0].max())
         if most:
@@ -478,12 +478,15 @@ class DeltaCheckpointer:
         """Wait until every staged checkpoint is committed (or failed), on every rank: when it
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
         Returns False if any rank timed out."""
-        for chain in (self._ckpt, self._pub):
-            if chain is not None:
-                self._exchange_failures(chain, timeout)
-        done = self.stager.flush(timeout)
-        if self._pub is not None:
-            done = self._pub.stager.flush(timeout) and done
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        chains = [c for c in (self._ckpt, self._pub) if c is not None]
+        for chain in chains:
+            self._exchange_failures(chain, left())
+        done = all([chain.stager.flush(left()) for chain in chains])
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)
 

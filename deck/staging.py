@@ -7,10 +7,10 @@ model size. Training resumes once every chunk of a rank's part is in a buffer
 (``"first_tier"``). A background thread then, per checkpoint and in order: waits for the part's
 writes and pending record, fsyncs the spool files (durable-local), uploads them with retries
 (remote tiers), puts the rank part manifest at the destination, and -- on rank 0, once every
-rank's part manifest is there -- writes the commit record. A part that fails after training was
-released puts a failure record where its manifest would go, so rank 0 stops waiting for it at
-once; the next collective checkpoint or flush also tells rank 0 (the record may not be
-writable). The background thread never calls collectives.
+rank's part manifest is there -- writes the commit record. A part of another rank that fails
+(its writes after training was released, or its upload) puts a failure record where its manifest
+would go, so rank 0 stops waiting for it at once; the next collective checkpoint or flush also
+tells rank 0 (the record may not be writable). The background thread never calls collectives.
 
 A process that restarts finds pending records in the spool and finishes them, or discards them
 when the destination already has them or a later full made them useless.
@@ -317,7 +317,6 @@ class Stager:
         self._failed_parts: list[tuple[int, str]] = []
         self._idle = threading.Condition()
         self._busy = 0
-        self._staging = 0  # enqueued parts whose first-tier writes may still be running
         self._spool_bytes = 0
         self.failed = threading.Event()  # a part failed after training moved on: take a full next
         self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
@@ -394,12 +393,11 @@ class Stager:
         stats.spool_reserved = staged.reserved
         with self._idle:
             self._busy += 1
-            self._staging += 1
         self._queue.put(_Item(pending, stats, staged))
 
     def take_failed(self) -> list[tuple[int, str]]:
-        """(step, id) of this rank's parts that failed in the background since the last call:
-        what a collective tells rank 0 (:meth:`abandon`)."""
+        """(step, id) of this rank's parts (rank > 0) that failed in the background since the
+        last call: what a collective tells rank 0 (:meth:`abandon`)."""
         with self._idle:
             out, self._failed_parts = self._failed_parts, []
         return out
@@ -409,20 +407,6 @@ class Stager:
         with self._idle:
             self._abandoned[(step, ckpt_id)] = why
             self._idle.notify_all()
-
-    def wait_staged(self, timeout: float | None = None) -> bool:
-        """Wait until every enqueued part of this rank is written to its first tier or failed
-        (not uploaded, not committed): then :meth:`take_failed` knows every failed write. False
-        on timeout. Parts wait in order behind the commit thread, so on rank 0 (whose commit
-        thread waits for other ranks) only call it when nothing waits for them."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._staging:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
 
     def discard(self, staged: StagedPart) -> None:
         """Drop a part that will not be committed (another rank failed)."""
@@ -567,9 +551,14 @@ class Stager:
             pending, stats = item.pending, item.stats
             try:
                 if item.staged is not None:
-                    self._wait_staged(item)
+                    try:  # its writes (still running when training was released early)
+                        item.staged.wait_written()
+                    except Exception as e:
+                        raise _NeverCommits(str(e)) from e
                 self._finish(pending, stats)
             except Exception as e:
+                if pending.rank != 0 and stats.state not in ("uploaded", "committed"):
+                    self._report_failed(pending, e)
                 stats.state, stats.error = "failed", str(e)
                 self.failed.set()
                 logger.error(
@@ -588,34 +577,24 @@ class Stager:
                     self._busy -= 1
                     self._idle.notify_all()
 
-    def _wait_staged(self, item: _Item) -> None:
-        """The part's writes and pending record; a failure is recorded for rank 0 (a failure
-        record at the destination, and :meth:`take_failed` for the next collective)."""
-        assert item.staged is not None
+    def _report_failed(self, p: PendingPart, e: BaseException) -> None:
+        """A part of a rank other than 0 failed before its rank manifest went up: rank 0 must
+        not wait for it. A failure record at the destination tells it at once (best effort: the
+        store may be what failed); :meth:`take_failed` tells it at the next collective."""
+        with self._idle:
+            self._failed_parts.append((p.step, p.ckpt_id))
+        key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
         try:
-            item.staged.wait_written()
-        except Exception as e:
-            p = item.pending
-            with self._idle:
-                self._failed_parts.append((p.step, p.ckpt_id))
-            if p.rank != 0:
-                key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
-                try:
-                    failpoint("stager.failure_record.put", key)
-                    self.storage.put(key, f"rank {p.rank}: {e}".encode())
-                except (StorageError, OSError) as put_error:
-                    logger.warning(
-                        "deck: could not tell rank 0 through %s that step %d failed (%s); it "
-                        "learns at the next checkpoint or flush",
-                        self.storage.describe(key),
-                        p.step,
-                        put_error,
-                    )
-            raise _NeverCommits(str(e)) from e
-        finally:
-            with self._idle:
-                self._staging -= 1
-                self._idle.notify_all()
+            failpoint("stager.failure_record.put", key)
+            self.storage.put(key, f"rank {p.rank}: {e}".encode())
+        except (StorageError, OSError) as put_error:
+            logger.warning(
+                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
+                "the next checkpoint or flush",
+                self.storage.describe(key),
+                p.step,
+                put_error,
+            )
 
     def _finish(self, p: PendingPart, stats: CheckpointStats) -> None:
         if p.part is None:

@@ -44,8 +44,15 @@ def _config(a: argparse.Namespace) -> deck.DeckConfig:
         uri=a.uri,
         delta_every_steps=5,
         storage_options=json.loads(a.options),
+        # first_tier: the test counts pending records and kills the job as soon as every rank's
+        # step() returned, so those parts must be in the spool by then (with the default
+        # in_memory release the spool writer may still be writing them).
         staging=deck.StagingConfig(
-            chunk_bytes=16384, spool_dir=a.spool, retry_initial_s=0.2, retry_max_s=1.0
+            chunk_bytes=16384,
+            spool_dir=a.spool,
+            retry_initial_s=0.2,
+            retry_max_s=1.0,
+            release="first_tier",
         ),
     )
 
