@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deck.tracker import TrackerStore
+from deck.trainer.tracker import TrackerStore
 
 
 @dataclass

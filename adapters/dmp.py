@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
-from deck.checkpointer import DeltaCheckpointer, UserState, _user_state
 from deck.config import DeckConfig
 from deck.errors import ConfigError
-from deck.staging import CheckpointStats
+from deck.trainer.checkpointer import DeltaCheckpointer, UserState, _user_state
+from deck.trainer.staging import CheckpointStats
 
 if TYPE_CHECKING:  # a runtime import would be circular (adapters/torchrec.py re-exports us)
     from deck.adapters.torchrec import TorchRecAdapter

@@ -27,7 +27,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from deck.errors import UnsupportedError
-from deck.tracker import TrackerStore
+from deck.trainer.tracker import TrackerStore
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 The demo DLRM's embedding side, reproduced with plain tensors so that hundreds of checkpoint
 intervals run in minutes on a CPU box: ``tables`` tables of ``rows`` x ``dim`` fp32 with a
 rowwise-adagrad ``momentum1`` (one fp32 per row), placed table-wise on ``ranks`` ranks (table i on
-rank i % ranks), written through the real writer (:class:`deck.writer.RankPartWriter` and
-:func:`deck.writer.commit`: same chunk files, manifests and commit order as the trainer).
+rank i % ranks), written through the real writer (:class:`deck.trainer.writer.RankPartWriter` and
+:func:`deck.trainer.writer.commit`: same chunk files, manifests and commit order as the trainer).
 
 Each interval is ``steps_per_delta`` training steps. A step looks up, per table,
 ``batch * pooling`` ids per rank drawn like ``deck.demo.make_batch``: Zipf(``zipf_a``) ranks,
@@ -27,10 +27,10 @@ import torch
 from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
-from deck.format import CheckpointManifest, Kind, RankManifest
-from deck.staging import CheckpointStats, PendingPart, Stager
+from deck.format.manifest import CheckpointManifest, Kind, RankManifest
 from deck.storage import Storage
-from deck.writer import RankPartWriter, commit
+from deck.trainer.staging import CheckpointStats, PendingPart, Stager
+from deck.trainer.writer import RankPartWriter, commit
 
 
 @dataclass
@@ -177,7 +177,7 @@ def restore_into_fresh(
     """Apply ``chain`` into freshly allocated tables; returns (seconds, state, bytes read)."""
     import time
 
-    from deck.restore import apply_chain
+    from deck.read.restore import apply_chain
 
     shards = make_shards(w, fill=0.0)
     t0 = time.perf_counter()

@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _workload import Workload, bitwise_equal, drop_cache, make_shards, table_shapes, warm_cache
 
-from deck.catalog import chain_for, read_manifests
-from deck.format import Kind
-from deck.restore import apply_chain
+from deck.format.manifest import Kind
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain
 from deck.storage import LocalStorage
-from deck.writer import RankPartWriter, commit
+from deck.trainer.writer import RankPartWriter, commit
 
 
 def _write(storage: LocalStorage, w: Workload, chunk_bytes: int, bundle_bytes: int) -> None:

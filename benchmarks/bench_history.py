@@ -2,7 +2,7 @@
 
 Writes a history of the Zipf DLRM workload (benchmarks/_workload.py: real writer and format; a
 full, then a delta per interval, the default merger after every interval, everything kept), then
-asks :func:`deck.history.row_history` for rows of table 0 from the hottest (Zipf rank 0) to cold
+asks :func:`deck.ops.history.row_history` for rows of table 0 from the hottest (Zipf rank 0) to cold
 ones, reporting chunks read vs chunks of that table in the chains of every step (what restoring
 every step would read of it), the skips by id range and by bloom filter, and the bloom
 filters' share of the rank manifests.
@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _workload import Workload, ZipfTrainer, tree_bytes
 
-from deck.catalog import read_manifests, read_rank_manifests
-from deck.history import row_history
-from deck.merger import MergeConfig, MergeWorker
+from deck.merge.worker import MergeConfig, MergeWorker
+from deck.ops.history import row_history
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import LocalStorage
 
 

@@ -6,8 +6,8 @@ real writer and format; every step stays, as under the default retention), to a 
 (``--s3``) to SeaweedFS on loopback. Then, in rounds (median of ``--repeats``):
 
 - finding the records: a listing of every object (``storage.list("")``, how deck found them before)
-  vs :func:`deck.catalog.manifest_keys` (one-level listings of the step and merger folders);
-- reading them: :func:`deck.catalog.read_manifests` with the backend's ``get_many`` (parallel on
+  vs :func:`deck.read.catalog.manifest_keys` (one-level listings of the step and merger folders);
+- reading them: :func:`deck.read.catalog.read_manifests` with the backend's ``get_many`` (parallel on
   fsspec stores) vs one request after the other (the base class's ``get_many``).
 
     python benchmarks/bench_manifests.py [--steps 300] [--s3] [--repeats 5]
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _workload import Workload, ZipfTrainer, in_workdir
 
-from deck.catalog import manifest_keys, read_manifests
+from deck.read.catalog import manifest_keys, read_manifests
 from deck.storage import FsspecStorage, LocalStorage, Storage
 
 

@@ -59,9 +59,9 @@ from _workload import (
     restore_into_fresh,
 )
 
-from deck.catalog import chain_for, read_manifests
-from deck.format import CheckpointManifest
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
+from deck.format.manifest import CheckpointManifest
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.read.catalog import chain_for, read_manifests
 from deck.storage import LocalStorage
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -12,7 +12,7 @@ steps), alternating ``--rounds`` times to spread the noise of a shared machine. 
 - checkpoint stall: mean ``stall_s`` of the checkpoint deltas (the full is left out);
 - publish stall: mean ``stall_s`` of the publish deltas.
 
-Then ``deck follow --once``-style catch-ups (``deck.follow.Follower``) of the publish chain:
+Then ``deck follow --once``-style catch-ups (``deck.ops.follow.Follower``) of the publish chain:
 the first materialises it, a later one applies only the deltas since; bytes read are reported
 against what a restore of the step reads.
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
     from deck.demo import free_port
-    from deck.follow import Follower
+    from deck.ops.follow import Follower
 
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "results.json")
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{u.write_s:.2f} s)"
         )
         # The per-delta path: a follower holding the step before the newest one catches up.
-        from deck.catalog import read_manifests
-        from deck.lineage import build_graph, chain_bytes, cheapest_chain
+        from deck.read.catalog import read_manifests
+        from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 
         ms = read_manifests(f0.storage)
         chain = cheapest_chain(build_graph(ms, f0.storage.uri), u.step)

@@ -3,7 +3,7 @@
 Trains the Zipf DLRM workload (benchmarks/_workload.py: the demo's embedding side as plain
 tensors) for some intervals, then writes the same delta (rows touched in the last interval) with
 the real writer exact and as fp16 / bf16 / int8, reads every chunk back (checksum-verified,
-dequantised: :func:`deck.chunks.decode_chunk`) and compares the weights with the exact ones.
+dequantised: :func:`deck.format.chunks.decode_chunk`) and compares the weights with the exact ones.
 ``--weights heavy`` replaces the workload's weights by heavy-tailed ones (log-normal per-row
 magnitude, 0.1% of values 50x larger), closer to trained embeddings and the worst case of a
 per-row int8 scale. Optimizer state (rowwise momentum) stays exact in every encoding.
@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _workload import Workload, ZipfTrainer
 
-from deck.chunks import decode_chunk
-from deck.format import RankManifest
+from deck.format.chunks import decode_chunk
+from deck.format.manifest import RankManifest
 from deck.storage import LocalStorage
-from deck.writer import RankPartWriter
+from deck.trainer.writer import RankPartWriter
 
 ENCODINGS: list[str | None] = [None, "fp16", "bf16", "int8"]
 

@@ -43,9 +43,9 @@ from _workload import (
     warm_cache,
 )
 
-from deck.catalog import chain_for, read_manifests
-from deck.format import CheckpointManifest
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
+from deck.format.manifest import CheckpointManifest
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.read.catalog import chain_for, read_manifests
 from deck.storage import LocalStorage
 
 

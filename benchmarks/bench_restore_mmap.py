@@ -41,9 +41,9 @@ from _workload import (
     table_shapes,
 )
 
-from deck.catalog import chain_for, read_manifests
-from deck.format import CheckpointManifest
-from deck.restore import apply_chain
+from deck.format.manifest import CheckpointManifest
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain
 from deck.storage import LocalStorage
 
 MODES = ("raw read", "restore, mmap", "restore, bytes")

@@ -3,7 +3,7 @@
 
 To fit a 2-core, 24 GiB machine the model is synthetic: ``--tables`` plain-tensor
 ``deck.adapters.base.TableShard``s (weight rows x 64 fp32 + momentum1 rows fp32) of the given
-total size, driven through ``deck.staging.Stager`` + ``deck.writer.RankPartWriter`` exactly as
+total size, driven through ``deck.trainer.staging.Stager`` + ``deck.trainer.writer.RankPartWriter`` exactly as
 ``DeltaCheckpointer.save`` does (PendingPart, ``stager.begin``, ``RankPartWriter(sink=staged)``,
 ``write_part``, ``wait_written``, ``enqueue``, ``flush``): a FULL checkpoint (every row), rank 0
 of 1, default staging (4 MiB chunks, 4 chunks in flight), to
@@ -43,8 +43,8 @@ import torch
 from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
-from deck.staging import Stager
 from deck.storage import Storage, open_storage
+from deck.trainer.staging import Stager
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 

@@ -2,7 +2,7 @@
 same target (goal: stager >= 80% of plain).
 
 A synthetic model (``--tables`` plain-tensor TableShards, weight rows x 64 fp32 + momentum1, of
-``--size-gib`` in all) is written as a FULL checkpoint through ``deck.staging.Stager`` +
+``--size-gib`` in all) is written as a FULL checkpoint through ``deck.trainer.staging.Stager`` +
 ``RankPartWriter``, as ``DeltaCheckpointer.save`` drives them. Stager time = from ``begin`` to
 ``flush`` returning with the checkpoint committed: gather into chunk buffers, xxh3 checksums,
 first-tier writes, fsync, upload, part manifest and commit record all included. Bytes = the chunk
@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from deck.adapters.base import TableShard
 
-from deck.chunks import ChunkLayout
 from deck.config import StagingConfig
-from deck.staging import Stager
+from deck.format.chunks import ChunkLayout
 from deck.storage import Storage, open_storage
+from deck.trainer.staging import Stager
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 

@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _workload import Workload, ZipfTrainer, in_workdir, tree_bytes
 
-from deck.catalog import read_manifests
-from deck.format import MANIFEST
-from deck.lineage import build_graph
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
-from deck.retention import RetentionPolicy, collect_garbage
+from deck.format.manifest import MANIFEST
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.ops.retention import RetentionPolicy, collect_garbage
+from deck.read.catalog import read_manifests
+from deck.read.lineage import build_graph
 from deck.storage import LocalStorage
 
 

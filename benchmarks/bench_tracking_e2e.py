@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
-from deck.tracker import TrackerStore
+from deck.trainer.tracker import TrackerStore
 
 
 def _worker(rank: int, world_size: int, port: int, a: argparse.Namespace, out: str) -> None:

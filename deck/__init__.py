@@ -7,17 +7,21 @@ Quick use::
     for step in range(start + 1, steps + 1):
         train_one_step(...)
         ckpt.step(step)
+
+``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
+``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``) load on first use,
+so ``deck ls`` and the merger workers start without them.
 """
 
-__version__ = "0.1.0"
+from importlib import import_module
 
-from deck import errors, lineage
-from deck.catalog import CheckpointInfo, list_checkpoints
-from deck.checkpointer import DeltaCheckpointer, enable
+from deck import errors
 from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import CheckpointError
-from deck.lineage import LineageGraph, lineage_graph
-from deck.staging import CheckpointStats
+from deck.read import lineage
+from deck.read.catalog import CheckpointInfo, list_checkpoints
+from deck.read.lineage import LineageGraph, lineage_graph
+from deck.version import __version__
 
 __all__ = [
     "CheckpointError",
@@ -37,11 +41,17 @@ __all__ = [
     "list_checkpoints",
 ]
 
+# name -> module that defines it; these import torch (and the wrapper TorchRec).
+_LAZY = {
+    "DeltaCheckpointer": "deck.trainer.checkpointer",
+    "enable": "deck.trainer.checkpointer",
+    "CheckpointStats": "deck.trainer.staging",
+    "DeckDistributedModelParallel": "deck.adapters.dmp",
+}
+
 
 def __getattr__(name: str) -> object:
-    # Lazy: the TorchRec wrapper imports torchrec, which the CLI and merger workers do not need.
-    if name == "DeckDistributedModelParallel":
-        from deck.adapters.dmp import DeckDistributedModelParallel
-
-        return DeckDistributedModelParallel
-    raise AttributeError(f"module 'deck' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deck' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -42,10 +42,10 @@ import threading
 import time
 from typing import Any
 
-from deck.catalog import latest_restorable, quarantine, read_manifests
 from deck.errors import ConfigError, DeckError
+from deck.read.catalog import latest_restorable, quarantine, read_manifests
+from deck.read.verify import verify_checkpoint
 from deck.storage import open_storage
-from deck.verify import verify_checkpoint
 
 
 def _human(n: float) -> str:
@@ -86,7 +86,7 @@ def _tree_line(r: Any, now: float) -> str:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    from deck.listing import list_rows, tree_lines
+    from deck.ops.listing import list_rows, tree_lines
 
     graph, rows = list_rows(open_storage(a.uri, a.storage_options))
     now = time.time()
@@ -108,7 +108,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    from deck.listing import describe_checkpoint, find_checkpoint
+    from deck.ops.listing import describe_checkpoint, find_checkpoint
 
     storage = open_storage(a.uri, a.storage_options)
     d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
@@ -157,7 +157,7 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from deck.report import write_report
+    from deck.ops.report import write_report
 
     rep = write_report(a.uri, a.out, a.storage_options)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
@@ -217,7 +217,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_history(a: argparse.Namespace) -> int:
-    from deck.history import row_history
+    from deck.ops.history import row_history
 
     h = row_history(a.uri, a.table, a.row, a.storage_options)
     if a.json:
@@ -238,7 +238,7 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
-    from deck.lineage import chain_bytes, cheapest_chain, lineage_graph
+    from deck.read.lineage import chain_bytes, cheapest_chain, lineage_graph
 
     graph = lineage_graph(a.uri, a.storage_options)
     if not graph.nodes:
@@ -268,7 +268,7 @@ def cmd_lineage(a: argparse.Namespace) -> int:
 
 
 def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) -> Any:
-    from deck.merger import FullPolicy, MergeConfig
+    from deck.merge.worker import FullPolicy, MergeConfig
 
     return MergeConfig(
         stride=a.stride,
@@ -284,7 +284,7 @@ def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) ->
 
 
 def _retention(a: argparse.Namespace) -> Any:
-    from deck.retention import RetentionPolicy
+    from deck.ops.retention import RetentionPolicy
 
     return RetentionPolicy(
         keep_last_fulls=a.keep_last_fulls,
@@ -303,8 +303,8 @@ def _run_worker(
 ) -> int:
     """One merger worker in this process; returns its exit code. ``report(kind, stats)`` gets
     progress events."""
-    from deck.merger import MergeWorker
-    from deck.retention import collect_garbage
+    from deck.merge.worker import MergeWorker
+    from deck.ops.retention import collect_garbage
 
     storage = open_storage(a.uri, a.storage_options)
     config = _merge_config(a, worker_index, num_workers)
@@ -343,9 +343,9 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-    from deck.launch import resolve_worker
+    from deck.merge.launch import resolve_worker
 
-    # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.launch).
+    # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
     slot = resolve_worker(a.worker_index, a.num_workers)
     first, hosts = slot.index, slot.count
     k = a.workers
@@ -417,7 +417,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
-    from deck.retention import collect_garbage
+    from deck.ops.retention import collect_garbage
 
     storage = open_storage(a.uri, a.storage_options)
     rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
@@ -451,7 +451,7 @@ def _bar(desc: str, total: int | None = None) -> Any:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from deck.export import StepState, export_dcp, export_safetensors
+    from deck.ops.export import StepState, export_dcp, export_safetensors
 
     state = StepState(a.uri, a.step, a.storage_options)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
@@ -528,7 +528,7 @@ def _json_options(text: str | None) -> dict[str, Any] | None:
 
 
 def cmd_follow(a: argparse.Namespace) -> int:
-    from deck.follow import FollowUpdate, follow
+    from deck.ops.follow import FollowUpdate, follow
 
     def show(u: FollowUpdate) -> None:
         if u.how == "unchanged":
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Which worker a merger is, and where that came from (flags or launcher variables).
-        logging.getLogger("deck.launch").setLevel(logging.INFO)
+        logging.getLogger("deck.merge.launch").setLevel(logging.INFO)
     try:
         return int(a.fn(a))
     except DeckError as e:

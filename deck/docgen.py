@@ -4,8 +4,8 @@
     python -m deck.docgen --check   # exit 1 if the committed file differs from the models
 
 Every field of :class:`deck.DeckConfig`, :class:`deck.StagingConfig`,
-:class:`deck.merger.MergeConfig`, :class:`deck.merger.FullPolicy` and
-:class:`deck.retention.RetentionPolicy` is listed with its type, default, constraints and
+:class:`deck.merge.worker.MergeConfig`, :class:`deck.merge.worker.FullPolicy` and
+:class:`deck.ops.retention.RetentionPolicy` is listed with its type, default, constraints and
 description. The descriptions live on the fields themselves (pydantic ``Field(description=...)``,
 dataclass ``field(metadata={"description": ...})``), so the reference cannot drift from the code:
 ``tests/test_docs.py`` fails when the committed file differs from :func:`render`.
@@ -26,8 +26,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from deck.config import DeckConfig, PublishConfig, StagingConfig
-from deck.merger import FullPolicy, MergeConfig
-from deck.retention import RetentionPolicy
+from deck.merge.worker import FullPolicy, MergeConfig
+from deck.ops.retention import RetentionPolicy
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 REGENERATE = "python -m deck.docgen"
@@ -37,9 +37,13 @@ MODELS: list[tuple[type, str, str]] = [
     (DeckConfig, "deck.DeckConfig", "the trainer: `deck.enable(model, optimizers, config)`"),
     (StagingConfig, "deck.StagingConfig", "the trainer: `DeckConfig(staging=...)`"),
     (PublishConfig, "deck.PublishConfig", "the trainer: `DeckConfig(publish=...)`"),
-    (MergeConfig, "deck.merger.MergeConfig", "merger workers: `deck merge` flags"),
-    (FullPolicy, "deck.merger.FullPolicy", "merger workers: `MergeConfig(full=...)`"),
-    (RetentionPolicy, "deck.retention.RetentionPolicy", "GC: `deck gc` / `deck merge --gc` flags"),
+    (MergeConfig, "deck.merge.worker.MergeConfig", "merger workers: `deck merge` flags"),
+    (FullPolicy, "deck.merge.worker.FullPolicy", "merger workers: `MergeConfig(full=...)`"),
+    (
+        RetentionPolicy,
+        "deck.ops.retention.RetentionPolicy",
+        "GC: `deck gc` / `deck merge --gc` flags",
+    ),
 ]
 
 HEADER = f"""# Configuration reference
@@ -49,8 +53,8 @@ HEADER = f"""# Configuration reference
 
 The trainer reads one `deck.DeckConfig` (with its `staging` section); merger workers and GC are
 configured by `deck merge` / `deck gc` flags, which map onto `MergeConfig`, `FullPolicy` and
-`RetentionPolicy` (also usable from Python: `deck.merger.MergeWorker(storage, config)`,
-`deck.retention.collect_garbage(storage, policy)`).
+`RetentionPolicy` (also usable from Python: `deck.merge.worker.MergeWorker(storage, config)`,
+`deck.ops.retention.collect_garbage(storage, policy)`).
 Invalid values raise `deck.errors.ConfigError` naming the field and what is allowed; unknown
 fields are refused (a typo never passes silently).
 

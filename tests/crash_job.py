@@ -44,7 +44,6 @@ from safetensors.torch import load_file, save_file
 
 import deck
 from deck import failpoints
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.demo import (
     ModelSpec,
     TrainState,
@@ -55,12 +54,13 @@ from deck.demo import (
     init_process_group,
     train_step,
 )
-from deck.format import load_model
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
-from deck.retention import RetentionPolicy, collect_garbage, plan_retention
-from deck.staging import PENDING_SUFFIX, PendingPart
+from deck.format.manifest import load_model
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
-from deck.verify import verify_checkpoint
+from deck.trainer.staging import PENDING_SUFFIX, PendingPart
 
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
 STEPS_PER_RUN = 4  # an incarnation whose point is never hit ends after this many checkpoints

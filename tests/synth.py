@@ -3,8 +3,8 @@
 :class:`SynthTrainer` holds a small sharded "model" (plain tensors in :class:`TableShard`s, two
 ranks by default: a row-wise split table, a table-wise table, a column-wise split table and a
 table saved in full every time) and writes full / delta checkpoints with the real
-:class:`deck.writer.RankPartWriter` and :func:`deck.writer.commit`, remembering the exact state of
-every step it saved. :func:`restore_state` applies a chain with :func:`deck.restore.apply_chain`
+:class:`deck.trainer.writer.RankPartWriter` and :func:`deck.trainer.writer.commit`, remembering the exact state of
+every step it saved. :func:`restore_state` applies a chain with :func:`deck.read.restore.apply_chain`
 into fresh tensors, so tests can compare restores bitwise with what was saved.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from deck.adapters.base import TableShard
 
-from deck.catalog import chain_for, read_manifests
-from deck.format import CheckpointManifest, Kind
-from deck.restore import apply_chain, read_state_file
+from deck.format.manifest import CheckpointManifest, Kind
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage
-from deck.writer import RankPartWriter, commit
+from deck.trainer.writer import RankPartWriter, commit
 
 State = dict[str, torch.Tensor]
 

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
-from deck.catalog import chain_for, read_manifests
-from deck.chunks import read_chunks
 from deck.config import StagingConfig
 from deck.errors import ConfigError, CorruptCheckpointError
-from deck.format import ChunkRecord, Kind, RankManifest, load_model
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
-from deck.restore import apply_chain
-from deck.staging import PendingPart, Stager
+from deck.format.chunks import read_chunks
+from deck.format.manifest import ChunkRecord, Kind, RankManifest, load_model
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain
+from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
-from deck.verify import verify_checkpoint
+from deck.trainer.staging import PendingPart, Stager
 
 CHUNK = 4096
 BUNDLE = 4 * 4096
@@ -244,7 +244,7 @@ def test_bundle_bytes_is_validated() -> None:
     assert StagingConfig(chunk_bytes=65536, bundle_bytes=2**20).bundle_bytes == 2**20
     with pytest.raises(ValueError, match="offset"):
         ChunkRecord(path="a.bin", rows=0, nbytes=4096, checksum="0", segments=(), offset=100)
-    from deck.writer import RankPartWriter
+    from deck.trainer.writer import RankPartWriter
 
     with pytest.raises(ConfigError, match="bundle_bytes"):
         RankPartWriter(LocalStorage("/tmp"), 0, "0" * 16, 0, 1, 8192, bundle_bytes=4096)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 
 import deck
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.demo import (
     ModelSpec,
     TrainState,
@@ -23,6 +22,7 @@ from deck.demo import (
     make_batch,
     train_step,
 )
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ import pytest
 from dist_harness import run_ranks
 
 import deck
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.cli import main
 from deck.demo import ModelSpec, build_model, train_step
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
 
 pytestmark = pytest.mark.slow

@@ -16,12 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from synth import SynthTrainer, restore_step
 
-from deck.catalog import damaged_records, latest_restorable, read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from deck.format import MANIFEST, parse_step_dir
-from deck.restore import read_state_file
+from deck.format.manifest import MANIFEST, parse_step_dir
+from deck.read.catalog import (
+    damaged_records,
+    latest_restorable,
+    read_manifests,
+    read_rank_manifests,
+)
+from deck.read.restore import read_state_file
+from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
-from deck.verify import verify_checkpoint
 
 EXAMPLES = 150
 

@@ -23,11 +23,11 @@ from dist_harness import run_ranks
 
 import deck
 from deck import failpoints
-from deck.catalog import read_manifests
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import CheckpointError, SpoolError
+from deck.read.catalog import read_manifests
+from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
-from deck.verify import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 JOB = str(Path(__file__).with_name("crash_job.py"))

@@ -98,7 +98,7 @@ def test_export_dcp_and_safetensors_match_restore(ckpt: str, tmp_path: Path) -> 
 def test_export_holds_one_shard_at_a_time(ckpt: str, tmp_path: Path) -> None:
     """The memory bound: DCP export holds one table shard, safetensors one table."""
     from deck.errors import ConfigError
-    from deck.export import StepState, export_dcp, export_safetensors
+    from deck.ops.export import StepState, export_dcp, export_safetensors
 
     state = StepState(ckpt, STEP)
     shards = [s.nbytes for s in state.shards]
@@ -123,7 +123,7 @@ def test_export_reads_the_real_store_memory_mapped(
     """Export reads chunks through the store's own fast path (a local directory: memory-mapped
     files, not ``get``), and each rank manifest of the chain once however many shards it
     exports."""
-    from deck.export import StepState, export_dcp
+    from deck.ops.export import StepState, export_dcp
     from deck.storage import LocalStorage
 
     reads: dict[str, list[str]] = {"map_file": [], "get": [], "iter_get": []}

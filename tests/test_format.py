@@ -12,10 +12,16 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deck import treecodec
-from deck.chunks import decode_chunk, encode_chunk
 from deck.errors import CorruptCheckpointError, DeckError, UnsupportedError
-from deck.format import CheckpointManifest, ChunkRecord, RankManifest, dump_model, load_model
+from deck.format import treecodec
+from deck.format.chunks import decode_chunk, encode_chunk
+from deck.format.manifest import (
+    CheckpointManifest,
+    ChunkRecord,
+    RankManifest,
+    dump_model,
+    load_model,
+)
 
 
 def _chunk(rows: int = 5, dim: int = 8):

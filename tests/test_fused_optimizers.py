@@ -19,8 +19,8 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 
 import deck
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
 
 pytestmark = pytest.mark.slow

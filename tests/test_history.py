@@ -15,12 +15,12 @@ import torch
 from dist_harness import run_ranks
 
 import deck
-from deck.catalog import read_manifests, read_rank_manifests
-from deck.chunks import encode_chunk
 from deck.demo import ModelSpec, build_model, train_step
 from deck.errors import CorruptCheckpointError
-from deck.format import ChunkRecord, RankManifest, RowIndex, dump_model, load_model
-from deck.rowindex import TARGET_FP, bits_for, build_index, may_contain
+from deck.format.chunks import encode_chunk
+from deck.format.manifest import ChunkRecord, RankManifest, RowIndex, dump_model, load_model
+from deck.format.rowindex import TARGET_FP, bits_for, build_index, may_contain
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
 
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32)

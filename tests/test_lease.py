@@ -15,8 +15,8 @@ from dist_harness import run_ranks
 import deck
 from deck.demo import ModelSpec, build_model
 from deck.errors import LeaseHeldError
-from deck.lease import LEASE_FILE, Lease, LeaseRecord
 from deck.storage import open_storage
+from deck.trainer.lease import LEASE_FILE, Lease, LeaseRecord
 
 
 def test_second_holder_is_refused_until_release(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_second_holder_is_refused_until_release(tmp_path: Path) -> None:
 
 def test_crashed_local_holder_is_taken_over_at_once(tmp_path: Path) -> None:
     code = (
-        "import time; from deck.storage import open_storage; from deck.lease import Lease; "
+        "import time; from deck.storage import open_storage; from deck.trainer.lease import Lease; "
         f"Lease(open_storage({str(tmp_path)!r}), ttl_s=600, settle_s=0.01).acquire(); "
         "print('held', flush=True); time.sleep(600)"
     )

@@ -26,18 +26,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from synth import State, SynthTrainer, restore_state, same, snapshot
 
-from deck import cli, failpoints, treecodec
-from deck.catalog import chain_for, latest_restorable, read_manifests
+from deck import cli, failpoints
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from deck.format import MANIFEST, CheckpointManifest, Kind, load_model
-from deck.lineage import (
-    best_valid_chain,
-    build_graph,
-    chain_bytes,
-    cheapest_chain,
-    needs_new_full,
-)
-from deck.merger import (
+from deck.format import treecodec
+from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model
+from deck.merge.worker import (
     FullPolicy,
     MergeConfig,
     MergeWorker,
@@ -45,9 +38,17 @@ from deck.merger import (
     plan,
     stride_for_velocity,
 )
-from deck.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.read.catalog import chain_for, latest_restorable, read_manifests
+from deck.read.lineage import (
+    best_valid_chain,
+    build_graph,
+    chain_bytes,
+    cheapest_chain,
+    needs_new_full,
+)
+from deck.read.verify import verify_checkpoint
 from deck.storage import FsspecStorage, LocalStorage, Storage
-from deck.verify import verify_checkpoint
 
 NO_FULLS = FullPolicy(every=None, max_live_fraction=None)
 
@@ -159,16 +160,16 @@ def test_cheapest_chain_prefers_merged_and_checks_ids() -> None:
 
 
 def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path) -> None:
-    """``import deck.lineage`` gives the module (its functions reachable as attributes, the way
+    """``import deck.read.lineage`` gives the module (its functions reachable as attributes, the way
     the docs use them); ``deck.lineage_graph(uri)`` builds the graph of a URI."""
     import importlib
 
     import deck
-    import deck.lineage
+    import deck.read.lineage
 
-    assert deck.lineage is importlib.import_module("deck.lineage")
-    assert callable(deck.lineage.cheapest_chain) and callable(deck.lineage.chain_bytes)
-    assert deck.lineage_graph is deck.lineage.lineage_graph
+    assert deck.read.lineage is importlib.import_module("deck.read.lineage")
+    assert callable(deck.read.lineage.cheapest_chain) and callable(deck.read.lineage.chain_bytes)
+    assert deck.lineage_graph is deck.read.lineage.lineage_graph
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
@@ -177,7 +178,7 @@ def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path
         tr.save()
     graph = deck.lineage_graph(str(tmp_path / "ck"))
     assert isinstance(graph, deck.LineageGraph) and graph.latest() == 6
-    chain = deck.lineage.cheapest_chain(graph, 6)
+    chain = deck.read.lineage.cheapest_chain(graph, 6)
     assert [m.step for m in chain] == [0, 2, 4, 6] and chain[0].kind is Kind.FULL
     assert not deck.lineage_graph(str(tmp_path / "empty")).nodes
 
@@ -474,7 +475,7 @@ def test_merge_is_bounded_memory_and_sorted(tmp_path: Path) -> None:
     merge_all(storage, MergeConfig(stride=4, full=NO_FULLS, chunk_bytes=4096))
     manifests = read_manifests(storage)
     (merged,) = manifests.merged.values()
-    from deck.catalog import read_rank_manifests
+    from deck.read.catalog import read_rank_manifests
 
     for part in read_rank_manifests(storage, merged):
         for rec in part.shards:
@@ -864,7 +865,7 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     assert steps == [0, 16, 18, 20, 22, 24]  # two newest fulls (0, 16) + the window from 16
 
 
-# The merger's crash points (deck/merger.py) and, for each, whether a kill there leaves a
+# The merger's crash points (deck/merge/worker.py) and, for each, whether a kill there leaves a
 # merged folder without its commit record behind (the "middle of a merge").
 MERGER_POINTS = {
     "merger.partition.before_read": False,  # the item's first partition wrote nothing yet

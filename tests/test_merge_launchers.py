@@ -15,11 +15,11 @@ import pytest
 from synth import State, SynthTrainer, restore_state, same, snapshot
 
 from deck import cli
-from deck.catalog import chain_for, read_manifests
 from deck.errors import ConfigError
-from deck.format import Kind
-from deck.launch import resolve_worker
-from deck.merger import PARTS_DIR, Partition
+from deck.format.manifest import Kind
+from deck.merge.launch import resolve_worker
+from deck.merge.worker import PARTS_DIR, Partition
+from deck.read.catalog import chain_for, read_manifests
 from deck.storage import LocalStorage
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "DECK_NUM_WORKERS")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from deck import treecodec
 from deck.errors import IncompatibleModelError
-from deck.restore import load_optimizer
+from deck.format import treecodec
+from deck.read.restore import load_optimizer
 
 
 class _Net(torch.nn.Module):

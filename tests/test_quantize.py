@@ -15,22 +15,22 @@ import torch
 from deck.adapters.base import TableShard
 from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
-from deck.catalog import chain_for, read_manifests, read_rank_manifests
-from deck.chunks import decode_chunk
 from deck.errors import ConfigError, CorruptCheckpointError, IncompatibleModelError
-from deck.format import ChunkRecord, RankManifest, Segment, load_model
-from deck.merger import FullPolicy, MergeConfig, MergeWorker
-from deck.quantize import QuantizedStateError, decode_rows, encode_rows
-from deck.restore import apply_chain
+from deck.format.chunks import decode_chunk
+from deck.format.manifest import ChunkRecord, RankManifest, Segment, load_model
+from deck.format.quantize import QuantizedStateError, decode_rows, encode_rows
+from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.read.catalog import chain_for, read_manifests, read_rank_manifests
+from deck.read.restore import apply_chain
+from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
-from deck.verify import verify_checkpoint
-from deck.writer import RankPartWriter
+from deck.trainer.writer import RankPartWriter
 
 ENCODINGS = ["fp16", "bf16", "int8"]
 
 
 def bound(x: torch.Tensor, enc: str) -> torch.Tensor:
-    """The documented per-element error bound (deck/quantize.py) for source values ``x``."""
+    """The documented per-element error bound (deck/format/quantize.py) for source values ``x``."""
     if enc == "fp16":
         return torch.clamp(x.abs() * 2**-11, min=2**-25)
     if enc == "bf16":

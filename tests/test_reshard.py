@@ -20,13 +20,13 @@ from dist_harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import deck
-from deck.catalog import chain_for, read_manifests
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
-from deck.format import Kind
-from deck.restore import apply_chain, rank_part, read_state_file, shard_scalars
+from deck.format.manifest import Kind
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain, rank_part, read_state_file, shard_scalars
 from deck.storage import Storage, open_storage
-from deck.writer import RankPartWriter, commit, scalar_key
+from deck.trainer.writer import RankPartWriter, commit, scalar_key
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------
 
@@ -88,7 +88,7 @@ def _write(
             local = rows - s.row_offset
             return local[(local >= 0) & (local < s.rows)]
 
-        # Per-shard scalars as the checkpointer saves them (deck.writer.scalar_key).
+        # Per-shard scalars as the checkpointer saves them (deck.trainer.writer.scalar_key).
         scalars = {scalar_key(s): dict(s.scalars) for s in shards if s.scalars}
         w.write_part(
             shards, rows_for, {"d": torch.zeros(1)} if rank == 0 else None, {"scalars": scalars}
@@ -505,7 +505,7 @@ def _column_wise_and_back(rank: int, world_size: int, uri: str, out: str) -> Non
 def _joined(cw: Path) -> dict[str, torch.Tensor]:
     """What a table-wise restore of the column-wise dump ``cw`` must hold: the same weights and
     dense state; per-row states the column-weighted mean of the column shards' values (float64,
-    shards in column order, as deck.restore documents)."""
+    shards in column order, as deck.read.restore documents)."""
     tables, _ = _pieces(sorted(cw.glob("r*.safetensors")))
     per_row: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     for p in sorted(cw.glob("r*.safetensors")):
@@ -659,7 +659,7 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
     state loads exactly; nothing moved (or a plain torch optimizer) leaves the saved state alone."""
     from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-    from deck.restore import load_optimizer, reconcile_optimizer
+    from deck.read.restore import load_optimizer, reconcile_optimizer
 
     def make(names: list[str], seed: int) -> KeyedOptimizerWrapper:
         g = torch.Generator().manual_seed(seed)

@@ -17,14 +17,14 @@ import torch
 from deck.adapters.base import TableShard
 
 import deck
-from deck import staging
-from deck.catalog import chain_for, read_manifests
 from deck.config import StagingConfig
-from deck.format import Kind
-from deck.restore import apply_chain
-from deck.staging import CheckpointStats, PendingPart, Stager
+from deck.format.manifest import Kind
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain
 from deck.storage import local, open_storage
-from deck.writer import RankPartWriter
+from deck.trainer import staging
+from deck.trainer.staging import CheckpointStats, PendingPart, Stager
+from deck.trainer.writer import RankPartWriter
 
 JOB = str(Path(__file__).with_name("staging_job.py"))
 

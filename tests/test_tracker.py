@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deck.errors import ConfigError
-from deck.tracker import TrackerStore
+from deck.trainer.tracker import TrackerStore
 
 
 def test_two_consumers_each_see_rows_since_their_own_read() -> None:

@@ -10,9 +10,9 @@ import pytest
 from faulty_storage import FaultyStorage
 from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
-from deck.catalog import chain_for, read_manifests
 from deck.errors import CorruptCheckpointError, NotFoundError
-from deck.restore import apply_chain
+from deck.read.catalog import chain_for, read_manifests
+from deck.read.restore import apply_chain
 from deck.storage.local import LocalStorage
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from deck.chunks import aligned_buffer
 from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.format.chunks import aligned_buffer
 from deck.storage import (
     FsspecStorage,
     LocalStorage,

@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from deck import treecodec
 from deck.adapters.base import TableShard
-from deck.catalog import describe, read_rank_manifests
-from deck.chunks import checksum, decode_chunk, read_chunks
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
-from deck.format import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
-from deck.quantize import QuantizedStateError
+from deck.format import treecodec
+from deck.format.chunks import checksum, decode_chunk, read_chunks
+from deck.format.manifest import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
+from deck.format.quantize import QuantizedStateError
+from deck.read.catalog import describe, read_rank_manifests
 from deck.storage import Storage
-from deck.writer import scalar_key
+from deck.trainer.writer import scalar_key
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +147,12 @@ def apply_chain(
     ``onto``: the shards already hold the state ``chain[0]`` builds on (its parent), so the
     chain may start with a delta and only its rows are written (``deck follow``'s catch-up).
 
-    A chain holding quantised checkpoints (written with ``quantize``, see deck.quantize) raises
-    :class:`deck.quantize.QuantizedStateError` (an :class:`IncompatibleModelError`) before
+    A chain holding quantised checkpoints (written with ``quantize``, see deck.format.quantize) raises
+    :class:`deck.format.quantize.QuantizedStateError` (an :class:`IncompatibleModelError`) before
     anything is changed, unless ``allow_quantized``: then their weights are dequantised, within
     the encoding's documented error bound, and every exact checkpoint still restores bitwise.
 
-    ``rank_parts``: rank manifests already read with :func:`deck.catalog.read_rank_manifests`,
+    ``rank_parts``: rank manifests already read with :func:`deck.read.catalog.read_rank_manifests`,
     by checkpoint folder (a caller applying one chain many times reads them once).
     """
     quantized = [m for m in chain if m.encoding is not None]

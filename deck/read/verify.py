@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deck.catalog import describe, read_rank_manifests
-from deck.chunks import checksum, decode_chunk, read_chunks
 from deck.errors import DeckError
-from deck.format import CheckpointManifest
+from deck.format.chunks import checksum, decode_chunk, read_chunks
+from deck.format.manifest import CheckpointManifest
+from deck.read.catalog import describe, read_rank_manifests
 from deck.storage import Storage
 
 

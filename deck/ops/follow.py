@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 
 from deck.adapters.base import TableShard
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from deck.export import (
+from deck.format.manifest import CheckpointManifest
+from deck.ops.export import (
     _SAFETENSORS_DTYPES,
     ShardGeometry,
     StepState,
@@ -40,9 +40,9 @@ from deck.export import (
     flatten,
     geometry_of,
 )
-from deck.format import CheckpointManifest
-from deck.lineage import build_graph, chain_bytes, cheapest_chain
-from deck.restore import apply_chain
+from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.read.restore import apply_chain
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 import torch
 
-from deck import treecodec
 from deck.adapters.base import TableShard
-from deck.chunks import Buffer, ChunkLayout, build_chunk, checksum, segment_view
 from deck.errors import ConfigError
 from deck.failpoints import failpoint
-from deck.format import (
+from deck.format import treecodec
+from deck.format.chunks import Buffer, ChunkLayout, build_chunk, checksum, segment_view
+from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     PAGE_ALIGN,
@@ -36,8 +36,14 @@ from deck.format import (
     step_dir,
     table_dir,
 )
-from deck.quantize import QUANTIZED_STATES, check_encoding, encode_rows, scale_name, stored_dtype
-from deck.rowindex import build_index
+from deck.format.quantize import (
+    QUANTIZED_STATES,
+    check_encoding,
+    encode_rows,
+    scale_name,
+    stored_dtype,
+)
+from deck.format.rowindex import build_index
 from deck.storage import Storage
 
 DENSE_FILE = "dense.safetensors"
@@ -90,12 +96,12 @@ class RankPartWriter:
 
     ``quantize`` (None = exact, the default and what checkpoints for recovery use) writes the
     float ``weight`` state of every chunk row-wise as ``fp16``, ``bf16`` or ``int8`` (per-row
-    scale; bounds in deck.quantize); optimizer states stay exact. Chunk records and the rank
+    scale; bounds in deck.format.quantize); optimizer states stay exact. Chunk records and the rank
     manifest name the encoding, and :func:`commit` carries it into the commit record.
 
     ``bundle_bytes`` (0 = off) appends the chunks of this part, page-aligned and back to back,
     into bundle files ``bundle-<n:06d>.bin`` of at most that many bytes; each chunk record then
-    names the bundle and its ``offset`` (readers go through :func:`deck.chunks.read_chunks`).
+    names the bundle and its ``offset`` (readers go through :func:`deck.format.chunks.read_chunks`).
     A sink buffer holds one bundle, filled in place: bundling copies nothing extra.
     """
 

@@ -16,8 +16,8 @@ import torch
 import xxhash
 
 from deck.errors import CorruptCheckpointError
-from deck.format import PAGE_ALIGN, ChunkRecord, Encoding, Segment
-from deck.quantize import QuantizedStateError, decode_rows, scale_name
+from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment
+from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
 from deck.storage import LocalStorage, Storage
 
 _ALIGN = 64
@@ -88,7 +88,7 @@ def build_chunk(
     wrote that segment through :func:`segment_view`. Padding is zeroed, so the checksum is a
     function of the rows alone. ``pad_to`` (a multiple of 4096, at least the layout size) makes a
     non-final chunk exactly that long. ``encoded`` names the segments that hold a quantised
-    encoding (deck.quantize) with the encoding and the dtype they decode to.
+    encoding (deck.format.quantize) with the encoding and the dtype they decode to.
     """
     encoded = encoded or {}
     total = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
@@ -173,7 +173,7 @@ def decode_chunk(
 
     Raises :class:`CorruptCheckpointError` naming ``where`` on a size or checksum mismatch or a
     record that does not describe a valid layout. A chunk with quantised segments raises
-    :class:`deck.quantize.QuantizedStateError` (after those checks) unless ``allow_quantized``:
+    :class:`deck.format.quantize.QuantizedStateError` (after those checks) unless ``allow_quantized``:
     then those segments come back dequantised to their source dtype (new tensors) and their
     scale segments are left out, so callers see the chunk's states by name either way.
     """

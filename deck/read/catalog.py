@@ -3,7 +3,7 @@
 :func:`read_manifests` returns a :class:`ManifestSet`: the trainer's checkpoints by step (a
 plain ``dict``, as before) that also carries the merger's checkpoints and the quarantine list.
 :func:`chain_for` and :func:`latest_restorable` given a ``ManifestSet`` resolve chains through
-the lineage graph (:mod:`deck.lineage`: the cheapest chain, merged checkpoints included); given a
+the lineage graph (:mod:`deck.read.lineage`: the cheapest chain, merged checkpoints included); given a
 plain dict they follow trainer parent links only.
 """
 
@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from deck.chunks import checksum
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
-from deck.format import (
+from deck.format.chunks import checksum
+from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MERGED_ROOT,
@@ -218,7 +218,7 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
     :class:`CheckpointNotFoundError` naming what is missing.
     """
     if isinstance(manifests, ManifestSet):
-        from deck.lineage import build_graph, cheapest_chain
+        from deck.read.lineage import build_graph, cheapest_chain
 
         if step in manifests.damaged:
             raise CorruptCheckpointError(f"step {step}: {manifests.damaged[step]}")
@@ -246,7 +246,7 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
 def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
     """The newest trainer checkpoint (highest epoch, then step) whose chain is complete."""
     if isinstance(manifests, ManifestSet):
-        from deck.lineage import build_graph
+        from deck.read.lineage import build_graph
 
         return build_graph(manifests).latest()
     for m in sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True):

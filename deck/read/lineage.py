@@ -14,7 +14,7 @@ timelines (a step saved again after a rollback gets a new id, so nothing built o
 applies to it).
 
 ``deck.lineage_graph(uri)`` (this module's :func:`lineage_graph`) returns the graph of a URI;
-``deck.lineage`` is this module.
+``deck.read.lineage`` is this module.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deck.catalog import ManifestSet, quarantine, read_manifests
 from deck.errors import CheckpointNotFoundError
-from deck.format import QUARANTINE_ROOT, CheckpointManifest, Kind
+from deck.format.manifest import QUARANTINE_ROOT, CheckpointManifest, Kind
+from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ def _order(n: LineageNode) -> tuple[int, int, int, str]:
 def build_graph(
     manifests: ManifestSet | dict[int, CheckpointManifest], uri: str = ""
 ) -> LineageGraph:
-    """The lineage graph of what :func:`deck.catalog.read_manifests` returned."""
+    """The lineage graph of what :func:`deck.read.catalog.read_manifests` returned."""
     return LineageGraph(manifests, uri)
 
 
@@ -359,7 +359,7 @@ def best_valid_chain(
     :class:`deck.errors.CorruptCheckpointError`. Raises :class:`CheckpointNotFoundError` naming
     the damaged checkpoints when no valid chain is left.
     """
-    from deck.verify import verify_checkpoint
+    from deck.read.verify import verify_checkpoint
 
     manifests = manifests if manifests is not None else read_manifests(storage)
     graph = LineageGraph(manifests, storage.uri)

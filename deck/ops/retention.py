@@ -39,10 +39,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deck.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, ConfigError, DeckError, NotFoundError
 from deck.failpoints import failpoint
-from deck.format import (
+from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
     QUARANTINE_ROOT,
@@ -52,7 +51,8 @@ from deck.format import (
     parse_merged_dir,
     parse_step_dir,
 )
-from deck.lineage import LineageGraph, LineageNode, build_graph
+from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
+from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import LocalStorage, Storage
 from deck.storage.local import TEMP_PREFIX
 

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deck.catalog import chain_for
 from deck.errors import CheckpointNotFoundError, UnsupportedError
-from deck.format import Kind
-from deck.lineage import LineageGraph, chain_bytes, cheapest_chain
-from deck.listing import Row, list_rows
+from deck.format.manifest import Kind
+from deck.ops.listing import Row, list_rows
+from deck.read.catalog import chain_for
+from deck.read.lineage import LineageGraph, chain_bytes, cheapest_chain
 from deck.storage import open_storage
 
 _COLORS = {"full": "#1f77b4", "delta": "#ff7f0e", "merged": "#2ca02c", "merger full": "#9467bd"}

@@ -1,6 +1,6 @@
 """Per-chunk row index: the id range and a bloom filter of the global row ids a chunk holds.
 
-Lets point queries over history (:mod:`deck.history`) read only the chunks that may hold a row.
+Lets point queries over history (:mod:`deck.ops.history`) read only the chunks that may hold a row.
 Hashing is deterministic across processes and versions (no Python ``hash``): ``k`` splitmix64
 finalisers with different seeds, vectorised with numpy, each mapped onto ``bits`` with a
 multiply-shift, so a filter written by one deck reads the same in any other.
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from deck.format import RowIndex
+from deck.format.manifest import RowIndex
 
 TARGET_FP = 0.01  # false positive rate the filter is sized for
 K = 3  # hashes: few, so building stays cheap; ~12.4 bits per id for 1%

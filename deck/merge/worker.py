@@ -45,22 +45,6 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from deck import __version__
-from deck.catalog import (
-    ManifestSet,
-    quarantine,
-    read_manifests,
-    read_rank_manifests,
-)
-from deck.chunks import (
-    ChunkLayout,
-    aligned_buffer,
-    checksum,
-    chunk_where,
-    decode_chunk,
-    encode_chunk,
-    read_chunks,
-)
 from deck.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -70,7 +54,16 @@ from deck.errors import (
     StorageError,
 )
 from deck.failpoints import failpoint
-from deck.format import (
+from deck.format.chunks import (
+    ChunkLayout,
+    aligned_buffer,
+    checksum,
+    chunk_where,
+    decode_chunk,
+    encode_chunk,
+    read_chunks,
+)
+from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointManifest,
@@ -88,9 +81,16 @@ from deck.format import (
     rank_manifest_name,
     table_dir,
 )
-from deck.lineage import LineageGraph, LineageNode, StateKey, build_graph
-from deck.rowindex import build_index
+from deck.format.rowindex import build_index
+from deck.read.catalog import (
+    ManifestSet,
+    quarantine,
+    read_manifests,
+    read_rank_manifests,
+)
+from deck.read.lineage import LineageGraph, LineageNode, StateKey, build_graph
 from deck.storage import Storage
+from deck.version import __version__
 
 logger = logging.getLogger(__name__)
 

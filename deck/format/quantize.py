@@ -24,7 +24,7 @@ from typing import cast, get_args
 import torch
 
 from deck.errors import ConfigError, IncompatibleModelError, MergeError
-from deck.format import Encoding
+from deck.format.manifest import Encoding
 
 ENCODINGS: tuple[str, ...] = get_args(Encoding)
 # Only the model's values are quantised; optimizer states are kept exact (see module docstring).

@@ -1,9 +1,9 @@
 """Point queries over history (IncrCP): one row's value at every retained step.
 
-``row_history(uri, table, row)`` walks the cheapest chain (:mod:`deck.lineage`) of every
+``row_history(uri, table, row)`` walks the cheapest chain (:mod:`deck.read.lineage`) of every
 restorable trainer step newest checkpoint first and stops at the first chunk holding the row, as
 a restore would end up with it ("newest row wins"). It reads only chunks whose row index
-(:class:`deck.format.RowIndex`: id range and bloom filter) says they may hold the row, and each
+(:class:`deck.format.manifest.RowIndex`: id range and bloom filter) says they may hold the row, and each
 chunk at most once across all steps; checkpoints written before chunks had an index are read
 like any chunk whose range contains the row.
 """
@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from deck.catalog import describe, read_manifests, read_rank_manifests
-from deck.chunks import decode_chunk, read_chunks
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleModelError
-from deck.format import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
-from deck.lineage import LineageGraph, cheapest_chain
-from deck.rowindex import may_contain
+from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
+from deck.format.rowindex import may_contain
+from deck.read.catalog import describe, read_manifests, read_rank_manifests
+from deck.read.lineage import LineageGraph, cheapest_chain
 from deck.storage import Storage, open_storage
 
 Columns = tuple[int, int]  # (col_offset, cols) of a column shard

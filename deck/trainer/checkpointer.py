@@ -12,16 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, copy_dense_state
-from deck.catalog import (
-    ManifestSet,
-    chain_for,
-    damaged_records,
-    latest_restorable,
-    read_manifests,
-    read_rank_manifests,
-)
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
-from deck.coordination import Coordinator
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -33,10 +24,17 @@ from deck.errors import (
     StorageError,
 )
 from deck.failpoints import failpoint
-from deck.format import Kind
-from deck.lease import Lease
-from deck.lineage import best_valid_chain, needs_new_full
-from deck.restore import (
+from deck.format.manifest import Kind
+from deck.read.catalog import (
+    ManifestSet,
+    chain_for,
+    damaged_records,
+    latest_restorable,
+    read_manifests,
+    read_rank_manifests,
+)
+from deck.read.lineage import best_valid_chain, needs_new_full
+from deck.read.restore import (
     RestoreStats,
     apply_chain,
     fill_from_dense,
@@ -48,10 +46,12 @@ from deck.restore import (
     same_layout,
     shard_scalars,
 )
-from deck.staging import CheckpointStats, PendingPart, Stager
 from deck.storage import Storage, check_writable, open_storage
-from deck.tracker import TrackerStore
-from deck.writer import RankPartWriter, scalar_key
+from deck.trainer.coordination import Coordinator
+from deck.trainer.lease import Lease
+from deck.trainer.staging import CheckpointStats, PendingPart, Stager
+from deck.trainer.tracker import TrackerStore
+from deck.trainer.writer import RankPartWriter, scalar_key
 
 logger = logging.getLogger(__name__)
 
@@ -641,7 +641,7 @@ class DeltaCheckpointer:
             self.storage, chain, tables, self.adapter.replicated_tables(), saved_dense
         )
         moved = moves.tables
-        # Another world size or plan is fine: rows go by global id (deck.restore.apply_chain).
+        # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
         stats, parts = apply_chain(
             self.storage,
             chain,

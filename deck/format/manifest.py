@@ -54,7 +54,7 @@ CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
 _MERGED_DIR = re.compile(r"^(?:F-(\d{12})|L(\d{2})-(\d{12})-(\d{12}))-([0-9a-f]{16})$")
-# Quantised encodings of a chunk segment (deck.quantize); None everywhere means exact.
+# Quantised encodings of a chunk segment (deck.format.quantize); None everywhere means exact.
 Encoding = Literal["fp16", "bf16", "int8"]
 _ENCODED_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
 _FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -94,7 +94,7 @@ class Segment(_Strict):
 
     ``encoding`` (optional; None = the exact values) says the segment holds a quantised
     encoding of a state whose real dtype is ``source_dtype``: ``fp16`` / ``bf16`` values, or
-    ``int8`` values with a per-row fp32 scale in segment ``<name>.scale`` (see deck.quantize)."""
+    ``int8`` values with a per-row fp32 scale in segment ``<name>.scale`` (see deck.format.quantize)."""
 
     name: str
     dtype: str
@@ -129,7 +129,7 @@ class Segment(_Strict):
 class RowIndex(_Strict):
     """Which global row ids a chunk can hold, for point queries (``deck history``) that skip the
     chunks that cannot: every id is in ``[min_id, max_id]``; ``bloom`` (base64 of ``bits`` bits,
-    ``k`` hashes, see :mod:`deck.rowindex`) has no false negatives. ``bloom`` is None when the
+    ``k`` hashes, see :mod:`deck.format.rowindex`) has no false negatives. ``bloom`` is None when the
     ids are exactly the range (a full's chunks): the range then says it all."""
 
     min_id: NonNeg
@@ -245,7 +245,7 @@ class RankManifest(_Strict):
     shards: tuple[ShardRecord, ...]
     dense: FileRecord | None
     extra: FileRecord
-    # Set when some chunk of this part holds quantised state (deck.quantize): the encoding.
+    # Set when some chunk of this part holds quantised state (deck.format.quantize): the encoding.
     encoding: Encoding | None = None
 
     @field_validator("format_version")
@@ -315,7 +315,7 @@ class CheckpointManifest(_Strict):
     inputs: tuple[CkptId, ...] = ()
     state_id: CkptId | None = None
     # Set when the checkpoint holds quantised weights (some rank manifest says this encoding):
-    # restoring it needs an explicit opt-in (deck.restore.apply_chain(allow_quantized=True)).
+    # restoring it needs an explicit opt-in (deck.read.restore.apply_chain(allow_quantized=True)).
     encoding: Encoding | None = None
 
     @field_validator("format_version")

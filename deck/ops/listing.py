@@ -13,10 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deck.catalog import read_manifests, read_rank_manifests
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
-from deck.format import MANIFEST, CheckpointManifest, RankManifest, load_model
-from deck.lineage import LineageGraph, LineageNode, build_graph
+from deck.format.manifest import MANIFEST, CheckpointManifest, RankManifest, load_model
+from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import Storage
 
 _PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
@@ -90,7 +90,7 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
 
 
 def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Row:
-    from deck.retention import file_age_s
+    from deck.ops.retention import file_age_s
 
     parsed: list[RankManifest] = []
     for k in keys:

@@ -3,7 +3,7 @@ directory that ``dcp.load`` restores into a freshly built DMP model, or one safe
 unsharded tensors for inspection.
 
 The state of step N is what ``DeltaCheckpointer.restore(N)`` loads: the rows of its cheapest
-chain (full, then deltas / merged deltas, newest row wins; :func:`deck.restore.apply_chain` does
+chain (full, then deltas / merged deltas, newest row wins; :func:`deck.read.restore.apply_chain` does
 the applying, with every chunk checksum-verified), the dense state and the dense optimizer state
 of the trainer checkpoint of N.
 
@@ -48,12 +48,12 @@ from typing import Any
 import torch
 
 from deck.adapters.base import TableShard
-from deck.catalog import describe, read_manifests, read_rank_manifests
-from deck.chunks import DTYPES
 from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
-from deck.format import CheckpointManifest, RankManifest
-from deck.lineage import build_graph, chain_bytes, cheapest_chain
-from deck.restore import apply_chain, read_state_file
+from deck.format.chunks import DTYPES
+from deck.format.manifest import CheckpointManifest, RankManifest
+from deck.read.catalog import describe, read_manifests, read_rank_manifests
+from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class StepState:
         storage_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
     ):
-        # A chain with quantised weights (deck.quantize) is refused unless allowed: its tables
+        # A chain with quantised weights (deck.format.quantize) is refused unless allowed: its tables
         # are then the dequantised values, not the exact state.
         self.allow_quantized = allow_quantized
         # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped

@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from deck import __version__
-from deck.chunks import Buffer, aligned_buffer, checksum
 from deck.config import StagingConfig
 from deck.errors import (
     CheckpointNotFoundError,
@@ -50,7 +48,8 @@ from deck.errors import (
     StorageError,
 )
 from deck.failpoints import failpoint
-from deck.format import (
+from deck.format.chunks import Buffer, aligned_buffer, checksum
+from deck.format.manifest import (
     MANIFEST,
     CheckpointManifest,
     Kind,
@@ -65,10 +64,11 @@ from deck.format import (
 )
 from deck.storage import LocalStorage, Storage
 from deck.storage.local import write_new_file
-from deck.writer import commit
+from deck.trainer.writer import commit
+from deck.version import __version__
 
 if TYPE_CHECKING:
-    from deck.coordination import Coordinator
+    from deck.trainer.coordination import Coordinator
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,7 +206,7 @@ class StagedPart:
         self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
         self.part: RankManifest | None = None
 
-    # -- sink interface used by deck.writer.RankPartWriter --
+    # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
         t0 = time.perf_counter()
         buf = self.stager.pool.acquire()
