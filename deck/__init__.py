@@ -14,6 +14,7 @@ so ``deck ls`` and the merger workers start without them.
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from deck import errors
 from deck.config import DeckConfig, PublishConfig, StagingConfig
@@ -22,6 +23,11 @@ from deck.read import lineage
 from deck.read.catalog import CheckpointInfo, list_checkpoints
 from deck.read.lineage import LineageGraph, lineage_graph
 from deck.version import __version__
+
+if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
+    from deck.adapters.dmp import DeckDistributedModelParallel
+    from deck.trainer.checkpointer import DeltaCheckpointer, enable
+    from deck.trainer.staging import CheckpointStats
 
 __all__ = [
     "CheckpointError",
