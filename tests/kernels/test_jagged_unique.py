@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from deck.errors import DeckError
 
-# The module shares its name with the function the package re-exports, so fetch it explicitly.
-ju_module = importlib.import_module("deck.kernels.jagged_unique")
+# The module that loads the C kernel; the fixture below switches it off for the numpy fallback.
+native_module = importlib.import_module("deck.kernels.native")
 
 MAX_ID = 2**63 - 1
 METHODS = ("auto", "bitmap", "sort")
@@ -36,15 +36,15 @@ METHODS = ("auto", "bitmap", "sort")
 def cpu_bitmap_kernel(request: pytest.FixtureRequest) -> Any:
     """Every test runs with the native CPU bitmap kernel and with its numpy fallback (used where
     no C compiler built the extension)."""
-    if request.param == "native" and ju_module._native is None:
+    if request.param == "native" and native_module._native is None:
         pytest.fail(
             "the native kernel deck.kernels._jagged is not built (pip install -e . needs gcc)"
         )
-    saved = ju_module._native
+    saved = native_module._native
     if request.param == "numpy":
-        ju_module._native = None
+        native_module._native = None
     yield request.param
-    ju_module._native = saved
+    native_module._native = saved
 
 
 # Ids drawn per example from one regime: a small range (many duplicates, bitmap-friendly), the
@@ -326,7 +326,7 @@ def test_kept_bitmap_is_clean_across_calls_and_errors() -> None:
 
 
 def test_split_tables_balances_and_covers() -> None:
-    split = ju_module._split_tables
+    split = importlib.import_module("deck.kernels.cpu_pool").split_tables
     assert split([5, 5, 5, 5], 2) == [(0, 2), (2, 4)]
     assert split([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
     assert split([3], 4) == [(0, 1)]
@@ -339,7 +339,7 @@ def test_split_tables_balances_and_covers() -> None:
 
 
 def test_auto_prefers_bitmap_only_when_dense() -> None:
-    choose = ju_module._choose_method
+    choose = importlib.import_module("deck.kernels.dispatch").choose_method
     assert choose("auto", 1_000_000, [1_000_000] * 8) == "bitmap"
     assert choose("auto", 1_000, [1_000_000_000] * 8) == "sort"
     assert choose("sort", 1_000_000, [10] * 8) == "sort"
