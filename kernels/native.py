@@ -1,9 +1,10 @@
 """The native CPU bitmap kernel (``kernels/_jagged.c``): loading it and calling it.
 
 The extension is built at install when a C compiler is there (``pyproject.toml``,
-``optional = true``); without it :func:`native_available` is false and the CPU bitmap path uses the numpy
-fallback in :mod:`deck.kernels.numpy_bitmap` (same results). The kernel keeps one bit per row in
-64-bit words: one pass marks a table's ids, one word-at-a-time scan emits and clears its set rows.
+``optional = true``); without it :func:`native_available` is false and the CPU bitmap path uses
+the numpy fallback in :mod:`deck.kernels.numpy_bitmap` (same results). The kernel keeps one bit
+per row in 64-bit words: one pass marks a table's ids, one word-at-a-time scan emits and clears
+its set rows.
 """
 
 from __future__ import annotations
