@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -28,42 +28,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _workload import Workload, ZipfTrainer, in_workdir
 
 from deck.read.catalog import manifest_keys, read_manifests
-from deck.storage import FsspecStorage, LocalStorage, Storage
+from deck.storage import FsspecStorage, LocalStorage, Storage, StorageWrapper
 
 
-class _OneByOne(Storage):
+class _OneByOne(StorageWrapper):
     """A store whose ``get_many`` issues one request after the other (the base class's)."""
 
-    def __init__(self, inner: Storage):
-        self.inner = inner
-
-    @property
-    def uri(self) -> str:
-        return self.inner.uri
-
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        self.inner.put(path, data)
-
-    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        return self.inner.get(path, start, end)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)
-
-    def list_dir(self, prefix: str = "") -> list[str]:
-        return self.inner.list_dir(prefix)
-
-    def iter_get(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
-        return self.inner.iter_get(paths)
+    get_many = Storage.get_many
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:

@@ -3,20 +3,30 @@ every call that is not failed goes to the real store)."""
 
 from __future__ import annotations
 
-import builtins
 import threading
 import time
 from collections.abc import Callable
 
 from deck.errors import StorageError
 from deck.storage import Storage
+from deck.storage.wrapper import StorageWrapper
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(StorageWrapper):
     """Delegates to ``inner``; ``fail_put(key, n)`` / ``fail_get(key, n)`` decide whether the
     n-th put / get fails. ``slow_put_s`` delays every put; ``short_read`` truncates every get by
     that many bytes.
+
+    Every read and write goes through the faulty :meth:`put` / :meth:`get`: it reports no local
+    path (so nothing maps or writes the inner store's files around them, and a local store
+    behind it is staged and read like a remote one), and whole-object reads take the generic
+    versions of :class:`Storage`, which call :meth:`get`.
     """
+
+    iter_get = Storage.iter_get
+    get_many = Storage.get_many
+    get_or_none = Storage.get_or_none
+    map_file = Storage.map_file
 
     def __init__(
         self,
@@ -26,7 +36,7 @@ class FaultyStorage(Storage):
         slow_put_s: float = 0.0,
         short_read: int = 0,
     ):
-        self.inner = inner
+        super().__init__(inner)
         self.fail_put = fail_put
         self.fail_get = fail_get
         self.gets = 0
@@ -36,9 +46,8 @@ class FaultyStorage(Storage):
         self.failed_puts = 0
         self._lock = threading.Lock()
 
-    @property
-    def uri(self) -> str:
-        return self.inner.uri
+    def local_path(self, path: str = "") -> str | None:
+        return None
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         with self._lock:
@@ -60,15 +69,3 @@ class FaultyStorage(Storage):
             raise StorageError(f"injected failure of get #{n} ({self.describe(path)})")
         data = self.inner.get(path, start, end)
         return data[: max(0, len(data) - self.short_read)] if self.short_read else data
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def list(self, prefix: str = "") -> builtins.list[str]:
-        return self.inner.list(prefix)

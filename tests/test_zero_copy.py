@@ -63,7 +63,7 @@ def _maps_under(root: Path) -> int:
 def test_mmap_restore_equals_bytes_restore_at_every_step(chain: tuple[Path, list[int]]) -> None:
     chain_dir, steps = chain
     local = CountingLocal(chain_dir)
-    plain = FaultyStorage(LocalStorage(chain_dir))  # not a LocalStorage: the bytes path
+    plain = FaultyStorage(LocalStorage(chain_dir))  # no local path: the bytes path
     manifests = read_manifests(local)
     assert steps == [2, 4, 5, 6]
     fds = len(os.listdir("/proc/self/fd"))

@@ -18,7 +18,7 @@ import xxhash
 from deck.errors import CorruptCheckpointError
 from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment
 from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
-from deck.storage import LocalStorage, Storage
+from deck.storage import Storage
 
 _ALIGN = 64
 Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
@@ -267,7 +267,7 @@ def read_chunks(
     (decode_chunk reports the size); a missing file raises :class:`deck.errors.NotFoundError`.
     """
     reads = _reads(folder, chunks)
-    if zero_copy and isinstance(storage, LocalStorage):
+    if zero_copy and storage.local_path() is not None:
         keys = list(dict.fromkeys(r[0] for r in reads))
         pos = {k: i for i, k in enumerate(keys)}
         for key in keys[:_PREFETCH_FILES]:

@@ -55,6 +55,7 @@ from deck.read.catalog import describe, read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage, open_storage
+from deck.storage.atomic import atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -551,45 +552,37 @@ def export_safetensors(
     head += b" " * (-len(head) % 8)  # the reference writer pads the header to 8 bytes
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{out_path}.tmp-{os.getpid()}"
     tables: dict[str, list[int]] = {}
     for i, s in enumerate(state.shards):
         tables.setdefault(s.table, []).append(i)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for _table, shard_ids in tables.items():
-                full: dict[str, torch.Tensor] = {}
-                for i in shard_ids:
-                    data = state.read_shard(i)
-                    for p in state.pieces:
-                        if p.shard != i:
-                            continue
-                        t = full.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
-                        block = t[
-                            tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))
-                        ]
-                        block.copy_(data[p.state])
-                    del data
-                report.max_held_bytes = max(
-                    report.max_held_bytes, sum(_nbytes(t) for t in full.values())
-                )
-                for fqn in [f for f in by_fqn if f in full]:
-                    _write_tensor(f, full[fqn])
-                    report.bytes_written += _nbytes(full[fqn])
-                    if progress:
-                        progress(_nbytes(full[fqn]))
-                del full
-            for v in dense.values():
-                _write_tensor(f, v)
-                report.bytes_written += _nbytes(v)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(out_path) as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for _table, shard_ids in tables.items():
+            full: dict[str, torch.Tensor] = {}
+            for i in shard_ids:
+                data = state.read_shard(i)
+                for p in state.pieces:
+                    if p.shard != i:
+                        continue
+                    t = full.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
+                    block = t[
+                        tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))
+                    ]
+                    block.copy_(data[p.state])
+                del data
+            report.max_held_bytes = max(
+                report.max_held_bytes, sum(_nbytes(t) for t in full.values())
+            )
+            for fqn in [f for f in by_fqn if f in full]:
+                _write_tensor(f, full[fqn])
+                report.bytes_written += _nbytes(full[fqn])
+                if progress:
+                    progress(_nbytes(full[fqn]))
+            del full
+        for v in dense.values():
+            _write_tensor(f, v)
+            report.bytes_written += _nbytes(v)
     report.tensors = len(layout)
     report.bytes_read = state.read_bytes
     return report

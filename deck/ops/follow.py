@@ -44,6 +44,7 @@ from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain
 from deck.storage import Storage, open_storage
+from deck.storage.atomic import atomic_file, atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +241,11 @@ class Follower:
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
 
-        def data(f: Any) -> None:
+        with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
             f.write(struct.pack("<Q", len(head)))
             f.write(head)
             for t in self.tensors.values():
                 _write_tensor(f, t)
-
-        _replace(os.path.join(self.out_dir, STATE_FILE), data)
         sidecar = {
             "uri": self.storage.uri,
             "step": step,
@@ -257,7 +256,7 @@ class Follower:
             "quantized": sorted(self.encodings),
         }
         body = json.dumps(sidecar, indent=1).encode()
-        _replace(os.path.join(self.out_dir, SIDECAR), lambda f: f.write(body))
+        atomic_write(os.path.join(self.out_dir, SIDECAR), body)
         return time.perf_counter() - t0
 
     def _resume(self) -> None:
@@ -302,25 +301,6 @@ class Follower:
 
 def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
     return t[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))]
-
-
-def _replace(path: str, write: Any) -> None:
-    """Write ``path`` atomically: temporary file, fsync, rename, fsync of the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def follow(

@@ -20,6 +20,7 @@ from deck.ops.listing import Row, list_rows
 from deck.read.catalog import chain_for
 from deck.read.lineage import LineageGraph, chain_bytes, cheapest_chain
 from deck.storage import open_storage
+from deck.storage.atomic import atomic_write
 
 _COLORS = {"full": "#1f77b4", "delta": "#ff7f0e", "merged": "#2ca02c", "merger full": "#9467bd"}
 
@@ -274,8 +275,5 @@ def write_report(
             )
         parts.append("</table>")
     parts.append("</body></html>")
-    tmp = f"{out_html}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(parts) + "\n")
-    os.replace(tmp, out_html)
+    atomic_write(out_html, "\n".join(parts) + "\n")
     return rep

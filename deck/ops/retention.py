@@ -53,7 +53,7 @@ from deck.format.manifest import (
 )
 from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
-from deck.storage import LocalStorage, Storage
+from deck.storage import Storage
 from deck.storage.local import TEMP_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -267,28 +267,9 @@ class GcReport:
 
 def file_age_s(storage: Storage, key: str, now: float) -> float | None:
     """Seconds since ``key`` was last written, when the backend tells (local files, fsspec
-    stores reporting a modification / creation time); None otherwise."""
-    if isinstance(storage, LocalStorage):
-        try:
-            return now - os.stat(storage.local_path(key)).st_mtime
-        except OSError:
-            return None
-    fs = getattr(storage, "fs", None)
-    if fs is None:
-        return None
-    try:
-        info = fs.info(storage.describe(key))
-    except Exception:  # any backend failure: treat the age as unknown (keeps the file)
-        return None
-    for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
-        v = info.get(name)
-        if v is None:
-            continue
-        if hasattr(v, "timestamp"):
-            return now - float(v.timestamp())
-        with contextlib.suppress(TypeError, ValueError):
-            return now - float(v)
-    return None
+    stores reporting a modification / creation time); None otherwise (the file is then kept)."""
+    modified = storage.modified(key)
+    return None if modified is None else now - modified
 
 
 def _old_enough(storage: Storage, keys: list[str], grace_s: float, now: float) -> bool:
@@ -505,9 +486,10 @@ def _prune_local(storage: Storage, prefix: str, grace_s: float, now: float) -> i
     """Local stores: delete abandoned temp files (a crashed put's ``.tmp-*``, which ``list``
     never reports) and empty directories under ``prefix``, both only once unchanged for the
     grace period (a writer creates a directory just before writing into it)."""
-    if not isinstance(storage, LocalStorage):
+    root = storage.local_path()
+    if root is None:
         return 0
-    top = os.path.join(storage.root, *[p for p in prefix.split("/") if p])
+    top = os.path.join(root, *[p for p in prefix.split("/") if p])
     removed = 0
     for dirpath, _dirs, files in os.walk(top, topdown=False):
         for f in files:
@@ -518,7 +500,7 @@ def _prune_local(storage: Storage, prefix: str, grace_s: float, now: float) -> i
                 if grace_s <= 0 or now - os.stat(path).st_mtime >= grace_s:
                     os.unlink(path)
                     removed += 1
-        if dirpath != storage.root:
+        if dirpath != root:
             with contextlib.suppress(OSError):
                 if grace_s <= 0 or now - os.stat(dirpath).st_mtime >= grace_s:
                     os.rmdir(dirpath)  # only succeeds when empty

@@ -1,4 +1,6 @@
-"""Storage backends: one :class:`Storage` interface, a local and an fsspec implementation."""
+"""Storage backends: one :class:`Storage` interface, a local and an fsspec implementation, and a
+forwarding :class:`StorageWrapper` to build wrappers on. Local files outside a store are written
+with :mod:`deck.storage.atomic`; retries go through :mod:`deck.storage.retry`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from deck.storage.base import Storage
 from deck.storage.fsspec_store import FsspecStorage
 from deck.storage.local import LocalStorage
 from deck.storage.retry import RetryPolicy
+from deck.storage.wrapper import StorageWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +23,7 @@ __all__ = [
     "LocalStorage",
     "RetryPolicy",
     "Storage",
+    "StorageWrapper",
     "check_writable",
     "open_storage",
 ]

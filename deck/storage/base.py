@@ -17,12 +17,21 @@ from deck.errors import ConfigError, NotFoundError
 class Storage(abc.ABC):
     """A flat key -> bytes store rooted at one URI.
 
-    Guarantees every implementation gives (checked by tests/storage/test_conformance.py):
+    Guarantees every implementation gives (checked by :class:`deck.testing.storage.StorageTests`,
+    which each backend's tests subclass):
     - ``put`` is all-or-nothing: a reader sees either no object or the complete bytes, never a
       prefix. A successful return means the bytes are durable at the destination (fsynced locally,
       acknowledged by the object store remotely).
     - ``get`` of a missing key raises :class:`deck.errors.NotFoundError` naming the full URI.
     - ``list`` returns the keys (relative paths) under a prefix, sorted, without temp files.
+    - Errors are :class:`deck.errors.StorageError` (an ``OSError``) naming the full URI; an invalid
+      key or byte range is a :class:`deck.errors.ConfigError`.
+
+    Capabilities: :meth:`local_path`, :meth:`modified`, :meth:`map_file` and :meth:`prefetch`
+    have defaults that any store can answer (None for "not available here", a copying read, a
+    no-op); a backend overrides them where it can do better. Callers ask for a capability instead
+    of checking the backend's class, so that wrappers (:class:`deck.storage.wrapper.StorageWrapper`)
+    keep them.
     """
 
     @property
@@ -36,27 +45,37 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` at ``path`` atomically and durably, replacing any previous object."""
+        """Write ``data`` at ``path``, replacing any previous object.
+
+        Atomic: a concurrent or later reader sees the old object (or none) or all of ``data``,
+        never a prefix, also after a crash. Durable: once this returns the bytes survive a crash
+        of this machine (fsynced locally, acknowledged by an object store). On failure the
+        previous object, if any, is untouched."""
 
     @abc.abstractmethod
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of ``path`` (to the end when ``end`` is None)."""
+        """Bytes ``[start, end)`` of ``path`` (to the end when ``end`` is None; shorter when the
+        object ends first). A missing object raises :class:`NotFoundError`, an invalid range
+        (``start < 0`` or ``end < start``) :class:`ConfigError`."""
 
     @abc.abstractmethod
     def size(self, path: str) -> int:
-        """Size in bytes of the object at ``path``."""
+        """Size in bytes of the object at ``path``; :class:`NotFoundError` when there is none."""
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool:
-        """Whether an object exists at ``path``."""
+        """Whether an object exists at ``path`` (a directory-like prefix is not an object)."""
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:
-        """Delete ``path`` if it exists (no error when it does not)."""
+        """Delete ``path`` if it exists (no error when it does not). Idempotent; once this
+        returns, :meth:`exists` and :meth:`list` no longer report it."""
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> builtins.list[str]:
-        """Keys of all objects whose path starts with ``prefix`` (a directory-like prefix)."""
+        """Sorted keys of all objects whose key starts with ``prefix`` (a plain string prefix:
+        ``"a/b"`` matches ``a/b/c`` and ``a/bc``). Temp files of unfinished writes are never
+        listed; a prefix that would leave the root raises :class:`ConfigError`."""
 
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
@@ -73,12 +92,14 @@ class Storage(abc.ABC):
         return sorted(names)
 
     def delete_prefix(self, prefix: str) -> None:
-        """Delete every object under ``prefix``."""
+        """Delete every object under ``prefix`` (not atomic: a failure part-way leaves the rest;
+        repeating the call finishes the job). Local stores also remove temp files there."""
         for key in self.list(prefix):
             self.delete(key)
 
     def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
-        """Fetch several whole objects; implementations may overlap the requests."""
+        """Fetch several whole objects, yielded in the order of ``paths``; implementations may
+        overlap the requests. A missing object raises :class:`NotFoundError` when reached."""
         for p in paths:
             yield p, self.get(p)
 
@@ -94,6 +115,37 @@ class Storage(abc.ABC):
             return self.get(path)
         except NotFoundError:
             return None
+
+    # -- capabilities: every store answers them; None means "not available on this store" ------
+
+    def local_path(self, path: str = "") -> str | None:
+        """The local filesystem path of key ``path`` ("" for the root folder), or None when the
+        store is not a local filesystem (then only the methods above reach its objects).
+
+        A path is returned whether or not the object exists. Whoever writes there directly
+        takes over :meth:`put`'s promises (temp file, fsync, rename: see
+        :mod:`deck.storage.atomic`). The default is None."""
+        return None
+
+    def modified(self, path: str) -> float | None:
+        """When the object at ``path`` was last written (seconds since the epoch), or None when
+        the store does not tell or the object cannot be examined (missing, unreachable): callers
+        treat None as "unknown", never as old. The default is None."""
+        return None
+
+    def map_file(self, path: str) -> memoryview:
+        """The whole object at ``path`` as a flat, read-only byte view.
+
+        Local stores memory-map the file (no copy; the mapping lives as long as the view and the
+        tensors made from it); the default reads it with :meth:`get` (one copy). Errors as
+        :meth:`get`."""
+        return memoryview(self.get(path))
+
+    def prefetch(self, path: str) -> None:
+        """A hint that ``path`` is read soon: local stores start reading it into the page cache
+        in the background. Never fails (a missing object is reported by the read that
+        follows); the default does nothing."""
+        return None
 
 
 def check_prefix(prefix: str) -> None:

@@ -106,9 +106,9 @@ class FsspecStorage(Storage):
                 f"could not {action} {where}: not found ({exc}); does the bucket exist?"
             ) from exc
         except Exception as exc:
-            gave_up = (
-                f" (gave up after {self._retry.attempts} attempts)" if is_transient(exc) else ""
-            )
+            limit = self._retry.attempts or self._retry.deadline_s
+            unit = " attempts" if self._retry.attempts else " s"
+            gave_up = f" (gave up after {limit}{unit})" if is_transient(exc) else ""
             raise StorageError(
                 f"could not {action} {where}: {type(exc).__name__}: {exc}{gave_up}; check the "
                 "URI, credentials, endpoint and network"
@@ -155,6 +155,23 @@ class FsspecStorage(Storage):
         if info.get("type") != "file":
             raise NotFoundError(f"{self.describe(path)} is a directory, not an object")
         return int(info["size"])
+
+    def modified(self, path: str) -> float | None:
+        """The object's modification (or creation) time as the store reports it (``mtime``,
+        ``LastModified``, ...); None when it reports none or the object cannot be examined."""
+        try:
+            info = self._info(path)
+        except StorageError:
+            return None
+        for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
+            v = info.get(name)
+            if v is None:
+                continue
+            if hasattr(v, "timestamp"):  # a datetime
+                return float(v.timestamp())
+            with contextlib.suppress(TypeError, ValueError):
+                return float(v)
+        return None
 
     def exists(self, path: str) -> bool:
         """Whether an object (not just a directory-like prefix) exists at ``path``."""

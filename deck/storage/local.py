@@ -1,9 +1,10 @@
 """Storage on a local (or locally mounted) directory.
 
 Commit protocol of :meth:`LocalStorage.put`: write a ``.tmp-*`` file in the destination directory,
-fsync it, ``os.replace`` it over the destination, fsync the directory. A crash at any point leaves
-either the old object or the new one, plus at worst a ``.tmp-*`` file that :meth:`LocalStorage.list`
-never reports and :meth:`LocalStorage.delete_prefix` removes.
+fsync it, ``os.replace`` it over the destination, fsync the directory (the helpers of
+:mod:`deck.storage.atomic`, which every other local write of deck uses too). A crash at any point
+leaves either the old object or the new one, plus at worst a ``.tmp-*`` file that
+:meth:`LocalStorage.list` never reports and :meth:`LocalStorage.delete_prefix` removes.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import errno
 import logging
 import mmap
 import os
-import uuid
 
 from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.storage.atomic import TEMP_PREFIX, fsync_dir, replace_durably, temp_path
 from deck.storage.base import Storage, check_folder, check_prefix
 
 logger = logging.getLogger(__name__)
 
-TEMP_PREFIX = ".tmp-"
+__all__ = ["TEMP_PREFIX", "LocalStorage", "validate_key", "write_new_file"]
+
 _WRITE_HINT = "check permissions / free space"
 _READ_HINT = "check permissions"
 # MAP_POPULATE (Linux) faults the whole file in with one call and large reads, instead of one
@@ -45,14 +47,6 @@ def validate_key(path: str) -> str:
             "empty, '.' or '..' components"
         )
     return path
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _makedirs(path: str) -> list[str]:
@@ -164,9 +158,20 @@ class LocalStorage(Storage):
     def __repr__(self) -> str:
         return f"LocalStorage({self._root!r})"
 
-    def local_path(self, path: str) -> str:
-        """Filesystem path of the object at key ``path`` (for ``mmap`` / ``O_DIRECT`` readers)."""
+    def _file(self, path: str) -> str:
+        """Filesystem path of the object at key ``path`` (validated: never the root itself)."""
         return os.path.join(self._root, *validate_key(path).split("/"))
+
+    def local_path(self, path: str = "") -> str:
+        """Filesystem path of the object at key ``path``, or the root for "" (never None)."""
+        return self._root if path == "" else self._file(path)
+
+    def modified(self, path: str) -> float | None:
+        """The file's modification time (``st_mtime``); None when it cannot be stat'ed."""
+        try:
+            return os.stat(self._file(path)).st_mtime
+        except OSError:
+            return None
 
     def _error(self, action: str, path: str, exc: OSError, hint: str) -> StorageError:
         reason = exc.strerror or str(exc)
@@ -178,7 +183,7 @@ class LocalStorage(Storage):
 
         On any failure the temp file is removed and the previous object (if any) is untouched.
         """
-        full = self.local_path(path)
+        full = self._file(path)
         directory = os.path.dirname(full)
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
@@ -187,15 +192,13 @@ class LocalStorage(Storage):
             created = _makedirs(directory)
         except OSError as exc:
             raise self._error("write", path, exc, _WRITE_HINT) from exc
-        tmp = os.path.join(directory, f"{TEMP_PREFIX}{os.path.basename(full)}.{uuid.uuid4().hex}")
+        tmp = temp_path(full)
         try:
             write_new_file(tmp, view, exclusive=True, fsync=True)
-            os.replace(tmp, full)
-            # The rename is only durable once the directory entry is; new directories also need
-            # their own entries in their parents synced.
-            _fsync_dir(directory)
+            replace_durably(tmp, full)
+            # New directories also need their own entries in their parents synced.
             for d in created:
-                _fsync_dir(os.path.dirname(d))
+                fsync_dir(os.path.dirname(d))
         except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -205,7 +208,7 @@ class LocalStorage(Storage):
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the file (shorter if the file ends first)."""
-        full = self.local_path(path)
+        full = self._file(path)
         if start < 0 or (end is not None and end < start):
             raise ConfigError(f"invalid byte range [{start}, {end}) for {self.describe(path)}")
         try:
@@ -241,7 +244,7 @@ class LocalStorage(Storage):
         a new inode), so a mapped checkpoint file cannot shrink under the reader.
         Raises :class:`NotFoundError` / :class:`StorageError` naming the URI like :meth:`get`.
         """
-        full = self.local_path(path)
+        full = self._file(path)
         try:
             nbytes = os.stat(full).st_size
         except FileNotFoundError as exc:
@@ -267,7 +270,7 @@ class LocalStorage(Storage):
         if not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self.local_path(path), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._file(path), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return
         try:
@@ -279,7 +282,7 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         """Size in bytes of the file at ``path``."""
-        full = self.local_path(path)
+        full = self._file(path)
         try:
             return os.stat(full).st_size
         except FileNotFoundError as exc:
@@ -289,11 +292,11 @@ class LocalStorage(Storage):
 
     def exists(self, path: str) -> bool:
         """Whether a regular file exists at ``path``."""
-        return os.path.isfile(self.local_path(path))
+        return os.path.isfile(self._file(path))
 
     def delete(self, path: str) -> None:
         """Remove the file at ``path``; a missing file is not an error."""
-        full = self.local_path(path)
+        full = self._file(path)
         try:
             os.unlink(full)
         except FileNotFoundError:

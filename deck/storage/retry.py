@@ -1,4 +1,6 @@
-"""Retrying transient storage failures with exponential backoff and jitter.
+"""Retrying transient storage failures with exponential backoff and jitter: deck's one retry
+mechanism (:class:`RetryPolicy` + :func:`call_with_retry`), also used by the stager's patient
+upload retries (a deadline instead of a number of attempts, any storage error retried).
 
 Only failures that can go away by themselves are retried (connection refused/reset, timeouts,
 HTTP 5xx / 429, throttling). A missing object, a permission error or a bad argument fails at once:
@@ -12,10 +14,12 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from deck.errors import ConfigError, DeckError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deck.config import config_error
+from deck.errors import DeckError
 
 logger = logging.getLogger(__name__)
 
@@ -127,34 +131,71 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry a transient storage failure.
+class RetryPolicy(BaseModel):
+    """How often and how patiently to retry a failed call (by default: a transient storage
+    failure, see :func:`is_transient`).
 
-    Attempt ``i`` (0-based) that fails transiently is followed by a sleep of
+    Attempt ``i`` (0-based) that fails with an error ``retry_on`` accepts is followed by a sleep of
     ``min(max_delay, initial_delay * multiplier**i)`` scaled by a random factor in
-    ``[1 - jitter, 1]`` (jitter spreads out many ranks retrying against the same store).
+    ``[1 - jitter, 1]`` (jitter spreads out many ranks retrying against the same store). The call
+    is given up (its last error re-raised) after ``attempts`` calls, or once the next sleep would
+    end past ``deadline_s`` after the first call, whichever comes first. Invalid values raise
+    :class:`deck.errors.ConfigError` naming the field.
     """
 
-    attempts: int = 5
-    initial_delay: float = 0.2
-    max_delay: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-    retry_on: Callable[[BaseException], bool] = field(default=is_transient, compare=False)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.initial_delay < 0 or self.max_delay < self.initial_delay:
-            raise ConfigError(
-                "RetryPolicy needs 0 <= initial_delay <= max_delay, got "
+    attempts: int | None = Field(
+        default=5,
+        ge=1,
+        description="Calls in all, the first included; None: no limit (deadline_s then bounds "
+        "the retries).",
+    )
+    initial_delay: float = Field(
+        default=0.2, ge=0, description="Seconds to wait after the first failure."
+    )
+    max_delay: float = Field(
+        default=5.0, ge=0, description="Longest wait between two calls, at least initial_delay."
+    )
+    multiplier: float = Field(
+        default=2.0, ge=1, description="Growth of the wait from one failure to the next."
+    )
+    jitter: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Each wait is scaled by a random factor in [1 - jitter, 1]; 0: no jitter.",
+    )
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Give up once the next wait would end more than this many seconds after the "
+        "first call; None: no time limit (attempts bounds the retries).",
+    )
+    retry_on: Callable[[BaseException], bool] = Field(
+        default=is_transient,
+        exclude=True,
+        description="Which errors are retried (default: transient storage failures); any other "
+        "error is re-raised at once.",
+    )
+
+    def __init__(self, **data: Any) -> None:
+        """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise config_error(e) from None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RetryPolicy:
+        if self.max_delay < self.initial_delay:
+            raise ValueError(
+                "needs 0 <= initial_delay <= max_delay, got "
                 f"initial_delay={self.initial_delay}, max_delay={self.max_delay}"
             )
-        if self.multiplier < 1:
-            raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
-        if not 0 <= self.jitter <= 1:
-            raise ConfigError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+        if self.attempts is None and self.deadline_s is None:
+            raise ValueError("needs attempts or deadline_s: without either it retries forever")
+        return self
 
     def delay(self, attempt: int) -> float:
         """Seconds to sleep after failed attempt number ``attempt`` (0-based)."""
@@ -166,27 +207,33 @@ NO_RETRY = RetryPolicy(attempts=1)
 
 
 def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, describe: str) -> T:
-    """Return ``fn()``, retrying it per ``policy`` while it fails transiently.
+    """Return ``fn()``, retrying it per ``policy`` while it fails with errors ``policy.retry_on``
+    accepts.
 
-    A permanent failure, or the last transient one, is re-raised unchanged (the caller maps it to
-    a typed error). Each retry is logged at WARNING with ``describe`` (e.g. "put s3://b/k").
+    Any other failure, or the last retried one, is re-raised unchanged (the caller maps it to a
+    typed error). Each retry is logged at WARNING with ``describe`` (e.g. "put s3://b/k").
     """
     attempt = 0
+    started = time.monotonic()
     while True:
         try:
             return fn()
         except Exception as exc:
-            if attempt + 1 >= policy.attempts or not policy.retry_on(exc):
+            last = policy.attempts is not None and attempt + 1 >= policy.attempts
+            if last or not policy.retry_on(exc):
                 raise
             delay = policy.delay(attempt)
+            deadline = policy.deadline_s
+            if deadline is not None and time.monotonic() - started + delay > deadline:
+                raise
             attempt += 1
             logger.warning(
-                "%s failed (%s: %s); retry %d/%d in %.2fs",
+                "%s failed (%s: %s); retry %d%s in %.2fs",
                 describe,
                 type(exc).__name__,
                 exc,
                 attempt,
-                policy.attempts - 1,
+                "" if policy.attempts is None else f"/{policy.attempts - 1}",
                 delay,
             )
             time.sleep(delay)

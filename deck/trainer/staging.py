@@ -62,8 +62,10 @@ from deck.format.manifest import (
     rank_manifest_name,
     step_dir,
 )
-from deck.storage import LocalStorage, Storage
+from deck.storage import Storage
+from deck.storage.atomic import atomic_file
 from deck.storage.local import write_new_file
+from deck.storage.retry import RetryPolicy, call_with_retry
 from deck.trainer.writer import commit
 from deck.version import __version__
 
@@ -182,8 +184,8 @@ class BufferPool:
 def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
     """The tier actually used: ``auto`` is ``local`` for local destinations, else spool + upload."""
     if staging.tiers == "auto":
-        return "local" if isinstance(storage, LocalStorage) else "cpu-ssd-remote"
-    if staging.tiers == "local" and not isinstance(storage, LocalStorage):
+        return "local" if storage.local_path() is not None else "cpu-ssd-remote"
+    if staging.tiers == "local" and storage.local_path() is None:
         raise DeckError(f"staging.tiers='local' needs a local destination, got {storage.uri}")
     return staging.tiers
 
@@ -289,8 +291,8 @@ class Stager:
         size = max(staging.chunk_bytes, staging.bundle_bytes)
         self.pool = BufferPool(staging.chunks_in_flight, size, pinned=pinned)
         if self.tier == "local":
-            assert isinstance(storage, LocalStorage)
-            self.spool_root: str | None = storage.root
+            self.spool_root: str | None = storage.local_path()
+            assert self.spool_root is not None
         elif self.tier == "cpu-ssd-remote":
             base = staging.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
             key = hashlib.sha1(storage.uri.encode()).hexdigest()[:16]
@@ -745,27 +747,22 @@ class Stager:
 
     def _retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
         """``fn`` with backoff for as long as ``upload_timeout_s``: outages are waited out (the
-        store's own retries only cover short blips)."""
-        deadline = time.monotonic() + self.cfg.upload_timeout_s
-        delay = self.cfg.retry_initial_s
-        while True:
-            try:
-                return fn()
-            except StorageError as e:
-                if time.monotonic() + delay > deadline:
-                    raise StorageError(
-                        f"giving up on {what} of {self.storage.describe(key)} after "
-                        f"{self.cfg.upload_timeout_s:.0f} s: {e}"
-                    ) from e
-                logger.warning(
-                    "deck: %s of %s failed (%s); retrying in %.1f s",
-                    what,
-                    self.storage.describe(key),
-                    e,
-                    delay,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, self.cfg.retry_max_s)
+        store's own retries only cover short blips). Every storage error is retried."""
+        policy = RetryPolicy(
+            attempts=None,
+            deadline_s=self.cfg.upload_timeout_s,
+            initial_delay=min(self.cfg.retry_initial_s, self.cfg.retry_max_s),
+            max_delay=self.cfg.retry_max_s,
+            jitter=0.0,
+            retry_on=lambda e: isinstance(e, StorageError),
+        )
+        try:
+            return call_with_retry(fn, policy, f"deck: {what} of {self.storage.describe(key)}")
+        except StorageError as e:
+            raise StorageError(
+                f"giving up on {what} of {self.storage.describe(key)} after "
+                f"{self.cfg.upload_timeout_s:.0f} s: {e}"
+            ) from e
 
     def _wait_for_parts(self, p: PendingPart) -> None:
         """Rank 0: until every rank's part manifest is at the destination; raises once a rank
@@ -846,17 +843,12 @@ class Stager:
         failpoint("stager.pending.before_write")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                failpoint("stager.pending.write", tmp)
+            # The temp file's name is the one a restart removes (_scan_spool).
+            with atomic_file(path, tmp=path + ".tmp") as f:
+                failpoint("stager.pending.write", f.name)
                 f.write(dump_model(p))
-                f.flush()
-                os.fsync(f.fileno())
-            failpoint("stager.pending.before_rename")
-            os.replace(tmp, path)
+                failpoint("stager.pending.before_rename")
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(path + ".tmp")
             raise self._spool_error(p.step, os.path.relpath(path, self.spool_root), e) from e
         failpoint("stager.pending.after_write")
 

@@ -1,4 +1,5 @@
-"""One conformance suite for every Storage implementation, plus local-, retry- and S3-specific tests.
+"""The conformance suite (:class:`deck.testing.storage.StorageTests`) run against each Storage
+implementation, plus local-, retry- and S3-specific tests.
 
 The S3 cases run against a real SeaweedFS server (``s3_server`` fixture) and are marked slow.
 """
@@ -13,9 +14,10 @@ import uuid
 from typing import Any
 
 import pytest
+from faulty_storage import FaultyStorage
+from pydantic import ValidationError
 
 from deck.errors import ConfigError, NotFoundError, StorageError
-from deck.format.chunks import aligned_buffer
 from deck.storage import (
     FsspecStorage,
     LocalStorage,
@@ -26,178 +28,65 @@ from deck.storage import (
 )
 from deck.storage.local import TEMP_PREFIX
 from deck.storage.retry import call_with_retry, is_transient
+from deck.storage.wrapper import StorageWrapper
+from deck.testing.storage import StorageTests
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.01)
-
-
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> Storage:
-    if request.param == "local":
-        return LocalStorage(tmp_path / "store")
-    if request.param == "memory":
-        return FsspecStorage(f"memory://deck-test-{uuid.uuid4().hex}")
-    server = request.getfixturevalue("s3_server")
-    return FsspecStorage(request.getfixturevalue("s3_uri"), server.storage_options)
 
 
 def _temps(root: Any) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TEMP_PREFIX in f]
 
 
-class TestConformance:
-    """The contract of :class:`deck.storage.base.Storage`, for every implementation."""
+class TestLocalStorage(StorageTests):
+    @pytest.fixture
+    def store(self, tmp_path: Any) -> Storage:
+        return LocalStorage(tmp_path / "store")
 
-    def test_roundtrip_bytes_like(self, store: Storage) -> None:
-        store.put("a.bin", b"hello")
-        store.put("b.bin", bytearray(b"world"))
-        store.put("c.bin", memoryview(b"xxabcxx")[2:5])
-        assert store.get("a.bin") == b"hello"
-        assert store.get("b.bin") == b"world"
-        assert store.get("c.bin") == b"abc"
-        assert isinstance(store.get("a.bin"), bytes)
 
-    def test_page_aligned_buffers(self, store: Storage) -> None:
-        """Chunks come in page-aligned whole-page buffers (local stores write them with O_DIRECT),
-        views of such buffers too; a put replaces the object and leaves nothing else behind."""
-        buf = aligned_buffer(3 * 4096)
-        buf[:] = bytes(range(256)) * 48
-        store.put("k/aligned", buf)
-        store.put("k/partial", buf[: 4096 + 7])  # aligned start, not whole pages
-        store.put("k/aligned", buf[4096:])  # replaces it with a shorter aligned view
-        assert store.get("k/aligned") == bytes(buf[4096:])
-        assert store.get("k/partial") == bytes(buf[: 4096 + 7])
-        assert sorted(store.list("k")) == ["k/aligned", "k/partial"]
+class TestMemoryStorage(StorageTests):
+    @pytest.fixture
+    def store(self) -> Storage:
+        return FsspecStorage(f"memory://deck-test-{uuid.uuid4().hex}")
 
-    def test_ranged_get(self, store: Storage) -> None:
-        data = bytes(range(256)) * 4
-        store.put("r", data)
-        assert store.get("r", 10, 20) == data[10:20]
-        assert store.get("r", 1000) == data[1000:]
-        assert store.get("r", 0, 1) == data[:1]
-        assert store.get("r", 1020, 5000) == data[1020:]  # past the end: truncated
-        assert store.get("r", 5, 5) == b""
-        with pytest.raises(ConfigError):
-            store.get("r", 10, 5)
 
-    def test_overwrite(self, store: Storage) -> None:
-        store.put("k", b"first version, longer")
-        store.put("k", b"second")
-        assert store.get("k") == b"second"
-        assert store.size("k") == 6
-        assert store.list() == ["k"]
+@pytest.mark.slow
+class TestS3Storage(StorageTests):
+    """FsspecStorage over s3fs against a real SeaweedFS server."""
 
-    def test_missing(self, store: Storage) -> None:
-        with pytest.raises(NotFoundError) as info:
-            store.get("no/such/key")
-        assert store.describe("no/such/key") in str(info.value)
-        assert isinstance(info.value, FileNotFoundError)
-        assert isinstance(info.value, StorageError)
-        with pytest.raises(NotFoundError):
-            store.get("no/such/key", 3, 7)
-        with pytest.raises(NotFoundError):
-            store.get("no/such/key", 3, 3)
-        with pytest.raises(NotFoundError, match="no/such/key"):
-            store.size("no/such/key")
-        assert not store.exists("no/such/key")
+    @pytest.fixture
+    def store(self, s3_server: Any, s3_uri: str) -> Storage:
+        return FsspecStorage(s3_uri, s3_server.storage_options)
 
-    def test_list_prefixes(self, store: Storage) -> None:
-        keys = ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]
-        for k in reversed(keys):
-            store.put(k, k.encode())
-        assert store.list() == keys
-        assert store.list("") == keys
-        assert store.list("a/") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
-        assert store.list("a/b") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
-        assert store.list("a/b/") == ["a/b/c", "a/b/d", "a/b/e/f"]
-        assert store.list("a/b/c") == ["a/b/c"]
-        assert store.list("a") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab"]
-        assert store.list("nothing/") == []
-        assert store.list("nothing/deeper/") == []
 
-    def test_get_many_keeps_order_and_reports_missing_as_none(self, store: Storage) -> None:
-        keys = [f"m/{i:03d}.json" for i in range(40)]
-        for k in keys[::2]:
-            store.put(k, k.encode())
-        got = list(store.get_many(keys))
-        assert [k for k, _ in got] == keys
-        assert all(v == (k.encode() if i % 2 == 0 else None) for i, (k, v) in enumerate(got))
+class TestWrappedStorage(StorageTests):
+    """StorageWrapper forwards everything, capabilities included."""
 
-    def test_list_dir_reads_one_level(self, store: Storage) -> None:
-        for k in ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]:
-            store.put(k, k.encode())
-        want = {
-            "": ["a/", "ab", "z"],
-            "a/": ["b/", "bb"],
-            "a/b/": ["c", "d", "e/"],
-            "a/b/e/": ["f"],
-            "nothing/": [],
-        }
-        for prefix, names in want.items():
-            assert store.list_dir(prefix) == names, prefix
-            # The backend's one-level read agrees with the default derived from list().
-            assert Storage.list_dir(store, prefix) == names, prefix
-        with pytest.raises(ValueError, match="folder"):
-            store.list_dir("a")
+    @pytest.fixture
+    def store(self, tmp_path: Any) -> Storage:
+        return StorageWrapper(LocalStorage(tmp_path / "store"))
 
-    def test_exists_and_directories(self, store: Storage) -> None:
-        store.put("dir/obj", b"1")
-        assert store.exists("dir/obj")
-        assert not store.exists("dir")  # a directory-like prefix is not an object
-        assert not store.exists("dir/ob")
+    def test_capabilities_are_forwarded(self, tmp_path: Any) -> None:
+        inner = LocalStorage(tmp_path / "store")
+        inner.put("a/b", b"1")
+        wrapped = StorageWrapper(inner)
+        assert wrapped.local_path() == inner.root
+        assert wrapped.local_path("a/b") == inner.local_path("a/b")
+        assert wrapped.modified("a/b") == inner.modified("a/b") is not None
+        assert wrapped.uri == inner.uri and wrapped.describe("x") == inner.describe("x")
 
-    def test_delete_idempotent(self, store: Storage) -> None:
-        store.delete("never/existed")
-        store.put("x/y", b"1")
-        store.delete("x/y")
-        assert not store.exists("x/y")
-        assert store.list() == []
-        store.delete("x/y")
 
-    def test_delete_prefix(self, store: Storage) -> None:
-        for k in ["ck/1/a", "ck/1/b/c", "ck/10/a", "ck/2/a", "other"]:
-            store.put(k, b"v")
-        store.delete_prefix("ck/1/")
-        assert store.list() == ["ck/10/a", "ck/2/a", "other"]
-        store.delete_prefix("ck/")
-        assert store.list() == ["other"]
-        store.delete_prefix("nothing/")
+class TestFaultyStorageWithoutFaults(StorageTests):
+    """The tests' fault-injecting wrapper is a conforming store while it injects nothing, and
+    hides the local path of the store it wraps."""
 
-    def test_size(self, store: Storage) -> None:
-        store.put("s", b"12345")
-        assert store.size("s") == 5
+    @pytest.fixture
+    def store(self, tmp_path: Any) -> Storage:
+        return FaultyStorage(LocalStorage(tmp_path / "store"))
 
-    def test_empty_object(self, store: Storage) -> None:
-        store.put("empty", b"")
-        assert store.get("empty") == b""
-        assert store.size("empty") == 0
-        assert store.exists("empty")
-        assert store.list() == ["empty"]
-
-    def test_large_object(self, store: Storage) -> None:
-        data = os.urandom(5 * 2**20)
-        store.put("big/obj", data)
-        assert store.size("big/obj") == len(data)
-        assert store.get("big/obj") == data
-        assert store.get("big/obj", 2**20, 3 * 2**20 + 7) == data[2**20 : 3 * 2**20 + 7]
-
-    def test_iter_get_preserves_order(self, store: Storage) -> None:
-        keys = [f"it/{i:03d}" for i in range(25)]
-        for k in keys:
-            store.put(k, k.encode() * 3)
-        order = list(reversed(keys))
-        assert list(store.iter_get(order)) == [(k, k.encode() * 3) for k in order]
-        assert list(store.iter_get([])) == []
-        with pytest.raises(NotFoundError):
-            list(store.iter_get([*keys[:3], "it/missing", *keys[3:]]))
-
-    @pytest.mark.parametrize("bad", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", "a/"])
-    def test_invalid_keys(self, store: Storage, bad: str) -> None:
-        with pytest.raises(ConfigError):
-            store.put(bad, b"x")
-
-    def test_check_writable(self, store: Storage) -> None:
-        check_writable(store)
-        assert store.list() == []  # the probe is gone
+    def test_hides_the_local_path(self, store: Storage) -> None:
+        store.put("k", b"v")
+        assert store.local_path() is None and store.local_path("k") is None
 
 
 class TestOpenStorage:
@@ -393,6 +282,41 @@ class TestRetry:
             call_with_retry(down, FAST_RETRY, "put x")
         assert calls["n"] == FAST_RETRY.attempts
 
+    def test_deadline_instead_of_attempts(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """attempts=None: retried until the next wait would end past deadline_s (the stager's
+        upload retries), with the policy's own choice of errors."""
+        clock = {"now": 0.0}
+        monkeypatch.setattr("deck.storage.retry.time.monotonic", lambda: clock["now"])
+
+        def sleep(seconds: float) -> None:
+            clock["now"] += seconds
+
+        monkeypatch.setattr("deck.storage.retry.time.sleep", sleep)
+        policy = RetryPolicy(
+            attempts=None,
+            deadline_s=10.0,
+            initial_delay=1.0,
+            max_delay=4.0,
+            jitter=0.0,
+            retry_on=lambda e: isinstance(e, StorageError),
+        )
+        calls = {"n": 0}
+
+        def down() -> None:
+            calls["n"] += 1
+            raise StorageError("store unreachable")
+
+        with pytest.raises(StorageError, match="unreachable"):
+            call_with_retry(down, policy, "upload x")
+        # Waits 1, 2, 4 (7 s in all); the next 4 s wait would end at 11 s > 10 s.
+        assert calls["n"] == 4 and clock["now"] == 7.0
+
+        def wrong() -> None:
+            raise KeyError("not a storage error")
+
+        with pytest.raises(KeyError):
+            call_with_retry(wrong, policy, "upload x")
+
     def test_backoff_is_bounded(self) -> None:
         p = RetryPolicy(attempts=10, initial_delay=0.2, max_delay=5.0)
         delays = [p.delay(i) for i in range(10)]
@@ -405,6 +329,15 @@ class TestRetry:
             RetryPolicy(attempts=0)
         with pytest.raises(ConfigError):
             RetryPolicy(initial_delay=2, max_delay=1)
+        with pytest.raises(ConfigError, match=r"RetryPolicy\.jitter"):
+            RetryPolicy(jitter=1.5)
+        with pytest.raises(ConfigError, match="retries forever"):
+            RetryPolicy(attempts=None)
+        with pytest.raises(ConfigError, match=r"RetryPolicy\.tries"):
+            RetryPolicy(tries=3)  # type: ignore[call-arg]
+        policy = RetryPolicy()
+        with pytest.raises(ValidationError):  # frozen
+            policy.attempts = 3  # type: ignore[misc]
 
     def test_classification(self) -> None:
         assert is_transient(ConnectionResetError())

@@ -1,0 +1,82 @@
+"""A :class:`Storage` that forwards every call to another one (like zarr's ``WrapperStore``).
+
+Subclass it to change a few methods of a real store (count, delay or fail calls, log them) and
+keep everything else, capabilities included: a wrapped local store still reports its
+:meth:`~Storage.local_path`, so readers still map its files. A wrapper that changes what
+:meth:`get` or :meth:`put` do must also stop the paths around them: have :meth:`local_path`
+return None (then nobody writes or maps files behind its back) and take the base class's
+generic :meth:`iter_get` / :meth:`get_many` / :meth:`get_or_none` / :meth:`map_file`, which
+call its own :meth:`get` (``iter_get = Storage.iter_get``, ...).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+
+from deck.storage.base import Storage
+
+__all__ = ["StorageWrapper"]
+
+
+class StorageWrapper(Storage):
+    """Forwards every :class:`Storage` method and capability to ``inner``."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+    @property
+    def uri(self) -> str:
+        """The wrapped store's root URI."""
+        return self.inner.uri
+
+    def describe(self, path: str) -> str:
+        return self.inner.describe(path)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.inner.put(path, data)
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.inner.get(path, start, end)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list(prefix)
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list_dir(prefix)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.inner.delete_prefix(prefix)
+
+    def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
+        return self.inner.iter_get(paths)
+
+    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
+        return self.inner.get_many(paths)
+
+    def get_or_none(self, path: str) -> bytes | None:
+        return self.inner.get_or_none(path)
+
+    def local_path(self, path: str = "") -> str | None:
+        return self.inner.local_path(path)
+
+    def modified(self, path: str) -> float | None:
+        return self.inner.modified(path)
+
+    def map_file(self, path: str) -> memoryview:
+        return self.inner.map_file(path)
+
+    def prefetch(self, path: str) -> None:
+        self.inner.prefetch(path)

@@ -1,0 +1,232 @@
+"""The conformance tests every :class:`deck.storage.Storage` backend must pass.
+
+A backend's tests subclass :class:`StorageTests` and provide a ``store`` fixture that returns a
+fresh, empty store::
+
+    class TestMyStorage(StorageTests):
+        @pytest.fixture
+        def store(self, tmp_path):
+            return MyStorage(tmp_path)
+
+Every test then runs against that store: the contract of the :class:`Storage` methods (atomic
+replace, ordering and prefix rules of listings, errors naming the URI, invalid keys refused) and
+of its capabilities (:meth:`~Storage.local_path`, :meth:`~Storage.modified`,
+:meth:`~Storage.map_file`, :meth:`~Storage.prefetch`), whatever the store answers for them.
+Needs pytest; deck itself never imports this module.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import pytest
+
+from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.storage import Storage, check_writable
+
+__all__ = ["StorageTests"]
+
+
+class StorageTests:
+    """The contract of :class:`deck.storage.base.Storage`; subclass it with a ``store`` fixture
+    (a fresh, empty store) to run it against a backend."""
+
+    @pytest.fixture
+    def store(self) -> Storage:
+        """A fresh, empty store of the backend under test: subclasses override this."""
+        raise NotImplementedError("a StorageTests subclass must define the `store` fixture")
+
+    def test_roundtrip_bytes_like(self, store: Storage) -> None:
+        store.put("a.bin", b"hello")
+        store.put("b.bin", bytearray(b"world"))
+        store.put("c.bin", memoryview(b"xxabcxx")[2:5])
+        assert store.get("a.bin") == b"hello"
+        assert store.get("b.bin") == b"world"
+        assert store.get("c.bin") == b"abc"
+        assert isinstance(store.get("a.bin"), bytes)
+
+    def test_page_aligned_buffers(self, store: Storage) -> None:
+        """Chunks come in page-aligned whole-page buffers (local stores write them with O_DIRECT),
+        views of such buffers too; a put replaces the object and leaves nothing else behind."""
+        buf = memoryview(mmap.mmap(-1, 3 * 4096))  # page-aligned, as chunk buffers are
+        buf[:] = bytes(range(256)) * 48
+        store.put("k/aligned", buf)
+        store.put("k/partial", buf[: 4096 + 7])  # aligned start, not whole pages
+        store.put("k/aligned", buf[4096:])  # replaces it with a shorter aligned view
+        assert store.get("k/aligned") == bytes(buf[4096:])
+        assert store.get("k/partial") == bytes(buf[: 4096 + 7])
+        assert sorted(store.list("k")) == ["k/aligned", "k/partial"]
+
+    def test_ranged_get(self, store: Storage) -> None:
+        data = bytes(range(256)) * 4
+        store.put("r", data)
+        assert store.get("r", 10, 20) == data[10:20]
+        assert store.get("r", 1000) == data[1000:]
+        assert store.get("r", 0, 1) == data[:1]
+        assert store.get("r", 1020, 5000) == data[1020:]  # past the end: truncated
+        assert store.get("r", 5, 5) == b""
+        with pytest.raises(ConfigError):
+            store.get("r", 10, 5)
+
+    def test_overwrite(self, store: Storage) -> None:
+        store.put("k", b"first version, longer")
+        store.put("k", b"second")
+        assert store.get("k") == b"second"
+        assert store.size("k") == 6
+        assert store.list() == ["k"]
+
+    def test_missing(self, store: Storage) -> None:
+        with pytest.raises(NotFoundError) as info:
+            store.get("no/such/key")
+        assert store.describe("no/such/key") in str(info.value)
+        assert isinstance(info.value, FileNotFoundError)
+        assert isinstance(info.value, StorageError)
+        with pytest.raises(NotFoundError):
+            store.get("no/such/key", 3, 7)
+        with pytest.raises(NotFoundError):
+            store.get("no/such/key", 3, 3)
+        with pytest.raises(NotFoundError, match="no/such/key"):
+            store.size("no/such/key")
+        assert not store.exists("no/such/key")
+
+    def test_list_prefixes(self, store: Storage) -> None:
+        keys = ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]
+        for k in reversed(keys):
+            store.put(k, k.encode())
+        assert store.list() == keys
+        assert store.list("") == keys
+        assert store.list("a/") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
+        assert store.list("a/b") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
+        assert store.list("a/b/") == ["a/b/c", "a/b/d", "a/b/e/f"]
+        assert store.list("a/b/c") == ["a/b/c"]
+        assert store.list("a") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab"]
+        assert store.list("nothing/") == []
+        assert store.list("nothing/deeper/") == []
+
+    def test_get_many_keeps_order_and_reports_missing_as_none(self, store: Storage) -> None:
+        keys = [f"m/{i:03d}.json" for i in range(40)]
+        for k in keys[::2]:
+            store.put(k, k.encode())
+        got = list(store.get_many(keys))
+        assert [k for k, _ in got] == keys
+        assert all(v == (k.encode() if i % 2 == 0 else None) for i, (k, v) in enumerate(got))
+
+    def test_list_dir_reads_one_level(self, store: Storage) -> None:
+        for k in ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]:
+            store.put(k, k.encode())
+        want = {
+            "": ["a/", "ab", "z"],
+            "a/": ["b/", "bb"],
+            "a/b/": ["c", "d", "e/"],
+            "a/b/e/": ["f"],
+            "nothing/": [],
+        }
+        for prefix, names in want.items():
+            assert store.list_dir(prefix) == names, prefix
+            # The backend's one-level read agrees with the default derived from list().
+            assert Storage.list_dir(store, prefix) == names, prefix
+        with pytest.raises(ValueError, match="folder"):
+            store.list_dir("a")
+
+    def test_exists_and_directories(self, store: Storage) -> None:
+        store.put("dir/obj", b"1")
+        assert store.exists("dir/obj")
+        assert not store.exists("dir")  # a directory-like prefix is not an object
+        assert not store.exists("dir/ob")
+
+    def test_delete_idempotent(self, store: Storage) -> None:
+        store.delete("never/existed")
+        store.put("x/y", b"1")
+        store.delete("x/y")
+        assert not store.exists("x/y")
+        assert store.list() == []
+        store.delete("x/y")
+
+    def test_delete_prefix(self, store: Storage) -> None:
+        for k in ["ck/1/a", "ck/1/b/c", "ck/10/a", "ck/2/a", "other"]:
+            store.put(k, b"v")
+        store.delete_prefix("ck/1/")
+        assert store.list() == ["ck/10/a", "ck/2/a", "other"]
+        store.delete_prefix("ck/")
+        assert store.list() == ["other"]
+        store.delete_prefix("nothing/")
+
+    def test_size(self, store: Storage) -> None:
+        store.put("s", b"12345")
+        assert store.size("s") == 5
+
+    def test_empty_object(self, store: Storage) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.size("empty") == 0
+        assert store.exists("empty")
+        assert store.list() == ["empty"]
+
+    def test_large_object(self, store: Storage) -> None:
+        data = os.urandom(5 * 2**20)
+        store.put("big/obj", data)
+        assert store.size("big/obj") == len(data)
+        assert store.get("big/obj") == data
+        assert store.get("big/obj", 2**20, 3 * 2**20 + 7) == data[2**20 : 3 * 2**20 + 7]
+
+    def test_iter_get_preserves_order(self, store: Storage) -> None:
+        keys = [f"it/{i:03d}" for i in range(25)]
+        for k in keys:
+            store.put(k, k.encode() * 3)
+        order = list(reversed(keys))
+        assert list(store.iter_get(order)) == [(k, k.encode() * 3) for k in order]
+        assert list(store.iter_get([])) == []
+        with pytest.raises(NotFoundError):
+            list(store.iter_get([*keys[:3], "it/missing", *keys[3:]]))
+
+    @pytest.mark.parametrize("bad", ["", "/abs", "../up", "a/../b", "a//b", "a/./b", "a/"])
+    def test_invalid_keys(self, store: Storage, bad: str) -> None:
+        with pytest.raises(ConfigError):
+            store.put(bad, b"x")
+
+    def test_check_writable(self, store: Storage) -> None:
+        check_writable(store)
+        assert store.list() == []  # the probe is gone
+
+    # -- capabilities ------------------------------------------------------------------------
+
+    def test_local_path(self, store: Storage) -> None:
+        """None (not a local filesystem), or the file that holds exactly the object's bytes."""
+        store.put("lp/a.bin", b"on disk")
+        root = store.local_path()
+        path = store.local_path("lp/a.bin")
+        if root is None:
+            assert path is None
+            return
+        assert path is not None and os.path.isabs(path) and os.path.isabs(root)
+        assert path.startswith(root.rstrip(os.sep) + os.sep)
+        with open(path, "rb") as f:
+            assert f.read() == b"on disk"
+
+    def test_modified(self, store: Storage) -> None:
+        """None (unknown) or the time of the last write, give or take clock granularity."""
+        before = time.time()
+        store.put("mod/a", b"1")
+        after = time.time()
+        when = store.modified("mod/a")
+        assert when is None or before - 2.0 <= when <= after + 2.0
+        assert store.modified("mod/missing") is None
+
+    def test_map_file(self, store: Storage) -> None:
+        data = bytes(range(256)) * 33
+        store.put("map/a", data)
+        store.put("map/empty", b"")
+        view = store.map_file("map/a")
+        assert view.nbytes == len(data) and bytes(view) == data
+        assert bytes(store.map_file("map/empty")) == b""
+        del view
+        with pytest.raises(NotFoundError):
+            store.map_file("map/missing")
+
+    def test_prefetch_is_only_a_hint(self, store: Storage) -> None:
+        store.put("pf/a", b"x")
+        store.prefetch("pf/a")
+        store.prefetch("pf/missing")  # never fails
+        assert store.get("pf/a") == b"x"
