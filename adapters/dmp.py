@@ -79,9 +79,7 @@ class ModelCheckpointer(DeltaCheckpointer):
             "takes a full (rows looked up in between were not tracked)",
             self.storage.uri,
         )
-        self._parent = None
-        if self._pub is not None:
-            self._pub.parent = None
+        self.break_chains()
         self.retrack()
 
     def save(self, kind: Any = "delta", *, step: int | None = None) -> CheckpointStats | None:

@@ -155,6 +155,9 @@ def _run_target(
                 "rows": h.rows,
                 "chunks": h.chunks,
                 "buffer_wait_s": h.buffer_wait_s,
+                "agree_s": h.agree_s,
+                "claim_s": h.claim_s,
+                "snapshot_s": h.snapshot_s,
                 "durable_local_s": h.durable_local_s,
                 "committed_s": h.committed_s,
                 "state": h.state,
@@ -330,6 +333,15 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
             print(
                 f"of the stall, waiting for chunk buffers (part > chunks_in_flight x chunk_bytes): "
                 f"median {waits * 1e3:.1f} ms"
+            )
+            parts = {
+                k: _median([h[k] for h in deltas]) for k in ("agree_s", "claim_s", "snapshot_s")
+            }
+            rest = _median([h["stall_s"] - sum(h[k] for k in parts) for h in deltas])
+            print(
+                "where the stall went (medians, slowest rank each): agree (1st all-gather, absorbs "
+                f"arrival skew) {parts['agree_s'] * 1e3:.1f} ms, claim {parts['claim_s'] * 1e3:.1f} ms, "
+                f"snapshot {parts['snapshot_s'] * 1e3:.1f} ms, release (2nd all-gather) ~{rest * 1e3:.1f} ms"
             )
             print(
                 f"median of {len(deltas)} deltas: stall {stall:.3f} s, {rows:.0f} rows, "

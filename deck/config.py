@@ -101,9 +101,10 @@ class StagingConfig(BaseModel):
         default=10,
         ge=0,
         le=19,
-        description="Nice increment of the stager's background threads (fsync, upload, commit; "
-        "Linux): uploads and checksums yield the CPU to training, whose steps would otherwise "
-        "slow down while a large checkpoint uploads. 0: the training process's priority.",
+        description="Nice increment of the stager's background threads (fsync, upload, commit, "
+        "and the spool writer with release=in_memory; Linux): uploads and checksums yield the "
+        "CPU to training, whose steps would otherwise slow down while a large checkpoint "
+        "uploads. 0: the training process's priority.",
     )
     commit_timeout_s: float = Field(
         default=3600.0,
@@ -323,9 +324,10 @@ class DeckConfig(BaseModel):
 
 
 def config_error(e: ValidationError) -> ConfigError:
-    """Turn a pydantic error into a ConfigError naming each bad field and what is allowed."""
+    """Turn a pydantic error into a ConfigError naming each bad field (``Model.field``, the model
+    being the one validated: ``DeckConfig``, ``RetentionPolicy``, ...) and what is allowed."""
     lines = []
     for err in e.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"DeckConfig.{field}: {err['msg']} (got {err.get('input')!r})")
+        lines.append(f"{e.title}.{field}: {err['msg']} (got {err.get('input')!r})")
     return ConfigError("invalid deck configuration:\n  " + "\n  ".join(lines))

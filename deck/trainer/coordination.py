@@ -5,7 +5,9 @@ Only the training thread calls these: a background thread must never issue colle
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,3 +44,26 @@ class Coordinator:
     def new_id_seed(self) -> int:
         """A random 52-bit number (exact in a float64 gather); rank 0's becomes the checkpoint id."""
         return secrets.randbits(52)
+
+
+V = TypeVar("V")
+
+
+def gather_votes(coord: Coordinator, vote: V) -> list[V]:
+    """Every rank's ``vote``, indexed by rank, on every rank (one all-gather).
+
+    ``vote`` is a dataclass whose fields are bool, int (exact below 2**53: the values travel as
+    float64), int enums or float; each rank gets back instances of the same class.
+    """
+    names = [f.name for f in dataclasses.fields(vote)]  # type: ignore[arg-type]
+    kinds = [type(getattr(vote, n)) for n in names]
+    rows = coord.gather([float(getattr(vote, n)) for n in names]).tolist()
+    return [
+        type(vote)(
+            **{
+                n: k(int(v)) if issubclass(k, int) else k(v)
+                for n, k, v in zip(names, kinds, row, strict=True)
+            }
+        )
+        for row in rows
+    ]

@@ -48,7 +48,8 @@ from deck.errors import (
     StorageError,
 )
 from deck.failpoints import failpoint
-from deck.format.chunks import Buffer, aligned_buffer, checksum
+from deck.format.checksum import checksum
+from deck.format.chunks import Buffer, aligned_buffer
 from deck.format.manifest import (
     MANIFEST,
     CheckpointManifest,
@@ -114,6 +115,13 @@ class CheckpointStats:
     # Of the stall, the longest any rank waited for a free chunk buffer: > 0 when a rank's part
     # was larger than the pool (chunks_in_flight x chunk_bytes), which then bounds the stall.
     buffer_wait_s: float = 0.0
+    # Where the stall went (each the longest of any rank): the first all-gather (agreeing on id
+    # and kind; it also absorbs the ranks' arrival skew), claiming the tracked rows, and copying
+    # them into buffers (the snapshot: rows, dense and extra state). The rest of ``stall_s`` is
+    # the second all-gather that releases training.
+    agree_s: float = 0.0
+    claim_s: float = 0.0
+    snapshot_s: float = 0.0
     bytes: int = 0
     rows: int = 0
     chunks: int = 0
@@ -129,7 +137,7 @@ class CheckpointStats:
 class _Item:
     """One part for the commit thread: staged by this process, or found in the spool."""
 
-    pending: PendingPart
+    pending: PendingPart  # of a staged part: without files and manifest until its writes are done
     stats: CheckpointStats
     staged: StagedPart | None = None
 
@@ -206,7 +214,11 @@ class StagedPart:
         self._sealed = False  # every file is submitted (and the pending record queued)
         self.bytes = 0
         self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
-        self.part: RankManifest | None = None
+        # How to build the rank manifest (from records the writes made); built once, by the
+        # spool writer (the pending record) or the commit thread, whichever asks first.
+        self._build: Callable[[], RankManifest] | None = None
+        self._part: RankManifest | None = None
+        self._part_lock = threading.Lock()
 
     # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
@@ -215,19 +227,29 @@ class StagedPart:
         self.buffer_wait_s += time.perf_counter() - t0
         return buf
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
+    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
         self.bytes += nbytes
-        self._track(self.stager.write_out(self.info.step, rel, buf, nbytes, pooled=True))
+        self._track(self.stager.write_out(self.info.step, rel, buf, nbytes, describe, pooled=True))
 
-    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
+    def submit_bytes(self, rel: str, data: bytes | bytearray, describe: Callable[[], None]) -> None:
         self.files.append(rel)
         self.bytes += len(data)
-        self._track(self.stager.write_out(self.info.step, rel, data, len(data), pooled=False))
+        self._track(
+            self.stager.write_out(self.info.step, rel, data, len(data), describe, pooled=False)
+        )
 
-    def finish_part(self, part: RankManifest) -> None:
-        self.part = part
+    def finish_part(self, build: Callable[[], RankManifest]) -> None:
+        self._build = build
+
+    @property
+    def part(self) -> RankManifest | None:
+        """The rank manifest, once every file is written (None: the writer never finished)."""
+        with self._part_lock:
+            if self._part is None and self._build is not None:
+                self._part = self._build()
+            return self._part
 
     # -- protocol --
     def _track(self, fut: Future[None]) -> None:
@@ -257,7 +279,7 @@ class StagedPart:
         if self._sealed:
             return
         self._sealed = True
-        if self.part is not None and self.stager.spool_root is not None:
+        if self._build is not None and self.stager.spool_root is not None:
             self._track(self.stager.record_pending(self))
 
     def wait_written(self, seal: bool = True) -> None:
@@ -274,9 +296,11 @@ class StagedPart:
                 raise self._error
 
     def pending(self) -> PendingPart:
-        if self.part is None:
+        """The part with its rank manifest; only once every file is written."""
+        part = self.part
+        if part is None:
             raise DeckError("internal: rank part was not finished")
-        return self.info.model_copy(update={"files": tuple(self.files), "part": self.part})
+        return self.info.model_copy(update={"files": tuple(self.files), "part": part})
 
 
 class Stager:
@@ -300,11 +324,17 @@ class Stager:
             os.makedirs(self.spool_root, exist_ok=True)
         else:
             self.spool_root = None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="deck-spool")
+        lower = functools.partial(_lower_priority, staging.background_nice)
+        # Released at the snapshot, training does not wait for the spool writer (its checksums,
+        # records and writes): it yields the CPU to training like the other background threads.
+        self._writer = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="deck-spool",
+            initializer=lower if staging.release == "in_memory" else None,
+        )
         # Each spooled file is fsynced as soon as it is written, on its own thread, so that the
         # part's durability wait overlaps the writes of the files after it instead of starting
         # when the last one is written (the writer thread never waits for the disk to flush).
-        lower = functools.partial(_lower_priority, staging.background_nice)
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync", initializer=lower)
         self._early_syncs: dict[str, Future[None]] = {}
         self._syncs_lock = threading.Lock()
@@ -343,13 +373,21 @@ class Stager:
         return StagedPart(self, info, reserved)
 
     def write_out(
-        self, step: int, rel: str, data: bytes | Buffer, nbytes: int, pooled: bool
+        self,
+        step: int,
+        rel: str,
+        data: bytes | Buffer,
+        nbytes: int,
+        describe: Callable[[], None],
+        pooled: bool,
     ) -> Future[None]:
-        """Write one file to the first tier (spool, or upload for cpu-remote)."""
+        """Write one file to the first tier (spool, or upload for cpu-remote), after
+        ``describe`` (its checksum and record, from the bytes while the buffer is held)."""
         key = f"{step_dir(step)}/{rel}"
 
         def spool() -> None:
             try:
+                describe()
                 path = os.path.join(self.spool_root, key)  # type: ignore[arg-type]
                 folder = os.path.dirname(path)
                 failpoint("stager.spool.before_write")
@@ -369,6 +407,7 @@ class Stager:
 
         def upload() -> None:
             try:
+                describe()
                 self._put_with_retry(key, bytes(memoryview(data)[:nbytes]))
             finally:
                 if pooled:
@@ -390,12 +429,11 @@ class Stager:
 
     def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
         """Every rank staged its part (in buffers or already in the first tier): go on in the
-        background, starting by waiting for this part's writes."""
-        pending = staged.pending()
+        background, starting by waiting for this part's writes (its manifest is built then)."""
         stats.spool_reserved = staged.reserved
         with self._idle:
             self._busy += 1
-        self._queue.put(_Item(pending, stats, staged))
+        self._queue.put(_Item(staged.info, stats, staged))
 
     def take_failed(self) -> list[tuple[int, str]]:
         """(step, id) of this rank's parts (rank > 0) that failed in the background since the
@@ -555,7 +593,9 @@ class Stager:
                 if item.staged is not None:
                     try:  # its writes (still running when training was released early)
                         item.staged.wait_written()
+                        pending = item.staged.pending()
                     except Exception as e:
+                        pending = pending.model_copy(update={"files": tuple(item.staged.files)})
                         raise _NeverCommits(str(e)) from e
                 self._finish(pending, stats)
             except Exception as e:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from deck.errors import ConfigError
+from deck.kernels.claim import claim_rows
 
 MAX_CONSUMERS = 8
 
@@ -82,8 +83,7 @@ class TrackerStore:
             )
         self.compact()
         with self._lock:
-            rows = torch.nonzero(self._dirty & bit).view(-1)
-            self._dirty.index_put_((rows,), self._dirty[rows] & ~bit & 0xFF)
+            rows = claim_rows(self._dirty, bit)
         return ReadToken(consumer, rows)
 
     def touched(self, token: ReadToken, start: int, stop: int) -> torch.Tensor:

@@ -2,27 +2,35 @@
 
 Order (DCP's lesson): data files first, then the rank part manifest, then -- once every rank's
 part is durable -- the checkpoint manifest, by rank 0, as a single atomic put.
+
+The training thread only copies rows into the sink's buffers (the snapshot). What describes a
+file -- checksums, the row index of a chunk, the records and the rank manifest built from them --
+is computed by the thread that writes the file, right before it writes it, while the buffer is
+still held (:class:`Sink`): training does not wait for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from deck.adapters.base import TableShard
-from deck.errors import ConfigError
+from deck.errors import ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format import treecodec
-from deck.format.chunks import Buffer, ChunkLayout, build_chunk, checksum, segment_view
+from deck.format.checksum import checksum
+from deck.format.chunks import Buffer, ChunkLayout, build_chunk, segment_view
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     PAGE_ALIGN,
     CheckpointManifest,
+    ChunkRecord,
     Encoding,
     FileRecord,
     Kind,
@@ -55,8 +63,56 @@ def scalar_key(shard: TableShard) -> str:
     return f"{shard.table}|{shard.row_offset}|{shard.col_offset}"
 
 
+T = TypeVar("T")
+
+
+class Later(Generic[T]):
+    """A record computed by the thread that writes its file (:meth:`run`, before the write),
+    read once the write is done (:meth:`get`)."""
+
+    __slots__ = ("_make", "_value")
+
+    def __init__(self, make: Callable[[], T]):
+        self._make: Callable[[], T] | None = make
+        self._value: T | None = None
+
+    def run(self) -> None:
+        if self._make is not None:
+            self._value, self._make = self._make(), None
+
+    def get(self) -> T:
+        if self._value is None:
+            raise DeckError("internal: a file record was read before its file was written")
+        return self._value
+
+
+def _run_all(items: list[Later[Any]]) -> Callable[[], None]:
+    def run() -> None:
+        for item in items:
+            item.run()
+
+    return run
+
+
+class Sink(Protocol):
+    """Where a :class:`RankPartWriter` sends files: storage directly, or the stager. Its buffers
+    hold ``max(chunk_bytes, bundle_bytes)`` bytes (a chunk, or a bundle of chunks).
+
+    Contract: ``describe`` of a file runs before that file is written, on the writing thread,
+    while ``buf`` is still the sink's; :meth:`finish_part`'s ``build`` runs after every file
+    submitted before it was written (it reads their records)."""
+
+    def buffer(self) -> Buffer: ...
+    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None: ...
+    def submit_bytes(
+        self, rel: str, data: bytes | bytearray, describe: Callable[[], None]
+    ) -> None: ...
+    def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest | None: ...
+
+
 class DirectSink:
-    """Writes each file straight to storage (no staging): used by tools and tests."""
+    """Writes each file straight to storage on the calling thread (no staging): used by tools
+    and tests. :meth:`finish_part` returns the rank manifest it wrote."""
 
     def __init__(self, storage: Storage, step: int, buffer_bytes: int):
         self.storage = storage
@@ -66,24 +122,18 @@ class DirectSink:
     def buffer(self) -> Buffer:
         return bytearray(self.buffer_bytes)
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None:
+    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None:
+        describe()
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
 
-    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None:
+    def submit_bytes(self, rel: str, data: bytes | bytearray, describe: Callable[[], None]) -> None:
+        describe()
         self.storage.put(f"{self.root}/{rel}", data)
 
-    def finish_part(self, part: RankManifest) -> None:
+    def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest:
+        part = build()
         self.storage.put(f"{self.root}/{part_manifest_path(part)}", dump_model(part))
-
-
-class Sink(Protocol):
-    """Where a :class:`RankPartWriter` sends files: storage directly, or the stager. Its buffers
-    hold ``max(chunk_bytes, bundle_bytes)`` bytes (a chunk, or a bundle of chunks)."""
-
-    def buffer(self) -> Buffer: ...
-    def submit(self, rel: str, buf: Buffer, nbytes: int) -> None: ...
-    def submit_bytes(self, rel: str, data: bytes | bytearray) -> None: ...
-    def finish_part(self, part: RankManifest) -> None: ...
+        return part
 
 
 def part_manifest_path(part: RankManifest) -> str:
@@ -125,6 +175,7 @@ class RankPartWriter:
         self.bundle_bytes = bundle_bytes
         self._bundle: Buffer | None = None
         self._bundle_fill = 0
+        self._bundle_chunks: list[Later[ChunkRecord]] = []
         self._bundles = 0
         self.quantize: Encoding | None = check_encoding(quantize)
         self.encoded_any = False
@@ -139,17 +190,22 @@ class RankPartWriter:
         self.chunks_written = 0
         self.rows_written = 0
 
-    def _file(self, rel: str, data: bytes) -> FileRecord:
-        self.sink.submit_bytes(rel, data)
+    def _file(self, rel: str, data: bytes) -> Later[FileRecord]:
+        rec = Later(lambda: FileRecord(path=rel, nbytes=len(data), checksum=checksum(data)))
+        self.sink.submit_bytes(rel, data, rec.run)
         self.bytes_written += len(data)
-        return FileRecord(path=rel, nbytes=len(data), checksum=checksum(data))
+        return rec
 
-    def write_shard(self, shard: TableShard, rows: torch.Tensor | None, full: bool) -> ShardRecord:
-        """Write ``rows`` (ascending local row indices; None = all rows) of ``shard`` as chunks.
+    def write_shard(
+        self, shard: TableShard, rows: torch.Tensor | None, full: bool
+    ) -> Callable[[], ShardRecord]:
+        """Copy ``rows`` (ascending local row indices; None = all rows) of ``shard`` into chunks.
 
         Rows are gathered straight into a sink buffer, one chunk at a time, so memory is the
         sink's buffers whatever the table size. Every chunk but the last is exactly
-        ``chunk_bytes`` long; the last is padded to a multiple of 4096.
+        ``chunk_bytes`` long; the last is padded to a multiple of 4096. Returns how to build the
+        shard's record once its chunks are written (their records are made by the sink's
+        writing thread).
         """
         n = shard.rows if rows is None else int(rows.numel())
         encoded = self._encoded(shard)
@@ -168,55 +224,53 @@ class RankPartWriter:
                 f"table {shard.table}: one row takes {row_bytes} bytes, more than "
                 f"staging.chunk_bytes={self.chunk_bytes}; raise chunk_bytes"
             )
-        chunks = []
+        chunks: list[Later[ChunkRecord]] = []
         folder = f"{self.part}/{table_dir(shard.table)}"
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
             layout = ChunkLayout(stop - start, segs)
-            last = stop == n
+            pad_to = None if stop == n else self.chunk_bytes
+            nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
             offset = None
             buf: Buffer
             if self.bundle_bytes:
-                rel, offset, buf = self._bundle_slot(layout.nbytes if last else self.chunk_bytes)
+                rel, offset, buf = self._bundle_slot(nbytes)
             else:
                 buf = self.sink.buffer()
             local = None if rows is None else rows[start:stop]
             failpoint("writer.chunk.before_fill")
             _fill_chunk(buf, layout, shard, start, stop, local, encoded)
-            rec = build_chunk(
-                buf,
-                rel,
-                layout,
-                [None] * len(segs),
-                pad_to=None if last else self.chunk_bytes,
-                encoded=encoded,
-            )
-            rec = rec.model_copy(
-                update={"index": build_index(segment_view(buf, layout, "ids")), "offset": offset}
+            rec: Later[ChunkRecord] = Later(
+                functools.partial(_describe, buf, rel, layout, pad_to, encoded, offset)
             )
             if offset is None:
-                self.sink.submit(rel, buf, rec.nbytes)
+                self.sink.submit(rel, buf, nbytes, rec.run)
             else:
-                self._bundle_fill += rec.nbytes
+                self._bundle_fill += nbytes
+                self._bundle_chunks.append(rec)
             failpoint("writer.chunk.after_submit")
-            self.bytes_written += rec.nbytes
+            self.bytes_written += nbytes
             self.chunks_written += 1
             chunks.append(rec)
-            self.encoded_any |= rec.encoding is not None
+        self.encoded_any |= bool(encoded) and n > 0
         self.rows_written += n
-        return ShardRecord(
-            table=shard.table,
-            num_rows=shard.num_rows,
-            num_cols=shard.num_cols,
-            row_offset=shard.row_offset,
-            rows=shard.rows,
-            col_offset=shard.col_offset,
-            cols=shard.cols,
-            full=full,
-            states=tuple(shard.states),
-            chunks=tuple(chunks),
-        )
+
+        def record() -> ShardRecord:
+            return ShardRecord(
+                table=shard.table,
+                num_rows=shard.num_rows,
+                num_cols=shard.num_cols,
+                row_offset=shard.row_offset,
+                rows=shard.rows,
+                col_offset=shard.col_offset,
+                cols=shard.cols,
+                full=full,
+                states=tuple(shard.states),
+                chunks=tuple(c.get() for c in chunks),
+            )
+
+        return record
 
     def _bundle_slot(self, nbytes: int) -> tuple[str, int, memoryview]:
         """Room for a chunk of ``nbytes`` in the open bundle (a new one when it is full): the
@@ -237,8 +291,9 @@ class RankPartWriter:
         after the last shard. Callers of :meth:`write_shard` alone must call it too."""
         if self._bundle is None:
             return
-        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill)
-        self._bundle = None
+        describe = _run_all(self._bundle_chunks)
+        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, describe)
+        self._bundle, self._bundle_chunks = None, []
         self._bundles += 1
 
     def _encoded(self, shard: TableShard) -> dict[str, tuple[Encoding, torch.dtype]]:
@@ -257,9 +312,11 @@ class RankPartWriter:
         rows_for: Callable[[TableShard], torch.Tensor | None],
         dense: dict[str, torch.Tensor] | None,
         extra: dict[str, Any],
-    ) -> RankManifest:
-        """Write every shard, the dense (rank 0) and extra state, then hand the rank manifest to
-        the sink (which writes it after the data: directly, or once the stager has it all)."""
+    ) -> RankManifest | None:
+        """Snapshot every shard, the dense (rank 0) and extra state into the sink, then hand it
+        how to build the rank manifest (written after the data: directly, or once the stager has
+        it all). Returns the manifest when the sink writes it at once (:class:`DirectSink`),
+        None when it is completed in the background."""
         records = []
         for shard in shards:
             rows = rows_for(shard)
@@ -274,20 +331,38 @@ class RankPartWriter:
         extra_rec = self._file(
             f"{self.part}/{EXTRA_FILE}", treecodec.encode(extra, "optimizer/user state")
         )
-        manifest = RankManifest(
-            format_version=FORMAT_VERSION,
-            step=self.step,
-            ckpt_id=self.ckpt_id,
-            rank=self.rank,
-            world_size=self.world_size,
-            shards=tuple(records),
-            dense=dense_rec,
-            extra=extra_rec,
-            encoding=self.quantize if self.encoded_any else None,
-        )
+        encoding = self.quantize if self.encoded_any else None
+
+        def build() -> RankManifest:
+            return RankManifest(
+                format_version=FORMAT_VERSION,
+                step=self.step,
+                ckpt_id=self.ckpt_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                shards=tuple(r() for r in records),
+                dense=None if dense_rec is None else dense_rec.get(),
+                extra=extra_rec.get(),
+                encoding=encoding,
+            )
+
         failpoint("writer.part.before_manifest")
-        self.sink.finish_part(manifest)
-        return manifest
+        return self.sink.finish_part(build)
+
+
+def _describe(
+    buf: Buffer,
+    rel: str,
+    layout: ChunkLayout,
+    pad_to: int | None,
+    encoded: dict[str, tuple[Encoding, torch.dtype]],
+    offset: int | None,
+) -> ChunkRecord:
+    """The record of a filled chunk (zeroes its padding): checksum, segments, row index."""
+    rec = build_chunk(buf, rel, layout, [None] * len(layout.segments), pad_to, encoded)
+    return rec.model_copy(
+        update={"index": build_index(segment_view(buf, layout, "ids")), "offset": offset}
+    )
 
 
 _side_streams: dict[Any, Any] = {}

@@ -1,0 +1,302 @@
+"""Restore orchestration on the training ranks: pick the step, load its chain, agree, fall back.
+
+:class:`StateLoader` is called by the training thread of every rank together
+(:meth:`deck.trainer.checkpointer.DeltaCheckpointer.restore`, after its flush):
+
+1. rank 0 picks the target (the latest restorable step, or the one asked) and broadcasts it;
+2. every rank loads its share of the chain (rows by global id, so another world size or plan is
+   fine), the dense and optimizer state, shard scalars and the user state;
+3. one all-gather of each rank's :class:`LoadResult`: all loaded, or all raise -- and with
+   ``allow_fallback``, when every failure was a damaged or missing checkpoint, rank 0 verifies
+   chains from the target down (quarantining what is damaged) and every rank loads the first
+   valid one.
+
+It returns a :class:`Restored` for the checkpointer to continue its chain from; it never writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from deck.adapters.base import ModelAdapter, copy_dense_state
+from deck.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleModelError,
+)
+from deck.read.catalog import (
+    ManifestSet,
+    chain_for,
+    damaged_records,
+    latest_restorable,
+    read_manifests,
+    read_rank_manifests,
+)
+from deck.read.lineage import best_valid_chain
+from deck.read.restore import (
+    RestoreStats,
+    apply_chain,
+    fill_from_dense,
+    load_optimizer,
+    plan_moves,
+    rank_part,
+    read_state_file,
+    reconcile_optimizer,
+    same_layout,
+    shard_scalars,
+)
+from deck.storage import Storage
+from deck.trainer.coordination import Coordinator, gather_votes
+
+logger = logging.getLogger(__name__)
+
+
+class LoadResult(IntEnum):
+    """One rank's result of loading a chain (step 3)."""
+
+    LOADED = 0
+    FAILED = 1  # any other error: no fallback can help
+    DAMAGED = 2  # a damaged or missing checkpoint: an older valid chain may
+
+
+@dataclass(frozen=True)
+class _LoadVote:
+    result: LoadResult
+
+
+@dataclass
+class Restored:
+    """What a restore loaded: where the checkpointer's chain goes on from."""
+
+    step: int
+    parent: tuple[int, str] | None  # (step, id) later deltas build on; None: next is a full
+    base: int  # step of the chain's full
+    epoch: int  # the epoch of checkpoints written from now on
+    stats: RestoreStats
+
+
+def next_epoch(manifests: ManifestSet | dict) -> int:
+    """The epoch after every committed checkpoint's (0 for an empty URI)."""
+    return max((m.epoch for m in manifests.values()), default=-1) + 1
+
+
+@dataclass
+class StateLoader:
+    """Loads committed steps into one rank's live model and state (module docstring)."""
+
+    storage: Storage
+    coord: Coordinator
+    adapter: ModelAdapter
+    optimizers: dict[str, Any]
+    set_user_state: Callable[[Any], None] | None
+
+    def restore(self, step: int | None, allow_fallback: bool) -> Restored | None:
+        """Load committed ``step`` (the latest restorable one when None) bitwise. Returns None
+        when the URI holds no checkpoint. Collective: every rank loads the same step or all
+        raise (see :meth:`deck.trainer.checkpointer.DeltaCheckpointer.restore`)."""
+        manifests = read_manifests(self.storage)
+        if step is None:
+            chosen = latest_restorable(manifests) if self.coord.rank == 0 else None
+            chosen_all = self.coord.broadcast_int(-1 if chosen is None else chosen)
+            target = None if chosen_all < 0 else chosen_all
+            if target is not None and target not in manifests:
+                manifests = read_manifests(self.storage)
+        else:
+            target = step
+        skipped = damaged_records(manifests, target, latest=step is None)
+        if skipped and not allow_fallback:
+            raise CorruptCheckpointError(
+                f"{skipped}; restore(allow_fallback=True) restores the newest valid step instead"
+            )
+        if target is None:
+            if manifests:
+                raise CheckpointNotFoundError(
+                    f"{self.storage.uri} has checkpoints {sorted(manifests)} but none has a "
+                    "complete chain"
+                )
+            if skipped:
+                raise CheckpointNotFoundError(f"{skipped}; nothing else is committed")
+            return None
+        done, error, recoverable = self._agreed(manifests, target)
+        if done is not None:
+            if skipped:
+                logger.warning("deck: restored step %d; skipped %s", target, skipped)
+                done.stats.fallback = f"skipped {skipped}"
+            return done
+        assert error is not None
+        if not (allow_fallback and recoverable):
+            raise error
+        fallback, why = self._fallback_target(target, error)
+        if fallback is None:
+            raise CheckpointNotFoundError(f"{why}; nothing older is restorable either") from error
+        logger.warning("deck: %s", why)
+        manifests = read_manifests(self.storage)  # now with rank 0's quarantine records
+        done, error, _ = self._agreed(manifests, fallback)
+        if done is None:
+            assert error is not None
+            raise error
+        done.stats.fallback = why
+        return done
+
+    def _agreed(
+        self, manifests: ManifestSet | dict, target: int
+    ) -> tuple[Restored | None, BaseException | None, bool]:
+        """Load ``target`` on every rank. Returns (what was loaded, None, False) when it worked
+        everywhere, else (None, this rank's error or one naming the ranks that failed, and --
+        agreed by all ranks -- whether every failure was a damaged / missing checkpoint, so a
+        fallback may help)."""
+        done: Restored | None = None
+        error: BaseException | None = None
+        try:
+            done = self._load(manifests, target)
+        except Exception as e:
+            error = e
+        damaged = isinstance(error, CorruptCheckpointError | CheckpointNotFoundError)
+        mine = (
+            LoadResult.LOADED
+            if error is None
+            else LoadResult.DAMAGED
+            if damaged
+            else LoadResult.FAILED
+        )
+        votes = [v.result for v in gather_votes(self.coord, _LoadVote(mine))]
+        if all(v == LoadResult.LOADED for v in votes):
+            return done, None, False
+        recoverable = all(v != LoadResult.FAILED for v in votes)
+        if error is None:
+            failed = [r for r, v in enumerate(votes) if v != LoadResult.LOADED]
+            error = (CorruptCheckpointError if recoverable else CheckpointError)(
+                f"restore from {self.storage.uri} failed on rank(s) {failed}; see their errors"
+            )
+        return None, error, recoverable
+
+    def _fallback_target(self, target: int, error: BaseException) -> tuple[int | None, str]:
+        """Rank 0 verifies chains, from ``target`` back to older steps, and picks the first with
+        every file intact (quarantining damaged checkpoints on the way); agreed by all ranks."""
+        chosen, why = -1, ""
+        if self.coord.rank == 0:
+            chosen, why = self._first_valid(target, error)
+        chosen = self.coord.broadcast_int(chosen)
+        if self.coord.rank != 0:
+            if chosen < 0:
+                why = f"rank 0 found no valid chain from step {target} down"
+            elif chosen == target:
+                why = (
+                    f"step {target}: restored through another chain (rank 0's log names the damage)"
+                )
+            else:
+                why = (
+                    f"restored step {chosen} instead of step {target}: rank 0 found its chain "
+                    "damaged (rank 0's log names the files)"
+                )
+        return (chosen if chosen >= 0 else None), why
+
+    def _first_valid(self, target: int, error: BaseException) -> tuple[int, str]:
+        """Rank 0: the newest step at or before ``target`` with a valid chain (-1: none), and
+        what was skipped on the way."""
+        manifests = read_manifests(self.storage)
+        order = sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True)
+        at = manifests.get(target)
+        key = (at.epoch, at.step) if at is not None else (float("inf"), target)
+        skipped = [f"step {target}: {error}"]
+        for m in (m for m in order if (m.epoch, m.step) <= key):
+            try:
+                found = best_valid_chain(self.storage, m.step, manifests=manifests)
+            except CheckpointNotFoundError as e:
+                if m.step != target:
+                    skipped.append(f"step {m.step}: {e}")
+                continue
+            damaged = "; ".join(f"{i}: {p[0]}" for i, p in found.rejected.items())
+            if m.step == target:
+                return m.step, f"step {target}: restored through another chain, skipping {damaged}"
+            return m.step, f"restored step {m.step} instead of step {target}: " + "; ".join(skipped)
+        return -1, f"no valid chain from step {target} down: " + "; ".join(skipped)
+
+    def _load(self, manifests: ManifestSet | dict, target: int) -> Restored:
+        """Load the chain of ``target`` into this rank's model and state (one rank's share)."""
+        chain = chain_for(manifests, target)
+        last = chain[-1]
+        shards = self.adapter.table_shards()
+        tables = self.adapter.table_shapes()
+        dense_rec = read_rank_manifests(self.storage, last)[0].dense
+        if dense_rec is None:
+            raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
+        saved_dense = read_state_file(self.storage, last, dense_rec)
+        # Tables data_parallel on one side and sharded on the other (another plan).
+        moves = plan_moves(
+            self.storage, chain, tables, self.adapter.replicated_tables(), saved_dense
+        )
+        moved = moves.tables
+        # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
+        stats, parts = apply_chain(
+            self.storage,
+            chain,
+            [s for s in shards if s.table not in moved] + list(moves.to_replicated.values()),
+            {k: v for k, v in tables.items() if k not in moved}
+            | {k: (s.num_rows, s.num_cols) for k, s in moves.to_replicated.items()},
+        )
+        fill_from_dense(moves, shards, saved_dense, f"step {target} at {self.storage.uri}")
+        for key, staged in moves.to_replicated.items():
+            saved_dense[key] = staged.states["weight"]
+        mine = rank_part(parts, self.coord.rank)
+        extra = read_state_file(self.storage, last, mine.extra)
+        self._load_optimizers(extra, target, moved)
+        problems = copy_dense_state(self.adapter.dense_state(), saved_dense)
+        if problems:
+            raise IncompatibleModelError(
+                f"dense state of step {target} does not fit the model: {problems[:5]}"
+            )
+        scalars = shard_scalars(
+            self.storage, target, parts, extra, [s for s in shards if s.table not in moved]
+        )
+        with torch.no_grad():
+            for s in shards:
+                for name, t in scalars.get(id(s), {}).items():
+                    s.scalars[name].copy_(t)
+        self.adapter.after_restore()
+        if self.set_user_state is not None:
+            self.set_user_state(extra["user"])
+        logger.info(
+            "deck: restored step %d from %s (%d checkpoints, %d chunks, %.1f MiB on this rank)",
+            target,
+            self.storage.uri,
+            stats.checkpoints,
+            stats.chunks,
+            stats.bytes / 2**20,
+        )
+        # Deltas build on the restored checkpoint only in its own layout (save() agrees on it).
+        same = same_layout(parts, self.coord.rank, shards)
+        return Restored(
+            step=target,
+            parent=(target, last.id) if same else None,
+            base=chain[0].step,
+            epoch=next_epoch(manifests),
+            stats=stats,
+        )
+
+    def _load_optimizers(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
+        for name, opt in self.optimizers.items():
+            saved = extra["optimizers"].get(name)
+            if saved is None:
+                raise IncompatibleModelError(
+                    f"optimizer {name} is not in step {target} at {self.storage.uri}"
+                )
+            try:
+                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
+            except IncompatibleModelError as e:
+                if not moved:
+                    raise
+                raise IncompatibleModelError(
+                    f"{e}; tables {sorted(moved)} are data_parallel on one side of this restore "
+                    "and sharded on the other, which changes the dense optimizer's parameters: "
+                    "deck fits a TorchRec KeyedOptimizer(Wrapper)'s state by parameter name, a "
+                    "plain torch optimizer's (by position) it cannot; wrap it in "
+                    "KeyedOptimizerWrapper, or restore with the checkpoint's plan"
+                ) from None
