@@ -9,10 +9,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from deck.trainer.tracker import TrackerStore
+if TYPE_CHECKING:  # the interface names the trainer's store; adapters are called by the trainer
+    from deck.trainer.tracker import TrackerStore
 
 
 @dataclass
@@ -62,6 +64,11 @@ class RemovableHandle:
         if self._remove is not None:
             self._remove()
             self._remove = None
+
+
+def scalar_key(shard: TableShard) -> str:
+    """Key of a shard's scalar states inside a checkpoint's extra file."""
+    return f"{shard.table}|{shard.row_offset}|{shard.col_offset}"
 
 
 class ModelAdapter(abc.ABC):

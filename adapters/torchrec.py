@@ -496,7 +496,3 @@ def _chain_hooks(
             module.post_odist_tracker_fn = prev_odist
 
     return remove
-
-
-# The wrapper that turns deck on from its config (adapters/dmp.py), importable from here too.
-from deck.adapters.dmp import DeckDistributedModelParallel  # noqa: E402, F401

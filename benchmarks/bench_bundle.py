@@ -29,7 +29,8 @@ import torch
 from _workload import Workload, bitwise_equal, drop_cache, make_shards, table_shapes, warm_cache
 
 from deck.format.manifest import Kind
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage import LocalStorage
 from deck.trainer.writer import RankPartWriter, commit

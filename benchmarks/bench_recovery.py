@@ -44,8 +44,10 @@ from _workload import (
 )
 
 from deck.format.manifest import CheckpointManifest
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
-from deck.read.catalog import chain_for, read_manifests
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.storage import LocalStorage
 
 
@@ -121,7 +123,10 @@ def _run(a: argparse.Namespace, w: Workload, work: str) -> int:
     )
     only_storage = LocalStorage(only)
     t0 = time.perf_counter()
-    MergeWorker(only_storage, MergeConfig(stride=a.stride, full=FullPolicy(None, None))).run_once()
+    MergeWorker(
+        only_storage,
+        MergeConfig(stride=a.stride, full=FullPolicy(every=None, max_live_fraction=None)),
+    ).run_once()
     only_merge_s = time.perf_counter() - t0
 
     full_storage = LocalStorage(os.path.join(work, "full"))

@@ -42,7 +42,8 @@ from _workload import (
 )
 
 from deck.format.manifest import CheckpointManifest
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage import LocalStorage
 

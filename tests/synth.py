@@ -17,7 +17,8 @@ import torch
 from deck.adapters.base import TableShard
 
 from deck.format.manifest import CheckpointManifest, Kind
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage
 from deck.trainer.writer import RankPartWriter, commit

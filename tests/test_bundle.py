@@ -18,8 +18,10 @@ from deck.config import StagingConfig
 from deck.errors import ConfigError, CorruptCheckpointError
 from deck.format.chunks import read_chunks
 from deck.format.manifest import ChunkRecord, Kind, RankManifest, load_model
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
-from deck.read.catalog import chain_for, read_manifests
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage

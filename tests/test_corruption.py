@@ -18,12 +18,8 @@ from synth import SynthTrainer, restore_step
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.manifest import MANIFEST, parse_step_dir
-from deck.read.catalog import (
-    damaged_records,
-    latest_restorable,
-    read_manifests,
-    read_rank_manifests,
-)
+from deck.read.catalog import damaged_records, read_manifests, read_rank_manifests
+from deck.read.lineage import latest_restorable
 from deck.read.restore import read_state_file
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage

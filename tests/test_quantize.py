@@ -19,8 +19,10 @@ from deck.errors import ConfigError, CorruptCheckpointError, IncompatibleModelEr
 from deck.format.chunks import decode_chunk
 from deck.format.manifest import ChunkRecord, RankManifest, Segment, load_model
 from deck.format.quantize import QuantizedStateError, decode_rows, encode_rows
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
-from deck.read.catalog import chain_for, read_manifests, read_rank_manifests
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage

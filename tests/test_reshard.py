@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from deck.adapters.base import TableShard
+from deck.adapters.base import TableShard, scalar_key
 from dist_harness import run_ranks
 from safetensors.torch import load_file, save_file
 
@@ -23,10 +23,11 @@ import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import Kind
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, rank_part, read_state_file, shard_scalars
 from deck.storage import Storage, open_storage
-from deck.trainer.writer import RankPartWriter, commit, scalar_key
+from deck.trainer.writer import RankPartWriter, commit
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------
 
@@ -88,7 +89,7 @@ def _write(
             local = rows - s.row_offset
             return local[(local >= 0) & (local < s.rows)]
 
-        # Per-shard scalars as the checkpointer saves them (deck.trainer.writer.scalar_key).
+        # Per-shard scalars as the checkpointer saves them (deck.adapters.base.scalar_key).
         scalars = {scalar_key(s): dict(s.scalars) for s in shards if s.scalars}
         w.write_part(
             shards, rows_for, {"d": torch.zeros(1)} if rank == 0 else None, {"scalars": scalars}

@@ -11,7 +11,8 @@ from faulty_storage import FaultyStorage
 from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
 from deck.errors import CorruptCheckpointError, NotFoundError
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage.local import LocalStorage
 

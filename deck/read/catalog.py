@@ -14,15 +14,14 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
-from deck.format.chunks import checksum
+from deck.errors import CorruptCheckpointError, NotFoundError
+from deck.format.checksum import checksum
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MERGED_ROOT,
     QUARANTINE_ROOT,
     CheckpointManifest,
-    Kind,
     QuarantineRecord,
     RankManifest,
     dump_model,
@@ -204,59 +203,6 @@ def list_checkpoints(uri: str, storage_options: dict | None = None) -> list[Chec
         )
         for m in sorted(read_manifests(storage).values(), key=lambda m: m.step)
     ]
-
-
-def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[CheckpointManifest]:
-    """The checkpoints that reproduce ``step``: a full first, then deltas / merged deltas in
-    order, ending with the trainer checkpoint of ``step`` itself (whose folder holds the dense
-    and extra state, and whose id later deltas name as parent).
-
-    With a :class:`ManifestSet` (what :func:`read_manifests` returns) this is the cheapest chain
-    of the lineage graph (fewest bytes; merged checkpoints included, quarantined ones avoided);
-    with a plain dict it follows ``parent`` links. Either way each link is checked by id, so
-    deltas of an abandoned timeline are never mixed into another. Raises
-    :class:`CheckpointNotFoundError` naming what is missing.
-    """
-    if isinstance(manifests, ManifestSet):
-        from deck.read.lineage import build_graph, cheapest_chain
-
-        if step in manifests.damaged:
-            raise CorruptCheckpointError(f"step {step}: {manifests.damaged[step]}")
-
-        return cheapest_chain(build_graph(manifests), step)
-    if step not in manifests:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint at step {step}; committed: {sorted(manifests)}"
-        )
-    chain = [manifests[step]]
-    while chain[-1].kind is not Kind.FULL:
-        child = chain[-1]
-        parent = manifests.get(child.parent) if child.parent is not None else None
-        if parent is None or parent.id != child.parent_id:
-            raise CheckpointNotFoundError(
-                f"step {step} cannot be restored: its chain needs checkpoint {child.parent_id} at step "
-                f"{child.parent} (for delta {child.step}), which is "
-                + ("missing" if parent is None else "from another timeline")
-                + "; restore an older step or take a new full checkpoint"
-            )
-        chain.append(parent)
-    return chain[::-1]
-
-
-def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
-    """The newest trainer checkpoint (highest epoch, then step) whose chain is complete."""
-    if isinstance(manifests, ManifestSet):
-        from deck.read.lineage import build_graph
-
-        return build_graph(manifests).latest()
-    for m in sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True):
-        try:
-            chain_for(manifests, m.step)
-        except CheckpointNotFoundError as e:
-            logger.warning("skipping step %d: %s", m.step, e)
-            continue
-        return m.step
-    return None
 
 
 def damaged_records(manifests: ManifestSet, target: int | None, *, latest: bool) -> str | None:

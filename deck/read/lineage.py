@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deck.errors import CheckpointNotFoundError
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from deck.format.manifest import QUARANTINE_ROOT, CheckpointManifest, Kind
 from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.storage import Storage, open_storage
@@ -421,4 +421,53 @@ def needs_new_full(storage: Storage, parent: tuple[int, str] | None) -> str | No
         return f"the parent checkpoint {parent[1]} of step {parent[0]} is no longer committed"
     if graph._chain_ids(parent[0], frozenset()) is None:
         return graph._why_not(parent[0], frozenset())
+    return None
+
+
+def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[CheckpointManifest]:
+    """The checkpoints that reproduce ``step``: a full first, then deltas / merged deltas in
+    order, ending with the trainer checkpoint of ``step`` itself (whose folder holds the dense
+    and extra state, and whose id later deltas name as parent).
+
+    With a :class:`ManifestSet` (what :func:`read_manifests` returns) this is the cheapest chain
+    of the lineage graph (fewest bytes; merged checkpoints included, quarantined ones avoided);
+    with a plain dict it follows ``parent`` links. Either way each link is checked by id, so
+    deltas of an abandoned timeline are never mixed into another. Raises
+    :class:`CheckpointNotFoundError` naming what is missing.
+    """
+    if isinstance(manifests, ManifestSet):
+        if step in manifests.damaged:
+            raise CorruptCheckpointError(f"step {step}: {manifests.damaged[step]}")
+
+        return cheapest_chain(build_graph(manifests), step)
+    if step not in manifests:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at step {step}; committed: {sorted(manifests)}"
+        )
+    chain = [manifests[step]]
+    while chain[-1].kind is not Kind.FULL:
+        child = chain[-1]
+        parent = manifests.get(child.parent) if child.parent is not None else None
+        if parent is None or parent.id != child.parent_id:
+            raise CheckpointNotFoundError(
+                f"step {step} cannot be restored: its chain needs checkpoint {child.parent_id} at step "
+                f"{child.parent} (for delta {child.step}), which is "
+                + ("missing" if parent is None else "from another timeline")
+                + "; restore an older step or take a new full checkpoint"
+            )
+        chain.append(parent)
+    return chain[::-1]
+
+
+def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
+    """The newest trainer checkpoint (highest epoch, then step) whose chain is complete."""
+    if isinstance(manifests, ManifestSet):
+        return build_graph(manifests).latest()
+    for m in sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True):
+        try:
+            chain_for(manifests, m.step)
+        except CheckpointNotFoundError as e:
+            logger.warning("skipping step %d: %s", m.step, e)
+            continue
+        return m.step
     return None

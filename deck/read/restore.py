@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard
+from deck.adapters.base import TableShard, scalar_key
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import treecodec
-from deck.format.chunks import checksum, decode_chunk, read_chunks
+from deck.format.checksum import checksum
+from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
 from deck.format.quantize import QuantizedStateError
 from deck.read.catalog import describe, read_rank_manifests
 from deck.storage import Storage
-from deck.trainer.writer import scalar_key
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deck.errors import DeckError
-from deck.format.chunks import checksum, decode_chunk, read_chunks
+from deck.format.checksum import checksum
+from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest
 from deck.read.catalog import describe, read_rank_manifests
 from deck.storage import Storage

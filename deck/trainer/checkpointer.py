@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
+from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, scalar_key
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
     CheckpointError,
@@ -31,7 +31,6 @@ from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.staging import CheckpointStats, Stager
 from deck.trainer.tracker import TrackerStore
-from deck.trainer.writer import scalar_key
 
 logger = logging.getLogger(__name__)
 

@@ -31,15 +31,8 @@ from deck.errors import (
     CorruptCheckpointError,
     IncompatibleModelError,
 )
-from deck.read.catalog import (
-    ManifestSet,
-    chain_for,
-    damaged_records,
-    latest_restorable,
-    read_manifests,
-    read_rank_manifests,
-)
-from deck.read.lineage import best_valid_chain
+from deck.read.catalog import ManifestSet, damaged_records, read_manifests, read_rank_manifests
+from deck.read.lineage import best_valid_chain, chain_for, latest_restorable
 from deck.read.restore import (
     RestoreStats,
     apply_chain,

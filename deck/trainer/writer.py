@@ -58,11 +58,6 @@ DENSE_FILE = "dense.safetensors"
 EXTRA_FILE = "extra.safetensors"
 
 
-def scalar_key(shard: TableShard) -> str:
-    """Key of a shard's scalar states inside the extra file."""
-    return f"{shard.table}|{shard.row_offset}|{shard.col_offset}"
-
-
 T = TypeVar("T")
 
 
