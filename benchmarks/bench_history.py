@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _workload import Workload, ZipfTrainer, tree_bytes
 
-from deck.merge.worker import MergeConfig, MergeWorker
+from deck.merge.policy import MergeConfig
+from deck.merge.worker import MergeWorker
 from deck.ops.history import row_history
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import LocalStorage

@@ -60,8 +60,10 @@ from _workload import (
 )
 
 from deck.format.manifest import CheckpointManifest
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
-from deck.read.catalog import chain_for, read_manifests
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.storage import LocalStorage
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -144,8 +146,14 @@ def _dd_copy(inputs: list[str], out: str) -> float:
 def throughput(a: argparse.Namespace, w: Workload, work: str) -> None:
     print("\n== part 1: merger bytes/s vs a plain copy of the same bytes (same disk and modes)")
     scenarios = {
-        "new full (full + 3 deltas)": (3, MergeConfig(stride=4, full=FullPolicy(3, None))),
-        "L1 merge (4 deltas)": (4, MergeConfig(stride=4, full=FullPolicy(None, None))),
+        "new full (full + 3 deltas)": (
+            3,
+            MergeConfig(stride=4, full=FullPolicy(every=3, max_live_fraction=None)),
+        ),
+        "L1 merge (4 deltas)": (
+            4,
+            MergeConfig(stride=4, full=FullPolicy(every=None, max_live_fraction=None)),
+        ),
     }
     print(
         f"{'item':<28} {'read':>10} {'written':>10} {'merger':>8} {'py copy':>8} {'dd copy':>8}"

@@ -38,7 +38,8 @@ import torch
 from _workload import Workload, ZipfTrainer, in_workdir, tree_bytes
 
 from deck.format.manifest import MANIFEST
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph

@@ -268,7 +268,9 @@ def cmd_lineage(a: argparse.Namespace) -> int:
 
 
 def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) -> Any:
-    from deck.merge.worker import FullPolicy, MergeConfig
+    """The flags of :func:`_add_merge_config_args` as a MergeConfig (--full-live-fraction 0:
+    off)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
 
     return MergeConfig(
         stride=a.stride,
@@ -480,6 +482,45 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``deck merge`` that make its :class:`MergeConfig` / :class:`FullPolicy`;
+    their defaults are the models' (see :func:`_merge_config` for the mapping back)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
+
+    merge = {name: f.default for name, f in MergeConfig.model_fields.items()}
+    full = {name: f.default for name, f in FullPolicy.model_fields.items()}
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=merge["stride"],
+        help=f"items per merge, s ({merge['stride']})",
+    )
+    p.add_argument(
+        "--full-every", type=int, default=full["every"], metavar="N", help="new full every N deltas"
+    )
+    p.add_argument(
+        "--full-live-fraction",
+        type=float,
+        default=full["max_live_fraction"] or 0.0,
+        metavar="F",
+        help="new full when a restore reads more than F x a full on top of it "
+        f"({full['max_live_fraction'] or 0.0}; 0: off)",
+    )
+    p.add_argument(
+        "--full-cost-ratio",
+        type=float,
+        default=full["cost_ratio"],
+        metavar="R",
+        help="IncrCP-style rule: new full when live x R >= 2 x full + live",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=merge["chunk_bytes"],
+        help="chunk size of merged files",
+    )
+
+
 def _add_retention_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-last-fulls", type=int, default=2, help="newest fulls kept for rollback (2)"
@@ -625,27 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = mer.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="catch up and exit (default)")
     mode.add_argument("--follow", action="store_true", help="keep merging until interrupted")
-    mer.add_argument("--stride", type=int, default=4, help="items per merge, s (4)")
-    mer.add_argument(
-        "--full-every", type=int, default=None, metavar="N", help="new full every N deltas"
-    )
-    mer.add_argument(
-        "--full-live-fraction",
-        type=float,
-        default=0.1,
-        metavar="F",
-        help="new full when a restore reads more than F x a full on top of it (0.1; 0: off)",
-    )
-    mer.add_argument(
-        "--full-cost-ratio",
-        type=float,
-        default=None,
-        metavar="R",
-        help="IncrCP-style rule: new full when live x R >= 2 x full + live",
-    )
-    mer.add_argument(
-        "--chunk-bytes", type=int, default=4 * 1024 * 1024, help="chunk size of merged files"
-    )
+    _add_merge_config_args(mer)
     mer.add_argument("--workers", type=int, default=1, help="worker processes to run here (1)")
     mer.add_argument(
         "--worker-index",

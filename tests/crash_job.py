@@ -55,7 +55,8 @@ from deck.demo import (
     train_step,
 )
 from deck.format.manifest import load_model
-from deck.merge.worker import FullPolicy, MergeConfig, MergeWorker
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.verify import verify_checkpoint

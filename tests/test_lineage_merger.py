@@ -30,14 +30,9 @@ from deck import cli, failpoints
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format import treecodec
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model
-from deck.merge.worker import (
-    FullPolicy,
-    MergeConfig,
-    MergeWorker,
-    full_every_for_bound,
-    plan,
-    stride_for_velocity,
-)
+from deck.merge.plan import plan
+from deck.merge.policy import FullPolicy, MergeConfig, full_every_for_bound, stride_for_velocity
+from deck.merge.worker import MergeWorker
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import chain_for, latest_restorable, read_manifests
 from deck.read.lineage import (
@@ -865,7 +860,7 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     assert steps == [0, 16, 18, 20, 22, 24]  # two newest fulls (0, 16) + the window from 16
 
 
-# The merger's crash points (deck/merge/worker.py) and, for each, whether a kill there leaves a
+# The merger's crash points (deck/merge/build.py, deck/merge/stream.py) and, for each, whether a kill there leaves a
 # merged folder without its commit record behind (the "middle of a merge").
 MERGER_POINTS = {
     "merger.partition.before_read": False,  # the item's first partition wrote nothing yet

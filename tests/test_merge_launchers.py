@@ -17,9 +17,10 @@ from synth import State, SynthTrainer, restore_state, same, snapshot
 from deck import cli
 from deck.errors import ConfigError
 from deck.format.manifest import Kind
+from deck.merge.build import PARTS_DIR, Partition
 from deck.merge.launch import resolve_worker
-from deck.merge.worker import PARTS_DIR, Partition
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.storage import LocalStorage
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "DECK_NUM_WORKERS")
