@@ -4,10 +4,11 @@
     python -m deck.docgen --check   # exit 1 if the committed file differs from the models
 
 Every field of :class:`deck.DeckConfig`, :class:`deck.StagingConfig`,
-:class:`deck.merge.worker.MergeConfig`, :class:`deck.merge.worker.FullPolicy` and
+:class:`deck.merge.policy.MergeConfig`, :class:`deck.merge.policy.FullPolicy` and
 :class:`deck.ops.retention.RetentionPolicy` is listed with its type, default, constraints and
-description. The descriptions live on the fields themselves (pydantic ``Field(description=...)``,
-dataclass ``field(metadata={"description": ...})``), so the reference cannot drift from the code:
+description. The descriptions live on the fields themselves (pydantic ``Field(description=...,
+json_schema_extra={"constraints": ..., "cli": ...})``, dataclass ``field(metadata={"description":
+...})``), so the reference cannot drift from the code:
 ``tests/test_docs.py`` fails when the committed file differs from :func:`render`.
 """
 
@@ -26,7 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from deck.config import DeckConfig, PublishConfig, StagingConfig
-from deck.merge.worker import FullPolicy, MergeConfig
+from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -37,8 +38,8 @@ MODELS: list[tuple[type, str, str]] = [
     (DeckConfig, "deck.DeckConfig", "the trainer: `deck.enable(model, optimizers, config)`"),
     (StagingConfig, "deck.StagingConfig", "the trainer: `DeckConfig(staging=...)`"),
     (PublishConfig, "deck.PublishConfig", "the trainer: `DeckConfig(publish=...)`"),
-    (MergeConfig, "deck.merge.worker.MergeConfig", "merger workers: `deck merge` flags"),
-    (FullPolicy, "deck.merge.worker.FullPolicy", "merger workers: `MergeConfig(full=...)`"),
+    (MergeConfig, "deck.merge.policy.MergeConfig", "merger workers: `deck merge` flags"),
+    (FullPolicy, "deck.merge.policy.FullPolicy", "merger workers: `MergeConfig(full=...)`"),
     (
         RetentionPolicy,
         "deck.ops.retention.RetentionPolicy",
@@ -129,6 +130,11 @@ def _constraints(info: FieldInfo) -> str:
     return ", ".join(parts)
 
 
+def _with_cli(description: str, cli: object) -> str:
+    """A field's description, plus the CLI flag that sets it when the field names one."""
+    return description + (f" CLI: `{cli}`." if cli else "")
+
+
 def _rows(cls: type) -> list[tuple[str, str, str, str, str]]:
     """(name, type, default, constraints, description) per field, in declaration order."""
     rows = []
@@ -136,13 +142,14 @@ def _rows(cls: type) -> list[tuple[str, str, str, str, str]]:
         hints = typing.get_type_hints(cls)
         for name, info in cls.model_fields.items():
             default = info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             rows.append(
                 (
                     name,
                     _type_name(hints[name]),
                     _default(name, default),
                     _constraints(info),
-                    info.description or "",
+                    _with_cli(info.description or "", extra.get("cli")),
                 )
             )
         return rows
@@ -152,9 +159,7 @@ def _rows(cls: type) -> list[tuple[str, str, str, str, str]]:
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        desc = str(meta.get("description", ""))
-        if meta.get("cli"):
-            desc += f" CLI: `{meta['cli']}`."
+        desc = _with_cli(str(meta.get("description", "")), meta.get("cli"))
         rows.append(
             (
                 f.name,
