@@ -1,0 +1,38 @@
+"""Multi-layer staging: CPU chunk buffers -> local SSD spool -> destination, in the background.
+
+The training thread fills at most ``chunks_in_flight`` reusable buffers; a spool writer thread
+writes each to the spool and hands the buffer back, so CPU memory stays bounded whatever the
+model size. Training resumes once every chunk of a rank's part is in a buffer
+(``release="in_memory"``) or written to the spool with the part's pending record beside it
+(``"first_tier"``). A background thread then, per checkpoint and in order: waits for the part's
+writes and pending record, fsyncs the spool files (durable-local), uploads them with retries
+(remote tiers), puts the rank part manifest at the destination, and -- on rank 0, once every
+rank's part manifest is there -- writes the commit record. A part of another rank that fails
+(its writes after training was released, or its upload) puts a failure record where its manifest
+would go, so rank 0 stops waiting for it at once; the next collective checkpoint or flush also
+tells rank 0 (the record may not be writable). The background thread never calls collectives.
+
+A process that restarts finds pending records in the spool and finishes them, or discards them
+when the destination already has them or a later full made them useless.
+
+Modules: :mod:`.stager` (:class:`Stager`, the training thread's side), :mod:`.part`
+(:class:`StagedPart`, the writer's sink), :mod:`.pool` (:class:`BufferPool`), :mod:`.spool`
+(the spool folder's files, pending records and space), :mod:`.destination` (retried reads and
+writes at the destination), :mod:`.committer` (the commit thread), :mod:`.recovery` (restart),
+:mod:`.records` (:class:`PendingPart`, :class:`CheckpointStats`).
+"""
+
+from deck.trainer.staging.part import StagedPart
+from deck.trainer.staging.pool import BufferPool
+from deck.trainer.staging.records import PENDING_SUFFIX, CheckpointStats, PendingPart
+from deck.trainer.staging.stager import Stager, resolve_tier
+
+__all__ = [
+    "PENDING_SUFFIX",
+    "BufferPool",
+    "CheckpointStats",
+    "PendingPart",
+    "StagedPart",
+    "Stager",
+    "resolve_tier",
+]

@@ -1,0 +1,344 @@
+"""The commit thread: takes each staged part to the destination and, on rank 0, commits it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from deck.config import StagingConfig
+from deck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DeckError,
+    NotFoundError,
+    StorageError,
+)
+from deck.failpoints import failpoint
+from deck.format.manifest import Kind, dump_model, rank_failure_name, rank_manifest_name, step_dir
+from deck.trainer.staging.destination import Destination
+from deck.trainer.staging.records import CheckpointStats, PendingPart, _Item, _NeverCommits
+from deck.trainer.staging.recovery import check_recovered
+from deck.trainer.staging.spool import SpoolDir
+from deck.trainer.writer import commit
+from deck.version import __version__
+
+logger = logging.getLogger(__package__)
+
+
+class Committer:
+    """The background thread (``deck-commit``) that finishes one rank's parts, in order.
+
+    The training thread (through :class:`~deck.trainer.staging.Stager`) calls:
+
+    1. :meth:`submit` -- a part every rank staged, or one found pending on restart;
+    2. :meth:`take_failed` -- this rank's parts that failed since, to tell rank 0 at the next
+       collective; on rank 0, :meth:`abandon` for the parts other ranks told it about;
+    3. :meth:`flush` -- wait until every submitted part is committed or failed;
+    4. :meth:`stop` -- once, after the last :meth:`flush`.
+
+    The commit thread, for each part, in the order submitted (:meth:`_finish`):
+
+    1. waits for the part's writes and pending record (``StagedPart.wait_written``);
+    2. skips to cleanup when the destination already has it committed (after a restart);
+    3. verifies a part found pending on restart against its manifest (torn spool files);
+    4. fsyncs its spool files (durable-local);
+    5. uploads them from the spool (``cpu-ssd-remote``; on the upload pool, with retries);
+    6. puts the rank part manifest at the destination;
+    7. rank 0: waits until every rank's part manifest is there (or a rank reports its part
+       failed), checks a delta's parent is committed, writes the commit record;
+    8. cleans up: spool copies (``cpu-ssd-remote``), the pending record, the spool space.
+
+    A part that fails sets :attr:`failed` (the next checkpoint is a full); on a rank other than
+    0 a failure record tells rank 0 at once (:meth:`_report_failed`). The thread never calls
+    collectives.
+    """
+
+    def __init__(
+        self,
+        dest: Destination,
+        cfg: StagingConfig,
+        tier: str,
+        spool: SpoolDir | None,
+        uploads: ThreadPoolExecutor,
+    ) -> None:
+        self.dest = dest
+        self.storage = dest.storage
+        self.cfg = cfg
+        self.tier = tier
+        self.spool = spool
+        self._uploads = uploads
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        # Parts another rank reported failed at a collective (step, id): rank 0 stops waiting.
+        self._abandoned: dict[tuple[int, str], str] = {}
+        # Parts of this rank that failed in the background, not yet told at a collective.
+        self._failed_parts: list[tuple[int, str]] = []
+        self._idle = threading.Condition()
+        self._busy = 0
+        self.failed = threading.Event()  # a part failed after training moved on: take a full next
+        self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
+        self._thread.start()
+
+    # ---- training thread -------------------------------------------------------------------------
+    def submit(self, item: _Item) -> None:
+        with self._idle:
+            self._busy += 1
+        self._queue.put(item)
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """(step, id) of this rank's parts (rank > 0) that failed in the background since the
+        last call: what a collective tells rank 0 (:meth:`abandon`)."""
+        with self._idle:
+            out, self._failed_parts = self._failed_parts, []
+        return out
+
+    def abandon(self, step: int, ckpt_id: str, why: str) -> None:
+        """Rank 0: another rank's part of ``step`` failed; do not wait for it (nor commit)."""
+        with self._idle:
+            self._abandoned[(step, ckpt_id)] = why
+            self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted part is committed or failed; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    # ---- commit thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        _lower_priority(self.cfg.background_nice)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            pending, stats = item.pending, item.stats
+            try:
+                if item.staged is not None:
+                    try:  # its writes (still running when training was released early)
+                        item.staged.wait_written()
+                        pending = item.staged.pending()
+                    except Exception as e:
+                        pending = pending.model_copy(update={"files": tuple(item.staged.files)})
+                        raise _NeverCommits(str(e)) from e
+                self._finish(pending, stats)
+            except Exception as e:
+                self._fail(pending, stats, e)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _fail(self, pending: PendingPart, stats: CheckpointStats, e: Exception) -> None:
+        if pending.rank != 0 and stats.state not in ("uploaded", "committed"):
+            self._report_failed(pending, e)
+        stats.state, stats.error = "failed", str(e)
+        self.failed.set()
+        logger.error(
+            "deck: checkpoint of step %d (%s) failed in the background: %s",
+            pending.step,
+            pending.ckpt_id,
+            e,
+        )
+        if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, _NeverCommits)):
+            # It can never commit (its parent is gone, its spooled files are torn, a
+            # rank's part failed): drop it, or every restart would retry it.
+            with contextlib.suppress(Exception):
+                self._cleanup(pending, stats)
+
+    def _report_failed(self, p: PendingPart, e: BaseException) -> None:
+        """A part of a rank other than 0 failed before its rank manifest went up: rank 0 must
+        not wait for it. A failure record at the destination tells it at once (best effort: the
+        store may be what failed); :meth:`take_failed` tells it at the next collective."""
+        with self._idle:
+            self._failed_parts.append((p.step, p.ckpt_id))
+        key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
+        try:
+            failpoint("stager.failure_record.put", key)
+            self.storage.put(key, f"rank {p.rank}: {e}".encode())
+        except (StorageError, OSError) as put_error:
+            logger.warning(
+                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
+                "the next checkpoint or flush",
+                self.storage.describe(key),
+                p.step,
+                put_error,
+            )
+
+    def _finish(self, p: PendingPart, stats: CheckpointStats) -> None:
+        if p.part is None:
+            raise DeckError(f"pending part of step {p.step} has no rank manifest")
+        if self.dest.committed_id(p.step) == p.ckpt_id:
+            self._cleanup(p, stats)
+            stats.state = "committed"
+            return
+        part_key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
+        # A crash after the part manifest went up (it is written last) may have removed the
+        # spool copies already: the part is at the destination, only the commit is left.
+        uploaded = stats.state == "recovering" and self.dest.exists(part_key)
+        if not uploaded:
+            self._put_part(p, stats, part_key)
+        stats.state = "uploaded"
+        if p.rank == 0:
+            self._wait_for_parts(p)
+            failpoint("stager.commit.before")
+            self._commit(p)
+            stats.state = "committed"
+        stats.committed_s = time.perf_counter() - stats.started
+        self._cleanup(p, stats)
+        logger.info(
+            "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
+            p.step,
+            stats.state,
+            p.rank,
+            self.storage.uri,
+            "-" if stats.durable_local_s is None else f"{stats.durable_local_s:.3f}",
+            "committed" if p.rank == 0 else "uploaded",
+            stats.committed_s,
+        )
+
+    def _put_part(self, p: PendingPart, stats: CheckpointStats, part_key: str) -> None:
+        """The part's files durable and at the destination, then its rank manifest."""
+        assert p.part is not None
+        if stats.state == "recovering":
+            failpoint("stager.recover.before_check")
+            assert self.spool is not None  # a recovered part was found in the spool
+            check_recovered(self.spool, p)
+        if self.spool is not None:
+            failpoint("stager.fsync.before")
+            self.spool.fsync(p)
+            failpoint("stager.fsync.after")
+            stats.durable_local_s = time.perf_counter() - stats.started
+            stats.state = "durable"
+        if self.tier == "cpu-ssd-remote":
+            self._upload(p)
+        failpoint("stager.part_manifest.before_put")
+        self.dest.put(part_key, dump_model(p.part))
+        failpoint("stager.part_manifest.after_put")
+
+    def _commit(self, p: PendingPart) -> None:
+        """Rank 0, every rank's part is there: the commit record (a delta's parent must be
+        committed)."""
+        if (
+            p.kind is Kind.DELTA
+            and p.parent is not None
+            and self.dest.committed_id(p.parent) != p.parent_id
+        ):
+            raise CheckpointNotFoundError(
+                f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
+                f"{self.storage.uri}; the next checkpoint will be a full"
+            )
+        commit(
+            self.storage,
+            step=p.step,
+            ckpt_id=p.ckpt_id,
+            kind=p.kind,
+            parent=(p.parent, p.parent_id) if p.parent is not None and p.parent_id else None,
+            base=p.base,
+            epoch=p.epoch,
+            world_size=p.world_size,
+            deck_version=__version__,
+        )
+
+    def _upload(self, p: PendingPart) -> None:
+        assert self.spool is not None
+        spool = self.spool
+
+        def one(rel: str) -> None:
+            with open(spool.path(p.step, rel), "rb") as f:
+                data = f.read()
+            failpoint("stager.upload.before_put")
+            self.dest.put(f"{step_dir(p.step)}/{rel}", data)
+            failpoint("stager.upload.after_put")
+
+        for fut in [self._uploads.submit(one, rel) for rel in p.files]:
+            fut.result()
+
+    def _wait_for_parts(self, p: PendingPart) -> None:
+        """Rank 0: until every rank's part manifest is at the destination; raises once a rank
+        reports its part failed, or after ``commit_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.commit_timeout_s
+        delay = 0.02
+        folder = f"{step_dir(p.step)}/{p.ckpt_id}"
+        missing = list(range(p.world_size))
+        next_report = time.monotonic() + 30
+        while True:
+            try:
+                missing = [
+                    r
+                    for r in missing
+                    if not self.storage.exists(f"{folder}/{rank_manifest_name(r)}")
+                ]
+                self._raise_if_failed(p, [f"{folder}/{rank_failure_name(r)}" for r in missing])
+            except StorageError as e:
+                logger.warning("deck: cannot check rank parts of step %d yet: %s", p.step, e)
+            if not missing:
+                return
+            if time.monotonic() > next_report:
+                logger.warning(
+                    "deck: step %d waits for the parts of rank(s) %s at %s (giving up in %.0f s)",
+                    p.step,
+                    missing,
+                    self.storage.describe(folder),
+                    deadline - time.monotonic(),
+                )
+                next_report = time.monotonic() + 30
+            if time.monotonic() > deadline:
+                raise DeckError(
+                    f"step {p.step}: the parts of rank(s) {missing} did not arrive at "
+                    f"{self.storage.describe(folder)} within {self.cfg.commit_timeout_s:.0f} s; "
+                    "not committing it"
+                )
+            with self._idle:  # abandon() wakes it
+                if (p.step, p.ckpt_id) not in self._abandoned:
+                    self._idle.wait(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _raise_if_failed(self, p: PendingPart, failure_keys: list[str]) -> None:
+        """A missing rank part that will never come: its rank said so (a failure record, or at
+        a collective through :meth:`abandon`)."""
+        why = None
+        for key in failure_keys:  # first: a record says what failed, the collective only who
+            with contextlib.suppress(NotFoundError):
+                why = self.storage.get(key).decode(errors="replace")
+                break
+        with self._idle:
+            told = self._abandoned.pop((p.step, p.ckpt_id), None)
+        if why is not None or told is not None:
+            raise _NeverCommits(f"step {p.step} is not committed: {why or told}")
+
+    def _cleanup(self, p: PendingPart, stats: CheckpointStats) -> None:
+        """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""
+        if self.spool is None:
+            return
+        failpoint("stager.cleanup.before")
+        if self.tier == "cpu-ssd-remote":
+            self.spool.remove_files(p.step, list(p.files))
+        failpoint("stager.cleanup.after_files")
+        self.spool.remove_pending(p)
+        self.spool.release(stats.spool_reserved)
+
+
+def _lower_priority(increment: int) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` nice levels (Linux: priorities are
+    per thread; elsewhere a no-op)."""
+    if not increment or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        )

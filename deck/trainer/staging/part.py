@@ -1,0 +1,122 @@
+"""The sink a rank's ``RankPartWriter`` fills while the training thread writes its part."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from deck.errors import DeckError
+from deck.format.chunks import Buffer
+from deck.format.manifest import RankManifest
+from deck.trainer.staging.records import PendingPart
+
+if TYPE_CHECKING:
+    from deck.trainer.staging.stager import Stager
+
+
+class StagedPart:
+    """One rank's part of one checkpoint while the training thread writes it (the writer's sink)."""
+
+    def __init__(self, stager: Stager, info: PendingPart, reserved: int):
+        self.stager = stager
+        self.info = info
+        self.reserved = reserved
+        self.files: list[str] = []
+        # A counter and the first error, not one Future per chunk: memory must not grow with
+        # the number of chunks.
+        self._outstanding = 0
+        self._error: BaseException | None = None
+        self._done = threading.Condition()
+        self._sealed = False  # every file is submitted (and the pending record queued)
+        self.bytes = 0
+        self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
+        # How to build the rank manifest (from records the writes made); built once, by the
+        # spool writer (the pending record) or the commit thread, whichever asks first.
+        self._build: Callable[[], RankManifest] | None = None
+        self._part: RankManifest | None = None
+        self._part_lock = threading.Lock()
+
+    # -- sink interface used by deck.trainer.writer.RankPartWriter --
+    def buffer(self) -> Buffer:
+        t0 = time.perf_counter()
+        buf = self.stager.pool.acquire()
+        self.buffer_wait_s += time.perf_counter() - t0
+        return buf
+
+    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None:
+        """Hand a filled pool buffer over; it returns to the pool once written."""
+        self.files.append(rel)
+        self.bytes += nbytes
+        self._track(self.stager.write_out(self.info.step, rel, buf, nbytes, describe, pooled=True))
+
+    def submit_bytes(self, rel: str, data: bytes | bytearray, describe: Callable[[], None]) -> None:
+        self.files.append(rel)
+        self.bytes += len(data)
+        self._track(
+            self.stager.write_out(self.info.step, rel, data, len(data), describe, pooled=False)
+        )
+
+    def finish_part(self, build: Callable[[], RankManifest]) -> None:
+        self._build = build
+
+    @property
+    def part(self) -> RankManifest | None:
+        """The rank manifest, once every file is written (None: the writer never finished)."""
+        with self._part_lock:
+            if self._part is None and self._build is not None:
+                self._part = self._build()
+            return self._part
+
+    # -- protocol --
+    def _track(self, fut: Future[None]) -> None:
+        with self._done:
+            self._outstanding += 1
+
+        def done(f: Future[None]) -> None:
+            with self._done:
+                self._outstanding -= 1
+                if self._error is None and f.exception() is not None:
+                    self._error = f.exception()
+                self._done.notify_all()
+
+        fut.add_done_callback(done)
+
+    def error(self) -> BaseException | None:
+        """The first write error so far, without waiting."""
+        with self._done:
+            return self._error
+
+    def seal(self) -> None:
+        """Every file of the part is submitted. With a spool, its pending record is queued on
+        the spool writer behind them (once): written (fsynced) right after the part's last file,
+        unless a write failed, whatever the commit thread is doing, so a restart finds it. A
+        failure to write it (a full disk) is this part's staging failure, not a part that
+        silently never commits."""
+        if self._sealed:
+            return
+        self._sealed = True
+        if self._build is not None and self.stager.spool_root is not None:
+            self._track(self.stager.record_pending(self))
+
+    def wait_written(self, seal: bool = True) -> None:
+        """Seal the part and block until every file and its pending record are in the first
+        tier; raises the first write error. Called by the training thread before the ranks agree
+        the part is staged (``release="first_tier"``) or by the commit thread before it goes on
+        with the part. ``seal=False``: only wait for what was submitted (a discarded part)."""
+        if seal:
+            self.seal()
+        with self._done:
+            while self._outstanding:
+                self._done.wait()
+            if self._error is not None:
+                raise self._error
+
+    def pending(self) -> PendingPart:
+        """The part with its rank manifest; only once every file is written."""
+        part = self.part
+        if part is None:
+            raise DeckError("internal: rank part was not finished")
+        return self.info.model_copy(update={"files": tuple(self.files), "part": part})

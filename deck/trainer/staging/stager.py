@@ -1,0 +1,207 @@
+"""The stager the training thread drives: one rank's parts to the destination, in the background."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from deck.config import StagingConfig
+from deck.errors import DeckError
+from deck.format.chunks import Buffer
+from deck.format.manifest import step_dir
+from deck.storage import Storage
+from deck.trainer.staging.committer import Committer, _lower_priority
+from deck.trainer.staging.destination import Destination
+from deck.trainer.staging.part import StagedPart
+from deck.trainer.staging.pool import BufferPool
+from deck.trainer.staging.records import CheckpointStats, PendingPart, _Item
+from deck.trainer.staging.recovery import check_recovered, recover
+from deck.trainer.staging.spool import SpoolDir
+
+if TYPE_CHECKING:
+    from deck.trainer.coordination import Coordinator
+
+
+def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
+    """The tier actually used: ``auto`` is ``local`` for local destinations, else spool + upload."""
+    if staging.tiers == "auto":
+        return "local" if storage.local_path() is not None else "cpu-ssd-remote"
+    if staging.tiers == "local" and storage.local_path() is None:
+        raise DeckError(f"staging.tiers='local' needs a local destination, got {storage.uri}")
+    return staging.tiers
+
+
+class Stager:
+    """Moves checkpoint parts of one rank from CPU buffers to the destination, in the background.
+
+    The training thread's side. Behind it: the spool writer (``deck-spool``, one thread: files
+    and pending records in the order submitted), the fsync thread (``deck-fsync``), the upload
+    pool (``deck-upload``) and the commit thread (``deck-commit``, :class:`Committer`).
+
+    The training thread calls, per checkpoint:
+
+    1. :meth:`reserve` -- room in the spool for the part (False: ``spool_full="skip"``);
+    2. :meth:`begin` -- the part's :class:`StagedPart`, which the rank's ``RankPartWriter``
+       fills: each file goes through :meth:`write_out` to the spool writer (or, without a
+       spool, the upload pool) and its pool buffer returns once written;
+    3. ``StagedPart.seal`` -- queues the part's pending record behind its files
+       (:meth:`record_pending`); with ``release="first_tier"`` then ``StagedPart.wait_written``,
+       before the ranks agree the part is staged;
+    4. :meth:`enqueue` once every rank staged its part, so the commit thread finishes it -- or
+       :meth:`discard` when a rank did not;
+    5. at the next collective: :meth:`take_failed` (this rank's parts that failed in the
+       background, for rank 0) and, on rank 0, :meth:`abandon` for those other ranks told.
+
+    Once per process: :meth:`recover` before the first checkpoint (collective), :meth:`flush`
+    to wait for the background, :meth:`close` last.
+    """
+
+    def __init__(self, storage: Storage, staging: StagingConfig, rank: int, pinned: bool = False):
+        self.storage = storage
+        self.cfg = staging
+        self.rank = rank
+        self.tier = resolve_tier(staging, storage)
+        # A buffer holds one chunk, or one bundle of chunks filled in place (bundle_bytes).
+        size = max(staging.chunk_bytes, staging.bundle_bytes)
+        self.pool = BufferPool(staging.chunks_in_flight, size, pinned=pinned)
+        self.spool_root: str | None = self._spool_root()
+        lower = functools.partial(_lower_priority, staging.background_nice)
+        # Released at the snapshot, training does not wait for the spool writer (its checksums,
+        # records and writes): it yields the CPU to training like the other background threads.
+        self._writer = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="deck-spool",
+            initializer=lower if staging.release == "in_memory" else None,
+        )
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync", initializer=lower)
+        self._uploads = ThreadPoolExecutor(
+            staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
+        )
+        self._spool = (
+            None
+            if self.spool_root is None
+            else SpoolDir(
+                self.spool_root, staging, self.tier == "cpu-ssd-remote", syncer=self._syncer
+            )
+        )
+        self._dest = Destination(storage, staging)
+        self._committer = Committer(self._dest, staging, self.tier, self._spool, self._uploads)
+        self.failed = self._committer.failed  # a part failed after training moved on: a full next
+
+    def _spool_root(self) -> str | None:
+        if self.tier == "local":
+            root = self.storage.local_path()
+            assert root is not None
+            return root
+        if self.tier == "cpu-ssd-remote":
+            base = self.cfg.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
+            key = hashlib.sha1(self.storage.uri.encode()).hexdigest()[:16]
+            root = os.path.join(base, key)
+            os.makedirs(root, exist_ok=True)
+            return root
+        return None
+
+    # ---- training thread -------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` in the spool: waits (``block``) or returns False (``skip``)."""
+        return self._spool is None or self._spool.reserve(nbytes)
+
+    def begin(self, info: PendingPart, reserved: int) -> StagedPart:
+        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it."""
+        return StagedPart(self, info, reserved)
+
+    def write_out(
+        self,
+        step: int,
+        rel: str,
+        data: bytes | Buffer,
+        nbytes: int,
+        describe: Callable[[], None],
+        pooled: bool,
+    ) -> Future[None]:
+        """Write one file to the first tier (spool, or upload for cpu-remote), after
+        ``describe`` (its checksum and record, from the bytes while the buffer is held)."""
+        spool = self._spool
+
+        def write() -> None:
+            try:
+                if spool is not None:
+                    spool.write(step, rel, data, nbytes, describe)
+                else:
+                    describe()
+                    self._dest.put(f"{step_dir(step)}/{rel}", bytes(memoryview(data)[:nbytes]))
+            finally:
+                if pooled:
+                    self.pool.release(data)  # type: ignore[arg-type]
+
+        return (self._uploads if spool is None else self._writer).submit(write)
+
+    def record_pending(self, staged: StagedPart) -> Future[None]:
+        """Write ``staged``'s pending record on the spool writer, after the files queued before
+        it; skipped when one of them failed (the part is failing anyway)."""
+        assert self._spool is not None
+        spool = self._spool
+
+        def record() -> None:
+            if staged.error() is None:
+                spool.write_pending(staged.pending())
+
+        return self._writer.submit(record)
+
+    def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
+        """Every rank staged its part (in buffers or already in the first tier): go on in the
+        background, starting by waiting for this part's writes (its manifest is built then)."""
+        stats.spool_reserved = staged.reserved
+        self._committer.submit(_Item(staged.info, stats, staged))
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """(step, id) of this rank's parts (rank > 0) that failed in the background since the
+        last call: what a collective tells rank 0 (:meth:`abandon`)."""
+        return self._committer.take_failed()
+
+    def abandon(self, step: int, ckpt_id: str, why: str) -> None:
+        """Rank 0: another rank's part of ``step`` failed; do not wait for it (nor commit)."""
+        self._committer.abandon(step, ckpt_id, why)
+
+    def discard(self, staged: StagedPart) -> None:
+        """Drop a part that will not be committed (another rank failed)."""
+        with contextlib.suppress(Exception):
+            staged.wait_written(seal=False)
+        if self._spool is None:
+            self._dest.delete_files(staged.info.step, staged.files)
+        else:
+            self._spool.remove_files(staged.info.step, staged.files)
+            self._spool.remove_pending(staged.info)
+            self._spool.release(staged.reserved)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every enqueued part is committed or failed; False on timeout."""
+        return self._committer.flush(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self._committer.stop()
+        self._writer.shutdown()
+        self._syncer.shutdown()
+        self._uploads.shutdown()
+
+    # ---- restart ---------------------------------------------------------------------------------
+    def recover(self, coord: Coordinator | None = None) -> list[CheckpointStats]:
+        """Find this rank's pending parts in the spool and finish or discard them.
+
+        Collective when ``coord`` is given (call it on every rank, on the training thread): a
+        crash can leave a part pending on some ranks only (a rank died before finishing its
+        snapshot). Such a part can never commit, so it is discarded at once instead of rank 0
+        waiting ``commit_timeout_s`` for the missing rank. Spool files of this rank without a
+        pending record (a snapshot cut short) and torn record temps are removed."""
+        return recover(self._spool, self._dest, self.rank, coord, self._committer.submit)
+
+    def _check_recovered(self, p: PendingPart) -> None:
+        assert self._spool is not None
+        check_recovered(self._spool, p)
