@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chain-delta-budget",
         type=float,
-        default=RetentionPolicy.chain_delta_budget,
+        default=RetentionPolicy.model_fields["chain_delta_budget"].default,
         help="deck gc --chain-delta-budget (0: off)",
     )
     p.add_argument("--cnr-reset", type=float, default=0.5, help="Check-N-Run baseline reset")

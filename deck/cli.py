@@ -40,12 +40,15 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import ConfigError, DeckError
-from deck.read.catalog import latest_restorable, quarantine, read_manifests
-from deck.read.verify import verify_checkpoint
 from deck.storage import open_storage
+
+if TYPE_CHECKING:
+    from deck.format.manifest import CheckpointManifest
+    from deck.read.catalog import ManifestSet
 
 
 def _human(n: float) -> str:
@@ -164,40 +167,53 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0 if rep.checkpoints else 1
 
 
+def _verify_targets(
+    a: argparse.Namespace, manifests: ManifestSet, damaged: dict[int, str]
+) -> list[CheckpointManifest] | None:
+    """What ``deck verify`` checks: every committed checkpoint (``--all``), ``--step``, or the
+    latest restorable step; None (after saying why on stderr) when there is nothing to check."""
+    from deck.read.lineage import latest_restorable
+
+    if not manifests:
+        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
+        return None
+    if a.all:
+        return [manifests[s] for s in sorted(manifests)] + sorted(
+            manifests.merged.values(), key=lambda m: (m.step, m.layer, m.id)
+        )
+    if a.step in damaged:
+        return None
+    step = a.step if a.step is not None else latest_restorable(manifests)
+    if step is None or step not in manifests:
+        print(
+            f"no committed checkpoint at step {a.step} in {a.uri}; have {sorted(manifests)}",
+            file=sys.stderr,
+        )
+        return None
+    return [manifests[step]]
+
+
 def cmd_verify(a: argparse.Namespace) -> int:
+    """``deck verify``: re-read every file of the chosen checkpoints and check its size and
+    checksum; exit 1 when any has a problem or a damaged commit record. ``--quarantine`` also
+    records each damaged checkpoint, so restores and the merger avoid it."""
+    from deck.read.catalog import quarantine, read_manifests
+    from deck.read.verify import verify_checkpoint
+
     storage = open_storage(a.uri, a.storage_options)
     manifests = read_manifests(storage)
     # Unreadable commit records are problems of the steps they name (the rest is still checked).
     damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
     for s, why in sorted(damaged.items()):
         print(f"step {s}: commit record damaged\n  BAD {why}")
-    if not manifests:
-        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
+    targets = _verify_targets(a, manifests, damaged)
+    if targets is None:
         return 1
-    if a.all:
-        targets = [manifests[s] for s in sorted(manifests)] + sorted(
-            manifests.merged.values(), key=lambda m: (m.step, m.layer, m.id)
-        )
-    elif a.step in damaged:
-        return 1
-    else:
-        step = a.step if a.step is not None else latest_restorable(manifests)
-        if step is None or step not in manifests:
-            print(
-                f"no committed checkpoint at step {a.step} in {a.uri}; have {sorted(manifests)}",
-                file=sys.stderr,
-            )
-            return 1
-        targets = [manifests[step]]
     bad = len(damaged)
     t0 = time.perf_counter()
     for m in targets:
         label = f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder}"
-        bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            bar = tqdm(desc=f"verify {label}", unit="B", unit_scale=True, leave=False)
+        bar = _bar(f"verify {label}")
         report = verify_checkpoint(storage, m, progress=bar.update if bar else None)
         if bar:
             bar.close()
@@ -482,77 +498,48 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
-    """The flags of ``deck merge`` that make its :class:`MergeConfig` / :class:`FullPolicy`;
-    their defaults are the models' (see :func:`_merge_config` for the mapping back)."""
-    from deck.merge.policy import FullPolicy, MergeConfig
-
-    merge = {name: f.default for name, f in MergeConfig.model_fields.items()}
-    full = {name: f.default for name, f in FullPolicy.model_fields.items()}
-    p.add_argument(
-        "--stride",
-        type=int,
-        default=merge["stride"],
-        help=f"items per merge, s ({merge['stride']})",
-    )
-    p.add_argument(
-        "--full-every", type=int, default=full["every"], metavar="N", help="new full every N deltas"
-    )
-    p.add_argument(
-        "--full-live-fraction",
-        type=float,
-        default=full["max_live_fraction"] or 0.0,
-        metavar="F",
-        help="new full when a restore reads more than F x a full on top of it "
-        f"({full['max_live_fraction'] or 0.0}; 0: off)",
-    )
-    p.add_argument(
-        "--full-cost-ratio",
-        type=float,
-        default=full["cost_ratio"],
-        metavar="R",
-        help="IncrCP-style rule: new full when live x R >= 2 x full + live",
-    )
-    p.add_argument(
-        "--chunk-bytes",
-        type=int,
-        default=merge["chunk_bytes"],
-        help="chunk size of merged files",
-    )
-
-
 def _add_retention_args(p: argparse.ArgumentParser) -> None:
+    """The retention flags of ``deck gc`` and ``deck merge --gc``; their defaults are
+    :class:`RetentionPolicy`'s (see :func:`_retention` for the mapping back)."""
+    from deck.ops.retention import RetentionPolicy
+
+    default = {name: f.default for name, f in RetentionPolicy.model_fields.items()}
     p.add_argument(
-        "--keep-last-fulls", type=int, default=2, help="newest fulls kept for rollback (2)"
+        "--keep-last-fulls",
+        type=int,
+        default=default["keep_last_fulls"],
+        help=f"newest fulls kept for rollback ({default['keep_last_fulls']})",
     )
     p.add_argument(
         "--keep-fulls-every",
         type=int,
-        default=None,
+        default=default["keep_fulls_every"],
         metavar="N",
         help="also keep the oldest full of every N-step period (rollback past bad data)",
     )
     p.add_argument(
         "--keep-all-steps",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=default["keep_all_steps"],
         help="keep every currently restorable step restorable (default); --no-keep-all-steps: "
         "only the active window and the rollback fulls (DECK fig. 9)",
     )
     p.add_argument(
         "--chain-delta-budget",
         type=float,
-        default=4.0,
+        default=default["chain_delta_budget"],
         metavar="F",
         help="with every step kept: keep a full wherever the deltas since the last kept one add "
-        "up to F fulls' bytes, bounding old steps' restores (4; 0: off)",
+        f"up to F fulls' bytes, bounding old steps' restores ({default['chain_delta_budget']:g}; "
+        "0: off)",
     )
     p.add_argument(
         "--grace",
         type=float,
-        default=3600.0,
+        default=default["grace_s"],
         metavar="S",
-        help="never delete what the lineage needed S seconds ago, nor files younger (3600)",
+        help="never delete what the lineage needed S seconds ago, nor files younger "
+        f"({default['grace_s']:g})",
     )
 
 
@@ -597,20 +584,10 @@ def cmd_follow(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="deck", description="Inspect, check, merge and collect deck checkpoints."
-    )
-    p.add_argument(
-        "--storage-options",
-        type=_json_options,
-        default=os.environ.get("DECK_STORAGE_OPTIONS"),
-        metavar="JSON",
-        help="fsspec storage options for the URI, e.g. "
-        '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\' for an S3-compatible store '
-        "(default: $DECK_STORAGE_OPTIONS; s3fs also reads the usual AWS_* variables)",
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
+_Subparsers = argparse._SubParsersAction  # what add_subparsers returns
+
+
+def _ls_parser(sub: _Subparsers) -> None:
     ls = sub.add_parser(
         "ls",
         help="the lineage as a table: committed and pending checkpoints",
@@ -623,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")
     ls.add_argument("--tree", action="store_true", help="as a tree of parent links")
     ls.set_defaults(fn=cmd_ls)
+
+
+def _show_parser(sub: _Subparsers) -> None:
     show = sub.add_parser(
         "show",
         help="one checkpoint: ranks, tables, shards, rows, bytes, chunk files and checksums",
@@ -636,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.add_argument("--no-chunks", action="store_true", help="leave out the chunk files")
     show.set_defaults(fn=cmd_show)
+
+
+def _verify_parser(sub: _Subparsers) -> None:
     ver = sub.add_parser("verify", help="re-read files and check checksums")
     ver.add_argument("uri")
     g = ver.add_mutually_exclusive_group()
@@ -648,12 +631,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ver.set_defaults(fn=cmd_verify)
 
+
+def _lineage_parser(sub: _Subparsers) -> None:
     lin = sub.add_parser("lineage", help="the lineage graph and the cheapest chain of a step")
     lin.add_argument("uri")
     lin.add_argument("--json", action="store_true", help="machine-readable graph")
     lin.add_argument("--step", type=int, help="chain of this step (default: the latest)")
     lin.set_defaults(fn=cmd_lineage)
 
+
+def _history_parser(sub: _Subparsers) -> None:
     his = sub.add_parser("history", help="one row's value at every restorable step")
     his.add_argument("uri")
     his.add_argument("--table", required=True, help="table key, as `deck show` lists it")
@@ -661,6 +648,47 @@ def main(argv: list[str] | None = None) -> int:
     his.add_argument("--json", action="store_true", help="machine-readable, full precision")
     his.set_defaults(fn=cmd_history)
 
+
+def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``deck merge`` that make its :class:`MergeConfig` / :class:`FullPolicy`;
+    their defaults are the models' (see :func:`_merge_config` for the mapping back)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
+
+    merge = {name: f.default for name, f in MergeConfig.model_fields.items()}
+    full = {name: f.default for name, f in FullPolicy.model_fields.items()}
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=merge["stride"],
+        help=f"items per merge, s ({merge['stride']})",
+    )
+    p.add_argument(
+        "--full-every", type=int, default=full["every"], metavar="N", help="new full every N deltas"
+    )
+    p.add_argument(
+        "--full-live-fraction",
+        type=float,
+        default=full["max_live_fraction"] or 0.0,
+        metavar="F",
+        help="new full when a restore reads more than F x a full on top of it "
+        f"({full['max_live_fraction'] or 0.0}; 0: off)",
+    )
+    p.add_argument(
+        "--full-cost-ratio",
+        type=float,
+        default=full["cost_ratio"],
+        metavar="R",
+        help="IncrCP-style rule: new full when live x R >= 2 x full + live",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=merge["chunk_bytes"],
+        help="chunk size of merged files",
+    )
+
+
+def _merge_parser(sub: _Subparsers) -> None:
     mer = sub.add_parser("merge", help="run merger worker(s): merged deltas and new fulls")
     mer.add_argument("uri")
     mode = mer.add_mutually_exclusive_group()
@@ -691,12 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     _add_retention_args(mer)
     mer.set_defaults(fn=cmd_merge)
 
+
+def _gc_parser(sub: _Subparsers) -> None:
     gc = sub.add_parser("gc", help="delete what no retained step needs (retention)")
     gc.add_argument("uri")
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
     _add_retention_args(gc)
     gc.set_defaults(fn=cmd_gc)
 
+
+def _export_parser(sub: _Subparsers) -> None:
     exp = sub.add_parser(
         "export",
         help="write the full state of a step as a DCP checkpoint or one safetensors file",
@@ -718,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--format", choices=("dcp", "safetensors"), default="dcp", help="(dcp)")
     exp.set_defaults(fn=cmd_export)
 
+
+def _follow_parser(sub: _Subparsers) -> None:
     fol = sub.add_parser(
         "follow",
         help="keep a materialised full state of the newest step up to date (a loading service)",
@@ -741,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     fol.set_defaults(fn=cmd_follow)
 
+
+def _report_parser(sub: _Subparsers) -> None:
     rep = sub.add_parser(
         "report",
         help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
@@ -752,7 +788,49 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", required=True, help="path of the HTML file to write")
     rep.set_defaults(fn=cmd_report)
 
-    a = p.parse_args(argv)
+
+# One entry per subcommand, in the order --help lists them.
+_SUBCOMMANDS = (
+    _ls_parser,
+    _show_parser,
+    _verify_parser,
+    _lineage_parser,
+    _history_parser,
+    _merge_parser,
+    _gc_parser,
+    _export_parser,
+    _follow_parser,
+    _report_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``deck`` argument parser: the global ``--storage-options`` and every subcommand, each
+    with its handler as ``fn``. Building it imports no torch."""
+    p = argparse.ArgumentParser(
+        prog="deck", description="Inspect, check, merge and collect deck checkpoints."
+    )
+    p.add_argument(
+        "--storage-options",
+        type=_json_options,
+        default=os.environ.get("DECK_STORAGE_OPTIONS"),
+        metavar="JSON",
+        help="fsspec storage options for the URI, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\' for an S3-compatible store '
+        "(default: $DECK_STORAGE_OPTIONS; s3fs also reads the usual AWS_* variables)",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``deck`` command on ``argv`` (default: ``sys.argv[1:]``) and return its exit code:
+    0 ok, 1 a check failed or nothing to act on, 2 a usage or access error (a :class:`DeckError`,
+    printed to stderr as one ``deck <command>: ...`` line). Only the command's own modules are
+    imported: ``deck ls`` never imports torch."""
+    a = build_parser().parse_args(argv)
     if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         # Which worker a merger is, and where that came from (flags or launcher variables).

@@ -4,18 +4,18 @@
     python -m deck.docgen --check   # exit 1 if the committed file differs from the models
 
 Every field of :class:`deck.DeckConfig`, :class:`deck.StagingConfig`,
-:class:`deck.merge.policy.MergeConfig`, :class:`deck.merge.policy.FullPolicy` and
-:class:`deck.ops.retention.RetentionPolicy` is listed with its type, default, constraints and
-description. The descriptions live on the fields themselves (pydantic ``Field(description=...,
-json_schema_extra={"constraints": ..., "cli": ...})``, dataclass ``field(metadata={"description":
-...})``), so the reference cannot drift from the code:
-``tests/test_docs.py`` fails when the committed file differs from :func:`render`.
+:class:`deck.PublishConfig`, :class:`deck.merge.policy.MergeConfig`,
+:class:`deck.merge.policy.FullPolicy` and :class:`deck.ops.retention.RetentionPolicy` (all
+pydantic models) is listed with its type, default, constraints and description. The descriptions
+live on the fields themselves (``Field(description=...)``, with
+``json_schema_extra={"constraints": ..., "cli": ...}`` for what validators check and which flag
+sets it), so the reference cannot drift from the code: ``tests/test_docs.py`` fails when the
+committed file differs from :func:`render`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import types
 import typing
@@ -34,7 +34,7 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 REGENERATE = "python -m deck.docgen"
 
 # (class, how a user reaches it, what sets it)
-MODELS: list[tuple[type, str, str]] = [
+MODELS: list[tuple[type[BaseModel], str, str]] = [
     (DeckConfig, "deck.DeckConfig", "the trainer: `deck.enable(model, optimizers, config)`"),
     (StagingConfig, "deck.StagingConfig", "the trainer: `DeckConfig(staging=...)`"),
     (PublishConfig, "deck.PublishConfig", "the trainer: `DeckConfig(publish=...)`"),
@@ -106,9 +106,9 @@ def _human_bytes(n: int) -> str:
 
 
 def _default(name: str, value: Any) -> str:
-    if value is PydanticUndefined or value is dataclasses.MISSING:
+    if value is PydanticUndefined:
         return "required"
-    if isinstance(value, BaseModel) or dataclasses.is_dataclass(value):
+    if isinstance(value, BaseModel):
         cls = type(value).__name__
         return f"[`{cls}()`](#{cls.lower()})"
     if name.endswith("_bytes") and isinstance(value, int) and value >= 1024:
@@ -130,43 +130,29 @@ def _constraints(info: FieldInfo) -> str:
     return ", ".join(parts)
 
 
-def _with_cli(description: str, cli: object) -> str:
-    """A field's description, plus the CLI flag that sets it when the field names one."""
-    return description + (f" CLI: `{cli}`." if cli else "")
+def _description(info: FieldInfo) -> str:
+    """The field's description, plus the CLI flag that sets it when ``json_schema_extra`` names
+    one (``{"cli": "deck gc --grace S"}``)."""
+    desc = info.description or ""
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and extra.get("cli"):
+        desc += f" CLI: `{extra['cli']}`."
+    return desc
 
 
-def _rows(cls: type) -> list[tuple[str, str, str, str, str]]:
+def _rows(cls: type[BaseModel]) -> list[tuple[str, str, str, str, str]]:
     """(name, type, default, constraints, description) per field, in declaration order."""
-    rows = []
-    if issubclass(cls, BaseModel):
-        hints = typing.get_type_hints(cls)
-        for name, info in cls.model_fields.items():
-            default = info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            rows.append(
-                (
-                    name,
-                    _type_name(hints[name]),
-                    _default(name, default),
-                    _constraints(info),
-                    _with_cli(info.description or "", extra.get("cli")),
-                )
-            )
-        return rows
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is neither a pydantic model nor a dataclass")
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        desc = _with_cli(str(meta.get("description", "")), meta.get("cli"))
+    rows = []
+    for name, info in cls.model_fields.items():
+        default = info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
         rows.append(
             (
-                f.name,
-                _type_name(hints[f.name]),
-                _default(f.name, default),
-                str(meta.get("constraints", "")),
-                desc,
+                name,
+                _type_name(hints[name]),
+                _default(name, default),
+                _constraints(info),
+                _description(info),
             )
         )
     return rows

@@ -1,4 +1,5 @@
-"""Lineage, merger workers, retention and GC.
+"""Lineage, merger workers, and GC running next to them (the retention rules and GC's own
+guarantees: tests/ops/test_retention.py).
 
 Most tests use synthetic checkpoints in the exact on-disk format (tests/synth.py: the real
 writer and commit, plain tensors instead of TorchRec) so that many steps, merges, crashes and
@@ -15,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from lineage_checks import check_all_restore, mem, merge_all
 from synth import State, SynthTrainer, restore_state, same, snapshot
 
 from deck import cli, failpoints
@@ -33,76 +34,21 @@ from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model
 from deck.merge.plan import plan
 from deck.merge.policy import FullPolicy, MergeConfig, full_every_for_bound, stride_for_velocity
 from deck.merge.worker import MergeWorker
-from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
-from deck.read.catalog import chain_for, latest_restorable, read_manifests
+from deck.ops.retention import RetentionPolicy, collect_garbage
+from deck.read.catalog import read_manifests
 from deck.read.lineage import (
     best_valid_chain,
     build_graph,
     chain_bytes,
+    chain_for,
     cheapest_chain,
+    latest_restorable,
     needs_new_full,
 )
 from deck.read.verify import verify_checkpoint
-from deck.storage import FsspecStorage, LocalStorage, Storage
+from deck.storage import LocalStorage, Storage
 
 NO_FULLS = FullPolicy(every=None, max_live_fraction=None)
-
-
-def mem() -> FsspecStorage:
-    return FsspecStorage(f"memory://deck-lineage-{uuid.uuid4().hex}")
-
-
-def merge_all(storage: Storage, config: MergeConfig, workers: int = 1) -> int:
-    """Run ``workers`` workers round-robin in this process until none makes progress."""
-    ws = [
-        MergeWorker(
-            storage,
-            MergeConfig(
-                stride=config.stride,
-                full=config.full,
-                chunk_bytes=config.chunk_bytes,
-                worker_index=i,
-                num_workers=workers,
-            ),
-        )
-        for i in range(workers)
-    ]
-    committed = 0
-    while True:
-        progressed = False
-        for w in ws:
-            r = w.run_pass()
-            committed += r.stats.items_committed
-            progressed = progressed or r.progressed
-            assert not r.stats.failed and not w.failures, w.failures
-        if not progressed:
-            return committed
-
-
-def check_all_restore(
-    storage: Storage, history: dict[str, State], seen: set[tuple[str, ...]] | None = None
-) -> list[int]:
-    """Every restorable step restores bitwise-equal to what the trainer saved under that id.
-
-    ``seen``: chains already checked (committed files never change, so a chain that restored
-    correctly once still does)."""
-    manifests = read_manifests(storage)
-    graph = build_graph(manifests)
-    steps = graph.restorable_steps()
-    for step in steps:
-        chain = chain_for(manifests, step)
-        key = tuple(m.id for m in chain)
-        if seen is not None and key in seen:
-            continue
-        assert chain[0].kind is Kind.FULL and not chain[-1].is_merged
-        assert chain[-1].step == step
-        got, user = restore_state(storage, chain)
-        bad = same(got, history[chain[-1].id])
-        assert not bad, f"step {step} via {[m.folder for m in chain]}: {bad[:4]}"
-        assert user == step
-        if seen is not None:
-            seen.add(key)
-    return steps
 
 
 # ---- unit tests of the pieces ------------------------------------------------------------------
@@ -218,141 +164,6 @@ def test_policy_helpers() -> None:
     assert FullPolicy(max_live_fraction=0.5).want_full(1, 60, 100)
     assert not FullPolicy(max_live_fraction=0.5).want_full(1, 40, 100)
     assert FullPolicy(max_live_fraction=None, cost_ratio=10).want_full(1, 30, 100)
-
-
-@pytest.mark.parametrize("policy", ["every", "live"])
-def test_merger_makes_fulls_and_retention_keeps_the_window(policy: str) -> None:
-    storage = mem()
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    history = {}
-    full = FullPolicy(every=6) if policy == "every" else FullPolicy(max_live_fraction=0.6)
-    cfg = MergeConfig(stride=2, full=full)
-    keep = RetentionPolicy(keep_last_fulls=2, keep_all_steps=False, grace_s=0)
-    for _ in range(20):
-        tr.train(3)
-        m = tr.save()
-        history[m.id] = snapshot(tr.shards)
-        merge_all(storage, cfg)
-        collect_garbage(storage, keep)
-    history.update({s.id: s.state for s in tr.saved.values()})
-    manifests = read_manifests(storage)
-    graph = build_graph(manifests)
-    merger_fulls = [n for n in graph.nodes.values() if n.merged and n.kind is Kind.FULL]
-    assert merger_fulls, "the merger made no full"
-    assert len(merger_fulls) <= 2  # older ones were collected (keep_last_fulls=2)
-    latest = graph.latest()
-    assert latest == tr.step
-    chain = cheapest_chain(graph, latest)
-    assert chain[0].is_merged and chain[0].kind is Kind.FULL  # the trainer never took another full
-    steps = check_all_restore(storage, history)
-    plan_now = plan_retention(manifests, keep)
-    assert set(plan_now.window) <= set(steps) and latest in steps
-    assert 0 not in manifests  # the trainer's first full is gone: two newer fulls exist
-    # The live chain stayed bounded: never more than the newest full plus a few items.
-    assert len(chain) <= 6
-
-
-def test_retention_keeps_all_steps_by_default_and_rollback_fulls_when_bounded() -> None:
-    storage = mem()
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    history = {tr.saved[0].id: tr.saved[0].state}
-    cfg = MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None))
-    for _ in range(24):
-        tr.train()
-        history[tr.save().id] = snapshot(tr.shards)
-        merge_all(storage, cfg)
-    everything = build_graph(read_manifests(storage)).restorable_steps()
-    coarse = RetentionPolicy(
-        keep_last_fulls=1, keep_fulls_every=10, keep_all_steps=False, grace_s=0
-    )
-    # keep_all_steps is the default
-    rep = collect_garbage(
-        storage, RetentionPolicy(keep_last_fulls=1, keep_fulls_every=10, grace_s=0)
-    )
-    assert check_all_restore(storage, history) == everything
-    assert rep.deleted  # superseded merged deltas went
-    fulls = {
-        n.step for n in build_graph(read_manifests(storage)).nodes.values() if n.kind is Kind.FULL
-    }
-    assert {0, 12, 20, 24} <= fulls  # one full per 10 steps (the oldest) + the newest
-    rep = collect_garbage(storage, coarse)
-    steps = check_all_restore(storage, history)
-    assert {0, 12, 20, 24} <= set(steps)
-    assert 5 not in steps and 13 not in steps
-    assert sorted(rep.retained_steps) == steps
-
-
-@pytest.mark.parametrize("budget", [None, 1.0])
-def test_default_retention_bounds_old_steps_chains(budget: float | None) -> None:
-    storage = mem()
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    history = {tr.saved[0].id: tr.saved[0].state}
-    cfg = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
-    keep = RetentionPolicy(chain_delta_budget=budget, grace_s=0)
-    for _ in range(30):
-        tr.train(1, rows=30)
-        history[tr.save().id] = snapshot(tr.shards)
-        merge_all(storage, cfg)
-        collect_garbage(storage, keep)
-    assert check_all_restore(storage, history) == sorted(tr.saved)  # every step, bitwise
-    graph = build_graph(read_manifests(storage))
-    full = graph.trainer[0].manifest.data_bytes
-    worst = max(sum(m.data_bytes for m in graph.chain(s)) for s in tr.saved) / full
-    if budget is None:
-        assert worst > 3  # the oldest full plus most deltas
-    else:
-        # At most the budget in deltas after a full, plus the delta that passed it.
-        biggest_delta = max(
-            n.manifest.data_bytes for n in graph.trainer.values() if n.kind is Kind.DELTA
-        )
-        assert worst <= 1 + budget + biggest_delta / full, worst
-
-
-def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
-    storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(8):
-        tr.train()
-        tr.save()
-    merge_all(storage, MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None)))
-    # Orphans: a crashed save (no manifest) at an older step, an unreferenced attempt folder of
-    # a committed step, an uncommitted merger folder, and a crashed put's temp file.
-    (tmp_path / "ck/step-000000000003/0123456789abcdef/rank-00000").mkdir(parents=True)
-    (tmp_path / "ck/step-000000000003/0123456789abcdef/rank-00000/x.chunk").write_bytes(b"x")
-    (tmp_path / "ck/step-000000000005/fedcba9876543210").mkdir(parents=True)
-    (tmp_path / "ck/step-000000000005/fedcba9876543210/rank-00000.json").write_bytes(b"{}")
-    crashed = tmp_path / "ck/merged/L01-000000000007-000000000008-00000000000000aa/parts"
-    crashed.mkdir(parents=True)
-    (crashed / "x.json").write_bytes(b"{}")
-    (tmp_path / "ck/step-000000000008/.tmp-manifest.json.abc").write_bytes(b"x")
-    # An in-progress save of the newest step must survive any grace period.
-    (tmp_path / "ck/step-000000000009/1111111111111111").mkdir(parents=True)
-    (tmp_path / "ck/step-000000000009/1111111111111111/rank-00000.json").write_bytes(b"{}")
-
-    before = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
-    rep = collect_garbage(storage, RetentionPolicy(grace_s=3600))
-    after = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
-    assert not rep.orphans and before == after  # everything is younger than the grace period
-    bounded = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
-    dry = collect_garbage(storage, bounded, dry_run=True)
-    assert dry.deleted and dry.orphans
-    assert after == sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
-    rep = collect_garbage(storage, bounded)
-    left = {
-        str(p.relative_to(tmp_path / "ck")) for p in (tmp_path / "ck").rglob("*") if p.is_file()
-    }
-    assert not any("0123456789abcdef" in p or "fedcba9876543210" in p for p in left)
-    assert not any("00000000000000aa" in p or ".tmp-" in p for p in left)
-    assert any("1111111111111111" in p for p in left)
-    assert {s for s, _ in [(o, 0) for o, _ in rep.orphans]}
-    manifests = read_manifests(storage)
-    assert latest_restorable(manifests) == 8
-    for m in manifests.all():
-        assert not verify_checkpoint(storage, m).problems
 
 
 def test_corrupt_or_missing_delta_in_the_active_chain(

@@ -13,9 +13,9 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-import xxhash
 
 from deck.errors import CorruptCheckpointError
+from deck.format.checksum import checksum
 from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment
 from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
 from deck.storage import Storage
@@ -34,11 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def checksum(data: bytes | bytearray | memoryview) -> str:
-    """Checksum used for every file deck writes: xxh3-64, hex."""
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

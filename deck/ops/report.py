@@ -17,8 +17,7 @@ from typing import Any
 from deck.errors import CheckpointNotFoundError, UnsupportedError
 from deck.format.manifest import Kind
 from deck.ops.listing import Row, list_rows
-from deck.read.catalog import chain_for
-from deck.read.lineage import LineageGraph, chain_bytes, cheapest_chain
+from deck.read.lineage import LineageGraph, chain_bytes, chain_for, cheapest_chain
 from deck.storage import open_storage
 from deck.storage.atomic import atomic_write
 

@@ -38,8 +38,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-from deck.errors import CheckpointNotFoundError, ConfigError, DeckError, NotFoundError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deck.config import config_error
+from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.manifest import (
     MANIFEST,
@@ -59,68 +63,58 @@ from deck.storage.local import TEMP_PREFIX
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """What GC keeps (the rules: docs/operations.md, "Retention and GC")."""
+class RetentionPolicy(BaseModel):
+    """What GC keeps (the rules: docs/operations.md, "Retention and GC").
 
-    keep_last_fulls: int = field(
+    Validated like :class:`deck.DeckConfig`: an invalid value raises
+    :class:`deck.errors.ConfigError` naming the field; unknown fields are refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep_last_fulls: int = Field(
         default=2,
-        metadata={
-            "description": "The newest fulls kept for rollback, each with the trainer "
-            "checkpoint of its step.",
-            "constraints": ">= 1",
-            "cli": "deck gc --keep-last-fulls K",
-        },
+        ge=1,
+        description="The newest fulls kept for rollback, each with the trainer checkpoint of its "
+        "step.",
+        json_schema_extra={"cli": "deck gc --keep-last-fulls K"},
     )
-    keep_fulls_every: int | None = field(
+    keep_fulls_every: Annotated[int, Field(ge=1)] | None = Field(
         default=None,
-        metadata={
-            "description": "Also keep the oldest full of every N-step period (rolling back past "
-            "bad data found late, DECK fig. 9). None: off.",
-            "constraints": ">= 1 or None",
-            "cli": "deck gc --keep-fulls-every N",
-        },
+        description="Also keep the oldest full of every N-step period (rolling back past bad data "
+        "found late, DECK fig. 9). None: off.",
+        json_schema_extra={"constraints": ">= 1 or None", "cli": "deck gc --keep-fulls-every N"},
     )
-    keep_all_steps: bool = field(
+    keep_all_steps: bool = Field(
         default=True,
-        metadata={
-            "description": "Every step that is restorable now stays restorable (superseded "
-            "merged deltas and merger fulls still go). False: only the active window and the "
-            "rollback fulls stay (DECK fig. 9), bounding storage.",
-            "cli": "deck gc --no-keep-all-steps",
-        },
+        description="Every step that is restorable now stays restorable (superseded merged deltas "
+        "and merger fulls still go). False: only the active window and the rollback fulls stay "
+        "(DECK fig. 9), bounding storage.",
+        json_schema_extra={"cli": "deck gc --no-keep-all-steps"},
     )
-    chain_delta_budget: float | None = field(
+    chain_delta_budget: Annotated[float, Field(gt=0)] | None = Field(
         default=4.0,
-        metadata={
-            "description": "With keep_all_steps: also keep a full wherever the trainer's deltas "
-            "since the previous kept full add up to this many fulls' bytes, so that restoring "
-            "any past step reads at most about 1 + this many fulls. None: only the fulls the "
-            "other rules keep (least storage, old steps replay every delta since them).",
-            "constraints": "> 0 or None",
-            "cli": "deck gc --chain-delta-budget F",
-        },
+        description="With keep_all_steps: also keep a full wherever the trainer's deltas since "
+        "the previous kept full add up to this many fulls' bytes, so that restoring any past step "
+        "reads at most about 1 + this many fulls. None: only the fulls the other rules keep "
+        "(least storage, old steps replay every delta since them).",
+        json_schema_extra={"constraints": "> 0 or None", "cli": "deck gc --chain-delta-budget F"},
     )
-    grace_s: float = field(
+    grace_s: float = Field(
         default=3600.0,
-        metadata={
-            "description": "Nothing committed in the last S seconds, nothing the lineage needed "
-            "S seconds ago, and no orphan with a file younger than S is deleted. Must exceed "
-            "the longest restore and the time between a restore and the next checkpoint.",
-            "constraints": ">= 0",
-            "cli": "deck gc --grace S",
-        },
+        ge=0,
+        description="Nothing committed in the last S seconds, nothing the lineage needed S seconds "
+        "ago, and no orphan with a file younger than S is deleted. Must exceed the longest "
+        "restore and the time between a restore and the next checkpoint.",
+        json_schema_extra={"cli": "deck gc --grace S"},
     )
 
-    def __post_init__(self) -> None:
-        if self.keep_last_fulls < 1:
-            raise ConfigError(f"keep_last_fulls must be >= 1, got {self.keep_last_fulls}")
-        if self.keep_fulls_every is not None and self.keep_fulls_every < 1:
-            raise ConfigError(f"keep_fulls_every must be >= 1 steps, got {self.keep_fulls_every}")
-        if self.chain_delta_budget is not None and self.chain_delta_budget <= 0:
-            raise ConfigError(f"chain_delta_budget must be > 0, got {self.chain_delta_budget}")
-        if self.grace_s < 0:
-            raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+    def __init__(self, **data: Any) -> None:
+        """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise config_error(e) from None
 
 
 @dataclass
@@ -142,15 +136,44 @@ def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
 
 
 def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> RetentionPlan:
-    """Apply ``policy`` to the committed lineage (no grace period: see :func:`collect_garbage`)."""
+    """Apply ``policy`` to the committed lineage (no grace period: see :func:`collect_garbage`).
+
+    Guarantees: every step in ``retained_steps`` restores through checkpoints in ``keep``; the
+    latest restorable step's cheapest chain, the active window and the merger's work in progress
+    are kept; ``delete`` holds every other checkpoint, with why. Nothing restorable: keeps all.
+    """
     graph = build_graph(manifests)
     latest = graph.latest()
     if latest is None:
         # Nothing is restorable: deleting could only make matters worse.
         return RetentionPlan(None, [], [], [], set(graph.nodes), {})
     latest_chain = [m.id for m in graph.chain(latest)]
+    window, anchor_state = _active_window(graph, latest)
+    kept = _kept_fulls(graph, policy, latest, latest_chain, anchor_state)
 
-    # The window: from latest back along parent links to the newest state with a full.
+    retained = set(window) | {st[0] for st in kept}
+    if policy.keep_all_steps:
+        retained |= set(graph.restorable_steps())
+    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and the
+    # latest chain's merged deltas; only when that is impossible do they keep more.
+    allowed = (
+        {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
+    )
+    keep: set[str] = set(latest_chain) | _in_progress(graph, window)
+    retained_steps = _add_chains(graph, sorted(retained), allowed, keep)
+    return RetentionPlan(
+        latest=latest,
+        window=sorted(window),
+        retained_steps=retained_steps,
+        kept_fulls=sorted(f.id for f in kept.values()),
+        keep=keep,
+        delete=_delete_reasons(graph, keep),
+    )
+
+
+def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], tuple[int, str] | None]:
+    """The trainer steps from ``latest`` back along parent links to the newest state with a
+    usable full, newest first; and that state (None when the walk found none)."""
     window: list[int] = []
     node: LineageNode | None = graph.trainer[latest]
     while node is not None:
@@ -158,8 +181,19 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
         if node.kind is Kind.FULL or any(f.usable for f in graph.fulls_at.get(node.state, ())):
             break
         node = graph.trainer_at(node.start) if node.start is not None else None
-    anchor_state = node.state if node is not None else None
+    return window, node.state if node is not None else None
 
+
+def _kept_fulls(
+    graph: LineageGraph,
+    policy: RetentionPolicy,
+    latest: int,
+    latest_chain: list[str],
+    anchor_state: tuple[int, str] | None,
+) -> dict[tuple[int, str], LineageNode]:
+    """The fulls kept, one per state: the window's, the newest ``keep_last_fulls``, the oldest
+    of every ``keep_fulls_every`` period, those in the chain of ``latest``, and with ``keep_all_steps`` those
+    that bound old steps' chains to ``chain_delta_budget``."""
     fulls = [n for n in graph.nodes.values() if _eligible_full(graph, n)]
     by_state: dict[tuple[int, str], LineageNode] = {}
     for f in sorted(fulls, key=lambda n: (n.merged, n.bytes, n.id)):
@@ -180,44 +214,52 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
         if f.id in latest_chain:
             kept[f.state] = f
     if policy.keep_all_steps and policy.chain_delta_budget is not None:
-        # Bound every past step's chain: walking up the steps, a full is kept where the deltas
-        # since the last kept one pass the budget (the first full at or after that point; the
-        # merger only ever builds fulls of newer states, so the choice is stable across runs).
-        since = 0
-        for n in sorted(graph.trainer.values(), key=lambda n: (n.step, n.epoch)):
-            anchor = by_state.get(n.state)
-            if anchor is not None and (
-                n.kind is Kind.FULL
-                or anchor.state in kept
-                or since >= policy.chain_delta_budget * anchor.bytes
-            ):
-                kept[anchor.state] = anchor
-                since = 0
-            elif n.kind is not Kind.FULL:
-                since += n.bytes
+        _keep_budget_fulls(graph, by_state, kept, policy.chain_delta_budget)
+    return kept
 
-    # Merged deltas of the window that no committed merged delta consumes yet are the merger's
-    # work in progress (inputs of the next layer): kept until their consumer is committed.
+
+def _keep_budget_fulls(
+    graph: LineageGraph,
+    by_state: dict[tuple[int, str], LineageNode],
+    kept: dict[tuple[int, str], LineageNode],
+    budget: float,
+) -> None:
+    """Add to ``kept`` the fulls that bound every past step's chain: walking up the steps, a
+    full is kept where the deltas since the last kept one pass ``budget`` fulls' bytes (the
+    first full at or after that point; the merger only ever builds fulls of newer states, so
+    the choice is stable across runs)."""
+    since = 0
+    for n in sorted(graph.trainer.values(), key=lambda n: (n.step, n.epoch)):
+        anchor = by_state.get(n.state)
+        if anchor is not None and (
+            n.kind is Kind.FULL or anchor.state in kept or since >= budget * anchor.bytes
+        ):
+            kept[anchor.state] = anchor
+            since = 0
+        elif n.kind is not Kind.FULL:
+            since += n.bytes
+
+
+def _in_progress(graph: LineageGraph, window: list[int]) -> set[str]:
+    """Merged deltas of the window that no committed merged delta consumes yet: the merger's
+    work in progress (inputs of the next layer), kept until their consumer is committed."""
     window_ids = {graph.trainer[s].id for s in window}
     consumed = {i for n in graph.nodes.values() for i in n.inputs if n.kind is Kind.MERGED}
-    in_progress = {
+    return {
         n.id
         for n in graph.nodes.values()
         if n.kind is Kind.MERGED and n.usable and n.state[1] in window_ids and n.id not in consumed
     }
 
-    retained = set(window) | {st[0] for st in kept}
-    if policy.keep_all_steps:
-        retained |= set(graph.restorable_steps())
-    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and the
-    # latest chain's merged deltas; only when that is impossible do they keep more.
-    allowed = (
-        {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
-    )
+
+def _add_chains(
+    graph: LineageGraph, steps: list[int], allowed: set[str], keep: set[str]
+) -> list[int]:
+    """Add to ``keep`` the chain of each of ``steps`` -- through ``allowed`` checkpoints where
+    possible, else the cheapest -- and return the steps that have one (the others are logged)."""
     restricted = [i for i in graph.nodes if i not in allowed]
-    keep: set[str] = set(latest_chain) | in_progress
     retained_steps = []
-    for step in sorted(retained):
+    for step in steps:
         try:
             chain = graph.chain(step, exclude=restricted)
         except CheckpointNotFoundError:
@@ -228,6 +270,11 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
                 continue
         keep.update(m.id for m in chain)
         retained_steps.append(step)
+    return retained_steps
+
+
+def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
+    """Why each checkpoint not in ``keep`` can go, by id."""
     delete = {}
     for n in graph.nodes.values():
         if n.id in keep:
@@ -238,14 +285,7 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
             delete[n.id] = f"step {n.step} is not retained"
         else:
             delete[n.id] = f"{n.kind.value} checkpoint in no retained step's chain"
-    return RetentionPlan(
-        latest=latest,
-        window=sorted(window),
-        retained_steps=retained_steps,
-        kept_fulls=sorted(f.id for f in kept.values()),
-        keep=keep,
-        delete=delete,
-    )
+    return delete
 
 
 # ---- garbage collection ------------------------------------------------------------------------
@@ -313,141 +353,19 @@ def collect_garbage(
     ``policy.grace_s`` seconds ago, stays restorable; nothing committed less than ``grace_s`` ago
     is deleted; a checkpoint's ``manifest.json`` goes before its files. Safe to run next to the
     trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
+    ``progress(folder)`` is called before each checkpoint is deleted.
     """
-    policy = policy or RetentionPolicy()
-    now = time.time() if now is None else now
-    keys = storage.list("")
-    manifests = read_manifests(storage, keys)
-    plan = plan_retention(manifests, policy)
-    report = GcReport(dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps)
-    protected = set(plan.keep)
-    if policy.grace_s > 0:
-        # The lineage as it was grace_s ago: whatever it needed may still be in use.
-        cutoff = now - policy.grace_s
-        old = ManifestSet(
-            {s: m for s, m in manifests.items() if m.created_unix <= cutoff},
-            {i: m for i, m in manifests.merged.items() if m.created_unix <= cutoff},
-            manifests.quarantined,
-            uri=manifests.uri,
-        )
-        protected |= plan_retention(old, policy).keep
-        protected |= {m.id for m in manifests.all() if m.created_unix > cutoff}
-    graph = build_graph(manifests)
-    by_prefix: dict[str, list[str]] = {}
-    for k in keys:
-        head, _, rest = k.partition("/")
-        if head == MERGED_ROOT:
-            head = f"{head}/{rest.partition('/')[0]}"
-        by_prefix.setdefault(head, []).append(k)
-
-    def size_of(ks: list[str]) -> int:
-        total = 0
-        for k in ks:
-            with contextlib.suppress(DeckError, OSError):
-                total += storage.size(k)
-        return total
-
-    # 1. Checkpoints no retained step needs (manifest first, then the files of that record).
-    for cid, why in sorted(plan.delete.items(), key=lambda kv: graph.nodes[kv[0]].step):
-        if cid in protected:
-            continue
-        n = graph.nodes[cid]
-        if n.merged:
-            files = by_prefix.get(n.folder, [])
-        else:
-            files = [k for k in by_prefix.get(n.folder, []) if k.startswith(f"{n.folder}/{cid}/")]
-            files.append(f"{n.folder}/{MANIFEST}")
-        report.deleted.append((n.folder if n.merged else f"{n.folder} (id {cid})", why))
-        report.files += len(files)
-        report.bytes += size_of(files)
-        if progress:
-            progress(n.folder)
-        if not dry_run:
-            try:
-                failpoint("gc.checkpoint.before_delete")
-                _delete_checkpoint(storage, n)
-                failpoint("gc.checkpoint.after_delete")
-            except DeckError as e:
-                report.errors.append(f"{n.folder}: {e}")
-
-    # 2. Orphans: files no committed record references, once they are old enough.
-    deleted_ids = {cid for cid in plan.delete if cid not in protected}
-    latest_step = max((m.step for m in manifests.values()), default=-1)
-    for prefix, ks in sorted(by_prefix.items()):
-        if prefix.startswith(f"{MERGED_ROOT}/"):
-            parsed = parse_merged_dir(prefix.partition("/")[2])
-            if parsed is None:
-                continue
-            m = manifests.merged.get(parsed[0])
-            if m is not None and m.id in deleted_ids:
-                continue  # handled above
-            if m is None:
-                if f"{prefix}/{MANIFEST}" in ks:
-                    continue  # a record we could not read: leave it to a human
-                _orphan(
-                    storage,
-                    report,
-                    prefix + "/",
-                    ks,
-                    "uncommitted merger folder",
-                    policy,
-                    now,
-                    dry_run,
-                )
-                continue
-            refs = _referenced(storage, m)
-            if refs is None:
-                continue
-            stale = [k for k in ks if k not in refs]
-            if stale:
-                _orphan_files(
-                    storage,
-                    report,
-                    prefix,
-                    stale,
-                    "partition records / attempt files no record references",
-                    policy,
-                    now,
-                    dry_run,
-                )
-            continue
-        step = parse_step_dir(prefix)
-        if step is not None:
-            m = manifests.get(step)
-            attempts: dict[str, list[str]] = {}
-            for k in ks:
-                rest = k[len(prefix) + 1 :]
-                if rest == MANIFEST or "/" not in rest:
-                    continue
-                attempts.setdefault(rest.partition("/")[0], []).append(k)
-            for aid, aks in sorted(attempts.items()):
-                if m is not None and aid == m.id:
-                    continue  # the committed attempt (kept, or deleted above with its record)
-                if m is None and step >= latest_step:
-                    continue  # may be a checkpoint still being uploaded: keep it
-                why = (
-                    "attempt folder no record references"
-                    if m is not None
-                    else "uncommitted checkpoint older than a committed later step"
-                )
-                _orphan(storage, report, f"{prefix}/{aid}/", aks, why, policy, now, dry_run)
-            continue
-        if prefix == QUARANTINE_ROOT:
-            for k in ks:
-                qid = k.rpartition("/")[2].removesuffix(".json")
-                if qid not in graph.nodes or qid in deleted_ids:
-                    report.orphans.append((k, "quarantine record of a deleted checkpoint"))
-                    report.files += 1
-                    if not dry_run:
-                        storage.delete(k)
-    if not dry_run:
-        report.files += _prune_local(storage, "", policy.grace_s, now)
-    # A checkpoint deleted above may come back (the merger rebuilds the same id): its old
-    # quarantine record must not outlive it.
-    if not dry_run:
-        for cid in deleted_ids:
-            if cid in manifests.quarantined:
-                storage.delete(f"{QUARANTINE_ROOT}/{cid}.json")
+    gc = _Collector(
+        storage,
+        policy if policy is not None else RetentionPolicy(),
+        dry_run=dry_run,
+        now=time.time() if now is None else now,
+        progress=progress,
+    )
+    gc.delete_checkpoints()
+    gc.collect_orphans()
+    gc.finish()
+    report = gc.report
     logger.info(
         "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
         storage.uri,
@@ -457,6 +375,207 @@ def collect_garbage(
         report.bytes / 2**20,
     )
     return report
+
+
+def _protected_ids(
+    manifests: ManifestSet, plan: RetentionPlan, policy: RetentionPolicy, now: float
+) -> set[str]:
+    """Ids GC must keep whatever ``plan`` says can go: what the plan keeps, what the lineage as
+    it was ``grace_s`` ago kept (a restore may still be reading it), and everything committed
+    within ``grace_s``."""
+    protected = set(plan.keep)
+    if policy.grace_s > 0:
+        cutoff = now - policy.grace_s
+        old = ManifestSet(
+            {s: m for s, m in manifests.items() if m.created_unix <= cutoff},
+            {i: m for i, m in manifests.merged.items() if m.created_unix <= cutoff},
+            manifests.quarantined,
+            uri=manifests.uri,
+        )
+        protected |= plan_retention(old, policy).keep
+        protected |= {m.id for m in manifests.all() if m.created_unix > cutoff}
+    return protected
+
+
+def _by_prefix(keys: list[str]) -> dict[str, list[str]]:
+    """``keys`` grouped by the folder that owns them: a top-level name (a step folder, the
+    quarantine folder), or ``merged/<name>`` for a merger checkpoint."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        head, _, rest = k.partition("/")
+        if head == MERGED_ROOT:
+            head = f"{head}/{rest.partition('/')[0]}"
+        groups.setdefault(head, []).append(k)
+    return groups
+
+
+class _Collector:
+    """One GC run at a store: the listing, the retention plan and the protected ids are taken
+    once, at the start; each step appends what it deleted (or would delete) to :attr:`report`."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        policy: RetentionPolicy,
+        *,
+        dry_run: bool,
+        now: float,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.storage = storage
+        self.policy = policy
+        self.dry_run = dry_run
+        self.now = now
+        self.progress = progress
+        keys = storage.list("")
+        self.manifests = read_manifests(storage, keys)
+        plan = plan_retention(self.manifests, policy)
+        self.report = GcReport(
+            dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
+        )
+        protected = _protected_ids(self.manifests, plan, policy, now)
+        self.graph = build_graph(self.manifests)
+        self.by_prefix = _by_prefix(keys)
+        # id -> why, for every checkpoint this run deletes
+        self.doomed = {cid: why for cid, why in plan.delete.items() if cid not in protected}
+
+    def size(self, keys: list[str]) -> int:
+        """Bytes of ``keys`` (files that vanished or cannot be sized count 0)."""
+        total = 0
+        for k in keys:
+            with contextlib.suppress(DeckError, OSError):
+                total += self.storage.size(k)
+        return total
+
+    def delete_checkpoints(self) -> None:
+        """Delete every checkpoint no retained step needs, oldest step first: its
+        ``manifest.json``, then its files. A failure is recorded in the report, not raised."""
+        for cid, why in sorted(self.doomed.items(), key=lambda kv: self.graph.nodes[kv[0]].step):
+            n = self.graph.nodes[cid]
+            if n.merged:
+                files = self.by_prefix.get(n.folder, [])
+            else:
+                prefix = f"{n.folder}/{cid}/"
+                files = [k for k in self.by_prefix.get(n.folder, []) if k.startswith(prefix)]
+                files.append(f"{n.folder}/{MANIFEST}")
+            self.report.deleted.append((n.folder if n.merged else f"{n.folder} (id {cid})", why))
+            self.report.files += len(files)
+            self.report.bytes += self.size(files)
+            if self.progress:
+                self.progress(n.folder)
+            if self.dry_run:
+                continue
+            try:
+                failpoint("gc.checkpoint.before_delete")
+                _delete_checkpoint(self.storage, n)
+                failpoint("gc.checkpoint.after_delete")
+            except DeckError as e:
+                self.report.errors.append(f"{n.folder}: {e}")
+
+    def collect_orphans(self) -> None:
+        """Delete files no committed record references, each group only once every file in it
+        is older than the grace period (its writer may still be running)."""
+        latest_step = max((m.step for m in self.manifests.values()), default=-1)
+        for prefix, keys in sorted(self.by_prefix.items()):
+            if prefix.startswith(f"{MERGED_ROOT}/"):
+                self._merged_orphans(prefix, keys)
+            elif (step := parse_step_dir(prefix)) is not None:
+                self._step_orphans(prefix, keys, step, latest_step)
+            elif prefix == QUARANTINE_ROOT:
+                self._quarantine_orphans(keys)
+
+    def _merged_orphans(self, prefix: str, keys: list[str]) -> None:
+        """A merger folder: all of it when uncommitted, else the files its records do not name."""
+        parsed = parse_merged_dir(prefix.partition("/")[2])
+        if parsed is None:
+            return
+        m = self.manifests.merged.get(parsed[0])
+        if m is not None and m.id in self.doomed:
+            return  # deleted with its record by delete_checkpoints
+        if m is None:
+            if f"{prefix}/{MANIFEST}" not in keys:  # else a record we could not read: a human's
+                self._orphan(prefix + "/", keys, "uncommitted merger folder")
+            return
+        refs = _referenced(self.storage, m)
+        if refs is None:
+            return
+        stale = [k for k in keys if k not in refs]
+        if stale:
+            why = "partition records / attempt files no record references"
+            self._orphan_files(prefix, stale, why)
+
+    def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: int) -> None:
+        """A step folder's attempt folders that its committed record does not name, or all of
+        them when the step is uncommitted and a later step is committed."""
+        m = self.manifests.get(step)
+        attempts: dict[str, list[str]] = {}
+        for k in keys:
+            rest = k[len(prefix) + 1 :]
+            if rest == MANIFEST or "/" not in rest:
+                continue
+            attempts.setdefault(rest.partition("/")[0], []).append(k)
+        for aid, aks in sorted(attempts.items()):
+            if m is not None and aid == m.id:
+                continue  # the committed attempt (kept, or deleted with its record)
+            if m is None and step >= latest_step:
+                continue  # may be a checkpoint still being uploaded: keep it
+            why = (
+                "attempt folder no record references"
+                if m is not None
+                else "uncommitted checkpoint older than a committed later step"
+            )
+            self._orphan(f"{prefix}/{aid}/", aks, why)
+
+    def _quarantine_orphans(self, keys: list[str]) -> None:
+        """Quarantine records of checkpoints that are gone (or go in this run)."""
+        for k in keys:
+            qid = k.rpartition("/")[2].removesuffix(".json")
+            if qid not in self.graph.nodes or qid in self.doomed:
+                self.report.orphans.append((k, "quarantine record of a deleted checkpoint"))
+                self.report.files += 1
+                if not self.dry_run:
+                    self.storage.delete(k)
+
+    def finish(self) -> None:
+        """Local stores: prune abandoned temp files and empty folders. Then drop the quarantine
+        records of deleted checkpoints: the merger may rebuild the same id, and an old record
+        must not outlive the checkpoint it was about."""
+        if self.dry_run:
+            return
+        self.report.files += _prune_local(self.storage, "", self.policy.grace_s, self.now)
+        for cid in self.doomed:
+            if cid in self.manifests.quarantined:
+                self.storage.delete(f"{QUARANTINE_ROOT}/{cid}.json")
+
+    def _orphan(self, prefix: str, keys: list[str], why: str) -> None:
+        """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
+        of them is older than the grace period."""
+        if not _old_enough(self.storage, keys, self.policy.grace_s, self.now):
+            return
+        self.report.orphans.append((prefix, why))
+        self.report.files += len(keys)
+        self.report.bytes += self.size(keys)
+        if self.dry_run:
+            return
+        # Only the files we saw: a writer that started after the listing keeps its new files.
+        failpoint("gc.orphan.before_delete")
+        for k in keys:
+            self.storage.delete(k)
+            failpoint("gc.orphan.after_delete_file")
+        _prune_local(self.storage, prefix, self.policy.grace_s, self.now)
+
+    def _orphan_files(self, folder: str, keys: list[str], why: str) -> None:
+        """Delete those of ``keys`` (stray files in a committed folder) older than the grace
+        period."""
+        old = [k for k in keys if _old_enough(self.storage, [k], self.policy.grace_s, self.now)]
+        if not old:
+            return
+        self.report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
+        self.report.files += len(old)
+        self.report.bytes += self.size(old)
+        if not self.dry_run:
+            for k in old:
+                self.storage.delete(k)
 
 
 def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
@@ -505,52 +624,3 @@ def _prune_local(storage: Storage, prefix: str, grace_s: float, now: float) -> i
                 if grace_s <= 0 or now - os.stat(dirpath).st_mtime >= grace_s:
                     os.rmdir(dirpath)  # only succeeds when empty
     return removed
-
-
-def _orphan(
-    storage: Storage,
-    report: GcReport,
-    prefix: str,
-    keys: list[str],
-    why: str,
-    policy: RetentionPolicy,
-    now: float,
-    dry_run: bool,
-) -> None:
-    if not _old_enough(storage, keys, policy.grace_s, now):
-        return
-    report.orphans.append((prefix, why))
-    report.files += len(keys)
-    for k in keys:
-        with contextlib.suppress(DeckError, OSError):
-            report.bytes += storage.size(k)
-    if not dry_run:
-        # Only the files we saw: a writer that started after the listing keeps its new files.
-        failpoint("gc.orphan.before_delete")
-        for k in keys:
-            storage.delete(k)
-            failpoint("gc.orphan.after_delete_file")
-        _prune_local(storage, prefix, policy.grace_s, now)
-
-
-def _orphan_files(
-    storage: Storage,
-    report: GcReport,
-    folder: str,
-    keys: list[str],
-    why: str,
-    policy: RetentionPolicy,
-    now: float,
-    dry_run: bool,
-) -> None:
-    old = [k for k in keys if _old_enough(storage, [k], policy.grace_s, now)]
-    if not old:
-        return
-    report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
-    report.files += len(old)
-    for k in old:
-        with contextlib.suppress(DeckError, OSError):
-            report.bytes += storage.size(k)
-    if not dry_run:
-        for k in old:
-            storage.delete(k)

@@ -1,0 +1,74 @@
+"""Helpers shared by the lineage / merger tests (tests/test_lineage_merger.py) and the retention
+tests (tests/ops/test_retention.py): a fresh in-memory store, merger workers run to a fixed
+point in this process, and a bitwise check of every restorable step."""
+
+from __future__ import annotations
+
+import uuid
+
+from synth import State, restore_state, same
+
+from deck.format.manifest import Kind
+from deck.merge.policy import MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.read.catalog import read_manifests
+from deck.read.lineage import build_graph, chain_for
+from deck.storage import FsspecStorage, Storage
+
+
+def mem() -> FsspecStorage:
+    """A fresh, empty in-memory store."""
+    return FsspecStorage(f"memory://deck-lineage-{uuid.uuid4().hex}")
+
+
+def merge_all(storage: Storage, config: MergeConfig, workers: int = 1) -> int:
+    """Run ``workers`` workers round-robin in this process until none makes progress."""
+    ws = [
+        MergeWorker(
+            storage,
+            MergeConfig(
+                stride=config.stride,
+                full=config.full,
+                chunk_bytes=config.chunk_bytes,
+                worker_index=i,
+                num_workers=workers,
+            ),
+        )
+        for i in range(workers)
+    ]
+    committed = 0
+    while True:
+        progressed = False
+        for w in ws:
+            r = w.run_pass()
+            committed += r.stats.items_committed
+            progressed = progressed or r.progressed
+            assert not r.stats.failed and not w.failures, w.failures
+        if not progressed:
+            return committed
+
+
+def check_all_restore(
+    storage: Storage, history: dict[str, State], seen: set[tuple[str, ...]] | None = None
+) -> list[int]:
+    """Every restorable step restores bitwise-equal to what the trainer saved under that id.
+
+    ``seen``: chains already checked (committed files never change, so a chain that restored
+    correctly once still does)."""
+    manifests = read_manifests(storage)
+    graph = build_graph(manifests)
+    steps = graph.restorable_steps()
+    for step in steps:
+        chain = chain_for(manifests, step)
+        key = tuple(m.id for m in chain)
+        if seen is not None and key in seen:
+            continue
+        assert chain[0].kind is Kind.FULL and not chain[-1].is_merged
+        assert chain[-1].step == step
+        got, user = restore_state(storage, chain)
+        bad = same(got, history[chain[-1].id])
+        assert not bad, f"step {step} via {[m.folder for m in chain]}: {bad[:4]}"
+        assert user == step
+        if seen is not None:
+            seen.add(key)
+    return steps
