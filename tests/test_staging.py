@@ -19,7 +19,8 @@ from deck.adapters.base import TableShard
 import deck
 from deck.config import StagingConfig
 from deck.format.manifest import Kind
-from deck.read.catalog import chain_for, read_manifests
+from deck.read.catalog import read_manifests
+from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage import local, open_storage
 from deck.trainer import staging
