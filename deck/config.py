@@ -20,7 +20,23 @@ PUBLISH_CONSUMER = "publish"
 Tiers = Literal["auto", "local", "cpu-remote", "cpu-ssd-remote"]
 
 
-class StagingConfig(BaseModel):
+class Settings(BaseModel):
+    """Base of every deck configuration model (DeckConfig, StagingConfig, MergeConfig,
+    RetentionPolicy, RetryPolicy, ...): frozen, unknown fields refused, and an invalid value
+    raises :class:`ConfigError` with one line per bad field (``Model.field: why (got value)``).
+    Fields carry ``description`` and ``json_schema_extra`` (``constraints``, ``cli``), from which
+    :mod:`deck.docgen` writes docs/configuration.md."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise config_error(e) from None
+
+
+class StagingConfig(Settings):
     """How checkpoint bytes travel: CPU chunk buffers -> local SSD spool -> destination URI.
 
     Tiers:
@@ -38,8 +54,6 @@ class StagingConfig(BaseModel):
     CPU memory of the snapshot is ``chunks_in_flight * chunk_bytes`` whatever the model size, plus
     ``upload_concurrency`` chunk reads in the upload tier.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     chunk_bytes: int = Field(
         default=4 * 1024 * 1024,
@@ -140,7 +154,7 @@ class StagingConfig(BaseModel):
         return self
 
 
-class PublishConfig(BaseModel):
+class PublishConfig(Settings):
     """A publisher tenant: a second delta chain, at its own (usually shorter) interval, to its own
     URI, for a loading service (``deck follow``) or a serving job to read.
 
@@ -149,8 +163,6 @@ class PublishConfig(BaseModel):
     through its own stager. Its failures never touch the checkpoint chain: they are logged and the
     next publish is a full.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     uri: str = Field(
         description="Where published deltas go: a local directory or any fsspec URI; must differ "
@@ -184,7 +196,7 @@ class PublishConfig(BaseModel):
         return v.strip()
 
 
-class DeckConfig(BaseModel):
+class DeckConfig(Settings):
     """Everything deck needs to checkpoint one TorchRec model.
 
     - ``uri``: where checkpoints go: a local directory (the default use) or any fsspec URI
@@ -201,8 +213,6 @@ class DeckConfig(BaseModel):
     - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
     - ``publish``: an optional publisher tenant (:class:`PublishConfig`).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     uri: str = Field(
         description="Where checkpoints go: a local directory or any fsspec URI (s3://bucket/prefix, "
@@ -314,13 +324,6 @@ class DeckConfig(BaseModel):
         if self.publish is None or PUBLISH_CONSUMER in self.consumers:
             return self.consumers
         return (*self.consumers, PUBLISH_CONSUMER)
-
-    def __init__(self, **data: Any) -> None:
-        """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise config_error(e) from None
 
 
 def config_error(e: ValidationError) -> ConfigError:

@@ -21,7 +21,7 @@ import xxhash
 
 from deck.errors import CorruptCheckpointError, MergeError, NotFoundError
 from deck.failpoints import failpoint
-from deck.format.chunks import checksum
+from deck.format.checksum import checksum
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,

@@ -10,28 +10,15 @@ eq. 1) and :func:`full_every_for_bound` (eq. 2) pick their values from a model o
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from deck.config import PAGE_BYTES, config_error
+from deck.config import PAGE_BYTES, Settings
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
-class _Settings(BaseModel):
-    """Frozen, no unknown fields; a bad value raises ConfigError (one line per field)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise config_error(e) from None
-
-
-class FullPolicy(_Settings):
+class FullPolicy(Settings):
     """When the merger builds a new full (any rule that is set triggers it).
 
     - ``every``: after this many deltas since the last full (DECK's fixed N; see
@@ -109,7 +96,7 @@ class FullPolicy(_Settings):
         )
 
 
-class MergeConfig(_Settings):
+class MergeConfig(Settings):
     """What a merger worker builds and which share of the work is its own."""
 
     stride: int = Field(

@@ -38,11 +38,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from deck.config import config_error
+from deck.config import Settings
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.manifest import (
@@ -63,14 +63,12 @@ from deck.storage.local import TEMP_PREFIX
 logger = logging.getLogger(__name__)
 
 
-class RetentionPolicy(BaseModel):
+class RetentionPolicy(Settings):
     """What GC keeps (the rules: docs/operations.md, "Retention and GC").
 
     Validated like :class:`deck.DeckConfig`: an invalid value raises
     :class:`deck.errors.ConfigError` naming the field; unknown fields are refused.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     keep_last_fulls: int = Field(
         default=2,
@@ -108,13 +106,6 @@ class RetentionPolicy(BaseModel):
         "restore and the time between a restore and the next checkpoint.",
         json_schema_extra={"cli": "deck gc --grace S"},
     )
-
-    def __init__(self, **data: Any) -> None:
-        """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise config_error(e) from None
 
 
 @dataclass

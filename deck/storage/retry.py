@@ -14,11 +14,11 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from deck.config import config_error
+from deck.config import Settings
 from deck.errors import DeckError
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-class RetryPolicy(BaseModel):
+class RetryPolicy(Settings):
     """How often and how patiently to retry a failed call (by default: a transient storage
     failure, see :func:`is_transient`).
 
@@ -142,8 +142,6 @@ class RetryPolicy(BaseModel):
     end past ``deadline_s`` after the first call, whichever comes first. Invalid values raise
     :class:`deck.errors.ConfigError` naming the field.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     attempts: int | None = Field(
         default=5,
@@ -178,13 +176,6 @@ class RetryPolicy(BaseModel):
         description="Which errors are retried (default: transient storage failures); any other "
         "error is re-raised at once.",
     )
-
-    def __init__(self, **data: Any) -> None:
-        """Validate ``data``; raises :class:`ConfigError` with one line per bad field."""
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise config_error(e) from None
 
     @model_validator(mode="after")
     def _bounded(self) -> RetryPolicy:
