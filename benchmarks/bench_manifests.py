@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from _workload import Workload, ZipfTrainer, in_workdir
 
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(a: argparse.Namespace, work: str) -> int:
     server = None
     if a.s3:
-        from s3_server import SeaweedS3
+        from deck.testing.s3_server import SeaweedS3
 
         server = SeaweedS3(workdir=os.path.join(work, "seaweed")).start()
     try:

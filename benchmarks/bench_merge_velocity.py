@@ -29,7 +29,7 @@ every delta of the second half of the run the cheapest chain to the newest step 
 the chain with the most bytes (the worst moment) is then restored from a cold cache, in rounds
 alternating with one full of the same size (medians). Swept over ``--intervals``; printed: the
 shortest interval down to which every interval swept meets the goal. The sweep ignores CPU / disk contention between trainer and merger (one process
-here) and the restore is timed, not checked bitwise (tests/test_lineage_merger.py does that);
+here) and the restore is timed, not checked bitwise (tests/merge/test_lineage_merger.py does that);
 the final state of each run is checked bitwise.
 
     python benchmarks/bench_merge_velocity.py [--rows 250000] [--repeats 5]

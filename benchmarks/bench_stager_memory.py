@@ -40,15 +40,12 @@ import time
 from typing import Any
 
 import torch
+from _workload import save_full
 from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
 from deck.storage import Storage, open_storage
 from deck.trainer.staging import Stager
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from _workload import save_full
 
 MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -206,7 +203,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         if "s3" in targets:
-            from s3_server import SeaweedS3
+            from deck.testing.s3_server import SeaweedS3
 
             server = SeaweedS3(workdir=os.path.join(work, "seaweed"), volume_size_limit_mb=1024)
             server.start()

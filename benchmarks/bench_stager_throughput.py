@@ -50,16 +50,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from _workload import save_full, williams_order
 from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
 from deck.format.chunks import ChunkLayout
 from deck.storage import Storage, open_storage
 from deck.trainer.staging import Stager
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from _workload import save_full, williams_order
 
 MIB = 2**20
 GOAL = 0.8
@@ -257,7 +254,8 @@ def main() -> int:
             ]
         if "s3" in targets:
             import s3fs
-            from s3_server import SeaweedS3
+
+            from deck.testing.s3_server import SeaweedS3
 
             server = SeaweedS3(workdir=os.path.join(work, "seaweed"), volume_size_limit_mb=1024)
             server.start()

@@ -51,8 +51,6 @@ import torch.multiprocessing as mp
 
 from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
 # Goals (issue 15 item 4): the stall should approach the gather of the same rows, and be at most
 # 1/50 of a blocking dcp.save of the same model.
 GATHER_GOAL = 1.5
@@ -468,7 +466,7 @@ def main() -> int:
         first += a.steps
     try:
         if a.s3:
-            from s3_server import SeaweedS3
+            from deck.testing.s3_server import SeaweedS3
 
             server = SeaweedS3(
                 workdir=os.path.join(work, "seaweed"),

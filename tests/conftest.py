@@ -1,7 +1,7 @@
 """Session-wide fixtures shared by all test modules (keep small: module fixtures live elsewhere).
 
-`s3_server` is imported by bare name: pytest puts this directory on sys.path (rootdir conftest,
-default "prepend" import mode), which works for both `pytest` and `python -m pytest`.
+Test helpers live in :mod:`deck.testing`; tests are grouped in folders that mirror deck's
+packages (format/, read/, trainer/, merge/, ops/, storage/, kernels/, adapters/).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from s3_server import SeaweedS3
+
+from deck.testing.s3_server import SeaweedS3
 
 
 @pytest.fixture(scope="session")

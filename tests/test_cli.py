@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_harness import run_ranks
 
 import deck
 from deck.cli import main
 from deck.demo import ModelSpec, build_model, train_step
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32)

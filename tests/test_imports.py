@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from synth import SynthTrainer
 
 from deck.storage import LocalStorage
+from deck.testing.synth import SynthTrainer
 
 HEAVY = ("torch", "torchrec", "numpy")
 

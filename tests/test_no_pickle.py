@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.testing.dist_harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import (
@@ -22,6 +21,7 @@ from deck.demo import (
     train_step,
 )
 from deck.errors import ConfigError
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=3, rows=500, dim=8, batch=32, sharding="table_wise")

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import capture_state, diff_states
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

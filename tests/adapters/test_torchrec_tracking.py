@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck.config import CHECKPOINT_CONSUMER
 from deck.demo import ModelSpec, build_model, looked_up_rows, make_batch, train_step
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=3, rows=500, dim=8, batch=32, sharding="table_wise")

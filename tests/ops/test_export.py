@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from dist_harness import run_ranks
-from safetensors_checks import assert_holds_model
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
+from deck.testing.dist_harness import run_ranks
+from deck.testing.safetensors_checks import assert_holds_model
 
 pytestmark = pytest.mark.slow
 # Column-wise tables (row-wise optimizer state in TorchRec's per-column-shard layout) and a

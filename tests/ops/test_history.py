@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
@@ -22,6 +21,7 @@ from deck.format.manifest import ChunkRecord, RankManifest, RowIndex, dump_model
 from deck.format.rowindex import TARGET_FP, bits_for, build_index, may_contain
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32)
 ROWS = (0, 1, 2, 7, 150, 399)

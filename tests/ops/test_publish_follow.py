@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 from safetensors import safe_open
-from safetensors_checks import assert_holds_model
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
+from deck.testing.dist_harness import run_ranks
+from deck.testing.safetensors_checks import assert_holds_model
 
 pytestmark = pytest.mark.slow
 # Column-wise tables (row-wise optimizer state in TorchRec's per-column-shard layout) and a
@@ -143,9 +143,8 @@ def test_publish_chain_and_follow(tmp_path: Path) -> None:
 
 
 def _failing_publish(rank: int, world_size: int, ckpt: str, pub: str, spool: str) -> None:
-    from faulty_storage import FaultyStorage
-
     from deck.storage import LocalStorage
+    from deck.testing.faulty_storage import FaultyStorage
 
     model, opt = build_model(SPEC)
     config = deck.DeckConfig(

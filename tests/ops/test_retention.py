@@ -1,6 +1,6 @@
 """Retention and GC (deck.ops.retention): which steps stay restorable under each policy, that
 GC never deletes what the grace period protects, and that policies are validated like
-DeckConfig. Synthetic checkpoints in the exact on-disk format (tests/synth.py), merged by real
+DeckConfig. Synthetic checkpoints in the exact on-disk format (deck/testing/synth.py), merged by real
 merger workers in this process."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lineage_checks import check_all_restore, mem, merge_all
-from synth import SynthTrainer, snapshot
 
 from deck.errors import ConfigError
 from deck.format.manifest import Kind
@@ -19,6 +17,8 @@ from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
+from deck.testing.lineage_checks import check_all_restore, mem, merge_all
+from deck.testing.synth import SynthTrainer, snapshot
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ import uuid
 from typing import Any
 
 import pytest
-from faulty_storage import FaultyStorage
 from pydantic import ValidationError
 
 from deck.errors import ConfigError, NotFoundError, StorageError
@@ -29,6 +28,7 @@ from deck.storage import (
 from deck.storage.local import TEMP_PREFIX
 from deck.storage.retry import call_with_retry, is_transient
 from deck.storage.wrapper import StorageWrapper
+from deck.testing.faulty_storage import FaultyStorage
 from deck.testing.storage import StorageTests
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.01)

@@ -1,7 +1,7 @@
 """Crash-consistency driver: SIGKILL a real 2-rank DMP trainer, merger workers and GC at named
 failpoints (deck.failpoints), restart, and check what survived.
 
-    python tests/crash_job.py ROOT          # writes ROOT/results.json
+    python tests/trainer/crash_job.py ROOT          # writes ROOT/results.json
 
 One driver process imports torch, TorchRec and deck once and forks every incarnation from
 itself, so a restart costs a process group and a model, not a Python start (a 2-rank job start

@@ -1,7 +1,7 @@
 """Lineage, merger workers, and GC running next to them (the retention rules and GC's own
 guarantees: tests/ops/test_retention.py).
 
-Most tests use synthetic checkpoints in the exact on-disk format (tests/synth.py: the real
+Most tests use synthetic checkpoints in the exact on-disk format (deck/testing/synth.py: the real
 writer and commit, plain tensors instead of TorchRec) so that many steps, merges, crashes and
 collections run in seconds; the last test runs the real 2-rank TorchRec job and ``deck merge``.
 """
@@ -24,8 +24,6 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from lineage_checks import check_all_restore, mem, merge_all
-from synth import State, SynthTrainer, restore_state, same, snapshot
 
 from deck import cli, failpoints
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
@@ -47,6 +45,8 @@ from deck.read.lineage import (
 )
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
+from deck.testing.lineage_checks import check_all_restore, mem, merge_all
+from deck.testing.synth import State, SynthTrainer, restore_state, same, snapshot
 
 NO_FULLS = FullPolicy(every=None, max_live_fraction=None)
 
@@ -839,7 +839,7 @@ def _tr_restore(rank: int, world_size: int, uri: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_torchrec_two_ranks_merge_and_restore_bitwise(tmp_path: Path) -> None:
-    from dist_harness import run_ranks
+    from deck.testing.dist_harness import run_ranks
 
     uri, out = str(tmp_path / "ck"), str(tmp_path / "captured")
     os.makedirs(out)

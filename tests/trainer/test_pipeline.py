@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, capture_state, diff_states, make_batch
+from deck.testing.dist_harness import run_ranks
 
 SPEC = ModelSpec(num_tables=2, rows=501, dim=8, batch=16, pooling=2)
 STEPS, EVERY, MORE = 9, 3, 4

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from deck.adapters.base import TableShard, scalar_key
-from dist_harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import deck
@@ -27,6 +26,7 @@ from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, rank_part, read_state_file, shard_scalars
 from deck.storage import Storage, open_storage
+from deck.testing.dist_harness import run_ranks
 from deck.trainer.writer import RankPartWriter, commit
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------

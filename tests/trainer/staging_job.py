@@ -1,7 +1,7 @@
 """A 2-rank training job the staging tests drive from outside (outage, kill -9, restart).
 
-    python tests/staging_job.py run    --uri U --options JSON --spool DIR --markers DIR --then die|resume
-    python tests/staging_job.py verify --uri U --options JSON --spool DIR --markers DIR
+    python tests/trainer/staging_job.py run    --uri U --options JSON --spool DIR --markers DIR --then die|resume
+    python tests/trainer/staging_job.py verify --uri U --options JSON --spool DIR --markers DIR
 
 ``run``: steps 0..10 (delta every 5), flush, marker ``phase1``; waits for marker ``outage``;
 steps 11..20 (their uploads cannot finish while the store is down), marker ``phase2``; then
@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_harness import run_ranks
-
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.testing.dist_harness import run_ranks
 
 SPEC = ModelSpec(num_tables=3, rows=2000, dim=16, batch=64)
 STEPS = (0, 5, 10, 15, 20)

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import deck
 from deck.demo import capture_state, diff_states
 from deck.errors import UnsupportedError
+from deck.testing.dist_harness import run_ranks
 
 ROWS, DIM, BATCH, MAX_LEN = 400, 8, 16, 4
 STEPS, EVERY, MORE = 9, 3, 3

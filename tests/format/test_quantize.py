@@ -10,10 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import synth
 import torch
 from deck.adapters.base import TableShard
-from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
 from deck.errors import ConfigError, CorruptCheckpointError, IncompatibleModelError
 from deck.format.chunks import decode_chunk
@@ -26,6 +24,8 @@ from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
+from deck.testing import synth
+from deck.testing.synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 from deck.trainer.writer import RankPartWriter
 
 ENCODINGS = ["fp16", "bf16", "int8"]

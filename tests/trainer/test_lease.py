@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, build_model
 from deck.errors import LeaseHeldError
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 from deck.trainer.lease import LEASE_FILE, Lease, LeaseRecord
 
 

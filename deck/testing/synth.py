@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass
 
 import torch
-from deck.adapters.base import TableShard
 
+from deck.adapters.base import TableShard
 from deck.format.manifest import CheckpointManifest, Kind
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from dist_harness import run_ranks
-from faulty_storage import FaultyStorage
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
+from deck.testing.faulty_storage import FaultyStorage
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=3, rows=1500, dim=8, batch=64)

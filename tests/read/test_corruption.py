@@ -1,7 +1,7 @@
 """Any flipped bit or truncation in any file of a committed checkpoint (row chunks, rank part
 manifests, commit records, dense and extra state) is detected by verify and by restore, and the
 error names the file (whose path holds the step folder). Real files written by deck's writer
-(tests/synth.py: 2 ranks, 4 tables, a full and two deltas), damaged at hypothesis-chosen places.
+(deck/testing/synth.py: 2 ranks, 4 tables, a full and two deltas), damaged at hypothesis-chosen places.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from faulty_storage import FaultyStorage
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from synth import SynthTrainer, restore_step
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.manifest import MANIFEST, parse_step_dir
@@ -23,6 +21,8 @@ from deck.read.lineage import latest_restorable
 from deck.read.restore import read_state_file
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
+from deck.testing.faulty_storage import FaultyStorage
+from deck.testing.synth import SynthTrainer, restore_step
 
 EXAMPLES = 150
 

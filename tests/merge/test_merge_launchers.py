@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from synth import State, SynthTrainer, restore_state, same, snapshot
 
 from deck import cli
 from deck.errors import ConfigError
@@ -22,6 +21,7 @@ from deck.merge.launch import resolve_worker
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.storage import LocalStorage
+from deck.testing.synth import State, SynthTrainer, restore_state, same, snapshot
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "DECK_NUM_WORKERS")
 LAUNCHER_VARS += ("SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import pytest
-from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
 from deck.config import StagingConfig
 from deck.errors import ConfigError, CorruptCheckpointError
@@ -25,6 +24,7 @@ from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
+from deck.testing.synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 from deck.trainer.staging import PendingPart, Stager
 
 CHUNK = 4096
@@ -290,7 +290,7 @@ def _dmp_bundled(rank: int, world_size: int, uri: str, spool: str) -> None:
 
 @pytest.mark.slow
 def test_dmp_bundled_checkpoints_restore_bitwise(tmp_path: Path) -> None:
-    from dist_harness import run_ranks
+    from deck.testing.dist_harness import run_ranks
 
     uri = str(tmp_path / "ckpt")
     run_ranks(_dmp_bundled, uri, str(tmp_path / "spool"))

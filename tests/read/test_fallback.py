@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import CorruptCheckpointError
 from deck.read.catalog import read_manifests
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=3, rows=600, dim=8, batch=32)

@@ -1,4 +1,4 @@
-"""Helpers shared by the lineage / merger tests (tests/test_lineage_merger.py) and the retention
+"""Helpers shared by the lineage / merger tests (tests/merge/test_lineage_merger.py) and the retention
 tests (tests/ops/test_retention.py): a fresh in-memory store, merger workers run to a fixed
 point in this process, and a bitwise check of every restorable step."""
 
@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import uuid
 
-from synth import State, restore_state, same
-
 from deck.format.manifest import Kind
 from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, chain_for
 from deck.storage import FsspecStorage, Storage
+from deck.testing.synth import State, restore_state, same
 
 
 def mem() -> FsspecStorage:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import (
@@ -24,6 +23,7 @@ from deck.demo import (
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

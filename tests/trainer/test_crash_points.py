@@ -1,6 +1,6 @@
 """Crash consistency under SIGKILL at named failpoints, and a full spool disk.
 
-The kill test drives tests/crash_job.py (see its docstring): a real 2-rank DMP trainer with the
+The kill test drives tests/trainer/crash_job.py (see its docstring): a real 2-rank DMP trainer with the
 cpu-ssd-remote tiers (spool dir + local URI), merger workers and GC are killed with SIGKILL at
 deck.failpoints points and restarted; every restart must restore the newest committed step
 bitwise, finish or drop what the spool holds, and lose nothing committed.
@@ -19,7 +19,6 @@ from pathlib import Path
 import crash_job
 import pytest
 import torch.distributed as dist
-from dist_harness import run_ranks
 
 import deck
 from deck import failpoints
@@ -28,6 +27,7 @@ from deck.errors import CheckpointError, SpoolError
 from deck.read.catalog import read_manifests
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 JOB = str(Path(__file__).with_name("crash_job.py"))

@@ -7,14 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from faulty_storage import FaultyStorage
-from synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
 from deck.errors import CorruptCheckpointError, NotFoundError
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage.local import LocalStorage
+from deck.testing.faulty_storage import FaultyStorage
+from deck.testing.synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
 
 
 class CountingLocal(LocalStorage):

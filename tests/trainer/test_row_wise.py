@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import deck
 from deck.demo import ModelSpec, SequenceModel, capture_state, diff_states, train_step
+from deck.testing.dist_harness import run_ranks
 
 SPEC = ModelSpec(num_tables=3, rows=1001, dim=16, batch=32, pooling=2)
 STEPS, EVERY, MORE = 9, 3, 3
