@@ -122,16 +122,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(d, indent=1))
         return 0
-    lineage_txt = "" if d["parent"] is None else f", parent step {d['parent']} ({d['parent_id']})"
-    if d["merged"]:
-        lineage_txt += f", layer {d['layer']}, covers {d['covers'][0]}..{d['covers'][1]}"
-        lineage_txt += f", {len(d['inputs'])} inputs"
-    print(
-        f"{d['kind']} checkpoint of step {d['step']}: id {d['id']}, folder {d['folder']}{lineage_txt}, "
-        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} ranks, {_human(d['bytes'])}, "
-        f"committed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d['created_unix']))} "
-        f"({_age(time.time() - d['created_unix'])} ago) by deck {d['deck_version']}"
-    )
+    print(_show_headline(d))
     print("tables:")
     for name, t in d["tables"].items():
         print(
@@ -139,24 +130,43 @@ def cmd_show(a: argparse.Namespace) -> int:
             f"{t['saved_rows']} rows saved, {_human(t['bytes'])}"
         )
     for r in d["ranks"]:
-        m = r["manifest"]
-        print(
-            f"rank {r['rank']}: {m['path']} ({m['bytes']} B, xxh3 {m['checksum']}), data {_human(r['data_bytes'])}"
-        )
-        for s in r["shards"]:
-            print(
-                f"  {s['table']} rows {s['row_offset']}..{s['row_offset'] + s['rows']} cols "
-                f"{s['col_offset']}..{s['col_offset'] + s['cols']}: {s['saved_rows']} rows"
-                f"{' (full)' if s['full'] else ''}, states {','.join(s['states'])}, "
-                f"{s['num_chunks']} chunk(s), {_human(s['bytes'])}"
-            )
-            for c in s.get("chunks", ()):
-                print(f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}")
-        for what in ("dense", "extra"):
-            f = r[what]
-            if f is not None:
-                print(f"  {what}: {f['path']}  {f['nbytes']} B  xxh3 {f['checksum']}")
+        _show_rank(r)
     return 0
+
+
+def _show_headline(d: dict[str, Any]) -> str:
+    """``deck show``'s first line: what the checkpoint is, where it sits, when it was made."""
+    lineage_txt = "" if d["parent"] is None else f", parent step {d['parent']} ({d['parent_id']})"
+    if d["merged"]:
+        lineage_txt += f", layer {d['layer']}, covers {d['covers'][0]}..{d['covers'][1]}"
+        lineage_txt += f", {len(d['inputs'])} inputs"
+    return (
+        f"{d['kind']} checkpoint of step {d['step']}: id {d['id']}, folder {d['folder']}{lineage_txt}, "
+        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} ranks, {_human(d['bytes'])}, "
+        f"committed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d['created_unix']))} "
+        f"({_age(time.time() - d['created_unix'])} ago) by deck {d['deck_version']}"
+    )
+
+
+def _show_rank(r: dict[str, Any]) -> None:
+    """Print one rank of ``deck show``: its manifest, shards (and their chunk files) and files."""
+    m = r["manifest"]
+    print(
+        f"rank {r['rank']}: {m['path']} ({m['bytes']} B, xxh3 {m['checksum']}), data {_human(r['data_bytes'])}"
+    )
+    for s in r["shards"]:
+        print(
+            f"  {s['table']} rows {s['row_offset']}..{s['row_offset'] + s['rows']} cols "
+            f"{s['col_offset']}..{s['col_offset'] + s['cols']}: {s['saved_rows']} rows"
+            f"{' (full)' if s['full'] else ''}, states {','.join(s['states'])}, "
+            f"{s['num_chunks']} chunk(s), {_human(s['bytes'])}"
+        )
+        for c in s.get("chunks", ()):
+            print(f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}")
+    for what in ("dense", "extra"):
+        f = r[what]
+        if f is not None:
+            print(f"  {what}: {f['path']}  {f['nbytes']} B  xxh3 {f['checksum']}")
 
 
 def cmd_report(a: argparse.Namespace) -> int:
@@ -373,65 +383,80 @@ def cmd_merge(a: argparse.Namespace) -> int:
     indices = [first * k + j for j in range(k)]
     total = hosts * k
     t0 = time.perf_counter()
-    bar = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(desc="deck merge", unit=" ckpt", leave=False)
-    committed = 0
-    partitions = 0
+    tally = _MergeTally()
     if k == 1:
-
-        def report(kind: str, _stats: Any) -> None:
-            nonlocal committed, partitions
-            if kind == "partition":
-                partitions += 1
-            elif kind == "commit":
-                committed += 1
-                if bar:
-                    bar.update(1)
-
-        code = _run_worker(a, indices[0], total, report)
+        code = _run_worker(a, indices[0], total, lambda kind, _stats: tally.event(kind))
     else:
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_child, args=(a, i, total, queue)) for i in indices]
-        for p in procs:
-            p.start()
-        codes: dict[int, int] = {}
-        try:
-            while len(codes) < len(procs):
-                try:
-                    kind, x, y = queue.get(timeout=0.5)
-                except Exception:  # queue.Empty: check for workers that died without a word
-                    for i, p in zip(indices, procs, strict=True):
-                        if not p.is_alive() and i not in codes and p.exitcode not in (0, None):
-                            codes[i] = 2
-                    continue
-                if kind == "exit":
-                    codes[x] = y
-                elif kind == "partition":
-                    partitions += 1
-                elif kind == "commit":
-                    committed += 1
-                    if bar:
-                        bar.update(1)
-        except KeyboardInterrupt:
-            for p in procs:
-                p.terminate()
-        for p in procs:
-            p.join()
-        code = max(codes.values(), default=2)
-    if bar:
-        bar.close()
+        code = _run_workers(a, indices, total, tally)
+    tally.close()
     mine = f"{indices[0]}" if k == 1 else f"{indices[0]}..{indices[-1]}"
     print(
-        f"deck merge: {committed} checkpoint(s) committed by {k} worker(s) "
-        f"(index {mine} of {total}, from {slot.source}), {partitions} partition(s) built, "
+        f"deck merge: {tally.committed} checkpoint(s) committed by {k} worker(s) "
+        f"(index {mine} of {total}, from {slot.source}), {tally.partitions} partition(s) built, "
         f"in {time.perf_counter() - t0:.1f} s"
         + ("; some work is left (see the warnings above)" if code == 1 else "")
     )
     return code
+
+
+class _MergeTally:
+    """What the merger workers of ``deck merge`` did so far, from their progress events:
+    partitions built, checkpoints committed (also a progress bar, on a terminal)."""
+
+    def __init__(self) -> None:
+        self.committed = 0
+        self.partitions = 0
+        self.bar = _bar("deck merge", unit=" ckpt", unit_scale=False)
+
+    def event(self, kind: str) -> None:
+        if kind == "partition":
+            self.partitions += 1
+        elif kind == "commit":
+            self.committed += 1
+            if self.bar:
+                self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+def _run_workers(a: argparse.Namespace, indices: list[int], total: int, tally: _MergeTally) -> int:
+    """Merger workers ``indices`` (of ``total``), one process each, until all have exited;
+    returns the highest exit code (2 for a worker that died without saying)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(a, i, total, queue)) for i in indices]
+    for p in procs:
+        p.start()
+    codes: dict[int, int] = {}
+    try:
+        _collect_workers(queue, dict(zip(indices, procs, strict=True)), codes, tally)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+    for p in procs:
+        p.join()
+    return max(codes.values(), default=2)
+
+
+def _collect_workers(
+    queue: Any, procs: dict[int, Any], codes: dict[int, int], tally: _MergeTally
+) -> None:
+    """Pass the events of worker processes ``procs`` (by index) to ``tally`` and record each
+    one's exit code in ``codes`` (filled as they come: an interrupt keeps what has come)."""
+    while len(codes) < len(procs):
+        try:
+            kind, x, y = queue.get(timeout=0.5)
+        except Exception:  # queue.Empty: check for workers that died without a word
+            for i, p in procs.items():
+                if not p.is_alive() and i not in codes and p.exitcode not in (0, None):
+                    codes[i] = 2
+            continue
+        if kind == "exit":
+            codes[x] = y
+        else:
+            tally.event(kind)
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
@@ -459,13 +484,13 @@ def cmd_gc(a: argparse.Namespace) -> int:
     return 1 if rep.errors else 0
 
 
-def _bar(desc: str, total: int | None = None) -> Any:
+def _bar(desc: str, total: int | None = None, unit: str = "B", unit_scale: bool = True) -> Any:
     """A tqdm progress bar on stderr when it is a terminal, else None (quiet for scripts)."""
     if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
-    return tqdm(desc=desc, total=total, unit="B", unit_scale=True, leave=False)
+    return tqdm(desc=desc, total=total, unit=unit, unit_scale=unit_scale, leave=False)
 
 
 def cmd_export(a: argparse.Namespace) -> int:

@@ -43,14 +43,14 @@ import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
 from deck.format.chunks import DTYPES
-from deck.format.manifest import CheckpointManifest, RankManifest
+from deck.format.manifest import CheckpointManifest, RankManifest, ShardRecord
 from deck.read.catalog import describe, read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain, read_state_file
@@ -150,6 +150,38 @@ def table_name(table: str) -> str:
     return parts[-2]
 
 
+# A state of one shard: its name, dtype and whether it is row-wise (one value per row).
+_StateKind = tuple[str, torch.dtype, bool]
+
+
+def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointManifest]]:
+    """``step`` (None: the latest restorable) and its cheapest chain, oldest first."""
+    manifests = read_manifests(storage)
+    if not manifests:
+        raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
+    graph = build_graph(manifests, storage.uri)
+    chosen = graph.latest() if step is None else step
+    if chosen is None:
+        raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")
+    return chosen, cheapest_chain(graph, chosen)
+
+
+def _kinds_of(rec: ShardRecord) -> tuple[_StateKind, ...]:
+    """The states of a shard record, as its first chunk holds them."""
+    specs = []
+    for seg in rec.chunks[0].segments:
+        if seg.name not in rec.states:
+            continue  # row ids, a quantised state's per-row scale
+        if tuple(seg.shape[1:]) not in ((), (rec.cols,)):
+            raise UnsupportedError(
+                f"table {rec.table}: state {seg.name} has rows of shape "
+                f"{tuple(seg.shape[1:])}, which export cannot lay out"
+            )
+        dtype = seg.source_dtype or seg.dtype  # a quantised state's real dtype
+        specs.append((seg.name, _dtype(dtype, rec.table), len(seg.shape) == 1))
+    return tuple(specs)
+
+
 class StepState:
     """The state of one committed step of a URI, readable table shard by table shard.
 
@@ -170,15 +202,9 @@ class StepState:
         # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped
         # files of a LocalStorage, overlapped gets of a remote one).
         self.storage: Storage = open_storage(uri, storage_options)
-        manifests = read_manifests(self.storage)
-        if not manifests:
-            raise CheckpointNotFoundError(f"no committed checkpoints at {self.storage.uri}")
-        graph = build_graph(manifests, self.storage.uri)
-        chosen = graph.latest() if step is None else step
-        if chosen is None:
-            raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
-        self.step: int = chosen
-        self.chain: list[CheckpointManifest] = cheapest_chain(graph, chosen)
+        self.step: int
+        self.chain: list[CheckpointManifest]
+        self.step, self.chain = _chain_of(self.storage, step)
         self.last = self.chain[-1]
         # Exporting shard by shard applies the chain once per shard: its rank manifests are
         # read (and checksum-verified) once, here.
@@ -187,47 +213,48 @@ class StepState:
         }
         self.parts: list[RankManifest] = self.rank_parts[self.last.folder]
         self.read_bytes = chain_bytes(self.chain)
-        self.tables: dict[str, tuple[int, int]] = {}
-        # State names and dtypes per table, from any chunk of the chain. A state's rows are
-        # either one value (row-wise) or the shard's columns (point-wise), so the shapes follow
-        # the exported layout even where the chain's checkpoints were written with another
-        # column split (a restore into another plan, then deltas).
-        kinds: dict[str, tuple[tuple[str, torch.dtype, bool], ...]] = {}
+        ranked = sorted(self.parts, key=lambda p: p.rank)
+        self.tables: dict[str, tuple[int, int]] = {
+            rec.table: (rec.num_rows, rec.num_cols) for part in ranked for rec in part.shards
+        }
+        self.shards: list[ShardSpec] = self._shard_specs(ranked, self._state_kinds())
+        self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
+        self._check_cover()
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _state_kinds(self) -> dict[str, tuple[_StateKind, ...]]:
+        """State names and dtypes per table, from the first chunk of the chain that has them. A
+        state's rows are either one value (row-wise) or the shard's columns (point-wise), so the
+        shapes follow the exported layout even where the chain's checkpoints were written with
+        another column split (a restore into another plan, then deltas)."""
+        kinds: dict[str, tuple[_StateKind, ...]] = {}
         for m in self.chain:
             for part in self.rank_parts[m.folder]:
                 for rec in part.shards:
-                    if rec.table in kinds or not rec.chunks:
-                        continue
-                    specs = []
-                    for seg in rec.chunks[0].segments:
-                        if seg.name not in rec.states:
-                            continue  # row ids, a quantised state's per-row scale
-                        if tuple(seg.shape[1:]) not in ((), (rec.cols,)):
-                            raise UnsupportedError(
-                                f"table {rec.table}: state {seg.name} has rows of shape "
-                                f"{tuple(seg.shape[1:])}, which export cannot lay out"
-                            )
-                        dtype = seg.source_dtype or seg.dtype  # a quantised state's real dtype
-                        specs.append((seg.name, _dtype(dtype, rec.table), len(seg.shape) == 1))
-                    kinds[rec.table] = tuple(specs)
-        self.shards: list[ShardSpec] = []
-        for part in sorted(self.parts, key=lambda p: p.rank):
+                    if rec.table not in kinds and rec.chunks:
+                        kinds[rec.table] = _kinds_of(rec)
+        return kinds
+
+    def _shard_specs(
+        self, ranked: list[RankManifest], kinds: dict[str, tuple[_StateKind, ...]]
+    ) -> list[ShardSpec]:
+        """Every table shard of the step's rank parts (``ranked``: by rank), in table, column,
+        row order."""
+        shards = []
+        for part in ranked:
             for rec in part.shards:
-                self.tables[rec.table] = (rec.num_rows, rec.num_cols)
                 if rec.table not in kinds:
                     raise CheckpointNotFoundError(
-                        f"table {rec.table}: no chunk in the chain of step {chosen} at {self.storage.uri} "
+                        f"table {rec.table}: no chunk in the chain of step {self.step} at {self.storage.uri} "
                         "says what its states are"
                     )
                 states = tuple(
                     (n, dt, () if rowwise else (rec.cols,)) for n, dt, rowwise in kinds[rec.table]
                 )
-                self.shards.append(ShardSpec(**geometry_of(rec), rank=part.rank, states=states))
-        self.shards.sort(key=lambda s: (s.table, s.col_offset, s.row_offset))
-        self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
-        self._check_cover()
+                shards.append(ShardSpec(**geometry_of(rec), rank=part.rank, states=states))
+        shards.sort(key=lambda s: (s.table, s.col_offset, s.row_offset))
+        return shards
 
-    # ---- layout ------------------------------------------------------------------------------
     def _pieces(self, i: int) -> list[Piece]:
         s = self.shards[i]
         same = [t for t in self.shards if t.table == s.table]
@@ -317,16 +344,33 @@ def eager_state(
     """:meth:`StepState.eager_state` of checkpoint ``last`` (its rank manifests ``parts``):
     reads only its dense and extra files, never the tables."""
     skipped = skipped if skipped is not None else []
-    where = describe(last)
-    dense_rec = parts[0].dense
-    model: dict[str, torch.Tensor] = {}
-    if dense_rec is None:
-        skipped.append(f"{where}: rank 0 part has no dense state")
-    else:
-        dense = read_state_file(storage, last, dense_rec)
-        model = {k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}
-    opt_state: dict[str, dict[str, torch.Tensor]] = {}
+    model = _dense_model(storage, last, parts[0], skipped)
     extra = read_state_file(storage, last, parts[0].extra)
+    opt_state = _dense_optimizer_state(extra, skipped)
+    _add_scalar_states(opt_state, storage, last, parts, extra)
+    if extra.get("user") is not None:
+        skipped.append("user state (read it with DeltaCheckpointer.restore)")
+    return {"model": model, "optim": {"state": opt_state}}
+
+
+def _dense_model(
+    storage: Storage, last: CheckpointManifest, rank0: RankManifest, skipped: list[str]
+) -> dict[str, torch.Tensor]:
+    """The tensors of the dense state (rank 0's part holds it)."""
+    where = describe(last)
+    if rank0.dense is None:
+        skipped.append(f"{where}: rank 0 part has no dense state")
+        return {}
+    dense = read_state_file(storage, last, rank0.dense)
+    return {k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}
+
+
+def _dense_optimizer_state(
+    extra: dict[str, Any], skipped: list[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensor states of the dense optimizers saved in rank 0's extra file, by parameter
+    name."""
+    opt_state: dict[str, dict[str, torch.Tensor]] = {}
     for name, saved in sorted(extra.get("optimizers", {}).items()):
         state = saved.get("state_dict", {}).get("state", {})
         if not all(isinstance(k, str) for k in state):
@@ -341,6 +385,18 @@ def eager_state(
                     opt_state.setdefault(param, {})[k] = v
                 else:
                     skipped.append(f"dense optimizer {name}: {param}.{k} is not a tensor")
+    return opt_state
+
+
+def _add_scalar_states(
+    opt_state: dict[str, dict[str, torch.Tensor]],
+    storage: Storage,
+    last: CheckpointManifest,
+    parts: list[RankManifest],
+    extra: dict[str, Any],
+) -> None:
+    """Add the fused optimizers' per-shard scalar states (every rank's extra file; ``extra`` is
+    rank 0's) to ``opt_state``, one tensor per table and state."""
     scalars: dict[str, dict[str, list[tuple[tuple[int, int], torch.Tensor]]]] = {}
     for part in parts:
         ex = extra if part.rank == 0 else read_state_file(storage, last, part.extra)
@@ -356,9 +412,6 @@ def eager_state(
             opt_state.setdefault(table, {})[f"{table_name(table)}.{k}"] = torch.cat(
                 [v for _, v in sorted(blocks, key=lambda b: b[0])]
             )
-    if extra.get("user") is not None:
-        skipped.append("user state (read it with DeltaCheckpointer.restore)")
-    return {"model": model, "optim": {"state": opt_state}}
 
 
 def _dtype(name: str, table: str) -> torch.dtype:
@@ -386,7 +439,42 @@ def _nbytes(p: Piece | torch.Tensor) -> int:
     return math.prod(p.size) * torch.empty((), dtype=p.dtype).element_size()
 
 
+class _ExportRun:
+    """One export being written: its :class:`ExportReport`, the step's dense state, and the
+    caller's progress, told the bytes of each table tensor as it is written (the dense state,
+    small and written in one go, is not counted in progress)."""
+
+    def __init__(self, state: StepState, path: str, progress: Progress | None):
+        self.state = state
+        self.progress = progress
+        self.report = ExportReport(
+            step=state.step, chain=[m.folder for m in state.chain], path=path
+        )
+        self.eager = state.eager_state(self.report.skipped)
+        self.dense = flatten(self.eager)
+
+    def holding(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Record that ``tensors`` of table state are held at once (``max_held_bytes``)."""
+        held = sum(_nbytes(t) for t in tensors.values())
+        self.report.max_held_bytes = max(self.report.max_held_bytes, held)
+
+    def wrote(self, t: torch.Tensor) -> None:
+        """Record that table tensor ``t`` is written: its bytes, and progress."""
+        self.report.bytes_written += _nbytes(t)
+        if self.progress:
+            self.progress(_nbytes(t))
+
+    def finish(self) -> ExportReport:
+        """The report, once every table tensor and the dense state are written."""
+        self.report.tensors = len(self.dense) + len({p.fqn for p in self.state.pieces})
+        self.report.bytes_written += sum(_nbytes(t) for t in self.dense.values())
+        self.report.bytes_read = self.state.read_bytes
+        return self.report
+
+
 # ---- DCP ---------------------------------------------------------------------------------------
+
+_PieceKey = tuple[str, tuple[int, ...]]  # (fqn, offsets): what a DCP write item names
 
 
 def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None) -> ExportReport:
@@ -399,83 +487,110 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
     parameters and buffers, dense optimizer state). ``.metadata`` is written last; a crash
     leaves no loadable checkpoint.
     """
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+    _check_out_dir(out_dir)
+    run = _ExportRun(state, out_dir, progress)
+    by_key = {(p.fqn, p.offsets): p for p in state.pieces}
+    writer = _dcp_writer(out_dir, by_key)
+    with warnings.catch_warnings():
+        # DCP warns that no process group is initialised: one process writing is the point.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp_save(run.eager, storage_writer=writer, planner=_dcp_planner(run, by_key), no_dist=True)
+    return run.finish()
+
+
+def _piece_of(by_key: dict[_PieceKey, Piece], item: Any) -> Piece | None:
+    """The table piece DCP write item ``item`` stands for; None for an item of the dense state."""
+    off = item.index.offset
+    return by_key.get((item.index.fqn, tuple(int(x) for x in off) if off is not None else ()))
+
+
+def _shard_write_items(pieces: list[Piece]) -> list[Any]:
+    """One DCP SHARD write item per table piece."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
         TensorProperties,
     )
-    from torch.distributed.checkpoint.planner import (
-        SavePlan,
-        TensorWriteData,
-        WriteItem,
-        WriteItemType,
-    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    _check_out_dir(out_dir)
-    report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
-    eager = state.eager_state(report.skipped)
-    by_key = {(p.fqn, p.offsets): p for p in state.pieces}
+    return [
+        WriteItem(
+            index=MetadataIndex(p.fqn, p.offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(
+                    offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)
+                ),
+                properties=TensorProperties(dtype=p.dtype),
+                size=torch.Size(p.size),
+            ),
+        )
+        for p in pieces
+    ]
 
-    def key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
-        off = item.index.offset
-        return (item.index.fqn, tuple(int(x) for x in off) if off is not None else ())
+
+class _HeldShard:
+    """The one table shard a DCP export holds. The writer asks for the pieces of one shard
+    together (one file per shard), so a piece of another shard drops this one and reads that."""
+
+    def __init__(self, run: _ExportRun):
+        self.run = run
+        self.current: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        """The data of ``piece``, counted as written."""
+        if self.current is None or self.current[0] != piece.shard:
+            self.current = None  # drop the previous shard before reading the next
+            self.current = (piece.shard, self.run.state.read_shard(piece.shard))
+            self.run.holding(self.current[1])
+        t = self.current[1][piece.state]
+        self.run.wrote(t)
+        return t
+
+
+def _dcp_planner(run: _ExportRun, by_key: dict[_PieceKey, Piece]) -> Any:
+    """The default planner for the dense state, plus one SHARD item per table piece whose data
+    is read from the checkpoint only when the writer asks for it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+    pieces = run.state.pieces
+    held = _HeldShard(run)
 
     class Planner(DefaultSavePlanner):
-        """The default planner for the dense state, plus one SHARD item per table piece whose
-        data is read from the checkpoint only when the writer asks for it."""
-
-        current: tuple[int, dict[str, torch.Tensor]] | None = None
-
         def create_local_plan(self) -> SavePlan:
             plan = super().create_local_plan()
-            items = [
-                WriteItem(
-                    index=MetadataIndex(p.fqn, p.offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(
-                            offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)
-                        ),
-                        properties=TensorProperties(dtype=p.dtype),
-                        size=torch.Size(p.size),
-                    ),
-                )
-                for p in state.pieces
-            ]
-            mappings = {**(plan.planner_data or {}), **{p.fqn: p.path for p in state.pieces}}
+            items = _shard_write_items(pieces)
+            mappings = {**(plan.planner_data or {}), **{p.fqn: p.path for p in pieces}}
             self.plan = dataclasses.replace(
                 plan, items=[*plan.items, *items], planner_data=mappings
             )
             return self.plan
 
         def resolve_data(self, write_item: WriteItem) -> Any:
-            piece = by_key.get(key(write_item))
+            piece = _piece_of(by_key, write_item)
             if piece is None:
                 return super().resolve_data(write_item)
-            if self.current is None or self.current[0] != piece.shard:
-                self.current = None  # drop the previous shard before reading the next
-                self.current = (piece.shard, state.read_shard(piece.shard))
-                held = sum(_nbytes(t) for t in self.current[1].values())
-                report.max_held_bytes = max(report.max_held_bytes, held)
-            t = self.current[1][piece.state]
-            report.bytes_written += _nbytes(t)
-            if progress:
-                progress(_nbytes(t))
-            return t
+            return held.tensor(piece)
+
+    return Planner()
+
+
+def _dcp_writer(out_dir: str, by_key: dict[_PieceKey, Piece]) -> Any:
+    """DCP's file writer, with one file per table shard (in plan order) and one for the rest:
+    its writer keeps every tensor of a file until the file is done, so files are the unit of
+    memory."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
     class Writer(FileSystemWriter):
-        """DCP's file writer, with one file per table shard (in plan order) and one for the
-        rest: its writer keeps every tensor of a file until the file is done, so files are the
-        unit of memory."""
-
         def write_data(self, plan: SavePlan, planner: Any) -> Any:
             groups: dict[object, list[WriteItem]] = {}
             for item in plan.items:
-                piece = by_key.get(key(item))
+                piece = _piece_of(by_key, item)
                 groups.setdefault("dense" if piece is None else piece.shard, []).append(item)
             files: queue.Queue = queue.Queue()
             for n, items in enumerate(groups.values()):
@@ -483,16 +598,7 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
                 files.put((self.fs.concat_path(self.path, name), name, items))
             return self._write_data(planner, files)
 
-    writer = Writer(out_dir, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
-    with warnings.catch_warnings():
-        # DCP warns that no process group is initialised: one process writing is the point.
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp_save(eager, storage_writer=writer, planner=Planner(), no_dist=True)
-    dense = flatten(eager)
-    report.tensors = len(dense) + len({p.fqn for p in state.pieces})
-    report.bytes_written += sum(_nbytes(t) for t in dense.values())
-    report.bytes_read = state.read_bytes
-    return report
+    return Writer(out_dir, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
 
 
 def _check_out_dir(out_dir: str) -> None:
@@ -503,6 +609,9 @@ def _check_out_dir(out_dir: str) -> None:
 
 
 # ---- safetensors -------------------------------------------------------------------------------
+
+# The tensors of a safetensors file, in order: name, shape, dtype.
+_Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 def export_safetensors(
@@ -519,28 +628,39 @@ def export_safetensors(
     """
     if os.path.exists(out_path):
         raise ConfigError(f"--out {out_path} exists; choose a new file name or remove it")
-    report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_path)
-    dense = flatten(state.eager_state(report.skipped))
-    by_fqn: dict[str, list[Piece]] = {}
+    run = _ExportRun(state, out_path, progress)
+    first: dict[str, Piece] = {}
     for p in state.pieces:
-        by_fqn.setdefault(p.fqn, []).append(p)
+        first.setdefault(p.fqn, p)
     # Layout: tables in order, then the dense tensors.
-    layout: list[tuple[str, tuple[int, ...], torch.dtype]] = [
-        (f, ps[0].size, ps[0].dtype) for f, ps in by_fqn.items()
-    ]
-    layout += [(k, tuple(v.shape), v.dtype) for k, v in dense.items()]
-    header: dict[str, Any] = {
-        "__metadata__": {
-            "format": "deck-export",
-            "uri": state.storage.uri,
-            "step": str(state.step),
-            "chain": json.dumps(report.chain),
-        }
-    }
-    off = 0
-    for name, size, dtype in layout:
+    layout: _Layout = [(f, p.size, p.dtype) for f, p in first.items()]
+    layout += [(k, tuple(v.shape), v.dtype) for k, v in run.dense.items()]
+    for name, _, dtype in layout:
         if dtype not in _SAFETENSORS_DTYPES:
             raise UnsupportedError(f"{name}: dtype {dtype} has no safetensors name")
+    metadata = {
+        "format": "deck-export",
+        "uri": state.storage.uri,
+        "step": str(state.step),
+        "chain": json.dumps(run.report.chain),
+    }
+    preamble = _safetensors_preamble(metadata, layout)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with atomic_file(out_path) as f:
+        f.write(preamble)
+        _write_tables(f, run, list(first))
+        for v in run.dense.values():
+            _write_tensor(f, v)
+    return run.finish()
+
+
+def _safetensors_preamble(metadata: dict[str, str], layout: _Layout) -> bytes:
+    """What a safetensors file of ``layout``'s tensors (in that order) holds before their
+    data: the header's length, then the header (``metadata`` and each tensor's dtype, shape
+    and place)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    off = 0
+    for name, size, dtype in layout:
         n = math.prod(size) * torch.empty((), dtype=dtype).element_size()
         header[name] = {
             "dtype": _SAFETENSORS_DTYPES[dtype],
@@ -550,42 +670,36 @@ def export_safetensors(
         off += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the reference writer pads the header to 8 bytes
-    parent = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(parent, exist_ok=True)
+    return struct.pack("<Q", len(head)) + head
+
+
+def _write_tables(f: IO[bytes], run: _ExportRun, fqns: list[str]) -> None:
+    """Write the table tensors named ``fqns``, in that order, assembling one table at a time."""
     tables: dict[str, list[int]] = {}
-    for i, s in enumerate(state.shards):
+    for i, s in enumerate(run.state.shards):
         tables.setdefault(s.table, []).append(i)
-    with atomic_file(out_path) as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for _table, shard_ids in tables.items():
-            full: dict[str, torch.Tensor] = {}
-            for i in shard_ids:
-                data = state.read_shard(i)
-                for p in state.pieces:
-                    if p.shard != i:
-                        continue
-                    t = full.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
-                    block = t[
-                        tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))
-                    ]
-                    block.copy_(data[p.state])
-                del data
-            report.max_held_bytes = max(
-                report.max_held_bytes, sum(_nbytes(t) for t in full.values())
-            )
-            for fqn in [f for f in by_fqn if f in full]:
-                _write_tensor(f, full[fqn])
-                report.bytes_written += _nbytes(full[fqn])
-                if progress:
-                    progress(_nbytes(full[fqn]))
-            del full
-        for v in dense.values():
-            _write_tensor(f, v)
-            report.bytes_written += _nbytes(v)
-    report.tensors = len(layout)
-    report.bytes_read = state.read_bytes
-    return report
+    for shard_ids in tables.values():
+        full = _assemble(run.state, shard_ids)
+        run.holding(full)
+        for fqn in [f for f in fqns if f in full]:
+            _write_tensor(f, full[fqn])
+            run.wrote(full[fqn])
+        del full  # before the next table is assembled: at most one table is held
+
+
+def _assemble(state: StepState, shard_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The unsharded tensors of one table, from its shards ``shard_ids``."""
+    full: dict[str, torch.Tensor] = {}
+    for i in shard_ids:
+        data = state.read_shard(i)
+        for p in state.pieces:
+            if p.shard != i:
+                continue
+            t = full.setdefault(p.fqn, torch.empty(p.size, dtype=p.dtype))
+            block = t[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))]
+            block.copy_(data[p.state])
+        del data  # before the next shard is read
+    return full
 
 
 def _write_tensor(f: Any, t: torch.Tensor) -> None:

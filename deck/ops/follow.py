@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,9 +31,9 @@ from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format.manifest import CheckpointManifest
 from deck.ops.export import (
-    _SAFETENSORS_DTYPES,
     ShardGeometry,
     StepState,
+    _safetensors_preamble,
     _write_tensor,
     eager_state,
     flatten,
@@ -218,32 +217,19 @@ class Follower:
         t0 = time.perf_counter()
         assert self.state is not None
         step, ckpt_id = self.state
-        header: dict[str, Any] = {
-            "__metadata__": {
-                "format": "deck-export",
-                "uri": self.storage.uri,
-                "step": str(step),
-                "checkpoint": ckpt_id,
-                "chain": json.dumps(self.chain),
-                # Weights dequantised from these encodings (empty: the exact state).
-                "quantized": json.dumps(sorted(self.encodings)),
-            }
+        metadata = {
+            "format": "deck-export",
+            "uri": self.storage.uri,
+            "step": str(step),
+            "checkpoint": ckpt_id,
+            "chain": json.dumps(self.chain),
+            # Weights dequantised from these encodings (empty: the exact state).
+            "quantized": json.dumps(sorted(self.encodings)),
         }
-        off = 0
-        for name, t in self.tensors.items():
-            n = t.numel() * t.element_size()
-            header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[t.dtype],
-                "shape": list(t.shape),
-                "data_offsets": [off, off + n],
-            }
-            off += n
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
-
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
+        preamble = _safetensors_preamble(metadata, layout)
         with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
+            f.write(preamble)
             for t in self.tensors.values():
                 _write_tensor(f, t)
         sidecar = {

@@ -14,7 +14,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
-from deck.format.manifest import MANIFEST, CheckpointManifest, RankManifest, load_model
+from deck.format.manifest import (
+    MANIFEST,
+    CheckpointManifest,
+    RankManifest,
+    RankRef,
+    ShardRecord,
+    load_model,
+)
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import Storage
@@ -199,47 +206,55 @@ def describe_checkpoint(storage: Storage, m: CheckpointManifest) -> dict[str, An
     tables: dict[str, dict[str, Any]] = {}
     ranks = []
     for p in parts:
-        shards = []
-        for rec in p.shards:
-            saved = sum(c.rows for c in rec.chunks)
-            nbytes = sum(c.nbytes for c in rec.chunks)
-            shards.append(
-                {
-                    "table": rec.table,
-                    "shape": [rec.num_rows, rec.num_cols],
-                    "row_offset": rec.row_offset,
-                    "rows": rec.rows,
-                    "col_offset": rec.col_offset,
-                    "cols": rec.cols,
-                    "full": rec.full,
-                    "states": list(rec.states),
-                    "saved_rows": saved,
-                    "bytes": nbytes,
-                    "num_chunks": len(rec.chunks),
-                    "chunks": [
-                        {"path": c.path, "rows": c.rows, "bytes": c.nbytes, "checksum": c.checksum}
-                        for c in rec.chunks
-                    ],
-                }
-            )
-            t = tables.setdefault(
-                rec.table,
-                {"shape": [rec.num_rows, rec.num_cols], "shards": 0, "saved_rows": 0, "bytes": 0},
-            )
-            t["shards"] += 1
-            t["saved_rows"] += saved
-            t["bytes"] += nbytes
-        ref = refs[p.rank]
-        ranks.append(
-            {
-                "rank": p.rank,
-                "manifest": {"path": ref.path, "bytes": ref.nbytes, "checksum": ref.checksum},
-                "data_bytes": ref.data_bytes,
-                "dense": p.dense.model_dump() if p.dense else None,
-                "extra": p.extra.model_dump(),
-                "shards": shards,
-            }
-        )
+        shards = [_describe_shard(rec) for rec in p.shards]
+        for shard in shards:
+            _add_to_table(tables, shard)
+        ranks.append(_describe_rank(p, refs[p.rank], shards))
+    return {**_describe_record(m), "tables": tables, "ranks": ranks}
+
+
+def _describe_shard(rec: ShardRecord) -> dict[str, Any]:
+    return {
+        "table": rec.table,
+        "shape": [rec.num_rows, rec.num_cols],
+        "row_offset": rec.row_offset,
+        "rows": rec.rows,
+        "col_offset": rec.col_offset,
+        "cols": rec.cols,
+        "full": rec.full,
+        "states": list(rec.states),
+        "saved_rows": sum(c.rows for c in rec.chunks),
+        "bytes": sum(c.nbytes for c in rec.chunks),
+        "num_chunks": len(rec.chunks),
+        "chunks": [
+            {"path": c.path, "rows": c.rows, "bytes": c.nbytes, "checksum": c.checksum}
+            for c in rec.chunks
+        ],
+    }
+
+
+def _add_to_table(tables: dict[str, dict[str, Any]], shard: dict[str, Any]) -> None:
+    """Count ``shard`` (a :func:`_describe_shard`) in its table's sums."""
+    t = tables.setdefault(
+        shard["table"], {"shape": list(shard["shape"]), "shards": 0, "saved_rows": 0, "bytes": 0}
+    )
+    t["shards"] += 1
+    t["saved_rows"] += shard["saved_rows"]
+    t["bytes"] += shard["bytes"]
+
+
+def _describe_rank(p: RankManifest, ref: RankRef, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "rank": p.rank,
+        "manifest": {"path": ref.path, "bytes": ref.nbytes, "checksum": ref.checksum},
+        "data_bytes": ref.data_bytes,
+        "dense": p.dense.model_dump() if p.dense else None,
+        "extra": p.extra.model_dump(),
+        "shards": shards,
+    }
+
+
+def _describe_record(m: CheckpointManifest) -> dict[str, Any]:
     return {
         "id": m.id,
         "kind": m.kind.value,
@@ -258,6 +273,4 @@ def describe_checkpoint(storage: Storage, m: CheckpointManifest) -> dict[str, An
         "created_unix": m.created_unix,
         "deck_version": m.deck_version,
         "bytes": m.data_bytes,
-        "tables": tables,
-        "ranks": ranks,
     }

@@ -56,7 +56,28 @@ def _lineage_png(graph: LineageGraph, rows: list[Row], path: str) -> None:
     for r in rows:
         y = -1.0 if (r.merged and r.kind == "full") else float(r.layer)
         pos[r.id] = (float(r.step), y)
-    # Edges first, under the nodes: a trainer delta -> its parent, a merger checkpoint -> inputs.
+    # Edges first, under the nodes.
+    _draw_edges(ax, graph, pos)
+    _draw_nodes(ax, rows, pos)
+    layers = sorted({y for _, y in pos.values()})
+    ax.set_yticks(
+        layers,
+        [
+            "merger fulls" if y < 0 else ("trainer" if y == 0 else f"merged L{int(y)}")
+            for y in layers
+        ],
+    )
+    ax.set_ylim(min(layers) - 0.7, max(layers) + 0.7)
+    ax.set_xlabel("step")
+    ax.set_title("lineage: checkpoints by step and layer; arrows: applies on / merged from")
+    ax.legend(loc="upper left", fontsize=8, ncols=3)
+    ax.grid(axis="x", alpha=0.3)
+    fig.savefig(path)
+
+
+def _draw_edges(ax: Any, graph: LineageGraph, pos: dict[str, tuple[float, float]]) -> None:
+    """An arrow from each checkpoint to what it applies on (a trainer delta: its parent) or was
+    merged from (a merger checkpoint: its inputs)."""
     for n in graph.nodes.values():
         for p in graph.parents(n.id):
             (x0, y0), (x1, y1) = pos[p.id], pos[n.id]
@@ -72,6 +93,11 @@ def _lineage_png(graph: LineageGraph, rows: list[Row], path: str) -> None:
                     "connectionstyle": f"arc3,rad={bend}",
                 },
             )
+
+
+def _draw_nodes(ax: Any, rows: list[Row], pos: dict[str, tuple[float, float]]) -> None:
+    """One marker per checkpoint (a merged delta also a bar over the steps it covers), each
+    kind and state labelled once for the legend."""
     seen: set[str] = set()
     for r in rows:
         kind = _label(r)
@@ -97,20 +123,6 @@ def _lineage_png(graph: LineageGraph, rows: list[Row], path: str) -> None:
         ax.scatter([], [], marker="o", facecolors="none", edgecolors="#777777", label="pending")
     if any(r.state == "quarantined" for r in rows):
         ax.scatter([], [], marker="x", color="red", label="quarantined")
-    layers = sorted({y for _, y in pos.values()})
-    ax.set_yticks(
-        layers,
-        [
-            "merger fulls" if y < 0 else ("trainer" if y == 0 else f"merged L{int(y)}")
-            for y in layers
-        ],
-    )
-    ax.set_ylim(min(layers) - 0.7, max(layers) + 0.7)
-    ax.set_xlabel("step")
-    ax.set_title("lineage: checkpoints by step and layer; arrows: applies on / merged from")
-    ax.legend(loc="upper left", fontsize=8, ncols=3)
-    ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path)
 
 
 def _bytes_png(rows: list[Row], path: str) -> None:
@@ -200,9 +212,30 @@ def write_report(
     folder = os.path.dirname(out_html)
     os.makedirs(folder, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out_html))[0]
-    rep = ReportFiles(html=out_html, checkpoints=len(rows))
-    figures: list[tuple[str, str]] = []
     costs = restore_costs(graph) if graph.nodes else []
+    figures = _draw_figures(graph, rows, costs, folder, stem)
+    parts = [
+        *_page_head(storage.uri),
+        *_summary(graph, rows),
+        *_figure_sections(figures),
+        *_checkpoint_table(rows),
+        *_cost_table(costs),
+        "</body></html>",
+    ]
+    atomic_write(out_html, "\n".join(parts) + "\n")
+    return ReportFiles(html=out_html, images=[f for f, _ in figures], checkpoints=len(rows))
+
+
+def _draw_figures(
+    graph: LineageGraph,
+    rows: list[Row],
+    costs: list[tuple[int, int, int | None]],
+    folder: str,
+    stem: str,
+) -> list[tuple[str, str]]:
+    """Draw the pictures there is something to show in, as ``<stem>-*.png`` files in
+    ``folder``; returns each one's file name and title."""
+    figures: list[tuple[str, str]] = []
     if rows:
         name = f"{stem}-lineage.png"
         _lineage_png(graph, rows, os.path.join(folder, name))
@@ -214,65 +247,82 @@ def write_report(
         name = f"{stem}-restore-cost.png"
         _cost_png(graph, costs, os.path.join(folder, name))
         figures.append((name, "restore cost per step"))
-    rep.images = [f for f, _ in figures]
-    latest = graph.latest() if graph.nodes else None
-    by_kind: dict[str, int] = {}
-    for r in rows:
-        by_kind[f"{_label(r)} ({r.state})"] = by_kind.get(f"{_label(r)} ({r.state})", 0) + 1
+    return figures
+
+
+def _page_head(uri: str) -> list[str]:
     e = html.escape
-    parts = [
+    return [
         "<!doctype html>",
         '<html><head><meta charset="utf-8">',
-        f"<title>deck report: {e(storage.uri)}</title>",
+        f"<title>deck report: {e(uri)}</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:72em}"
         "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;padding:2px 6px;"
         "text-align:right}th{background:#eee}img{max-width:100%;display:block;margin:1em 0}</style>",
         "</head><body>",
-        f"<h1>deck report</h1><p>URI <code>{e(storage.uri)}</code>, generated "
+        f"<h1>deck report</h1><p>URI <code>{e(uri)}</code>, generated "
         f"{e(time.strftime('%Y-%m-%d %H:%M:%S'))}.</p>",
     ]
+
+
+def _summary(graph: LineageGraph, rows: list[Row]) -> list[str]:
+    """The paragraph of counts and sizes, and how the latest restorable step is restored."""
     if not rows:
-        parts.append("<p>No checkpoints at this URI.</p>")
-    else:
-        total = sum(r.bytes for r in rows if r.state != "pending")
-        summary = ", ".join(f"{n} {e(k)}" for k, n in sorted(by_kind.items()))
+        return ["<p>No checkpoints at this URI.</p>"]
+    e = html.escape
+    latest = graph.latest() if graph.nodes else None
+    by_kind: dict[str, int] = {}
+    for r in rows:
+        by_kind[f"{_label(r)} ({r.state})"] = by_kind.get(f"{_label(r)} ({r.state})", 0) + 1
+    total = sum(r.bytes for r in rows if r.state != "pending")
+    summary = ", ".join(f"{n} {e(k)}" for k, n in sorted(by_kind.items()))
+    parts = [
+        f"<p>{len(rows)} checkpoints: {summary}; {total / 2**20:.1f} MiB committed. "
+        f"Latest restorable step: {latest if latest is not None else 'none'}"
+    ]
+    if latest is not None:
+        chain = cheapest_chain(graph, latest)
         parts.append(
-            f"<p>{len(rows)} checkpoints: {summary}; {total / 2**20:.1f} MiB committed. "
-            f"Latest restorable step: {latest if latest is not None else 'none'}"
+            f", restored from {len(chain)} checkpoints "
+            f"({chain_bytes(chain) / 2**20:.1f} MiB): "
+            + ", ".join(f"<code>{e(m.folder)}</code>" for m in chain)
         )
-        if latest is not None:
-            chain = cheapest_chain(graph, latest)
-            parts.append(
-                f", restored from {len(chain)} checkpoints "
-                f"({chain_bytes(chain) / 2**20:.1f} MiB): "
-                + ", ".join(f"<code>{e(m.folder)}</code>" for m in chain)
-            )
-        parts.append(".</p>")
-    for name, alt in figures:
-        parts.append(f'<h2>{e(alt)}</h2><img src="{e(name)}" alt="{e(alt)}">')
-    if rows:
-        parts.append(
-            "<h2>checkpoints</h2><table><tr><th>kind</th><th>step</th><th>layer</th>"
-            "<th>covers</th><th>ranks</th><th>bytes</th><th>state</th><th>folder</th></tr>"
-        )
-        for r in rows:
-            parts.append(
-                f"<tr><td>{e(_label(r))}</td><td>{r.step}</td><td>{r.layer}</td>"
-                f"<td>{r.first_step}..{r.step}</td><td>{r.ranks}/{r.world_size}</td>"
-                f"<td>{r.bytes}</td><td>{e(r.state)}</td>"
-                f"<td style='text-align:left'><code>{e(r.folder)}</code></td></tr>"
-            )
-        parts.append("</table>")
-    if costs:
-        parts.append(
-            "<h2>restore cost</h2><table><tr><th>step</th><th>cheapest chain (bytes)</th>"
-            "<th>trainer-only chain (bytes)</th></tr>"
-        )
-        for s, best, plain in costs:
-            parts.append(
-                f"<tr><td>{s}</td><td>{best}</td><td>{'-' if plain is None else plain}</td></tr>"
-            )
-        parts.append("</table>")
-    parts.append("</body></html>")
-    atomic_write(out_html, "\n".join(parts) + "\n")
-    return rep
+    parts.append(".</p>")
+    return parts
+
+
+def _figure_sections(figures: list[tuple[str, str]]) -> list[str]:
+    e = html.escape
+    return [f'<h2>{e(alt)}</h2><img src="{e(name)}" alt="{e(alt)}">' for name, alt in figures]
+
+
+def _checkpoint_table(rows: list[Row]) -> list[str]:
+    if not rows:
+        return []
+    e = html.escape
+    return [
+        "<h2>checkpoints</h2><table><tr><th>kind</th><th>step</th><th>layer</th>"
+        "<th>covers</th><th>ranks</th><th>bytes</th><th>state</th><th>folder</th></tr>",
+        *(
+            f"<tr><td>{e(_label(r))}</td><td>{r.step}</td><td>{r.layer}</td>"
+            f"<td>{r.first_step}..{r.step}</td><td>{r.ranks}/{r.world_size}</td>"
+            f"<td>{r.bytes}</td><td>{e(r.state)}</td>"
+            f"<td style='text-align:left'><code>{e(r.folder)}</code></td></tr>"
+            for r in rows
+        ),
+        "</table>",
+    ]
+
+
+def _cost_table(costs: list[tuple[int, int, int | None]]) -> list[str]:
+    if not costs:
+        return []
+    return [
+        "<h2>restore cost</h2><table><tr><th>step</th><th>cheapest chain (bytes)</th>"
+        "<th>trainer-only chain (bytes)</th></tr>",
+        *(
+            f"<tr><td>{s}</td><td>{best}</td><td>{'-' if plain is None else plain}</td></tr>"
+            for s, best, plain in costs
+        ),
+        "</table>",
+    ]
