@@ -33,7 +33,7 @@ here) and the restore is timed, not checked bitwise (tests/merge/test_lineage_me
 the final state of each run is checked bitwise.
 
     python benchmarks/bench_merge_velocity.py [--rows 250000] [--repeats 5]
-        [--intervals 0.26,0.5,1,2,4] [--deltas 24]
+        [--intervals 0.26,0.5,1,2,4] [--deltas 24] [--full-live-fraction 0.1]
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def sweep(a: argparse.Namespace, w: Workload, work: str) -> None:
         storage = LocalStorage(root)
         tr = ZipfTrainer(w, storage)
         tr.save("full")
-        worker = MergeWorker(storage, MergeConfig(stride=a.stride, full=FullPolicy()))
+        full = FullPolicy(max_live_fraction=a.full_live_fraction)
+        worker = MergeWorker(storage, MergeConfig(stride=a.stride, full=full))
         clock, busy, written = 0.0, 0.0, 0
         recorded: list[list[CheckpointManifest]] = []
         while written < a.deltas:
@@ -289,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--stride", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--full-live-fraction",
+        type=float,
+        default=FullPolicy.model_fields["max_live_fraction"].default,
+        help="the sweep's full policy: a new full when the live chain passes this fraction of "
+        "a full (deck merge --full-live-fraction)",
+    )
     p.add_argument("--deltas", type=int, default=24)
     p.add_argument(
         "--intervals",
