@@ -1,0 +1,104 @@
+"""The ``deck`` command line: ``deck [--storage-options JSON] CMD ...`` (every command has ``--help``).
+
+    deck ls URI [--json] [--tree]        the lineage as a table: kind, step, layer, covered steps,
+                                         ranks, bytes, age, committed / pending / quarantined
+    deck show URI STEP [--json]          one checkpoint: ranks, tables, shards, rows, bytes,
+                                         chunk files and their checksums
+    deck verify URI [--step N | --all]   re-read every file, check every checksum
+    deck lineage URI [--json] [--step N] the lineage graph and the cheapest chain of a step
+    deck export URI [--step N] --out DIR --format dcp|safetensors
+                                         the full state of a step as a torch.distributed.checkpoint
+                                         directory (dcp.load into a fresh DMP) or one safetensors
+                                         file of unsharded tables
+    deck follow URI --out DIR [--once] [--poll S] [--allow-quantized]
+                                         keep DIR/state.safetensors the full state of URI's newest
+                                         step, applying only each new delta's rows
+    deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
+    deck merge URI [--once | --follow]   merger worker(s): hierarchical merging and new fulls
+    deck gc URI [--dry-run]              retention: delete what no retained step needs
+    deck history URI --table T --row R [--json]
+                                         one row's value at every restorable step, reading only
+                                         the chunks whose row index may hold it
+
+Exit codes (for scripts): 0 ok; 1 a check failed or there was nothing to act on (corruption
+found, no checkpoints at the URI, merge work left waiting or failed, GC errors); 2 usage or
+access error (bad arguments, unknown step, unreadable URI, damaged manifest, export target not
+empty). Results go to stdout (``--json`` where offered), errors to stderr as one line
+``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
+terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from deck.cli.common import json_options
+from deck.cli.inspect import (
+    history_parser,
+    lineage_parser,
+    ls_parser,
+    report_parser,
+    show_parser,
+    verify_parser,
+)
+from deck.cli.maintain import gc_parser, merge_parser
+from deck.cli.transfer import export_parser, follow_parser
+
+# Each subcommand's handler imports its modules when it runs: `deck ls` must not pay for (or
+# need) torch.
+from deck.errors import DeckError
+
+# One entry per subcommand, in the order --help lists them.
+_SUBCOMMANDS = (
+    ls_parser,
+    show_parser,
+    verify_parser,
+    lineage_parser,
+    history_parser,
+    merge_parser,
+    gc_parser,
+    export_parser,
+    follow_parser,
+    report_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``deck`` argument parser: the global ``--storage-options`` and every subcommand, each
+    with its handler as ``fn``. Building it imports no torch."""
+    p = argparse.ArgumentParser(
+        prog="deck", description="Inspect, check, merge and collect deck checkpoints."
+    )
+    p.add_argument(
+        "--storage-options",
+        type=json_options,
+        default=os.environ.get("DECK_STORAGE_OPTIONS"),
+        metavar="JSON",
+        help="fsspec storage options for the URI, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\' for an S3-compatible store '
+        "(default: $DECK_STORAGE_OPTIONS; s3fs also reads the usual AWS_* variables)",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``deck`` command on ``argv`` (default: ``sys.argv[1:]``) and return its exit code:
+    0 ok, 1 a check failed or nothing to act on, 2 a usage or access error (a :class:`DeckError`,
+    printed to stderr as one ``deck <command>: ...`` line). Only the command's own modules are
+    imported: ``deck ls`` never imports torch."""
+    a = build_parser().parse_args(argv)
+    if a.cmd in ("merge", "gc", "follow"):
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # Which worker a merger is, and where that came from (flags or launcher variables).
+        logging.getLogger("deck.merge.launch").setLevel(logging.INFO)
+    try:
+        return int(a.fn(a))
+    except DeckError as e:
+        print(f"deck {a.cmd}: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,54 @@
+"""Helpers every ``deck`` subcommand shares: sizes, ages, progress bars, JSON options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def human(n: float) -> str:
+    """``n`` bytes as B / KiB / MiB / GiB / TiB with one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def age_text(seconds: float | None) -> str:
+    """A duration as its largest whole unit (``42s``, ``3m``, ``5h``, ``2d``); ``?`` if unknown."""
+    if seconds is None:
+        return "?"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.0f}{unit}"
+    return f"{max(0.0, seconds):.0f}s"
+
+
+def progress_bar(
+    desc: str, total: int | None = None, unit: str = "B", unit_scale: bool = True
+) -> Any:
+    """A tqdm progress bar on stderr when it is a terminal, else None (quiet for scripts)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, total=total, unit=unit, unit_scale=unit_scale, leave=False)
+
+
+def json_options(text: str | None) -> dict[str, Any] | None:
+    """Parse ``--storage-options`` JSON into a dict (None for no text); a usage error names what is wrong."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+    return value
+
+
+Subparsers = argparse._SubParsersAction  # what add_subparsers returns

@@ -1,0 +1,330 @@
+"""Read-only subcommands: ``deck ls``, ``show``, ``verify``, ``lineage``, ``history``, ``report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+# Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
+from deck.storage import open_storage
+
+if TYPE_CHECKING:
+    from deck.format.manifest import CheckpointManifest
+    from deck.read.catalog import ManifestSet
+
+
+from deck.cli.common import Subparsers, age_text, human, progress_bar
+
+
+def _ls_line(r: Any, now: float) -> str:
+    covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
+    ranks = f"{r.ranks}/{r.world_size}"
+    age = age_text(None if r.created_unix is None else now - r.created_unix)
+    return (
+        f"{r.kind:>6} {r.step:>10} {r.layer:>5} {covers:>21} {ranks:>5} {human(r.bytes):>11} "
+        f"{age:>5}  {r.state:<11} {r.id} {r.folder}"
+    )
+
+
+def _tree_line(r: Any, now: float) -> str:
+    covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
+    layer = f" L{r.layer}" if r.layer else ""
+    age = age_text(None if r.created_unix is None else now - r.created_unix)
+    return (
+        f"{r.kind}{layer} {covers}  {r.ranks}/{r.world_size} ranks  {human(r.bytes)}  {age}  "
+        f"{r.state}  {r.folder}"
+    )
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.listing import list_rows, tree_lines
+
+    graph, rows = list_rows(open_storage(a.uri, a.storage_options))
+    now = time.time()
+    if a.json:
+        print(json.dumps([r.to_dict(now) for r in rows], indent=1))
+    elif rows and a.tree:
+        print("\n".join(tree_lines(graph, rows, lambda r: _tree_line(r, now))))
+    elif rows:
+        print(
+            f"{'kind':>6} {'step':>10} {'layer':>5} {'covers':>21} {'ranks':>5} {'bytes':>11} "
+            f"{'age':>5}  {'state':<11} id / folder"
+        )
+        for r in rows:
+            print(_ls_line(r, now))
+    if not rows:
+        print(f"no checkpoints at {a.uri}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    """Run ``deck show`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.listing import describe_checkpoint, find_checkpoint
+
+    storage = open_storage(a.uri, a.storage_options)
+    d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
+    if a.no_chunks:
+        for r in d["ranks"]:
+            for s in r["shards"]:
+                del s["chunks"]
+    if a.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    print(_show_headline(d))
+    print("tables:")
+    for name, t in d["tables"].items():
+        print(
+            f"  {name}: {t['shape'][0]} x {t['shape'][1]}, {t['shards']} shard(s), "
+            f"{t['saved_rows']} rows saved, {human(t['bytes'])}"
+        )
+    for r in d["ranks"]:
+        _show_rank(r)
+    return 0
+
+
+def _show_headline(d: dict[str, Any]) -> str:
+    """``deck show``'s first line: what the checkpoint is, where it sits, when it was made."""
+    lineage_txt = "" if d["parent"] is None else f", parent step {d['parent']} ({d['parent_id']})"
+    if d["merged"]:
+        lineage_txt += f", layer {d['layer']}, covers {d['covers'][0]}..{d['covers'][1]}"
+        lineage_txt += f", {len(d['inputs'])} inputs"
+    return (
+        f"{d['kind']} checkpoint of step {d['step']}: id {d['id']}, folder {d['folder']}{lineage_txt}, "
+        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} ranks, {human(d['bytes'])}, "
+        f"committed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d['created_unix']))} "
+        f"({age_text(time.time() - d['created_unix'])} ago) by deck {d['deck_version']}"
+    )
+
+
+def _show_rank(r: dict[str, Any]) -> None:
+    """Print one rank of ``deck show``: its manifest, shards (and their chunk files) and files."""
+    m = r["manifest"]
+    print(
+        f"rank {r['rank']}: {m['path']} ({m['bytes']} B, xxh3 {m['checksum']}), data {human(r['data_bytes'])}"
+    )
+    for s in r["shards"]:
+        print(
+            f"  {s['table']} rows {s['row_offset']}..{s['row_offset'] + s['rows']} cols "
+            f"{s['col_offset']}..{s['col_offset'] + s['cols']}: {s['saved_rows']} rows"
+            f"{' (full)' if s['full'] else ''}, states {','.join(s['states'])}, "
+            f"{s['num_chunks']} chunk(s), {human(s['bytes'])}"
+        )
+        for c in s.get("chunks", ()):
+            print(f"    {c['path']}  {c['rows']} rows  {c['bytes']} B  xxh3 {c['checksum']}")
+    for what in ("dense", "extra"):
+        f = r[what]
+        if f is not None:
+            print(f"  {what}: {f['path']}  {f['nbytes']} B  xxh3 {f['checksum']}")
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    """Run ``deck report`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.report import write_report
+
+    rep = write_report(a.uri, a.out, a.storage_options)
+    print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
+    return 0 if rep.checkpoints else 1
+
+
+def _verify_targets(
+    a: argparse.Namespace, manifests: ManifestSet, damaged: dict[int, str]
+) -> list[CheckpointManifest] | None:
+    """What ``deck verify`` checks: every committed checkpoint (``--all``), ``--step``, or the
+    latest restorable step; None (after saying why on stderr) when there is nothing to check."""
+    from deck.read.lineage import latest_restorable
+
+    if not manifests:
+        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
+        return None
+    if a.all:
+        return [manifests[s] for s in sorted(manifests)] + sorted(
+            manifests.merged.values(), key=lambda m: (m.step, m.layer, m.id)
+        )
+    if a.step in damaged:
+        return None
+    step = a.step if a.step is not None else latest_restorable(manifests)
+    if step is None or step not in manifests:
+        print(
+            f"no committed checkpoint at step {a.step} in {a.uri}; have {sorted(manifests)}",
+            file=sys.stderr,
+        )
+        return None
+    return [manifests[step]]
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    """``deck verify``: re-read every file of the chosen checkpoints and check its size and
+    checksum; exit 1 when any has a problem or a damaged commit record. ``--quarantine`` also
+    records each damaged checkpoint, so restores and the merger avoid it."""
+    from deck.read.catalog import quarantine, read_manifests
+    from deck.read.verify import verify_checkpoint
+
+    storage = open_storage(a.uri, a.storage_options)
+    manifests = read_manifests(storage)
+    # Unreadable commit records are problems of the steps they name (the rest is still checked).
+    damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
+    for s, why in sorted(damaged.items()):
+        print(f"step {s}: commit record damaged\n  BAD {why}")
+    targets = _verify_targets(a, manifests, damaged)
+    if targets is None:
+        return 1
+    bad = len(damaged)
+    t0 = time.perf_counter()
+    for m in targets:
+        label = f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder}"
+        bar = progress_bar(f"verify {label}")
+        report = verify_checkpoint(storage, m, progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        status = "ok" if not report.problems else f"{len(report.problems)} problem(s)"
+        print(f"{label}: {report.files} files, {human(report.bytes)}: {status}")
+        for p in report.problems:
+            print(f"  BAD {p}")
+        if report.problems and a.quarantine:
+            quarantine(storage, m, report.problems[0])
+            print("  quarantined: restores and the merger will not use it")
+        bad += bool(report.problems)
+    print(
+        f"verified {len(targets) + len(damaged)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; "
+        f"{bad} with problems"
+    )
+    return 1 if bad else 0
+
+
+def cmd_history(a: argparse.Namespace) -> int:
+    """Run ``deck history`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.history import row_history
+
+    h = row_history(a.uri, a.table, a.row, a.storage_options)
+    if a.json:
+        print(json.dumps(h.to_dict(), indent=1))
+        return 0
+    print(
+        f"table {h.table} row {h.row}: {len(h.steps)} steps; read {h.chunks_read} of "
+        f"{h.chunks_present} chunks (skipped {h.skipped_range} by id range, {h.skipped_bloom} "
+        f"by bloom filter; {h.false_positives} false positives)"
+    )
+    for s in h.steps:
+        vals = "  ".join(
+            f"{k}=[{', '.join(f'{x:.6g}' for x in v[:8])}{', ...' if len(v) > 8 else ''}]"
+            for k, v in s.values.items()
+        )
+        print(f"step {s.step:>8}  {vals}  from {', '.join(s.sources)}")
+    return 0
+
+
+def cmd_lineage(a: argparse.Namespace) -> int:
+    """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.read.lineage import chain_bytes, cheapest_chain, lineage_graph
+
+    graph = lineage_graph(a.uri, a.storage_options)
+    if not graph.nodes:
+        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(graph.to_dict(), indent=1))
+        return 0
+    print(f"{'kind':>6} {'layer':>5} {'covers':>21} {'epoch':>5} {'bytes':>11}  id / folder")
+    for n in sorted(graph.nodes.values(), key=lambda n: (n.step, n.first_step, n.layer, n.id)):
+        covers = f"{n.covers[0]}..{n.covers[1]}" if n.covers[0] != n.covers[1] else str(n.step)
+        flag = f"  QUARANTINED: {n.quarantined}" if n.quarantined else ""
+        print(
+            f"{n.kind.value:>6} {n.layer:>5} {covers:>21} {n.epoch:>5} {human(n.bytes):>11}  "
+            f"{n.id} {n.folder}{flag}"
+        )
+    step = a.step if a.step is not None else graph.latest()
+    if step is None:
+        print("no restorable step")
+        return 1
+    chain = cheapest_chain(graph, step)
+    total = chain_bytes(chain)
+    print(f"cheapest chain of step {step} ({len(chain)} checkpoints, {human(total)}):")
+    for m in chain:
+        print(f"  {m.kind.value:>6} {m.covers[0]}..{m.covers[1]}  {m.folder}")
+    return 0
+
+
+def ls_parser(sub: Subparsers) -> None:
+    """Add the ``deck ls`` subcommand (its flags and handler) to ``sub``."""
+    ls = sub.add_parser(
+        "ls",
+        help="the lineage as a table: committed and pending checkpoints",
+        description="Every checkpoint at URI: trainer fulls and deltas, the merger's merged deltas "
+        "and fulls, and pending trainer steps (rank parts written, manifest.json not yet). "
+        "Columns: kind, step, layer, covered steps, rank parts present / world size, bytes, age, "
+        "state (committed | pending | quarantined), id and folder. Exit 1 when there is nothing.",
+    )
+    ls.add_argument("uri")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")
+    ls.add_argument("--tree", action="store_true", help="as a tree of parent links")
+    ls.set_defaults(fn=cmd_ls)
+
+
+def show_parser(sub: Subparsers) -> None:
+    """Add the ``deck show`` subcommand (its flags and handler) to ``sub``."""
+    show = sub.add_parser(
+        "show",
+        help="one checkpoint: ranks, tables, shards, rows, bytes, chunk files and checksums",
+        description="Describe one committed checkpoint from its manifests (the data is not read; "
+        "`deck verify` checks it).",
+    )
+    show.add_argument("uri")
+    show.add_argument(
+        "checkpoint", metavar="STEP", help="trainer step, or a checkpoint id / merger folder"
+    )
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--no-chunks", action="store_true", help="leave out the chunk files")
+    show.set_defaults(fn=cmd_show)
+
+
+def verify_parser(sub: Subparsers) -> None:
+    """Add the ``deck verify`` subcommand (its flags and handler) to ``sub``."""
+    ver = sub.add_parser("verify", help="re-read files and check checksums")
+    ver.add_argument("uri")
+    g = ver.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, help="one step (default: the latest restorable)")
+    g.add_argument("--all", action="store_true", help="every committed checkpoint")
+    ver.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="record damaged checkpoints so restores and the merger avoid them",
+    )
+    ver.set_defaults(fn=cmd_verify)
+
+
+def lineage_parser(sub: Subparsers) -> None:
+    """Add the ``deck lineage`` subcommand (its flags and handler) to ``sub``."""
+    lin = sub.add_parser("lineage", help="the lineage graph and the cheapest chain of a step")
+    lin.add_argument("uri")
+    lin.add_argument("--json", action="store_true", help="machine-readable graph")
+    lin.add_argument("--step", type=int, help="chain of this step (default: the latest)")
+    lin.set_defaults(fn=cmd_lineage)
+
+
+def history_parser(sub: Subparsers) -> None:
+    """Add the ``deck history`` subcommand (its flags and handler) to ``sub``."""
+    his = sub.add_parser("history", help="one row's value at every restorable step")
+    his.add_argument("uri")
+    his.add_argument("--table", required=True, help="table key, as `deck show` lists it")
+    his.add_argument("--row", required=True, type=int, help="global row id")
+    his.add_argument("--json", action="store_true", help="machine-readable, full precision")
+    his.set_defaults(fn=cmd_history)
+
+
+def report_parser(sub: Subparsers) -> None:
+    """Add the ``deck report`` subcommand (its flags and handler) to ``sub``."""
+    rep = sub.add_parser(
+        "report",
+        help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
+        description="Write an HTML page with a picture of the lineage graph and plots of bytes "
+        "per checkpoint and restore cost (bytes the cheapest chain reads) per step; the PNG "
+        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install 'deck[report]').",
+    )
+    rep.add_argument("uri")
+    rep.add_argument("--out", required=True, help="path of the HTML file to write")
+    rep.set_defaults(fn=cmd_report)

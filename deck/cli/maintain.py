@@ -1,0 +1,337 @@
+"""Subcommands that change a URI in the background of training: ``deck merge`` (merger workers, on one host or from a launcher's variables) and ``deck gc``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from deck.cli.common import Subparsers, human, progress_bar
+
+# Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
+from deck.errors import ConfigError, DeckError
+from deck.storage import open_storage
+
+
+def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) -> Any:
+    """The flags of :func:`_add_merge_config_args` as a MergeConfig (--full-live-fraction 0:
+    off)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
+
+    return MergeConfig(
+        stride=a.stride,
+        full=FullPolicy(
+            every=a.full_every,
+            max_live_fraction=None if a.full_live_fraction <= 0 else a.full_live_fraction,
+            cost_ratio=a.full_cost_ratio,
+        ),
+        chunk_bytes=a.chunk_bytes,
+        worker_index=worker_index,
+        num_workers=num_workers,
+    )
+
+
+def _retention(a: argparse.Namespace) -> Any:
+    from deck.ops.retention import RetentionPolicy
+
+    return RetentionPolicy(
+        keep_last_fulls=a.keep_last_fulls,
+        keep_fulls_every=a.keep_fulls_every,
+        keep_all_steps=a.keep_all_steps,
+        chain_delta_budget=a.chain_delta_budget or None,
+        grace_s=a.grace,
+    )
+
+
+def _run_worker(
+    a: argparse.Namespace,
+    worker_index: int,
+    num_workers: int,
+    report: Any = None,
+) -> int:
+    """One merger worker in this process; returns its exit code. ``report(kind, stats)`` gets
+    progress events."""
+    from deck.merge.worker import MergeWorker
+    from deck.ops.retention import collect_garbage
+
+    storage = open_storage(a.uri, a.storage_options)
+    config = _merge_config(a, worker_index, num_workers)
+    after_pass = None
+    if a.gc and worker_index == 0:
+        policy = _retention(a)
+
+        def after_pass(_manifests: Any) -> None:
+            collect_garbage(storage, policy)
+
+    worker = MergeWorker(storage, config, after_pass=after_pass, progress=report)
+    if a.follow:
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        worker.follow(stop, poll_s=a.poll)
+        return 0
+    stats, waiting = worker.run_once(wait_s=a.wait)
+    return 1 if waiting or stats.failed or worker.failures else 0
+
+
+def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code = _run_worker(
+            a, index, num, lambda kind, st: queue.put((kind, st.bytes_written, st.items_committed))
+        )
+    except DeckError as e:
+        print(f"deck merge (worker {index} of {num}): {e}", file=sys.stderr)
+        code = 2
+    queue.put(("exit", index, code))
+
+
+def cmd_merge(a: argparse.Namespace) -> int:
+    """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.merge.launch import resolve_worker
+
+    # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
+    slot = resolve_worker(a.worker_index, a.num_workers)
+    first, hosts = slot.index, slot.count
+    k = a.workers
+    if k < 1:
+        raise ConfigError(f"--workers must be >= 1, got {k}")
+    _merge_config(a, 0, 1)  # validate the options before starting anything
+    indices = [first * k + j for j in range(k)]
+    total = hosts * k
+    t0 = time.perf_counter()
+    tally = _MergeTally()
+    if k == 1:
+        code = _run_worker(a, indices[0], total, lambda kind, _stats: tally.event(kind))
+    else:
+        code = _run_workers(a, indices, total, tally)
+    tally.close()
+    mine = f"{indices[0]}" if k == 1 else f"{indices[0]}..{indices[-1]}"
+    print(
+        f"deck merge: {tally.committed} checkpoint(s) committed by {k} worker(s) "
+        f"(index {mine} of {total}, from {slot.source}), {tally.partitions} partition(s) built, "
+        f"in {time.perf_counter() - t0:.1f} s"
+        + ("; some work is left (see the warnings above)" if code == 1 else "")
+    )
+    return code
+
+
+class _MergeTally:
+    """What the merger workers of ``deck merge`` did so far, from their progress events:
+    partitions built, checkpoints committed (also a progress bar, on a terminal)."""
+
+    def __init__(self) -> None:
+        self.committed = 0
+        self.partitions = 0
+        self.bar = progress_bar("deck merge", unit=" ckpt", unit_scale=False)
+
+    def event(self, kind: str) -> None:
+        if kind == "partition":
+            self.partitions += 1
+        elif kind == "commit":
+            self.committed += 1
+            if self.bar:
+                self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+def _run_workers(a: argparse.Namespace, indices: list[int], total: int, tally: _MergeTally) -> int:
+    """Merger workers ``indices`` (of ``total``), one process each, until all have exited;
+    returns the highest exit code (2 for a worker that died without saying)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(a, i, total, queue)) for i in indices]
+    for p in procs:
+        p.start()
+    codes: dict[int, int] = {}
+    try:
+        _collect_workers(queue, dict(zip(indices, procs, strict=True)), codes, tally)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+    for p in procs:
+        p.join()
+    return max(codes.values(), default=2)
+
+
+def _collect_workers(
+    queue: Any, procs: dict[int, Any], codes: dict[int, int], tally: _MergeTally
+) -> None:
+    """Pass the events of worker processes ``procs`` (by index) to ``tally`` and record each
+    one's exit code in ``codes`` (filled as they come: an interrupt keeps what has come)."""
+    while len(codes) < len(procs):
+        try:
+            kind, x, y = queue.get(timeout=0.5)
+        except Exception:  # queue.Empty: check for workers that died without a word
+            for i, p in procs.items():
+                if not p.is_alive() and i not in codes and p.exitcode not in (0, None):
+                    codes[i] = 2
+            continue
+        if kind == "exit":
+            codes[x] = y
+        else:
+            tally.event(kind)
+
+
+def cmd_gc(a: argparse.Namespace) -> int:
+    """Run ``deck gc`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.retention import collect_garbage
+
+    storage = open_storage(a.uri, a.storage_options)
+    rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
+    verb = "would delete" if a.dry_run else "deleted"
+    if rep.latest is None:
+        print(f"no restorable checkpoint at {a.uri}: nothing deleted but orphans")
+    else:
+        steps = rep.retained_steps
+        shown = ", ".join(map(str, steps[:12])) + (", ..." if len(steps) > 12 else "")
+        print(f"latest step {rep.latest}; {len(steps)} step(s) stay restorable: {shown}")
+    for folder, why in rep.deleted:
+        print(f"  {verb} {folder}: {why}")
+    for prefix, why in rep.orphans:
+        print(f"  {verb} {prefix}: {why}")
+    for e in rep.errors:
+        print(f"  ERROR {e}", file=sys.stderr)
+    print(
+        f"{verb} {len(rep.deleted)} checkpoint(s) and {len(rep.orphans)} orphan(s): "
+        f"{rep.files} files, {human(rep.bytes)}"
+    )
+    return 1 if rep.errors else 0
+
+
+def _add_retention_args(p: argparse.ArgumentParser) -> None:
+    """The retention flags of ``deck gc`` and ``deck merge --gc``; their defaults are
+    :class:`RetentionPolicy`'s (see :func:`_retention` for the mapping back)."""
+    from deck.ops.retention import RetentionPolicy
+
+    default = {name: f.default for name, f in RetentionPolicy.model_fields.items()}
+    p.add_argument(
+        "--keep-last-fulls",
+        type=int,
+        default=default["keep_last_fulls"],
+        help=f"newest fulls kept for rollback ({default['keep_last_fulls']})",
+    )
+    p.add_argument(
+        "--keep-fulls-every",
+        type=int,
+        default=default["keep_fulls_every"],
+        metavar="N",
+        help="also keep the oldest full of every N-step period (rollback past bad data)",
+    )
+    p.add_argument(
+        "--keep-all-steps",
+        action=argparse.BooleanOptionalAction,
+        default=default["keep_all_steps"],
+        help="keep every currently restorable step restorable (default); --no-keep-all-steps: "
+        "only the active window and the rollback fulls (DECK fig. 9)",
+    )
+    p.add_argument(
+        "--chain-delta-budget",
+        type=float,
+        default=default["chain_delta_budget"],
+        metavar="F",
+        help="with every step kept: keep a full wherever the deltas since the last kept one add "
+        f"up to F fulls' bytes, bounding old steps' restores ({default['chain_delta_budget']:g}; "
+        "0: off)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=default["grace_s"],
+        metavar="S",
+        help="never delete what the lineage needed S seconds ago, nor files younger "
+        f"({default['grace_s']:g})",
+    )
+
+
+def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``deck merge`` that make its :class:`MergeConfig` / :class:`FullPolicy`;
+    their defaults are the models' (see :func:`_merge_config` for the mapping back)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
+
+    merge = {name: f.default for name, f in MergeConfig.model_fields.items()}
+    full = {name: f.default for name, f in FullPolicy.model_fields.items()}
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=merge["stride"],
+        help=f"items per merge, s ({merge['stride']})",
+    )
+    p.add_argument(
+        "--full-every", type=int, default=full["every"], metavar="N", help="new full every N deltas"
+    )
+    p.add_argument(
+        "--full-live-fraction",
+        type=float,
+        default=full["max_live_fraction"] or 0.0,
+        metavar="F",
+        help="new full when a restore reads more than F x a full on top of it "
+        f"({full['max_live_fraction'] or 0.0}; 0: off)",
+    )
+    p.add_argument(
+        "--full-cost-ratio",
+        type=float,
+        default=full["cost_ratio"],
+        metavar="R",
+        help="IncrCP-style rule: new full when live x R >= 2 x full + live",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=merge["chunk_bytes"],
+        help="chunk size of merged files",
+    )
+
+
+def merge_parser(sub: Subparsers) -> None:
+    """Add the ``deck merge`` subcommand (its flags and handler) to ``sub``."""
+    mer = sub.add_parser("merge", help="run merger worker(s): merged deltas and new fulls")
+    mer.add_argument("uri")
+    mode = mer.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="catch up and exit (default)")
+    mode.add_argument("--follow", action="store_true", help="keep merging until interrupted")
+    _add_merge_config_args(mer)
+    mer.add_argument("--workers", type=int, default=1, help="worker processes to run here (1)")
+    mer.add_argument(
+        "--worker-index",
+        type=int,
+        default=None,
+        help="this host's index (default: $RANK, $JOB_COMPLETION_INDEX or $SLURM_PROCID)",
+    )
+    mer.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="hosts running workers (default: $WORLD_SIZE, $DECK_NUM_WORKERS or $SLURM_NTASKS)",
+    )
+    mer.add_argument("--gc", action="store_true", help="worker 0 also runs GC after each pass")
+    mer.add_argument("--poll", type=float, default=5.0, help="--follow: seconds between scans")
+    mer.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        help="--once: seconds to wait for other workers' partitions (60)",
+    )
+    _add_retention_args(mer)
+    mer.set_defaults(fn=cmd_merge)
+
+
+def gc_parser(sub: Subparsers) -> None:
+    """Add the ``deck gc`` subcommand (its flags and handler) to ``sub``."""
+    gc = sub.add_parser("gc", help="delete what no retained step needs (retention)")
+    gc.add_argument("uri")
+    gc.add_argument("--dry-run", action="store_true", help="only report what would go")
+    _add_retention_args(gc)
+    gc.set_defaults(fn=cmd_gc)

@@ -1,0 +1,121 @@
+"""Subcommands that take a step's state elsewhere: ``deck export`` (DCP / safetensors) and ``deck follow`` (a serving replica)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+from deck.cli.common import Subparsers, human, progress_bar
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    """Run ``deck export`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.export import StepState, export_dcp, export_safetensors
+
+    state = StepState(a.uri, a.step, a.storage_options)
+    total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
+    bar = progress_bar(f"export step {state.step}", total)
+    progress = bar.update if bar else None
+    t0 = time.perf_counter()
+    try:
+        if a.format == "dcp":
+            rep = export_dcp(state, a.out, progress)
+        else:
+            out = a.out
+            if not out.endswith(".safetensors"):
+                out = os.path.join(out, f"deck-step-{state.step:012d}.safetensors")
+            rep = export_safetensors(state, out, progress)
+    finally:
+        if bar:
+            bar.close()
+    print(
+        f"exported step {rep.step} ({len(rep.chain)} checkpoints: {', '.join(rep.chain)}) to "
+        f"{rep.path} as {a.format}: {rep.tensors} tensors, {human(rep.bytes_written)} written, "
+        f"{human(rep.bytes_read)} read, at most {human(rep.max_held_bytes)} of table state "
+        f"held at once, {time.perf_counter() - t0:.1f} s"
+    )
+    for s in rep.skipped:
+        print(f"  not exported: {s}")
+    return 0
+
+
+def cmd_follow(a: argparse.Namespace) -> int:
+    """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    from deck.ops.follow import FollowUpdate, follow
+
+    def show(u: FollowUpdate) -> None:
+        if u.how == "unchanged":
+            return
+        print(
+            f"step {u.step} ({u.ckpt_id}): {u.how}, {len(u.applied)} checkpoint(s) read "
+            f"({', '.join(u.applied)}), {human(u.bytes_read)} of chunks read (a restore of the "
+            f"step reads {human(u.chain_bytes)}), {u.seconds:.2f} s ({u.write_s:.2f} s "
+            f"writing) -> {a.out}",
+            flush=True,
+        )
+
+    try:
+        follow(
+            a.uri,
+            a.out,
+            once=a.once,
+            poll_s=a.poll,
+            storage_options=a.storage_options,
+            on_update=show,
+            allow_quantized=a.allow_quantized,
+        )
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def export_parser(sub: Subparsers) -> None:
+    """Add the ``deck export`` subcommand (its flags and handler) to ``sub``."""
+    exp = sub.add_parser(
+        "export",
+        help="write the full state of a step as a DCP checkpoint or one safetensors file",
+        description="Write the full state of a step (its chain applied: tables, fused "
+        "optimizer states, dense parameters, dense optimizer) as a torch.distributed.checkpoint "
+        "directory that dcp.load restores into a freshly built DMP model (keys: model.<state_dict "
+        "key>, optim.state.<param>.<state>, as for {'model': model.state_dict(), 'optim': "
+        "CombinedOptimizer([model.fused_optimizer, dense_opt]).state_dict()}), or as one "
+        "safetensors file of unsharded tensors for inspection. Streams one table shard at a "
+        "time (safetensors: one table).",
+    )
+    exp.add_argument("uri")
+    exp.add_argument("--step", type=int, help="step to export (default: the latest restorable)")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="dcp: a new or empty directory; safetensors: a directory or a *.safetensors path",
+    )
+    exp.add_argument("--format", choices=("dcp", "safetensors"), default="dcp", help="(dcp)")
+    exp.set_defaults(fn=cmd_export)
+
+
+def follow_parser(sub: Subparsers) -> None:
+    """Add the ``deck follow`` subcommand (its flags and handler) to ``sub``."""
+    fol = sub.add_parser(
+        "follow",
+        help="keep a materialised full state of the newest step up to date (a loading service)",
+        description="Keep DIR/state.safetensors (the tensors of 'deck export --format "
+        "safetensors') and DIR/state.json (step, checkpoint id) the full state of URI's newest "
+        "restorable step. The first catch-up restores its chain; each newer delta is then "
+        "applied by reading only its rows. Files are replaced atomically (temp file, fsync, "
+        "rename). Restarting on the same DIR resumes from it.",
+    )
+    fol.add_argument("uri")
+    fol.add_argument("--out", required=True, help="output directory (created if missing)")
+    fol.add_argument("--once", action="store_true", help="catch up once and exit")
+    fol.add_argument(
+        "--poll", type=float, default=10.0, help="seconds between checks for new steps (10)"
+    )
+    fol.add_argument(
+        "--allow-quantized",
+        action="store_true",
+        help="accept a publisher's quantised weights (DeckConfig.publish.quantize): the output "
+        "holds them dequantised, and state.json / the file metadata say which encodings",
+    )
+    fol.set_defaults(fn=cmd_follow)
