@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from dataclasses import dataclass, field
 
 import xxhash
@@ -22,6 +21,7 @@ import xxhash
 from deck.errors import CorruptCheckpointError, MergeError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
+from deck.format.commit import commit_record, rank_ref
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -43,7 +43,6 @@ from deck.merge.policy import MergeConfig
 from deck.merge.stream import ChunkOut, InputDamaged, ShardStream, merge_rows, row_bytes
 from deck.read.catalog import read_rank_manifests
 from deck.storage import Storage
-from deck.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -330,18 +329,13 @@ class ItemBuilder:
         data = dump_model(part)
         rel = f"{asm}/{rank_manifest_name(r)}"
         self.storage.put(f"{self.folder}/{rel}", data)
-        files = [c.nbytes for s in shards for c in s.chunks] + [extra.nbytes]
-        if dense is not None:
-            files.append(dense.nbytes)
-        return RankRef(
-            rank=r, path=rel, nbytes=len(data), checksum=checksum(data), data_bytes=sum(files)
-        )
+        return rank_ref(r, part, rel, data)
 
     def _manifest(self, refs: list[RankRef]) -> CheckpointManifest:
         """The item's commit record over the rank manifests ``refs``."""
         it = self.item
-        return CheckpointManifest(
-            format_version=FORMAT_VERSION,
+        return commit_record(
+            refs,
             id=it.id,
             step=it.step,
             kind=it.kind,
@@ -350,9 +344,6 @@ class ItemBuilder:
             base=it.base,
             epoch=self.inputs[-1].epoch,
             world_size=self.world_size,
-            ranks=tuple(refs),
-            created_unix=time.time(),
-            deck_version=__version__,
             first_step=it.first_step if it.kind is Kind.MERGED else None,
             layer=it.layer,
             inputs=it.inputs,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -25,6 +24,7 @@ from deck.failpoints import failpoint
 from deck.format import treecodec
 from deck.format.checksum import checksum
 from deck.format.chunks import Buffer, ChunkLayout, build_chunk, segment_view
+from deck.format.commit import commit_record, rank_ref
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -35,7 +35,6 @@ from deck.format.manifest import (
     FileRecord,
     Kind,
     RankManifest,
-    RankRef,
     ShardRecord,
     dump_model,
     load_model,
@@ -443,20 +442,10 @@ def commit(
         part = load_model(RankManifest, data, storage.describe(f"{root}/{rel}"))
         if part.encoding is not None:
             encodings.add(part.encoding)
-        files = [c.nbytes for s in part.shards for c in s.chunks] + [part.extra.nbytes]
-        if part.dense is not None:
-            files.append(part.dense.nbytes)
-        refs.append(
-            RankRef(
-                rank=rank,
-                path=rel,
-                nbytes=len(data),
-                checksum=checksum(data),
-                data_bytes=sum(files),
-            )
-        )
-    manifest = CheckpointManifest(
-        format_version=FORMAT_VERSION,
+        refs.append(rank_ref(rank, part, rel, data))
+    manifest = commit_record(
+        refs,
+        deck_version=deck_version,
         id=ckpt_id,
         step=step,
         kind=kind,
@@ -465,9 +454,6 @@ def commit(
         base=base,
         epoch=epoch,
         world_size=world_size,
-        ranks=tuple(refs),
-        created_unix=time.time(),
-        deck_version=deck_version,
         # Quantised parts make the whole checkpoint quantised (ranks share one writer config).
         encoding=min(encodings) if encodings else None,
     )
