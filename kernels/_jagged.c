@@ -131,10 +131,11 @@ done:
  *   bytes  uint8 (N,): one byte per row, one bit per consumer
  *   bit    the consumer's bit (1 << c)
  *   out    int64 with room for every such row, or empty: then only count
- * Writes the rows whose byte has `bit`, ascending, to out and clears that bit in them; with an
- * empty out only counts them and changes nothing. When out is too small, returns -1 and
- * changes nothing (the count pass runs first). Eight bytes are tested per load, so the clean
- * part of the map (most of it between checkpoints) costs one load per eight rows. */
+ * Writes the rows whose byte has `bit`, ascending, to out and clears that bit in them, in one
+ * pass; with an empty out only counts them and changes nothing. When out is too small, returns
+ * -1 and changes nothing (the bits cleared so far are set again). Eight bytes are tested per
+ * load, so the clean part of the map (most of it between checkpoints) costs one load per eight
+ * rows. */
 static PyObject *claim_bit(PyObject *self, PyObject *args)
 {
     Py_buffer map_b, out_b;
@@ -143,49 +144,56 @@ static PyObject *claim_bit(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "w*iw*", &map_b, &bit, &out_b))
         return NULL;
     PyObject *result = NULL;
-    const int64_t n = map_b.len;
-    const int count_only = out_b.len == 0;
     if (bit <= 0 || bit > 0x80 || (bit & (bit - 1))) {
         PyErr_SetString(PyExc_ValueError, "claim_bit: bit must be one of 1, 2, 4, ..., 128");
         goto done;
     }
+    const int64_t n = map_b.len, room = out_b.len / (Py_ssize_t)sizeof(int64_t);
+    const int count_only = out_b.len == 0;
+    const uint64_t lanes = 0x0101010101010101ULL * (uint64_t)bit;
     uint8_t *map = map_b.buf;
     int64_t *out = out_b.buf, k = 0, i = 0;
-    const uint64_t lanes = 0x0101010101010101ULL * (uint64_t)bit;
-    int64_t total = 0;
+    int full = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t j = 0; j + 8 <= n; j += 8) {
-        uint64_t w;
-        memcpy(&w, map + j, 8);
-        total += __builtin_popcountll(w & lanes);
-    }
-    for (int64_t j = n & ~(int64_t)7; j < n; ++j)
-        total += (map[j] & bit) != 0;
-    if (count_only || total * (int64_t)sizeof(int64_t) > (int64_t)out_b.len)
-        i = n; /* nothing to write */
     for (; i + 8 <= n; i += 8) {
         uint64_t w;
         memcpy(&w, map + i, 8);
         uint64_t hit = w & lanes;
         if (!hit)
             continue;
+        if (count_only) {
+            k += __builtin_popcountll(hit);
+            continue;
+        }
+        if (k + __builtin_popcountll(hit) > room) {
+            full = 1;
+            break;
+        }
         memcpy(map + i, &(uint64_t){w & ~lanes}, 8);
         do {
             out[k++] = i + (__builtin_ctzll(hit) >> 3);
             hit &= hit - 1;
         } while (hit);
     }
-    for (; i < n; ++i) {
-        if (map[i] & bit) {
+    for (; !full && i < n; ++i) {
+        if (!(map[i] & bit))
+            continue;
+        if (!count_only) {
+            if (k == room) {
+                full = 1;
+                break;
+            }
             map[i] &= (uint8_t)~bit;
-            out[k++] = i;
+            out[k] = i;
         }
+        ++k;
+    }
+    if (full) { /* the caller counted too few: give back what was taken */
+        for (int64_t j = 0; j < k; ++j)
+            map[out[j]] |= (uint8_t)bit;
+        k = -1;
     }
     Py_END_ALLOW_THREADS
-    if (count_only)
-        k = total;
-    else if (total * (int64_t)sizeof(int64_t) > (int64_t)out_b.len)
-        k = -1;
     result = PyLong_FromLongLong((long long)k);
 done:
     PyBuffer_Release(&map_b);

@@ -37,3 +37,16 @@ def test_claim_rejects_a_byte_that_is_not_one_bit() -> None:
         pytest.skip("the C kernel was not built")
     with pytest.raises(ValueError, match="bit must be"):
         claim_rows(torch.zeros(16, dtype=torch.uint8), 3)
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the C kernel was not built")
+@pytest.mark.parametrize("n", [7, 4099])
+def test_native_claim_with_too_little_room_changes_nothing(n: int) -> None:
+    # Rows marked between the count and the take: the take gives back what it cleared.
+    m = _map(n, seed=n)
+    before = m.clone()
+    count = native._native.claim_bit(m.numpy(), 1, bytearray())
+    assert count > 1
+    short = torch.empty(count - 1, dtype=torch.int64)
+    assert native._native.claim_bit(m.numpy(), 1, short.numpy()) == -1
+    assert torch.equal(m, before)
