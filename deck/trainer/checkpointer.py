@@ -88,7 +88,6 @@ class DeltaCheckpointer:
         self._last_step: int | None = None
         on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
         self._ckpt = self._chain(CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu)
-        self.stager = self._ckpt.stager
         self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
         self._closed = False
         self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
@@ -99,15 +98,23 @@ class DeltaCheckpointer:
         self.last_restore: RestoreStats | None = None  # what the last restore() read on this rank
 
     @property
+    def stager(self) -> Stager:
+        """The checkpoint chain's stager (its tier, spool and background threads)."""
+        return self._ckpt.stager
+
+    @property
+    def _chains(self) -> list[ChainWriter]:
+        return [c for c in (self._ckpt, self._pub) if c is not None]
+
+    @property
     def history(self) -> list[CheckpointStats]:
         """Stats of this process's checkpoints, oldest first (they fill in as they commit)."""
         return self._ckpt.history
 
     def break_chains(self) -> None:
         """The next checkpoint and publish are fulls (e.g. rows went untracked)."""
-        for chain in (self._ckpt, self._pub):
-            if chain is not None:
-                chain.parent = None
+        for chain in self._chains:
+            chain.parent = None
 
     def _chain(
         self,
@@ -260,7 +267,7 @@ class DeltaCheckpointer:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        chains = [c for c in (self._ckpt, self._pub) if c is not None]
+        chains = self._chains
         for chain in chains:
             chain.exchange_failures(left())
         done = all([chain.stager.flush(left()) for chain in chains])
@@ -329,9 +336,8 @@ class DeltaCheckpointer:
             self._closed = True
             if collective:
                 self.flush()
-            self.stager.close()
-            if self._pub is not None:
-                self._pub.stager.close()
+            for chain in self._chains:
+                chain.stager.close()
             if self._lease is not None:
                 self._lease.release()
 
