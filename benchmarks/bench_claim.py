@@ -1,0 +1,66 @@
+"""The tracker's claim (inside every checkpoint's stall): native kernel vs the torch baseline.
+
+A byte map of ``--rows`` rows (one rank's tracked rows: bench_stall's 8 x 1M tables on 2 ranks
+is 4M) with ``--dirty`` of them marked for two consumers, as between two checkpoints. Timed:
+``deck.kernels.claim.claim_rows`` (the C kernel: a count pass and one take pass) and the torch
+code it replaced (``nonzero`` over the masked map, then ``index_put`` clearing the bit), each on a
+fresh copy of the same map, ``--repeats`` times; medians and the ratio are printed.
+
+    python benchmarks/bench_claim.py [--rows 4000000] [--dirty 0.02] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from deck.kernels import native
+from deck.kernels.claim import claim_rows
+
+
+def torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
+    """The baseline: what TrackerStore.begin_read did before the kernel."""
+    rows = torch.nonzero(dirty & bit).view(-1)
+    dirty.index_put_((rows,), dirty[rows] & (~bit & 0xFF))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=4_000_000)
+    p.add_argument("--dirty", type=float, default=0.02, help="fraction of rows marked")
+    p.add_argument("--repeats", type=int, default=15)
+    a = p.parse_args(argv)
+    if not native.native_available():
+        print("the C kernel is not built: nothing to compare")
+        return 1
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    base = torch.zeros(a.rows, dtype=torch.uint8)
+    base[torch.randint(0, a.rows, (int(a.rows * a.dirty),), generator=g)] = 3
+    times: dict[str, list[float]] = {"deck claim_rows": [], "torch nonzero + index_put": []}
+    fns = {"deck claim_rows": claim_rows, "torch nonzero + index_put": torch_claim}
+    for _ in range(a.repeats):
+        for name, fn in fns.items():  # interleaved: both see the same machine state
+            m = base.clone()
+            t0 = time.perf_counter()
+            rows = fn(m, 1)
+            times[name].append(time.perf_counter() - t0)
+    check_a, check_b = base.clone(), base.clone()
+    assert torch.equal(claim_rows(check_a, 1), torch_claim(check_b, 1))
+    assert torch.equal(check_a, check_b)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{a.rows} rows, {rows.numel()} claimed, median of {a.repeats}:")
+    for name, s in med.items():
+        print(f"  {name:<28} {s * 1e3:7.2f} ms")
+    ratio = med["torch nonzero + index_put"] / med["deck claim_rows"]
+    print(f"deck is {ratio:.1f}x faster (same rows, same map after)")
+    print("reproduce: " + " ".join([sys.executable, *sys.argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
