@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,26 @@ class TableShard:
     def row_bytes(self) -> int:
         """Bytes one row takes on disk (id + every state)."""
         return 8 + sum(t[0:1].numel() * t.element_size() for t in self.states.values())
+
+
+@dataclass
+class WrapperState:
+    """The state an optimizer wrapper keeps itself, outside the optimizers it wraps (e.g. a
+    warmup's iteration and stage): ``get()`` returns it as a tree of numbers/tensors, ``set``
+    puts a saved one back."""
+
+    get: Callable[[], dict[str, Any]]
+    set: Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Optimizers:
+    """What deck saves of the user's optimizers: the leaves that own dense state (by name; the
+    adapter's fused optimizers removed) and the wrappers around them that keep state of their
+    own (by name)."""
+
+    dense: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    wrappers: dict[str, WrapperState] = field(default_factory=dict)
 
 
 class RemovableHandle:
@@ -97,8 +117,31 @@ class ModelAdapter(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:
-        """The user's optimizers that own dense state (the adapter's fused ones removed), by name."""
+    def optimizers(self, optimizers: object) -> Optimizers:
+        """The user's optimizers split into dense leaves and stateful wrappers (the adapter's
+        fused optimizers removed, wherever they sit inside). Raises
+        :class:`deck.errors.UnsupportedError` naming an optimizer deck cannot save exactly."""
+
+    def fused_hyperparameters(self) -> dict[str, dict[str, Any]]:
+        """Hyperparameters (lr, ...) of the optimizers fused into the embedding kernels, by table:
+        the schedule-driven part of their state, which their ``state_dict`` may leave out."""
+        return {}
+
+    def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+        """Put :meth:`fused_hyperparameters` back and make the kernels use them from the next
+        step on; ``where`` names the checkpoint in errors."""
+        return None
+
+    def dense_buffers(self) -> set[str]:
+        """Keys of :meth:`dense_state` that are buffers (not parameters): state that data
+        parallelism does not keep equal across ranks (e.g. BatchNorm running statistics)."""
+        return set()
+
+    def pin_reduction_order(self) -> None:
+        """Collective, before the first training step: fix the order in which gradients are
+        summed across ranks, so a process started from a restore sums them exactly as the run
+        that saved it did (with 3+ ranks a float sum depends on that order)."""
+        return None
 
     def after_restore(self) -> None:
         """Called once a restore has written every state back; lets an implementation resync

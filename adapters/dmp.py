@@ -49,7 +49,7 @@ class ModelCheckpointer(DeltaCheckpointer):
         through the model) and, if given, ``state`` (``state_dict()``/``load_state_dict()`` or a
         ``(get, set)`` pair) from now on. Local, not collective; call it on every rank before the
         first checkpoint or restore. Pass ``[]`` when the model has no dense optimizer."""
-        self._optimizers = self.adapter.dense_optimizers(optimizers)
+        self._optimizers = self.adapter.optimizers(optimizers)
         if state is not None:
             self._state = _user_state(state)
         self._attached = True

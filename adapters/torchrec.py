@@ -16,17 +16,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
+from deck.adapters.base import (
+    ModelAdapter,
+    Optimizers,
+    RemovableHandle,
+    TableShard,
+    WrapperState,
+)
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from torchrec.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.optim.clipping import GradientClippingOptimizer
+from torchrec.optim.keyed import CombinedOptimizer, OptimizerWrapper
+from torchrec.optim.warmup import WarmupOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from deck.errors import UnsupportedError
+from deck.errors import IncompatibleModelError, UnsupportedError
 from deck.trainer.tracker import TrackerStore
 
 logger = logging.getLogger(__name__)
@@ -244,10 +253,13 @@ class TorchRecAdapter(ModelAdapter):
             if type(v) is torch.Tensor or isinstance(v, nn.Parameter)
         }
 
-    def dense_optimizers(self, optimizers: object) -> dict[str, torch.optim.Optimizer]:
-        fused_ids = {id(o) for o in _flatten(self.model.fused_optimizer)}
-        fused_ids.add(id(self.model.fused_optimizer))
-        out: dict[str, torch.optim.Optimizer] = {}
+    def dense_buffers(self) -> set[str]:
+        sd = self.model.state_dict(keep_vars=True)  # parameters stay nn.Parameter, buffers do not
+        return {k for k, v in sd.items() if type(v) is torch.Tensor}
+
+    def optimizers(self, optimizers: object) -> Optimizers:
+        fused = {id(o) for o in _flatten(self.model.fused_optimizer)}
+        fused.add(id(self.model.fused_optimizer))
         items: list[tuple[str, Any]]
         if optimizers is None:
             items = []
@@ -257,16 +269,63 @@ class TorchRecAdapter(ModelAdapter):
             items = [(str(i), o) for i, o in enumerate(optimizers)]
         else:
             items = [("0", optimizers)]
+        out = Optimizers()
         for name, opt in items:
+            for k, wrapper in enumerate(_wrappers(opt)):
+                if id(wrapper) not in fused:
+                    out.wrappers[f"{name}.w{k}"] = _wrapper_state(name, wrapper)
+            # Leaves are named by their position among every leaf (fused ones included), as
+            # checkpoints written before wrappers were unwrapped named them.
             for j, leaf in enumerate(_flatten(opt)):
-                if id(leaf) in fused_ids:
+                if id(leaf) in fused:
                     continue
-                if not hasattr(leaf, "state_dict") or not hasattr(leaf, "load_state_dict"):
-                    raise UnsupportedError(
-                        f"optimizer {name!r}: {type(leaf).__name__} has no state_dict()"
-                    )
-                out[f"{name}.{j}"] = leaf
+                _check_dense_leaf(name, leaf)
+                out.dense[f"{name}.{j}"] = leaf
         return out
+
+    def fused_hyperparameters(self) -> dict[str, dict[str, Any]]:
+        return {
+            key: {"param_groups": _hyperparameters(leaf)}
+            for leaf, keys in _fused_leaves(self.model.fused_optimizer, "")
+            for key in keys
+        }
+
+    def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+        if not saved:  # written before deck saved them
+            return
+        distinct = {repr(v): v for v in saved.values()}
+        for leaf, keys in _fused_leaves(self.model.fused_optimizer, ""):
+            mine = {repr(saved[k]): saved[k] for k in keys if k in saved}
+            # A table the saving rank did not hold (another plan or world size) takes the value
+            # every saved table agrees on, if they do.
+            choices = mine or distinct
+            if len(choices) != 1:
+                raise IncompatibleModelError(
+                    f"{where}: the fused optimizer of tables {sorted(keys)[:4]} "
+                    + (
+                        "has no saved hyperparameters and the saved tables disagree"
+                        if not mine
+                        else f"has {len(mine)} different saved hyperparameter sets"
+                    )
+                    + "; restore with the plan the checkpoint was written with"
+                )
+            groups = next(iter(choices.values()))["param_groups"]
+            if len(groups) != len(leaf.param_groups):
+                raise IncompatibleModelError(
+                    f"{where}: the fused optimizer of tables {sorted(keys)[:4]} has "
+                    f"{len(leaf.param_groups)} param groups, the checkpoint {len(groups)}"
+                )
+            for live, hyper in zip(leaf.param_groups, groups, strict=True):
+                live.update(hyper)
+            # TorchRec hands param_groups[0]["lr"] to the TBE kernel in zero_grad()/step() only
+            # (and the fused update runs in backward, before step()): push it now, so the first
+            # step after a restore already uses the restored rate. zero_grad() of a fused
+            # optimizer touches no gradient (it has none), it only sets the rate.
+            leaf.zero_grad()
+
+    def pin_reduction_order(self) -> None:
+        for ddp in (m for m in self.model.modules() if isinstance(m, DistributedDataParallel)):
+            _pin_buckets(ddp)
 
     # ---- tracking --------------------------------------------------------------------------
     def install_tracking(
@@ -320,6 +379,8 @@ class TorchRecAdapter(ModelAdapter):
                     # Ids arrive shard-local; the tracker space is indexed by local row.
                     keys.extend(table.feature_names)
                     key_bases.extend([base] * len(table.feature_names))
+            if not keys:  # no shard of this sharding type on this rank: nothing to track
+                continue
             if tuple(keys) in plans:
                 raise UnsupportedError(
                     f"module {path!r}: two lookups share the feature order {keys}"
@@ -444,9 +505,127 @@ def tbe_scalars(tbe: Any) -> dict[str, torch.Tensor]:
 
 
 def _flatten(opt: Any) -> list[Any]:
+    """The leaves of an optimizer tree: CombinedOptimizers and TorchRec's OptimizerWrappers
+    (WarmupOptimizer, GradientClippingOptimizer, ...) opened, in order."""
     if isinstance(opt, CombinedOptimizer):
         return [leaf for _, sub in opt.optimizers for leaf in _flatten(sub)]
+    if isinstance(opt, OptimizerWrapper):
+        return _flatten(opt._optimizer)
     return [opt]
+
+
+def _wrappers(opt: Any) -> list[Any]:
+    """The OptimizerWrappers of an optimizer tree, outermost first."""
+    if isinstance(opt, CombinedOptimizer):
+        return [w for _, sub in opt.optimizers for w in _wrappers(sub)]
+    if isinstance(opt, OptimizerWrapper):
+        return [opt, *_wrappers(opt._optimizer)]
+    return []
+
+
+def _fused_leaves(opt: Any, prefix: str) -> list[tuple[Any, list[str]]]:
+    """Every leaf of TorchRec's fused optimizer tree with the full keys of its parameters (the
+    tables' state_dict keys), so hyperparameters are found by table whatever the grouping."""
+    if isinstance(opt, CombinedOptimizer):
+        return [
+            leaf
+            for key, sub in opt.optimizers
+            for leaf in _fused_leaves(sub, CombinedOptimizer.prepend_opt_key(key, prefix))
+        ]
+    keys = [CombinedOptimizer.prepend_opt_key(k, prefix) for k in getattr(opt, "params", {})]
+    return [(opt, keys)]
+
+
+def _hyperparameters(opt: Any) -> list[dict[str, Any]]:
+    """Every param group of ``opt`` without its parameters: lr, betas, weight decay, ... and
+    whatever a scheduler added (``initial_lr``)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _wrapper_state(name: str, wrapper: Any) -> WrapperState:
+    """How to save and restore what a TorchRec OptimizerWrapper keeps itself; refuses a wrapper
+    deck does not know (it might keep state deck would silently drop)."""
+    if isinstance(wrapper, WarmupOptimizer):
+
+        def get_warmup() -> dict[str, Any]:
+            iteration, stage = wrapper._get_warmup_state()
+            return {"iter": int(iteration), "stage": int(stage)}
+
+        def set_warmup(saved: dict[str, Any]) -> None:
+            wrapper.state[wrapper._warmup_param] = {  # where WarmupOptimizer.step keeps it
+                "warmup": torch.tensor([saved["iter"], saved["stage"]], dtype=torch.long)
+            }
+            wrapper.post_load_state_dict()  # sets the lr of the restored iteration
+
+        return WrapperState(get_warmup, set_warmup)
+    if isinstance(wrapper, GradientClippingOptimizer):
+
+        def get_clip() -> dict[str, Any]:
+            return {"step_num": int(wrapper._step_num)}
+
+        def set_clip(saved: dict[str, Any]) -> None:
+            wrapper._step_num = int(saved["step_num"])
+
+        return WrapperState(get_clip, set_clip)
+    if type(wrapper) is OptimizerWrapper:
+        return WrapperState(dict, lambda saved: None)
+    raise UnsupportedError(
+        f"optimizer {name!r} contains a {type(wrapper).__name__}, a TorchRec OptimizerWrapper "
+        "deck does not know: it may keep state outside the optimizers it wraps, which deck "
+        "would not save. deck restores WarmupOptimizer, GradientClippingOptimizer and "
+        "CombinedOptimizer exactly; pass the optimizers inside it instead and restore the "
+        "wrapper's own state through enable(state=...)"
+    )
+
+
+def _check_dense_leaf(name: str, leaf: Any) -> None:
+    """Refuse, at enable, a dense optimizer deck cannot save: one without a state_dict, or one
+    over a sharded table's parameters (their state is the fused optimizer's, saved with the
+    table's rows)."""
+    if not hasattr(leaf, "state_dict") or not hasattr(leaf, "load_state_dict"):
+        raise UnsupportedError(f"optimizer {name!r}: {type(leaf).__name__} has no state_dict()")
+    params = getattr(leaf, "params", None)
+    named = (
+        list(params.items())
+        if isinstance(params, dict)
+        else [
+            (f"param_groups[{i}][{j}]", p)
+            for i, g in enumerate(leaf.param_groups)
+            for j, p in enumerate(g["params"])
+        ]
+    )
+    for key, p in named:
+        if _sharded_tensor_shards(p) or hasattr(p, "_in_backward_optimizers"):
+            raise UnsupportedError(
+                f"optimizer {name!r} ({type(leaf).__name__}) holds {key}, a parameter of a "
+                "sharded table: its optimizer state is TorchRec's fused optimizer's, saved with "
+                "the table's rows. Build the dense optimizer over "
+                "in_backward_optimizer_filter(model.named_parameters()) and pass "
+                "model.fused_optimizer (or a CombinedOptimizer / wrapper holding it) for the tables"
+            )
+
+
+def _pin_buckets(ddp: DistributedDataParallel) -> None:
+    """Collective. DDP sums gradients bucket by bucket, and gloo's ring allreduce sums each element
+    in an order set by its position in its bucket; DDP rebuilds its buckets (in gradient-ready
+    order) after the first iteration, so a process that starts from a restore would reduce its
+    first step with another layout than the run that saved it, and with 3+ ranks its sums differ
+    in the last bits. Rebuilding once now, in parameter order, fixes the layout for the whole run
+    in both processes (TorchRec's DMP wraps its dense part with static_graph=True; tested
+    there)."""
+    if getattr(ddp, "_deck_pinned_buckets", False):  # a second enable on the same model
+        return
+    if getattr(ddp, "_has_rebuilt_buckets", False):
+        logger.warning(
+            "deck: DDP already rebuilt its gradient buckets (training ran before deck was "
+            "enabled): with 3+ ranks the first step after a restore may sum gradients in another "
+            "order; enable deck before the first training step"
+        )
+        return
+    ddp.reducer._push_all_rebuilt_params()
+    if ddp.reducer._rebuild_buckets():
+        ddp._has_rebuilt_buckets = True
+    ddp._deck_pinned_buckets = True  # type: ignore[assignment]
 
 
 def _chain_hooks(

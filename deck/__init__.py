@@ -9,8 +9,8 @@ Quick use::
         ckpt.step(step)
 
 ``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
-``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``) load on first use,
-so ``deck ls`` and the merger workers start without them.
+``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
+``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
 """
 
 from importlib import import_module
@@ -26,6 +26,7 @@ from deck.version import __version__
 
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
     from deck.adapters.dmp import DeckDistributedModelParallel
+    from deck.doctor import DoctorSetup, run_doctor
     from deck.trainer.checkpointer import DeltaCheckpointer, enable
     from deck.trainer.staging import CheckpointStats
 
@@ -36,6 +37,7 @@ __all__ = [
     "DeckConfig",
     "DeckDistributedModelParallel",
     "DeltaCheckpointer",
+    "DoctorSetup",
     "LineageGraph",
     "PublishConfig",
     "StagingConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "lineage",
     "lineage_graph",
     "list_checkpoints",
+    "run_doctor",
 ]
 
 # name -> module that defines it; these import torch (and the wrapper TorchRec).
@@ -53,6 +56,8 @@ _LAZY = {
     "enable": "deck.trainer.checkpointer",
     "CheckpointStats": "deck.trainer.staging",
     "DeckDistributedModelParallel": "deck.adapters.dmp",
+    "DoctorSetup": "deck.doctor",  # deck doctor: the check of a user's own setup
+    "run_doctor": "deck.doctor",
 }
 
 

@@ -165,8 +165,8 @@ class PublishConfig(Settings):
     """
 
     uri: str = Field(
-        description="Where published deltas go: a local directory or any fsspec URI; must differ "
-        "from DeckConfig.uri.",
+        description="Where published deltas go: a local directory or an object store URI (as "
+        "DeckConfig.uri); must differ from DeckConfig.uri.",
         json_schema_extra={"constraints": "non-empty, not DeckConfig.uri"},
     )
     every_steps: int = Field(
@@ -188,6 +188,26 @@ class PublishConfig(Settings):
         "recovery chain) are always exact.",
     )
 
+    state_uri: str | None = Field(
+        default=None,
+        description="With a kafka:// uri: the fsspec URI (or local directory) where the dense "
+        "and user state, the rank manifests and the commit records of each publish go; the "
+        "table rows travel through the topic. Required for kafka://, unused otherwise.",
+        json_schema_extra={"constraints": "required when uri is kafka://"},
+    )
+    kafka: dict[str, Any] = Field(
+        default_factory=dict,
+        description="With a kafka:// uri: extra librdkafka producer settings (security, "
+        "compression, timeouts); deck sets bootstrap.servers, acks=all and idempotence.",
+    )
+    max_message_bytes: int = Field(
+        default=1_000_000,
+        ge=4096,
+        description="With a kafka:// uri: the largest message value deck produces; a table "
+        "file is split into segments of at most this size. Keep it below the broker's "
+        "message.max.bytes (and the topic's max.message.bytes) minus ~1 KiB of headers.",
+    )
+
     @field_validator("uri")
     @classmethod
     def _uri_nonempty(cls, v: str) -> str:
@@ -195,12 +215,22 @@ class PublishConfig(Settings):
             raise ValueError("must be a non-empty local path or fsspec URI")
         return v.strip()
 
+    @model_validator(mode="after")
+    def _kafka_state(self) -> PublishConfig:
+        if self.uri.startswith("kafka://") and not self.state_uri:
+            raise ValueError(
+                "a kafka:// publish uri needs state_uri: where the dense and user state and "
+                "the commit records of each publish go (a shared path or object store URI)"
+            )
+        return self
+
 
 class DeckConfig(Settings):
     """Everything deck needs to checkpoint one TorchRec model.
 
-    - ``uri``: where checkpoints go: a local directory (the default use) or any fsspec URI
-      (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+    - ``uri``: where checkpoints go: a local directory (the default use) or an fsspec URI whose
+      put is atomic (``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``memory://...``;
+      other protocols are refused: see :class:`deck.storage.FsspecStorage`).
     - ``delta_every_steps``: take a delta checkpoint every this many steps (``step % n == 0``).
     - ``full_every_steps``: take a full checkpoint every this many steps; ``None`` means only the
       first checkpoint is full (later fulls come from the merger).
@@ -210,13 +240,15 @@ class DeckConfig(Settings):
     - ``storage_options``: passed to fsspec (credentials, endpoint).
     - ``track_eval``: also record ids looked up by forwards in eval mode (off: eval does not
       update rows, so tracking it only costs time).
+    - ``save_rng``: save and restore every rank's torch RNG states (on by default).
     - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
     - ``publish``: an optional publisher tenant (:class:`PublishConfig`).
     """
 
     uri: str = Field(
-        description="Where checkpoints go: a local directory or any fsspec URI (s3://bucket/prefix, "
-        "gs://..., memory:// for one-process jobs).",
+        description="Where checkpoints go: a local directory or an object store URI whose put is "
+        "atomic (s3://bucket/prefix, gs://..., az://..., memory:// for one-process jobs); other "
+        "protocols (sftp, ftp, smb, hdfs, http, ...) are refused: mount them and give the path.",
         json_schema_extra={"constraints": "non-empty"},
     )
     delta_every_steps: int = Field(
@@ -245,6 +277,12 @@ class DeckConfig(Settings):
         default=False,
         description="Also track lookups of eval-mode forwards (eval does not update rows, so "
         "this only costs time).",
+    )
+    save_rng: bool = Field(
+        default=True,
+        description="Save every rank's torch random number generator states (CPU, and CUDA where "
+        "present) with each checkpoint and restore them, so dropout and other torch randomness "
+        "resume exactly. Generators of your own and the data loader's position are your state.",
     )
     lease_ttl_s: float | None = Field(
         default=60.0,

@@ -257,10 +257,13 @@ class TrainState:
 
 
 def capture_state(
-    model: Any, dense_opt: Any, user: TrainState | None = None
+    model: Any, dense_opt: Any, user: TrainState | None = None, *, full: bool = False
 ) -> dict[str, torch.Tensor]:
     """Copy of everything a restore must reproduce, read with TorchRec's own APIs (independent of
-    deck's adapter): table shards, fused optimizer states, dense params, dense optimizer state."""
+    deck's adapter): table shards, fused optimizer states, dense params, dense optimizer state.
+    ``full`` adds what a plain state_dict leaves out: the hyperparameters of every param group
+    (fused and dense) and the torch RNG state. (Persistent buffers are in the state_dict, every
+    rank's own; non-persistent ones are derived, e.g. TorchRec's lazily built feature order.)"""
     out: dict[str, torch.Tensor] = {}
 
     def put(prefix: str, v: Any) -> None:
@@ -281,6 +284,11 @@ def capture_state(
     put("model", model.state_dict())
     put("fused", model.fused_optimizer.state_dict())
     put("dense_opt", dense_opt.state_dict())
+    if full:
+        for name, opt in (("fused", model.fused_optimizer), ("dense_opt", dense_opt)):
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            put(f"{name}.param_groups", groups)
+        put("rng", torch.get_rng_state())
     if user is not None:
         put("user", user.state_dict())
     return out

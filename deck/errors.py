@@ -54,3 +54,16 @@ class LeaseHeldError(DeckError):
 class SpoolError(StorageError):
     """Writing to the local staging spool failed (disk full, permissions); the checkpoint that
     needed it is not taken, committed checkpoints are untouched."""
+
+
+class DoctorError(DeckError):
+    """``deck doctor`` could not run the user's setup (entry point not importable, not a
+    ``deck.DoctorSetup``, the user's own code raised): a usage error, not a finding about deck."""
+
+
+class UnsafePathError(StorageError, CorruptCheckpointError):
+    """A key of a local store leads through a symbolic link below the root, or names something
+    other than a regular file (a FIFO, a device, a socket): deck never reads, writes or deletes
+    through it, so a URI written by someone else cannot make it touch files outside the root or
+    hang on a read. It is damage of the URI (a :class:`CorruptCheckpointError`: restores fall
+    back around it) reported by the storage layer (a :class:`StorageError`)."""

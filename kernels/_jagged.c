@@ -44,6 +44,9 @@ static int64_t scan_clear(uint64_t *words, int64_t n, int64_t *out)
     return k;
 }
 
+/* Words of a table of `bound` rows, ceil(bound / 64), without overflow for any bound >= 0. */
+static inline int64_t words_for(int64_t bound) { return bound / 64 + (bound % 64 != 0); }
+
 #define MARK(TYPE)                                                            \
     do {                                                                      \
         for (int64_t p = pieces[t]; p < pieces[t + 1] && bad < 0; ++p) {      \
@@ -69,10 +72,14 @@ static PyObject *mark_scan(PyObject *self, PyObject *args)
     Py_ssize_t num_tables = counts_b.len / word, num_pieces = ptrs_b.len / word;
     const int64_t *ptrs = ptrs_b.buf, *lens = lens_b.buf, *pieces = pieces_b.buf;
     const int64_t *bounds = bounds_b.buf;
+    /* What the buffers hold; every sum below is checked against them before it is added, so
+     * no argument (a bound near 2**63, lengths summing past it) can overflow or reach past a
+     * buffer. The public wrappers check too; this is the private entry point's own guard. */
+    const int64_t bit_words = bits_b.len / word, out_room = out_b.len / word;
     int64_t words_needed = 0, ids_total = 0;
-    if ((itemsize != 4 && itemsize != 8) || lens_b.len != ptrs_b.len ||
+    if ((itemsize != 4 && itemsize != 8) || lens_b.len != ptrs_b.len || ptrs_b.len % word ||
         pieces_b.len != (num_tables + 1) * word || bounds_b.len != num_tables * word ||
-        ((uintptr_t)bits_b.buf & 7)) {
+        counts_b.len % word || ((uintptr_t)bits_b.buf & 7) || ((uintptr_t)out_b.buf & 7)) {
         PyErr_SetString(PyExc_ValueError, "mark_scan: inconsistent arguments");
         goto done;
     }
@@ -82,25 +89,29 @@ static PyObject *mark_scan(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "mark_scan: bad bound or piece range");
             goto done;
         }
-        words_needed += (bounds[t] + 63) >> 6;
+        if (words_for(bounds[t]) > bit_words - words_needed) {
+            PyErr_SetString(PyExc_ValueError, "mark_scan: bits buffer too small for the bounds");
+            goto done;
+        }
+        words_needed += words_for(bounds[t]);
         for (int64_t p = pieces[t]; p < pieces[t + 1]; ++p) {
             if (lens[p] < 0) {
                 PyErr_SetString(PyExc_ValueError, "mark_scan: negative piece length");
                 goto done;
             }
+            if (lens[p] > out_room - ids_total) {
+                PyErr_SetString(PyExc_ValueError, "mark_scan: out buffer too small for the ids");
+                goto done;
+            }
             ids_total += lens[p];
         }
-    }
-    if (bits_b.len < words_needed * word || out_b.len < ids_total * word) {
-        PyErr_SetString(PyExc_ValueError, "mark_scan: buffers too small");
-        goto done;
     }
     uint64_t *bits = bits_b.buf;
     int64_t *out = out_b.buf, *counts = counts_b.buf;
     int64_t written = 0, bad = -1, first_word = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t t = 0; t < num_tables; ++t) {
-        int64_t bound = bounds[t], words = (bound + 63) >> 6;
+        int64_t bound = bounds[t], words = words_for(bound);
         uint64_t *table_bits = bits + first_word;
         if (itemsize == 8)
             MARK(int64_t);

@@ -95,7 +95,7 @@ def test_packages_import_only_the_layers_below_them() -> None:
     for mod, deps in sorted(GRAPH.items()):
         pkg = _package(mod)
         if pkg is None:
-            continue  # the top: deck/__init__, cli, demo, docgen, testing may import anything
+            continue  # the top: deck/__init__, cli, demo, doctor, docgen, testing: anything
         for dep in sorted(deps):
             dep_pkg = _package(dep)
             if dep in LEAVES or dep_pkg == pkg or dep_pkg in ALLOWED[pkg]:

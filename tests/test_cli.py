@@ -191,7 +191,7 @@ def test_help_on_every_command_and_export_usage_errors(
     busy.mkdir()
     (busy / "x").write_text("x")
     h, r = _decks(("export", "--help"), ("export", str(ckpt), "--out", str(busy)))
-    assert h.returncode == 0 and "--format {dcp,safetensors}" in h.stdout
+    assert h.returncode == 0 and "--format {dcp,safetensors,parquet}" in h.stdout
     assert r.returncode == 2 and "not an empty directory" in r.stderr
     assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
     assert "step 7" in capsys.readouterr().err

@@ -338,7 +338,8 @@ def run_doc(doc: Path, tmp: Path) -> int:
         elif b.lang in SHELLS and "run" in b.options:
             for line in shell_commands(b.code):
                 words = shlex.split(line, comments=True)
-                invoked.update(w for w in words if w in saved)
+                # `deck doctor FILE.py:function` invokes FILE.py too
+                invoked.update(w.split(":")[0] for w in words if w.split(":")[0] in saved)
                 if words[0] == "deck":
                     _run_deck(words[1:], tmp, f"{b.where}: `{line}`")
                 else:

@@ -1,5 +1,5 @@
 """The light CLI commands (``deck ls``, ``show``, ``lineage``, ``gc``) run on a real checkpoint
-without importing torch, TorchRec or numpy: deck.cli imports each command's modules only when
+without importing torch, TorchRec, numpy or pyarrow: deck.cli imports each command's modules only when
 that command runs. (tests/test_architecture.py checks the import rules on the source, and that
 ``import deck`` alone loads none of them.)
 
@@ -17,7 +17,7 @@ import pytest
 from deck.storage import LocalStorage
 from deck.testing.synth import SynthTrainer
 
-HEAVY = ("torch", "torchrec", "numpy")
+HEAVY = ("torch", "torchrec", "numpy", "pyarrow")
 
 # Runs `deck ARGS` in-process in a fresh interpreter, then reports which heavy modules it loaded.
 PROBE = f"""

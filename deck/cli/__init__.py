@@ -19,13 +19,17 @@
     deck history URI --table T --row R [--json]
                                          one row's value at every restorable step, reading only
                                          the chunks whose row index may hold it
+    deck doctor ENTRY [--ranks N] [--steps K] [--every E] [--more M] [--uri DIR] [--json]
+                                         train YOUR setup (ENTRY returns a deck.DoctorSetup) on
+                                         gloo ranks, checkpoint, restore into a fresh build and
+                                         report bitwise what differs (exit 1 on any difference)
 
 Exit codes (for scripts): 0 ok; 1 a check failed or there was nothing to act on (corruption
-found, no checkpoints at the URI, merge work left waiting or failed, GC errors); 2 usage or
-access error (bad arguments, unknown step, unreadable URI, damaged manifest, export target not
-empty). Results go to stdout (``--json`` where offered), errors to stderr as one line
-``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
-terminal.
+found, no checkpoints at the URI, merge work left waiting or failed, GC errors, GC keeping what
+damage may need); 2 usage or access error (bad arguments, unknown step, unreadable URI, damaged
+manifest, export target not empty). Results go to stdout (``--json`` where offered), errors to
+stderr as one line ``deck <command>: <what happened and what to do>``; progress bars only when
+stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import os
 import sys
 
 from deck.cli.common import json_options
+from deck.cli.doctor import doctor_parser
 from deck.cli.inspect import (
     history_parser,
     lineage_parser,
@@ -63,6 +68,7 @@ _SUBCOMMANDS = (
     export_parser,
     follow_parser,
     report_parser,
+    doctor_parser,
 )
 
 

@@ -45,6 +45,7 @@ def _retention(a: argparse.Namespace) -> Any:
         keep_all_steps=a.keep_all_steps,
         chain_delta_budget=a.chain_delta_budget or None,
         grace_s=a.grace,
+        verify_replacements=a.verify_replacements,
     )
 
 
@@ -202,13 +203,16 @@ def cmd_gc(a: argparse.Namespace) -> int:
         print(f"  {verb} {folder}: {why}")
     for prefix, why in rep.orphans:
         print(f"  {verb} {prefix}: {why}")
+    for folder, why in rep.kept:
+        print(f"  KEPT {folder}: {why}")
     for e in rep.errors:
         print(f"  ERROR {e}", file=sys.stderr)
     print(
         f"{verb} {len(rep.deleted)} checkpoint(s) and {len(rep.orphans)} orphan(s): "
         f"{rep.files} files, {human(rep.bytes)}"
+        + (f"; kept {len(rep.kept)} because of damage (KEPT above)" if rep.kept else "")
     )
-    return 1 if rep.errors else 0
+    return 1 if rep.errors or rep.kept else 0  # damage kept things: someone must look
 
 
 def _add_retention_args(p: argparse.ArgumentParser) -> None:
@@ -253,6 +257,13 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="never delete what the lineage needed S seconds ago, nor files younger "
         f"({default['grace_s']:g})",
+    )
+    p.add_argument(
+        "--verify-replacements",
+        action="store_true",
+        default=default["verify_replacements"],
+        help="check every checksum of a kept merger checkpoint before deleting what it "
+        "replaces (default: that its files exist with their sizes)",
     )
 
 

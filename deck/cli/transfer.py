@@ -1,4 +1,4 @@
-"""Subcommands that take a step's state elsewhere: ``deck export`` (DCP / safetensors) and ``deck follow`` (a serving replica)."""
+"""Subcommands that take a step's state elsewhere: ``deck export`` (DCP / safetensors / Parquet) and ``deck follow`` (a serving replica)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     try:
         if a.format == "dcp":
             rep = export_dcp(state, a.out, progress)
+        elif a.format == "parquet":
+            from deck.ops.parquet import export_parquet
+
+            rep = export_parquet(state, a.out, progress)
         else:
             out = a.out
             if not out.endswith(".safetensors"):
@@ -43,6 +47,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def cmd_follow(a: argparse.Namespace) -> int:
     """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    if a.uri.startswith("kafka://"):
+        return cmd_follow_kafka(a)
     from deck.ops.follow import FollowUpdate, follow
 
     def show(u: FollowUpdate) -> None:
@@ -65,6 +71,33 @@ def cmd_follow(a: argparse.Namespace) -> int:
             storage_options=a.storage_options,
             on_update=show,
             allow_quantized=a.allow_quantized,
+            parquet=a.format == "parquet",
+        )
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def cmd_follow_kafka(a: argparse.Namespace) -> int:
+    """``deck follow kafka://host:port/topic``: the Kafka loading service (deck.ops.kafka_follow)."""
+    from deck.ops.follow import FollowUpdate
+    from deck.ops.kafka_follow import follow_kafka
+
+    def show(u: FollowUpdate) -> None:
+        print(f"step {u.step} ({u.ckpt_id}): {u.how}, {u.seconds:.2f} s -> {a.out}", flush=True)
+
+    try:
+        follow_kafka(
+            a.uri,
+            a.out,
+            once=a.once,
+            on_update=show,
+            state_uri=a.state_uri,
+            storage_options=a.storage_options,
+            group=a.group,
+            full_uri=a.full_uri,
+            full_every=a.full_every,
+            allow_quantized=a.allow_quantized,
         )
     except KeyboardInterrupt:
         return 0
@@ -81,17 +114,22 @@ def export_parser(sub: Subparsers) -> None:
         "directory that dcp.load restores into a freshly built DMP model (keys: model.<state_dict "
         "key>, optim.state.<param>.<state>, as for {'model': model.state_dict(), 'optim': "
         "CombinedOptimizer([model.fused_optimizer, dense_opt]).state_dict()}), or as one "
-        "safetensors file of unsharded tensors for inspection. Streams one table shard at a "
-        "time (safetensors: one table).",
+        "safetensors file of unsharded tensors for inspection, or as Parquet files of rows "
+        "for data pipelines (one per table: row id, weight, optimizer states; see "
+        "docs/operations.md). Streams one table shard at a time (safetensors: one table; "
+        "parquet: the shards holding the same rows).",
     )
     exp.add_argument("uri")
     exp.add_argument("--step", type=int, help="step to export (default: the latest restorable)")
     exp.add_argument(
         "--out",
         required=True,
-        help="dcp: a new or empty directory; safetensors: a directory or a *.safetensors path",
+        help="dcp, parquet: a new or empty directory; safetensors: a directory or a *.safetensors "
+        "path",
     )
-    exp.add_argument("--format", choices=("dcp", "safetensors"), default="dcp", help="(dcp)")
+    exp.add_argument(
+        "--format", choices=("dcp", "safetensors", "parquet"), default="dcp", help="(dcp)"
+    )
     exp.set_defaults(fn=cmd_export)
 
 
@@ -117,5 +155,28 @@ def follow_parser(sub: Subparsers) -> None:
         action="store_true",
         help="accept a publisher's quantised weights (DeckConfig.publish.quantize): the output "
         "holds them dequantised, and state.json / the file metadata say which encodings",
+    )
+    fol.add_argument(
+        "--format",
+        choices=("safetensors", "parquet"),
+        default="safetensors",
+        help="parquet: also write DIR/parquet/<step>-full/ when the state is materialised and "
+        "DIR/parquet/<step>-delta/ per applied step (only the rows it changed; one file per "
+        "table, see docs/operations.md); the safetensors state is kept either way (safetensors)",
+    )
+    kafka = fol.add_argument_group(
+        "kafka:// URIs (a Kafka publisher: PublishConfig(uri='kafka://host:port/topic'))"
+    )
+    kafka.add_argument(
+        "--state-uri", help="where the publisher's state files are (default: named by markers)"
+    )
+    kafka.add_argument("--group", help="consumer group id (deck-follow-<topic>)")
+    kafka.add_argument(
+        "--full-uri",
+        help="where loader fulls (the output + its stream offsets) go; an empty --out starts "
+        "from the newest one",
+    )
+    kafka.add_argument(
+        "--full-every", type=int, default=0, help="write a loader full every N steps (0: never)"
     )
     fol.set_defaults(fn=cmd_follow)

@@ -16,7 +16,7 @@ import torch
 
 from deck.errors import CorruptCheckpointError
 from deck.format.checksum import checksum
-from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment
+from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment, ShardRecord
 from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
 from deck.storage import Storage
 
@@ -163,11 +163,16 @@ def decode_chunk(
     record: ChunkRecord,
     where: str,
     allow_quantized: bool = False,
+    shard: ShardRecord | None = None,
 ) -> dict[str, torch.Tensor]:
     """Verify ``data`` against ``record`` and return its segments as read-only tensor views.
 
     Raises :class:`CorruptCheckpointError` naming ``where`` on a size or checksum mismatch or a
-    record that does not describe a valid layout. A chunk with quantised segments raises
+    record that does not describe a valid layout (segments inside the chunk, not overlapping,
+    ``rows`` first). With ``shard`` (the record of the table shard the chunk belongs to) its
+    contents are checked against it too (:func:`check_rows`: ids strictly ascending, inside the
+    shard's rows and the chunk's row index; every state of the shard present), so whatever the
+    caller does with the ids cannot index outside the shard. A chunk with quantised segments raises
     :class:`deck.format.quantize.QuantizedStateError` (after those checks) unless ``allow_quantized``:
     then those segments come back dequantised to their source dtype (new tensors) and their
     scale segments are left out, so callers see the chunk's states by name either way.
@@ -178,24 +183,14 @@ def decode_chunk(
         )
     if checksum(data) != record.checksum:
         raise CorruptCheckpointError(f"{where}: checksum mismatch (file is corrupt)")
+    _check_layout(record, where)
     out: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         # torch warns that views of an immutable bytes object are not writable; we only read.
         warnings.simplefilter("ignore", UserWarning)
         for seg in record.segments:
-            dtype = DTYPES.get(seg.dtype)
-            if dtype is None:
-                raise CorruptCheckpointError(
-                    f"{where}: unknown dtype {seg.dtype!r} in segment {seg.name}"
-                )
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            dtype = DTYPES[seg.dtype]
             count = math.prod(seg.shape)
-            if (
-                count * itemsize != seg.nbytes
-                or seg.offset + seg.nbytes > len(data)
-                or (seg.shape and seg.shape[0] != record.rows)
-            ):
-                raise CorruptCheckpointError(f"{where}: segment {seg.name} does not fit its chunk")
             if count == 0:
                 out[seg.name] = torch.empty(seg.shape, dtype=dtype)
                 continue
@@ -203,6 +198,11 @@ def decode_chunk(
             out[seg.name] = flat.view(seg.shape)
     if "ids" not in out or out["ids"].dtype != torch.int64 or out["ids"].dim() != 1:
         raise CorruptCheckpointError(f"{where}: chunk has no int64 'ids' segment")
+    if shard is not None:
+        check_rows(out["ids"], record, shard, where)
+        missing = [n for n in shard.states if n not in out]
+        if missing:
+            raise CorruptCheckpointError(f"{where}: no segment for state(s) {missing}")
     for seg in record.segments:
         if seg.encoding is None:
             continue
@@ -215,6 +215,54 @@ def decode_chunk(
         scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None
         out[seg.name] = decode_rows(out[seg.name], scale, seg.encoding, DTYPES[seg.source_dtype])
     return out
+
+
+def _check_layout(record: ChunkRecord, where: str) -> None:
+    """Every segment of ``record`` has a known dtype, ``rows`` as its first dimension, exactly
+    its shape's bytes, and lies inside the chunk without overlapping another."""
+    end = 0
+    for seg in sorted(record.segments, key=lambda s: (s.offset, s.nbytes)):
+        dtype = DTYPES.get(seg.dtype)
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"{where}: unknown dtype {seg.dtype!r} in segment {seg.name}"
+            )
+        if (
+            not seg.shape
+            or seg.shape[0] != record.rows
+            or math.prod(seg.shape) * dtype.itemsize != seg.nbytes
+            or seg.offset + seg.nbytes > record.nbytes
+        ):
+            raise CorruptCheckpointError(f"{where}: segment {seg.name} does not fit its chunk")
+        if seg.nbytes and seg.offset < end:
+            raise CorruptCheckpointError(f"{where}: segment {seg.name} overlaps another segment")
+        end = max(end, seg.offset + seg.nbytes)
+
+
+def check_rows(ids: torch.Tensor, record: ChunkRecord, shard: ShardRecord, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``where`` unless the chunk's ``ids`` (int64,
+    1-D) are strictly ascending (no duplicates), inside ``shard``'s rows ``[row_offset,
+    row_offset + rows)`` and inside the chunk's row index when it has one. One vectorised
+    comparison over the ids: ascending ids lie between the first and the last."""
+    n = ids.numel()
+    if n == 0:
+        return
+    first, last = int(ids[0]), int(ids[-1])
+    lo, hi = shard.row_offset, shard.row_offset + shard.rows
+    if first < lo or last >= hi:
+        raise CorruptCheckpointError(
+            f"{where}: row ids {first}..{last} lie outside the shard's rows [{lo}, {hi})"
+        )
+    if n > 1 and not bool(torch.all(ids[1:] > ids[:-1])):
+        raise CorruptCheckpointError(
+            f"{where}: row ids are not strictly ascending (duplicate or unsorted ids)"
+        )
+    index = record.index
+    if index is not None and (first < index.min_id or last > index.max_id):
+        raise CorruptCheckpointError(
+            f"{where}: row ids {first}..{last} lie outside the chunk's row index "
+            f"[{index.min_id}, {index.max_id}]"
+        )
 
 
 # Files whose reading the kernel starts ahead of the one being copied (zero-copy path).
@@ -248,6 +296,15 @@ def chunk_where(storage: Storage, folder: str, c: ChunkRecord) -> str:
     return where
 
 
+def _check_size(storage: Storage, folder: str, c: ChunkRecord, size: int) -> None:
+    """Before a chunk file is mapped: it is exactly as long as its record says."""
+    if size != c.nbytes:
+        raise CorruptCheckpointError(
+            f"{chunk_where(storage, folder, c)}: size {size} bytes, manifest says {c.nbytes} "
+            "(truncated or replaced file)"
+        )
+
+
 def read_chunks(
     storage: Storage, folder: str, chunks: Sequence[ChunkRecord], zero_copy: bool = False
 ) -> Iterator[tuple[ChunkRecord, str, bytes | memoryview]]:
@@ -275,6 +332,8 @@ def read_chunks(
                     storage.prefetch(keys[i + _PREFETCH_FILES])
                 # Drop the previous mapping first: one file mapped at a time.
                 mapped_key, mapped = "", memoryview(b"")
+                if start is None:  # a chunk's own file: its size is known, map nothing else
+                    _check_size(storage, folder, group[0], storage.size(key))
                 mapped_key, mapped = key, storage.map_file(key)
             for c in group:
                 data = mapped if start is None else mapped[c.offset : (c.offset or 0) + c.nbytes]
@@ -288,9 +347,18 @@ def read_chunks(
             j += 1
         if j > i:
             run = reads[i:j]
-            for (_key, whole), r in zip(storage.iter_get([r[0] for r in run]), run, strict=True):
-                c = r[3][0]
-                yield c, chunk_where(storage, folder, c), whole
+            if storage.local_path() is not None:
+                # Local files may be anything (sparse, endless): read what the record says, +1
+                # byte to see a longer file (decode_chunk reports the size). Local reads gain
+                # nothing from iter_get's overlapping.
+                for key, _start, end, (c,) in run:
+                    yield c, chunk_where(storage, folder, c), storage.get(key, 0, end + 1)
+            else:
+                for (_key, whole), r in zip(
+                    storage.iter_get([r[0] for r in run]), run, strict=True
+                ):
+                    c = r[3][0]
+                    yield c, chunk_where(storage, folder, c), whole
             i = j
             continue
         key, start, end, group = reads[i]

@@ -42,12 +42,14 @@ from pydantic import (
 )
 
 from deck.errors import CorruptCheckpointError
+from deck.format.jsonio import load_json
 
 FORMAT_VERSION = 1
 PAGE_ALIGN = 4096
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-/]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
@@ -82,9 +84,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_rel_path(v: str) -> str:
-    # A manifest from an untrusted place must not make us read outside the checkpoint folder.
-    if not v or v.startswith("/") or ".." in v.split("/") or not _SAFE_PATH.match(v):
+def check_rel_path(v: str) -> str:
+    """``v`` if it is a safe file name for a record to hold (a relative '/'-path of letters,
+    digits, ``_.-`` without empty, ``.`` or ``..`` components), else ValueError: a record from
+    an untrusted place must not make deck read, write or delete outside the folder it names."""
+    if (
+        not _SAFE_PATH.match(v)
+        or v.startswith("/")
+        or any(p in ("", ".", "..") for p in v.split("/"))
+    ):
         raise ValueError(f"unsafe file name {v!r}: must be a relative path without '..'")
     return v
 
@@ -171,7 +179,7 @@ class ChunkRecord(_Strict):
     # the chunk being bytes [offset, offset + nbytes) of it; None: ``path`` is the chunk's own file.
     offset: NonNeg | None = None
 
-    _path = field_validator("path")(_check_rel_path)
+    _path = field_validator("path")(check_rel_path)
 
     @model_validator(mode="after")
     def _scales(self) -> ChunkRecord:
@@ -209,8 +217,20 @@ class ChunkRecord(_Strict):
         return _omit_none(handler(self), "index", "offset")
 
 
+def check_table_name(v: str) -> str:
+    """``v`` if it can be a table's state_dict key (dot-separated module and parameter names:
+    no empty part, no control character, at most 1024 characters), else ValueError. A record
+    naming anything else (``../../x``) is damage, not a table some model lacks."""
+    if not 0 < len(v) <= 1024 or "" in v.split(".") or _CONTROL.search(v):
+        raise ValueError(f"invalid table name {v[:80]!r}: not a state_dict key")
+    return v
+
+
 class ShardRecord(_Strict):
-    """The saved rows of one table shard (all rows of columns [col_offset, col_offset + cols))."""
+    """The saved rows of one table shard (all rows of columns [col_offset, col_offset + cols)).
+
+    Validated on read: the shard lies inside its table, its chunks hold at most ``rows`` rows,
+    and a ``full`` record's chunks hold exactly its ``rows`` (every row, once)."""
 
     table: str
     num_rows: NonNeg
@@ -223,6 +243,26 @@ class ShardRecord(_Strict):
     states: tuple[str, ...]
     chunks: tuple[ChunkRecord, ...]
 
+    _table = field_validator("table")(check_table_name)
+
+    @model_validator(mode="after")
+    def _inside_table(self) -> ShardRecord:
+        if (
+            self.row_offset + self.rows > self.num_rows
+            or self.col_offset + self.cols > self.num_cols
+        ):
+            raise ValueError(
+                f"shard of {self.table}: rows {self.row_offset}+{self.rows}, columns "
+                f"{self.col_offset}+{self.cols} lie outside the {self.num_rows} x {self.num_cols} table"
+            )
+        held = sum(c.rows for c in self.chunks)
+        if held > self.rows or (self.full and held != self.rows):
+            raise ValueError(
+                f"shard of {self.table}: its chunks hold {held} rows, the shard has {self.rows}"
+                + (" and is saved in full" if self.full else "")
+            )
+        return self
+
 
 class FileRecord(_Strict):
     """A whole file with its checksum (dense and extra state)."""
@@ -231,7 +271,7 @@ class FileRecord(_Strict):
     nbytes: NonNeg
     checksum: str
 
-    _path = field_validator("path")(_check_rel_path)
+    _path = field_validator("path")(check_rel_path)
 
 
 class RankManifest(_Strict):
@@ -274,7 +314,7 @@ class RankRef(_Strict):
     checksum: str
     data_bytes: NonNeg
 
-    _path = field_validator("path")(_check_rel_path)
+    _path = field_validator("path")(check_rel_path)
 
 
 class CheckpointManifest(_Strict):
@@ -449,7 +489,7 @@ class QuarantineRecord(_Strict):
     def _version(cls, v: int) -> int:
         return _check_version(v)
 
-    _folder = field_validator("folder")(_check_rel_path)
+    _folder = field_validator("folder")(check_rel_path)
 
 
 def _check_version(v: int) -> int:
@@ -550,13 +590,7 @@ def load_model(cls: type[M], data: bytes, where: str) -> M:
     """Parse, check and validate a manifest; any problem raises CorruptCheckpointError naming
     ``where``. The embedded checksum is verified when present: any changed byte of the content
     is detected (a manifest written without one, by hand, is only validated)."""
-    try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(
-            f"{where}: not a {cls.__name__} (invalid JSON: {e}); the file is damaged or was not "
-            "written by deck"
-        ) from None
+    d = load_json(data, where, f"{cls.__name__} record")
     if isinstance(d, dict) and SELF_CHECKSUM in d:
         want = d.pop(SELF_CHECKSUM)
         body = _canonical(d)

@@ -17,8 +17,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from deck.errors import CorruptCheckpointError, UnsupportedError
+from deck.format.jsonio import depth_exceeds, load_json
 
 _META_KEY = "deck_tree"
+# How deep the JSON structure of a state file may nest (a tuple adds two levels, a dict with
+# non-string keys three). Both sides enforce it: encode refuses a deeper state (it could not be
+# restored), decode refuses a deeper file without recursing into it.
+MAX_TREE_DEPTH = 100
 
 
 def encode(obj: Any, what: str) -> bytes:
@@ -28,7 +33,10 @@ def encode(obj: Any, what: str) -> bytes:
     """
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(x: Any, path: str) -> Any:
+    def walk(x: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_TREE_DEPTH:  # each container is at least one JSON level
+            raise _too_deep(what, path)
+        depth += 1
         if isinstance(x, torch.Tensor):
             if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
                 raise UnsupportedError(
@@ -44,29 +52,47 @@ def encode(obj: Any, what: str) -> bytes:
         if isinstance(x, bytes):
             return {"__bytes__": base64.b64encode(x).decode()}
         if isinstance(x, tuple):
-            return {"__tuple__": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+            return {"__tuple__": [walk(v, f"{path}[{i}]", depth) for i, v in enumerate(x)]}
         if isinstance(x, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
+            return [walk(v, f"{path}[{i}]", depth) for i, v in enumerate(x)]
         if isinstance(x, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in x):
-                return {k: walk(v, f"{path}.{k}") for k, v in x.items()}
-            return {"__dict__": [[walk(k, path), walk(v, f"{path}.{k}")] for k, v in x.items()]}
+                return {k: walk(v, f"{path}.{k}", depth) for k, v in x.items()}
+            return {
+                "__dict__": [
+                    [walk(k, path, depth), walk(v, f"{path}.{k}", depth)] for k, v in x.items()
+                ]
+            }
         raise UnsupportedError(
             f"{what}: {path} has type {type(x).__name__}, which deck cannot save without pickle; "
             "convert it to tensors, numbers, strings, lists or dicts"
         )
 
     tree = walk(obj, what)
+    if depth_exceeds(tree, MAX_TREE_DEPTH):
+        raise _too_deep(what, what)
     return st_save(tensors, metadata={_META_KEY: json.dumps(tree)})
 
 
-def decode(data: bytes, where: str) -> Any:
-    """Inverse of :func:`encode`; raises CorruptCheckpointError naming ``where`` on bad input."""
+def _too_deep(what: str, path: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what}: {path} nests containers deeper than deck stores ({MAX_TREE_DEPTH} JSON levels; "
+        "a tuple counts 2, a dict with non-string keys 3); flatten it"
+    )
+
+
+def decode(data: bytes, where: str, expect: type | None = None) -> Any:
+    """Inverse of :func:`encode`. Guarantees: the result is built only of the types encode
+    stores, nested at most :data:`MAX_TREE_DEPTH` JSON levels, and is an instance of ``expect``
+    when given (e.g. ``dict``: what the caller indexes by key); anything else raises
+    :class:`CorruptCheckpointError` naming ``where`` (never a RecursionError or TypeError)."""
     try:
         (hlen,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + hlen])
-        tree = json.loads(header["__metadata__"][_META_KEY])
+        header = load_json(data[8 : 8 + hlen], where, "safetensors header")
+        tree = load_json(header["__metadata__"][_META_KEY], where, "state tree", MAX_TREE_DEPTH)
         tensors = st_load(data)
+    except CorruptCheckpointError:
+        raise
     except Exception as e:  # any parse failure of an untrusted file is corruption
         raise CorruptCheckpointError(f"{where}: not a valid deck state file ({e})") from None
 
@@ -96,6 +122,12 @@ def decode(data: bytes, where: str) -> Any:
         return k
 
     try:
-        return build(tree)
+        out = build(tree)
     except (TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: malformed state tree ({e})") from None
+    if expect is not None and not isinstance(out, expect):
+        raise CorruptCheckpointError(
+            f"{where}: state tree is a {type(out).__name__}, not a {expect.__name__}; the file "
+            "is damaged or was not written by deck"
+        )
+    return out

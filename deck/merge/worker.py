@@ -122,6 +122,10 @@ class MergeWorker:
         self.failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self.max_failures = 3
+        # Items whose folder holds an unreadable commit record (id -> problem): skipped, never
+        # rebuilt over it, never counted as progress (logged once).
+        self.damaged: dict[str, str] = {}
+        self._seen_committed: set[str] = set()  # items found committed after a listing
 
     def run_pass(self) -> PassResult:
         """Everything this worker can do now: every ready item's own partitions and commits."""
@@ -138,6 +142,9 @@ class MergeWorker:
         waiting = 0
         progressed = False
         for item in p.ready:
+            if item.id in manifests.damaged_merged:
+                self._skip_damaged(item, manifests.damaged_merged[item.id], stats)
+                continue
             if time.monotonic() < self._retry_at.get(item.id, 0.0):
                 continue  # failed repeatedly: back off (it may be a lasting storage problem)
             item_progressed, item_waiting = self._work_on(item, graph, stats)
@@ -167,8 +174,14 @@ class MergeWorker:
             b = ItemBuilder(self.storage, item, inputs, self.config)
             if b.committed():
                 # Committed by another worker since this pass listed the store: the plan is
-                # stale (items built on it may be ready now), so this pass counts as progress.
-                return item.id not in graph.nodes, False
+                # stale (items built on it may be ready now), so this pass counts as progress --
+                # once: a record still missing from the next listing is not a race but unreadable.
+                if item.id in self._seen_committed:
+                    why = f"{self.storage.describe(b.folder)}: its record exists but is not listed"
+                    self._skip_damaged(item, why, stats)
+                    return False, False
+                self._seen_committed.add(item.id)
+                return True, False
             for part in b.mine():
                 before = stats.partitions
                 b.build_partition(part, stats)
@@ -193,6 +206,20 @@ class MergeWorker:
             # Transient or not, nothing was committed: try again next pass.
             self._fail(item, f"storage error: {e}", stats)
         return progressed, False
+
+    def _skip_damaged(self, item: PlannedItem, why: str, stats: WorkStats) -> None:
+        """``item``'s folder has a commit record that cannot be read: "cannot read" is
+        "unknown", so it is neither done nor redone over (a person decides); it counts as a
+        failure of the pass, never as progress, and is logged once per worker."""
+        stats.failed[item.id] = f"unreadable commit record: {why}"
+        if item.id not in self.damaged:
+            self.damaged[item.id] = why
+            logger.error(
+                "deck merge: %s is skipped: its commit record is unreadable (%s); inspect it, "
+                "then delete its folder to have it rebuilt",
+                item.describe(),
+                why,
+            )
 
     def _fail(self, item: PlannedItem, why: str, stats: WorkStats) -> None:
         n = self.failures[item.id] = self.failures.get(item.id, 0) + 1
@@ -231,7 +258,7 @@ class MergeWorker:
                         wait_s,
                         self.config.num_workers - 1,
                     )
-                elif r.wanted and (r.waiting or self.failures):
+                elif r.wanted and (r.waiting or self.failures or self.damaged):
                     logger.warning(
                         "deck merge: %d checkpoint(s) could not be built (see the errors above)",
                         r.wanted,

@@ -48,12 +48,18 @@ from typing import IO, Any
 import torch
 
 from deck.adapters.base import TableShard
-from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
+from deck.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    UnsupportedError,
+)
 from deck.format.chunks import DTYPES
-from deck.format.manifest import CheckpointManifest, RankManifest, ShardRecord
+from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.read.catalog import describe, read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
-from deck.read.restore import apply_chain, read_state_file
+from deck.read.restore import apply_chain, part_where, read_state_file
+from deck.read.verify import check_files
 from deck.storage import Storage, open_storage
 from deck.storage.atomic import atomic_file
 
@@ -195,13 +201,15 @@ class StepState:
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
+        storage: Storage | None = None,
     ):
         # A chain with quantised weights (deck.format.quantize) is refused unless allowed: its tables
         # are then the dequantised values, not the exact state.
         self.allow_quantized = allow_quantized
         # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped
         # files of a LocalStorage, overlapped gets of a remote one).
-        self.storage: Storage = open_storage(uri, storage_options)
+        # (``storage``: a view given by the caller, e.g. the Kafka loader's stream overlay.)
+        self.storage: Storage = storage or open_storage(uri, storage_options)
         self.step: int
         self.chain: list[CheckpointManifest]
         self.step, self.chain = _chain_of(self.storage, step)
@@ -220,6 +228,7 @@ class StepState:
         self.shards: list[ShardSpec] = self._shard_specs(ranked, self._state_kinds())
         self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
         self._check_cover()
+        self._check_claims()
 
     # ---- layout ------------------------------------------------------------------------------
     def _state_kinds(self) -> dict[str, tuple[_StateKind, ...]]:
@@ -310,6 +319,40 @@ class StepState:
             raise UnsupportedError(
                 f"step {self.step}: the shards of {bad[:3]} do not cover each table exactly once"
             )
+
+    def _check_claims(self) -> None:
+        """Before anything is allocated: the tables of this step, as its records claim them
+        (rows x columns x dtype of every state), fit in what the chain's full holds (a full
+        holds every row; a chunk decodes to at most its recorded bytes, times the widening of
+        a quantised state). Above :data:`_CHECK_FILES_ABOVE` bytes the full's files must also
+        have their recorded sizes (one size request per file), so that no record, however
+        forged, makes an export or ``deck follow`` allocate more than the files hold. Raises
+        :class:`CorruptCheckpointError` naming the records."""
+        full = self.chain[0]
+        held: dict[str, int] = {}
+        for part in self.rank_parts[full.folder]:
+            for rec in part.shards:
+                held[rec.table] = held.get(rec.table, 0) + sum(map(_decoded_bytes, rec.chunks))
+        claims: dict[str, int] = {}
+        for s in self.shards:
+            claims[s.table] = claims.get(s.table, 0) + s.nbytes
+        for table, claim in sorted(claims.items()):
+            if claim > held.get(table, 0):
+                rank = next(p.rank for p in self.parts for r in p.shards if r.table == table)
+                raise CorruptCheckpointError(
+                    f"{part_where(self.storage, self.last, rank)}: table {table} claims "
+                    f"{claim} bytes of state, but the chunks of its full ({describe(full)}) hold "
+                    f"at most {held.get(table, 0)}; the records are damaged or were not written "
+                    "by deck: run deck verify"
+                )
+        if sum(claims.values()) > _CHECK_FILES_ABOVE:
+            problems = check_files(self.storage, full)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"step {self.step} at {self.storage.uri} claims {sum(claims.values())} bytes "
+                    f"of tables, but its full's files do not match their records: {problems[0]}"
+                    + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                )
 
     # ---- data --------------------------------------------------------------------------------
     def read_shard(self, i: int) -> dict[str, torch.Tensor]:
@@ -412,6 +455,21 @@ def _add_scalar_states(
             opt_state.setdefault(table, {})[f"{table_name(table)}.{k}"] = torch.cat(
                 [v for _, v in sorted(blocks, key=lambda b: b[0])]
             )
+
+
+# Claims of tables larger than this are checked against the sizes of the full's files too
+# (StepState._check_claims): below it, a forged claim can cost at most this much memory.
+_CHECK_FILES_ABOVE = 64 * 2**20
+
+
+def _decoded_bytes(c: ChunkRecord) -> int:
+    """The most bytes chunk ``c`` can decode to: its recorded size, times how much wider a
+    quantised segment's source dtype is than what is stored (int8 -> float32: 4)."""
+    widen = 1
+    for seg in c.segments:
+        if seg.source_dtype is not None and seg.dtype in DTYPES and seg.source_dtype in DTYPES:
+            widen = max(widen, DTYPES[seg.source_dtype].itemsize // DTYPES[seg.dtype].itemsize)
+    return c.nbytes * widen
 
 
 def _dtype(name: str, table: str) -> torch.dtype:

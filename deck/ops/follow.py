@@ -13,6 +13,11 @@ read again. A new full, a changed set of tables, or a newest step whose chain do
 through the materialised one (e.g. the publisher restarted) is materialised from scratch.
 
 Memory: the whole unsharded state of one step (what a serving job loads anyway).
+
+With ``parquet`` (``deck follow --format parquet``) the follower also writes Parquet row files
+beside these (:class:`deck.ops.parquet.FollowParquet`): a full folder when it materialises a
+step, and for every checkpoint it applies after that (one at a time) a delta folder of the rows
+that checkpoint changed, before the safetensors state is replaced.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from safetensors import safe_open
 
 from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.format.jsonio import load_json
 from deck.format.manifest import CheckpointManifest
 from deck.ops.export import (
     ShardGeometry,
@@ -93,6 +99,9 @@ class Follower:
         out_dir: str,
         storage_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
+        parquet: bool = False,
+        *,
+        storage: Storage | None = None,
     ):
         self.uri = uri
         self.storage_options = storage_options
@@ -100,16 +109,25 @@ class Follower:
         # them (dequantised) must be asked for, and the output then says so (state.json).
         self.allow_quantized = allow_quantized
         self.encodings: set[str] = set()
-        self.storage: Storage = open_storage(uri, storage_options)
+        # ``storage``: a view to read the chain through instead of ``uri``'s own store (the Kafka
+        # loader's: rows from the stream, the rest from the state URI).
+        self.storage: Storage = storage or open_storage(uri, storage_options)
         self.out_dir = out_dir
         self.tensors: dict[str, torch.Tensor] = {}  # tables first, then dense, as written
         self.table_fqns: list[str] = []
         self.shards: list[_Shard] = []
         self.state: tuple[int, str] | None = None  # (step, trainer checkpoint id) held
         self.chain: list[str] = []
+        self.resumed: dict[str, Any] = {}  # state.json of the output resumed from
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ConfigError(f"--out {out_dir} is not a directory")
         os.makedirs(out_dir, exist_ok=True)
+        # deck.ops.parquet (and pyarrow) only when Parquet is asked for.
+        self.parquet: Any = None
+        if parquet:
+            from deck.ops.parquet import FollowParquet
+
+            self.parquet = FollowParquet(out_dir, self.storage.uri)
         self._resume()
 
     @property
@@ -146,15 +164,7 @@ class Follower:
 
     def _apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
         last = newer[-1]
-        targets = self._targets()
-        stats, _ = apply_chain(
-            self.storage,
-            newer,
-            targets,
-            self.tables,
-            onto=True,
-            allow_quantized=self.allow_quantized,
-        )
+        bytes_read = self._apply_rows(newer, self._targets())
         self.encodings |= {m.encoding for m in newer if m.encoding is not None}
         dense = flatten(eager_state(self.storage, last, parts))
         self._set_dense(dense)
@@ -166,12 +176,44 @@ class Follower:
             last.state[1],
             "delta",
             [m.folder for m in newer],
-            bytes_read=stats.bytes,
+            bytes_read=bytes_read,
             write_s=write_s,
         )
 
+    def _apply_rows(self, newer: list[CheckpointManifest], targets: list[TableShard]) -> int:
+        """Apply ``newer`` onto the held tables; returns the chunk bytes read. With Parquet
+        output, one checkpoint at a time, each one's changed rows written as its delta."""
+        if self.parquet is None:
+            stats, _ = apply_chain(
+                self.storage,
+                newer,
+                targets,
+                self.tables,
+                onto=True,
+                allow_quantized=self.allow_quantized,
+            )
+            return stats.bytes
+        total, parent = 0, self.state
+        for m in newer:
+            if m.state == parent:
+                continue  # the same training state again (reached through a merger): no rows
+            stats, parts = apply_chain(
+                self.storage,
+                [m],
+                targets,
+                self.tables,
+                onto=True,
+                allow_quantized=self.allow_quantized,
+            )
+            total += stats.bytes
+            self.parquet.delta(self, m, parent, parts)
+            parent = m.state
+        return total
+
     def _materialise(self, step: int) -> FollowUpdate:
-        st = StepState(self.uri, step, self.storage_options, self.allow_quantized)
+        st = StepState(
+            self.uri, step, self.storage_options, self.allow_quantized, storage=self.storage
+        )
         self.encodings = {m.encoding for m in st.chain if m.encoding is not None}
         tensors: dict[str, torch.Tensor] = {}
         shards: list[_Shard] = []
@@ -189,6 +231,8 @@ class Follower:
         self._set_dense(flatten(st.eager_state()))
         self.state = st.last.state
         self.chain = [m.folder for m in st.chain]
+        if self.parquet is not None:
+            self.parquet.full(self)
         write_s = self._write()
         return FollowUpdate(
             st.step,
@@ -240,10 +284,16 @@ class Follower:
             "tables": self.table_fqns,
             "shards": [asdict(s) for s in self.shards],
             "quantized": sorted(self.encodings),
+            **self.sidecar_extra(),
         }
         body = json.dumps(sidecar, indent=1).encode()
         atomic_write(os.path.join(self.out_dir, SIDECAR), body)
         return time.perf_counter() - t0
+
+    def sidecar_extra(self) -> dict[str, Any]:
+        """More keys for state.json, written atomically with the state (a subclass's resume
+        point, e.g. the Kafka loader's stream offsets); :attr:`resumed` holds them on reopen."""
+        return {}
 
     def _resume(self) -> None:
         side = os.path.join(self.out_dir, SIDECAR)
@@ -252,7 +302,7 @@ class Follower:
             return
         try:
             with open(side, "rb") as f:
-                meta = json.loads(f.read())
+                meta = load_json(f.read(), side, "deck follow state record")
             if meta["uri"] != self.storage.uri:
                 raise ConfigError(
                     f"--out {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
@@ -264,7 +314,7 @@ class Follower:
                     raise CorruptCheckpointError(f"{path} and {side} name different steps")
                 for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     tensors[k] = f.get_tensor(k)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as e:
             # A damaged output is rebuilt from the chain, not trusted.
             logger.warning("deck follow: cannot resume from %s (%s): rebuilding it", path, e)
             return
@@ -283,6 +333,7 @@ class Follower:
         self.state = (int(meta["step"]), str(meta["checkpoint"]))
         self.chain = list(meta["chain"])
         self.encodings = set(meta.get("quantized", ()))
+        self.resumed = meta
 
 
 def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -298,11 +349,12 @@ def follow(
     storage_options: dict[str, Any] | None = None,
     on_update: Any = None,
     allow_quantized: bool = False,
+    parquet: bool = False,
 ) -> Follower:
     """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
     ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
     otherwise they are logged and retried at the next poll."""
-    follower = Follower(uri, out_dir, storage_options, allow_quantized)
+    follower = Follower(uri, out_dir, storage_options, allow_quantized, parquet)
     while True:
         try:
             update = follower.catch_up()

@@ -25,6 +25,7 @@ from deck.format.manifest import (
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 
 _PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
 
@@ -102,7 +103,7 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
     parsed: list[RankManifest] = []
     for k in keys:
         try:
-            parsed.append(load_model(RankManifest, storage.get(k), storage.describe(k)))
+            parsed.append(load_model(RankManifest, get_bounded(storage, k), storage.describe(k)))
         except (CorruptCheckpointError, NotFoundError):
             continue  # being replaced or deleted right now; still pending
     now = time.time()
@@ -154,19 +155,21 @@ def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
         else:
             children.setdefault(anchor.id, []).append(n)
     out: list[str] = []
-
-    def walk(n: LineageNode, prefix: str, last: bool, top: bool) -> None:
+    # Depth first with an explicit stack (a chain of thousands of deltas is that deep): each
+    # entry is (node, prefix of its line, last of its siblings, a root).
+    stack: list[tuple[LineageNode, str, bool, bool]] = [
+        (r, "", True, True) for r in reversed(roots)
+    ]
+    while stack:
+        n, prefix, last, top = stack.pop()
         head = "" if top else prefix + ("`- " if last else "|- ")
         out.append(head + fmt(by_id[n.id]))
-        kids = children.get(n.id, [])
         # Merger checkpoints first, then the trainer chain goes on: it reads top to bottom.
-        kids = sorted(kids, key=lambda k: (not k.merged, k.step, k.layer, k.id))
+        kids = sorted(children.get(n.id, []), key=lambda k: (not k.merged, k.step, k.layer, k.id))
         inner = prefix if top else prefix + ("   " if last else "|  ")
-        for i, k in enumerate(kids):
-            walk(k, inner, i == len(kids) - 1, False)
-
-    for r in roots:
-        walk(r, "", True, True)
+        stack.extend(
+            (k, inner, i == len(kids) - 1, False) for i, k in reversed(list(enumerate(kids)))
+        )
     pending = [r for r in rows if r.state == "pending"]
     if pending:
         out.append("pending (rank parts without manifest.json):")

@@ -32,6 +32,7 @@ than ``grace_s`` (their writer may still be running).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -54,6 +55,7 @@ from deck.format.manifest import (
     load_model,
     parse_merged_dir,
     parse_step_dir,
+    step_dir,
 )
 from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
@@ -106,6 +108,14 @@ class RetentionPolicy(Settings):
         "restore and the time between a restore and the next checkpoint.",
         json_schema_extra={"cli": "deck gc --grace S"},
     )
+    verify_replacements: bool = Field(
+        default=False,
+        description="Before deleting what a kept merger checkpoint replaces, re-read that "
+        "checkpoint's files and check their checksums. False: check that every file it names "
+        "exists with its recorded size (no chunk is read). Either way a damaged replacement is "
+        "kept, and so is what it replaces.",
+        json_schema_extra={"cli": "deck gc --verify-replacements"},
+    )
 
 
 @dataclass
@@ -118,6 +128,8 @@ class RetentionPlan:
     kept_fulls: list[str]  # ids of the fulls kept for rollback / the window
     keep: set[str]  # ids of every checkpoint kept
     delete: dict[str, str]  # id -> why it can go
+    # id -> why it is kept although the rules alone would delete it (damage: see plan_retention)
+    held: dict[str, str] = field(default_factory=dict)
 
 
 def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
@@ -126,13 +138,24 @@ def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
     return n.kind is Kind.FULL and n.usable and graph.trainer_at(n.state) is not None
 
 
-def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> RetentionPlan:
+def plan_retention(
+    manifests: ManifestSet, policy: RetentionPolicy, *, unusable: dict[str, str] | None = None
+) -> RetentionPlan:
     """Apply ``policy`` to the committed lineage (no grace period: see :func:`collect_garbage`).
 
     Guarantees: every step in ``retained_steps`` restores through checkpoints in ``keep``; the
     latest restorable step's cheapest chain, the active window and the merger's work in progress
     are kept; ``delete`` holds every other checkpoint, with why. Nothing restorable: keeps all.
+
+    Cannot read is unknown, never absent: an unreadable trainer commit record
+    (``manifests.damaged``) keeps what it may be needed for -- every checkpoint at or after its
+    step without a complete chain (a later delta may build on it), and the chains of the steps
+    before it back to a full (it may build on them); ``unusable`` (id -> problem: checkpoints
+    found damaged) are planned around like quarantined ones but kept themselves. ``held`` says
+    what either kept that the rules alone would delete, and why.
     """
+    if unusable:
+        manifests = _marked(manifests, unusable)
     graph = build_graph(manifests)
     latest = graph.latest()
     if latest is None:
@@ -152,14 +175,71 @@ def plan_retention(manifests: ManifestSet, policy: RetentionPolicy) -> Retention
     )
     keep: set[str] = set(latest_chain) | _in_progress(graph, window)
     retained_steps = _add_chains(graph, sorted(retained), allowed, keep)
+    delete = _delete_reasons(graph, keep)
+    held = _damage_holds(graph, manifests.damaged, delete)
+    held.update(
+        (i, f"damaged ({p}); kept, and planned around: `deck verify --quarantine` decides")
+        for i, p in (unusable or {}).items()
+        if i in delete
+    )
+    for i in held:
+        del delete[i]
     return RetentionPlan(
         latest=latest,
         window=sorted(window),
         retained_steps=retained_steps,
         kept_fulls=sorted(f.id for f in kept.values()),
-        keep=keep,
-        delete=_delete_reasons(graph, keep),
+        keep=keep | set(held),
+        delete=delete,
+        held=held,
     )
+
+
+def _marked(manifests: ManifestSet, unusable: dict[str, str]) -> ManifestSet:
+    """``manifests`` with the ``unusable`` ids marked like quarantined ones (in memory only)."""
+    return ManifestSet(
+        manifests,
+        manifests.merged,
+        {**manifests.quarantined, **unusable},
+        uri=manifests.uri,
+        damaged=manifests.damaged,
+        damaged_merged=manifests.damaged_merged,
+    )
+
+
+def _damage_holds(
+    graph: LineageGraph, damaged: dict[int, str], delete: dict[str, str]
+) -> dict[str, str]:
+    """Which of ``delete`` the unreadable trainer commit records ``damaged`` (step -> problem)
+    may be needed for, with why: at or after such a step, every checkpoint whose chain is not
+    complete without it; before it, the chains of the readable steps back to the newest full
+    (its epoch and parent cannot be read, so every timeline counts)."""
+    holds: dict[str, str] = {}
+    if not damaged:
+        return holds
+    restorable, reached = set(graph.restorable_steps()), graph.best_paths()
+
+    def complete(n: LineageNode) -> bool:  # it has what it applies on
+        if n.kind is Kind.FULL:
+            return True
+        return n.step in restorable if not n.merged else n.start in reached
+
+    for d, problem in sorted(damaged.items()):
+        fix = f"repair or delete {step_dir(d)}/{MANIFEST}"
+        for n in graph.nodes.values():
+            if n.id in delete and n.step >= d and not complete(n):
+                why = f"may need step {d}, whose commit record is unreadable ({problem}); {fix}"
+                holds.setdefault(n.id, why)
+        fulls = [
+            st[0] for st, fs in graph.fulls_at.items() if st[0] < d and any(f.usable for f in fs)
+        ]
+        for step in (s for s in graph.trainer if max(fulls, default=0) <= s < d):
+            with contextlib.suppress(CheckpointNotFoundError):
+                for m in graph.chain(step):
+                    if m.id in delete:
+                        why = f"step {d}, whose commit record is unreadable, may build on it; {fix}"
+                        holds.setdefault(m.id, why)
+    return holds
 
 
 def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], tuple[int, str] | None]:
@@ -294,6 +374,8 @@ class GcReport:
     files: int = 0
     bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    # (folder, why): what the rules alone would delete, kept because something is damaged
+    kept: list[tuple[str, str]] = field(default_factory=list)
 
 
 def file_age_s(storage: Storage, key: str, now: float) -> float | None:
@@ -342,9 +424,14 @@ def collect_garbage(
 
     Guarantees: every step retained now, and every checkpoint the lineage needed
     ``policy.grace_s`` seconds ago, stays restorable; nothing committed less than ``grace_s`` ago
-    is deleted; a checkpoint's ``manifest.json`` goes before its files. Safe to run next to the
-    trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
-    ``progress(folder)`` is called before each checkpoint is deleted.
+    is deleted; a checkpoint's ``manifest.json`` goes before its files. Nothing is deleted
+    because of what cannot be read: an unreadable commit record keeps its folder and what it
+    may be needed for (:func:`plan_retention`), and a kept merger checkpoint that replaces
+    something deleted is first checked intact (``policy.verify_replacements``), else it and what
+    it replaces stay; ``report.kept`` says what was kept for which damage. A failed deletion, of
+    a checkpoint or an orphan, is recorded in ``report.errors`` and the run goes on. Safe to run
+    next to the trainer and merger workers, and to rerun after a crash. ``dry_run`` only
+    reports. ``progress(folder)`` is called before each checkpoint is deleted.
     """
     gc = _Collector(
         storage,
@@ -388,6 +475,22 @@ def _protected_ids(
     return protected
 
 
+def _replacements(graph: LineageGraph, keep: set[str], doomed: dict[str, str]) -> set[str]:
+    """The kept merger checkpoints that make a doomed one redundant: merger fulls at or after
+    its step, merged deltas whose steps cover it (timelines not told apart: more is checked)."""
+    steps = sorted(graph.nodes[i].step for i in doomed)
+    out = set()
+    for cid in keep:
+        n = graph.nodes.get(cid)
+        if n is None or not n.merged or not n.usable:
+            continue
+        # the first doomed step the checkpoint covers (a full: every step up to its own)
+        lo = 0 if n.kind is Kind.FULL else bisect.bisect_left(steps, n.first_step)
+        if lo < len(steps) and steps[lo] <= n.step:
+            out.add(cid)
+    return out
+
+
 def _by_prefix(keys: list[str]) -> dict[str, list[str]]:
     """``keys`` grouped by the folder that owns them: a top-level name (a step folder, the
     quarantine folder), or ``merged/<name>`` for a merger checkpoint."""
@@ -420,15 +523,60 @@ class _Collector:
         self.progress = progress
         keys = storage.list("")
         self.manifests = read_manifests(storage, keys)
-        plan = plan_retention(self.manifests, policy)
-        self.report = GcReport(
-            dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
-        )
-        protected = _protected_ids(self.manifests, plan, policy, now)
         self.graph = build_graph(self.manifests)
         self.by_prefix = _by_prefix(keys)
         # id -> why, for every checkpoint this run deletes
-        self.doomed = {cid: why for cid, why in plan.delete.items() if cid not in protected}
+        plan, self.doomed = self._checked_plan(set(keys))
+        self.report = GcReport(
+            dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
+        )
+        self.report.kept = [(self._label(i), why) for i, why in sorted(plan.held.items())]
+
+    def _doomed(self, plan: RetentionPlan) -> dict[str, str]:
+        """id -> why, for every checkpoint of ``plan.delete`` that the grace period allows."""
+        protected = _protected_ids(self.manifests, plan, self.policy, self.now)
+        return {cid: why for cid, why in plan.delete.items() if cid not in protected}
+
+    def _checked_plan(self, listing: set[str]) -> tuple[RetentionPlan, dict[str, str]]:
+        """The retention plan and what it deletes now, once every kept merger checkpoint that
+        replaces something deleted is found intact (:meth:`_damage`); a damaged one is planned
+        around and kept, like everything it replaces (``held`` says why)."""
+        plan = plan_retention(self.manifests, self.policy)
+        doomed = first = self._doomed(plan)
+        bad: dict[str, str] = {}
+        checked: set[str] = set()
+        while doomed:
+            found = {}
+            for cid in sorted(_replacements(self.graph, plan.keep, doomed) - checked):
+                checked.add(cid)
+                problems = self._damage(self.graph.nodes[cid].manifest, listing)
+                if problems:
+                    found[cid] = problems[0]
+            if not found:
+                break
+            bad.update(found)
+            plan = plan_retention(self.manifests, self.policy, unusable=bad)
+            doomed = self._doomed(plan)
+        if bad:
+            names = "; ".join(f"{self.graph.nodes[i].folder}: {p}" for i, p in sorted(bad.items()))
+            for cid in sorted(set(first) - set(doomed) - set(bad)):
+                plan.held.setdefault(cid, f"what would replace it is damaged ({names})")
+        return plan, doomed
+
+    def _damage(self, m: CheckpointManifest, listing: set[str]) -> list[str]:
+        """Problems of checkpoint ``m``'s files: sizes (or checksums with
+        ``verify_replacements``)."""
+        # Imported here: the chunk decoder needs torch, which `deck gc` otherwise does not load.
+        from deck.read.verify import check_files, verify_checkpoint
+
+        if self.policy.verify_replacements:
+            return verify_checkpoint(self.storage, m).problems
+        return check_files(self.storage, m, listing)
+
+    def _label(self, cid: str) -> str:
+        """How the report names checkpoint ``cid``: its folder (a trainer one: with its id)."""
+        n = self.graph.nodes[cid]
+        return n.folder if n.merged else f"{n.folder} (id {cid})"
 
     def size(self, keys: list[str]) -> int:
         """Bytes of ``keys`` (files that vanished or cannot be sized count 0)."""
@@ -449,7 +597,7 @@ class _Collector:
                 prefix = f"{n.folder}/{cid}/"
                 files = [k for k in self.by_prefix.get(n.folder, []) if k.startswith(prefix)]
                 files.append(f"{n.folder}/{MANIFEST}")
-            self.report.deleted.append((n.folder if n.merged else f"{n.folder} (id {cid})", why))
+            self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
             self.report.bytes += self.size(files)
             if self.progress:
@@ -465,15 +613,19 @@ class _Collector:
 
     def collect_orphans(self) -> None:
         """Delete files no committed record references, each group only once every file in it
-        is older than the grace period (its writer may still be running)."""
+        is older than the grace period (its writer may still be running). A failure is
+        recorded in the report, not raised, and the other groups go on."""
         latest_step = max((m.step for m in self.manifests.values()), default=-1)
         for prefix, keys in sorted(self.by_prefix.items()):
-            if prefix.startswith(f"{MERGED_ROOT}/"):
-                self._merged_orphans(prefix, keys)
-            elif (step := parse_step_dir(prefix)) is not None:
-                self._step_orphans(prefix, keys, step, latest_step)
-            elif prefix == QUARANTINE_ROOT:
-                self._quarantine_orphans(keys)
+            try:
+                if prefix.startswith(f"{MERGED_ROOT}/"):
+                    self._merged_orphans(prefix, keys)
+                elif (step := parse_step_dir(prefix)) is not None:
+                    self._step_orphans(prefix, keys, step, latest_step)
+                elif prefix == QUARANTINE_ROOT:
+                    self._quarantine_orphans(keys)
+            except (DeckError, OSError) as e:
+                self.report.errors.append(f"{prefix}: {e}")
 
     def _merged_orphans(self, prefix: str, keys: list[str]) -> None:
         """A merger folder: all of it when uncommitted, else the files its records do not name."""
@@ -484,7 +636,10 @@ class _Collector:
         if m is not None and m.id in self.doomed:
             return  # deleted with its record by delete_checkpoints
         if m is None:
-            if f"{prefix}/{MANIFEST}" not in keys:  # else a record we could not read: a human's
+            problem = self.manifests.damaged_merged.get(parsed[0])
+            if problem is not None:  # cannot read is unknown: a person decides
+                self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
+            elif f"{prefix}/{MANIFEST}" not in keys:
                 self._orphan(prefix + "/", keys, "uncommitted merger folder")
             return
         refs = _referenced(self.storage, m)
@@ -499,6 +654,11 @@ class _Collector:
         """A step folder's attempt folders that its committed record does not name, or all of
         them when the step is uncommitted and a later step is committed."""
         m = self.manifests.get(step)
+        if step in self.manifests.damaged:
+            # Cannot read is unknown: the folder may hold the only copy of a checkpoint.
+            why = f"commit record unreadable ({self.manifests.damaged[step]}); repair or delete it"
+            self.report.kept.append((f"{prefix}/", why))
+            return
         attempts: dict[str, list[str]] = {}
         for k in keys:
             rest = k[len(prefix) + 1 :]
@@ -536,7 +696,11 @@ class _Collector:
         self.report.files += _prune_local(self.storage, "", self.policy.grace_s, self.now)
         for cid in self.doomed:
             if cid in self.manifests.quarantined:
-                self.storage.delete(f"{QUARANTINE_ROOT}/{cid}.json")
+                key = f"{QUARANTINE_ROOT}/{cid}.json"
+                try:
+                    self.storage.delete(key)
+                except DeckError as e:  # recorded like the deletions of checkpoints
+                    self.report.errors.append(f"{key}: {e}")
 
     def _orphan(self, prefix: str, keys: list[str], why: str) -> None:
         """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from deck.errors import CorruptCheckpointError, NotFoundError
@@ -30,6 +30,7 @@ from deck.format.manifest import (
     parse_step_dir,
 )
 from deck.storage import Storage, open_storage
+from deck.storage.base import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ManifestSet(dict[int, CheckpointManifest]):
         quarantined: Mapping[str, str] | None = None,
         uri: str = "",
         damaged: Mapping[int, str] | None = None,
+        damaged_merged: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(trainer or {})
         self.merged: dict[str, CheckpointManifest] = dict(merged or {})
@@ -54,6 +56,9 @@ class ManifestSet(dict[int, CheckpointManifest]):
         # Trainer steps whose commit record is unreadable: not checkpoints, but not to be
         # forgotten either (a restore of the latest step must not silently pass them by).
         self.damaged: dict[int, str] = dict(damaged or {})
+        # Merger checkpoints (by the id in their folder name) whose commit record is unreadable:
+        # the merger must not take the folder for done work, nor GC for an orphan.
+        self.damaged_merged: dict[str, str] = dict(damaged_merged or {})
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""
@@ -105,12 +110,14 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
 
     Folders without ``manifest.json`` (in progress, failed, or crashed) are not checkpoints and
     are skipped. A damaged trainer record is left out with a warning and listed in ``damaged``
-    (step -> problem, naming the file); a damaged merger record is skipped with a warning
-    (merged checkpoints only make restores faster). ``keys``: keys to look at, a listing the
-    caller already has (default: :func:`manifest_keys`).
+    (step -> problem, naming the file); a damaged merger record is left out with a warning
+    (merged checkpoints only make restores faster) and listed in ``damaged_merged`` (id ->
+    problem). ``keys``: keys to look at, a listing the caller already has (default:
+    :func:`manifest_keys`).
     """
     trainer: dict[int, CheckpointManifest] = {}
     damaged: dict[int, str] = {}
+    damaged_merged: dict[str, str] = {}
     merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
     # What each key is: a trainer step's record (its step), a merger folder's (its name) or a
@@ -129,14 +136,16 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
     # Fetched concurrently where the backend can (an object store's latency per request times
     # every retained step would dominate a restore or a merger pass); a key that is gone was
     # not committed, or was replaced or deleted by GC since the listing.
-    for key, data in storage.get_many(list(wanted)):
+    # Each record is read bounded (MAX_RECORD_BYTES): a huge, sparse or endless file is damage,
+    # refused with the others below, without reading it.
+    for key, data in _get_records(storage, list(wanted)):
         if data is None:
             continue
         step, folder = wanted[key]
         where = storage.describe(key)
         if step is not None:
             try:
-                m = load_model(CheckpointManifest, data, where)
+                m = load_model(CheckpointManifest, _record(data), where)
                 if m.step != step or m.is_merged:
                     raise CorruptCheckpointError(
                         f"{where}: manifest says step {m.step}"
@@ -150,23 +159,58 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
             trainer[step] = m
         elif folder is not None:
             try:
-                m = load_model(CheckpointManifest, data, where)
+                m = load_model(CheckpointManifest, _record(data), where)
                 if f"{MERGED_ROOT}/{folder}" != m.folder or (m.id, m.step) != parse_merged_dir(
                     folder
                 ):
                     raise CorruptCheckpointError(f"{where}: record does not match its folder name")
             except CorruptCheckpointError as e:
                 logger.warning("ignoring merged checkpoint: %s", e)
+                named = parse_merged_dir(folder)
+                assert named is not None  # checked when the key was chosen
+                damaged_merged[named[0]] = str(e)
                 continue
             merged[m.id] = m
         else:
             try:
-                q = load_model(QuarantineRecord, data, where)
+                q = load_model(QuarantineRecord, _record(data), where)
             except CorruptCheckpointError as e:
                 logger.warning("ignoring quarantine record: %s", e)
                 continue
             quarantined[q.id] = q.reason
-    return ManifestSet(trainer, merged, quarantined, uri=storage.uri, damaged=damaged)
+    return ManifestSet(
+        trainer,
+        merged,
+        quarantined,
+        uri=storage.uri,
+        damaged=damaged,
+        damaged_merged=damaged_merged,
+    )
+
+
+def _get_records(
+    storage: Storage, keys: list[str]
+) -> Iterator[tuple[str, bytes | CorruptCheckpointError | None]]:
+    """``(key, record)`` for each of ``keys`` in order: its bytes (read concurrently where the
+    backend can, never more than :data:`MAX_RECORD_BYTES`), None when it is gone, or the
+    :class:`CorruptCheckpointError` that refused it (too large; a link, FIFO or device in a
+    local store), so that one bad record is reported as that record's damage, not the whole
+    listing's failure."""
+    i = 0
+    while i < len(keys):
+        try:
+            for key, data in storage.get_many(keys[i:], limit=MAX_RECORD_BYTES):
+                i += 1
+                yield key, data
+        except CorruptCheckpointError as e:  # the next key's: go on after it
+            yield keys[i], e
+            i += 1
+
+
+def _record(data: bytes | CorruptCheckpointError) -> bytes:
+    if isinstance(data, CorruptCheckpointError):
+        raise data
+    return data
 
 
 def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
@@ -228,7 +272,8 @@ def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankMan
         key = f"{m.folder}/{ref.path}"
         where = storage.describe(key)
         try:
-            data = storage.get(key)
+            # The record says its size: never read more than one byte past it.
+            data = storage.get(key, 0, ref.nbytes + 1)
         except NotFoundError:
             raise CorruptCheckpointError(
                 f"{where}: rank {ref.rank} part of {describe(m)} is missing"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,14 @@ from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFound
 from deck.format import treecodec
 from deck.format.checksum import checksum
 from deck.format.chunks import decode_chunk, read_chunks
-from deck.format.manifest import CheckpointManifest, FileRecord, RankManifest, ShardRecord, step_dir
+from deck.format.manifest import (
+    CheckpointManifest,
+    ChunkRecord,
+    FileRecord,
+    RankManifest,
+    ShardRecord,
+    step_dir,
+)
 from deck.format.quantize import QuantizedStateError
 from deck.read.catalog import describe, read_rank_manifests
 from deck.storage import Storage
@@ -187,6 +195,16 @@ def apply_chain(
         joins = _Joins()
         for part in parts:
             for rec in part.shards:
+                if tables.get(rec.table) != (rec.num_rows, rec.num_cols):
+                    # The full's tables are the model's (checked above): a later record naming
+                    # another table or shape contradicts its chain, and skipping its rows (or
+                    # indexing by them) would be silent.
+                    raise CorruptCheckpointError(
+                        f"{part_where(storage, m, part.rank)}: table {rec.table!r} of shape "
+                        f"({rec.num_rows}, {rec.num_cols}) is not one of the tables its chain "
+                        f"restores ({tables.get(rec.table, 'no such table')}); the record is "
+                        "damaged or was not written by deck: run deck verify, restore another step"
+                    )
                 targets = _match(rec, by_table, describe(m))
                 if not targets:
                     continue
@@ -206,6 +224,14 @@ def apply_chain(
                     "and restore another step"
                 )
     return stats, parts
+
+
+def part_where(storage: Storage, m: CheckpointManifest, rank: int) -> str:
+    """How errors name the rank ``rank`` part manifest of checkpoint ``m``: its file's URI."""
+    ref = next((r for r in m.ranks if r.rank == rank), None)
+    if ref is None:
+        return f"rank {rank} part of {describe(m)} at {storage.uri}"
+    return f"{storage.describe(f'{m.folder}/{ref.path}')} ({describe(m)})"
 
 
 def _check_tables(
@@ -231,6 +257,21 @@ def _check_tables(
         )
 
 
+def _committed_chunks(
+    storage: Storage, m: CheckpointManifest, rec: ShardRecord, zero_copy: bool
+) -> Iterator[tuple[ChunkRecord, str, bytes | memoryview]]:
+    """:func:`read_chunks` of committed checkpoint ``m``, where a missing file is damage like a
+    wrong byte: :class:`CorruptCheckpointError` naming the file, so that
+    ``restore(allow_fallback=True)`` goes around it (a plain NotFoundError would not)."""
+    try:
+        yield from read_chunks(storage, m.folder, rec.chunks, zero_copy)
+    except NotFoundError as e:
+        raise CorruptCheckpointError(
+            f"{e} (table {rec.table}, {describe(m)}): a file of this committed checkpoint is "
+            "missing; restore(allow_fallback=True) restores around it"
+        ) from None
+
+
 def _apply_shard(
     storage: Storage,
     m: CheckpointManifest,
@@ -241,14 +282,11 @@ def _apply_shard(
     zero_copy: bool,
     allow_quantized: bool = False,
 ) -> None:
-    for chunk, at, data in read_chunks(storage, m.folder, rec.chunks, zero_copy):
+    for chunk, at, data in _committed_chunks(storage, m, rec, zero_copy):
         where = f"{at} (table {rec.table}, {describe(m)})"
-        arrays = decode_chunk(data, chunk, where, allow_quantized)
+        # With the shard's record: ids ascending inside its rows, so every index below is in range.
+        arrays = decode_chunk(data, chunk, where, allow_quantized, shard=rec)
         ids = arrays["ids"]
-        if ids.numel() and (
-            int(ids[0]) < rec.row_offset or int(ids[-1]) >= rec.row_offset + rec.rows
-        ):
-            raise CorruptCheckpointError(f"{where}: row ids outside the shard's range")
         stats.chunks += 1
         stats.bytes += len(data)
         stats.rows += int(ids.numel())
@@ -352,7 +390,7 @@ def shard_scalars(
     for s in shards:
         if not s.scalars:
             continue
-        found = own_extra["scalars"].get(scalar_key(s))
+        found = own_extra.get("scalars", {}).get(scalar_key(s))
         for part in parts if found is None else ():
             for rec in part.shards:
                 r0, r1 = _span(rec.row_offset, rec.rows, s.row_offset, s.rows)
@@ -361,8 +399,10 @@ def shard_scalars(
                     continue
                 if part.rank not in extras:
                     extras[part.rank] = read_state_file(storage, step, part.extra)
-                found = extras[part.rank]["scalars"].get(
-                    f"{rec.table}|{rec.row_offset}|{rec.col_offset}"
+                found = (
+                    extras[part.rank]
+                    .get("scalars", {})
+                    .get(f"{rec.table}|{rec.row_offset}|{rec.col_offset}")
                 )
                 if found is not None:
                     break
@@ -388,12 +428,58 @@ def read_state_file(storage: Storage, step: int | CheckpointManifest, rec: FileR
         key = f"{step_dir(step)}/{rec.path}"
         where = f"{storage.describe(key)} (step {step})"
     try:
-        data = storage.get(key)
+        data = storage.get(key, 0, rec.nbytes + 1)  # never more than the record says (+1)
     except NotFoundError:
         raise CorruptCheckpointError(f"{where}: file is missing") from None
+    return decode_state_file(data, rec, where)
+
+
+def decode_state_file(data: bytes, rec: FileRecord, where: str) -> dict[str, Any]:
+    """The state tree of dense / extra state file ``rec`` (its bytes ``data``): size and
+    checksum checked, decoded (bounded depth), and its top level of the types its readers
+    index (:func:`_check_state_shape`); else :class:`CorruptCheckpointError` naming ``where``."""
     if len(data) != rec.nbytes or checksum(data) != rec.checksum:
         raise CorruptCheckpointError(f"{where}: size or checksum mismatch (file is corrupt)")
-    return treecodec.decode(data, where)
+    tree: dict[str, Any] = treecodec.decode(data, where, expect=dict)
+    _check_state_shape(tree, rec, where)
+    return tree
+
+
+# Keys of an extra state file that hold a mapping whenever they are present (docs/format.md,
+# "Dense and extra state"); readers index them by key.
+_SCALAR_KEY = re.compile(r"^.+\|\d+\|\d+$")  # deck.adapters.base.scalar_key: table|row|col
+_EXTRA_MAPPINGS = (
+    "optimizers",
+    "wrappers",
+    "fused_hyperparameters",
+    "scalars",
+    "rank_local",
+    "rng",
+)
+
+
+def _check_state_shape(tree: dict[str, Any], rec: FileRecord, where: str) -> None:
+    """The top of a decoded state file is what its readers index: a dense file maps names to
+    tensors; an extra file's mapping keys hold mappings (``scalars``: of tensors). Anything else
+    is :class:`CorruptCheckpointError` naming the file, not a TypeError in a reader."""
+    if rec.path.rsplit("/", 1)[-1] == "dense.safetensors":
+        bad = [k for k, v in tree.items() if not isinstance(v, torch.Tensor)]
+    else:
+        bad = [k for k in _EXTRA_MAPPINGS if k in tree and not isinstance(tree[k], dict)]
+        scalars = tree.get("scalars", {})
+        if isinstance(scalars, dict):
+            bad += [
+                f"scalars.{k}"
+                for k, v in scalars.items()
+                if not _SCALAR_KEY.match(str(k))
+                or not isinstance(v, dict)
+                or not all(isinstance(t, torch.Tensor) for t in v.values())
+            ]
+    if bad:
+        raise CorruptCheckpointError(
+            f"{where}: state file entries {sorted(bad)[:5]} do not have the types deck writes; "
+            "the file is damaged or was not written by deck"
+        )
 
 
 def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str) -> None:

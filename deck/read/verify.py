@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from deck.errors import DeckError
-from deck.format.checksum import checksum
+from deck.errors import DeckError, NotFoundError
 from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest
 from deck.read.catalog import describe, read_rank_manifests
+from deck.read.restore import decode_state_file
 from deck.storage import Storage
 
 
@@ -27,8 +27,9 @@ class VerifyReport:
 def verify_checkpoint(
     storage: Storage, m: CheckpointManifest, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
-    """Read every file of checkpoint ``m`` and check sizes and checksums; never raises for
-    corruption, it reports it (naming the file)."""
+    """Read every file of checkpoint ``m`` and check sizes and checksums, and what a restore
+    relies on besides (chunk layouts, row ids against their shard's record, state trees that
+    decode); never raises for corruption, it reports it (naming the file)."""
     report = VerifyReport(step=m.step)
     try:
         parts = read_rank_manifests(storage, m)
@@ -48,8 +49,9 @@ def verify_checkpoint(
                         seen += 1
                         where = f"{at} (table {rec.table}, chunk {index[id(c)]}, {describe(m)})"
                         try:
-                            # Checks checksums and layout only: quantised chunks are valid ones.
-                            decode_chunk(data, c, where, allow_quantized=True)
+                            # Checks checksums, layout and the ids against the shard's record
+                            # (what a restore relies on); quantised chunks are valid ones.
+                            decode_chunk(data, c, where, allow_quantized=True, shard=rec)
                             report.bytes += len(data)
                         except DeckError as e:
                             report.problems.append(str(e))
@@ -66,12 +68,54 @@ def verify_checkpoint(
             key = f"{root}/{f.path}"
             try:
                 data = storage.get(key)
-                if len(data) != f.nbytes or checksum(data) != f.checksum:
-                    report.problems.append(
-                        f"{storage.describe(key)}: size or checksum mismatch ({describe(m)})"
-                    )
                 report.bytes += len(data)
+                # What a restore checks: size, checksum, and a state tree it can read.
+                decode_state_file(data, f, f"{storage.describe(key)} ({describe(m)})")
             except DeckError as e:
                 report.problems.append(str(e))
             report.files += 1
     return report
+
+
+def check_files(
+    storage: Storage, m: CheckpointManifest, listing: Collection[str] | None = None
+) -> list[str]:
+    """The cheap check of checkpoint ``m`` (no chunk is read): its rank manifests verify, and
+    every file they name exists with its recorded size (a bundle: at least up to its last
+    chunk). Returns the problems, each naming the file; never raises for damage (a storage
+    error is a problem too: what cannot be checked is not intact). ``listing``: keys the
+    caller listed already; a file not in it is missing without a request. :func:`verify_checkpoint`
+    is the full check (every checksum)."""
+    try:
+        parts = read_rank_manifests(storage, m)
+    except DeckError as e:
+        return [str(e)]
+    sizes: dict[str, tuple[int, bool]] = {}  # key -> (bytes, exact)
+    for part in parts:
+        for rec in part.shards:
+            for c in rec.chunks:
+                key = f"{m.folder}/{c.path}"
+                if c.offset is None:
+                    sizes[key] = (c.nbytes, True)
+                else:
+                    end = max(sizes.get(key, (0, False))[0], c.offset + c.nbytes)
+                    sizes[key] = (end, False)
+        for f in (part.dense, part.extra):
+            if f is not None:
+                sizes[f"{m.folder}/{f.path}"] = (f.nbytes, True)
+    problems = []
+    for key, (want, exact) in sizes.items():
+        where = f"{storage.describe(key)} ({describe(m)})"
+        try:
+            if listing is not None and key not in listing:
+                raise NotFoundError(where)
+            have = storage.size(key)
+        except NotFoundError:
+            problems.append(f"{where}: file is missing")
+            continue
+        except DeckError as e:
+            problems.append(f"{where}: cannot be checked ({e})")
+            continue
+        if have != want if exact else have < want:
+            problems.append(f"{where}: {have} bytes, its record says {want}")
+    return problems

@@ -36,9 +36,12 @@ def open_storage(uri: str, storage_options: dict[str, Any] | None = None) -> Sto
 
     - A plain path (``~`` expanded, made absolute) or a ``file://`` URI gives a
       :class:`LocalStorage` (atomic rename commit); ``storage_options`` are ignored for it.
-    - Anything else (``s3://``, ``gs://``, ``memory://``, ...) gives an :class:`FsspecStorage`,
-      with ``storage_options`` passed to the fsspec filesystem. For ``s3://`` these are s3fs
-      options, e.g. for an S3-compatible server (MinIO, SeaweedFS)::
+    - An object store or memory URI (``s3://``, ``gs://``, ``az://``, ``memory://``: the
+      protocols whose put is atomic, ``fsspec_store.ATOMIC_PUT_PROTOCOLS``) gives an
+      :class:`FsspecStorage`, with ``storage_options`` passed to the fsspec filesystem; any
+      other protocol (sftp, ftp, smb, hdfs, http, ...) raises :class:`ConfigError` naming it,
+      since a reader could see a prefix of a file it writes in place. For ``s3://`` the
+      ``storage_options`` are s3fs options, e.g. for an S3-compatible server (MinIO, SeaweedFS)::
 
           open_storage("s3://bucket/run-1", {
               "key": "...", "secret": "...",

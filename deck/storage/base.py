@@ -11,7 +11,12 @@ import abc
 import builtins
 from collections.abc import Iterator
 
-from deck.errors import ConfigError, NotFoundError
+from deck.errors import ConfigError, CorruptCheckpointError, NotFoundError
+
+# The largest record (manifest, part or pending record, lease, quarantine record) deck reads
+# whole: real ones are a few MiB at most (a part manifest lists every chunk of a rank), so a
+# larger file is damaged or planted and is refused before more than this is read.
+MAX_RECORD_BYTES = 64 * 2**20
 
 
 class Storage(abc.ABC):
@@ -103,16 +108,21 @@ class Storage(abc.ABC):
         for p in paths:
             yield p, self.get(p)
 
-    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
+    def get_many(
+        self, paths: builtins.list[str], limit: int | None = None
+    ) -> Iterator[tuple[str, bytes | None]]:
         """Like :meth:`iter_get` (whole objects, in the order of ``paths``), with None for an
-        object that does not exist instead of :class:`NotFoundError`."""
+        object that does not exist instead of :class:`NotFoundError`. With ``limit``, an object
+        larger than ``limit`` bytes raises :class:`CorruptCheckpointError` (see
+        :func:`get_bounded`)."""
         for p in paths:
-            yield p, self.get_or_none(p)
+            yield p, self.get_or_none(p, limit)
 
-    def get_or_none(self, path: str) -> bytes | None:
-        """The whole object at ``path``, or None if there is none."""
+    def get_or_none(self, path: str, limit: int | None = None) -> bytes | None:
+        """The whole object at ``path``, or None if there is none; ``limit`` as in
+        :meth:`get_many`."""
         try:
-            return self.get(path)
+            return self.get(path) if limit is None else get_bounded(self, path, limit)
         except NotFoundError:
             return None
 
@@ -148,10 +158,53 @@ class Storage(abc.ABC):
         return None
 
 
+def validate_key(path: str) -> str:
+    """Return ``path`` if it is a valid storage key, else raise :class:`ConfigError`.
+
+    A key is a relative '/'-separated path without empty, ``.`` or ``..`` components, NUL or
+    backslash, so that it can never escape the store's root (on disk or in a bucket). Every
+    backend checks every key it is given here: the one rule for all of them."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"storage key must be a non-empty string, got {path!r}")
+    if not is_valid_key(path):
+        raise ConfigError(
+            f"invalid storage key {path!r}: use a relative '/'-separated path without "
+            "empty, '.' or '..' components, NUL or backslash"
+        )
+    return path
+
+
+def is_valid_key(path: str) -> bool:
+    """Whether :func:`validate_key` accepts ``path`` (listings leave out what it refuses)."""
+    return (
+        bool(path)
+        and not path.startswith("/")
+        and "\\" not in path
+        and "\0" not in path
+        and all(p not in ("", ".", "..") for p in path.split("/"))
+    )
+
+
 def check_prefix(prefix: str) -> None:
-    """Refuse a listing prefix that would leave the root (absolute, or with ``..``)."""
-    if prefix.startswith("/") or ".." in prefix.split("/"):
+    """Refuse a listing prefix that would leave the root (absolute, with ``..``, NUL or
+    backslash)."""
+    if prefix.startswith("/") or ".." in prefix.split("/") or "\0" in prefix or "\\" in prefix:
         raise ConfigError(f"invalid storage prefix {prefix!r}: use a relative '/'-path")
+
+
+def get_bounded(storage: Storage, path: str, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """The whole object at ``path``, refused with :class:`CorruptCheckpointError` naming it when
+    it holds more than ``limit`` bytes; never more than ``limit + 1`` bytes are read (one ranged
+    read), so a huge, sparse or endless file costs nothing. Readers of records use it with
+    :data:`MAX_RECORD_BYTES`, readers of files whose size a record declares with that size
+    (then compare the length). Missing: :class:`NotFoundError`."""
+    data = storage.get(path, 0, limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(
+            f"{storage.describe(path)} is larger than {limit} bytes, more than it may hold; the "
+            "file is damaged or was not written by deck: restore it from a copy or remove it"
+        )
+    return data
 
 
 def check_folder(prefix: str) -> None:

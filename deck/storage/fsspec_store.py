@@ -1,8 +1,11 @@
-"""Storage over any fsspec filesystem (s3://, gs://, az://, memory://, ...).
+"""Storage over the fsspec filesystems whose single-object put is atomic (s3://, gs://, az://,
+memory://).
 
 Object stores have no rename, so ``put`` is one ``pipe_file`` call: a single PUT (or a multipart
-upload that becomes visible only when completed) is all-or-nothing. Every call is retried on
-transient failures per a :class:`deck.storage.retry.RetryPolicy`.
+upload that becomes visible only when completed) is all-or-nothing. Filesystems that write a file
+in place (sftp, ftp, smb, hdfs, webdav, http, caching wrappers, ...) would let a reader see a
+prefix of a file being written, so they are refused at open (:data:`ATOMIC_PUT_PROTOCOLS`). Every
+call is retried on transient failures per a :class:`deck.storage.retry.RetryPolicy`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import fsspec
 import fsspec.core
 
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
-from deck.storage.base import Storage, check_folder, check_prefix
-from deck.storage.local import validate_key
+from deck.storage.base import Storage, check_folder, check_prefix, is_valid_key, validate_key
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
+# Protocols whose ``pipe_file`` makes an object visible whole or not at all: object stores (one
+# PUT, or a multipart/resumable upload that appears only once completed) and memory://.
+ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 
 
 class FsspecStorage(Storage):
@@ -40,8 +45,11 @@ class FsspecStorage(Storage):
         retry: retry policy for transient failures (default :class:`RetryPolicy`()).
         max_workers: threads :meth:`iter_get` and :meth:`delete_prefix` use to overlap requests.
 
-    Local paths are refused: fsspec's local ``pipe_file`` is not atomic, use
-    :class:`deck.storage.local.LocalStorage` (``open_storage`` picks it for you).
+    Only :data:`ATOMIC_PUT_PROTOCOLS` are accepted, so that no reader ever sees a prefix of an
+    object: any other protocol (sftp, ftp, smb, hdfs, webdav, http, chained ``a::b://`` URIs)
+    raises :class:`ConfigError` naming the URI and protocol. Local paths are refused too
+    (fsspec's local ``pipe_file`` is not atomic): use :class:`deck.storage.local.LocalStorage`
+    (``open_storage`` picks it for you), which commits by temp file + rename.
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class FsspecStorage(Storage):
     ) -> None:
         if max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+        _check_protocol(uri)
         try:
             fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
         except ImportError as exc:
@@ -63,12 +72,6 @@ class FsspecStorage(Storage):
             ) from exc
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot open storage URI {uri}: {exc}") from exc
-        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-        if protocols & _LOCAL_PROTOCOLS:
-            raise ConfigError(
-                f"{uri} is a local path: use LocalStorage / open_storage, whose put is an atomic "
-                "rename (fsspec's local pipe_file is not)"
-            )
         self._fs: fsspec.AbstractFileSystem = fs
         self._root: str = root.rstrip("/")
         self._uri = uri.rstrip("/")
@@ -134,9 +137,16 @@ class FsspecStorage(Storage):
             return b""
         if start == 0 and end is None:
             return self._call("read", path, lambda: bytes(self._fs.cat_file(full)))
-        return self._call(
-            "read", path, lambda: bytes(self._fs.cat_file(full, start=start, end=end))
-        )
+        try:
+            return self._call(
+                "read", path, lambda: bytes(self._fs.cat_file(full, start=start, end=end))
+            )
+        except StorageError as e:
+            # S3 answers a range that starts at or past the end (any range of an empty object)
+            # with 416: that is "the object ends first", an empty result, not an error.
+            if isinstance(e, NotFoundError) or self.size(path) > start:
+                raise
+            return b""
 
     def _info(self, path: str) -> dict[str, Any]:
         full = self._full(path)
@@ -213,7 +223,9 @@ class FsspecStorage(Storage):
                 rel = found[len(strip) :]
             else:
                 rel = found.lstrip("/")  # memory:// reports '/key' for an empty root
-            if rel and not rel.endswith("/") and rel.startswith(prefix):
+            # A key no call would accept (``..``, empty components: object names are free
+            # text) is not listed: it could only be read or deleted outside the root.
+            if rel.startswith(prefix) and is_valid_key(rel):
                 keys.append(rel)
         keys.sort()
         return keys
@@ -271,11 +283,32 @@ class FsspecStorage(Storage):
         """Fetch whole objects in parallel (bounded), yielding them in the order of ``paths``."""
         return self._map_ordered(self.get, paths)
 
-    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
+    def get_many(
+        self, paths: builtins.list[str], limit: int | None = None
+    ) -> Iterator[tuple[str, bytes | None]]:
         """:meth:`Storage.get_many` with requests in parallel (bounded), in order."""
-        return self._map_ordered(self.get_or_none, paths)
+        return self._map_ordered(lambda p: self.get_or_none(p, limit), paths)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``, several requests in flight."""
         for _ in self._map_ordered(self.delete, self.list(prefix)):
             pass
+
+
+def _check_protocol(uri: str) -> None:
+    """Refuse ``uri`` unless its protocol's put is atomic (checked before any backend loads, so
+    the refusal does not depend on what is installed)."""
+    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+    if protocol in _LOCAL_PROTOCOLS:
+        raise ConfigError(
+            f"{uri} is a local path: use LocalStorage / open_storage, whose put is an atomic "
+            "rename (fsspec's local pipe_file is not)"
+        )
+    if protocol not in ATOMIC_PUT_PROTOCOLS:
+        raise ConfigError(
+            f"storage URI {uri}: protocol {protocol!r} is not supported: deck writes only where a "
+            "put makes an object visible whole or not at all, so that no reader ever sees a "
+            f"prefix of a file ({', '.join(sorted(ATOMIC_PUT_PROTOCOLS))}), and {protocol!r} may "
+            "write a file in place. Use one of those, or mount the store where its rename is "
+            "atomic (e.g. NFS) and pass the local path: deck then writes a temp file and renames it"
+        )

@@ -5,6 +5,15 @@ fsync it, ``os.replace`` it over the destination, fsync the directory (the helpe
 :mod:`deck.storage.atomic`, which every other local write of deck uses too). A crash at any point
 leaves either the old object or the new one, plus at worst a ``.tmp-*`` file that
 :meth:`LocalStorage.list` never reports and :meth:`LocalStorage.delete_prefix` removes.
+
+Containment (the rule every backend keeps: a key never leads outside the root): a key is
+resolved one folder at a time from the root on directory descriptors, each opened with
+``O_NOFOLLOW`` (``openat``-style), so a symbolic link below the root is never followed, by a
+read, a write, a listing or a delete, whoever planted it and whenever. Reads open files with
+``O_NOFOLLOW | O_NONBLOCK`` and accept regular files only, so a FIFO or a device never blocks
+or feeds a reader. Such an entry is an :class:`deck.errors.UnsafePathError` naming it; listings
+neither report nor enter it; deletes remove a link itself, never what it points to. The root
+itself may be a link: that is the user's choice of place.
 """
 
 from __future__ import annotations
@@ -16,10 +25,12 @@ import errno
 import logging
 import mmap
 import os
+import stat
+from collections.abc import Iterator
 
-from deck.errors import ConfigError, NotFoundError, StorageError
-from deck.storage.atomic import TEMP_PREFIX, fsync_dir, replace_durably, temp_path
-from deck.storage.base import Storage, check_folder, check_prefix
+from deck.errors import ConfigError, NotFoundError, StorageError, UnsafePathError
+from deck.storage.atomic import TEMP_PREFIX, fsync_dir, temp_path
+from deck.storage.base import Storage, check_folder, check_prefix, validate_key
 
 logger = logging.getLogger(__name__)
 
@@ -30,23 +41,15 @@ _READ_HINT = "check permissions"
 # MAP_POPULATE (Linux) faults the whole file in with one call and large reads, instead of one
 # page fault per 4 KiB page while the rows are copied out.
 _MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def validate_key(path: str) -> str:
-    """Return ``path`` if it is a valid storage key, else raise :class:`ConfigError`.
-
-    A key is a relative '/'-separated path without empty, ``.`` or ``..`` components, so that it
-    can never escape the store's root (on disk or in a bucket).
-    """
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"storage key must be a non-empty string, got {path!r}")
-    parts = path.split("/")
-    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
-        raise ConfigError(
-            f"invalid storage key {path!r}: use a relative '/'-separated path without "
-            "empty, '.' or '..' components"
-        )
-    return path
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_DIR_FLAGS = _ROOT_FLAGS | os.O_NOFOLLOW
+# O_NONBLOCK: opening a FIFO must not wait for its other end (it is refused right after).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_LINK_HINT = (
+    "deck never follows a symbolic link below the root of a store (it could make deck read, "
+    "write or delete files elsewhere): replace the link with the folder or file itself, or "
+    "remove it"
+)
 
 
 def _makedirs(path: str) -> list[str]:
@@ -83,10 +86,17 @@ _no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 
 
 def write_new_file(
-    path: str, view: memoryview, *, exclusive: bool = False, fsync: bool = False
+    path: str,
+    view: memoryview,
+    *,
+    exclusive: bool = False,
+    fsync: bool = False,
+    dir_fd: int | None = None,
 ) -> None:
     """Create ``path`` (truncating it, or failing if it exists with ``exclusive``) holding exactly
-    ``view``'s bytes; with ``fsync`` they are on disk when this returns.
+    ``view``'s bytes; with ``fsync`` they are on disk when this returns. ``path`` is relative to
+    the folder ``dir_fd`` when given. A symbolic link or FIFO at ``path`` is refused (OSError),
+    never written through.
 
     Page-aligned buffers of whole pages (chunks, bundles) bypass the page cache with O_DIRECT:
     filling fresh page-cache pages is most of a large write's cost on the project's VMs (~0.3-0.6
@@ -94,24 +104,27 @@ def write_new_file(
     cache. Filesystems that refuse O_DIRECT (tmpfs on older kernels, some network mounts;
     remembered per device) and other buffers are written through the page cache.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    # O_NOFOLLOW: a link planted at the file's name is refused (ELOOP), never written through;
+    # O_NONBLOCK: a FIFO planted there is refused (ENXIO) instead of blocking the writer.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    flags |= os.O_EXCL if exclusive else os.O_TRUNC
     if _O_DIRECT and _page_aligned(view):
-        device = os.stat(os.path.dirname(path) or ".").st_dev
-        if device not in _no_direct:
-            if _write(path, view, flags | _O_DIRECT, fsync):
+        folder = os.fstat(dir_fd) if dir_fd is not None else os.stat(os.path.dirname(path) or ".")
+        if folder.st_dev not in _no_direct:
+            if _write(path, view, flags | _O_DIRECT, fsync, dir_fd):
                 return
-            _no_direct.add(device)
+            _no_direct.add(folder.st_dev)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # what the refused attempt created
-    _write(path, view, flags, fsync)
+                os.unlink(path, dir_fd=dir_fd)  # what the refused attempt created
+    _write(path, view, flags, fsync, dir_fd)
 
 
-def _write(path: str, view: memoryview, flags: int, fsync: bool) -> bool:
+def _write(path: str, view: memoryview, flags: int, fsync: bool, dir_fd: int | None) -> bool:
     """One attempt of :func:`write_new_file`; False if O_DIRECT was refused (EINVAL)."""
     try:
         # 0o666 & ~umask, like a plain open(): mkstemp's 0o600 would hide checkpoints from other
         # users of a shared directory.
-        fd = os.open(path, flags, 0o666)
+        fd = os.open(path, flags, 0o666, dir_fd=dir_fd)
     except OSError as e:
         if flags & _O_DIRECT and e.errno == errno.EINVAL:
             return False
@@ -139,7 +152,8 @@ class LocalStorage(Storage):
     """A :class:`Storage` rooted at a local directory (created on the first ``put``).
 
     Keys map to files ``root/<key>``. ``put`` is atomic and durable (see the module docstring);
-    ``get`` of a whole file is a single read into one ``bytes`` object.
+    ``get`` of a whole file is a single read into one ``bytes`` object. No call follows a
+    symbolic link below the root or reads anything but a regular file (module docstring).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -163,56 +177,232 @@ class LocalStorage(Storage):
         return os.path.join(self._root, *validate_key(path).split("/"))
 
     def local_path(self, path: str = "") -> str:
-        """Filesystem path of the object at key ``path``, or the root for "" (never None)."""
-        return self._root if path == "" else self._file(path)
+        """Filesystem path of the object at key ``path``, or the root for "" (never None).
 
-    def modified(self, path: str) -> float | None:
-        """The file's modification time (``st_mtime``); None when it cannot be stat'ed."""
-        try:
-            return os.stat(self._file(path)).st_mtime
-        except OSError:
-            return None
+        Whoever opens it directly must keep this store's containment rule: create folders with
+        :meth:`make_folder`, write with :func:`write_new_file` (which refuses a link at the file)."""
+        return self._root if path == "" else self._file(path)
 
     def _error(self, action: str, path: str, exc: OSError, hint: str) -> StorageError:
         reason = exc.strerror or str(exc)
         where = f" ({exc.filename})" if exc.filename else ""
         return StorageError(f"could not {action} {self.describe(path)}: {reason}{where}; {hint}")
 
+    # ---- containment: walking keys without following links -------------------------------------
+
+    def _open_folder(
+        self, names: list[str], key: str, *, create: bool = False, durable: bool = False
+    ) -> int:
+        """A descriptor of the folder ``root/names[0]/...`` (the caller closes it), opened one
+        component at a time with ``O_NOFOLLOW``: a link on the way is an
+        :class:`UnsafePathError` naming ``key``. ``create`` makes missing folders (``durable``:
+        each new entry fsynced in its parent); otherwise a missing one raises
+        FileNotFoundError (NotADirectoryError: a file is in the way)."""
+        fd = self._open_root(create, durable)
+        try:
+            for i, name in enumerate(names):
+                child = self._open_child(fd, name, "/".join(names[: i + 1]), key, create, durable)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_root(self, create: bool, durable: bool) -> int:
+        try:
+            return os.open(self._root, _ROOT_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+        # The root and the folders above it are the user's choice of place: made like mkdir -p.
+        for d in _makedirs(self._root):
+            if durable:
+                fsync_dir(os.path.dirname(d))
+        return os.open(self._root, _ROOT_FLAGS)
+
+    def _open_child(
+        self, fd: int, name: str, rel: str, key: str, create: bool, durable: bool
+    ) -> int:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as exc:
+            raise self._refused(fd, name, rel, key, exc) from exc
+        try:
+            os.mkdir(name, 0o777, dir_fd=fd)
+            if durable:
+                os.fsync(fd)  # the new folder's entry in its parent
+        except FileExistsError:
+            pass  # made meanwhile by a concurrent writer
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except OSError as exc:
+            raise self._refused(fd, name, rel, key, exc) from exc
+
+    def _refused(self, fd: int, name: str, rel: str, key: str, exc: OSError) -> OSError:
+        """Why ``name`` (key ``rel``) in folder ``fd`` could not be opened: a link or a special
+        file there is an :class:`UnsafePathError`; anything else is ``exc`` itself."""
+        try:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        except OSError:
+            return exc
+        if stat.S_ISLNK(mode):
+            return self._link_error(rel, key)
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return exc
+        return self._not_a_file(rel, mode)
+
+    def _link_error(self, rel: str, key: str) -> UnsafePathError:
+        where = self.describe(key) + ("" if rel == key else f": {self.describe(rel)}")
+        return UnsafePathError(f"{where} is a symbolic link; {_LINK_HINT}")
+
+    def _not_a_file(self, path: str, mode: int) -> StorageError:
+        if stat.S_ISDIR(mode):
+            return NotFoundError(f"{self.describe(path)} is a folder, not a file")
+        if stat.S_ISLNK(mode):
+            return self._link_error(path, path)
+        return UnsafePathError(
+            f"{self.describe(path)} is {_kind(mode)}, not a regular file: deck reads only regular "
+            "files (a FIFO or a device could block a reader or never end); remove it, or put the "
+            "file back from a copy"
+        )
+
+    def _open_read(self, path: str, action: str = "read") -> tuple[int, os.stat_result]:
+        """A read descriptor of the regular file at key ``path`` and its ``fstat`` (the caller
+        closes it); never through a link, never a FIFO, device or folder."""
+        names = validate_key(path).split("/")
+        try:
+            dfd = self._open_folder(names[:-1], path)
+            try:
+                try:
+                    fd = os.open(names[-1], _READ_FLAGS, dir_fd=dfd)
+                except OSError as exc:
+                    raise self._refused(dfd, names[-1], path, path, exc) from exc
+            finally:
+                os.close(dfd)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise self._not_a_file(path, st.st_mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        except StorageError:
+            raise
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+        except OSError as exc:
+            raise self._error(action, path, exc, _READ_HINT) from exc
+        return fd, st
+
+    def _lstat(self, path: str) -> os.stat_result:
+        """``lstat`` of the entry at key ``path``, reached without following links."""
+        names = validate_key(path).split("/")
+        try:
+            dfd = self._open_folder(names[:-1], path)
+            try:
+                return os.stat(names[-1], dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
+        except StorageError:
+            raise
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+        except OSError as exc:
+            raise self._error("stat", path, exc, _READ_HINT) from exc
+
+    def _tree(self, base: str, prefix: str) -> Iterator[tuple[str, int, list[os.DirEntry[str]]]]:
+        """Folder ``base`` and those below it whose keys can start with ``prefix``, top-down, as
+        (key prefix of the folder, its descriptor, its entries). Iterative (any depth), each
+        folder opened from the root without following links: a link is never entered, an
+        absent folder yields nothing."""
+        stack = [base]
+        while stack:
+            folder = stack.pop()
+            try:
+                fd = self._open_folder(folder.split("/") if folder else [], folder or ".")
+            except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+                continue  # gone, or not a folder of this store
+            try:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                rel = f"{folder}/" if folder else ""
+                yield rel, fd, entries
+                stack += [
+                    rel + e.name
+                    for e in entries
+                    if e.is_dir(follow_symlinks=False) and f"{rel}{e.name}/".startswith(prefix)
+                ]
+            finally:
+                os.close(fd)
+
+    def make_folder(self, key: str) -> str:
+        """Create the folder ``key`` and its missing parents below the root, never through a
+        link (:class:`UnsafePathError` naming it), and return its filesystem path. Writers of
+        files of their own there (the stager's spool) then create them with
+        :func:`write_new_file`, which refuses a link at the file itself."""
+        try:
+            os.close(self._open_folder(validate_key(key).split("/"), key, create=True))
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise self._error("create", key, exc, _WRITE_HINT) from exc
+        return self._file(key)
+
+    # ---- the Storage interface ------------------------------------------------------------------
+
+    def modified(self, path: str) -> float | None:
+        """The file's modification time (``st_mtime``); None when it cannot be stat'ed or is not
+        a regular file."""
+        try:
+            st = self._lstat(path)
+        except OSError:
+            return None
+        return st.st_mtime if stat.S_ISREG(st.st_mode) else None
+
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Atomically and durably replace the file at ``path`` with ``data``.
 
         On any failure the temp file is removed and the previous object (if any) is untouched.
+        A link on the way is an :class:`UnsafePathError`; a link at ``path`` itself is replaced
+        (the rename never writes through it).
         """
-        full = self._file(path)
-        directory = os.path.dirname(full)
+        names = validate_key(path).split("/")
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         try:
-            created = _makedirs(directory)
+            dfd = self._open_folder(names[:-1], path, create=True, durable=True)
+        except StorageError:
+            raise
         except OSError as exc:
             raise self._error("write", path, exc, _WRITE_HINT) from exc
-        tmp = temp_path(full)
+        tmp = temp_path(names[-1])
         try:
-            write_new_file(tmp, view, exclusive=True, fsync=True)
-            replace_durably(tmp, full)
-            # New directories also need their own entries in their parents synced.
-            for d in created:
-                fsync_dir(os.path.dirname(d))
+            write_new_file(tmp, view, exclusive=True, fsync=True, dir_fd=dfd)
+            os.replace(tmp, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
         except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
             if isinstance(exc, OSError):
                 raise self._error("write", path, exc, _WRITE_HINT) from exc
             raise
+        finally:
+            os.close(dfd)
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of the file (shorter if the file ends first)."""
-        full = self._file(path)
+        """Bytes ``[start, end)`` of the file (shorter if the file ends first); only a regular
+        file is read, and never more than ``end - start`` bytes of it."""
+        validate_key(path)
         if start < 0 or (end is not None and end < start):
             raise ConfigError(f"invalid byte range [{start}, {end}) for {self.describe(path)}")
+        fd, st = self._open_read(path)
         try:
-            with open(full, "rb", buffering=0) as f:
+            with open(fd, "rb", buffering=0) as f:
                 if start == 0 and end is None:
                     # FileIO.readall sizes one buffer from fstat: a single read, no copies.
                     return f.readall()
@@ -220,7 +410,9 @@ class LocalStorage(Storage):
                     f.seek(start)
                 if end is None:
                     return f.readall()
-                remaining = end - start
+                # FileIO.read allocates what it is asked for before reading, and a record may
+                # claim any size: never ask for more than the file holds.
+                remaining = min(end, max(st.st_size, start)) - start
                 chunks: list[bytes] = []
                 while remaining > 0:
                     chunk = f.read(remaining)
@@ -229,8 +421,6 @@ class LocalStorage(Storage):
                     chunks.append(chunk)
                     remaining -= len(chunk)
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
         except OSError as exc:
             raise self._error("read", path, exc, _READ_HINT) from exc
 
@@ -244,22 +434,15 @@ class LocalStorage(Storage):
         a new inode), so a mapped checkpoint file cannot shrink under the reader.
         Raises :class:`NotFoundError` / :class:`StorageError` naming the URI like :meth:`get`.
         """
-        full = self._file(path)
+        fd, st = self._open_read(path, "map")
         try:
-            nbytes = os.stat(full).st_size
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
-        except OSError as exc:
-            raise self._error("read", path, exc, _READ_HINT) from exc
-        if nbytes == 0:
-            return memoryview(b"")
-        try:
-            with open(full, "rb", buffering=0) as f:
-                mapped = mmap.mmap(f.fileno(), nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
+            if st.st_size == 0:
+                return memoryview(b"")
+            mapped = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
         except (OSError, ValueError) as exc:
             raise self._error("map", path, OSError(str(exc)), _READ_HINT) from exc
+        finally:
+            os.close(fd)  # the mapping holds its own
         return memoryview(mapped)
 
     def prefetch(self, path: str) -> None:
@@ -270,7 +453,7 @@ class LocalStorage(Storage):
         if not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self._file(path), os.O_RDONLY | os.O_CLOEXEC)
+            fd, _st = self._open_read(path)
         except OSError:
             return
         try:
@@ -281,85 +464,142 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def size(self, path: str) -> int:
-        """Size in bytes of the file at ``path``."""
-        full = self._file(path)
-        try:
-            return os.stat(full).st_size
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"{self.describe(path)} does not exist") from exc
-        except OSError as exc:
-            raise self._error("stat", path, exc, _READ_HINT) from exc
+        """Size in bytes of the regular file at ``path`` (a link or special file there is an
+        :class:`UnsafePathError`, a folder a :class:`NotFoundError`)."""
+        st = self._lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._not_a_file(path, st.st_mode)
+        return st.st_size
 
     def exists(self, path: str) -> bool:
-        """Whether a regular file exists at ``path``."""
-        return os.path.isfile(self._file(path))
+        """Whether a regular file exists at ``path`` (reached without following links)."""
+        try:
+            return stat.S_ISREG(self._lstat(path).st_mode)
+        except OSError:
+            return False
 
     def delete(self, path: str) -> None:
-        """Remove the file at ``path``; a missing file is not an error."""
-        full = self._file(path)
+        """Remove the file at ``path``; a missing file is not an error. A link there is removed
+        itself (never what it points to); a link on the way is an :class:`UnsafePathError`."""
+        names = validate_key(path).split("/")
         try:
-            os.unlink(full)
-        except FileNotFoundError:
+            dfd = self._open_folder(names[:-1], path)
+            try:
+                os.unlink(names[-1], dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        except (FileNotFoundError, NotADirectoryError):
             pass
+        except StorageError:
+            raise
         except OSError as exc:
             raise self._error("delete", path, exc, _WRITE_HINT) from exc
 
-    def _walk(self, prefix: str, include_temps: bool) -> list[str]:
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys of all regular files under the root whose key starts with ``prefix``.
+
+        In-flight or abandoned ``.tmp-*`` files are never reported; links, FIFOs and devices are
+        neither reported nor entered."""
         check_prefix(prefix)
-        # Only walk the deepest directory the prefix names, not the whole root.
-        base_key = prefix.rpartition("/")[0]
-        base = os.path.join(self._root, *base_key.split("/")) if base_key else self._root
         keys: list[str] = []
-
-        def onerror(exc: OSError) -> None:
-            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
-                raise self._error("list", prefix, exc, _READ_HINT) from exc
-
-        for dirpath, _dirnames, filenames in os.walk(base, onerror=onerror):
-            rel = os.path.relpath(dirpath, self._root)
-            rel_key = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in filenames:
-                if not include_temps and name.startswith(TEMP_PREFIX):
-                    continue
-                key = rel_key + name
-                if key.startswith(prefix):
-                    keys.append(key)
+        try:
+            for rel, _fd, entries in self._tree(prefix.rpartition("/")[0], prefix):
+                keys += [
+                    rel + e.name
+                    for e in entries
+                    if e.is_file(follow_symlinks=False)
+                    and not e.name.startswith(TEMP_PREFIX)
+                    and (rel + e.name).startswith(prefix)
+                ]
+        except OSError as exc:
+            raise self._error("list", prefix, exc, _READ_HINT) from exc
         keys.sort()
         return keys
 
-    def list(self, prefix: str = "") -> list[str]:
-        """Sorted keys of all files under the root whose key starts with ``prefix``.
-
-        In-flight or abandoned ``.tmp-*`` files are never reported.
-        """
-        return self._walk(prefix, include_temps=False)
-
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files are left out."""
+        """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files, links and
+        special files are left out, a folder reached through a link is empty."""
         check_folder(prefix)
-        base = os.path.join(self._root, *prefix.rstrip("/").split("/")) if prefix else self._root
+        names = prefix.rstrip("/").split("/") if prefix else []
         try:
-            with os.scandir(base) as it:
-                names = [
-                    e.name + "/" if e.is_dir(follow_symlinks=False) else e.name
-                    for e in it
-                    if not e.name.startswith(TEMP_PREFIX)
-                ]
-        except (FileNotFoundError, NotADirectoryError):
+            fd = self._open_folder(names, prefix or ".")
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
             return []
         except OSError as exc:
             raise self._error("list", prefix, exc, _READ_HINT) from exc
-        return sorted(names)
+        try:
+            with os.scandir(fd) as it:
+                out = [
+                    e.name + "/" if e.is_dir(follow_symlinks=False) else e.name
+                    for e in it
+                    if not e.name.startswith(TEMP_PREFIX)
+                    and (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False))
+                ]
+        except OSError as exc:
+            raise self._error("list", prefix, exc, _READ_HINT) from exc
+        finally:
+            os.close(fd)
+        return sorted(out)
 
     def delete_prefix(self, prefix: str) -> None:
-        """Delete every file under ``prefix`` (abandoned temps too) and prune empty directories."""
-        for key in self._walk(prefix, include_temps=True):
-            self.delete(key)
-        base_key = prefix.rpartition("/")[0]
-        base = os.path.join(self._root, *base_key.split("/")) if base_key else self._root
-        for dirpath, _dirnames, _filenames in os.walk(base, topdown=False):
-            rel = os.path.relpath(dirpath, self._root)
-            if rel != "." and (rel.replace(os.sep, "/") + "/").startswith(prefix):
-                # A concurrent writer may have just created a file here: ENOTEMPTY is fine.
+        """Delete every file under ``prefix`` (abandoned temps, links and special files too:
+        a link is removed itself, never followed) and prune the emptied folders. A folder
+        ``prefix`` that is a link is removed as the link; what it points to is untouched."""
+        check_prefix(prefix)
+        base = prefix.rpartition("/")[0]
+        try:
+            if base and prefix == f"{base}/" and self._unlink_link(base):
+                return
+            folders: list[str] = []
+            for rel, fd, entries in self._tree(base, prefix):
+                if rel and rel.startswith(prefix):
+                    folders.append(rel[:-1])
+                for e in entries:
+                    if not e.is_dir(follow_symlinks=False) and (rel + e.name).startswith(prefix):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(e.name, dir_fd=fd)
+            for folder in reversed(folders):  # children before their parents
+                parent, _, name = folder.rpartition("/")
                 with contextlib.suppress(OSError):
-                    os.rmdir(dirpath)
+                    # A concurrent writer may have just created a file here: ENOTEMPTY is fine.
+                    pfd = self._open_folder(parent.split("/") if parent else [], folder)
+                    try:
+                        os.rmdir(name, dir_fd=pfd)
+                    finally:
+                        os.close(pfd)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise self._error("delete", prefix, exc, _WRITE_HINT) from exc
+
+    def _unlink_link(self, key: str) -> bool:
+        """If the entry at ``key`` is a link (or nothing can be there), remove the link and say
+        True: nothing below it belongs to this store."""
+        names = key.split("/")
+        try:
+            dfd = self._open_folder(names[:-1], key)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return True
+        try:
+            if not stat.S_ISLNK(os.stat(names[-1], dir_fd=dfd, follow_symlinks=False).st_mode):
+                return False
+            os.unlink(names[-1], dir_fd=dfd)
+            return True
+        except FileNotFoundError:
+            return True
+        finally:
+            os.close(dfd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"

@@ -63,11 +63,13 @@ class StorageWrapper(Storage):
     def iter_get(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes]]:
         return self.inner.iter_get(paths)
 
-    def get_many(self, paths: builtins.list[str]) -> Iterator[tuple[str, bytes | None]]:
-        return self.inner.get_many(paths)
+    def get_many(
+        self, paths: builtins.list[str], limit: int | None = None
+    ) -> Iterator[tuple[str, bytes | None]]:
+        return self.inner.get_many(paths, limit)
 
-    def get_or_none(self, path: str) -> bytes | None:
-        return self.inner.get_or_none(path)
+    def get_or_none(self, path: str, limit: int | None = None) -> bytes | None:
+        return self.inner.get_or_none(path, limit)
 
     def local_path(self, path: str = "") -> str | None:
         return self.inner.local_path(path)

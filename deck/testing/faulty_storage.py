@@ -14,8 +14,8 @@ from deck.storage.wrapper import StorageWrapper
 
 class FaultyStorage(StorageWrapper):
     """Delegates to ``inner``; ``fail_put(key, n)`` / ``fail_get(key, n)`` decide whether the
-    n-th put / get fails. ``slow_put_s`` delays every put; ``short_read`` truncates every get by
-    that many bytes.
+    n-th put / get fails, ``fail_delete(key)`` whether a delete (of a key or a prefix) does.
+    ``slow_put_s`` delays every put; ``short_read`` truncates every get by that many bytes.
 
     Every read and write goes through the faulty :meth:`put` / :meth:`get`: it reports no local
     path (so nothing maps or writes the inner store's files around them, and a local store
@@ -35,10 +35,12 @@ class FaultyStorage(StorageWrapper):
         fail_get: Callable[[str, int], bool] = lambda key, n: False,
         slow_put_s: float = 0.0,
         short_read: int = 0,
+        fail_delete: Callable[[str], bool] = lambda key: False,
     ):
         super().__init__(inner)
         self.fail_put = fail_put
         self.fail_get = fail_get
+        self.fail_delete = fail_delete
         self.gets = 0
         self.slow_put_s = slow_put_s
         self.short_read = short_read
@@ -69,3 +71,13 @@ class FaultyStorage(StorageWrapper):
             raise StorageError(f"injected failure of get #{n} ({self.describe(path)})")
         data = self.inner.get(path, start, end)
         return data[: max(0, len(data) - self.short_read)] if self.short_read else data
+
+    def delete(self, path: str) -> None:
+        if self.fail_delete(path):
+            raise StorageError(f"injected failure of delete ({self.describe(path)})")
+        self.inner.delete(path)
+
+    def delete_prefix(self, prefix: str) -> None:
+        if self.fail_delete(prefix):
+            raise StorageError(f"injected failure of delete ({self.describe(prefix)})")
+        self.inner.delete_prefix(prefix)

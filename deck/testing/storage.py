@@ -20,11 +20,19 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from typing import Any
 
 import pytest
 
-from deck.errors import ConfigError, NotFoundError, StorageError
+from deck.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+    StorageError,
+    UnsafePathError,
+)
 from deck.storage import Storage, check_writable
+from deck.storage.base import get_bounded
 
 __all__ = ["StorageTests"]
 
@@ -185,6 +193,85 @@ class StorageTests:
     def test_invalid_keys(self, store: Storage, bad: str) -> None:
         with pytest.raises(ConfigError):
             store.put(bad, b"x")
+
+    @pytest.mark.parametrize("bad", ["/etc/passwd", "../x", "a/../../x", "a\0b", "a\\b", "a//b"])
+    def test_keys_never_leave_the_root(self, store: Storage, bad: str) -> None:
+        """The one containment rule, for every call: a key that could resolve outside the root
+        is refused before anything is read, written or deleted."""
+        for call in (store.get, store.size, store.delete, store.exists, store.map_file):
+            with pytest.raises(ConfigError):
+                call(bad)
+        if "//" not in bad:  # an empty component in a listing prefix cannot escape
+            with pytest.raises(ConfigError):
+                store.list(bad + "/")
+
+    def test_bounded_reads(self, store: Storage) -> None:
+        """Ranges that start at or past the end of an object (any range of an empty one) are
+        empty, so :func:`get_bounded` reads at most ``limit + 1`` bytes of anything."""
+        store.put("b/empty", b"")
+        store.put("b/ten", b"0123456789")
+        assert store.get("b/empty", 0, 10) == b"" and store.get("b/ten", 10, 20) == b""
+        assert get_bounded(store, "b/ten", 10) == b"0123456789"
+        assert get_bounded(store, "b/empty", 10) == b""
+        with pytest.raises(CorruptCheckpointError, match="larger than 9 bytes"):
+            get_bounded(store, "b/ten", 9)
+        assert list(store.get_many(["b/ten", "b/none"], limit=10)) == [
+            ("b/ten", b"0123456789"),
+            ("b/none", None),
+        ]
+        with pytest.raises(CorruptCheckpointError, match="b/ten"):
+            list(store.get_many(["b/ten"], limit=4))
+
+    def test_links_below_the_root_are_never_followed(self, store: Storage, tmp_path: Any) -> None:
+        """Local stores: a link below the root (to a folder or a file elsewhere) is never read,
+        written, listed or deleted through; deleting removes the link itself."""
+        root = store.local_path()
+        if root is None:
+            pytest.skip("not a local filesystem: there are no links below the root")
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "f").write_bytes(b"outside")
+        store.put("d/real", b"in")
+        os.symlink(outside, os.path.join(root, "d", "linked"))
+        os.symlink(outside / "f", os.path.join(root, "d", "file"))
+        os.symlink(outside, os.path.join(root, "top"))
+        for key in ("d/linked/f", "d/file", "top/f"):
+            for call in (store.get, store.size, store.map_file):
+                with pytest.raises(UnsafePathError, match="symbolic link"):
+                    call(key)
+            assert not store.exists(key) and store.modified(key) is None
+        for key in ("d/linked/new", "top/new", "d/file"):
+            with pytest.raises(UnsafePathError, match="symbolic link"):
+                store.put(key if key != "d/file" else "d/file/x", b"x")
+        with pytest.raises(UnsafePathError):
+            store.delete("d/linked/f")
+        assert store.list() == ["d/real"] and store.list("top/") == []
+        assert store.list_dir("") == ["d/"] and store.list_dir("d/") == ["real"]
+        assert store.list_dir("top/") == [] and store.list_dir("d/linked/") == []
+        store.delete("d/file")  # the link goes, not the file it points to
+        store.delete_prefix("top/")  # the link goes, not the folder
+        store.delete_prefix("d/")
+        assert store.list() == [] and not os.path.lexists(os.path.join(root, "top"))
+        assert not os.path.lexists(os.path.join(root, "d"))
+        assert sorted(os.listdir(outside)) == ["f"] and (outside / "f").read_bytes() == b"outside"
+
+    def test_only_regular_files_are_read(self, store: Storage) -> None:
+        """Local stores: a FIFO or a folder where a file is expected is refused at once (no
+        read blocks), and is not listed."""
+        root = store.local_path()
+        if root is None:
+            pytest.skip("not a local filesystem: every object is a regular object")
+        store.put("s/ok", b"1")
+        os.mkfifo(os.path.join(root, "s", "fifo"))
+        os.mkdir(os.path.join(root, "s", "dir"))
+        for call in (store.get, store.size, store.map_file):
+            with pytest.raises(UnsafePathError, match="FIFO"):
+                call("s/fifo")
+            with pytest.raises(NotFoundError, match="folder"):
+                call("s/dir")
+        assert not store.exists("s/fifo") and store.list() == ["s/ok"]
+        store.put("s/fifo", b"replaced")  # a put replaces the entry, it never opens it
+        assert store.get("s/fifo") == b"replaced"
 
     def test_check_writable(self, store: Storage) -> None:
         check_writable(store)

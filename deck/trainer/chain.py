@@ -7,7 +7,10 @@ point, :meth:`ChainWriter.save`, is called by the training thread of every rank 
 1. **agree** -- one all-gather of a :class:`Proposal` per rank: rank 0's random id becomes the
    checkpoint id; the kind becomes a full on every rank if any rank lost its parent (a part that
    failed in the background, a broken chain, a reshard); a lost writer lease stops every rank;
-   failed parts are told to rank 0.
+   failed parts are told to rank 0; a hash of the dense buffers (which data parallelism does not
+   keep equal across ranks) is compared. When it differs, and at every full (then over every
+   dense tensor), a second all-gather of per-tensor hashes names what differs: every rank then
+   saves its own value of those from now on (:attr:`ChainWriter.rank_local`).
 2. **claim** the consumer's tracked rows (:meth:`deck.trainer.tracker.TrackerStore.begin_read`).
 3. **snapshot** the rows, dense and extra state into the stager's CPU buffers
    (:class:`deck.trainer.writer.RankPartWriter`); with ``release="first_tier"`` also wait until
@@ -26,6 +29,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
 
+import torch
+import xxhash
+
 from deck.adapters.base import ModelAdapter, TableShard
 from deck.config import StagingConfig
 from deck.errors import CheckpointError, DeckError
@@ -39,6 +45,23 @@ from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stage
 from deck.trainer.tracker import ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
 
+_DIGEST_BITS = (1 << 52) - 1  # votes travel as float64: exact below 2**53
+
+
+def tensor_digest(t: Any) -> int:
+    """A 52-bit hash of a tensor's bytes (equal tensors, equal digests)."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(data) & _DIGEST_BITS
+
+
+def _digests(dense: dict[str, Any], names: set[str]) -> dict[str, int]:
+    return {k: tensor_digest(dense[k]) for k in sorted(names) if k in dense}
+
+
+def _combine(digests: dict[str, int]) -> int:
+    return xxhash.xxh3_64_intdigest(repr(sorted(digests.items())).encode()) & _DIGEST_BITS
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,6 +74,8 @@ class Proposal:
     lease_lost: bool  # this job no longer holds the writer lease
     no_parent: bool  # no committed parent here (first checkpoint, reshard, broken chain)
     failed_parts: int  # this rank's parts that failed in the background, to tell rank 0
+    dense_digest: int  # hash of the dense buffers not yet known to be rank-local
+    dense_count: int  # how many dense tensors this rank has (the hashes pair up by position)
 
 
 class Staged(IntEnum):
@@ -108,6 +133,8 @@ class ChainWriter:
     base: int | None = None  # step of the full the chain starts from
     history: list[CheckpointStats] = field(default_factory=list)
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
+    # Dense tensors found to differ across ranks: saved by every rank, hashed at every checkpoint
+    rank_local: set[str] = field(default_factory=set)
 
     def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
@@ -161,7 +188,7 @@ class ChainWriter:
         self.stager.enqueue(snap.staged, stats)
         failpoint("checkpointer.save.enqueued")
         # The rows are in the stager's hands: later deltas are relative to this snapshot. If the
-        # part fails in the background, ``stager.failed`` makes the next checkpoint a full.
+        # part fails in the background, ``stager.take_failure()`` makes the next one a full.
         self.tracker.commit(token)
         self.parent = (step, ckpt_id)
         if full:
@@ -175,16 +202,22 @@ class ChainWriter:
     ) -> tuple[Literal["delta", "full"], str]:
         """Step 1: the agreed kind and id."""
         failed_parts = self.stager.take_failed()
-        votes = gather_votes(
-            self.coord,
-            Proposal(
-                id_seed=self.coord.new_id_seed(),
-                parent_failed=self.stager.failed.is_set(),
-                lease_lost=self.lease is not None and self.lease.lost.is_set(),
-                no_parent=self.parent is None or (kind == "delta" and self._parent_broken()),
-                failed_parts=len(failed_parts),
-            ),
+        dense = self.adapter.dense_state()
+        # Buffers not yet known to be rank-local: the same names on every rank, whatever kind
+        # each rank asked for (that is only agreed by this vote).
+        digests = _digests(dense, self.adapter.dense_buffers() - self.rank_local)
+        proposal = Proposal(
+            id_seed=self.coord.new_id_seed(),
+            # Taken, not peeked: a part failing from here on is kept for the next vote.
+            parent_failed=self.stager.take_failure(),
+            lease_lost=self.lease is not None and self.lease.lost.is_set(),
+            no_parent=self.parent is None or (kind == "delta" and self._parent_broken()),
+            failed_parts=len(failed_parts),
+            dense_digest=_combine(digests),
+            dense_count=len(dense),
         )
+        failpoint("checkpointer.agree.voting")  # test hook: between the take and the vote
+        votes = gather_votes(self.coord, proposal)
         most = max(v.failed_parts for v in votes)
         if most:
             self.tell_rank0_failed(failed_parts, most)
@@ -198,15 +231,35 @@ class ChainWriter:
                 "%s step %d: no committed parent to be a delta of: taking a full", self.label, step
             )
             kind = "full"
-        self.stager.failed.clear()
+        if len({v.dense_count for v in votes}) > 1:
+            # Not the same dense tensors everywhere: no hash can pair them, so each rank keeps
+            # its own copy of every one (safe, larger). Collectives stay aligned: no gather.
+            self.rank_local |= set(dense)
+        elif kind == "full":  # every dense tensor, parameters too (one more all-gather)
+            self.rank_local |= self._differing(_digests(dense, set(dense) - self.rank_local))
+        elif len({v.dense_digest for v in votes}) > 1:
+            self.rank_local |= self._differing(digests)
         return kind, f"{votes[0].id_seed:016x}"
+
+    def _differing(self, digests: dict[str, int]) -> set[str]:
+        """Collective: the names whose hash differs on some rank."""
+        table = self.coord.gather([float(d) for d in digests.values()])
+        differs = (table != table[0]).any(dim=0).tolist()
+        found = {k for k, d in zip(digests, differs, strict=True) if d}
+        if found - self.rank_local:
+            logger.info(
+                "deck: dense tensors differ across ranks and are saved per rank: %s",
+                ", ".join(sorted(found - self.rank_local)[:8]),
+            )
+        return found
 
     def _parent_broken(self) -> bool:
         """Rank 0: whether the committed parent can no longer be restored (a checkpoint of its
         chain was quarantined and nothing covers it), so a delta of it would be useless too.
 
         Only asked while nothing is in flight: a parent still uploading is not committed yet,
-        and a part that fails in the background already forces a full via ``stager.failed``.
+        and a part that fails in the background already forces a full via
+        ``stager.take_failure()``.
         """
         if self.coord.rank != 0 or self.parent is None or not self.stager.flush(timeout=0):
             return False
@@ -252,9 +305,15 @@ class ChainWriter:
                 quantize=self.quantize,
             )
             order = {id(sh): i for i, sh in enumerate(shards)}
-            dense = self.adapter.dense_state() if self.coord.rank == 0 else None
+            live = self.adapter.dense_state() if self.coord.rank == 0 or self.rank_local else {}
+            extra = self.extra_state(shards)
+            if self.rank_local:
+                extra["rank_local"] = {k: live[k] for k in sorted(self.rank_local) if k in live}
             snap.writer.write_part(
-                shards, lambda sh: selected[order[id(sh)]], dense, self.extra_state(shards)
+                shards,
+                lambda sh: selected[order[id(sh)]],
+                live if self.coord.rank == 0 else None,
+                extra,
             )
             snap.staged.seal()
             if self.staging.release == "first_tier":

@@ -29,6 +29,7 @@ from deck.trainer.chain import ChainWriter
 from deck.trainer.coordination import Coordinator
 from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
+from deck.trainer.rng import capture_rng
 from deck.trainer.staging import CheckpointStats, Stager
 from deck.trainer.tracker import TrackerStore
 
@@ -64,38 +65,50 @@ class DeltaCheckpointer:
         storage: Storage | None = None,
         publish_storage: Storage | None = None,
     ):
-        self.config = config
-        self.adapter = adapter or _default_adapter(model)
-        self.coord = Coordinator()
-        # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
-        # fault-injecting wrapper in tests); everything goes through this one interface.
-        self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
-        if self.coord.world_size > 1 and config.uri.startswith("memory://"):
-            raise ConfigError(
-                f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so the ranks "
-                "of a multi-process job cannot see each other's parts; use a shared path or object store"
-            )
-        check_writable(self.storage)
-        self._lease = self._take_lease()
-        self._optimizers = self.adapter.dense_optimizers(optimizers)
-        self._state = _user_state(state)
-        shards = self.adapter.table_shards()
-        self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
-        self._paused = 0
-        self._hooks: RemovableHandle | None = self.adapter.install_tracking(
-            self.tracker, shards, self._active
-        )
-        self._last_step: int | None = None
-        on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
-        self._ckpt = self._chain(CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu)
-        self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
-        self._closed = False
-        self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
-        if self._pub is not None:
-            # Parts of an earlier process's publishes are finished (or dropped); the first
-            # publish of this process is a full all the same.
-            self._pub.stager.recover(self.coord)
-        self.last_restore: RestoreStats | None = None  # what the last restore() read on this rank
+        # What close() gives back is recorded as it is taken (the stagers by _chain), so that a
+        # construction that fails gives back exactly what it took: no tracking hook, stager
+        # thread or writer lease outlives it.
+        self._lease: Lease | None = None
+        self._hooks: RemovableHandle | None = None
+        self._stagers: list[Stager] = []
+        try:
+            self.config = config
+            self.adapter = adapter or _default_adapter(model)
+            self.coord = Coordinator()
+            # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
+            # fault-injecting wrapper in tests); everything goes through this one interface.
+            self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
+            if self.coord.world_size > 1 and config.uri.startswith("memory://"):
+                raise ConfigError(
+                    f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so "
+                    "the ranks of a multi-process job cannot see each other's parts; use a shared "
+                    "path or object store"
+                )
+            check_writable(self.storage)
+            self._lease = self._take_lease()
+            self._optimizers = self.adapter.optimizers(optimizers)
+            self._state = _user_state(state)
+            shards = self.adapter.table_shards()
+            self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
+            self._paused = 0
+            self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
+            # Collective, before any training step: both the run that saves and the one that
+            # restores sum gradients across ranks in the same order.
+            self.adapter.pin_reduction_order()
+            self._last_step: int | None = None
+            on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
+            self._ckpt = self._chain(CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu)
+            self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
+            self._closed = False
+            self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
+            if self._pub is not None:
+                # Parts of an earlier process's publishes are finished (or dropped); the first
+                # publish of this process is a full all the same.
+                self._pub.stager.recover(self.coord)
+            self.last_restore: RestoreStats | None = None  # what the last restore() read here
+        except BaseException:
+            self._release()
+            raise
 
     @property
     def stager(self) -> Stager:
@@ -124,12 +137,15 @@ class DeltaCheckpointer:
         on_gpu: bool,
         quantize: str | None = None,
     ) -> ChainWriter:
+        epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
+        stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu)
+        self._stagers.append(stager)  # close() (or a failed construction) stops it
         return ChainWriter(
             label=label,
             consumer=consumer,
             storage=storage,
-            stager=Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu),
-            epoch=self._next_epoch(storage),
+            stager=stager,
+            epoch=epoch,
             coord=self.coord,
             tracker=self.tracker,
             adapter=self.adapter,
@@ -148,6 +164,7 @@ class DeltaCheckpointer:
             self.adapter,
             self._optimizers,
             None if self._state is None else self._state[1],
+            restore_rng=self.config.save_rng,
         )
 
     @property
@@ -161,12 +178,20 @@ class DeltaCheckpointer:
             return None
         # ``publish_storage`` replaces the store of ``publish.uri``, as ``storage`` does for
         # ``uri`` (a custom backend, or a fault-injecting wrapper in tests).
-        storage = storage or open_storage(cfg.uri, cfg.storage_options)
-        if self.coord.world_size > 1 and cfg.uri.startswith("memory://"):
+        kafka = cfg.uri.startswith("kafka://")
+        place = cfg.state_uri if kafka and cfg.state_uri else cfg.uri
+        storage = storage or open_storage(place, cfg.storage_options)
+        if self.coord.world_size > 1 and place.startswith("memory://"):
             raise ConfigError(
-                f"DeckConfig.publish.uri {cfg.uri!r}: memory:// exists inside one process only; "
+                f"DeckConfig.publish {place!r}: memory:// exists inside one process only; "
                 "use a shared path or object store"
             )
+        if kafka:
+            # Table rows go through the topic, the rest to state_uri (deck.trainer.kafka_sink).
+            from deck.trainer.kafka_sink import open_kafka_sink
+
+            timeout_s = self.config.staging.upload_timeout_s
+            storage = open_kafka_sink(cfg, storage, self.coord.world_size, timeout_s)
         check_writable(storage)
         quantize = None if cfg.quantize == "none" else cfg.quantize
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, quantize)
@@ -181,7 +206,13 @@ class DeltaCheckpointer:
                 lease.acquire()
             except (LeaseHeldError, StorageError) as e:
                 error = e
-        if self.coord.broadcast_int(0 if error else 1) == 0:
+        try:
+            ok = self.coord.broadcast_int(0 if error else 1)
+        except BaseException:
+            if lease is not None:
+                lease.release()  # not returned, so construction could not give it back
+            raise
+        if ok == 0:
             raise error or LeaseHeldError(
                 f"rank 0 could not take the writer lease of {self.storage.uri}; see rank 0's error"
             )
@@ -275,7 +306,9 @@ class DeltaCheckpointer:
         return bool(self.coord.gather([float(done)]).min() > 0)
 
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
-        return {
+        # Hyperparameters are read from param_groups, not state_dict(): TorchRec's
+        # KeyedOptimizer leaves them out of its state_dict unless told to save them.
+        extra: dict[str, Any] = {
             "optimizers": {
                 name: {
                     "state_dict": opt.state_dict(),
@@ -283,11 +316,16 @@ class DeltaCheckpointer:
                         {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
                     ],
                 }
-                for name, opt in self._optimizers.items()
+                for name, opt in self._optimizers.dense.items()
             },
+            "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},
+            "fused_hyperparameters": self.adapter.fused_hyperparameters(),
             "user": self._state[0]() if self._state else None,
             "scalars": {scalar_key(s): dict(s.scalars) for s in shards if s.scalars},
         }
+        if self.config.save_rng:
+            extra["rng"] = capture_rng()
+        return extra
 
     # ---- restoring ---------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
@@ -325,21 +363,33 @@ class DeltaCheckpointer:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self, collective: bool = True) -> None:
-        """Finish pending work (uploads, commits) and remove the tracking hooks; idempotent.
+        """Finish pending work (uploads, commits), remove the tracking hooks, stop the background
+        threads and release the writer lease; idempotent. Whatever raises (the flush, a stager),
+        everything is still released, then the error propagates.
         Collective unless ``collective=False``: then this rank only finishes its own background
         work (rank 0 still commits what every rank uploaded), so a rank leaving on an exception
         never waits for ranks that went on."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-        if not self._closed:
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        try:
             if collective:
                 self.flush()
-            for chain in self._chains:
-                chain.stager.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Remove the tracking hooks, stop every stager (waiting for its own background work)
+        and release the writer lease: each is done whatever the ones before raise (an error
+        propagates once all ran), only what was taken, and nothing twice."""
+        hooks, stagers, self._hooks, self._stagers = self._hooks, self._stagers, None, []
+        with contextlib.ExitStack() as stack:  # runs its callbacks last-in first-out
             if self._lease is not None:
-                self._lease.release()
+                stack.callback(self._lease.release)
+            for stager in stagers:
+                stack.callback(stager.close)
+            if hooks is not None:
+                stack.callback(hooks.remove)
 
     def __enter__(self) -> DeltaCheckpointer:
         return self

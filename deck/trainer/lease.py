@@ -16,11 +16,12 @@ import threading
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deck.errors import LeaseHeldError, NotFoundError, StorageError
+from deck.errors import CorruptCheckpointError, LeaseHeldError, NotFoundError, StorageError
 from deck.failpoints import failpoint
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,16 @@ LEASE_FILE = "_lease.json"
 
 
 class LeaseRecord(BaseModel):
+    """``_lease.json``. Values no live trainer writes (a pid no process can have, an expiry
+    that is NaN, infinite, negative or past the year 5000) make the record damaged: treated as
+    no lease, never waited on forever, never an OverflowError."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    owner: str
-    host: str
-    pid: int
-    expires_unix: float
+    owner: str = Field(max_length=256)
+    host: str = Field(max_length=1024)
+    pid: int = Field(ge=1, le=2**31 - 1)  # a pid_t: os.kill takes nothing larger
+    expires_unix: float = Field(ge=0, le=1e11, allow_inf_nan=False)
 
 
 class Lease:
@@ -60,11 +65,15 @@ class Lease:
     def read(self) -> LeaseRecord | None:
         """The current lease, or None when there is none (or it is unreadable: treated as free)."""
         try:
-            return LeaseRecord.model_validate_json(self.storage.get(LEASE_FILE))
+            return LeaseRecord.model_validate_json(get_bounded(self.storage, LEASE_FILE))
         except NotFoundError:
             return None
-        except ValidationError:
-            logger.warning("ignoring a damaged lease file at %s", self.storage.describe(LEASE_FILE))
+        except (ValidationError, CorruptCheckpointError) as e:
+            # Unreadable (invalid values, too large, a link or a FIFO): taking the lease replaces
+            # the entry with a real record (a put renames over it, never writes through it).
+            logger.warning(
+                "ignoring a damaged lease file at %s: %s", self.storage.describe(LEASE_FILE), e
+            )
             return None
 
     def _takeable(self, held: LeaseRecord | None) -> bool:

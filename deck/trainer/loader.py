@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import ModelAdapter, copy_dense_state
+from deck.adapters.base import ModelAdapter, Optimizers, copy_dense_state
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -47,6 +47,7 @@ from deck.read.restore import (
 )
 from deck.storage import Storage
 from deck.trainer.coordination import Coordinator, gather_votes
+from deck.trainer.rng import restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ class StateLoader:
     storage: Storage
     coord: Coordinator
     adapter: ModelAdapter
-    optimizers: dict[str, Any]
+    optimizers: Optimizers
     set_user_state: Callable[[Any], None] | None
+    restore_rng: bool = True
 
     def restore(self, step: int | None, allow_fallback: bool) -> Restored | None:
         """Load committed ``step`` (the latest restorable one when None) bitwise. Returns None
@@ -240,12 +242,14 @@ class StateLoader:
             saved_dense[key] = staged.states["weight"]
         mine = rank_part(parts, self.coord.rank)
         extra = read_state_file(self.storage, last, mine.extra)
+        where = f"step {target} at {self.storage.uri}"
         self._load_optimizers(extra, target, moved)
         problems = copy_dense_state(self.adapter.dense_state(), saved_dense)
         if problems:
             raise IncompatibleModelError(
                 f"dense state of step {target} does not fit the model: {problems[:5]}"
             )
+        self._load_rank_local(extra, parts, where)
         scalars = shard_scalars(
             self.storage, target, parts, extra, [s for s in shards if s.table not in moved]
         )
@@ -256,6 +260,7 @@ class StateLoader:
         self.adapter.after_restore()
         if self.set_user_state is not None:
             self.set_user_state(extra["user"])
+        self._load_rng(extra, parts, where)
         logger.info(
             "deck: restored step %d from %s (%d checkpoints, %d chunks, %.1f MiB on this rank)",
             target,
@@ -274,12 +279,61 @@ class StateLoader:
             stats=stats,
         )
 
+    def _load_rank_local(self, extra: dict[str, Any], parts: list[Any], where: str) -> None:
+        """Dense tensors that differed across the saving ranks (e.g. BatchNorm statistics, which
+        data parallelism does not synchronise) come back per rank; the dense file holds rank 0's.
+        Into another world size every rank keeps rank 0's (logged)."""
+        saved = extra.get("rank_local") or {}
+        if not saved:
+            return
+        if len(parts) != self.coord.world_size:
+            logger.warning(
+                "deck: %s: %d dense tensor(s) differed across the %d saving ranks (%s); this job "
+                "has %d ranks, so every rank starts from rank 0's values",
+                where,
+                len(saved),
+                len(parts),
+                ", ".join(sorted(saved)[:4]),
+                self.coord.world_size,
+            )
+            return
+        problems = copy_dense_state(
+            {k: v for k, v in self.adapter.dense_state().items() if k in saved}, saved
+        )
+        if problems:
+            raise IncompatibleModelError(f"{where}: rank-local dense state: {problems[:5]}")
+
+    def _load_rng(self, extra: dict[str, Any], parts: list[Any], where: str) -> None:
+        """Every rank's RNG states, into the same world size (another one keeps its own, logged:
+        no rule maps one rank's random stream onto another's)."""
+        saved = extra.get("rng")
+        if not self.restore_rng or saved is None:
+            return
+        if len(parts) != self.coord.world_size:
+            logger.warning(
+                "deck: %s was saved by %d ranks, this job has %d: RNG states are not restored",
+                where,
+                len(parts),
+                self.coord.world_size,
+            )
+            return
+        restore_rng(saved, where)
+
     def _load_optimizers(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
-        for name, opt in self.optimizers.items():
-            saved = extra["optimizers"].get(name)
+        where = f"step {target} at {self.storage.uri}"
+        for name, wrapper in self.optimizers.wrappers.items():
+            saved_wrapper = extra.get("wrappers", {}).get(name)
+            if saved_wrapper is None:
+                raise IncompatibleModelError(f"optimizer wrapper {name} is not in {where}")
+            wrapper.set(saved_wrapper)
+        self.adapter.load_fused_hyperparameters(extra.get("fused_hyperparameters", {}), where)
+        names = _match_names(list(self.optimizers.dense), list(extra["optimizers"]))
+        for name, opt in self.optimizers.dense.items():
+            saved = extra["optimizers"].get(names.get(name, name))
             if saved is None:
                 raise IncompatibleModelError(
-                    f"optimizer {name} is not in step {target} at {self.storage.uri}"
+                    f"optimizer {name} is not in step {target} at {self.storage.uri} (it has "
+                    f"{sorted(extra['optimizers'])})"
                 )
             try:
                 load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
@@ -293,3 +347,28 @@ class StateLoader:
                     "plain torch optimizer's (by position) it cannot; wrap it in "
                     "KeyedOptimizerWrapper, or restore with the checkpoint's plan"
                 ) from None
+
+
+def _match_names(live: list[str], saved: list[str]) -> dict[str, str]:
+    """Live dense optimizer name -> saved name. Names are ``<given>.<position among all leaves>``
+    and fused leaves count too, so another plan or world size (another number of fused leaves
+    in a CombinedOptimizer) shifts them: when the names differ but each given optimizer has as
+    many dense leaves on both sides, they pair up in order."""
+
+    def by_given(names: list[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for n in sorted(names, key=lambda n: (n.rsplit(".", 1)[0], _position(n))):
+            out.setdefault(n.rsplit(".", 1)[0], []).append(n)
+        return out
+
+    if set(live) <= set(saved):
+        return {n: n for n in live}
+    mine, theirs = by_given(live), by_given(saved)
+    if {g: len(v) for g, v in mine.items()} != {g: len(v) for g, v in theirs.items()}:
+        return {n: n for n in live}  # the caller names what is missing
+    return {a: b for g in mine for a, b in zip(mine[g], theirs[g], strict=True)}
+
+
+def _position(name: str) -> int:
+    tail = name.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else -1

@@ -156,12 +156,14 @@ def _worker(rank: int, world_size: int, uri: str) -> None:
         assert ck.flush()
         kinds = [(h.step, h.kind) for h in ck.history]
     assert kinds == [(0, "full"), (2, "delta"), (4, "delta"), (6, "delta")], kinds
-    want = capture_state(model, opt)
+    want = capture_state(model, opt, full=True)
     keys = _dense_state_keys(opt)
     # The case this test is about: one dense parameter without optimizer state.
     assert "dense.dummy_param" not in keys and any(k.startswith("dense.") for k in keys), keys
-    assert any("weighted_ebc" in k for k in want), sorted(want)[:10]
+    # (with 3 ranks a rank may hold no weighted table)
+    assert world_size > 2 or any("weighted_ebc" in k for k in want), sorted(want)[:10]
     losses = [_train(model, opt, step) for step in range(STEPS + 1, STEPS + 1 + MORE)]
+    end = capture_state(model, opt, full=True)
 
     for before in ("fresh", "state-for-every-param"):
         model2, opt2 = _build(seed=7)
@@ -171,13 +173,18 @@ def _worker(rank: int, world_size: int, uri: str) -> None:
             assert "dense.dummy_param" in _dense_state_keys(opt2)
         with deck.enable(model2, [opt2], config) as ck2:
             assert ck2.restore() == STEPS
-            bad = diff_states(want, capture_state(model2, opt2))
+            bad = diff_states(want, capture_state(model2, opt2, full=True))
             assert not bad, f"rank {rank} ({before}): {len(bad)} differ, e.g. {bad[:5]}"
             assert _dense_state_keys(opt2) == keys
             again = [_train(model2, opt2, step) for step in range(STEPS + 1, STEPS + 1 + MORE)]
         assert again == losses, (rank, before, again, losses)
+        bad = diff_states(end, capture_state(model2, opt2, full=True))
+        assert not bad, f"rank {rank} ({before}): after training on {bad[:5]}"
     dist.barrier()
 
 
-def test_testsparsenn_restores_bitwise_and_trains_on(tmp_path: Path) -> None:
-    run_ranks(_worker, str(tmp_path / "ck"))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_testsparsenn_restores_bitwise_and_trains_on(tmp_path: Path, world_size: int) -> None:
+    """With 3 ranks a sum over ranks depends on its order: the state after training on from
+    the restore must equal the uninterrupted run's too (DDP's buckets pinned at enable)."""
+    run_ranks(_worker, str(tmp_path / "ck"), world_size=world_size)

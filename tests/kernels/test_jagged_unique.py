@@ -513,3 +513,33 @@ def test_unique_per_table_names_the_table_of_a_bad_id() -> None:
     # The map is clean after an error: the next call is exact.
     out = unique_per_table([[torch.tensor([3, 1, 3])], [torch.tensor([0])]], [4, 5])
     assert out[0].tolist() == [1, 3, 0] and out[1].tolist() == [2, 1]
+
+
+def test_private_mark_scan_checks_its_own_arguments(cpu_bitmap_kernel: str) -> None:
+    """The C entry point refuses what would overflow its word count or reach past a buffer,
+    however it is called (issue 20): a bound near 2**63 (``(bound + 63) >> 6`` overflowed),
+    lengths larger than ``out``, a bits buffer smaller than the bounds; and still works."""
+    kernel = importlib.import_module("deck.kernels._jagged")
+    ids = np.array([5, 1, 5], dtype=np.int64)
+
+    def call(bound: int, length: int = 3, words: int = 2, room: int = 3) -> tuple[int, int]:
+        def i64(*v: int) -> np.ndarray:
+            return np.array(v, dtype=np.int64)
+
+        bits = np.zeros(words, dtype=np.uint64)
+        out, counts = np.zeros(room, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        got = kernel.mark_scan(
+            i64(ids.ctypes.data), i64(length), i64(0, 1), 8, i64(bound), bits, out, counts
+        )
+        assert not bits.any()  # the map is clean whatever happened
+        return tuple(got)
+
+    assert call(100) == (2, -1)
+    for bound in (2**63 - 1, 2**63 - 63, 2**62, 129):
+        with pytest.raises(ValueError, match="bits buffer too small"):
+            call(bound)
+    for length, room in ((2**62, 3), (2**63 - 1, 3), (3, 2)):
+        with pytest.raises(ValueError, match="out buffer too small"):
+            call(100, length, room=room)
+    with pytest.raises(ValueError, match="bad bound"):
+        call(-1)

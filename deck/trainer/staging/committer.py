@@ -37,8 +37,10 @@ class Committer:
     The training thread (through :class:`~deck.trainer.staging.Stager`) calls:
 
     1. :meth:`submit` -- a part every rank staged, or one found pending on restart;
-    2. :meth:`take_failed` -- this rank's parts that failed since, to tell rank 0 at the next
-       collective; on rank 0, :meth:`abandon` for the parts other ranks told it about;
+    2. :meth:`take_failure` -- whether a part failed since the last call (the next checkpoint
+       is then a full) and :meth:`take_failed` -- this rank's parts that failed since, to tell
+       rank 0 at the next collective; on rank 0, :meth:`abandon` for the parts other ranks told
+       it about;
     3. :meth:`flush` -- wait until every submitted part is committed or failed;
     4. :meth:`stop` -- once, after the last :meth:`flush`.
 
@@ -54,9 +56,9 @@ class Committer:
        failed), checks a delta's parent is committed, writes the commit record;
     8. cleans up: spool copies (``cpu-ssd-remote``), the pending record, the spool space.
 
-    A part that fails sets :attr:`failed` (the next checkpoint is a full); on a rank other than
-    0 a failure record tells rank 0 at once (:meth:`_report_failed`). The thread never calls
-    collectives.
+    A part that fails is recorded for :meth:`take_failure` (the next checkpoint is a full); on a
+    rank other than 0 a failure record tells rank 0 at once (:meth:`_report_failed`). The thread
+    never calls collectives.
     """
 
     def __init__(
@@ -80,7 +82,8 @@ class Committer:
         self._failed_parts: list[tuple[int, str]] = []
         self._idle = threading.Condition()
         self._busy = 0
-        self.failed = threading.Event()  # a part failed after training moved on: take a full next
+        # A part failed after training moved on (a full next), until take_failure() takes it.
+        self._failure = False
         self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
         self._thread.start()
 
@@ -96,6 +99,13 @@ class Committer:
         with self._idle:
             out, self._failed_parts = self._failed_parts, []
         return out
+
+    def take_failure(self) -> bool:
+        """Whether a part failed since the last call, and forget it: read and cleared in one step
+        under the lock, so a failure recorded right after is kept for the next call."""
+        with self._idle:
+            failure, self._failure = self._failure, False
+        return failure
 
     def abandon(self, step: int, ckpt_id: str, why: str) -> None:
         """Rank 0: another rank's part of ``step`` failed; do not wait for it (nor commit)."""
@@ -146,7 +156,8 @@ class Committer:
         if pending.rank != 0 and stats.state not in ("uploaded", "committed"):
             self._report_failed(pending, e)
         stats.state, stats.error = "failed", str(e)
-        self.failed.set()
+        with self._idle:
+            self._failure = True
         logger.error(
             "deck: checkpoint of step %d (%s) failed in the background: %s",
             pending.step,
@@ -258,8 +269,7 @@ class Committer:
         spool = self.spool
 
         def one(rel: str) -> None:
-            with open(spool.path(p.step, rel), "rb") as f:
-                data = f.read()
+            data = spool.store.get(spool.key(p.step, rel))  # never through a link
             failpoint("stager.upload.before_put")
             self.dest.put(f"{step_dir(p.step)}/{rel}", data)
             failpoint("stager.upload.after_put")

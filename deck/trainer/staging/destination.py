@@ -7,9 +7,16 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from deck.config import StagingConfig
-from deck.errors import DeckError, NotFoundError, StorageError
+from deck.errors import (
+    CorruptCheckpointError,
+    DeckError,
+    NotFoundError,
+    StorageError,
+    UnsafePathError,
+)
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_dir
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 from deck.storage.retry import RetryPolicy, call_with_retry
 
 T = TypeVar("T")
@@ -33,13 +40,13 @@ class Destination:
         return self.retrying("read", key, lambda: self.storage.exists(key))
 
     def committed_id(self, step: int) -> str | None:
-        """The id of the checkpoint committed at ``step``, if any."""
+        """The id of the checkpoint committed at ``step``, if any (an unreadable record: none)."""
         key = f"{step_dir(step)}/{MANIFEST}"
 
         def read() -> bytes | None:
             try:
-                return self.storage.get(key)
-            except NotFoundError:
+                return get_bounded(self.storage, key)
+            except (NotFoundError, CorruptCheckpointError):  # too large, a link, a FIFO, ...
                 return None
 
         data = self.retrying("read", key, read)
@@ -65,10 +72,13 @@ class Destination:
             initial_delay=min(self.cfg.retry_initial_s, self.cfg.retry_max_s),
             max_delay=self.cfg.retry_max_s,
             jitter=0.0,
-            retry_on=lambda e: isinstance(e, StorageError),
+            # A link or special file in the way (UnsafePathError) does not go away by waiting.
+            retry_on=lambda e: isinstance(e, StorageError) and not isinstance(e, UnsafePathError),
         )
         try:
             return call_with_retry(fn, policy, f"deck: {what} of {self.storage.describe(key)}")
+        except UnsafePathError:
+            raise
         except StorageError as e:
             raise StorageError(
                 f"giving up on {what} of {self.storage.describe(key)} after "

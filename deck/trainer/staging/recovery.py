@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from deck.errors import CorruptCheckpointError, DeckError
+from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
+from deck.failpoints import failpoint
 from deck.format.checksum import checksum
 from deck.format.manifest import (
     load_model,
@@ -19,6 +18,8 @@ from deck.format.manifest import (
     rank_manifest_name,
     step_dir,
 )
+from deck.storage.base import get_bounded
+from deck.storage.local import LocalStorage
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.records import PENDING_SUFFIX, CheckpointStats, PendingPart, _Item
 from deck.trainer.staging.spool import SpoolDir
@@ -61,36 +62,53 @@ def recover(
 
 
 def _scan_spool(spool: SpoolDir, uri: str, rank: int) -> list[PendingPart]:
-    if not os.path.isdir(spool.root):
-        return []
+    """Rank ``rank``'s readable pending records of ``uri`` in the spool. Everything goes through
+    ``spool.store``: a link in the spool (in the local tier: the URI) is never followed, and a
+    record is read (bounded) and validated before a restart acts on the files it names."""
+    failpoint("stager.recover.scan", spool.root)  # test hook: the spool cannot be read (enospc)
+    store = spool.store
     found = []
     name = rank_manifest_name(rank).replace(".json", PENDING_SUFFIX)
     part_dir = rank_dir(rank)
-    for step_name in sorted(os.listdir(spool.root)):
-        step_path = os.path.join(spool.root, step_name)
-        if parse_step_dir(step_name) is None or not os.path.isdir(step_path):
+    for step_name in store.list_dir(""):
+        step = parse_step_dir(step_name.rstrip("/"))
+        if step is None or not step_name.endswith("/"):
             continue
-        for attempt in os.listdir(step_path):
-            path = os.path.join(step_path, attempt, name)
-            # NotADirectoryError: in the local tier the spool is the destination, whose step
-            # folders also hold manifest.json (a file, not an attempt folder).
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.remove(path + ".tmp")  # a record torn by a crash: its part never staged
+        # Only folders: in the local tier the spool is the destination, whose step folders
+        # also hold manifest.json.
+        for attempt in (a for a in store.list_dir(step_name) if a.endswith("/")):
+            key = f"{step_name}{attempt}{name}"
+            with contextlib.suppress(OSError):
+                store.delete(key + ".tmp")  # a record torn by a crash: its part never staged
             p = None
-            if os.path.isfile(path):
+            if store.exists(key):
                 try:
-                    with open(path, "rb") as f:
-                        p = load_model(PendingPart, f.read(), path)
+                    p = _read_pending(store, key, step, attempt.rstrip("/"), rank)
                 except (DeckError, OSError) as e:
-                    logger.warning("deck: ignoring unreadable pending record %s: %s", path, e)
-                    os.remove(path)
+                    logger.warning("deck: ignoring unreadable pending record %s: %s", key, e)
+                    with contextlib.suppress(OSError):
+                        store.delete(key)
             if p is not None and p.uri == uri:
                 found.append(p)
             elif spool.scratch:
                 # Only a spool holds nothing but pending parts; in the local tier this folder
                 # may be a committed checkpoint (GC handles attempts that never committed).
-                shutil.rmtree(os.path.join(step_path, attempt, part_dir), ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    store.delete_prefix(f"{step_name}{attempt}{part_dir}/")
     return found
+
+
+def _read_pending(store: LocalStorage, key: str, step: int, ckpt_id: str, rank: int) -> PendingPart:
+    """The pending record at ``key``, validated (:class:`PendingPart`) and checked to be the
+    record its place names; :class:`CorruptCheckpointError` naming it otherwise."""
+    where = store.describe(key)
+    p = load_model(PendingPart, get_bounded(store, key), where)
+    if (p.step, p.ckpt_id, p.rank) != (step, ckpt_id, rank):
+        raise CorruptCheckpointError(
+            f"{where}: the record is of step {p.step}, checkpoint {p.ckpt_id}, rank {p.rank}, "
+            "not of the folder it is in; it was not written there by deck"
+        )
+    return p
 
 
 def _agree_on_pending(
@@ -147,12 +165,14 @@ def check_recovered(spool: SpoolDir, p: PendingPart) -> None:
         if fr is not None:
             expected[fr.path] = [(0, fr.nbytes, fr.checksum)]
     for rel, ranges in expected.items():
+        size = max(off + n for off, n, _ in ranges)
         try:
-            with open(spool.path(p.step, rel), "rb") as f:
-                data = memoryview(f.read())
-        except FileNotFoundError:
+            # Never more than one byte past what the manifest says: only a regular file, read
+            # without following links (UnsafePathError is damage too).
+            data = memoryview(spool.store.get(spool.key(p.step, rel), 0, size + 1))
+        except (NotFoundError, CorruptCheckpointError):
             data = memoryview(b"")
-        if len(data) != max(off + n for off, n, _ in ranges) or any(
+        if len(data) != size or any(
             checksum(data[off : off + n]) != digest for off, n, digest in ranges
         ):
             raise CorruptCheckpointError(

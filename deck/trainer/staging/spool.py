@@ -7,7 +7,6 @@ scratch space (``staging.spool_dir``) whose files go once uploaded, its size bou
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -16,13 +15,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from deck.config import StagingConfig
-from deck.errors import SpoolError
+from deck.errors import SpoolError, UnsafePathError
 from deck.failpoints import failpoint
 from deck.format.chunks import Buffer
 from deck.format.manifest import dump_model, rank_manifest_name, step_dir
 from deck.storage.atomic import atomic_file
-from deck.storage.local import write_new_file
-from deck.trainer.staging.records import PENDING_SUFFIX, PendingPart
+from deck.storage.local import LocalStorage, write_new_file
+from deck.trainer.staging.records import PENDING_SUFFIX, PendingPart, _NeverCommits
 
 logger = logging.getLogger(__package__)
 
@@ -46,6 +45,9 @@ class SpoolDir:
         self, root: str, cfg: StagingConfig, scratch: bool, syncer: ThreadPoolExecutor
     ) -> None:
         self.root = root
+        # Every read, delete and folder of the spool goes through a store rooted at it, so that
+        # nothing a restart finds there (in the local tier: the URI) makes it follow a link out.
+        self.store = LocalStorage(root)
         self.cfg = cfg
         self.scratch = scratch
         # Each spooled file is fsynced as soon as it is written, on its own thread, so that the
@@ -87,9 +89,13 @@ class SpoolDir:
     def path(self, step: int, rel: str) -> str:
         return os.path.join(self.root, step_dir(step), rel)
 
+    def key(self, step: int, rel: str) -> str:
+        """The file's key in :attr:`store`."""
+        return f"{step_dir(step)}/{rel}"
+
     def size(self, p: PendingPart, rel: str) -> int:
         try:
-            return os.path.getsize(self.path(p.step, rel))
+            return self.store.size(self.key(p.step, rel))
         except OSError:
             return 0
 
@@ -105,7 +111,7 @@ class SpoolDir:
             folder = os.path.dirname(path)
             failpoint("stager.spool.before_write")
             if folder not in self._made_dirs:  # one makedirs per folder, not per chunk
-                os.makedirs(folder, exist_ok=True)
+                self.store.make_folder(key.rpartition("/")[0])  # never through a link
                 self._made_dirs.add(folder)
             failpoint("stager.spool.write", path)  # test hook: a kill or ENOSPC here
             write_new_file(path, memoryview(data)[:nbytes])
@@ -116,45 +122,55 @@ class SpoolDir:
             raise self.error(step, key, e) from e
 
     def fsync(self, p: PendingPart) -> None:
-        """Make the part's files and their folders durable (waiting for the early fsyncs)."""
-        dirs = set()
-        for rel in p.files:
-            path = self.path(p.step, rel)
-            with self._syncs_lock:
-                early = self._early_syncs.pop(path, None)
+        """Make the part's files and their folders durable (waiting for the early fsyncs).
+
+        A failed fsync fails the part for good (:class:`_NeverCommits`) and is never retried:
+        Linux reports a writeback error to one fsync only and may drop the pages that failed,
+        so a second fsync could succeed over lost data."""
+        paths = [self.path(p.step, rel) for rel in p.files]
+        with self._syncs_lock:
+            early = {path: self._early_syncs.pop(path, None) for path in paths}
+        for path in [*paths, *sorted({os.path.dirname(path) for path in paths})]:
             try:
-                if early is None:
-                    raise OSError("not fsynced yet")  # e.g. a part recovered after a restart
-                early.result()
-            except OSError:
-                _fsync_path(path)
-            dirs.add(os.path.dirname(path))
-        for d in dirs:
-            _fsync_path(d)
+                done = early.get(path)
+                if done is None:  # a folder, or a part recovered after a restart
+                    _fsync_path(path)
+                else:
+                    done.result()
+            except OSError as e:
+                raise _NeverCommits(
+                    f"fsync of {path} (step {p.step}) in the spool {self.root} failed: "
+                    f"{e.strerror or e}. Its written data may be lost, so the part is dropped, not "
+                    "retried: the next checkpoint is a full. Check the spool disk (dmesg)"
+                ) from e
 
     def remove_files(self, step: int, files: list[str]) -> None:
         for rel in files:
             path = self.path(step, rel)
             with self._syncs_lock:
                 self._early_syncs.pop(path, None)
-            with contextlib.suppress(OSError):
-                os.remove(path)
+            try:
+                self.store.delete(self.key(step, rel))  # a link goes, never what it points to
+            except UnsafePathError as e:
+                logger.warning("deck: not deleting spooled file %s: %s", rel, e)
+            except OSError:
+                pass
 
     # ---- pending records -------------------------------------------------------------------------
+    def pending_key(self, p: PendingPart) -> str:
+        """The key of the part's pending record in :attr:`store`."""
+        name = rank_manifest_name(p.rank).replace(".json", PENDING_SUFFIX)
+        return f"{step_dir(p.step)}/{p.ckpt_id}/{name}"
+
     def pending_path(self, p: PendingPart) -> str:
-        return os.path.join(
-            self.root,
-            step_dir(p.step),
-            p.ckpt_id,
-            rank_manifest_name(p.rank).replace(".json", PENDING_SUFFIX),
-        )
+        return os.path.join(self.root, *self.pending_key(p).split("/"))
 
     def write_pending(self, p: PendingPart) -> None:
         """Durably record a staged part (temp + fsync + rename) so a restart can finish it."""
         path = self.pending_path(p)
         failpoint("stager.pending.before_write")
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.store.make_folder(f"{step_dir(p.step)}/{p.ckpt_id}")  # never through a link
             # The temp file's name is the one a restart removes (recovery._scan_spool).
             with atomic_file(path, tmp=path + ".tmp") as f:
                 failpoint("stager.pending.write", f.name)
@@ -165,8 +181,7 @@ class SpoolDir:
         failpoint("stager.pending.after_write")
 
     def remove_pending(self, p: PendingPart) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.pending_path(p))
+        self.store.delete(self.pending_key(p))
 
     def error(self, step: int, key: str, e: OSError) -> SpoolError:
         hint = (
@@ -184,7 +199,9 @@ class SpoolDir:
 
 def _fsync_path(path: str) -> None:
     """fsync a file or a folder by path."""
-    fd = os.open(path, os.O_RDONLY)
+    failpoint("stager.spool.fsync", path)  # test hook: an fsync that fails (enospc)
+    # Never through a link at the file, never blocking on a FIFO.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         os.fsync(fd)
     finally:

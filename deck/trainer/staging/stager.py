@@ -55,7 +55,8 @@ class Stager:
        before the ranks agree the part is staged;
     4. :meth:`enqueue` once every rank staged its part, so the commit thread finishes it -- or
        :meth:`discard` when a rank did not;
-    5. at the next collective: :meth:`take_failed` (this rank's parts that failed in the
+    5. at the next collective: :meth:`take_failure` (whether a part failed: the next
+       checkpoint is a full), :meth:`take_failed` (this rank's parts that failed in the
        background, for rank 0) and, on rank 0, :meth:`abandon` for those other ranks told.
 
     Once per process: :meth:`recover` before the first checkpoint (collective), :meth:`flush`
@@ -92,7 +93,6 @@ class Stager:
         )
         self._dest = Destination(storage, staging)
         self._committer = Committer(self._dest, staging, self.tier, self._spool, self._uploads)
-        self.failed = self._committer.failed  # a part failed after training moved on: a full next
 
     def _spool_root(self) -> str | None:
         if self.tier == "local":
@@ -159,6 +159,12 @@ class Stager:
         background, starting by waiting for this part's writes (its manifest is built then)."""
         stats.spool_reserved = staged.reserved
         self._committer.submit(_Item(staged.info, stats, staged))
+
+    def take_failure(self) -> bool:
+        """Whether a part failed after training moved on since the last call (the next
+        checkpoint must be a full); taken atomically, so a failure recorded while the ranks vote
+        is kept for the next vote instead of being cleared with this one."""
+        return self._committer.take_failure()
 
     def take_failed(self) -> list[tuple[int, str]]:
         """(step, id) of this rank's parts (rank > 0) that failed in the background since the

@@ -1,0 +1,203 @@
+"""deck's stream format: a publish chain carried by a Kafka topic (``kafka://host:port/topic``).
+
+Pure data, no Kafka client: the trainer's sink (``deck.trainer.kafka_sink``) encodes, the loading
+service (``deck.ops.kafka_follow``) decodes. Layout of the topic:
+
+- partition 0 is the **control** partition: one marker per committed publish, produced by rank 0
+  right after the step's commit record (``step-N/manifest.json``) is at the state URI, i.e. after
+  every rank's rows were acknowledged by the broker;
+- partition ``rank + 1`` holds that rank's table files (deck chunk files and bundles, exactly
+  the bytes the file publisher writes, checksummed per chunk in the rank manifest), split into
+  segments of at most ``max_message_bytes``; the message key is the rank.
+
+Every message carries the xxh3 of its value in a header, so a damaged message is refused where it
+is read (topic, partition, offset), before its bytes reach a chunk decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import xxhash
+
+from deck.errors import ConfigError, CorruptCheckpointError, DeckError
+
+STREAM_VERSION = b"1"
+CONTROL_PARTITION = 0
+_RANK_PART = re.compile(r"/rank-(\d{5})/")
+_COMMIT = re.compile(r"^step-(\d{12})/manifest\.json$")
+
+
+class CorruptStreamError(CorruptCheckpointError):
+    """A message of the stream fails its checksum or cannot be decoded."""
+
+
+class StreamGapError(DeckError):
+    """The stream lacks messages a step needs (retention removed them, or a publish failed)."""
+
+
+@dataclass(frozen=True)
+class KafkaTarget:
+    """A parsed ``kafka://host:port[,host:port...]/topic`` URI."""
+
+    bootstrap: str
+    topic: str
+
+    @property
+    def uri(self) -> str:
+        return f"kafka://{self.bootstrap}/{self.topic}"
+
+
+def is_kafka_uri(uri: str) -> bool:
+    return uri.startswith("kafka://")
+
+
+def parse_kafka_uri(uri: str) -> KafkaTarget:
+    """The brokers and topic of ``uri``; ConfigError naming it when malformed."""
+    parts = urlsplit(uri)
+    topic = parts.path.strip("/")
+    if parts.scheme != "kafka" or not parts.netloc or not re.fullmatch(r"[A-Za-z0-9._\-]+", topic):
+        raise ConfigError(
+            f"{uri!r}: a Kafka publish URI is kafka://host:port[,host:port]/topic (topic: "
+            "letters, digits, . _ -)"
+        )
+    return KafkaTarget(parts.netloc, topic)
+
+
+def rank_partition(rank: int) -> int:
+    """The partition of a rank's table files (partition 0 carries the markers)."""
+    return rank + 1
+
+
+def is_stream_file(key: str) -> bool:
+    """Whether a publish file travels through the stream (table chunks and bundles) rather
+    than the state URI (dense and user state, rank manifests, commit records)."""
+    return key.endswith(".chunk") or (
+        "/rank-" in key and key.rsplit("/", 1)[-1].startswith("bundle-")
+    )
+
+
+def rank_of(key: str) -> int:
+    """The rank whose part a stream file belongs to (from its ``rank-NNNNN`` folder)."""
+    m = _RANK_PART.search(key)
+    if m is None:
+        raise DeckError(f"{key}: not a file of a rank's part")
+    return int(m.group(1))
+
+
+def commit_step(key: str) -> int | None:
+    """The step of a trainer commit record key (``step-N/manifest.json``), else None."""
+    m = _COMMIT.match(key)
+    return int(m.group(1)) if m else None
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_64_hexdigest(data).encode()
+
+
+def segment_headers(key: str, seg: int, segs: int, size: int, data: memoryview) -> list[Any]:
+    """Kafka headers of segment ``seg`` of ``segs`` of the file ``key`` (``size`` bytes)."""
+    return [
+        ("deck", STREAM_VERSION),
+        ("type", b"seg"),
+        ("key", key.encode()),
+        ("seg", b"%d/%d" % (seg, segs)),
+        ("size", b"%d" % size),
+        ("xxh3", _digest(data)),
+    ]
+
+
+def marker_value(step: int, ckpt_id: str, state_uri: str, world_size: int) -> bytes:
+    """The value of a step's marker (JSON: where its commit record and state are)."""
+    return json.dumps(
+        {"step": step, "id": ckpt_id, "state_uri": state_uri, "world_size": world_size},
+        sort_keys=True,
+    ).encode()
+
+
+def marker_headers(value: bytes) -> list[Any]:
+    return [("deck", STREAM_VERSION), ("type", b"marker"), ("xxh3", _digest(value))]
+
+
+@dataclass(frozen=True)
+class Marker:
+    step: int
+    ckpt_id: str
+    state_uri: str
+    world_size: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    key: str
+    seg: int
+    segs: int
+    size: int
+    data: bytes
+    offset: int
+
+
+def _where(topic: str, partition: int, offset: int) -> str:
+    return f"kafka topic {topic} partition {partition} offset {offset}"
+
+
+def _checked(
+    headers: list[Any] | None, value: bytes | None, topic: str, partition: int, offset: int
+) -> dict[str, bytes]:
+    h = {k: bytes(v) for k, v in headers or () if v is not None}
+    where = _where(topic, partition, offset)
+    if h.get("deck") != STREAM_VERSION:
+        raise CorruptStreamError(
+            f"{where}: not a deck stream message (version {h.get('deck')!r}); is another "
+            "producer writing to this topic?"
+        )
+    if value is None or h.get("xxh3") != _digest(value):
+        raise CorruptStreamError(
+            f"{where}: the message fails its checksum (damaged on the way or on the broker); "
+            "the step cannot be applied from the stream: restore the loader from its full "
+            "(--full-uri) or wait for the next full publish"
+        )
+    return h
+
+
+def decode_marker(
+    headers: list[Any] | None, value: bytes | None, topic: str, partition: int, offset: int
+) -> Marker:
+    """A checked marker; CorruptStreamError naming the topic, partition and offset otherwise."""
+    h = _checked(headers, value, topic, partition, offset)
+    try:
+        if h.get("type") != b"marker":
+            raise ValueError(f"type {h.get('type')!r} on the control partition")
+        d = json.loads(value or b"")
+        return Marker(
+            int(d["step"]), str(d["id"]), str(d["state_uri"]), int(d["world_size"]), offset
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStreamError(f"{_where(topic, partition, offset)}: bad marker: {e}") from e
+
+
+def decode_segment(
+    headers: list[Any] | None, value: bytes | None, topic: str, partition: int, offset: int
+) -> Segment:
+    """A checked file segment; CorruptStreamError naming the topic, partition and offset."""
+    h = _checked(headers, value, topic, partition, offset)
+    try:
+        if h.get("type") != b"seg":
+            raise ValueError(f"type {h.get('type')!r} on a rank partition")
+        seg, segs = (int(x) for x in h["seg"].split(b"/"))
+        return Segment(h["key"].decode(), seg, segs, int(h["size"]), value or b"", offset)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStreamError(f"{_where(topic, partition, offset)}: bad segment: {e}") from e
+
+
+def split(data: bytes | bytearray | memoryview, max_bytes: int) -> list[memoryview]:
+    """``data`` in pieces of at most ``max_bytes`` (one empty piece for an empty file)."""
+    view = memoryview(data).cast("B")
+    if max_bytes < 1:
+        raise ConfigError(f"max_message_bytes must be positive, got {max_bytes}")
+    return [view[i : i + max_bytes] for i in range(0, max(len(view), 1), max_bytes)] or [view]

@@ -1,0 +1,507 @@
+"""``deck follow kafka://host:port/topic``: the loading service of a Kafka publisher.
+
+One consumer per partition (all in one process, polled by the loop that applies the steps: a
+step needs every rank's rows anyway, so applying is sequential; each consumer reads only what
+the next marker needs, which bounds memory to about one step's rows). For each marker of the
+control partition, in order:
+
+1. read the step's commit record and rank manifests from the state URI the marker names;
+2. pull each rank's table files of that step from its partition (segments checksummed; files
+   of steps without a marker -- failed publishes -- are dropped as they pass);
+3. a full is materialised, a delta of the held state is applied onto it -- the same
+   :class:`deck.ops.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
+   ``deck follow`` of a directory, reading through :class:`StreamView`;
+4. ``state.json`` records the stream offsets after the step, atomically with the state; then
+   the consumer group's offsets are committed (for lag monitoring: the resume point is the one
+   written with the state, so a crash between the two re-reads a step and skips it as held);
+5. every ``full_every`` steps, a copy of the output with its offsets goes to ``full_uri``
+   (a "loader full"): a fresh loader starts from the newest one and reads the stream after its
+   offsets, so recovery never replays the topic from its start.
+
+A delta whose parent is not the held state (retention removed earlier messages, a publish whose
+marker was lost) raises :class:`StreamGapError` naming both; the loader full, or the
+publisher's next full, covers it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deck.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DeckError,
+    NotFoundError,
+    StorageError,
+)
+from deck.failpoints import failpoint
+from deck.format.jsonio import load_json
+from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
+from deck.format.stream import (
+    CONTROL_PARTITION,
+    KafkaTarget,
+    Marker,
+    Segment,
+    StreamGapError,
+    decode_marker,
+    decode_segment,
+    is_stream_file,
+    parse_kafka_uri,
+    rank_partition,
+)
+from deck.ops.follow import SIDECAR, STATE_FILE, Follower, FollowUpdate
+from deck.read.catalog import read_rank_manifests
+from deck.storage import Storage, open_storage
+from deck.storage.atomic import atomic_write
+from deck.storage.base import get_bounded
+from deck.storage.wrapper import StorageWrapper
+
+logger = logging.getLogger(__name__)
+FULL_PREFIX = "loader-full-"
+
+
+class StreamView(StorageWrapper):
+    """The state URI as :class:`Follower` reads it: table files come from the rows pulled off the
+    stream (:attr:`files`), and only the steps in :attr:`visible` are listed."""
+
+    def __init__(self, state: Storage, uri: str) -> None:
+        super().__init__(state)
+        self._uri = uri
+        self.files: dict[str, bytes] = {}
+        self.visible: set[int] = set()
+
+    @property
+    def uri(self) -> str:
+        return self._uri
+
+    def local_path(self, path: str = "") -> str | None:
+        return None
+
+    iter_get = Storage.iter_get
+    get_many = Storage.get_many
+    get_or_none = Storage.get_or_none
+    map_file = Storage.map_file
+
+    def _held(self, path: str) -> bytes:
+        data = self.files.get(path)
+        if data is None:
+            raise NotFoundError(f"{self._uri}: {path} is not among the rows pulled off the stream")
+        return data
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        if is_stream_file(path):
+            return self._held(path)[start:end]
+        return self.inner.get(path, start, end)
+
+    def size(self, path: str) -> int:
+        return len(self._held(path)) if is_stream_file(path) else self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return path in self.files if is_stream_file(path) else self.inner.exists(path)
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        if prefix:
+            return self.inner.list_dir(prefix)
+        return [f"{step_dir(s)}/" for s in sorted(self.visible)]
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        raise StorageError(f"{self._uri}: the loader's view is read-only")
+
+    def delete(self, path: str) -> None:
+        raise StorageError(f"{self._uri}: the loader's view is read-only")
+
+
+def _step_of(key: str) -> tuple[int, str]:
+    """(step, checkpoint id) of a stream file key ``step-N/<id>/rank-.../...``."""
+    head, ckpt_id = key.split("/", 2)[:2]
+    return int(head[5:]), ckpt_id
+
+
+class _Reader:
+    """One partition's consumer, read on demand; messages read past the current need wait in
+    :attr:`ahead`."""
+
+    def __init__(self, conf: dict[str, Any], target: KafkaTarget, partition: int, offset: int):
+        from confluent_kafka import Consumer, TopicPartition
+
+        self.topic, self.partition = target.topic, partition
+        self._tp = TopicPartition(target.topic, partition)
+        self.consumer = Consumer(conf)
+        low, _ = self.watermarks()
+        if offset < low:
+            raise StreamGapError(
+                f"kafka topic {target.topic} partition {partition}: the loader needs offset "
+                f"{offset} but the oldest message is {low} (retention removed {low - offset}); "
+                "start from a newer loader full (--full-uri) or a new --out directory after "
+                "the publisher's next full"
+            )
+        self.position = offset
+        self.consumer.assign([TopicPartition(target.topic, partition, offset)])
+        self.ahead: list[Segment] = []
+
+    def watermarks(self) -> tuple[int, int]:
+        try:
+            low, high = self.consumer.get_watermark_offsets(self._tp, timeout=10, cached=False)
+        except Exception as e:
+            raise StorageError(f"kafka topic {self.topic}: cannot read offsets: {e}") from e
+        return int(low), int(high)
+
+    def poll(self, timeout: float) -> Any | None:
+        msg = self.consumer.poll(timeout)
+        if msg is None:
+            return None
+        err = msg.error()
+        if err is not None:
+            if err.code() == -191:  # _PARTITION_EOF
+                return None
+            raise StorageError(f"kafka topic {self.topic} partition {self.partition}: {err}")
+        self.position = int(msg.offset() or 0) + 1
+        return msg
+
+    def drained(self) -> bool:
+        """Nothing more to read now (position at the high watermark)."""
+        return self.position >= self.watermarks()[1]
+
+    def resume_offset(self) -> int:
+        return min([s.offset for s in self.ahead], default=self.position)
+
+    def commit(self, offset: int) -> None:
+        from confluent_kafka import TopicPartition
+
+        try:
+            self.consumer.commit(
+                offsets=[TopicPartition(self.topic, self.partition, offset)], asynchronous=False
+            )
+        except Exception as e:  # the resume point is state.json's; the group's is for lag
+            logger.warning("deck follow: committing offsets of partition %d: %s", self.partition, e)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class _StreamFollower(Follower):
+    """A Follower whose state.json also records the stream offsets after its step."""
+
+    stream: dict[str, Any]
+
+    def sidecar_extra(self) -> dict[str, Any]:
+        return {"stream": self.stream}
+
+
+@dataclass
+class KafkaFollowStats:
+    """What a loader did since it started."""
+
+    applied: list[int] = field(default_factory=list)  # steps applied (in order)
+    skipped: list[int] = field(default_factory=list)  # markers of steps already held
+    fulls: list[str] = field(default_factory=list)  # loader fulls written (keys)
+
+
+class KafkaFollower:
+    """The materialised state of a Kafka publish topic in ``out_dir`` (see the module doc)."""
+
+    def __init__(
+        self,
+        uri: str,
+        out_dir: str,
+        *,
+        state_uri: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        group: str | None = None,
+        full_uri: str | None = None,
+        full_every: int = 0,
+        consumer_options: dict[str, Any] | None = None,
+        allow_quantized: bool = False,
+        wait_s: float = 10.0,
+    ):
+        self.target = parse_kafka_uri(uri)
+        self.out_dir = out_dir
+        self.state_uri = state_uri
+        self.storage_options = storage_options
+        self.allow_quantized = allow_quantized
+        self.wait_s = wait_s  # how long a rank's rows may take to show up after their marker
+        self.full_every = full_every
+        self.full_store = open_storage(full_uri, storage_options) if full_uri else None
+        if full_every and self.full_store is None:
+            raise ConfigError("--full-every needs --full-uri")
+        self.conf = {
+            "bootstrap.servers": self.target.bootstrap,
+            "group.id": group or f"deck-follow-{self.target.topic}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+            # librdkafka prefetches: bound it, the loader holds about one step anyway.
+            "queued.max.messages.kbytes": 16384,
+            **(consumer_options or {}),
+        }
+        os.makedirs(out_dir, exist_ok=True)
+        self._restore_full()
+        self.offsets: dict[int, int] = self._saved_offsets()
+        self.readers: dict[int, _Reader] = {}
+        self.follower: _StreamFollower | None = None
+        self.view: StreamView | None = None
+        self.stats = KafkaFollowStats()
+        self._since_full = 0
+
+    # ---- start ------------------------------------------------------------------------------
+    def _saved_offsets(self) -> dict[int, int]:
+        side = os.path.join(self.out_dir, SIDECAR)
+        if not os.path.exists(side):
+            return {}
+        with open(side, "rb") as f:
+            meta = load_json(f.read(), side, "deck follow state record")
+        stream = meta.get("stream") or {}
+        if meta.get("uri") != self.target.uri:
+            raise ConfigError(
+                f"--out {self.out_dir} follows {meta.get('uri')}, not {self.target.uri}; use "
+                "another directory"
+            )
+        self.state_uri = self.state_uri or stream.get("state_uri")
+        return {int(p): int(o) for p, o in stream.get("offsets", {}).items()}
+
+    def _restore_full(self) -> None:
+        """An empty ``out_dir`` starts from the newest loader full at ``full_uri``, if any."""
+        if self.full_store is None or os.path.exists(os.path.join(self.out_dir, SIDECAR)):
+            return
+        names = sorted(
+            e.rstrip("/") for e in self.full_store.list_dir("") if e.startswith(FULL_PREFIX)
+        )
+        for name in reversed(names):
+            if not self.full_store.exists(f"{name}/{SIDECAR}"):
+                continue  # cut short before its record: not a full
+            atomic_write(
+                os.path.join(self.out_dir, STATE_FILE), self.full_store.get(f"{name}/{STATE_FILE}")
+            )
+            atomic_write(
+                os.path.join(self.out_dir, SIDECAR), self.full_store.get(f"{name}/{SIDECAR}")
+            )
+            logger.info("deck follow: starting from loader full %s", self.full_store.describe(name))
+            return
+
+    def _reader(self, partition: int) -> _Reader:
+        r = self.readers.get(partition)
+        if r is None:
+            r = _Reader(self.conf, self.target, partition, self.offsets.get(partition, 0))
+            self.readers[partition] = r
+        return r
+
+    def _open(self, marker: Marker) -> _StreamFollower:
+        if self.follower is None:
+            state_uri = self.state_uri or marker.state_uri
+            self.view = StreamView(open_storage(state_uri, self.storage_options), self.target.uri)
+            self.follower = _StreamFollower(
+                self.target.uri,
+                self.out_dir,
+                allow_quantized=self.allow_quantized,
+                storage=self.view,
+            )
+            self.state_uri = state_uri
+        return self.follower
+
+    # ---- one step ---------------------------------------------------------------------------
+    def poll(self, timeout: float = 1.0) -> FollowUpdate | None:
+        """Apply the next marked step if one arrives within ``timeout``; None otherwise."""
+        ctl = self._reader(CONTROL_PARTITION)
+        msg = ctl.poll(timeout)
+        if msg is None:
+            return None
+        marker = decode_marker(
+            msg.headers(), msg.value(), self.target.topic, CONTROL_PARTITION, msg.offset()
+        )
+        return self._apply_marker(marker)
+
+    def _apply_marker(self, marker: Marker) -> FollowUpdate | None:
+        fol = self._open(marker)
+        assert self.view is not None
+        held = fol.state
+        if held is not None and marker.step <= held[0]:
+            # Re-read after a restart (or a step re-published after a rollback we already
+            # hold past): applying it again would change nothing.
+            self.stats.skipped.append(marker.step)
+            return None
+        manifest = self._manifest(marker)
+        if manifest is None:
+            return None
+        if manifest.kind is Kind.DELTA and held != (manifest.parent, manifest.parent_id):
+            raise StreamGapError(
+                f"kafka topic {self.target.topic}: step {marker.step} (marker at offset "
+                f"{marker.offset}) is a delta of step {manifest.parent} ({manifest.parent_id}), "
+                f"but the loader holds {held or 'nothing'}: the messages between are gone "
+                "(retention) or were never marked. Start from a loader full (--full-uri) or "
+                "wait for the publisher's next full."
+            )
+        t0 = time.perf_counter()
+        parts = read_rank_manifests(self.view, manifest)
+        files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
+        for rank in range(manifest.world_size):
+            mine = {k for k in files if f"/rank-{rank:05d}/" in k}
+            self.view.files.update(self._pull(rank, marker, mine))
+        failpoint("kafka_follow.fetched")
+        fol.stream = self._stream_record(marker)
+        try:
+            if manifest.kind is Kind.FULL:
+                self.view.visible = {marker.step}
+                update = fol._materialise(marker.step)
+            else:
+                update = fol._apply([manifest], parts)
+        finally:
+            self.view.files.clear()
+        update.seconds = time.perf_counter() - t0
+        failpoint("kafka_follow.written")
+        for p, off in fol.stream["offsets"].items():
+            self._reader(int(p)).commit(int(off))
+        self.stats.applied.append(marker.step)
+        self._since_full += 1
+        if self.full_every and self._since_full >= self.full_every:
+            self.write_full()
+        return update
+
+    def _manifest(self, marker: Marker) -> CheckpointManifest | None:
+        assert self.view is not None
+        key = f"{step_dir(marker.step)}/{MANIFEST}"
+        try:
+            m = load_model(CheckpointManifest, get_bounded(self.view, key), self.view.describe(key))
+        except NotFoundError:
+            m = None
+        if m is None or m.id != marker.ckpt_id:
+            # Replaced by a later publish of the same step (a rollback): its own marker follows.
+            logger.warning(
+                "deck follow: marker of step %d (%s) names no commit record at %s: skipped",
+                marker.step,
+                marker.ckpt_id,
+                self.view.describe(key),
+            )
+            return None
+        return m
+
+    def _pull(self, rank: int, marker: Marker, need: set[str]) -> dict[str, bytes]:
+        """The files ``need`` of ``rank`` (all of the marker's step), off its partition."""
+        reader = self._reader(rank_partition(rank))
+        pieces: dict[str, dict[int, bytes]] = {}
+        counts: dict[str, int] = {}
+        keep: list[Segment] = []
+
+        def take(seg: Segment) -> None:
+            step, _ = _step_of(seg.key)
+            if step > marker.step:
+                keep.append(seg)  # a later step's: its marker comes later
+            elif seg.key in need:
+                pieces.setdefault(seg.key, {})[seg.seg] = seg.data
+                counts[seg.key] = seg.segs
+            # else: a publish that never got a marker (failed), or older than held: dropped
+
+        def complete() -> bool:
+            return all(len(pieces.get(k, ())) == counts.get(k, -1) for k in need)
+
+        ahead, reader.ahead = reader.ahead, []
+        for seg in ahead:
+            take(seg)
+        deadline = time.monotonic() + self.wait_s
+        while not complete():
+            msg = reader.poll(0.2)
+            if msg is not None:
+                take(
+                    decode_segment(
+                        msg.headers(), msg.value(), reader.topic, reader.partition, msg.offset()
+                    )
+                )
+            elif time.monotonic() > deadline and reader.drained():
+                missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
+                raise StreamGapError(
+                    f"kafka topic {self.target.topic} partition {reader.partition}: step "
+                    f"{marker.step} ({marker.ckpt_id}) is marked but {len(missing)} of rank "
+                    f"{rank}'s files are not in the stream (first: {missing[0]}); retention "
+                    "removed them? Start from a loader full (--full-uri)."
+                )
+        reader.ahead = keep
+        return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
+
+    def _stream_record(self, marker: Marker) -> dict[str, Any]:
+        offsets = {str(p): r.resume_offset() for p, r in self.readers.items()}
+        offsets[str(CONTROL_PARTITION)] = marker.offset + 1
+        return {"topic": self.target.topic, "state_uri": self.state_uri, "offsets": offsets}
+
+    # ---- loader fulls -----------------------------------------------------------------------
+    def write_full(self) -> str | None:
+        """Copy the output (state + its stream offsets) to ``full_uri``; returns its folder."""
+        if self.full_store is None or self.follower is None or self.follower.state is None:
+            return None
+        name = f"{FULL_PREFIX}{self.follower.state[0]:012d}"
+        with open(os.path.join(self.out_dir, STATE_FILE), "rb") as f:
+            self.full_store.put(f"{name}/{STATE_FILE}", f.read())
+        failpoint("kafka_follow.full.before_record")
+        with open(os.path.join(self.out_dir, SIDECAR), "rb") as f:
+            self.full_store.put(f"{name}/{SIDECAR}", f.read())  # last: the full's commit
+        self.stats.fulls.append(name)
+        self._since_full = 0
+        return name
+
+    # ---- loops ------------------------------------------------------------------------------
+    def catch_up(self, on_update: Callable[[FollowUpdate], None] | None = None) -> int:
+        """Apply every marker in the topic now; returns how many steps were applied."""
+        n = 0
+        ctl = self._reader(CONTROL_PARTITION)
+        while True:
+            update = self.poll(0.5)
+            if update is not None:
+                n += 1
+                if on_update is not None:
+                    on_update(update)
+            elif ctl.drained():
+                return n
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+        self.readers = {}
+
+
+def follow_kafka(
+    uri: str,
+    out_dir: str,
+    *,
+    once: bool = False,
+    on_update: Callable[[FollowUpdate], None] | None = None,
+    poll_s: float = 2.0,
+    **kwargs: Any,
+) -> KafkaFollower:
+    """Run the Kafka loading service (see the module doc): with ``once``, apply what the topic
+    holds and return; otherwise follow it until interrupted."""
+    kf = KafkaFollower(uri, out_dir, **kwargs)
+    try:
+        if once:
+            kf.catch_up(on_update)
+            return kf
+        while True:
+            try:
+                update = kf.poll(1.0)
+            except (StreamGapError, ConfigError):
+                raise  # waiting does not fix these
+            except DeckError as e:  # the broker or the state URI is down, the topic not there yet
+                logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
+                time.sleep(poll_s)
+                continue
+            if update is not None and on_update is not None:
+                on_update(update)
+    finally:
+        kf.close()
+
+
+def loader_fulls(
+    full_uri: str, storage_options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The loader fulls at ``full_uri`` (their state.json records), oldest first."""
+    store = open_storage(full_uri, storage_options)
+    out = []
+    for e in sorted(store.list_dir("")):
+        name = e.rstrip("/")
+        if name.startswith(FULL_PREFIX) and store.exists(f"{name}/{SIDECAR}"):
+            out.append(json.loads(store.get(f"{name}/{SIDECAR}")))
+    if not out:
+        raise CheckpointNotFoundError(f"no loader fulls at {store.uri}")
+    return out

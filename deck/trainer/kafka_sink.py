@@ -1,0 +1,252 @@
+"""The Kafka sink of a publisher tenant (``PublishConfig.uri = "kafka://host:port/topic"``).
+
+The publisher's save protocol, stager, spool and commit thread are the file publisher's,
+unchanged: :class:`KafkaSinkStorage` is the destination they write to. It routes
+
+- table files (chunks, bundles: :func:`deck.format.stream.is_stream_file`) to the topic, partition
+  ``rank + 1``, key = rank, in segments of at most ``max_message_bytes``; a ``put`` returns once
+  the broker acknowledged every segment (``acks=all``, idempotent producer), so a rank's part
+  manifest -- written after its files -- means its rows are in the topic;
+- everything else (dense and user state, rank manifests, the commit record) to ``state_uri``;
+- after rank 0's commit record (written only once every rank's part manifest is at the state URI)
+  a marker to partition 0. So a marker follows every rank's acknowledged rows, without a
+  collective: the commit thread learns it from the part manifests, as for files.
+
+Why a Storage and not a second pipeline: the stall, the memory bound (chunk buffers, spool),
+back-pressure (an upload thread waits for its acks), retries until ``upload_timeout_s`` and "a
+failed publish makes the next one a full" all stay exactly those of a file publish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from deck.config import PublishConfig
+from deck.errors import ConfigError, StorageError
+from deck.format.stream import (
+    CONTROL_PARTITION,
+    KafkaTarget,
+    commit_step,
+    is_stream_file,
+    marker_headers,
+    marker_value,
+    parse_kafka_uri,
+    rank_of,
+    rank_partition,
+    segment_headers,
+    split,
+)
+from deck.storage import Storage
+from deck.storage.base import get_bounded
+from deck.storage.wrapper import StorageWrapper
+
+logger = logging.getLogger(__name__)
+_HEADER_SLACK = 4096  # headers and record overhead on top of a segment
+
+
+def _kafka() -> Any:
+    try:
+        import confluent_kafka
+    except ImportError as e:  # pragma: no cover - the optional extra is missing
+        raise ConfigError(
+            "a kafka:// publish uri needs confluent-kafka: pip install 'deck[kafka]'"
+        ) from e
+    return confluent_kafka
+
+
+class KafkaSinkStorage(StorageWrapper):
+    """``state`` for everything but table files and markers, which go to ``target``'s topic."""
+
+    def __init__(
+        self,
+        state: Storage,
+        target: KafkaTarget,
+        world_size: int,
+        *,
+        max_message_bytes: int = 1_000_000,
+        producer_options: dict[str, Any] | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(state)
+        self.target = target
+        self.world_size = world_size
+        self.max_message_bytes = max_message_bytes
+        self.timeout_s = timeout_s
+        self._conf: dict[str, Any] = {
+            "bootstrap.servers": target.bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 2,
+            "message.max.bytes": max_message_bytes + _HEADER_SLACK,
+            # A put fails (and is retried by the stager, then fails the publish) rather
+            # than waiting forever on an unreachable broker.
+            "message.timeout.ms": int(timeout_s * 1000),
+            **(producer_options or {}),
+        }
+        self._lock = threading.Lock()
+        self._producer = _kafka().Producer(self._conf)
+        self._admin_conf: dict[str, Any] = {"bootstrap.servers": target.bootstrap}
+        self._topic_ok = False
+
+    def __repr__(self) -> str:
+        return f"KafkaSinkStorage({self.target.uri}, state={self.inner!r})"
+
+    # Table files are not at the state URI: nobody may map or copy them from there.
+    def local_path(self, path: str = "") -> str | None:
+        return None
+
+    iter_get = Storage.iter_get
+    get_many = Storage.get_many
+    get_or_none = Storage.get_or_none
+    map_file = Storage.map_file
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        if is_stream_file(path):
+            self._produce_file(path, data)
+            return
+        self.inner.put(path, data)
+        step = commit_step(path)
+        if step is None:
+            return
+        try:
+            self._produce_marker(path, step)
+        except StorageError:
+            # No marker, no commit: a loader would never apply it, and a later delta of it
+            # must not commit either (its parent check reads this record).
+            with contextlib.suppress(Exception):
+                self.inner.delete(path)
+            raise
+
+    def ensure_topic(self) -> None:
+        """Create the topic with ``world_size + 1`` partitions if missing (rank 0); a topic with
+        fewer partitions is a ConfigError naming it. StorageError when the broker is down."""
+        if self._topic_ok:
+            return
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient(self._admin_conf)
+        need = self.world_size + 1
+        topic = self.target.topic
+        try:
+            md = admin.list_topics(topic, timeout=10)
+            have = md.topics.get(topic)
+            if have is None or have.error is not None or not have.partitions:
+                futures = admin.create_topics([NewTopic(topic, need, 1)])
+                with contextlib.suppress(Exception):  # created meanwhile by someone else
+                    futures[topic].result(timeout=30)
+                md = admin.list_topics(topic, timeout=10)
+                have = md.topics.get(topic)
+        except Exception as e:
+            raise StorageError(f"{self.target.uri}: cannot reach the brokers: {e}") from e
+        count = 0 if have is None else len(have.partitions)
+        if count < need:
+            raise ConfigError(
+                f"{self.target.uri}: the topic has {count} partitions; a publisher of "
+                f"{self.world_size} ranks needs {need} (partition 0 for markers, rank r on r+1): "
+                "add partitions or use another topic"
+            )
+        self._topic_ok = True
+
+    def _produce_file(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        rank = rank_of(key)
+        pieces = split(data, self.max_message_bytes)
+        size = sum(len(p) for p in pieces)
+        self._produce(
+            rank_partition(rank),
+            str(rank).encode(),
+            [(p, segment_headers(key, i, len(pieces), size, p)) for i, p in enumerate(pieces)],
+            key,
+        )
+
+    def _produce_marker(self, path: str, step: int) -> None:
+        record = get_bounded(self.inner, path)
+        import json
+
+        ckpt_id = str(json.loads(record)["id"])
+        value = marker_value(step, ckpt_id, self.inner.uri, self.world_size)
+        self._produce(CONTROL_PARTITION, b"marker", [(value, marker_headers(value))], path)
+
+    def _produce(
+        self, partition: int, msg_key: bytes, messages: list[tuple[Any, list[Any]]], what: str
+    ) -> None:
+        """Produce ``messages`` in order and wait for the broker's acks; StorageError (so the
+        stager retries, then fails the publish) on any delivery error or timeout."""
+        self.ensure_topic()
+        producer = self._producer
+        done = threading.Event()
+        left = [len(messages)]
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def delivered(err: Any, _msg: Any) -> None:
+            with lock:
+                if err is not None:
+                    errors.append(str(err))
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        for value, headers in messages:
+            while True:
+                try:
+                    producer.produce(
+                        self.target.topic,
+                        value=bytes(value),
+                        key=msg_key,
+                        partition=partition,
+                        headers=headers,
+                        on_delivery=delivered,
+                    )
+                    break
+                except BufferError:  # the local queue is full: back-pressure
+                    producer.poll(0.05)
+                except Exception as e:  # KafkaException: e.g. a message over message.max.bytes
+                    raise StorageError(
+                        f"{self.target.uri} partition {partition}: cannot produce {what}: {e}"
+                    ) from e
+        waited = 0.0
+        while not done.is_set():
+            producer.poll(0.05)
+            waited += 0.05
+            if waited > self.timeout_s + 30:  # librdkafka's message.timeout.ms comes first
+                break
+        if errors or not done.is_set():
+            # A new producer for the retry: after timeouts an idempotent producer's epoch may be
+            # fenced by the broker for good (seen with Tansu: PRODUCER_FENCED on every send).
+            self._reset(producer)
+            raise StorageError(
+                f"{self.target.uri} partition {partition}: {what} not acknowledged: "
+                f"{errors[0] if errors else 'timed out'}"
+            )
+
+    def _reset(self, failed: Any) -> None:
+        with self._lock:
+            if self._producer is failed:  # once, whichever upload thread saw it first
+                self._producer = _kafka().Producer(self._conf)
+
+    def close(self) -> None:
+        """Deliver what is queued (bounded by the timeout)."""
+        self._producer.flush(5)
+
+
+def open_kafka_sink(
+    cfg: PublishConfig, state: Storage, world_size: int, timeout_s: float
+) -> KafkaSinkStorage:
+    """The publisher's destination for a kafka:// ``cfg.uri`` over ``state`` (its state_uri)."""
+    sink = KafkaSinkStorage(
+        state,
+        parse_kafka_uri(cfg.uri),
+        world_size,
+        max_message_bytes=cfg.max_message_bytes,
+        producer_options=cfg.kafka,
+        timeout_s=timeout_s,
+    )
+    try:
+        sink.ensure_topic()
+    except StorageError as e:
+        # The broker may come back before the first publish: each put tries again.
+        logger.warning("deck: Kafka publisher: %s; trying again at the first publish", e)
+    return sink

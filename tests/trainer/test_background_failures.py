@@ -1,0 +1,180 @@
+"""Parts that fail in the background after training moved on: a failed spool fsync fails its part
+for good (never retried over data the kernel may have dropped), and a failure recorded while the
+ranks vote on the next checkpoint is kept for the vote after it. Real TorchRec DMP models over
+gloo, real files; faults from deck.failpoints and FaultyStorage."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deck
+from deck import failpoints
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.format.manifest import step_dir
+from deck.read.catalog import read_manifests
+from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
+from deck.testing.faulty_storage import FaultyStorage
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
+VOTING = "checkpointer.agree.voting"
+
+
+def _config(root: str, **staging: Any) -> deck.DeckConfig:
+    return deck.DeckConfig(
+        uri=f"{root}/ck",
+        delta_every_steps=1,
+        lease_ttl_s=None,
+        staging=deck.StagingConfig(
+            chunk_bytes=4096,
+            tiers="cpu-ssd-remote",
+            spool_dir=f"{root}/spool",
+            retry_initial_s=0.01,
+            retry_max_s=0.05,
+            **staging,
+        ),
+    )
+
+
+def _restores_bitwise(config: deck.DeckConfig, live: dict[int, Any], steps: list[int]) -> None:
+    for step in steps:
+        model, opt = build_model(SPEC, seed=100 + step)
+        user = TrainState()
+        with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+            assert ck.restore(step) == step
+        bad = diff_states(live[step], capture_state(model, opt, user))
+        assert not bad, f"step {step}: {bad[:5]}"
+
+
+# ---- a failed fsync ------------------------------------------------------------------------------
+
+
+def _fsync_fails(rank: int, world_size: int, root: str) -> None:
+    config = _config(root)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        for step in range(4):
+            if step:
+                user.losses.append(train_step(model, opt, SPEC, step))
+                user.step = step
+            live[step] = capture_state(model, opt, user)
+            if step == 1:
+                # Nothing of step 0 is still being fsynced: the point's first hit is the early
+                # fsync of step 1's first spooled file. It fails once; a retry would succeed.
+                ck.flush()
+                failpoints.configure("stager.spool.fsync:1:enospc")
+            assert ck.step(step) is not None  # released at the snapshot: nothing raised here
+            if step == 1:
+                assert ck.flush(timeout=600)
+                failpoints.configure(None)
+        ck.flush()
+        history = {h.step: (h.kind, h.state) for h in ck.history}
+        error = next(h.error or "" for h in ck.history if h.step == 1)
+
+    assert history == {
+        0: ("full", "committed"),
+        1: ("delta", "failed"),  # its fsync failed: the part failed, its fsync was not retried
+        2: ("full", "committed"),  # the chain is broken there: a full follows
+        3: ("delta", "committed"),
+    }, history
+    assert "fsync" in error and "step 1" in error and "No space left" in error, error
+    assert sorted(read_manifests(LocalStorage(config.uri))) == [0, 2, 3]
+    spooled = [os.path.join(d, f) for d, _, fs in os.walk(f"{root}/spool") for f in fs]
+    assert not spooled, spooled  # dropped, not left for a restart to finish
+    _restores_bitwise(config, live, [2, 3])
+
+
+def test_failed_spool_fsync_fails_the_part_and_the_next_is_a_full(tmp_path: Path) -> None:
+    """The ``stager.spool.fsync`` failpoint makes the first fsync of step 1's spooled files
+    return ENOSPC, as a writeback error would: Linux reports such an error to one fsync only, so
+    the part must fail rather than fsync again. Step 1 is never committed, nothing of it stays in
+    the spool, step 2 is a full, and the steps after restore bitwise."""
+    run_ranks(_fsync_fails, str(tmp_path), world_size=1)
+
+
+# ---- a failure recorded during the vote ----------------------------------------------------------
+
+
+def _wait_for(what: str, done: Any, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _failure_during_vote(rank: int, world_size: int, root: str) -> None:
+    gate = threading.Event()
+    marker = Path(root, "rank1-part-failed")
+
+    def fail(key: str, n: int) -> bool:
+        # Rank 1's uploads of step 1 wait at the gate, then fail for good (its failure record,
+        # which tells rank 0, goes through).
+        if rank == 1 and key.startswith(f"{step_dir(1)}/") and not key.endswith(".failed"):
+            gate.wait()
+            return True
+        return False
+
+    def fail_during_the_vote() -> None:
+        # Rank 1's training thread has taken its failure flag for step 2's vote and waits in the
+        # all-gather for rank 0: only now does its part of step 1 fail.
+        _wait_for("rank 1's vote", lambda: failpoints.hits()[VOTING] >= 1)
+        gate.set()
+        ck.stager.flush()  # the part has failed and the failure is recorded
+        marker.touch()
+
+    config = _config(root, upload_timeout_s=0.2)
+    store = FaultyStorage(LocalStorage(config.uri), fail_put=fail)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    helper = threading.Thread(target=fail_during_the_vote)
+    with deck.DeltaCheckpointer(model, [opt], config, state=user, storage=store) as ck:
+        for step in range(5):
+            if step:
+                user.losses.append(train_step(model, opt, SPEC, step))
+                user.step = step
+            live[step] = capture_state(model, opt, user)
+            if step == 2 and rank == 1:
+                failpoints.configure(f"{VOTING}:{10**9}")  # counts the hits, never fires
+                helper.start()
+            if step == 2 and rank == 0:
+                # Join step 2's vote only once rank 1's part failed while rank 1 was in it, and
+                # once rank 0 learnt that too (rank 1's failure record): step 2 is a full.
+                _wait_for("rank 1's failure", marker.exists)
+                ck.stager.flush()
+            assert ck.step(step) is not None
+            if step == 2 and rank == 1:
+                helper.join()
+                failpoints.configure(None)
+            if step == 0:
+                ck.flush()
+        ck.flush()
+        kinds = {h.step: (h.kind, h.state) for h in ck.history}
+
+    done = "committed" if rank == 0 else "uploaded"
+    assert kinds == {
+        0: ("full", done),
+        1: ("delta", "failed"),
+        2: ("full", done),  # rank 0 voted parent_failed
+        3: ("full", done),  # rank 1 did: its failure came during step 2's vote and was kept
+        4: ("delta", done),
+    }, kinds
+    assert [c.step for c in deck.list_checkpoints(config.uri)] == [0, 2, 3, 4]
+    _restores_bitwise(config, live, [4])
+
+
+def test_a_failure_recorded_during_the_vote_is_kept_for_the_next(tmp_path: Path) -> None:
+    """A part that fails between a rank taking its failure flag and the all-gather of the vote
+    (rank 1 waits in it for rank 0) is not cleared with that vote: the next checkpoint is a full
+    on every rank. The ``checkpointer.agree.voting`` failpoint, armed never to fire, tells a
+    helper thread when rank 1 is there; the part's uploads wait for it at a gate."""
+    run_ranks(_failure_during_vote, str(tmp_path))

@@ -1,0 +1,134 @@
+"""A checkpointer gives back everything it took -- tracking hooks, stager threads, the writer
+lease -- when its construction fails at any step, and when ``close()`` fails: a real DMP model on
+one gloo rank, real files, real faults (an unusable optimizer, an unwritable publish store, a
+failpoint in spool recovery, a collective that raises)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import deck
+from deck import failpoints
+from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
+from deck.errors import DeckError, StorageError
+from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
+from deck.testing.faulty_storage import FaultyStorage
+from deck.trainer.lease import LEASE_FILE
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
+
+
+def _earlier_lookup_hook(features: Any, embs: Any, mod: Any, raw_ids: Any) -> None:
+    """Stands for a tracker installed before deck (e.g. TorchRec's own)."""
+
+
+def _earlier_odist_hook() -> None:
+    """Stands for a tracker installed before deck (e.g. TorchRec's own)."""
+
+
+def _hooks(model: Any) -> list[tuple[Any, Any]]:
+    return [
+        (m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
+        for m in model.modules()
+        if hasattr(m, "register_post_lookup_tracker_fn")
+    ]
+
+
+def _deck_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("deck-"))
+
+
+def _assert_nothing_left(model: Any, uri: str, hooks_before: list[tuple[Any, Any]]) -> None:
+    """No hook of deck's on the model, no thread of deck's, no lease at the URI; a new
+    checkpointer on the URI starts at once (a held lease would make it wait 60 s, then refuse)."""
+    assert _hooks(model) == hooks_before
+    assert _deck_threads() == []
+    assert not os.path.exists(os.path.join(uri, LEASE_FILE))
+    with deck.DeltaCheckpointer(model, [], deck.DeckConfig(uri=uri, lease_ttl_s=60)):
+        assert _hooks(model) != hooks_before and "deck-lease" in _deck_threads()
+    assert _hooks(model) == hooks_before and _deck_threads() == []
+
+
+def _construction_fails(rank: int, world_size: int, root: str, where: str) -> None:
+    model, opt = build_model(SPEC)
+    for m in model.modules():
+        if hasattr(m, "register_post_lookup_tracker_fn"):
+            m.register_post_lookup_tracker_fn(_earlier_lookup_hook)
+            m.register_post_odist_tracker_fn(_earlier_odist_hook)
+    hooks_before = _hooks(model)
+    assert hooks_before and all(
+        h == (_earlier_lookup_hook, _earlier_odist_hook) for h in hooks_before
+    )
+    assert _deck_threads() == []
+    uri = f"{root}/ck"
+    staging = deck.StagingConfig(tiers="cpu-ssd-remote", spool_dir=f"{root}/spool")
+    publish = deck.PublishConfig(uri=f"{root}/pub", every_steps=1)
+    config = deck.DeckConfig(uri=uri, lease_ttl_s=60, staging=staging, publish=publish)
+    kw: dict[str, Any] = {}
+    optimizers: Any = [opt]
+    if where == "optimizer":  # after the lease is taken
+        optimizers = [object()]
+        expected: type[BaseException] = DeckError
+    elif where == "publisher":  # after the lease, the hooks and the checkpoint chain's stager
+        kw["publish_storage"] = FaultyStorage(
+            LocalStorage(f"{root}/pub"), fail_put=lambda key, n: True
+        )
+        expected = StorageError
+    else:  # spool recovery: after everything, both stagers included
+        failpoints.configure("stager.recover.scan:1:enospc")
+        expected = OSError
+    try:
+        with pytest.raises(expected):
+            deck.DeltaCheckpointer(model, optimizers, config, **kw)
+    finally:
+        failpoints.configure(None)
+    _assert_nothing_left(model, uri, hooks_before)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "publisher", "recover"])
+def test_failed_construction_leaves_nothing_installed_held_or_running(
+    tmp_path: Path, where: str
+) -> None:
+    run_ranks(_construction_fails, str(tmp_path), where, world_size=1)
+
+
+def _close_fails(rank: int, world_size: int, root: str) -> None:
+    model, opt = build_model(SPEC)
+    hooks_before = _hooks(model)
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=1,
+        lease_ttl_s=60,
+        staging=deck.StagingConfig(tiers="cpu-ssd-remote", spool_dir=f"{root}/spool"),
+        publish=deck.PublishConfig(uri=f"{root}/pub", every_steps=1),
+    )
+    ck = deck.DeltaCheckpointer(model, [opt], config)
+    assert _hooks(model) != hooks_before and "deck-lease" in _deck_threads()
+    ck.step(0)
+    train_step(model, opt, SPEC, 1)
+    ck.step(1)
+    # The process group goes away (as when a peer dies): close()'s collective flush raises.
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(Exception) as info:
+            ck.close()
+    finally:
+        init_process_group(rank, world_size, free_port())  # a new group, for what follows
+    assert not isinstance(info.value, DeckError), info.value  # the collective's own error
+    ck.close()  # idempotent: nothing left to give back, nothing raised
+    _assert_nothing_left(model, uri, hooks_before)
+    # What was staged before the failed close was still finished by it (its own background work).
+    assert [c.step for c in deck.list_checkpoints(uri)] == [0, 1]
+
+
+def test_close_gives_everything_back_when_its_flush_raises(tmp_path: Path) -> None:
+    run_ranks(_close_fails, str(tmp_path), world_size=1)
