@@ -98,6 +98,7 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
             full_uri=a.full_uri,
             full_every=a.full_every,
             allow_quantized=a.allow_quantized,
+            parquet=a.format == "parquet",
         )
     except KeyboardInterrupt:
         return 0
@@ -173,8 +174,9 @@ def follow_parser(sub: Subparsers) -> None:
     kafka.add_argument("--group", help="consumer group id (deck-follow-<topic>)")
     kafka.add_argument(
         "--full-uri",
-        help="where loader fulls (the output + its stream offsets) go; an empty --out starts "
-        "from the newest one",
+        help="fsspec URI where loader fulls go: deck full checkpoints of the held state (deck "
+        "verify checks them, DeckConfig(uri=...).restore() restores them) with the stream offsets "
+        "they cover; an empty --out starts from the newest one",
     )
     kafka.add_argument(
         "--full-every", type=int, default=0, help="write a loader full every N steps (0: never)"

@@ -36,6 +36,11 @@ class CorruptStreamError(CorruptCheckpointError):
     """A message of the stream fails its checksum or cannot be decoded."""
 
 
+class MessageTooLargeError(ConfigError):
+    """A stream message is larger than the producer or the broker accepts (``message.max.bytes``):
+    waiting does not fix it, so the publish fails at once, naming topic, partition and step."""
+
+
 class StreamGapError(DeckError):
     """The stream lacks messages a step needs (retention removed them, or a publish failed)."""
 
@@ -87,6 +92,12 @@ def rank_of(key: str) -> int:
     if m is None:
         raise DeckError(f"{key}: not a file of a rank's part")
     return int(m.group(1))
+
+
+def file_step(key: str) -> int | None:
+    """The step of a publish file key (``step-N/...``), else None."""
+    m = re.match(r"^step-(\d{12})/", key)
+    return int(m.group(1)) if m else None
 
 
 def commit_step(key: str) -> int | None:

@@ -14,9 +14,15 @@ control partition, in order:
 4. ``state.json`` records the stream offsets after the step, atomically with the state; then
    the consumer group's offsets are committed (for lag monitoring: the resume point is the one
    written with the state, so a crash between the two re-reads a step and skips it as held);
-5. every ``full_every`` steps, a copy of the output with its offsets goes to ``full_uri``
-   (a "loader full"): a fresh loader starts from the newest one and reads the stream after its
+5. every ``full_every`` steps, the held state is written to ``full_uri`` as a deck full
+   checkpoint with the stream offsets it covers (a "loader full", :mod:`deck.ops.kafka_full`):
+   ``deck verify`` checks it, a trainer restores from it (``DeckConfig(uri=full_uri)``), and a
+   fresh loader on an empty ``--out`` starts from the newest one and reads the stream after its
    offsets, so recovery never replays the topic from its start.
+
+With ``parquet`` (``--format parquet``) the same Parquet output as ``deck follow --format
+parquet`` of a directory is written beside the state (:class:`deck.ops.parquet.FollowParquet`):
+a full folder when a full is materialised, a delta folder of the changed rows per applied step.
 
 A delta whose parent is not the held state (retention removed earlier messages, a publish whose
 marker was lost) raises :class:`StreamGapError` naming both; the loader full, or the
@@ -25,6 +31,7 @@ publisher's next full, covers it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +46,7 @@ from deck.errors import (
     DeckError,
     NotFoundError,
     StorageError,
+    UnsupportedError,
 )
 from deck.failpoints import failpoint
 from deck.format.jsonio import load_json
@@ -55,15 +63,26 @@ from deck.format.stream import (
     parse_kafka_uri,
     rank_partition,
 )
-from deck.ops.follow import SIDECAR, STATE_FILE, Follower, FollowUpdate
-from deck.read.catalog import read_rank_manifests
+from deck.ops.follow import SIDECAR, Follower, FollowUpdate
+from deck.ops.kafka_full import newest_loader_full, stream_record_path, write_loader_full
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import Storage, open_storage
-from deck.storage.atomic import atomic_write
 from deck.storage.base import get_bounded
 from deck.storage.wrapper import StorageWrapper
 
 logger = logging.getLogger(__name__)
-FULL_PREFIX = "loader-full-"
+
+
+class _Named(StorageWrapper):
+    """A store read under another URI's name: a loader full materialised as the topic's state."""
+
+    def __init__(self, inner: Storage, uri: str) -> None:
+        super().__init__(inner)
+        self._uri = uri
+
+    @property
+    def uri(self) -> str:
+        return self._uri
 
 
 class StreamView(StorageWrapper):
@@ -218,6 +237,7 @@ class KafkaFollower:
         full_every: int = 0,
         consumer_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
+        parquet: bool = False,
         wait_s: float = 10.0,
     ):
         self.target = parse_kafka_uri(uri)
@@ -225,6 +245,7 @@ class KafkaFollower:
         self.state_uri = state_uri
         self.storage_options = storage_options
         self.allow_quantized = allow_quantized
+        self.parquet = parquet  # also write deck follow's Parquet delta output (deck.ops.parquet)
         self.wait_s = wait_s  # how long a rank's rows may take to show up after their marker
         self.full_every = full_every
         self.full_store = open_storage(full_uri, storage_options) if full_uri else None
@@ -247,6 +268,7 @@ class KafkaFollower:
         self.view: StreamView | None = None
         self.stats = KafkaFollowStats()
         self._since_full = 0
+        self._last: tuple[CheckpointManifest, list[Any]] | None = None  # for write_full
 
     # ---- start ------------------------------------------------------------------------------
     def _saved_offsets(self) -> dict[int, int]:
@@ -265,23 +287,32 @@ class KafkaFollower:
         return {int(p): int(o) for p, o in stream.get("offsets", {}).items()}
 
     def _restore_full(self) -> None:
-        """An empty ``out_dir`` starts from the newest loader full at ``full_uri``, if any."""
+        """An empty ``out_dir`` starts from the newest loader full at ``full_uri``, if any: its
+        state is materialised (as from any full) with its stream offsets as the resume point."""
         if self.full_store is None or os.path.exists(os.path.join(self.out_dir, SIDECAR)):
             return
-        names = sorted(
-            e.rstrip("/") for e in self.full_store.list_dir("") if e.startswith(FULL_PREFIX)
-        )
-        for name in reversed(names):
-            if not self.full_store.exists(f"{name}/{SIDECAR}"):
-                continue  # cut short before its record: not a full
-            atomic_write(
-                os.path.join(self.out_dir, STATE_FILE), self.full_store.get(f"{name}/{STATE_FILE}")
-            )
-            atomic_write(
-                os.path.join(self.out_dir, SIDECAR), self.full_store.get(f"{name}/{SIDECAR}")
-            )
-            logger.info("deck follow: starting from loader full %s", self.full_store.describe(name))
+        found = newest_loader_full(self.full_store)
+        if found is None:
             return
+        m, stream = found
+        if stream.get("topic") != self.target.topic:
+            raise ConfigError(
+                f"--full-uri {self.full_store.uri}: its newest loader full (step {m.step}) was "
+                f"written from topic {stream.get('topic')!r}, not {self.target.topic!r}; use the "
+                "--full-uri of this topic's loader"
+            )
+        fol = _StreamFollower(
+            self.target.uri,
+            self.out_dir,
+            allow_quantized=self.allow_quantized,
+            parquet=self.parquet,
+            storage=_Named(self.full_store, self.target.uri),
+        )
+        fol.stream = stream
+        fol._materialise(m.step)
+        logger.info(
+            "deck follow: started from the loader full %s", self.full_store.describe(m.folder)
+        )
 
     def _reader(self, partition: int) -> _Reader:
         r = self.readers.get(partition)
@@ -298,6 +329,7 @@ class KafkaFollower:
                 self.target.uri,
                 self.out_dir,
                 allow_quantized=self.allow_quantized,
+                parquet=self.parquet,
                 storage=self.view,
             )
             self.state_uri = state_uri
@@ -356,6 +388,7 @@ class KafkaFollower:
         for p, off in fol.stream["offsets"].items():
             self._reader(int(p)).commit(int(off))
         self.stats.applied.append(marker.step)
+        self._last = (manifest, parts)
         self._since_full += 1
         if self.full_every and self._since_full >= self.full_every:
             self.write_full()
@@ -428,18 +461,24 @@ class KafkaFollower:
 
     # ---- loader fulls -----------------------------------------------------------------------
     def write_full(self) -> str | None:
-        """Copy the output (state + its stream offsets) to ``full_uri``; returns its folder."""
-        if self.full_store is None or self.follower is None or self.follower.state is None:
+        """Write the held state as a deck full at ``full_uri`` with its stream offsets
+        (:func:`deck.ops.kafka_full.write_loader_full`); returns its folder."""
+        fol, last = self.follower, self._last
+        if self.full_store is None or fol is None or last is None or self.view is None:
             return None
-        name = f"{FULL_PREFIX}{self.follower.state[0]:012d}"
-        with open(os.path.join(self.out_dir, STATE_FILE), "rb") as f:
-            self.full_store.put(f"{name}/{STATE_FILE}", f.read())
-        failpoint("kafka_follow.full.before_record")
-        with open(os.path.join(self.out_dir, SIDECAR), "rb") as f:
-            self.full_store.put(f"{name}/{SIDECAR}", f.read())  # last: the full's commit
-        self.stats.fulls.append(name)
+        if fol.encodings:
+            raise UnsupportedError(
+                f"kafka topic {self.target.topic}: the loader holds weights dequantised from "
+                f"{sorted(fol.encodings)}; a loader full would not be the trained state: "
+                "drop --full-uri or publish without quantize"
+            )
+        m, parts = last
+        folder = write_loader_full(
+            self.full_store, self.view.inner, m, parts, fol._targets(), fol.stream
+        )
+        self.stats.fulls.append(folder)
         self._since_full = 0
-        return name
+        return folder
 
     # ---- loops ------------------------------------------------------------------------------
     def catch_up(self, on_update: Callable[[FollowUpdate], None] | None = None) -> int:
@@ -495,13 +534,13 @@ def follow_kafka(
 def loader_fulls(
     full_uri: str, storage_options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """The loader fulls at ``full_uri`` (their state.json records), oldest first."""
+    """The stream records of the loader fulls at ``full_uri`` (step, offsets), oldest first."""
     store = open_storage(full_uri, storage_options)
     out = []
-    for e in sorted(store.list_dir("")):
-        name = e.rstrip("/")
-        if name.startswith(FULL_PREFIX) and store.exists(f"{name}/{SIDECAR}"):
-            out.append(json.loads(store.get(f"{name}/{SIDECAR}")))
+    for m in sorted(read_manifests(store).values(), key=lambda m: m.step):
+        with contextlib.suppress(NotFoundError):
+            rec = json.loads(store.get(stream_record_path(m.step, m.id)))
+            out.append({"step": m.step, "checkpoint": m.id, **rec})
     if not out:
         raise CheckpointNotFoundError(f"no loader fulls at {store.uri}")
     return out

@@ -29,7 +29,9 @@ from deck.errors import ConfigError, StorageError
 from deck.format.stream import (
     CONTROL_PARTITION,
     KafkaTarget,
+    MessageTooLargeError,
     commit_step,
+    file_step,
     is_stream_file,
     marker_headers,
     marker_value,
@@ -179,12 +181,15 @@ class KafkaSinkStorage(StorageWrapper):
         done = threading.Event()
         left = [len(messages)]
         errors: list[str] = []
+        too_large: list[int] = []
         lock = threading.Lock()
 
-        def delivered(err: Any, _msg: Any) -> None:
+        def delivered(err: Any, msg: Any) -> None:
             with lock:
                 if err is not None:
                     errors.append(str(err))
+                    if _too_large(err):
+                        too_large.append(len(msg.value() or b""))
                 left[0] -= 1
                 if left[0] == 0:
                     done.set()
@@ -204,6 +209,8 @@ class KafkaSinkStorage(StorageWrapper):
                 except BufferError:  # the local queue is full: back-pressure
                     producer.poll(0.05)
                 except Exception as e:  # KafkaException: e.g. a message over message.max.bytes
+                    if _too_large(getattr(e, "args", [None])[0]):
+                        raise self._too_large_error(partition, what, len(value), e) from e
                     raise StorageError(
                         f"{self.target.uri} partition {partition}: cannot produce {what}: {e}"
                     ) from e
@@ -213,6 +220,9 @@ class KafkaSinkStorage(StorageWrapper):
             waited += 0.05
             if waited > self.timeout_s + 30:  # librdkafka's message.timeout.ms comes first
                 break
+        if too_large:  # the broker's limit: retrying sends the same bytes again
+            self._reset(producer)
+            raise self._too_large_error(partition, what, too_large[0], errors[0])
         if errors or not done.is_set():
             # A new producer for the retry: after timeouts an idempotent producer's epoch may be
             # fenced by the broker for good (seen with Tansu: PRODUCER_FENCED on every send).
@@ -222,6 +232,20 @@ class KafkaSinkStorage(StorageWrapper):
                 f"{errors[0] if errors else 'timed out'}"
             )
 
+    def _too_large_error(
+        self, partition: int, what: str, size: int, cause: object
+    ) -> MessageTooLargeError:
+        step = file_step(what)
+        return MessageTooLargeError(
+            f"kafka topic {self.target.topic} partition {partition}, step "
+            f"{step if step is not None else '?'}: a message of {size} bytes ({what}) is larger "
+            f"than the producer or broker accepts (producer message.max.bytes="
+            f"{self._conf.get('message.max.bytes')}, PublishConfig.max_message_bytes="
+            f"{self.max_message_bytes}): {cause}. Lower PublishConfig.max_message_bytes below "
+            "both the producer's and the broker's message.max.bytes (topic max.message.bytes), "
+            "or raise those"
+        )
+
     def _reset(self, failed: Any) -> None:
         with self._lock:
             if self._producer is failed:  # once, whichever upload thread saw it first
@@ -230,6 +254,13 @@ class KafkaSinkStorage(StorageWrapper):
     def close(self) -> None:
         """Deliver what is queued (bounded by the timeout)."""
         self._producer.flush(5)
+
+
+def _too_large(err: Any) -> bool:
+    """Whether a librdkafka error says a message exceeds a size limit (producer or broker)."""
+    if err is None or not hasattr(err, "code"):
+        return False
+    return bool(err.code() == _kafka().KafkaError.MSG_SIZE_TOO_LARGE)
 
 
 def open_kafka_sink(

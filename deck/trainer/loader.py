@@ -259,6 +259,8 @@ class StateLoader:
                     s.scalars[name].copy_(t)
         self.adapter.after_restore()
         if self.set_user_state is not None:
+            if "user" not in extra:
+                raise CorruptCheckpointError(f"{where}: {mine.extra.path} holds no user state")
             self.set_user_state(extra["user"])
         self._load_rng(extra, parts, where)
         logger.info(
@@ -327,13 +329,14 @@ class StateLoader:
                 raise IncompatibleModelError(f"optimizer wrapper {name} is not in {where}")
             wrapper.set(saved_wrapper)
         self.adapter.load_fused_hyperparameters(extra.get("fused_hyperparameters", {}), where)
-        names = _match_names(list(self.optimizers.dense), list(extra["optimizers"]))
+        saved_all = extra.get("optimizers", {})
+        names = _match_names(list(self.optimizers.dense), list(saved_all))
         for name, opt in self.optimizers.dense.items():
-            saved = extra["optimizers"].get(names.get(name, name))
+            saved = saved_all.get(names.get(name, name))
             if saved is None:
                 raise IncompatibleModelError(
                     f"optimizer {name} is not in step {target} at {self.storage.uri} (it has "
-                    f"{sorted(extra['optimizers'])})"
+                    f"{sorted(saved_all)})"
                 )
             try:
                 load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)

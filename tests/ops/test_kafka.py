@@ -5,7 +5,10 @@ A 2-rank DMP streams its publishes through the broker; after every published ste
 output equals the live model bitwise (what `restore(step)` gives: tests/ops/test_publish_follow.py
 proves the file chain restores to it). Faults: the broker frozen mid-run (training goes on, the
 publish fails and the next one is a full: nothing lost), the loader killed at its failpoints and
-restarted, table files larger than the message limit (segmented), a corrupt message, a gap."""
+restarted, table files larger than the message limit (segmented), a corrupt message, a gap.
+The loader's fulls (--full-uri) verify, restore into a fresh 2-rank DMP bitwise and start a new
+loader; its Parquet output (--format parquet) holds restore(step)'s rows; a segment over the
+producer's message.max.bytes fails at once naming topic, partition and step."""
 
 from __future__ import annotations
 
@@ -22,12 +25,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from test_publish_follow import _check_follow_output
 
 import deck
-from deck.demo import ModelSpec, build_model, train_step
+from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
 from deck.errors import DeckError
-from deck.format.stream import CorruptStreamError, StreamGapError, parse_kafka_uri
+from deck.format.stream import (
+    CorruptStreamError,
+    MessageTooLargeError,
+    StreamGapError,
+    parse_kafka_uri,
+)
 from deck.testing.dist_harness import run_ranks
 from deck.testing.kafka_broker import TansuBroker
 
@@ -77,8 +86,14 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
     loader = None
     if rank == 0:
         loader = KafkaFollower(
-            topic_uri, f"{tmp}/serving", full_uri=f"{tmp}/fulls", full_every=3, wait_s=5
+            topic_uri,
+            f"{tmp}/serving",
+            full_uri=f"{tmp}/fulls",
+            full_every=3,
+            wait_s=5,
+            parquet=True,
         )
+    held: dict[str, torch.Tensor] | None = None
     with deck.enable(model, [opt], config) as ck:
         for step in range(0, LAST + 1):
             if step:
@@ -102,6 +117,10 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
                 loader.catch_up()
             dist.barrier()
             _check_follow_output(model, rank, f"{tmp}/serving", step)
+            # The live state of every published step, for the restores of the loader fulls.
+            save_file(capture_state(model, opt), f"{tmp}/live-{rank}-{step}.safetensors")
+            if rank == 0:
+                held = _check_parquet(f"{tmp}/serving", step, held)
             dist.barrier()
         kinds = [(s.step, s.kind, s.state) for s in ck.published]
         # The publish after the outage is a full: its rows carry what the failed one lost.
@@ -112,6 +131,70 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
         assert loader.stats.applied == [s for s in range(0, LAST + 1, 2) if s != PAUSED]
         assert loader.stats.fulls, "a loader full every 3 steps"
         loader.close()
+
+
+def _restore_fulls(rank: int, world_size: int, tmp: str, steps: list[int]) -> None:
+    """Each loader full restores into a fresh 2-rank DMP bitwise equal to the live state of its
+    step (tables, fused and dense optimizer states, dense parameters); the newest one through
+    ``deck.enable(...).restore()`` of the full URI, as a trainer resumes from it."""
+    fresh, fresh_opt = build_model(SPEC, seed=99)
+    with deck.enable(fresh, [fresh_opt], deck.DeckConfig(uri=f"{tmp}/fulls")) as ck:
+        assert ck.restore() == steps[-1]
+        for step in reversed(steps):
+            if step != steps[-1]:
+                assert ck.restore(step) == step
+            live = load_file(f"{tmp}/live-{rank}-{step}.safetensors")
+            bad = diff_states(live, capture_state(fresh, fresh_opt))
+            assert not bad, f"rank {rank}: loader full of step {step}: {bad[:5]}"
+
+
+def _restore_one_rank(rank: int, world_size: int, tmp: str) -> None:
+    """The newest loader full (written by 2 ranks) restores into a 1-rank DMP: every table and
+    fused optimizer state equals the loader's state bitwise (rows are stored by global id)."""
+    fresh, fresh_opt = build_model(SPEC, seed=99)
+    cfg = deck.DeckConfig(uri=f"{tmp}/fulls", lease_ttl_s=None)
+    with deck.DeltaCheckpointer(fresh, [fresh_opt], cfg) as ck:
+        assert ck.restore() == LAST
+        _check_follow_output(fresh, rank, f"{tmp}/serving", LAST)
+
+
+def _check_parquet(
+    out: str, step: int, prev: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """The loader's Parquet folder of ``step`` (a full when materialised, else a delta) holds,
+    for each table, rows equal bitwise to the state.safetensors just checked against the live
+    model (= ``restore(step)``); a delta holds every row that changed since ``prev``."""
+    import pyarrow.parquet as pq
+
+    from deck.ops.parquet import read_table
+
+    state = _tensors(os.path.join(out, "state.safetensors"))
+    base = os.path.join(out, "parquet", f"{step:012d}")
+    kind = "full" if os.path.isdir(f"{base}-full") else "delta"
+    folder = f"{base}-{kind}"
+    files = sorted(Path(folder).glob("*.parquet"))
+    assert files, folder
+    for path in files:
+        meta, cols = read_table(str(path))
+        assert (meta["step"], meta["kind"]) == (str(step), kind), meta
+        rows, n = cols["row"], int(meta["num_rows"])
+        if kind == "full":
+            assert torch.equal(rows, torch.arange(n)), path
+        sch = pq.read_schema(path)
+        for name, values in cols.items():
+            if name == "row":
+                continue
+            fmeta = sch.field(name).metadata
+            t = state[fmeta[b"deck.tensor"].decode()]
+            if fmeta[b"deck.values"] == b"per_column_shard":
+                t = t.view(-1, n).t().reshape(n, -1).squeeze(1)
+                values = values.reshape(n if kind == "full" else rows.numel(), -1).squeeze(1)
+            assert torch.equal(t[rows].view(torch.uint8), values.view(torch.uint8)), (path, name)
+            if kind == "delta" and prev is not None and name == "weight":
+                old = prev[fmeta[b"deck.tensor"].decode()]
+                changed = (t != old).reshape(n, -1).any(1).nonzero().flatten()
+                assert set(changed.tolist()) <= set(rows.tolist()), (path, "rows left out")
+    return state
 
 
 def _tensors(path: str) -> dict[str, torch.Tensor]:
@@ -181,18 +264,49 @@ def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
         out = f"{tmp}/killed-{point.split('.')[1].split(':')[0]}"
         r = _deck("follow", topic_uri, "--out", out, "--once", env={"DECK_FAILPOINTS": point})
         assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
-        r = _deck("follow", topic_uri, "--out", out, "--once")
+        r = _deck("follow", topic_uri, "--out", out, "--once", "--format", "parquet")
         assert r.returncode == 0, r.stdout + r.stderr
         _assert_same_state(f"{tmp}/serving", out)
+        assert os.listdir(f"{out}/parquet"), "--format parquet writes the Parquet output"
 
-    # A fresh loader starts from the newest loader full and reads only the stream after it.
+    # Loader fulls are deck full checkpoints with the offsets they cover: deck verify accepts
+    # them, and each restores into a fresh 2-rank DMP bitwise equal to the live state.
     fulls = loader_fulls(f"{tmp}/fulls")
-    newest = fulls[-1]["step"]
-    kf = KafkaFollower(topic_uri, f"{tmp}/from-full", full_uri=f"{tmp}/fulls")
-    kf.catch_up()
-    kf.close()
-    assert kf.stats.applied == [s for s in range(newest + 2, LAST + 1, 2) if s != PAUSED]
-    _assert_same_state(f"{tmp}/serving", f"{tmp}/from-full")
+    steps = [f["step"] for f in fulls]
+    assert steps == [4, LAST], fulls  # every 3 applied steps: 0 2 4 | 8 10 12
+    assert all(f["offsets"]["0"] > 0 for f in fulls), fulls
+    r = _deck("verify", f"{tmp}/fulls")
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_ranks(_restore_fulls, tmp, steps)
+    run_ranks(_restore_one_rank, tmp, world_size=1)
+
+    # The loader SIGKILLed while writing a full (before its commit record): no full of that
+    # step exists, the others verify, and the restarted loader goes on writing fulls.
+    killed_fulls = f"{tmp}/fulls-killed"
+    args = ["follow", topic_uri, "--out", f"{tmp}/killed-full", "--once"]
+    args += ["--full-uri", killed_fulls, "--full-every", "1"]
+    r = _deck(*args, env={"DECK_FAILPOINTS": "kafka_follow.full.before_commit:2"})
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    assert [f["step"] for f in loader_fulls(killed_fulls)] == [0]
+    r = _deck(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [f["step"] for f in loader_fulls(killed_fulls)] == [0, 4, 8, 10, LAST]
+    r = _deck("verify", killed_fulls)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    # A fresh loader on an empty --out starts from the newest loader full and reads only the
+    # stream after its offsets: from the step-4 full (the newest one hidden) and from step 12.
+    only4 = f"{tmp}/fulls-4"
+    shutil.copytree(f"{tmp}/fulls", only4)
+    shutil.rmtree(f"{only4}/step-{LAST:012d}")
+    for full_uri, newest in ((only4, 4), (f"{tmp}/fulls", LAST)):
+        out = f"{tmp}/from-full-{newest}"
+        kf = KafkaFollower(topic_uri, out, full_uri=full_uri)
+        kf.catch_up()
+        kf.close()
+        assert kf.stats.applied == [s for s in range(newest + 2, LAST + 1, 2) if s != PAUSED]
+        assert not kf.stats.skipped, kf.stats.skipped  # nothing before its offsets was read
+        _assert_same_state(f"{tmp}/serving", out)
 
     # Retention removed the head of the stream: the first marker left is a delta -> a clear
     # error naming the step and the missing parent.
@@ -210,3 +324,30 @@ def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
         kf.catch_up()
     kf.close()
     assert issubclass(CorruptStreamError, DeckError)
+
+
+def test_message_over_producer_limit(broker: TansuBroker, tmp_path: Path) -> None:
+    """A table file segment larger than the producer's message.max.bytes (librdkafka refuses
+    it) fails at once with MessageTooLargeError naming topic, partition and step, not after
+    retries, and nothing of it reaches the topic."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from deck.storage import open_storage
+    from deck.trainer.kafka_sink import KafkaSinkStorage
+
+    sink = KafkaSinkStorage(
+        open_storage(str(tmp_path)),
+        parse_kafka_uri(broker.uri("limits")),
+        1,
+        max_message_bytes=8192,
+        producer_options={"message.max.bytes": 2000},
+        timeout_s=10,
+    )
+    key = "step-000000000004/0123456789abcdef/rank-00000/t0.weight/c0-r0-000000.chunk"
+    with pytest.raises(MessageTooLargeError, match=r"topic limits partition 1, step 4: .*8192"):
+        sink.put(key, b"x" * 20000)
+    assert issubclass(MessageTooLargeError, DeckError)
+    sink.close()
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "limits-check"})
+    assert c.get_watermark_offsets(TopicPartition("limits", 1), timeout=10)[1] == 0
+    c.close()
