@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from deck.errors import CorruptCheckpointError
+from deck.errors import CorruptCheckpointError, NotFoundError
 from deck.format.checksum import checksum
 from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment, ShardRecord
 from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
@@ -354,9 +354,14 @@ def read_chunks(
                 for key, _start, end, (c,) in run:
                     yield c, chunk_where(storage, folder, c), storage.get(key, 0, end + 1)
             else:
-                for (_key, whole), r in zip(
-                    storage.iter_get([r[0] for r in run]), run, strict=True
+                # Requests overlap; none reads more than the largest record says (+1 byte to
+                # see a longer object), so a huge object is refused, not downloaded.
+                limit = max(r[2] for r in run) + 1
+                for (key, whole), r in zip(
+                    storage.get_many([r[0] for r in run], limit=limit), run, strict=True
                 ):
+                    if whole is None:
+                        raise NotFoundError(f"{storage.describe(key)} does not exist")
                     c = r[3][0]
                     yield c, chunk_where(storage, folder, c), whole
             i = j

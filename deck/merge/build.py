@@ -43,6 +43,7 @@ from deck.merge.policy import MergeConfig
 from deck.merge.stream import ChunkOut, InputDamaged, ShardStream, merge_rows, row_bytes
 from deck.read.catalog import read_rank_manifests
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +277,8 @@ class ItemBuilder:
     def _part_record(self, p: Partition) -> ShardRecord | None:
         path = self.part_path(p)
         try:
-            rec = load_model(MergePartRecord, self.storage.get(path), self.storage.describe(path))
+            data = get_bounded(self.storage, path)
+            rec = load_model(MergePartRecord, data, self.storage.describe(path))
         except NotFoundError:
             return None
         except CorruptCheckpointError as e:
@@ -358,7 +360,7 @@ class ItemBuilder:
             return None
         key = f"{src.folder}/{rec.path}"
         try:
-            data = self.storage.get(key)
+            data = get_bounded(self.storage, key, rec.nbytes)
         except NotFoundError as e:
             raise InputDamaged(
                 src, CorruptCheckpointError(f"{self.storage.describe(key)}: missing")

@@ -53,6 +53,7 @@ from deck.merge.stream import InputDamaged
 from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _still_committed(storage: Storage, m: CheckpointManifest) -> bool:
     """Whether ``m`` is still the committed record of its folder (GC deletes the record first,
     so a missing file of a still-committed checkpoint is damage, not a deletion in progress)."""
     try:
-        data = storage.get(f"{m.folder}/{MANIFEST}")
+        data = get_bounded(storage, f"{m.folder}/{MANIFEST}")
     except NotFoundError:
         return False
     try:

@@ -60,6 +60,7 @@ from deck.format.manifest import (
 from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 from deck.storage.local import TEMP_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -747,7 +748,7 @@ def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
     # is still this checkpoint's (the trainer may have saved the step again meanwhile), and only
     # this checkpoint's own attempt folder.
     try:
-        current = load_model(CheckpointManifest, storage.get(man), storage.describe(man))
+        current = load_model(CheckpointManifest, get_bounded(storage, man), storage.describe(man))
     except NotFoundError:
         current = None
     if current is not None and current.id == n.id:
@@ -763,7 +764,13 @@ def _prune_local(storage: Storage, prefix: str, grace_s: float, now: float) -> i
     root = storage.local_path()
     if root is None:
         return 0
-    top = os.path.join(root, *[p for p in prefix.split("/") if p])
+    parts = [p for p in prefix.split("/") if p]
+    top = os.path.join(root, *parts)
+    # os.walk lists the top folder through a link (it never follows links below it): a prefix
+    # that resolves elsewhere holds a link, and nothing outside the root is touched.
+    if os.path.realpath(top) != os.path.join(os.path.realpath(root), *parts):
+        logger.warning("deck gc: %s resolves outside %s through a link; not pruned", top, root)
+        return 0
     removed = 0
     for dirpath, _dirs, files in os.walk(top, topdown=False):
         for f in files:
