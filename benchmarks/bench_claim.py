@@ -7,6 +7,13 @@ code it replaced (``nonzero`` over the masked map, then ``index_put`` clearing t
 fresh copy of the same map, ``--repeats`` times; medians and the ratio are printed.
 
     python benchmarks/bench_claim.py [--rows 4000000] [--dirty 0.02] [--repeats 15]
+
+``--sweep``: the claim the tracker runs now (``claim_marked_rows``: the block summary, then only
+the marked blocks) vs the whole-map kernel (``claim_rows``, the baseline) at a fixed
+``--dirty-rows`` (80k) for each of ``--sweep-rows`` rows per rank (1M..256M), interleaved, fresh
+copies, medians of ``--repeats``; prints the table, the ratios and the tracker's memory.
+
+    python benchmarks/bench_claim.py --sweep [--dirty-rows 80000] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 
 import torch
 from deck.kernels import native
-from deck.kernels.claim import claim_rows
+from deck.kernels.claim import block_count, block_of, claim_marked_rows, claim_rows
 
 
 def torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
@@ -28,16 +35,67 @@ def torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
     return rows
 
 
+def _marked(rows: int, dirty: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A map with ``dirty`` random rows marked for two consumers, and its block summary."""
+    g = torch.Generator().manual_seed(rows)
+    base = torch.zeros(rows, dtype=torch.uint8)
+    ids = torch.randint(0, rows, (dirty,), generator=g)
+    base[ids] = 3
+    blocks = torch.zeros(block_count(rows), dtype=torch.uint8)
+    blocks[block_of(ids)] = 3
+    return base, blocks
+
+
+def sweep(sizes: list[int], dirty: int, repeats: int) -> int:
+    """Summary claim vs whole-map claim at a fixed delta, for each map size."""
+    print(f"{dirty} rows marked, median of {repeats} (ms):")
+    print(
+        "| rows per rank | rows claimed | whole-map claim_rows | summary claim_marked_rows |"
+        " speed-up | tracker bytes/row |"
+    )
+    print("|---|---|---|---|---|---|")
+    for rows in sizes:
+        base, blocks = _marked(rows, min(dirty, rows))
+        whole: list[float] = []
+        summary: list[float] = []
+        for _ in range(repeats):  # interleaved: both see the same machine state
+            m, b = base.clone(), blocks.clone()
+            t0 = time.perf_counter()
+            got = claim_marked_rows(m, b, 1)
+            summary.append(time.perf_counter() - t0)
+            m2 = base.clone()
+            t0 = time.perf_counter()
+            want = claim_rows(m2, 1)
+            whole.append(time.perf_counter() - t0)
+            assert torch.equal(got, want) and torch.equal(m, m2) and not bool((b & 1).any())
+        w, s = statistics.median(whole), statistics.median(summary)
+        per_row = (base.numel() + blocks.numel()) / rows
+        print(
+            f"| {rows:,} | {got.numel():,} | {w * 1e3:.3f} | {s * 1e3:.3f} | {w / s:.1f}x"
+            f" | {per_row:.4f} |"
+        )
+        del base, blocks, m, b, m2
+    print("reproduce: " + " ".join([sys.executable, *sys.argv]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=4_000_000)
     p.add_argument("--dirty", type=float, default=0.02, help="fraction of rows marked")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--sweep", action="store_true", help="summary claim vs whole-map, per size")
+    p.add_argument("--dirty-rows", type=int, default=80_000, help="rows marked (--sweep)")
+    p.add_argument(
+        "--sweep-rows", type=int, nargs="+", default=[1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
+    )
     a = p.parse_args(argv)
     if not native.native_available():
         print("the C kernel is not built: nothing to compare")
         return 1
     torch.set_num_threads(1)
+    if a.sweep:
+        return sweep(a.sweep_rows, a.dirty_rows, a.repeats)
     g = torch.Generator().manual_seed(0)
     base = torch.zeros(a.rows, dtype=torch.uint8)
     base[torch.randint(0, a.rows, (int(a.rows * a.dirty),), generator=g)] = 3

@@ -6,26 +6,79 @@ clears that bit. It runs on the training thread inside the checkpoint stall, ove
 row (millions), while a delta touches a few percent of them: the native kernel
 (``claim_bit`` in ``kernels/_jagged.c``) tests eight rows per load and writes only the hits; the
 torch fallback (same result) makes a masked copy of the map, ``nonzero`` and an ``index_put``.
+
+That pass still reads the whole map, so its cost grows with the table, not the delta. The tracker
+therefore also keeps a summary: one byte per block of ``2**BLOCK_SHIFT`` rows with every bit some
+row of the block has (set where the rows are set, at the cost of the ids). :func:`claim_marked_rows`
+(``claim_blocks`` in C) tests eight summary bytes per load and reads only the marked blocks' rows:
+a fixed term of one load per 512 rows plus a cache line per touched block (prefetched ahead);
+when more than a quarter of the blocks are marked it reads the whole map in one pass instead (as
+fast then). :func:`claim_rows`, the whole-map pass, stays as the baseline
+(``benchmarks/bench_claim.py --sweep``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import native
 
+# 64 rows per block: a marked block is one 64-byte cache line of the map, and the summary is
+# 1/64 of the map (one bit per 64 rows per consumer).
+BLOCK_SHIFT = 6
+
+
+def block_count(num_rows: int) -> int:
+    """Summary bytes for a map of ``num_rows`` rows: one per block of ``2**BLOCK_SHIFT`` rows."""
+    return (num_rows + (1 << BLOCK_SHIFT) - 1) >> BLOCK_SHIFT
+
+
+def block_of(rows: torch.Tensor) -> torch.Tensor:
+    """The summary byte (block) of each row position."""
+    return rows >> BLOCK_SHIFT
+
+
+def _torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
+    rows = torch.nonzero(dirty & bit).view(-1)
+    dirty.index_put_((rows,), dirty[rows] & (~bit & 0xFF))
+    return rows
+
+
+def _count_then_take(take: Callable[[Any], int]) -> torch.Tensor:
+    # Count, then take; again if rows were marked in between (the caller's lock normally rules
+    # that out): a take with too little room changes nothing and answers -1.
+    while True:
+        rows = torch.empty(take(bytearray()), dtype=torch.int64)
+        if not rows.numel() or take(rows.numpy()) >= 0:
+            return rows
+
 
 def claim_rows(dirty: torch.Tensor, bit: int) -> torch.Tensor:
     """Positions (int64, ascending) of the rows of ``dirty`` (a contiguous uint8 CPU map) whose
-    byte has ``bit``; that bit is cleared in them, every other bit is left as it was."""
+    byte has ``bit``; that bit is cleared in them, every other bit is left as it was. Reads the
+    whole map (the baseline of :func:`claim_marked_rows`)."""
     kernel = native._native
     if kernel is None or dirty.device.type != "cpu" or not dirty.is_contiguous():
-        rows = torch.nonzero(dirty & bit).view(-1)
-        dirty.index_put_((rows,), dirty[rows] & (~bit & 0xFF))
-        return rows
+        return _torch_claim(dirty, bit)
     raw = dirty.numpy()
-    while True:  # count, then take; again if rows were marked in between (the caller's lock
-        # normally rules that out)
-        rows = torch.empty(kernel.claim_bit(raw, bit, bytearray()), dtype=torch.int64)
-        if not rows.numel() or kernel.claim_bit(raw, bit, rows.numpy()) >= 0:
-            return rows
+    return _count_then_take(lambda out: kernel.claim_bit(raw, bit, out))
+
+
+def claim_marked_rows(dirty: torch.Tensor, blocks: torch.Tensor, bit: int) -> torch.Tensor:
+    """As :func:`claim_rows` (same rows, same ``dirty`` after), reading only the blocks whose
+    summary byte in ``blocks`` (uint8, :func:`block_count` bytes, every bit of its rows set)
+    has ``bit``; ``bit`` is cleared in every summary byte (no row has it any more)."""
+    kernel = native._native
+    cpu = dirty.device.type == "cpu" and blocks.device.type == "cpu"
+    if kernel is None or not cpu or not dirty.is_contiguous() or not blocks.is_contiguous():
+        rows = _torch_claim(dirty, bit)
+        blocks.bitwise_and_(~bit & 0xFF)
+        return rows
+    raw, summary = dirty.numpy(), blocks.numpy()
+    rows = _count_then_take(lambda out: kernel.claim_blocks(raw, summary, BLOCK_SHIFT, bit, out))
+    if not rows.numel():  # no take ran: clear the bit of blocks marked without such a row
+        blocks.bitwise_and_(~bit & 0xFF)
+    return rows

@@ -3,7 +3,9 @@
 import pytest
 import torch
 from deck.kernels import native
-from deck.kernels.claim import claim_rows
+from deck.kernels.claim import BLOCK_SHIFT, block_count, claim_marked_rows, claim_rows
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def _map(n: int, seed: int) -> torch.Tensor:
@@ -50,3 +52,103 @@ def test_native_claim_with_too_little_room_changes_nothing(n: int) -> None:
     short = torch.empty(count - 1, dtype=torch.int64)
     assert native._native.claim_bit(m.numpy(), 1, short.numpy()) == -1
     assert torch.equal(m, before)
+
+
+# The summary claim (claim_blocks) against the whole-map claim it replaces.
+
+native_only = pytest.mark.skipif(not native.native_available(), reason="the C kernel was not built")
+hyp = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+def _summary(m: torch.Tensor) -> torch.Tensor:
+    """The exact summary of a map: per block, the OR of its rows' bytes."""
+    blocks = torch.zeros(block_count(m.numel()), dtype=torch.uint8)
+    rows = torch.nonzero(m).view(-1)
+    for r in rows.tolist():
+        blocks[r >> BLOCK_SHIFT] |= int(m[r])
+    return blocks
+
+
+@st.composite
+def marked_maps(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    # Lengths around block and 8-block edges; rows clustered or spread; a summary that is exact
+    # or has extra bits in blocks without such rows (allowed: they only cost a scan).
+    n = draw(st.integers(1, 64 * 40 + 9))
+    edge = st.builds(  # first and last rows of blocks
+        lambda b, e: min(n - 1, (b << BLOCK_SHIFT) + e),
+        st.integers(0, n >> BLOCK_SHIFT),
+        st.sampled_from([0, 1, 7, 8, 62, 63]),
+    )
+    rows = draw(st.lists(st.integers(0, n - 1) | edge, max_size=60))
+    m = torch.zeros(n, dtype=torch.uint8)
+    for r in rows:
+        m[r] |= draw(st.integers(1, 255))
+    blocks = _summary(m)
+    for b in draw(st.lists(st.integers(0, blocks.numel() - 1), max_size=5)):
+        blocks[b] |= draw(st.integers(0, 255))
+    return m, blocks
+
+
+@native_only
+@hyp
+@given(mb=marked_maps(), bit=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]))
+def test_summary_claim_equals_the_whole_map_claim(
+    mb: tuple[torch.Tensor, torch.Tensor], bit: int
+) -> None:
+    m, blocks = mb
+    whole = m.clone()
+    other_bits = blocks & (~bit & 0xFF)
+    got = claim_marked_rows(m, blocks, bit)
+    assert torch.equal(got, claim_rows(whole, bit))
+    assert torch.equal(m, whole)  # same bit cleared in the same rows, every other bit kept
+    assert torch.equal(blocks, other_bits)  # no row has the bit: no block keeps it
+    assert claim_marked_rows(m, blocks, bit).numel() == 0
+
+
+@native_only
+@hyp
+@given(mb=marked_maps(), bit=st.sampled_from([1, 4, 128]))
+def test_summary_claim_native_equals_fallback(
+    mb: tuple[torch.Tensor, torch.Tensor], bit: int
+) -> None:
+    m, blocks = mb
+    m2, blocks2 = m.clone(), blocks.clone()
+    got = claim_marked_rows(m, blocks, bit)
+    saved = native._native
+    try:
+        native._native = None  # the torch fallback (no hypothesis-safe monkeypatch fixture)
+        want = claim_marked_rows(m2, blocks2, bit)
+    finally:
+        native._native = saved
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(m, m2) and torch.equal(blocks, blocks2)
+
+
+@native_only
+@pytest.mark.parametrize("n", [7, 64 * 9 + 3, 100_003])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_summary_claim_with_too_little_room_changes_nothing(n: int, sparse: bool) -> None:
+    # Dense: most blocks marked, the kernel reads the whole map; sparse: only the marked blocks.
+    m = _map(n, seed=n)
+    if sparse:
+        m[1:-1] = 0  # rows 0 and n - 1 stay: two marked blocks (one when n < 64)
+        m[n // 2] = 3
+    blocks = _summary(m)
+    before, blocks_before = m.clone(), blocks.clone()
+    take = native._native.claim_blocks
+    count = take(m.numpy(), blocks.numpy(), BLOCK_SHIFT, 1, bytearray())
+    assert count > 1 and count == int((m & 1).count_nonzero())
+    short = torch.empty(count - 1, dtype=torch.int64)
+    assert take(m.numpy(), blocks.numpy(), BLOCK_SHIFT, 1, short.numpy()) == -1
+    assert torch.equal(m, before) and torch.equal(blocks, blocks_before)
+
+
+@native_only
+def test_summary_of_the_wrong_size_is_refused() -> None:
+    m = torch.zeros(130, dtype=torch.uint8)  # three blocks of 64
+    with pytest.raises(ValueError, match="one byte per 2\\*\\*shift rows"):
+        native._native.claim_blocks(m.numpy(), bytearray(2), BLOCK_SHIFT, 1, bytearray())
+    with pytest.raises(ValueError, match="bit must be"):
+        native._native.claim_blocks(m.numpy(), bytearray(3), BLOCK_SHIFT, 3, bytearray())
