@@ -27,7 +27,7 @@ from deck.errors import ConfigError
 from deck.trainer.checkpointer import DeltaCheckpointer, UserState, _user_state
 from deck.trainer.staging import CheckpointStats
 
-if TYPE_CHECKING:  # a runtime import would be circular (adapters/torchrec.py re-exports us)
+if TYPE_CHECKING:  # typing only: the checkpointer builds the adapter
     from deck.adapters.torchrec import TorchRecAdapter
 
 logger = logging.getLogger(__name__)

@@ -350,7 +350,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
                 user.step = step
                 user.losses.append(losses[-1])
             ckpt.step(step)
-        live = capture_state(model, dense_opt, user)
+        live = capture_state(model, dense_opt, user, full=True)
         ckpt.flush()  # background uploads and commits
         history = ckpt.history
     dist.barrier()
@@ -374,7 +374,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
     with deck.enable(model2, [dense_opt2], config, state=user2) as ckpt2:
         restored = ckpt2.restore()
     restore_s = time.perf_counter() - t0
-    bad = diff_states(live, capture_state(model2, dense_opt2, user2))
+    bad = diff_states(live, capture_state(model2, dense_opt2, user2, full=True))
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump(
@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"verified: restored state is bitwise equal to the live model at step {r['restored']} "
-        f"(weights, optimizer states, dense params, dense optimizer, user state)"
+        "(weights, optimizer states and hyperparameters, dense params and buffers, dense "
+        "optimizer, RNG, user state, on every rank)"
     )
     print(f"demo finished in {time.perf_counter() - t0:.1f} s")
     return 0

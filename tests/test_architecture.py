@@ -153,3 +153,154 @@ def test_reading_tools_start_without_torch(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'torchrec', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---- private attributes of torch / TorchRec / fbgemm: adapters/torchrec_compat.py only ----
+COMPAT = ROOT / "adapters" / "torchrec_compat.py"
+# deck's own private names read across its modules, each with its reason.
+OWN_PRIVATE = {
+    "_sharded_modules": "adapters/dmp.py reads the TorchRec adapter's sharded modules (issue 23 item 3)",
+}
+
+
+def _compat_names() -> set[str]:
+    """PRIVATE_ATTRIBUTES of the compatibility module, read from its source (no torch import)."""
+    for node in ast.parse(COMPAT.read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and getattr(node.targets[0], "id", "") == "PRIVATE_ATTRIBUTES"
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("adapters/torchrec_compat.py defines no PRIVATE_ATTRIBUTES")
+
+
+def _attribute_uses(tree: ast.AST) -> list[tuple[int, str, ast.expr]]:
+    """(line, name, owner) of every ``owner.name`` and ``getattr/hasattr/setattr(owner, "name")``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            out.append((node.lineno, node.attr, node.value))
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            out.append((node.lineno, node.args[1].value, node.args[0]))
+    return out
+
+
+def _foreign_private_uses(source: str, compat_names: set[str], scan_private: bool) -> list[str]:
+    """Uses of the compat module's names, and (``scan_private``) of any ``_name`` on an object
+    that is not ``self``/``cls``, outside deck's own allowlist."""
+    bad = []
+    for line, name, owner in _attribute_uses(ast.parse(source)):
+        if getattr(owner, "id", None) in ("self", "cls"):  # a class's own attributes
+            continue
+        if name in compat_names:
+            bad.append(f"{line}: {name}")
+        elif scan_private and name.startswith("_") and not name.startswith("__"):
+            bad += [] if name in OWN_PRIVATE else [f"{line}: {name} on {ast.unparse(owner)}"]
+    return bad
+
+
+def test_scanner_finds_private_attribute_uses() -> None:
+    names = {"_lookups", "iter_cpu"}
+    src = (
+        "m._lookups\ngetattr(t, 'iter_cpu')\nself._x\nw._step\nobj.__class__\nr._sharded_modules()"
+    )
+    assert _foreign_private_uses(src, names, scan_private=False) == ["1: _lookups", "2: iter_cpu"]
+    assert _foreign_private_uses(src, names, scan_private=True) == [
+        "1: _lookups",
+        "2: iter_cpu",
+        "4: _step on w",
+    ]
+
+
+def test_torch_private_attributes_only_in_the_compat_module() -> None:
+    names = _compat_names()
+    bad = []
+    for mod, path in sorted(MODULES.items()):
+        if path == COMPAT:
+            continue
+        scan_private = path.is_relative_to(FOLDERS["deck.adapters"])
+        bad += [f"{mod}:{u}" for u in _foreign_private_uses(path.read_text(), names, scan_private)]
+    assert not bad, (
+        "private attributes of torch/TorchRec/fbgemm are read through adapters/torchrec_compat.py "
+        "only:\n" + "\n".join(bad)
+    )
+
+
+# ---- only the public API of torch.distributed.checkpoint ---------------------------------------
+
+DCP = "torch.distributed.checkpoint"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_dcp_uses(path: Path) -> list[str]:
+    """The private names of DCP that the file at ``path`` touches: a ``_`` module or name
+    imported from it, a ``_`` attribute of a name bound to it, or, in a subclass of a DCP class,
+    a ``self._x`` that the subclass does not define itself (DCP's internals, which change
+    between releases)."""
+    tree = ast.parse(path.read_text())
+    bound: set[str] = set()
+    out = []
+    for node in ast.walk(tree):
+        names: list[tuple[str, str]] = []  # (module or name, name bound)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(DCP):
+            names = [(f"{node.module}.{a.name}", a.asname or a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [(a.name, a.asname or "") for a in node.names if a.name.startswith(DCP)]
+        for full, local in names:
+            if any(map(_private, full.split("."))):
+                out.append(f"{path}:{node.lineno}: imports {full}")
+            if local:
+                bound.add(local)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = ast.unparse(node.value)
+            if base in bound or base.startswith(DCP):
+                out.append(f"{path}:{node.lineno}: uses {base}.{node.attr}")
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b) in bound for b in node.bases):
+            attrs = [n for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+            own = {
+                n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+            own |= {n.attr for n in attrs if isinstance(n.ctx, ast.Store)}
+            out += [
+                f"{path}:{n.lineno}: {node.name} uses its DCP base's self.{n.attr}"
+                for n in attrs
+                if ast.unparse(n.value) == "self" and _private(n.attr) and n.attr not in own
+            ]
+    return out
+
+
+def test_only_public_names_of_torch_distributed_checkpoint() -> None:
+    bad = [msg for path in MODULES.values() for msg in _private_dcp_uses(path)]
+    assert not bad, "private DCP names (implement its public StorageWriter instead):\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_dcp_scan_finds_private_names(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint import FileSystemWriter\n"
+        "from torch.distributed.checkpoint.filesystem import _StorageInfo\n"
+        "x = dcp._version\n"
+        "class W(FileSystemWriter):\n"
+        "    def write_data(self, plan, planner):\n"
+        "        self._mine = 1\n"
+        "        return self._write_data(planner, self._mine)\n"
+    )
+    found = sorted(msg.split(": ", 1)[1] for msg in _private_dcp_uses(src))
+    assert found == [
+        "W uses its DCP base's self._write_data",
+        "imports torch.distributed.checkpoint.filesystem._StorageInfo",
+        "uses dcp._version",
+    ], found

@@ -39,11 +39,11 @@ from deck.format.manifest import CheckpointManifest
 from deck.ops.export import (
     ShardGeometry,
     StepState,
-    _safetensors_preamble,
-    _write_tensor,
     eager_state,
     flatten,
     geometry_of,
+    safetensors_preamble,
+    write_tensor,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
@@ -271,11 +271,11 @@ class Follower:
             "quantized": json.dumps(sorted(self.encodings)),
         }
         layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
-        preamble = _safetensors_preamble(metadata, layout)
+        preamble = safetensors_preamble(metadata, layout)
         with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
             f.write(preamble)
             for t in self.tensors.values():
-                _write_tensor(f, t)
+                write_tensor(f, t)
         sidecar = {
             "uri": self.storage.uri,
             "step": step,

@@ -37,7 +37,7 @@ import torch
 from deck.errors import ConfigError, UnsupportedError
 from deck.format.chunks import decode_chunk, dtype_name, read_chunks
 from deck.format.manifest import CheckpointManifest, RankManifest
-from deck.ops.export import ExportReport, Progress, StepState, _check_out_dir
+from deck.ops.export import ExportReport, Progress, StepState, check_out_dir
 from deck.read.catalog import describe
 from deck.storage import Storage
 from deck.storage.atomic import TEMP_PREFIX, atomic_file, fsync_dir
@@ -237,7 +237,7 @@ def export_parquet(
     table that hold the same rows: one shard of a row-wise or table-wise table, every column
     shard of a column-wise one). Each file appears atomically.
     """
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
     report.skipped.append("dense state and dense optimizer state (use --format dcp or safetensors)")

@@ -1,0 +1,230 @@
+"""Every private attribute of torch / TorchRec / fbgemm-gpu that deck touches, in one place.
+
+deck needs a few internals no public API exposes: the lookups of a sharded collection and the
+fbgemm TBEs behind them, fbgemm's split optimizer-state buffers, the state TorchRec's optimizer
+wrappers keep, and the DDP reducer's bucket rebuild. Each is read through a small named accessor
+here, so an upgrade that moves one breaks this module only, with an :class:`UnsupportedError`
+naming the attribute and the installed versions instead of an ``AttributeError`` deep in a
+checkpoint. ``PRIVATE_ATTRIBUTES`` lists them; tests/test_architecture.py checks that no other
+module of deck touches them.
+
+Written against the versions the Makefile pins (torch 2.13, torchrec 1.8, fbgemm-gpu 1.8); on
+another version a warning is logged once, at import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from typing import Any
+
+import torch
+
+from deck.errors import UnsupportedError
+
+logger = logging.getLogger(__name__)
+
+# distribution -> the release series deck is tested with (Makefile: TORCH, TORCHREC, FBGEMM_*)
+SUPPORTED = {"torch": "2.13.", "torchrec": "1.8.", "fbgemm-gpu": "1.8.", "fbgemm-gpu-cpu": "1.8."}
+
+PRIVATE_ATTRIBUTES = (
+    "_lookups",  # ShardedEmbedding(Bag)Collection: one lookup per sharding type
+    "_sharding_types",  # ShardedEmbeddingBagCollection: sharding types, in lookup order
+    "_sharding_type_to_sharding",  # ShardedEmbeddingCollection: the same, as a dict
+    "_emb_modules",  # Grouped*Lookup: one kernel module per grouped config
+    "_emb_module",  # Batched*Embedding*: the fbgemm TBE
+    "_emainplace_mode",  # TBE: EMAINPLACE_ROWWISE_ADAGRAD's step_ema / step_start
+    "_used_rowwise_adagrad_with_counter",  # TBE: COUNTER weight decay reads ``iter``
+    "iter_cpu",  # TBE: step counter copy, not in the state_dict
+    "_in_backward_optimizers",  # parameter marker of TorchRec's fused (in-backward) optimizers
+    "_embedding_bag_collection",  # ShardedFeatureProcessedEmbeddingBagCollection's inner EBC
+    "_optimizer",  # torchrec.optim.keyed.OptimizerWrapper: the wrapped optimizer
+    "_get_warmup_state",  # WarmupOptimizer: (iteration, stage)
+    "_warmup_param",  # WarmupOptimizer: the state key its step counter lives under
+    "_step_num",  # GradientClippingOptimizer: steps taken
+    "_has_rebuilt_buckets",  # DistributedDataParallel
+    "_push_all_rebuilt_params",  # DDP reducer
+    "_rebuild_buckets",  # DDP reducer
+    "_deck_pinned_buckets",  # deck's own marker on a DDP module (a second enable)
+)
+# fbgemm's split (per-table, flat) state buffers: ``<p>_dev`` / ``_host`` / ``_uvm`` storage,
+# ``<p>_offsets`` and ``<p>_placements`` (read by name with ``tbe_split_buffer``).
+SPLIT_STORAGE_SUFFIXES = ("_dev", "_host", "_uvm")
+# fbgemm EmbeddingLocation values: where a split state's table lives (dev / uvm / host buffer).
+LOCATION_SUFFIX = {0: "_dev", 1: "_uvm", 2: "_uvm", 3: "_host", 4: "_host"}
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed version of each distribution in ``SUPPORTED`` (absent ones left out)."""
+    out = {}
+    for dist in SUPPORTED:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def unsupported_versions() -> dict[str, str]:
+    """The installed distributions outside the release series deck is tested with."""
+    return {d: v for d, v in installed_versions().items() if not v.startswith(SUPPORTED[d])}
+
+
+def _warn_untested_versions() -> None:
+    other = unsupported_versions()
+    if other:
+        logger.warning(
+            "deck: tested with torch 2.13.x, torchrec 1.8.x and fbgemm-gpu 1.8.x, found %s; deck "
+            "reads a few of their internals (adapters/torchrec_compat.py) and refuses with "
+            "UnsupportedError if one moved",
+            ", ".join(f"{d} {v}" for d, v in sorted(other.items())),
+        )
+
+
+_warn_untested_versions()  # at import: once per process
+
+
+def _moved(owner: Any, name: str) -> UnsupportedError:
+    versions = ", ".join(f"{d} {v}" for d, v in sorted(installed_versions().items()))
+    return UnsupportedError(
+        f"{type(owner).__name__} has no attribute {name!r}: deck reads this internal of "
+        f"torch/TorchRec/fbgemm, and the installed versions ({versions}) moved it. Install the "
+        "versions the Makefile pins (torch 2.13, torchrec 1.8, fbgemm-gpu 1.8), or update "
+        "adapters/torchrec_compat.py to the new location"
+    )
+
+
+def _get(owner: Any, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise _moved(owner, name) from None
+
+
+def _call(owner: Any, name: str) -> Any:
+    return _get(owner, name)()
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if not hasattr(owner, name):
+        raise _moved(owner, name)
+    setattr(owner, name, value)
+
+
+# ---- sharded collections and their lookups -------------------------------------------------
+def lookups(module: Any) -> list[tuple[str, Any]]:
+    """Each lookup of a sharded EmbeddingBagCollection / EmbeddingCollection with its sharding
+    type, in order, unwrapped (data_parallel lookups sit inside a DDP ``module``) down to the
+    module that holds ``grouped_configs``."""
+    # EmbeddingBagCollection keeps a list of sharding types, EmbeddingCollection a dict; both
+    # are in the order of ``_lookups``.
+    types = getattr(module, "_sharding_types", None) or list(
+        _get(module, "_sharding_type_to_sharding")
+    )
+    out = []
+    for sharding_type, lookup in zip(types, _get(module, "_lookups"), strict=True):
+        while not hasattr(lookup, "grouped_configs") and hasattr(lookup, "module"):
+            lookup = lookup.module
+        out.append((sharding_type, lookup))
+    return out
+
+
+def lookup_kernels(lookup: Any) -> list[Any] | None:
+    """The kernel modules of an unwrapped lookup, one per grouped config; None for a lookup
+    without any (it holds no fbgemm TBE)."""
+    return getattr(lookup, "_emb_modules", None)
+
+
+def kernel_tbe(kernel: Any) -> Any | None:
+    """The fbgemm TBE behind a kernel module of a lookup, or None (not a TBE kernel)."""
+    tbe = getattr(kernel, "_emb_module", None)
+    return tbe if tbe is not None and hasattr(tbe, "embedding_specs") else None
+
+
+def fp_inner_collection_path(plan_path: str) -> str:
+    """Path of the inner ShardedEmbeddingBagCollection of the sharded FeatureProcessed EBC at
+    ``plan_path`` ("" for the root)."""
+    return f"{plan_path}._embedding_bag_collection" if plan_path else "_embedding_bag_collection"
+
+
+def in_backward_optimized(param: Any) -> bool:
+    """Whether ``param`` is updated by one of TorchRec's fused (in-backward) optimizers."""
+    return hasattr(param, "_in_backward_optimizers")
+
+
+# ---- fbgemm TBE ---------------------------------------------------------------------------
+# The accessors below that default instead of raising read attributes some modules lack by
+# design: a lookup without kernels, fbgemm's DenseTableBatchedEmbeddingBagsCodegen (data_parallel
+# tables) without the split TBE's optimizer flags.
+def tbe_emainplace_mode(tbe: Any) -> dict[str, Any]:
+    """EMAINPLACE_ROWWISE_ADAGRAD's ``step_ema`` / ``step_start`` of ``tbe`` ({} if unset)."""
+    return dict(getattr(tbe, "_emainplace_mode", None) or {})
+
+
+def tbe_counter_weight_decay(tbe: Any) -> bool:
+    """Whether ``tbe`` runs rowwise Adagrad with COUNTER weight decay (which reads ``iter``)."""
+    return bool(getattr(tbe, "_used_rowwise_adagrad_with_counter", False))
+
+
+def tbe_split_buffer(tbe: Any, name: str) -> torch.Tensor:
+    """fbgemm's split-state buffer ``name`` (``<p>_dev``, ``<p>_offsets``, ...) of ``tbe``."""
+    buf: torch.Tensor = _get(tbe, name)
+    return buf
+
+
+def tbe_reset_step_cache(tbe: Any) -> None:
+    """Make ``tbe`` re-read its restored ``iter`` buffer: fbgemm counts steps in ``iter_cpu``
+    (not a buffer) and re-reads ``iter`` only while ``iter_cpu`` is 0."""
+    if hasattr(tbe, "iter_cpu"):
+        tbe.iter_cpu.zero_()
+
+
+# ---- TorchRec optimizer wrappers ----------------------------------------------------------
+def wrapped_optimizer(wrapper: Any) -> Any:
+    """The optimizer a TorchRec ``OptimizerWrapper`` wraps."""
+    return _get(wrapper, "_optimizer")
+
+
+def warmup_state(wrapper: Any) -> tuple[int, int]:
+    """(iteration, stage) of a ``WarmupOptimizer``."""
+    iteration, stage = _call(wrapper, "_get_warmup_state")
+    return int(iteration), int(stage)
+
+
+def set_warmup_state(wrapper: Any, iteration: int, stage: int) -> None:
+    """Put (iteration, stage) where ``WarmupOptimizer.step`` keeps it, and set the matching lr."""
+    wrapper.state[_get(wrapper, "_warmup_param")] = {
+        "warmup": torch.tensor([iteration, stage], dtype=torch.long)
+    }
+    wrapper.post_load_state_dict()
+
+
+def clipping_steps(wrapper: Any) -> int:
+    """Steps a ``GradientClippingOptimizer`` has taken."""
+    return int(_get(wrapper, "_step_num"))
+
+
+def set_clipping_steps(wrapper: Any, steps: int) -> None:
+    """Set the steps a ``GradientClippingOptimizer`` has taken."""
+    _set(wrapper, "_step_num", int(steps))
+
+
+# ---- DistributedDataParallel --------------------------------------------------------------
+def ddp_buckets_pinned(ddp: Any) -> bool:
+    """Whether deck already pinned the gradient buckets of ``ddp`` (a second enable)."""
+    return bool(getattr(ddp, "_deck_pinned_buckets", False))
+
+
+def ddp_has_rebuilt_buckets(ddp: Any) -> bool:
+    """Whether ``ddp`` already rebuilt its gradient buckets (training ran)."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+
+def ddp_rebuild_buckets_now(ddp: Any) -> None:
+    """Collective. Rebuild the gradient buckets of ``ddp`` now, in parameter order, as DDP
+    does after its first iteration, and mark them pinned."""
+    reducer = ddp.reducer
+    _call(reducer, "_push_all_rebuilt_params")
+    if _call(reducer, "_rebuild_buckets"):
+        ddp._has_rebuilt_buckets = True
+    ddp._deck_pinned_buckets = True

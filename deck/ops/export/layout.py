@@ -1,0 +1,321 @@
+"""The layout model of an export: which table shards a committed step has, where each state of
+each shard goes in the exported tensors (:class:`Piece`), and the checks that the records claim
+no more than the files hold; :class:`StepState` reads the step shard by shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deck.adapters.base import TableShard
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
+from deck.format.chunks import DTYPES
+from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
+from deck.ops.export.dense import eager_state, table_name
+from deck.read.catalog import describe, read_manifests, read_rank_manifests
+from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.read.restore import apply_chain, part_where
+from deck.read.verify import check_files
+from deck.storage import Storage, open_storage
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """Where a table shard sits in its table: rows ``[row_offset, +rows)`` and columns
+    ``[col_offset, +cols)`` of a ``num_rows x num_cols`` table."""
+
+    table: str
+    num_rows: int
+    num_cols: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+    def table_shard(self, states: dict[str, torch.Tensor]) -> TableShard:
+        """A :class:`TableShard` at this place holding ``states`` (what ``apply_chain`` fills)."""
+        return TableShard(**geometry_of(self), states=states)
+
+
+def geometry_of(shard: Any) -> dict[str, Any]:
+    """The :class:`ShardGeometry` fields of any shard-like object (a ``ShardRecord`` of a
+    manifest, a ``TableShard``, a geometry)."""
+    return {f.name: getattr(shard, f.name) for f in dataclasses.fields(ShardGeometry)}
+
+
+@dataclass(frozen=True)
+class ShardSpec(ShardGeometry):
+    """One table shard of the exported step, and the dtype / row shape of each of its states."""
+
+    rank: int
+    states: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            self.rows * math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            for _, dt, shape in self.states
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one state of one shard goes: tensor ``fqn`` (global ``size``), block at
+    ``offsets`` of shape ``sizes``. ``path`` is the fqn's place in the nested state dict."""
+
+    fqn: str
+    path: tuple[str, ...]
+    state: str
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    shard: int  # index into StepState.shards
+
+
+# A state of one shard: its name, dtype and whether it is row-wise (one value per row).
+_StateKind = tuple[str, torch.dtype, bool]
+
+
+def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointManifest]]:
+    """``step`` (None: the latest restorable) and its cheapest chain, oldest first."""
+    manifests = read_manifests(storage)
+    if not manifests:
+        raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
+    graph = build_graph(manifests, storage.uri)
+    chosen = graph.latest() if step is None else step
+    if chosen is None:
+        raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")
+    return chosen, cheapest_chain(graph, chosen)
+
+
+def _kinds_of(rec: ShardRecord) -> tuple[_StateKind, ...]:
+    """The states of a shard record, as its first chunk holds them."""
+    specs = []
+    for seg in rec.chunks[0].segments:
+        if seg.name not in rec.states:
+            continue  # row ids, a quantised state's per-row scale
+        if tuple(seg.shape[1:]) not in ((), (rec.cols,)):
+            raise UnsupportedError(
+                f"table {rec.table}: state {seg.name} has rows of shape "
+                f"{tuple(seg.shape[1:])}, which export cannot lay out"
+            )
+        dtype = seg.source_dtype or seg.dtype  # a quantised state's real dtype
+        specs.append((seg.name, _dtype(dtype, rec.table), len(seg.shape) == 1))
+    return tuple(specs)
+
+
+class StepState:
+    """The state of one committed step of a URI, readable table shard by table shard.
+
+    Opening it reads the commit records and the rank manifests of the chain (small files); the
+    tables are read by :meth:`read_shard`, the dense state by :meth:`eager_state`.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_quantized: bool = False,
+        storage: Storage | None = None,
+    ):
+        # A chain with quantised weights (deck.format.quantize) is refused unless allowed: its tables
+        # are then the dequantised values, not the exact state.
+        self.allow_quantized = allow_quantized
+        # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped
+        # files of a LocalStorage, overlapped gets of a remote one).
+        # (``storage``: a view given by the caller, e.g. the Kafka loader's stream overlay.)
+        self.storage: Storage = storage or open_storage(uri, storage_options)
+        self.step: int
+        self.chain: list[CheckpointManifest]
+        self.step, self.chain = _chain_of(self.storage, step)
+        self.last = self.chain[-1]
+        # Exporting shard by shard applies the chain once per shard: its rank manifests are
+        # read (and checksum-verified) once, here.
+        self.rank_parts: dict[str, list[RankManifest]] = {
+            m.folder: read_rank_manifests(self.storage, m) for m in self.chain
+        }
+        self.parts: list[RankManifest] = self.rank_parts[self.last.folder]
+        self.read_bytes = chain_bytes(self.chain)
+        ranked = sorted(self.parts, key=lambda p: p.rank)
+        self.tables: dict[str, tuple[int, int]] = {
+            rec.table: (rec.num_rows, rec.num_cols) for part in ranked for rec in part.shards
+        }
+        self.shards: list[ShardSpec] = self._shard_specs(ranked, self._state_kinds())
+        self.pieces: list[Piece] = [p for i in range(len(self.shards)) for p in self._pieces(i)]
+        self._check_cover()
+        self._check_claims()
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _state_kinds(self) -> dict[str, tuple[_StateKind, ...]]:
+        """State names and dtypes per table, from the first chunk of the chain that has them. A
+        state's rows are either one value (row-wise) or the shard's columns (point-wise), so the
+        shapes follow the exported layout even where the chain's checkpoints were written with
+        another column split (a restore into another plan, then deltas)."""
+        kinds: dict[str, tuple[_StateKind, ...]] = {}
+        for m in self.chain:
+            for part in self.rank_parts[m.folder]:
+                for rec in part.shards:
+                    if rec.table not in kinds and rec.chunks:
+                        kinds[rec.table] = _kinds_of(rec)
+        return kinds
+
+    def _shard_specs(
+        self, ranked: list[RankManifest], kinds: dict[str, tuple[_StateKind, ...]]
+    ) -> list[ShardSpec]:
+        """Every table shard of the step's rank parts (``ranked``: by rank), in table, column,
+        row order."""
+        shards = []
+        for part in ranked:
+            for rec in part.shards:
+                if rec.table not in kinds:
+                    raise CheckpointNotFoundError(
+                        f"table {rec.table}: no chunk in the chain of step {self.step} at {self.storage.uri} "
+                        "says what its states are"
+                    )
+                states = tuple(
+                    (n, dt, () if rowwise else (rec.cols,)) for n, dt, rowwise in kinds[rec.table]
+                )
+                shards.append(ShardSpec(**geometry_of(rec), rank=part.rank, states=states))
+        shards.sort(key=lambda s: (s.table, s.col_offset, s.row_offset))
+        return shards
+
+    def _pieces(self, i: int) -> list[Piece]:
+        s = self.shards[i]
+        same = [t for t in self.shards if t.table == s.table]
+        col_sharded = any(t.cols != t.num_cols for t in same)
+        row_sharded = any(t.rows != t.num_rows for t in same)
+        name = table_name(s.table)
+        out = []
+        for state, dtype, row_shape in s.states:
+            path: tuple[str, ...]
+            if state == "weight":
+                fqn, path = f"model.{s.table}", ("model", s.table)
+            else:
+                key = f"{name}.{state}"
+                fqn, path = f"optim.state.{s.table}.{key}", ("optim", "state", s.table, key)
+            if row_shape == (s.cols,):  # weight, or a pointwise state: the weight's layout
+                size: tuple[int, ...] = (s.num_rows, s.num_cols)
+                offsets: tuple[int, ...] = (s.row_offset, s.col_offset)
+                sizes: tuple[int, ...] = (s.rows, s.cols)
+            elif row_shape == ():
+                # TorchRec's row-wise optimizer state: a column-sharded table gets one block of
+                # num_rows per column shard, in column order (batched_embedding_kernel.py,
+                # get_optimizer_rowwise_shard_metadata_and_global_metadata).
+                if col_sharded and row_sharded:
+                    raise UnsupportedError(
+                        f"table {s.table} is sharded by rows and columns (grid sharding): the "
+                        "layout of its row-wise optimizer state is not supported by export"
+                    )
+                if col_sharded:
+                    order = sorted({t.col_offset for t in same})
+                    size = (s.num_rows * len(order),)
+                    offsets = (order.index(s.col_offset) * s.rows,)
+                else:
+                    size, offsets = (s.num_rows,), (s.row_offset,)
+                sizes = (s.rows,)
+            else:
+                raise UnsupportedError(
+                    f"table {s.table}: state {state} has rows of shape {row_shape}, which "
+                    "export does not know how to lay out"
+                )
+            out.append(Piece(fqn, path, state, size, offsets, sizes, dtype, i))
+        return out
+
+    def _check_cover(self) -> None:
+        """Every exported tensor is covered exactly once by its pieces (shards never overlap)."""
+        volume: dict[str, int] = {}
+        size: dict[str, tuple[int, ...]] = {}
+        for p in self.pieces:
+            if size.setdefault(p.fqn, p.size) != p.size:
+                raise UnsupportedError(f"{p.fqn}: shards disagree on its size")
+            volume[p.fqn] = volume.get(p.fqn, 0) + math.prod(p.sizes)
+        bad = [f for f in volume if volume[f] != math.prod(size[f])]
+        if bad:
+            raise UnsupportedError(
+                f"step {self.step}: the shards of {bad[:3]} do not cover each table exactly once"
+            )
+
+    def _check_claims(self) -> None:
+        """Before anything is allocated: the tables of this step, as its records claim them
+        (rows x columns x dtype of every state), fit in what the chain's full holds (a full
+        holds every row; a chunk decodes to at most its recorded bytes, times the widening of
+        a quantised state). Above :data:`_CHECK_FILES_ABOVE` bytes the full's files must also
+        have their recorded sizes (one size request per file), so that no record, however
+        forged, makes an export or ``deck follow`` allocate more than the files hold. Raises
+        :class:`CorruptCheckpointError` naming the records."""
+        full = self.chain[0]
+        held: dict[str, int] = {}
+        for part in self.rank_parts[full.folder]:
+            for rec in part.shards:
+                held[rec.table] = held.get(rec.table, 0) + sum(map(_decoded_bytes, rec.chunks))
+        claims: dict[str, int] = {}
+        for s in self.shards:
+            claims[s.table] = claims.get(s.table, 0) + s.nbytes
+        for table, claim in sorted(claims.items()):
+            if claim > held.get(table, 0):
+                rank = next(p.rank for p in self.parts for r in p.shards if r.table == table)
+                raise CorruptCheckpointError(
+                    f"{part_where(self.storage, self.last, rank)}: table {table} claims "
+                    f"{claim} bytes of state, but the chunks of its full ({describe(full)}) hold "
+                    f"at most {held.get(table, 0)}; the records are damaged or were not written "
+                    "by deck: run deck verify"
+                )
+        if sum(claims.values()) > _CHECK_FILES_ABOVE:
+            problems = check_files(self.storage, full)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"step {self.step} at {self.storage.uri} claims {sum(claims.values())} bytes "
+                    f"of tables, but its full's files do not match their records: {problems[0]}"
+                    + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                )
+
+    # ---- data --------------------------------------------------------------------------------
+    def read_shard(self, i: int) -> dict[str, torch.Tensor]:
+        """Every state of shard ``i`` at this step (rows of the whole chain applied)."""
+        s = self.shards[i]
+        shard = s.table_shard(
+            {n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states}
+        )
+        apply_chain(
+            self.storage,
+            self.chain,
+            [shard],
+            self.tables,
+            allow_quantized=self.allow_quantized,
+            rank_parts=self.rank_parts,
+        )
+        return shard.states
+
+    def eager_state(self, skipped: list[str] | None = None) -> dict[str, Any]:
+        """The nested state dict of everything but the tables: ``{"model": dense state,
+        "optim": {"state": dense optimizer states and per-shard scalar states}}``. What cannot be
+        exported is described in ``skipped``."""
+        return eager_state(self.storage, self.last, self.parts, skipped)
+
+
+# Claims of tables larger than this are checked against the sizes of the full's files too
+# (StepState._check_claims): below it, a forged claim can cost at most this much memory.
+_CHECK_FILES_ABOVE = 64 * 2**20
+
+
+def _decoded_bytes(c: ChunkRecord) -> int:
+    """The most bytes chunk ``c`` can decode to: its recorded size, times how much wider a
+    quantised segment's source dtype is than what is stored (int8 -> float32: 4)."""
+    widen = 1
+    for seg in c.segments:
+        if seg.source_dtype is not None and seg.dtype in DTYPES and seg.source_dtype in DTYPES:
+            widen = max(widen, DTYPES[seg.source_dtype].itemsize // DTYPES[seg.dtype].itemsize)
+    return c.nbytes * widen
+
+
+def _dtype(name: str, table: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UnsupportedError(f"table {table}: unknown dtype {name!r}") from None
