@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deck.errors import IncompatibleModelError
+
 if TYPE_CHECKING:  # the interface names the trainer's store; adapters are called by the trainer
     from deck.trainer.tracker import TrackerStore
 
@@ -157,6 +159,24 @@ class ModelAdapter(abc.ABC):
     ) -> RemovableHandle:
         """Record looked-up rows of every tracked shard into ``store``; chains with any hook
         already installed. ``is_active(module)`` is asked at each lookup (pause, eval)."""
+
+
+def hyperparameters(opt: Any) -> list[dict[str, Any]]:
+    """Every param group of ``opt`` without its parameters: lr, betas, weight decay, ... and
+    whatever a scheduler added (``initial_lr``). Read from ``param_groups`` itself: TorchRec's
+    KeyedOptimizer leaves them out of its state_dict unless told to save them."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def load_hyperparameters(opt: Any, groups: list[dict[str, Any]], what: str) -> None:
+    """Put :func:`hyperparameters` back into ``opt``'s param groups, in order. Raises
+    :class:`deck.errors.IncompatibleModelError` naming ``what`` when the group counts differ."""
+    if len(groups) != len(opt.param_groups):
+        raise IncompatibleModelError(
+            f"{what}: {len(groups)} param groups saved, {len(opt.param_groups)} in the model"
+        )
+    for live, hyper in zip(opt.param_groups, groups, strict=True):
+        live.update(hyper)
 
 
 def copy_dense_state(

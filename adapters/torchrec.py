@@ -21,6 +21,8 @@ from deck.adapters.base import (
     Optimizers,
     RemovableHandle,
     TableShard,
+    hyperparameters,
+    load_hyperparameters,
 )
 from deck.adapters.torchrec_compat import (
     ddp_buckets_pinned,
@@ -35,7 +37,6 @@ from deck.adapters.torchrec_optim import (
     check_dense_leaf,
     flatten,
     fused_leaves,
-    hyperparameters,
     local_shards,
     wrapper_state,
     wrappers,
@@ -84,6 +85,7 @@ class TorchRecAdapter(ModelAdapter):
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
+        self._buffers: set[str] | None = None  # dense_buffers(), read once
 
     # ---- discovery -------------------------------------------------------------------------
     def _discover_tables(self) -> dict[str, _TableInfo]:
@@ -257,8 +259,12 @@ class TorchRecAdapter(ModelAdapter):
         }
 
     def dense_buffers(self) -> set[str]:
-        sd = self.model.state_dict(keep_vars=True)  # parameters stay nn.Parameter, buffers do not
-        return {k for k, v in sd.items() if type(v) is torch.Tensor}
+        # Read once: a state_dict walk per checkpoint would sit in the stall. A persistent buffer
+        # registered later is still compared at every full (fulls hash every dense tensor).
+        if self._buffers is None:
+            sd = self.model.state_dict(keep_vars=True)  # parameters stay nn.Parameter
+            self._buffers = {k for k, v in sd.items() if type(v) is torch.Tensor}
+        return self._buffers
 
     def optimizers(self, optimizers: object) -> Optimizers:
         fused = {id(o) for o in flatten(self.model.fused_optimizer)}
@@ -313,13 +319,9 @@ class TorchRecAdapter(ModelAdapter):
                     + "; restore with the plan the checkpoint was written with"
                 )
             groups = next(iter(choices.values()))["param_groups"]
-            if len(groups) != len(leaf.param_groups):
-                raise IncompatibleModelError(
-                    f"{where}: the fused optimizer of tables {sorted(keys)[:4]} has "
-                    f"{len(leaf.param_groups)} param groups, the checkpoint {len(groups)}"
-                )
-            for live, hyper in zip(leaf.param_groups, groups, strict=True):
-                live.update(hyper)
+            load_hyperparameters(
+                leaf, groups, f"{where}: the fused optimizer of tables {sorted(keys)[:4]}"
+            )
             # TorchRec hands param_groups[0]["lr"] to the TBE kernel in zero_grad()/step() only
             # (and the fused update runs in backward, before step()): push it now, so the first
             # step after a restore already uses the restored rate. zero_grad() of a fused

@@ -59,12 +59,6 @@ def fused_leaves(opt: Any, prefix: str) -> list[tuple[Any, list[str]]]:
     return [(opt, keys)]
 
 
-def hyperparameters(opt: Any) -> list[dict[str, Any]]:
-    """Every param group of ``opt`` without its parameters: lr, betas, weight decay, ... and
-    whatever a scheduler added (``initial_lr``)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-
-
 def wrapper_state(name: str, wrapper: Any) -> WrapperState:
     """How to save and restore what a TorchRec OptimizerWrapper keeps itself; refuses a wrapper
     deck does not know (it might keep state deck would silently drop)."""

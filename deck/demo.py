@@ -311,6 +311,22 @@ def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     return bad
 
 
+def train_with_checkpoints(
+    ckpt: Any, model: Any, dense_opt: Any, spec: ModelSpec, user: TrainState, last_step: int
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 0..``last_step`` (step 0 trains nothing), ``ckpt.step`` after each; returns the live
+    state (:func:`capture_state`) of every step that took a checkpoint, and flushes."""
+    live = {}
+    for step in range(last_step + 1):
+        if step:
+            train_step(model, dense_opt, spec, step)
+            user.step = step
+        if ckpt.step(step) is not None:
+            live[step] = capture_state(model, dense_opt, user)
+    ckpt.flush()
+    return live
+
+
 # ---- the demo job ------------------------------------------------------------------------------
 
 

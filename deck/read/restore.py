@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard, scalar_key
+from deck.adapters.base import TableShard, load_hyperparameters, scalar_key
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import treecodec
 from deck.format.checksum import checksum
@@ -500,13 +500,7 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
         opt.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:
         raise IncompatibleModelError(f"optimizer {name}: saved state does not fit ({e})") from None
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(opt.param_groups):
-        raise IncompatibleModelError(
-            f"optimizer {name}: {len(groups)} param groups saved, {len(opt.param_groups)} in the model"
-        )
-    for live, hyper in zip(opt.param_groups, groups, strict=True):
-        live.update(hyper)
+    load_hyperparameters(opt, saved.get("param_groups", []), f"optimizer {name}")
 
 
 def _match_keyed_state(

@@ -142,12 +142,13 @@ class ChainWriter:
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
         t0 = time.perf_counter()
-        kind, ckpt_id = self._agree(kind, step)
+        dense = self.adapter.dense_state()  # one state_dict walk: hashed in the vote, saved after
+        kind, ckpt_id = self._agree(kind, step, dense)
         full = kind == "full"
         t_agreed = time.perf_counter()
         token = self.tracker.begin_read(self.consumer)
         t_claimed = time.perf_counter()
-        snap = self._snapshot(step, ckpt_id, full, token)
+        snap = self._snapshot(step, ckpt_id, full, token, dense)
         t_staged = time.perf_counter()
         w = snap.writer
         votes = gather_votes(
@@ -198,11 +199,10 @@ class ChainWriter:
         return stats
 
     def _agree(
-        self, kind: Literal["delta", "full"], step: int
+        self, kind: Literal["delta", "full"], step: int, dense: dict[str, Any]
     ) -> tuple[Literal["delta", "full"], str]:
-        """Step 1: the agreed kind and id."""
+        """Step 1: the agreed kind and id (``dense``: this rank's live dense state)."""
         failed_parts = self.stager.take_failed()
-        dense = self.adapter.dense_state()
         # Buffers not yet known to be rank-local: the same names on every rank, whatever kind
         # each rank asked for (that is only agreed by this vote).
         digests = _digests(dense, self.adapter.dense_buffers() - self.rank_local)
@@ -274,7 +274,9 @@ class ChainWriter:
             logger.warning("deck: taking a full: the last checkpoint's chain is broken: %s", why)
         return why is not None
 
-    def _snapshot(self, step: int, ckpt_id: str, full: bool, token: ReadToken) -> _Snapshot:
+    def _snapshot(
+        self, step: int, ckpt_id: str, full: bool, token: ReadToken, dense: dict[str, Any]
+    ) -> _Snapshot:
         """Step 3. Never raises: a failure must still reach the release vote, or the other
         ranks would wait in it forever."""
         snap = _Snapshot()
@@ -305,14 +307,13 @@ class ChainWriter:
                 quantize=self.quantize,
             )
             order = {id(sh): i for i, sh in enumerate(shards)}
-            live = self.adapter.dense_state() if self.coord.rank == 0 or self.rank_local else {}
             extra = self.extra_state(shards)
             if self.rank_local:
-                extra["rank_local"] = {k: live[k] for k in sorted(self.rank_local) if k in live}
+                extra["rank_local"] = {k: dense[k] for k in sorted(self.rank_local) if k in dense}
             snap.writer.write_part(
                 shards,
                 lambda sh: selected[order[id(sh)]],
-                live if self.coord.rank == 0 else None,
+                dense if self.coord.rank == 0 else None,
                 extra,
             )
             snap.staged.seal()

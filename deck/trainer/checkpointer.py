@@ -10,7 +10,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard, scalar_key
+from deck.adapters.base import (
+    ModelAdapter,
+    RemovableHandle,
+    TableShard,
+    hyperparameters,
+    scalar_key,
+)
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
     CheckpointError,
@@ -306,16 +312,9 @@ class DeltaCheckpointer:
         return bool(self.coord.gather([float(done)]).min() > 0)
 
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
-        # Hyperparameters are read from param_groups, not state_dict(): TorchRec's
-        # KeyedOptimizer leaves them out of its state_dict unless told to save them.
         extra: dict[str, Any] = {
             "optimizers": {
-                name: {
-                    "state_dict": opt.state_dict(),
-                    "param_groups": [
-                        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
-                    ],
-                }
+                name: {"state_dict": opt.state_dict(), "param_groups": hyperparameters(opt)}
                 for name, opt in self._optimizers.dense.items()
             },
             "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},

@@ -17,7 +17,14 @@ import pytest
 import torch.distributed as dist
 
 import deck
-from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.demo import (
+    ModelSpec,
+    TrainState,
+    build_model,
+    capture_state,
+    diff_states,
+    train_with_checkpoints,
+)
 from deck.errors import CorruptCheckpointError
 from deck.format.manifest import MANIFEST, Kind, step_dir
 from deck.merge.policy import FullPolicy, MergeConfig
@@ -274,15 +281,8 @@ def _restore_job(rank: int, world_size: int, root: str) -> None:
     config = deck.DeckConfig(uri=uri, delta_every_steps=3, lease_ttl_s=None)
     model, opt = build_model(spec)
     user = TrainState()
-    live = {}
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
-        for step in range(13):
-            if step:
-                train_step(model, opt, spec, step)
-                user.step = step
-            if ck.step(step) is not None:
-                live[step] = capture_state(model, opt, user)
-        ck.flush()
+        live = train_with_checkpoints(ck, model, opt, spec, user, 12)
     chunk = sorted((Path(uri) / step_dir(9)).rglob("*.chunk"))[0]
     if rank == 0:
         chunk.unlink()

@@ -10,7 +10,15 @@ import pytest
 import torch.distributed as dist
 
 import deck
-from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.demo import (
+    ModelSpec,
+    TrainState,
+    build_model,
+    capture_state,
+    diff_states,
+    train_step,
+    train_with_checkpoints,
+)
 from deck.errors import CorruptCheckpointError
 from deck.read.catalog import read_manifests
 from deck.storage import open_storage
@@ -39,15 +47,8 @@ def _job(rank: int, world_size: int, root: str) -> None:
     config = deck.DeckConfig(uri=uri, delta_every_steps=5, lease_ttl_s=None)
     model, opt = build_model(SPEC)
     user = TrainState()
-    live = {}
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
-        for step in range(0, 21):
-            if step:
-                train_step(model, opt, SPEC, step)
-                user.step = step
-            if ck.step(step) is not None:
-                live[step] = capture_state(model, opt, user)
-        ck.flush()
+        live = train_with_checkpoints(ck, model, opt, SPEC, user, 20)
 
         # Damage one chunk of the delta of step 15 (rank 0 does it; every rank then restores).
         chunk = sorted((Path(uri) / "step-000000000015").rglob("*.chunk"))[0]

@@ -26,7 +26,15 @@ import pytest
 import torch.distributed as dist
 
 import deck
-from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
+from deck.demo import (
+    ModelSpec,
+    TrainState,
+    build_model,
+    capture_state,
+    diff_states,
+    train_step,
+    train_with_checkpoints,
+)
 from deck.errors import CorruptCheckpointError, DeckError, UnsafePathError
 from deck.format.manifest import MANIFEST, QUARANTINE_ROOT, step_dir
 from deck.read.catalog import read_manifests, read_rank_manifests
@@ -398,15 +406,8 @@ def _trainer_job(rank: int, world_size: int, root: str) -> None:
     config = deck.DeckConfig(uri=str(uri), delta_every_steps=3, lease_ttl_s=None)
     model, opt = build_model(spec)
     user = TrainState()
-    live = {}
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ckpt:
-        for step in range(7):
-            if step:
-                train_step(model, opt, spec, step)
-                user.step = step
-            if ckpt.step(step) is not None:
-                live[step] = capture_state(model, opt, user)
-        ckpt.flush()
+        live = train_with_checkpoints(ckpt, model, opt, spec, user, 6)
     id6 = read_manifests(LocalStorage(uri))[6].id
     if rank == 0:
         outside.mkdir()
