@@ -220,8 +220,9 @@ def _refusals(uri: str) -> None:
     deck.enable(model, [opt], config).close()
 
 
-def _rank_local(rank: int, world_size: int, root: str) -> None:
-    _run(rank, root, "steplr", norm_and_dropout=True)
+def _rank_local(rank: int, world_size: int, root: str, recipes: tuple[str, ...]) -> None:
+    for recipe in recipes:
+        _run(rank, root, recipe, norm_and_dropout=True)
     dist.barrier()
 
 
@@ -263,11 +264,12 @@ def test_batchnorm_statistics_and_dropout_rng_per_rank(tmp_path: Path) -> None:
     """BatchNorm running statistics (different on each rank) and the dropout RNG come back per
     rank without any user code; losses and the state after training on stay equal. Into one
     rank: rank 0's statistics and the process's own RNG, both logged."""
-    run_ranks(_rank_local, str(tmp_path))
+    run_ranks(_rank_local, str(tmp_path), ("steplr",))
     run_ranks(_into_one_rank, str(tmp_path), world_size=1)
 
 
 def test_four_ranks_mixed_plan_trains_on_identically(tmp_path: Path) -> None:
-    """4 ranks, row_wise / column_wise / table_wise / data_parallel, BatchNorm + dropout, StepLR:
+    """4 ranks, row_wise / column_wise / table_wise / data_parallel, BatchNorm + dropout, under
+    StepLR and under WarmupOptimizer(CombinedOptimizer([fused, GradientClippingOptimizer(dense)])):
     with 3+ ranks a gradient sum depends on its order, which deck pins at enable."""
-    run_ranks(_rank_local, str(tmp_path), world_size=4)
+    run_ranks(_rank_local, str(tmp_path), ("steplr", "warmup"), world_size=4)
