@@ -244,12 +244,13 @@ class StateLoader:
         extra = read_state_file(self.storage, last, mine.extra)
         where = f"step {target} at {self.storage.uri}"
         self._load_optimizers(extra, target, moved)
-        problems = copy_dense_state(self.adapter.dense_state(), saved_dense)
+        live_dense = self.adapter.dense_state()
+        problems = copy_dense_state(live_dense, saved_dense)
         if problems:
             raise IncompatibleModelError(
                 f"dense state of step {target} does not fit the model: {problems[:5]}"
             )
-        self._load_rank_local(extra, parts, where)
+        self._load_rank_local(live_dense, extra, parts, where)
         scalars = shard_scalars(
             self.storage, target, parts, extra, [s for s in shards if s.table not in moved]
         )
@@ -281,7 +282,9 @@ class StateLoader:
             stats=stats,
         )
 
-    def _load_rank_local(self, extra: dict[str, Any], parts: list[Any], where: str) -> None:
+    def _load_rank_local(
+        self, live: dict[str, Any], extra: dict[str, Any], parts: list[Any], where: str
+    ) -> None:
         """Dense tensors that differed across the saving ranks (e.g. BatchNorm statistics, which
         data parallelism does not synchronise) come back per rank; the dense file holds rank 0's.
         Into another world size every rank keeps rank 0's (logged)."""
@@ -299,9 +302,7 @@ class StateLoader:
                 self.coord.world_size,
             )
             return
-        problems = copy_dense_state(
-            {k: v for k, v in self.adapter.dense_state().items() if k in saved}, saved
-        )
+        problems = copy_dense_state({k: v for k, v in live.items() if k in saved}, saved)
         if problems:
             raise IncompatibleModelError(f"{where}: rank-local dense state: {problems[:5]}")
 
