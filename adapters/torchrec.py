@@ -42,10 +42,12 @@ from deck.adapters.torchrec_optim import (
     wrappers,
 )
 from deck.adapters.torchrec_tbe import (
+    tbe_caches_rows,
     tbe_rewrites_unlooked_rows,
     tbe_scalars,
     tbe_table_states,
     tbes_of,
+    tensors_key,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -86,6 +88,10 @@ class TorchRecAdapter(ModelAdapter):
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
         self._buffers: set[str] | None = None  # dense_buffers(), read once
+        # table_shards() and dense_state(), with where their tensors lived when read: reused
+        # while the live tensors are the same (a state_dict walk would sit in every stall)
+        self._shards: tuple[Any, list[TableShard]] | None = None
+        self._dense: tuple[Any, dict[str, torch.Tensor]] | None = None
 
     # ---- discovery -------------------------------------------------------------------------
     def _discover_tables(self) -> dict[str, _TableInfo]:
@@ -155,7 +161,23 @@ class TorchRecAdapter(ModelAdapter):
         }
 
     # ---- state -----------------------------------------------------------------------------
+    def _tables_key(self) -> Any:
+        """Where every TBE's tensors live now; None when a TBE caches rows (then only a state
+        walk, which flushes the cache, gives current tables)."""
+        tbes = [tbe for m in self._sharded_modules().values() for tbe, _ in tbes_of(m)]
+        if any(tbe_caches_rows(tbe) for tbe in tbes):
+            return None
+        return tuple((id(tbe), tensors_key(tbe)) for tbe in tbes)
+
     def table_shards(self) -> list[TableShard]:
+        """The local shards as live views. Read from the state_dict once and reused while every
+        TBE's tensors stay where they were (a reshard or reallocation re-reads them)."""
+        key = self._tables_key()
+        if key is None or self._shards is None or self._shards[0] != key:
+            self._shards = (key, self._read_table_shards())
+        return self._shards[1]
+
+    def _read_table_shards(self) -> list[TableShard]:
         sd = self.model.state_dict()  # runs TorchRec's pre-state-dict hooks: caches are flushed
         opt_state = self.model.fused_optimizer.state_dict()["state"]
         shards: list[TableShard] = []
@@ -252,11 +274,20 @@ class TorchRecAdapter(ModelAdapter):
         return {k: sd[k] for k in sorted(self._replicated)}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
-        return {
-            k: v
-            for k, v in self.model.state_dict().items()
-            if type(v) is torch.Tensor or isinstance(v, nn.Parameter)
-        }
+        """The dense state_dict entries (detached, live). Read once and reused while every
+        parameter and buffer of the model is the same tensor at the same address."""
+        key = tuple(
+            (id(t), t.data_ptr(), t.numel())
+            for t in (*self.model.parameters(), *self.model.buffers())
+        )
+        if self._dense is None or self._dense[0] != key:
+            dense = {
+                k: v
+                for k, v in self.model.state_dict().items()
+                if type(v) is torch.Tensor or isinstance(v, nn.Parameter)
+            }
+            self._dense = (key, dense)
+        return dict(self._dense[1])
 
     def dense_buffers(self) -> set[str]:
         # Read once: a state_dict walk per checkpoint would sit in the stall. A persistent buffer

@@ -42,17 +42,19 @@ class StagingConfig(Settings):
     Tiers:
     - ``local``: the destination is a local directory; chunks are written straight into it, fsynced
       and committed in the background.
-    - ``cpu-ssd-remote``: chunks go through ``chunks_in_flight`` CPU buffers to the spool directory
+    - ``cpu-ssd-remote``: chunks go through the CPU chunk buffers to the spool directory
       (training resumes once every chunk is in the spool), then are uploaded and committed in the
       background. Training never waits on the remote tier unless the spool holds
       ``spool_max_bytes``; then ``spool_full`` decides: ``block`` (wait for uploads) or ``skip``
       (skip this checkpoint; its rows stay pending for the next one).
     - ``cpu-remote``: no spool; chunks are uploaded from the CPU buffers, so training waits for all
-      but the last ``chunks_in_flight`` chunks to be uploaded.
+      but the last pool's worth of chunks to be uploaded.
     - ``auto`` (default): ``local`` for local paths, ``cpu-ssd-remote`` otherwise.
 
-    CPU memory of the snapshot is ``chunks_in_flight * chunk_bytes`` whatever the model size, plus
-    ``upload_concurrency`` chunk reads in the upload tier.
+    CPU memory of the snapshot is a pool of chunk buffers sized from what the job saves: it
+    grows to hold a whole delta part (so training never waits for a buffer on a steady
+    workload), from ``chunks_in_flight`` buffers up to ``snapshot_memory_bytes`` whatever the
+    model size, plus ``upload_concurrency`` chunk reads in the upload tier.
     """
 
     chunk_bytes: int = Field(
@@ -65,16 +67,23 @@ class StagingConfig(Settings):
         default=4,
         ge=1,
         le=256,
-        description="Reusable CPU chunk buffers: the snapshot's CPU memory is "
-        "chunks_in_flight x chunk_bytes, whatever the model size.",
+        description="The fewest reusable CPU chunk buffers. The pool grows from there to hold "
+        "a whole delta part (sized from the parts the job saves), up to snapshot_memory_bytes.",
+    )
+    snapshot_memory_bytes: int = Field(
+        default=2**30,
+        ge=0,
+        description="Cap on the CPU chunk buffers of one rank's snapshot (the pool never holds "
+        "more, nor fewer than chunks_in_flight). A part larger than it waits for buffers "
+        "while the first tier writes; CheckpointStats.pool_capped and a log line say so.",
     )
     bundle_bytes: int = Field(
         default=0,
         ge=0,
         description="Bundle small chunks: chunks of one rank's part are appended (page-aligned) "
         "into bundle files of up to this many bytes, so a restore issues few large reads and "
-        "the store holds fewer objects. 0 (default): one file per chunk. The snapshot's CPU "
-        "memory becomes chunks_in_flight x bundle_bytes.",
+        "the store holds fewer objects. 0 (default): one file per chunk. A pool buffer then "
+        "holds one bundle.",
         json_schema_extra={"constraints": "0, or a multiple of 4096 at least chunk_bytes"},
     )
     tiers: Tiers = Field(
@@ -130,7 +139,7 @@ class StagingConfig(Settings):
         default="in_memory",
         description="When a checkpoint gives training back. in_memory: once every rank's rows "
         "are in the CPU chunk buffers (the stall is the gather, plus waiting for buffers when a "
-        "rank's part exceeds chunks_in_flight x chunk_bytes); the first-tier writes go on in the "
+        "rank's part exceeds snapshot_memory_bytes); the first-tier writes go on in the "
         "background, and a write that fails there makes the step uncommitted and the next "
         "checkpoint a full. first_tier: once every rank's part is written to the first tier "
         "with its pending record, so a checkpoint save() returned survives a process crash.",

@@ -1,27 +1,41 @@
-"""The save protocol of one delta chain: agree, claim, snapshot, release.
+"""The save protocol of one delta chain: claim, snapshot, and one vote that releases it.
 
 A :class:`ChainWriter` owns one chain of checkpoints (the checkpoints, or the publisher's): its
 tracking consumer, destination, stager and lineage state (parent, base, epoch). Its one entry
-point, :meth:`ChainWriter.save`, is called by the training thread of every rank together:
+point, :meth:`ChainWriter.save`, is called by the training thread of every rank together. In the
+steady state a checkpoint costs one collective:
 
-1. **agree** -- one all-gather of a :class:`Proposal` per rank: rank 0's random id becomes the
-   checkpoint id; the kind becomes a full on every rank if any rank lost its parent (a part that
-   failed in the background, a broken chain, a reshard); a lost writer lease stops every rank;
-   failed parts are told to rank 0; a hash of the dense buffers (which data parallelism does not
-   keep equal across ranks) is compared. When it differs, and at every full (then over every
-   dense tensor), a second all-gather of per-tensor hashes names what differs: every rank then
-   saves its own value of those from now on (:attr:`ChainWriter.rank_local`).
-2. **claim** the consumer's tracked rows (:meth:`deck.trainer.tracker.TrackerStore.begin_read`).
-3. **snapshot** the rows, dense and extra state into the stager's CPU buffers
-   (:class:`deck.trainer.writer.RankPartWriter`); with ``release="first_tier"`` also wait until
-   they are in the first tier.
-4. **release** -- one all-gather of an :class:`Outcome` per rank: staged everywhere, or every rank
-   aborts its claim (rows stay pending) and the step fails (or is skipped: spool full).
-   Then the part goes to the stager's background threads and the claim is committed.
+1. **claim** the consumer's tracked rows (:meth:`deck.trainer.tracker.TrackerStore.begin_read`).
+2. **snapshot** the rows, dense and extra state into the stager's CPU buffers
+   (:class:`deck.trainer.writer.RankPartWriter`) under the id the previous checkpoint's vote
+   settled (rank 0's seed); with ``release="first_tier"`` also wait until they are in the first
+   tier.
+3. **vote** -- one all-gather of a :class:`Vote` per rank: whether its part is staged, and what
+   could make the snapshot wrong: a part of this chain failed in the background or the chain's
+   committed parent is broken (a delta must then be a full), the writer lease is lost, a hash of
+   the dense buffers (which data parallelism does not keep equal across ranks) differs; plus the
+   rank's parts that failed in the background (told to rank 0) and an id seed for the next one.
+
+   - every rank staged and nothing is wrong: the part goes to the stager's background threads,
+     the claim is committed, rank 0's seed names the next checkpoint;
+   - a rank did not stage: every rank aborts its claim (rows stay pending) and drops its part;
+     the step fails (or is skipped: spool full);
+   - the lease is lost: every rank drops its part and raises;
+   - the snapshot is wrong (rare): every rank drops it, aborts its claim and snapshots again as
+     the vote decided (a full; dense tensors found to differ -- named by a second all-gather of
+     per-tensor hashes -- saved by every rank from now on, :attr:`ChainWriter.rank_local`), then
+     votes again.
+
+   Failure flags are taken once per checkpoint, by its first vote: a part failing after that is
+   kept for the next checkpoint (then a full).
+
+The first checkpoint of a process, and the one after a failed or skipped checkpoint, have no
+settled id: they vote first (the same :class:`Vote`, before the claim) and then once more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -65,21 +79,8 @@ def _combine(digests: dict[str, int]) -> int:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """One rank's vote before a checkpoint (step 1 of the protocol)."""
-
-    id_seed: int  # rank 0's becomes the checkpoint id
-    parent_failed: bool  # a part of this chain failed in the background since the last vote
-    lease_lost: bool  # this job no longer holds the writer lease
-    no_parent: bool  # no committed parent here (first checkpoint, reshard, broken chain)
-    failed_parts: int  # this rank's parts that failed in the background, to tell rank 0
-    dense_digest: int  # hash of the dense buffers not yet known to be rank-local
-    dense_count: int  # how many dense tensors this rank has (the hashes pair up by position)
-
-
 class Staged(IntEnum):
-    """Whether a rank's part is staged (step 4)."""
+    """Whether a rank's part is staged."""
 
     FAILED = 0
     SKIPPED = 1  # the spool is full and ``spool_full="skip"``
@@ -87,18 +88,29 @@ class Staged(IntEnum):
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """One rank's vote after its snapshot (step 4): the part's state, sizes and stall parts."""
+class Vote:
+    """One rank's vote (see the module docstring). A vote before the snapshot carries only the
+    checks; the one after also the part's state, sizes and where its stall went."""
 
-    status: Staged
-    stall_s: float
-    bytes: int
-    rows: int
-    chunks: int
-    buffer_wait_s: float
-    agree_s: float
-    claim_s: float
-    snapshot_s: float
+    id_seed: int  # rank 0's names the next snapshot (this checkpoint's, or the next one's)
+    parent_failed: bool  # a part of this chain failed in the background since the last take
+    lease_lost: bool  # this job no longer holds the writer lease
+    no_parent: bool  # no committed parent here (first checkpoint, reshard, broken chain)
+    failed_parts: int  # this rank's parts that failed in the background, to tell rank 0
+    dense_digest: int  # hash of the dense tensors compared (see ChainWriter._digests)
+    dense_count: int  # how many dense tensors this rank has (the hashes pair up by position)
+    status: Staged = Staged.STAGED
+    arrived_unix: float = 0.0  # wall clock when this rank entered save()
+    stall_s: float = 0.0
+    bytes: int = 0
+    rows: int = 0
+    chunks: int = 0
+    buffer_wait_s: float = 0.0
+    pool_bytes: int = 0
+    pool_capped: bool = False
+    agree_s: float = 0.0
+    claim_s: float = 0.0
+    snapshot_s: float = 0.0
 
 
 @dataclass
@@ -108,6 +120,7 @@ class _Snapshot:
     staged: StagedPart | None = None
     writer: RankPartWriter | None = None
     error: BaseException | None = None
+    pool_capped: bool = False  # the part needed more chunk buffers than the memory cap
 
 
 @dataclass
@@ -135,51 +148,66 @@ class ChainWriter:
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
     # Dense tensors found to differ across ranks: saved by every rank, hashed at every checkpoint
     rank_local: set[str] = field(default_factory=set)
+    _next_id: str | None = None  # settled by the last vote: the next snapshot's id
+    _failed_parts: list[tuple[int, str]] = field(default_factory=list)  # taken, to tell rank 0
 
     def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
         part is staged (``staging.release``); None when skipped for a full spool. Raises
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
-        t0 = time.perf_counter()
-        dense = self.adapter.dense_state()  # one state_dict walk: hashed in the vote, saved after
-        kind, ckpt_id = self._agree(kind, step, dense)
-        full = kind == "full"
+        t0, arrived = time.perf_counter(), time.time()
+        dense = self.adapter.dense_state()  # one state walk: hashed in the votes, saved after
+        if self.parent is None:
+            kind = "full"  # every rank knows (the vote still checks it)
+        ckpt_id, self._next_id = self._next_id, None  # a failed or skipped save leaves none
+        taken = False  # failure flags are taken once per checkpoint, by its first vote
+        if ckpt_id is None:
+            votes = gather_votes(self.coord, self._checks(kind, dense, take=True))
+            taken = True
+            kind, _ = self._decide(kind, kind, step, votes, dense)
+            ckpt_id = f"{votes[0].id_seed:016x}"
         t_agreed = time.perf_counter()
-        token = self.tracker.begin_read(self.consumer)
-        t_claimed = time.perf_counter()
-        snap = self._snapshot(step, ckpt_id, full, token, dense)
-        t_staged = time.perf_counter()
-        w = snap.writer
-        votes = gather_votes(
-            self.coord,
-            Outcome(
-                status=Staged.FAILED
-                if snap.error
-                else Staged.SKIPPED
-                if snap.staged is None
-                else Staged.STAGED,
+        while True:
+            token = self.tracker.begin_read(self.consumer)
+            t_claimed = time.perf_counter()
+            snap = self._snapshot(step, ckpt_id, kind == "full", token, dense)
+            t_staged = time.perf_counter()
+            vote = dataclasses.replace(
+                self._checks(kind, dense, take=not taken),
+                **self._outcome(snap),
+                arrived_unix=arrived,
                 stall_s=t_staged - t0,
-                bytes=w.bytes_written if w else 0,
-                rows=w.rows_written if w else 0,
-                chunks=w.chunks_written if w else 0,
-                buffer_wait_s=snap.staged.buffer_wait_s if snap.staged else 0.0,
                 agree_s=t_agreed - t0,
                 claim_s=t_claimed - t_agreed,
                 snapshot_s=t_staged - t_claimed,
-            ),
-        )
-        if any(v.status != Staged.STAGED for v in votes):
-            return self._give_up(votes, snap, token, step)
+            )
+            taken = True
+            votes = gather_votes(self.coord, vote)
+            try:
+                decided, moved = self._decide(kind, kind, step, votes, dense)
+            except CheckpointError:
+                self._drop(snap, token)
+                raise
+            if any(v.status != Staged.STAGED for v in votes):
+                return self._give_up(votes, snap, token, step)
+            if decided == kind and not moved:
+                break
+            # The snapshot is not what the ranks now know it must be: take it again (rare).
+            self._drop(snap, token)
+            kind, ckpt_id = decided, f"{votes[0].id_seed:016x}"
         stats = CheckpointStats(
             step=step,
             kind=kind,
             id=ckpt_id,
             stall_s=max(max(v.stall_s for v in votes), time.perf_counter() - t0),
+            job_stall_s=max(0.0, time.time() - max(v.arrived_unix for v in votes)),
             bytes=sum(v.bytes for v in votes),
             rows=sum(v.rows for v in votes),
             chunks=sum(v.chunks for v in votes),
             buffer_wait_s=max(v.buffer_wait_s for v in votes),
+            pool_bytes=max(v.pool_bytes for v in votes),
+            pool_capped=any(v.pool_capped for v in votes),
             agree_s=max(v.agree_s for v in votes),
             claim_s=max(v.claim_s for v in votes),
             snapshot_s=max(v.snapshot_s for v in votes),
@@ -192,35 +220,70 @@ class ChainWriter:
         # part fails in the background, ``stager.take_failure()`` makes the next one a full.
         self.tracker.commit(token)
         self.parent = (step, ckpt_id)
-        if full:
+        if kind == "full":
             self.base = step
+        self._next_id = f"{votes[0].id_seed:016x}"
         self.history.append(stats)
         self._log(stats)
         return stats
 
-    def _agree(
-        self, kind: Literal["delta", "full"], step: int, dense: dict[str, Any]
-    ) -> tuple[Literal["delta", "full"], str]:
-        """Step 1: the agreed kind and id (``dense``: this rank's live dense state)."""
-        failed_parts = self.stager.take_failed()
-        # Buffers not yet known to be rank-local: the same names on every rank, whatever kind
-        # each rank asked for (that is only agreed by this vote).
-        digests = _digests(dense, self.adapter.dense_buffers() - self.rank_local)
-        proposal = Proposal(
+    def _checks(self, kind: Literal["delta", "full"], dense: dict[str, Any], take: bool) -> Vote:
+        """This rank's checks for a vote on a ``kind`` snapshot (``dense``: its live dense
+        state). ``take``: take the stager's failure flags (the first vote of a checkpoint)."""
+        failed = self.stager.take_failed() if take else []
+        self._failed_parts = failed
+        vote = Vote(
             id_seed=self.coord.new_id_seed(),
             # Taken, not peeked: a part failing from here on is kept for the next vote.
-            parent_failed=self.stager.take_failure(),
+            parent_failed=take and self.stager.take_failure(),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
-            no_parent=self.parent is None or (kind == "delta" and self._parent_broken()),
-            failed_parts=len(failed_parts),
-            dense_digest=_combine(digests),
+            no_parent=self.parent is None
+            or (take and kind == "delta" and self._parent_broken()),
+            failed_parts=len(failed),
+            dense_digest=_combine(self._digests(kind, dense)),
             dense_count=len(dense),
         )
-        failpoint("checkpointer.agree.voting")  # test hook: between the take and the vote
-        votes = gather_votes(self.coord, proposal)
+        if take:
+            failpoint("checkpointer.agree.voting")  # test hook: between the take and the vote
+        return vote
+
+    def _digests(self, kind: Literal["delta", "full"], dense: dict[str, Any]) -> dict[str, int]:
+        """The dense tensors a vote compares, not yet known to be rank-local: the buffers (what
+        data parallelism leaves unequal) at a delta, every dense tensor at a full."""
+        names = set(dense) if kind == "full" else self.adapter.dense_buffers()
+        return _digests(dense, names - self.rank_local)
+
+    def _outcome(self, snap: _Snapshot) -> dict[str, Any]:
+        w, staged = snap.writer, snap.staged
+        return {
+            "status": Staged.FAILED
+            if snap.error
+            else Staged.SKIPPED
+            if staged is None
+            else Staged.STAGED,
+            "bytes": w.bytes_written if w else 0,
+            "rows": w.rows_written if w else 0,
+            "chunks": w.chunks_written if w else 0,
+            "buffer_wait_s": staged.buffer_wait_s if staged else 0.0,
+            "pool_bytes": self.stager.pool.count * self.stager.pool.size,
+            "pool_capped": snap.pool_capped,
+        }
+
+    def _decide(
+        self,
+        voted: Literal["delta", "full"],
+        kind: Literal["delta", "full"],
+        step: int,
+        votes: list[Vote],
+        dense: dict[str, Any],
+    ) -> tuple[Literal["delta", "full"], bool]:
+        """What ``votes`` on a ``voted`` snapshot decide, the same on every rank: the kind the
+        checkpoint must be, and whether the rank-local dense tensors changed (then the dense
+        state a snapshot saved is incomplete). Raises when the lease is lost. Collective when
+        parts failed or dense tensors differ (every rank sees the same votes)."""
         most = max(v.failed_parts for v in votes)
         if most:
-            self.tell_rank0_failed(failed_parts, most)
+            self.tell_rank0_failed(self._failed_parts, most)
         if any(v.lease_lost for v in votes):
             raise CheckpointError(
                 f"step {step}: this job lost the writer lease of {self.storage.uri} to another "
@@ -231,15 +294,22 @@ class ChainWriter:
                 "%s step %d: no committed parent to be a delta of: taking a full", self.label, step
             )
             kind = "full"
+        before = set(self.rank_local)
         if len({v.dense_count for v in votes}) > 1:
             # Not the same dense tensors everywhere: no hash can pair them, so each rank keeps
             # its own copy of every one (safe, larger). Collectives stay aligned: no gather.
             self.rank_local |= set(dense)
-        elif kind == "full":  # every dense tensor, parameters too (one more all-gather)
-            self.rank_local |= self._differing(_digests(dense, set(dense) - self.rank_local))
         elif len({v.dense_digest for v in votes}) > 1:
-            self.rank_local |= self._differing(digests)
-        return kind, f"{votes[0].id_seed:016x}"
+            self.rank_local |= self._differing(self._digests(voted, dense))
+        if kind == "full" and voted == "delta":  # the vote compared the buffers only
+            self.rank_local |= self._differing(self._digests(kind, dense))
+        return kind, self.rank_local != before
+
+    def _drop(self, snap: _Snapshot, token: ReadToken) -> None:
+        """Undo a snapshot that will not be committed: its rows stay pending, its files go."""
+        self.tracker.abort(token)
+        if snap.staged is not None:
+            self.stager.discard(snap.staged)
 
     def _differing(self, digests: dict[str, int]) -> set[str]:
         """Collective: the names whose hash differs on some rank."""
@@ -280,6 +350,9 @@ class ChainWriter:
         """Step 3. Never raises: a failure must still reach the release vote, or the other
         ranks would wait in it forever."""
         snap = _Snapshot()
+        if self.lease is not None and self.lease.lost.is_set():
+            snap.error = CheckpointError("the writer lease is lost")  # the vote says so to all
+            return snap
         try:
             shards = self.adapter.table_shards()
             selected = [
@@ -288,14 +361,15 @@ class ChainWriter:
                 else self.tracker.touched(token, sh.track_base, sh.track_base + sh.rows)
                 for sh in shards
             ]
-            estimate = sum(
-                (sh.rows if sel is None else int(sel.numel())) * sh.row_bytes()
+            counts = [
+                sh.rows if sel is None else int(sel.numel())
                 for sh, sel in zip(shards, selected, strict=True)
-            )
+            ]
+            estimate = sum(n * sh.row_bytes() for sh, n in zip(shards, counts, strict=True))
             if not self.stager.reserve(estimate):
                 return snap
             snap.staged = self.stager.begin(self._pending_part(step, ckpt_id, full), estimate)
-            snap.writer = RankPartWriter(
+            writer = snap.writer = RankPartWriter(
                 self.storage,
                 step,
                 ckpt_id,
@@ -306,11 +380,12 @@ class ChainWriter:
                 bundle_bytes=self.staging.bundle_bytes,
                 quantize=self.quantize,
             )
+            snap.pool_capped = self.stager.size_pool(writer.buffers_needed(shards, counts), full)
             order = {id(sh): i for i, sh in enumerate(shards)}
             extra = self.extra_state(shards)
             if self.rank_local:
                 extra["rank_local"] = {k: dense[k] for k in sorted(self.rank_local) if k in dense}
-            snap.writer.write_part(
+            writer.write_part(
                 shards,
                 lambda sh: selected[order[id(sh)]],
                 dense if self.coord.rank == 0 else None,
@@ -327,12 +402,10 @@ class ChainWriter:
         return snap
 
     def _give_up(
-        self, votes: list[Outcome], snap: _Snapshot, token: ReadToken, step: int
+        self, votes: list[Vote], snap: _Snapshot, token: ReadToken, step: int
     ) -> CheckpointStats | None:
-        """Step 4 when a rank did not stage: nothing is saved, the rows stay pending."""
-        self.tracker.abort(token)
-        if snap.staged is not None:
-            self.stager.discard(snap.staged)
+        """The vote when a rank did not stage: nothing is saved, the rows stay pending."""
+        self._drop(snap, token)
         if all(v.status != Staged.FAILED for v in votes):
             logger.warning(
                 "deck: %s step %d skipped: the spool %s is full",
@@ -389,19 +462,20 @@ class ChainWriter:
             self.tell_rank0_failed(failed, most)
 
     def _log(self, stats: CheckpointStats) -> None:
-        if stats.buffer_wait_s > 0.5 * stats.stall_s and stats.kind != "full":
-            logger.info(
-                "deck: %s step %d waited %.3f s of its %.3f s stall for chunk buffers: a rank's "
-                "part is larger than staging.chunks_in_flight x chunk_bytes (%.0f MiB); raise "
-                "chunks_in_flight to trade CPU memory for stall",
+        if stats.pool_capped:
+            logger.warning(
+                "deck: %s step %d: a rank's part needs more chunk buffers than "
+                "staging.snapshot_memory_bytes (%.0f MiB) allows; it waited %.3f s of its %.3f s "
+                "stall for buffers. Raise snapshot_memory_bytes to trade CPU memory for stall",
                 self.label,
                 stats.step,
+                self.staging.snapshot_memory_bytes / 2**20,
                 stats.buffer_wait_s,
                 stats.stall_s,
-                self.staging.chunks_in_flight * self.staging.chunk_bytes / 2**20,
             )
         logger.info(
-            "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s",
+            "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s (job %.3f s), "
+            "buffer pool %.0f MiB",
             stats.kind,
             self.label,
             stats.step,
@@ -409,4 +483,6 @@ class ChainWriter:
             stats.rows,
             stats.bytes / 2**20,
             stats.stall_s,
+            stats.job_stall_s,
+            stats.pool_bytes / 2**20,
         )

@@ -203,21 +203,7 @@ class RankPartWriter:
         """
         n = shard.rows if rows is None else int(rows.numel())
         encoded = self._encoded(shard)
-        segs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("ids", torch.int64, ())]
-        for k, t in shard.states.items():
-            enc = encoded.get(k)
-            segs.append((k, t.dtype if enc is None else stored_dtype(enc[0]), tuple(t.shape[1:])))
-            if enc is not None and enc[0] == "int8":
-                segs.append((scale_name(k), torch.float32, ()))
-        row_bytes = sum(
-            math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in segs
-        )
-        per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // row_bytes
-        if per_chunk < 1:
-            raise ConfigError(
-                f"table {shard.table}: one row takes {row_bytes} bytes, more than "
-                f"staging.chunk_bytes={self.chunk_bytes}; raise chunk_bytes"
-            )
+        segs, per_chunk = self._chunking(shard, encoded)
         chunks: list[Later[ChunkRecord]] = []
         folder = f"{self.part}/{table_dir(shard.table)}"
         for i, start in enumerate(range(0, n, per_chunk)):
@@ -265,6 +251,38 @@ class RankPartWriter:
             )
 
         return record
+
+    def _chunking(
+        self, shard: TableShard, encoded: dict[str, tuple[Encoding, torch.dtype]]
+    ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], int]:
+        """The segments of ``shard``'s chunks and how many rows one chunk holds."""
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("ids", torch.int64, ())]
+        for k, t in shard.states.items():
+            enc = encoded.get(k)
+            segs.append((k, t.dtype if enc is None else stored_dtype(enc[0]), tuple(t.shape[1:])))
+            if enc is not None and enc[0] == "int8":
+                segs.append((scale_name(k), torch.float32, ()))
+        row_bytes = sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in segs
+        )
+        per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // row_bytes
+        if per_chunk < 1:
+            raise ConfigError(
+                f"table {shard.table}: one row takes {row_bytes} bytes, more than "
+                f"staging.chunk_bytes={self.chunk_bytes}; raise chunk_bytes"
+            )
+        return segs, per_chunk
+
+    def buffers_needed(self, shards: list[TableShard], counts: list[int]) -> int:
+        """How many sink buffers :meth:`write_part` fills for ``counts[i]`` rows of
+        ``shards[i]`` (one per chunk; with bundles, per bundle, counted generously)."""
+        per_shard = [
+            -(-n // self._chunking(sh, self._encoded(sh))[1])
+            for sh, n in zip(shards, counts, strict=True)
+        ]
+        if not self.bundle_bytes:
+            return sum(per_shard)
+        return -(-sum(per_shard) * self.chunk_bytes // self.bundle_bytes) + 1
 
     def _bundle_slot(self, nbytes: int) -> tuple[str, int, memoryview]:
         """Room for a chunk of ``nbytes`` in the open bundle (a new one when it is full): the

@@ -85,10 +85,16 @@ class CheckpointStats:
     step: int
     kind: str
     id: str
-    stall_s: float = 0.0
+    stall_s: float = 0.0  # the longest any rank spent in the checkpoint call
+    # What the checkpoint added to the job's critical path: from the last rank's arrival (wall
+    # clocks) to the end of the vote that released training. A rank that arrived earlier waited
+    # for it, as it would have at the next training step's collective anyway.
+    job_stall_s: float = 0.0
     # Of the stall, the longest any rank waited for a free chunk buffer: > 0 when a rank's part
     # was larger than the pool (chunks_in_flight x chunk_bytes), which then bounds the stall.
     buffer_wait_s: float = 0.0
+    pool_bytes: int = 0  # the largest chunk buffer pool of any rank for this part
+    pool_capped: bool = False  # a rank's part needed more than staging.snapshot_memory_bytes
     # Where the stall went (each the longest of any rank): the first all-gather (agreeing on id
     # and kind; it also absorbs the ranks' arrival skew), claiming the tracked rows, and copying
     # them into buffers (the snapshot: rows, dense and extra state). The rest of ``stall_s`` is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -26,6 +27,8 @@ from deck.trainer.staging.spool import SpoolDir
 
 if TYPE_CHECKING:
     from deck.trainer.coordination import Coordinator
+
+RECENT_PARTS = 8  # the pool holds the largest of this many recent delta parts
 
 
 def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
@@ -70,7 +73,13 @@ class Stager:
         self.tier = resolve_tier(staging, storage)
         # A buffer holds one chunk, or one bundle of chunks filled in place (bundle_bytes).
         size = max(staging.chunk_bytes, staging.bundle_bytes)
-        self.pool = BufferPool(staging.chunks_in_flight, size, pinned=pinned)
+        self.pool = BufferPool(
+            staging.chunks_in_flight,
+            size,
+            cap=staging.snapshot_memory_bytes // size,
+            pinned=pinned,
+        )
+        self._recent_needs: collections.deque[int] = collections.deque(maxlen=RECENT_PARTS)
         self.spool_root: str | None = self._spool_root()
         lower = functools.partial(_lower_priority, staging.background_nice)
         # Released at the snapshot, training does not wait for the spool writer (its checksums,
@@ -111,6 +120,21 @@ class Stager:
     def reserve(self, nbytes: int) -> bool:
         """Room for ``nbytes`` in the spool: waits (``block``) or returns False (``skip``)."""
         return self._spool is None or self._spool.reserve(nbytes)
+
+    def size_pool(self, needed: int, full: bool) -> bool:
+        """Size the buffer pool for a part that fills ``needed`` buffers, so it never waits for
+        one: deltas set the pool's size (the largest of the last few, so the next one finds
+        its buffers warm), a full borrows up to the cap for itself only. Returns whether the
+        cap (``snapshot_memory_bytes``) won."""
+        if not full:
+            self._recent_needs.append(needed)
+        return self.pool.size_for(max(needed, *self._recent_needs, 0))
+
+    def _settle_pool(self) -> None:
+        """After a part is handed on: back to the deltas' size (buffers a full borrowed are
+        freed as they come back), and the missing ones made ready off the training thread."""
+        self.pool.size_for(max(self._recent_needs, default=0))
+        self._syncer.submit(self.pool.prefault)
 
     def begin(self, info: PendingPart, reserved: int) -> StagedPart:
         """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it."""
@@ -159,6 +183,7 @@ class Stager:
         background, starting by waiting for this part's writes (its manifest is built then)."""
         stats.spool_reserved = staged.reserved
         self._committer.submit(_Item(staged.info, stats, staged))
+        self._settle_pool()
 
     def take_failure(self) -> bool:
         """Whether a part failed after training moved on since the last call (the next
@@ -185,6 +210,7 @@ class Stager:
             self._spool.remove_files(staged.info.step, staged.files)
             self._spool.remove_pending(staged.info)
             self._spool.release(staged.reserved)
+        self._settle_pool()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every enqueued part is committed or failed; False on timeout."""
