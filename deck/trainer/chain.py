@@ -93,11 +93,12 @@ class Vote:
     checks; the one after also the part's state, sizes and where its stall went."""
 
     id_seed: int  # rank 0's names the next snapshot (this checkpoint's, or the next one's)
+    full: bool  # this rank asked for (or snapshotted) a full: ranks may ask differently
     parent_failed: bool  # a part of this chain failed in the background since the last take
     lease_lost: bool  # this job no longer holds the writer lease
     no_parent: bool  # no committed parent here (first checkpoint, reshard, broken chain)
     failed_parts: int  # this rank's parts that failed in the background, to tell rank 0
-    dense_digest: int  # hash of the dense tensors compared (see ChainWriter._digests)
+    dense_digest: int  # hash of the dense buffers not yet known to be rank-local
     dense_count: int  # how many dense tensors this rank has (the hashes pair up by position)
     status: Staged = Staged.STAGED
     arrived_unix: float = 0.0  # wall clock when this rank entered save()
@@ -158,14 +159,14 @@ class ChainWriter:
         claimed rows stay pending."""
         t0, arrived = time.perf_counter(), time.time()
         dense = self.adapter.dense_state()  # one state walk: hashed in the votes, saved after
-        if self.parent is None:
-            kind = "full"  # every rank knows (the vote still checks it)
+        # Whatever this rank knows (e.g. no parent here), every rank snapshots the kind asked
+        # for until a vote says otherwise: which collectives run must not depend on local state.
         ckpt_id, self._next_id = self._next_id, None  # a failed or skipped save leaves none
         taken = False  # failure flags are taken once per checkpoint, by its first vote
         if ckpt_id is None:
             votes = gather_votes(self.coord, self._checks(kind, dense, take=True))
             taken = True
-            kind, _ = self._decide(kind, kind, step, votes, dense)
+            kind, _ = self._decide(step, votes, dense)
             ckpt_id = f"{votes[0].id_seed:016x}"
         t_agreed = time.perf_counter()
         while True:
@@ -185,13 +186,13 @@ class ChainWriter:
             taken = True
             votes = gather_votes(self.coord, vote)
             try:
-                decided, moved = self._decide(kind, kind, step, votes, dense)
+                decided, moved = self._decide(step, votes, dense)
             except CheckpointError:
                 self._drop(snap, token)
                 raise
             if any(v.status != Staged.STAGED for v in votes):
                 return self._give_up(votes, snap, token, step)
-            if decided == kind and not moved:
+            if not moved and all(v.full == (decided == "full") for v in votes):
                 break
             # The snapshot is not what the ranks now know it must be: take it again (rare).
             self._drop(snap, token)
@@ -227,6 +228,11 @@ class ChainWriter:
         self._log(stats)
         return stats
 
+    def unsettle(self) -> None:
+        """The next save agrees on its id and kind before its snapshot (as the first one of a
+        process does). Call on every rank together, e.g. after a restore changed the parent."""
+        self._next_id = None
+
     def _checks(self, kind: Literal["delta", "full"], dense: dict[str, Any], take: bool) -> Vote:
         """This rank's checks for a vote on a ``kind`` snapshot (``dense``: its live dense
         state). ``take``: take the stager's failure flags (the first vote of a checkpoint)."""
@@ -234,23 +240,24 @@ class ChainWriter:
         self._failed_parts = failed
         vote = Vote(
             id_seed=self.coord.new_id_seed(),
+            full=kind == "full",
             # Taken, not peeked: a part failing from here on is kept for the next vote.
             parent_failed=take and self.stager.take_failure(),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
-            no_parent=self.parent is None
-            or (take and kind == "delta" and self._parent_broken()),
+            no_parent=self.parent is None or (take and kind == "delta" and self._parent_broken()),
             failed_parts=len(failed),
-            dense_digest=_combine(self._digests(kind, dense)),
+            dense_digest=_combine(self._digests(dense, all_dense=False)),
             dense_count=len(dense),
         )
         if take:
             failpoint("checkpointer.agree.voting")  # test hook: between the take and the vote
         return vote
 
-    def _digests(self, kind: Literal["delta", "full"], dense: dict[str, Any]) -> dict[str, int]:
-        """The dense tensors a vote compares, not yet known to be rank-local: the buffers (what
-        data parallelism leaves unequal) at a delta, every dense tensor at a full."""
-        names = set(dense) if kind == "full" else self.adapter.dense_buffers()
+    def _digests(self, dense: dict[str, Any], all_dense: bool) -> dict[str, int]:
+        """Hashes of the dense tensors not yet known to be rank-local: the buffers (what data
+        parallelism leaves unequal; the same names on every rank, whatever kind each asked
+        for), or every dense tensor (compared at every full)."""
+        names = set(dense) if all_dense else self.adapter.dense_buffers()
         return _digests(dense, names - self.rank_local)
 
     def _outcome(self, snap: _Snapshot) -> dict[str, Any]:
@@ -270,17 +277,13 @@ class ChainWriter:
         }
 
     def _decide(
-        self,
-        voted: Literal["delta", "full"],
-        kind: Literal["delta", "full"],
-        step: int,
-        votes: list[Vote],
-        dense: dict[str, Any],
+        self, step: int, votes: list[Vote], dense: dict[str, Any]
     ) -> tuple[Literal["delta", "full"], bool]:
-        """What ``votes`` on a ``voted`` snapshot decide, the same on every rank: the kind the
-        checkpoint must be, and whether the rank-local dense tensors changed (then the dense
-        state a snapshot saved is incomplete). Raises when the lease is lost. Collective when
-        parts failed or dense tensors differ (every rank sees the same votes)."""
+        """What ``votes`` decide, the same on every rank: the kind the checkpoint must be (a
+        full when any rank asked for one or lost its parent), and whether the rank-local dense
+        tensors changed (then the dense state a snapshot saved is incomplete). Raises when the
+        lease is lost. Collective when parts failed, dense tensors differ, or at a full (every
+        rank sees the same votes, so every rank makes the same calls)."""
         most = max(v.failed_parts for v in votes)
         if most:
             self.tell_rank0_failed(self._failed_parts, most)
@@ -289,21 +292,23 @@ class ChainWriter:
                 f"step {step}: this job lost the writer lease of {self.storage.uri} to another "
                 "trainer; not writing. Stop one of the two jobs."
             )
-        if kind == "delta" and any(v.no_parent or v.parent_failed for v in votes):
+        full = any(v.full for v in votes)
+        if not full and any(v.no_parent or v.parent_failed for v in votes):
             logger.info(
                 "%s step %d: no committed parent to be a delta of: taking a full", self.label, step
             )
-            kind = "full"
+            full = True
         before = set(self.rank_local)
         if len({v.dense_count for v in votes}) > 1:
             # Not the same dense tensors everywhere: no hash can pair them, so each rank keeps
             # its own copy of every one (safe, larger). Collectives stay aligned: no gather.
             self.rank_local |= set(dense)
-        elif len({v.dense_digest for v in votes}) > 1:
-            self.rank_local |= self._differing(self._digests(voted, dense))
-        if kind == "full" and voted == "delta":  # the vote compared the buffers only
-            self.rank_local |= self._differing(self._digests(kind, dense))
-        return kind, self.rank_local != before
+        else:
+            if len({v.dense_digest for v in votes}) > 1:
+                self.rank_local |= self._differing(self._digests(dense, all_dense=False))
+            if full:  # every dense tensor, parameters too (one more all-gather)
+                self.rank_local |= self._differing(self._digests(dense, all_dense=True))
+        return ("full" if full else "delta"), self.rank_local != before
 
     def _drop(self, snap: _Snapshot, token: ReadToken) -> None:
         """Undo a snapshot that will not be committed: its rows stay pending, its files go."""

@@ -351,6 +351,8 @@ class DeltaCheckpointer:
             self._pub.parent = None
             self._pub.epoch += 1
         self._ckpt.parent, self._ckpt.base, self._ckpt.epoch = done.parent, done.base, done.epoch
+        for chain in self._chains:
+            chain.unsettle()  # the first checkpoint after a restore agrees before its snapshot
         self._last_step = done.step
         self.last_restore = done.stats
         return done.step
