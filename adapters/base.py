@@ -46,10 +46,6 @@ class TableShard:
     # those in ``states`` (a sharded table's fused optimizer state) are skipped.
     replicated: bool = False
 
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.table, self.col_offset, self.cols)
-
     def row_bytes(self) -> int:
         """Bytes one row takes on disk (id + every state)."""
         return 8 + sum(t[0:1].numel() * t.element_size() for t in self.states.values())
@@ -86,11 +82,6 @@ class RemovableHandle:
         if self._remove is not None:
             self._remove()
             self._remove = None
-
-
-def scalar_key(shard: TableShard) -> str:
-    """Key of a shard's scalar states inside a checkpoint's extra file."""
-    return f"{shard.table}|{shard.row_offset}|{shard.col_offset}"
 
 
 class ModelAdapter(abc.ABC):

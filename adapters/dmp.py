@@ -24,7 +24,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from deck.config import DeckConfig
 from deck.errors import ConfigError
-from deck.trainer.checkpointer import DeltaCheckpointer, UserState, _user_state
+from deck.trainer.checkpointer import DeltaCheckpointer, UserState
 from deck.trainer.staging import CheckpointStats
 
 if TYPE_CHECKING:  # typing only: the checkpointer builds the adapter
@@ -49,9 +49,7 @@ class ModelCheckpointer(DeltaCheckpointer):
         through the model) and, if given, ``state`` (``state_dict()``/``load_state_dict()`` or a
         ``(get, set)`` pair) from now on. Local, not collective; call it on every rank before the
         first checkpoint or restore. Pass ``[]`` when the model has no dense optimizer."""
-        self._optimizers = self.adapter.optimizers(optimizers)
-        if state is not None:
-            self._state = _user_state(state)
+        self._use(optimizers, state)
         self._attached = True
         return self
 
@@ -65,14 +63,14 @@ class ModelCheckpointer(DeltaCheckpointer):
             )
 
     def _callbacks(self) -> list[tuple[Any, Any]]:
-        modules = cast("TorchRecAdapter", self.adapter)._sharded_modules().values()
+        modules = cast("TorchRecAdapter", self.adapter).sharded_modules().values()
         return [(m, m.post_lookup_tracker_fn) for m in modules]
 
     def _check_hooks(self) -> None:
         """Something (e.g. a TorchRec tracker built on the model directly) replaced deck's
         callbacks since they were installed: rows looked up since then were not tracked, so
         the next checkpoint and publish are fulls; tracking is chained in again."""
-        if self._hooks is None or all(m.post_lookup_tracker_fn is fn for m, fn in self._installed):
+        if not self.tracking or all(m.post_lookup_tracker_fn is fn for m, fn in self._installed):
             return
         logger.warning(
             "deck: another tracker replaced deck's lookup hooks on %s; deck chains in again and "
@@ -99,12 +97,9 @@ class ModelCheckpointer(DeltaCheckpointer):
     def retrack(self) -> None:
         """Install the tracking hooks again, chained after whatever callbacks the sharded
         modules hold now (TorchRec's setters replace a callback instead of chaining)."""
-        if self._hooks is None:
+        if not self.tracking:
             return  # closed: nothing to track
-        self._hooks.remove()
-        self._hooks = self.adapter.install_tracking(
-            self.tracker, self.adapter.table_shards(), self._active
-        )
+        self._reinstall_tracking()
         self._installed = self._callbacks()
 
 

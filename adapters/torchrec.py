@@ -153,7 +153,8 @@ class TorchRecAdapter(ModelAdapter):
             return fp_inner_collection_path(plan_path)
         return plan_path
 
-    def _sharded_modules(self) -> dict[str, Any]:
+    def sharded_modules(self) -> dict[str, Any]:
+        """The model's sharded embedding modules by path (the holders of its tables)."""
         root = self.model.module
         return {
             path: root.get_submodule(path) if path else root
@@ -164,7 +165,7 @@ class TorchRecAdapter(ModelAdapter):
     def _tables_key(self) -> Any:
         """Where every TBE's tensors live now; None when a TBE caches rows (then only a state
         walk, which flushes the cache, gives current tables)."""
-        tbes = [tbe for m in self._sharded_modules().values() for tbe, _ in tbes_of(m)]
+        tbes = [tbe for m in self.sharded_modules().values() for tbe, _ in tbes_of(m)]
         if any(tbe_caches_rows(tbe) for tbe in tbes):
             return None
         return tuple((id(tbe), tensors_key(tbe)) for tbe in tbes)
@@ -233,7 +234,7 @@ class TorchRecAdapter(ModelAdapter):
         by_key = {(s.table, s.row_offset, s.col_offset): s for s in shards}
         by_name = {(t.module_path, t.name): t.table for t in self._tables.values()}
         self._tbes = []
-        for path, module in self._sharded_modules().items():
+        for path, module in self.sharded_modules().items():
             for tbe, tables in tbes_of(module):
                 self._tbes.append(tbe)
                 full_reason = tbe_rewrites_unlooked_rows(tbe)
@@ -370,7 +371,7 @@ class TorchRecAdapter(ModelAdapter):
         bases = {(s.table, s.row_offset, s.col_offset): s.track_base for s in shards}
         by_name = {(t.module_path, t.name): t.table for t in self._tables.values()}
         undo: list[Callable[[], None]] = []
-        for path, module in self._sharded_modules().items():
+        for path, module in self.sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
             undo.append(chain_hooks(module, key_plans, store, is_active))
         logger.info(

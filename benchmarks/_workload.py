@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
 from deck.format.manifest import CheckpointManifest, Kind, RankManifest
-from deck.storage import Storage
+from deck.storage import LocalStorage, Storage
 from deck.trainer.staging import CheckpointStats, PendingPart, Stager
 from deck.trainer.writer import RankPartWriter, commit
 
@@ -287,3 +288,51 @@ def warm_cache(paths: list[str]) -> None:
         with open(p, "rb") as f:
             while f.read(8 << 20):
                 pass
+
+
+class _OneTable:
+    """The adapter surface ChainWriter reads: one shard, no dense state."""
+
+    def __init__(self, shard: TableShard):
+        self.shard = shard
+
+    def table_shards(self) -> list[TableShard]:
+        return [self.shard]
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def dense_buffers(self) -> set[str]:
+        return set()
+
+
+def one_table_chain(shard: TableShard, root: str) -> tuple[Any, Stager, Any]:
+    """A single-rank :class:`deck.trainer.chain.ChainWriter` (default ``StagingConfig``, local
+    tier at ``root``) over ``shard`` and a tracker of its rows: the trainer's real save path
+    without TorchRec. Its deltas name a parent that was never committed (no full is written),
+    so their commit fails in the background: callers clear ``stager.take_failure()`` and
+    ``take_failed()`` after each save to keep the next one a delta. Returns (chain, stager,
+    tracker)."""
+    from deck.trainer.chain import ChainWriter
+    from deck.trainer.coordination import Coordinator
+    from deck.trainer.tracker import TrackerStore
+
+    storage = LocalStorage(root)
+    staging = StagingConfig()
+    stager = Stager(storage, staging, rank=0)
+    tracker = TrackerStore(shard.rows, ("checkpoint",))
+    chain = ChainWriter(
+        label="checkpoint",
+        consumer="checkpoint",
+        storage=storage,
+        stager=stager,
+        epoch=0,
+        coord=Coordinator(),
+        tracker=tracker,
+        adapter=_OneTable(shard),  # type: ignore[arg-type]
+        staging=staging,
+        extra_state=lambda shards: {},
+        parent=(0, "0" * 16),  # never committed: see the docstring
+        base=0,
+    )
+    return chain, stager, tracker

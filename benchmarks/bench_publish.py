@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         older = os.path.join(work, "serve-old")
         f1 = Follower(pub_uri, older)
         prev = chain[-2].step
-        f1._materialise(prev)
+        f1.materialise(prev)
         u1 = f1.catch_up()
         print(
             f"follow (incremental): step {prev} -> {u1.step} ({u1.how}), {len(u1.applied)} "

@@ -320,9 +320,7 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
             t["summary"] = {"stall": stall, "ratio": ratio}
             gathers = {g[0]: g[1] for g in t.get("gather_s", [])}
             g_bytes = _median([g[2] for g in t.get("gather_s", [])])
-            pairs = [
-                (h["job_stall_s"], gathers[h["step"]]) for h in deltas if h["step"] in gathers
-            ]
+            pairs = [(h["job_stall_s"], gathers[h["step"]]) for h in deltas if h["step"] in gathers]
             if pairs:
                 gather = _median([g for _, g in pairs])
                 per = _median([st / g for st, g in pairs])

@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, a: argparse.Namespace, out: s
     model, opt = build_model(spec)
     adapter = TorchRecAdapter(model)
     shards = adapter.table_shards()
-    modules = list(adapter._sharded_modules().values())
+    modules = list(adapter.sharded_modules().values())
     times: dict[str, list[float]] = {"none": [], "deck": [], "torchrec": []}
     step = 0
     for _ in range(a.warmup):

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -397,7 +397,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
                 {
                     "restored": restored,
                     "mismatches": bad[:20],
-                    "history": [asdict(h) for h in history],
+                    "history": [h.snapshot() for h in history],
                     "dcp_save_s": dcp_s,
                     "restore_s": restore_s,
                     "train_step_s": t_train / max(1, args.steps),

@@ -60,7 +60,7 @@ def claim_rows(dirty: torch.Tensor, bit: int) -> torch.Tensor:
     """Positions (int64, ascending) of the rows of ``dirty`` (a contiguous uint8 CPU map) whose
     byte has ``bit``; that bit is cleared in them, every other bit is left as it was. Reads the
     whole map (the baseline of :func:`claim_marked_rows`)."""
-    kernel = native._native
+    kernel = native.native_module()
     if kernel is None or dirty.device.type != "cpu" or not dirty.is_contiguous():
         return _torch_claim(dirty, bit)
     raw = dirty.numpy()
@@ -71,7 +71,7 @@ def claim_marked_rows(dirty: torch.Tensor, blocks: torch.Tensor, bit: int) -> to
     """As :func:`claim_rows` (same rows, same ``dirty`` after), reading only the blocks whose
     summary byte in ``blocks`` (uint8, :func:`block_count` bytes, every bit of its rows set)
     has ``bit``; ``bit`` is cleared in every summary byte (no row has it any more)."""
-    kernel = native._native
+    kernel = native.native_module()
     cpu = dirty.device.type == "cpu" and blocks.device.type == "cpu"
     if kernel is None or not cpu or not dirty.is_contiguous() or not blocks.is_contiguous():
         rows = _torch_claim(dirty, bit)

@@ -20,7 +20,7 @@ import numpy as np
 from .checks import out_of_range
 from .cpu_pool import give_back_map, run_all, split_tables, take_map, workers
 
-__all__ = ["native_available", "native_scan_groups"]
+__all__ = ["native_available", "native_module", "native_scan_groups"]
 
 try:  # the native CPU kernel (kernels/_jagged.c), built at install when a C compiler is there
     _native: Any = importlib.import_module("deck.kernels._jagged")
@@ -31,6 +31,12 @@ except ImportError:  # pragma: no cover - depends on the install
 def native_available() -> bool:
     """Whether the extension is loaded (read at each call, so tests can switch it off)."""
     return _native is not None
+
+
+def native_module() -> Any:
+    """The loaded extension module, or None without it (read at each call, so tests can switch
+    it off)."""
+    return _native
 
 
 def native_scan_groups(

@@ -14,7 +14,10 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     """Run ``deck doctor`` with parsed arguments ``a``; returns 0 when nothing differs, 1 on any
     difference (a :class:`DoctorError`, a usage error, reaches ``main``: exit 2)."""
     from deck.doctor import run_doctor
+    from deck.doctor.run import check_numbers
 
+    # Checked here first so that a usage error names the flags, not the library's parameters.
+    check_numbers(a.ranks, a.steps, a.every, a.more, ("--ranks", "--steps", "--every", "--more"))
     # torch's "Terminating process ... via SIGTERM" when a rank fails: the report says why.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     report = run_doctor(

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from queue import Empty
 from typing import Any
 
 from deck.cli.common import Subparsers, human, progress_bar
@@ -16,6 +17,8 @@ from deck.cli.common import Subparsers, human, progress_bar
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import ConfigError, DeckError
 from deck.storage import open_storage
+
+logger = logging.getLogger(__name__)
 
 
 def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) -> Any:
@@ -101,7 +104,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
     from deck.merge.launch import resolve_worker
 
     # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
-    slot = resolve_worker(a.worker_index, a.num_workers)
+    slot = resolve_worker(a.worker_index, a.num_workers, names=("--worker-index", "--num-workers"))
     first, hosts = slot.index, slot.count
     k = a.workers
     if k < 1:
@@ -175,7 +178,9 @@ def _collect_workers(
     while len(codes) < len(procs):
         try:
             kind, x, y = queue.get(timeout=0.5)
-        except Exception:  # queue.Empty: check for workers that died without a word
+        except Exception as e:  # queue.Empty: check for workers that died without a word
+            if not isinstance(e, Empty):
+                logger.debug("deck merge: reading the workers' events: %r", e)
             for i, p in procs.items():
                 if not p.is_alive() and i not in codes and p.exitcode not in (0, None):
                     codes[i] = 2

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from deck.doctor.setup import DoctorSetup
-from deck.trainer.checkpointer import _user_state
+from deck.trainer.checkpointer import user_state_pair
 
 # Kinds of captured entries, in report order.
 TENSOR = "tensor"  # model.state_dict(): parameters, table shards
@@ -65,7 +65,7 @@ def capture(setup: DoctorSetup) -> Captured:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             out[(RNG, f"torch cuda:{i}")] = s
-    user = _user_state(setup.state)
+    user = user_state_pair(setup.state)
     if user is not None:
         _flatten(USER, "state", user[0](), out)
     return out

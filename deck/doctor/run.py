@@ -87,15 +87,13 @@ def run_doctor(
     Raises :class:`DoctorError` for usage errors: arguments, an entry point that cannot be
     imported or returns no DoctorSetup, the user's own code raising, a rank dying.
     """
-    _check_numbers(ranks, steps, every, more)
+    check_numbers(ranks, steps, every, more)
     entry = normalize_entry(entry)
     load_entry(entry)  # an import error is reported before any rank starts
     with tempfile.TemporaryDirectory(prefix="deck-doctor-") as work:
         target = uri or os.path.join(work, "checkpoints")
         if uri is not None and list_checkpoints(uri, storage_options):
-            raise DoctorError(
-                f"--uri {uri} holds checkpoints already: give the doctor an empty one"
-            )
+            raise DoctorError(f"uri {uri} holds checkpoints already: give the doctor an empty one")
         plan = DoctorPlan(entry, steps, every, more, target, storage_options, work, progress)
         _say(plan, f"starting {ranks} gloo ranks; checkpoints go to {target}")
         try:
@@ -108,15 +106,23 @@ def run_doctor(
     return report
 
 
-def _check_numbers(ranks: int, steps: int, every: int, more: int) -> None:
+PARAMETERS = ("ranks", "steps", "every", "more")
+
+
+def check_numbers(
+    ranks: int, steps: int, every: int, more: int, names: tuple[str, ...] = PARAMETERS
+) -> None:
+    """Raise :class:`DoctorError` unless the run's numbers make sense; the message calls them
+    ``names`` (the parameters; the CLI passes its flags)."""
+    r, s, e, m = names
     if ranks < 1 or every < 1 or more < 1 or steps < every:
         raise DoctorError(
-            f"need --ranks >= 1, --every >= 1, --steps >= --every and --more >= 1; got ranks "
+            f"need {r} >= 1, {e} >= 1, {s} >= {e} and {m} >= 1; got ranks "
             f"{ranks}, steps {steps}, every {every}, more {more}"
         )
     if steps % every:
         raise DoctorError(
-            f"--steps {steps} must be a multiple of --every {every}: the restored step is the "
+            f"{s} {steps} must be a multiple of {e} {every}: the restored step is the "
             "last one trained"
         )
 

@@ -105,7 +105,7 @@ def build_setup(entry: str) -> DoctorSetup:
     if taken:
         raise DoctorError(
             f"{entry}: DoctorSetup.config sets {taken}: the doctor sets these itself "
-            "(use --uri and --every)"
+            "(set the doctor's uri and every instead)"
         )
     return setup
 

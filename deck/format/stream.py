@@ -171,7 +171,7 @@ def _checked(
         raise CorruptStreamError(
             f"{where}: the message fails its checksum (damaged on the way or on the broker); "
             "the step cannot be applied from the stream: restore the loader from its full "
-            "(--full-uri) or wait for the next full publish"
+            "(the follower's full_uri) or wait for the next full publish"
         )
     return h
 

@@ -1,17 +1,19 @@
-"""Which merger worker this process is: ``--worker-index`` / ``--num-workers``, or the standard
-launchers' environment.
+"""Which merger worker this process is: an explicit index / count (``MergeConfig``'s
+``worker_index`` / ``num_workers``; ``deck merge --worker-index / --num-workers``), or the
+standard launchers' environment.
 
 Sources, innermost launcher first (a torchrun started by ``srun`` or in a Kubernetes pod sees
 the outer launcher's variables too, and its own describe this process):
 
 1. torchrun (and anything else setting them): ``RANK`` / ``WORLD_SIZE``.
 2. Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX``; Kubernetes sets no count, so it comes from
-   ``--num-workers`` or ``DECK_NUM_WORKERS`` (the Job's ``completions``).
+   the explicit count or ``DECK_NUM_WORKERS`` (the Job's ``completions``).
 3. SLURM (under ``srun``): ``SLURM_PROCID`` / ``SLURM_NTASKS``.
 
-Explicit flags win over the environment. ``DECK_NUM_WORKERS``, when set, must agree with the
+Explicit values win over the environment. ``DECK_NUM_WORKERS``, when set, must agree with the
 count of the source used; a count given twice that disagrees, an index without a count, or an
-index outside ``[0, count)`` is a :class:`~deck.errors.ConfigError` naming the variables.
+index outside ``[0, count)`` is a :class:`~deck.errors.ConfigError` naming the variables
+(and the explicit values by the names the caller gives: the CLI passes its flags).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from deck.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 COUNT_VAR = "DECK_NUM_WORKERS"
+# What errors and WorkerSlot.source call the explicit index and count unless the caller names them.
+NAMES = ("worker_index", "num_workers")
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,17 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"${name}={raw!r} is not an integer") from None
 
 
-def _from_env(env: Mapping[str, str]) -> tuple[int, int | None, str, str] | None:
+def _from_env(
+    env: Mapping[str, str], names: tuple[str, str]
+) -> tuple[int, int | None, str, str] | None:
     """(index, count, where the index came from, where the count came from) of the innermost
-    launcher found in ``env``, else None."""
+    launcher found in ``env``, else None; ``names`` name the explicit index and count."""
     if "RANK" in env or "WORLD_SIZE" in env:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             have, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
             raise ConfigError(
                 f"${have} is set but ${missing} is not (torchrun sets both): unset it or pass "
-                "--worker-index and --num-workers"
+                f"{names[0]} and {names[1]}"
             )
         return (
             _int(env, "RANK"),
@@ -81,43 +87,50 @@ def _from_env(env: Mapping[str, str]) -> tuple[int, int | None, str, str] | None
 
 
 def resolve_worker(
-    index: int | None, count: int | None, env: Mapping[str, str] | None = None
+    index: int | None,
+    count: int | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    names: tuple[str, str] = NAMES,
 ) -> WorkerSlot:
-    """This process's worker slot from the flags (``None``: not given) and ``env`` (default
-    ``os.environ``). Both flags given: they are used as they are. Otherwise the missing values
-    come from the innermost launcher in ``env``; with neither flags nor a launcher, worker 0 of 1.
-    Raises :class:`ConfigError` naming the flags / variables that disagree or are missing."""
+    """This process's worker slot from the explicit ``index`` and ``count`` (``None``: not
+    given) and ``env`` (default ``os.environ``). Both given: they are used as they are. Otherwise
+    the missing values come from the innermost launcher in ``env``; with neither explicit values
+    nor a launcher, worker 0 of 1. Raises :class:`ConfigError` naming the values / variables that
+    disagree or are missing; ``names`` are what it calls ``index`` and ``count`` (the CLI passes
+    its flags)."""
     env = os.environ if env is None else env
+    index_name, count_name = names
     if index is not None and count is not None:
-        slot = WorkerSlot(index, count, "--worker-index/--num-workers")
+        slot = WorkerSlot(index, count, f"{index_name}/{count_name}")
     else:
-        found = _from_env(env)
+        found = _from_env(env, names)
         if found is None:
             if index is not None or count is not None:
-                given = "--worker-index" if index is not None else "--num-workers"
-                other = "--num-workers" if index is not None else "--worker-index"
+                given = index_name if index is not None else count_name
+                other = count_name if index is not None else index_name
                 raise ConfigError(
                     f"{given} needs {other} too (no launcher environment provides it: torchrun's "
                     "RANK/WORLD_SIZE, a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, SLURM's "
                     "SLURM_PROCID/SLURM_NTASKS)"
                 )
-            slot = WorkerSlot(0, 1, "default (no flags, no launcher environment)")
+            slot = WorkerSlot(0, 1, "default (no explicit values, no launcher environment)")
         else:
             env_index, env_count, index_src, count_src = found
             if count is not None and env_count is not None and count != env_count:
                 raise ConfigError(
-                    f"--num-workers {count} disagrees with {count_src}; give one of them"
+                    f"{count_name} {count} disagrees with {count_src}; give one of them"
                 )
             if count is None and env_count is None:
                 raise ConfigError(
                     f"{index_src} gives this worker's index but nothing gives the number of "
-                    f"workers (Kubernetes sets no count): pass --num-workers N or set "
+                    f"workers (Kubernetes sets no count): pass {count_name} N or set "
                     f"{COUNT_VAR}=N (the Job's completions)"
                 )
             final_count = count if count is not None else env_count
             assert final_count is not None
-            parts = [index_src if index is None else "--worker-index"]
-            parts.append(count_src if count is None else "--num-workers")
+            parts = [index_src if index is None else index_name]
+            parts.append(count_src if count is None else count_name)
             slot = WorkerSlot(
                 env_index if index is None else index,
                 final_count,

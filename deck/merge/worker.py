@@ -254,7 +254,7 @@ class MergeWorker:
                     logger.warning(
                         "deck merge: %d checkpoint(s) still wait for inputs or partitions of "
                         "other workers after %.0f s without progress; run the other workers "
-                        "(--worker-index 0..%d)",
+                        "(worker_index 0..%d)",
                         r.wanted,
                         wait_s,
                         self.config.num_workers - 1,

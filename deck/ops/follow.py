@@ -36,14 +36,13 @@ from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format.jsonio import load_json
 from deck.format.manifest import CheckpointManifest
+from deck.format.safetensors import preamble, write_tensor
 from deck.ops.export import (
     ShardGeometry,
     StepState,
     eager_state,
     flatten,
     geometry_of,
-    safetensors_preamble,
-    write_tensor,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
@@ -120,7 +119,7 @@ class Follower:
         self.chain: list[str] = []
         self.resumed: dict[str, Any] = {}  # state.json of the output resumed from
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise ConfigError(f"--out {out_dir} is not a directory")
+            raise ConfigError(f"out_dir {out_dir} is not a directory")
         os.makedirs(out_dir, exist_ok=True)
         # deck.ops.parquet (and pyarrow) only when Parquet is asked for.
         self.parquet: Any = None
@@ -155,16 +154,19 @@ class Follower:
         parts = read_rank_manifests(self.storage, last) if newer else []
         same_tables = {r.table: (r.num_rows, r.num_cols) for p in parts for r in p.shards}
         if newer and same_tables == self.tables:
-            update = self._apply(newer, parts)
+            update = self.apply(newer, parts)
         else:
-            update = self._materialise(latest)
+            update = self.materialise(latest)
         update.chain_bytes = chain_bytes(chain)
         update.seconds = time.perf_counter() - t0
         return update
 
-    def _apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
+    def apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
+        """Apply ``newer`` (the checkpoints after the held state, oldest first, of the same
+        tables; ``parts``: the last one's rank manifests) onto the held tables, then write the
+        output once."""
         last = newer[-1]
-        bytes_read = self._apply_rows(newer, self._targets())
+        bytes_read = self._apply_rows(newer, self.targets())
         self.encodings |= {m.encoding for m in newer if m.encoding is not None}
         dense = flatten(eager_state(self.storage, last, parts))
         self._set_dense(dense)
@@ -210,7 +212,9 @@ class Follower:
             parent = m.state
         return total
 
-    def _materialise(self, step: int) -> FollowUpdate:
+    def materialise(self, step: int) -> FollowUpdate:
+        """Rebuild the held state from committed ``step`` (its cheapest chain), then write the
+        output once (a full update)."""
         st = StepState(
             self.uri, step, self.storage_options, self.allow_quantized, storage=self.storage
         )
@@ -247,7 +251,7 @@ class Follower:
         tables = {k: self.tensors[k] for k in self.table_fqns}
         self.tensors = {**tables, **{k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}}
 
-    def _targets(self) -> list[TableShard]:
+    def targets(self) -> list[TableShard]:
         """Table shards whose states are views of the held tensors: apply_chain writes into
         the materialised tables in place."""
         return [
@@ -271,9 +275,9 @@ class Follower:
             "quantized": json.dumps(sorted(self.encodings)),
         }
         layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
-        preamble = safetensors_preamble(metadata, layout)
+        head = preamble(metadata, layout)
         with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
-            f.write(preamble)
+            f.write(head)
             for t in self.tensors.values():
                 write_tensor(f, t)
         sidecar = {
@@ -305,7 +309,7 @@ class Follower:
                 meta = load_json(f.read(), side, "deck follow state record")
             if meta["uri"] != self.storage.uri:
                 raise ConfigError(
-                    f"--out {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
+                    f"out_dir {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
                     "another directory"
                 )
             tensors: dict[str, torch.Tensor] = {}

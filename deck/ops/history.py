@@ -19,7 +19,7 @@ from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, Incompa
 from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.format.rowindex import may_contain
-from deck.read.catalog import describe, read_manifests, read_rank_manifests
+from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, cheapest_chain
 from deck.storage import Storage, open_storage
 
@@ -118,7 +118,9 @@ class _Reader:
             self.out.skipped_bloom += 1
         else:
             _c, at, data = next(read_chunks(self.storage, m.folder, [chunk]))
-            arrays = decode_chunk(data, chunk, f"{at} (table {self.out.table}, {describe(m)})")
+            arrays = decode_chunk(
+                data, chunk, f"{at} (table {self.out.table}, {checkpoint_label(m)})"
+            )
             self.out.chunks_read += 1
             ids = arrays["ids"]
             pos = int(torch.searchsorted(ids, torch.tensor([row], dtype=torch.int64))[0])
@@ -150,7 +152,7 @@ def _value_at(reader: _Reader, chain: list[CheckpointManifest], step: int) -> Ro
     cols = sorted({(r.col_offset, r.cols) for r in reader.records(eff[0])})
     if not cols:
         raise CorruptCheckpointError(
-            f"step {step}: the full {describe(eff[0])} holds no shard of table "
+            f"step {step}: the full {checkpoint_label(eff[0])} holds no shard of table "
             f"{reader.out.table} with row {reader.out.row}; run deck verify"
         )
     got: dict[Columns, tuple[dict[str, torch.Tensor], str]] = {}
@@ -160,8 +162,8 @@ def _value_at(reader: _Reader, chain: list[CheckpointManifest], step: int) -> Ro
             c = (rec.col_offset, rec.cols)
             if c not in cols:
                 raise IncompatibleModelError(
-                    f"table {reader.out.table}: {describe(m)} has columns {list(c)}, its chain's "
-                    f"full has {[list(x) for x in cols]}; deck history needs one column split "
+                    f"table {reader.out.table}: {checkpoint_label(m)} has columns {list(c)}, "
+                    f"its chain's full has {[list(x) for x in cols]}; deck history needs one column split "
                     "per chain: restore the step instead"
                 )
             if c in got:
@@ -179,8 +181,8 @@ def _value_at(reader: _Reader, chain: list[CheckpointManifest], step: int) -> Ro
     if missing:
         raise CorruptCheckpointError(
             f"step {step}: no chunk of its chain holds row {reader.out.row} of table "
-            f"{reader.out.table} (columns {missing}); the full {describe(eff[0])} is incomplete: "
-            "run deck verify"
+            f"{reader.out.table} (columns {missing}); the full {checkpoint_label(eff[0])} is "
+            "incomplete: run deck verify"
         )
     values: dict[str, list[float]] = {}
     for c in cols:
@@ -226,7 +228,7 @@ def _check_table(reader: _Reader, full: CheckpointManifest, uri: str) -> None:
     table, row = reader.out.table, reader.out.row
     if table not in shapes:
         raise CheckpointNotFoundError(
-            f"{uri}: no table {table!r} in {describe(full)}; tables: {sorted(shapes)}"
+            f"{uri}: no table {table!r} in {checkpoint_label(full)}; tables: {sorted(shapes)}"
         )
     if not 0 <= row < shapes[table]:
         raise CheckpointNotFoundError(

@@ -157,7 +157,7 @@ class _Reader:
             raise StreamGapError(
                 f"kafka topic {target.topic} partition {partition}: the loader needs offset "
                 f"{offset} but the oldest message is {low} (retention removed {low - offset}); "
-                "start from a newer loader full (--full-uri) or a new --out directory after "
+                "start from a newer loader full (full_uri) or a new out_dir after "
                 "the publisher's next full"
             )
         self.position = offset
@@ -250,7 +250,7 @@ class KafkaFollower:
         self.full_every = full_every
         self.full_store = open_storage(full_uri, storage_options) if full_uri else None
         if full_every and self.full_store is None:
-            raise ConfigError("--full-every needs --full-uri")
+            raise ConfigError("full_every needs full_uri (where the loader's fulls go)")
         self.conf = {
             "bootstrap.servers": self.target.bootstrap,
             "group.id": group or f"deck-follow-{self.target.topic}",
@@ -280,7 +280,7 @@ class KafkaFollower:
         stream = meta.get("stream") or {}
         if meta.get("uri") != self.target.uri:
             raise ConfigError(
-                f"--out {self.out_dir} follows {meta.get('uri')}, not {self.target.uri}; use "
+                f"out_dir {self.out_dir} follows {meta.get('uri')}, not {self.target.uri}; use "
                 "another directory"
             )
         self.state_uri = self.state_uri or stream.get("state_uri")
@@ -297,9 +297,9 @@ class KafkaFollower:
         m, stream = found
         if stream.get("topic") != self.target.topic:
             raise ConfigError(
-                f"--full-uri {self.full_store.uri}: its newest loader full (step {m.step}) was "
+                f"full_uri {self.full_store.uri}: its newest loader full (step {m.step}) was "
                 f"written from topic {stream.get('topic')!r}, not {self.target.topic!r}; use the "
-                "--full-uri of this topic's loader"
+                "full_uri of this topic's loader"
             )
         fol = _StreamFollower(
             self.target.uri,
@@ -309,7 +309,7 @@ class KafkaFollower:
             storage=_Named(self.full_store, self.target.uri),
         )
         fol.stream = stream
-        fol._materialise(m.step)
+        fol.materialise(m.step)
         logger.info(
             "deck follow: started from the loader full %s", self.full_store.describe(m.folder)
         )
@@ -364,7 +364,7 @@ class KafkaFollower:
                 f"kafka topic {self.target.topic}: step {marker.step} (marker at offset "
                 f"{marker.offset}) is a delta of step {manifest.parent} ({manifest.parent_id}), "
                 f"but the loader holds {held or 'nothing'}: the messages between are gone "
-                "(retention) or were never marked. Start from a loader full (--full-uri) or "
+                "(retention) or were never marked. Start from a loader full (full_uri) or "
                 "wait for the publisher's next full."
             )
         t0 = time.perf_counter()
@@ -378,9 +378,9 @@ class KafkaFollower:
         try:
             if manifest.kind is Kind.FULL:
                 self.view.visible = {marker.step}
-                update = fol._materialise(marker.step)
+                update = fol.materialise(marker.step)
             else:
-                update = fol._apply([manifest], parts)
+                update = fol.apply([manifest], parts)
         finally:
             self.view.files.clear()
         update.seconds = time.perf_counter() - t0
@@ -449,7 +449,7 @@ class KafkaFollower:
                     f"kafka topic {self.target.topic} partition {reader.partition}: step "
                     f"{marker.step} ({marker.ckpt_id}) is marked but {len(missing)} of rank "
                     f"{rank}'s files are not in the stream (first: {missing[0]}); retention "
-                    "removed them? Start from a loader full (--full-uri)."
+                    "removed them? Start from a loader full (full_uri)."
                 )
         reader.ahead = keep
         return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
@@ -470,11 +470,11 @@ class KafkaFollower:
             raise UnsupportedError(
                 f"kafka topic {self.target.topic}: the loader holds weights dequantised from "
                 f"{sorted(fol.encodings)}; a loader full would not be the trained state: "
-                "drop --full-uri or publish without quantize"
+                "drop full_uri or publish without quantize"
             )
         m, parts = last
         folder = write_loader_full(
-            self.full_store, self.view.inner, m, parts, fol._targets(), fol.stream
+            self.full_store, self.view.inner, m, parts, fol.targets(), fol.stream
         )
         self.stats.fulls.append(folder)
         self._since_full = 0

@@ -38,7 +38,7 @@ from deck.errors import ConfigError, UnsupportedError
 from deck.format.chunks import decode_chunk, dtype_name, read_chunks
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.ops.export import ExportReport, Progress, StepState, check_out_dir
-from deck.read.catalog import describe
+from deck.read.catalog import checkpoint_label
 from deck.storage import Storage
 from deck.storage.atomic import TEMP_PREFIX, atomic_file, fsync_dir
 
@@ -240,7 +240,9 @@ def export_parquet(
     check_out_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
-    report.skipped.append("dense state and dense optimizer state (use --format dcp or safetensors)")
+    report.skipped.append(
+        "dense state and dense optimizer state (the dcp and safetensors exports hold them)"
+    )
     by_table = layouts(
         (state.shards[p.shard], p.state, p.fqn, p.size, p.dtype) for p in state.pieces
     )
@@ -333,7 +335,7 @@ def changed_rows(
     for part in parts:
         for rec in part.shards:
             for chunk, at, data in read_chunks(storage, m.folder, rec.chunks, zero_copy=True):
-                where = f"{at} (table {rec.table}, {describe(m)})"
+                where = f"{at} (table {rec.table}, {checkpoint_label(m)})"
                 arrays = decode_chunk(data, chunk, where, allow_quantized, shard=rec)
                 ids.setdefault(rec.table, []).append(arrays["ids"].to(torch.int64).clone())
     return {t: torch.unique(torch.cat(v)) for t, v in ids.items()}
@@ -350,7 +352,7 @@ class FollowParquet:
         self.uri = uri
         self.compression = compression
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise ConfigError(f"{self.root} is not a directory; remove it or use another --out")
+            raise ConfigError(f"{self.root} is not a directory; remove it or use another out_dir")
         os.makedirs(self.root, exist_ok=True)
 
     def full(self, follower: Any) -> str:

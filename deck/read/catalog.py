@@ -260,7 +260,7 @@ def damaged_records(manifests: ManifestSet, target: int | None, *, latest: bool)
     return f"the commit record of step(s) {hit} is damaged ({damaged[hit[-1]]})"
 
 
-def describe(m: CheckpointManifest) -> str:
+def checkpoint_label(m: CheckpointManifest) -> str:
     """How errors name a checkpoint: ``step 40`` for the trainer's, the folder for the merger's."""
     return f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder} (step {m.step})"
 
@@ -276,11 +276,11 @@ def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankMan
             data = storage.get(key, 0, ref.nbytes + 1)
         except NotFoundError:
             raise CorruptCheckpointError(
-                f"{where}: rank {ref.rank} part of {describe(m)} is missing"
+                f"{where}: rank {ref.rank} part of {checkpoint_label(m)} is missing"
             ) from None
         if len(data) != ref.nbytes or checksum(data) != ref.checksum:
             raise CorruptCheckpointError(
-                f"{where}: rank {ref.rank} part of {describe(m)} fails its checksum"
+                f"{where}: rank {ref.rank} part of {checkpoint_label(m)} fails its checksum"
             )
         out.append(load_model(RankManifest, data, where))
     return out

@@ -20,8 +20,8 @@ applies to it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -124,12 +124,15 @@ class LineageGraph:
         quarantined = manifests.quarantined if isinstance(manifests, ManifestSet) else {}
         merged = manifests.merged if isinstance(manifests, ManifestSet) else {}
         self.uri = uri or (manifests.uri if isinstance(manifests, ManifestSet) else "")
+        self._index(_node(m, quarantined) for m in [*manifests.values(), *merged.values()])
+
+    def _index(self, nodes: Iterable[LineageNode]) -> None:
+        """Fill the lookups (``nodes``, ``trainer``, ``fulls_at``, ``ending_at``) from ``nodes``."""
         self.nodes: dict[str, LineageNode] = {}
         self.trainer: dict[int, LineageNode] = {}
         self.fulls_at: dict[StateKey, list[LineageNode]] = {}
         self.ending_at: dict[StateKey, list[LineageNode]] = {}
-        for m in [*manifests.values(), *merged.values()]:
-            n = _node(m, quarantined)
+        for n in nodes:
             self.nodes[n.id] = n
             if not n.merged:
                 self.trainer[n.step] = n
@@ -139,6 +142,27 @@ class LineageGraph:
                 self.ending_at.setdefault(n.state, []).append(n)
         self._best: dict[StateKey, _Best] | None = None
         self._best_excluding: frozenset[str] = frozenset()
+
+    # ---- derived graphs (the same nodes, no manifest read or parsed again) ---------------------
+    def _derived(self, nodes: Iterable[LineageNode]) -> LineageGraph:
+        graph = LineageGraph.__new__(LineageGraph)
+        graph.uri = self.uri
+        graph._index(nodes)
+        return graph
+
+    def marked(self, unusable: Mapping[str, str]) -> LineageGraph:
+        """This graph with the checkpoints ``unusable`` (id -> problem) marked like quarantined
+        ones, in memory only (nothing is written): what a chain, a plan or a restore would do
+        if they were quarantined. This graph is unchanged."""
+        return self._derived(
+            replace(n, quarantined=unusable[n.id]) if n.id in unusable else n
+            for n in self.nodes.values()
+        )
+
+    def as_of(self, cutoff: float) -> LineageGraph:
+        """The graph of the checkpoints committed (``created_unix``) at or before ``cutoff``:
+        the lineage as it was then, quarantine marks as now. This graph is unchanged."""
+        return self._derived(n for n in self.nodes.values() if n.manifest.created_unix <= cutoff)
 
     # ---- queries ---------------------------------------------------------------------------
     def trainer_at(self, state: StateKey) -> LineageNode | None:

@@ -1,16 +1,19 @@
-"""Applying a chain of checkpoints to this rank's live table shards and state."""
+"""Applying a chain of checkpoints to table shards, and reading its dense / extra state files.
+
+Any process uses it (the trainer's loader, ``deck export``, ``deck follow``, verification): it
+writes only into the shards it is given. Fitting the rest of a checkpoint to a live model and
+its optimizers is the trainer's (:mod:`deck.trainer.fitting`).
+"""
 
 from __future__ import annotations
 
-import logging
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard, load_hyperparameters, scalar_key
+from deck.adapters.base import TableShard
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import treecodec
 from deck.format.checksum import checksum
@@ -24,10 +27,9 @@ from deck.format.manifest import (
     step_dir,
 )
 from deck.format.quantize import QuantizedStateError
-from deck.read.catalog import describe, read_rank_manifests
+from deck.format.statefile import EXTRA_MAPPINGS, is_scalar_key
+from deck.read.catalog import checkpoint_label, read_rank_manifests
 from deck.storage import Storage
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,8 +46,9 @@ class RestoreStats:
     fallback: str | None = None
 
 
-def _span(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
-    """The intersection ``[lo, hi)`` of ``[a0, a0 + an)`` and ``[b0, b0 + bn)`` (empty: lo >= hi)."""
+def span(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
+    """Where a saved and a live shard overlap along one axis: the intersection ``[lo, hi)`` of
+    ``[a0, a0 + an)`` and ``[b0, b0 + bn)`` (empty: lo >= hi)."""
     return max(a0, b0), min(a0 + an, b0 + bn)
 
 
@@ -64,8 +67,8 @@ def _match(
                 f"table {rec.table}: checkpoint {where} has shape ({rec.num_rows}, {rec.num_cols}), "
                 f"the model has ({shard.num_rows}, {shard.num_cols}); build the model with the same tables"
             )
-        r0, r1 = _span(rec.row_offset, rec.rows, shard.row_offset, shard.rows)
-        c0, c1 = _span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
+        r0, r1 = span(rec.row_offset, rec.rows, shard.row_offset, shard.rows)
+        c0, c1 = span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
         if r0 >= r1 or c0 >= c1:
             continue
         partial = shard.replicated and set(shard.states) <= set(rec.states)
@@ -167,7 +170,8 @@ def apply_chain(
     if quantized and not allow_quantized:
         q = quantized[0]
         raise QuantizedStateError(
-            f"checkpoint {describe(q)} at {storage.uri} holds {q.encoding}-quantised weights "
+            f"checkpoint {checkpoint_label(q)} at {storage.uri} holds {q.encoding}-quantised "
+            "weights "
             f"({len(quantized)} of the chain's {len(chain)} checkpoints do); restoring it would "
             "not give the exact state: pass allow_quantized=True to accept that, or restore a "
             "chain of exact checkpoints"
@@ -191,7 +195,7 @@ def apply_chain(
         covered: dict[int, int] = {}  # id(shard) -> rows x cols the checkpoint's records cover
         saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
         if i == 0 and not onto:
-            _check_tables(saved, tables, f"checkpoint {describe(m)} at {storage.uri}")
+            _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
         joins = _Joins()
         for part in parts:
             for rec in part.shards:
@@ -205,13 +209,13 @@ def apply_chain(
                         f"restores ({tables.get(rec.table, 'no such table')}); the record is "
                         "damaged or was not written by deck: run deck verify, restore another step"
                     )
-                targets = _match(rec, by_table, describe(m))
+                targets = _match(rec, by_table, checkpoint_label(m))
                 if not targets:
                     continue
                 _apply_shard(storage, m, rec, targets, stats, joins, zero_copy, allow_quantized)
                 for t in targets:
-                    r0, r1 = _span(rec.row_offset, rec.rows, t.row_offset, t.rows)
-                    c0, c1 = _span(rec.col_offset, rec.cols, t.col_offset, t.cols)
+                    r0, r1 = span(rec.row_offset, rec.rows, t.row_offset, t.rows)
+                    c0, c1 = span(rec.col_offset, rec.cols, t.col_offset, t.cols)
                     covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
                     stats.resharded |= not _same_extent(rec, t)
         joins.finish()
@@ -219,8 +223,8 @@ def apply_chain(
             uncovered = [s.table for s in shards if covered.get(id(s), 0) != s.rows * s.cols]
             if uncovered:
                 raise CorruptCheckpointError(
-                    f"full checkpoint {describe(m)} at {storage.uri} does not hold every row and "
-                    f"column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
+                    f"full checkpoint {checkpoint_label(m)} at {storage.uri} does not hold every "
+                    f"row and column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
                     "and restore another step"
                 )
     return stats, parts
@@ -230,8 +234,8 @@ def part_where(storage: Storage, m: CheckpointManifest, rank: int) -> str:
     """How errors name the rank ``rank`` part manifest of checkpoint ``m``: its file's URI."""
     ref = next((r for r in m.ranks if r.rank == rank), None)
     if ref is None:
-        return f"rank {rank} part of {describe(m)} at {storage.uri}"
-    return f"{storage.describe(f'{m.folder}/{ref.path}')} ({describe(m)})"
+        return f"rank {rank} part of {checkpoint_label(m)} at {storage.uri}"
+    return f"{storage.describe(f'{m.folder}/{ref.path}')} ({checkpoint_label(m)})"
 
 
 def _check_tables(
@@ -267,8 +271,8 @@ def _committed_chunks(
         yield from read_chunks(storage, m.folder, rec.chunks, zero_copy)
     except NotFoundError as e:
         raise CorruptCheckpointError(
-            f"{e} (table {rec.table}, {describe(m)}): a file of this committed checkpoint is "
-            "missing; restore(allow_fallback=True) restores around it"
+            f"{e} (table {rec.table}, {checkpoint_label(m)}): a file of this committed "
+            "checkpoint is missing; restore(allow_fallback=True) restores around it"
         ) from None
 
 
@@ -283,7 +287,7 @@ def _apply_shard(
     allow_quantized: bool = False,
 ) -> None:
     for chunk, at, data in _committed_chunks(storage, m, rec, zero_copy):
-        where = f"{at} (table {rec.table}, {describe(m)})"
+        where = f"{at} (table {rec.table}, {checkpoint_label(m)})"
         # With the shard's record: ids ascending inside its rows, so every index below is in range.
         arrays = decode_chunk(data, chunk, where, allow_quantized, shard=rec)
         ids = arrays["ids"]
@@ -314,7 +318,7 @@ def _copy_state(
     where: str,
 ) -> None:
     """Rows ``src`` of state ``name`` saved by ``rec`` into local rows ``local`` of ``view``."""
-    c0, c1 = _span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
+    c0, c1 = span(rec.col_offset, rec.cols, shard.col_offset, shard.cols)
     if src.dtype != view.dtype:
         raise IncompatibleModelError(
             f"{where}: state {name} is {src.dtype}, the model has {view.dtype}; "
@@ -356,74 +360,13 @@ def _copy_state(
         )
 
 
-def rank_part(parts: list[RankManifest], rank: int) -> RankManifest:
-    """The part whose extra state (dense optimizers, user state) ``rank`` loads: its own, or
-    rank 0's when the checkpoint was written by fewer ranks (dense optimizer state is replicated
-    across ranks; user state of a rank the writer did not have starts as rank 0's)."""
-    return parts[rank] if rank < len(parts) else parts[0]
-
-
-def same_layout(parts: list[RankManifest], rank: int, shards: list[TableShard]) -> bool:
-    """Whether ``shards`` are exactly the shards ``rank`` saved in ``parts``. When this is false
-    on any rank the restore resharded, and the next checkpoint must be a full: deltas and merged
-    deltas keep one layout from their full on (the merger never mixes layouts)."""
-    if rank >= len(parts):
-        return not shards
-    saved = [(r.table, r.row_offset, r.rows, r.col_offset, r.cols) for r in parts[rank].shards]
-    return saved == [(s.table, s.row_offset, s.rows, s.col_offset, s.cols) for s in shards]
-
-
-def shard_scalars(
-    storage: Storage,
-    step: int,
-    parts: list[RankManifest],
-    own_extra: dict[str, Any],
-    shards: list[TableShard],
-) -> dict[int, dict[str, torch.Tensor]]:
-    """The saved per-shard scalars (states without a row dimension) of each of ``shards`` (by
-    ``id``): the shard's own entry in ``own_extra`` when the writer had the same shard, else the
-    entry of a saved shard of the same table that overlaps it (read from that rank's extra
-    file), since such scalars (e.g. an iteration count) are the table's. Raises
-    :class:`IncompatibleModelError` when no saved shard of the table has them."""
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    extras: dict[int, dict[str, Any]] = {}
-    for s in shards:
-        if not s.scalars:
-            continue
-        found = own_extra.get("scalars", {}).get(scalar_key(s))
-        for part in parts if found is None else ():
-            for rec in part.shards:
-                r0, r1 = _span(rec.row_offset, rec.rows, s.row_offset, s.rows)
-                c0, c1 = _span(rec.col_offset, rec.cols, s.col_offset, s.cols)
-                if rec.table != s.table or r0 >= r1 or c0 >= c1:
-                    continue
-                if part.rank not in extras:
-                    extras[part.rank] = read_state_file(storage, step, part.extra)
-                found = (
-                    extras[part.rank]
-                    .get("scalars", {})
-                    .get(f"{rec.table}|{rec.row_offset}|{rec.col_offset}")
-                )
-                if found is not None:
-                    break
-            if found is not None:
-                break
-        if found is None:
-            raise IncompatibleModelError(
-                f"table {s.table}: step {step} at {storage.uri} has no saved {sorted(s.scalars)} for "
-                f"rows {s.row_offset}+{s.rows}, columns {s.col_offset}+{s.cols}; use the same fused optimizer"
-            )
-        out[id(s)] = found
-    return out
-
-
 def read_state_file(storage: Storage, step: int | CheckpointManifest, rec: FileRecord) -> Any:
     """Read, verify and decode a dense / extra state file of a checkpoint: ``step`` is the
     trainer step (its step folder) or the checkpoint's record (its own folder; needed for the
     merger's checkpoints)."""
     if isinstance(step, CheckpointManifest):
         key = f"{step.folder}/{rec.path}"
-        where = f"{storage.describe(key)} ({describe(step)})"
+        where = f"{storage.describe(key)} ({checkpoint_label(step)})"
     else:
         key = f"{step_dir(step)}/{rec.path}"
         where = f"{storage.describe(key)} (step {step})"
@@ -445,19 +388,6 @@ def decode_state_file(data: bytes, rec: FileRecord, where: str) -> dict[str, Any
     return tree
 
 
-# Keys of an extra state file that hold a mapping whenever they are present (docs/format.md,
-# "Dense and extra state"); readers index them by key.
-_SCALAR_KEY = re.compile(r"^.+\|\d+\|\d+$")  # deck.adapters.base.scalar_key: table|row|col
-_EXTRA_MAPPINGS = (
-    "optimizers",
-    "wrappers",
-    "fused_hyperparameters",
-    "scalars",
-    "rank_local",
-    "rng",
-)
-
-
 def _check_state_shape(tree: dict[str, Any], rec: FileRecord, where: str) -> None:
     """The top of a decoded state file is what its readers index: a dense file maps names to
     tensors; an extra file's mapping keys hold mappings (``scalars``: of tensors). Anything else
@@ -465,13 +395,13 @@ def _check_state_shape(tree: dict[str, Any], rec: FileRecord, where: str) -> Non
     if rec.path.rsplit("/", 1)[-1] == "dense.safetensors":
         bad = [k for k, v in tree.items() if not isinstance(v, torch.Tensor)]
     else:
-        bad = [k for k in _EXTRA_MAPPINGS if k in tree and not isinstance(tree[k], dict)]
+        bad = [k for k in EXTRA_MAPPINGS if k in tree and not isinstance(tree[k], dict)]
         scalars = tree.get("scalars", {})
         if isinstance(scalars, dict):
             bad += [
                 f"scalars.{k}"
                 for k, v in scalars.items()
-                if not _SCALAR_KEY.match(str(k))
+                if not is_scalar_key(k)
                 or not isinstance(v, dict)
                 or not all(isinstance(t, torch.Tensor) for t in v.values())
             ]
@@ -480,189 +410,3 @@ def _check_state_shape(tree: dict[str, Any], rec: FileRecord, where: str) -> Non
             f"{where}: state file entries {sorted(bad)[:5]} do not have the types deck writes; "
             "the file is damaged or was not written by deck"
         )
-
-
-def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str) -> None:
-    """Load a saved ``{"state_dict", "param_groups"}`` into ``opt`` exactly.
-
-    Afterwards exactly the parameters that had optimizer state when it was saved have state,
-    with the saved values: a parameter that never got a gradient (no state yet) has none after
-    the load either, whatever ``opt`` held before. Plain torch optimizers do this themselves;
-    a keyed optimizer (TorchRec's ``KeyedOptimizer``, whose strict load copies into existing
-    state of the same parameters) is first given state for exactly the saved parameters.
-    """
-    sd = saved["state_dict"]
-    params = getattr(opt, "params", None)
-    init = getattr(opt, "init_state", None)
-    if isinstance(params, Mapping) and init is not None:
-        _match_keyed_state(opt, params, init, set(sd.get("state", {})), name)
-    try:
-        opt.load_state_dict(sd)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise IncompatibleModelError(f"optimizer {name}: saved state does not fit ({e})") from None
-    load_hyperparameters(opt, saved.get("param_groups", []), f"optimizer {name}")
-
-
-def _match_keyed_state(
-    opt: torch.optim.Optimizer,
-    params: Mapping[str, Any],
-    init: Callable[[], None],
-    saved_keys: set[str],
-    name: str,
-) -> None:
-    """Give a keyed optimizer state for exactly the parameters in ``saved_keys``.
-
-    TorchRec's strict load refuses a different number of states and only copies into tensors
-    that exist. Optimizer state is created lazily by a step, so missing state is made by
-    ``init_state()`` (a zero-gradient step over every parameter; the values it writes are all
-    overwritten by the load and the dense parameters restored after it, and the gradients it
-    sets are put back), then state of parameters the checkpoint had none for is dropped.
-    """
-    unknown = sorted(saved_keys - set(params))
-    if unknown:
-        raise IncompatibleModelError(
-            f"optimizer {name}: saved state for parameters the model does not have: "
-            f"{unknown[:5]}; restore into the model the checkpoint was written from"
-        )
-    state = opt.state
-    if any(params[k] not in state for k in saved_keys):
-        grads = {k: p.grad for k, p in params.items()}
-        init()
-        for k, p in params.items():
-            p.grad = grads[k]
-        missing = sorted(k for k in saved_keys if params[k] not in state)
-        if missing:
-            raise IncompatibleModelError(
-                f"optimizer {name}: no state can be made for {missing[:5]} (does the parameter "
-                "require grad?); restore into the model the checkpoint was written from"
-            )
-    for k, p in params.items():
-        if k not in saved_keys and p in state:
-            del state[p]  # no state when saved (never had a gradient): none now either
-
-
-# ---- tables that are data_parallel on one side and sharded on the other ---------------------
-
-
-@dataclass
-class PlanMoves:
-    """Tables that a checkpoint and the model keep differently.
-
-    ``to_replicated``: sharded (row records) in the checkpoint, data_parallel in the model. Their
-    rows are applied into ``staging`` shards (a whole-table weight, a copy of the live tensor)
-    and then loaded with the dense state, after the dense optimizer (whose init may step).
-    ``from_replicated``: data_parallel in the checkpoint (a tensor of its dense state), sharded in
-    the model: their shards get the saved weight and fresh (zero) fused optimizer states.
-    """
-
-    to_replicated: dict[str, TableShard]
-    from_replicated: list[str]
-
-    @property
-    def tables(self) -> set[str]:
-        return set(self.to_replicated) | set(self.from_replicated)
-
-
-def plan_moves(
-    storage: Storage,
-    chain: list[CheckpointManifest],
-    tables: dict[str, tuple[int, int]],
-    replicated: dict[str, torch.Tensor],
-    saved_dense: dict[str, torch.Tensor],
-) -> PlanMoves:
-    """Which tables of the model change between data_parallel and sharded from ``chain``'s full
-    (whose rank manifests say which tables it holds as rows) and the saved dense state."""
-    saved = {rec.table for p in read_rank_manifests(storage, chain[0]) for rec in p.shards}
-    staging = {}
-    for key, live in replicated.items():
-        if key in saved and key not in tables and live.dim() == 2:
-            rows, cols = (int(x) for x in live.shape)
-            staging[key] = TableShard(
-                key,
-                rows,
-                cols,
-                0,
-                rows,
-                0,
-                cols,
-                {"weight": live.detach().clone()},
-                replicated=True,
-            )
-    from_dense = sorted(k for k in tables if k not in saved and k in saved_dense)
-    return PlanMoves(staging, from_dense)
-
-
-def fill_from_dense(
-    moves: PlanMoves, shards: list[TableShard], saved_dense: dict[str, torch.Tensor], where: str
-) -> None:
-    """Write each ``from_replicated`` table's saved weight (popped from ``saved_dense``) into
-    this rank's shards of it, and zero their other per-row states (as a new TBE starts them)."""
-    for key in moves.from_replicated:
-        full = saved_dense.pop(key)
-        for s in (s for s in shards if s.table == key):
-            if tuple(full.shape) != (s.num_rows, s.num_cols):
-                raise IncompatibleModelError(
-                    f"table {key}: {where} has shape {tuple(full.shape)}, the model has "
-                    f"({s.num_rows}, {s.num_cols}); build the model with the same tables"
-                )
-            with torch.no_grad():
-                for name, view in s.states.items():
-                    if name == "weight":
-                        part = full[s.row_offset : s.row_offset + s.rows]
-                        view.copy_(part[:, s.col_offset : s.col_offset + s.cols].to(view.dtype))
-                    else:
-                        view.zero_()
-        logger.warning(
-            "deck: table %s was data_parallel in %s and is sharded in this model: its weights are "
-            "restored exactly; its fused optimizer state starts fresh (zero), since the saved "
-            "per-element state of the dense optimizer does not fit the fused per-row layout",
-            key,
-            where,
-        )
-    for key in moves.to_replicated:
-        logger.warning(
-            "deck: table %s was sharded in %s and is data_parallel in this model: its weights are "
-            "restored exactly; its per-row fused optimizer state is not carried over (the dense "
-            "optimizer keeps its own state for it, as it starts)",
-            key,
-            where,
-        )
-
-
-def reconcile_optimizer(
-    opt: torch.optim.Optimizer, saved: dict[str, Any], moved: set[str]
-) -> dict[str, Any]:
-    """The saved state of a TorchRec KeyedOptimizer (``{"state_dict", "param_groups"}``), fitted
-    to ``opt`` when the tables ``moved`` changed between data_parallel and sharded: saved states
-    of moved tables the optimizer no longer has are dropped; moved tables it has now keep their
-    live state. Other optimizers, or nothing moved: ``saved`` unchanged."""
-    params = getattr(opt, "params", None)
-    sd = saved["state_dict"]
-    if not moved or not isinstance(params, dict) or "state" not in sd:
-        return saved
-
-    def is_moved(k: str) -> bool:
-        return any(k == m or k.endswith("." + m) for m in moved)
-
-    state = dict(sd["state"])
-    dropped = {k for k in state if k not in params and is_moved(k)}
-    added = [k for k in params if k not in state and is_moved(k)]
-    if not dropped and not added:
-        return saved
-    for k in dropped:
-        del state[k]
-    if added and not opt.state:
-        init = getattr(opt, "init_state", None)
-        if init is not None:
-            init()
-    live = opt.state_dict()
-    for k in added:
-        if k in live["state"]:
-            state[k] = live["state"][k]
-    groups = [dict(g) for g in sd.get("param_groups", [])]
-    for i, g in enumerate(groups):
-        keep = [k for k in g.get("params", []) if k not in dropped]
-        if i < len(live["param_groups"]):
-            keep += [k for k in live["param_groups"][i]["params"] if k in added]
-        g["params"] = keep
-    return {**saved, "state_dict": {**sd, "state": state, "param_groups": groups}}

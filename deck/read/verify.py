@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from deck.errors import DeckError, NotFoundError
 from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest
-from deck.read.catalog import describe, read_rank_manifests
+from deck.read.catalog import checkpoint_label, read_rank_manifests
 from deck.read.restore import decode_state_file
 from deck.storage import Storage
 
@@ -47,7 +47,9 @@ def verify_checkpoint(
                 try:
                     for c, at, data in read_chunks(storage, root, chunks):
                         seen += 1
-                        where = f"{at} (table {rec.table}, chunk {index[id(c)]}, {describe(m)})"
+                        where = (
+                            f"{at} (table {rec.table}, chunk {index[id(c)]}, {checkpoint_label(m)})"
+                        )
                         try:
                             # Checks checksums, layout and the ids against the shard's record
                             # (what a restore relies on); quantised chunks are valid ones.
@@ -70,7 +72,7 @@ def verify_checkpoint(
                 data = storage.get(key)
                 report.bytes += len(data)
                 # What a restore checks: size, checksum, and a state tree it can read.
-                decode_state_file(data, f, f"{storage.describe(key)} ({describe(m)})")
+                decode_state_file(data, f, f"{storage.describe(key)} ({checkpoint_label(m)})")
             except DeckError as e:
                 report.problems.append(str(e))
             report.files += 1
@@ -105,7 +107,7 @@ def check_files(
                 sizes[f"{m.folder}/{f.path}"] = (f.nbytes, True)
     problems = []
     for key, (want, exact) in sizes.items():
-        where = f"{storage.describe(key)} ({describe(m)})"
+        where = f"{storage.describe(key)} ({checkpoint_label(m)})"
         try:
             if listing is not None and key not in listing:
                 raise NotFoundError(where)

@@ -32,11 +32,11 @@ class Storage(abc.ABC):
     - Errors are :class:`deck.errors.StorageError` (an ``OSError``) naming the full URI; an invalid
       key or byte range is a :class:`deck.errors.ConfigError`.
 
-    Capabilities: :meth:`local_path`, :meth:`modified`, :meth:`map_file` and :meth:`prefetch`
-    have defaults that any store can answer (None for "not available here", a copying read, a
-    no-op); a backend overrides them where it can do better. Callers ask for a capability instead
-    of checking the backend's class, so that wrappers (:class:`deck.storage.wrapper.StorageWrapper`)
-    keep them.
+    Capabilities: :meth:`local_path`, :meth:`modified`, :meth:`map_file`, :meth:`prefetch` and
+    :meth:`prune_temps` have defaults that any store can answer (None for "not available here",
+    a copying read, a no-op); a backend overrides them where it can do better. Callers ask for a
+    capability instead of checking the backend's class, so that wrappers
+    (:class:`deck.storage.wrapper.StorageWrapper`) keep them.
     """
 
     @property
@@ -157,6 +157,23 @@ class Storage(abc.ABC):
         follows); the default does nothing."""
         return None
 
+    def prune_temps(
+        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+    ) -> builtins.list[str]:
+        """Remove what interrupted puts left in the folder ``prefix`` ("" or ending in "/") and
+        below, and return the removed temp files' paths (relative, like keys), sorted.
+
+        Caller: garbage collection (:func:`deck.ops.retention.collect_garbage`), after its
+        deletions. What goes: temp files a crashed :meth:`put` left (never reported by
+        :meth:`list`) and folders left empty (the root itself stays), each only once unchanged
+        for ``older_than_s`` seconds before ``now`` (default: the current time), since a writer
+        may still be using it; ``older_than_s <= 0`` removes them whatever their age. An object
+        :meth:`list` reports is never touched. Best effort: what cannot be examined or removed
+        stays for a later call. The default removes nothing and returns []: a store whose put
+        leaves nothing behind when interrupted has nothing to prune."""
+        check_folder(prefix)
+        return []
+
 
 def validate_key(path: str) -> str:
     """Return ``path`` if it is a valid storage key, else raise :class:`ConfigError`.
@@ -208,7 +225,8 @@ def get_bounded(storage: Storage, path: str, limit: int = MAX_RECORD_BYTES) -> b
 
 
 def check_folder(prefix: str) -> None:
-    """Refuse a :meth:`Storage.list_dir` prefix that does not name a folder under the root."""
+    """Refuse (:class:`ConfigError`, like any invalid key) a :meth:`Storage.list_dir` prefix that
+    does not name a folder under the root."""
     if prefix and not prefix.endswith("/"):
-        raise ValueError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")
+        raise ConfigError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")
     check_prefix(prefix)

@@ -6,6 +6,12 @@ upload that becomes visible only when completed) is all-or-nothing. Filesystems 
 in place (sftp, ftp, smb, hdfs, webdav, http, caching wrappers, ...) would let a reader see a
 prefix of a file being written, so they are refused at open (:data:`ATOMIC_PUT_PROTOCOLS`). Every
 call is retried on transient failures per a :class:`deck.storage.retry.RetryPolicy`.
+
+An interrupted put leaves no temp object, so :meth:`~deck.storage.base.Storage.prune_temps` is
+the base class's no-op here: a single PUT creates nothing until it completes, and a multipart
+upload (s3fs, from 100 MiB) is invisible until completed -- s3fs aborts it when a part fails; the
+parts of one whose process died stay out of every listing until the bucket's
+``AbortIncompleteMultipartUpload`` lifecycle rule (the operator's, bucket-wide) removes them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Commit protocol of :meth:`LocalStorage.put`: write a ``.tmp-*`` file in the dest
 fsync it, ``os.replace`` it over the destination, fsync the directory (the helpers of
 :mod:`deck.storage.atomic`, which every other local write of deck uses too). A crash at any point
 leaves either the old object or the new one, plus at worst a ``.tmp-*`` file that
-:meth:`LocalStorage.list` never reports and :meth:`LocalStorage.delete_prefix` removes.
+:meth:`LocalStorage.list` never reports and :meth:`LocalStorage.delete_prefix` and
+:meth:`LocalStorage.prune_temps` remove.
 
 Containment (the rule every backend keeps: a key never leads outside the root): a key is
 resolved one folder at a time from the root on directory descriptors, each opened with
@@ -26,6 +27,7 @@ import logging
 import mmap
 import os
 import stat
+import time
 from collections.abc import Iterator
 
 from deck.errors import ConfigError, NotFoundError, StorageError, UnsafePathError
@@ -571,6 +573,57 @@ class LocalStorage(Storage):
             raise
         except OSError as exc:
             raise self._error("delete", prefix, exc, _WRITE_HINT) from exc
+
+    def prune_temps(
+        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+    ) -> builtins.list[str]:
+        """:meth:`Storage.prune_temps`: ``.tmp-*`` files of crashed puts, then the folders left
+        empty, deepest first; ages are ``st_mtime``.
+
+        Walked like every other call, one folder at a time from the root with ``O_NOFOLLOW``: a
+        link below the root is never entered, and a temp-named link is removed itself. A
+        ``prefix`` reached through a link is logged and left alone: nothing outside the root is
+        touched."""
+        check_folder(prefix)
+        when = time.time() if now is None else now
+
+        def old(name: str, fd: int) -> bool:
+            if older_than_s <= 0:
+                return True
+            return when - os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime >= older_than_s
+
+        base = prefix.rstrip("/")
+        try:
+            os.close(self._open_folder(base.split("/") if base else [], prefix or "."))
+        except UnsafePathError:
+            logger.warning("%s leads through a symbolic link; not pruned", self.describe(prefix))
+            return []
+        except OSError:
+            return []  # absent (or unreadable): nothing to prune
+        removed: list[str] = []
+        folders: list[str] = []
+        try:
+            for rel, fd, entries in self._tree(base, prefix):
+                if rel:
+                    folders.append(rel[:-1])
+                for e in entries:
+                    if e.name.startswith(TEMP_PREFIX) and not e.is_dir(follow_symlinks=False):
+                        with contextlib.suppress(OSError):
+                            if old(e.name, fd):
+                                os.unlink(e.name, dir_fd=fd)
+                                removed.append(rel + e.name)
+        except OSError as exc:  # best effort: the rest is left for the next call
+            logger.warning("could not prune %s: %s", self.describe(prefix), exc)
+        for folder in reversed(folders):  # children before their parents
+            parent, _, name = folder.rpartition("/")
+            with contextlib.suppress(OSError):
+                pfd = self._open_folder(parent.split("/") if parent else [], folder)
+                try:
+                    if old(name, pfd):
+                        os.rmdir(name, dir_fd=pfd)  # only succeeds when empty
+                finally:
+                    os.close(pfd)
+        return sorted(removed)
 
     def _unlink_link(self, key: str) -> bool:
         """If the entry at ``key`` is a link (or nothing can be there), remove the link and say

@@ -194,15 +194,13 @@ class RetryPolicy(Settings):
         return base * (1.0 - self.jitter * random.random())
 
 
-NO_RETRY = RetryPolicy(attempts=1)
-
-
-def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, describe: str) -> T:
+def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, what: str) -> T:
     """Return ``fn()``, retrying it per ``policy`` while it fails with errors ``policy.retry_on``
     accepts.
 
     Any other failure, or the last retried one, is re-raised unchanged (the caller maps it to a
-    typed error). Each retry is logged at WARNING with ``describe`` (e.g. "put s3://b/k").
+    typed error). Each retry is logged at WARNING naming the operation ``what`` (e.g. "put
+    s3://b/k").
     """
     attempt = 0
     started = time.monotonic()
@@ -220,7 +218,7 @@ def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, describe: str) -> 
             attempt += 1
             logger.warning(
                 "%s failed (%s: %s); retry %d%s in %.2fs",
-                describe,
+                what,
                 type(exc).__name__,
                 exc,
                 attempt,

@@ -6,7 +6,8 @@ keep everything else, capabilities included: a wrapped local store still reports
 :meth:`get` or :meth:`put` do must also stop the paths around them: have :meth:`local_path`
 return None (then nobody writes or maps files behind its back) and take the base class's
 generic :meth:`iter_get` / :meth:`get_many` / :meth:`get_or_none` / :meth:`map_file`, which
-call its own :meth:`get` (``iter_get = Storage.iter_get``, ...).
+call its own :meth:`get` (``iter_get = Storage.iter_get``, ...), and :meth:`prune_temps`, which
+then prunes nothing, like a remote store's.
 """
 
 from __future__ import annotations
@@ -82,3 +83,8 @@ class StorageWrapper(Storage):
 
     def prefetch(self, path: str) -> None:
         self.inner.prefetch(path)
+
+    def prune_temps(
+        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+    ) -> builtins.list[str]:
+        return self.inner.prune_temps(prefix, older_than_s, now=now)

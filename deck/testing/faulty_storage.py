@@ -19,14 +19,16 @@ class FaultyStorage(StorageWrapper):
 
     Every read and write goes through the faulty :meth:`put` / :meth:`get`: it reports no local
     path (so nothing maps or writes the inner store's files around them, and a local store
-    behind it is staged and read like a remote one), and whole-object reads take the generic
-    versions of :class:`Storage`, which call :meth:`get`.
+    behind it is staged and read like a remote one), whole-object reads take the generic
+    versions of :class:`Storage`, which call :meth:`get`, and it prunes no temps (like a remote
+    store).
     """
 
     iter_get = Storage.iter_get
     get_many = Storage.get_many
     get_or_none = Storage.get_or_none
     map_file = Storage.map_file
+    prune_temps = Storage.prune_temps
 
     def __init__(
         self,

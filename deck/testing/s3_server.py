@@ -78,7 +78,7 @@ def find_weed_binary() -> str:
     )
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free on 127.0.0.1 right now (all held open together while picking)."""
     socks: list[socket.socket] = []
     try:
@@ -92,15 +92,19 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port`` (a server is up)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """A ``preexec_fn`` for a server's process: killed when the process that started it dies."""
     # Linux: the server gets SIGKILL if the test process dies without calling stop().
-    with contextlib.suppress(Exception):
+    # Best effort, and silent: logging between fork and exec could deadlock on a lock the
+    # parent's other threads held at the fork.
+    with contextlib.suppress(ImportError, OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -214,7 +218,7 @@ class SeaweedS3:
         self.config_path.write_text(json.dumps({"identities": [identity]}))
         last: Exception | None = None
         for _ in range(3):  # a picked port can be taken by someone else before weed binds it
-            self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True))
+            self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
             try:
                 self._launch()
                 return self
@@ -240,7 +244,7 @@ class SeaweedS3:
         self.startup_seconds = time.monotonic() - t0
 
     def _in_child(self) -> None:  # pragma: no cover - runs in the child between fork and exec
-        _die_with_parent()
+        die_with_parent()
         if self.nice:
             os.nice(self.nice)
 
@@ -265,7 +269,7 @@ class SeaweedS3:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise SeaweedError(f"weed exited with code {code}\n{self.log_tail()}")
-            if _port_open(self.ports["s3"]):
+            if port_open(self.ports["s3"]):
                 try:
                     if not fs.exists(self.bucket):
                         fs.mkdir(self.bucket)

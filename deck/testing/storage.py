@@ -11,12 +11,21 @@ fresh, empty store::
 Every test then runs against that store: the contract of the :class:`Storage` methods (atomic
 replace, ordering and prefix rules of listings, errors naming the URI, invalid keys refused) and
 of its capabilities (:meth:`~Storage.local_path`, :meth:`~Storage.modified`,
-:meth:`~Storage.map_file`, :meth:`~Storage.prefetch`), whatever the store answers for them.
-Needs pytest; deck itself never imports this module.
+:meth:`~Storage.map_file`, :meth:`~Storage.prefetch`, :meth:`~Storage.prune_temps`), whatever the
+store answers for them.
+
+A subclass also provides a ``raw`` fixture: the backend's objects reached *without* the store
+under test (:class:`RawObjects`, like zarr's ``StoreTests.get`` / ``set``), so that what a put or
+a delete did is checked where the bytes are (the files on disk, the memory filesystem's dict, the
+bucket through its own client), not read back through the code that wrote them; and reads are
+checked on objects the store did not write. :class:`LocalFiles`, :class:`MemoryObjects` and
+:class:`S3Objects` are the ones for deck's backends. Needs pytest; deck itself never imports this
+module.
 """
 
 from __future__ import annotations
 
+import abc
 import mmap
 import os
 import time
@@ -32,9 +41,119 @@ from deck.errors import (
     UnsafePathError,
 )
 from deck.storage import Storage, check_writable
+from deck.storage.atomic import TEMP_PREFIX
 from deck.storage.base import get_bounded
 
-__all__ = ["StorageTests"]
+__all__ = ["LocalFiles", "MemoryObjects", "RawObjects", "S3Objects", "StorageTests"]
+
+
+class RawObjects(abc.ABC):
+    """A backend's objects under one store's root, reached without the :class:`Storage` under
+    test: the conformance tests' independent view of what a store wrote."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The bytes the backend holds at ``key``, or None when it holds no object there."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Create or replace the object at ``key`` as the backend holds objects."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Sorted names (relative to the root) of everything the backend holds there: objects,
+        and whatever a store hides from its listings (temp files of a local store)."""
+
+
+class LocalFiles(RawObjects):
+    """A local store's files under ``root``, read and written with ``open()``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        if not os.path.isfile(path) or os.path.islink(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def keys(self) -> list[str]:
+        return sorted(
+            os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/")
+            for d, _, files in os.walk(self.root)
+            for f in files
+        )
+
+
+class MemoryObjects(RawObjects):
+    """The objects of a ``memory://name`` store, in fsspec's ``MemoryFileSystem.store`` dict."""
+
+    def __init__(self, uri: str) -> None:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        self.objects = MemoryFileSystem.store  # one dict for every memory:// URI of the process
+        self.root = "/" + uri.removeprefix("memory://").strip("/")
+
+    def get(self, key: str) -> bytes | None:
+        f = self.objects.get(f"{self.root}/{key}")
+        return None if f is None else bytes(f.getvalue())
+
+    def put(self, key: str, data: bytes) -> None:
+        from fsspec.implementations.memory import MemoryFile
+
+        path = f"{self.root}/{key}"
+        self.objects[path] = MemoryFile(None, path, data)
+
+    def keys(self) -> list[str]:
+        return sorted(
+            k[len(self.root) + 1 :] for k in self.objects if k.startswith(self.root + "/")
+        )
+
+
+class S3Objects(RawObjects):
+    """The objects under an ``s3://bucket/prefix`` root through a botocore client of its own
+    (not s3fs: nothing of the store under test, its caches included, is on the way)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any]) -> None:
+        import botocore.session
+
+        self.bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        client_kwargs = storage_options.get("client_kwargs", {})
+        self.client = botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=client_kwargs.get("endpoint_url"),
+            region_name=client_kwargs.get("region_name"),
+            aws_access_key_id=storage_options.get("key"),
+            aws_secret_access_key=storage_options.get("secret"),
+        )
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            answer = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return bytes(answer["Body"].read())
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+
+    def keys(self) -> list[str]:
+        found: list[str] = []
+        pages = self.client.get_paginator("list_objects_v2")
+        for page in pages.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            found += [o["Key"][len(self.prefix) :] for o in page.get("Contents", [])]
+        return sorted(found)
 
 
 class StorageTests:
@@ -46,16 +165,22 @@ class StorageTests:
         """A fresh, empty store of the backend under test: subclasses override this."""
         raise NotImplementedError("a StorageTests subclass must define the `store` fixture")
 
-    def test_roundtrip_bytes_like(self, store: Storage) -> None:
+    @pytest.fixture
+    def raw(self, store: Storage) -> RawObjects:
+        """The objects under ``store``'s root reached without it: subclasses override this."""
+        raise NotImplementedError("a StorageTests subclass must define the `raw` fixture")
+
+    def test_roundtrip_bytes_like(self, store: Storage, raw: RawObjects) -> None:
         store.put("a.bin", b"hello")
         store.put("b.bin", bytearray(b"world"))
         store.put("c.bin", memoryview(b"xxabcxx")[2:5])
+        assert [raw.get(k) for k in ("a.bin", "b.bin", "c.bin")] == [b"hello", b"world", b"abc"]
         assert store.get("a.bin") == b"hello"
         assert store.get("b.bin") == b"world"
         assert store.get("c.bin") == b"abc"
         assert isinstance(store.get("a.bin"), bytes)
 
-    def test_page_aligned_buffers(self, store: Storage) -> None:
+    def test_page_aligned_buffers(self, store: Storage, raw: RawObjects) -> None:
         """Chunks come in page-aligned whole-page buffers (local stores write them with O_DIRECT),
         views of such buffers too; a put replaces the object and leaves nothing else behind."""
         buf = memoryview(mmap.mmap(-1, 3 * 4096))  # page-aligned, as chunk buffers are
@@ -66,6 +191,8 @@ class StorageTests:
         assert store.get("k/aligned") == bytes(buf[4096:])
         assert store.get("k/partial") == bytes(buf[: 4096 + 7])
         assert sorted(store.list("k")) == ["k/aligned", "k/partial"]
+        assert raw.keys() == ["k/aligned", "k/partial"]  # no temp file either
+        assert raw.get("k/aligned") == bytes(buf[4096:])
 
     def test_ranged_get(self, store: Storage) -> None:
         data = bytes(range(256)) * 4
@@ -78,12 +205,28 @@ class StorageTests:
         with pytest.raises(ConfigError):
             store.get("r", 10, 5)
 
-    def test_overwrite(self, store: Storage) -> None:
+    def test_overwrite(self, store: Storage, raw: RawObjects) -> None:
         store.put("k", b"first version, longer")
         store.put("k", b"second")
+        assert raw.get("k") == b"second" and raw.keys() == ["k"]
         assert store.get("k") == b"second"
         assert store.size("k") == 6
         assert store.list() == ["k"]
+
+    def test_reads_what_the_backend_holds(self, store: Storage, raw: RawObjects) -> None:
+        """Reads, sizes and listings of objects the store did not write itself."""
+        data = bytes(range(256)) * 3
+        raw.put("r/obj", data)
+        raw.put("r/sub/empty", b"")
+        raw.put("top", b"t")
+        assert store.get("r/obj") == data and store.get("r/obj", 10, 20) == data[10:20]
+        assert store.size("r/obj") == len(data) and store.size("r/sub/empty") == 0
+        assert store.get("r/sub/empty") == b"" and store.exists("top")
+        assert store.list() == ["r/obj", "r/sub/empty", "top"]
+        assert store.list_dir("r/") == ["obj", "sub/"]
+        assert bytes(store.map_file("r/obj")) == data
+        store.delete("r/obj")
+        assert raw.get("r/obj") is None and raw.get("top") == b"t"
 
     def test_missing(self, store: Storage) -> None:
         with pytest.raises(NotFoundError) as info:
@@ -99,10 +242,11 @@ class StorageTests:
             store.size("no/such/key")
         assert not store.exists("no/such/key")
 
-    def test_list_prefixes(self, store: Storage) -> None:
+    def test_list_prefixes(self, store: Storage, raw: RawObjects) -> None:
         keys = ["a/b/c", "a/b/d", "a/b/e/f", "a/bb", "ab", "z"]
         for k in reversed(keys):
             store.put(k, k.encode())
+        assert raw.keys() == keys
         assert store.list() == keys
         assert store.list("") == keys
         assert store.list("a/") == ["a/b/c", "a/b/d", "a/b/e/f", "a/bb"]
@@ -144,20 +288,23 @@ class StorageTests:
         assert not store.exists("dir")  # a directory-like prefix is not an object
         assert not store.exists("dir/ob")
 
-    def test_delete_idempotent(self, store: Storage) -> None:
+    def test_delete_idempotent(self, store: Storage, raw: RawObjects) -> None:
         store.delete("never/existed")
         store.put("x/y", b"1")
         store.delete("x/y")
+        assert raw.get("x/y") is None
         assert not store.exists("x/y")
         assert store.list() == []
         store.delete("x/y")
 
-    def test_delete_prefix(self, store: Storage) -> None:
+    def test_delete_prefix(self, store: Storage, raw: RawObjects) -> None:
         for k in ["ck/1/a", "ck/1/b/c", "ck/10/a", "ck/2/a", "other"]:
             store.put(k, b"v")
         store.delete_prefix("ck/1/")
+        assert raw.keys() == ["ck/10/a", "ck/2/a", "other"]
         assert store.list() == ["ck/10/a", "ck/2/a", "other"]
         store.delete_prefix("ck/")
+        assert raw.keys() == ["other"]
         assert store.list() == ["other"]
         store.delete_prefix("nothing/")
 
@@ -165,16 +312,18 @@ class StorageTests:
         store.put("s", b"12345")
         assert store.size("s") == 5
 
-    def test_empty_object(self, store: Storage) -> None:
+    def test_empty_object(self, store: Storage, raw: RawObjects) -> None:
         store.put("empty", b"")
+        assert raw.get("empty") == b""
         assert store.get("empty") == b""
         assert store.size("empty") == 0
         assert store.exists("empty")
         assert store.list() == ["empty"]
 
-    def test_large_object(self, store: Storage) -> None:
+    def test_large_object(self, store: Storage, raw: RawObjects) -> None:
         data = os.urandom(5 * 2**20)
         store.put("big/obj", data)
+        assert raw.get("big/obj") == data
         assert store.size("big/obj") == len(data)
         assert store.get("big/obj") == data
         assert store.get("big/obj", 2**20, 3 * 2**20 + 7) == data[2**20 : 3 * 2**20 + 7]
@@ -273,9 +422,10 @@ class StorageTests:
         store.put("s/fifo", b"replaced")  # a put replaces the entry, it never opens it
         assert store.get("s/fifo") == b"replaced"
 
-    def test_check_writable(self, store: Storage) -> None:
+    def test_check_writable(self, store: Storage, raw: RawObjects) -> None:
         check_writable(store)
         assert store.list() == []  # the probe is gone
+        assert raw.keys() == []
 
     # -- capabilities ------------------------------------------------------------------------
 
@@ -311,6 +461,24 @@ class StorageTests:
         del view
         with pytest.raises(NotFoundError):
             store.map_file("map/missing")
+
+    def test_prune_temps(self, store: Storage, raw: RawObjects) -> None:
+        """Removes only what listings hide (temp files of interrupted puts), and only once they
+        are old enough; never an object. A ``.tmp-`` name is an object where the store lists it
+        (object stores): then it stays."""
+        store.put("p/a", b"1")
+        raw.put(f"p/{TEMP_PREFIX}a.0123", b"half")
+        raw.put(f"p/d/{TEMP_PREFIX}b.0123", b"half")
+        held, listed = raw.keys(), store.list()
+        hidden = sorted(set(held) - set(listed))
+        assert store.prune_temps("p/", 3600) == []  # young: a writer may still be using them
+        assert raw.keys() == held
+        removed = store.prune_temps("p/", 3600, now=time.time() + 7200)
+        assert set(removed) <= set(hidden)
+        assert raw.keys() == sorted(set(held) - set(removed)) and store.list() == listed
+        assert store.get("p/a") == b"1"
+        with pytest.raises(ValueError, match="folder"):
+            store.prune_temps("p")
 
     def test_prefetch_is_only_a_hint(self, store: Storage) -> None:
         store.put("pf/a", b"x")

@@ -17,6 +17,7 @@ import torch
 
 from deck.adapters.base import TableShard
 from deck.format.manifest import CheckpointManifest, Kind
+from deck.format.statefile import scalar_key
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
@@ -35,7 +36,8 @@ LAYOUT: list[tuple[str, int, int, list[tuple[int, int, int, int, int]], bool]] =
 
 
 def shard_key(s: TableShard) -> str:
-    return f"{s.table}|{s.row_offset}|{s.col_offset}"
+    """The shard's name in the synthetic trainer's own state (the format's scalar key)."""
+    return scalar_key(s.table, s.row_offset, s.col_offset)
 
 
 def make_shards(world_size: int = 2, fill: float | None = None, seed: int = 0) -> list[TableShard]:

@@ -15,7 +15,6 @@ from deck.adapters.base import (
     RemovableHandle,
     TableShard,
     hyperparameters,
-    scalar_key,
 )
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
@@ -24,6 +23,7 @@ from deck.errors import (
     LeaseHeldError,
     StorageError,
 )
+from deck.format.statefile import scalar_key
 from deck.read.catalog import (
     read_manifests,
 )
@@ -92,8 +92,8 @@ class DeltaCheckpointer:
                 )
             check_writable(self.storage)
             self._lease = self._take_lease()
-            self._optimizers = self.adapter.optimizers(optimizers)
-            self._state = _user_state(state)
+            self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
+            self._use(optimizers, state)
             shards = self.adapter.table_shards()
             self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
             self._paused = 0
@@ -115,6 +115,29 @@ class DeltaCheckpointer:
         except BaseException:
             self._release()
             raise
+
+    def _use(self, optimizers: Any, state: UserState | None) -> None:
+        """Checkpoint ``optimizers`` (the dense ones, through the adapter) and, when given,
+        ``state`` from now on: at construction, or later for a subclass whose optimizers are
+        built after it (``ModelCheckpointer.attach``). Local, not collective."""
+        self._optimizers = self.adapter.optimizers(optimizers)
+        if state is not None:
+            self._state = user_state_pair(state)
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the tracking hooks are installed (until :meth:`close`)."""
+        return self._hooks is not None
+
+    def _reinstall_tracking(self) -> None:
+        """Install the tracking hooks again, chained after whatever callbacks the model holds
+        now (for a subclass that sees something replace them); nothing once closed."""
+        if self._hooks is None:
+            return
+        self._hooks.remove()
+        self._hooks = self.adapter.install_tracking(
+            self.tracker, self.adapter.table_shards(), self._active
+        )
 
     @property
     def stager(self) -> Stager:
@@ -268,7 +291,7 @@ class DeltaCheckpointer:
         if step is None:
             step = self._last_step
         if step is None:
-            raise ValueError("publish() needs step=... before the first call to step()")
+            raise ConfigError("publish() needs step=... before the first call to step()")
         try:
             return chain.save("delta", step)
         except CheckpointError as e:
@@ -285,14 +308,15 @@ class DeltaCheckpointer:
         upload and commit finish in the background (``flush()`` waits for them, and the returned
         stats fill in as they go). Returns None when the spool is full and the policy is ``skip``.
         On failure nothing is committed, the tracked rows stay pending for the next checkpoint,
-        and :class:`CheckpointError` names the step and the cause.
+        and :class:`CheckpointError` names the step and the cause. A ``kind`` other than those
+        two, or no ``step`` before the first call to ``step()``, is a :class:`ConfigError`.
         """
         if kind not in ("delta", "full"):
-            raise ValueError(f"kind must be 'delta' or 'full', got {kind!r}")
+            raise ConfigError(f"kind must be 'delta' or 'full', got {kind!r}")
         if step is None:
             step = self._last_step
         if step is None:
-            raise ValueError("save() needs step=... before the first call to step()")
+            raise ConfigError("save() needs step=... before the first call to step()")
         return self._ckpt.save(kind, step)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -320,7 +344,11 @@ class DeltaCheckpointer:
             "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},
             "fused_hyperparameters": self.adapter.fused_hyperparameters(),
             "user": self._state[0]() if self._state else None,
-            "scalars": {scalar_key(s): dict(s.scalars) for s in shards if s.scalars},
+            "scalars": {
+                scalar_key(s.table, s.row_offset, s.col_offset): dict(s.scalars)
+                for s in shards
+                if s.scalars
+            },
         }
         if self.config.save_rng:
             extra["rng"] = capture_rng()
@@ -406,7 +434,12 @@ def _default_adapter(model: torch.nn.Module) -> ModelAdapter:
     return TorchRecAdapter(model)  # type: ignore[arg-type]
 
 
-def _user_state(state: UserState | None) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+def user_state_pair(
+    state: UserState | None,
+) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    """The ``(get, set)`` functions of user state given as an object with
+    ``state_dict()``/``load_state_dict()`` or as such a pair (None: no user state); TypeError
+    for anything else."""
     if state is None:
         return None
     if isinstance(state, tuple) and len(state) == 2 and all(callable(f) for f in state):

@@ -19,7 +19,6 @@ failed publish makes the next one a full" all stay exactly those of a file publi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
@@ -118,8 +117,14 @@ class KafkaSinkStorage(StorageWrapper):
         except StorageError:
             # No marker, no commit: a loader would never apply it, and a later delta of it
             # must not commit either (its parent check reads this record).
-            with contextlib.suppress(Exception):
+            try:
                 self.inner.delete(path)
+            except Exception as e:  # the marker's error below is the one to report
+                logger.warning(
+                    "deck: could not delete %s after its commit marker failed: %s",
+                    self.inner.describe(path),
+                    e,
+                )
             raise
 
     def ensure_topic(self) -> None:
@@ -137,8 +142,10 @@ class KafkaSinkStorage(StorageWrapper):
             have = md.topics.get(topic)
             if have is None or have.error is not None or not have.partitions:
                 futures = admin.create_topics([NewTopic(topic, need, 1)])
-                with contextlib.suppress(Exception):  # created meanwhile by someone else
+                try:
                     futures[topic].result(timeout=30)
+                except Exception as e:  # e.g. created meanwhile by someone else: listed below
+                    logger.debug("deck: creating kafka topic %s: %s", topic, e)
                 md = admin.list_topics(topic, timeout=10)
                 have = md.topics.get(topic)
         except Exception as e:

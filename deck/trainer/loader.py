@@ -33,20 +33,18 @@ from deck.errors import (
 )
 from deck.read.catalog import ManifestSet, damaged_records, read_manifests, read_rank_manifests
 from deck.read.lineage import best_valid_chain, chain_for, latest_restorable
-from deck.read.restore import (
-    RestoreStats,
-    apply_chain,
+from deck.read.restore import RestoreStats, apply_chain, read_state_file
+from deck.storage import Storage
+from deck.trainer.coordination import Coordinator, gather_votes
+from deck.trainer.fitting import (
     fill_from_dense,
     load_optimizer,
     plan_moves,
     rank_part,
-    read_state_file,
     reconcile_optimizer,
     same_layout,
     shard_scalars,
 )
-from deck.storage import Storage
-from deck.trainer.coordination import Coordinator, gather_votes
 from deck.trainer.rng import restore_rng
 
 logger = logging.getLogger(__name__)

@@ -92,14 +92,16 @@ class Sink(Protocol):
     """Where a :class:`RankPartWriter` sends files: storage directly, or the stager. Its buffers
     hold ``max(chunk_bytes, bundle_bytes)`` bytes (a chunk, or a bundle of chunks).
 
-    Contract: ``describe`` of a file runs before that file is written, on the writing thread,
+    Contract: ``make_record`` of a file runs before that file is written, on the writing thread,
     while ``buf`` is still the sink's; :meth:`finish_part`'s ``build`` runs after every file
     submitted before it was written (it reads their records)."""
 
     def buffer(self) -> Buffer: ...
-    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None: ...
+    def submit(
+        self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]
+    ) -> None: ...
     def submit_bytes(
-        self, rel: str, data: bytes | bytearray, describe: Callable[[], None]
+        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
     ) -> None: ...
     def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest | None: ...
 
@@ -116,12 +118,14 @@ class DirectSink:
     def buffer(self) -> Buffer:
         return bytearray(self.buffer_bytes)
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None:
-        describe()
+    def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
+        make_record()
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
 
-    def submit_bytes(self, rel: str, data: bytes | bytearray, describe: Callable[[], None]) -> None:
-        describe()
+    def submit_bytes(
+        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
+    ) -> None:
+        make_record()
         self.storage.put(f"{self.root}/{rel}", data)
 
     def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest:
@@ -222,7 +226,7 @@ class RankPartWriter:
             failpoint("writer.chunk.before_fill")
             _fill_chunk(buf, layout, shard, start, stop, local, encoded)
             rec: Later[ChunkRecord] = Later(
-                functools.partial(_describe, buf, rel, layout, pad_to, encoded, offset)
+                functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
             if offset is None:
                 self.sink.submit(rel, buf, nbytes, rec.run)
@@ -303,8 +307,8 @@ class RankPartWriter:
         after the last shard. Callers of :meth:`write_shard` alone must call it too."""
         if self._bundle is None:
             return
-        describe = _run_all(self._bundle_chunks)
-        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, describe)
+        make_record = _run_all(self._bundle_chunks)
+        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
         self._bundle, self._bundle_chunks = None, []
         self._bundles += 1
 
@@ -362,7 +366,7 @@ class RankPartWriter:
         return self.sink.finish_part(build)
 
 
-def _describe(
+def _chunk_record(
     buf: Buffer,
     rel: str,
     layout: ChunkLayout,

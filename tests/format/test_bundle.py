@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.testing.synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
-from deck.trainer.staging import PendingPart, Stager
+from deck.trainer.staging import PendingPart
+from deck.trainer.staging.recovery import check_recovered
+from deck.trainer.staging.spool import SpoolDir
 
 CHUNK = 4096
 BUNDLE = 4 * 4096
@@ -211,8 +214,9 @@ def test_spool_recovery_checks_each_bundled_chunk(
     storage = LocalStorage(str(tmp_path / "ck"))
     m = read_manifests(storage)[0]
     part, _ = _chunks(storage, 0)[0]
-    stager = Stager(storage, StagingConfig(tiers="local"), rank=0)
-    try:
+    with ThreadPoolExecutor(1) as syncer:
+        # The local tier's spool is the destination folder itself.
+        spool = SpoolDir(storage.root, StagingConfig(tiers="local"), scratch=False, syncer=syncer)
         info = PendingPart(
             uri=storage.uri,
             step=0,
@@ -226,16 +230,14 @@ def test_spool_recovery_checks_each_bundled_chunk(
             epoch=0,
             part=part,
         )
-        stager._check_recovered(info)
+        check_recovered(spool, info)
         target = [c for s in part.shards for c in s.chunks][-1]
         path = Path(storage.root) / m.folder / target.path
         raw = bytearray(path.read_bytes())
         raw[(target.offset or 0) + 8] ^= 1
         path.write_bytes(bytes(raw))
         with pytest.raises(CorruptCheckpointError, match="damaged"):
-            stager._check_recovered(info)
-    finally:
-        stager.close()
+            check_recovered(spool, info)
 
 
 def test_bundle_bytes_is_validated() -> None:

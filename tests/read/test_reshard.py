@@ -15,18 +15,20 @@ from typing import Any
 
 import pytest
 import torch
-from deck.adapters.base import TableShard, scalar_key
+from deck.adapters.base import TableShard
 from safetensors.torch import load_file, save_file
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import Kind
+from deck.format.statefile import scalar_key
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
-from deck.read.restore import apply_chain, rank_part, read_state_file, shard_scalars
+from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage, open_storage
 from deck.testing.dist_harness import run_ranks
+from deck.trainer.fitting import rank_part, shard_scalars
 from deck.trainer.writer import RankPartWriter, commit
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------
@@ -89,8 +91,12 @@ def _write(
             local = rows - s.row_offset
             return local[(local >= 0) & (local < s.rows)]
 
-        # Per-shard scalars as the checkpointer saves them (deck.adapters.base.scalar_key).
-        scalars = {scalar_key(s): dict(s.scalars) for s in shards if s.scalars}
+        # Per-shard scalars as the checkpointer saves them (deck.format.statefile.scalar_key).
+        scalars = {
+            scalar_key(s.table, s.row_offset, s.col_offset): dict(s.scalars)
+            for s in shards
+            if s.scalars
+        }
         w.write_part(
             shards, rows_for, {"d": torch.zeros(1)} if rank == 0 else None, {"scalars": scalars}
         )
@@ -660,7 +666,7 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
     state loads exactly; nothing moved (or a plain torch optimizer) leaves the saved state alone."""
     from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-    from deck.read.restore import load_optimizer, reconcile_optimizer
+    from deck.trainer.fitting import load_optimizer, reconcile_optimizer
 
     def make(names: list[str], seed: int) -> KeyedOptimizerWrapper:
         g = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -29,7 +30,13 @@ from deck.storage.local import TEMP_PREFIX
 from deck.storage.retry import call_with_retry, is_transient
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.faulty_storage import FaultyStorage
-from deck.testing.storage import StorageTests
+from deck.testing.storage import (
+    LocalFiles,
+    MemoryObjects,
+    RawObjects,
+    S3Objects,
+    StorageTests,
+)
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.01)
 
@@ -43,11 +50,19 @@ class TestLocalStorage(StorageTests):
     def store(self, tmp_path: Any) -> Storage:
         return LocalStorage(tmp_path / "store")
 
+    @pytest.fixture
+    def raw(self, tmp_path: Any) -> RawObjects:
+        return LocalFiles(tmp_path / "store")
+
 
 class TestMemoryStorage(StorageTests):
     @pytest.fixture
     def store(self) -> Storage:
         return FsspecStorage(f"memory://deck-test-{uuid.uuid4().hex}")
+
+    @pytest.fixture
+    def raw(self, store: Storage) -> RawObjects:
+        return MemoryObjects(store.uri)
 
 
 @pytest.mark.slow
@@ -58,6 +73,10 @@ class TestS3Storage(StorageTests):
     def store(self, s3_server: Any, s3_uri: str) -> Storage:
         return FsspecStorage(s3_uri, s3_server.storage_options)
 
+    @pytest.fixture
+    def raw(self, s3_server: Any, s3_uri: str) -> RawObjects:
+        return S3Objects(s3_uri, s3_server.storage_options)
+
 
 class TestWrappedStorage(StorageTests):
     """StorageWrapper forwards everything, capabilities included."""
@@ -65,6 +84,10 @@ class TestWrappedStorage(StorageTests):
     @pytest.fixture
     def store(self, tmp_path: Any) -> Storage:
         return StorageWrapper(LocalStorage(tmp_path / "store"))
+
+    @pytest.fixture
+    def raw(self, tmp_path: Any) -> RawObjects:
+        return LocalFiles(tmp_path / "store")
 
     def test_capabilities_are_forwarded(self, tmp_path: Any) -> None:
         inner = LocalStorage(tmp_path / "store")
@@ -83,6 +106,10 @@ class TestFaultyStorageWithoutFaults(StorageTests):
     @pytest.fixture
     def store(self, tmp_path: Any) -> Storage:
         return FaultyStorage(LocalStorage(tmp_path / "store"))
+
+    @pytest.fixture
+    def raw(self, tmp_path: Any) -> RawObjects:
+        return LocalFiles(tmp_path / "store")
 
     def test_hides_the_local_path(self, store: Storage) -> None:
         store.put("k", b"v")
@@ -224,6 +251,42 @@ class TestLocal:
         with pytest.raises(StorageError, match="could not write"):
             s.put("d/b", b"2")
         assert _temps(tmp_path) == []
+
+    def test_prune_temps_removes_old_temps_and_emptied_folders(self, tmp_path: Any) -> None:
+        """Every temp file under the folder once old enough, then the folders left empty (the
+        root and folders holding objects stay); objects are never touched."""
+        s, raw = LocalStorage(tmp_path / "ck"), LocalFiles(tmp_path / "ck")
+        s.put("1/a", b"1")
+        temps = [f"1/{TEMP_PREFIX}a.0", f"1/x/y/{TEMP_PREFIX}b.0", f"2/{TEMP_PREFIX}c.0"]
+        for t in temps:
+            raw.put(t, b"half")
+        assert s.prune_temps("1/", 60) == []  # fresh
+        assert s.prune_temps("1/", 60, now=time.time() + 120) == sorted(temps[:2])
+        assert raw.keys() == ["1/a", temps[2]] and not (tmp_path / "ck/1/x").exists()
+        assert s.prune_temps() == [temps[2]]  # no grace: whatever its age
+        assert raw.keys() == ["1/a"] and not (tmp_path / "ck/2").exists()
+        assert s.list() == ["1/a"] and s.prune_temps() == [] and (tmp_path / "ck").is_dir()
+        assert s.prune_temps("absent/") == []
+
+    def test_prune_temps_never_follows_a_link(
+        self, tmp_path: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A link below the root is never entered, a prefix through a link is refused (logged);
+        a temp-named link is removed itself, not what it points to."""
+        outside = tmp_path / "outside"
+        (outside / "sub").mkdir(parents=True)
+        (outside / f"{TEMP_PREFIX}victim.0").write_bytes(b"not ours")
+        s = LocalStorage(tmp_path / "ck")
+        s.put("d/a", b"1")
+        os.symlink(outside, tmp_path / "ck" / "d" / "linked")
+        os.symlink(outside / f"{TEMP_PREFIX}victim.0", tmp_path / "ck" / "d" / f"{TEMP_PREFIX}l")
+        with caplog.at_level(logging.WARNING, logger="deck.storage.local"):
+            assert s.prune_temps("d/linked/") == []
+        assert "symbolic link" in caplog.text
+        assert s.prune_temps() == [f"d/{TEMP_PREFIX}l"]
+        assert not os.path.lexists(tmp_path / "ck" / "d" / f"{TEMP_PREFIX}l")
+        assert (outside / f"{TEMP_PREFIX}victim.0").read_bytes() == b"not ours"
+        assert (outside / "sub").is_dir() and os.path.islink(tmp_path / "ck" / "d" / "linked")
 
     def test_non_buffer_data_is_rejected_before_writing(self, tmp_path: Any) -> None:
         s = LocalStorage(tmp_path)

@@ -12,7 +12,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from deck.errors import IncompatibleModelError
 from deck.format import treecodec
-from deck.read.restore import load_optimizer
+from deck.trainer.fitting import load_optimizer
 
 
 class _Net(torch.nn.Module):

@@ -33,18 +33,14 @@ uses ``weights_only`` loading); deck writes it through DCP's public ``StorageWri
 **Modules.** :mod:`.layout` (which shards a step has and where each state goes: ``StepState``),
 :mod:`.dense` (the dense and scalar state, DCP's names), :mod:`.run` (the report every export
 fills), :mod:`.dcp` and :mod:`.dcp_writer` (the DCP export), :mod:`.safetensors_file` (the
-safetensors export). This package re-exports what the CLI and the other ops import.
+safetensors export, written through :mod:`deck.format.safetensors`). This package re-exports what the CLI and the other ops import.
 """
 
 from deck.ops.export.dcp import export_dcp
 from deck.ops.export.dense import eager_state, flatten, table_name
 from deck.ops.export.layout import Piece, ShardGeometry, ShardSpec, StepState, geometry_of
 from deck.ops.export.run import ExportReport, ExportRun, Progress, check_out_dir
-from deck.ops.export.safetensors_file import (
-    export_safetensors,
-    safetensors_preamble,
-    write_tensor,
-)
+from deck.ops.export.safetensors_file import export_safetensors
 
 __all__ = [
     "ExportReport",
@@ -60,7 +56,5 @@ __all__ = [
     "export_safetensors",
     "flatten",
     "geometry_of",
-    "safetensors_preamble",
     "table_name",
-    "write_tensor",
 ]

@@ -9,7 +9,8 @@ import torch
 
 from deck.errors import UnsupportedError
 from deck.format.manifest import CheckpointManifest, RankManifest
-from deck.read.catalog import describe
+from deck.format.statefile import parse_scalar_key
+from deck.read.catalog import checkpoint_label
 from deck.read.restore import read_state_file
 from deck.storage import Storage
 
@@ -45,7 +46,7 @@ def _dense_model(
     storage: Storage, last: CheckpointManifest, rank0: RankManifest, skipped: list[str]
 ) -> dict[str, torch.Tensor]:
     """The tensors of the dense state (rank 0's part holds it)."""
-    where = describe(last)
+    where = checkpoint_label(last)
     if rank0.dense is None:
         skipped.append(f"{where}: rank 0 part has no dense state")
         return {}
@@ -89,10 +90,10 @@ def _add_scalar_states(
     for part in parts:
         ex = extra if part.rank == 0 else read_state_file(storage, last, part.extra)
         for key, values in ex.get("scalars", {}).items():
-            table, row_off, col_off = key.rsplit("|", 2)
+            table, row_off, col_off = parse_scalar_key(key)
             for k, v in values.items():
                 scalars.setdefault(table, {}).setdefault(k, []).append(
-                    ((int(row_off), int(col_off)), v.reshape(1))
+                    ((row_off, col_off), v.reshape(1))
                 )
     for table, per_name in scalars.items():
         for k, blocks in per_name.items():

@@ -16,7 +16,7 @@ from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, Unsuppo
 from deck.format.chunks import DTYPES
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.ops.export.dense import eager_state, table_name
-from deck.read.catalog import describe, read_manifests, read_rank_manifests
+from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain, part_where
 from deck.read.verify import check_files
@@ -262,7 +262,8 @@ class StepState:
                 rank = next(p.rank for p in self.parts for r in p.shards if r.table == table)
                 raise CorruptCheckpointError(
                     f"{part_where(self.storage, self.last, rank)}: table {table} claims "
-                    f"{claim} bytes of state, but the chunks of its full ({describe(full)}) hold "
+                    f"{claim} bytes of state, but the chunks of its full "
+                    f"({checkpoint_label(full)}) hold "
                     f"at most {held.get(table, 0)}; the records are damaged or were not written "
                     "by deck: run deck verify"
                 )

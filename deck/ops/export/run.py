@@ -73,5 +73,6 @@ class ExportRun:
 def check_out_dir(out_dir: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(
-            f"--out {out_dir} exists and is not an empty directory; choose a new or empty directory"
+            f"out_dir {out_dir} exists and is not an empty directory; choose a new or empty "
+            "directory"
         )

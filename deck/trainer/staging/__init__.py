@@ -17,14 +17,17 @@ when the destination already has them or a later full made them useless.
 
 Modules: :mod:`.stager` (:class:`Stager`, the training thread's side), :mod:`.part`
 (:class:`StagedPart`, the writer's sink), :mod:`.pool` (:class:`BufferPool`), :mod:`.spool`
-(the spool folder's files, pending records and space), :mod:`.destination` (retried reads and
-writes at the destination), :mod:`.committer` (the commit thread), :mod:`.recovery` (restart),
-:mod:`.records` (:class:`PendingPart`, :class:`CheckpointStats`).
+(the spool folder's files, pending records and space), :mod:`.destination` (patient,
+one-attempt and best-effort calls at the destination), :mod:`.committer` (the commit thread),
+:mod:`.recovery` (restart), :mod:`.records` (:class:`CheckpointStats`, the public view of a
+part's progress). The pending record itself is on-disk format:
+:class:`~deck.format.pending.PendingPart` (re-exported here).
 """
 
+from deck.format.pending import PENDING_SUFFIX, PendingPart
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
-from deck.trainer.staging.records import PENDING_SUFFIX, CheckpointStats, PendingPart
+from deck.trainer.staging.records import CheckpointStats
 from deck.trainer.staging.stager import Stager, resolve_tier
 
 __all__ = [

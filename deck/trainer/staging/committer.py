@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deck.config import StagingConfig
 from deck.errors import (
@@ -21,14 +23,26 @@ from deck.errors import (
 )
 from deck.failpoints import failpoint
 from deck.format.manifest import Kind, dump_model, rank_failure_name, rank_manifest_name, step_dir
+from deck.format.pending import PendingPart
 from deck.trainer.staging.destination import Destination
-from deck.trainer.staging.records import CheckpointStats, PendingPart, _Item, _NeverCommits
+from deck.trainer.staging.records import NeverCommits, PartProgress
 from deck.trainer.staging.recovery import check_recovered
 from deck.trainer.staging.spool import SpoolDir
-from deck.trainer.writer import commit
-from deck.version import __version__
+
+if TYPE_CHECKING:
+    from deck.trainer.staging.part import StagedPart
 
 logger = logging.getLogger(__package__)
+
+
+@dataclass
+class _Item:
+    """One part for the commit thread: staged by this process, or found in the spool."""
+
+    pending: PendingPart  # of a staged part: without files and manifest until its writes are done
+    progress: PartProgress  # the part's state: written by the commit thread only
+    spool_reserved: int  # spool space held for it, given back at cleanup
+    staged: StagedPart | None = None
 
 
 class Committer:
@@ -70,7 +84,6 @@ class Committer:
         uploads: ThreadPoolExecutor,
     ) -> None:
         self.dest = dest
-        self.storage = dest.storage
         self.cfg = cfg
         self.tier = tier
         self.spool = spool
@@ -88,10 +101,20 @@ class Committer:
         self._thread.start()
 
     # ---- training thread -------------------------------------------------------------------------
-    def submit(self, item: _Item) -> None:
+    def submit(
+        self,
+        pending: PendingPart,
+        progress: PartProgress,
+        spool_reserved: int,
+        staged: StagedPart | None = None,
+    ) -> None:
+        """Finish ``pending`` in the background, moving ``progress`` on as it goes.
+        ``spool_reserved``: the spool space the part holds (given back once it is done);
+        ``staged``: the part as this process staged it (its writes may still be running), or
+        None for a part found pending on restart."""
         with self._idle:
             self._busy += 1
-        self._queue.put(item)
+        self._queue.put(_Item(pending, progress, spool_reserved, staged))
 
     def take_failed(self) -> list[tuple[int, str]]:
         """(step, id) of this rank's parts (rank > 0) that failed in the background since the
@@ -130,12 +153,12 @@ class Committer:
 
     # ---- commit thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority(self.cfg.background_nice)
+        lower_priority(self.cfg.background_nice)
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            pending, stats = item.pending, item.stats
+            pending = item.pending
             try:
                 if item.staged is not None:
                     try:  # its writes (still running when training was released early)
@@ -143,19 +166,19 @@ class Committer:
                         pending = item.staged.pending()
                     except Exception as e:
                         pending = pending.model_copy(update={"files": tuple(item.staged.files)})
-                        raise _NeverCommits(str(e)) from e
-                self._finish(pending, stats)
+                        raise NeverCommits(str(e)) from e
+                self._finish(pending, item)
             except Exception as e:
-                self._fail(pending, stats, e)
+                self._fail(pending, item, e)
             finally:
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
 
-    def _fail(self, pending: PendingPart, stats: CheckpointStats, e: Exception) -> None:
-        if pending.rank != 0 and stats.state not in ("uploaded", "committed"):
+    def _fail(self, pending: PendingPart, item: _Item, e: Exception) -> None:
+        if pending.rank != 0 and item.progress.get().state not in ("uploaded", "committed"):
             self._report_failed(pending, e)
-        stats.state, stats.error = "failed", str(e)
+        item.progress.fail(str(e))
         with self._idle:
             self._failure = True
         logger.error(
@@ -164,67 +187,79 @@ class Committer:
             pending.ckpt_id,
             e,
         )
-        if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, _NeverCommits)):
+        if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, NeverCommits)):
             # It can never commit (its parent is gone, its spooled files are torn, a
             # rank's part failed): drop it, or every restart would retry it.
-            with contextlib.suppress(Exception):
-                self._cleanup(pending, stats)
+            try:
+                self._cleanup(pending, item)
+            except Exception as cleanup_error:  # what is left is removed at the next restart
+                logger.warning(
+                    "deck: could not remove the files of failed step %d (%s): %s",
+                    pending.step,
+                    pending.ckpt_id,
+                    cleanup_error,
+                )
 
     def _report_failed(self, p: PendingPart, e: BaseException) -> None:
         """A part of a rank other than 0 failed before its rank manifest went up: rank 0 must
         not wait for it. A failure record at the destination tells it at once (best effort: the
-        store may be what failed); :meth:`take_failed` tells it at the next collective."""
+        store may be what failed: one attempt, never waiting out an outage); :meth:`take_failed`
+        tells it at the next collective."""
         with self._idle:
             self._failed_parts.append((p.step, p.ckpt_id))
         key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
         try:
             failpoint("stager.failure_record.put", key)
-            self.storage.put(key, f"rank {p.rank}: {e}".encode())
+            self.dest.put_once(key, f"rank {p.rank}: {e}".encode())
         except (StorageError, OSError) as put_error:
             logger.warning(
                 "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
                 "the next checkpoint or flush",
-                self.storage.describe(key),
+                self.dest.describe(key),
                 p.step,
                 put_error,
             )
 
-    def _finish(self, p: PendingPart, stats: CheckpointStats) -> None:
+    def _finish(self, p: PendingPart, item: _Item) -> None:
         if p.part is None:
             raise DeckError(f"pending part of step {p.step} has no rank manifest")
-        if self.dest.committed_id(p.step) == p.ckpt_id:
-            self._cleanup(p, stats)
-            stats.state = "committed"
+        progress = item.progress
+        if self.dest.patient_committed_id(p.step) == p.ckpt_id:
+            self._cleanup(p, item)
+            progress.advance("committed")
             return
         part_key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
         # A crash after the part manifest went up (it is written last) may have removed the
         # spool copies already: the part is at the destination, only the commit is left.
-        uploaded = stats.state == "recovering" and self.dest.exists(part_key)
-        if not uploaded:
-            self._put_part(p, stats, part_key)
-        stats.state = "uploaded"
+        recovering = progress.get().state == "recovering"
+        if not (recovering and self.dest.patient_exists(part_key)):
+            self._put_part(p, progress, recovering, part_key)
+        # The time is the upload's on ranks > 0, the commit's on rank 0.
+        progress.advance("uploaded", committed=p.rank != 0)
         if p.rank == 0:
             self._wait_for_parts(p)
             failpoint("stager.commit.before")
             self._commit(p)
-            stats.state = "committed"
-        stats.committed_s = time.perf_counter() - stats.started
-        self._cleanup(p, stats)
+            progress.advance("committed", committed=True)
+        self._cleanup(p, item)
+        now = progress.get()
         logger.info(
             "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
             p.step,
-            stats.state,
+            now.state,
             p.rank,
-            self.storage.uri,
-            "-" if stats.durable_local_s is None else f"{stats.durable_local_s:.3f}",
+            self.dest.uri,
+            "-" if now.durable_local_s is None else f"{now.durable_local_s:.3f}",
             "committed" if p.rank == 0 else "uploaded",
-            stats.committed_s,
+            now.committed_s,
         )
 
-    def _put_part(self, p: PendingPart, stats: CheckpointStats, part_key: str) -> None:
+    def _put_part(
+        self, p: PendingPart, progress: PartProgress, recovering: bool, part_key: str
+    ) -> None:
         """The part's files durable and at the destination, then its rank manifest."""
         assert p.part is not None
-        if stats.state == "recovering":
+        if recovering:
             failpoint("stager.recover.before_check")
             assert self.spool is not None  # a recovered part was found in the spool
             check_recovered(self.spool, p)
@@ -232,12 +267,11 @@ class Committer:
             failpoint("stager.fsync.before")
             self.spool.fsync(p)
             failpoint("stager.fsync.after")
-            stats.durable_local_s = time.perf_counter() - stats.started
-            stats.state = "durable"
+            progress.advance("durable", durable=True)
         if self.tier == "cpu-ssd-remote":
             self._upload(p)
         failpoint("stager.part_manifest.before_put")
-        self.dest.put(part_key, dump_model(p.part))
+        self.dest.patient_put(part_key, dump_model(p.part))
         failpoint("stager.part_manifest.after_put")
 
     def _commit(self, p: PendingPart) -> None:
@@ -246,23 +280,13 @@ class Committer:
         if (
             p.kind is Kind.DELTA
             and p.parent is not None
-            and self.dest.committed_id(p.parent) != p.parent_id
+            and self.dest.patient_committed_id(p.parent) != p.parent_id
         ):
             raise CheckpointNotFoundError(
                 f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
-                f"{self.storage.uri}; the next checkpoint will be a full"
+                f"{self.dest.uri}; the next checkpoint will be a full"
             )
-        commit(
-            self.storage,
-            step=p.step,
-            ckpt_id=p.ckpt_id,
-            kind=p.kind,
-            parent=(p.parent, p.parent_id) if p.parent is not None and p.parent_id else None,
-            base=p.base,
-            epoch=p.epoch,
-            world_size=p.world_size,
-            deck_version=__version__,
-        )
+        self.dest.commit_once(p)
 
     def _upload(self, p: PendingPart) -> None:
         assert self.spool is not None
@@ -271,7 +295,7 @@ class Committer:
         def one(rel: str) -> None:
             data = spool.store.get(spool.key(p.step, rel))  # never through a link
             failpoint("stager.upload.before_put")
-            self.dest.put(f"{step_dir(p.step)}/{rel}", data)
+            self.dest.patient_put(f"{step_dir(p.step)}/{rel}", data)
             failpoint("stager.upload.after_put")
 
         for fut in [self._uploads.submit(one, rel) for rel in p.files]:
@@ -290,7 +314,7 @@ class Committer:
                 missing = [
                     r
                     for r in missing
-                    if not self.storage.exists(f"{folder}/{rank_manifest_name(r)}")
+                    if not self.dest.exists_once(f"{folder}/{rank_manifest_name(r)}")
                 ]
                 self._raise_if_failed(p, [f"{folder}/{rank_failure_name(r)}" for r in missing])
             except StorageError as e:
@@ -302,14 +326,14 @@ class Committer:
                     "deck: step %d waits for the parts of rank(s) %s at %s (giving up in %.0f s)",
                     p.step,
                     missing,
-                    self.storage.describe(folder),
+                    self.dest.describe(folder),
                     deadline - time.monotonic(),
                 )
                 next_report = time.monotonic() + 30
             if time.monotonic() > deadline:
                 raise DeckError(
                     f"step {p.step}: the parts of rank(s) {missing} did not arrive at "
-                    f"{self.storage.describe(folder)} within {self.cfg.commit_timeout_s:.0f} s; "
+                    f"{self.dest.describe(folder)} within {self.cfg.commit_timeout_s:.0f} s; "
                     "not committing it"
                 )
             with self._idle:  # abandon() wakes it
@@ -323,14 +347,14 @@ class Committer:
         why = None
         for key in failure_keys:  # first: a record says what failed, the collective only who
             with contextlib.suppress(NotFoundError):
-                why = self.storage.get(key).decode(errors="replace")
+                why = self.dest.get_once(key).decode(errors="replace")
                 break
         with self._idle:
             told = self._abandoned.pop((p.step, p.ckpt_id), None)
         if why is not None or told is not None:
-            raise _NeverCommits(f"step {p.step} is not committed: {why or told}")
+            raise NeverCommits(f"step {p.step} is not committed: {why or told}")
 
-    def _cleanup(self, p: PendingPart, stats: CheckpointStats) -> None:
+    def _cleanup(self, p: PendingPart, item: _Item) -> None:
         """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""
         if self.spool is None:
             return
@@ -339,10 +363,10 @@ class Committer:
             self.spool.remove_files(p.step, list(p.files))
         failpoint("stager.cleanup.after_files")
         self.spool.remove_pending(p)
-        self.spool.release(stats.spool_reserved)
+        self.spool.release(item.spool_reserved)
 
 
-def _lower_priority(increment: int) -> None:
+def lower_priority(increment: int) -> None:
     """Lower the calling thread's CPU priority by ``increment`` nice levels (Linux: priorities are
     per thread; elsewhere a no-op)."""
     if not increment or not sys.platform.startswith("linux"):

@@ -1,4 +1,5 @@
-"""The checkpoint's destination as the stager's threads use it: outages are waited out."""
+"""The checkpoint's destination as the stager's threads use it: patient, one-attempt and
+best-effort calls, each named for how it meets an outage."""
 
 from __future__ import annotations
 
@@ -15,55 +16,105 @@ from deck.errors import (
     UnsafePathError,
 )
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_dir
+from deck.format.pending import PendingPart
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.storage.retry import RetryPolicy, call_with_retry
+from deck.trainer.writer import commit
+from deck.version import __version__
 
 T = TypeVar("T")
 
 
 class Destination:
-    """``storage`` with every read and write retried for as long as ``upload_timeout_s``.
+    """The checkpoint's destination (``storage``) as the stager's threads use it. Each call's
+    name says how it meets an outage, so a call site picks its retry behaviour by name, never
+    by which handle of the store it happens to hold:
 
-    Used by the upload threads (files of the ``cpu-remote`` tier, and uploads from the spool),
-    the commit thread (part manifests, commit checks) and restart recovery (what is there).
+    - **patient** (``patient_*``): retried with backoff for as long as
+      ``staging.upload_timeout_s``, so outages are waited out (the store's own retries only cover
+      short blips): the upload threads (files of the ``cpu-remote`` tier, uploads from the spool),
+      part manifests, and the checks that decide a part's fate (is it committed, is a rank's part
+      there) in the commit thread and restart recovery;
+    - **once** (``*_once``): one attempt (with the store's own retries); the error goes to a
+      caller that copes with it: rank 0's poll for the other ranks' parts (it polls again), the
+      failure record of a part (logged; rank 0 also learns at the next collective), the commit
+      record (the part fails, the next checkpoint is a full);
+    - **best effort** (``best_effort_*``): errors are ignored: files of a part that will not be
+      committed.
     """
 
     def __init__(self, storage: Storage, cfg: StagingConfig) -> None:
-        self.storage = storage
+        self._storage = storage
         self.cfg = cfg
 
-    def put(self, key: str, data: bytes | bytearray) -> None:
-        self.retrying("upload", key, lambda: self.storage.put(key, data))
+    @property
+    def uri(self) -> str:
+        return self._storage.uri
 
-    def exists(self, key: str) -> bool:
-        return self.retrying("read", key, lambda: self.storage.exists(key))
+    def describe(self, key: str) -> str:
+        """``key`` as error messages and logs name it."""
+        return self._storage.describe(key)
 
-    def committed_id(self, step: int) -> str | None:
+    # ---- patient ---------------------------------------------------------------------------------
+    def patient_put(self, key: str, data: bytes | bytearray) -> None:
+        self._patiently("upload", key, lambda: self._storage.put(key, data))
+
+    def patient_exists(self, key: str) -> bool:
+        return self._patiently("read", key, lambda: self._storage.exists(key))
+
+    def patient_committed_id(self, step: int) -> str | None:
         """The id of the checkpoint committed at ``step``, if any (an unreadable record: none)."""
         key = f"{step_dir(step)}/{MANIFEST}"
 
         def read() -> bytes | None:
             try:
-                return get_bounded(self.storage, key)
+                return get_bounded(self._storage, key)
             except (NotFoundError, CorruptCheckpointError):  # too large, a link, a FIFO, ...
                 return None
 
-        data = self.retrying("read", key, read)
+        data = self._patiently("read", key, read)
         if data is None:
             return None
         try:
-            return load_model(CheckpointManifest, data, self.storage.describe(step_dir(step))).id
+            return load_model(CheckpointManifest, data, self._storage.describe(step_dir(step))).id
         except DeckError:
             return None
 
-    def delete_files(self, step: int, files: list[str]) -> None:
-        """Best effort, no retries: files of a part that will not be committed."""
+    # ---- once --------------------------------------------------------------------------------------
+    def put_once(self, key: str, data: bytes | bytearray) -> None:
+        self._storage.put(key, data)
+
+    def exists_once(self, key: str) -> bool:
+        return self._storage.exists(key)
+
+    def get_once(self, key: str) -> bytes:
+        return self._storage.get(key)
+
+    def commit_once(self, p: PendingPart) -> None:
+        """Rank 0, every rank's part is there: verify the parts and write the commit record of
+        ``p``'s checkpoint (:func:`deck.trainer.writer.commit`)."""
+        commit(
+            self._storage,
+            step=p.step,
+            ckpt_id=p.ckpt_id,
+            kind=p.kind,
+            parent=(p.parent, p.parent_id) if p.parent is not None and p.parent_id else None,
+            base=p.base,
+            epoch=p.epoch,
+            world_size=p.world_size,
+            deck_version=__version__,
+        )
+
+    # ---- best effort -------------------------------------------------------------------------------
+    def best_effort_delete(self, step: int, files: list[str]) -> None:
+        """Delete files of a part that will not be committed; errors are ignored (what stays
+        behind belongs to no commit record, and GC removes it)."""
         for rel in files:
             with contextlib.suppress(OSError, StorageError):
-                self.storage.delete(f"{step_dir(step)}/{rel}")
+                self._storage.delete(f"{step_dir(step)}/{rel}")
 
-    def retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
+    def _patiently(self, what: str, key: str, fn: Callable[[], T]) -> T:
         """``fn`` with backoff for as long as ``upload_timeout_s``: outages are waited out (the
         store's own retries only cover short blips). Every storage error is retried."""
         policy = RetryPolicy(
@@ -76,11 +127,11 @@ class Destination:
             retry_on=lambda e: isinstance(e, StorageError) and not isinstance(e, UnsafePathError),
         )
         try:
-            return call_with_retry(fn, policy, f"deck: {what} of {self.storage.describe(key)}")
+            return call_with_retry(fn, policy, f"deck: {what} of {self._storage.describe(key)}")
         except UnsafePathError:
             raise
         except StorageError as e:
             raise StorageError(
-                f"giving up on {what} of {self.storage.describe(key)} after "
+                f"giving up on {what} of {self._storage.describe(key)} after "
                 f"{self.cfg.upload_timeout_s:.0f} s: {e}"
             ) from e

@@ -6,21 +6,51 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from deck.errors import DeckError
 from deck.format.chunks import Buffer
 from deck.format.manifest import RankManifest
-from deck.trainer.staging.records import PendingPart
+from deck.format.pending import PendingPart
+from deck.trainer.staging.pool import BufferPool
 
-if TYPE_CHECKING:
-    from deck.trainer.staging.stager import Stager
+
+class PartStager(Protocol):
+    """What a :class:`StagedPart` needs of the stager that made it
+    (:class:`~deck.trainer.staging.Stager`): the seam between the part and the stager's threads."""
+
+    @property
+    def pool(self) -> BufferPool:
+        """The chunk buffers the part fills (each returns once written)."""
+        ...
+
+    @property
+    def spool_root(self) -> str | None:
+        """The spool folder (None: no spool, so no pending record)."""
+        ...
+
+    def write_out(
+        self,
+        step: int,
+        rel: str,
+        data: bytes | Buffer,
+        nbytes: int,
+        make_record: Callable[[], None],
+        pooled: bool,
+    ) -> Future[None]:
+        """Write one file to the first tier after ``make_record``; a ``pooled`` buffer goes back
+        to :attr:`pool` once written."""
+        ...
+
+    def record_pending(self, staged: StagedPart) -> Future[None]:
+        """Write ``staged``'s pending record after the files queued before it."""
+        ...
 
 
 class StagedPart:
     """One rank's part of one checkpoint while the training thread writes it (the writer's sink)."""
 
-    def __init__(self, stager: Stager, info: PendingPart, reserved: int):
+    def __init__(self, stager: PartStager, info: PendingPart, reserved: int):
         self.stager = stager
         self.info = info
         self.reserved = reserved
@@ -46,17 +76,21 @@ class StagedPart:
         self.buffer_wait_s += time.perf_counter() - t0
         return buf
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int, describe: Callable[[], None]) -> None:
+    def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
         self.bytes += nbytes
-        self._track(self.stager.write_out(self.info.step, rel, buf, nbytes, describe, pooled=True))
+        self._track(
+            self.stager.write_out(self.info.step, rel, buf, nbytes, make_record, pooled=True)
+        )
 
-    def submit_bytes(self, rel: str, data: bytes | bytearray, describe: Callable[[], None]) -> None:
+    def submit_bytes(
+        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
+    ) -> None:
         self.files.append(rel)
         self.bytes += len(data)
         self._track(
-            self.stager.write_out(self.info.step, rel, data, len(data), describe, pooled=False)
+            self.stager.write_out(self.info.step, rel, data, len(data), make_record, pooled=False)
         )
 
     def finish_part(self, build: Callable[[], RankManifest]) -> None:

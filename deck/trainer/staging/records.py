@@ -1,86 +1,79 @@
-"""What the stager keeps of one rank's part: the pending record a restart finishes it from
-(:class:`PendingPart`), what this rank saw of it (:class:`CheckpointStats`), and the commit
-thread's work item (:class:`_Item`)."""
+"""What the stager keeps of one rank's part besides its pending record
+(:class:`deck.format.pending.PendingPart`): how far the commit thread got with it
+(:class:`PartProgress`, the commit thread's state), what this rank saw of it
+(:class:`CheckpointStats`, the public result, which reads that state), and the error that
+drops a part for good (:class:`NeverCommits`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from deck.errors import DeckError
-from deck.format.manifest import (
-    CkptId,
-    Kind,
-    NonNeg,
-    RankManifest,
-    check_rel_path,
-    rank_dir,
-)
-
-if TYPE_CHECKING:
-    from deck.trainer.staging.part import StagedPart
-
-PENDING_SUFFIX = ".pending.json"
 
 
-class _NeverCommits(DeckError):
-    """A part that failed for good (its writes, or another rank's part): drop it, or every
-    restart would retry it."""
+class NeverCommits(DeckError):
+    """A part that failed for good (its writes, its spool fsync, or another rank's part): the
+    commit thread drops it, or every restart would retry it."""
 
 
-class PendingPart(BaseModel):
-    """Everything needed to finish one rank's part of a checkpoint after a restart.
+@dataclass(frozen=True)
+class Progress:
+    """One moment of a part's background progress (:class:`PartProgress`)."""
 
-    Validated like a manifest when read back (a restart acts on it: it may delete the files it
-    names): every file is a safe relative path inside this part's own folder
-    ``<ckpt_id>/rank-<rank>/``, and the rank manifest, when set, is this part's."""
+    state: str = "staged"  # staged | recovering | durable | uploaded | committed | failed
+    error: str | None = None
+    durable_local_s: float | None = None  # snapshot start -> this rank's files fsynced
+    committed_s: float | None = None  # snapshot start -> part uploaded (rank 0: manifest written)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    uri: str
-    step: NonNeg
-    ckpt_id: CkptId
-    rank: NonNeg
-    world_size: int = Field(ge=1)
-    kind: Kind
-    parent: NonNeg | None
-    parent_id: CkptId | None
-    base: NonNeg
-    epoch: NonNeg
-    files: tuple[str, ...] = ()  # relative to the step folder; data files of this part
-    part: RankManifest | None = None  # set once the part is written
+class PartProgress:
+    """How far the commit thread got with one part: the commit thread's state machine.
 
-    @model_validator(mode="after")
-    def _own_files(self) -> PendingPart:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
-        folder = f"{self.ckpt_id}/{rank_dir(self.rank)}/"
-        named = list(self.files)
-        if self.part is not None:
-            p = self.part
-            if (p.step, p.ckpt_id, p.rank, p.world_size) != (
-                self.step,
-                self.ckpt_id,
-                self.rank,
-                self.world_size,
-            ):
-                raise ValueError("its rank manifest is of another step, checkpoint or rank")
-            named += [c.path for s in p.shards for c in s.chunks]
-            named += [f.path for f in (p.dense, p.extra) if f is not None]
-        for f in named:
-            check_rel_path(f)
-            if not f.startswith(folder):
-                raise ValueError(f"file {f!r} is not in the part's folder {folder}")
-        return self
+    Only the commit thread moves it on (restart recovery marks a part ``recovering`` before it
+    hands it over); any thread may read it. Every change replaces the whole :class:`Progress`
+    under the lock, so a reader sees one moment: never a state without the time that goes
+    with it."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started  # the snapshot's start: what the times count from
+        self._lock = threading.Lock()
+        self._now = Progress()
+
+    def get(self) -> Progress:
+        """The progress now, every field of the same moment."""
+        with self._lock:
+            return self._now
+
+    def advance(self, state: str, *, durable: bool = False, committed: bool = False) -> None:
+        """Move to ``state``. ``durable``: the part's files were just fsynced; ``committed``: the
+        part was just uploaded (rank 0: committed); each timed from :attr:`started`."""
+        elapsed = time.perf_counter() - self.started
+        with self._lock:
+            now = self._now
+            self._now = dataclasses.replace(
+                now,
+                state=state,
+                durable_local_s=elapsed if durable else now.durable_local_s,
+                committed_s=elapsed if committed else now.committed_s,
+            )
+
+    def fail(self, error: str) -> None:
+        """The part failed with ``error`` (its times so far are kept)."""
+        with self._lock:
+            self._now = dataclasses.replace(self._now, state="failed", error=error)
 
 
 @dataclass
 class CheckpointStats:
     """One checkpoint as this rank saw it. Stall and sizes are filled when ``step``/``save``
-    returns (sizes summed over ranks); the background thread fills the rest as it goes."""
+    returns (sizes summed over ranks). The background fields (:attr:`state`, :attr:`error`,
+    :attr:`durable_local_s`, :attr:`committed_s`) fill in as the commit thread goes on: each is
+    read from its progress (:attr:`progress`, written by the commit thread only), and
+    :meth:`snapshot` reads them all at one moment."""
 
     step: int
     kind: str
@@ -91,32 +84,59 @@ class CheckpointStats:
     # for it, as it would have at the next training step's collective anyway.
     job_stall_s: float = 0.0
     # Of the stall, the longest any rank waited for a free chunk buffer: > 0 when a rank's part
-    # was larger than the pool (chunks_in_flight x chunk_bytes), which then bounds the stall.
+    # was larger than the pool (the first part of a size the pool had not seen, or a part over
+    # staging.snapshot_memory_bytes: ``pool_capped``), which then bounds the stall.
     buffer_wait_s: float = 0.0
     pool_bytes: int = 0  # the largest chunk buffer pool of any rank for this part
     pool_capped: bool = False  # a rank's part needed more than staging.snapshot_memory_bytes
-    # Where the stall went (each the longest of any rank): the first all-gather (agreeing on id
-    # and kind; it also absorbs the ranks' arrival skew), claiming the tracked rows, and copying
-    # them into buffers (the snapshot: rows, dense and extra state). The rest of ``stall_s`` is
-    # the second all-gather that releases training.
+    # Where the stall went (each the longest of any rank): agreeing before the snapshot (only
+    # when the previous checkpoint's vote settled nothing: the first of a process, or after a
+    # failed one; an all-gather that absorbs the ranks' arrival skew) plus reading the dense
+    # state, claiming the tracked rows, and copying them into buffers (the snapshot: rows,
+    # dense and extra state). The rest of ``stall_s`` is the vote that releases training.
     agree_s: float = 0.0
     claim_s: float = 0.0
     snapshot_s: float = 0.0
     bytes: int = 0
     rows: int = 0
     chunks: int = 0
-    durable_local_s: float | None = None  # snapshot start -> this rank's files fsynced
-    committed_s: float | None = None  # snapshot start -> part uploaded (rank 0: manifest written)
-    state: str = "staged"  # staged | recovering | durable | uploaded | committed | failed
-    error: str | None = None
-    spool_reserved: int = field(default=0, repr=False)
     started: float = field(default_factory=time.perf_counter, repr=False)
+    # The commit thread's state of this part (read the fields below instead).
+    progress: PartProgress = field(init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.progress = PartProgress(self.started)
 
-@dataclass
-class _Item:
-    """One part for the commit thread: staged by this process, or found in the spool."""
+    @property
+    def state(self) -> str:
+        """staged | recovering | durable | uploaded | committed | failed"""
+        return self.progress.get().state
 
-    pending: PendingPart  # of a staged part: without files and manifest until its writes are done
-    stats: CheckpointStats
-    staged: StagedPart | None = None
+    @property
+    def error(self) -> str | None:
+        """Why the part failed (``state == "failed"``), else None."""
+        return self.progress.get().error
+
+    @property
+    def durable_local_s(self) -> float | None:
+        """Seconds from the snapshot's start until this rank's files were fsynced (None: not
+        yet, or no spool)."""
+        return self.progress.get().durable_local_s
+
+    @property
+    def committed_s(self) -> float | None:
+        """Seconds from the snapshot's start until the part was uploaded (rank 0: the
+        checkpoint committed); None until then."""
+        return self.progress.get().committed_s
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every field by name, the background ones read at one moment (JSON-ready)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {**own, **dataclasses.asdict(self.progress.get())}
+
+    def __repr__(self) -> str:
+        shown = [f.name for f in dataclasses.fields(self) if f.repr]
+        now = dataclasses.asdict(self.progress.get())
+        items = [f"{k}={getattr(self, k)!r}" for k in shown]
+        items += [f"{k}={now[k]!r}" for k in ("durable_local_s", "committed_s", "state", "error")]
+        return f"CheckpointStats({', '.join(items)})"

@@ -18,10 +18,11 @@ from deck.format.manifest import (
     rank_manifest_name,
     step_dir,
 )
+from deck.format.pending import PendingPart, pending_name
 from deck.storage.base import get_bounded
 from deck.storage.local import LocalStorage
 from deck.trainer.staging.destination import Destination
-from deck.trainer.staging.records import PENDING_SUFFIX, CheckpointStats, PendingPart, _Item
+from deck.trainer.staging.records import CheckpointStats, PartProgress
 from deck.trainer.staging.spool import SpoolDir
 
 if TYPE_CHECKING:
@@ -35,28 +36,30 @@ def recover(
     dest: Destination,
     rank: int,
     coord: Coordinator | None,
-    submit: Callable[[_Item], None],
+    submit: Callable[[PendingPart, PartProgress, int], None],
 ) -> list[CheckpointStats]:
     """:meth:`Stager.recover <deck.trainer.staging.Stager.recover>`: find rank ``rank``'s
     pending parts in the spool, drop those another rank does not have (``coord``), and
-    ``submit`` the others to the commit thread, which finishes them (or discards those it finds
-    committed or useless)."""
-    found = [] if spool is None else _scan_spool(spool, dest.storage.uri, rank)
+    ``submit`` the others to the commit thread (:meth:`Committer.submit
+    <deck.trainer.staging.committer.Committer.submit>`: the part, its progress, the spool space
+    it holds), which finishes them (or discards those it finds committed or useless)."""
+    found = [] if spool is None else _scan_spool(spool, dest.uri, rank)
     if coord is not None and coord.world_size > 1:
         found = _agree_on_pending(found, coord, spool, dest)
     out = []
     for p in sorted(found, key=lambda p: p.step):
         assert spool is not None  # found in it
-        stats = CheckpointStats(step=p.step, kind=p.kind.value, id=p.ckpt_id, state="recovering")
+        stats = CheckpointStats(step=p.step, kind=p.kind.value, id=p.ckpt_id)
+        stats.progress.advance("recovering")
         logger.info(
             "deck: resuming pending %s checkpoint of step %d from spool %s",
             p.kind.value,
             p.step,
             spool.root,
         )
-        stats.spool_reserved = sum(spool.size(p, f) for f in p.files) if spool.scratch else 0
-        spool.claim(stats.spool_reserved)
-        submit(_Item(p, stats))
+        reserved = sum(spool.size(p, f) for f in p.files) if spool.scratch else 0
+        spool.claim(reserved)
+        submit(p, stats.progress, reserved)
         out.append(stats)
     return out
 
@@ -68,7 +71,7 @@ def _scan_spool(spool: SpoolDir, uri: str, rank: int) -> list[PendingPart]:
     failpoint("stager.recover.scan", spool.root)  # test hook: the spool cannot be read (enospc)
     store = spool.store
     found = []
-    name = rank_manifest_name(rank).replace(".json", PENDING_SUFFIX)
+    name = pending_name(rank)
     part_dir = rank_dir(rank)
     for step_name in store.list_dir(""):
         step = parse_step_dir(step_name.rstrip("/"))
@@ -133,9 +136,9 @@ def _agree_on_pending(
             r
             for r in range(p.world_size)
             if r not in have
-            and not dest.exists(f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}")
+            and not dest.patient_exists(f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(r)}")
         ]
-        if missing and dest.committed_id(p.step) != p.ckpt_id:
+        if missing and dest.patient_committed_id(p.step) != p.ckpt_id:
             assert spool is not None  # p was found in it
             logger.warning(
                 "deck: discarding the spooled part of step %d (%s) in %s: rank(s) %s never "
@@ -153,7 +156,9 @@ def _agree_on_pending(
 
 
 def check_recovered(spool: SpoolDir, p: PendingPart) -> None:
-    """After a crash the spool may hold torn files: verify every one against the manifest."""
+    """After a crash the spool may hold torn files: verify every file of ``p`` in ``spool``
+    against its rank manifest (every checksummed range, and nothing past the end); raises
+    :class:`CorruptCheckpointError` naming the first damaged one."""
     assert p.part is not None
     # Per file, the (offset, nbytes, checksum) ranges it must hold: the whole file, or each
     # chunk of a bundle (which then ends where its last chunk ends).

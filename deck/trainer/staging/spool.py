@@ -18,10 +18,11 @@ from deck.config import StagingConfig
 from deck.errors import SpoolError, UnsafePathError
 from deck.failpoints import failpoint
 from deck.format.chunks import Buffer
-from deck.format.manifest import dump_model, rank_manifest_name, step_dir
+from deck.format.manifest import dump_model, step_dir
+from deck.format.pending import PendingPart, pending_name
 from deck.storage.atomic import atomic_file
 from deck.storage.local import LocalStorage, write_new_file
-from deck.trainer.staging.records import PENDING_SUFFIX, PendingPart, _NeverCommits
+from deck.trainer.staging.records import NeverCommits
 
 logger = logging.getLogger(__package__)
 
@@ -100,13 +101,18 @@ class SpoolDir:
             return 0
 
     def write(
-        self, step: int, rel: str, data: bytes | Buffer, nbytes: int, describe: Callable[[], None]
+        self,
+        step: int,
+        rel: str,
+        data: bytes | Buffer,
+        nbytes: int,
+        make_record: Callable[[], None],
     ) -> None:
-        """Spool writer: ``describe`` the file, then write its first ``nbytes`` and start its
+        """Spool writer: ``make_record`` of the file (its record), then write its first ``nbytes`` and start its
         fsync."""
         key = f"{step_dir(step)}/{rel}"
         try:
-            describe()
+            make_record()
             path = self.path(step, rel)
             folder = os.path.dirname(path)
             failpoint("stager.spool.before_write")
@@ -124,7 +130,7 @@ class SpoolDir:
     def fsync(self, p: PendingPart) -> None:
         """Make the part's files and their folders durable (waiting for the early fsyncs).
 
-        A failed fsync fails the part for good (:class:`_NeverCommits`) and is never retried:
+        A failed fsync fails the part for good (:class:`NeverCommits`) and is never retried:
         Linux reports a writeback error to one fsync only and may drop the pages that failed,
         so a second fsync could succeed over lost data."""
         paths = [self.path(p.step, rel) for rel in p.files]
@@ -138,7 +144,7 @@ class SpoolDir:
                 else:
                     done.result()
             except OSError as e:
-                raise _NeverCommits(
+                raise NeverCommits(
                     f"fsync of {path} (step {p.step}) in the spool {self.root} failed: "
                     f"{e.strerror or e}. Its written data may be lost, so the part is dropped, not "
                     "retried: the next checkpoint is a full. Check the spool disk (dmesg)"
@@ -159,8 +165,7 @@ class SpoolDir:
     # ---- pending records -------------------------------------------------------------------------
     def pending_key(self, p: PendingPart) -> str:
         """The key of the part's pending record in :attr:`store`."""
-        name = rank_manifest_name(p.rank).replace(".json", PENDING_SUFFIX)
-        return f"{step_dir(p.step)}/{p.ckpt_id}/{name}"
+        return f"{step_dir(p.step)}/{p.ckpt_id}/{pending_name(p.rank)}"
 
     def pending_path(self, p: PendingPart) -> str:
         return os.path.join(self.root, *self.pending_key(p).split("/"))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,17 +16,20 @@ from deck.config import StagingConfig
 from deck.errors import DeckError
 from deck.format.chunks import Buffer
 from deck.format.manifest import step_dir
+from deck.format.pending import PendingPart
 from deck.storage import Storage
-from deck.trainer.staging.committer import Committer, _lower_priority
+from deck.trainer.staging.committer import Committer, lower_priority
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
-from deck.trainer.staging.records import CheckpointStats, PendingPart, _Item
-from deck.trainer.staging.recovery import check_recovered, recover
+from deck.trainer.staging.records import CheckpointStats
+from deck.trainer.staging.recovery import recover
 from deck.trainer.staging.spool import SpoolDir
 
 if TYPE_CHECKING:
     from deck.trainer.coordination import Coordinator
+
+logger = logging.getLogger(__name__)
 
 RECENT_PARTS = 8  # the pool holds the largest of this many recent delta parts
 
@@ -81,7 +84,7 @@ class Stager:
         )
         self._recent_needs: collections.deque[int] = collections.deque(maxlen=RECENT_PARTS)
         self.spool_root: str | None = self._spool_root()
-        lower = functools.partial(_lower_priority, staging.background_nice)
+        lower = functools.partial(lower_priority, staging.background_nice)
         # Released at the snapshot, training does not wait for the spool writer (its checksums,
         # records and writes): it yields the CPU to training like the other background threads.
         self._writer = ThreadPoolExecutor(
@@ -146,20 +149,22 @@ class Stager:
         rel: str,
         data: bytes | Buffer,
         nbytes: int,
-        describe: Callable[[], None],
+        make_record: Callable[[], None],
         pooled: bool,
     ) -> Future[None]:
         """Write one file to the first tier (spool, or upload for cpu-remote), after
-        ``describe`` (its checksum and record, from the bytes while the buffer is held)."""
+        ``make_record`` (its checksum and record, from the bytes while the buffer is held)."""
         spool = self._spool
 
         def write() -> None:
             try:
                 if spool is not None:
-                    spool.write(step, rel, data, nbytes, describe)
+                    spool.write(step, rel, data, nbytes, make_record)
                 else:
-                    describe()
-                    self._dest.put(f"{step_dir(step)}/{rel}", bytes(memoryview(data)[:nbytes]))
+                    make_record()
+                    self._dest.patient_put(
+                        f"{step_dir(step)}/{rel}", bytes(memoryview(data)[:nbytes])
+                    )
             finally:
                 if pooled:
                     self.pool.release(data)  # type: ignore[arg-type]
@@ -181,8 +186,7 @@ class Stager:
     def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
         """Every rank staged its part (in buffers or already in the first tier): go on in the
         background, starting by waiting for this part's writes (its manifest is built then)."""
-        stats.spool_reserved = staged.reserved
-        self._committer.submit(_Item(staged.info, stats, staged))
+        self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
         self._settle_pool()
 
     def take_failure(self) -> bool:
@@ -202,10 +206,14 @@ class Stager:
 
     def discard(self, staged: StagedPart) -> None:
         """Drop a part that will not be committed (another rank failed)."""
-        with contextlib.suppress(Exception):
-            staged.wait_written(seal=False)
+        try:
+            staged.wait_written(seal=False)  # nothing may still be writing what is removed
+        except Exception as e:  # the part is dropped anyway: its write error changes nothing
+            logger.debug(
+                "deck: dropped part of step %d had a failed write: %s", staged.info.step, e
+            )
         if self._spool is None:
-            self._dest.delete_files(staged.info.step, staged.files)
+            self._dest.best_effort_delete(staged.info.step, staged.files)
         else:
             self._spool.remove_files(staged.info.step, staged.files)
             self._spool.remove_pending(staged.info)
@@ -233,7 +241,3 @@ class Stager:
         waiting ``commit_timeout_s`` for the missing rank. Spool files of this rank without a
         pending record (a snapshot cut short) and torn record temps are removed."""
         return recover(self._spool, self._dest, self.rank, coord, self._committer.submit)
-
-    def _check_recovered(self, p: PendingPart) -> None:
-        assert self._spool is not None
-        check_recovered(self._spool, p)

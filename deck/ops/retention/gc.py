@@ -1,0 +1,414 @@
+"""Garbage collection: apply a retention plan at a store (``deck gc``; the rules:
+:mod:`deck.ops.retention`).
+
+One run (:func:`collect_garbage`) lists the store and reads its commit records once, builds the
+lineage graph once, asks the pure plan (:mod:`deck.ops.retention.plan`) what can go, checks the
+checkpoints it is about to rely on, and deletes: checkpoints (``manifest.json`` first), orphans,
+quarantine records of what is gone, and what interrupted writes left
+(:meth:`deck.storage.Storage.prune_temps`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deck.errors import DeckError, NotFoundError
+from deck.failpoints import failpoint
+from deck.format.manifest import (
+    MANIFEST,
+    MERGED_ROOT,
+    QUARANTINE_ROOT,
+    CheckpointManifest,
+    load_model,
+    parse_merged_dir,
+    parse_step_dir,
+)
+from deck.ops.retention.plan import (
+    RetentionPlan,
+    RetentionPolicy,
+    grace_protected,
+    plan_lineage,
+    replacements,
+)
+from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.lineage import LineageNode, build_graph
+from deck.storage import Storage
+from deck.storage.base import get_bounded
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GcReport", "collect_garbage", "file_age_s"]
+
+
+@dataclass
+class GcReport:
+    """What :func:`collect_garbage` deleted (or would delete, with ``dry_run``)."""
+
+    dry_run: bool
+    latest: int | None = None
+    retained_steps: list[int] = field(default_factory=list)
+    deleted: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
+    orphans: list[tuple[str, str]] = field(default_factory=list)  # (prefix, why)
+    files: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    # (folder, why): what the rules alone would delete, kept because something is damaged
+    kept: list[tuple[str, str]] = field(default_factory=list)
+
+
+def file_age_s(storage: Storage, key: str, now: float) -> float | None:
+    """Seconds since ``key`` was last written, when the backend tells (local files, fsspec
+    stores reporting a modification / creation time); None otherwise (the file is then kept)."""
+    modified = storage.modified(key)
+    return None if modified is None else now - modified
+
+
+def _old_enough(storage: Storage, keys: list[str], grace_s: float, now: float) -> bool:
+    """Whether every file under a prefix is older than the grace period (unknown: no)."""
+    if grace_s <= 0:
+        return True
+    for k in keys:
+        age = file_age_s(storage, k, now)
+        if age is None or age < grace_s:
+            return False
+    return True
+
+
+def _referenced(storage: Storage, m: CheckpointManifest) -> set[str] | None:
+    """Every key a committed checkpoint's records name (None when they cannot be read)."""
+    try:
+        parts = read_rank_manifests(storage, m)
+    except DeckError:
+        return None
+    keys = {f"{m.folder}/{MANIFEST}"} | {f"{m.folder}/{r.path}" for r in m.ranks}
+    for p in parts:
+        for rec in p.shards:
+            keys.update(f"{m.folder}/{c.path}" for c in rec.chunks)
+        for f in (p.dense, p.extra):
+            if f is not None:
+                keys.add(f"{m.folder}/{f.path}")
+    return keys
+
+
+def collect_garbage(
+    storage: Storage,
+    policy: RetentionPolicy | None = None,
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GcReport:
+    """Apply ``policy`` at ``storage``: delete checkpoints no retained step needs, then orphans.
+
+    Guarantees: every step retained now, and every checkpoint the lineage needed
+    ``policy.grace_s`` seconds ago, stays restorable; nothing committed less than ``grace_s`` ago
+    is deleted; a checkpoint's ``manifest.json`` goes before its files. Nothing is deleted
+    because of what cannot be read: an unreadable commit record keeps its folder and what it
+    may be needed for (:func:`~deck.ops.retention.plan.plan_lineage`), and a kept merger
+    checkpoint that replaces something deleted is first checked intact
+    (``policy.verify_replacements``), else it and what it replaces stay; ``report.kept`` says
+    what was kept for which damage. A failed deletion, of a checkpoint or an orphan, is recorded
+    in ``report.errors`` and the run goes on. Last, what interrupted writes left is pruned
+    (:meth:`deck.storage.Storage.prune_temps`, with the grace period). Safe to run next to the
+    trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
+    ``progress(folder)`` is called before each checkpoint is deleted.
+    """
+    gc = _Collector(
+        storage,
+        policy if policy is not None else RetentionPolicy(),
+        dry_run=dry_run,
+        now=time.time() if now is None else now,
+        progress=progress,
+    )
+    gc.delete_checkpoints()
+    gc.collect_orphans()
+    gc.finish()
+    report = gc.report
+    logger.info(
+        "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
+        storage.uri,
+        "would delete" if dry_run else "deleted",
+        len(report.deleted),
+        len(report.orphans),
+        report.bytes / 2**20,
+    )
+    return report
+
+
+def _by_prefix(keys: list[str]) -> dict[str, list[str]]:
+    """``keys`` grouped by the folder that owns them: a top-level name (a step folder, the
+    quarantine folder), or ``merged/<name>`` for a merger checkpoint."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        head, _, rest = k.partition("/")
+        if head == MERGED_ROOT:
+            head = f"{head}/{rest.partition('/')[0]}"
+        groups.setdefault(head, []).append(k)
+    return groups
+
+
+class _Collector:
+    """One GC run at a store: the listing, the lineage graph, the retention plan and the
+    protected ids are taken once, at the start; each step appends what it deleted (or would
+    delete) to :attr:`report`."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        policy: RetentionPolicy,
+        *,
+        dry_run: bool,
+        now: float,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.storage = storage
+        self.policy = policy
+        self.dry_run = dry_run
+        self.now = now
+        self.progress = progress
+        keys = storage.list("")
+        self.manifests = read_manifests(storage, keys)
+        self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
+        self.by_prefix = _by_prefix(keys)
+        self.protected = grace_protected(self.graph, policy, now)
+        # id -> why, for every checkpoint this run deletes
+        plan, self.doomed = self._checked_plan(set(keys))
+        self.report = GcReport(
+            dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
+        )
+        self.report.kept = [(self._label(i), why) for i, why in sorted(plan.held.items())]
+
+    def _doomed(self, plan: RetentionPlan) -> dict[str, str]:
+        """id -> why, for every checkpoint of ``plan.delete`` that the grace period allows."""
+        protected = plan.keep | self.protected
+        return {cid: why for cid, why in plan.delete.items() if cid not in protected}
+
+    def _checked_plan(self, listing: set[str]) -> tuple[RetentionPlan, dict[str, str]]:
+        """The retention plan and what it deletes now, once every kept merger checkpoint that
+        replaces something deleted is found intact (:meth:`_damage`); a damaged one is planned
+        around and kept, like everything it replaces (``held`` says why)."""
+        plan = plan_lineage(self.graph, self.policy, damaged=self.manifests.damaged)
+        doomed = first = self._doomed(plan)
+        bad: dict[str, str] = {}
+        checked: set[str] = set()
+        while doomed:
+            found = {}
+            for cid in sorted(replacements(self.graph, plan.keep, doomed) - checked):
+                checked.add(cid)
+                problems = self._damage(self.graph.nodes[cid].manifest, listing)
+                if problems:
+                    found[cid] = problems[0]
+            if not found:
+                break
+            bad.update(found)
+            plan = plan_lineage(
+                self.graph, self.policy, damaged=self.manifests.damaged, unusable=bad
+            )
+            doomed = self._doomed(plan)
+        if bad:
+            names = "; ".join(f"{self.graph.nodes[i].folder}: {p}" for i, p in sorted(bad.items()))
+            for cid in sorted(set(first) - set(doomed) - set(bad)):
+                plan.held.setdefault(cid, f"what would replace it is damaged ({names})")
+        return plan, doomed
+
+    def _damage(self, m: CheckpointManifest, listing: set[str]) -> list[str]:
+        """Problems of checkpoint ``m``'s files: sizes (or checksums with
+        ``verify_replacements``)."""
+        # Imported here: the chunk decoder needs torch, which `deck gc` otherwise does not load.
+        from deck.read.verify import check_files, verify_checkpoint
+
+        if self.policy.verify_replacements:
+            return verify_checkpoint(self.storage, m).problems
+        return check_files(self.storage, m, listing)
+
+    def _label(self, cid: str) -> str:
+        """How the report names checkpoint ``cid``: its folder (a trainer one: with its id)."""
+        n = self.graph.nodes[cid]
+        return n.folder if n.merged else f"{n.folder} (id {cid})"
+
+    def size(self, keys: list[str]) -> int:
+        """Bytes of ``keys`` (files that vanished or cannot be sized count 0)."""
+        total = 0
+        for k in keys:
+            with contextlib.suppress(DeckError, OSError):
+                total += self.storage.size(k)
+        return total
+
+    def delete_checkpoints(self) -> None:
+        """Delete every checkpoint no retained step needs, oldest step first: its
+        ``manifest.json``, then its files. A failure is recorded in the report, not raised."""
+        for cid, why in sorted(self.doomed.items(), key=lambda kv: self.graph.nodes[kv[0]].step):
+            n = self.graph.nodes[cid]
+            if n.merged:
+                files = self.by_prefix.get(n.folder, [])
+            else:
+                prefix = f"{n.folder}/{cid}/"
+                files = [k for k in self.by_prefix.get(n.folder, []) if k.startswith(prefix)]
+                files.append(f"{n.folder}/{MANIFEST}")
+            self.report.deleted.append((self._label(cid), why))
+            self.report.files += len(files)
+            self.report.bytes += self.size(files)
+            if self.progress:
+                self.progress(n.folder)
+            if self.dry_run:
+                continue
+            try:
+                failpoint("gc.checkpoint.before_delete")
+                _delete_checkpoint(self.storage, n)
+                failpoint("gc.checkpoint.after_delete")
+            except DeckError as e:
+                self.report.errors.append(f"{n.folder}: {e}")
+
+    def collect_orphans(self) -> None:
+        """Delete files no committed record references, each group only once every file in it
+        is older than the grace period (its writer may still be running). A failure is
+        recorded in the report, not raised, and the other groups go on."""
+        latest_step = max((m.step for m in self.manifests.values()), default=-1)
+        for prefix, keys in sorted(self.by_prefix.items()):
+            try:
+                if prefix.startswith(f"{MERGED_ROOT}/"):
+                    self._merged_orphans(prefix, keys)
+                elif (step := parse_step_dir(prefix)) is not None:
+                    self._step_orphans(prefix, keys, step, latest_step)
+                elif prefix == QUARANTINE_ROOT:
+                    self._quarantine_orphans(keys)
+            except (DeckError, OSError) as e:
+                self.report.errors.append(f"{prefix}: {e}")
+
+    def _merged_orphans(self, prefix: str, keys: list[str]) -> None:
+        """A merger folder: all of it when uncommitted, else the files its records do not name."""
+        parsed = parse_merged_dir(prefix.partition("/")[2])
+        if parsed is None:
+            return
+        m = self.manifests.merged.get(parsed[0])
+        if m is not None and m.id in self.doomed:
+            return  # deleted with its record by delete_checkpoints
+        if m is None:
+            problem = self.manifests.damaged_merged.get(parsed[0])
+            if problem is not None:  # cannot read is unknown: a person decides
+                self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
+            elif f"{prefix}/{MANIFEST}" not in keys:
+                self._orphan(prefix + "/", keys, "uncommitted merger folder")
+            return
+        refs = _referenced(self.storage, m)
+        if refs is None:
+            return
+        stale = [k for k in keys if k not in refs]
+        if stale:
+            why = "partition records / attempt files no record references"
+            self._orphan_files(prefix, stale, why)
+
+    def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: int) -> None:
+        """A step folder's attempt folders that its committed record does not name, or all of
+        them when the step is uncommitted and a later step is committed."""
+        m = self.manifests.get(step)
+        if step in self.manifests.damaged:
+            # Cannot read is unknown: the folder may hold the only copy of a checkpoint.
+            why = f"commit record unreadable ({self.manifests.damaged[step]}); repair or delete it"
+            self.report.kept.append((f"{prefix}/", why))
+            return
+        attempts: dict[str, list[str]] = {}
+        for k in keys:
+            rest = k[len(prefix) + 1 :]
+            if rest == MANIFEST or "/" not in rest:
+                continue
+            attempts.setdefault(rest.partition("/")[0], []).append(k)
+        for aid, aks in sorted(attempts.items()):
+            if m is not None and aid == m.id:
+                continue  # the committed attempt (kept, or deleted with its record)
+            if m is None and step >= latest_step:
+                continue  # may be a checkpoint still being uploaded: keep it
+            why = (
+                "attempt folder no record references"
+                if m is not None
+                else "uncommitted checkpoint older than a committed later step"
+            )
+            self._orphan(f"{prefix}/{aid}/", aks, why)
+
+    def _quarantine_orphans(self, keys: list[str]) -> None:
+        """Quarantine records of checkpoints that are gone (or go in this run)."""
+        for k in keys:
+            qid = k.rpartition("/")[2].removesuffix(".json")
+            if qid not in self.graph.nodes or qid in self.doomed:
+                self.report.orphans.append((k, "quarantine record of a deleted checkpoint"))
+                self.report.files += 1
+                if not self.dry_run:
+                    self.storage.delete(k)
+
+    def finish(self) -> None:
+        """Prune what interrupted writes left in the whole store (:meth:`_prune`). Then drop the
+        quarantine records of deleted checkpoints: the merger may rebuild the same id, and an old record
+        must not outlive the checkpoint it was about."""
+        if self.dry_run:
+            return
+        self.report.files += len(self._prune(""))
+        for cid in self.doomed:
+            if cid in self.manifests.quarantined:
+                key = f"{QUARANTINE_ROOT}/{cid}.json"
+                try:
+                    self.storage.delete(key)
+                except DeckError as e:  # recorded like the deletions of checkpoints
+                    self.report.errors.append(f"{key}: {e}")
+
+    def _prune(self, prefix: str) -> list[str]:
+        """The store's :meth:`~deck.storage.Storage.prune_temps` under the folder ``prefix``
+        with the grace period: temp files of crashed puts and empty folders, each only once
+        unchanged that long (a writer creates a folder just before writing into it)."""
+        return self.storage.prune_temps(prefix, self.policy.grace_s, now=self.now)
+
+    def _orphan(self, prefix: str, keys: list[str], why: str) -> None:
+        """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
+        of them is older than the grace period."""
+        if not _old_enough(self.storage, keys, self.policy.grace_s, self.now):
+            return
+        self.report.orphans.append((prefix, why))
+        self.report.files += len(keys)
+        self.report.bytes += self.size(keys)
+        if self.dry_run:
+            return
+        # Only the files we saw: a writer that started after the listing keeps its new files.
+        failpoint("gc.orphan.before_delete")
+        for k in keys:
+            self.storage.delete(k)
+            failpoint("gc.orphan.after_delete_file")
+        self._prune(prefix)
+
+    def _orphan_files(self, folder: str, keys: list[str], why: str) -> None:
+        """Delete those of ``keys`` (stray files in a committed folder) older than the grace
+        period."""
+        old = [k for k in keys if _old_enough(self.storage, [k], self.policy.grace_s, self.now)]
+        if not old:
+            return
+        self.report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
+        self.report.files += len(old)
+        self.report.bytes += self.size(old)
+        if not self.dry_run:
+            for k in old:
+                self.storage.delete(k)
+
+
+def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
+    """Uncommit (delete ``manifest.json``), then delete the checkpoint's files."""
+    man = f"{n.folder}/{MANIFEST}"
+    if n.merged:
+        storage.delete(man)
+        failpoint("gc.checkpoint.after_uncommit")
+        # Partition records first: a merger rebuilding this id must not trust stale ones.
+        storage.delete_prefix(f"{n.folder}/parts/")
+        storage.delete_prefix(f"{n.folder}/")
+        return
+    # A trainer step folder is shared by every save of that step: only delete the record if it
+    # is still this checkpoint's (the trainer may have saved the step again meanwhile), and only
+    # this checkpoint's own attempt folder.
+    try:
+        current = load_model(CheckpointManifest, get_bounded(storage, man), storage.describe(man))
+    except NotFoundError:
+        current = None
+    if current is not None and current.id == n.id:
+        storage.delete(man)
+    failpoint("gc.checkpoint.after_uncommit")
+    storage.delete_prefix(f"{n.folder}/{n.id}/")

@@ -1,0 +1,360 @@
+"""The retention plan: which steps stay restorable under a :class:`RetentionPolicy`, and which
+checkpoints can go (the rules: :mod:`deck.ops.retention`; docs/operations.md, "Retention and GC").
+
+Pure: functions of the lineage graph (:class:`deck.read.lineage.LineageGraph`), the policy and
+a clock value; nothing here reads or deletes anything. :mod:`deck.ops.retention.gc` builds the
+graph once per run, asks these functions, checks what it is about to rely on, and deletes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field
+
+from deck.config import Settings
+from deck.errors import CheckpointNotFoundError
+from deck.format.manifest import MANIFEST, Kind, step_dir
+from deck.read.catalog import ManifestSet
+from deck.read.lineage import LineageGraph, LineageNode, build_graph
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RetentionPlan",
+    "RetentionPolicy",
+    "grace_protected",
+    "plan_lineage",
+    "plan_retention",
+    "replacements",
+]
+
+
+class RetentionPolicy(Settings):
+    """What GC keeps (the rules: docs/operations.md, "Retention and GC").
+
+    Validated like :class:`deck.DeckConfig`: an invalid value raises
+    :class:`deck.errors.ConfigError` naming the field; unknown fields are refused.
+    """
+
+    keep_last_fulls: int = Field(
+        default=2,
+        ge=1,
+        description="The newest fulls kept for rollback, each with the trainer checkpoint of its "
+        "step.",
+        json_schema_extra={"cli": "deck gc --keep-last-fulls K"},
+    )
+    keep_fulls_every: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="Also keep the oldest full of every N-step period (rolling back past bad data "
+        "found late, DECK fig. 9). None: off.",
+        json_schema_extra={"constraints": ">= 1 or None", "cli": "deck gc --keep-fulls-every N"},
+    )
+    keep_all_steps: bool = Field(
+        default=True,
+        description="Every step that is restorable now stays restorable (superseded merged deltas "
+        "and merger fulls still go). False: only the active window and the rollback fulls stay "
+        "(DECK fig. 9), bounding storage.",
+        json_schema_extra={"cli": "deck gc --no-keep-all-steps"},
+    )
+    chain_delta_budget: Annotated[float, Field(gt=0)] | None = Field(
+        default=4.0,
+        description="With keep_all_steps: also keep a full wherever the trainer's deltas since "
+        "the previous kept full add up to this many fulls' bytes, so that restoring any past step "
+        "reads at most about 1 + this many fulls. None: only the fulls the other rules keep "
+        "(least storage, old steps replay every delta since them).",
+        json_schema_extra={"constraints": "> 0 or None", "cli": "deck gc --chain-delta-budget F"},
+    )
+    grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Nothing committed in the last S seconds, nothing the lineage needed S seconds "
+        "ago, and no orphan with a file younger than S is deleted. Must exceed the longest "
+        "restore and the time between a restore and the next checkpoint.",
+        json_schema_extra={"cli": "deck gc --grace S"},
+    )
+    verify_replacements: bool = Field(
+        default=False,
+        description="Before deleting what a kept merger checkpoint replaces, re-read that "
+        "checkpoint's files and check their checksums. False: check that every file it names "
+        "exists with its recorded size (no chunk is read). Either way a damaged replacement is "
+        "kept, and so is what it replaces.",
+        json_schema_extra={"cli": "deck gc --verify-replacements"},
+    )
+
+
+@dataclass
+class RetentionPlan:
+    """Which steps stay restorable, which checkpoints they need, and what can go."""
+
+    latest: int | None
+    window: list[int]  # trainer steps of the active window
+    retained_steps: list[int]  # every step that stays restorable
+    kept_fulls: list[str]  # ids of the fulls kept for rollback / the window
+    keep: set[str]  # ids of every checkpoint kept
+    delete: dict[str, str]  # id -> why it can go
+    # id -> why it is kept although the rules alone would delete it (damage: see plan_retention)
+    held: dict[str, str] = field(default_factory=dict)
+
+
+def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
+    """A full that can be a rollback point: usable, and the trainer checkpoint of its state is
+    still there (a merger full of an abandoned timeline whose step was saved again is not)."""
+    return n.kind is Kind.FULL and n.usable and graph.trainer_at(n.state) is not None
+
+
+def plan_retention(
+    manifests: ManifestSet, policy: RetentionPolicy, *, unusable: dict[str, str] | None = None
+) -> RetentionPlan:
+    """:func:`plan_lineage` of the lineage graph of ``manifests`` (what
+    :func:`deck.read.catalog.read_manifests` returned), with its unreadable trainer commit
+    records (``manifests.damaged``)."""
+    return plan_lineage(
+        build_graph(manifests), policy, damaged=manifests.damaged, unusable=unusable
+    )
+
+
+def plan_lineage(
+    graph: LineageGraph,
+    policy: RetentionPolicy,
+    *,
+    damaged: Mapping[int, str] | None = None,
+    unusable: Mapping[str, str] | None = None,
+) -> RetentionPlan:
+    """Apply ``policy`` to the committed lineage ``graph`` (no grace period: see
+    :func:`grace_protected`). Pure: reads nothing, and ``graph`` is unchanged.
+
+    Guarantees: every step in ``retained_steps`` restores through checkpoints in ``keep``; the
+    latest restorable step's cheapest chain, the active window and the merger's work in progress
+    are kept; ``delete`` holds every other checkpoint, with why. Nothing restorable: keeps all.
+
+    Cannot read is unknown, never absent: an unreadable trainer commit record (``damaged``: step
+    -> problem) keeps what it may be needed for -- every checkpoint at or after its step without
+    a complete chain (a later delta may build on it), and the chains of the steps before it back
+    to a full (it may build on them); ``unusable`` (id -> problem: checkpoints found damaged)
+    are planned around like quarantined ones but kept themselves. ``held`` says what either kept
+    that the rules alone would delete, and why.
+    """
+    if unusable:
+        graph = graph.marked(unusable)
+    latest = graph.latest()
+    if latest is None:
+        # Nothing is restorable: deleting could only make matters worse.
+        return RetentionPlan(None, [], [], [], set(graph.nodes), {})
+    latest_chain = [m.id for m in graph.chain(latest)]
+    window, anchor_state = _active_window(graph, latest)
+    kept = _kept_fulls(graph, policy, latest, latest_chain, anchor_state)
+
+    retained = set(window) | {st[0] for st in kept}
+    if policy.keep_all_steps:
+        retained |= set(graph.restorable_steps())
+    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and the
+    # latest chain's merged deltas; only when that is impossible do they keep more.
+    allowed = (
+        {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
+    )
+    keep: set[str] = set(latest_chain) | _in_progress(graph, window)
+    retained_steps = _add_chains(graph, sorted(retained), allowed, keep)
+    delete = _delete_reasons(graph, keep)
+    held = _damage_holds(graph, damaged or {}, delete)
+    held.update(
+        (i, f"damaged ({p}); kept, and planned around: `deck verify --quarantine` decides")
+        for i, p in (unusable or {}).items()
+        if i in delete
+    )
+    for i in held:
+        del delete[i]
+    return RetentionPlan(
+        latest=latest,
+        window=sorted(window),
+        retained_steps=retained_steps,
+        kept_fulls=sorted(f.id for f in kept.values()),
+        keep=keep | set(held),
+        delete=delete,
+        held=held,
+    )
+
+
+def _damage_holds(
+    graph: LineageGraph, damaged: Mapping[int, str], delete: dict[str, str]
+) -> dict[str, str]:
+    """Which of ``delete`` the unreadable trainer commit records ``damaged`` (step -> problem)
+    may be needed for, with why: at or after such a step, every checkpoint whose chain is not
+    complete without it; before it, the chains of the readable steps back to the newest full
+    (its epoch and parent cannot be read, so every timeline counts)."""
+    holds: dict[str, str] = {}
+    if not damaged:
+        return holds
+    restorable, reached = set(graph.restorable_steps()), graph.best_paths()
+
+    def complete(n: LineageNode) -> bool:  # it has what it applies on
+        if n.kind is Kind.FULL:
+            return True
+        return n.step in restorable if not n.merged else n.start in reached
+
+    for d, problem in sorted(damaged.items()):
+        fix = f"repair or delete {step_dir(d)}/{MANIFEST}"
+        for n in graph.nodes.values():
+            if n.id in delete and n.step >= d and not complete(n):
+                why = f"may need step {d}, whose commit record is unreadable ({problem}); {fix}"
+                holds.setdefault(n.id, why)
+        fulls = [
+            st[0] for st, fs in graph.fulls_at.items() if st[0] < d and any(f.usable for f in fs)
+        ]
+        for step in (s for s in graph.trainer if max(fulls, default=0) <= s < d):
+            with contextlib.suppress(CheckpointNotFoundError):
+                for m in graph.chain(step):
+                    if m.id in delete:
+                        why = f"step {d}, whose commit record is unreadable, may build on it; {fix}"
+                        holds.setdefault(m.id, why)
+    return holds
+
+
+def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], tuple[int, str] | None]:
+    """The trainer steps from ``latest`` back along parent links to the newest state with a
+    usable full, newest first; and that state (None when the walk found none)."""
+    window: list[int] = []
+    node: LineageNode | None = graph.trainer[latest]
+    while node is not None:
+        window.append(node.step)
+        if node.kind is Kind.FULL or any(f.usable for f in graph.fulls_at.get(node.state, ())):
+            break
+        node = graph.trainer_at(node.start) if node.start is not None else None
+    return window, node.state if node is not None else None
+
+
+def _kept_fulls(
+    graph: LineageGraph,
+    policy: RetentionPolicy,
+    latest: int,
+    latest_chain: list[str],
+    anchor_state: tuple[int, str] | None,
+) -> dict[tuple[int, str], LineageNode]:
+    """The fulls kept, one per state: the window's, the newest ``keep_last_fulls``, the oldest
+    of every ``keep_fulls_every`` period, those in the chain of ``latest``, and with ``keep_all_steps`` those
+    that bound old steps' chains to ``chain_delta_budget``."""
+    fulls = [n for n in graph.nodes.values() if _eligible_full(graph, n)]
+    by_state: dict[tuple[int, str], LineageNode] = {}
+    for f in sorted(fulls, key=lambda n: (n.merged, n.bytes, n.id)):
+        by_state.setdefault(f.state, f)  # one full per state: the trainer's, else the smallest
+    kept: dict[tuple[int, str], LineageNode] = {}
+    if anchor_state is not None and anchor_state in by_state:
+        kept[anchor_state] = by_state[anchor_state]
+    newest = sorted(by_state.values(), key=lambda n: (n.epoch, n.step), reverse=True)
+    for f in newest[: policy.keep_last_fulls]:
+        kept[f.state] = f
+    if policy.keep_fulls_every:
+        period: dict[int, LineageNode] = {}
+        for f in sorted(by_state.values(), key=lambda n: (n.step, -n.epoch)):
+            period.setdefault(f.step // policy.keep_fulls_every, f)
+        for f in period.values():
+            kept[f.state] = f
+    for f in graph.fulls_at.get(graph.trainer[latest].state, ()):
+        if f.id in latest_chain:
+            kept[f.state] = f
+    if policy.keep_all_steps and policy.chain_delta_budget is not None:
+        _keep_budget_fulls(graph, by_state, kept, policy.chain_delta_budget)
+    return kept
+
+
+def _keep_budget_fulls(
+    graph: LineageGraph,
+    by_state: dict[tuple[int, str], LineageNode],
+    kept: dict[tuple[int, str], LineageNode],
+    budget: float,
+) -> None:
+    """Add to ``kept`` the fulls that bound every past step's chain: walking up the steps, a
+    full is kept where the deltas since the last kept one pass ``budget`` fulls' bytes (the
+    first full at or after that point; the merger only ever builds fulls of newer states, so
+    the choice is stable across runs)."""
+    since = 0
+    for n in sorted(graph.trainer.values(), key=lambda n: (n.step, n.epoch)):
+        anchor = by_state.get(n.state)
+        if anchor is not None and (
+            n.kind is Kind.FULL or anchor.state in kept or since >= budget * anchor.bytes
+        ):
+            kept[anchor.state] = anchor
+            since = 0
+        elif n.kind is not Kind.FULL:
+            since += n.bytes
+
+
+def _in_progress(graph: LineageGraph, window: list[int]) -> set[str]:
+    """Merged deltas of the window that no committed merged delta consumes yet: the merger's
+    work in progress (inputs of the next layer), kept until their consumer is committed."""
+    window_ids = {graph.trainer[s].id for s in window}
+    consumed = {i for n in graph.nodes.values() for i in n.inputs if n.kind is Kind.MERGED}
+    return {
+        n.id
+        for n in graph.nodes.values()
+        if n.kind is Kind.MERGED and n.usable and n.state[1] in window_ids and n.id not in consumed
+    }
+
+
+def _add_chains(
+    graph: LineageGraph, steps: list[int], allowed: set[str], keep: set[str]
+) -> list[int]:
+    """Add to ``keep`` the chain of each of ``steps`` -- through ``allowed`` checkpoints where
+    possible, else the cheapest -- and return the steps that have one (the others are logged)."""
+    restricted = [i for i in graph.nodes if i not in allowed]
+    retained_steps = []
+    for step in steps:
+        try:
+            chain = graph.chain(step, exclude=restricted)
+        except CheckpointNotFoundError:
+            try:
+                chain = graph.chain(step)
+            except CheckpointNotFoundError as e:
+                logger.warning("retention: step %d is not restorable, not retained: %s", step, e)
+                continue
+        keep.update(m.id for m in chain)
+        retained_steps.append(step)
+    return retained_steps
+
+
+def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
+    """Why each checkpoint not in ``keep`` can go, by id."""
+    delete = {}
+    for n in graph.nodes.values():
+        if n.id in keep:
+            continue
+        if n.quarantined is not None:
+            delete[n.id] = f"quarantined ({n.quarantined})"
+        elif not n.merged:
+            delete[n.id] = f"step {n.step} is not retained"
+        else:
+            delete[n.id] = f"{n.kind.value} checkpoint in no retained step's chain"
+    return delete
+
+
+def grace_protected(graph: LineageGraph, policy: RetentionPolicy, now: float) -> set[str]:
+    """Ids GC keeps whatever a plan says can go: what the lineage as it was ``policy.grace_s``
+    seconds before ``now`` kept (a restore may still be reading it), and everything committed
+    since. Empty without a grace period."""
+    if policy.grace_s <= 0:
+        return set()
+    cutoff = now - policy.grace_s
+    protected = plan_lineage(graph.as_of(cutoff), policy).keep
+    protected |= {n.id for n in graph.nodes.values() if n.manifest.created_unix > cutoff}
+    return protected
+
+
+def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str]) -> set[str]:
+    """The kept merger checkpoints that make a doomed one redundant: merger fulls at or after
+    its step, merged deltas whose steps cover it (timelines not told apart: more is checked)."""
+    steps = sorted(graph.nodes[i].step for i in doomed)
+    out = set()
+    for cid in keep:
+        n = graph.nodes.get(cid)
+        if n is None or not n.merged or not n.usable:
+            continue
+        # the first doomed step the checkpoint covers (a full: every step up to its own)
+        lo = 0 if n.kind is Kind.FULL else bisect.bisect_left(steps, n.first_step)
+        if lo < len(steps) and steps[lo] <= n.step:
+            out.add(cid)
+    return out

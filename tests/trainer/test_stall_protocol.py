@@ -1,0 +1,113 @@
+"""The stall path of issue 22: one collective per steady-state checkpoint, a buffer pool sized
+from the parts within its cap, and cached table/dense views that stay live. Real TorchRec DMP
+over gloo ranks, real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deck
+from deck.demo import ModelSpec, build_model, train_step
+from deck.testing.dist_harness import run_ranks
+from deck.trainer.staging import BufferPool
+
+SPEC = ModelSpec(num_tables=2, rows=2000, dim=8, batch=64, sharding="table_wise")
+
+
+def test_pool_grows_to_the_part_within_its_cap_and_shrinks_back() -> None:
+    pool = BufferPool(2, 4096, cap=5)
+    assert not pool.size_for(4) and pool.count == 4
+    held = [pool.acquire() for _ in range(4)]  # four at once: none of them waits
+    assert pool.allocated_bytes == 4 * 4096 and pool.peak_in_use == 4
+    for b in held:
+        pool.release(b)
+    assert pool.size_for(9) and pool.count == 5  # the cap wins, and says so
+    assert not pool.size_for(1) and pool.count == 2  # never below the floor
+    held = [pool.acquire() for _ in range(2)]
+    for b in held:
+        pool.release(b)  # more buffers than the pool holds now: freed as they come back
+    assert pool.allocated_bytes == 2 * 4096
+    pool.size_for(4)
+    pool.prefault()  # the missing two, ahead of use
+    assert pool.allocated_bytes == 4 * 4096
+
+
+def _protocol(rank: int, world_size: int, root: str, cap: int) -> None:
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=f"{root}/ck",
+        delta_every_steps=1,
+        lease_ttl_s=None,
+        staging=deck.StagingConfig(chunk_bytes=4096, chunks_in_flight=1, snapshot_memory_bytes=cap),
+    )
+    calls: list[int] = []
+    with deck.enable(model, [opt], config) as ck:
+        gather = ck.coord.gather
+
+        def counted(values: list[float]) -> Any:
+            calls.append(len(values))
+            return gather(values)
+
+        ck.coord.gather = counted  # type: ignore[method-assign]
+        per_step = []
+        for step in range(6):
+            if step:
+                train_step(model, opt, SPEC, step)
+            before = len(calls)
+            stats = ck.step(step)
+            assert stats is not None
+            per_step.append((stats.kind, len(calls) - before, stats.pool_capped))
+            adapter = ck.adapter
+            # The cached views are the live tables: equal to a fresh state_dict read, bitwise.
+            cached, fresh = adapter.table_shards(), adapter._read_table_shards()
+            assert cached is adapter.table_shards()
+            for a, b in zip(cached, fresh, strict=True):
+                for name in b.states:
+                    assert torch.equal(a.states[name], b.states[name]), (step, a.table, name)
+        ck.flush()
+        states = [h.state for h in ck.history]
+
+    assert per_step[0][0] == "full"
+    # Steady state: one all-gather per delta (the vote), never an agreement before it.
+    assert [(k, n) for k, n, _ in per_step[1:]] == [("delta", 1)] * 5, per_step
+    capped = [c for _, _, c in per_step[1:]]
+    assert all(capped) if cap == 4096 else not any(capped), per_step
+    assert set(states) == {"committed" if rank == 0 else "uploaded"}, states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", [4096, 2**30], ids=["capped", "default-cap"])
+def test_one_collective_per_delta_and_the_pool_cap(tmp_path: Path, cap: int) -> None:
+    """Each delta after the first checkpoint costs exactly one all-gather; a cap of one chunk
+    buffer is reported as capped on every delta (and the deltas still commit), the default cap
+    never is; the adapter's cached shard views equal a fresh state_dict read after every step."""
+    run_ranks(_protocol, str(tmp_path), cap)
+
+
+def _reallocated(rank: int, world_size: int) -> None:
+    model, _ = build_model(SPEC)
+    ck = deck.enable(model, None, deck.DeckConfig(uri="memory://deck-realloc"))
+    try:
+        first = ck.adapter.dense_state()
+        ptrs = {v.data_ptr() for v in first.values() if v.dim() == 2}
+        param = next(p for p in model.parameters() if p.data_ptr() in ptrs)  # a dense weight
+        old = param.data_ptr()
+        keys = [k for k, v in first.items() if v.data_ptr() == old]
+        assert keys and ck.adapter.dense_state().keys() == first.keys()
+        param.data = param.data.clone() + 1  # new storage: the cached views are stale
+        again = ck.adapter.dense_state()
+        for k in keys:
+            assert again[k].data_ptr() == param.data_ptr() != old
+            assert torch.equal(again[k], param.detach())
+    finally:
+        ck.close()
+
+
+@pytest.mark.slow
+def test_dense_state_follows_a_reallocated_parameter() -> None:
+    """dense_state() is cached, but a parameter given new storage is read again."""
+    run_ranks(_reallocated, world_size=1)
