@@ -4,6 +4,8 @@ over gloo ranks, real files."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,29 @@ def test_pool_grows_to_the_part_within_its_cap_and_shrinks_back() -> None:
     pool.size_for(4)
     pool.prefault()  # the missing two, ahead of use
     assert pool.allocated_bytes == 4 * 4096
+
+
+def test_a_waiting_acquire_takes_a_returning_buffer_of_a_shrunk_pool() -> None:
+    """After a full borrowed buffers (the pool shrank back while they are still being written),
+    the next part takes them as they come back instead of waiting for all of them."""
+    pool = BufferPool(1, 4096, cap=4)
+    pool.size_for(3)
+    held = [pool.acquire() for _ in range(3)]
+    pool.size_for(1)  # the full is handed on: one buffer to keep
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while pool._waiting == 0:  # the waiter is blocked in acquire (allocated 3 >= count 1)
+        assert time.monotonic() < deadline, "the acquire never blocked"
+        time.sleep(0.001)
+    pool.release(held[0])  # kept for the waiter, not freed
+    waiter.join(timeout=60)
+    assert len(got) == 1 and got[0] is held[0]
+    for b in held[1:]:
+        pool.release(b)  # nobody waits: freed down to the pool's size
+    pool.release(got[0])
+    assert pool.allocated_bytes == 1 * 4096 and pool.in_use == 0
 
 
 def _protocol(rank: int, world_size: int, root: str, cap: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import numpy as np
@@ -19,9 +18,10 @@ class BufferPool:
 
     The count starts at ``floor`` and follows :meth:`size_for`: it grows to what a part needs, up
     to ``cap`` buffers, so a steady workload never waits for a buffer; when it shrinks, buffers
-    beyond it are freed as they come back. :meth:`prefault` allocates and touches the missing
-    buffers ahead of use (from a background thread), so a grown pool's first use does not take
-    page faults in the training stall.
+    beyond it are freed as they come back (unless a caller is waiting for one: a delta right
+    after a full takes the full's buffers as they are written, instead of waiting for all of
+    them). :meth:`prefault` allocates and touches the missing buffers ahead of use (from a
+    background thread), so a grown pool's first use does not take page faults in the stall.
 
     With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
     copies into them are true DMA transfers that can run on a side stream.
@@ -34,9 +34,10 @@ class BufferPool:
         self.count = floor
         self.pinned = pinned
         self._owners: dict[int, torch.Tensor] = {}  # id(buffer) -> owner of a pinned buffer
-        self._free: queue.LifoQueue[Buffer] = queue.LifoQueue()
+        self._free: list[Buffer] = []  # last in, first out: the warmest buffer first
         self._allocated = 0
-        self._lock = threading.Lock()
+        self._waiting = 0
+        self._cond = threading.Condition()
         self.in_use = 0
         self.peak_in_use = 0
 
@@ -49,48 +50,53 @@ class BufferPool:
             return aligned_buffer(self.size)
         owner = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
         buf = memoryview(owner.numpy())  # type: ignore[arg-type]
-        self._owners[id(buf)] = owner
+        with self._cond:
+            self._owners[id(buf)] = owner
         return buf
 
     def size_for(self, needed: int) -> bool:
         """Make the pool ``needed`` buffers (within ``floor`` .. ``cap``). Returns whether the
         cap won (fewer buffers than ``needed``: a part that large waits for buffers)."""
-        with self._lock:
+        with self._cond:
             self.count = min(self.cap, max(self.floor, needed))
+            self._cond.notify_all()  # a waiting acquire may now allocate
         return needed > self.cap
 
     def prefault(self) -> None:
         """Allocate the buffers the pool may still create, touching every page (background)."""
         while True:
-            with self._lock:
+            with self._cond:
                 if self._allocated >= self.count:
                     return
                 self._allocated += 1
             buf = self._new()
             np.frombuffer(buf, dtype=np.uint8)[::PAGE] = 0  # one write per page faults it in
-            self._free.put(buf)
+            with self._cond:
+                self._free.append(buf)
+                self._cond.notify()
 
     def acquire(self) -> Buffer:
         """A free buffer; blocks while :attr:`count` are in use (this is the memory bound)."""
-        with self._lock:
-            grow = self._free.empty() and self._allocated < self.count
-            if grow:
+        with self._cond:
+            while not self._free and self._allocated >= self.count:
+                self._waiting += 1
+                self._cond.wait()
+                self._waiting -= 1
+            buf = self._free.pop() if self._free else None
+            if buf is None:
                 self._allocated += 1
-        if grow:
-            self._free.put(self._new())
-        buf = self._free.get()
-        with self._lock:
             self.in_use += 1
             self.peak_in_use = max(self.peak_in_use, self.in_use)
-        return buf
+        return self._new() if buf is None else buf
 
     def release(self, buf: Buffer) -> None:
-        """Return ``buf``; freed instead when the pool holds more buffers than :attr:`count`."""
-        with self._lock:
+        """Return ``buf``; freed instead when the pool holds more buffers than :attr:`count`
+        and nobody waits for one."""
+        with self._cond:
             self.in_use -= 1
-            drop = self._allocated > self.count
-            if drop:
+            if self._allocated > self.count and not self._waiting:
                 self._allocated -= 1
                 self._owners.pop(id(buf), None)
-        if not drop:
-            self._free.put(buf)
+                return
+            self._free.append(buf)
+            self._cond.notify()
