@@ -306,21 +306,35 @@ class _OneTable:
         return set()
 
 
-def one_table_chain(shard: TableShard, root: str) -> tuple[Any, Stager, Any]:
+def one_table_chain(
+    weight: torch.Tensor, momentum1: torch.Tensor, root: str
+) -> tuple[Any, Stager, Any, TableShard]:
     """A single-rank :class:`deck.trainer.chain.ChainWriter` (default ``StagingConfig``, local
-    tier at ``root``) over ``shard`` and a tracker of its rows: the trainer's real save path
+    tier at ``root``) over one whole-table shard of ``weight`` (rows x dim) with a rowwise
+    ``momentum1`` and a tracker of its rows: the trainer's real save path
     without TorchRec. Its deltas name a parent that was never committed (no full is written),
     so their commit fails in the background: callers clear ``stager.take_failure()`` and
     ``take_failed()`` after each save to keep the next one a delta. Returns (chain, stager,
-    tracker)."""
+    tracker, shard)."""
     from deck.trainer.chain import ChainWriter
     from deck.trainer.coordination import Coordinator
     from deck.trainer.tracker import TrackerStore
 
+    rows, dim = weight.shape
+    shard = TableShard(
+        table="t.weight",
+        num_rows=rows,
+        num_cols=dim,
+        row_offset=0,
+        rows=rows,
+        col_offset=0,
+        cols=dim,
+        states={"weight": weight, "momentum1": momentum1},
+    )
     storage = LocalStorage(root)
     staging = StagingConfig()
     stager = Stager(storage, staging, rank=0)
-    tracker = TrackerStore(shard.rows, ("checkpoint",))
+    tracker = TrackerStore(rows, ("checkpoint",))
     chain = ChainWriter(
         label="checkpoint",
         consumer="checkpoint",
@@ -335,4 +349,4 @@ def one_table_chain(shard: TableShard, root: str) -> tuple[Any, Stager, Any]:
         parent=(0, "0" * 16),  # never committed: see the docstring
         base=0,
     )
-    return chain, stager, tracker
+    return chain, stager, tracker, shard

@@ -54,20 +54,9 @@ def _gather(shard: TableShard, rows: torch.Tensor) -> float:
 
 def point(rows: int, delta: int, dim: int, repeats: int, root: str) -> dict[str, float]:
     """Median stall parts of ``repeats`` deltas of ``delta`` rows over a ``rows``-row shard."""
-    shard = TableShard(
-        table="t.weight",
-        num_rows=rows,
-        num_cols=dim,
-        row_offset=0,
-        rows=rows,
-        col_offset=0,
-        cols=dim,
-        states={
-            "weight": torch.empty(rows, dim, dtype=torch.float32),
-            "momentum1": torch.empty(rows, dtype=torch.float32),
-        },
+    chain, stager, tracker, shard = one_table_chain(
+        torch.empty(rows, dim, dtype=torch.float32), torch.empty(rows, dtype=torch.float32), root
     )
-    chain, stager, tracker = one_table_chain(shard, root)
     g = torch.Generator().manual_seed(rows + delta)
     got: dict[str, list[float]] = {k: [] for k in ("stall", "claim", "snapshot", "gather")}
     try:

@@ -64,7 +64,6 @@ from _workload import (
     restore_into_fresh,
     warm_cache,
 )
-from deck.adapters.base import TableShard
 from deck.kernels.claim import block_count, block_of, claim_marked_rows, claim_rows
 
 from deck.format.checksum import checksum
@@ -364,17 +363,9 @@ def delta_stall(r: Results, table: torch.Tensor, delta: int, repeats: int, work:
     stall beyond claim + gather fitted as a fixed term + a term per chunk."""
 
     rows = table.shape[0]
-    shard = TableShard(
-        table="t.weight",
-        num_rows=rows,
-        num_cols=DIM,
-        row_offset=0,
-        rows=rows,
-        col_offset=0,
-        cols=DIM,
-        states={"weight": table, "momentum1": torch.zeros(rows)},
+    chain, stager, tracker, shard = one_table_chain(
+        table, torch.zeros(rows), os.path.join(work, "stall")
     )
-    chain, stager, tracker = one_table_chain(shard, os.path.join(work, "stall"))
     g = torch.Generator().manual_seed(7)
     sizes = (delta, max(delta // 8, 1))
     got: dict[int, dict[str, list[float]]] = {
