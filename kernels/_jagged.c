@@ -241,6 +241,15 @@ done:
     return result;
 }
 
+static int summary_ok(const int64_t n, const int64_t nb, const int shift)
+{
+    if (shift < 0 || shift > 30 || nb != (n + ((int64_t)1 << shift) - 1) >> shift) {
+        PyErr_SetString(PyExc_ValueError, "the tracker's summary must have one byte per 2**shift rows");
+        return 0;
+    }
+    return 1;
+}
+
 /* CLAIM_DENSE: claim_blocks reads the whole map when more than 1 in CLAIM_DENSE blocks are
  * marked (measured: at a quarter of the blocks marked the two ways cost the same). */
 enum { CLAIM_BATCH = 1024, CLAIM_AHEAD = 16, CLAIM_DENSE = 4 };
@@ -265,11 +274,8 @@ static PyObject *claim_blocks(PyObject *self, PyObject *args)
     if (!claim_bit_ok(bit))
         goto done;
     const int64_t n = map_b.len, nb = blocks_b.len;
-    if (shift < 0 || shift > 30 || nb != (n + ((int64_t)1 << shift) - 1) >> shift) {
-        PyErr_SetString(PyExc_ValueError,
-                        "claim_blocks: the summary must have one byte per 2**shift rows");
+    if (!summary_ok(n, nb, shift))
         goto done;
-    }
     const int64_t room = out_b.len / (Py_ssize_t)sizeof(int64_t), size = (int64_t)1 << shift;
     const int count_only = out_b.len == 0;
     const uint64_t lanes = 0x0101010101010101ULL * (uint64_t)bit;
@@ -333,6 +339,165 @@ done:
     return result;
 }
 
+/* Rows given by position must all lie in the map: checked before anything changes, so a bad
+ * position leaves the map, the summary and the caller's journal as they were. */
+static int rows_in_map(const int64_t *ids, const int64_t m, const int64_t n)
+{
+    for (int64_t i = 0; i < m; ++i)
+        if ((uint64_t)ids[i] >= (uint64_t)n)
+            return 0;
+    return 1;
+}
+
+/* mark_rows(bytes, blocks, shift, bits, ids, new_ids, new_old) -> k: the tracker's compaction.
+ *   ids      int64 (M,): row positions, any order, duplicates allowed
+ *   new_ids  int64 (M,), new_old uint8 (M,): out
+ * Sets `bits` in the byte of every row of ids and in its block's summary byte. Each row whose
+ * byte lacked one of `bits` is written once (at its first appearance) to new_ids[k], with its
+ * byte before to new_old[k]: the rows that just became pending for some consumer, so the tracker
+ * can journal them and claim them later without reading the map. Returns k, or -1 (nothing
+ * changed) when a position is outside the map. */
+static PyObject *mark_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer map_b, blocks_b, ids_b, new_b, old_b;
+    int shift, bits;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*w*iiy*w*w*", &map_b, &blocks_b, &shift, &bits, &ids_b, &new_b,
+                          &old_b))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t n = map_b.len, m = ids_b.len / (Py_ssize_t)sizeof(int64_t);
+    if (!summary_ok(n, blocks_b.len, shift))
+        goto done;
+    if (bits <= 0 || bits > 0xFF || ids_b.len % (Py_ssize_t)sizeof(int64_t) ||
+        new_b.len < ids_b.len || old_b.len < m) {
+        PyErr_SetString(PyExc_ValueError, "mark_rows: inconsistent arguments");
+        goto done;
+    }
+    uint8_t *map = map_b.buf, *blocks = blocks_b.buf, *old = old_b.buf;
+    const int64_t *ids = ids_b.buf;
+    int64_t *out = new_b.buf, k = 0;
+    const uint8_t all = (uint8_t)bits;
+    Py_BEGIN_ALLOW_THREADS
+    if (!rows_in_map(ids, m, n)) {
+        k = -1;
+    } else {
+        for (int64_t i = 0; i < m; ++i) {
+            const int64_t r = ids[i];
+            const uint8_t before = map[r];
+            if ((before & all) == all)
+                continue; /* its block's summary already has these bits */
+            map[r] = before | all;
+            blocks[r >> shift] |= all;
+            out[k] = r;
+            old[k++] = before;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLongLong((long long)k);
+done:
+    PyBuffer_Release(&map_b);
+    PyBuffer_Release(&blocks_b);
+    PyBuffer_Release(&ids_b);
+    PyBuffer_Release(&new_b);
+    PyBuffer_Release(&old_b);
+    return result;
+}
+
+/* clear_rows(bytes, blocks, shift, bit, rows) -> lacking: a claim from the tracker's journal.
+ * Clears `bit` in the byte of every row of rows (int64) and in its block's summary byte (the
+ * caller claims every row that has the bit, so none of the block's rows keeps it). Returns how
+ * many rows did not have the bit (a journal out of step with the map: 0 when all is well), or
+ * -1 (nothing changed) when a position is outside the map. */
+static PyObject *clear_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer map_b, blocks_b, rows_b;
+    int shift, bit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*w*iiy*", &map_b, &blocks_b, &shift, &bit, &rows_b))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t n = map_b.len, m = rows_b.len / (Py_ssize_t)sizeof(int64_t);
+    if (!summary_ok(n, blocks_b.len, shift) || !claim_bit_ok(bit))
+        goto done;
+    uint8_t *map = map_b.buf, *blocks = blocks_b.buf;
+    const int64_t *rows = rows_b.buf;
+    int64_t lacking = 0;
+    const uint8_t keep = (uint8_t)~bit;
+    Py_BEGIN_ALLOW_THREADS
+    if (!rows_in_map(rows, m, n)) {
+        lacking = -1;
+    } else {
+        for (int64_t i = 0; i < m; ++i) {
+            const int64_t r = rows[i];
+            lacking += !(map[r] & bit);
+            map[r] &= keep;
+            blocks[r >> shift] &= keep;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLongLong((long long)lacking);
+done:
+    PyBuffer_Release(&map_b);
+    PyBuffer_Release(&blocks_b);
+    PyBuffer_Release(&rows_b);
+    return result;
+}
+
+/* GATHER_AHEAD: rows prefetched ahead of the copy. A delta's rows lie pages apart in tables far
+ * larger than the cache, so each row is a cache (and TLB) miss; issuing the misses of the next
+ * rows while copying this one overlaps them (measured 1.3x over torch.index_select at 2% of a
+ * 1M x 64 fp32 table; 8 to 32 ahead cost the same). */
+enum { GATHER_AHEAD = 16 };
+
+/* gather_rows(src, row_bytes, ids, dst): the snapshot's copy, dst row i = src row ids[i].
+ *   src  C-contiguous rows of row_bytes bytes each (a table state)
+ *   ids  int64 (M,): row indices, any order; all must be rows of src (checked first: a bad one
+ *        raises IndexError and nothing is copied)
+ *   dst  writable, at least M * row_bytes bytes */
+static PyObject *gather_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer src_b, ids_b, dst_b;
+    Py_ssize_t row_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*ny*w*", &src_b, &row_bytes, &ids_b, &dst_b))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t m = ids_b.len / (Py_ssize_t)sizeof(int64_t);
+    if (row_bytes <= 0 || src_b.len % row_bytes || ids_b.len % (Py_ssize_t)sizeof(int64_t) ||
+        dst_b.len / row_bytes < m) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
+        goto done;
+    }
+    const int64_t n = src_b.len / row_bytes, *ids = ids_b.buf;
+    const char *src = src_b.buf;
+    char *dst = dst_b.buf;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = rows_in_map(ids, m, n);
+    if (ok) {
+        for (int64_t i = 0; i < m; ++i) {
+            if (i + GATHER_AHEAD < m) {
+                const char *next = src + ids[i + GATHER_AHEAD] * row_bytes;
+                for (Py_ssize_t o = 0; o < row_bytes; o += 64)
+                    __builtin_prefetch(next + o, 0, 0);
+            }
+            memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_IndexError, "gather_rows: a row index is outside the table");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src_b);
+    PyBuffer_Release(&ids_b);
+    PyBuffer_Release(&dst_b);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"mark_scan", mark_scan, METH_VARARGS,
      "Mark, scan and clear a group of tables' slices of a byte map (see the file's comment)."},
@@ -340,6 +505,12 @@ static PyMethodDef methods[] = {
      "The tracker's claim: rows whose byte has a bit, ascending, and clear it (see above)."},
     {"claim_blocks", claim_blocks, METH_VARARGS,
      "The tracker's claim reading only the blocks its summary marks (see above)."},
+    {"mark_rows", mark_rows, METH_VARARGS,
+     "The tracker's compaction: set bits in rows and their summary, return the newly set rows."},
+    {"gather_rows", gather_rows, METH_VARARGS,
+     "The snapshot's copy: rows of a table by index into a buffer, prefetching ahead."},
+    {"clear_rows", clear_rows, METH_VARARGS,
+     "A claim from the tracker's journal: clear a bit in given rows and their summary."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,11 @@ a fixed term of one load per 512 rows plus a cache line per touched block (prefe
 when more than a quarter of the blocks are marked it reads the whole map in one pass instead (as
 fast then). :func:`claim_rows`, the whole-map pass, stays as the baseline
 (``benchmarks/bench_claim.py --sweep``).
+
+Even the summary must be read, and at a few percent of rows touched nearly every block is marked.
+So the tracker also journals: :func:`mark_rows` (its compaction) returns the rows that just became
+pending, the tracker keeps them per consumer, and a claim sorts that journal and clears those rows
+(:func:`clear_rows`) without reading the map: its cost is the delta's rows alone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import native
@@ -82,3 +88,46 @@ def claim_marked_rows(dirty: torch.Tensor, blocks: torch.Tensor, bit: int) -> to
     if not rows.numel():  # no take ran: clear the bit of blocks marked without such a row
         blocks.bitwise_and_(~bit & 0xFF)
     return rows
+
+
+def journaling_available(dirty: torch.Tensor) -> bool:
+    """Whether :func:`mark_rows` and :func:`clear_rows` run on this map (the native kernel, a
+    contiguous CPU map); without them the tracker marks with torch and claims by reading the map."""
+    return native.native_module() is not None and dirty.device.type == "cpu"
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    if not t.is_contiguous():
+        raise ValueError("the tracker's map and summary must be contiguous")
+    return t.numpy()
+
+
+def mark_rows(
+    dirty: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Set ``bits`` in the byte of every row of ``rows`` (int64, any order, duplicates allowed)
+    and in its summary byte. Returns the rows whose byte lacked one of ``bits``, each once in
+    order of first appearance, and their bytes before. Raises IndexError, changing nothing, when
+    a row is outside the map. Needs :func:`journaling_available`."""
+    ids = np.ascontiguousarray(rows.detach().cpu().numpy(), dtype=np.int64)
+    new = np.empty(len(ids), dtype=np.int64)
+    old = np.empty(len(ids), dtype=np.uint8)
+    k = native.native_module().mark_rows(
+        _raw(dirty), _raw(blocks), BLOCK_SHIFT, bits, ids, new, old
+    )
+    if k < 0:
+        raise IndexError(f"tracked row positions outside the map of {dirty.numel()} rows")
+    return new[:k], old[:k]
+
+
+def clear_rows(dirty: torch.Tensor, blocks: torch.Tensor, rows: np.ndarray, bit: int) -> int:
+    """Clear ``bit`` in the byte of every row of ``rows`` (int64) and in its summary byte (the
+    caller claims every row that has it). Returns how many of them did not have it (0 unless the
+    caller's journal is out of step with the map). Raises IndexError, changing nothing, when a
+    row is outside the map. Needs :func:`journaling_available`."""
+    lacking = native.native_module().clear_rows(
+        _raw(dirty), _raw(blocks), BLOCK_SHIFT, bit, np.ascontiguousarray(rows, dtype=np.int64)
+    )
+    if lacking < 0:
+        raise IndexError(f"claimed row positions outside the map of {dirty.numel()} rows")
+    return int(lacking)

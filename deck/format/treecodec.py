@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,11 +27,36 @@ _META_KEY = "deck_tree"
 MAX_TREE_DEPTH = 100
 
 
+@dataclass(frozen=True)
+class CapturedTree:
+    """A state tree taken apart by :func:`capture`: its structure (JSON-ready) and private copies
+    of its tensors, so it can be encoded later (off the training thread) whatever happens to the
+    live state meanwhile."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors (the encoded file adds its JSON header)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def encode(self) -> bytes:
+        """The state file's bytes (what :func:`decode` reads)."""
+        return st_save(self.tensors, metadata={_META_KEY: json.dumps(self.tree)})
+
+
 def encode(obj: Any, what: str) -> bytes:
     """Serialise ``obj``; ``what`` names it in errors (e.g. "user state").
 
     Supported leaves: tensors, int, float, bool, str, bytes, None. Containers: dict, list, tuple.
     """
+    return capture(obj, what).encode()
+
+
+def capture(obj: Any, what: str) -> CapturedTree:
+    """Copy ``obj`` for :func:`encode` (same rules and errors, raised here): its tensors are
+    cloned, so the result does not change when the live state does."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(x: Any, path: str, depth: int = 0) -> Any:
@@ -71,7 +97,7 @@ def encode(obj: Any, what: str) -> bytes:
     tree = walk(obj, what)
     if depth_exceeds(tree, MAX_TREE_DEPTH):
         raise _too_deep(what, what)
-    return st_save(tensors, metadata={_META_KEY: json.dumps(tree)})
+    return CapturedTree(tree, tensors)
 
 
 def _too_deep(what: str, path: str) -> UnsupportedError:

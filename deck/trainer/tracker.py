@@ -8,9 +8,15 @@ checkpoint loses nothing, a read never consumes another tenant's rows, and each 
 most one extra copy of its delta (DECK fig. 8).
 
 A summary byte per block of 64 rows (:data:`deck.kernels.claim.BLOCK_SHIFT`) has every bit some
-row of the block has, so a claim reads only the touched blocks plus the summary (1/64 of the map):
-its cost follows the delta, not the table. Memory: 1 + 1/64 bytes per row whatever the number of
-consumers (up to 8): 8.125 bits per row with one consumer, 1.016 bits per row per consumer with 8.
+row of the block has, so a claim by reading the map reads only the touched blocks plus the summary
+(1/64 of the map). Usually a claim reads neither: each consumer keeps a journal of the rows that
+became pending for it (compaction returns them), and a claim sorts its journal and clears those
+rows, so it costs the delta's rows whatever the table's size. A journal holds at most
+``journal_cap`` rows (default 1/32 of the rows, at least 65,536); a consumer whose delta grows
+past it drops its journal and its next claim reads the map (then a journal starts again).
+Memory: 1 + 1/64 bytes per row whatever the number of consumers (up to 8): 8.125 bits per row with
+one consumer, 1.016 bits per row per consumer with 8; plus each journal's 8 bytes per pending row,
+at most 1/4 byte per row per consumer.
 
 Hot path: :meth:`record` only appends a tensor (no device->host sync); :meth:`compact` scatters
 pending ids into the bitmap and is called from the post-output-dist hook so that it overlaps the
@@ -22,12 +28,45 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from deck.errors import ConfigError
-from deck.kernels.claim import block_count, block_of, claim_marked_rows
+from deck.errors import ConfigError, DeckError
+from deck.kernels.claim import (
+    block_count,
+    block_of,
+    claim_marked_rows,
+    clear_rows,
+    journaling_available,
+    mark_rows,
+)
 
 MAX_CONSUMERS = 8
+JOURNAL_MIN_CAP = 1 << 16  # rows a journal may always hold, however small the map
+JOURNAL_FRACTION = 32  # beyond this fraction of the rows, reading the map is as cheap as sorting
+
+
+class RowJournal:
+    """The rows that became pending for one consumer since its last claim: each once, unsorted
+    (exactly the rows whose byte has the consumer's bit)."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self.rows = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+        self._parts.append(rows)
+        self.rows += len(rows)
+        if len(self._parts) > 64:  # one array per compaction would pile up between claims
+            self._parts = [np.concatenate(self._parts)]
+
+    def take(self) -> np.ndarray:
+        """Every journaled row, ascending; the journal is empty after."""
+        rows = np.sort(np.concatenate(self._parts)) if self._parts else np.empty(0, np.int64)
+        self._parts, self.rows = [], 0
+        return rows
 
 
 @dataclass(frozen=True)
@@ -42,7 +81,11 @@ class TrackerStore:
     """Touched-row state for a flat space of ``num_rows`` rows (all tracked shards back to back)."""
 
     def __init__(
-        self, num_rows: int, consumers: tuple[str, ...], device: torch.device | None = None
+        self,
+        num_rows: int,
+        consumers: tuple[str, ...],
+        device: torch.device | None = None,
+        journal_cap: int | None = None,
     ):
         if not consumers or len(consumers) > MAX_CONSUMERS:
             raise ConfigError(
@@ -54,6 +97,14 @@ class TrackerStore:
         self._blocks = torch.zeros(block_count(num_rows), dtype=torch.uint8, device=device)
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._journaling = journaling_available(self._dirty)
+        self._journal_cap = (
+            max(JOURNAL_MIN_CAP, num_rows // JOURNAL_FRACTION)
+            if journal_cap is None
+            else journal_cap
+        )
+        # None: no journal (too many rows, or no native kernel): the next claim reads the map.
+        self._journals: dict[str, RowJournal | None] = {c: self._new_journal() for c in consumers}
 
     @property
     def num_rows(self) -> int:
@@ -64,8 +115,23 @@ class TrackerStore:
         return tuple(self._bits)
 
     def nbytes(self) -> int:
-        """Memory held by the tracking state (excluding ids not yet compacted and open reads)."""
-        return sum(m.numel() * m.element_size() for m in (self._dirty, self._blocks))
+        """Memory held by the tracking state: map, summary and journals (excluding ids not yet
+        compacted and open reads)."""
+        journaled = sum(8 * j.rows for j in self._journals.values() if j is not None)
+        return journaled + sum(m.numel() * m.element_size() for m in (self._dirty, self._blocks))
+
+    def _new_journal(self) -> RowJournal | None:
+        return RowJournal() if self._journaling else None
+
+    def _journal(self, consumer: str, rows: np.ndarray) -> None:
+        """Add ``rows`` (newly pending for ``consumer``) to its journal, or drop the journal
+        when it would grow past the cap."""
+        journal = self._journals[consumer]
+        if journal is None:
+            return
+        journal.add(rows)
+        if journal.rows > self._journal_cap:
+            self._journals[consumer] = None
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""
@@ -78,8 +144,13 @@ class TrackerStore:
             pending, self._pending = self._pending, []
             for pos in pending:
                 # A touched row is dirty for every consumer: setting all bits is the OR.
-                self._dirty.index_fill_(0, pos, self._all)
-                self._blocks.index_fill_(0, block_of(pos), self._all)
+                if not self._journaling:
+                    self._dirty.index_fill_(0, pos, self._all)
+                    self._blocks.index_fill_(0, block_of(pos), self._all)
+                    continue
+                new, old = mark_rows(self._dirty, self._blocks, pos, self._all)
+                for consumer, bit in self._bits.items():
+                    self._journal(consumer, new if bit == self._all else new[(old & bit) == 0])
 
     def begin_read(self, consumer: str) -> ReadToken:
         """Claim the rows touched since ``consumer``'s last committed read."""
@@ -90,8 +161,19 @@ class TrackerStore:
             )
         self.compact()
         with self._lock:
-            rows = claim_marked_rows(self._dirty, self._blocks, bit)
-        return ReadToken(consumer, rows)
+            journal = self._journals[consumer]
+            if journal is None:
+                rows = claim_marked_rows(self._dirty, self._blocks, bit)
+                self._journals[consumer] = self._new_journal()  # no row has the bit now
+                return ReadToken(consumer, rows)
+            taken = journal.take()
+            lacking = clear_rows(self._dirty, self._blocks, taken, bit)
+            if lacking:
+                raise DeckError(
+                    f"internal: the tracker's journal of {consumer!r} names {lacking} rows that "
+                    "were not pending; please report this"
+                )
+        return ReadToken(consumer, torch.from_numpy(taken))
 
     def touched(self, token: ReadToken, start: int, stop: int) -> torch.Tensor:
         """Ascending claimed positions in ``[start, stop)``, relative to ``start``."""
@@ -107,6 +189,11 @@ class TrackerStore:
         """The read was not saved: its rows are pending again for its consumer."""
         bit = self._bits[token.consumer]
         with self._lock:
+            if self._journaling:
+                # Rows touched again since the claim are journaled already.
+                lacked, _ = mark_rows(self._dirty, self._blocks, token.rows, bit)
+                self._journal(token.consumer, lacked)
+                return
             self._dirty.index_put_((token.rows,), self._dirty[token.rows] | bit)
             blocks = block_of(token.rows)
             self._blocks.index_put_((blocks,), self._blocks[blocks] | bit)
@@ -117,3 +204,4 @@ class TrackerStore:
             self._pending = []
             self._dirty.zero_()
             self._blocks.zero_()
+            self._journals = {c: self._new_journal() for c in self._bits}

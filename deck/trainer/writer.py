@@ -51,6 +51,7 @@ from deck.format.quantize import (
     stored_dtype,
 )
 from deck.format.rowindex import build_index
+from deck.kernels.gather import gather_rows
 from deck.storage import Storage
 
 DENSE_FILE = "dense.safetensors"
@@ -101,7 +102,7 @@ class Sink(Protocol):
         self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]
     ) -> None: ...
     def submit_bytes(
-        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
+        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
     ) -> None: ...
     def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest | None: ...
 
@@ -123,10 +124,10 @@ class DirectSink:
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
 
     def submit_bytes(
-        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
+        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
     ) -> None:
         make_record()
-        self.storage.put(f"{self.root}/{rel}", data)
+        self.storage.put(f"{self.root}/{rel}", data())
 
     def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest:
         part = build()
@@ -188,10 +189,22 @@ class RankPartWriter:
         self.chunks_written = 0
         self.rows_written = 0
 
-    def _file(self, rel: str, data: bytes) -> Later[FileRecord]:
-        rec = Later(lambda: FileRecord(path=rel, nbytes=len(data), checksum=checksum(data)))
-        self.sink.submit_bytes(rel, data, rec.run)
-        self.bytes_written += len(data)
+    def _state_file(self, rel: str, state: treecodec.CapturedTree) -> Later[FileRecord]:
+        # Encoded (safetensors + JSON) and checksummed by the thread that writes it: the capture
+        # already copied the state, so the training thread only pays for that copy.
+        data = Later(state.encode)
+
+        def encoded() -> bytes:
+            data.run()  # once: the record and the write share the bytes
+            return data.get()
+
+        def record() -> FileRecord:
+            blob = encoded()
+            return FileRecord(path=rel, nbytes=len(blob), checksum=checksum(blob))
+
+        rec = Later(record)
+        self.sink.submit_bytes(rel, encoded, rec.run)
+        self.bytes_written += state.nbytes
         return rec
 
     def write_shard(
@@ -340,12 +353,12 @@ class RankPartWriter:
         self.flush_bundle()
         failpoint("writer.part.before_state_files")
         dense_rec = (
-            self._file(f"{self.part}/{DENSE_FILE}", treecodec.encode(dense, "dense state"))
+            self._state_file(f"{self.part}/{DENSE_FILE}", treecodec.capture(dense, "dense state"))
             if dense is not None
             else None
         )
-        extra_rec = self._file(
-            f"{self.part}/{EXTRA_FILE}", treecodec.encode(extra, "optimizer/user state")
+        extra_rec = self._state_file(
+            f"{self.part}/{EXTRA_FILE}", treecodec.capture(extra, "optimizer/user state")
         )
         encoding = self.quantize if self.encoded_any else None
 
@@ -395,7 +408,8 @@ def _fill_chunk(
 ) -> None:
     """Gather rows ``[start, stop)`` of the selection (``local``; None = all rows) into ``buf``.
 
-    CPU tables: one ``index_select(out=...)`` per state straight into the buffer. GPU tables: the
+    CPU tables: one gather per state straight into the buffer (:func:`deck.kernels.gather.gather_rows`,
+    which prefetches the rows ahead). GPU tables: the
     gather runs on the table's device on a side stream that first waits for the training stream,
     then copies into the (pinned) buffer without blocking training kernels; one sync per chunk.
     States in ``encoded`` are gathered, then quantised (on the table's device) into the buffer.
@@ -416,7 +430,7 @@ def _fill_chunk(
             if local is None:
                 out.copy_(t[start:stop])
             else:
-                torch.index_select(t, 0, local, out=out)
+                gather_rows(t, local, out)
         return
     stream = _side_streams.get(device)
     if stream is None:

@@ -72,6 +72,7 @@ def test_many_reads_match_brute_force() -> None:
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
+    cap=st.sampled_from([None, 0, 3]),  # journal: default, always dropped, dropped now and then
     n=st.integers(1, 64 * 12 + 5),
     steps=st.lists(
         st.tuples(
@@ -83,11 +84,14 @@ def test_many_reads_match_brute_force() -> None:
     ),
 )
 def test_sparse_reads_through_the_block_summary_match_brute_force(
-    n: int, steps: list[tuple[list[int], str | None, bool]]
+    cap: int | None, n: int, steps: list[tuple[list[int], str | None, bool]]
 ) -> None:
     # Few rows over many 64-row blocks: a claim reads only the summary's marked blocks, so a
-    # block left unmarked by record, compact or abort would lose its rows here.
-    store = TrackerStore(n, ("a", "b"))
+    # block left unmarked by record, compact or abort would lose its rows here. A claim from a
+    # journal reads neither map nor summary: a row missing from it (or journaled twice, or left
+    # marked) would show here too, and so would a summary left stale by a journal claim once a
+    # consumer's journal is dropped (cap) and its claim reads the map again.
+    store = TrackerStore(n, ("a", "b"), journal_cap=cap)
     truth: dict[str, set[int]] = {"a": set(), "b": set()}
     for ids, reader, fails in steps:
         rows = [i % n for i in ids]
@@ -105,3 +109,41 @@ def test_sparse_reads_through_the_block_summary_match_brute_force(
             truth[reader] = set()
     for c in truth:
         assert store.touched(store.begin_read(c), 0, n).tolist() == sorted(truth[c])
+
+
+def test_claims_from_the_journal_and_from_the_map_agree() -> None:
+    # The same workload on a journaling store, one whose journals are always dropped (reads the
+    # map), and one without the native kernel (torch marking, no journal).
+    from deck.kernels import native
+
+    g = torch.Generator().manual_seed(3)
+    saved = native._native
+    native._native = None
+    try:
+        plain = TrackerStore(5000, ("a", "b"))
+    finally:
+        native._native = saved
+    stores = [TrackerStore(5000, ("a", "b")), TrackerStore(5000, ("a", "b"), journal_cap=0), plain]
+    for step in range(40):
+        ids = torch.randint(0, 5000, (int(torch.randint(0, 300, (1,), generator=g)),), generator=g)
+        for s in stores:
+            s.record(ids)
+        reader = "ab"[step % 2]
+        got = []
+        for s in stores:
+            tok = s.begin_read(reader)
+            got.append(s.touched(tok, 0, 5000))
+            (s.abort if step % 7 == 0 else s.commit)(tok)
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    journaling = stores[0]
+    assert journaling.nbytes() > 5000 + 79  # it holds the pending rows of its journals
+
+
+def test_out_of_range_rows_change_nothing() -> None:
+    store = TrackerStore(100, ("a",))
+    store.record(torch.tensor([3]))
+    store.compact()
+    store.record(torch.tensor([5, 100]))
+    with pytest.raises(IndexError):
+        store.compact()
+    assert store.touched(store.begin_read("a"), 0, 100).tolist() == [3]

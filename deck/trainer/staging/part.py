@@ -33,13 +33,14 @@ class PartStager(Protocol):
         self,
         step: int,
         rel: str,
-        data: bytes | Buffer,
-        nbytes: int,
+        data: Buffer | Callable[[], bytes],
+        nbytes: int | None,
         make_record: Callable[[], None],
         pooled: bool,
     ) -> Future[None]:
-        """Write one file to the first tier after ``make_record``; a ``pooled`` buffer goes back
-        to :attr:`pool` once written."""
+        """Write one file to the first tier after ``make_record``: the first ``nbytes`` of a
+        buffer (a ``pooled`` one goes back to :attr:`pool` once written), or the bytes ``data()``
+        makes on the writing thread (``nbytes`` None)."""
         ...
 
     def record_pending(self, staged: StagedPart) -> Future[None]:
@@ -61,7 +62,6 @@ class StagedPart:
         self._error: BaseException | None = None
         self._done = threading.Condition()
         self._sealed = False  # every file is submitted (and the pending record queued)
-        self.bytes = 0
         self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
         # How to build the rank manifest (from records the writes made); built once, by the
         # spool writer (the pending record) or the commit thread, whichever asks first.
@@ -79,19 +79,16 @@ class StagedPart:
     def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
-        self.bytes += nbytes
         self._track(
             self.stager.write_out(self.info.step, rel, buf, nbytes, make_record, pooled=True)
         )
 
     def submit_bytes(
-        self, rel: str, data: bytes | bytearray, make_record: Callable[[], None]
+        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
     ) -> None:
+        """Hand over a small file whose bytes ``data()`` makes on the writing thread."""
         self.files.append(rel)
-        self.bytes += len(data)
-        self._track(
-            self.stager.write_out(self.info.step, rel, data, len(data), make_record, pooled=False)
-        )
+        self._track(self.stager.write_out(self.info.step, rel, data, None, make_record, False))
 
     def finish_part(self, build: Callable[[], RankManifest]) -> None:
         self._build = build

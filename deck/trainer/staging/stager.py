@@ -147,23 +147,26 @@ class Stager:
         self,
         step: int,
         rel: str,
-        data: bytes | Buffer,
-        nbytes: int,
+        data: Buffer | Callable[[], bytes],
+        nbytes: int | None,
         make_record: Callable[[], None],
         pooled: bool,
     ) -> Future[None]:
         """Write one file to the first tier (spool, or upload for cpu-remote), after
-        ``make_record`` (its checksum and record, from the bytes while the buffer is held)."""
+        ``make_record`` (its checksum and record, from the bytes while the buffer is held): the
+        first ``nbytes`` of a buffer, or the bytes ``data()`` makes here (``nbytes`` None)."""
         spool = self._spool
 
         def write() -> None:
             try:
+                body = data() if callable(data) else data
+                size = len(body) if nbytes is None else nbytes
                 if spool is not None:
-                    spool.write(step, rel, data, nbytes, make_record)
+                    spool.write(step, rel, body, size, make_record)
                 else:
                     make_record()
                     self._dest.patient_put(
-                        f"{step_dir(step)}/{rel}", bytes(memoryview(data)[:nbytes])
+                        f"{step_dir(step)}/{rel}", bytes(memoryview(body)[:size])
                     )
             finally:
                 if pooled:
