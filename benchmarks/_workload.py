@@ -350,3 +350,22 @@ def one_table_chain(
         base=0,
     )
     return chain, stager, tracker, shard
+
+
+def journal_claim_times(rows: int, marked: int, repeats: int) -> tuple[list[float], int]:
+    """Times of the tracker's usual claim (``TrackerStore.begin_read`` from its journal) of
+    ``marked`` random rows of a ``rows``-row tracker (two consumers), each claim aborted (which
+    journals its rows again) so every repeat claims the same rows. Returns (seconds, rows)."""
+    from deck.trainer.tracker import TrackerStore
+
+    store = TrackerStore(rows, ("a", "b"))
+    store.record(torch.randint(0, rows, (marked,), generator=torch.Generator().manual_seed(rows)))
+    store.compact()
+    times, n = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tok = store.begin_read("a")
+        times.append(time.perf_counter() - t0)
+        n = tok.rows.numel()
+        store.abort(tok)
+    return times, n

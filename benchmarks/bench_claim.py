@@ -8,10 +8,14 @@ fresh copy of the same map, ``--repeats`` times; medians and the ratio are print
 
     python benchmarks/bench_claim.py [--rows 4000000] [--dirty 0.02] [--repeats 15]
 
-``--sweep``: the claim the tracker runs now (``claim_marked_rows``: the block summary, then only
-the marked blocks) vs the whole-map kernel (``claim_rows``, the baseline) at a fixed
-``--dirty-rows`` (80k) for each of ``--sweep-rows`` rows per rank (1M..256M), interleaved, fresh
-copies, medians of ``--repeats``; prints the table, the ratios and the tracker's memory.
+``--sweep``: the claims the tracker can run, at a fixed ``--dirty-rows`` (80k) for each of
+``--sweep-rows`` rows per rank (1M..256M), interleaved, medians of ``--repeats``: the whole-map
+kernel (``claim_rows``, the baseline), the block summary (``claim_marked_rows``: the summary, then
+only the marked blocks; what a consumer without a journal runs) and the claim from the journal
+(``TrackerStore.begin_read``: sort the journaled rows, clear them; what runs normally). Also the
+compaction that fills the journal (``TrackerStore.compact`` of the same ids, once per training
+step in the real job) with and without journaling. Prints the table, the ratios and the
+tracker's memory.
 
     python benchmarks/bench_claim.py --sweep [--dirty-rows 80000] [--repeats 15]
 """
@@ -24,8 +28,11 @@ import sys
 import time
 
 import torch
+from _workload import journal_claim_times
 from deck.kernels import native
 from deck.kernels.claim import block_count, block_of, claim_marked_rows, claim_rows
+
+from deck.trainer.tracker import TrackerStore
 
 
 def torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
@@ -46,14 +53,33 @@ def _marked(rows: int, dirty: int) -> tuple[torch.Tensor, torch.Tensor]:
     return base, blocks
 
 
+def _compactions(rows: int, dirty: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of compacting ``dirty`` random ids into a fresh tracker with journaling
+    (``mark_rows``) and without (torch ``index_fill_``, no native kernel)."""
+    ids = torch.randint(0, rows, (dirty,), generator=torch.Generator().manual_seed(rows))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    saved = native._native
+    for journaling in (True, False) * repeats:
+        native._native = saved if journaling else None
+        fresh = TrackerStore(rows, ("a", "b"))
+        native._native = saved
+        fresh.record(ids)
+        t0 = time.perf_counter()
+        fresh.compact()
+        times[journaling].append(time.perf_counter() - t0)
+        del fresh
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def sweep(sizes: list[int], dirty: int, repeats: int) -> int:
-    """Summary claim vs whole-map claim at a fixed delta, for each map size."""
+    """Journal claim vs summary claim vs whole-map claim at a fixed delta, for each map size."""
     print(f"{dirty} rows marked, median of {repeats} (ms):")
     print(
         "| rows per rank | rows claimed | whole-map claim_rows | summary claim_marked_rows |"
-        " speed-up | tracker bytes/row |"
+        " journal claim (begin_read) | journal vs whole-map | compact with / without journal"
+        " | tracker bytes/row |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for rows in sizes:
         base, blocks = _marked(rows, min(dirty, rows))
         whole: list[float] = []
@@ -69,10 +95,14 @@ def sweep(sizes: list[int], dirty: int, repeats: int) -> int:
             whole.append(time.perf_counter() - t0)
             assert torch.equal(got, want) and torch.equal(m, m2) and not bool((b & 1).any())
         w, s = statistics.median(whole), statistics.median(summary)
-        per_row = (base.numel() + blocks.numel()) / rows
+        claims, n = journal_claim_times(rows, min(dirty, rows), repeats)
+        j = statistics.median(claims)
+        cj, cp = _compactions(rows, min(dirty, rows), min(3, repeats))
+        # map + summary, plus the journal's 8 bytes per pending row (this delta's rows)
+        per_row = (base.numel() + blocks.numel() + 8 * n) / rows
         print(
-            f"| {rows:,} | {got.numel():,} | {w * 1e3:.3f} | {s * 1e3:.3f} | {w / s:.1f}x"
-            f" | {per_row:.4f} |"
+            f"| {rows:,} | {got.numel():,} ({n:,}) | {w * 1e3:.3f} | {s * 1e3:.3f} | {j * 1e3:.3f}"
+            f" | {w / j:.1f}x | {cj * 1e3:.2f} / {cp * 1e3:.2f} | {per_row:.4f} |"
         )
         del base, blocks, m, b, m2
     print("reproduce: " + " ".join([sys.executable, *sys.argv]))

@@ -6,13 +6,16 @@ restore. Every measured constant is the median of ``--repeats`` runs; printed as
 same numbers, their min/max and the machine, then the command line that reproduces it.
 
 - **gather**: ``torch.index_select`` of ``--gather-rows`` random rows (ascending, as a claim
-  returns them) of a ``--table-rows`` x 64 fp32 table into a preallocated, warm buffer.
+  returns them) of a ``--table-rows`` x 64 fp32 table into a preallocated, warm buffer; and the
+  same copy by ``deck.kernels.gather.gather_rows`` (the snapshot's prefetching kernel).
 - **claim**: the model ``t = a x claimed rows + b x map rows``, on fresh copies of a map:
   ``b_whole`` from ``claim_rows`` (the whole-map pass) with ``--sparse-rows`` marked in
   ``--map-rows``; ``a`` from ``claim_marked_rows`` (the tracker's claim) with ``--gather-rows``
   marked in ``--table-rows`` (most 64-row blocks marked: it reads the whole map) less that map
   term; ``b_summary`` from ``claim_marked_rows`` with ``--sparse-rows`` in ``--map-rows`` (few
-  blocks marked: the summary pass) less the claimed rows' term.
+  blocks marked: the summary pass) less the claimed rows' term; ``a_j`` from
+  ``TrackerStore.begin_read`` of ``--gather-rows`` journaled rows in ``--table-rows`` (the usual
+  claim: sort the journal, clear those rows; no map term).
 - **checksum**: ``deck.format.checksum.checksum`` (xxh3-64) over a 64 MiB buffer.
 - **spool write**: ``deck.storage.local.write_new_file(..., fsync=True)`` of ``--files`` x 4 MiB
   page-aligned chunk files (O_DIRECT where the filesystem allows, as the stager's chunks) into a
@@ -60,11 +63,13 @@ from _workload import (
     Workload,
     ZipfTrainer,
     drop_cache,
+    journal_claim_times,
     one_table_chain,
     restore_into_fresh,
     warm_cache,
 )
 from deck.kernels.claim import block_count, block_of, claim_marked_rows, claim_rows
+from deck.kernels.gather import gather_rows
 
 from deck.format.checksum import checksum
 from deck.storage import LocalStorage
@@ -144,6 +149,15 @@ def gather(r: Results, table: torch.Tensor, rows: torch.Tensor, repeats: int) ->
         f"index_select of {rows.numel():,} random rows of a {table.shape[0]:,} x {DIM} fp32 "
         "table into a preallocated warm buffer (bytes of the rows / s)",
     )
+    ts = _timed(lambda: gather_rows(table, rows, out), repeats)
+    r.add(
+        "gather_native_gbps",
+        "gather, deck's snapshot kernel",
+        [nbytes / t / 1e9 for t in ts],
+        "GB/s",
+        "deck.kernels.gather.gather_rows (prefetches 16 rows ahead) of the same rows into the "
+        "same buffer: what the snapshot runs on CPU tables",
+    )
 
 
 def _marked(rows: int, marked: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +196,7 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
     dense_t, n1 = _claim_times(table_rows, delta, repeats)
     sparse_t, n2 = _claim_times(map_rows, sparse, repeats)
     whole_t, n3 = _claim_times(map_rows, sparse, repeats, whole=True)
+    journal_t, n4 = journal_claim_times(table_rows, delta, repeats)
     t1, t2, t3 = (statistics.median(t) for t in (dense_t, sparse_t, whole_t))
     b_whole = t3 / map_rows  # the few claimed rows are well under 1% of it
     a = (t1 - b_whole * table_rows) / n1  # n1 in table_rows marks most blocks: a whole pass
@@ -194,6 +209,14 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
         "ns/row",
         f"claim_marked_rows of {n1:,} random rows marked in {table_rows:,} ({t1 * 1e3:.2f} ms; "
         f"{marked:.0%} of the 64-row blocks marked: one whole-map pass) less the whole-map term",
+    )
+    r.add(
+        "claim_ns_per_row_journal",
+        "claim from the journal, per claimed row",
+        [statistics.median(journal_t) / n4 * 1e9],
+        "ns/row",
+        f"TrackerStore.begin_read of {n4:,} rows journaled in {table_rows:,} (sort the journal, "
+        "clear the rows; no map term): the usual claim while a delta is <= 1/32 of the rows",
     )
     r.add(
         "claim_ns_per_map_row_summary",
@@ -215,6 +238,7 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
         f"marked_{n1}_in_{table_rows}": [x * 1e3 for x in dense_t],
         f"marked_{n2}_in_{map_rows}": [x * 1e3 for x in sparse_t],
         f"whole_{n3}_in_{map_rows}": [x * 1e3 for x in whole_t],
+        f"journal_{n4}_in_{table_rows}": [x * 1e3 for x in journal_t],
     }
 
 
