@@ -352,15 +352,17 @@ def one_table_chain(
     return chain, stager, tracker, shard
 
 
-def journal_claim_times(rows: int, marked: int, repeats: int) -> tuple[list[float], int]:
+def journal_claim_times(rows: int, marked: int, repeats: int) -> tuple[list[float], int, int]:
     """Times of the tracker's usual claim (``TrackerStore.begin_read`` from its journal) of
     ``marked`` random rows of a ``rows``-row tracker (two consumers), each claim aborted (which
-    journals its rows again) so every repeat claims the same rows. Returns (seconds, rows)."""
+    journals its rows again) so every repeat claims the same rows. Returns (seconds, rows claimed,
+    the tracker's bytes with those rows pending: ``TrackerStore.nbytes()``)."""
     from deck.trainer.tracker import TrackerStore
 
     store = TrackerStore(rows, ("a", "b"))
     store.record(torch.randint(0, rows, (marked,), generator=torch.Generator().manual_seed(rows)))
     store.compact()
+    held = store.nbytes()
     times, n = [], 0
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -368,4 +370,4 @@ def journal_claim_times(rows: int, marked: int, repeats: int) -> tuple[list[floa
         times.append(time.perf_counter() - t0)
         n = tok.rows.numel()
         store.abort(tok)
-    return times, n
+    return times, n, held

@@ -95,11 +95,10 @@ def sweep(sizes: list[int], dirty: int, repeats: int) -> int:
             whole.append(time.perf_counter() - t0)
             assert torch.equal(got, want) and torch.equal(m, m2) and not bool((b & 1).any())
         w, s = statistics.median(whole), statistics.median(summary)
-        claims, n = journal_claim_times(rows, min(dirty, rows), repeats)
+        claims, n, held = journal_claim_times(rows, min(dirty, rows), repeats)
         j = statistics.median(claims)
         cj, cp = _compactions(rows, min(dirty, rows), min(3, repeats))
-        # map + summary, plus the journal's 8 bytes per pending row (this delta's rows)
-        per_row = (base.numel() + blocks.numel() + 8 * n) / rows
+        per_row = held / rows  # map + summary + journals (two consumers) with the delta pending
         print(
             f"| {rows:,} | {got.numel():,} ({n:,}) | {w * 1e3:.3f} | {s * 1e3:.3f} | {j * 1e3:.3f}"
             f" | {w / j:.1f}x | {cj * 1e3:.2f} / {cp * 1e3:.2f} | {per_row:.4f} |"

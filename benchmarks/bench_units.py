@@ -196,7 +196,7 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
     dense_t, n1 = _claim_times(table_rows, delta, repeats)
     sparse_t, n2 = _claim_times(map_rows, sparse, repeats)
     whole_t, n3 = _claim_times(map_rows, sparse, repeats, whole=True)
-    journal_t, n4 = journal_claim_times(table_rows, delta, repeats)
+    journal_t, n4, _ = journal_claim_times(table_rows, delta, repeats)
     t1, t2, t3 = (statistics.median(t) for t in (dense_t, sparse_t, whole_t))
     b_whole = t3 / map_rows  # the few claimed rows are well under 1% of it
     a = (t1 - b_whole * table_rows) / n1  # n1 in table_rows marks most blocks: a whole pass
