@@ -57,7 +57,7 @@ class ChunkLayout:
         off = 0
         for name, dtype, row_shape in segments:
             shape = (rows, *row_shape)
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             self.segments.append((name, dtype, shape, off, nbytes))
             off = _round_up(off + nbytes, _ALIGN)
         self.payload_end = off

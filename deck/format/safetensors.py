@@ -48,7 +48,7 @@ def preamble(metadata: dict[str, str], layout: Layout) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata}
     off = 0
     for name, size, dtype in layout:
-        n = math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(size) * dtype.itemsize
         header[name] = {
             "dtype": DTYPES[dtype],
             "shape": list(size),

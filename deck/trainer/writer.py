@@ -279,9 +279,7 @@ class RankPartWriter:
             segs.append((k, t.dtype if enc is None else stored_dtype(enc[0]), tuple(t.shape[1:])))
             if enc is not None and enc[0] == "int8":
                 segs.append((scale_name(k), torch.float32, ()))
-        row_bytes = sum(
-            math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in segs
-        )
+        row_bytes = sum(math.prod(shape) * dt.itemsize for _, dt, shape in segs)
         per_chunk = (self.chunk_bytes - ChunkLayout.overhead(len(segs))) // row_bytes
         if per_chunk < 1:
             raise ConfigError(

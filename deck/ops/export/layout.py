@@ -56,10 +56,7 @@ class ShardSpec(ShardGeometry):
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            self.rows * math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            for _, dt, shape in self.states
-        )
+        return sum(self.rows * math.prod(shape) * dt.itemsize for _, dt, shape in self.states)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ class ExportReport:
 def nbytes(p: Piece | torch.Tensor) -> int:
     if isinstance(p, torch.Tensor):
         return p.numel() * p.element_size()
-    return math.prod(p.size) * torch.empty((), dtype=p.dtype).element_size()
+    return math.prod(p.size) * p.dtype.itemsize
 
 
 class ExportRun:
