@@ -28,6 +28,7 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> Non
         and src.is_contiguous()
         and out.is_contiguous()
         and rows.dtype == torch.int64
+        and rows.device.type == "cpu"
         and src.dim() >= 1
         and src.shape[1:] == out.shape[1:]
         and out.shape[0] == rows.numel()

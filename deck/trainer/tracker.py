@@ -43,7 +43,9 @@ from deck.kernels.claim import (
 
 MAX_CONSUMERS = 8
 JOURNAL_MIN_CAP = 1 << 16  # rows a journal may always hold, however small the map
-JOURNAL_FRACTION = 32  # beyond this fraction of the rows, reading the map is as cheap as sorting
+# A journal holds at most 1/JOURNAL_FRACTION of the rows: past that, reading the map costs about
+# what sorting the journal would, and the journal's memory stays under 1/4 byte per row.
+JOURNAL_FRACTION = 32
 
 
 class RowJournal:

@@ -406,8 +406,8 @@ def _fill_chunk(
 ) -> None:
     """Gather rows ``[start, stop)`` of the selection (``local``; None = all rows) into ``buf``.
 
-    CPU tables: one gather per state straight into the buffer (:func:`deck.kernels.gather.gather_rows`,
-    which prefetches the rows ahead). GPU tables: the
+    CPU tables: one gather per state straight into the buffer
+    (:func:`deck.kernels.gather.gather_rows`, which prefetches the rows ahead). GPU tables: the
     gather runs on the table's device on a side stream that first waits for the training stream,
     then copies into the (pinned) buffer without blocking training kernels; one sync per chunk.
     States in ``encoded`` are gathered, then quantised (on the table's device) into the buffer.

@@ -61,6 +61,23 @@ def test_a_waiting_acquire_takes_a_returning_buffer_of_a_shrunk_pool() -> None:
     assert pool.allocated_bytes == 1 * 4096 and pool.in_use == 0
 
 
+def test_a_draining_full_leaves_the_deltas_buffers_warm() -> None:
+    """While a full's borrowed buffers come back, the first ones (as many as the deltas use)
+    stay in the pool, so the next delta takes them at once; the rest are freed."""
+    pool = BufferPool(1, 4096, cap=6)
+    pool.size_for(6)
+    held = [pool.acquire() for _ in range(6)]  # the full's buffers, all being written
+    pool.size_for(2)  # the full is handed on: the deltas use two
+    for b in held[:3]:
+        pool.release(b)
+    assert pool.allocated_bytes == 5 * 4096  # two kept warm, one freed, three still written
+    got = [pool.acquire() for _ in range(2)]  # the next delta: the warm ones, no wait
+    assert {id(b) for b in got} == {id(b) for b in held[:2]}
+    for b in held[3:] + got:
+        pool.release(b)
+    assert pool.allocated_bytes == 2 * 4096 and pool.in_use == 0
+
+
 def _protocol(rank: int, world_size: int, root: str, cap: int) -> None:
     model, opt = build_model(SPEC)
     config = deck.DeckConfig(

@@ -20,7 +20,7 @@ class BufferPool:
     to ``cap`` buffers, so a steady workload never waits for a buffer; when it shrinks, buffers
     beyond it are freed as they come back (unless a caller is waiting for one: a delta right
     after a full takes the full's buffers as they are written, instead of waiting for all of
-    them). :meth:`prefault` allocates and touches the missing buffers ahead of use (from a
+    them, and the first ``count`` back are kept warm). :meth:`prefault` allocates and touches the missing buffers ahead of use (from a
     background thread), so a grown pool's first use does not take page faults in the stall.
 
     With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
@@ -90,11 +90,14 @@ class BufferPool:
         return self._new() if buf is None else buf
 
     def release(self, buf: Buffer) -> None:
-        """Return ``buf``; freed instead when the pool holds more buffers than :attr:`count`
-        and nobody waits for one."""
+        """Return ``buf``; freed instead when the pool holds more buffers than :attr:`count`,
+        nobody waits for one and :attr:`count` are free already. So while a full's borrowed
+        buffers drain, the first ones back stay warm for the next delta (which then neither
+        waits for the full's writes nor faults in new pages), and the pool never holds more
+        than it held at its peak."""
         with self._cond:
             self.in_use -= 1
-            if self._allocated > self.count and not self._waiting:
+            if self._allocated > self.count and not self._waiting and len(self._free) >= self.count:
                 self._allocated -= 1
                 self._owners.pop(id(buf), None)
                 return
