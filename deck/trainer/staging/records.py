@@ -97,6 +97,8 @@ class CheckpointStats:
     agree_s: float = 0.0
     claim_s: float = 0.0
     snapshot_s: float = 0.0
+    # Bytes staged, summed over ranks: the chunk files, plus the dense/extra state files counted
+    # by their tensors (they are encoded in the background; the files add a small JSON header).
     bytes: int = 0
     rows: int = 0
     chunks: int = 0
