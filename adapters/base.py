@@ -46,6 +46,23 @@ class TableShard:
     # those in ``states`` (a sharded table's fused optimizer state) are skipped.
     replicated: bool = False
 
+    @classmethod
+    def whole(cls, table: str, states: dict[str, torch.Tensor], **more: Any) -> TableShard:
+        """Every row and column of ``table`` (its shape from ``states["weight"]``) on one rank;
+        ``more``: the other fields (``track_base``, ``scalars``, ...)."""
+        rows, cols = states["weight"].shape
+        return cls(
+            table=table,
+            num_rows=rows,
+            num_cols=cols,
+            row_offset=0,
+            rows=rows,
+            col_offset=0,
+            cols=cols,
+            states=states,
+            **more,
+        )
+
     def row_bytes(self) -> int:
         """Bytes one row takes on disk (id + every state)."""
         return 8 + sum(t[0:1].numel() * t.element_size() for t in self.states.values())

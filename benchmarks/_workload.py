@@ -66,15 +66,9 @@ def make_shards(w: Workload, fill: float | None = None) -> list[TableShard]:
             weight = torch.full((w.rows, w.dim), fill)
             mom = torch.full((w.rows,), fill)
         out.append(
-            TableShard(
-                table=f"sparse.ebc.t{t}.weight",
-                num_rows=w.rows,
-                num_cols=w.dim,
-                row_offset=0,
-                rows=w.rows,
-                col_offset=0,
-                cols=w.dim,
-                states={"weight": weight, "momentum1": mom},
+            TableShard.whole(
+                f"sparse.ebc.t{t}.weight",
+                {"weight": weight, "momentum1": mom},
                 track_base=t % w.ranks,  # the rank holding it
             )
         )
@@ -320,21 +314,11 @@ def one_table_chain(
     from deck.trainer.coordination import Coordinator
     from deck.trainer.tracker import TrackerStore
 
-    rows, dim = weight.shape
-    shard = TableShard(
-        table="t.weight",
-        num_rows=rows,
-        num_cols=dim,
-        row_offset=0,
-        rows=rows,
-        col_offset=0,
-        cols=dim,
-        states={"weight": weight, "momentum1": momentum1},
-    )
+    shard = TableShard.whole("t.weight", {"weight": weight, "momentum1": momentum1})
     storage = LocalStorage(root)
     staging = StagingConfig()
     stager = Stager(storage, staging, rank=0)
-    tracker = TrackerStore(rows, ("checkpoint",))
+    tracker = TrackerStore(shard.rows, ("checkpoint",))
     chain = ChainWriter(
         label="checkpoint",
         consumer="checkpoint",

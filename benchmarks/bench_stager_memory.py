@@ -108,15 +108,9 @@ def make_shards(total_bytes: int, tables: int, dim: int) -> list[TableShard]:
     shards = []
     for i in range(tables):
         shards.append(
-            TableShard(
-                table=f"m.embedding_bags.t{i}.weight",
-                num_rows=rows,
-                num_cols=dim,
-                row_offset=0,
-                rows=rows,
-                col_offset=0,
-                cols=dim,
-                states={
+            TableShard.whole(
+                f"m.embedding_bags.t{i}.weight",
+                {
                     "weight": torch.empty(rows, dim).uniform_(-0.1, 0.1, generator=g),
                     "momentum1": torch.empty(rows).uniform_(0, 1, generator=g),
                 },

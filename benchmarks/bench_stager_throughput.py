@@ -72,15 +72,9 @@ def make_model(total_bytes: int, tables: int, dim: int) -> tuple[list[TableShard
     for i in range(tables):
         base = flat[i * per_table : (i + 1) * per_table]
         shards.append(
-            TableShard(
-                table=f"m.embedding_bags.t{i}.weight",
-                num_rows=rows,
-                num_cols=dim,
-                row_offset=0,
-                rows=rows,
-                col_offset=0,
-                cols=dim,
-                states={
+            TableShard.whole(
+                f"m.embedding_bags.t{i}.weight",
+                {
                     "weight": base[: rows * dim * 4].view(torch.float32).view(rows, dim),
                     "momentum1": base[rows * dim * 4 :].view(torch.float32),
                 },

@@ -117,7 +117,8 @@ def mark_rows(
     )
     if k < 0:
         raise IndexError(f"tracked row positions outside the map of {dirty.numel()} rows")
-    return new[:k], old[:k]
+    # Copies: a journal keeps what it is given, and views would keep all ``len(rows)`` entries.
+    return new[:k].copy(), old[:k].copy()
 
 
 def clear_rows(dirty: torch.Tensor, blocks: torch.Tensor, rows: np.ndarray, bit: int) -> int:

@@ -192,17 +192,10 @@ class RankPartWriter:
     def _state_file(self, rel: str, state: treecodec.CapturedTree) -> Later[FileRecord]:
         # Encoded (safetensors + JSON) and checksummed by the thread that writes it: the capture
         # already copied the state, so the training thread only pays for that copy.
-        data = Later(state.encode)
-
-        def encoded() -> bytes:
-            data.run()  # once: the record and the write share the bytes
-            return data.get()
-
-        def record() -> FileRecord:
-            blob = encoded()
-            return FileRecord(path=rel, nbytes=len(blob), checksum=checksum(blob))
-
-        rec = Later(record)
+        encoded = functools.cache(state.encode)  # once: the record and the write share the bytes
+        rec = Later(
+            lambda: FileRecord(path=rel, nbytes=len(encoded()), checksum=checksum(encoded()))
+        )
         self.sink.submit_bytes(rel, encoded, rec.run)
         self.bytes_written += state.nbytes
         return rec

@@ -81,17 +81,7 @@ def test_encoding_refuses_values_it_cannot_hold() -> None:
 
 
 def one_shard(x: torch.Tensor) -> TableShard:
-    n, d = x.shape
-    return TableShard(
-        table="emb.weight",
-        num_rows=n,
-        num_cols=d,
-        row_offset=0,
-        rows=n,
-        col_offset=0,
-        cols=d,
-        states={"weight": x, "momentum1": torch.rand(n)},
-    )
+    return TableShard.whole("emb.weight", {"weight": x, "momentum1": torch.rand(x.shape[0])})
 
 
 def write_one(storage: Storage, shard: TableShard, enc: str | None, step: int) -> RankManifest:

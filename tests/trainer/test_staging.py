@@ -32,15 +32,9 @@ JOB = str(Path(__file__).with_name("staging_job.py"))
 
 def _shard(rows: int, dim: int) -> TableShard:
     g = torch.Generator().manual_seed(rows)
-    return TableShard(
-        table="m.embedding_bags.t0.weight",
-        num_rows=rows,
-        num_cols=dim,
-        row_offset=0,
-        rows=rows,
-        col_offset=0,
-        cols=dim,
-        states={
+    return TableShard.whole(
+        "m.embedding_bags.t0.weight",
+        {
             "weight": torch.randn(rows, dim, generator=g),
             "momentum1": torch.rand(rows, generator=g),
         },
@@ -271,3 +265,18 @@ def test_gpu_tables_stage_through_pinned_buffers(tmp_path: Path) -> None:
     )
     sel = rows.cpu()
     assert all(torch.equal(target.states[k][sel], shard.states[k][sel]) for k in shard.states)
+
+
+def test_a_huge_failure_record_is_read_only_in_part(tmp_path: Path) -> None:
+    """Rank 0 reads another rank's failure record to say why a step failed; the store is not
+    trusted to hold a line of text there, so only the first few KiB are read."""
+    from deck.errors import NotFoundError
+    from deck.trainer.staging.destination import FAILURE_RECORD_BYTES, Destination
+
+    storage = open_storage(str(tmp_path / "ck"))
+    storage.put("step-00000001/abc/rank-1.failed", b"rank 1: disk full\n" + b"x" * (1 << 20))
+    dest = Destination(storage, StagingConfig())
+    why = dest.failure_reason_once("step-00000001/abc/rank-1.failed")
+    assert why.startswith("rank 1: disk full") and len(why) == FAILURE_RECORD_BYTES
+    with pytest.raises(NotFoundError):
+        dest.failure_reason_once("step-00000001/abc/rank-2.failed")

@@ -347,7 +347,7 @@ class Committer:
         why = None
         for key in failure_keys:  # first: a record says what failed, the collective only who
             with contextlib.suppress(NotFoundError):
-                why = self.dest.get_once(key).decode(errors="replace")
+                why = self.dest.failure_reason_once(key)
                 break
         with self._idle:
             told = self._abandoned.pop((p.step, p.ckpt_id), None)

@@ -25,6 +25,8 @@ from deck.version import __version__
 
 T = TypeVar("T")
 
+FAILURE_RECORD_BYTES = 4096  # read of a rank's failure record (a line of text)
+
 
 class Destination:
     """The checkpoint's destination (``storage``) as the stager's threads use it. Each call's
@@ -88,8 +90,11 @@ class Destination:
     def exists_once(self, key: str) -> bool:
         return self._storage.exists(key)
 
-    def get_once(self, key: str) -> bytes:
-        return self._storage.get(key)
+    def failure_reason_once(self, key: str) -> str:
+        """What the failure record at ``key`` says: at most its first
+        :data:`FAILURE_RECORD_BYTES` (a record is a line of text; the store is not trusted to
+        hold only that). :class:`NotFoundError` when there is none."""
+        return self._storage.get(key, 0, FAILURE_RECORD_BYTES).decode(errors="replace")
 
     def commit_once(self, p: PendingPart) -> None:
         """Rank 0, every rank's part is there: verify the parts and write the commit record of

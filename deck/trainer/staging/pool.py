@@ -20,8 +20,9 @@ class BufferPool:
     to ``cap`` buffers, so a steady workload never waits for a buffer; when it shrinks, buffers
     beyond it are freed as they come back (unless a caller is waiting for one: a delta right
     after a full takes the full's buffers as they are written, instead of waiting for all of
-    them, and the first ``count`` back are kept warm). :meth:`prefault` allocates and touches the missing buffers ahead of use (from a
-    background thread), so a grown pool's first use does not take page faults in the stall.
+    them, and the first ``count`` back are kept warm). :meth:`prefault` allocates and touches
+    the missing buffers ahead of use (from a background thread), so a grown pool's first use
+    does not take page faults in the stall.
 
     With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
     copies into them are true DMA transfers that can run on a side stream.

@@ -108,8 +108,8 @@ class SpoolDir:
         nbytes: int,
         make_record: Callable[[], None],
     ) -> None:
-        """Spool writer: ``make_record`` of the file (its record), then write its first ``nbytes`` and start its
-        fsync."""
+        """Spool writer: ``make_record`` (the file's record), then write its first ``nbytes``
+        and start its fsync."""
         key = f"{step_dir(step)}/{rel}"
         try:
             make_record()
