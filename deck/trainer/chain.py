@@ -201,8 +201,6 @@ class ChainWriter:
             step=step,
             kind=kind,
             id=ckpt_id,
-            stall_s=max(max(v.stall_s for v in votes), time.perf_counter() - t0),
-            job_stall_s=max(0.0, time.time() - max(v.arrived_unix for v in votes)),
             bytes=sum(v.bytes for v in votes),
             rows=sum(v.rows for v in votes),
             chunks=sum(v.chunks for v in votes),
@@ -224,6 +222,9 @@ class ChainWriter:
         if kind == "full":
             self.base = step
         self._next_id = f"{votes[0].id_seed:016x}"
+        # Handing the part over (its held writes start) is part of the stall too
+        stats.stall_s = max(max(v.stall_s for v in votes), time.perf_counter() - t0)
+        stats.job_stall_s = max(0.0, time.time() - max(v.arrived_unix for v in votes))
         self.history.append(stats)
         self._log(stats)
         return stats

@@ -11,11 +11,16 @@ from typing import Any
 
 import pytest
 import torch
+from deck.adapters.base import TableShard
 
 import deck
+from deck.config import StagingConfig
 from deck.demo import ModelSpec, build_model, train_step
+from deck.format.manifest import Kind
+from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
-from deck.trainer.staging import BufferPool
+from deck.trainer.staging import BufferPool, CheckpointStats, PendingPart, Stager
+from deck.trainer.writer import RankPartWriter
 
 SPEC = ModelSpec(num_tables=2, rows=2000, dim=8, batch=64, sharding="table_wise")
 
@@ -153,3 +158,70 @@ def _reallocated(rank: int, world_size: int) -> None:
 def test_dense_state_follows_a_reallocated_parameter() -> None:
     """dense_state() is cached, but a parameter given new storage is read again."""
     run_ranks(_reallocated, world_size=1)
+
+
+def _held_part(stager: Any, storage: Any, ckpt_id: str, shard: Any) -> Any:
+    """Stage a one-rank delta-sized part of ``shard`` by hand, as the checkpointer does, up to
+    the seal (the moment the ranks vote)."""
+    info = PendingPart(
+        uri=storage.uri,
+        step=1,
+        ckpt_id=ckpt_id,
+        rank=0,
+        world_size=1,
+        kind=Kind.FULL,
+        parent=None,
+        parent_id=None,
+        base=1,
+        epoch=0,
+    )
+    staged = stager.begin(info, reserved=0)
+    writer = RankPartWriter(storage, 1, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
+    stager.size_pool(writer.buffers_needed([shard], [shard.rows]), full=False)
+    writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
+    staged.seal()
+    return staged, writer
+
+
+def test_a_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path) -> None:
+    """release=in_memory: while the job is stalled nothing is written (the background does not
+    compete with the copy or the vote); a part the vote drops is never written and its buffers
+    come back; a kept part is written and commits. A pool smaller than the part does not wait
+    for held buffers: the writes start during the copy instead."""
+    storage = open_storage(str(tmp_path / "ck"))
+    shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
+    cfg = StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1)
+    stager = Stager(storage, cfg, rank=0)
+    try:
+
+        def files() -> list[Path]:
+            return [p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step" in str(p)]
+
+        staged, writer = _held_part(stager, storage, "00000000000000a1", shard)
+        assert writer.chunks_written > 1 and stager.pool.in_use == writer.chunks_written
+        assert files() == []  # held: not one chunk, state file or pending record yet
+        stager.discard(staged)  # the vote dropped it
+        assert stager.pool.in_use == 0 and files() == []
+
+        staged, writer = _held_part(stager, storage, "00000000000000a2", shard)
+        assert files() == []
+        stats = CheckpointStats(step=1, kind="full", id="00000000000000a2")
+        stager.enqueue(staged, stats)
+        assert stager.flush(timeout=120) and stats.state == "committed", stats.error
+        assert len([p for p in files() if p.suffix == ".chunk"]) == writer.chunks_written
+    finally:
+        stager.close()
+
+    small = StagingConfig(
+        chunk_bytes=16 * 4096, chunks_in_flight=1, snapshot_memory_bytes=16 * 4096
+    )
+    stager = Stager(open_storage(str(tmp_path / "small")), small, rank=0)
+    try:
+        staged, writer = _held_part(stager, stager.storage, "00000000000000a3", shard)
+        assert writer.chunks_written > 1 and stager.pool.peak_in_use == 1
+        assert staged.buffer_wait_s > 0  # it waited for written buffers, not forever
+        stats = CheckpointStats(step=1, kind="full", id="00000000000000a3")
+        stager.enqueue(staged, stats)
+        assert stager.flush(timeout=120) and stats.state == "committed", stats.error
+    finally:
+        stager.close()

@@ -48,10 +48,20 @@ class PartStager(Protocol):
         ...
 
 
-class StagedPart:
-    """One rank's part of one checkpoint while the training thread writes it (the writer's sink)."""
+_Start = Callable[[], "Future[None]"]
 
-    def __init__(self, stager: PartStager, info: PendingPart, reserved: int):
+
+class StagedPart:
+    """One rank's part of one checkpoint while the training thread writes it (the writer's sink).
+
+    With ``hold`` the writes wait in memory until :meth:`start_writes` (the stager calls it once
+    the ranks agreed the part is staged): nothing else competes with the training threads, or
+    with the vote's collective, for the cores and memory bandwidth while the job is stalled, and
+    a part dropped by the vote was never written. A hold never waits for a buffer: when the pool
+    has none free the held writes start so theirs come back (memory stays the pool's bound).
+    """
+
+    def __init__(self, stager: PartStager, info: PendingPart, reserved: int, hold: bool = False):
         self.stager = stager
         self.info = info
         self.reserved = reserved
@@ -68,27 +78,34 @@ class StagedPart:
         self._build: Callable[[], RankManifest] | None = None
         self._part: RankManifest | None = None
         self._part_lock = threading.Lock()
+        # Writes not started yet, in submission order, each with the pool buffer it returns
+        # (None: not holding, or started)
+        self._held: list[tuple[_Start, Buffer | None]] | None = [] if hold else None
 
     # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
         t0 = time.perf_counter()
-        buf = self.stager.pool.acquire()
+        pool = self.stager.pool
+        buf = pool.try_acquire()
+        if buf is None:
+            self.start_writes()  # the held buffers must come back to be reused
+            buf = pool.acquire()
         self.buffer_wait_s += time.perf_counter() - t0
         return buf
 
     def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
-        self._track(
-            self.stager.write_out(self.info.step, rel, buf, nbytes, make_record, pooled=True)
-        )
+        step, write_out = self.info.step, self.stager.write_out
+        self._write(lambda: write_out(step, rel, buf, nbytes, make_record, True), buf)
 
     def submit_bytes(
         self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
     ) -> None:
         """Hand over a small file whose bytes ``data()`` makes on the writing thread."""
         self.files.append(rel)
-        self._track(self.stager.write_out(self.info.step, rel, data, None, make_record, False))
+        step, write_out = self.info.step, self.stager.write_out
+        self._write(lambda: write_out(step, rel, data, None, make_record, False), None)
 
     def finish_part(self, build: Callable[[], RankManifest]) -> None:
         self._build = build
@@ -102,6 +119,29 @@ class StagedPart:
             return self._part
 
     # -- protocol --
+    def _write(self, start: _Start, buf: Buffer | None) -> None:
+        with self._done:
+            if self._held is not None:
+                self._held.append((start, buf))
+                return
+        self._track(start())
+
+    def start_writes(self) -> None:
+        """Start the held writes (in order) and stop holding; idempotent."""
+        with self._done:
+            held, self._held = self._held, None
+        for start, _ in held or ():
+            self._track(start())
+
+    def drop_held(self) -> None:
+        """A part that will not be committed: its held writes never start, their buffers go
+        back to the pool."""
+        with self._done:
+            held, self._held = self._held, None
+        for _, buf in held or ():
+            if buf is not None:
+                self.stager.pool.release(buf)
+
     def _track(self, fut: Future[None]) -> None:
         with self._done:
             self._outstanding += 1
@@ -130,15 +170,17 @@ class StagedPart:
             return
         self._sealed = True
         if self._build is not None and self.stager.spool_root is not None:
-            self._track(self.stager.record_pending(self))
+            self._write(lambda: self.stager.record_pending(self), None)
 
     def wait_written(self, seal: bool = True) -> None:
         """Seal the part and block until every file and its pending record are in the first
         tier; raises the first write error. Called by the training thread before the ranks agree
         the part is staged (``release="first_tier"``) or by the commit thread before it goes on
-        with the part. ``seal=False``: only wait for what was submitted (a discarded part)."""
+        with the part. ``seal=False``: only wait for what was submitted (a discarded part).
+        Held writes start first."""
         if seal:
             self.seal()
+        self.start_writes()
         with self._done:
             while self._outstanding:
                 self._done.wait()

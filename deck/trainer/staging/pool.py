@@ -78,8 +78,19 @@ class BufferPool:
 
     def acquire(self) -> Buffer:
         """A free buffer; blocks while :attr:`count` are in use (this is the memory bound)."""
+        buf = self._take(block=True)
+        assert buf is not None
+        return buf
+
+    def try_acquire(self) -> Buffer | None:
+        """A free buffer, or None (at once) while :attr:`count` are in use."""
+        return self._take(block=False)
+
+    def _take(self, block: bool) -> Buffer | None:
         with self._cond:
             while not self._free and self._allocated >= self.count:
+                if not block:
+                    return None
                 self._waiting += 1
                 self._cond.wait()
                 self._waiting -= 1

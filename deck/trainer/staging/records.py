@@ -80,8 +80,9 @@ class CheckpointStats:
     id: str
     stall_s: float = 0.0  # the longest any rank spent in the checkpoint call
     # What the checkpoint added to the job's critical path: from the last rank's arrival (wall
-    # clocks) to the end of the vote that released training. A rank that arrived earlier waited
-    # for it, as it would have at the next training step's collective anyway.
+    # clocks) to this rank's return from the call (the vote, then handing the part to the
+    # background). A rank that arrived earlier waited for it, as it would have at the next
+    # training step's collective anyway.
     job_stall_s: float = 0.0
     # Of the stall, the longest any rank waited for a free chunk buffer: > 0 when a rank's part
     # was larger than the pool (the first part of a size the pool had not seen, or a part over

@@ -55,12 +55,13 @@ class Stager:
     1. :meth:`reserve` -- room in the spool for the part (False: ``spool_full="skip"``);
     2. :meth:`begin` -- the part's :class:`StagedPart`, which the rank's ``RankPartWriter``
        fills: each file goes through :meth:`write_out` to the spool writer (or, without a
-       spool, the upload pool) and its pool buffer returns once written;
+       spool, the upload pool) and its pool buffer returns once written -- with
+       ``release="in_memory"`` held until step 4 (or until the pool runs out of buffers);
     3. ``StagedPart.seal`` -- queues the part's pending record behind its files
        (:meth:`record_pending`); with ``release="first_tier"`` then ``StagedPart.wait_written``,
        before the ranks agree the part is staged;
-    4. :meth:`enqueue` once every rank staged its part, so the commit thread finishes it -- or
-       :meth:`discard` when a rank did not;
+    4. :meth:`enqueue` once every rank staged its part, so its writes start and the commit
+       thread finishes it -- or :meth:`discard` when a rank did not (held writes never start);
     5. at the next collective: :meth:`take_failure` (whether a part failed: the next
        checkpoint is a full), :meth:`take_failed` (this rank's parts that failed in the
        background, for rank 0) and, on rank 0, :meth:`abandon` for those other ranks told.
@@ -140,8 +141,10 @@ class Stager:
         self._syncer.submit(self.pool.prefault)
 
     def begin(self, info: PendingPart, reserved: int) -> StagedPart:
-        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it."""
-        return StagedPart(self, info, reserved)
+        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it. Released
+        in memory, its writes are held until :meth:`enqueue` (after the ranks' vote), so the
+        background does not compete with the stalled training threads."""
+        return StagedPart(self, info, reserved, hold=self.cfg.release == "in_memory")
 
     def write_out(
         self,
@@ -189,6 +192,7 @@ class Stager:
     def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
         """Every rank staged its part (in buffers or already in the first tier): go on in the
         background, starting by waiting for this part's writes (its manifest is built then)."""
+        staged.start_writes()
         self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
         self._settle_pool()
 
@@ -209,6 +213,7 @@ class Stager:
 
     def discard(self, staged: StagedPart) -> None:
         """Drop a part that will not be committed (another rank failed)."""
+        staged.drop_held()
         try:
             staged.wait_written(seal=False)  # nothing may still be writing what is removed
         except Exception as e:  # the part is dropped anyway: its write error changes nothing
