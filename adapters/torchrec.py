@@ -24,6 +24,7 @@ from deck.adapters.base import (
     hyperparameters,
     load_hyperparameters,
 )
+from deck.adapters.tensor_slots import TensorSlots
 from deck.adapters.torchrec_compat import (
     ddp_buckets_pinned,
     ddp_has_rebuilt_buckets,
@@ -47,7 +48,6 @@ from deck.adapters.torchrec_tbe import (
     tbe_scalars,
     tbe_table_states,
     tbes_of,
-    tensors_key,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -88,10 +88,12 @@ class TorchRecAdapter(ModelAdapter):
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
         self._buffers: set[str] | None = None  # dense_buffers(), read once
-        # table_shards() and dense_state(), with where their tensors lived when read: reused
-        # while the live tensors are the same (a state_dict walk would sit in every stall)
-        self._shards: tuple[Any, list[TableShard]] | None = None
-        self._dense: tuple[Any, dict[str, torch.Tensor]] | None = None
+        # table_shards() and dense_state(), with the generation of the model's tensors they were
+        # read in: reused while no tensor moved (a state_dict walk would sit in every stall)
+        self._slots: TensorSlots | None = None
+        self._generation = 0
+        self._shards: tuple[int | None, list[TableShard]] | None = None
+        self._dense: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # ---- discovery -------------------------------------------------------------------------
     def _discover_tables(self) -> dict[str, _TableInfo]:
@@ -162,18 +164,21 @@ class TorchRecAdapter(ModelAdapter):
         }
 
     # ---- state -----------------------------------------------------------------------------
-    def _tables_key(self) -> Any:
-        """Where every TBE's tensors live now; None when a TBE caches rows (then only a state
-        walk, which flushes the cache, gives current tables)."""
-        tbes = [tbe for m in self.sharded_modules().values() for tbe, _ in tbes_of(m)]
-        if any(tbe_caches_rows(tbe) for tbe in tbes):
-            return None
-        return tuple((id(tbe), tensors_key(tbe)) for tbe in tbes)
+    def _tensors_generation(self) -> int:
+        """A number that changes whenever a parameter, buffer or submodule of the model moved
+        (:class:`TensorSlots`) since the last call: views read in the same generation are live."""
+        if self._slots is None or self._slots.moved():
+            self._slots = TensorSlots(self.model)
+            self._generation += 1
+        return self._generation
 
     def table_shards(self) -> list[TableShard]:
-        """The local shards as live views. Read from the state_dict once and reused while every
-        TBE's tensors stay where they were (a reshard or reallocation re-reads them)."""
-        key = self._tables_key()
+        """The local shards as live views. Read from the state_dict once and reused while no
+        tensor of the model moved (a reshard or reallocation re-reads them); read every time
+        while a TBE caches rows (only a state walk, which flushes the cache, gives current
+        tables)."""
+        caching = any(tbe_caches_rows(tbe) for tbe in self._tbes)
+        key = None if caching else self._tensors_generation()
         if key is None or self._shards is None or self._shards[0] != key:
             self._shards = (key, self._read_table_shards())
         return self._shards[1]
@@ -275,12 +280,9 @@ class TorchRecAdapter(ModelAdapter):
         return {k: sd[k] for k in sorted(self._replicated)}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
-        """The dense state_dict entries (detached, live). Read once and reused while every
-        parameter and buffer of the model is the same tensor at the same address."""
-        key = tuple(
-            (id(t), t.data_ptr(), t.numel())
-            for t in (*self.model.parameters(), *self.model.buffers())
-        )
+        """The dense state_dict entries (detached, live). Read once and reused while no
+        parameter, buffer or submodule of the model moved."""
+        key = self._tensors_generation()
         if self._dense is None or self._dense[0] != key:
             dense = {
                 k: v

@@ -52,13 +52,6 @@ def tbe_caches_rows(tbe: Any) -> bool:
     return isinstance(cache, torch.Tensor) and cache.numel() > 0
 
 
-def tensors_key(module: Any) -> tuple[tuple[str, int, int], ...]:
-    """Where ``module``'s own parameters and buffers live (name, address, size): equal keys,
-    the same tensors, so views taken of them are still live."""
-    named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-    return tuple((n, t.data_ptr(), t.numel()) for n, t in named)
-
-
 def tbe_rewrites_unlooked_rows(tbe: Any) -> str | None:
     """Why fbgemm's TBE ``tbe`` changes rows that were not looked up in a step, or None.
 

@@ -136,27 +136,52 @@ def test_one_collective_per_delta_and_the_pool_cap(tmp_path: Path, cap: int) -> 
 
 
 def _reallocated(rank: int, world_size: int) -> None:
-    model, _ = build_model(SPEC)
+    model, opt = build_model(SPEC)
     ck = deck.enable(model, None, deck.DeckConfig(uri="memory://deck-realloc"))
     try:
-        first = ck.adapter.dense_state()
+        adapter = ck.adapter
+        first = adapter.dense_state()
+        shards = adapter.table_shards()
+        train_step(model, opt, SPEC, 1)  # in-place updates: the cached views stay
+        assert adapter.table_shards() is shards and adapter.dense_state().keys() == first.keys()
+
         ptrs = {v.data_ptr() for v in first.values() if v.dim() == 2}
         param = next(p for p in model.parameters() if p.data_ptr() in ptrs)  # a dense weight
         old = param.data_ptr()
         keys = [k for k, v in first.items() if v.data_ptr() == old]
-        assert keys and ck.adapter.dense_state().keys() == first.keys()
+        assert keys
         param.data = param.data.clone() + 1  # new storage: the cached views are stale
-        again = ck.adapter.dense_state()
+        again = adapter.dense_state()
         for k in keys:
             assert again[k].data_ptr() == param.data_ptr() != old
             assert torch.equal(again[k], param.detach())
+
+        # A submodule swapped for another: its tensors are read, not the old module's
+        name, linear = next((n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        fresh = torch.nn.Linear(linear.in_features, linear.out_features)
+        setattr(parent, name.rsplit(".", 1)[1], fresh)
+        swapped = adapter.dense_state()
+        assert any(v.data_ptr() == fresh.weight.data_ptr() for v in swapped.values())
+        assert not any(v.data_ptr() == linear.weight.data_ptr() for v in swapped.values())
+
+        # A buffer registered later is part of the dense state at once
+        fresh.register_buffer("deck_test_extra", torch.ones(2))
+        assert any(k.endswith("deck_test_extra") for k in adapter.dense_state())
+
+        # A table's optimizer state given new storage: the shards are read again
+        tbe = adapter._tbes[0]
+        tbe.momentum1_host.data = tbe.momentum1_host.data.clone()
+        assert adapter.table_shards() is not shards
     finally:
         ck.close()
 
 
 @pytest.mark.slow
-def test_dense_state_follows_a_reallocated_parameter() -> None:
-    """dense_state() is cached, but a parameter given new storage is read again."""
+def test_cached_views_follow_reallocated_swapped_and_new_tensors() -> None:
+    """dense_state() and table_shards() are cached while training updates tensors in place,
+    and read again once a parameter gets new storage, a submodule is swapped, a buffer is
+    registered, or a table's optimizer state is reallocated."""
     run_ranks(_reallocated, world_size=1)
 
 
