@@ -149,7 +149,7 @@ def gather(r: Results, table: torch.Tensor, rows: torch.Tensor, repeats: int) ->
         f"index_select of {rows.numel():,} random rows of a {table.shape[0]:,} x {DIM} fp32 "
         "table into a preallocated warm buffer (bytes of the rows / s)",
     )
-    ts = _timed(lambda: gather_rows(table, rows, out), repeats)
+    ts = _timed(lambda: gather_rows(rows, [(table, out)]), repeats)
     r.add(
         "gather_native_gbps",
         "gather, deck's snapshot kernel",

@@ -450,39 +450,81 @@ done:
  * 1M x 64 fp32 table; 8 to 32 ahead cost the same). */
 enum { GATHER_AHEAD = 16 };
 
-/* gather_rows(src, row_bytes, ids, dst): the snapshot's copy, dst row i = src row ids[i].
- *   src  C-contiguous rows of row_bytes bytes each (a table state)
- *   ids  int64 (M,): row indices, any order; all must be rows of src (checked first: a bad one
- *        raises IndexError and nothing is copied)
- *   dst  writable, at least M * row_bytes bytes */
+enum { GATHER_STATES = 16 };
+
+/* One row's bytes from src row `row` to dst row `i`; the common small widths (a rowwise
+ * optimizer state: 4 or 8 bytes) inline as one load and store. */
+static inline void copy_row(char *dst, const char *src, const Py_ssize_t row_bytes)
+{
+    switch (row_bytes) {
+    case 4:
+        memcpy(dst, src, 4);
+        break;
+    case 8:
+        memcpy(dst, src, 8);
+        break;
+    default:
+        memcpy(dst, src, (size_t)row_bytes);
+    }
+}
+
+/* gather_rows(ids, states): the snapshot's copy, for every (src, row_bytes, dst) in `states`
+ * dst row i = src row ids[i], in one pass over ids (the misses of every state's next rows are
+ * issued together, GATHER_AHEAD rows ahead).
+ *   ids     int64 (M,): row indices, any order; all must be rows of every src (checked first: a
+ *           bad one raises IndexError and nothing is copied)
+ *   states  a sequence of at most GATHER_STATES (src, row_bytes, dst): src C-contiguous rows of
+ *           row_bytes bytes each (a table state), dst writable, at least M * row_bytes bytes */
 static PyObject *gather_rows(PyObject *self, PyObject *args)
 {
-    Py_buffer src_b, ids_b, dst_b;
-    Py_ssize_t row_bytes;
+    Py_buffer ids_b, src_b[GATHER_STATES], dst_b[GATHER_STATES];
+    Py_ssize_t row_bytes[GATHER_STATES];
+    PyObject *states;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*ny*w*", &src_b, &row_bytes, &ids_b, &dst_b))
+    if (!PyArg_ParseTuple(args, "y*O", &ids_b, &states))
         return NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *seq = PySequence_Fast(states, "gather_rows: states must be a sequence");
+    Py_ssize_t k = 0, parsed = 0;
+    if (seq == NULL)
+        goto done;
+    k = PySequence_Fast_GET_SIZE(seq);
     const int64_t m = ids_b.len / (Py_ssize_t)sizeof(int64_t);
-    if (row_bytes <= 0 || src_b.len % row_bytes || ids_b.len % (Py_ssize_t)sizeof(int64_t) ||
-        dst_b.len / row_bytes < m) {
+    if (k > GATHER_STATES || ids_b.len % (Py_ssize_t)sizeof(int64_t)) {
         PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
         goto done;
     }
-    const int64_t n = src_b.len / row_bytes, *ids = ids_b.buf;
-    const char *src = src_b.buf;
-    char *dst = dst_b.buf;
+    int64_t n = INT64_MAX;
+    for (; parsed < k; ++parsed) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, parsed);
+        if (!PyArg_ParseTuple(item, "y*nw*", &src_b[parsed], &row_bytes[parsed], &dst_b[parsed]))
+            goto done;
+        const Py_ssize_t rb = row_bytes[parsed];
+        if (rb <= 0 || src_b[parsed].len % rb || dst_b[parsed].len / rb < m) {
+            ++parsed;
+            PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
+            goto done;
+        }
+        if (src_b[parsed].len / rb < n)
+            n = src_b[parsed].len / rb;
+    }
+    const int64_t *ids = ids_b.buf;
     int ok;
     Py_BEGIN_ALLOW_THREADS
     ok = rows_in_map(ids, m, n);
     if (ok) {
         for (int64_t i = 0; i < m; ++i) {
             if (i + GATHER_AHEAD < m) {
-                const char *next = src + ids[i + GATHER_AHEAD] * row_bytes;
-                for (Py_ssize_t o = 0; o < row_bytes; o += 64)
-                    __builtin_prefetch(next + o, 0, 0);
+                const int64_t ahead = ids[i + GATHER_AHEAD];
+                for (Py_ssize_t s = 0; s < k; ++s) {
+                    const char *next = (const char *)src_b[s].buf + ahead * row_bytes[s];
+                    for (Py_ssize_t o = 0; o < row_bytes[s]; o += 64)
+                        __builtin_prefetch(next + o, 0, 0);
+                }
             }
-            memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
+            const int64_t row = ids[i];
+            for (Py_ssize_t s = 0; s < k; ++s)
+                copy_row((char *)dst_b[s].buf + i * row_bytes[s],
+                         (const char *)src_b[s].buf + row * row_bytes[s], row_bytes[s]);
         }
     }
     Py_END_ALLOW_THREADS
@@ -492,9 +534,12 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
     }
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&src_b);
+    for (Py_ssize_t s = 0; s < parsed; ++s) {
+        PyBuffer_Release(&src_b[s]);
+        PyBuffer_Release(&dst_b[s]);
+    }
+    Py_XDECREF(seq);
     PyBuffer_Release(&ids_b);
-    PyBuffer_Release(&dst_b);
     return result;
 }
 

@@ -361,12 +361,12 @@ class ChainWriter:
             return snap
         try:
             shards = self.adapter.table_shards()
-            selected = [
-                None
-                if full or sh.full_only
-                else self.tracker.touched(token, sh.track_base, sh.track_base + sh.rows)
-                for sh in shards
-            ]
+            partial = [sh for sh in shards if not (full or sh.full_only)]
+            spans = [(sh.track_base, sh.track_base + sh.rows) for sh in partial]
+            rows = dict(
+                zip(map(id, partial), self.tracker.touched_spans(token, spans), strict=True)
+            )
+            selected = [rows.get(id(sh)) for sh in shards]
             counts = [
                 sh.rows if sel is None else int(sel.numel())
                 for sh, sel in zip(shards, selected, strict=True)

@@ -179,10 +179,17 @@ class TrackerStore:
 
     def touched(self, token: ReadToken, start: int, stop: int) -> torch.Tensor:
         """Ascending claimed positions in ``[start, stop)``, relative to ``start``."""
-        lo, hi = torch.searchsorted(
-            token.rows, torch.tensor([start, stop], device=token.rows.device)
-        ).tolist()
-        return token.rows[lo:hi] - start
+        return self.touched_spans(token, [(start, stop)])[0]
+
+    def touched_spans(self, token: ReadToken, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """:meth:`touched` of every ``(start, stop)`` in ``spans`` (one search for all)."""
+        if not spans:
+            return []
+        bounds = torch.tensor([b for span in spans for b in span], device=token.rows.device)
+        cut = torch.searchsorted(token.rows, bounds).tolist()
+        return [
+            token.rows[cut[2 * i] : cut[2 * i + 1]] - start for i, (start, _) in enumerate(spans)
+        ]
 
     def commit(self, token: ReadToken) -> None:
         """The read was saved durably: its rows are no longer pending for its consumer."""

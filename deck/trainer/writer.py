@@ -399,7 +399,7 @@ def _fill_chunk(
 ) -> None:
     """Gather rows ``[start, stop)`` of the selection (``local``; None = all rows) into ``buf``.
 
-    CPU tables: one gather per state straight into the buffer
+    CPU tables: one gather of every state straight into the buffer
     (:func:`deck.kernels.gather.gather_rows`, which prefetches the rows ahead). GPU tables: the
     gather runs on the table's device on a side stream that first waits for the training stream,
     then copies into the (pinned) buffer without blocking training kernels; one sync per chunk.
@@ -412,16 +412,17 @@ def _fill_chunk(
         torch.add(local.cpu(), shard.row_offset, out=ids)
     device = next(iter(shard.states.values())).device
     if device.type == "cpu":
+        plain = []
         for name, t in shard.states.items():
             if name in encoded:
                 src = t[start:stop] if local is None else t.index_select(0, local)
                 _put_encoded(buf, layout, name, src, encoded[name][0], shard.table)
-                continue
-            out = segment_view(buf, layout, name)
-            if local is None:
-                out.copy_(t[start:stop])
+            elif local is None:
+                segment_view(buf, layout, name).copy_(t[start:stop])
             else:
-                gather_rows(t, local, out)
+                plain.append((t, segment_view(buf, layout, name)))
+        if local is not None and plain:
+            gather_rows(local, plain)  # every state of a row in one pass
         return
     stream = _side_streams.get(device)
     if stream is None:

@@ -5,33 +5,49 @@ from deck.kernels.gather import gather_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+STATE = st.tuples(
+    st.sampled_from([(), (1,), (7,), (64,), (3, 5)]),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]),
+)
+
 
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(
     rows=st.integers(1, 300),
-    shape=st.sampled_from([(), (1,), (7,), (64,), (3, 5)]),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]),
+    states=st.lists(STATE, min_size=1, max_size=4),
     picks=st.lists(st.integers(0, 10**6), max_size=120),
 )
 def test_gather_rows_equals_index_select(
-    rows: int, shape: tuple[int, ...], dtype: torch.dtype, picks: list[int]
+    rows: int, states: list[tuple[tuple[int, ...], torch.dtype]], picks: list[int]
 ) -> None:
-    src = (torch.arange(rows * max(1, torch.Size(shape).numel())) % 251).to(dtype)
-    src = src.view(rows, *shape)
+    """Every state of the rows in one pass (a table's weight and its optimizer states) equals
+    an index_select per state."""
+    srcs = [
+        (torch.arange(rows * max(1, torch.Size(shape).numel())) % (251 - i))
+        .to(dtype)
+        .view(rows, *shape)
+        for i, (shape, dtype) in enumerate(states)
+    ]
     idx = torch.tensor([p % rows for p in picks], dtype=torch.int64)
-    out = torch.full((len(picks), *shape), 7, dtype=dtype)
-    gather_rows(src, idx, out)
-    assert torch.equal(out, torch.index_select(src, 0, idx))
+    outs = [torch.full((len(picks), *src.shape[1:]), 7, dtype=src.dtype) for src in srcs]
+    gather_rows(idx, list(zip(srcs, outs, strict=True)))
+    for src, out in zip(srcs, outs, strict=True):
+        assert torch.equal(out, torch.index_select(src, 0, idx))
 
 
 def test_an_index_outside_the_table_copies_nothing() -> None:
     src = torch.arange(10.0)
     out = torch.full((3,), -1.0)
     with pytest.raises(IndexError):
-        gather_rows(src, torch.tensor([1, 10, 2]), out)
+        gather_rows(torch.tensor([1, 10, 2]), [(src, out)])
     assert out.tolist() == [-1.0, -1.0, -1.0]
     with pytest.raises(IndexError):
-        gather_rows(src, torch.tensor([-1]), torch.empty(1))
+        gather_rows(torch.tensor([-1]), [(src, torch.empty(1))])
+    # An index inside one state but outside a shorter one: nothing of either is copied
+    first = torch.full((2,), -1.0)
+    with pytest.raises(IndexError):
+        gather_rows(torch.tensor([0, 9]), [(src, out[:2]), (torch.arange(5.0), first)])
+    assert out.tolist() == [-1.0, -1.0, -1.0] and first.tolist() == [-1.0, -1.0]
 
 
 def test_non_contiguous_tables_and_no_native_kernel_take_index_select(
@@ -40,9 +56,9 @@ def test_non_contiguous_tables_and_no_native_kernel_take_index_select(
     src = torch.arange(40.0).view(10, 4)
     idx = torch.tensor([9, 0, 3])
     out = torch.empty(3, 2)
-    gather_rows(src[:, ::2], idx, out)  # a strided view: no flat rows to copy
+    gather_rows(idx, [(src[:, ::2], out)])  # a strided view: no flat rows to copy
     assert torch.equal(out, src[:, ::2][idx])
     monkeypatch.setattr(native, "_native", None)
     out4 = torch.empty(3, 4)
-    gather_rows(src, idx, out4)
+    gather_rows(idx, [(src, out4)])
     assert torch.equal(out4, src[idx])

@@ -22,6 +22,9 @@ def test_two_consumers_each_see_rows_since_their_own_read() -> None:
     assert store.touched(tok_p, 0, 100).tolist() == [1, 9]
     # Slices are relative to their start (one slice per table shard).
     assert store.touched(tok_p, 5, 10).tolist() == [4]
+    spans = store.touched_spans(tok_p, [(0, 5), (5, 10), (10, 100), (0, 100)])
+    assert [t.tolist() for t in spans] == [[1], [4], [], [1, 9]]
+    assert store.touched_spans(tok_p, []) == []
 
 
 def test_aborted_read_loses_nothing() -> None:
