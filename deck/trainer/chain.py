@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
@@ -158,13 +159,19 @@ class ChainWriter:
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
         t0, arrived = time.perf_counter(), time.time()
+        # Rank 0 reads the lineage (a LIST of the store: a round trip on S3) while it copies
+        broken = (
+            self.stager.aside(self._parent_broken)
+            if self.coord.rank == 0 and kind == "delta" and self.parent is not None
+            else None
+        )
         dense = self.adapter.dense_state()  # one state walk: hashed in the votes, saved after
         # Whatever this rank knows (e.g. no parent here), every rank snapshots the kind asked
         # for until a vote says otherwise: which collectives run must not depend on local state.
         ckpt_id, self._next_id = self._next_id, None  # a failed or skipped save leaves none
         taken = False  # failure flags are taken once per checkpoint, by its first vote
         if ckpt_id is None:
-            votes = gather_votes(self.coord, self._checks(kind, dense, take=True))
+            votes = gather_votes(self.coord, self._checks(kind, dense, True, broken))
             taken = True
             kind, _ = self._decide(step, votes, dense)
             ckpt_id = f"{votes[0].id_seed:016x}"
@@ -175,7 +182,7 @@ class ChainWriter:
             snap = self._snapshot(step, ckpt_id, kind == "full", token, dense)
             t_staged = time.perf_counter()
             vote = dataclasses.replace(
-                self._checks(kind, dense, take=not taken),
+                self._checks(kind, dense, not taken, broken),
                 **self._outcome(snap),
                 arrived_unix=arrived,
                 stall_s=t_staged - t0,
@@ -234,9 +241,17 @@ class ChainWriter:
         process does). Call on every rank together, e.g. after a restore changed the parent."""
         self._next_id = None
 
-    def _checks(self, kind: Literal["delta", "full"], dense: dict[str, Any], take: bool) -> Vote:
+    def _checks(
+        self,
+        kind: Literal["delta", "full"],
+        dense: dict[str, Any],
+        take: bool,
+        broken: Future[bool] | None = None,
+    ) -> Vote:
         """This rank's checks for a vote on a ``kind`` snapshot (``dense``: its live dense
-        state). ``take``: take the stager's failure flags (the first vote of a checkpoint)."""
+        state). ``take``: take the stager's failure flags and ask ``broken`` (whether the
+        parent's chain is broken: rank 0's delta; None elsewhere) -- the first vote of a
+        checkpoint."""
         failed = self.stager.take_failed() if take else []
         self._failed_parts = failed
         vote = Vote(
@@ -245,7 +260,8 @@ class ChainWriter:
             # Taken, not peeked: a part failing from here on is kept for the next vote.
             parent_failed=take and self.stager.take_failure(),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
-            no_parent=self.parent is None or (take and kind == "delta" and self._parent_broken()),
+            no_parent=self.parent is None
+            or (take and broken is not None and kind == "delta" and broken.result()),
             failed_parts=len(failed),
             dense_digest=_combine(self._digests(dense, all_dense=False)),
             dense_count=len(dense),
@@ -331,7 +347,8 @@ class ChainWriter:
 
     def _parent_broken(self) -> bool:
         """Rank 0: whether the committed parent can no longer be restored (a checkpoint of its
-        chain was quarantined and nothing covers it), so a delta of it would be useless too.
+        chain was quarantined and nothing covers it), so a delta of it would be useless too. Runs
+        on the stager's aside thread while the training thread copies the rows.
 
         Only asked while nothing is in flight: a parent still uploading is not committed yet,
         and a part that fails in the background already forces a full via

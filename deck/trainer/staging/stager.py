@@ -10,7 +10,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from deck.config import StagingConfig
 from deck.errors import DeckError
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from deck.trainer.coordination import Coordinator
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECENT_PARTS = 8  # the pool holds the largest of this many recent delta parts
 
@@ -94,6 +95,9 @@ class Stager:
             initializer=lower if staging.release == "in_memory" else None,
         )
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="deck-fsync", initializer=lower)
+        # The training thread's own reads of the store that can overlap its copy (not lowered:
+        # it waits for them in the stall)
+        self._aside = ThreadPoolExecutor(1, thread_name_prefix="deck-aside")
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
         )
@@ -139,6 +143,11 @@ class Stager:
         freed as they come back), and the missing ones made ready off the training thread."""
         self.pool.size_for(max(self._recent_needs, default=0))
         self._syncer.submit(self.pool.prefault)
+
+    def aside(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on a thread of its own while the training thread goes on (it waits for the
+        result within the same checkpoint); its exception is the future's."""
+        return self._aside.submit(fn)
 
     def begin(self, info: PendingPart, reserved: int) -> StagedPart:
         """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it. Released
@@ -237,6 +246,7 @@ class Stager:
         self._committer.stop()
         self._writer.shutdown()
         self._syncer.shutdown()
+        self._aside.shutdown()
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
