@@ -4,6 +4,7 @@ over gloo ranks, real files."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from deck.demo import ModelSpec, build_model, train_step
 from deck.format.manifest import Kind
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
+from deck.trainer.chain import gc_paused
 from deck.trainer.staging import BufferPool, CheckpointStats, PendingPart, Stager
 from deck.trainer.writer import RankPartWriter
 
@@ -250,3 +252,22 @@ def test_a_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path
         assert stager.flush(timeout=120) and stats.state == "committed", stats.error
     finally:
         stager.close()
+
+
+def test_no_garbage_collection_inside_the_stall_and_none_lost() -> None:
+    """Inside ``gc_paused`` (the checkpoint call) the collector is off; it is back on after,
+    also when the call raised, and stays off for a process that had turned it off itself."""
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failed checkpoint")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
