@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from deck.adapters.torchrec_compat import module_slots
 
 
 class TensorSlots:
@@ -31,7 +32,7 @@ class TensorSlots:
         owners: list[tuple[dict[str, Any], int, tuple[tuple[str, Any], ...]]] = []
         tensors: list[tuple[torch.Tensor, int, int]] = []
         for module in root.modules():
-            for slots in (module._parameters, module._buffers, module._modules):
+            for slots in module_slots(module):
                 owners.append((slots, len(slots), tuple(slots.items())))
                 for value in slots.values():
                     if isinstance(value, torch.Tensor):

@@ -46,6 +46,9 @@ PRIVATE_ATTRIBUTES = (
     "_push_all_rebuilt_params",  # DDP reducer
     "_rebuild_buckets",  # DDP reducer
     "_deck_pinned_buckets",  # deck's own marker on a DDP module (a second enable)
+    "_parameters",  # nn.Module: its own parameters by name (what register_parameter fills)
+    "_buffers",  # nn.Module: its own buffers by name
+    "_modules",  # nn.Module: its children by name
 )
 # fbgemm's split (per-table, flat) state buffers: ``<p>_dev`` / ``_host`` / ``_uvm`` storage,
 # ``<p>_offsets`` and ``<p>_placements`` (read by name with ``tbe_split_buffer``).
@@ -109,6 +112,15 @@ def _set(owner: Any, name: str, value: Any) -> None:
     if not hasattr(owner, name):
         raise _moved(owner, name)
     setattr(owner, name, value)
+
+
+# ---- torch modules -----------------------------------------------------------------------------
+def module_slots(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The live dicts of ``module``'s own parameters, buffers and children by name (what
+    ``register_parameter`` / ``register_buffer`` / attribute assignment change): the cheap way
+    to tell whether any was added, removed or replaced (``named_parameters()`` builds prefixed
+    names and de-duplicates the whole tree)."""
+    return _get(module, "_parameters"), _get(module, "_buffers"), _get(module, "_modules")
 
 
 # ---- sharded collections and their lookups -------------------------------------------------
