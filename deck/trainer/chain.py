@@ -175,10 +175,7 @@ class ChainWriter:
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
         with gc_paused():
-            try:
-                return self._save(kind, step)
-            finally:
-                self.stager.wake()
+            return self._save(kind, step)
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         t0, arrived = time.perf_counter(), time.time()
@@ -414,7 +411,6 @@ class ChainWriter:
             estimate = sum(n * sh.row_bytes() for sh, n in zip(shards, counts, strict=True))
             if not self.stager.reserve(estimate):
                 return snap
-            self.stager.quiet()  # until the call returns (or waits for the background)
             snap.staged = self.stager.begin(self._pending_part(step, ckpt_id, full), estimate)
             writer = snap.writer = RankPartWriter(
                 self.storage,

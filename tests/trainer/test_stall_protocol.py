@@ -21,7 +21,7 @@ from deck.format.manifest import Kind
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.trainer.chain import gc_paused
-from deck.trainer.staging import BufferPool, CheckpointStats, PendingPart, Stager, gate
+from deck.trainer.staging import BufferPool, CheckpointStats, PendingPart, Stager
 from deck.trainer.writer import RankPartWriter
 
 SPEC = ModelSpec(num_tables=2, rows=2000, dim=8, batch=64, sharding="table_wise")
@@ -203,7 +203,6 @@ def _held_part(stager: Any, storage: Any, ckpt_id: str, shard: Any) -> Any:
         epoch=0,
     )
     staged = stager.begin(info, reserved=0)
-    stager.quiet()  # as the checkpointer does once the spool reserved room for the part
     writer = RankPartWriter(storage, 1, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
     stager.size_pool(writer.buffers_needed([shard], [shard.rows]), full=False)
     writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
@@ -211,9 +210,7 @@ def _held_part(stager: Any, storage: Any, ckpt_id: str, shard: Any) -> Any:
     return staged, writer
 
 
-def test_a_part_released_in_memory_is_written_only_after_the_vote(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path) -> None:
     """release=in_memory: while the job is stalled nothing is written (the background does not
     compete with the copy or the vote); a part the vote drops is never written and its buffers
     come back; a kept part is written and commits. A pool smaller than the part does not wait
@@ -237,15 +234,11 @@ def test_a_part_released_in_memory_is_written_only_after_the_vote(
         assert files() == []
         stats = CheckpointStats(step=1, kind="full", id="00000000000000a2")
         stager.enqueue(staged, stats)
-        stager.wake()  # the call returns
         assert stager.flush(timeout=120) and stats.state == "committed", stats.error
         assert len([p for p in files() if p.suffix == ".chunk"]) == writer.chunks_written
     finally:
         stager.close()
 
-    # A part larger than the pool opens the stall gate for the buffers it waits for (a
-    # background write never holds the whole MAX_HOLD_S for it)
-    monkeypatch.setattr(gate, "MAX_HOLD_S", 0.5)
     small = StagingConfig(
         chunk_bytes=16 * 4096, chunks_in_flight=1, snapshot_memory_bytes=16 * 4096
     )
@@ -256,41 +249,9 @@ def test_a_part_released_in_memory_is_written_only_after_the_vote(
         assert staged.buffer_wait_s > 0  # it waited for written buffers, not forever
         stats = CheckpointStats(step=1, kind="full", id="00000000000000a3")
         stager.enqueue(staged, stats)
-        stager.wake()
         assert stager.flush(timeout=120) and stats.state == "committed", stats.error
     finally:
         stager.close()
-    assert "waited" not in caplog.text
-
-
-def test_the_background_holds_its_next_file_while_training_is_stalled(tmp_path: Path) -> None:
-    """An earlier part's writes (a full still being written when a delta is taken) start no
-    new file between ``quiet`` (the stall's copy and vote) and ``wake``; then they go on and
-    the part commits. With release="first_tier" nothing holds (the stall waits for writes)."""
-    storage = open_storage(str(tmp_path / "ck"))
-    shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
-    try:
-        staged, writer = _held_part(stager, storage, "00000000000000b1", shard)
-        stats = CheckpointStats(step=1, kind="full", id="00000000000000b1")
-        stager.enqueue(staged, stats)  # its writes start... while the next stall has begun
-        assert stager._gate is not None
-        deadline = time.monotonic() + 60
-        while stager._gate.waiting == 0:  # the spool writer holds before its first file
-            assert time.monotonic() < deadline, "the spool writer never reached the gate"
-            time.sleep(0.001)
-        assert not list((tmp_path / "ck").rglob("*.chunk"))
-        stager.wake()
-        assert stager.flush(timeout=120) and stats.state == "committed", stats.error
-        assert len(list((tmp_path / "ck").rglob("*.chunk"))) == writer.chunks_written
-    finally:
-        stager.close()
-    strict = Stager(storage, StagingConfig(release="first_tier"), rank=0)
-    try:
-        strict.quiet()  # no gate: a no-op
-        assert strict._gate is None
-    finally:
-        strict.close()
 
 
 def test_no_garbage_collection_inside_the_stall_and_none_lost() -> None:

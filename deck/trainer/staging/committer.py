@@ -25,7 +25,6 @@ from deck.failpoints import failpoint
 from deck.format.manifest import Kind, dump_model, rank_failure_name, rank_manifest_name, step_dir
 from deck.format.pending import PendingPart
 from deck.trainer.staging.destination import Destination
-from deck.trainer.staging.gate import StallGate
 from deck.trainer.staging.records import NeverCommits, PartProgress
 from deck.trainer.staging.recovery import check_recovered
 from deck.trainer.staging.spool import SpoolDir
@@ -83,10 +82,8 @@ class Committer:
         tier: str,
         spool: SpoolDir | None,
         uploads: ThreadPoolExecutor,
-        gate: StallGate | None = None,
     ) -> None:
         self.dest = dest
-        self._gate = gate
         self.cfg = cfg
         self.tier = tier
         self.spool = spool
@@ -296,8 +293,6 @@ class Committer:
         spool = self.spool
 
         def one(rel: str) -> None:
-            if self._gate is not None:
-                self._gate.wait_open()
             data = spool.store.get(spool.key(p.step, rel))  # never through a link
             failpoint("stager.upload.before_put")
             self.dest.patient_put(f"{step_dir(p.step)}/{rel}", data)

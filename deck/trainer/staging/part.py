@@ -47,10 +47,6 @@ class PartStager(Protocol):
         """Write ``staged``'s pending record after the files queued before it."""
         ...
 
-    def wake(self) -> None:
-        """Let the background threads go on: the training thread is about to wait for them."""
-        ...
-
 
 _Start = Callable[[], "Future[None]"]
 
@@ -93,7 +89,6 @@ class StagedPart:
         buf = pool.try_acquire()
         if buf is None:
             self.start_writes()  # the held buffers must come back to be reused
-            self.stager.wake()  # by the background threads, which must not hold for the stall
             buf = pool.acquire()
         self.buffer_wait_s += time.perf_counter() - t0
         return buf

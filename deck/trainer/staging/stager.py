@@ -20,7 +20,6 @@ from deck.format.pending import PendingPart
 from deck.storage import Storage
 from deck.trainer.staging.committer import Committer, lower_priority
 from deck.trainer.staging.destination import Destination
-from deck.trainer.staging.gate import StallGate
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import CheckpointStats
@@ -110,12 +109,7 @@ class Stager:
             )
         )
         self._dest = Destination(storage, staging)
-        # Released in memory, nothing the stall waits for runs in the background: its threads
-        # hold between files while training is stalled (first_tier waits for its writes).
-        self._gate = StallGate() if staging.release == "in_memory" else None
-        self._committer = Committer(
-            self._dest, staging, self.tier, self._spool, self._uploads, self._gate
-        )
+        self._committer = Committer(self._dest, staging, self.tier, self._spool, self._uploads)
 
     def _spool_root(self) -> str | None:
         if self.tier == "local":
@@ -131,17 +125,6 @@ class Stager:
         return None
 
     # ---- training thread -------------------------------------------------------------------------
-    def quiet(self) -> None:
-        """The stall's copy and vote begin: background threads start no new file until
-        :meth:`wake` (release="in_memory" only)."""
-        if self._gate is not None:
-            self._gate.close()
-
-    def wake(self) -> None:
-        """The stall ended, or the training thread is about to wait for the background."""
-        if self._gate is not None:
-            self._gate.open()
-
     def reserve(self, nbytes: int) -> bool:
         """Room for ``nbytes`` in the spool: waits (``block``) or returns False (``skip``)."""
         return self._spool is None or self._spool.reserve(nbytes)
@@ -186,12 +169,8 @@ class Stager:
         first ``nbytes`` of a buffer, or the bytes ``data()`` makes here (``nbytes`` None)."""
         spool = self._spool
 
-        gate = self._gate
-
         def write() -> None:
             try:
-                if gate is not None:
-                    gate.wait_open()
                 body = data() if callable(data) else data
                 size = len(body) if nbytes is None else nbytes
                 if spool is not None:
@@ -243,7 +222,6 @@ class Stager:
 
     def discard(self, staged: StagedPart) -> None:
         """Drop a part that will not be committed (another rank failed)."""
-        self.wake()  # it waits for the part's writes in flight
         staged.drop_held()
         try:
             staged.wait_written(seal=False)  # nothing may still be writing what is removed
