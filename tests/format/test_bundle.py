@@ -25,8 +25,8 @@ from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
+from deck.testing.staging import full_part_info
 from deck.testing.synth import SynthTrainer, make_shards, restore_state, same, snapshot, tables
-from deck.trainer.staging import PendingPart
 from deck.trainer.staging.recovery import check_recovered
 from deck.trainer.staging.spool import SpoolDir
 
@@ -217,19 +217,7 @@ def test_spool_recovery_checks_each_bundled_chunk(
     with ThreadPoolExecutor(1) as syncer:
         # The local tier's spool is the destination folder itself.
         spool = SpoolDir(storage.root, StagingConfig(tiers="local"), scratch=False, syncer=syncer)
-        info = PendingPart(
-            uri=storage.uri,
-            step=0,
-            ckpt_id=m.id,
-            rank=0,
-            world_size=2,
-            kind=Kind.FULL,
-            parent=None,
-            parent_id=None,
-            base=0,
-            epoch=0,
-            part=part,
-        )
+        info = full_part_info(storage.uri, 0, m.id, world_size=2, part=part)
         check_recovered(spool, info)
         target = [c for s in part.shards for c in s.chunks][-1]
         path = Path(storage.root) / m.folder / target.path

@@ -18,13 +18,13 @@ from deck.adapters.base import TableShard
 
 import deck
 from deck.config import StagingConfig
-from deck.format.manifest import Kind
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain
 from deck.storage import local, open_storage
+from deck.testing.staging import full_part_info
 from deck.trainer import staging
-from deck.trainer.staging import CheckpointStats, PendingPart, Stager
+from deck.trainer.staging import CheckpointStats, Stager
 from deck.trainer.writer import RankPartWriter
 
 JOB = str(Path(__file__).with_name("staging_job.py"))
@@ -52,19 +52,7 @@ def _stage_one_part(
 ) -> tuple[Stager, RankPartWriter, CheckpointStats]:
     """Drive a stager by hand, as the checkpointer does, for a one-rank full checkpoint of step 0."""
     stager = Stager(storage, cfg, rank=0, pinned=pinned)
-    info = PendingPart(
-        uri=storage.uri,
-        step=0,
-        ckpt_id=ckpt_id,
-        rank=0,
-        world_size=1,
-        kind=Kind.FULL,
-        parent=None,
-        parent_id=None,
-        base=0,
-        epoch=0,
-    )
-    staged = stager.begin(info, reserved=0)
+    staged = stager.begin(full_part_info(storage.uri, 0, ckpt_id), reserved=0)
     writer = RankPartWriter(storage, 0, ckpt_id, 0, 1, cfg.chunk_bytes, sink=staged)
     writer.write_part([shard], rows_for, dense, {"user": None})
     staged.wait_written()

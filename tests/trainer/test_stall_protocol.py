@@ -17,11 +17,11 @@ from deck.adapters.base import TableShard
 import deck
 from deck.config import StagingConfig
 from deck.demo import ModelSpec, build_model, train_step
-from deck.format.manifest import Kind
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
+from deck.testing.staging import full_part_info
 from deck.trainer.chain import gc_paused
-from deck.trainer.staging import BufferPool, CheckpointStats, PendingPart, Stager
+from deck.trainer.staging import BufferPool, CheckpointStats, Stager
 from deck.trainer.writer import RankPartWriter
 
 SPEC = ModelSpec(num_tables=2, rows=2000, dim=8, batch=64, sharding="table_wise")
@@ -190,19 +190,7 @@ def test_cached_views_follow_reallocated_swapped_and_new_tensors() -> None:
 def _held_part(stager: Any, storage: Any, ckpt_id: str, shard: Any) -> Any:
     """Stage a one-rank delta-sized part of ``shard`` by hand, as the checkpointer does, up to
     the seal (the moment the ranks vote)."""
-    info = PendingPart(
-        uri=storage.uri,
-        step=1,
-        ckpt_id=ckpt_id,
-        rank=0,
-        world_size=1,
-        kind=Kind.FULL,
-        parent=None,
-        parent_id=None,
-        base=1,
-        epoch=0,
-    )
-    staged = stager.begin(info, reserved=0)
+    staged = stager.begin(full_part_info(storage.uri, 1, ckpt_id), reserved=0)
     writer = RankPartWriter(storage, 1, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
     stager.size_pool(writer.buffers_needed([shard], [shard.rows]), full=False)
     writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
