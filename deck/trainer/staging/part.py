@@ -127,11 +127,13 @@ class StagedPart:
         self._track(start())
 
     def start_writes(self) -> None:
-        """Start the held writes (in order) and stop holding; idempotent."""
+        """Start the held writes (in order) and stop holding; idempotent. Under the lock, so
+        :meth:`wait_written` on another thread never sees some of them started and not the
+        rest (the lock is reentrant: a write done at once runs its callback here)."""
         with self._done:
             held, self._held = self._held, None
-        for start, _ in held or ():
-            self._track(start())
+            for start, _ in held or ():
+                self._track(start())
 
     def drop_held(self) -> None:
         """A part that will not be committed: its held writes never start, their buffers go
