@@ -29,6 +29,8 @@ cores).
 
     python benchmarks/bench_stall.py [--s3] [--settle] [--server-nice 19] [--rows 1000000] [--steps 300] [--delta-every 50]
     python benchmarks/bench_stall.py --quick          # 100k rows, 100 steps, a delta every 25
+    python benchmarks/bench_stall.py --steps 100 --delta-every 25 --release in_memory --runs 5
+                                                      # the median over 5 whole runs
 """
 
 from __future__ import annotations
@@ -251,7 +253,10 @@ def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None]) -> None:
+def _report(
+    a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None]
+) -> list[tuple[str, dict[str, float] | None]]:
+    """Print one run's results; returns each target's summary (medians of its deltas)."""
     r0 = ranks[0]
     dcp_med = _median([max(r["dcp_s"][i] for r in ranks) for i in range(len(r0["dcp_s"]))])
     model_bytes = a.tables * a.rows * (a.dim * 4 + 4)
@@ -388,6 +393,9 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
         if bad.get("where"):
             print(f"  raised at {bad['where'].splitlines()[0]}")
     summary = [(t["name"], t.get("summary")) for t in r0["targets"]]
+    for _, s in summary:
+        if s:
+            s["dcp"] = dcp_med
     print()
     print(
         f"{'target':<26} {'median delta stall s':>21} {'DCP save s':>11} {'stall/DCP':>10} {'goal':>6}"
@@ -401,6 +409,29 @@ def _report(a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None])
                 + (f" {s['gather']:>9.4f} {s['stall_gather']:>13.1f}" if "gather" in s else "")
             )
     print()
+    print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
+    return summary
+
+
+def _report_runs(runs: list[list[tuple[str, dict[str, float] | None]]]) -> None:
+    """The median over repeated runs of each target's per-run medians (the issue's acceptance)."""
+    print(f"== median over {len(runs)} runs (each run: the median of its deltas)")
+    print(
+        f"{'target':<26} {'stall s':>9} {'stall/DCP':>10} {'stall/gather':>13}   per run (stall/gather)"
+    )
+    for i, (name, _) in enumerate(runs[0]):
+        got = [run[i][1] for run in runs if run[i][1]]
+        if not got:
+            continue
+        ratio = _median([g["ratio"] for g in got])
+        line = f"{name:<26} {_median([g['stall'] for g in got]):>9.4f} {ratio:>10.4f}"
+        per = [g["stall_gather"] for g in got if "stall_gather" in g]
+        if per:
+            goal = "MET" if _median(per) <= GATHER_GOAL else "NOT MET"
+            line += f" {_median(per):>12.2f}x   " + ", ".join(f"{x:.2f}x" for x in per)
+            line += f"  (goal <= {GATHER_GOAL}x: {goal}; stall/DCP goal <= 1/100: "
+            line += f"{'MET' if ratio <= DCP_GOAL else 'NOT MET'})"
+        print(line)
     print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
 
 
@@ -451,9 +482,18 @@ def main() -> int:
         help="StagingConfig.chunks_in_flight (default: the config's default)",
     )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the whole job this many times (fresh processes and folders each) and "
+        "print the median over runs of each run's medians",
+    )
     p.add_argument("--async-timeout", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many s")
     a = p.parse_args()
+    if a.runs < 1:
+        p.error("--runs must be at least 1")
     a.rows = a.rows or (100_000 if a.quick else 1_000_000)
     a.steps = a.steps or (100 if a.quick else 300)
     a.delta_every = a.delta_every or (25 if a.quick else 50)
@@ -461,11 +501,44 @@ def main() -> int:
         p.error("--steps must be a multiple of --delta-every")
     work = a.workdir or tempfile.mkdtemp(prefix="deck-bench-stall-", dir="/tmp")
     os.makedirs(work, exist_ok=True)
+    server = None
+    try:
+        if a.s3:
+            from deck.testing.s3_server import SeaweedS3
+
+            server = SeaweedS3(
+                workdir=os.path.join(work, "seaweed"),
+                volume_size_limit_mb=256,
+                nice=a.server_nice,
+            )
+            server.start()
+            print(
+                f"SeaweedFS S3 at {server.endpoint_url} (started in {server.startup_seconds:.1f} s)"
+            )
+        runs = []
+        for run in range(a.runs):
+            if a.runs > 1:
+                print(f"== run {run + 1} of {a.runs}")
+            runs.append(_run_once(a, os.path.join(work, f"run{run}"), server, run))
+        if a.runs > 1:
+            _report_runs(runs)
+    finally:
+        if server is not None:
+            server.stop()
+        if a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _run_once(
+    a: argparse.Namespace, work: str, server: Any, run: int
+) -> list[tuple[str, dict[str, float] | None]]:
+    """One whole job (both ranks, every target) in fresh folders under ``work``; prints its
+    report and returns each target's summary."""
     a.out = os.path.join(work, "out")
     a.results = os.path.join(work, "results")
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.results, exist_ok=True)
-    server = None
     targets: list[dict[str, Any]] = []
     first = 0
     releases = a.release.split(",")
@@ -480,64 +553,46 @@ def main() -> int:
             }
         )
         first += a.steps
-    try:
-        if a.s3:
-            from deck.testing.s3_server import SeaweedS3
-
-            server = SeaweedS3(
-                workdir=os.path.join(work, "seaweed"),
-                volume_size_limit_mb=256,
-                nice=a.server_nice,
-            )
-            server.start()
-            print(
-                f"SeaweedFS S3 at {server.endpoint_url} (started in {server.startup_seconds:.1f} s)"
-            )
-            targets.append(
-                {
-                    "name": f"s3, release={releases[0]}",
-                    "uri": server.uri("bench-stall"),
-                    "storage_options": server.storage_options,
-                    "tiers": "cpu-ssd-remote",
-                    "release": releases[0],
-                    "spool": os.path.join(work, "spool"),
-                    "first_step": first,
-                }
-            )
-        t0 = time.perf_counter()
-        ctx = mp.spawn(_worker, args=(2, free_port(), a, targets, a.out), nprocs=2, join=False)
-        deadline = time.monotonic() + a.timeout
-        async_deadline = None
-        while not ctx.join(timeout=2):
-            now = time.monotonic()
-            done = all(os.path.exists(os.path.join(a.results, f"rank{r}.json")) for r in (0, 1))
-            if done and async_deadline is None:
-                async_deadline = now + a.async_timeout + 60
-            if now > deadline or (async_deadline is not None and now > async_deadline):
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.kill()  # our own spawned ranks, by pid
-                break
-        ranks = []
-        for r in (0, 1):
-            with open(os.path.join(a.results, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        asyncs: list[dict | None] = []
-        for r in (0, 1):
-            path = os.path.join(a.results, f"async{r}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    asyncs.append(json.load(f))
-            else:
-                asyncs.append(None)
-        print(f"(run took {time.perf_counter() - t0:.0f} s)")
-        _report(a, ranks, asyncs)
-    finally:
-        if server is not None:
-            server.stop()
-        if a.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return 0
+    if server is not None:
+        targets.append(
+            {
+                "name": f"s3, release={releases[0]}",
+                "uri": server.uri(f"bench-stall-{run}"),
+                "storage_options": server.storage_options,
+                "tiers": "cpu-ssd-remote",
+                "release": releases[0],
+                "spool": os.path.join(work, "spool"),
+                "first_step": first,
+            }
+        )
+    t0 = time.perf_counter()
+    ctx = mp.spawn(_worker, args=(2, free_port(), a, targets, a.out), nprocs=2, join=False)
+    deadline = time.monotonic() + a.timeout
+    async_deadline = None
+    while not ctx.join(timeout=2):
+        now = time.monotonic()
+        done = all(os.path.exists(os.path.join(a.results, f"rank{r}.json")) for r in (0, 1))
+        if done and async_deadline is None:
+            async_deadline = now + a.async_timeout + 60
+        if now > deadline or (async_deadline is not None and now > async_deadline):
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()  # our own spawned ranks, by pid
+            break
+    ranks = []
+    for r in (0, 1):
+        with open(os.path.join(a.results, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    asyncs: list[dict | None] = []
+    for r in (0, 1):
+        path = os.path.join(a.results, f"async{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                asyncs.append(json.load(f))
+        else:
+            asyncs.append(None)
+    print(f"(run took {time.perf_counter() - t0:.0f} s)")
+    return _report(a, ranks, asyncs)
 
 
 if __name__ == "__main__":
