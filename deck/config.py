@@ -139,8 +139,8 @@ class StagingConfig(Settings):
         default="in_memory",
         description="When a checkpoint gives training back. in_memory: once every rank's rows "
         "are in the CPU chunk buffers (the stall is the gather, plus waiting for buffers when a "
-        "rank's part exceeds snapshot_memory_bytes); the first-tier writes start once the "
-        "ranks agreed (nothing competes with the stalled job) and go on in the "
+        "rank's part exceeds snapshot_memory_bytes); a steady delta's first-tier writes start "
+        "once the ranks agreed (nothing competes with the stalled job) and go on in the "
         "background, and a write that fails there makes the step uncommitted and the next "
         "checkpoint a full. first_tier: once every rank's part is written to the first tier "
         "with its pending record, so a checkpoint save() returned survives a process crash.",

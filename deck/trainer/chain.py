@@ -423,7 +423,9 @@ class ChainWriter:
                 bundle_bytes=self.staging.bundle_bytes,
                 quantize=self.quantize,
             )
-            snap.pool_capped = self.stager.size_pool(writer.buffers_needed(shards, counts), full)
+            snap.pool_capped = self.stager.size_pool(
+                snap.staged, writer.buffers_needed(shards, counts), full
+            )
             order = {id(sh): i for i, sh in enumerate(shards)}
             extra = self.extra_state(shards)
             if self.rank_local:

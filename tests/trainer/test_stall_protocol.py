@@ -187,43 +187,57 @@ def test_cached_views_follow_reallocated_swapped_and_new_tensors() -> None:
     run_ranks(_reallocated, world_size=1)
 
 
-def _held_part(stager: Any, storage: Any, ckpt_id: str, shard: Any) -> Any:
-    """Stage a one-rank delta-sized part of ``shard`` by hand, as the checkpointer does, up to
-    the seal (the moment the ranks vote)."""
-    staged = stager.begin(full_part_info(storage.uri, 1, ckpt_id), reserved=0)
-    writer = RankPartWriter(storage, 1, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
-    stager.size_pool(writer.buffers_needed([shard], [shard.rows]), full=False)
+def _stage_part(
+    stager: Any, storage: Any, step: int, ckpt_id: str, shard: Any, hold: bool = False
+) -> Any:
+    """Stage a one-rank part of ``shard`` by hand, as the checkpointer does, up to the seal (the
+    moment the ranks vote); ``hold``: hold its writes whatever the stager's policy says."""
+    staged = stager.begin(full_part_info(storage.uri, step, ckpt_id), reserved=0)
+    writer = RankPartWriter(storage, step, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
+    stager.size_pool(staged, writer.buffers_needed([shard], [shard.rows]), full=False)
+    if hold and not staged.holding:
+        staged.hold()
     writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
     staged.seal()
     return staged, writer
 
 
-def test_a_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path) -> None:
-    """release=in_memory: while the job is stalled nothing is written (the background does not
-    compete with the copy or the vote); a part the vote drops is never written and its buffers
-    come back; a kept part is written and commits. A pool smaller than the part does not wait
-    for held buffers: the writes start during the copy instead."""
+def _commit(stager: Any, staged: Any) -> None:
+    stats = CheckpointStats(step=staged.info.step, kind="full", id=staged.info.ckpt_id)
+    stager.enqueue(staged, stats)
+    assert stager.flush(timeout=120) and stats.state == "committed", stats.error
+
+
+def test_a_steady_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path) -> None:
+    """release=in_memory: a part the pool already has buffers for (a steady delta) is not
+    written while the job is stalled (the background does not compete with the copy or the
+    vote); a part the vote drops is never written and its buffers come back; a kept one is
+    written and commits. A part larger than the warm pool (the first one, a full) writes as it
+    fills, reusing its buffers. A held part whose pool runs out starts its writes instead of
+    waiting for them."""
     storage = open_storage(str(tmp_path / "ck"))
     shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    cfg = StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1)
-    stager = Stager(storage, cfg, rank=0)
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
     try:
 
-        def files() -> list[Path]:
-            return [p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step" in str(p)]
+        def files(step: int) -> list[Path]:
+            return [p for p in (tmp_path / "ck" / f"step-{step:012d}").rglob("*") if p.is_file()]
 
-        staged, writer = _held_part(stager, storage, "00000000000000a1", shard)
-        assert writer.chunks_written > 1 and stager.pool.in_use == writer.chunks_written
-        assert files() == []  # held: not one chunk, state file or pending record yet
+        first, _ = _stage_part(stager, storage, 1, "00000000000000a0", shard)
+        assert not first.holding  # a cold pool: its buffers are new, it writes as it fills
+        _commit(stager, first)
+
+        staged, writer = _stage_part(stager, storage, 2, "00000000000000a1", shard)
+        assert staged.holding and writer.chunks_written > 1
+        assert stager.pool.in_use == writer.chunks_written
+        assert files(2) == []  # held: not one chunk, state file or pending record yet
         stager.discard(staged)  # the vote dropped it
-        assert stager.pool.in_use == 0 and files() == []
+        assert stager.pool.in_use == 0 and files(2) == []
 
-        staged, writer = _held_part(stager, storage, "00000000000000a2", shard)
-        assert files() == []
-        stats = CheckpointStats(step=1, kind="full", id="00000000000000a2")
-        stager.enqueue(staged, stats)
-        assert stager.flush(timeout=120) and stats.state == "committed", stats.error
-        assert len([p for p in files() if p.suffix == ".chunk"]) == writer.chunks_written
+        staged, writer = _stage_part(stager, storage, 2, "00000000000000a2", shard)
+        assert staged.holding and files(2) == []
+        _commit(stager, staged)
+        assert len([p for p in files(2) if p.suffix == ".chunk"]) == writer.chunks_written
     finally:
         stager.close()
 
@@ -232,12 +246,10 @@ def test_a_part_released_in_memory_is_written_only_after_the_vote(tmp_path: Path
     )
     stager = Stager(open_storage(str(tmp_path / "small")), small, rank=0)
     try:
-        staged, writer = _held_part(stager, stager.storage, "00000000000000a3", shard)
+        staged, writer = _stage_part(stager, stager.storage, 1, "00000000000000a3", shard, True)
         assert writer.chunks_written > 1 and stager.pool.peak_in_use == 1
         assert staged.buffer_wait_s > 0  # it waited for written buffers, not forever
-        stats = CheckpointStats(step=1, kind="full", id="00000000000000a3")
-        stager.enqueue(staged, stats)
-        assert stager.flush(timeout=120) and stats.state == "committed", stats.error
+        _commit(stager, staged)
     finally:
         stager.close()
 

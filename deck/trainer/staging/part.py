@@ -54,14 +54,15 @@ _Start = Callable[[], "Future[None]"]
 class StagedPart:
     """One rank's part of one checkpoint while the training thread writes it (the writer's sink).
 
-    With ``hold`` the writes wait in memory until :meth:`start_writes` (the stager calls it once
-    the ranks agreed the part is staged): nothing else competes with the training threads, or
-    with the vote's collective, for the cores and memory bandwidth while the job is stalled, and
-    a part dropped by the vote was never written. A hold never waits for a buffer: when the pool
-    has none free the held writes start so theirs come back (memory stays the pool's bound).
+    After :meth:`hold` the writes wait in memory until :meth:`start_writes` (the stager calls
+    it once the ranks agreed the part is staged): nothing else competes with the training
+    threads, or with the vote's collective, for the cores and memory bandwidth while the job is
+    stalled, and a part dropped by the vote was never written. A hold never waits for a buffer:
+    when the pool has none free the held writes start so theirs come back (memory stays the
+    pool's bound).
     """
 
-    def __init__(self, stager: PartStager, info: PendingPart, reserved: int, hold: bool = False):
+    def __init__(self, stager: PartStager, info: PendingPart, reserved: int):
         self.stager = stager
         self.info = info
         self.reserved = reserved
@@ -80,7 +81,7 @@ class StagedPart:
         self._part_lock = threading.Lock()
         # Writes not started yet, in submission order, each with the pool buffer it returns
         # (None: not holding, or started)
-        self._held: list[tuple[_Start, Buffer | None]] | None = [] if hold else None
+        self._held: list[tuple[_Start, Buffer | None]] | None = None
 
     # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
@@ -125,6 +126,20 @@ class StagedPart:
                 self._held.append((start, buf))
                 return
         self._track(start())
+
+    @property
+    def holding(self) -> bool:
+        """Whether writes submitted now wait for :meth:`start_writes`."""
+        with self._done:
+            return self._held is not None
+
+    def hold(self) -> None:
+        """Keep the writes submitted from now on until :meth:`start_writes` (call before the
+        first file)."""
+        with self._done:
+            if self.files:
+                raise DeckError("internal: a part's writes can only be held before its first file")
+            self._held = []
 
     def start_writes(self) -> None:
         """Start the held writes (in order) and stop holding; idempotent. Under the lock, so

@@ -43,6 +43,11 @@ class BufferPool:
         self.peak_in_use = 0
 
     @property
+    def allocated(self) -> int:
+        """Buffers that exist now (free or in use)."""
+        return self._allocated
+
+    @property
     def allocated_bytes(self) -> int:
         return self._allocated * self.size
 

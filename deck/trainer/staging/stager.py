@@ -56,8 +56,8 @@ class Stager:
     1. :meth:`reserve` -- room in the spool for the part (False: ``spool_full="skip"``);
     2. :meth:`begin` -- the part's :class:`StagedPart`, which the rank's ``RankPartWriter``
        fills: each file goes through :meth:`write_out` to the spool writer (or, without a
-       spool, the upload pool) and its pool buffer returns once written -- with
-       ``release="in_memory"`` held until step 4 (or until the pool runs out of buffers);
+       spool, the upload pool) and its pool buffer returns once written -- held until step 4
+       when :meth:`size_pool` says so (a steady delta with ``release="in_memory"``);
     3. ``StagedPart.seal`` -- queues the part's pending record behind its files
        (:meth:`record_pending`); with ``release="first_tier"`` then ``StagedPart.wait_written``,
        before the ranks agree the part is staged;
@@ -129,13 +129,21 @@ class Stager:
         """Room for ``nbytes`` in the spool: waits (``block``) or returns False (``skip``)."""
         return self._spool is None or self._spool.reserve(nbytes)
 
-    def size_pool(self, needed: int, full: bool) -> bool:
-        """Size the buffer pool for a part that fills ``needed`` buffers, so it never waits for
-        one: deltas set the pool's size (the largest of the last few, so the next one finds
-        its buffers warm), a full borrows up to the cap for itself only. Returns whether the
-        cap (``snapshot_memory_bytes``) won."""
+    def size_pool(self, staged: StagedPart, needed: int, full: bool) -> bool:
+        """Size the buffer pool for ``staged``, a part that fills ``needed`` buffers, so it
+        never waits for one: deltas set the pool's size (the largest of the last few, so the
+        next one finds its buffers warm), a full borrows up to the cap for itself only. Returns
+        whether the cap (``snapshot_memory_bytes``) won.
+
+        Released in memory, a part the pool already holds buffers for (a steady delta) keeps
+        its writes until :meth:`enqueue`, after the ranks' vote: nothing competes with the
+        stalled training threads. A larger part (a full, a first delta) writes as it fills, so
+        its buffers come back to be reused instead of new ones being faulted in in the stall."""
+        warm = needed <= self.pool.allocated
         if not full:
             self._recent_needs.append(needed)
+        if warm and self.cfg.release == "in_memory":
+            staged.hold()
         return self.pool.size_for(max(needed, *self._recent_needs, 0))
 
     def _settle_pool(self) -> None:
@@ -150,10 +158,8 @@ class Stager:
         return self._aside.submit(fn)
 
     def begin(self, info: PendingPart, reserved: int) -> StagedPart:
-        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it. Released
-        in memory, its writes are held until :meth:`enqueue` (after the ranks' vote), so the
-        background does not compete with the stalled training threads."""
-        return StagedPart(self, info, reserved, hold=self.cfg.release == "in_memory")
+        """Start staging a part; ``reserved`` is what :meth:`reserve` granted for it."""
+        return StagedPart(self, info, reserved)
 
     def write_out(
         self,
