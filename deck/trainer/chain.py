@@ -280,8 +280,7 @@ class ChainWriter:
             # Taken, not peeked: a part failing from here on is kept for the next vote.
             parent_failed=take and self.stager.take_failure(),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
-            no_parent=self.parent is None
-            or (take and broken is not None and kind == "delta" and broken.result()),
+            no_parent=self.parent is None or (take and broken is not None and broken.result()),
             failed_parts=len(failed),
             dense_digest=_combine(self._digests(dense, all_dense=False)),
             dense_count=len(dense),
