@@ -282,14 +282,20 @@ def _report(
         print(f"== target {t['name']} (tier {t['tier']}) ==")
         print(
             f"{'step':>6} {'kind':>6} {'rows':>10} {'bytes':>11} {'stall s':>8} "
-            f"{'durable s (r0/r1)':>18} {'committed s (r0/r1)':>20} {'state':>10}"
+            f"{'durable s (r0/r1)':>18} {'committed s (r0/r1)':>20} {'state':>10} "
+            f"{'job ms':>7} {'gather ms':>9} {'/gather':>7} {'wait ms':>7}"
         )
+        gathered = {g[0]: g[1] for g in t.get("gather_s", [])}
         for i, h in enumerate(hists[0]):
             dur = "/".join(_fmt_s(hs[i]["durable_local_s"]) for hs in hists)
             com = "/".join(_fmt_s(hs[i]["committed_s"]) for hs in hists)
+            g = gathered.get(h["step"])
             print(
                 f"{h['step']:>6} {h['kind']:>6} {h['rows']:>10} {_mib(h['bytes']):>11} "
-                f"{h['stall_s']:>8.3f} {dur:>18} {com:>20} {h['state']:>10}"
+                f"{h['stall_s']:>8.3f} {dur:>18} {com:>20} {h['state']:>10} "
+                f"{h['job_stall_s'] * 1e3:>7.1f} "
+                + (f"{g * 1e3:>9.1f} {h['job_stall_s'] / g:>6.2f}x " if g else f"{'':>17} ")
+                + f"{h['buffer_wait_s'] * 1e3:>7.1f}"
             )
         deltas = [h for h in hists[0] if h["kind"] == "delta"]
         fulls = [h for h in hists[0] if h["kind"] == "full"]
