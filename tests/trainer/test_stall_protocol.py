@@ -188,13 +188,20 @@ def test_cached_views_follow_reallocated_swapped_and_new_tensors() -> None:
 
 
 def _stage_part(
-    stager: Any, storage: Any, step: int, ckpt_id: str, shard: Any, hold: bool = False
+    stager: Any,
+    storage: Any,
+    step: int,
+    ckpt_id: str,
+    shard: Any,
+    hold: bool = False,
+    full: bool = False,
 ) -> Any:
     """Stage a one-rank part of ``shard`` by hand, as the checkpointer does, up to the seal (the
-    moment the ranks vote); ``hold``: hold its writes whatever the stager's policy says."""
+    moment the ranks vote); ``hold``: hold its writes whatever the stager's policy says;
+    ``full``: size the pool as for a full."""
     staged = stager.begin(full_part_info(storage.uri, step, ckpt_id), reserved=0)
     writer = RankPartWriter(storage, step, ckpt_id, 0, 1, stager.cfg.chunk_bytes, sink=staged)
-    stager.size_pool(staged, writer.buffers_needed([shard], [shard.rows]), full=False)
+    stager.size_pool(staged, writer.buffers_needed([shard], [shard.rows]), full=full)
     if hold and not staged.holding:
         staged.hold()
     writer.write_part([shard], lambda s: None, {"dense.w": torch.ones(3)}, {"user": None})
@@ -250,6 +257,34 @@ def test_a_steady_part_released_in_memory_is_written_only_after_the_vote(tmp_pat
         assert writer.chunks_written > 1 and stager.pool.peak_in_use == 1
         assert staged.buffer_wait_s > 0  # it waited for written buffers, not forever
         _commit(stager, staged)
+    finally:
+        stager.close()
+
+
+def test_the_first_delta_after_a_full_finds_its_buffers_warm(tmp_path: Path) -> None:
+    """No delta has sized the pool after a process's first full: the pool keeps the buffers the
+    full borrowed, so the first delta takes them (no wait, no new buffer); once that delta is
+    handed on the pool settles to the delta's size and the extra buffers are freed."""
+    storage = open_storage(str(tmp_path / "ck"))
+    big = TableShard.whole("m.t0.weight", {"weight": torch.randn(12000, 16)})
+    small = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    try:
+        full, writer = _stage_part(stager, storage, 1, "00000000000000b0", big, full=True)
+        borrowed = writer.chunks_written
+        _commit(stager, full)
+        stager._syncer.submit(lambda: None).result(timeout=60)  # the settling has run
+        assert stager.pool.allocated == borrowed > 2, borrowed  # kept for the first delta
+        kept = {id(b) for b in stager.pool._free}
+
+        delta, writer = _stage_part(stager, storage, 2, "00000000000000b1", small)
+        assert writer.chunks_written < borrowed
+        assert stager.pool.allocated == borrowed  # no new buffer
+        held = {id(b) for _, b in delta._held or () if b is not None}
+        assert held and held <= kept  # the full's, kept warm
+        _commit(stager, delta)
+        stager._syncer.submit(lambda: None).result(timeout=60)
+        assert stager.pool.allocated == stager.pool.count == writer.chunks_written
     finally:
         stager.close()
 

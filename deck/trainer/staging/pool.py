@@ -20,9 +20,9 @@ class BufferPool:
     to ``cap`` buffers, so a steady workload never waits for a buffer; when it shrinks, buffers
     beyond it are freed as they come back (unless a caller is waiting for one: a delta right
     after a full takes the full's buffers as they are written, instead of waiting for all of
-    them, and the first ``count`` back are kept warm). :meth:`prefault` allocates and touches
-    the missing buffers ahead of use (from a background thread), so a grown pool's first use
-    does not take page faults in the stall.
+    them, and the first ``count`` back are kept warm) and free ones by :meth:`trim`.
+    :meth:`prefault` allocates and touches the missing buffers ahead of use; both run on a
+    background thread, so neither page faults nor unmapping fall in the stall.
 
     With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
     copies into them are true DMA transfers that can run on a side stream.
@@ -67,6 +67,18 @@ class BufferPool:
             self.count = min(self.cap, max(self.floor, needed))
             self._cond.notify_all()  # a waiting acquire may now allocate
         return needed > self.cap
+
+    def trim(self) -> None:
+        """Free free buffers while more than :attr:`count` exist (background: unmapping a
+        buffer costs page-table work and TLB shootdowns)."""
+        while True:
+            with self._cond:
+                if self._allocated <= self.count or not self._free:
+                    return
+                buf = self._free.pop(0)  # the coldest
+                self._allocated -= 1
+                self._owners.pop(id(buf), None)
+            del buf
 
     def prefault(self) -> None:
         """Allocate the buffers the pool may still create, touching every page (background)."""

@@ -148,9 +148,17 @@ class Stager:
 
     def _settle_pool(self) -> None:
         """After a part is handed on: back to the deltas' size (buffers a full borrowed are
-        freed as they come back), and the missing ones made ready off the training thread."""
-        self.pool.size_for(max(self._recent_needs, default=0))
-        self._syncer.submit(self.pool.prefault)
+        freed as they come back), the extra free ones freed and the missing ones made ready,
+        off the training thread. Before the first delta the pool keeps what the full borrowed:
+        that delta then finds its buffers warm instead of waiting for the full's writes (it
+        sizes the pool; memory stays within ``snapshot_memory_bytes``)."""
+        if self._recent_needs:
+            self.pool.size_for(max(self._recent_needs))
+        self._syncer.submit(self._settle_buffers)
+
+    def _settle_buffers(self) -> None:
+        self.pool.trim()
+        self.pool.prefault()
 
     def aside(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on a thread of its own while the training thread goes on (it waits for the
