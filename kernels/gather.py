@@ -10,6 +10,7 @@ tensors when the native extension is built; ``index_select`` does the same copy 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,26 +21,52 @@ from . import native
 MAX_STATES = 16  # GATHER_STATES in _jagged.c: states copied in one pass
 
 
+RowSource = tuple[np.ndarray, int]  # a table state as flat bytes, and the bytes of one row
+Out = bytearray | memoryview | np.ndarray  # writable bytes (a chunk buffer's segment)
+
+
 def gather_rows(rows: torch.Tensor, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """For every ``(src, out)`` in ``pairs``: ``out[i] = src[rows[i]]`` for every ``i``
     (``rows``: int64 indices into dim 0 of every ``src``; ``out``: ``(len(rows),
     *src.shape[1:])`` of ``src``'s dtype). Raises IndexError when an index is outside a
     ``src``; then nothing is copied where the native kernel runs. Same result as
     ``torch.index_select`` per pair."""
-    kernel = native.native_module()
-    fast = (
-        kernel is not None
-        and rows.dtype == torch.int64
+    sources = (
+        row_sources([src for src, _ in pairs])
+        if rows.dtype == torch.int64
         and rows.device.type == "cpu"
-        and len(pairs) <= MAX_STATES
         and all(_flat_rows(src, out, rows) for src, out in pairs)
+        else None
     )
-    if not fast:
+    if sources is None:
         for src, out in pairs:
             torch.index_select(src, 0, rows, out=out)
         return
-    states = [(_bytes(src), src[0].numel() * src.element_size(), _bytes(out)) for src, out in pairs]
-    kernel.gather_rows(rows.contiguous().numpy(), states)
+    gather_into(rows.contiguous().numpy(), sources, [_bytes(out) for _, out in pairs])
+
+
+def row_sources(srcs: Sequence[torch.Tensor]) -> list[RowSource] | None:
+    """``srcs`` (table states with the same rows) ready for :func:`gather_into`, checked once
+    for many copies (a snapshot checks a shard's states once, not per chunk); None where the
+    native kernel cannot copy them (not built, more than ``MAX_STATES``, a tensor not on the
+    CPU, not contiguous or empty): then copy with ``torch.index_select``."""
+    if native.native_module() is None or len(srcs) > MAX_STATES:
+        return None
+    if not all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 1 and t.numel() > 0
+        for t in srcs
+    ):
+        return None
+    return [(_bytes(t), math.prod(t.shape[1:]) * t.element_size()) for t in srcs]
+
+
+def gather_into(rows: np.ndarray, sources: Sequence[RowSource], outs: Sequence[Out]) -> None:
+    """For every source ``j``: row ``i`` of ``outs[j]`` (bytes ``i * b .. (i + 1) * b``, ``b``
+    its row bytes) = row ``rows[i]`` of ``sources[j]``, every state of a row in one native pass.
+    ``rows``: contiguous int64. Raises IndexError (a row outside a source) or ValueError (an
+    out shorter than ``len(rows)`` rows) before copying anything."""
+    kernel = native.native_module()
+    kernel.gather_rows(rows, [(src, b, out) for (src, b), out in zip(sources, outs, strict=True)])
 
 
 def _flat_rows(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:

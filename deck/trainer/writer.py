@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from deck.adapters.base import TableShard
@@ -51,7 +52,7 @@ from deck.format.quantize import (
     stored_dtype,
 )
 from deck.format.rowindex import build_index
-from deck.kernels.gather import gather_rows
+from deck.kernels.gather import RowSource, gather_into, gather_rows, row_sources
 from deck.storage import Storage
 
 DENSE_FILE = "dense.safetensors"
@@ -216,6 +217,9 @@ class RankPartWriter:
         segs, per_chunk = self._chunking(shard, encoded)
         chunks: list[Later[ChunkRecord]] = []
         folder = f"{self.part}/{table_dir(shard.table)}"
+        # A delta of CPU tables: the states are checked once here, each chunk is one native copy
+        sources = None if rows is None or encoded else row_sources(list(shard.states.values()))
+        picked = None if sources is None or rows is None else rows.numpy()
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
             layout = ChunkLayout(stop - start, segs)
@@ -228,9 +232,12 @@ class RankPartWriter:
                 rel, offset, buf = self._bundle_slot(nbytes)
             else:
                 buf = self.sink.buffer()
-            local = None if rows is None else rows[start:stop]
             failpoint("writer.chunk.before_fill")
-            _fill_chunk(buf, layout, shard, start, stop, local, encoded)
+            if sources is not None and picked is not None:
+                _gather_chunk(buf, layout, picked[start:stop], shard.row_offset, sources)
+            else:
+                local = None if rows is None else rows[start:stop]
+                _fill_chunk(buf, layout, shard, start, stop, local, encoded)
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
@@ -386,6 +393,18 @@ def _chunk_record(
 
 
 _side_streams: dict[Any, Any] = {}
+
+
+def _gather_chunk(
+    buf: Buffer, layout: ChunkLayout, local: np.ndarray, row_offset: int, sources: list[RowSource]
+) -> None:
+    """:func:`_fill_chunk` of selected rows of CPU tables whose states were checked once
+    (:func:`row_sources`, in the layout's segment order after ``ids``): the ids, then every
+    state's rows in one native pass straight into the buffer's segments."""
+    (_, _, _, ids_at, _), *states = layout.segments
+    np.add(local, row_offset, out=np.frombuffer(buf, np.int64, len(local), ids_at))
+    view = memoryview(buf)
+    gather_into(local, sources, [view[at : at + nbytes] for _, _, _, at, nbytes in states])
 
 
 def _fill_chunk(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 from deck.kernels import native
-from deck.kernels.gather import gather_rows
+from deck.kernels.gather import gather_into, gather_rows, row_sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,3 +62,24 @@ def test_non_contiguous_tables_and_no_native_kernel_take_index_select(
     out4 = torch.empty(3, 4)
     gather_rows(idx, [(src, out4)])
     assert torch.equal(out4, src[idx])
+
+
+def test_sources_checked_once_copy_into_byte_ranges_or_refuse() -> None:
+    """row_sources checks a shard's states once; gather_into then copies rows into byte ranges
+    of a buffer (a chunk's segments). A strided state has no sources; an out shorter than the
+    rows raises before anything is copied."""
+    weight, mom = torch.arange(40.0).view(10, 4), torch.arange(10.0) * 2
+    sources = row_sources([weight, mom])
+    assert sources is not None and [b for _, b in sources] == [16, 4]
+    assert row_sources([weight[:, ::2]]) is None
+    buf = bytearray(64)
+    view = memoryview(buf)
+    rows = torch.tensor([9, 0, 3]).numpy()
+    gather_into(rows, sources, [view[0:48], view[48:60]])
+    got = torch.frombuffer(buf, dtype=torch.float32)
+    assert torch.equal(got[:12].view(3, 4), weight[[9, 0, 3]])
+    assert torch.equal(got[12:15], mom[[9, 0, 3]])
+    before = bytes(buf)
+    with pytest.raises(ValueError):
+        gather_into(rows, sources, [view[0:48], view[48:56]])  # room for 2 of 3 rows
+    assert bytes(buf) == before
