@@ -216,7 +216,7 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
         [statistics.median(journal_t) / n4 * 1e9],
         "ns/row",
         f"TrackerStore.begin_read of {n4:,} rows journaled in {table_rows:,} (sort the journal, "
-        "clear the rows; no map term): the usual claim while a delta is <= 1/32 of the rows",
+        "clear the rows; no map term): the usual claim while a delta is <= 1/8 of the rows",
     )
     r.add(
         "claim_ns_per_map_row_summary",
