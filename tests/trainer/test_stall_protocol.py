@@ -289,6 +289,48 @@ def test_the_first_delta_after_a_full_finds_its_buffers_warm(tmp_path: Path) -> 
         stager.close()
 
 
+def test_a_delta_does_not_wait_for_a_full_still_being_written(tmp_path: Path) -> None:
+    """While a full's writes are still queued (the spool writer is held here), the next delta
+    gets buffers of its own within the cap instead of waiting for the full's; once handed on,
+    the pool keeps the full's buffers as they come back, so the delta after takes those (no new
+    buffer), and then settles to the deltas' size."""
+    storage = open_storage(str(tmp_path / "ck"))
+    big = TableShard.whole("m.t0.weight", {"weight": torch.randn(12000, 16)})
+    small = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    gate = threading.Event()
+    try:
+        stager._writer.submit(gate.wait)  # every write queues behind this until it is set
+        full, fw = _stage_part(stager, storage, 1, "00000000000000c0", big, full=True)
+        stager.enqueue(full, CheckpointStats(step=1, kind="full", id="00000000000000c0"))
+        assert stager.pool.in_use == fw.chunks_written  # nothing of the full written yet
+
+        staged: list[Any] = []
+        delta = threading.Thread(
+            target=lambda: staged.append(_stage_part(stager, storage, 2, "00000000000000c1", small))
+        )
+        delta.start()
+        delta.join(timeout=120)
+        assert not delta.is_alive(), "the delta waited for the full's writes"
+        d1, w1 = staged[0]
+        assert stager.pool.allocated == fw.chunks_written + w1.chunks_written
+        stager.enqueue(d1, CheckpointStats(step=2, kind="delta", id="00000000000000c1"))
+        gate.set()
+        assert stager.flush(timeout=120)
+        stager._syncer.submit(lambda: None).result(timeout=60)
+        grown = stager.pool.allocated
+        assert grown == fw.chunks_written + w1.chunks_written  # the full's kept as they came back
+
+        d2, w2 = _stage_part(stager, storage, 3, "00000000000000c2", small)
+        assert stager.pool.allocated == grown  # taken from those, none new
+        _commit(stager, d2)
+        stager._syncer.submit(lambda: None).result(timeout=60)
+        assert stager.pool.allocated == stager.pool.count == w2.chunks_written
+    finally:
+        gate.set()
+        stager.close()
+
+
 def test_no_garbage_collection_inside_the_stall_and_none_lost() -> None:
     """Inside ``gc_paused`` (the checkpoint call) the collector is off; it is back on after,
     also when the call raised, and stays off for a process that had turned it off itself."""

@@ -74,6 +74,7 @@ class StagedPart:
         self._done = threading.Condition()
         self._sealed = False  # every file is submitted (and the pending record queued)
         self.buffer_wait_s = 0.0  # time the training thread waited for a free pool buffer
+        self.pooled = 0  # pool buffers it took (each goes back once its file is written)
         # How to build the rank manifest (from records the writes made); built once, by the
         # spool writer (the pending record) or the commit thread, whichever asks first.
         self._build: Callable[[], RankManifest] | None = None
@@ -92,6 +93,7 @@ class StagedPart:
             self.start_writes()  # the held buffers must come back to be reused
             buf = pool.acquire()
         self.buffer_wait_s += time.perf_counter() - t0
+        self.pooled += 1
         return buf
 
     def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:

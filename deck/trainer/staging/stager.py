@@ -133,27 +133,35 @@ class Stager:
         """Size the buffer pool for ``staged``, a part that fills ``needed`` buffers, so it
         never waits for one: deltas set the pool's size (the largest of the last few, so the
         next one finds its buffers warm), a full borrows up to the cap for itself only. Returns
-        whether the cap (``snapshot_memory_bytes``) won.
+        whether the cap (``snapshot_memory_bytes``) won. Buffers earlier parts still hold (a
+        full being written) come on top, within the cap: a part waits for another part's writes
+        only when the cap leaves it no room.
 
-        Released in memory, a part the pool already holds buffers for (a steady delta) keeps
-        its writes until :meth:`enqueue`, after the ranks' vote: nothing competes with the
-        stalled training threads. A larger part (a full, a first delta) writes as it fills, so
-        its buffers come back to be reused instead of new ones being faulted in in the stall."""
-        warm = needed <= self.pool.allocated
+        Released in memory, a part the pool already holds free buffers for (a steady delta)
+        keeps its writes until :meth:`enqueue`, after the ranks' vote: nothing competes with
+        the stalled training threads. A larger part (a full, a first delta) writes as it fills,
+        so its buffers come back to be reused instead of new ones being faulted in the stall."""
+        pool = self.pool
+        warm = needed <= pool.allocated - pool.in_use
         if not full:
             self._recent_needs.append(needed)
         if warm and self.cfg.release == "in_memory":
             staged.hold()
-        return self.pool.size_for(max(needed, *self._recent_needs, 0))
+        want = max(needed, *self._recent_needs, 0)
+        pool.size_for(want + pool.in_use)
+        return want > pool.cap
 
-    def _settle_pool(self) -> None:
-        """After a part is handed on: back to the deltas' size (buffers a full borrowed are
-        freed as they come back), the extra free ones freed and the missing ones made ready,
-        off the training thread. Before the first delta the pool keeps what the full borrowed:
-        that delta then finds its buffers warm instead of waiting for the full's writes (it
-        sizes the pool; memory stays within ``snapshot_memory_bytes``)."""
+    def _settle_pool(self, writing: int) -> None:
+        """After a part is handed on (``writing``: the pool buffers it still holds): back to
+        the deltas' size plus the buffers earlier parts still hold (a full's, whose writes
+        this part's queue behind), so those are kept as they come back and the next delta takes
+        them instead of waiting for them; other buffers a full borrowed are freed as they come
+        back, extra free ones are freed and missing ones made ready off the training thread.
+        Before the first delta the pool keeps what the full borrowed: that delta sizes it. The
+        cap (``snapshot_memory_bytes``) bounds it all."""
         if self._recent_needs:
-            self.pool.size_for(max(self._recent_needs))
+            behind = max(0, self.pool.in_use - writing)
+            self.pool.size_for(max(self._recent_needs) + behind)
         self._syncer.submit(self._settle_buffers)
 
     def _settle_buffers(self) -> None:
@@ -217,7 +225,7 @@ class Stager:
         background, starting by waiting for this part's writes (its manifest is built then)."""
         staged.start_writes()
         self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
-        self._settle_pool()
+        self._settle_pool(writing=staged.pooled)
 
     def take_failure(self) -> bool:
         """Whether a part failed after training moved on since the last call (the next
@@ -249,7 +257,7 @@ class Stager:
             self._spool.remove_files(staged.info.step, staged.files)
             self._spool.remove_pending(staged.info)
             self._spool.release(staged.reserved)
-        self._settle_pool()
+        self._settle_pool(writing=0)  # its buffers are back
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every enqueued part is committed or failed; False on timeout."""
