@@ -70,8 +70,12 @@ def capture(obj: Any, what: str) -> CapturedTree:
                     "(sharded tables must use TorchRec's fused optimizer)"
                 )
             key = f"t{len(tensors)}"
-            # safetensors refuses shared storage: clone so each entry owns its bytes.
-            tensors[key] = x.detach().cpu().contiguous().clone()
+            # safetensors refuses shared storage: clone so each entry owns its bytes (one
+            # contiguous copy; this runs in the checkpoint stall, once per tensor).
+            t = x.detach()
+            tensors[key] = (t if t.device.type == "cpu" else t.cpu()).clone(
+                memory_format=torch.contiguous_format
+            )
             return {"__tensor__": key}
         if x is None or isinstance(x, (bool, int, float, str)):
             return x

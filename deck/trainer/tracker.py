@@ -186,11 +186,17 @@ class TrackerStore:
         """:meth:`touched` of every ``(start, stop)`` in ``spans`` (one search for all)."""
         if not spans:
             return []
-        bounds = torch.tensor([b for span in spans for b in span], device=token.rows.device)
-        cut = torch.searchsorted(token.rows, bounds).tolist()
-        return [
-            token.rows[cut[2 * i] : cut[2 * i + 1]] - start for i, (start, _) in enumerate(spans)
-        ]
+        rows = token.rows
+        if rows.device.type == "cpu":  # numpy: a fraction of torch's per-call cost (in the stall)
+            flat = rows.numpy()
+            cut = np.searchsorted(flat, [b for span in spans for b in span]).tolist()
+            return [
+                torch.from_numpy(flat[cut[2 * i] : cut[2 * i + 1]] - start)
+                for i, (start, _) in enumerate(spans)
+            ]
+        bounds = torch.tensor([b for span in spans for b in span], device=rows.device)
+        cut = torch.searchsorted(rows, bounds).tolist()
+        return [rows[cut[2 * i] : cut[2 * i + 1]] - start for i, (start, _) in enumerate(spans)]
 
     def commit(self, token: ReadToken) -> None:
         """The read was saved durably: its rows are no longer pending for its consumer."""

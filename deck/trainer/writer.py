@@ -220,9 +220,10 @@ class RankPartWriter:
         # A delta of CPU tables: the states are checked once here, each chunk is one native copy
         sources = None if rows is None or encoded else row_sources(list(shard.states.values()))
         picked = None if sources is None or rows is None else rows.numpy()
+        whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
-            layout = ChunkLayout(stop - start, segs)
+            layout = whole if stop - start == per_chunk else ChunkLayout(stop - start, segs)
             pad_to = None if stop == n else self.chunk_bytes
             nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
             rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
