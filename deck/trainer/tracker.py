@@ -67,7 +67,8 @@ class RowJournal:
 
     def take(self) -> np.ndarray:
         """Every journaled row, ascending; the journal is empty after."""
-        rows = np.sort(np.concatenate(self._parts)) if self._parts else np.empty(0, np.int64)
+        rows = np.concatenate(self._parts) if self._parts else np.empty(0, np.int64)
+        rows.sort()  # in place: a sorted copy would fault in another array's pages in the stall
         self._parts, self.rows = [], 0
         return rows
 
