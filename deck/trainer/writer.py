@@ -218,8 +218,12 @@ class RankPartWriter:
         chunks: list[Later[ChunkRecord]] = []
         folder = f"{self.part}/{table_dir(shard.table)}"
         # A delta of CPU tables: the states are checked once here, each chunk is one native copy
-        sources = None if rows is None or encoded else row_sources(list(shard.states.values()))
-        picked = None if sources is None or rows is None else rows.numpy()
+        sources = (
+            row_sources(list(shard.states.values()))
+            if rows is not None and rows.dtype == torch.int64 and not encoded
+            else None
+        )
+        picked = None if sources is None or rows is None else rows.cpu().numpy()
         whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
