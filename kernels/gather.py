@@ -35,7 +35,7 @@ def gather_rows(rows: torch.Tensor, pairs: Sequence[tuple[torch.Tensor, torch.Te
         row_sources([src for src, _ in pairs])
         if rows.dtype == torch.int64
         and rows.device.type == "cpu"
-        and all(_flat_rows(src, out, rows) for src, out in pairs)
+        and all(_fits(src, out, rows) for src, out in pairs)
         else None
     )
     if sources is None:
@@ -69,18 +69,15 @@ def gather_into(rows: np.ndarray, sources: Sequence[RowSource], outs: Sequence[O
     kernel.gather_rows(rows, [(src, b, out) for (src, b), out in zip(sources, outs, strict=True)])
 
 
-def _flat_rows(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether ``src`` and ``out`` are CPU row arrays the kernel can copy bytes between."""
+def _fits(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``out`` is a CPU row array the kernel can copy ``src``'s rows into (``src``
+    itself is checked by :func:`row_sources`)."""
     return (
-        src.device.type == "cpu"
-        and out.device.type == "cpu"
+        out.device.type == "cpu"
         and src.dtype == out.dtype
-        and src.is_contiguous()
         and out.is_contiguous()
-        and src.dim() >= 1
         and src.shape[1:] == out.shape[1:]
         and out.shape[0] == rows.numel()
-        and src.numel() > 0
     )
 
 

@@ -148,7 +148,7 @@ class Stager:
         if warm and self.cfg.release == "in_memory":
             staged.hold()
         want = max(needed, *self._recent_needs, 0)
-        pool.size_for(want + pool.in_use)
+        self._size_beside_others(want, own=0)
         return want > pool.cap
 
     def _settle_pool(self, writing: int) -> None:
@@ -160,9 +160,13 @@ class Stager:
         Before the first delta the pool keeps what the full borrowed: that delta sizes it. The
         cap (``snapshot_memory_bytes``) bounds it all."""
         if self._recent_needs:
-            behind = max(0, self.pool.in_use - writing)
-            self.pool.size_for(max(self._recent_needs) + behind)
+            self._size_beside_others(max(self._recent_needs), own=writing)
         self._syncer.submit(self._settle_buffers)
+
+    def _size_beside_others(self, want: int, own: int) -> None:
+        """Size the pool to ``want`` buffers plus those other parts still hold (``own``: the
+        buffers in use that are the sizing part's own), within the cap."""
+        self.pool.size_for(want + max(0, self.pool.in_use - own))
 
     def _settle_buffers(self) -> None:
         self.pool.trim()
