@@ -404,37 +404,54 @@ done:
     return result;
 }
 
-/* clear_rows(bytes, blocks, shift, bit, rows) -> lacking: a claim from the tracker's journal.
- * Clears `bit` in the byte of every row of rows (int64) and in its block's summary byte (the
- * caller claims every row that has the bit, so none of the block's rows keeps it). Returns how
- * many rows did not have the bit (a journal out of step with the map: 0 when all is well), or
- * -1 (nothing changed) when a position is outside the map. */
+/* The loop of clear_rows for one width of row position (int64, or int32: a journal of a map
+ * under 2**31 rows, half the bytes to sort and read in the stall). Returns the rows lacking the
+ * bit, or -1 (nothing changed) when a position is outside the map. */
+#define CLEAR_ROWS_LOOP(NAME, T)                                                                   \
+    static int64_t NAME(uint8_t *map, uint8_t *blocks, const int shift, const uint8_t bit,       \
+                        const T *rows, const int64_t m, const int64_t n)                         \
+    {                                                                                            \
+        for (int64_t i = 0; i < m; ++i)                                                          \
+            if ((uint64_t)(int64_t)rows[i] >= (uint64_t)n)                                       \
+                return -1;                                                                       \
+        int64_t lacking = 0;                                                                     \
+        const uint8_t keep = (uint8_t)~bit;                                                      \
+        for (int64_t i = 0; i < m; ++i) {                                                        \
+            const int64_t r = rows[i];                                                           \
+            lacking += !(map[r] & bit);                                                          \
+            map[r] &= keep;                                                                      \
+            blocks[r >> shift] &= keep;                                                          \
+        }                                                                                        \
+        return lacking;                                                                          \
+    }
+CLEAR_ROWS_LOOP(clear_rows64, int64_t)
+CLEAR_ROWS_LOOP(clear_rows32, int32_t)
+
+/* clear_rows(bytes, blocks, shift, bit, rows, width) -> lacking: a claim from the tracker's
+ * journal. Clears `bit` in the byte of every row of rows (int64, or int32 when width is 4) and in
+ * its block's summary byte (the caller claims every row that has the bit, so none of the block's
+ * rows keeps it). Returns how many rows did not have the bit (a journal out of step with the map:
+ * 0 when all is well), or -1 (nothing changed) when a position is outside the map. */
 static PyObject *clear_rows(PyObject *self, PyObject *args)
 {
     Py_buffer map_b, blocks_b, rows_b;
-    int shift, bit;
+    int shift, bit, width;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*w*iiy*", &map_b, &blocks_b, &shift, &bit, &rows_b))
+    if (!PyArg_ParseTuple(args, "w*w*iiy*i", &map_b, &blocks_b, &shift, &bit, &rows_b, &width))
         return NULL;
     PyObject *result = NULL;
-    const int64_t n = map_b.len, m = rows_b.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t n = map_b.len;
     if (!summary_ok(n, blocks_b.len, shift) || !claim_bit_ok(bit))
         goto done;
-    uint8_t *map = map_b.buf, *blocks = blocks_b.buf;
-    const int64_t *rows = rows_b.buf;
-    int64_t lacking = 0;
-    const uint8_t keep = (uint8_t)~bit;
-    Py_BEGIN_ALLOW_THREADS
-    if (!rows_in_map(rows, m, n)) {
-        lacking = -1;
-    } else {
-        for (int64_t i = 0; i < m; ++i) {
-            const int64_t r = rows[i];
-            lacking += !(map[r] & bit);
-            map[r] &= keep;
-            blocks[r >> shift] &= keep;
-        }
+    if ((width != 4 && width != 8) || rows_b.len % width) {
+        PyErr_SetString(PyExc_ValueError, "rows must be int32 (width 4) or int64 (width 8)");
+        goto done;
     }
+    const int64_t m = rows_b.len / width;
+    int64_t lacking;
+    Py_BEGIN_ALLOW_THREADS
+    lacking = width == 8 ? clear_rows64(map_b.buf, blocks_b.buf, shift, (uint8_t)bit, rows_b.buf, m, n)
+                         : clear_rows32(map_b.buf, blocks_b.buf, shift, (uint8_t)bit, rows_b.buf, m, n);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong((long long)lacking);
 done:

@@ -122,12 +122,15 @@ def mark_rows(
 
 
 def clear_rows(dirty: torch.Tensor, blocks: torch.Tensor, rows: np.ndarray, bit: int) -> int:
-    """Clear ``bit`` in the byte of every row of ``rows`` (int64) and in its summary byte (the
-    caller claims every row that has it). Returns how many of them did not have it (0 unless the
-    caller's journal is out of step with the map). Raises IndexError, changing nothing, when a
-    row is outside the map. Needs :func:`journaling_available`."""
+    """Clear ``bit`` in the byte of every row of ``rows`` (int64, or int32: a journal's) and in
+    its summary byte (the caller claims every row that has it). Returns how many of them did not
+    have it (0 unless the caller's journal is out of step with the map). Raises IndexError,
+    changing nothing, when a row is outside the map. Needs :func:`journaling_available`."""
+    if rows.dtype not in (np.int32, np.int64):
+        rows = rows.astype(np.int64)
+    rows = np.ascontiguousarray(rows)
     lacking = native.native_module().clear_rows(
-        _raw(dirty), _raw(blocks), BLOCK_SHIFT, bit, np.ascontiguousarray(rows, dtype=np.int64)
+        _raw(dirty), _raw(blocks), BLOCK_SHIFT, bit, rows, rows.itemsize
     )
     if lacking < 0:
         raise IndexError(f"claimed row positions outside the map of {dirty.numel()} rows")

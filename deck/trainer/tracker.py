@@ -3,7 +3,7 @@
 A bool-bitmap per row with one bit per consumer (up to 8 consumers share one byte per row: one
 bit per row per tenant). A lookup sets every consumer's bit of the rows it touched. A read by
 consumer ``c`` claims the rows whose bit ``c`` is set (clearing that bit) and holds them as one
-int64 array until the read is committed (dropped) or aborted (bits set again), so a failed
+array until the read is committed (dropped) or aborted (bits set again), so a failed
 checkpoint loses nothing, a read never consumes another tenant's rows, and each tenant holds at
 most one extra copy of its delta (DECK fig. 8).
 
@@ -15,8 +15,9 @@ rows, so it costs the delta's rows whatever the table's size. A journal holds at
 ``journal_cap`` rows (default 1/8 of the rows, at least 65,536); a consumer whose delta grows
 past it drops its journal and its next claim reads the map (then a journal starts again).
 Memory: 1 + 1/64 bytes per row whatever the number of consumers (up to 8): 8.125 bits per row with
-one consumer, 1.016 bits per row per consumer with 8; plus each journal's 8 bytes per pending row,
-at most 1 byte per row per consumer (a delta of 1-5% of the rows: 0.08-0.4 byte).
+one consumer, 1.016 bits per row per consumer with 8; plus each journal's 4 bytes per pending row
+(8 at 2**31 rows or more), at most 0.5 byte per row per consumer (a delta of 1-5% of the rows:
+0.04-0.2 byte).
 
 Hot path: :meth:`record` only appends a tensor (no device->host sync); :meth:`compact` scatters
 pending ids into the bitmap and is called from the post-output-dist hook so that it overlaps the
@@ -51,31 +52,43 @@ JOURNAL_FRACTION = 8
 
 class RowJournal:
     """The rows that became pending for one consumer since its last claim: each once, unsorted
-    (exactly the rows whose byte has the consumer's bit)."""
+    (exactly the rows whose byte has the consumer's bit).
 
-    def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
+    One growing array of ``dtype`` (int32 below 2**31 rows: half the bytes to sort and clear in
+    the stall), filled as compactions add rows: a claim sorts it in place, copying nothing.
+    """
+
+    def __init__(self, dtype: type[np.signedinteger], capacity: int = 1 << 12) -> None:
+        self._rows = np.empty(capacity, dtype)
         self.rows = 0
 
     def add(self, rows: np.ndarray) -> None:
-        if not len(rows):
-            return
-        self._parts.append(rows)
-        self.rows += len(rows)
-        if len(self._parts) > 64:  # one array per compaction would pile up between claims
-            self._parts = [np.concatenate(self._parts)]
+        end = self.rows + len(rows)
+        if end > len(self._rows):
+            grown = np.empty(max(end, 2 * len(self._rows)), self._rows.dtype)
+            grown[: self.rows] = self._rows[: self.rows]
+            self._rows = grown
+        self._rows[self.rows : end] = rows
+        self.rows = end
+
+    def nbytes(self) -> int:
+        """Bytes of the journaled rows."""
+        return self.rows * self._rows.itemsize
 
     def take(self) -> np.ndarray:
-        """Every journaled row, ascending; the journal is empty after."""
-        rows = np.concatenate(self._parts) if self._parts else np.empty(0, np.int64)
+        """Every journaled row, ascending; the journal is empty after, with room for as many
+        rows again (its pages are faulted in by the compactions that fill it, not the claim)."""
+        rows = self._rows[: self.rows]
         rows.sort()  # in place: a sorted copy would fault in another array's pages in the stall
-        self._parts, self.rows = [], 0
+        self._rows = np.empty(max(len(rows) + len(rows) // 4, 1 << 12), rows.dtype)
+        self.rows = 0
         return rows
 
 
 @dataclass(frozen=True)
 class ReadToken:
-    """An open read: ``rows`` are the claimed flat positions (ascending)."""
+    """An open read: ``rows`` are the claimed flat positions (ascending; int32 when claimed from
+    a journal of a map under 2**31 rows, else int64)."""
 
     consumer: str
     rows: torch.Tensor
@@ -121,11 +134,13 @@ class TrackerStore:
     def nbytes(self) -> int:
         """Memory held by the tracking state: map, summary and journals (excluding ids not yet
         compacted and open reads)."""
-        journaled = sum(8 * j.rows for j in self._journals.values() if j is not None)
+        journaled = sum(j.nbytes() for j in self._journals.values() if j is not None)
         return journaled + sum(m.numel() * m.element_size() for m in (self._dirty, self._blocks))
 
     def _new_journal(self) -> RowJournal | None:
-        return RowJournal() if self._journaling else None
+        if not self._journaling:
+            return None
+        return RowJournal(np.int32 if self.num_rows <= np.iinfo(np.int32).max else np.int64)
 
     def _journal(self, consumer: str, rows: np.ndarray) -> None:
         """Add ``rows`` (newly pending for ``consumer``) to its journal, or drop the journal
@@ -191,8 +206,10 @@ class TrackerStore:
         if rows.device.type == "cpu":  # numpy: a fraction of torch's per-call cost (in the stall)
             flat = rows.numpy()
             cut = np.searchsorted(flat, [b for span in spans for b in span]).tolist()
-            return [
-                torch.from_numpy(flat[cut[2 * i] : cut[2 * i + 1]] - start)
+            return [  # int64 whatever the journal's width: what gathers and chunk ids take
+                torch.from_numpy(
+                    np.subtract(flat[cut[2 * i] : cut[2 * i + 1]], start, dtype=np.int64)
+                )
                 for i, (start, _) in enumerate(spans)
             ]
         bounds = torch.tensor([b for span in spans for b in span], device=rows.device)

@@ -1,9 +1,16 @@
 """The tracker's claim kernel: native and torch fallback give the same rows and the same map."""
 
+import numpy as np
 import pytest
 import torch
 from deck.kernels import native
-from deck.kernels.claim import BLOCK_SHIFT, block_count, claim_marked_rows, claim_rows
+from deck.kernels.claim import (
+    BLOCK_SHIFT,
+    block_count,
+    claim_marked_rows,
+    claim_rows,
+    clear_rows,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +159,23 @@ def test_summary_of_the_wrong_size_is_refused() -> None:
         native._native.claim_blocks(m.numpy(), bytearray(2), BLOCK_SHIFT, 1, bytearray())
     with pytest.raises(ValueError, match="bit must be"):
         native._native.claim_blocks(m.numpy(), bytearray(3), BLOCK_SHIFT, 3, bytearray())
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_journal_clear_takes_both_widths_and_checks_every_row(dtype: type) -> None:
+    # A journal of a map under 2**31 rows is int32 (half the bytes to sort in the stall): the
+    # clear must treat it exactly as int64, and refuse an out-of-map row before changing any.
+    n = 1000
+    dirty = torch.zeros(n, dtype=torch.uint8)
+    blocks = torch.zeros(block_count(n), dtype=torch.uint8)
+    rows = np.array([3, 64, 65, 999], dtype=dtype)
+    dirty[torch.from_numpy(rows.astype(np.int64))] = 0b11
+    blocks[torch.from_numpy(rows.astype(np.int64) >> BLOCK_SHIFT)] = 0b11
+    before = dirty.clone(), blocks.clone()
+    with pytest.raises(IndexError):
+        clear_rows(dirty, blocks, np.array([3, n], dtype=dtype), 0b01)
+    assert torch.equal(dirty, before[0]) and torch.equal(blocks, before[1])
+    assert clear_rows(dirty, blocks, rows, 0b01) == 0
+    assert dirty[torch.from_numpy(rows.astype(np.int64))].tolist() == [0b10] * 4
+    assert int(dirty.sum()) == 4 * 0b10 and set(blocks.tolist()) <= {0, 0b10}
+    assert clear_rows(dirty, blocks, np.array([5, 64], dtype=dtype), 0b10) == 1  # 5 lacked it

@@ -150,3 +150,23 @@ def test_out_of_range_rows_change_nothing() -> None:
     with pytest.raises(IndexError):
         store.compact()
     assert store.touched(store.begin_read("a"), 0, 100).tolist() == [3]
+
+
+def test_a_journal_grows_in_place_and_claims_sorted_int32_rows() -> None:
+    # 1M rows: the journal is int32 and starts small; 100k rows in 50 compactions make it grow.
+    g = torch.Generator().manual_seed(5)
+    store = TrackerStore(1 << 20, ("a",))
+    truth: set[int] = set()
+    for _ in range(50):
+        ids = torch.randint(0, 1 << 20, (2000,), generator=g)
+        store.record(ids)
+        store.compact()
+        truth |= set(ids.tolist())
+    assert store.nbytes() == (1 << 20) + (1 << 14) + 4 * len(truth)
+    tok = store.begin_read("a")
+    assert tok.rows.dtype == torch.int32
+    assert tok.rows.tolist() == sorted(truth)
+    lo = store.touched(tok, 1000, 1 << 20)
+    assert lo.dtype == torch.int64 and lo.tolist() == [r - 1000 for r in sorted(truth) if r >= 1000]
+    store.abort(tok)  # back in the journal: claimed again, the same rows
+    assert store.begin_read("a").rows.tolist() == sorted(truth)
