@@ -469,70 +469,85 @@ enum { GATHER_AHEAD = 16 };
 
 enum { GATHER_STATES = 16 };
 
-/* The copy of gather_rows (arguments checked). Its shape is measured, not incidental: with the
- * pointers in locals, the first line of each row prefetched unconditionally and the first state
- * (the weights: the widest) copied outside the loop over states, 80k rows of 4 x 1M x 64 fp32
- * tables + a rowwise state take 2.15 ms instead of 3.05 ms when the tables sit in huge pages (one
- * process, cold caches); on 4 KiB pages the TLB misses bound both shapes (2.5-2.8 ms). A row of
- * 4 bytes (a rowwise optimizer state) is one load and store. */
-static void gather_loop(const int64_t *ids, const int64_t m, const Py_ssize_t k,
-                        const Py_buffer *src_b, const Py_ssize_t *row_bytes, const Py_buffer *dst_b)
-{
-    const char *src[GATHER_STATES];
-    char *dst[GATHER_STATES];
-    Py_ssize_t rb[GATHER_STATES];
-    for (Py_ssize_t s = 0; s < k; ++s) {
-        src[s] = src_b[s].buf;
-        dst[s] = dst_b[s].buf;
-        rb[s] = row_bytes[s];
+/* The copy of gather_rows (arguments checked), for one width of row position T: row ids[i] - base
+ * of every state. Its shape is measured, not incidental: with the pointers in locals, the first
+ * line of each row prefetched unconditionally and the first state (the weights: the widest)
+ * copied outside the loop over states, 80k rows of 4 x 1M x 64 fp32 tables + a rowwise state take
+ * 2.15 ms instead of 3.05 ms when the tables sit in huge pages (one process, cold caches); on
+ * 4 KiB pages the TLB misses bound both shapes (2.5-2.8 ms). A row of 4 bytes (a rowwise
+ * optimizer state) is one load and store. */
+#define GATHER_LOOP(NAME, T)                                                                       \
+    static void NAME(const T *ids, const int64_t base, const int64_t m, const Py_ssize_t k,        \
+                     const Py_buffer *src_b, const Py_ssize_t *row_bytes, const Py_buffer *dst_b)  \
+    {                                                                                              \
+        const char *src[GATHER_STATES];                                                            \
+        char *dst[GATHER_STATES];                                                                  \
+        Py_ssize_t rb[GATHER_STATES];                                                              \
+        for (Py_ssize_t s = 0; s < k; ++s) {                                                       \
+            src[s] = src_b[s].buf;                                                                 \
+            dst[s] = dst_b[s].buf;                                                                 \
+            rb[s] = row_bytes[s];                                                                  \
+        }                                                                                          \
+        for (int64_t i = 0; i < m; ++i) {                                                          \
+            if (i + GATHER_AHEAD < m) {                                                            \
+                const int64_t ahead = (int64_t)ids[i + GATHER_AHEAD] - base;                       \
+                for (Py_ssize_t s = 0; s < k; ++s) {                                               \
+                    const char *next = src[s] + ahead * rb[s];                                     \
+                    __builtin_prefetch(next, 0, 0);                                                \
+                    for (Py_ssize_t o = 64; o < rb[s]; o += 64)                                    \
+                        __builtin_prefetch(next + o, 0, 0);                                        \
+                }                                                                                  \
+            }                                                                                      \
+            const int64_t row = (int64_t)ids[i] - base;                                            \
+            memcpy(dst[0] + i * rb[0], src[0] + row * rb[0], (size_t)rb[0]);                       \
+            for (Py_ssize_t s = 1; s < k; ++s) {                                                   \
+                const Py_ssize_t b = rb[s];                                                        \
+                if (b == 4)                                                                        \
+                    memcpy(dst[s] + i * 4, src[s] + row * 4, 4);                                   \
+                else                                                                               \
+                    memcpy(dst[s] + i * b, src[s] + row * b, (size_t)b);                           \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    static int NAME##_in(const T *ids, const int64_t base, const int64_t m, const int64_t n)       \
+    {                                                                                              \
+        for (int64_t i = 0; i < m; ++i)                                                            \
+            if ((uint64_t)((int64_t)ids[i] - base) >= (uint64_t)n)                                 \
+                return 0;                                                                          \
+        return 1;                                                                                  \
     }
-    for (int64_t i = 0; i < m; ++i) {
-        if (i + GATHER_AHEAD < m) {
-            const int64_t ahead = ids[i + GATHER_AHEAD];
-            for (Py_ssize_t s = 0; s < k; ++s) {
-                const char *next = src[s] + ahead * rb[s];
-                __builtin_prefetch(next, 0, 0);
-                for (Py_ssize_t o = 64; o < rb[s]; o += 64)
-                    __builtin_prefetch(next + o, 0, 0);
-            }
-        }
-        const int64_t row = ids[i];
-        memcpy(dst[0] + i * rb[0], src[0] + row * rb[0], (size_t)rb[0]);
-        for (Py_ssize_t s = 1; s < k; ++s) {
-            const Py_ssize_t b = rb[s];
-            if (b == 4)
-                memcpy(dst[s] + i * 4, src[s] + row * 4, 4);
-            else
-                memcpy(dst[s] + i * b, src[s] + row * b, (size_t)b);
-        }
-    }
-}
+GATHER_LOOP(gather64, int64_t)
+GATHER_LOOP(gather32, int32_t)
 
-/* gather_rows(ids, states): the snapshot's copy, for every (src, row_bytes, dst) in `states`
- * dst row i = src row ids[i], in one pass over ids (the misses of every state's next rows are
- * issued together, GATHER_AHEAD rows ahead).
- *   ids     int64 (M,): row indices, any order; all must be rows of every src (checked first: a
- *           bad one raises IndexError and nothing is copied)
+/* gather_rows(ids, states, width=8, base=0): the snapshot's copy, for every (src, row_bytes, dst)
+ * in `states` dst row i = src row ids[i] - base, in one pass over ids (the misses of every
+ * state's next rows are issued together, GATHER_AHEAD rows ahead).
+ *   ids     int64 (M,), or int32 when width is 4: row positions, any order; ids[i] - base must be
+ *           a row of every src (checked first: a bad one raises IndexError and nothing is copied)
  *   states  a sequence of at most GATHER_STATES (src, row_bytes, dst): src C-contiguous rows of
- *           row_bytes bytes each (a table state), dst writable, at least M * row_bytes bytes */
+ *           row_bytes bytes each (a table state), dst writable, at least M * row_bytes bytes
+ *   base    subtracted from every id: ids may be positions in a larger space (the tracker's flat
+ *           positions of every shard), read in place instead of made relative in a copy */
 static PyObject *gather_rows(PyObject *self, PyObject *args)
 {
     Py_buffer ids_b, src_b[GATHER_STATES], dst_b[GATHER_STATES];
     Py_ssize_t row_bytes[GATHER_STATES];
     PyObject *states;
+    int width = 8;
+    long long base = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*O", &ids_b, &states))
+    if (!PyArg_ParseTuple(args, "y*O|iL", &ids_b, &states, &width, &base))
         return NULL;
     PyObject *result = NULL, *seq = PySequence_Fast(states, "gather_rows: states must be a sequence");
     Py_ssize_t k = 0, parsed = 0;
     if (seq == NULL)
         goto done;
     k = PySequence_Fast_GET_SIZE(seq);
-    const int64_t m = ids_b.len / (Py_ssize_t)sizeof(int64_t);
-    if (k > GATHER_STATES || ids_b.len % (Py_ssize_t)sizeof(int64_t)) {
+    if (k > GATHER_STATES || (width != 4 && width != 8) || ids_b.len % width) {
         PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
         goto done;
     }
+    const int64_t m = ids_b.len / width;
     int64_t n = INT64_MAX;
     for (; parsed < k; ++parsed) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, parsed);
@@ -547,12 +562,17 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
         if (src_b[parsed].len / rb < n)
             n = src_b[parsed].len / rb;
     }
-    const int64_t *ids = ids_b.buf;
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = rows_in_map(ids, m, n);
-    if (ok && k > 0)
-        gather_loop(ids, m, k, src_b, row_bytes, dst_b);
+    if (width == 8) {
+        ok = gather64_in(ids_b.buf, base, m, n);
+        if (ok && k > 0)
+            gather64(ids_b.buf, base, m, k, src_b, row_bytes, dst_b);
+    } else {
+        ok = gather32_in(ids_b.buf, base, m, n);
+        if (ok && k > 0)
+            gather32(ids_b.buf, base, m, k, src_b, row_bytes, dst_b);
+    }
     Py_END_ALLOW_THREADS
     if (!ok) {
         PyErr_SetString(PyExc_IndexError, "gather_rows: a row index is outside the table");

@@ -60,13 +60,20 @@ def row_sources(srcs: Sequence[torch.Tensor]) -> list[RowSource] | None:
     return [(_bytes(t), math.prod(t.shape[1:]) * t.element_size()) for t in srcs]
 
 
-def gather_into(rows: np.ndarray, sources: Sequence[RowSource], outs: Sequence[Out]) -> None:
+def gather_into(
+    rows: np.ndarray, sources: Sequence[RowSource], outs: Sequence[Out], base: int = 0
+) -> None:
     """For every source ``j``: row ``i`` of ``outs[j]`` (bytes ``i * b .. (i + 1) * b``, ``b``
-    its row bytes) = row ``rows[i]`` of ``sources[j]``, every state of a row in one native pass.
-    ``rows``: contiguous int64. Raises IndexError (a row outside a source) or ValueError (an
-    out shorter than ``len(rows)`` rows) before copying anything."""
+    its row bytes) = row ``rows[i] - base`` of ``sources[j]``, every state of a row in one
+    native pass. ``rows``: contiguous int64 or int32 (``base``: e.g. a shard's offset among the
+    tracker's positions, so a claim's positions are read in place). Raises IndexError (a row
+    outside a source) or ValueError (an out shorter than ``len(rows)`` rows) before copying
+    anything."""
+    if rows.dtype not in (np.int32, np.int64) or not rows.flags.c_contiguous:
+        raise ValueError(f"gather_into: rows must be contiguous int32 or int64, not {rows.dtype}")
     kernel = native.native_module()
-    kernel.gather_rows(rows, [(src, b, out) for (src, b), out in zip(sources, outs, strict=True)])
+    states = [(src, b, out) for (src, b), out in zip(sources, outs, strict=True)]
+    kernel.gather_rows(rows, states, rows.itemsize, base)
 
 
 def _fits(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:

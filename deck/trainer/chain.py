@@ -399,9 +399,8 @@ class ChainWriter:
             shards = self.adapter.table_shards()
             partial = [sh for sh in shards if not (full or sh.full_only)]
             spans = [(sh.track_base, sh.track_base + sh.rows) for sh in partial]
-            rows = dict(
-                zip(map(id, partial), self.tracker.touched_spans(token, spans), strict=True)
-            )
+            # The claim's positions, read in place (no relative copy: fresh pages in the stall)
+            rows = dict(zip(map(id, partial), self.tracker.claimed_in(token, spans), strict=True))
             selected = [rows.get(id(sh)) for sh in shards]
             counts = [
                 sh.rows if sel is None else int(sel.numel())
@@ -434,6 +433,7 @@ class ChainWriter:
                 lambda sh: selected[order[id(sh)]],
                 dense if self.coord.rank == 0 else None,
                 extra,
+                flat=True,
             )
             snap.staged.seal()
             if self.staging.release == "first_tier":

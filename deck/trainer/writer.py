@@ -202,9 +202,10 @@ class RankPartWriter:
         return rec
 
     def write_shard(
-        self, shard: TableShard, rows: torch.Tensor | None, full: bool
+        self, shard: TableShard, rows: torch.Tensor | None, full: bool, base: int = 0
     ) -> Callable[[], ShardRecord]:
-        """Copy ``rows`` (ascending local row indices; None = all rows) of ``shard`` into chunks.
+        """Copy ``rows`` (ascending row indices plus ``base``, int64 or int32; None = all rows)
+        of ``shard`` into chunks.
 
         Rows are gathered straight into a sink buffer, one chunk at a time, so memory is the
         sink's buffers whatever the table size. Every chunk but the last is exactly
@@ -220,10 +221,13 @@ class RankPartWriter:
         # A delta of CPU tables: the states are checked once here, each chunk is one native copy
         sources = (
             row_sources(list(shard.states.values()))
-            if rows is not None and rows.dtype == torch.int64 and not encoded
+            if rows is not None
+            and rows.device.type == "cpu"
+            and rows.dtype in (torch.int32, torch.int64)
+            and not encoded
             else None
         )
-        picked = None if sources is None or rows is None else rows.cpu().numpy()
+        picked = None if sources is None or rows is None else rows.numpy()
         whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
         for i, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
@@ -239,9 +243,11 @@ class RankPartWriter:
                 buf = self.sink.buffer()
             failpoint("writer.chunk.before_fill")
             if sources is not None and picked is not None:
-                _gather_chunk(buf, layout, picked[start:stop], shard.row_offset, sources)
+                _gather_chunk(
+                    buf, layout, picked[start:stop], shard.row_offset - base, base, sources
+                )
             else:
-                local = None if rows is None else rows[start:stop]
+                local = None if rows is None else rows[start:stop].long() - base
                 _fill_chunk(buf, layout, shard, start, stop, local, encoded)
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
@@ -344,15 +350,19 @@ class RankPartWriter:
         rows_for: Callable[[TableShard], torch.Tensor | None],
         dense: dict[str, torch.Tensor] | None,
         extra: dict[str, Any],
+        flat: bool = False,
     ) -> RankManifest | None:
         """Snapshot every shard, the dense (rank 0) and extra state into the sink, then hand it
         how to build the rank manifest (written after the data: directly, or once the stager has
-        it all). Returns the manifest when the sink writes it at once (:class:`DirectSink`),
-        None when it is completed in the background."""
+        it all). ``rows_for(shard)``: its rows (None: all), as row indices, or with ``flat`` as
+        the tracker's positions (``shard.track_base`` + row index: a claim's, read in place).
+        Returns the manifest when the sink writes it at once (:class:`DirectSink`), None when it
+        is completed in the background."""
         records = []
         for shard in shards:
             rows = rows_for(shard)
-            records.append(self.write_shard(shard, rows, full=rows is None))
+            base = shard.track_base if flat else 0
+            records.append(self.write_shard(shard, rows, full=rows is None, base=base))
         self.flush_bundle()
         failpoint("writer.part.before_state_files")
         dense_rec = (
@@ -401,15 +411,22 @@ _side_streams: dict[Any, Any] = {}
 
 
 def _gather_chunk(
-    buf: Buffer, layout: ChunkLayout, local: np.ndarray, row_offset: int, sources: list[RowSource]
+    buf: Buffer,
+    layout: ChunkLayout,
+    picked: np.ndarray,
+    id_offset: int,
+    base: int,
+    sources: list[RowSource],
 ) -> None:
-    """:func:`_fill_chunk` of selected rows of CPU tables whose states were checked once
-    (:func:`row_sources`, in the layout's segment order after ``ids``): the ids, then every
-    state's rows in one native pass straight into the buffer's segments."""
+    """:func:`_fill_chunk` of selected rows (``picked - base``) of CPU tables whose states were
+    checked once (:func:`row_sources`, in the layout's segment order after ``ids``): the ids
+    (``picked + id_offset``), then every state's rows in one native pass straight into the
+    buffer's segments."""
     (_, _, _, ids_at, _), *states = layout.segments
-    np.add(local, row_offset, out=np.frombuffer(buf, np.int64, len(local), ids_at))
+    ids = np.frombuffer(buf, np.int64, len(picked), ids_at)
+    np.add(picked, id_offset, out=ids, dtype=np.int64)
     view = memoryview(buf)
-    gather_into(local, sources, [view[at : at + nbytes] for _, _, _, at, nbytes in states])
+    gather_into(picked, sources, [view[at : at + nbytes] for _, _, _, at, nbytes in states], base)
 
 
 def _fill_chunk(

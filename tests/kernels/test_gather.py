@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from deck.kernels import native
@@ -83,3 +84,25 @@ def test_sources_checked_once_copy_into_byte_ranges_or_refuse() -> None:
     with pytest.raises(ValueError):
         gather_into(rows, sources, [view[0:48], view[48:56]])  # room for 2 of 3 rows
     assert bytes(buf) == before
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_positions_read_in_place_with_a_base(dtype: type) -> None:
+    # A snapshot passes the claim's positions (a shard's rows plus its offset among the tracker's
+    # positions, int32 below 2**31 rows) and that offset: the same copy as the relative rows, and
+    # a position outside the shard (below the base or past its rows) copies nothing.
+    weight, mom = torch.arange(40.0).view(10, 4), torch.arange(10.0) * 2
+    sources = row_sources([weight, mom])
+    assert sources is not None
+    buf = bytearray(60)
+    view = memoryview(buf)
+    gather_into(np.array([109, 100, 103], dtype=dtype), sources, [view[0:48], view[48:60]], 100)
+    got = torch.frombuffer(buf, dtype=torch.float32)
+    assert torch.equal(got[:12].view(3, 4), weight[[9, 0, 3]])
+    assert torch.equal(got[12:15], mom[[9, 0, 3]])
+    for bad in ([99, 100], [100, 110]):
+        with pytest.raises(IndexError):
+            gather_into(np.array(bad, dtype=dtype), sources, [view[0:32], view[48:56]], 100)
+    with pytest.raises(ValueError):
+        gather_into(np.array([1, 2], dtype=np.uint32), sources, [view[0:32], view[48:56]])
+    assert torch.equal(got[:12].view(3, 4), weight[[9, 0, 3]])

@@ -22,9 +22,13 @@ def test_two_consumers_each_see_rows_since_their_own_read() -> None:
     assert store.touched(tok_p, 0, 100).tolist() == [1, 9]
     # Slices are relative to their start (one slice per table shard).
     assert store.touched(tok_p, 5, 10).tolist() == [4]
-    spans = store.touched_spans(tok_p, [(0, 5), (5, 10), (10, 100), (0, 100)])
-    assert [t.tolist() for t in spans] == [[1], [4], [], [1, 9]]
-    assert store.touched_spans(tok_p, []) == []
+    # Views of the claim, not relative (a snapshot reads them in place).
+    spans = store.claimed_in(tok_p, [(0, 5), (5, 10), (10, 100), (0, 100)])
+    assert [t.tolist() for t in spans] == [[1], [9], [], [1, 9]]
+    assert all(
+        t.untyped_storage().data_ptr() == tok_p.rows.untyped_storage().data_ptr() for t in spans
+    )
+    assert store.claimed_in(tok_p, []) == []
 
 
 def test_aborted_read_loses_nothing() -> None:
@@ -170,3 +174,31 @@ def test_a_journal_grows_in_place_and_claims_sorted_int32_rows() -> None:
     assert lo.dtype == torch.int64 and lo.tolist() == [r - 1000 for r in sorted(truth) if r >= 1000]
     store.abort(tok)  # back in the journal: claimed again, the same rows
     assert store.begin_read("a").rows.tolist() == sorted(truth)
+
+
+def test_claimed_rows_touched_again_before_the_next_compaction_stay_pending() -> None:
+    # A journal's claim leaves its rows' bits to the next compaction: rows touched again after
+    # the claim (recorded, not yet compacted) must be pending for the next read once, whether
+    # the read commits or aborts, before or after that compaction.
+    for abort_after_compaction in (None, False, True):
+        store = TrackerStore(1000, ("a", "b"))
+        store.record(torch.tensor([4, 8, 500]))
+        tok = store.begin_read("a")
+        assert tok.rows.tolist() == [4, 8, 500]
+        store.record(torch.tensor([8, 9]))  # a training step after the claim
+        if abort_after_compaction is None:
+            store.commit(tok)
+            expect = [8, 9]
+        elif abort_after_compaction:
+            store.compact()
+            store.abort(tok)
+            expect = [4, 8, 9, 500]
+        else:
+            store.abort(tok)
+            expect = [4, 8, 9, 500]
+        tok2 = store.begin_read("a")
+        assert tok2.rows.tolist() == expect
+        store.commit(tok2)
+        assert store.begin_read("a").rows.tolist() == []
+        # The other consumer's rows were never claimed: all of them, once.
+        assert store.begin_read("b").rows.tolist() == [4, 8, 9, 500]
