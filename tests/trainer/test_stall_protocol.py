@@ -264,14 +264,19 @@ def test_a_steady_part_released_in_memory_is_written_only_after_the_vote(tmp_pat
 def test_the_first_delta_after_a_full_finds_its_buffers_warm(tmp_path: Path) -> None:
     """No delta has sized the pool after a process's first full: the pool keeps the buffers the
     full borrowed, so the first delta takes them (no wait, no new buffer); once that delta is
-    handed on the pool settles to the delta's size and the extra buffers are freed."""
+    handed on the pool settles to the delta's size and the extra buffers are freed. The pool
+    makes no buffer the full did not take: a full whose writes returned buffers while it filled
+    (so it took fewer than its chunks) leaves no more than it took."""
     storage = open_storage(str(tmp_path / "ck"))
     big = TableShard.whole("m.t0.weight", {"weight": torch.randn(12000, 16)})
     small = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
     stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    gate = threading.Event()
     try:
+        stager._writer.submit(gate.wait)  # the full's writes wait: it takes one buffer per chunk
         full, writer = _stage_part(stager, storage, 1, "00000000000000b0", big, full=True)
         borrowed = writer.chunks_written
+        gate.set()
         _commit(stager, full)
         stager._syncer.submit(lambda: None).result(timeout=60)  # the settling has run
         assert stager.pool.allocated == borrowed > 2, borrowed  # kept for the first delta
@@ -285,6 +290,26 @@ def test_the_first_delta_after_a_full_finds_its_buffers_warm(tmp_path: Path) -> 
         _commit(stager, delta)
         stager._syncer.submit(lambda: None).result(timeout=60)
         assert stager.pool.allocated == stager.pool.count == writer.chunks_written
+    finally:
+        stager.close()
+
+
+def test_after_a_full_the_pool_makes_no_buffer_the_full_did_not_take(tmp_path: Path) -> None:
+    """A full sizes the pool to its chunks, but buffers its writes return while it fills are
+    taken again, so it may take fewer. Until a delta sizes the pool, handing a full on keeps what
+    it took and faults in nothing more (hundreds of MiB of page faults on a background thread,
+    competing with training, for buffers the first delta frees)."""
+    storage = open_storage(str(tmp_path / "ck"))
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    try:
+        staged = stager.begin(full_part_info(storage.uri, 1, "00000000000000e0"), reserved=0)
+        stager.size_pool(staged, 10, full=True)  # a full of 10 chunks
+        taken = [stager.pool.acquire() for _ in range(3)]  # its writes gave the rest back
+        for buf in taken:
+            stager.pool.release(buf)
+        stager.enqueue(staged, CheckpointStats(step=1, kind="full", id="00000000000000e0"))
+        stager._syncer.submit(lambda: None).result(timeout=60)  # any settling has run
+        assert stager.pool.count == 10 and stager.pool.allocated == 3
     finally:
         stager.close()
 

@@ -157,11 +157,13 @@ class Stager:
         this part's queue behind), so those are kept as they come back and the next delta takes
         them instead of waiting for them; other buffers a full borrowed are freed as they come
         back, extra free ones are freed and missing ones made ready off the training thread.
-        Before the first delta the pool keeps what the full borrowed: that delta sizes it. The
-        cap (``snapshot_memory_bytes``) bounds it all."""
+        Before the first delta the pool keeps what the full borrowed and makes no more (that
+        delta sizes it): faulting in the rest of the full's need would cost hundreds of ms of
+        background CPU, while deltas are taken, for buffers the first delta frees. The cap
+        (``snapshot_memory_bytes``) bounds it all."""
         if self._recent_needs:
             self._size_beside_others(max(self._recent_needs), own=writing)
-        self._syncer.submit(self._settle_buffers)
+            self._syncer.submit(self._settle_buffers)
 
     def _size_beside_others(self, want: int, own: int) -> None:
         """Size the pool to ``want`` buffers plus those other parts still hold (``own``: the
