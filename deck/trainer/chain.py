@@ -174,7 +174,7 @@ class ChainWriter:
         part is staged (``staging.release``); None when skipped for a full spool. Raises
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
-        with gc_paused():
+        with gc_paused(), self.stager.stall():
             return self._save(kind, step)
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:

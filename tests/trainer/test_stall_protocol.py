@@ -4,6 +4,7 @@ over gloo ranks, real files."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import threading
 import time
@@ -373,3 +374,35 @@ def test_no_garbage_collection_inside_the_stall_and_none_lost() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_writer_starts_no_file_while_the_training_thread_is_stalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within a checkpoint's stall the first tier's writer starts no file (it would compete for
+    the GIL with the stalled thread); a wait of the training thread for writes (start_writes:
+    buffers, a first_tier release, a dropped part) and the end of the stall let it go on."""
+    import deck.trainer.staging.stager as stager_module
+
+    monkeypatch.setattr(stager_module, "STALL_GATE_MAX_S", 600.0)  # no safety valve in this test
+    storage = open_storage(str(tmp_path / "ck"))
+    shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=8), rank=0)
+    try:
+        for opened_by in ("start_writes", "end of the stall"):
+            with stager.stall():
+                staged = stager.begin(full_part_info(storage.uri, 1, "00000000000000f0"), 0)
+                writer = RankPartWriter(storage, 1, "00000000000000f0", 0, 1, 16 * 4096, staged)
+                stager.size_pool(staged, 8, full=True)  # a full: its writes are not held
+                writer.write_shard(shard, None, full=True)
+                after = stager._writer.submit(lambda: None)  # runs once the files are written
+                with pytest.raises(concurrent.futures.TimeoutError):
+                    after.result(timeout=0.5)  # cannot finish while the gate is shut
+                if opened_by == "start_writes":
+                    staged.start_writes()
+                    after.result(timeout=120)
+            after.result(timeout=120)
+            assert staged.error() is None and len(staged.files) == writer.chunks_written > 1
+            stager.discard(staged)
+    finally:
+        stager.close()

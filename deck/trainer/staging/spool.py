@@ -62,14 +62,17 @@ class SpoolDir:
         self._bytes = 0
 
     # ---- space (scratch spools only) -------------------------------------------------------------
-    def reserve(self, nbytes: int) -> bool:
-        """Room for ``nbytes``: waits (``block``) or returns False (``skip``)."""
+    def reserve(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> bool:
+        """Room for ``nbytes``: waits (``block``, after calling ``on_wait``) or returns False
+        (``skip``)."""
         if not self.scratch:
             return True
         with self._space:
             while self._bytes and self._bytes + nbytes > self.cfg.spool_max_bytes:
                 if self.cfg.spool_full == "skip":
                     return False
+                if on_wait is not None:
+                    on_wait()
                 logger.warning("deck spool %s is full: training waits for uploads", self.root)
                 self._space.wait(1.0)
             self._bytes += nbytes
