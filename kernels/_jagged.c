@@ -339,15 +339,20 @@ done:
     return result;
 }
 
-/* Rows given by position must all lie in the map: checked before anything changes, so a bad
- * position leaves the map, the summary and the caller's journal as they were. */
-static int rows_in_map(const int64_t *ids, const int64_t m, const int64_t n)
-{
-    for (int64_t i = 0; i < m; ++i)
-        if ((uint64_t)ids[i] >= (uint64_t)n)
-            return 0;
-    return 1;
-}
+/* Rows given by position must all lie in the map (or table): ids[i] - base in [0, n). Checked
+ * before anything changes, so a bad position leaves the map, the summary and the caller's journal
+ * (or the chunk buffer) as they were. One per width of position: int64, or int32 (a journal of a
+ * map under 2**31 rows: half the bytes to sort and read in the stall). */
+#define ROWS_IN(NAME, T)                                                                           \
+    static int NAME(const T *ids, const int64_t base, const int64_t m, const int64_t n)            \
+    {                                                                                              \
+        for (int64_t i = 0; i < m; ++i)                                                            \
+            if ((uint64_t)((int64_t)ids[i] - base) >= (uint64_t)n)                                 \
+                return 0;                                                                          \
+        return 1;                                                                                  \
+    }
+ROWS_IN(rows_in64, int64_t)
+ROWS_IN(rows_in32, int32_t)
 
 /* mark_rows(bytes, blocks, shift, bits, ids, new_ids, new_old) -> k: the tracker's compaction.
  *   ids      int64 (M,): row positions, any order, duplicates allowed
@@ -379,7 +384,7 @@ static PyObject *mark_rows(PyObject *self, PyObject *args)
     int64_t *out = new_b.buf, k = 0;
     const uint8_t all = (uint8_t)bits;
     Py_BEGIN_ALLOW_THREADS
-    if (!rows_in_map(ids, m, n)) {
+    if (!rows_in64(ids, 0, m, n)) {
         k = -1;
     } else {
         for (int64_t i = 0; i < m; ++i) {
@@ -404,28 +409,26 @@ done:
     return result;
 }
 
-/* The loop of clear_rows for one width of row position (int64, or int32: a journal of a map
- * under 2**31 rows, half the bytes to sort and read in the stall). Returns the rows lacking the
- * bit, or -1 (nothing changed) when a position is outside the map. */
-#define CLEAR_ROWS_LOOP(NAME, T)                                                                   \
-    static int64_t NAME(uint8_t *map, uint8_t *blocks, const int shift, const uint8_t bit,       \
-                        const T *rows, const int64_t m, const int64_t n)                         \
-    {                                                                                            \
-        for (int64_t i = 0; i < m; ++i)                                                          \
-            if ((uint64_t)(int64_t)rows[i] >= (uint64_t)n)                                       \
-                return -1;                                                                       \
-        int64_t lacking = 0;                                                                     \
-        const uint8_t keep = (uint8_t)~bit;                                                      \
-        for (int64_t i = 0; i < m; ++i) {                                                        \
-            const int64_t r = rows[i];                                                           \
-            lacking += !(map[r] & bit);                                                          \
-            map[r] &= keep;                                                                      \
-            blocks[r >> shift] &= keep;                                                          \
-        }                                                                                        \
-        return lacking;                                                                          \
+/* The loop of clear_rows for one width of row position. Returns the rows lacking the bit, or -1
+ * (nothing changed) when a position is outside the map. */
+#define CLEAR_ROWS_LOOP(NAME, T, IN)                                                               \
+    static int64_t NAME(uint8_t *map, uint8_t *blocks, const int shift, const uint8_t bit,         \
+                        const T *rows, const int64_t m, const int64_t n)                           \
+    {                                                                                              \
+        if (!IN(rows, 0, m, n))                                                                    \
+            return -1;                                                                             \
+        int64_t lacking = 0;                                                                       \
+        const uint8_t keep = (uint8_t)~bit;                                                        \
+        for (int64_t i = 0; i < m; ++i) {                                                          \
+            const int64_t r = rows[i];                                                             \
+            lacking += !(map[r] & bit);                                                            \
+            map[r] &= keep;                                                                        \
+            blocks[r >> shift] &= keep;                                                            \
+        }                                                                                          \
+        return lacking;                                                                            \
     }
-CLEAR_ROWS_LOOP(clear_rows64, int64_t)
-CLEAR_ROWS_LOOP(clear_rows32, int32_t)
+CLEAR_ROWS_LOOP(clear_rows64, int64_t, rows_in64)
+CLEAR_ROWS_LOOP(clear_rows32, int32_t, rows_in32)
 
 /* clear_rows(bytes, blocks, shift, bit, rows, width) -> lacking: a claim from the tracker's
  * journal. Clears `bit` in the byte of every row of rows (int64, or int32 when width is 4) and in
@@ -508,13 +511,6 @@ enum { GATHER_STATES = 16 };
                     memcpy(dst[s] + i * b, src[s] + row * b, (size_t)b);                           \
             }                                                                                      \
         }                                                                                          \
-    }                                                                                              \
-    static int NAME##_in(const T *ids, const int64_t base, const int64_t m, const int64_t n)       \
-    {                                                                                              \
-        for (int64_t i = 0; i < m; ++i)                                                            \
-            if ((uint64_t)((int64_t)ids[i] - base) >= (uint64_t)n)                                 \
-                return 0;                                                                          \
-        return 1;                                                                                  \
     }
 GATHER_LOOP(gather64, int64_t)
 GATHER_LOOP(gather32, int32_t)
@@ -565,11 +561,11 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
     int ok;
     Py_BEGIN_ALLOW_THREADS
     if (width == 8) {
-        ok = gather64_in(ids_b.buf, base, m, n);
+        ok = rows_in64(ids_b.buf, base, m, n);
         if (ok && k > 0)
             gather64(ids_b.buf, base, m, k, src_b, row_bytes, dst_b);
     } else {
-        ok = gather32_in(ids_b.buf, base, m, n);
+        ok = rows_in32(ids_b.buf, base, m, n);
         if (ok && k > 0)
             gather32(ids_b.buf, base, m, k, src_b, row_bytes, dst_b);
     }
