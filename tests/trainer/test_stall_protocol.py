@@ -376,33 +376,49 @@ def test_no_garbage_collection_inside_the_stall_and_none_lost() -> None:
         gc.enable()
 
 
-def test_the_writer_starts_no_file_while_the_training_thread_is_stalled(
+def test_the_writer_starts_no_file_of_an_earlier_part_while_the_training_thread_is_stalled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Within a checkpoint's stall the first tier's writer starts no file (it would compete for
-    the GIL with the stalled thread); a wait of the training thread for writes (start_writes:
-    buffers, a first_tier release, a dropped part) and the end of the stall let it go on."""
+    """Within a checkpoint's stall the first tier's writer starts no file queued before it (a
+    full still being written would compete for the GIL with the stalled thread); a wait of the
+    training thread for writes (start_writes: buffers, a first_tier release, a dropped part) and
+    the end of the stall let it go on. Files the stalled checkpoint writes as it fills (a full,
+    first_tier) are not held back: their buffers come back and their writes overlap the copy."""
     import deck.trainer.staging.stager as stager_module
 
     monkeypatch.setattr(stager_module, "STALL_GATE_MAX_S", 600.0)  # no safety valve in this test
     storage = open_storage(str(tmp_path / "ck"))
     shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=8), rank=0)
+    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=16), rank=0)
+
+    def stage_full(step: int) -> tuple[Any, RankPartWriter]:
+        ckpt_id = f"{step:016x}"
+        staged = stager.begin(full_part_info(storage.uri, step, ckpt_id), 0)
+        writer = RankPartWriter(storage, step, ckpt_id, 0, 1, 16 * 4096, staged)
+        stager.size_pool(staged, 8, full=True)  # a full: its writes are not held
+        writer.write_shard(shard, None, full=True)
+        return staged, writer
+
     try:
-        for opened_by in ("start_writes", "end of the stall"):
+        for step, opened_by in ((1, "start_writes"), (2, "end of the stall")):
+            hold = threading.Event()
+            stager._writer.submit(hold.wait)  # the earlier part's files queue behind this
+            earlier, writer = stage_full(step)
             with stager.stall():
-                staged = stager.begin(full_part_info(storage.uri, 1, "00000000000000f0"), 0)
-                writer = RankPartWriter(storage, 1, "00000000000000f0", 0, 1, 16 * 4096, staged)
-                stager.size_pool(staged, 8, full=True)  # a full: its writes are not held
-                writer.write_shard(shard, None, full=True)
-                after = stager._writer.submit(lambda: None)  # runs once the files are written
+                hold.set()
+                after = stager._writer.submit(lambda: None)  # runs once they are written
                 with pytest.raises(concurrent.futures.TimeoutError):
                     after.result(timeout=0.5)  # cannot finish while the gate is shut
                 if opened_by == "start_writes":
-                    staged.start_writes()
+                    earlier.start_writes()
                     after.result(timeout=120)
             after.result(timeout=120)
-            assert staged.error() is None and len(staged.files) == writer.chunks_written > 1
-            stager.discard(staged)
+            assert earlier.error() is None and len(earlier.files) == writer.chunks_written > 1
+            stager.discard(earlier)
+        with stager.stall():  # the stalled checkpoint's own files are written as it fills
+            own, writer = stage_full(3)
+            stager._writer.submit(lambda: None).result(timeout=120)
+            assert own.error() is None and len(own.files) == writer.chunks_written > 1
+        stager.discard(own)
     finally:
         stager.close()

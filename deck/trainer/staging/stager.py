@@ -6,6 +6,7 @@ import collections
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import tempfile
@@ -104,9 +105,12 @@ class Stager:
         # The training thread's own reads of the store that can overlap its copy (not lowered:
         # it waits for them in the stall)
         self._aside = ThreadPoolExecutor(1, thread_name_prefix="deck-aside")
-        # Cleared while the training thread is stalled in a checkpoint (:meth:`stall`)
+        # Cleared while the training thread is stalled in a checkpoint (:meth:`stall`); writes
+        # are numbered as submitted, and those submitted before the stall began wait for it
         self._writes_may_start = threading.Event()
         self._writes_may_start.set()
+        self._write_numbers = itertools.count()
+        self._stalled_from: int | None = None
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
         )
@@ -186,15 +190,20 @@ class Stager:
     @contextlib.contextmanager
     def stall(self) -> Iterator[None]:
         """While the training thread is stalled in a checkpoint, the first tier's writer starts
-        no file: its checksums, records and writes (Python between system calls, at a lower
-        priority) would take the GIL each time the stalled thread lets it go and hold it while
-        descheduled. Measured: a delta taken while a 2 GiB full is written stalled 8-15 ms
-        instead of 6-7 ms. Any wait of the training thread for writes opens the gate first
-        (:meth:`resume_writes`), and the writer never waits more than ``STALL_GATE_MAX_S``."""
+        no file of an earlier part (e.g. a full still being written): its checksums, records and
+        writes (Python between system calls, at a lower priority) would take the GIL each time
+        the stalled thread lets it go and hold it while descheduled. Measured: a delta taken
+        while a 2 GiB full is written stalled 8-15 ms instead of 6-7 ms. Files the stalled
+        checkpoint itself writes as it fills (a full, ``first_tier``) go on: its buffers come
+        back and its writes overlap its copy. Any wait of the training thread for writes opens
+        the gate first (:meth:`resume_writes`), and the writer never waits more than
+        ``STALL_GATE_MAX_S``."""
+        self._stalled_from = next(self._write_numbers)
         self._writes_may_start.clear()
         try:
             yield
         finally:
+            self._stalled_from = None
             self._writes_may_start.set()
 
     def resume_writes(self) -> None:
@@ -224,9 +233,12 @@ class Stager:
         ``make_record`` (its checksum and record, from the bytes while the buffer is held): the
         first ``nbytes`` of a buffer, or the bytes ``data()`` makes here (``nbytes`` None)."""
         spool = self._spool
+        number = next(self._write_numbers)
 
         def write() -> None:
-            self._writes_may_start.wait(STALL_GATE_MAX_S)
+            stalled_from = self._stalled_from
+            if stalled_from is not None and number < stalled_from:
+                self._writes_may_start.wait(STALL_GATE_MAX_S)
             try:
                 body = data() if callable(data) else data
                 size = len(body) if nbytes is None else nbytes
