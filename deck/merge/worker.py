@@ -192,10 +192,12 @@ class MergeWorker:
                         self.progress("partition", stats)
             if not b.try_commit(stats):
                 return progressed, True
-            if item.id in stats.committed:
-                progressed = True
-                if self.progress:
-                    self.progress("commit", stats)
+            # Committed by this call, or by another worker during it (its record stands): either
+            # way the lineage changed, so items built on it may be ready now -- progress, or a
+            # single worker would stop with work left.
+            progressed = True
+            if item.id in stats.committed and self.progress:
+                self.progress("commit", stats)
         except InputDamaged as e:
             self._fail(item, str(e), stats)
             if _still_committed(self.storage, e.manifest):

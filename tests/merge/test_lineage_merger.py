@@ -29,6 +29,7 @@ from deck import cli, failpoints
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.format import treecodec
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model
+from deck.merge.build import ItemBuilder, WorkStats
 from deck.merge.plan import plan
 from deck.merge.policy import FullPolicy, MergeConfig, full_every_for_bound, stride_for_velocity
 from deck.merge.worker import MergeWorker
@@ -638,6 +639,49 @@ def test_single_worker_goes_on_when_another_committed_during_its_pass(tmp_path: 
     racing.other = MergeWorker(LocalStorage(root), config)
     _, left = MergeWorker(racing, config).run_once(wait_s=0)
     assert racing.other is None  # the other worker did run, after the first listing
+    assert left == 0
+    _assert_complete_and_exact(root, history)
+
+
+class _OtherWorkerCommitsFirst(LocalStorage):
+    """A local store where another worker on the same partition already built every partition
+    of the ready items, and commits each one right when this worker writes its first rank
+    manifest of it (this worker's commit under way): so this worker's whole pass writes no
+    partition and commits nothing, while the other's commits make later items ready."""
+
+    others: dict[str, Any] = {}  # folder of a ready item -> the other worker's builder
+
+    def put(self, key: str, data: Any) -> None:
+        super().put(key, data)
+        for folder in list(self.others):
+            if key.startswith(f"{folder}/") and "/rank-" in key:
+                self.others.pop(folder).try_commit(WorkStats())
+
+
+def test_single_worker_goes_on_when_another_committed_its_items_during_its_commits(
+    tmp_path: Path,
+) -> None:
+    """The same race as above, caught at the commit instead of at the pass's start: a worker
+    whose every commit of a pass finds the other's record (it stands) plans again instead of
+    stopping with work left -- `deck merge --once` exited 1 in the two-process test on a busy
+    machine."""
+    root = tmp_path / "ck"
+    history = _written(root, 20)
+    config = MergeConfig(stride=2, full=FullPolicy(every=8, max_live_fraction=None))
+    racing = _OtherWorkerCommitsFirst(root)
+    graph = build_graph(read_manifests(racing))
+    ready = plan(graph, config).ready
+    assert ready and len(plan(graph, config).wanted) > len(ready)  # later items wait for them
+    racing.others = {}
+    for item in ready:
+        other = ItemBuilder(
+            LocalStorage(root), item, [graph.nodes[i].manifest for i in item.inputs], config
+        )
+        for part in other.mine():
+            other.build_partition(part, WorkStats())
+        racing.others[item.folder] = other
+    _, left = MergeWorker(racing, config).run_once(wait_s=0)
+    assert not racing.others  # the other worker committed every ready item, during the pass
     assert left == 0
     _assert_complete_and_exact(root, history)
 
