@@ -188,6 +188,18 @@ def test_cached_views_follow_reallocated_swapped_and_new_tensors() -> None:
     run_ranks(_reallocated, world_size=1)
 
 
+def _local_stager(tmp_path: Path, chunks_in_flight: int = 1) -> tuple[Any, Stager]:
+    """A local store and a one-rank stager of 64 KiB chunks (tables of a few hundred KiB make
+    several chunks)."""
+    storage = open_storage(str(tmp_path / "ck"))
+    config = StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=chunks_in_flight)
+    return storage, Stager(storage, config, rank=0)
+
+
+def _shard(rows: int) -> TableShard:
+    return TableShard.whole("m.t0.weight", {"weight": torch.randn(rows, 16)})
+
+
 def _stage_part(
     stager: Any,
     storage: Any,
@@ -223,9 +235,8 @@ def test_a_steady_part_released_in_memory_is_written_only_after_the_vote(tmp_pat
     written and commits. A part larger than the warm pool (the first one, a full) writes as it
     fills, reusing its buffers. A held part whose pool runs out starts its writes instead of
     waiting for them."""
-    storage = open_storage(str(tmp_path / "ck"))
-    shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    storage, stager = _local_stager(tmp_path)
+    shard = _shard(3000)
     try:
 
         def files(step: int) -> list[Path]:
@@ -268,10 +279,8 @@ def test_the_first_delta_after_a_full_finds_its_buffers_warm(tmp_path: Path) -> 
     handed on the pool settles to the delta's size and the extra buffers are freed. The pool
     makes no buffer the full did not take: a full whose writes returned buffers while it filled
     (so it took fewer than its chunks) leaves no more than it took."""
-    storage = open_storage(str(tmp_path / "ck"))
-    big = TableShard.whole("m.t0.weight", {"weight": torch.randn(12000, 16)})
-    small = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    storage, stager = _local_stager(tmp_path)
+    big, small = _shard(12000), _shard(3000)
     gate = threading.Event()
     try:
         stager._writer.submit(gate.wait)  # the full's writes wait: it takes one buffer per chunk
@@ -300,8 +309,7 @@ def test_after_a_full_the_pool_makes_no_buffer_the_full_did_not_take(tmp_path: P
     taken again, so it may take fewer. Until a delta sizes the pool, handing a full on keeps what
     it took and faults in nothing more (hundreds of MiB of page faults on a background thread,
     competing with training, for buffers the first delta frees)."""
-    storage = open_storage(str(tmp_path / "ck"))
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    storage, stager = _local_stager(tmp_path)
     try:
         staged = stager.begin(full_part_info(storage.uri, 1, "00000000000000e0"), reserved=0)
         stager.size_pool(staged, 10, full=True)  # a full of 10 chunks
@@ -320,10 +328,8 @@ def test_a_delta_does_not_wait_for_a_full_still_being_written(tmp_path: Path) ->
     gets buffers of its own within the cap instead of waiting for the full's; once handed on,
     the pool keeps the full's buffers as they come back, so the delta after takes those (no new
     buffer), and then settles to the deltas' size."""
-    storage = open_storage(str(tmp_path / "ck"))
-    big = TableShard.whole("m.t0.weight", {"weight": torch.randn(12000, 16)})
-    small = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=1), rank=0)
+    storage, stager = _local_stager(tmp_path)
+    big, small = _shard(12000), _shard(3000)
     gate = threading.Event()
     try:
         stager._writer.submit(gate.wait)  # every write queues behind this until it is set
@@ -381,15 +387,15 @@ def test_the_writer_starts_no_file_of_an_earlier_part_while_the_training_thread_
 ) -> None:
     """Within a checkpoint's stall the first tier's writer starts no file queued before it (a
     full still being written would compete for the GIL with the stalled thread); a wait of the
-    training thread for writes (start_writes: buffers, a first_tier release, a dropped part) and
-    the end of the stall let it go on. Files the stalled checkpoint writes as it fills (a full,
+    stalled thread for writes (start_writes: buffers, a first_tier release, a dropped part) and
+    the end of the stall let it go on; another thread's start_writes (the commit thread's) does
+    not. Files the stalled checkpoint writes as it fills (a full,
     first_tier) are not held back: their buffers come back and their writes overlap the copy."""
     import deck.trainer.staging.stager as stager_module
 
     monkeypatch.setattr(stager_module, "STALL_GATE_MAX_S", 600.0)  # no safety valve in this test
-    storage = open_storage(str(tmp_path / "ck"))
-    shard = TableShard.whole("m.t0.weight", {"weight": torch.randn(3000, 16)})
-    stager = Stager(storage, StagingConfig(chunk_bytes=16 * 4096, chunks_in_flight=16), rank=0)
+    storage, stager = _local_stager(tmp_path, chunks_in_flight=16)
+    shard = _shard(3000)
 
     def stage_full(step: int) -> tuple[Any, RankPartWriter]:
         ckpt_id = f"{step:016x}"
@@ -407,6 +413,11 @@ def test_the_writer_starts_no_file_of_an_earlier_part_while_the_training_thread_
             with stager.stall():
                 hold.set()
                 after = stager._writer.submit(lambda: None)  # runs once they are written
+                # The commit thread starting a part's writes does not open it (only the
+                # stalled thread's own waits do)
+                committer = threading.Thread(target=earlier.start_writes)
+                committer.start()
+                committer.join(timeout=120)
                 with pytest.raises(concurrent.futures.TimeoutError):
                     after.result(timeout=0.5)  # cannot finish while the gate is shut
                 if opened_by == "start_writes":

@@ -48,7 +48,8 @@ class PartStager(Protocol):
         ...
 
     def resume_writes(self) -> None:
-        """Let the writer start files now, even within a checkpoint's stall."""
+        """Called by the thread about to wait for writes: within a checkpoint's stall, the
+        stalled thread lets the writer start files."""
         ...
 
 
@@ -151,7 +152,7 @@ class StagedPart:
         """Start the held writes (in order) and stop holding; idempotent. Under the lock, so
         :meth:`wait_written` on another thread never sees some of them started and not the
         rest (the lock is reentrant: a write done at once runs its callback here)."""
-        self.stager.resume_writes()  # the training thread may wait for them next
+        self.stager.resume_writes()  # the stalled training thread may wait for them next
         with self._done:
             held, self._held = self._held, None
             for start, _ in held or ():

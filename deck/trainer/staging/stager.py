@@ -111,6 +111,7 @@ class Stager:
         self._writes_may_start.set()
         self._write_numbers = itertools.count()
         self._stalled_from: int | None = None
+        self._stalled_thread: int | None = None
         self._uploads = ThreadPoolExecutor(
             staging.upload_concurrency, thread_name_prefix="deck-upload", initializer=lower
         )
@@ -199,17 +200,20 @@ class Stager:
         the gate first (:meth:`resume_writes`), and the writer never waits more than
         ``STALL_GATE_MAX_S``."""
         self._stalled_from = next(self._write_numbers)
+        self._stalled_thread = threading.get_ident()
         self._writes_may_start.clear()
         try:
             yield
         finally:
-            self._stalled_from = None
+            self._stalled_from = self._stalled_thread = None
             self._writes_may_start.set()
 
     def resume_writes(self) -> None:
-        """Let the writer start files again within a :meth:`stall` (the training thread is
-        about to wait for its writes: buffers, a ``first_tier`` release, a dropped part)."""
-        self._writes_may_start.set()
+        """Let the writer start files again within a :meth:`stall`, when the stalled thread is
+        about to wait for writes (buffers, a ``first_tier`` release, a dropped part, spool
+        space); the commit thread starting a part's writes leaves the gate shut."""
+        if threading.get_ident() == self._stalled_thread:
+            self._writes_may_start.set()
 
     def aside(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on a thread of its own while the training thread goes on (it waits for the
