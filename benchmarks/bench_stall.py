@@ -180,6 +180,77 @@ def _run_target(
     }
 
 
+class _PlainWriter:
+    """The baseline of the steps after a delta: a thread that writes ``nbytes`` as 4 MiB files
+    (O_DIRECT from one page-aligned buffer, fsync each), niced like deck's background threads.
+    Nothing of deck runs: what it costs training is the cost of the bytes reaching the disk."""
+
+    CHUNK = 4 << 20
+
+    def __init__(self, folder: str, nice: int) -> None:
+        import mmap
+        import queue
+        import threading
+
+        self.folder = folder
+        self.nice = nice
+        self.buf = mmap.mmap(-1, self.CHUNK)
+        self.buf.write(os.urandom(self.CHUNK))
+        self.jobs: queue.Queue[int | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="plain-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import threading
+
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+        n = 0
+        job = 0
+        while (nbytes := self.jobs.get()) is not None:
+            job += 1
+            sub = os.path.join(self.folder, f"j{job}") if os.environ.get("PLAIN_NEW") else self.folder
+            os.makedirs(sub, exist_ok=True)
+            for _ in range(-(-nbytes // self.CHUNK)):
+                fd = os.open(os.path.join(sub, f"f{n % 64}"), flags, 0o644)
+                try:
+                    os.write(fd, self.buf)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                n += 1
+            self.jobs.task_done()
+        self.jobs.task_done()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.jobs.join()
+
+
+def _run_plain_writes(
+    model: Any, dense_opt: Any, spec: ModelSpec, a: argparse.Namespace, nbytes: int, folder: str
+) -> dict[str, Any]:
+    """The same training as a target, without deck: every ``a.delta_every`` steps a plain
+    writer thread is handed ``nbytes`` (what this rank's deltas wrote)."""
+    os.makedirs(folder, exist_ok=True)
+    writer = _PlainWriter(folder, nice=19)
+    step_s: list[tuple[int, float]] = []
+    first = 2 * 10**6  # steps outside every target's range
+    try:
+        for step in range(first + 1, first + a.steps + 1):
+            t0 = time.perf_counter()
+            train_step(model, dense_opt, spec, step)
+            step_s.append((step - first, time.perf_counter() - t0))
+            if step % a.delta_every == 0:
+                writer.jobs.put(nbytes)
+    finally:
+        writer.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"step_s": step_s, "nbytes": nbytes}
+
+
 def _dcp_save(state: dict[str, Any], path: str) -> float:
     import torch.distributed.checkpoint as dcp
 
@@ -202,6 +273,12 @@ def _worker(
     results: dict[str, Any] = {"targets": [], "dcp_s": []}
     for target in targets:
         results["targets"].append(_run_target(model, dense_opt, spec, a, target))
+        dist.barrier()
+    deltas = [h["bytes"] for h in results["targets"][0]["history"] if h["kind"] == "delta"]
+    if a.plain_writes and deltas:
+        per_rank = int(statistics.median(deltas)) // world_size
+        folder = os.path.join(a.out, f"plain-writes-{rank}")
+        results["plain"] = _run_plain_writes(model, dense_opt, spec, a, per_rank, folder)
         dist.barrier()
     for i in range(a.dcp_repeats):
         path = os.path.join(a.out, f"dcp-{i}")
@@ -386,6 +463,27 @@ def _report(
             f"{_median(after_full) * 1e3:.1f} ms; final flush {t['final_flush_s']:.2f} s"
         )
         print()
+    plain = r0.get("plain")
+    if plain:
+        near = {
+            s
+            for k in range(a.delta_every, a.steps + 1, a.delta_every)
+            for s in range(k + 1, k + 1 + AFTER_STEPS)
+        }
+        after = [s for st, s in plain["step_s"] if st in near]
+        away = [s for st, s in plain["step_s"] if st not in near]
+        slow = _median(after) / _median(away) - 1
+        for _, t in [(None, t) for t in r0["targets"]]:
+            if t.get("summary"):
+                t["summary"]["after_plain"] = slow
+        print(
+            f"baseline, no deck: the same training, a plain O_DIRECT writer thread (nice 19) "
+            f"handed {_mib(plain['nbytes'])} per rank (a delta's bytes) every {a.delta_every} "
+            f"steps as 4 MiB files: steps away {_median(away) * 1e3:.1f} ms, the {AFTER_STEPS} "
+            f"after {_median(after) * 1e3:.1f} ms ({slow:+.1%}): what the bytes reaching the "
+            "disk cost training here, whoever writes them"
+        )
+        print()
     a_ok = [x for x in asyncs if x is not None]
     if not a_ok:
         print(
@@ -438,6 +536,19 @@ def _report_runs(runs: list[list[tuple[str, dict[str, float] | None]]]) -> None:
             line += f"  (goal <= {GATHER_GOAL}x: {goal}; stall/DCP goal <= 1/100: "
             line += f"{'MET' if ratio <= DCP_GOAL else 'NOT MET'})"
         print(line)
+        slow = [g["after_delta"] for g in got if "after_delta" in g]
+        if slow:
+            print(
+                f"{'':<26} the {AFTER_STEPS} steps after a delta vs away from checkpoints: median "
+                f"{_median(slow):+.1%} (goal <= +2%), per run "
+                + ", ".join(f"{x:+.1%}" for x in slow)
+            )
+        plain = [g["after_plain"] for g in got if "after_plain" in g]
+        if plain:
+            print(
+                f"{'':<26} the same bytes by a plain writer thread, no deck: median "
+                f"{_median(plain):+.1%}, per run " + ", ".join(f"{x:+.1%}" for x in plain)
+            )
     print("reproduce: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
 
 
@@ -473,6 +584,13 @@ def main() -> int:
         dest="gather",
         action="store_false",
         help="skip timing the pure gather of each delta's rows",
+    )
+    p.add_argument(
+        "--no-plain-writes",
+        dest="plain_writes",
+        action="store_false",
+        help="skip the baseline phase: the same training without deck, a plain O_DIRECT writer "
+        "thread handed each delta's bytes every --delta-every steps",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-directory target")
     p.add_argument(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -45,26 +46,39 @@ def _positions(ids: np.ndarray, bits: int, k: int) -> np.ndarray:
     return out
 
 
-def build_index(ids: torch.Tensor, fp: float = TARGET_FP, k: int = K) -> RowIndex | None:
+# (ids, bits, k) -> (min, max, packed filter or None when the ids are exactly [min, max]), or
+# None when unavailable: a native implementation of the index (deck.kernels.bloom.bloom_fill)
+Fill = Callable[[np.ndarray, int, int], "tuple[int, int, bytes | None] | None"]
+
+
+def build_index(
+    ids: torch.Tensor, fp: float = TARGET_FP, k: int = K, fill: Fill | None = None
+) -> RowIndex | None:
     """The index of a chunk's (ascending) int64 ``ids``; None for an empty chunk.
 
     Guarantees: every id lies in ``[min_id, max_id]`` and :func:`may_contain` is True for it.
-    A chunk holding exactly its range (every full's chunk) gets no filter.
+    A chunk holding exactly its range (every full's chunk) gets no filter. ``fill`` computes the
+    same index natively (it must match this module's hashing bit for bit); numpy when it is
+    None or returns None.
     """
     n = int(ids.numel())
     if n == 0:
         return None
     arr = ids.detach().cpu().numpy()
-    lo, hi = int(arr.min()), int(arr.max())
-    if hi - lo + 1 == n:
-        return RowIndex(min_id=lo, max_id=hi)
     bits = bits_for(n, fp, k)
-    mask = np.zeros(bits, dtype=np.uint8)
-    mask[_positions(arr, bits, k).reshape(-1).astype(np.int64)] = 1
-    packed = np.packbits(mask, bitorder="little")
-    return RowIndex(
-        min_id=lo, max_id=hi, bits=bits, k=k, bloom=base64.b64encode(packed.tobytes()).decode()
-    )
+    got = None if fill is None else fill(arr, bits, k)
+    if got is not None:
+        lo, hi, packed = got
+    else:
+        lo, hi = int(arr.min()), int(arr.max())
+        packed = None
+        if hi - lo + 1 != n:
+            mask = np.zeros(bits, dtype=np.uint8)
+            mask[_positions(arr, bits, k).reshape(-1).astype(np.int64)] = 1
+            packed = np.packbits(mask, bitorder="little").tobytes()
+    if packed is None:
+        return RowIndex(min_id=lo, max_id=hi)
+    return RowIndex(min_id=lo, max_id=hi, bits=bits, k=k, bloom=base64.b64encode(packed).decode())
 
 
 def may_contain(index: RowIndex | None, row: int) -> bool:

@@ -52,6 +52,7 @@ from deck.format.quantize import (
     stored_dtype,
 )
 from deck.format.rowindex import build_index
+from deck.kernels.bloom import bloom_fill
 from deck.kernels.gather import RowSource, gather_into, gather_rows, row_sources
 from deck.storage import Storage
 
@@ -403,7 +404,10 @@ def _chunk_record(
     """The record of a filled chunk (zeroes its padding): checksum, segments, row index."""
     rec = build_chunk(buf, rel, layout, [None] * len(layout.segments), pad_to, encoded)
     return rec.model_copy(
-        update={"index": build_index(segment_view(buf, layout, "ids")), "offset": offset}
+        update={
+            "index": build_index(segment_view(buf, layout, "ids"), fill=bloom_fill),
+            "offset": offset,
+        }
     )
 
 

@@ -1,0 +1,27 @@
+"""A chunk's row index (:mod:`deck.format.rowindex`) in one native pass.
+
+The spool writer builds one index per chunk on a background thread. numpy's version is some
+twenty array operations per chunk, each taking the GIL back from the training thread when it
+ends; measured in ``benchmarks/bench_stall.py``, that churn (with the record's other Python work)
+was about half of what the steps after a delta lost. ``bloom_fill`` in ``kernels/_jagged.c``
+takes the GIL once per chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import native
+
+
+def bloom_fill(ids: np.ndarray, bits: int, k: int) -> tuple[int, int, bytes | None] | None:
+    """``(min, max, filter)`` of the non-empty int64 ``ids``: ``filter`` (``bits / 8`` bytes) is
+    None when the ids are exactly ``[min, max]``, else the same bytes as rowindex's numpy
+    filter. None without the native kernel (the caller computes it with numpy)."""
+    kernel = native.native_module()
+    if kernel is None:
+        return None
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    out = bytearray(bits // 8)
+    lo, hi, filled = kernel.bloom_fill(ids, out, bits, k)
+    return lo, hi, bytes(out) if filled else None
