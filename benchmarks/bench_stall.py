@@ -211,7 +211,9 @@ class _PlainWriter:
         job = 0
         while (nbytes := self.jobs.get()) is not None:
             job += 1
-            sub = os.path.join(self.folder, f"j{job}") if os.environ.get("PLAIN_NEW") else self.folder
+            sub = (
+                os.path.join(self.folder, f"j{job}") if os.environ.get("PLAIN_NEW") else self.folder
+            )
             os.makedirs(sub, exist_ok=True)
             for _ in range(-(-nbytes // self.CHUNK)):
                 fd = os.open(os.path.join(sub, f"f{n % 64}"), flags, 0o644)
