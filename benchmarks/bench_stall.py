@@ -211,12 +211,10 @@ class _PlainWriter:
         job = 0
         while (nbytes := self.jobs.get()) is not None:
             job += 1
-            sub = (
-                os.path.join(self.folder, f"j{job}") if os.environ.get("PLAIN_NEW") else self.folder
-            )
-            os.makedirs(sub, exist_ok=True)
+            sub = os.path.join(self.folder, f"j{job}")  # new files each time, as deck's
+            os.makedirs(sub)
             for _ in range(-(-nbytes // self.CHUNK)):
-                fd = os.open(os.path.join(sub, f"f{n % 64}"), flags, 0o644)
+                fd = os.open(os.path.join(sub, f"f{n}"), flags, 0o644)
                 try:
                     os.write(fd, self.buf)
                     os.fsync(fd)
@@ -475,7 +473,7 @@ def _report(
         after = [s for st, s in plain["step_s"] if st in near]
         away = [s for st, s in plain["step_s"] if st not in near]
         slow = _median(after) / _median(away) - 1
-        for _, t in [(None, t) for t in r0["targets"]]:
+        for t in r0["targets"]:
             if t.get("summary"):
                 t["summary"]["after_plain"] = slow
         print(

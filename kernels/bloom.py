@@ -2,9 +2,9 @@
 
 The spool writer builds one index per chunk on a background thread. numpy's version is some
 twenty array operations per chunk, each taking the GIL back from the training thread when it
-ends; measured in ``benchmarks/bench_stall.py``, that churn (with the record's other Python work)
-was about half of what the steps after a delta lost. ``bloom_fill`` in ``kernels/_jagged.c``
-takes the GIL once per chunk.
+ends; the chunk records (this index with the record's other Python work) were about half of what
+the steps after a delta lost (docs/benchmarks.md, sixth pass). ``bloom_fill`` in
+``kernels/_jagged.c`` takes the GIL once per chunk.
 """
 
 from __future__ import annotations
