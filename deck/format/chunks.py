@@ -62,6 +62,31 @@ class ChunkLayout:
             off = _round_up(off + nbytes, _ALIGN)
         self.payload_end = off
         self.nbytes = max(_round_up(off, PAGE_ALIGN), PAGE_ALIGN)
+        # The segments' records per encoding: every chunk of a layout shares them, so the spool
+        # writer builds them once, not per chunk (their validation takes the GIL)
+        self._records: dict[tuple[tuple[str, str, str], ...], tuple[Segment, ...]] = {}
+
+    def segment_records(
+        self, encoded: Mapping[str, tuple[Encoding, torch.dtype]]
+    ) -> tuple[Segment, ...]:
+        """The manifest records of this layout's segments (``encoded``: as :func:`build_chunk`);
+        built once per encoding, the same objects after."""
+        key = tuple(sorted((k, e, dtype_name(d)) for k, (e, d) in encoded.items()))
+        got = self._records.get(key)
+        if got is None:
+            got = self._records[key] = tuple(
+                Segment(
+                    name=name,
+                    dtype=dtype_name(dtype),
+                    shape=shape,
+                    offset=off,
+                    nbytes=nbytes,
+                    encoding=encoded[name][0] if name in encoded else None,
+                    source_dtype=dtype_name(encoded[name][1]) if name in encoded else None,
+                )
+                for name, dtype, shape, off, nbytes in self.segments
+            )
+        return got
 
     @staticmethod
     def overhead(num_segments: int) -> int:
@@ -85,39 +110,27 @@ def build_chunk(
     non-final chunk exactly that long. ``encoded`` names the segments that hold a quantised
     encoding (deck.format.quantize) with the encoding and the dtype they decode to.
     """
-    encoded = encoded or {}
     total = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
     if len(buf) < total:
         raise ValueError(
             f"chunk buffer of {len(buf)} bytes is smaller than the chunk ({total} bytes)"
         )
-    dst = torch.frombuffer(buf, dtype=torch.uint8, count=total)
-    segments = []
+    # Plain memoryview slices, not torch ops: zeroing the few gaps takes no dispatch and never
+    # lets the GIL go and back (this runs on the spool writer thread beside training)
+    view = memoryview(buf).cast("B")
     prev_end = 0
-    for (name, dtype, shape, off, nbytes), data in zip(layout.segments, fill, strict=True):
-        dst[prev_end:off].zero_()
+    for (name, _, _, off, nbytes), data in zip(layout.segments, fill, strict=True):
+        view[prev_end:off] = bytes(off - prev_end)
         if data is not None and nbytes:
             segment_view(buf, layout, name).copy_(data)
         prev_end = off + nbytes
-        enc, source = encoded.get(name, (None, None))
-        segments.append(
-            Segment(
-                name=name,
-                dtype=dtype_name(dtype),
-                shape=shape,
-                offset=off,
-                nbytes=nbytes,
-                encoding=enc,
-                source_dtype=None if source is None else dtype_name(source),
-            )
-        )
-    dst[prev_end:total].zero_()
+    view[prev_end:total] = bytes(total - prev_end)
     return ChunkRecord(
         path=path,
         rows=layout.rows,
         nbytes=total,
-        checksum=checksum(memoryview(buf)[:total]),
-        segments=tuple(segments),
+        checksum=checksum(view[:total]),
+        segments=layout.segment_records(encoded or {}),
     )
 
 
