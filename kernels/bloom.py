@@ -21,7 +21,7 @@ def bloom_fill(ids: np.ndarray, bits: int, k: int) -> tuple[int, int, bytes | No
     kernel = native.native_module()
     if kernel is None:
         return None
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    ids = np.require(ids, np.int64, ["C_CONTIGUOUS", "ALIGNED"])  # the kernel reads int64 words
     out = bytearray(bits // 8)
     lo, hi, filled = kernel.bloom_fill(ids, out, bits, k)
     return lo, hi, bytes(out) if filled else None

@@ -194,9 +194,11 @@ class MergeWorker:
                 return progressed, True
             # Committed by this call, or by another worker during it (its record stands): either
             # way the lineage changed, so items built on it may be ready now -- progress, or a
-            # single worker would stop with work left.
+            # single worker would stop with work left. Another's record counts once, as above.
             progressed = True
-            if item.id in stats.committed and self.progress:
+            if item.id not in stats.committed:
+                self._seen_committed.add(item.id)
+            elif self.progress:
                 self.progress("commit", stats)
         except InputDamaged as e:
             self._fail(item, str(e), stats)

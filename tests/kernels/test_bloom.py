@@ -46,3 +46,14 @@ def test_bad_arguments_raise_before_any_write() -> None:
     ]:
         with pytest.raises(ValueError, match="bloom_fill"):
             kernel.bloom_fill(*args)
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
+def test_ids_at_an_unaligned_address_give_the_same_index() -> None:
+    raw = bytearray(8 * 64 + 1)
+    ids = np.frombuffer(memoryview(raw)[1:], dtype=np.int64)  # int64 words one byte off
+    assert not ids.flags.aligned
+    ids[:] = np.arange(0, 64 * 37, 37)
+    assert build_index(
+        torch.from_numpy(ids.copy()), fill=lambda a, b, k: bloom_fill(ids, b, k)
+    ) == (build_index(torch.from_numpy(ids.copy())))
