@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -107,6 +108,37 @@ def _gather(ckpt: Any) -> tuple[float, int]:
     return dt, total
 
 
+def _thread_clock() -> dict[str, tuple[float, float]]:
+    """CPU time and run-queue wait (s) of this process's threads so far, from Linux's
+    ``/proc/self/task/*/schedstat``: per Python thread name (numbered pool threads summed:
+    ``deck-spool``, ``deck-commit``, ...) plus ``train`` (the main thread) and ``native``
+    (threads Python did not start: gloo, OpenMP). Empty where there is no schedstat."""
+    import threading
+
+    names = {t.native_id: t.name.rsplit("_", 1)[0] for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "train"
+    out: dict[str, tuple[float, float]] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+                name = names.get(int(tid), "native")
+                run, wait = out.get(name, (0.0, 0.0))
+                out[name] = (run + run_ns / 1e9, wait + wait_ns / 1e9)
+    return out
+
+
+def _intervals(clocks: list[dict[str, tuple[float, float]]]) -> dict[str, list[list[float]]]:
+    """Per thread group, its [CPU, run-queue wait] in each interval between consecutive clocks."""
+    out: dict[str, list[list[float]]] = {}
+    for before, after in itertools.pairwise(clocks):
+        for name in set(before) | set(after):
+            a, b = after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0))
+            out.setdefault(name, []).append([a[0] - b[0], a[1] - b[1]])
+    return out
+
+
 def _run_target(
     model: Any, dense_opt: Any, spec: ModelSpec, a: argparse.Namespace, target: dict[str, Any]
 ) -> dict[str, Any]:
@@ -114,7 +146,13 @@ def _run_target(
     import deck
     from deck.config import StagingConfig
 
-    extra = {} if a.chunks_in_flight is None else {"chunks_in_flight": a.chunks_in_flight}
+    extra: dict[str, Any] = {}
+    if a.chunks_in_flight is not None:
+        extra["chunks_in_flight"] = a.chunks_in_flight
+    if a.background_nice is not None:
+        extra["background_nice"] = a.background_nice
+    if a.bundle_bytes is not None:
+        extra["bundle_bytes"] = a.bundle_bytes
     staging = StagingConfig(
         tiers=target["tiers"], spool_dir=target.get("spool"), release=target["release"], **extra
     )
@@ -126,23 +164,28 @@ def _run_target(
     )
     first = target["first_step"]
     step_s: list[tuple[int, float]] = []
+    step_cpu: list[tuple[int, float]] = []  # the training thread's CPU in the step
     ckpt_call_s: list[tuple[int, float]] = []
     gather_s: list[tuple[int, float, int]] = []
     with deck.enable(model, [dense_opt], config) as ckpt:
         ckpt.step(first)  # the first checkpoint of a process is a full
         if a.settle:
             ckpt.flush()  # deltas then measure the steady state, not the full's upload
+        clocks = [_thread_clock()]
         for step in range(first + 1, first + a.steps + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             train_step(model, dense_opt, spec, step)
+            c1 = time.thread_time()
             if step % a.delta_every == 0 and a.gather:
                 gather_s.append((step, *_gather(ckpt)))
             t1 = time.perf_counter()
             ckpt.step(step)
             t2 = time.perf_counter()
             step_s.append((step, t1 - t0))
+            step_cpu.append((step, c1 - c0))
             if step % a.delta_every == 0:
                 ckpt_call_s.append((step, t2 - t1))
+                clocks.append(_thread_clock())  # outside the timed step
         t0 = time.perf_counter()
         ckpt.flush()
         flush_s = time.perf_counter() - t0
@@ -174,9 +217,11 @@ def _run_target(
         "tier": tier,
         "history": history,
         "step_s": step_s,
+        "step_cpu": step_cpu,
         "ckpt_call_s": ckpt_call_s,
         "gather_s": gather_s,
         "final_flush_s": flush_s,
+        "cpu": _intervals(clocks),
     }
 
 
@@ -237,18 +282,22 @@ def _run_plain_writes(
     os.makedirs(folder, exist_ok=True)
     writer = _PlainWriter(folder, nice=19)
     step_s: list[tuple[int, float]] = []
+    step_cpu: list[tuple[int, float]] = []
     first = 2 * 10**6  # steps outside every target's range
+    clocks = [_thread_clock()]
     try:
         for step in range(first + 1, first + a.steps + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             train_step(model, dense_opt, spec, step)
             step_s.append((step - first, time.perf_counter() - t0))
+            step_cpu.append((step - first, time.thread_time() - c0))
             if step % a.delta_every == 0:
                 writer.jobs.put(nbytes)
+                clocks.append(_thread_clock())
     finally:
         writer.close()
         shutil.rmtree(folder, ignore_errors=True)
-    return {"step_s": step_s, "nbytes": nbytes}
+    return {"step_s": step_s, "step_cpu": step_cpu, "nbytes": nbytes, "cpu": _intervals(clocks)}
 
 
 def _dcp_save(state: dict[str, Any], path: str) -> float:
@@ -328,6 +377,34 @@ def _mib(n: float) -> str:
 
 def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _cpu_line(cpus: list[dict[str, list[list[float]]]], a: argparse.Namespace) -> str:
+    """Where each rank's CPU went per interval of --delta-every steps (medians over intervals):
+    the training thread's CPU and its run-queue wait (time it was ready to run but another
+    thread had the core), and every other Python thread's CPU by name (deck's background, or
+    the plain writer)."""
+    parts = []
+    for r, cpu in enumerate(cpus):
+        if not cpu:
+            continue
+        train = cpu.get("train", [[0.0, 0.0]])
+        bg = {
+            k: _median([x[0] for x in v])
+            for k, v in sorted(cpu.items())
+            if k not in ("train", "native")
+        }
+        total = _median(
+            [sum(v[i][0] for k, v in cpu.items() if k in bg) for i in range(len(train))]
+        )
+        parts.append(
+            f"rank {r}: training thread {_median([x[0] for x in train]) * 1e3:.0f} ms CPU, "
+            f"{_median([x[1] for x in train]) * 1e3:.1f} ms waiting for a core; background "
+            f"{total * 1e3:.1f} ms CPU ("
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in bg.items() if v >= 5e-5)
+            + ")"
+        )
+    return f"CPU per {a.delta_every}-step interval (medians): " + "; ".join(parts)
 
 
 def _report(
@@ -462,6 +539,15 @@ def _report(
             f"{_median(after) * 1e3:.1f} ms ({slow:+.1%}; goal <= +2%), after the full "
             f"{_median(after_full) * 1e3:.1f} ms; final flush {t['final_flush_s']:.2f} s"
         )
+        print(_cpu_line([r["targets"][ti].get("cpu", {}) for r in ranks], a))
+        cpu = dict(t.get("step_cpu", []))
+        if cpu:
+            c_after = _median([c for st, c in cpu.items() if st in near["delta"] - near["full"]])
+            c_away = _median([c for st, c in cpu.items() if st not in near["full"] | near["delta"]])
+            print(
+                f"the training thread's own CPU per step (rank 0): away {c_away * 1e3:.1f} ms, "
+                f"the {AFTER_STEPS} after a delta {c_after * 1e3:.1f} ms ({c_after / c_away - 1:+.1%})"
+            )
         print()
     plain = r0.get("plain")
     if plain:
@@ -483,6 +569,15 @@ def _report(
             f"after {_median(after) * 1e3:.1f} ms ({slow:+.1%}): what the bytes reaching the "
             "disk cost training here, whoever writes them"
         )
+        print(_cpu_line([r.get("plain", {}).get("cpu", {}) for r in ranks], a))
+        cpu = dict(plain.get("step_cpu", []))
+        if cpu:
+            c_after = _median([c for st, c in cpu.items() if st in near])
+            c_away = _median([c for st, c in cpu.items() if st not in near])
+            print(
+                f"the training thread's own CPU per step (rank 0): away {c_away * 1e3:.1f} ms, "
+                f"the {AFTER_STEPS} after {c_after * 1e3:.1f} ms ({c_after / c_away - 1:+.1%})"
+            )
         print()
     a_ok = [x for x in asyncs if x is not None]
     if not a_ok:
@@ -604,6 +699,18 @@ def main() -> int:
         type=int,
         default=None,
         help="StagingConfig.chunks_in_flight (default: the config's default)",
+    )
+    p.add_argument(
+        "--background-nice",
+        type=int,
+        default=None,
+        help="StagingConfig.background_nice (default: the config's default)",
+    )
+    p.add_argument(
+        "--bundle-bytes",
+        type=int,
+        default=None,
+        help="StagingConfig.bundle_bytes (default: the config's default)",
     )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
