@@ -153,6 +153,8 @@ def _run_target(
         extra["background_nice"] = a.background_nice
     if a.bundle_bytes is not None:
         extra["bundle_bytes"] = a.bundle_bytes
+    if a.chunk_bytes is not None:
+        extra["chunk_bytes"] = a.chunk_bytes
     staging = StagingConfig(
         tiers=target["tiers"], spool_dir=target.get("spool"), release=target["release"], **extra
     )
@@ -705,6 +707,12 @@ def main() -> int:
         type=int,
         default=None,
         help="StagingConfig.background_nice (default: the config's default)",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=None,
+        help="StagingConfig.chunk_bytes (default: the config's default)",
     )
     p.add_argument(
         "--bundle-bytes",
