@@ -504,15 +504,21 @@ def commit(
     epoch: int,
     world_size: int,
     deck_version: str,
+    own: tuple[RankManifest, bytes] | None = None,
 ) -> CheckpointManifest:
-    """Rank 0, after every rank's part is durable: verify the parts and write the commit record."""
+    """Rank 0, after every rank's part is durable: verify the parts and write the commit record.
+    ``own``: rank 0's part manifest and the bytes this process just wrote for it (not read
+    back); every other rank's part is read and verified from ``storage``."""
     root = step_dir(step)
     refs = []
     encodings: set[Encoding] = set()
     for rank in range(world_size):
         rel = f"{ckpt_id}/{rank_manifest_name(rank)}"
-        data = storage.get(f"{root}/{rel}")
-        part = load_model(RankManifest, data, storage.describe(f"{root}/{rel}"))
+        if rank == 0 and own is not None:
+            part, data = own
+        else:
+            data = storage.get(f"{root}/{rel}")
+            part = load_model(RankManifest, data, storage.describe(f"{root}/{rel}"))
         if part.encoding is not None:
             encodings.add(part.encoding)
         refs.append(rank_ref(rank, part, rel, data))

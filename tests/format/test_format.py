@@ -172,6 +172,22 @@ def test_manifest_garbage_is_a_deck_error(data: bytes) -> None:
             load_model(cls, data, "f")
 
 
+def test_manifest_self_checksum_is_the_last_key_over_the_sorted_form_without_it() -> None:
+    _, _, rec = _chunk(7)
+    data = dump_model(rec)
+    d = json.loads(data)
+    assert list(d)[-1] == "self_checksum"
+    want = d.pop("self_checksum")
+    assert want == xxhash.xxh3_64_hexdigest(
+        json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    )
+    # Readers take the keys in any order (a record another writer sorted differently loads).
+    shuffled = dict(reversed(list(d.items())), self_checksum=want)
+    assert load_model(ChunkRecord, json.dumps(shuffled).encode(), "c.json") == rec
+    # A record dumped again (self_checksum present in the model's dump or not) is the same bytes.
+    assert dump_model(load_model(ChunkRecord, data, "c.json")) == data
+
+
 def test_manifest_self_checksum_detects_changes_and_accepts_the_indented_form() -> None:
     _, _, rec = _chunk(7)
     data = dump_model(rec)

@@ -268,3 +268,35 @@ def test_a_huge_failure_record_is_read_only_in_part(tmp_path: Path) -> None:
     assert why.startswith("rank 1: disk full") and len(why) == FAILURE_RECORD_BYTES
     with pytest.raises(NotFoundError):
         dest.failure_reason_once("step-00000001/abc/rank-2.failed")
+
+
+def test_rank0_commits_with_its_own_part_as_written_or_read_back_alike(tmp_path: Path) -> None:
+    """The commit thread hands rank 0's part manifest as it wrote it to the commit (not read
+    back): the commit record's references are those of reading every part from the store."""
+    from deck.format.manifest import Kind, RankManifest, load_model, rank_manifest_name, step_dir
+    from deck.trainer.writer import commit
+
+    storage = open_storage(str(tmp_path / "ck"))
+    ckpt_id = "0123456789abcdef"
+    parts = []
+    for rank in range(2):
+        w = RankPartWriter(storage, 5, ckpt_id, rank, 2, 4096)
+        part = w.write_part([_shard(50 + rank, 4)], lambda s: None, None, {"r": rank})
+        assert part is not None
+        parts.append(part)
+    key = f"{step_dir(5)}/{ckpt_id}/{rank_manifest_name(0)}"
+    own = storage.get(key)
+    assert load_model(RankManifest, own, key) == parts[0]
+    args = dict(
+        step=5,
+        ckpt_id=ckpt_id,
+        kind=Kind.FULL,
+        parent=None,
+        base=5,
+        epoch=0,
+        world_size=2,
+        deck_version="test",
+    )
+    read_back = commit(storage, **args)  # type: ignore[arg-type]
+    handed = commit(storage, own=(parts[0], own), **args)  # type: ignore[arg-type]
+    assert handed.ranks == read_back.ranks

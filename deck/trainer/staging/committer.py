@@ -232,14 +232,15 @@ class Committer:
         # A crash after the part manifest went up (it is written last) may have removed the
         # spool copies already: the part is at the destination, only the commit is left.
         recovering = progress.get().state == "recovering"
+        own: bytes | None = None  # the part manifest as written here (rank 0 commits with it)
         if not (recovering and self.dest.patient_exists(part_key)):
-            self._put_part(p, progress, recovering, part_key)
+            own = self._put_part(p, progress, recovering, part_key)
         # The time is the upload's on ranks > 0, the commit's on rank 0.
         progress.advance("uploaded", committed=p.rank != 0)
         if p.rank == 0:
             self._wait_for_parts(p)
             failpoint("stager.commit.before")
-            self._commit(p)
+            self._commit(p, own)
             progress.advance("committed", committed=True)
         self._cleanup(p, item)
         now = progress.get()
@@ -256,8 +257,9 @@ class Committer:
 
     def _put_part(
         self, p: PendingPart, progress: PartProgress, recovering: bool, part_key: str
-    ) -> None:
-        """The part's files durable and at the destination, then its rank manifest."""
+    ) -> bytes:
+        """The part's files durable and at the destination, then its rank manifest (returned as
+        written)."""
         assert p.part is not None
         if recovering:
             failpoint("stager.recover.before_check")
@@ -271,12 +273,14 @@ class Committer:
         if self.tier == "cpu-ssd-remote":
             self._upload(p)
         failpoint("stager.part_manifest.before_put")
-        self.dest.patient_put(part_key, dump_model(p.part))
+        data = dump_model(p.part)
+        self.dest.patient_put(part_key, data)
         failpoint("stager.part_manifest.after_put")
+        return data
 
-    def _commit(self, p: PendingPart) -> None:
+    def _commit(self, p: PendingPart, own: bytes | None) -> None:
         """Rank 0, every rank's part is there: the commit record (a delta's parent must be
-        committed)."""
+        committed). ``own``: rank 0's part manifest as this process wrote it, if it did."""
         if (
             p.kind is Kind.DELTA
             and p.parent is not None
@@ -286,7 +290,7 @@ class Committer:
                 f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
                 f"{self.dest.uri}; the next checkpoint will be a full"
             )
-        self.dest.commit_once(p)
+        self.dest.commit_once(p, own)
 
     def _upload(self, p: PendingPart) -> None:
         assert self.spool is not None

@@ -96,9 +96,11 @@ class Destination:
         hold only that). :class:`NotFoundError` when there is none."""
         return self._storage.get(key, 0, FAILURE_RECORD_BYTES).decode(errors="replace")
 
-    def commit_once(self, p: PendingPart) -> None:
+    def commit_once(self, p: PendingPart, own_bytes: bytes | None = None) -> None:
         """Rank 0, every rank's part is there: verify the parts and write the commit record of
-        ``p``'s checkpoint (:func:`deck.trainer.writer.commit`)."""
+        ``p``'s checkpoint (:func:`deck.trainer.writer.commit`). ``own_bytes``: what this
+        process wrote as ``p``'s part manifest (used instead of reading it back)."""
+        assert p.part is not None or own_bytes is None
         commit(
             self._storage,
             step=p.step,
@@ -109,6 +111,7 @@ class Destination:
             epoch=p.epoch,
             world_size=p.world_size,
             deck_version=__version__,
+            own=None if own_bytes is None or p.part is None else (p.part, own_bytes),
         )
 
     # ---- best effort -------------------------------------------------------------------------------
