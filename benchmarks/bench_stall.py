@@ -22,6 +22,12 @@ Before each delta the pure gather of the same rows (every state of every touched
 timed too, so each delta's stall is also reported as a multiple of that floor (issue 15 item 4:
 goal stall <= 1.5x the gather and <= 1/50 of ``dcp.save``; ``--no-gather`` skips it).
 
+Per interval of ``--delta-every`` steps each rank's CPU is accounted for by thread (Linux
+schedstat): the training thread's CPU and run-queue wait, each background thread's CPU by name;
+and the training thread's own CPU per step after a delta vs away from checkpoints. The same for
+the no-deck baseline phase (a plain O_DIRECT writer of each delta's bytes; ``--no-plain-writes``
+skips it).
+
 ``--settle`` waits for the full to commit first, so the deltas show the steady state.
 ``--server-nice 19`` runs the co-located SeaweedFS server at the lowest CPU priority, standing in
 for object storage on other machines (in production the S3 server does not share the trainer's

@@ -106,3 +106,24 @@ def test_positions_read_in_place_with_a_base(dtype: type) -> None:
     with pytest.raises(ValueError):
         gather_into(np.array([1, 2], dtype=np.uint32), sources, [view[0:32], view[48:56]])
     assert torch.equal(got[:12].view(3, 4), weight[[9, 0, 3]])
+
+
+@pytest.mark.parametrize("offset", [0, 4, 8, 16, 20])
+@pytest.mark.parametrize("dim", [1, 3, 4, 64])
+def test_rows_land_whole_at_any_destination_alignment(offset: int, dim: int) -> None:
+    """Rows land whole wherever a segment starts in a chunk buffer (aligned or not, rows of any
+    width): the same bytes as index_select, nothing written outside the rows."""
+    g = torch.Generator().manual_seed(dim)
+    weight, mom = torch.randn(1000, dim, generator=g), torch.rand(1000, generator=g)
+    sources = row_sources([weight, mom])
+    assert sources is not None
+    rows = np.array([999, 0, 17, 17, 500, 3], dtype=np.int64)
+    wbytes, mbytes = len(rows) * dim * 4, len(rows) * 4
+    buf = np.full(offset + wbytes + mbytes + 64, 0xAB, dtype=np.uint8)  # numpy: a 16-byte aligned start
+    view = memoryview(buf)
+    gather_into(rows, sources, [view[offset : offset + wbytes], view[offset + wbytes :][:mbytes]])
+    got_w = torch.from_numpy(buf[offset : offset + wbytes].copy()).view(torch.float32)
+    got_m = torch.from_numpy(buf[offset + wbytes :][:mbytes].copy()).view(torch.float32)
+    assert torch.equal(got_w.view(len(rows), dim), weight[torch.from_numpy(rows)])
+    assert torch.equal(got_m, mom[torch.from_numpy(rows)])
+    assert (buf[:offset] == 0xAB).all() and (buf[offset + wbytes + mbytes :] == 0xAB).all()
