@@ -100,7 +100,6 @@ class Destination:
         """Rank 0, every rank's part is there: verify the parts and write the commit record of
         ``p``'s checkpoint (:func:`deck.trainer.writer.commit`). ``own_bytes``: what this
         process wrote as ``p``'s part manifest (used instead of reading it back)."""
-        assert p.part is not None or own_bytes is None
         commit(
             self._storage,
             step=p.step,
