@@ -119,7 +119,8 @@ def test_rows_land_whole_at_any_destination_alignment(offset: int, dim: int) -> 
     assert sources is not None
     rows = np.array([999, 0, 17, 17, 500, 3], dtype=np.int64)
     wbytes, mbytes = len(rows) * dim * 4, len(rows) * 4
-    buf = np.full(offset + wbytes + mbytes + 64, 0xAB, dtype=np.uint8)  # numpy: a 16-byte aligned start
+    # numpy allocates from a 16-byte aligned start: offsets 0 and 16 are aligned, the others not
+    buf = np.full(offset + wbytes + mbytes + 64, 0xAB, dtype=np.uint8)
     view = memoryview(buf)
     gather_into(rows, sources, [view[offset : offset + wbytes], view[offset + wbytes :][:mbytes]])
     got_w = torch.from_numpy(buf[offset : offset + wbytes].copy()).view(torch.float32)
