@@ -65,6 +65,8 @@ from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_
 GATHER_GOAL = 1.5
 DCP_GOAL = 1 / 100
 AFTER_STEPS = 10  # steps after a checkpoint counted as "while the background stager works"
+# StagingConfig fields the command line may set (--chunks-in-flight, ...); unset: the default
+STAGING_FLAGS = ("chunks_in_flight", "background_nice", "chunk_bytes", "bundle_bytes")
 
 
 def _quiet() -> None:
@@ -152,15 +154,7 @@ def _run_target(
     import deck
     from deck.config import StagingConfig
 
-    extra: dict[str, Any] = {}
-    if a.chunks_in_flight is not None:
-        extra["chunks_in_flight"] = a.chunks_in_flight
-    if a.background_nice is not None:
-        extra["background_nice"] = a.background_nice
-    if a.bundle_bytes is not None:
-        extra["bundle_bytes"] = a.bundle_bytes
-    if a.chunk_bytes is not None:
-        extra["chunk_bytes"] = a.chunk_bytes
+    extra = {k: v for k in STAGING_FLAGS if (v := getattr(a, k)) is not None}
     staging = StagingConfig(
         tiers=target["tiers"], spool_dir=target.get("spool"), release=target["release"], **extra
     )
@@ -415,6 +409,18 @@ def _cpu_line(cpus: list[dict[str, list[list[float]]]], a: argparse.Namespace) -
     return f"CPU per {a.delta_every}-step interval (medians): " + "; ".join(parts)
 
 
+def _own_cpu_line(phase: dict[str, Any], after: set[int], skip: set[int]) -> str:
+    """Rank 0's training thread's own CPU per step (median) in the steps ``after`` a delta vs
+    the others, leaving out ``skip`` (the steps after a full)."""
+    cpu = dict(phase.get("step_cpu", []))
+    c_after = _median([c for st, c in cpu.items() if st in after])
+    c_away = _median([c for st, c in cpu.items() if st not in after | skip])
+    return (
+        f"the training thread's own CPU per step (rank 0): away {c_away * 1e3:.1f} ms, the "
+        f"{AFTER_STEPS} after a delta {c_after * 1e3:.1f} ms ({c_after / c_away - 1:+.1%})"
+    )
+
+
 def _report(
     a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None]
 ) -> list[tuple[str, dict[str, float] | None]]:
@@ -548,14 +554,7 @@ def _report(
             f"{_median(after_full) * 1e3:.1f} ms; final flush {t['final_flush_s']:.2f} s"
         )
         print(_cpu_line([r["targets"][ti].get("cpu", {}) for r in ranks], a))
-        cpu = dict(t.get("step_cpu", []))
-        if cpu:
-            c_after = _median([c for st, c in cpu.items() if st in near["delta"] - near["full"]])
-            c_away = _median([c for st, c in cpu.items() if st not in near["full"] | near["delta"]])
-            print(
-                f"the training thread's own CPU per step (rank 0): away {c_away * 1e3:.1f} ms, "
-                f"the {AFTER_STEPS} after a delta {c_after * 1e3:.1f} ms ({c_after / c_away - 1:+.1%})"
-            )
+        print(_own_cpu_line(t, near["delta"] - near["full"], near["full"]))
         print()
     plain = r0.get("plain")
     if plain:
@@ -578,14 +577,7 @@ def _report(
             "disk cost training here, whoever writes them"
         )
         print(_cpu_line([r.get("plain", {}).get("cpu", {}) for r in ranks], a))
-        cpu = dict(plain.get("step_cpu", []))
-        if cpu:
-            c_after = _median([c for st, c in cpu.items() if st in near])
-            c_away = _median([c for st, c in cpu.items() if st not in near])
-            print(
-                f"the training thread's own CPU per step (rank 0): away {c_away * 1e3:.1f} ms, "
-                f"the {AFTER_STEPS} after {c_after * 1e3:.1f} ms ({c_after / c_away - 1:+.1%})"
-            )
+        print(_own_cpu_line(plain, near, set()))
         print()
     a_ok = [x for x in asyncs if x is not None]
     if not a_ok:
@@ -702,30 +694,13 @@ def main() -> int:
         help="StagingConfig.release values to run, one local target each, in this order (the "
         "S3 target uses the first); default: in_memory,first_tier",
     )
-    p.add_argument(
-        "--chunks-in-flight",
-        type=int,
-        default=None,
-        help="StagingConfig.chunks_in_flight (default: the config's default)",
-    )
-    p.add_argument(
-        "--background-nice",
-        type=int,
-        default=None,
-        help="StagingConfig.background_nice (default: the config's default)",
-    )
-    p.add_argument(
-        "--chunk-bytes",
-        type=int,
-        default=None,
-        help="StagingConfig.chunk_bytes (default: the config's default)",
-    )
-    p.add_argument(
-        "--bundle-bytes",
-        type=int,
-        default=None,
-        help="StagingConfig.bundle_bytes (default: the config's default)",
-    )
+    for field in STAGING_FLAGS:
+        p.add_argument(
+            "--" + field.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"StagingConfig.{field} (default: the config's default)",
+        )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
         "--runs",

@@ -582,7 +582,6 @@ def dump_model(model: BaseModel) -> bytes:
     """Serialise a manifest as JSON (UTF-8) with its own checksum embedded (``self_checksum``,
     the last key: the xxh3-64 of the record's canonical JSON without it, sorted keys)."""
     d = model.model_dump(mode="json")
-    d.pop(SELF_CHECKSUM, None)
     body = _canonical(d)
     # The checksum goes in as the last key of the same bytes instead of encoding the record a
     # second time (a delta's rank manifest is ~1/4 MB of row-index filters): readers take the

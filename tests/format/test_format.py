@@ -184,7 +184,7 @@ def test_manifest_self_checksum_is_the_last_key_over_the_sorted_form_without_it(
     # Readers take the keys in any order (a record another writer sorted differently loads).
     shuffled = dict(reversed(list(d.items())), self_checksum=want)
     assert load_model(ChunkRecord, json.dumps(shuffled).encode(), "c.json") == rec
-    # A record dumped again (self_checksum present in the model's dump or not) is the same bytes.
+    # A loaded record dumped again is the same bytes.
     assert dump_model(load_model(ChunkRecord, data, "c.json")) == data
 
 
