@@ -12,7 +12,7 @@ FBGEMM_gpu := fbgemm-gpu==1.8.0
 TORCHREC  := torchrec==1.8.0
 STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
-.PHONY: install demo test test-fast lint ruff mypy bench clean
+.PHONY: install demo test test-fast fuzz lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_jagged.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The generative differential test with a random seed and many more examples than CI's fixed
+# budget; a failure prints the setup as a line to paste into the test's PINNED list.
+FUZZ_EXAMPLES ?= 500
+fuzz: $(STAMP)
+	DECK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/trainer/test_differential.py -k drawn --hypothesis-show-statistics
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

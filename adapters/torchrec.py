@@ -26,10 +26,12 @@ from deck.adapters.base import (
 )
 from deck.adapters.tensor_slots import TensorSlots
 from deck.adapters.torchrec_compat import (
+    called_lookups,
     ddp_buckets_pinned,
     ddp_has_rebuilt_buckets,
     ddp_rebuild_buckets_now,
     fp_inner_collection_path,
+    fused_optimizer_tbe,
     lookups,
     tbe_reset_step_cache,
 )
@@ -43,7 +45,9 @@ from deck.adapters.torchrec_optim import (
     wrappers,
 )
 from deck.adapters.torchrec_tbe import (
+    load_tbe_kernel_hyperparameters,
     tbe_caches_rows,
+    tbe_kernel_hyperparameters,
     tbe_rewrites_unlooked_rows,
     tbe_scalars,
     tbe_table_states,
@@ -327,11 +331,14 @@ class TorchRecAdapter(ModelAdapter):
         return out
 
     def fused_hyperparameters(self) -> dict[str, dict[str, Any]]:
-        return {
-            key: {"param_groups": hyperparameters(leaf)}
-            for leaf, keys in fused_leaves(self.model.fused_optimizer, "")
-            for key in keys
-        }
+        out: dict[str, dict[str, Any]] = {}
+        for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
+            saved: dict[str, Any] = {"param_groups": hyperparameters(leaf)}
+            tbe = fused_optimizer_tbe(leaf)
+            if tbe is not None:
+                saved["kernel"] = tbe_kernel_hyperparameters(tbe)
+            out.update(dict.fromkeys(keys, saved))
+        return out
 
     def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
         if not saved:  # written before deck saved them
@@ -356,11 +363,17 @@ class TorchRecAdapter(ModelAdapter):
             load_hyperparameters(
                 leaf, groups, f"{where}: the fused optimizer of tables {sorted(keys)[:4]}"
             )
-            # TorchRec hands param_groups[0]["lr"] to the TBE kernel in zero_grad()/step() only
-            # (and the fused update runs in backward, before step()): push it now, so the first
-            # step after a restore already uses the restored rate. zero_grad() of a fused
-            # optimizer touches no gradient (it has none), it only sets the rate.
-            leaf.zero_grad()
+            kernel = next(iter(choices.values())).get("kernel")
+            tbe = fused_optimizer_tbe(leaf)
+            if kernel is not None and tbe is not None:
+                # The rate the kernel held at the checkpoint, which the next forward's backward
+                # uses: not param_groups[0]["lr"] (a scheduler may have moved that since the
+                # last zero_grad()/step() copied it into the kernel).
+                load_tbe_kernel_hyperparameters(tbe, kernel)
+            else:
+                # Written before deck saved the kernel's own values: the param group's rate is
+                # the best there is. zero_grad() of a fused optimizer only sets the rate.
+                leaf.zero_grad()
 
     def pin_reduction_order(self) -> None:
         for ddp in (m for m in self.model.modules() if isinstance(m, DistributedDataParallel)):
@@ -375,7 +388,7 @@ class TorchRecAdapter(ModelAdapter):
         undo: list[Callable[[], None]] = []
         for path, module in self.sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
-            undo.append(chain_hooks(module, key_plans, store, is_active))
+            undo.append(chain_hooks(module, called_lookups(module), key_plans, store, is_active))
         logger.info(
             "deck tracking installed on %d sharded module(s), %d rows", len(undo), store.num_rows
         )
@@ -392,34 +405,28 @@ class TorchRecAdapter(ModelAdapter):
         module: Any,
         by_name: dict[tuple[str, str], str],
         bases: dict[tuple[str, int, int], int],
-    ) -> dict[tuple[str, ...], torch.Tensor]:
-        """For each lookup of ``module``: its KJT key order -> tracker base of each key's shard.
+    ) -> list[torch.Tensor | None]:
+        """For each lookup of ``module``, in order: the tracker base of each key of the KJT it
+        looks up (None: nothing tracked there, a data_parallel lookup or no shard here).
 
         A lookup splits its KJT by grouped config, and within a group by table, so key position
-        j belongs to the j-th (table shard, feature) in that order; positions, not names, so
-        duplicate feature names and several column shards on one rank stay distinct.
+        j belongs to the j-th (table shard, feature) in that order; lookups are told apart by
+        which one runs (not by their keys: two tables of one collection may read the same
+        feature under different sharding types), so duplicate feature names and several column
+        shards on one rank stay distinct.
         """
-        plans: dict[tuple[str, ...], torch.Tensor] = {}
+        plans: list[torch.Tensor | None] = []
         for sharding_type, lookup in lookups(module):
-            if sharding_type == "data_parallel":
-                continue
-            keys: list[str] = []
             key_bases: list[int] = []
-            for config in lookup.grouped_configs:
-                for table in config.embedding_tables:
-                    offs = table.local_metadata.shard_offsets
-                    tkey = by_name[(path, table.name)]
-                    base = bases[(tkey, int(offs[0]), int(offs[1]))]
-                    # Ids arrive shard-local; the tracker space is indexed by local row.
-                    keys.extend(table.feature_names)
-                    key_bases.extend([base] * len(table.feature_names))
-            if not keys:  # no shard of this sharding type on this rank: nothing to track
-                continue
-            if tuple(keys) in plans:
-                raise UnsupportedError(
-                    f"module {path!r}: two lookups share the feature order {keys}"
-                )
-            plans[tuple(keys)] = torch.tensor(key_bases, dtype=torch.int64)
+            if sharding_type != "data_parallel":
+                for config in lookup.grouped_configs:
+                    for table in config.embedding_tables:
+                        offs = table.local_metadata.shard_offsets
+                        tkey = by_name[(path, table.name)]
+                        base = bases[(tkey, int(offs[0]), int(offs[1]))]
+                        # Ids arrive shard-local; the tracker space is indexed by local row.
+                        key_bases.extend([base] * len(table.feature_names))
+            plans.append(torch.tensor(key_bases, dtype=torch.int64) if key_bases else None)
         return plans
 
 

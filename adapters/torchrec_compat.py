@@ -49,6 +49,8 @@ PRIVATE_ATTRIBUTES = (
     "_parameters",  # nn.Module: its own parameters by name (what register_parameter fills)
     "_buffers",  # nn.Module: its own buffers by name
     "_modules",  # nn.Module: its children by name
+    "_asdict",  # namedtuple (fbgemm's OptimizerArgs): its fields as a dict
+    "_replace",  # namedtuple: a copy with some fields replaced
 )
 # fbgemm's split (per-table, flat) state buffers: ``<p>_dev`` / ``_host`` / ``_uvm`` storage,
 # ``<p>_offsets`` and ``<p>_placements`` (read by name with ``tbe_split_buffer``).
@@ -141,6 +143,12 @@ def lookups(module: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def called_lookups(module: Any) -> list[torch.nn.Module]:
+    """The lookup modules a sharded collection calls, in the order of :func:`lookups`, as it
+    calls them (data_parallel ones still inside their DDP wrapper)."""
+    return list(_get(module, "_lookups"))
+
+
 def lookup_kernels(lookup: Any) -> list[Any] | None:
     """The kernel modules of an unwrapped lookup, one per grouped config; None for a lookup
     without any (it holds no fbgemm TBE)."""
@@ -189,6 +197,33 @@ def tbe_reset_step_cache(tbe: Any) -> None:
     (not a buffer) and re-reads ``iter`` only while ``iter_cpu`` is 0."""
     if hasattr(tbe, "iter_cpu"):
         tbe.iter_cpu.zero_()
+
+
+def fused_optimizer_tbe(leaf: Any) -> Any | None:
+    """The fbgemm TBE whose kernel a leaf of TorchRec's fused optimizer drives (its
+    ``zero_grad()`` / ``step()`` copy ``param_groups[0]["lr"]`` into it), or None."""
+    tbe = getattr(leaf, "_emb_module", None)
+    return tbe if tbe is not None and hasattr(tbe, "learning_rate_tensor") else None
+
+
+def tbe_kernel_arguments(tbe: Any) -> dict[str, Any]:
+    """fbgemm's ``optimizer_args`` of ``tbe`` (eps, betas, weight decay, counter settings, ...)
+    and ``gwd_lower_bound``: hyperparameters the backward kernel reads from the TBE itself
+    (``update_hyper_parameters`` changes them), not from TorchRec's param_groups."""
+    args = getattr(tbe, "optimizer_args", None)
+    out: dict[str, Any] = dict(args._asdict()) if args is not None else {}
+    if hasattr(tbe, "gwd_lower_bound"):
+        out["gwd_lower_bound"] = tbe.gwd_lower_bound
+    return out
+
+
+def set_tbe_kernel_arguments(tbe: Any, values: dict[str, Any]) -> None:
+    """Put :func:`tbe_kernel_arguments` values back into ``tbe``."""
+    values = dict(values)
+    if "gwd_lower_bound" in values:
+        _set(tbe, "gwd_lower_bound", values.pop("gwd_lower_bound"))
+    if values:
+        tbe.optimizer_args = _get(tbe, "optimizer_args")._replace(**values)
 
 
 # ---- TorchRec optimizer wrappers ----------------------------------------------------------

@@ -16,20 +16,37 @@ from deck.trainer.tracker import TrackerStore
 
 def chain_hooks(
     module: Any,
-    key_plans: dict[tuple[str, ...], torch.Tensor],
+    lookup_modules: list[nn.Module],
+    key_plans: list[torch.Tensor | None],
     store: TrackerStore,
     is_active: Callable[[nn.Module], bool],
 ) -> Callable[[], None]:
-    """Install track/compact on ``module``, calling whatever callbacks were there before."""
+    """Install track/compact on ``module``, calling whatever callbacks were there before.
+
+    ``key_plans[i]`` holds the tracker base of each KJT key of ``lookup_modules[i]`` (None:
+    nothing to track). The post-lookup callback is not told which lookup ran, and two lookups
+    can see the same keys (tables of different sharding types reading one feature), so a
+    forward pre-hook on each lookup module records which one is running.
+    """
     prev_lookup = module.post_lookup_tracker_fn
     prev_odist = module.post_odist_tracker_fn
+    running: list[int | None] = [None]
+
+    def entering(i: int) -> Callable[..., None]:
+        def pre_hook(_mod: nn.Module, _args: Any) -> None:
+            running[0] = i
+
+        return pre_hook
+
+    handles = [m.register_forward_pre_hook(entering(i)) for i, m in enumerate(lookup_modules)]
 
     def on_lookup(features: KeyedJaggedTensor, embs: torch.Tensor, mod: Any, raw_ids: Any) -> None:
         if prev_lookup is not None:
             prev_lookup(features, embs, mod, raw_ids)
-        if not is_active(module):
+        i, running[0] = running[0], None
+        if not is_active(module) or i is None:
             return
-        bases = key_plans.get(tuple(features.keys()))
+        bases = key_plans[i]
         if bases is None or features.values().numel() == 0:
             return
         values = features.values()
@@ -55,6 +72,8 @@ def chain_hooks(
     module.register_post_odist_tracker_fn(on_odist)
 
     def remove() -> None:
+        for h in handles:
+            h.remove()
         if module.post_lookup_tracker_fn is on_lookup:
             module.post_lookup_tracker_fn = prev_lookup
         if module.post_odist_tracker_fn is on_odist:

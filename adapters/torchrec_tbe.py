@@ -13,10 +13,16 @@ from deck.adapters.torchrec_compat import (
     kernel_tbe,
     lookup_kernels,
     lookups,
+    set_tbe_kernel_arguments,
     tbe_counter_weight_decay,
     tbe_emainplace_mode,
+    tbe_kernel_arguments,
     tbe_split_buffer,
 )
+
+# optimizer_args fields that describe the TBE's layout, not the optimizer: a restore into another
+# plan keeps its own.
+_LAYOUT_ARGUMENTS = {"total_hash_size"}
 
 _TBE_LAYOUT_BUFFERS = {
     "D_offsets",
@@ -136,3 +142,25 @@ def tbe_scalars(tbe: Any) -> dict[str, torch.Tensor]:
             continue
         out[f"tbe.{name}"] = buf
     return out
+
+
+def tbe_kernel_hyperparameters(tbe: Any) -> dict[str, Any]:
+    """The optimizer hyperparameters the TBE's kernel reads from the TBE itself, as it holds them
+    now: ``learning_rate`` (fbgemm's float32 ``learning_rate_tensor``, which the fused backward
+    uses; TorchRec copies ``param_groups[0]["lr"]`` into it only in the fused optimizer's
+    ``zero_grad()`` / ``step()``, so after a scheduler step it can hold the previous rate until
+    the next of those calls) and every ``optimizer_args`` field (eps, betas, weight decay, ...)
+    but the layout's."""
+    args = {k: v for k, v in tbe_kernel_arguments(tbe).items() if k not in _LAYOUT_ARGUMENTS}
+    return {"learning_rate": float(tbe.get_learning_rate()), "optimizer_args": args}
+
+
+def load_tbe_kernel_hyperparameters(tbe: Any, saved: dict[str, Any]) -> None:
+    """Put :func:`tbe_kernel_hyperparameters` back into ``tbe`` exactly (the float32 rate the
+    kernel held, not the param group's)."""
+    # fill_ of the float32 tensor with the value read from it is exact.
+    tbe.learning_rate_tensor.fill_(float(saved["learning_rate"]))
+    live = tbe_kernel_arguments(tbe)
+    set_tbe_kernel_arguments(
+        tbe, {k: v for k, v in saved.get("optimizer_args", {}).items() if k in live}
+    )

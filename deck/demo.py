@@ -288,10 +288,26 @@ def capture_state(
         for name, opt in (("fused", model.fused_optimizer), ("dense_opt", dense_opt)):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             put(f"{name}.param_groups", groups)
+        for i, tbe in enumerate(fused_kernels(model.fused_optimizer)):
+            # What the fused backward reads: the TBE's own rate and optimizer arguments.
+            put(f"kernel[{i}].lr", tbe.learning_rate_tensor)
+            put(f"kernel[{i}].args", list(tbe.optimizer_args))
         put("rng", torch.get_rng_state())
     if user is not None:
         put("user", user.state_dict())
     return out
+
+
+def fused_kernels(opt: Any) -> list[Any]:
+    """The fbgemm TBEs behind TorchRec's fused optimizer tree, each once, in order."""
+    from deck.adapters.torchrec_compat import fused_optimizer_tbe
+
+    subs = getattr(opt, "optimizers", None)
+    if isinstance(subs, list):  # CombinedOptimizer: [(key, optimizer)]
+        found = [t for _, sub in subs for t in fused_kernels(sub)]
+    else:
+        found = [t for t in [fused_optimizer_tbe(opt)] if t is not None]
+    return list({id(t): t for t in found}.values())
 
 
 def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

@@ -74,6 +74,34 @@ def hidden_buffer() -> DoctorSetup:
     return setup
 
 
+def scheduled_combined() -> DoctorSetup:
+    """TorchRec's DLRM recipe in a plain loop: ``CombinedOptimizer([fused, dense])`` under
+    ``StepLR``, stepped as forward; zero_grad; backward; step; scheduler step. The fused kernel
+    then runs each forward with the rate of the last zero_grad()/step(), one schedule step
+    behind param_groups: a restore must give the kernel back its own rate (issue 32)."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    model, dense = build_model(SPEC)
+    opt = CombinedOptimizer([model.fused_optimizer, dense])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = Loader()
+
+    def step(_: int) -> float:
+        loss = train_step(model, opt, SPEC, loader.next_seed())
+        sched.step()
+        return loss
+
+    class State:
+        def state_dict(self) -> dict[str, Any]:
+            return {"loader": loader.state_dict(), "sched": sched.state_dict()}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            loader.load_state_dict(sd["loader"])
+            sched.load_state_dict(sd["sched"])
+
+    return DoctorSetup(model=model, optimizers=[opt], train_step=step, state=State())
+
+
 def not_a_setup() -> Any:
     """A broken entry point: returns the model and optimizer instead of a DoctorSetup."""
     return build_model(SPEC)

@@ -183,6 +183,21 @@ def test_user_state_left_out_fails_on_the_losses() -> None:
     text = report.text().splitlines()
     assert text[-1] == "deck doctor: FAIL: 2 differences (loss on ranks 0,1)"
     assert any("data loader position" in line for line in text)
+    # With the state bitwise equal, the advice names every class of state that can explain it.
+    advice = next(line for line in text if line.startswith("  loss:"))
+    for cls in ("held by a kernel", "random number generators", "enable(state=...)"):
+        assert cls in advice, advice
+
+
+@pytest.mark.slow
+def test_a_scheduled_combined_optimizer_in_a_plain_loop_passes(tmp_path: Path) -> None:
+    """The fused kernel's own learning rate lags param_groups in this loop order (issue 32): the
+    doctor compares it (a kernel hyperparameter) and the restore gives it back exactly."""
+    r = _doctor("tests.doctor_models:scheduled_combined", *SHORT, "--uri", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "kernel hyperparameter" in lines[1], lines[1]
+    assert lines[-1].startswith("deck doctor: PASS"), lines
 
 
 @pytest.mark.slow

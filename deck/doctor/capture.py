@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from deck.adapters.torchrec_compat import tbe_kernel_arguments
+from deck.demo import fused_kernels
 from deck.doctor.setup import DoctorSetup
 from deck.trainer.checkpointer import user_state_pair
 
@@ -18,6 +20,7 @@ BUFFER = "buffer"  # a buffer in model.state_dict()
 HIDDEN_BUFFER = "non-persistent buffer"  # a buffer model.state_dict() leaves out
 FUSED_STATE = "fused optimizer state"
 FUSED_HYPER = "fused hyperparameter"
+KERNEL_HYPER = "kernel hyperparameter"  # what an fbgemm TBE holds apart from param_groups
 DENSE_STATE = "dense optimizer state"
 DENSE_HYPER = "dense hyperparameter"
 RNG = "rng"
@@ -28,6 +31,7 @@ KINDS = (
     HIDDEN_BUFFER,
     FUSED_STATE,
     FUSED_HYPER,
+    KERNEL_HYPER,
     DENSE_STATE,
     DENSE_HYPER,
     RNG,
@@ -43,7 +47,8 @@ Captured = dict[Key, Any]  # a cloned tensor, or a plain value (number, string, 
 def capture(setup: DoctorSetup) -> Captured:
     """Copy (clone) everything of this rank a restore must reproduce: ``model.state_dict()``
     (local shards of ShardedTensors, by shard offsets), every buffer of ``named_buffers()``
-    that the state_dict leaves out, ``model.fused_optimizer``'s state_dict and param_groups,
+    that the state_dict leaves out, ``model.fused_optimizer``'s state_dict and param_groups, the
+    learning rate and optimizer arguments each fbgemm TBE module holds itself,
     each dense optimizer's state_dict and param_groups (read from the optimizer: TorchRec's
     KeyedOptimizer may leave them out of its state_dict), torch's RNG states (CPU, and CUDA
     where initialised) and the user state. Reading changes nothing."""
@@ -59,6 +64,14 @@ def capture(setup: DoctorSetup) -> Captured:
     fused = getattr(model, "fused_optimizer", None)
     if fused is not None:
         _optimizer(fused, "fused", FUSED_STATE, FUSED_HYPER, out)
+    if fused is not None:
+        for i, tbe in enumerate(fused_kernels(fused)):
+            # The fused backward reads its rate and optimizer arguments from fbgemm's TBE, not
+            # from param_groups (TorchRec copies the lr in only at zero_grad()/step()).
+            out[(KERNEL_HYPER, f"kernel[{i}].learning_rate_tensor")] = (
+                tbe.learning_rate_tensor.detach().clone()
+            )
+            _flatten(KERNEL_HYPER, f"kernel[{i}].optimizer_args", tbe_kernel_arguments(tbe), out)
     for name, opt in _dense(setup.optimizers):
         _optimizer(opt, name, DENSE_STATE, DENSE_HYPER, out)
     out[(RNG, "torch cpu")] = torch.get_rng_state()

@@ -14,6 +14,7 @@ from deck.doctor.capture import (
     FUSED_HYPER,
     FUSED_STATE,
     HIDDEN_BUFFER,
+    KERNEL_HYPER,
     RNG,
     TENSOR,
     USER,
@@ -44,9 +45,18 @@ HINTS = {
     "torch.get_rng_state() in your state",
     USER: "your state's load_state_dict() (or set) does not put back what state_dict() (or get) "
     "returned",
-    LOSS: "training on from the restore differs from never stopping: something that drives "
-    "training is not in the checkpoint (a data loader position, your own generator, a counter): "
-    "pass it through enable(state=...) (DoctorSetup.state)",
+    KERNEL_HYPER: "a hyperparameter the embedding kernel (fbgemm's TBE) holds apart from "
+    "param_groups: its learning_rate_tensor (TorchRec copies param_groups[0]['lr'] into it only "
+    "in the fused optimizer's zero_grad()/step()) or optimizer_args (update_hyper_parameters): "
+    "deck restores them as the kernel held them; report it with this output",
+    LOSS: "training on from the restore differs from never stopping although everything above "
+    "was restored bitwise: what drives training lies outside the state this check captures. "
+    "The classes of state that can explain it: (1) hyperparameters held by a kernel or module "
+    "apart from param_groups and state_dict (a custom kernel's learning rate or step counter); "
+    "(2) random number generators other than torch's default ones (numpy, Python's random, a "
+    "torch.Generator of your own, a data loader worker's seed); (3) training state not passed "
+    "to enable(state=...) (DoctorSetup.state): a data loader position, a counter or schedule "
+    "of your own. Save each through enable(state=...)",
     RESTORE: "the restore did not load the step that was checkpointed",
     DECK_ERROR: "deck could not checkpoint or restore this setup: see the error",
 }

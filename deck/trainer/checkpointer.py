@@ -79,25 +79,17 @@ class DeltaCheckpointer:
         self._stagers: list[Stager] = []
         try:
             self.config = config
-            self.adapter = adapter or _default_adapter(model)
             self.coord = Coordinator()
-            # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
-            # fault-injecting wrapper in tests); everything goes through this one interface.
-            self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
-            if self.coord.world_size > 1 and config.uri.startswith("memory://"):
-                raise ConfigError(
-                    f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so "
-                    "the ranks of a multi-process job cannot see each other's parts; use a shared "
-                    "path or object store"
-                )
-            check_writable(self.storage)
+            # Everything that can refuse this setup is checked locally first, then the ranks
+            # agree: a rank that refused while the others went on into the lease's or DDP's
+            # collectives would leave them waiting for it forever.
+            refused: Exception | None = None
+            try:
+                shards = self._check_locally(model, optimizers, config, state, adapter, storage)
+            except Exception as e:
+                refused = e
+            self.coord.agree_on_failure(refused, "deck.enable")
             self._lease = self._take_lease()
-            self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
-            self._use(optimizers, state)
-            shards = self.adapter.table_shards()
-            self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
-            self._paused = 0
-            self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
             # Collective, before any training step: both the run that saves and the one that
             # restores sum gradients across ranks in the same order.
             self.adapter.pin_reduction_order()
@@ -115,6 +107,36 @@ class DeltaCheckpointer:
         except BaseException:
             self._release()
             raise
+
+    def _check_locally(
+        self,
+        model: torch.nn.Module,
+        optimizers: Any,
+        config: DeckConfig,
+        state: UserState | None,
+        adapter: ModelAdapter | None,
+        storage: Storage | None,
+    ) -> list[TableShard]:
+        """The local part of construction (no collective): the adapter, the storage, the
+        optimizers and user state, the tracker and its hooks. Raises what this rank refuses."""
+        self.adapter = adapter or _default_adapter(model)
+        # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
+        # fault-injecting wrapper in tests); everything goes through this one interface.
+        self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
+        if self.coord.world_size > 1 and config.uri.startswith("memory://"):
+            raise ConfigError(
+                f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so "
+                "the ranks of a multi-process job cannot see each other's parts; use a shared "
+                "path or object store"
+            )
+        check_writable(self.storage)
+        self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
+        self._use(optimizers, state)
+        shards = self.adapter.table_shards()
+        self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
+        self._paused = 0
+        self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
+        return shards
 
     def _use(self, optimizers: Any, state: UserState | None) -> None:
         """Checkpoint ``optimizers`` (the dense ones, through the adapter) and, when given,

@@ -12,6 +12,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+import deck.errors as errors
+
 
 class Coordinator:
     """Rank, world size and agreement among ranks of the default (or given) process group."""
@@ -40,6 +42,38 @@ class Coordinator:
             t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
         )
         return int(t.item())
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, indexed by rank, on every rank (two all-gathers: lengths, then
+        the bytes padded to the longest; no pickle)."""
+        if not self._active:
+            return [data]
+        sizes = self.gather([float(len(data))])[:, 0].long().tolist()
+        if not any(sizes):
+            return [b""] * self.world_size
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+        out = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [bytes(t[:n].tolist()) for t, n in zip(out, sizes, strict=True)]
+
+    def agree_on_failure(self, error: BaseException | None, what: str) -> None:
+        """Collective: raise on every rank if ``error`` is set on any, so that no rank goes on
+        into a collective the others will never join. The rank that failed raises its own
+        error; the others a :class:`deck.errors.DeckError` of the same class (when it is one)
+        naming that rank and its message."""
+        mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
+        failed = [(r, m) for r, m in enumerate(self.gather_bytes(mine)) if m]
+        if error is not None:
+            raise error
+        if not failed:
+            return
+        rank, message = failed[0]
+        name, _, text = message.decode(errors="replace").partition("\n")
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.DeckError)):
+            cls = errors.DeckError
+        raise cls(f"{what} failed on rank {rank} ({name}): {text}")
 
     def new_id_seed(self) -> int:
         """A random 52-bit number (exact in a float64 gather); rank 0's becomes the checkpoint id."""

@@ -1,0 +1,533 @@
+"""Differential runs of a drawn TorchRec setup: train with deck, restore into a fresh build in
+another process, and compare with the run that never stopped.
+
+A :class:`Setup` is plain data (its ``repr`` is a ready-to-paste test case). :func:`train_phase`
+runs on every rank of one process group: it builds the setup, trains ``steps`` steps with
+checkpoints and then ``more`` steps, and returns the live state at the restore point, the
+losses after it and the final state. :func:`restore_phase` runs on the ranks of another process
+group (processes that never trained this setup): it builds the setup with other initial
+weights, restores, and trains on. :func:`compare` says what differs. A refusal at ``enable``
+comes back as ``("refused", error class, message)`` from every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import deck
+from deck.demo import capture_state, diff_states
+from deck.errors import DeckError
+
+# Loop orders of one plain training step: F forward + loss, Z zero_grad, B backward, S
+# optimizer step, L scheduler step. Every placement of zero_grad (before the forward, between
+# forward and backward, after the step) and of the scheduler step (after the step, or first).
+LOOP_ORDERS = ("ZFBSL", "FZBSL", "FBSZL", "LZFBS", "LFZBS", "LFBSZ")
+PIPELINE = "pipeline"  # TorchRec's TrainPipelineSparseDist (zero_grad, forward, backward, step)
+
+SHARDINGS_EBC = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+SHARDINGS_EC = ("table_wise", "row_wise", "column_wise", "data_parallel")
+SHARDINGS_FP = ("table_wise", "row_wise", "column_wise")
+FUSED = (
+    "EXACT_SGD",
+    "EXACT_ADAGRAD",
+    "EXACT_ROWWISE_ADAGRAD",
+    "ROWWISE_L2",
+    "ROWWISE_DECOUPLE",
+    "ROWWISE_COUNTER",
+    "EMAINPLACE_ROWWISE_ADAGRAD",
+)
+IN_BACKWARD = ("SGD", "Adagrad", "RowWiseAdagrad")  # torch / TorchRec optimizers per table
+DENSE_IN = 4
+
+
+@dataclass(frozen=True)
+class Table:
+    """One embedding table: its collection ("ebc", "ec", "fp": a position-weighted EBC), rows,
+    dim, the feature it reads, its sharding type and (with in-backward optimizers) its own
+    optimizer."""
+
+    collection: str = "ebc"
+    rows: int = 16
+    dim: int = 8
+    feature: str = "f0"
+    sharding: str = "table_wise"
+    fp16: bool = False
+    mean_pooling: bool = False
+    in_backward: str = "RowWiseAdagrad"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A TorchRec training job and the checkpoint/restore done to it."""
+
+    tables: tuple[Table, ...] = (Table(),)
+    world_size: int = 2
+    fused: str = "EXACT_ROWWISE_ADAGRAD"  # sharder-wide fused optimizer, or "in_backward"
+    weighted: bool = False  # EBC tables read per-id weights
+    dense_optimizer: str = "adam"  # "sgd" | "adam" | "adagrad"
+    wrapper: str = "combined"  # "dense" | "combined" | "clipping" | "warmup" | "warmup_clipping"
+    scheduler: str = "none"  # "none" | "steplr" | "lambdalr"
+    loop: str = "ZFBSL"  # one of LOOP_ORDERS, or PIPELINE
+    steps: int = 6
+    every: int = 2
+    full_every: int | None = None
+    restore_at: int | None = None  # a checkpoint step; None: the latest
+    more: int = 3
+    eval_every: int = 0
+    dropout: bool = False
+    batchnorm: bool = False
+    batch: int = 4
+
+    def checkpoint_steps(self) -> list[int]:
+        return [s for s in range(self.steps + 1) if s % self.every == 0]
+
+    def target(self) -> int:
+        return self.checkpoint_steps()[-1] if self.restore_at is None else self.restore_at
+
+
+# ---- the model -------------------------------------------------------------------------------
+class FuzzModel(torch.nn.Module):
+    """Dense MLP (optional BatchNorm / Dropout) + pooled embedding collections -> one logit;
+    ``forward(batch)`` returns ``(loss, logits)`` as TorchRec's train pipelines expect."""
+
+    def __init__(self, sparse: dict[str, torch.nn.Module], out_dim: int, setup: Setup):
+        super().__init__()
+        self.sparse = torch.nn.ModuleDict(sparse)
+        self.ec_features = [t.feature for t in setup.tables if t.collection == "ec"]
+        dense: list[torch.nn.Module] = []
+        if setup.batchnorm:
+            dense.append(torch.nn.BatchNorm1d(DENSE_IN))
+        dense += [torch.nn.Linear(DENSE_IN, 8), torch.nn.ReLU()]
+        if setup.dropout:
+            dense.append(torch.nn.Dropout(0.3))
+        self.dense = torch.nn.Sequential(*dense)
+        self.over = torch.nn.Linear(8 + out_dim, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [self.dense(batch.dense_features)]
+        for name, module in self.sparse.items():
+            out = module(batch.sparse_features)
+            if name == "ec":
+                for f in self.ec_features:  # by name: the pipeline traces this forward
+                    jt = out[f]
+                    parts.append(torch.segment_reduce(jt.values(), "sum", lengths=jt.lengths()))
+            else:
+                parts.append(out.values())
+        logits = self.over(torch.cat(parts, dim=1)).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, logits
+
+
+def _features(setup: Setup) -> list[str]:
+    return sorted({t.feature for t in setup.tables})
+
+
+def make_batch(setup: Setup, step: int, rank: int, seed: int = 7) -> Any:
+    """The batch of ``rank`` at ``step``: a pure function of its arguments."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    rng = np.random.default_rng([seed, step, rank])
+    keys = _features(setup)
+    smallest = {f: min(t.rows for t in setup.tables if t.feature == f) for f in keys}
+    lengths = rng.integers(0, 4, size=(len(keys), setup.batch))
+    ids = [
+        (rng.zipf(1.3, size=int(n)) - 1) % smallest[f]
+        for f, n in zip(keys, lengths.sum(1), strict=True)
+    ]
+    values = torch.from_numpy(np.concatenate(ids).astype(np.int64))
+    weights = torch.from_numpy(rng.random(values.numel(), dtype=np.float32)) + 0.5
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=values,
+        lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int32)),
+        weights=weights
+        if setup.weighted or any(t.collection == "fp" for t in setup.tables)
+        else None,
+    )
+    dense = torch.from_numpy(rng.standard_normal((setup.batch, DENSE_IN), dtype=np.float32))
+    labels = torch.from_numpy((rng.random(setup.batch) < 0.4).astype(np.float32))
+    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def _fused_params(setup: Setup) -> dict[str, Any]:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.tbe.config.optimizer_config import (
+        CounterBasedRegularizationDefinition,
+        CounterWeightDecayMode,
+        EmainplaceModeDefinition,
+        WeightDecayMode,
+    )
+
+    if setup.fused == "in_backward":
+        return {}
+    params: dict[str, Any] = {"learning_rate": 0.05, "eps": 1e-3}
+    kind = setup.fused
+    if kind.startswith("ROWWISE_"):
+        mode = kind.removeprefix("ROWWISE_")
+        params["optimizer"] = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        params["weight_decay_mode"] = getattr(WeightDecayMode, mode)
+        params["weight_decay"] = 0.01
+        if mode == "COUNTER":
+            params["counter_based_regularization"] = CounterBasedRegularizationDefinition(
+                counter_weight_decay_mode=CounterWeightDecayMode.DECOUPLE, counter_halflife=3
+            )
+    else:
+        params["optimizer"] = getattr(EmbOptimType, kind)
+        if kind == "EMAINPLACE_ROWWISE_ADAGRAD":
+            params["emainplace_mode"] = EmainplaceModeDefinition(
+                step_ema=2, step_start=1, step_ema_coef=0.5
+            )
+    return params
+
+
+def _per_table(t: Table, ws: int, index: int) -> Any:
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
+
+    return {
+        "table_wise": lambda: table_wise(rank=index % ws, compute_kernel="fused"),
+        "row_wise": lambda: row_wise(compute_kernel="fused"),
+        "column_wise": lambda: column_wise(
+            ranks=[index % ws, (index + 1) % ws], compute_kernel="fused"
+        ),
+        "table_row_wise": lambda: table_row_wise(host_index=0),
+        "data_parallel": data_parallel,
+    }[t.sharding]()
+
+
+def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
+    """(DMP model, the optimizer the loop steps, the LR scheduler or None). Needs the process
+    group of ``setup.world_size`` ranks."""
+    from torchrec import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+    )
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import (
+        FeatureProcessedEmbeddingBagCollectionSharder,
+    )
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import DataType, PoolingType
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.clipping import GradientClipping, GradientClippingOptimizer
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+    torch.manual_seed(seed)
+    ws = setup.world_size
+    meta = torch.device("meta")
+    by_coll: dict[str, list[tuple[int, Table]]] = {}
+    for i, t in enumerate(setup.tables):
+        by_coll.setdefault(t.collection, []).append((i, t))
+
+    def common(i: int, t: Table) -> dict[str, Any]:
+        return {
+            "name": f"t{i}",
+            "embedding_dim": t.dim,
+            "num_embeddings": t.rows,
+            "feature_names": [t.feature],
+            "data_type": DataType.FP16 if t.fp16 else DataType.FP32,
+        }
+
+    fused = _fused_params(setup)
+    sparse: dict[str, torch.nn.Module] = {}
+    sharders: list[Any] = []
+    out_dim = 0
+    weights_of: dict[str, list[tuple[int, Table, torch.nn.Parameter]]] = {}
+    for coll, items in by_coll.items():
+        if coll == "ec":
+            ec = EmbeddingCollection(
+                tables=[EmbeddingConfig(**common(i, t)) for i, t in items], device=meta
+            )
+            sparse["ec"] = ec
+            sharders.append(EmbeddingCollectionSharder(fused_params=fused))
+            weights_of["ec"] = [(i, t, ec.embeddings[f"t{i}"].weight) for i, t in items]
+            out_dim += sum(t.dim for _, t in items)
+            continue
+        configs = [
+            EmbeddingBagConfig(
+                **common(i, t), pooling=PoolingType.MEAN if t.mean_pooling else PoolingType.SUM
+            )
+            for i, t in items
+        ]
+        ebc = EmbeddingBagCollection(
+            tables=configs, is_weighted=setup.weighted or coll == "fp", device=meta
+        )
+        weights_of[coll] = [(i, t, ebc.embedding_bags[f"t{i}"].weight) for i, t in items]
+        out_dim += sum(t.dim for _, t in items)
+        if coll == "fp":
+            feats = sorted({t.feature for _, t in items})
+            fp = FeatureProcessedEmbeddingBagCollection(
+                ebc, PositionWeightedModuleCollection(dict.fromkeys(feats, 4))
+            )
+            with torch.no_grad():
+                for name, p in fp.named_parameters():
+                    if "position_weight" in name:
+                        p.uniform_(0.5, 1.5)
+            sparse["fp"] = fp
+            sharders.append(
+                FeatureProcessedEmbeddingBagCollectionSharder(
+                    EmbeddingBagCollectionSharder(fused_params=fused)
+                )
+            )
+        else:
+            sparse["ebc"] = ebc
+            sharders.append(EmbeddingBagCollectionSharder(fused_params=fused))
+    if setup.fused == "in_backward":
+        classes: dict[str, Any] = {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}
+        for items3 in weights_of.values():
+            for _, t, w in items3:
+                if t.sharding == "data_parallel":
+                    continue
+                cls: Any = classes.get(t.in_backward, RowWiseAdagrad)
+                apply_optimizer_in_backward(cls, [w], {"lr": 0.05})
+    module = FuzzModel(sparse, out_dim, setup)
+    plans = {}
+    for name, coll_module in sparse.items():
+        sharder = sharders[list(sparse).index(name)]
+        per_table = {f"t{i}": _per_table(t, ws, i) for i, t in by_coll[name]}
+        mp = construct_module_sharding_plan(
+            coll_module,
+            per_table,
+            local_size=ws,
+            world_size=ws,
+            device_type="cpu",
+            sharder=sharder,
+        )
+        for ps in mp.values():  # type: ignore[attr-defined]
+            if ps.sharding_type == "table_row_wise":  # table_row_wise() picks "dense" otherwise
+                ps.compute_kernel = "fused"
+        plans[f"sparse.{name}"] = mp
+    model = DistributedModelParallel(
+        module, device=torch.device("cpu"), sharders=sharders, plan=ShardingPlan(plans)
+    )
+    params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    make_dense: Callable[[Any], torch.optim.Optimizer] = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+    }[setup.dense_optimizer]
+    dense: Any = KeyedOptimizerWrapper(params, make_dense)
+    if setup.wrapper in ("clipping", "warmup_clipping"):
+        dense = GradientClippingOptimizer(dense, max_gradient=0.5, clipping=GradientClipping.NORM)
+    opt: Any = dense
+    if setup.wrapper != "dense":
+        opt = CombinedOptimizer([model.fused_optimizer, dense])
+    if setup.wrapper.startswith("warmup"):
+        stages = [
+            WarmupStage(policy=WarmupPolicy.LINEAR, max_iters=3, value=0.2),
+            WarmupStage(policy=WarmupPolicy.STEP, max_iters=50, value=0.5, decay_iters=2),
+        ]
+        opt = WarmupOptimizer(opt, stages=stages, lr=0.05)
+    sched: Any = None
+    if setup.scheduler == "steplr":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    elif setup.scheduler == "lambdalr":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / math.sqrt(i + 1))
+    return model, opt, sched
+
+
+class UserState:
+    """The user's own state: the scheduler (if any) and the step."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step}
+        if self.sched is not None:
+            out["sched"] = self.sched.state_dict()
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+        if self.sched is not None:
+            self.sched.load_state_dict(sd["sched"])
+
+
+# ---- the loop --------------------------------------------------------------------------------
+class Loop:
+    """Trains one step at a time in the setup's loop order (or through the pipeline)."""
+
+    def __init__(self, setup: Setup, model: Any, opt: Any, sched: Any, first: int) -> None:
+        self.setup, self.model, self.opt, self.sched = setup, model, opt, sched
+        self.rank = dist.get_rank()
+        self.pipeline: Any = None
+        if setup.loop == PIPELINE:
+            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+            last = setup.steps + setup.more
+            self.it: Iterator[Any] = (
+                make_batch(setup, s, self.rank) for s in range(first, last + 1)
+            )
+            self.pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+
+    def step(self, step: int) -> float:
+        if self.pipeline is not None:
+            loss = float(self.pipeline.progress(self.it)[0])
+            if self.sched is not None:
+                self.sched.step()
+        else:
+            loss = self._plain(step)
+        if self.setup.eval_every and step % self.setup.eval_every == 0:
+            self.model.eval()
+            with torch.no_grad():
+                self.model(make_batch(self.setup, 10_000 + step, self.rank))
+            self.model.train()
+        return loss
+
+    def _plain(self, step: int) -> float:
+        batch = make_batch(self.setup, step, self.rank)
+        loss: Any = None
+        for op in self.setup.loop:
+            if op == "F":
+                loss = self.model(batch)[0]
+            elif op == "Z":
+                self.opt.zero_grad()
+            elif op == "B":
+                loss.backward()
+            elif op == "S":
+                self.opt.step()
+            elif op == "L" and self.sched is not None:
+                self.sched.step()
+        return float(loss.detach())
+
+
+def _capture(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
+    state = capture_state(model, opt, full=True)
+    state.update({f"user.{k}": torch.tensor(float(v)) for k, v in _flat(user.state_dict())})
+    return state
+
+
+def _flat(x: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _flat(v, f"{prefix}{k}.")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _flat(v, f"{prefix}{i}.")
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield prefix, float(x)
+
+
+def _config(setup: Setup, uri: str) -> deck.DeckConfig:
+    return deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=setup.every,
+        full_every_steps=setup.full_every,
+        lease_ttl_s=None,
+    )
+
+
+def train_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
+    """The uninterrupted run with checkpoints: ``(live state at the restore point, losses of the
+    steps after it, state at the end)``, or ``("refused", class, message)``."""
+    model, opt, sched = build(setup, seed=1)
+    user = UserState(sched)
+    try:
+        ck = deck.enable(model, [opt], _config(setup, uri), state=user)
+    except DeckError as e:
+        return ("refused", type(e).__name__, str(e))
+    loop = Loop(setup, model, opt, sched, first=1)
+    target = setup.target()
+    live: dict[str, torch.Tensor] = {}
+    losses: list[float] = []
+    with ck:
+        for step in range(setup.steps + setup.more + 1):
+            if step:
+                loss = loop.step(step)
+                user.step = step
+                if step > target:
+                    losses.append(loss)
+            if step <= setup.steps:
+                ck.step(step)
+            if step == target:
+                live = _capture(model, opt, user)
+        if not ck.flush():
+            raise AssertionError("checkpoints did not commit")
+    return live, losses, _capture(model, opt, user)
+
+
+def restore_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
+    """A process that never trained this setup: build with other weights, restore the target
+    step, train on. ``(state right after the restore, losses, state at the end)``."""
+    model, opt, sched = build(setup, seed=2)
+    user = UserState(sched)
+    torch.manual_seed(1000 + rank)
+    try:
+        ck = deck.enable(model, [opt], _config(setup, uri), state=user)
+    except DeckError as e:
+        return ("refused", type(e).__name__, str(e))
+    target = setup.target()
+    with ck:
+        got = ck.restore(target)
+        if got != target:
+            raise AssertionError(f"restore({target}) returned {got}")
+        restored = _capture(model, opt, user)
+        loop = Loop(setup, model, opt, sched, first=target + 1)
+        losses = []
+        for step in range(target + 1, setup.steps + setup.more + 1):
+            losses.append(loop.step(step))
+            user.step = step
+    return restored, losses, _capture(model, opt, user)
+
+
+def compare(trained: list[Any], restored: list[Any]) -> list[str]:
+    """What differs between the ranks' results of the two phases (empty: exact)."""
+    problems: list[str] = []
+    refused_a = [r for r in trained if isinstance(r, tuple) and r and r[0] == "refused"]
+    if refused_a:
+        if len(refused_a) != len(trained) or len({r[1] for r in refused_a}) != 1:
+            problems.append(f"refused on some ranks only: {trained!r:.600}")
+        return problems
+    for rank, (a, b) in enumerate(zip(trained, restored, strict=True)):
+        if isinstance(b, tuple) and b and b[0] == "refused":
+            problems.append(f"rank {rank}: the restore's enable refused: {b}")
+            continue
+        bad = diff_states(a[0], b[0])
+        if bad:
+            problems.append(f"rank {rank}: {len(bad)} differ after the restore: {bad[:6]}")
+        if a[1] != b[1]:
+            problems.append(f"rank {rank}: losses differ: {a[1]} vs {b[1]}")
+        bad = diff_states(a[2], b[2])
+        if bad:
+            problems.append(f"rank {rank}: {len(bad)} differ after training on: {bad[:6]}")
+    return problems
+
+
+def pasteable(setup: Setup) -> str:
+    """``setup`` as a pinned example to paste into tests/trainer/test_differential.py."""
+    fields = {f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)}
+    return f"PINNED.append({Setup(**fields)!r})"
+
+
+def bare_phase(rank: int, world_size: int, setup: Setup) -> list[float]:
+    """The setup trained by TorchRec alone (no deck): its losses. A setup that fails here is
+    one TorchRec cannot train, not one deck got wrong."""
+    model, opt, sched = build(setup, seed=1)
+    loop = Loop(setup, model, opt, sched, first=1)
+    return [loop.step(step) for step in range(1, setup.steps + setup.more + 1)]

@@ -1,0 +1,57 @@
+"""What ``enable`` refuses on one rank is refused on every rank, before any rank enters a
+collective the refusing rank would never join (the writer lease's broadcast, DDP's bucket
+rebuild, the epoch, the stager's recovery): the refusing rank raises its own error, the others an
+error of the same class naming that rank, and nothing stays installed, so a later enable of a
+good setup works on the same process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import deck
+from deck.errors import DeckError, UnsupportedError
+from deck.testing.differential import Setup, build
+from deck.testing.dist_harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _one_rank_refuses(rank: int, world_size: int, root: str) -> None:
+    from torchrec.optim.keyed import OptimizerWrapper
+
+    class Stateful(OptimizerWrapper):  # a wrapper deck does not know: refused
+        pass
+
+    model, opt, _ = build(Setup(world_size=world_size), seed=1)
+    config = deck.DeckConfig(uri=f"{root}/run", delta_every_steps=1)
+    odd = world_size - 1
+    cases: list[tuple[Any, Any, type[BaseException], str]] = [
+        # (optimizers, state) on the odd rank; what the odd rank raises
+        (Stateful(opt), None, UnsupportedError, "OptimizerWrapper deck does not know"),
+        (opt, object(), TypeError, "state"),
+    ]
+    for bad_opt, bad_state, odd_error, odd_match in cases:
+        mine = (bad_opt, bad_state) if rank == odd else (opt, None)
+        with pytest.raises(Exception) as caught:
+            deck.enable(model, [mine[0]], config, state=mine[1])
+        if rank == odd:
+            assert isinstance(caught.value, odd_error), caught.value
+            assert odd_match in str(caught.value)
+        else:
+            expected = odd_error if issubclass(odd_error, DeckError) else DeckError
+            assert isinstance(caught.value, expected), caught.value
+            assert f"deck.enable failed on rank {odd}" in str(caught.value), caught.value
+    # The group is in step and nothing was left installed: a good setup enables and checkpoints.
+    dist.barrier()
+    with deck.enable(model, [opt], config) as ck:
+        assert ck.step(0) is not None
+        assert ck.flush()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(tmp_path: Path, world_size: int) -> None:
+    run_ranks(_one_rank_refuses, str(tmp_path), world_size=world_size)

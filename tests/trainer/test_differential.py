@@ -1,0 +1,233 @@
+"""The generative differential test: Hypothesis draws a TorchRec setup (collections, table sizes
+down to 1 row and empty row shards, fp32/fp16, pooling, weighted and shared features, a sharding
+type per table, a fused optimizer for all tables or one in-backward optimizer per table, the dense
+optimizer and TorchRec's wrappers, an LR scheduler, the loop order or TorchRec's train pipeline,
+1-4 ranks, checkpoint intervals, the restore point, eval forwards, dropout and BatchNorm), trains
+it with deck on real gloo ranks, restores in other processes into a fresh build and compares
+with the run that never stopped: the state right after the restore bitwise on every rank
+(weights, fused optimizer state and the TBE kernel's own hyperparameters, dense parameters,
+buffers and optimizer state, every param group, RNG, user state), the losses of the steps after
+it, and the state at the end. A setup deck refuses must be refused on every rank alike.
+
+CI runs a fixed number of examples with a fixed seed (``DECK_FUZZ_EXAMPLES``, default 60);
+``make fuzz`` runs many more with a random seed. A failing example prints itself as a line to
+paste into ``PINNED``; every setup pinned there runs on every CI run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, note, reject, settings
+from hypothesis import strategies as st
+
+from deck.testing.differential import (
+    FUSED,
+    IN_BACKWARD,
+    LOOP_ORDERS,
+    PIPELINE,
+    SHARDINGS_EBC,
+    SHARDINGS_EC,
+    SHARDINGS_FP,
+    Setup,
+    Table,
+    bare_phase,
+    compare,
+    pasteable,
+    restore_phase,
+    train_phase,
+)
+from deck.testing.rank_pool import RankFailure, RankPool
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("DECK_FUZZ_EXAMPLES", "60"))
+
+# Setups that once failed (or that an issue named), each run on every CI run.
+PINNED: list[Setup] = [
+    # Issue 32: CombinedOptimizer + StepLR in both common plain-loop orders: the fused kernel's
+    # rate lags param_groups by one zero_grad(); a restore must put back the kernel's own.
+    Setup(scheduler="steplr", loop="ZFBSL"),
+    Setup(scheduler="steplr", loop="FBSZL"),
+    Setup(scheduler="steplr", loop=PIPELINE),
+    Setup(wrapper="warmup", loop="ZFBSL"),
+    Setup(wrapper="warmup", loop="FBSZL"),
+    Setup(wrapper="warmup_clipping", loop=PIPELINE, world_size=4),
+    Setup(scheduler="lambdalr", loop="FBSZL", world_size=4, restore_at=2),
+    # Issue 32: two tables of one EBC read the same feature, one table_wise, one row_wise.
+    Setup(
+        tables=(
+            Table(feature="f0", sharding="table_wise"),
+            Table(feature="f0", sharding="row_wise"),
+        ),
+        scheduler="steplr",
+    ),
+    Setup(
+        tables=(
+            Table(feature="f0", sharding="table_wise"),
+            Table(feature="f0", sharding="row_wise"),
+            Table(feature="f1", sharding="column_wise"),
+        ),
+        loop=PIPELINE,
+        world_size=4,
+    ),
+]
+
+
+class Pools:
+    """One pool of ranks that trains and another that restores, per world size: the restoring
+    processes never trained the setup they restore."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[str, int], RankPool] = {}
+
+    def get(self, phase: str, world_size: int) -> RankPool:
+        pool = self.pools.get((phase, world_size))
+        if pool is None or pool.broken:
+            pool = self.pools[(phase, world_size)] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Pools]:
+    p = Pools()
+    yield p
+    p.close()
+
+
+def check(pools: Pools, setup: Setup, root: Path, drawn: bool = False) -> None:
+    """Run ``setup`` both ways and fail naming what differs and the setup as a pinned line. A
+    drawn setup that TorchRec cannot train without deck either is rejected (not an example)."""
+    uri = str(root / f"ex{len(list(root.iterdir()))}")
+    t0 = time.monotonic()
+    verdict = "ok"
+    problems: list[str] = []
+    try:
+        trained = pools.get("train", setup.world_size).run(train_phase, setup, uri)
+        if all(isinstance(r, tuple) and r and r[0] == "refused" for r in trained):
+            problems, verdict = compare(trained, trained), "refused"
+        else:
+            restored = pools.get("restore", setup.world_size).run(restore_phase, setup, uri)
+            problems = compare(trained, restored)
+    except RankFailure as e:
+        problems = [str(e)[-6000:]]
+        if drawn and _torchrec_alone_fails(pools, setup):
+            problems, verdict = [], "torchrec-fails"
+    _log(("FAIL" if problems else verdict), time.monotonic() - t0, setup)
+    assert not problems, "\n".join([*problems, "paste to pin:", pasteable(setup)])
+    if verdict == "torchrec-fails":
+        reject()
+
+
+def _torchrec_alone_fails(pools: Pools, setup: Setup) -> bool:
+    try:
+        pools.get("train", setup.world_size).run(bare_phase, setup)
+    except RankFailure:
+        return True
+    return False
+
+
+def _log(verdict: str, seconds: float, setup: Setup) -> None:
+    """One line per example when ``DECK_FUZZ_LOG`` names a file: how it ended, how long, what."""
+    log = os.environ.get("DECK_FUZZ_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{verdict}\t{seconds:.1f}s\t{setup!r}\n")
+
+
+@pytest.mark.parametrize("setup", PINNED, ids=[f"pinned{i}" for i in range(len(PINNED))])
+def test_pinned_setups_restore_exactly(pools: Pools, setup: Setup, tmp_path: Path) -> None:
+    check(pools, setup, tmp_path)
+
+
+# ---- the strategies --------------------------------------------------------------------------
+@st.composite
+def tables(draw: st.DrawFn) -> tuple[Table, ...]:
+    mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp"]))
+    n = draw(st.integers(1, 4))
+    out = []
+    for i in range(n):
+        coll = {"both": draw(st.sampled_from(["ebc", "ec"]))}.get(mode, mode)
+        rows = draw(st.sampled_from([1, 2, 3, 5, 16, 37]))
+        shardings = {"ebc": SHARDINGS_EBC, "ec": SHARDINGS_EC, "fp": SHARDINGS_FP}[coll]
+        sharding = draw(st.sampled_from(shardings))
+        # Column shards need 2 x 4 columns; an EmbeddingCollection's tables share one dim.
+        dim = 8 if sharding == "column_wise" or coll == "ec" else draw(st.sampled_from([4, 8]))
+        # EBC tables may share a feature; an EC's or a feature processor's are its own.
+        feature = f"f{draw(st.integers(0, n - 1))}" if coll == "ebc" else f"{coll}{i}"
+        out.append(
+            Table(
+                collection=coll,
+                rows=rows,
+                dim=dim,
+                feature=feature,
+                sharding=sharding,
+                fp16=draw(st.booleans()) and sharding != "data_parallel",
+                mean_pooling=coll != "ec" and draw(st.booleans()),
+                in_backward=draw(st.sampled_from(IN_BACKWARD)),
+            )
+        )
+    return tuple(out)
+
+
+@st.composite
+def setups(draw: st.DrawFn) -> Setup:
+    tabs = draw(tables())
+    loop = draw(st.sampled_from([*LOOP_ORDERS, PIPELINE]))
+    wrapper = draw(st.sampled_from(["dense", "combined", "clipping", "warmup", "warmup_clipping"]))
+    steps = draw(st.integers(2, 7))
+    every = draw(st.integers(1, 3))
+    checkpoints = [s for s in range(steps + 1) if s % every == 0]
+    return Setup(
+        tables=tabs,
+        world_size=draw(st.sampled_from([1, 2, 2, 2, 3, 4])),
+        fused=draw(st.sampled_from([*FUSED, "in_backward"])),
+        weighted=any(t.collection == "ebc" for t in tabs) and draw(st.booleans()),
+        dense_optimizer=draw(st.sampled_from(["sgd", "adam", "adagrad"])),
+        wrapper=wrapper,
+        scheduler="none"
+        if wrapper.startswith("warmup")
+        else draw(st.sampled_from(["none", "steplr", "lambdalr"])),
+        loop=loop,
+        steps=steps,
+        every=every,
+        full_every=draw(st.sampled_from([None, every * 2])),
+        restore_at=draw(st.sampled_from([None, *checkpoints])),
+        more=draw(st.integers(1, 3)),
+        eval_every=0 if loop == PIPELINE else draw(st.sampled_from([0, 0, 1, 2])),
+        dropout=draw(st.booleans()),
+        batchnorm=draw(st.booleans()),
+        batch=draw(st.integers(2, 5)),
+    )
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=os.environ.get("DECK_FUZZ_RANDOM") != "1",
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+    ],
+    database=None,
+    # No shrinking: every example costs real processes (a failure also restarts the pools), and
+    # the failing setup prints itself as a pinned line anyway.
+    phases=(Phase.explicit, Phase.generate),
+)
+@given(setup=setups())
+def test_drawn_setups_restore_exactly_or_are_refused_everywhere(
+    pools: Pools, setup: Setup, tmp_path: Path
+) -> None:
+    note(pasteable(setup))
+    root = tmp_path / "fuzz"
+    root.mkdir(exist_ok=True)
+    check(pools, setup, root, drawn=True)
