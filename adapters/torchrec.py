@@ -376,7 +376,13 @@ class TorchRecAdapter(ModelAdapter):
                 leaf.zero_grad()
 
     def pin_reduction_order(self) -> None:
-        for ddp in (m for m in self.model.modules() if isinstance(m, DistributedDataParallel)):
+        # The dense part's DDP is a submodule; a data_parallel lookup's DDP is not (sharded
+        # collections keep their lookups in a plain list), yet its gradient sum depends on its
+        # bucket layout just the same. Every rank walks them in the same order.
+        found = [m for m in self.model.modules() if isinstance(m, DistributedDataParallel)]
+        for module in self.sharded_modules().values():
+            found += [m for m in called_lookups(module) if isinstance(m, DistributedDataParallel)]
+        for ddp in {id(d): d for d in found}.values():
             _pin_buckets(ddp)
 
     # ---- tracking --------------------------------------------------------------------------

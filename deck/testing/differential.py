@@ -33,7 +33,9 @@ LOOP_ORDERS = ("ZFBSL", "FZBSL", "FBSZL", "LZFBS", "LFZBS", "LFBSZ")
 PIPELINE = "pipeline"  # TorchRec's TrainPipelineSparseDist (zero_grad, forward, backward, step)
 
 SHARDINGS_EBC = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
-SHARDINGS_EC = ("table_wise", "row_wise", "column_wise", "data_parallel")
+# TorchRec 1.8's sharded EmbeddingCollection fails on CPU without deck with a data_parallel
+# table ("split_with_sizes expects split_sizes to sum exactly to ..." in its output dist).
+SHARDINGS_EC = ("table_wise", "row_wise", "column_wise")
 SHARDINGS_FP = ("table_wise", "row_wise", "column_wise")
 FUSED = (
     "EXACT_SGD",
@@ -511,7 +513,7 @@ def compare(trained: list[Any], restored: list[Any]) -> list[str]:
         bad = diff_states(a[0], b[0])
         if bad:
             problems.append(f"rank {rank}: {len(bad)} differ after the restore: {bad[:6]}")
-        if a[1] != b[1]:
+        if [x.hex() for x in a[1]] != [x.hex() for x in b[1]]:  # bitwise; nan equals nan
             problems.append(f"rank {rank}: losses differ: {a[1]} vs {b[1]}")
         bad = diff_states(a[2], b[2])
         if bad:

@@ -51,7 +51,7 @@ import xxhash
 
 from deck.adapters.base import ModelAdapter, TableShard
 from deck.config import StagingConfig
-from deck.errors import CheckpointError, DeckError
+from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format.manifest import Kind
 from deck.read.lineage import needs_new_full
@@ -163,6 +163,10 @@ class ChainWriter:
     parent: tuple[int, str] | None = None  # the last committed (step, id) a delta builds on
     base: int | None = None  # step of the full the chain starts from
     history: list[CheckpointStats] = field(default_factory=list)
+    # The newest step this process saved (or restored) on this chain: steps only go forward.
+    newest: int | None = None
+    restored: int | None = None  # the step the last restore loaded
+    flushed: int = 0  # entries of ``history`` a flush has reported on
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
     # Dense tensors found to differ across ranks: saved by every rank, hashed at every checkpoint
     rank_local: set[str] = field(default_factory=set)
@@ -174,8 +178,19 @@ class ChainWriter:
         part is staged (``staging.release``); None when skipped for a full spool. Raises
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
+        if self.newest is not None and step < self.newest:
+            # Caught here, not by the manifest's checks in the background (where it failed
+            # while flush() still said all was well).
+            raise ConfigError(
+                f"{self.label} of step {step} at {self.storage.uri}: this process already "
+                f"{'restored' if self.newest == self.restored else 'checkpointed'} step "
+                f"{self.newest}, and steps only go forward; to go back, restore({step}) (or an "
+                "older step) first"
+            )
         with gc_paused(), self.stager.stall():
-            return self._save(kind, step)
+            stats = self._save(kind, step)
+        self.newest = step
+        return stats
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         t0, arrived = time.perf_counter(), time.time()
@@ -493,6 +508,15 @@ class ChainWriter:
                 step, cid = int(rows[r, 2 * i]), int(rows[r, 2 * i + 1])
                 if step >= 0:
                     self.stager.abandon(step, f"{cid:016x}", f"rank {r}'s part failed")
+
+    def failed_since_last_report(self, settled: bool) -> bool:
+        """Whether a checkpoint of this chain saved since the last report failed (its part on
+        this rank, or rank 0's commit). ``settled``: the stager was flushed, so every one of
+        them has its outcome and they count as reported; otherwise the next call looks again."""
+        fresh = self.history[self.flushed :]
+        if settled:
+            self.flushed = len(self.history)
+        return any(s.state == "failed" for s in fresh)
 
     def exchange_failures(self, timeout: float | None) -> None:
         """Collective: once every rank other than 0 has finished (or failed) its parts, rank 0

@@ -344,7 +344,9 @@ class DeltaCheckpointer:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every staged checkpoint is committed (or failed), on every rank: when it
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
-        Returns False if any rank timed out."""
+        Returns True only if every checkpoint taken since the last flush committed: False if
+        any rank timed out or any of them failed (``history`` says which and why; a failed
+        publish is logged, it does not count)."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -354,6 +356,9 @@ class DeltaCheckpointer:
         for chain in chains:
             chain.exchange_failures(left())
         done = all([chain.stager.flush(left()) for chain in chains])
+        # Publishes are best effort (a failed one is logged and the next is a full): only a
+        # checkpoint that did not commit makes the flush report failure.
+        done = not self._ckpt.failed_since_last_report(done) and done
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)
 
@@ -401,6 +406,9 @@ class DeltaCheckpointer:
             self._pub.parent = None
             self._pub.epoch += 1
         self._ckpt.parent, self._ckpt.base, self._ckpt.epoch = done.parent, done.base, done.epoch
+        self._ckpt.newest = self._ckpt.restored = done.step
+        if self._pub is not None:
+            self._pub.newest = None  # a new epoch of the publish stream may go back in steps
         for chain in self._chains:
             chain.unsettle()  # the first checkpoint after a restore agrees before its snapshot
         self._last_step = done.step

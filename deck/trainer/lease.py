@@ -92,6 +92,13 @@ class Lease:
         held = self.read()
         while not self._takeable(held):
             assert held is not None
+            if held.host == socket.gethostname() and held.pid == os.getpid():
+                raise LeaseHeldError(
+                    f"{self.storage.uri} is already being written by this process (pid "
+                    f"{held.pid}): another deck checkpointer on it is still open. close() it (or "
+                    "use `with deck.enable(...)`) before enabling deck again on this URI, or use "
+                    "another URI"
+                )
             if time.monotonic() >= deadline:
                 raise self._held_error(held)
             logger.warning(

@@ -199,7 +199,9 @@ class StateLoader:
         at = manifests.get(target)
         key = (at.epoch, at.step) if at is not None else (float("inf"), target)
         skipped = [f"step {target}: {error}"]
-        for m in (m for m in order if (m.epoch, m.step) <= key):
+        # Never newer than asked: a rollback must not land on the data it was meant to escape
+        # (a target removed by retention has no epoch to compare: its step still bounds).
+        for m in (m for m in order if (m.epoch, m.step) <= key and m.step <= target):
             try:
                 found = best_valid_chain(self.storage, m.step, manifests=manifests)
             except CheckpointNotFoundError as e:

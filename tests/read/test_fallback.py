@@ -4,6 +4,7 @@ valid chain, bitwise; a trainer whose last chain was broken takes a new full nex
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,16 @@ def _job(rank: int, world_size: int, root: str) -> None:
     got, (_, state) = _restore(config, None)
     assert got == 25
     assert not diff_states(live[25], state)
+
+    # Step 10 removed (as retention would): a fallback from it goes to an older step, never to
+    # a newer one (25 is committed and valid, yet newer than asked).
+    if rank == 0:
+        shutil.rmtree(Path(uri) / "step-000000000010")
+    dist.barrier()
+    got, (stats, state) = _restore(config, 10, allow_fallback=True)
+    assert got == 5, got
+    assert stats.fallback and "instead of step 10" in stats.fallback, stats.fallback
+    assert not diff_states(live[5], state)
 
 
 def test_fallback_and_new_full(tmp_path: Path) -> None:

@@ -132,3 +132,39 @@ def _close_fails(rank: int, world_size: int, root: str) -> None:
 
 def test_close_gives_everything_back_when_its_flush_raises(tmp_path: Path) -> None:
     run_ranks(_close_fails, str(tmp_path), world_size=1)
+
+
+def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
+    from deck.errors import ConfigError
+
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=2)
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(5):
+            if step:
+                train_step(model, opt, SPEC, step)
+            ck.step(step)
+        # An older step than the one already checkpointed is refused at the call, naming the
+        # way back (it used to fail in the background while flush() still returned True).
+        with pytest.raises(ConfigError, match=r"step 2 .*already checkpointed step 4.*restore"):
+            ck.step(2)
+        with pytest.raises(ConfigError, match="steps only go forward"):
+            ck.save("full", step=3)
+        assert ck.flush()
+        assert [(h.step, h.state) for h in ck.history] == [
+            (0, "committed"),
+            (2, "committed"),
+            (4, "committed"),
+        ]
+        # A rollback is a restore; from there the chain goes forward again.
+        assert ck.restore(2) == 2
+        with pytest.raises(ConfigError, match="already restored step 2"):
+            ck.save("delta", step=1)
+        train_step(model, opt, SPEC, 3)
+        assert ck.save("delta", step=3) is not None
+        assert ck.flush()
+    assert {c.step for c in deck.list_checkpoints(f"{root}/ck")} == {0, 2, 3, 4}
+
+
+def test_a_step_older_than_the_last_checkpoint_is_refused_at_the_call(tmp_path: Path) -> None:
+    run_ranks(_steps_go_forward, str(tmp_path), world_size=1)

@@ -48,32 +48,91 @@ pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("DECK_FUZZ_EXAMPLES", "60"))
 
 # Setups that once failed (or that an issue named), each run on every CI run.
+SHARED_FEATURE = (  # two tables of one EBC read one feature under different sharding types
+    Table(feature="f0", sharding="table_wise"),
+    Table(feature="f0", sharding="row_wise"),
+    Table(feature="f1", sharding="column_wise"),
+)
 PINNED: list[Setup] = [
-    # Issue 32: CombinedOptimizer + StepLR in both common plain-loop orders: the fused kernel's
-    # rate lags param_groups by one zero_grad(); a restore must put back the kernel's own.
-    Setup(scheduler="steplr", loop="ZFBSL"),
-    Setup(scheduler="steplr", loop="FBSZL"),
-    Setup(scheduler="steplr", loop=PIPELINE),
-    Setup(wrapper="warmup", loop="ZFBSL"),
-    Setup(wrapper="warmup", loop="FBSZL"),
+    # Issue 32: CombinedOptimizer + StepLR (and TorchRec's warmup) in every loop order and through
+    # the pipeline, on 2 and 4 ranks: where zero_grad() follows the forward, the fused kernel's
+    # rate lags param_groups by one schedule step, and a restore must give back the kernel's own.
+    *(
+        Setup(scheduler="steplr", loop=loop, world_size=ws)
+        for loop in (*LOOP_ORDERS, PIPELINE)
+        for ws in (2, 4)
+    ),
+    *(Setup(wrapper="warmup", loop=loop) for loop in (*LOOP_ORDERS, PIPELINE)),
     Setup(wrapper="warmup_clipping", loop=PIPELINE, world_size=4),
     Setup(scheduler="lambdalr", loop="FBSZL", world_size=4, restore_at=2),
-    # Issue 32: two tables of one EBC read the same feature, one table_wise, one row_wise.
+    # Found by the fuzzer: with 3 ranks, a data_parallel table's dense optimizer state (SGD
+    # momentum) differed in the last bits after training on: the DDP inside a data_parallel
+    # lookup is no submodule of the model, so its gradient buckets were not pinned at enable.
     Setup(
         tables=(
-            Table(feature="f0", sharding="table_wise"),
-            Table(feature="f0", sharding="row_wise"),
+            Table(
+                collection="ebc",
+                rows=3,
+                dim=8,
+                feature="f3",
+                sharding="row_wise",
+                fp16=False,
+                mean_pooling=False,
+                in_backward="Adagrad",
+            ),
+            Table(
+                collection="ebc",
+                rows=1,
+                dim=8,
+                feature="f3",
+                sharding="data_parallel",
+                fp16=False,
+                mean_pooling=True,
+                in_backward="SGD",
+            ),
+            Table(
+                collection="ebc",
+                rows=37,
+                dim=8,
+                feature="f3",
+                sharding="table_wise",
+                fp16=False,
+                mean_pooling=True,
+                in_backward="RowWiseAdagrad",
+            ),
+            Table(
+                collection="ebc",
+                rows=3,
+                dim=4,
+                feature="f1",
+                sharding="data_parallel",
+                fp16=False,
+                mean_pooling=False,
+                in_backward="SGD",
+            ),
         ),
-        scheduler="steplr",
+        world_size=3,
+        fused="EXACT_SGD",
+        weighted=True,
+        dense_optimizer="sgd",
+        wrapper="warmup_clipping",
+        scheduler="none",
+        loop="LFBSZ",
+        steps=5,
+        every=3,
+        full_every=None,
+        restore_at=3,
+        more=3,
+        eval_every=0,
+        dropout=False,
+        batchnorm=True,
+        batch=4,
     ),
-    Setup(
-        tables=(
-            Table(feature="f0", sharding="table_wise"),
-            Table(feature="f0", sharding="row_wise"),
-            Table(feature="f1", sharding="column_wise"),
-        ),
-        loop=PIPELINE,
-        world_size=4,
+    # Issue 32: one rank refused the shared feature while the other went into a collective.
+    *(
+        Setup(tables=SHARED_FEATURE, scheduler="steplr", loop=loop, world_size=ws)
+        for loop in ("ZFBSL", "FBSZL", PIPELINE)
+        for ws in (2, 4)
     ),
 ]
 
@@ -149,16 +208,33 @@ def test_pinned_setups_restore_exactly(pools: Pools, setup: Setup, tmp_path: Pat
 
 
 # ---- the strategies --------------------------------------------------------------------------
+def _no_empty_shard(rows: int, world_size: int) -> bool:
+    """Whether TorchRec's row-wise split (blocks of ceil(rows / world_size)) leaves every rank
+    some rows."""
+    block = -(-rows // world_size)
+    return -(-rows // block) == world_size
+
+
 @st.composite
-def tables(draw: st.DrawFn) -> tuple[Table, ...]:
+def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
     mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp"]))
     n = draw(st.integers(1, 4))
     out = []
     for i in range(n):
         coll = {"both": draw(st.sampled_from(["ebc", "ec"]))}.get(mode, mode)
-        rows = draw(st.sampled_from([1, 2, 3, 5, 16, 37]))
         shardings = {"ebc": SHARDINGS_EBC, "ec": SHARDINGS_EC, "fp": SHARDINGS_FP}[coll]
         sharding = draw(st.sampled_from(shardings))
+        # fbgemm-gpu-cpu 1.8 cannot train a row shard without rows ("weights[0] must be a GPU
+        # or MTIA tensor", TorchRec alone), so a row-wise table has rows on every rank.
+        rows = draw(
+            st.sampled_from(
+                [
+                    r
+                    for r in (1, 2, 3, 5, 16, 37)
+                    if "row_wise" not in sharding or _no_empty_shard(r, world_size)
+                ]
+            )
+        )
         # Column shards need 2 x 4 columns; an EmbeddingCollection's tables share one dim.
         dim = 8 if sharding == "column_wise" or coll == "ec" else draw(st.sampled_from([4, 8]))
         # EBC tables may share a feature; an EC's or a feature processor's are its own.
@@ -171,7 +247,9 @@ def tables(draw: st.DrawFn) -> tuple[Table, ...]:
                 feature=feature,
                 sharding=sharding,
                 fp16=draw(st.booleans()) and sharding != "data_parallel",
-                mean_pooling=coll != "ec" and draw(st.booleans()),
+                # A position-weighted EBC with mean pooling diverges to inf within 3 steps in
+                # TorchRec alone on CPU (1.8): a test of nothing.
+                mean_pooling=coll == "ebc" and draw(st.booleans()),
                 in_backward=draw(st.sampled_from(IN_BACKWARD)),
             )
         )
@@ -180,7 +258,8 @@ def tables(draw: st.DrawFn) -> tuple[Table, ...]:
 
 @st.composite
 def setups(draw: st.DrawFn) -> Setup:
-    tabs = draw(tables())
+    world_size = draw(st.sampled_from([1, 2, 2, 2, 3, 4]))
+    tabs = draw(tables(world_size))
     loop = draw(st.sampled_from([*LOOP_ORDERS, PIPELINE]))
     wrapper = draw(st.sampled_from(["dense", "combined", "clipping", "warmup", "warmup_clipping"]))
     steps = draw(st.integers(2, 7))
@@ -188,9 +267,10 @@ def setups(draw: st.DrawFn) -> Setup:
     checkpoints = [s for s in range(steps + 1) if s % every == 0]
     return Setup(
         tables=tabs,
-        world_size=draw(st.sampled_from([1, 2, 2, 2, 3, 4])),
+        world_size=world_size,
         fused=draw(st.sampled_from([*FUSED, "in_backward"])),
-        weighted=any(t.collection == "ebc" for t in tabs) and draw(st.booleans()),
+        # One KJT feeds every collection, and an EmbeddingCollection takes no per-id weights.
+        weighted=all(t.collection == "ebc" for t in tabs) and draw(st.booleans()),
         dense_optimizer=draw(st.sampled_from(["sgd", "adam", "adagrad"])),
         wrapper=wrapper,
         scheduler="none"

@@ -89,8 +89,12 @@ SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16)
 def _two_trainers(rank: int, world_size: int, uri: str) -> None:
     model, opt = build_model(SPEC)
     first = deck.enable(model, [opt], deck.DeckConfig(uri=uri))
-    with pytest.raises(LeaseHeldError):
+    t0 = time.monotonic()
+    # A second enable in the same process is refused at once (not after the lease's 60 s wait),
+    # naming this process rather than "another trainer".
+    with pytest.raises(LeaseHeldError, match="this process" if rank == 0 else "lease"):
         deck.enable(model, [opt], deck.DeckConfig(uri=uri))
+    assert time.monotonic() - t0 < 45
     first.close()
     deck.enable(model, [opt], deck.DeckConfig(uri=uri)).close()
 
