@@ -159,10 +159,11 @@ def _verify_targets(
 
 def cmd_verify(a: argparse.Namespace) -> int:
     """``deck verify``: re-read every file of the chosen checkpoints and check its size and
-    checksum; exit 1 when any has a problem or a damaged commit record. ``--quarantine`` also
-    records each damaged checkpoint, so restores and the merger avoid it."""
+    checksum; exit 1 when any has a problem, a damaged commit record or a file that could not
+    be read. ``--quarantine`` also records each damaged checkpoint, so restores and the merger
+    avoid it: only damage that reads back a second time, never a read error."""
     from deck.read.catalog import quarantine, read_manifests
-    from deck.read.verify import verify_checkpoint
+    from deck.read.verify import confirmed_damage, verify_checkpoint
 
     storage = open_storage(a.uri, a.storage_options)
     manifests = read_manifests(storage)
@@ -181,14 +182,24 @@ def cmd_verify(a: argparse.Namespace) -> int:
         report = verify_checkpoint(storage, m, progress=bar.update if bar else None)
         if bar:
             bar.close()
-        status = "ok" if not report.problems else f"{len(report.problems)} problem(s)"
+        status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        if report.unreadable:
+            status += f", {len(report.unreadable)} file(s) unreadable"
         print(f"{label}: {report.files} files, {human(report.bytes)}: {status}")
         for p in report.problems:
             print(f"  BAD {p}")
+        for p in report.unreadable:
+            print(f"  UNREADABLE {p}")
+        if report.unreadable:
+            print("  a read error is not damage: this checkpoint is kept; verify it again")
         if report.problems and a.quarantine:
-            quarantine(storage, m, report.problems[0])
-            print("  quarantined: restores and the merger will not use it")
-        bad += bool(report.problems)
+            proven = confirmed_damage(storage, m, report)
+            if proven.problems:
+                quarantine(storage, m, proven.problems[0])
+                print("  quarantined: restores and the merger will not use it")
+            else:
+                print("  not quarantined: the damage did not read back a second time")
+        bad += not report.ok
     print(
         f"verified {len(targets) + len(damaged)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; "
         f"{bad} with problems"

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.manifest import QUARANTINE_ROOT, CheckpointManifest, Kind
 from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.storage import Storage, open_storage
@@ -383,7 +383,7 @@ def best_valid_chain(
     :class:`deck.errors.CorruptCheckpointError`. Raises :class:`CheckpointNotFoundError` naming
     the damaged checkpoints when no valid chain is left.
     """
-    from deck.read.verify import verify_checkpoint
+    from deck.read.verify import confirmed_damage, verify_checkpoint
 
     manifests = manifests if manifests is not None else read_manifests(storage)
     graph = LineageGraph(manifests, storage.uri)
@@ -403,7 +403,14 @@ def best_valid_chain(
         for m in chain:
             if m.id in verified:
                 continue
-            report = verify_checkpoint(storage, m)
+            report = confirmed_damage(storage, m, verify_checkpoint(storage, m))
+            if report.unreadable and not report.problems:
+                # Unknown is not damage: no fallback, no quarantine; the caller retries.
+                raise StorageError(
+                    f"restore of step {step}: checkpoint {m.id} ({m.folder}) could not be read: "
+                    f"{report.unreadable[0]}. A read error is not damage: nothing was "
+                    "quarantined; retry once the storage answers"
+                )
             if report.problems:
                 bad = m
                 rejected[m.id] = report.problems

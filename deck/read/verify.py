@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from deck.errors import DeckError, NotFoundError
+from deck.errors import CorruptCheckpointError, DeckError, NotFoundError, StorageError
 from deck.format.chunks import decode_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest
 from deck.read.catalog import checkpoint_label, read_rank_manifests
@@ -16,12 +16,28 @@ from deck.storage import Storage
 
 @dataclass
 class VerifyReport:
-    """Result of verifying one checkpoint: files checked and the problems found (file + cause)."""
+    """Result of verifying one checkpoint: files checked, the damage found (``problems``: file
+    + cause) and what could not be read (``unreadable``: a read error is not damage; what it
+    hides is unknown, so it is kept and never quarantined)."""
 
     step: int
     files: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every file read and intact."""
+        return not self.problems and not self.unreadable
+
+    def note(self, error: DeckError) -> None:
+        """File ``error`` as damage (a checksum, size or record that does not match, a file
+        missing or of the wrong kind) or as a read error (permission, I/O, timeout)."""
+        damage = isinstance(error, CorruptCheckpointError | NotFoundError) or not isinstance(
+            error, StorageError
+        )
+        (self.problems if damage else self.unreadable).append(str(error))
 
 
 def verify_checkpoint(
@@ -34,7 +50,7 @@ def verify_checkpoint(
     try:
         parts = read_rank_manifests(storage, m)
     except DeckError as e:
-        report.problems.append(str(e))
+        report.note(e)
         return report
     root = m.folder
     for part in parts:
@@ -56,11 +72,11 @@ def verify_checkpoint(
                             decode_chunk(data, c, where, allow_quantized=True, shard=rec)
                             report.bytes += len(data)
                         except DeckError as e:
-                            report.problems.append(str(e))
+                            report.note(e)
                         if progress:
                             progress(c.nbytes)
                 except DeckError as e:
-                    report.problems.append(str(e))
+                    report.note(e)
                     if progress:
                         progress(sum(c.nbytes for c in chunks[seen:]))
                 report.files += 1
@@ -74,9 +90,18 @@ def verify_checkpoint(
                 # What a restore checks: size, checksum, and a state tree it can read.
                 decode_state_file(data, f, f"{storage.describe(key)} ({checkpoint_label(m)})")
             except DeckError as e:
-                report.problems.append(str(e))
+                report.note(e)
             report.files += 1
     return report
+
+
+def confirmed_damage(storage: Storage, m: CheckpointManifest, report: VerifyReport) -> VerifyReport:
+    """Damage is proven only when it reads back: ``m`` (whose ``report`` found problems) is
+    verified a second time, and only what that finds counts. Quarantine on the returned report's
+    ``problems``, never on ``unreadable``."""
+    if not report.problems:
+        return report
+    return verify_checkpoint(storage, m)
 
 
 def check_files(

@@ -107,3 +107,57 @@ def test_short_and_failed_reads_are_errors_naming_the_file(pristine: Path) -> No
     with pytest.raises(StorageError, match=chunk.replace(".", r"\.")):
         restore_step(failing, 2)
     assert failing.gets > 1
+
+
+def test_a_read_error_is_not_damage_and_damage_is_quarantined_only_when_it_reads_back(
+    tmp_path: Path, pristine: Path
+) -> None:
+    """A chunk unreadable for a moment (a permission error, EIO or a timeout: a StorageError)
+    makes the checkpoint unknown, never damaged: verify reports it as unreadable, and the
+    fallback's verification raises instead of quarantining (the playbook's `verify --all
+    --quarantine` then GC used to delete the intact step and every one after it). Damage seen
+    once but not when read again is not quarantined either; damage that reads back is."""
+    from deck.read.lineage import best_valid_chain
+    from deck.read.verify import confirmed_damage
+
+    root = tmp_path / "ck"
+    shutil.copytree(pristine, root)
+    m = read_manifests(LocalStorage(root))[2]
+    chunk = next(f for f in _files(root) if f.endswith(".chunk") and m.folder in f)
+
+    glitch = FaultyStorage(LocalStorage(root), fail_get=lambda key, n: key == chunk)
+    report = verify_checkpoint(glitch, m)
+    assert not report.ok and report.problems == [] and chunk in report.unreadable[0]
+    with pytest.raises(StorageError, match="(?i)a read error is not damage"):
+        best_valid_chain(glitch, 2, record=True)
+    assert not read_manifests(LocalStorage(root)).quarantined
+    assert verify_checkpoint(LocalStorage(root), m).ok  # after the glitch: intact
+
+    # A short read of the first get only: damage once, not on the second read.
+    once = FaultyStorage(LocalStorage(root))
+    once.get = _short_first_read(once.get, chunk)  # type: ignore[method-assign]
+    first = verify_checkpoint(once, m)
+    assert first.problems and not confirmed_damage(once, m, first).problems
+
+    # A flipped byte reads back: proven, and the fallback quarantines it.
+    data = bytearray((root / chunk).read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    (root / chunk).write_bytes(bytes(data))
+    storage = LocalStorage(root)
+    assert confirmed_damage(storage, m, verify_checkpoint(storage, m)).problems
+    with pytest.raises(CheckpointNotFoundError):
+        best_valid_chain(storage, 2, record=True)
+    assert list(read_manifests(storage).quarantined) == [m.id]
+
+
+def _short_first_read(get, key: str):  # type: ignore[no-untyped-def]
+    seen = []
+
+    def short(path: str, start: int = 0, end: int | None = None) -> bytes:
+        data = get(path, start, end)
+        if path == key and not seen:
+            seen.append(path)
+            return data[:-1]
+        return data
+
+    return short

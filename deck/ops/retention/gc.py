@@ -222,7 +222,8 @@ class _Collector:
         from deck.read.verify import check_files, verify_checkpoint
 
         if self.policy.verify_replacements:
-            return verify_checkpoint(self.storage, m).problems
+            report = verify_checkpoint(self.storage, m)
+            return report.problems + report.unreadable  # what cannot be read holds too
         return check_files(self.storage, m, listing)
 
     def _label(self, cid: str) -> str:
