@@ -161,3 +161,31 @@ def _short_first_read(get, key: str):  # type: ignore[no-untyped-def]
         return data
 
     return short
+
+
+def test_verify_reads_a_state_file_no_further_than_its_record(
+    tmp_path: Path, pristine: Path
+) -> None:
+    """A dense state file replaced by a huge (sparse) one is damage found after reading its
+    record's size + 1 bytes, not the whole file (3 GiB took 3.4 GB and died under a 2 GiB
+    limit)."""
+    root = tmp_path / "ck"
+    shutil.copytree(pristine, root)
+    storage = LocalStorage(root)
+    m = read_manifests(storage)[2]
+    dense = next(root.glob(f"{m.folder}/**/dense.safetensors"))
+    with open(dense, "r+b") as f:
+        f.truncate(3 * 2**30)  # sparse: no disk used
+    asked: list[tuple[int, int | None]] = []
+    spy = FaultyStorage(storage)
+    inner_get = spy.get
+
+    def get(path: str, start: int = 0, end: int | None = None) -> bytes:
+        if path.endswith("dense.safetensors"):
+            asked.append((start, end))
+        return inner_get(path, start, end)
+
+    spy.get = get  # type: ignore[method-assign]
+    report = verify_checkpoint(spy, m)
+    assert any("dense.safetensors" in p for p in report.problems), report.problems
+    assert asked and all(end is not None and end < 2**20 for _, end in asked), asked
