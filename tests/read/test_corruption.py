@@ -128,7 +128,7 @@ def test_a_read_error_is_not_damage_and_damage_is_quarantined_only_when_it_reads
     glitch = FaultyStorage(LocalStorage(root), fail_get=lambda key, n: key == chunk)
     report = verify_checkpoint(glitch, m)
     assert not report.ok and report.problems == [] and chunk in report.unreadable[0]
-    with pytest.raises(StorageError, match="(?i)a read error is not damage"):
+    with pytest.raises(StorageError, match=r"(?i)a read error is not damage"):
         best_valid_chain(glitch, 2, record=True)
     assert not read_manifests(LocalStorage(root)).quarantined
     assert verify_checkpoint(LocalStorage(root), m).ok  # after the glitch: intact
