@@ -34,10 +34,16 @@ test: $(STAMP)
 
 # The generative differential test with a random seed and many more examples than CI's fixed
 # budget; a failure prints the setup as a line to paste into the test's PINNED list.
+# FUZZ_SEED=N repeats a run.
 FUZZ_EXAMPLES ?= 500
+ifndef FUZZ_SEED
+FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 fuzz: $(STAMP)
+	@echo "make fuzz: $(FUZZ_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
 	DECK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
-		tests/trainer/test_differential.py -k drawn --hypothesis-show-statistics
+		tests/trainer/test_differential.py -k drawn --hypothesis-show-statistics \
+		--hypothesis-seed=$(FUZZ_SEED)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
