@@ -64,7 +64,6 @@ def capture(setup: DoctorSetup) -> Captured:
     fused = getattr(model, "fused_optimizer", None)
     if fused is not None:
         _optimizer(fused, "fused", FUSED_STATE, FUSED_HYPER, out)
-    if fused is not None:
         for i, tbe in enumerate(fused_kernels(fused)):
             # The fused backward reads its rate and optimizer arguments from fbgemm's TBE, not
             # from param_groups (TorchRec copies the lr in only at zero_grad()/step()).

@@ -62,7 +62,7 @@ class Coordinator:
         into a collective the others will never join. The rank that failed raises its own
         error; the others a :class:`deck.errors.DeckError` of the same class (when it is one)
         naming that rank and its message."""
-        mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
+        mine = b"" if error is None else f"{type(error).__name__}\n{str(error)[:4000]}".encode()
         failed = [(r, m) for r, m in enumerate(self.gather_bytes(mine)) if m]
         if error is not None:
             raise error
