@@ -142,11 +142,6 @@ class ModelAdapter(abc.ABC):
         step on; ``where`` names the checkpoint in errors."""
         return None
 
-    def dense_buffers(self) -> set[str]:
-        """Keys of :meth:`dense_state` that are buffers (not parameters): state that data
-        parallelism does not keep equal across ranks (e.g. BatchNorm running statistics)."""
-        return set()
-
     def pin_reduction_order(self) -> None:
         """Collective, before the first training step: fix the order in which gradients are
         summed across ranks, so a process started from a restore sums them exactly as the run

@@ -91,7 +91,6 @@ class TorchRecAdapter(ModelAdapter):
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
-        self._buffers: set[str] | None = None  # dense_buffers(), read once
         # table_shards() and dense_state(), with the generation of the model's tensors they were
         # read in: reused while no tensor moved (a state_dict walk would sit in every stall)
         self._slots: TensorSlots | None = None
@@ -295,14 +294,6 @@ class TorchRecAdapter(ModelAdapter):
             }
             self._dense = (key, dense)
         return dict(self._dense[1])
-
-    def dense_buffers(self) -> set[str]:
-        # Read once: a state_dict walk per checkpoint would sit in the stall. A persistent buffer
-        # registered later is still compared at every full (fulls hash every dense tensor).
-        if self._buffers is None:
-            sd = self.model.state_dict(keep_vars=True)  # parameters stay nn.Parameter
-            self._buffers = {k for k, v in sd.items() if type(v) is torch.Tensor}
-        return self._buffers
 
     def optimizers(self, optimizers: object) -> Optimizers:
         fused = {id(o) for o in flatten(self.model.fused_optimizer)}

@@ -76,7 +76,9 @@ class Setup:
     weighted: bool = False  # EBC tables read per-id weights
     dense_optimizer: str = "adam"  # "sgd" | "adam" | "adagrad"
     wrapper: str = "combined"  # "dense" | "combined" | "clipping" | "warmup" | "warmup_clipping"
-    scheduler: str = "none"  # "none" | "steplr" | "lambdalr"
+    # "none" | "steplr" | "lambdalr" | "plateau": ReduceLROnPlateau stepped with each rank's own
+    # loss, so the ranks' rates, and then their dense parameters, drift apart
+    scheduler: str = "none"
     loop: str = "ZFBSL"  # one of LOOP_ORDERS, or PIPELINE
     steps: int = 6
     every: int = 2
@@ -349,6 +351,8 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     elif setup.scheduler == "lambdalr":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / math.sqrt(i + 1))
+    elif setup.scheduler == "plateau":
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
     return model, opt, sched
 
 
@@ -391,8 +395,7 @@ class Loop:
     def step(self, step: int) -> float:
         if self.pipeline is not None:
             loss = float(self.pipeline.progress(self.it)[0])
-            if self.sched is not None:
-                self.sched.step()
+            self._schedule(loss)
         else:
             loss = self._plain(step)
         if self.setup.eval_every and step % self.setup.eval_every == 0:
@@ -401,6 +404,14 @@ class Loop:
                 self.model(make_batch(self.setup, 10_000 + step, self.rank))
             self.model.train()
         return loss
+
+    def _schedule(self, loss: float | None) -> None:
+        if self.sched is None:
+            return
+        if self.setup.scheduler != "plateau":
+            self.sched.step()
+        elif loss is not None:  # before this step's forward: nothing measured yet
+            self.sched.step(loss)
 
     def _plain(self, step: int) -> float:
         batch = make_batch(self.setup, step, self.rank)
@@ -414,8 +425,8 @@ class Loop:
                 loss.backward()
             elif op == "S":
                 self.opt.step()
-            elif op == "L" and self.sched is not None:
-                self.sched.step()
+            elif op == "L":
+                self._schedule(float(loss.detach()) if loss is not None else None)
         return float(loss.detach())
 
 

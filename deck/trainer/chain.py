@@ -13,7 +13,8 @@ steady state a checkpoint costs one collective:
 3. **vote** -- one all-gather of a :class:`Vote` per rank: whether its part is staged, and what
    could make the snapshot wrong: a part of this chain failed in the background or the chain's
    committed parent is broken (a delta must then be a full), the writer lease is lost, a hash of
-   the dense buffers (which data parallelism does not keep equal across ranks) differs; plus the
+   the dense tensors (data parallelism keeps buffers, and parameters under per-rank updates,
+   unequal across ranks) differs; plus the
    rank's parts that failed in the background (told to rank 0) and an id seed for the next one.
 
    - every rank staged and nothing is wrong: the part goes to the stager's background threads,
@@ -297,19 +298,20 @@ class ChainWriter:
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
             no_parent=self.parent is None or (take and broken is not None and broken.result()),
             failed_parts=len(failed),
-            dense_digest=_combine(self._digests(dense, all_dense=False)),
+            dense_digest=_combine(self._digests(dense)),
             dense_count=len(dense),
         )
         if take:
             failpoint("checkpointer.agree.voting")  # test hook: between the take and the vote
         return vote
 
-    def _digests(self, dense: dict[str, Any], all_dense: bool) -> dict[str, int]:
-        """Hashes of the dense tensors not yet known to be rank-local: the buffers (what data
-        parallelism leaves unequal; the same names on every rank, whatever kind each asked
-        for), or every dense tensor (compared at every full)."""
-        names = set(dense) if all_dense else self.adapter.dense_buffers()
-        return _digests(dense, names - self.rank_local)
+    def _digests(self, dense: dict[str, Any]) -> dict[str, int]:
+        """Hashes of the dense tensors not yet known to be rank-local. Every one, at every
+        checkpoint: buffers (BatchNorm statistics: DMP does not broadcast them) and parameters
+        too, which data parallelism keeps equal only while every rank applies the same update
+        (a per-rank LR schedule, e.g. ReduceLROnPlateau on each rank's own loss, makes them
+        drift apart between two fulls)."""
+        return _digests(dense, set(dense) - self.rank_local)
 
     def _outcome(self, snap: _Snapshot) -> dict[str, Any]:
         w, staged = snap.writer, snap.staged
@@ -333,7 +335,7 @@ class ChainWriter:
         """What ``votes`` decide, the same on every rank: the kind the checkpoint must be (a
         full when any rank asked for one or lost its parent), and whether the rank-local dense
         tensors changed (then the dense state a snapshot saved is incomplete). Raises when the
-        lease is lost. Collective when parts failed, dense tensors differ, or at a full (every
+        lease is lost. Collective when parts failed or dense tensors differ (every
         rank sees the same votes, so every rank makes the same calls)."""
         most = max(v.failed_parts for v in votes)
         if most:
@@ -354,11 +356,8 @@ class ChainWriter:
             # Not the same dense tensors everywhere: no hash can pair them, so each rank keeps
             # its own copy of every one (safe, larger). Collectives stay aligned: no gather.
             self.rank_local |= set(dense)
-        else:
-            if len({v.dense_digest for v in votes}) > 1:
-                self.rank_local |= self._differing(self._digests(dense, all_dense=False))
-            if full:  # every dense tensor, parameters too (one more all-gather)
-                self.rank_local |= self._differing(self._digests(dense, all_dense=True))
+        elif len({v.dense_digest for v in votes}) > 1:
+            self.rank_local |= self._differing(self._digests(dense))
         return ("full" if full else "delta"), self.rank_local != before
 
     def _drop(self, snap: _Snapshot, token: ReadToken) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -89,6 +90,7 @@ class DeltaCheckpointer:
             except Exception as e:
                 refused = e
             self.coord.agree_on_failure(refused, "deck.enable")
+            self.coord.agree_on_values(self._what_ranks_share(config), "deck.enable")
             self._lease = self._take_lease()
             # Collective, before any training step: both the run that saves and the one that
             # restores sum gradients across ranks in the same order.
@@ -137,6 +139,24 @@ class DeltaCheckpointer:
         self._paused = 0
         self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
         return shards
+
+    def _what_ranks_share(self, config: DeckConfig) -> dict[str, str]:
+        """What must be the same on every rank: the configuration (but what may name a host's
+        own paths or credentials: storage options, the spool folder, Kafka client settings),
+        and which optimizers and state are saved (a rank given none would save none)."""
+        shared = config.model_dump(
+            mode="json",
+            exclude={
+                "storage_options": True,
+                "staging": {"spool_dir"},
+                "publish": {"storage_options", "kafka"},
+            },
+        )
+        out = {f"DeckConfig.{k}": json.dumps(v, sort_keys=True) for k, v in shared.items()}
+        out["dense optimizers"] = json.dumps(len(self._optimizers.dense))
+        out["optimizer wrappers"] = json.dumps(sorted(self._optimizers.wrappers))
+        out["state"] = json.dumps(self._state is not None)
+        return out
 
     def _use(self, optimizers: Any, state: UserState | None) -> None:
         """Checkpoint ``optimizers`` (the dense ones, through the adapter) and, when given,

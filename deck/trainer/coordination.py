@@ -6,11 +6,13 @@ Only the training thread calls these: a background thread must never issue colle
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 import deck.errors as errors
 
@@ -74,6 +76,22 @@ class Coordinator:
         if not (isinstance(cls, type) and issubclass(cls, errors.DeckError)):
             cls = errors.DeckError
         raise cls(f"{what} failed on rank {rank} ({name}): {text}")
+
+    def agree_on_values(self, values: dict[str, str], what: str) -> None:
+        """Collective: raise :class:`deck.errors.ConfigError` on every rank unless every rank
+        passed the same ``values`` (compared by digest; the error names the keys that differ
+        and the ranks, not the values, which may hold credentials)."""
+        mine = {k: xxhash.xxh3_64_hexdigest(v.encode()) for k, v in sorted(values.items())}
+        every = [json.loads(b) for b in self.gather_bytes(json.dumps(mine).encode())]
+        differ = sorted(k for k in mine if len({str(d.get(k)) for d in every}) > 1)
+        differ += sorted({k for d in every for k in d} - set(mine))
+        if differ:
+            ranks = [r for r, d in enumerate(every) if d != every[0]]
+            raise errors.ConfigError(
+                f"{what}: ranks {[0, *ranks]} disagree on {', '.join(differ[:8])}: every rank "
+                "must pass the same configuration (a rank that checkpoints at other steps, or "
+                "into another URI, would wait forever for the others)"
+            )
 
     def new_id_seed(self) -> int:
         """A random 52-bit number (exact in a float64 gather); rank 0's becomes the checkpoint id."""

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import deck
-from deck.errors import DeckError, UnsupportedError
+from deck.errors import ConfigError, DeckError, UnsupportedError
 from deck.testing.differential import Setup, build
 from deck.testing.dist_harness import run_ranks
 
@@ -45,6 +45,23 @@ def _one_rank_refuses(rank: int, world_size: int, root: str) -> None:
             expected = odd_error if issubclass(odd_error, DeckError) else DeckError
             assert isinstance(caught.value, expected), caught.value
             assert f"deck.enable failed on rank {odd}" in str(caught.value), caught.value
+    # What every rank must share: a configuration (or optimizers, or state) that differs on one
+    # rank is refused on every rank, naming what differs (a rank checkpointing at other steps or
+    # into another URI used to hang the job at its first checkpoint or at close()).
+    other = {
+        "DeckConfig.delta_every_steps": (config.model_copy(update={"delta_every_steps": 3}), [opt]),
+        "DeckConfig.uri": (config.model_copy(update={"uri": f"{root}/elsewhere"}), [opt]),
+        "dense optimizers": (config, []),
+    }
+    for field, (odd_config, odd_opts) in other.items():
+        mine = (odd_config, odd_opts) if rank == odd else (config, [opt])
+        with pytest.raises(ConfigError, match=rf"ranks \[0, {odd}\] disagree on {field}"):
+            deck.enable(model, mine[1], mine[0])
+    # A host's own spool folder may differ.
+    spool = config.model_copy(
+        update={"staging": config.staging.model_copy(update={"spool_dir": f"{root}/spool{rank}"})}
+    )
+    deck.enable(model, [opt], spool).close()
     # The group is in step and nothing was left installed: a good setup enables and checkpoints.
     dist.barrier()
     with deck.enable(model, [opt], config) as ck:
