@@ -31,6 +31,9 @@ def chain_hooks(
     prev_lookup = module.post_lookup_tracker_fn
     prev_odist = module.post_odist_tracker_fn
     running: list[int | None] = [None]
+    # Cleared by remove(): a callback someone chained after deck's keeps calling it, and then it
+    # only passes the call on (tracking must stop with close(), whoever holds the setter).
+    live = [True]
 
     def entering(i: int) -> Callable[..., None]:
         def pre_hook(_mod: nn.Module, _args: Any) -> None:
@@ -44,7 +47,7 @@ def chain_hooks(
         if prev_lookup is not None:
             prev_lookup(features, embs, mod, raw_ids)
         i, running[0] = running[0], None
-        if not is_active(module) or i is None:
+        if not live[0] or not is_active(module) or i is None:
             return
         bases = key_plans[i]
         if bases is None or features.values().numel() == 0:
@@ -62,7 +65,8 @@ def chain_hooks(
     def on_odist() -> None:
         if prev_odist is not None:
             prev_odist()
-        store.compact()
+        if live[0]:
+            store.compact()
 
     # The setters keep one callback each and warn when replacing one: clear, then register our
     # chained callback so a tracker installed before us (e.g. TorchRec's) keeps working.
@@ -72,6 +76,7 @@ def chain_hooks(
     module.register_post_odist_tracker_fn(on_odist)
 
     def remove() -> None:
+        live[0] = False
         for h in handles:
             h.remove()
         if module.post_lookup_tracker_fn is on_lookup:

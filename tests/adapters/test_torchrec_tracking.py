@@ -72,6 +72,25 @@ def _chain_pause_eval(rank: int, world_size: int, uri: str) -> None:
     for module in trec.tracked_modules.values():
         assert module.post_lookup_tracker_fn == trec.record_lookup
         assert module.post_odist_tracker_fn == trec.trigger_compaction
+
+    # A callback chained after deck's (it calls deck's) cannot be unhooked by close(): deck's
+    # callbacks then only pass the call on, so tracking still stops at close().
+    ck2 = deck.enable(model, [opt], deck.DeckConfig(uri=f"{uri}-2", delta_every_steps=1000))
+    calls = []
+    for module in trec.tracked_modules.values():
+        deck_fn = module.post_lookup_tracker_fn
+
+        def later(features, embs, mod, raw_ids, _deck=deck_fn):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            _deck(features, embs, mod, raw_ids)
+
+        module.post_lookup_tracker_fn = later
+    train_step(model, opt, SPEC, 8)
+    assert calls and any(_touched(ck2, CHECKPOINT_CONSUMER).values())
+    ck2.close()
+    calls.clear()
+    train_step(model, opt, SPEC, 9)
+    assert calls and all(not v for v in _touched(ck2, CHECKPOINT_CONSUMER).values())
     dist.barrier()
 
 
