@@ -9,7 +9,7 @@ with the run that never stopped: the state right after the restore bitwise on ev
 buffers and optimizer state, every param group, RNG, user state), the losses of the steps after
 it, and the state at the end. A setup deck refuses must be refused on every rank alike.
 
-CI runs a fixed number of examples with a fixed seed (``DECK_FUZZ_EXAMPLES``, default 60);
+CI runs a fixed number of examples with a fixed seed (``DECK_FUZZ_EXAMPLES``, default 40);
 ``make fuzz`` runs many more with a random seed. A failing example prints itself as a line to
 paste into ``PINNED``; every setup pinned there runs on every CI run.
 """
@@ -45,7 +45,7 @@ from deck.testing.rank_pool import RankFailure, RankPool
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("DECK_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("DECK_FUZZ_EXAMPLES", "40"))
 
 # Setups that once failed (or that an issue named), each run on every CI run.
 SHARED_FEATURE = (  # two tables of one EBC read one feature under different sharding types
