@@ -301,13 +301,10 @@ def capture_state(
 def fused_kernels(opt: Any) -> list[Any]:
     """The fbgemm TBEs behind TorchRec's fused optimizer tree, each once, in order."""
     from deck.adapters.torchrec_compat import fused_optimizer_tbe
+    from deck.adapters.torchrec_optim import fused_leaves
 
-    subs = getattr(opt, "optimizers", None)
-    if isinstance(subs, list):  # CombinedOptimizer: [(key, optimizer)]
-        found = [t for _, sub in subs for t in fused_kernels(sub)]
-    else:
-        found = [t for t in [fused_optimizer_tbe(opt)] if t is not None]
-    return list({id(t): t for t in found}.values())
+    found = [fused_optimizer_tbe(leaf) for leaf, _ in fused_leaves(opt, "")]
+    return list({id(t): t for t in found if t is not None}.values())
 
 
 def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
