@@ -82,6 +82,26 @@ class Storage(abc.ABC):
         ``"a/b"`` matches ``a/b/c`` and ``a/bc``). Temp files of unfinished writes are never
         listed; a prefix that would leave the root raises :class:`ConfigError`."""
 
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        """Create ``path`` holding ``data`` only if no object is there: True when this call
+        created it, False when an object was already there (left untouched). Otherwise as
+        :meth:`put` (atomic, durable).
+
+        Where :attr:`atomic_create` is True, of several callers creating one key at once exactly
+        one gets True whatever the store's latency (the file system's exclusive link, an object
+        store's ``If-None-Match: *``). This default checks, then writes: two simultaneous
+        callers may both get True and the later write wins, so a caller that must be alone
+        reads the object back."""
+        if self.exists(path):
+            return False
+        self.put(path, data)
+        return True
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether :meth:`put_if_absent` is atomic on this store (see there). Default False."""
+        return False
+
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
         objects as named, sub-folders with a trailing "/". An absent folder is empty.

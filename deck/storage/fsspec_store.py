@@ -29,7 +29,7 @@ import fsspec.core
 
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
 from deck.storage.base import Storage, check_folder, check_prefix, is_valid_key, validate_key
-from deck.storage.retry import RetryPolicy, call_with_retry, is_transient
+from deck.storage.retry import RetryPolicy, call_with_retry, is_transient, status_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # Protocols whose ``pipe_file`` makes an object visible whole or not at all: object stores (one
 # PUT, or a multipart/resumable upload that appears only once completed) and memory://.
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+# Protocols whose ``pipe_file(mode="create")`` is one conditional request (``If-None-Match: *``).
+_ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 class FsspecStorage(Storage):
@@ -81,6 +83,7 @@ class FsspecStorage(Storage):
         self._fs: fsspec.AbstractFileSystem = fs
         self._root: str = root.rstrip("/")
         self._uri = uri.rstrip("/")
+        self._protocol = uri.partition("://")[0].lower()
         self._retry = retry if retry is not None else RetryPolicy()
         self._max_workers = max_workers
 
@@ -130,6 +133,32 @@ class FsspecStorage(Storage):
         # of a tensor) costs one copy here, which is cheap next to the network transfer.
         payload = data if isinstance(data, (bytes, bytearray)) else memoryview(data).tobytes()
         self._call("write", path, lambda: self._fs.pipe_file(full, payload))
+
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        """Create the object only if none is there: fsspec's ``pipe_file(mode="create")``, which
+        S3 sends as one PUT with ``If-None-Match: *`` (the store refuses it with 412 when the key
+        exists); other filesystems check, then write. A retried request whose first attempt
+        landed reports False: callers that must know read the object back."""
+        full = self._full(path)
+        payload = data if isinstance(data, (bytes, bytearray)) else memoryview(data).tobytes()
+
+        def create() -> bool:
+            try:
+                self._fs.pipe_file(full, payload, mode="create")
+            except FileExistsError:
+                return False
+            except Exception as e:
+                if status_of(e) == 412:  # PreconditionFailed: the key exists
+                    return False
+                raise
+            return True
+
+        return self._call("write", path, create)
+
+    @property
+    def atomic_create(self) -> bool:
+        """True on S3 (``If-None-Match: *``; AWS S3 and SeaweedFS honour it), False elsewhere."""
+        return self._protocol in _ATOMIC_CREATE_PROTOCOLS
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the object (shorter if the object ends first)."""

@@ -372,6 +372,22 @@ class LocalStorage(Storage):
         A link on the way is an :class:`UnsafePathError`; a link at ``path`` itself is replaced
         (the rename never writes through it).
         """
+        self._commit(path, data, exclusive=False)
+
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        """Create the file at ``path`` only if nothing is there (not even a link): the fsynced
+        temp file is hard-linked to the name, which the file system does atomically or refuses
+        with EEXIST. Exactly one of several simultaneous callers gets True."""
+        return self._commit(path, data, exclusive=True)
+
+    @property
+    def atomic_create(self) -> bool:
+        """True: :meth:`put_if_absent` is an exclusive link."""
+        return True
+
+    def _commit(self, path: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> bool:
+        """Write a fsynced temp file, then rename it over ``path`` or (``exclusive``) link it to
+        ``path`` if nothing is there; fsync the folder. False: ``exclusive`` and taken."""
         names = validate_key(path).split("/")
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
@@ -383,10 +399,19 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise self._error("write", path, exc, _WRITE_HINT) from exc
         tmp = temp_path(names[-1])
+        created = True
         try:
             write_new_file(tmp, view, exclusive=True, fsync=True, dir_fd=dfd)
-            os.replace(tmp, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+            if exclusive:
+                try:
+                    os.link(tmp, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:
+                    created = False
+                os.unlink(tmp, dir_fd=dfd)
+            else:
+                os.replace(tmp, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
             os.fsync(dfd)
+            return created
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)

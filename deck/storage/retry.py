@@ -106,6 +106,16 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
+def status_of(exc: BaseException) -> int | None:
+    """The first HTTP status found along ``exc``'s cause chain (fsspec backends re-raise a
+    botocore error as an ``OSError``), or None."""
+    for e in _causes(exc):
+        status = _http_status(e)
+        if status is not None:
+            return status
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` looks like a failure that retrying the same call may get past.
 

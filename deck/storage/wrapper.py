@@ -43,6 +43,13 @@ class StorageWrapper(Storage):
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         return self.inner.get(path, start, end)
 
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        return self.inner.put_if_absent(path, data)
+
+    @property
+    def atomic_create(self) -> bool:
+        return self.inner.atomic_create
+
     def size(self, path: str) -> int:
         return self.inner.size(path)
 

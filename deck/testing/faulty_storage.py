@@ -54,6 +54,15 @@ class FaultyStorage(StorageWrapper):
         return None
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self._before_put(path)
+        self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        self._before_put(path)
+        return self.inner.put_if_absent(path, data)
+
+    def _before_put(self, path: str) -> None:
+        """Count the put, delay it by ``slow_put_s`` and fail it where ``fail_put`` says so."""
         with self._lock:
             self.puts += 1
             n = self.puts
@@ -63,7 +72,6 @@ class FaultyStorage(StorageWrapper):
             with self._lock:
                 self.failed_puts += 1
             raise StorageError(f"injected failure of put #{n} ({self.describe(path)})")
-        self.inner.put(path, data)
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         with self._lock:

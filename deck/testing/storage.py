@@ -28,7 +28,9 @@ from __future__ import annotations
 import abc
 import mmap
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -287,6 +289,33 @@ class StorageTests:
         assert store.exists("dir/obj")
         assert not store.exists("dir")  # a directory-like prefix is not an object
         assert not store.exists("dir/ob")
+
+    def test_put_if_absent(self, store: Storage, raw: RawObjects) -> None:
+        """Creates only what is not there; an existing object (also one made by ``put``) is
+        left untouched and reported False."""
+        assert store.put_if_absent("c/one", b"first") is True
+        assert store.put_if_absent("c/one", b"second") is False
+        assert raw.get("c/one") == b"first"
+        store.put("c/two", b"put")
+        assert store.put_if_absent("c/two", b"later") is False
+        assert store.get("c/two") == b"put"
+        assert store.list("c/") == ["c/one", "c/two"]  # no temp file left behind
+
+    def test_put_if_absent_has_one_winner(self, store: Storage) -> None:
+        """Where creation is atomic, of 8 threads creating one key at once exactly one wins, and
+        the object holds the winner's bytes."""
+        if not store.atomic_create:
+            return  # the default checks, then writes: documented as not atomic
+        barrier = threading.Barrier(8)
+
+        def create(i: int) -> bool:
+            barrier.wait()
+            return store.put_if_absent("race", f"writer {i}".encode())
+
+        with ThreadPoolExecutor(8) as pool:
+            won = list(pool.map(create, range(8)))
+        assert won.count(True) == 1
+        assert store.get("race") == f"writer {won.index(True)}".encode()
 
     def test_delete_idempotent(self, store: Storage, raw: RawObjects) -> None:
         store.delete("never/existed")

@@ -209,7 +209,9 @@ class DeltaCheckpointer:
         quantize: str | None = None,
     ) -> ChainWriter:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
-        stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu)
+        # Commit records at the checkpoint URI are fenced by its writer lease.
+        fence = self._lease.check if self._lease is not None and storage is self.storage else None
+        stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence)
         self._stagers.append(stager)  # close() (or a failed construction) stops it
         return ChainWriter(
             label=label,

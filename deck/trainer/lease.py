@@ -1,16 +1,23 @@
-"""The writer lease: one training job per checkpoint URI.
+"""The writer lease: one training job per checkpoint URI, fenced.
 
-Rank 0 of a trainer holds ``_lease.json`` at the URI root (owner id, host, pid, expiry) and
-renews it in the background; a second trainer on the same URI is refused while the lease is
-live, and may take it over only once it has expired (its holder died without releasing it).
-Object stores have no compare-and-swap, so acquisition writes, waits, and reads back to detect a
-simultaneous taker; the loser gets the error. Merger workers do not take the lease.
+Rank 0 of a trainer holds the lease. Each taking of it creates a new, numbered record
+``_lease/<epoch>.json`` (owner id, host, pid, expiry) with :meth:`Storage.put_if_absent`, so of
+two trainers taking it at once exactly one creates the next epoch, whatever the store's latency:
+local files link exclusively, S3 sends ``If-None-Match: *``. (Stores without an atomic create
+fall back to write, wait twice as long as the write took, and read back.) The holder renews its
+own record in the background; a second trainer is refused while the newest record is live, and
+takes over only once it has expired (its holder died without releasing it) by creating the next
+epoch. The epoch is the fencing token: before every commit record the committer checks
+(:meth:`Lease.check`) that its epoch is still the newest and its lease unexpired, so a holder
+that was paused past its expiry and taken over never commits again. Merger workers do not take
+the lease.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -25,7 +32,14 @@ from deck.storage.base import get_bounded
 
 logger = logging.getLogger(__name__)
 
-LEASE_FILE = "_lease.json"
+LEASE_DIR = "_lease"
+_RECORD = re.compile(r"^(\d{20})\.json$")
+KEEP_EPOCHS = 8  # older records are deleted: a taker's view is never that stale
+
+
+def lease_key(epoch: int) -> str:
+    """The key of the lease record of ``epoch``."""
+    return f"{LEASE_DIR}/{epoch:020d}.json"
 
 
 class LeaseRecord(BaseModel):
@@ -50,31 +64,51 @@ class Lease:
         self.settle_s = settle_s
         self.wait_s = wait_s
         self.owner = uuid.uuid4().hex
+        self.epoch: int | None = None  # the fencing token, once taken
         self.lost = threading.Event()
+        self._expires = 0.0  # monotonic time our last written record expires at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _record(self) -> LeaseRecord:
+    def _record(self, expires_unix: float | None = None) -> LeaseRecord:
         return LeaseRecord(
             owner=self.owner,
             host=socket.gethostname(),
             pid=os.getpid(),
-            expires_unix=time.time() + self.ttl_s,
+            expires_unix=time.time() + self.ttl_s if expires_unix is None else expires_unix,
         )
 
-    def read(self) -> LeaseRecord | None:
-        """The current lease, or None when there is none (or it is unreadable: treated as free)."""
+    def _put_own(self) -> None:
+        """Renew: rewrite our own epoch's record with a new expiry (no one else writes it)."""
+        assert self.epoch is not None
+        started = time.monotonic()
+        self.storage.put(lease_key(self.epoch), self._record().model_dump_json().encode())
+        self._expires = started + self.ttl_s
+
+    def newest(self) -> tuple[int, LeaseRecord | None]:
+        """The newest epoch (0: none yet) and its record (None when there is none, or it is
+        damaged: treated as free). Read errors are raised, never taken for a free lease."""
+        epochs = self._epochs()
+        if not epochs:
+            return 0, None
+        key = lease_key(epochs[-1])
         try:
-            return LeaseRecord.model_validate_json(get_bounded(self.storage, LEASE_FILE))
-        except NotFoundError:
-            return None
+            return epochs[-1], LeaseRecord.model_validate_json(get_bounded(self.storage, key))
+        except NotFoundError:  # deleted between the listing and the read (a release's prune)
+            return self.newest() if self._epochs() != epochs else (epochs[-1], None)
         except (ValidationError, CorruptCheckpointError) as e:
-            # Unreadable (invalid values, too large, a link or a FIFO): taking the lease replaces
-            # the entry with a real record (a put renames over it, never writes through it).
-            logger.warning(
-                "ignoring a damaged lease file at %s: %s", self.storage.describe(LEASE_FILE), e
-            )
-            return None
+            # Unreadable (invalid values, too large, a link or a FIFO): taking the lease creates
+            # the next epoch's record, never writing through this one.
+            logger.warning("ignoring a damaged lease record %s: %s", self.storage.describe(key), e)
+            return epochs[-1], None
+
+    def read(self) -> LeaseRecord | None:
+        """The newest lease record, or None when there is none (or it is damaged)."""
+        return self.newest()[1]
+
+    def _epochs(self) -> list[int]:
+        names = self.storage.list_dir(f"{LEASE_DIR}/")
+        return sorted(int(m.group(1)) for n in names if (m := _RECORD.match(n)))
 
     def _takeable(self, held: LeaseRecord | None) -> bool:
         if held is None or held.owner == self.owner or held.expires_unix <= time.time():
@@ -84,91 +118,151 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease or raise :class:`LeaseHeldError` naming the holder; renews it from a
-        background thread until :meth:`release`.
+        background thread until :meth:`release`. Of several trainers taking it at once, at most
+        one succeeds (exactly one where the store creates atomically).
 
         Free, expired, or held by a dead process on this host: taken at once. Otherwise waited
         on for up to ``wait_s`` (a holder on another host may have died), then refused."""
         deadline = time.monotonic() + self.wait_s
-        held = self.read()
-        while not self._takeable(held):
-            assert held is not None
-            if held.host == socket.gethostname() and held.pid == os.getpid():
-                raise LeaseHeldError(
-                    f"{self.storage.uri} is already being written by this process (pid "
-                    f"{held.pid}): another deck checkpointer on it is still open. close() it (or "
-                    "use `with deck.enable(...)`) before enabling deck again on this URI, or use "
-                    "another URI"
+        tried = 0  # the last epoch we failed to create
+        while True:
+            epoch, held = self.newest()
+            if not self._takeable(held):
+                assert held is not None
+                self._wait_or_refuse(held, deadline)
+                continue
+            if held is not None and held.owner != self.owner and held.expires_unix > 0:
+                logger.warning(
+                    "taking over the writer lease of %s (host %s, pid %d: expired or dead) at %s",
+                    held.owner,
+                    held.host,
+                    held.pid,
+                    self.storage.uri,
                 )
-            if time.monotonic() >= deadline:
-                raise self._held_error(held)
-            logger.warning(
-                "waiting for the writer lease of %s held by %s (host %s)",
-                self.storage.uri,
-                held.owner,
-                held.host,
-            )
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            held = self.read()
-        if held is not None and held.owner != self.owner:
-            logger.warning(
-                "taking over the writer lease of %s (host %s, pid %d: expired or dead) at %s",
-                held.owner,
-                held.host,
-                held.pid,
-                self.storage.uri,
-            )
-        failpoint("lease.acquire.before_put")
-        self.storage.put(LEASE_FILE, self._record().model_dump_json().encode())
-        failpoint("lease.acquire.after_put")
-        time.sleep(self.settle_s)  # a simultaneous taker's write lands within this window
-        held = self.read()
-        if held is None or held.owner != self.owner:
-            raise (
-                self._held_error(held)
-                if held
-                else LeaseHeldError(
-                    f"the writer lease of {self.storage.uri} vanished while taking it; retry"
-                )
-            )
+            # Past an epoch we failed to create that no listing shows (a link or FIFO planted
+            # at its name): it is damage, never ours to write through.
+            tried = max(epoch, tried) + 1
+            if self._create(tried):
+                break
+            # Another trainer created that epoch first: its record decides (held, or expired).
+        self._prune()
         self._thread = threading.Thread(target=self._renew, name="deck-lease", daemon=True)
         self._thread.start()
+
+    def _wait_or_refuse(self, held: LeaseRecord, deadline: float) -> None:
+        if held.host == socket.gethostname() and held.pid == os.getpid():
+            raise LeaseHeldError(
+                f"{self.storage.uri} is already being written by this process (pid "
+                f"{held.pid}): another deck checkpointer on it is still open. close() it (or "
+                "use `with deck.enable(...)`) before enabling deck again on this URI, or use "
+                "another URI"
+            )
+        if time.monotonic() >= deadline:
+            raise self._held_error(held)
+        logger.warning(
+            "waiting for the writer lease of %s held by %s (host %s)",
+            self.storage.uri,
+            held.owner,
+            held.host,
+        )
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _create(self, epoch: int) -> bool:
+        """Create ``epoch``'s record; True when it is ours afterwards."""
+        key = lease_key(epoch)
+        failpoint("lease.acquire.before_put")
+        started = time.monotonic()
+        # Whatever it answers, the read-back below decides (a retried create whose first attempt
+        # landed reports False; a store that ignores If-None-Match lets a later writer win).
+        self.storage.put_if_absent(key, self._record().model_dump_json().encode())
+        took = time.monotonic() - started
+        failpoint("lease.acquire.after_put")
+        if not self.storage.atomic_create:
+            # A simultaneous taker's check-then-write lands within about one write's time.
+            time.sleep(max(self.settle_s, 2 * took))
+        try:
+            mine = LeaseRecord.model_validate_json(get_bounded(self.storage, key))
+        except NotFoundError:
+            return False
+        except (ValidationError, CorruptCheckpointError) as e:  # not a record we could write
+            logger.warning("ignoring a damaged lease record %s: %s", self.storage.describe(key), e)
+            return False
+        if mine.owner != self.owner or self._epochs()[-1:] != [epoch]:
+            return False
+        self.epoch = epoch
+        self._expires = started + self.ttl_s
+        return True
+
+    def _prune(self) -> None:
+        """Delete records older than the last :data:`KEEP_EPOCHS` (best effort)."""
+        assert self.epoch is not None
+        try:
+            for old in self._epochs():
+                if old <= self.epoch - KEEP_EPOCHS:
+                    self.storage.delete(lease_key(old))
+        except StorageError as e:
+            logger.warning("deck: could not prune old lease records of %s: %s", self.storage.uri, e)
+
+    def check(self) -> None:
+        """The fence, called before every commit record: raise :class:`LeaseHeldError` (and set
+        :attr:`lost`) unless this lease's epoch is still the newest and its record unexpired.
+        A read error is raised too: a commit that cannot be fenced is not made."""
+        if self.epoch is None:
+            raise LeaseHeldError(f"the writer lease of {self.storage.uri} is not held")
+        if time.monotonic() >= self._expires:
+            self.lost.set()
+            raise LeaseHeldError(
+                f"the writer lease of {self.storage.uri} expired: it could not be renewed for "
+                f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over; this job "
+                "commits nothing more. Check the store's availability and restart the job"
+            )
+        epoch, held = self.newest()
+        if epoch != self.epoch or held is None or held.owner != self.owner:
+            self.lost.set()
+            who = f"owner {held.owner}, host {held.host}, pid {held.pid}" if held else "unknown"
+            raise LeaseHeldError(
+                f"the writer lease of {self.storage.uri} was taken over (epoch {epoch} > ours "
+                f"{self.epoch}; {who}): this job commits nothing more. Stop one of the two jobs"
+            )
 
     def _held_error(self, held: LeaseRecord) -> LeaseHeldError:
         left = held.expires_unix - time.time()
         return LeaseHeldError(
             f"{self.storage.uri} is being written by another trainer (owner {held.owner}, host {held.host}, "
             f"pid {held.pid}; lease expires in {left:.0f} s). Stop that job, use another URI, or wait for the "
-            f"lease to expire if that job is dead (delete {self.storage.describe(LEASE_FILE)} to force it)."
+            f"lease to expire if that job is dead (delete {self.storage.describe(LEASE_DIR)}/ to force it)."
         )
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                held = self.read()
-                if held is not None and held.owner != self.owner:
+                epoch, held = self.newest()
+                if epoch != self.epoch or (held is not None and held.owner != self.owner):
                     self.lost.set()
                     logger.error(
                         "deck: the writer lease of %s was taken over by %s",
                         self.storage.uri,
-                        held.owner,
+                        held.owner if held else f"epoch {epoch}",
                     )
                     return
-                self.storage.put(LEASE_FILE, self._record().model_dump_json().encode())
+                self._put_own()
             except StorageError as e:  # keep trying: the lease is valid until it expires
                 logger.warning(
                     "deck: could not renew the writer lease of %s: %s", self.storage.uri, e
                 )
 
     def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours; idempotent."""
+        """Stop renewing and mark the lease free if it is still ours (its record stays, expired,
+        so the next taker creates the next epoch); idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
             try:
-                held = self.read()
-                if held is not None and held.owner == self.owner:
-                    self.storage.delete(LEASE_FILE)
+                epoch, held = self.newest()
+                if epoch == self.epoch and held is not None and held.owner == self.owner:
+                    released = self._record(expires_unix=0.0).model_dump_json().encode()
+                    self.storage.put(lease_key(epoch), released)
             except StorageError as e:
                 logger.warning(
                     "deck: could not release the writer lease of %s: %s", self.storage.uri, e

@@ -505,10 +505,13 @@ def commit(
     world_size: int,
     deck_version: str,
     own: tuple[RankManifest, bytes] | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> CheckpointManifest:
     """Rank 0, after every rank's part is durable: verify the parts and write the commit record.
     ``own``: rank 0's part manifest and the bytes this process just wrote for it (not read
-    back); every other rank's part is read and verified from ``storage``."""
+    back); every other rank's part is read and verified from ``storage``. ``fence`` (the writer
+    lease's :meth:`~deck.trainer.lease.Lease.check`) runs right before the record is written and
+    raises when this job may no longer commit."""
     root = step_dir(step)
     refs = []
     encodings: set[Encoding] = set()
@@ -537,6 +540,8 @@ def commit(
         encoding=min(encodings) if encodings else None,
     )
     failpoint("commit.before_manifest")
+    if fence is not None:
+        fence()
     storage.put(f"{root}/{MANIFEST}", dump_model(manifest))
     failpoint("commit.after_manifest")
     return manifest

@@ -20,7 +20,8 @@ from deck.errors import DeckError, StorageError
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
-from deck.trainer.lease import LEASE_FILE
+from deck.storage import open_storage
+from deck.trainer.lease import Lease
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -51,7 +52,8 @@ def _assert_nothing_left(model: Any, uri: str, hooks_before: list[tuple[Any, Any
     checkpointer on the URI starts at once (a held lease would make it wait 60 s, then refuse)."""
     assert _hooks(model) == hooks_before
     assert _deck_threads() == []
-    assert not os.path.exists(os.path.join(uri, LEASE_FILE))
+    held = Lease(open_storage(uri), ttl_s=1).read()
+    assert held is None or held.expires_unix == 0  # released
     with deck.DeltaCheckpointer(model, [], deck.DeckConfig(uri=uri, lease_ttl_s=60)):
         assert _hooks(model) != hooks_before and "deck-lease" in _deck_threads()
     assert _hooks(model) == hooks_before and _deck_threads() == []

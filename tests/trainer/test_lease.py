@@ -6,17 +6,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import deck
-from deck.demo import ModelSpec, build_model
+from deck.demo import ModelSpec, build_model, train_step
 from deck.errors import LeaseHeldError
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
-from deck.trainer.lease import LEASE_FILE, Lease, LeaseRecord
+from deck.testing.faulty_storage import FaultyStorage
+from deck.trainer.lease import Lease, LeaseRecord, lease_key
 
 
 def test_second_holder_is_refused_until_release(tmp_path: Path) -> None:
@@ -26,8 +29,10 @@ def test_second_holder_is_refused_until_release(tmp_path: Path) -> None:
     with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
         b.acquire()
     a.release()
-    assert not storage.exists(LEASE_FILE)
-    b.acquire()
+    released = a.read()
+    assert released is not None and released.owner == a.owner and released.expires_unix == 0
+    b.acquire()  # the next epoch: the fencing token only grows
+    assert (a.epoch, b.epoch) == (1, 2)
     b.release()
 
 
@@ -59,11 +64,11 @@ def test_other_host_lease_is_waited_for_until_it_expires(tmp_path: Path) -> None
     other = LeaseRecord(
         owner="elsewhere", host="other-host", pid=1, expires_unix=time.time() + 3600
     )
-    storage.put(LEASE_FILE, other.model_dump_json().encode())
+    storage.put(lease_key(1), other.model_dump_json().encode())
     with pytest.raises(LeaseHeldError, match="other-host"):
         Lease(storage, ttl_s=30, settle_s=0.01).acquire()
     renewed = other.model_copy(update={"expires_unix": time.time() + 1.0})
-    storage.put(LEASE_FILE, renewed.model_dump_json().encode())
+    storage.put(lease_key(1), renewed.model_dump_json().encode())
     waiter = Lease(storage, ttl_s=30, settle_s=0.01, wait_s=300)
     waiter.acquire()  # waits for the expiry, then takes over
     assert time.time() >= renewed.expires_unix  # not before it
@@ -76,11 +81,71 @@ def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
     lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
     lease.acquire()
+    lease.check()  # the fence passes while the lease is ours
+    assert lease.epoch is not None
     intruder = LeaseRecord(owner="someone-else", host="h", pid=1, expires_unix=time.time() + 60)
-    storage.put(LEASE_FILE, intruder.model_dump_json().encode())
-    assert lease.lost.wait(timeout=120)  # noticed at the next renewal (every ttl / 3)
+    storage.put(lease_key(lease.epoch + 1), intruder.model_dump_json().encode())
+    with pytest.raises(LeaseHeldError, match="taken over.*someone-else"):
+        lease.check()  # at once, before any renewal
+    assert lease.lost.wait(timeout=120)
     lease.release()
-    assert storage.exists(LEASE_FILE)  # not ours any more: left alone
+    assert lease.read() == intruder  # not ours any more: left alone
+
+
+def test_a_lease_that_could_not_be_renewed_fences_itself(tmp_path: Path) -> None:
+    """Renewals failing for longer than the lease's lifetime: another trainer may have taken
+    it, so the holder commits nothing more (even before anyone did)."""
+    failing = threading.Event()
+    storage = FaultyStorage(
+        open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set()
+    )
+    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
+    lease.acquire()
+    failing.set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            lease.check()
+        except LeaseHeldError as e:
+            assert "could not be renewed" in str(e)
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the fence never closed")
+    assert lease.lost.is_set()
+    failing.clear()
+    lease.release()
+
+
+@pytest.mark.parametrize("offset_s", [0.0, 0.3])
+def test_two_takers_with_slow_puts_one_wins(tmp_path: Path, offset_s: float) -> None:
+    """Issue 33 finding 3: puts slower than the old settle time (0.5 s, as slow S3 is), two
+    trainers starting together or 0.3 s apart: exactly one holds the lease (the exclusive
+    create decides, whatever the latency); the other is refused naming the holder."""
+    storage = FaultyStorage(open_storage(str(tmp_path)), slow_put_s=0.5)
+    leases = [Lease(storage, ttl_s=30), Lease(storage, ttl_s=30)]
+    start = threading.Barrier(2)
+
+    def take(i: int) -> str:
+        start.wait()
+        if i:
+            time.sleep(offset_s)  # the scenario's stagger; the outcome must not depend on it
+        try:
+            leases[i].acquire()
+            return "held"
+        except LeaseHeldError:
+            return "refused"
+
+    with ThreadPoolExecutor(2) as pool:
+        outcome = list(pool.map(take, range(2)))
+    try:
+        assert sorted(outcome) == ["held", "refused"], outcome
+        holder = leases[outcome.index("held")]
+        assert holder.read() is not None and holder.read().owner == holder.owner  # type: ignore[union-attr]
+        holder.check()
+    finally:
+        for lease in leases:
+            lease.release()
 
 
 SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16)
@@ -102,3 +167,38 @@ def _two_trainers(rank: int, world_size: int, uri: str) -> None:
 @pytest.mark.slow
 def test_second_trainer_on_a_uri_is_refused(tmp_path: Path) -> None:
     run_ranks(_two_trainers, str(tmp_path / "ck"))
+
+
+def _fenced_out(rank: int, world_size: int, uri: str) -> None:
+    """A trainer whose lease was taken over (as when it was paused past its expiry and another
+    job started): its next commit record is refused by the fence, flush() says so, and the
+    following checkpoint raises on every rank; the new holder's URI keeps only what was
+    committed before the takeover."""
+    from deck.errors import CheckpointError
+
+    model, opt = build_model(SPEC)
+    ck = deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=1))
+    try:
+        ck.step(0)
+        assert ck.flush()
+        lease = Lease(open_storage(uri), ttl_s=600)
+        epoch, _ = lease.newest()
+        intruder = LeaseRecord(owner="new-job", host="h", pid=1, expires_unix=time.time() + 600)
+        open_storage(uri).put(lease_key(epoch + 1), intruder.model_dump_json().encode())
+        train_step(model, opt, SPEC, 1)
+        ck.step(1)
+        assert not ck.flush()  # the commit of step 1 was fenced
+        assert "taken over" in str(ck.history[-1].error)
+        assert [c.step for c in deck.list_checkpoints(uri)] == [0]
+        train_step(model, opt, SPEC, 2)
+        with pytest.raises(CheckpointError, match="lost the writer lease"):
+            ck.step(2)
+    finally:
+        ck.close()
+    held = lease.read()
+    assert held is not None and held.owner == "new-job"  # close() leaves the new holder's lease
+
+
+@pytest.mark.slow
+def test_a_fenced_out_trainer_commits_nothing(tmp_path: Path) -> None:
+    run_ranks(_fenced_out, str(tmp_path / "ck"), world_size=1)

@@ -46,9 +46,12 @@ class Destination:
       committed.
     """
 
-    def __init__(self, storage: Storage, cfg: StagingConfig) -> None:
+    def __init__(
+        self, storage: Storage, cfg: StagingConfig, fence: Callable[[], None] | None = None
+    ) -> None:
         self._storage = storage
         self.cfg = cfg
+        self._fence = fence  # raises when this job may no longer commit (the writer lease)
 
     @property
     def uri(self) -> str:
@@ -111,6 +114,7 @@ class Destination:
             world_size=p.world_size,
             deck_version=__version__,
             own=None if own_bytes is None or p.part is None else (p.part, own_bytes),
+            fence=self._fence,
         )
 
     # ---- best effort -------------------------------------------------------------------------------

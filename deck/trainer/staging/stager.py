@@ -78,7 +78,14 @@ class Stager:
     to wait for the background, :meth:`close` last.
     """
 
-    def __init__(self, storage: Storage, staging: StagingConfig, rank: int, pinned: bool = False):
+    def __init__(
+        self,
+        storage: Storage,
+        staging: StagingConfig,
+        rank: int,
+        pinned: bool = False,
+        fence: Callable[[], None] | None = None,
+    ):
         self.storage = storage
         self.cfg = staging
         self.rank = rank
@@ -122,7 +129,7 @@ class Stager:
                 self.spool_root, staging, self.tier == "cpu-ssd-remote", syncer=self._syncer
             )
         )
-        self._dest = Destination(storage, staging)
+        self._dest = Destination(storage, staging, fence)
         self._committer = Committer(self._dest, staging, self.tier, self._spool, self._uploads)
 
     def _spool_root(self) -> str | None:
