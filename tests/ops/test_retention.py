@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 
 from deck.errors import ConfigError
-from deck.format.manifest import Kind
+from deck.format.manifest import CheckpointManifest, Kind, dump_model, load_model
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
-from deck.storage import LocalStorage
+from deck.storage import LocalStorage, Storage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.lineage_checks import check_all_restore, mem, merge_all
-from deck.testing.synth import SynthTrainer, snapshot
+from deck.testing.synth import State, SynthTrainer, snapshot
 
 
 @pytest.mark.parametrize(
@@ -175,3 +176,119 @@ def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
     assert latest_restorable(manifests) == 8
     for m in manifests.all():
         assert not verify_checkpoint(storage, m).problems
+
+
+class _ResaveDuringGc(StorageWrapper):
+    """A trainer that rolled back re-saves step ``step`` while GC runs: its parts appear right
+    after GC's first listing, its commit record right after GC read the step's old record (the
+    moment the old check-then-delete lost it)."""
+
+    def __init__(self, inner: Storage, step_folder: str, files: dict[str, bytes], record: bytes):
+        super().__init__(inner)
+        self.man = f"{step_folder}/manifest.json"
+        self.files = files
+        self.record = record
+        self.listed = False
+        self.committed = False
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys = self.inner.list(prefix)
+        if not self.listed:
+            self.listed = True
+            for k, v in self.files.items():
+                self.inner.put(k, v)
+        return keys
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        data = self.inner.get(path, start, end)
+        if path == self.man and self.listed and not self.committed:
+            self.committed = True
+            self.inner.put(self.man, self.record)
+        return data
+
+
+def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
+    """Issue 33 finding 5: GC read a step's record (an abandoned timeline's save, doomed) and
+    deleted it in a separate call; a rollback's re-save of that step committed in between lost
+    its commit record. Now the re-save's parts (written before its record) keep the old
+    checkpoint whole for this run, and the re-save's record survives."""
+    storage = mem()
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    old6 = tr.saved[6].id
+    old_record = storage.get("step-000000000006/manifest.json")
+    tr.rollback(3)
+    for _ in range(3):
+        tr.train()
+        m = tr.save()
+    assert m.step == 6 and m.id != old6
+    # Take the re-save away again, to replay it during GC.
+    files = {k: storage.get(k) for k in storage.list(f"step-000000000006/{m.id}/")}
+    record = storage.get("step-000000000006/manifest.json")
+    storage.delete_prefix(f"step-000000000006/{m.id}/")
+    storage.put("step-000000000006/manifest.json", old_record)
+    history = {tr.saved[s].id: tr.saved[s].state for s in tr.saved}
+    racing = _ResaveDuringGc(storage, "step-000000000006", files, record)
+    policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
+    # Step 5' is the latest when GC lists: the old timeline's 4-6 are doomed.
+    rep = collect_garbage(racing, policy)
+    assert racing.committed and not rep.errors
+    manifests = read_manifests(storage)
+    assert 6 in manifests and manifests[6].id == m.id  # the re-save's commit record survived
+    assert any("a new save of step 6 began" in why for _, why in rep.kept), rep.kept
+    assert latest_restorable(manifests) == 6
+    check_all_restore(storage, history)
+    # The next run deletes what the abandoned timeline left.
+    collect_garbage(storage, policy)
+    assert not storage.list(f"step-000000000006/{old6}/")
+    check_all_restore(storage, history)
+
+
+def _age(storage: Storage, seconds: float) -> None:
+    """Let ``seconds`` pass for GC's grace period: every commit record becomes that much older."""
+    for key in storage.list():
+        if key.endswith("/manifest.json"):
+            m = load_model(CheckpointManifest, storage.get(key), key)
+            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
+            storage.put(key, dump_model(older))
+
+
+def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
+    """Issue 33 finding 5: GC's grace period protected what its own plan kept, not the
+    cheapest chains restores read (merged deltas a later merge made redundant). Every chain of
+    a retained step that a restore could have picked within the grace period stays whole
+    (here a save, a merge and a restore every 1000 s, a grace of 3600 s)."""
+    storage = mem()
+    tr = SynthTrainer(storage)
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=None, max_live_fraction=None))
+    policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=3600)
+    history: dict[str, State] = {}
+    readers: list[tuple[int, int, list[str], list[str]]] = []  # when, step, chain, files
+
+    def save(kind: str = "delta") -> None:
+        m = tr.save(kind)
+        history[m.id] = snapshot(tr.shards)
+
+    save("full")
+    for now in range(16):
+        tr.train()
+        save("full" if now % 6 == 5 else "delta")
+        merge_all(storage, cfg)
+        # A restore starts now: it reads the cheapest chain of a retained step.
+        manifests = read_manifests(storage)
+        graph = build_graph(manifests)
+        for step in plan_retention(manifests, policy).retained_steps:
+            chain = cheapest_chain(graph, step)
+            files = [k for m in chain for k in storage.list(f"{m.folder}/")]
+            readers.append((now, step, [m.folder for m in chain], files))
+        _age(storage, 1000)
+        collect_garbage(storage, policy)
+        for then, step, chain, files in readers:
+            if (now - then + 1) * 1000 >= policy.grace_s:
+                continue  # a restore longer than the grace period: not promised
+            missing = [k for k in files if not storage.exists(k)]
+            assert not missing, f"a restore of step {step} via {chain} lost {missing[:3]}"
+    check_all_restore(storage, history)

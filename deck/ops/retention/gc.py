@@ -241,28 +241,35 @@ class _Collector:
 
     def delete_checkpoints(self) -> None:
         """Delete every checkpoint no retained step needs, oldest step first: its
-        ``manifest.json``, then its files. A failure is recorded in the report, not raised."""
+        ``manifest.json``, then its files. A failure is recorded in the report, not raised; a
+        trainer checkpoint whose step a trainer began saving again during this run is kept
+        (:func:`_delete_checkpoint`)."""
         for cid, why in sorted(self.doomed.items(), key=lambda kv: self.graph.nodes[kv[0]].step):
             n = self.graph.nodes[cid]
+            listed = self.by_prefix.get(n.folder, [])
             if n.merged:
-                files = self.by_prefix.get(n.folder, [])
+                files = listed
             else:
                 prefix = f"{n.folder}/{cid}/"
-                files = [k for k in self.by_prefix.get(n.folder, []) if k.startswith(prefix)]
+                files = [k for k in listed if k.startswith(prefix)]
                 files.append(f"{n.folder}/{MANIFEST}")
-            self.report.deleted.append((self._label(cid), why))
-            self.report.files += len(files)
-            self.report.bytes += self.size(files)
+            size = self.size(files)
             if self.progress:
                 self.progress(n.folder)
-            if self.dry_run:
-                continue
-            try:
-                failpoint("gc.checkpoint.before_delete")
-                _delete_checkpoint(self.storage, n)
-                failpoint("gc.checkpoint.after_delete")
-            except DeckError as e:
-                self.report.errors.append(f"{n.folder}: {e}")
+            if not self.dry_run:
+                try:
+                    failpoint("gc.checkpoint.before_delete")
+                    kept = _delete_checkpoint(self.storage, n, _attempts(n.folder, listed))
+                    failpoint("gc.checkpoint.after_delete")
+                except DeckError as e:
+                    self.report.errors.append(f"{n.folder}: {e}")
+                    kept = None
+                if kept:
+                    self.report.kept.append((self._label(cid), kept))
+                    continue
+            self.report.deleted.append((self._label(cid), why))
+            self.report.files += len(files)
+            self.report.bytes += size
 
     def collect_orphans(self) -> None:
         """Delete files no committed record references, each group only once every file in it
@@ -392,8 +399,22 @@ class _Collector:
                 self.storage.delete(k)
 
 
-def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
-    """Uncommit (delete ``manifest.json``), then delete the checkpoint's files."""
+def _attempts(folder: str, keys: list[str]) -> set[str]:
+    """The attempt folders (``<id>/``) among the listed ``keys`` of step folder ``folder``."""
+    return {k[len(folder) + 1 :].partition("/")[0] + "/" for k in keys if k.count("/") >= 2}
+
+
+def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> str | None:
+    """Uncommit (delete ``manifest.json``), then delete the checkpoint's files; returns why it
+    kept the checkpoint instead, or None.
+
+    A trainer step folder is shared by every save of that step (a trainer that rolled back saves
+    it again), and no store deletes conditionally, so the record is re-checked and kept: the
+    folder is listed again *before* the record is read, and a save that began since GC listed
+    (an attempt folder it did not see: a trainer writes its parts before their record) keeps
+    this checkpoint whole until the next run; a record that names another checkpoint already is
+    left alone. What remains is a save that writes all its parts and commits between these two
+    reads and the delete, a few requests apart."""
     man = f"{n.folder}/{MANIFEST}"
     if n.merged:
         storage.delete(man)
@@ -401,15 +422,19 @@ def _delete_checkpoint(storage: Storage, n: LineageNode) -> None:
         # Partition records first: a merger rebuilding this id must not trust stale ones.
         storage.delete_prefix(f"{n.folder}/parts/")
         storage.delete_prefix(f"{n.folder}/")
-        return
-    # A trainer step folder is shared by every save of that step: only delete the record if it
-    # is still this checkpoint's (the trainer may have saved the step again meanwhile), and only
-    # this checkpoint's own attempt folder.
+        return None
+    started = {a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - attempts
     try:
         current = load_model(CheckpointManifest, get_bounded(storage, man), storage.describe(man))
     except NotFoundError:
         current = None
     if current is not None and current.id == n.id:
+        if started:
+            return (
+                f"a new save of step {n.step} began during this run ({', '.join(sorted(started))}); "
+                "the next run decides"
+            )
         storage.delete(man)
     failpoint("gc.checkpoint.after_uncommit")
     storage.delete_prefix(f"{n.folder}/{n.id}/")
+    return None

@@ -333,14 +333,25 @@ def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
 
 
 def grace_protected(graph: LineageGraph, policy: RetentionPolicy, now: float) -> set[str]:
-    """Ids GC keeps whatever a plan says can go: what the lineage as it was ``policy.grace_s``
-    seconds before ``now`` kept (a restore may still be reading it), and everything committed
-    since. Empty without a grace period."""
+    """Ids GC keeps whatever a plan says can go: everything committed in the last
+    ``policy.grace_s`` seconds before ``now``, and for the lineage as it was at each moment of
+    that period (its start and each commit since), what its plan kept and the cheapest chain of
+    each step it retained -- the chain a restore started then reads. Empty without a grace
+    period."""
     if policy.grace_s <= 0:
         return set()
     cutoff = now - policy.grace_s
-    protected = plan_lineage(graph.as_of(cutoff), policy).keep
-    protected |= {n.id for n in graph.nodes.values() if n.manifest.created_unix > cutoff}
+    recent = [n for n in graph.nodes.values() if n.manifest.created_unix > cutoff]
+    protected = {n.id for n in recent}
+    for moment in sorted(
+        {cutoff} | {n.manifest.created_unix for n in recent if n.manifest.created_unix <= now}
+    ):
+        then = graph.as_of(moment)
+        plan = plan_lineage(then, policy)
+        protected |= plan.keep
+        for step in plan.retained_steps:
+            with contextlib.suppress(CheckpointNotFoundError):
+                protected.update(m.id for m in then.chain(step))
     return protected
 
 
