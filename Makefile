@@ -12,7 +12,7 @@ FBGEMM_gpu := fbgemm-gpu==1.8.0
 TORCHREC  := torchrec==1.8.0
 STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
-.PHONY: install demo test test-fast fuzz lint ruff mypy bench clean
+.PHONY: install demo test test-fast fuzz fuzz-ops lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_jagged.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,14 @@ fuzz: $(STAMP)
 	DECK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/trainer/test_differential.py -k drawn --hypothesis-show-statistics \
 		--hypothesis-seed=$(FUZZ_SEED)
+
+# The operations state machine (trainer, merger, GC, verify, follower, kills, storage faults) with
+# a random seed and many more examples than CI's; FUZZ_SEED=N repeats a run.
+OPS_EXAMPLES ?= 1000
+fuzz-ops: $(STAMP)
+	@echo "make fuzz-ops: $(OPS_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz-ops FUZZ_SEED=$(FUZZ_SEED))"
+	DECK_OPS_EXAMPLES=$(OPS_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/ops/test_operations_machine.py --hypothesis-seed=$(FUZZ_SEED)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -1,0 +1,545 @@
+"""The stateful model-based test of issue 33: trainer saves (with rollbacks that save a step
+again), restores, merger passes, GC with each policy, verify with quarantine, a follower, a second
+trainer, kill points and storage faults, interleaved by Hypothesis against a model of what must
+survive (like zarr's ``testing/stateful.py`` for stores).
+
+The store is a real local directory inside a sandbox, seen through :class:`Faults`: a kill point
+(:class:`SimulatedCrash`, a ``BaseException`` that no deck handler catches, raised before or after
+the n-th write or delete, as ``kill -9`` would leave it) and transient read errors on chosen keys
+(an EIO, a permission error or an S3 timeout take that path). Time for GC's grace period is
+simulated: ``advance_time`` makes every commit record 1000 s older.
+
+After every rule, with the faults cleared:
+- every step the model promises (saved, and retained by every GC since) restores bitwise;
+- every step the lineage calls restorable restores bitwise, or fails with a DeckError only when
+  its chain holds a checkpoint the machine damaged;
+- every chain a restore picked within the grace period is still whole;
+- nothing outside the URI changed.
+Rules allow only DeckErrors (and the simulated crash where one is armed); a hang is caught by the
+test's timeout.
+
+``DECK_OPS_EXAMPLES`` sets the number of examples (CI: 100 of up to 40 rules, derandomized; ``make fuzz-ops`` runs
+more with a random seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from deck.errors import CorruptCheckpointError, DeckError, LeaseHeldError, StorageError
+from deck.format.manifest import CheckpointManifest, dump_model, load_model
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
+from deck.ops.follow import Follower
+from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.read.catalog import quarantine, read_manifests
+from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
+from deck.read.verify import confirmed_damage, verify_checkpoint
+from deck.storage import LocalStorage, Storage
+from deck.storage.wrapper import StorageWrapper
+from deck.testing.lineage_checks import merge_all
+from deck.testing.synth import LAYOUT, Saved, State, SynthTrainer, restore_state, same, snapshot
+from deck.trainer.lease import Lease
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+class SimulatedCrash(BaseException):
+    """The process died here (no deck handler catches a BaseException that is not an error)."""
+
+
+class Faults(StorageWrapper):
+    """A real store with a kill point and transient read errors.
+
+    Every read goes through :meth:`get` (the generic versions of the whole-object reads, no
+    local path: nothing maps files around it)."""
+
+    iter_get = Storage.iter_get
+    get_many = Storage.get_many
+    get_or_none = Storage.get_or_none
+    map_file = Storage.map_file
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.crash_at: int | None = None  # crash at this many more writes
+        self.crash_after = False  # ... after the write landed, or before it
+        self.read_faults: dict[str, int] = {}  # key substring -> reads left to fail
+        self.crashed = False
+
+    def local_path(self, path: str = "") -> str | None:
+        return None
+
+    def arm(self, n: int, after: bool) -> None:
+        self.crash_at, self.crash_after, self.crashed = n, after, False
+
+    def clear(self) -> None:
+        self.crash_at = None
+        self.read_faults = {}
+
+    def _write(self, fn):  # type: ignore[no-untyped-def]
+        if self.crash_at is not None:
+            self.crash_at -= 1
+            if self.crash_at == 0:
+                self.crash_at = None
+                self.crashed = True
+                if self.crash_after:
+                    fn()
+                raise SimulatedCrash
+        return fn()
+
+    def _read(self, path: str) -> None:
+        for pattern, left in self.read_faults.items():
+            if left > 0 and pattern in path:
+                self.read_faults[pattern] = left - 1
+                raise StorageError(f"injected transient read error of {self.describe(path)}")
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self._write(lambda: self.inner.put(path, data))
+
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        return bool(self._write(lambda: self.inner.put_if_absent(path, data)))
+
+    def delete(self, path: str) -> None:
+        self._write(lambda: self.inner.delete(path))
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in self.inner.list(prefix):
+            self.delete(key)
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        self._read(path)
+        return self.inner.get(path, start, end)
+
+    def size(self, path: str) -> int:
+        self._read(path)
+        return self.inner.size(path)
+
+
+def _age(storage: Storage, seconds: float) -> None:
+    """Every commit record becomes ``seconds`` older (GC's grace period sees time pass)."""
+    for key in storage.list():
+        if key.endswith("/manifest.json"):
+            m = load_model(CheckpointManifest, storage.get(key), key)
+            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
+            storage.put(key, dump_model(older))
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _tables(state: State) -> dict[str, torch.Tensor]:
+    """The synthetic trainer's shards assembled into whole tables (weights), as a follower
+    serves them."""
+    out = {}
+    for table, rows, cols, places, _ in LAYOUT:
+        t = torch.full((rows, cols), float("nan"))
+        for _, row_off, n, col_off, c in places:
+            t[row_off : row_off + n, col_off : col_off + c] = state[
+                f"{table}|{row_off}|{col_off}|weight"
+            ]
+        out[f"model.{table}"] = t
+    return out
+
+
+POLICIES = {
+    "default": {},
+    "bounded": {"keep_last_fulls": 1, "keep_all_steps": False},
+    "budget": {"keep_last_fulls": 2, "keep_all_steps": False, "chain_delta_budget": 0.5},
+    "verified": {"keep_last_fulls": 1, "keep_all_steps": False, "verify_replacements": True},
+}
+READ_FAULTS = ["manifest.json", "rank-0000", ".chunk", "parts/", "extra", "step-"]
+
+
+class OperationsMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sandbox = Path(tempfile.mkdtemp(prefix="deck-ops-machine-"))
+        (self.sandbox / "outside").mkdir()
+        (self.sandbox / "outside" / "neighbour.bin").write_bytes(os.urandom(64))
+        self.outside = _tree_digest(self.sandbox / "outside")
+        self.local = LocalStorage(self.sandbox / "ck")
+        self.store = Faults(self.local)
+        self.tr = SynthTrainer(self.store, chunk_bytes=4096)
+        self.history: dict[str, State] = {}  # checkpoint id -> the state it saved
+        self.promised: dict[int, str] = {}  # step -> id that must restore
+        self.damaged: set[str] = set()  # ids whose files the machine damaged
+        # chain ids -> when a restore last started on it, its step, chain and files
+        self.readers: dict[tuple[str, ...], tuple[int, int, list[CheckpointManifest], list[str]]]
+        self.readers = {}
+        self.now = 0  # simulated time, in units of 1000 s
+        self.seen: set[tuple[str, ...]] = set()
+        self.lease = Lease(self.store, ttl_s=3600, settle_s=0.0)
+        self.lease.acquire()
+
+    def teardown(self) -> None:
+        self.store.clear()
+        self.lease.release()
+        shutil.rmtree(self.sandbox, ignore_errors=True)
+
+    # ---- setup -----------------------------------------------------------------------------
+    @initialize(
+        stride=st.sampled_from([2, 3]),
+        every=st.sampled_from([None, 4]),
+        grace=st.sampled_from([0.0, 3600.0]),
+        policy=st.sampled_from(sorted(POLICIES)),
+    )
+    def setup(self, stride: int, every: int | None, grace: float, policy: str) -> None:
+        self.grace = grace
+        self.policy = RetentionPolicy(grace_s=grace, **POLICIES[policy])  # type: ignore[arg-type]
+        self.cfg = MergeConfig(
+            stride=stride, full=FullPolicy(every=every, max_live_fraction=None), chunk_bytes=4096
+        )
+        self._save("full")
+        for _ in range(2):
+            self.tr.train(1)
+            self._save("delta")
+
+    def _save(self, kind: str) -> None:
+        m = self.tr.save(kind)
+        self._saved(m.step, m.id, snapshot(self.tr.shards))
+
+    def _saved(self, step: int, cid: str, state: State) -> None:
+        """Record a committed save; promise it when it has a chain the machine did not damage."""
+        self.history[cid] = state
+        self.promised.pop(step, None)
+        if self._intact_chain(build_graph(read_manifests(self.store)), step) is not None:
+            self.promised[step] = cid
+
+    def _intact_chain(self, graph: LineageGraph, step: int) -> list[CheckpointManifest] | None:
+        try:
+            return cheapest_chain(graph, step, exclude=self.damaged)
+        except DeckError:
+            return None
+
+    # ---- the trainer -----------------------------------------------------------------------
+    @rule(count=st.integers(1, 4), rows=st.sampled_from([4, 30]))
+    def save_deltas(self, count: int, rows: int) -> None:
+        for _ in range(count):
+            self.tr.train(1, rows=rows)
+            self._save("delta")
+
+    @rule()
+    def save_full(self) -> None:
+        self.tr.train(1)
+        self._save("full")
+
+    @rule(n=st.integers(1, 40), after=st.booleans(), kind=st.sampled_from(["delta", "full"]))
+    def crash_during_save(self, n: int, after: bool, kind: str) -> None:
+        """The trainer dies mid-save (at its n-th write), restarts and restores the latest
+        step, as a job restart does: a new timeline."""
+        self.tr.train(1)
+        state = snapshot(self.tr.shards)
+        step = self.tr.step
+        self.store.arm(n, after)
+        try:
+            m = self.tr.save(kind)
+        except SimulatedCrash:
+            event("trainer killed mid-save")
+            self.store.clear()
+            self._restart(step, state, kind)
+            return
+        finally:
+            self.store.clear()
+        self._saved(m.step, m.id, state)
+
+    def _restart(self, step: int, state: State, kind: str) -> None:
+        manifests = read_manifests(self.store)
+        m = manifests.get(step)
+        if m is not None and m.id not in self.history:  # the commit record landed
+            self._saved(step, m.id, state)
+            self.tr.saved[step] = Saved(m.id, kind, state, step)
+        graph = build_graph(manifests)
+        ours = [
+            s
+            for s in graph.restorable_steps()
+            if s in self.tr.saved
+            and graph.trainer[s].id == self.tr.saved[s].id
+            and self._intact_chain(graph, s) is not None
+        ]
+        if ours:
+            self._restore_and_continue(max(ours))
+        else:  # nothing intact to restore: the next save is a full
+            self.tr.parent = None
+
+    def _restore_and_continue(self, step: int) -> None:
+        """Restore ``step`` (bitwise) and continue from it: a new timeline."""
+        chain = self._intact_chain(build_graph(read_manifests(self.store)), step)
+        assert chain is not None
+        got, user = restore_state(self.store, chain)
+        assert user == step and not same(got, self.history[chain[-1].id])
+        self.tr.rollback(step)
+        # Steps after ``step`` are abandoned; saving them again replaces them.
+        self.promised = {s: i for s, i in self.promised.items() if s <= step}
+
+    @precondition(lambda self: len(self.tr.saved) > 2)
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        """Restore an older step and train on from it, saving its later steps again."""
+        graph = build_graph(read_manifests(self.store))
+        ours = [
+            s
+            for s in graph.restorable_steps()
+            if s in self.tr.saved
+            and s < self.tr.step
+            and graph.trainer[s].id == self.tr.saved[s].id
+            and self._intact_chain(graph, s) is not None
+        ]
+        if not ours:
+            return
+        self._restore_and_continue(data.draw(st.sampled_from(ours), label="rollback to"))
+        self.tr.train(1)
+        self._save("delta")
+
+    @rule()
+    def second_trainer_is_refused(self) -> None:
+        with pytest.raises(LeaseHeldError):
+            Lease(self.store, ttl_s=60, settle_s=0.0).acquire()
+
+    # ---- the merger --------------------------------------------------------------------------
+    @rule(workers=st.sampled_from([1, 2]))
+    def merge(self, workers: int) -> None:
+        if not self.damaged:
+            merge_all(self.store, self.cfg, workers)  # asserts no merge failed
+            return
+        # Damage makes merges fail: the merger quarantines what it proves damaged, and goes on.
+        for _ in range(4):
+            MergeWorker(self.store, self.cfg).run_once(wait_s=0)
+
+    @rule(n=st.integers(1, 25), after=st.booleans())
+    def crash_merger(self, n: int, after: bool) -> None:
+        self.store.arm(n, after)
+        try:
+            MergeWorker(self.store, self.cfg).run_once(wait_s=0)
+        except SimulatedCrash:
+            event("merger killed")
+        except DeckError:
+            pass  # damage the machine made: the merger quarantines or reports it
+        finally:
+            self.store.clear()
+
+    # ---- GC ------------------------------------------------------------------------------------
+    def _retain(self, steps: list[int]) -> None:
+        """GC retained ``steps``: promises hold for those, the rest may go."""
+        self.promised = {s: i for s, i in self.promised.items() if s in steps}
+
+    def _planned(self) -> None:
+        """A GC run that may stop part-way deletes at most what its plan deletes: promise only
+        what the plan retains (its dry run, with no fault)."""
+        self._retain(collect_garbage(self.store, self.policy, dry_run=True).retained_steps)
+
+    @rule()
+    def gc(self) -> None:
+        rep = collect_garbage(self.store, self.policy)
+        self._retain(rep.retained_steps)
+
+    @rule(n=st.integers(1, 30), after=st.booleans())
+    def crash_gc(self, n: int, after: bool) -> None:
+        self._planned()
+        self.store.arm(n, after)
+        try:
+            collect_garbage(self.store, self.policy)
+        except SimulatedCrash:
+            event("gc killed")
+        finally:
+            self.store.clear()
+
+    @rule(where=st.sampled_from(READ_FAULTS), times=st.integers(1, 3))
+    def gc_with_read_errors(self, where: str, times: int) -> None:
+        """Transient read errors during GC: it keeps what it cannot read (never deletes what a
+        retained step needs), or stops with a DeckError."""
+        self._planned()
+        self.store.read_faults = {where: times}
+        try:
+            rep = collect_garbage(self.store, self.policy)
+            event(f"gc under read errors: {'errors' if rep.errors else 'clean'}")
+        except DeckError:
+            event("gc under read errors: refused")
+        finally:
+            self.store.clear()
+
+    @rule(by=st.sampled_from([1, 4]))
+    def advance_time(self, by: int) -> None:
+        self.now += by
+        _age(self.local, 1000 * by)
+
+    # ---- verify, damage ------------------------------------------------------------------------
+    @rule(where=st.sampled_from(["", *READ_FAULTS]), times=st.integers(1, 3))
+    def verify_quarantine(self, where: str, times: int) -> None:
+        """``deck verify --all --quarantine``, with transient read errors: only proven damage
+        (what reads back wrong twice) is quarantined; what could not be read is not."""
+        if where:
+            self.store.read_faults = {where: times}
+        try:
+            manifests = read_manifests(self.store)
+            for m in manifests.all():
+                report = verify_checkpoint(self.store, m)
+                if report.problems:
+                    proven = confirmed_damage(self.store, m, report)
+                    if proven.problems:
+                        assert m.id in self.damaged, (m.folder, proven.problems)
+                        quarantine(self.store, m, proven.problems[0])
+                        event("quarantined real damage")
+        except DeckError:
+            event("verify stopped by a read error")
+        finally:
+            self.store.clear()
+
+    @rule(data=st.data(), how=st.sampled_from(["flip", "lose"]))
+    def damage_a_file(self, data: st.DataObject, how: str) -> None:
+        """Real damage: a byte of a chunk flipped, or a chunk lost."""
+        manifests = read_manifests(self.store)
+        candidates = sorted(
+            (k, m.id)
+            for m in manifests.all()
+            for k in self.local.list(f"{m.folder}/")
+            if k.endswith(".chunk") and (m.is_merged or k.startswith(f"{m.folder}/{m.id}/"))
+        )
+        if not candidates:
+            return
+        key, cid = data.draw(st.sampled_from(candidates), label="damaged file")
+        path = self.sandbox / "ck" / key
+        if how == "flip":
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0x40
+            path.write_bytes(bytes(raw))
+        else:
+            path.unlink()
+        self.damaged.add(cid)
+        # What needed it may not restore any more; the model promises only what avoids it.
+        graph = build_graph(manifests)
+        self.promised = {
+            s: i for s, i in self.promised.items() if self._intact_chain(graph, s) is not None
+        }
+
+    # ---- the loading service ---------------------------------------------------------------------
+    @rule(where=st.sampled_from(["", *READ_FAULTS]))
+    def follow(self, where: str) -> None:
+        """A file follower (reopened: it resumes from its files) serves some committed step of
+        this model, bitwise, whatever it met."""
+        out = str(self.sandbox / "serving")
+        if where:
+            self.store.read_faults = {where: 1}
+        try:
+            f = Follower(self.store.uri, out, storage=self.store)
+            f.catch_up()
+        except DeckError:
+            event("follow stopped by a read error or damage")
+        finally:
+            self.store.clear()
+        f = Follower(self.store.uri, out, storage=self.store)  # what it serves now
+        if f.state is None:
+            return
+        step, cid = f.state
+        assert cid in self.history, f"serving {step} ({cid}), which was never saved"
+        want = _tables(self.history[cid])
+        for name, t in want.items():
+            got = f.tensors[name]
+            assert torch.equal(got.view(torch.int32), t.view(torch.int32)), (step, name)
+
+    # ---- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def nothing_outside_the_uri_changed(self) -> None:
+        assert _tree_digest(self.sandbox / "outside") == self.outside
+        assert {p.name for p in self.sandbox.iterdir()} <= {"outside", "ck", "serving"}
+
+    @invariant()
+    def promised_and_restorable_steps_restore_bitwise(self) -> None:
+        if not self.history:
+            return
+        manifests = read_manifests(self.store)
+        graph = build_graph(manifests)
+        restorable = set(graph.restorable_steps())
+        chains = {}
+        for step, cid in self.promised.items():
+            assert step in graph.trainer and graph.trainer[step].id == cid, (
+                f"step {step} ({cid}) was promised; committed: {sorted(graph.trainer)}"
+            )
+            chain = self._intact_chain(graph, step)
+            assert chain is not None, f"step {step} ({cid}) was promised: it has no chain"
+            chains[step] = chain
+        for step in sorted(restorable):  # as a restore picks it (damage not yet quarantined)
+            chains.setdefault(step, cheapest_chain(graph, step))
+        for step, chain in sorted(chains.items()):
+            key = tuple(m.id for m in chain)
+            if key in self.seen:
+                continue
+            try:
+                got, user = restore_state(self.store, chain)
+            except (CorruptCheckpointError, StorageError) as e:
+                hit = {m.id for m in chain} & self.damaged
+                assert hit and step not in self.promised, f"step {step}: {e}"
+                continue
+            bad = same(got, self.history[chain[-1].id])
+            assert not bad, f"step {step} via {[m.folder for m in chain]}: {bad[:4]}"
+            assert user == step
+            self.seen.add(key)
+
+    @invariant()
+    def chains_read_within_the_grace_period_are_whole(self) -> None:
+        """A restore may start at any moment: each reads the cheapest chain of a step the
+        retention policy keeps (recorded here after every rule); those started within the grace
+        period stay whole."""
+        if self.grace <= 0 or not self.history:
+            return
+        manifests = read_manifests(self.store)
+        graph = build_graph(manifests)
+        for then, step, chain, files in self.readers.values():
+            if (self.now - then + 1) * 1000 >= self.grace or {m.id for m in chain} & self.damaged:
+                continue  # a restore longer than the grace period, or damage: not promised
+            if any(
+                not m.is_merged and m.id != manifests.get(m.step, m).id for m in chain
+            ):  # a rollback saved one of its steps again: that timeline is abandoned
+                continue
+            missing = [k for k in files if not self.local.exists(k)]
+            folders = [m.folder for m in chain]
+            assert not missing, f"a restore of step {step} via {folders} lost {missing[:3]}"
+        for step in plan_retention(manifests, self.policy).retained_steps:
+            chain = cheapest_chain(graph, step)
+            key = tuple(m.id for m in chain)
+            if self.promised.get(step) != chain[-1].id:
+                continue
+            if key in self.readers:  # still what a restore reads: one may start now
+                self.readers[key] = (self.now, *self.readers[key][1:])
+            else:
+                files = [k for m in chain for k in self.local.list(f"{m.folder}/")]
+                self.readers[key] = (self.now, step, chain, files)
+
+
+EXAMPLES = int(os.environ.get("DECK_OPS_EXAMPLES", "100"))
+RANDOM = os.environ.get("DECK_FUZZ_RANDOM") == "1"
+
+
+def test_operations_machine() -> None:
+    run_state_machine_as_test(
+        OperationsMachine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=not RANDOM,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
