@@ -5,7 +5,6 @@ failpoint in spool recovery, a collective that raises)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,9 @@ import deck
 from deck import failpoints
 from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
 from deck.errors import DeckError, StorageError
-from deck.storage import LocalStorage
+from deck.storage import LocalStorage, open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
-from deck.storage import open_storage
 from deck.trainer.lease import Lease
 
 pytestmark = pytest.mark.slow

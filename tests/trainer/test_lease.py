@@ -85,7 +85,7 @@ def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:
     assert lease.epoch is not None
     intruder = LeaseRecord(owner="someone-else", host="h", pid=1, expires_unix=time.time() + 60)
     storage.put(lease_key(lease.epoch + 1), intruder.model_dump_json().encode())
-    with pytest.raises(LeaseHeldError, match="taken over.*someone-else"):
+    with pytest.raises(LeaseHeldError, match=r"taken over.*someone-else"):
         lease.check()  # at once, before any renewal
     assert lease.lost.wait(timeout=120)
     lease.release()
@@ -96,9 +96,7 @@ def test_a_lease_that_could_not_be_renewed_fences_itself(tmp_path: Path) -> None
     """Renewals failing for longer than the lease's lifetime: another trainer may have taken
     it, so the holder commits nothing more (even before anyone did)."""
     failing = threading.Event()
-    storage = FaultyStorage(
-        open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set()
-    )
+    storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
     lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
     lease.acquire()
     failing.set()
