@@ -49,10 +49,10 @@ from deck.errors import (
     UnsupportedError,
 )
 from deck.failpoints import failpoint
-from deck.format.jsonio import load_json
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
 from deck.format.stream import (
     CONTROL_PARTITION,
+    CorruptStreamError,
     KafkaTarget,
     Marker,
     Segment,
@@ -62,9 +62,11 @@ from deck.format.stream import (
     is_stream_file,
     parse_kafka_uri,
     rank_partition,
+    valid_run,
 )
-from deck.ops.follow import SIDECAR, Follower, FollowUpdate
+from deck.ops.follow import Follower, FollowUpdate, state_record
 from deck.ops.kafka_full import newest_loader_full, stream_record_path, write_loader_full
+from deck.ops.kafka_guard import QuarantineLog, marker_at, newest_run
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import Storage, open_storage
 from deck.storage.base import get_bounded
@@ -213,6 +215,10 @@ class _StreamFollower(Follower):
         return {"stream": self.stream}
 
 
+class _Unprovable(DeckError):
+    """A marked step's rows cannot all be read: a message of its partition was quarantined."""
+
+
 @dataclass
 class KafkaFollowStats:
     """What a loader did since it started."""
@@ -220,6 +226,8 @@ class KafkaFollowStats:
     applied: list[int] = field(default_factory=list)  # steps applied (in order)
     skipped: list[int] = field(default_factory=list)  # markers of steps already held
     fulls: list[str] = field(default_factory=list)  # loader fulls written (keys)
+    unproven: list[int] = field(default_factory=list)  # steps not applied: rows lost/damaged
+    foreign: list[int] = field(default_factory=list)  # markers of another run, refused
 
 
 class KafkaFollower:
@@ -239,8 +247,11 @@ class KafkaFollower:
         allow_quantized: bool = False,
         parquet: bool = False,
         wait_s: float = 10.0,
+        run: str | None = None,
     ):
         self.target = parse_kafka_uri(uri)
+        if run is not None and not valid_run(run):
+            raise ConfigError(f"run {run!r}: a run identity is 1-64 of [0-9a-zA-Z._-]")
         self.out_dir = out_dir
         self.state_uri = state_uri
         self.storage_options = storage_options
@@ -261,22 +272,81 @@ class KafkaFollower:
             **(consumer_options or {}),
         }
         os.makedirs(out_dir, exist_ok=True)
-        self._restore_full()
-        self.offsets: dict[int, int] = self._saved_offsets()
+        self.quarantine = QuarantineLog(out_dir, self.target.topic)
+        self.stats = KafkaFollowStats()
+        # Why the loader cannot trust the stream's continuity right now (a quarantined message,
+        # a recreated topic): a delta whose parent it does not hold is then skipped, not an
+        # error, until a full it can prove. None: every gap is a StreamGapError.
+        self._lost: str | None = None
+        self._poisoned: set[int] = set()  # partitions with a quarantined message
+        record = self._restore_full(self._record(), run)
+        stream = (record or {}).get("stream") or {}
+        held_run = stream.get("run")
+        if run is not None and held_run is not None and held_run != run:
+            raise ConfigError(
+                f"out_dir {out_dir} serves run {held_run}, not {run}; use another directory "
+                "to follow that run"
+            )
+        # The run served: pinned (--run), else the held state's, else adopted at the first
+        # poll (the newest marker's run). A held state of a deck before run ids: None.
+        self.run: str | None = run or held_run
+        self._run_known = run is not None or record is not None
+        self.offsets: dict[int, int] = self._saved_offsets(record)
+        self._check_resume_point(stream)
         self.readers: dict[int, _Reader] = {}
         self.follower: _StreamFollower | None = None
         self.view: StreamView | None = None
-        self.stats = KafkaFollowStats()
-        self._since_full = 0
+        # Steps applied since the newest loader full, from the state record (on disk), so a
+        # loader that keeps crashing still writes its recovery points.
+        self._since_full = int(stream.get("since_full", 0))
+        if record is not None and self._since_full and self.full_store is not None:
+            newest = newest_loader_full(self.full_store)
+            if newest is not None and newest[0].step == int(record["step"]):
+                self._since_full = 0
         self._last: tuple[CheckpointManifest, list[Any]] | None = None  # for write_full
 
     # ---- start ------------------------------------------------------------------------------
-    def _saved_offsets(self) -> dict[int, int]:
-        side = os.path.join(self.out_dir, SIDECAR)
-        if not os.path.exists(side):
+    def _record(self) -> dict[str, Any] | None:
+        """The held state's record (from the data file: the one atomic switch), or None when
+        ``out_dir`` holds no usable state (then a loader full, if any, is started from)."""
+        try:
+            return state_record(self.out_dir)
+        except (OSError, ValueError, KeyError, TypeError, DeckError) as e:
+            logger.warning(
+                "deck follow: the state in %s is unusable (%s): starting without it",
+                self.out_dir,
+                e,
+            )
+            return None
+
+    def _check_resume_point(self, stream: dict[str, Any]) -> None:
+        """The marker of the held step must still be where the state record says: otherwise
+        the topic was recreated or truncated (a broker that lost its data), the saved offsets
+        mean nothing, and the loader reads the topic from its start, waiting for a full."""
+        mk = stream.get("marker")
+        if not isinstance(mk, dict) or not self.offsets:
+            return
+        what, m = marker_at(self.conf, self.target, int(mk["offset"]))
+        if what == "gone":  # retention: the reader's own check reports what it still needs
+            return
+        if what == "marker" and (m.step, m.ckpt_id) == (mk["step"], mk["id"]):
+            return
+        logger.error(
+            "deck follow: kafka topic %s partition 0 offset %s no longer holds the marker of the "
+            "held step %s (%s): the topic was recreated or truncated; reading it from its start "
+            "and serving step %s until a full the loader can prove",
+            self.target.topic,
+            mk["offset"],
+            mk["step"],
+            what,
+            mk["step"],
+        )
+        self.offsets = {}
+        self._lost = "the topic was recreated or truncated"
+
+    def _saved_offsets(self, meta: dict[str, Any] | None) -> dict[int, int]:
+        if meta is None:
             return {}
-        with open(side, "rb") as f:
-            meta = load_json(f.read(), side, "deck follow state record")
         stream = meta.get("stream") or {}
         if meta.get("uri") != self.target.uri:
             raise ConfigError(
@@ -286,15 +356,32 @@ class KafkaFollower:
         self.state_uri = self.state_uri or stream.get("state_uri")
         return {int(p): int(o) for p, o in stream.get("offsets", {}).items()}
 
-    def _restore_full(self) -> None:
-        """An empty ``out_dir`` starts from the newest loader full at ``full_uri``, if any: its
-        state is materialised (as from any full) with its stream offsets as the resume point."""
-        if self.full_store is None or os.path.exists(os.path.join(self.out_dir, SIDECAR)):
-            return
+    def _restore_full(
+        self, record: dict[str, Any] | None, run: str | None
+    ) -> dict[str, Any] | None:
+        """An ``out_dir`` without a usable state, or with an older one of the same run, starts
+        from the newest loader full at ``full_uri`` of that run, if any: its state is
+        materialised (as from any full) with its stream offsets as the resume point. Returns
+        the state record then held."""
+        if self.full_store is None:
+            return record
         found = newest_loader_full(self.full_store)
         if found is None:
-            return
+            return record
         m, stream = found
+        want = run or ((record or {}).get("stream") or {}).get("run")
+        if want is not None and stream.get("run") != want:
+            logger.error(
+                "deck follow: the newest loader full at %s (step %d) is of run %s, not %s: "
+                "not started from",
+                self.full_store.uri,
+                m.step,
+                stream.get("run"),
+                want,
+            )
+            return record
+        if record is not None and int(record["step"]) >= m.step:
+            return record
         if stream.get("topic") != self.target.topic:
             raise ConfigError(
                 f"full_uri {self.full_store.uri}: its newest loader full (step {m.step}) was "
@@ -308,11 +395,12 @@ class KafkaFollower:
             parquet=self.parquet,
             storage=_Named(self.full_store, self.target.uri),
         )
-        fol.stream = stream
+        fol.stream = {**stream, "since_full": 0}
         fol.materialise(m.step)
         logger.info(
             "deck follow: started from the loader full %s", self.full_store.describe(m.folder)
         )
+        return self._record()
 
     def _reader(self, partition: int) -> _Reader:
         r = self.readers.get(partition)
@@ -338,14 +426,55 @@ class KafkaFollower:
     # ---- one step ---------------------------------------------------------------------------
     def poll(self, timeout: float = 1.0) -> FollowUpdate | None:
         """Apply the next marked step if one arrives within ``timeout``; None otherwise."""
+        if not self._run_known:
+            self._adopt_run()
         ctl = self._reader(CONTROL_PARTITION)
         msg = ctl.poll(timeout)
         if msg is None:
             return None
-        marker = decode_marker(
-            msg.headers(), msg.value(), self.target.topic, CONTROL_PARTITION, msg.offset()
-        )
+        try:
+            marker = decode_marker(
+                msg.headers(), msg.value(), self.target.topic, CONTROL_PARTITION, msg.offset()
+            )
+        except CorruptStreamError as e:
+            self.quarantine.add("poison", CONTROL_PARTITION, int(msg.offset()), msg.value(), str(e))
+            self._lose(f"the message at partition 0 offset {msg.offset()} was quarantined")
+            return None
+        if self._run_known and marker.run != self.run:
+            self.quarantine.add(
+                "foreign",
+                CONTROL_PARTITION,
+                marker.offset,
+                msg.value(),
+                f"marker of step {marker.step} ({marker.ckpt_id}) of run {marker.run}, but "
+                f"this loader serves run {self.run}; to follow run {marker.run}, start a "
+                f"loader on another --out with --run {marker.run}",
+            )
+            self.stats.foreign.append(marker.step)
+            return None
         return self._apply_marker(marker)
+
+    def _adopt_run(self) -> None:
+        """A loader with no state and no ``--run`` serves the run of the newest marker of the
+        topic (a fresh run reusing a topic wins over an older one, and a stray full of another
+        model at the head of the topic is not served); with no marker yet, the run of the
+        first full it applies."""
+        found, run = newest_run(self.conf, self.target)
+        if found:
+            self.run, self._run_known = run, True
+            logger.info("deck follow: serving run %s (the newest marker's)", run)
+
+    def _lose(self, why: str) -> None:
+        if self._lost is None:
+            held = self.follower.state if self.follower is not None else None
+            logger.error(
+                "deck follow: kafka topic %s: %s; serving step %s until a full the loader can "
+                "prove",
+                self.target.topic,
+                why,
+                held[0] if held else "(none)",
+            )
+        self._lost = why
 
     def _apply_marker(self, marker: Marker) -> FollowUpdate | None:
         fol = self._open(marker)
@@ -360,6 +489,17 @@ class KafkaFollower:
         if manifest is None:
             return None
         if manifest.kind is Kind.DELTA and held != (manifest.parent, manifest.parent_id):
+            if self._lost is not None:
+                logger.warning(
+                    "deck follow: step %d (a delta of step %s) skipped: the loader holds %s "
+                    "and waits for a full it can prove (%s)",
+                    marker.step,
+                    manifest.parent,
+                    held or "nothing",
+                    self._lost,
+                )
+                self.stats.unproven.append(marker.step)
+                return None
             raise StreamGapError(
                 f"kafka topic {self.target.topic}: step {marker.step} (marker at offset "
                 f"{marker.offset}) is a delta of step {manifest.parent} ({manifest.parent_id}), "
@@ -370,11 +510,17 @@ class KafkaFollower:
         t0 = time.perf_counter()
         parts = read_rank_manifests(self.view, manifest)
         files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
-        for rank in range(manifest.world_size):
-            mine = {k for k in files if f"/rank-{rank:05d}/" in k}
-            self.view.files.update(self._pull(rank, marker, mine))
+        try:
+            for rank in range(manifest.world_size):
+                mine = {k for k in files if f"/rank-{rank:05d}/" in k}
+                self.view.files.update(self._pull(rank, marker, mine))
+        except _Unprovable as e:
+            self.view.files.clear()
+            self.stats.unproven.append(marker.step)
+            self._lose(f"step {marker.step} ({marker.ckpt_id}) cannot be applied: {e}")
+            return None
         failpoint("kafka_follow.fetched")
-        fol.stream = self._stream_record(marker)
+        fol.stream = self._stream_record(marker, self._since_full + 1)
         try:
             if manifest.kind is Kind.FULL:
                 self.view.visible = {marker.step}
@@ -390,6 +536,16 @@ class KafkaFollower:
         self.stats.applied.append(marker.step)
         self._last = (manifest, parts)
         self._since_full += 1
+        if manifest.kind is Kind.FULL and self._lost is not None:
+            logger.warning(
+                "deck follow: kafka topic %s: moved on at the full of step %d (was: %s)",
+                self.target.topic,
+                marker.step,
+                self._lost,
+            )
+            self._lost = None
+        if not self._run_known:
+            self.run, self._run_known = marker.run, True
         if self.full_every and self._since_full >= self.full_every:
             self.write_full()
         return update
@@ -438,13 +594,30 @@ class KafkaFollower:
         while not complete():
             msg = reader.poll(0.2)
             if msg is not None:
-                take(
-                    decode_segment(
+                try:
+                    seg = decode_segment(
                         msg.headers(), msg.value(), reader.topic, reader.partition, msg.offset()
                     )
-                )
-            elif time.monotonic() > deadline and reader.drained():
+                except CorruptStreamError as e:
+                    self.quarantine.add(
+                        "poison", reader.partition, int(msg.offset()), msg.value(), str(e)
+                    )
+                    self._poisoned.add(reader.partition)
+                    continue
+                take(seg)
+                continue
+            poisoned = reader.partition in self._poisoned
+            # Segments are acknowledged before their marker is produced: once the reader is at
+            # the end, what is missing is not coming. A quarantined message explains it at
+            # once; otherwise wait_s allows for a lagging broker before calling it a gap.
+            if (poisoned or time.monotonic() > deadline) and reader.drained():
                 missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
+                reader.ahead = keep  # later steps' segments stay for their markers
+                if poisoned:
+                    raise _Unprovable(
+                        f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
+                        f"files (first: {missing[0]}) and held a quarantined message"
+                    )
                 raise StreamGapError(
                     f"kafka topic {self.target.topic} partition {reader.partition}: step "
                     f"{marker.step} ({marker.ckpt_id}) is marked but {len(missing)} of rank "
@@ -454,10 +627,19 @@ class KafkaFollower:
         reader.ahead = keep
         return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
 
-    def _stream_record(self, marker: Marker) -> dict[str, Any]:
+    def _stream_record(self, marker: Marker, since_full: int) -> dict[str, Any]:
+        """The resume point written with the state: offsets after the step, the marker applied
+        (to recognise a recreated topic), the run, and the steps since the last loader full."""
         offsets = {str(p): r.resume_offset() for p, r in self.readers.items()}
         offsets[str(CONTROL_PARTITION)] = marker.offset + 1
-        return {"topic": self.target.topic, "state_uri": self.state_uri, "offsets": offsets}
+        return {
+            "topic": self.target.topic,
+            "state_uri": self.state_uri,
+            "offsets": offsets,
+            "run": marker.run,
+            "marker": {"offset": marker.offset, "step": marker.step, "id": marker.ckpt_id},
+            "since_full": since_full,
+        }
 
     # ---- loader fulls -----------------------------------------------------------------------
     def write_full(self) -> str | None:
