@@ -24,9 +24,12 @@ With ``parquet`` (``--format parquet``) the same Parquet output as ``deck follow
 parquet`` of a directory is written beside the state (:class:`deck.ops.parquet.FollowParquet`):
 a full folder when a full is materialised, a delta folder of the changed rows per applied step.
 
-A delta whose parent is not the held state (retention removed earlier messages, a publish whose
-marker was lost) raises :class:`StreamGapError` naming both; the loader full, or the
-publisher's next full, covers it.
+Nothing the topic holds stops the loader for good (docs/reliability.md, "Kafka loader"): a
+message that fails to decode is quarantined (:mod:`deck.ops.kafka_guard`, ``<out>/quarantine.json``),
+a marker of another run is refused, a step whose rows cannot all be read and a delta whose
+parent is not the held state (retention removed earlier messages, a publish whose marker was
+lost, a quarantined step) are skipped: the loader keeps serving what it holds, says so in an
+ERROR line, and moves on at the next full it can prove.
 """
 
 from __future__ import annotations
@@ -155,14 +158,17 @@ class _Reader:
         self._tp = TopicPartition(target.topic, partition)
         self.consumer = Consumer(conf)
         low, _ = self.watermarks()
+        # Retention removed messages the loader needs: it reads from the oldest one left and
+        # (the follower's business) waits for a full it can prove.
+        self.gap: str | None = None
         if offset < low:
-            raise StreamGapError(
-                f"kafka topic {target.topic} partition {partition}: the loader needs offset "
-                f"{offset} but the oldest message is {low} (retention removed {low - offset}); "
-                "start from a newer loader full (full_uri) or a new out_dir after "
-                "the publisher's next full"
+            self.gap = (
+                f"partition {partition}: the loader needs offset {offset} but the oldest "
+                f"message is {low} (retention removed {low - offset})"
             )
+            offset = low
         self.position = offset
+        self.eof: int | None = None
         self.consumer.assign([TopicPartition(target.topic, partition, offset)])
         self.ahead: list[Segment] = []
 
@@ -179,15 +185,23 @@ class _Reader:
             return None
         err = msg.error()
         if err is not None:
-            if err.code() == -191:  # _PARTITION_EOF
+            if err.code() == -191:  # _PARTITION_EOF: a fetch found nothing past this offset
+                self.eof = int(msg.offset() or 0)
                 return None
             raise StorageError(f"kafka topic {self.topic} partition {self.partition}: {err}")
         self.position = int(msg.offset() or 0) + 1
         return msg
 
+    def at_end(self) -> bool:
+        """A fetch since :attr:`eof` was last cleared reached the end at this position. The
+        fetch response's high watermark is exact; the ListOffsets one :meth:`watermarks` reads
+        is not always (Tansu 0.6 reports a multi-message batch's first offset + 1)."""
+        return self.eof is not None and self.eof >= self.position
+
     def drained(self) -> bool:
-        """Nothing more to read now (position at the high watermark)."""
-        return self.position >= self.watermarks()[1]
+        """Nothing more to read now: :meth:`at_end`, or the position at the high watermark
+        (which never lies past the end, so this never waits for messages that do not exist)."""
+        return self.at_end() or self.position >= self.watermarks()[1]
 
     def resume_offset(self) -> int:
         return min([s.offset for s in self.ahead], default=self.position)
@@ -215,8 +229,9 @@ class _StreamFollower(Follower):
         return {"stream": self.stream}
 
 
-class _Unprovable(DeckError):
-    """A marked step's rows cannot all be read: a message of its partition was quarantined."""
+class _Unprovable(StreamGapError):
+    """A marked step's rows cannot all be read (a message of its partition was quarantined, or
+    retention removed them): the step is skipped, not applied."""
 
 
 @dataclass
@@ -266,7 +281,8 @@ class KafkaFollower:
             "bootstrap.servers": self.target.bootstrap,
             "group.id": group or f"deck-follow-{self.target.topic}",
             "enable.auto.commit": False,
-            "enable.partition.eof": False,
+            # End-of-partition events tell "nothing more" exactly (see _Reader.at_end).
+            "enable.partition.eof": True,
             # librdkafka prefetches: bound it, the loader holds about one step anyway.
             "queued.max.messages.kbytes": 16384,
             **(consumer_options or {}),
@@ -274,24 +290,27 @@ class KafkaFollower:
         os.makedirs(out_dir, exist_ok=True)
         self.quarantine = QuarantineLog(out_dir, self.target.topic)
         self.stats = KafkaFollowStats()
-        # Why the loader cannot trust the stream's continuity right now (a quarantined message,
-        # a recreated topic): a delta whose parent it does not hold is then skipped, not an
-        # error, until a full it can prove. None: every gap is a StreamGapError.
+        # Why the loader waits for a full it can prove (a quarantined message, a recreated or
+        # retention-trimmed topic, a delta whose parent it never held); None: it does not.
         self._lost: str | None = None
         self._poisoned: set[int] = set()  # partitions with a quarantined message
-        record = self._restore_full(self._record(), run)
-        stream = (record or {}).get("stream") or {}
-        held_run = stream.get("run")
+        record = self._record()
+        held_run = ((record or {}).get("stream") or {}).get("run")
         if run is not None and held_run is not None and held_run != run:
             raise ConfigError(
                 f"out_dir {out_dir} serves run {held_run}, not {run}; use another directory "
                 "to follow that run"
             )
+        record = self._restore_full(record, run)
+        stream = (record or {}).get("stream") or {}
+        held_run = stream.get("run")
         # The run served: pinned (--run), else the held state's, else adopted at the first
         # poll (the newest marker's run). A held state of a deck before run ids: None.
         self.run: str | None = run or held_run
         self._run_known = run is not None or record is not None
+        self._state_given = state_uri is not None  # --state-uri: markers' URIs are not used
         self.offsets: dict[int, int] = self._saved_offsets(record)
+        self._state_fixed = self.state_uri is not None
         self._check_resume_point(stream)
         self.readers: dict[int, _Reader] = {}
         self.follower: _StreamFollower | None = None
@@ -369,18 +388,19 @@ class KafkaFollower:
         if found is None:
             return record
         m, stream = found
-        want = run or ((record or {}).get("stream") or {}).get("run")
-        if want is not None and stream.get("run") != want:
+        if record is not None:
+            held_run = (record.get("stream") or {}).get("run")
+            if stream.get("run") != held_run or int(record["step"]) >= m.step:
+                return record  # only a newer full of the run held replaces the held state
+        elif run is not None and stream.get("run") != run:
             logger.error(
                 "deck follow: the newest loader full at %s (step %d) is of run %s, not %s: "
                 "not started from",
                 self.full_store.uri,
                 m.step,
                 stream.get("run"),
-                want,
+                run,
             )
-            return record
-        if record is not None and int(record["step"]) >= m.step:
             return record
         if stream.get("topic") != self.target.topic:
             raise ConfigError(
@@ -407,11 +427,15 @@ class KafkaFollower:
         if r is None:
             r = _Reader(self.conf, self.target, partition, self.offsets.get(partition, 0))
             self.readers[partition] = r
+            if r.gap is not None:
+                self._lose(r.gap)
         return r
 
     def _open(self, marker: Marker) -> _StreamFollower:
-        if self.follower is None:
-            state_uri = self.state_uri or marker.state_uri
+        # Until a marker's commit record was found at its state URI (or the URI was given or
+        # held), each marker's own URI is tried: a stray marker cannot pin a wrong one.
+        if self.follower is None or not self._state_fixed:
+            state_uri = (self._state_fixed and self.state_uri) or marker.state_uri
             self.view = StreamView(open_storage(state_uri, self.storage_options), self.target.uri)
             self.follower = _StreamFollower(
                 self.target.uri,
@@ -440,6 +464,9 @@ class KafkaFollower:
             self.quarantine.add("poison", CONTROL_PARTITION, int(msg.offset()), msg.value(), str(e))
             self._lose(f"the message at partition 0 offset {msg.offset()} was quarantined")
             return None
+        for p, r in self.readers.items():
+            if p != CONTROL_PARTITION:
+                r.eof = None  # an end seen before this marker says nothing about its rows
         if self._run_known and marker.run != self.run:
             self.quarantine.add(
                 "foreign",
@@ -485,28 +512,40 @@ class KafkaFollower:
             # hold past): applying it again would change nothing.
             self.stats.skipped.append(marker.step)
             return None
+        if self._state_fixed and not self._state_given and marker.state_uri != self.state_uri:
+            self.quarantine.add(
+                "poison",
+                CONTROL_PARTITION,
+                marker.offset,
+                None,
+                f"marker of step {marker.step} ({marker.ckpt_id}) names the state URI "
+                f"{marker.state_uri}, but run {self.run}'s state is at {self.state_uri}",
+            )
+            return None
         manifest = self._manifest(marker)
         if manifest is None:
             return None
+        self._state_fixed = True
         if manifest.kind is Kind.DELTA and held != (manifest.parent, manifest.parent_id):
-            if self._lost is not None:
-                logger.warning(
-                    "deck follow: step %d (a delta of step %s) skipped: the loader holds %s "
-                    "and waits for a full it can prove (%s)",
-                    marker.step,
-                    manifest.parent,
-                    held or "nothing",
-                    self._lost,
-                )
-                self.stats.unproven.append(marker.step)
-                return None
-            raise StreamGapError(
-                f"kafka topic {self.target.topic}: step {marker.step} (marker at offset "
-                f"{marker.offset}) is a delta of step {manifest.parent} ({manifest.parent_id}), "
-                f"but the loader holds {held or 'nothing'}: the messages between are gone "
-                "(retention) or were never marked. Start from a loader full (full_uri) or "
-                "wait for the publisher's next full."
+            # Its parent was never applied here (the head of the topic is gone, a step was
+            # quarantined, a publish lost its marker): waiting cannot bring it back, and a
+            # restart would meet the same delta, so it is skipped until a full.
+            self._lose(
+                f"step {marker.step} (marker at offset {marker.offset}) is a delta of step "
+                f"{manifest.parent} ({manifest.parent_id}), but the loader holds "
+                f"{held or 'nothing'}: the messages between are gone (retention, a quarantined "
+                "message) or were never marked"
             )
+            logger.warning(
+                "deck follow: kafka topic %s: step %d (a delta of step %s) skipped: the loader "
+                "holds %s and waits for a full it can prove",
+                self.target.topic,
+                marker.step,
+                manifest.parent,
+                held or "nothing",
+            )
+            self.stats.unproven.append(marker.step)
+            return None
         t0 = time.perf_counter()
         parts = read_rank_manifests(self.view, manifest)
         files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
@@ -607,22 +646,16 @@ class KafkaFollower:
                 take(seg)
                 continue
             poisoned = reader.partition in self._poisoned
-            # Segments are acknowledged before their marker is produced: once the reader is at
-            # the end, what is missing is not coming. A quarantined message explains it at
-            # once; otherwise wait_s allows for a lagging broker before calling it a gap.
-            if (poisoned or time.monotonic() > deadline) and reader.drained():
+            # Segments are acknowledged before their marker is produced: once a fetch after the
+            # marker was read reached the end, what is missing is not coming. A quarantined
+            # message explains it at once; otherwise wait_s allows for a lagging broker.
+            if (poisoned and reader.at_end()) or (time.monotonic() > deadline and reader.drained()):
                 missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
                 reader.ahead = keep  # later steps' segments stay for their markers
-                if poisoned:
-                    raise _Unprovable(
-                        f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
-                        f"files (first: {missing[0]}) and held a quarantined message"
-                    )
-                raise StreamGapError(
-                    f"kafka topic {self.target.topic} partition {reader.partition}: step "
-                    f"{marker.step} ({marker.ckpt_id}) is marked but {len(missing)} of rank "
-                    f"{rank}'s files are not in the stream (first: {missing[0]}); retention "
-                    "removed them? Start from a loader full (full_uri)."
+                raise _Unprovable(
+                    f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
+                    f"files (first: {missing[0]}): "
+                    + ("it held a quarantined message" if poisoned else "retention removed them?")
                 )
         reader.ahead = keep
         return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
@@ -667,6 +700,7 @@ class KafkaFollower:
         """Apply every marker in the topic now; returns how many steps were applied."""
         n = 0
         ctl = self._reader(CONTROL_PARTITION)
+        ctl.eof = None  # only an end reached in this catch-up counts
         while True:
             update = self.poll(0.5)
             if update is not None:
@@ -701,8 +735,8 @@ def follow_kafka(
         while True:
             try:
                 update = kf.poll(1.0)
-            except (StreamGapError, ConfigError):
-                raise  # waiting does not fix these
+            except ConfigError:
+                raise  # waiting does not fix it
             except DeckError as e:  # the broker or the state URI is down, the topic not there yet
                 logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
                 time.sleep(poll_s)

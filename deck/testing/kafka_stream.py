@@ -73,6 +73,7 @@ class SynthPublisher:
             timeout_s=20,
         )
         sink.damage = set()
+        sink.ensure_topic()  # as open_kafka_sink does when a publisher starts
         return sink
 
     @property
@@ -82,7 +83,8 @@ class SynthPublisher:
         return s
 
     def reconnect(self) -> None:
-        """A new sink (producer) after the broker restarted, as a restarted publisher has."""
+        """A new sink (producer) after the broker restarted, as a restarted publisher has (it
+        creates the topic again)."""
         self.sink.close()
         self.trainer.storage = self._sink()
 

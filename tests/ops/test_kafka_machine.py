@@ -1,0 +1,229 @@
+"""A stateful model-based test of the Kafka loader (`deck follow kafka://`): Hypothesis draws
+sequences of publishes, faults and loader runs against a real broker (Tansu) and real files.
+
+Rules (each example has its own topic and directories):
+
+- ``publish``: the real publisher path (:class:`deck.testing.kafka_stream.SynthPublisher`: the
+  Kafka sink, commit records at the state URI, then the marker) publishes a full or a delta;
+- ``publish_damaged``: the same, with one byte of its first message on a partition flipped on
+  the way (the checksum header is the original's);
+- ``inject``: garbage, a forged marker or a forged segment on any partition;
+- ``foreign_publish``: another run (its own state URI) publishes to the same topic;
+- ``restart_broker``: the broker restarts on the same port with its memory storage empty (the
+  topic is gone; publishers reconnect);
+- ``run_loader``: the loader catches up (in this process, a new one each time: a restart);
+- ``kill_loader``: a loader in a forked child SIGKILLed at a drawn failpoint of its apply, its
+  state switch or its loader full (:data:`POINTS`), on its 1st..3rd hit;
+- ``lose_out``: the loader's --out is wiped (a new machine): it starts from its loader full.
+
+Invariants, after every loader run: the output is a committed step of the served run, bitwise
+(:func:`_check_served`); a loader holding state never raises. At the end a clean full is
+published and a loader run must serve exactly the latest step.
+
+Bounded and deterministic: ``DECK_KAFKA_EXAMPLES`` examples (default 4) of at most
+``DECK_KAFKA_STEPS`` rules (default 12), derandomized unless ``DECK_KAFKA_RANDOM=1`` (``make
+fuzz-kafka``); no sleeps pick moments (the kills are failpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+
+from deck.format.stream import marker_value
+from deck.ops.kafka_follow import KafkaFollower
+from deck.testing.kafka_broker import TansuBroker
+from deck.testing.kafka_stream import (
+    SynthPublisher,
+    differences,
+    inject,
+    read_output,
+    run_loader_child,
+)
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("DECK_KAFKA_EXAMPLES", "4"))
+STEPS = int(os.environ.get("DECK_KAFKA_STEPS", "12"))
+RANDOM = os.environ.get("DECK_KAFKA_RANDOM") == "1"
+FULL_EVERY = 2
+POINTS = (
+    "kafka_follow.fetched",
+    "kafka_follow.written",
+    "follow.state.before_switch",
+    "follow.state.switched",
+    "follow.state.written",
+    "kafka_follow.full.before_commit",
+)
+_HEADERS_MARKER = [("deck", b"1"), ("type", b"marker")]
+
+
+def _forged(partition: int, form: str, run: str) -> tuple[bytes, list[Any]]:
+    """A message that is not one of the publisher's (see :func:`inject`)."""
+    if form == "bytes":
+        return b"\x00\xffnot deck\x13" * 7, []
+    if form == "bad-checksum":
+        kind = b"marker" if partition == 0 else b"seg"
+        return b"{}", [("deck", b"1"), ("type", kind), ("xxh3", b"0123456789abcdef")]
+    # A well-formed message whose content lies: a marker of a step nobody committed, or a
+    # segment of a file no marker names.
+    import xxhash
+
+    if partition == 0:
+        value = marker_value(10**6, "feedfacefeedface", "/nonexistent", 2, run)
+        h = [*_HEADERS_MARKER, ("xxh3", xxhash.xxh3_64_hexdigest(value).encode())]
+        return value, h
+    value = b"\x01" * 64
+    key = f"step-{10**6:012d}/feedfacefeedface/rank-{partition - 1:05d}/t0.weight/c0.chunk"
+    h = [
+        ("deck", b"1"),
+        ("type", b"seg"),
+        ("key", key.encode()),
+        ("seg", b"0/1"),
+        ("size", b"64"),
+        ("xxh3", xxhash.xxh3_64_hexdigest(value).encode()),
+    ]
+    return value, h
+
+
+class LoaderMachine(RuleBasedStateMachine):
+    broker: TansuBroker
+    root: Path
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = self.root / uuid.uuid4().hex[:10]
+        self.name = f"m-{self.dir.name}"
+        self.topic = self.broker.uri(self.name)
+        self.pub = SynthPublisher(self.topic, str(self.dir / "state"))
+        self.run = self.pub.run  # the operator pins the run it serves (--run)
+        self.other: SynthPublisher | None = None
+        self.out = str(self.dir / "out")
+        self.fulls = str(self.dir / "fulls")
+        self.restarts = 0
+
+    # ---- publishers -------------------------------------------------------------------------
+    @rule(kind=st.sampled_from(["delta", "delta", "full"]))
+    def publish(self, kind: str) -> None:
+        self.pub.publish(kind)
+
+    @rule(partition=st.integers(0, 2), kind=st.sampled_from(["delta", "full"]))
+    def publish_damaged(self, partition: int, kind: str) -> None:
+        self.pub.damage_next(partition)
+        self.pub.publish(kind)
+        self.pub.sink.damage.clear()  # a rank's partition it did not write to stays clean
+
+    @rule(
+        partition=st.integers(0, 2),
+        form=st.sampled_from(["bytes", "bad-checksum", "forged"]),
+        foreign=st.booleans(),
+    )
+    def inject(self, partition: int, form: str, foreign: bool) -> None:
+        run = "f0reign" if foreign else self.run
+        value, headers = _forged(partition, form, run)
+        self.pub.sink.ensure_topic()  # after a broker restart the topic may not exist yet
+        inject(self.broker.bootstrap, self.name, partition, value, headers)
+
+    @rule(kind=st.sampled_from(["delta", "full"]))
+    def foreign_publish(self, kind: str) -> None:
+        if self.other is None:
+            self.other = SynthPublisher(self.topic, str(self.dir / "other-state"), seed=7)
+        self.other.publish(kind)
+
+    @precondition(lambda self: self.restarts < 2)
+    @rule()
+    def restart_broker(self) -> None:
+        self.broker.restart()
+        self.restarts += 1
+        for p in (self.pub, self.other):
+            if p is not None:
+                p.reconnect()
+
+    # ---- the loader -------------------------------------------------------------------------
+    def _loader(self) -> KafkaFollower:
+        return KafkaFollower(
+            self.topic,
+            self.out,
+            run=self.run,
+            full_uri=self.fulls,
+            full_every=FULL_EVERY,
+            wait_s=5,
+        )
+
+    @rule()
+    def run_loader(self) -> None:
+        kf = self._loader()
+        try:
+            kf.catch_up()
+        finally:
+            kf.close()
+        self._check_served()
+
+    @rule(point=st.sampled_from(POINTS), nth=st.integers(1, 3))
+    def kill_loader(self, point: str, nth: int) -> None:
+        what, detail = run_loader_child(self._loader, f"{point}:{nth}")
+        assert what in ("killed", "finished"), f"loader child {what}: {detail}"
+        self._check_served()
+
+    @rule()
+    def lose_out(self) -> None:
+        shutil.rmtree(self.out, ignore_errors=True)
+
+    # ---- invariants -------------------------------------------------------------------------
+    def _check_served(self) -> None:
+        """What the output serves is a committed step of the served run, bitwise."""
+        got = read_output(self.out)
+        if got is None:
+            return
+        step, ckpt_id, tensors = got
+        assert step in self.pub.trainer.saved, (step, sorted(self.pub.trainer.saved))
+        want_id, want = self.pub.expected(step)
+        assert ckpt_id == want_id, (step, ckpt_id, want_id)
+        bad = differences(tensors, want)
+        assert not bad, (step, bad)
+
+    def teardown(self) -> None:
+        try:
+            # The final catch-up: after a clean full, the loader serves the latest step.
+            self.pub.sink.damage.clear()
+            last = self.pub.publish("full")
+            kf = self._loader()
+            try:
+                kf.catch_up()
+            finally:
+                kf.close()
+            got = read_output(self.out)
+            assert got is not None and got[0] == last, (got and got[:2], last, kf.stats)
+            self._check_served()
+        finally:
+            for p in (self.pub, self.other):
+                if p is not None:
+                    p.close()
+
+
+def test_loader_state_machine(tmp_path: Path) -> None:
+    """The loader against drawn sequences of publishes, damage, foreign runs, broker restarts and
+    kills (see the module doc)."""
+    with TansuBroker() as broker:
+        LoaderMachine.broker = broker
+        LoaderMachine.root = tmp_path
+        run_state_machine_as_test(
+            LoaderMachine,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=STEPS,
+                derandomize=not RANDOM,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,
+            ),
+        )
