@@ -124,8 +124,12 @@ class TansuBroker:
 
     def restart(self) -> TansuBroker:
         """Stop the broker and start a new one on the same port: with memory storage every
-        topic is gone (a broker that lost its data), clients reconnect to the same address."""
-        self._kill()
+        topic is gone (a broker that lost its data), clients reconnect to the same address.
+        The old process is SIGKILLed (a crash; Tansu may take seconds to act on SIGTERM)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._proc = None
         for _ in range(3):
             self._proc = subprocess.Popen(
                 self.command(),
