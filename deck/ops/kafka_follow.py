@@ -3,7 +3,8 @@
 One consumer per partition (all in one process, polled by the loop that applies the steps: a
 step needs every rank's rows anyway, so applying is sequential; each consumer reads only what
 the next marker needs, which bounds memory to about one step's rows). For each marker of the
-control partition, in order:
+control partition, in order (a marker of another run than the one served, ``--run`` or the
+held state's or the newest marker's at start, is refused):
 
 1. read the step's commit record and rank manifests from the state URI the marker names;
 2. pull each rank's table files of that step from its partition (segments checksummed; files
@@ -11,20 +12,23 @@ control partition, in order:
 3. a full is materialised, a delta of the held state is applied onto it -- the same
    :class:`deck.ops.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
    ``deck follow`` of a directory, reading through :class:`StreamView`;
-4. ``state.json`` records the stream offsets after the step, atomically with the state; then
-   the consumer group's offsets are committed (for lag monitoring: the resume point is the one
+4. the state record (in ``state.safetensors``' metadata: one rename switches data and record,
+   :func:`deck.ops.follow.read_state`) holds the resume point: the stream offsets after the
+   step, the marker applied, the run, the steps applied since the last loader full; then the
+   consumer group's offsets are committed (for lag monitoring: the resume point is the one
    written with the state, so a crash between the two re-reads a step and skips it as held);
-5. every ``full_every`` steps, the held state is written to ``full_uri`` as a deck full
+5. every ``full_every`` applied steps (counted in the state record), the held state is written to ``full_uri`` as a deck full
    checkpoint with the stream offsets it covers (a "loader full", :mod:`deck.ops.kafka_full`):
    ``deck verify`` checks it, a trainer restores from it (``DeckConfig(uri=full_uri)``), and a
-   fresh loader on an empty ``--out`` starts from the newest one and reads the stream after its
-   offsets, so recovery never replays the topic from its start.
+   loader whose ``--out`` holds no usable state starts from the newest one of its run and reads
+   the stream after its offsets, so recovery never replays the topic from its start.
 
 With ``parquet`` (``--format parquet``) the same Parquet output as ``deck follow --format
 parquet`` of a directory is written beside the state (:class:`deck.ops.parquet.FollowParquet`):
 a full folder when a full is materialised, a delta folder of the changed rows per applied step.
 
-Nothing the topic holds stops the loader for good (docs/reliability.md, "Kafka loader"): a
+Nothing the topic holds stops the loader for good (docs/reliability.md, "The Kafka loader
+against a hostile topic"): a
 message that fails to decode is quarantined (:mod:`deck.ops.kafka_guard`, ``<out>/quarantine.json``),
 a marker of another run is refused, a step whose rows cannot all be read and a delta whose
 parent is not the held state (retention removed earlier messages, a publish whose marker was

@@ -207,3 +207,26 @@ def test_full_every_counts_from_disk(broker: TansuBroker, tmp_path: Path) -> Non
     assert [f["step"] for f in loader_fulls(fulls)] == steps[1::2]
     _serves(out, pub, steps[-1])
     pub.close()
+
+
+def test_stream_without_run_ids(broker: TansuBroker, tmp_path: Path) -> None:
+    """A stream of a deck before run ids (markers without ``run``) is followed as before; once
+    its publisher is upgraded (markers with a run), a loader holding the old state refuses the
+    new markers until ``--run`` names the run, and then applies them onto what it holds."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    pub.sink.run_id = lambda: None  # type: ignore[method-assign]  # an older deck's markers
+    s1, s2 = pub.publish("full"), pub.publish()
+    out = str(tmp_path / "out")
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [s1, s2], kf.stats
+    _serves(out, pub, s2)
+    del pub.sink.run_id  # the upgraded publisher: its run, on the same state URI
+    s3 = pub.publish()
+    kf = _catch_up(topic, out)
+    assert (kf.stats.applied, kf.stats.foreign) == ([], [s3]), kf.stats
+    _serves(out, pub, s2)
+    kf = _catch_up(topic, out, run=pub.run)
+    assert kf.stats.applied == [s3], kf.stats
+    _serves(out, pub, s3)
+    pub.close()
