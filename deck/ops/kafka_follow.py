@@ -17,8 +17,9 @@ held state's or the newest marker's at start, is refused):
    step, the marker applied, the run, the steps applied since the last loader full; then the
    consumer group's offsets are committed (for lag monitoring: the resume point is the one
    written with the state, so a crash between the two re-reads a step and skips it as held);
-5. every ``full_every`` applied steps (counted in the state record), the held state is written to ``full_uri`` as a deck full
-   checkpoint with the stream offsets it covers (a "loader full", :mod:`deck.ops.kafka_full`):
+5. every ``full_every`` applied steps (counted in the state record), the held state is written
+   to ``full_uri`` as a deck full checkpoint with the stream offsets it covers (a "loader
+   full", :mod:`deck.ops.kafka_full`):
    ``deck verify`` checks it, a trainer restores from it (``DeckConfig(uri=full_uri)``), and a
    loader whose ``--out`` holds no usable state starts from the newest one of its run and reads
    the stream after its offsets, so recovery never replays the topic from its start.
@@ -306,6 +307,9 @@ class KafkaFollower:
                 "to follow that run"
             )
         record = self._restore_full(record, run)
+        self._held_at_start = (
+            None if record is None else (int(record["step"]), str(record["checkpoint"]))
+        )
         stream = (record or {}).get("stream") or {}
         held_run = stream.get("run")
         # The run served: pinned (--run), else the held state's, else adopted at the first
@@ -349,6 +353,8 @@ class KafkaFollower:
         mk = stream.get("marker")
         if not isinstance(mk, dict) or not self.offsets:
             return
+        if not all(isinstance(mk.get(k), t) for k, t in (("offset", int), ("step", int))):
+            return  # a damaged record: the readers' offsets are all there is to go by
         what, m = marker_at(self.conf, self.target, int(mk["offset"]))
         if what == "gone":  # retention: the reader's own check reports what it still needs
             return
@@ -497,7 +503,7 @@ class KafkaFollower:
 
     def _lose(self, why: str) -> None:
         if self._lost is None:
-            held = self.follower.state if self.follower is not None else None
+            held = self.follower.state if self.follower is not None else self._held_at_start
             logger.error(
                 "deck follow: kafka topic %s: %s; serving step %s until a full the loader can "
                 "prove",

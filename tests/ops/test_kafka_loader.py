@@ -99,6 +99,12 @@ def test_kill_at_every_switch_point_restarts(broker: TansuBroker, tmp_path: Path
     kf = _catch_up(topic, out, full_uri=fulls)
     assert kf.stats.applied == [], kf.stats  # started from the full of the latest step
     _serves(out, pub, steps[-1])
+    # The newest full's stream record damaged (storage is untrusted): the older full serves.
+    for rec in Path(fulls, "stream").glob(f"{steps[3]:012d}-*.json"):
+        rec.write_bytes(b'{"offsets": ')
+    kf = _catch_up(topic, str(tmp_path / "out-older-full"), full_uri=fulls)
+    assert kf.stats.applied == steps[2:], kf.stats
+    _serves(str(tmp_path / "out-older-full"), pub, steps[-1])
     pub.close()
 
 
