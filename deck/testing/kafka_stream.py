@@ -1,6 +1,5 @@
 """Kafka streams for loader tests, without TorchRec: a synthetic publisher on the real sink, damage
-and foreign messages, the expected loader output, and a loader run in a forked child that a
-failpoint SIGKILLs.
+and foreign messages, and the expected loader output.
 
 - :class:`SynthPublisher`: :class:`deck.testing.synth.SynthTrainer` (2 ranks, 4 tables) whose
   storage is the real :class:`deck.trainer.kafka_sink.KafkaSinkStorage`: its checkpoints are
@@ -10,7 +9,8 @@ failpoint SIGKILLs.
   produces on a partition (the checksum header stays the original's: damage on the way).
 - :func:`inject`: a raw message on any partition (garbage, a forged header set).
 - :func:`expected_output`: the tensors ``state.safetensors`` must hold for a saved step.
-- :func:`run_loader_child`: a loader run in a forked child with ``DECK_FAILPOINTS`` armed.
+
+Loader children killed at failpoints: :class:`deck.testing.kafka_child.LoaderChildren`.
 
 Needs confluent-kafka and a broker (:class:`deck.testing.kafka_broker.TansuBroker`).
 """
@@ -18,16 +18,11 @@ Needs confluent-kafka and a broker (:class:`deck.testing.kafka_broker.TansuBroke
 from __future__ import annotations
 
 import os
-import signal
-import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from deck import failpoints
 from deck.format.stream import parse_kafka_uri
 from deck.ops.follow import RECORD_KEY, STATE_FILE
 from deck.storage import open_storage
@@ -164,57 +159,3 @@ def inject(bootstrap: str, topic: str, partition: int, value: bytes, headers: li
     p.produce(topic, value=value, partition=partition, headers=headers)
     if p.flush(30) != 0:
         raise RuntimeError(f"kafka topic {topic} partition {partition}: inject not acknowledged")
-
-
-def run_loader_child(
-    make: Callable[[], Any], spec: str, timeout_s: float = 120.0
-) -> tuple[str, str | None]:
-    """Run ``make().catch_up()`` (a KafkaFollower) in a forked child with failpoints ``spec``
-    armed. Returns ``("killed", point)`` when a failpoint SIGKILLed it (``point``: which),
-    ``("finished", None)`` or ``("error", traceback)``; a child past ``timeout_s`` is killed
-    and reported as ``("hung", None)`` (the loader must never hang)."""
-    import tempfile
-
-    fd, marker = tempfile.mkstemp(prefix="deck-failpoint-")
-    os.close(fd)
-    os.remove(marker)
-    err_fd, err_path = tempfile.mkstemp(prefix="deck-child-err-")
-    os.close(err_fd)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            os.environ[failpoints.MARKER_ENV] = marker
-            failpoints.configure(spec)
-            kf = make()
-            try:
-                kf.catch_up()
-            finally:
-                kf.close()
-        except BaseException:
-            with open(err_path, "w") as f:
-                f.write(traceback.format_exc())
-            code = 3
-        os._exit(code)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "hung", None
-        time.sleep(0.02)  # waiting for the child to end, not to pick a moment
-    try:
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-            with open(marker) as f:
-                return "killed", f.read().strip()
-        if os.WEXITSTATUS(status) == 0:
-            return "finished", None
-        with open(err_path) as f:
-            return "error", f.read()
-    finally:
-        for p in (marker, err_path):
-            if os.path.exists(p):
-                os.remove(p)

@@ -25,13 +25,8 @@ import pytest
 from deck.errors import ConfigError
 from deck.ops.kafka_follow import KafkaFollower, loader_fulls
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_stream import (
-    SynthPublisher,
-    differences,
-    inject,
-    read_output,
-    run_loader_child,
-)
+from deck.testing.kafka_child import LoaderChildren
+from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
 
 pytestmark = pytest.mark.slow
 SWITCH_POINTS = ("follow.state.before_switch", "follow.state.switched", "follow.state.written")
@@ -41,6 +36,12 @@ SWITCH_POINTS = ("follow.state.before_switch", "follow.state.switched", "follow.
 def broker() -> Iterator[TansuBroker]:
     with TansuBroker() as b:
         yield b
+
+
+@pytest.fixture(scope="module")
+def children() -> Iterator[LoaderChildren]:
+    with LoaderChildren() as c:
+        yield c
 
 
 def _topic(broker: TansuBroker) -> str:
@@ -71,7 +72,9 @@ def _catch_up(topic: str, out: str, **kw: Any) -> KafkaFollower:
     return kf
 
 
-def test_kill_at_every_switch_point_restarts(broker: TansuBroker, tmp_path: Path) -> None:
+def test_kill_at_every_switch_point_restarts(
+    broker: TansuBroker, children: LoaderChildren, tmp_path: Path
+) -> None:
     """Finding 8: SIGKILLed at each failpoint of the state switch (data written but not renamed,
     data renamed but state.json not, both renamed), on the 1st..3rd step it applies, a restarted
     loader resumes and serves the latest step; an unusable --out with a loader full restarts
@@ -82,7 +85,7 @@ def test_kill_at_every_switch_point_restarts(broker: TansuBroker, tmp_path: Path
     for point in SWITCH_POINTS:
         for nth in (1, 2, 3):
             out = str(tmp_path / f"out-{point}-{nth}")
-            what, where = run_loader_child(lambda o=out: _loader(topic, o), f"{point}:{nth}")
+            what, where = children.run({"uri": topic, "out_dir": out}, f"{point}:{nth}")
             assert (what, where) == ("killed", f"{point}:{nth}"), (what, where)
             kf = _catch_up(topic, out)
             _serves(out, pub, steps[-1])
@@ -193,7 +196,9 @@ def test_foreign_stream_is_refused(
         p.close()
 
 
-def test_full_every_counts_from_disk(broker: TansuBroker, tmp_path: Path) -> None:
+def test_full_every_counts_from_disk(
+    broker: TansuBroker, children: LoaderChildren, tmp_path: Path
+) -> None:
     """Finding 11: a loader killed after every step it applies still writes a loader full every
     ``full_every`` applied steps (the count is in its state record, not in the process)."""
     topic = _topic(broker)
@@ -202,8 +207,9 @@ def test_full_every_counts_from_disk(broker: TansuBroker, tmp_path: Path) -> Non
     out, fulls = str(tmp_path / "out"), str(tmp_path / "fulls")
     runs = 0
     while True:
-        what, where = run_loader_child(
-            lambda: _loader(topic, out, full_uri=fulls, full_every=2), "kafka_follow.fetched:2"
+        what, where = children.run(
+            {"uri": topic, "out_dir": out, "full_uri": fulls, "full_every": 2},
+            "kafka_follow.fetched:2",
         )
         runs += 1
         assert what in ("killed", "finished"), where

@@ -47,13 +47,8 @@ from hypothesis.stateful import (
 from deck.format.stream import marker_value
 from deck.ops.kafka_follow import KafkaFollower
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_stream import (
-    SynthPublisher,
-    differences,
-    inject,
-    read_output,
-    run_loader_child,
-)
+from deck.testing.kafka_child import LoaderChildren
+from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +125,7 @@ _LOADER = st.one_of(
 
 class LoaderMachine(RuleBasedStateMachine):
     broker: TansuBroker
+    children: LoaderChildren
     root: Path
     counts: Counter[str]
 
@@ -191,17 +187,20 @@ class LoaderMachine(RuleBasedStateMachine):
             shutil.rmtree(self.out, ignore_errors=True)  # a new machine: from the loader full
 
     # ---- the loader -------------------------------------------------------------------------
-    def _loader(self) -> KafkaFollower:
-        return KafkaFollower(
-            self.topic,
-            self.out,
-            run=self.run,
-            full_uri=self.fulls,
-            full_every=FULL_EVERY,
+    def _loader_args(self) -> dict[str, Any]:
+        return {
+            "uri": self.topic,
+            "out_dir": self.out,
+            "run": self.run,
+            "full_uri": self.fulls,
+            "full_every": FULL_EVERY,
             # Only a step with missing files and no quarantined message waits this long; none
             # of the drawn faults makes one (a finding if one shows up: the run is slow).
-            wait_s=1,
-        )
+            "wait_s": 1,
+        }
+
+    def _loader(self) -> KafkaFollower:
+        return KafkaFollower(**self._loader_args())
 
     def run_loader(self) -> None:
         kf = self._loader()
@@ -215,7 +214,7 @@ class LoaderMachine(RuleBasedStateMachine):
         self._check_served()
 
     def kill_loader(self, point: str, nth: int) -> None:
-        what, detail = run_loader_child(self._loader, f"{point}:{nth}")
+        what, detail = self.children.run(self._loader_args(), f"{point}:{nth}")
         assert what in ("killed", "finished"), f"loader child {what}: {detail}"
         event(f"loader child {what}")
         if what == "killed":
@@ -257,8 +256,9 @@ class LoaderMachine(RuleBasedStateMachine):
 def test_loader_state_machine(tmp_path: Path) -> None:
     """The loader against drawn sequences of publishes, damage, foreign runs, broker restarts and
     kills (see the module doc)."""
-    with TansuBroker() as broker:
+    with TansuBroker() as broker, LoaderChildren() as children:
         LoaderMachine.broker = broker
+        LoaderMachine.children = children
         LoaderMachine.root = tmp_path
         LoaderMachine.counts = Counter()
         run_state_machine_as_test(
