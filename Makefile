@@ -12,7 +12,7 @@ FBGEMM_gpu := fbgemm-gpu==1.8.0
 TORCHREC  := torchrec==1.8.0
 STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
-.PHONY: install demo test test-fast fuzz fuzz-ops lint ruff mypy bench clean
+.PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_jagged.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,16 @@ fuzz-ops: $(STAMP)
 	@echo "make fuzz-ops: $(OPS_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz-ops FUZZ_SEED=$(FUZZ_SEED))"
 	DECK_OPS_EXAMPLES=$(OPS_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/ops/test_operations_machine.py --hypothesis-seed=$(FUZZ_SEED)
+
+# The Kafka loader's state machine (tests/ops/test_kafka_machine.py) with random sequences;
+# a failure prints the shrunk sequence of rules. KAFKA_EXAMPLES / KAFKA_STEPS size the run.
+KAFKA_EXAMPLES ?= 50
+KAFKA_STEPS ?= 30
+fuzz-kafka: $(STAMP)
+	@echo "make fuzz-kafka: $(KAFKA_EXAMPLES) examples of up to $(KAFKA_STEPS) rules, seed $(FUZZ_SEED)"
+	DECK_KAFKA_EXAMPLES=$(KAFKA_EXAMPLES) DECK_KAFKA_STEPS=$(KAFKA_STEPS) DECK_KAFKA_RANDOM=1 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/ops/test_kafka_machine.py \
+		--hypothesis-seed=$(FUZZ_SEED)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

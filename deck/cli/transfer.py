@@ -97,6 +97,7 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
             group=a.group,
             full_uri=a.full_uri,
             full_every=a.full_every,
+            run=a.run,
             allow_quantized=a.allow_quantized,
             parquet=a.format == "parquet",
         )
@@ -179,6 +180,15 @@ def follow_parser(sub: Subparsers) -> None:
         "they cover; an empty --out starts from the newest one",
     )
     kafka.add_argument(
-        "--full-every", type=int, default=0, help="write a loader full every N steps (0: never)"
+        "--full-every",
+        type=int,
+        default=0,
+        help="write a loader full every N applied steps, counted from the state on disk (0: never)",
+    )
+    kafka.add_argument(
+        "--run",
+        help="serve only this publishing run (the 'run' of its markers, in the state URI's "
+        "_stream_run.json); default: the run of the state held in --out, else of the newest "
+        "marker on the topic; other runs' markers are refused and logged (docs/operations.md)",
     )
     fol.set_defaults(fn=cmd_follow)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +29,10 @@ from deck.errors import ConfigError, CorruptCheckpointError, DeckError
 
 STREAM_VERSION = b"1"
 CONTROL_PARTITION = 0
+RUN_FILE = "_stream_run.json"
+"""At the state URI: ``{"run": "<id>"}``, the publishing run's identity, created by the first
+marker's producer when missing; every marker carries it (``"run"``)."""
+_RUN = re.compile(r"[0-9A-Za-z._\-]{1,64}")
 _RANK_PART = re.compile(r"/rank-(\d{5})/")
 _COMMIT = re.compile(r"^step-(\d{12})/manifest\.json$")
 
@@ -122,12 +127,30 @@ def segment_headers(key: str, seg: int, segs: int, size: int, data: memoryview) 
     ]
 
 
-def marker_value(step: int, ckpt_id: str, state_uri: str, world_size: int) -> bytes:
-    """The value of a step's marker (JSON: where its commit record and state are)."""
-    return json.dumps(
-        {"step": step, "id": ckpt_id, "state_uri": state_uri, "world_size": world_size},
-        sort_keys=True,
-    ).encode()
+def marker_value(
+    step: int, ckpt_id: str, state_uri: str, world_size: int, run: str | None = None
+) -> bytes:
+    """The value of a step's marker (JSON: where its commit record and state are, and the
+    publishing run's identity ``run``: :data:`RUN_FILE`)."""
+    d: dict[str, Any] = {
+        "step": step,
+        "id": ckpt_id,
+        "state_uri": state_uri,
+        "world_size": world_size,
+    }
+    if run is not None:
+        d["run"] = run
+    return json.dumps(d, sort_keys=True).encode()
+
+
+def new_run_id() -> str:
+    """A fresh run identity: 32 hex digits (128 random bits)."""
+    return secrets.token_hex(16)
+
+
+def valid_run(run: str) -> bool:
+    """Whether ``run`` has the form of a run identity (1-64 of ``[0-9a-zA-Z._-]``)."""
+    return bool(_RUN.fullmatch(run))
 
 
 def marker_headers(value: bytes) -> list[Any]:
@@ -141,6 +164,7 @@ class Marker:
     state_uri: str
     world_size: int
     offset: int
+    run: str | None = None  # the publishing run (None: a stream of a deck before run ids)
 
 
 @dataclass(frozen=True)
@@ -185,10 +209,16 @@ def decode_marker(
         if h.get("type") != b"marker":
             raise ValueError(f"type {h.get('type')!r} on the control partition")
         d = json.loads(value or b"")
-        return Marker(
-            int(d["step"]), str(d["id"]), str(d["state_uri"]), int(d["world_size"]), offset
-        )
-    except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        run = d.get("run")
+        if run is not None and not (isinstance(run, str) and valid_run(run)):
+            raise ValueError(f"run {run!r} is not a run identity")
+        step = int(d["step"])
+        if step < 0 or not isinstance(d["id"], str) or not isinstance(d["state_uri"], str):
+            raise ValueError("step, id or state_uri of the wrong type")
+        return Marker(step, d["id"], d["state_uri"], int(d["world_size"]), offset, run)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptStreamError(f"{_where(topic, partition, offset)}: bad marker: {e}") from e
 
 
@@ -201,8 +231,11 @@ def decode_segment(
         if h.get("type") != b"seg":
             raise ValueError(f"type {h.get('type')!r} on a rank partition")
         seg, segs = (int(x) for x in h["seg"].split(b"/"))
-        return Segment(h["key"].decode(), seg, segs, int(h["size"]), value or b"", offset)
-    except (ValueError, KeyError, TypeError) as e:
+        key = h["key"].decode()
+        if not 0 <= seg < segs or file_step(key) is None:
+            raise ValueError(f"segment {seg}/{segs} of {key!r}")
+        return Segment(key, seg, segs, int(h["size"]), value or b"", offset)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptStreamError(f"{_where(topic, partition, offset)}: bad segment: {e}") from e
 
 

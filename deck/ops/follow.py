@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.failpoints import failpoint
 from deck.format.jsonio import load_json
 from deck.format.manifest import CheckpointManifest
 from deck.format.safetensors import preamble, write_tensor
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.safetensors"
 SIDECAR = "state.json"
+RECORD_KEY = "deck.state"  # the state record in the data file's safetensors metadata
 
 
 @dataclass
@@ -274,12 +276,6 @@ class Follower:
             # Weights dequantised from these encodings (empty: the exact state).
             "quantized": json.dumps(sorted(self.encodings)),
         }
-        layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
-        head = preamble(metadata, layout)
-        with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
-            f.write(head)
-            for t in self.tensors.values():
-                write_tensor(f, t)
         sidecar = {
             "uri": self.storage.uri,
             "step": step,
@@ -291,7 +287,22 @@ class Follower:
             **self.sidecar_extra(),
         }
         body = json.dumps(sidecar, indent=1).encode()
+        # The state record rides in the data file's own metadata: renaming state.safetensors is
+        # the one atomic switch (data, step and a subclass's resume point together);
+        # state.json is a copy of that record for readers, rewritten on resume when a crash
+        # came between the two renames.
+        metadata[RECORD_KEY] = json.dumps(sidecar, separators=(",", ":"))
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
+        head = preamble(metadata, layout)
+        with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
+            f.write(head)
+            for t in self.tensors.values():
+                write_tensor(f, t)
+            f.flush()
+            failpoint("follow.state.before_switch")
+        failpoint("follow.state.switched")
         atomic_write(os.path.join(self.out_dir, SIDECAR), body)
+        failpoint("follow.state.written")
         return time.perf_counter() - t0
 
     def sidecar_extra(self) -> dict[str, Any]:
@@ -300,28 +311,22 @@ class Follower:
         return {}
 
     def _resume(self) -> None:
-        side = os.path.join(self.out_dir, SIDECAR)
-        path = os.path.join(self.out_dir, STATE_FILE)
-        if not os.path.exists(side) or not os.path.exists(path):
-            return
         try:
-            with open(side, "rb") as f:
-                meta = load_json(f.read(), side, "deck follow state record")
-            if meta["uri"] != self.storage.uri:
-                raise ConfigError(
-                    f"out_dir {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
-                    "another directory"
-                )
-            tensors: dict[str, torch.Tensor] = {}
-            with safe_open(path, framework="pt") as f:
-                if f.metadata().get("step") != str(meta["step"]):
-                    raise CorruptCheckpointError(f"{path} and {side} name different steps")
-                for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensors[k] = f.get_tensor(k)
+            found = read_state(self.out_dir)
         except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError) as e:
             # A damaged output is rebuilt from the chain, not trusted.
-            logger.warning("deck follow: cannot resume from %s (%s): rebuilding it", path, e)
+            logger.warning(
+                "deck follow: cannot resume from %s (%s): rebuilding it", self.out_dir, e
+            )
             return
+        if found is None:
+            return
+        meta, tensors = found
+        if meta["uri"] != self.storage.uri:
+            raise ConfigError(
+                f"out_dir {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
+                "another directory"
+            )
         self.shards = [
             _Shard(
                 **{k: v for k, v in s.items() if k != "pieces"},
@@ -338,6 +343,67 @@ class Follower:
         self.chain = list(meta["chain"])
         self.encodings = set(meta.get("quantized", ()))
         self.resumed = meta
+
+
+def state_record(out_dir: str) -> dict[str, Any] | None:
+    """The state record of the output in ``out_dir`` (what ``state.json`` says), read from the
+    data file itself: None when there is none. Raises (OSError, ValueError,
+    CorruptCheckpointError) when the files are damaged."""
+    found = read_state(out_dir, tensors=False)
+    return None if found is None else found[0]
+
+
+def read_state(
+    out_dir: str, tensors: bool = True
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The state record and (with ``tensors``) the tensors of the output in ``out_dir``.
+
+    Guarantee: the record is the one written with these tensors. It is read from the data
+    file's metadata (written by the same atomic rename); a ``state.json`` that names another
+    step (a crash between the two renames) is rewritten from it. An output of an older deck,
+    whose data file carries no record, is accepted only when its ``state.json`` names the
+    same step. None when ``out_dir`` holds no output."""
+    side = os.path.join(out_dir, SIDECAR)
+    path = os.path.join(out_dir, STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            md = f.metadata() or {}
+            if tensors:
+                for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[k] = f.get_tensor(k)
+    except Exception as e:  # safetensors' own error types: a damaged or truncated file
+        raise CorruptCheckpointError(f"{path}: unreadable: {e}") from e
+    raw = md.get(RECORD_KEY)
+    if raw is not None:
+        meta = load_json(raw.encode(), path, "deck follow state record")
+        if not isinstance(meta, dict) or md.get("step") != str(meta.get("step")):
+            raise CorruptCheckpointError(f"{path}: its state record names another step")
+        body = json.dumps(meta, indent=1).encode()
+        try:
+            with open(side, "rb") as g:
+                same = g.read() == body
+        except FileNotFoundError:
+            same = False
+        if not same:
+            logger.warning(
+                "deck follow: %s did not match %s (step %s; a crash between the two renames): "
+                "rewritten from it",
+                side,
+                path,
+                meta.get("step"),
+            )
+            atomic_write(side, body)
+        return meta, out
+    if not os.path.exists(side):
+        return None
+    with open(side, "rb") as g:
+        meta = load_json(g.read(), side, "deck follow state record")
+    if md.get("step") != str(meta["step"]):
+        raise CorruptCheckpointError(f"{path} and {side} name different steps")
+    return meta, out
 
 
 def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:

@@ -3,7 +3,8 @@
 One consumer per partition (all in one process, polled by the loop that applies the steps: a
 step needs every rank's rows anyway, so applying is sequential; each consumer reads only what
 the next marker needs, which bounds memory to about one step's rows). For each marker of the
-control partition, in order:
+control partition, in order (a marker of another run than the one served, ``--run`` or the
+held state's or the newest marker's at start, is refused):
 
 1. read the step's commit record and rank manifests from the state URI the marker names;
 2. pull each rank's table files of that step from its partition (segments checksummed; files
@@ -11,22 +12,29 @@ control partition, in order:
 3. a full is materialised, a delta of the held state is applied onto it -- the same
    :class:`deck.ops.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
    ``deck follow`` of a directory, reading through :class:`StreamView`;
-4. ``state.json`` records the stream offsets after the step, atomically with the state; then
-   the consumer group's offsets are committed (for lag monitoring: the resume point is the one
+4. the state record (in ``state.safetensors``' metadata: one rename switches data and record,
+   :func:`deck.ops.follow.read_state`) holds the resume point: the stream offsets after the
+   step, the marker applied, the run, the steps applied since the last loader full; then the
+   consumer group's offsets are committed (for lag monitoring: the resume point is the one
    written with the state, so a crash between the two re-reads a step and skips it as held);
-5. every ``full_every`` steps, the held state is written to ``full_uri`` as a deck full
-   checkpoint with the stream offsets it covers (a "loader full", :mod:`deck.ops.kafka_full`):
+5. every ``full_every`` applied steps (counted in the state record), the held state is written
+   to ``full_uri`` as a deck full checkpoint with the stream offsets it covers (a "loader
+   full", :mod:`deck.ops.kafka_full`):
    ``deck verify`` checks it, a trainer restores from it (``DeckConfig(uri=full_uri)``), and a
-   fresh loader on an empty ``--out`` starts from the newest one and reads the stream after its
-   offsets, so recovery never replays the topic from its start.
+   loader whose ``--out`` holds no usable state starts from the newest one of its run and reads
+   the stream after its offsets, so recovery never replays the topic from its start.
 
 With ``parquet`` (``--format parquet``) the same Parquet output as ``deck follow --format
 parquet`` of a directory is written beside the state (:class:`deck.ops.parquet.FollowParquet`):
 a full folder when a full is materialised, a delta folder of the changed rows per applied step.
 
-A delta whose parent is not the held state (retention removed earlier messages, a publish whose
-marker was lost) raises :class:`StreamGapError` naming both; the loader full, or the
-publisher's next full, covers it.
+Nothing the topic holds stops the loader for good (docs/reliability.md, "The Kafka loader
+against a hostile topic"): a
+message that fails to decode is quarantined (:mod:`deck.ops.kafka_guard`, ``<out>/quarantine.json``),
+a marker of another run is refused, a step whose rows cannot all be read and a delta whose
+parent is not the held state (retention removed earlier messages, a publish whose marker was
+lost, a quarantined step) are skipped: the loader keeps serving what it holds, says so in an
+ERROR line, and moves on at the next full it can prove.
 """
 
 from __future__ import annotations
@@ -49,10 +57,10 @@ from deck.errors import (
     UnsupportedError,
 )
 from deck.failpoints import failpoint
-from deck.format.jsonio import load_json
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
 from deck.format.stream import (
     CONTROL_PARTITION,
+    CorruptStreamError,
     KafkaTarget,
     Marker,
     Segment,
@@ -62,9 +70,11 @@ from deck.format.stream import (
     is_stream_file,
     parse_kafka_uri,
     rank_partition,
+    valid_run,
 )
-from deck.ops.follow import SIDECAR, Follower, FollowUpdate
+from deck.ops.follow import Follower, FollowUpdate, state_record
 from deck.ops.kafka_full import newest_loader_full, stream_record_path, write_loader_full
+from deck.ops.kafka_guard import QuarantineLog, marker_at, newest_run
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import Storage, open_storage
 from deck.storage.base import get_bounded
@@ -153,14 +163,17 @@ class _Reader:
         self._tp = TopicPartition(target.topic, partition)
         self.consumer = Consumer(conf)
         low, _ = self.watermarks()
+        # Retention removed messages the loader needs: it reads from the oldest one left and
+        # (the follower's business) waits for a full it can prove.
+        self.gap: str | None = None
         if offset < low:
-            raise StreamGapError(
-                f"kafka topic {target.topic} partition {partition}: the loader needs offset "
-                f"{offset} but the oldest message is {low} (retention removed {low - offset}); "
-                "start from a newer loader full (full_uri) or a new out_dir after "
-                "the publisher's next full"
+            self.gap = (
+                f"partition {partition}: the loader needs offset {offset} but the oldest "
+                f"message is {low} (retention removed {low - offset})"
             )
+            offset = low
         self.position = offset
+        self.eof: int | None = None
         self.consumer.assign([TopicPartition(target.topic, partition, offset)])
         self.ahead: list[Segment] = []
 
@@ -177,15 +190,23 @@ class _Reader:
             return None
         err = msg.error()
         if err is not None:
-            if err.code() == -191:  # _PARTITION_EOF
+            if err.code() == -191:  # _PARTITION_EOF: a fetch found nothing past this offset
+                self.eof = int(msg.offset() or 0)
                 return None
             raise StorageError(f"kafka topic {self.topic} partition {self.partition}: {err}")
         self.position = int(msg.offset() or 0) + 1
         return msg
 
+    def at_end(self) -> bool:
+        """A fetch since :attr:`eof` was last cleared reached the end at this position. The
+        fetch response's high watermark is exact; the ListOffsets one :meth:`watermarks` reads
+        is not always (Tansu 0.6 reports a multi-message batch's first offset + 1)."""
+        return self.eof is not None and self.eof >= self.position
+
     def drained(self) -> bool:
-        """Nothing more to read now (position at the high watermark)."""
-        return self.position >= self.watermarks()[1]
+        """Nothing more to read now: :meth:`at_end`, or the position at the high watermark
+        (which never lies past the end, so this never waits for messages that do not exist)."""
+        return self.at_end() or self.position >= self.watermarks()[1]
 
     def resume_offset(self) -> int:
         return min([s.offset for s in self.ahead], default=self.position)
@@ -213,6 +234,11 @@ class _StreamFollower(Follower):
         return {"stream": self.stream}
 
 
+class _Unprovable(StreamGapError):
+    """A marked step's rows cannot all be read (a message of its partition was quarantined, or
+    retention removed them): the step is skipped, not applied."""
+
+
 @dataclass
 class KafkaFollowStats:
     """What a loader did since it started."""
@@ -220,6 +246,8 @@ class KafkaFollowStats:
     applied: list[int] = field(default_factory=list)  # steps applied (in order)
     skipped: list[int] = field(default_factory=list)  # markers of steps already held
     fulls: list[str] = field(default_factory=list)  # loader fulls written (keys)
+    unproven: list[int] = field(default_factory=list)  # steps not applied: rows lost/damaged
+    foreign: list[int] = field(default_factory=list)  # markers of another run, refused
 
 
 class KafkaFollower:
@@ -239,8 +267,11 @@ class KafkaFollower:
         allow_quantized: bool = False,
         parquet: bool = False,
         wait_s: float = 10.0,
+        run: str | None = None,
     ):
         self.target = parse_kafka_uri(uri)
+        if run is not None and not valid_run(run):
+            raise ConfigError(f"run {run!r}: a run identity is 1-64 of [0-9a-zA-Z._-]")
         self.out_dir = out_dir
         self.state_uri = state_uri
         self.storage_options = storage_options
@@ -255,28 +286,96 @@ class KafkaFollower:
             "bootstrap.servers": self.target.bootstrap,
             "group.id": group or f"deck-follow-{self.target.topic}",
             "enable.auto.commit": False,
-            "enable.partition.eof": False,
+            # End-of-partition events tell "nothing more" exactly (see _Reader.at_end).
+            "enable.partition.eof": True,
             # librdkafka prefetches: bound it, the loader holds about one step anyway.
             "queued.max.messages.kbytes": 16384,
             **(consumer_options or {}),
         }
         os.makedirs(out_dir, exist_ok=True)
-        self._restore_full()
-        self.offsets: dict[int, int] = self._saved_offsets()
+        self.quarantine = QuarantineLog(out_dir, self.target.topic)
+        self.stats = KafkaFollowStats()
+        # Why the loader waits for a full it can prove (a quarantined message, a recreated or
+        # retention-trimmed topic, a delta whose parent it never held); None: it does not.
+        self._lost: str | None = None
+        self._poisoned: set[int] = set()  # partitions with a quarantined message
+        record = self._record()
+        held_run = ((record or {}).get("stream") or {}).get("run")
+        if run is not None and held_run is not None and held_run != run:
+            raise ConfigError(
+                f"out_dir {out_dir} serves run {held_run}, not {run}; use another directory "
+                "to follow that run"
+            )
+        record = self._restore_full(record, run)
+        self._held_at_start = (
+            None if record is None else (int(record["step"]), str(record["checkpoint"]))
+        )
+        stream = (record or {}).get("stream") or {}
+        held_run = stream.get("run")
+        # The run served: pinned (--run), else the held state's, else adopted at the first
+        # poll (the newest marker's run). A held state of a deck before run ids: None.
+        self.run: str | None = run or held_run
+        self._run_known = run is not None or record is not None
+        self._state_given = state_uri is not None  # --state-uri: markers' URIs are not used
+        self.offsets: dict[int, int] = self._saved_offsets(record)
+        self._state_fixed = self.state_uri is not None
+        self._check_resume_point(stream)
         self.readers: dict[int, _Reader] = {}
         self.follower: _StreamFollower | None = None
         self.view: StreamView | None = None
-        self.stats = KafkaFollowStats()
-        self._since_full = 0
+        # Steps applied since the newest loader full, from the state record (on disk), so a
+        # loader that keeps crashing still writes its recovery points.
+        self._since_full = int(stream.get("since_full", 0))
+        if record is not None and self._since_full and self.full_store is not None:
+            newest = newest_loader_full(self.full_store)
+            if newest is not None and newest[0].step == int(record["step"]):
+                self._since_full = 0
         self._last: tuple[CheckpointManifest, list[Any]] | None = None  # for write_full
 
     # ---- start ------------------------------------------------------------------------------
-    def _saved_offsets(self) -> dict[int, int]:
-        side = os.path.join(self.out_dir, SIDECAR)
-        if not os.path.exists(side):
+    def _record(self) -> dict[str, Any] | None:
+        """The held state's record (from the data file: the one atomic switch), or None when
+        ``out_dir`` holds no usable state (then a loader full, if any, is started from)."""
+        try:
+            return state_record(self.out_dir)
+        except (OSError, ValueError, KeyError, TypeError, DeckError) as e:
+            logger.warning(
+                "deck follow: the state in %s is unusable (%s): starting without it",
+                self.out_dir,
+                e,
+            )
+            return None
+
+    def _check_resume_point(self, stream: dict[str, Any]) -> None:
+        """The marker of the held step must still be where the state record says: otherwise
+        the topic was recreated or truncated (a broker that lost its data), the saved offsets
+        mean nothing, and the loader reads the topic from its start, waiting for a full."""
+        mk = stream.get("marker")
+        if not isinstance(mk, dict) or not self.offsets:
+            return
+        if not all(isinstance(mk.get(k), t) for k, t in (("offset", int), ("step", int))):
+            return  # a damaged record: the readers' offsets are all there is to go by
+        what, m = marker_at(self.conf, self.target, int(mk["offset"]))
+        if what == "gone":  # retention: the reader's own check reports what it still needs
+            return
+        if what == "marker" and (m.step, m.ckpt_id) == (mk["step"], mk["id"]):
+            return
+        logger.error(
+            "deck follow: kafka topic %s partition 0 offset %s no longer holds the marker of the "
+            "held step %s (%s): the topic was recreated or truncated; reading it from its start "
+            "and serving step %s until a full the loader can prove",
+            self.target.topic,
+            mk["offset"],
+            mk["step"],
+            what,
+            mk["step"],
+        )
+        self.offsets = {}
+        self._lost = "the topic was recreated or truncated"
+
+    def _saved_offsets(self, meta: dict[str, Any] | None) -> dict[int, int]:
+        if meta is None:
             return {}
-        with open(side, "rb") as f:
-            meta = load_json(f.read(), side, "deck follow state record")
         stream = meta.get("stream") or {}
         if meta.get("uri") != self.target.uri:
             raise ConfigError(
@@ -286,15 +385,33 @@ class KafkaFollower:
         self.state_uri = self.state_uri or stream.get("state_uri")
         return {int(p): int(o) for p, o in stream.get("offsets", {}).items()}
 
-    def _restore_full(self) -> None:
-        """An empty ``out_dir`` starts from the newest loader full at ``full_uri``, if any: its
-        state is materialised (as from any full) with its stream offsets as the resume point."""
-        if self.full_store is None or os.path.exists(os.path.join(self.out_dir, SIDECAR)):
-            return
+    def _restore_full(
+        self, record: dict[str, Any] | None, run: str | None
+    ) -> dict[str, Any] | None:
+        """An ``out_dir`` without a usable state, or with an older one of the same run, starts
+        from the newest loader full at ``full_uri`` of that run, if any: its state is
+        materialised (as from any full) with its stream offsets as the resume point. Returns
+        the state record then held."""
+        if self.full_store is None:
+            return record
         found = newest_loader_full(self.full_store)
         if found is None:
-            return
+            return record
         m, stream = found
+        if record is not None:
+            held_run = (record.get("stream") or {}).get("run")
+            if stream.get("run") != held_run or int(record["step"]) >= m.step:
+                return record  # only a newer full of the run held replaces the held state
+        elif run is not None and stream.get("run") != run:
+            logger.error(
+                "deck follow: the newest loader full at %s (step %d) is of run %s, not %s: "
+                "not started from",
+                self.full_store.uri,
+                m.step,
+                stream.get("run"),
+                run,
+            )
+            return record
         if stream.get("topic") != self.target.topic:
             raise ConfigError(
                 f"full_uri {self.full_store.uri}: its newest loader full (step {m.step}) was "
@@ -308,22 +425,27 @@ class KafkaFollower:
             parquet=self.parquet,
             storage=_Named(self.full_store, self.target.uri),
         )
-        fol.stream = stream
+        fol.stream = {**stream, "since_full": 0}
         fol.materialise(m.step)
         logger.info(
             "deck follow: started from the loader full %s", self.full_store.describe(m.folder)
         )
+        return self._record()
 
     def _reader(self, partition: int) -> _Reader:
         r = self.readers.get(partition)
         if r is None:
             r = _Reader(self.conf, self.target, partition, self.offsets.get(partition, 0))
             self.readers[partition] = r
+            if r.gap is not None:
+                self._lose(r.gap)
         return r
 
     def _open(self, marker: Marker) -> _StreamFollower:
-        if self.follower is None:
-            state_uri = self.state_uri or marker.state_uri
+        # Until a marker's commit record was found at its state URI (or the URI was given or
+        # held), each marker's own URI is tried: a stray marker cannot pin a wrong one.
+        if self.follower is None or not self._state_fixed:
+            state_uri = (self._state_fixed and self.state_uri) or marker.state_uri
             self.view = StreamView(open_storage(state_uri, self.storage_options), self.target.uri)
             self.follower = _StreamFollower(
                 self.target.uri,
@@ -338,14 +460,58 @@ class KafkaFollower:
     # ---- one step ---------------------------------------------------------------------------
     def poll(self, timeout: float = 1.0) -> FollowUpdate | None:
         """Apply the next marked step if one arrives within ``timeout``; None otherwise."""
+        if not self._run_known:
+            self._adopt_run()
         ctl = self._reader(CONTROL_PARTITION)
         msg = ctl.poll(timeout)
         if msg is None:
             return None
-        marker = decode_marker(
-            msg.headers(), msg.value(), self.target.topic, CONTROL_PARTITION, msg.offset()
-        )
+        try:
+            marker = decode_marker(
+                msg.headers(), msg.value(), self.target.topic, CONTROL_PARTITION, msg.offset()
+            )
+        except CorruptStreamError as e:
+            self.quarantine.add("poison", CONTROL_PARTITION, int(msg.offset()), msg.value(), str(e))
+            self._lose(f"the message at partition 0 offset {msg.offset()} was quarantined")
+            return None
+        for p, r in self.readers.items():
+            if p != CONTROL_PARTITION:
+                r.eof = None  # an end seen before this marker says nothing about its rows
+        if self._run_known and marker.run != self.run:
+            self.quarantine.add(
+                "foreign",
+                CONTROL_PARTITION,
+                marker.offset,
+                msg.value(),
+                f"marker of step {marker.step} ({marker.ckpt_id}) of run {marker.run}, but "
+                f"this loader serves run {self.run}; to follow run {marker.run}, start a "
+                f"loader on another --out with --run {marker.run}",
+            )
+            self.stats.foreign.append(marker.step)
+            return None
         return self._apply_marker(marker)
+
+    def _adopt_run(self) -> None:
+        """A loader with no state and no ``--run`` serves the run of the newest marker of the
+        topic (a fresh run reusing a topic wins over an older one, and a stray full of another
+        model at the head of the topic is not served); with no marker yet, the run of the
+        first full it applies."""
+        found, run = newest_run(self.conf, self.target)
+        if found:
+            self.run, self._run_known = run, True
+            logger.info("deck follow: serving run %s (the newest marker's)", run)
+
+    def _lose(self, why: str) -> None:
+        if self._lost is None:
+            held = self.follower.state if self.follower is not None else self._held_at_start
+            logger.error(
+                "deck follow: kafka topic %s: %s; serving step %s until a full the loader can "
+                "prove",
+                self.target.topic,
+                why,
+                held[0] if held else "(none)",
+            )
+        self._lost = why
 
     def _apply_marker(self, marker: Marker) -> FollowUpdate | None:
         fol = self._open(marker)
@@ -356,25 +522,54 @@ class KafkaFollower:
             # hold past): applying it again would change nothing.
             self.stats.skipped.append(marker.step)
             return None
+        if self._state_fixed and not self._state_given and marker.state_uri != self.state_uri:
+            self.quarantine.add(
+                "poison",
+                CONTROL_PARTITION,
+                marker.offset,
+                None,
+                f"marker of step {marker.step} ({marker.ckpt_id}) names the state URI "
+                f"{marker.state_uri}, but run {self.run}'s state is at {self.state_uri}",
+            )
+            return None
         manifest = self._manifest(marker)
         if manifest is None:
             return None
+        self._state_fixed = True
         if manifest.kind is Kind.DELTA and held != (manifest.parent, manifest.parent_id):
-            raise StreamGapError(
-                f"kafka topic {self.target.topic}: step {marker.step} (marker at offset "
-                f"{marker.offset}) is a delta of step {manifest.parent} ({manifest.parent_id}), "
-                f"but the loader holds {held or 'nothing'}: the messages between are gone "
-                "(retention) or were never marked. Start from a loader full (full_uri) or "
-                "wait for the publisher's next full."
+            # Its parent was never applied here (the head of the topic is gone, a step was
+            # quarantined, a publish lost its marker): waiting cannot bring it back, and a
+            # restart would meet the same delta, so it is skipped until a full.
+            self._lose(
+                f"step {marker.step} (marker at offset {marker.offset}) is a delta of step "
+                f"{manifest.parent} ({manifest.parent_id}), but the loader holds "
+                f"{held or 'nothing'}: the messages between are gone (retention, a quarantined "
+                "message) or were never marked"
             )
+            logger.warning(
+                "deck follow: kafka topic %s: step %d (a delta of step %s) skipped: the loader "
+                "holds %s and waits for a full it can prove",
+                self.target.topic,
+                marker.step,
+                manifest.parent,
+                held or "nothing",
+            )
+            self.stats.unproven.append(marker.step)
+            return None
         t0 = time.perf_counter()
         parts = read_rank_manifests(self.view, manifest)
         files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
-        for rank in range(manifest.world_size):
-            mine = {k for k in files if f"/rank-{rank:05d}/" in k}
-            self.view.files.update(self._pull(rank, marker, mine))
+        try:
+            for rank in range(manifest.world_size):
+                mine = {k for k in files if f"/rank-{rank:05d}/" in k}
+                self.view.files.update(self._pull(rank, marker, mine))
+        except _Unprovable as e:
+            self.view.files.clear()
+            self.stats.unproven.append(marker.step)
+            self._lose(f"step {marker.step} ({marker.ckpt_id}) cannot be applied: {e}")
+            return None
         failpoint("kafka_follow.fetched")
-        fol.stream = self._stream_record(marker)
+        fol.stream = self._stream_record(marker, self._since_full + 1)
         try:
             if manifest.kind is Kind.FULL:
                 self.view.visible = {marker.step}
@@ -390,6 +585,16 @@ class KafkaFollower:
         self.stats.applied.append(marker.step)
         self._last = (manifest, parts)
         self._since_full += 1
+        if manifest.kind is Kind.FULL and self._lost is not None:
+            logger.warning(
+                "deck follow: kafka topic %s: moved on at the full of step %d (was: %s)",
+                self.target.topic,
+                marker.step,
+                self._lost,
+            )
+            self._lost = None
+        if not self._run_known:
+            self.run, self._run_known = marker.run, True
         if self.full_every and self._since_full >= self.full_every:
             self.write_full()
         return update
@@ -438,26 +643,46 @@ class KafkaFollower:
         while not complete():
             msg = reader.poll(0.2)
             if msg is not None:
-                take(
-                    decode_segment(
+                try:
+                    seg = decode_segment(
                         msg.headers(), msg.value(), reader.topic, reader.partition, msg.offset()
                     )
-                )
-            elif time.monotonic() > deadline and reader.drained():
+                except CorruptStreamError as e:
+                    self.quarantine.add(
+                        "poison", reader.partition, int(msg.offset()), msg.value(), str(e)
+                    )
+                    self._poisoned.add(reader.partition)
+                    continue
+                take(seg)
+                continue
+            poisoned = reader.partition in self._poisoned
+            # Segments are acknowledged before their marker is produced: once a fetch after the
+            # marker was read reached the end, what is missing is not coming. A quarantined
+            # message explains it at once; otherwise wait_s allows for a lagging broker.
+            if (poisoned and reader.at_end()) or (time.monotonic() > deadline and reader.drained()):
                 missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
-                raise StreamGapError(
-                    f"kafka topic {self.target.topic} partition {reader.partition}: step "
-                    f"{marker.step} ({marker.ckpt_id}) is marked but {len(missing)} of rank "
-                    f"{rank}'s files are not in the stream (first: {missing[0]}); retention "
-                    "removed them? Start from a loader full (full_uri)."
+                reader.ahead = keep  # later steps' segments stay for their markers
+                raise _Unprovable(
+                    f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
+                    f"files (first: {missing[0]}): "
+                    + ("it held a quarantined message" if poisoned else "retention removed them?")
                 )
         reader.ahead = keep
         return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
 
-    def _stream_record(self, marker: Marker) -> dict[str, Any]:
+    def _stream_record(self, marker: Marker, since_full: int) -> dict[str, Any]:
+        """The resume point written with the state: offsets after the step, the marker applied
+        (to recognise a recreated topic), the run, and the steps since the last loader full."""
         offsets = {str(p): r.resume_offset() for p, r in self.readers.items()}
         offsets[str(CONTROL_PARTITION)] = marker.offset + 1
-        return {"topic": self.target.topic, "state_uri": self.state_uri, "offsets": offsets}
+        return {
+            "topic": self.target.topic,
+            "state_uri": self.state_uri,
+            "offsets": offsets,
+            "run": marker.run,
+            "marker": {"offset": marker.offset, "step": marker.step, "id": marker.ckpt_id},
+            "since_full": since_full,
+        }
 
     # ---- loader fulls -----------------------------------------------------------------------
     def write_full(self) -> str | None:
@@ -485,6 +710,7 @@ class KafkaFollower:
         """Apply every marker in the topic now; returns how many steps were applied."""
         n = 0
         ctl = self._reader(CONTROL_PARTITION)
+        ctl.eof = None  # only an end reached in this catch-up counts
         while True:
             update = self.poll(0.5)
             if update is not None:
@@ -519,8 +745,8 @@ def follow_kafka(
         while True:
             try:
                 update = kf.poll(1.0)
-            except (StreamGapError, ConfigError):
-                raise  # waiting does not fix these
+            except ConfigError:
+                raise  # waiting does not fix it
             except DeckError as e:  # the broker or the state URI is down, the topic not there yet
                 logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
                 time.sleep(poll_s)

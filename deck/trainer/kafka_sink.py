@@ -19,14 +19,17 @@ failed publish makes the next one a full" all stay exactly those of a file publi
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
 
 from deck.config import PublishConfig
-from deck.errors import ConfigError, StorageError
+from deck.errors import ConfigError, CorruptCheckpointError, NotFoundError, StorageError
+from deck.format.jsonio import load_json
 from deck.format.stream import (
     CONTROL_PARTITION,
+    RUN_FILE,
     KafkaTarget,
     MessageTooLargeError,
     commit_step,
@@ -34,11 +37,13 @@ from deck.format.stream import (
     is_stream_file,
     marker_headers,
     marker_value,
+    new_run_id,
     parse_kafka_uri,
     rank_of,
     rank_partition,
     segment_headers,
     split,
+    valid_run,
 )
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -91,6 +96,7 @@ class KafkaSinkStorage(StorageWrapper):
         self._producer = _kafka().Producer(self._conf)
         self._admin_conf: dict[str, Any] = {"bootstrap.servers": target.bootstrap}
         self._topic_ok = False
+        self._run: str | None = None
 
     def __repr__(self) -> str:
         return f"KafkaSinkStorage({self.target.uri}, state={self.inner!r})"
@@ -170,12 +176,31 @@ class KafkaSinkStorage(StorageWrapper):
             key,
         )
 
+    def run_id(self) -> str:
+        """The publishing run's identity (:data:`deck.format.stream.RUN_FILE` at the state URI,
+        created once when missing). Only the committing rank produces markers, so only it
+        creates the file: no race between ranks. A trainer resuming on the same state URI keeps
+        its run; a fresh state URI is a new run."""
+        if self._run is None:
+            try:
+                raw = get_bounded(self.inner, RUN_FILE)
+                run = load_json(raw, self.inner.describe(RUN_FILE), "stream run record")["run"]
+                if not isinstance(run, str) or not valid_run(run):
+                    raise CorruptCheckpointError(
+                        f"{self.inner.describe(RUN_FILE)}: bad run {run!r}"
+                    )
+            except NotFoundError:
+                run = new_run_id()
+                self.inner.put(RUN_FILE, json.dumps({"run": run}).encode())
+            except (KeyError, TypeError) as e:
+                raise CorruptCheckpointError(f"{self.inner.describe(RUN_FILE)}: {e}") from e
+            self._run = run
+        return self._run
+
     def _produce_marker(self, path: str, step: int) -> None:
         record = get_bounded(self.inner, path)
-        import json
-
         ckpt_id = str(json.loads(record)["id"])
-        value = marker_value(step, ckpt_id, self.inner.uri, self.world_size)
+        value = marker_value(step, ckpt_id, self.inner.uri, self.world_size, self.run_id())
         self._produce(CONTROL_PARTITION, b"marker", [(value, marker_headers(value))], path)
 
     def _produce(

@@ -1,0 +1,244 @@
+"""The Kafka loader (`deck follow kafka://`) against its hostile cases, one test per finding of
+issue 33 (items 8-11), with synthetic publishers on the real sink and a real broker (Tansu):
+
+- killed at every point of its state switch, it restarts and serves a committed step (8);
+- a poison message on any partition is quarantined, the loader keeps serving and moves on at
+  the next full (9);
+- another run's markers on the topic are refused loudly; a fresh loader serves the newest run,
+  one with state keeps its run (10);
+- loader fulls are counted from the state on disk: a loader that keeps crashing still writes
+  them (11).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deck.errors import ConfigError
+from deck.ops.kafka_follow import KafkaFollower, loader_fulls
+from deck.testing.kafka_broker import TansuBroker
+from deck.testing.kafka_child import LoaderChildren
+from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
+
+pytestmark = pytest.mark.slow
+SWITCH_POINTS = ("follow.state.before_switch", "follow.state.switched", "follow.state.written")
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[TansuBroker]:
+    with TansuBroker() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def children() -> Iterator[LoaderChildren]:
+    with LoaderChildren() as c:
+        yield c
+
+
+def _topic(broker: TansuBroker) -> str:
+    return broker.uri(f"t-{uuid.uuid4().hex[:10]}")
+
+
+def _serves(out: str, pub: SynthPublisher, step: int) -> None:
+    """The loader output in ``out`` is ``pub``'s committed ``step``, bitwise."""
+    got = read_output(out)
+    assert got is not None, f"{out}: no output"
+    want_id, want = pub.expected(step)
+    assert (got[0], got[1]) == (step, want_id), (got[:2], step)
+    assert not differences(got[2], want), differences(got[2], want)
+    with open(os.path.join(out, "state.json")) as f:
+        assert json.load(f)["step"] == step
+
+
+def _loader(topic: str, out: str, **kw: Any) -> KafkaFollower:
+    return KafkaFollower(topic, out, wait_s=5, **kw)
+
+
+def _catch_up(topic: str, out: str, **kw: Any) -> KafkaFollower:
+    kf = _loader(topic, out, **kw)
+    try:
+        kf.catch_up()
+    finally:
+        kf.close()
+    return kf
+
+
+def test_kill_at_every_switch_point_restarts(
+    broker: TansuBroker, children: LoaderChildren, tmp_path: Path
+) -> None:
+    """Finding 8: SIGKILLed at each failpoint of the state switch (data written but not renamed,
+    data renamed but state.json not, both renamed), on the 1st..3rd step it applies, a restarted
+    loader resumes and serves the latest step; an unusable --out with a loader full restarts
+    from the full."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    steps = [pub.publish("full"), pub.publish(), pub.publish(), pub.publish()]
+    for point in SWITCH_POINTS:
+        for nth in (1, 2, 3):
+            out = str(tmp_path / f"out-{point}-{nth}")
+            what, where = children.run({"uri": topic, "out_dir": out}, f"{point}:{nth}")
+            assert (what, where) == ("killed", f"{point}:{nth}"), (what, where)
+            kf = _catch_up(topic, out)
+            _serves(out, pub, steps[-1])
+            # Killed before the rename, the nth step was not applied; after it, it was.
+            held = nth - 1 if point == "follow.state.before_switch" else nth
+            assert kf.stats.applied == steps[held:], (point, nth, kf.stats)
+
+    # An --out whose data file is damaged: --full-uri is used although --out is not empty.
+    fulls, out = str(tmp_path / "fulls"), str(tmp_path / "out-damaged")
+    _catch_up(topic, out, full_uri=fulls, full_every=2)
+    assert [f["step"] for f in loader_fulls(fulls)] == [steps[1], steps[3]]
+    with open(os.path.join(out, "state.safetensors"), "r+b") as f:
+        f.truncate(100)
+    kf = _catch_up(topic, out, full_uri=fulls)
+    assert kf.stats.applied == [], kf.stats  # started from the full of the latest step
+    _serves(out, pub, steps[-1])
+    # The newest full's stream record damaged (storage is untrusted): the older full serves.
+    for rec in Path(fulls, "stream").glob(f"{steps[3]:012d}-*.json"):
+        rec.write_bytes(b'{"offsets": ')
+    kf = _catch_up(topic, str(tmp_path / "out-older-full"), full_uri=fulls)
+    assert kf.stats.applied == steps[2:], kf.stats
+    _serves(str(tmp_path / "out-older-full"), pub, steps[-1])
+    pub.close()
+
+
+def test_poison_message_is_quarantined(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 9: garbage and a flipped byte on a partition other than the first (and a
+    garbage marker on the first): recorded in quarantine.json with partition and offset, an
+    ERROR line; the loader serves the last good step, skips the deltas that need the lost step
+    and moves on at the next full; a fresh --out gets past the same messages."""
+    topic = _topic(broker)
+    bootstrap = broker.bootstrap
+    name = topic.rsplit("/", 1)[1]
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    s0, s1 = pub.publish("full"), pub.publish()
+    inject(bootstrap, name, 2, b"\x00garbage\xff" * 10, [])
+    inject(bootstrap, name, 0, b"{not a marker", [("deck", b"1"), ("type", b"marker")])
+    pub.damage_next(2)
+    s2 = pub.publish()  # one of rank 1's segments arrives damaged
+    s3 = pub.publish()
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        kf = _catch_up(topic, out)
+    assert kf.stats.applied == [s0, s1] and kf.stats.unproven == [s2, s3], kf.stats
+    _serves(out, pub, s1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("partition 2 offset" in e and "quarantined" in e for e in errors), errors
+    assert any(f"serving step {s1} until a full" in e for e in errors), errors
+    with open(os.path.join(out, "quarantine.json")) as f:
+        entries = json.load(f)["entries"]
+    assert {(e["partition"], e["kind"]) for e in entries} == {(0, "poison"), (2, "poison")}
+    assert all(isinstance(e["offset"], int) and e["error"] for e in entries), entries
+
+    s4, s5 = pub.publish("full"), pub.publish()
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [s4, s5], kf.stats
+    _serves(out, pub, s5)
+    fresh = str(tmp_path / "fresh")
+    kf = _catch_up(topic, fresh)
+    assert kf.stats.applied == [s0, s1, s4, s5] and kf.stats.unproven == [s2, s3], kf.stats
+    _serves(fresh, pub, s5)
+    pub.close()
+
+
+def test_foreign_stream_is_refused(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 10: another model's full at the head of the topic and markers in between are not
+    served: a fresh loader serves the newest run, refusing the other's markers with an ERROR
+    and a quarantine entry; a fresh run reusing the topic is refused by a loader holding the
+    old run (it keeps serving it) and served by a fresh --out; --run pins a run."""
+    topic = _topic(broker)
+    other = SynthPublisher(topic, str(tmp_path / "other-state"), seed=7)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    other.publish("full")
+    s0 = pub.publish("full")
+    other.publish()
+    s1 = pub.publish()
+    assert pub.run != other.run
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.ERROR, logger="deck"):
+        kf = _catch_up(topic, out)
+    _serves(out, pub, s1)
+    assert kf.stats.applied == [s0, s1] and len(kf.stats.foreign) == 2, kf.stats
+    assert any(f"of run {other.run}" in r.getMessage() for r in caplog.records)
+    with open(os.path.join(out, "quarantine.json")) as f:
+        assert [e["kind"] for e in json.load(f)["entries"]] == ["foreign", "foreign"]
+
+    # A fresh run (a new state URI) publishing to the same topic.
+    new = SynthPublisher(topic, str(tmp_path / "new-state"), seed=3)
+    n0 = new.publish("full")
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [] and kf.stats.foreign == [n0], kf.stats
+    _serves(out, pub, s1)  # still the run it served, said loudly
+    fresh = str(tmp_path / "fresh")
+    kf = _catch_up(topic, fresh)
+    _serves(fresh, new, n0)
+    assert kf.stats.applied == [n0], kf.stats
+    pinned = str(tmp_path / "pinned")
+    kf = _catch_up(topic, pinned, run=other.run)
+    assert kf.stats.applied == [1, 2], kf.stats
+    _serves(pinned, other, 2)
+    with pytest.raises(ConfigError, match="serves run"):
+        _loader(topic, out, run=new.run)
+    for p in (pub, other, new):
+        p.close()
+
+
+def test_full_every_counts_from_disk(
+    broker: TansuBroker, children: LoaderChildren, tmp_path: Path
+) -> None:
+    """Finding 11: a loader killed after every step it applies still writes a loader full every
+    ``full_every`` applied steps (the count is in its state record, not in the process)."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    steps = [pub.publish("full")] + [pub.publish() for _ in range(5)]
+    out, fulls = str(tmp_path / "out"), str(tmp_path / "fulls")
+    runs = 0
+    while True:
+        what, where = children.run(
+            {"uri": topic, "out_dir": out, "full_uri": fulls, "full_every": 2},
+            "kafka_follow.fetched:2",
+        )
+        runs += 1
+        assert what in ("killed", "finished"), where
+        if what == "finished":
+            break
+    assert runs == len(steps), runs  # one step applied per process
+    assert [f["step"] for f in loader_fulls(fulls)] == steps[1::2]
+    _serves(out, pub, steps[-1])
+    pub.close()
+
+
+def test_stream_without_run_ids(broker: TansuBroker, tmp_path: Path) -> None:
+    """A stream of a deck before run ids (markers without ``run``) is followed as before; once
+    its publisher is upgraded (markers with a run), a loader holding the old state refuses the
+    new markers until ``--run`` names the run, and then applies them onto what it holds."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    pub.sink.run_id = lambda: None  # type: ignore[method-assign]  # an older deck's markers
+    s1, s2 = pub.publish("full"), pub.publish()
+    out = str(tmp_path / "out")
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [s1, s2], kf.stats
+    _serves(out, pub, s2)
+    del pub.sink.run_id  # the upgraded publisher: its run, on the same state URI
+    s3 = pub.publish()
+    kf = _catch_up(topic, out)
+    assert (kf.stats.applied, kf.stats.foreign) == ([], [s3]), kf.stats
+    _serves(out, pub, s2)
+    kf = _catch_up(topic, out, run=pub.run)
+    assert kf.stats.applied == [s3], kf.stats
+    _serves(out, pub, s3)
+    pub.close()
