@@ -11,6 +11,10 @@ Quick use::
 ``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
 ``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
 ``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
+
+Errors: every failure a user can act on is a :class:`deck.DeckError`; its subclasses
+(``ConfigError``, ``StorageError``, ``NotFoundError``, ``CorruptCheckpointError``,
+``CheckpointNotFoundError``, ...: :mod:`deck.errors`) are importable from ``deck`` too.
 """
 
 from importlib import import_module
@@ -18,7 +22,22 @@ from typing import TYPE_CHECKING
 
 from deck import errors
 from deck.config import DeckConfig, PublishConfig, StagingConfig
-from deck.errors import CheckpointError
+from deck.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DeckError,
+    DoctorError,
+    IncompatibleModelError,
+    LeaseHeldError,
+    MergeError,
+    NotFoundError,
+    SpoolError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedError,
+)
 from deck.read import lineage
 from deck.read.catalog import CheckpointInfo, list_checkpoints
 from deck.read.lineage import LineageGraph, lineage_graph
@@ -33,14 +52,27 @@ if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointNotFoundError",
     "CheckpointStats",
+    "ConfigError",
+    "CorruptCheckpointError",
     "DeckConfig",
     "DeckDistributedModelParallel",
+    "DeckError",
     "DeltaCheckpointer",
+    "DoctorError",
     "DoctorSetup",
+    "IncompatibleModelError",
+    "LeaseHeldError",
     "LineageGraph",
+    "MergeError",
+    "NotFoundError",
     "PublishConfig",
+    "SpoolError",
     "StagingConfig",
+    "StorageError",
+    "UnsafePathError",
+    "UnsupportedError",
     "__version__",
     "enable",
     "errors",
