@@ -334,7 +334,7 @@ def report_parser(sub: Subparsers) -> None:
         help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
         description="Write an HTML page with a picture of the lineage graph and plots of bytes "
         "per checkpoint and restore cost (bytes the cheapest chain reads) per step; the PNG "
-        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install 'deck[report]').",
+        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install matplotlib).",
     )
     rep.add_argument("uri")
     rep.add_argument("--out", required=True, help="path of the HTML file to write")

@@ -74,7 +74,7 @@ class FsspecStorage(Storage):
         except ImportError as exc:
             raise ConfigError(
                 f"URI {uri} needs an fsspec backend that is not installed ({exc}); "
-                "for s3:// install s3fs (pip install 'deck[s3]')"
+                "for s3:// install s3fs (pip install s3fs, deck's s3 extra)"
             ) from exc
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot open storage URI {uri}: {exc}") from exc
