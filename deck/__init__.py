@@ -14,7 +14,9 @@ Quick use::
 
 Errors: every failure a user can act on is a :class:`deck.DeckError`; its subclasses
 (``ConfigError``, ``StorageError``, ``NotFoundError``, ``CorruptCheckpointError``,
-``CheckpointNotFoundError``, ...: :mod:`deck.errors`) are importable from ``deck`` too.
+``CheckpointNotFoundError``, ...: :mod:`deck.errors`; the stream's ``CorruptStreamError``,
+``StreamGapError``, ``MessageTooLargeError``; ``QuantizedStateError``) are importable from
+``deck`` too.
 """
 
 from importlib import import_module
@@ -46,6 +48,8 @@ from deck.version import __version__
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
     from deck.adapters.dmp import DeckDistributedModelParallel
     from deck.doctor import DoctorSetup, run_doctor
+    from deck.format.quantize import QuantizedStateError
+    from deck.format.stream import CorruptStreamError, MessageTooLargeError, StreamGapError
     from deck.trainer.checkpointer import DeltaCheckpointer, enable
     from deck.trainer.staging import CheckpointStats
 
@@ -56,6 +60,7 @@ __all__ = [
     "CheckpointStats",
     "ConfigError",
     "CorruptCheckpointError",
+    "CorruptStreamError",
     "DeckConfig",
     "DeckDistributedModelParallel",
     "DeckError",
@@ -66,11 +71,14 @@ __all__ = [
     "LeaseHeldError",
     "LineageGraph",
     "MergeError",
+    "MessageTooLargeError",
     "NotFoundError",
     "PublishConfig",
+    "QuantizedStateError",
     "SpoolError",
     "StagingConfig",
     "StorageError",
+    "StreamGapError",
     "UnsafePathError",
     "UnsupportedError",
     "__version__",
@@ -90,6 +98,11 @@ _LAZY = {
     "DeckDistributedModelParallel": "deck.adapters.dmp",
     "DoctorSetup": "deck.doctor",  # deck doctor: the check of a user's own setup
     "run_doctor": "deck.doctor",
+    # error classes defined with the formats they guard (DeckError subclasses all)
+    "CorruptStreamError": "deck.format.stream",
+    "MessageTooLargeError": "deck.format.stream",
+    "StreamGapError": "deck.format.stream",
+    "QuantizedStateError": "deck.format.quantize",
 }
 
 

@@ -305,8 +305,9 @@ class PublishConfig(Settings):
         default=1_000_000,
         ge=4096,
         description="With a kafka:// uri: the largest message value deck produces; a table "
-        "file is split into segments of at most this size. Keep it below the broker's "
-        "message.max.bytes (and the topic's max.message.bytes) minus ~1 KiB of headers.",
+        "file is split into segments of at most this size. The broker's message.max.bytes (and "
+        "the topic's max.message.bytes) must exceed it by 4 KiB, the allowance for headers and "
+        "record overhead (deck sets the producer's message.max.bytes to this sum).",
     )
 
     @field_validator("uri", "state_uri", mode="before")

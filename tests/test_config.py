@@ -198,3 +198,6 @@ def test_error_classes_importable_from_deck() -> None:
     assert public and all(getattr(deck, n) is getattr(errors, n) for n in public)
     assert public <= set(deck.__all__)
     assert issubclass(deck.CorruptCheckpointError, deck.DeckError)
+    # those defined with the formats they guard, loaded on first use
+    for name in ("CorruptStreamError", "StreamGapError", "MessageTooLargeError"):
+        assert name in deck.__all__ and issubclass(getattr(deck, name), deck.DeckError)
