@@ -246,10 +246,9 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
         assert r.returncode == 2, (cmd, _, r.returncode, r.stdout, r.stderr)
         assert r.stderr.startswith(f"deck {cmd}: "), (cmd, _, r.stderr)
         assert what in r.stderr and "Traceback" not in r.stderr, (cmd, _, r.stderr)
-        if cmd != "report":  # report says what it wrote (an empty page) before the error
-            assert r.stdout == "", (cmd, _, r.stdout)
-    # deck follow made no --out folder for a start that failed
-    assert not (out / "f").exists()
+        assert r.stdout == "", (cmd, _, r.stdout)
+    # deck follow made no --out folder for a start that failed, report wrote no empty page
+    assert not (out / "f").exists() and not (out / "r.html").exists()
 
 
 def test_history_takes_the_torchrec_table_name(ckpt: Path) -> None:

@@ -43,7 +43,7 @@ Exit codes (for scripts), the same for every command:
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
 terminal. A reader that closes the pipe early (``deck ls --json | head -1``) ends the command
-quietly.
+quietly (exit 141, as a process killed by SIGPIPE).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _tree_line(r: Any, now: float) -> str:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import list_rows, tree_lines
 
     graph, rows = list_rows(open_existing(a.uri, a.storage_options))
@@ -59,7 +59,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    """Run ``deck show`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck show`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import describe_checkpoint, find_checkpoint
 
     storage = open_existing(a.uri, a.storage_options)
@@ -119,14 +119,15 @@ def _show_rank(r: dict[str, Any]) -> None:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    """Run ``deck report`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck report`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.report import write_report
+    from deck.read.catalog import list_checkpoints
 
     open_existing(a.uri, a.storage_options)
+    if not list_checkpoints(a.uri, a.storage_options):  # nothing to draw: no empty page
+        raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: no report written")
     rep = write_report(a.uri, a.out, a.storage_options)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
-    if not rep.checkpoints:
-        raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: the report is empty")
     return 0
 
 
@@ -204,7 +205,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_history(a: argparse.Namespace) -> int:
-    """Run ``deck history`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck history`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.history import row_history
 
     open_existing(a.uri, a.storage_options)
@@ -227,7 +228,7 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
-    """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.read.lineage import chain_bytes, cheapest_chain, lineage_graph
 
     open_existing(a.uri, a.storage_options)

@@ -101,7 +101,7 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-    """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.merge.launch import resolve_worker
 
     if not a.follow:
@@ -196,7 +196,7 @@ def _collect_workers(
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
-    """Run ``deck gc`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck gc`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.retention import collect_garbage
 
     storage = open_existing(a.uri, a.storage_options)

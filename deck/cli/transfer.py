@@ -12,7 +12,7 @@ from deck.cli.common import Subparsers, human, open_existing, progress_bar
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    """Run ``deck export`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck export`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
     open_existing(a.uri, a.storage_options)
