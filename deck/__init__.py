@@ -11,6 +11,12 @@ Quick use::
 ``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
 ``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
 ``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
+
+Errors: every failure a user can act on is a :class:`deck.DeckError`; its subclasses
+(``ConfigError``, ``StorageError``, ``NotFoundError``, ``CorruptCheckpointError``,
+``CheckpointNotFoundError``, ...: :mod:`deck.errors`; the stream's ``CorruptStreamError``,
+``StreamGapError``, ``MessageTooLargeError``; ``QuantizedStateError``) are importable from
+``deck`` too.
 """
 
 from importlib import import_module
@@ -18,7 +24,22 @@ from typing import TYPE_CHECKING
 
 from deck import errors
 from deck.config import DeckConfig, PublishConfig, StagingConfig
-from deck.errors import CheckpointError
+from deck.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DeckError,
+    DoctorError,
+    IncompatibleModelError,
+    LeaseHeldError,
+    MergeError,
+    NotFoundError,
+    SpoolError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedError,
+)
 from deck.read import lineage
 from deck.read.catalog import CheckpointInfo, list_checkpoints
 from deck.read.lineage import LineageGraph, lineage_graph
@@ -27,20 +48,39 @@ from deck.version import __version__
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
     from deck.adapters.dmp import DeckDistributedModelParallel
     from deck.doctor import DoctorSetup, run_doctor
+    from deck.format.quantize import QuantizedStateError
+    from deck.format.stream import CorruptStreamError, MessageTooLargeError, StreamGapError
     from deck.trainer.checkpointer import DeltaCheckpointer, enable
     from deck.trainer.staging import CheckpointStats
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointNotFoundError",
     "CheckpointStats",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "CorruptStreamError",
     "DeckConfig",
     "DeckDistributedModelParallel",
+    "DeckError",
     "DeltaCheckpointer",
+    "DoctorError",
     "DoctorSetup",
+    "IncompatibleModelError",
+    "LeaseHeldError",
     "LineageGraph",
+    "MergeError",
+    "MessageTooLargeError",
+    "NotFoundError",
     "PublishConfig",
+    "QuantizedStateError",
+    "SpoolError",
     "StagingConfig",
+    "StorageError",
+    "StreamGapError",
+    "UnsafePathError",
+    "UnsupportedError",
     "__version__",
     "enable",
     "errors",
@@ -58,6 +98,11 @@ _LAZY = {
     "DeckDistributedModelParallel": "deck.adapters.dmp",
     "DoctorSetup": "deck.doctor",  # deck doctor: the check of a user's own setup
     "run_doctor": "deck.doctor",
+    # error classes defined with the formats they guard (DeckError subclasses all)
+    "CorruptStreamError": "deck.format.stream",
+    "MessageTooLargeError": "deck.format.stream",
+    "StreamGapError": "deck.format.stream",
+    "QuantizedStateError": "deck.format.quantize",
 }
 
 

@@ -1,14 +1,28 @@
 """User configuration: one :class:`DeckConfig` a user fills.
 
-Pydantic validates every field; an invalid value raises :class:`deck.errors.ConfigError` whose
-message names the field and says what is allowed.
+Pydantic validates every field, strictly (an int field takes an int, not ``True`` nor ``2.0``),
+when the model is built: by the constructor, ``model_validate``, ``model_validate_json``,
+``model_validate_strings`` and ``model_copy(update=...)`` alike. An invalid value raises
+:class:`deck.errors.ConfigError` (a ``ValueError``, as pydantic's ``ValidationError`` is) whose
+message names the field and says what is allowed, and whose ``errors()`` lists pydantic's error
+records.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from typing_extensions import Self
 
 from deck.errors import ConfigError
 
@@ -16,24 +30,95 @@ PAGE_BYTES = 4096
 CHECKPOINT_CONSUMER = "checkpoint"
 PUBLISH_CONSUMER = "publish"
 
+# fsspec protocols whose single-object put makes an object visible whole or not at all: object
+# stores (one PUT, or a multipart/resumable upload that appears only once completed) and
+# memory://. deck.storage's FsspecStorage opens only these; the config refuses the others at
+# construction so a typo or an http:// URI fails where it was written, not when storage opens.
+ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+KAFKA_PROTOCOL = "kafka"
+
+
+def check_storage_uri(value: str, *, kafka: bool = False) -> str:
+    """Return ``value`` stripped if it is a URI deck's storage opens: a local path, ``file://``,
+    or one of :data:`ATOMIC_PUT_PROTOCOLS` (with ``kafka``, also ``kafka://``); else raise
+    ``ValueError`` saying which schemes are supported (pydantic turns it into a ConfigError
+    naming the field)."""
+    value = value.strip()
+    if not value:
+        raise ValueError("must be a non-empty local path or URI such as s3://bucket/prefix")
+    if "://" not in value:
+        return value
+    protocol = value.split("://", 1)[0]
+    allowed = {"file", *ATOMIC_PUT_PROTOCOLS} | ({KAFKA_PROTOCOL} if kafka else set())
+    if protocol not in allowed:
+        raise ValueError(
+            f"scheme {protocol + '://'!r} is not supported: use a local path or one of "
+            f"{', '.join(p + '://' for p in sorted(allowed))} (stores whose put is atomic; "
+            "mount any other store and give its path)"
+        )
+    return value
+
+
+def _fspath(value: Any) -> Any:
+    """A ``pathlib.Path`` (any ``os.PathLike``) as its string; anything else unchanged."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
 
 Tiers = Literal["auto", "local", "cpu-remote", "cpu-ssd-remote"]
 
 
 class Settings(BaseModel):
     """Base of every deck configuration model (DeckConfig, StagingConfig, MergeConfig,
-    RetentionPolicy, RetryPolicy, ...): frozen, unknown fields refused, and an invalid value
-    raises :class:`ConfigError` with one line per bad field (``Model.field: why (got value)``).
+    RetentionPolicy, RetryPolicy, ...): frozen, unknown fields refused, strict types (no
+    ``True`` for an int, no ``"5"`` for a number), and an invalid value raises
+    :class:`ConfigError` with one line per bad field (``Model.field: why (got value)``) from the
+    constructor, every ``model_validate*`` classmethod and ``model_copy(update=...)``.
     Fields carry ``description`` and ``json_schema_extra`` (``constraints``, ``cli``), from which
     :mod:`deck.docgen` writes docs/configuration.md."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as e:
             raise config_error(e) from None
+
+    # pydantic's own entry points raise its ValidationError; deck's raise ConfigError, so a
+    # caller catches one exception type however the model was built.
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """Validate ``obj`` (a dict or model); raises :class:`ConfigError`."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise config_error(e) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """Validate a JSON document; raises :class:`ConfigError`."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise config_error(e) from None
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Self:
+        """Validate a dict of strings (as from environment variables); raises
+        :class:`ConfigError`. Strict like the others: a number given as a string is refused
+        (parse it first, or pass a JSON document to :meth:`model_validate_json`)."""
+        try:
+            return super().model_validate_strings(obj, **kwargs)
+        except ValidationError as e:
+            raise config_error(e) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with the fields in ``update`` replaced, validated like a new model (pydantic's
+        own ``model_copy`` would not validate them); raises :class:`ConfigError`."""
+        if not update:
+            return super().model_copy(deep=deep)
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self).model_validate({**fields, **update})
 
 
 class StagingConfig(Settings):
@@ -146,22 +231,27 @@ class StagingConfig(Settings):
         "with its pending record, so a checkpoint save() returned survives a process crash.",
     )
 
+    @field_validator("spool_dir", mode="before")
+    @classmethod
+    def _spool_path(cls, v: Any) -> Any:
+        return _fspath(v)
+
     @field_validator("chunk_bytes")
     @classmethod
     def _page_multiple(cls, v: int) -> int:
         if v < PAGE_BYTES or v % PAGE_BYTES:
-            raise ValueError(f"must be a positive multiple of {PAGE_BYTES} bytes, got {v}")
+            raise ValueError(f"must be a positive multiple of {PAGE_BYTES} bytes")
         return v
 
-    @model_validator(mode="after")
-    def _bundle_fits(self) -> StagingConfig:
-        b = self.bundle_bytes
-        if b and (b < self.chunk_bytes or b % PAGE_BYTES):
+    @field_validator("bundle_bytes")
+    @classmethod
+    def _bundle_fits(cls, v: int, info: ValidationInfo) -> int:
+        chunk = info.data.get("chunk_bytes")  # absent when chunk_bytes itself was invalid
+        if v and (v % PAGE_BYTES or (chunk is not None and v < chunk)):
             raise ValueError(
-                f"bundle_bytes must be 0 (off) or a multiple of {PAGE_BYTES} of at least "
-                f"chunk_bytes={self.chunk_bytes}, got {b}"
+                f"must be 0 (off) or a multiple of {PAGE_BYTES} of at least chunk_bytes ({chunk})"
             )
-        return self
+        return v
 
 
 class PublishConfig(Settings):
@@ -176,8 +266,8 @@ class PublishConfig(Settings):
 
     uri: str = Field(
         description="Where published deltas go: a local directory or an object store URI (as "
-        "DeckConfig.uri); must differ from DeckConfig.uri.",
-        json_schema_extra={"constraints": "non-empty, not DeckConfig.uri"},
+        "DeckConfig.uri), or kafka://host:port/topic; must differ from DeckConfig.uri.",
+        json_schema_extra={"constraints": "non-empty, a supported scheme, not DeckConfig.uri"},
     )
     every_steps: int = Field(
         default=10,
@@ -203,6 +293,7 @@ class PublishConfig(Settings):
         description="With a kafka:// uri: the fsspec URI (or local directory) where the dense "
         "and user state, the rank manifests and the commit records of each publish go; the "
         "table rows travel through the topic. Required for kafka://, unused otherwise.",
+        validate_default=True,  # so that its absence with a kafka:// uri is refused here
         json_schema_extra={"constraints": "required when uri is kafka://"},
     )
     kafka: dict[str, Any] = Field(
@@ -214,25 +305,33 @@ class PublishConfig(Settings):
         default=1_000_000,
         ge=4096,
         description="With a kafka:// uri: the largest message value deck produces; a table "
-        "file is split into segments of at most this size. Keep it below the broker's "
-        "message.max.bytes (and the topic's max.message.bytes) minus ~1 KiB of headers.",
+        "file is split into segments of at most this size. The broker's message.max.bytes (and "
+        "the topic's max.message.bytes) must exceed it by 4 KiB, the allowance for headers and "
+        "record overhead (deck sets the producer's message.max.bytes to this sum).",
     )
+
+    @field_validator("uri", "state_uri", mode="before")
+    @classmethod
+    def _paths(cls, v: Any) -> Any:
+        return _fspath(v)
 
     @field_validator("uri")
     @classmethod
-    def _uri_nonempty(cls, v: str) -> str:
-        if not v or not v.strip():
-            raise ValueError("must be a non-empty local path or fsspec URI")
-        return v.strip()
+    def _uri_supported(cls, v: str) -> str:
+        return check_storage_uri(v, kafka=True)
 
-    @model_validator(mode="after")
-    def _kafka_state(self) -> PublishConfig:
-        if self.uri.startswith("kafka://") and not self.state_uri:
+    @field_validator("state_uri")
+    @classmethod
+    def _kafka_state(cls, v: str | None, info: ValidationInfo) -> str | None:
+        uri = info.data.get("uri")  # absent when uri itself was invalid
+        if v is not None:
+            v = check_storage_uri(v)
+        if uri is not None and uri.startswith(f"{KAFKA_PROTOCOL}://") and not v:
             raise ValueError(
                 "a kafka:// publish uri needs state_uri: where the dense and user state and "
                 "the commit records of each publish go (a shared path or object store URI)"
             )
-        return self
+        return v
 
 
 class DeckConfig(Settings):
@@ -256,22 +355,24 @@ class DeckConfig(Settings):
     """
 
     uri: str = Field(
-        description="Where checkpoints go: a local directory or an object store URI whose put is "
-        "atomic (s3://bucket/prefix, gs://..., az://..., memory:// for one-process jobs); other "
-        "protocols (sftp, ftp, smb, hdfs, http, ...) are refused: mount them and give the path.",
-        json_schema_extra={"constraints": "non-empty"},
+        description="Where checkpoints go: a local directory (a str or pathlib.Path), file://, "
+        "or an object store URI whose put is atomic (s3://bucket/prefix, s3a://, gs://, gcs://, "
+        "az://, abfs://, abfss://, memory:// for one-process jobs); other schemes (sftp, ftp, "
+        "smb, hdfs, http, ...) are refused at construction: mount them and give the path.",
+        json_schema_extra={"constraints": "non-empty; a path or a supported scheme"},
     )
     delta_every_steps: int = Field(
         default=100,
+        ge=1,
         description="ckpt.step(step) takes a checkpoint when step % n == 0 (a delta, or a full "
         "when one is due).",
-        json_schema_extra={"constraints": ">= 1"},
     )
     full_every_steps: int | None = Field(
         default=None,
+        ge=1,
         description="Also take a full when step % n == 0. None: only the first checkpoint of a "
         "process is full (later fulls come from the merger).",
-        json_schema_extra={"constraints": ">= 1 or None; a multiple of delta_every_steps"},
+        json_schema_extra={"constraints": "or None; a multiple of delta_every_steps"},
     )
     consumers: tuple[str, ...] = Field(
         default=(CHECKPOINT_CONSUMER,),
@@ -311,60 +412,57 @@ class DeckConfig(Settings):
         "interval (PublishConfig); None: no publishing.",
     )
 
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _uri_path(cls, v: Any) -> Any:
+        return _fspath(v)
+
     @field_validator("uri")
     @classmethod
-    def _uri_nonempty(cls, v: str) -> str:
-        if not v or not v.strip():
-            raise ValueError(
-                "must be a non-empty local path or fsspec URI such as s3://bucket/prefix"
-            )
-        return v.strip()
-
-    @field_validator("delta_every_steps")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be an integer >= 1, got {v}")
-        return v
+    def _uri_supported(cls, v: str) -> str:
+        return check_storage_uri(v)
 
     @field_validator("full_every_steps")
     @classmethod
-    def _positive_or_none(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"must be an integer >= 1 or None (first checkpoint only), got {v}")
+    def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
+        delta = info.data.get("delta_every_steps")  # absent when it was invalid itself
+        if v is not None and delta is not None and v % delta:
+            raise ValueError(
+                f"must be a multiple of delta_every_steps ({delta}) so fulls land on "
+                "checkpoint steps"
+            )
         return v
+
+    @field_validator("consumers", mode="before")
+    @classmethod
+    def _consumers_sequence(cls, v: Any) -> Any:
+        # strict mode takes only a tuple; a list of names is as clear and as common
+        return tuple(v) if isinstance(v, list) else v
 
     @field_validator("consumers")
     @classmethod
     def _consumers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if len(set(v)) != len(v):
-            raise ValueError(f"names must be unique, got {list(v)}")
+            raise ValueError("names must be unique")
         if len(v) > 8 or (len(v) == 8 and CHECKPOINT_CONSUMER not in v):
-            raise ValueError(f"at most 8 consumers (one bit each in the tracker), got {len(v)}")
+            raise ValueError("at most 8 consumers (one bit each in the tracker)")
         for name in v:
             if not name or not name.replace("_", "").replace("-", "").isalnum():
-                raise ValueError(f"names must be non-empty [A-Za-z0-9_-], got {name!r}")
+                raise ValueError(f"names must be non-empty [A-Za-z0-9_-], not {name!r}")
         if CHECKPOINT_CONSUMER not in v:
             v = (CHECKPOINT_CONSUMER, *v)
         return v
 
-    @model_validator(mode="after")
-    def _full_multiple(self) -> DeckConfig:
-        if self.full_every_steps is not None and self.full_every_steps % self.delta_every_steps:
+    @field_validator("publish")
+    @classmethod
+    def _publish_uri(cls, v: PublishConfig | None, info: ValidationInfo) -> PublishConfig | None:
+        uri = info.data.get("uri")
+        if v is not None and uri is not None and v.uri.rstrip("/") == uri.rstrip("/"):
             raise ValueError(
-                f"full_every_steps ({self.full_every_steps}) must be a multiple of "
-                f"delta_every_steps ({self.delta_every_steps}) so fulls land on checkpoint steps"
+                f"publish.uri ({v.uri}) must differ from uri: the two chains have their own "
+                "steps, parents and epochs"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _publish_uri(self) -> DeckConfig:
-        if self.publish is not None and self.publish.uri.rstrip("/") == self.uri.rstrip("/"):
-            raise ValueError(
-                f"publish.uri ({self.publish.uri}) must differ from uri: the two chains "
-                "have their own steps, parents and epochs"
-            )
-        return self
+        return v
 
     @property
     def tracking_consumers(self) -> tuple[str, ...]:
@@ -374,11 +472,40 @@ class DeckConfig(Settings):
         return (*self.consumers, PUBLISH_CONSUMER)
 
 
+def _records(e: ValidationError) -> list[Any]:
+    """pydantic's error records of ``e``, flat: a nested deck model validated by its own
+    constructor raised a ConfigError that pydantic wrapped as one value error at the nested
+    field; its records come back here with their location under that field."""
+    out: list[Any] = []
+    for err in e.errors(include_url=False):
+        inner = err.get("ctx", {}).get("error")
+        if err["type"] == "value_error" and isinstance(inner, ConfigError) and inner.errors():
+            out.extend({**rec, "loc": (*err["loc"], *rec["loc"])} for rec in inner.errors())
+        else:
+            out.append(err)
+    return out
+
+
 def config_error(e: ValidationError) -> ConfigError:
-    """Turn a pydantic error into a ConfigError naming each bad field (``Model.field``, the model
-    being the one validated: ``DeckConfig``, ``RetentionPolicy``, ...) and what is allowed."""
+    """Turn a pydantic error into a ConfigError naming each bad field once (``Model.field``, the
+    model being the one validated: ``DeckConfig``, ``RetentionPolicy``, ...; nested fields as
+    ``DeckConfig.staging.chunk_bytes``), what is allowed and the value given; a rule across
+    fields is named by the model (or nested model) it belongs to. The pydantic records stay
+    available as ``ConfigError.errors()``."""
     lines = []
-    for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{e.title}.{field}: {err['msg']} (got {err.get('input')!r})")
-    return ConfigError("invalid deck configuration:\n  " + "\n  ".join(lines))
+    records = _records(e)
+    for err in records:
+        loc = ".".join(str(p) for p in err["loc"])
+        where = f"{e.title}.{loc}" if loc else e.title
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if err["type"] == "int_type" and isinstance(given, bool):
+            msg = "must be an integer, not a bool"
+        elif err["type"] == "bool_type":
+            msg = "must be True or False"
+        if err["type"] == "missing" or isinstance(given, (Mapping, BaseModel)):
+            # the input is the whole (nested) model: a field missing, or a rule across fields
+            lines.append(f"{where}: {msg}")
+        else:
+            lines.append(f"{where}: {msg} (got {given!r})")
+    return ConfigError("invalid deck configuration:\n  " + "\n  ".join(lines), errors=records)

@@ -56,12 +56,16 @@ The trainer reads one `deck.DeckConfig` (with its `staging` section); merger wor
 configured by `deck merge` / `deck gc` flags, which map onto `MergeConfig`, `FullPolicy` and
 `RetentionPolicy` (also usable from Python: `deck.merge.worker.MergeWorker(storage, config)`,
 `deck.ops.retention.collect_garbage(storage, policy)`).
-Invalid values raise `deck.errors.ConfigError` naming the field and what is allowed; unknown
-fields are refused (a typo never passes silently).
+Every model is checked when it is built, strictly: an `int` field takes an int (not `True`,
+`2.0` or `"2"`), a `uri` a path (`str` or `pathlib.Path`) or a supported scheme. Invalid values
+raise `deck.ConfigError` (a `ValueError`) naming the field, what is allowed and the value given,
+from the constructor, `model_validate`, `model_validate_json` and `model_copy(update=...)` alike;
+unknown fields are refused (a typo never passes silently).
 
 ```python
+import pathlib
+
 import deck
-from deck.errors import ConfigError
 
 config = deck.DeckConfig(
     uri="s3://bucket/run1",  # or a local directory
@@ -73,8 +77,18 @@ assert config.staging.chunks_in_flight == 4  # defaults fill the rest
 
 try:
     deck.DeckConfig(uri="ckpt", delta_every_steps=100, full_every_steps=150)
-except ConfigError as e:
-    print(e)  # ... full_every_steps (150) must be a multiple of delta_every_steps (100) ...
+except deck.ConfigError as e:
+    print(e)  # DeckConfig.full_every_steps: must be a multiple of delta_every_steps (100) ...
+else:
+    raise AssertionError("accepted")
+
+for bad in ({{"uri": "http://host/ckpt"}}, {{"uri": pathlib.Path("ckpt"), "delta_every_steps": True}}):
+    try:
+        deck.DeckConfig.model_validate(bad)
+    except deck.ConfigError as e:
+        print(e)  # DeckConfig.uri: scheme 'http://' is not supported ... / must be an integer
+    else:
+        raise AssertionError(f"{{bad}} was accepted")
 ```
 """
 

@@ -5,13 +5,33 @@ Messages name the URI / file / step / table involved and say what to do next.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DeckError(Exception):
     """Base class of all deck errors."""
 
 
 class ConfigError(DeckError, ValueError):
-    """A configuration value is invalid."""
+    """A configuration value is invalid.
+
+    Raised by every deck configuration model (``DeckConfig(...)``, ``model_validate``,
+    ``model_validate_json``, ``model_copy(update=...)``) instead of pydantic's
+    ``ValidationError``; both are ``ValueError``. :meth:`errors` returns pydantic's error
+    records (``loc``, ``msg``, ``type``, ``input``) when the error came from validation."""
+
+    def __init__(self, message: str, *, errors: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self._errors = list(errors or [])
+
+    def errors(self) -> list[Any]:
+        """pydantic's error records (as ``ValidationError.errors()``); empty when the error did
+        not come from validating a model."""
+        return list(self._errors)
+
+    def error_count(self) -> int:
+        """How many error records :meth:`errors` holds."""
+        return len(self._errors)
 
 
 class StorageError(DeckError, OSError):

@@ -104,7 +104,8 @@ def test_ls_table_tree_json_and_pending(ckpt: Path, tmp_path: Path) -> None:
         (10, "delta", 2, 2)
     ]
 
-    assert empty.returncode == 1 and "no checkpoints" in empty.stderr
+    # A URI that is not there is said so (exit 2, like every "nothing there").
+    assert empty.returncode == 2 and "does not exist" in empty.stderr, empty.stderr
     assert usage.returncode == 2 and "usage: deck" in usage.stderr
 
 
@@ -159,7 +160,7 @@ def test_verify_names_a_damaged_file(ckpt: Path, tmp_path: Path) -> None:
     r, nothing = _decks(("verify", str(copy), "--step", "5"), ("verify", str(tmp_path / "no")))
     assert r.returncode == 1
     assert chunk.name in r.stdout and "checksum" in r.stdout
-    assert nothing.returncode == 1
+    assert nothing.returncode == 2 and nothing.stderr.startswith("deck verify: URI ")
 
 
 def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
@@ -195,3 +196,103 @@ def test_help_on_every_command_and_export_usage_errors(
     assert r.returncode == 2 and "not an empty directory" in r.stderr
     assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
     assert "step 7" in capsys.readouterr().err
+
+
+def test_version_and_a_closed_pipe(ckpt: Path) -> None:
+    v = _deck("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"deck {deck.__version__}"
+    # The reader is gone before deck writes a byte (as `deck ls --json | head -1` once head has
+    # its line): a quiet exit, as a process killed by SIGPIPE, with no traceback.
+    p = subprocess.Popen(
+        [EXE, "ls", str(ckpt), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141, err
+    assert err == "", err
+
+
+def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
+    """Every command: 2 (with its ``deck <command>:`` line) for a URI that is not there, an
+    empty one, an unknown step, table or row; nothing printed to stdout before the error."""
+    uri, missing, empty = str(ckpt), str(tmp_path / "typo"), tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    calls = {
+        ("ls", missing): "does not exist",
+        ("ls", str(empty)): "no checkpoints",
+        ("show", missing, "5"): "does not exist",
+        ("show", uri, "99"): "99",
+        ("verify", uri, "--step", "999"): "step 999",
+        ("verify", str(empty)): "no committed checkpoints",
+        ("lineage", uri, "--step", "999"): "step 999",
+        ("lineage", missing): "does not exist",
+        ("history", uri, "--table", "nope", "--row", "0"): "no table 'nope'",
+        ("history", uri, "--table", "t0", "--row", "400"): "outside table",
+        ("export", uri, "--step", "7", "--out", str(out / "e")): "step 7",
+        ("export", missing, "--out", str(out / "m")): "does not exist",
+        ("follow", str(empty), "--out", str(out / "f"), "--once"): "no committed checkpoints",
+        ("report", str(empty), "--out", str(out / "r.html")): "no checkpoints",
+        ("gc", missing): "does not exist",
+        ("gc", str(empty)): "no checkpoints",
+        ("merge", missing, "--once"): "does not exist",
+    }
+    for (cmd, *_), r in zip(calls, _decks(*calls), strict=True):
+        what = calls[(cmd, *_)]
+        assert r.returncode == 2, (cmd, _, r.returncode, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"deck {cmd}: "), (cmd, _, r.stderr)
+        assert what in r.stderr and "Traceback" not in r.stderr, (cmd, _, r.stderr)
+        assert r.stdout == "", (cmd, _, r.stdout)
+    # deck follow made no --out folder for a start that failed, report wrote no empty page
+    assert not (out / "f").exists() and not (out / "r.html").exists()
+
+
+def test_history_takes_the_torchrec_table_name(ckpt: Path) -> None:
+    fqn = "sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+    short, full, ambiguous = _decks(
+        ("history", str(ckpt), "--table", "t0", "--row", "3", "--json"),
+        ("history", str(ckpt), "--table", fqn, "--row", "3", "--json"),
+        ("history", str(ckpt), "--table", "weight", "--row", "3"),
+    )
+    assert short.returncode == 0 and full.returncode == 0, short.stderr + full.stderr
+    assert json.loads(short.stdout) == json.loads(full.stdout)
+    assert json.loads(short.stdout)["table"] == fqn
+    # a name that fits several tables is refused, listing them
+    assert ambiguous.returncode == 2 and "matches 2 tables" in ambiguous.stderr
+
+
+def test_ls_and_verify_agree_on_sizes(ckpt: Path) -> None:
+    from deck.cli.common import human
+
+    ls, ver = _decks(("ls", str(ckpt), "--json"), ("verify", str(ckpt), "--all"))
+    assert ls.returncode == 0 and ver.returncode == 0, ls.stderr + ver.stderr
+    for row in json.loads(ls.stdout):
+        label = f"step {row['step']}" if row["kind"] in ("full", "delta") else row["folder"]
+        line = next(ln for ln in ver.stdout.splitlines() if label in ln)
+        assert f", {human(row['bytes'])}: ok" in line, (row, line)
+
+
+def test_merge_and_gc_say_what_they_do(ckpt: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    m = _deck("merge", str(copy), "--once", "--stride", "2", "--full-every", "1")
+    assert m.returncode == 0, m.stdout + m.stderr
+    # the launch line (which worker, from where) once, not again in the summary
+    assert (m.stdout + m.stderr).count("worker 0 of 1") == 1, m.stdout + m.stderr
+    full = next(p for p in (copy / "merged").iterdir() if p.name.startswith("F-"))
+    before = sorted(p for p in copy.rglob("*") if p.is_file())
+    g = _deck("gc", str(copy), "--dry-run", "--grace", "0")
+    assert g.returncode == 0, g.stdout + g.stderr
+    # what goes from a merged full's folder is its stray files, not the checkpoint
+    line = next(ln for ln in g.stdout.splitlines() if full.name in ln)
+    assert "would delete" in line and "stray file(s) inside" in line, g.stdout
+    assert "the checkpoint itself stays" in line, g.stdout
+    assert sorted(p for p in copy.rglob("*") if p.is_file()) == before  # a dry run
+    # ... and the real run deletes files but keeps the merged full restorable
+    assert _deck("gc", str(copy), "--grace", "0").returncode == 0
+    ls = json.loads(_deck("ls", str(copy), "--json").stdout)
+    assert any(r["folder"].startswith(f"merged/{full.name}") for r in ls), ls

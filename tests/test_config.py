@@ -1,6 +1,11 @@
+import json
+from pathlib import Path
+
+import pydantic
 import pytest
 
-from deck import DeckConfig, StagingConfig
+import deck
+from deck import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import ConfigError
 
 
@@ -38,3 +43,161 @@ def test_checkpoint_consumer_always_present() -> None:
 
 def test_staging_page_multiple() -> None:
     assert StagingConfig(chunk_bytes=8192).chunk_bytes == 8192
+
+
+# --- validated at construction, strictly (issue 34) ---
+
+
+@pytest.mark.parametrize("uri", ["foo://x", "http://host/ckpt", "sftp://host/ckpt", "a::s3://b"])
+def test_unsupported_scheme_refused_at_construction(uri: str) -> None:
+    with pytest.raises(ConfigError, match=r"DeckConfig\.uri: scheme .* not supported") as e:
+        DeckConfig(uri=uri)
+    # the message lists what storage opens, so the user can pick one
+    assert "s3://" in str(e.value) and "memory://" in str(e.value)
+
+
+@pytest.mark.parametrize("uri", ["/tmp/run", "file:///tmp/run", "s3://b/p", "memory://x"])
+def test_supported_uris_accepted(uri: str) -> None:
+    assert DeckConfig(uri=uri).uri == uri
+
+
+def test_supported_schemes_are_what_storage_opens() -> None:
+    from deck.config import ATOMIC_PUT_PROTOCOLS
+    from deck.storage.fsspec_store import FsspecStorage
+
+    for protocol in ATOMIC_PUT_PROTOCOLS - {"memory"}:  # every other one needs a backend
+        uri = f"{protocol}://bucket/x"
+        DeckConfig(uri=uri)
+        try:
+            FsspecStorage(uri)
+        except ConfigError as e:  # a missing backend is fine; a refused protocol is not
+            assert "not supported" not in str(e), e
+    with pytest.raises(ConfigError, match="not supported"):
+        FsspecStorage("http://host/x")
+
+
+def test_path_accepted_as_uri(tmp_path: Path) -> None:
+    c = DeckConfig(uri=tmp_path / "run", staging={"spool_dir": tmp_path / "spool"})
+    assert c.uri == str(tmp_path / "run") and c.staging.spool_dir == str(tmp_path / "spool")
+    assert PublishConfig(uri=tmp_path / "pub").uri == str(tmp_path / "pub")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "line"),
+    [
+        (
+            {"delta_every_steps": True},
+            "DeckConfig.delta_every_steps: must be an integer, not a bool",
+        ),
+        ({"delta_every_steps": 2.0}, "DeckConfig.delta_every_steps: "),
+        ({"delta_every_steps": "5"}, "DeckConfig.delta_every_steps: "),
+        ({"full_every_steps": True}, "DeckConfig.full_every_steps: "),
+        ({"track_eval": 1}, "DeckConfig.track_eval: must be True or False (got 1)"),
+        ({"staging": {"chunks_in_flight": False}}, "DeckConfig.staging.chunks_in_flight: "),
+    ],
+)
+def test_strict_types(kwargs: dict, line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        DeckConfig(uri="x", **kwargs)
+    assert line in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "line"),
+    [
+        (
+            {"delta_every_steps": -1},
+            "DeckConfig.delta_every_steps: Input should be greater than or equal to 1 (got -1)",
+        ),
+        (
+            {"staging": {"chunk_bytes": 4097}},
+            "DeckConfig.staging.chunk_bytes: must be a positive multiple of 4096 bytes (got 4097)",
+        ),
+        (
+            {"delta_every_steps": 10, "full_every_steps": 15},
+            "DeckConfig.full_every_steps: must "
+            "be a multiple of delta_every_steps (10) so fulls land on checkpoint steps (got 15)",
+        ),
+        (
+            {"staging": {"chunk_bytes": 16384, "bundle_bytes": 8192}},
+            "DeckConfig.staging.bundle_bytes: must be 0 (off) or a multiple of 4096 of at least "
+            "chunk_bytes (16384) (got 8192)",
+        ),
+        ({"publish": {"uri": "kafka://h:1/t"}}, "DeckConfig.publish.state_uri: a kafka:// "),
+    ],
+)
+def test_messages_name_the_field_once(kwargs: dict, line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        DeckConfig(uri="x", **kwargs)
+    msg = str(e.value)
+    assert line in msg, msg
+    # no doubled value, no nested "invalid deck configuration", no blame on "config"
+    assert msg.count("(got") <= 1 and msg.count("got ") <= 1, msg
+    assert msg.count("invalid deck configuration") == 1 and ".config" not in msg, msg
+
+
+def test_errors_of_several_fields_one_line_each() -> None:
+    with pytest.raises(ConfigError) as e:
+        DeckConfig(uri="x", delta_every_steps=0, staging={"tiers": "bad", "chunk_bytes": 5})
+    assert [r["loc"] for r in e.value.errors()] == [
+        ("delta_every_steps",),
+        ("staging", "chunk_bytes"),
+        ("staging", "tiers"),
+    ]
+    assert e.value.error_count() == 3 and str(e.value).count("\n") == 3
+
+
+def test_one_exception_type_whatever_the_entry_point() -> None:
+    bad = {"uri": "x", "delta_every_steps": 0}
+    for build in (
+        lambda: DeckConfig(**bad),
+        lambda: DeckConfig.model_validate(bad),
+        lambda: DeckConfig.model_validate_json(json.dumps(bad)),
+        lambda: DeckConfig(uri="x").model_copy(update={"delta_every_steps": 0}),
+    ):
+        with pytest.raises(ConfigError, match=r"DeckConfig\.delta_every_steps: .*\(got 0\)") as e:
+            build()
+        # a DeckError, and a ValueError as pydantic's ValidationError is
+        assert isinstance(e.value, deck.DeckError) and isinstance(e.value, ValueError)
+        assert not isinstance(e.value, pydantic.ValidationError)
+
+
+def test_json_round_trip_and_valid_copy() -> None:
+    c = DeckConfig(
+        uri="s3://b/p", delta_every_steps=10, consumers=["a"], staging={"bundle_bytes": 0}
+    )
+    assert DeckConfig.model_validate_json(c.model_dump_json()) == c
+    d = c.model_copy(update={"full_every_steps": 20, "staging": {"chunk_bytes": 8192}})
+    assert d.full_every_steps == 20 and d.staging.chunk_bytes == 8192 and d.uri == c.uri
+    with pytest.raises(ConfigError, match=r"DeckConfig\.full_every_steps"):
+        c.model_copy(update={"full_every_steps": 15})
+    with pytest.raises(ConfigError, match=r"DeckConfig\.unknown"):
+        c.model_copy(update={"unknown": 1})
+
+
+def test_json_schema_has_the_bounds() -> None:
+    props = DeckConfig.model_json_schema()["properties"]
+    assert props["delta_every_steps"]["minimum"] == 1
+    assert {"minimum": 1, "type": "integer"} in props["full_every_steps"]["anyOf"]
+    assert props["lease_ttl_s"]["anyOf"][0]["exclusiveMinimum"] == 0
+
+
+def test_validate_strings_is_strict_too() -> None:
+    assert DeckConfig.model_validate_strings({"uri": "x"}).uri == "x"
+    # strict mode refuses numbers as strings here too: one rule for every entry point
+    with pytest.raises(ConfigError, match=r"DeckConfig\.delta_every_steps: .*\(got '5'\)"):
+        DeckConfig.model_validate_strings({"uri": "x", "delta_every_steps": "5"})
+
+
+def test_error_classes_importable_from_deck() -> None:
+    from deck import errors
+
+    public = {
+        n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)
+    }
+    assert public and all(getattr(deck, n) is getattr(errors, n) for n in public)
+    assert public <= set(deck.__all__)
+    assert issubclass(deck.CorruptCheckpointError, deck.DeckError)
+    # those defined with the formats they guard, loaded on first use
+    for name in ("CorruptStreamError", "StreamGapError", "MessageTooLargeError"):
+        assert name in deck.__all__ and issubclass(getattr(deck, name), deck.DeckError)

@@ -403,3 +403,217 @@ def test_every_config_field_is_documented() -> None:
     assert docgen.undocumented() == [], (
         "add Field(description=...) / field(metadata={'description': ...}) to these fields"
     )
+
+
+# ---- every `deck ...` line parses, every `deck.name` exists (issue 34) ----------------------
+
+_SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1", "<"}
+
+
+def parse_deck_args(words: list[str], where: str) -> None:
+    """Parse ``deck`` argument list ``words`` (after ``deck``) with the real parser; an
+    argparse refusal (unknown option, missing argument, a value of the wrong type) fails."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            cli.build_parser().parse_args(words)
+        except SystemExit as e:
+            assert e.code == 0, (
+                f"{where}: `deck {shlex.join(words)}` does not parse: {err.getvalue()}"
+            )
+
+
+def command_words(line: str) -> list[str] | None:
+    """The arguments after ``deck`` of a shell line invoking it (an environment assignment
+    before it allowed; the line cut at the first shell operator), or None."""
+    words = shlex.split(line, comments=True)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        words = words[1:]
+    if not words or words[0] != "deck":
+        return None
+    cut = next((i for i, w in enumerate(words) if w in _SHELL_OPERATORS), len(words))
+    return words[1:cut]
+
+
+def synopsis_words(line: str) -> list[str]:
+    """A synopsis line (``deck ls URI [--json] [--step N | --all]``) as one concrete argument
+    list: brackets dropped, the first of ``a|b`` alternatives taken, and the value
+    placeholders of options (N, S, DIR, JSON, i, ...) given a value of their type."""
+    words = line.replace("[", " ").replace("]", " ").split()[1:]
+    out: list[str] = []
+    skip = False
+    for i, w in enumerate(words):
+        if skip:  # the option of a later `| --alternative` and its value
+            skip = not w.startswith("--") or False
+            if w.startswith("--"):
+                skip = i + 1 < len(words) and not words[i + 1].startswith(("--", "|"))
+            continue
+        if w == "|":
+            skip = True
+            continue
+        if w == "...":
+            continue
+        w = w.split("|")[0]
+        if out and out[-1].startswith("--") and re.fullmatch(r"[A-Z][A-Z_]*|[a-z]", w):
+            w = "{}" if w == "JSON" else "1"
+        out.append(w)
+    return out
+
+
+def inline_deck_spans(doc: Path) -> list[tuple[str, str]]:
+    """``deck ...`` command lines quoted in the prose of ``doc`` (single-backtick spans), with
+    their place."""
+    out = []
+    in_block = False
+    for n, line in enumerate(doc.read_text().splitlines(), 1):
+        if re.match(r"^\s*(```|~~~)", line):
+            in_block = not in_block
+            continue
+        if in_block:
+            continue
+        for span in re.findall(r"(?<!`)`(deck [^`]+)`(?!`)", line):
+            out.append((span, f"{doc.relative_to(ROOT)}:{n}"))
+    return out
+
+
+def test_synopsis_words() -> None:
+    assert synopsis_words("deck verify URI [--step N | --all] [--quarantine]") == [
+        "verify",
+        "URI",
+        "--step",
+        "1",
+        "--quarantine",
+    ]
+    assert synopsis_words("deck export URI --out DIR [--format dcp|safetensors|parquet]") == [
+        "export",
+        "URI",
+        "--out",
+        "1",
+        "--format",
+        "dcp",
+    ]
+    with pytest.raises(AssertionError, match="does not parse"):
+        parse_deck_args(synopsis_words("deck ls URI --step N"), "here")
+    assert command_words("DECK_X=1 deck ls URI --json | head -1") == ["ls", "URI", "--json"]
+    # the API-name check finds names, resolves fields, and refuses what is not there
+    assert any(n == "deck.DeckConfig" for n, _ in api_names(ROOT / "README.md"))
+    assert _resolve("deck.DeckConfig") and _resolve("deck.StagingConfig.chunk_bytes")
+    assert _resolve("deck.merge.worker.MergeWorker") and not _resolve("deck.NoSuchName")
+    assert not _resolve("deck.DeckConfig.no_such_field")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_deck_lines_in_docs_parse(doc: Path) -> None:
+    """Every `deck ...` line of a shell block, and every synopsis line, is accepted by the real
+    argument parser (not only its flags: arguments, values and their types too); every `deck
+    ...` quoted in the prose names a real sub-command and real options."""
+    for b in blocks(doc):
+        if b.lang in SHELLS:
+            for line in shell_commands(b.code):
+                words = command_words(line)
+                if words is not None:
+                    parse_deck_args(words, b.where)
+        elif b.lang == "":
+            for line in synopsis_lines(b.code):
+                parse_deck_args(synopsis_words(line), b.where)
+    for span, where in inline_deck_spans(doc):
+        if re.match(r"deck [a-z]+\b", span) and "<" not in span and "..." not in span:
+            check_deck_command(span.replace("[", " ").replace("]", " "), where)
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether ``deck.a.b.c`` names something: a module, an attribute, or a field of a
+    pydantic model / dataclass."""
+    import dataclasses
+    import importlib
+
+    parts = dotted.split(".")
+    obj: object = None
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        rest = parts[i:]
+        break
+    else:
+        return False
+    for name in rest:
+        fields = getattr(obj, "model_fields", None) or (
+            {f.name: f for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
+        )
+        if not hasattr(obj, name):
+            return name in fields  # a field; what it holds is not checked further
+        obj = getattr(obj, name)
+    return True
+
+
+# ``deck.``-prefixed names that are not Python names: Parquet metadata keys (docs/operations.md).
+NOT_API = {"deck.dtype", "deck.tensor"}
+
+
+def api_names(doc: Path) -> list[tuple[str, str]]:
+    """Every ``deck.name(.name)*`` a document mentions (prose and code), with its place; file
+    paths (``deck/...``, ``*.py``) excluded."""
+    out = []
+    for n, line in enumerate(doc.read_text().splitlines(), 1):
+        for m in re.finditer(r"(?<![\w/.-])deck(?:\.[A-Za-z_]\w*)+", line):
+            name = m.group(0)
+            if line[m.end() : m.end() + 1] == "/" or name.endswith((".py", ".md")):
+                continue
+            if name in NOT_API:
+                continue
+            out.append((name, f"{doc.relative_to(ROOT)}:{n}"))
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_api_names_in_docs_exist(doc: Path) -> None:
+    missing = [(name, where) for name, where in api_names(doc) if not _resolve(name)]
+    assert not missing, f"names the docs mention that deck does not have: {missing}"
+
+
+def test_readme_exit_codes_are_the_cli_table() -> None:
+    """The README's exit-code table says what deck.cli's docstring (the one table every command
+    applies) says."""
+    doc = cli.__doc__ or ""
+    table = doc[doc.index("Exit codes") : doc.index("Results go to stdout")]
+    want = {
+        int(code): " ".join(text.split())
+        for code, text in re.findall(r"^\s+([012])  (.*?)(?=^\s+[012]  |\Z)", table, re.S | re.M)
+    }
+    readme = (ROOT / "README.md").read_text()
+    got = {int(c): t.strip() for c, t in re.findall(r"^\| ([012]) \| (.*) \|$", readme, re.M)}
+    assert set(want) == {0, 1, 2} and got == want, (got, want)
+
+
+def test_readme_command_summary_lists_every_option() -> None:
+    """Every option of every sub-command appears in the README's command summary."""
+    import argparse
+
+    readme = (ROOT / "README.md").read_text()
+    summary = readme[readme.index("## Command line") : readme.index("## Guarantees")]
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"deck {name} {flag}"
+        for name, p in sub.choices.items()
+        for a in p._actions
+        for flag in a.option_strings
+        if flag.startswith("--")
+        and flag != "--help"
+        and not re.search(rf"deck {name} [^\n]*(\n    [^\n]*)*{re.escape(flag)}(?![\w-])", summary)
+    ]
+    assert not missing, f"README's command summary omits: {missing}"
+
+
+def test_failpoint_count_in_docs() -> None:
+    """docs/reliability.md's number of failpoints is the number the code names."""
+    names = {
+        m
+        for f in (ROOT / "deck").rglob("*.py")
+        for m in re.findall(r"failpoint\(\s*\"([^\"]+)\"", f.read_text())
+    }
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    assert f"deck names {len(names)} failpoints" in text, len(names)
+    assert f"its {len(names)} failpoints" in (ROOT / "README.md").read_text()

@@ -1,35 +1,49 @@
-"""The ``deck`` command line: ``deck [--storage-options JSON] CMD ...`` (every command has ``--help``).
+"""The ``deck`` command line: ``deck [--storage-options JSON] CMD ...`` (every command has ``--help``;
+``deck --version`` prints the version).
 
-    deck ls URI [--json] [--tree]        the lineage as a table: kind, step, layer, covered steps,
+    deck ls URI [--json] [--tree]        every checkpoint: kind, step, layer, covered steps,
                                          ranks, bytes, age, committed / pending / quarantined
-    deck show URI STEP [--json]          one checkpoint: ranks, tables, shards, rows, bytes,
-                                         chunk files and their checksums
-    deck verify URI [--step N | --all]   re-read every file, check every checksum
+    deck show URI STEP [--json] [--no-chunks]
+                                         one checkpoint: ranks, tables, shards, rows, bytes,
+                                         chunk files and their checksums, parent and base
+    deck verify URI [--step N | --all] [--quarantine]
+                                         re-read every file, check every checksum
     deck lineage URI [--json] [--step N] the lineage graph and the cheapest chain of a step
-    deck export URI [--step N] --out DIR --format dcp|safetensors
+    deck export URI [--step N] --out DIR [--format dcp|safetensors|parquet]
                                          the full state of a step as a torch.distributed.checkpoint
-                                         directory (dcp.load into a fresh DMP) or one safetensors
-                                         file of unsharded tables
-    deck follow URI --out DIR [--once] [--poll S] [--allow-quantized]
+                                         directory (dcp.load into a fresh DMP), one safetensors
+                                         file of unsharded tables, or Parquet rows (one file per
+                                         table)
+    deck follow URI --out DIR [--once] [--poll S] [--allow-quantized] [--format safetensors|parquet]
                                          keep DIR/state.safetensors the full state of URI's newest
-                                         step, applying only each new delta's rows
+                                         step, applying only each new delta's rows (parquet: also
+                                         the changed rows per step); URI may be kafka://HOST:PORT/TOPIC
     deck report URI --out report.html    lineage graph, bytes per checkpoint, restore cost per step
     deck merge URI [--once | --follow]   merger worker(s): hierarchical merging and new fulls
     deck gc URI [--dry-run]              retention: delete what no retained step needs
     deck history URI --table T --row R [--json]
                                          one row's value at every restorable step, reading only
-                                         the chunks whose row index may hold it
+                                         the chunks whose row index may hold it (T: the table
+                                         name of your EmbeddingBagConfig, or its full key)
     deck doctor ENTRY [--ranks N] [--steps K] [--every E] [--more M] [--uri DIR] [--json]
                                          train YOUR setup (ENTRY returns a deck.DoctorSetup) on
                                          gloo ranks, checkpoint, restore into a fresh build and
                                          report bitwise what differs (exit 1 on any difference)
 
-Exit codes (for scripts): 0 ok; 1 a check failed or there was nothing to act on (corruption
-found, no checkpoints at the URI, merge work left waiting or failed, GC errors, GC keeping what
-damage may need); 2 usage or access error (bad arguments, unknown step, unreadable URI, damaged
-manifest, export target not empty). Results go to stdout (``--json`` where offered), errors to
-stderr as one line ``deck <command>: <what happened and what to do>``; progress bars only when
-stderr is a terminal.
+Exit codes (for scripts), the same for every command:
+
+    0  ok
+    1  a finding that needs a look: damage (verify, or a damaged file met by any command),
+       differences (doctor), work left undone (merge work waiting or failed, gc errors or
+       things gc kept because of damage)
+    2  a usage error (bad arguments, an export target that is not empty), nothing there (a URI
+       that does not exist, no checkpoints, an unknown step, table or row) or an error that
+       stopped the command (storage unreachable, ...)
+
+Results go to stdout (``--json`` where offered), errors to stderr as one line
+``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
+terminal. A reader that closes the pipe early (``deck ls --json | head -1``) ends the command
+quietly (exit 141, as a process killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -54,7 +68,12 @@ from deck.cli.transfer import export_parser, follow_parser
 
 # Each subcommand's handler imports its modules when it runs: `deck ls` must not pay for (or
 # need) torch.
-from deck.errors import DeckError
+from deck.errors import CorruptCheckpointError, DeckError
+from deck.version import __version__
+
+EXIT_OK = 0
+EXIT_FINDING = 1  # damage, differences, work left undone
+EXIT_USAGE = 2  # usage error, nothing there, an error that stopped the command
 
 # One entry per subcommand, in the order --help lists them.
 _SUBCOMMANDS = (
@@ -78,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deck", description="Inspect, check, merge and collect deck checkpoints."
     )
+    p.add_argument("--version", action="version", version=f"deck {__version__}")
     p.add_argument(
         "--storage-options",
         type=json_options,
@@ -94,10 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``deck`` command on ``argv`` (default: ``sys.argv[1:]``) and return its exit code:
-    0 ok, 1 a check failed or nothing to act on, 2 a usage or access error (a :class:`DeckError`,
-    printed to stderr as one ``deck <command>: ...`` line). Only the command's own modules are
-    imported: ``deck ls`` never imports torch."""
+    """Run one ``deck`` command on ``argv`` (default: ``sys.argv[1:]``) and return its exit code
+    (the module docstring's table): 0 ok, 1 a finding (damage: a
+    :class:`CorruptCheckpointError` included; differences; work left undone), 2 a usage error,
+    nothing there, or another :class:`DeckError` (printed to stderr as one
+    ``deck <command>: ...`` line). A closed stdout pipe ends it quietly. Only the command's own
+    modules are imported: ``deck ls`` never imports torch."""
     a = build_parser().parse_args(argv)
     if a.cmd in ("merge", "gc", "follow"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -105,6 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("deck.merge.launch").setLevel(logging.INFO)
     try:
         return int(a.fn(a))
+    except BrokenPipeError:
+        return _closed_pipe()
     except DeckError as e:
         print(f"deck {a.cmd}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``deck ls | head -1``): point stdout at /dev/null so the
+    interpreter's final flush does not fail again, and exit as a process killed by SIGPIPE
+    would (128 + 13), without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deck.storage import Storage
 
 
 def human(n: float) -> str:
@@ -49,6 +53,27 @@ def json_options(text: str | None) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
     return value
+
+
+def open_existing(uri: str, storage_options: dict[str, Any] | None) -> Storage:
+    """The storage at ``uri``, which must exist: a local directory, or a remote prefix with at
+    least one object. Raises :class:`deck.errors.NotFoundError` saying the URI does not exist
+    (exit 2), so a typo is not reported like an empty run ("no checkpoints")."""
+    from deck.errors import NotFoundError
+    from deck.storage import open_storage
+
+    storage = open_storage(uri, storage_options)
+    local = storage.local_path("")
+    if local is not None:
+        if not os.path.isdir(local):
+            what = "is not a directory" if os.path.exists(local) else "does not exist"
+            raise NotFoundError(f"URI {uri} {what}: check the path (a checkpoint URI is a folder)")
+    elif not storage.list_dir(""):
+        raise NotFoundError(
+            f"URI {uri} does not exist (nothing under that prefix): check the bucket, prefix and "
+            "--storage-options"
+        )
+    return storage
 
 
 Subparsers = argparse._SubParsersAction  # what add_subparsers returns

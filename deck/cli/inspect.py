@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
-from deck.storage import open_storage
+from deck.cli.common import Subparsers, age_text, human, open_existing, progress_bar
+from deck.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from deck.format.manifest import CheckpointManifest
     from deck.read.catalog import ManifestSet
-
-
-from deck.cli.common import Subparsers, age_text, human, progress_bar
 
 
 def _ls_line(r: Any, now: float) -> str:
@@ -40,33 +37,32 @@ def _tree_line(r: Any, now: float) -> str:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import list_rows, tree_lines
 
-    graph, rows = list_rows(open_storage(a.uri, a.storage_options))
+    graph, rows = list_rows(open_existing(a.uri, a.storage_options))
+    if not rows:
+        raise CheckpointNotFoundError(f"no checkpoints at {a.uri} (it exists, but holds none)")
     now = time.time()
     if a.json:
         print(json.dumps([r.to_dict(now) for r in rows], indent=1))
-    elif rows and a.tree:
+    elif a.tree:
         print("\n".join(tree_lines(graph, rows, lambda r: _tree_line(r, now))))
-    elif rows:
+    else:
         print(
             f"{'kind':>6} {'step':>10} {'layer':>5} {'covers':>21} {'ranks':>5} {'bytes':>11} "
             f"{'age':>5}  {'state':<11} id / folder"
         )
         for r in rows:
             print(_ls_line(r, now))
-    if not rows:
-        print(f"no checkpoints at {a.uri}", file=sys.stderr)
-        return 1
     return 0
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    """Run ``deck show`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck show`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import describe_checkpoint, find_checkpoint
 
-    storage = open_storage(a.uri, a.storage_options)
+    storage = open_existing(a.uri, a.storage_options)
     d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
     if a.no_chunks:
         for r in d["ranks"]:
@@ -123,37 +119,40 @@ def _show_rank(r: dict[str, Any]) -> None:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    """Run ``deck report`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck report`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.report import write_report
+    from deck.read.catalog import list_checkpoints
 
+    open_existing(a.uri, a.storage_options)
+    if not list_checkpoints(a.uri, a.storage_options):  # nothing to draw: no empty page
+        raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: no report written")
     rep = write_report(a.uri, a.out, a.storage_options)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
-    return 0 if rep.checkpoints else 1
+    return 0
 
 
 def _verify_targets(
     a: argparse.Namespace, manifests: ManifestSet, damaged: dict[int, str]
-) -> list[CheckpointManifest] | None:
+) -> list[CheckpointManifest]:
     """What ``deck verify`` checks: every committed checkpoint (``--all``), ``--step``, or the
-    latest restorable step; None (after saying why on stderr) when there is nothing to check."""
+    latest restorable step; none when the step asked for has a damaged commit record (that is
+    the finding). Raises :class:`CheckpointNotFoundError` when there is nothing to check."""
     from deck.read.lineage import latest_restorable
 
-    if not manifests:
-        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
-        return None
+    if not manifests and not damaged:
+        raise CheckpointNotFoundError(f"no committed checkpoints at {a.uri}")
     if a.all:
         return [manifests[s] for s in sorted(manifests)] + sorted(
             manifests.merged.values(), key=lambda m: (m.step, m.layer, m.id)
         )
     if a.step in damaged:
-        return None
+        return []
     step = a.step if a.step is not None else latest_restorable(manifests)
     if step is None or step not in manifests:
-        print(
-            f"no committed checkpoint at step {a.step} in {a.uri}; have {sorted(manifests)}",
-            file=sys.stderr,
+        which = (
+            "no restorable step" if a.step is None else f"no committed checkpoint at step {a.step}"
         )
-        return None
+        raise CheckpointNotFoundError(f"{which} in {a.uri}; committed steps: {sorted(manifests)}")
     return [manifests[step]]
 
 
@@ -165,15 +164,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from deck.read.catalog import quarantine, read_manifests
     from deck.read.verify import confirmed_damage, verify_checkpoint
 
-    storage = open_storage(a.uri, a.storage_options)
+    storage = open_existing(a.uri, a.storage_options)
     manifests = read_manifests(storage)
     # Unreadable commit records are problems of the steps they name (the rest is still checked).
     damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
     for s, why in sorted(damaged.items()):
         print(f"step {s}: commit record damaged\n  BAD {why}")
     targets = _verify_targets(a, manifests, damaged)
-    if targets is None:
-        return 1
     bad = len(damaged)
     t0 = time.perf_counter()
     for m in targets:
@@ -208,9 +205,10 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_history(a: argparse.Namespace) -> int:
-    """Run ``deck history`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck history`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.history import row_history
 
+    open_existing(a.uri, a.storage_options)
     h = row_history(a.uri, a.table, a.row, a.storage_options)
     if a.json:
         print(json.dumps(h.to_dict(), indent=1))
@@ -230,13 +228,17 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
-    """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.read.lineage import chain_bytes, cheapest_chain, lineage_graph
 
+    open_existing(a.uri, a.storage_options)
     graph = lineage_graph(a.uri, a.storage_options)
     if not graph.nodes:
-        print(f"no committed checkpoints at {a.uri}", file=sys.stderr)
-        return 1
+        raise CheckpointNotFoundError(f"no committed checkpoints at {a.uri}")
+    step = a.step if a.step is not None else graph.latest()
+    # The chain is looked up before anything is printed: an unknown step is an error alone,
+    # not a table followed by one.
+    chain = None if step is None else cheapest_chain(graph, step)
     if a.json:
         print(json.dumps(graph.to_dict(), indent=1))
         return 0
@@ -248,11 +250,8 @@ def cmd_lineage(a: argparse.Namespace) -> int:
             f"{n.kind.value:>6} {n.layer:>5} {covers:>21} {n.epoch:>5} {human(n.bytes):>11}  "
             f"{n.id} {n.folder}{flag}"
         )
-    step = a.step if a.step is not None else graph.latest()
-    if step is None:
-        print("no restorable step")
-        return 1
-    chain = cheapest_chain(graph, step)
+    if step is None or chain is None:
+        raise CheckpointNotFoundError(f"no restorable step at {a.uri} (see the table above)")
     total = chain_bytes(chain)
     print(f"cheapest chain of step {step} ({len(chain)} checkpoints, {human(total)}):")
     for m in chain:
@@ -268,7 +267,9 @@ def ls_parser(sub: Subparsers) -> None:
         description="Every checkpoint at URI: trainer fulls and deltas, the merger's merged deltas "
         "and fulls, and pending trainer steps (rank parts written, manifest.json not yet). "
         "Columns: kind, step, layer, covered steps, rank parts present / world size, bytes, age, "
-        "state (committed | pending | quarantined), id and folder. Exit 1 when there is nothing.",
+        "state (committed | pending | quarantined), id and folder (`deck show` gives a checkpoint's "
+        "parent and base, `--tree` draws the parent links). Exit 2 when the URI does not exist "
+        "or holds no checkpoint.",
     )
     ls.add_argument("uri")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")
@@ -321,7 +322,12 @@ def history_parser(sub: Subparsers) -> None:
     """Add the ``deck history`` subcommand (its flags and handler) to ``sub``."""
     his = sub.add_parser("history", help="one row's value at every restorable step")
     his.add_argument("uri")
-    his.add_argument("--table", required=True, help="table key, as `deck show` lists it")
+    his.add_argument(
+        "--table",
+        required=True,
+        help="the table's name in your EmbeddingBagConfig / EmbeddingConfig (e.g. t0), or its "
+        "full key as `deck show` lists it",
+    )
     his.add_argument("--row", required=True, type=int, help="global row id")
     his.add_argument("--json", action="store_true", help="machine-readable, full precision")
     his.set_defaults(fn=cmd_history)
@@ -334,7 +340,7 @@ def report_parser(sub: Subparsers) -> None:
         help="an HTML page: the lineage graph, bytes per checkpoint, restore cost per step",
         description="Write an HTML page with a picture of the lineage graph and plots of bytes "
         "per checkpoint and restore cost (bytes the cheapest chain reads) per step; the PNG "
-        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install 'deck[report]').",
+        "images go next to it (<out stem>-*.png). Needs matplotlib (pip install matplotlib).",
     )
     rep.add_argument("uri")
     rep.add_argument("--out", required=True, help="path of the HTML file to write")

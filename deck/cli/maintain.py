@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import re
 import signal
 import sys
 import threading
@@ -12,10 +13,10 @@ import time
 from queue import Empty
 from typing import Any
 
-from deck.cli.common import Subparsers, human, progress_bar
+from deck.cli.common import Subparsers, human, open_existing, progress_bar
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
-from deck.errors import ConfigError, DeckError
+from deck.errors import CheckpointNotFoundError, ConfigError, DeckError
 from deck.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,13 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-    """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.merge.launch import resolve_worker
 
+    if not a.follow:
+        # A catch-up on a URI that is not there is a typo; a --follow worker may start before
+        # the trainer has written anything.
+        open_existing(a.uri, a.storage_options)
     # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
     slot = resolve_worker(a.worker_index, a.num_workers, names=("--worker-index", "--num-workers"))
     first, hosts = slot.index, slot.count
@@ -119,11 +124,10 @@ def cmd_merge(a: argparse.Namespace) -> int:
     else:
         code = _run_workers(a, indices, total, tally)
     tally.close()
-    mine = f"{indices[0]}" if k == 1 else f"{indices[0]}..{indices[-1]}"
+    # Which workers these are was logged once at launch (deck.merge.launch); not repeated here.
     print(
-        f"deck merge: {tally.committed} checkpoint(s) committed by {k} worker(s) "
-        f"(index {mine} of {total}, from {slot.source}), {tally.partitions} partition(s) built, "
-        f"in {time.perf_counter() - t0:.1f} s"
+        f"deck merge: {tally.committed} checkpoint(s) committed by {k} worker(s), "
+        f"{tally.partitions} partition(s) built, in {time.perf_counter() - t0:.1f} s"
         + ("; some work is left (see the warnings above)" if code == 1 else "")
     )
     return code
@@ -192,12 +196,14 @@ def _collect_workers(
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
-    """Run ``deck gc`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck gc`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.retention import collect_garbage
 
-    storage = open_storage(a.uri, a.storage_options)
+    storage = open_existing(a.uri, a.storage_options)
     rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
     verb = "would delete" if a.dry_run else "deleted"
+    if rep.latest is None and not (rep.deleted or rep.orphans or rep.kept or rep.errors):
+        raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to collect")
     if rep.latest is None:
         print(f"no restorable checkpoint at {a.uri}: nothing deleted but orphans")
     else:
@@ -207,7 +213,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
     for folder, why in rep.deleted:
         print(f"  {verb} {folder}: {why}")
     for prefix, why in rep.orphans:
-        print(f"  {verb} {prefix}: {why}")
+        print(f"  {_orphan_line(verb, prefix, why)}")
     for folder, why in rep.kept:
         print(f"  KEPT {folder}: {why}")
     for e in rep.errors:
@@ -218,6 +224,16 @@ def cmd_gc(a: argparse.Namespace) -> int:
         + (f"; kept {len(rep.kept)} because of damage (KEPT above)" if rep.kept else "")
     )
     return 1 if rep.errors or rep.kept else 0  # damage kept things: someone must look
+
+
+def _orphan_line(verb: str, prefix: str, why: str) -> str:
+    """One orphan of a GC report, saying what goes: stray files inside a committed folder (GC
+    reports them as ``folder/ (N file(s))``; the checkpoint itself stays), or a whole folder."""
+    stray = re.fullmatch(r"(.*/) \((\d+) file\(s\)\)", prefix)
+    if stray:
+        folder, n = stray.groups()
+        return f"{verb} {n} stray file(s) inside {folder} ({why}); the checkpoint itself stays"
+    return f"{verb} {prefix}: {why}"
 
 
 def _add_retention_args(p: argparse.ArgumentParser) -> None:

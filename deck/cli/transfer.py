@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import time
 
-from deck.cli.common import Subparsers, human, progress_bar
+from deck.cli.common import Subparsers, human, open_existing, progress_bar
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    """Run ``deck export`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
+    """Run ``deck export`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
+    open_existing(a.uri, a.storage_options)
     state = StepState(a.uri, a.step, a.storage_options)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
     bar = progress_bar(f"export step {state.step}", total)
@@ -46,10 +48,37 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_follow(a: argparse.Namespace) -> int:
-    """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok, 1 a check failed or nothing to act on)."""
-    if a.uri.startswith("kafka://"):
-        return cmd_follow_kafka(a)
+    """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok; a failure
+    raises). An ``--out`` folder this call created is removed again when the call fails
+    before writing any file into it."""
+    created = not os.path.exists(a.out)
+    try:
+        if a.uri.startswith("kafka://"):
+            return cmd_follow_kafka(a)
+        return _follow_uri(a)
+    except BaseException:
+        if created:
+            _remove_empty_tree(a.out)
+        raise
+
+
+def _remove_empty_tree(path: str) -> None:
+    """Remove folder ``path`` if it (and every folder below it) holds no file: what a failed
+    start left, never anything a follower wrote."""
+    if not os.path.isdir(path):
+        return
+    if any(files for _dir, _subdirs, files in os.walk(path)):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _follow_uri(a: argparse.Namespace) -> int:
+    """``deck follow URI`` for a deck checkpoint chain (deck.ops.follow)."""
     from deck.ops.follow import FollowUpdate, follow
+
+    if a.once:
+        # Without --once the follower waits for a publisher that has not written yet.
+        open_existing(a.uri, a.storage_options)
 
     def show(u: FollowUpdate) -> None:
         if u.how == "unchanged":
@@ -110,7 +139,8 @@ def export_parser(sub: Subparsers) -> None:
     """Add the ``deck export`` subcommand (its flags and handler) to ``sub``."""
     exp = sub.add_parser(
         "export",
-        help="write the full state of a step as a DCP checkpoint or one safetensors file",
+        help="write the full state of a step as a DCP checkpoint, one safetensors file or "
+        "Parquet files",
         description="Write the full state of a step (its chain applied: tables, fused "
         "optimizer states, dense parameters, dense optimizer) as a torch.distributed.checkpoint "
         "directory that dcp.load restores into a freshly built DMP model (keys: model.<state_dict "

@@ -61,21 +61,21 @@ class FullPolicy(Settings):
     @classmethod
     def _every(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
-            raise ValueError(f"full policy: every must be >= 1 or None, got {v}")
+            raise ValueError("must be >= 1 or None")
         return v
 
     @field_validator("max_live_fraction")
     @classmethod
     def _fraction(cls, v: float | None) -> float | None:
         if v is not None and not v > 0:
-            raise ValueError(f"full policy: max_live_fraction must be > 0 or None, got {v}")
+            raise ValueError("must be > 0 or None")
         return v
 
     @field_validator("cost_ratio")
     @classmethod
     def _ratio(cls, v: float | None) -> float | None:
         if v is not None and not v > 1:
-            raise ValueError(f"full policy: cost_ratio must be > 1 or None, got {v}")
+            raise ValueError("must be > 1 or None")
         return v
 
     @property
@@ -139,16 +139,14 @@ class MergeConfig(Settings):
     @classmethod
     def _stride(cls, v: int) -> int:
         if v < 2:
-            raise ValueError(f"merge stride must be >= 2, got {v}")
+            raise ValueError("must be >= 2")
         return v
 
     @field_validator("chunk_bytes")
     @classmethod
     def _chunk_bytes(cls, v: int) -> int:
         if v < PAGE_BYTES or v % PAGE_BYTES:
-            raise ValueError(
-                f"merge chunk_bytes must be a positive multiple of {PAGE_BYTES}, got {v}"
-            )
+            raise ValueError(f"must be a positive multiple of {PAGE_BYTES}")
         return v
 
     @model_validator(mode="after")

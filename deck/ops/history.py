@@ -10,6 +10,7 @@ like any chunk whose range contains the row.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,15 +222,33 @@ def row_history(
     return out
 
 
+def resolve_table(name: str, tables: Iterable[str], uri: str, where: str) -> str:
+    """The key in ``tables`` (checkpoint table keys: module FQN + table + ``.weight``, e.g.
+    ``sparse_arch.embedding_bag_collection.embedding_bags.t0.weight``) that ``name`` means:
+    the key itself, or the table name given in TorchRec's ``EmbeddingBagConfig`` /
+    ``EmbeddingConfig`` (``t0``), or any dotted suffix of the key (``embedding_bags.t0``).
+    Raises :class:`CheckpointNotFoundError` naming ``uri``, ``where`` and the keys when no key
+    or more than one matches."""
+    keys = sorted(tables)
+    if name in keys:
+        return name
+    matches = [k for k in keys if k.endswith(f".{name}") or k.endswith(f".{name}.weight")]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise CheckpointNotFoundError(
+            f"{uri}: table name {name!r} matches {len(matches)} tables of {where} "
+            f"({matches}); give the full key"
+        )
+    raise CheckpointNotFoundError(f"{uri}: no table {name!r} in {where}; tables: {keys}")
+
+
 def _check_table(reader: _Reader, full: CheckpointManifest, uri: str) -> None:
     if full.id not in reader.parts:
         reader.parts[full.id] = read_rank_manifests(reader.storage, full)
     shapes = {r.table: r.num_rows for p in reader.parts[full.id] for r in p.shards}
-    table, row = reader.out.table, reader.out.row
-    if table not in shapes:
-        raise CheckpointNotFoundError(
-            f"{uri}: no table {table!r} in {checkpoint_label(full)}; tables: {sorted(shapes)}"
-        )
+    table = reader.out.table = resolve_table(reader.out.table, shapes, uri, checkpoint_label(full))
+    row = reader.out.row
     if not 0 <= row < shapes[table]:
         raise CheckpointNotFoundError(
             f"{uri}: row {row} is outside table {table} (rows 0..{shapes[table] - 1})"

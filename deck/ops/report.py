@@ -38,7 +38,7 @@ def _figure(width: float, height: float) -> Any:
         from matplotlib.figure import Figure
     except ImportError:
         raise UnsupportedError(
-            "deck report needs matplotlib: pip install 'deck[report]' (or matplotlib)"
+            "deck report needs matplotlib: pip install matplotlib (deck's report extra)"
         ) from None
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 

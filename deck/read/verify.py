@@ -21,8 +21,8 @@ class VerifyReport:
     hides is unknown, so it is kept and never quarantined)."""
 
     step: int
-    files: int = 0
-    bytes: int = 0
+    files: int = 0  # files read and checked: rank manifests and data files
+    bytes: int = 0  # their bytes: CheckpointManifest.data_bytes when every file was read
     problems: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
 
@@ -52,6 +52,10 @@ def verify_checkpoint(
     except DeckError as e:
         report.note(e)
         return report
+    # The rank manifests were read and checked above: counted like the data files, so that
+    # verify's bytes are those `deck ls` shows (CheckpointManifest.data_bytes).
+    report.files += len(m.ranks)
+    report.bytes += sum(r.nbytes for r in m.ranks)
     root = m.folder
     for part in parts:
         for rec in part.shards:

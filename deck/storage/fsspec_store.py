@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.core
 
+from deck.config import ATOMIC_PUT_PROTOCOLS
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
 from deck.storage.base import Storage, check_folder, check_prefix, is_valid_key, validate_key
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient, status_of
@@ -36,9 +37,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
-# Protocols whose ``pipe_file`` makes an object visible whole or not at all: object stores (one
-# PUT, or a multipart/resumable upload that appears only once completed) and memory://.
-ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+# ATOMIC_PUT_PROTOCOLS (imported above; defined with the config, which refuses the others at
+# construction): protocols whose ``pipe_file`` makes an object visible whole or not at all.
 # Protocols whose ``pipe_file(mode="create")`` is one conditional request (``If-None-Match: *``).
 _ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a"})
 
@@ -76,7 +76,7 @@ class FsspecStorage(Storage):
         except ImportError as exc:
             raise ConfigError(
                 f"URI {uri} needs an fsspec backend that is not installed ({exc}); "
-                "for s3:// install s3fs (pip install 'deck[s3]')"
+                "for s3:// install s3fs (pip install s3fs, deck's s3 extra)"
             ) from exc
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot open storage URI {uri}: {exc}") from exc
