@@ -548,8 +548,9 @@ def _resolve(dotted: str) -> bool:
     return True
 
 
-# ``deck.``-prefixed names that are not Python names: Parquet metadata keys (docs/operations.md).
-NOT_API = {"deck.dtype", "deck.tensor"}
+# ``deck.``-prefixed names that are not Python names: Parquet and safetensors metadata keys
+# (docs/operations.md, docs/format.md).
+NOT_API = {"deck.dtype", "deck.tensor", "deck.state"}
 
 
 def api_names(doc: Path) -> list[tuple[str, str]]:
