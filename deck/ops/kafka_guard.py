@@ -85,6 +85,15 @@ class QuarantineLog:
         return True
 
 
+def _watermarks(c: Any, tp: Any, target: KafkaTarget) -> tuple[int, int]:
+    """The partition's oldest and next offsets, asked of the broker (not a cached answer)."""
+    try:
+        low, high = c.get_watermark_offsets(tp, timeout=10, cached=False)
+    except Exception as e:
+        raise StorageError(f"kafka topic {target.topic}: cannot read offsets: {e}") from e
+    return int(low), int(high)
+
+
 def newest_run(conf: dict[str, Any], target: KafkaTarget) -> tuple[bool, str | None]:
     """``(found, run)`` of the newest readable marker among the last :data:`SCAN_BACK` messages
     of the control partition (``run`` None: a marker of a deck before run ids); ``(False,
@@ -95,10 +104,7 @@ def newest_run(conf: dict[str, Any], target: KafkaTarget) -> tuple[bool, str | N
     tp = TopicPartition(target.topic, CONTROL_PARTITION)
     c = Consumer({**conf, "enable.auto.commit": False})
     try:
-        try:
-            low, high = c.get_watermark_offsets(tp, timeout=10, cached=False)
-        except Exception as e:
-            raise StorageError(f"kafka topic {target.topic}: cannot read offsets: {e}") from e
+        low, high = _watermarks(c, tp, target)
         # Read forward from a bounded window before the end: one assign, no seeks back.
         start = max(int(low), int(high) - SCAN_BACK)
         if start >= high:
@@ -137,10 +143,7 @@ def marker_at(conf: dict[str, Any], target: KafkaTarget, offset: int) -> tuple[s
     tp = TopicPartition(target.topic, CONTROL_PARTITION)
     c = Consumer({**conf, "enable.auto.commit": False})
     try:
-        try:
-            low, high = c.get_watermark_offsets(tp, timeout=10, cached=False)
-        except Exception as e:
-            raise StorageError(f"kafka topic {target.topic}: cannot read offsets: {e}") from e
+        low, high = _watermarks(c, tp, target)
         if offset >= high:
             return "beyond", None
         if offset < low:

@@ -110,16 +110,8 @@ class TansuBroker:
         """Start on a free port and wait until it answers a metadata request. Returns ``self``."""
         for _ in range(3):  # a picked port can be taken by someone else before tansu binds it
             self.port = free_ports(1)[0]
-            self._proc = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
-            if self._wait_ready():
+            if self._spawn():
                 return self
-            self._kill()
         raise TansuError(f"tansu did not start; log: {self.log_tail()}")
 
     def restart(self) -> TansuBroker:
@@ -131,17 +123,23 @@ class TansuBroker:
             self._proc.wait(timeout=30)
         self._proc = None
         for _ in range(3):
-            self._proc = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
-            if self._wait_ready():
+            if self._spawn():
                 return self
-            self._kill()
         raise TansuError(f"tansu did not restart on port {self.port}; log: {self.log_tail()}")
+
+    def _spawn(self) -> bool:
+        """Start tansu on :attr:`port`; True once it answers, else it is killed and False."""
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        if self._wait_ready():
+            return True
+        self._kill()
+        return False
 
     def _wait_ready(self) -> bool:
         from confluent_kafka.admin import AdminClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from deck.format.manifest import Kind
+from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, dump_model, load_model
 from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.read.catalog import read_manifests
@@ -71,3 +71,13 @@ def check_all_restore(
         if seen is not None:
             seen.add(key)
     return steps
+
+
+def age_commits(storage: Storage, seconds: float) -> None:
+    """Let ``seconds`` pass for GC's grace period: every commit record at ``storage`` becomes
+    that much older (``created_unix``, its own checksum rewritten)."""
+    for key in storage.list():
+        if key.endswith(f"/{MANIFEST}"):
+            m = load_model(CheckpointManifest, storage.get(key), storage.describe(key))
+            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
+            storage.put(key, dump_model(older))

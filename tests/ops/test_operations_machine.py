@@ -44,7 +44,7 @@ from hypothesis.stateful import (
 )
 
 from deck.errors import CorruptCheckpointError, DeckError, LeaseHeldError, StorageError
-from deck.format.manifest import CheckpointManifest, dump_model, load_model
+from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.follow import Follower
@@ -54,7 +54,7 @@ from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
 from deck.read.verify import confirmed_damage, verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
-from deck.testing.lineage_checks import merge_all
+from deck.testing.lineage_checks import age_commits, merge_all
 from deck.testing.synth import LAYOUT, Saved, State, SynthTrainer, restore_state, same, snapshot
 from deck.trainer.lease import Lease
 
@@ -130,15 +130,6 @@ class Faults(StorageWrapper):
     def size(self, path: str) -> int:
         self._read(path)
         return self.inner.size(path)
-
-
-def _age(storage: Storage, seconds: float) -> None:
-    """Every commit record becomes ``seconds`` older (GC's grace period sees time pass)."""
-    for key in storage.list():
-        if key.endswith("/manifest.json"):
-            m = load_model(CheckpointManifest, storage.get(key), key)
-            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
-            storage.put(key, dump_model(older))
 
 
 def _tree_digest(root: Path) -> str:
@@ -383,7 +374,7 @@ class OperationsMachine(RuleBasedStateMachine):
     @rule(by=st.sampled_from([1, 4]))
     def advance_time(self, by: int) -> None:
         self.now += by
-        _age(self.local, 1000 * by)
+        age_commits(self.local, 1000 * by)
 
     # ---- verify, damage ------------------------------------------------------------------------
     @rule(where=st.sampled_from(["", *READ_FAULTS]), times=st.integers(1, 3))

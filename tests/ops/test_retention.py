@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deck.errors import ConfigError
-from deck.format.manifest import CheckpointManifest, Kind, dump_model, load_model
+from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import read_manifests
@@ -18,7 +18,7 @@ from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
-from deck.testing.lineage_checks import check_all_restore, mem, merge_all
+from deck.testing.lineage_checks import age_commits, check_all_restore, mem, merge_all
 from deck.testing.synth import State, SynthTrainer, snapshot
 
 
@@ -247,15 +247,6 @@ def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
     check_all_restore(storage, history)
 
 
-def _age(storage: Storage, seconds: float) -> None:
-    """Let ``seconds`` pass for GC's grace period: every commit record becomes that much older."""
-    for key in storage.list():
-        if key.endswith("/manifest.json"):
-            m = load_model(CheckpointManifest, storage.get(key), key)
-            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
-            storage.put(key, dump_model(older))
-
-
 def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
     """Issue 33 finding 5: GC's grace period protected what its own plan kept, not the
     cheapest chains restores read (merged deltas a later merge made redundant). Every chain of
@@ -284,7 +275,7 @@ def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
             chain = cheapest_chain(graph, step)
             files = [k for m in chain for k in storage.list(f"{m.folder}/")]
             readers.append((now, step, [m.folder for m in chain], files))
-        _age(storage, 1000)
+        age_commits(storage, 1000)
         collect_garbage(storage, policy)
         for then, step, chain, files in readers:
             if (now - then + 1) * 1000 >= policy.grace_s:
