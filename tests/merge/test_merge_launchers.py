@@ -142,22 +142,24 @@ def test_torchrun_two_workers_split_the_work(
     # torchrun as this interpreter's module (the console script's shebang may name another).
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     p = subprocess.run(
-        [*torchrun, "--standalone", "--nproc-per-node", "2", "-m", "deck.cli", "merge",
-         str(root), "--once", *MERGE_ARGS],
+        [*torchrun, "--standalone", "--nproc-per-node", "2", "--tee", "3", "-m", "deck.cli",
+         "merge", str(root), "--once", *MERGE_ARGS],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
 
-    # Each worker says which it was (from torchrun's variables) and how many partitions it built.
-    lines = re.findall(
-        r"committed by 1 worker\(s\) \(index (\d) of 2, from torchrun \$RANK=(\d), "
-        r"\$WORLD_SIZE=2\), (\d+) partition\(s\) built",
-        p.stdout,
+    # Each worker says which it was (from torchrun's variables) once, at launch, and how many
+    # partitions it built (torchrun's --tee prefixes each process's lines with its rank).
+    logged = re.findall(
+        r"\[default(\d)\]:.*worker (\d) of 2 \(from torchrun \$RANK=(\d), \$WORLD_SIZE=2\)",
+        p.stdout + p.stderr,
     )
-    assert sorted((int(i), int(r)) for i, r, _ in lines) == [(0, 0), (1, 1)], p.stdout
-    built = {int(i): int(n) for i, _, n in lines}
-    logged = re.findall(r"worker (\d) of 2 \(from torchrun \$RANK=\d, \$WORLD_SIZE=2\)", p.stderr)
-    assert sorted(logged) == ["0", "1"], p.stderr
+    assert sorted((int(r), int(i), int(e)) for r, i, e in logged) == [(0, 0, 0), (1, 1, 1)], (
+        p.stdout + p.stderr
+    )
+    lines = re.findall(r"\[default(\d)\]:deck merge: .*?(\d+) partition\(s\) built", p.stdout)
+    assert sorted(int(r) for r, _ in lines) == [0, 1], p.stdout
+    built = {int(r): int(n) for r, n in lines}
 
     # Every partition of every merged checkpoint has its record, was written by exactly one
     # attempt (no worker built another's partition, none built one twice), and each worker
