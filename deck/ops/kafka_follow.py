@@ -280,6 +280,8 @@ class KafkaFollower:
         self.wait_s = wait_s  # how long a rank's rows may take to show up after their marker
         self.full_every = full_every
         self.full_store = open_storage(full_uri, storage_options) if full_uri else None
+        if full_every < 0:
+            raise ConfigError(f"full_every must be >= 0 (0: no loader fulls), got {full_every}")
         if full_every and self.full_store is None:
             raise ConfigError("full_every needs full_uri (where the loader's fulls go)")
         self.conf = {
@@ -292,6 +294,8 @@ class KafkaFollower:
             "queued.max.messages.kbytes": 16384,
             **(consumer_options or {}),
         }
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ConfigError(f"--out {out_dir} is not a directory: name a folder for the state")
         os.makedirs(out_dir, exist_ok=True)
         self.quarantine = QuarantineLog(out_dir, self.target.topic)
         self.stats = KafkaFollowStats()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deck.errors import CheckpointNotFoundError, UnsupportedError
+from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
 from deck.format.manifest import Kind
 from deck.ops.listing import Row, list_rows
 from deck.read.lineage import LineageGraph, chain_bytes, chain_for, cheapest_chain
@@ -210,6 +210,8 @@ def write_report(
     graph, rows = list_rows(storage)
     out_html = os.path.abspath(out_html)
     folder = os.path.dirname(out_html)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"cannot write {out_html}: {folder} is a file, not a folder")
     os.makedirs(folder, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out_html))[0]
     costs = restore_costs(graph) if graph.nodes else []

@@ -368,7 +368,8 @@ class DeltaCheckpointer:
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.
         Returns True only if every checkpoint taken since the last flush committed: False if
         any rank timed out or any of them failed (``history`` says which and why; a failed
-        publish is logged, it does not count)."""
+        publish is logged, it does not count), and always False once this job lost its writer
+        lease."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -381,6 +382,9 @@ class DeltaCheckpointer:
         # Publishes are best effort (a failed one is logged and the next is a full): only a
         # checkpoint that did not commit makes the flush report failure.
         done = not self._ckpt.failed_since_last_report(done) and done
+        # A job whose writer lease was taken over (or expired) commits nothing more: never a
+        # success, whether or not a checkpoint was attempted since.
+        done = done and not (self._lease is not None and self._lease.lost.is_set())
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)
 

@@ -33,8 +33,9 @@ from deck.storage.base import get_bounded
 logger = logging.getLogger(__name__)
 
 LEASE_DIR = "_lease"
-_RECORD = re.compile(r"^(\d{20})\.json$")
+_RECORD = re.compile(r"^(\d{1,40})\.json$")  # 20 digits as written; more after a huge one
 KEEP_EPOCHS = 8  # older records are deleted: a taker's view is never that stale
+MAX_CREATES = 16  # attempts to create the next record before acquire() gives up
 
 
 def lease_key(epoch: int) -> str:
@@ -53,6 +54,9 @@ class LeaseRecord(BaseModel):
     host: str = Field(max_length=1024)
     pid: int = Field(ge=1, le=2**31 - 1)  # a pid_t: os.kill takes nothing larger
     expires_unix: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    # The holder's pid namespace: a pid is only checked for life in the namespace it names
+    # (containers sharing a hostname see other pids, or none).
+    pidns: str | None = Field(default=None, max_length=64)
 
 
 class Lease:
@@ -76,6 +80,7 @@ class Lease:
             host=socket.gethostname(),
             pid=os.getpid(),
             expires_unix=time.time() + self.ttl_s if expires_unix is None else expires_unix,
+            pidns=_pid_namespace(),
         )
 
     def _put_own(self) -> None:
@@ -113,8 +118,14 @@ class Lease:
     def _takeable(self, held: LeaseRecord | None) -> bool:
         if held is None or held.owner == self.owner or held.expires_unix <= time.time():
             return True
-        # A holder on this host whose process is gone crashed: a restart need not wait for expiry.
-        return held.host == socket.gethostname() and not _alive(held.pid)
+        # A holder on this host (and in this pid namespace) whose process is gone crashed: a
+        # restart need not wait for expiry. Another namespace's pid cannot be checked: wait.
+        return (
+            held.host == socket.gethostname()
+            and held.pidns is not None
+            and held.pidns == _pid_namespace()
+            and not _alive(held.pid)
+        )
 
     def acquire(self) -> None:
         """Take the lease or raise :class:`LeaseHeldError` naming the holder; renews it from a
@@ -125,6 +136,7 @@ class Lease:
         on for up to ``wait_s`` (a holder on another host may have died), then refused."""
         deadline = time.monotonic() + self.wait_s
         tried = 0  # the last epoch we failed to create
+        failed = 0
         while True:
             epoch, held = self.newest()
             if not self._takeable(held):
@@ -145,12 +157,24 @@ class Lease:
             if self._create(tried):
                 break
             # Another trainer created that epoch first: its record decides (held, or expired).
+            failed += 1
+            if failed >= MAX_CREATES:
+                raise LeaseHeldError(
+                    f"could not create a writer lease record under "
+                    f"{self.storage.describe(LEASE_DIR)}/ in {MAX_CREATES} attempts (last: epoch "
+                    f"{tried}): records there are being written by others or cannot be read "
+                    "back; stop the other writers, or remove the folder if no trainer is running"
+                )
         self._prune()
         self._thread = threading.Thread(target=self._renew, name="deck-lease", daemon=True)
         self._thread.start()
 
     def _wait_or_refuse(self, held: LeaseRecord, deadline: float) -> None:
-        if held.host == socket.gethostname() and held.pid == os.getpid():
+        if (
+            held.host == socket.gethostname()
+            and held.pid == os.getpid()
+            and held.pidns == _pid_namespace()
+        ):
             raise LeaseHeldError(
                 f"{self.storage.uri} is already being written by this process (pid "
                 f"{held.pid}): another deck checkpointer on it is still open. close() it (or "
@@ -217,6 +241,13 @@ class Lease:
                 "commits nothing more. Check the store's availability and restart the job"
             )
         epoch, held = self.newest()
+        if epoch < self.epoch:
+            self.lost.set()
+            raise LeaseHeldError(
+                f"the writer lease records of {self.storage.uri} were deleted ({LEASE_DIR}/ holds "
+                f"no epoch {self.epoch}, ours): this job commits nothing more, since another may "
+                "have started; restart it once no other trainer writes there"
+            )
         if epoch != self.epoch or held is None or held.owner != self.owner:
             self.lost.set()
             who = f"owner {held.owner}, host {held.host}, pid {held.pid}" if held else "unknown"
@@ -267,6 +298,14 @@ class Lease:
                 logger.warning(
                     "deck: could not release the writer lease of %s: %s", self.storage.uri, e
                 )
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[inode]`` on Linux), or None where it cannot be told."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:

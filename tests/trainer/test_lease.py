@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -191,6 +192,7 @@ def _fenced_out(rank: int, world_size: int, uri: str) -> None:
         train_step(model, opt, SPEC, 2)
         with pytest.raises(CheckpointError, match="lost the writer lease"):
             ck.step(2)
+        assert not ck.flush()  # never a success again once the lease is lost
     finally:
         ck.close()
     held = lease.read()
@@ -200,3 +202,42 @@ def _fenced_out(rank: int, world_size: int, uri: str) -> None:
 @pytest.mark.slow
 def test_a_fenced_out_trainer_commits_nothing(tmp_path: Path) -> None:
     run_ranks(_fenced_out, str(tmp_path / "ck"), world_size=1)
+
+
+def test_a_record_of_a_huge_epoch_is_passed_not_looped_on(tmp_path: Path) -> None:
+    """Found by a helper: an expired record named with the largest 20-digit epoch made the next
+    epoch 21 digits long, which the listing did not match: acquire() looped forever, writing a
+    record per turn. The next epoch is taken, and failed creates are bounded."""
+    storage = open_storage(str(tmp_path))
+    old = LeaseRecord(owner="x", host="elsewhere", pid=1, expires_unix=0.0)
+    storage.put(lease_key(10**20 - 1), old.model_dump_json().encode())
+    lease = Lease(storage, ttl_s=30, settle_s=0.0)
+    lease.acquire()
+    try:
+        assert lease.epoch == 10**20
+        lease.check()
+        assert len(storage.list("_lease/")) == 2
+    finally:
+        lease.release()
+
+
+def test_a_holder_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path) -> None:
+    """Found by a helper: two containers sharing a hostname; the holder's pid does not exist in
+    the taker's pid namespace, which took it over at once from a live job. A pid is checked only
+    in the namespace the record names; otherwise the lease is waited for until it expires."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    storage = open_storage(str(tmp_path))
+    host = socket.gethostname()
+    elsewhere = LeaseRecord(
+        owner="other-container", host=host, pid=dead.pid, expires_unix=time.time() + 3600,
+        pidns="pid:[1]",
+    )  # fmt: skip
+    storage.put(lease_key(1), elsewhere.model_dump_json().encode())
+    with pytest.raises(LeaseHeldError, match="other-container"):
+        Lease(storage, ttl_s=30, settle_s=0.0).acquire()
+    ours = elsewhere.model_copy(update={"pidns": os.readlink("/proc/self/ns/pid")})
+    storage.put(lease_key(1), ours.model_dump_json().encode())
+    taker = Lease(storage, ttl_s=30, settle_s=0.0)
+    taker.acquire()  # same namespace, process gone: taken at once
+    taker.release()
