@@ -521,11 +521,14 @@ class KafkaFollower:
         fol = self._open(marker)
         assert self.view is not None
         held = fol.state
-        if held is not None and marker.step <= held[0]:
-            # Re-read after a restart (or a step re-published after a rollback we already
-            # hold past): applying it again would change nothing.
+        if held is not None and (marker.step, marker.ckpt_id) == held:
+            # Re-read after a crash between the switch and the offsets: nothing to change.
             self.stats.skipped.append(marker.step)
             return None
+        # A marker read after the held one (the loader resumes past it) at a step not newer is
+        # the publisher's rollback (a restore, then a new timeline): its full replaces the held
+        # state; its deltas wait for that full (below).
+        rollback = held is not None and marker.step <= held[0]
         if self._state_fixed and not self._state_given and marker.state_uri != self.state_uri:
             self.quarantine.add(
                 "poison",
@@ -540,6 +543,15 @@ class KafkaFollower:
         if manifest is None:
             return None
         self._state_fixed = True
+        if rollback and manifest.kind is Kind.FULL:
+            logger.warning(
+                "deck follow: kafka topic %s: the publisher rolled back: step %d (%s, a full of a "
+                "new timeline) replaces the held step %s",
+                self.target.topic,
+                marker.step,
+                marker.ckpt_id,
+                held,
+            )
         if manifest.kind is Kind.DELTA and held != (manifest.parent, manifest.parent_id):
             # Its parent was never applied here (the head of the topic is gone, a step was
             # quarantined, a publish lost its marker): waiting cannot bring it back, and a

@@ -242,3 +242,30 @@ def test_stream_without_run_ids(broker: TansuBroker, tmp_path: Path) -> None:
     assert kf.stats.applied == [s3], kf.stats
     _serves(out, pub, s3)
     pub.close()
+
+
+def test_a_publisher_rollback_is_followed(broker: TansuBroker, tmp_path: Path) -> None:
+    """Found by a helper: a trainer restored an older step and published on (a new timeline:
+    its first publish a full at a lower step than the loader held); the loader dropped that
+    full as "already held" and refused every later delta, serving the rolled-back model until
+    the next full. A full published after the held step's marker, at a lower or equal step, is a
+    rollback: the loader serves it, then the new timeline's deltas."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    pub.publish("full")
+    for _ in range(4):
+        pub.publish()
+    out = str(tmp_path / "out")
+    _catch_up(topic, out)
+    _serves(out, pub, 5)
+    pub.trainer.rollback(2)  # restore step 2, then train on: steps 3.. again
+    s3 = pub.publish("full")  # a restored publisher's first publish is a full
+    s4 = pub.publish()
+    assert (s3, s4) == (3, 4)
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [s3, s4], kf.stats
+    _serves(out, pub, s4)
+    kf = _catch_up(topic, out)  # a restart re-reads nothing it already applied
+    assert kf.stats.applied == [], kf.stats
+    _serves(out, pub, s4)
+    pub.close()
