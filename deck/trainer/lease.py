@@ -99,8 +99,8 @@ class Lease:
         key = lease_key(epochs[-1])
         try:
             return epochs[-1], LeaseRecord.model_validate_json(get_bounded(self.storage, key))
-        except NotFoundError:  # deleted between the listing and the read (a release's prune)
-            return self.newest() if self._epochs() != epochs else (epochs[-1], None)
+        except NotFoundError:  # deleted since the listing (someone removed _lease/): free
+            return epochs[-1], None
         except (ValidationError, CorruptCheckpointError) as e:
             # Unreadable (invalid values, too large, a link or a FIFO): taking the lease creates
             # the next epoch's record, never writing through this one.
@@ -267,16 +267,11 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                epoch, held = self.newest()
-                if epoch != self.epoch or (held is not None and held.owner != self.owner):
-                    self.lost.set()
-                    logger.error(
-                        "deck: the writer lease of %s was taken over by %s",
-                        self.storage.uri,
-                        held.owner if held else f"epoch {epoch}",
-                    )
-                    return
+                self.check()  # our record only while the lease is still ours
                 self._put_own()
+            except LeaseHeldError as e:  # taken over, deleted or expired: lost for good
+                logger.error("deck: %s", e)
+                return
             except StorageError as e:  # keep trying: the lease is valid until it expires
                 logger.warning(
                     "deck: could not renew the writer lease of %s: %s", self.storage.uri, e
