@@ -15,14 +15,23 @@ STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 .PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_jagged.c
+	@echo "deck install: setting up $(VENV) (5 steps; about 1 GB to download, several minutes the first time)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	@echo "deck install [1/5]: $(TORCH) (the largest download)"
+	$(BIN)/pip install --progress-bar on $(TORCH)
+	@echo "deck install [2/5]: $(FBGEMM_$(VARIANT))"
 	$(BIN)/pip install -q numpy $(FBGEMM_$(VARIANT))
+	@echo "deck install [3/5]: $(TORCHREC) without its dependencies (its wheel asks for the CUDA fbgemm-gpu)"
 	$(BIN)/pip install -q --no-deps $(TORCHREC)
+	@echo "deck install [4/5]: TorchRec's other dependencies"
+	@echo "  (pip may print 'torchrec ... requires fbgemm-gpu, which is not installed' in red from here on:"
+	@echo "   expected and harmless, $(FBGEMM_$(VARIANT)) provides the same module)"
 	$(BIN)/pip install -q tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+	@echo "deck install [5/5]: deck itself (editable, compiles kernels/_jagged.c) and its test tools"
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+	@echo "deck install: done ($(VENV))"
 
 install: $(STAMP)
 

@@ -9,7 +9,7 @@ Quick use::
         ckpt.step(step)
 
 ``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
-``DeltaCheckpointer``, ``CheckpointStats``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
+``DeltaCheckpointer``, ``CheckpointStats``, ``CheckpointEvent``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
 ``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
 
 Errors: every failure a user can act on is a :class:`deck.DeckError`; its subclasses
@@ -51,10 +51,12 @@ if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
     from deck.format.quantize import QuantizedStateError
     from deck.format.stream import CorruptStreamError, MessageTooLargeError, StreamGapError
     from deck.trainer.checkpointer import DeltaCheckpointer, enable
+    from deck.trainer.events import CheckpointEvent
     from deck.trainer.staging import CheckpointStats
 
 __all__ = [
     "CheckpointError",
+    "CheckpointEvent",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointStats",
@@ -95,6 +97,7 @@ _LAZY = {
     "DeltaCheckpointer": "deck.trainer.checkpointer",
     "enable": "deck.trainer.checkpointer",
     "CheckpointStats": "deck.trainer.staging",
+    "CheckpointEvent": "deck.trainer.events",
     "DeckDistributedModelParallel": "deck.adapters.dmp",
     "DoctorSetup": "deck.doctor",  # deck doctor: the check of a user's own setup
     "run_doctor": "deck.doctor",

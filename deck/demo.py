@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -363,14 +364,23 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
+    logging.getLogger("torch.fx").setLevel(logging.ERROR)  # TorchRec's tracing check, each run
     init_process_group(rank, world_size, port)
+    say = _progress if rank == 0 else _quiet
     spec = args.spec
+    say(f"building the model on {world_size} ranks")
     model, dense_opt = build_model(spec)
     user = TrainState()
     config = deck.DeckConfig(uri=args.out, delta_every_steps=args.delta_every)
     losses = []
     t_train = 0.0
-    with deck.enable(model, [dense_opt], config, state=user) as ckpt:
+
+    def committed(e: deck.CheckpointEvent) -> None:
+        if e.state == "committed":
+            say(f"  step {e.step:>4}/{args.steps}: {e.kind} committed ({_fmt_bytes(e.bytes)})")
+
+    say(f"training {args.steps} steps, a checkpoint every {args.delta_every}")
+    with deck.enable(model, [dense_opt], config, state=user, on_checkpoint=committed) as ckpt:
         for step in range(0, args.steps + 1):
             if step > 0:
                 t0 = time.perf_counter()
@@ -387,6 +397,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
     if args.compare_dcp:
         import torch.distributed.checkpoint as dcp
 
+        say("timing torch.distributed.checkpoint.save of the same model, for comparison")
         dcp_dir = args.out.rstrip("/") + "-dcp-baseline"
         t0 = time.perf_counter()
         dcp.save(
@@ -397,6 +408,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
         if rank == 0:
             shutil.rmtree(dcp_dir, ignore_errors=True)
     # A fresh model with other initial weights, restored from the latest checkpoint.
+    say("restoring the latest step into a fresh model and comparing it with the live one")
     model2, dense_opt2 = build_model(spec, seed=spec.seed + 1000)
     user2 = TrainState()
     t0 = time.perf_counter()
@@ -431,6 +443,18 @@ def run_demo(args: DemoArgs, world_size: int = 2) -> dict[str, Any]:
             return dict(json.load(f))
     finally:
         os.unlink(result_file)
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -512,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer, RNG, user state, on every rank)"
     )
     print(f"demo finished in {time.perf_counter() - t0:.1f} s")
+    where = shlex.quote(out)
+    print(
+        f"\nthe checkpoints are in {out} ({_fmt_bytes(_size(out))}); look at them with\n"
+        f"  .venv/bin/deck ls {where}          (also: deck show / verify / lineage / history;"
+        " docs/quickstart.md, section 4)\n"
+        f"and remove them with\n  rm -rf {where}"
+    )
     return 0
 
 

@@ -255,7 +255,7 @@ class ItemBuilder:
         failpoint("merger.commit.after_manifest")
         stats.items_committed += 1
         stats.committed.append(self.item.id)
-        logger.info(
+        logger.debug(
             "deck merge: committed %s (%s, %.1f MiB)",
             self.item.describe(),
             self.folder,

@@ -154,6 +154,22 @@ class MergeWorker:
         if self.after_pass is not None:
             self.after_pass(read_manifests(self.storage) if progressed else manifests)
         stats.seconds = time.perf_counter() - t0
+        # One INFO line per pass that did something (an idle follow() polls quietly)
+        logger.log(
+            logging.INFO if progressed else logging.DEBUG,
+            "deck merge pass at %s: %d committed (%s), %d partition(s), %.1f MiB read, "
+            "%.1f MiB written, %.2f s; %d ready, %d waiting for other workers, %d failed",
+            self.storage.uri,
+            stats.items_committed,
+            ", ".join(stats.committed) or "-",
+            stats.partitions,
+            stats.bytes_read / 2**20,
+            stats.bytes_written / 2**20,
+            stats.seconds,
+            len(p.ready),
+            waiting,
+            len(stats.failed),
+        )
         return PassResult(
             stats=stats,
             ready=len(p.ready),

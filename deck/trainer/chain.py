@@ -58,6 +58,7 @@ from deck.format.manifest import Kind
 from deck.read.lineage import needs_new_full
 from deck.storage import Storage
 from deck.trainer.coordination import Coordinator, gather_votes
+from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
 from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
 from deck.trainer.tracker import ReadToken, TrackerStore
@@ -173,6 +174,8 @@ class ChainWriter:
     rank_local: set[str] = field(default_factory=set)
     _next_id: str | None = None  # settled by the last vote: the next snapshot's id
     _failed_parts: list[tuple[int, str]] = field(default_factory=list)  # taken, to tell rank 0
+    # Gets each checkpoint's event once it has ended (deck.trainer.events); logs it by default
+    notify: Callable[[CheckpointEvent], None] = log_event
 
     def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
@@ -270,6 +273,12 @@ class ChainWriter:
         stats.job_stall_s = max(0.0, time.time() - max(v.arrived_unix for v in votes))
         self.history.append(stats)
         self._log(stats)
+        # Sealed: the event goes out once the commit thread is done with the part (or now)
+        stats.progress.when_ended(
+            lambda: self.notify(
+                CheckpointEvent.of(stats, self.label, self.storage.uri, self.coord.rank)
+            )
+        )
         return stats
 
     def unsettle(self) -> None:
@@ -540,7 +549,7 @@ class ChainWriter:
                 stats.buffer_wait_s,
                 stats.stall_s,
             )
-        logger.info(
+        logger.debug(
             "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s (job %.3f s), "
             "buffer pool %.0f MiB",
             stats.kind,

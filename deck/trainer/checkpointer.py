@@ -22,6 +22,7 @@ from deck.errors import (
     CheckpointError,
     ConfigError,
     LeaseHeldError,
+    NotFoundError,
     StorageError,
 )
 from deck.format.statefile import scalar_key
@@ -34,6 +35,7 @@ from deck.read.restore import (
 from deck.storage import Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter
 from deck.trainer.coordination import Coordinator
+from deck.trainer.events import CheckpointEvent, OnCheckpoint, deliver
 from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.rng import capture_rng
@@ -71,6 +73,7 @@ class DeltaCheckpointer:
         adapter: ModelAdapter | None = None,
         storage: Storage | None = None,
         publish_storage: Storage | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
     ):
         # What close() gives back is recorded as it is taken (the stagers by _chain), so that a
         # construction that fails gives back exactly what it took: no tracking hook, stager
@@ -78,6 +81,9 @@ class DeltaCheckpointer:
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
         self._stagers: list[Stager] = []
+        # Called with each checkpoint's and publish's CheckpointEvent once it is done, on every
+        # rank (deck.trainer.events says in which thread); may be set at any time.
+        self.on_checkpoint: OnCheckpoint | None = on_checkpoint
         try:
             self.config = config
             self.coord = Coordinator()
@@ -213,7 +219,7 @@ class DeltaCheckpointer:
         fence = self._lease.check if self._lease is not None and storage is self.storage else None
         stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence)
         self._stagers.append(stager)  # close() (or a failed construction) stops it
-        return ChainWriter(
+        chain = ChainWriter(
             label=label,
             consumer=consumer,
             storage=storage,
@@ -227,6 +233,9 @@ class DeltaCheckpointer:
             lease=self._lease,
             quantize=quantize,
         )
+        # Read at delivery, so that a callback set after construction gets the events too
+        chain.notify = lambda event: deliver(event, self.on_checkpoint)
+        return chain
 
     @property
     def _loader(self) -> StateLoader:
@@ -388,6 +397,41 @@ class DeltaCheckpointer:
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)
 
+    def wait_for(
+        self, step: int, timeout: float | None = None, *, chain: str = "checkpoint"
+    ) -> CheckpointEvent:
+        """Wait until this process's checkpoint (or, ``chain="publish"``, publish) of ``step``
+        is done on this rank and return its event: on rank 0 the checkpoint is then committed
+        (a restore of ``step`` from any process finds it), on other ranks this rank's part is
+        at the destination. Local, not collective. Raises :class:`CheckpointError` when it
+        failed, ``TimeoutError`` after ``timeout`` seconds, and :class:`NotFoundError` when
+        this process took no checkpoint of ``step`` (the newest attempt counts)."""
+        found = self._ckpt if chain == "checkpoint" else self._pub if chain == "publish" else None
+        if found is None:
+            raise ConfigError(
+                f"wait_for(chain={chain!r}): the chains are 'checkpoint' and 'publish' "
+                "(the latter with DeckConfig.publish)"
+            )
+        stats = next((s for s in reversed(found.history) if s.step == step), None)
+        if stats is None:
+            taken = sorted({s.step for s in found.history})
+            raise NotFoundError(
+                f"wait_for({step}): this process took no {chain} of step {step} at "
+                f"{found.storage.uri} (it took {_steps(taken)}); a checkpoint is taken when "
+                "step() is called with a multiple of delta_every_steps, or by save()"
+            )
+        if not stats.progress.wait(timeout):
+            raise TimeoutError(
+                f"{chain} of step {step} at {found.storage.uri} not done after {timeout} s "
+                f"(state: {stats.state})"
+            )
+        event = CheckpointEvent.of(stats, chain, found.storage.uri, self.coord.rank)
+        if not event.ok:
+            raise CheckpointError(
+                f"{chain} of step {step} at {found.storage.uri} failed: {event.error}"
+            )
+        return event
+
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "optimizers": {
@@ -509,7 +553,20 @@ def user_state_pair(
 
 
 def enable(
-    model: torch.nn.Module, optimizers: Any, config: DeckConfig, state: UserState | None = None
+    model: torch.nn.Module,
+    optimizers: Any,
+    config: DeckConfig,
+    state: UserState | None = None,
+    *,
+    on_checkpoint: OnCheckpoint | None = None,
 ) -> DeltaCheckpointer:
-    """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``."""
-    return DeltaCheckpointer(model, optimizers, config, state)
+    """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``.
+    ``on_checkpoint`` gets each checkpoint's :class:`~deck.trainer.events.CheckpointEvent`."""
+    return DeltaCheckpointer(model, optimizers, config, state, on_checkpoint=on_checkpoint)
+
+
+def _steps(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[-5:]))
+    return f"steps {'..., ' if len(steps) > 5 else ''}{shown}"

@@ -58,7 +58,7 @@ def _kafka() -> Any:
         import confluent_kafka
     except ImportError as e:  # pragma: no cover - the optional extra is missing
         raise ConfigError(
-            "a kafka:// publish uri needs confluent-kafka: pip install 'deck[kafka]'"
+            "a kafka:// publish uri needs confluent-kafka: pip install confluent-kafka==2.16.1 (or, in deck's repository, pip install -e '.[kafka]')"
         ) from e
     return confluent_kafka
 

@@ -917,3 +917,29 @@ def test_torchrec_two_ranks_merge_and_restore_bitwise(tmp_path: Path) -> None:
     first = cheapest_chain(graph, TR_STEPS)[0]
     assert first.kind is Kind.FULL and first.is_merged
     run_ranks(_tr_restore, uri, out)
+
+
+def test_merge_pass_and_gc_run_each_log_one_info_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from deck.ops.retention import RetentionPolicy, collect_garbage
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    with caplog.at_level(logging.INFO, logger="deck"):
+        w = MergeWorker(storage, MergeConfig(stride=2, full=NO_FULLS))
+        w.run_once(wait_s=0)
+        passes = [r.getMessage() for r in caplog.records if "merge pass" in r.getMessage()]
+        # Each pass that merged says what it committed (the level-1 merges, then the level-2
+        # one over them); the idle pass that ends run_once says nothing, nor does each item.
+        assert [p.split(": ")[1].split(" (")[0] for p in passes] == ["2 committed", "1 committed"]
+        assert str(storage.uri) in passes[0], passes
+        assert not [r for r in caplog.records if "deck merge: committed" in r.getMessage()]
+        caplog.clear()
+        collect_garbage(storage, RetentionPolicy(keep_all_steps=False, grace_s=0))
+        gc_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("deck gc")]
+        assert len(gc_lines) == 1 and "deleted" in gc_lines[0], gc_lines

@@ -171,6 +171,8 @@ class Committer:
             except Exception as e:
                 self._fail(pending, item, e)
             finally:
+                # Before the flush() it may wake: a flushed part's event has been delivered.
+                item.progress.end()
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
@@ -244,7 +246,7 @@ class Committer:
             progress.advance("committed", committed=True)
         self._cleanup(p, item)
         now = progress.get()
-        logger.info(
+        logger.debug(
             "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
             p.step,
             now.state,

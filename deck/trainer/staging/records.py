@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,8 @@ class PartProgress:
         self.started = started  # the snapshot's start: what the times count from
         self._lock = threading.Lock()
         self._now = Progress()
+        self._ended = threading.Event()
+        self._on_end: Callable[[], None] | None = None
 
     def get(self) -> Progress:
         """The progress now, every field of the same moment."""
@@ -65,6 +68,28 @@ class PartProgress:
         """The part failed with ``error`` (its times so far are kept)."""
         with self._lock:
             self._now = dataclasses.replace(self._now, state="failed", error=error)
+
+    def end(self) -> None:
+        """The commit thread is done with the part (its state is final): wake :meth:`wait`
+        and run the :meth:`when_ended` callback, once."""
+        with self._lock:
+            self._ended.set()
+            call, self._on_end = self._on_end, None
+        if call is not None:
+            call()
+
+    def when_ended(self, call: Callable[[], None]) -> None:
+        """Run ``call`` once the part has ended: now (in this thread) if it has, else in the
+        commit thread when it does."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._on_end = call
+                return
+        call()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the part has ended; False on timeout."""
+        return self._ended.wait(timeout)
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""What a checkpoint reports when it is done: one :class:`CheckpointEvent` per checkpoint and
+rank, logged (one INFO line per commit) and handed to the user's ``on_checkpoint`` callback.
+
+The event is built once both sides are done with the checkpoint: the training thread has
+sealed its stats (the stall is known when ``step``/``save`` returns) and the commit thread has
+finished the part (committed, uploaded or failed). Whichever comes second delivers it, so a
+callback runs in the training thread (inside ``step``) or in deck's commit thread: it must be
+quick and thread-safe (TensorBoard's ``SummaryWriter`` is: it queues to its own writer thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deck.trainer.staging import CheckpointStats
+
+logger = logging.getLogger("deck.trainer.checkpointer")
+
+OnCheckpoint = Callable[["CheckpointEvent"], Any]
+
+
+@dataclass(frozen=True)
+class CheckpointEvent:
+    """One checkpoint as one rank finished it.
+
+    ``state`` is ``committed`` on rank 0 (the commit record is written: a restore can load
+    ``step``), ``uploaded`` on the other ranks (this rank's part is at the destination; rank 0
+    writes the commit record once every rank's is), or ``failed`` (``error`` says why; nothing
+    of ``step`` was committed and the next checkpoint is a full). Sizes are summed over ranks;
+    ``stall_s`` is the longest any rank spent in the checkpoint call; ``durable_local_s`` and
+    ``committed_s`` count from the snapshot's start (None where the part did not get there).
+    """
+
+    step: int
+    kind: str  # "full" | "delta"
+    chain: str  # "checkpoint" | "publish"
+    id: str
+    uri: str
+    rank: int
+    state: str  # "committed" | "uploaded" | "failed"
+    rows: int
+    bytes: int
+    chunks: int
+    stall_s: float
+    job_stall_s: float
+    durable_local_s: float | None
+    committed_s: float | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        """The part got where this rank takes it (rank 0: the checkpoint committed)."""
+        return self.state != "failed"
+
+    def scalars(self) -> dict[str, float]:
+        """The numeric fields under metric names (``deck/<chain>/<field>``), for a metrics
+        writer; times that did not happen are left out."""
+        out = {
+            "rows": float(self.rows),
+            "bytes": float(self.bytes),
+            "stall_s": self.stall_s,
+            "job_stall_s": self.job_stall_s,
+            "durable_local_s": self.durable_local_s,
+            "committed_s": self.committed_s,
+        }
+        return {f"deck/{self.chain}/{k}": v for k, v in out.items() if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def of(cls, stats: CheckpointStats, chain: str, uri: str, rank: int) -> CheckpointEvent:
+        """The event of a part that has ended (its progress read at one moment)."""
+        now = stats.progress.get()
+        return cls(
+            step=stats.step,
+            kind=stats.kind,
+            chain=chain,
+            id=stats.id,
+            uri=uri,
+            rank=rank,
+            state=now.state,
+            rows=stats.rows,
+            bytes=stats.bytes,
+            chunks=stats.chunks,
+            stall_s=stats.stall_s,
+            job_stall_s=stats.job_stall_s,
+            durable_local_s=now.durable_local_s,
+            committed_s=now.committed_s,
+            error=now.error,
+        )
+
+
+def log_event(event: CheckpointEvent) -> None:
+    """The checkpoint's one INFO line (rank 0's commit); other ranks' uploads at DEBUG. A
+    failure was logged at ERROR by the commit thread already."""
+    if event.state == "failed":
+        return
+    logger.log(
+        logging.INFO if event.state == "committed" else logging.DEBUG,
+        "deck: %s %s step %d %s at %s: %d rows, %.1f MiB, stall %.3f s (job %.3f s), "
+        "durable-local %s, %s %s after the snapshot",
+        event.kind,
+        event.chain,
+        event.step,
+        event.state,
+        event.uri,
+        event.rows,
+        event.bytes / 2**20,
+        event.stall_s,
+        event.job_stall_s,
+        _seconds(event.durable_local_s),
+        event.state,
+        _seconds(event.committed_s),
+    )
+
+
+def deliver(event: CheckpointEvent, callback: OnCheckpoint | None) -> None:
+    """Log ``event`` and hand it to ``callback``. A callback that raises is logged, never
+    propagated: it must not fail the commit thread or the training step it runs in."""
+    log_event(event)
+    if callback is None:
+        return
+    try:
+        callback(event)
+    except Exception:
+        logger.exception(
+            "deck: the on_checkpoint callback raised for %s step %d; checkpointing goes on",
+            event.chain,
+            event.step,
+        )
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.3f} s"
