@@ -74,7 +74,7 @@ def _events(rank: int, world_size: int, uri: str) -> None:
         assert not ckpt.flush()
         failpoints.configure(None)
         if rank == 0:
-            with pytest.raises(deck.CheckpointError, match="step 11 .* failed"):
+            with pytest.raises(deck.CheckpointError, match=r"step 11 .* failed"):
                 ckpt.wait_for(11)
 
     assert [(e.step, e.kind) for e in events] == [
