@@ -24,38 +24,23 @@ from pydantic import (
 )
 from typing_extensions import Self
 
+import deck.schemes as schemes
 from deck.errors import ConfigError
 
 PAGE_BYTES = 4096
 CHECKPOINT_CONSUMER = "checkpoint"
 PUBLISH_CONSUMER = "publish"
 
-# fsspec protocols whose single-object put makes an object visible whole or not at all: object
-# stores (one PUT, or a multipart/resumable upload that appears only once completed) and
-# memory://. deck.storage's FsspecStorage opens only these; the config refuses the others at
-# construction so a typo or an http:// URI fails where it was written, not when storage opens.
-ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
-KAFKA_PROTOCOL = "kafka"
 
-
-def check_storage_uri(value: str, *, kafka: bool = False) -> str:
-    """Return ``value`` stripped if it is a URI deck's storage opens: a local path, ``file://``,
-    or one of :data:`ATOMIC_PUT_PROTOCOLS` (with ``kafka``, also ``kafka://``); else raise
-    ``ValueError`` saying which schemes are supported (pydantic turns it into a ConfigError
-    naming the field)."""
+def check_storage_uri(value: str, *, publish: bool = False) -> str:
+    """Return ``value`` stripped if it is a URI deck writes to: a local path or a scheme of
+    :mod:`deck.schemes` whose put is atomic (with ``publish``, also a publish sink such as
+    ``kafka://``); else raise ``ValueError`` saying which schemes are supported (pydantic turns
+    it into a ConfigError naming the field)."""
     value = value.strip()
     if not value:
         raise ValueError("must be a non-empty local path or URI such as s3://bucket/prefix")
-    if "://" not in value:
-        return value
-    protocol = value.split("://", 1)[0]
-    allowed = {"file", *ATOMIC_PUT_PROTOCOLS} | ({KAFKA_PROTOCOL} if kafka else set())
-    if protocol not in allowed:
-        raise ValueError(
-            f"scheme {protocol + '://'!r} is not supported: use a local path or one of "
-            f"{', '.join(p + '://' for p in sorted(allowed))} (stores whose put is atomic; "
-            "mount any other store and give its path)"
-        )
+    schemes.lookup(value, "publish" if publish else "storage")
     return value
 
 
@@ -318,7 +303,7 @@ class PublishConfig(Settings):
     @field_validator("uri")
     @classmethod
     def _uri_supported(cls, v: str) -> str:
-        return check_storage_uri(v, kafka=True)
+        return check_storage_uri(v, publish=True)
 
     @field_validator("state_uri")
     @classmethod
@@ -326,9 +311,9 @@ class PublishConfig(Settings):
         uri = info.data.get("uri")  # absent when uri itself was invalid
         if v is not None:
             v = check_storage_uri(v)
-        if uri is not None and uri.startswith(f"{KAFKA_PROTOCOL}://") and not v:
+        if uri is not None and schemes.lookup(uri, "publish").role == "publish" and not v:
             raise ValueError(
-                "a kafka:// publish uri needs state_uri: where the dense and user state and "
+                f"a {schemes.scheme_name(uri)}:// publish uri needs state_uri: where the dense and user state and "
                 "the commit records of each publish go (a shared path or object store URI)"
             )
         return v

@@ -25,7 +25,14 @@ FOLDERS = {
 # What each package may import from deck (besides itself and the shared leaves below). The
 # adapter interface (TableShard, ModelAdapter) is a leaf: restore, export and the trainer see
 # tables only through it; the TorchRec adapters sit on top of the trainer.
-LEAVES = {"deck.errors", "deck.failpoints", "deck.version", "deck.config", "deck.adapters.base"}
+LEAVES = {
+    "deck.errors",
+    "deck.failpoints",
+    "deck.version",
+    "deck.config",
+    "deck.schemes",
+    "deck.adapters.base",
+}
 ALLOWED = {
     "deck.storage": set(),
     "deck.format": {"deck.storage"},
@@ -503,3 +510,41 @@ def test_the_dcp_scan_finds_private_names(tmp_path: Path) -> None:
         "imports torch.distributed.checkpoint.filesystem._StorageInfo",
         "uses dcp._version",
     ], found
+
+
+def _scheme_tests(tree: ast.AST) -> list[int]:
+    """Lines that decide by a URI's scheme string: ``x.startswith("s3://")``, ``x == "kafka://"``,
+    ``parts.scheme != "kafka"``, ``"memory://" in x``."""
+
+    def uri_literal(n: ast.AST) -> bool:
+        return isinstance(n, ast.Constant) and isinstance(n.value, str) and "://" in n.value
+
+    def scheme_attr(n: ast.AST) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr in ("scheme", "protocol")
+
+    lines = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and any(uri_literal(a) for a in node.args)
+        ):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(uri_literal(s) for s in sides) or any(scheme_attr(s) for s in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_scheme_strings_live_in_the_registry_only() -> None:
+    """Which backend a URI opens, and what it can do, is decided by deck.schemes (by
+    capability); no other product module tests a URI's scheme string."""
+    bad = [
+        f"{name}:{line}"
+        for name, path in MODULES.items()
+        if name != "deck.schemes" and not name.startswith("deck.testing")
+        for line in _scheme_tests(ast.parse(path.read_text()))
+    ]
+    assert not bad, f"scheme tests outside deck.schemes: {bad}"

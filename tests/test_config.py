@@ -7,6 +7,7 @@ import pytest
 import deck
 from deck import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import ConfigError
+from deck.storage.fsspec_store import FsspecStorage
 
 
 def test_defaults() -> None:
@@ -61,19 +62,53 @@ def test_supported_uris_accepted(uri: str) -> None:
     assert DeckConfig(uri=uri).uri == uri
 
 
-def test_supported_schemes_are_what_storage_opens() -> None:
-    from deck.config import ATOMIC_PUT_PROTOCOLS
-    from deck.storage.fsspec_store import FsspecStorage
+def test_supported_schemes_are_what_storage_opens(tmp_path: Path) -> None:
+    from deck import schemes
+    from deck.storage import open_storage
 
-    for protocol in ATOMIC_PUT_PROTOCOLS - {"memory"}:  # every other one needs a backend
-        uri = f"{protocol}://bucket/x"
+    stores = [s for s in schemes.registered() if s.role == "storage"]
+    assert {s.name for s in stores} >= {"file", "s3", "gs", "az", "memory"}
+    for scheme in stores:
+        uri = (
+            f"{scheme.name}://{tmp_path}/x"
+            if schemes.is_local(f"{scheme.name}://")
+            else (f"{scheme.name}://bucket/x")
+        )
         DeckConfig(uri=uri)
         try:
-            FsspecStorage(uri)
-        except ConfigError as e:  # a missing backend is fine; a refused protocol is not
+            open_storage(uri)
+        except ConfigError as e:  # a missing backend is fine; a refused scheme is not
             assert "not supported" not in str(e), e
+    for refused in ("http://host/x", "sftp://h/x", "simplecache::s3://b/x", "kafka://h:1/t"):
+        with pytest.raises(ConfigError, match="not supported"):
+            open_storage(refused)
+        with pytest.raises(ConfigError, match="not supported"):
+            DeckConfig(uri=refused)
     with pytest.raises(ConfigError, match="not supported"):
         FsspecStorage("http://host/x")
+
+
+def test_a_registered_scheme_opens_its_own_backend(tmp_path: Path) -> None:
+    from deck import schemes
+    from deck.storage import LocalStorage, Storage, open_storage
+
+    def opener(uri: str, options: dict | None) -> Storage:
+        return LocalStorage(tmp_path / uri.split("://", 1)[1])
+
+    schemes.register(schemes.Scheme("deck-test", opener, atomic_put=True))
+    try:
+        config = DeckConfig(uri="deck-test://run1")
+        storage = open_storage(config.uri)
+        storage.put("a", b"x")
+        assert (tmp_path / "run1" / "a").read_bytes() == b"x"
+        # Refused by capability, not by name: a scheme whose put is not atomic is never written.
+        schemes.register(schemes.Scheme("deck-test", opener, atomic_put=False))
+        with pytest.raises(ConfigError, match="not supported"):
+            DeckConfig(uri="deck-test://run1")
+    finally:
+        schemes.unregister("deck-test")
+    with pytest.raises(ConfigError, match="scheme name"):
+        schemes.register(schemes.Scheme("Bad_Name", opener))
 
 
 def test_path_accepted_as_uri(tmp_path: Path) -> None:

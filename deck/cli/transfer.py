@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 
+import deck.schemes as schemes
 from deck.cli.common import Subparsers, human, open_existing, progress_bar
 
 
@@ -53,7 +54,7 @@ def cmd_follow(a: argparse.Namespace) -> int:
     before writing any file into it."""
     created = not os.path.exists(a.out)
     try:
-        if a.uri.startswith("kafka://"):
+        if schemes.is_publish_sink(a.uri):  # kafka://: its own loading service
             return cmd_follow_kafka(a)
         return _follow_uri(a)
     except BaseException:

@@ -9,6 +9,7 @@ import os
 import uuid
 from typing import Any
 
+import deck.schemes as schemes
 from deck.errors import ConfigError, StorageError
 from deck.storage.base import Storage
 from deck.storage.fsspec_store import FsspecStorage
@@ -25,6 +26,7 @@ __all__ = [
     "Storage",
     "StorageWrapper",
     "check_writable",
+    "open_local",
     "open_storage",
 ]
 
@@ -37,10 +39,11 @@ def open_storage(uri: str, storage_options: dict[str, Any] | None = None) -> Sto
     - A plain path (``~`` expanded, made absolute) or a ``file://`` URI gives a
       :class:`LocalStorage` (atomic rename commit); ``storage_options`` are ignored for it.
     - An object store or memory URI (``s3://``, ``gs://``, ``az://``, ``memory://``: the
-      protocols whose put is atomic, ``fsspec_store.ATOMIC_PUT_PROTOCOLS``) gives an
+      schemes whose put is atomic, registered in :mod:`deck.schemes`) gives an
       :class:`FsspecStorage`, with ``storage_options`` passed to the fsspec filesystem; any
-      other protocol (sftp, ftp, smb, hdfs, http, ...) raises :class:`ConfigError` naming it,
-      since a reader could see a prefix of a file it writes in place. For ``s3://`` the
+      other scheme (sftp, ftp, smb, hdfs, http, ...) raises :class:`ConfigError` naming it,
+      since a reader could see a prefix of a file it writes in place. A scheme registered with
+      :func:`deck.schemes.register` opens its own backend. For ``s3://`` the
       ``storage_options`` are s3fs options, e.g. for an S3-compatible server (MinIO, SeaweedFS)::
 
           open_storage("s3://bucket/run-1", {
@@ -57,12 +60,22 @@ def open_storage(uri: str, storage_options: dict[str, Any] | None = None) -> Sto
     """
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(f"storage URI must be a non-empty string, got {uri!r}")
-    if "://" not in uri or uri.startswith("file://"):
-        path = uri[len("file://") :] if uri.startswith("file://") else uri
-        if storage_options:
-            logger.warning("storage_options %s ignored for local path %s", storage_options, uri)
-        return LocalStorage(os.path.abspath(os.path.expanduser(path)))
-    return FsspecStorage(uri, storage_options)
+    storage = schemes.open_backend(uri, storage_options)
+    if not isinstance(storage, Storage):
+        raise ConfigError(
+            f"storage URI {uri}: the backend registered for its scheme returned "
+            f"{type(storage).__name__}, not a deck.storage.Storage"
+        )
+    return storage
+
+
+def open_local(uri: str, storage_options: dict[str, Any] | None = None) -> LocalStorage:
+    """The :class:`LocalStorage` of a plain path (``~`` expanded, made absolute) or a
+    ``file://`` / ``local://`` URI; ``storage_options`` are ignored (logged)."""
+    path = schemes.path_of(uri)
+    if storage_options:
+        logger.warning("storage_options %s ignored for local path %s", storage_options, uri)
+    return LocalStorage(os.path.abspath(os.path.expanduser(path)))
 
 
 def check_writable(storage: Storage) -> None:

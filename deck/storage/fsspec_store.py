@@ -4,7 +4,7 @@ memory://).
 Object stores have no rename, so ``put`` is one ``pipe_file`` call: a single PUT (or a multipart
 upload that becomes visible only when completed) is all-or-nothing. Filesystems that write a file
 in place (sftp, ftp, smb, hdfs, webdav, http, caching wrappers, ...) would let a reader see a
-prefix of a file being written, so they are refused at open (:data:`ATOMIC_PUT_PROTOCOLS`). Every
+prefix of a file being written, so they are refused at open (:mod:`deck.schemes`). Every
 call is retried on transient failures per a :class:`deck.storage.retry.RetryPolicy`.
 
 An interrupted put leaves no temp object, so :meth:`~deck.storage.base.Storage.prune_temps` is
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.core
 
-from deck.config import ATOMIC_PUT_PROTOCOLS
+import deck.schemes as schemes
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
 from deck.storage.base import Storage, check_folder, check_prefix, is_valid_key, validate_key
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient, status_of
@@ -35,12 +35,6 @@ from deck.storage.retry import RetryPolicy, call_with_retry, is_transient, statu
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
-# ATOMIC_PUT_PROTOCOLS (imported above; defined with the config, which refuses the others at
-# construction): protocols whose ``pipe_file`` makes an object visible whole or not at all.
-# Protocols whose ``pipe_file(mode="create")`` is one conditional request (``If-None-Match: *``).
-_ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 class FsspecStorage(Storage):
@@ -53,7 +47,7 @@ class FsspecStorage(Storage):
         retry: retry policy for transient failures (default :class:`RetryPolicy`()).
         max_workers: threads :meth:`iter_get` and :meth:`delete_prefix` use to overlap requests.
 
-    Only :data:`ATOMIC_PUT_PROTOCOLS` are accepted, so that no reader ever sees a prefix of an
+    Only schemes whose put is atomic (:mod:`deck.schemes`) are accepted, so that no reader ever sees a prefix of an
     object: any other protocol (sftp, ftp, smb, hdfs, webdav, http, chained ``a::b://`` URIs)
     raises :class:`ConfigError` naming the URI and protocol. Local paths are refused too
     (fsspec's local ``pipe_file`` is not atomic): use :class:`deck.storage.local.LocalStorage`
@@ -83,7 +77,7 @@ class FsspecStorage(Storage):
         self._fs: fsspec.AbstractFileSystem = fs
         self._root: str = root.rstrip("/")
         self._uri = uri.rstrip("/")
-        self._protocol = uri.partition("://")[0].lower()
+        self._scheme = schemes.lookup(uri)
         self._retry = retry if retry is not None else RetryPolicy()
         self._max_workers = max_workers
 
@@ -158,7 +152,7 @@ class FsspecStorage(Storage):
     @property
     def atomic_create(self) -> bool:
         """True on S3 (``If-None-Match: *``; AWS S3 and SeaweedFS honour it), False elsewhere."""
-        return self._protocol in _ATOMIC_CREATE_PROTOCOLS
+        return self._scheme.atomic_create
 
     def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the object (shorter if the object ends first)."""
@@ -331,19 +325,19 @@ class FsspecStorage(Storage):
 
 
 def _check_protocol(uri: str) -> None:
-    """Refuse ``uri`` unless its protocol's put is atomic (checked before any backend loads, so
+    """Refuse ``uri`` unless its scheme's put is atomic (checked before any backend loads, so
     the refusal does not depend on what is installed)."""
-    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
-    if protocol in _LOCAL_PROTOCOLS:
+    if schemes.is_local(uri):
         raise ConfigError(
             f"{uri} is a local path: use LocalStorage / open_storage, whose put is an atomic "
             "rename (fsspec's local pipe_file is not)"
         )
-    if protocol not in ATOMIC_PUT_PROTOCOLS:
+    try:
+        schemes.lookup(uri)
+    except ValueError as e:
         raise ConfigError(
-            f"storage URI {uri}: protocol {protocol!r} is not supported: deck writes only where a "
-            "put makes an object visible whole or not at all, so that no reader ever sees a "
-            f"prefix of a file ({', '.join(sorted(ATOMIC_PUT_PROTOCOLS))}), and {protocol!r} may "
-            "write a file in place. Use one of those, or mount the store where its rename is "
-            "atomic (e.g. NFS) and pass the local path: deck then writes a temp file and renames it"
-        )
+            f"storage URI {uri}: {e}. deck writes only where a put makes an object visible "
+            "whole or not at all, so that no reader ever sees a prefix of a file; mount the "
+            "store where its rename is atomic (e.g. NFS) and pass the local path: deck then "
+            "writes a temp file and renames it"
+        ) from e

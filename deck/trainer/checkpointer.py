@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+import deck.schemes as schemes
 from deck.adapters.base import (
     ModelAdapter,
     RemovableHandle,
@@ -131,12 +132,7 @@ class DeltaCheckpointer:
         # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
         # fault-injecting wrapper in tests); everything goes through this one interface.
         self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
-        if self.coord.world_size > 1 and config.uri.startswith("memory://"):
-            raise ConfigError(
-                f"DeckConfig.uri {config.uri!r}: memory:// exists inside one process only, so "
-                "the ranks of a multi-process job cannot see each other's parts; use a shared "
-                "path or object store"
-            )
+        _require_shared(config.uri, "DeckConfig.uri", self.coord.world_size)
         check_writable(self.storage)
         self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
         self._use(optimizers, state)
@@ -260,20 +256,16 @@ class DeltaCheckpointer:
             return None
         # ``publish_storage`` replaces the store of ``publish.uri``, as ``storage`` does for
         # ``uri`` (a custom backend, or a fault-injecting wrapper in tests).
-        kafka = cfg.uri.startswith("kafka://")
-        place = cfg.state_uri if kafka and cfg.state_uri else cfg.uri
+        sink = schemes.lookup(cfg.uri, "publish")
+        sink_only = sink.role == "publish"
+        place = cfg.state_uri if sink_only and cfg.state_uri else cfg.uri
         storage = storage or open_storage(place, cfg.storage_options)
-        if self.coord.world_size > 1 and place.startswith("memory://"):
-            raise ConfigError(
-                f"DeckConfig.publish {place!r}: memory:// exists inside one process only; "
-                "use a shared path or object store"
-            )
-        if kafka:
-            # Table rows go through the topic, the rest to state_uri (deck.trainer.kafka_sink).
-            from deck.trainer.kafka_sink import open_kafka_sink
-
+        _require_shared(place, "DeckConfig.publish", self.coord.world_size)
+        if sink_only:
+            # Table rows go through the sink (kafka: deck.trainer.kafka_sink), the rest to
+            # state_uri.
             timeout_s = self.config.staging.upload_timeout_s
-            storage = open_kafka_sink(cfg, storage, self.coord.world_size, timeout_s)
+            storage = sink.open(cfg, storage, self.coord.world_size, timeout_s)
         check_writable(storage)
         quantize = None if cfg.quantize == "none" else cfg.quantize
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, quantize)
@@ -563,6 +555,16 @@ def enable(
     """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``.
     ``on_checkpoint`` gets each checkpoint's :class:`~deck.trainer.events.CheckpointEvent`."""
     return DeltaCheckpointer(model, optimizers, config, state, on_checkpoint=on_checkpoint)
+
+
+def _require_shared(uri: str, field: str, world_size: int) -> None:
+    """Refuse a store that other processes cannot see (``memory://``) for a multi-rank job."""
+    if world_size > 1 and not schemes.lookup(uri, "publish").shared:
+        raise ConfigError(
+            f"{field} {uri!r}: {schemes.scheme_name(uri)}:// exists inside one process only, so "
+            "the ranks of a multi-process job cannot see each other's parts; use a shared "
+            "path or object store"
+        )
 
 
 def _steps(steps: list[int]) -> str:
