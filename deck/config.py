@@ -260,6 +260,14 @@ class PublishConfig(Settings):
         description="ckpt.step(step) publishes when step % n == 0 (a delta of the rows touched "
         "since the last publish; the first publish, or the one after a failure, is a full).",
     )
+    full_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Publish a full every this many steps (a multiple of every_steps), so that "
+        "a loader that lost a step (Kafka retention, a poison message) moves on at the next "
+        "one. None: a full only when needed (the first publish of a process, after a failure).",
+        json_schema_extra={"constraints": "or None; a multiple of every_steps"},
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Passed to fsspec for the publish URI: credentials, endpoint.",
@@ -304,6 +312,16 @@ class PublishConfig(Settings):
     @classmethod
     def _uri_supported(cls, v: str) -> str:
         return check_storage_uri(v, publish=True)
+
+    @field_validator("full_every_steps")
+    @classmethod
+    def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
+        every = info.data.get("every_steps")  # absent when it was invalid itself
+        if v is not None and every is not None and v % every:
+            raise ValueError(
+                f"must be a multiple of every_steps ({every}) so fulls land on publish steps"
+            )
+        return v
 
     @field_validator("state_uri")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import shutil
@@ -116,8 +117,10 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
     def show(u: FollowUpdate) -> None:
         print(f"step {u.step} ({u.ckpt_id}): {u.how}, {u.seconds:.2f} s -> {a.out}", flush=True)
 
+    # What it started from (a loader full, the run it serves) is worth a line in a service's log
+    logging.getLogger("deck.ops.kafka_follow").setLevel(logging.INFO)
     try:
-        follow_kafka(
+        kf = follow_kafka(
             a.uri,
             a.out,
             once=a.once,
@@ -133,6 +136,13 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return 0
+    held = kf.held()  # --once: say where it stands, even when nothing was new
+    print(
+        f"up to date at step {held[0]} ({held[1]}) -> {a.out}"
+        if held
+        else f"nothing to serve yet: no complete step of this run in {a.uri}",
+        flush=True,
+    )
     return 0
 
 

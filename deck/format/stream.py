@@ -17,6 +17,7 @@ is read (topic, partition, offset), before its bytes reach a chunk decoder.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from deck.errors import ConfigError, CorruptCheckpointError, DeckError
+from deck.errors import ConfigError, CorruptCheckpointError, DeckError, StorageError
 
 STREAM_VERSION = b"1"
 CONTROL_PARTITION = 0
@@ -60,6 +61,33 @@ class KafkaTarget:
     @property
     def uri(self) -> str:
         return f"kafka://{self.bootstrap}/{self.topic}"
+
+
+class _DemotedLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
+        self.logger.debug(msg, *args)
+
+
+def kafka_client_log() -> logging.LoggerAdapter:  # type: ignore[type-arg]
+    """The ``logger`` for deck's Kafka clients (confluent-kafka's config key): librdkafka's own
+    lines (an unreachable broker logs one per retry, hundreds while deck waits) go to the
+    ``deck.kafka.client`` logger at DEBUG; deck reports what failed once, in its own error."""
+    return _DemotedLog(logging.getLogger("deck.kafka.client"), {})
+
+
+def offsets_error(topic: str, bootstrap: str, e: Exception) -> StorageError:
+    """The error for a failed offsets query of ``topic``, saying what to do."""
+    text = str(e)
+    if "UNKNOWN_PARTITION" in text or "UNKNOWN_TOPIC" in text:
+        why = (
+            "the topic does not exist (yet): a publisher creates it at its first publish "
+            "(PublishConfig(uri='kafka://...')); start the trainer first"
+        )
+    elif "ALL_BROKERS_DOWN" in text or "TRANSPORT" in text or "TIMED_OUT" in text:
+        why = f"no broker answers at {bootstrap}; is it running, and is the address right?"
+    else:
+        why = "see the broker's error"
+    return StorageError(f"kafka topic {topic} at {bootstrap}: cannot read offsets ({why}): {text}")
 
 
 def parse_kafka_uri(uri: str) -> KafkaTarget:

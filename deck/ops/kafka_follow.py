@@ -68,13 +68,14 @@ from deck.format.stream import (
     decode_marker,
     decode_segment,
     is_stream_file,
+    kafka_client_log,
     parse_kafka_uri,
     rank_partition,
     valid_run,
 )
 from deck.ops.follow import Follower, FollowUpdate, state_record
 from deck.ops.kafka_full import newest_loader_full, stream_record_path, write_loader_full
-from deck.ops.kafka_guard import QuarantineLog, marker_at, newest_run
+from deck.ops.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import Storage, open_storage
 from deck.storage.base import get_bounded
@@ -159,7 +160,7 @@ class _Reader:
     def __init__(self, conf: dict[str, Any], target: KafkaTarget, partition: int, offset: int):
         from confluent_kafka import Consumer, TopicPartition
 
-        self.topic, self.partition = target.topic, partition
+        self.target, self.topic, self.partition = target, target.topic, partition
         self._tp = TopicPartition(target.topic, partition)
         self.consumer = Consumer(conf)
         low, _ = self.watermarks()
@@ -178,11 +179,7 @@ class _Reader:
         self.ahead: list[Segment] = []
 
     def watermarks(self) -> tuple[int, int]:
-        try:
-            low, high = self.consumer.get_watermark_offsets(self._tp, timeout=10, cached=False)
-        except Exception as e:
-            raise StorageError(f"kafka topic {self.topic}: cannot read offsets: {e}") from e
-        return int(low), int(high)
+        return watermarks(self.consumer, self._tp, self.target)
 
     def poll(self, timeout: float) -> Any | None:
         msg = self.consumer.poll(timeout)
@@ -287,6 +284,7 @@ class KafkaFollower:
         self.conf = {
             "bootstrap.servers": self.target.bootstrap,
             "group.id": group or f"deck-follow-{self.target.topic}",
+            "logger": kafka_client_log(),
             "enable.auto.commit": False,
             # End-of-partition events tell "nothing more" exactly (see _Reader.at_end).
             "enable.partition.eof": True,
@@ -337,6 +335,11 @@ class KafkaFollower:
         self._last: tuple[CheckpointManifest, list[Any]] | None = None  # for write_full
 
     # ---- start ------------------------------------------------------------------------------
+    def held(self) -> tuple[int, str] | None:
+        """(step, checkpoint id) of the state ``out_dir`` holds now, or None."""
+        record = self._record()
+        return None if record is None else (int(record["step"]), str(record["checkpoint"]))
+
     def _record(self) -> dict[str, Any] | None:
         """The held state's record (from the data file: the one atomic switch), or None when
         ``out_dir`` holds no usable state (then a loader full, if any, is started from)."""

@@ -23,7 +23,13 @@ import xxhash
 
 from deck.errors import CorruptCheckpointError, StorageError
 from deck.format.jsonio import load_json
-from deck.format.stream import CONTROL_PARTITION, CorruptStreamError, KafkaTarget, decode_marker
+from deck.format.stream import (
+    CONTROL_PARTITION,
+    CorruptStreamError,
+    KafkaTarget,
+    decode_marker,
+    offsets_error,
+)
 from deck.storage.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -85,12 +91,12 @@ class QuarantineLog:
         return True
 
 
-def _watermarks(c: Any, tp: Any, target: KafkaTarget) -> tuple[int, int]:
+def watermarks(c: Any, tp: Any, target: KafkaTarget) -> tuple[int, int]:
     """The partition's oldest and next offsets, asked of the broker (not a cached answer)."""
     try:
         low, high = c.get_watermark_offsets(tp, timeout=10, cached=False)
     except Exception as e:
-        raise StorageError(f"kafka topic {target.topic}: cannot read offsets: {e}") from e
+        raise offsets_error(target.topic, target.bootstrap, e) from e
     return int(low), int(high)
 
 
@@ -104,7 +110,7 @@ def newest_run(conf: dict[str, Any], target: KafkaTarget) -> tuple[bool, str | N
     tp = TopicPartition(target.topic, CONTROL_PARTITION)
     c = Consumer({**conf, "enable.auto.commit": False})
     try:
-        low, high = _watermarks(c, tp, target)
+        low, high = watermarks(c, tp, target)
         # Read forward from a bounded window before the end: one assign, no seeks back.
         start = max(int(low), int(high) - SCAN_BACK)
         if start >= high:
@@ -143,7 +149,7 @@ def marker_at(conf: dict[str, Any], target: KafkaTarget, offset: int) -> tuple[s
     tp = TopicPartition(target.topic, CONTROL_PARTITION)
     c = Consumer({**conf, "enable.auto.commit": False})
     try:
-        low, high = _watermarks(c, tp, target)
+        low, high = watermarks(c, tp, target)
         if offset >= high:
             return "beyond", None
         if offset < low:

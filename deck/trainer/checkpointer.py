@@ -324,7 +324,8 @@ class DeltaCheckpointer:
 
     def publish(self, step: int | None = None) -> CheckpointStats | None:
         """Publish the rows touched since the last publish as a delta of the publish chain
-        (``DeckConfig.publish``; a full when it has no committed parent), staged in the background
+        (``DeckConfig.publish``; a full when it has no committed parent or ``step`` is a
+        multiple of ``publish.full_every_steps``), staged in the background
         like a checkpoint. ``step()`` calls it every ``publish.every_steps``. Collective.
 
         A failed publish is logged, never raised, and leaves the checkpoint chain alone; the next
@@ -337,8 +338,9 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ConfigError("publish() needs step=... before the first call to step()")
+        full_every = self.config.publish.full_every_steps if self.config.publish else None
         try:
-            return chain.save("delta", step)
+            return chain.save("full" if full_every and step % full_every == 0 else "delta", step)
         except CheckpointError as e:
             chain.parent = None
             logger.error("deck: publish of step %d failed; the next publish is a full: %s", step, e)

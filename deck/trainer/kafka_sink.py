@@ -35,6 +35,7 @@ from deck.format.stream import (
     commit_step,
     file_step,
     is_stream_file,
+    kafka_client_log,
     marker_headers,
     marker_value,
     new_run_id,
@@ -90,11 +91,15 @@ class KafkaSinkStorage(StorageWrapper):
             # A put fails (and is retried by the stager, then fails the publish) rather
             # than waiting forever on an unreachable broker.
             "message.timeout.ms": int(timeout_s * 1000),
+            "logger": kafka_client_log(),
             **(producer_options or {}),
         }
         self._lock = threading.Lock()
         self._producer = _kafka().Producer(self._conf)
-        self._admin_conf: dict[str, Any] = {"bootstrap.servers": target.bootstrap}
+        self._admin_conf: dict[str, Any] = {
+            "bootstrap.servers": target.bootstrap,
+            "logger": kafka_client_log(),
+        }
         self._topic_ok = False
         self._run: str | None = None
 

@@ -71,7 +71,8 @@ def _run(rank: int, world_size: int, ckpt: str, pub: str, out: str, log: str) ->
         uri=ckpt,
         delta_every_steps=6,
         staging=deck.StagingConfig(chunk_bytes=16 * 1024),
-        publish=deck.PublishConfig(uri=pub, every_steps=2),
+        # A periodic publish full at 8, between the follower's reads, on its own schedule
+        publish=deck.PublishConfig(uri=pub, every_steps=2, full_every_steps=8),
     )
     live: dict[int, dict[str, torch.Tensor]] = {}
     with deck.enable(model, [opt], config) as ck:
@@ -92,7 +93,9 @@ def _run(rank: int, world_size: int, ckpt: str, pub: str, out: str, log: str) ->
                 _check_follow_output(model, rank, out, step)
                 dist.barrier()
         assert [s.step for s in ck.published] == list(range(0, LAST + 1, 2))
-        assert [s.kind for s in ck.published] == ["full"] + ["delta"] * (LAST // 2)
+        assert [s.kind for s in ck.published] == [
+            "full" if s % 8 == 0 else "delta" for s in range(0, LAST + 1, 2)
+        ]
         assert [(s.step, s.kind) for s in ck.history] == [(0, "full"), (6, "delta"), (12, "delta")]
 
     # Every published step restores bitwise from the publish URI; every checkpoint from the
@@ -106,20 +109,22 @@ def test_publish_chain_and_follow(tmp_path: Path) -> None:
     out, log = str(tmp_path / "serving"), str(tmp_path / "follow.log")
     run_ranks(_run, ckpt, pub, out, log)
 
-    # The publish URI is an ordinary deck chain: `deck ls` lists a full and deltas every 2 steps.
+    # The publish URI is an ordinary deck chain: `deck ls` lists a full every 8 steps and deltas
+    # every 2 steps between.
     r = _deck("ls", pub, "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert sorted((x["step"], x["kind"]) for x in rows) == [(0, "full")] + [
-        (s, "delta") for s in range(2, LAST + 1, 2)
+    assert sorted((x["step"], x["kind"]) for x in rows) == [
+        (s, "full" if s % 8 == 0 else "delta") for s in range(0, LAST + 1, 2)
     ]
 
-    # The first follow materialised the chain 0, 2, 4; the later ones read only the new deltas.
+    # The first follow materialised the chain 0, 2, 4; the later ones read only what is new: a
+    # delta, the periodic full of step 8 alone, then the deltas after it.
     lines = Path(log).read_text().splitlines()
     assert len(lines) == 4, lines
     assert lines[0].startswith("step 4 ") and ": full, 3 checkpoint(s)" in lines[0]
     assert lines[1].startswith("step 6 ") and ": delta, 1 checkpoint(s)" in lines[1], lines[1]
-    assert lines[2].startswith("step 8 ") and ": delta, 1 checkpoint(s)" in lines[2], lines[2]
+    assert lines[2].startswith("step 8 ") and ": full, 1 checkpoint(s)" in lines[2], lines[2]
     assert lines[3].startswith("step 14 ") and ": delta, 3 checkpoint(s)" in lines[3], lines[3]
 
     # The follower's file holds exactly what `deck export --format safetensors` of the step
