@@ -14,7 +14,7 @@ STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
 .PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka lint ruff mypy bench clean
 
-$(STAMP): pyproject.toml Makefile kernels/_jagged.c
+$(STAMP): pyproject.toml Makefile kernels/_native.c
 	@echo "deck install: setting up $(VENV) (5 steps; about 1 GB to download, several minutes the first time)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile kernels/_jagged.c
 	@echo "  (pip may print 'torchrec ... requires fbgemm-gpu, which is not installed' in red from here on:"
 	@echo "   expected and harmless, $(FBGEMM_$(VARIANT)) provides the same module)"
 	$(BIN)/pip install -q tensordict torchmetrics==1.0.3 tqdm pyre-extensions
-	@echo "deck install [5/5]: deck itself (editable, compiles kernels/_jagged.c) and its test tools"
+	@echo "deck install [5/5]: deck itself (editable, compiles kernels/_native.c) and its test tools"
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 	@echo "deck install: done ($(VENV))"

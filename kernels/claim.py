@@ -4,7 +4,7 @@
 checkpoint claims consumer ``c``'s rows: the ascending positions whose byte has bit ``c``, and
 clears that bit. It runs on the training thread inside the checkpoint stall, over every tracked
 row (millions), while a delta touches a few percent of them: the native kernel
-(``claim_bit`` in ``kernels/_jagged.c``) tests eight rows per load and writes only the hits; the
+(``claim_bit`` in ``kernels/_native.c``) tests eight rows per load and writes only the hits; the
 torch fallback (same result) makes a masked copy of the map, ``nonzero`` and an ``index_put``.
 
 That pass still reads the whole map, so its cost grows with the table, not the delta. The tracker

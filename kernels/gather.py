@@ -1,7 +1,7 @@
 """The snapshot's copy: selected rows of a table's states into a chunk buffer.
 
 A delta's rows lie pages apart in tables far larger than the cache, so the copy is a string of
-cache and TLB misses. ``gather_rows`` in ``kernels/_jagged.c`` prefetches the rows a few places
+cache and TLB misses. ``gather_rows`` in ``kernels/_native.c`` prefetches the rows a few places
 ahead of the one it copies, overlapping those misses (torch's ``index_select`` copies them one
 after another), and copies every state of a row in the same pass (a rowwise optimizer state's
 misses overlap the weight's instead of costing a second pass). It runs on contiguous CPU
@@ -18,7 +18,7 @@ import torch
 
 from . import native
 
-MAX_STATES = 16  # GATHER_STATES in _jagged.c: states copied in one pass
+MAX_STATES = 16  # GATHER_STATES in _native.c: states copied in one pass
 
 
 RowSource = tuple[np.ndarray, int]  # a table state as flat bytes, and the bytes of one row

@@ -3,7 +3,8 @@
 Packages are layers by process role; a package imports only the packages listed for it, so a
 merger worker or an offline tool never loads the training-process code, and there are no
 import cycles between modules (inside a package, not even through imports for type checking
-only). No module imports or reads a private (``_``) name of another deck module.
+only). No module imports or reads a private (``_``) name of another deck module. Every module of
+deck.kernels and every function of its C extension is used by the product, not only by tests.
 """
 
 from __future__ import annotations
@@ -140,6 +141,90 @@ def test_merge_and_ops_never_import_the_trainer() -> None:
     for mod, deps in GRAPH.items():
         if _package(mod) in ("deck.merge", "deck.ops"):
             assert not {d for d in deps if d.startswith("deck.trainer")}, mod
+
+
+# ---- deck.kernels holds only what the product runs (issue 36 item 5) ----------------------------
+
+KERNELS = "deck.kernels"
+NATIVE_SOURCE = ROOT / "kernels" / "_native.c"
+
+
+def _is_kernel(module: str) -> bool:
+    return module.startswith(KERNELS + ".")
+
+
+def _product_reach(graph: dict[str, set[str]]) -> set[str]:
+    """The modules the product loads: everything imported, directly or through other modules,
+    by a module of deck/ or adapters/ outside deck.kernels, except the test helpers
+    (deck.testing); tests and benchmarks are not in ``graph`` at all."""
+    roots = [
+        m for m in graph if not _is_kernel(m) and m != KERNELS and not m.startswith("deck.testing")
+    ]
+    seen: set[str] = set()
+    todo = [d for m in roots for d in graph[m]]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, set())
+    return seen
+
+
+def _dead_kernels(graph: dict[str, set[str]]) -> list[str]:
+    reach = _product_reach(graph)
+    return sorted(m for m in graph if _is_kernel(m) and m not in reach)
+
+
+def test_every_kernel_module_is_used_by_the_product() -> None:
+    dead = _dead_kernels(GRAPH)
+    assert not dead, (
+        "modules of deck.kernels that no product module (deck/, adapters/) reaches: only tests "
+        f"or benchmarks call them; use them in the product or remove them: {dead}"
+    )
+
+
+def test_the_kernel_usage_scan_finds_a_dead_module() -> None:
+    graph = {
+        "deck.trainer.tracker": {"deck.kernels.claim"},
+        "deck.kernels.claim": {"deck.kernels.native"},  # reached through claim
+        "deck.kernels.native": set(),
+        "deck.kernels.dead": {"deck.kernels.native"},  # imported by no one
+        "deck.kernels.helper": set(),  # imported by dead only
+        "deck.kernels.for_tests": set(),  # imported by a test helper only
+        "deck.testing.synth": {"deck.kernels.for_tests"},
+    }
+    graph["deck.kernels.dead"].add("deck.kernels.helper")
+    assert _dead_kernels(graph) == [
+        "deck.kernels.dead",
+        "deck.kernels.for_tests",
+        "deck.kernels.helper",
+    ]
+
+
+def test_every_native_function_is_called_by_a_used_kernel_module() -> None:
+    # The C extension's methods table: {"name", function, METH_VARARGS, ...}.
+    table = NATIVE_SOURCE.read_text().split("PyMethodDef methods[]", 1)[1].split("};", 1)[0]
+    names = {line.split('"')[1] for line in table.splitlines() if "METH_" in line}
+    assert names, "no methods table found in kernels/_native.c"
+    called = {
+        n.attr
+        for m in _product_reach(GRAPH)
+        if _is_kernel(m)
+        for n in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(n, ast.Attribute)
+    }
+    assert not names - called, (
+        f"functions of kernels/_native.c no product kernel module calls: {sorted(names - called)}"
+    )
+
+
+def test_the_kernels_package_imports_nothing_eagerly() -> None:
+    # A caller loads the kernel it uses and the native loader, nothing else.
+    assert not GRAPH[KERNELS], GRAPH[KERNELS]
+    code = "import sys, deck.kernels.claim; print(sorted(m for m in sys.modules if m.startswith('deck.kernels')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(out.stdout.strip())) - {"deck.kernels._native"}
+    assert loaded == {KERNELS, "deck.kernels.claim", "deck.kernels.native"}, loaded
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -1,142 +1,19 @@
-/* The CPU bitmap kernel of deck.kernels.jagged_unique: mark, scan and clear in one native pass.
+/* deck's native CPU kernels (the extension deck.kernels._native; loaded by kernels/native.py).
+ * Each function is called by one module of deck.kernels, on the training path:
  *
- * One bit per row: table t owns ceil(bound[t] / 64) 64-bit words of `bits`, so the map of a
- * 1M-row table is 128 KiB and stays in cache while its ids are marked (numpy's byte map is 8x
- * larger and needs separate mark, flatnonzero, clear and subtract passes). A table's ids are
- * marked, then its words are scanned: a zero word (most of a sparse map) costs one load, a set
- * bit becomes an output id (count-trailing-zeros), and each word is cleared as it is read, so the
- * map is all zero again when the call returns. The GIL is released: the Python side runs groups
- * of tables on worker threads, each with its own words.
+ *   claim_bit, claim_blocks  the tracker's claim over its byte map (kernels/claim.py)
+ *   mark_rows, clear_rows    the tracker's compaction and its claim from the journal (claim.py)
+ *   gather_rows              the snapshot's copy of rows into chunk buffers (kernels/gather.py)
+ *   bloom_fill               a chunk's row index: min, max, Bloom bits (kernels/bloom.py)
  *
- * mark_scan(ptrs, lens, pieces, itemsize, bounds, bits, out, counts) -> (ids written, bad table)
- *   ptrs, lens  int64 (P,): addresses and lengths (in ids of `itemsize` bytes, 4 or 8) of
- *               contiguous id arrays ("pieces": a jagged tensor's table slices, or per-batch id
- *               tensors); the caller keeps them alive and unchanged for the call
- *   pieces      int64 (T+1,): table t's ids are in pieces [pieces[t], pieces[t+1]) (absolute
- *               indices into ptrs)
- *   bounds      int64 (T,): every id of table t must be in [0, bounds[t])
- *   bits        uint64, all zero, at least sum(ceil(bounds[t] / 64)) words; all zero again after
- *   out         int64, at least as many entries as the tables have ids: each table's distinct ids,
- *               ascending, back to back
- *   counts      int64 (T,): how many ids of `out` belong to each table
- * An id outside its table's bound stops the call: the words are cleared and the table's index is
- * returned as `bad` (else -1) so that the caller can name it.
+ * Each checks its arguments (buffer sizes, the bit, row positions) and releases the GIL for its
+ * loop. Without this extension (no C compiler at install) each caller runs its fallback: torch
+ * for the claim and the copy, numpy for the row index (deck/format/rowindex.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-
-/* Emit (ascending) and clear every set bit of words[0, n); returns how many. */
-static int64_t scan_clear(uint64_t *words, int64_t n, int64_t *out)
-{
-    int64_t k = 0;
-    for (int64_t w = 0; w < n; ++w) {
-        uint64_t x = words[w];
-        if (!x)
-            continue;
-        words[w] = 0;
-        do {
-            out[k++] = (w << 6) + __builtin_ctzll(x);
-            x &= x - 1;
-        } while (x);
-    }
-    return k;
-}
-
-/* Words of a table of `bound` rows, ceil(bound / 64), without overflow for any bound >= 0. */
-static inline int64_t words_for(int64_t bound) { return bound / 64 + (bound % 64 != 0); }
-
-#define MARK(TYPE)                                                            \
-    do {                                                                      \
-        for (int64_t p = pieces[t]; p < pieces[t + 1] && bad < 0; ++p) {      \
-            const TYPE *ids = (const TYPE *)(uintptr_t)ptrs[p];               \
-            for (int64_t i = 0; i < lens[p]; ++i) {                           \
-                uint64_t id = (uint64_t)(int64_t)ids[i];                      \
-                if (id >= (uint64_t)bound) { bad = t; break; }                \
-                table_bits[id >> 6] |= (uint64_t)1 << (id & 63);              \
-            }                                                                 \
-        }                                                                     \
-    } while (0)
-
-static PyObject *mark_scan(PyObject *self, PyObject *args)
-{
-    Py_buffer ptrs_b, lens_b, pieces_b, bounds_b, bits_b, out_b, counts_b;
-    int itemsize;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*iy*w*w*w*", &ptrs_b, &lens_b, &pieces_b, &itemsize,
-                          &bounds_b, &bits_b, &out_b, &counts_b))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t word = (Py_ssize_t)sizeof(int64_t);
-    Py_ssize_t num_tables = counts_b.len / word, num_pieces = ptrs_b.len / word;
-    const int64_t *ptrs = ptrs_b.buf, *lens = lens_b.buf, *pieces = pieces_b.buf;
-    const int64_t *bounds = bounds_b.buf;
-    /* What the buffers hold; every sum below is checked against them before it is added, so
-     * no argument (a bound near 2**63, lengths summing past it) can overflow or reach past a
-     * buffer. The public wrappers check too; this is the private entry point's own guard. */
-    const int64_t bit_words = bits_b.len / word, out_room = out_b.len / word;
-    int64_t words_needed = 0, ids_total = 0;
-    if ((itemsize != 4 && itemsize != 8) || lens_b.len != ptrs_b.len || ptrs_b.len % word ||
-        pieces_b.len != (num_tables + 1) * word || bounds_b.len != num_tables * word ||
-        counts_b.len % word || ((uintptr_t)bits_b.buf & 7) || ((uintptr_t)out_b.buf & 7)) {
-        PyErr_SetString(PyExc_ValueError, "mark_scan: inconsistent arguments");
-        goto done;
-    }
-    for (Py_ssize_t t = 0; t < num_tables; ++t) {
-        if (bounds[t] < 0 || pieces[t] < 0 || pieces[t + 1] < pieces[t] ||
-            pieces[t + 1] > num_pieces) {
-            PyErr_SetString(PyExc_ValueError, "mark_scan: bad bound or piece range");
-            goto done;
-        }
-        if (words_for(bounds[t]) > bit_words - words_needed) {
-            PyErr_SetString(PyExc_ValueError, "mark_scan: bits buffer too small for the bounds");
-            goto done;
-        }
-        words_needed += words_for(bounds[t]);
-        for (int64_t p = pieces[t]; p < pieces[t + 1]; ++p) {
-            if (lens[p] < 0) {
-                PyErr_SetString(PyExc_ValueError, "mark_scan: negative piece length");
-                goto done;
-            }
-            if (lens[p] > out_room - ids_total) {
-                PyErr_SetString(PyExc_ValueError, "mark_scan: out buffer too small for the ids");
-                goto done;
-            }
-            ids_total += lens[p];
-        }
-    }
-    uint64_t *bits = bits_b.buf;
-    int64_t *out = out_b.buf, *counts = counts_b.buf;
-    int64_t written = 0, bad = -1, first_word = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < num_tables; ++t) {
-        int64_t bound = bounds[t], words = words_for(bound);
-        uint64_t *table_bits = bits + first_word;
-        if (itemsize == 8)
-            MARK(int64_t);
-        else
-            MARK(int32_t);
-        if (bad >= 0) {
-            memset(bits, 0, (size_t)(first_word + words) * sizeof(uint64_t));
-            break;
-        }
-        counts[t] = scan_clear(table_bits, words, out + written);
-        written += counts[t];
-        first_word += words;
-    }
-    Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(LL)", (long long)written, (long long)bad);
-done:
-    PyBuffer_Release(&ptrs_b);
-    PyBuffer_Release(&lens_b);
-    PyBuffer_Release(&pieces_b);
-    PyBuffer_Release(&bounds_b);
-    PyBuffer_Release(&bits_b);
-    PyBuffer_Release(&out_b);
-    PyBuffer_Release(&counts_b);
-    return result;
-}
 
 /* Rows [i, hi) of a claim: with count_only, counts the rows whose byte has `bit` (changing
  * nothing); else writes them to out[k..] and clears the bit in them. Returns the new k; sets
@@ -641,8 +518,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"mark_scan", mark_scan, METH_VARARGS,
-     "Mark, scan and clear a group of tables' slices of a byte map (see the file's comment)."},
     {"claim_bit", claim_bit, METH_VARARGS,
      "The tracker's claim: rows whose byte has a bit, ascending, and clear it (see above)."},
     {"claim_blocks", claim_blocks, METH_VARARGS,
@@ -659,8 +534,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_jagged", "Native CPU bitmap kernel of deck.kernels.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "Native CPU kernels of deck.kernels.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__jagged(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
