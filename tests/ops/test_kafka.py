@@ -17,8 +17,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from deck.testing.dist_harness import run_ranks
 from deck.testing.kafka_broker import TansuBroker
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = ModelSpec(
     num_tables=3, rows=300, dim=16, batch=32, sharding="column_wise", data_parallel_tables=(2,)
 )
@@ -362,3 +365,52 @@ def test_message_over_producer_limit(broker: TansuBroker, tmp_path: Path) -> Non
     c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "limits-check"})
     assert c.get_watermark_offsets(TopicPartition("limits", 1), timeout=10)[1] == 0
     c.close()
+
+
+def test_local_broker_walkthrough_of_the_docs(broker: TansuBroker, tmp_path: Path) -> None:
+    """docs/operations.md, "Run a broker locally", as a user runs it: follow before anything was
+    published says so (one line, exit 2, no librdkafka noise), the example publisher runs under
+    torchrun, and `deck follow --once` serves its last step."""
+    topic = f"kafka://{broker.bootstrap}/walk-{uuid.uuid4().hex[:8]}"
+    r = _deck("follow", topic, "--out", str(tmp_path / "early"), "--once")
+    assert r.returncode == 2 and "does not exist (yet)" in r.stderr, r.stderr
+    assert "rdkafka" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "docs/examples/kafka_publish.py"),
+            topic,
+            str(tmp_path / "pub"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    serving = tmp_path / "serving"
+    r = _deck("follow", topic, "--out", str(serving), "--once", "--format", "parquet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "up to date at step 20 " in r.stdout, r.stdout
+    assert json.loads((serving / "state.json").read_text())["step"] == 20
+    # Periodic publish fulls (full_every_steps=10) are in the chain the loader applied.
+    fulls = sorted(p.name for p in (serving / "parquet").iterdir() if p.name.endswith("-full"))
+    assert fulls, list((serving / "parquet").iterdir())
+    # Up to date: a second --once says where it stands, and changes nothing.
+    r = _deck("follow", topic, "--out", str(serving), "--once")
+    assert r.returncode == 0 and "up to date at step 20 " in r.stdout, r.stdout + r.stderr
+
+
+def test_follow_with_no_broker_fails_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _deck("follow", f"kafka://127.0.0.1:{port}/t", "--out", str(tmp_path / "o"), "--once")
+    assert r.returncode == 2 and "no broker answers at 127.0.0.1" in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
