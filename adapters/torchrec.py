@@ -40,6 +40,7 @@ from deck.adapters.torchrec_optim import (
     check_dense_leaf,
     flatten,
     fused_leaves,
+    global_shape,
     local_shards,
     wrapper_state,
     wrappers,
@@ -193,7 +194,7 @@ class TorchRecAdapter(ModelAdapter):
         for key in sorted(self._tables):
             info = self._tables[key]
             weight = sd[key]
-            num_rows, num_cols = (int(s) for s in weight.size())
+            num_rows, num_cols = global_shape(weight)
             wshards = sorted(local_shards(weight), key=lambda s: tuple(s.metadata.shard_offsets))
             # Optimizer states are ShardedTensors with one local shard per weight shard, in column
             # order (column-wise rowwise states are laid out shard after shard).
@@ -276,7 +277,8 @@ class TorchRecAdapter(ModelAdapter):
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         sd = self.model.state_dict()
-        return {k: (int(sd[k].size(0)), int(sd[k].size(1))) for k in sorted(self._tables)}
+        shapes = {k: global_shape(sd[k]) for k in sorted(self._tables)}
+        return {k: (rows, cols) for k, (rows, cols) in shapes.items()}
 
     def replicated_tables(self) -> dict[str, torch.Tensor]:
         sd = self.model.state_dict()

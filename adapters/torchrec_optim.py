@@ -4,6 +4,7 @@ optimizer must pass at enable."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from deck.adapters.base import WrapperState
@@ -20,6 +21,17 @@ from torchrec.optim.keyed import CombinedOptimizer, OptimizerWrapper
 from torchrec.optim.warmup import WarmupOptimizer
 
 from deck.errors import UnsupportedError
+
+
+def global_shape(t: Any) -> tuple[int, ...]:
+    """The whole (global) shape of a table's state-dict tensor. TorchRec's state dict still
+    hands out ShardedTensors, whose every ``size()`` warns that torch deprecates them: the
+    warning is TorchRec's to act on, and silenced here so that deck adds none of its own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
+        return tuple(int(s) for s in t.size())
 
 
 def local_shards(t: Any) -> list[Any]:

@@ -96,3 +96,25 @@ def _chain_pause_eval(rank: int, world_size: int, uri: str) -> None:
 
 def test_tenants_chaining_pause_eval(tmp_path: Path) -> None:
     run_ranks(_chain_pause_eval, str(tmp_path))
+
+
+def _warnings_of_deck(rank: int, world_size: int, uri: str) -> None:
+    import warnings
+
+    model, opt = build_model(SPEC)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=2)) as ckpt:
+            for step in range(1, 5):
+                train_step(model, opt, SPEC, step)
+                ckpt.step(step)
+            ckpt.restore()
+    # TorchRec's own warnings may come (planner, DDP); none may point at deck's source.
+    root = str(Path(deck.__file__).resolve().parents[1])
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.filename.startswith(root)]
+    assert not ours, ours
+    dist.barrier()
+
+
+def test_deck_raises_no_warning_of_its_own(tmp_path: Path) -> None:
+    run_ranks(_warnings_of_deck, str(tmp_path / "ckpt"))
