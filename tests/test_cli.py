@@ -281,10 +281,19 @@ def test_merge_and_gc_say_what_they_do(ckpt: Path, tmp_path: Path) -> None:
     shutil.copytree(ckpt, copy)
     m = _deck("merge", str(copy), "--once", "--stride", "2", "--full-every", "1")
     assert m.returncode == 0, m.stdout + m.stderr
-    # the launch line (which worker, from where) once, not again in the summary
-    assert (m.stdout + m.stderr).count("worker 0 of 1") == 1, m.stdout + m.stderr
+    # the launch line (which worker, from where) once; the summary says who did what
+    assert (m.stdout + m.stderr).count("worker 0 of 1 (from") == 1, m.stdout + m.stderr
+    assert "committed by worker 0 of 1," in m.stdout, m.stdout
     full = next(p for p in (copy / "merged").iterdir() if p.name.startswith("F-"))
     before = sorted(p for p in copy.rglob("*") if p.is_file())
+    # Everything is minutes old: the default grace period holds it all back, and says so.
+    g = _deck("gc", str(copy), "--dry-run")
+    assert g.returncode == 0 and "would delete 0 checkpoint(s)" in g.stdout, g.stdout + g.stderr
+    held = re.search(
+        r"held back by the grace period \(--grace 3600 s\): \d+ checkpoint\(s\), (\d+) orphan",
+        g.stdout,
+    )
+    assert held and int(held.group(1)) > 0, g.stdout
     g = _deck("gc", str(copy), "--dry-run", "--grace", "0")
     assert g.returncode == 0, g.stdout + g.stderr
     # what goes from a merged full's folder is its stray files, not the checkpoint

@@ -37,8 +37,9 @@ Exit codes (for scripts), the same for every command:
        differences (doctor), work left undone (merge work waiting or failed, gc errors or
        things gc kept because of damage)
     2  a usage error (bad arguments, an export target that is not empty), nothing there (a URI
-       that does not exist, no checkpoints, an unknown step, table or row) or an error that
-       stopped the command (storage unreachable, ...)
+       that does not exist, no checkpoints, an unknown step, table or row, a step no valid
+       chain reaches: e.g. through a quarantined checkpoint, which the message names) or an
+       error that stopped the command (storage unreachable, ...)
 
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a

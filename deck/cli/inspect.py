@@ -254,8 +254,14 @@ def cmd_lineage(a: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"no restorable step at {a.uri} (see the table above)")
     total = chain_bytes(chain)
     print(f"cheapest chain of step {step} ({len(chain)} checkpoints, {human(total)}):")
+    prev = None
     for m in chain:
-        print(f"  {m.kind.value:>6} {m.covers[0]}..{m.covers[1]}  {m.folder}")
+        # The trainer's checkpoint of a step a merged full covers holds the same rows: a
+        # restore reads only its dense and extra state (uncounted in the total above).
+        same = prev is not None and m.state == prev.state
+        note = "  (same rows as above: its dense and extra state only)" if same else ""
+        print(f"  {m.kind.value:>6} {m.covers[0]}..{m.covers[1]}  {m.folder}{note}")
+        prev = m
     return 0
 
 

@@ -117,6 +117,14 @@ def cmd_merge(a: argparse.Namespace) -> int:
     _merge_config(a, 0, 1)  # validate the options before starting anything
     indices = [first * k + j for j in range(k)]
     total = hosts * k
+    if k > 1:  # the launch line named this process's slot; say which workers it runs
+        logging.getLogger("deck.merge.launch").info(
+            "deck merge: runs workers %d..%d of %d (--workers %d)",
+            indices[0],
+            indices[-1],
+            total,
+            k,
+        )
     t0 = time.perf_counter()
     tally = _MergeTally()
     if k == 1:
@@ -124,9 +132,9 @@ def cmd_merge(a: argparse.Namespace) -> int:
     else:
         code = _run_workers(a, indices, total, tally)
     tally.close()
-    # Which workers these are was logged once at launch (deck.merge.launch); not repeated here.
+    who = f"worker {indices[0]}" if k == 1 else f"workers {indices[0]}..{indices[-1]}"
     print(
-        f"deck merge: {tally.committed} checkpoint(s) committed by {k} worker(s), "
+        f"deck merge: {tally.committed} checkpoint(s) committed by {who} of {total}, "
         f"{tally.partitions} partition(s) built, in {time.perf_counter() - t0:.1f} s"
         + ("; some work is left (see the warnings above)" if code == 1 else "")
     )
@@ -223,6 +231,12 @@ def cmd_gc(a: argparse.Namespace) -> int:
         f"{rep.files} files, {human(rep.bytes)}"
         + (f"; kept {len(rep.kept)} because of damage (KEPT above)" if rep.kept else "")
     )
+    if rep.grace_held or rep.grace_held_orphans:
+        print(
+            f"held back by the grace period (--grace {a.grace:g} s): {rep.grace_held} "
+            f"checkpoint(s), {rep.grace_held_orphans} orphan(s); a later run deletes them "
+            "(--grace 0 when nothing runs on this URI)"
+        )
     return 1 if rep.errors or rep.kept else 0  # damage kept things: someone must look
 
 

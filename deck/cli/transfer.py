@@ -217,7 +217,7 @@ def follow_parser(sub: Subparsers) -> None:
     kafka.add_argument(
         "--full-uri",
         help="fsspec URI where loader fulls go: deck full checkpoints of the held state (deck "
-        "verify checks them, DeckConfig(uri=...).restore() restores them) with the stream offsets "
+        "verify checks them, deck.enable(model, [opt], DeckConfig(uri=URI)).restore() restores them) with the stream offsets "
         "they cover; an empty --out starts from the newest one",
     )
     kafka.add_argument(

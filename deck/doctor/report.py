@@ -99,7 +99,7 @@ class DoctorReport:
         if self.passed:
             return (
                 f"deck doctor: PASS: step {self.steps} restored bitwise on {self.ranks} ranks "
-                f"({sum(self.checked.values())} entries compared) and steps {first}..{last} gave "
+                f"({sum(self.checked.values())} entries compared, all ranks) and steps {first}..{last} gave "
                 "the losses of never stopping"
             )
         by_kind: dict[str, set[int]] = defaultdict(set)

@@ -185,7 +185,10 @@ def _check_rank(plan: DoctorPlan, rank: int) -> dict[str, Any]:
     with _phase("deck", f"restore of step {k}"):
         restored = ckpt.restore(k)
     differences = compare(live, _capture(fresh, "capturing the restored state"))
-    say(f"[5/5] compared {sum(count(live).values())} entries; training steps {k + 1}..{k + m} on")
+    say(
+        f"[5/5] compared {sum(count(live).values())} entries on this rank; training steps "
+        f"{k + 1}..{k + m} on"
+    )
     after = _train(fresh, ckpt, range(k + 1, k + 2))
     differences = recheck_created_buffers(differences, live, fresh.model)
     after += _train(fresh, ckpt, range(k + 2, k + m + 1))

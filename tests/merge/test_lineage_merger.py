@@ -695,7 +695,7 @@ def test_workers_option_runs_processes(tmp_path: Path) -> None:
     p = _deck("merge", str(root), *MERGE_ARGS, "--workers", "2", "--gc", "--grace", "600")
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, out + err
-    assert "committed by 2 worker(s)" in out
+    assert "committed by workers 0..1 of 2" in out
     storage = LocalStorage(root)
     assert latest_restorable(read_manifests(storage)) == 24
     assert check_all_restore(storage, history)[-1] == 24

@@ -283,3 +283,29 @@ def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
             missing = [k for k in files if not storage.exists(k)]
             assert not missing, f"a restore of step {step} via {chain} lost {missing[:3]}"
     check_all_restore(storage, history)
+
+
+def test_gc_logs_each_problem_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged delta makes later steps unrestorable; GC replays the lineage at every moment of
+    its grace period, and still says each thing once."""
+    import logging
+
+    from deck.merge.worker import MergeWorker
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(5):
+        tr.train()
+        tr.save()
+    m = read_manifests(storage)[3]
+    chunk = sorted((tmp_path / "ck" / m.folder).rglob("*.chunk"))[0]
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    MergeWorker(storage, MergeConfig(stride=2, full=FullPolicy(every=None))).run_once(wait_s=0)
+    assert m.id in read_manifests(storage).quarantined
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        collect_garbage(storage, RetentionPolicy(grace_s=3600), dry_run=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings, "the unrestorable steps are worth a warning"
+    assert len(warnings) == len(set(warnings)), warnings

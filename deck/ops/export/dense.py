@@ -38,7 +38,9 @@ def eager_state(
     opt_state = _dense_optimizer_state(extra, skipped)
     _add_scalar_states(opt_state, storage, last, parts, extra)
     if extra.get("user") is not None:
-        skipped.append("user state (read it with DeltaCheckpointer.restore)")
+        skipped.append(
+            "user state (a restore gives it back: deck.enable(model, [opt], config, state=...).restore(step))"
+        )
     return {"model": model, "optim": {"state": opt_state}}
 
 

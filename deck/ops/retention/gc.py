@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from deck.errors import DeckError, NotFoundError
@@ -58,6 +58,9 @@ class GcReport:
     errors: list[str] = field(default_factory=list)
     # (folder, why): what the rules alone would delete, kept because something is damaged
     kept: list[tuple[str, str]] = field(default_factory=list)
+    # What the rules would delete but the grace period holds back (a later run deletes it)
+    grace_held: int = 0  # checkpoints
+    grace_held_orphans: int = 0  # orphan folders or stray files
 
 
 def file_age_s(storage: Storage, key: str, now: float) -> float | None:
@@ -117,6 +120,49 @@ def collect_garbage(
     trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
     ``progress(folder)`` is called before each checkpoint is deleted.
     """
+    with warned_once(_READERS):
+        return _collect(storage, policy, dry_run=dry_run, now=now, progress=progress)
+
+
+# The loggers whose warnings (a step that is not restorable, a skipped merged checkpoint) a GC
+# run would otherwise repeat once per moment of the grace period it replays.
+_READERS = ("deck.read.lineage", "deck.read.catalog", "deck.ops.retention.plan")
+
+
+class _Once(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+@contextlib.contextmanager
+def warned_once(names: tuple[str, ...]) -> Iterator[None]:
+    """Inside the block, each distinct message of the loggers ``names`` is logged once."""
+    once, loggers = _Once(), [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addFilter(once)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(once)
+
+
+def _collect(
+    storage: Storage,
+    policy: RetentionPolicy | None,
+    *,
+    dry_run: bool,
+    now: float | None,
+    progress: Callable[[str], None] | None,
+) -> GcReport:
     gc = _Collector(
         storage,
         policy if policy is not None else RetentionPolicy(),
@@ -181,11 +227,16 @@ class _Collector:
             dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
         )
         self.report.kept = [(self._label(i), why) for i, why in sorted(plan.held.items())]
+        self.report.grace_held = self._grace_held(plan)
 
     def _doomed(self, plan: RetentionPlan) -> dict[str, str]:
         """id -> why, for every checkpoint of ``plan.delete`` that the grace period allows."""
         protected = plan.keep | self.protected
         return {cid: why for cid, why in plan.delete.items() if cid not in protected}
+
+    def _grace_held(self, plan: RetentionPlan) -> int:
+        """How many checkpoints ``plan`` deletes that the grace period keeps for now."""
+        return sum(1 for cid in plan.delete if cid in self.protected and cid not in plan.keep)
 
     def _checked_plan(self, listing: set[str]) -> tuple[RetentionPlan, dict[str, str]]:
         """The retention plan and what it deletes now, once every kept merger checkpoint that
@@ -372,6 +423,7 @@ class _Collector:
         """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
         of them is older than the grace period."""
         if not _old_enough(self.storage, keys, self.policy.grace_s, self.now):
+            self.report.grace_held_orphans += 1
             return
         self.report.orphans.append((prefix, why))
         self.report.files += len(keys)
@@ -389,6 +441,7 @@ class _Collector:
         """Delete those of ``keys`` (stray files in a committed folder) older than the grace
         period."""
         old = [k for k in keys if _old_enough(self.storage, [k], self.policy.grace_s, self.now)]
+        self.report.grace_held_orphans += len(old) < len(keys)
         if not old:
             return
         self.report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
