@@ -1,5 +1,2 @@
-"""Model adapters: everything that knows a particular embedding implementation lives here."""
-
-from deck.adapters.base import ModelAdapter, RemovableHandle, TableShard
-
-__all__ = ["ModelAdapter", "RemovableHandle", "TableShard"]
+"""Model adapters: everything that knows a particular embedding implementation lives here (the
+interface they implement is :mod:`deck.model`). Nothing here imports the trainer."""

@@ -1,22 +1,19 @@
-"""Enable deck through the model wrapper: a TorchRec ``DistributedModelParallel`` that takes a
+"""The TorchRec half of the model wrapper: a ``DistributedModelParallel`` that takes a
 ``DeckConfig`` beside TorchRec's own arguments (as TorchRec 1.8 turns its trackers on with
-``model_tracker_configs``) and exposes the checkpointer as ``model.deck``.
+``model_tracker_configs``) and carries a checkpointer as ``model.deck``. The wrapper users get,
+:class:`deck.DeckDistributedModelParallel` (``deck/trainer/wrapper.py``), builds on it and says
+which checkpointer; nothing here imports the trainer.
 
-Why the checkpointer is made in ``__init__`` and the dense optimizers attach later: building
-the checkpointer is collective (writability check, writer lease, recovery of spooled parts), and
-the wrapper's constructor is a point every rank reaches together anyway (TorchRec plans the
-sharding collectively there). Creating it lazily on first access to ``model.deck`` would run
-those collectives wherever a rank first touches the attribute (say, a log line on rank 0 only)
-and hang. The dense optimizer, though, is built from ``model.named_parameters()``, so it exists
-only after the wrapper: ``model.deck.attach(optimizers, state)`` (local, not collective) hands
-it over, and the first checkpoint or restore refuses to run until it has (``attach([])`` for a
-model without dense optimizer), instead of silently leaving dense optimizer state out.
+What it knows of TorchRec: the constructor plans the sharding collectively, so the config is
+checked before it and the checkpointer (collective too) made right after it, a point every rank
+reaches together; ``init_torchrec_delta_tracker`` installs TorchRec's tracker with setters that
+replace the sharded modules' lookup callbacks, so the checkpointer is told to chain its hooks in
+again; ``copy`` deep-copies the model, so the copy must not take the checkpointer along.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -24,101 +21,21 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from deck.config import DeckConfig
 from deck.errors import ConfigError
-from deck.trainer.checkpointer import DeltaCheckpointer, UserState
-from deck.trainer.staging import CheckpointStats
-
-if TYPE_CHECKING:  # typing only: the checkpointer builds the adapter
-    from deck.adapters.torchrec import TorchRecAdapter
-
-logger = logging.getLogger(__name__)
 
 
-class ModelCheckpointer(DeltaCheckpointer):
-    """The :class:`~deck.DeltaCheckpointer` of a :class:`DeckDistributedModelParallel`
-    (``model.deck``): the same methods, plus :meth:`attach` for what is built after the model."""
-
-    def __init__(
-        self, model: nn.Module, optimizers: Any, config: DeckConfig, state: UserState | None
-    ):
-        super().__init__(model, [] if optimizers is None else optimizers, config, state)
-        self._attached = optimizers is not None
-        self._installed = self._callbacks()
-
-    def attach(self, optimizers: Any, state: UserState | None = None) -> ModelCheckpointer:
-        """Checkpoint ``optimizers`` (the dense ones; the fused embedding optimizers are found
-        through the model) and, if given, ``state`` (``state_dict()``/``load_state_dict()`` or a
-        ``(get, set)`` pair) from now on. Local, not collective; call it on every rank before the
-        first checkpoint or restore. Pass ``[]`` when the model has no dense optimizer."""
-        self._use(optimizers, state)
-        self._attached = True
-        return self
-
-    def _require_attached(self, what: str) -> None:
-        if not self._attached:
-            raise ConfigError(
-                f"model.deck.{what}() at {self.storage.uri}: no dense optimizers given yet; call "
-                "model.deck.attach(optimizers, state) after building them (attach([]) when the "
-                "model has none), or pass deck_optimizers= to DeckDistributedModelParallel. "
-                "Otherwise checkpoints would miss the dense optimizer state."
-            )
-
-    def _callbacks(self) -> list[tuple[Any, Any]]:
-        modules = cast("TorchRecAdapter", self.adapter).sharded_modules().values()
-        return [(m, m.post_lookup_tracker_fn) for m in modules]
-
-    def _check_hooks(self) -> None:
-        """Something (e.g. a TorchRec tracker built on the model directly) replaced deck's
-        callbacks since they were installed: rows looked up since then were not tracked, so
-        the next checkpoint and publish are fulls; tracking is chained in again."""
-        if not self.tracking or all(m.post_lookup_tracker_fn is fn for m, fn in self._installed):
-            return
-        logger.warning(
-            "deck: another tracker replaced deck's lookup hooks on %s; deck chains in again and "
-            "takes a full (rows looked up in between were not tracked)",
-            self.storage.uri,
-        )
-        self.break_chains()
-        self.retrack()
-
-    def save(self, kind: Any = "delta", *, step: int | None = None) -> CheckpointStats | None:
-        self._require_attached("save")
-        self._check_hooks()
-        return super().save(kind, step=step)
-
-    def publish(self, step: int | None = None) -> CheckpointStats | None:
-        self._require_attached("publish")
-        self._check_hooks()
-        return super().publish(step)
-
-    def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
-        self._require_attached("restore")
-        return super().restore(step, allow_fallback=allow_fallback)
-
+class Retracking(Protocol):
     def retrack(self) -> None:
-        """Install the tracking hooks again, chained after whatever callbacks the sharded
-        modules hold now (TorchRec's setters replace a callback instead of chaining)."""
-        if not self.tracking:
-            return  # closed: nothing to track
-        self._reinstall_tracking()
-        self._installed = self._callbacks()
+        """Install the tracking hooks again, behind whatever callbacks the model holds now."""
 
 
-class DeckDistributedModelParallel(DistributedModelParallel):
-    """TorchRec's :class:`DistributedModelParallel` with deck delta checkpoints turned on by
-    ``deck_config``; the checkpointer is ``model.deck`` (``step``, ``restore``, ``save``,
-    ``flush``, ``pause``, ``close``, ``attach``).
+C = TypeVar("C", bound=Retracking)
 
-    Every other argument is TorchRec's, passed through unchanged (``model_tracker_configs``
-    included: TorchRec's trackers and deck's chain their hooks). ``deck_optimizers`` and
-    ``deck_state`` are optional here because the dense optimizer is usually built from the
-    wrapped model's parameters: give them later with ``model.deck.attach(optimizers, state)``.
-    Construction is collective (every rank, as for TorchRec's planning); so are ``step``,
-    ``save``, ``restore``, ``flush`` and ``close``.
 
-    The wrapper adds no module, parameter or buffer: ``state_dict()``, ``named_parameters()``
-    and the ``_dmp_wrapped_module`` prefixes are exactly those of a plain
-    ``DistributedModelParallel`` of the same module, so TorchRec and DCP code sees no difference.
-    """
+class CheckpointedModelParallel(DistributedModelParallel, Generic[C]):
+    """TorchRec's :class:`DistributedModelParallel` with a checkpointer made by
+    :meth:`_make_checkpointer` once TorchRec's constructor is done. ``deck_config`` is required,
+    ``deck_optimizers`` and ``deck_state`` are handed to the checkpointer; every other argument
+    is TorchRec's, passed through unchanged. Adds no module, parameter or buffer."""
 
     def __init__(
         self,
@@ -126,7 +43,7 @@ class DeckDistributedModelParallel(DistributedModelParallel):
         *args: Any,
         deck_config: DeckConfig,
         deck_optimizers: Any = None,
-        deck_state: UserState | None = None,
+        deck_state: Any = None,
         **kwargs: Any,
     ):
         if not isinstance(deck_config, DeckConfig):  # before TorchRec's (collective) sharding
@@ -135,12 +52,14 @@ class DeckDistributedModelParallel(DistributedModelParallel):
             )
         super().__init__(module, *args, **kwargs)
         # A plain attribute (not a module): invisible to state_dict / named_parameters.
-        self._deck: ModelCheckpointer | None = ModelCheckpointer(
-            self, deck_optimizers, deck_config, deck_state
-        )
+        self._deck: C | None = self._make_checkpointer(deck_optimizers, deck_config, deck_state)
+
+    def _make_checkpointer(self, optimizers: Any, config: DeckConfig, state: Any) -> C:
+        """The checkpointer of this model (collective: every rank builds it here)."""
+        raise NotImplementedError
 
     @property
-    def deck(self) -> ModelCheckpointer:
+    def deck(self) -> C:
         """This model's checkpointer."""
         if self._deck is None:
             # Not AttributeError: nn.Module.__getattr__ would replace the message.

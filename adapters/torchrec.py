@@ -16,14 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from deck.adapters.base import (
-    ModelAdapter,
-    Optimizers,
-    RemovableHandle,
-    TableShard,
-    hyperparameters,
-    load_hyperparameters,
-)
 from deck.adapters.tensor_slots import TensorSlots
 from deck.adapters.torchrec_compat import (
     called_lookups,
@@ -63,7 +55,15 @@ from torchrec.distributed.mc_embedding_modules import (
 from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from deck.errors import IncompatibleModelError, UnsupportedError
-from deck.trainer.tracker import TrackerStore
+from deck.model import (
+    ModelAdapter,
+    Optimizers,
+    RemovableHandle,
+    RowRecorder,
+    TableShard,
+    hyperparameters,
+    load_hyperparameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -380,23 +380,25 @@ class TorchRecAdapter(ModelAdapter):
 
     # ---- tracking --------------------------------------------------------------------------
     def install_tracking(
-        self, store: TrackerStore, shards: list[TableShard], is_active: Callable[[nn.Module], bool]
+        self, store: RowRecorder, shards: list[TableShard], is_active: Callable[[nn.Module], bool]
     ) -> RemovableHandle:
         bases = {(s.table, s.row_offset, s.col_offset): s.track_base for s in shards}
         by_name = {(t.module_path, t.name): t.table for t in self._tables.values()}
-        undo: list[Callable[[], None]] = []
+        hooks: list[RemovableHandle] = []
         for path, module in self.sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
-            undo.append(chain_hooks(module, called_lookups(module), key_plans, store, is_active))
+            hooks.append(chain_hooks(module, called_lookups(module), key_plans, store, is_active))
         logger.info(
-            "deck tracking installed on %d sharded module(s), %d rows", len(undo), store.num_rows
+            "deck tracking installed on %d sharded module(s), %d rows",
+            len(hooks),
+            sum(s.rows for s in shards),
         )
 
         def remove() -> None:
-            for u in undo:
-                u()
+            for h in hooks:
+                h.remove()
 
-        return RemovableHandle(remove)
+        return RemovableHandle(remove, lambda: all(h.intact() for h in hooks))
 
     def _key_plans(
         self,

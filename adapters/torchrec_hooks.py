@@ -11,29 +11,35 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from deck.trainer.tracker import TrackerStore
+from deck.model import RemovableHandle, RowRecorder
 
 
 def chain_hooks(
     module: Any,
     lookup_modules: list[nn.Module],
     key_plans: list[torch.Tensor | None],
-    store: TrackerStore,
+    store: RowRecorder,
     is_active: Callable[[nn.Module], bool],
-) -> Callable[[], None]:
+) -> RemovableHandle:
     """Install track/compact on ``module``, calling whatever callbacks were there before.
 
     ``key_plans[i]`` holds the tracker base of each KJT key of ``lookup_modules[i]`` (None:
     nothing to track). The post-lookup callback is not told which lookup ran, and two lookups
     can see the same keys (tables of different sharding types reading one feature), so a
     forward pre-hook on each lookup module records which one is running.
+
+    The handle's ``intact()`` is False once something replaced the lookup callback (TorchRec's
+    setters replace instead of chaining). A callback someone chained after deck's keeps calling
+    deck's after ``remove()``: from then on deck's only pass the call on to the callbacks before
+    them and no longer hold ``store`` or ``is_active`` (a bound method of the checkpointer), so
+    tracking stops and the closed checkpointer's tracker and buffers can be freed, whoever
+    holds the setter.
     """
     prev_lookup = module.post_lookup_tracker_fn
     prev_odist = module.post_odist_tracker_fn
     running: list[int | None] = [None]
-    # Cleared by remove(): a callback someone chained after deck's keeps calling it, and then it
-    # only passes the call on (tracking must stop with close(), whoever holds the setter).
-    live = [True]
+    # Cleared by remove().
+    target: list[tuple[RowRecorder, Callable[[nn.Module], bool]] | None] = [(store, is_active)]
 
     def entering(i: int) -> Callable[..., None]:
         def pre_hook(_mod: nn.Module, _args: Any) -> None:
@@ -47,7 +53,8 @@ def chain_hooks(
         if prev_lookup is not None:
             prev_lookup(features, embs, mod, raw_ids)
         i, running[0] = running[0], None
-        if not live[0] or not is_active(module) or i is None:
+        held = target[0]
+        if held is None or i is None or not held[1](module):
             return
         bases = key_plans[i]
         if bases is None or features.values().numel() == 0:
@@ -60,13 +67,14 @@ def chain_hooks(
         offsets = torch.repeat_interleave(
             bases.to(values.device), per_key, output_size=values.numel()
         )
-        store.record(values.to(torch.int64) + offsets)
+        held[0].record(values.to(torch.int64) + offsets)
 
     def on_odist() -> None:
         if prev_odist is not None:
             prev_odist()
-        if live[0]:
-            store.compact()
+        held = target[0]
+        if held is not None:
+            held[0].compact()
 
     # The setters keep one callback each and warn when replacing one: clear, then register our
     # chained callback so a tracker installed before us (e.g. TorchRec's) keeps working.
@@ -76,7 +84,7 @@ def chain_hooks(
     module.register_post_odist_tracker_fn(on_odist)
 
     def remove() -> None:
-        live[0] = False
+        target[0] = None
         for h in handles:
             h.remove()
         if module.post_lookup_tracker_fn is on_lookup:
@@ -84,4 +92,7 @@ def chain_hooks(
         if module.post_odist_tracker_fn is on_odist:
             module.post_odist_tracker_fn = prev_odist
 
-    return remove
+    def intact() -> bool:
+        return module.post_lookup_tracker_fn is on_lookup
+
+    return RemovableHandle(remove, intact)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from deck.adapters.base import WrapperState
 from deck.adapters.torchrec_compat import (
     clipping_steps,
     in_backward_optimized,
@@ -21,6 +20,7 @@ from torchrec.optim.keyed import CombinedOptimizer, OptimizerWrapper
 from torchrec.optim.warmup import WarmupOptimizer
 
 from deck.errors import UnsupportedError
+from deck.model import WrapperState
 
 
 def global_shape(t: Any) -> tuple[int, ...]:

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
 from deck.format.manifest import CheckpointManifest, Kind, RankManifest
+from deck.model import TableShard
 from deck.storage import LocalStorage, Storage
 from deck.trainer.staging import CheckpointStats, PendingPart, Stager
 from deck.trainer.writer import RankPartWriter, commit

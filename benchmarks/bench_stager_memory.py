@@ -2,7 +2,7 @@
 4 GiB model: the goal is <= chunks_in_flight x chunk_bytes + 64 MiB, the same for both sizes.
 
 To fit a 2-core, 24 GiB machine the model is synthetic: ``--tables`` plain-tensor
-``deck.adapters.base.TableShard``s (weight rows x 64 fp32 + momentum1 rows fp32) of the given
+``deck.model.TableShard``s (weight rows x 64 fp32 + momentum1 rows fp32) of the given
 total size, driven through ``deck.trainer.staging.Stager`` + ``deck.trainer.writer.RankPartWriter`` exactly as
 ``DeltaCheckpointer.save`` does (PendingPart, ``stager.begin``, ``RankPartWriter(sink=staged)``,
 ``write_part``, ``wait_written``, ``enqueue``, ``flush``): a FULL checkpoint (every row), rank 0
@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 from _workload import save_full
-from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
+from deck.model import TableShard
 from deck.storage import Storage, open_storage
 from deck.trainer.staging import Stager
 

@@ -51,10 +51,10 @@ from typing import Any
 
 import torch
 from _workload import save_full, williams_order
-from deck.adapters.base import TableShard
 
 from deck.config import StagingConfig
 from deck.format.chunks import ChunkLayout
+from deck.model import TableShard
 from deck.storage import Storage, open_storage
 from deck.trainer.staging import Stager
 

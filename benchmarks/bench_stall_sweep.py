@@ -33,7 +33,8 @@ import time
 
 import torch
 from _workload import one_table_chain
-from deck.adapters.base import TableShard
+
+from deck.model import TableShard
 
 ROWS = [1_000_000, 4_000_000, 16_000_000, 64_000_000, 256_000_000]
 DELTA_AT = 80_000  # rows per delta for the rows sweep (bench_stall's delta per rank)

@@ -46,13 +46,13 @@ from deck.read.lineage import LineageGraph, lineage_graph
 from deck.version import __version__
 
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
-    from deck.adapters.dmp import DeckDistributedModelParallel
     from deck.doctor import DoctorSetup, run_doctor
     from deck.format.quantize import QuantizedStateError
     from deck.format.stream import CorruptStreamError, MessageTooLargeError, StreamGapError
     from deck.trainer.checkpointer import DeltaCheckpointer, enable
     from deck.trainer.events import CheckpointEvent
     from deck.trainer.staging import CheckpointStats
+    from deck.trainer.wrapper import DeckDistributedModelParallel
 
 __all__ = [
     "CheckpointError",
@@ -98,7 +98,7 @@ _LAZY = {
     "enable": "deck.trainer.checkpointer",
     "CheckpointStats": "deck.trainer.staging",
     "CheckpointEvent": "deck.trainer.events",
-    "DeckDistributedModelParallel": "deck.adapters.dmp",
+    "DeckDistributedModelParallel": "deck.trainer.wrapper",
     "DoctorSetup": "deck.doctor",  # deck doctor: the check of a user's own setup
     "run_doctor": "deck.doctor",
     # error classes defined with the formats they guard (DeckError subclasses all)

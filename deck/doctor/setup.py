@@ -94,7 +94,7 @@ def build_setup(entry: str) -> DoctorSetup:
         )
     if not callable(setup.train_step):
         raise DoctorError(f"{entry}: DoctorSetup.train_step must be a function train_step(step)")
-    from deck.adapters.dmp import DeckDistributedModelParallel
+    from deck.trainer.wrapper import DeckDistributedModelParallel
 
     if isinstance(setup.model, DeckDistributedModelParallel):
         raise DoctorError(

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.failpoints import failpoint
 from deck.format.jsonio import load_json
 from deck.format.manifest import CheckpointManifest
 from deck.format.safetensors import preamble, write_tensor
+from deck.model import TableShard
 from deck.ops.export import (
     ShardGeometry,
     StepState,

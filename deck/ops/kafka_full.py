@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
@@ -48,6 +47,7 @@ from deck.format.manifest import (
     table_dir,
 )
 from deck.merge.stream import ChunkOut
+from deck.model import TableShard
 from deck.read.catalog import read_manifests
 from deck.storage import Storage
 

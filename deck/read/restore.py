@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import treecodec
 from deck.format.checksum import checksum
@@ -28,6 +27,7 @@ from deck.format.manifest import (
 )
 from deck.format.quantize import QuantizedStateError
 from deck.format.statefile import EXTRA_MAPPINGS, is_scalar_key
+from deck.model import TableShard
 from deck.read.catalog import checkpoint_label, read_rank_manifests
 from deck.storage import Storage
 

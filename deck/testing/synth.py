@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deck.adapters.base import TableShard
 from deck.format.manifest import CheckpointManifest, Kind
 from deck.format.statefile import scalar_key
+from deck.model import TableShard
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
@@ -178,8 +178,8 @@ class SynthTrainer:
         """Continue from saved ``step`` (as a restore would): a new epoch, a new timeline."""
         saved = self.saved[step]
         for s in self.shards:
-            for name, v in s.states.items():
-                v.copy_(saved.state[f"{shard_key(s)}|{name}"])
+            for name, t in s.states.items():
+                t.copy_(saved.state[f"{shard_key(s)}|{name}"])
         for v in self.touched.values():
             v.clear()
         self.parent = (step, saved.id)

@@ -50,11 +50,11 @@ from typing import Any, Literal
 import torch
 import xxhash
 
-from deck.adapters.base import ModelAdapter, TableShard
 from deck.config import StagingConfig
 from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format.manifest import Kind
+from deck.model import ModelAdapter, TableShard
 from deck.read.lineage import needs_new_full
 from deck.storage import Storage
 from deck.trainer.coordination import Coordinator, gather_votes

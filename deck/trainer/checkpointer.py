@@ -12,12 +12,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 import deck.schemes as schemes
-from deck.adapters.base import (
-    ModelAdapter,
-    RemovableHandle,
-    TableShard,
-    hyperparameters,
-)
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
     CheckpointError,
@@ -27,6 +21,12 @@ from deck.errors import (
     StorageError,
 )
 from deck.format.statefile import scalar_key
+from deck.model import (
+    ModelAdapter,
+    RemovableHandle,
+    TableShard,
+    hyperparameters,
+)
 from deck.read.catalog import (
     read_manifests,
 )
@@ -163,7 +163,8 @@ class DeltaCheckpointer:
     def _use(self, optimizers: Any, state: UserState | None) -> None:
         """Checkpoint ``optimizers`` (the dense ones, through the adapter) and, when given,
         ``state`` from now on: at construction, or later for a subclass whose optimizers are
-        built after it (``ModelCheckpointer.attach``). Local, not collective."""
+        built after it (:meth:`deck.trainer.wrapper.ModelCheckpointer.attach`). Local, not
+        collective."""
         self._optimizers = self.adapter.optimizers(optimizers)
         if state is not None:
             self._state = user_state_pair(state)
@@ -172,6 +173,12 @@ class DeltaCheckpointer:
     def tracking(self) -> bool:
         """Whether the tracking hooks are installed (until :meth:`close`)."""
         return self._hooks is not None
+
+    def _hooks_replaced(self) -> bool:
+        """Whether something replaced the tracking hooks since they were installed (e.g. a
+        tracker whose setter does not chain), so lookups since then went untracked; False once
+        closed."""
+        return self._hooks is not None and not self._hooks.intact()
 
     def _reinstall_tracking(self) -> None:
         """Install the tracking hooks again, chained after whatever callbacks the model holds
@@ -523,6 +530,8 @@ class DeltaCheckpointer:
 
 
 def _default_adapter(model: torch.nn.Module) -> ModelAdapter:
+    """TorchRec's adapter, for a model given without one; imported here, on first use, so that
+    a checkpointer with its own adapter never loads TorchRec."""
     from deck.adapters.torchrec import TorchRecAdapter
 
     return TorchRecAdapter(model)  # type: ignore[arg-type]

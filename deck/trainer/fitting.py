@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard, load_hyperparameters
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.format.statefile import scalar_key
+from deck.model import TableShard, load_hyperparameters
 from deck.read.catalog import read_rank_manifests
 from deck.read.restore import read_state_file, span
 from deck.storage import Storage

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import ModelAdapter, Optimizers, copy_dense_state
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleModelError,
 )
+from deck.model import ModelAdapter, Optimizers, copy_dense_state
 from deck.read.catalog import ManifestSet, damaged_records, read_manifests, read_rank_manifests
 from deck.read.lineage import best_valid_chain, chain_for, latest_restorable
 from deck.read.restore import RestoreStats, apply_chain, read_state_file

@@ -19,7 +19,6 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from deck.adapters.base import TableShard
 from deck.errors import ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format import treecodec
@@ -54,6 +53,7 @@ from deck.format.quantize import (
 from deck.format.rowindex import build_index
 from deck.kernels.bloom import bloom_fill
 from deck.kernels.gather import RowSource, gather_into, gather_rows, row_sources
+from deck.model import TableShard
 from deck.storage import Storage
 
 DENSE_FILE = "dense.safetensors"

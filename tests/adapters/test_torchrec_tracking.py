@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -73,24 +75,36 @@ def _chain_pause_eval(rank: int, world_size: int, uri: str) -> None:
         assert module.post_lookup_tracker_fn == trec.record_lookup
         assert module.post_odist_tracker_fn == trec.trigger_compaction
 
-    # A callback chained after deck's (it calls deck's) cannot be unhooked by close(): deck's
-    # callbacks then only pass the call on, so tracking still stops at close().
+    # Callbacks chained after deck's (they call deck's) cannot be unhooked by close(): deck's
+    # then only pass the call on, so tracking still stops at close(), the later callbacks (and
+    # TorchRec's before deck's) keep working, and deck's no longer hold the checkpointer.
     ck2 = deck.enable(model, [opt], deck.DeckConfig(uri=f"{uri}-2", delta_every_steps=1000))
-    calls = []
+    calls: list[str] = []
     for module in trec.tracked_modules.values():
-        deck_fn = module.post_lookup_tracker_fn
+        deck_lookup, deck_odist = module.post_lookup_tracker_fn, module.post_odist_tracker_fn
 
-        def later(features, embs, mod, raw_ids, _deck=deck_fn):  # type: ignore[no-untyped-def]
-            calls.append(1)
+        def later(features, embs, mod, raw_ids, _deck=deck_lookup):  # type: ignore[no-untyped-def]
+            calls.append("lookup")
             _deck(features, embs, mod, raw_ids)
 
+        def later_odist(_deck=deck_odist):  # type: ignore[no-untyped-def]
+            calls.append("odist")
+            _deck()
+
         module.post_lookup_tracker_fn = later
+        module.post_odist_tracker_fn = later_odist
     train_step(model, opt, SPEC, 8)
-    assert calls and any(_touched(ck2, CHECKPOINT_CONSUMER).values())
+    assert {"lookup", "odist"} <= set(calls)
+    assert any(_touched(ck2, CHECKPOINT_CONSUMER).values())
+    tracker = weakref.ref(ck2.tracker)
     ck2.close()
     calls.clear()
     train_step(model, opt, SPEC, 9)
-    assert calls and all(not v for v in _touched(ck2, CHECKPOINT_CONSUMER).values())
+    assert {"lookup", "odist"} <= set(calls)
+    assert all(not v for v in _touched(ck2, CHECKPOINT_CONSUMER).values())
+    del ck2
+    gc.collect()
+    assert tracker() is None, "a callback chained behind deck's keeps its tracker alive"
     dist.barrier()
 
 

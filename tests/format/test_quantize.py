@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from deck.adapters.base import TableShard
 
 from deck.errors import ConfigError, CorruptCheckpointError, IncompatibleModelError
 from deck.format.chunks import decode_chunk
@@ -19,6 +18,7 @@ from deck.format.manifest import ChunkRecord, RankManifest, Segment, load_model
 from deck.format.quantize import QuantizedStateError, decode_rows, encode_rows
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
+from deck.model import TableShard
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from deck.adapters.base import TableShard
 from safetensors.torch import load_file, save_file
 
 import deck
@@ -23,6 +22,7 @@ from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_st
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import Kind
 from deck.format.statefile import scalar_key
+from deck.model import TableShard
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from deck.adapters.base import TableShard
 
 import deck
 from deck.config import StagingConfig
+from deck.model import TableShard
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain

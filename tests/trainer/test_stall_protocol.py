@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from deck.adapters.base import TableShard
 
 import deck
 from deck.config import StagingConfig
 from deck.demo import ModelSpec, build_model, train_step
+from deck.model import TableShard
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.staging import full_part_info

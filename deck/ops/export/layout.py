@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from deck.adapters.base import TableShard
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
 from deck.format.chunks import DTYPES
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
+from deck.model import TableShard
 from deck.ops.export.dense import eager_state, table_name
 from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain

@@ -1,7 +1,9 @@
-"""The interface between deck and one embedding implementation.
+"""What deck sees of a model: the interface between deck and one embedding implementation.
 
-Everything that knows a particular model type (TorchRec DMP today) lives behind
-:class:`ModelAdapter`; the checkpointer, format and restore only see :class:`TableShard`.
+Everything that knows a particular model type (TorchRec DMP today: ``adapters/``) lives behind
+:class:`ModelAdapter`; the checkpointer, format and restore only see :class:`TableShard`. An
+adapter's tracking hooks write into a :class:`RowRecorder` (the trainer's tracker store), so
+adapters need nothing of the trainer and the trainer nothing of a particular adapter.
 """
 
 from __future__ import annotations
@@ -9,14 +11,25 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from deck.errors import IncompatibleModelError
 
-if TYPE_CHECKING:  # the interface names the trainer's store; adapters are called by the trainer
-    from deck.trainer.tracker import TrackerStore
+
+class RowRecorder(Protocol):
+    """Where tracking hooks put the rows a lookup touched (the trainer's
+    :class:`~deck.trainer.tracker.TrackerStore`): positions in the flat row space of the tracked
+    shards, each shard's rows from its :attr:`TableShard.track_base` on."""
+
+    def record(self, positions: torch.Tensor) -> None:
+        """Rows ``positions`` (int64, any order, duplicates allowed) were looked up; called on
+        the hot path (after each lookup), so it must not synchronise with the device."""
+
+    def compact(self) -> None:
+        """Fold what :meth:`record` got so far into the store (called after the lookup's
+        output distribution, overlapping its AllToAll)."""
 
 
 @dataclass
@@ -89,16 +102,24 @@ class Optimizers:
 
 
 class RemovableHandle:
-    """Undo for something an adapter installed (e.g. tracking hooks)."""
+    """Undo for something an adapter installed (e.g. tracking hooks), and whether it is still
+    in place."""
 
-    def __init__(self, remove: Callable[[], None]):
+    def __init__(self, remove: Callable[[], None], intact: Callable[[], bool] | None = None):
         self._remove: Callable[[], None] | None = remove
+        self._intact = intact
 
     def remove(self) -> None:
         """Remove it; a second call does nothing."""
         if self._remove is not None:
             self._remove()
             self._remove = None
+
+    def intact(self) -> bool:
+        """False when something replaced what was installed since (e.g. another tracker's
+        setter replaced a lookup callback, so lookups go untracked); True when the adapter
+        cannot tell, and once removed."""
+        return self._remove is None or self._intact is None or self._intact()
 
 
 class ModelAdapter(abc.ABC):
@@ -156,12 +177,15 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def install_tracking(
         self,
-        store: TrackerStore,
+        store: RowRecorder,
         shards: list[TableShard],
         is_active: Callable[[torch.nn.Module], bool],
     ) -> RemovableHandle:
         """Record looked-up rows of every tracked shard into ``store``; chains with any hook
-        already installed. ``is_active(module)`` is asked at each lookup (pause, eval)."""
+        already installed. ``is_active(module)`` is asked at each lookup (pause, eval). After
+        the handle's ``remove()`` nothing is recorded and neither ``store`` nor ``is_active``
+        is held, even where something that chained itself behind these hooks still calls them;
+        its ``intact()`` says whether they are still the ones the model calls."""
 
 
 def hyperparameters(opt: Any) -> list[dict[str, Any]]:
