@@ -27,7 +27,7 @@ from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.history import row_history
 from deck.read.catalog import read_manifests, read_rank_manifests
-from deck.storage import LocalStorage
+from deck.storage import LocalStorage, open_storage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for rank in (0, 1, 10, 100, 1000, 10_000, a.rows - 1):
             row = rank * 0x9E3779B1 % a.rows
             t1 = time.perf_counter()
-            h = row_history(uri, table, row)
+            h = row_history(open_storage(uri), table, row)
             dt = time.perf_counter() - t1
             print(
                 f"| {row} ({rank}) | {len(h.steps)} | {h.chunks_present} | **{h.chunks_read}** | "

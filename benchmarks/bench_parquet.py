@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             order = list(exports) if r % 2 == 0 else list(reversed(exports))
             for name in order:
                 out = os.path.join(work, f"{name}-{r}")
-                state = StepState(storage.uri, 0)
+                state = StepState(storage, 0)
                 t0 = time.perf_counter()
                 exports[name](state, out)
                 dt = time.perf_counter() - t0

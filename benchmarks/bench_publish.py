@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from deck.demo import free_port
     from deck.ops.follow import Follower
+    from deck.storage import open_storage
 
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "results.json")
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         # The loading service on the last publish chain: materialise, then catch up.
         pub_uri = next(r["pub_uri"] for r in reversed(res) if r["publish"])
         serve = os.path.join(work, "serve")
-        f0 = Follower(pub_uri, serve)
+        f0 = Follower(open_storage(pub_uri), serve)
         u = f0.catch_up()
         print(
             f"follow (fresh): step {u.step}, {len(u.applied)} checkpoints, "
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = read_manifests(f0.storage)
         chain = cheapest_chain(build_graph(ms, f0.storage.uri), u.step)
         older = os.path.join(work, "serve-old")
-        f1 = Follower(pub_uri, older)
+        f1 = Follower(open_storage(pub_uri), older)
         prev = chain[-2].step
         f1.materialise(prev)
         u1 = f1.catch_up()

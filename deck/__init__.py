@@ -23,6 +23,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from deck import errors
+from deck.api import lineage_graph, list_checkpoints
 from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import (
     CheckpointError,
@@ -41,8 +42,8 @@ from deck.errors import (
     UnsupportedError,
 )
 from deck.read import lineage
-from deck.read.catalog import CheckpointInfo, list_checkpoints
-from deck.read.lineage import LineageGraph, lineage_graph
+from deck.read.catalog import CheckpointInfo
+from deck.read.lineage import LineageGraph
 from deck.version import __version__
 
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers

@@ -637,3 +637,24 @@ def test_scheme_strings_live_in_the_registry_only() -> None:
         for line in _scheme_tests(ast.parse(path.read_text()))
     ]
     assert not bad, f"scheme tests outside deck.schemes: {bad}"
+
+
+# Where a URI may become a Storage (with its storage_options): the command line, the top-level
+# convenience functions, the storage factory itself, the doctor (deck.run_doctor, a top-level
+# entry) and test helpers. The trainer gets its URIs from its config, not as parameters.
+URI_EDGES = ("deck.cli", "deck.api", "deck.storage", "deck.doctor", "deck.testing", "deck.schemes")
+
+
+def test_no_storage_options_parameter_below_the_edges() -> None:
+    """Library functions take a Storage; only the edges open URIs (issue 36)."""
+    bad = []
+    for name, path in MODULES.items():
+        if any(name == e or name.startswith(e + ".") for e in URI_EDGES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+                if "storage_options" in names:
+                    bad.append(f"{name}.{node.name}")
+    assert not bad, f"take a Storage instead of a URI and storage_options: {bad}"

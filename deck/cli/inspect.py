@@ -123,10 +123,10 @@ def cmd_report(a: argparse.Namespace) -> int:
     from deck.ops.report import write_report
     from deck.read.catalog import list_checkpoints
 
-    open_existing(a.uri, a.storage_options)
-    if not list_checkpoints(a.uri, a.storage_options):  # nothing to draw: no empty page
+    storage = open_existing(a.uri, a.storage_options)
+    if not list_checkpoints(storage):  # nothing to draw: no empty page
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: no report written")
-    rep = write_report(a.uri, a.out, a.storage_options)
+    rep = write_report(storage, a.out)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
     return 0
 
@@ -208,8 +208,7 @@ def cmd_history(a: argparse.Namespace) -> int:
     """Run ``deck history`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.history import row_history
 
-    open_existing(a.uri, a.storage_options)
-    h = row_history(a.uri, a.table, a.row, a.storage_options)
+    h = row_history(open_existing(a.uri, a.storage_options), a.table, a.row)
     if a.json:
         print(json.dumps(h.to_dict(), indent=1))
         return 0
@@ -231,8 +230,7 @@ def cmd_lineage(a: argparse.Namespace) -> int:
     """Run ``deck lineage`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.read.lineage import chain_bytes, cheapest_chain, lineage_graph
 
-    open_existing(a.uri, a.storage_options)
-    graph = lineage_graph(a.uri, a.storage_options)
+    graph = lineage_graph(open_existing(a.uri, a.storage_options))
     if not graph.nodes:
         raise CheckpointNotFoundError(f"no committed checkpoints at {a.uri}")
     step = a.step if a.step is not None else graph.latest()

@@ -11,14 +11,14 @@ import time
 
 import deck.schemes as schemes
 from deck.cli.common import Subparsers, human, open_existing, progress_bar
+from deck.storage import open_storage
 
 
 def cmd_export(a: argparse.Namespace) -> int:
     """Run ``deck export`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
-    open_existing(a.uri, a.storage_options)
-    state = StepState(a.uri, a.step, a.storage_options)
+    state = StepState(open_existing(a.uri, a.storage_options), a.step)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
     bar = progress_bar(f"export step {state.step}", total)
     progress = bar.update if bar else None
@@ -78,9 +78,12 @@ def _follow_uri(a: argparse.Namespace) -> int:
     """``deck follow URI`` for a deck checkpoint chain (deck.ops.follow)."""
     from deck.ops.follow import FollowUpdate, follow
 
-    if a.once:
-        # Without --once the follower waits for a publisher that has not written yet.
+    # Without --once the follower waits for a publisher that has not written yet.
+    storage = (
         open_existing(a.uri, a.storage_options)
+        if a.once
+        else open_storage(a.uri, a.storage_options)
+    )
 
     def show(u: FollowUpdate) -> None:
         if u.how == "unchanged":
@@ -95,11 +98,10 @@ def _follow_uri(a: argparse.Namespace) -> int:
 
     try:
         follow(
-            a.uri,
+            storage,
             a.out,
             once=a.once,
             poll_s=a.poll,
-            storage_options=a.storage_options,
             on_update=show,
             allow_quantized=a.allow_quantized,
             parquet=a.format == "parquet",
@@ -126,9 +128,9 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
             once=a.once,
             on_update=show,
             state_uri=a.state_uri,
-            storage_options=a.storage_options,
+            open_store=lambda uri: open_storage(uri, a.storage_options),
             group=a.group,
-            full_uri=a.full_uri,
+            full_store=None if a.full_uri is None else open_storage(a.full_uri, a.storage_options),
             full_every=a.full_every,
             run=a.run,
             allow_quantized=a.allow_quantized,

@@ -42,6 +42,7 @@ from deck.doctor.report import (
 from deck.doctor.setup import DoctorSetup, build_setup, load_entry, normalize_entry
 from deck.errors import DeckError, DoctorError
 from deck.read.catalog import list_checkpoints
+from deck.storage import open_storage
 from deck.trainer.checkpointer import DeltaCheckpointer, enable
 
 _ORDER = (*KINDS, RESTORE, LOSS, DECK_ERROR)
@@ -92,7 +93,7 @@ def run_doctor(
     load_entry(entry)  # an import error is reported before any rank starts
     with tempfile.TemporaryDirectory(prefix="deck-doctor-") as work:
         target = uri or os.path.join(work, "checkpoints")
-        if uri is not None and list_checkpoints(uri, storage_options):
+        if uri is not None and list_checkpoints(open_storage(uri, storage_options)):
             raise DoctorError(f"uri {uri} holds checkpoints already: give the doctor an empty one")
         plan = DoctorPlan(entry, steps, every, more, target, storage_options, work, progress)
         _say(plan, f"starting {ranks} gloo ranks; checkpoints go to {target}")

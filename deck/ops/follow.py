@@ -48,7 +48,7 @@ from deck.ops.export import (
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain
-from deck.storage import Storage, open_storage
+from deck.storage import Storage
 from deck.storage.atomic import atomic_file, atomic_write
 
 logger = logging.getLogger(__name__)
@@ -96,23 +96,19 @@ class Follower:
 
     def __init__(
         self,
-        uri: str,
+        storage: Storage,
         out_dir: str,
-        storage_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
         parquet: bool = False,
-        *,
-        storage: Storage | None = None,
     ):
-        self.uri = uri
-        self.storage_options = storage_options
+        # ``storage``: the publish URI's store, or a view to read the chain through (the Kafka
+        # loader's: rows from the stream, the rest from the state URI)
+        self.storage = storage
+        self.uri = storage.uri
         # A publisher with DeckConfig.publish.quantize writes quantised weights: materialising
         # them (dequantised) must be asked for, and the output then says so (state.json).
         self.allow_quantized = allow_quantized
         self.encodings: set[str] = set()
-        # ``storage``: a view to read the chain through instead of ``uri``'s own store (the Kafka
-        # loader's: rows from the stream, the rest from the state URI).
-        self.storage: Storage = storage or open_storage(uri, storage_options)
         self.out_dir = out_dir
         self.tensors: dict[str, torch.Tensor] = {}  # tables first, then dense, as written
         self.table_fqns: list[str] = []
@@ -217,9 +213,7 @@ class Follower:
     def materialise(self, step: int) -> FollowUpdate:
         """Rebuild the held state from committed ``step`` (its cheapest chain), then write the
         output once (a full update)."""
-        st = StepState(
-            self.uri, step, self.storage_options, self.allow_quantized, storage=self.storage
-        )
+        st = StepState(self.storage, step, self.allow_quantized)
         self.encodings = {m.encoding for m in st.chain if m.encoding is not None}
         tensors: dict[str, torch.Tensor] = {}
         shards: list[_Shard] = []
@@ -411,12 +405,11 @@ def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
 
 
 def follow(
-    uri: str,
+    storage: Storage,
     out_dir: str,
     *,
     once: bool = False,
     poll_s: float = 10.0,
-    storage_options: dict[str, Any] | None = None,
     on_update: Any = None,
     allow_quantized: bool = False,
     parquet: bool = False,
@@ -424,7 +417,7 @@ def follow(
     """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
     ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
     otherwise they are logged and retried at the next poll."""
-    follower = Follower(uri, out_dir, storage_options, allow_quantized, parquet)
+    follower = Follower(storage, out_dir, allow_quantized, parquet)
     while True:
         try:
             update = follower.catch_up()
@@ -433,7 +426,7 @@ def follow(
         except Exception as e:
             if once:
                 raise
-            logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
+            logger.error("deck follow %s: %s; retrying in %.0f s", storage.uri, e, poll_s)
         if once:
             return follower
         time.sleep(poll_s)

@@ -22,7 +22,7 @@ from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, 
 from deck.format.rowindex import may_contain
 from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, cheapest_chain
-from deck.storage import Storage, open_storage
+from deck.storage import Storage
 
 Columns = tuple[int, int]  # (col_offset, cols) of a column shard
 
@@ -193,13 +193,12 @@ def _value_at(reader: _Reader, chain: list[CheckpointManifest], step: int) -> Ro
 
 
 def row_history(
-    uri: str,
+    storage: Storage,
     table: str,
     row: int,
-    storage_options: dict[str, Any] | None = None,
     steps: list[int] | None = None,
 ) -> RowHistory:
-    """Global row ``row`` of ``table`` at every restorable trainer step of ``uri`` (or ``steps``),
+    """Global row ``row`` of ``table`` at every restorable trainer step of ``storage`` (or ``steps``),
     ascending: bitwise the values a restore of that step puts in the row, for weights and every
     optimizer state, read from the cheapest chain of each step.
 
@@ -207,7 +206,6 @@ def row_history(
     :class:`CheckpointNotFoundError` naming the URI when there is no restorable step, or the
     table or row is not in it, and :class:`CorruptCheckpointError` naming the file on damage.
     """
-    storage = open_storage(uri, storage_options)
     graph = LineageGraph(read_manifests(storage), storage.uri)
     out = RowHistory(uri=storage.uri, table=table, row=row)
     todo = graph.restorable_steps() if steps is None else sorted(steps)

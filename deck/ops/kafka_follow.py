@@ -256,9 +256,9 @@ class KafkaFollower:
         out_dir: str,
         *,
         state_uri: str | None = None,
-        storage_options: dict[str, Any] | None = None,
+        open_store: Callable[[str], Storage] = open_storage,
         group: str | None = None,
-        full_uri: str | None = None,
+        full_store: Storage | None = None,
         full_every: int = 0,
         consumer_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
@@ -271,16 +271,19 @@ class KafkaFollower:
             raise ConfigError(f"run {run!r}: a run identity is 1-64 of [0-9a-zA-Z._-]")
         self.out_dir = out_dir
         self.state_uri = state_uri
-        self.storage_options = storage_options
+        # Opens the state URI the markers name (or ``state_uri``): the caller's credentials
+        self.open_store = open_store
         self.allow_quantized = allow_quantized
         self.parquet = parquet  # also write deck follow's Parquet delta output (deck.ops.parquet)
         self.wait_s = wait_s  # how long a rank's rows may take to show up after their marker
         self.full_every = full_every
-        self.full_store = open_storage(full_uri, storage_options) if full_uri else None
+        self.full_store = full_store  # where loader fulls go (None: none are written)
         if full_every < 0:
             raise ConfigError(f"full_every must be >= 0 (0: no loader fulls), got {full_every}")
         if full_every and self.full_store is None:
-            raise ConfigError("full_every needs full_uri (where the loader's fulls go)")
+            raise ConfigError(
+                "full_every needs full_store (--full-uri: where the loader's fulls go)"
+            )
         self.conf = {
             "bootstrap.servers": self.target.bootstrap,
             "group.id": group or f"deck-follow-{self.target.topic}",
@@ -426,11 +429,10 @@ class KafkaFollower:
                 "full_uri of this topic's loader"
             )
         fol = _StreamFollower(
-            self.target.uri,
+            _Named(self.full_store, self.target.uri),
             self.out_dir,
             allow_quantized=self.allow_quantized,
             parquet=self.parquet,
-            storage=_Named(self.full_store, self.target.uri),
         )
         fol.stream = {**stream, "since_full": 0}
         fol.materialise(m.step)
@@ -453,13 +455,12 @@ class KafkaFollower:
         # held), each marker's own URI is tried: a stray marker cannot pin a wrong one.
         if self.follower is None or not self._state_fixed:
             state_uri = (self._state_fixed and self.state_uri) or marker.state_uri
-            self.view = StreamView(open_storage(state_uri, self.storage_options), self.target.uri)
+            self.view = StreamView(self.open_store(state_uri), self.target.uri)
             self.follower = _StreamFollower(
-                self.target.uri,
+                self.view,
                 self.out_dir,
                 allow_quantized=self.allow_quantized,
                 parquet=self.parquet,
-                storage=self.view,
             )
             self.state_uri = state_uri
         return self.follower
@@ -776,11 +777,8 @@ def follow_kafka(
         kf.close()
 
 
-def loader_fulls(
-    full_uri: str, storage_options: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """The stream records of the loader fulls at ``full_uri`` (step, offsets), oldest first."""
-    store = open_storage(full_uri, storage_options)
+def loader_fulls(store: Storage) -> list[dict[str, Any]]:
+    """The stream records of the loader fulls at ``store`` (step, offsets), oldest first."""
     out = []
     for m in sorted(read_manifests(store).values(), key=lambda m: m.step):
         with contextlib.suppress(NotFoundError):

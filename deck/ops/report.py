@@ -18,7 +18,7 @@ from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
 from deck.format.manifest import Kind
 from deck.ops.listing import Row, list_rows
 from deck.read.lineage import LineageGraph, chain_bytes, chain_for, cheapest_chain
-from deck.storage import open_storage
+from deck.storage import Storage
 from deck.storage.atomic import atomic_write
 
 _COLORS = {"full": "#1f77b4", "delta": "#ff7f0e", "merged": "#2ca02c", "merger full": "#9467bd"}
@@ -199,14 +199,11 @@ def _cost_png(graph: LineageGraph, costs: list[tuple[int, int, int | None]], pat
     fig.savefig(path)
 
 
-def write_report(
-    uri: str, out_html: str, storage_options: dict[str, Any] | None = None
-) -> ReportFiles:
-    """Write the report page of ``uri`` to ``out_html`` and its images next to it
+def write_report(storage: Storage, out_html: str) -> ReportFiles:
+    """Write the report page of ``storage`` to ``out_html`` and its images next to it
     (``<stem>-lineage.png``, ``<stem>-bytes.png``, ``<stem>-restore-cost.png``), each written
     whole before the page that references it. An empty URI gives a page that says so (no
     images)."""
-    storage = open_storage(uri, storage_options)
     graph, rows = list_rows(storage)
     out_html = os.path.abspath(out_html)
     folder = os.path.dirname(out_html)

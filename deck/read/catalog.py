@@ -29,7 +29,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
-from deck.storage import Storage, open_storage
+from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
@@ -230,9 +230,9 @@ def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
     logger.warning("quarantined checkpoint %s (%s): %s", m.id, m.folder, reason)
 
 
-def list_checkpoints(uri: str, storage_options: dict | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints at ``uri``, oldest step first (an empty list for an empty URI)."""
-    storage = open_storage(uri, storage_options)
+def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
+    """Committed checkpoints at ``storage``, oldest step first (an empty list for an empty
+    store). ``deck.list_checkpoints(uri)`` opens a URI for it."""
     return [
         CheckpointInfo(
             step=m.step,

@@ -27,7 +27,7 @@ from typing import Any
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.manifest import QUARANTINE_ROOT, CheckpointManifest, Kind
 from deck.read.catalog import ManifestSet, quarantine, read_manifests
-from deck.storage import Storage, open_storage
+from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -318,13 +318,12 @@ def build_graph(
     return LineageGraph(manifests, uri)
 
 
-def lineage_graph(uri: str, storage_options: dict[str, Any] | None = None) -> LineageGraph:
-    """The lineage graph of every committed checkpoint at ``uri`` (trainer's and merger's).
+def lineage_graph(storage: Storage) -> LineageGraph:
+    """The lineage graph of every committed checkpoint at ``storage`` (trainer's and merger's).
 
-    An empty or missing URI gives an empty graph. Folders without ``manifest.json`` are not
-    checkpoints and are not in it.
+    An empty store gives an empty graph. Folders without ``manifest.json`` are not checkpoints
+    and are not in it. ``deck.lineage_graph(uri)`` opens a URI for it.
     """
-    storage = open_storage(uri, storage_options)
     return LineageGraph(read_manifests(storage), storage.uri)
 
 

@@ -25,14 +25,24 @@ import traceback
 from typing import IO, Any
 
 
+def loader_from(kwargs: dict[str, Any]) -> Any:
+    """A ``KafkaFollower`` from plain (JSON-able) arguments: ``full_uri`` is opened as its
+    ``full_store``, the rest is passed as given."""
+    from deck.ops.kafka_follow import KafkaFollower
+    from deck.storage import open_storage
+
+    kw = dict(kwargs)
+    full_uri = kw.pop("full_uri", None)
+    return KafkaFollower(**kw, full_store=None if full_uri is None else open_storage(full_uri))
+
+
 def _child(req: dict[str, Any]) -> int:  # pragma: no cover - runs in a forked child
     from deck import failpoints
-    from deck.ops.kafka_follow import KafkaFollower
 
     try:
         os.environ[failpoints.MARKER_ENV] = req["marker"]
         failpoints.configure(req["spec"])
-        kf = KafkaFollower(**req["kwargs"])
+        kf = loader_from(req["kwargs"])
         try:
             kf.catch_up()
         finally:

@@ -111,7 +111,8 @@ def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path
 
     assert deck.read.lineage is importlib.import_module("deck.read.lineage")
     assert callable(deck.read.lineage.cheapest_chain) and callable(deck.read.lineage.chain_bytes)
-    assert deck.lineage_graph is deck.read.lineage.lineage_graph
+    # The URI edge (deck/api.py) opens the store; the library function takes the Storage.
+    assert deck.lineage_graph is deck.api.lineage_graph
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
@@ -123,6 +124,7 @@ def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path
     chain = deck.read.lineage.cheapest_chain(graph, 6)
     assert [m.step for m in chain] == [0, 2, 4, 6] and chain[0].kind is Kind.FULL
     assert not deck.lineage_graph(str(tmp_path / "empty")).nodes
+    assert deck.read.lineage.lineage_graph(storage).to_dict() == graph.to_dict()
 
 
 def test_rollback_timelines_never_mix() -> None:

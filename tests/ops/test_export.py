@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
+from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.safetensors_checks import assert_holds_model
 
@@ -100,7 +101,7 @@ def test_export_holds_one_shard_at_a_time(ckpt: str, tmp_path: Path) -> None:
     from deck.errors import ConfigError
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
-    state = StepState(ckpt, STEP)
+    state = StepState(open_storage(ckpt), STEP)
     shards = [s.nbytes for s in state.shards]
     tables: dict[str, int] = {}
     for s in state.shards:
@@ -148,7 +149,7 @@ def test_export_reads_the_real_store_memory_mapped(
     monkeypatch.setattr(LocalStorage, "map_file", map_file)
     monkeypatch.setattr(LocalStorage, "get", get)
     monkeypatch.setattr(LocalStorage, "iter_get", iter_get)
-    state = StepState(ckpt, STEP)
+    state = StepState(open_storage(ckpt), STEP)
     # The store itself: its listing and batched reads stay reachable.
     assert type(state.storage) is LocalStorage
     assert state.storage.list_dir("")

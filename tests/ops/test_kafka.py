@@ -39,6 +39,7 @@ from deck.format.stream import (
     MessageTooLargeError,
     parse_kafka_uri,
 )
+from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.kafka_broker import TansuBroker
 
@@ -91,7 +92,7 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
         loader = KafkaFollower(
             topic_uri,
             f"{tmp}/serving",
-            full_uri=f"{tmp}/fulls",
+            full_store=open_storage(f"{tmp}/fulls"),
             full_every=3,
             wait_s=5,
             parquet=True,
@@ -276,7 +277,7 @@ def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
 
     # Loader fulls are deck full checkpoints with the offsets they cover: deck verify accepts
     # them, and each restores into a fresh 2-rank DMP bitwise equal to the live state.
-    fulls = loader_fulls(f"{tmp}/fulls")
+    fulls = loader_fulls(open_storage(f"{tmp}/fulls"))
     steps = [f["step"] for f in fulls]
     assert steps == [4, LAST], fulls  # every 3 applied steps: 0 2 4 | 8 10 12
     assert all(f["offsets"]["0"] > 0 for f in fulls), fulls
@@ -292,10 +293,10 @@ def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
     args += ["--full-uri", killed_fulls, "--full-every", "1"]
     r = _deck(*args, env={"DECK_FAILPOINTS": "kafka_follow.full.before_commit:2"})
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
-    assert [f["step"] for f in loader_fulls(killed_fulls)] == [0]
+    assert [f["step"] for f in loader_fulls(open_storage(killed_fulls))] == [0]
     r = _deck(*args)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert [f["step"] for f in loader_fulls(killed_fulls)] == [0, 4, 8, 10, LAST]
+    assert [f["step"] for f in loader_fulls(open_storage(killed_fulls))] == [0, 4, 8, 10, LAST]
     r = _deck("verify", killed_fulls)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -306,7 +307,7 @@ def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
     shutil.rmtree(f"{only4}/step-{LAST:012d}")
     for full_uri, newest in ((only4, 4), (f"{tmp}/fulls", LAST)):
         out = f"{tmp}/from-full-{newest}"
-        kf = KafkaFollower(topic_uri, out, full_uri=full_uri)
+        kf = KafkaFollower(topic_uri, out, full_store=open_storage(full_uri))
         kf.catch_up()
         kf.close()
         assert kf.stats.applied == [s for s in range(newest + 2, LAST + 1, 2) if s != PAUSED]

@@ -24,8 +24,9 @@ import pytest
 
 from deck.errors import ConfigError
 from deck.ops.kafka_follow import KafkaFollower, loader_fulls
+from deck.storage import open_storage
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_child import LoaderChildren
+from deck.testing.kafka_child import LoaderChildren, loader_from
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def _serves(out: str, pub: SynthPublisher, step: int) -> None:
 
 
 def _loader(topic: str, out: str, **kw: Any) -> KafkaFollower:
-    return KafkaFollower(topic, out, wait_s=5, **kw)
+    return loader_from({"uri": topic, "out_dir": out, "wait_s": 5, **kw})  # type: ignore[no-any-return]
 
 
 def _catch_up(topic: str, out: str, **kw: Any) -> KafkaFollower:
@@ -96,7 +97,7 @@ def test_kill_at_every_switch_point_restarts(
     # An --out whose data file is damaged: --full-uri is used although --out is not empty.
     fulls, out = str(tmp_path / "fulls"), str(tmp_path / "out-damaged")
     _catch_up(topic, out, full_uri=fulls, full_every=2)
-    assert [f["step"] for f in loader_fulls(fulls)] == [steps[1], steps[3]]
+    assert [f["step"] for f in loader_fulls(open_storage(fulls))] == [steps[1], steps[3]]
     with open(os.path.join(out, "state.safetensors"), "r+b") as f:
         f.truncate(100)
     kf = _catch_up(topic, out, full_uri=fulls)
@@ -216,7 +217,7 @@ def test_full_every_counts_from_disk(
         if what == "finished":
             break
     assert runs == len(steps), runs  # one step applied per process
-    assert [f["step"] for f in loader_fulls(fulls)] == steps[1::2]
+    assert [f["step"] for f in loader_fulls(open_storage(fulls))] == steps[1::2]
     _serves(out, pub, steps[-1])
     pub.close()
 

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 from deck.format.stream import marker_value
 from deck.ops.kafka_follow import KafkaFollower
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_child import LoaderChildren
+from deck.testing.kafka_child import LoaderChildren, loader_from
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
 
 pytestmark = pytest.mark.slow
@@ -200,7 +200,7 @@ class LoaderMachine(RuleBasedStateMachine):
         }
 
     def _loader(self) -> KafkaFollower:
-        return KafkaFollower(**self._loader_args())
+        return loader_from(self._loader_args())  # type: ignore[no-any-return]
 
     def run_loader(self) -> None:
         kf = self._loader()

@@ -434,13 +434,13 @@ class OperationsMachine(RuleBasedStateMachine):
         if where:
             self.store.read_faults = {where: 1}
         try:
-            f = Follower(self.store.uri, out, storage=self.store)
+            f = Follower(self.store, out)
             f.catch_up()
         except DeckError:
             event("follow stopped by a read error or damage")
         finally:
             self.store.clear()
-        f = Follower(self.store.uri, out, storage=self.store)  # what it serves now
+        f = Follower(self.store, out)  # what it serves now
         if f.state is None:
             return
         step, cid = f.state

@@ -20,6 +20,7 @@ from test_export import SPEC, STEP, _deck, _write
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
+from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,7 @@ def test_export_parquet_streams_row_blocks(ckpt: str, tmp_path: Path) -> None:
     from deck.ops.export import StepState
     from deck.ops.parquet import export_parquet, read_table
 
-    state = StepState(ckpt, STEP)
+    state = StepState(open_storage(ckpt), STEP)
     rep = export_parquet(state, str(tmp_path / "pq"))
     tables: dict[str, int] = {}
     for s in state.shards:

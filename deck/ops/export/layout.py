@@ -20,7 +20,7 @@ from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manife
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain, part_where
 from deck.read.verify import check_files
-from deck.storage import Storage, open_storage
+from deck.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -115,19 +115,17 @@ class StepState:
 
     def __init__(
         self,
-        uri: str,
+        storage: Storage,
         step: int | None = None,
-        storage_options: dict[str, Any] | None = None,
         allow_quantized: bool = False,
-        storage: Storage | None = None,
     ):
         # A chain with quantised weights (deck.format.quantize) is refused unless allowed: its tables
         # are then the dequantised values, not the exact state.
         self.allow_quantized = allow_quantized
         # The store itself, not a wrapper: chunk reads take its own fast paths (memory-mapped
         # files of a LocalStorage, overlapped gets of a remote one).
-        # (``storage``: a view given by the caller, e.g. the Kafka loader's stream overlay.)
-        self.storage: Storage = storage or open_storage(uri, storage_options)
+        # (Or a view given by the caller, e.g. the Kafka loader's stream overlay.)
+        self.storage = storage
         self.step: int
         self.chain: list[CheckpointManifest]
         self.step, self.chain = _chain_of(self.storage, step)
