@@ -3,7 +3,7 @@
 Writes one full checkpoint with the real writer and format (one rank, ``--tables`` tables of
 ``--rows`` x ``--dim`` fp32 + a rowwise momentum, random values), then, in rounds whose order
 alternates, exports its step with ``deck.ops.export.export_safetensors`` (one file) and
-``deck.ops.parquet.export_parquet`` (one file per table, uncompressed, the default), each into a
+``deck.ops.export.parquet.export_parquet`` (one file per table, uncompressed, the default), each into a
 fresh path (removed after the round), and times each call end to end (reading the chain, building
 the output, writing and fsyncing it). The first round of each warms the page cache and is not
 counted. Prints the command line, each round, medians, MiB/s of table state and the ratio; checks
@@ -30,7 +30,8 @@ from _workload import Workload, make_shards
 
 from deck.format.manifest import Kind
 from deck.ops.export import StepState, export_safetensors
-from deck.ops.parquet import export_parquet, read_table
+from deck.format.parquet import read_table
+from deck.ops.export.parquet import export_parquet
 from deck.storage import LocalStorage
 from deck.trainer.writer import RankPartWriter, commit
 

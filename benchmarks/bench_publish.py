@@ -12,7 +12,7 @@ steps), alternating ``--rounds`` times to spread the noise of a shared machine. 
 - checkpoint stall: mean ``stall_s`` of the checkpoint deltas (the full is left out);
 - publish stall: mean ``stall_s`` of the publish deltas.
 
-Then ``deck follow --once``-style catch-ups (``deck.ops.follow.Follower``) of the publish chain:
+Then ``deck follow --once``-style catch-ups (``deck.serve.follow.Follower``) of the publish chain:
 the first materialises it, a later one applies only the deltas since; bytes read are reported
 against what a restore of the step reads.
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
     from deck.demo import free_port
-    from deck.ops.follow import Follower
+    from deck.serve.follow import Follower
     from deck.storage import open_storage
 
     with tempfile.TemporaryDirectory() as work:

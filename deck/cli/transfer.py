@@ -27,7 +27,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         if a.format == "dcp":
             rep = export_dcp(state, a.out, progress)
         elif a.format == "parquet":
-            from deck.ops.parquet import export_parquet
+            from deck.ops.export.parquet import export_parquet
 
             rep = export_parquet(state, a.out, progress)
         else:
@@ -75,8 +75,8 @@ def _remove_empty_tree(path: str) -> None:
 
 
 def _follow_uri(a: argparse.Namespace) -> int:
-    """``deck follow URI`` for a deck checkpoint chain (deck.ops.follow)."""
-    from deck.ops.follow import FollowUpdate, follow
+    """``deck follow URI`` for a deck checkpoint chain (deck.serve.follow)."""
+    from deck.serve.follow import FollowUpdate, follow
 
     # Without --once the follower waits for a publisher that has not written yet.
     storage = (
@@ -112,15 +112,15 @@ def _follow_uri(a: argparse.Namespace) -> int:
 
 
 def cmd_follow_kafka(a: argparse.Namespace) -> int:
-    """``deck follow kafka://host:port/topic``: the Kafka loading service (deck.ops.kafka_follow)."""
-    from deck.ops.follow import FollowUpdate
-    from deck.ops.kafka_follow import follow_kafka
+    """``deck follow kafka://host:port/topic``: the Kafka loading service (deck.serve.kafka_follow)."""
+    from deck.serve.follow import FollowUpdate
+    from deck.serve.kafka_follow import follow_kafka
 
     def show(u: FollowUpdate) -> None:
         print(f"step {u.step} ({u.ckpt_id}): {u.how}, {u.seconds:.2f} s -> {a.out}", flush=True)
 
     # What it started from (a loader full, the run it serves) is worth a line in a service's log
-    logging.getLogger("deck.ops.kafka_follow").setLevel(logging.INFO)
+    logging.getLogger("deck.serve.kafka_follow").setLevel(logging.INFO)
     try:
         kf = follow_kafka(
             a.uri,

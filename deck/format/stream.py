@@ -1,7 +1,7 @@
 """deck's stream format: a publish chain carried by a Kafka topic (``kafka://host:port/topic``).
 
 Pure data, no Kafka client: the trainer's sink (``deck.trainer.kafka_sink``) encodes, the loading
-service (``deck.ops.kafka_follow``) decodes. Layout of the topic:
+service (``deck.serve.kafka_follow``) decodes. Layout of the topic:
 
 - partition 0 is the **control** partition: one marker per committed publish, produced by rank 0
   right after the step's commit record (``step-N/manifest.json``) is at the state URI, i.e. after

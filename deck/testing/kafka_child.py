@@ -28,7 +28,7 @@ from typing import IO, Any
 def loader_from(kwargs: dict[str, Any]) -> Any:
     """A ``KafkaFollower`` from plain (JSON-able) arguments: ``full_uri`` is opened as its
     ``full_store``, the rest is passed as given."""
-    from deck.ops.kafka_follow import KafkaFollower
+    from deck.serve.kafka_follow import KafkaFollower
     from deck.storage import open_storage
 
     kw = dict(kwargs)
@@ -56,7 +56,7 @@ def _child(req: dict[str, Any]) -> int:  # pragma: no cover - runs in a forked c
 
 def serve(stdin: IO[str], stdout: IO[str]) -> None:
     """The server loop (see the module doc)."""
-    import deck.ops.kafka_follow  # noqa: F401  (imported once here, before any fork)
+    import deck.serve.kafka_follow  # noqa: F401  (imported once here, before any fork)
 
     for line in stdin:
         req = json.loads(line)

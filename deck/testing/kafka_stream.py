@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from deck.format.stream import parse_kafka_uri
-from deck.ops.follow import RECORD_KEY, STATE_FILE
+from deck.serve.follow import RECORD_KEY, STATE_FILE
 from deck.storage import open_storage
 from deck.testing.synth import LAYOUT, SynthTrainer
 from deck.trainer.kafka_sink import KafkaSinkStorage

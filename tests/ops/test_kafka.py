@@ -67,7 +67,7 @@ def _deck(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 
 def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) -> None:
-    from deck.ops.kafka_follow import KafkaFollower
+    from deck.serve.kafka_follow import KafkaFollower
 
     model, opt = build_model(SPEC)
     config = deck.DeckConfig(
@@ -170,7 +170,7 @@ def _check_parquet(
     model (= ``restore(step)``); a delta holds every row that changed since ``prev``."""
     import pyarrow.parquet as pq
 
-    from deck.ops.parquet import read_table
+    from deck.format.parquet import read_table
 
     state = _tensors(os.path.join(out, "state.safetensors"))
     base = os.path.join(out, "parquet", f"{step:012d}")
@@ -251,7 +251,7 @@ def _copy_topic(bootstrap: str, src: str, dst: str, from_step: int, corrupt: boo
 
 
 def test_kafka_publish_and_follow(broker: TansuBroker, tmp_path: Path) -> None:
-    from deck.ops.kafka_follow import KafkaFollower, loader_fulls
+    from deck.serve.kafka_follow import KafkaFollower, loader_fulls
 
     topic_uri = broker.uri("pub")
     tmp = str(tmp_path)

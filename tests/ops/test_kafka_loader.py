@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from deck.errors import ConfigError
-from deck.ops.kafka_follow import KafkaFollower, loader_fulls
+from deck.serve.kafka_follow import KafkaFollower, loader_fulls
 from deck.storage import open_storage
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_child import LoaderChildren, loader_from

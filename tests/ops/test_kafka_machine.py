@@ -45,7 +45,7 @@ from hypothesis.stateful import (
 )
 
 from deck.format.stream import marker_value
-from deck.ops.kafka_follow import KafkaFollower
+from deck.serve.kafka_follow import KafkaFollower
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_child import LoaderChildren, loader_from
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output

@@ -47,7 +47,7 @@ from deck.errors import CorruptCheckpointError, DeckError, LeaseHeldError, Stora
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
-from deck.ops.follow import Follower
+from deck.serve.follow import Follower
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import quarantine, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain

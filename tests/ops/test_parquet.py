@@ -32,7 +32,7 @@ Held = dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _read(folder: str, key: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    from deck.ops.parquet import read_table
+    from deck.format.parquet import read_table
 
     return read_table(os.path.join(folder, f"{key}.parquet"))
 
@@ -152,7 +152,8 @@ def test_export_parquet_streams_row_blocks(ckpt: str, tmp_path: Path) -> None:
     column-wise: the table's column shards) held at once; an existing folder is refused."""
     from deck.errors import ConfigError
     from deck.ops.export import StepState
-    from deck.ops.parquet import export_parquet, read_table
+    from deck.format.parquet import read_table
+    from deck.ops.export.parquet import export_parquet
 
     state = StepState(open_storage(ckpt), STEP)
     rep = export_parquet(state, str(tmp_path / "pq"))

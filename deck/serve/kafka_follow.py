@@ -10,27 +10,27 @@ held state's or the newest marker's at start, is refused):
 2. pull each rank's table files of that step from its partition (segments checksummed; files
    of steps without a marker -- failed publishes -- are dropped as they pass);
 3. a full is materialised, a delta of the held state is applied onto it -- the same
-   :class:`deck.ops.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
+   :class:`deck.serve.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
    ``deck follow`` of a directory, reading through :class:`StreamView`;
 4. the state record (in ``state.safetensors``' metadata: one rename switches data and record,
-   :func:`deck.ops.follow.read_state`) holds the resume point: the stream offsets after the
+   :func:`deck.serve.follow.read_state`) holds the resume point: the stream offsets after the
    step, the marker applied, the run, the steps applied since the last loader full; then the
    consumer group's offsets are committed (for lag monitoring: the resume point is the one
    written with the state, so a crash between the two re-reads a step and skips it as held);
 5. every ``full_every`` applied steps (counted in the state record), the held state is written
    to ``full_uri`` as a deck full checkpoint with the stream offsets it covers (a "loader
-   full", :mod:`deck.ops.kafka_full`):
+   full", :mod:`deck.serve.kafka_full`):
    ``deck verify`` checks it, a trainer restores from it (``DeckConfig(uri=full_uri)``), and a
    loader whose ``--out`` holds no usable state starts from the newest one of its run and reads
    the stream after its offsets, so recovery never replays the topic from its start.
 
 With ``parquet`` (``--format parquet``) the same Parquet output as ``deck follow --format
-parquet`` of a directory is written beside the state (:class:`deck.ops.parquet.FollowParquet`):
+parquet`` of a directory is written beside the state (:class:`deck.serve.parquet_output.ParquetOutput`):
 a full folder when a full is materialised, a delta folder of the changed rows per applied step.
 
 Nothing the topic holds stops the loader for good (docs/reliability.md, "The Kafka loader
 against a hostile topic"): a
-message that fails to decode is quarantined (:mod:`deck.ops.kafka_guard`, ``<out>/quarantine.json``),
+message that fails to decode is quarantined (:mod:`deck.serve.kafka_guard`, ``<out>/quarantine.json``),
 a marker of another run is refused, a step whose rows cannot all be read and a delta whose
 parent is not the held state (retention removed earlier messages, a publish whose marker was
 lost, a quarantined step) are skipped: the loader keeps serving what it holds, says so in an
@@ -73,10 +73,11 @@ from deck.format.stream import (
     rank_partition,
     valid_run,
 )
-from deck.ops.follow import Follower, FollowUpdate, state_record
-from deck.ops.kafka_full import newest_loader_full, stream_record_path, write_loader_full
-from deck.ops.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
 from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.serve.follow import Follower, FollowUpdate, state_record
+from deck.serve.kafka_full import newest_loader_full, stream_record_path, write_loader_full
+from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
+from deck.serve.output import parquet_outputs
 from deck.storage import Storage, open_storage
 from deck.storage.base import get_bounded
 from deck.storage.wrapper import StorageWrapper
@@ -274,7 +275,7 @@ class KafkaFollower:
         # Opens the state URI the markers name (or ``state_uri``): the caller's credentials
         self.open_store = open_store
         self.allow_quantized = allow_quantized
-        self.parquet = parquet  # also write deck follow's Parquet delta output (deck.ops.parquet)
+        self.parquet = parquet  # also write deck follow's Parquet output (deck.serve.output)
         self.wait_s = wait_s  # how long a rank's rows may take to show up after their marker
         self.full_every = full_every
         self.full_store = full_store  # where loader fulls go (None: none are written)
@@ -432,7 +433,7 @@ class KafkaFollower:
             _Named(self.full_store, self.target.uri),
             self.out_dir,
             allow_quantized=self.allow_quantized,
-            parquet=self.parquet,
+            outputs=parquet_outputs(self.parquet, self.out_dir, self.target.uri),
         )
         fol.stream = {**stream, "since_full": 0}
         fol.materialise(m.step)
@@ -460,7 +461,7 @@ class KafkaFollower:
                 self.view,
                 self.out_dir,
                 allow_quantized=self.allow_quantized,
-                parquet=self.parquet,
+                outputs=parquet_outputs(self.parquet, self.out_dir, self.target.uri),
             )
             self.state_uri = state_uri
         return self.follower
@@ -707,7 +708,7 @@ class KafkaFollower:
     # ---- loader fulls -----------------------------------------------------------------------
     def write_full(self) -> str | None:
         """Write the held state as a deck full at ``full_uri`` with its stream offsets
-        (:func:`deck.ops.kafka_full.write_loader_full`); returns its folder."""
+        (:func:`deck.serve.kafka_full.write_loader_full`); returns its folder."""
         fol, last = self.follower, self._last
         if self.full_store is None or fol is None or last is None or self.view is None:
             return None

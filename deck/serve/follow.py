@@ -15,7 +15,7 @@ through the materialised one (e.g. the publisher restarted) is materialised from
 Memory: the whole unsharded state of one step (what a serving job loads anyway).
 
 With ``parquet`` (``deck follow --format parquet``) the follower also writes Parquet row files
-beside these (:class:`deck.ops.parquet.FollowParquet`): a full folder when it materialises a
+beside these (:class:`deck.serve.parquet_output.ParquetOutput`): a full folder when it materialises a
 step, and for every checkpoint it applies after that (one at a time) a delta folder of the rows
 that checkpoint changed, before the safetensors state is replaced.
 """
@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from deck.ops.export import (
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain
+from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
 from deck.storage.atomic import atomic_file, atomic_write
 
@@ -99,7 +101,7 @@ class Follower:
         storage: Storage,
         out_dir: str,
         allow_quantized: bool = False,
-        parquet: bool = False,
+        outputs: Sequence[Output] = (),
     ):
         # ``storage``: the publish URI's store, or a view to read the chain through (the Kafka
         # loader's: rows from the stream, the rest from the state URI)
@@ -119,12 +121,7 @@ class Follower:
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ConfigError(f"out_dir {out_dir} is not a directory")
         os.makedirs(out_dir, exist_ok=True)
-        # deck.ops.parquet (and pyarrow) only when Parquet is asked for.
-        self.parquet: Any = None
-        if parquet:
-            from deck.ops.parquet import FollowParquet
-
-            self.parquet = FollowParquet(out_dir, self.storage.uri)
+        self.outputs = list(outputs)  # told of every step before the held state is replaced
         self._resume()
 
     @property
@@ -181,9 +178,9 @@ class Follower:
         )
 
     def _apply_rows(self, newer: list[CheckpointManifest], targets: list[TableShard]) -> int:
-        """Apply ``newer`` onto the held tables; returns the chunk bytes read. With Parquet
-        output, one checkpoint at a time, each one's changed rows written as its delta."""
-        if self.parquet is None:
+        """Apply ``newer`` onto the held tables; returns the chunk bytes read. With outputs, one
+        checkpoint at a time, each output told of each."""
+        if not self.outputs:
             stats, _ = apply_chain(
                 self.storage,
                 newer,
@@ -206,7 +203,8 @@ class Follower:
                 allow_quantized=self.allow_quantized,
             )
             total += stats.bytes
-            self.parquet.delta(self, m, parent, parts)
+            for out in self.outputs:
+                out.delta(self, m, parent, parts)
             parent = m.state
         return total
 
@@ -231,8 +229,8 @@ class Follower:
         self._set_dense(flatten(st.eager_state()))
         self.state = st.last.state
         self.chain = [m.folder for m in st.chain]
-        if self.parquet is not None:
-            self.parquet.full(self)
+        for out in self.outputs:
+            out.full(self)
         write_s = self._write()
         return FollowUpdate(
             st.step,
@@ -417,7 +415,8 @@ def follow(
     """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
     ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
     otherwise they are logged and retried at the next poll."""
-    follower = Follower(storage, out_dir, allow_quantized, parquet)
+    outputs = parquet_outputs(parquet, out_dir, storage.uri)
+    follower = Follower(storage, out_dir, allow_quantized, outputs)
     while True:
         try:
             update = follower.catch_up()

@@ -1,7 +1,8 @@
-"""Parquet output for data pipelines (feature stores, Spark, pandas): ``deck export --format
-parquet`` (the full tables of a step) and ``deck follow --format parquet`` (per applied step, a
-delta holding only the rows that step changed). pyarrow is imported only here, when one of them
-runs.
+"""The Parquet row files deck writes for data pipelines (feature stores, Spark, pandas): their
+layout, schema and metadata, the writer and the reader. Written by ``deck export --format
+parquet`` (:mod:`deck.ops.export.parquet`: the full tables of a step) and ``deck follow --format
+parquet`` (:mod:`deck.serve.parquet_output`: per applied step, a delta holding only the rows that
+step changed). pyarrow is imported only when one of them runs.
 
 **Layout** (docs/operations.md, "Parquet layout"): one file per table, ``<table key>.parquet``
 (the table's ``state_dict`` key, e.g. ``sparse_arch.embedding_bag_collection.embedding_bags.t0.
@@ -26,21 +27,15 @@ view): there is no per-row Python.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deck.errors import ConfigError, UnsupportedError
-from deck.format.chunks import decode_chunk, dtype_name, read_chunks
-from deck.format.manifest import CheckpointManifest, RankManifest
-from deck.ops.export import ExportReport, Progress, StepState, check_out_dir
-from deck.read.catalog import checkpoint_label
-from deck.storage import Storage
-from deck.storage.atomic import TEMP_PREFIX, atomic_file, fsync_dir
+from deck.errors import UnsupportedError
+from deck.format.chunks import dtype_name
+from deck.storage.atomic import atomic_file
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -218,88 +213,6 @@ def table_file_name(table: str) -> str:
     return f"{table}.parquet"
 
 
-# ---- deck export --format parquet --------------------------------------------------------------
-
-
-def export_parquet(
-    state: StepState,
-    out_dir: str,
-    progress: Progress | None = None,
-    compression: str = "none",
-) -> ExportReport:
-    """Write the tables of ``state`` into ``out_dir`` (new or empty), one Parquet file per table
-    (module doc: layout and metadata).
-
-    Guarantee: each file holds every row of its table once, ascending, with the values (weight
-    and every fused optimizer state) that ``DeltaCheckpointer.restore(step)`` loads, bitwise.
-    The dense state is not rows and is left out (reported in ``skipped``: export it with
-    ``--format dcp`` or ``safetensors``). Streams one *row block* at a time (the shards of a
-    table that hold the same rows: one shard of a row-wise or table-wise table, every column
-    shard of a column-wise one). Each file appears atomically.
-    """
-    check_out_dir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
-    report.skipped.append(
-        "dense state and dense optimizer state (the dcp and safetensors exports hold them)"
-    )
-    by_table = layouts(
-        (state.shards[p.shard], p.state, p.fqn, p.size, p.dtype) for p in state.pieces
-    )
-    meta = {
-        "format": FORMAT,
-        "kind": "full",
-        "uri": state.storage.uri,
-        "step": str(state.step),
-        "checkpoint": state.last.state[1],
-        "chain": json.dumps(report.chain),
-    }
-    for table, layout in sorted(by_table.items()):
-        path = os.path.join(out_dir, table_file_name(table))
-        with TableFile(path, layout, meta, compression) as f:
-            for rows, block in _row_blocks(state, layout):
-                held = sum(t.numel() * t.element_size() for t in block.values())
-                report.max_held_bytes = max(report.max_held_bytes, held)
-                f.write(rows, block)
-                report.bytes_written += held
-                if progress:
-                    progress(held)
-                del block  # before the next block is read
-        report.tensors += len(layout.columns)
-    report.bytes_read = state.read_bytes
-    return report
-
-
-def _row_blocks(
-    state: StepState, layout: TableLayout
-) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """The rows of ``layout``'s table, block by block in row order: the shards holding the same
-    rows, read and put side by side (columns; a row-wise state's column shard)."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, s in enumerate(state.shards):
-        if s.table == layout.table:
-            groups.setdefault((s.row_offset, s.rows), []).append(i)
-    for (r0, n), ids in sorted(groups.items()):
-        block = {
-            c.name: torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
-            for c in layout.columns
-        }
-        for i in ids:
-            s = state.shards[i]
-            data = state.read_shard(i)
-            for c in layout.columns:
-                if not c.rowwise:
-                    block[c.name][:, s.col_offset : s.col_offset + s.cols] = data[c.name]
-                elif c.width:
-                    block[c.name][:, layout.col_offsets.index(s.col_offset)] = data[c.name]
-                else:
-                    block[c.name][:] = data[c.name]
-            del data
-        yield torch.arange(r0, r0 + n, dtype=torch.int64), block
-
-
-# ---- deck follow --format parquet --------------------------------------------------------------
-
 PARQUET_DIR = "parquet"
 
 
@@ -323,99 +236,6 @@ def gather(
                 t = t.reshape(-1)
         out[c.name] = t if rows is None else t.index_select(0, rows)
     return out
-
-
-def changed_rows(
-    storage: Storage, m: CheckpointManifest, parts: list[RankManifest], allow_quantized: bool
-) -> dict[str, torch.Tensor]:
-    """The global row ids checkpoint ``m`` (rank manifests ``parts``) holds rows of, by table,
-    ascending and unique: what applying it changes. Reads its chunks (checksum-verified; a
-    local store maps them, so the pages ``apply_chain`` just read are reused)."""
-    ids: dict[str, list[torch.Tensor]] = {}
-    for part in parts:
-        for rec in part.shards:
-            for chunk, at, data in read_chunks(storage, m.folder, rec.chunks, zero_copy=True):
-                where = f"{at} (table {rec.table}, {checkpoint_label(m)})"
-                arrays = decode_chunk(data, chunk, where, allow_quantized, shard=rec)
-                ids.setdefault(rec.table, []).append(arrays["ids"].to(torch.int64).clone())
-    return {t: torch.unique(torch.cat(v)) for t, v in ids.items()}
-
-
-class FollowParquet:
-    """The Parquet output of ``deck follow``: ``<out>/parquet/<step>-full/`` when the state is
-    materialised from a chain, ``<out>/parquet/<step>-delta/`` for each delta applied onto it
-    (module doc: layout). Each step's folder is written under a temp name and renamed into
-    place, so a reader listing the folder sees whole steps only."""
-
-    def __init__(self, out_dir: str, uri: str, compression: str = "none"):
-        self.root = os.path.join(out_dir, PARQUET_DIR)
-        self.uri = uri
-        self.compression = compression
-        if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise ConfigError(f"{self.root} is not a directory; remove it or use another out_dir")
-        os.makedirs(self.root, exist_ok=True)
-
-    def full(self, follower: Any) -> str:
-        """Write every row of the state ``follower`` (a :class:`deck.ops.follow.Follower`) holds,
-        as step ``follower.state``."""
-        return self.write("full", follower.state, None, self._layouts(follower), follower.tensors)
-
-    def delta(
-        self,
-        follower: Any,
-        m: CheckpointManifest,
-        parent: tuple[int, str] | None,
-        parts: list[RankManifest],
-    ) -> str:
-        """Write the rows checkpoint ``m`` (rank manifests ``parts``), just applied onto
-        ``parent``, changed: their values in the state ``follower`` now holds."""
-        rows = changed_rows(follower.storage, m, parts, follower.allow_quantized)
-        tables = self._layouts(follower)
-        return self.write("delta", m.state, parent, tables, follower.tensors, rows)
-
-    @staticmethod
-    def _layouts(follower: Any) -> dict[str, TableLayout]:
-        t = follower.tensors
-        return layouts(
-            (s, p.state, p.fqn, tuple(t[p.fqn].shape), t[p.fqn].dtype)
-            for s in follower.shards
-            for p in s.pieces
-        )
-
-    def write(
-        self,
-        kind: str,
-        state: tuple[int, str],
-        parent: tuple[int, str] | None,
-        tables: dict[str, TableLayout],
-        tensors: dict[str, torch.Tensor],
-        rows: dict[str, torch.Tensor] | None = None,
-    ) -> str:
-        """Write step ``state`` (step, checkpoint id): every row of each table (``rows`` None)
-        or only ``rows[table]`` (a table missing from ``rows``: an empty file). Returns the
-        folder. A folder of the same step and kind (a catch-up redone after a crash) is
-        replaced."""
-        step, ckpt = state
-        meta = {"format": FORMAT, "kind": kind, "uri": self.uri}
-        meta |= {"step": str(step), "checkpoint": ckpt}
-        if parent is not None:
-            meta |= {"parent_step": str(parent[0]), "parent_checkpoint": parent[1]}
-        final = os.path.join(self.root, step_dir_name(step, kind))
-        tmp = os.path.join(self.root, f"{TEMP_PREFIX}{step_dir_name(step, kind)}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        empty = torch.empty(0, dtype=torch.int64)
-        for table, layout in sorted(tables.items()):
-            ids = None if rows is None else rows.get(table, empty)
-            rid = torch.arange(layout.num_rows) if ids is None else ids
-            path = os.path.join(tmp, table_file_name(table))
-            with TableFile(path, layout, meta, self.compression) as f:
-                f.write(rid, gather(layout, tensors, ids))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        return final
 
 
 def read_table(path: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
