@@ -29,8 +29,8 @@ import torch
 from _workload import Workload, make_shards
 
 from deck.format.manifest import Kind
-from deck.ops.export import StepState, export_safetensors
 from deck.format.parquet import read_table
+from deck.ops.export import StepState, export_safetensors
 from deck.ops.export.parquet import export_parquet
 from deck.storage import LocalStorage
 from deck.trainer.writer import RankPartWriter, commit

@@ -47,11 +47,11 @@ from deck.errors import CorruptCheckpointError, DeckError, LeaseHeldError, Stora
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
-from deck.serve.follow import Follower
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import quarantine, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
 from deck.read.verify import confirmed_damage, verify_checkpoint
+from deck.serve.follow import Follower
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.lineage_checks import age_commits, merge_all

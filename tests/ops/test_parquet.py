@@ -151,8 +151,8 @@ def test_export_parquet_streams_row_blocks(ckpt: str, tmp_path: Path) -> None:
     """One file per table, rows ascending and complete; at most one table's row block (here,
     column-wise: the table's column shards) held at once; an existing folder is refused."""
     from deck.errors import ConfigError
-    from deck.ops.export import StepState
     from deck.format.parquet import read_table
+    from deck.ops.export import StepState
     from deck.ops.export.parquet import export_parquet
 
     state = StepState(open_storage(ckpt), STEP)
