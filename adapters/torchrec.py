@@ -388,7 +388,7 @@ class TorchRecAdapter(ModelAdapter):
         for path, module in self.sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
             hooks.append(chain_hooks(module, called_lookups(module), key_plans, store, is_active))
-        logger.info(
+        logger.debug(
             "deck tracking installed on %d sharded module(s), %d rows",
             len(hooks),
             sum(s.rows for s in shards),

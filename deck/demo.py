@@ -389,6 +389,8 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
                 user.step = step
                 user.losses.append(losses[-1])
             ckpt.step(step)
+        if args.steps % args.delta_every:  # the last step is what the restore is compared with
+            ckpt.save("delta", step=args.steps)
         live = capture_state(model, dense_opt, user, full=True)
         ckpt.flush()  # background uploads and commits
         history = ckpt.history
@@ -445,6 +447,13 @@ def run_demo(args: DemoArgs, world_size: int = 2) -> dict[str, Any]:
         os.unlink(result_file)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _progress(line: str) -> None:
     print(line, flush=True)
 
@@ -467,19 +476,34 @@ def _fmt_bytes(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m deck.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default=None, help="checkpoint directory (default: a fresh temp dir)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--delta-every", type=int, default=10)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=250_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument(
+        "--out",
+        default=None,
+        help="checkpoint directory, new or empty (default: a fresh folder under the temp dir)",
+    )
+    p.add_argument("--steps", type=_positive, default=60, help="training steps (60)")
+    p.add_argument(
+        "--delta-every", type=_positive, default=10, help="a checkpoint every N steps (10)"
+    )
+    p.add_argument("--tables", type=_positive, default=8, help="embedding tables (8)")
+    p.add_argument("--rows", type=_positive, default=250_000, help="rows per table (250000)")
+    p.add_argument("--dim", type=_positive, default=64, help="embedding dimension (64)")
+    p.add_argument("--batch", type=_positive, default=1024, help="batch size per rank (1024)")
     p.add_argument(
         "--no-dcp", action="store_true", help="skip the torch.distributed.checkpoint comparison"
     )
     a = p.parse_args(argv)
+    if (
+        a.out is not None
+        and os.path.exists(a.out)
+        and (not os.path.isdir(a.out) or os.listdir(a.out))
+    ):
+        # The demo ends by printing `rm -rf` of its folder: never one holding anything else
+        p.error(f"--out {a.out} exists and is not an empty folder: give a new or empty one")
     out = a.out or tempfile.mkdtemp(prefix="deck-demo-")
     spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
     print(
@@ -536,10 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer, RNG, user state, on every rank)"
     )
     print(f"demo finished in {time.perf_counter() - t0:.1f} s")
-    where = shlex.quote(out)
+    where = shlex.quote(os.path.abspath(out))
+    deck_cli = shlex.quote(os.path.join(os.path.dirname(sys.executable), "deck"))
     print(
         f"\nthe checkpoints are in {out} ({_fmt_bytes(_size(out))}); look at them with\n"
-        f"  .venv/bin/deck ls {where}          (also: deck show / verify / lineage / history;"
+        f"  {deck_cli} ls {where}          (also: deck show / verify / lineage / history;"
         " docs/quickstart.md, section 4)\n"
         f"and remove them with\n  rm -rf {where}"
     )

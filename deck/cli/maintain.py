@@ -64,6 +64,9 @@ def _run_worker(
     from deck.merge.worker import MergeWorker
     from deck.ops.retention import collect_garbage
 
+    # What each pass merged and what --gc deleted: one INFO line each (docs/operations.md)
+    for name in ("deck.merge.worker", "deck.ops.retention.gc"):
+        logging.getLogger(name).setLevel(logging.INFO)
     storage = open_storage(a.uri, a.storage_options)
     config = _merge_config(a, worker_index, num_workers)
     after_pass = None
@@ -109,21 +112,26 @@ def cmd_merge(a: argparse.Namespace) -> int:
         # the trainer has written anything.
         open_existing(a.uri, a.storage_options)
     # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
-    slot = resolve_worker(a.worker_index, a.num_workers, names=("--worker-index", "--num-workers"))
-    first, hosts = slot.index, slot.count
     k = a.workers
+    slot = resolve_worker(
+        a.worker_index, a.num_workers, names=("--worker-index", "--num-workers"), announce=k == 1
+    )
+    first, hosts = slot.index, slot.count
     if k < 1:
         raise ConfigError(f"--workers must be >= 1, got {k}")
     _merge_config(a, 0, 1)  # validate the options before starting anything
     indices = [first * k + j for j in range(k)]
     total = hosts * k
-    if k > 1:  # the launch line named this process's slot; say which workers it runs
+    if k > 1:  # which workers this process runs (its slot times --workers)
         logging.getLogger("deck.merge.launch").info(
-            "deck merge: runs workers %d..%d of %d (--workers %d)",
+            "deck merge: workers %d..%d of %d (--workers %d; this process is %d of %d, from %s)",
             indices[0],
             indices[-1],
             total,
             k,
+            slot.index,
+            slot.count,
+            slot.source,
         )
     t0 = time.perf_counter()
     tally = _MergeTally()

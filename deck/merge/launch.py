@@ -92,6 +92,7 @@ def resolve_worker(
     env: Mapping[str, str] | None = None,
     *,
     names: tuple[str, str] = NAMES,
+    announce: bool = True,
 ) -> WorkerSlot:
     """This process's worker slot from the explicit ``index`` and ``count`` (``None``: not
     given) and ``env`` (default ``os.environ``). Both given: they are used as they are. Otherwise
@@ -148,5 +149,6 @@ def resolve_worker(
             f"worker index {slot.index} of {slot.count} workers (from {slot.source}): need "
             "0 <= index < count"
         )
-    logger.info("deck merge: worker %d of %d (from %s)", slot.index, slot.count, slot.source)
+    if announce:  # (deck merge --workers K says which workers the slot runs instead)
+        logger.info("deck merge: worker %d of %d (from %s)", slot.index, slot.count, slot.source)
     return slot

@@ -74,7 +74,7 @@ from deck.format.stream import (
     valid_run,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
-from deck.serve.follow import Follower, FollowUpdate, state_record
+from deck.serve.follow import Follower, FollowUpdate, Waiting, state_record
 from deck.serve.kafka_full import newest_loader_full, stream_record_path, write_loader_full
 from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
 from deck.serve.output import parquet_outputs
@@ -763,14 +763,15 @@ def follow_kafka(
         if once:
             kf.catch_up(on_update)
             return kf
+        waiting = Waiting(uri, poll_s)
         while True:
             try:
                 update = kf.poll(1.0)
+                waiting.ok()
             except ConfigError:
                 raise  # waiting does not fix it
             except DeckError as e:  # the broker or the state URI is down, the topic not there yet
-                logger.error("deck follow %s: %s; retrying in %.0f s", uri, e, poll_s)
-                time.sleep(poll_s)
+                time.sleep(waiting.failed(e))
                 continue
             if update is not None and on_update is not None:
                 on_update(update)

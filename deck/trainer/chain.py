@@ -356,8 +356,18 @@ class ChainWriter:
             )
         full = any(v.full for v in votes)
         if not full and any(v.no_parent or v.parent_failed for v in votes):
-            logger.info(
-                "%s step %d: no committed parent to be a delta of: taking a full", self.label, step
+            why = (
+                "the last one failed in the background"
+                if any(v.parent_failed for v in votes)
+                else "none to be a delta of in this process (the first, or after a restore into "
+                "another layout or a failure)"
+            )
+            logger.log(
+                logging.INFO if self.coord.rank == 0 else logging.DEBUG,
+                "deck: %s step %d is a full: %s",
+                self.label,
+                step,
+                why,
             )
             full = True
         before = set(self.rank_local)

@@ -15,9 +15,9 @@ import deck.schemes as schemes
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     ConfigError,
     LeaseHeldError,
-    NotFoundError,
     StorageError,
 )
 from deck.format.statefile import scalar_key
@@ -36,7 +36,7 @@ from deck.read.restore import (
 from deck.storage import Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter
 from deck.trainer.coordination import Coordinator
-from deck.trainer.events import CheckpointEvent, OnCheckpoint, deliver
+from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.rng import capture_rng
@@ -82,9 +82,10 @@ class DeltaCheckpointer:
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
         self._stagers: list[Stager] = []
-        # Called with each checkpoint's and publish's CheckpointEvent once it is done, on every
-        # rank (deck.trainer.events says in which thread); may be set at any time.
-        self.on_checkpoint: OnCheckpoint | None = on_checkpoint
+        # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
+        # on_checkpoint (set at any time), on the events' own thread (deck.trainer.events).
+        self.on_checkpoint = on_checkpoint
+        self._events = EventQueue(lambda: self._on_checkpoint)
         try:
             self.config = config
             self.coord = Coordinator()
@@ -170,6 +171,21 @@ class DeltaCheckpointer:
             self._state = user_state_pair(state)
 
     @property
+    def on_checkpoint(self) -> OnCheckpoint | None:
+        """Called with each checkpoint's :class:`~deck.trainer.events.CheckpointEvent` (and each
+        publish's), on every rank, in order, on deck's events thread; None: only logged."""
+        return self._on_checkpoint
+
+    @on_checkpoint.setter
+    def on_checkpoint(self, callback: OnCheckpoint | None) -> None:
+        if callback is not None and not callable(callback):
+            raise ConfigError(
+                f"on_checkpoint must be a callable taking a deck.CheckpointEvent, or None; got "
+                f"{type(callback).__name__}"
+            )
+        self._on_checkpoint = callback
+
+    @property
     def tracking(self) -> bool:
         """Whether the tracking hooks are installed (until :meth:`close`)."""
         return self._hooks is not None
@@ -236,8 +252,7 @@ class DeltaCheckpointer:
             lease=self._lease,
             quantize=quantize,
         )
-        # Read at delivery, so that a callback set after construction gets the events too
-        chain.notify = lambda event: deliver(event, self.on_checkpoint)
+        chain.notify = self._events.put
         return chain
 
     @property
@@ -389,6 +404,8 @@ class DeltaCheckpointer:
         for chain in chains:
             chain.exchange_failures(left())
         done = all([chain.stager.flush(left()) for chain in chains])
+        # Every flushed checkpoint's event delivered (a callback's metrics are complete)
+        done = self._events.drain(left()) and done
         # Publishes are best effort (a failed one is logged and the next is a full): only a
         # checkpoint that did not commit makes the flush report failure.
         done = not self._ckpt.failed_since_last_report(done) and done
@@ -404,9 +421,13 @@ class DeltaCheckpointer:
         """Wait until this process's checkpoint (or, ``chain="publish"``, publish) of ``step``
         is done on this rank and return its event: on rank 0 the checkpoint is then committed
         (a restore of ``step`` from any process finds it), on other ranks this rank's part is
-        at the destination. Local, not collective. Raises :class:`CheckpointError` when it
-        failed, ``TimeoutError`` after ``timeout`` seconds, and :class:`NotFoundError` when
-        this process took no checkpoint of ``step`` (the newest attempt counts)."""
+        at the destination. Local, not collective; call it after the ``step``/``save`` that took
+        the checkpoint (it does not wait for a step to be taken). Raises
+        :class:`CheckpointError` when it failed, ``TimeoutError`` after ``timeout`` seconds,
+        and :class:`CheckpointNotFoundError` when this process took no checkpoint of ``step``
+        (the newest attempt counts)."""
+        if timeout is not None and timeout < 0:
+            raise ConfigError(f"wait_for(timeout={timeout}): give seconds >= 0, or None")
         found = self._ckpt if chain == "checkpoint" else self._pub if chain == "publish" else None
         if found is None:
             raise ConfigError(
@@ -416,10 +437,20 @@ class DeltaCheckpointer:
         stats = next((s for s in reversed(found.history) if s.step == step), None)
         if stats is None:
             taken = sorted({s.step for s in found.history})
-            raise NotFoundError(
-                f"wait_for({step}): this process took no {chain} of step {step} at "
-                f"{found.storage.uri} (it took {_steps(taken)}); a checkpoint is taken when "
+            when = (
                 "step() is called with a multiple of delta_every_steps, or by save()"
+                if chain == "checkpoint"
+                else "step() is called with a multiple of publish.every_steps, or by publish()"
+            )
+            other = (
+                " (a publish step? wait_for(step, chain='publish'))"
+                if chain == "checkpoint" and self._pub is not None
+                else ""
+            )
+            raise CheckpointNotFoundError(
+                f"wait_for({step}): this process took no {chain} of step {step} at "
+                f"{found.storage.uri} (it took {_steps(taken)}){other}; a {chain} is taken when "
+                f"{when}"
             )
         if not stats.progress.wait(timeout):
             raise TimeoutError(
@@ -514,6 +545,7 @@ class DeltaCheckpointer:
         propagates once all ran), only what was taken, and nothing twice."""
         hooks, stagers, self._hooks, self._stagers = self._hooks, self._stagers, None, []
         with contextlib.ExitStack() as stack:  # runs its callbacks last-in first-out
+            stack.callback(self._events.close)  # after the stagers: their last events too
             if self._lease is not None:
                 stack.callback(self._lease.release)
             for stager in stagers:

@@ -3,14 +3,18 @@ rank, logged (one INFO line per commit) and handed to the user's ``on_checkpoint
 
 The event is built once both sides are done with the checkpoint: the training thread has
 sealed its stats (the stall is known when ``step``/``save`` returns) and the commit thread has
-finished the part (committed, uploaded or failed). Whichever comes second delivers it, so a
-callback runs in the training thread (inside ``step``) or in deck's commit thread: it must be
-quick and thread-safe (TensorBoard's ``SummaryWriter`` is: it queues to its own writer thread).
+finished the part (committed, uploaded or failed). Whichever comes second queues it to an
+:class:`EventQueue`, whose own thread (``deck-events``) logs it and calls the callback, in
+order: a slow callback delays neither training nor the next checkpoint's commit (it must be
+thread-safe: TensorBoard's ``SummaryWriter`` is).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -137,3 +141,58 @@ def deliver(event: CheckpointEvent, callback: OnCheckpoint | None) -> None:
 
 def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.3f} s"
+
+
+class EventQueue:
+    """Delivers events in order on its own thread (started at the first event), so that what a
+    callback costs lands on no checkpoint's critical path. ``callback()`` is read at delivery
+    (the callback may be set at any time)."""
+
+    def __init__(self, callback: Callable[[], OnCheckpoint | None]) -> None:
+        self._callback = callback
+        self._queue: queue.Queue[CheckpointEvent | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, event: CheckpointEvent) -> None:
+        """Queue ``event`` for delivery (any thread)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="deck-events", daemon=True)
+                self._thread.start()
+        with self._idle:
+            self._pending += 1
+        self._queue.put(event)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued event was delivered; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Deliver what is queued, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            try:
+                deliver(event, self._callback())
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()

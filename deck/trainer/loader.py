@@ -264,7 +264,8 @@ class StateLoader:
                 raise CorruptCheckpointError(f"{where}: {mine.extra.path} holds no user state")
             self.set_user_state(extra["user"])
         self._load_rng(extra, parts, where)
-        logger.info(
+        logger.log(  # one line per restore: rank 0's (the others at DEBUG)
+            logging.INFO if self.coord.rank == 0 else logging.DEBUG,
             "deck: restored step %d from %s (%d checkpoints, %d chunks, %.1f MiB on this rank)",
             target,
             self.storage.uri,

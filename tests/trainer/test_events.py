@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,9 @@ def _events(rank: int, world_size: int, uri: str) -> None:
                     assert done.state == "uploaded", done
         assert ckpt.flush()
         history = {s.step: s for s in ckpt.history}
-        with pytest.raises(deck.NotFoundError, match=r"no checkpoint of step 4 .*steps 3, 6, 9"):
+        with pytest.raises(
+            deck.CheckpointNotFoundError, match=r"no checkpoint of step 4 .*steps 3, 6, 9"
+        ):
             ckpt.wait_for(4)
 
         # A callback that raises is logged; checkpointing goes on.
@@ -65,23 +68,44 @@ def _events(rank: int, world_size: int, uri: str) -> None:
         assert ckpt.wait_for(10).ok
         assert any("on_checkpoint callback raised" in r.getMessage() for r in lines.records)
 
+        # A callback that blocks holds up neither training nor the next commit: events wait
+        # on their own thread, and flush() returns once they are delivered.
+        gate, seen = threading.Event(), []
+
+        def blocked(e: deck.CheckpointEvent) -> None:
+            gate.wait()
+            seen.append(e.step)
+
+        ckpt.on_checkpoint = blocked
+        for step in (12, 13):
+            train_step(model, opt, SPEC, step)
+            ckpt.save("delta", step=step)
+        assert ckpt.wait_for(13, timeout=120).ok  # the commit went on past the blocked callback
+        assert seen == []
+        gate.set()
+        assert ckpt.flush() and seen == [12, 13]
+        with pytest.raises(deck.ConfigError, match="on_checkpoint must be a callable"):
+            ckpt.on_checkpoint = 42  # type: ignore[assignment]
+        with pytest.raises(deck.ConfigError, match="timeout"):
+            ckpt.wait_for(13, timeout=-1)
+
         # A checkpoint that fails in the background: a failed event, and wait_for raises.
         ckpt.on_checkpoint = events.append
         if rank == 0:
             failpoints.configure("stager.commit.before:1:enospc")
-        train_step(model, opt, SPEC, 11)
-        ckpt.save("delta", step=11)
+        train_step(model, opt, SPEC, 14)
+        ckpt.save("delta", step=14)
         assert not ckpt.flush()
         failpoints.configure(None)
         if rank == 0:
-            with pytest.raises(deck.CheckpointError, match=r"step 11 .* failed"):
-                ckpt.wait_for(11)
+            with pytest.raises(deck.CheckpointError, match=r"step 14 .* failed"):
+                ckpt.wait_for(14)
 
     assert [(e.step, e.kind) for e in events] == [
         (3, "full"),
         (6, "delta"),
         (9, "delta"),
-        (11, "delta"),
+        (14, "delta"),
     ], events
     for e in events[:3]:
         s = history[e.step]
@@ -94,7 +118,14 @@ def _events(rank: int, world_size: int, uri: str) -> None:
     info = [r.getMessage() for r in lines.records if r.levelno == logging.INFO]
     per_step = [m for m in info if " step " in m and "checkpoint" in m]
     if rank == 0:
-        assert [m.split(" step ")[1].split()[0] for m in per_step] == ["3", "6", "9", "10"], info
+        assert [m.split(" step ")[1].split()[0] for m in per_step] == [
+            "3",
+            "6",
+            "9",
+            "10",
+            "12",
+            "13",
+        ], info
         assert "committed at" in per_step[0] and "rows" in per_step[0], per_step
     else:
         assert per_step == [], per_step
