@@ -236,7 +236,9 @@ class DeltaCheckpointer:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
         # Commit records at the checkpoint URI are fenced by its writer lease.
         fence = self._lease.check if self._lease is not None and storage is self.storage else None
-        stager = Stager(storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence)
+        stager = Stager(
+            storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence, label=label
+        )
         self._stagers.append(stager)  # close() (or a failed construction) stops it
         chain = ChainWriter(
             label=label,

@@ -82,7 +82,10 @@ class Committer:
         tier: str,
         spool: SpoolDir | None,
         uploads: ThreadPoolExecutor,
+        *,
+        label: str = "checkpoint",
     ) -> None:
+        self.label = label  # what its parts are, in logs: "checkpoint" or "publish"
         self.dest = dest
         self.cfg = cfg
         self.tier = tier
@@ -184,9 +187,11 @@ class Committer:
         with self._idle:
             self._failure = True
         logger.error(
-            "deck: checkpoint of step %d (%s) failed in the background: %s",
+            "deck: %s of step %d (%s) at %s failed in the background: %s",
+            self.label,
             pending.step,
             pending.ckpt_id,
+            self.dest.uri,
             e,
         )
         if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, NeverCommits)):

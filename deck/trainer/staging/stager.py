@@ -85,6 +85,7 @@ class Stager:
         rank: int,
         pinned: bool = False,
         fence: Callable[[], None] | None = None,
+        label: str = "checkpoint",
     ):
         self.storage = storage
         self.cfg = staging
@@ -130,7 +131,9 @@ class Stager:
             )
         )
         self._dest = Destination(storage, staging, fence)
-        self._committer = Committer(self._dest, staging, self.tier, self._spool, self._uploads)
+        self._committer = Committer(
+            self._dest, staging, self.tier, self._spool, self._uploads, label=label
+        )
 
     def _spool_root(self) -> str | None:
         if self.tier == "local":
