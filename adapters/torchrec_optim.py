@@ -1,6 +1,6 @@
 """TorchRec optimizer trees: leaves and wrappers of CombinedOptimizer / OptimizerWrapper trees,
-the fused optimizer's leaves by table, what a wrapper keeps itself, and the checks a dense
-optimizer must pass at enable."""
+the fused optimizer's leaves by table and the fbgemm TBEs behind them, what a wrapper keeps
+itself, and the checks a dense optimizer must pass at enable."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from deck.adapters.torchrec_compat import (
     clipping_steps,
+    fused_optimizer_tbe,
     in_backward_optimized,
     set_clipping_steps,
     set_warmup_state,
@@ -69,6 +70,12 @@ def fused_leaves(opt: Any, prefix: str) -> list[tuple[Any, list[str]]]:
         ]
     keys = [CombinedOptimizer.prepend_opt_key(k, prefix) for k in getattr(opt, "params", {})]
     return [(opt, keys)]
+
+
+def fused_kernels(opt: Any) -> list[Any]:
+    """The fbgemm TBEs behind TorchRec's fused optimizer tree, each once, in order."""
+    found = [fused_optimizer_tbe(leaf) for leaf, _ in fused_leaves(opt, "")]
+    return list({id(t): t for t in found if t is not None}.values())
 
 
 def wrapper_state(name: str, wrapper: Any) -> WrapperState:

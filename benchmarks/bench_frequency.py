@@ -47,7 +47,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank, free_port, init_process_group
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

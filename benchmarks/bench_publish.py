@@ -38,7 +38,8 @@ def _worker(rank: int, world_size: int, port: int, a: dict[str, Any], work: str,
     import logging
 
     import deck
-    from deck.demo import ModelSpec, build_model, end_rank, init_process_group, train_step
+    from deck.demo import ModelSpec, build_model, train_step
+    from deck.processes import end_rank, init_process_group
 
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--publish-every", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args(argv)
-    from deck.demo import free_port
+    from deck.processes import free_port
     from deck.serve.follow import Follower
     from deck.storage import open_storage
 

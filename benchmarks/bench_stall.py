@@ -58,7 +58,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank, free_port, init_process_group
 
 # Goals (issue 22): with the default configuration the stall should approach the gather of the
 # same rows (<= 1.5x), and be at most 1/100 of a blocking dcp.save of the same model.

@@ -21,7 +21,8 @@ import warnings
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import ModelSpec, build_model, end_rank, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank, free_port, init_process_group
 from deck.trainer.tracker import TrackerStore
 
 

@@ -10,16 +10,15 @@ what the tests use, so the demo and the tests exercise the same training loop.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
 import shlex
 import shutil
-import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import deck
+from deck.adapters.torchrec_optim import fused_kernels
+from deck.processes import end_rank, free_port, init_process_group
 
 logger = logging.getLogger("deck.demo")
 
@@ -50,37 +53,6 @@ class ModelSpec:
     fused_params: dict[str, Any] = field(default_factory=dict)  # more fbgemm TBE options
     seed: int = 0
     extra_constraints: dict[str, Any] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_process_group(rank: int, world_size: int, port: int) -> None:
-    """gloo on loopback; one compute thread per rank keeps 2-core machines responsive and runs
-    deterministic."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-
-
-def end_rank() -> None:
-    """Leave a spawned rank that finished its work: destroy the process group, flush stdio and
-    exit 0 at once.
-
-    Skipping interpreter finalization is deliberate: torch 2.13's gloo backend can abort a
-    process there ("terminate called without an active exception") when a C++ worker thread
-    drops a tensor that needs the GIL while the interpreter is being torn down (see pytorch
-    PR 179291). Nothing of ours is left to finalize: files are closed and flushed by then.
-    """
-    dist.destroy_process_group()
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def build_model(
@@ -299,15 +271,6 @@ def capture_state(
     return out
 
 
-def fused_kernels(opt: Any) -> list[Any]:
-    """The fbgemm TBEs behind TorchRec's fused optimizer tree, each once, in order."""
-    from deck.adapters.torchrec_compat import fused_optimizer_tbe
-    from deck.adapters.torchrec_optim import fused_leaves
-
-    found = [fused_optimizer_tbe(leaf) for leaf, _ in fused_leaves(opt, "")]
-    return list({id(t): t for t in found if t is not None}.values())
-
-
 def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names of entries that differ bitwise (or exist in only one)."""
     bad = sorted(set(a) ^ set(b))
@@ -354,10 +317,6 @@ class DemoArgs:
 
 
 def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_file: str) -> None:
-    import warnings
-
-    import deck
-
     # TorchRec / fbgemm emit deprecation and planner warnings on every run; the demo's output is
     # its summary.
     warnings.filterwarnings("ignore")

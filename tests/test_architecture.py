@@ -5,6 +5,8 @@ merger worker or an offline tool never loads the training-process code, and ther
 import cycles between modules (inside a package, not even through imports for type checking
 only). No module imports or reads a private (``_``) name of another deck module. Every module of
 deck.kernels and every function of its C extension is used by the product, not only by tests.
+The demo (the main job) and the test helpers (deck.testing) stand on top: nothing of deck
+imports the demo but the test helpers, and no product module imports a test helper.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ ALLOWED = {
     "deck.trainer": {"deck.format", "deck.read", "deck.storage", "deck.kernels", "deck.adapters"},
     "deck.kernels": set(),
     "deck.adapters": set(),
+    # free_port, init_process_group, end_rank: the doctor's, the demo's and the harnesses' ranks
+    "deck.processes": set(),
 }
 
 
@@ -230,6 +234,77 @@ def test_adapters_never_import_the_trainer() -> None:
         if _package(mod) == "deck.adapters":
             deps = GRAPH[mod] | TYPING[mod]
             assert not {d for d in deps if _package(d) == "deck.trainer"}, mod
+
+
+# ---- the demo and the test helpers stand on top (issue 36) --------------------------------------
+
+DEMO = "deck.demo"
+TESTING = "deck.testing"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _imports_of_the_tops(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that put a top under something: a module of deck importing the demo (only the
+    test helpers may: they share its model builders with the tests and benchmarks), or a
+    product module (outside deck.testing) importing a test helper."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        if _in(mod, TESTING):
+            continue
+        bad += [
+            f"{mod} imports {dep}"
+            for dep in sorted(deps)
+            if (dep == DEMO and mod != DEMO) or _in(dep, TESTING)
+        ]
+    return bad
+
+
+def test_nothing_of_deck_imports_the_demo_and_the_product_no_test_helper() -> None:
+    graph = {mod: GRAPH[mod] | TYPING[mod] for mod in GRAPH}
+    bad = _imports_of_the_tops(graph)
+    assert not bad, (
+        "the demo (the main job) and deck.testing are the top of the import graph; move what "
+        "others need out of them (deck.processes: the ranks' helpers):\n" + "\n".join(bad)
+    )
+
+
+def test_the_tops_scan_finds_imports_of_the_demo_and_the_test_helpers() -> None:
+    graph = {
+        "deck.doctor.run": {"deck.demo", "deck.processes"},
+        "deck.cli.inspect": {"deck.testing.synth"},
+        "deck.testing.differential": {"deck.demo", "deck.testing.storage"},
+        "deck.demo": {"deck", "deck.processes"},
+    }
+    assert _imports_of_the_tops(graph) == [
+        "deck.cli.inspect imports deck.testing.synth",
+        "deck.doctor.run imports deck.demo",
+    ]
+
+
+def test_the_demo_imports_deck_at_module_level() -> None:
+    # Its place in the import graph is what it says at the top: no deck import hides in a
+    # function.
+    tree = ast.parse(MODULES[DEMO].read_text())
+    top = {id(n) for n in tree.body}
+    lazy = [
+        f"{DEMO}:{n.lineno}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        and id(n) not in top
+        and (
+            getattr(n, "level", 0)  # a relative import: of deck
+            or any(
+                _is_deck(m)
+                for m in (
+                    [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+                )
+            )
+        )
+    ]
+    assert not lazy, f"deck imports inside functions of the demo: {lazy}"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -59,7 +59,8 @@ FIXTURES: dict[str, tuple[str, str]] = {
 import os
 import torch
 import torch.distributed as dist
-from deck.demo import ModelSpec, TrainState, build_model, free_port, train_step
+from deck.demo import ModelSpec, TrainState, build_model, train_step
+from deck.processes import free_port
 
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
 os.environ["MASTER_PORT"] = str(free_port())
@@ -97,7 +98,8 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from deck.demo import ModelSpec, TrainState, free_port, make_batch, train_step
+from deck.demo import ModelSpec, TrainState, make_batch, train_step
+from deck.processes import free_port
 
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
 os.environ["MASTER_PORT"] = str(free_port())

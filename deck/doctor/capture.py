@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from deck.adapters.torchrec_compat import tbe_kernel_arguments
-from deck.demo import fused_kernels
+from deck.adapters.torchrec_optim import fused_kernels
 from deck.doctor.setup import DoctorSetup
 from deck.trainer.checkpointer import user_state_pair
 

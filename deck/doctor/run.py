@@ -22,7 +22,6 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from deck.config import DeckConfig
-from deck.demo import end_rank, free_port, init_process_group
 from deck.doctor.capture import (
     KINDS,
     Captured,
@@ -41,6 +40,7 @@ from deck.doctor.report import (
 )
 from deck.doctor.setup import DoctorSetup, build_setup, load_entry, normalize_entry
 from deck.errors import DeckError, DoctorError
+from deck.processes import end_rank, free_port, init_process_group
 from deck.read.catalog import list_checkpoints
 from deck.storage import open_storage
 from deck.trainer.checkpointer import DeltaCheckpointer, enable

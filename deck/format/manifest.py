@@ -365,21 +365,40 @@ class CheckpointManifest(_Strict):
 
     @model_validator(mode="after")
     def _lineage(self) -> CheckpointManifest:
-        if self.kind is Kind.FULL and (self.parent is not None or self.base != self.step):
-            raise ValueError("a full checkpoint has no parent and is its own base")
-        if self.kind in (Kind.DELTA, Kind.MERGED) and (
-            self.parent is None or self.parent_id is None or self.parent >= self.step
-        ):
-            raise ValueError("a delta needs a parent (id and step) older than itself")
+        # In this order, so a record breaking several rules is named by the same one as ever.
+        self._check_parent()
         if self.state_id is None:
-            if self.kind is Kind.MERGED or self.layer or self.first_step is not None or self.inputs:
-                raise ValueError(
-                    "merged checkpoints need state_id; trainer checkpoints have no layer, "
-                    "first_step or inputs"
-                )
+            self._check_trainer_record()
         elif self.kind is Kind.DELTA:
             raise ValueError("a checkpoint with state_id is merged or a merger full, not a delta")
-        elif self.kind is Kind.MERGED and (
+        elif self.kind is Kind.MERGED:
+            self._check_merged_delta()
+        else:
+            self._check_merger_full()
+        self._check_ranks()
+        return self
+
+    def _check_parent(self) -> None:
+        """Every kind: a full has no parent and is its own base; a delta or merged delta
+        applies on a parent (id and step) older than itself."""
+        if self.kind is Kind.FULL:
+            if self.parent is not None or self.base != self.step:
+                raise ValueError("a full checkpoint has no parent and is its own base")
+        elif self.parent is None or self.parent_id is None or self.parent >= self.step:
+            raise ValueError("a delta needs a parent (id and step) older than itself")
+
+    def _check_trainer_record(self) -> None:
+        """No state_id: the trainer's full or delta, none of the merger's fields set."""
+        if self.kind is Kind.MERGED or self.layer or self.first_step is not None or self.inputs:
+            raise ValueError(
+                "merged checkpoints need state_id; trainer checkpoints have no layer, "
+                "first_step or inputs"
+            )
+
+    def _check_merged_delta(self) -> None:
+        """The merger's merged delta: a layer above the trainer's deltas, built from two or more
+        inputs, covering the trainer steps ``first_step .. step`` after its parent."""
+        if (
             self.layer < 1
             or len(self.inputs) < 2
             or self.first_step is None
@@ -389,13 +408,19 @@ class CheckpointManifest(_Strict):
             raise ValueError(
                 "a merged delta needs layer >= 1, two or more inputs and parent < first_step <= step"
             )
-        elif self.kind is Kind.FULL and (not self.inputs or self.layer or self.first_step):
+
+    def _check_merger_full(self) -> None:
+        """The merger's full: built from its inputs; no layer, no first step (a falsy
+        ``first_step``, 0, passes as it always has)."""
+        if not self.inputs or self.layer or self.first_step:
             raise ValueError("a merger full lists its inputs and has no layer or first_step")
+
+    def _check_ranks(self) -> None:
+        """Every kind: one rank reference per rank of ``world_size``."""
         if len({r.rank for r in self.ranks}) != self.world_size or any(
             r.rank >= self.world_size for r in self.ranks
         ):
             raise ValueError("ranks must list each rank of world_size exactly once")
-        return self
 
     @model_serializer(mode="wrap")
     def _omit_merger_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -166,6 +166,40 @@ def apply_chain(
     ``rank_parts``: rank manifests already read with :func:`deck.read.catalog.read_rank_manifests`,
     by checkpoint folder (a caller applying one chain many times reads them once).
     """
+    _refuse_quantized(storage, chain, allow_quantized)
+    stats = RestoreStats()
+    by_table: dict[str, list[TableShard]] = {}
+    for s in shards:
+        by_table.setdefault(s.table, []).append(s)
+    parts: list[RankManifest] = []
+    for i, m in enumerate(chain):
+        parts = _rank_parts(storage, m, rank_parts)
+        stats.checkpoints += 1
+        if i and m.state == chain[i - 1].state:
+            # The same training state as the checkpoint just applied (a trainer checkpoint
+            # reached through a merger checkpoint of its step): its rows are there already;
+            # only its records (dense / extra state) are needed.
+            continue
+        # The full a chain starts from (not a delta applied onto shards that hold its parent)
+        # must hold exactly the model's tables (checked before it writes anything) and cover
+        # every local shard.
+        first_full = i == 0 and not onto
+        if first_full:
+            saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
+            _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
+        covered = _apply_checkpoint(
+            storage, m, parts, by_table, tables, stats, zero_copy, allow_quantized
+        )
+        if first_full:
+            _check_covered(storage, m, shards, covered)
+    return stats, parts
+
+
+def _refuse_quantized(
+    storage: Storage, chain: list[CheckpointManifest], allow_quantized: bool
+) -> None:
+    """Quantised checkpoints restore only with the caller's opt-in, refused before anything is
+    changed."""
     quantized = [m for m in chain if m.encoding is not None]
     if quantized and not allow_quantized:
         q = quantized[0]
@@ -176,58 +210,81 @@ def apply_chain(
             "not give the exact state: pass allow_quantized=True to accept that, or restore a "
             "chain of exact checkpoints"
         )
-    stats = RestoreStats()
-    by_table: dict[str, list[TableShard]] = {}
-    for s in shards:
-        by_table.setdefault(s.table, []).append(s)
-    parts: list[RankManifest] = []
-    for i, m in enumerate(chain):
-        if rank_parts is not None and m.folder in rank_parts:
-            parts = rank_parts[m.folder]
-        else:
-            parts = read_rank_manifests(storage, m)
-        stats.checkpoints += 1
-        if i and m.state == chain[i - 1].state:
-            # The same training state as the checkpoint just applied (a trainer checkpoint
-            # reached through a merger checkpoint of its step): its rows are there already;
-            # only its records (dense / extra state) are needed.
-            continue
-        covered: dict[int, int] = {}  # id(shard) -> rows x cols the checkpoint's records cover
-        saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
-        if i == 0 and not onto:
-            _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
-        joins = _Joins()
-        for part in parts:
-            for rec in part.shards:
-                if tables.get(rec.table) != (rec.num_rows, rec.num_cols):
-                    # The full's tables are the model's (checked above): a later record naming
-                    # another table or shape contradicts its chain, and skipping its rows (or
-                    # indexing by them) would be silent.
-                    raise CorruptCheckpointError(
-                        f"{part_where(storage, m, part.rank)}: table {rec.table!r} of shape "
-                        f"({rec.num_rows}, {rec.num_cols}) is not one of the tables its chain "
-                        f"restores ({tables.get(rec.table, 'no such table')}); the record is "
-                        "damaged or was not written by deck: run deck verify, restore another step"
-                    )
-                targets = _match(rec, by_table, checkpoint_label(m))
-                if not targets:
-                    continue
-                _apply_shard(storage, m, rec, targets, stats, joins, zero_copy, allow_quantized)
-                for t in targets:
-                    r0, r1 = span(rec.row_offset, rec.rows, t.row_offset, t.rows)
-                    c0, c1 = span(rec.col_offset, rec.cols, t.col_offset, t.cols)
-                    covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
-                    stats.resharded |= not _same_extent(rec, t)
-        joins.finish()
-        if i == 0 and not onto:
-            uncovered = [s.table for s in shards if covered.get(id(s), 0) != s.rows * s.cols]
-            if uncovered:
-                raise CorruptCheckpointError(
-                    f"full checkpoint {checkpoint_label(m)} at {storage.uri} does not hold every "
-                    f"row and column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
-                    "and restore another step"
-                )
-    return stats, parts
+
+
+def _rank_parts(
+    storage: Storage,
+    m: CheckpointManifest,
+    rank_parts: Mapping[str, list[RankManifest]] | None,
+) -> list[RankManifest]:
+    """The rank manifests of ``m``: the caller's, read already, or read now."""
+    if rank_parts is not None and m.folder in rank_parts:
+        return rank_parts[m.folder]
+    return read_rank_manifests(storage, m)
+
+
+def _apply_checkpoint(
+    storage: Storage,
+    m: CheckpointManifest,
+    parts: list[RankManifest],
+    by_table: dict[str, list[TableShard]],
+    tables: dict[str, tuple[int, int]],
+    stats: RestoreStats,
+    zero_copy: bool,
+    allow_quantized: bool,
+) -> dict[int, int]:
+    """Write the rows of checkpoint ``m`` (its rank manifests ``parts``) into the local shards
+    that hold some of them; joined per-row states are written once all its records are read.
+    Returns, by ``id(shard)``, how many of the shard's rows x columns its records cover."""
+    covered: dict[int, int] = {}
+    joins = _Joins()
+    for part in parts:
+        for rec in part.shards:
+            _check_chain_table(storage, m, part, rec, tables)
+            targets = _match(rec, by_table, checkpoint_label(m))
+            if not targets:
+                continue
+            _apply_shard(storage, m, rec, targets, stats, joins, zero_copy, allow_quantized)
+            for t in targets:
+                r0, r1 = span(rec.row_offset, rec.rows, t.row_offset, t.rows)
+                c0, c1 = span(rec.col_offset, rec.cols, t.col_offset, t.cols)
+                covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
+                stats.resharded |= not _same_extent(rec, t)
+    joins.finish()
+    return covered
+
+
+def _check_chain_table(
+    storage: Storage,
+    m: CheckpointManifest,
+    part: RankManifest,
+    rec: ShardRecord,
+    tables: dict[str, tuple[int, int]],
+) -> None:
+    """Every record of a chain names one of the tables it restores, with its shape."""
+    if tables.get(rec.table) != (rec.num_rows, rec.num_cols):
+        # The full's tables are the model's (checked first): a later record naming another
+        # table or shape contradicts its chain, and skipping its rows (or indexing by them)
+        # would be silent.
+        raise CorruptCheckpointError(
+            f"{part_where(storage, m, part.rank)}: table {rec.table!r} of shape "
+            f"({rec.num_rows}, {rec.num_cols}) is not one of the tables its chain "
+            f"restores ({tables.get(rec.table, 'no such table')}); the record is "
+            "damaged or was not written by deck: run deck verify, restore another step"
+        )
+
+
+def _check_covered(
+    storage: Storage, m: CheckpointManifest, shards: list[TableShard], covered: dict[int, int]
+) -> None:
+    """The full a chain starts from wrote every row and column of every local shard."""
+    uncovered = [s.table for s in shards if covered.get(id(s), 0) != s.rows * s.cols]
+    if uncovered:
+        raise CorruptCheckpointError(
+            f"full checkpoint {checkpoint_label(m)} at {storage.uri} does not hold every "
+            f"row and column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
+            "and restore another step"
+        )
 
 
 def part_where(storage: Storage, m: CheckpointManifest, rank: int) -> str:

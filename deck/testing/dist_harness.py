@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import end_rank, free_port, init_process_group
+from deck.processes import end_rank, free_port, init_process_group
 
 
 def _entry(

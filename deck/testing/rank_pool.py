@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.demo import end_rank, free_port
+from deck.processes import end_rank, free_port
 
 
 def _serve(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import deck
-from deck.demo import ModelSpec, build_model, end_rank, train_step
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank
 
 
 def main(topic_uri: str, folder: str, steps: int = 20) -> None:

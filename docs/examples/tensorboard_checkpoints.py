@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 import deck
-from deck.demo import ModelSpec, build_model, end_rank, train_step
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank
 
 
 def main(uri: str, logdir: str, steps: int = 30, every: int = 5) -> None:

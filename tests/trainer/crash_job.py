@@ -44,20 +44,12 @@ from safetensors.torch import load_file, save_file
 
 import deck
 from deck import failpoints
-from deck.demo import (
-    ModelSpec,
-    TrainState,
-    build_model,
-    capture_state,
-    diff_states,
-    free_port,
-    init_process_group,
-    train_step,
-)
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.format.manifest import load_model
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.processes import free_port, init_process_group
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage

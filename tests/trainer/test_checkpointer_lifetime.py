@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import deck
 from deck import failpoints
-from deck.demo import ModelSpec, build_model, free_port, init_process_group, train_step
+from deck.demo import ModelSpec, build_model, train_step
 from deck.errors import DeckError, StorageError
+from deck.processes import free_port, init_process_group
 from deck.storage import LocalStorage, open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage

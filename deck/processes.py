@@ -1,0 +1,49 @@
+"""Ranks spawned on one machine over gloo: a free loopback port, the process group, and the
+clean end of a rank that finished its work.
+
+Used by every process that spawns its own ranks: ``deck doctor`` (deck.doctor.run), the demo
+(deck.demo), the test harnesses (deck.testing) and the benchmarks; and by user scripts, which end
+each rank with :func:`end_rank` (docs/quickstart.md). Imports nothing of deck.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now: the rendezvous of a process group about to start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(rank: int, world_size: int, port: int) -> None:
+    """gloo on loopback; one compute thread per rank keeps 2-core machines responsive and runs
+    deterministic."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+
+
+def end_rank() -> None:
+    """Leave a spawned rank that finished its work: destroy the process group, flush stdio and
+    exit 0 at once.
+
+    Skipping interpreter finalization is deliberate: torch 2.13's gloo backend can abort a
+    process there ("terminate called without an active exception") when a C++ worker thread
+    drops a tensor that needs the GIL while the interpreter is being torn down (see pytorch
+    PR 179291). Nothing of ours is left to finalize: files are closed and flushed by then.
+    """
+    dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
