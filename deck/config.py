@@ -460,11 +460,15 @@ class DeckConfig(Settings):
     @classmethod
     def _publish_uri(cls, v: PublishConfig | None, info: ValidationInfo) -> PublishConfig | None:
         uri = info.data.get("uri")
-        if v is not None and uri is not None and v.uri.rstrip("/") == uri.rstrip("/"):
-            raise ValueError(
-                f"publish.uri ({v.uri}) must differ from uri: the two chains have their own "
-                "steps, parents and epochs"
-            )
+        if v is None or uri is None:
+            return v
+        # Compared as places, not strings: /r, file:///r and /tmp/../r are one folder
+        for field, other in (("uri", v.uri), ("state_uri", v.state_uri)):
+            if other is not None and schemes.location(other) == schemes.location(uri):
+                raise ValueError(
+                    f"publish.{field} ({other}) is the same place as uri ({uri}): the publish "
+                    "chain has its own steps, parents and epochs; give it a place of its own"
+                )
         return v
 
     @property

@@ -50,11 +50,17 @@ class Scheme:
     role: Role = "storage"
 
     def open(self, *args: Any) -> Any:
-        """Call the opener (importing it first when given as ``"module:attribute"``)."""
+        """Call the opener (importing it first when given as ``"module:attribute"``); a
+        backend that cannot be loaded is a :class:`ConfigError` naming the scheme."""
         opener = self.opener
         if isinstance(opener, str):
             module, _, attr = opener.partition(":")
-            opener = getattr(import_module(module), attr)
+            try:
+                opener = getattr(import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(
+                    f"the backend of {self.name}:// ({self.opener}) cannot be loaded: {e}"
+                ) from e
         return opener(*args)
 
 
@@ -64,24 +70,69 @@ _lock = threading.Lock()
 _registry: dict[str, Scheme] = {}
 
 
-def register(scheme: Scheme) -> None:
-    """Make ``scheme.name`` usable in every URI deck takes (replacing a registration of the
-    same name). Raises :class:`ConfigError` for a name that is not a URI scheme."""
-    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme.name):
-        raise ConfigError(f"scheme name {scheme.name!r}: lowercase letters, digits, '+', '.', '-'")
+_BUILTIN: set[str] = set()  # deck's own schemes: replaced only when asked (replace=True)
+ENTRY_POINTS = "deck.schemes"  # the entry-point group other packages register schemes in
+_entry_points_loaded = False
+
+
+def register(scheme: Scheme, *, replace: bool = False) -> None:
+    """Make ``scheme.name`` usable in every URI deck takes (replacing an earlier registration
+    of the same name; one of deck's own only with ``replace=True``). Raises
+    :class:`ConfigError` for a name that is not a lowercase URI scheme, an unknown role, or an
+    opener that is neither callable nor ``"module:attribute"``."""
+    name = scheme.name
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9+.-]*", name):
+        raise ConfigError(f"scheme name {name!r}: lowercase letters, digits, '+', '.', '-'")
+    if scheme.role not in ("storage", "publish"):
+        raise ConfigError(
+            f"scheme {name}: role must be 'storage' or 'publish', got {scheme.role!r}"
+        )
+    opener = scheme.opener
+    if not callable(opener) and not (
+        isinstance(opener, str) and re.fullmatch(r"[\w.]+:\w+", opener)
+    ):
+        raise ConfigError(
+            f"scheme {name}: opener must be a callable or 'module:attribute', got {opener!r}"
+        )
     with _lock:
-        _registry[scheme.name] = scheme
+        if name in _BUILTIN and not replace:
+            raise ConfigError(
+                f"scheme {name}:// is deck's own; register(..., replace=True) to replace it"
+            )
+        _registry[name] = scheme
 
 
 def unregister(name: str) -> None:
-    """Forget the scheme ``name`` (nothing if it is not registered)."""
+    """Forget the scheme ``name`` (nothing if it is not registered; deck's own stay)."""
     with _lock:
+        if name in _BUILTIN:
+            raise ConfigError(f"scheme {name}:// is deck's own and cannot be unregistered")
         _registry.pop(name, None)
 
 
+def _load_entry_points() -> None:
+    """Schemes other packages declare (entry-point group :data:`ENTRY_POINTS`, each a
+    :class:`Scheme`), loaded once, the first time a URI's scheme is not known: so a backend
+    installed as a package works in every process, ``deck`` commands and spawned workers
+    included."""
+    global _entry_points_loaded
+    with _lock:
+        if _entry_points_loaded:
+            return
+        _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            scheme = ep.load()
+        except Exception as e:  # a broken plugin must not stop other URIs from working
+            raise ConfigError(f"the deck.schemes entry point {ep.name} ({ep.value}): {e}") from e
+        register(scheme)
+
+
 for _s in (
-    Scheme(LOCAL, _LOCAL),
-    Scheme("local", _LOCAL),
+    Scheme(LOCAL, _LOCAL, atomic_create=True),  # hard link of a complete temp file
+    Scheme("local", _LOCAL, atomic_create=True),
     Scheme("s3", _FSSPEC, atomic_create=True),  # If-None-Match: * (AWS S3, SeaweedFS)
     Scheme("s3a", _FSSPEC, atomic_create=True),
     Scheme("gs", _FSSPEC),
@@ -93,11 +144,14 @@ for _s in (
     Scheme("kafka", "deck.trainer.kafka_sink:open_kafka_sink", role="publish"),
 ):
     register(_s)
+    _BUILTIN.add(_s.name)
 
 
 def path_of(uri: str) -> str:
     """What follows the scheme of ``uri`` (all of a plain path)."""
-    return uri.partition("://")[2] or uri
+    if scheme_name(uri) == LOCAL and not uri.startswith(f"{LOCAL}://"):
+        return uri
+    return uri.partition("://")[2]
 
 
 def registered() -> list[Scheme]:
@@ -106,44 +160,100 @@ def registered() -> list[Scheme]:
         return [_registry[n] for n in sorted(_registry)]
 
 
+_RFC_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
 def scheme_name(uri: str) -> str:
-    """The scheme of ``uri``, lowercase; :data:`LOCAL` for a plain path."""
-    # Whatever precedes "://" (so that a chained "a::b://" URI is a scheme of its own, unknown)
-    return uri.split("://", 1)[0].lower() if "://" in uri else LOCAL
+    """The scheme of ``uri`` as written; :data:`LOCAL` for a plain path. What precedes ``://``
+    is a scheme when it is one (RFC 3986) or a chain of them (``a::b``, never supported);
+    otherwise ``uri`` is a path that happens to contain ``://`` (``/tmp/a://b``)."""
+    head, sep, _ = uri.partition("://")
+    if not sep:
+        return LOCAL
+    if _RFC_SCHEME.fullmatch(head) or "::" in head:
+        return head
+    return LOCAL
 
 
 def is_local(uri: str) -> bool:
     """Whether ``uri`` is a plain path or ``file://``/``local://``: a folder on this host."""
-    with _lock:
-        found = _registry.get(scheme_name(uri))
+    found = _find(scheme_name(uri))
     return found is not None and found.opener == _LOCAL
 
 
 def is_publish_sink(uri: str) -> bool:
     """Whether ``uri``'s scheme is a publish sink only (``kafka://``), not a store."""
-    with _lock:
-        found = _registry.get(scheme_name(uri))
+    found = _find(scheme_name(uri))
     return found is not None and found.role == "publish"
+
+
+def location(uri: str) -> str:
+    """Where ``uri`` points, normalised so that two spellings of one place compare equal (a
+    local path resolved, ``file://`` and ``local://`` dropped, the scheme lowercased, no
+    trailing ``/``): for "these two must not be the same place" checks."""
+    import os
+
+    if is_local(uri):
+        return "file://" + os.path.realpath(os.path.expanduser(path_of(uri)))
+    name = scheme_name(uri)
+    return f"{name.lower()}://{path_of(uri).strip('/')}"
 
 
 def lookup(uri: str, role: Role = "storage") -> Scheme:
     """The registered scheme of ``uri`` for ``role`` (a ``publish`` role also takes every
     storage scheme: a publisher writes files too). Raises ``ValueError`` (pydantic validators
-    turn it into a ConfigError naming the field) saying which schemes are supported."""
+    turn it into a ConfigError naming the field) saying what is wrong and what is supported:
+    an unknown or mixed-case scheme, a chained URI, a path that looks like a mistyped URI
+    (``s3:/bucket``), a URI naming no place, or a scheme without an atomic put."""
     name = scheme_name(uri)
+    if name == LOCAL and not uri.startswith(f"{LOCAL}://"):
+        typo = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)", uri)
+        if typo and len(typo.group(1)) > 1:  # (one letter: a drive, never on this platform)
+            raise ValueError(
+                f"{uri!r} looks like a URI with a mistyped scheme ({typo.group(1)}: without //): "
+                f"write {typo.group(1)}://..., or ./{uri} for a local folder of that name"
+            )
+    elif not path_of(uri).strip("/"):
+        raise ValueError(f"{uri!r} names no place after {name}://: give a bucket, prefix or path")
+    found = _find(name)
+    if "::" in uri and (found is None or found.role == "storage"):
+        raise ValueError(
+            f"scheme {name!r} is not supported in {uri!r}: chained URIs (a::b://, or :: in the "
+            f"path) would be read by fsspec as another store; {_supported(role)}"
+        )
+    if found is None and name != name.lower() and _find(name.lower()) is not None:
+        raise ValueError(f"scheme {name!r}: schemes are lowercase, write {name.lower()}://")
+    if found is not None and not found.atomic_put:
+        raise ValueError(
+            f"scheme {name!r} is not supported: it is registered without atomic_put, and deck "
+            "writes only where a put makes an object visible whole or not at all"
+        )
+    if found is None or (found.role == "publish" and role == "storage"):
+        what = " (a publish sink, not a store)" if found is not None else ""
+        raise ValueError(f"scheme {name!r} is not supported here{what}: {_supported(role)}")
+    return found
+
+
+def _supported(role: Role) -> str:
     with _lock:
-        found = _registry.get(name)
         usable = sorted(
             n
             for n, s in _registry.items()
             if s.atomic_put and (s.role == "storage" or s.role == role) and n != LOCAL
         )
-    if found is None or not found.atomic_put or (found.role == "publish" and role == "storage"):
-        raise ValueError(
-            f"scheme {name!r} is not supported here: use a local path or one of "
-            f"{', '.join(n + '://' for n in usable)} (stores whose put is atomic; "
-            "mount any other store and give its path, or register a backend: deck.schemes)"
-        )
+    return (
+        f"use a local path or one of {', '.join(n + '://' for n in usable)} (stores whose put is "
+        "atomic; mount any other store and give its path, or register a backend: deck.schemes)"
+    )
+
+
+def _find(name: str) -> Scheme | None:
+    with _lock:
+        found = _registry.get(name)
+    if found is None and not _entry_points_loaded:
+        _load_entry_points()
+        with _lock:
+            found = _registry.get(name)
     return found
 
 

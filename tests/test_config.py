@@ -236,3 +236,62 @@ def test_error_classes_importable_from_deck() -> None:
     # those defined with the formats they guard, loaded on first use
     for name in ("CorruptStreamError", "StreamGapError", "MessageTooLargeError"):
         assert name in deck.__all__ and issubclass(getattr(deck, name), deck.DeckError)
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("S3://bucket/x", "schemes are lowercase"),
+        ("s3:/bucket/run1", "mistyped scheme"),  # was a local folder ./s3:/bucket/run1
+        ("memory://", "names no place"),
+        ("s3://b/x::y", "chained URIs"),
+        ("kafka://h:1/t", "a publish sink, not a store"),
+    ],
+)
+def test_uri_mistakes_are_refused_with_the_reason(uri: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        DeckConfig(uri=uri)
+
+
+def test_a_path_with_a_colon_slash_slash_inside_is_a_path(tmp_path: Path) -> None:
+    from deck.storage import open_storage
+
+    uri = str(tmp_path / "a://b")
+    assert DeckConfig(uri=uri).uri == uri
+    open_storage(uri).put("k", b"v")
+    assert (tmp_path / "a:" / "b" / "k").read_bytes() == b"v"
+
+
+@pytest.mark.parametrize("publish", ["file://{p}", "{p}/.", "local://{p}/", "{p}/../{n}"])
+def test_publish_refused_at_the_checkpoints_place_however_spelled(
+    tmp_path: Path, publish: str
+) -> None:
+    p = tmp_path / "run"
+    spelled = publish.format(p=p, n=p.name)
+    with pytest.raises(ConfigError, match="same place as uri"):
+        DeckConfig(uri=str(p), publish={"uri": spelled})
+    with pytest.raises(ConfigError, match="same place as uri"):
+        DeckConfig(uri=str(p), publish={"uri": "kafka://h:1/t", "state_uri": spelled})
+
+
+def test_registering_schemes_is_checked() -> None:
+    from deck import schemes
+
+    with pytest.raises(ConfigError, match="deck's own"):
+        schemes.register(schemes.Scheme("s3", "x.y:Z", atomic_put=False))
+    with pytest.raises(ConfigError, match="deck's own"):
+        schemes.unregister("file")
+    with pytest.raises(ConfigError, match="opener must be"):
+        schemes.register(schemes.Scheme("deck-bad", 42))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="role must be"):
+        schemes.register(schemes.Scheme("deck-bad", "m:o", role="bogus"))  # type: ignore[arg-type]
+    schemes.register(schemes.Scheme("deck-missing", "no_such_module_here:Opener"))
+    try:
+        with pytest.raises(ConfigError, match="cannot be loaded"):
+            from deck.storage import open_storage
+
+            open_storage("deck-missing://x")
+    finally:
+        schemes.unregister("deck-missing")
+    # The DeckConfig and the store still agree after all that
+    assert DeckConfig(uri="s3://bucket/x").uri == "s3://bucket/x"

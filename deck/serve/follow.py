@@ -429,7 +429,7 @@ class Waiting:
 
     def ok(self) -> None:
         if self.last is not None:
-            logger.warning("deck follow %s: going on", self.what)
+            logger.info("deck follow %s: going on (the problem above is gone)", self.what)
         self.last, self.wait_s = None, self.poll_s
 
 
@@ -448,7 +448,7 @@ def follow(
     otherwise they are logged and retried at the next poll."""
     outputs = parquet_outputs(parquet, out_dir, storage.uri)
     follower = Follower(storage, out_dir, allow_quantized, outputs)
-    waiting = Waiting(storage.uri, poll_s, max_s=max(poll_s, 60.0))
+    waiting = Waiting(storage.uri, poll_s, max_s=poll_s)  # --poll is the promise: no back-off
     while True:
         try:
             update = follower.catch_up()
