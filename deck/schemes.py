@@ -25,6 +25,7 @@ no backend) or a callable; a ``storage`` opener is called as ``opener(uri, stora
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 from deck.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 Role = Literal["storage", "publish"]
 LOCAL = "file"  # the scheme of a plain path
 
@@ -124,10 +126,11 @@ def _load_entry_points() -> None:
 
     for ep in entry_points(group=ENTRY_POINTS):
         try:
-            scheme = ep.load()
-        except Exception as e:  # a broken plugin must not stop other URIs from working
-            raise ConfigError(f"the deck.schemes entry point {ep.name} ({ep.value}): {e}") from e
-        register(scheme)
+            register(ep.load())
+        except Exception as e:  # a broken plugin must not break the URIs of the others
+            logger.warning(
+                "deck: the deck.schemes entry point %s (%s) is unusable: %s", ep.name, ep.value, e
+            )
 
 
 for _s in (

@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pydantic
@@ -295,3 +296,41 @@ def test_registering_schemes_is_checked() -> None:
         schemes.unregister("deck-missing")
     # The DeckConfig and the store still agree after all that
     assert DeckConfig(uri="s3://bucket/x").uri == "s3://bucket/x"
+
+
+def test_a_scheme_declared_as_an_entry_point_works_in_the_cli(tmp_path: Path) -> None:
+    """A backend installed as a package (entry-point group deck.schemes) is found by every
+    process: here `deck ls` in a new one, which never called register()."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    (site / "myplug-0.1.dist-info").mkdir(parents=True)
+    (site / "myplug-0.1.dist-info" / "METADATA").write_text("Name: myplug\nVersion: 0.1\n")
+    (site / "myplug-0.1.dist-info" / "entry_points.txt").write_text(
+        "[deck.schemes]\nmyfs = myplug:SCHEME\n"
+    )
+    root = tmp_path / "stores"
+    (site / "myplug.py").write_text(
+        "from deck.schemes import Scheme\n"
+        "from deck.storage import LocalStorage\n"
+        f"def _open(uri, options):\n    return LocalStorage({str(root)!r} + '/' + uri.split('://', 1)[1])\n"
+        "SCHEME = Scheme('myfs', _open)\n"
+    )
+    from deck.storage import LocalStorage
+    from deck.testing.synth import SynthTrainer
+
+    tr = SynthTrainer(LocalStorage(root / "run1"))
+    tr.save("full")
+    tr.train()
+    tr.save()
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run(
+        [sys.executable, "-m", "deck.cli", "ls", "myfs://run1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert [row["kind"] for row in json.loads(r.stdout)] == ["full", "delta"]
