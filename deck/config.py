@@ -44,6 +44,15 @@ def check_storage_uri(value: str, *, publish: bool = False) -> str:
     return value
 
 
+def _multiple_of(v: int | None, info: ValidationInfo, base: str, steps: str) -> int | None:
+    """``v`` (a full interval) unless it is not a multiple of the field ``base``, validated
+    before it (absent when it was invalid itself)."""
+    every = info.data.get(base)
+    if v is not None and every is not None and v % every:
+        raise ValueError(f"must be a multiple of {base} ({every}) so fulls land on {steps}")
+    return v
+
+
 def _fspath(value: Any) -> Any:
     """A ``pathlib.Path`` (any ``os.PathLike``) as its string; anything else unchanged."""
     return os.fspath(value) if isinstance(value, os.PathLike) else value
@@ -316,12 +325,7 @@ class PublishConfig(Settings):
     @field_validator("full_every_steps")
     @classmethod
     def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
-        every = info.data.get("every_steps")  # absent when it was invalid itself
-        if v is not None and every is not None and v % every:
-            raise ValueError(
-                f"must be a multiple of every_steps ({every}) so fulls land on publish steps"
-            )
-        return v
+        return _multiple_of(v, info, "every_steps", "publish steps")
 
     @field_validator("state_uri")
     @classmethod
@@ -428,13 +432,7 @@ class DeckConfig(Settings):
     @field_validator("full_every_steps")
     @classmethod
     def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
-        delta = info.data.get("delta_every_steps")  # absent when it was invalid itself
-        if v is not None and delta is not None and v % delta:
-            raise ValueError(
-                f"must be a multiple of delta_every_steps ({delta}) so fulls land on "
-                "checkpoint steps"
-            )
-        return v
+        return _multiple_of(v, info, "delta_every_steps", "checkpoint steps")
 
     @field_validator("consumers", mode="before")
     @classmethod

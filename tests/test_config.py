@@ -318,12 +318,9 @@ def test_a_scheme_declared_as_an_entry_point_works_in_the_cli(tmp_path: Path) ->
         "SCHEME = Scheme('myfs', _open)\n"
     )
     from deck.storage import LocalStorage
-    from deck.testing.synth import SynthTrainer
+    from deck.testing.synth import saved_chain
 
-    tr = SynthTrainer(LocalStorage(root / "run1"))
-    tr.save("full")
-    tr.train()
-    tr.save()
+    saved_chain(LocalStorage(root / "run1"), 1)
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(
         [sys.executable, "-m", "deck.cli", "ls", "myfs://run1", "--json"],

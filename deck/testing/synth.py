@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -188,6 +189,24 @@ class SynthTrainer:
         # Steps after ``step`` of the old timeline are abandoned; re-saving them replaces them.
         for later in [k for k in self.saved if k > step]:
             del self.saved[later]
+
+
+def saved_chain(storage: Storage, deltas: int) -> SynthTrainer:
+    """A trainer that saved a full, then ``deltas`` deltas, one training step apart."""
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(deltas):
+        tr.train()
+        tr.save()
+    return tr
+
+
+def zero_a_chunk(storage: Storage, m: CheckpointManifest) -> None:
+    """Damage checkpoint ``m`` of a local store: its first chunk file zeroed, size unchanged."""
+    root = storage.local_path("")
+    assert root is not None, "a local store"
+    chunk = sorted(Path(root, m.folder).rglob("*.chunk"))[0]
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
 
 
 def restore_state(storage: Storage, chain: list[CheckpointManifest]) -> tuple[State, int]:

@@ -12,10 +12,8 @@ thread-safe: TensorBoard's ``SummaryWriter`` is).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -144,55 +142,25 @@ def _seconds(s: float | None) -> str:
 
 
 class EventQueue:
-    """Delivers events in order on its own thread (started at the first event), so that what a
-    callback costs lands on no checkpoint's critical path. ``callback()`` is read at delivery
-    (the callback may be set at any time)."""
+    """Delivers events in order on one worker thread of its own (``deck-events``, started at
+    the first event), so that what a callback costs lands on no checkpoint's critical path.
+    ``callback()`` is read at delivery (the callback may be set at any time)."""
 
     def __init__(self, callback: Callable[[], OnCheckpoint | None]) -> None:
         self._callback = callback
-        self._queue: queue.Queue[CheckpointEvent | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deck-events")
+        self._last: Future[None] | None = None
 
     def put(self, event: CheckpointEvent) -> None:
         """Queue ``event`` for delivery (any thread)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="deck-events", daemon=True)
-                self._thread.start()
-        with self._idle:
-            self._pending += 1
-        self._queue.put(event)
+        self._last = self._pool.submit(lambda: deliver(event, self._callback()))
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued event was delivered; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        """Wait until every queued event was delivered (one worker, in order: the last one
+        done means all are); False on timeout."""
+        last = self._last
+        return last is None or not wait([last], timeout).not_done
 
     def close(self) -> None:
         """Deliver what is queued, then stop the thread."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-    def _run(self) -> None:
-        while True:
-            event = self._queue.get()
-            if event is None:
-                return
-            try:
-                deliver(event, self._callback())
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+        self._pool.shutdown(wait=True)

@@ -47,7 +47,15 @@ from deck.read.lineage import (
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.testing.lineage_checks import check_all_restore, mem, merge_all
-from deck.testing.synth import State, SynthTrainer, restore_state, same, snapshot
+from deck.testing.synth import (
+    State,
+    SynthTrainer,
+    restore_state,
+    same,
+    saved_chain,
+    snapshot,
+    zero_a_chunk,
+)
 
 NO_FULLS = FullPolicy(every=None, max_live_fraction=None)
 
@@ -256,14 +264,9 @@ def test_corrupt_or_missing_delta_in_the_active_chain(
 
 def test_merger_quarantines_a_corrupt_input(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    saved_chain(storage, 4)
     m = read_manifests(storage)[3]
-    chunk = sorted((tmp_path / "ck" / m.folder).rglob("*.chunk"))[0]
-    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    zero_a_chunk(storage, m)
     w = MergeWorker(storage, MergeConfig(stride=2, full=NO_FULLS))
     w.run_once(wait_s=0)
     manifests = read_manifests(storage)
@@ -927,11 +930,7 @@ def test_merge_pass_and_gc_run_each_log_one_info_line(
     from deck.ops.retention import RetentionPolicy, collect_garbage
 
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    saved_chain(storage, 4)
     with caplog.at_level(logging.INFO, logger="deck"):
         w = MergeWorker(storage, MergeConfig(stride=2, full=NO_FULLS))
         w.run_once(wait_s=0)

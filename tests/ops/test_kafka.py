@@ -41,10 +41,10 @@ from deck.format.stream import (
 )
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
+from deck.testing.examples import run_example
 from deck.testing.kafka_broker import TansuBroker
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = ModelSpec(
     num_tables=3, rows=300, dim=16, batch=32, sharding="column_wise", data_parallel_tables=(2,)
 )
@@ -377,23 +377,7 @@ def test_local_broker_walkthrough_of_the_docs(broker: TansuBroker, tmp_path: Pat
     assert r.returncode == 2 and "does not exist (yet)" in r.stderr, r.stderr
     assert "rdkafka" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
 
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "docs/examples/kafka_publish.py"),
-            topic,
-            str(tmp_path / "pub"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    run = run_example("kafka_publish.py", topic, str(tmp_path / "pub"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     serving = tmp_path / "serving"
     r = _deck("follow", topic, "--out", str(serving), "--once", "--format", "parquet")

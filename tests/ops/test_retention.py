@@ -19,7 +19,7 @@ from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.lineage_checks import age_commits, check_all_restore, mem, merge_all
-from deck.testing.synth import State, SynthTrainer, snapshot
+from deck.testing.synth import State, SynthTrainer, saved_chain, snapshot, zero_a_chunk
 
 
 @pytest.mark.parametrize(
@@ -293,14 +293,9 @@ def test_gc_logs_each_problem_once(tmp_path: Path, caplog: pytest.LogCaptureFixt
     from deck.merge.worker import MergeWorker
 
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(5):
-        tr.train()
-        tr.save()
+    saved_chain(storage, 5)
     m = read_manifests(storage)[3]
-    chunk = sorted((tmp_path / "ck" / m.folder).rglob("*.chunk"))[0]
-    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+    zero_a_chunk(storage, m)
     MergeWorker(storage, MergeConfig(stride=2, full=FullPolicy(every=None))).run_once(wait_s=0)
     assert m.id in read_manifests(storage).quarantined
     caplog.clear()

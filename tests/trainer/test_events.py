@@ -5,9 +5,6 @@ it (torchrun, 2 ranks)."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,11 +15,11 @@ import deck
 from deck import failpoints
 from deck.demo import ModelSpec, build_model, train_step
 from deck.testing.dist_harness import run_ranks
+from deck.testing.examples import run_example
 
 pytestmark = pytest.mark.slow
 
 SPEC = ModelSpec(num_tables=2, rows=1000, dim=8, batch=32)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Lines(logging.Handler):
@@ -144,24 +141,7 @@ def test_tensorboard_example(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = tmp_path / "tb"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "docs/examples/tensorboard_checkpoints.py"),
-            str(tmp_path / "ckpt"),
-            str(tb),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    run = run_example("tensorboard_checkpoints.py", str(tmp_path / "ckpt"), str(tb))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     acc = EventAccumulator(str(tb))
     acc.Reload()
