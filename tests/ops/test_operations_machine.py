@@ -28,7 +28,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -534,3 +536,37 @@ def test_operations_machine() -> None:
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+
+
+class _Pick:
+    """Stands for Hypothesis' ``data`` in a pinned sequence: draws the first candidate that
+    ``pred`` accepts."""
+
+    def __init__(self, pred: Callable[[tuple[str, str]], bool]) -> None:
+        self.pred = pred
+
+    def draw(self, strategy: Any, label: str = "") -> tuple[str, str]:
+        return next(c for c in strategy.elements if self.pred(c))
+
+
+@pytest.mark.parametrize("how", ["flip", "lose"])
+def test_gc_keeps_a_merged_delta_whose_trainer_deltas_are_damaged(how: str) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=36002``: a merger killed after
+    committing the merged delta of steps 1..2, a bit flipped in trainer delta 1, a merger pass
+    that builds 1..4 over the merged 1..2 (not reading delta 1), then GC: it deleted the merged
+    1..2 for trainer deltas 1 and 2 to take over, and step 2 lost its only intact chain."""
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.save_deltas(1, rows=4)
+        m.crash_merger(n=22, after=True)
+        graph = build_graph(read_manifests(m.store))
+        assert any(n.merged and n.covers == (1, 2) for n in graph.nodes.values())
+        m.damage_a_file(_Pick(lambda c: c[0].startswith("step-000000000001/")), how=how)
+        m.save_deltas(1, rows=4)
+        m.merge(workers=1)
+        m.gc()
+        m.promised_and_restorable_steps_restore_bitwise()
+        assert 2 in m.promised
+    finally:
+        m.teardown()

@@ -33,6 +33,7 @@ from deck.ops.retention.plan import (
     grace_protected,
     plan_lineage,
     replacements,
+    takeovers,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import LineageNode, build_graph
@@ -113,7 +114,9 @@ def collect_garbage(
     because of what cannot be read: an unreadable commit record keeps its folder and what it
     may be needed for (:func:`~deck.ops.retention.plan.plan_lineage`), and a kept merger
     checkpoint that replaces something deleted is first checked intact
-    (``policy.verify_replacements``), else it and what it replaces stay; ``report.kept`` says
+    (``policy.verify_replacements``), and so are, by their checksums, the trainer deltas that
+    take over a deleted merger checkpoint's steps; else it and what it replaces stay;
+    ``report.kept`` says
     what was kept for which damage. A failed deletion, of a checkpoint or an orphan, is recorded
     in ``report.errors`` and the run goes on. Last, what interrupted writes left is pruned
     (:meth:`deck.storage.Storage.prune_temps`, with the grace period). Safe to run next to the
@@ -248,9 +251,11 @@ class _Collector:
         checked: set[str] = set()
         while doomed:
             found = {}
-            for cid in sorted(replacements(self.graph, plan.keep, doomed) - checked):
+            whole = takeovers(self.graph, plan, doomed) - checked
+            for cid in sorted((replacements(self.graph, plan.keep, doomed) | whole) - checked):
                 checked.add(cid)
-                problems = self._damage(self.graph.nodes[cid].manifest, listing)
+                m = self.graph.nodes[cid].manifest
+                problems = self._damage(m, listing, checksums=cid in whole)
                 if problems:
                     found[cid] = problems[0]
             if not found:
@@ -266,13 +271,15 @@ class _Collector:
                 plan.held.setdefault(cid, f"what would replace it is damaged ({names})")
         return plan, doomed
 
-    def _damage(self, m: CheckpointManifest, listing: set[str]) -> list[str]:
-        """Problems of checkpoint ``m``'s files: sizes (or checksums with
+    def _damage(
+        self, m: CheckpointManifest, listing: set[str], *, checksums: bool = False
+    ) -> list[str]:
+        """Problems of checkpoint ``m``'s files: sizes (or checksums with ``checksums`` or
         ``verify_replacements``)."""
         # Imported here: the chunk decoder needs torch, which `deck gc` otherwise does not load.
         from deck.read.verify import check_files, verify_checkpoint
 
-        if self.policy.verify_replacements:
+        if checksums or self.policy.verify_replacements:
             report = verify_checkpoint(self.storage, m)
             return report.problems + report.unreadable  # what cannot be read holds too
         return check_files(self.storage, m, listing)

@@ -32,6 +32,7 @@ __all__ = [
     "plan_lineage",
     "plan_retention",
     "replacements",
+    "takeovers",
 ]
 
 
@@ -83,7 +84,8 @@ class RetentionPolicy(Settings):
         description="Before deleting what a kept merger checkpoint replaces, re-read that "
         "checkpoint's files and check their checksums. False: check that every file it names "
         "exists with its recorded size (no chunk is read). Either way a damaged replacement is "
-        "kept, and so is what it replaces.",
+        "kept, and so is what it replaces. The trainer deltas that take over the steps of a "
+        "deleted merger checkpoint are always checked by their checksums (once: when it goes).",
         json_schema_extra={"cli": "deck gc --verify-replacements"},
     )
 
@@ -368,4 +370,24 @@ def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str])
         lo = 0 if n.kind is Kind.FULL else bisect.bisect_left(steps, n.first_step)
         if lo < len(steps) and steps[lo] <= n.step:
             out.add(cid)
+    return out
+
+
+def takeovers(graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str]) -> set[str]:
+    """The kept trainer deltas that become the only way to a retained step when the doomed
+    merger checkpoints go: the deltas of that step's chain without them, for every retained
+    step a doomed merged delta covers or a doomed merger full is at. Each is needed once, when
+    what it takes over from goes, so reading it whole is affordable."""
+    gone = [i for i in doomed if graph.nodes[i].merged]
+    if not gone:
+        return set()
+    retained = sorted(plan.retained_steps)
+    out: set[str] = set()
+    for cid in gone:
+        n = graph.nodes[cid]
+        lo = bisect.bisect_left(retained, n.first_step)
+        for step in retained[lo : bisect.bisect_right(retained, n.step)]:
+            with contextlib.suppress(CheckpointNotFoundError):
+                chain = graph.chain(step, exclude=doomed)
+                out.update(m.id for m in chain if not m.is_merged and m.kind is not Kind.FULL)
     return out
