@@ -570,3 +570,40 @@ def test_gc_keeps_a_merged_delta_whose_trainer_deltas_are_damaged(how: str) -> N
         assert 2 in m.promised
     finally:
         m.teardown()
+
+
+class _Value:
+    """Stands for Hypothesis' ``data`` in a pinned sequence: draws ``value``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def draw(self, strategy: Any, label: str = "") -> object:
+        return self.value
+
+
+def test_gc_read_error_on_a_takeover_deletes_nothing_the_plan_kept() -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=36002`` once the deltas that take
+    over are checked: after a rollback to step 0 (delta 1 saved again on a new timeline), a
+    transient read error of that delta's rank manifest during GC's check made GC plan around it
+    as if it were damaged: the latest step moved to the abandoned timeline's full at 4, and the
+    full at step 0 (and with it steps 0 and 1) was deleted."""
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.save_deltas(1, rows=4)
+        m.merge(workers=1)
+        m.save_full()
+        m.rollback(_Value(0))
+        m._planned()
+        promised = set(m.promised)
+        assert {0, 1} <= promised
+        m.store.read_faults = {"rank-0000": 1}
+        rep = collect_garbage(m.store, m.policy)
+        m.store.clear()
+        assert {0, 1} <= set(rep.retained_steps)
+        assert any("could not be read" in why for _, why in rep.kept), rep.kept
+        m.promised_and_restorable_steps_restore_bitwise()
+        assert set(m.promised) == promised
+    finally:
+        m.teardown()

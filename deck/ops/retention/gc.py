@@ -243,10 +243,14 @@ class _Collector:
 
     def _checked_plan(self, listing: set[str]) -> tuple[RetentionPlan, dict[str, str]]:
         """The retention plan and what it deletes now, once every kept merger checkpoint that
-        replaces something deleted is found intact (:meth:`_damage`); a damaged one is planned
-        around and kept, like everything it replaces (``held`` says why)."""
+        replaces something deleted is found intact (:meth:`_damage`); a damaged or unreadable
+        one is planned around and kept, like everything it replaces (``held`` says why). What
+        cannot be trusted only ever keeps more: a checkpoint is deleted only if the first plan
+        deletes it too (planning around one, e.g. a delta that could not be read, may move the
+        latest step and the window and would otherwise delete what the first plan kept)."""
         plan = plan_lineage(self.graph, self.policy, damaged=self.manifests.damaged)
         doomed = first = self._doomed(plan)
+        retained = set(plan.retained_steps)  # every plan's chains stay: see above
         bad: dict[str, str] = {}
         checked: set[str] = set()
         while doomed:
@@ -264,11 +268,13 @@ class _Collector:
             plan = plan_lineage(
                 self.graph, self.policy, damaged=self.manifests.damaged, unusable=bad
             )
-            doomed = self._doomed(plan)
+            doomed = {cid: why for cid, why in self._doomed(plan).items() if cid in first}
+            retained |= set(plan.retained_steps)
         if bad:
             names = "; ".join(f"{self.graph.nodes[i].folder}: {p}" for i, p in sorted(bad.items()))
             for cid in sorted(set(first) - set(doomed) - set(bad)):
                 plan.held.setdefault(cid, f"what would replace it is damaged ({names})")
+        plan.retained_steps = sorted(retained)
         return plan, doomed
 
     def _damage(
@@ -281,7 +287,8 @@ class _Collector:
 
         if checksums or self.policy.verify_replacements:
             report = verify_checkpoint(self.storage, m)
-            return report.problems + report.unreadable  # what cannot be read holds too
+            # What cannot be read holds too, said as such (a read error is not damage)
+            return report.problems + [f"could not be read: {p}" for p in report.unreadable]
         return check_files(self.storage, m, listing)
 
     def _label(self, cid: str) -> str:

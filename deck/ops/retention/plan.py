@@ -165,7 +165,7 @@ def plan_lineage(
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, damaged or {}, delete)
     held.update(
-        (i, f"damaged ({p}); kept, and planned around: `deck verify --quarantine` decides")
+        (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
         for i, p in (unusable or {}).items()
         if i in delete
     )
@@ -180,6 +180,11 @@ def plan_lineage(
         delete=delete,
         held=held,
     )
+
+
+def _problem(p: str) -> str:
+    """How a held checkpoint's problem reads: a read error is not called damage."""
+    return p if p.startswith("could not be read") else f"damaged ({p})"
 
 
 def _damage_holds(
