@@ -159,6 +159,26 @@ class TorchRecAdapter(ModelAdapter):
             return fp_inner_collection_path(plan_path)
         return plan_path
 
+    def rows_written_before_lookup(self) -> str | None:
+        """TorchRec's pipelines replace a sharded module's forward: TrainPipelineSparseDist's
+        (PipelinedForward) looks a batch up in its own step, like no pipeline; the semi-sync and
+        prefetch pipelines' (EmbeddingPipelinedForward, PrefetchPipelinedForward) look the next
+        batch up before this batch's update, and any other is unknown: both answer why."""
+        from torchrec.distributed.train_pipeline.runtime_forwards import (
+            BaseForward,
+            PipelinedForward,
+        )
+
+        for path, module in self.sharded_modules().items():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, BaseForward) and type(forward) is not PipelinedForward:
+                return (
+                    f"the sharded module {path or '(root)'} runs through a pipeline's "
+                    f"{type(forward).__name__}, which looks the next batch up before this "
+                    "batch's update"
+                )
+        return None
+
     def sharded_modules(self) -> dict[str, Any]:
         """The model's sharded embedding modules by path (the holders of its tables)."""
         root = self.model.module

@@ -54,7 +54,12 @@ def chain_hooks(
             prev_lookup(features, embs, mod, raw_ids)
         i, running[0] = running[0], None
         held = target[0]
-        if held is None or i is None or not held[1](module):
+        if held is None or i is None:
+            return
+        store, active = held[0], held[1](module)
+        # A snapshot still copying its rows guards them even while tracking is off (paused,
+        # eval): this step's backward may write them.
+        if not active and not store.guarding:
             return
         bases = key_plans[i]
         if bases is None or features.values().numel() == 0:
@@ -67,7 +72,11 @@ def chain_hooks(
         offsets = torch.repeat_interleave(
             bases.to(values.device), per_key, output_size=values.numel()
         )
-        held[0].record(values.to(torch.int64) + offsets)
+        positions = values.to(torch.int64) + offsets
+        if store.guarding:
+            store.guard(positions)
+        if active:
+            store.record(positions)
 
     def on_odist() -> None:
         if prev_odist is not None:

@@ -224,6 +224,17 @@ class StagingConfig(Settings):
         "checkpoint a full. first_tier: once every rank's part is written to the first tier "
         "with its pending record, so a checkpoint save() returned survives a process crash.",
     )
+    copy_on_write: bool = Field(
+        default=True,
+        description="With release=in_memory, a steady delta's rows are copied after the stall: "
+        "the stall claims the rows, takes their chunk buffers and captures the dense state; a "
+        "background thread copies the rows, and a step's lookup first copies any of its rows "
+        "still pending, so the saved bytes are the rows at the checkpoint's step. Off by itself "
+        "(rows copied in the stall, logged) where a row may be written before its step's "
+        "lookup (TorchRec's semi-sync and prefetch pipelines), for tables off the CPU, "
+        "quantised states, and parts the buffer pool cannot hold at once (a full, a first "
+        "delta). False: always copy in the stall.",
+    )
 
     @field_validator("spool_dir", mode="before")
     @classmethod

@@ -31,6 +31,15 @@ class RowRecorder(Protocol):
         """Fold what :meth:`record` got so far into the store (called after the lookup's
         output distribution, overlapping its AllToAll)."""
 
+    @property
+    def guarding(self) -> bool:
+        """Whether a copy-on-write snapshot still has rows to copy: lookups must call
+        :meth:`guard` (tracked or not: paused, eval) until it is False."""
+
+    def guard(self, positions: torch.Tensor) -> None:
+        """Rows ``positions`` are about to be updated (by this step's backward): a snapshot's
+        pending copy of them is made first. Returns once they are safe to write."""
+
 
 @dataclass
 class TableShard:
@@ -172,6 +181,13 @@ class ModelAdapter(abc.ABC):
     def after_restore(self) -> None:
         """Called once a restore has written every state back; lets an implementation resync
         caches it derives from that state (e.g. a step counter kept outside its buffers)."""
+        return None
+
+    def rows_written_before_lookup(self) -> str | None:
+        """Why a table row may be written in a step before that step's lookup hook ran (a
+        pipeline that looks a batch up ahead of the previous batch's update): then a
+        copy-on-write snapshot cannot guard its rows (:mod:`deck.trainer.cow`). None: every
+        write of a row follows the lookup of its step. Asked at every checkpoint."""
         return None
 
     @abc.abstractmethod

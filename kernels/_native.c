@@ -4,6 +4,8 @@
  *   claim_bit, claim_blocks  the tracker's claim over its byte map (kernels/claim.py)
  *   mark_rows, clear_rows    the tracker's compaction and its claim from the journal (claim.py)
  *   gather_rows              the snapshot's copy of rows into chunk buffers (kernels/gather.py)
+ *   copy_once                a copy-on-write snapshot's copy: each row once, by whichever thread
+ *                            claims it first (kernels/gather.py)
  *   bloom_fill               a chunk's row index: min, max, Bloom bits (kernels/bloom.py)
  *
  * Each checks its arguments (buffer sizes, the bit, row positions) and releases the GIL for its
@@ -14,6 +16,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 
 /* Rows [i, hi) of a claim: with count_only, counts the rows whose byte has `bit` (changing
  * nothing); else writes them to out[k..] and clears the bit in them. Returns the new k; sets
@@ -462,6 +465,154 @@ done:
     return result;
 }
 
+/* A row another thread is copying takes a row's copy (well under a microsecond) unless that
+ * thread lost its core: spin briefly, then give the core away. */
+static void copy_once_wait(const int spins)
+{
+    if (spins < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
+/* The loop of copy_once (arguments checked), for one width of row position T. A row's flag goes
+ * 0 (pending) -> 1 (being copied) -> 2 (copied): the thread that moves it from 0 copies it; any
+ * other waits until it reads 2 (acquire: the copy is then complete, so writing the row after that
+ * cannot reach the snapshot). */
+#define COPY_ONCE_LOOP(NAME, T)                                                                    \
+    static int64_t NAME(const T *ids, const int64_t base, const int64_t m, const Py_ssize_t k,     \
+                        const Py_buffer *src_b, const Py_ssize_t *row_bytes,                       \
+                        const Py_buffer *dst_b, uint8_t *flags, const int64_t *slots,              \
+                        const int64_t slot0)                                                       \
+    {                                                                                              \
+        int64_t copied = 0;                                                                        \
+        for (int64_t i = 0; i < m; ++i) {                                                          \
+            if (i + GATHER_AHEAD < m) {                                                            \
+                const int64_t ahead = (int64_t)ids[i + GATHER_AHEAD] - base;                       \
+                for (Py_ssize_t s = 0; s < k; ++s)                                                 \
+                    __builtin_prefetch((const char *)src_b[s].buf + ahead * row_bytes[s], 0, 0);   \
+            }                                                                                      \
+            const int64_t slot = slots ? slots[i] : slot0 + i;                                     \
+            uint8_t *flag = flags + slot, pending = 0;                                             \
+            if (!__atomic_compare_exchange_n(flag, &pending, 1, 0, __ATOMIC_ACQ_REL,               \
+                                             __ATOMIC_ACQUIRE)) {                                  \
+                for (int spins = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 2; ++spins)         \
+                    copy_once_wait(spins);                                                         \
+                continue;                                                                          \
+            }                                                                                      \
+            const int64_t row = (int64_t)ids[i] - base, at = slot - slot0;                         \
+            for (Py_ssize_t s = 0; s < k; ++s) {                                                   \
+                const Py_ssize_t b = row_bytes[s];                                                 \
+                memcpy((char *)dst_b[s].buf + at * b, (const char *)src_b[s].buf + row * b,        \
+                       (size_t)b);                                                                 \
+            }                                                                                      \
+            __atomic_store_n(flag, 2, __ATOMIC_RELEASE);                                           \
+            ++copied;                                                                              \
+        }                                                                                          \
+        return copied;                                                                             \
+    }
+COPY_ONCE_LOOP(copy_once64, int64_t)
+COPY_ONCE_LOOP(copy_once32, int32_t)
+
+/* copy_once(ids, states, width, base, flags, slots, slot0) -> copied: a copy-on-write
+ * snapshot's copy. For every i, the row's slot is slots[i] (int64), or slot0 + i when slots is
+ * empty; the thread that moves flags[slot] from 0 to 1 copies row ids[i] - base of every
+ * (src, row_bytes, dst) of `states` into dst row slot - slot0 and sets the flag to 2; a thread
+ * that finds it 1 waits for 2, one that finds it 2 goes on. Two threads may copy the same slots
+ * at once (the background's copy and the training thread's copy-before-update): each row is
+ * copied exactly once, and when a call returns every one of its rows is in its dst.
+ *   ids, width, base, states: as gather_rows (checked first: nothing is copied on a bad one)
+ *   flags   uint8 (F,) shared by every call of one snapshot; slots in [slot0, F), and dst rows
+ *           for slot - slot0 */
+static PyObject *copy_once(PyObject *self, PyObject *args)
+{
+    Py_buffer ids_b, flags_b, slots_b, src_b[GATHER_STATES], dst_b[GATHER_STATES];
+    Py_ssize_t row_bytes[GATHER_STATES];
+    PyObject *states;
+    int width;
+    long long base, slot0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*OiLw*y*L", &ids_b, &states, &width, &base, &flags_b, &slots_b,
+                          &slot0))
+        return NULL;
+    PyObject *result = NULL, *seq = PySequence_Fast(states, "copy_once: states must be a sequence");
+    Py_ssize_t k = 0, parsed = 0;
+    if (seq == NULL)
+        goto done;
+    k = PySequence_Fast_GET_SIZE(seq);
+    if (k > GATHER_STATES || (width != 4 && width != 8) || ids_b.len % width ||
+        slots_b.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "copy_once: inconsistent arguments");
+        goto done;
+    }
+    const int64_t m = ids_b.len / width, f = flags_b.len;
+    const int64_t *slots = slots_b.len ? (const int64_t *)slots_b.buf : NULL;
+    if (slots && slots_b.len / 8 != m) {
+        PyErr_SetString(PyExc_ValueError, "copy_once: one slot per id");
+        goto done;
+    }
+    int64_t lo = slot0, hi = slot0 + m - 1; /* the slots used, to check once */
+    for (int64_t i = 0; slots && i < m; ++i) {
+        if (i == 0 || slots[i] < lo)
+            lo = slots[i];
+        if (i == 0 || slots[i] > hi)
+            hi = slots[i];
+    }
+    int64_t n = INT64_MAX, rows_out = INT64_MAX;
+    for (; parsed < k; ++parsed) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, parsed);
+        if (!PyArg_ParseTuple(item, "y*nw*", &src_b[parsed], &row_bytes[parsed], &dst_b[parsed]))
+            goto done;
+        const Py_ssize_t rb = row_bytes[parsed];
+        if (rb <= 0 || src_b[parsed].len % rb) {
+            ++parsed;
+            PyErr_SetString(PyExc_ValueError, "copy_once: inconsistent arguments");
+            goto done;
+        }
+        if (src_b[parsed].len / rb < n)
+            n = src_b[parsed].len / rb;
+        if (dst_b[parsed].len / rb < rows_out)
+            rows_out = dst_b[parsed].len / rb;
+    }
+    if (m > 0 && (lo < slot0 || hi >= f || hi - slot0 >= rows_out)) {
+        PyErr_SetString(PyExc_IndexError, "copy_once: a slot is outside the flags or a dst");
+        goto done;
+    }
+    int ok = 1;
+    int64_t copied = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 8) {
+        ok = rows_in64(ids_b.buf, base, m, n);
+        if (ok)
+            copied = copy_once64(ids_b.buf, base, m, k, src_b, row_bytes, dst_b, flags_b.buf,
+                                 slots, slot0);
+    } else {
+        ok = rows_in32(ids_b.buf, base, m, n);
+        if (ok)
+            copied = copy_once32(ids_b.buf, base, m, k, src_b, row_bytes, dst_b, flags_b.buf,
+                                 slots, slot0);
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_IndexError, "copy_once: a row index is outside the table");
+        goto done;
+    }
+    result = PyLong_FromLongLong((long long)copied);
+done:
+    for (Py_ssize_t s = 0; s < parsed; ++s) {
+        PyBuffer_Release(&src_b[s]);
+        PyBuffer_Release(&dst_b[s]);
+    }
+    Py_XDECREF(seq);
+    PyBuffer_Release(&ids_b);
+    PyBuffer_Release(&flags_b);
+    PyBuffer_Release(&slots_b);
+    return result;
+}
+
 /* bloom_fill(ids, out, bits, k) -> (min, max, filled): a chunk's row index
  * (deck.format.rowindex) in one pass with the GIL released. ids: int64; out: bits / 8 zeroed
  * bytes. Unless the ids are exactly [min, max] (a full's chunk: no filter), sets the k bits of
@@ -526,6 +677,8 @@ static PyMethodDef methods[] = {
      "The tracker's compaction: set bits in rows and their summary, return the newly set rows."},
     {"gather_rows", gather_rows, METH_VARARGS,
      "The snapshot's copy: rows of a table by index into a buffer, prefetching ahead."},
+    {"copy_once", copy_once, METH_VARARGS,
+     "A copy-on-write snapshot's copy: each row once, by whichever thread claims it first."},
     {"bloom_fill", bloom_fill, METH_VARARGS,
      "A chunk's row index: min, max and its ids' bloom filter bits in one pass."},
     {"clear_rows", clear_rows, METH_VARARGS,

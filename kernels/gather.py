@@ -76,6 +76,32 @@ def gather_into(
     kernel.gather_rows(rows, states, rows.itemsize, base)
 
 
+def copy_once(
+    rows: np.ndarray,
+    sources: Sequence[RowSource],
+    outs: Sequence[Out],
+    flags: np.ndarray,
+    slot0: int,
+    slots: np.ndarray | None = None,
+    base: int = 0,
+) -> int:
+    """A copy-on-write snapshot's copy (:mod:`deck.trainer.cow`): for each ``i``, the row's slot
+    is ``slots[i]`` (int64), or ``slot0 + i`` without ``slots``; the first thread to claim
+    ``flags[slot]`` (0 -> 1, atomically) copies row ``rows[i] - base`` of every source into row
+    ``slot - slot0`` of its out and sets it to 2, any other waits for 2. Safe to call from two
+    threads over the same rows at once: each row is copied exactly once, and on return every
+    one of ``rows`` is in its out. Returns how many rows this call copied. Raises IndexError (a
+    row outside a source, a slot outside ``flags`` or an out) before copying anything. Needs
+    the native kernel."""
+    kernel = native.native_module()
+    if kernel is None:
+        raise RuntimeError("copy-on-write snapshots need deck's native kernel (kernels/_native.c)")
+    states = [(src, b, out) for (src, b), out in zip(sources, outs, strict=True)]
+    empty = np.zeros(0, np.int64)
+    picked = empty if slots is None else np.ascontiguousarray(slots, np.int64)
+    return int(kernel.copy_once(rows, states, rows.itemsize, base, flags, picked, slot0))
+
+
 def _fits(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether ``out`` is a CPU row array the kernel can copy ``src``'s rows into (``src``
     itself is checked by :func:`row_sources`)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -54,10 +55,12 @@ from deck.config import StagingConfig
 from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format.manifest import Kind
+from deck.kernels.native import native_available
 from deck.model import ModelAdapter, TableShard
 from deck.read.lineage import needs_new_full
 from deck.storage import Storage
 from deck.trainer.coordination import Coordinator, gather_votes
+from deck.trainer.cow import DeferredCopy
 from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
 from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
@@ -131,6 +134,7 @@ class Vote:
     agree_s: float = 0.0
     claim_s: float = 0.0
     snapshot_s: float = 0.0
+    copied_after: int = 0  # rows copied after the stall (copy-on-write)
 
 
 @dataclass
@@ -141,6 +145,7 @@ class _Snapshot:
     writer: RankPartWriter | None = None
     error: BaseException | None = None
     pool_capped: bool = False  # the part needed more chunk buffers than the memory cap
+    deferred: DeferredCopy | None = None  # copy-on-write: its rows are copied after the stall
 
 
 @dataclass
@@ -176,6 +181,7 @@ class ChainWriter:
     _failed_parts: list[tuple[int, str]] = field(default_factory=list)  # taken, to tell rank 0
     # Gets each checkpoint's event once it has ended (deck.trainer.events); logs it by default
     notify: Callable[[CheckpointEvent], None] = log_event
+    _cow_refused: str | None = None  # why copy-on-write was last found unsafe (logged once)
 
     def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
@@ -256,10 +262,17 @@ class ChainWriter:
             agree_s=max(v.agree_s for v in votes),
             claim_s=max(v.claim_s for v in votes),
             snapshot_s=max(v.snapshot_s for v in votes),
+            copied_after=sum(v.copied_after for v in votes),
             started=t0,
         )
         assert snap.staged is not None
-        self.stager.enqueue(snap.staged, stats)
+        copied: Callable[[], None] = lambda: None  # noqa: E731
+        if snap.deferred is not None:
+            # Guarded from before the first step that may write its rows (the stall ends below)
+            protect = snap.deferred.protect
+            self.tracker.add_guard(protect)
+            copied = functools.partial(self.tracker.remove_guard, protect)
+        self.stager.enqueue(snap.staged, stats, copied)
         failpoint("checkpointer.save.enqueued")
         # The rows are in the stager's hands: later deltas are relative to this snapshot. If the
         # part fails in the background, ``stager.take_failure()`` makes the next one a full.
@@ -336,6 +349,7 @@ class ChainWriter:
             "buffer_wait_s": staged.buffer_wait_s if staged else 0.0,
             "pool_bytes": self.stager.pool.count * self.stager.pool.size,
             "pool_capped": snap.pool_capped,
+            "copied_after": snap.deferred.rows if snap.deferred is not None else 0,
         }
 
     def _decide(
@@ -457,6 +471,8 @@ class ChainWriter:
             snap.pool_capped = self.stager.size_pool(
                 snap.staged, writer.buffers_needed(shards, counts), full
             )
+            if self._copy_on_write(snap.staged):
+                writer.deferred = snap.deferred = DeferredCopy(self.stager.pool.release)
             order = {id(sh): i for i, sh in enumerate(shards)}
             extra = self.extra_state(shards)
             if self.rank_local:
@@ -468,7 +484,11 @@ class ChainWriter:
                 extra,
                 flat=True,
             )
-            snap.staged.seal()
+            if snap.deferred is not None:
+                snap.deferred.seal()
+                snap.staged.defer(snap.deferred)  # sealed once the rows are copied
+            else:
+                snap.staged.seal()
             if self.staging.release == "first_tier":
                 snap.staged.wait_written()
             # else a write that fails fails the step in the background, always there (not here
@@ -477,6 +497,24 @@ class ChainWriter:
         except Exception as e:
             snap.error = e
         return snap
+
+    def _copy_on_write(self, staged: StagedPart) -> bool:
+        """Whether this part's rows are copied after the stall (:mod:`deck.trainer.cow`): asked,
+        on, and safe; a part whose writes are held (the pool has every buffer it needs free,
+        released in memory: a steady delta) never waits for buffers its own writes give back."""
+        if not self.staging.copy_on_write or not staged.holding or not native_available():
+            return False
+        why = self.adapter.rows_written_before_lookup()
+        if why != self._cow_refused:
+            if why is not None:
+                logger.log(
+                    logging.INFO if self.coord.rank == 0 else logging.DEBUG,
+                    "deck: %s: rows are copied in the stall, not after it (copy-on-write off): %s",
+                    self.label,
+                    why,
+                )
+            self._cow_refused = why
+        return why is None
 
     def _give_up(
         self, votes: list[Vote], snap: _Snapshot, token: ReadToken, step: int

@@ -28,6 +28,7 @@ embedding AllToAll.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,8 @@ class TrackerStore:
         # Reads claimed from a journal whose rows still have their consumer's bit: cleared by the
         # next compaction (before it marks anything), out of the checkpoint stall.
         self._uncleared: dict[str, ReadToken] = {}
+        # Copy-on-write snapshots whose rows are not all copied yet (deck.trainer.cow)
+        self._guards: list[Callable[[torch.Tensor], None]] = []
 
     @property
     def num_rows(self) -> int:
@@ -155,6 +158,24 @@ class TrackerStore:
         journal.add(rows)
         if journal.rows > self._journal_cap:
             self._journals[consumer] = None
+
+    @property
+    def guarding(self) -> bool:
+        """Whether a copy-on-write snapshot still guards rows (see :meth:`guard`)."""
+        return bool(self._guards)
+
+    def guard(self, positions: torch.Tensor) -> None:
+        """Before rows ``positions`` are updated: every guarding snapshot copies those of them it
+        still has pending (:meth:`deck.trainer.cow.DeferredCopy.protect`)."""
+        for protect in list(self._guards):
+            protect(positions)
+
+    def add_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
+        """Call ``protect`` before every update from now on, until :meth:`remove_guard`."""
+        self._guards = [*self._guards, protect]
+
+    def remove_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
+        self._guards = [g for g in self._guards if g is not protect]
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""

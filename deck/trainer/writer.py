@@ -55,6 +55,7 @@ from deck.kernels.bloom import bloom_fill
 from deck.kernels.gather import RowSource, gather_into, gather_rows, row_sources
 from deck.model import TableShard
 from deck.storage import Storage
+from deck.trainer.cow import DeferredCopy
 
 DENSE_FILE = "dense.safetensors"
 EXTRA_FILE = "extra.safetensors"
@@ -167,6 +168,7 @@ class RankPartWriter:
         sink: Sink | None = None,
         quantize: str | None = None,
         bundle_bytes: int = 0,
+        deferred: DeferredCopy | None = None,
     ):
         if bundle_bytes and (bundle_bytes < chunk_bytes or bundle_bytes % PAGE_ALIGN):
             raise ConfigError(
@@ -174,6 +176,9 @@ class RankPartWriter:
                 f"chunk_bytes={chunk_bytes}"
             )
         self.bundle_bytes = bundle_bytes
+        # Copy-on-write: the rows of CPU shards are copied after the stall, and every hand-over
+        # to the sink waits for the copies before it (deck.trainer.cow).
+        self.deferred = deferred
         self._bundle: Buffer | None = None
         self._bundle_fill = 0
         self._bundle_chunks: list[Later[ChunkRecord]] = []
@@ -241,9 +246,17 @@ class RankPartWriter:
             if self.bundle_bytes:
                 rel, offset, buf = self._bundle_slot(nbytes)
             else:
-                buf = self.sink.buffer()
+                buf = self._buffer()
             failpoint("writer.chunk.before_fill")
-            if sources is not None and picked is not None:
+            if sources is not None and picked is not None and self.deferred is not None:
+                self.deferred.add_chunk(
+                    picked[start:stop],
+                    base,
+                    shard.row_offset - base,
+                    *_segments(buf, layout, stop - start),
+                    sources,
+                )
+            elif sources is not None and picked is not None:
                 _gather_chunk(
                     buf, layout, picked[start:stop], shard.row_offset - base, base, sources
                 )
@@ -254,7 +267,7 @@ class RankPartWriter:
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
             if offset is None:
-                self.sink.submit(rel, buf, nbytes, rec.run)
+                self._submit(rel, buf, nbytes, rec.run)
             else:
                 self._bundle_fill += nbytes
                 self._bundle_chunks.append(rec)
@@ -317,7 +330,7 @@ class RankPartWriter:
         if self._bundle is not None and self._bundle_fill + nbytes > self.bundle_bytes:
             self.flush_bundle()
         if self._bundle is None:
-            self._bundle = self.sink.buffer()
+            self._bundle = self._buffer()
             self._bundle_fill = 0
         off = self._bundle_fill
         return self._bundle_path(), off, memoryview(self._bundle)[off : off + nbytes]
@@ -325,13 +338,27 @@ class RankPartWriter:
     def _bundle_path(self) -> str:
         return f"{self.part}/bundle-{self._bundles:06d}.bin"
 
+    def _buffer(self) -> Buffer:
+        buf = self.sink.buffer()
+        if self.deferred is not None:
+            self.deferred.hold(buf)
+        return buf
+
+    def _submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
+        """Hand a filled buffer to the sink: now, or once the deferred copies before it ran."""
+        if self.deferred is None:
+            self.sink.submit(rel, buf, nbytes, make_record)
+        else:
+            hand = functools.partial(self.sink.submit, rel, buf, nbytes, make_record)
+            self.deferred.later(hand, gives=buf)
+
     def flush_bundle(self) -> None:
         """Hand the open bundle (if any) to the sink as one file; :meth:`write_part` calls it
         after the last shard. Callers of :meth:`write_shard` alone must call it too."""
         if self._bundle is None:
             return
         make_record = _run_all(self._bundle_chunks)
-        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
+        self._submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
         self._bundle, self._bundle_chunks = None, []
         self._bundles += 1
 
@@ -426,11 +453,18 @@ def _gather_chunk(
     checked once (:func:`row_sources`, in the layout's segment order after ``ids``): the ids
     (``picked + id_offset``), then every state's rows in one native pass straight into the
     buffer's segments."""
-    (_, _, _, ids_at, _), *states = layout.segments
-    ids = np.frombuffer(buf, np.int64, len(picked), ids_at)
+    ids, outs = _segments(buf, layout, len(picked))
     np.add(picked, id_offset, out=ids, dtype=np.int64)
+    gather_into(picked, sources, outs, base)
+
+
+def _segments(buf: Buffer, layout: ChunkLayout, rows: int) -> tuple[np.ndarray, list[memoryview]]:
+    """The ids segment of a chunk of ``rows`` rows in ``buf`` and its state segments' bytes (in
+    the layout's order after ``ids``)."""
+    (_, _, _, ids_at, _), *states = layout.segments
     view = memoryview(buf)
-    gather_into(picked, sources, [view[at : at + nbytes] for _, _, _, at, nbytes in states], base)
+    ids = np.frombuffer(buf, np.int64, rows, ids_at)
+    return ids, [view[at : at + nbytes] for _, _, _, at, nbytes in states]
 
 
 def _fill_chunk(

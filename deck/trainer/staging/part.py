@@ -5,14 +5,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Protocol
+from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING, Protocol
 
 from deck.errors import DeckError
 from deck.format.chunks import Buffer
 from deck.format.manifest import RankManifest
 from deck.format.pending import PendingPart
 from deck.trainer.staging.pool import BufferPool
+
+if TYPE_CHECKING:
+    from deck.trainer.cow import DeferredCopy
 
 
 class PartStager(Protocol):
@@ -88,6 +91,9 @@ class StagedPart:
         # Writes not started yet, in submission order, each with the pool buffer it returns
         # (None: not holding, or started)
         self._held: list[tuple[_Start, Buffer | None]] | None = None
+        # Copy-on-write: the rows copied after the stall, then the hand-overs and the seal
+        self._deferred: DeferredCopy | None = None
+        self._copied: Future[None] | None = None
 
     # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
@@ -158,9 +164,29 @@ class StagedPart:
             for start, _ in held or ():
                 self._track(start())
 
+    def defer(self, copy: DeferredCopy) -> None:
+        """The part's rows are copied after the stall by ``copy`` (sealed), which then hands its
+        buffers over; the part is sealed after that (:meth:`start_copy`)."""
+        self._deferred = copy
+
+    def start_copy(self, executor: Executor, done: Callable[[], None]) -> None:
+        """Run the deferred copy (if any) on ``executor``, then seal; ``done()`` once no row of
+        the part can change any more (see :meth:`deck.trainer.cow.DeferredCopy.run`)."""
+        copy = self._deferred
+        if copy is None or self._copied is not None:
+            return
+
+        def run() -> None:
+            copy.run(done)
+            self.seal()
+
+        self._copied = executor.submit(run)
+
     def drop_held(self) -> None:
         """A part that will not be committed: its held writes never start, their buffers go
-        back to the pool."""
+        back to the pool (a deferred copy's too, when it never started)."""
+        if self._deferred is not None and self._copied is None:
+            self._deferred.drop()
         with self._done:
             held, self._held = self._held, None
         for _, buf in held or ():
@@ -202,7 +228,14 @@ class StagedPart:
         tier; raises the first write error. Called by the training thread before the ranks agree
         the part is staged (``release="first_tier"``) or by the commit thread before it goes on
         with the part. ``seal=False``: only wait for what was submitted (a discarded part).
-        Held writes start first."""
+        Held writes start first; a deferred copy is waited for (its error is the part's)."""
+        if self._copied is not None:
+            try:
+                self._copied.result()
+            except BaseException as e:
+                with self._done:
+                    self._error = self._error or e
+                raise
         if seal:
             self.seal()
         self.start_writes()

@@ -128,6 +128,9 @@ class CheckpointStats:
     bytes: int = 0
     rows: int = 0
     chunks: int = 0
+    # Of ``rows``, those copied after the stall (copy-on-write: deck.trainer.cow), summed over
+    # ranks; 0 when every row was copied in the stall.
+    copied_after: int = 0
     started: float = field(default_factory=time.perf_counter, repr=False)
     # The commit thread's state of this part (read the fields below instead).
     progress: PartProgress = field(init=False, repr=False, compare=False)

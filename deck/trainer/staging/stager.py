@@ -113,6 +113,8 @@ class Stager:
         # The training thread's own reads of the store that can overlap its copy (not lowered:
         # it waits for them in the stall)
         self._aside = ThreadPoolExecutor(1, thread_name_prefix="deck-aside")
+        # Copy-on-write parts' rows, copied after the stall (deck.trainer.cow)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="deck-copy", initializer=lower)
         # Cleared while the training thread is stalled in a checkpoint (:meth:`stall`); writes
         # are numbered as submitted, and those submitted before the stall began wait for it
         self._writes_may_start = threading.Event()
@@ -281,10 +283,17 @@ class Stager:
 
         return self._writer.submit(record)
 
-    def enqueue(self, staged: StagedPart, stats: CheckpointStats) -> None:
+    def enqueue(
+        self,
+        staged: StagedPart,
+        stats: CheckpointStats,
+        copied: Callable[[], None] = lambda: None,
+    ) -> None:
         """Every rank staged its part (in buffers or already in the first tier): go on in the
-        background, starting by waiting for this part's writes (its manifest is built then)."""
+        background, starting by waiting for this part's writes (its manifest is built then).
+        A copy-on-write part's rows are copied first (``copied()`` once they all are)."""
         staged.start_writes()
+        staged.start_copy(self._copier, copied)
         self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
         self._settle_pool(writing=staged.pooled)
 
@@ -330,6 +339,7 @@ class Stager:
         self._writer.shutdown()
         self._syncer.shutdown()
         self._aside.shutdown()
+        self._copier.shutdown()
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------

@@ -1,0 +1,251 @@
+"""Copy-on-write snapshots (deck/trainer/cow.py): a delta's rows are copied after the stall, and
+a lookup copies the rows it is about to update first.
+
+The background copy is held back with its test hook (``deck.trainer.cow.FILL_GATE``) while
+training goes on, so every pending row a step updates is saved only by that step's
+copy-before-update: a row it missed would be saved with a later step's value, and the bitwise
+comparisons below would fail. Nothing waits on time: the gate is opened by the test.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import deck
+import deck.trainer.cow as cow
+from deck.demo import ModelSpec, capture_state, diff_states
+from deck.kernels.gather import copy_once, row_sources
+from deck.testing.dist_harness import run_ranks
+from deck.trainer.cow import DeferredCopy
+from tests.trainer.test_pipeline import _batches, _build, _loss, _pipeline
+
+pytestmark = pytest.mark.skipif(
+    __import__("deck.kernels.native", fromlist=["x"]).native_module() is None,
+    reason="copy-on-write needs the native kernel (built by make)",
+)
+
+
+def _outs(rows: int, *widths: int) -> tuple[list[np.ndarray], list[memoryview]]:
+    arrays = [np.zeros((rows, w), np.float32) for w in widths]
+    return arrays, [memoryview(a).cast("B") for a in arrays]
+
+
+def test_copy_once_copies_each_row_once_from_two_threads() -> None:
+    """Two threads over overlapping rows with shared flags: every row lands, copied once."""
+    table, state = torch.randn(5000, 16), torch.randn(5000, 1)
+    sources = row_sources([table, state])
+    assert sources is not None
+    rows = np.sort(np.random.default_rng(0).choice(5000, 2000, replace=False)).astype(np.int64)
+    flags = np.zeros(len(rows), np.uint8)
+    arrays, outs = _outs(len(rows), 16, 1)
+    picked = np.random.default_rng(1).choice(len(rows), 1500, replace=False)
+    counts: list[int] = []
+    other = threading.Thread(
+        target=lambda: counts.append(
+            copy_once(np.ascontiguousarray(rows[picked]), sources, outs, flags, 0, picked)
+        )
+    )
+    other.start()
+    counts.append(copy_once(rows, sources, outs, flags, 0))
+    other.join()
+    assert sum(counts) == len(rows)
+    assert (flags == 2).all()
+    assert np.array_equal(arrays[0], table.numpy()[rows])
+    assert np.array_equal(arrays[1], state.numpy()[rows])
+
+
+def test_copy_once_refuses_a_slot_outside_and_copies_nothing() -> None:
+    table = torch.randn(10, 4)
+    sources = row_sources([table])
+    assert sources is not None
+    flags = np.zeros(3, np.uint8)
+    _, outs = _outs(3, 4)
+    with pytest.raises(IndexError):
+        copy_once(np.array([1, 2], np.int64), sources, outs, flags, 0, np.array([0, 3]))
+    with pytest.raises(IndexError):
+        copy_once(np.array([1, 12], np.int64), sources, outs, flags, 0)
+    assert not flags.any()
+
+
+def _deferred(table: torch.Tensor, rows: np.ndarray, per_chunk: int) -> tuple[Any, Any, Any]:
+    """A DeferredCopy of ``rows`` of ``table`` in chunks of ``per_chunk`` rows (plain arrays for
+    buffers), with one hand-over step after each chunk."""
+    sources = row_sources([table])
+    assert sources is not None
+    given: list[int] = []
+    released: list[Any] = []
+    d = DeferredCopy(released.append)
+    outs, ids = [], []
+    for i, start in enumerate(range(0, len(rows), per_chunk)):
+        part = rows[start : start + per_chunk]
+        arrays, views = _outs(len(part), table.shape[1])
+        chunk_ids = np.zeros(len(part), np.int64)
+        buf = bytearray(8)
+        d.hold(buf)
+        d.add_chunk(part, 0, 0, chunk_ids, views, sources)
+        d.later(lambda i=i: given.append(i), gives=buf)
+        outs.append(arrays[0])
+        ids.append(chunk_ids)
+    d.seal()
+    return d, (outs, ids, given), released
+
+
+def test_protect_saves_the_rows_as_they_were_while_the_copy_is_held() -> None:
+    """The background copy held back: each 'step' protects its rows, then updates them; the
+    saved rows are the values at the snapshot, and hand-overs run in order after their chunk."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(4000, 8, generator=gen)
+    at_snapshot = table.clone()
+    rows = np.sort(np.random.default_rng(2).choice(4000, 900, replace=False)).astype(np.int64)
+    d, (outs, ids, given), released = _deferred(table, rows, 128)
+    gate = threading.Event()
+    cow.FILL_GATE = gate
+    closed: list[bool] = []
+    try:
+        runner = threading.Thread(target=d.run, args=(lambda: closed.append(True),))
+        runner.start()
+        for step in range(20):
+            touched = torch.randint(0, 4000, (300,), generator=gen)
+            d.protect(touched)
+            table[touched] += 1.0 + step  # the update the lookup precedes
+        gate.set()
+        runner.join()
+    finally:
+        cow.FILL_GATE = None
+    assert closed == [True]
+    assert given == list(range(len(outs)))
+    assert not released  # every buffer was handed over
+    assert np.array_equal(np.concatenate(outs), at_snapshot.numpy()[rows])
+    assert np.array_equal(np.concatenate(ids), rows)
+    assert not torch.equal(table, at_snapshot)  # the steps did update saved rows
+    d.protect(torch.arange(4000))  # after the copy: nothing to do, nothing written
+    assert np.array_equal(np.concatenate(outs), at_snapshot.numpy()[rows])
+
+
+def test_a_failed_copy_gives_back_what_it_did_not_hand_over() -> None:
+    table = torch.randn(1000, 4)
+    rows = np.arange(0, 1000, 3, dtype=np.int64)
+    d, (outs, _, given), released = _deferred(table, rows, 50)
+    d._chunks[3].rows = np.array([5000] * len(d._chunks[3].rows), np.int64)  # outside the table
+    closed: list[bool] = []
+    with pytest.raises(IndexError):
+        d.run(lambda: closed.append(True))
+    assert closed == [True]  # the guard came off
+    assert given == [0, 1, 2]
+    assert len(released) == len(outs) - 3
+    d.protect(torch.arange(1000))  # closed: never writes into a buffer given back
+
+
+def test_a_dropped_part_gives_every_buffer_back() -> None:
+    table = torch.randn(100, 4)
+    d, (outs, _, given), released = _deferred(table, np.arange(0, 100, 2, dtype=np.int64), 10)
+    d.drop()
+    assert len(released) == len(outs) and not given
+
+
+# ---- real 2-rank DMP models --------------------------------------------------------------------
+SPEC = ModelSpec(num_tables=2, rows=501, dim=8, batch=16, pooling=2)
+STEPS, EVERY, MORE = 9, 3, 2
+
+
+def _train(model: Any, dense: Any, batches: Any) -> float:
+    dense.zero_grad()
+    batch = next(batches)
+    loss, _ = model(batch)
+    loss.backward()
+    dense.step()
+    return float(loss)
+
+
+def _job(rank: int, world_size: int, root: str, pipeline: str | None) -> None:
+    uri = f"{root}/ck"
+    model, dense = _build(seed=0)
+    it = _batches(rank, 1, STEPS + MORE)
+    runner = _pipeline(pipeline, model, dense) if pipeline else None
+
+    def step() -> float:
+        return _loss(runner.progress(it)) if runner else _train(model, dense, it)
+
+    gate = threading.Event()
+    with deck.enable(model, [dense], deck.DeckConfig(uri=uri, delta_every_steps=EVERY)) as ck:
+        for s in range(STEPS + 1):
+            if s:
+                step()
+            if s == STEPS:
+                cow.FILL_GATE = gate  # the copy of this delta waits while training goes on
+            ck.step(s)
+        last = ck.history[-1]
+        assert last.kind == "delta" and last.rows > 0
+        assert last.copied_after == last.rows, (last.copied_after, last.rows)
+        live = capture_state(model, dense)
+        losses = [step() for _ in range(MORE)]  # each lookup copies its pending rows first
+        assert diff_states(live, capture_state(model, dense))  # the saved rows did change
+        gate.set()
+        cow.FILL_GATE = None
+        assert ck.flush()
+    fresh, fresh_dense = _build(seed=1)
+    with deck.enable(fresh, [fresh_dense], deck.DeckConfig(uri=uri)) as ck2:
+        assert ck2.restore() == STEPS
+        bad = diff_states(live, capture_state(fresh, fresh_dense))
+        assert not bad, f"rank {rank}: restored state differs: {bad[:8]}"
+        fresh_it = _batches(rank, STEPS + 1, STEPS + MORE)
+        again = [_train(fresh, fresh_dense, fresh_it) for _ in range(MORE)]
+    if not pipeline:
+        assert again == losses, (rank, again, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", [None, "TrainPipelineSparseDist"])
+def test_copy_on_write_delta_restores_bitwise_while_training_went_on(
+    tmp_path: Path, pipeline: str | None
+) -> None:
+    """2 ranks (t0 table_wise, t1 row_wise, fused rowwise Adagrad): the delta of step 9 is
+    copied after the stall (every row), its background copy held back while two more steps
+    update its rows; it restores bitwise (weights, momentum, dense) into a fresh model, and
+    training on gives the never-stopped run's losses."""
+    run_ranks(_job, str(tmp_path), pipeline)
+
+
+def _lookahead_job(rank: int, world_size: int, root: str) -> None:
+    from torchrec.distributed.train_pipeline.runtime_forwards import (
+        EmbeddingPipelinedForward,
+        PrefetchPipelinedForward,
+    )
+
+    model, dense = _build(seed=0)
+    it = _batches(rank, 1, 2 * STEPS)
+    ebc = model.module.get_submodule("model.sparse_arch.embedding_bag_collection")
+    seen = []
+    with deck.enable(
+        model, [dense], deck.DeckConfig(uri=f"{root}/ck2", delta_every_steps=EVERY)
+    ) as ck:
+        for s in range(2 * STEPS + 1):
+            if s:
+                _train(model, dense, it)
+            kind = (None, EmbeddingPipelinedForward, PrefetchPipelinedForward)[(s // EVERY) % 3]
+            if s % EVERY == 0 and s > EVERY and kind is not None:
+                # What TorchRec's semi-sync / prefetch pipelines install: looked up ahead
+                ebc.forward = kind("ebc", None, ebc, None, None)
+            ck.step(s)
+            ebc.__dict__.pop("forward", None)
+            if s % EVERY == 0:
+                seen.append((kind.__name__ if kind and s > EVERY else None, ck.history[-1]))
+    for name, h in seen[2:]:
+        if name is None:
+            assert h.copied_after == h.rows > 0, (name, h)
+        else:
+            assert h.copied_after == 0 and h.rows > 0, (name, h)
+
+
+@pytest.mark.slow
+def test_pipelines_that_look_up_ahead_copy_in_the_stall(tmp_path: Path) -> None:
+    """Where a sharded module runs through TorchRec's semi-sync or prefetch forward (the next
+    batch looked up before this batch's update: these pipelines need CUDA, so the forward they
+    install is set by hand), the delta's rows are copied in the stall; without it, after."""
+    run_ranks(_lookahead_job, str(tmp_path))
