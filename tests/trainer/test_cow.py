@@ -16,19 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from deck.kernels.gather import copy_once, row_sources
 
 import deck
 import deck.trainer.cow as cow
 from deck.demo import ModelSpec, capture_state, diff_states
-from deck.kernels.gather import copy_once, row_sources
 from deck.testing.dist_harness import run_ranks
 from deck.trainer.cow import DeferredCopy
 from tests.trainer.test_pipeline import _batches, _build, _loss, _pipeline
-
-pytestmark = pytest.mark.skipif(
-    __import__("deck.kernels.native", fromlist=["x"]).native_module() is None,
-    reason="copy-on-write needs the native kernel (built by make)",
-)
 
 
 def _outs(rows: int, *widths: int) -> tuple[list[np.ndarray], list[memoryview]]:
