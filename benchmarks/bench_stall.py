@@ -157,7 +157,11 @@ def _run_target(
 
     extra = {k: v for k in STAGING_FLAGS if (v := getattr(a, k)) is not None}
     staging = StagingConfig(
-        tiers=target["tiers"], spool_dir=target.get("spool"), release=target["release"], **extra
+        tiers=target["tiers"],
+        spool_dir=target.get("spool"),
+        release=target["release"],
+        copy_on_write=target.get("cow", True),
+        **extra,
     )
     config = deck.DeckConfig(
         uri=target["uri"],
@@ -207,6 +211,7 @@ def _run_target(
                 "agree_s": h.agree_s,
                 "claim_s": h.claim_s,
                 "snapshot_s": h.snapshot_s,
+                "copied_after": h.copied_after,
                 "durable_local_s": h.durable_local_s,
                 "committed_s": h.committed_s,
                 "state": h.state,
@@ -452,7 +457,7 @@ def _report(
         print(
             f"{'step':>6} {'kind':>6} {'rows':>10} {'bytes':>11} {'stall s':>8} "
             f"{'durable s (r0/r1)':>18} {'committed s (r0/r1)':>20} {'state':>10} "
-            f"{'job ms':>7} {'gather ms':>9} {'/gather':>7} {'wait ms':>7}"
+            f"{'job ms':>7} {'gather ms':>9} {'/gather':>7} {'wait ms':>7} {'cow rows':>9}"
         )
         gathered = {g[0]: g[1] for g in t.get("gather_s", [])}
         for i, h in enumerate(hists[0]):
@@ -464,7 +469,7 @@ def _report(
                 f"{h['stall_s']:>8.3f} {dur:>18} {com:>20} {h['state']:>10} "
                 f"{h['job_stall_s'] * 1e3:>7.1f} "
                 + (f"{g * 1e3:>9.1f} {h['job_stall_s'] / g:>6.2f}x " if g else f"{'':>17} ")
-                + f"{h['buffer_wait_s'] * 1e3:>7.1f}"
+                + f"{h['buffer_wait_s'] * 1e3:>7.1f} {h.get('copied_after', 0):>9}"
             )
         deltas = [h for h in hists[0] if h["kind"] == "delta"]
         fulls = [h for h in hists[0] if h["kind"] == "full"]
@@ -702,6 +707,12 @@ def main() -> int:
             default=None,
             help=f"StagingConfig.{field} (default: the config's default)",
         )
+    p.add_argument(
+        "--copy-on-write",
+        default="on,off",
+        help="StagingConfig.copy_on_write values to run with release=in_memory, one local "
+        "target each, in this order (first_tier copies in the stall either way); default: on,off",
+    )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
         "--runs",
@@ -763,17 +774,21 @@ def _run_once(
     targets: list[dict[str, Any]] = []
     first = 0
     releases = a.release.split(",")
+    cows = [c == "on" for c in a.copy_on_write.split(",")]
     for release in [] if a.no_local else releases:
-        targets.append(
-            {
-                "name": f"local, release={release}",
-                "uri": os.path.join(work, f"ck-local-{release}"),
-                "tiers": "local",
-                "release": release,
-                "first_step": first,
-            }
-        )
-        first += a.steps
+        for cow in cows if release == "in_memory" else cows[:1]:
+            label = f", copy-on-write {'on' if cow else 'off'}" if release == "in_memory" else ""
+            targets.append(
+                {
+                    "name": f"local, release={release}{label}",
+                    "uri": os.path.join(work, f"ck-local-{release}-{int(cow)}"),
+                    "tiers": "local",
+                    "release": release,
+                    "cow": cow,
+                    "first_step": first,
+                }
+            )
+            first += a.steps
     if server is not None:
         targets.append(
             {

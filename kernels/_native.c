@@ -479,7 +479,8 @@ static void copy_once_wait(const int spins)
 }
 
 /* The loop of copy_once (arguments checked), for one width of row position T. A row's flag goes
- * 0 (pending) -> 1 (being copied) -> 2 (copied): the thread that moves it from 0 copies it; any
+ * 0 (pending) -> 1 (being copied) -> 2 (copied), or 0 -> 3 (saved aside before its dst existed,
+ * under the caller's lock: skipped here). The thread that moves it from 0 copies it; any
  * other waits until it reads 2 (acquire: the copy is then complete, so writing the row after that
  * cannot reach the snapshot). */
 #define COPY_ONCE_LOOP(NAME, T)                                                                    \
@@ -499,6 +500,8 @@ static void copy_once_wait(const int spins)
             uint8_t *flag = flags + slot, pending = 0;                                             \
             if (!__atomic_compare_exchange_n(flag, &pending, 1, 0, __ATOMIC_ACQ_REL,               \
                                              __ATOMIC_ACQUIRE)) {                                  \
+                if (pending == 3) /* saved aside by its caller: not this call's to copy */         \
+                    continue;                                                                      \
                 for (int spins = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 2; ++spins)         \
                     copy_once_wait(spins);                                                         \
                 continue;                                                                          \
@@ -523,7 +526,8 @@ COPY_ONCE_LOOP(copy_once32, int32_t)
  * (src, row_bytes, dst) of `states` into dst row slot - slot0 and sets the flag to 2; a thread
  * that finds it 1 waits for 2, one that finds it 2 goes on. Two threads may copy the same slots
  * at once (the background's copy and the training thread's copy-before-update): each row is
- * copied exactly once, and when a call returns every one of its rows is in its dst.
+ * copied exactly once, and when a call returns every one of its rows is in its dst, except
+ * those whose flag is 3 (saved aside by the caller before the dst existed: skipped).
  *   ids, width, base, states: as gather_rows (checked first: nothing is copied on a bad one)
  *   flags   uint8 (F,) shared by every call of one snapshot; slots in [slot0, F), and dst rows
  *           for slot - slot0 */

@@ -471,8 +471,9 @@ class ChainWriter:
             snap.pool_capped = self.stager.size_pool(
                 snap.staged, writer.buffers_needed(shards, counts), full
             )
-            if self._copy_on_write(snap.staged):
-                writer.deferred = snap.deferred = DeferredCopy(self.stager.pool.release)
+            if self._copy_on_write():
+                snap.deferred = DeferredCopy(snap.staged.buffer, self.stager.pool.release)
+                writer.deferred = snap.deferred
             order = {id(sh): i for i, sh in enumerate(shards)}
             extra = self.extra_state(shards)
             if self.rank_local:
@@ -498,11 +499,14 @@ class ChainWriter:
             snap.error = e
         return snap
 
-    def _copy_on_write(self, staged: StagedPart) -> bool:
-        """Whether this part's rows are copied after the stall (:mod:`deck.trainer.cow`): asked,
-        on, and safe; a part whose writes are held (the pool has every buffer it needs free,
-        released in memory: a steady delta) never waits for buffers its own writes give back."""
-        if not self.staging.copy_on_write or not staged.holding or not native_available():
+    def _copy_on_write(self) -> bool:
+        """Whether this part's rows are copied after the stall (:mod:`deck.trainer.cow`): asked
+        for, released in memory, and safe for this model now (logged when it is not)."""
+        if (
+            not self.staging.copy_on_write
+            or self.staging.release != "in_memory"
+            or not native_available()
+        ):
             return False
         why = self.adapter.rows_written_before_lookup()
         if why != self._cow_refused:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,95 +44,139 @@ FILL_GATE: threading.Event | None = None
 
 @dataclass
 class _Chunk:
-    """One chunk's deferred rows: tracker positions ``rows`` (ascending) of a shard starting at
-    tracker position ``base``, to slots ``slot0 ..`` of the part."""
+    """One chunk's deferred rows: ``rows`` (tracker positions, ascending: a delta's claim) or
+    every position of ``(first, count)`` (a full's), of a shard whose first row is at position
+    ``base``; their slots in the part are ``slot0 ..``."""
 
     slot0: int
-    rows: np.ndarray
+    rows: np.ndarray | tuple[int, int]
     base: int
     id_offset: int  # a row's id in the chunk: its position + id_offset
-    ids: np.ndarray  # the chunk's ids segment
     sources: list[RowSource]
-    outs: list[memoryview]  # the chunk's state segments, in the sources' order
+    segments: Callable[[Buffer], tuple[np.ndarray, list[memoryview]]]  # ids, state segments
+    hand: Callable[[Buffer], None]  # the filled buffer to the sink
+    outs: list[memoryview] | None = None  # once the copy took its buffer
+    ids: np.ndarray | None = None
+    # Rows a lookup saved before the chunk had a buffer: (slots, one array per state)
+    early: list[tuple[np.ndarray, list[np.ndarray]]] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return self.rows[1] if isinstance(self.rows, tuple) else len(self.rows)
+
+    def positions(self) -> np.ndarray:
+        if isinstance(self.rows, tuple):
+            first, count = self.rows
+            return np.arange(first, first + count, dtype=np.int64)
+        return self.rows
 
     def fill(self, flags: np.ndarray) -> None:
-        np.add(self.rows, self.id_offset, out=self.ids, dtype=np.int64)
-        copy_once(self.rows, self.sources, self.outs, flags, self.slot0, base=self.base)
+        """Copy every row not copied yet (by a lookup) into the chunk's buffer."""
+        assert self.ids is not None and self.outs is not None
+        rows = self.positions()
+        np.add(rows, self.id_offset, out=self.ids, dtype=np.int64)
+        copy_once(rows, self.sources, self.outs, flags, self.slot0, base=self.base)
+        for slots, saved in self.early:
+            at = slots - self.slot0
+            for (_, nbytes), out, rows_bytes in zip(self.sources, self.outs, saved, strict=True):
+                np.frombuffer(out, np.uint8).reshape(-1, nbytes)[at] = rows_bytes
+        self.early = []
 
 
 class DeferredCopy:
     """The rows of one rank's part whose copy runs after the stall (see the module docstring).
 
-    Filled by :class:`deck.trainer.writer.RankPartWriter` in the stall: :meth:`add_chunk` for
-    each chunk of rows, :meth:`later` for each step that must follow the copies before it (a
-    chunk's or a bundle's hand-over to the sink, with the buffer it gives away). Then
-    :meth:`seal`, and on commit :meth:`run` on a background thread while :meth:`protect` guards
-    the lookups; or :meth:`drop` when the part is not committed.
+    Filled by :class:`deck.trainer.writer.RankPartWriter` in the stall with :meth:`add_chunk`
+    (what goes where, no buffer taken), then :meth:`seal`. Once the ranks' vote keeps the part,
+    :meth:`run` on a background thread takes each chunk's buffer, copies its rows and hands it
+    over, while :meth:`protect` guards the lookups; a part not kept is :meth:`drop`-ped.
+
+    A lookup's row whose chunk has a buffer is copied into it (``copy_once``); one whose chunk
+    has none yet is copied aside (its flag set to 3, so the background skips it) and put in the
+    chunk when it gets its buffer. What is held aside is at most the rows the steps update while
+    the part is copied (a full: at most its rows, once each); the buffers are the pool's, bounded
+    by ``staging.snapshot_memory_bytes`` as before.
     """
 
-    def __init__(self, release: Callable[[Buffer], None]) -> None:
-        self._release = release  # gives a pool buffer back
+    def __init__(self, acquire: Callable[[], Buffer], release: Callable[[Buffer], None]) -> None:
+        self._acquire = acquire  # a pool buffer (may wait for the part's own writes)
+        self._release = release  # gives one back
         self._chunks: list[_Chunk] = []
-        self._steps: list[tuple[int, Callable[[], None], Buffer | None]] = []  # after chunk i
-        self._buffers: list[Buffer] = []  # every buffer the part holds, to give back on drop
         self.rows = 0
         self._flags = np.zeros(0, np.uint8)
-        self._sorted = np.zeros(0, np.int64)  # every position, ascending
-        self._slot_of = np.zeros(0, np.int64)  # ... and its slot
+        self._sorted = np.zeros(0, np.int64)  # a delta's positions, ascending
+        self._slot_of = np.zeros(0, np.int64)  # ... and their slots
+        self._spans = np.zeros((0, 3), np.int64)  # a full's (first position, count, slot0)
         self._starts = np.zeros(0, np.int64)  # each chunk's first slot
-        # Held by protect() and by whoever ends the copy: a copy-before-update never writes
-        # into a buffer given back after a failure.
+        # Held by protect() and by whatever gives a chunk its buffer or ends the copy: a lookup
+        # sees a chunk with its buffer or without, and never writes into a buffer given back.
         self._lock = threading.Lock()
         self._open = False
 
     # ---- the stall: what goes where ----------------------------------------------------------
     def add_chunk(
         self,
-        rows: np.ndarray,
+        rows: np.ndarray | tuple[int, int],
         base: int,
         id_offset: int,
-        ids: np.ndarray,
-        outs: list[memoryview],
         sources: list[RowSource],
+        segments: Callable[[Buffer], tuple[np.ndarray, list[memoryview]]],
+        hand: Callable[[Buffer], None],
     ) -> None:
-        """Rows ``rows`` (tracker positions, ascending; a view is kept) of a shard whose first
-        row is at position ``base`` go to ``outs`` (and their ids to ``ids``) after the stall."""
-        self._chunks.append(_Chunk(self.rows, rows, base, id_offset, ids, sources, outs))
-        self.rows += len(rows)
-
-    def hold(self, buf: Buffer) -> None:
-        """The part took pool buffer ``buf``: given back by :meth:`drop`, or by a step's
-        hand-over."""
-        self._buffers.append(buf)
-
-    def later(self, step: Callable[[], None], gives: Buffer | None = None) -> None:
-        """Run ``step`` once every chunk added so far is copied (``gives``: the buffer it hands
-        over, which the part no longer gives back itself)."""
-        self._steps.append((len(self._chunks), step, gives))
+        """Rows ``rows`` (tracker positions, ascending, a view is kept; or ``(first, count)``:
+        every position from ``first``) of a shard whose first row is at position ``base`` go
+        to a buffer's ``segments(buf)`` after the stall, then ``hand(buf)``."""
+        chunk = _Chunk(self.rows, rows, base, id_offset, sources, segments, hand)
+        self._chunks.append(chunk)
+        self.rows += chunk.count
 
     def seal(self) -> None:
         """Nothing more is added: build the per-row flags and the position -> slot index."""
         self._flags = np.zeros(self.rows, np.uint8)
         self._starts = np.array([c.slot0 for c in self._chunks], np.int64)
-        if self._chunks:
-            positions = np.concatenate([c.rows.astype(np.int64, copy=False) for c in self._chunks])
+        claimed = [c for c in self._chunks if not isinstance(c.rows, tuple)]
+        if claimed:
+            positions = np.concatenate(
+                [c.positions().astype(np.int64, copy=False) for c in claimed]
+            )
+            slots = np.concatenate([np.arange(c.slot0, c.slot0 + c.count) for c in claimed])
             order = np.argsort(positions, kind="stable")
-            self._sorted, self._slot_of = positions[order], order.astype(np.int64)
+            self._sorted, self._slot_of = positions[order], slots[order]
+        spans = [(*c.rows, c.slot0) for c in self._chunks if isinstance(c.rows, tuple)]
+        if spans:
+            self._spans = np.array(spans, np.int64).reshape(-1, 3)
         self._open = True
 
     # ---- after the stall ---------------------------------------------------------------------
+    def _slots(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The part's slots of the positions in ``pos`` it holds (ascending, each once), and
+        those positions."""
+        found = []
+        if len(self._sorted):
+            at = np.searchsorted(self._sorted, pos)
+            at[at == len(self._sorted)] = 0
+            hit = self._sorted[at] == pos
+            found.append(np.stack([self._slot_of[at[hit]], pos[hit]]))
+        if len(self._spans):
+            first, count, slot0 = self._spans.T
+            k = np.searchsorted(first, pos, side="right") - 1
+            ok = k >= 0
+            ok[ok] &= pos[ok] < first[k[ok]] + count[k[ok]]
+            found.append(np.stack([slot0[k[ok]] + pos[ok] - first[k[ok]], pos[ok]]))
+        if not found:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        both = np.concatenate(found, axis=1)
+        slots, first_at = np.unique(both[0], return_index=True)
+        return slots, both[1][first_at]
+
     def protect(self, positions: torch.Tensor) -> None:
         """Before the rows ``positions`` (tracker positions, int64, any order) are updated: every
         one of them this part still has pending is copied now (or its copy waited for)."""
-        if not self._open or positions.device.type != "cpu" or not len(self._sorted):
+        if not self._open or positions.device.type != "cpu":
             return
-        pos = positions.detach().numpy()
-        at = np.searchsorted(self._sorted, pos)
-        at[at == len(self._sorted)] = 0
-        hit = self._sorted[at] == pos
-        if not hit.any():
+        slots, pos = self._slots(positions.detach().numpy().astype(np.int64, copy=False))
+        if not len(slots):
             return
-        slots = np.unique(self._slot_of[at[hit]])  # ascending: grouped by chunk
         chunk_of = np.searchsorted(self._starts, slots, side="right") - 1
         cuts = np.flatnonzero(np.diff(chunk_of)) + 1
         with self._lock:
@@ -140,46 +184,44 @@ class DeferredCopy:
                 return
             for group in np.split(np.arange(len(slots)), cuts):
                 c = self._chunks[int(chunk_of[group[0]])]
-                mine = slots[group]
-                rows = np.ascontiguousarray(c.rows[mine - c.slot0])
-                copy_once(rows, c.sources, c.outs, self._flags, c.slot0, mine, base=c.base)
+                mine, rows = slots[group], np.ascontiguousarray(pos[group])
+                if c.outs is not None:
+                    copy_once(rows, c.sources, c.outs, self._flags, c.slot0, mine, base=c.base)
+                    continue
+                # No buffer yet: the background touches no flag of this chunk before it has one
+                new = self._flags[mine] == 0
+                if new.any():
+                    local = rows[new] - c.base
+                    c.early.append((mine[new], [src.reshape(-1, b)[local] for src, b in c.sources]))
+                    self._flags[mine[new]] = 3
 
     def run(self, done: Callable[[], None]) -> None:
-        """Copy every row not copied yet, running each :meth:`later` step once the chunks before
-        it are copied; ``done()`` is called first once no row can be written any more (the
-        guard comes off). On failure the buffers not handed over go back, and it raises."""
-        steps = iter(self._steps)
-        step = next(steps, None)
-        handed = 0
+        """Copy every chunk: take its buffer, copy its rows not copied yet, hand it over.
+        ``done()`` is called once no row can be written any more (the guard comes off). On
+        failure the buffer taken and not handed over goes back, and it raises."""
+        held: Buffer | None = None
         try:
             if FILL_GATE is not None:
                 FILL_GATE.wait()
-            for i, chunk in enumerate(self._chunks):
-                while step is not None and step[0] <= i:
-                    step[1]()
-                    handed += 1
-                    step = next(steps, None)
+            for chunk in self._chunks:
                 failpoint("cow.fill.chunk")
+                held = self._acquire()
+                ids, outs = chunk.segments(held)
+                with self._lock:
+                    chunk.ids, chunk.outs = ids, outs
                 chunk.fill(self._flags)
+                buf, held = held, None
+                chunk.hand(buf)
             self._close(done)
-            while step is not None:
-                step[1]()
-                handed += 1
-                step = next(steps, None)
         except BaseException:
             self._close(done)
-            given = {id(s[2]) for s in self._steps[:handed] if s[2] is not None}
-            for buf in self._buffers:
-                if id(buf) not in given:
-                    self._release(buf)
+            if held is not None:
+                self._release(held)
             raise
 
     def drop(self) -> None:
-        """The part will not be committed (nothing ran): every buffer it took goes back."""
+        """The part will not be committed (nothing ran, no buffer was taken)."""
         self._open = False
-        for buf in self._buffers:
-            self._release(buf)
-        self._buffers = []
 
     def _close(self, done: Callable[[], None]) -> None:
         with self._lock:

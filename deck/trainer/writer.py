@@ -233,6 +233,9 @@ class RankPartWriter:
             and not encoded
             else None
         )
+        deferred = self._deferrable(shard, rows, encoded)
+        if deferred is not None:
+            return self._defer_shard(shard, rows, full, base, segs, per_chunk, deferred)
         picked = None if sources is None or rows is None else rows.numpy()
         whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
         for i, start in enumerate(range(0, n, per_chunk)):
@@ -246,17 +249,9 @@ class RankPartWriter:
             if self.bundle_bytes:
                 rel, offset, buf = self._bundle_slot(nbytes)
             else:
-                buf = self._buffer()
+                buf = self.sink.buffer()
             failpoint("writer.chunk.before_fill")
-            if sources is not None and picked is not None and self.deferred is not None:
-                self.deferred.add_chunk(
-                    picked[start:stop],
-                    base,
-                    shard.row_offset - base,
-                    *_segments(buf, layout, stop - start),
-                    sources,
-                )
-            elif sources is not None and picked is not None:
+            if sources is not None and picked is not None:
                 _gather_chunk(
                     buf, layout, picked[start:stop], shard.row_offset - base, base, sources
                 )
@@ -267,7 +262,7 @@ class RankPartWriter:
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
             if offset is None:
-                self._submit(rel, buf, nbytes, rec.run)
+                self.sink.submit(rel, buf, nbytes, rec.run)
             else:
                 self._bundle_fill += nbytes
                 self._bundle_chunks.append(rec)
@@ -277,22 +272,65 @@ class RankPartWriter:
             chunks.append(rec)
         self.encoded_any |= bool(encoded) and n > 0
         self.rows_written += n
+        return functools.partial(_shard_record, shard, full, chunks)
 
-        def record() -> ShardRecord:
-            return ShardRecord(
-                table=shard.table,
-                num_rows=shard.num_rows,
-                num_cols=shard.num_cols,
-                row_offset=shard.row_offset,
-                rows=shard.rows,
-                col_offset=shard.col_offset,
-                cols=shard.cols,
-                full=full,
-                states=tuple(shard.states),
-                chunks=tuple(c.get() for c in chunks),
+    def _deferrable(
+        self,
+        shard: TableShard,
+        rows: torch.Tensor | None,
+        encoded: dict[str, tuple[Encoding, torch.dtype]],
+    ) -> list[RowSource] | None:
+        """The checked states of ``shard`` when its rows are copied after the stall
+        (:attr:`deferred`): rows the lookups guard (a tracked shard, not ``full_only``), of CPU
+        tables the native kernel copies, unquantised, without bundles; else None."""
+        if self.deferred is None or self.bundle_bytes or shard.full_only or encoded:
+            return None
+        if rows is not None and (
+            rows.device.type != "cpu" or rows.dtype not in (torch.int32, torch.int64)
+        ):
+            return None
+        return row_sources(list(shard.states.values()))
+
+    def _defer_shard(
+        self,
+        shard: TableShard,
+        rows: torch.Tensor | None,
+        full: bool,
+        base: int,
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        per_chunk: int,
+        sources: list[RowSource],
+    ) -> Callable[[], ShardRecord]:
+        """:meth:`write_shard` of a shard whose rows the deferred copy fills: chunk by chunk,
+        what goes where and how each is handed over once filled; no buffer is taken here."""
+        assert self.deferred is not None
+        n = shard.rows if rows is None else int(rows.numel())
+        picked = None if rows is None else rows.numpy()
+        folder = f"{self.part}/{table_dir(shard.table)}"
+        chunks: list[Later[ChunkRecord]] = []
+        for i, start in enumerate(range(0, n, per_chunk)):
+            stop = min(n, start + per_chunk)
+            layout = ChunkLayout(stop - start, segs)
+            pad_to = None if stop == n else self.chunk_bytes
+            nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
+            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
+            filled: list[Buffer] = []  # the buffer, once the copy took one
+            rec: Later[ChunkRecord] = Later(
+                functools.partial(_filled_record, filled, rel, layout, pad_to)
             )
-
-        return record
+            self.deferred.add_chunk(
+                picked[start:stop] if picked is not None else (base + start, stop - start),
+                base,
+                shard.row_offset - base,
+                sources,
+                functools.partial(_segments, layout=layout, rows=stop - start),
+                functools.partial(_hand_over, self.sink, filled, rel, nbytes, rec),
+            )
+            self.bytes_written += nbytes
+            self.chunks_written += 1
+            chunks.append(rec)
+        self.rows_written += n
+        return functools.partial(_shard_record, shard, full, chunks)
 
     def _chunking(
         self, shard: TableShard, encoded: dict[str, tuple[Encoding, torch.dtype]]
@@ -330,7 +368,7 @@ class RankPartWriter:
         if self._bundle is not None and self._bundle_fill + nbytes > self.bundle_bytes:
             self.flush_bundle()
         if self._bundle is None:
-            self._bundle = self._buffer()
+            self._bundle = self.sink.buffer()
             self._bundle_fill = 0
         off = self._bundle_fill
         return self._bundle_path(), off, memoryview(self._bundle)[off : off + nbytes]
@@ -338,27 +376,13 @@ class RankPartWriter:
     def _bundle_path(self) -> str:
         return f"{self.part}/bundle-{self._bundles:06d}.bin"
 
-    def _buffer(self) -> Buffer:
-        buf = self.sink.buffer()
-        if self.deferred is not None:
-            self.deferred.hold(buf)
-        return buf
-
-    def _submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
-        """Hand a filled buffer to the sink: now, or once the deferred copies before it ran."""
-        if self.deferred is None:
-            self.sink.submit(rel, buf, nbytes, make_record)
-        else:
-            hand = functools.partial(self.sink.submit, rel, buf, nbytes, make_record)
-            self.deferred.later(hand, gives=buf)
-
     def flush_bundle(self) -> None:
         """Hand the open bundle (if any) to the sink as one file; :meth:`write_part` calls it
         after the last shard. Callers of :meth:`write_shard` alone must call it too."""
         if self._bundle is None:
             return
         make_record = _run_all(self._bundle_chunks)
-        self._submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
+        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
         self._bundle, self._bundle_chunks = None, []
         self._bundles += 1
 
@@ -456,6 +480,35 @@ def _gather_chunk(
     ids, outs = _segments(buf, layout, len(picked))
     np.add(picked, id_offset, out=ids, dtype=np.int64)
     gather_into(picked, sources, outs, base)
+
+
+def _shard_record(shard: TableShard, full: bool, chunks: list[Later[ChunkRecord]]) -> ShardRecord:
+    return ShardRecord(
+        table=shard.table,
+        num_rows=shard.num_rows,
+        num_cols=shard.num_cols,
+        row_offset=shard.row_offset,
+        rows=shard.rows,
+        col_offset=shard.col_offset,
+        cols=shard.cols,
+        full=full,
+        states=tuple(shard.states),
+        chunks=tuple(c.get() for c in chunks),
+    )
+
+
+def _filled_record(
+    filled: list[Buffer], rel: str, layout: ChunkLayout, pad_to: int | None
+) -> ChunkRecord:
+    return _chunk_record(filled[0], rel, layout, pad_to, {}, None)
+
+
+def _hand_over(
+    sink: Sink, filled: list[Buffer], rel: str, nbytes: int, rec: Later[ChunkRecord], buf: Buffer
+) -> None:
+    """A deferred chunk is filled in ``buf``: its record is made from it, and the sink has it."""
+    filled.append(buf)
+    sink.submit(rel, buf, nbytes, rec.run)
 
 
 def _segments(buf: Buffer, layout: ChunkLayout, rows: int) -> tuple[np.ndarray, list[memoryview]]:

@@ -27,6 +27,7 @@ from tests.trainer.test_pipeline import _batches, _build, _loss, _pipeline
 
 
 def _outs(rows: int, *widths: int) -> tuple[list[np.ndarray], list[memoryview]]:
+    """Output arrays of ``rows`` rows of each width, and their bytes."""
     arrays = [np.zeros((rows, w), np.float32) for w in widths]
     return arrays, [memoryview(a).cast("B") for a in arrays]
 
@@ -68,80 +69,130 @@ def test_copy_once_refuses_a_slot_outside_and_copies_nothing() -> None:
     assert not flags.any()
 
 
-def _deferred(table: torch.Tensor, rows: np.ndarray, per_chunk: int) -> tuple[Any, Any, Any]:
-    """A DeferredCopy of ``rows`` of ``table`` in chunks of ``per_chunk`` rows (plain arrays for
-    buffers), with one hand-over step after each chunk."""
+class _Buffers:
+    """The pool of a unit test: plain byte buffers; ``acquire`` of the k-th waits for
+    ``allow[k]`` when given."""
+
+    def __init__(self, size: int, allow: list[threading.Event] | None = None) -> None:
+        self.size, self.allow = size, allow
+        self.taken: list[bytearray] = []
+        self.released: list[bytearray] = []
+
+    def acquire(self) -> bytearray:
+        if self.allow is not None:
+            self.allow[len(self.taken)].wait()
+        buf = bytearray(self.size)
+        self.taken.append(buf)
+        return buf
+
+
+def _segments(buf: bytearray, rows: int, width: int) -> tuple[np.ndarray, list[memoryview]]:
+    ids = np.frombuffer(buf, np.int64, rows, 0)
+    return ids, [memoryview(buf)[8 * rows : 8 * rows + 4 * width * rows]]
+
+
+def _deferred(
+    table: torch.Tensor, rows: np.ndarray | None, per_chunk: int, pool: _Buffers
+) -> tuple[DeferredCopy, list[tuple[int, bytearray]]]:
+    """A DeferredCopy of ``rows`` of ``table`` (None: every row, as a full) in chunks of
+    ``per_chunk``; returns it and the (chunk, buffer) hand-overs as they happen."""
     sources = row_sources([table])
     assert sources is not None
-    given: list[int] = []
-    released: list[Any] = []
-    d = DeferredCopy(released.append)
-    outs, ids = [], []
-    for i, start in enumerate(range(0, len(rows), per_chunk)):
-        part = rows[start : start + per_chunk]
-        arrays, views = _outs(len(part), table.shape[1])
-        chunk_ids = np.zeros(len(part), np.int64)
-        buf = bytearray(8)
-        d.hold(buf)
-        d.add_chunk(part, 0, 0, chunk_ids, views, sources)
-        d.later(lambda i=i: given.append(i), gives=buf)
-        outs.append(arrays[0])
-        ids.append(chunk_ids)
+    width = table.shape[1]
+    handed: list[tuple[int, bytearray]] = []
+    d = DeferredCopy(pool.acquire, pool.released.append)
+    n = len(table) if rows is None else len(rows)
+    for i, start in enumerate(range(0, n, per_chunk)):
+        count = min(per_chunk, n - start)
+        d.add_chunk(
+            (start, count) if rows is None else rows[start : start + count],
+            0,
+            0,
+            sources,
+            lambda buf, count=count: _segments(buf, count, width),
+            lambda buf, i=i, count=count: handed.append((i, buf[: (8 + 4 * width) * count])),
+        )
     d.seal()
-    return d, (outs, ids, given), released
+    return d, handed
 
 
-def test_protect_saves_the_rows_as_they_were_while_the_copy_is_held() -> None:
-    """The background copy held back: each 'step' protects its rows, then updates them; the
-    saved rows are the values at the snapshot, and hand-overs run in order after their chunk."""
+def _saved(handed: list[tuple[int, bytearray]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, rows = [], []
+    for _, buf in handed:
+        n = len(buf) // (8 + 4 * width)  # the hand-over kept the chunk's rows only
+        seg_ids, (seg,) = _segments(buf, n, width)
+        ids.append(seg_ids.copy())
+        rows.append(np.frombuffer(seg, np.float32).reshape(n, width))
+    return np.concatenate(ids), np.concatenate(rows)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_protect_saves_the_rows_as_they_were_while_the_copy_goes_on(full: bool) -> None:
+    """The copy held back chunk by chunk: steps protect their rows, then update them, before
+    any chunk has a buffer (rows saved aside), between chunks, and after: the saved rows are
+    the values at the snapshot, and each chunk is handed over once, in order."""
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(4000, 8, generator=gen)
     at_snapshot = table.clone()
-    rows = np.sort(np.random.default_rng(2).choice(4000, 900, replace=False)).astype(np.int64)
-    d, (outs, ids, given), released = _deferred(table, rows, 128)
-    gate = threading.Event()
-    cow.FILL_GATE = gate
+    rows = None if full else np.sort(np.random.default_rng(2).choice(4000, 900, replace=False))
+    per_chunk = 500 if full else 128
+    n = 4000 if full else 900
+    chunks = -(-n // per_chunk)
+    allow = [threading.Event() for _ in range(chunks)]
+    pool = _Buffers(per_chunk * (8 + 4 * 8), allow)
+    d, handed = _deferred(table, rows, per_chunk, pool)
     closed: list[bool] = []
-    try:
-        runner = threading.Thread(target=d.run, args=(lambda: closed.append(True),))
-        runner.start()
-        for step in range(20):
-            touched = torch.randint(0, 4000, (300,), generator=gen)
+    runner = threading.Thread(target=d.run, args=(lambda: closed.append(True),))
+    runner.start()
+
+    def steps(count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for step in range(count):
+            touched = torch.randint(0, 4000, (300,), generator=g)
             d.protect(touched)
             table[touched] += 1.0 + step  # the update the lookup precedes
-        gate.set()
-        runner.join()
-    finally:
-        cow.FILL_GATE = None
+
+    steps(5, 1)  # no chunk has a buffer: saved aside
+    for k in range(chunks // 2):
+        allow[k].set()
+    while len(handed) < chunks // 2:  # the first half handed over (no timing: it must happen)
+        runner.join(0.01)
+    steps(5, 2)
+    for e in allow:
+        e.set()
+    steps(5, 3)  # racing the copy of the rest
+    runner.join()
     assert closed == [True]
-    assert given == list(range(len(outs)))
-    assert not released  # every buffer was handed over
-    assert np.array_equal(np.concatenate(outs), at_snapshot.numpy()[rows])
-    assert np.array_equal(np.concatenate(ids), rows)
+    assert [i for i, _ in handed] == list(range(chunks))
+    assert not pool.released
+    ids, saved = _saved(handed, 8)
+    want = np.arange(4000) if rows is None else rows
+    assert np.array_equal(ids, want)
+    assert np.array_equal(saved, at_snapshot.numpy()[want])
     assert not torch.equal(table, at_snapshot)  # the steps did update saved rows
-    d.protect(torch.arange(4000))  # after the copy: nothing to do, nothing written
-    assert np.array_equal(np.concatenate(outs), at_snapshot.numpy()[rows])
+    d.protect(torch.arange(4000))  # after the copy: nothing to do
 
 
-def test_a_failed_copy_gives_back_what_it_did_not_hand_over() -> None:
+def test_a_failed_copy_gives_back_the_buffer_it_held_and_stops_guarding() -> None:
     table = torch.randn(1000, 4)
-    rows = np.arange(0, 1000, 3, dtype=np.int64)
-    d, (outs, _, given), released = _deferred(table, rows, 50)
-    d._chunks[3].rows = np.array([5000] * len(d._chunks[3].rows), np.int64)  # outside the table
+    pool = _Buffers(50 * (8 + 16))
+    d, handed = _deferred(table, np.arange(0, 1000, 3, dtype=np.int64), 50, pool)
+    d._chunks[3].rows = np.array([5000] * d._chunks[3].count, np.int64)  # outside the table
     closed: list[bool] = []
     with pytest.raises(IndexError):
         d.run(lambda: closed.append(True))
     assert closed == [True]  # the guard came off
-    assert given == [0, 1, 2]
-    assert len(released) == len(outs) - 3
+    assert [i for i, _ in handed] == [0, 1, 2]
+    assert pool.released == [pool.taken[3]]
     d.protect(torch.arange(1000))  # closed: never writes into a buffer given back
 
 
-def test_a_dropped_part_gives_every_buffer_back() -> None:
-    table = torch.randn(100, 4)
-    d, (outs, _, given), released = _deferred(table, np.arange(0, 100, 2, dtype=np.int64), 10)
+def test_a_dropped_part_took_no_buffer() -> None:
+    pool = _Buffers(64)
+    d, handed = _deferred(torch.randn(100, 4), np.arange(0, 100, 2, dtype=np.int64), 10, pool)
     d.drop()
-    assert len(released) == len(outs) and not given
+    d.protect(torch.arange(100))
+    assert not pool.taken and not handed
 
 
 # ---- real 2-rank DMP models --------------------------------------------------------------------
@@ -167,15 +218,23 @@ def _job(rank: int, world_size: int, root: str, pipeline: str | None) -> None:
     def step() -> float:
         return _loss(runner.progress(it)) if runner else _train(model, dense, it)
 
-    gate = threading.Event()
+    gate, full_gate = threading.Event(), threading.Event()
     with deck.enable(model, [dense], deck.DeckConfig(uri=uri, delta_every_steps=EVERY)) as ck:
         for s in range(STEPS + 1):
             if s:
                 step()
+            if s == 0:
+                cow.FILL_GATE = full_gate  # the full's copy waits while steps 1, 2 train
+            if s == EVERY:
+                full_gate.set()
+                cow.FILL_GATE = None
             if s == STEPS:
                 cow.FILL_GATE = gate  # the copy of this delta waits while training goes on
             ck.step(s)
-        last = ck.history[-1]
+            if s == 0:
+                at_full = capture_state(model, dense)
+        first, last = ck.history[0], ck.history[-1]
+        assert first.kind == "full" and first.copied_after == first.rows > 0, first
         assert last.kind == "delta" and last.rows > 0
         assert last.copied_after == last.rows, (last.copied_after, last.rows)
         live = capture_state(model, dense)
@@ -186,6 +245,9 @@ def _job(rank: int, world_size: int, root: str, pipeline: str | None) -> None:
         assert ck.flush()
     fresh, fresh_dense = _build(seed=1)
     with deck.enable(fresh, [fresh_dense], deck.DeckConfig(uri=uri)) as ck2:
+        assert ck2.restore(0) == 0
+        bad = diff_states(at_full, capture_state(fresh, fresh_dense))
+        assert not bad, f"rank {rank}: the full restored differs: {bad[:8]}"
         assert ck2.restore() == STEPS
         bad = diff_states(live, capture_state(fresh, fresh_dense))
         assert not bad, f"rank {rank}: restored state differs: {bad[:8]}"
@@ -200,10 +262,10 @@ def _job(rank: int, world_size: int, root: str, pipeline: str | None) -> None:
 def test_copy_on_write_delta_restores_bitwise_while_training_went_on(
     tmp_path: Path, pipeline: str | None
 ) -> None:
-    """2 ranks (t0 table_wise, t1 row_wise, fused rowwise Adagrad): the delta of step 9 is
-    copied after the stall (every row), its background copy held back while two more steps
-    update its rows; it restores bitwise (weights, momentum, dense) into a fresh model, and
-    training on gives the never-stopped run's losses."""
+    """2 ranks (t0 table_wise, t1 row_wise, fused rowwise Adagrad): the full of step 0 and the
+    delta of step 9 are copied after the stall (every row), each copy held back while two more
+    steps update its rows; both restore bitwise (weights, momentum, dense) into a fresh model,
+    and training on gives the never-stopped run's losses."""
     run_ranks(_job, str(tmp_path), pipeline)
 
 

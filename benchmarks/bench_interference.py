@@ -1,0 +1,182 @@
+"""What deck's background work costs the training steps after a checkpoint, where it has a core
+of its own.
+
+A GPU host has CPU cores to spare beside its training processes; this project's VMs have two.
+So here ONE training rank (world size 1, the demo's DLRM, Zipf ids) runs with its training
+thread pinned to core 0 and every other thread of the process (deck's copy, spool, fsync,
+commit threads; the plain writer) pinned to core 1, and in one run, over the same steps (step
+``s`` trains on the same batch in every phase):
+
+- ``off``: no checkpointing;
+- ``plain``: a plain O_DIRECT writer of the same bytes handed each delta's (and the full's) bytes
+  at the same steps (``bench_stall._PlainWriter``, niced like deck's threads);
+- ``deck``: deck with copy-on-write (the default), a full first and a delta every
+  ``--delta-every`` steps;
+- ``deck, copy-on-write off``: the same with the rows copied in the stall.
+
+Phases run in turn, ``--repeats`` times (medians over repeats). Per phase: the median step time
+of the ``AFTER`` steps after each delta (the stall itself excluded: it is the call, not a step)
+and after the full, as a ratio to ``off`` at the same steps. Goal (issue 35): <= +2% over the 10
+steps after a delta.
+
+    python benchmarks/bench_interference.py [--rows 1000000] [--steps 200] [--delta-every 25] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_stall import _PlainWriter
+
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank, free_port, init_process_group
+
+AFTER = 10  # steps after a checkpoint counted
+
+
+def _pin_others(core: int) -> None:
+    """Every thread of this process but the calling one onto ``core`` (new threads inherit the
+    creating thread's cores, so this runs again after each checkpoint call, outside the step)."""
+    me = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            with contextlib.suppress(OSError):  # the thread ended
+                os.sched_setaffinity(int(tid), {core})
+
+
+def _phase(
+    model: Any, dense: Any, spec: ModelSpec, a: argparse.Namespace, kind: str, first: int, work: str
+) -> tuple[dict[int, float], dict[str, Any]]:
+    """Train ``a.steps`` steps from ``first + 1`` as ``kind`` says; step -> seconds, and what the
+    phase saved (bytes of the full and of each delta)."""
+    import deck
+    from deck.config import StagingConfig
+
+    times: dict[int, float] = {}
+    saved: dict[str, Any] = {"full": 0, "deltas": []}
+    ckpt: Any = None
+    writer: _PlainWriter | None = None
+    if kind.startswith("deck"):
+        staging = StagingConfig(copy_on_write=kind == "deck")
+        cfg = deck.DeckConfig(
+            uri=os.path.join(work, f"ck-{first}"), delta_every_steps=a.delta_every, staging=staging
+        )
+        ckpt = deck.enable(model, [dense], cfg)
+        saved["full"] = ckpt.step(first).bytes  # type: ignore[union-attr]
+    elif kind == "plain":
+        writer = _PlainWriter(os.path.join(work, f"plain-{first}"), nice=19)
+        writer.jobs.put(a.full_bytes)
+    _pin_others(1)
+    try:
+        for step in range(first + 1, first + a.steps + 1):
+            t0 = time.perf_counter()
+            train_step(model, dense, spec, step)
+            times[step - first] = time.perf_counter() - t0
+            if step % a.delta_every:
+                continue
+            if ckpt is not None:
+                saved["deltas"].append(ckpt.step(step).bytes)
+            elif writer is not None:
+                writer.jobs.put(a.delta_bytes)
+            _pin_others(1)
+    finally:
+        if ckpt is not None:
+            ckpt.flush()
+            ckpt.close()
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(os.path.join(work, f"ck-{first}"), ignore_errors=True)
+        shutil.rmtree(os.path.join(work, f"plain-{first}"), ignore_errors=True)
+    return times, saved
+
+
+def _worker(a: argparse.Namespace, work: str) -> None:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)
+    os.sched_setaffinity(0, {0})  # the training thread (and what it starts) on core 0
+    torch.set_num_threads(1)
+    init_process_group(0, 1, free_port())
+    spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+    model, dense = build_model(spec)
+    for _ in range(5):
+        train_step(model, dense, spec, 10**6)
+    # What deck writes, to hand the plain writer the same bytes: one deck phase first
+    _, saved = _phase(model, dense, spec, a, "deck", 0, work)
+    a.full_bytes = saved["full"]
+    a.delta_bytes = int(statistics.median(saved["deltas"]))
+    phases = ["off", "plain", "deck", "deck, copy-on-write off"]
+    runs: dict[str, list[dict[int, float]]] = {p: [] for p in phases}
+    for r in range(a.repeats):
+        for p in phases:
+            times, _ = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
+            runs[p].append(times)
+    end_rank()
+    deltas = {
+        s for d in range(a.delta_every, a.steps, a.delta_every) for s in range(d + 1, d + 1 + AFTER)
+    }
+    full = set(range(1, 1 + AFTER))
+    away = set(range(1, a.steps + 1)) - deltas - full
+    print(
+        f"1 rank, training thread on core 0, other threads on core 1: DLRM {a.tables} tables x "
+        f"{a.rows} rows x {a.dim} dim, batch {a.batch}, {a.steps} steps per phase, a delta every "
+        f"{a.delta_every} ({a.delta_bytes / 2**20:.1f} MiB; full {a.full_bytes / 2**20:.0f} MiB), "
+        f"{a.repeats} repeats"
+    )
+
+    def median_of(p: str, steps: set[int]) -> float:
+        return statistics.median(statistics.median(t[s] for s in steps if s in t) for t in runs[p])
+
+    off = {
+        name: median_of("off", steps)
+        for name, steps in (("after a delta", deltas), ("after the full", full), ("away", away))
+    }
+    print(
+        f"{'phase':<26} {'away ms':>8} {'after delta ms':>15} {'vs off':>7} {'after full ms':>14} {'vs off':>7}"
+    )
+    for p in phases:
+        aw, ad, af = median_of(p, away), median_of(p, deltas), median_of(p, full)
+        print(
+            f"{p:<26} {aw * 1e3:>8.2f} {ad * 1e3:>15.2f} {ad / off['after a delta'] - 1:>+7.1%} "
+            f"{af * 1e3:>14.2f} {af / off['after the full'] - 1:>+7.1%}"
+        )
+    print(f"(medians over repeats of each phase's median; the {AFTER} steps after each checkpoint)")
+    print("reproduce: python benchmarks/bench_interference.py " + " ".join(sys.argv[1:]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--delta-every", type=int, default=25)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        p.error("needs two cores (one for training, one for the background)")
+    work = tempfile.mkdtemp(prefix="deck-bench-interference-", dir="/tmp")
+    try:
+        _worker(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
