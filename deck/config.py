@@ -226,14 +226,14 @@ class StagingConfig(Settings):
     )
     copy_on_write: bool = Field(
         default=True,
-        description="With release=in_memory, a steady delta's rows are copied after the stall: "
-        "the stall claims the rows, takes their chunk buffers and captures the dense state; a "
-        "background thread copies the rows, and a step's lookup first copies any of its rows "
-        "still pending, so the saved bytes are the rows at the checkpoint's step. Off by itself "
-        "(rows copied in the stall, logged) where a row may be written before its step's "
-        "lookup (TorchRec's semi-sync and prefetch pipelines), for tables off the CPU, "
-        "quantised states, and parts the buffer pool cannot hold at once (a full, a first "
-        "delta). False: always copy in the stall.",
+        description="With release=in_memory, a checkpoint's rows (a delta's and a full's) are "
+        "copied after the stall: the stall claims the rows and captures the dense state; a "
+        "background thread copies the rows into the chunk buffers, and a step's lookup first "
+        "copies any of its rows still pending, so the saved bytes are the rows at the "
+        "checkpoint's step. Off by itself (rows copied in the stall, logged) where a row may be "
+        "written before its step's lookup (TorchRec's semi-sync and prefetch pipelines); tables "
+        "off the CPU, quantised states and bundles are copied in the stall. False: always copy "
+        "in the stall.",
     )
 
     @field_validator("spool_dir", mode="before")

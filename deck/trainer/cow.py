@@ -1,10 +1,11 @@
 """Copy-on-write snapshots: the stall fixes *what* a part saves; its rows are copied after it.
 
-In the stall a checkpoint claims its rows, takes the chunk buffers they go to, captures the dense
-and extra state, and the ranks vote. With copy-on-write (``staging.copy_on_write``, on by
-default) the rows' bytes are not copied there: :class:`DeferredCopy` remembers, per chunk, which
-rows go where, and once the vote commits the part a background thread copies them
-(:meth:`DeferredCopy.run`) while training goes on.
+In the stall a checkpoint claims its rows, captures the dense and extra state, and the ranks
+vote. With copy-on-write (``staging.copy_on_write``, on by default) the rows' bytes are not
+copied there: :class:`DeferredCopy` remembers, per chunk, which rows go where (a delta's claimed
+rows, or a full's every row), and once the vote keeps the part a background thread takes each
+chunk's buffer, copies its rows and hands it to the stager (:meth:`DeferredCopy.run`) while
+training goes on.
 
 A row must reach its chunk as it was at the checkpoint's step, so the next update of a row still
 pending must wait for its copy. Every update of a tracked row comes after the lookup of the
@@ -15,13 +16,14 @@ pending itself, or waits for the background's copy of a row it is copying. Each 
 one atomic compare-and-swap in the native kernel (``copy_once`` in ``kernels/_native.c``), the
 GIL released: each row is copied exactly once, before any write can reach it.
 
-Where that order does not hold, the part is copied in the stall as before (chosen by
-:func:`deck.trainer.chain.ChainWriter`, logged once): pipelines that look rows up for a batch
-before the previous batch's update (TorchRec's semi-sync and prefetch pipelines), tables off the
-CPU, quantised states, ``release="first_tier"``, and a part whose chunk buffers the pool cannot
-hand out at once (a full, a first delta: the copy would have to wait for buffers that only its
-own writes give back). Memory is unchanged: the part's chunk buffers, which the copy in the
-stall filled too.
+Where that order does not hold, the rows are copied in the stall as before (chosen by
+:class:`deck.trainer.chain.ChainWriter` per checkpoint, logged once): pipelines that look rows up
+for a batch before the previous batch's update (TorchRec's semi-sync and prefetch pipelines),
+and ``release="first_tier"``; so are the shards the writer cannot defer (tables off the CPU,
+quantised states, ``full_only`` shards, bundles: :meth:`deck.trainer.writer.RankPartWriter`).
+Memory: the chunk buffers are the pool's as before (``staging.snapshot_memory_bytes``), taken by
+the background copy as it goes; plus the rows a lookup saved aside because their chunk had no
+buffer yet (at most the rows the steps update while the part is copied, each once).
 """
 
 from __future__ import annotations
@@ -204,14 +206,15 @@ class DeferredCopy:
             if FILL_GATE is not None:
                 FILL_GATE.wait()
             for chunk in self._chunks:
-                failpoint("cow.fill.chunk")
                 held = self._acquire()
                 ids, outs = chunk.segments(held)
                 with self._lock:
                     chunk.ids, chunk.outs = ids, outs
+                failpoint("writer.chunk.before_fill")  # the moments the copy in the stall has
                 chunk.fill(self._flags)
                 buf, held = held, None
                 chunk.hand(buf)
+                failpoint("writer.chunk.after_submit")
             self._close(done)
         except BaseException:
             self._close(done)
