@@ -141,8 +141,9 @@ def _thread_clock() -> dict[str, tuple[float, float]]:
 def _intervals(clocks: list[dict[str, tuple[float, float]]]) -> dict[str, list[list[float]]]:
     """Per thread group, its [CPU, run-queue wait] in each interval between consecutive clocks."""
     out: dict[str, list[list[float]]] = {}
+    names = set().union(*clocks)  # a thread started mid-run counts 0 before it
     for before, after in itertools.pairwise(clocks):
-        for name in set(before) | set(after):
+        for name in names:
             a, b = after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0))
             out.setdefault(name, []).append([a[0] - b[0], a[1] - b[1]])
     return out

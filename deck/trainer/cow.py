@@ -28,6 +28,7 @@ buffer yet (at most the rows the steps update while the part is copied, each onc
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,14 +137,15 @@ class DeferredCopy:
         """Nothing more is added: build the per-row flags and the position -> slot index."""
         self._flags = np.zeros(self.rows, np.uint8)
         self._starts = np.array([c.slot0 for c in self._chunks], np.int64)
-        claimed = [c for c in self._chunks if not isinstance(c.rows, tuple)]
+        claimed = [c for c in self._chunks if not isinstance(c.rows, tuple) and c.count]
         if claimed:
-            positions = np.concatenate(
-                [c.positions().astype(np.int64, copy=False) for c in claimed]
-            )
+            positions = np.concatenate([c.positions() for c in claimed])
             slots = np.concatenate([np.arange(c.slot0, c.slot0 + c.count) for c in claimed])
-            order = np.argsort(positions, kind="stable")
-            self._sorted, self._slot_of = positions[order], slots[order]
+            # Each chunk's rows ascend; sort (in the stall) only when shards came out of order
+            if any(a.positions()[-1] >= b.positions()[0] for a, b in itertools.pairwise(claimed)):
+                order = np.argsort(positions, kind="stable")
+                positions, slots = positions[order], slots[order]
+            self._sorted, self._slot_of = positions, slots
         spans = [(*c.rows, c.slot0) for c in self._chunks if isinstance(c.rows, tuple)]
         if spans:
             self._spans = np.array(spans, np.int64).reshape(-1, 3)
@@ -154,8 +156,10 @@ class DeferredCopy:
         """The part's slots of the positions in ``pos`` it holds (ascending, each once), and
         those positions."""
         found = []
+        pos = np.sort(pos)  # each once, in order: the search then walks the index in order
+        pos = pos[np.concatenate(([True], pos[1:] != pos[:-1]))] if len(pos) else pos
         if len(self._sorted):
-            at = np.searchsorted(self._sorted, pos)
+            at = np.searchsorted(self._sorted, pos.astype(self._sorted.dtype, copy=False))
             at[at == len(self._sorted)] = 0
             hit = self._sorted[at] == pos
             found.append(np.stack([self._slot_of[at[hit]], pos[hit]]))
@@ -168,8 +172,8 @@ class DeferredCopy:
         if not found:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         both = np.concatenate(found, axis=1)
-        slots, first_at = np.unique(both[0], return_index=True)
-        return slots, both[1][first_at]
+        order = np.argsort(both[0], kind="stable")  # by slot: grouped by chunk
+        return both[0][order], both[1][order]
 
     def protect(self, positions: torch.Tensor) -> None:
         """Before the rows ``positions`` (tracker positions, int64, any order) are updated: every
