@@ -115,6 +115,7 @@ class DeferredCopy:
         # sees a chunk with its buffer or without, and never writes into a buffer given back.
         self._lock = threading.Lock()
         self._open = False
+        self._indexed = False
 
     # ---- the stall: what goes where ----------------------------------------------------------
     def add_chunk(
@@ -134,22 +135,28 @@ class DeferredCopy:
         self.rows += chunk.count
 
     def seal(self) -> None:
-        """Nothing more is added: build the per-row flags and the position -> slot index."""
+        """Nothing more is added: the per-row flags. The position -> slot index is built by the
+        first lookup that needs it, or by the copy (out of the stall)."""
         self._flags = np.zeros(self.rows, np.uint8)
         self._starts = np.array([c.slot0 for c in self._chunks], np.int64)
+        spans = [(*c.rows, c.slot0) for c in self._chunks if isinstance(c.rows, tuple)]
+        if spans:
+            self._spans = np.array(spans, np.int64).reshape(-1, 3)
+        self._indexed = not any(not isinstance(c.rows, tuple) for c in self._chunks)
+        self._open = True
+
+    def _index(self) -> None:
+        """Build the index of a delta's positions (under the lock, once)."""
         claimed = [c for c in self._chunks if not isinstance(c.rows, tuple) and c.count]
         if claimed:
             positions = np.concatenate([c.positions() for c in claimed])
             slots = np.concatenate([np.arange(c.slot0, c.slot0 + c.count) for c in claimed])
-            # Each chunk's rows ascend; sort (in the stall) only when shards came out of order
+            # Each chunk's rows ascend; sort only when shards came out of order
             if any(a.positions()[-1] >= b.positions()[0] for a, b in itertools.pairwise(claimed)):
                 order = np.argsort(positions, kind="stable")
                 positions, slots = positions[order], slots[order]
             self._sorted, self._slot_of = positions, slots
-        spans = [(*c.rows, c.slot0) for c in self._chunks if isinstance(c.rows, tuple)]
-        if spans:
-            self._spans = np.array(spans, np.int64).reshape(-1, 3)
-        self._open = True
+        self._indexed = True
 
     # ---- after the stall ---------------------------------------------------------------------
     def _slots(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -180,6 +187,10 @@ class DeferredCopy:
         one of them this part still has pending is copied now (or its copy waited for)."""
         if not self._open or positions.device.type != "cpu":
             return
+        if not self._indexed:
+            with self._lock:
+                if not self._indexed:
+                    self._index()
         slots, pos = self._slots(positions.detach().numpy().astype(np.int64, copy=False))
         if not len(slots):
             return
@@ -207,6 +218,9 @@ class DeferredCopy:
         failure the buffer taken and not handed over goes back, and it raises."""
         held: Buffer | None = None
         try:
+            with self._lock:
+                if not self._indexed:
+                    self._index()
             if FILL_GATE is not None:
                 FILL_GATE.wait()
             for chunk in self._chunks:
