@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import statistics
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,7 +105,7 @@ def _phase(
     return times, saved
 
 
-def _worker(a: argparse.Namespace, work: str) -> None:
+def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None:
     warnings.filterwarnings("ignore")
     import logging
 
@@ -125,7 +127,6 @@ def _worker(a: argparse.Namespace, work: str) -> None:
         for p in phases:
             times, _ = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
             runs[p].append(times)
-    end_rank()
     deltas = {
         s for d in range(a.delta_every, a.steps, a.delta_every) for s in range(d + 1, d + 1 + AFTER)
     }
@@ -146,16 +147,20 @@ def _worker(a: argparse.Namespace, work: str) -> None:
         for name, steps in (("after a delta", deltas), ("after the full", full), ("away", away))
     }
     print(
-        f"{'phase':<26} {'away ms':>8} {'after delta ms':>15} {'vs off':>7} {'after full ms':>14} {'vs off':>7}"
+        f"{'phase':<26} {'away ms':>8} {'after delta ms':>15} {'/away':>7} {'vs off':>7} "
+        f"{'after full ms':>14} {'/away':>7} {'vs off':>7}"
     )
     for p in phases:
         aw, ad, af = median_of(p, away), median_of(p, deltas), median_of(p, full)
         print(
-            f"{p:<26} {aw * 1e3:>8.2f} {ad * 1e3:>15.2f} {ad / off['after a delta'] - 1:>+7.1%} "
-            f"{af * 1e3:>14.2f} {af / off['after the full'] - 1:>+7.1%}"
+            f"{p:<26} {aw * 1e3:>8.2f} {ad * 1e3:>15.2f} {ad / aw - 1:>+7.1%} "
+            f"{ad / off['after a delta'] - 1:>+7.1%} {af * 1e3:>14.2f} {af / aw - 1:>+7.1%} "
+            f"{af / off['after the full'] - 1:>+7.1%}"
         )
     print(f"(medians over repeats of each phase's median; the {AFTER} steps after each checkpoint)")
     print("reproduce: python benchmarks/bench_interference.py " + " ".join(sys.argv[1:]))
+    clean()
+    end_rank()  # exits the process
 
 
 def main() -> int:
@@ -171,10 +176,11 @@ def main() -> int:
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (one for training, one for the background)")
     work = tempfile.mkdtemp(prefix="deck-bench-interference-", dir="/tmp")
+    atexit_clean = functools.partial(shutil.rmtree, work, ignore_errors=True)
     try:
-        _worker(a, work)
+        _worker(a, work, atexit_clean)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        atexit_clean()
     return 0
 
 

@@ -60,7 +60,8 @@ class _Chunk:
     hand: Callable[[Buffer], None]  # the filled buffer to the sink
     outs: list[memoryview] | None = None  # once the copy took its buffer
     ids: np.ndarray | None = None
-    # Rows a lookup saved before the chunk had a buffer: (slots, one array per state)
+    # Rows lookups saved aside before the chunk had a buffer: (slots ascending, one array per
+    # state), each possibly holding other chunks' rows too
     early: list[tuple[np.ndarray, list[np.ndarray]]] = field(default_factory=list)
 
     @property
@@ -80,9 +81,10 @@ class _Chunk:
         np.add(rows, self.id_offset, out=self.ids, dtype=np.int64)
         copy_once(rows, self.sources, self.outs, flags, self.slot0, base=self.base)
         for slots, saved in self.early:
-            at = slots - self.slot0
+            lo, hi = np.searchsorted(slots, [self.slot0, self.slot0 + self.count])
+            at = slots[lo:hi] - self.slot0
             for (_, nbytes), out, rows_bytes in zip(self.sources, self.outs, saved, strict=True):
-                np.frombuffer(out, np.uint8).reshape(-1, nbytes)[at] = rows_bytes
+                np.frombuffer(out, np.uint8).reshape(-1, nbytes)[at] = rows_bytes[lo:hi]
         self.early = []
 
 
@@ -111,6 +113,8 @@ class DeferredCopy:
         self._slot_of = np.zeros(0, np.int64)  # ... and their slots
         self._spans = np.zeros((0, 3), np.int64)  # a full's (first position, count, slot0)
         self._starts = np.zeros(0, np.int64)  # each chunk's first slot
+        self._has_buffer = np.zeros(0, bool)  # each chunk's: set under the lock
+        self._shard_of = np.zeros(0, np.int64)  # each chunk's shard (they share sources)
         # Held by protect() and by whatever gives a chunk its buffer or ends the copy: a lookup
         # sees a chunk with its buffer or without, and never writes into a buffer given back.
         self._lock = threading.Lock()
@@ -139,6 +143,11 @@ class DeferredCopy:
         first lookup that needs it, or by the copy (out of the stall)."""
         self._flags = np.zeros(self.rows, np.uint8)
         self._starts = np.array([c.slot0 for c in self._chunks], np.int64)
+        self._has_buffer = np.zeros(len(self._chunks), bool)
+        shards: dict[int, int] = {}  # chunks of one shard share its sources
+        self._shard_of = np.array(
+            [shards.setdefault(id(c.sources), len(shards)) for c in self._chunks], np.int64
+        )
         spans = [(*c.rows, c.slot0) for c in self._chunks if isinstance(c.rows, tuple)]
         if spans:
             self._spans = np.array(spans, np.int64).reshape(-1, 3)
@@ -194,23 +203,43 @@ class DeferredCopy:
         slots, pos = self._slots(positions.detach().numpy().astype(np.int64, copy=False))
         if not len(slots):
             return
+        # Copied (2) or saved aside (3) already: nothing to do (most rows, once the copy ran)
+        live = self._flags[slots]
+        todo = live < 2
+        if not todo.any():
+            return
+        slots, pos = slots[todo], pos[todo]
         chunk_of = np.searchsorted(self._starts, slots, side="right") - 1
-        cuts = np.flatnonzero(np.diff(chunk_of)) + 1
         with self._lock:
             if not self._open:
                 return
-            for group in np.split(np.arange(len(slots)), cuts):
-                c = self._chunks[int(chunk_of[group[0]])]
-                mine, rows = slots[group], np.ascontiguousarray(pos[group])
-                if c.outs is not None:
-                    copy_once(rows, c.sources, c.outs, self._flags, c.slot0, mine, base=c.base)
-                    continue
-                # No buffer yet: the background touches no flag of this chunk before it has one
-                new = self._flags[mine] == 0
-                if new.any():
-                    local = rows[new] - c.base
-                    c.early.append((mine[new], [src.reshape(-1, b)[local] for src, b in c.sources]))
-                    self._flags[mine[new]] = 3
+            # Chunks with a buffer (the one being copied, few): copy_once, racing the copy
+            has = self._has_buffer[chunk_of]
+            for c in np.unique(chunk_of[has]).tolist():
+                mine = has & (chunk_of == c)
+                ch = self._chunks[c]
+                rows = np.ascontiguousarray(pos[mine])
+                copy_once(
+                    rows,
+                    ch.sources,
+                    ch.outs or [],
+                    self._flags,
+                    ch.slot0,
+                    slots[mine],
+                    base=ch.base,
+                )
+            # No buffer yet (the copy touches no flag of such a chunk before it has one): saved
+            # aside, one gather per shard for all its rows
+            aside = ~has
+            shard_of = self._shard_of[chunk_of]
+            for k in np.unique(shard_of[aside]).tolist():
+                mine = aside & (shard_of == k)
+                first = self._chunks[int(chunk_of[mine][0])]
+                local = pos[mine] - first.base
+                entry = (slots[mine], [src.reshape(-1, b)[local] for src, b in first.sources])
+                for c in np.unique(chunk_of[mine]).tolist():
+                    self._chunks[c].early.append(entry)
+                self._flags[slots[mine]] = 3
 
     def run(self, done: Callable[[], None]) -> None:
         """Copy every chunk: take its buffer, copy its rows not copied yet, hand it over.
@@ -223,11 +252,12 @@ class DeferredCopy:
                     self._index()
             if FILL_GATE is not None:
                 FILL_GATE.wait()
-            for chunk in self._chunks:
+            for i, chunk in enumerate(self._chunks):
                 held = self._acquire()
                 ids, outs = chunk.segments(held)
                 with self._lock:
                     chunk.ids, chunk.outs = ids, outs
+                    self._has_buffer[i] = True
                 failpoint("writer.chunk.before_fill")  # the moments the copy in the stall has
                 chunk.fill(self._flags)
                 buf, held = held, None
