@@ -47,6 +47,8 @@ from deck.demo import ModelSpec, build_model, train_step
 from deck.processes import end_rank, free_port, init_process_group
 
 AFTER = 10  # steps after a checkpoint counted
+# deck's phases: staging.copy_on_write of each (the default first)
+PHASES = {"deck": "deltas", "deck, copy-on-write all": "all", "deck, copy-on-write off": "off"}
 
 
 def _pin_others(core: int) -> None:
@@ -72,7 +74,7 @@ def _phase(
     ckpt: Any = None
     writer: _PlainWriter | None = None
     if kind.startswith("deck"):
-        staging = StagingConfig(copy_on_write=kind == "deck")
+        staging = StagingConfig(copy_on_write=PHASES[kind])
         cfg = deck.DeckConfig(
             uri=os.path.join(work, f"ck-{first}"), delta_every_steps=a.delta_every, staging=staging
         )
@@ -121,7 +123,7 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
     _, saved = _phase(model, dense, spec, a, "deck", 0, work)
     a.full_bytes = saved["full"]
     a.delta_bytes = int(statistics.median(saved["deltas"]))
-    phases = ["off", "plain", "deck", "deck, copy-on-write off"]
+    phases = ["off", "plain", *PHASES]
     runs: dict[str, list[dict[int, float]]] = {p: [] for p in phases}
     for r in range(a.repeats):
         for p in phases:

@@ -161,7 +161,7 @@ def _run_target(
         tiers=target["tiers"],
         spool_dir=target.get("spool"),
         release=target["release"],
-        copy_on_write=target.get("cow", True),
+        copy_on_write=target.get("cow", "deltas"),
         **extra,
     )
     config = deck.DeckConfig(
@@ -710,9 +710,10 @@ def main() -> int:
         )
     p.add_argument(
         "--copy-on-write",
-        default="on,off",
+        default="deltas,all,off",
         help="StagingConfig.copy_on_write values to run with release=in_memory, one local "
-        "target each, in this order (first_tier copies in the stall either way); default: on,off",
+        "target each, in this order (first_tier copies in the stall either way); default: "
+        "deltas,all,off",
     )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument(
@@ -775,14 +776,14 @@ def _run_once(
     targets: list[dict[str, Any]] = []
     first = 0
     releases = a.release.split(",")
-    cows = [c == "on" for c in a.copy_on_write.split(",")]
+    cows = a.copy_on_write.split(",")
     for release in [] if a.no_local else releases:
         for cow in cows if release == "in_memory" else cows[:1]:
-            label = f", copy-on-write {'on' if cow else 'off'}" if release == "in_memory" else ""
+            label = f", copy-on-write {cow}" if release == "in_memory" else ""
             targets.append(
                 {
                     "name": f"local, release={release}{label}",
-                    "uri": os.path.join(work, f"ck-local-{release}-{int(cow)}"),
+                    "uri": os.path.join(work, f"ck-local-{release}-{cow}"),
                     "tiers": "local",
                     "release": release,
                     "cow": cow,

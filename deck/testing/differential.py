@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import deck
+from deck.config import StagingConfig
 from deck.demo import capture_state, diff_states
 from deck.errors import DeckError
 
@@ -89,6 +90,7 @@ class Setup:
     dropout: bool = False
     batchnorm: bool = False
     batch: int = 4
+    copy_on_write: str = "deltas"  # staging.copy_on_write
 
     def checkpoint_steps(self) -> list[int]:
         return [s for s in range(self.steps + 1) if s % self.every == 0]
@@ -453,6 +455,7 @@ def _config(setup: Setup, uri: str) -> deck.DeckConfig:
         delta_every_steps=setup.every,
         full_every_steps=setup.full_every,
         lease_ttl_s=None,
+        staging=StagingConfig(copy_on_write=setup.copy_on_write),  # type: ignore[arg-type]
     )
 
 

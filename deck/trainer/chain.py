@@ -471,7 +471,7 @@ class ChainWriter:
             snap.pool_capped = self.stager.size_pool(
                 snap.staged, writer.buffers_needed(shards, counts), full
             )
-            if self._copy_on_write():
+            if self._copy_on_write(full):
                 snap.deferred = DeferredCopy(snap.staged.buffer, self.stager.pool.release)
                 writer.deferred = snap.deferred
             order = {id(sh): i for i, sh in enumerate(shards)}
@@ -499,14 +499,13 @@ class ChainWriter:
             snap.error = e
         return snap
 
-    def _copy_on_write(self) -> bool:
+    def _copy_on_write(self, full: bool) -> bool:
         """Whether this part's rows are copied after the stall (:mod:`deck.trainer.cow`): asked
-        for, released in memory, and safe for this model now (logged when it is not)."""
-        if (
-            not self.staging.copy_on_write
-            or self.staging.release != "in_memory"
-            or not native_available()
-        ):
+        for (``staging.copy_on_write``: deltas, or all), released in memory, and safe for this
+        model now (logged when it is not)."""
+        mode = self.staging.copy_on_write
+        wanted = mode == "all" or (mode == "deltas" and not full)
+        if not wanted or self.staging.release != "in_memory" or not native_available():
             return False
         why = self.adapter.rows_written_before_lookup()
         if why != self._cow_refused:

@@ -1,7 +1,7 @@
 """Copy-on-write snapshots: the stall fixes *what* a part saves; its rows are copied after it.
 
 In the stall a checkpoint claims its rows, captures the dense and extra state, and the ranks
-vote. With copy-on-write (``staging.copy_on_write``, on by default) the rows' bytes are not
+vote. With copy-on-write (``staging.copy_on_write``: deltas by default, or all) the rows' bytes are not
 copied there: :class:`DeferredCopy` remembers, per chunk, which rows go where (a delta's claimed
 rows, or a full's every row), and once the vote keeps the part a background thread takes each
 chunk's buffer, copies its rows and hands it to the stager (:meth:`DeferredCopy.run`) while

@@ -219,7 +219,8 @@ def _job(rank: int, world_size: int, root: str, pipeline: str | None) -> None:
         return _loss(runner.progress(it)) if runner else _train(model, dense, it)
 
     gate, full_gate = threading.Event(), threading.Event()
-    with deck.enable(model, [dense], deck.DeckConfig(uri=uri, delta_every_steps=EVERY)) as ck:
+    config = deck.DeckConfig(uri=uri, delta_every_steps=EVERY, staging={"copy_on_write": "all"})
+    with deck.enable(model, [dense], config) as ck:
         for s in range(STEPS + 1):
             if s:
                 step()

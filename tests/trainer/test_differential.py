@@ -291,6 +291,7 @@ def setups(draw: st.DrawFn) -> Setup:
         dropout=draw(st.booleans()),
         batchnorm=draw(st.booleans()),
         batch=draw(st.integers(2, 5)),
+        copy_on_write=draw(st.sampled_from(["deltas", "all", "off"])),
     )
 
 

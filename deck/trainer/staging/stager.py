@@ -113,8 +113,9 @@ class Stager:
         # The training thread's own reads of the store that can overlap its copy (not lowered:
         # it waits for them in the stall)
         self._aside = ThreadPoolExecutor(1, thread_name_prefix="deck-aside")
-        # Copy-on-write parts' rows, copied after the stall (deck.trainer.cow)
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="deck-copy", initializer=lower)
+        # Copy-on-write parts' rows, copied after the stall (deck.trainer.cow). Not lowered:
+        # until it is done every lookup checks its rows against the part's
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="deck-copy")
         # Cleared while the training thread is stalled in a checkpoint (:meth:`stall`); writes
         # are numbered as submitted, and those submitted before the stall began wait for it
         self._writes_may_start = threading.Event()
