@@ -235,8 +235,11 @@ class StagingConfig(Settings):
         "every lookup until then checks and saves its rows: on a 2-core VM the steps after a "
         "2 GiB full ran 30-90% slower for seconds); off: copy in the stall. Copied in the "
         "stall anyway (logged) where a row may be written before its step's lookup (TorchRec's "
-        "semi-sync and prefetch pipelines); tables off the CPU, quantised states and bundles "
-        "are copied in the stall.",
+        "semi-sync and prefetch pipelines), with release=first_tier or bundle_bytes; tables "
+        "off the CPU and quantised states are copied in the stall. Your own writes to "
+        "embedding rows outside a step's lookup (a max-norm clamp, re-initialised rows) must "
+        "wait for the copy (flush() or wait_for(step)) or use off: until then they reach the "
+        "checkpoint just taken.",
     )
 
     @field_validator("spool_dir", mode="before")

@@ -237,7 +237,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
     print(
         f"{verb} {len(rep.deleted)} checkpoint(s) and {len(rep.orphans)} orphan(s): "
         f"{rep.files} files, {human(rep.bytes)}"
-        + (f"; kept {len(rep.kept)} because of damage (KEPT above)" if rep.kept else "")
+        + (
+            f"; kept {len(rep.kept)} because of damage or read errors (KEPT above)"
+            if rep.kept
+            else ""
+        )
     )
     if rep.grace_held or rep.grace_held_orphans:
         print(

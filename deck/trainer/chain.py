@@ -504,10 +504,15 @@ class ChainWriter:
         for (``staging.copy_on_write``: deltas, or all), released in memory, and safe for this
         model now (logged when it is not)."""
         mode = self.staging.copy_on_write
-        wanted = mode == "all" or (mode == "deltas" and not full)
-        if not wanted or self.staging.release != "in_memory" or not native_available():
+        if mode == "off" or (mode == "deltas" and full):
             return False
         why = self.adapter.rows_written_before_lookup()
+        if self.staging.release != "in_memory":
+            why = f"staging.release={self.staging.release!r} writes the rows in the stall"
+        elif self.staging.bundle_bytes:
+            why = "staging.bundle_bytes bundles chunks, which are filled in the stall"
+        elif not native_available():
+            why = "deck's native kernel (kernels/_native.c) is not built"
         if why != self._cow_refused:
             if why is not None:
                 logger.log(

@@ -601,7 +601,7 @@ def test_gc_read_error_on_a_takeover_deletes_nothing_the_plan_kept() -> None:
         m.store.read_faults = {"rank-0000": 1}
         rep = collect_garbage(m.store, m.policy)
         m.store.clear()
-        assert {0, 1} <= set(rep.retained_steps)
+        assert 0 in rep.retained_steps and 1 not in rep.retained_steps  # 1: kept, not vouched for
         assert any("could not be read" in why for _, why in rep.kept), rep.kept
         m.promised_and_restorable_steps_restore_bitwise()
         assert set(m.promised) == promised

@@ -9,6 +9,7 @@ comparisons below would fail. Nothing waits on time: the gate is opened by the t
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,7 @@ def _lookahead_job(rank: int, world_size: int, root: str) -> None:
     )
 
     model, dense = _build(seed=0)
-    it = _batches(rank, 1, 2 * STEPS)
+    it = _batches(rank, 1, 2 * STEPS + 4)
     ebc = model.module.get_submodule("model.sparse_arch.embedding_bag_collection")
     seen = []
     with deck.enable(
@@ -299,6 +300,25 @@ def _lookahead_job(rank: int, world_size: int, root: str) -> None:
             assert h.copied_after == h.rows > 0, (name, h)
         else:
             assert h.copied_after == 0 and h.rows > 0, (name, h)
+    # Configurations that write the rows in the stall say so (once), on rank 0
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    chain_log = logging.getLogger("deck.trainer.chain")
+    chain_log.addHandler(handler)
+    chain_log.setLevel(logging.INFO)
+    for i, (staging, said) in enumerate(
+        [({"release": "first_tier"}, "release='first_tier'"), ({"bundle_bytes": 8 << 20}, "bundle")]
+    ):
+        cfg = deck.DeckConfig(uri=f"{root}/ck-{i}", delta_every_steps=1, staging=staging)
+        with deck.enable(model, [dense], cfg) as ck:
+            for s in range(3):
+                if s:
+                    _train(model, dense, it)
+                ck.step(s)
+            assert all(h.copied_after == 0 for h in ck.history), ck.history
+        told = [r.getMessage() for r in records if said in r.getMessage()]
+        assert len(told) == (1 if rank == 0 else 0), told  # rank 1 logs at DEBUG
 
 
 @pytest.mark.slow

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from deck.errors import DeckError, NotFoundError
+from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.manifest import (
     MANIFEST,
@@ -273,9 +273,20 @@ class _Collector:
         if bad:
             names = "; ".join(f"{self.graph.nodes[i].folder}: {p}" for i, p in sorted(bad.items()))
             for cid in sorted(set(first) - set(doomed) - set(bad)):
-                plan.held.setdefault(cid, f"what would replace it is damaged ({names})")
+                plan.held.setdefault(
+                    cid, f"what would replace it is damaged or unreadable ({names})"
+                )
+            # The first plan's steps whose every chain needs what was found bad are not retained
+            retained = {s for s in retained if self._has_chain(s, bad)}
         plan.retained_steps = sorted(retained)
         return plan, doomed
+
+    def _has_chain(self, step: int, bad: Mapping[str, str]) -> bool:
+        try:
+            self.graph.chain(step, exclude=bad)
+        except CheckpointNotFoundError:
+            return False
+        return True
 
     def _damage(
         self, m: CheckpointManifest, listing: set[str], *, checksums: bool = False
