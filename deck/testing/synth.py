@@ -10,7 +10,7 @@ into fresh tensors, so tests can compare restores bitwise with what was saved.
 
 from __future__ import annotations
 
-import secrets
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +99,16 @@ class SynthTrainer:
         chunk_bytes: int = 4096,
         seed: int = 0,
         bundle_bytes: int = 0,
+        id_seed: int | None = None,
     ):
         self.storage = storage
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
         self.bundle_bytes = bundle_bytes
         self.gen = torch.Generator().manual_seed(seed)
+        # Checkpoint ids: random, or from ``id_seed`` for a test that must see the same folders
+        # when it replays the same saves (Hypothesis replaying a state machine's example)
+        self.ids = random.Random(id_seed) if id_seed is not None else random.SystemRandom()
         self.shards = make_shards(world_size, seed=seed)
         self.touched: dict[str, set[int]] = {shard_key(s): set() for s in self.shards}
         self.parent: tuple[int, str] | None = None
@@ -135,7 +139,7 @@ class SynthTrainer:
         if self.parent is None:
             kind = "full"
         step = self.step
-        ckpt_id = secrets.token_hex(8)
+        ckpt_id = f"{self.ids.getrandbits(64):016x}"
         full = kind == "full"
         for rank in range(self.world_size):
             mine = [s for s in self.shards if s.track_base == rank]

@@ -175,7 +175,8 @@ class OperationsMachine(RuleBasedStateMachine):
         self.outside = _tree_digest(self.sandbox / "outside")
         self.local = LocalStorage(self.sandbox / "ck")
         self.store = Faults(self.local)
-        self.tr = SynthTrainer(self.store, chunk_bytes=4096)
+        # Ids from a seed: what a rule draws (a file to damage) must not depend on random names
+        self.tr = SynthTrainer(self.store, chunk_bytes=4096, id_seed=0)
         self.history: dict[str, State] = {}  # checkpoint id -> the state it saved
         self.promised: dict[int, str] = {}  # step -> id that must restore
         self.damaged: set[str] = set()  # ids whose files the machine damaged
