@@ -395,6 +395,43 @@ enum { GATHER_STATES = 16 };
 GATHER_LOOP(gather64, int64_t)
 GATHER_LOOP(gather32, int32_t)
 
+/* The (src, row_bytes, dst) items of `seq` (k of them, at most GATHER_STATES) of gather_rows
+ * and copy_once: src rows of row_bytes bytes each, dst writable. Sets *parsed to how many hold
+ * buffers (release them with release_states, whatever the outcome), *n to the fewest rows of
+ * any src and *rows_out to the fewest of any dst. Returns 0 with an exception set when an item
+ * is malformed. */
+static int parse_states(PyObject *seq, const Py_ssize_t k, const char *bad, Py_buffer *src_b,
+                        Py_ssize_t *row_bytes, Py_buffer *dst_b, Py_ssize_t *parsed, int64_t *n,
+                        int64_t *rows_out)
+{
+    *n = *rows_out = INT64_MAX;
+    for (*parsed = 0; *parsed < k; ++*parsed) {
+        const Py_ssize_t s = *parsed;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, s);
+        if (!PyArg_ParseTuple(item, "y*nw*", &src_b[s], &row_bytes[s], &dst_b[s]))
+            return 0;
+        const Py_ssize_t rb = row_bytes[s];
+        if (rb <= 0 || src_b[s].len % rb) {
+            ++*parsed;
+            PyErr_SetString(PyExc_ValueError, bad);
+            return 0;
+        }
+        if (src_b[s].len / rb < *n)
+            *n = src_b[s].len / rb;
+        if (dst_b[s].len / rb < *rows_out)
+            *rows_out = dst_b[s].len / rb;
+    }
+    return 1;
+}
+
+static void release_states(Py_buffer *src_b, Py_buffer *dst_b, const Py_ssize_t parsed)
+{
+    for (Py_ssize_t s = 0; s < parsed; ++s) {
+        PyBuffer_Release(&src_b[s]);
+        PyBuffer_Release(&dst_b[s]);
+    }
+}
+
 /* gather_rows(ids, states, width=8, base=0): the snapshot's copy, for every (src, row_bytes, dst)
  * in `states` dst row i = src row ids[i] - base, in one pass over ids (the misses of every
  * state's next rows are issued together, GATHER_AHEAD rows ahead).
@@ -424,19 +461,13 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
         goto done;
     }
     const int64_t m = ids_b.len / width;
-    int64_t n = INT64_MAX;
-    for (; parsed < k; ++parsed) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, parsed);
-        if (!PyArg_ParseTuple(item, "y*nw*", &src_b[parsed], &row_bytes[parsed], &dst_b[parsed]))
-            goto done;
-        const Py_ssize_t rb = row_bytes[parsed];
-        if (rb <= 0 || src_b[parsed].len % rb || dst_b[parsed].len / rb < m) {
-            ++parsed;
-            PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
-            goto done;
-        }
-        if (src_b[parsed].len / rb < n)
-            n = src_b[parsed].len / rb;
+    int64_t n, rows_out;
+    if (!parse_states(seq, k, "gather_rows: inconsistent arguments", src_b, row_bytes, dst_b,
+                      &parsed, &n, &rows_out))
+        goto done;
+    if (rows_out < m) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: inconsistent arguments");
+        goto done;
     }
     int ok;
     Py_BEGIN_ALLOW_THREADS
@@ -456,10 +487,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args)
     }
     result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t s = 0; s < parsed; ++s) {
-        PyBuffer_Release(&src_b[s]);
-        PyBuffer_Release(&dst_b[s]);
-    }
+    release_states(src_b, dst_b, parsed);
     Py_XDECREF(seq);
     PyBuffer_Release(&ids_b);
     return result;
@@ -565,22 +593,10 @@ static PyObject *copy_once(PyObject *self, PyObject *args)
         if (i == 0 || slots[i] > hi)
             hi = slots[i];
     }
-    int64_t n = INT64_MAX, rows_out = INT64_MAX;
-    for (; parsed < k; ++parsed) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, parsed);
-        if (!PyArg_ParseTuple(item, "y*nw*", &src_b[parsed], &row_bytes[parsed], &dst_b[parsed]))
-            goto done;
-        const Py_ssize_t rb = row_bytes[parsed];
-        if (rb <= 0 || src_b[parsed].len % rb) {
-            ++parsed;
-            PyErr_SetString(PyExc_ValueError, "copy_once: inconsistent arguments");
-            goto done;
-        }
-        if (src_b[parsed].len / rb < n)
-            n = src_b[parsed].len / rb;
-        if (dst_b[parsed].len / rb < rows_out)
-            rows_out = dst_b[parsed].len / rb;
-    }
+    int64_t n, rows_out;
+    if (!parse_states(seq, k, "copy_once: inconsistent arguments", src_b, row_bytes, dst_b,
+                      &parsed, &n, &rows_out))
+        goto done;
     if (m > 0 && (lo < slot0 || hi >= f || hi - slot0 >= rows_out)) {
         PyErr_SetString(PyExc_IndexError, "copy_once: a slot is outside the flags or a dst");
         goto done;
@@ -606,10 +622,7 @@ static PyObject *copy_once(PyObject *self, PyObject *args)
     }
     result = PyLong_FromLongLong((long long)copied);
 done:
-    for (Py_ssize_t s = 0; s < parsed; ++s) {
-        PyBuffer_Release(&src_b[s]);
-        PyBuffer_Release(&dst_b[s]);
-    }
+    release_states(src_b, dst_b, parsed);
     Py_XDECREF(seq);
     PyBuffer_Release(&ids_b);
     PyBuffer_Release(&flags_b);

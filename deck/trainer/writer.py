@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -223,7 +223,6 @@ class RankPartWriter:
         encoded = self._encoded(shard)
         segs, per_chunk = self._chunking(shard, encoded)
         chunks: list[Later[ChunkRecord]] = []
-        folder = f"{self.part}/{table_dir(shard.table)}"
         # A delta of CPU tables: the states are checked once here, each chunk is one native copy
         sources = (
             row_sources(list(shard.states.values()))
@@ -237,13 +236,7 @@ class RankPartWriter:
         if deferred is not None:
             return self._defer_shard(shard, rows, full, base, segs, per_chunk, deferred)
         picked = None if sources is None or rows is None else rows.numpy()
-        whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
-        for i, start in enumerate(range(0, n, per_chunk)):
-            stop = min(n, start + per_chunk)
-            layout = whole if stop - start == per_chunk else ChunkLayout(stop - start, segs)
-            pad_to = None if stop == n else self.chunk_bytes
-            nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
-            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
+        for start, stop, layout, pad_to, nbytes, rel in self._chunks(shard, n, segs, per_chunk):
             offset = None
             buf: Buffer
             if self.bundle_bytes:
@@ -273,6 +266,25 @@ class RankPartWriter:
         self.encoded_any |= bool(encoded) and n > 0
         self.rows_written += n
         return functools.partial(_shard_record, shard, full, chunks)
+
+    def _chunks(
+        self,
+        shard: TableShard,
+        n: int,
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        per_chunk: int,
+    ) -> Iterator[tuple[int, int, ChunkLayout, int | None, int, str]]:
+        """Each chunk of ``n`` rows of ``shard``: its rows ``[start, stop)``, layout, the size
+        it is padded to (None: the last, padded to a page), its bytes and its path."""
+        folder = f"{self.part}/{table_dir(shard.table)}"
+        whole = ChunkLayout(per_chunk, segs)  # every chunk's but the last
+        for i, start in enumerate(range(0, n, per_chunk)):
+            stop = min(n, start + per_chunk)
+            layout = whole if stop - start == per_chunk else ChunkLayout(stop - start, segs)
+            pad_to = None if stop == n else self.chunk_bytes
+            nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
+            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
+            yield start, stop, layout, pad_to, nbytes, rel
 
     def _deferrable(
         self,
@@ -306,14 +318,8 @@ class RankPartWriter:
         assert self.deferred is not None
         n = shard.rows if rows is None else int(rows.numel())
         picked = None if rows is None else rows.numpy()
-        folder = f"{self.part}/{table_dir(shard.table)}"
         chunks: list[Later[ChunkRecord]] = []
-        for i, start in enumerate(range(0, n, per_chunk)):
-            stop = min(n, start + per_chunk)
-            layout = ChunkLayout(stop - start, segs)
-            pad_to = None if stop == n else self.chunk_bytes
-            nbytes = layout.nbytes if pad_to is None else max(pad_to, layout.nbytes)
-            rel = f"{folder}/c{shard.col_offset}-r{shard.row_offset}-{i:06d}.chunk"
+        for start, stop, layout, pad_to, nbytes, rel in self._chunks(shard, n, segs, per_chunk):
             filled: list[Buffer] = []  # the buffer, once the copy took one
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_filled_record, filled, rel, layout, pad_to)
