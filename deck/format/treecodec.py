@@ -98,10 +98,58 @@ def capture(obj: Any, what: str) -> CapturedTree:
             "convert it to tensors, numbers, strings, lists or dicts"
         )
 
-    tree = walk(obj, what)
+    try:
+        tree = _walk_fast(obj, tensors, 0)
+    except _Unsupported:
+        tensors.clear()
+        tree = walk(obj, what)  # raises, naming the path
     if depth_exceeds(tree, MAX_TREE_DEPTH):
         raise _too_deep(what, what)
     return CapturedTree(tree, tensors)
+
+
+class _Unsupported(Exception):
+    """Something :func:`capture`'s fast walk does not take: the walk that names paths runs."""
+
+
+def _walk_fast(x: Any, tensors: dict[str, torch.Tensor], depth: int) -> Any:
+    """:func:`capture`'s walk without the paths its errors name (it runs in every checkpoint
+    stall: building every node's path cost more than the walk). Same result; raises
+    :class:`_Unsupported` wherever that walk raises."""
+    if depth > MAX_TREE_DEPTH:
+        raise _Unsupported
+    depth += 1
+    if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+            raise _Unsupported
+        key = f"t{len(tensors)}"
+        t = x.detach()
+        tensors[key] = (t if t.device.type == "cpu" else t.cpu()).clone(
+            memory_format=torch.contiguous_format
+        )
+        return {"__tensor__": key}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, bytes):
+        return {"__bytes__": base64.b64encode(x).decode()}
+    # Leaves inline (most nodes are numbers): a call per node is most of the walk's cost
+    if isinstance(x, tuple):
+        return {
+            "__tuple__": [v if type(v) in _LEAVES else _walk_fast(v, tensors, depth) for v in x]
+        }
+    if isinstance(x, list):
+        return [v if type(v) in _LEAVES else _walk_fast(v, tensors, depth) for v in x]
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if type(k) is not str or k.startswith("__"):
+                raise _Unsupported  # keys the JSON tree tags: the walk that names paths does it
+            out[k] = v if type(v) in _LEAVES else _walk_fast(v, tensors, depth)
+        return out
+    raise _Unsupported
+
+
+_LEAVES = frozenset({type(None), bool, int, float, str})
 
 
 def _too_deep(what: str, path: str) -> UnsupportedError:

@@ -64,7 +64,7 @@ from deck.trainer.cow import DeferredCopy
 from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
 from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
-from deck.trainer.tracker import ReadToken, TrackerStore
+from deck.trainer.tracker import ClaimedSpan, ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
 
 _DIGEST_BITS = (1 << 52) - 1  # votes travel as float64: exact below 2**53
@@ -446,11 +446,27 @@ class ChainWriter:
             shards = self.adapter.table_shards()
             partial = [sh for sh in shards if not (full or sh.full_only)]
             spans = [(sh.track_base, sh.track_base + sh.rows) for sh in partial]
-            # The claim's positions, read in place (no relative copy: fresh pages in the stall)
-            rows = dict(zip(map(id, partial), self.tracker.claimed_in(token, spans), strict=True))
+            deferred = self._copy_on_write(full)
+            claimed: list[torch.Tensor] | list[ClaimedSpan]
+            if deferred:
+                # Counted, not sorted: the copy finds the rows after the stall
+                counts_in = token.counts_in(spans)
+                claimed = [
+                    ClaimedSpan(token, *sp, n) for sp, n in zip(spans, counts_in, strict=True)
+                ]
+            else:
+                # The claim's positions, read in place (no relative copy: fresh pages in the stall)
+                claimed = token.rows_in(spans)
+            rows: dict[int, torch.Tensor | ClaimedSpan] = dict(
+                zip(map(id, partial), claimed, strict=True)
+            )
             selected = [rows.get(id(sh)) for sh in shards]
             counts = [
-                sh.rows if sel is None else int(sel.numel())
+                sh.rows
+                if sel is None
+                else sel.count
+                if isinstance(sel, ClaimedSpan)
+                else int(sel.numel())
                 for sh, sel in zip(shards, selected, strict=True)
             ]
             estimate = sum(n * sh.row_bytes() for sh, n in zip(shards, counts, strict=True))
@@ -471,7 +487,7 @@ class ChainWriter:
             snap.pool_capped = self.stager.size_pool(
                 snap.staged, writer.buffers_needed(shards, counts), full
             )
-            if self._copy_on_write(full):
+            if deferred:
                 snap.deferred = DeferredCopy(snap.staged.buffer, self.stager.pool.release)
                 writer.deferred = snap.deferred
             order = {id(sh): i for i, sh in enumerate(shards)}

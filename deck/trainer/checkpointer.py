@@ -138,7 +138,11 @@ class DeltaCheckpointer:
         self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
         self._use(optimizers, state)
         shards = self.adapter.table_shards()
-        self.tracker = TrackerStore(sum(s.rows for s in shards), config.tracking_consumers)
+        self.tracker = TrackerStore(
+            sum(s.rows for s in shards),
+            config.tracking_consumers,
+            starts=[s.track_base for s in shards],
+        )
         self._paused = 0
         self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
         return shards

@@ -45,6 +45,19 @@ from deck.kernels.gather import RowSource, copy_once
 FILL_GATE: threading.Event | None = None
 
 
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows ``[start, stop)`` of the ascending positions ``source()`` returns: a delta's claim,
+    whose positions the copy finds after the stall (sorting them there, not in it)."""
+
+    source: Callable[[], np.ndarray]
+    start: int
+    stop: int
+
+    def get(self) -> np.ndarray:
+        return self.source()[self.start : self.stop]
+
+
 @dataclass
 class _Chunk:
     """One chunk's deferred rows: ``rows`` (tracker positions, ascending: a delta's claim) or
@@ -52,7 +65,7 @@ class _Chunk:
     ``base``; their slots in the part are ``slot0 ..``."""
 
     slot0: int
-    rows: np.ndarray | tuple[int, int]
+    rows: RowSlice | tuple[int, int]
     base: int
     id_offset: int  # a row's id in the chunk: its position + id_offset
     sources: list[RowSource]
@@ -66,13 +79,15 @@ class _Chunk:
 
     @property
     def count(self) -> int:
-        return self.rows[1] if isinstance(self.rows, tuple) else len(self.rows)
+        if isinstance(self.rows, tuple):
+            return self.rows[1]
+        return self.rows.stop - self.rows.start
 
     def positions(self) -> np.ndarray:
         if isinstance(self.rows, tuple):
             first, count = self.rows
             return np.arange(first, first + count, dtype=np.int64)
-        return self.rows
+        return self.rows.get()
 
     def fill(self, flags: np.ndarray) -> None:
         """Copy every row not copied yet (by a lookup) into the chunk's buffer."""
@@ -124,15 +139,15 @@ class DeferredCopy:
     # ---- the stall: what goes where ----------------------------------------------------------
     def add_chunk(
         self,
-        rows: np.ndarray | tuple[int, int],
+        rows: RowSlice | tuple[int, int],
         base: int,
         id_offset: int,
         sources: list[RowSource],
         segments: Callable[[Buffer], tuple[np.ndarray, list[memoryview]]],
         hand: Callable[[Buffer], None],
     ) -> None:
-        """Rows ``rows`` (tracker positions, ascending, a view is kept; or ``(first, count)``:
-        every position from ``first``) of a shard whose first row is at position ``base`` go
+        """Rows ``rows`` (tracker positions, ascending, found when first needed; or
+        ``(first, count)``: every position from ``first``) of a shard whose first row is at position ``base`` go
         to a buffer's ``segments(buf)`` after the stall, then ``hand(buf)``."""
         chunk = _Chunk(self.rows, rows, base, id_offset, sources, segments, hand)
         self._chunks.append(chunk)

@@ -54,15 +54,20 @@ JOURNAL_FRACTION = 8
 
 class RowJournal:
     """The rows that became pending for one consumer since its last claim: each once, unsorted
-    (exactly the rows whose byte has the consumer's bit).
+    (exactly the rows whose byte has the consumer's bit), and how many lie in each span of the
+    tracker (``starts``: each span's first position, ascending, from 0).
 
-    One growing array of ``dtype`` (int32 below 2**31 rows: half the bytes to sort and clear in
-    the stall), filled as compactions add rows: a claim sorts it in place, copying nothing.
+    One growing array of ``dtype`` (int32 below 2**31 rows: half the bytes to sort and clear),
+    filled as compactions add rows; a claim takes it as it is, copying nothing.
     """
 
-    def __init__(self, dtype: type[np.signedinteger], capacity: int = 1 << 12) -> None:
+    def __init__(
+        self, dtype: type[np.signedinteger], starts: np.ndarray, capacity: int = 1 << 12
+    ) -> None:
         self._rows = np.empty(capacity, dtype)
         self.rows = 0
+        self._starts = starts
+        self._counts = np.zeros(len(starts), np.int64)
 
     def add(self, rows: np.ndarray) -> None:
         end = self.rows + len(rows)
@@ -72,28 +77,114 @@ class RowJournal:
             self._rows = grown
         self._rows[self.rows : end] = rows
         self.rows = end
+        # Counted as they come (a few thousand rows a step), so a claim knows each span's rows
+        # without sorting them in the checkpoint stall
+        if len(self._starts) == 1:
+            self._counts[0] += len(rows)
+        else:
+            spans = np.searchsorted(self._starts, rows, side="right") - 1
+            self._counts += np.bincount(spans, minlength=len(self._starts))
 
     def nbytes(self) -> int:
         """Bytes of the journaled rows."""
         return self.rows * self._rows.itemsize
 
-    def take(self) -> np.ndarray:
-        """Every journaled row, ascending; the journal is empty after, with room for as many
-        rows again (its pages are faulted in by the compactions that fill it, not the claim)."""
-        rows = self._rows[: self.rows]
-        rows.sort()  # in place: a sorted copy would fault in another array's pages in the stall
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every journaled row (unsorted) and the count per span; the journal is empty after,
+        with room for as many rows again (its pages are faulted in by the compactions that fill
+        it, not the claim)."""
+        rows, counts = self._rows[: self.rows], self._counts
         self._rows = np.empty(max(len(rows) + len(rows) // 4, 1 << 12), rows.dtype)
         self.rows = 0
-        return rows
+        self._counts = np.zeros(len(self._starts), np.int64)
+        return rows, counts
+
+
+class ReadToken:
+    """An open read of ``consumer``: the claimed flat positions (int32 when claimed from a
+    journal of a map under 2**31 rows, else int64).
+
+    A claim from a journal is not sorted in the checkpoint stall: :attr:`rows` sorts a copy on
+    first use, from whichever thread asks first (a copy-on-write snapshot asks from its
+    background copy), and :meth:`counts_in` answers from the counts the journal kept.
+    """
+
+    def __init__(
+        self,
+        consumer: str,
+        claimed: torch.Tensor,
+        limit: int,
+        span_counts: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.claimed = claimed  # as claimed: ascending unless ``span_counts`` is given
+        self._limit = limit  # the tracker's rows: every position lies below
+        self._span_counts = span_counts  # (each span's first position, its claimed rows)
+        self._sorted = None if span_counts is not None else claimed
+        self._lock = threading.Lock()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The claimed positions, ascending (sorted once, on first use; never in place, so the
+        tracker may clear or journal :attr:`claimed` again meanwhile)."""
+        if self._sorted is None:
+            with self._lock:
+                if self._sorted is None:
+                    self._sorted = torch.from_numpy(np.sort(self.claimed.numpy()))
+        return self._sorted
+
+    def rows_in(self, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The claimed positions (ascending, not relative) in each ``(start, stop)`` of
+        ``spans``: views of :attr:`rows` (one search for all), copying nothing, so a snapshot
+        reads them in place."""
+        if not spans:
+            return []
+        rows = self.rows
+        bounds = [min(b, self._limit) for span in spans for b in span]  # rows lie below
+        if rows.device.type == "cpu":  # numpy: a fraction of torch's per-call cost (in the stall)
+            flat = rows.numpy()
+            # Bounds of the rows' own dtype: others would make numpy search a converted copy
+            cut = np.searchsorted(flat, np.array(bounds, dtype=flat.dtype)).tolist()
+        else:
+            cut = torch.searchsorted(rows, torch.tensor(bounds, device=rows.device)).tolist()
+        return [rows[cut[2 * i] : cut[2 * i + 1]] for i in range(len(spans))]
+
+    def counts_in(self, spans: list[tuple[int, int]]) -> list[int]:
+        """How many claimed positions lie in each ``(start, stop)`` of ``spans``: from the
+        journal's counts when every span is a run of the tracker's spans (without sorting),
+        else by :meth:`rows_in`."""
+        if self._span_counts is not None:
+            starts, counts = self._span_counts
+            # Span k of the tracker is [starts[k], starts[k + 1]); ``below[k]``: rows before it
+            at = {e: k for k, e in enumerate([*starts.tolist(), self._limit])}
+            below = [0, *np.cumsum(counts).tolist()]
+            out = []
+            for a, b in spans:
+                b = min(b, self._limit)
+                if a >= b:
+                    out.append(0)
+                elif a in at and b in at:
+                    out.append(below[at[b]] - below[at[a]])
+                else:
+                    break
+            else:
+                return out
+        return [int(r.numel()) for r in self.rows_in(spans)]
 
 
 @dataclass(frozen=True)
-class ReadToken:
-    """An open read: ``rows`` are the claimed flat positions (ascending; int32 when claimed from
-    a journal of a map under 2**31 rows, else int64)."""
+class ClaimedSpan:
+    """The positions a read claimed in ``[start, stop)``: how many is known at once
+    (:meth:`ReadToken.counts_in`); which, on first use of :meth:`rows` (sorting the claim then)."""
 
-    consumer: str
-    rows: torch.Tensor
+    token: ReadToken
+    start: int
+    stop: int
+    count: int
+
+    def rows(self) -> torch.Tensor:
+        """The claimed positions in the span, ascending (a view of the sorted claim)."""
+        return self.token.rows_in([(self.start, self.stop)])[0]
 
 
 class TrackerStore:
@@ -105,7 +196,10 @@ class TrackerStore:
         consumers: tuple[str, ...],
         device: torch.device | None = None,
         journal_cap: int | None = None,
+        starts: list[int] | None = None,
     ):
+        """``starts``: the first position of each span the checkpoints ask about (the tracked
+        shards, back to back; default one span): each journal counts its rows per span."""
         if not consumers or len(consumers) > MAX_CONSUMERS:
             raise ConfigError(
                 f"the tracker supports 1 to {MAX_CONSUMERS} consumers, got {list(consumers)}"
@@ -117,6 +211,8 @@ class TrackerStore:
         self._pending: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._journaling = journaling_available(self._dirty)
+        # (A span starting at or past the end is empty: counts_in answers it without counts)
+        self._starts = np.array(sorted({0, *(x for x in starts or () if 0 < x < num_rows)}))
         self._journal_cap = (
             max(JOURNAL_MIN_CAP, num_rows // JOURNAL_FRACTION)
             if journal_cap is None
@@ -147,7 +243,9 @@ class TrackerStore:
     def _new_journal(self) -> RowJournal | None:
         if not self._journaling:
             return None
-        return RowJournal(np.int32 if self.num_rows <= np.iinfo(np.int32).max else np.int64)
+        return RowJournal(
+            np.int32 if self.num_rows <= np.iinfo(np.int32).max else np.int64, self._starts
+        )
 
     def _journal(self, consumer: str, rows: np.ndarray) -> None:
         """Add ``rows`` (newly pending for ``consumer``) to its journal, or drop the journal
@@ -211,10 +309,14 @@ class TrackerStore:
             if journal is None:
                 rows = claim_marked_rows(self._dirty, self._blocks, bit)
                 self._journals[consumer] = self._new_journal()  # no row has the bit now
-                return ReadToken(consumer, rows)
+                return ReadToken(consumer, rows, self.num_rows)
             # The rows' bits are cleared by the next compaction (nothing marks or reads the map
-            # before it): 0.2-0.3 ms of random writes out of the stall.
-            token = ReadToken(consumer, torch.from_numpy(journal.take()))
+            # before it): 0.2-0.3 ms of random writes out of the stall. Nor are they sorted here
+            # (0.4-1 ms for a delta of 80-250k rows): ReadToken.rows does that when first asked.
+            rows, counts = journal.take()
+            token = ReadToken(
+                consumer, torch.from_numpy(rows), self.num_rows, (self._starts, counts)
+            )
             self._uncleared[consumer] = token
         return token
 
@@ -224,7 +326,7 @@ class TrackerStore:
         reads, self._uncleared = self._uncleared, {}
         for token in reads.values():
             lacking = clear_rows(
-                self._dirty, self._blocks, token.rows.numpy(), self._bits[token.consumer]
+                self._dirty, self._blocks, token.claimed.numpy(), self._bits[token.consumer]
             )
             if lacking:
                 raise DeckError(
@@ -238,19 +340,8 @@ class TrackerStore:
 
     def claimed_in(self, token: ReadToken, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
         """The claimed positions (ascending, not relative) in each ``(start, stop)`` of
-        ``spans``: views of ``token.rows`` (one search for all), copying nothing, so a snapshot
-        reads them in place."""
-        if not spans:
-            return []
-        rows = token.rows
-        bounds = [min(b, self.num_rows) for span in spans for b in span]  # rows lie below
-        if rows.device.type == "cpu":  # numpy: a fraction of torch's per-call cost (in the stall)
-            flat = rows.numpy()
-            # Bounds of the rows' own dtype: others would make numpy search a converted copy
-            cut = np.searchsorted(flat, np.array(bounds, dtype=flat.dtype)).tolist()
-        else:
-            cut = torch.searchsorted(rows, torch.tensor(bounds, device=rows.device)).tolist()
-        return [rows[cut[2 * i] : cut[2 * i + 1]] for i in range(len(spans))]
+        ``spans``: :meth:`ReadToken.rows_in`."""
+        return token.rows_in(spans)
 
     def commit(self, token: ReadToken) -> None:
         """The read was saved durably: its rows are no longer pending for its consumer."""
@@ -262,15 +353,16 @@ class TrackerStore:
             if self._uncleared.get(token.consumer) is token:
                 # Its rows still have the bit and are in no journal: journal them again.
                 del self._uncleared[token.consumer]
-                self._journal(token.consumer, token.rows.numpy())
+                self._journal(token.consumer, token.claimed.numpy())
                 return
             if self._journaling:
                 # Rows touched again since the claim are journaled already.
-                lacked, _ = mark_rows(self._dirty, self._blocks, token.rows, bit)
+                lacked, _ = mark_rows(self._dirty, self._blocks, token.claimed, bit)
                 self._journal(token.consumer, lacked)
                 return
-            self._dirty.index_put_((token.rows,), self._dirty[token.rows] | bit)
-            blocks = block_of(token.rows)
+            rows = token.claimed
+            self._dirty.index_put_((rows,), self._dirty[rows] | bit)
+            blocks = block_of(rows)
             self._blocks.index_put_((blocks,), self._blocks[blocks] | bit)
 
     def reset(self) -> None:

@@ -55,7 +55,8 @@ from deck.kernels.bloom import bloom_fill
 from deck.kernels.gather import RowSource, gather_into, gather_rows, row_sources
 from deck.model import TableShard
 from deck.storage import Storage
-from deck.trainer.cow import DeferredCopy
+from deck.trainer.cow import DeferredCopy, RowSlice
+from deck.trainer.tracker import ClaimedSpan
 
 DENSE_FILE = "dense.safetensors"
 EXTRA_FILE = "extra.safetensors"
@@ -208,10 +209,14 @@ class RankPartWriter:
         return rec
 
     def write_shard(
-        self, shard: TableShard, rows: torch.Tensor | None, full: bool, base: int = 0
+        self,
+        shard: TableShard,
+        rows: torch.Tensor | ClaimedSpan | None,
+        full: bool,
+        base: int = 0,
     ) -> Callable[[], ShardRecord]:
-        """Copy ``rows`` (ascending row indices plus ``base``, int64 or int32; None = all rows)
-        of ``shard`` into chunks.
+        """Copy ``rows`` (ascending row indices plus ``base``, int64 or int32, or a claim's span
+        of them; None = all rows) of ``shard`` into chunks.
 
         Rows are gathered straight into a sink buffer, one chunk at a time, so memory is the
         sink's buffers whatever the table size. Every chunk but the last is exactly
@@ -219,22 +224,24 @@ class RankPartWriter:
         shard's record once its chunks are written (their records are made by the sink's
         writing thread).
         """
-        n = shard.rows if rows is None else int(rows.numel())
         encoded = self._encoded(shard)
         segs, per_chunk = self._chunking(shard, encoded)
+        deferred = self._deferrable(shard, rows, encoded)
+        if deferred is not None:
+            return self._defer_shard(shard, rows, full, base, segs, per_chunk, deferred)
+        if isinstance(rows, ClaimedSpan):
+            rows = rows.rows()  # copied now: its positions now
+        n = shard.rows if rows is None else int(rows.numel())
         chunks: list[Later[ChunkRecord]] = []
         # A delta of CPU tables: the states are checked once here, each chunk is one native copy
         sources = (
-            row_sources(list(shard.states.values()))
+            _row_sources(shard)
             if rows is not None
             and rows.device.type == "cpu"
             and rows.dtype in (torch.int32, torch.int64)
             and not encoded
             else None
         )
-        deferred = self._deferrable(shard, rows, encoded)
-        if deferred is not None:
-            return self._defer_shard(shard, rows, full, base, segs, per_chunk, deferred)
         picked = None if sources is None or rows is None else rows.numpy()
         for start, stop, layout, pad_to, nbytes, rel in self._chunks(shard, n, segs, per_chunk):
             offset = None
@@ -289,7 +296,7 @@ class RankPartWriter:
     def _deferrable(
         self,
         shard: TableShard,
-        rows: torch.Tensor | None,
+        rows: torch.Tensor | ClaimedSpan | None,
         encoded: dict[str, tuple[Encoding, torch.dtype]],
     ) -> list[RowSource] | None:
         """The checked states of ``shard`` when its rows are copied after the stall
@@ -297,16 +304,16 @@ class RankPartWriter:
         tables the native kernel copies, unquantised, without bundles; else None."""
         if self.deferred is None or self.bundle_bytes or shard.full_only or encoded:
             return None
-        if rows is not None and (
+        if isinstance(rows, torch.Tensor) and (
             rows.device.type != "cpu" or rows.dtype not in (torch.int32, torch.int64)
         ):
             return None
-        return row_sources(list(shard.states.values()))
+        return _row_sources(shard)
 
     def _defer_shard(
         self,
         shard: TableShard,
-        rows: torch.Tensor | None,
+        rows: torch.Tensor | ClaimedSpan | None,
         full: bool,
         base: int,
         segs: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -314,10 +321,16 @@ class RankPartWriter:
         sources: list[RowSource],
     ) -> Callable[[], ShardRecord]:
         """:meth:`write_shard` of a shard whose rows the deferred copy fills: chunk by chunk,
-        what goes where and how each is handed over once filled; no buffer is taken here."""
+        what goes where and how each is handed over once filled; no buffer is taken here (nor,
+        for a claim's span, are its positions sorted here: the copy finds them)."""
         assert self.deferred is not None
-        n = shard.rows if rows is None else int(rows.numel())
-        picked = None if rows is None else rows.numpy()
+        picked: Callable[[], np.ndarray] | None = None
+        if isinstance(rows, ClaimedSpan):
+            n, picked = rows.count, functools.cache(lambda: rows.rows().numpy())
+        elif rows is not None:
+            n, picked = int(rows.numel()), functools.partial(rows.numpy)
+        else:
+            n = shard.rows
         chunks: list[Later[ChunkRecord]] = []
         for start, stop, layout, pad_to, nbytes, rel in self._chunks(shard, n, segs, per_chunk):
             filled: list[Buffer] = []  # the buffer, once the copy took one
@@ -325,7 +338,9 @@ class RankPartWriter:
                 functools.partial(_filled_record, filled, rel, layout, pad_to)
             )
             self.deferred.add_chunk(
-                picked[start:stop] if picked is not None else (base + start, stop - start),
+                RowSlice(picked, start, stop)
+                if picked is not None
+                else (base + start, stop - start),
                 base,
                 shard.row_offset - base,
                 sources,
@@ -405,7 +420,7 @@ class RankPartWriter:
     def write_part(
         self,
         shards: list[TableShard],
-        rows_for: Callable[[TableShard], torch.Tensor | None],
+        rows_for: Callable[[TableShard], torch.Tensor | ClaimedSpan | None],
         dense: dict[str, torch.Tensor] | None,
         extra: dict[str, Any],
         flat: bool = False,
@@ -448,6 +463,14 @@ class RankPartWriter:
 
         failpoint("writer.part.before_manifest")
         return self.sink.finish_part(build)
+
+
+def _row_sources(shard: TableShard) -> list[RowSource] | None:
+    """:func:`row_sources` of ``shard``'s states, checked once per shard object (tens of
+    microseconds per shard in every checkpoint stall otherwise)."""
+    if "row_sources" not in shard.memo:
+        shard.memo["row_sources"] = row_sources(list(shard.states.values()))
+    return shard.memo["row_sources"]  # type: ignore[no-any-return]
 
 
 def _chunk_record(

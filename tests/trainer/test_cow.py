@@ -23,7 +23,7 @@ import deck
 import deck.trainer.cow as cow
 from deck.demo import ModelSpec, capture_state, diff_states
 from deck.testing.dist_harness import run_ranks
-from deck.trainer.cow import DeferredCopy
+from deck.trainer.cow import DeferredCopy, RowSlice
 from tests.trainer.test_pipeline import _batches, _build, _loss, _pipeline
 
 
@@ -106,7 +106,7 @@ def _deferred(
     for i, start in enumerate(range(0, n, per_chunk)):
         count = min(per_chunk, n - start)
         d.add_chunk(
-            (start, count) if rows is None else rows[start : start + count],
+            (start, count) if rows is None else RowSlice(lambda: rows, start, start + count),
             0,
             0,
             sources,
@@ -178,7 +178,8 @@ def test_a_failed_copy_gives_back_the_buffer_it_held_and_stops_guarding() -> Non
     table = torch.randn(1000, 4)
     pool = _Buffers(50 * (8 + 16))
     d, handed = _deferred(table, np.arange(0, 1000, 3, dtype=np.int64), 50, pool)
-    d._chunks[3].rows = np.array([5000] * d._chunks[3].count, np.int64)  # outside the table
+    outside = np.array([5000] * d._chunks[3].count, np.int64)  # outside the table
+    d._chunks[3].rows = RowSlice(lambda: outside, 0, len(outside))
     closed: list[bool] = []
     with pytest.raises(IndexError):
         d.run(lambda: closed.append(True))
