@@ -70,7 +70,7 @@ class TableShard:
     # What a snapshot derives from ``states`` (their checked byte views): once per shard object,
     # which the adapter replaces when a tensor moves. Not an init field, so a replaced copy of
     # the shard starts empty.
-    memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def whole(cls, table: str, states: dict[str, torch.Tensor], **more: Any) -> TableShard:

@@ -277,6 +277,9 @@ class ChainWriter:
         # The rows are in the stager's hands: later deltas are relative to this snapshot. If the
         # part fails in the background, ``stager.take_failure()`` makes the next one a full.
         self.tracker.commit(token)
+        # Out of the training thread's next step: sorted (a copy-on-write part's copy needs
+        # that too), then the claimed rows' bits cleared in order
+        self.stager.aside(functools.partial(self._settle_claim, token))
         self.parent = (step, ckpt_id)
         if kind == "full":
             self.base = step
@@ -293,6 +296,15 @@ class ChainWriter:
             )
         )
         return stats
+
+    def _settle_claim(self, token: ReadToken) -> None:
+        """Background: sort a committed claim and clear its rows' bits (see above). A failure
+        is the tracker's internal check (its rows stay pending: the next delta saves more)."""
+        try:
+            _ = token.rows
+            self.tracker.clear_claimed()
+        except Exception:
+            logger.exception("deck: %s: clearing the claimed rows failed", self.label)
 
     def unsettle(self) -> None:
         """The next save agrees on its id and kind before its snapshot (as the first one of a

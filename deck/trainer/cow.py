@@ -28,7 +28,6 @@ buffer yet (at most the rows the steps update while the part is copied, each onc
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,8 +123,8 @@ class DeferredCopy:
         self._chunks: list[_Chunk] = []
         self.rows = 0
         self._flags = np.zeros(0, np.uint8)
-        self._sorted = np.zeros(0, np.int64)  # a delta's positions, ascending
-        self._slot_of = np.zeros(0, np.int64)  # ... and their slots
+        # A delta's rows per shard: (first position, last, its rows ascending, its first slot)
+        self._claims: list[tuple[int, int, np.ndarray, int]] = []
         self._spans = np.zeros((0, 3), np.int64)  # a full's (first position, count, slot0)
         self._starts = np.zeros(0, np.int64)  # each chunk's first slot
         self._has_buffer = np.zeros(0, bool)  # each chunk's: set under the lock
@@ -170,16 +169,19 @@ class DeferredCopy:
         self._open = True
 
     def _index(self) -> None:
-        """Build the index of a delta's positions (under the lock, once)."""
-        claimed = [c for c in self._chunks if not isinstance(c.rows, tuple) and c.count]
-        if claimed:
-            positions = np.concatenate([c.positions() for c in claimed])
-            slots = np.concatenate([np.arange(c.slot0, c.slot0 + c.count) for c in claimed])
-            # Each chunk's rows ascend; sort only when shards came out of order
-            if any(a.positions()[-1] >= b.positions()[0] for a, b in itertools.pairwise(claimed)):
-                order = np.argsort(positions, kind="stable")
-                positions, slots = positions[order], slots[order]
-            self._sorted, self._slot_of = positions, slots
+        """Find a delta's rows, shard by shard (under the lock, once): a shard's chunks are
+        consecutive slices of one ascending ``source()``, so its slots follow its rows and the
+        index is the rows themselves, nothing concatenated."""
+        shards: dict[int, tuple[Callable[[], np.ndarray], int]] = {}
+        for c in self._chunks:
+            if isinstance(c.rows, RowSlice):
+                shards.setdefault(id(c.rows.source), (c.rows.source, c.slot0 - c.rows.start))
+        claims = []
+        for source, slot0 in shards.values():
+            rows = source()
+            if len(rows):
+                claims.append((int(rows[0]), int(rows[-1]), rows, slot0))
+        self._claims = sorted(claims, key=lambda c: c[0])
         self._indexed = True
 
     # ---- after the stall ---------------------------------------------------------------------
@@ -189,11 +191,14 @@ class DeferredCopy:
         found = []
         pos = np.sort(pos)  # each once, in order: the search then walks the index in order
         pos = pos[np.concatenate(([True], pos[1:] != pos[:-1]))] if len(pos) else pos
-        if len(self._sorted):
-            at = np.searchsorted(self._sorted, pos.astype(self._sorted.dtype, copy=False))
-            at[at == len(self._sorted)] = 0
-            hit = self._sorted[at] == pos
-            found.append(np.stack([self._slot_of[at[hit]], pos[hit]]))
+        for lowest, highest, rows, rows_slot0 in self._claims:
+            lo, hi = np.searchsorted(pos, [lowest, highest + 1]).tolist()
+            if lo == hi:
+                continue
+            sub = pos[lo:hi]  # within the shard's rows: found below its last, or not at all
+            at = np.searchsorted(rows, sub.astype(rows.dtype, copy=False))
+            hit = rows[at] == sub
+            found.append(np.stack([rows_slot0 + at[hit], sub[hit]]))
         if len(self._spans):
             first, count, slot0 = self._spans.T
             k = np.searchsorted(first, pos, side="right") - 1
@@ -203,8 +208,11 @@ class DeferredCopy:
         if not found:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         both = np.concatenate(found, axis=1)
-        order = np.argsort(both[0], kind="stable")  # by slot: grouped by chunk
-        return both[0][order], both[1][order]
+        if (np.diff(both[0]) < 0).any():
+            # By slot, so grouped by chunk (a delta's slots follow its positions when its
+            # shards were written in the order of the tracker's positions: no sort then)
+            both = both[:, np.argsort(both[0], kind="stable")]
+        return both[0], both[1]
 
     def protect(self, positions: torch.Tensor) -> None:
         """Before the rows ``positions`` (tracker positions, int64, any order) are updated: every
@@ -224,18 +232,19 @@ class DeferredCopy:
         if not todo.any():
             return
         slots, pos = slots[todo], pos[todo]
+        # Ascending slots: the chunks (and their shards) come in runs, no grouping sort needed
         chunk_of = np.searchsorted(self._starts, slots, side="right") - 1
         with self._lock:
             if not self._open:
                 return
             # Chunks with a buffer (the one being copied, few): copy_once, racing the copy
             has = self._has_buffer[chunk_of]
-            for c in np.unique(chunk_of[has]).tolist():
-                mine = has & (chunk_of == c)
+            at = np.flatnonzero(has)
+            for c, lo, hi in _runs(chunk_of[at]):
                 ch = self._chunks[c]
-                rows = np.ascontiguousarray(pos[mine])
+                mine = at[lo:hi]
                 copy_once(
-                    rows,
+                    np.ascontiguousarray(pos[mine]),
                     ch.sources,
                     ch.outs or [],
                     self._flags,
@@ -245,14 +254,13 @@ class DeferredCopy:
                 )
             # No buffer yet (the copy touches no flag of such a chunk before it has one): saved
             # aside, one gather per shard for all its rows
-            aside = ~has
-            shard_of = self._shard_of[chunk_of]
-            for k in np.unique(shard_of[aside]).tolist():
-                mine = aside & (shard_of == k)
-                first = self._chunks[int(chunk_of[mine][0])]
+            at = np.flatnonzero(~has)
+            for _, lo, hi in _runs(self._shard_of[chunk_of[at]]):
+                mine = at[lo:hi]
+                first = self._chunks[int(chunk_of[mine[0]])]
                 local = pos[mine] - first.base
                 entry = (slots[mine], [src.reshape(-1, b)[local] for src, b in first.sources])
-                for c in np.unique(chunk_of[mine]).tolist():
+                for c, _, _ in _runs(chunk_of[mine]):
                     self._chunks[c].early.append(entry)
                 self._flags[slots[mine]] = 3
 
@@ -294,3 +302,11 @@ class DeferredCopy:
             was, self._open = self._open, False
         if was:
             done()
+
+
+def _runs(keys: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(key, start, stop)`` of each run of equal values of ``keys`` (non-decreasing)."""
+    if not len(keys):
+        return []
+    cut = (np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist()
+    return [(int(keys[a]), a, b) for a, b in zip([0, *cut], [*cut, len(keys)], strict=True)]

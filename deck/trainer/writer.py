@@ -356,7 +356,16 @@ class RankPartWriter:
     def _chunking(
         self, shard: TableShard, encoded: dict[str, tuple[Encoding, torch.dtype]]
     ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], int]:
-        """The segments of ``shard``'s chunks and how many rows one chunk holds."""
+        """The segments of ``shard``'s chunks and how many rows one chunk holds (worked out once
+        per shard object and configuration: it runs in the stall, twice per shard)."""
+        key = ("chunking", self.chunk_bytes, self.quantize)
+        if key not in shard.memo:
+            shard.memo[key] = self._work_out_chunking(shard, encoded)
+        return shard.memo[key]  # type: ignore[no-any-return]
+
+    def _work_out_chunking(
+        self, shard: TableShard, encoded: dict[str, tuple[Encoding, torch.dtype]]
+    ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], int]:
         segs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [("ids", torch.int64, ())]
         for k, t in shard.states.items():
             enc = encoded.get(k)

@@ -103,10 +103,11 @@ def _deferred(
     handed: list[tuple[int, bytearray]] = []
     d = DeferredCopy(pool.acquire, pool.released.append)
     n = len(table) if rows is None else len(rows)
+    source = lambda: rows  # noqa: E731  (one per shard, as the writer's)
     for i, start in enumerate(range(0, n, per_chunk)):
         count = min(per_chunk, n - start)
         d.add_chunk(
-            (start, count) if rows is None else RowSlice(lambda: rows, start, start + count),
+            (start, count) if rows is None else RowSlice(source, start, start + count),
             0,
             0,
             sources,

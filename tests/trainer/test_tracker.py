@@ -1,3 +1,6 @@
+import itertools
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -93,12 +96,47 @@ def test_many_reads_match_brute_force() -> None:
 def test_sparse_reads_through_the_block_summary_match_brute_force(
     cap: int | None, n: int, steps: list[tuple[list[int], str | None, bool]]
 ) -> None:
+    _sparse_reads(cap, n, steps, starts=None)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    cap=st.sampled_from([None, 0, 3]),
+    n=st.integers(2, 64 * 12 + 5),
+    cuts=st.lists(st.integers(0, 10**6), max_size=5),  # where spans start (mod n)
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 10**6), max_size=6),
+            st.sampled_from(["a", "b", None]),
+            st.booleans(),
+        ),
+        max_size=25,
+    ),
+)
+def test_span_counts_and_background_clears_match_brute_force(
+    cap: int | None, n: int, cuts: list[int], steps: list[tuple[list[int], str | None, bool]]
+) -> None:
+    # A claim answers how many rows each span holds from the journal's counts (no sort in the
+    # stall) and sorts only when asked; a committed claim's bits are cleared from another
+    # thread (as a checkpoint's background does), racing nothing here but checked the same.
+    _sparse_reads(cap, n, steps, starts=sorted({c % n for c in cuts}))
+
+
+def _sparse_reads(
+    cap: int | None,
+    n: int,
+    steps: list[tuple[list[int], str | None, bool]],
+    starts: list[int] | None,
+) -> None:
     # Few rows over many 64-row blocks: a claim reads only the summary's marked blocks, so a
     # block left unmarked by record, compact or abort would lose its rows here. A claim from a
     # journal reads neither map nor summary: a row missing from it (or journaled twice, or left
     # marked) would show here too, and so would a summary left stale by a journal claim once a
     # consumer's journal is dropped (cap) and its claim reads the map again.
-    store = TrackerStore(n, ("a", "b"), journal_cap=cap)
+    store = TrackerStore(n, ("a", "b"), journal_cap=cap, starts=starts)
+    edges = [0, *(starts or []), n]
+    # The tracker's own spans, runs of them, empty ones, and some across their edges
+    spans = [*itertools.pairwise(edges), (0, n), (edges[1], n), (n, n), (1, n - 1), (0, n + 7)]
     truth: dict[str, set[int]] = {"a": set(), "b": set()}
     for ids, reader, fails in steps:
         rows = [i % n for i in ids]
@@ -108,12 +146,20 @@ def test_sparse_reads_through_the_block_summary_match_brute_force(
         if reader is None:
             continue
         tok = store.begin_read(reader)
+        if starts is not None:
+            assert tok.counts_in(spans) == [
+                sum(a <= r < b for r in truth[reader]) for a, b in spans
+            ]
         assert store.touched(tok, 0, n).tolist() == sorted(truth[reader])
         if fails:
             store.abort(tok)
         else:
             store.commit(tok)
             truth[reader] = set()
+            if starts is not None:
+                clear = threading.Thread(target=store.clear_claimed)
+                clear.start()
+                clear.join()
     for c in truth:
         assert store.touched(store.begin_read(c), 0, n).tolist() == sorted(truth[c])
 
@@ -202,3 +248,20 @@ def test_claimed_rows_touched_again_before_the_next_compaction_stay_pending() ->
         assert store.begin_read("a").rows.tolist() == []
         # The other consumer's rows were never claimed: all of them, once.
         assert store.begin_read("b").rows.tolist() == [4, 8, 9, 500]
+
+
+def test_a_claim_from_the_journal_is_sorted_on_first_use_not_in_place() -> None:
+    # The stall takes the journal as it is; ReadToken.rows sorts a copy once (any thread), so
+    # a clear or an abort reading the claim meanwhile sees every row exactly once.
+    store = TrackerStore(1000, ("a",), starts=[0, 100, 600])
+    store.record(torch.tensor([700, 3, 650, 150, 3, 999]))
+    tok = store.begin_read("a")
+    assert tok.claimed.tolist() == [700, 3, 650, 150, 999]  # as journaled: not sorted
+    assert tok.counts_in([(0, 100), (100, 600), (600, 1000), (100, 1000)]) == [1, 1, 3, 4]
+    assert tok.claimed.tolist() == [700, 3, 650, 150, 999]  # counting sorted nothing
+    assert tok.rows.tolist() == [3, 150, 650, 700, 999]
+    assert tok.rows is tok.rows and tok.claimed.tolist() == [700, 3, 650, 150, 999]
+    assert tok.rows_as_ready().tolist() == [3, 150, 650, 700, 999]
+    assert tok.counts_in([(50, 700)]) == [2]  # not a run of spans: from the sorted rows
+    store.abort(tok)
+    assert store.begin_read("a").rows.tolist() == [3, 150, 650, 700, 999]
