@@ -14,9 +14,9 @@ same numbers, their min/max and the machine, then the command line that reproduc
   marked in ``--table-rows`` (most 64-row blocks marked: it reads the whole map) less that map
   term; ``b_summary`` from ``claim_marked_rows`` with ``--sparse-rows`` in ``--map-rows`` (few
   blocks marked: the summary pass) less the claimed rows' term; ``a_j`` from
-  ``TrackerStore.begin_read`` of ``--gather-rows`` journaled rows in ``--table-rows`` (the usual
-  claim: sort the journal in place; the next compaction clears those rows' bits, out of the
-  stall; no map term).
+  ``TrackerStore.begin_read`` of ``--gather-rows`` journaled rows in ``--table-rows`` and the
+  sort of its rows (the claim where rows are copied in the stall; with copy-on-write the sort
+  runs after it); the rows' bits are cleared out of the stall; no map term).
 - **checksum**: ``deck.format.checksum.checksum`` (xxh3-64) over a 64 MiB buffer.
 - **spool write**: ``deck.storage.local.write_new_file(..., fsync=True)`` of ``--files`` x 4 MiB
   page-aligned chunk files (O_DIRECT where the filesystem allows, as the stager's chunks) into a
@@ -216,7 +216,7 @@ def claim(r: Results, table_rows: int, delta: int, map_rows: int, sparse: int, r
         "claim from the journal, per claimed row",
         [statistics.median(journal_t) / n4 * 1e9],
         "ns/row",
-        f"TrackerStore.begin_read of {n4:,} rows journaled in {table_rows:,} (sort the journal; "
+        f"TrackerStore.begin_read of {n4:,} rows journaled in {table_rows:,} (take and sort the journal; "
         "the next compaction clears the rows; no map term): the usual claim while a delta is "
         "<= 1/8 of the rows",
     )
