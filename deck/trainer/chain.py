@@ -172,6 +172,7 @@ class ChainWriter:
     history: list[CheckpointStats] = field(default_factory=list)
     # The newest step this process saved (or restored) on this chain: steps only go forward.
     newest: int | None = None
+    newest_saved: bool = False  # whether ``newest`` was checkpointed (or restored), not skipped
     restored: int | None = None  # the step the last restore loaded
     flushed: int = 0  # entries of ``history`` a flush has reported on
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
@@ -188,18 +189,25 @@ class ChainWriter:
         part is staged (``staging.release``); None when skipped for a full spool. Raises
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
-        if self.newest is not None and step < self.newest:
+        newest = self.newest
+        if newest is not None and (step < newest or (step == newest and self.newest_saved)):
             # Caught here, not by the manifest's checks in the background (where it failed
-            # while flush() still said all was well).
+            # while flush() still said all was well, and took the next delta with it).
+            again = (
+                f" (step {step} itself is saved: a second checkpoint of a step, e.g. a final "
+                "save() right after step() took one, would be a delta of itself)"
+                if step == newest
+                else ""
+            )
             raise ConfigError(
                 f"{self.label} of step {step} at {self.storage.uri}: this process already "
-                f"{'restored' if self.newest == self.restored else 'checkpointed'} step "
-                f"{self.newest}, and steps only go forward; to go back, restore({step}) (or an "
+                f"{'restored' if newest == self.restored else 'checkpointed'} step "
+                f"{newest}, and steps only go forward{again}; to go back, restore({step}) (or an "
                 "older step) first"
             )
         with gc_paused(), self.stager.stall():
             stats = self._save(kind, step)
-        self.newest = step
+        self.newest, self.newest_saved = step, stats is not None
         return stats
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:

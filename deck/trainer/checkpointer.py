@@ -515,6 +515,7 @@ class DeltaCheckpointer:
             self._pub.epoch += 1
         self._ckpt.parent, self._ckpt.base, self._ckpt.epoch = done.parent, done.base, done.epoch
         self._ckpt.newest = self._ckpt.restored = done.step
+        self._ckpt.newest_saved = True
         if self._pub is not None:
             self._pub.newest = None  # a new epoch of the publish stream may go back in steps
         for chain in self._chains:

@@ -248,11 +248,19 @@ class Lease:
                 f"no epoch {self.epoch}, ours): this job commits nothing more, since another may "
                 "have started; restart it once no other trainer writes there"
             )
+        if epoch == self.epoch and held is None:
+            self.lost.set()
+            raise LeaseHeldError(
+                f"the writer lease record {self.storage.describe(lease_key(epoch))} (ours) is "
+                f"gone or unreadable: was {self.storage.uri} deleted or replaced while this job "
+                "ran? This job commits nothing more, since another trainer may write there now; "
+                "check the URI and restart the job (its first checkpoint is then a full)"
+            )
         if epoch != self.epoch or held is None or held.owner != self.owner:
             self.lost.set()
             who = f"owner {held.owner}, host {held.host}, pid {held.pid}" if held else "unknown"
             raise LeaseHeldError(
-                f"the writer lease of {self.storage.uri} was taken over (epoch {epoch} > ours "
+                f"the writer lease of {self.storage.uri} was taken over (epoch {epoch}, ours "
                 f"{self.epoch}; {who}): this job commits nothing more. Stop one of the two jobs"
             )
 

@@ -169,3 +169,26 @@ def test_export_reads_the_real_store_memory_mapped(
     assert chunks and chunks <= set(reads["map_file"])
     assert not chunks & set(later), later  # no chunk file read into bytes
     assert not [p for p in later if p in rank_manifests], later  # read once, at open
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "parquet"])
+def test_a_failed_export_leaves_its_target_as_it_found_it(
+    ckpt: str, tmp_path: Path, fmt: str
+) -> None:
+    # A break-it finding: a damaged chunk failed the DCP export (exit 1, named) but left
+    # __0_*.distcp files and no .metadata, so the rerun was refused ("not empty").
+    uri = tmp_path / "ck"
+    shutil.copytree(ckpt, uri)
+    chunks = sorted((uri / f"step-{STEP:012d}").rglob("*.chunk"))
+    assert chunks
+    data = bytearray(chunks[-1].read_bytes())
+    data[100] ^= 0xFF
+    chunks[-1].write_bytes(bytes(data))
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for out in (new, empty):
+        r = _deck("export", str(uri), "--step", str(STEP), "--out", str(out), "--format", fmt)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert chunks[-1].name in r.stdout + r.stderr  # the damaged file is named
+    assert not new.exists()
+    assert empty.is_dir() and not list(empty.iterdir())

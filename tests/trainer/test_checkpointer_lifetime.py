@@ -151,6 +151,12 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
             ck.step(2)
         with pytest.raises(ConfigError, match="steps only go forward"):
             ck.save("full", step=3)
+        # The same step again (a final save() after step() took one) too: it was accepted and
+        # failed in the background as a delta of itself, taking the next delta with it.
+        with pytest.raises(ConfigError, match=r"step 4 itself is saved"):
+            ck.step(4)
+        with pytest.raises(ConfigError, match=r"step 4 itself is saved"):
+            ck.save("full", step=4)
         assert ck.flush()
         assert [(h.step, h.state) for h in ck.history] == [
             (0, "committed"),
@@ -161,6 +167,8 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
         assert ck.restore(2) == 2
         with pytest.raises(ConfigError, match="already restored step 2"):
             ck.save("delta", step=1)
+        with pytest.raises(ConfigError, match="already restored step 2.*step 2 itself is saved"):
+            ck.save("delta", step=2)
         train_step(model, opt, SPEC, 3)
         assert ck.save("delta", step=3) is not None
         assert ck.flush()

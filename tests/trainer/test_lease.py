@@ -93,6 +93,25 @@ def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:
     assert lease.read() == intruder  # not ours any more: left alone
 
 
+def test_a_lease_whose_own_record_vanished_says_so(tmp_path: Path) -> None:
+    # The checkpoint directory deleted or replaced under a running job (a break-it finding: it
+    # said "taken over (epoch 1 > ours 1; unknown)" and "stop one of the two jobs").
+    import shutil
+
+    storage = open_storage(str(tmp_path / "ck"))
+    lease = Lease(storage, ttl_s=60, settle_s=0.01)
+    lease.acquire()
+    assert lease.epoch is not None
+    (tmp_path / "ck" / lease_key(lease.epoch)).write_bytes(b"not a record")
+    with pytest.raises(LeaseHeldError, match=r"\(ours\) is gone or unreadable.*deleted or replaced"):
+        lease.check()
+    assert lease.lost.is_set()
+    shutil.rmtree(tmp_path / "ck")
+    with pytest.raises(LeaseHeldError, match=r"were deleted .*no epoch 1, ours"):
+        lease.check()
+    lease.release()
+
+
 def test_a_lease_that_could_not_be_renewed_fences_itself(tmp_path: Path) -> None:
     """Renewals failing for longer than the lease's lifetime: another trainer may have taken
     it, so the holder commits nothing more (even before anyone did)."""

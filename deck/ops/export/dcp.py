@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from deck.ops.export.layout import Piece, StepState
-from deck.ops.export.run import ExportReport, ExportRun, Progress, check_out_dir
+from deck.ops.export.run import ExportReport, ExportRun, Progress, writing_out_dir
 
 _PieceKey = tuple[str, tuple[int, ...]]  # (fqn, offsets): what a DCP write item names
 
@@ -31,13 +31,12 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
     # Imported here: DCP's modules load only when a DCP export is written.
     from deck.ops.export.dcp_writer import DirectoryWriter
 
-    check_out_dir(out_dir)
     run = ExportRun(state, out_dir, progress)
     by_key = {(p.fqn, p.offsets): p for p in state.pieces}
     # One file per table shard (in plan order) and one for the dense state: the planner reads a
     # shard when its first piece is asked for and drops it at the next, the writer holds one item.
-    writer = DirectoryWriter(out_dir, group=lambda item: _file_of(by_key, item))
-    with warnings.catch_warnings():
+    with writing_out_dir(out_dir), warnings.catch_warnings():
+        writer = DirectoryWriter(out_dir, group=lambda item: _file_of(by_key, item))
         # DCP warns that no process group is initialised: one process writing is the point.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp_save(run.eager, storage_writer=writer, planner=_dcp_planner(run, by_key), no_dist=True)

@@ -11,7 +11,7 @@ import torch
 
 from deck.format.parquet import FORMAT, TableFile, TableLayout, layouts, table_file_name
 from deck.ops.export.layout import StepState
-from deck.ops.export.run import ExportReport, Progress, check_out_dir
+from deck.ops.export.run import ExportReport, Progress, writing_out_dir
 
 
 def export_parquet(
@@ -30,7 +30,13 @@ def export_parquet(
     table that hold the same rows: one shard of a row-wise or table-wise table, every column
     shard of a column-wise one). Each file appears atomically.
     """
-    check_out_dir(out_dir)
+    with writing_out_dir(out_dir):
+        return _write_tables(state, out_dir, progress, compression)
+
+
+def _write_tables(
+    state: StepState, out_dir: str, progress: Progress | None, compression: str
+) -> ExportReport:
     os.makedirs(out_dir, exist_ok=True)
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
     report.skipped.append(

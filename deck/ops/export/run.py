@@ -3,9 +3,11 @@ the check that the output place is new."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +70,27 @@ class ExportRun:
         self.report.bytes_written += sum(nbytes(t) for t in self.dense.values())
         self.report.bytes_read = self.state.read_bytes
         return self.report
+
+
+@contextlib.contextmanager
+def writing_out_dir(out_dir: str) -> Iterator[None]:
+    """:func:`check_out_dir`, then the export's writing: if it fails, what it wrote there goes
+    (the directory too when the export made it), so a rerun finds it new or empty again."""
+    check_out_dir(out_dir)
+    made = not os.path.exists(out_dir)
+    try:
+        yield
+    except BaseException:
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        elif os.path.isdir(out_dir):  # it was empty: everything in it is this export's
+            for entry in os.scandir(out_dir):
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+        raise
 
 
 def check_out_dir(out_dir: str) -> None:
