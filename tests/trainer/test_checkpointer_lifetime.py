@@ -167,7 +167,7 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
         assert ck.restore(2) == 2
         with pytest.raises(ConfigError, match="already restored step 2"):
             ck.save("delta", step=1)
-        with pytest.raises(ConfigError, match="already restored step 2.*step 2 itself is saved"):
+        with pytest.raises(ConfigError, match=r"already restored step 2.*step 2 itself is saved"):
             ck.save("delta", step=2)
         train_step(model, opt, SPEC, 3)
         assert ck.save("delta", step=3) is not None

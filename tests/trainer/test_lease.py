@@ -103,7 +103,9 @@ def test_a_lease_whose_own_record_vanished_says_so(tmp_path: Path) -> None:
     lease.acquire()
     assert lease.epoch is not None
     (tmp_path / "ck" / lease_key(lease.epoch)).write_bytes(b"not a record")
-    with pytest.raises(LeaseHeldError, match=r"\(ours\) is gone or unreadable.*deleted or replaced"):
+    with pytest.raises(
+        LeaseHeldError, match=r"\(ours\) is gone or unreadable.*deleted or replaced"
+    ):
         lease.check()
     assert lease.lost.is_set()
     shutil.rmtree(tmp_path / "ck")
