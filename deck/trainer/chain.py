@@ -384,9 +384,11 @@ class ChainWriter:
         if most:
             self.tell_rank0_failed(self._failed_parts, most)
         if any(v.lease_lost for v in votes):
+            why = self.lease.lost_why if self.lease is not None else None
             raise CheckpointError(
-                f"step {step}: this job lost the writer lease of {self.storage.uri} to another "
-                "trainer; not writing. Stop one of the two jobs."
+                f"step {step}: this job lost the writer lease of {self.storage.uri}, so it writes "
+                "no more checkpoints: "
+                + (why or "it expired, was taken over or deleted (rank 0's log says which)")
             )
         full = any(v.full for v in votes)
         if not full and any(v.no_parent or v.parent_failed for v in votes):

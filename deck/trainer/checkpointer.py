@@ -517,7 +517,10 @@ class DeltaCheckpointer:
         self._ckpt.newest = self._ckpt.restored = done.step
         self._ckpt.newest_saved = True
         if self._pub is not None:
-            self._pub.newest = None  # a new epoch of the publish stream may go back in steps
+            # A new epoch of the publish stream starts at the restored step, which may be older
+            # than its last publish, and may publish that step itself, never an older one.
+            self._pub.newest = self._pub.restored = done.step
+            self._pub.newest_saved = False
         for chain in self._chains:
             chain.unsettle()  # the first checkpoint after a restore agrees before its snapshot
         self._last_step = done.step

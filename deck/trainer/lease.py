@@ -70,6 +70,7 @@ class Lease:
         self.owner = uuid.uuid4().hex
         self.epoch: int | None = None  # the fencing token, once taken
         self.lost = threading.Event()
+        self.lost_why: str | None = None  # what check() found when it set ``lost``
         self._expires = 0.0  # monotonic time our last written record expires at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -234,35 +235,37 @@ class Lease:
         if self.epoch is None:
             raise LeaseHeldError(f"the writer lease of {self.storage.uri} is not held")
         if time.monotonic() >= self._expires:
-            self.lost.set()
-            raise LeaseHeldError(
+            raise self._lose(
                 f"the writer lease of {self.storage.uri} expired: it could not be renewed for "
                 f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over; this job "
                 "commits nothing more. Check the store's availability and restart the job"
             )
         epoch, held = self.newest()
         if epoch < self.epoch:
-            self.lost.set()
-            raise LeaseHeldError(
+            raise self._lose(
                 f"the writer lease records of {self.storage.uri} were deleted ({LEASE_DIR}/ holds "
                 f"no epoch {self.epoch}, ours): this job commits nothing more, since another may "
                 "have started; restart it once no other trainer writes there"
             )
         if epoch == self.epoch and held is None:
-            self.lost.set()
-            raise LeaseHeldError(
+            raise self._lose(
                 f"the writer lease record {self.storage.describe(lease_key(epoch))} (ours) is "
                 f"gone or unreadable: was {self.storage.uri} deleted or replaced while this job "
                 "ran? This job commits nothing more, since another trainer may write there now; "
                 "check the URI and restart the job (its first checkpoint is then a full)"
             )
         if epoch != self.epoch or held is None or held.owner != self.owner:
-            self.lost.set()
             who = f"owner {held.owner}, host {held.host}, pid {held.pid}" if held else "unknown"
-            raise LeaseHeldError(
+            raise self._lose(
                 f"the writer lease of {self.storage.uri} was taken over (epoch {epoch}, ours "
                 f"{self.epoch}; {who}): this job commits nothing more. Stop one of the two jobs"
             )
+
+    def _lose(self, why: str) -> LeaseHeldError:
+        """Mark the lease lost for good, remembering ``why`` for the checkpoints refused after."""
+        self.lost_why = why
+        self.lost.set()
+        return LeaseHeldError(why)
 
     def _held_error(self, held: LeaseRecord) -> LeaseHeldError:
         left = held.expires_unix - time.time()

@@ -139,7 +139,11 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
     from deck.errors import ConfigError
 
     model, opt = build_model(SPEC)
-    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=2)
+    config = deck.DeckConfig(
+        uri=f"{root}/ck",
+        delta_every_steps=2,
+        publish=deck.PublishConfig(uri=f"{root}/pub", every_steps=2),
+    )
     with deck.enable(model, [opt], config) as ck:
         for step in range(5):
             if step:
@@ -169,6 +173,12 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
             ck.save("delta", step=1)
         with pytest.raises(ConfigError, match=r"already restored step 2.*step 2 itself is saved"):
             ck.save("delta", step=2)
+        # The publish stream too (found by a helper: a publish of step 1 here was taken, a full
+        # holding step 2's rows labelled step 1, and the stream's step 2 chain broke); the
+        # restored step itself starts its new epoch.
+        with pytest.raises(ConfigError, match=r"publish of step 1 .*already restored step 2"):
+            ck.publish(1)
+        assert ck.publish(2) is not None
         train_step(model, opt, SPEC, 3)
         assert ck.save("delta", step=3) is not None
         assert ck.flush()

@@ -27,6 +27,7 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
     leaves no loadable checkpoint.
     """
     from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     # Imported here: DCP's modules load only when a DCP export is written.
     from deck.ops.export.dcp_writer import DirectoryWriter
@@ -39,7 +40,14 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
         writer = DirectoryWriter(out_dir, group=lambda item: _file_of(by_key, item))
         # DCP warns that no process group is initialised: one process writing is the point.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp_save(run.eager, storage_writer=writer, planner=_dcp_planner(run, by_key), no_dist=True)
+        try:
+            dcp_save(
+                run.eager, storage_writer=writer, planner=_dcp_planner(run, by_key), no_dist=True
+            )
+        except CheckpointException as e:
+            # DCP wraps what failed (a damaged chunk, a full disk) with every frame's traceback
+            # in its message: raise the cause itself, which names the file.
+            raise next(iter(e.failures.values()))[0] from None
     return run.finish()
 
 

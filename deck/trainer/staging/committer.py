@@ -18,6 +18,7 @@ from deck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DeckError,
+    LeaseHeldError,
     NotFoundError,
     StorageError,
 )
@@ -194,9 +195,13 @@ class Committer:
             self.dest.uri,
             e,
         )
-        if isinstance(e, (CheckpointNotFoundError, CorruptCheckpointError, NeverCommits)):
-            # It can never commit (its parent is gone, its spooled files are torn, a
-            # rank's part failed): drop it, or every restart would retry it.
+        if isinstance(
+            e, (CheckpointNotFoundError, CorruptCheckpointError, NeverCommits, LeaseHeldError)
+        ):
+            # It can never commit (its parent is gone, its spooled files are torn, a rank's
+            # part failed, or the fence refused it: this job's lease was lost, and a restart
+            # must not commit it into what another trainer wrote since): drop it, or every
+            # restart would retry it.
             try:
                 self._cleanup(pending, item)
             except Exception as cleanup_error:  # what is left is removed at the next restart
