@@ -64,6 +64,16 @@ def _pin_others(core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of deck's background threads (by name) so far."""
+    out = {}
+    for t in threading.enumerate():
+        if t.name.startswith("deck-") and t.ident is not None:
+            with contextlib.suppress(OSError, ValueError):  # the thread ended
+                out[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return out
+
+
 def _phase(
     model: Any, dense: Any, spec: ModelSpec, a: argparse.Namespace, kind: str, first: int, work: str
 ) -> tuple[dict[int, float], dict[str, Any]]:
@@ -73,7 +83,8 @@ def _phase(
     from deck.config import StagingConfig
 
     times: dict[int, float] = {}
-    saved: dict[str, Any] = {"full": 0, "deltas": []}
+    saved: dict[str, Any] = {"full": 0, "deltas": [], "cpu": {}}
+    cpu_from: dict[str, float] = {}
     ckpt: Any = None
     writer: _PlainWriter | None = None
     if kind.startswith("deck"):
@@ -97,6 +108,7 @@ def _phase(
                 # deltas' steps measure the deltas, not a 2 GiB full still being written
                 if ckpt is not None:
                     ckpt.flush()
+                    cpu_from = _thread_cpu()
                 if writer is not None:
                     writer.jobs.join()
                 _pin_others(1)
@@ -110,6 +122,10 @@ def _phase(
     finally:
         if ckpt is not None:
             ckpt.flush()
+            if cpu_from and saved["deltas"]:  # the deltas' background work: after the full's
+                per = 1 / len(saved["deltas"])
+                cpu = _thread_cpu()
+                saved["cpu"] = {n: (cpu[n] - cpu_from.get(n, 0.0)) * per for n in cpu}
             ckpt.close()
         if writer is not None:
             writer.close()
@@ -134,12 +150,14 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
     _, saved = _phase(model, dense, spec, a, "deck", 0, work)
     a.full_bytes = saved["full"]
     a.delta_bytes = int(statistics.median(saved["deltas"]))
-    phases = ["off", "plain", *PHASES]
+    phases = [p for p in ["off", "plain", *PHASES] if p in a.phases]
     runs: dict[str, list[dict[int, float]]] = {p: [] for p in phases}
+    cpu: dict[str, list[dict[str, float]]] = {p: [] for p in phases}
     for r in range(a.repeats):
         for p in phases:
-            times, _ = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
+            times, saved = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
             runs[p].append(times)
+            cpu[p].append(saved["cpu"])
     deltas = {
         s for d in range(a.delta_every, a.steps, a.delta_every) for s in range(d + 1, d + 1 + AFTER)
     }
@@ -178,7 +196,26 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
             median_of(p, {d + k for d in range(a.delta_every, a.steps, a.delta_every)}) - aw
             for k in range(1, AFTER + 1)
         ]
-        print(f"  {p:<26} " + " ".join(f"{x * 1e3:+5.1f}" for x in per))
+        print(
+            f"  {p:<26} "
+            + " ".join(f"{x * 1e3:+5.1f}" for x in per)
+            + f"  sum {sum(per) * 1e3:+5.1f} ms = {sum(per) / (AFTER * aw):+.1%} of {AFTER} steps"
+        )
+    print("background CPU per delta (deck's threads, medians over repeats), ms:")
+    for p in phases:
+        if not any(cpu[p]):
+            continue
+        names = sorted({n.rstrip("_0123456789") for c in cpu[p] for n in c})
+        by = {
+            n: statistics.median(
+                sum(v for k, v in c.items() if k.rstrip("_0123456789") == n) for c in cpu[p]
+            )
+            for n in names
+        }
+        print(
+            f"  {p:<26} total {sum(by.values()) * 1e3:5.1f}: "
+            + ", ".join(f"{n.removeprefix('deck-')} {v * 1e3:.1f}" for n, v in by.items())
+        )
     if not a.settle:
         print("(--no-settle: the deltas' steps shared core 1 with the full's writes)")
     print("reproduce: python benchmarks/bench_interference.py " + " ".join(sys.argv[1:]))
@@ -202,7 +239,16 @@ def main() -> int:
         help="do not wait for the full to be written after the steps measured after it (the "
         "deltas' steps then share the core with its writes, for seconds)",
     )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        default=["off", "plain", *PHASES],
+        choices=["off", "plain", *PHASES],
+        help="the phases to run (default: all; 'off' is always run: the others are read against it)",
+    )
     a = p.parse_args()
+    if "off" not in a.phases:
+        a.phases.insert(0, "off")
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (one for training, one for the background)")
     work = tempfile.mkdtemp(prefix="deck-bench-interference-", dir="/tmp")
