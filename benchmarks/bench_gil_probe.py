@@ -1,0 +1,118 @@
+"""What a background thread on another core costs the training thread, by the kind of work it
+does: the probe behind "why background work costs a thread on another core" (docs/benchmarks.md).
+
+One training rank (world size 1, the demo's DLRM), its thread pinned to core 0; one background
+thread pinned to core 1 that, every ``--every`` steps (at the step a checkpoint would be), works
+for ``--work-ms`` of its own CPU time in one of these ways:
+
+- ``none``: nothing (the baseline);
+- ``native``: copies memory with numpy in 1 MiB pieces (the GIL released, as deck's native copy);
+- ``python``: a pure-Python loop (the GIL held until the interpreter's switch interval forces it
+  off);
+- ``pyslices``: the same loop, giving the GIL back every ~100 iterations (``time.sleep(0)``).
+
+Printed per mode and repeat: the median step time away from the work and the sum, over the
+``AFTER`` steps after it, of each step's median excess. deck itself does not run.
+
+    python benchmarks/bench_gil_probe.py [--work-ms 15] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from deck.demo import ModelSpec, build_model, train_step
+from deck.processes import end_rank, free_port, init_process_group
+
+AFTER = 10
+MODES = ("none", "native", "python", "pyslices")
+PIECE = 1 << 20
+
+
+def _background(jobs: queue.Queue[str], work_s: float) -> None:
+    os.sched_setaffinity(0, {1})
+    src = np.frombuffer(os.urandom(64 * PIECE), np.uint8)
+    dst = np.empty_like(src)
+    while True:
+        mode = jobs.get()
+        t0, n, at = time.thread_time(), 0, 0
+        while time.thread_time() - t0 < work_s:
+            if mode == "native":
+                np.copyto(dst[at : at + PIECE], src[at : at + PIECE])
+                at = (at + PIECE) % (63 * PIECE)
+            elif mode == "python":
+                for _ in range(1000):
+                    n += 1
+            else:
+                for _ in range(100):
+                    n += 1
+                time.sleep(0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work-ms", type=float, default=15.0)
+    p.add_argument("--every", type=int, default=25)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (default: the interpreter's, 5 ms)",
+    )
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    a = p.parse_args()
+    if a.switch_interval_ms is not None:
+        sys.setswitchinterval(a.switch_interval_ms / 1e3)
+    if len(os.sched_getaffinity(0)) < 2:
+        p.error("needs two cores (one for training, one for the background)")
+    warnings.filterwarnings("ignore")
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    init_process_group(0, 1, free_port())
+    spec = ModelSpec(num_tables=8, rows=1_000_000, dim=64, batch=1024)
+    model, dense = build_model(spec)
+    jobs: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_background, args=(jobs, a.work_ms / 1e3), daemon=True).start()
+    for _ in range(5):
+        train_step(model, dense, spec, 10**6)
+    print(
+        f"1 rank on core 0, a background thread on core 1 working {a.work_ms:g} ms of CPU every "
+        f"{a.every} steps (switch interval {sys.getswitchinterval() * 1e3:g} ms); per mode and repeat: away median, and the sum of the {AFTER} "
+        "steps' excess after the work"
+    )
+    for mode in a.modes:
+        cells = []
+        for _ in range(a.repeats):
+            times = {}
+            for step in range(1, a.steps + 1):
+                t0 = time.perf_counter()
+                train_step(model, dense, spec, step)
+                times[step] = time.perf_counter() - t0
+                if step % a.every == 0 and mode != "none":
+                    jobs.put(mode)
+            away = statistics.median(t for s, t in times.items() if s % a.every > AFTER)
+            starts = range(a.every, a.steps - AFTER, a.every)
+            excess = sum(
+                statistics.median(times[d + k] for d in starts) - away for k in range(1, AFTER + 1)
+            )
+            cells.append(f"{away * 1e3:.2f} ms, {excess * 1e3:+.1f} ms")
+        print(f"  {mode:<9} " + "; ".join(cells))
+    print("reproduce: python benchmarks/bench_gil_probe.py " + " ".join(sys.argv[1:]))
+    end_rank()  # exits the process
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
