@@ -199,6 +199,12 @@ class ChainWriter:
                 if step == newest
                 else ""
             )
+            if step == newest == self.restored:  # e.g. a loop resumed at restore() itself
+                raise ConfigError(
+                    f"{self.label} of step {step} at {self.storage.uri}: step {step} is the step "
+                    f"restore() loaded, so it is saved already; the next step to train and save "
+                    f"is {step + 1} (resume the loop at restore() + 1)"
+                )
             raise ConfigError(
                 f"{self.label} of step {step} at {self.storage.uri}: this process already "
                 f"{'restored' if newest == self.restored else 'checkpointed'} step "

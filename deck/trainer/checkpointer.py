@@ -238,8 +238,9 @@ class DeltaCheckpointer:
         quantize: str | None = None,
     ) -> ChainWriter:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
-        # Commit records at the checkpoint URI are fenced by its writer lease.
-        fence = self._lease.check if self._lease is not None and storage is self.storage else None
+        # Commit records are fenced by the checkpoint URI's writer lease, the publish chain's
+        # too: a job taken over (or whose URI was replaced) publishes nothing more either.
+        fence = self._lease.check if self._lease is not None else None
         stager = Stager(
             storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence, label=label
         )

@@ -254,6 +254,13 @@ class Lease:
                 "ran? This job commits nothing more, since another trainer may write there now; "
                 "check the URI and restart the job (its first checkpoint is then a full)"
             )
+        if epoch == self.epoch and held is not None and held.owner != self.owner:
+            raise self._lose(
+                f"the writer lease record {self.storage.describe(lease_key(epoch))} (ours) now "
+                f"names another trainer (owner {held.owner}, host {held.host}, pid {held.pid}): "
+                f"was {self.storage.uri} replaced by another job's checkpoints while this job "
+                "ran? This job commits nothing more; check the URI and restart the job"
+            )
         if epoch != self.epoch or held is None or held.owner != self.owner:
             who = f"owner {held.owner}, host {held.host}, pid {held.pid}" if held else "unknown"
             raise self._lose(

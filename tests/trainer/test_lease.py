@@ -231,6 +231,67 @@ def test_a_fenced_out_trainer_commits_nothing(tmp_path: Path) -> None:
     run_ranks(_fenced_out, str(tmp_path / "ck"), world_size=1)
 
 
+def _uri_replaced(rank: int, world_size: int, root: str) -> None:
+    """The checkpoint directory moved away and an empty one put in its place while the job
+    runs (a break-it finding: the failure was reported as "parent not committed", the next
+    checkpoints were taken and written into the new directory, and publishes went on)."""
+    import shutil
+
+    from deck.errors import CheckpointError
+
+    uri, pub = f"{root}/ck", f"{root}/pub"
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=uri, delta_every_steps=2, publish=deck.PublishConfig(uri=pub, every_steps=2)
+    )
+    ck = deck.enable(model, [opt], config)
+    try:
+        for step in range(3):
+            if step:
+                train_step(model, opt, SPEC, step)
+            ck.step(step)
+        assert ck.flush()
+        shutil.move(uri, f"{root}/ck.old")
+        os.mkdir(uri)
+        for step in (3, 4):
+            train_step(model, opt, SPEC, step)
+            ck.step(step)
+        assert not ck.flush()
+        assert "deleted" in str(ck.history[-1].error)  # the fence's finding, not the parent's
+        train_step(model, opt, SPEC, 5)
+        with pytest.raises(CheckpointError, match=r"lost the writer lease.*deleted"):
+            ck.save("full", step=5)  # the next checkpoint raises, whatever its kind
+        train_step(model, opt, SPEC, 6)
+        with pytest.raises(CheckpointError, match=r"lost the writer lease.*deleted"):
+            ck.step(6)
+    finally:
+        ck.close()
+    assert [c.step for c in deck.list_checkpoints(f"{root}/ck.old")] == [0, 2]
+    assert deck.list_checkpoints(uri) == []
+    # The publish of step 4, taken before the loss was known, was fenced at its commit
+    assert [c.step for c in deck.list_checkpoints(pub)] == [0, 2]
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_uri_was_replaced_commits_and_publishes_nothing(tmp_path: Path) -> None:
+    run_ranks(_uri_replaced, str(tmp_path), world_size=1)
+
+
+def test_a_lease_record_of_our_epoch_naming_another_owner_says_replaced(tmp_path: Path) -> None:
+    # The URI replaced by another job's checkpoints, whose lease has the same epoch number (a
+    # break-it finding: "taken over (epoch 1, ours 1) ... Stop one of the two jobs")
+    storage = open_storage(str(tmp_path))
+    lease = Lease(storage, ttl_s=60, settle_s=0.01)
+    lease.acquire()
+    assert lease.epoch is not None
+    other = LeaseRecord(owner="other-job", host="h", pid=1, expires_unix=time.time() + 60)
+    storage.put(lease_key(lease.epoch), other.model_dump_json().encode())
+    with pytest.raises(LeaseHeldError, match=r"\(ours\) now names another trainer.*replaced"):
+        lease.check()
+    assert lease.lost.is_set() and "replaced" in (lease.lost_why or "")
+    lease.release()
+
+
 def test_a_record_of_a_huge_epoch_is_passed_not_looped_on(tmp_path: Path) -> None:
     """Found by a helper: an expired record named with the largest 20-digit epoch made the next
     epoch 21 digits long, which the listing did not match: acquire() looped forever, writing a

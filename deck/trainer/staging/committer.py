@@ -298,6 +298,9 @@ class Committer:
             and p.parent is not None
             and self.dest.patient_committed_id(p.parent) != p.parent_id
         ):
+            # A parent gone from the URI may mean the URI itself was deleted or replaced: the
+            # fence says so first (and marks the lease lost, so the next checkpoint raises)
+            self.dest.check_fence()
             raise CheckpointNotFoundError(
                 f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
                 f"{self.dest.uri}; the next checkpoint will be a full"

@@ -99,6 +99,12 @@ class Destination:
         hold only that). :class:`NotFoundError` when there is none."""
         return self._storage.get(key, 0, FAILURE_RECORD_BYTES).decode(errors="replace")
 
+    def check_fence(self) -> None:
+        """Raise :class:`~deck.errors.LeaseHeldError` if this job may no longer commit here
+        (no-op without a fence)."""
+        if self._fence is not None:
+            self._fence()
+
     def commit_once(self, p: PendingPart, own_bytes: bytes | None = None) -> None:
         """Rank 0, every rank's part is there: verify the parts and write the commit record of
         ``p``'s checkpoint (:func:`deck.trainer.writer.commit`). ``own_bytes``: what this
