@@ -171,7 +171,7 @@ def test_export_reads_the_real_store_memory_mapped(
     assert not [p for p in later if p in rank_manifests], later  # read once, at open
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "parquet"])
+@pytest.mark.parametrize("fmt", ["dcp", "parquet", "safetensors"])
 def test_a_failed_export_leaves_its_target_as_it_found_it(
     ckpt: str, tmp_path: Path, fmt: str
 ) -> None:

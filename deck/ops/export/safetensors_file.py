@@ -3,6 +3,7 @@ table by table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import IO
@@ -45,12 +46,20 @@ def export_safetensors(
         "chain": json.dumps(run.report.chain),
     }
     head = preamble(metadata, layout)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with atomic_file(out_path) as f:
-        f.write(head)
-        _write_tables(f, run, list(first))
-        for v in run.dense.values():
-            write_tensor(f, v)
+    folder = os.path.dirname(os.path.abspath(out_path))
+    made = not os.path.exists(folder)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        with atomic_file(out_path) as f:
+            f.write(head)
+            _write_tables(f, run, list(first))
+            for v in run.dense.values():
+                write_tensor(f, v)
+    except BaseException:
+        if made:  # a failed export leaves no folder of its own behind (rmdir: only if empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
     return run.finish()
 
 
