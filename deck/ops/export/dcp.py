@@ -47,7 +47,10 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
         except CheckpointException as e:
             # DCP wraps what failed (a damaged chunk, a full disk) with every frame's traceback
             # in its message: raise the cause itself, which names the file.
-            raise next(iter(e.failures.values()))[0] from None
+            causes = [cause for cause, _ in e.failures.values()]
+            if not causes:
+                raise
+            raise causes[0] from None
     return run.finish()
 
 
