@@ -19,7 +19,9 @@ of the ``AFTER`` steps after each delta (the stall itself excluded: it is the ca
 and after the full, as a ratio to ``off`` at the same steps. After the full's ``AFTER`` steps the
 phase waits (untimed) until the full is written (``ckpt.flush()``; the plain writer's queue), so
 the steps after a delta measure the delta, not the seconds of a 2 GiB full still being written
-(``--no-settle``: do not wait). Goal (issue 35): <= +2% over the 10
+(``--no-settle``: do not wait). Then each of the 10 steps' excess over the phase's away median,
+and how much of it is the training thread's own CPU (``time.thread_time``; the rest it waited:
+for the GIL a background thread held, or for its core). Goal (issue 35): <= +2% over the 10
 steps after a delta.
 
     python benchmarks/bench_interference.py [--rows 1000000] [--steps 200] [--delta-every 25] [--repeats 3]
@@ -83,7 +85,7 @@ def _phase(
     from deck.config import StagingConfig
 
     times: dict[int, float] = {}
-    saved: dict[str, Any] = {"full": 0, "deltas": [], "cpu": {}}
+    saved: dict[str, Any] = {"full": 0, "deltas": [], "cpu": {}, "own": {}}
     cpu_from: dict[str, float] = {}
     ckpt: Any = None
     writer: _PlainWriter | None = None
@@ -100,9 +102,10 @@ def _phase(
     _pin_others(1)
     try:
         for step in range(first + 1, first + a.steps + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             train_step(model, dense, spec, step)
             times[step - first] = time.perf_counter() - t0
+            saved["own"][step - first] = time.thread_time() - c0
             if step - first == AFTER and a.settle:
                 # The full's steps are measured: let it finish (out of any timed step), so the
                 # deltas' steps measure the deltas, not a 2 GiB full still being written
@@ -152,11 +155,13 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
     a.delta_bytes = int(statistics.median(saved["deltas"]))
     phases = [p for p in ["off", "plain", *PHASES] if p in a.phases]
     runs: dict[str, list[dict[int, float]]] = {p: [] for p in phases}
+    own: dict[str, list[dict[int, float]]] = {p: [] for p in phases}  # training thread's CPU
     cpu: dict[str, list[dict[str, float]]] = {p: [] for p in phases}
     for r in range(a.repeats):
         for p in phases:
             times, saved = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
             runs[p].append(times)
+            own[p].append(saved["own"])
             cpu[p].append(saved["cpu"])
     deltas = {
         s for d in range(a.delta_every, a.steps, a.delta_every) for s in range(d + 1, d + 1 + AFTER)
@@ -170,8 +175,8 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
         f"{a.repeats} repeats"
     )
 
-    def median_of(p: str, steps: set[int]) -> float:
-        return statistics.median(statistics.median(t[s] for s in steps if s in t) for t in runs[p])
+    def median_of(p: str, steps: set[int], of: dict[str, list[dict[int, float]]] = runs) -> float:
+        return statistics.median(statistics.median(t[s] for s in steps if s in t) for t in of[p])
 
     off = {
         name: median_of("off", steps)
@@ -189,17 +194,32 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
             f"{af / off['after the full'] - 1:>+7.1%}"
         )
     print(f"(medians over repeats of each phase's median; the {AFTER} steps after each checkpoint)")
+    after = [
+        {d + k for d in range(a.delta_every, a.steps, a.delta_every)} for k in range(1, AFTER + 1)
+    ]
+
+    def per_step(p: str, of: dict[str, list[dict[int, float]]]) -> tuple[float, list[float]]:
+        """The phase's away median and each step's excess over it after a delta."""
+        aw = median_of(p, away, of)
+        return aw, [median_of(p, steps, of) - aw for steps in after]
+
     print(f"per step after a delta, ms over the phase's away median (step 1 .. {AFTER}):")
     for p in phases:
-        aw = median_of(p, away)
-        per = [
-            median_of(p, {d + k for d in range(a.delta_every, a.steps, a.delta_every)}) - aw
-            for k in range(1, AFTER + 1)
-        ]
+        aw, per = per_step(p, runs)
         print(
             f"  {p:<26} "
             + " ".join(f"{x * 1e3:+5.1f}" for x in per)
             + f"  sum {sum(per) * 1e3:+5.1f} ms = {sum(per) / (AFTER * aw):+.1%} of {AFTER} steps"
+        )
+    # Wall time over away that is not the training thread's own CPU is time it waited (for the
+    # GIL a background thread holds, or for its core)
+    print("of it the training thread's own CPU (thread_time over its away median), ms:")
+    for p in phases:
+        _, per = per_step(p, own)
+        print(
+            f"  {p:<26} "
+            + " ".join(f"{x * 1e3:+5.1f}" for x in per)
+            + f"  sum {sum(per) * 1e3:+5.1f} ms"
         )
     print("background CPU per delta (deck's threads, medians over repeats), ms:")
     for p in phases:
