@@ -18,6 +18,9 @@ same numbers, their min/max and the machine, then the command line that reproduc
   sort of its rows (the claim where rows are copied in the stall; with copy-on-write the sort
   runs after it); the rows' bits are cleared out of the stall; no map term).
 - **checksum**: ``deck.format.checksum.checksum`` (xxh3-64) over a 64 MiB buffer.
+- **state file encode**: ``CapturedTree.encode`` (the dense / extra state file, on the spool
+  writer beside training) against ``safetensors.torch.save`` of the same tensors, per tensor, on
+  an Adam-like state of 200 parameters (quick 50).
 - **spool write**: ``deck.storage.local.write_new_file(..., fsync=True)`` of ``--files`` x 4 MiB
   page-aligned chunk files (O_DIRECT where the filesystem allows, as the stager's chunks) into a
   temp dir under ``$TMPDIR`` (or /tmp).
@@ -255,6 +258,42 @@ def checksum_rate(r: Results, repeats: int) -> None:
         "GB/s",
         "deck.format.checksum.checksum (xxh3-64) over a 64 MiB buffer",
     )
+
+
+def state_encode(r: Results, params: int, repeats: int) -> None:
+    """The spool writer's Python per dense tensor (it holds the GIL the training thread waits
+    for): deck's state-file encoder against ``safetensors.torch.save`` of the same tensors, on
+    an Adam-like dense state (per parameter: the weight, two moments, a step scalar)."""
+    from safetensors.torch import save
+
+    from deck.format import treecodec
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        f"p{i}": {
+            "w": torch.randn(64, 32, generator=g),
+            "exp_avg": torch.randn(64, 32, generator=g),
+            "exp_avg_sq": torch.rand(64, 32, generator=g),
+            "step": torch.tensor(float(i)),
+        }
+        for i in range(params)
+    }
+    captured = treecodec.capture(state, "dense state")
+    n = len(captured.tensors)
+    meta = {"deck_tree": json.dumps(captured.tree)}
+    assert captured.encode() == save(captured.tensors, metadata=meta)  # the same file
+    ours = _timed(captured.encode, repeats)
+    theirs = _timed(lambda: save(captured.tensors, metadata=meta), repeats)
+    how = f"a state of {n} tensors ({params} parameters x weight, 2 moments, step), encoded"
+    a = r.add("state_encode_us", "state file encode", [t / n * 1e6 for t in ours], "us/tensor", how)
+    b = r.add(
+        "safetensors_save_us",
+        "safetensors.torch.save",
+        [t / n * 1e6 for t in theirs],
+        "us/tensor",
+        how,
+    )
+    r.const("state_encode_ratio", "state file encode / safetensors.save", a / b, "x", how)
 
 
 def spool_write(r: Results, files: int, repeats: int) -> None:
@@ -554,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         gather(r, table, rows, a.repeats)
         claim(r, table_rows, delta, map_rows, a.sparse_rows, a.repeats)
         checksum_rate(r, a.repeats)
+        state_encode(r, 50 if q else 200, a.repeats)
         spool_write(r, files, a.repeats)
         if a.s3:
             upload(r, objects, a.repeats, work)

@@ -87,6 +87,58 @@ def test_tree_round_trip() -> None:
     assert back["nested"] == [[1, 2], {"a": "b"}] and back["none"] is None
 
 
+_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+@st.composite
+def _tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(_DTYPES))
+    shape = draw(st.lists(st.integers(0, 4), max_size=3))  # [] is a 0-dim tensor
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    raw = torch.randint(
+        0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), generator=gen
+    )
+    flat = raw.to(torch.uint8).view(dtype) if dtype != torch.bool else raw % 2 == 1
+    return flat[: torch.Size(shape).numel()].reshape(shape)
+
+
+@given(st.lists(_tensors(), max_size=12), st.text(max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_state_files_are_the_bytes_safetensors_writes(tensors: list, name: str) -> None:
+    """The state file's own safetensors writer (off safetensors' slow Python path) gives the
+    bytes ``safetensors.torch.save`` gives, and they read back bitwise (NaN payloads too)."""
+    from safetensors.torch import load, save
+
+    tree = {"xs": tensors, name: [t.clone() for t in tensors[:2]]}
+    captured = treecodec.capture(tree, "x")
+    data = captured.encode()
+    want = save(captured.tensors, metadata={"deck_tree": json.dumps(captured.tree)})
+    assert data == want
+    back = load(data)
+    assert back.keys() == captured.tensors.keys()
+    for k, t in captured.tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape
+        assert back[k].view(-1).view(torch.uint8).tolist() == t.view(-1).view(torch.uint8).tolist()
+    decoded = treecodec.decode(data, "f")
+    assert len(decoded["xs"]) == len(tensors)
+
+
+def test_a_dtype_safetensors_alone_writes_still_goes_through_it() -> None:
+    data = treecodec.encode({"c": torch.ones(2, dtype=torch.complex64)}, "x")
+    assert torch.equal(treecodec.decode(data, "f")["c"], torch.ones(2, dtype=torch.complex64))
+
+
 def test_tree_refuses_unknown_types() -> None:
     with pytest.raises(UnsupportedError, match="object"):
         treecodec.encode({"x": object()}, "user state")
