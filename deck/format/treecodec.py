@@ -119,6 +119,11 @@ def capture(obj: Any, what: str) -> CapturedTree:
                     f"{what}: {path} is a {type(x).__name__}; only plain tensors can be saved here "
                     "(sharded tables must use TorchRec's fused optimizer)"
                 )
+            if x.layout != torch.strided:
+                raise UnsupportedError(
+                    f"{what}: {path} is a {x.layout} tensor; only dense tensors can be saved "
+                    "here (convert it with .to_dense())"
+                )
             key = f"t{len(tensors)}"
             # safetensors refuses shared storage: clone so each entry owns its bytes (one
             # contiguous copy; this runs in the checkpoint stall, once per tensor).
@@ -170,7 +175,9 @@ def _walk_fast(x: Any, tensors: dict[str, torch.Tensor], depth: int) -> Any:
         raise _Unsupported
     depth += 1
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+        if (
+            type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)
+        ) or x.layout != torch.strided:
             raise _Unsupported
         key = f"t{len(tensors)}"
         t = x.detach()

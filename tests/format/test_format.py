@@ -144,6 +144,11 @@ def test_tree_refuses_unknown_types() -> None:
         treecodec.encode({"x": object()}, "user state")
 
 
+def test_tree_refuses_a_sparse_tensor_naming_it() -> None:
+    with pytest.raises(UnsupportedError, match=r"user state\.x\.y.*sparse"):
+        treecodec.encode({"x": {"y": torch.eye(3).to_sparse()}}, "user state")
+
+
 @given(st.binary(max_size=512))
 @settings(max_examples=300, deadline=None)
 def test_tree_decode_of_garbage_is_a_deck_error(data: bytes) -> None:
