@@ -51,7 +51,8 @@ class CapturedTree:
 
 
 # The dtypes written without safetensors' own ``save``, by their names in its format, in the
-# order of its ``Dtype`` enum (it writes tensors by that order, widest last in the enum first).
+# order of its ``Dtype`` enum: it writes the tensors of the dtype last in it first (the enum
+# runs from narrow to wide, so each tensor starts aligned).
 _SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
