@@ -83,15 +83,14 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     parts: list[memoryview] = []
     at = 0
     for name, t in order:
-        n = t.numel() * t.element_size()
         header[name] = {
             "dtype": _SAFETENSORS_DTYPES[t.dtype],
             "shape": list(t.shape),
-            "data_offsets": [at, at + n],
+            "data_offsets": [at, at + t.nbytes],
         }
         # numpy has no bfloat16: its bytes through a view of the same width
         parts.append((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().data)
-        at += n
+        at += t.nbytes
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)
     return b"".join((struct.pack("<Q", len(head)), head, *parts))
@@ -176,9 +175,9 @@ def _walk_fast(x: Any, tensors: dict[str, torch.Tensor], depth: int) -> Any:
         raise _Unsupported
     depth += 1
     if isinstance(x, torch.Tensor):
-        if (
+        if x.layout != torch.strided or (
             type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)
-        ) or x.layout != torch.strided:
+        ):
             raise _Unsupported
         key = f"t{len(tensors)}"
         t = x.detach()
