@@ -19,9 +19,11 @@ from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,
     RankManifest,
+    RowIndex,
     dump_model,
     load_model,
 )
+from deck.format.rowindex import build_index
 
 
 def _chunk(rows: int = 5, dim: int = 8):
@@ -259,3 +261,100 @@ def test_manifest_self_checksum_detects_changes_and_accepts_the_indented_form() 
     d["rows"] += 1
     with pytest.raises(CorruptCheckpointError, match=r"old\.json.*own checksum"):
         load_model(ChunkRecord, json.dumps(d).encode(), "old.json")
+
+
+def _in_place(model: RankManifest) -> bytes:
+    """The record encoded the plain way (filters and all in one ``json.dumps``), as
+    :func:`dump_model` must write it byte for byte."""
+    d = model.model_dump(mode="json")
+    body = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    return body[:-1] + f',"self_checksum":"{xxhash.xxh3_64_hexdigest(body)}"}}'.encode()
+
+
+def _part_with_filters(id_sets: list[list[int]], table: str = "t") -> RankManifest:
+    chunks = []
+    for n, ids in enumerate(id_sets):
+        _, _, rec = _chunk(3)
+        index = build_index(torch.tensor(sorted(set(ids)), dtype=torch.int64))
+        chunks.append(rec.model_copy(update={"path": f"r/{table}/c{n}.chunk", "index": index}))
+    shard = {
+        "table": table,
+        "num_rows": 1 << 20,
+        "num_cols": 8,
+        "row_offset": 0,
+        "rows": 1 << 20,
+        "col_offset": 0,
+        "cols": 8,
+        "full": False,
+        "states": ["weight"],
+        "chunks": [c.model_dump(mode="json") for c in chunks],
+    }
+    return RankManifest.model_validate(
+        {
+            "format_version": 1,
+            "step": 5,
+            "ckpt_id": "0" * 16,
+            "rank": 0,
+            "world_size": 1,
+            "shards": [shard],
+            "dense": None,
+            "extra": {"path": "r/extra.safetensors", "nbytes": 1, "checksum": "ab"},
+        }
+    )
+
+
+@given(
+    st.lists(
+        st.lists(st.integers(min_value=0, max_value=(1 << 20) - 1), min_size=1, max_size=300),
+        max_size=6,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_rank_manifests_with_row_index_filters_are_the_bytes_encoded_in_place(
+    id_sets: list[list[int]],
+) -> None:
+    """dump_model encodes the filters beside the record and splices them in: the bytes are
+    those of encoding everything in place, and they load back to the same record (also read
+    the slow way, through the canonical form, once the body is reformatted)."""
+    part = _part_with_filters(id_sets)
+    data = dump_model(part)
+    assert data == _in_place(part)
+    assert load_model(RankManifest, data, "p.json") == part
+    reformatted = json.loads(data)
+    assert load_model(RankManifest, json.dumps(reformatted, indent=2).encode(), "p.json") == part
+
+
+def test_a_placeholder_found_elsewhere_in_the_record_falls_back_to_encoding_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A string of the record holding the placeholders' random prefix (here forced) must not
+    be taken for a placeholder: the record is then encoded the plain way."""
+    from deck.format import manifest
+
+    monkeypatch.setattr(manifest.os, "urandom", lambda n: b"\0" * n)
+    part = _part_with_filters([[1, 7, 300], [5, 9]], table="0" * 16 + "00000001")
+    data = dump_model(part)
+    assert data == _in_place(part)
+    assert load_model(RankManifest, data, "p.json") == part
+
+
+def test_a_changed_filter_byte_fails_the_checksum() -> None:
+    part = _part_with_filters([[1, 7, 300, 4000, 4096]])
+    data = dump_model(part)
+    bloom = part.shards[0].chunks[0].index.bloom  # type: ignore[union-attr]
+    assert bloom is not None
+    at = data.index(bloom.encode()) + 3
+    flipped = data[:at] + (b"B" if data[at : at + 1] != b"B" else b"C") + data[at + 1 :]
+    with pytest.raises(CorruptCheckpointError, match=r"p\.json.*own checksum"):
+        load_model(RankManifest, flipped, "p.json")
+
+
+@pytest.mark.parametrize("bloom", ["AB=C", "AB\nC", "ABé=", 'AB"C', "A===", "AB-_", " ABC"])
+def test_a_filter_that_is_not_base64_is_refused(bloom: str) -> None:
+    with pytest.raises(ValueError, match="not base64"):
+        RowIndex(min_id=0, max_id=9, bits=24, k=1, bloom=bloom)
+
+
+@pytest.mark.parametrize("bloom", ["ABC=", "AB==", "a+/9"])
+def test_a_base64_filter_is_accepted(bloom: str) -> None:
+    assert RowIndex(min_id=0, max_id=9, bits=24, k=1, bloom=bloom).bloom == bloom

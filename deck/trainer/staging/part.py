@@ -202,7 +202,11 @@ class StagedPart:
                 self._outstanding -= 1
                 if self._error is None and f.exception() is not None:
                     self._error = f.exception()
-                self._done.notify_all()
+                # Its only waiter (wait_written) waits for all of them: waking it per file
+                # would switch threads on the background core once per chunk, each time
+                # while the thread finishing the write holds the GIL the training thread needs.
+                if not self._outstanding:
+                    self._done.notify_all()
 
         fut.add_done_callback(done)
 
