@@ -21,6 +21,9 @@ same numbers, their min/max and the machine, then the command line that reproduc
 - **state file encode**: ``CapturedTree.encode`` (the dense / extra state file, on the spool
   writer beside training) against ``safetensors.torch.save`` of the same tensors, per tensor, on
   an Adam-like state of 200 parameters (quick 50).
+- **manifest encode / decode**: ``dump_model`` / ``load_model`` of a delta's rank manifest (8
+  chunks of 11k rows, each with its row-index filter, ~190 KiB) against encoding it in place (one
+  ``json.dumps`` of the whole record) and checking it through its re-encoded canonical form.
 - **spool write**: ``deck.storage.local.write_new_file(..., fsync=True)`` of ``--files`` x 4 MiB
   page-aligned chunk files (O_DIRECT where the filesystem allows, as the stager's chunks) into a
   temp dir under ``$TMPDIR`` (or /tmp).
@@ -294,6 +297,95 @@ def state_encode(r: Results, params: int, repeats: int) -> None:
         how,
     )
     r.const("state_encode_ratio", "state file encode / safetensors.save", a / b, "x", how)
+
+
+def manifest_codec(r: Results, chunks: int, repeats: int) -> None:
+    """The rank manifest of a delta (each chunk with its row-index filter; written twice per
+    delta by the spool writer and the commit thread, read by rank 0, the merger and restores):
+    ``dump_model`` / ``load_model`` against the record encoded in place (one ``json.dumps`` of
+    the whole, filters and all) and checked through its canonical form (encoded again)."""
+    import xxhash
+    from deck.kernels.bloom import bloom_fill
+
+    from deck.format.manifest import RankManifest, _canonical, dump_model, load_model
+    from deck.format.rowindex import build_index
+
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for n in range(chunks):
+        ids = torch.randperm(1 << 20, generator=g)[:11_000].sort().values
+        records.append(
+            {
+                "path": f"r/t{n}/c0-r0-000000.chunk",
+                "rows": 11_000,
+                "nbytes": 11_000 * 272,
+                "checksum": "0" * 16,
+                "segments": [
+                    {
+                        "name": "ids",
+                        "dtype": "int64",
+                        "shape": [11_000],
+                        "offset": 0,
+                        "nbytes": 88_000,
+                    },
+                ],
+                "index": build_index(ids, fill=bloom_fill).model_dump(),  # type: ignore[union-attr]
+            }
+        )
+    shards = [
+        {
+            "table": f"t{n}",
+            "num_rows": 1 << 20,
+            "num_cols": 64,
+            "row_offset": 0,
+            "rows": 1 << 20,
+            "col_offset": 0,
+            "cols": 64,
+            "full": False,
+            "states": ["weight"],
+            "chunks": [rec],
+        }
+        for n, rec in enumerate(records)
+    ]
+    part = RankManifest.model_validate(
+        {
+            "format_version": 1,
+            "step": 25,
+            "ckpt_id": "0" * 16,
+            "rank": 0,
+            "world_size": 1,
+            "shards": shards,
+            "dense": None,
+            "extra": {"path": "r/extra.safetensors", "nbytes": 1, "checksum": "ab"},
+        }
+    )
+
+    def in_place() -> bytes:
+        d = part.model_dump(mode="json")
+        body = _canonical(d)
+        return body[:-1] + f',"self_checksum":"{xxhash.xxh3_64_hexdigest(body)}"}}'.encode()
+
+    data = dump_model(part)
+    assert data == in_place()  # the same bytes
+
+    def canonical_load() -> RankManifest:
+        d = json.loads(data)
+        d.pop("self_checksum")
+        body = _canonical(d)
+        assert xxhash.xxh3_64_hexdigest(body)
+        return RankManifest.model_validate_json(body)
+
+    how = f"a delta's rank manifest: {chunks} chunks of 11k rows with their filters, {len(data) >> 10} KiB"
+    ms = [t * 1e3 for t in _timed(lambda: dump_model(part), repeats * 20)]
+    base = [t * 1e3 for t in _timed(in_place, repeats * 20)]
+    a = r.add("manifest_dump_ms", "rank manifest encode (dump_model)", ms, "ms", how)
+    b = r.add("manifest_dump_in_place_ms", "rank manifest encoded in place", base, "ms", how)
+    r.const("manifest_dump_ratio", "manifest encode / in place", a / b, "x", how)
+    ms = [t * 1e3 for t in _timed(lambda: load_model(RankManifest, data, "p"), repeats * 20)]
+    base = [t * 1e3 for t in _timed(canonical_load, repeats * 20)]
+    a = r.add("manifest_load_ms", "rank manifest decode (load_model)", ms, "ms", how)
+    b = r.add("manifest_load_canonical_ms", "rank manifest checked re-encoded", base, "ms", how)
+    r.const("manifest_load_ratio", "manifest decode / re-encoded", a / b, "x", how)
 
 
 def spool_write(r: Results, files: int, repeats: int) -> None:
@@ -594,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         claim(r, table_rows, delta, map_rows, a.sparse_rows, a.repeats)
         checksum_rate(r, a.repeats)
         state_encode(r, 50 if q else 200, a.repeats)
+        manifest_codec(r, 8, a.repeats)
         spool_write(r, files, a.repeats)
         if a.s3:
             upload(r, objects, a.repeats, work)

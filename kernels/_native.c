@@ -630,27 +630,53 @@ done:
     return result;
 }
 
-/* bloom_fill(ids, out, bits, k) -> (min, max, filled): a chunk's row index
+/* Standard base64 (RFC 4648, '=' padding) of src[0:n] into dst (4 * ceil(n / 3) bytes). */
+static void base64_encode(const uint8_t *src, size_t n, uint8_t *dst)
+{
+    static const char digits[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    size_t i = 0;
+    for (; i + 3 <= n; i += 3) {
+        const uint32_t v = (uint32_t)src[i] << 16 | (uint32_t)src[i + 1] << 8 | src[i + 2];
+        *dst++ = digits[v >> 18];
+        *dst++ = digits[(v >> 12) & 63];
+        *dst++ = digits[(v >> 6) & 63];
+        *dst++ = digits[v & 63];
+    }
+    if (i < n) {
+        const uint32_t v = (uint32_t)src[i] << 16 | (i + 1 < n ? (uint32_t)src[i + 1] << 8 : 0);
+        *dst++ = digits[v >> 18];
+        *dst++ = digits[(v >> 12) & 63];
+        *dst++ = i + 1 < n ? digits[(v >> 6) & 63] : '=';
+        *dst++ = '=';
+    }
+}
+
+/* bloom_fill(ids, out, bits, k[, b64]) -> (min, max, filled): a chunk's row index
  * (deck.format.rowindex) in one pass with the GIL released. ids: int64; out: bits / 8 zeroed
  * bytes. Unless the ids are exactly [min, max] (a full's chunk: no filter), sets the k bits of
  * every id, each the splitmix64 finaliser of id + GOLDEN * (i + 1) mapped onto [0, bits) by a
  * multiply-shift of its top 32 bits, little-endian bit order: bit for bit what
- * rowindex._positions and numpy's packbits(bitorder="little") make. */
+ * rowindex._positions and numpy's packbits(bitorder="little") make. b64 (4 * ceil(bits / 24)
+ * bytes): the filter's base64 as the manifest holds it, made here too (base64.b64encode holds
+ * the GIL, on the thread writing a delta's records beside training). */
 static PyObject *bloom_fill(PyObject *self, PyObject *args)
 {
-    Py_buffer ids_b, out_b;
+    Py_buffer ids_b, out_b, b64_b = {0};
     unsigned long long bits;
     int k;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*Ki", &ids_b, &out_b, &bits, &k))
+    if (!PyArg_ParseTuple(args, "y*w*Ki|w*", &ids_b, &out_b, &bits, &k, &b64_b))
         return NULL;
     PyObject *result = NULL;
     const int64_t n = ids_b.len / 8;
     if (ids_b.len % 8 || n == 0 || k < 1 || bits == 0 || bits % 8 || bits >= ((uint64_t)1 << 32)
-        || (uint64_t)out_b.len < bits / 8) {
+        || (uint64_t)out_b.len < bits / 8
+        || (b64_b.buf != NULL && (uint64_t)b64_b.len != 4 * ((bits / 8 + 2) / 3))) {
         PyErr_SetString(PyExc_ValueError,
                         "bloom_fill: ids must be a non-empty int64 array, bits a multiple of 8 "
-                        "below 2**32 with bits / 8 output bytes, k >= 1");
+                        "below 2**32 with bits / 8 output bytes (and 4 * ceil(bits / 24) base64 "
+                        "bytes), k >= 1");
         goto done;
     }
     const int64_t *ids = ids_b.buf;
@@ -676,12 +702,16 @@ static PyObject *bloom_fill(PyObject *self, PyObject *args)
                 out[pos >> 3] |= (uint8_t)(1u << (pos & 7));
             }
         }
+        if (b64_b.buf != NULL)
+            base64_encode(out, bits / 8, b64_b.buf);
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("LLO", (long long)lo, (long long)hi, filled ? Py_True : Py_False);
 done:
     PyBuffer_Release(&ids_b);
     PyBuffer_Release(&out_b);
+    if (b64_b.buf != NULL)
+        PyBuffer_Release(&b64_b);
     return result;
 }
 

@@ -14,14 +14,15 @@ import numpy as np
 from . import native
 
 
-def bloom_fill(ids: np.ndarray, bits: int, k: int) -> tuple[int, int, bytes | None] | None:
-    """``(min, max, filter)`` of the non-empty int64 ``ids``: ``filter`` (``bits / 8`` bytes) is
-    None when the ids are exactly ``[min, max]``, else the same bytes as rowindex's numpy
-    filter. None without the native kernel (the caller computes it with numpy)."""
+def bloom_fill(ids: np.ndarray, bits: int, k: int) -> tuple[int, int, str | None] | None:
+    """``(min, max, filter)`` of the non-empty int64 ``ids``: ``filter`` (the base64 of
+    ``bits / 8`` bytes) is None when the ids are exactly ``[min, max]``, else the same as
+    rowindex's numpy filter. None without the native kernel (the caller computes it with
+    numpy)."""
     kernel = native.native_module()
     if kernel is None:
         return None
     ids = np.require(ids, np.int64, ["C_CONTIGUOUS", "ALIGNED"])  # the kernel reads int64 words
-    out = bytearray(bits // 8)
-    lo, hi, filled = kernel.bloom_fill(ids, out, bits, k)
-    return lo, hi, bytes(out) if filled else None
+    b64 = bytearray(4 * ((bits // 8 + 2) // 3))
+    lo, hi, filled = kernel.bloom_fill(ids, bytearray(bits // 8), bits, k, b64)
+    return lo, hi, b64.decode("ascii") if filled else None

@@ -46,9 +46,10 @@ def _positions(ids: np.ndarray, bits: int, k: int) -> np.ndarray:
     return out
 
 
-# (ids, bits, k) -> (min, max, packed filter or None when the ids are exactly [min, max]), or
-# None when unavailable: a native implementation of the index (deck.kernels.bloom.bloom_fill)
-Fill = Callable[[np.ndarray, int, int], "tuple[int, int, bytes | None] | None"]
+# (ids, bits, k) -> (min, max, base64 of the packed filter or None when the ids are exactly
+# [min, max]), or None when unavailable: a native implementation of the index
+# (deck.kernels.bloom.bloom_fill)
+Fill = Callable[[np.ndarray, int, int], "tuple[int, int, str | None] | None"]
 
 
 def build_index(
@@ -68,17 +69,17 @@ def build_index(
     bits = bits_for(n, fp, k)
     got = None if fill is None else fill(arr, bits, k)
     if got is not None:
-        lo, hi, packed = got
+        lo, hi, bloom = got
     else:
         lo, hi = int(arr.min()), int(arr.max())
-        packed = None
+        bloom = None
         if hi - lo + 1 != n:
             mask = np.zeros(bits, dtype=np.uint8)
             mask[_positions(arr, bits, k).reshape(-1).astype(np.int64)] = 1
-            packed = np.packbits(mask, bitorder="little").tobytes()
-    if packed is None:
+            bloom = base64.b64encode(np.packbits(mask, bitorder="little").tobytes()).decode()
+    if bloom is None:
         return RowIndex(min_id=lo, max_id=hi)
-    return RowIndex(min_id=lo, max_id=hi, bits=bits, k=k, bloom=base64.b64encode(packed).decode())
+    return RowIndex(min_id=lo, max_id=hi, bits=bits, k=k, bloom=bloom)
 
 
 def may_contain(index: RowIndex | None, row: int) -> bool:

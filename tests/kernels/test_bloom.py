@@ -57,3 +57,17 @@ def test_ids_at_an_unaligned_address_give_the_same_index() -> None:
     assert build_index(
         torch.from_numpy(ids.copy()), fill=lambda a, b, k: bloom_fill(ids, b, k)
     ) == (build_index(torch.from_numpy(ids.copy())))
+
+
+@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
+def test_the_native_base64_of_every_filter_length_is_base64s() -> None:
+    """The kernel writes the filter's base64 itself: every length modulo 3 (two, one or no
+    '=' of padding) gives what base64.b64encode gives."""
+    rng = np.random.default_rng(0)
+    padding = set()
+    for n in range(2, 120):  # (one id is its own range: no filter)
+        ids = torch.from_numpy(np.sort(rng.choice(2**40, n, replace=False)).astype(np.int64))
+        native_index = build_index(ids, fill=bloom_fill)
+        assert native_index == build_index(ids)
+        padding.add(native_index.bloom.count("="))  # type: ignore[union-attr]
+    assert padding == {0, 1, 2}
