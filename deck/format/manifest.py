@@ -623,33 +623,40 @@ _LIFTED = "deck.lifted"
 
 
 class _Lifted:
-    """Row-index filters taken out of a record while it is encoded, and put back after.
+    """Parts of a record taken out while it is encoded, and put back after.
 
     A delta's rank manifest is ~1/4 MB, nearly all of it base64 filters, and ``json.dumps``
     scans every character of a string for escapes (~50 us per chunk's filter, on whichever
-    background thread writes the record, holding the GIL). A filter is base64 (its field's
-    pattern), which JSON writes as it is: so each is encoded as a short placeholder and spliced
-    back into the encoded bytes, which come out the same as encoding the filters in place."""
+    background thread writes the record, holding the GIL). A filter is base64 (checked when the
+    record is built), which JSON writes as it is; a field whose value was encoded before (a
+    pending record's rank manifest, :func:`dump_model`) is its canonical JSON again. So each is
+    encoded as a short placeholder string and its bytes are spliced in place of it: the result
+    is the same bytes as encoding everything in place."""
 
     def __init__(self) -> None:
         self.nonce = os.urandom(8).hex()  # no other string of a record holds it (checked)
-        self.strings: list[str] = []
+        self.fragments: list[bytes] = []
 
     def lift(self, s: str) -> str:
-        self.strings.append(s)
-        return f"{self.nonce}{len(self.strings) - 1:08d}"
+        """The placeholder of string ``s`` (JSON-safe as it is: no escapes)."""
+        return self.fragment(b'"' + s.encode() + b'"')
+
+    def fragment(self, encoded: bytes) -> str:
+        """The placeholder of a value whose canonical JSON is ``encoded``."""
+        self.fragments.append(encoded)
+        return f"{self.nonce}{len(self.fragments) - 1:08d}"
 
     def splice(self, body: bytes) -> bytes | None:
-        """``body`` with the strings back in place of their placeholders; None when the
+        """``body`` with the fragments back in place of their placeholders; None when the
         nonce turned up anywhere else in it."""
-        if not self.strings:
+        if not self.fragments:
             return body
         pieces = body.split(b'"' + self.nonce.encode())
-        if len(pieces) != len(self.strings) + 1:
+        if len(pieces) != len(self.fragments) + 1:
             return None
         out = [pieces[0]]
         for piece in pieces[1:]:
-            out += (b'"', self.strings[int(piece[:8])].encode(), b'"', piece[9:])
+            out += (self.fragments[int(piece[:8])], piece[9:])
         return b"".join(out)
 
 
@@ -658,20 +665,37 @@ def _canonical_v1(d: dict[str, Any]) -> bytes:
     return json.dumps(d, sort_keys=True, indent=1).encode()
 
 
-def dump_model(model: BaseModel) -> bytes:
-    """Serialise a manifest as JSON (UTF-8) with its own checksum embedded (``self_checksum``,
-    the last key: the xxh3-64 of the record's canonical JSON without it, sorted keys)."""
+def encode_body(model: BaseModel, encoded: dict[str, bytes] | None = None) -> bytes:
+    """The record's canonical JSON (sorted keys, compact), without its checksum: what
+    :func:`dump_model` checksums. ``encoded``: fields of ``model`` whose values' canonical JSON
+    is already known (:func:`encode_body` of them), put in as they are instead of encoded
+    again."""
     lifted = _Lifted()
-    d = model.model_dump(mode="json", context={_LIFTED: lifted})
+    skip = set(encoded or ())
+    d = model.model_dump(mode="json", context={_LIFTED: lifted}, exclude=skip or None)
+    for name, value in (encoded or {}).items():
+        d[name] = lifted.fragment(value)
     body = lifted.splice(_canonical(d))
     if body is None:  # a placeholder was not unique: encode the record in place
-        d = model.model_dump(mode="json")
-        body = _canonical(d)
-    # The checksum goes in as the last key of the same bytes instead of encoding the record a
-    # second time (a delta's rank manifest is ~1/4 MB of row-index filters): readers take the
-    # keys in any order and check it against the canonical form without it.
+        body = _canonical(model.model_dump(mode="json"))
+    return body
+
+
+def with_checksum(body: bytes) -> bytes:
+    """A record's file from its canonical JSON (:func:`encode_body`): the same bytes with its
+    own checksum (``self_checksum``, the xxh3-64 of ``body``) as the last key. Put in instead
+    of encoding the record a second time (a delta's rank manifest is ~1/4 MB of row-index
+    filters): readers take the keys in any order and check it against the canonical form
+    without it."""
     tail = f'"{SELF_CHECKSUM}":"{xxhash.xxh3_64_hexdigest(body)}"}}'.encode()
-    return body[:-1] + (b"," if d else b"") + tail
+    return body[:-1] + (b"" if body == b"{}" else b",") + tail
+
+
+def dump_model(model: BaseModel, encoded: dict[str, bytes] | None = None) -> bytes:
+    """Serialise a manifest as JSON (UTF-8) with its own checksum embedded (``self_checksum``,
+    the last key: the xxh3-64 of the record's canonical JSON without it, sorted keys).
+    ``encoded``: as :func:`encode_body`."""
+    return with_checksum(encode_body(model, encoded))
 
 
 def _written_body(data: bytes) -> bytes | None:

@@ -18,11 +18,14 @@ from deck.format.chunks import decode_chunk, encode_chunk
 from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,
+    Kind,
     RankManifest,
     RowIndex,
     dump_model,
+    encode_body,
     load_model,
 )
+from deck.format.pending import PendingPart
 from deck.format.rowindex import build_index
 
 
@@ -276,7 +279,7 @@ def _part_with_filters(id_sets: list[list[int]], table: str = "t") -> RankManife
     for n, ids in enumerate(id_sets):
         _, _, rec = _chunk(3)
         index = build_index(torch.tensor(sorted(set(ids)), dtype=torch.int64))
-        chunks.append(rec.model_copy(update={"path": f"r/{table}/c{n}.chunk", "index": index}))
+        chunks.append(rec.model_copy(update={"path": f"{PART}/{table}/c{n}.chunk", "index": index}))
     shard = {
         "table": table,
         "num_rows": 1 << 20,
@@ -298,9 +301,12 @@ def _part_with_filters(id_sets: list[list[int]], table: str = "t") -> RankManife
             "world_size": 1,
             "shards": [shard],
             "dense": None,
-            "extra": {"path": "r/extra.safetensors", "nbytes": 1, "checksum": "ab"},
+            "extra": {"path": f"{PART}/extra.safetensors", "nbytes": 1, "checksum": "ab"},
         }
     )
+
+
+PART = f"{'0' * 16}/rank-00000"
 
 
 @given(
@@ -322,6 +328,15 @@ def test_rank_manifests_with_row_index_filters_are_the_bytes_encoded_in_place(
     assert load_model(RankManifest, data, "p.json") == part
     reformatted = json.loads(data)
     assert load_model(RankManifest, json.dumps(reformatted, indent=2).encode(), "p.json") == part
+    # A pending record holding the part, with the part's encoding put in as it is: the same
+    # bytes as encoding the pending record whole.
+    pending = PendingPart(
+        uri="/ck", step=5, ckpt_id="0" * 16, rank=0, world_size=1, kind=Kind.DELTA,
+        parent=0, parent_id="1" * 16, base=0, epoch=0, part=part,
+    )  # fmt: skip
+    whole = dump_model(pending)
+    assert dump_model(pending, {"part": encode_body(part)}) == whole
+    assert load_model(PendingPart, whole, "pending.json") == pending
 
 
 def test_a_placeholder_found_elsewhere_in_the_record_falls_back_to_encoding_in_place(

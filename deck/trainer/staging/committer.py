@@ -23,7 +23,14 @@ from deck.errors import (
     StorageError,
 )
 from deck.failpoints import failpoint
-from deck.format.manifest import Kind, dump_model, rank_failure_name, rank_manifest_name, step_dir
+from deck.format.manifest import (
+    Kind,
+    dump_model,
+    rank_failure_name,
+    rank_manifest_name,
+    step_dir,
+    with_checksum,
+)
 from deck.format.pending import PendingPart
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.records import NeverCommits, PartProgress
@@ -246,7 +253,7 @@ class Committer:
         recovering = progress.get().state == "recovering"
         own: bytes | None = None  # the part manifest as written here (rank 0 commits with it)
         if not (recovering and self.dest.patient_exists(part_key)):
-            own = self._put_part(p, progress, recovering, part_key)
+            own = self._put_part(p, progress, recovering, part_key, item.staged)
         # The time is the upload's on ranks > 0, the commit's on rank 0.
         progress.advance("uploaded", committed=p.rank != 0)
         if p.rank == 0:
@@ -268,10 +275,16 @@ class Committer:
         )
 
     def _put_part(
-        self, p: PendingPart, progress: PartProgress, recovering: bool, part_key: str
+        self,
+        p: PendingPart,
+        progress: PartProgress,
+        recovering: bool,
+        part_key: str,
+        staged: StagedPart | None,
     ) -> bytes:
         """The part's files durable and at the destination, then its rank manifest (returned as
-        written)."""
+        written; ``staged``: the part as this process staged it, whose manifest its pending
+        record already encoded)."""
         assert p.part is not None
         if recovering:
             failpoint("stager.recover.before_check")
@@ -285,7 +298,7 @@ class Committer:
         if self.tier == "cpu-ssd-remote":
             self._upload(p)
         failpoint("stager.part_manifest.before_put")
-        data = dump_model(p.part)
+        data = dump_model(p.part) if staged is None else with_checksum(staged.encoded_part())
         self.dest.patient_put(part_key, data)
         failpoint("stager.part_manifest.after_put")
         return data

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from deck.errors import DeckError
 from deck.format.chunks import Buffer
-from deck.format.manifest import RankManifest
+from deck.format.manifest import RankManifest, encode_body
 from deck.format.pending import PendingPart
 from deck.trainer.staging.pool import BufferPool
 
@@ -87,6 +87,7 @@ class StagedPart:
         # spool writer (the pending record) or the commit thread, whichever asks first.
         self._build: Callable[[], RankManifest] | None = None
         self._part: RankManifest | None = None
+        self._part_body: bytes | None = None  # its canonical JSON, encoded once
         self._part_lock = threading.Lock()
         # Writes not started yet, in submission order, each with the pool buffer it returns
         # (None: not holding, or started)
@@ -248,6 +249,18 @@ class StagedPart:
                 self._done.wait()
             if self._error is not None:
                 raise self._error
+
+    def encoded_part(self) -> bytes:
+        """The rank manifest's canonical JSON (:func:`~deck.format.manifest.encode_body`),
+        encoded once for the pending record and the part manifest both; only once every file is
+        written."""
+        part = self.part
+        if part is None:
+            raise DeckError("internal: rank part was not finished")
+        with self._part_lock:
+            if self._part_body is None:
+                self._part_body = encode_body(part)
+            return self._part_body
 
     def pending(self) -> PendingPart:
         """The part with its rank manifest; only once every file is written."""

@@ -173,8 +173,9 @@ class SpoolDir:
     def pending_path(self, p: PendingPart) -> str:
         return os.path.join(self.root, *self.pending_key(p).split("/"))
 
-    def write_pending(self, p: PendingPart) -> None:
-        """Durably record a staged part (temp + fsync + rename) so a restart can finish it."""
+    def write_pending(self, p: PendingPart, part: bytes | None = None) -> None:
+        """Durably record a staged part (temp + fsync + rename) so a restart can finish it.
+        ``part``: its rank manifest's canonical JSON, when already encoded."""
         path = self.pending_path(p)
         failpoint("stager.pending.before_write")
         try:
@@ -182,7 +183,7 @@ class SpoolDir:
             # The temp file's name is the one a restart removes (recovery._scan_spool).
             with atomic_file(path, tmp=path + ".tmp") as f:
                 failpoint("stager.pending.write", f.name)
-                f.write(dump_model(p))
+                f.write(dump_model(p, None if part is None else {"part": part}))
                 failpoint("stager.pending.before_rename")
         except OSError as e:
             raise self.error(p.step, os.path.relpath(path, self.root), e) from e

@@ -280,7 +280,7 @@ class Stager:
 
         def record() -> None:
             if staged.error() is None:
-                spool.write_pending(staged.pending())
+                spool.write_pending(staged.pending(), staged.encoded_part())
 
         return self._writer.submit(record)
 
