@@ -77,6 +77,8 @@ def chain_hooks(
             store.guard(positions)
         if active:
             store.record(positions)
+            if isinstance(embs, torch.Tensor) and embs.requires_grad:
+                store.await_backward(embs)
 
     def on_odist() -> None:
         if prev_odist is not None:

@@ -8,6 +8,9 @@ Quick use::
         train_one_step(...)
         ckpt.step(step)
 
+``deck.load(model, optimizers, uri)`` loads a committed step read-only (evaluation, inference,
+beside a running trainer).
+
 ``import deck`` does not import torch or TorchRec: the training-process names (``enable``,
 ``DeltaCheckpointer``, ``CheckpointStats``, ``CheckpointEvent``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
 ``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
@@ -23,7 +26,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from deck import errors
-from deck.api import lineage_graph, list_checkpoints
+from deck.api import lineage_graph, list_checkpoints, load
 from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import (
     CheckpointError,
@@ -90,6 +93,7 @@ __all__ = [
     "lineage",
     "lineage_graph",
     "list_checkpoints",
+    "load",
     "run_doctor",
 ]
 

@@ -1,15 +1,21 @@
 """The top-level convenience functions that take a URI (``deck.list_checkpoints(uri)``,
-``deck.lineage_graph(uri)``): each opens the URI (:func:`deck.storage.open_storage`) and calls
+``deck.lineage_graph(uri)``, ``deck.load(model, optimizers, uri)``): each opens the URI (:func:`deck.storage.open_storage`) and calls
 the library function, which takes a :class:`~deck.storage.Storage`. URIs are turned into
 storage only at the edges: here, the CLI, and the trainer's config."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deck.read import catalog, lineage
 from deck.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    import torch
+
+    from deck.model import ModelAdapter
+    from deck.trainer.checkpointer import UserState
 
 
 def _store(where: str | os.PathLike[str] | Storage, options: dict[str, Any] | None) -> Storage:
@@ -30,3 +36,32 @@ def lineage_graph(
     """The lineage graph of every committed checkpoint at ``uri`` (or an open Storage),
     trainer's and merger's; an empty or missing URI gives an empty graph."""
     return lineage.lineage_graph(_store(uri, storage_options))
+
+
+def load(
+    model: torch.nn.Module,
+    optimizers: Any,
+    uri: str | os.PathLike[str] | Storage,
+    *,
+    step: int | None = None,
+    state: UserState | None = None,
+    storage_options: dict[str, Any] | None = None,
+    restore_rng: bool = True,
+    adapter: ModelAdapter | None = None,
+) -> int | None:
+    """Load committed ``step`` of ``uri`` (the latest when None) into ``model``, ``optimizers``
+    and ``state`` bitwise, reading only: no write probe, no writer lease, no tracking, so it
+    works on a read-only URI and beside a running trainer. Returns the step loaded, or None
+    for an empty URI. Collective (every rank, any world size or plan). See
+    :func:`deck.trainer.load.load_step`; imports torch and TorchRec when called."""
+    from deck.trainer.load import load_step
+
+    return load_step(
+        model,
+        optimizers,
+        _store(uri, storage_options),
+        step=step,
+        state=state,
+        restore_rng=restore_rng,
+        adapter=adapter,
+    )

@@ -31,6 +31,11 @@ class RowRecorder(Protocol):
         """Fold what :meth:`record` got so far into the store (called after the lookup's
         output distribution, overlapping its AllToAll)."""
 
+    def await_backward(self, output: torch.Tensor) -> None:
+        """A tracked lookup produced ``output`` (which requires grad): its backward, where the
+        fused optimizer writes the rows, is still to come. A checkpoint taken before it is
+        refused (it would be neither the step before nor the step after)."""
+
     @property
     def guarding(self) -> bool:
         """Whether a copy-on-write snapshot still has rows to copy: lookups must call

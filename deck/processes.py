@@ -3,7 +3,8 @@ clean end of a rank that finished its work.
 
 Used by every process that spawns its own ranks: ``deck doctor`` (deck.doctor.run), the demo
 (deck.demo), the test harnesses (deck.testing) and the benchmarks; and by user scripts, which end
-each rank with :func:`end_rank` (docs/quickstart.md). Imports nothing of deck.
+each rank with :func:`end_rank` (docs/quickstart.md). Imports nothing of deck but the leaf that
+closes open checkpointers (deck.at_exit).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from deck.at_exit import close_open
 
 
 def free_port() -> int:
@@ -34,7 +37,8 @@ def init_process_group(rank: int, world_size: int, port: int) -> None:
 
 
 def end_rank() -> None:
-    """Leave a spawned rank that finished its work: destroy the process group, flush stdio and
+    """Leave a spawned rank that finished its work: close the checkpointers still open (on this
+    rank only, as at any exit: deck.at_exit), destroy the process group, flush stdio and
     exit 0 at once.
 
     Skipping interpreter finalization is deliberate: torch 2.13's gloo backend can abort a
@@ -42,6 +46,7 @@ def end_rank() -> None:
     drops a tensor that needs the GIL while the interpreter is being torn down (see pytorch
     PR 179291). Nothing of ours is left to finalize: files are closed and flushed by then.
     """
+    close_open()
     dist.destroy_process_group()
     gc.collect()
     sys.stdout.flush()

@@ -11,7 +11,20 @@ from collections.abc import Iterator
 
 import pytest
 
+from deck.at_exit import still_open
 from deck.testing.s3_server import SeaweedS3
+
+
+@pytest.fixture(autouse=True)
+def _checkpointers_closed() -> Iterator[None]:
+    """A test closes every checkpointer it opens in this process: one left open would keep its
+    model and threads for the rest of the session and be finished at the session's exit."""
+    before = {id(c) for c in still_open()}
+    yield
+    left = [c for c in still_open() if id(c) not in before]
+    for ckpt in left:
+        ckpt.close(collective=False)
+    assert not left, f"the test left {len(left)} checkpointer(s) open: close() them"
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ LEAVES = {
     "deck.config",
     "deck.schemes",
     "deck.model",
+    "deck.at_exit",  # open checkpointers closed at interpreter exit (and by end_rank)
 }
 ALLOWED = {
     "deck.storage": set(),

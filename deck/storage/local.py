@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 
 from deck.errors import ConfigError, NotFoundError, StorageError, UnsafePathError
+from deck.failpoints import failpoint
 from deck.storage.atomic import TEMP_PREFIX, fsync_dir, temp_path
 from deck.storage.base import Storage, check_folder, check_prefix, validate_key
 
@@ -401,6 +402,7 @@ class LocalStorage(Storage):
         tmp = temp_path(names[-1])
         created = True
         try:
+            failpoint("storage.local.write", path)  # test hook: a full disk (enospc)
             write_new_file(tmp, view, exclusive=True, fsync=True, dir_fd=dfd)
             if exclusive:
                 try:

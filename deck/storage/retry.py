@@ -141,6 +141,15 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+_OUT_OF_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a full disk or an exhausted quota: a
+    failure that waiting does not fix while the writer keeps writing to the same disk."""
+    return any(isinstance(e, OSError) and e.errno in _OUT_OF_SPACE_ERRNOS for e in _causes(exc))
+
+
 class RetryPolicy(Settings):
     """How often and how patiently to retry a failed call (by default: a transient storage
     failure, see :func:`is_transient`).

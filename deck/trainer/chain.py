@@ -470,6 +470,24 @@ class ChainWriter:
         if self.lease is not None and self.lease.lost.is_set():
             snap.error = CheckpointError("the writer lease is lost")  # the vote says so to all
             return snap
+        waiting = self.tracker.awaiting_backward()
+        if waiting:
+            # A forward whose output was dropped may hold its graph in a reference cycle (the
+            # output distribution's, with 2+ ranks) until the collector runs: run it now.
+            gc.collect()
+            waiting = self.tracker.awaiting_backward()
+        if waiting:
+            # Its rows hold the step before, its update would be missed by the next delta (the
+            # claim clears them), and a restore could not repeat the forward already run.
+            snap.error = CheckpointError(
+                f"{waiting} embedding lookup(s) of a forward pass still wait for their backward "
+                "(the fused optimizer updates their rows there): take checkpoints after "
+                "optimizer.step(), between training steps -- not between a forward and its "
+                "backward, nor with a pipeline that looks the next batch up ahead (TorchRec's "
+                "semi-sync and prefetch pipelines), nor while a training-mode forward's output "
+                "is kept without a backward (run such forwards under torch.no_grad())"
+            )
+            return snap
         try:
             shards = self.adapter.table_shards()
             partial = [sh for sh in shards if not (full or sh.full_only)]

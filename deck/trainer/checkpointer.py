@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 import deck.schemes as schemes
+from deck.at_exit import forget, keep_open
 from deck.config import CHECKPOINT_CONSUMER, PUBLISH_CONSUMER, DeckConfig
 from deck.errors import (
     CheckpointError,
@@ -117,6 +118,7 @@ class DeltaCheckpointer:
         except BaseException:
             self._release()
             raise
+        keep_open(self)  # until close(): what it stages is finished even without one
 
     def _check_locally(
         self,
@@ -129,7 +131,7 @@ class DeltaCheckpointer:
     ) -> list[TableShard]:
         """The local part of construction (no collective): the adapter, the storage, the
         optimizers and user state, the tracker and its hooks. Raises what this rank refuses."""
-        self.adapter = adapter or _default_adapter(model)
+        self.adapter = adapter or default_adapter(model)
         # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
         # fault-injecting wrapper in tests); everything goes through this one interface.
         self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
@@ -544,11 +546,28 @@ class DeltaCheckpointer:
         if self._closed:
             return
         self._closed = True
+        forget(self)
         try:
             if collective:
                 self.flush()
         finally:
             self._release()
+
+    def close_at_exit(self) -> None:
+        """``close(collective=False)``, for a process exiting without ``close()``
+        (:mod:`deck.at_exit`): what this rank staged is finished, not lost, and a
+        warning names the checkpoints it waited for and how they ended."""
+        waiting = [(c, [s for s in c.history if not s.progress.wait(0)]) for c in self._chains]
+        waiting = [(c, parts) for c, parts in waiting if parts]
+        if waiting:
+            logger.warning(
+                "deck: the process is exiting without close(): finishing %s on this rank first "
+                "(call close(), or use the checkpointer in a `with` block, to end a job)",
+                _parts(waiting),
+            )
+        self.close(collective=False)
+        if waiting:
+            logger.warning("deck: finished at exit: %s", _parts(waiting, with_state=True))
 
     def _release(self) -> None:
         """Remove the tracking hooks, stop every stager (waiting for its own background work)
@@ -572,7 +591,7 @@ class DeltaCheckpointer:
         self.close(collective=exc_type is None)
 
 
-def _default_adapter(model: torch.nn.Module) -> ModelAdapter:
+def default_adapter(model: torch.nn.Module) -> ModelAdapter:
     """TorchRec's adapter, for a model given without one; imported here, on first use, so that
     a checkpointer with its own adapter never loads TorchRec."""
     from deck.adapters.torchrec import TorchRecAdapter
@@ -619,6 +638,23 @@ def _require_shared(uri: str, field: str, world_size: int) -> None:
             "the ranks of a multi-process job cannot see each other's parts; use a shared "
             "path or object store"
         )
+
+
+def _parts(
+    waiting: list[tuple[ChainWriter, list[CheckpointStats]]], with_state: bool = False
+) -> str:
+    """``<chain> steps <steps> at <uri>`` per chain, and with ``with_state`` how each ended."""
+    out = []
+    for chain, parts in waiting:
+        if not with_state:
+            out.append(f"{chain.label} {_steps([s.step for s in parts])} at {chain.storage.uri}")
+            continue
+        ended: dict[str, list[str]] = {}
+        for s in parts:
+            ended.setdefault(s.state, []).append(f"{s.step}" + (f" ({s.error})" if s.error else ""))
+        how = "; ".join(f"{state} {', '.join(steps)}" for state, steps in ended.items())
+        out.append(f"{chain.label} steps at {chain.storage.uri}: {how}")
+    return "; ".join(out)
 
 
 def _steps(steps: list[int]) -> str:

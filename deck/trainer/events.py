@@ -152,8 +152,12 @@ class EventQueue:
         self._last: Future[None] | None = None
 
     def put(self, event: CheckpointEvent) -> None:
-        """Queue ``event`` for delivery (any thread)."""
-        self._last = self._pool.submit(lambda: deliver(event, self._callback()))
+        """Queue ``event`` for delivery (any thread); delivered at once, on this thread, when
+        the queue no longer takes work (closed, or the interpreter is shutting down)."""
+        try:
+            self._last = self._pool.submit(lambda: deliver(event, self._callback()))
+        except RuntimeError:
+            deliver(event, self._callback())
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued event was delivered (one worker, in order: the last one

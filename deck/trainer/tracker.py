@@ -27,7 +27,9 @@ embedding AllToAll.
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,6 +195,21 @@ class ClaimedSpan:
         return self.token.rows_in([(self.start, self.stop)])[0]
 
 
+class _BackwardWatch:
+    """The gradient hook on one tracked lookup's output: takes its key out of ``awaiting`` when
+    the gradient arrives. It lives as long as the autograd graph (or the output) holding it,
+    so a finalizer on it also takes the key when the graph is freed without a backward."""
+
+    __slots__ = ("__weakref__", "awaiting", "key")
+
+    def __init__(self, awaiting: dict[int, None], key: int) -> None:
+        self.awaiting = awaiting
+        self.key = key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.awaiting.pop(self.key, None)
+
+
 class TrackerStore:
     """Touched-row state for a flat space of ``num_rows`` rows (all tracked shards back to back)."""
 
@@ -231,6 +248,10 @@ class TrackerStore:
         self._uncleared: dict[str, ReadToken] = {}
         # Copy-on-write snapshots whose rows are not all copied yet (deck.trainer.cow)
         self._guards: list[Callable[[torch.Tensor], None]] = []
+        # Tracked lookups whose backward (where the fused optimizer writes their rows) has not
+        # run: keys, added by the training thread, taken by an autograd thread or the GC.
+        self._awaiting: dict[int, None] = {}
+        self._lookups = itertools.count()
 
     @property
     def num_rows(self) -> int:
@@ -280,6 +301,21 @@ class TrackerStore:
 
     def remove_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
         self._guards = [g for g in self._guards if g is not protect]
+
+    def await_backward(self, output: torch.Tensor) -> None:
+        """A tracked lookup produced ``output``, whose backward will update the rows it read:
+        counted by :meth:`awaiting_backward` until its gradient is computed (the update runs
+        in the same ``backward()``) or its graph is freed without one (a forward never
+        backpropagated: nothing will update its rows)."""
+        key = next(self._lookups)
+        self._awaiting[key] = None
+        watch = _BackwardWatch(self._awaiting, key)
+        output.register_hook(watch)
+        weakref.finalize(watch, self._awaiting.pop, key, None)
+
+    def awaiting_backward(self) -> int:
+        """How many tracked lookups still wait for their backward (:meth:`await_backward`)."""
+        return len(self._awaiting)
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""

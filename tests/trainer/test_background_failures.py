@@ -1,6 +1,7 @@
 """Parts that fail in the background after training moved on: a failed spool fsync fails its part
 for good (never retried over data the kernel may have dropped), and a failure recorded while the
-ranks vote on the next checkpoint is kept for the vote after it. Real TorchRec DMP models over
+ranks vote on the next checkpoint is kept for the vote after it; a full local destination fails
+parts at once and removes their files. Real TorchRec DMP models over
 gloo, real files; faults from deck.failpoints and FaultyStorage."""
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def _config(root: str, **staging: Any) -> deck.DeckConfig:
     )
 
 
+def _train(model: Any, opt: Any, user: TrainState, step: int) -> dict[str, Any]:
+    """Step ``step`` (none for step 0); the live state after it."""
+    if step:
+        user.losses.append(train_step(model, opt, SPEC, step))
+        user.step = step
+    return capture_state(model, opt, user)
+
+
 def _restores_bitwise(config: deck.DeckConfig, live: dict[int, Any], steps: list[int]) -> None:
     for step in steps:
         model, opt = build_model(SPEC, seed=100 + step)
@@ -63,10 +72,7 @@ def _fsync_fails(rank: int, world_size: int, root: str) -> None:
     live = {}
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
         for step in range(4):
-            if step:
-                user.losses.append(train_step(model, opt, SPEC, step))
-                user.step = step
-            live[step] = capture_state(model, opt, user)
+            live[step] = _train(model, opt, user, step)
             if step == 1:
                 # Nothing of step 0 is still being fsynced: the point's first hit is the early
                 # fsync of step 1's first spooled file. It fails once; a retry would succeed.
@@ -100,6 +106,70 @@ def test_failed_spool_fsync_fails_the_part_and_the_next_is_a_full(tmp_path: Path
     the part must fail rather than fsync again. Step 1 is never committed, nothing of it stays in
     the spool, step 2 is a full, and the steps after restore bitwise."""
     run_ranks(_fsync_fails, str(tmp_path), world_size=1)
+
+
+# ---- a full local destination --------------------------------------------------------------------
+
+
+def _files_of(root: str, step: int) -> list[str]:
+    top = os.path.join(root, step_dir(step))
+    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs)
+
+
+def _disk_fills(rank: int, world_size: int, root: str, where: str) -> None:
+    # The local tier (the default for a local URI): the stager writes into the URI itself.
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=1, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        for step in range(5):
+            live[step] = _train(model, opt, user, step)
+            if step == 1:
+                ck.flush()
+                # The disk is full from here on: every write of a part manifest (through the
+                # store), or every chunk file the spool writer writes, fails with ENOSPC.
+                failpoints.configure(f"{where}:1+:enospc")
+            assert ck.step(step) is not None
+            if step in (1, 2):
+                # The part failed at once: no retry for upload_timeout_s (an hour) while the
+                # later checkpoints pile up on the same full disk.
+                assert not ck.flush(timeout=600)
+            if step == 2:
+                failpoints.configure(None)  # space was freed
+        assert ck.flush()
+        history = {h.step: (h.kind, h.state) for h in ck.history}
+        errors = {h.step: h.error or "" for h in ck.history if h.error}
+
+    assert history == {
+        0: ("full", "committed"),
+        1: ("delta", "failed"),
+        2: ("full", "failed"),  # the chain is broken at step 1: a full follows
+        3: ("full", "committed"),
+        4: ("delta", "committed"),
+    }, history
+    assert "No space left" in errors[1], errors
+    if where == "storage.local.write":  # the part manifest: the committer says what to do
+        assert "a disk is full" in errors[1] and "deck gc" in errors[1], errors
+    else:  # the spool writer, whose spool is the destination: it says so
+        assert f"to the destination {root}/ck" in errors[1] and "move the URI" in errors[1]
+        assert "spool_dir" not in errors[1], errors
+    for step in (1, 2):  # the failed parts' files are gone: the next full needs their room
+        assert _files_of(f"{root}/ck", step) == [], (step, _files_of(f"{root}/ck", step))
+    assert sorted(read_manifests(LocalStorage(config.uri))) == [0, 3, 4]
+    _restores_bitwise(config, live, [0, 3, 4])
+
+
+@pytest.mark.parametrize("where", ["storage.local.write", "stager.spool.write"])
+def test_a_full_local_destination_fails_parts_at_once_and_removes_their_files(
+    tmp_path: Path, where: str
+) -> None:
+    """A local destination whose disk fills up (ENOSPC from deck.failpoints: on every part
+    manifest the store writes, or every chunk file the spool writer writes there): each part
+    fails at once instead of being retried for ``upload_timeout_s``, its files are removed, the
+    error says what to do, and once space is freed the next checkpoint is a full that commits
+    and restores bitwise."""
+    run_ranks(_disk_fills, str(tmp_path), where, world_size=1)
 
 
 # ---- a failure recorded during the vote ----------------------------------------------------------
@@ -140,10 +210,7 @@ def _failure_during_vote(rank: int, world_size: int, root: str) -> None:
     helper = threading.Thread(target=fail_during_the_vote)
     with deck.DeltaCheckpointer(model, [opt], config, state=user, storage=store) as ck:
         for step in range(5):
-            if step:
-                user.losses.append(train_step(model, opt, SPEC, step))
-                user.step = step
-            live[step] = capture_state(model, opt, user)
+            live[step] = _train(model, opt, user, step)
             if step == 2 and rank == 1:
                 failpoints.configure(f"{VOTING}:{10**9}")  # counts the hits, never fires
                 helper.start()

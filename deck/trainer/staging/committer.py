@@ -20,6 +20,7 @@ from deck.errors import (
     DeckError,
     LeaseHeldError,
     NotFoundError,
+    SpoolError,
     StorageError,
 )
 from deck.failpoints import failpoint
@@ -32,6 +33,7 @@ from deck.format.manifest import (
     with_checksum,
 )
 from deck.format.pending import PendingPart
+from deck.storage.retry import is_out_of_space
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.records import NeverCommits, PartProgress
 from deck.trainer.staging.recovery import check_recovered
@@ -182,16 +184,27 @@ class Committer:
             except Exception as e:
                 self._fail(pending, item, e)
             finally:
-                # Before the flush() it may wake: a flushed part's event has been delivered.
-                item.progress.end()
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
+                try:
+                    # Before the flush() it may wake: a flushed part's event has been delivered.
+                    item.progress.end()
+                finally:  # whatever ending it raised, a flush() must not wait for it forever
+                    with self._idle:
+                        self._busy -= 1
+                        self._idle.notify_all()
 
     def _fail(self, pending: PendingPart, item: _Item, e: Exception) -> None:
         if pending.rank != 0 and item.progress.get().state not in ("uploaded", "committed"):
             self._report_failed(pending, e)
-        item.progress.fail(str(e))
+        full_disk = is_out_of_space(e)
+        error = str(e)
+        if full_disk and not isinstance(e.__cause__, SpoolError):  # a spool error says it all
+            error += (
+                f"; a disk is full: the part's files are removed and the next checkpoint is a "
+                f"full. Free space (deck gc with a retention policy removes old checkpoints at "
+                f"{self.dest.uri}) or move the URI{' or spool_dir' if self.tier != 'local' else ''}"
+                " to a larger disk"
+            )
+        item.progress.fail(error)
         with self._idle:
             self._failure = True
         logger.error(
@@ -200,17 +213,18 @@ class Committer:
             pending.step,
             pending.ckpt_id,
             self.dest.uri,
-            e,
+            error,
         )
-        if isinstance(
+        if full_disk or isinstance(
             e, (CheckpointNotFoundError, CorruptCheckpointError, NeverCommits, LeaseHeldError)
         ):
             # It can never commit (its parent is gone, its spooled files are torn, a rank's
             # part failed, or the fence refused it: this job's lease was lost, and a restart
-            # must not commit it into what another trainer wrote since): drop it, or every
-            # restart would retry it.
+            # must not commit it into what another trainer wrote since), or it must not wait
+            # (its disk is full: its files are what the next checkpoint needs room for): drop
+            # it, or every restart would retry it.
             try:
-                self._cleanup(pending, item)
+                self._cleanup(pending, item, drop=True)
             except Exception as cleanup_error:  # what is left is removed at the next restart
                 logger.warning(
                     "deck: could not remove the files of failed step %d (%s): %s",
@@ -386,12 +400,15 @@ class Committer:
         if why is not None or told is not None:
             raise NeverCommits(f"step {p.step} is not committed: {why or told}")
 
-    def _cleanup(self, p: PendingPart, item: _Item) -> None:
-        """Forget a finished part: spool copies go (in the local tier they are the checkpoint)."""
+    def _cleanup(self, p: PendingPart, item: _Item, drop: bool = False) -> None:
+        """Forget a finished part: spool copies go (in the local tier they are the checkpoint).
+        ``drop``: the part failed and will never commit: its files go in the local tier too
+        (no commit record names them: rank 0 writes it last, once every part is up, and
+        none of the failures that drop a part comes after it)."""
         if self.spool is None:
             return
         failpoint("stager.cleanup.before")
-        if self.tier == "cpu-ssd-remote":
+        if self.tier == "cpu-ssd-remote" or drop:
             self.spool.remove_files(p.step, list(p.files))
         failpoint("stager.cleanup.after_files")
         self.spool.remove_pending(p)

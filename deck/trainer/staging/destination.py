@@ -19,7 +19,7 @@ from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_
 from deck.format.pending import PendingPart
 from deck.storage import Storage
 from deck.storage.base import get_bounded
-from deck.storage.retry import RetryPolicy, call_with_retry
+from deck.storage.retry import RetryPolicy, call_with_retry, is_out_of_space
 from deck.trainer.writer import commit
 from deck.version import __version__
 
@@ -133,21 +133,31 @@ class Destination:
 
     def _patiently(self, what: str, key: str, fn: Callable[[], T]) -> T:
         """``fn`` with backoff for as long as ``upload_timeout_s``: outages are waited out (the
-        store's own retries only cover short blips). Every storage error is retried."""
+        store's own retries only cover short blips). Every storage error is retried but two,
+        which waiting does not fix: a link or special file in the way (UnsafePathError), and a
+        full disk or quota -- the part fails at once and its files go (the committer), instead
+        of the later checkpoints piling up behind it on the same full disk."""
+
+        def passing(e: BaseException) -> bool:
+            return (
+                isinstance(e, StorageError)
+                and not isinstance(e, UnsafePathError)
+                and not is_out_of_space(e)
+            )
+
         policy = RetryPolicy(
             attempts=None,
             deadline_s=self.cfg.upload_timeout_s,
             initial_delay=min(self.cfg.retry_initial_s, self.cfg.retry_max_s),
             max_delay=self.cfg.retry_max_s,
             jitter=0.0,
-            # A link or special file in the way (UnsafePathError) does not go away by waiting.
-            retry_on=lambda e: isinstance(e, StorageError) and not isinstance(e, UnsafePathError),
+            retry_on=passing,
         )
         try:
             return call_with_retry(fn, policy, f"deck: {what} of {self._storage.describe(key)}")
-        except UnsafePathError:
-            raise
         except StorageError as e:
+            if not passing(e):
+                raise
             raise StorageError(
                 f"giving up on {what} of {self._storage.describe(key)} after "
                 f"{self.cfg.upload_timeout_s:.0f} s: {e}"

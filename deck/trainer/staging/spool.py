@@ -193,16 +193,27 @@ class SpoolDir:
         self.store.delete(self.pending_key(p))
 
     def error(self, step: int, key: str, e: OSError) -> SpoolError:
-        hint = (
-            "free space on the spool's disk, lower staging.spool_max_bytes below what it holds, or "
-            "set staging.spool_dir to a larger local disk"
-            if e.errno == errno.ENOSPC
-            else "check the spool directory's permissions and disk"
-        )
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not self.scratch:  # the local tier: the spool is the destination folder
+            where = "the destination"
+            hint = (
+                "free space on its disk (deck gc with a retention policy removes old "
+                "checkpoints) or move the URI to a larger disk"
+                if full
+                else "check the destination folder's permissions and disk"
+            )
+        else:
+            where = "the spool"
+            hint = (
+                "free space on the spool's disk, lower staging.spool_max_bytes below what it "
+                "holds, or set staging.spool_dir to a larger local disk"
+                if full
+                else "check the spool directory's permissions and disk"
+            )
         return SpoolError(
-            f"could not write {key} of step {step} to the spool {self.root}: "
-            f"{e.strerror or e}; {hint}. The checkpoint of step {step} is not taken (its rows stay "
-            "pending for the next one); committed checkpoints are untouched"
+            f"could not write {key} of step {step} to {where} {self.root}: "
+            f"{e.strerror or e}; {hint}. Nothing of step {step} is committed and what it held "
+            "goes into the next checkpoint; committed checkpoints are untouched"
         )
 
 

@@ -1,0 +1,59 @@
+"""Loading a committed step without a checkpointer (``deck.load``): for evaluation, inference or
+a copy of the model, from a store this process may not write (a read-only mount, a bucket it may
+only read) or while a trainer holds its writer lease."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deck.model import ModelAdapter
+from deck.storage import Storage
+from deck.trainer.checkpointer import UserState, default_adapter, user_state_pair
+from deck.trainer.coordination import Coordinator
+from deck.trainer.loader import StateLoader
+
+
+def load_step(
+    model: torch.nn.Module,
+    optimizers: Any,
+    storage: Storage,
+    *,
+    step: int | None = None,
+    state: UserState | None = None,
+    restore_rng: bool = True,
+    adapter: ModelAdapter | None = None,
+) -> int | None:
+    """Load committed ``step`` of ``storage`` (the latest restorable one when None) into ``model``,
+    ``optimizers`` and ``state``, bitwise, as ``DeltaCheckpointer.restore`` does; returns the step
+    loaded, or None when ``storage`` holds no checkpoint. Collective: call it on every
+    rank (any world size or sharding plan); they load the same step or all raise.
+
+    It only reads: no write probe, no writer lease, no tracking hooks, no threads, so it works
+    on a read-only URI and beside a running trainer. It never falls back to an older step: a
+    damaged or missing file raises :class:`~deck.errors.CorruptCheckpointError` naming it.
+    Training on from what it loaded is not tracked: to train on with checkpoints, restore
+    through ``deck.enable(...).restore()`` instead. ``adapter`` replaces TorchRec's adapter.
+    """
+    coord = Coordinator()
+    refused: Exception | None = None
+    loader: StateLoader | None = None
+    try:
+        found = adapter or default_adapter(model)
+        pair = user_state_pair(state)
+        loader = StateLoader(
+            storage,
+            coord,
+            found,
+            found.optimizers(optimizers),
+            None if pair is None else pair[1],
+            restore_rng=restore_rng,
+        )
+    except Exception as e:
+        refused = e
+    # A rank that refused must not leave the others waiting in the loader's collectives.
+    coord.agree_on_failure(refused, "deck.load")
+    assert loader is not None
+    done = loader.restore(step, allow_fallback=False)
+    return None if done is None else done.step

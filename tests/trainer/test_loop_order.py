@@ -1,0 +1,86 @@
+"""A checkpoint taken while a forward pass still waits for its backward (``step()`` between
+``model(batch)`` and ``loss.backward()``, a pipeline that looks the next batch up ahead, a
+training-mode forward's output kept without a backward) would hold the rows of the step before,
+and the claim would clear the rows its backward then updates, so later deltas would miss them.
+It is refused on every rank with a CheckpointError that says where to call ``step()``, and
+nothing is lost: the checkpoints after it, in the right place, restore bitwise. Forwards that
+no backward follows (under ``no_grad``, in eval mode, or whose output is dropped) do not count.
+Real 2-rank TorchRec DMP models over gloo, real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deck
+from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, make_batch
+from deck.errors import CheckpointError
+from deck.testing.dist_harness import run_ranks
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
+
+
+def _forward(model: torch.nn.Module, step: int) -> torch.Tensor:
+    dense, kjt, labels = make_batch(SPEC, step, dist.get_rank())
+    logits = model(dense, kjt).squeeze(-1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def _orders(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=1, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.enable(model, [opt], config, state=user) as ckpt:
+        for step in range(1, 7):
+            loss = _forward(model, step)
+            opt.zero_grad()
+            if step == 2:  # the checkpoint between the forward and its backward
+                with pytest.raises(CheckpointError, match="wait for their backward"):
+                    ckpt.step(step)
+            if step == 3:
+                # Only rank 1 keeps a training-mode forward's output without a backward (a
+                # forward is collective: both run it): every rank refuses (the vote), none
+                # waits for the other in a collective.
+                kept = _forward(model, 100) if rank == 1 else _forward(model, 100) and None
+            loss.backward()
+            opt.step()
+            user.step = step
+            if step == 3:
+                why = "wait for their backward" if rank == 1 else r"rank\(s\) \[1\] failed"
+                with pytest.raises(CheckpointError, match=why):
+                    ckpt.step(step)
+                # Dropped: no backward will come. With 2 ranks its graph is in a reference cycle
+                # until the collector runs, which the next checkpoint does before refusing.
+                kept = None  # noqa: F841
+                continue
+            if step == 4:
+                # Forwards no backward follows: under no_grad, in eval mode, output dropped.
+                with torch.no_grad():
+                    _forward(model, 200)
+                model.eval()
+                _forward(model, 201)
+                model.train()
+                _forward(model, 202)
+            live[step] = capture_state(model, opt, user, full=True)
+            ckpt.step(step)
+        assert ckpt.flush()
+        history = [(h.step, h.kind, h.state != "failed") for h in ckpt.history]
+    # Step 2 is taken again where it belongs, after its optimizer step; step 3's rows (refused,
+    # not taken again) go into step 4's delta.
+    assert history == [(s, "delta" if s > 1 else "full", True) for s in (1, 2, 4, 5, 6)], history
+    for step in (2, 4, 6):
+        restored, ropt = build_model(SPEC, seed=9)
+        ruser = TrainState()
+        with deck.enable(restored, [ropt], config, state=ruser) as again:
+            assert again.restore(step) == step
+            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
+        assert not bad, (step, bad[:5])
+
+
+def test_a_checkpoint_while_a_forward_awaits_its_backward_is_refused(tmp_path: Path) -> None:
+    run_ranks(_orders, str(tmp_path), world_size=2)
