@@ -57,9 +57,12 @@ def chain_hooks(
         if held is None or i is None:
             return
         store, active = held[0], held[1](module)
+        # A lookup a backward will follow (its output requires grad) is tracked whatever the
+        # mode: the fused optimizer updates its rows in eval mode and under pause() too.
+        grads = isinstance(embs, torch.Tensor) and embs.requires_grad
         # A snapshot still copying its rows guards them even while tracking is off (paused,
         # eval): this step's backward may write them.
-        if not active and not store.guarding:
+        if not active and not grads and not store.guarding:
             return
         bases = key_plans[i]
         if bases is None or features.values().numel() == 0:
@@ -75,10 +78,10 @@ def chain_hooks(
         positions = values.to(torch.int64) + offsets
         if store.guarding:
             store.guard(positions)
-        if active:
+        if active or grads:
             store.record(positions)
-            if isinstance(embs, torch.Tensor) and embs.requires_grad:
-                store.await_backward(embs)
+        if grads:
+            store.await_backward(embs)
 
     def on_odist() -> None:
         if prev_odist is not None:

@@ -48,11 +48,11 @@ def load(
     storage_options: dict[str, Any] | None = None,
     restore_rng: bool = True,
     adapter: ModelAdapter | None = None,
-) -> int | None:
+) -> int:
     """Load committed ``step`` of ``uri`` (the latest when None) into ``model``, ``optimizers``
     and ``state`` bitwise, reading only: no write probe, no writer lease, no tracking, so it
-    works on a read-only URI and beside a running trainer. Returns the step loaded, or None
-    for an empty URI. Collective (every rank, any world size or plan). See
+    works on a read-only URI and beside a running trainer. Returns the step loaded
+    (CheckpointNotFoundError for a URI that holds none). Collective (every rank, any world size or plan). See
     :func:`deck.trainer.load.load_step`; imports torch and TorchRec when called."""
     from deck.trainer.load import load_step
 

@@ -371,8 +371,8 @@ class DeckConfig(Settings):
       checkpointer uses ``"checkpoint"`` (always present); others (e.g. ``"publish"``) read
       their own deltas at their own pace.
     - ``storage_options``: passed to fsspec (credentials, endpoint).
-    - ``track_eval``: also record ids looked up by forwards in eval mode (off: eval does not
-      update rows, so tracking it only costs time).
+    - ``track_eval``: also record ids looked up by eval-mode forwards under ``no_grad`` (off:
+      nothing updates their rows; an eval-mode forward a backward may follow is always tracked).
     - ``save_rng``: save and restore every rank's torch RNG states (on by default).
     - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
     - ``publish``: an optional publisher tenant (:class:`PublishConfig`).
@@ -410,8 +410,9 @@ class DeckConfig(Settings):
     )
     track_eval: bool = Field(
         default=False,
-        description="Also track lookups of eval-mode forwards (eval does not update rows, so "
-        "this only costs time).",
+        description="Also track lookups of eval-mode forwards whose output needs no gradient "
+        "(nothing updates their rows, so this only costs time). An eval-mode or paused forward "
+        "whose output requires grad is always tracked: its backward updates the rows.",
     )
     save_rng: bool = Field(
         default=True,

@@ -11,8 +11,8 @@ the process was started with ``DECK_FAILPOINTS`` naming that point::
 
 Spec: ``name[:nth[+]][:action]``; ``nth`` counts hits of that name in this process from 1
 (default 1); ``action`` is ``kill`` (default: ``os.kill(os.getpid(), SIGKILL)``, nothing after
-it runs, no cleanup, like ``kill -9``) or ``enospc`` (raise ``OSError(ENOSPC)`` as a full disk
-would). With ``DECK_FAILPOINT_MARKER=<path>`` a killed process first creates ``<path>``
+it runs, no cleanup, like ``kill -9``), ``enospc`` (raise ``OSError(ENOSPC)`` as a full disk
+would) or ``interrupt`` (raise ``KeyboardInterrupt``, as a Ctrl-C landing there would). With ``DECK_FAILPOINT_MARKER=<path>`` a killed process first creates ``<path>``
 holding the point's name, so a test knows the kill happened there and nowhere else.
 
 The environment is parsed once, at import; :func:`configure` re-arms (a test's forked child).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 ENV = "DECK_FAILPOINTS"
 MARKER_ENV = "DECK_FAILPOINT_MARKER"
-ACTIONS = ("kill", "enospc")
+ACTIONS = ("kill", "enospc", "interrupt")
 
 
 @dataclass
@@ -94,6 +94,8 @@ def failpoint(name: str, path: str | None = None) -> None:
         return
     if point.action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    if point.action == "interrupt":
+        raise KeyboardInterrupt(name)
     marker = os.environ.get(MARKER_ENV)
     if marker:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

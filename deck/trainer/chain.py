@@ -211,8 +211,16 @@ class ChainWriter:
                 f"{newest}, and steps only go forward{again}; to go back, restore({step}) (or an "
                 "older step) first"
             )
-        with gc_paused(), self.stager.stall():
-            stats = self._save(kind, step)
+        try:
+            with gc_paused(), self.stager.stall():
+                stats = self._save(kind, step)
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                # Interrupted (Ctrl-C) anywhere in it: which rows it claimed, and whether its
+                # part was enqueued, is unknown, so the next one is a full. (After an error
+                # its rows are pending again: the next checkpoint takes them.)
+                self.parent = None
+            raise
         self.newest, self.newest_saved = step, stats is not None
         return stats
 

@@ -242,9 +242,15 @@ class DeltaCheckpointer:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
         # Commit records are fenced by the checkpoint URI's writer lease, the publish chain's
         # too: a job taken over (or whose URI was replaced) publishes nothing more either.
-        fence = self._lease.check if self._lease is not None else None
+        lease = self._lease
         stager = Stager(
-            storage, self.config.staging, self.coord.rank, pinned=on_gpu, fence=fence, label=label
+            storage,
+            self.config.staging,
+            self.coord.rank,
+            pinned=on_gpu,
+            fence=None if lease is None else lease.check,
+            gone=None if lease is None else lease.gone,
+            label=label,
         )
         self._stagers.append(stager)  # close() (or a failed construction) stops it
         chain = ChainWriter(
@@ -329,7 +335,9 @@ class DeltaCheckpointer:
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
-        """Inside this block, lookups are not tracked (e.g. evaluation forwards)."""
+        """Inside this block, lookups are not tracked (e.g. evaluation forwards), but for those
+        whose output requires grad: a backward would update their rows, so they are tracked
+        anyway (run evaluation under ``torch.no_grad()``)."""
         self._paused += 1
         try:
             yield
@@ -508,7 +516,13 @@ class DeltaCheckpointer:
         # Every rank's pending parts first (rank 0's flush is the commit), then rank 0 alone picks
         # the target so that all ranks load the same step even while other writers commit.
         self.flush()
-        done = self._loader.restore(step, allow_fallback)
+        try:
+            done = self._loader.restore(step, allow_fallback)
+        except BaseException:
+            # The model may be partly overwritten: a delta of the last checkpoint would not
+            # hold what changed, so whatever training does next, the next checkpoint is a full.
+            self.break_chains()
+            raise
         if done is None:
             return None
         self.tracker.reset()  # the model equals a checkpoint: nothing is dirty
@@ -552,6 +566,10 @@ class DeltaCheckpointer:
                 self.flush()
         finally:
             self._release()
+
+    def watches(self, model: torch.nn.Module) -> bool:
+        """Whether this open checkpointer tracks ``model``."""
+        return self.tracking and getattr(self.adapter, "model", None) is model
 
     def close_at_exit(self) -> None:
         """``close(collective=False)``, for a process exiting without ``close()``

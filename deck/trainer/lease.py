@@ -228,6 +228,11 @@ class Lease:
         except StorageError as e:
             logger.warning("deck: could not prune old lease records of %s: %s", self.storage.uri, e)
 
+    def gone(self) -> bool:
+        """Whether this job may no longer commit, as far as it knows without reading the store:
+        the lease was found lost, or its last record expired by the clock."""
+        return self.lost.is_set() or time.monotonic() >= self._expires
+
     def check(self) -> None:
         """The fence, called before every commit record: raise :class:`LeaseHeldError` (and set
         :attr:`lost`) unless this lease's epoch is still the newest and its record unexpired.

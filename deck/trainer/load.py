@@ -8,9 +8,16 @@ from typing import Any
 
 import torch
 
+from deck.at_exit import still_open
+from deck.errors import CheckpointNotFoundError, ConfigError
 from deck.model import ModelAdapter
 from deck.storage import Storage
-from deck.trainer.checkpointer import UserState, default_adapter, user_state_pair
+from deck.trainer.checkpointer import (
+    DeltaCheckpointer,
+    UserState,
+    default_adapter,
+    user_state_pair,
+)
 from deck.trainer.coordination import Coordinator
 from deck.trainer.loader import StateLoader
 
@@ -24,15 +31,18 @@ def load_step(
     state: UserState | None = None,
     restore_rng: bool = True,
     adapter: ModelAdapter | None = None,
-) -> int | None:
+) -> int:
     """Load committed ``step`` of ``storage`` (the latest restorable one when None) into ``model``,
     ``optimizers`` and ``state``, bitwise, as ``DeltaCheckpointer.restore`` does; returns the step
-    loaded, or None when ``storage`` holds no checkpoint. Collective: call it on every
+    loaded. :class:`~deck.errors.CheckpointNotFoundError` when ``storage`` holds none (an eval
+    job must not go on with the weights it started with), :class:`~deck.errors.ConfigError`
+    for a model an open checkpointer tracks (restore through it instead). Collective: call it on every
     rank (any world size or sharding plan); they load the same step or all raise.
 
     It only reads: no write probe, no writer lease, no tracking hooks, no threads, so it works
     on a read-only URI and beside a running trainer. It never falls back to an older step: a
-    damaged or missing file raises :class:`~deck.errors.CorruptCheckpointError` naming it.
+    damaged or missing file raises :class:`~deck.errors.CorruptCheckpointError` naming it (the
+    model is then partly loaded).
     Training on from what it loaded is not tracked: to train on with checkpoints, restore
     through ``deck.enable(...).restore()`` instead. ``adapter`` replaces TorchRec's adapter.
     """
@@ -40,6 +50,12 @@ def load_step(
     refused: Exception | None = None
     loader: StateLoader | None = None
     try:
+        if any(isinstance(c, DeltaCheckpointer) and c.watches(model) for c in still_open()):
+            raise ConfigError(
+                f"deck.load into a model an open checkpointer tracks (loading {storage.uri}): "
+                "its next delta would miss what the load changed; restore through that "
+                "checkpointer (ckpt.restore(step)), or close() it first"
+            )
         found = adapter or default_adapter(model)
         pair = user_state_pair(state)
         loader = StateLoader(
@@ -56,4 +72,8 @@ def load_step(
     coord.agree_on_failure(refused, "deck.load")
     assert loader is not None
     done = loader.restore(step, allow_fallback=False)
-    return None if done is None else done.step
+    if done is None:
+        raise CheckpointNotFoundError(
+            f"deck.load: nothing is committed at {storage.uri} (a wrong or empty URI?)"
+        )
+    return done.step

@@ -329,3 +329,33 @@ def test_a_holder_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path)
     taker = Lease(storage, ttl_s=30, settle_s=0.0)
     taker.acquire()  # same namespace, process gone: taken at once
     taker.release()
+
+
+def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
+    """The store refuses every write (an outage) for longer than the lease: the part's upload,
+    retried for upload_timeout_s (an hour) before, stops once the lease is gone -- the part can
+    never commit -- and the flush returns (a process exiting without close() waits for it)."""
+    outage = threading.Event()
+
+    def fails(key: str, n: int) -> bool:
+        return outage.is_set()
+
+    store = FaultyStorage(open_storage(root), fail_put=fails)
+    model, opt = build_model(SPEC)
+    staging = deck.StagingConfig(retry_initial_s=0.05, retry_max_s=0.2)
+    config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=2, staging=staging)
+    with deck.DeltaCheckpointer(model, [opt], config, storage=store) as ck:
+        ck.step(0)
+        assert ck.flush()
+        outage.set()
+        train_step(model, opt, SPEC, 1)
+        ck.step(1)
+        assert not ck.flush(timeout=600)  # returns once the lease is gone (2 s), not after 1 h
+        error = ck.history[-1].error or ""
+        assert ck.history[-1].state == "failed" and "writer lease is lost" in error, error
+        outage.clear()
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_lease_stops_the_uploads_waiting(tmp_path: Path) -> None:
+    run_ranks(_outage_outlives_the_lease, str(tmp_path / "ck"), world_size=1)

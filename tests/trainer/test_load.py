@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
-from deck.errors import CheckpointNotFoundError
+from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
@@ -63,13 +64,59 @@ def _load_beside_a_trainer(rank: int, world_size: int, root: str) -> None:
             bad = diff_states(live[got], capture_state(fresh, fresh_opt, fresh_user, full=True))
             assert not bad, (step, bad[:5])
             assert store is None or store.puts == 0
-        # Nothing there: None; a step never committed: an error naming it, on every rank.
+        # Nothing there (a typo in an eval job's URI): an error, never the initial weights.
         empty, empty_opt = build_model(SPEC, seed=7)
-        assert deck.load(empty, [empty_opt], _refusing(f"{root}/empty")) is None
-        with pytest.raises(CheckpointNotFoundError, match="5"):
+        with pytest.raises(CheckpointNotFoundError, match="nothing is committed at"):
+            deck.load(empty, [empty_opt], _refusing(f"{root}/empty"))
+        with pytest.raises(CheckpointNotFoundError, match="5"):  # a step never committed
             deck.load(empty, [empty_opt], uri, step=5)
+        # Into the model the trainer tracks: its next delta would miss what the load changed.
+        with pytest.raises(ConfigError, match="restore through that checkpointer"):
+            deck.load(model, [opt], uri, step=2)
         assert _files(uri) == before  # the loads through the plain store wrote nothing either
 
 
 def test_load_reads_a_committed_step_without_writing(tmp_path: Path) -> None:
     run_ranks(_load_beside_a_trainer, str(tmp_path), world_size=2)
+
+
+def _failed_restore(rank: int, world_size: int, root: str) -> None:
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.enable(model, [opt], config, state=user) as ck:
+        for step in range(1, 5):
+            user.losses.append(train_step(model, opt, SPEC, step))
+            user.step = step
+            ck.step(step)
+        assert ck.flush()
+        if rank == 0:  # step 4's state file damaged: read after the tables were loaded
+            damaged = sorted(Path(uri).glob("step-*4/*/rank-00000/extra.safetensors"))[0]
+            data = bytearray(damaged.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            damaged.write_bytes(bytes(data))
+        dist.barrier()
+        with pytest.raises(CorruptCheckpointError):
+            ck.restore(4)  # the tables are partly overwritten by now
+        # The job catches it and trains on: the next checkpoint is a full, so what is saved is
+        # what is live, whatever the failed restore left in the model.
+        for step in range(5, 7):
+            user.losses.append(train_step(model, opt, SPEC, step))
+            user.step = step
+            live[step] = capture_state(model, opt, user, full=True)
+            ck.step(step)
+        assert ck.flush()
+        assert [(h.step, h.kind) for h in ck.history][-1] == (6, "full")
+    fresh, fresh_opt = build_model(SPEC, seed=7)
+    fresh_user = TrainState()
+    assert deck.load(fresh, [fresh_opt], uri, state=fresh_user) == 6
+    bad = diff_states(live[6], capture_state(fresh, fresh_opt, fresh_user, full=True))
+    assert not bad, bad[:5]
+
+
+def test_a_failed_restore_makes_the_next_checkpoint_a_full(tmp_path: Path) -> None:
+    """Before: the later deltas were relative to the last checkpoint while the model held a
+    half-restored state, and their restore differed from the live model."""
+    run_ranks(_failed_restore, str(tmp_path), world_size=2)

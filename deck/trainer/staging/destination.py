@@ -11,6 +11,7 @@ from deck.config import StagingConfig
 from deck.errors import (
     CorruptCheckpointError,
     DeckError,
+    LeaseHeldError,
     NotFoundError,
     StorageError,
     UnsafePathError,
@@ -47,11 +48,16 @@ class Destination:
     """
 
     def __init__(
-        self, storage: Storage, cfg: StagingConfig, fence: Callable[[], None] | None = None
+        self,
+        storage: Storage,
+        cfg: StagingConfig,
+        fence: Callable[[], None] | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> None:
         self._storage = storage
         self.cfg = cfg
         self._fence = fence  # raises when this job may no longer commit (the writer lease)
+        self._gone = gone  # the same, known without reading the store (lost or expired)
 
     @property
     def uri(self) -> str:
@@ -133,16 +139,18 @@ class Destination:
 
     def _patiently(self, what: str, key: str, fn: Callable[[], T]) -> T:
         """``fn`` with backoff for as long as ``upload_timeout_s``: outages are waited out (the
-        store's own retries only cover short blips). Every storage error is retried but two,
-        which waiting does not fix: a link or special file in the way (UnsafePathError), and a
-        full disk or quota -- the part fails at once and its files go (the committer), instead
-        of the later checkpoints piling up behind it on the same full disk."""
+        store's own retries only cover short blips). Every storage error is retried but those
+        waiting does not fix: a link or special file in the way (UnsafePathError); a full disk
+        or quota -- the part fails at once and its files go (the committer), instead of the
+        later checkpoints piling up behind it on the same full disk; and any, once this job's
+        writer lease is lost (it raises LeaseHeldError then: the part can never commit)."""
 
         def passing(e: BaseException) -> bool:
             return (
                 isinstance(e, StorageError)
                 and not isinstance(e, UnsafePathError)
                 and not is_out_of_space(e)
+                and not (self._gone is not None and self._gone())
             )
 
         policy = RetryPolicy(
@@ -156,6 +164,12 @@ class Destination:
         try:
             return call_with_retry(fn, policy, f"deck: {what} of {self._storage.describe(key)}")
         except StorageError as e:
+            if self._gone is not None and self._gone():
+                # Lost while waiting: the part can never commit (dropped as the fence's refusal).
+                raise LeaseHeldError(
+                    f"stopped waiting for {what} of {self._storage.describe(key)}: this job's "
+                    f"writer lease is lost, so the part can never commit ({e})"
+                ) from e
             if not passing(e):
                 raise
             raise StorageError(

@@ -85,6 +85,7 @@ class Stager:
         rank: int,
         pinned: bool = False,
         fence: Callable[[], None] | None = None,
+        gone: Callable[[], bool] | None = None,
         label: str = "checkpoint",
     ):
         self.storage = storage
@@ -133,7 +134,7 @@ class Stager:
                 self.spool_root, staging, self.tier == "cpu-ssd-remote", syncer=self._syncer
             )
         )
-        self._dest = Destination(storage, staging, fence)
+        self._dest = Destination(storage, staging, fence, gone)
         self._committer = Committer(
             self._dest, staging, self.tier, self._spool, self._uploads, label=label
         )
