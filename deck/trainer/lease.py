@@ -180,7 +180,8 @@ class Lease:
                 f"{self.storage.uri} is already being written by this process (pid "
                 f"{held.pid}): another deck checkpointer on it is still open. close() it (or "
                 "use `with deck.enable(...)`) before enabling deck again on this URI, or use "
-                "another URI"
+                "another URI; one whose last reference was dropped stays open until the process "
+                "exits (deck.at_exit.close_open() closes those now, on this rank)"
             )
         if time.monotonic() >= deadline:
             raise self._held_error(held)
