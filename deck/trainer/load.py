@@ -32,19 +32,20 @@ def load_step(
     restore_rng: bool = True,
     adapter: ModelAdapter | None = None,
 ) -> int:
-    """Load committed ``step`` of ``storage`` (the latest restorable one when None) into ``model``,
-    ``optimizers`` and ``state``, bitwise, as ``DeltaCheckpointer.restore`` does; returns the step
-    loaded. :class:`~deck.errors.CheckpointNotFoundError` when ``storage`` holds none (an eval
-    job must not go on with the weights it started with), :class:`~deck.errors.ConfigError`
-    for a model an open checkpointer tracks (restore through it instead). Collective: call it on every
-    rank (any world size or sharding plan); they load the same step or all raise.
+    """Load committed ``step`` of ``storage`` (the latest restorable one when None) into
+    ``model``, ``optimizers`` and ``state``, bitwise, as ``DeltaCheckpointer.restore`` does;
+    returns the step loaded. Collective: call it on every rank (any world size or sharding
+    plan); they load the same step or all raise.
 
     It only reads: no write probe, no writer lease, no tracking hooks, no threads, so it works
     on a read-only URI and beside a running trainer. It never falls back to an older step: a
     damaged or missing file raises :class:`~deck.errors.CorruptCheckpointError` naming it (the
-    model is then partly loaded).
-    Training on from what it loaded is not tracked: to train on with checkpoints, restore
-    through ``deck.enable(...).restore()`` instead. ``adapter`` replaces TorchRec's adapter.
+    model is then partly loaded). :class:`~deck.errors.CheckpointNotFoundError` when
+    ``storage`` holds nothing (an eval job must not go on with the weights it started with);
+    :class:`~deck.errors.ConfigError` for a model an open checkpointer tracks (restore through
+    it instead). Training on from what it loaded is not tracked: to train on with
+    checkpoints, restore through ``deck.enable(...).restore()``. ``adapter`` replaces
+    TorchRec's adapter.
     """
     coord = Coordinator()
     refused: Exception | None = None
