@@ -577,12 +577,12 @@ class DeltaCheckpointer:
         warning names the checkpoints it waited for and how they ended."""
         waiting = [(c, [s for s in c.history if not s.progress.wait(0)]) for c in self._chains]
         waiting = [(c, parts) for c, parts in waiting if parts]
-        if waiting:
-            logger.warning(
-                "deck: the process is exiting without close(): finishing %s on this rank first "
-                "(call close(), or use the checkpointer in a `with` block, to end a job)",
-                _parts(waiting),
-            )
+        logger.warning(
+            "deck: the process is exiting without close() on %s: closing it on this rank%s "
+            "(call close(), or use the checkpointer in a `with` block, to end a job)",
+            self.storage.uri,
+            f", finishing {_parts(waiting)} first" if waiting else "",
+        )
         self.close(collective=False)
         if waiting:
             logger.warning("deck: finished at exit: %s", _parts(waiting, with_state=True))
