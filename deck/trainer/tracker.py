@@ -27,9 +27,7 @@ embedding AllToAll.
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -196,18 +194,21 @@ class ClaimedSpan:
 
 
 class _BackwardWatch:
-    """The gradient hook on one tracked lookup's output: takes its key out of ``awaiting`` when
-    the gradient arrives. It lives as long as the autograd graph (or the output) holding it,
-    so a finalizer on it also takes the key when the graph is freed without a backward."""
+    """The gradient hook on one tracked lookup's output: takes itself out of ``awaiting`` when
+    the gradient arrives, or when it is freed -- it lives as long as the autograd graph (or
+    the output) holding it, so a graph freed without a backward takes it out too."""
 
-    __slots__ = ("__weakref__", "awaiting", "key")
+    __slots__ = ("awaiting",)
 
-    def __init__(self, awaiting: dict[int, None], key: int) -> None:
+    def __init__(self, awaiting: set[int]) -> None:
         self.awaiting = awaiting
-        self.key = key
+        awaiting.add(id(self))
 
     def __call__(self, grad: torch.Tensor) -> None:
-        self.awaiting.pop(self.key, None)
+        self.awaiting.discard(id(self))
+
+    def __del__(self) -> None:
+        self.awaiting.discard(id(self))
 
 
 class TrackerStore:
@@ -249,9 +250,9 @@ class TrackerStore:
         # Copy-on-write snapshots whose rows are not all copied yet (deck.trainer.cow)
         self._guards: list[Callable[[torch.Tensor], None]] = []
         # Tracked lookups whose backward (where the fused optimizer writes their rows) has not
-        # run: keys, added by the training thread, taken by an autograd thread or the GC.
-        self._awaiting: dict[int, None] = {}
-        self._lookups = itertools.count()
+        # run: their watches' ids, added by the training thread, taken by an autograd thread or
+        # the GC.
+        self._awaiting: set[int] = set()
 
     @property
     def num_rows(self) -> int:
@@ -307,11 +308,7 @@ class TrackerStore:
         counted by :meth:`awaiting_backward` until its gradient is computed (the update runs
         in the same ``backward()``) or its graph is freed without one (a forward never
         backpropagated: nothing will update its rows)."""
-        key = next(self._lookups)
-        self._awaiting[key] = None
-        watch = _BackwardWatch(self._awaiting, key)
-        output.register_hook(watch)
-        weakref.finalize(watch, self._awaiting.pop, key, None)
+        output.register_hook(_BackwardWatch(self._awaiting))
 
     def awaiting_backward(self) -> int:
         """How many tracked lookups still wait for their backward (:meth:`await_backward`)."""

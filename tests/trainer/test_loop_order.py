@@ -33,6 +33,17 @@ pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
 
 
+def _restores_bitwise(config: deck.DeckConfig, live: dict, steps: tuple[int, ...]) -> None:
+    """Each of ``steps`` restores into a fresh model equal to ``live[step]``, bitwise."""
+    for step in steps:
+        restored, ropt = build_model(SPEC, seed=9)
+        ruser = TrainState()
+        with deck.enable(restored, [ropt], config, state=ruser) as again:
+            assert again.restore(step) == step
+            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
+        assert not bad, (step, bad[:5])
+
+
 def _forward(model: torch.nn.Module, step: int) -> torch.Tensor:
     dense, kjt, labels = make_batch(SPEC, step, dist.get_rank())
     logits = model(dense, kjt).squeeze(-1)
@@ -82,13 +93,7 @@ def _orders(rank: int, world_size: int, root: str) -> None:
     # Step 2 is taken again where it belongs, after its optimizer step; step 3's rows (refused,
     # not taken again) go into step 4's delta.
     assert history == [(s, "delta" if s > 1 else "full", True) for s in (1, 2, 4, 5, 6)], history
-    for step in (2, 4, 6):
-        restored, ropt = build_model(SPEC, seed=9)
-        ruser = TrainState()
-        with deck.enable(restored, [ropt], config, state=ruser) as again:
-            assert again.restore(step) == step
-            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
-        assert not bad, (step, bad[:5])
+    _restores_bitwise(config, live, (2, 4, 6))
 
 
 def test_a_checkpoint_while_a_forward_awaits_its_backward_is_refused(tmp_path: Path) -> None:
@@ -116,13 +121,7 @@ def _interrupted(rank: int, world_size: int, root: str, point: str) -> None:
         kinds = [(h.step, h.kind) for h in ckpt.history]
     # What the interrupted checkpoint had claimed is unknown: the next one is a full.
     assert kinds == [(1, "full"), (2, "delta"), (4, "full"), (5, "delta"), (6, "delta")], kinds
-    for step in (4, 6):
-        restored, ropt = build_model(SPEC, seed=9)
-        ruser = TrainState()
-        with deck.enable(restored, [ropt], config, state=ruser) as again:
-            assert again.restore(step) == step
-            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
-        assert not bad, (step, bad[:5])
+    _restores_bitwise(config, live, (4, 6))
 
 
 @pytest.mark.parametrize("point", ["checkpointer.save.staged", "checkpointer.save.enqueued"])
@@ -155,13 +154,7 @@ def _untracked_modes(rank: int, world_size: int, root: str) -> None:
             live[step] = capture_state(model, opt, user, full=True)
             ckpt.step(step)
         assert ckpt.flush()
-    for step in (3, 5):
-        restored, ropt = build_model(SPEC, seed=9)
-        ruser = TrainState()
-        with deck.enable(restored, [ropt], config, state=ruser) as again:
-            assert again.restore(step) == step
-            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
-        assert not bad, (step, bad[:5])
+    _restores_bitwise(config, live, (3, 5))
 
 
 def test_training_in_eval_mode_or_under_pause_is_tracked(tmp_path: Path) -> None:
