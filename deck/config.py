@@ -425,7 +425,8 @@ class DeckConfig(Settings):
         gt=0,
         description="Writer lease lifetime, renewed every third of it: a second trainer on the URI "
         "waits up to this long for it, then is refused; a crashed holder on the same host is taken "
-        "over at once. None disables the lease.",
+        "over at once. Renewals failing for longer (a store outage) refuse checkpoints until the "
+        "store answers and deck takes the lease again. None disables the lease.",
     )
     staging: StagingConfig = Field(
         default_factory=StagingConfig,

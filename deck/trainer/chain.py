@@ -397,12 +397,16 @@ class ChainWriter:
         most = max(v.failed_parts for v in votes)
         if most:
             self.tell_rank0_failed(self._failed_parts, most)
+        if any(v.parent_failed for v in votes):
+            # The flags were taken: should this checkpoint not commit (refused below, or
+            # dropped after its snapshot), the next one must still be a full
+            self.parent = None
         if any(v.lease_lost for v in votes):
             why = self.lease.lost_why if self.lease is not None else None
             raise CheckpointError(
-                f"step {step}: this job lost the writer lease of {self.storage.uri}, so it writes "
-                "no more checkpoints: "
-                + (why or "it expired, was taken over or deleted (rank 0's log says which)")
+                f"step {step}: this job lost the writer lease of {self.storage.uri}, so this "
+                "checkpoint is not written: "
+                + (why or "it lapsed, was taken over or deleted (rank 0's log says which)")
             )
         full = any(v.full for v in votes)
         if not full and any(v.no_parent or v.parent_failed for v in votes):

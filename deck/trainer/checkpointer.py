@@ -426,8 +426,8 @@ class DeltaCheckpointer:
         # Publishes are best effort (a failed one is logged and the next is a full): only a
         # checkpoint that did not commit makes the flush report failure.
         done = not self._ckpt.failed_since_last_report(done) and done
-        # A job whose writer lease was taken over (or expired) commits nothing more: never a
-        # success, whether or not a checkpoint was attempted since.
+        # A job whose writer lease was taken over commits nothing more, nor one whose lease
+        # lapsed until it is taken again: never a success, attempted checkpoint or not.
         done = done and not (self._lease is not None and self._lease.lost.is_set())
         # Rank 0's flush includes the commits; the gather holds the other ranks until it is done.
         return bool(self.coord.gather([float(done)]).min() > 0)

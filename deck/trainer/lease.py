@@ -71,6 +71,9 @@ class Lease:
         self.epoch: int | None = None  # the fencing token, once taken
         self.lost = threading.Event()
         self.lost_why: str | None = None  # what check() found when it set ``lost``
+        # Lost because renewals failed for ttl_s, not because another trainer took it: the
+        # renewing thread takes it again once the store answers and no one else did (_retake)
+        self.lapsed = False
         self._expires = 0.0  # monotonic time our last written record expires at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -240,13 +243,24 @@ class Lease:
         A read error is raised too: a commit that cannot be fenced is not made."""
         if self.epoch is None:
             raise LeaseHeldError(f"the writer lease of {self.storage.uri} is not held")
-        if time.monotonic() >= self._expires:
+        for_good = self.lost.is_set() and not self.lapsed  # never a lapse (to take again) now
+        if not for_good and time.monotonic() >= self._expires:
             raise self._lose(
-                f"the writer lease of {self.storage.uri} expired: it could not be renewed for "
-                f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over; this job "
-                "commits nothing more. Check the store's availability and restart the job"
+                f"the writer lease of {self.storage.uri} lapsed: it could not be renewed for "
+                f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over. This "
+                "job commits nothing until deck takes the lease again, once the store answers "
+                "and if no other trainer took it (rank 0's log says when); check the store's "
+                "availability",
+                lapsed=True,
             )
-        epoch, held = self.newest()
+        self._fence(*self.newest())  # what the store shows now, said first
+        if for_good:
+            raise LeaseHeldError(self.lost_why or f"the writer lease of {self.storage.uri} is lost")
+
+    def _fence(self, epoch: int, held: LeaseRecord | None) -> None:
+        """Raise (the lease lost for good) unless ``epoch`` (the newest) is ours and ``held``
+        (its record) names us."""
+        assert self.epoch is not None
         if epoch < self.epoch:
             raise self._lose(
                 f"the writer lease records of {self.storage.uri} were deleted ({LEASE_DIR}/ holds "
@@ -274,8 +288,34 @@ class Lease:
                 f"{self.epoch}; {who}): this job commits nothing more. Stop one of the two jobs"
             )
 
-    def _lose(self, why: str) -> LeaseHeldError:
-        """Mark the lease lost for good, remembering ``why`` for the checkpoints refused after."""
+    def _retake(self) -> None:
+        """After a lapse: take the lease again, as a restarted job would, when the newest record
+        is still ours (no other trainer took it since: its own taking would have created a
+        newer epoch) by creating the next epoch -- of this and another trainer creating it at
+        once, exactly one succeeds. Raises (lost for good) when another trainer has it."""
+        epoch, held = self.newest()
+        self._fence(epoch, held)
+        if not self._create(epoch + 1):  # the record there is another trainer's
+            raise self._lose(
+                f"the writer lease of {self.storage.uri} was taken over after it lapsed (epoch "
+                f"{epoch + 1} is another trainer's): this job commits nothing more. Stop one of "
+                "the two jobs"
+            )
+        self._prune()
+        self.lapsed = False
+        self.lost_why = None
+        self.lost.clear()
+        logger.warning(
+            "deck: took the writer lease of %s again (epoch %d) after it lapsed: no other trainer "
+            "had taken it; checkpoints resume (the next is a full if a part failed meanwhile)",
+            self.storage.uri,
+            self.epoch,
+        )
+
+    def _lose(self, why: str, lapsed: bool = False) -> LeaseHeldError:
+        """Mark the lease lost (for good unless ``lapsed``), remembering ``why`` for the
+        checkpoints refused after."""
+        self.lapsed = lapsed
         self.lost_why = why
         self.lost.set()
         return LeaseHeldError(why)
@@ -291,11 +331,15 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
+                if self.lapsed:
+                    self._retake()
+                    continue
                 self.check()  # our record only while the lease is still ours
                 self._put_own()
-            except LeaseHeldError as e:  # taken over, deleted or expired: lost for good
+            except LeaseHeldError as e:
                 logger.error("deck: %s", e)
-                return
+                if not self.lapsed:  # taken over or deleted: lost for good
+                    return
             except StorageError as e:  # keep trying: the lease is valid until it expires
                 logger.warning(
                     "deck: could not renew the writer lease of %s: %s", self.storage.uri, e

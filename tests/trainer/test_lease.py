@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
@@ -114,13 +115,8 @@ def test_a_lease_whose_own_record_vanished_says_so(tmp_path: Path) -> None:
     lease.release()
 
 
-def test_a_lease_that_could_not_be_renewed_fences_itself(tmp_path: Path) -> None:
-    """Renewals failing for longer than the lease's lifetime: another trainer may have taken
-    it, so the holder commits nothing more (even before anyone did)."""
-    failing = threading.Event()
-    storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
-    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
-    lease.acquire()
+def _lapse(lease: Lease, failing: threading.Event) -> None:
+    """Fail the lease's renewals until its fence closes (it lapses)."""
     failing.set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -128,13 +124,59 @@ def test_a_lease_that_could_not_be_renewed_fences_itself(tmp_path: Path) -> None
             lease.check()
         except LeaseHeldError as e:
             assert "could not be renewed" in str(e)
-            break
+            assert lease.lost.is_set() and lease.lapsed
+            return
         time.sleep(0.05)
-    else:
-        pytest.fail("the fence never closed")
-    assert lease.lost.is_set()
+    pytest.fail("the fence never closed")
+
+
+def test_a_lease_that_could_not_be_renewed_fences_itself_then_takes_it_again(
+    tmp_path: Path,
+) -> None:
+    """Renewals failing for longer than the lease's lifetime: another trainer may have taken
+    it, so the holder commits nothing (even before anyone did). Once the store answers and no
+    one took it, the holder takes it again with the next epoch, as a restart would (before: lost
+    for good, so a store outage longer than lease_ttl_s stopped checkpointing until a restart)."""
+    failing = threading.Event()
+    storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
+    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
+    lease.acquire()
+    _lapse(lease, failing)
     failing.clear()
+    deadline = time.monotonic() + 120
+    while lease.lost.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not lease.lost.is_set() and not lease.lapsed and lease.lost_why is None
+    assert lease.epoch == 2  # a new fencing token, never the lapsed one again
+    lease.check()
+    held = lease.read()
+    assert held is not None and held.owner == lease.owner
+    # Another trainer now waits for it as for any live holder
+    with pytest.raises(LeaseHeldError, match="being written by"):
+        Lease(storage, ttl_s=0.3, settle_s=0.01).acquire()
     lease.release()
+
+
+def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) -> None:
+    failing = threading.Event()
+    storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
+    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
+    lease.acquire()
+    _lapse(lease, failing)
+    other = Lease(open_storage(str(tmp_path)), ttl_s=30, settle_s=0.01)
+    other.acquire()  # our record expired: taken over (epoch 2)
+    failing.clear()
+    deadline = time.monotonic() + 120
+    while lease.lapsed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lease.lost.is_set() and not lease.lapsed and lease.epoch == 1
+    for _ in range(2):  # sticky: a later check says the same, never "lapsed" again
+        with pytest.raises(LeaseHeldError, match=r"taken over \(epoch 2, ours 1"):
+            lease.check()
+    lease.release()
+    held = other.read()
+    assert held is not None and held.owner == other.owner and held.expires_unix > 0
+    other.release()
 
 
 @pytest.mark.parametrize("offset_s", [0.0, 0.3])
@@ -334,7 +376,13 @@ def test_a_holder_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path)
 def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
     """The store refuses every write (an outage) for longer than the lease: the part's upload,
     retried for upload_timeout_s (an hour) before, stops once the lease is gone -- the part can
-    never commit -- and the flush returns (a process exiting without close() waits for it)."""
+    never commit -- and the flush returns (a process exiting without close() waits for it).
+    Once the store answers again the lease is taken again (no one else took it) and
+    checkpointing resumes with a full that restores bitwise (before: no checkpoint until a
+    restart)."""
+    from deck.demo import capture_state
+    from deck.errors import CheckpointError
+
     outage = threading.Event()
 
     def fails(key: str, n: int) -> bool:
@@ -353,7 +401,30 @@ def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
         assert not ck.flush(timeout=600)  # returns once the lease is gone (2 s), not after 1 h
         error = ck.history[-1].error or ""
         assert ck.history[-1].state == "failed" and "writer lease is lost" in error, error
+        train_step(model, opt, SPEC, 2)
+        with pytest.raises(
+            CheckpointError, match=r"lost the writer lease.*lapsed.*takes the lease"
+        ):
+            ck.step(2)  # refused while the lease is lapsed
         outage.clear()
+        lease = ck._lease
+        assert lease is not None
+        deadline = time.monotonic() + 120
+        while lease.lost.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not lease.lost.is_set() and lease.epoch == 2
+        train_step(model, opt, SPEC, 3)
+        ck.step(3)
+        assert ck.flush(), ck.history[-1].error
+        assert ck.history[-1].kind == "full"  # step 1 failed: its claimed rows are in no delta
+        live = capture_state(model, opt)
+    assert [c.step for c in deck.list_checkpoints(root)] == [0, 3]
+    fresh, fresh_opt = build_model(SPEC, seed=7)
+    deck.load(fresh, [fresh_opt], root)
+    restored = capture_state(fresh, fresh_opt)
+    assert restored.keys() == live.keys()
+    for name, tensor in live.items():
+        assert torch.equal(restored[name], tensor), name
 
 
 @pytest.mark.slow
