@@ -81,7 +81,13 @@ class Later(Generic[T]):
 
     def get(self) -> T:
         if self._value is None:
-            raise DeckError("internal: a file record was read before its file was written")
+            # Its file was never handed to the writer: the checkpoint that staged the part was
+            # cut short while it filled its chunks (a Ctrl-C in the training thread)
+            raise DeckError(
+                "a file record of this part was never made: the checkpoint that staged it was "
+                "cut short (interrupted) before all its files were written, so the part is not "
+                "committed; the next checkpoint is a full"
+            )
         return self._value
 
 

@@ -157,6 +157,36 @@ def test_a_lease_that_could_not_be_renewed_fences_itself_then_takes_it_again(
     lease.release()
 
 
+def test_a_lapsed_lease_whose_new_record_could_not_be_read_back_is_still_ours(
+    tmp_path: Path,
+) -> None:
+    """Taking it again, the create of the next epoch lands but reading it back fails: the next
+    round finds that record naming this lease and keeps it, never "taken over" by itself."""
+    failing = threading.Event()
+    reads = {"failed": 0}
+
+    def fail_get(key: str, n: int) -> bool:
+        if key.endswith(lease_key(2)) and not reads["failed"]:
+            reads["failed"] += 1
+            return True
+        return False
+
+    storage = FaultyStorage(
+        open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set(), fail_get=fail_get
+    )
+    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
+    lease.acquire()
+    _lapse(lease, failing)
+    failing.clear()
+    deadline = time.monotonic() + 120
+    while lease.lost.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reads["failed"] == 1
+    assert not lease.lost.is_set() and lease.epoch == 2
+    lease.check()
+    lease.release()
+
+
 def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) -> None:
     failing = threading.Event()
     storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
