@@ -250,7 +250,7 @@ class Lease:
                 f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over. This "
                 "job commits nothing until deck takes the lease again, once the store answers "
                 "and if no other trainer took it (rank 0's log says when); check the store's "
-                "availability",
+                "availability, or whether this process was paused (stopped, swapping)",
                 lapsed=True,
             )
         self._fence(*self.newest())  # what the store shows now, said first
@@ -272,7 +272,7 @@ class Lease:
                 f"the writer lease record {self.storage.describe(lease_key(epoch))} (ours) is "
                 f"gone or unreadable: was {self.storage.uri} deleted or replaced while this job "
                 "ran? This job commits nothing more, since another trainer may write there now; "
-                "check the URI and restart the job (its first checkpoint is then a full)"
+                "check the URI and restart the job"
             )
         if epoch == self.epoch and held is not None and held.owner != self.owner:
             raise self._lose(
