@@ -187,6 +187,18 @@ def test_a_lapsed_lease_whose_new_record_could_not_be_read_back_is_still_ours(
     lease.release()
 
 
+def test_a_newer_epoch_naming_this_lease_is_its_own(tmp_path: Path) -> None:
+    """The record of the epoch a taking-again just created, seen by a commit's check before the
+    taking recorded it: this lease's own (its owner id is unique), never "taken over" by itself."""
+    storage = open_storage(str(tmp_path))
+    lease = Lease(storage, ttl_s=30, settle_s=0.01)
+    lease.acquire()
+    storage.put(lease_key(2), lease._record().model_dump_json().encode())
+    lease.check()
+    assert not lease.lost.is_set()
+    lease.release()
+
+
 def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) -> None:
     failing = threading.Event()
     storage = FaultyStorage(open_storage(str(tmp_path)), fail_put=lambda key, n: failing.is_set())
