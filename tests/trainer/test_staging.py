@@ -300,3 +300,27 @@ def test_rank0_commits_with_its_own_part_as_written_or_read_back_alike(tmp_path:
     read_back = commit(storage, **args)  # type: ignore[arg-type]
     handed = commit(storage, own=(parts[0], own), **args)  # type: ignore[arg-type]
     assert handed.ranks == read_back.ranks
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_a_full_disk_while_making_a_folder_gets_the_full_disk_hint(
+    tmp_path: Path, scratch: bool
+) -> None:
+    """A folder the spool writer creates fails as the store's StorageError raised from the
+    ENOSPC (a break-it finding: it got the permissions hint, not what to free)."""
+    import errno
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deck.errors import StorageError
+    from deck.trainer.staging.spool import SpoolDir
+
+    with ThreadPoolExecutor(1) as syncer:
+        spool = SpoolDir(str(tmp_path), StagingConfig(), scratch=scratch, syncer=syncer)
+        try:
+            raise StorageError("could not create step-000000000003/x/rank-00000") from OSError(
+                errno.ENOSPC, "No space left on device"
+            )
+        except StorageError as e:
+            message = str(spool.error(3, "step-000000000003/x/rank-00000/t.chunk", e))
+    assert "free space on" in message, message
+    assert ("move the URI" in message) != scratch and ("spool_max_bytes" in message) == scratch

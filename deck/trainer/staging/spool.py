@@ -7,7 +7,6 @@ scratch space (``staging.spool_dir``) whose files go once uploaded, its size bou
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -22,6 +21,7 @@ from deck.format.manifest import dump_model, step_dir
 from deck.format.pending import PendingPart, pending_name
 from deck.storage.atomic import atomic_file
 from deck.storage.local import LocalStorage, write_new_file
+from deck.storage.retry import is_out_of_space
 from deck.trainer.staging.records import NeverCommits
 
 logger = logging.getLogger(__package__)
@@ -193,7 +193,7 @@ class SpoolDir:
         self.store.delete(self.pending_key(p))
 
     def error(self, step: int, key: str, e: OSError) -> SpoolError:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = is_out_of_space(e)  # a folder's creation fails as a StorageError raised from it
         if not self.scratch:  # the local tier: the spool is the destination folder
             where = "the destination"
             hint = (
