@@ -296,20 +296,19 @@ class Lease:
         newer epoch) by creating the next epoch -- of this and another trainer creating it at
         once, exactly one succeeds. Raises (lost for good) when another trainer has it."""
         epoch, held = self.newest()
+        self._fence(epoch, held)  # ours, or lost for good
         assert self.epoch is not None
-        if epoch > self.epoch and held is not None and held.owner == self.owner:
-            # Our own create of an earlier round landed, its read-back failed: ours (the owner
-            # id is this Lease's alone)
+        if epoch > self.epoch:
+            # Our own create of an earlier round landed, its read-back failed (_fence knows it
+            # by this Lease's owner id): keep it
             self.epoch = epoch
             self._put_own()
-        else:
-            self._fence(epoch, held)
-            if not self._create(epoch + 1):  # the record there is another trainer's
-                raise self._lose(
-                    f"the writer lease of {self.storage.uri} was taken over after it lapsed "
-                    f"(epoch {epoch + 1} is another trainer's): this job commits nothing more. "
-                    "Stop one of the two jobs"
-                )
+        elif not self._create(epoch + 1):  # the record there is another trainer's
+            raise self._lose(
+                f"the writer lease of {self.storage.uri} was taken over after it lapsed "
+                f"(epoch {epoch + 1} is another trainer's): this job commits nothing more. "
+                "Stop one of the two jobs"
+            )
         self._prune()
         self.lapsed = False
         self.lost_why = None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def test_a_lease_whose_own_record_vanished_says_so(tmp_path: Path) -> None:
     lease.release()
 
 
+def _until(done: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Wait until ``done()`` (the lease's renewing thread acts every ttl/3), or fail."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def _lapse(lease: Lease, failing: threading.Event) -> None:
     """Fail the lease's renewals until its fence closes (it lapses)."""
     failing.set()
@@ -143,9 +152,7 @@ def test_a_lease_that_could_not_be_renewed_fences_itself_then_takes_it_again(
     lease.acquire()
     _lapse(lease, failing)
     failing.clear()
-    deadline = time.monotonic() + 120
-    while lease.lost.is_set() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: not lease.lost.is_set())
     assert not lease.lost.is_set() and not lease.lapsed and lease.lost_why is None
     assert lease.epoch == 2  # a new fencing token, never the lapsed one again
     lease.check()
@@ -178,9 +185,7 @@ def test_a_lapsed_lease_whose_new_record_could_not_be_read_back_is_still_ours(
     lease.acquire()
     _lapse(lease, failing)
     failing.clear()
-    deadline = time.monotonic() + 120
-    while lease.lost.is_set() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: not lease.lost.is_set())
     assert reads["failed"] == 1
     assert not lease.lost.is_set() and lease.epoch == 2
     lease.check()
@@ -208,9 +213,7 @@ def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) ->
     other = Lease(open_storage(str(tmp_path)), ttl_s=30, settle_s=0.01)
     other.acquire()  # our record expired: taken over (epoch 2)
     failing.clear()
-    deadline = time.monotonic() + 120
-    while lease.lapsed and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: not lease.lapsed)
     assert lease.lost.is_set() and not lease.lapsed and lease.epoch == 1
     for _ in range(2):  # sticky: a later check says the same, never "lapsed" again
         with pytest.raises(LeaseHeldError, match=r"taken over \(epoch 2, ours 1"):
@@ -451,9 +454,7 @@ def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
         outage.clear()
         lease = ck._lease
         assert lease is not None
-        deadline = time.monotonic() + 120
-        while lease.lost.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _until(lambda: not lease.lost.is_set())
         assert not lease.lost.is_set() and lease.epoch == 2
         train_step(model, opt, SPEC, 3)
         ck.step(3)
