@@ -77,7 +77,9 @@ def chain_hooks(
         )
         positions = values.to(torch.int64) + offsets
         if store.guarding:
-            store.guard(positions)
+            # With a backward to come, the copy runs beside the rest of the step and that
+            # backward waits for it before it writes the rows.
+            store.guard(positions, embs if grads else None)
         if active or grads:
             store.record(positions)
         if grads:

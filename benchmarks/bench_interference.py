@@ -66,6 +66,13 @@ def _pin_others(core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
+def _waits() -> int:
+    """The calling thread's voluntary context switches so far: in a training step, each is a
+    wait for the GIL a background thread holds (a step alone blocks about once)."""
+    with open("/proc/thread-self/status") as f:
+        return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of each of deck's background threads (by name) so far."""
     out = {}
@@ -85,7 +92,7 @@ def _phase(
     from deck.config import StagingConfig
 
     times: dict[int, float] = {}
-    saved: dict[str, Any] = {"full": 0, "deltas": [], "cpu": {}, "own": {}}
+    saved: dict[str, Any] = {"full": 0, "deltas": [], "cpu": {}, "own": {}, "waits": {}}
     cpu_from: dict[str, float] = {}
     ckpt: Any = None
     writer: _PlainWriter | None = None
@@ -102,10 +109,12 @@ def _phase(
     _pin_others(1)
     try:
         for step in range(first + 1, first + a.steps + 1):
+            w0 = _waits()
             t0, c0 = time.perf_counter(), time.thread_time()
             train_step(model, dense, spec, step)
             times[step - first] = time.perf_counter() - t0
             saved["own"][step - first] = time.thread_time() - c0
+            saved["waits"][step - first] = _waits() - w0
             if step - first == AFTER and a.settle:
                 # The full's steps are measured: let it finish (out of any timed step), so the
                 # deltas' steps measure the deltas, not a 2 GiB full still being written
@@ -156,12 +165,14 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
     phases = [p for p in ["off", "plain", *PHASES] if p in a.phases]
     runs: dict[str, list[dict[int, float]]] = {p: [] for p in phases}
     own: dict[str, list[dict[int, float]]] = {p: [] for p in phases}  # training thread's CPU
+    waits: dict[str, list[dict[int, float]]] = {p: [] for p in phases}  # its blocking waits
     cpu: dict[str, list[dict[str, float]]] = {p: [] for p in phases}
     for r in range(a.repeats):
         for p in phases:
             times, saved = _phase(model, dense, spec, a, p, (r + 1) * 10**5, work)
             runs[p].append(times)
             own[p].append(saved["own"])
+            waits[p].append(saved["waits"])
             cpu[p].append(saved["cpu"])
     deltas = {
         s for d in range(a.delta_every, a.steps, a.delta_every) for s in range(d + 1, d + 1 + AFTER)
@@ -220,6 +231,36 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
             f"  {p:<26} "
             + " ".join(f"{x * 1e3:+5.1f}" for x in per)
             + f"  sum {sum(per) * 1e3:+5.1f} ms"
+        )
+    print("the training thread's waits (voluntary context switches: for the GIL) per step:")
+    for p in phases:
+        per = [median_of(p, steps, waits) for steps in after]
+        print(
+            f"  {p:<26} "
+            + " ".join(f"{x:5.0f}" for x in per)
+            + f"  away {median_of(p, away, waits):.0f}"
+        )
+    # Paired: each delta's 10 steps against the 10 just before it (away steps, the same minute
+    # of the run), so the VM's drift over a phase (~15% at times) cancels; the median over every
+    # delta of every repeat. ``off`` shows what this estimate reads where nothing happens.
+    print(
+        f"paired: the {AFTER} steps after each delta minus the {AFTER} before it, median over "
+        f"the {len(after[0])} deltas x {a.repeats} repeats, ms (/ the {AFTER} before):"
+    )
+    paired: dict[str, float] = {}
+    for p in phases:
+        diffs, rel = [], []
+        for t in runs[p]:
+            for d in range(a.delta_every, a.steps - AFTER, a.delta_every):
+                before = sum(t[s] for s in range(d - AFTER + 1, d + 1))
+                diffs.append(sum(t[s] for s in range(d + 1, d + 1 + AFTER)) - before)
+                rel.append(diffs[-1] / before)
+        paired[p] = statistics.median(rel)
+        q1, _, q3 = statistics.quantiles(diffs, n=4)
+        print(
+            f"  {p:<26} {statistics.median(diffs) * 1e3:+6.1f} ms = {paired[p]:+.1%}  "
+            f"(quartiles {q1 * 1e3:+.1f} .. {q3 * 1e3:+.1f} ms)"
+            + ("" if p == "off" else f"  minus off's: {paired[p] - paired['off']:+.1%}")
         )
     print("background CPU per delta (deck's threads, medians over repeats), ms:")
     for p in phases:

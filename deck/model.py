@@ -41,9 +41,11 @@ class RowRecorder(Protocol):
         """Whether a copy-on-write snapshot still has rows to copy: lookups must call
         :meth:`guard` (tracked or not: paused, eval) until it is False."""
 
-    def guard(self, positions: torch.Tensor) -> None:
+    def guard(self, positions: torch.Tensor, output: torch.Tensor | None = None) -> None:
         """Rows ``positions`` are about to be updated (by this step's backward): a snapshot's
-        pending copy of them is made first. Returns once they are safe to write."""
+        pending copy of them is made first. Returns once they are safe to write, or, given
+        the lookup's ``output`` (which requires grad), may make them safe in the background
+        before that output's gradient hook returns (so before the backward writes them)."""
 
 
 @dataclass

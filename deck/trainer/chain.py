@@ -292,7 +292,7 @@ class ChainWriter:
         if snap.deferred is not None:
             # Guarded from before the first step that may write its rows (the stall ends below)
             protect = snap.deferred.protect
-            self.tracker.add_guard(protect)
+            self.tracker.add_guard(protect, self.stager.guard_runner)
             copied = functools.partial(self.tracker.remove_guard, protect)
         self.stager.enqueue(snap.staged, stats, copied)
         failpoint("checkpointer.save.enqueued")

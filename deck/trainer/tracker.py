@@ -10,8 +10,9 @@ most one extra copy of its delta (DECK fig. 8).
 A summary byte per block of 64 rows (:data:`deck.kernels.claim.BLOCK_SHIFT`) has every bit some
 row of the block has, so a claim by reading the map reads only the touched blocks plus the summary
 (1/64 of the map). Usually a claim reads neither: each consumer keeps a journal of the rows that
-became pending for it (compaction returns them), and a claim sorts its journal, and the next
-compaction clears those rows' bits before it marks anything (out of the checkpoint stall), so it
+became pending for it (compaction returns them), a claim takes its journal, and a background
+thread (or else the next claim) clears those rows' bits before anything marks the map again (out
+of the checkpoint stall; the lookups' compactions meanwhile leave their ids recorded), so it
 costs the delta's rows whatever the table's size. A journal holds at most
 ``journal_cap`` rows (default 1/8 of the rows, at least 65,536); a consumer whose delta grows
 past it drops its journal and its next claim reads the map (then a journal starts again).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +213,21 @@ class _BackwardWatch:
         self.awaiting.discard(id(self))
 
 
+class _AwaitGuards:
+    """The gradient hook that holds a lookup's backward (its rows' update) until the snapshots
+    guarding its rows copied them (:meth:`TrackerStore.guard`); their error is the backward's."""
+
+    __slots__ = ("futures",)
+
+    def __init__(self, futures: list[Future[None]]) -> None:
+        self.futures = futures
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        futures, self.futures = self.futures, []  # once, even if a backward runs twice
+        for f in futures:
+            f.result()
+
+
 class TrackerStore:
     """Touched-row state for a flat space of ``num_rows`` rows (all tracked shards back to back)."""
 
@@ -233,7 +250,8 @@ class TrackerStore:
         self._dirty = torch.zeros(num_rows, dtype=torch.uint8, device=device)
         self._blocks = torch.zeros(block_count(num_rows), dtype=torch.uint8, device=device)
         self._pending: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the map, the journals and the claims
+        self._pending_lock = threading.Lock()
         self._journaling = journaling_available(self._dirty)
         # (A span starting at or past the end is empty: counts_in answers it without counts)
         self._starts = np.array(sorted({0, *(x for x in starts or () if 0 < x < num_rows)}))
@@ -244,11 +262,11 @@ class TrackerStore:
         )
         # None: no journal (too many rows, or no native kernel): the next claim reads the map.
         self._journals: dict[str, RowJournal | None] = {c: self._new_journal() for c in consumers}
-        # Reads claimed from a journal whose rows still have their consumer's bit: cleared by the
-        # next compaction (before it marks anything), out of the checkpoint stall.
+        # Reads claimed from a journal whose rows still have their consumer's bit: cleared by
+        # clear_claimed or the next claim (before anything marks the map), out of the stall.
         self._uncleared: dict[str, ReadToken] = {}
         # Copy-on-write snapshots whose rows are not all copied yet (deck.trainer.cow)
-        self._guards: list[Callable[[torch.Tensor], None]] = []
+        self._guards: list[tuple[Callable[[torch.Tensor], None], Executor | None]] = []
         # Tracked lookups whose backward (where the fused optimizer writes their rows) has not
         # run: their watches' ids, added by the training thread, taken by an autograd thread or
         # the GC.
@@ -290,18 +308,35 @@ class TrackerStore:
         """Whether a copy-on-write snapshot still guards rows (see :meth:`guard`)."""
         return bool(self._guards)
 
-    def guard(self, positions: torch.Tensor) -> None:
+    def guard(self, positions: torch.Tensor, output: torch.Tensor | None = None) -> None:
         """Before rows ``positions`` are updated: every guarding snapshot copies those of them it
-        still has pending (:meth:`deck.trainer.cow.DeferredCopy.protect`)."""
-        for protect in list(self._guards):
-            protect(positions)
+        still has pending (:meth:`deck.trainer.cow.DeferredCopy.protect`).
 
-    def add_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
-        """Call ``protect`` before every update from now on, until :meth:`remove_guard`."""
-        self._guards = [*self._guards, protect]
+        ``output``: the lookup's output, when it requires grad. A snapshot guarding on a thread
+        of its own then does it there, and the gradient hook on ``output`` waits for it: the
+        fused optimizer writes the rows in the backward node behind ``output``, which runs only
+        after that hook, so the rows are still safe to write when they are written, while the
+        training thread runs the rest of its forward and backward meanwhile. Without
+        ``output`` (no backward follows: nothing the step does writes the rows), or without
+        such a thread, it is done here."""
+        later: list[Future[None]] = []
+        for protect, runner in self._guards:
+            if runner is not None and output is not None and output.requires_grad:
+                later.append(runner.submit(protect, positions))
+            else:
+                protect(positions)
+        if later:
+            output.register_hook(_AwaitGuards(later))  # type: ignore[union-attr]
+
+    def add_guard(
+        self, protect: Callable[[torch.Tensor], None], runner: Executor | None = None
+    ) -> None:
+        """Call ``protect`` before every update from now on, until :meth:`remove_guard`; on
+        ``runner`` when the update is a backward still to come (:meth:`guard`)."""
+        self._guards = [*self._guards, (protect, runner)]
 
     def remove_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
-        self._guards = [g for g in self._guards if g is not protect]
+        self._guards = [g for g in self._guards if g[0] is not protect]
 
     def await_backward(self, output: torch.Tensor) -> None:
         """A tracked lookup produced ``output``, whose backward will update the rows it read:
@@ -316,15 +351,26 @@ class TrackerStore:
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""
-        with self._lock:
+        with self._pending_lock:  # never the map's lock: a background clear may hold that
             self._pending.append(positions)
 
-    def compact(self) -> None:
-        """Fold recorded ids into the bitmap; cheap to call when nothing is pending."""
-        with self._lock:
+    def compact(self, wait: bool = False) -> None:
+        """Fold recorded ids into the bitmap; cheap to call when nothing is pending.
+
+        Unless ``wait``, it never waits for the background: while the rows of a claim are
+        still to be cleared (by :meth:`clear_claimed`, on a background thread right after the
+        checkpoint) or that thread holds the map, the ids stay recorded and a later compaction
+        folds them. Measured: the lookup's compaction right after a delta waited 1-4 ms for
+        the clear, whose thread shares the other core with the snapshot's copy."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             if self._uncleared:
+                if not wait:
+                    return
                 self._clear_claimed()
-            pending, self._pending = self._pending, []
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
             for pos in pending:
                 # A touched row is dirty for every consumer: setting all bits is the OR.
                 if not self._journaling:
@@ -334,6 +380,8 @@ class TrackerStore:
                 new, old = mark_rows(self._dirty, self._blocks, pos, self._all)
                 for consumer, bit in self._bits.items():
                     self._journal(consumer, new if bit == self._all else new[(old & bit) == 0])
+        finally:
+            self._lock.release()
 
     def begin_read(self, consumer: str) -> ReadToken:
         """Claim the rows touched since ``consumer``'s last committed read."""
@@ -342,15 +390,15 @@ class TrackerStore:
             raise ConfigError(
                 f"unknown tracking consumer {consumer!r}; configured: {list(self._bits)}"
             )
-        self.compact()
+        self.compact(wait=True)
         with self._lock:
             journal = self._journals[consumer]
             if journal is None:
                 rows = claim_marked_rows(self._dirty, self._blocks, bit)
                 self._journals[consumer] = self._new_journal()  # no row has the bit now
                 return ReadToken(consumer, rows, self.num_rows)
-            # The rows' bits are cleared by the next compaction (nothing marks or reads the map
-            # before it): 0.2-0.3 ms of random writes out of the stall. Nor are they sorted here
+            # The rows' bits are cleared by clear_claimed or the next claim (nothing marks or
+            # reads the map before): 0.2-0.3 ms of random writes out of the stall. Nor are they sorted here
             # (0.4-1 ms for a delta of 80-250k rows): ReadToken.rows does that when first asked.
             rows, counts = journal.take()
             token = ReadToken(
@@ -361,8 +409,8 @@ class TrackerStore:
 
     def clear_claimed(self) -> None:
         """Clear the bits of the reads claimed from journals now, from any thread (a background
-        one, right after the checkpoint stall: 0.3-1 ms of scattered writes the training thread's
-        next compaction does otherwise)."""
+        one, right after the checkpoint stall: 0.3-1 ms of scattered writes); until then
+        :meth:`compact` leaves what the lookups record for later."""
         with self._lock:
             if self._uncleared:
                 self._clear_claimed()
@@ -414,7 +462,7 @@ class TrackerStore:
 
     def reset(self) -> None:
         """Forget everything (after a restore the model equals a checkpoint: nothing is dirty)."""
-        with self._lock:
+        with self._lock, self._pending_lock:
             self._pending = []
             self._uncleared = {}
             self._dirty.zero_()

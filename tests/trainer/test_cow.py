@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import deck.trainer.cow as cow
 from deck.demo import ModelSpec, capture_state, diff_states
 from deck.testing.dist_harness import run_ranks
 from deck.trainer.cow import DeferredCopy, RowSlice
+from deck.trainer.tracker import TrackerStore
 from tests.trainer.test_pipeline import _batches, _build, _loss, _pipeline
 
 
@@ -198,6 +201,82 @@ def test_a_dropped_part_took_no_buffer() -> None:
     assert not pool.taken and not handed
 
 
+class _LazyFuture(Future[Any]):
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self._job = fn, args
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            fn, args = self._job
+            try:
+                self.set_result(fn(*args))
+            except BaseException as e:
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+class _LazyRunner(Executor):
+    """A guard runner that runs a job only when its result is asked for: a backward that did
+    not wait for its lookup's guard would write the rows before they were copied."""
+
+    def __init__(self) -> None:
+        self.jobs: list[_LazyFuture] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        job = _LazyFuture(fn, args)
+        self.jobs.append(job)
+        return job
+
+
+class _Update(torch.autograd.Function):
+    """Stands for the fused optimizer's update in the lookup's backward (logs when it runs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, log: list[Any]) -> torch.Tensor:
+        ctx.log = log
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.log.append("update")
+        return grad * 2, None
+
+
+def test_a_lookup_guards_its_rows_beside_the_step_and_its_backward_waits_for_it() -> None:
+    """With a backward to come, a lookup's guard is handed to the snapshot's thread and the
+    gradient hook on the lookup's output waits for it: it runs before the update, whenever
+    its thread gets to it (here: only when waited for). Its error is the backward's. Without
+    a backward (no grad) it runs at once."""
+    store = TrackerStore(10, ("a",))
+    log: list[Any] = []
+
+    def protect(pos: torch.Tensor) -> None:
+        if pos.tolist() == [7]:
+            raise OSError("the guard failed")
+        log.append(pos.tolist())
+
+    runner = _LazyRunner()
+    store.add_guard(protect, runner)
+    x = torch.ones(3, requires_grad=True)
+    out = _Update.apply(x, log)
+    store.guard(torch.tensor([1, 2]), out)
+    assert log == [] and len(runner.jobs) == 1  # not on the lookup
+    out.sum().backward()
+    assert log == [[1, 2], "update"]
+    store.guard(torch.tensor([3]), out.detach())  # no backward follows: now
+    store.guard(torch.tensor([4]))
+    assert log[-2:] == [[3], [4]] and len(runner.jobs) == 1
+    failing = _Update.apply(x, log)
+    store.guard(torch.tensor([7]), failing)
+    with pytest.raises(OSError, match="the guard failed"):
+        failing.sum().backward()
+    assert log[-1] == [4]  # the update did not run
+    store.remove_guard(protect)
+    store.guard(torch.tensor([5]), _Update.apply(x, log))
+    assert log[-1] == [4] and len(runner.jobs) == 2
+
+
 # ---- real 2-rank DMP models --------------------------------------------------------------------
 SPEC = ModelSpec(num_tables=2, rows=501, dim=8, batch=16, pooling=2)
 STEPS, EVERY, MORE = 9, 3, 2
@@ -271,6 +350,50 @@ def test_copy_on_write_delta_restores_bitwise_while_training_went_on(
     steps update its rows; both restore bitwise (weights, momentum, dense) into a fresh model,
     and training on gives the never-stopped run's losses."""
     run_ranks(_job, str(tmp_path), pipeline)
+
+
+def _lazy_guard_job(rank: int, world_size: int, root: str) -> None:
+    model, dense = _build(seed=0)
+    it = _batches(rank, 1, EVERY + MORE)
+    runner = _LazyRunner()
+    gate = threading.Event()
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=EVERY)
+    with deck.enable(model, [dense], config) as ck:
+        for stager in ck._stagers:
+            stager.guard_runner = runner  # type: ignore[assignment]
+        try:
+            for s in range(EVERY + 1):
+                if s:
+                    _train(model, dense, it)
+                if s == EVERY:
+                    cow.FILL_GATE = gate  # only the lookups' guards save the rows steps update
+                ck.step(s)
+            live = capture_state(model, dense)
+            losses = [_train(model, dense, it) for _ in range(MORE)]
+            # One guard per lookup of the two steps, each run by its backward's wait
+            assert runner.jobs and all(j.done() for j in runner.jobs), runner.jobs
+        finally:
+            gate.set()
+            cow.FILL_GATE = None
+        assert ck.flush()
+        assert ck.history[-1].copied_after == ck.history[-1].rows > 0
+    fresh, fresh_dense = _build(seed=1)
+    with deck.enable(fresh, [fresh_dense], deck.DeckConfig(uri=f"{root}/ck")) as ck2:
+        assert ck2.restore() == EVERY
+        bad = diff_states(live, capture_state(fresh, fresh_dense))
+        assert not bad, f"rank {rank}: restored state differs: {bad[:8]}"
+        fresh_it = _batches(rank, EVERY + 1, EVERY + MORE)
+        assert [_train(fresh, fresh_dense, fresh_it) for _ in range(MORE)] == losses
+
+
+@pytest.mark.slow
+def test_a_real_backward_waits_for_its_lookups_guard_before_the_fused_update(
+    tmp_path: Path,
+) -> None:
+    """2 ranks, a delta copied after the stall with its copy held back, and guards that run
+    only when a backward waits for them: the fused optimizer's update in TorchRec's backward
+    comes after the hook on the lookup's output, so the delta still restores bitwise."""
+    run_ranks(_lazy_guard_job, str(tmp_path))
 
 
 def _lookahead_job(rank: int, world_size: int, root: str) -> None:

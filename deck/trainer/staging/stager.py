@@ -117,6 +117,9 @@ class Stager:
         # Copy-on-write parts' rows, copied after the stall (deck.trainer.cow). Not lowered:
         # until it is done every lookup checks its rows against the part's
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="deck-copy")
+        # The lookups' copies of such rows before their backward writes them, beside the step
+        # (:meth:`deck.trainer.tracker.TrackerStore.guard`). Not lowered: a backward waits.
+        self.guard_runner = ThreadPoolExecutor(1, thread_name_prefix="deck-guard")
         # Cleared while the training thread is stalled in a checkpoint (:meth:`stall`); writes
         # are numbered as submitted, and those submitted before the stall began wait for it
         self._writes_may_start = threading.Event()
@@ -342,6 +345,7 @@ class Stager:
         self._syncer.shutdown()
         self._aside.shutdown()
         self._copier.shutdown()
+        self.guard_runner.shutdown()
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
