@@ -10,9 +10,8 @@ most one extra copy of its delta (DECK fig. 8).
 A summary byte per block of 64 rows (:data:`deck.kernels.claim.BLOCK_SHIFT`) has every bit some
 row of the block has, so a claim by reading the map reads only the touched blocks plus the summary
 (1/64 of the map). Usually a claim reads neither: each consumer keeps a journal of the rows that
-became pending for it (compaction returns them), a claim takes its journal, and a background
-thread (or else the next claim) clears those rows' bits before anything marks the map again (out
-of the checkpoint stall; the lookups' compactions meanwhile leave their ids recorded), so it
+became pending for it (compaction returns them), and a claim sorts its journal, and the next
+compaction clears those rows' bits before it marks anything (out of the checkpoint stall), so it
 costs the delta's rows whatever the table's size. A journal holds at most
 ``journal_cap`` rows (default 1/8 of the rows, at least 65,536); a consumer whose delta grows
 past it drops its journal and its next claim reads the map (then a journal starts again).
@@ -250,8 +249,7 @@ class TrackerStore:
         self._dirty = torch.zeros(num_rows, dtype=torch.uint8, device=device)
         self._blocks = torch.zeros(block_count(num_rows), dtype=torch.uint8, device=device)
         self._pending: list[torch.Tensor] = []
-        self._lock = threading.Lock()  # the map, the journals and the claims
-        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._journaling = journaling_available(self._dirty)
         # (A span starting at or past the end is empty: counts_in answers it without counts)
         self._starts = np.array(sorted({0, *(x for x in starts or () if 0 < x < num_rows)}))
@@ -262,8 +260,8 @@ class TrackerStore:
         )
         # None: no journal (too many rows, or no native kernel): the next claim reads the map.
         self._journals: dict[str, RowJournal | None] = {c: self._new_journal() for c in consumers}
-        # Reads claimed from a journal whose rows still have their consumer's bit: cleared by
-        # clear_claimed or the next claim (before anything marks the map), out of the stall.
+        # Reads claimed from a journal whose rows still have their consumer's bit: cleared by the
+        # next compaction (before it marks anything), out of the checkpoint stall.
         self._uncleared: dict[str, ReadToken] = {}
         # Copy-on-write snapshots whose rows are not all copied yet (deck.trainer.cow)
         self._guards: list[tuple[Callable[[torch.Tensor], None], Executor | None]] = []
@@ -351,26 +349,15 @@ class TrackerStore:
 
     def record(self, positions: torch.Tensor) -> None:
         """Remember that rows ``positions`` (int64, any order, duplicates allowed) were looked up."""
-        with self._pending_lock:  # never the map's lock: a background clear may hold that
+        with self._lock:
             self._pending.append(positions)
 
-    def compact(self, wait: bool = False) -> None:
-        """Fold recorded ids into the bitmap; cheap to call when nothing is pending.
-
-        Unless ``wait``, it never waits for the background: while the rows of a claim are
-        still to be cleared (by :meth:`clear_claimed`, on a background thread right after the
-        checkpoint) or that thread holds the map, the ids stay recorded and a later compaction
-        folds them. Measured: the lookup's compaction right after a delta waited 1-4 ms for
-        the clear, whose thread shares the other core with the snapshot's copy."""
-        if not self._lock.acquire(blocking=wait):
-            return
-        try:
+    def compact(self) -> None:
+        """Fold recorded ids into the bitmap; cheap to call when nothing is pending."""
+        with self._lock:
             if self._uncleared:
-                if not wait:
-                    return
                 self._clear_claimed()
-            with self._pending_lock:
-                pending, self._pending = self._pending, []
+            pending, self._pending = self._pending, []
             for pos in pending:
                 # A touched row is dirty for every consumer: setting all bits is the OR.
                 if not self._journaling:
@@ -380,8 +367,6 @@ class TrackerStore:
                 new, old = mark_rows(self._dirty, self._blocks, pos, self._all)
                 for consumer, bit in self._bits.items():
                     self._journal(consumer, new if bit == self._all else new[(old & bit) == 0])
-        finally:
-            self._lock.release()
 
     def begin_read(self, consumer: str) -> ReadToken:
         """Claim the rows touched since ``consumer``'s last committed read."""
@@ -390,15 +375,15 @@ class TrackerStore:
             raise ConfigError(
                 f"unknown tracking consumer {consumer!r}; configured: {list(self._bits)}"
             )
-        self.compact(wait=True)
+        self.compact()
         with self._lock:
             journal = self._journals[consumer]
             if journal is None:
                 rows = claim_marked_rows(self._dirty, self._blocks, bit)
                 self._journals[consumer] = self._new_journal()  # no row has the bit now
                 return ReadToken(consumer, rows, self.num_rows)
-            # The rows' bits are cleared by clear_claimed or the next claim (nothing marks or
-            # reads the map before): 0.2-0.3 ms of random writes out of the stall. Nor are they sorted here
+            # The rows' bits are cleared by the next compaction (nothing marks or reads the map
+            # before it): 0.2-0.3 ms of random writes out of the stall. Nor are they sorted here
             # (0.4-1 ms for a delta of 80-250k rows): ReadToken.rows does that when first asked.
             rows, counts = journal.take()
             token = ReadToken(
@@ -409,8 +394,8 @@ class TrackerStore:
 
     def clear_claimed(self) -> None:
         """Clear the bits of the reads claimed from journals now, from any thread (a background
-        one, right after the checkpoint stall: 0.3-1 ms of scattered writes); until then
-        :meth:`compact` leaves what the lookups record for later."""
+        one, right after the checkpoint stall: 0.3-1 ms of scattered writes the training thread's
+        next compaction does otherwise)."""
         with self._lock:
             if self._uncleared:
                 self._clear_claimed()
@@ -462,7 +447,7 @@ class TrackerStore:
 
     def reset(self) -> None:
         """Forget everything (after a restore the model equals a checkpoint: nothing is dirty)."""
-        with self._lock, self._pending_lock:
+        with self._lock:
             self._pending = []
             self._uncleared = {}
             self._dirty.zero_()

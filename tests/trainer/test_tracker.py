@@ -265,39 +265,3 @@ def test_a_claim_from_the_journal_is_sorted_on_first_use_not_in_place() -> None:
     assert tok.counts_in([(50, 700)]) == [2]  # not a run of spans: from the sorted rows
     store.abort(tok)
     assert store.begin_read("a").rows.tolist() == [3, 150, 650, 700, 999]
-
-
-def test_the_lookups_compaction_leaves_a_claim_to_the_background_clear() -> None:
-    """After a claim from the journal the lookups' compactions do not clear its rows' bits (a
-    background thread does, right after the stall): they keep what they record, and nothing is
-    lost either way -- folded after the clear, or by the next claim."""
-    store = TrackerStore(1000, ("a",))
-    store.record(torch.tensor([4, 8]))
-    tok = store.begin_read("a")
-    store.commit(tok)
-    store.record(torch.tensor([8, 9]))  # the step after the checkpoint
-    store.compact()
-    assert store._uncleared and store._pending  # neither cleared nor folded: left as it was
-    store.clear_claimed()  # the background's clear
-    store.compact()
-    assert not store._uncleared and not store._pending
-    store.record(torch.tensor([10]))
-    store.compact()
-    store.record(torch.tensor([11]))
-    tok = store.begin_read("a")
-    assert tok.rows.tolist() == [8, 9, 10, 11]
-    store.commit(tok)
-    store.record(torch.tensor([4]))  # no background clear this time: the claim does it
-    assert store.begin_read("a").rows.tolist() == [4]
-
-
-def test_a_compaction_never_waits_for_a_thread_holding_the_map() -> None:
-    store = TrackerStore(100, ("a",))
-    store.record(torch.tensor([1]))
-    done = threading.Event()
-    with store._lock:  # a background clear in progress
-        worker = threading.Thread(target=lambda: (store.compact(), done.set()))
-        worker.start()
-        worker.join(60)  # a failure detector only: it returns at once
-        assert done.is_set()
-    assert store.begin_read("a").rows.tolist() == [1]  # folded by the claim
