@@ -21,8 +21,9 @@ phase waits (untimed) until the full is written (``ckpt.flush()``; the plain wri
 the steps after a delta measure the delta, not the seconds of a 2 GiB full still being written
 (``--no-settle``: do not wait). Then each of the 10 steps' excess over the phase's away median,
 and how much of it is the training thread's own CPU (``time.thread_time``; the rest it waited:
-for the GIL a background thread held, or for its core). Goal (issue 35): <= +2% over the 10
-steps after a delta.
+for the GIL a background thread held, or for its core), and how often it waited (its voluntary
+context switches: a step alone blocks about once, each extra one is a wait for the GIL). Goal
+(issue 35): <= +2% over the 10 steps after a delta.
 
     python benchmarks/bench_interference.py [--rows 1000000] [--steps 1000] [--delta-every 25] [--repeats 3]
 """
@@ -239,28 +240,6 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
             f"  {p:<26} "
             + " ".join(f"{x:5.0f}" for x in per)
             + f"  away {median_of(p, away, waits):.0f}"
-        )
-    # Paired: each delta's 10 steps against the 10 just before it (away steps, the same minute
-    # of the run), so the VM's drift over a phase (~15% at times) cancels; the median over every
-    # delta of every repeat. ``off`` shows what this estimate reads where nothing happens.
-    print(
-        f"paired: the {AFTER} steps after each delta minus the {AFTER} before it, median over "
-        f"the {len(after[0])} deltas x {a.repeats} repeats, ms (/ the {AFTER} before):"
-    )
-    paired: dict[str, float] = {}
-    for p in phases:
-        diffs, rel = [], []
-        for t in runs[p]:
-            for d in range(a.delta_every, a.steps - AFTER, a.delta_every):
-                before = sum(t[s] for s in range(d - AFTER + 1, d + 1))
-                diffs.append(sum(t[s] for s in range(d + 1, d + 1 + AFTER)) - before)
-                rel.append(diffs[-1] / before)
-        paired[p] = statistics.median(rel)
-        q1, _, q3 = statistics.quantiles(diffs, n=4)
-        print(
-            f"  {p:<26} {statistics.median(diffs) * 1e3:+6.1f} ms = {paired[p]:+.1%}  "
-            f"(quartiles {q1 * 1e3:+.1f} .. {q3 * 1e3:+.1f} ms)"
-            + ("" if p == "off" else f"  minus off's: {paired[p] - paired['off']:+.1%}")
         )
     print("background CPU per delta (deck's threads, medians over repeats), ms:")
     for p in phases:
