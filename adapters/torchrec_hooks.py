@@ -83,7 +83,7 @@ def chain_hooks(
         if active or grads:
             store.record(positions)
         if grads:
-            store.await_backward(embs)
+            store.await_backward(embs, positions)
 
     def on_odist() -> None:
         if prev_odist is not None:

@@ -31,10 +31,12 @@ class RowRecorder(Protocol):
         """Fold what :meth:`record` got so far into the store (called after the lookup's
         output distribution, overlapping its AllToAll)."""
 
-    def await_backward(self, output: torch.Tensor) -> None:
-        """A tracked lookup produced ``output`` (which requires grad): its backward, where the
-        fused optimizer writes the rows, is still to come. A checkpoint taken before it is
-        refused (it would be neither the step before nor the step after)."""
+    def await_backward(self, output: torch.Tensor, positions: torch.Tensor) -> None:
+        """A tracked lookup of rows ``positions`` produced ``output`` (which requires grad):
+        its backward, where the fused optimizer writes the rows, is still to come. A checkpoint
+        taken before it is refused (it would be neither the step before nor the step after);
+        another backward through the same graph later writes the rows again, so it guards and
+        records them again."""
 
     @property
     def guarding(self) -> bool:

@@ -197,15 +197,28 @@ class ClaimedSpan:
 class _BackwardWatch:
     """The gradient hook on one tracked lookup's output: takes itself out of ``awaiting`` when
     the gradient arrives, or when it is freed -- it lives as long as the autograd graph (or
-    the output) holding it, so a graph freed without a backward takes it out too."""
+    the output) holding it, so a graph freed without a backward takes it out too.
 
-    __slots__ = ("awaiting",)
+    A graph kept for another backward (``retain_graph=True``) updates the lookup's rows again
+    each time, with no lookup before it: each backward after the first calls ``again`` with
+    the rows (guarded and recorded again), so a checkpoint taken in between neither misses the
+    update nor saves it into a snapshot it came after."""
 
-    def __init__(self, awaiting: set[int]) -> None:
+    __slots__ = ("awaiting", "again", "positions", "ran")
+
+    def __init__(
+        self, awaiting: set[int], again: Callable[[torch.Tensor], None], positions: torch.Tensor
+    ) -> None:
         self.awaiting = awaiting
+        self.again = again
+        self.positions = positions
+        self.ran = False
         awaiting.add(id(self))
 
     def __call__(self, grad: torch.Tensor) -> None:
+        if self.ran:
+            self.again(self.positions)
+        self.ran = True
         self.awaiting.discard(id(self))
 
     def __del__(self) -> None:
@@ -336,12 +349,18 @@ class TrackerStore:
     def remove_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
         self._guards = [g for g in self._guards if g[0] is not protect]
 
-    def await_backward(self, output: torch.Tensor) -> None:
-        """A tracked lookup produced ``output``, whose backward will update the rows it read:
-        counted by :meth:`awaiting_backward` until its gradient is computed (the update runs
-        in the same ``backward()``) or its graph is freed without one (a forward never
-        backpropagated: nothing will update its rows)."""
-        output.register_hook(_BackwardWatch(self._awaiting))
+    def await_backward(self, output: torch.Tensor, positions: torch.Tensor) -> None:
+        """A tracked lookup of rows ``positions`` produced ``output``, whose backward will
+        update them: counted by :meth:`awaiting_backward` until its gradient is computed (the
+        update runs in the same ``backward()``) or its graph is freed without one (a forward
+        never backpropagated: nothing will update its rows). A later backward through the same
+        graph guards and records the rows again (:class:`_BackwardWatch`)."""
+        output.register_hook(_BackwardWatch(self._awaiting, self._written_again, positions))
+
+    def _written_again(self, positions: torch.Tensor) -> None:
+        """Rows ``positions`` are about to be updated by another backward through a kept graph."""
+        self.guard(positions)
+        self.record(positions)
 
     def awaiting_backward(self) -> int:
         """How many tracked lookups still wait for their backward (:meth:`await_backward`)."""

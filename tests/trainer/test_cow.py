@@ -277,6 +277,29 @@ def test_a_lookup_guards_its_rows_beside_the_step_and_its_backward_waits_for_it(
     assert log[-1] == [4] and len(runner.jobs) == 2
 
 
+def test_another_backward_through_a_kept_graph_guards_and_tracks_its_rows_again() -> None:
+    """``backward(retain_graph=True)``, a checkpoint, then another backward through the same
+    graph: that backward writes the lookup's rows again with no lookup before it. Its rows are
+    guarded first (a snapshot still copying them saves them as they were) and pending again
+    (the next delta has them)."""
+    store = TrackerStore(10, ("a",))
+    log: list[Any] = []
+    x = torch.ones(3, requires_grad=True)
+    out = _Update.apply(x, log)
+    rows = torch.tensor([1, 2])
+    store.record(rows)
+    store.await_backward(out, rows)
+    out.sum().backward(retain_graph=True)
+    assert store.awaiting_backward() == 0 and log == ["update"]
+    tok = store.begin_read("a")  # the checkpoint after that step
+    assert tok.rows.tolist() == [1, 2]
+    store.commit(tok)
+    store.add_guard(lambda pos: log.append(pos.tolist()), _LazyRunner())
+    out.sum().backward()
+    assert log == ["update", [1, 2], "update"]  # guarded, at once, before the update
+    assert store.begin_read("a").rows.tolist() == [1, 2]
+
+
 # ---- real 2-rank DMP models --------------------------------------------------------------------
 SPEC = ModelSpec(num_tables=2, rows=501, dim=8, batch=16, pooling=2)
 STEPS, EVERY, MORE = 9, 3, 2
