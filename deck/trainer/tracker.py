@@ -204,7 +204,7 @@ class _BackwardWatch:
     the rows (guarded and recorded again), so a checkpoint taken in between neither misses the
     update nor saves it into a snapshot it came after."""
 
-    __slots__ = ("awaiting", "again", "positions", "ran")
+    __slots__ = ("again", "awaiting", "positions", "ran")
 
     def __init__(
         self, awaiting: set[int], again: Callable[[torch.Tensor], None], positions: torch.Tensor
