@@ -76,14 +76,13 @@ def chain_hooks(
             bases.to(values.device), per_key, output_size=values.numel()
         )
         positions = values.to(torch.int64) + offsets
-        if store.guarding:
-            # With a backward to come, the copy runs beside the rest of the step and that
-            # backward waits for it before it writes the rows.
-            store.guard(positions, embs if grads else None)
+        # With a backward to come, a snapshot's copy of the rows runs beside the rest of the
+        # step and that backward waits for it before it writes them.
+        guarded = store.guard(positions, in_background=grads) if store.guarding else []
         if active or grads:
             store.record(positions)
         if grads:
-            store.await_backward(embs, positions)
+            store.await_backward(embs, positions, guarded)
 
     def on_odist() -> None:
         if prev_odist is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,9 +32,12 @@ class RowRecorder(Protocol):
         """Fold what :meth:`record` got so far into the store (called after the lookup's
         output distribution, overlapping its AllToAll)."""
 
-    def await_backward(self, output: torch.Tensor, positions: torch.Tensor) -> None:
+    def await_backward(
+        self, output: torch.Tensor, positions: torch.Tensor, guarded: list[Future[None]]
+    ) -> None:
         """A tracked lookup of rows ``positions`` produced ``output`` (which requires grad):
-        its backward, where the fused optimizer writes the rows, is still to come. A checkpoint
+        its backward, where the fused optimizer writes the rows, is still to come, and waits
+        for ``guarded`` (what :meth:`guard` started in the background) first. A checkpoint
         taken before it is refused (it would be neither the step before nor the step after);
         another backward through the same graph later writes the rows again, so it guards and
         records them again."""
@@ -43,11 +47,11 @@ class RowRecorder(Protocol):
         """Whether a copy-on-write snapshot still has rows to copy: lookups must call
         :meth:`guard` (tracked or not: paused, eval) until it is False."""
 
-    def guard(self, positions: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    def guard(self, positions: torch.Tensor, in_background: bool = False) -> list[Future[None]]:
         """Rows ``positions`` are about to be updated (by this step's backward): a snapshot's
-        pending copy of them is made first. Returns once they are safe to write, or, given
-        the lookup's ``output`` (which requires grad), may make them safe in the background
-        before that output's gradient hook returns (so before the backward writes them)."""
+        pending copy of them is made first. Returns once they are safe to write; with
+        ``in_background`` (the lookup's backward is to come) it may instead return the futures
+        of copies still running, which :meth:`await_backward` makes that backward wait for."""
 
 
 @dataclass

@@ -199,19 +199,27 @@ class _BackwardWatch:
     the gradient arrives, or when it is freed -- it lives as long as the autograd graph (or
     the output) holding it, so a graph freed without a backward takes it out too.
 
-    A graph kept for another backward (``retain_graph=True``) updates the lookup's rows again
-    each time, with no lookup before it: each backward after the first calls ``again`` with
-    the rows (guarded and recorded again), so a checkpoint taken in between neither misses the
-    update nor saves it into a snapshot it came after."""
+    Autograd runs it before the output's gradient reaches the backward node behind it, where
+    the fused optimizer writes the rows: so the first backward waits here for the snapshots
+    that guard the rows on threads of their own (``guarded``; their error is the backward's).
+    A graph kept for another backward (``retain_graph=True``) writes the rows again each time,
+    with no lookup before it: each backward after the first calls ``again`` with the rows
+    (guarded and recorded again), so a checkpoint taken in between neither misses the update
+    nor saves it into a snapshot it came after."""
 
-    __slots__ = ("again", "awaiting", "positions", "ran")
+    __slots__ = ("again", "awaiting", "guarded", "positions", "ran")
 
     def __init__(
-        self, awaiting: set[int], again: Callable[[torch.Tensor], None], positions: torch.Tensor
+        self,
+        awaiting: set[int],
+        again: Callable[[torch.Tensor], None],
+        positions: torch.Tensor,
+        guarded: list[Future[None]],
     ) -> None:
         self.awaiting = awaiting
         self.again = again
         self.positions = positions
+        self.guarded = guarded
         self.ran = False
         awaiting.add(id(self))
 
@@ -220,24 +228,12 @@ class _BackwardWatch:
             self.again(self.positions)
         self.ran = True
         self.awaiting.discard(id(self))
+        guarded, self.guarded = self.guarded, []
+        for f in guarded:
+            f.result()
 
     def __del__(self) -> None:
         self.awaiting.discard(id(self))
-
-
-class _AwaitGuards:
-    """The gradient hook that holds a lookup's backward (its rows' update) until the snapshots
-    guarding its rows copied them (:meth:`TrackerStore.guard`); their error is the backward's."""
-
-    __slots__ = ("futures",)
-
-    def __init__(self, futures: list[Future[None]]) -> None:
-        self.futures = futures
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        futures, self.futures = self.futures, []  # once, even if a backward runs twice
-        for f in futures:
-            f.result()
 
 
 class TrackerStore:
@@ -319,25 +315,20 @@ class TrackerStore:
         """Whether a copy-on-write snapshot still guards rows (see :meth:`guard`)."""
         return bool(self._guards)
 
-    def guard(self, positions: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    def guard(self, positions: torch.Tensor, in_background: bool = False) -> list[Future[None]]:
         """Before rows ``positions`` are updated: every guarding snapshot copies those of them it
         still has pending (:meth:`deck.trainer.cow.DeferredCopy.protect`).
 
-        ``output``: the lookup's output, when it requires grad. A snapshot guarding on a thread
-        of its own then does it there, and the gradient hook on ``output`` waits for it: the
-        fused optimizer writes the rows in the backward node behind ``output``, which runs only
-        after that hook, so the rows are still safe to write when they are written, while the
-        training thread runs the rest of its forward and backward meanwhile. Without
-        ``output`` (no backward follows: nothing the step does writes the rows), or without
-        such a thread, it is done here."""
+        ``in_background`` (a backward is to come, :meth:`await_backward` waits for it): a
+        snapshot guarding on a thread of its own does it there, beside the rest of the step;
+        the futures returned are those. Otherwise every guard is done here."""
         later: list[Future[None]] = []
         for protect, runner in self._guards:
-            if runner is not None and output is not None and output.requires_grad:
+            if in_background and runner is not None:
                 later.append(runner.submit(protect, positions))
             else:
                 protect(positions)
-        if later:
-            output.register_hook(_AwaitGuards(later))  # type: ignore[union-attr]
+        return later
 
     def add_guard(
         self, protect: Callable[[torch.Tensor], None], runner: Executor | None = None
@@ -349,13 +340,17 @@ class TrackerStore:
     def remove_guard(self, protect: Callable[[torch.Tensor], None]) -> None:
         self._guards = [g for g in self._guards if g[0] is not protect]
 
-    def await_backward(self, output: torch.Tensor, positions: torch.Tensor) -> None:
+    def await_backward(
+        self, output: torch.Tensor, positions: torch.Tensor, guarded: list[Future[None]]
+    ) -> None:
         """A tracked lookup of rows ``positions`` produced ``output``, whose backward will
         update them: counted by :meth:`awaiting_backward` until its gradient is computed (the
         update runs in the same ``backward()``) or its graph is freed without one (a forward
-        never backpropagated: nothing will update its rows). A later backward through the same
-        graph guards and records the rows again (:class:`_BackwardWatch`)."""
-        output.register_hook(_BackwardWatch(self._awaiting, self._written_again, positions))
+        never backpropagated: nothing will update its rows). That backward waits for
+        ``guarded`` (:meth:`guard` in the background) before it writes the rows; a later one
+        through the same graph guards and records them again (:class:`_BackwardWatch`)."""
+        watch = _BackwardWatch(self._awaiting, self._written_again, positions, guarded)
+        output.register_hook(watch)
 
     def _written_again(self, positions: torch.Tensor) -> None:
         """Rows ``positions`` are about to be updated by another backward through a kept graph."""

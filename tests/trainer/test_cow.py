@@ -243,6 +243,11 @@ class _Update(torch.autograd.Function):
         return grad * 2, None
 
 
+def _looked_up(store: TrackerStore, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """What the lookup hook does for a lookup a backward follows (adapters/torchrec_hooks.py)."""
+    store.await_backward(out, rows, store.guard(rows, in_background=True))
+
+
 def test_a_lookup_guards_its_rows_beside_the_step_and_its_backward_waits_for_it() -> None:
     """With a backward to come, a lookup's guard is handed to the snapshot's thread and the
     gradient hook on the lookup's output waits for it: it runs before the update, whenever
@@ -260,20 +265,20 @@ def test_a_lookup_guards_its_rows_beside_the_step_and_its_backward_waits_for_it(
     store.add_guard(protect, runner)
     x = torch.ones(3, requires_grad=True)
     out = _Update.apply(x, log)
-    store.guard(torch.tensor([1, 2]), out)
+    _looked_up(store, torch.tensor([1, 2]), out)
     assert log == [] and len(runner.jobs) == 1  # not on the lookup
     out.sum().backward()
     assert log == [[1, 2], "update"]
-    store.guard(torch.tensor([3]), out.detach())  # no backward follows: now
-    store.guard(torch.tensor([4]))
+    store.guard(torch.tensor([3]))  # no backward follows: now
+    assert store.guard(torch.tensor([4])) == []
     assert log[-2:] == [[3], [4]] and len(runner.jobs) == 1
     failing = _Update.apply(x, log)
-    store.guard(torch.tensor([7]), failing)
+    _looked_up(store, torch.tensor([7]), failing)
     with pytest.raises(OSError, match="the guard failed"):
         failing.sum().backward()
     assert log[-1] == [4]  # the update did not run
     store.remove_guard(protect)
-    store.guard(torch.tensor([5]), _Update.apply(x, log))
+    _looked_up(store, torch.tensor([5]), _Update.apply(x, log))
     assert log[-1] == [4] and len(runner.jobs) == 2
 
 
@@ -288,7 +293,7 @@ def test_another_backward_through_a_kept_graph_guards_and_tracks_its_rows_again(
     out = _Update.apply(x, log)
     rows = torch.tensor([1, 2])
     store.record(rows)
-    store.await_backward(out, rows)
+    _looked_up(store, rows, out)
     out.sum().backward(retain_graph=True)
     assert store.awaiting_backward() == 0 and log == ["update"]
     tok = store.begin_read("a")  # the checkpoint after that step
