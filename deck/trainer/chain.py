@@ -61,6 +61,7 @@ from deck.read.lineage import needs_new_full
 from deck.storage import Storage
 from deck.trainer.coordination import Coordinator, gather_votes
 from deck.trainer.cow import DeferredCopy
+from deck.trainer.cycles import collect_cycles
 from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
 from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
@@ -486,7 +487,7 @@ class ChainWriter:
         if waiting:
             # A forward whose output was dropped may hold its graph in a reference cycle (the
             # output distribution's, with 2+ ranks) until the collector runs: run it now.
-            gc.collect()
+            collect_cycles()
             waiting = self.tracker.awaiting_backward()
         if waiting:
             # Its rows hold the step before, its update would be missed by the next delta (the

@@ -1,0 +1,84 @@
+"""``gc.collect()`` collects nothing while another thread's collection is in progress (one whose
+finalizer released the GIL); the checkpoint's collection of dropped forwards' graphs waits for
+that one and then runs (a spurious "still wait for their backward" refusal otherwise)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from deck.trainer import cycles
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+class _BlockingFinalizer(_Cycle):
+    """Garbage whose finalizer, run inside a collection, waits (releasing the GIL)."""
+
+    def __init__(self, entered: threading.Event, release: threading.Event) -> None:
+        super().__init__()
+        self.entered, self.release = entered, release
+
+    def __del__(self) -> None:
+        self.entered.set()
+        self.release.wait()
+
+
+def _collecting_through(entered: threading.Event, release: threading.Event) -> threading.Thread:
+    """A thread that collects a :class:`_BlockingFinalizer`: in its collection from ``entered``
+    until ``release``."""
+
+    def collect() -> None:
+        _BlockingFinalizer(entered, release)
+        gc.collect()
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    return thread
+
+
+def test_a_collection_waits_for_another_threads_collection_and_then_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    other = _collecting_through(entered, release)
+    try:
+        assert entered.wait(60)  # the other thread is inside its collection now
+        garbage = _Cycle()
+        alive = weakref.ref(garbage)
+        del garbage
+        assert gc.collect() == 0 and alive() is not None  # what CPython does: nothing
+
+        waits = []
+        wait = cycles._await_other_collection
+
+        def release_then_wait(timeout: float) -> bool:
+            waits.append(timeout)
+            release.set()  # the other collection can end only once this thread waits for it
+            return wait(timeout)
+
+        monkeypatch.setattr(cycles, "_await_other_collection", release_then_wait)
+        assert cycles.collect_cycles()
+        assert alive() is None
+        assert waits
+    finally:
+        release.set()
+        other.join()
+
+
+def test_a_collection_blocked_by_a_finalizer_gives_up_at_its_timeout() -> None:
+    entered, release = threading.Event(), threading.Event()
+    other = _collecting_through(entered, release)
+    try:
+        assert entered.wait(60)
+        assert not cycles.collect_cycles(timeout=0.01)
+    finally:
+        release.set()
+        other.join()
+    assert cycles.collect_cycles(timeout=0.01)
