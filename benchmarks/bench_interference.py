@@ -67,21 +67,30 @@ def _pin_others(core: int) -> None:
                 os.sched_setaffinity(int(tid), {core})
 
 
-def _waits() -> int:
-    """The calling thread's voluntary context switches so far: in a training step, each is a
-    wait for the GIL a background thread holds (a step alone blocks about once)."""
-    with open("/proc/thread-self/status") as f:
+def _waits(task: str = "thread-self") -> int:
+    """A thread's voluntary context switches so far (``task``: ``/proc/self/task/<tid>``). In a
+    training step each is a wait for the GIL a background thread holds (a step alone blocks
+    about once); in a background thread each is a block of any kind: the disk (an fsync blocks
+    several times), a lock, an idle wait, the GIL."""
+    with open(f"/proc/{task}/status") as f:
         return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
 
 
 def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of each of deck's background threads (by name) so far."""
+    """CPU seconds of each of deck's background threads (by name) so far, and (``<name>:
+    blocks``) their voluntary context switches (:func:`_waits`)."""
     out = {}
     for t in threading.enumerate():
         if t.name.startswith("deck-") and t.ident is not None:
             with contextlib.suppress(OSError, ValueError):  # the thread ended
                 out[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                out[t.name + ": blocks"] = float(_waits(f"self/task/{t.native_id}"))
     return out
+
+
+def _kind(name: str) -> str:
+    """A background thread's kind: its name without the pool's number (and the count's tag)."""
+    return name.removesuffix(": blocks").rstrip("_0123456789")
 
 
 def _phase(
@@ -241,21 +250,26 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
             + " ".join(f"{x:5.0f}" for x in per)
             + f"  away {median_of(p, away, waits):.0f}"
         )
-    print("background CPU per delta (deck's threads, medians over repeats), ms:")
-    for p in phases:
-        if not any(cpu[p]):
-            continue
-        names = sorted({n.rstrip("_0123456789") for c in cpu[p] for n in c})
-        by = {
-            n: statistics.median(
-                sum(v for k, v in c.items() if k.rstrip("_0123456789") == n) for c in cpu[p]
-            )
-            for n in names
-        }
+    for what, unit, scale in (("CPU", "ms", 1e3), ("blocks (voluntary context switches)", "", 1)):
         print(
-            f"  {p:<26} total {sum(by.values()) * 1e3:5.1f}: "
-            + ", ".join(f"{n.removeprefix('deck-')} {v * 1e3:.1f}" for n, v in by.items())
+            f"background {what} per delta (deck's threads, medians over repeats){unit and ', '}{unit}:"
         )
+        for p in phases:
+            if not any(cpu[p]):
+                continue
+            counted = [
+                {k: v for k, v in c.items() if k.endswith(": blocks") == (scale == 1)}
+                for c in cpu[p]
+            ]
+            names = sorted({_kind(n) for c in counted for n in c})
+            by = {
+                n: statistics.median(sum(v for k, v in c.items() if _kind(k) == n) for c in counted)
+                for n in names
+            }
+            print(
+                f"  {p:<26} total {sum(by.values()) * scale:5.1f}: "
+                + ", ".join(f"{n.removeprefix('deck-')} {v * scale:.1f}" for n, v in by.items())
+            )
     if not a.settle:
         print("(--no-settle: the deltas' steps shared core 1 with the full's writes)")
     print("reproduce: python benchmarks/bench_interference.py " + " ".join(sys.argv[1:]))
