@@ -497,8 +497,9 @@ class ChainWriter:
                 "(the fused optimizer updates their rows there): take checkpoints after "
                 "optimizer.step(), between training steps -- not between a forward and its "
                 "backward, nor with a pipeline that looks the next batch up ahead (TorchRec's "
-                "semi-sync and prefetch pipelines), nor while a training-mode forward's output "
-                "is kept without a backward (run such forwards under torch.no_grad())"
+                "semi-sync and prefetch pipelines), nor while the output of a forward that "
+                "requires grad is kept without a backward, in train or eval mode and under "
+                "pause() alike (run evaluation forwards under torch.no_grad())"
             )
             return snap
         try:

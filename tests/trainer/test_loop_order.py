@@ -1,10 +1,10 @@
 """A checkpoint taken while a forward pass still waits for its backward (``step()`` between
 ``model(batch)`` and ``loss.backward()``, a pipeline that looks the next batch up ahead, a
-training-mode forward's output kept without a backward) would hold the rows of the step before,
-and the claim would clear the rows its backward then updates, so later deltas would miss them.
-It is refused on every rank with a CheckpointError that says where to call ``step()``, and
-nothing is lost: the checkpoints after it, in the right place, restore bitwise. Forwards that
-no backward follows (under ``no_grad``, in eval mode, or whose output is dropped) do not count.
+forward's output kept without a backward, in train or eval mode) would hold the rows of the step
+before, and the claim would clear the rows its backward then updates, so later deltas would miss
+them. It is refused on every rank with a CheckpointError that says where to call ``step()``, and
+nothing is lost: the checkpoints after it, in the right place, restore bitwise. Forwards that no
+backward follows (under ``no_grad``, or whose output is dropped, in any mode) do not count.
 Real 2-rank TorchRec DMP models over gloo, real files."""
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ def _orders(rank: int, world_size: int, root: str) -> None:
                 # until the collector runs, which the next checkpoint does before refusing.
                 kept = None  # noqa: F841
                 continue
+            if step == 5:
+                # An evaluation under pause() in eval mode but with grad: its lookups are tracked
+                # (a backward could follow), so predictions kept across a checkpoint are refused,
+                # and the message says eval mode counts; dropped, the same step is taken.
+                with ckpt.pause():
+                    model.eval()
+                    preds = _forward(model, 300)
+                    model.train()
+                with pytest.raises(CheckpointError, match="in train or eval mode"):
+                    ckpt.step(step)
+                del preds
             if step == 4:
                 # Forwards no backward follows: under no_grad, in eval mode, output dropped.
                 with torch.no_grad():
