@@ -15,19 +15,27 @@ import threading
 import time
 from typing import Any
 
+_OLDEST = len(gc.get_threshold()) - 1  # the generation of a full collection
 _cond = threading.Condition()  # reentrant: a collection may start inside a held section
 _running = 0  # collections in progress, any thread (0 or 1: CPython runs one at a time)
-_here = threading.local()  # collections this thread ran (``.runs``)
+_full_started = 0  # full collections begun so far, any thread
+_full_done = 0  # the latest of those to have ended (its number in _full_started's count)
+_here = threading.local()  # the number of the full collection this thread runs (``.full``)
 
 
 def _track(phase: str, info: dict[str, Any]) -> None:
-    global _running
+    global _running, _full_started, _full_done
     with _cond:
+        full = info.get("generation") == _OLDEST
         if phase == "start":
             _running += 1
-            _here.runs = getattr(_here, "runs", 0) + 1
+            if full:
+                _full_started += 1
+                _here.full = _full_started
         else:
             _running = max(0, _running - 1)  # (a collection begun before this module's import)
+            if full:
+                _full_done = max(_full_done, getattr(_here, "full", 0))
             _cond.notify_all()
 
 
@@ -41,14 +49,16 @@ def _await_other_collection(timeout: float) -> bool:
 
 
 def collect_cycles(timeout: float = 10.0) -> bool:
-    """Run a full collection in this thread, first waiting for one in progress in another
-    thread to end. True once it ran; False if other threads' collections kept it from running
-    for ``timeout`` seconds (a finalizer that blocks)."""
+    """Return once a full collection begun after this call has run, in this thread or another
+    (True); runs one here, first waiting for one in progress in another thread to end. False if
+    other threads' collections kept it from running for ``timeout`` seconds (a finalizer that
+    blocks)."""
     deadline = time.monotonic() + timeout
+    with _cond:
+        after = _full_started
     while _await_other_collection(max(0.0, deadline - time.monotonic())):
-        before = getattr(_here, "runs", 0)
-        gc.collect()
-        if getattr(_here, "runs", 0) > before:
+        if _full_done > after:
             return True
-        # Another thread began one between the wait and the call: wait for that one too.
+        gc.collect()
+        # Not run if another thread began one between the wait and the call: wait for it too.
     return False

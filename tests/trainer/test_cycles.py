@@ -82,3 +82,32 @@ def test_a_collection_blocked_by_a_finalizer_gives_up_at_its_timeout() -> None:
         release.set()
         other.join()
     assert cycles.collect_cycles(timeout=0.01)
+
+
+def test_a_full_collection_another_thread_runs_after_the_call_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(A thread that collects in a loop must not keep the checkpoint waiting for a turn.)"""
+    garbage = _Cycle()
+    alive = weakref.ref(garbage)
+    del garbage
+    wait = cycles._await_other_collection
+    here: list[str] = []
+
+    def another_thread_collects_then_wait(timeout: float) -> bool:
+        other = threading.Thread(target=gc.collect)
+        other.start()
+        other.join()
+        return wait(timeout)
+
+    def count_here(phase: str, info: dict[str, int]) -> None:
+        if threading.current_thread() is threading.main_thread() and info["generation"] == 2:
+            here.append(phase)  # a full collection run here
+
+    monkeypatch.setattr(cycles, "_await_other_collection", another_thread_collects_then_wait)
+    gc.callbacks.append(count_here)
+    try:
+        assert cycles.collect_cycles()
+    finally:
+        gc.callbacks.remove(count_here)
+    assert alive() is None and here == []  # freed by the other thread's; none run here
