@@ -9,7 +9,8 @@ pieces, each ``P`` microseconds of Python followed by a system call that release
 (``os.stat``), as deck's stager threads do between native calls. Bursts of each ``(K, P)`` are
 interleaved over the same run (drift touches all alike); per configuration: the excess of the
 10 steps after a burst over the steps after an empty burst (``K = 0``), the training thread's
-extra waits (voluntary context switches), and both per piece.
+extra waits (voluntary context switches), and both per piece. (``bench_gil_probe.py`` compares
+kinds of background work at a fixed total; this sweeps the length of the Python pieces.)
 
     python benchmarks/bench_handover.py [--steps 1200] [--pieces 0 16 32 64 128] [--micros 5 50]
 """
@@ -27,17 +28,13 @@ import warnings
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_interference import _waits
+
 from deck.demo import ModelSpec, build_model, train_step
 from deck.processes import end_rank, free_port, init_process_group
 
 AFTER = 10  # steps after a burst counted
-
-
-def _waits() -> int:
-    """The calling thread's voluntary context switches so far (each extra one in a step is a
-    wait for the GIL)."""
-    with open("/proc/thread-self/status") as f:
-        return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
 
 
 class _Burster(threading.Thread):
