@@ -5,7 +5,7 @@ progress -- and a collection lets other threads run whenever a finalizer it call
 GIL (a file closed, a tensor freed, a lock waited for), which the stager's threads, allocating
 all the time, make common. A checkpoint that collects the graph of a dropped forward before
 counting the lookups still waiting for their backward must not skip that collection, or it
-refuses at random (:meth:`deck.trainer.chain.Chain._snapshot`).
+refuses at random (:meth:`deck.trainer.chain.ChainWriter._snapshot`).
 """
 
 from __future__ import annotations

@@ -7,10 +7,24 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
 
 import pytest
 
 from deck.trainer import cycles
+
+
+@pytest.fixture(autouse=True)
+def _only_explicit_collections() -> Iterator[None]:
+    """No automatic collection: one in the test's own thread could run a blocking finalizer
+    meant for the other thread's collection, and wait for itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Cycle:
