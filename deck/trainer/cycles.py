@@ -42,21 +42,23 @@ def _track(phase: str, info: dict[str, Any]) -> None:
 gc.callbacks.append(_track)
 
 
-def _await_other_collection(timeout: float) -> bool:
-    """Wait until no collection is in progress (False: still one after ``timeout`` s)."""
+def _await_turn(after: int, timeout: float) -> bool:
+    """Wait until no collection is in progress, or a full one numbered past ``after`` has ended
+    (False: neither within ``timeout`` s)."""
     with _cond:
-        return _cond.wait_for(lambda: _running == 0, timeout)
+        return _cond.wait_for(lambda: _running == 0 or _full_done > after, timeout)
 
 
 def collect_cycles(timeout: float = 10.0) -> bool:
     """Return once a full collection begun after this call has run, in this thread or another
-    (True); runs one here, first waiting for one in progress in another thread to end. False if
-    other threads' collections kept it from running for ``timeout`` seconds (a finalizer that
-    blocks)."""
+    (True): another thread's counts (one collecting in a loop would otherwise keep this
+    waiting for a turn); else this thread runs one, first waiting for one in progress in
+    another thread to end. False if other threads' collections kept it from running for
+    ``timeout`` seconds (a finalizer that blocks)."""
     deadline = time.monotonic() + timeout
     with _cond:
         after = _full_started
-    while _await_other_collection(max(0.0, deadline - time.monotonic())):
+    while _await_turn(after, max(0.0, deadline - time.monotonic())):
         if _full_done > after:
             return True
         gc.collect()

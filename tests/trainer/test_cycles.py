@@ -70,14 +70,14 @@ def test_a_collection_waits_for_another_threads_collection_and_then_runs(
         assert gc.collect() == 0 and alive() is not None  # what CPython does: nothing
 
         waits = []
-        wait = cycles._await_other_collection
+        wait = cycles._await_turn
 
-        def release_then_wait(timeout: float) -> bool:
+        def release_then_wait(after: int, timeout: float) -> bool:
             waits.append(timeout)
             release.set()  # the other collection can end only once this thread waits for it
-            return wait(timeout)
+            return wait(after, timeout)
 
-        monkeypatch.setattr(cycles, "_await_other_collection", release_then_wait)
+        monkeypatch.setattr(cycles, "_await_turn", release_then_wait)
         assert cycles.collect_cycles()
         assert alive() is None
         assert waits
@@ -105,23 +105,48 @@ def test_a_full_collection_another_thread_runs_after_the_call_counts(
     garbage = _Cycle()
     alive = weakref.ref(garbage)
     del garbage
-    wait = cycles._await_other_collection
+    wait = cycles._await_turn
     here: list[str] = []
 
-    def another_thread_collects_then_wait(timeout: float) -> bool:
+    def another_thread_collects_then_wait(after: int, timeout: float) -> bool:
         other = threading.Thread(target=gc.collect)
         other.start()
         other.join()
-        return wait(timeout)
+        return wait(after, timeout)
 
     def count_here(phase: str, info: dict[str, int]) -> None:
         if threading.current_thread() is threading.main_thread() and info["generation"] == 2:
             here.append(phase)  # a full collection run here
 
-    monkeypatch.setattr(cycles, "_await_other_collection", another_thread_collects_then_wait)
+    monkeypatch.setattr(cycles, "_await_turn", another_thread_collects_then_wait)
     gc.callbacks.append(count_here)
     try:
         assert cycles.collect_cycles()
     finally:
         gc.callbacks.remove(count_here)
     assert alive() is None and here == []  # freed by the other thread's; none run here
+
+
+def test_a_thread_collecting_in_a_loop_does_not_keep_the_call_waiting() -> None:
+    stop = threading.Event()
+    started = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            gc.collect()
+            started.set()
+
+    other = threading.Thread(target=churn)
+    other.start()
+    try:
+        assert started.wait(60)
+        garbage = _Cycle()
+        alive = weakref.ref(garbage)
+        del garbage
+        # Waiting for a turn of its own, it would get one only by chance (the churn starts the
+        # next collection before this thread wakes) and give up after 10 s.
+        assert cycles.collect_cycles()
+        assert alive() is None
+    finally:
+        stop.set()
+        other.join()
