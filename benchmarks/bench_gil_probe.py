@@ -35,14 +35,15 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 from typing import Any
 
 import numpy as np
-import torch
 
-from deck.demo import ModelSpec, build_model, train_step
-from deck.processes import end_rank, free_port, init_process_group
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_interference import _pin_others, pinned_rank
+
+from deck.demo import ModelSpec, train_step
+from deck.processes import end_rank
 
 AFTER = 10
 MODES = ("none", "native", "python", "pyslices", "syscalls")
@@ -96,9 +97,6 @@ def _deck_probe(a: argparse.Namespace, model: Any, dense: Any, spec: ModelSpec) 
     import deck
     from deck.config import StagingConfig
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    from bench_interference import _pin_others
-
     work = tempfile.mkdtemp(prefix="deck-bench-gil-", dir="/tmp")
     staging = StagingConfig(copy_on_write=a.copy_on_write, chunk_bytes=a.chunk_bytes)
     cfg = deck.DeckConfig(uri=f"{work}/ck", delta_every_steps=a.every, staging=staging)
@@ -150,12 +148,8 @@ def main() -> int:
         sys.setswitchinterval(a.switch_interval_ms / 1e3)
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (one for training, one for the background)")
-    warnings.filterwarnings("ignore")
-    os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
-    init_process_group(0, 1, free_port())
     spec = ModelSpec(num_tables=8, rows=1_000_000, dim=64, batch=1024)
-    model, dense = build_model(spec)
+    model, dense = pinned_rank(spec)
     if a.deck:
         for _ in range(5):
             train_step(model, dense, spec, 10**6)

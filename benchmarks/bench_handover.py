@@ -24,15 +24,12 @@ import statistics
 import sys
 import threading
 import time
-import warnings
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_interference import _waits
+from bench_interference import _waits, pinned_rank
 
-from deck.demo import ModelSpec, build_model, train_step
-from deck.processes import end_rank, free_port, init_process_group
+from deck.demo import ModelSpec, train_step
+from deck.processes import end_rank
 
 AFTER = 10  # steps after a burst counted
 
@@ -77,12 +74,8 @@ def main() -> int:
     a = p.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (one for training, one for the background)")
-    warnings.filterwarnings("ignore")
-    os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
-    init_process_group(0, 1, free_port())
     spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
-    model, dense = build_model(spec)
+    model, dense = pinned_rank(spec)
     burster = _Burster()
     burster.start()
     configs = [(0, 0)] + [(k, u) for k in a.pieces if k for u in a.micros]

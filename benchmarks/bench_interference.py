@@ -57,6 +57,16 @@ AFTER = 10  # steps after a checkpoint counted
 PHASES = {"deck": "deltas", "deck, copy-on-write all": "all", "deck, copy-on-write off": "off"}
 
 
+def pinned_rank(spec: ModelSpec) -> tuple[Any, Any]:
+    """One training rank (world size 1, one intra-op thread) whose thread, and every thread it
+    starts, runs on core 0: the demo's DLRM of ``spec`` and its dense optimizer."""
+    warnings.filterwarnings("ignore")
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    init_process_group(0, 1, free_port())
+    return build_model(spec)
+
+
 def _pin_others(core: int) -> None:
     """Every thread of this process but the calling one onto ``core`` (new threads inherit the
     creating thread's cores, so this runs again after each checkpoint call, outside the step)."""
@@ -157,15 +167,11 @@ def _phase(
 
 
 def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None:
-    warnings.filterwarnings("ignore")
     import logging
 
     logging.getLogger().setLevel(logging.ERROR)
-    os.sched_setaffinity(0, {0})  # the training thread (and what it starts) on core 0
-    torch.set_num_threads(1)
-    init_process_group(0, 1, free_port())
     spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
-    model, dense = build_model(spec)
+    model, dense = pinned_rank(spec)
     for _ in range(5):
         train_step(model, dense, spec, 10**6)
     # What deck writes, to hand the plain writer the same bytes: one deck phase first

@@ -12,19 +12,15 @@ from collections.abc import Iterator
 import pytest
 
 from deck.trainer import cycles
+from deck.trainer.chain import gc_paused
 
 
 @pytest.fixture(autouse=True)
 def _only_explicit_collections() -> Iterator[None]:
     """No automatic collection: one in the test's own thread could run a blocking finalizer
     meant for the other thread's collection, and wait for itself."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Cycle:
