@@ -53,7 +53,7 @@ Fill = Callable[[np.ndarray, int, int], "tuple[int, int, str | None] | None"]
 
 
 def build_index(
-    ids: torch.Tensor, fp: float = TARGET_FP, k: int = K, fill: Fill | None = None
+    ids: torch.Tensor | np.ndarray, fp: float = TARGET_FP, k: int = K, fill: Fill | None = None
 ) -> RowIndex | None:
     """The index of a chunk's (ascending) int64 ``ids``; None for an empty chunk.
 
@@ -62,10 +62,10 @@ def build_index(
     same index natively (it must match this module's hashing bit for bit); numpy when it is
     None or returns None.
     """
-    n = int(ids.numel())
+    arr = ids if isinstance(ids, np.ndarray) else ids.detach().cpu().numpy()
+    n = int(arr.size)
     if n == 0:
         return None
-    arr = ids.detach().cpu().numpy()
     bits = bits_for(n, fp, k)
     got = None if fill is None else fill(arr, bits, k)
     if got is not None:

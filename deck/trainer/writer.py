@@ -496,11 +496,14 @@ def _chunk_record(
     encoded: dict[str, tuple[Encoding, torch.dtype]],
     offset: int | None,
 ) -> ChunkRecord:
-    """The record of a filled chunk (zeroes its padding): checksum, segments, row index."""
+    """The record of a filled chunk (zeroes its padding): checksum, segments, row index. Runs on
+    the spool writer beside training: the ids are read through numpy, not torch, whose every op
+    gives the GIL back and takes it again (each take a chance to find the training thread in its
+    Python and wait, slower each time: docs/benchmarks.md, tenth pass)."""
     rec = build_chunk(buf, rel, layout, [None] * len(layout.segments), pad_to, encoded)
     return rec.model_copy(
         update={
-            "index": build_index(segment_view(buf, layout, "ids"), fill=bloom_fill),
+            "index": build_index(_segments(buf, layout, layout.rows)[0], fill=bloom_fill),
             "offset": offset,
         }
     )
