@@ -62,8 +62,9 @@ def _steps(model: Any, dense: Any, spec: ModelSpec, steps: range) -> None:
         train_step(model, dense, spec, s)
 
 
-def _measure(a: argparse.Namespace, out: Path) -> dict[int, str]:
-    """Train with deck under the probe; the TSV files go to ``out``. Returns tid -> thread kind."""
+def _measure(a: argparse.Namespace, out: Path) -> tuple[dict[int, str], dict[str, int]]:
+    """Train with deck under the probe; the TSV files go to ``out``. Returns tid -> thread kind,
+    and per window kind how often background threads waited for the GIL."""
     import deck
     from deck.config import StagingConfig
 
@@ -86,10 +87,15 @@ def _measure(a: argparse.Namespace, out: Path) -> dict[int, str]:
         kind: (str(out / f"{kind}.waits"), str(out / f"{kind}.holds")) for kind in ("after", "away")
     }
 
+    probe.gil_holds_background_waits.restype = ctypes.c_long
+    bg_waits: collections.Counter[str] = collections.Counter()
+
     def record(kind: str, steps: range) -> None:
+        probe.gil_holds_background_waits()
         probe.gil_holds_start()
         _steps(model, dense, spec, steps)
         probe.gil_holds_stop()
+        bg_waits[kind] += probe.gil_holds_background_waits()
         w, h = files[kind]
         probe.gil_holds_dump(w.encode(), h.encode())
 
@@ -107,14 +113,16 @@ def _measure(a: argparse.Namespace, out: Path) -> dict[int, str]:
         names.update({t.native_id: _kind(t.name) for t in threading.enumerate() if t.native_id})
     ckpt.flush()
     ckpt.close()
-    return names
+    return names, dict(bg_waits)
 
 
 def _site(fields: list[str]) -> str:
     return " < ".join(f for f in fields[:2] if f != ":0")
 
 
-def _report(a: argparse.Namespace, out: Path, names: dict[int, str], kind: str) -> None:
+def _report(
+    a: argparse.Namespace, out: Path, names: dict[int, str], bg_waits: int, kind: str
+) -> None:
     per = 1 / a.deltas
 
     def who(t: str) -> str:
@@ -149,6 +157,10 @@ def _report(a: argparse.Namespace, out: Path, names: dict[int, str], kind: str) 
     )
     for t, ms in waited.most_common():
         print(f"  {t:<16} {ms * per:6.2f} ms")
+    print(
+        f"background threads waited for the GIL {bg_waits * per:.0f} times (each woken by the "
+        "holder, mostly the training thread: a futex wake-up on its CPU)"
+    )
     print(
         f"background GIL held, ms: all / in stretches over {LONG_US:.0f} us / the thread's CPU in them"
     )
@@ -189,14 +201,14 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(rc)
     out = Path(work)
-    names = _measure(a, out)
+    names, bg_waits = _measure(a, out)
     print(
         f"1 rank, training thread on core 0, deck's threads on core 1: DLRM {a.tables} tables x "
         f"{a.rows} rows x {a.dim} dim, batch {a.batch}, a delta every {a.delta_every} steps, "
         f"copy_on_write={a.copy_on_write}"
     )
     for kind in ("after", "away") if a.away else ("after",):
-        _report(a, out, names, kind)
+        _report(a, out, names, bg_waits.get(kind, 0), kind)
     print("\nreproduce: python benchmarks/bench_gil_holds.py " + " ".join(sys.argv[1:]))
     from deck.processes import end_rank
 

@@ -72,6 +72,10 @@ static atomic_long n_waits;
 static hold_t holds[HOLDS];
 static atomic_long n_holds;
 
+/* Background threads' waits for the GIL: each ends when the holder (mostly the training thread,
+ * dropping it around a torch op) wakes them, a futex wake-up on the holder's own CPU. */
+static atomic_long n_background_waits;
+
 static __thread int signalled; /* this thread signalled the GIL's condition: a drop follows */
 static __thread int holding;
 static __thread double took, took_cpu;
@@ -117,8 +121,11 @@ int pthread_cond_signal(pthread_cond_t *c) {
 int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *t) {
     if (real_timedwait == NULL)
         real_timedwait = dlsym(RTLD_NEXT, "pthread_cond_timedwait");
-    if (!on || tid() != training_tid)
+    if (!on || tid() != training_tid) {
+        if (on && c == gil_cond)
+            atomic_fetch_add(&n_background_waits, 1);
         return real_timedwait(c, m, t);
+    }
     gil_cond = c;
     gil_mutex = m;
     const double t0 = clock_s(CLOCK_MONOTONIC);
@@ -182,6 +189,9 @@ static void put_where(FILE *fp, const where_t *w) {
     for (int j = 0; j < FRAMES; ++j)
         fprintf(fp, "\t%s:%d", w->name[j], w->line[j]);
 }
+
+/* Background threads' waits for the GIL since the last call; clears the count. */
+long gil_holds_background_waits(void) { return atomic_exchange(&n_background_waits, 0); }
 
 /* Appends the waits and holds recorded since the last dump to two TSV files; clears them. */
 int gil_holds_dump(const char *waits_path, const char *holds_path) {
