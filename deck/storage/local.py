@@ -605,7 +605,9 @@ class LocalStorage(Storage):
         self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
     ) -> builtins.list[str]:
         """:meth:`Storage.prune_temps`: ``.tmp-*`` files of crashed puts, then the folders left
-        empty, deepest first; ages are ``st_mtime``.
+        empty, deepest first; ages are ``st_mtime``, a folder's as found before this call
+        removed anything in it (removing an entry touches its folder: an old, empty tree goes in
+        one call, not one level per grace period).
 
         Walked like every other call, one folder at a time from the root with ``O_NOFOLLOW``: a
         link below the root is never entered, and a temp-named link is removed itself. A
@@ -614,10 +616,8 @@ class LocalStorage(Storage):
         check_folder(prefix)
         when = time.time() if now is None else now
 
-        def old(name: str, fd: int) -> bool:
-            if older_than_s <= 0:
-                return True
-            return when - os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime >= older_than_s
+        def old(mtime: float) -> bool:
+            return older_than_s <= 0 or when - mtime >= older_than_s
 
         base = prefix.rstrip("/")
         try:
@@ -628,26 +628,28 @@ class LocalStorage(Storage):
         except OSError:
             return []  # absent (or unreadable): nothing to prune
         removed: list[str] = []
-        folders: list[str] = []
+        folders: list[tuple[str, float]] = []  # each with its mtime before anything was removed
         try:
             for rel, fd, entries in self._tree(base, prefix):
                 if rel:
-                    folders.append(rel[:-1])
+                    folders.append((rel[:-1], os.fstat(fd).st_mtime))
                 for e in entries:
                     if e.name.startswith(TEMP_PREFIX) and not e.is_dir(follow_symlinks=False):
                         with contextlib.suppress(OSError):
-                            if old(e.name, fd):
+                            if old(os.stat(e.name, dir_fd=fd, follow_symlinks=False).st_mtime):
                                 os.unlink(e.name, dir_fd=fd)
                                 removed.append(rel + e.name)
         except OSError as exc:  # best effort: the rest is left for the next call
             logger.warning("could not prune %s: %s", self.describe(prefix), exc)
-        for folder in reversed(folders):  # children before their parents
+        for folder, mtime in reversed(folders):  # children before their parents
+            if not old(mtime):
+                continue
             parent, _, name = folder.rpartition("/")
             with contextlib.suppress(OSError):
                 pfd = self._open_folder(parent.split("/") if parent else [], folder)
                 try:
-                    if old(name, pfd):
-                        os.rmdir(name, dir_fd=pfd)  # only succeeds when empty
+                    # Only succeeds when empty: an entry a writer made since the walk keeps it
+                    os.rmdir(name, dir_fd=pfd)
                 finally:
                     os.close(pfd)
         return sorted(removed)

@@ -5,6 +5,8 @@ merger workers in this process."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,29 @@ def test_default_retention_bounds_old_steps_chains(budget: float | None) -> None
             n.manifest.data_bytes for n in graph.trainer.values() if n.kind is Kind.DELTA
         )
         assert worst <= 1 + budget + biggest_delta / full, worst
+
+
+def test_gc_removes_a_failed_attempts_empty_folders_in_one_run(tmp_path: Path) -> None:
+    """A checkpoint that failed while staging leaves its folders empty (its files removed): one
+    GC run past the grace period removes the whole tree, not one level per run; the committed
+    checkpoints and a fresh empty folder (a writer about to fill it) stay."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    tr.train()
+    tr.save()
+    failed = tmp_path / "ck/step-000000000004/0123456789abcdef/rank-00000/t0"
+    failed.mkdir(parents=True)
+    fresh = tmp_path / "ck/step-000000000005/fedcba9876543210"
+    fresh.mkdir(parents=True)
+    old = time.time() - 2 * 86400
+    for p in [failed, *failed.parents][:4]:
+        os.utime(p, (old, old))
+    files = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    collect_garbage(storage, RetentionPolicy(grace_s=3600))
+    assert not (tmp_path / "ck/step-000000000004").exists()
+    assert fresh.is_dir()
+    assert sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file()) == files
 
 
 def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:

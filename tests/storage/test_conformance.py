@@ -268,6 +268,28 @@ class TestLocal:
         assert s.list() == ["1/a"] and s.prune_temps() == [] and (tmp_path / "ck").is_dir()
         assert s.prune_temps("absent/") == []
 
+    def test_prune_temps_removes_an_old_empty_tree_in_one_call(self, tmp_path: Any) -> None:
+        """A failed checkpoint's empty folders (step / attempt / rank / table), all older than
+        the grace period, go in one call: removing a child touches its parent's mtime, which must
+        not make the parent look fresh. A fresh folder, and an old one holding it, stay."""
+        s, root = LocalStorage(tmp_path / "ck"), tmp_path / "ck"
+        s.put("keep/a", b"1")
+        tree = root / "step-7" / "0123456789abcdef" / "rank-00000" / "t0"
+        tree.mkdir(parents=True)
+        (tree / f"{TEMP_PREFIX}half.0").write_bytes(b"half")
+        (root / "old" / "fresh").mkdir(parents=True)
+        two_days_ago = time.time() - 2 * 86400
+        for p in [tree / f"{TEMP_PREFIX}half.0", tree, *tree.parents, root / "old"]:
+            if p == root:
+                break
+            os.utime(p, (two_days_ago, two_days_ago))
+        assert s.prune_temps("", 3600) == [
+            f"step-7/0123456789abcdef/rank-00000/t0/{TEMP_PREFIX}half.0"
+        ]
+        assert not (root / "step-7").exists()
+        assert (root / "old" / "fresh").is_dir()  # fresh, and so its old parent is not empty
+        assert s.list() == ["keep/a"]
+
     def test_prune_temps_never_follows_a_link(
         self, tmp_path: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
