@@ -178,7 +178,12 @@ class Storage(abc.ABC):
         return None
 
     def prune_temps(
-        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+        self,
+        prefix: str = "",
+        older_than_s: float = 0.0,
+        *,
+        now: float | None = None,
+        folders_older_than_s: float | None = None,
     ) -> builtins.list[str]:
         """Remove what interrupted puts left in the folder ``prefix`` ("" or ending in "/") and
         below, and return the removed temp files' paths (relative, like keys), sorted.
@@ -187,7 +192,9 @@ class Storage(abc.ABC):
         deletions. What goes: temp files a crashed :meth:`put` left (never reported by
         :meth:`list`) and folders left empty (the root itself stays), each only once unchanged
         for ``older_than_s`` seconds before ``now`` (default: the current time), since a writer
-        may still be using it; ``older_than_s <= 0`` removes them whatever their age. An object
+        may still be using it; ``older_than_s <= 0`` removes them whatever their age.
+        ``folders_older_than_s``, when given, is the folders' age instead (0: every empty
+        folder, for a prefix whose files the caller just deleted as abandoned). An object
         :meth:`list` reports is never touched. Best effort: what cannot be examined or removed
         stays for a later call. The default removes nothing and returns []: a store whose put
         leaves nothing behind when interrupted has nothing to prune."""

@@ -602,7 +602,12 @@ class LocalStorage(Storage):
             raise self._error("delete", prefix, exc, _WRITE_HINT) from exc
 
     def prune_temps(
-        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+        self,
+        prefix: str = "",
+        older_than_s: float = 0.0,
+        *,
+        now: float | None = None,
+        folders_older_than_s: float | None = None,
     ) -> builtins.list[str]:
         """:meth:`Storage.prune_temps`: ``.tmp-*`` files of crashed puts, then the folders left
         empty, deepest first; ages are ``st_mtime``, a folder's as found before this call
@@ -616,8 +621,10 @@ class LocalStorage(Storage):
         check_folder(prefix)
         when = time.time() if now is None else now
 
-        def old(mtime: float) -> bool:
-            return older_than_s <= 0 or when - mtime >= older_than_s
+        def old(mtime: float, age: float = older_than_s) -> bool:
+            return age <= 0 or when - mtime >= age
+
+        folder_age = older_than_s if folders_older_than_s is None else folders_older_than_s
 
         base = prefix.rstrip("/")
         try:
@@ -642,7 +649,7 @@ class LocalStorage(Storage):
         except OSError as exc:  # best effort: the rest is left for the next call
             logger.warning("could not prune %s: %s", self.describe(prefix), exc)
         for folder, mtime in reversed(folders):  # children before their parents
-            if not old(mtime):
+            if not old(mtime, folder_age):
                 continue
             parent, _, name = folder.rpartition("/")
             with contextlib.suppress(OSError):

@@ -92,6 +92,13 @@ class StorageWrapper(Storage):
         self.inner.prefetch(path)
 
     def prune_temps(
-        self, prefix: str = "", older_than_s: float = 0.0, *, now: float | None = None
+        self,
+        prefix: str = "",
+        older_than_s: float = 0.0,
+        *,
+        now: float | None = None,
+        folders_older_than_s: float | None = None,
     ) -> builtins.list[str]:
-        return self.inner.prune_temps(prefix, older_than_s, now=now)
+        return self.inner.prune_temps(
+            prefix, older_than_s, now=now, folders_older_than_s=folders_older_than_s
+        )

@@ -159,6 +159,39 @@ def test_gc_removes_a_failed_attempts_empty_folders_in_one_run(tmp_path: Path) -
     assert sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file()) == files
 
 
+def test_gc_removes_an_old_orphan_attempt_whole_in_one_run(tmp_path: Path) -> None:
+    """Break-it finding (session 38): an old crashed attempt that still held files lost its
+    files in one GC run but kept its emptied folders for another grace period (deleting the
+    files touched them). One run past the grace period now removes the attempt whole, folders
+    included. A crashed save's step folder it leaves empty was touched by that removal: it goes
+    in a run a grace period later, like any folder left empty."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    tr.train(steps=2)  # step 1 is never saved: its crash below is older than the latest
+    tr.save()
+    committed = sorted((tmp_path / "ck").glob("step-*"))[-1]
+    crashed = [
+        committed / "0123456789abcdef" / "rank-00000" / "t0",  # in a committed step's folder
+        tmp_path / "ck/step-000000000001/fedcba9876543210/rank-00000/t1",  # a crashed save
+    ]
+    for leaf in crashed:
+        leaf.mkdir(parents=True)
+        (leaf / "c0-r0-000000.chunk").write_bytes(b"x" * 4096)
+    old = time.time() - 2 * 86400
+    for leaf in crashed:
+        for p in [leaf / "c0-r0-000000.chunk", leaf, leaf.parent, leaf.parent.parent]:
+            os.utime(p, (old, old))
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=3600))
+    assert len(rep.orphans) == 2 and not rep.errors
+    assert not (committed / "0123456789abcdef").exists()
+    step = tmp_path / "ck/step-000000000001"
+    assert step.is_dir() and not any(step.iterdir())
+    collect_garbage(storage, RetentionPolicy(grace_s=3600), now=time.time() + 3601)
+    assert not step.exists()
+    assert check_all_restore(storage, {s.id: s.state for s in tr.saved.values()})
+
+
 def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)

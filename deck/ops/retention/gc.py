@@ -460,7 +460,12 @@ class _Collector:
         for k in keys:
             self.storage.delete(k)
             failpoint("gc.orphan.after_delete_file")
-        self._prune(prefix)
+        # The folders its deletions emptied go now, fresh as the deletions made them: no writer
+        # fills an attempt folder no record references once all its files are that old (a new
+        # file a writer put there since the listing keeps its folder: only empty ones go).
+        self.storage.prune_temps(
+            prefix, self.policy.grace_s, now=self.now, folders_older_than_s=0.0
+        )
 
     def _orphan_files(self, folder: str, keys: list[str], why: str) -> None:
         """Delete those of ``keys`` (stray files in a committed folder) older than the grace
