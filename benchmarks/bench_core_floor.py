@@ -109,7 +109,7 @@ def main() -> None:
         train_step(model, dense, spec, 10**6)
     ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
     base: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="deck-floor-", dir=os.environ.get("TMPDIR")) as work:
+    with tempfile.TemporaryDirectory(prefix="deck-floor-") as work:
         for r in range(a.rounds):
             got = {}
             for mode in modes:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_interference import _kind, _pin_others, pinned_rank
+from bench_interference import _kind, _pin_others, model_args, model_spec, pinned_rank
 
 from deck.demo import ModelSpec, train_step
 
@@ -70,7 +70,7 @@ def _measure(a: argparse.Namespace, out: Path) -> tuple[dict[int, str], dict[str
 
     probe = ctypes.CDLL(None)  # the preloaded probe's symbols are the process's
     logging.getLogger().setLevel(logging.ERROR)
-    spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+    spec = model_spec(a)
     model, dense = pinned_rank(spec)
     _steps(model, dense, spec, range(10**6, 10**6 + 5))
     cfg = deck.DeckConfig(
@@ -174,10 +174,7 @@ def _report(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024)
+    model_args(p)
     p.add_argument("--deltas", type=int, default=20)
     p.add_argument("--delta-every", type=int, default=25)
     p.add_argument("--after", type=int, default=3, help="steps recorded after each delta")

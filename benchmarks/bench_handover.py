@@ -26,9 +26,9 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_interference import _waits, pinned_rank
+from bench_interference import _waits, model_args, model_spec, pinned_rank
 
-from deck.demo import ModelSpec, train_step
+from deck.demo import train_step
 from deck.processes import end_rank
 
 AFTER = 10  # steps after a burst counted
@@ -63,10 +63,7 @@ class _Burster(threading.Thread):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024)
+    model_args(p, rows=100_000)
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--every", type=int, default=15, help="steps from one burst to the next")
     p.add_argument("--pieces", type=int, nargs="+", default=[0, 16, 32, 64, 128])
@@ -74,7 +71,7 @@ def main() -> int:
     a = p.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs two cores (one for training, one for the background)")
-    spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+    spec = model_spec(a)
     model, dense = pinned_rank(spec)
     burster = _Burster()
     burster.start()

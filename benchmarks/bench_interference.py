@@ -57,6 +57,19 @@ AFTER = 10  # steps after a checkpoint counted
 PHASES = {"deck": "deltas", "deck, copy-on-write all": "all", "deck, copy-on-write off": "off"}
 
 
+def model_args(p: argparse.ArgumentParser, rows: int = 1_000_000) -> None:
+    """The demo DLRM's size as command-line options (read back by :func:`model_spec`)."""
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=rows)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024)
+
+
+def model_spec(a: argparse.Namespace) -> ModelSpec:
+    """The :class:`ModelSpec` of the options :func:`model_args` added."""
+    return ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+
+
 def pinned_rank(spec: ModelSpec) -> tuple[Any, Any]:
     """One training rank (world size 1, one intra-op thread) whose thread, and every thread it
     starts, runs on core 0: the demo's DLRM of ``spec`` and its dense optimizer."""
@@ -170,7 +183,7 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
     import logging
 
     logging.getLogger().setLevel(logging.ERROR)
-    spec = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch)
+    spec = model_spec(a)
     model, dense = pinned_rank(spec)
     for _ in range(5):
         train_step(model, dense, spec, 10**6)
@@ -285,10 +298,7 @@ def _worker(a: argparse.Namespace, work: str, clean: Callable[[], None]) -> None
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024)
+    model_args(p)
     # 1000 steps: 39 deltas per phase and repeat; at 200 (7 deltas) the noise of these VMs is
     # larger than the 2% goal (docs/benchmarks.md, fourth pass)
     p.add_argument("--steps", type=int, default=1000)

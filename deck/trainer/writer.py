@@ -503,7 +503,7 @@ def _chunk_record(
     rec = build_chunk(buf, rel, layout, [None] * len(layout.segments), pad_to, encoded)
     return rec.model_copy(
         update={
-            "index": build_index(_segments(buf, layout, layout.rows)[0], fill=bloom_fill),
+            "index": build_index(_ids(buf, layout, layout.rows), fill=bloom_fill),
             "offset": offset,
         }
     )
@@ -558,13 +558,17 @@ def _hand_over(
     sink.submit(rel, buf, nbytes, rec.run)
 
 
+def _ids(buf: Buffer, layout: ChunkLayout, rows: int) -> np.ndarray:
+    """The ids segment of a chunk of ``rows`` rows in ``buf`` (the layout's first)."""
+    return np.frombuffer(buf, np.int64, rows, layout.segments[0][3])
+
+
 def _segments(buf: Buffer, layout: ChunkLayout, rows: int) -> tuple[np.ndarray, list[memoryview]]:
     """The ids segment of a chunk of ``rows`` rows in ``buf`` and its state segments' bytes (in
     the layout's order after ``ids``)."""
-    (_, _, _, ids_at, _), *states = layout.segments
     view = memoryview(buf)
-    ids = np.frombuffer(buf, np.int64, rows, ids_at)
-    return ids, [view[at : at + nbytes] for _, _, _, at, nbytes in states]
+    states = [view[at : at + nbytes] for _, _, _, at, nbytes in layout.segments[1:]]
+    return _ids(buf, layout, rows), states
 
 
 def _fill_chunk(
