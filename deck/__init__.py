@@ -31,6 +31,7 @@ from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ClockSkewError,
     ConfigError,
     CorruptCheckpointError,
     DeckError,
@@ -64,6 +65,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointStats",
+    "ClockSkewError",
     "ConfigError",
     "CorruptCheckpointError",
     "CorruptStreamError",

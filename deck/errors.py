@@ -71,6 +71,11 @@ class LeaseHeldError(DeckError):
     """Another live trainer holds the writer lease of this URI."""
 
 
+class ClockSkewError(DeckError):
+    """This host's clock is further from the store's than allowed: garbage collection, which
+    measures ages on the store's clock, refused to delete anything."""
+
+
 class SpoolError(StorageError):
     """Writing to the local staging spool failed (disk full, permissions); the checkpoint that
     needed it is not taken, committed checkpoints are untouched."""

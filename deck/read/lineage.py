@@ -20,14 +20,24 @@ applies to it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from deck.format.manifest import QUARANTINE_ROOT, CheckpointManifest, Kind
+from deck.format.manifest import (
+    MERGED_ROOT,
+    QUARANTINE_ROOT,
+    CheckpointManifest,
+    Kind,
+    QuarantineRecord,
+    load_model,
+    parse_merged_dir,
+    parse_step_dir,
+)
 from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.storage import Storage
+from deck.storage.base import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +169,15 @@ class LineageGraph:
             for n in self.nodes.values()
         )
 
-    def as_of(self, cutoff: float) -> LineageGraph:
-        """The graph of the checkpoints committed (``created_unix``) at or before ``cutoff``:
-        the lineage as it was then, quarantine marks as now. This graph is unchanged."""
-        return self._derived(n for n in self.nodes.values() if n.manifest.created_unix <= cutoff)
+    def as_of(
+        self, cutoff: float, committed_at: Callable[[str], float] | None = None
+    ) -> LineageGraph:
+        """The graph of the checkpoints committed at or before ``cutoff``: the lineage as it
+        was then, quarantine marks as now. ``committed_at(id)`` is a checkpoint's commit time
+        on the clock of ``cutoff`` (default: its record's ``created_unix``, the writer's clock).
+        This graph is unchanged."""
+        at = committed_at or (lambda i: self.nodes[i].manifest.created_unix)
+        return self._derived(n for n in self.nodes.values() if at(n.id) <= cutoff)
 
     # ---- queries ---------------------------------------------------------------------------
     def trainer_at(self, state: StateKey) -> LineageNode | None:
@@ -432,19 +447,39 @@ def best_valid_chain(
     )
 
 
-def needs_new_full(storage: Storage, parent: tuple[int, str] | None) -> str | None:
+def needs_new_full(
+    storage: Storage,
+    parent: tuple[int, str] | None,
+    *,
+    base: int | None = None,
+    known: dict[str, int | None] | None = None,
+) -> str | None:
     """Why the trainer's next checkpoint must be a full instead of a delta of ``parent``
     (``(step, id)`` of its last committed checkpoint), or None when a delta is fine.
 
     A delta of ``parent`` is only restorable if ``parent`` is: this says no when ``parent`` is
     gone or has no valid chain any more (a damaged checkpoint in it was quarantined and nothing
     covers it; DECK sec. 6: take a full). Costs one ``list`` of ``quarantine/`` when nothing is
-    quarantined, so a trainer can ask before every checkpoint.
+    quarantined.
+
+    ``base``: the step of the full the parent's chain starts from, when the caller knows it (a
+    trainer does). Every checkpoint on a chain of the parent -- its own deltas, a merged delta
+    or merger full standing in for some of them -- is at a step from ``base`` to the parent's,
+    so a quarantined checkpoint outside those steps changes nothing, and the lineage (every
+    commit record) is read only when one is inside. The step of each quarantine record is read
+    once into ``known`` (record key -> step; None: its folder does not say), which the caller
+    keeps between calls: a record never changes. Without ``base`` any quarantine record makes it read
+    the lineage.
     """
     if parent is None:
         return "no committed checkpoint to be a delta of"
-    if not storage.list(f"{QUARANTINE_ROOT}/"):
+    keys = storage.list(f"{QUARANTINE_ROOT}/")
+    if not keys:
         return None
+    if base is not None:
+        steps = _quarantined_steps(storage, keys, {} if known is None else known)
+        if all(s is not None and not base <= s <= parent[0] for s in steps):
+            return None
     graph = LineageGraph(read_manifests(storage), storage.uri)
     node = graph.trainer.get(parent[0])
     if node is None or node.id != parent[1]:
@@ -452,6 +487,44 @@ def needs_new_full(storage: Storage, parent: tuple[int, str] | None) -> str | No
     if graph._chain_ids(parent[0], frozenset()) is None:
         return graph._why_not(parent[0], frozenset())
     return None
+
+
+# A quarantine record that chains ignore (unreadable, or not a record): at no step of any chain
+_IGNORED = -1
+
+
+def _quarantined_steps(
+    storage: Storage, keys: list[str], known: dict[str, int | None]
+) -> list[int | None]:
+    """The step of the checkpoint each quarantine record in ``keys`` names (None when its
+    folder does not say), reading only the records not in ``known`` and adding them there."""
+    out: list[int | None] = []
+    for key in keys:
+        if not key.endswith(".json"):
+            continue  # not a record: read_manifests skips it too
+        if key not in known:
+            try:
+                data = storage.get_or_none(key, MAX_RECORD_BYTES)
+            except CorruptCheckpointError:
+                data = b""  # too large, or not a file: ignored like read_manifests ignores it
+            if data is None:
+                continue  # deleted since the listing (with its checkpoint, by GC)
+            known[key] = _record_step(storage, key, data)
+        out.append(known[key])
+    return out
+
+
+def _record_step(storage: Storage, key: str, data: bytes) -> int | None:
+    try:
+        rec = load_model(QuarantineRecord, data, storage.describe(key))
+    except CorruptCheckpointError:
+        return _IGNORED
+    head, _, name = rec.folder.partition("/")
+    step = parse_step_dir(rec.folder)
+    if step is None and head == MERGED_ROOT:
+        named = parse_merged_dir(name)
+        step = None if named is None else named[1]
+    return step
 
 
 def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[CheckpointManifest]:

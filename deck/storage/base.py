@@ -163,6 +163,15 @@ class Storage(abc.ABC):
         treat None as "unknown", never as old. The default is None."""
         return None
 
+    def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
+        """:meth:`list` with each object's :meth:`modified` time: ``(key, time or None)``,
+        sorted by key. The times are the store's own clock (a file system's mtimes, an object
+        store's ``LastModified``), so ages taken from them against a time the same store gave
+        (:func:`deck.ops.retention.clock.read_store_clock`) never mix two hosts' clocks. This
+        default asks :meth:`modified` per key; backends override it to read the times with the
+        listing."""
+        return [(k, self.modified(k)) for k in self.list(prefix)]
+
     def map_file(self, path: str) -> memoryview:
         """The whole object at ``path`` as a flat, read-only byte view.
 

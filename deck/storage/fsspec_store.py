@@ -202,15 +202,31 @@ class FsspecStorage(Storage):
             info = self._info(path)
         except StorageError:
             return None
-        for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
-            v = info.get(name)
-            if v is None:
+        return _info_time(info)
+
+    def list_modified(self, prefix: str = "") -> list[tuple[str, float | None]]:
+        """:meth:`list` with the times the same listing reports (one LIST, no request per
+        object), so GC can age every file of a long job's URI."""
+        check_prefix(prefix)
+        base = "/".join(p for p in (self._root, prefix.rpartition("/")[0]) if p)
+        strip = f"{self._root}/" if self._root else ""
+
+        def find() -> dict[str, Any]:
+            self._fs.invalidate_cache(base)
+            try:
+                return dict(self._fs.find(base or "/", withdirs=False, detail=True))
+            except FileNotFoundError:
+                return {}
+
+        out = []
+        for found, info in self._call("list", prefix, find).items():
+            if strip and not found.startswith(strip):
                 continue
-            if hasattr(v, "timestamp"):  # a datetime
-                return float(v.timestamp())
-            with contextlib.suppress(TypeError, ValueError):
-                return float(v)
-        return None
+            rel = found[len(strip) :] if strip else found.lstrip("/")
+            if rel.startswith(prefix) and is_valid_key(rel):
+                out.append((rel, _info_time(info)))
+        out.sort()
+        return out
 
     def exists(self, path: str) -> bool:
         """Whether an object (not just a directory-like prefix) exists at ``path``."""
@@ -341,3 +357,16 @@ def _check_protocol(uri: str) -> None:
             "store where its rename is atomic (e.g. NFS) and pass the local path: deck then "
             "writes a temp file and renames it"
         ) from e
+
+
+def _info_time(info: dict[str, Any]) -> float | None:
+    """The modification (or creation) time an fsspec ``info`` dict reports, if any."""
+    for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
+        v = info.get(name)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):  # a datetime
+            return float(v.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return float(v)
+    return None

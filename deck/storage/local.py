@@ -545,6 +545,32 @@ class LocalStorage(Storage):
         keys.sort()
         return keys
 
+    def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
+        """:meth:`list` with each file's ``st_mtime``, stat'ed in the same walk."""
+        check_prefix(prefix)
+        out: list[tuple[str, float | None]] = []
+        try:
+            for rel, _fd, entries in self._tree(prefix.rpartition("/")[0], prefix):
+                for e in entries:
+                    key = rel + e.name
+                    if (
+                        not e.is_file(follow_symlinks=False)
+                        or e.name.startswith(TEMP_PREFIX)
+                        or not key.startswith(prefix)
+                    ):
+                        continue
+                    try:
+                        mtime: float | None = e.stat(follow_symlinks=False).st_mtime
+                    except FileNotFoundError:
+                        continue  # deleted since the walk read the folder: not listed
+                    except OSError:
+                        mtime = None  # unknown, never old
+                    out.append((key, mtime))
+        except OSError as exc:
+            raise self._error("list", prefix, exc, _READ_HINT) from exc
+        out.sort()
+        return out
+
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files, links and
         special files are left out, a folder reached through a link is empty."""

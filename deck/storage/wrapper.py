@@ -85,6 +85,13 @@ class StorageWrapper(Storage):
     def modified(self, path: str) -> float | None:
         return self.inner.modified(path)
 
+    def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
+        # A subclass that changes list() or modified() (faults, counts) must see this call
+        # through them; otherwise the inner store's one listing is as good.
+        if type(self).list is StorageWrapper.list and type(self).modified is StorageWrapper.modified:
+            return self.inner.list_modified(prefix)
+        return Storage.list_modified(self, prefix)
+
     def map_file(self, path: str) -> memoryview:
         return self.inner.map_file(path)
 

@@ -4,14 +4,17 @@ point in this process, and a bitwise check of every restorable step."""
 
 from __future__ import annotations
 
+import os
 import uuid
+from datetime import datetime, timezone
 
-from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, dump_model, load_model
+from deck.format.manifest import MANIFEST, Kind
 from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, chain_for
 from deck.storage import FsspecStorage, Storage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.synth import State, restore_state, same
 
 
@@ -75,9 +78,22 @@ def check_all_restore(
 
 def age_commits(storage: Storage, seconds: float) -> None:
     """Let ``seconds`` pass for GC's grace period: every commit record at ``storage`` becomes
-    that much older (``created_unix``, its own checksum rewritten)."""
-    for key in storage.list():
-        if key.endswith(f"/{MANIFEST}"):
-            m = load_model(CheckpointManifest, storage.get(key), storage.describe(key))
-            older = m.model_copy(update={"created_unix": m.created_unix - seconds})
-            storage.put(key, dump_model(older))
+    that much older on the store's clock (its file time, which GC ages it by)."""
+    for key, stamp in storage.list_modified():
+        if key.endswith(f"/{MANIFEST}") and stamp is not None:
+            set_store_time(storage, key, stamp - seconds)
+
+
+def set_store_time(storage: Storage, key: str, when: float) -> None:
+    """Set the time the store reports for object ``key`` (a local file's mtime, an in-memory
+    file's creation time): how tests move a file in the store's own clock."""
+    path = storage.local_path(key)
+    if path is not None:
+        os.utime(path, (when, when))
+        return
+    if isinstance(storage, StorageWrapper):  # a test's wrapper
+        set_store_time(storage.inner, key, when)
+    elif isinstance(storage, FsspecStorage) and "memory" in storage._fs.protocol:
+        storage._fs.store[storage._full(key)].created = datetime.fromtimestamp(when, timezone.utc)
+    else:
+        raise TypeError(f"cannot set file times on {storage.uri}")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
@@ -27,6 +28,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
+from deck.ops.retention.clock import CLOCK_DIR, delete_stale_markers, read_store_clock
 from deck.ops.retention.plan import (
     RetentionPlan,
     RetentionPolicy,
@@ -38,7 +40,7 @@ from deck.ops.retention.plan import (
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import LineageNode, build_graph
 from deck.storage import Storage
-from deck.storage.base import get_bounded
+from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class GcReport:
     # What the rules would delete but the grace period holds back (a later run deletes it)
     grace_held: int = 0  # checkpoints
     grace_held_orphans: int = 0  # orphan folders or stray files
+    # This host's clock minus the store's, as measured by the run (None: not measured)
+    clock_skew_s: float | None = None
 
 
 def file_age_s(storage: Storage, key: str, now: float) -> float | None:
@@ -71,15 +75,12 @@ def file_age_s(storage: Storage, key: str, now: float) -> float | None:
     return None if modified is None else now - modified
 
 
-def _old_enough(storage: Storage, keys: list[str], grace_s: float, now: float) -> bool:
-    """Whether every file under a prefix is older than the grace period (unknown: no)."""
+def _old_enough(times: Iterable[float | None], grace_s: float, now: float | None) -> bool:
+    """Whether every one of a group's file ``times`` (the store's clock, like ``now``) is older
+    than the grace period (unknown: no)."""
     if grace_s <= 0:
         return True
-    for k in keys:
-        age = file_age_s(storage, k, now)
-        if age is None or age < grace_s:
-            return False
-    return True
+    return now is not None and all(t is not None and now - t >= grace_s for t in times)
 
 
 def _referenced(storage: Storage, m: CheckpointManifest) -> set[str] | None:
@@ -105,6 +106,7 @@ def collect_garbage(
     dry_run: bool = False,
     now: float | None = None,
     progress: Callable[[str], None] | None = None,
+    local_clock: Callable[[], float] = time.time,
 ) -> GcReport:
     """Apply ``policy`` at ``storage``: delete checkpoints no retained step needs, then orphans.
 
@@ -122,9 +124,28 @@ def collect_garbage(
     (:meth:`deck.storage.Storage.prune_temps`, with the grace period). Safe to run next to the
     trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
     ``progress(folder)`` is called before each checkpoint is deleted.
+
+    Time: every age is taken on the store's clock (:mod:`deck.ops.retention.clock`: the
+    times the store gives its files and commit records, against a marker object the run writes
+    and deletes, in a dry run too), never on this host's (``local_clock``) nor a writer's. A
+    host whose clock is further than ``policy.max_clock_skew_s`` from the store's is refused
+    with :class:`ClockSkewError` before anything is deleted. ``now`` (the store's time) skips
+    the marker: for tests and tools that already know it. What the run deletes as no record's
+    (an attempt or merger folder, stray files) is re-listed, and its step's or folder's
+    record read again, right before it goes: a save or merger commit that landed during the
+    run keeps it.
     """
+    policy = policy if policy is not None else RetentionPolicy()
+    skew = None
+    if now is None:
+        clock = read_store_clock(
+            storage, max_skew_s=policy.max_clock_skew_s, local_clock=local_clock
+        )
+        now, skew = clock.now, clock.skew_s
     with warned_once(_READERS):
-        return _collect(storage, policy, dry_run=dry_run, now=now, progress=progress)
+        report = _collect(storage, policy, dry_run=dry_run, now=now, progress=progress)
+    report.clock_skew_s = None if skew is None else -skew
+    return report
 
 
 # The loggers whose warnings (a step that is not restorable, a skipped merged checkpoint) a GC
@@ -160,19 +181,13 @@ def warned_once(names: tuple[str, ...]) -> Iterator[None]:
 
 def _collect(
     storage: Storage,
-    policy: RetentionPolicy | None,
+    policy: RetentionPolicy,
     *,
     dry_run: bool,
     now: float | None,
     progress: Callable[[str], None] | None,
 ) -> GcReport:
-    gc = _Collector(
-        storage,
-        policy if policy is not None else RetentionPolicy(),
-        dry_run=dry_run,
-        now=time.time() if now is None else now,
-        progress=progress,
-    )
+    gc = _Collector(storage, policy, dry_run=dry_run, now=now, progress=progress)
     gc.delete_checkpoints()
     gc.collect_orphans()
     gc.finish()
@@ -202,8 +217,9 @@ def _by_prefix(keys: list[str]) -> dict[str, list[str]]:
 
 class _Collector:
     """One GC run at a store: the listing, the lineage graph, the retention plan and the
-    protected ids are taken once, at the start; each step appends what it deleted (or would
-    delete) to :attr:`report`."""
+    protected ids are taken once, at the start (ages on the store's clock: ``now`` and the
+    listing's times; None when the store tells none); each step appends what it deleted (or
+    would delete) to :attr:`report`."""
 
     def __init__(
         self,
@@ -211,7 +227,7 @@ class _Collector:
         policy: RetentionPolicy,
         *,
         dry_run: bool,
-        now: float,
+        now: float | None,
         progress: Callable[[str], None] | None,
     ) -> None:
         self.storage = storage
@@ -219,11 +235,16 @@ class _Collector:
         self.dry_run = dry_run
         self.now = now
         self.progress = progress
-        keys = storage.list("")
+        listing = storage.list_modified("")
+        self.times = dict(listing)
+        keys = [k for k, _ in listing]
         self.manifests = read_manifests(storage, keys)
         self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
         self.by_prefix = _by_prefix(keys)
-        self.protected = grace_protected(self.graph, policy, now)
+        committed_at = {
+            cid: self.times.get(f"{n.folder}/{MANIFEST}") for cid, n in self.graph.nodes.items()
+        }
+        self.protected = grace_protected(self.graph, policy, now, committed_at)
         # id -> why, for every checkpoint this run deletes
         plan, self.doomed = self._checked_plan(set(keys))
         self.report = GcReport(
@@ -376,7 +397,13 @@ class _Collector:
             if problem is not None:  # cannot read is unknown: a person decides
                 self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
             elif f"{prefix}/{MANIFEST}" not in keys:
-                self._orphan(prefix + "/", keys, "uncommitted merger folder")
+                record = f"{prefix}/{MANIFEST}"
+                self._orphan(
+                    prefix + "/",
+                    keys,
+                    "uncommitted merger folder",
+                    lambda: "committed during this run" if self.storage.exists(record) else None,
+                )
             return
         refs = _referenced(self.storage, m)
         if refs is None:
@@ -384,7 +411,7 @@ class _Collector:
         stale = [k for k in keys if k not in refs]
         if stale:
             why = "partition records / attempt files no record references"
-            self._orphan_files(prefix, stale, why)
+            self._orphan_files(prefix, stale, why, m)
 
     def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: int) -> None:
         """A step folder's attempt folders that its committed record does not name, or all of
@@ -411,7 +438,26 @@ class _Collector:
                 if m is not None
                 else "uncommitted checkpoint older than a committed later step"
             )
-            self._orphan(f"{prefix}/{aid}/", aks, why)
+            self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid))
+
+    def _names(self, folder: str, aid: str) -> str | None:
+        """Why attempt ``aid`` of step folder ``folder`` is no orphan any more: the step's
+        record, read again now, names it (or cannot be read); else None."""
+        record = f"{folder}/{MANIFEST}"
+        try:
+            current = self._record(record)
+        except DeckError as e:
+            return f"its step's commit record cannot be read now ({e})"
+        if current is not None and current.id == aid:
+            return "committed during this run"
+        return None
+
+    def _record(self, key: str) -> CheckpointManifest | None:
+        """The commit record at ``key`` as it is now (None: there is none)."""
+        data = self.storage.get_or_none(key, MAX_RECORD_BYTES)
+        if data is None:
+            return None
+        return load_model(CheckpointManifest, data, self.storage.describe(key))
 
     def _quarantine_orphans(self, keys: list[str]) -> None:
         """Quarantine records of checkpoints that are gone (or go in this run)."""
@@ -429,6 +475,13 @@ class _Collector:
         must not outlive the checkpoint it was about."""
         if self.dry_run:
             return
+        if self.now is not None:
+            delete_stale_markers(
+                self.storage,
+                [(k, self.times[k]) for k in self.by_prefix.get(CLOCK_DIR, [])],
+                self.now,
+                max(self.policy.grace_s, 3600.0),
+            )
         self.report.files += len(self._prune(""))
         for cid in self.doomed:
             if cid in self.manifests.quarantined:
@@ -441,14 +494,35 @@ class _Collector:
     def _prune(self, prefix: str) -> list[str]:
         """The store's :meth:`~deck.storage.Storage.prune_temps` under the folder ``prefix``
         with the grace period: temp files of crashed puts and empty folders, each only once
-        unchanged that long (a writer creates a folder just before writing into it)."""
+        unchanged that long (a writer creates a folder just before writing into it). Nothing
+        when the store tells no times (ages unknown)."""
+        if self.now is None and self.policy.grace_s > 0:
+            return []
         return self.storage.prune_temps(prefix, self.policy.grace_s, now=self.now)
 
-    def _orphan(self, prefix: str, keys: list[str], why: str) -> None:
+    def _still_orphans(
+        self, prefix: str, keys: list[str], claimed: Callable[[], str | None]
+    ) -> str | None:
+        """Why the orphan files ``keys`` under ``prefix`` must stay after all, asked right before
+        they go (the plan is a listing old): the folder listed again differs (a writer is at
+        work in it), or ``claimed()`` -- the record read again -- names it now."""
+        fresh = self.storage.list_modified(prefix)
+        if {k for k, _ in fresh} != set(keys) or any(self.times.get(k) != t for k, t in fresh):
+            return "written to during this run"
+        return claimed()
+
+    def _orphan(
+        self, prefix: str, keys: list[str], why: str, claimed: Callable[[], str | None]
+    ) -> None:
         """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
-        of them is older than the grace period."""
-        if not _old_enough(self.storage, keys, self.policy.grace_s, self.now):
+        of them is older than the grace period and it is still no record's (``claimed``: see
+        :meth:`_still_orphans`)."""
+        if not _old_enough((self.times.get(k) for k in keys), self.policy.grace_s, self.now):
             self.report.grace_held_orphans += 1
+            return
+        kept = self._still_orphans(prefix, keys, claimed)
+        if kept is not None:
+            self.report.kept.append((prefix, kept))
             return
         self.report.orphans.append((prefix, why))
         self.report.files += len(keys)
@@ -467,12 +541,21 @@ class _Collector:
             prefix, self.policy.grace_s, now=self.now, folders_older_than_s=0.0
         )
 
-    def _orphan_files(self, folder: str, keys: list[str], why: str) -> None:
-        """Delete those of ``keys`` (stray files in a committed folder) older than the grace
-        period."""
-        old = [k for k in keys if _old_enough(self.storage, [k], self.policy.grace_s, self.now)]
+    def _orphan_files(self, folder: str, keys: list[str], why: str, m: CheckpointManifest) -> None:
+        """Delete those of ``keys`` (stray files in the committed folder of ``m``) older than
+        the grace period, unless the folder's record changed since the plan read it (a merger
+        committed it again: its new files are no strays)."""
+        old = [k for k in keys if _old_enough([self.times.get(k)], self.policy.grace_s, self.now)]
         self.report.grace_held_orphans += len(old) < len(keys)
         if not old:
+            return
+        try:
+            current = self._record(f"{folder}/{MANIFEST}")
+        except DeckError as e:
+            self.report.kept.append((f"{folder}/", f"its commit record cannot be read now ({e})"))
+            return
+        if current != m:
+            self.report.kept.append((f"{folder}/", "committed again during this run"))
             return
         self.report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
         self.report.files += len(old)

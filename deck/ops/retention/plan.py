@@ -79,6 +79,14 @@ class RetentionPolicy(Settings):
         "restore and the time between a restore and the next checkpoint.",
         json_schema_extra={"cli": "deck gc --grace S"},
     )
+    max_clock_skew_s: Annotated[float, Field(ge=0)] | None = Field(
+        default=900.0,
+        description="GC measures every age on the store's clock (the times the store gives its "
+        "files, against a marker GC writes); when this host's clock is further than S seconds "
+        "from the store's, GC refuses to delete anything (a store that keeps times its clients "
+        "send would otherwise mix clocks). None: no bound.",
+        json_schema_extra={"constraints": ">= 0 or None", "cli": "deck gc --max-clock-skew S"},
+    )
     verify_replacements: bool = Field(
         default=False,
         description="Before deleting what a kept merger checkpoint replaces, re-read that "
@@ -339,21 +347,36 @@ def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
     return delete
 
 
-def grace_protected(graph: LineageGraph, policy: RetentionPolicy, now: float) -> set[str]:
+def grace_protected(
+    graph: LineageGraph,
+    policy: RetentionPolicy,
+    now: float | None,
+    committed_at: Mapping[str, float | None],
+) -> set[str]:
     """Ids GC keeps whatever a plan says can go: everything committed in the last
     ``policy.grace_s`` seconds before ``now``, and for the lineage as it was at each moment of
     that period (its start and each commit since), what its plan kept and the cheapest chain of
     each step it retained -- the chain a restore started then reads. Empty without a grace
-    period."""
+    period.
+
+    ``now`` and ``committed_at`` (id -> when the store wrote its commit record) are on one
+    clock, the store's: a record's own ``created_unix`` is its writer's clock and is not used.
+    A checkpoint whose commit time is unknown counts as just committed, and with ``now`` None
+    (a store that tells no times) everything is protected."""
     if policy.grace_s <= 0:
         return set()
+    if now is None:
+        return set(graph.nodes)
     cutoff = now - policy.grace_s
-    recent = [n for n in graph.nodes.values() if n.manifest.created_unix > cutoff]
-    protected = {n.id for n in recent}
-    for moment in sorted(
-        {cutoff} | {n.manifest.created_unix for n in recent if n.manifest.created_unix <= now}
-    ):
-        then = graph.as_of(moment)
+
+    def when(cid: str) -> float:
+        t = committed_at.get(cid)
+        return now if t is None else t
+
+    recent = [i for i in graph.nodes if when(i) > cutoff]
+    protected = set(recent)
+    for moment in sorted({cutoff} | {when(i) for i in recent if when(i) <= now}):
+        then = graph.as_of(moment, when)
         plan = plan_lineage(then, policy)
         protected |= plan.keep
         for step in plan.retained_steps:
