@@ -16,7 +16,7 @@ from typing import Any
 from deck.cli.common import Subparsers, human, open_existing, progress_bar
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
-from deck.errors import CheckpointNotFoundError, ConfigError, DeckError
+from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
 from deck.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def _retention(a: argparse.Namespace) -> Any:
         chain_delta_budget=a.chain_delta_budget or None,
         grace_s=a.grace,
         verify_replacements=a.verify_replacements,
+        max_clock_skew_s=a.max_clock_skew if a.max_clock_skew >= 0 else None,
     )
 
 
@@ -74,7 +75,10 @@ def _run_worker(
         policy = _retention(a)
 
         def after_pass(_manifests: Any) -> None:
-            collect_garbage(storage, policy)
+            try:
+                collect_garbage(storage, policy)
+            except ClockSkewError as e:  # merging goes on; GC waits for a sane clock
+                logging.getLogger("deck.ops.retention.gc").warning("deck merge --gc: %s", e)
 
     worker = MergeWorker(storage, config, after_pass=after_pass, progress=report)
     if a.follow:
@@ -234,6 +238,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
         print(f"  KEPT {folder}: {why}")
     for e in rep.errors:
         print(f"  ERROR {e}", file=sys.stderr)
+    if rep.clock_skew_s is not None and abs(rep.clock_skew_s) > 60:
+        print(
+            f"this host's clock is {rep.clock_skew_s:+.0f} s from the store's; ages were "
+            "measured on the store's clock"
+        )
     print(
         f"{verb} {len(rep.deleted)} checkpoint(s) and {len(rep.orphans)} orphan(s): "
         f"{rep.files} files, {human(rep.bytes)}"
@@ -304,6 +313,15 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="never delete what the lineage needed S seconds ago, nor files younger "
         f"({default['grace_s']:g})",
+    )
+    p.add_argument(
+        "--max-clock-skew",
+        type=float,
+        default=default["max_clock_skew_s"],
+        metavar="S",
+        help="ages are measured on the store's clock; refuse to delete anything when this "
+        f"host's clock is further than S seconds from the store's ({default['max_clock_skew_s']:g}"
+        "; -1: no bound)",
     )
     p.add_argument(
         "--verify-replacements",
