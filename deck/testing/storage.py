@@ -480,6 +480,17 @@ class StorageTests:
         assert when is None or before - 2.0 <= when <= after + 2.0
         assert store.modified("mod/missing") is None
 
+    def test_list_modified_is_the_listing_with_its_times(self, store: Storage) -> None:
+        """The same keys as :meth:`list`, each with the time :meth:`modified` reports (or None
+        for both): what GC ages files by, in one listing."""
+        for k in ["t/a", "t/b/c", "t/bb", "u"]:
+            store.put(k, k.encode())
+        for prefix in ("", "t/", "t/b", "nothing/"):
+            got = store.list_modified(prefix)
+            assert [k for k, _ in got] == store.list(prefix), prefix
+            for k, when in got:
+                assert when == store.modified(k), k
+
     def test_map_file(self, store: Storage) -> None:
         data = bytes(range(256)) * 33
         store.put("map/a", data)
