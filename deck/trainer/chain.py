@@ -12,7 +12,8 @@ steady state a checkpoint costs one collective:
    tier.
 3. **vote** -- one all-gather of a :class:`Vote` per rank: whether its part is staged, and what
    could make the snapshot wrong: a part of this chain failed in the background or the chain's
-   committed parent is broken (a delta must then be a full), the writer lease is lost, a hash of
+   committed parent is broken (a delta must then be a full; rank 0 knows it from its
+   :class:`LineageWatch`, in memory), the writer lease is lost, a hash of
    the dense tensors (data parallelism keeps buffers, and parameters under per-rank updates,
    unequal across ranks) differs; plus the
    rank's parts that failed in the background (told to rank 0) and an id seed for the next one.
@@ -32,6 +33,10 @@ steady state a checkpoint costs one collective:
 
 The first checkpoint of a process, and the one after a failed or skipped checkpoint, have no
 settled id: they vote first (the same :class:`Vote`, before the claim) and then once more.
+
+The stall asks storage nothing: what a checkpoint needs to know from it (whether the parent's
+chain was broken by a quarantine) was learned in the background after an earlier checkpoint
+committed (:class:`LineageWatch`).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ import dataclasses
 import functools
 import gc
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+import weakref
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
@@ -65,6 +71,7 @@ from deck.trainer.cycles import collect_cycles
 from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
 from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
+from deck.trainer.staging.committer import lower_priority
 from deck.trainer.tracker import ClaimedSpan, ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
 
@@ -100,6 +107,184 @@ def _combine(digests: dict[str, int]) -> int:
 
 
 logger = logging.getLogger(__name__)
+
+StateKey = tuple[int, str]  # (step, id) of a trainer checkpoint: a training state
+
+# Every open watch of this process, for lineage_changed()
+_WATCHES: weakref.WeakSet[LineageWatch] = weakref.WeakSet()
+_WATCHES_LOCK = threading.Lock()
+# Set while no training thread of this process is stalled in a checkpoint (of any chain, any
+# checkpointer): no lineage check starts then
+_UNSTALLED = threading.Event()
+_UNSTALLED.set()
+_stalls = 0
+_CLOSED_POLL_S = 0.1  # how often a check waiting for a stall to end looks whether it is closed
+
+
+class LineageWatch:
+    """Rank 0's knowledge of whether a chain's committed checkpoints can still be restored,
+    learned off the training thread so that a checkpoint's stall asks storage nothing.
+
+    Once a checkpoint of the chain is committed, :meth:`committed` hands its state to a thread
+    of its own (``deck-lineage``, at the background threads' priority), which asks
+    :func:`deck.read.lineage.needs_new_full`: one LIST of ``quarantine/``, each new quarantine
+    record read once, and the lineage (every commit record) only when a quarantined checkpoint
+    is at a step of that checkpoint's chain. A state found broken is remembered; the training
+    thread asks :meth:`broken` (memory only) at the next checkpoint. The thread starts no check
+    while a training thread of this process is stalled (:meth:`paused`): its requests and
+    parsing would take the GIL from the stall.
+
+    What it knows is as new as the last commit's check, or newer: a restore with fallback in
+    this process (which may have quarantined checkpoints of the URI) has every watch of the
+    URI look again before it returns (:func:`lineage_changed`). A quarantine written by another
+    process (a merger, ``deck verify --quarantine``) is learned by the check after the next
+    commit, so the checkpoint after that one is the full.
+    """
+
+    def __init__(self, storage: Storage, label: str, nice: int) -> None:
+        self.storage = storage
+        self.label = label
+        self._nice = nice
+        self._cond = threading.Condition()
+        self._want: tuple[StateKey, int] | None = None  # (state, base) the thread checks next
+        self._last: tuple[StateKey, int] | None = None  # the newest committed (state, base)
+        self._busy = False
+        self._closed = False
+        self._broken: dict[StateKey, str] = {}  # states found broken -> why
+        # One check at a time: the thread's, or lineage_changed()'s on its caller's thread
+        self._checking = threading.Lock()
+        self._known: dict[str, int | None] = {}  # quarantine records read (needs_new_full)
+        self._thread: threading.Thread | None = None
+        with _WATCHES_LOCK:
+            _WATCHES.add(self)
+
+    def committed(self, state: StateKey, base: int) -> None:
+        """Checkpoint ``state`` (whose chain starts at step ``base``) is committed: check its
+        chain in the background. Never waits (the commit thread calls it)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._last = self._want = (state, base)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"deck-lineage-{self.label}", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def broken(self, states: Collection[StateKey]) -> str | None:
+        """Why one of ``states`` (a chain: a full and deltas of it) was found broken, or None.
+        Memory only: for the stall."""
+        with self._cond:
+            return next((why for s, why in self._broken.items() if s in states), None)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused() -> Iterator[None]:
+        """While a training thread is stalled: no check of any watch starts (one already
+        running ends)."""
+        global _stalls
+        with _WATCHES_LOCK:
+            _stalls += 1
+            _UNSTALLED.clear()
+        try:
+            yield
+        finally:
+            with _WATCHES_LOCK:
+                _stalls -= 1
+                if not _stalls:
+                    _UNSTALLED.set()
+
+    def forget(self) -> None:
+        """The chain starts again elsewhere (a restore): its last commit is not the parent."""
+        with self._cond:
+            self._want = self._last = None
+
+    def recheck(self) -> None:
+        """Check the newest committed state now, on this thread (outside any stall)."""
+        with self._cond:
+            last = self._last
+        if last is not None:
+            self._check(*last)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the checks of every commit so far are done; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._want is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread (a check it is running finishes first)."""
+        with self._cond:
+            self._closed = True
+            thread, self._want = self._thread, None
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
+        with _WATCHES_LOCK:
+            _WATCHES.discard(self)
+
+    def _run(self) -> None:
+        lower_priority(self._nice)
+        while True:
+            with self._cond:
+                while self._want is None and not self._closed:
+                    self._cond.wait()
+                want = self._want
+                if self._closed or want is None:
+                    return
+                self._want, self._busy = None, True
+            try:
+                while not _UNSTALLED.wait(_CLOSED_POLL_S) and not self._closed:
+                    pass
+                self._check(*want)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _check(self, state: StateKey, base: int) -> None:
+        with self._checking:
+            if self._closed:
+                return
+            try:
+                why = needs_new_full(self.storage, state, base=base, known=self._known)
+            except DeckError as e:
+                # Cannot tell now (e.g. the store is down): the next commit's check asks again.
+                logger.info("deck: could not check the lineage of step %d: %s", state[0], e)
+                return
+            except Exception:
+                logger.exception("deck: the lineage check of step %d failed", state[0])
+                return
+        if why is None:
+            return
+        with self._cond:
+            new = state not in self._broken
+            self._broken[state] = why
+        if new:
+            logger.warning(
+                "deck: the chain of %s step %d at %s is broken, the next %s is a full: %s",
+                self.label,
+                state[0],
+                self.storage.uri,
+                self.label,
+                why,
+            )
+
+
+def lineage_changed(uri: str) -> None:
+    """Checkpoints at ``uri`` may have been quarantined by this process (a restore with
+    fallback): every open watch of the URI checks its newest commit again now, on this
+    thread, so that the next checkpoint of its chain knows (a full, if its chain is broken)."""
+    with _WATCHES_LOCK:
+        watches = [w for w in _WATCHES if w.storage.uri == uri]
+    for w in watches:
+        w.recheck()
 
 
 class Staged(IntEnum):
@@ -184,6 +369,14 @@ class ChainWriter:
     # Gets each checkpoint's event once it has ended (deck.trainer.events); logs it by default
     notify: Callable[[CheckpointEvent], None] = log_event
     _cow_refused: str | None = None  # why copy-on-write was last found unsafe (logged once)
+    # The states of the chain ending at ``parent``, from its full on (as far as this process
+    # saved them): a state on it found broken breaks every later one
+    _states: dict[StateKey, None] = field(default_factory=dict)
+    _watch: LineageWatch | None = None  # rank 0's (see LineageWatch)
+
+    def __post_init__(self) -> None:
+        if self.coord.rank == 0:
+            self._watch = LineageWatch(self.storage, self.label, self.staging.background_nice)
 
     def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
@@ -213,7 +406,7 @@ class ChainWriter:
                 "older step) first"
             )
         try:
-            with gc_paused(), self.stager.stall():
+            with gc_paused(), self.stager.stall(), LineageWatch.paused():
                 stats = self._save(kind, step)
         except BaseException as e:
             if not isinstance(e, Exception):
@@ -227,12 +420,7 @@ class ChainWriter:
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         t0, arrived = time.perf_counter(), time.time()
-        # Rank 0 reads the lineage (a LIST of the store: a round trip on S3) while it copies
-        broken = (
-            self.stager.aside(self._parent_broken)
-            if self.coord.rank == 0 and kind == "delta" and self.parent is not None
-            else None
-        )
+        broken = kind == "delta" and self._parent_broken()
         dense = self.adapter.dense_state()  # one state walk: hashed in the votes, saved after
         # Whatever this rank knows (e.g. no parent here), every rank snapshots the kind asked
         # for until a vote says otherwise: which collectives run must not depend on local state.
@@ -303,9 +491,10 @@ class ChainWriter:
         # Out of the training thread's next step: sorted (a copy-on-write part's copy needs
         # that too), then the claimed rows' bits cleared in order
         self.stager.aside(functools.partial(self._settle_claim, token))
-        self.parent = (step, ckpt_id)
+        self._extend(kind, (step, ckpt_id))
         if kind == "full":
             self.base = step
+        base = self.base if self.base is not None else step
         self._next_id = f"{votes[0].id_seed:016x}"
         # Handing the part over (its held writes start) is part of the stall too
         stats.stall_s = max(max(v.stall_s for v in votes), time.perf_counter() - t0)
@@ -313,12 +502,44 @@ class ChainWriter:
         self.history.append(stats)
         self._log(stats)
         # Sealed: the event goes out once the commit thread is done with the part (or now)
-        stats.progress.when_ended(
-            lambda: self.notify(
-                CheckpointEvent.of(stats, self.label, self.storage.uri, self.coord.rank)
-            )
-        )
+        stats.progress.when_ended(functools.partial(self._ended, stats, base))
         return stats
+
+    def _ended(self, stats: CheckpointStats, base: int) -> None:
+        """The commit thread is done with a checkpoint (or it ended before it was handed on):
+        its event goes out, and on rank 0 a committed one's chain is checked in the background."""
+        self.notify(CheckpointEvent.of(stats, self.label, self.storage.uri, self.coord.rank))
+        if self._watch is not None and stats.state == "committed":
+            self._watch.committed((stats.step, stats.id), base)
+
+    def _extend(self, kind: Literal["delta", "full"], state: StateKey) -> None:
+        """``state`` was handed on: the new parent, the newest state of :attr:`_states`."""
+        if kind == "full" or self.parent is None:
+            self._states = {}
+        elif self._chain_states() is not self._states:
+            # The parent came from elsewhere (a restore): of its chain only it is known here
+            self._states = {self.parent: None}
+        self._states[state] = None
+        self.parent = state
+
+    def _chain_states(self) -> Collection[StateKey]:
+        """The states of the chain ending at :attr:`parent` this process knows: those it saved
+        since the full, or the parent alone (it came from a restore)."""
+        states = self._states
+        if self.parent is not None and states and next(reversed(states)) == self.parent:
+            return states
+        return () if self.parent is None else (self.parent,)
+
+    def close(self) -> None:
+        """Stop the background lineage check (after the stager is closed: its last commits
+        start checks)."""
+        if self._watch is not None:
+            self._watch.close()
+
+    def lineage_settled(self, timeout: float | None = None) -> bool:
+        """Until the background lineage checks of every commit so far are done (rank 0; other
+        ranks check nothing): the next checkpoint knows what they found. False on timeout."""
+        return self._watch is None or self._watch.wait(timeout)
 
     def _settle_claim(self, token: ReadToken) -> None:
         """Background: sort a committed claim and clear its rows' bits (see above). A failure
@@ -331,20 +552,22 @@ class ChainWriter:
 
     def unsettle(self) -> None:
         """The next save agrees on its id and kind before its snapshot (as the first one of a
-        process does). Call on every rank together, e.g. after a restore changed the parent."""
+        process does). Call on every rank together, e.g. after a restore changed the parent
+        (whose chain the restore has just read: the last commit's lineage check is moot)."""
         self._next_id = None
+        if self._watch is not None:
+            self._watch.forget()
 
     def _checks(
         self,
         kind: Literal["delta", "full"],
         dense: dict[str, Any],
         take: bool,
-        broken: Future[bool] | None = None,
+        broken: bool = False,
     ) -> Vote:
         """This rank's checks for a vote on a ``kind`` snapshot (``dense``: its live dense
-        state). ``take``: take the stager's failure flags and ask ``broken`` (whether the
-        parent's chain is broken: rank 0's delta; None elsewhere) -- the first vote of a
-        checkpoint."""
+        state). ``take``: take the stager's failure flags and count ``broken`` (the parent's
+        chain is broken: only rank 0 knows) -- the first vote of a checkpoint."""
         failed = self.stager.take_failed() if take else []
         self._failed_parts = failed
         vote = Vote(
@@ -353,7 +576,7 @@ class ChainWriter:
             # Taken, not peeked: a part failing from here on is kept for the next vote.
             parent_failed=take and self.stager.take_failure(),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
-            no_parent=self.parent is None or (take and broken is not None and broken.result()),
+            no_parent=self.parent is None or (take and broken),
             failed_parts=len(failed),
             dense_digest=_combine(self._digests(dense)),
             dense_count=len(dense),
@@ -454,22 +677,12 @@ class ChainWriter:
 
     def _parent_broken(self) -> bool:
         """Rank 0: whether the committed parent can no longer be restored (a checkpoint of its
-        chain was quarantined and nothing covers it), so a delta of it would be useless too. Runs
-        on the stager's aside thread while the training thread copies the rows.
-
-        Only asked while nothing is in flight: a parent still uploading is not committed yet,
-        and a part that fails in the background already forces a full via
-        ``stager.take_failure()``.
-        """
-        if self.coord.rank != 0 or self.parent is None or not self.stager.flush(timeout=0):
+        chain was quarantined and nothing covers it), so a delta of it would be useless too.
+        Memory only: what the background lineage check found (:class:`LineageWatch`); the
+        vote tells every rank. Other ranks: False."""
+        if self._watch is None or self.parent is None:
             return False
-        try:
-            why = needs_new_full(self.storage, self.parent)
-        except DeckError as e:
-            # Cannot tell now (e.g. the store is down): a delta still follows its committed
-            # parent, and the next checkpoint asks again.
-            logger.info("deck: could not check the lineage of the last checkpoint: %s", e)
-            return False
+        why = self._watch.broken(self._chain_states())
         if why:
             logger.warning("deck: taking a full: the last checkpoint's chain is broken: %s", why)
         return why is not None

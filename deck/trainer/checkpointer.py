@@ -35,7 +35,7 @@ from deck.read.restore import (
     RestoreStats,
 )
 from deck.storage import Storage, check_writable, open_storage
-from deck.trainer.chain import ChainWriter
+from deck.trainer.chain import ChainWriter, lineage_changed
 from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease
@@ -83,6 +83,7 @@ class DeltaCheckpointer:
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
         self._stagers: list[Stager] = []
+        self._writers: list[ChainWriter] = []  # their lineage checks stop after the stagers
         # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
         # on_checkpoint (set at any time), on the events' own thread (deck.trainer.events).
         self.on_checkpoint = on_checkpoint
@@ -268,6 +269,7 @@ class DeltaCheckpointer:
             quantize=quantize,
         )
         chain.notify = self._events.put
+        self._writers.append(chain)
         return chain
 
     @property
@@ -421,6 +423,8 @@ class DeltaCheckpointer:
         for chain in chains:
             chain.exchange_failures(left())
         done = all([chain.stager.flush(left()) for chain in chains])
+        # And the lineage checks those commits started: the next checkpoint knows what they found
+        done = all([chain.lineage_settled(left()) for chain in chains]) and done
         # Every flushed checkpoint's event delivered (a callback's metrics are complete)
         done = self._events.drain(left()) and done
         # Publishes are best effort (a failed one is logged and the next is a full): only a
@@ -518,10 +522,12 @@ class DeltaCheckpointer:
         self.flush()
         try:
             done = self._loader.restore(step, allow_fallback)
-        except BaseException:
+        except BaseException as e:
             # The model may be partly overwritten: a delta of the last checkpoint would not
             # hold what changed, so whatever training does next, the next checkpoint is a full.
             self.break_chains()
+            if allow_fallback and isinstance(e, Exception):
+                lineage_changed(self.storage.uri)  # as below
             raise
         if done is None:
             return None
@@ -540,6 +546,10 @@ class DeltaCheckpointer:
             self._pub.newest_saved = False
         for chain in self._chains:
             chain.unsettle()  # the first checkpoint after a restore agrees before its snapshot
+        if allow_fallback:
+            # Rank 0 may have quarantined checkpoints: every other chain of this URI in this
+            # process learns now whether that broke it, never in a checkpoint's stall.
+            lineage_changed(self.storage.uri)
         self._last_step = done.step
         self.last_restore = done.stats
         return done.step
@@ -592,10 +602,13 @@ class DeltaCheckpointer:
         and release the writer lease: each is done whatever the ones before raise (an error
         propagates once all ran), only what was taken, and nothing twice."""
         hooks, stagers, self._hooks, self._stagers = self._hooks, self._stagers, None, []
+        writers, self._writers = self._writers, []
         with contextlib.ExitStack() as stack:  # runs its callbacks last-in first-out
             stack.callback(self._events.close)  # after the stagers: their last events too
             if self._lease is not None:
                 stack.callback(self._lease.release)
+            for writer in writers:  # after the stagers: their last commits start checks
+                stack.callback(writer.close)
             for stager in stagers:
                 stack.callback(stager.close)
             if hooks is not None:
