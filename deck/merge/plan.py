@@ -157,12 +157,17 @@ class _Planner:
         self.seg[t.id] = _Seg(ps.anchor, ps.pos + 1, p.id, ps.base)
         return True
 
-    def _back(self, tid: str, hops: int) -> str:
-        for _ in range(hops):
+    def _before(self, tid: str, layer: int) -> str:
+        """The trainer id ``s**layer`` positions before ``tid``, whose block of that layer is
+        planned: one jump (the state the block starts from), not one hop per delta, which made
+        every chain cost its position and a long stretch quadratic."""
+        if layer == 0:
             p = self.seg[tid].prev
-            assert p is not None
-            tid = p
-        return tid
+        else:
+            start = self.wanted_merged[self.by_layer_end[(layer, tid)]].start
+            p = start[1] if start is not None else None
+        assert p is not None
+        return p
 
     def _plan_merges(self, t: LineageNode) -> None:
         """Merged deltas ending at ``t``: one per layer whose block size divides the position."""
@@ -170,8 +175,10 @@ class _Planner:
         cur = self.seg[t.id]
         layer = 1
         while cur.pos % s**layer == 0:
-            size = s ** (layer - 1)
-            ends = [self._back(t.id, k * size) for k in range(s)][::-1]
+            ends = [t.id]
+            for _ in range(s - 1):
+                ends.append(self._before(ends[-1], layer - 1))
+            ends.reverse()
             inputs = tuple(e if layer == 1 else self.by_layer_end[(layer - 1, e)] for e in ends)
             iid = item_id(Kind.MERGED, layer, inputs)
             if layer == 1:
@@ -204,10 +211,9 @@ class _Planner:
             while pos % s ** (layer + 1) == 0 and (layer + 1, tid) in self.by_layer_end:
                 layer += 1
             out.append(tid if layer == 0 else self.by_layer_end[(layer, tid)])
-            step_back = s**layer
-            pos -= step_back
+            pos -= s**layer
             if pos > 0:
-                tid = self._back(tid, step_back)
+                tid = self._before(tid, layer)
         return out[::-1]
 
     def _live_bytes(self, chain: list[str]) -> int | None:
@@ -273,9 +279,19 @@ class _Planner:
         committed: then ``iid`` is not needed any more, even if retention deleted it. After a
         rollback an item can have a consumer on each timeline (retained old timelines keep
         theirs): any committed one counts."""
-        return any(
-            c in self.graph.nodes or self._consumed(c, consumers) for c in consumers.get(iid, ())
-        )
+        # A walk up the layers with a stack, not recursion: the number of layers above ``iid``
+        # grows with history.
+        todo = list(consumers.get(iid, ()))
+        seen = set(todo)
+        while todo:
+            c = todo.pop()
+            if c in self.graph.nodes:
+                return True
+            for above in consumers.get(c, ()):
+                if above not in seen:
+                    seen.add(above)
+                    todo.append(above)
+        return False
 
     def select(self) -> Plan:
         ancestry, closed = self._open_stretch()
@@ -338,17 +354,30 @@ def _across_skipped(
     planned_by_id = {it.id: it for it in planned_full.values()}
 
     def expand(iid: str) -> list[str]:
-        below = wanted_merged.get(iid)
-        if below is None or _committed(graph, iid):
-            return [iid]
-        return [x for i in below.inputs for x in expand(i)]
+        # Depth-first, oldest input first, with a stack: the same order as expanding each input
+        # in turn, without a Python frame per layer.
+        out: list[str] = []
+        todo = [iid]
+        while todo:
+            x = todo.pop()
+            below = wanted_merged.get(x)
+            if below is None or _committed(graph, x):
+                out.append(x)
+            else:
+                todo.extend(reversed(below.inputs))
+        return out
 
-    def full_inputs(f: PlannedItem) -> list[str]:
-        base, *chain = f.inputs
-        head = full_inputs(planned_by_id[base]) if base in planned_by_id else [base]
-        return head + [x for c in chain for x in expand(c)]
-
-    return _full_item(tuple(full_inputs(newest)), newest.step, newest.state, newest.base)
+    # The planned fulls ``newest`` stands on, newest first, down to the one whose base is
+    # committed. A loop, not recursion: a merger far behind (or a small full that every delta
+    # outgrows) has one planned full per delta, thousands in a row.
+    fulls = [newest]
+    while fulls[-1].inputs[0] in planned_by_id:
+        fulls.append(planned_by_id[fulls[-1].inputs[0]])
+    inputs = [fulls[-1].inputs[0]]
+    for f in reversed(fulls):
+        for c in f.inputs[1:]:
+            inputs.extend(expand(c))
+    return _full_item(tuple(inputs), newest.step, newest.state, newest.base)
 
 
 def _committed(graph: LineageGraph, iid: str) -> bool:
