@@ -8,6 +8,7 @@ verification raises :class:`InputDamaged` (the worker may quarantine that input)
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Sequence
 
@@ -100,8 +101,9 @@ class ShardStream:
             raise InputDamaged(self.m, CorruptCheckpointError(f"{where}: no segment(s) {missing}"))
 
     @property
-    def chunk_last(self) -> int:
-        return int(self.ids[-1])
+    def head(self) -> int:
+        """The id of the next row (the stream is not done)."""
+        return int(self.ids[self.pos])
 
     def take_upto(self, cutoff: int) -> Rows:
         """Rows with id <= ``cutoff`` from the current chunk (moving on when it is used up)."""
@@ -198,13 +200,36 @@ def merge_rows(
     chunk" among them, so at least one chunk is used up per round and memory stays at one chunk
     per stream plus one round's output. When the oldest stream holds every row of the shard (the
     full of a new full), newer rows are scattered over a copy of its rows instead of sorted.
+
+    A round only visits the streams that have a row up to its cutoff (two heaps: next row id,
+    last id of the current chunk). A merger full made across many skipped fulls has one input
+    per delta: visiting every stream in every round was quadratic in their number.
     """
-    active = [st for st in streams if not st.done]
     dense_first = bool(streams) and streams[0].rec.full
-    while active:
-        cutoff = min(st.chunk_last for st in active)
-        pieces = [(st, *st.take_upto(cutoff)) for st in active]
-        pieces = [p for p in pieces if p[1].numel()]
+    # (next row id, input) of every stream with rows left, and (last id of its current chunk,
+    # input); an entry of the second heap whose stream moved past that chunk is dropped lazily.
+    heads = [(st.head, i) for i, st in enumerate(streams) if not st.done]
+    lasts = [(st.last, i) for i, st in enumerate(streams) if not st.done]
+    heapq.heapify(heads)
+    heapq.heapify(lasts)
+    while heads:
+        while streams[lasts[0][1]].done or streams[lasts[0][1]].last != lasts[0][0]:
+            heapq.heappop(lasts)
+        cutoff = lasts[0][0]
+        # Streams whose next row is past the cutoff have nothing for this round.
+        taking = []
+        while heads and heads[0][0] <= cutoff:
+            taking.append(heapq.heappop(heads)[1])
+        taking.sort()  # oldest first: newest wins
+        pieces = []
+        for i in taking:
+            st = streams[i]
+            was = st.last
+            pieces.append((st, *st.take_upto(cutoff)))
+            if not st.done:
+                heapq.heappush(heads, (st.head, i))
+                if st.last != was:  # moved on to its next chunk
+                    heapq.heappush(lasts, (st.last, i))
         if len(pieces) == 1:
             _, ids, states = pieces[0]
             out(ids, states)
@@ -212,7 +237,6 @@ def merge_rows(
             out(*_onto_full(streams[0], pieces[0][1:], [p[1:] for p in pieces[1:]]))
         elif pieces:
             out(*_newest_wins([p[1:] for p in pieces]))
-        active = [st for st in active if not st.done]
 
 
 def _onto_full(full: ShardStream, base: Rows, newer: list[Rows]) -> Rows:
