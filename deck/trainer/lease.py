@@ -7,7 +7,9 @@ local files link exclusively, S3 sends ``If-None-Match: *``. (Stores without an 
 fall back to write, wait twice as long as the write took, and read back.) The holder renews its
 own record in the background; a second trainer is refused while the newest record is live, and
 takes over only once it has expired (its holder died without releasing it) by creating the next
-epoch. The epoch is the fencing token: before every commit record the committer checks
+epoch. Whether another trainer's record expired is judged on the store's clock (the time the
+store gave that record at its last renewal, against a marker the taker writes: hosts' clocks
+disagree), with the holder's own ``ttl_s`` from the record. The epoch is the fencing token: before every commit record the committer checks
 (:meth:`Lease.check`) that its epoch is still the newest and its lease unexpired, so a holder
 that was paused past its expiry and taken over never commits again. Merger workers do not take
 the lease.
@@ -29,6 +31,7 @@ from deck.errors import CorruptCheckpointError, LeaseHeldError, NotFoundError, S
 from deck.failpoints import failpoint
 from deck.storage import Storage
 from deck.storage.base import get_bounded
+from deck.storage.clock import store_now
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,10 @@ class LeaseRecord(BaseModel):
     # The holder's pid namespace: a pid is only checked for life in the namespace it names
     # (containers sharing a hostname see other pids, or none).
     pidns: str | None = Field(default=None, max_length=64)
+    # The holder's time to live: a taker ages the record by the store's clock against this
+    # (records of older deck versions have none: then their writer's expires_unix is compared
+    # with the taker's clock, as those versions did).
+    ttl_s: float | None = Field(default=None, ge=0, le=1e9, allow_inf_nan=False)
 
 
 class Lease:
@@ -85,6 +92,7 @@ class Lease:
             pid=os.getpid(),
             expires_unix=time.time() + self.ttl_s if expires_unix is None else expires_unix,
             pidns=_pid_namespace(),
+            ttl_s=self.ttl_s,
         )
 
     def _put_own(self) -> None:
@@ -119,8 +127,10 @@ class Lease:
         names = self.storage.list_dir(f"{LEASE_DIR}/")
         return sorted(int(m.group(1)) for n in names if (m := _RECORD.match(n)))
 
-    def _takeable(self, held: LeaseRecord | None) -> bool:
-        if held is None or held.owner == self.owner or held.expires_unix <= time.time():
+    def _takeable(self, epoch: int, held: LeaseRecord | None) -> bool:
+        if held is None or held.owner == self.owner or held.expires_unix == 0:
+            return True  # none, ours, or released
+        if self._expired(epoch, held):
             return True
         # A holder on this host (and in this pid namespace) whose process is gone crashed: a
         # restart need not wait for expiry. Another namespace's pid cannot be checked: wait.
@@ -130,6 +140,16 @@ class Lease:
             and held.pidns == _pid_namespace()
             and not _alive(held.pid)
         )
+
+    def _expired(self, epoch: int, held: LeaseRecord) -> bool:
+        """Whether ``held`` (epoch ``epoch``'s record, another trainer's) was last renewed more
+        than its ``ttl_s`` ago by the store's clock. Unknown (a store that tells no times, a
+        record that vanished) is not expired."""
+        if held.ttl_s is None:  # an older deck's record: only its writer's clock is known
+            return held.expires_unix <= time.time()
+        renewed = self.storage.modified(lease_key(epoch))
+        now = store_now(self.storage, f"{LEASE_DIR}/").now
+        return renewed is not None and now is not None and now - renewed > held.ttl_s
 
     def acquire(self) -> None:
         """Take the lease or raise :class:`LeaseHeldError` naming the holder; renews it from a
@@ -143,7 +163,7 @@ class Lease:
         failed = 0
         while True:
             epoch, held = self.newest()
-            if not self._takeable(held):
+            if not self._takeable(epoch, held):
                 assert held is not None
                 self._wait_or_refuse(held, deadline)
                 continue
@@ -329,11 +349,12 @@ class Lease:
         return LeaseHeldError(why)
 
     def _held_error(self, held: LeaseRecord) -> LeaseHeldError:
-        left = held.expires_unix - time.time()
+        ttl = held.ttl_s if held.ttl_s is not None else self.ttl_s
         return LeaseHeldError(
             f"{self.storage.uri} is being written by another trainer (owner {held.owner}, host {held.host}, "
-            f"pid {held.pid}; lease expires in {left:.0f} s). Stop that job, use another URI, or wait for the "
-            f"lease to expire if that job is dead (delete {self.storage.describe(LEASE_DIR)}/ to force it)."
+            f"pid {held.pid}; its lease expires {ttl:g} s after its last renewal, by the store's clock). "
+            "Stop that job, use another URI, or wait for the lease to expire if that job is dead "
+            f"(delete {self.storage.describe(LEASE_DIR)}/ to force it)."
         )
 
     def _renew(self) -> None:

@@ -22,6 +22,7 @@ from deck.errors import LeaseHeldError
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
+from deck.testing.lineage_checks import set_store_time
 from deck.trainer.lease import Lease, LeaseRecord, lease_key
 
 
@@ -78,6 +79,35 @@ def test_other_host_lease_is_waited_for_until_it_expires(tmp_path: Path) -> None
     current = waiter.read()
     assert current is not None and current.owner == waiter.owner
     waiter.release()
+
+
+@pytest.mark.parametrize("holder_clock", [7200.0, -7200.0])
+def test_another_hosts_lease_is_aged_on_the_stores_clock(
+    tmp_path: Path, holder_clock: float
+) -> None:
+    """A live holder on a host whose clock is 2 h off: behind, its record's own expiry looks
+    long past (a taker comparing it with its clock took a live lease over); ahead, it looks
+    hours away after the holder died. The taker ages the record by the store's clock: when the
+    store last wrote it, against the holder's ttl_s."""
+    storage = open_storage(str(tmp_path))
+    other = LeaseRecord(
+        owner="elsewhere",
+        host="other-host",
+        pid=1,
+        expires_unix=time.time() + holder_clock + 60,
+        ttl_s=60,
+    )
+    storage.put(lease_key(1), other.model_dump_json().encode())  # just renewed
+    with pytest.raises(LeaseHeldError, match=r"other-host.*after its last renewal"):
+        Lease(storage, ttl_s=30, settle_s=0.01).acquire()
+    set_store_time(storage, lease_key(1), time.time() - 120)  # not renewed for 2 minutes
+    taker = Lease(storage, ttl_s=30, settle_s=0.01)
+    taker.acquire()
+    assert taker.epoch == 2
+    current = taker.read()
+    assert current is not None and current.owner == taker.owner and current.ttl_s == 30
+    taker.release()
+    assert not [k for k in storage.list("_lease/") if "clock" in k]  # the markers went
 
 
 def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:

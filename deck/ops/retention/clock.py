@@ -13,30 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from deck.errors import ClockSkewError, DeckError
 from deck.storage import Storage
+from deck.storage.clock import StoreTime, store_now
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLOCK_DIR", "StoreClock", "read_store_clock"]
+__all__ = ["CLOCK_DIR", "delete_stale_markers", "read_store_clock"]
 
 # Where GC's markers live (one object per run, deleted at once; a crashed run's marker is
 # deleted by a later run): beside the writer lease's folder, outside every checkpoint folder.
 CLOCK_DIR = "_clock"
-
-
-@dataclass(frozen=True)
-class StoreClock:
-    """The store's time at the start of a GC run, and how far this host's clock is from it."""
-
-    now: float | None  # seconds since the epoch on the store's clock; None: the store tells none
-    skew_s: float = 0.0  # store's clock minus this host's (positive: this host is behind)
-    uncertainty_s: float = 0.0  # half the marker's round trip: the skew is known to within it
 
 
 def read_store_clock(
@@ -44,34 +34,23 @@ def read_store_clock(
     *,
     max_skew_s: float | None,
     local_clock: Callable[[], float] = time.time,
-) -> StoreClock:
-    """Write a marker object under :data:`CLOCK_DIR`, read the time the store gave it, delete it.
+) -> StoreTime:
+    """The store's time (:func:`deck.storage.clock.store_now`, a marker under
+    :data:`CLOCK_DIR`).
 
     Raises :class:`ClockSkewError` when this host's clock (``local_clock``) is more than
     ``max_skew_s`` seconds from the store's (None: no bound), saying by how much. A store that
     reports no times gives ``now=None``: ages are then unknown and GC deletes nothing that
-    waits for an age. A marker that cannot be written is a :class:`StorageError` (GC writes
-    nothing else before deleting: a read-only credential cannot run it)."""
-    key = f"{CLOCK_DIR}/gc-{secrets.token_hex(8)}"
-    before = local_clock()
-    storage.put(key, b"deck gc clock marker\n")
-    after = local_clock()
-    try:
-        stamp = storage.modified(key)
-    finally:
-        with contextlib.suppress(DeckError, OSError):
-            storage.delete(key)
-    if stamp is None:
+    waits for an age. A marker that cannot be written is a :class:`StorageError` (a read-only
+    credential cannot run GC)."""
+    clock = store_now(storage, f"{CLOCK_DIR}/", local_clock)
+    if clock.now is None:
         logger.warning(
             "deck gc: %s reports no modification times; nothing is deleted that waits for an age",
             storage.uri,
         )
-        return StoreClock(now=None)
-    # The store stamped the marker between `before` and `after` on this host's clock (file
-    # systems stamp to the tick, object stores to the second: allow a second).
-    mid, half = (before + after) / 2, (after - before) / 2 + 1.0
-    clock = StoreClock(now=stamp, skew_s=stamp - mid, uncertainty_s=half)
-    off = abs(clock.skew_s) - half
+        return clock
+    off = abs(clock.skew_s) - clock.uncertainty_s
     if max_skew_s is not None and off > max_skew_s:
         way = "behind" if clock.skew_s > 0 else "ahead of"
         raise ClockSkewError(
