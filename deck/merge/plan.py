@@ -252,13 +252,17 @@ class _Planner:
 
     def _open_stretch(self) -> tuple[set[str], set[str]]:
         """(ancestry, closed): the trainer ids on the newest trainer checkpoint's ancestry, and
-        those of them at or before its newest committed full (no merging needed any more)."""
+        those of them at or before its newest committed full (no merging needed any more).
+
+        The walk goes on through the checkpoints left unplaced behind an undecided one: the
+        merged deltas that decision waits for lie before them. Stopping there wanted nothing
+        once the trainer was a block past the merger, and a size rule then waited forever."""
         latest = max(self.trainer, key=lambda n: (n.epoch, n.step), default=None)
         ancestry: set[str] = set()
         closed: set[str] = set()
         node = latest
         seen_full = False
-        while node is not None and node.id in self.seg:
+        while node is not None and (node.id in self.seg or node.id in self.undecided):
             ancestry.add(node.id)
             seen_full = seen_full or node.state in self.committed_full
             if seen_full:
