@@ -7,7 +7,15 @@ The store is a real local directory inside a sandbox, seen through :class:`Fault
 (:class:`SimulatedCrash`, a ``BaseException`` that no deck handler catches, raised before or after
 the n-th write or delete, as ``kill -9`` would leave it) and transient read errors on chosen keys
 (an EIO, a permission error or an S3 timeout take that path). Time for GC's grace period is
-simulated: ``advance_time`` makes every commit record 1000 s older.
+simulated: ``advance_time`` makes every commit record 1000 s older on the store's clock (its
+file time).
+
+Every actor has a clock of its own, off from the store's by a drawn skew: the trainer and the
+merger stamp their records with theirs, GC compares its own with the store's (beyond the policy's
+bound it must refuse, within it or with no bound it must lose nothing). And the store is slow:
+``gc_while_others_work`` lets the trainer save (or roll back and save a step again), or the
+merger commit, between two of GC's requests, at a drawn one, as a GC run that takes a while
+lets them.
 
 After every rule, with the faults cleared:
 - every step the model promises (saved, and retained by every GC since) restores bitwise;
@@ -24,11 +32,14 @@ more with a random seed).
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +56,19 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from deck.errors import CorruptCheckpointError, DeckError, LeaseHeldError, StorageError
+import deck.format.commit
+import deck.read.catalog
+from deck.errors import (
+    ClockSkewError,
+    CorruptCheckpointError,
+    DeckError,
+    LeaseHeldError,
+    StorageError,
+)
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
-from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.ops.retention import GcReport, RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import quarantine, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
 from deck.read.verify import confirmed_damage, verify_checkpoint
@@ -84,6 +103,8 @@ class Faults(StorageWrapper):
         self.crash_after = False  # ... after the write landed, or before it
         self.read_faults: dict[str, int] = {}  # key substring -> reads left to fail
         self.crashed = False
+        # Another actor's work, run once between two requests (at this many more): a slow store
+        self.meanwhile: tuple[int, Callable[[], None]] | None = None
 
     def local_path(self, path: str = "") -> str | None:
         return None
@@ -94,8 +115,34 @@ class Faults(StorageWrapper):
     def clear(self) -> None:
         self.crash_at = None
         self.read_faults = {}
+        self.meanwhile = None
+
+    def _tick(self) -> None:
+        if self.meanwhile is None:
+            return
+        left, act = self.meanwhile
+        self.meanwhile = (left - 1, act) if left > 1 else None
+        if left <= 1:
+            act()
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._tick()
+        return self.inner.list(prefix)
+
+    def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
+        self._tick()
+        return self.inner.list_modified(prefix)
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        self._tick()
+        return self.inner.list_dir(prefix)
+
+    def exists(self, path: str) -> bool:
+        self._tick()
+        return self.inner.exists(path)
 
     def _write(self, fn):  # type: ignore[no-untyped-def]
+        self._tick()
         if self.crash_at is not None:
             self.crash_at -= 1
             if self.crash_at == 0:
@@ -107,6 +154,7 @@ class Faults(StorageWrapper):
         return fn()
 
     def _read(self, path: str) -> None:
+        self._tick()
         for pattern, left in self.read_faults.items():
             if left > 0 and pattern in path:
                 self.read_faults[pattern] = left - 1
@@ -164,6 +212,30 @@ POLICIES = {
     "verified": {"keep_last_fulls": 1, "keep_all_steps": False, "verify_replacements": True},
 }
 READ_FAULTS = ["manifest.json", "rank-0000", ".chunk", "parts/", "extra", "step-"]
+# Seconds an actor's clock is off from the store's: none, NTP-sized, and hours either way
+SKEWS = [0.0, 30.0, -600.0, 7200.0, -7200.0]
+
+
+class _Clock:
+    """``time`` as a module sees it on a host whose clock is ``offset`` seconds off."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+
+@contextlib.contextmanager
+def _host_clock(offset: float) -> Iterator[None]:
+    """Run an actor (the trainer, the merger) on a host whose clock is ``offset`` off: the
+    commit and quarantine records it writes carry its time."""
+    saved = deck.format.commit.time, deck.read.catalog.time
+    deck.format.commit.time = deck.read.catalog.time = _Clock(offset)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        deck.format.commit.time, deck.read.catalog.time = saved
 
 
 class OperationsMachine(RuleBasedStateMachine):
@@ -199,10 +271,25 @@ class OperationsMachine(RuleBasedStateMachine):
         every=st.sampled_from([None, 4]),
         grace=st.sampled_from([0.0, 3600.0]),
         policy=st.sampled_from(sorted(POLICIES)),
+        skews=st.tuples(*[st.sampled_from(SKEWS)] * 3),
+        bound=st.sampled_from([900.0, None]),
     )
-    def setup(self, stride: int, every: int | None, grace: float, policy: str) -> None:
+    def setup(
+        self,
+        stride: int,
+        every: int | None,
+        grace: float,
+        policy: str,
+        skews: tuple[float, float, float] = (0.0, 0.0, 0.0),
+        bound: float | None = 900.0,
+    ) -> None:
         self.grace = grace
-        self.policy = RetentionPolicy(grace_s=grace, **POLICIES[policy])  # type: ignore[arg-type]
+        self.policy = RetentionPolicy(
+            grace_s=grace,
+            max_clock_skew_s=bound,
+            **POLICIES[policy],  # type: ignore[arg-type]
+        )
+        self.trainer_skew, self.merger_skew, self.gc_skew = skews
         self.cfg = MergeConfig(
             stride=stride, full=FullPolicy(every=every, max_live_fraction=None), chunk_bytes=4096
         )
@@ -212,7 +299,8 @@ class OperationsMachine(RuleBasedStateMachine):
             self._save("delta")
 
     def _save(self, kind: str) -> None:
-        m = self.tr.save(kind)
+        with _host_clock(self.trainer_skew):
+            m = self.tr.save(kind)
         self._saved(m.step, m.id, snapshot(self.tr.shards))
 
     def _saved(self, step: int, cid: str, state: State) -> None:
@@ -249,7 +337,8 @@ class OperationsMachine(RuleBasedStateMachine):
         step = self.tr.step
         self.store.arm(n, after)
         try:
-            m = self.tr.save(kind)
+            with _host_clock(self.trainer_skew):
+                m = self.tr.save(kind)
         except SimulatedCrash:
             event("trainer killed mid-save")
             self.store.clear()
@@ -315,18 +404,20 @@ class OperationsMachine(RuleBasedStateMachine):
     # ---- the merger --------------------------------------------------------------------------
     @rule(workers=st.sampled_from([1, 2]))
     def merge(self, workers: int) -> None:
-        if not self.damaged:
-            merge_all(self.store, self.cfg, workers)  # asserts no merge failed
-            return
-        # Damage makes merges fail: the merger quarantines what it proves damaged, and goes on.
-        for _ in range(4):
-            MergeWorker(self.store, self.cfg).run_once(wait_s=0)
+        with _host_clock(self.merger_skew):
+            if not self.damaged:
+                merge_all(self.store, self.cfg, workers)  # asserts no merge failed
+                return
+            # Damage makes merges fail: the merger quarantines what it proves damaged, goes on.
+            for _ in range(4):
+                MergeWorker(self.store, self.cfg).run_once(wait_s=0)
 
     @rule(n=st.integers(1, 25), after=st.booleans())
     def crash_merger(self, n: int, after: bool) -> None:
         self.store.arm(n, after)
         try:
-            MergeWorker(self.store, self.cfg).run_once(wait_s=0)
+            with _host_clock(self.merger_skew):
+                MergeWorker(self.store, self.cfg).run_once(wait_s=0)
         except SimulatedCrash:
             event("merger killed")
         except DeckError:
@@ -339,22 +430,75 @@ class OperationsMachine(RuleBasedStateMachine):
         """GC retained ``steps``: promises hold for those, the rest may go."""
         self.promised = {s: i for s, i in self.promised.items() if s in steps}
 
+    def _gc(self, dry_run: bool = False) -> GcReport | None:
+        """A GC run on GC's host clock: refused (None) exactly when that clock is further from
+        the store's than the policy allows."""
+        bound = self.policy.max_clock_skew_s
+        refused = bound is not None and abs(self.gc_skew) > bound
+        try:
+            rep = collect_garbage(
+                self.store, self.policy, dry_run=dry_run, local_clock=_Clock(self.gc_skew).time
+            )
+        except ClockSkewError:
+            assert refused, f"GC refused at a skew of {self.gc_skew} s (bound {bound})"
+            event("gc refused: its clock is off")
+            return None
+        assert not refused, f"GC ran at a skew of {self.gc_skew} s (bound {bound})"
+        return rep
+
     def _planned(self) -> None:
         """A GC run that may stop part-way deletes at most what its plan deletes: promise only
         what the plan retains (its dry run, with no fault)."""
-        self._retain(collect_garbage(self.store, self.policy, dry_run=True).retained_steps)
+        rep = self._gc(dry_run=True)
+        if rep is not None:
+            self._retain(rep.retained_steps)
 
     @rule()
     def gc(self) -> None:
-        rep = collect_garbage(self.store, self.policy)
-        self._retain(rep.retained_steps)
+        rep = self._gc()
+        if rep is not None:
+            self._retain(rep.retained_steps)
+
+    @rule(
+        n=st.integers(1, 60),
+        what=st.sampled_from(["save", "resave", "merge"]),
+        data=st.data(),
+    )
+    def gc_while_others_work(self, n: int, what: str, data: st.DataObject) -> None:
+        """A slow GC run: at its n-th request the trainer saves a step (or rolls back and saves
+        a step again), or the merger commits. What they commit during the run survives it."""
+        self._planned()
+        before = dict(self.promised)
+        ran: list[str] = []
+
+        def meanwhile() -> None:
+            ran.append(what)
+            if what == "merge":
+                with contextlib.suppress(DeckError):  # damage the machine made
+                    self.merge(workers=1)
+            elif what == "resave" and len(self.tr.saved) > 2:
+                self.rollback(data)
+            else:
+                self.save_deltas(1, rows=4)
+
+        self.store.meanwhile = (n, meanwhile)
+        try:
+            rep = self._gc()
+        finally:
+            self.store.clear()
+        event(f"gc while the {what} worked: {'during' if ran else 'after'} the run")
+        if not ran:
+            meanwhile()
+        if rep is not None:
+            saved_during = {s: i for s, i in self.promised.items() if before.get(s) != i}
+            self._retain(sorted(set(rep.retained_steps) | set(saved_during)))
 
     @rule(n=st.integers(1, 30), after=st.booleans())
     def crash_gc(self, n: int, after: bool) -> None:
         self._planned()
         self.store.arm(n, after)
         try:
-            collect_garbage(self.store, self.policy)
+            self._gc()
         except SimulatedCrash:
             event("gc killed")
         finally:
@@ -367,8 +511,9 @@ class OperationsMachine(RuleBasedStateMachine):
         self._planned()
         self.store.read_faults = {where: times}
         try:
-            rep = collect_garbage(self.store, self.policy)
-            event(f"gc under read errors: {'errors' if rep.errors else 'clean'}")
+            rep = self._gc()
+            if rep is not None:
+                event(f"gc under read errors: {'errors' if rep.errors else 'clean'}")
         except DeckError:
             event("gc under read errors: refused")
         finally:
