@@ -47,6 +47,7 @@ def _retention(a: argparse.Namespace) -> Any:
         keep_last_fulls=a.keep_last_fulls,
         keep_fulls_every=a.keep_fulls_every,
         keep_all_steps=a.keep_all_steps,
+        keep_merged_deltas=a.keep_merged_deltas,
         chain_delta_budget=a.chain_delta_budget or None,
         grace_s=a.grace,
         verify_replacements=a.verify_replacements,
@@ -296,6 +297,13 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
         default=default["keep_all_steps"],
         help="keep every currently restorable step restorable (default); --no-keep-all-steps: "
         "only the active window and the rollback fulls (DECK fig. 9)",
+    )
+    p.add_argument(
+        "--keep-merged-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=default["keep_merged_deltas"],
+        help="keep the merged deltas a retained step's cheapest chain reads (default); "
+        "--no-keep-merged-deltas: old steps restore through the trainer's deltas (less storage)",
     )
     p.add_argument(
         "--chain-delta-budget",

@@ -362,3 +362,34 @@ def test_gc_logs_each_problem_once(tmp_path: Path, caplog: pytest.LogCaptureFixt
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings, "the unrestorable steps are worth a warning"
     assert len(warnings) == len(set(warnings)), warnings
+
+
+def test_default_gc_keeps_the_merged_deltas_old_steps_restore_through() -> None:
+    """A user's finding: `deck gc --grace 0` (default policy otherwise) deleted the merged delta
+    on step 6's cheapest chain ("merged checkpoint in no retained step's chain"), so restoring
+    step 6 read 6 checkpoints instead of 3. Merged deltas on a retained step's cheapest chain now
+    stay; `keep_merged_deltas=False` trades that for storage."""
+    storage = mem()
+    tr = SynthTrainer(storage)
+    history = {tr.save("full").id: snapshot(tr.shards)}
+    for _ in range(13):
+        tr.train()
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+    merge_all(storage, MergeConfig(stride=2, full=FullPolicy(every=None, max_live_fraction=None)))
+
+    def lengths() -> dict[int, int]:
+        graph = build_graph(read_manifests(storage))
+        return {s: len(cheapest_chain(graph, s)) for s in graph.restorable_steps()}
+
+    before = lengths()
+    assert before[6] < 6  # through merged deltas
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
+    assert not rep.errors
+    assert lengths() == before
+    check_all_restore(storage, history)
+    lean = collect_garbage(storage, RetentionPolicy(grace_s=0, keep_merged_deltas=False))
+    assert any(why.startswith("merged") or "no retained" in why for _, why in lean.deleted)
+    after = lengths()
+    assert set(after) == set(before) and any(after[s] > before[s] for s in before)
+    check_all_restore(storage, history)

@@ -192,7 +192,10 @@ def _collect(
     gc.collect_orphans()
     gc.finish()
     report = gc.report
-    logger.info(
+    # One INFO line per run that found something (`deck merge --follow --gc` runs it after
+    # every poll); a run with nothing to do is DEBUG.
+    logger.log(
+        logging.INFO if report.deleted or report.orphans or report.kept else logging.DEBUG,
         "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
         storage.uri,
         "would delete" if dry_run else "deleted",

@@ -71,6 +71,14 @@ class RetentionPolicy(Settings):
         "(least storage, old steps replay every delta since them).",
         json_schema_extra={"constraints": "> 0 or None", "cli": "deck gc --chain-delta-budget F"},
     )
+    keep_merged_deltas: bool = Field(
+        default=True,
+        description="Merged deltas on a retained step's cheapest chain (through the kept fulls) "
+        "stay, so restoring an old step reads as few checkpoints as it did. False: only those "
+        "on the newest step's chain and in progress stay; old steps restore through the "
+        "trainer's deltas (least storage).",
+        json_schema_extra={"cli": "deck gc --no-keep-merged-deltas"},
+    )
     grace_s: float = Field(
         default=3600.0,
         ge=0,
@@ -163,11 +171,14 @@ def plan_lineage(
     retained = set(window) | {st[0] for st in kept}
     if policy.keep_all_steps:
         retained |= set(graph.restorable_steps())
-    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and the
-    # latest chain's merged deltas; only when that is impossible do they keep more.
+    # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and
+    # merged deltas (with keep_merged_deltas; else only the latest chain's); only when that is
+    # impossible do they keep more.
     allowed = (
         {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
     )
+    if policy.keep_merged_deltas:
+        allowed |= {n.id for n in graph.nodes.values() if n.merged and n.kind is not Kind.FULL}
     keep: set[str] = set(latest_chain) | _in_progress(graph, window)
     retained_steps = _add_chains(graph, sorted(retained), allowed, keep)
     delete = _delete_reasons(graph, keep)
