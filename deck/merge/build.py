@@ -3,7 +3,8 @@
 A merged checkpoint is built per partition = (rank, table shard); partition ``p`` belongs to
 worker ``xxh3(p) % num_workers``. A worker writes a partition's chunks under a fresh attempt
 folder, then its partition record ``merged/<name>/parts/<p>.json`` (atomic). Whichever worker
-finds every partition record present writes the rank manifests (under a fresh folder) and then
+finds every partition record present writes the rank manifests (under a fresh folder), lists the
+folder again to check every file they name is there with its size, and then writes
 ``merged/<name>/manifest.json``: the commit, last, exactly as the trainer's. Two workers doing
 the same partition or the same commit each write complete, self-consistent files, and the last
 record written wins; kill -9 at any point leaves either no manifest (the item does not exist
@@ -50,6 +51,11 @@ logger = logging.getLogger(__name__)
 PARTS_DIR = "parts"
 DENSE_FILE = "dense.safetensors"
 EXTRA_FILE = "extra.safetensors"
+
+
+class FilesGoneError(MergeError):
+    """A file of a merged checkpoint was gone (or changed size) right before its commit: it was
+    not committed, and is built again."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,10 @@ class ItemBuilder:
        partition's rows into fresh chunks, then writes its partition record; a partition whose
        record exists is skipped.
     4. :meth:`try_commit`: once every worker's partition records are there (checked, a bad one
-       is deleted to be built again), writes the rank manifests, then the item's manifest (the
-       commit). False while some are missing; a later pass makes a new builder and tries again.
+       is deleted to be built again), writes the rank manifests, lists the folder again to
+       check every file they name (raises :class:`FilesGoneError` if one went), then the item's
+       manifest (the commit). False while some are missing; a later pass makes a new builder
+       and tries again.
 
     Other worker processes (on this host or others) run builders of the same item at the same
     time, each for its own partitions; they meet only through the files above. The chunk buffer
@@ -234,7 +242,8 @@ class ItemBuilder:
     # ---- the commit ----
 
     def try_commit(self, stats: WorkStats) -> bool:
-        """Write the rank manifests and the commit record if every partition is done.
+        """Write the rank manifests and the commit record if every partition is done, after
+        checking that every file they name is still there (:meth:`_check_files`).
 
         Returns whether the item is committed (by this call or earlier)."""
         if self.committed():
@@ -246,11 +255,14 @@ class ItemBuilder:
             return False
         failpoint("merger.commit.before_rank_manifests")
         asm = secrets.token_hex(8)
-        refs = [self._write_rank_manifest(r, asm, records, stats) for r in range(self.world_size)]
-        manifest = self._manifest(refs)
+        written = [
+            self._write_rank_manifest(r, asm, records, stats) for r in range(self.world_size)
+        ]
+        manifest = self._manifest([ref for ref, _ in written])
         if self.committed():  # another worker was faster: its record stands
             return True
         failpoint("merger.commit.before_manifest")
+        self._check_files(written)
         self.storage.put(f"{self.folder}/{MANIFEST}", dump_model(manifest))
         failpoint("merger.commit.after_manifest")
         stats.items_committed += 1
@@ -262,6 +274,54 @@ class ItemBuilder:
             manifest.data_bytes / 2**20,
         )
         return True
+
+    def _check_files(self, written: list[tuple[RankRef, RankManifest]]) -> None:
+        """Right before the commit: every file the rank manifests name, and the rank manifests
+        themselves, are in the folder with the sizes the records say. Something else deleting
+        in an uncommitted folder (a GC whose clock was wrong took it for an abandoned one) must
+        not end in a committed checkpoint with missing files. Else the partition records are
+        deleted (the item is built again from scratch next pass, what is left of its files
+        being orphans) and :class:`FilesGoneError` names the folder and the file."""
+        sizes: dict[str, tuple[int, bool]] = {}  # key -> (size, exact); at least, in a bundle
+        for ref, part in written:
+            sizes[f"{self.folder}/{ref.path}"] = (ref.nbytes, True)
+            for f in (part.dense, part.extra):
+                if f is not None:
+                    sizes[f"{self.folder}/{f.path}"] = (f.nbytes, True)
+            for shard in part.shards:
+                for c in shard.chunks:
+                    key = f"{self.folder}/{c.path}"
+                    if c.offset is None:
+                        sizes[key] = (c.nbytes, True)
+                    else:
+                        sizes[key] = (
+                            max(sizes.get(key, (0, False))[0], c.offset + c.nbytes),
+                            False,
+                        )
+        listed = set(self.storage.list(f"{self.folder}/"))
+        problem = None
+        for key in sorted(sizes):
+            want, exact = sizes[key]
+            if key not in listed:
+                problem = f"{key} is missing"
+                break
+            try:
+                have = self.storage.size(key)
+            except NotFoundError:
+                problem = f"{key} is missing"
+                break
+            if have != want if exact else have < want:
+                problem = f"{key} has {have} bytes, its record says {want}"
+                break
+        if problem is None:
+            return
+        for p in self.partitions:
+            self.storage.delete(self.part_path(p))
+        raise FilesGoneError(
+            f"{self.storage.describe(self.folder)}: not committed: {problem} (its files changed "
+            "before the commit; something deleted in this uncommitted folder); its partition "
+            "records are deleted, the next pass builds it again"
+        )
 
     def _part_records(self) -> dict[tuple[int, int], ShardRecord] | None:
         """Every partition's merged shard by (rank, index), or None if a record is gone or bad
@@ -309,9 +369,9 @@ class ItemBuilder:
 
     def _write_rank_manifest(
         self, r: int, asm: str, records: dict[tuple[int, int], ShardRecord], stats: WorkStats
-    ) -> RankRef:
+    ) -> tuple[RankRef, RankManifest]:
         """Rank ``r``'s manifest under the assembly folder ``asm`` (its merged shards, the dense
-        and extra files of the newest input, copied); returns its reference."""
+        and extra files of the newest input, copied); returns its reference and itself."""
         last = self.parts[-1][r]
         src = self.inputs[-1]
         dense = self._copy(src, last.dense, f"{asm}/{rank_dir(r)}/{DENSE_FILE}", stats)
@@ -331,7 +391,7 @@ class ItemBuilder:
         data = dump_model(part)
         rel = f"{asm}/{rank_manifest_name(r)}"
         self.storage.put(f"{self.folder}/{rel}", data)
-        return rank_ref(r, part, rel, data)
+        return rank_ref(r, part, rel, data), part
 
     def _manifest(self, refs: list[RankRef]) -> CheckpointManifest:
         """The item's commit record over the rank manifests ``refs``."""
