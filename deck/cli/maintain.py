@@ -253,6 +253,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
             else ""
         )
     )
+    if a.dry_run:
+        print(
+            "not counted by a dry run: temp files of interrupted writes and empty folders (the "
+            "real run removes those older than the grace period)"
+        )
     if rep.grace_held or rep.grace_held_orphans:
         print(
             f"held back by the grace period (--grace {a.grace:g} s): {rep.grace_held} "
