@@ -48,6 +48,9 @@ def block_of(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_claim(dirty: torch.Tensor, bit: int) -> torch.Tensor:
+    # The native kernel's check, so that a caller's bad bit fails the same on every install
+    if bit <= 0 or bit > 0x80 or bit & (bit - 1):
+        raise ValueError("claim: bit must be one of 1, 2, 4, ..., 128")
     rows = torch.nonzero(dirty & bit).view(-1)
     dirty.index_put_((rows,), dirty[rows] & (~bit & 0xFF))
     return rows
@@ -100,6 +103,23 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         raise ValueError("the tracker's map and summary must be contiguous")
     return t.numpy()
+
+
+def fill_rows(dirty: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, bits: int) -> None:
+    """Set ``bits`` in the byte of every row of ``rows`` (int64, any order, duplicates allowed)
+    and in its summary byte, without a journal: the tracker's compaction where
+    :func:`journaling_available` is False (no native kernel, a map not on the CPU). Raises
+    IndexError, changing nothing, when a row is outside the map, as :func:`mark_rows` does."""
+    n = dirty.numel()
+    # torch's index_fill_ would write the rows before a bad one, and take a negative row as
+    # counted from the end: check them all first (two reductions, no copy of the rows).
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise IndexError(f"tracked row positions outside the map of {n} rows")
+    # An OR, as mark_rows: a fill would drop the bits of other consumers that ``bits`` lacks
+    # (duplicate rows are fine: each writes the same byte).
+    dirty.index_put_((rows,), dirty[rows] | bits)
+    summary = block_of(rows)
+    blocks.index_put_((summary,), blocks[summary] | bits)
 
 
 def mark_rows(

@@ -28,9 +28,8 @@ Out = bytearray | memoryview | np.ndarray  # writable bytes (a chunk buffer's se
 def gather_rows(rows: torch.Tensor, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """For every ``(src, out)`` in ``pairs``: ``out[i] = src[rows[i]]`` for every ``i``
     (``rows``: int64 indices into dim 0 of every ``src``; ``out``: ``(len(rows),
-    *src.shape[1:])`` of ``src``'s dtype). Raises IndexError when an index is outside a
-    ``src``; then nothing is copied where the native kernel runs. Same result as
-    ``torch.index_select`` per pair."""
+    *src.shape[1:])`` of ``src``'s dtype). Raises IndexError, copying nothing, when an index
+    is outside a ``src``. Same result as ``torch.index_select`` per pair."""
     sources = (
         row_sources([src for src, _ in pairs])
         if rows.dtype == torch.int64
@@ -39,6 +38,16 @@ def gather_rows(rows: torch.Tensor, pairs: Sequence[tuple[torch.Tensor, torch.Te
         else None
     )
     if sources is None:
+        # As the native kernel: a row outside any source raises before anything is copied
+        # (index_select checks one source at a time, after copying the pairs before it).
+        if rows.numel():
+            lo, hi = int(rows.min()), int(rows.max())
+            for src, _ in pairs:
+                if lo < 0 or hi >= src.shape[0]:
+                    raise IndexError(
+                        f"gather_rows: row {lo if lo < 0 else hi} outside a state of "
+                        f"{src.shape[0]} rows"
+                    )
         for src, out in pairs:
             torch.index_select(src, 0, rows, out=out)
         return

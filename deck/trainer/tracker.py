@@ -41,6 +41,7 @@ from deck.kernels.claim import (
     block_of,
     claim_marked_rows,
     clear_rows,
+    fill_rows,
     journaling_available,
     mark_rows,
 )
@@ -375,8 +376,7 @@ class TrackerStore:
             for pos in pending:
                 # A touched row is dirty for every consumer: setting all bits is the OR.
                 if not self._journaling:
-                    self._dirty.index_fill_(0, pos, self._all)
-                    self._blocks.index_fill_(0, block_of(pos), self._all)
+                    fill_rows(self._dirty, self._blocks, pos, self._all)
                     continue
                 new, old = mark_rows(self._dirty, self._blocks, pos, self._all)
                 for consumer, bit in self._bits.items():

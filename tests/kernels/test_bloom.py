@@ -1,5 +1,6 @@
 """The native row index of a chunk (``bloom_fill``) against deck.format.rowindex's numpy one: the
-same bytes on disk, whichever built them."""
+same bytes on disk, whichever built them (in the fallback run, ``bloom_fill`` answers None and
+numpy builds both)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from deck.kernels.bloom import bloom_fill
 from deck.format.rowindex import build_index, may_contain
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
 @pytest.mark.parametrize("n", [1, 2, 7, 100, 15_649])
 def test_native_index_is_the_numpy_index_bit_for_bit(n: int) -> None:
     rng = np.random.default_rng(n)
@@ -34,7 +34,7 @@ def test_without_the_native_kernel_numpy_builds_it(monkeypatch: pytest.MonkeyPat
     assert build_index(ids, fill=bloom_fill) == build_index(ids)
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
+@pytest.mark.native_only
 def test_bad_arguments_raise_before_any_write() -> None:
     kernel = native.native_module()
     ids = np.arange(4, dtype=np.int64)
@@ -48,7 +48,6 @@ def test_bad_arguments_raise_before_any_write() -> None:
             kernel.bloom_fill(*args)
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
 def test_ids_at_an_unaligned_address_give_the_same_index() -> None:
     raw = bytearray(8 * 64 + 1)
     ids = np.frombuffer(memoryview(raw)[1:], dtype=np.int64)  # int64 words one byte off
@@ -59,7 +58,6 @@ def test_ids_at_an_unaligned_address_give_the_same_index() -> None:
     ) == (build_index(torch.from_numpy(ids.copy())))
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel is not built")
 def test_the_native_base64_of_every_filter_length_is_base64s() -> None:
     """The kernel writes the filter's base64 itself: every length modulo 3 (two, one or no
     '=' of padding) gives what base64.b64encode gives."""

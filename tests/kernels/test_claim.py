@@ -1,4 +1,5 @@
-"""The tracker's claim kernel: native and torch fallback give the same rows and the same map."""
+"""The tracker's claim kernel: native and torch fallback give the same rows and the same map
+(each test runs against both: tests/kernels/conftest.py)."""
 
 import numpy as np
 import pytest
@@ -10,9 +11,14 @@ from deck.kernels.claim import (
     claim_marked_rows,
     claim_rows,
     clear_rows,
+    fill_rows,
+    journaling_available,
+    mark_rows,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from deck.trainer.tracker import TrackerStore
 
 
 def _map(n: int, seed: int) -> torch.Tensor:
@@ -26,7 +32,7 @@ def _map(n: int, seed: int) -> torch.Tensor:
     return m
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel was not built")
+@pytest.mark.native_only
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 4099, 100_003])
 @pytest.mark.parametrize("bit", [1, 2, 4, 128])
 def test_native_claim_equals_fallback(monkeypatch: pytest.MonkeyPatch, n: int, bit: int) -> None:
@@ -41,14 +47,17 @@ def test_native_claim_equals_fallback(monkeypatch: pytest.MonkeyPatch, n: int, b
     assert claim_rows(a, bit).numel() == 0  # nothing left to claim
 
 
-def test_claim_rejects_a_byte_that_is_not_one_bit() -> None:
-    if not native.native_available():
-        pytest.skip("the C kernel was not built")
+@pytest.mark.parametrize("bit", [0, 3, 256, -1])
+def test_claim_rejects_a_byte_that_is_not_one_bit(bit: int) -> None:
+    m = torch.full((16,), 0xFF, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bit must be"):
-        claim_rows(torch.zeros(16, dtype=torch.uint8), 3)
+        claim_rows(m, bit)
+    with pytest.raises(ValueError, match="bit must be"):
+        claim_marked_rows(m, torch.full((1,), 0xFF, dtype=torch.uint8), bit)
+    assert bool((m == 0xFF).all())
 
 
-@pytest.mark.skipif(not native.native_available(), reason="the C kernel was not built")
+@pytest.mark.native_only
 @pytest.mark.parametrize("n", [7, 4099])
 def test_native_claim_with_too_little_room_changes_nothing(n: int) -> None:
     # Rows marked between the count and the take: the take gives back what it cleared.
@@ -63,7 +72,7 @@ def test_native_claim_with_too_little_room_changes_nothing(n: int) -> None:
 
 # The summary claim (claim_blocks) against the whole-map claim it replaces.
 
-native_only = pytest.mark.skipif(not native.native_available(), reason="the C kernel was not built")
+native_only = pytest.mark.native_only
 hyp = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
@@ -98,7 +107,6 @@ def marked_maps(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     return m, blocks
 
 
-@native_only
 @hyp
 @given(mb=marked_maps(), bit=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]))
 def test_summary_claim_equals_the_whole_map_claim(
@@ -161,6 +169,7 @@ def test_summary_of_the_wrong_size_is_refused() -> None:
         native._native.claim_blocks(m.numpy(), bytearray(3), BLOCK_SHIFT, 3, bytearray())
 
 
+@native_only
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_journal_clear_takes_both_widths_and_checks_every_row(dtype: type) -> None:
     # A journal of a map under 2**31 rows is int32 (half the bytes to sort in the stall): the
@@ -179,3 +188,63 @@ def test_journal_clear_takes_both_widths_and_checks_every_row(dtype: type) -> No
     assert dirty[torch.from_numpy(rows.astype(np.int64))].tolist() == [0b10] * 4
     assert int(dirty.sum()) == 4 * 0b10 and set(blocks.tolist()) <= {0, 0b10}
     assert clear_rows(dirty, blocks, np.array([5, 64], dtype=dtype), 0b10) == 1  # 5 lacked it
+
+
+# The tracker's compaction: mark_rows (native, journaling) and fill_rows (its path without the
+# native kernel) set the same bits, and a row outside the map changes nothing in either.
+
+
+def test_fill_rows_marks_what_mark_rows_marks() -> None:
+    n = 64 * 5 + 3
+    rows = torch.tensor([0, 5, 5, 64, 63, n - 1, 200, 5])
+    dirty, blocks = (
+        torch.zeros(n, dtype=torch.uint8),
+        torch.zeros(block_count(n), dtype=torch.uint8),
+    )
+    dirty[7] = 0b100
+    blocks[0] = 0b100
+    fill_rows(dirty, blocks, rows, 0b011)
+    assert dirty[rows].tolist() == [0b011] * len(rows) and int(dirty[7]) == 0b100
+    assert int((dirty != 0).sum()) == len(set(rows.tolist())) + 1
+    assert torch.equal(blocks, _summary(dirty))
+    if journaling_available(dirty):
+        d2, b2 = torch.zeros_like(dirty), torch.zeros_like(blocks)
+        d2[7], b2[0] = 0b100, 0b100
+        new, _ = mark_rows(d2, b2, rows, 0b011)
+        assert new.tolist() == [0, 5, 64, 63, n - 1, 200]  # first appearances, in order
+        assert torch.equal(d2, dirty) and torch.equal(b2, blocks)
+
+
+@pytest.mark.parametrize("bad", [[5, 100], [100], [-1], [5, -1, 7], [2**40]])
+def test_rows_outside_the_map_change_nothing(bad: list[int]) -> None:
+    """torch's ``index_fill_`` wrote row 5 before it refused row 100, and took row -1 as the
+    last row: the fallback checks every row first, as the native kernel does."""
+    n = 100
+    dirty, blocks = (
+        torch.zeros(n, dtype=torch.uint8),
+        torch.zeros(block_count(n), dtype=torch.uint8),
+    )
+    dirty[3], blocks[0] = 1, 1
+    before = dirty.clone(), blocks.clone()
+    markers = [fill_rows]
+    if journaling_available(dirty):
+        markers.append(lambda d, b, r, bits: mark_rows(d, b, r, bits))
+    for mark in markers:
+        with pytest.raises(IndexError, match="outside the map of 100 rows"):
+            mark(dirty, blocks, torch.tensor(bad), 1)
+        assert torch.equal(dirty, before[0]) and torch.equal(blocks, before[1])
+
+
+def test_the_tracker_refuses_rows_outside_the_map_on_either_path() -> None:
+    """The tracker (deck.trainer.tracker) on this run's kernels: a compaction with a row outside
+    the map raises and marks none of its rows (the fallback used to leave row 5 marked)."""
+    store = TrackerStore(100, ("a",))
+    store.record(torch.tensor([3]))
+    store.compact()
+    store.record(torch.tensor([5, 100]))
+    with pytest.raises(IndexError):
+        store.compact()
+    store.record(torch.tensor([-1]))
+    with pytest.raises(IndexError):
+        store.compact()
+    assert store.touched(store.begin_read("a"), 0, 100).tolist() == [3]

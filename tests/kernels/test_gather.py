@@ -65,6 +65,7 @@ def test_non_contiguous_tables_and_no_native_kernel_take_index_select(
     assert torch.equal(out4, src[idx])
 
 
+@pytest.mark.native_only
 def test_sources_checked_once_copy_into_byte_ranges_or_refuse() -> None:
     """row_sources checks a shard's states once; gather_into then copies rows into byte ranges
     of a buffer (a chunk's segments). A strided state has no sources; an out shorter than the
@@ -86,6 +87,7 @@ def test_sources_checked_once_copy_into_byte_ranges_or_refuse() -> None:
     assert bytes(buf) == before
 
 
+@pytest.mark.native_only
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_positions_read_in_place_with_a_base(dtype: type) -> None:
     # A snapshot passes the claim's positions (a shard's rows plus its offset among the tracker's
@@ -108,6 +110,7 @@ def test_positions_read_in_place_with_a_base(dtype: type) -> None:
     assert torch.equal(got[:12].view(3, 4), weight[[9, 0, 3]])
 
 
+@pytest.mark.native_only
 @pytest.mark.parametrize("offset", [0, 4, 8, 16, 20])
 @pytest.mark.parametrize("dim", [1, 3, 4, 64])
 def test_rows_land_whole_at_any_destination_alignment(offset: int, dim: int) -> None:
