@@ -126,7 +126,7 @@ class LineageWatch:
     learned off the training thread so that a checkpoint's stall asks storage nothing.
 
     Once a checkpoint of the chain is committed, :meth:`committed` hands its state to a thread
-    of its own (``deck-lineage``, at the background threads' priority), which asks
+    of its own (``deck-lineage-<label>``, at the background threads' priority), which asks
     :func:`deck.read.lineage.needs_new_full`: one LIST of ``quarantine/``, each new quarantine
     record read once, and the lineage (every commit record) only when a quarantined checkpoint
     is at a step of that checkpoint's chain. A state found broken is remembered; the training
