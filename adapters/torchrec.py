@@ -2,7 +2,8 @@
 EmbeddingCollection tables on the fused (TBE) kernel.
 
 Modules: EmbeddingBagCollection, EmbeddingCollection, FeatureProcessedEmbeddingBagCollection (its
-inner EBC); ManagedCollision collections are refused. Sharding types: table_wise, column_wise,
+inner EBC), ManagedCollisionEmbedding(Bag)Collection with MCH remappers (its inner collection;
+the remappers' state: adapters/torchrec_mc.py). Sharding types: table_wise, column_wise,
 table_column_wise, row_wise and table_row_wise (ids arrive shard-local: each row shard has its own
 tracker base); data_parallel tables are replicated dense state and are saved in full by every
 checkpoint.
@@ -27,7 +28,8 @@ from deck.adapters.torchrec_compat import (
     lookups,
     tbe_reset_step_cache,
 )
-from deck.adapters.torchrec_hooks import chain_hooks
+from deck.adapters.torchrec_hooks import chain_hooks, lookup_forward_hooks
+from deck.adapters.torchrec_mc import ManagedCollision, module_state, prepare_restore
 from deck.adapters.torchrec_optim import (
     check_dense_leaf,
     flatten,
@@ -89,6 +91,9 @@ class TorchRecAdapter(ModelAdapter):
             )
         self.model = model
         self._replicated: set[str] = set()
+        # Managed-collision collections by the path of their inner collection (the holder of
+        # their tables and lookups)
+        self._mc: dict[str, ManagedCollision] = {}
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
@@ -141,20 +146,16 @@ class TorchRecAdapter(ModelAdapter):
         A FeatureProcessedEmbeddingBagCollection shards into a wrapper whose tables, fused
         optimizer states and tracker hooks belong to its inner ShardedEmbeddingBagCollection
         (``<path>._embedding_bag_collection``); its feature processors (position weights) are
-        ordinary dense parameters. ManagedCollision collections are refused (see below).
+        ordinary dense parameters. A managed-collision collection shards into a wrapper
+        whose tables and lookups belong to its inner collection (``<path>._embedding_module``)
+        and whose remappers keep state of their own (adapters/torchrec_mc.py).
         """
         root = self.model.module
         module = root.get_submodule(plan_path) if plan_path else root
         if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
-            raise UnsupportedError(
-                f"module {plan_path!r} is a {type(module).__name__}: deck does not support "
-                "managed-collision (ZCH) collections. Their evictions reset rows through "
-                "fbgemm::reset_weight_momentum, which fbgemm-gpu-cpu has no CPU kernel for (so "
-                "they cannot train, nor be tested, on CPU), and MCHManagedCollisionModule keeps "
-                "remapping state outside its state_dict (the id history since the last eviction "
-                "and the iteration of that eviction) that no restore could bring back exactly; "
-                "use an EmbeddingCollection / EmbeddingBagCollection with hashed ids instead"
-            )
+            mc = ManagedCollision(plan_path, module)
+            self._mc[mc.inner_path] = mc
+            return mc.inner_path
         if isinstance(module, ShardedFeatureProcessedEmbeddingBagCollection):
             return fp_inner_collection_path(plan_path)
         return plan_path
@@ -169,7 +170,11 @@ class TorchRecAdapter(ModelAdapter):
             PipelinedForward,
         )
 
-        for path, module in self.sharded_modules().items():
+        # A pipeline replaces the forward of the module the plan shards: for a managed-collision
+        # collection, its wrapper (whose forward evicts, remaps and looks up).
+        planned = dict(self.sharded_modules())
+        planned.update({mc.path: mc.module for mc in self._mc.values()})
+        for path, module in planned.items():
             forward = module.__dict__.get("forward")
             if isinstance(forward, BaseForward) and type(forward) is not PipelinedForward:
                 return (
@@ -317,6 +322,15 @@ class TorchRecAdapter(ModelAdapter):
             self._dense = (key, dense)
         return dict(self._dense[1])
 
+    def module_state(self) -> dict[str, Any]:
+        """The remapping state of the managed-collision collections (adapters/torchrec_mc.py)."""
+        return module_state(list(self._mc.values()), _world_size())
+
+    def prepare_module_state(
+        self, saved: dict[str, Any], saved_ranks: int, where: str
+    ) -> Callable[[], None]:
+        return prepare_restore(list(self._mc.values()), saved, saved_ranks, _world_size(), where)
+
     def optimizers(self, optimizers: object) -> Optimizers:
         fused = {id(o) for o in flatten(self.model.fused_optimizer)}
         fused.add(id(self.model.fused_optimizer))
@@ -407,7 +421,19 @@ class TorchRecAdapter(ModelAdapter):
         hooks: list[RemovableHandle] = []
         for path, module in self.sharded_modules().items():
             key_plans = self._key_plans(path, module, by_name, bases)
-            hooks.append(chain_hooks(module, called_lookups(module), key_plans, store, is_active))
+            mc = self._mc.get(path)
+            install = chain_hooks if mc is None else lookup_forward_hooks
+            hooks.append(install(module, called_lookups(module), key_plans, store, is_active))
+            if mc is not None:
+                # Row-wise: this rank holds one shard of each table (or none).
+                table_bases = {
+                    name: base
+                    for (mpath, name), tkey in by_name.items()
+                    if mpath == path
+                    for (table, _, _), base in bases.items()
+                    if table == tkey
+                }
+                hooks.append(mc.track_evictions(store, table_bases))
         logger.debug(
             "deck tracking installed on %d sharded module(s), %d rows",
             len(hooks),
@@ -449,6 +475,12 @@ class TorchRecAdapter(ModelAdapter):
                         key_bases.extend([base] * len(table.feature_names))
             plans.append(torch.tensor(key_bases, dtype=torch.int64) if key_bases else None)
         return plans
+
+
+def _world_size() -> int:
+    """Ranks of the job (the default process group, which deck's collectives use)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _pin_buckets(ddp: DistributedDataParallel) -> None:

@@ -51,6 +51,24 @@ PRIVATE_ATTRIBUTES = (
     "_modules",  # nn.Module: its children by name
     "_asdict",  # namedtuple (fbgemm's OptimizerArgs): its fields as a dict
     "_replace",  # namedtuple: a copy with some fields replaced
+    # Sharded managed-collision (ZCH) collections and TorchRec's MCHManagedCollisionModule:
+    "_embedding_module",  # BaseShardedManagedCollisionEmbeddingCollection: the sharded EC/EBC
+    "_managed_collision_collection",  # ... and its ShardedManagedCollisionCollection
+    "_managed_collision_modules",  # ShardedManagedCollisionCollection: remapper by table
+    "_evict",  # BaseShardedManagedCollisionEmbeddingCollection: resets the evicted rows
+    "_mch_sorted_raw_ids",  # MCH: raw ids held, sorted (a buffer, sharded in the state_dict)
+    "_mch_remapped_ids_mapping",  # MCH: the slot of each of them
+    "_mch_metadata",  # MCH: the eviction policy's per-slot buffers by name (counts, ...)
+    "_history_metadata",  # MCH: the policy's per-id history buffers by name (non-persistent)
+    "_history_accumulator",  # MCH: ids seen since the last eviction (a plain attribute)
+    "_input_history_buffer_size",  # MCH: its size, set by the first training batch
+    "_current_history_buffer_offset",  # MCH: how much of it is filled
+    "_current_iter",  # MCH: training iteration (Python int; -1 until the first one)
+    "_last_eviction_iter",  # MCH: iteration of the last eviction
+    "_evicted",  # MCH: evictions not yet handed to the collection's _evict
+    "_evicted_emb_indices",  # MCH: ... their slots
+    "_output_global_offset",  # MCH: first slot (table row) of this rank's remapper
+    "_zch_size",  # MCH: its number of slots
 )
 # fbgemm's split (per-table, flat) state buffers: ``<p>_dev`` / ``_host`` / ``_uvm`` storage,
 # ``<p>_offsets`` and ``<p>_placements`` (read by name with ``tbe_split_buffer``).
@@ -170,6 +188,121 @@ def fp_inner_collection_path(plan_path: str) -> str:
 def in_backward_optimized(param: Any) -> bool:
     """Whether ``param`` is updated by one of TorchRec's fused (in-backward) optimizers."""
     return hasattr(param, "_in_backward_optimizers")
+
+
+# ---- managed-collision (ZCH) collections ------------------------------------------------
+# Their state lives in TorchRec's MCHManagedCollisionModule partly outside any state_dict
+# (Python attributes and non-persistent buffers): MCH_COUNTERS and the history are read and
+# written here, by name, and nowhere else.
+MCH_COUNTERS = (
+    "_current_iter",
+    "_last_eviction_iter",
+    "_input_history_buffer_size",
+    "_current_history_buffer_offset",
+    "_evicted",
+)
+
+
+def mc_collections(module: Any) -> tuple[Any, Any]:
+    """(sharded EmbeddingCollection / EmbeddingBagCollection, ShardedManagedCollisionCollection)
+    of a sharded managed-collision collection."""
+    return _get(module, "_embedding_module"), _get(module, "_managed_collision_collection")
+
+
+def mc_inner_collection_path(plan_path: str) -> str:
+    """Path of the inner sharded collection of the sharded managed-collision collection at
+    ``plan_path`` ("" for the root)."""
+    return f"{plan_path}._embedding_module" if plan_path else "_embedding_module"
+
+
+def mc_remappers(mcc: Any) -> dict[str, Any]:
+    """The remapper of each table of a ShardedManagedCollisionCollection (this rank's)."""
+    return dict(_get(mcc, "_managed_collision_modules").items())
+
+
+def mch_layout(mch: Any) -> tuple[int, int]:
+    """(first slot, number of slots) of an MCHManagedCollisionModule: the table rows it maps
+    ids to."""
+    return int(_get(mch, "_output_global_offset")), int(_get(mch, "_zch_size"))
+
+
+def mch_state(mch: Any) -> dict[str, Any]:
+    """Everything an MCHManagedCollisionModule's next remaps and evictions depend on, live:
+    ``sorted_raw_ids`` / ``remapped_ids`` / ``metadata`` (per slot, sorted by raw id), the
+    counters of MCH_COUNTERS by name (without the leading underscore), ``history`` and
+    ``history_metadata`` (the filled part of the ids seen since the last eviction, views) and
+    ``evicted_indices`` (when ``evicted``)."""
+    out: dict[str, Any] = {name[1:]: _get(mch, name) for name in MCH_COUNTERS}
+    out["sorted_raw_ids"] = _get(mch, "_mch_sorted_raw_ids")
+    out["remapped_ids"] = _get(mch, "_mch_remapped_ids_mapping")
+    out["metadata"] = dict(_get(mch, "_mch_metadata"))
+    filled = int(out["current_history_buffer_offset"])
+    # The accumulator exists from the first training forward on (its size set by that batch).
+    history = getattr(mch, "_history_accumulator", None)
+    out["history"] = history[:filled] if history is not None else torch.empty(0, dtype=torch.int64)
+    out["history_metadata"] = {k: v[:filled] for k, v in _get(mch, "_history_metadata").items()}
+    if out["evicted"]:
+        out["evicted_indices"] = _get(mch, "_evicted_emb_indices")
+    return out
+
+
+def set_mch_state(mch: Any, saved: dict[str, Any]) -> None:
+    """Put a :func:`mch_state` back into an MCHManagedCollisionModule of the same layout: the
+    per-slot buffers in place, the counters, and the history rebuilt at its saved size (as
+    TorchRec's first training forward would have allocated it) with its filled part."""
+    with torch.no_grad():
+        _get(mch, "_mch_sorted_raw_ids").copy_(saved["sorted_raw_ids"])
+        _get(mch, "_mch_remapped_ids_mapping").copy_(saved["remapped_ids"])
+        live_meta = _get(mch, "_mch_metadata")
+        for name, t in saved["metadata"].items():
+            live_meta[name].copy_(t)
+    for name in MCH_COUNTERS:
+        value = saved[name[1:]]
+        _set(mch, name, bool(value) if name == "_evicted" else int(value))
+    size, filled = int(saved["input_history_buffer_size"]), int(saved["history"].numel())
+    if size >= 0:
+        history = torch.empty(size, dtype=torch.int64, device=mch.device)
+        history[:filled] = saved["history"]
+        mch._history_accumulator = history
+        live_history = _get(mch, "_history_metadata")
+        for name, t in saved["history_metadata"].items():
+            buf = torch.zeros(size, dtype=torch.int64, device=mch.device)
+            buf[:filled] = t
+            # The names TorchRec registers them under (MCHManagedCollisionModule.
+            # _init_history_buffers): non-persistent buffers.
+            mch.register_buffer(f"_history_{name}", buf, persistent=False)
+            live_history[name] = buf
+    if saved["evicted"]:
+        _set(mch, "_evicted_emb_indices", saved["evicted_indices"].clone())
+
+
+def wrap_mc_evict(module: Any, before: Any) -> tuple[Any, Any]:
+    """Make a sharded managed-collision collection call ``before(evictions)`` (table -> local
+    rows to reset, or None) ahead of each reset of evicted rows. Returns (remove, intact):
+    ``intact()`` is False once the instance no longer routes ``_evict`` through a wrapper."""
+    previous = _get(module, "_evict")  # what runs now: TorchRec's method or another wrapper
+    own = module.__dict__.get("_evict")  # an instance-level one (a wrapper), to put back
+    wrapper: list[Any] = [before]
+
+    def _evict(evictions: dict[str, Any]) -> None:
+        if wrapper[0] is not None:
+            wrapper[0](evictions)
+        previous(evictions)
+
+    object.__setattr__(module, "_evict", _evict)
+
+    def remove() -> None:
+        wrapper[0] = None  # a wrapper chained behind this one keeps calling it: pass through
+        if module.__dict__.get("_evict") is _evict:
+            if own is None:
+                del module.__dict__["_evict"]
+            else:
+                object.__setattr__(module, "_evict", own)
+
+    def intact() -> bool:
+        return "_evict" in module.__dict__
+
+    return remove, intact
 
 
 # ---- fbgemm TBE ---------------------------------------------------------------------------

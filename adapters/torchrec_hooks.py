@@ -1,6 +1,8 @@
 """Hook chaining: deck's row tracking installed on a sharded TorchRec module through its public
 ``register_post_lookup_tracker_fn`` / ``register_post_odist_tracker_fn``, behind whatever
-callbacks were there before (TorchRec's own tracker keeps working)."""
+callbacks were there before (TorchRec's own tracker keeps working); and, for the inner
+collection of a managed-collision collection (which never calls those callbacks), through
+forward hooks on its lookup modules."""
 
 from __future__ import annotations
 
@@ -54,35 +56,8 @@ def chain_hooks(
             prev_lookup(features, embs, mod, raw_ids)
         i, running[0] = running[0], None
         held = target[0]
-        if held is None or i is None:
-            return
-        store, active = held[0], held[1](module)
-        # A lookup a backward will follow (its output requires grad) is tracked whatever the
-        # mode: the fused optimizer updates its rows in eval mode and under pause() too.
-        grads = isinstance(embs, torch.Tensor) and embs.requires_grad
-        # A snapshot still copying its rows guards them even while tracking is off (paused,
-        # eval): this step's backward may write them.
-        if not active and not grads and not store.guarding:
-            return
-        bases = key_plans[i]
-        if bases is None or features.values().numel() == 0:
-            return
-        values = features.values()
-        if features.variable_stride_per_key():
-            per_key = torch.tensor(features.length_per_key(), device=values.device)
-        else:
-            per_key = features.lengths().view(len(bases), -1).sum(1)
-        offsets = torch.repeat_interleave(
-            bases.to(values.device), per_key, output_size=values.numel()
-        )
-        positions = values.to(torch.int64) + offsets
-        # With a backward to come, a snapshot's copy of the rows runs beside the rest of the
-        # step and that backward waits for it before it writes them.
-        guarded = store.guard(positions, in_background=grads) if store.guarding else []
-        if active or grads:
-            store.record(positions)
-        if grads:
-            store.await_backward(embs, positions, guarded)
+        if held is not None and i is not None:
+            _track(held[0], held[1](module), key_plans[i], features, embs)
 
     def on_odist() -> None:
         if prev_odist is not None:
@@ -111,3 +86,71 @@ def chain_hooks(
         return module.post_lookup_tracker_fn is on_lookup
 
     return RemovableHandle(remove, intact)
+
+
+def _track(
+    store: RowRecorder,
+    active: bool,
+    bases: torch.Tensor | None,
+    features: KeyedJaggedTensor,
+    embs: Any,
+) -> None:
+    """Record (and guard) the rows one lookup of ``features`` touched; ``bases``: the tracker
+    base of each KJT key (None: nothing tracked there)."""
+    # A lookup a backward will follow (its output requires grad) is tracked whatever the
+    # mode: the fused optimizer updates its rows in eval mode and under pause() too.
+    grads = isinstance(embs, torch.Tensor) and embs.requires_grad
+    # A snapshot still copying its rows guards them even while tracking is off (paused,
+    # eval): this step's backward may write them.
+    if not active and not grads and not store.guarding:
+        return
+    if bases is None or features.values().numel() == 0:
+        return
+    values = features.values()
+    if features.variable_stride_per_key():
+        per_key = torch.tensor(features.length_per_key(), device=values.device)
+    else:
+        per_key = features.lengths().view(len(bases), -1).sum(1)
+    offsets = torch.repeat_interleave(bases.to(values.device), per_key, output_size=values.numel())
+    positions = values.to(torch.int64) + offsets
+    # With a backward to come, a snapshot's copy of the rows runs beside the rest of the
+    # step and that backward waits for it before it writes them.
+    guarded = store.guard(positions, in_background=grads) if store.guarding else []
+    if active or grads:
+        store.record(positions)
+    if grads:
+        store.await_backward(embs, positions, guarded)
+
+
+def lookup_forward_hooks(
+    module: Any,
+    lookup_modules: list[nn.Module],
+    key_plans: list[torch.Tensor | None],
+    store: RowRecorder,
+    is_active: Callable[[nn.Module], bool],
+) -> RemovableHandle:
+    """Track the lookups of a sharded collection whose owner bypasses its tracker callbacks:
+    a managed-collision collection calls its inner collection's ``compute`` and
+    ``output_dist`` itself, and TorchRec calls the callbacks from ``compute_and_output_dist``
+    only. A forward hook on each lookup module sees the same (KJT, output) pair; the rows are
+    folded into the store right after (there is no output AllToAll of its own to overlap)."""
+    target: list[tuple[RowRecorder, Callable[[nn.Module], bool]] | None] = [(store, is_active)]
+
+    def hook_for(i: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, args: Any, output: Any) -> None:
+            held = target[0]
+            if held is None or not args:
+                return
+            _track(held[0], held[1](module), key_plans[i], args[0], output)
+            held[0].compact()
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(i)) for i, m in enumerate(lookup_modules)]
+
+    def remove() -> None:
+        target[0] = None
+        for h in handles:
+            h.remove()
+
+    return RemovableHandle(remove)

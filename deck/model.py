@@ -189,6 +189,28 @@ class ModelAdapter(abc.ABC):
         step on; ``where`` names the checkpoint in errors."""
         return None
 
+    def module_state(self) -> dict[str, Any]:
+        """State this rank's modules keep beside their tables and the dense state_dict that a
+        restore must bring back (a managed-collision remapper's id arrays, counters and id
+        history): a tree of tensors and numbers, live, saved whole by every checkpoint in this
+        rank's extra state. {}: none."""
+        return {}
+
+    def prepare_module_state(
+        self, saved: dict[str, Any], saved_ranks: int, where: str
+    ) -> Callable[[], None]:
+        """Check ``saved`` (what :meth:`module_state` returned on the rank whose extra state
+        this rank loads, {} if the checkpoint has none; written by ``saved_ranks`` ranks)
+        against the model before a restore writes anything: raises
+        :class:`deck.errors.IncompatibleModelError` naming what cannot be put back exactly;
+        returns what puts it back (called once the rest of the state is loaded)."""
+        if saved:
+            raise IncompatibleModelError(
+                f"{where} holds module state ({', '.join(sorted(saved))}) this model has no "
+                "place for; restore it into the model it was saved from"
+            )
+        return lambda: None
+
     def pin_reduction_order(self) -> None:
         """Collective, before the first training step: fix the order in which gradients are
         summed across ranks, so a process started from a restore sums them exactly as the run

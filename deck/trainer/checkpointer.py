@@ -500,6 +500,9 @@ class DeltaCheckpointer:
                 if s.scalars
             },
         }
+        modules = self.adapter.module_state()
+        if modules:
+            extra["modules"] = modules
         if self.config.save_rng:
             extra["rng"] = capture_rng()
         return extra

@@ -220,7 +220,8 @@ class StateLoader:
         last = chain[-1]
         shards = self.adapter.table_shards()
         tables = self.adapter.table_shapes()
-        dense_rec = read_rank_manifests(self.storage, last)[0].dense
+        last_parts = read_rank_manifests(self.storage, last)
+        dense_rec = last_parts[0].dense
         if dense_rec is None:
             raise IncompatibleModelError(f"step {target}: rank 0 part has no dense state")
         saved_dense = read_state_file(self.storage, last, dense_rec)
@@ -229,6 +230,13 @@ class StateLoader:
             self.storage, chain, tables, self.adapter.replicated_tables(), saved_dense
         )
         moved = moves.tables
+        where = f"step {target} at {self.storage.uri}"
+        extra = read_state_file(self.storage, last, rank_part(last_parts, self.coord.rank).extra)
+        # Checked before anything is written: module state that cannot be put back exactly
+        # (e.g. managed-collision remappers into another world size) refuses the restore.
+        put_module_state = self.adapter.prepare_module_state(
+            extra.get("modules") or {}, len(last_parts), where
+        )
         # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
         stats, parts = apply_chain(
             self.storage,
@@ -241,8 +249,6 @@ class StateLoader:
         for key, staged in moves.to_replicated.items():
             saved_dense[key] = staged.states["weight"]
         mine = rank_part(parts, self.coord.rank)
-        extra = read_state_file(self.storage, last, mine.extra)
-        where = f"step {target} at {self.storage.uri}"
         self._load_optimizers(extra, target, moved)
         live_dense = self.adapter.dense_state()
         problems = copy_dense_state(live_dense, saved_dense)
@@ -258,6 +264,7 @@ class StateLoader:
             for s in shards:
                 for name, t in scalars.get(id(s), {}).items():
                     s.scalars[name].copy_(t)
+        put_module_state()
         self.adapter.after_restore()
         if self.set_user_state is not None:
             if "user" not in extra:

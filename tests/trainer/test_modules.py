@@ -4,9 +4,7 @@ gloo DMP models built with TorchRec's public APIs (as torchrec.distributed.test_
 - FeatureProcessedEmbeddingBagCollection (position-weighted EBC): tables live in its inner
   sharded EBC, position weights are dense parameters; full + deltas restore bitwise into a fresh
   model and training on gives the same losses.
-- ManagedCollisionEmbeddingCollection: TorchRec cannot train it on CPU (fbgemm has no CPU
-  kernel for the eviction's reset_weight_momentum); the test proves that and checks that
-  ``deck.enable`` refuses it with a message naming the module and the reason.
+- Managed-collision collections: tests/trainer/test_managed_collision.py.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 import deck
 from deck.demo import capture_state, diff_states
-from deck.errors import UnsupportedError
 from deck.testing.dist_harness import run_ranks
 
 ROWS, DIM, BATCH, MAX_LEN = 400, 8, 16, 4
@@ -174,100 +171,3 @@ def test_feature_processed_ebc_restores_bitwise(tmp_path: Path, t1: str) -> None
         d = load_file(str(tmp_path / f"r{r}.safetensors"))
         assert int(d["bad"]) == 0
         assert torch.equal(d["losses"], d["again"]), (d["losses"], d["again"])
-
-
-# ---- ManagedCollisionEmbeddingCollection ------------------------------------------------------
-
-
-def _build_mc() -> tuple[Any, Any]:
-    """A DMP over a ManagedCollisionEmbeddingCollection with MCH remappers (row_wise: the only
-    sharding TorchRec's ManagedCollisionCollectionSharder offers), evicting every step."""
-    import torch.distributed as dist
-    from torchrec import EmbeddingCollection, EmbeddingConfig
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
-    from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
-    from torchrec.modules.mc_modules import (
-        DistanceLFU_EvictionPolicy,
-        ManagedCollisionCollection,
-        MCHManagedCollisionModule,
-    )
-
-    torch.manual_seed(0)
-    tables = [
-        EmbeddingConfig(
-            name="t0",
-            embedding_dim=DIM,
-            num_embeddings=ROWS,
-            feature_names=["f0"],
-            init_fn=lambda t: torch.nn.init.uniform_(t, -0.1, 0.1),
-        )
-    ]
-    mcc = ManagedCollisionCollection(
-        {
-            "t0": MCHManagedCollisionModule(
-                zch_size=ROWS,
-                device=torch.device("cpu"),
-                eviction_interval=1,
-                input_hash_size=10_000,
-                eviction_policy=DistanceLFU_EvictionPolicy(),
-            )
-        },
-        tables,
-    )
-    mc = ManagedCollisionEmbeddingCollection(
-        EmbeddingCollection(tables=tables, device=torch.device("meta")), mcc
-    )
-    module = torch.nn.ModuleDict({"mc": mc})
-    sharder = ManagedCollisionEmbeddingCollectionSharder(
-        EmbeddingCollectionSharder(fused_params=_fused()), ManagedCollisionCollectionSharder()
-    )
-    plan = ShardingPlan(
-        {
-            "mc": construct_module_sharding_plan(
-                mc,
-                {"t0": row_wise(compute_kernel="fused")},
-                world_size=dist.get_world_size(),
-                device_type="cpu",
-                sharder=sharder,
-            )
-        }
-    )
-    model = DistributedModelParallel(
-        module, device=torch.device("cpu"), sharders=[sharder], plan=plan
-    )
-    return model, mc
-
-
-def _mc_job(rank: int, world_size: int, uri: str) -> None:
-    from torchrec import KeyedJaggedTensor
-
-    model, _ = _build_mc()
-    with pytest.raises(
-        UnsupportedError,
-        match=r"module 'mc' is a ShardedManagedCollisionEmbeddingCollection.*"
-        r"reset_weight_momentum.*no CPU kernel.*outside its state_dict",
-    ):
-        deck.enable(model, [], deck.DeckConfig(uri=uri))
-    # The reason, shown: the first training forward evicts (eviction_interval=1), and fbgemm's
-    # CPU build cannot reset the evicted rows.
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f0"],
-        values=torch.arange(BATCH, dtype=torch.int64) * 7 + rank,
-        lengths=torch.ones(BATCH, dtype=torch.int32),
-    )
-    sharded = model.module["mc"]
-    with pytest.raises(NotImplementedError, match=r"fbgemm::reset_weight_momentum.*'CPU' backend"):
-        sharded(kjt)
-
-
-@pytest.mark.slow
-def test_managed_collision_ec_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """MC-EC cannot train on CPU with TorchRec 1.8 / fbgemm-gpu-cpu 1.8 (its eviction calls a
-    CUDA-only op: the test shows the error); ``deck.enable`` refuses it naming the module and
-    why, instead of the misleading "no weight in state_dict" of before."""
-    run_ranks(_mc_job, str(tmp_path / "ckpt"))
