@@ -111,6 +111,41 @@ def _reset_weight_momentum(
 ) -> None:
     if total_cache_hash_size > 0:
         raise NotImplementedError(f"{_OP} (deck.testing CPU kernel): no LXU cache on CPU")
+    # A standalone TBE's host weights are a leaf parameter: written as the CUDA kernel does,
+    # outside autograd (TorchRec calls it under no_grad too).
+    with torch.no_grad():
+        _reset(
+            dev_weights,
+            uvm_weights,
+            weights_placements,
+            weights_offsets,
+            momentum1_dev,
+            momentum1_uvm,
+            momentum1_placements,
+            momentum1_offsets,
+            D_offsets,
+            pruned_indices,
+            pruned_indices_offsets,
+            logical_table_ids,
+            buffer_ids,
+        )
+
+
+def _reset(
+    dev_weights: torch.Tensor,
+    uvm_weights: torch.Tensor,
+    weights_placements: torch.Tensor,
+    weights_offsets: torch.Tensor,
+    momentum1_dev: torch.Tensor,
+    momentum1_uvm: torch.Tensor,
+    momentum1_placements: torch.Tensor,
+    momentum1_offsets: torch.Tensor,
+    D_offsets: torch.Tensor,
+    pruned_indices: torch.Tensor,
+    pruned_indices_offsets: torch.Tensor,
+    logical_table_ids: torch.Tensor,
+    buffer_ids: torch.Tensor,
+) -> None:
     for t in range(buffer_ids.numel()):
         b = int(buffer_ids[t])
         start, end = int(pruned_indices_offsets[b]), int(pruned_indices_offsets[b + 1])
