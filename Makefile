@@ -85,4 +85,4 @@ mypy: $(STAMP)
 lint: ruff mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/*.so
+	rm -rf $(VENV) build dist *.egg-info kernels/*.so

@@ -15,11 +15,15 @@ beside a running trainer).
 ``DeltaCheckpointer``, ``CheckpointStats``, ``CheckpointEvent``, ``DeckDistributedModelParallel``, ``DoctorSetup``,
 ``run_doctor``) load on first use, so ``deck ls`` and the merger workers start without them.
 
+TorchRec is not a dependency of the distribution (README, Install): without its stack, the
+names that need it (``enable``, ``DeckDistributedModelParallel``, ``load`` with no adapter, the
+doctor) raise ``MissingDependencyError`` naming the pip commands.
+
 Errors: every failure a user can act on is a :class:`deck.DeckError`; its subclasses
 (``ConfigError``, ``StorageError``, ``NotFoundError``, ``CorruptCheckpointError``,
-``CheckpointNotFoundError``, ...: :mod:`deck.errors`; the stream's ``CorruptStreamError``,
-``StreamGapError``, ``MessageTooLargeError``; ``QuantizedStateError``) are importable from
-``deck`` too.
+``CheckpointNotFoundError``, ``MissingDependencyError``, ...: :mod:`deck.errors`; the stream's
+``CorruptStreamError``, ``StreamGapError``, ``MessageTooLargeError``; ``QuantizedStateError``)
+are importable from ``deck`` too.
 """
 
 from importlib import import_module
@@ -39,6 +43,7 @@ from deck.errors import (
     IncompatibleModelError,
     LeaseHeldError,
     MergeError,
+    MissingDependencyError,
     NotFoundError,
     SpoolError,
     StorageError,
@@ -48,6 +53,7 @@ from deck.errors import (
 from deck.read import lineage
 from deck.read.catalog import CheckpointInfo
 from deck.read.lineage import LineageGraph
+from deck.stack import is_stack_module, missing_stack_error, require_torchrec
 from deck.version import __version__
 
 if TYPE_CHECKING:  # the names _LAZY loads, for type checkers
@@ -80,6 +86,7 @@ __all__ = [
     "LineageGraph",
     "MergeError",
     "MessageTooLargeError",
+    "MissingDependencyError",
     "NotFoundError",
     "PublishConfig",
     "QuantizedStateError",
@@ -116,8 +123,21 @@ _LAZY = {
 }
 
 
+# The names that always run TorchRec (deck.enable has no adapter argument): without its stack,
+# which the distribution does not declare (deck.stack), they say what to install.
+_NEEDS_TORCHREC = {"enable", "DeckDistributedModelParallel", "DoctorSetup", "run_doctor"}
+
+
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'deck' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+    if name in _NEEDS_TORCHREC:
+        require_torchrec(f"deck.{name}")
+    try:
+        loaded = import_module(module)
+    except ModuleNotFoundError as e:
+        if is_stack_module(e):
+            raise missing_stack_error(str(e.name), f"deck.{name}") from e
+        raise
+    return getattr(loaded, name)

@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from deck.read import catalog, lineage
+from deck.stack import require_torchrec
 from deck.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ def load(
     :func:`deck.trainer.load.load_step`; imports torch and TorchRec when called."""
     from deck.trainer.load import load_step
 
+    if adapter is None:  # TorchRec's adapter, whose stack is not a declared dependency
+        require_torchrec("deck.load")
     return load_step(
         model,
         optimizers,

@@ -29,8 +29,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deck
-from deck.adapters.torchrec_optim import fused_kernels
+from deck.errors import MissingDependencyError
 from deck.processes import end_rank, free_port, init_process_group
+from deck.stack import require_torchrec
+
+try:  # before the TorchRec imports: not a declared dependency (deck.stack)
+    require_torchrec("the demo (python -m deck.demo)")
+except MissingDependencyError as e:
+    if __name__ != "__main__":
+        raise
+    print(f"deck demo: {e}", file=sys.stderr)  # one line, no traceback
+    sys.exit(2)  # as the deck command's errors that stop it
+
+from deck.adapters.torchrec_optim import fused_kernels
 
 logger = logging.getLogger("deck.demo")
 

@@ -92,3 +92,10 @@ class UnsafePathError(StorageError, CorruptCheckpointError):
     through it, so a URI written by someone else cannot make it touch files outside the root or
     hang on a read. It is damage of the URI (a :class:`CorruptCheckpointError`: restores fall
     back around it) reported by the storage layer (a :class:`StorageError`)."""
+
+
+class MissingDependencyError(DeckError, ImportError):
+    """A package deck needs for what was asked is not installed: TorchRec's stack (torchrec,
+    fbgemm-gpu or fbgemm-gpu-cpu, and TorchRec's own dependencies), which the distribution does
+    not declare because TorchRec's wheel pulls the CUDA fbgemm-gpu. The message names the pip
+    commands that install it."""

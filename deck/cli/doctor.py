@@ -13,6 +13,9 @@ from deck.cli.common import Subparsers
 def cmd_doctor(a: argparse.Namespace) -> int:
     """Run ``deck doctor`` with parsed arguments ``a``; returns 0 when nothing differs, 1 on any
     difference (a :class:`DoctorError`, a usage error, reaches ``main``: exit 2)."""
+    from deck.stack import require_torchrec
+
+    require_torchrec("deck doctor")  # before the doctor's modules, which import TorchRec
     from deck.doctor import run_doctor
     from deck.doctor.run import check_numbers
 
