@@ -202,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     code = os.path.abspath(a.code) if a.code else None
 
     from deck.processes import free_port
-    from deck.testing.s3_server import SeaweedS3
-    from deck.testing.slow_store import LatencyProxy
 
     work = tempfile.mkdtemp(prefix="deck-stall-history-")
     server = proxy = None
@@ -220,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             {"name": "local+q", "uri": local, "options": {}, "quarantine": True},
         ]
         if not a.no_s3:
+            from deck.testing.s3_server import SeaweedS3
+            from deck.testing.slow_store import LatencyProxy
+
             server = SeaweedS3(workdir=os.path.join(work, "seaweed"), nice=a.server_nice).start()
             proxy = LatencyProxy(server.ports["s3"], a.delay_ms / 1000).start()
             direct = dict(server.storage_options)
