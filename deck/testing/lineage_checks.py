@@ -93,7 +93,8 @@ def set_store_time(storage: Storage, key: str, when: float) -> None:
         return
     if isinstance(storage, StorageWrapper):  # a test's wrapper
         set_store_time(storage.inner, key, when)
-    elif isinstance(storage, FsspecStorage) and "memory" in storage._fs.protocol:
-        storage._fs.store[storage._full(key)].created = datetime.fromtimestamp(when, timezone.utc)
+    elif isinstance(storage, FsspecStorage) and "memory" in storage.fs.protocol:
+        name = storage.fs.info(storage.describe(key))["name"]
+        storage.fs.store[name].created = datetime.fromtimestamp(when, timezone.utc)
     else:
         raise TypeError(f"cannot set file times on {storage.uri}")
