@@ -80,8 +80,8 @@ def offsets_error(topic: str, bootstrap: str, e: Exception) -> StorageError:
     text = str(e)
     if "UNKNOWN_PARTITION" in text or "UNKNOWN_TOPIC" in text:
         why = (
-            "the topic does not exist (yet): a publisher creates it at its first publish "
-            "(PublishConfig(uri='kafka://...')); start the trainer first"
+            "the topic does not exist (yet): a publisher creates it when it starts "
+            "(deck.enable with PublishConfig(uri='kafka://...')); start the trainer first"
         )
     elif "ALL_BROKERS_DOWN" in text or "TRANSPORT" in text or "TIMED_OUT" in text:
         why = f"no broker answers at {bootstrap}; is it running, and is the address right?"

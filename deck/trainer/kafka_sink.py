@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
+import time
 from typing import Any
 
 from deck.config import PublishConfig
@@ -49,9 +51,15 @@ from deck.format.stream import (
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.storage.wrapper import StorageWrapper
+from deck.trainer.coordination import Coordinator
 
 logger = logging.getLogger(__name__)
 _HEADER_SLACK = 4096  # headers and record overhead on top of a segment
+# How long the topic's lookup waits for the brokers' metadata (librdkafka retries meanwhile)
+METADATA_TIMEOUT_S = 10.0
+# How long the first TCP connection to each bootstrap address may take before it counts as
+# unreachable (a refused one fails at once)
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _kafka() -> Any:
@@ -149,18 +157,27 @@ class KafkaSinkStorage(StorageWrapper):
         need = self.world_size + 1
         topic = self.target.topic
         try:
-            md = admin.list_topics(topic, timeout=10)
+            md = admin.list_topics(topic, timeout=METADATA_TIMEOUT_S)
             have = md.topics.get(topic)
             if have is None or have.error is not None or not have.partitions:
+                logger.info(
+                    "deck: Kafka publisher: creating topic %s on %s (%d partitions)",
+                    topic,
+                    self.target.bootstrap,
+                    need,
+                )
                 futures = admin.create_topics([NewTopic(topic, need, 1)])
                 try:
                     futures[topic].result(timeout=30)
                 except Exception as e:  # e.g. created meanwhile by someone else: listed below
                     logger.debug("deck: creating kafka topic %s: %s", topic, e)
-                md = admin.list_topics(topic, timeout=10)
+                md = admin.list_topics(topic, timeout=METADATA_TIMEOUT_S)
                 have = md.topics.get(topic)
         except Exception as e:
-            raise StorageError(f"{self.target.uri}: cannot reach the brokers: {e}") from e
+            raise StorageError(
+                f"{self.target.uri}: no answer from the brokers at {self.target.bootstrap} "
+                f"within {METADATA_TIMEOUT_S:.0f} s: {e}"
+            ) from e
         count = 0 if have is None else len(have.partitions)
         if count < need:
             raise ConfigError(
@@ -300,21 +317,75 @@ def _too_large(err: Any) -> bool:
     return bool(err.code() == _kafka().KafkaError.MSG_SIZE_TOO_LARGE)
 
 
+def unreachable(bootstrap: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to one of the ``host:port`` addresses of ``bootstrap`` opens;
+    else why each failed (``host:port: Connection refused``, ...). A refused or unresolvable
+    address answers at once, where librdkafka retries it until its metadata timeout."""
+    failures = []
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return None
+        except (OSError, ValueError) as e:
+            failures.append(f"{address.strip()}: {getattr(e, 'strerror', None) or e}")
+    return "; ".join(failures)
+
+
 def open_kafka_sink(
     cfg: PublishConfig, state: Storage, world_size: int, timeout_s: float
 ) -> KafkaSinkStorage:
-    """The publisher's destination for a kafka:// ``cfg.uri`` over ``state`` (its state_uri)."""
-    sink = KafkaSinkStorage(
-        state,
-        parse_kafka_uri(cfg.uri),
-        world_size,
-        max_message_bytes=cfg.max_message_bytes,
-        producer_options=cfg.kafka,
-        timeout_s=timeout_s,
-    )
+    """The publisher's destination for a kafka:// ``cfg.uri`` over ``state`` (its state_uri),
+    once a broker answered and the topic is there (created if missing). Called by every rank
+    when the checkpointer is built, together: the ranks agree on the outcome (a rank that
+    cannot reach the brokers fails ``deck.enable`` on every rank, naming them), since a rank
+    that went on alone would wait in the next collective for the others forever."""
+    target = parse_kafka_uri(cfg.uri)
+    coord = Coordinator()
+    if coord.rank == 0:
+        logger.info(
+            "deck: Kafka publisher: connecting to %s for topic %s (up to %.0f s)",
+            target.bootstrap,
+            target.topic,
+            CONNECT_TIMEOUT_S + METADATA_TIMEOUT_S,
+        )
+    started = time.monotonic()
+    sink: KafkaSinkStorage | None = None
+    error: Exception | None = None
     try:
+        why = unreachable(target.bootstrap)
+        if why is not None:
+            raise StorageError(f"{target.uri}: cannot connect to the brokers ({why})")
+        sink = KafkaSinkStorage(
+            state,
+            target,
+            world_size,
+            max_message_bytes=cfg.max_message_bytes,
+            producer_options=cfg.kafka,
+            timeout_s=timeout_s,
+        )
         sink.ensure_topic()
     except StorageError as e:
-        # The broker may come back before the first publish: each put tries again.
-        logger.warning("deck: Kafka publisher: %s; trying again at the first publish", e)
+        error = StorageError(
+            f"deck.enable: the Kafka publisher (DeckConfig.publish) cannot start: {e}. "
+            f"Start a broker at {target.bootstrap} or correct the host:port in "
+            "PublishConfig.uri; nothing was published or checkpointed"
+        )
+        error.__cause__ = e
+    except Exception as e:  # a topic with too few partitions, bad producer settings, ...
+        error = e
+    try:
+        coord.agree_on_failure(error, "deck.enable: the Kafka publisher")
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    assert sink is not None  # no error on any rank
+    if coord.rank == 0:
+        logger.info(
+            "deck: Kafka publisher: topic %s on %s ready (%.1f s)",
+            target.topic,
+            target.bootstrap,
+            time.monotonic() - started,
+        )
     return sink
