@@ -85,16 +85,27 @@ def _follow_uri(a: argparse.Namespace) -> int:
         else open_storage(a.uri, a.storage_options)
     )
 
+    said_waiting = False
+
     def show(u: FollowUpdate) -> None:
-        if u.how == "unchanged":
-            return
-        print(
-            f"step {u.step} ({u.ckpt_id}): {u.how}, {len(u.applied)} checkpoint(s) read "
-            f"({', '.join(u.applied)}), {human(u.bytes_read)} of chunks read (a restore of the "
-            f"step reads {human(u.chain_bytes)}), {u.seconds:.2f} s ({u.write_s:.2f} s "
-            f"writing) -> {a.out}",
-            flush=True,
-        )
+        nonlocal said_waiting
+        if u.how != "unchanged":
+            print(
+                f"step {u.step} ({u.ckpt_id}): {u.how}, {len(u.applied)} checkpoint(s) read "
+                f"({', '.join(u.applied)}), {human(u.bytes_read)} of chunks read (a restore of "
+                f"the step reads {human(u.chain_bytes)}), {u.seconds:.2f} s ({u.write_s:.2f} s "
+                f"writing) -> {a.out}",
+                flush=True,
+            )
+        if not a.once and not said_waiting:
+            # Once, after the first catch-up: a service started on an --out already up to date
+            # said nothing at all, and looked hung.
+            said_waiting = True
+            print(
+                f"serving step {u.step} ({u.ckpt_id}) of {a.uri} in {a.out}; waiting for new "
+                f"checkpoints (checking every {a.poll:g} s; Ctrl-C stops)",
+                flush=True,
+            )
 
     try:
         follow(
