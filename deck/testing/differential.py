@@ -26,6 +26,8 @@ import deck
 from deck.config import StagingConfig
 from deck.demo import capture_state, diff_states
 from deck.errors import DeckError
+from deck.testing.fbgemm_cpu import enable_cpu_eviction
+from deck.testing.managed_collision import remapper_state
 
 # Loop orders of one plain training step: F forward + loss, Z zero_grad, B backward, S
 # optimizer step, L scheduler step. Every placement of zero_grad (before the forward, between
@@ -38,6 +40,11 @@ SHARDINGS_EBC = ("table_wise", "row_wise", "column_wise", "table_row_wise", "dat
 # table ("split_with_sizes expects split_sizes to sum exactly to ..." in its output dist).
 SHARDINGS_EC = ("table_wise", "row_wise", "column_wise")
 SHARDINGS_FP = ("table_wise", "row_wise", "column_wise")
+# Managed-collision collections ("mc_ec", "mc_ebc"): row_wise only (TorchRec's MC sharder), with
+# MCH remappers over raw ids in [0, MC_ID_SPACE); evictions through deck.testing.fbgemm_cpu.
+MC_COLLECTIONS = ("mc_ec", "mc_ebc")
+MC_POLICIES = ("lfu", "lru", "distance_lfu")
+MC_ID_SPACE = 1000
 FUSED = (
     "EXACT_SGD",
     "EXACT_ADAGRAD",
@@ -53,9 +60,10 @@ DENSE_IN = 4
 
 @dataclass(frozen=True)
 class Table:
-    """One embedding table: its collection ("ebc", "ec", "fp": a position-weighted EBC), rows,
-    dim, the feature it reads, its sharding type and (with in-backward optimizers) its own
-    optimizer."""
+    """One embedding table: its collection ("ebc", "ec", "fp": a position-weighted EBC, "mc_ec" /
+    "mc_ebc": a managed-collision EC / EBC), rows, dim, the feature it reads, its sharding type
+    and (with in-backward optimizers) its own optimizer; a managed-collision table's remapper
+    evicts every ``eviction`` training forwards (0: never) with eviction policy ``policy``."""
 
     collection: str = "ebc"
     rows: int = 16
@@ -65,6 +73,8 @@ class Table:
     fp16: bool = False
     mean_pooling: bool = False
     in_backward: str = "RowWiseAdagrad"
+    eviction: int = 0
+    policy: str = "lfu"
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,9 @@ class FuzzModel(torch.nn.Module):
     def __init__(self, sparse: dict[str, torch.nn.Module], out_dim: int, setup: Setup):
         super().__init__()
         self.sparse = torch.nn.ModuleDict(sparse)
-        self.ec_features = [t.feature for t in setup.tables if t.collection == "ec"]
+        self.ec_features = {
+            c: [t.feature for t in setup.tables if t.collection == c] for c in ("ec", "mc_ec")
+        }
         dense: list[torch.nn.Module] = []
         if setup.batchnorm:
             dense.append(torch.nn.BatchNorm1d(DENSE_IN))
@@ -121,8 +133,10 @@ class FuzzModel(torch.nn.Module):
         parts = [self.dense(batch.dense_features)]
         for name, module in self.sparse.items():
             out = module(batch.sparse_features)
-            if name == "ec":
-                for f in self.ec_features:  # by name: the pipeline traces this forward
+            if name in MC_COLLECTIONS:
+                out = out[0]  # (embeddings, remapped ids or None)
+            if name in self.ec_features:
+                for f in self.ec_features[name]:  # by name: the pipeline traces this forward
                     jt = out[f]
                     parts.append(torch.segment_reduce(jt.values(), "sum", lengths=jt.lengths()))
             else:
@@ -143,10 +157,20 @@ def make_batch(setup: Setup, step: int, rank: int, seed: int = 7) -> Any:
 
     rng = np.random.default_rng([seed, step, rank])
     keys = _features(setup)
-    smallest = {f: min(t.rows for t in setup.tables if t.feature == f) for f in keys}
+    # An id of a managed-collision table is raw: drawn from its id space, remapped by TorchRec.
+    smallest = {
+        f: min(
+            MC_ID_SPACE if t.collection in MC_COLLECTIONS else t.rows
+            for t in setup.tables
+            if t.feature == f
+        )
+        for f in keys
+    }
     lengths = rng.integers(0, 4, size=(len(keys), setup.batch))
+    mc = {t.feature for t in setup.tables if t.collection in MC_COLLECTIONS}
+    # Hot raw ids spread over the id space (they land on every rank's remapper).
     ids = [
-        (rng.zipf(1.3, size=int(n)) - 1) % smallest[f]
+        ((rng.zipf(1.3, size=int(n)) - 1) * (0x9E3779B1 if f in mc else 1)) % smallest[f]
         for f, n in zip(keys, lengths.sum(1), strict=True)
     ]
     values = torch.from_numpy(np.concatenate(ids).astype(np.int64))
@@ -264,6 +288,13 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
     out_dim = 0
     weights_of: dict[str, list[tuple[int, Table, torch.nn.Parameter]]] = {}
     for coll, items in by_coll.items():
+        if coll in MC_COLLECTIONS:
+            sparse[coll], sharder_mc, weights_of[coll] = _managed_collision(
+                coll, items, common, fused
+            )
+            sharders.append(sharder_mc)
+            out_dim += sum(t.dim for _, t in items)
+            continue
         if coll == "ec":
             ec = EmbeddingCollection(
                 tables=[EmbeddingConfig(**common(i, t)) for i, t in items], device=meta
@@ -330,6 +361,8 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
     model = DistributedModelParallel(
         module, device=torch.device("cpu"), sharders=sharders, plan=ShardingPlan(plans)
     )
+    if any(t.eviction for t in setup.tables if t.collection in MC_COLLECTIONS):
+        enable_cpu_eviction(model)  # TorchRec's eviction on CPU (tests only)
     params = dict(in_backward_optimizer_filter(model.named_parameters()))
     make_dense: Callable[[Any], torch.optim.Optimizer] = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -356,6 +389,85 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
     elif setup.scheduler == "plateau":
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
     return model, opt, sched
+
+
+def _managed_collision(
+    coll: str,
+    items: list[tuple[int, Table]],
+    common: Callable[[int, Table], dict[str, Any]],
+    fused: dict[str, Any],
+) -> tuple[torch.nn.Module, Any, list[tuple[int, Table, torch.nn.Parameter]]]:
+    """A managed-collision EC ("mc_ec") or EBC ("mc_ebc") of ``items`` with an MCH remapper
+    per table, its sharder, and its tables' weights (for in-backward optimizers)."""
+    from torchrec import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+    )
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder,
+    )
+    from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        LFU_EvictionPolicy,
+        LRU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    meta = torch.device("meta")
+    policies = {
+        "lfu": LFU_EvictionPolicy,
+        "lru": LRU_EvictionPolicy,
+        "distance_lfu": DistanceLFU_EvictionPolicy,
+    }
+    configs: list[Any]
+    inner: Any
+    if coll == "mc_ebc":
+        configs = [EmbeddingBagConfig(**common(i, t)) for i, t in items]
+        inner = EmbeddingBagCollection(tables=configs, device=meta)
+        weights = [(i, t, inner.embedding_bags[f"t{i}"].weight) for i, t in items]
+    else:
+        configs = [EmbeddingConfig(**common(i, t)) for i, t in items]
+        inner = EmbeddingCollection(tables=configs, device=meta)
+        weights = [(i, t, inner.embeddings[f"t{i}"].weight) for i, t in items]
+    remappers = {
+        f"t{i}": MCHManagedCollisionModule(
+            zch_size=t.rows,
+            device=torch.device("cpu"),
+            # No eviction within a run: its history is sized by it (batch ids x interval).
+            eviction_interval=t.eviction or 1000,
+            input_hash_size=MC_ID_SPACE,
+            eviction_policy=policies[t.policy](),
+        )
+        for i, t in items
+    }
+    mcc = ManagedCollisionCollection(remappers, configs)
+    if coll == "mc_ebc":
+        return (
+            ManagedCollisionEmbeddingBagCollection(inner, mcc),
+            ManagedCollisionEmbeddingBagCollectionSharder(
+                EmbeddingBagCollectionSharder(fused_params=fused),
+                ManagedCollisionCollectionSharder(),
+            ),
+            weights,
+        )
+    return (
+        ManagedCollisionEmbeddingCollection(inner, mcc),
+        ManagedCollisionEmbeddingCollectionSharder(
+            EmbeddingCollectionSharder(fused_params=fused), ManagedCollisionCollectionSharder()
+        ),
+        weights,
+    )
 
 
 class UserState:
@@ -434,6 +546,8 @@ class Loop:
 
 def _capture(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
     state = capture_state(model, opt, full=True)
+    # Managed-collision remappers: what TorchRec keeps outside its state_dict too.
+    state.update({f"mch.{k}": v for k, v in remapper_state(model).items()})
     state.update({f"user.{k}": torch.tensor(float(v)) for k, v in _flat(user.state_dict())})
     return state
 

@@ -1,4 +1,5 @@
-"""The generative differential test: Hypothesis draws a TorchRec setup (collections, table sizes
+"""The generative differential test: Hypothesis draws a TorchRec setup (collections, managed-
+collision ones with MCH remappers, evicting or not, among them; table sizes
 down to 1 row and empty row shards, fp32/fp16, pooling, weighted and shared features, a sharding
 type per table, a fused optimizer for all tables or one in-backward optimizer per table, the dense
 optimizer and TorchRec's wrappers, an LR scheduler, the loop order or TorchRec's train pipeline,
@@ -29,6 +30,8 @@ from deck.testing.differential import (
     FUSED,
     IN_BACKWARD,
     LOOP_ORDERS,
+    MC_COLLECTIONS,
+    MC_POLICIES,
     PIPELINE,
     SHARDINGS_EBC,
     SHARDINGS_EC,
@@ -133,6 +136,43 @@ PINNED: list[Setup] = [
     # and the restore gave every rank rank 0's parameters.
     Setup(scheduler="plateau", wrapper="dense"),
     Setup(scheduler="plateau", loop=PIPELINE, world_size=3, steps=7, every=3),
+    # Managed-collision collections (MCH remappers), evicting between and at checkpoints, beside
+    # plain tables, in a plain loop and through the pipeline.
+    Setup(
+        tables=(
+            Table(collection="mc_ec", rows=16, feature="mc0", sharding="row_wise", eviction=2),
+            Table(
+                collection="mc_ec",
+                rows=5,
+                feature="mc1",
+                sharding="row_wise",
+                eviction=3,
+                policy="distance_lfu",
+            ),
+        ),
+        steps=7,
+        every=2,
+        restore_at=4,
+    ),
+    Setup(
+        tables=(
+            Table(
+                collection="mc_ebc",
+                rows=37,
+                dim=4,
+                feature="mc0",
+                sharding="row_wise",
+                eviction=2,
+                policy="lru",
+            ),
+            Table(collection="mc_ebc", rows=16, feature="mc1", sharding="row_wise"),
+            Table(feature="f0", sharding="table_wise"),
+        ),
+        world_size=3,
+        loop=PIPELINE,
+        steps=6,
+        every=3,
+    ),
     # Issue 32: one rank refused the shared feature while the other went into a collective.
     *(
         Setup(tables=SHARED_FEATURE, scheduler="steplr", loop=loop, world_size=ws)
@@ -222,12 +262,22 @@ def _no_empty_shard(rows: int, world_size: int) -> bool:
 
 @st.composite
 def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
-    mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp"]))
+    # "mc": managed-collision collections (TorchRec's MC sharder: row_wise only), maybe beside
+    # plain EBC tables.
+    mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp", "mc"]))
     n = draw(st.integers(1, 4))
     out = []
     for i in range(n):
-        coll = {"both": draw(st.sampled_from(["ebc", "ec"]))}.get(mode, mode)
-        shardings = {"ebc": SHARDINGS_EBC, "ec": SHARDINGS_EC, "fp": SHARDINGS_FP}[coll]
+        coll = {
+            "both": lambda: draw(st.sampled_from(["ebc", "ec"])),
+            "mc": lambda: draw(st.sampled_from(["ebc", *MC_COLLECTIONS])),
+        }.get(mode, lambda: mode)()
+        shardings = {
+            "ebc": SHARDINGS_EBC,
+            "ec": SHARDINGS_EC,
+            "fp": SHARDINGS_FP,
+            **dict.fromkeys(MC_COLLECTIONS, ("row_wise",)),
+        }[coll]
         sharding = draw(st.sampled_from(shardings))
         # fbgemm-gpu-cpu 1.8 cannot train a row shard without rows ("weights[0] must be a GPU
         # or MTIA tensor", TorchRec alone), so a row-wise table has rows on every rank.
@@ -241,9 +291,15 @@ def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
             )
         )
         # Column shards need 2 x 4 columns; an EmbeddingCollection's tables share one dim.
-        dim = 8 if sharding == "column_wise" or coll == "ec" else draw(st.sampled_from([4, 8]))
-        # EBC tables may share a feature; an EC's or a feature processor's are its own.
+        dim = (
+            8
+            if sharding == "column_wise" or coll in ("ec", "mc_ec")
+            else draw(st.sampled_from([4, 8]))
+        )
+        # EBC tables may share a feature; an EC's, a feature processor's or a managed-collision
+        # collection's are its own.
         feature = f"f{draw(st.integers(0, n - 1))}" if coll == "ebc" else f"{coll}{i}"
+        mc = coll in MC_COLLECTIONS
         out.append(
             Table(
                 collection=coll,
@@ -256,6 +312,8 @@ def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
                 # TorchRec alone on CPU (1.8): a test of nothing.
                 mean_pooling=coll == "ebc" and draw(st.booleans()),
                 in_backward=draw(st.sampled_from(IN_BACKWARD)),
+                eviction=draw(st.sampled_from([0, 1, 2, 3])) if mc else 0,
+                policy=draw(st.sampled_from(MC_POLICIES)) if mc else "lfu",
             )
         )
     return tuple(out)
