@@ -32,6 +32,7 @@ import deck
 from deck.errors import MissingDependencyError
 from deck.processes import end_rank, free_port, init_process_group
 from deck.stack import require_torchrec
+from deck.units import human_bytes
 
 try:  # before the TorchRec imports: not a declared dependency (deck.stack)
     require_torchrec("the demo (python -m deck.demo)")
@@ -347,7 +348,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
 
     def committed(e: deck.CheckpointEvent) -> None:
         if e.state == "committed":
-            say(f"  step {e.step:>4}/{args.steps}: {e.kind} committed ({_fmt_bytes(e.bytes)})")
+            say(f"  step {e.step:>4}/{args.steps}: {e.kind} committed ({human_bytes(e.bytes)})")
 
     say(f"training {args.steps} steps, a checkpoint every {args.delta_every}")
     with deck.enable(model, [dense_opt], config, state=user, on_checkpoint=committed) as ckpt:
@@ -436,14 +437,6 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m deck.demo",
@@ -497,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         durable = "-" if h["durable_local_s"] is None else f"{h['durable_local_s']:.3f}"
         committed = "-" if h["committed_s"] is None else f"{h['committed_s']:.3f}"
         print(
-            f"{h['step']:>6} {h['kind']:>6} {h['rows']:>9} {_fmt_bytes(h['bytes']):>11} {h['chunks']:>6} "
+            f"{h['step']:>6} {h['kind']:>6} {h['rows']:>9} {human_bytes(h['bytes']):>11} {h['chunks']:>6} "
             f"{h['stall_s']:>8.3f} {durable:>9} {committed:>8}"
         )
     print(
@@ -508,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         med_delta_b = float(np.median([h["bytes"] for h in deltas]))
         med_delta_s = float(np.median([h["stall_s"] for h in deltas]))
         print(
-            f"bytes per delta (median) / full: {_fmt_bytes(med_delta_b)} / {_fmt_bytes(full_b)} = {med_delta_b / full_b:.3f}"
+            f"bytes per delta (median) / full: {human_bytes(med_delta_b)} / {human_bytes(full_b)} = {med_delta_b / full_b:.3f}"
         )
         print(
             f"stall per delta (median): {med_delta_s:.3f} s; train step {r['train_step_s']:.3f} s"
@@ -533,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     where = shlex.quote(os.path.abspath(out))
     deck_cli = shlex.quote(os.path.join(os.path.dirname(sys.executable), "deck"))
     print(
-        f"\nthe checkpoints are in {out} ({_fmt_bytes(_size(out))}); look at them with\n"
+        f"\nthe checkpoints are in {out} ({human_bytes(_size(out))}); look at them with\n"
         f"  {deck_cli} ls {where}          (also: deck show / verify / lineage / history;"
         " docs/quickstart.md, section 4)\n"
         f"and remove them with\n  rm -rf {where}"

@@ -38,6 +38,7 @@ LEAVES = {
     "deck.schemes",
     "deck.model",
     "deck.at_exit",  # open checkpointers closed at interpreter exit (and by end_rank)
+    "deck.units",  # sizes as log lines and the deck command print them
 }
 ALLOWED = {
     "deck.storage": set(),

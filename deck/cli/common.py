@@ -8,17 +8,16 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from deck.units import human_bytes
+
 if TYPE_CHECKING:
     from deck.storage import Storage
 
 
 def human(n: float) -> str:
-    """``n`` bytes as B / KiB / MiB / GiB / TiB with one decimal."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """``n`` bytes as B / KiB / MiB / GiB / TiB with one decimal: :func:`deck.units.human_bytes`,
+    what the log lines use too."""
+    return human_bytes(n)
 
 
 def age_text(seconds: float | None) -> str:

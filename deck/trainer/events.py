@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deck.trainer.staging import CheckpointStats
+from deck.units import human_bytes
 
 logger = logging.getLogger("deck.trainer.checkpointer")
 
@@ -104,7 +105,7 @@ def log_event(event: CheckpointEvent) -> None:
         return
     logger.log(
         logging.INFO if event.state == "committed" else logging.DEBUG,
-        "deck: %s %s step %d %s at %s: %d rows, %.1f MiB, stall %.3f s (job %.3f s), "
+        "deck: %s %s step %d %s at %s: %d rows, %s, stall %.3f s (job %.3f s), "
         "durable-local %s, %s %s after the snapshot",
         event.kind,
         event.chain,
@@ -112,7 +113,7 @@ def log_event(event: CheckpointEvent) -> None:
         event.state,
         event.uri,
         event.rows,
-        event.bytes / 2**20,
+        human_bytes(event.bytes),
         event.stall_s,
         event.job_stall_s,
         _seconds(event.durable_local_s),

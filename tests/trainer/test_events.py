@@ -16,6 +16,7 @@ from deck import failpoints
 from deck.demo import ModelSpec, build_model, train_step
 from deck.testing.dist_harness import run_ranks
 from deck.testing.examples import run_example
+from deck.units import human_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -124,6 +125,8 @@ def _events(rank: int, world_size: int, uri: str) -> None:
             "13",
         ], info
         assert "committed at" in per_step[0] and "rows" in per_step[0], per_step
+        # Its size as deck ls prints it (deck.units.human_bytes), not always in MiB
+        assert f" rows, {human_bytes(events[0].bytes)}, stall " in per_step[0], per_step
     else:
         assert per_step == [], per_step
     dist.barrier()
