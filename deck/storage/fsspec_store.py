@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -80,6 +81,7 @@ class FsspecStorage(Storage):
         self._scheme = schemes.lookup(uri)
         self._retry = retry if retry is not None else RetryPolicy()
         self._max_workers = max_workers
+        self._find_prefix = _find_takes_prefix(fs)
 
     @property
     def uri(self) -> str:
@@ -229,7 +231,24 @@ class FsspecStorage(Storage):
         return out
 
     def exists(self, path: str) -> bool:
-        """Whether an object (not just a directory-like prefix) exists at ``path``."""
+        """Whether an object (not just a directory-like prefix) exists at ``path``: a read of
+        its first byte, one request either way. (A stat answers a missing key with a second
+        request on S3: s3fs lists the key as a folder to tell a folder from nothing.)"""
+        full = self._full(path)
+
+        def first_byte() -> bool:
+            try:
+                self._fs.cat_file(full, start=0, end=1)
+            except FileNotFoundError:  # no object (a folder-like prefix is none either)
+                return False
+            return True
+
+        try:
+            return self._call("read", path, first_byte)
+        except StorageError as e:
+            if isinstance(e, NotFoundError) or status_of(e) != 416:
+                raise
+        # 416: S3 refuses any range of an empty object; it exists, a stat says what it is
         try:
             return self._info(path).get("type") == "file"
         except NotFoundError:
@@ -248,14 +267,22 @@ class FsspecStorage(Storage):
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys of all objects whose key starts with ``prefix``."""
         check_prefix(prefix)
-        base_key = prefix.rpartition("/")[0]
-        base = "/".join(p for p in (self._root, base_key) if p)
         strip = f"{self._root}/" if self._root else ""
+        if self._find_prefix and prefix:
+            # The store filters by the key prefix, from the folder above its last part: one
+            # request, also when nothing matches (s3fs answers an empty listing of a folder
+            # with two more: a stat of the folder's name and a listing to tell a folder).
+            head, sep, _ = prefix.rstrip("/").rpartition("/")
+            base = "/".join(p for p in (self._root, head) if p)
+            kwargs = {"prefix": prefix[len(head) + len(sep) :]}
+        else:
+            base = "/".join(p for p in (self._root, prefix.rpartition("/")[0]) if p)
+            kwargs = {}
 
         def find() -> list[str]:
             self._fs.invalidate_cache(base)
             try:
-                return list(self._fs.find(base or "/", withdirs=False))
+                return list(self._fs.find(base or "/", withdirs=False, **kwargs))
             except FileNotFoundError:
                 return []
 
@@ -338,6 +365,16 @@ class FsspecStorage(Storage):
         """Delete every object under ``prefix``, several requests in flight."""
         for _ in self._map_ordered(self.delete, self.list(prefix)):
             pass
+
+
+def _find_takes_prefix(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs.find`` filters by a key prefix on the server (``prefix=``: s3fs, gcsfs,
+    adlfs); elsewhere the keyword would reach ``ls`` unread."""
+    find = getattr(type(fs), "_find", None) or type(fs).find
+    try:
+        return "prefix" in inspect.signature(find).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_protocol(uri: str) -> None:
