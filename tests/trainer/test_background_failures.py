@@ -151,6 +151,10 @@ def _disk_fills(rank: int, world_size: int, root: str, where: str) -> None:
     assert "No space left" in errors[1], errors
     if where == "storage.local.write":  # the part manifest: the committer says what to do
         assert "a disk is full" in errors[1] and "deck gc" in errors[1], errors
+    elif where == "stager.spool.fsync":  # the URI's disk, not a spool (there is none)
+        assert f"in the destination {root}/ck failed" in errors[1], errors
+        assert "the spool" not in errors[1] and "spool_dir" not in errors[1], errors
+        assert "move the URI to a larger disk" in errors[1], errors
     else:  # the spool writer, whose spool is the destination: it says so
         assert f"to the destination {root}/ck" in errors[1] and "move the URI" in errors[1]
         assert "spool_dir" not in errors[1], errors
@@ -160,15 +164,18 @@ def _disk_fills(rank: int, world_size: int, root: str, where: str) -> None:
     _restores_bitwise(config, live, [0, 3, 4])
 
 
-@pytest.mark.parametrize("where", ["storage.local.write", "stager.spool.write"])
+@pytest.mark.parametrize(
+    "where", ["storage.local.write", "stager.spool.write", "stager.spool.fsync"]
+)
 def test_a_full_local_destination_fails_parts_at_once_and_removes_their_files(
     tmp_path: Path, where: str
 ) -> None:
     """A local destination whose disk fills up (ENOSPC from deck.failpoints: on every part
-    manifest the store writes, or every chunk file the spool writer writes there): each part
-    fails at once instead of being retried for ``upload_timeout_s``, its files are removed, the
-    error says what to do, and once space is freed the next checkpoint is a full that commits
-    and restores bitwise."""
+    manifest the store writes, every chunk file the spool writer writes there, or every fsync of
+    them): each part fails at once instead of being retried for ``upload_timeout_s``, its files
+    are removed, the error says what to do (about the URI's disk: the local tier has no spool of
+    its own), and once space is freed the next checkpoint is a full that commits and restores
+    bitwise."""
     run_ranks(_disk_fills, str(tmp_path), where, world_size=1)
 
 

@@ -147,10 +147,13 @@ class SpoolDir:
                 else:
                     done.result()
             except OSError as e:
+                # The local tier's spool is the URI's own folder: name that disk, not a spool
+                where = "the spool" if self.scratch else "the destination"
                 raise NeverCommits(
-                    f"fsync of {path} (step {p.step}) in the spool {self.root} failed: "
+                    f"fsync of {path} (step {p.step}) in {where} {self.root} failed: "
                     f"{e.strerror or e}. Its written data may be lost, so the part is dropped, not "
-                    "retried: the next checkpoint is a full. Check the spool disk (dmesg)"
+                    f"retried: the next checkpoint is a full. Check the disk of {self.root} "
+                    "(dmesg)"
                 ) from e
 
     def remove_files(self, step: int, files: list[str]) -> None:
