@@ -370,9 +370,8 @@ class FsspecStorage(Storage):
 def _find_takes_prefix(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether ``fs.find`` filters by a key prefix on the server (``prefix=``: s3fs, gcsfs,
     adlfs); elsewhere the keyword would reach ``ls`` unread."""
-    find = getattr(type(fs), "_find", None) or type(fs).find
-    try:
-        return "prefix" in inspect.signature(find).parameters
+    try:  # an async filesystem's find wraps its coroutine: its signature is the coroutine's
+        return "prefix" in inspect.signature(fs.find).parameters
     except (TypeError, ValueError):
         return False
 
