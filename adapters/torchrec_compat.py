@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import types
+import weakref
 from typing import Any
 
 import torch
@@ -279,21 +281,30 @@ def set_mch_state(mch: Any, saved: dict[str, Any]) -> None:
 def wrap_mc_evict(module: Any, before: Any) -> tuple[Any, Any]:
     """Make a sharded managed-collision collection call ``before(evictions)`` (table -> local
     rows to reset, or None) ahead of each reset of evicted rows. Returns (remove, intact):
-    ``intact()`` is False once the instance no longer routes ``_evict`` through a wrapper."""
-    previous = _get(module, "_evict")  # what runs now: TorchRec's method or another wrapper
-    own = module.__dict__.get("_evict")  # an instance-level one (a wrapper), to put back
-    wrapper: list[Any] = [before]
+    ``intact()`` is False once the instance no longer routes ``_evict`` through a wrapper.
 
-    def _evict(evictions: dict[str, Any]) -> None:
-        if wrapper[0] is not None:
-            wrapper[0](evictions)
-        previous(evictions)
+    Installed as a method bound to ``module``, so a deep copy (``DistributedModelParallel.
+    copy``) gets one bound to the copy, which resets the copy's rows through TorchRec's own
+    method and tells ``before`` nothing: only ``module`` itself reports its evictions."""
+    own = module.__dict__.get("_evict")  # an instance-level wrapper already there, kept
+    owner = weakref.ref(module)
+    held: list[Any] = [before]
 
-    object.__setattr__(module, "_evict", _evict)
+    def _evict(self: Any, evictions: dict[str, Any]) -> None:
+        mine = self is owner()
+        if mine and held[0] is not None:
+            held[0](evictions)
+        if mine and own is not None:
+            own(evictions)
+        else:
+            type(self)._evict(self, evictions)
+
+    wrapper = types.MethodType(_evict, module)
+    object.__setattr__(module, "_evict", wrapper)
 
     def remove() -> None:
-        wrapper[0] = None  # a wrapper chained behind this one keeps calling it: pass through
-        if module.__dict__.get("_evict") is _evict:
+        held[0] = None  # a wrapper installed behind this one keeps calling it: pass through
+        if module.__dict__.get("_evict") is wrapper:
             if own is None:
                 del module.__dict__["_evict"]
             else:

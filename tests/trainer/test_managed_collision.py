@@ -11,7 +11,8 @@ fused optimizer states, dense state, RNG and every remapper's state (its sorted 
 metadata, and what TorchRec keeps outside its state_dict: iteration counters, the id history
 since the last eviction) are bitwise equal to the uninterrupted run's at that step, the losses of
 the steps after it are equal (evictions after the restore included), and so is the whole state at
-the end. Restoring into 3 ranks is refused before anything is written, on every rank, naming why.
+the end; ``deck.load`` into another fresh build gives the same state. Restoring into 3 ranks is
+refused before anything is written, on every rank, naming why.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _evictions(model: Any) -> int:
     return int(next(v for k, v in state.items() if k.endswith("._last_eviction_iter")))
 
 
-def _without_the_test_op(rank: int) -> None:
+def _without_the_test_op(rank: int, root: str) -> None:
     """What a plain CPU install does: TorchRec's first eviction fails (fbgemm has no CPU
     kernel for reset_weight_momentum). And a HashZch collection is refused at enable, naming
     why (fbgemm's CPU zero_collision_hash cannot insert ids: it cannot train on CPU)."""
@@ -73,7 +74,7 @@ def _without_the_test_op(rank: int) -> None:
         match=r"module 'mc', table 't0': its managed-collision module is a "
         r"HashZchManagedCollisionModule.*cannot train on CPU",
     ):
-        deck.enable(hashed, [hashed_dense], deck.DeckConfig(uri=f"/nonexistent/{rank}"))
+        deck.enable(hashed, [hashed_dense], deck.DeckConfig(uri=f"{root}/hashed"))
 
 
 def _train(rank: int, world_size: int, root: str) -> None:
@@ -81,7 +82,7 @@ def _train(rank: int, world_size: int, root: str) -> None:
     at the restore step, the losses after it and the final state. In "ebc_evict" the rows of
     the step-8 delta are copied after the stall (copy-on-write) and that copy is held back while
     steps 9-12 train: the evictions of steps 9 and 12 must copy the rows they reset first."""
-    _without_the_test_op(rank)  # before any scenario registers the test op in this process
+    _without_the_test_op(rank, root)  # before any scenario registers the test op in this process
     for name, (spec, restore_at) in SCENARIOS.items():
         model, dense = build_mc(spec, seed=0)
         config = deck.DeckConfig(uri=f"{root}/{name}", delta_every_steps=EVERY)
@@ -135,6 +136,11 @@ def _restore(rank: int, world_size: int, root: str) -> None:
         assert torch.equal(torch.tensor(losses, dtype=torch.float64), end.pop("losses")), name
         bad = diff_states(end, _state(model, dense))
         assert not bad, f"{name}, rank {rank}: state at step {END} differs: {bad[:8]}"
+        if name == "ec_evict":  # deck.load (read-only, no checkpointer) restores it alike
+            loaded, loaded_dense = build_mc(spec, seed=2)
+            assert deck.load(loaded, [loaded_dense], f"{root}/{name}", step=restore_at) == 6
+            bad = diff_states(load_file(f"{root}/{name}.at.{rank}"), _state(loaded, loaded_dense))
+            assert not bad, f"deck.load of {name}, rank {rank}: {bad[:8]}"
 
 
 def _restore_into_3(rank: int, world_size: int, root: str) -> None:
