@@ -23,7 +23,7 @@ the steps after a delta measure the delta, not the seconds of a 2 GiB full still
 and how much of it is the training thread's own CPU (``time.thread_time``; the rest it waited:
 for the GIL a background thread held, or for its core), and how often it waited (its voluntary
 context switches: a step alone blocks about once, each extra one is a wait for the GIL). Goal
-(issue 35): <= +2% over the 10 steps after a delta.
+(the copy-on-write goal): <= +2% over the 10 steps after a delta.
 
     python benchmarks/bench_interference.py [--rows 1000000] [--steps 1000] [--delta-every 25] [--repeats 3]
 """

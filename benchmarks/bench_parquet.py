@@ -1,4 +1,4 @@
-"""Parquet export vs safetensors export of the same step: write throughput (issue 21 item 5).
+"""Parquet export vs safetensors export of the same step: write throughput.
 
 Writes one full checkpoint with the real writer and format (one rank, ``--tables`` tables of
 ``--rows`` x ``--dim`` fp32 + a rowwise momentum, random values), then, in rounds whose order

@@ -19,7 +19,7 @@ By default training goes on while the first full checkpoint is still being fsync
 a real job does (on S3 the deltas then queue behind the 2 GiB upload and share the CPU with it);
 Before each delta the pure gather of the same rows (every state of every touched row
 ``index_select``-ed into one preallocated buffer, read from the tracker without consuming it) is
-timed too, so each delta's stall is also reported as a multiple of that floor (issue 15 item 4:
+timed too, so each delta's stall is also reported as a multiple of that floor (the stall's goal:
 goal stall <= 1.5x the gather and <= 1/50 of ``dcp.save``; ``--no-gather`` skips it).
 
 Per interval of ``--delta-every`` steps each rank's CPU is accounted for by thread (Linux
@@ -61,7 +61,7 @@ import torch.multiprocessing as mp
 from deck.demo import ModelSpec, build_model, train_step
 from deck.processes import end_rank, free_port, init_process_group
 
-# Goals (issue 22): with the default configuration the stall should approach the gather of the
+# Goals: with the default configuration the stall should approach the gather of the
 # same rows (<= 1.5x), and be at most 1/100 of a blocking dcp.save of the same model.
 GATHER_GOAL = 1.5
 DCP_GOAL = 1 / 100

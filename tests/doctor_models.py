@@ -78,7 +78,7 @@ def scheduled_combined() -> DoctorSetup:
     """TorchRec's DLRM recipe in a plain loop: ``CombinedOptimizer([fused, dense])`` under
     ``StepLR``, stepped as forward; zero_grad; backward; step; scheduler step. The fused kernel
     then runs each forward with the rate of the last zero_grad()/step(), one schedule step
-    behind param_groups: a restore must give the kernel back its own rate (issue 32)."""
+    behind param_groups: a restore must give the kernel back its own rate."""
     from torchrec.optim.keyed import CombinedOptimizer
 
     model, dense = build_model(SPEC)

@@ -145,7 +145,7 @@ def test_merge_and_ops_never_import_the_trainer() -> None:
             assert not {d for d in deps if d.startswith("deck.trainer")}, mod
 
 
-# ---- deck.kernels holds only what the product runs (issue 36 item 5) ----------------------------
+# ---- deck.kernels holds only what the product runs -------------------------------------------
 
 KERNELS = "deck.kernels"
 NATIVE_SOURCE = ROOT / "kernels" / "_native.c"
@@ -230,7 +230,7 @@ def test_the_kernels_package_imports_nothing_eagerly() -> None:
 
 
 def test_adapters_never_import_the_trainer() -> None:
-    # One direction only (issue 36): the trainer uses the adapters, never the other way round;
+    # One direction only: the trainer uses the adapters, never the other way round;
     # the hooks write into deck.model.RowRecorder, not the trainer's tracker class.
     for mod in GRAPH:
         if _package(mod) == "deck.adapters":
@@ -238,7 +238,7 @@ def test_adapters_never_import_the_trainer() -> None:
             assert not {d for d in deps if _package(d) == "deck.trainer"}, mod
 
 
-# ---- the demo and the test helpers stand on top (issue 36) --------------------------------------
+# ---- the demo and the test helpers stand on top ------------------------------------------------
 
 DEMO = "deck.demo"
 TESTING = "deck.testing"
@@ -351,7 +351,7 @@ def test_type_checking_imports_count_inside_a_package_only() -> None:
     # The commit thread's work item names the staged part for type checking only: an edge.
     assert f"{staging}.part" in TYPING[f"{staging}.committer"]
     assert f"{staging}.part" in CYCLE_GRAPH[f"{staging}.committer"]
-    # The knot issue 23 undid: the part naming its stager, which imports the part.
+    # A knot undone once: the part naming its stager, which imports the part.
     knot = {
         **CYCLE_GRAPH,
         f"{staging}.part": CYCLE_GRAPH[f"{staging}.part"] | {f"{staging}.stager"},
@@ -724,7 +724,7 @@ URI_EDGES = ("deck.cli", "deck.api", "deck.storage", "deck.doctor", "deck.testin
 
 
 def test_no_storage_options_parameter_below_the_edges() -> None:
-    """Library functions take a Storage; only the edges open URIs (issue 36)."""
+    """Library functions take a Storage; only the edges open URIs."""
     bad = []
     for name, path in MODULES.items():
         if any(name == e or name.startswith(e + ".") for e in URI_EDGES):

@@ -47,7 +47,7 @@ def test_staging_page_multiple() -> None:
     assert StagingConfig(chunk_bytes=8192).chunk_bytes == 8192
 
 
-# --- validated at construction, strictly (issue 34) ---
+# --- validated at construction, strictly ---
 
 
 @pytest.mark.parametrize("uri", ["foo://x", "http://host/ckpt", "sftp://host/ckpt", "a::s3://b"])

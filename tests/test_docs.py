@@ -407,7 +407,7 @@ def test_every_config_field_is_documented() -> None:
     )
 
 
-# ---- every `deck ...` line parses, every `deck.name` exists (issue 34) ----------------------
+# ---- every `deck ...` line parses, every `deck.name` exists -----------------------------------
 
 _SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1", "<"}
 

@@ -191,7 +191,7 @@ def test_user_state_left_out_fails_on_the_losses() -> None:
 
 @pytest.mark.slow
 def test_a_scheduled_combined_optimizer_in_a_plain_loop_passes(tmp_path: Path) -> None:
-    """The fused kernel's own learning rate lags param_groups in this loop order (issue 32): the
+    """The fused kernel's own learning rate lags param_groups in this loop order: the
     doctor compares it (a kernel hyperparameter) and the restore gives it back exactly."""
     r = _doctor("tests.doctor_models:scheduled_combined", *SHORT, "--uri", str(tmp_path / "c"))
     assert r.returncode == 0, r.stdout + r.stderr

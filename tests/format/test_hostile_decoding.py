@@ -1,6 +1,6 @@
 """What a URI's files hold, however hostile, is decoded into DeckErrors naming the file: no
 unbounded recursion, no index outside a table, no allocation of what a forged record claims, no
-silent skip (issue 20, findings 8, 9, 11 and 12).
+silent skip (the hostile-storage review's findings 8, 9, 11 and 12).
 
 Real checkpoints in the exact on-disk format (deck/testing/synth.py: 2 ranks, 4 tables, the real
 writer; a full at step 0, deltas at 1-3), edited the way a compromised job or a careless

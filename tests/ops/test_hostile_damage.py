@@ -1,5 +1,5 @@
 """Damage never makes GC or the merger lose an intact step, nor hang them, and fallback covers
-missing files (issue 20, findings 4-7; issue 19's GC report item).
+missing files (a hostile-storage review's findings 4-7; GC's report of what it failed to delete).
 
 Real checkpoints in the exact on-disk format: the synthetic trainer (deck/testing/synth.py, 2
 ranks, the real writer; a full at step 0 and a delta every 3 steps up to 12) and the real merger;
@@ -227,7 +227,7 @@ def test_merge_once_returns_on_a_damaged_merger_record(tmp_path: Path, which: st
     assert check_all_restore(LocalStorage(root), history) == STEPS
 
 
-# ---- issue 19: GC's orphan and finish paths record their errors -------------------------------
+# ---- GC's orphan and finish paths record their errors ----------------------------------------
 
 
 def test_gc_orphan_and_quarantine_delete_errors_are_in_the_report(tmp_path: Path) -> None:

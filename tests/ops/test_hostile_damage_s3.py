@@ -1,4 +1,4 @@
-"""Findings 4, 6 and 7 of issue 20 on a real S3 server (SeaweedFS): the same damage as in
+"""Findings 4, 6 and 7 of the hostile-storage review on a real S3 server (SeaweedFS): the same damage as in
 test_hostile_damage.py, through the object store (no rename, no local paths), library and CLI."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Kafka loader (`deck follow kafka://`) against its hostile cases, one test per finding of
-issue 33 (items 8-11), with synthetic publishers on the real sink and a real broker (Tansu):
+a long-job review (items 8-11), with synthetic publishers on the real sink and a real broker (Tansu):
 
 - killed at every point of its state switch, it restarts and serves a committed step (8);
 - a poison message on any partition is quarantined, the loader keeps serving and moves on at

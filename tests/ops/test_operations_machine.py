@@ -1,4 +1,4 @@
-"""The stateful model-based test of issue 33: trainer saves (with rollbacks that save a step
+"""The stateful model-based test of a URI's operators: trainer saves (with rollbacks that save a step
 again), restores, merger passes, GC with each policy, verify with quarantine, a follower, a second
 trainer, kill points and storage faults, interleaved by Hypothesis against a model of what must
 survive (like zarr's ``testing/stateful.py`` for stores).

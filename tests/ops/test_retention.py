@@ -266,7 +266,7 @@ class _ResaveDuringGc(StorageWrapper):
 
 
 def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
-    """Issue 33 finding 5: GC read a step's record (an abandoned timeline's save, doomed) and
+    """A long-job finding: GC read a step's record (an abandoned timeline's save, doomed) and
     deleted it in a separate call; a rollback's re-save of that step committed in between lost
     its commit record. Now the re-save's parts (written before its record) keep the old
     checkpoint whole for this run, and the re-save's record survives."""
@@ -306,7 +306,7 @@ def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
 
 
 def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
-    """Issue 33 finding 5: GC's grace period protected what its own plan kept, not the
+    """A long-job finding: GC's grace period protected what its own plan kept, not the
     cheapest chains restores read (merged deltas a later merge made redundant). Every chain of
     a retained step that a restore could have picked within the grace period stays whole
     (here a save, a merge and a restore every 1000 s, a grace of 3600 s)."""

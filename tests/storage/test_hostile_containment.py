@@ -1,5 +1,5 @@
 """A URI written by someone else never makes deck touch anything outside it, block, or fail
-without a typed error (issue 20: findings 1-3 "outside the URI", 10 "file types and sizes", and
+without a typed error (the hostile-storage review's findings 1-3 "outside the URI", 10 "file types and sizes", and
 the lease values of 12).
 
 Real checkpoints in the exact on-disk format: the synthetic trainer (deck/testing/synth.py, 2

@@ -256,7 +256,7 @@ def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) ->
 
 @pytest.mark.parametrize("offset_s", [0.0, 0.3])
 def test_two_takers_with_slow_puts_one_wins(tmp_path: Path, offset_s: float) -> None:
-    """Issue 33 finding 3: puts slower than the old settle time (0.5 s, as slow S3 is), two
+    """A long-job finding: puts slower than the old settle time (0.5 s, as slow S3 is), two
     trainers starting together or 0.3 s apart: exactly one holds the lease (the exclusive
     create decides, whatever the latency); the other is refused naming the holder."""
     storage = FaultyStorage(open_storage(str(tmp_path)), slow_put_s=0.5)

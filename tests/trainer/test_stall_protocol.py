@@ -1,4 +1,4 @@
-"""The stall path of issue 22: one collective per steady-state checkpoint, a buffer pool sized
+"""The stall path: one collective per steady-state checkpoint, a buffer pool sized
 from the parts within its cap, and cached table/dense views that stay live. Real TorchRec DMP
 over gloo ranks, real files."""
 
