@@ -23,7 +23,7 @@ from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage
-from deck.trainer.writer import RankPartWriter, commit
+from deck.trainer.writer import RankPartWriter, Sink, commit
 
 State = dict[str, torch.Tensor]
 
@@ -136,30 +136,10 @@ class SynthTrainer:
 
     def save(self, kind: str = "delta") -> CheckpointManifest:
         """Write a checkpoint of the current step (a full when there is no parent yet)."""
-        if self.parent is None:
-            kind = "full"
-        step = self.step
-        ckpt_id = f"{self.ids.getrandbits(64):016x}"
-        full = kind == "full"
+        kind, ckpt_id = self.next_checkpoint(kind)
+        step, full = self.step, kind == "full"
         for rank in range(self.world_size):
-            mine = [s for s in self.shards if s.track_base == rank]
-            w = RankPartWriter(
-                self.storage,
-                step,
-                ckpt_id,
-                rank,
-                self.world_size,
-                self.chunk_bytes,
-                bundle_bytes=self.bundle_bytes,
-            )
-
-            def rows_for(s: TableShard) -> torch.Tensor | None:
-                if full or s.full_only:
-                    return None
-                return torch.tensor(sorted(self.touched[shard_key(s)]), dtype=torch.int64)
-
-            dense = {"mlp": torch.full((3,), float(step))} if rank == 0 else None
-            w.write_part(mine, rows_for, dense, {"user": {"step": step, "rank": rank}})
+            self.write_part(rank, ckpt_id, full)
         m = commit(
             self.storage,
             step=step,
@@ -171,13 +151,45 @@ class SynthTrainer:
             world_size=self.world_size,
             deck_version="test",
         )
-        self.parent = (step, ckpt_id)
-        if full:
-            self.base = step
+        self.saved_as(ckpt_id, kind)
+        return m
+
+    def next_checkpoint(self, kind: str = "delta") -> tuple[str, str]:
+        """The kind (a full when there is no parent yet) and a new id of the next checkpoint."""
+        return ("full" if self.parent is None else kind), f"{self.ids.getrandbits(64):016x}"
+
+    def write_part(self, rank: int, ckpt_id: str, full: bool, sink: Sink | None = None) -> None:
+        """Write rank ``rank``'s part of checkpoint ``ckpt_id`` of the current step: to the
+        store, or into ``sink`` (a stager's part, which then takes it there)."""
+        step = self.step
+        mine = [s for s in self.shards if s.track_base == rank]
+        w = RankPartWriter(
+            self.storage,
+            step,
+            ckpt_id,
+            rank,
+            self.world_size,
+            self.chunk_bytes,
+            sink=sink,
+            bundle_bytes=self.bundle_bytes,
+        )
+
+        def rows_for(s: TableShard) -> torch.Tensor | None:
+            if full or s.full_only:
+                return None
+            return torch.tensor(sorted(self.touched[shard_key(s)]), dtype=torch.int64)
+
+        dense = {"mlp": torch.full((3,), float(step))} if rank == 0 else None
+        w.write_part(mine, rows_for, dense, {"user": {"step": step, "rank": rank}})
+
+    def saved_as(self, ckpt_id: str, kind: str) -> None:
+        """The current step was saved as ``ckpt_id``: the parent of the next delta."""
+        self.parent = (self.step, ckpt_id)
+        if kind == "full":
+            self.base = self.step
         for v in self.touched.values():
             v.clear()
-        self.saved[step] = Saved(ckpt_id, kind, snapshot(self.shards), step)
-        return m
+        self.saved[self.step] = Saved(ckpt_id, kind, snapshot(self.shards), self.step)
 
     def rollback(self, step: int) -> None:
         """Continue from saved ``step`` (as a restore would): a new epoch, a new timeline."""

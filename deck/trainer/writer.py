@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -644,12 +644,14 @@ def commit(
     deck_version: str,
     own: tuple[RankManifest, bytes] | None = None,
     fence: Callable[[], None] | None = None,
+    read: Mapping[int, bytes] | None = None,
 ) -> CheckpointManifest:
     """Rank 0, after every rank's part is durable: verify the parts and write the commit record.
     ``own``: rank 0's part manifest and the bytes this process just wrote for it (not read
-    back); every other rank's part is read and verified from ``storage``. ``fence`` (the writer
-    lease's :meth:`~deck.trainer.lease.Lease.check`) runs right before the record is written and
-    raises when this job may no longer commit."""
+    back); every other rank's part is verified from the bytes in ``read`` (rank -> its part
+    manifest as the caller read it from ``storage``) or read from ``storage``. ``fence`` (the
+    writer lease's :meth:`~deck.trainer.lease.Lease.check`) runs right before the record is
+    written and raises when this job may no longer commit."""
     root = step_dir(step)
     refs = []
     encodings: set[Encoding] = set()
@@ -658,7 +660,7 @@ def commit(
         if rank == 0 and own is not None:
             part, data = own
         else:
-            data = storage.get(f"{root}/{rel}")
+            data = read[rank] if read and rank in read else storage.get(f"{root}/{rel}")
             part = load_model(RankManifest, data, storage.describe(f"{root}/{rel}"))
         if part.encoding is not None:
             encodings.add(part.encoding)

@@ -1,16 +1,26 @@
-"""The commit thread: takes each staged part to the destination and, on rank 0, commits it."""
+"""The commit thread: takes each staged part to the destination and, on rank 0, commits it.
+
+Consecutive parts overlap: the files and part manifests of several parts go up at once, and rank
+0 reads what the next commit needs (the other ranks' part manifests, the writer lease's fence)
+while the previous commit record is being written. Commit records are written one at a time, in
+the order the parts were submitted (step order), each only once its own parts are at the
+destination and the one before it returned: a delta's record never before its parent's, and
+never when its parent failed.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import os
 import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deck.config import StagingConfig
@@ -44,6 +54,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__package__)
 
+# Parts whose files and part manifest go to the destination at once. Each waits on the store's
+# round trips, not on the CPU: on a slow store one part's requests take longer than the
+# interval between checkpoints, and doing them one part after the other queued the commits up.
+# Their files share the upload pool (upload_concurrency), which bounds the memory they hold.
+PARTS_IN_FLIGHT = 4
+
+# How many finished parts' outcomes the commit thread remembers (a later delta's parent is
+# always a recent one); parts still in flight are never forgotten.
+REMEMBERED_PARTS = 256
+
 
 @dataclass
 class _Item:
@@ -53,10 +73,31 @@ class _Item:
     progress: PartProgress  # the part's state: written by the commit thread only
     spool_reserved: int  # spool space held for it, given back at cleanup
     staged: StagedPart | None = None
+    put: Future[_Put] | None = field(default=None, repr=False)  # its files and part manifest
+    recorded: bool = False  # its checkpoint is committed (whatever its cleanup did after)
+
+
+@dataclass
+class _Put:
+    """A part whose files and rank part manifest are at the destination."""
+
+    pending: PendingPart  # with its files and rank manifest
+    own: bytes | None  # the part manifest as written here (None: it was there already)
+    committed: bool = False  # its checkpoint was found committed (a restart): nothing to do
+
+
+@dataclass
+class _Ready:
+    """Rank 0: what the commit record of a part needs, read before it is its turn."""
+
+    parts: dict[int, bytes]  # the other ranks' part manifests, as read
+    parent_read: bool = False  # whether the parent's record was read (not committed here)
+    parent_id: str | None = None  # the id the parent's step holds committed, if read
+    fenced_at: float | None = None  # when the fence's read began (monotonic)
 
 
 class Committer:
-    """The background thread (``deck-commit``) that finishes one rank's parts, in order.
+    """The background threads that finish one rank's parts, committed in order.
 
     The training thread (through :class:`~deck.trainer.staging.Stager`) calls:
 
@@ -68,21 +109,26 @@ class Committer:
     3. :meth:`flush` -- wait until every submitted part is committed or failed;
     4. :meth:`stop` -- once, after the last :meth:`flush`.
 
-    The commit thread, for each part, in the order submitted (:meth:`_finish`):
+    Each part goes through three stages, on three kinds of threads:
 
-    1. waits for the part's writes and pending record (``StagedPart.wait_written``);
-    2. skips to cleanup when the destination already has it committed (after a restart);
-    3. verifies a part found pending on restart against its manifest (torn spool files);
-    4. fsyncs its spool files (durable-local);
-    5. uploads them from the spool (``cpu-ssd-remote``; on the upload pool, with retries);
-    6. puts the rank part manifest at the destination;
-    7. rank 0: waits until every rank's part manifest is there (or a rank reports its part
-       failed), checks a delta's parent is committed, writes the commit record;
-    8. cleans up: spool copies (``cpu-ssd-remote``), the pending record, the spool space.
+    - **put** (``deck-part``, up to :data:`PARTS_IN_FLIGHT` parts at once, :meth:`_put_part`):
+      waits for the part's writes and pending record (``StagedPart.wait_written``); after a
+      restart, skips the rest when the destination already has it committed, else verifies the
+      spooled files (torn files); fsyncs its spool files (durable-local); uploads them
+      (``cpu-ssd-remote``; on the upload pool, with retries); puts the rank part manifest. A
+      part of a rank other than 0 that fails here writes its failure record at once.
+    - **ready** (``deck-commit``, one part after the other, :meth:`_ready`): rank 0 reads the
+      other ranks' part manifests (polling until every one is there, or a rank reports its part
+      failed), the fence and, for a delta of a checkpoint another process committed, the
+      parent's commit record -- while the part before is still being committed.
+    - **end** (``deck-record``, one part after the other, :meth:`_end`): rank 0 checks a
+      delta's parent is committed (known here for a parent committed by this process) and
+      writes the commit record; then every rank cleans up: spool copies (``cpu-ssd-remote``),
+      the pending record, the spool space. A failed part is recorded for :meth:`take_failure`
+      (the next checkpoint is a full). So commit records go out one at a time in submission
+      order, each after the one before it returned.
 
-    A part that fails is recorded for :meth:`take_failure` (the next checkpoint is a full); on a
-    rank other than 0 a failure record tells rank 0 at once (:meth:`_report_failed`). The thread
-    never calls collectives.
+    None of these threads calls collectives.
     """
 
     def __init__(
@@ -101,11 +147,25 @@ class Committer:
         self.tier = tier
         self.spool = spool
         self._uploads = uploads
+        lower = functools.partial(lower_priority, cfg.background_nice)
+        self._parts = ThreadPoolExecutor(
+            PARTS_IN_FLIGHT, thread_name_prefix="deck-part", initializer=lower
+        )
+        # One thread: the commit records (and every part's end) go out in submission order.
+        self._records = ThreadPoolExecutor(1, thread_name_prefix="deck-record", initializer=lower)
+        # The reads before a commit that do not depend on each other: the fence and a parent.
+        self._reads = ThreadPoolExecutor(2, thread_name_prefix="deck-read", initializer=lower)
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         # Parts another rank reported failed at a collective (step, id): rank 0 stops waiting.
         self._abandoned: dict[tuple[int, str], str] = {}
         # Parts of this rank that failed in the background, not yet told at a collective.
         self._failed_parts: list[tuple[int, str]] = []
+        # (step, id) of the parts submitted here -> committed (rank 0; uploaded elsewhere) or
+        # not, None while in flight: a delta's parent committed by this process is not read
+        # back from the store.
+        self._outcomes: collections.OrderedDict[tuple[int, str], bool | None] = (
+            collections.OrderedDict()
+        )
         self._idle = threading.Condition()
         self._busy = 0
         # A part failed after training moved on (a full next), until take_failure() takes it.
@@ -127,7 +187,10 @@ class Committer:
         None for a part found pending on restart."""
         with self._idle:
             self._busy += 1
-        self._queue.put(_Item(pending, progress, spool_reserved, staged))
+            self._outcomes[(pending.step, pending.ckpt_id)] = None
+        item = _Item(pending, progress, spool_reserved, staged)
+        item.put = self._parts.submit(self._put_part, item)
+        self._queue.put(item)
 
     def take_failed(self) -> list[tuple[int, str]]:
         """(step, id) of this rank's parts (rank > 0) that failed in the background since the
@@ -163,6 +226,9 @@ class Committer:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        self._records.shutdown()
+        self._parts.shutdown()
+        self._reads.shutdown()
 
     # ---- commit thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -171,30 +237,50 @@ class Committer:
             item = self._queue.get()
             if item is None:
                 return
-            pending = item.pending
+            assert item.put is not None
+            put: _Put | None = None
+            ready: _Ready | None = None
+            error: Exception | None = None
             try:
-                if item.staged is not None:
-                    try:  # its writes (still running when training was released early)
-                        item.staged.wait_written()
-                        pending = item.staged.pending()
-                    except Exception as e:
-                        pending = pending.model_copy(update={"files": tuple(item.staged.files)})
-                        raise NeverCommits(str(e)) from e
-                self._finish(pending, item)
+                put = item.put.result()
+                if put.pending.rank == 0 and not put.committed:
+                    ready = self._ready(put.pending)
             except Exception as e:
-                self._fail(pending, item, e)
-            finally:
+                error = e
+            self._records.submit(self._end, item, put, ready, error)
+
+    def _end(
+        self, item: _Item, put: _Put | None, ready: _Ready | None, error: Exception | None
+    ) -> None:
+        """The part's last stage, in submission order: its commit record (rank 0), cleanup, or
+        its failure; then the part has ended."""
+        try:
+            if error is None:
+                assert put is not None
                 try:
-                    # Before the flush() it may wake: a flushed part's event has been delivered.
-                    item.progress.end()
-                finally:  # whatever ending it raised, a flush() must not wait for it forever
-                    with self._idle:
-                        self._busy -= 1
-                        self._idle.notify_all()
+                    self._commit(item, put, ready)
+                except Exception as e:
+                    error = e
+            if error is not None:
+                self._fail(put.pending if put is not None else item.pending, item, error)
+            key = (item.pending.step, item.pending.ckpt_id)
+            with self._idle:
+                self._outcomes[key] = error is None or item.recorded
+                while len(self._outcomes) > REMEMBERED_PARTS:
+                    first = next(iter(self._outcomes))
+                    if self._outcomes[first] is None:
+                        break
+                    del self._outcomes[first]
+        finally:
+            try:
+                # Before the flush() it may wake: a flushed part's event has been delivered.
+                item.progress.end()
+            finally:  # whatever ending it raised, a flush() must not wait for it forever
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
 
     def _fail(self, pending: PendingPart, item: _Item, e: Exception) -> None:
-        if pending.rank != 0 and item.progress.get().state not in ("uploaded", "committed"):
-            self._report_failed(pending, e)
         full_disk = is_out_of_space(e)
         error = str(e)
         if full_disk and not isinstance(e.__cause__, SpoolError):  # a spool error says it all
@@ -253,86 +339,61 @@ class Committer:
                 put_error,
             )
 
-    def _finish(self, p: PendingPart, item: _Item) -> None:
+    # ---- stage 1: the part's files and manifest (deck-part threads) -------------------------------
+    def _put_part(self, item: _Item) -> _Put:
+        """The part at the destination: its files durable and uploaded, then its rank part
+        manifest. A failure of a rank other than 0 is reported at once (not in turn): rank 0
+        may be waiting for this very part."""
+        try:
+            if item.staged is not None:
+                try:  # its writes (still running when training was released early)
+                    item.staged.wait_written()
+                    item.pending = item.staged.pending()
+                except Exception as e:
+                    item.pending = item.pending.model_copy(
+                        update={"files": tuple(item.staged.files)}
+                    )
+                    raise NeverCommits(str(e)) from e
+            return self._upload_part(item.pending, item)
+        except Exception as e:
+            done = item.progress.get().state in ("uploaded", "committed")
+            if item.pending.rank != 0 and not done:
+                self._report_failed(item.pending, e)
+            raise
+
+    def _upload_part(self, p: PendingPart, item: _Item) -> _Put:
         if p.part is None:
             raise DeckError(f"pending part of step {p.step} has no rank manifest")
         progress = item.progress
-        if self.dest.patient_committed_id(p.step) == p.ckpt_id:
-            self._cleanup(p, item)
-            progress.advance("committed")
-            return
+        # A freshly staged part has an id no store holds yet: only a part found pending after
+        # a restart may already be committed (a crash after its commit record, before cleanup).
+        recovering = progress.get().state == "recovering"
+        if recovering and self.dest.patient_committed_id(p.step) == p.ckpt_id:
+            return _Put(p, None, committed=True)
         part_key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
         # A crash after the part manifest went up (it is written last) may have removed the
         # spool copies already: the part is at the destination, only the commit is left.
-        recovering = progress.get().state == "recovering"
         own: bytes | None = None  # the part manifest as written here (rank 0 commits with it)
         if not (recovering and self.dest.patient_exists(part_key)):
-            own = self._put_part(p, progress, recovering, part_key, item.staged)
+            if recovering:
+                failpoint("stager.recover.before_check")
+                assert self.spool is not None  # a recovered part was found in the spool
+                check_recovered(self.spool, p)
+            if self.spool is not None:
+                failpoint("stager.fsync.before")
+                self.spool.fsync(p)
+                failpoint("stager.fsync.after")
+                progress.advance("durable", durable=True)
+            if self.tier == "cpu-ssd-remote":
+                self._upload(p)
+            failpoint("stager.part_manifest.before_put")
+            staged = item.staged
+            own = dump_model(p.part) if staged is None else with_checksum(staged.encoded_part())
+            self.dest.patient_put(part_key, own)
+            failpoint("stager.part_manifest.after_put")
         # The time is the upload's on ranks > 0, the commit's on rank 0.
         progress.advance("uploaded", committed=p.rank != 0)
-        if p.rank == 0:
-            self._wait_for_parts(p)
-            failpoint("stager.commit.before")
-            self._commit(p, own)
-            progress.advance("committed", committed=True)
-        self._cleanup(p, item)
-        now = progress.get()
-        logger.debug(
-            "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
-            p.step,
-            now.state,
-            p.rank,
-            self.dest.uri,
-            "-" if now.durable_local_s is None else f"{now.durable_local_s:.3f}",
-            "committed" if p.rank == 0 else "uploaded",
-            now.committed_s,
-        )
-
-    def _put_part(
-        self,
-        p: PendingPart,
-        progress: PartProgress,
-        recovering: bool,
-        part_key: str,
-        staged: StagedPart | None,
-    ) -> bytes:
-        """The part's files durable and at the destination, then its rank manifest (returned as
-        written; ``staged``: the part as this process staged it, whose manifest its pending
-        record already encoded)."""
-        assert p.part is not None
-        if recovering:
-            failpoint("stager.recover.before_check")
-            assert self.spool is not None  # a recovered part was found in the spool
-            check_recovered(self.spool, p)
-        if self.spool is not None:
-            failpoint("stager.fsync.before")
-            self.spool.fsync(p)
-            failpoint("stager.fsync.after")
-            progress.advance("durable", durable=True)
-        if self.tier == "cpu-ssd-remote":
-            self._upload(p)
-        failpoint("stager.part_manifest.before_put")
-        data = dump_model(p.part) if staged is None else with_checksum(staged.encoded_part())
-        self.dest.patient_put(part_key, data)
-        failpoint("stager.part_manifest.after_put")
-        return data
-
-    def _commit(self, p: PendingPart, own: bytes | None) -> None:
-        """Rank 0, every rank's part is there: the commit record (a delta's parent must be
-        committed). ``own``: rank 0's part manifest as this process wrote it, if it did."""
-        if (
-            p.kind is Kind.DELTA
-            and p.parent is not None
-            and self.dest.patient_committed_id(p.parent) != p.parent_id
-        ):
-            # A parent gone from the URI may mean the URI itself was deleted or replaced: the
-            # fence says so first (and marks the lease lost, so the next checkpoint raises)
-            self.dest.check_fence()
-            raise CheckpointNotFoundError(
-                f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
-                f"{self.dest.uri}; the next checkpoint will be a full"
-            )
-        self.dest.commit_once(p, own)
+        return _Put(p, own)
 
     def _upload(self, p: PendingPart) -> None:
         assert self.spool is not None
@@ -347,26 +408,67 @@ class Committer:
         for fut in [self._uploads.submit(one, rel) for rel in p.files]:
             fut.result()
 
-    def _wait_for_parts(self, p: PendingPart) -> None:
-        """Rank 0: until every rank's part manifest is at the destination; raises once a rank
-        reports its part failed, or after ``commit_timeout_s``."""
+    # ---- stage 2: rank 0's reads before a commit (deck-commit thread) ----------------------------
+    def _ready(self, p: PendingPart) -> _Ready:
+        """Rank 0, once its own part is up: every other rank's part manifest (waited for), the
+        fence, and the parent's commit record when no part of this process is the parent --
+        read concurrently, while the part before this one may still be committed."""
+        fence = self._reads.submit(self._fence) if self.dest.fenced else None
+        parent: Future[str | None] | None = None
+        if p.kind is Kind.DELTA and p.parent is not None and p.parent_id is not None:
+            with self._idle:
+                ours = (p.parent, p.parent_id) in self._outcomes
+            if not ours:
+                parent = self._reads.submit(self.dest.patient_committed_id, p.parent)
+        try:
+            parts = self._wait_for_parts(p)
+        except BaseException:
+            for read in (fence, parent):  # they end before the part does; its error says why
+                if read is not None:
+                    read.exception()
+            raise
+        return _Ready(
+            parts,
+            parent_read=parent is not None,
+            parent_id=None if parent is None else parent.result(),
+            fenced_at=None if fence is None else fence.result(),
+        )
+
+    def _fence(self) -> float:
+        """The fence's store read; when it began (monotonic)."""
+        began = time.monotonic()
+        self.dest.check_fence()
+        return began
+
+    def _wait_for_parts(self, p: PendingPart) -> dict[int, bytes]:
+        """Rank 0: every other rank's part manifest, as read from the destination, once all are
+        there; raises once a rank reports its part failed, or after ``commit_timeout_s``. The
+        parts are read at once (usually all there: every rank's part goes up at the same
+        pace); then each poll lists the checkpoint's folder: which part manifests and failure
+        records have come."""
         deadline = time.monotonic() + self.cfg.commit_timeout_s
         delay = 0.02
         folder = f"{step_dir(p.step)}/{p.ckpt_id}"
-        missing = list(range(p.world_size))
+        keys = {r: f"{folder}/{rank_manifest_name(r)}" for r in range(p.world_size) if r != p.rank}
+        got: dict[int, bytes] = {}
+        first = True
         next_report = time.monotonic() + 30
         while True:
+            missing = [r for r in keys if r not in got]
             try:
-                missing = [
-                    r
-                    for r in missing
-                    if not self.dest.exists_once(f"{folder}/{rank_manifest_name(r)}")
-                ]
-                self._raise_if_failed(p, [f"{folder}/{rank_failure_name(r)}" for r in missing])
+                if not first:
+                    listed = set(self.dest.list_once(f"{folder}/"))
+                    failed = [r for r in missing if rank_failure_name(r) in listed]
+                    self._raise_if_failed(p, [f"{folder}/{rank_failure_name(r)}" for r in failed])
+                    missing = [r for r in missing if rank_manifest_name(r) in listed]
+                read = self.dest.get_records_once([keys[r] for r in missing])
+                got.update((r, data) for r in missing if (data := read[keys[r]]) is not None)
             except StorageError as e:
                 logger.warning("deck: cannot check rank parts of step %d yet: %s", p.step, e)
+            first = False
+            missing = [r for r in keys if r not in got]
             if not missing:
-                return
+                return got
             if time.monotonic() > next_report:
                 logger.warning(
                     "deck: step %d waits for the parts of rank(s) %s at %s (giving up in %.0f s)",
@@ -399,6 +501,59 @@ class Committer:
             told = self._abandoned.pop((p.step, p.ckpt_id), None)
         if why is not None or told is not None:
             raise NeverCommits(f"step {p.step} is not committed: {why or told}")
+
+    # ---- stage 3: the commit record and cleanup (deck-record thread) -----------------------------
+    def _commit(self, item: _Item, put: _Put, ready: _Ready | None) -> None:
+        p, progress = put.pending, item.progress
+        if put.committed:
+            item.recorded = True
+            self._cleanup(p, item)
+            progress.advance("committed")
+            return
+        if p.rank == 0:
+            assert ready is not None
+            failpoint("stager.commit.before")
+            self._check_parent(p, ready)
+            self.dest.commit_once(p, put.own, ready.parts, ready.fenced_at)
+            item.recorded = True
+            progress.advance("committed", committed=True)
+        self._cleanup(p, item)
+        now = progress.get()
+        logger.debug(
+            "deck: step %d %s on rank %d at %s: durable-local %s s, %s %.3f s after the snapshot",
+            p.step,
+            now.state,
+            p.rank,
+            self.dest.uri,
+            "-" if now.durable_local_s is None else f"{now.durable_local_s:.3f}",
+            "committed" if p.rank == 0 else "uploaded",
+            now.committed_s,
+        )
+
+    def _check_parent(self, p: PendingPart, ready: _Ready) -> None:
+        """A delta commits only on a committed parent: one this process committed (its record
+        went out before this one, in this thread), or one the store holds."""
+        if p.kind is not Kind.DELTA or p.parent is None or p.parent_id is None:
+            return
+        with self._idle:
+            here = self._outcomes.get((p.parent, p.parent_id))
+        if here is None:
+            read = ready.parent_id if ready.parent_read else None
+            if not ready.parent_read:  # ours, but forgotten since (far behind): ask the store
+                read = self.dest.patient_committed_id(p.parent)
+            committed = read == p.parent_id
+            if not committed:
+                # A parent gone from the URI may mean the URI itself was deleted or replaced:
+                # the fence says so first (and marks the lease lost, so the next checkpoint
+                # raises)
+                self.dest.check_fence()
+        else:
+            committed = here
+        if not committed:
+            raise CheckpointNotFoundError(
+                f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
+                f"{self.dest.uri}; the next checkpoint will be a full"
+            )
 
     def _cleanup(self, p: PendingPart, item: _Item, drop: bool = False) -> None:
         """Forget a finished part: spool copies go (in the local tier they are the checkpoint).

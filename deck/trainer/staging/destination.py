@@ -4,7 +4,8 @@ best-effort calls, each named for how it meets an outage."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from deck.config import StagingConfig
@@ -19,7 +20,7 @@ from deck.errors import (
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_dir
 from deck.format.pending import PendingPart
 from deck.storage import Storage
-from deck.storage.base import get_bounded
+from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 from deck.storage.retry import RetryPolicy, call_with_retry, is_out_of_space
 from deck.trainer.writer import commit
 from deck.version import __version__
@@ -27,6 +28,13 @@ from deck.version import __version__
 T = TypeVar("T")
 
 FAILURE_RECORD_BYTES = 4096  # read of a rank's failure record (a line of text)
+
+# The fence's read for a commit record runs beside the reads of the other ranks' parts, while
+# the record before it is being written. It stands for the record when it began at most this
+# long before the record's put (a round trip or two on a slow store); an older one (the record
+# waited for a rank's part, or for a slow put before it) is read again. Either way the lease's
+# own clock (lost or expired, no read) is checked right before the put.
+FENCE_REUSE_S = 1.0
 
 
 class Destination:
@@ -99,11 +107,27 @@ class Destination:
     def exists_once(self, key: str) -> bool:
         return self._storage.exists(key)
 
+    def list_once(self, folder: str) -> list[str]:
+        """What lies directly in ``folder`` (:meth:`~deck.storage.Storage.list_dir`)."""
+        return self._storage.list_dir(folder)
+
+    def get_records_once(self, keys: list[str]) -> dict[str, bytes | None]:
+        """The records at ``keys`` (None where there is none), read concurrently where the store
+        can, each bounded (:data:`~deck.storage.base.MAX_RECORD_BYTES`)."""
+        if not keys:
+            return {}
+        return dict(self._storage.get_many(keys, limit=MAX_RECORD_BYTES))
+
     def failure_reason_once(self, key: str) -> str:
         """What the failure record at ``key`` says: at most its first
         :data:`FAILURE_RECORD_BYTES` (a record is a line of text; the store is not trusted to
         hold only that). :class:`NotFoundError` when there is none."""
         return self._storage.get(key, 0, FAILURE_RECORD_BYTES).decode(errors="replace")
+
+    @property
+    def fenced(self) -> bool:
+        """Whether commit records are fenced (a writer lease)."""
+        return self._fence is not None
 
     def check_fence(self) -> None:
         """Raise :class:`~deck.errors.LeaseHeldError` if this job may no longer commit here
@@ -111,10 +135,27 @@ class Destination:
         if self._fence is not None:
             self._fence()
 
-    def commit_once(self, p: PendingPart, own_bytes: bytes | None = None) -> None:
+    def commit_once(
+        self,
+        p: PendingPart,
+        own_bytes: bytes | None = None,
+        parts: Mapping[int, bytes] | None = None,
+        fenced_at: float | None = None,
+    ) -> None:
         """Rank 0, every rank's part is there: verify the parts and write the commit record of
         ``p``'s checkpoint (:func:`deck.trainer.writer.commit`). ``own_bytes``: what this
-        process wrote as ``p``'s part manifest (used instead of reading it back)."""
+        process wrote as ``p``'s part manifest (used instead of reading it back); ``parts``:
+        other ranks' part manifests as already read; ``fenced_at``: when a passed
+        :meth:`check_fence` began (monotonic), which stands for the fence if recent
+        (:data:`FENCE_REUSE_S`)."""
+
+        def fence() -> None:
+            if self._fence is None:
+                return
+            fresh = fenced_at is not None and time.monotonic() - fenced_at <= FENCE_REUSE_S
+            if not fresh or (self._gone is not None and self._gone()):
+                self._fence()  # raises with the reason when this job may no longer commit
+
         commit(
             self._storage,
             step=p.step,
@@ -126,7 +167,8 @@ class Destination:
             world_size=p.world_size,
             deck_version=__version__,
             own=None if own_bytes is None or p.part is None else (p.part, own_bytes),
-            fence=self._fence,
+            read=parts,
+            fence=fence,
         )
 
     # ---- best effort -------------------------------------------------------------------------------
