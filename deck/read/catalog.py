@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from deck.errors import CorruptCheckpointError, NotFoundError
 from deck.format.checksum import checksum
@@ -24,6 +27,7 @@ from deck.format.manifest import (
     CheckpointManifest,
     QuarantineRecord,
     RankManifest,
+    RankRef,
     dump_model,
     load_model,
     parse_merged_dir,
@@ -33,6 +37,66 @@ from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Reads in flight at once on a remote store (requests the client overlaps: each pays the store's
+# round trip, not its bandwidth), and the bytes those in flight and waiting to be used may hold.
+READ_WORKERS = 8
+READ_AHEAD_BYTES = 64 * 2**20
+
+
+def overlapped(
+    storage: Storage,
+    read: Callable[[T], R],
+    items: Sequence[T],
+    *,
+    nbytes: Callable[[T], int] | None = None,
+) -> Iterator[tuple[T, R | Exception]]:
+    """``(item, read(item))`` for each of ``items``, in order; the exception ``read`` raised in
+    place of its result, so that the caller meets each one where a loop of its own would.
+
+    On a remote store (no :meth:`~deck.storage.Storage.local_path`) up to
+    :data:`READ_WORKERS` reads run at once ahead of the caller, while the bytes they return
+    (``nbytes(item)`` each, when given) stay within :data:`READ_AHEAD_BYTES` (one read is
+    always let through); a caller that stops early leaves the rest unread. On a local store
+    each read runs when the caller asks for it: overlapping them gains nothing there."""
+    if storage.local_path() is not None or len(items) < 2:
+        for item in items:
+            try:
+                got: R | Exception = read(item)
+            except Exception as e:
+                got = e
+            yield item, got
+        return
+    weight = nbytes or (lambda item: 0)
+    workers = min(READ_WORKERS, len(items))
+    with ThreadPoolExecutor(workers, thread_name_prefix="deck-read") as pool:
+        pending: deque[tuple[T, int, Future[R]]] = deque()
+        held = 0
+        nxt = 0
+        try:
+            while nxt < len(items) or pending:
+                while (
+                    nxt < len(items)
+                    and len(pending) < 2 * workers
+                    and (not pending or held + weight(items[nxt]) <= READ_AHEAD_BYTES)
+                ):
+                    item = items[nxt]
+                    held += weight(item)
+                    pending.append((item, weight(item), pool.submit(read, item)))
+                    nxt += 1
+                item, size, fut = pending.popleft()
+                try:
+                    got = fut.result()
+                except Exception as e:
+                    got = e
+                held -= size
+                yield item, got
+        finally:  # stopped early, or failed: what has not started never does
+            for _, _, fut in pending:
+                fut.cancel()
 
 
 class ManifestSet(dict[int, CheckpointManifest]):
@@ -86,21 +150,35 @@ def manifest_keys(storage: Storage) -> list[str]:
 
     Lists folders one level at a time, so it costs a few LISTs however many chunk files the
     store holds (a listing of everything grows with every checkpoint kept)."""
-    keys: list[str] = []
+    found: list[str | Callable[[], list[str]]] = []  # keys, and the listings that give more
     for entry in storage.list_dir(""):
         name = entry.rstrip("/")
         if not entry.endswith("/"):
             continue
         if parse_step_dir(name) is not None:
-            keys.append(f"{name}/{MANIFEST}")
+            found.append(f"{name}/{MANIFEST}")
         elif name == MERGED_ROOT:
-            keys += [
-                f"{MERGED_ROOT}/{sub}{MANIFEST}"
-                for sub in storage.list_dir(f"{MERGED_ROOT}/")
-                if sub.endswith("/")
-            ]
+            found.append(
+                lambda: [
+                    f"{MERGED_ROOT}/{sub}{MANIFEST}"
+                    for sub in storage.list_dir(f"{MERGED_ROOT}/")
+                    if sub.endswith("/")
+                ]
+            )
         elif name == QUARANTINE_ROOT:
-            keys += storage.list(f"{QUARANTINE_ROOT}/")
+            found.append(lambda: storage.list(f"{QUARANTINE_ROOT}/"))
+    listings = [f for f in found if callable(f)]
+    listed: dict[int, list[str]] = {}
+    for listing, got in overlapped(storage, lambda f: f(), listings):
+        if isinstance(got, Exception):
+            raise got
+        listed[id(listing)] = got
+    keys: list[str] = []
+    for f in found:
+        if callable(f):
+            keys += listed[id(f)]
+        else:
+            keys.append(f)
     return keys
 
 
@@ -266,9 +344,10 @@ def checkpoint_label(m: CheckpointManifest) -> str:
 
 
 def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankManifest]:
-    """The rank parts of a committed checkpoint, each verified against the commit record."""
-    out = []
-    for ref in m.ranks:
+    """The rank parts of a committed checkpoint, each verified against the commit record (read
+    concurrently on a remote store; the first problem in rank order is raised)."""
+
+    def read(ref: RankRef) -> RankManifest:
         key = f"{m.folder}/{ref.path}"
         where = storage.describe(key)
         try:
@@ -282,5 +361,11 @@ def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankMan
             raise CorruptCheckpointError(
                 f"{where}: rank {ref.rank} part of {checkpoint_label(m)} fails its checksum"
             )
-        out.append(load_model(RankManifest, data, where))
+        return load_model(RankManifest, data, where)
+
+    out = []
+    for _, part in overlapped(storage, read, m.ranks, nbytes=lambda ref: ref.nbytes):
+        if isinstance(part, Exception):
+            raise part
+        out.append(part)
     return out

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError, StorageError
 from deck.format.chunks import decode_chunk, read_chunks
-from deck.format.manifest import CheckpointManifest
-from deck.read.catalog import checkpoint_label, read_rank_manifests
+from deck.format.manifest import CheckpointManifest, ChunkRecord, FileRecord, ShardRecord
+from deck.read.catalog import checkpoint_label, overlapped, read_rank_manifests
 from deck.read.restore import decode_state_file
 from deck.storage import Storage
 
@@ -45,7 +45,9 @@ def verify_checkpoint(
 ) -> VerifyReport:
     """Read every file of checkpoint ``m`` and check sizes and checksums, and what a restore
     relies on besides (chunk layouts, row ids against their shard's record, state trees that
-    decode); never raises for corruption, it reports it (naming the file)."""
+    decode); never raises for corruption, it reports it (naming the file). On a remote store
+    the files are read concurrently (:func:`~deck.read.catalog.overlapped`), and checked in
+    order as they come."""
     report = VerifyReport(step=m.step)
     try:
         parts = read_rank_manifests(storage, m)
@@ -57,48 +59,85 @@ def verify_checkpoint(
     report.files += len(m.ranks)
     report.bytes += sum(r.nbytes for r in m.ranks)
     root = m.folder
+    files: list[_ChunkFile | FileRecord] = []
     for part in parts:
         for rec in part.shards:
             index = {id(c): i for i, c in enumerate(rec.chunks)}
-            # One group per file: a chunk file, or the run of chunks sharing a bundle.
+            # One read per file: a chunk file, or the run of chunks sharing a bundle.
             for _path, group in itertools.groupby(rec.chunks, key=lambda c: c.path):
-                chunks = list(group)
-                seen = 0
-                try:
-                    for c, at, data in read_chunks(storage, root, chunks):
-                        seen += 1
-                        where = (
-                            f"{at} (table {rec.table}, chunk {index[id(c)]}, {checkpoint_label(m)})"
-                        )
-                        try:
-                            # Checks checksums, layout and the ids against the shard's record
-                            # (what a restore relies on); quantised chunks are valid ones.
-                            decode_chunk(data, c, where, allow_quantized=True, shard=rec)
-                            report.bytes += len(data)
-                        except DeckError as e:
-                            report.note(e)
-                        if progress:
-                            progress(c.nbytes)
-                except DeckError as e:
-                    report.note(e)
-                    if progress:
-                        progress(sum(c.nbytes for c in chunks[seen:]))
-                report.files += 1
-        for f in (part.dense, part.extra):
-            if f is None:
-                continue
+                files.append(_ChunkFile(rec, index, list(group)))
+        files += [f for f in (part.dense, part.extra) if f is not None]
+
+    def read(f: _ChunkFile | FileRecord) -> _Read:
+        if isinstance(f, FileRecord):
+            # Never more than the record says (+1 to see a longer file): a file grown or
+            # replaced by someone else is not read whole into memory.
+            return _Read(data=storage.get(f"{root}/{f.path}", 0, f.nbytes + 1))
+        got = _Read()
+        try:
+            got.chunks.extend(read_chunks(storage, root, f.chunks))
+        except DeckError as e:  # the chunks read before it are checked all the same
+            got.error = e
+        return got
+
+    def size(f: _ChunkFile | FileRecord) -> int:
+        return f.nbytes if isinstance(f, FileRecord) else sum(c.nbytes for c in f.chunks)
+
+    for f, done in overlapped(storage, read, files, nbytes=size):
+        if isinstance(done, DeckError):
+            done = _Read(error=done)
+        elif isinstance(done, Exception):
+            raise done
+        if isinstance(f, FileRecord):
             key = f"{root}/{f.path}"
             try:
-                # Never more than the record says (+1 to see a longer file): a file grown or
-                # replaced by someone else is not read whole into memory.
-                data = storage.get(key, 0, f.nbytes + 1)
-                report.bytes += len(data)
+                if done.error is not None:
+                    raise done.error
+                assert done.data is not None
+                report.bytes += len(done.data)
                 # What a restore checks: size, checksum, and a state tree it can read.
-                decode_state_file(data, f, f"{storage.describe(key)} ({checkpoint_label(m)})")
+                where = f"{storage.describe(key)} ({checkpoint_label(m)})"
+                decode_state_file(done.data, f, where)
             except DeckError as e:
                 report.note(e)
             report.files += 1
+            continue
+        for c, at, data in done.chunks:
+            where = f"{at} (table {f.rec.table}, chunk {f.index[id(c)]}, {checkpoint_label(m)})"
+            try:
+                # Checks checksums, layout and the ids against the shard's record (what a
+                # restore relies on); quantised chunks are valid ones.
+                decode_chunk(data, c, where, allow_quantized=True, shard=f.rec)
+                report.bytes += len(data)
+            except DeckError as e:
+                report.note(e)
+            if progress:
+                progress(c.nbytes)
+        if done.error is not None:
+            report.note(done.error)
+            if progress:
+                progress(sum(c.nbytes for c in f.chunks[len(done.chunks) :]))
+        report.files += 1
     return report
+
+
+@dataclass
+class _ChunkFile:
+    """The chunks of one shard in one file (a chunk file, or the run sharing a bundle)."""
+
+    rec: ShardRecord
+    index: dict[int, int]  # id(chunk) -> its place in the shard's record, for messages
+    chunks: list[ChunkRecord]
+
+
+@dataclass
+class _Read:
+    """One file as read: a state file's bytes, or a chunk file's chunks read before the error
+    that stopped it (if any)."""
+
+    data: bytes | None = None
+    chunks: list[tuple[ChunkRecord, str, bytes | memoryview]] = field(default_factory=list)
+    error: DeckError | None = None
 
 
 def confirmed_damage(storage: Storage, m: CheckpointManifest, report: VerifyReport) -> VerifyReport:
@@ -136,19 +175,22 @@ def check_files(
         for f in (part.dense, part.extra):
             if f is not None:
                 sizes[f"{m.folder}/{f.path}"] = (f.nbytes, True)
+
+    def size(key: str) -> int:
+        if listing is not None and key not in listing:
+            raise NotFoundError(storage.describe(key))
+        return storage.size(key)
+
     problems = []
-    for key, (want, exact) in sizes.items():
+    for key, have in overlapped(storage, size, list(sizes)):  # sized concurrently when remote
+        want, exact = sizes[key]
         where = f"{storage.describe(key)} ({checkpoint_label(m)})"
-        try:
-            if listing is not None and key not in listing:
-                raise NotFoundError(where)
-            have = storage.size(key)
-        except NotFoundError:
+        if isinstance(have, NotFoundError):
             problems.append(f"{where}: file is missing")
-            continue
-        except DeckError as e:
-            problems.append(f"{where}: cannot be checked ({e})")
-            continue
-        if have != want if exact else have < want:
+        elif isinstance(have, DeckError):
+            problems.append(f"{where}: cannot be checked ({have})")
+        elif isinstance(have, Exception):
+            raise have
+        elif have != want if exact else have < want:
             problems.append(f"{where}: {have} bytes, its record says {want}")
     return problems
