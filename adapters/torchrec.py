@@ -153,7 +153,7 @@ class TorchRecAdapter(ModelAdapter):
         root = self.model.module
         module = root.get_submodule(plan_path) if plan_path else root
         if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
-            mc = ManagedCollision(plan_path, module)
+            mc = ManagedCollision.of(plan_path, module)
             self._mc[mc.inner_path] = mc
             return mc.inner_path
         if isinstance(module, ShardedFeatureProcessedEmbeddingBagCollection):

@@ -262,11 +262,17 @@ def set_mch_state(mch: Any, saved: dict[str, Any]) -> None:
         value = saved[name[1:]]
         _set(mch, name, bool(value) if name == "_evicted" else int(value))
     size, filled = int(saved["input_history_buffer_size"]), int(saved["history"].numel())
-    if size >= 0:
+    live_history = _get(mch, "_history_metadata")
+    if size < 0:  # saved before its first training forward, which allocates the history
+        if hasattr(mch, "_history_accumulator"):
+            del mch._history_accumulator
+        for name in list(live_history):
+            delattr(mch, f"_history_{name}")  # a non-persistent buffer
+        live_history.clear()
+    else:
         history = torch.empty(size, dtype=torch.int64, device=mch.device)
         history[:filled] = saved["history"]
         mch._history_accumulator = history
-        live_history = _get(mch, "_history_metadata")
         for name, t in saved["history_metadata"].items():
             buf = torch.zeros(size, dtype=torch.int64, device=mch.device)
             buf[:filled] = t

@@ -44,23 +44,23 @@ from deck.adapters.torchrec_compat import (
 )
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
-from deck.errors import IncompatibleModelError, UnsupportedError
+from deck.errors import CorruptCheckpointError, IncompatibleModelError, UnsupportedError
 from deck.model import RemovableHandle, RowRecorder
 
 STATE_KEY = "managed_collision"  # the adapter's entry in its module state
 
 
 class ManagedCollision:
-    """One sharded managed-collision collection of the model, at ``path`` (the plan's)."""
+    """One managed-collision collection of the model: ``path`` (the plan's), the sharded
+    ``module``, the path of its inner collection and this rank's remapper of each table.
+    :meth:`of` reads them from a sharded collection."""
 
-    def __init__(self, path: str, module: Any):
+    def __init__(self, path: str, module: Any, inner_path: str, remappers: dict[str, Any]):
         self.path = path
         self.module = module
-        inner, mcc = mc_collections(module)
-        self.inner = inner
-        self.inner_path = mc_inner_collection_path(path)
-        self.remappers: dict[str, Any] = mc_remappers(mcc)
-        for table, remapper in self.remappers.items():
+        self.inner_path = inner_path
+        self.remappers = remappers
+        for table, remapper in remappers.items():
             if type(remapper) is not MCHManagedCollisionModule:
                 raise UnsupportedError(
                     f"module {path or '(root)'!r}, table {table!r}: its managed-collision module "
@@ -72,6 +72,12 @@ class ManagedCollision:
                     "cannot test its checkpoints; use MCHManagedCollisionModule, or a plain "
                     "EmbeddingCollection / EmbeddingBagCollection with hashed ids"
                 )
+
+    @classmethod
+    def of(cls, path: str, module: Any) -> ManagedCollision:
+        """The sharded managed-collision collection ``module`` at plan path ``path``."""
+        _, mcc = mc_collections(module)
+        return cls(path, module, mc_inner_collection_path(path), mc_remappers(mcc))
 
     def state(self) -> dict[str, Any]:
         """Each remapper's state with its layout (first slot, slots), live."""
@@ -123,7 +129,24 @@ def prepare_restore(
     where: str,
 ) -> Callable[[], None]:
     """Check the saved remappers against the live ones; raises IncompatibleModelError (nothing
-    written yet) when they do not fit, else returns what puts them back."""
+    written yet) when they do not fit, CorruptCheckpointError when they are not what
+    :func:`module_state` writes, else returns what puts them back."""
+    try:
+        return _prepare(collections, saved, saved_ranks, world_size, where)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: its managed-collision state is not what deck writes ({type(e).__name__}: "
+            f"{e}); the extra state file is damaged"
+        ) from e
+
+
+def _prepare(
+    collections: list[ManagedCollision],
+    saved: dict[str, Any],
+    saved_ranks: int,
+    world_size: int,
+    where: str,
+) -> Callable[[], None]:
     mine = saved.get(STATE_KEY)
     live_paths = sorted(c.path for c in collections)
     if mine is None:
@@ -160,15 +183,23 @@ def prepare_restore(
             )
         for table, remapper in c.remappers.items():
             state = tables[table]
+            what = f"{where}: table {table!r} of managed-collision collection {c.path!r}"
+            first, slots = mch_layout(remapper)
             layout = tuple(int(x) for x in state["layout"])
-            if layout != mch_layout(remapper):
-                first, slots = mch_layout(remapper)
+            if layout != (first, slots):
                 raise IncompatibleModelError(
-                    f"{where}: table {table!r} of managed-collision collection {c.path!r} was "
-                    f"saved with this rank's remapper over rows [{layout[0]}, "
+                    f"{what} was saved with this rank's remapper over rows [{layout[0]}, "
                     f"{layout[0] + layout[1]}), here it is over rows [{first}, {first + slots})"
                     ": restore with the sharding plan it was saved with"
                 )
+            live_metadata = sorted(mch_state(remapper)["metadata"])
+            if sorted(state["metadata"]) != live_metadata:
+                raise IncompatibleModelError(
+                    f"{what} was saved by an eviction policy keeping "
+                    f"{sorted(state['metadata'])} per slot, this model's keeps {live_metadata}: "
+                    "restore with the policy it was saved with"
+                )
+            _check_state(state, slots)
             puts.append((remapper, state))
 
     def put() -> None:
@@ -176,3 +207,17 @@ def prepare_restore(
             set_mch_state(remapper, state)
 
     return put
+
+
+def _check_state(state: dict[str, Any], slots: int) -> None:
+    """Raise ValueError (turned into CorruptCheckpointError) unless ``state`` has the shapes
+    :func:`mch_state` writes for a remapper of ``slots`` slots: per-slot arrays of that length,
+    an id history no longer than its saved size."""
+    per_slot = [state["sorted_raw_ids"], state["remapped_ids"], *state["metadata"].values()]
+    if any(not isinstance(t, torch.Tensor) or t.shape != (slots,) for t in per_slot):
+        raise ValueError(f"per-slot arrays are not {slots} long")
+    filled, size = int(state["history"].numel()), int(state["input_history_buffer_size"])
+    if filled > max(size, 0) or any(
+        t.numel() != filled for t in state["history_metadata"].values()
+    ):
+        raise ValueError(f"an id history of {filled} ids in a buffer of {size}")

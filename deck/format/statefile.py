@@ -21,6 +21,7 @@ EXTRA_MAPPINGS = (
     "scalars",
     "rank_local",
     "rng",
+    "modules",
 )
 
 _SCALAR_KEY = re.compile(r"^(.+)\|(\d+)\|(\d+)$")
