@@ -145,10 +145,10 @@ def _train(a: dict[str, Any], out: str) -> list[dict[str, Any]]:
 
 
 def _ops(
-    code: str | None, uri: str, copies: list[str], options: dict[str, Any]
-) -> dict[str, float]:
-    """Seconds of verify (of ``uri``), then a merge pass and a GC of each of ``copies`` (in
-    turn, one per repeat), through ``options``' endpoint; run in a child for ``--code``."""
+    code: str | None, uri: str, copy: str, options: dict[str, Any]
+) -> dict[str, tuple[float, dict[str, int]]]:
+    """Seconds and S3 requests of verify (of ``uri``), then of a merge pass and a GC of
+    ``copy``, through ``options``' endpoint; run in a child for ``--code``."""
     _use_code(code)
     from deck.merge.worker import MergeWorker
     from deck.ops.retention import collect_garbage
@@ -156,30 +156,33 @@ def _ops(
     from deck.read.verify import verify_checkpoint
     from deck.storage import open_storage
 
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, dict[str, int]]] = {}
     storage = open_storage(uri, options)
+    requests = _slow_store().S3Requests(storage.fs)
     t0 = time.perf_counter()
     manifests = read_manifests(storage)
     bad = [m.step for m in manifests.all() if not verify_checkpoint(storage, m).ok]
-    out["verify"] = time.perf_counter() - t0
+    out["verify"] = (time.perf_counter() - t0, requests.taken())
     if bad or len(manifests) < 2:
         raise RuntimeError(f"verify of {uri}: {len(manifests)} checkpoints, problems in {bad}")
-    for copy in copies:
-        target = open_storage(copy, options)
-        t0 = time.perf_counter()
-        stats, _ = MergeWorker(target).run_once(wait_s=0)
-        out["merge"] = time.perf_counter() - t0
-        if not stats.items_committed:
-            raise RuntimeError(f"the merge pass of {copy} committed nothing")
-        t0 = time.perf_counter()
-        collect_garbage(target)
-        out["gc"] = time.perf_counter() - t0
+    target = open_storage(copy, options)
+    if target.fs is not storage.fs:  # fsspec keeps one client per options, usually
+        requests = _slow_store().S3Requests(target.fs)
+    requests.taken()
+    t0 = time.perf_counter()
+    stats, _ = MergeWorker(target).run_once(wait_s=0)
+    out["merge"] = (time.perf_counter() - t0, requests.taken())
+    if not stats.items_committed:
+        raise RuntimeError(f"the merge pass of {copy} committed nothing")
+    t0 = time.perf_counter()
+    collect_garbage(target)
+    out["gc"] = (time.perf_counter() - t0, requests.taken())
     return out
 
 
 def _ops_child(code: str | None, uri: str, copy: str, options: dict[str, Any], q: Any) -> None:
     try:
-        q.put(_ops(code, uri, [copy], options))
+        q.put(_ops(code, uri, copy, options))
     except BaseException as e:
         q.put(f"{type(e).__name__}: {e}")
         raise
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         fs = fsspec.filesystem("s3", **server.storage_options)
         src = f"{server.bucket}/{run}"
         times: dict[str, dict[str, list[float]]] = {"delay": {}, "direct": {}}
+        counts: dict[str, dict[str, int]] = {}
         ctx = mp.get_context("spawn")
         for i in range(a.ops_repeats):
             for how in ("delay", "direct") if i % 2 == 0 else ("direct", "delay"):
@@ -286,13 +290,14 @@ def main(argv: list[str] | None = None) -> int:
                 child.join()
                 if isinstance(got, str):
                     raise RuntimeError(got)
-                for k, v in got.items():
-                    times[how].setdefault(k, []).append(v)
+                for k, (seconds, made) in got.items():
+                    times[how].setdefault(k, []).append(seconds)
+                    counts[k] = made
         for k in ("verify", "merge", "gc"):
             d, s = statistics.median(times["direct"][k]), statistics.median(times["delay"][k])
             print(
                 f"{k}: {s:.2f} s through the delay, {d:.2f} s direct: {s / d:.1f}x "
-                f"(medians of {a.ops_repeats})"
+                f"(medians of {a.ops_repeats}); requests {_fmt(counts[k])}"
             )
         print("reproduce: python benchmarks/bench_slow_store.py " + " ".join(argv or sys.argv[1:]))
     finally:

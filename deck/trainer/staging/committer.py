@@ -87,6 +87,20 @@ class _Put:
 
 
 @dataclass
+class _Reads:
+    """Rank 0's reads for a commit that need nothing of the part, begun with it."""
+
+    fence: Future[float] | None = None  # when the fence's read began (monotonic)
+    parent: Future[str | None] | None = None  # the id the parent's step holds committed
+
+    def wait(self) -> None:
+        """Until they are done, whatever they found (the part failed for its own reason)."""
+        for read in (self.fence, self.parent):
+            if read is not None:
+                read.exception()
+
+
+@dataclass
 class _Ready:
     """Rank 0: what the commit record of a part needs, read before it is its turn."""
 
@@ -118,9 +132,10 @@ class Committer:
       (``cpu-ssd-remote``; on the upload pool, with retries); puts the rank part manifest. A
       part of a rank other than 0 that fails here writes its failure record at once.
     - **ready** (``deck-commit``, one part after the other, :meth:`_ready`): rank 0 reads the
-      other ranks' part manifests (polling until every one is there, or a rank reports its part
-      failed), the fence and, for a delta of a checkpoint another process committed, the
-      parent's commit record -- while the part before is still being committed.
+      fence and, for a delta of a checkpoint another process committed, the parent's commit
+      record (both begun beside the part's uploads), and once its own part is up the other
+      ranks' part manifests (polling until every one is there, or a rank reports its part
+      failed) -- while the part before is still being committed.
     - **end** (``deck-record``, one part after the other, :meth:`_end`): rank 0 checks a
       delta's parent is committed (known here for a parent committed by this process) and
       writes the commit record; then every rank cleans up: spool copies (``cpu-ssd-remote``),
@@ -238,15 +253,19 @@ class Committer:
             if item is None:
                 return
             assert item.put is not None
+            # Rank 0's reads that do not need the part (the fence, a parent's record) begin
+            # now, beside the part's own uploads.
+            reads = self._reads_before(item.pending) if item.pending.rank == 0 else _Reads()
             put: _Put | None = None
             ready: _Ready | None = None
             error: Exception | None = None
             try:
                 put = item.put.result()
                 if put.pending.rank == 0 and not put.committed:
-                    ready = self._ready(put.pending)
+                    ready = self._ready(put.pending, reads)
             except Exception as e:
                 error = e
+                reads.wait()  # they end before the part does; its error says why it failed
             self._records.submit(self._end, item, put, ready, error)
 
     def _end(
@@ -409,29 +428,33 @@ class Committer:
             fut.result()
 
     # ---- stage 2: rank 0's reads before a commit (deck-commit thread) ----------------------------
-    def _ready(self, p: PendingPart) -> _Ready:
-        """Rank 0, once its own part is up: every other rank's part manifest (waited for), the
-        fence, and the parent's commit record when no part of this process is the parent --
-        read concurrently, while the part before this one may still be committed."""
-        fence = self._reads.submit(self._fence) if self.dest.fenced else None
-        parent: Future[str | None] | None = None
+    def _reads_before(self, p: PendingPart) -> _Reads:
+        """Rank 0: start the fence's read, and the parent's commit record when no part of this
+        process is the parent (none is read for a parent committed here)."""
+        reads = _Reads()
+        if self.dest.fenced:
+            reads.fence = self._reads.submit(self._fence)
         if p.kind is Kind.DELTA and p.parent is not None and p.parent_id is not None:
             with self._idle:
                 ours = (p.parent, p.parent_id) in self._outcomes
             if not ours:
-                parent = self._reads.submit(self.dest.patient_committed_id, p.parent)
+                reads.parent = self._reads.submit(self.dest.patient_committed_id, p.parent)
+        return reads
+
+    def _ready(self, p: PendingPart, reads: _Reads) -> _Ready:
+        """Rank 0, once its own part is up: every other rank's part manifest (waited for), and
+        the reads begun before (:meth:`_reads_before`), while the part before this one may
+        still be committed."""
         try:
             parts = self._wait_for_parts(p)
         except BaseException:
-            for read in (fence, parent):  # they end before the part does; its error says why
-                if read is not None:
-                    read.exception()
+            reads.wait()
             raise
         return _Ready(
             parts,
-            parent_read=parent is not None,
-            parent_id=None if parent is None else parent.result(),
-            fenced_at=None if fence is None else fence.result(),
+            parent_read=reads.parent is not None,
+            parent_id=None if reads.parent is None else reads.parent.result(),
+            fenced_at=None if reads.fence is None else reads.fence.result(),
         )
 
     def _fence(self) -> float:
