@@ -111,15 +111,149 @@ def _node(m: CheckpointManifest, quarantined: dict[str, str]) -> LineageNode:
     )
 
 
-@dataclass(frozen=True)
 class _Best:
-    """Cheapest known way to reach a state: total bytes, then fewest checkpoints, then ids."""
+    """Cheapest known way to reach a state: total bytes, then fewest checkpoints, then ids (the
+    path's ids compared like tuples, from the full on).
 
-    cost: int
-    path: tuple[str, ...]
+    One link of a persistent list: ``id`` is the last checkpoint of the path and ``prev`` the
+    way to the state it applies on (None: ``id`` is a full). Paths share their prefixes, so
+    reaching a state costs one link, not a copy of the path before it: a chain of n deltas is
+    O(n), where whole tuples per state were O(n**2). Never changed once made, so a link also
+    names its whole path (:mod:`deck.ops.retention.grace` keeps the links it has walked).
+    """
 
-    def key(self) -> tuple[int, int, tuple[str, ...]]:
-        return (self.cost, len(self.path), self.path)
+    __slots__ = ("cost", "id", "length", "prev")
+
+    def __init__(self, cost: int, length: int, prev: _Best | None, id: str) -> None:
+        self.cost = cost
+        self.length = length  # checkpoints on the path
+        self.prev = prev
+        self.id = id
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """Ids of the path, the full first."""
+        return _ids(self, ())
+
+    def __repr__(self) -> str:
+        return f"_Best(cost={self.cost}, path={self.path})"
+
+
+def _ids(link: _Best | None, tail: tuple[str, ...]) -> tuple[str, ...]:
+    """The ids of the path ending in ``link``, then ``tail``."""
+    out = list(reversed(tail))
+    while link is not None:
+        out.append(link.id)
+        link = link.prev
+    return tuple(reversed(out))
+
+
+# A way in, before it is made a link: (cost, length, prev, id) -- the path of ``prev``, then
+# ``id`` (a candidate of :func:`_way_in` or :func:`_chain_way`).
+_Way = tuple[int, int, "_Best | None", str]
+
+
+def _before(a: _Way, b: _Way) -> bool:
+    """Whether way ``a`` is cheaper than ``b``: bytes, then checkpoints, then the ids like
+    tuples (the first that differs, from the full on)."""
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    if a[1] != b[1]:
+        return a[1] < b[1]
+    # Equal lengths: walk both from the end; the last difference seen is the first from the
+    # start. Paths of one graph share their links, so the walk stops where they meet.
+    aid, ap, bid, bp = a[3], a[2], b[3], b[2]
+    verdict = False
+    while True:
+        if aid != bid:
+            verdict = aid < bid
+        if ap is bp:  # the same link, or both at the full (equal lengths: None together)
+            return verdict
+        assert ap is not None and bp is not None
+        aid, ap, bid, bp = ap.id, ap.prev, bp.id, bp.prev
+
+
+def _way_in(
+    st: StateKey,
+    fulls: Iterable[LineageNode],
+    endings: Iterable[LineageNode],
+    best: Mapping[StateKey, _Best],
+    usable: Callable[[LineageNode], bool],
+) -> _Way | None:
+    """The cheapest way into state ``st``: a usable full of it, or a usable delta / merged delta
+    ending in it after the cheapest way to where it starts (``best``, known for every state
+    before ``st``). The first of equal ones wins (none are: paths differ in their ids)."""
+    win: _Way | None = None
+    for f in fulls:
+        if usable(f):
+            c: _Way = (f.bytes, 1, None, f.id)
+            if win is None or _before(c, win):
+                win = c
+    for d in endings:
+        # (a delta's parent is older: its start sorts before ``st``, the order states are
+        # visited in; the check keeps a record saying otherwise out, as that order always did)
+        if d.start is None or not d.start < st or not usable(d):
+            continue
+        prev = best.get(d.start)
+        if prev is not None:
+            c = (prev.cost + d.bytes, prev.length + 1, prev, d.id)
+            if win is None or _before(c, win):
+                win = c
+    return win
+
+
+def _chain_way(
+    t: LineageNode,
+    fulls: Iterable[LineageNode],
+    endings: Iterable[LineageNode],
+    best: Mapping[StateKey, _Best],
+    usable: Callable[[LineageNode], bool],
+) -> tuple[_Best | None, str | None] | None:
+    """How the cheapest chain of trainer checkpoint ``t`` reaches its state, given the cheapest
+    ways ``best`` and the fulls and endings of ``t.state``: ``(prev, last)``, the chain being
+    the path of ``prev``, then ``last`` (if not None), then ``t``; None when there is none."""
+    if not usable(t):
+        return None
+    if t.kind is Kind.FULL:
+        return (None, None)
+    win: _Way | None = None
+    if t.start is not None and t.start in best:
+        b = best[t.start]
+        # Through its own start: ``t`` is the chain's last checkpoint (appended by the caller)
+        win = (b.cost + t.bytes, b.length, b.prev, b.id)
+    # Or reach the state itself another way (a merger full of it, or a merged delta ending
+    # in it): the trainer checkpoint then only contributes its records (dense / extra
+    # state, its id), not its rows (restore.apply_chain skips them), so it costs nothing.
+    for f in fulls:
+        if usable(f):
+            c: _Way = (f.bytes, 1, None, f.id)
+            if win is None or _before(c, win):
+                win = c
+    for d in endings:
+        if d.id != t.id and usable(d) and d.start in best:
+            assert d.start is not None
+            prev = best[d.start]
+            c = (prev.cost + d.bytes, prev.length + 1, prev, d.id)
+            if win is None or _before(c, win):
+                win = c
+    return None if win is None else (win[2], win[3])
+
+
+def _keep_chain(
+    way: tuple[LineageNode, _Best | None, str | None], into: set[str], walked: set[_Best]
+) -> None:
+    """Add the ids of the chain ``way`` (what :meth:`LineageGraph._chain_way` returned) to
+    ``into``, walking only links not in ``walked`` (each added there): a link names its whole
+    path, so a path already walked is already in ``into``. The chains of every step of a
+    lineage cost O(its checkpoints) together, not O(steps x chain length)."""
+    t, prev, last = way
+    into.add(t.id)
+    if last is not None:
+        into.add(last)
+    while prev is not None and prev not in walked:
+        walked.add(prev)
+        into.add(prev.id)
+        prev = prev.prev
 
 
 class LineageGraph:
@@ -240,55 +374,54 @@ class LineageGraph:
         """Cheapest path (bytes) from some full to every reachable state.
 
         Edges only go to later steps (a delta's parent is older), so one pass in step order is
-        a complete shortest-path computation.
+        a complete shortest-path computation; each state adds one link (:class:`_Best`).
+        The paths of the last ``exclude`` asked are kept.
         """
-        if self._best is not None and self._best_excluding == exclude:
+        if self._best is not None and (
+            self._best_excluding is exclude or self._best_excluding == exclude
+        ):
             return self._best
-        states = sorted({*self.fulls_at, *self.ending_at})
         best: dict[StateKey, _Best] = {}
-        for st in states:
-            cands = [
-                _Best(f.bytes, (f.id,))
-                for f in self.fulls_at.get(st, ())
-                if self._usable(f, exclude)
-            ]
-            for d in self.ending_at.get(st, ()):
-                if not self._usable(d, exclude) or d.start is None:
-                    continue
-                prev = best.get(d.start)
-                if prev is not None:
-                    cands.append(_Best(prev.cost + d.bytes, (*prev.path, d.id)))
-            if cands:
-                best[st] = min(cands, key=_Best.key)
+        usable = self._usable_fn(exclude)
+        for st in sorted({*self.fulls_at, *self.ending_at}):
+            way = _way_in(st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, usable)
+            if way is not None:
+                best[st] = _Best(*way)
         self._best, self._best_excluding = best, exclude
         return best
 
-    def _chain_ids(self, step: int, exclude: frozenset[str]) -> tuple[str, ...] | None:
-        """Ids of the cheapest chain of trainer step ``step``, or None when there is none."""
+    def _usable_fn(self, exclude: frozenset[str]) -> Callable[[LineageNode], bool]:
+        if not exclude:
+            return lambda n: n.quarantined is None
+        return lambda n: n.quarantined is None and n.id not in exclude
+
+    def _chain_way(
+        self, step: int, exclude: frozenset[str]
+    ) -> tuple[LineageNode, _Best | None, str | None] | None:
+        """``(t, prev, last)``: the cheapest chain of trainer step ``step`` is the path of
+        ``prev``, then ``last`` (if not None), then ``t`` (see :func:`_chain_way`); None when
+        there is none. Nothing is copied: O(in-degree) once the paths are known."""
         t = self.trainer.get(step)
         if t is None or not self._usable(t, exclude):
             return None
         if t.kind is Kind.FULL:
-            return (t.id,)
-        best = self.best_paths(exclude)
-        cands: list[_Best] = []
-        if t.start is not None and t.start in best:
-            b = best[t.start]
-            cands.append(_Best(b.cost + t.bytes, b.path))
-        # Or reach the state itself another way (a merger full of it, or a merged delta ending
-        # in it): the trainer checkpoint then only contributes its records (dense / extra
-        # state, its id), not its rows (restore.apply_chain skips them), so it costs nothing.
-        for f in self.fulls_at.get(t.state, ()):
-            if self._usable(f, exclude):
-                cands.append(_Best(f.bytes, (f.id,)))
-        for d in self.ending_at.get(t.state, ()):
-            if d.id != t.id and self._usable(d, exclude) and d.start in best:
-                assert d.start is not None
-                prev = best[d.start]
-                cands.append(_Best(prev.cost + d.bytes, (*prev.path, d.id)))
-        if not cands:
+            return (t, None, None)
+        way = _chain_way(
+            t,
+            self.fulls_at.get(t.state, ()),
+            self.ending_at.get(t.state, ()),
+            self.best_paths(exclude),
+            self._usable_fn(exclude),
+        )
+        return None if way is None else (t, *way)
+
+    def _chain_ids(self, step: int, exclude: frozenset[str]) -> tuple[str, ...] | None:
+        """Ids of the cheapest chain of trainer step ``step``, or None when there is none."""
+        way = self._chain_way(step, exclude)
+        if way is None:
             return None
-        return (*min(cands, key=_Best.key).path, t.id)
+        t, prev, last = way
+        return _ids(prev, (t.id,) if last is None else (last, t.id))
 
     def _why_not(self, step: int, exclude: frozenset[str]) -> str:
         """Why trainer step ``step`` has no chain: the first link that is missing."""

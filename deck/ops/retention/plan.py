@@ -21,7 +21,7 @@ from deck.config import Settings
 from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, Kind, step_dir
 from deck.read.catalog import ManifestSet
-from deck.read.lineage import LineageGraph, LineageNode, build_graph
+from deck.read.lineage import LineageGraph, LineageNode, _Best, _keep_chain, build_graph
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def plan_lineage(
 
     retained = set(window) | {st[0] for st in kept}
     if policy.keep_all_steps:
-        retained |= set(graph.restorable_steps())
+        retained |= set(_restorable(graph))
     # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and
     # merged deltas (with keep_merged_deltas; else only the latest chain's); only when that is
     # impossible do they keep more.
@@ -216,7 +216,7 @@ def _damage_holds(
     holds: dict[str, str] = {}
     if not damaged:
         return holds
-    restorable, reached = set(graph.restorable_steps()), graph.best_paths()
+    restorable, reached = set(_restorable(graph)), graph.best_paths()
 
     def complete(n: LineageNode) -> bool:  # it has what it applies on
         if n.kind is Kind.FULL:
@@ -326,21 +326,36 @@ def _add_chains(
     graph: LineageGraph, steps: list[int], allowed: set[str], keep: set[str]
 ) -> list[int]:
     """Add to ``keep`` the chain of each of ``steps`` -- through ``allowed`` checkpoints where
-    possible, else the cheapest -- and return the steps that have one (the others are logged)."""
-    restricted = [i for i in graph.nodes if i not in allowed]
-    retained_steps = []
+    possible, else the cheapest -- and return the steps that have one (the others are logged).
+
+    Every step's chain at once: the restricted chains first, then the cheapest of the steps
+    that have none (one computation of the paths each), each chain walked only up to the first
+    link an earlier one walked (O(checkpoints) in all, not steps x chain length)."""
+    restricted = frozenset(i for i in graph.nodes if i not in allowed)
+    ways = {}
+    unrestricted = []
     for step in steps:
-        try:
-            chain = graph.chain(step, exclude=restricted)
-        except CheckpointNotFoundError:
-            try:
-                chain = graph.chain(step)
-            except CheckpointNotFoundError as e:
-                logger.warning("retention: step %d is not restorable, not retained: %s", step, e)
-                continue
-        keep.update(m.id for m in chain)
-        retained_steps.append(step)
-    return retained_steps
+        way = graph._chain_way(step, restricted)
+        if way is None:
+            unrestricted.append(step)
+        else:
+            ways[step] = way
+    for step in unrestricted:
+        way = graph._chain_way(step, frozenset())
+        if way is None:
+            why = graph._why_not(step, frozenset())
+            logger.warning("retention: step %d is not restorable, not retained: %s", step, why)
+            continue
+        ways[step] = way
+    walked: set[_Best] = set()
+    for way in ways.values():
+        _keep_chain(way, keep, walked)
+    return sorted(ways)
+
+
+def _restorable(graph: LineageGraph) -> list[int]:
+    """:meth:`LineageGraph.restorable_steps` without copying a chain per step."""
+    return [s for s in sorted(graph.trainer) if graph._chain_way(s, frozenset()) is not None]
 
 
 def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
@@ -421,12 +436,20 @@ def takeovers(graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str
     if not gone:
         return set()
     retained = sorted(plan.retained_steps)
-    out: set[str] = set()
+    steps: set[int] = set()
     for cid in gone:
         n = graph.nodes[cid]
         lo = bisect.bisect_left(retained, n.first_step)
-        for step in retained[lo : bisect.bisect_right(retained, n.step)]:
-            with contextlib.suppress(CheckpointNotFoundError):
-                chain = graph.chain(step, exclude=doomed)
-                out.update(m.id for m in chain if not m.is_merged and m.kind is not Kind.FULL)
-    return out
+        steps.update(retained[lo : bisect.bisect_right(retained, n.step)])
+    # Each step's chain once (several doomed checkpoints cover it), the excluded set made once
+    # (not per chain: a first GC of a long history dooms thousands)
+    exclude = frozenset(doomed)
+    on_chains: set[str] = set()
+    walked: set[_Best] = set()
+    for step in sorted(steps):
+        way = graph._chain_way(step, exclude)
+        if way is not None:
+            _keep_chain(way, on_chains, walked)
+    return {
+        i for i in on_chains if not graph.nodes[i].merged and graph.nodes[i].kind is not Kind.FULL
+    }
