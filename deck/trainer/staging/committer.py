@@ -1,4 +1,4 @@
-"""The commit thread: takes each staged part to the destination and, on rank 0, commits it.
+"""The commit threads: take each staged part to the destination and, on rank 0, commit it.
 
 Consecutive parts overlap: the files and part manifests of several parts go up at once, and rank
 0 reads what the next commit needs (the other ranks' part manifests, the writer lease's fence)
@@ -70,7 +70,7 @@ class _Item:
     """One part for the commit thread: staged by this process, or found in the spool."""
 
     pending: PendingPart  # of a staged part: without files and manifest until its writes are done
-    progress: PartProgress  # the part's state: written by the commit thread only
+    progress: PartProgress  # the part's state: written by the commit threads only
     spool_reserved: int  # spool space held for it, given back at cleanup
     staged: StagedPart | None = None
     put: Future[_Put] | None = field(default=None, repr=False)  # its files and part manifest

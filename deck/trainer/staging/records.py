@@ -34,8 +34,8 @@ class Progress:
 class PartProgress:
     """How far the commit thread got with one part: the commit thread's state machine.
 
-    Only the commit thread moves it on (restart recovery marks a part ``recovering`` before it
-    hands it over); any thread may read it. Every change replaces the whole :class:`Progress`
+    Only the commit threads move it on, one stage after the other (restart recovery marks a
+    part ``recovering`` before it hands it over); any thread may read it. Every change replaces the whole :class:`Progress`
     under the lock, so a reader sees one moment: never a state without the time that goes
     with it."""
 
