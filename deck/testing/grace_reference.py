@@ -23,9 +23,11 @@ from deck.ops.retention.plan import RetentionPlan, RetentionPolicy
 from deck.read.lineage import LineageGraph, LineageNode, StateKey
 
 __all__ = [
+    "ReferenceMoment",
     "reference_best_paths",
     "reference_chain_ids",
     "reference_grace_protected",
+    "reference_moment",
     "reference_plan_lineage",
     "reference_takeovers",
 ]
@@ -319,6 +321,51 @@ def reference_takeovers(
                     if not graph.nodes[i].merged and graph.nodes[i].kind is not Kind.FULL
                 )
     return out
+
+
+@dataclass
+class ReferenceMoment:
+    """What the reference plans for one moment's lineage, part by part (for white-box tests of
+    an incremental replay)."""
+
+    latest: int | None
+    window: list[int]
+    anchor: StateKey | None
+    kept_fulls: list[str]
+    restricted: frozenset[str]  # what restricted chains may not use
+    paths: dict[StateKey, tuple[str, ...]]  # the cheapest path into every state
+    restricted_paths: dict[StateKey, tuple[str, ...]]
+    protected: set[str]  # what the grace period protects for this moment
+
+
+def reference_moment(graph: LineageGraph, policy: RetentionPolicy) -> ReferenceMoment:
+    paths = _Paths(graph)
+    plan = reference_plan_lineage(graph, policy)
+    protected = set(plan.keep)
+    for step in plan.retained_steps:
+        protected.update(paths.chain(step))
+    every = {st: b.path for st, b in paths.best(frozenset()).items()}
+    if plan.latest is None:
+        return ReferenceMoment(None, [], None, [], frozenset(), every, every, protected)
+    latest_chain = paths.chain(plan.latest)
+    window, anchor = _active_window(graph, plan.latest)
+    kept = _kept_fulls(graph, policy, plan.latest, latest_chain, anchor)
+    allowed = (
+        {f.id for f in kept.values()} | set(latest_chain) | {n.id for n in graph.trainer.values()}
+    )
+    if policy.keep_merged_deltas:
+        allowed |= {n.id for n in graph.nodes.values() if n.merged and n.kind is not Kind.FULL}
+    restricted = frozenset(i for i in graph.nodes if i not in allowed)
+    return ReferenceMoment(
+        latest=plan.latest,
+        window=sorted(window),
+        anchor=anchor,
+        kept_fulls=plan.kept_fulls,
+        restricted=restricted,
+        paths=every,
+        restricted_paths={st: b.path for st, b in paths.best(restricted).items()},
+        protected=protected,
+    )
 
 
 def reference_grace_protected(

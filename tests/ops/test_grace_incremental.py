@@ -24,12 +24,14 @@ from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import gc as gc_module
 from deck.ops.retention.gc import collect_garbage
+from deck.ops.retention.grace import _Replay
 from deck.ops.retention.plan import RetentionPolicy, grace_protected, plan_lineage, takeovers
 from deck.read.lineage import LineageGraph
 from deck.storage import LocalStorage
 from deck.testing.grace_reference import (
     reference_chain_ids,
     reference_grace_protected,
+    reference_moment,
     reference_plan_lineage,
     reference_takeovers,
 )
@@ -231,6 +233,43 @@ def test_grace_protection_and_plan_match_the_reference(data: st.DataObject) -> N
     doomed = {i: "drawn" for i in data.draw(st.lists(st.sampled_from(ids)), label="doomed")}
     doomed.update(plan.delete)
     assert takeovers(graph, plan, doomed) == reference_takeovers(graph, plan, doomed)
+
+
+@hyp
+@given(st.data())
+def test_each_moment_of_the_replay_matches_the_reference(data: st.DataObject) -> None:
+    """White box: after every moment of the grace period, the replay's latest, window, kept
+    fulls, restricted set and cheapest paths (both) are the reference's for that moment's
+    lineage, and what it protected so far is the union of the reference's moments so far."""
+    sim = draw_any_lineage(data)
+    graph = sim.graph()
+    times = {i: t for i, t in sim.committed_at.items() if i in graph.nodes}
+    policy = draw_policy(data, sim.clock)
+    moments = sorted(set(times.values()))
+    start = data.draw(st.sampled_from(moments), label="first moment")
+    replay = _Replay(graph, policy, set())
+    union: set[str] = set()
+    for moment in [m for m in moments if m >= start]:
+        replay.add(
+            [
+                n
+                for n in graph.nodes.values()
+                if times[n.id] == moment or (moment == start and times[n.id] < start)
+            ]
+        )
+        then = graph.as_of(moment, times.__getitem__)
+        ref = reference_moment(then, policy)
+        union |= ref.protected
+        assert replay.protected == union, (moment, sorted(replay.protected ^ union))
+        assert (replay.latest.step if replay.latest else None) == ref.latest
+        if ref.latest is None:
+            continue
+        assert sorted(w.step for w in replay.window) == ref.window
+        assert replay.anchor == ref.anchor
+        assert sorted(f.id for f in replay.kept.values()) == ref.kept_fulls
+        assert replay.excluded & set(then.nodes) == ref.restricted
+        assert {st: b.path for st, b in replay.any.best.items()} == ref.paths
+        assert {st: b.path for st, b in replay.restricted.best.items()} == ref.restricted_paths
 
 
 @hyp

@@ -20,6 +20,7 @@ from pydantic import Field
 from deck.config import Settings
 from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, Kind, step_dir
+from deck.ops.retention.grace import replay_protected
 from deck.read.catalog import ManifestSet
 from deck.read.lineage import LineageGraph, LineageNode, _Best, _keep_chain, build_graph
 
@@ -393,22 +394,14 @@ def grace_protected(
         return set()
     if now is None:
         return set(graph.nodes)
-    cutoff = now - policy.grace_s
 
     def when(cid: str) -> float:
         t = committed_at.get(cid)
         return now if t is None else t
 
-    recent = [i for i in graph.nodes if when(i) > cutoff]
-    protected = set(recent)
-    for moment in sorted({cutoff} | {when(i) for i in recent if when(i) <= now}):
-        then = graph.as_of(moment, when)
-        plan = plan_lineage(then, policy)
-        protected |= plan.keep
-        for step in plan.retained_steps:
-            with contextlib.suppress(CheckpointNotFoundError):
-                protected.update(m.id for m in then.chain(step))
-    return protected
+    # Replayed commit by commit, each moment's plan from the last one's (deck.ops.retention.
+    # grace): O(what each commit changes), where planning every moment again was O(n) each.
+    return replay_protected(graph, policy, now, when)
 
 
 def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str]) -> set[str]:
