@@ -40,6 +40,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -58,6 +59,11 @@ def _slow_store() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _fs(storage: Any) -> Any:
+    """The fsspec filesystem of an ``FsspecStorage`` (of whichever deck runs)."""
+    return storage.fs
 
 
 def _worker(rank: int, world_size: int, port: int, a: dict[str, Any], out: str) -> None:
@@ -84,7 +90,7 @@ def _worker(rank: int, world_size: int, port: int, a: dict[str, Any], out: str) 
         staging=deck.StagingConfig(spool_dir=a["spool"]),
     )
     # The same fsspec instance as the checkpointer's (same options): its requests are counted.
-    counts = _slow_store().S3Requests(open_storage(a["uri"], a["options"]).fs)
+    counts = _slow_store().S3Requests(_fs(open_storage(a["uri"], a["options"])))
     res: dict[str, Any] = {"deck": deck.__file__}
     step = 0
     with deck.enable(model, [opt], config, state=user) as ck:
@@ -97,6 +103,7 @@ def _worker(rank: int, world_size: int, port: int, a: dict[str, Any], out: str) 
             dist.barrier()
             counts.clear()
             stats = ck.step(step)
+            assert stats is not None
             ck.flush()
             alone.append(stats.committed_s)
             alone_req.append(dict(counts))
@@ -115,6 +122,7 @@ def _worker(rank: int, world_size: int, port: int, a: dict[str, Any], out: str) 
                 time.sleep(wait)
             called = time.perf_counter() - t0
             stats = ck.step(step)
+            assert stats is not None
             burst.append((called, stats))
         last_call = time.perf_counter() - t0
         ck.flush()
@@ -158,7 +166,7 @@ def _ops(
 
     out: dict[str, tuple[float, dict[str, int]]] = {}
     storage = open_storage(uri, options)
-    requests = _slow_store().S3Requests(storage.fs)
+    requests = _slow_store().S3Requests(_fs(storage))
     t0 = time.perf_counter()
     manifests = read_manifests(storage)
     bad = [m.step for m in manifests.all() if not verify_checkpoint(storage, m).ok]
@@ -166,8 +174,8 @@ def _ops(
     if bad or len(manifests) < 2:
         raise RuntimeError(f"verify of {uri}: {len(manifests)} checkpoints, problems in {bad}")
     target = open_storage(copy, options)
-    if target.fs is not storage.fs:  # fsspec keeps one client per options, usually
-        requests = _slow_store().S3Requests(target.fs)
+    if _fs(target) is not _fs(storage):  # fsspec keeps one client per options, usually
+        requests = _slow_store().S3Requests(_fs(target))
     requests.taken()
     t0 = time.perf_counter()
     stats, _ = MergeWorker(target).run_once(wait_s=0)
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fmt(counts: dict[str, float]) -> str:
+def _fmt(counts: Mapping[str, float]) -> str:
     total = sum(counts.values())
     return f"{total:g} ({', '.join(f'{k} {v:g}' for k, v in sorted(counts.items()))})"
 
