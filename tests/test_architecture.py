@@ -39,6 +39,7 @@ LEAVES = {
     "deck.model",
     "deck.at_exit",  # open checkpointers closed at interpreter exit (and by end_rank)
     "deck.units",  # sizes as log lines and the deck command print them
+    "deck.stack",  # whether TorchRec's stack is installed, and what to install when not
 }
 ALLOWED = {
     "deck.storage": set(),

@@ -45,6 +45,7 @@ from deck.merge.stream import ChunkOut, InputDamaged, ShardStream, merge_rows, r
 from deck.read.catalog import read_rank_manifests
 from deck.storage import Storage
 from deck.storage.base import get_bounded
+from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -268,10 +269,10 @@ class ItemBuilder:
         stats.items_committed += 1
         stats.committed.append(self.item.id)
         logger.debug(
-            "deck merge: committed %s (%s, %.1f MiB)",
+            "deck merge: committed %s (%s, %s)",
             self.item.describe(),
             self.folder,
-            manifest.data_bytes / 2**20,
+            human_bytes(manifest.data_bytes),
         )
         return True
 

@@ -54,6 +54,7 @@ from deck.read.catalog import ManifestSet, quarantine, read_manifests
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 from deck.storage.base import get_bounded
+from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -157,14 +158,14 @@ class MergeWorker:
         # One INFO line per pass that did something (an idle follow() polls quietly)
         logger.log(
             logging.INFO if progressed else logging.DEBUG,
-            "deck merge pass at %s: %d committed (%s), %d partition(s), %.1f MiB read, "
-            "%.1f MiB written, %.2f s; %d ready, %d waiting for other workers, %d failed",
+            "deck merge pass at %s: %d committed (%s), %d partition(s), %s read, "
+            "%s written, %.2f s; %d ready, %d waiting for other workers, %d failed",
             self.storage.uri,
             stats.items_committed,
             ", ".join(stats.committed) or "-",
             stats.partitions,
-            stats.bytes_read / 2**20,
-            stats.bytes_written / 2**20,
+            human_bytes(stats.bytes_read),
+            human_bytes(stats.bytes_written),
             stats.seconds,
             len(p.ready),
             waiting,

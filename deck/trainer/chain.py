@@ -74,6 +74,7 @@ from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stage
 from deck.trainer.staging.committer import lower_priority
 from deck.trainer.tracker import ClaimedSpan, ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
+from deck.units import human_bytes
 
 _DIGEST_BITS = (1 << 52) - 1  # votes travel as float64: exact below 2**53
 
@@ -886,24 +887,24 @@ class ChainWriter:
         if stats.pool_capped:
             logger.warning(
                 "deck: %s step %d: a rank's part needs more chunk buffers than "
-                "staging.snapshot_memory_bytes (%.0f MiB) allows; it waited %.3f s of its %.3f s "
+                "staging.snapshot_memory_bytes (%s) allows; it waited %.3f s of its %.3f s "
                 "stall for buffers. Raise snapshot_memory_bytes to trade CPU memory for stall",
                 self.label,
                 stats.step,
-                self.staging.snapshot_memory_bytes / 2**20,
+                human_bytes(self.staging.snapshot_memory_bytes),
                 stats.buffer_wait_s,
                 stats.stall_s,
             )
         logger.debug(
-            "deck: %s %s step %d staged (%s tier): %d rows, %.1f MiB, stall %.3f s (job %.3f s), "
-            "buffer pool %.0f MiB",
+            "deck: %s %s step %d staged (%s tier): %d rows, %s, stall %.3f s (job %.3f s), "
+            "buffer pool %s",
             stats.kind,
             self.label,
             stats.step,
             self.stager.tier,
             stats.rows,
-            stats.bytes / 2**20,
+            human_bytes(stats.bytes),
             stats.stall_s,
             stats.job_stall_s,
-            stats.pool_bytes / 2**20,
+            human_bytes(stats.pool_bytes),
         )

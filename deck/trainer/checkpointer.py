@@ -34,6 +34,7 @@ from deck.read.catalog import (
 from deck.read.restore import (
     RestoreStats,
 )
+from deck.stack import require_torchrec
 from deck.storage import Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter, lineage_changed
 from deck.trainer.coordination import Coordinator
@@ -628,6 +629,7 @@ class DeltaCheckpointer:
 def default_adapter(model: torch.nn.Module) -> ModelAdapter:
     """TorchRec's adapter, for a model given without one; imported here, on first use, so that
     a checkpointer with its own adapter never loads TorchRec."""
+    require_torchrec("deck.DeltaCheckpointer")
     from deck.adapters.torchrec import TorchRecAdapter
 
     return TorchRecAdapter(model)  # type: ignore[arg-type]

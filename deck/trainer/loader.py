@@ -46,6 +46,7 @@ from deck.trainer.fitting import (
     shard_scalars,
 )
 from deck.trainer.rng import restore_rng
+from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -273,12 +274,12 @@ class StateLoader:
         self._load_rng(extra, parts, where)
         logger.log(  # one line per restore: rank 0's (the others at DEBUG)
             logging.INFO if self.coord.rank == 0 else logging.DEBUG,
-            "deck: restored step %d from %s (%d checkpoints, %d chunks, %.1f MiB on this rank)",
+            "deck: restored step %d from %s (%d checkpoints, %d chunks, %s on this rank)",
             target,
             self.storage.uri,
             stats.checkpoints,
             stats.chunks,
-            stats.bytes / 2**20,
+            human_bytes(stats.bytes),
         )
         # Deltas build on the restored checkpoint only in its own layout (save() agrees on it).
         same = same_layout(parts, self.coord.rank, shards)
