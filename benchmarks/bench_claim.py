@@ -1,4 +1,5 @@
-"""The tracker's claim (inside every checkpoint's stall): native kernel vs the torch baseline.
+"""How long does the tracker's claim (inside every checkpoint's stall) take, and how does it grow
+with the rows per rank? The native kernels against the torch baseline.
 
 A byte map of ``--rows`` rows (one rank's tracked rows: bench_stall's 8 x 1M tables on 2 ranks
 is 4M) with ``--dirty`` of them marked for two consumers, as between two checkpoints. Timed:
@@ -109,7 +110,7 @@ def sweep(sizes: list[int], dirty: int, repeats: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=4_000_000)
     p.add_argument("--dirty", type=float, default=0.02, help="fraction of rows marked")
     p.add_argument("--repeats", type=int, default=15)

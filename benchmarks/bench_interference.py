@@ -300,7 +300,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model_args(p)
     # 1000 steps: 39 deltas per phase and repeat; at 200 (7 deltas) the noise of these VMs is
-    # larger than the 2% goal (docs/benchmarks.md, fourth pass)
+    # larger than the 2% goal (docs/benchmarks-history.md, "The steps after a delta, fourth
+    # pass")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--delta-every", type=int, default=25)
     p.add_argument("--repeats", type=int, default=3)

@@ -620,7 +620,7 @@ def _report(
 
 
 def _report_runs(runs: list[list[tuple[str, dict[str, float] | None]]]) -> None:
-    """The median over repeated runs of each target's per-run medians (the issue's acceptance)."""
+    """The median over repeated runs of each target's per-run medians (how the goals are judged)."""
     print(f"== median over {len(runs)} runs (each run: the median of its deltas)")
     print(
         f"{'target':<26} {'stall s':>9} {'stall/DCP':>10} {'stall/gather':>13}   per run (stall/gather)"

@@ -3,8 +3,8 @@
 The spool writer builds one index per chunk on a background thread. numpy's version is some
 twenty array operations per chunk, each taking the GIL back from the training thread when it
 ends; the chunk records (this index with the record's other Python work) were about half of what
-the steps after a delta lost (docs/benchmarks.md, sixth pass). ``bloom_fill`` in
-``kernels/_native.c`` takes the GIL once per chunk.
+the steps after a delta lost (docs/benchmarks-history.md, "The stall, sixth pass").
+``bloom_fill`` in ``kernels/_native.c`` takes the GIL once per chunk.
 """
 
 from __future__ import annotations

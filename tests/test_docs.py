@@ -620,3 +620,133 @@ def test_failpoint_count_in_docs() -> None:
     text = (ROOT / "docs" / "reliability.md").read_text()
     assert f"deck names {len(names)} failpoints" in text, len(names)
     assert f"its {len(names)} failpoints" in (ROOT / "README.md").read_text()
+
+
+# ---- links, anchors and benchmark commands ------------------------------------------------------
+
+BENCH = ROOT / "benchmarks"
+
+
+def _prose(doc: Path) -> str:
+    """``doc`` without its fenced code blocks (their lines blanked, so line numbers hold)."""
+    out, fence = [], None
+    for line in doc.read_text().splitlines():
+        m = re.match(r"^\s*(```+|~~~+)", line)
+        if m and (fence is None or m.group(1).startswith(fence)):
+            fence = None if fence else m.group(1)
+            out.append("")
+            continue
+        out.append("" if fence else line)
+    return "\n".join(out)
+
+
+def anchors(doc: Path) -> set[str]:
+    """The anchors GitHub makes of ``doc``'s headings (lower case, punctuation dropped, spaces
+    to hyphens; a repeated heading gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(doc).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def local_links(doc: Path) -> list[tuple[str, str]]:
+    """Every relative Markdown link target of ``doc``'s prose (``path``, ``path#anchor`` or
+    ``#anchor``), with its place."""
+    out = []
+    for n, line in enumerate(_prose(doc).splitlines(), 1):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if not re.match(r"[a-z]+:", target):
+                out.append((target, f"{doc.relative_to(ROOT)}:{n}"))
+    return out
+
+
+def test_anchors_follow_github() -> None:
+    assert "limits-in-detail" in anchors(ROOT / "docs" / "benchmarks.md")
+    assert {"command-line", "limits-today"} <= anchors(ROOT / "README.md")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_local_links_resolve(doc: Path) -> None:
+    """Every relative link names a file that exists, and its #anchor a heading there."""
+    bad = []
+    for target, where in local_links(doc):
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{where}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{where}: {target} (no such heading in {dest.name})")
+    assert not bad, "\n".join(bad)
+
+
+def _bench_script(name: str) -> Path | None:
+    """The benchmark a document names: ``benchmarks/...`` as written, a bare ``bench_x.py``
+    wherever it lies under benchmarks/."""
+    if name.startswith("benchmarks/"):
+        path = ROOT / name
+        return path if path.is_file() else None
+    found = sorted(BENCH.rglob(name))
+    return found[0] if found else None
+
+
+def _bench_options(script: Path) -> str:
+    """The script's text and that of the benchmarks/ modules it imports (shared options)."""
+    text = script.read_text()
+    for mod in re.findall(r"^\s*from (\w+) import", text, re.M):
+        if (BENCH / f"{mod}.py").is_file():
+            text += (BENCH / f"{mod}.py").read_text()
+    return text
+
+
+_SCRIPT = r"(?<![\w/.-])(benchmarks/[\w/]+\.(?:py|c)|bench_\w+\.py|_workload\.py|gil_holds\.c)"
+
+
+def bench_mentions(doc: Path) -> list[tuple[str, str, str]]:
+    """(script, the rest of its command, place) for each benchmark a document names: in a code
+    span (the rest: the span's, over line breaks), or a ``benchmarks/...`` path elsewhere, code
+    blocks included (the rest: the line's)."""
+    text = doc.read_text()
+    prose = _prose(doc)
+    out = []
+
+    def place(line: int) -> str:
+        return f"{doc.relative_to(ROOT)}:{line}"
+
+    for span in re.finditer(r"`([^`]+)`", prose):
+        for m in re.finditer(_SCRIPT + r"([^`]*)", span.group(1)):
+            out.append((m.group(1), m.group(2), place(prose.count("\n", 0, span.start()) + 1)))
+    # outside the spans: the prose with its spans blanked, and the code blocks' lines
+    outside = re.sub(r"`[^`]+`", lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+    lines = [
+        o if o.strip() or not t.strip() else t
+        for o, t in zip(outside.splitlines(), text.splitlines(), strict=False)
+    ]
+    for n, line in enumerate(lines, 1):
+        for m in re.finditer(r"(?<![\w/.-])(benchmarks/[\w/]+\.(?:py|c))(.*)", line):
+            out.append((m.group(1), m.group(2), place(n)))
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_benchmark_commands_in_docs_exist(doc: Path) -> None:
+    """Every benchmark a document names exists where it says; on the current pages (all but the
+    lab notebook, whose commands are as they were run) every ``--option`` after it is one the
+    script (or a benchmarks/ module it imports) defines."""
+    bad = []
+    for name, rest, where in bench_mentions(doc):
+        script = _bench_script(name)
+        if script is None:
+            bad.append(f"{where}: {name} does not exist")
+        elif script.suffix == ".py" and doc.name != "benchmarks-history.md":
+            options = _bench_options(script)
+            for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest.split(";")[0]):
+                if f'"{flag}"' not in options:
+                    bad.append(f"{where}: {name} has no option {flag}")
+    assert not bad, "\n".join(bad)

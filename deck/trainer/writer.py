@@ -499,7 +499,8 @@ def _chunk_record(
     """The record of a filled chunk (zeroes its padding): checksum, segments, row index. Runs on
     the spool writer beside training: the ids are read through numpy, not torch, whose every op
     gives the GIL back and takes it again (each take a chance to find the training thread in its
-    Python and wait, slower each time: docs/benchmarks.md, tenth pass)."""
+    Python and wait, slower each time: docs/benchmarks-history.md, "The steps after a delta,
+    tenth pass")."""
     rec = build_chunk(buf, rel, layout, [None] * len(layout.segments), pad_to, encoded)
     return rec.model_copy(
         update={

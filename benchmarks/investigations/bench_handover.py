@@ -1,4 +1,5 @@
-"""What one piece of background Python costs a training thread: the price of a GIL hand-over.
+"""What does one piece of background Python cost a training thread? The price of a GIL
+hand-over (docs/benchmarks-history.md, "The steps after a delta, ninth pass").
 
 ``bench_interference.py`` finds that what deck's background costs the steps after a delta is
 the training thread waiting for the GIL, ~50-70 times in steps 1-3, and that neither the number
@@ -12,7 +13,7 @@ interleaved over the same run (drift touches all alike); per configuration: the 
 extra waits (voluntary context switches), and both per piece. (``bench_gil_probe.py`` compares
 kinds of background work at a fixed total; this sweeps the length of the Python pieces.)
 
-    python benchmarks/bench_handover.py [--steps 1200] [--pieces 0 16 32 64 128] [--micros 5 50]
+    python benchmarks/investigations/bench_handover.py [--steps 1200] [--pieces 0 16 32 64 128] [--micros 5 50]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+# bench_interference (the pinned training rank) lies one folder up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_interference import _waits, model_args, model_spec, pinned_rank
 
 from deck.demo import train_step
@@ -117,7 +119,7 @@ def main() -> int:
             f"{k:>6} {u:>8} {(t - base_t) * 1e3:>+10.2f} {t / base_t - 1:>+12.1%} "
             f"{w - base_w:>+12.0f} {(t - base_t) / k * 1e6:>+13.0f} {(w - base_w) / k:>16.2f}"
         )
-    print("reproduce: python benchmarks/bench_handover.py " + " ".join(sys.argv[1:]))
+    print("reproduce: python benchmarks/investigations/bench_handover.py " + " ".join(sys.argv[1:]))
     end_rank()
     return 0
 

@@ -1,5 +1,6 @@
-"""What work on the spare core costs a pinned training thread on this machine, whoever does it:
-the floor under deck's steps after a delta (docs/benchmarks.md, tenth pass).
+"""What does work on the spare core cost a pinned training thread on this machine, whoever does
+it? The floor under deck's steps after a delta (docs/benchmarks-history.md, "The steps after a
+delta, tenth pass").
 
 One training rank as in ``bench_interference.py`` (world size 1, the demo's DLRM, its thread on
 core 0) trains while another *process* on core 1 (no GIL shared, no memory map shared) runs one
@@ -19,7 +20,7 @@ median step against ``none`` of that round, then medians over rounds. What a mod
 is a property of the machine (shared memory bandwidth, the host's I/O path), not of deck: a
 background writer of a delta's bytes pays it on this machine whatever its design.
 
-    python benchmarks/bench_core_floor.py [--rounds 5] [--steps 80]
+    python benchmarks/investigations/bench_core_floor.py [--rounds 5] [--steps 80]
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+# bench_interference (the pinned training rank) lies one folder up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_interference import pinned_rank
 
 from deck.demo import ModelSpec, train_step
@@ -133,7 +135,9 @@ def main() -> None:
         f"medians over {a.rounds} rounds (step without background {statistics.median(base) * 1e3:.2f}"
         " ms): " + "  ".join(f"{m} {statistics.median(v):+.1%}" for m, v in ratios.items())
     )
-    print("reproduce: python benchmarks/bench_core_floor.py " + " ".join(sys.argv[1:]))
+    print(
+        "reproduce: python benchmarks/investigations/bench_core_floor.py " + " ".join(sys.argv[1:])
+    )
     end_rank()  # exits the process
 
 

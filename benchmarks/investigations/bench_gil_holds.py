@@ -1,5 +1,6 @@
-"""Which of deck's background code makes the training thread wait for the GIL, measured in
-CPython itself: the attribution behind "Tenth pass" in docs/benchmarks.md.
+"""Which of deck's background code makes the training thread wait for the GIL? Measured in
+CPython itself: the attribution behind "The steps after a delta, tenth pass" in
+docs/benchmarks-history.md.
 
 One training rank as in ``bench_interference.py`` (world size 1, the demo's DLRM, its training
 thread on core 0, every other thread on core 1) trains with deck (a full, then a delta every
@@ -17,7 +18,7 @@ that held the GIL; each background thread's milliseconds holding the GIL (all, i
 30 us, and its CPU time in them); the longest-held stretches by where they began and ended.
 CPython 3.11 on Linux only (the probe reads 3.11's frame structs); deck is unchanged by it.
 
-    python benchmarks/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away]
+    python benchmarks/investigations/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
+# bench_interference (the pinned training rank) lies one folder up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_interference import _kind, _pin_others, model_args, model_spec, pinned_rank
 
 from deck.demo import ModelSpec, train_step
@@ -206,7 +208,9 @@ def main() -> None:
     )
     for kind in ("after", "away") if a.away else ("after",):
         _report(a, out, names, bg_waits.get(kind, 0), kind)
-    print("\nreproduce: python benchmarks/bench_gil_holds.py " + " ".join(sys.argv[1:]))
+    print(
+        "\nreproduce: python benchmarks/investigations/bench_gil_holds.py " + " ".join(sys.argv[1:])
+    )
     from deck.processes import end_rank
 
     end_rank()  # exits the process

@@ -1,5 +1,6 @@
-"""What a background thread on another core costs the training thread, by the kind of work it
-does: the probe behind "why background work costs a thread on another core" (docs/benchmarks.md).
+"""What does a background thread on another core cost the training thread, by the kind of work
+it does? The probe behind "why background work costs a thread on another core"
+(docs/benchmarks-history.md, "The steps after a delta, third pass").
 
 One training rank (world size 1, the demo's DLRM), its thread pinned to core 0; one background
 thread pinned to core 1 that, every ``--every`` steps (at the step a checkpoint would be), works
@@ -22,8 +23,8 @@ training thread runs a pure-Python loop for 150 ms instead of steps and counts i
 per 0.25 ms against the same loop with nothing running: the milliseconds it lost are the time
 deck's background threads (on core 1) held the GIL, or otherwise slowed core 0.
 
-    python benchmarks/bench_gil_probe.py [--work-ms 15] [--repeats 2]
-    python benchmarks/bench_gil_probe.py --deck [--copy-on-write deltas] [--deltas 16]
+    python benchmarks/investigations/bench_gil_probe.py [--work-ms 15] [--repeats 2]
+    python benchmarks/investigations/bench_gil_probe.py --deck [--copy-on-write deltas] [--deltas 16]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
+# bench_interference (the pinned training rank) lies one folder up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_interference import _pin_others, pinned_rank
 
 from deck.demo import ModelSpec, train_step
@@ -127,7 +129,7 @@ def _deck_probe(a: argparse.Namespace, model: Any, dense: Any, spec: ModelSpec) 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-ms", type=float, default=15.0)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--steps", type=int, default=200)
@@ -154,7 +156,10 @@ def main() -> int:
         for _ in range(5):
             train_step(model, dense, spec, 10**6)
         _deck_probe(a, model, dense, spec)
-        print("reproduce: python benchmarks/bench_gil_probe.py " + " ".join(sys.argv[1:]))
+        print(
+            "reproduce: python benchmarks/investigations/bench_gil_probe.py "
+            + " ".join(sys.argv[1:])
+        )
         end_rank()
         return 0
     jobs: queue.Queue[str] = queue.Queue()
@@ -183,7 +188,9 @@ def main() -> int:
             )
             cells.append(f"{away * 1e3:.2f} ms, {excess * 1e3:+.1f} ms")
         print(f"  {mode:<9} " + "; ".join(cells))
-    print("reproduce: python benchmarks/bench_gil_probe.py " + " ".join(sys.argv[1:]))
+    print(
+        "reproduce: python benchmarks/investigations/bench_gil_probe.py " + " ".join(sys.argv[1:])
+    )
     end_rank()  # exits the process
     return 0
 

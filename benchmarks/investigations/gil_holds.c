@@ -1,5 +1,5 @@
 /* Who holds the GIL while the training thread waits for it: an LD_PRELOAD probe for
- * benchmarks/bench_gil_holds.py (diagnosis only; CPython 3.11 on Linux, not part of deck).
+ * benchmarks/investigations/bench_gil_holds.py (diagnosis only; CPython 3.11 on Linux, not part of deck).
  *
  * CPython 3.11's GIL is a mutex, a condition variable and a `locked` flag
  * (Python/ceval_gil.h): a thread that finds it locked sleeps in pthread_cond_timedwait on the
