@@ -57,12 +57,13 @@ def overlapped(
     """``(item, read(item))`` for each of ``items``, in order; the exception ``read`` raised in
     place of its result, so that the caller meets each one where a loop of its own would.
 
-    On a remote store (no :meth:`~deck.storage.Storage.local_path`) up to
+    Where the store says reads are worth overlapping (:attr:`~deck.storage.Storage.overlap_reads`:
+    a remote store) up to
     :data:`READ_WORKERS` reads run at once ahead of the caller, while the bytes they return
     (``nbytes(item)`` each, when given) stay within :data:`READ_AHEAD_BYTES` (one read is
     always let through); a caller that stops early leaves the rest unread. On a local store
     each read runs when the caller asks for it: overlapping them gains nothing there."""
-    if storage.local_path() is not None or len(items) < 2:
+    if not storage.overlap_reads or len(items) < 2:
         for item in items:
             try:
                 got: R | Exception = read(item)

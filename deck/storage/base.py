@@ -157,6 +157,13 @@ class Storage(abc.ABC):
         :mod:`deck.storage.atomic`). The default is None."""
         return None
 
+    @property
+    def overlap_reads(self) -> bool:
+        """Whether independent reads are worth overlapping (each request pays a round trip):
+        readers of many small objects then keep several in flight. Default: when the store is
+        not a local filesystem (:meth:`local_path` is None)."""
+        return self.local_path() is None
+
     def modified(self, path: str) -> float | None:
         """When the object at ``path`` was last written (seconds since the epoch), or None when
         the store does not tell or the object cannot be examined (missing, unreachable): callers

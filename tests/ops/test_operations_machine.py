@@ -462,11 +462,13 @@ class OperationsMachine(RuleBasedStateMachine):
     @rule(
         n=st.integers(1, 60),
         what=st.sampled_from(["save", "resave", "merge"]),
-        data=st.data(),
+        pick=st.integers(0, 2**16),
     )
-    def gc_while_others_work(self, n: int, what: str, data: st.DataObject) -> None:
+    def gc_while_others_work(self, n: int, what: str, pick: int) -> None:
         """A slow GC run: at its n-th request the trainer saves a step (or rolls back and saves
-        a step again), or the merger commits. What they commit during the run survives it."""
+        a step again, to the ``pick``-th step it can), or the merger commits. What they commit
+        during the run survives it. (Everything is drawn before the run: the moment the act
+        runs must not change what is drawn.)"""
         self._planned()
         before = dict(self.promised)
         ran: list[str] = []
@@ -477,7 +479,7 @@ class OperationsMachine(RuleBasedStateMachine):
                 with contextlib.suppress(DeckError):  # damage the machine made
                     self.merge(workers=1)
             elif what == "resave" and len(self.tr.saved) > 2:
-                self.rollback(data)
+                self.rollback(_Nth(pick))
             else:
                 self.save_deltas(1, rows=4)
 
@@ -716,6 +718,16 @@ def test_gc_keeps_a_merged_delta_whose_trainer_deltas_are_damaged(how: str) -> N
         assert 2 in m.promised
     finally:
         m.teardown()
+
+
+class _Nth:
+    """Stands for Hypothesis' ``data``: draws the ``n``-th element (modulo their number)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def draw(self, strategy: Any, label: str = "") -> object:
+        return strategy.elements[self.n % len(strategy.elements)]
 
 
 class _Value:

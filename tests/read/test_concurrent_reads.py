@@ -23,6 +23,15 @@ from deck.testing.faulty_storage import FaultyStorage
 from deck.testing.synth import SynthTrainer
 
 
+class _Remote(FaultyStorage):
+    """Faults on a local disk that reads like a remote store (no local path, reads worth
+    overlapping); a plain wrapper keeps the inner store's one-at-a-time reads."""
+
+    @property
+    def overlap_reads(self) -> bool:
+        return True
+
+
 class _Local(FaultyStorage):
     """The same faults, on a store that says it is local: every read one after the other."""
 
@@ -65,7 +74,7 @@ def test_overlapped_reads_report_what_serial_reads_report(
     def unreadable(key: str, n: int) -> bool:  # step 3: a file that cannot be read (not damage)
         return key.startswith(manifests[3].folder) and key.endswith("extra.safetensors")
 
-    remote = FaultyStorage(inner, fail_get=unreadable)
+    remote = _Remote(inner, fail_get=unreadable)
     local = _Local(inner, fail_get=unreadable)
     assert remote.local_path() is None and local.local_path() is not None
     for step, m in sorted(manifests.items()):
@@ -103,19 +112,19 @@ def test_read_errors_come_in_order_and_a_stopped_reader_reads_no_further(tmp_pat
     keys = [f"k{i:03d}" for i in range(200)]
     for k in keys:
         inner.put(k, k.encode())
-    store: Storage = FaultyStorage(inner, fail_get=lambda key, n: key in ("k003", "k007"))
+    store: Storage = _Remote(inner, fail_get=lambda key, n: key in ("k003", "k007"))
     got = list(overlapped(store, store.get, keys[:10]))
     assert [k for k, _ in got] == keys[:10]
     assert [k for k, v in got if isinstance(v, StorageError)] == ["k003", "k007"]
     assert all(v == k.encode() for k, v in got if not isinstance(v, Exception))
-    reads = FaultyStorage(inner)
+    reads = _Remote(inner)
     for i, _ in enumerate(overlapped(reads, reads.get, keys)):
         if i == 2:
             break
     assert reads.gets < len(keys)
 
 
-class _Gate(FaultyStorage):
+class _Gate(_Remote):
     """A remote store whose read of ``first`` waits until a read of ``later`` has begun: it
     returns only if the reads overlap (else after a safety timeout, which the test reports)."""
 
