@@ -57,7 +57,7 @@ SHARED_FEATURE = (  # two tables of one EBC read one feature under different sha
     Table(feature="f1", sharding="column_wise"),
 )
 PINNED: list[Setup] = [
-    # Issue 32: CombinedOptimizer + StepLR (and TorchRec's warmup) in every loop order and through
+    # A loop-order finding: CombinedOptimizer + StepLR (and TorchRec's warmup) in every loop order and through
     # the pipeline, on 2 and 4 ranks: where zero_grad() follows the forward, the fused kernel's
     # rate lags param_groups by one schedule step, and a restore must give back the kernel's own.
     *(
@@ -173,7 +173,7 @@ PINNED: list[Setup] = [
         steps=6,
         every=3,
     ),
-    # Issue 32: one rank refused the shared feature while the other went into a collective.
+    # A loop-order finding: one rank refused the shared feature while the other went into a collective.
     *(
         Setup(tables=SHARED_FEATURE, scheduler="steplr", loop=loop, world_size=ws)
         for loop in ("ZFBSL", "FBSZL", PIPELINE)
