@@ -19,8 +19,10 @@ applies to it).
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -178,28 +180,39 @@ def _way_in(
     fulls: Iterable[LineageNode],
     endings: Iterable[LineageNode],
     best: Mapping[StateKey, _Best],
-    usable: Callable[[LineageNode], bool],
+    exclude: Container[str],
 ) -> _Way | None:
     """The cheapest way into state ``st``: a usable full of it, or a usable delta / merged delta
     ending in it after the cheapest way to where it starts (``best``, known for every state
-    before ``st``). The first of equal ones wins (none are: paths differ in their ids)."""
+    before ``st``); usable: not quarantined, not in ``exclude``. The first of equal ones wins
+    (none are: paths differ in their ids)."""
     win: _Way | None = None
     for f in fulls:
-        if usable(f):
+        if f.quarantined is None and f.id not in exclude:
             c: _Way = (f.bytes, 1, None, f.id)
             if win is None or _before(c, win):
                 win = c
     for d in endings:
+        start = d.start
         # (a delta's parent is older: its start sorts before ``st``, the order states are
         # visited in; the check keeps a record saying otherwise out, as that order always did)
-        if d.start is None or not d.start < st or not usable(d):
+        if start is None or d.quarantined is not None or d.id in exclude or not start < st:
             continue
-        prev = best.get(d.start)
-        if prev is not None:
-            c = (prev.cost + d.bytes, prev.length + 1, prev, d.id)
-            if win is None or _before(c, win):
+        prev = best.get(start)
+        if prev is None:
+            continue
+        # (the costs first: most candidates are decided by them, without a tuple)
+        cost = prev.cost + d.bytes
+        if win is None or cost < win[0]:
+            win = (cost, prev.length + 1, prev, d.id)
+        elif cost == win[0]:
+            c = (cost, prev.length + 1, prev, d.id)
+            if _before(c, win):
                 win = c
     return win
+
+
+_ChainWay = tuple[LineageNode, "_Best | None", "str | None"]
 
 
 def _chain_way(
@@ -207,41 +220,52 @@ def _chain_way(
     fulls: Iterable[LineageNode],
     endings: Iterable[LineageNode],
     best: Mapping[StateKey, _Best],
-    usable: Callable[[LineageNode], bool],
-) -> tuple[_Best | None, str | None] | None:
+    exclude: Container[str],
+) -> _ChainWay | None:
     """How the cheapest chain of trainer checkpoint ``t`` reaches its state, given the cheapest
-    ways ``best`` and the fulls and endings of ``t.state``: ``(prev, last)``, the chain being
-    the path of ``prev``, then ``last`` (if not None), then ``t``; None when there is none."""
-    if not usable(t):
+    ways ``best`` and the fulls and endings of ``t.state``: ``(t, prev, last)``, the chain being
+    the path of ``prev``, then ``last`` (if not None), then ``t``; None when there is none
+    (usable: not quarantined, not in ``exclude``)."""
+    if t.quarantined is not None or t.id in exclude:
         return None
     if t.kind is Kind.FULL:
-        return (None, None)
+        return (t, None, None)
     win: _Way | None = None
-    if t.start is not None and t.start in best:
-        b = best[t.start]
+    b = best.get(t.start) if t.start is not None else None
+    if b is not None:
         # Through its own start: ``t`` is the chain's last checkpoint (appended by the caller)
         win = (b.cost + t.bytes, b.length, b.prev, b.id)
     # Or reach the state itself another way (a merger full of it, or a merged delta ending
     # in it): the trainer checkpoint then only contributes its records (dense / extra
     # state, its id), not its rows (restore.apply_chain skips them), so it costs nothing.
     for f in fulls:
-        if usable(f):
+        if f.quarantined is None and f.id not in exclude:
             c: _Way = (f.bytes, 1, None, f.id)
             if win is None or _before(c, win):
                 win = c
     for d in endings:
-        if d.id != t.id and usable(d) and d.start in best:
-            assert d.start is not None
-            prev = best[d.start]
+        if d.id == t.id or d.quarantined is not None or d.id in exclude or d.start is None:
+            continue
+        prev = best.get(d.start)
+        if prev is not None:
             c = (prev.cost + d.bytes, prev.length + 1, prev, d.id)
             if win is None or _before(c, win):
                 win = c
-    return None if win is None else (win[2], win[3])
+    return None if win is None else (t, win[2], win[3])
 
 
-def _keep_chain(
-    way: tuple[LineageNode, _Best | None, str | None], into: set[str], walked: set[_Best]
-) -> None:
+def _usable_in(exclude: Container[str]) -> Callable[[LineageNode], bool]:
+    return lambda n: n.quarantined is None and n.id not in exclude
+
+
+# A graph whose paths are not computed answers its first few chains from the part of the
+# lineage they come from (:meth:`LineageGraph._near_paths`), then computes every path once (a
+# caller asking for every step's chain). Asked so far, per graph.
+_NEAR_CHAINS = 16
+_NEAR_ASKED: weakref.WeakKeyDictionary[LineageGraph, int] = weakref.WeakKeyDictionary()
+
+
+def _keep_chain(way: _ChainWay, into: set[str], walked: set[_Best]) -> None:
     """Add the ids of the chain ``way`` (what :meth:`LineageGraph._chain_way` returned) to
     ``into``, walking only links not in ``walked`` (each added there): a link names its whole
     path, so a path already walked is already in ``into``. The chains of every step of a
@@ -382,38 +406,96 @@ class LineageGraph:
         ):
             return self._best
         best: dict[StateKey, _Best] = {}
-        usable = self._usable_fn(exclude)
-        for st in sorted({*self.fulls_at, *self.ending_at}):
-            way = _way_in(st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, usable)
+        fulls_at, ending_at = self.fulls_at, self.ending_at
+        for st in sorted({*fulls_at, *ending_at}):
+            way = _way_in(st, fulls_at.get(st, ()), ending_at.get(st, ()), best, exclude)
             if way is not None:
                 best[st] = _Best(*way)
         self._best, self._best_excluding = best, exclude
         return best
 
-    def _usable_fn(self, exclude: frozenset[str]) -> Callable[[LineageNode], bool]:
-        if not exclude:
-            return lambda n: n.quarantined is None
-        return lambda n: n.quarantined is None and n.id not in exclude
-
-    def _chain_way(
-        self, step: int, exclude: frozenset[str]
-    ) -> tuple[LineageNode, _Best | None, str | None] | None:
+    def _chain_way(self, step: int, exclude: frozenset[str]) -> _ChainWay | None:
         """``(t, prev, last)``: the cheapest chain of trainer step ``step`` is the path of
         ``prev``, then ``last`` (if not None), then ``t`` (see :func:`_chain_way`); None when
         there is none. Nothing is copied: O(in-degree) once the paths are known."""
         t = self.trainer.get(step)
-        if t is None or not self._usable(t, exclude):
+        if t is None:
             return None
-        if t.kind is Kind.FULL:
-            return (t, None, None)
-        way = _chain_way(
-            t,
-            self.fulls_at.get(t.state, ()),
-            self.ending_at.get(t.state, ()),
-            self.best_paths(exclude),
-            self._usable_fn(exclude),
-        )
-        return None if way is None else (t, *way)
+        st = t.state
+        if self._best is not None and (
+            self._best_excluding is exclude or self._best_excluding == exclude
+        ):
+            best: Mapping[StateKey, _Best] = self._best
+        elif _NEAR_ASKED.get(self, 0) < _NEAR_CHAINS:
+            # A few chains of a graph whose paths are not known (a restore plans one): only
+            # the part of the lineage they can come from, not every state of a long history
+            _NEAR_ASKED[self] = _NEAR_ASKED.get(self, 0) + 1
+            best = self._near_paths(t, exclude)
+        else:
+            best = self.best_paths(exclude)
+        return _chain_way(t, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude)
+
+    def _near_paths(self, t: LineageNode, exclude: frozenset[str]) -> dict[StateKey, _Best]:
+        """The cheapest paths into the states a chain of ``t`` goes on from (its start, the
+        starts of what else ends in its state) -- exactly :meth:`best_paths`' for those, those
+        only -- computed over the states a cheapest path into one of them can pass through.
+
+        Which those are, a search back from each finds (Dijkstra over the reversed edges, by
+        the bytes from the state on): a state ``b`` bytes back costs at least ``b`` on any path
+        through it (bytes are never negative), so once a full found on the way gives a path of
+        ``u`` bytes, nothing more than ``u`` bytes back can be on a cheapest one (nor on an
+        equally cheap one: ties stay in, for the tie-breaks). Then :meth:`best_paths`' pass in
+        step order over those states alone: the paths it finds into them may be dearer than
+        the lineage's, but not on the cheapest ones, which lie wholly among them. A long
+        history costs the bytes of one or two fulls' worth of steps back, not every state."""
+        targets = {t.start} if t.start is not None else set()
+        for d in self.ending_at.get(t.state, ()):
+            if d.id != t.id and d.start is not None:
+                targets.add(d.start)
+        usable = _usable_in(exclude)
+        near: set[StateKey] = set()
+        for target in targets:
+            back = {target: 0}
+            heap = [(0, target)]
+            bound = None  # bytes of the cheapest complete path found so far
+            while heap:
+                b, st = heapq.heappop(heap)
+                if b > back[st]:
+                    continue  # (a stale entry)
+                if bound is not None and b > bound:
+                    break
+                near.add(st)
+                for f in self.fulls_at.get(st, ()):
+                    if usable(f) and (bound is None or b + f.bytes < bound):
+                        bound = b + f.bytes
+                for e in self.ending_at.get(st, ()):
+                    if e.start is not None and e.start < st and usable(e):
+                        nb = b + e.bytes
+                        if nb < back.get(e.start, nb + 1):
+                            back[e.start] = nb
+                            heapq.heappush(heap, (nb, e.start))
+        best: dict[StateKey, _Best] = {}
+        for st in sorted(near):
+            way = _way_in(st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude)
+            if way is not None:
+                best[st] = _Best(*way)
+        return {st: best[st] for st in targets if st in best}
+
+    def _chain_ways(self, steps: Iterable[int], exclude: frozenset[str]) -> dict[int, _ChainWay]:
+        """:meth:`_chain_way` of each of ``steps`` that has a chain, by step (one lookup of
+        the paths for all: a plan asks for every step's)."""
+        best = self.best_paths(exclude)
+        fulls_at, ending_at, trainer = self.fulls_at, self.ending_at, self.trainer
+        out = {}
+        for step in steps:
+            t = trainer.get(step)
+            if t is not None:
+                way = _chain_way(
+                    t, fulls_at.get(t.state, ()), ending_at.get(t.state, ()), best, exclude
+                )
+                if way is not None:
+                    out[step] = way
+        return out
 
     def _chain_ids(self, step: int, exclude: frozenset[str]) -> tuple[str, ...] | None:
         """Ids of the cheapest chain of trainer step ``step``, or None when there is none."""

@@ -22,7 +22,14 @@ from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, Kind, step_dir
 from deck.ops.retention.grace import replay_protected
 from deck.read.catalog import ManifestSet
-from deck.read.lineage import LineageGraph, LineageNode, _Best, _keep_chain, build_graph
+from deck.read.lineage import (
+    LineageGraph,
+    LineageNode,
+    _Best,
+    _ChainWay,
+    _keep_chain,
+    build_graph,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +177,11 @@ def plan_lineage(
     kept = _kept_fulls(graph, policy, latest, latest_chain, anchor_state)
 
     retained = set(window) | {st[0] for st in kept}
+    # Every step's cheapest chain, once (no copy of one): the restorable steps, and the chain
+    # of a step that has no restricted one
+    cheapest = graph._chain_ways(sorted(graph.trainer), frozenset())
     if policy.keep_all_steps:
-        retained |= set(_restorable(graph))
+        retained |= set(cheapest)
     # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and
     # merged deltas (with keep_merged_deltas; else only the latest chain's); only when that is
     # impossible do they keep more.
@@ -181,7 +191,7 @@ def plan_lineage(
     if policy.keep_merged_deltas:
         allowed |= {n.id for n in graph.nodes.values() if n.merged and n.kind is not Kind.FULL}
     keep: set[str] = set(latest_chain) | _in_progress(graph, window)
-    retained_steps = _add_chains(graph, sorted(retained), allowed, keep)
+    retained_steps = _add_chains(graph, sorted(retained), allowed, keep, cheapest)
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, damaged or {}, delete)
     held.update(
@@ -324,39 +334,37 @@ def _in_progress(graph: LineageGraph, window: list[int]) -> set[str]:
 
 
 def _add_chains(
-    graph: LineageGraph, steps: list[int], allowed: set[str], keep: set[str]
+    graph: LineageGraph,
+    steps: list[int],
+    allowed: set[str],
+    keep: set[str],
+    cheapest: Mapping[int, _ChainWay],
 ) -> list[int]:
     """Add to ``keep`` the chain of each of ``steps`` -- through ``allowed`` checkpoints where
-    possible, else the cheapest -- and return the steps that have one (the others are logged).
+    possible, else the cheapest (``cheapest``: every step's, by step) -- and return the steps
+    that have one (the others are logged).
 
-    Every step's chain at once: the restricted chains first, then the cheapest of the steps
-    that have none (one computation of the paths each), each chain walked only up to the first
-    link an earlier one walked (O(checkpoints) in all, not steps x chain length)."""
+    Every step's restricted chain at once (one computation of the paths), each chain walked
+    only up to the first link an earlier one walked (O(checkpoints) in all, not steps x chain
+    length)."""
     restricted = frozenset(i for i in graph.nodes if i not in allowed)
-    ways = {}
-    unrestricted = []
+    ways = dict(cheapest) if not restricted else graph._chain_ways(steps, restricted)
+    out = []
+    walked: set[_Best] = set()
     for step in steps:
-        way = graph._chain_way(step, restricted)
-        if way is None:
-            unrestricted.append(step)
-        else:
-            ways[step] = way
-    for step in unrestricted:
-        way = graph._chain_way(step, frozenset())
+        way = ways.get(step) or cheapest.get(step)
         if way is None:
             why = graph._why_not(step, frozenset())
             logger.warning("retention: step %d is not restorable, not retained: %s", step, why)
             continue
-        ways[step] = way
-    walked: set[_Best] = set()
-    for way in ways.values():
         _keep_chain(way, keep, walked)
-    return sorted(ways)
+        out.append(step)
+    return out
 
 
 def _restorable(graph: LineageGraph) -> list[int]:
     """:meth:`LineageGraph.restorable_steps` without copying a chain per step."""
-    return [s for s in sorted(graph.trainer) if graph._chain_way(s, frozenset()) is not None]
+    return sorted(graph._chain_ways(graph.trainer, frozenset()))
 
 
 def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
