@@ -9,10 +9,12 @@ passes, a merger's with those of :meth:`deck.merge.build.ItemBuilder._manifest` 
 the real planner (:func:`deck.merge.plan.plan`, :meth:`LineageSim.merge`) or of its block
 layout (:meth:`LineageSim.merge_blocks`: the same aligned blocks and ids without re-planning the
 whole lineage at every step, for histories of 100,000 checkpoints). Each rank reference names a
-rank manifest by the writer's path; its size and checksum are those of ``rank_part`` (the bytes
-:meth:`LineageSim.write` stores there, by default a placeholder; benchmarks pass one a real
-writer wrote: :func:`writer_rank_part`), and its ``data_bytes`` follow a size model (a full's
-bytes, deltas a few percent of it, merged deltas less than the sum of their inputs).
+rank manifest by the writer's path, its ``data_bytes`` following a size model (a full's bytes,
+deltas a few percent of it, merged deltas less than the sum of their inputs). With ``files``
+(:func:`writer_checkpoint`: one checkpoint the real trainer writer wrote) the rank manifests are
+that checkpoint's, renamed into each checkpoint's folder, and :meth:`LineageSim.write` stores
+them with the data files they name (hard links of one copy): GC's checks of what it keeps find
+them intact. Without, a rank reference names a placeholder (commit records only).
 
 Commit times are the simulator's clock (one tick per commit unless told otherwise), kept per id
 in :attr:`LineageSim.committed_at`; :meth:`LineageSim.write` gives each record that file time.
@@ -30,12 +32,14 @@ from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     QUARANTINE_ROOT,
+    SELF_CHECKSUM,
     CheckpointManifest,
     Kind,
     QuarantineRecord,
     RankRef,
     dump_model,
     rank_manifest_name,
+    with_checksum,
 )
 from deck.merge.plan import PlannedItem, item_id, plan
 from deck.merge.policy import MergeConfig
@@ -43,25 +47,54 @@ from deck.read.catalog import ManifestSet
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 
-__all__ = ["LineageSim", "writer_rank_part"]
-
-# What a rank reference points at when no real rank manifest is given (never parsed by lineage
-# code; GC's orphan pass reads it and finds it is no rank manifest, which it tolerates).
-_PLACEHOLDER = b'{"placeholder": "rank manifest"}'
+__all__ = ["CheckpointFiles", "LineageSim", "writer_checkpoint"]
 
 
-def writer_rank_part(world_size: int = 2) -> bytes:
-    """Rank 0's part manifest of a delta the real trainer writer wrote (deck.testing.synth): a
-    realistic size to read and parse."""
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one checkpoint a real writer wrote, to stand in for a generated one's."""
+
+    attempt: str  # its folder in the step folder (its id): every path its files name starts so
+    parts: tuple[bytes, ...]  # its rank manifests, by rank
+    data: dict[str, bytes]  # its data files by path (relative to the checkpoint's folder)
+
+    def parts_in(self, attempt: str) -> list[bytes]:
+        """The rank manifests naming the same files under ``attempt``: what the writer would
+        have written there (its id names the folder and the checkpoint), each with its own
+        checksum again (:func:`deck.format.manifest.with_checksum` of the canonical body)."""
+        out = []
+        for p in self.parts:
+            cut = p.rfind(b',"' + SELF_CHECKSUM.encode() + b'":"')
+            if cut < 0:  # (the placeholder)
+                out.append(p)
+                continue
+            body = p[:cut] + b"}"
+            out.append(with_checksum(body.replace(self.attempt.encode(), attempt.encode())))
+        return out
+
+
+# Without files: what a rank reference names (no rank manifest: GC's orphan pass reads it and
+# finds it unreadable, which it tolerates; lineage code never reads it).
+_NO_FILES = CheckpointFiles("0" * 16, (b'{"placeholder": "rank manifest"}',), {})
+
+
+def writer_checkpoint(world_size: int = 1, bundle_bytes: int = 1 << 20) -> CheckpointFiles:
+    """A delta the real trainer writer wrote (deck.testing.synth's SynthTrainer), bundled into
+    one data file per rank by default (fewer files per generated checkpoint)."""
     from deck.storage import FsspecStorage
     from deck.testing.synth import SynthTrainer
 
-    store = FsspecStorage(f"memory://deck-rank-part-{os.getpid()}-{id(object())}")
-    tr = SynthTrainer(store, world_size=world_size, id_seed=0)
+    store = FsspecStorage(f"memory://deck-writer-checkpoint-{os.getpid()}-{id(object())}")
+    tr = SynthTrainer(store, world_size=world_size, id_seed=0, bundle_bytes=bundle_bytes)
     tr.save("full")
     tr.train()
     m = tr.save()
-    return store.get(f"{m.folder}/{m.ranks[0].path}")
+    parts = tuple(store.get(f"{m.folder}/{r.path}") for r in m.ranks)
+    refs = {f"{m.folder}/{r.path}" for r in m.ranks} | {f"{m.folder}/{MANIFEST}"}
+    data = {
+        k[len(m.folder) + 1 :]: store.get(k) for k in store.list(f"{m.folder}/") if k not in refs
+    }
+    return CheckpointFiles(m.id, parts, data)
 
 
 @dataclass
@@ -87,7 +120,7 @@ class LineageSim:
         full_bytes: int = 4_000_000,
         delta_fraction: tuple[float, float] = (0.01, 0.04),
         merged_fraction: tuple[float, float] = (0.55, 0.95),
-        rank_part: bytes = _PLACEHOLDER,
+        files: CheckpointFiles | None = None,
         deck_version: str = "test",
         tick: float = 1.0,
     ) -> None:
@@ -96,8 +129,9 @@ class LineageSim:
         self.full_bytes = full_bytes
         self.delta_fraction = delta_fraction
         self.merged_fraction = merged_fraction  # of the inputs' bytes (rows overlap)
-        self.rank_part = rank_part
-        self._part_sum = checksum(rank_part)
+        self.files = files or _NO_FILES
+        if files is not None:
+            self.world_size = len(files.parts)
         self.deck_version = deck_version
         self.tick = tick
         self.clock = 0.0
@@ -120,14 +154,16 @@ class LineageSim:
         self._saves = 0
 
     # ---- records -------------------------------------------------------------------------
-    def _refs(self, folder_rel: str, nbytes: int) -> tuple[RankRef, ...]:
+    def _refs(self, attempt: str, nbytes: int) -> tuple[RankRef, ...]:
+        """The rank references of a checkpoint whose files are under ``attempt``."""
         per_rank = max(1, nbytes // self.world_size)
+        parts = self.files.parts_in(attempt)
         return tuple(
             RankRef(
                 rank=r,
-                path=f"{folder_rel}/{rank_manifest_name(r)}",
-                nbytes=len(self.rank_part),
-                checksum=self._part_sum,
+                path=f"{attempt}/{rank_manifest_name(r)}",
+                nbytes=len(parts[r % len(parts)]),
+                checksum=checksum(parts[r % len(parts)]),
                 data_bytes=per_rank,
             )
             for r in range(self.world_size)
@@ -389,17 +425,53 @@ class LineageSim:
     def graph(self) -> LineageGraph:
         return build_graph(self.manifests())
 
-    def write(self, storage: Storage, *, rank_parts: bool = True) -> None:
-        """Store every record (and, with ``rank_parts``, the rank manifests it names), each
-        commit record with its commit time as its file time (a local store)."""
-        for m in [*self.trainer.values(), *self.merged.values()]:
-            key = f"{m.folder}/{MANIFEST}"
-            storage.put(key, dump_model(m))
-            if rank_parts:
-                for r in m.ranks:
-                    storage.put(f"{m.folder}/{r.path}", self.rank_part)
+    def write(self, storage: Storage, *, files: bool = True, durable: bool = True) -> None:
+        """Store every record (with ``files``: and the rank manifests and data files it names),
+        each commit record with its commit time as its file time (a local store).
+        ``durable=False`` writes the same files straight to the folder, without the store's
+        fsyncs and renames, the data files as hard links of one copy (beside the store's
+        folder): 100,000 checkpoints in a minute."""
+        root = storage.local_path("")
+        assert root is not None, "write() sets file times on a local store"
+        beside = os.path.join(os.path.dirname(os.path.abspath(root)), ".deck-synth-files")
+
+        def put(key: str, data: bytes, link: str | None = None) -> None:
+            if durable:
+                storage.put(key, data)
+                return
             path = storage.local_path(key)
-            assert path is not None, "write() sets file times on a local store"
+            assert path is not None
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if link is not None:
+                os.link(link, path)
+            else:
+                with open(path, "wb") as f:
+                    f.write(data)
+
+        def copy(n: int) -> str:
+            """The n-th copy of the data files (a file system allows some 65,000 links)."""
+            where = os.path.join(beside, str(n))
+            for rel, data in self.files.data.items():
+                os.makedirs(os.path.dirname(os.path.join(where, rel)), exist_ok=True)
+                with open(os.path.join(where, rel), "wb") as f:
+                    f.write(data)
+            return where
+
+        copies = ""
+        for i, m in enumerate([*self.trainer.values(), *self.merged.values()]):
+            if files:
+                attempt = m.ranks[0].path.partition("/")[0]
+                for r, part in zip(m.ranks, self.files.parts_in(attempt), strict=False):
+                    put(f"{m.folder}/{r.path}", part)
+                if not durable and i % 50_000 == 0:
+                    copies = copy(i // 50_000)
+                for rel, data in self.files.data.items():
+                    where = rel.replace(self.files.attempt, attempt, 1)
+                    put(f"{m.folder}/{where}", data, None if durable else os.path.join(copies, rel))
+            key = f"{m.folder}/{MANIFEST}"
+            put(key, dump_model(m))
+            path = storage.local_path(key)
+            assert path is not None
             t = self.committed_at[m.id]
             os.utime(path, (t, t))
         by_id = {m.id: m for m in [*self.trainer.values(), *self.merged.values()]}

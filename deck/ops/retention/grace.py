@@ -24,16 +24,20 @@ and each part of the plan is kept up to date from what the new checkpoints chang
   link names its whole path) an earlier walk reached; and the merger's work in progress, when
   it or its window state appears.
 
-A trainer delta appended at the head -- the common commit -- so costs O(1): one state, one
-chain link, one window step. A merger commit or a full recomputes the states after it (the
-merger's lag, the steps since a full), a rollback the window back to its full.
+The lineage at the period's start is planned once, like a retention plan (its cheapest paths
+into the states before the first recent commit's taken from the whole graph, which keeps them
+for the plan GC makes next). After that a trainer delta appended at the head -- the common
+commit -- costs O(1): one state, one chain link, one window step. A merger commit or a full
+recomputes the states after it (the merger's lag, the steps since a full), a rollback the window
+back to its full. So a grace period of m commits over a history of n costs one plan of n plus
+what each of the m changes, where planning every moment again cost m plans of n.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from deck.format.manifest import Kind
@@ -43,6 +47,7 @@ from deck.read.lineage import (
     StateKey,
     _Best,
     _chain_way,
+    _ChainWay,
     _keep_chain,
     _way_in,
 )
@@ -74,8 +79,13 @@ def replay_protected(
             old.append(n)
         elif t <= now:  # (a commit after ``now`` is in no moment's lineage)
             moments.setdefault(t, []).append(n)
+    # The paths into states before any recent commit's are the whole lineage's (the same
+    # checkpoints end in them): taken from the graph, which keeps them for the plan GC makes
+    # next, instead of found again
+    first = min((n.state for n in graph.nodes.values() if when(n.id) > cutoff), default=None)
+    paths = graph.best_paths(frozenset())
     replay = _Replay(graph, policy, protected)
-    replay.add(old)  # the lineage at the period's start
+    replay.add(old, {st: b for st, b in paths.items() if first is None or st < first})
     for t in sorted(moments):
         if len(protected) == len(graph.nodes):
             break
@@ -84,12 +94,13 @@ def replay_protected(
 
 
 class _Tree:
-    """The cheapest way into every state over the checkpoints added so far, counting only those
-    ``usable`` says (the rule may change: :meth:`update` the states it changed for)."""
+    """The cheapest way into every state over the checkpoints added so far, leaving out the
+    quarantined ones and those in ``exclude`` (which may change: :meth:`update` the states of
+    what changed)."""
 
-    def __init__(self, replay: _Replay, usable: Callable[[LineageNode], bool]) -> None:
+    def __init__(self, replay: _Replay, exclude: Container[str]) -> None:
         self.replay = replay
-        self.usable = usable
+        self.exclude = exclude
         self.best: dict[StateKey, _Best] = {}
 
     def update(self, dirty: Iterable[StateKey]) -> set[StateKey]:
@@ -100,12 +111,21 @@ class _Tree:
         change."""
         r = self.replay
         best = self.best
+        if not best:
+            # Every state with a way in is dirty: one pass in step order, nothing to follow
+            for st in sorted(set(dirty)):
+                way = _way_in(
+                    st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude
+                )
+                if way is not None:
+                    best[st] = _Best(*way)
+            return set(best)
         heap = sorted(set(dirty))  # (a sorted list is a heap)
         queued = set(heap)
         changed: set[StateKey] = set()
         while heap:
             st = heapq.heappop(heap)
-            way = _way_in(st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.usable)
+            way = _way_in(st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude)
             old = best.get(st)
             if way is None:
                 if old is None:
@@ -123,13 +143,13 @@ class _Tree:
                     heapq.heappush(heap, e.state)
         return changed
 
-    def chain_way(self, t: LineageNode) -> tuple[LineageNode, _Best | None, str | None] | None:
+    def chain_way(self, t: LineageNode) -> _ChainWay | None:
         """Like :meth:`deck.read.lineage.LineageGraph._chain_way` of ``t``'s step."""
         r = self.replay
-        way = _chain_way(
-            t, r.fulls_at.get(t.state, ()), r.ending_at.get(t.state, ()), self.best, self.usable
+        st = t.state
+        return _chain_way(
+            t, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), self.best, self.exclude
         )
-        return None if way is None else (t, *way)
 
 
 class _Replay:
@@ -148,11 +168,11 @@ class _Replay:
         self.starts_from: dict[StateKey, list[LineageNode]] = {}
         self.merged_at: dict[str, list[LineageNode]] = {}  # merged deltas by their state's id
         self.consumed: set[str] = set()  # inputs of merged deltas
-        self.any = _Tree(self, lambda n: n.quarantined is None)
+        self.any = _Tree(self, frozenset())
         # the plan's restricted chains: not through ``excluded`` (merger checkpoints neither
         # kept as a full nor on the latest chain; see plan_lineage's ``allowed``)
         self.excluded: set[str] = set()
-        self.restricted = _Tree(self, lambda n: n.quarantined is None and n.id not in self.excluded)
+        self.restricted = _Tree(self, self.excluded)
         self.restorable: set[str] = set()
         self.latest: LineageNode | None = None
         self.window: list[LineageNode] = []  # oldest first
@@ -173,6 +193,7 @@ class _Replay:
         # in once something is
         self._pending: list[LineageNode] = []
         self._planned = False  # whether a moment had a plan yet
+        self._added = False  # whether a moment had checkpoints yet
         self._prekept_anchor: StateKey | None = None
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -200,16 +221,33 @@ class _Replay:
         return self._up[link]
 
     # ---- one moment --------------------------------------------------------------------------
-    def add(self, batch: list[LineageNode]) -> None:
+    def add(self, batch: list[LineageNode], known: Mapping[StateKey, _Best] | None = None) -> None:
         """The lineage after the commits ``batch``: protect what its plan keeps that earlier
-        moments did not."""
+        moments did not. ``known``: for the first batch, cheapest paths already known (into
+        states no later commit changes: only the others are found)."""
         if not batch:
             return
         for n in batch:
             self._index(n)
-        touched = self._touched(self.any.update({n.state for n in batch}), batch)
-        fresh = [t for t in touched.values() if t.id not in self.restorable]
-        fresh = [t for t in fresh if self.any.chain_way(t) is not None]
+        initial = not self._added
+        self._added = True
+        if initial and known:
+            self.any.best = dict(known)
+            changed = self.any.update({n.state for n in batch if n.state not in known})
+        else:
+            changed = self.any.update({n.state for n in batch})
+        # The trainer checkpoints whose cheapest chain may have changed (all, the first time)
+        touched = (
+            {t.id: t for t in self.trainer.values()} if initial else self._touched(changed, batch)
+        )
+        ways: dict[str, _ChainWay] = {}  # this moment's cheapest chains, as found
+        fresh = []
+        for t in touched.values():
+            if t.id not in self.restorable:
+                way = self.any.chain_way(t)
+                if way is not None:
+                    ways[t.id] = way
+                    fresh.append(t)
         for t in fresh:
             self.restorable.add(t.id)
             if self.latest is None or (t.epoch, t.step) > (self.latest.epoch, self.latest.step):
@@ -230,12 +268,12 @@ class _Replay:
         kept_changed = self._kept(batch, first or latest_full is not self.latest_full)
         dirty: set[StateKey] = set() if first else {n.state for n in batch}
         if first:
-            # The restricted paths start as the unrestricted ones; only what the restricted set
+            # The restricted paths start as the cheapest ones; only what the restricted set
             # leaves out is recomputed (and what follows it)
             self.restricted.best = dict(self.any.best)
         toggled = self._restrict(batch, kept_before, latest_excluded, dirty)
-        touched.update(self._touched(self.restricted.update(dirty), toggled))
-        self._walk(fresh, touched, window_added, extended, kept_changed)
+        touched_r = self._touched(self.restricted.update(dirty), toggled)
+        self._walk(fresh, touched, touched_r, ways, first, window_added, extended, kept_changed)
         self._in_progress(batch, window_added)
 
     def _index(self, n: LineageNode) -> None:
@@ -456,15 +494,23 @@ class _Replay:
         self,
         fresh: list[LineageNode],
         touched: Mapping[str, LineageNode],
+        touched_r: Mapping[str, LineageNode],
+        ways: Mapping[str, _ChainWay],
+        first: bool,
         window_added: list[LineageNode] | None,
         extended: bool,
         kept_changed: bool,
     ) -> None:
         """Protect the chains (the cheapest, and the restricted one) of the retained steps that
-        are new or whose chain may have changed (``touched``)."""
+        are new or whose chain may have changed (``touched``: the cheapest, ``touched_r``: the
+        restricted one); ``ways``: cheapest chains found this moment."""
+        todo: dict[str, LineageNode] = {}
         if self.policy.keep_all_steps:
             # every restorable step is retained (the window's and kept fulls' steps are too)
-            todo = fresh + [t for t in touched.values() if t.id in self.restorable]
+            todo.update((t.id, t) for t in fresh)
+            for t in (*touched.values(), *touched_r.values()):
+                if t.id in self.restorable:
+                    todo[t.id] = t
         else:
             if extended and not kept_changed:
                 assert window_added is not None
@@ -473,15 +519,24 @@ class _Replay:
                 now = {w.step for w in self.window} | {st[0] for st in self.kept}
             else:
                 now = self.retained
-            todo = [self.trainer[s] for s in now - self.retained if s in self.trainer]
-            todo += [t for t in touched.values() if t.step in now]
-            todo = [t for t in todo if t.id in self.restorable]
+            for s in now - self.retained:
+                if s in self.trainer:
+                    todo[self.trainer[s].id] = self.trainer[s]
+            for t in (*touched.values(), *touched_r.values()):
+                if t.step in now:
+                    todo[t.id] = t
             self.retained = now
-        for t in todo:
-            for tree in (self.any, self.restricted):
-                way = tree.chain_way(t)
-                if way is not None:
-                    _keep_chain(way, self.protected, self.walked)
+        for t in todo.values():
+            if t.id not in self.restorable:
+                continue
+            way = ways.get(t.id) or self.any.chain_way(t)
+            if way is not None:
+                _keep_chain(way, self.protected, self.walked)
+            if first and t.id not in touched_r:
+                continue  # the restricted paths are the cheapest but where touched_r says
+            way = self.restricted.chain_way(t)
+            if way is not None:
+                _keep_chain(way, self.protected, self.walked)
 
     def _in_progress(
         self, batch: list[LineageNode], window_added: list[LineageNode] | None

@@ -1,0 +1,265 @@
+"""GC and restore planning against the length of the history (one URI, a delta every step).
+
+A long job's lineage is generated, not trained: :class:`deck.testing.synth_lineage.LineageSim`
+makes the commit records the trainer and the merger commit, field for field (the trainer's
+through ``commit_record`` with the arguments ``deck.trainer.writer.commit`` passes, the merger's
+with those of ``deck.merge.build``; every rank reference names a rank manifest the real writer
+wrote, stored as a hard link of one copy), without the chunks they describe, which neither GC's
+dry run nor restore planning reads. The job: a delta every step, a trainer full every
+``--full-every`` steps, a merger (stride ``--stride``, a merger full every ``--merger-full-every``
+deltas since a full, committing ``--lag`` saves behind the trainer), a rollback of 50 steps every
+``--rollback-every`` steps; one commit per second of the store's clock (each record's file time).
+
+For each size, at a local store (medians of ``--repeats``, warm page cache):
+
+- ``deck gc --dry-run`` with the default policy (:func:`deck.ops.retention.gc.collect_garbage`),
+  its grace period covering every commit, and covering the last hour (3,600 commits); and its
+  parts as GC runs them: listing the store, reading the commit records, building the lineage
+  graph, the retention plan, the grace-period protection -- with the algorithm before this one
+  (deck/testing/grace_reference.py: every moment planned again) alongside, up to
+  ``--reference-up-to`` checkpoints, checked to protect the same ids;
+- planning the restore of the latest step: ``read_manifests`` (with its listing), ``build_graph``,
+  ``latest`` + ``cheapest_chain``, each timed on its own;
+
+and the growth exponent between sizes (time ~ n**k).
+
+    python benchmarks/bench_history_scale.py [--sizes 1000,10000,100000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _workload import in_workdir
+
+from deck.format.manifest import MANIFEST
+from deck.ops.retention import gc as gc_module
+from deck.ops.retention.gc import collect_garbage
+from deck.ops.retention.plan import RetentionPolicy, grace_protected
+from deck.read.catalog import read_manifests
+from deck.read.lineage import build_graph, cheapest_chain
+from deck.storage import LocalStorage
+from deck.testing.grace_reference import reference_grace_protected
+from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def generate(n: int, a: argparse.Namespace, files: CheckpointFiles) -> LineageSim:
+    """A job's lineage of ``n`` commit records (trainer's and merger's)."""
+    sim = LineageSim(files=files, seed=n)
+    last = sim.save("full")
+    sim.merge_blocks(last, stride=a.stride, full_every=a.merger_full_every, lag=a.lag)
+    saves = 0
+    while len(sim.committed_at) < n:
+        saves += 1
+        if a.rollback_every and saves % a.rollback_every == 0:
+            sim.rollback(sim.step - 50)  # a restore of 50 steps back: a new timeline
+        sim.train()
+        kind = "full" if sim.step % a.full_every == 0 else "delta"
+        last = sim.save(kind)
+        sim.merge_blocks(last, stride=a.stride, full_every=a.merger_full_every, lag=a.lag)
+    return sim
+
+
+class _Split:
+    """Times of GC's parts in one run: functions of deck.ops.retention.gc wrapped while it
+    runs (each call's wall time added to its part)."""
+
+    PARTS = {
+        "read": (gc_module, "read_manifests"),
+        "graph": (gc_module, "build_graph"),
+        "protect": (gc_module, "grace_protected"),
+        "plan": (gc_module, "plan_lineage"),
+        "checked": (gc_module._Collector, "_checked_plan"),
+        "orphans": (gc_module._Collector, "collect_orphans"),
+    }
+
+    def __init__(self, storage: LocalStorage) -> None:
+        self.storage = storage
+        self.s: dict[str, float] = {}
+
+    def _timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.s[part] = self.s.get(part, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    def run(self, policy: RetentionPolicy, now: float) -> tuple[dict[str, float], Any]:
+        self.s = {}
+        saved = {k: getattr(owner, name) for k, (owner, name) in self.PARTS.items()}
+        listing = self.storage.list_modified
+        try:
+            for k, (owner, name) in self.PARTS.items():
+                setattr(owner, name, self._timed(k, saved[k]))
+            self.storage.list_modified = self._timed("list", listing)  # type: ignore[method-assign]
+            t0 = time.perf_counter()
+            report = collect_garbage(self.storage, policy, dry_run=True, now=now)
+            self.s["total"] = time.perf_counter() - t0
+        finally:
+            for k, (owner, name) in self.PARTS.items():
+                setattr(owner, name, saved[k])
+            del self.storage.list_modified
+        self.s["checked"] -= self.s.get("plan", 0.0)  # (the plan runs inside it)
+        self.s["other"] = self.s["total"] - sum(
+            v for k, v in self.s.items() if k not in ("total", "other")
+        )
+        return self.s, report
+
+
+def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    sim = generate(n, a, files)
+    storage = LocalStorage(os.path.join(work, f"run-{n}"))
+    sim.write(storage, durable=False)
+    total = len(sim.committed_at)
+    print(
+        f"{total} checkpoints ({len(sim.trainer)} trainer, {len(sim.merged)} merger) generated "
+        f"and written in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    now = sim.clock + 1.0
+    every = RetentionPolicy(grace_s=now - min(sim.committed_at.values()) + 1.0)
+    hour = RetentionPolicy(grace_s=3600.0)
+    out: dict[str, float] = {"n": total}
+
+    # GC end to end, split into its parts as it runs them (medians over the repeats)
+    split = _Split(storage)
+    for name, policy in (("all", every), ("hour", hour)):
+        runs = []
+        for _ in range(a.repeats):
+            parts, report = split.run(policy, now)
+            runs.append(parts)
+        for k in runs[0]:
+            out[f"{k}_{name}"] = statistics.median(x.get(k, 0.0) for x in runs)
+        print(
+            f"  gc --dry-run, grace {name}: {out[f'total_{name}']:.3f} s, would delete "
+            f"{len(report.deleted)} checkpoint(s), {report.grace_held} held by the grace period",
+            flush=True,
+        )
+        if total <= a.reference_up_to:  # the protection before this one, on the same lineage
+            manifests = read_manifests(storage)
+            graph = build_graph(manifests)
+            times = dict(storage.list_modified(""))
+            committed_at = {
+                cid: times.get(f"{node.folder}/{MANIFEST}") for cid, node in graph.nodes.items()
+            }
+            t0 = time.perf_counter()
+            ref = reference_grace_protected(graph, policy, now, committed_at)
+            out[f"ref_protect_{name}"] = time.perf_counter() - t0
+            new = grace_protected(build_graph(manifests), policy, now, committed_at)
+            assert new == ref, f"grace {name}: not the reference's decisions"
+
+    # Planning the restore of the latest step
+    out["r_read"], manifests = _median_s(lambda: read_manifests(storage), a.repeats)
+    out["r_graph"], graph = _median_s(lambda: build_graph(manifests), a.repeats)
+
+    def chain() -> int:
+        g = build_graph(manifests)  # (a fresh graph: no paths computed yet)
+        t0 = time.perf_counter()
+        latest = g.latest()
+        assert latest is not None
+        chain = cheapest_chain(g, latest)
+        chain_s.append(time.perf_counter() - t0)
+        return len(chain)
+
+    chain_s: list[float] = []
+    for _ in range(a.repeats):
+        length = chain()
+    out["r_chain"] = statistics.median(chain_s)
+    out["r_total"] = out["r_read"] + out["r_graph"] + out["r_chain"]
+    print(f"  latest step's chain: {length} checkpoints", flush=True)
+    return out
+
+
+ROWS = [
+    ("total_all", "`deck gc --dry-run`, grace covering every commit"),
+    ("total_hour", "`deck gc --dry-run`, grace covering the last hour"),
+    ("list_hour", "- listing the store (`list_modified`)"),
+    ("read_hour", "- reading the commit records (`read_manifests`)"),
+    ("graph_hour", "- lineage graph (`build_graph`)"),
+    ("protect_hour", "- grace-period protection"),
+    ("ref_protect_hour", "  (before: every moment planned again)"),
+    ("plan_hour", "- retention plan (`plan_lineage`)"),
+    ("checked_hour", "- checks of what it relies on (replacements, takeovers)"),
+    ("orphans_hour", "- orphans (each merger folder's rank manifests read)"),
+    ("other_hour", "- the rest"),
+    ("protect_all", "grace-period protection, grace covering every commit"),
+    ("ref_protect_all", "  (before: every moment planned again)"),
+    ("r_total", "planning the restore of the latest step"),
+    ("r_read", "- `read_manifests` (with its listing)"),
+    ("r_graph", "- `build_graph`"),
+    ("r_chain", "- `latest` + `cheapest_chain`"),
+]
+
+
+def table(results: list[dict[str, float]]) -> str:
+    sizes = [int(x["n"]) for x in results]
+    head = "| | " + " | ".join(f"{s:,} ckpts" for s in sizes)
+    pairs = list(itertools.pairwise(sizes))
+    head += "".join(f" | k {a // 1000}k->{b // 1000}k" for a, b in pairs) + " |"
+    lines = [head, "|---" * (1 + len(sizes) + len(pairs)) + "|"]
+    for key, label in ROWS:
+        cells = [f"{x[key]:.3f} s" if key in x else "-" for x in results]
+        ks = []
+        for (x, y), (sa, sb) in zip(itertools.pairwise(results), pairs, strict=True):
+            if key in x and key in y and x[key] > 0 and y[key] > 0:
+                ks.append(f"{math.log(y[key] / x[key]) / math.log(sb / sa):.2f}")
+            else:
+                ks.append("-")
+        lines.append(f"| {label} | " + " | ".join(cells + ks) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="1000,10000,100000")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reference-up-to", type=int, default=10000)
+    p.add_argument("--full-every", type=int, default=100)
+    p.add_argument("--stride", type=int, default=4)
+    p.add_argument("--merger-full-every", type=int, default=64)
+    p.add_argument("--lag", type=int, default=5)
+    p.add_argument("--rollback-every", type=int, default=10000)
+    p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
+    a = p.parse_args(argv)
+    cmd = "python benchmarks/bench_history_scale.py " + " ".join(
+        shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)
+    )
+    print(cmd, flush=True)
+
+    def run(work: str) -> int:
+        files = writer_checkpoint()
+        results = [measure(int(s), a, files, work) for s in a.sizes.split(",")]
+        print()
+        print(cmd)
+        print(table(results))
+        return 0
+
+    return in_workdir(a.out, "deck-bench-history-scale-", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
