@@ -331,3 +331,29 @@ def test_the_simulator_commits_what_the_planner_would_build(tmp_path: Path) -> N
                 pass
             b.merge_blocks(b.save(kind), stride=stride, full_every=every)
         assert set(a.merged) == set(b.merged), (seed, stride, every)
+
+
+def test_a_long_job_with_a_merger_and_rollbacks_protects_what_the_reference_does() -> None:
+    """The benchmark's job in small (benchmarks/bench_history_scale.py): a delta a second, a
+    full every 50 steps, a merger of stride 4 with a full every 32 deltas 5 saves behind, a
+    rollback every 150 saves; 500 checkpoints, grace periods over the last 100 commits and the
+    last 15, three policy shapes."""
+    sim = LineageSim(seed=7)
+    last = sim.save("full")
+    saves = 0
+    while len(sim.committed_at) < 500:
+        saves += 1
+        if saves % 150 == 0:
+            sim.rollback(sim.step - 30)
+        sim.train()
+        last = sim.save("full" if sim.step % 50 == 0 else "delta")
+        sim.merge_blocks(last, stride=4, full_every=32, lag=5)
+    graph = sim.graph()
+    now = sim.clock + 1.0
+    for grace in (100.0, 15.0):
+        for policy in (
+            RetentionPolicy(grace_s=grace),
+            RetentionPolicy(grace_s=grace, keep_merged_deltas=False, chain_delta_budget=1.0),
+            RetentionPolicy(grace_s=grace, keep_all_steps=False, keep_fulls_every=200),
+        ):
+            assert_same_protection(graph, policy, now, dict(sim.committed_at))
