@@ -402,7 +402,9 @@ class DeckConfig(Settings):
         default=(CHECKPOINT_CONSUMER,),
         description="Tracking tenants that read their own deltas from one tracker store at their "
         "own pace (e.g. a publisher); checkpoint is always added.",
-        json_schema_extra={"constraints": "unique names of [A-Za-z0-9_-], at most 8"},
+        json_schema_extra={
+            "constraints": "unique names of [A-Za-z0-9_-], at most 8 with checkpoint (7 of yours)"
+        },
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -465,7 +467,10 @@ class DeckConfig(Settings):
         if len(set(v)) != len(v):
             raise ValueError("names must be unique")
         if len(v) > 8 or (len(v) == 8 and CHECKPOINT_CONSUMER not in v):
-            raise ValueError("at most 8 consumers (one bit each in the tracker)")
+            raise ValueError(
+                "at most 8 consumers, checkpoint included (one bit each in the tracker): 7 of "
+                "your own"
+            )
         for name in v:
             if not name or not name.replace("_", "").replace("-", "").isalnum():
                 raise ValueError(f"names must be non-empty [A-Za-z0-9_-], not {name!r}")

@@ -51,7 +51,7 @@ def _retention(a: argparse.Namespace) -> Any:
         chain_delta_budget=a.chain_delta_budget or None,
         grace_s=a.grace,
         verify_replacements=a.verify_replacements,
-        max_clock_skew_s=a.max_clock_skew if a.max_clock_skew >= 0 else None,
+        max_clock_skew_s=None if a.max_clock_skew == -1 else a.max_clock_skew,
     )
 
 
@@ -112,6 +112,8 @@ def cmd_merge(a: argparse.Namespace) -> int:
     """Run ``deck merge`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.merge.launch import resolve_worker
 
+    if a.gc is False:
+        _retention(a)  # the retention flags are validated even when --gc does not use them
     if not a.follow:
         # A catch-up on a URI that is not there is a typo; a --follow worker may start before
         # the trainer has written anything.
