@@ -113,7 +113,7 @@ def _node(m: CheckpointManifest, quarantined: dict[str, str]) -> LineageNode:
     )
 
 
-class _Best:
+class PathLink:
     """Cheapest known way to reach a state: total bytes, then fewest checkpoints, then ids (the
     path's ids compared like tuples, from the full on).
 
@@ -126,7 +126,7 @@ class _Best:
 
     __slots__ = ("cost", "id", "length", "prev")
 
-    def __init__(self, cost: int, length: int, prev: _Best | None, id: str) -> None:
+    def __init__(self, cost: int, length: int, prev: PathLink | None, id: str) -> None:
         self.cost = cost
         self.length = length  # checkpoints on the path
         self.prev = prev
@@ -138,10 +138,10 @@ class _Best:
         return _ids(self, ())
 
     def __repr__(self) -> str:
-        return f"_Best(cost={self.cost}, path={self.path})"
+        return f"PathLink(cost={self.cost}, path={self.path})"
 
 
-def _ids(link: _Best | None, tail: tuple[str, ...]) -> tuple[str, ...]:
+def _ids(link: PathLink | None, tail: tuple[str, ...]) -> tuple[str, ...]:
     """The ids of the path ending in ``link``, then ``tail``."""
     out = list(reversed(tail))
     while link is not None:
@@ -151,8 +151,8 @@ def _ids(link: _Best | None, tail: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # A way in, before it is made a link: (cost, length, prev, id) -- the path of ``prev``, then
-# ``id`` (a candidate of :func:`_way_in` or :func:`_chain_way`).
-_Way = tuple[int, int, "_Best | None", str]
+# ``id`` (a candidate of :func:`cheapest_way_in` or :func:`chain_way_from`).
+_Way = tuple[int, int, "PathLink | None", str]
 
 
 def _before(a: _Way, b: _Way) -> bool:
@@ -175,11 +175,11 @@ def _before(a: _Way, b: _Way) -> bool:
         aid, ap, bid, bp = ap.id, ap.prev, bp.id, bp.prev
 
 
-def _way_in(
+def cheapest_way_in(
     st: StateKey,
     fulls: Iterable[LineageNode],
     endings: Iterable[LineageNode],
-    best: Mapping[StateKey, _Best],
+    best: Mapping[StateKey, PathLink],
     exclude: Container[str],
 ) -> _Way | None:
     """The cheapest way into state ``st``: a usable full of it, or a usable delta / merged delta
@@ -212,16 +212,16 @@ def _way_in(
     return win
 
 
-_ChainWay = tuple[LineageNode, "_Best | None", "str | None"]
+ChainWay = tuple[LineageNode, "PathLink | None", "str | None"]
 
 
-def _chain_way(
+def chain_way_from(
     t: LineageNode,
     fulls: Iterable[LineageNode],
     endings: Iterable[LineageNode],
-    best: Mapping[StateKey, _Best],
+    best: Mapping[StateKey, PathLink],
     exclude: Container[str],
-) -> _ChainWay | None:
+) -> ChainWay | None:
     """How the cheapest chain of trainer checkpoint ``t`` reaches its state, given the cheapest
     ways ``best`` and the fulls and endings of ``t.state``: ``(t, prev, last)``, the chain being
     the path of ``prev``, then ``last`` (if not None), then ``t``; None when there is none
@@ -265,8 +265,8 @@ _NEAR_CHAINS = 16
 _NEAR_ASKED: weakref.WeakKeyDictionary[LineageGraph, int] = weakref.WeakKeyDictionary()
 
 
-def _keep_chain(way: _ChainWay, into: set[str], walked: set[_Best]) -> None:
-    """Add the ids of the chain ``way`` (what :meth:`LineageGraph._chain_way` returned) to
+def keep_chain(way: ChainWay, into: set[str], walked: set[PathLink]) -> None:
+    """Add the ids of the chain ``way`` (what :meth:`LineageGraph.chain_way` returned) to
     ``into``, walking only links not in ``walked`` (each added there): a link names its whole
     path, so a path already walked is already in ``into``. The chains of every step of a
     lineage cost O(its checkpoints) together, not O(steps x chain length)."""
@@ -308,7 +308,7 @@ class LineageGraph:
                 self.fulls_at.setdefault(n.state, []).append(n)
             else:
                 self.ending_at.setdefault(n.state, []).append(n)
-        self._best: dict[StateKey, _Best] | None = None
+        self._best: dict[StateKey, PathLink] | None = None
         self._best_excluding: frozenset[str] = frozenset()
 
     # ---- derived graphs (the same nodes, no manifest read or parsed again) ---------------------
@@ -394,29 +394,29 @@ class LineageGraph:
     def _usable(self, n: LineageNode, exclude: frozenset[str]) -> bool:
         return n.quarantined is None and n.id not in exclude
 
-    def best_paths(self, exclude: frozenset[str] = frozenset()) -> dict[StateKey, _Best]:
+    def best_paths(self, exclude: frozenset[str] = frozenset()) -> dict[StateKey, PathLink]:
         """Cheapest path (bytes) from some full to every reachable state.
 
         Edges only go to later steps (a delta's parent is older), so one pass in step order is
-        a complete shortest-path computation; each state adds one link (:class:`_Best`).
+        a complete shortest-path computation; each state adds one link (:class:`PathLink`).
         The paths of the last ``exclude`` asked are kept.
         """
         if self._best is not None and (
             self._best_excluding is exclude or self._best_excluding == exclude
         ):
             return self._best
-        best: dict[StateKey, _Best] = {}
+        best: dict[StateKey, PathLink] = {}
         fulls_at, ending_at = self.fulls_at, self.ending_at
         for st in sorted({*fulls_at, *ending_at}):
-            way = _way_in(st, fulls_at.get(st, ()), ending_at.get(st, ()), best, exclude)
+            way = cheapest_way_in(st, fulls_at.get(st, ()), ending_at.get(st, ()), best, exclude)
             if way is not None:
-                best[st] = _Best(*way)
+                best[st] = PathLink(*way)
         self._best, self._best_excluding = best, exclude
         return best
 
-    def _chain_way(self, step: int, exclude: frozenset[str]) -> _ChainWay | None:
+    def chain_way(self, step: int, exclude: frozenset[str]) -> ChainWay | None:
         """``(t, prev, last)``: the cheapest chain of trainer step ``step`` is the path of
-        ``prev``, then ``last`` (if not None), then ``t`` (see :func:`_chain_way`); None when
+        ``prev``, then ``last`` (if not None), then ``t`` (see :func:`chain_way_from`); None when
         there is none. Nothing is copied: O(in-degree) once the paths are known."""
         t = self.trainer.get(step)
         if t is None:
@@ -425,7 +425,7 @@ class LineageGraph:
         if self._best is not None and (
             self._best_excluding is exclude or self._best_excluding == exclude
         ):
-            best: Mapping[StateKey, _Best] = self._best
+            best: Mapping[StateKey, PathLink] = self._best
         elif _NEAR_ASKED.get(self, 0) < _NEAR_CHAINS:
             # A few chains of a graph whose paths are not known (a restore plans one): only
             # the part of the lineage they can come from, not every state of a long history
@@ -433,9 +433,11 @@ class LineageGraph:
             best = self._near_paths(t, exclude)
         else:
             best = self.best_paths(exclude)
-        return _chain_way(t, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude)
+        return chain_way_from(
+            t, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude
+        )
 
-    def _near_paths(self, t: LineageNode, exclude: frozenset[str]) -> dict[StateKey, _Best]:
+    def _near_paths(self, t: LineageNode, exclude: frozenset[str]) -> dict[StateKey, PathLink]:
         """The cheapest paths into the states a chain of ``t`` goes on from (its start, the
         starts of what else ends in its state) -- exactly :meth:`best_paths`' for those, those
         only -- computed over the states a cheapest path into one of them can pass through.
@@ -474,15 +476,17 @@ class LineageGraph:
                         if nb < back.get(e.start, nb + 1):
                             back[e.start] = nb
                             heapq.heappush(heap, (nb, e.start))
-        best: dict[StateKey, _Best] = {}
+        best: dict[StateKey, PathLink] = {}
         for st in sorted(near):
-            way = _way_in(st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude)
+            way = cheapest_way_in(
+                st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude
+            )
             if way is not None:
-                best[st] = _Best(*way)
+                best[st] = PathLink(*way)
         return {st: best[st] for st in targets if st in best}
 
-    def _chain_ways(self, steps: Iterable[int], exclude: frozenset[str]) -> dict[int, _ChainWay]:
-        """:meth:`_chain_way` of each of ``steps`` that has a chain, by step (one lookup of
+    def chain_ways(self, steps: Iterable[int], exclude: frozenset[str]) -> dict[int, ChainWay]:
+        """:meth:`chain_way` of each of ``steps`` that has a chain, by step (one lookup of
         the paths for all: a plan asks for every step's)."""
         best = self.best_paths(exclude)
         fulls_at, ending_at, trainer = self.fulls_at, self.ending_at, self.trainer
@@ -490,7 +494,7 @@ class LineageGraph:
         for step in steps:
             t = trainer.get(step)
             if t is not None:
-                way = _chain_way(
+                way = chain_way_from(
                     t, fulls_at.get(t.state, ()), ending_at.get(t.state, ()), best, exclude
                 )
                 if way is not None:
@@ -499,7 +503,7 @@ class LineageGraph:
 
     def _chain_ids(self, step: int, exclude: frozenset[str]) -> tuple[str, ...] | None:
         """Ids of the cheapest chain of trainer step ``step``, or None when there is none."""
-        way = self._chain_way(step, exclude)
+        way = self.chain_way(step, exclude)
         if way is None:
             return None
         t, prev, last = way

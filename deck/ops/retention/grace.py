@@ -20,7 +20,7 @@ and each part of the plan is kept up to date from what the new checkpoints chang
   at the first step whose inputs changed, stopped once it agrees with the last walk again), the
   restricted set (what the kept fulls and the latest chain leave out);
 - the union over moments: a retained step's chain is walked when the step becomes retained or
-  its chain changes, each walk stopping at the first link (:class:`deck.read.lineage._Best`, a
+  its chain changes, each walk stopping at the first link (:class:`deck.read.lineage.PathLink`, a
   link names its whole path) an earlier walk reached; and the merger's work in progress, when
   it or its window state appears.
 
@@ -38,24 +38,39 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Container, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from deck.format.manifest import Kind
 from deck.read.lineage import (
+    ChainWay,
     LineageGraph,
     LineageNode,
+    PathLink,
     StateKey,
-    _Best,
-    _chain_way,
-    _ChainWay,
-    _keep_chain,
-    _way_in,
+    chain_way_from,
+    cheapest_way_in,
+    keep_chain,
 )
 
-if TYPE_CHECKING:
-    from deck.ops.retention.plan import RetentionPolicy
-
 __all__ = ["replay_protected"]
+
+
+class RetentionPolicy(Protocol):
+    """What the replay reads of a :class:`deck.ops.retention.plan.RetentionPolicy` (a protocol,
+    not an import: plan.py imports this module)."""
+
+    @property
+    def keep_last_fulls(self) -> int: ...
+    @property
+    def keep_fulls_every(self) -> int | None: ...
+    @property
+    def keep_all_steps(self) -> bool: ...
+    @property
+    def chain_delta_budget(self) -> float | None: ...
+    @property
+    def keep_merged_deltas(self) -> bool: ...
+    @property
+    def grace_s(self) -> float: ...
 
 
 def replay_protected(
@@ -101,7 +116,7 @@ class _Tree:
     def __init__(self, replay: _Replay, exclude: Container[str]) -> None:
         self.replay = replay
         self.exclude = exclude
-        self.best: dict[StateKey, _Best] = {}
+        self.best: dict[StateKey, PathLink] = {}
 
     def update(self, dirty: Iterable[StateKey]) -> set[StateKey]:
         """Recompute the states ``dirty`` (a checkpoint into them was added or changed its
@@ -114,18 +129,20 @@ class _Tree:
         if not best:
             # Every state with a way in is dirty: one pass in step order, nothing to follow
             for st in sorted(set(dirty)):
-                way = _way_in(
+                way = cheapest_way_in(
                     st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude
                 )
                 if way is not None:
-                    best[st] = _Best(*way)
+                    best[st] = PathLink(*way)
             return set(best)
         heap = sorted(set(dirty))  # (a sorted list is a heap)
         queued = set(heap)
         changed: set[StateKey] = set()
         while heap:
             st = heapq.heappop(heap)
-            way = _way_in(st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude)
+            way = cheapest_way_in(
+                st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude
+            )
             old = best.get(st)
             if way is None:
                 if old is None:
@@ -134,20 +151,20 @@ class _Tree:
             elif old is not None and old.prev is way[2] and old.id == way[3]:
                 continue
             else:
-                best[st] = _Best(*way)
+                best[st] = PathLink(*way)
             changed.add(st)
             for e in r.starts_from.get(st, ()):
-                # only a state after ``st`` counts a way through it (see _way_in)
+                # only a state after ``st`` counts a way through it (see cheapest_way_in)
                 if e.state > st and e.state not in queued:
                     queued.add(e.state)
                     heapq.heappush(heap, e.state)
         return changed
 
-    def chain_way(self, t: LineageNode) -> _ChainWay | None:
-        """Like :meth:`deck.read.lineage.LineageGraph._chain_way` of ``t``'s step."""
+    def chain_way(self, t: LineageNode) -> ChainWay | None:
+        """Like :meth:`deck.read.lineage.LineageGraph.chain_way` of ``t``'s step."""
         r = self.replay
         st = t.state
-        return _chain_way(
+        return chain_way_from(
             t, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), self.best, self.exclude
         )
 
@@ -187,8 +204,8 @@ class _Replay:
         self.kept: dict[StateKey, LineageNode] = {}
         self.kept_ids: set[str] = set()
         self.retained: set[int] = set()  # (bounded policy) the retained steps
-        self.walked: set[_Best] = set()  # links whose whole path is protected
-        self._up: dict[_Best, tuple[str, _Best | None]] = {}
+        self.walked: set[PathLink] = set()  # links whose whole path is protected
+        self._up: dict[PathLink, tuple[str, PathLink | None]] = {}
         # Added while nothing was restorable (all protected then); the plan's parts take them
         # in once something is
         self._pending: list[LineageNode] = []
@@ -205,11 +222,11 @@ class _Replay:
         """Left out of the restricted chains unless kept or on the latest chain."""
         return n.merged and (n.kind is Kind.FULL or not self.policy.keep_merged_deltas)
 
-    def up(self, link: _Best) -> tuple[str, _Best | None]:
+    def up(self, link: PathLink) -> tuple[str, PathLink | None]:
         """(the full the path of ``link`` starts from, the newest restrictable link on it),
         remembered per link (links never change): O(1) per link over the replay."""
         todo = []
-        x: _Best | None = link
+        x: PathLink | None = link
         while x is not None and x not in self._up:
             todo.append(x)
             x = x.prev
@@ -221,7 +238,9 @@ class _Replay:
         return self._up[link]
 
     # ---- one moment --------------------------------------------------------------------------
-    def add(self, batch: list[LineageNode], known: Mapping[StateKey, _Best] | None = None) -> None:
+    def add(
+        self, batch: list[LineageNode], known: Mapping[StateKey, PathLink] | None = None
+    ) -> None:
         """The lineage after the commits ``batch``: protect what its plan keeps that earlier
         moments did not. ``known``: for the first batch, cheapest paths already known (into
         states no later commit changes: only the others are found)."""
@@ -240,7 +259,7 @@ class _Replay:
         touched = (
             {t.id: t for t in self.trainer.values()} if initial else self._touched(changed, batch)
         )
-        ways: dict[str, _ChainWay] = {}  # this moment's cheapest chains, as found
+        ways: dict[str, ChainWay] = {}  # this moment's cheapest chains, as found
         fresh = []
         for t in touched.values():
             if t.id not in self.restorable:
@@ -495,7 +514,7 @@ class _Replay:
         fresh: list[LineageNode],
         touched: Mapping[str, LineageNode],
         touched_r: Mapping[str, LineageNode],
-        ways: Mapping[str, _ChainWay],
+        ways: Mapping[str, ChainWay],
         first: bool,
         window_added: list[LineageNode] | None,
         extended: bool,
@@ -531,12 +550,12 @@ class _Replay:
                 continue
             way = ways.get(t.id) or self.any.chain_way(t)
             if way is not None:
-                _keep_chain(way, self.protected, self.walked)
+                keep_chain(way, self.protected, self.walked)
             if first and t.id not in touched_r:
                 continue  # the restricted paths are the cheapest but where touched_r says
             way = self.restricted.chain_way(t)
             if way is not None:
-                _keep_chain(way, self.protected, self.walked)
+                keep_chain(way, self.protected, self.walked)
 
     def _in_progress(
         self, batch: list[LineageNode], window_added: list[LineageNode] | None

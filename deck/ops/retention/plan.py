@@ -23,12 +23,12 @@ from deck.format.manifest import MANIFEST, Kind, step_dir
 from deck.ops.retention.grace import replay_protected
 from deck.read.catalog import ManifestSet
 from deck.read.lineage import (
+    ChainWay,
     LineageGraph,
     LineageNode,
-    _Best,
-    _ChainWay,
-    _keep_chain,
+    PathLink,
     build_graph,
+    keep_chain,
 )
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def plan_lineage(
     retained = set(window) | {st[0] for st in kept}
     # Every step's cheapest chain, once (no copy of one): the restorable steps, and the chain
     # of a step that has no restricted one
-    cheapest = graph._chain_ways(sorted(graph.trainer), frozenset())
+    cheapest = graph.chain_ways(sorted(graph.trainer), frozenset())
     if policy.keep_all_steps:
         retained |= set(cheapest)
     # Steps outside the latest's chain restore through kept fulls, trainer checkpoints and
@@ -338,7 +338,7 @@ def _add_chains(
     steps: list[int],
     allowed: set[str],
     keep: set[str],
-    cheapest: Mapping[int, _ChainWay],
+    cheapest: Mapping[int, ChainWay],
 ) -> list[int]:
     """Add to ``keep`` the chain of each of ``steps`` -- through ``allowed`` checkpoints where
     possible, else the cheapest (``cheapest``: every step's, by step) -- and return the steps
@@ -348,23 +348,25 @@ def _add_chains(
     only up to the first link an earlier one walked (O(checkpoints) in all, not steps x chain
     length)."""
     restricted = frozenset(i for i in graph.nodes if i not in allowed)
-    ways = dict(cheapest) if not restricted else graph._chain_ways(steps, restricted)
+    ways = dict(cheapest) if not restricted else graph.chain_ways(steps, restricted)
     out = []
-    walked: set[_Best] = set()
+    walked: set[PathLink] = set()
     for step in steps:
         way = ways.get(step) or cheapest.get(step)
         if way is None:
-            why = graph._why_not(step, frozenset())
-            logger.warning("retention: step %d is not restorable, not retained: %s", step, why)
+            try:
+                graph.chain(step)  # (raises, saying why)
+            except CheckpointNotFoundError as e:
+                logger.warning("retention: step %d is not restorable, not retained: %s", step, e)
             continue
-        _keep_chain(way, keep, walked)
+        keep_chain(way, keep, walked)
         out.append(step)
     return out
 
 
 def _restorable(graph: LineageGraph) -> list[int]:
     """:meth:`LineageGraph.restorable_steps` without copying a chain per step."""
-    return sorted(graph._chain_ways(graph.trainer, frozenset()))
+    return sorted(graph.chain_ways(graph.trainer, frozenset()))
 
 
 def _delete_reasons(graph: LineageGraph, keep: set[str]) -> dict[str, str]:
@@ -446,11 +448,11 @@ def takeovers(graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str
     # (not per chain: a first GC of a long history dooms thousands)
     exclude = frozenset(doomed)
     on_chains: set[str] = set()
-    walked: set[_Best] = set()
+    walked: set[PathLink] = set()
     for step in sorted(steps):
-        way = graph._chain_way(step, exclude)
+        way = graph.chain_way(step, exclude)
         if way is not None:
-            _keep_chain(way, on_chains, walked)
+            keep_chain(way, on_chains, walked)
     return {
         i for i in on_chains if not graph.nodes[i].merged and graph.nodes[i].kind is not Kind.FULL
     }
