@@ -37,7 +37,7 @@ from deck.ops.retention.plan import (
     replacements,
     takeovers,
 )
-from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.catalog import overlapped, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageNode, build_graph
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -334,9 +334,12 @@ class _Collector:
     def size(self, keys: list[str]) -> int:
         """Bytes of ``keys`` (files that vanished or cannot be sized count 0)."""
         total = 0
-        for k in keys:
-            with contextlib.suppress(DeckError, OSError):
-                total += self.storage.size(k)
+        # One request per file: overlapped on a remote store (each pays a round trip)
+        for _, got in overlapped(self.storage, self.storage.size, keys):
+            if isinstance(got, int):
+                total += got
+            elif not isinstance(got, (DeckError, OSError)):
+                raise got
         return total
 
     def delete_checkpoints(self) -> None:
