@@ -42,7 +42,7 @@ from deck.format.manifest import (
 from deck.merge.plan import PlannedItem
 from deck.merge.policy import MergeConfig
 from deck.merge.stream import ChunkOut, InputDamaged, ShardStream, merge_rows, row_bytes
-from deck.read.catalog import read_rank_manifests
+from deck.read.catalog import overlapped, read_rank_manifests
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.units import human_bytes
@@ -209,9 +209,17 @@ class ItemBuilder:
             max((row_bytes(r) for r in recs), default=0),
             self.config.chunk_bytes,
         )
-        streams = [
-            ShardStream(self.storage, self.inputs[i], recs[i], i) for i in range(first, len(recs))
-        ]
+        # Each stream reads its first chunk when opened: overlapped on a remote store (one
+        # round trip per input otherwise); the first failure is raised, as a loop would.
+        streams = []
+        for _, got in overlapped(
+            self.storage,
+            lambda i: ShardStream(self.storage, self.inputs[i], recs[i], i),
+            range(first, len(recs)),
+        ):
+            if isinstance(got, Exception):
+                raise got
+            streams.append(got)
         failpoint("merger.partition.before_read")
         merge_rows(streams, out.add)
         failpoint("merger.partition.after_read")
