@@ -556,6 +556,7 @@ class ChainWriter:
         process does). Call on every rank together, e.g. after a restore changed the parent
         (whose chain the restore has just read: the last commit's lineage check is moot)."""
         self._next_id = None
+        self.stager.forget_committed()
         if self._watch is not None:
             self._watch.forget()
 

@@ -214,6 +214,14 @@ class Committer:
             out, self._failed_parts = self._failed_parts, []
         return out
 
+    def forget_committed(self) -> None:
+        """A restore moved the chain: a delta's parent is the restored step, which another
+        process (or this one, long ago) committed and GC may have deleted since. Forget which
+        parts committed here, so that the next delta's commit reads its parent's record."""
+        with self._idle:
+            for key in [k for k, v in self._outcomes.items() if v is not None]:
+                del self._outcomes[key]
+
     def take_failure(self) -> bool:
         """Whether a part failed since the last call, and forget it: read and cleared in one step
         under the lock, so a failure recorded right after is kept for the next call."""

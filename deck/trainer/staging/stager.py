@@ -302,6 +302,11 @@ class Stager:
         self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
         self._settle_pool(writing=staged.pooled)
 
+    def forget_committed(self) -> None:
+        """After a restore: the next delta's commit checks its parent in the store
+        (:meth:`Committer.forget_committed`)."""
+        self._committer.forget_committed()
+
     def take_failure(self) -> bool:
         """Whether a part failed after training moved on since the last call (the next
         checkpoint must be a full); taken atomically, so a failure recorded while the ranks vote
