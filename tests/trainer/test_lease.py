@@ -240,6 +240,9 @@ def test_a_lapsed_lease_another_trainer_took_is_lost_for_good(tmp_path: Path) ->
     lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
     lease.acquire()
     _lapse(lease, failing)
+    # The store wrote our last record a moment after the renewal began (the holder's fence
+    # counts from the start): its time to live passed on the store's clock too.
+    set_store_time(open_storage(str(tmp_path)), lease_key(1), time.time() - 1.0)
     other = Lease(open_storage(str(tmp_path)), ttl_s=30, settle_s=0.01)
     other.acquire()  # our record expired: taken over (epoch 2)
     failing.clear()
