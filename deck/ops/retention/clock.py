@@ -62,10 +62,10 @@ def read_store_clock(
         )
     if off > 60:
         logger.warning(
-            "deck gc: this host's clock differs from %s's by %.0f s; ages are measured on the "
+            "deck gc: this host's clock is %+.0f s from %s's; ages are measured on the "
             "store's clock",
+            -clock.skew_s,
             storage.uri,
-            clock.skew_s,
         )
     return clock
 

@@ -95,7 +95,7 @@ class RetentionPolicy(Settings):
         "restore and the time between a restore and the next checkpoint.",
         json_schema_extra={"cli": "deck gc --grace S"},
     )
-    max_clock_skew_s: Annotated[float, Field(ge=0)] | None = Field(
+    max_clock_skew_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         default=900.0,
         description="GC measures every age on the store's clock (the times the store gives its "
         "files, against a marker GC writes); when this host's clock is further than S seconds "
