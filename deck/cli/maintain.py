@@ -225,7 +225,9 @@ def cmd_gc(a: argparse.Namespace) -> int:
     storage = open_existing(a.uri, a.storage_options)
     rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
     verb = "would delete" if a.dry_run else "deleted"
-    if rep.latest is None and not (rep.deleted or rep.orphans or rep.kept or rep.errors):
+    if rep.latest is None and not (
+        rep.deleted or rep.orphans or rep.kept or rep.busy or rep.errors
+    ):
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to collect")
     if rep.latest is None:
         print(f"no restorable checkpoint at {a.uri}: nothing deleted but orphans")
@@ -239,6 +241,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
         print(f"  {_orphan_line(verb, prefix, why)}")
     for folder, why in rep.kept:
         print(f"  KEPT {folder}: {why}")
+    for folder, why in rep.busy:
+        print(f"  kept {folder}: {why}")
     for e in rep.errors:
         print(f"  ERROR {e}", file=sys.stderr)
     if rep.clock_skew_s is not None and abs(rep.clock_skew_s) > 60:
@@ -252,6 +256,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
         + (
             f"; kept {len(rep.kept)} because of damage or read errors (KEPT above)"
             if rep.kept
+            else ""
+        )
+        + (
+            f"; kept {len(rep.busy)} that writers were at work on (the next run decides)"
+            if rep.busy
             else ""
         )
     )

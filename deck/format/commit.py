@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from deck.errors import NotFoundError
 from deck.format.checksum import checksum
 from deck.format.manifest import FORMAT_VERSION, CheckpointManifest, RankManifest, RankRef
+from deck.storage import Storage
 from deck.version import __version__
 
 
@@ -39,3 +41,41 @@ def commit_record(
         deck_version=deck_version,
         **fields,
     )
+
+
+def first_missing_file(
+    storage: Storage, folder: str, parts: list[tuple[RankRef, RankManifest]], sizes: bool
+) -> str | None:
+    """What is wrong with the files a commit over ``parts`` would name in ``folder``, right
+    before its record is written: the first file missing (one listing of the folder) or, with
+    ``sizes``, shorter or longer than its record says (a size request per file); None when all
+    are there. A writer checks this because something else may delete in a folder that has no
+    commit record yet (a GC run that judged it abandoned), and a record naming missing files
+    would be a committed checkpoint that cannot be restored."""
+    want: dict[str, tuple[int, bool]] = {}  # key -> (size, exact); at least, in a bundle
+    for ref, part in parts:
+        want[f"{folder}/{ref.path}"] = (ref.nbytes, True)
+        for f in (part.dense, part.extra):
+            if f is not None:
+                want[f"{folder}/{f.path}"] = (f.nbytes, True)
+        for shard in part.shards:
+            for c in shard.chunks:
+                key = f"{folder}/{c.path}"
+                if c.offset is None:
+                    want[key] = (c.nbytes, True)
+                else:
+                    want[key] = (max(want.get(key, (0, False))[0], c.offset + c.nbytes), False)
+    listed = set(storage.list(f"{folder}/"))
+    for key in sorted(want):
+        if key not in listed:
+            return f"{key} is missing"
+        if not sizes:
+            continue
+        need, exact = want[key]
+        try:
+            have = storage.size(key)
+        except NotFoundError:
+            return f"{key} is missing"
+        if have != need if exact else have < need:
+            return f"{key} has {have} bytes, its record says {need}"
+    return None

@@ -22,7 +22,7 @@ import xxhash
 from deck.errors import CorruptCheckpointError, MergeError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
-from deck.format.commit import commit_record, rank_ref
+from deck.format.commit import commit_record, first_missing_file, rank_ref
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -291,37 +291,7 @@ class ItemBuilder:
         not end in a committed checkpoint with missing files. Else the partition records are
         deleted (the item is built again from scratch next pass, what is left of its files
         being orphans) and :class:`FilesGoneError` names the folder and the file."""
-        sizes: dict[str, tuple[int, bool]] = {}  # key -> (size, exact); at least, in a bundle
-        for ref, part in written:
-            sizes[f"{self.folder}/{ref.path}"] = (ref.nbytes, True)
-            for f in (part.dense, part.extra):
-                if f is not None:
-                    sizes[f"{self.folder}/{f.path}"] = (f.nbytes, True)
-            for shard in part.shards:
-                for c in shard.chunks:
-                    key = f"{self.folder}/{c.path}"
-                    if c.offset is None:
-                        sizes[key] = (c.nbytes, True)
-                    else:
-                        sizes[key] = (
-                            max(sizes.get(key, (0, False))[0], c.offset + c.nbytes),
-                            False,
-                        )
-        listed = set(self.storage.list(f"{self.folder}/"))
-        problem = None
-        for key in sorted(sizes):
-            want, exact = sizes[key]
-            if key not in listed:
-                problem = f"{key} is missing"
-                break
-            try:
-                have = self.storage.size(key)
-            except NotFoundError:
-                problem = f"{key} is missing"
-                break
-            if have != want if exact else have < want:
-                problem = f"{key} has {have} bytes, its record says {want}"
-                break
+        problem = first_missing_file(self.storage, self.folder, written, sizes=True)
         if problem is None:
             return
         for p in self.partitions:

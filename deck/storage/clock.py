@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from deck.errors import DeckError
 from deck.storage.base import Storage
 
-__all__ = ["StoreTime", "store_now"]
+__all__ = ["MARKER_DIR", "StoreTime", "store_now"]
+
+# Where markers go, one folder for every reader of the store's time, so that GC removes those a
+# crashed reader left (deck.ops.retention.clock.delete_stale_markers).
+MARKER_DIR = "_clock"
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,10 @@ class StoreTime:
     uncertainty_s: float = 0.0  # the skew is known to within this (the marker's round trip)
 
 
-def store_now(
-    storage: Storage, folder: str, local_clock: Callable[[], float] = time.time
-) -> StoreTime:
-    """Write a marker object in ``folder`` (a key prefix ending in "/"), read the time the store
-    gave it, and delete it. A marker that cannot be written raises the store's error."""
-    key = f"{folder}clock-{secrets.token_hex(8)}"
+def store_now(storage: Storage, local_clock: Callable[[], float] = time.time) -> StoreTime:
+    """Write a marker object under :data:`MARKER_DIR`, read the time the store gave it, and
+    delete it. A marker that cannot be written raises the store's error."""
+    key = f"{MARKER_DIR}/clock-{secrets.token_hex(8)}"
     before = local_clock()
     storage.put(key, b"deck clock marker\n")
     after = local_clock()

@@ -148,7 +148,7 @@ class Lease:
         if held.ttl_s is None:  # an older deck's record: only its writer's clock is known
             return held.expires_unix <= time.time()
         renewed = self.storage.modified(lease_key(epoch))
-        now = store_now(self.storage, f"{LEASE_DIR}/").now
+        now = store_now(self.storage).now
         return renewed is not None and now is not None and now - renewed > held.ttl_s
 
     def acquire(self) -> None:

@@ -19,12 +19,12 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from deck.errors import ConfigError, DeckError
+from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format import treecodec
 from deck.format.checksum import checksum
 from deck.format.chunks import Buffer, ChunkLayout, build_chunk, segment_view
-from deck.format.commit import commit_record, rank_ref
+from deck.format.commit import commit_record, first_missing_file, rank_ref
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -652,9 +652,11 @@ def commit(
     back); every other rank's part is verified from the bytes in ``read`` (rank -> its part
     manifest as the caller read it from ``storage``) or read from ``storage``. ``fence`` (the
     writer lease's :meth:`~deck.trainer.lease.Lease.check`) runs right before the record is
-    written and raises when this job may no longer commit."""
+    written and raises when this job may no longer commit. Before it, one listing of the step's
+    folder checks that every file the parts name is there (:class:`CheckpointError` if not)."""
     root = step_dir(step)
     refs = []
+    parts = []
     encodings: set[Encoding] = set()
     for rank in range(world_size):
         rel = f"{ckpt_id}/{rank_manifest_name(rank)}"
@@ -666,6 +668,7 @@ def commit(
         if part.encoding is not None:
             encodings.add(part.encoding)
         refs.append(rank_ref(rank, part, rel, data))
+        parts.append((refs[-1], part))
     manifest = commit_record(
         refs,
         deck_version=deck_version,
@@ -681,6 +684,13 @@ def commit(
         encoding=min(encodings) if encodings else None,
     )
     failpoint("commit.before_manifest")
+    problem = first_missing_file(storage, root, parts, sizes=False)
+    if problem is not None:
+        raise CheckpointError(
+            f"step {step} is not committed: {problem} (deleted before its commit record: "
+            "a GC run with a grace period shorter than this save took it for abandoned); "
+            "the next checkpoint will be a full"
+        )
     if fence is not None:
         fence()
     storage.put(f"{root}/{MANIFEST}", dump_model(manifest))

@@ -296,7 +296,7 @@ def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
     assert racing.committed and not rep.errors
     manifests = read_manifests(storage)
     assert 6 in manifests and manifests[6].id == m.id  # the re-save's commit record survived
-    assert any("a new save of step 6 began" in why for _, why in rep.kept), rep.kept
+    assert any("a new save of step 6 began" in why for _, why in rep.busy), rep.busy
     assert latest_restorable(manifests) == 6
     check_all_restore(storage, history)
     # The next run deletes what the abandoned timeline left.

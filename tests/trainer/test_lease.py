@@ -107,7 +107,7 @@ def test_another_hosts_lease_is_aged_on_the_stores_clock(
     current = taker.read()
     assert current is not None and current.owner == taker.owner and current.ttl_s == 30
     taker.release()
-    assert not [k for k in storage.list("_lease/") if "clock" in k]  # the markers went
+    assert not [k for k in storage.list("_clock/") if "clock" in k]  # the markers went
 
 
 def test_a_taken_over_lease_is_noticed(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from deck.errors import ClockSkewError, DeckError
 from deck.storage import Storage
-from deck.storage.clock import StoreTime, store_now
+from deck.storage.clock import MARKER_DIR, StoreTime, store_now
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ __all__ = ["CLOCK_DIR", "delete_stale_markers", "read_store_clock"]
 
 # Where GC's markers live (one object per run, deleted at once; a crashed run's marker is
 # deleted by a later run): beside the writer lease's folder, outside every checkpoint folder.
-CLOCK_DIR = "_clock"
+CLOCK_DIR = MARKER_DIR
 
 
 def read_store_clock(
@@ -43,7 +43,7 @@ def read_store_clock(
     reports no times gives ``now=None``: ages are then unknown and GC deletes nothing that
     waits for an age. A marker that cannot be written is a :class:`StorageError` (a read-only
     credential cannot run GC)."""
-    clock = store_now(storage, f"{CLOCK_DIR}/", local_clock)
+    clock = store_now(storage, local_clock)
     if clock.now is None:
         logger.warning(
             "deck gc: %s reports no modification times; nothing is deleted that waits for an age",

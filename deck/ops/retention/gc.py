@@ -61,6 +61,9 @@ class GcReport:
     errors: list[str] = field(default_factory=list)
     # (folder, why): what the rules alone would delete, kept because something is damaged
     kept: list[tuple[str, str]] = field(default_factory=list)
+    # (folder, why): what the rules would delete, kept because a writer was at work on it during
+    # this run (a save, a merger commit); no damage, the next run decides
+    busy: list[tuple[str, str]] = field(default_factory=list)
     # What the rules would delete but the grace period holds back (a later run deletes it)
     grace_held: int = 0  # checkpoints
     grace_held_orphans: int = 0  # orphan folders or stray files
@@ -119,7 +122,8 @@ def collect_garbage(
     (``policy.verify_replacements``), and so are, by their checksums, the trainer deltas that
     take over a deleted merger checkpoint's steps; else it and what it replaces stay;
     ``report.kept`` says
-    what was kept for which damage. A failed deletion, of a checkpoint or an orphan, is recorded
+    what was kept for which damage, ``report.busy`` what was kept because a writer was at
+    work on it during the run. A failed deletion, of a checkpoint or an orphan, is recorded
     in ``report.errors`` and the run goes on. Last, what interrupted writes left is pruned
     (:meth:`deck.storage.Storage.prune_temps`, with the grace period). Safe to run next to the
     trainer and merger workers, and to rerun after a crash. ``dry_run`` only reports.
@@ -195,7 +199,9 @@ def _collect(
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after
     # every poll); a run with nothing to do is DEBUG.
     logger.log(
-        logging.INFO if report.deleted or report.orphans or report.kept else logging.DEBUG,
+        logging.INFO
+        if report.deleted or report.orphans or report.kept or report.busy
+        else logging.DEBUG,
         "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
         storage.uri,
         "would delete" if dry_run else "deleted",
@@ -368,7 +374,7 @@ class _Collector:
                     self.report.errors.append(f"{n.folder}: {e}")
                     kept = None
                 if kept:
-                    self.report.kept.append((self._label(cid), kept))
+                    self.report.busy.append((self._label(cid), kept))
                     continue
             self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
@@ -528,7 +534,7 @@ class _Collector:
             return
         kept = self._still_orphans(prefix, keys, claimed)
         if kept is not None:
-            self.report.kept.append((prefix, kept))
+            self.report.busy.append((prefix, kept))
             return
         self.report.orphans.append((prefix, why))
         self.report.files += len(keys)
@@ -561,7 +567,7 @@ class _Collector:
             self.report.kept.append((f"{folder}/", f"its commit record cannot be read now ({e})"))
             return
         if current != m:
-            self.report.kept.append((f"{folder}/", "committed again during this run"))
+            self.report.busy.append((f"{folder}/", "committed again during this run"))
             return
         self.report.orphans.append((f"{folder}/ ({len(old)} file(s))", why))
         self.report.files += len(old)
