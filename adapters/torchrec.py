@@ -164,7 +164,7 @@ class TorchRecAdapter(ModelAdapter):
         """TorchRec's pipelines replace a sharded module's forward: TrainPipelineSparseDist's
         (PipelinedForward) looks a batch up in its own step, like no pipeline; the semi-sync and
         prefetch pipelines' (EmbeddingPipelinedForward, PrefetchPipelinedForward) look the next
-        batch up before this batch's update, and any other is unknown: both answer why."""
+        batch up before this batch's update, and any other is unknown: both are refused."""
         from torchrec.distributed.train_pipeline.runtime_forwards import (
             BaseForward,
             PipelinedForward,

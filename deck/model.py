@@ -223,10 +223,10 @@ class ModelAdapter(abc.ABC):
         return None
 
     def rows_written_before_lookup(self) -> str | None:
-        """Why a table row may be written in a step before that step's lookup hook ran (a
-        pipeline that looks a batch up ahead of the previous batch's update): then a
-        copy-on-write snapshot cannot guard its rows (:mod:`deck.trainer.cow`). None: every
-        write of a row follows the lookup of its step. Asked at every checkpoint."""
+        """Why a batch may have been looked up before the previous batch's update (a pipeline
+        that looks the next batch up ahead): a checkpoint then is refused, its lookup output
+        being state no checkpoint holds. None: every lookup of a step follows the update of the
+        step before. Asked at every checkpoint."""
         return None
 
     @abc.abstractmethod

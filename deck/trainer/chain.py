@@ -58,7 +58,7 @@ import torch
 import xxhash
 
 from deck.config import StagingConfig
-from deck.errors import CheckpointError, ConfigError, DeckError
+from deck.errors import CheckpointError, ConfigError, DeckError, UnsupportedError
 from deck.failpoints import failpoint
 from deck.format.manifest import Kind
 from deck.kernels.native import native_available
@@ -698,6 +698,19 @@ class ChainWriter:
         if self.lease is not None and self.lease.lost.is_set():
             snap.error = CheckpointError("the writer lease is lost")  # the vote says so to all
             return snap
+        ahead = self.adapter.rows_written_before_lookup()
+        if ahead is not None:
+            # The next batch was looked up with the rows before this batch's update: its lookup
+            # output is state no checkpoint holds, so no restore could go on exactly. Every rank
+            # runs the same pipeline, so every rank refuses.
+            snap.error = UnsupportedError(
+                f"{ahead}: deck does not checkpoint a model trained through TorchRec's "
+                "semi-sync or prefetch pipeline (TrainPipelineSemiSync, "
+                "PrefetchTrainPipelineSparseDist): the next batch's lookup, already run, would "
+                "be lost at a restore. Use TrainPipelineSparseDist or TrainPipelineBase, or no "
+                "pipeline"
+            )
+            return snap
         waiting = self.tracker.awaiting_backward()
         if waiting:
             # A forward whose output was dropped may hold its graph in a reference cycle (the
@@ -797,7 +810,7 @@ class ChainWriter:
         mode = self.staging.copy_on_write
         if mode == "off" or (mode == "deltas" and full):
             return False
-        why = self.adapter.rows_written_before_lookup()
+        why = None
         if self.staging.release != "in_memory":
             why = f"staging.release={self.staging.release!r} writes the rows in the stall"
         elif self.staging.bundle_bytes:

@@ -16,10 +16,10 @@ pending itself, or waits for the background's copy of a row it is copying. Each 
 one atomic compare-and-swap in the native kernel (``copy_once`` in ``kernels/_native.c``), the
 GIL released: each row is copied exactly once, before any write can reach it.
 
-Where that order does not hold, the rows are copied in the stall as before (chosen by
-:class:`deck.trainer.chain.ChainWriter` per checkpoint, logged once): pipelines that look rows up
-for a batch before the previous batch's update (TorchRec's semi-sync and prefetch pipelines),
-and ``release="first_tier"``; so are the shards the writer cannot defer (tables off the CPU,
+Pipelines that look rows up for a batch before the previous batch's update (TorchRec's
+semi-sync and prefetch pipelines) break that order; a checkpoint under them is refused anyway
+(:class:`deck.trainer.chain.ChainWriter`). The rows are copied in the stall as before (chosen per
+checkpoint, logged once) with ``release="first_tier"``; so are the shards the writer cannot defer (tables off the CPU,
 quantised states, ``full_only`` shards, bundles: :meth:`deck.trainer.writer.RankPartWriter`).
 Memory: the chunk buffers are the pool's as before (``staging.snapshot_memory_bytes``), taken by
 the background copy as it goes; plus the rows a lookup saved aside because their chunk had no

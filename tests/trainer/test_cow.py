@@ -24,6 +24,7 @@ from deck.kernels.gather import copy_once, row_sources
 import deck
 import deck.trainer.cow as cow
 from deck.demo import ModelSpec, capture_state, diff_states
+from deck.errors import CheckpointError
 from deck.testing.dist_harness import run_ranks
 from deck.trainer.cow import DeferredCopy, RowSlice
 from deck.trainer.tracker import TrackerStore
@@ -433,7 +434,7 @@ def _lookahead_job(rank: int, world_size: int, root: str) -> None:
     model, dense = _build(seed=0)
     it = _batches(rank, 1, 2 * STEPS + 4)
     ebc = model.module.get_submodule("model.sparse_arch.embedding_bag_collection")
-    seen = []
+    refused = []
     with deck.enable(
         model, [dense], deck.DeckConfig(uri=f"{root}/ck2", delta_every_steps=EVERY)
     ) as ck:
@@ -444,15 +445,26 @@ def _lookahead_job(rank: int, world_size: int, root: str) -> None:
             if s % EVERY == 0 and s > EVERY and kind is not None:
                 # What TorchRec's semi-sync / prefetch pipelines install: looked up ahead
                 ebc.forward = kind("ebc", None, ebc, None, None)
+                with pytest.raises(CheckpointError, match="semi-sync or prefetch pipeline") as e:
+                    ck.step(s)
+                assert kind.__name__ in str(e.value)
+                refused.append(s)
+                ebc.__dict__.pop("forward", None)
+                continue
             ck.step(s)
-            ebc.__dict__.pop("forward", None)
             if s % EVERY == 0:
-                seen.append((kind.__name__ if kind and s > EVERY else None, ck.history[-1]))
-    for name, h in seen[2:]:
-        if name is None:
-            assert h.copied_after == h.rows > 0, (name, h)
-        else:
-            assert h.copied_after == 0 and h.rows > 0, (name, h)
+                assert ck.history[-1].state != "failed" and ck.history[-1].step == s
+        assert ck.flush()
+        saved = [h.step for h in ck.history if h.state != "failed"]  # rank 0 commits them
+        live = capture_state(model, dense)
+    assert refused == [6, 12, 15], refused
+    assert not set(refused) & set(saved) and saved[-1] == 2 * STEPS, saved
+    # Nothing the refused checkpoints held was lost: the next ones took their rows
+    fresh, fresh_dense = _build(seed=1)
+    with deck.enable(fresh, [fresh_dense], deck.DeckConfig(uri=f"{root}/ck2")) as ck2:
+        assert ck2.restore() == 2 * STEPS
+        bad = diff_states(live, capture_state(fresh, fresh_dense))
+        assert not bad, f"rank {rank}: restored state differs: {bad[:8]}"
     # Configurations that write the rows in the stall say so (once), on rank 0
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -475,8 +487,10 @@ def _lookahead_job(rank: int, world_size: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_pipelines_that_look_up_ahead_copy_in_the_stall(tmp_path: Path) -> None:
+def test_pipelines_that_look_up_ahead_are_refused(tmp_path: Path) -> None:
     """Where a sharded module runs through TorchRec's semi-sync or prefetch forward (the next
     batch looked up before this batch's update: these pipelines need CUDA, so the forward they
-    install is set by hand), the delta's rows are copied in the stall; without it, after."""
+    install is set by hand), each checkpoint is refused on every rank, naming the forward;
+    without it the next commits, and the restore holds every row. Release modes that copy in
+    the stall say so."""
     run_ranks(_lookahead_job, str(tmp_path))
