@@ -305,3 +305,41 @@ def test_merge_and_gc_say_what_they_do(ckpt: Path, tmp_path: Path) -> None:
     assert _deck("gc", str(copy), "--grace", "0").returncode == 0
     ls = json.loads(_deck("ls", str(copy), "--json").stdout)
     assert any(r["folder"].startswith(f"merged/{full.name}") for r in ls), ls
+
+
+def test_a_damaged_commit_record_is_damage_not_absence(ckpt: Path, tmp_path: Path) -> None:
+    """ls and export meet a step whose manifest.json is truncated (and a merger folder whose
+    record is garbage): exit 1 (damage), one ``deck <command>:`` line naming the file; ls still
+    lists the rest, and the damaged folders as state ``damaged``."""
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    record = copy / "step-000000000010" / "manifest.json"
+    record.write_bytes(record.read_bytes()[:100])
+    merged = next((copy / "merged").iterdir()) / "manifest.json"
+    merged.write_text("garbage")
+    uri, out = str(copy), tmp_path / "out"
+    ls, ls_json, latest, at10, at5 = _decks(
+        ("ls", uri),
+        ("ls", uri, "--json"),
+        ("export", uri, "--out", str(out / "latest")),
+        ("export", uri, "--step", "10", "--out", str(out / "10")),
+        ("export", uri, "--step", "5", "--out", str(out / "5"), "--format", "safetensors"),
+    )
+    for r in (ls, ls_json, latest, at10):
+        assert r.returncode == 1, (r.args, r.returncode, r.stdout, r.stderr)
+        err = r.stderr.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"deck {r.args[1]}: "), r.stderr
+        assert str(record) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert str(merged) in ls.stderr
+    rows = json.loads(ls_json.stdout)
+    bad = [(x["step"], x["folder"], x["state"]) for x in rows if x["state"] == "damaged"]
+    assert bad == [
+        (10, "step-000000000010", "damaged"),
+        (10, str(merged.parent.relative_to(copy)), "damaged"),
+    ]
+    assert all(str(record) in x["problem"] for x in rows if x["folder"] == "step-000000000010")
+    assert [x["step"] for x in rows if x["state"] == "committed"] == [0, 5]
+    assert re.search(r"\s10\s.*damaged\s+\S+ step-000000000010", ls.stdout), ls.stdout
+    assert "export it by number (`deck export --step 5`)" in latest.stderr
+    assert not (out / "latest").exists() and not (out / "10").exists()
+    assert at5.returncode == 0, at5.stderr

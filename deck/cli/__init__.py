@@ -2,7 +2,8 @@
 ``deck --version`` prints the version).
 
     deck ls URI [--json] [--tree]        every checkpoint: kind, step, layer, covered steps,
-                                         ranks, bytes, age, committed / pending / quarantined
+                                         ranks, bytes, age, committed / pending / quarantined /
+                                         damaged (a manifest.json that cannot be read: exit 1)
     deck show URI STEP [--json] [--no-chunks]
                                          one checkpoint: ranks, tables, shards, rows, bytes,
                                          chunk files and their checksums, parent and base

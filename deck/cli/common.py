@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from deck.units import human_bytes
@@ -73,6 +76,19 @@ def open_existing(uri: str, storage_options: dict[str, Any] | None) -> Storage:
             "--storage-options"
         )
     return storage
+
+
+@contextlib.contextmanager
+def quiet_catalog() -> Iterator[None]:
+    """Silence the catalog's own warnings about damaged commit records while a command that
+    reports them itself (one ``deck <command>:`` line naming the files) reads them."""
+    log = logging.getLogger("deck.read.catalog")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 Subparsers = argparse._SubParsersAction  # what add_subparsers returns

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
-from deck.cli.common import Subparsers, age_text, human, open_existing, progress_bar
+from deck.cli.common import (
+    Subparsers,
+    age_text,
+    human,
+    open_existing,
+    progress_bar,
+    quiet_catalog,
+)
 from deck.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
@@ -17,6 +25,9 @@ if TYPE_CHECKING:
 
 
 def _ls_line(r: Any, now: float) -> str:
+    if r.state == "damaged":
+        unknown = f"{'?':>21} {'?':>5} {'?':>11} {'?':>5}"  # covers, ranks, bytes, age
+        return f"{r.kind:>6} {r.step:>10} {r.layer:>5} {unknown}  {r.state:<11} {r.id or '?'} {r.folder}"
     covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
     ranks = f"{r.ranks}/{r.world_size}"
     age = age_text(None if r.created_unix is None else now - r.created_unix)
@@ -27,6 +38,8 @@ def _ls_line(r: Any, now: float) -> str:
 
 
 def _tree_line(r: Any, now: float) -> str:
+    if r.state == "damaged":
+        return f"step {r.step}  {r.folder}: {r.problem}"
     covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
     layer = f" L{r.layer}" if r.layer else ""
     age = age_text(None if r.created_unix is None else now - r.created_unix)
@@ -40,7 +53,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
     """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import list_rows, tree_lines
 
-    graph, rows = list_rows(open_existing(a.uri, a.storage_options))
+    with quiet_catalog():  # a damaged record is reported below, once
+        graph, rows = list_rows(open_existing(a.uri, a.storage_options))
     if not rows:
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri} (it exists, but holds none)")
     now = time.time()
@@ -55,6 +69,18 @@ def cmd_ls(a: argparse.Namespace) -> int:
         )
         for r in rows:
             print(_ls_line(r, now))
+    damaged = [r for r in rows if r.state == "damaged"]
+    if damaged:
+        sys.stdout.flush()  # the table first, then the finding about it
+        print(
+            f"deck ls: {len(damaged)} damaged commit record(s), listed as damaged, not as "
+            "checkpoints: "
+            + "; ".join(str(r.problem) for r in damaged)
+            + ". Repair each, or delete it to give its checkpoint up; "
+            f"`deck verify {a.uri} --all` checks the rest",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -271,9 +297,10 @@ def ls_parser(sub: Subparsers) -> None:
         description="Every checkpoint at URI: trainer fulls and deltas, the merger's merged deltas "
         "and fulls, and pending trainer steps (rank parts written, manifest.json not yet). "
         "Columns: kind, step, layer, covered steps, rank parts present / world size, bytes, age, "
-        "state (committed | pending | quarantined), id and folder (`deck show` gives a checkpoint's "
+        "state (committed | pending | quarantined | damaged), id and folder (`deck show` gives a checkpoint's "
         "parent and base, `--tree` draws the parent links). Exit 2 when the URI does not exist "
-        "or holds no checkpoint.",
+        "or holds no checkpoint; exit 1 (the rest listed, state damaged) when a commit record "
+        "(manifest.json) cannot be read.",
     )
     ls.add_argument("uri")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")

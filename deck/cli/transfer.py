@@ -10,7 +10,7 @@ import shutil
 import time
 
 import deck.schemes as schemes
-from deck.cli.common import Subparsers, human, open_existing, progress_bar
+from deck.cli.common import Subparsers, human, open_existing, progress_bar, quiet_catalog
 from deck.storage import open_storage
 
 
@@ -18,7 +18,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     """Run ``deck export`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
-    state = StepState(open_existing(a.uri, a.storage_options), a.step)
+    with quiet_catalog():  # a damaged commit record is this command's error, said once
+        state = StepState(open_existing(a.uri, a.storage_options), a.step)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
     bar = progress_bar(f"export step {state.step}", total)
     progress = bar.update if bar else None

@@ -3,24 +3,29 @@ the lineage plus pending trainer steps), its tree view, and the details ``deck s
 
 A *pending* checkpoint is a trainer step folder with rank part manifests but no
 ``manifest.json``: ranks are still uploading, rank 0 has not committed yet, or the job died
-before committing (GC removes those once they are older than its grace period).
+before committing (GC removes those once they are older than its grace period). A *damaged* one
+is a folder whose commit record (``manifest.json``) is there but cannot be read (truncated,
+garbage, another step's): not a checkpoint, not to be forgotten either (``deck ls`` exits 1).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
 from deck.format.manifest import (
     MANIFEST,
+    MERGED_ROOT,
     CheckpointManifest,
     RankManifest,
     RankRef,
     ShardRecord,
     load_model,
+    parse_merged_dir,
+    step_dir,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
@@ -28,6 +33,8 @@ from deck.storage import Storage
 from deck.storage.base import get_bounded
 
 _PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
+# A merged delta's folder: its layer and first step.
+_MERGED_NAME = re.compile(rf"^{MERGED_ROOT}/L(\d+)-(\d{{12}})-")
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class Row:
     first_step: int  # first trainer step whose rows it holds (covers first_step..step)
     bytes: int  # all its files, all ranks
     created_unix: float | None  # commit time (pending: newest rank part's file time, if known)
-    state: str  # committed | pending | quarantined
+    state: str  # committed | pending | quarantined | damaged
     ranks: int  # rank parts present
     world_size: int
     merged: bool  # written by the merger
@@ -49,6 +56,7 @@ class Row:
     epoch: int | None
     id: str
     folder: str
+    problem: str | None = None  # damaged: what is wrong with its commit record, naming the file
 
     def to_dict(self, now: float) -> dict[str, Any]:
         """JSON-ready, with ``age_s`` and ``covers``."""
@@ -81,10 +89,24 @@ def _row(n: LineageNode) -> Row:
 
 def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     """The lineage graph of ``storage`` and one :class:`Row` per committed checkpoint (trainer's
-    and merger's) and per pending trainer checkpoint, ordered by step, then layer."""
+    and merger's), per pending trainer checkpoint and per folder whose commit record is
+    damaged (state ``damaged``, ``problem`` naming the file), ordered by step, then layer."""
     keys = storage.list("")
-    graph = build_graph(read_manifests(storage, keys), storage.uri)
+    manifests = read_manifests(storage, keys)
+    graph = build_graph(manifests, storage.uri)
     rows = [_row(n) for n in graph.nodes.values()]
+    for step, why in manifests.damaged.items():
+        rows.append(_damaged(step, 0, step_dir(step), "", why))
+    for k in keys:
+        head, _, tail = k.partition("/")
+        name, _, rest = tail.partition("/")
+        named = parse_merged_dir(name) if head == MERGED_ROOT and rest == MANIFEST else None
+        if named is not None and named[0] in manifests.damaged_merged:
+            folder = f"{MERGED_ROOT}/{name}"
+            hit = _MERGED_NAME.match(folder)
+            layer, first = (int(hit.group(1)), int(hit.group(2))) if hit else (0, named[1])
+            row = _damaged(named[1], layer, folder, named[0], manifests.damaged_merged[named[0]])
+            rows.append(replace(row, first_step=first))
     have = set(keys)
     parts: dict[tuple[str, str], list[str]] = {}
     for k in keys:
@@ -95,6 +117,28 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
         rows.append(_pending(storage, folder, ckpt_id, found))
     rows.sort(key=lambda r: (r.step, r.layer, r.first_step, r.state != "committed", r.id))
     return graph, rows
+
+
+def _damaged(step: int, layer: int, folder: str, ckpt_id: str, why: str) -> Row:
+    """The row of a folder whose commit record cannot be read: only what its name says."""
+    return Row(
+        kind="?",
+        step=step,
+        layer=layer,
+        first_step=step,
+        bytes=0,
+        created_unix=None,
+        state="damaged",
+        ranks=0,
+        world_size=0,
+        merged=folder.startswith(f"{MERGED_ROOT}/"),
+        parent=None,
+        base=None,
+        epoch=None,
+        id=ckpt_id,
+        folder=folder,
+        problem=why,
+    )
 
 
 def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Row:
@@ -137,7 +181,7 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
 def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
     """The lineage as an ASCII tree: each trainer full with the trainer deltas built on it
     (and on them), and under each state the merger checkpoints that apply on it or reproduce
-    it. ``fmt(row)`` renders one line. Pending checkpoints come last."""
+    it. ``fmt(row)`` renders one line. Pending checkpoints come last, then damaged ones."""
     by_id = {r.id: r for r in rows}
     children: dict[str, list[LineageNode]] = {}
     roots: list[LineageNode] = []
@@ -174,6 +218,10 @@ def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
     if pending:
         out.append("pending (rank parts without manifest.json):")
         out.extend("  " + fmt(r) for r in pending)
+    damaged = [r for r in rows if r.state == "damaged"]
+    if damaged:
+        out.append("damaged (manifest.json there but unreadable):")
+        out.extend("  " + fmt(r) for r in damaged)
     return out
 
 

@@ -16,7 +16,12 @@ from deck.format.chunks import DTYPES
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.model import TableShard
 from deck.ops.export.dense import eager_state, table_name
-from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
+from deck.read.catalog import (
+    checkpoint_label,
+    damaged_records,
+    read_manifests,
+    read_rank_manifests,
+)
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
 from deck.read.restore import apply_chain, part_where
 from deck.read.verify import check_files
@@ -79,15 +84,41 @@ _StateKind = tuple[str, torch.dtype, bool]
 
 
 def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointManifest]]:
-    """``step`` (None: the latest restorable) and its cheapest chain, oldest first."""
+    """``step`` (None: the latest restorable) and its cheapest chain, oldest first.
+
+    A damaged commit record is damage, not absence, as for a restore: a
+    :class:`CorruptCheckpointError` naming the file when it is the record of ``step``, of a
+    step its chain needs, or (``step`` None) of a step newer than the latest restorable one
+    (the newest step cannot be told: an older one is exported only when asked for by number).
+    """
     manifests = read_manifests(storage)
-    if not manifests:
+    if not manifests and not manifests.damaged:
         raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
     graph = build_graph(manifests, storage.uri)
     chosen = graph.latest() if step is None else step
+    skipped = damaged_records(manifests, chosen, latest=step is None)
+    if skipped:
+        other = (
+            f"; the newest readable step is {chosen}: export it by number (`deck export --step {chosen}`), or repair the record"
+            if chosen is not None and step is None
+            else f"; repair it, or export another step (committed: {sorted(manifests)})"
+        )
+        raise CorruptCheckpointError(f"{storage.uri}: {skipped}{other}")
     if chosen is None:
         raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")
-    return chosen, cheapest_chain(graph, chosen)
+    try:
+        return chosen, cheapest_chain(graph, chosen)
+    except CheckpointNotFoundError:
+        node = graph.trainer.get(chosen)
+        while node is not None and node.start is not None:
+            parent = node.start[0]
+            if parent in manifests.damaged:
+                raise CorruptCheckpointError(
+                    f"step {chosen} cannot be exported: its chain needs step {parent}, whose "
+                    f"commit record is damaged ({manifests.damaged[parent]})"
+                ) from None
+            node = graph.trainer.get(parent)
+        raise
 
 
 def _kinds_of(rec: ShardRecord) -> tuple[_StateKind, ...]:
