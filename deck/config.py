@@ -290,7 +290,8 @@ class PublishConfig(Settings):
         ge=1,
         description="Publish a full every this many steps (a multiple of every_steps), so that "
         "a loader that lost a step (Kafka retention, a poison message) moves on at the next "
-        "one. None: a full only when needed (the first publish of a process, after a failure).",
+        "one. None: a full only when needed (the first publish of a process, the first after a "
+        "restore(), the one after a failure).",
         json_schema_extra={"constraints": "or None; a multiple of every_steps"},
     )
     storage_options: dict[str, Any] = Field(
@@ -364,8 +365,11 @@ class DeckConfig(Settings):
       put is atomic (``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``memory://...``;
       other protocols are refused: see :class:`deck.storage.FsspecStorage`).
     - ``delta_every_steps``: take a delta checkpoint every this many steps (``step % n == 0``).
-    - ``full_every_steps``: take a full checkpoint every this many steps; ``None`` means only the
-      first checkpoint is full (later fulls come from the merger).
+    - ``full_every_steps``: also take a full checkpoint every this many steps; ``None``: a full
+      only when there is no committed checkpoint to build a delta on (the first checkpoint of a
+      process that restored none, the one after a failed checkpoint or a broken chain); after
+      ``restore()`` the next checkpoint is a delta of the restored step (a full when the
+      restore changed any rank's shards). Later fulls come from the merger.
     - ``consumers``: names of the tracking tenants that read deltas from one tracker store; the
       checkpointer uses ``"checkpoint"`` (always present); others (e.g. ``"publish"``) read
       their own deltas at their own pace.
@@ -393,8 +397,12 @@ class DeckConfig(Settings):
     full_every_steps: int | None = Field(
         default=None,
         ge=1,
-        description="Also take a full when step % n == 0. None: only the first checkpoint of a "
-        "process is full (later fulls come from the merger).",
+        description="Also take a full when step % n == 0. None: no scheduled fulls; the "
+        "trainer takes a full only when it has no committed checkpoint to build a delta on: "
+        "its first checkpoint when the process restored none (after restore() the next one is "
+        "a delta of the restored step, or a full when the restore changed any rank's shards), "
+        "and the one after a checkpoint that failed or whose chain broke (damage, GC). Later "
+        "fulls come from the merger (deck merge).",
         json_schema_extra={"constraints": "or None; a multiple of delta_every_steps"},
     )
     consumers: tuple[str, ...] = Field(
