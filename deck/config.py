@@ -4,13 +4,16 @@ Pydantic validates every field, strictly (an int field takes an int, not ``True`
 when the model is built: by the constructor, ``model_validate``, ``model_validate_json``,
 ``model_validate_strings`` and ``model_copy(update=...)`` alike. An invalid value raises
 :class:`deck.errors.ConfigError` (a ``ValueError``, as pydantic's ``ValidationError`` is) whose
-message names the field and says what is allowed, and whose ``errors()`` lists pydantic's error
-records.
+message is one line naming the field as the user set it (``DeckConfig.staging.chunk_bytes``),
+what is allowed and the value given, and whose ``errors()`` lists pydantic's error records.
+Assigning to a field of a built model (they are frozen) raises it too.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -65,8 +68,9 @@ class Settings(BaseModel):
     """Base of every deck configuration model (DeckConfig, StagingConfig, MergeConfig,
     RetentionPolicy, RetryPolicy, ...): frozen, unknown fields refused, strict types (no
     ``True`` for an int, no ``"5"`` for a number), and an invalid value raises
-    :class:`ConfigError` with one line per bad field (``Model.field: why (got value)``) from the
-    constructor, every ``model_validate*`` classmethod and ``model_copy(update=...)``.
+    :class:`ConfigError` of one line (``Model.field: why (got value)``, several bad fields
+    joined by ``;``) from the constructor, every ``model_validate*`` classmethod and
+    ``model_copy(update=...)``; assigning to a field raises it too.
     Fields carry ``description`` and ``json_schema_extra`` (``constraints``, ``cli``), from which
     :mod:`deck.docgen` writes docs/configuration.md."""
 
@@ -76,7 +80,17 @@ class Settings(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise config_error(e) from None
+            raise config_error(e, type(self)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Frozen: pydantic would raise its ValidationError ("Instance is frozen").
+        raise ConfigError(
+            f"{type(self).__name__} is frozen: make a changed copy with "
+            f"model_copy(update={{{name!r}: ...}}) (validated like a new one)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise ConfigError(f"{type(self).__name__} is frozen: its fields cannot be deleted")
 
     # pydantic's own entry points raise its ValidationError; deck's raise ConfigError, so a
     # caller catches one exception type however the model was built.
@@ -86,7 +100,7 @@ class Settings(BaseModel):
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as e:
-            raise config_error(e) from None
+            raise config_error(e, cls) from None
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
@@ -94,7 +108,7 @@ class Settings(BaseModel):
         try:
             return super().model_validate_json(json_data, **kwargs)
         except ValidationError as e:
-            raise config_error(e) from None
+            raise config_error(e, cls) from None
 
     @classmethod
     def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Self:
@@ -104,7 +118,7 @@ class Settings(BaseModel):
         try:
             return super().model_validate_strings(obj, **kwargs)
         except ValidationError as e:
-            raise config_error(e) from None
+            raise config_error(e, cls) from None
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy with the fields in ``update`` replaced, validated like a new model (pydantic's
@@ -522,26 +536,115 @@ def _records(e: ValidationError) -> list[Any]:
     return out
 
 
-def config_error(e: ValidationError) -> ConfigError:
-    """Turn a pydantic error into a ConfigError naming each bad field once (``Model.field``, the
-    model being the one validated: ``DeckConfig``, ``RetentionPolicy``, ...; nested fields as
-    ``DeckConfig.staging.chunk_bytes``), what is allowed and the value given; a rule across
-    fields is named by the model (or nested model) it belongs to. The pydantic records stay
-    available as ``ConfigError.errors()``."""
-    lines = []
-    records = _records(e)
+def config_error(
+    e: ValidationError,
+    model: type[BaseModel] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> ConfigError:
+    """Turn a pydantic error into a ConfigError of one line naming each bad field as the user
+    sets it (``Model.field``, the model being the one validated: ``DeckConfig``,
+    ``RetentionPolicy``, ...; nested fields as ``DeckConfig.staging.chunk_bytes``; ``names``:
+    other names for fields, e.g. the command line's flags), what is allowed and the value
+    given; a rule across fields is named by the model (or nested model) it belongs to. The
+    pydantic records stay available as ``ConfigError.errors()``."""
+    return describe_errors(_records(e), e.title, model, names)
+
+
+def describe_errors(
+    records: list[Any],
+    title: str,
+    model: type[BaseModel] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> ConfigError:
+    """The one-line ConfigError of pydantic error ``records`` of model ``title`` (``model``:
+    its class, which names the fields an unknown one may have meant); ``names`` maps a field
+    (its last name, e.g. ``chunk_bytes``) to what the user wrote instead (``--chunk-bytes``)."""
+    said = []
     for err in records:
-        loc = ".".join(str(p) for p in err["loc"])
-        where = f"{e.title}.{loc}" if loc else e.title
-        msg = err["msg"].removeprefix("Value error, ")
-        given = err.get("input")
-        if err["type"] == "int_type" and isinstance(given, bool):
-            msg = "must be an integer, not a bool"
-        elif err["type"] == "bool_type":
-            msg = "must be True or False"
-        if err["type"] == "missing" or isinstance(given, (Mapping, BaseModel)):
-            # the input is the whole (nested) model: a field missing, or a rule across fields
-            lines.append(f"{where}: {msg}")
+        path = tuple(str(p) for p in err["loc"])
+        if names and path and path[-1] in names:
+            where = names[path[-1]]
         else:
-            lines.append(f"{where}: {msg} (got {given!r})")
-    return ConfigError("invalid deck configuration:\n  " + "\n  ".join(lines), errors=records)
+            where = ".".join((title, *path))
+        given = err.get("input")
+        why = _why(err, model, path)
+        if err["type"] in ("missing", "extra_forbidden") or isinstance(given, (Mapping, BaseModel)):
+            # the input is the whole (nested) model: a field missing, or a rule across fields;
+            # an unknown field's value says nothing about what is wrong
+            said.append(f"{where}: {why}")
+        else:
+            said.append(f"{where}: {why} (got {_short(given)})")
+    if len(said) == 1:
+        return ConfigError(said[0], errors=records)
+    return ConfigError(f"{len(said)} invalid values: " + "; ".join(said), errors=records)
+
+
+# pydantic's error types that say a bound: the message deck gives, from the error's context.
+_BOUNDS = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+}
+_KINDS = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "True or False",
+    "dict_type": "a dict",
+    "tuple_type": "a tuple or list",
+    "list_type": "a list",
+}
+
+
+def _why(err: Mapping[str, Any], model: type[BaseModel] | None, path: tuple[str, ...]) -> str:
+    """What is allowed, in deck's words, for one pydantic error record."""
+    kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind in _BOUNDS and all(k in ctx for k in ("gt", "ge", "lt", "le") if k in _BOUNDS[kind]):
+        return _BOUNDS[kind].format(**ctx)
+    if kind in _KINDS:
+        what = _KINDS[kind]
+        if kind == "bool_type":
+            return f"must be {what}"
+        if isinstance(given, bool):
+            return f"must be {what}, not a bool"
+        if isinstance(given, str) and kind != "string_type":
+            return f"must be {what}, not a string"
+        return f"must be {what}"
+    if kind in ("model_type", "model_attributes_type") and "class_name" in ctx:
+        return f"must be a {ctx['class_name']} or a dict of its fields"
+    if kind == "missing":
+        return "is required"
+    if kind == "extra_forbidden":
+        owner = _model_at(model, path[:-1])
+        if owner is None:
+            return "is not a field here"
+        fields = sorted(owner.model_fields)
+        close = difflib.get_close_matches(path[-1], fields, n=1)
+        if close:
+            return f"is not a field of {owner.__name__}; did you mean {close[0]}?"
+        return f"is not a field of {owner.__name__} (its fields: {', '.join(fields)})"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return msg.replace("Input should be", "must be", 1)
+
+
+def _model_at(model: type[BaseModel] | None, path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model class of the (nested) field at ``path`` of ``model``, None if unknown."""
+    for name in path:
+        if model is None or name not in model.model_fields:
+            return None
+        ann = model.model_fields[name].annotation
+        found = [
+            t
+            for t in (ann, *typing.get_args(ann))
+            if isinstance(t, type) and issubclass(t, BaseModel)
+        ]
+        model = found[0] if found else None
+    return model
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to a readable length."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:100] + f"... ({len(text)} characters)"

@@ -58,9 +58,11 @@ configured by `deck merge` / `deck gc` flags, which map onto `MergeConfig`, `Ful
 `deck.ops.retention.collect_garbage(storage, policy)`).
 Every model is checked when it is built, strictly: an `int` field takes an int (not `True`,
 `2.0` or `"2"`), a `uri` a path (`str` or `pathlib.Path`) or a supported scheme. Invalid values
-raise `deck.ConfigError` (a `ValueError`) naming the field, what is allowed and the value given,
-from the constructor, `model_validate`, `model_validate_json` and `model_copy(update=...)` alike;
-unknown fields are refused (a typo never passes silently).
+raise `deck.ConfigError` (a `ValueError`) of one line naming the field as you set it
+(`DeckConfig.staging.chunk_bytes`; for `deck merge` / `deck gc` the flag), what is allowed and
+the value given, from the constructor, `model_validate`, `model_validate_json` and
+`model_copy(update=...)` alike; unknown fields are refused (a typo never passes silently: the
+error names the field it may have meant), and so is assigning to a field of a built model.
 
 ```python
 import pathlib

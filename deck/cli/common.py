@@ -79,6 +79,32 @@ def open_existing(uri: str, storage_options: dict[str, Any] | None) -> Storage:
 
 
 @contextlib.contextmanager
+def flags_of(title: str, *models: Any) -> Iterator[None]:
+    """Build configuration ``models`` from flags: a :class:`deck.ConfigError` inside names the
+    flag the user gave (``--chunk-bytes: must be ...``), not the model's field, taken from each
+    field's ``json_schema_extra["cli"]`` (what docs/configuration.md lists); ``title`` names a
+    rule across fields."""
+    from deck.config import describe_errors
+    from deck.errors import ConfigError
+
+    try:
+        yield
+    except ConfigError as e:
+        if not e.errors():
+            raise
+        flags: dict[str, str] = {}
+        for model in models:
+            for name, field in model.model_fields.items():
+                extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+                flag = next(
+                    (w for w in str(extra.get("cli", "")).split() if w.startswith("--")), None
+                )
+                if flag is not None:
+                    flags[name] = flag
+        raise describe_errors(e.errors(), title, names=flags) from None
+
+
+@contextlib.contextmanager
 def quiet_catalog() -> Iterator[None]:
     """Silence the catalog's own warnings about damaged commit records while a command that
     reports them itself (one ``deck <command>:`` line naming the files) reads them."""

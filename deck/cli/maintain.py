@@ -13,7 +13,7 @@ import time
 from queue import Empty
 from typing import Any
 
-from deck.cli.common import Subparsers, human, open_existing, progress_bar
+from deck.cli.common import Subparsers, flags_of, human, open_existing, progress_bar
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
@@ -27,32 +27,34 @@ def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) ->
     off)."""
     from deck.merge.policy import FullPolicy, MergeConfig
 
-    return MergeConfig(
-        stride=a.stride,
-        full=FullPolicy(
-            every=a.full_every,
-            max_live_fraction=None if a.full_live_fraction <= 0 else a.full_live_fraction,
-            cost_ratio=a.full_cost_ratio,
-        ),
-        chunk_bytes=a.chunk_bytes,
-        worker_index=worker_index,
-        num_workers=num_workers,
-    )
+    with flags_of("MergeConfig", MergeConfig, FullPolicy):
+        return MergeConfig(
+            stride=a.stride,
+            full=FullPolicy(
+                every=a.full_every,
+                max_live_fraction=None if a.full_live_fraction <= 0 else a.full_live_fraction,
+                cost_ratio=a.full_cost_ratio,
+            ),
+            chunk_bytes=a.chunk_bytes,
+            worker_index=worker_index,
+            num_workers=num_workers,
+        )
 
 
 def _retention(a: argparse.Namespace) -> Any:
     from deck.ops.retention import RetentionPolicy
 
-    return RetentionPolicy(
-        keep_last_fulls=a.keep_last_fulls,
-        keep_fulls_every=a.keep_fulls_every,
-        keep_all_steps=a.keep_all_steps,
-        keep_merged_deltas=a.keep_merged_deltas,
-        chain_delta_budget=a.chain_delta_budget or None,
-        grace_s=a.grace,
-        verify_replacements=a.verify_replacements,
-        max_clock_skew_s=None if a.max_clock_skew == -1 else a.max_clock_skew,
-    )
+    with flags_of("RetentionPolicy", RetentionPolicy):
+        return RetentionPolicy(
+            keep_last_fulls=a.keep_last_fulls,
+            keep_fulls_every=a.keep_fulls_every,
+            keep_all_steps=a.keep_all_steps,
+            keep_merged_deltas=a.keep_merged_deltas,
+            chain_delta_budget=a.chain_delta_budget or None,
+            grace_s=a.grace,
+            verify_replacements=a.verify_replacements,
+            max_clock_skew_s=None if a.max_clock_skew == -1 else a.max_clock_skew,
+        )
 
 
 def _run_worker(

@@ -27,11 +27,11 @@ from deck.testing.synth import State, SynthTrainer, saved_chain, snapshot, zero_
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("keep_last_fulls", 0, "greater than or equal to 1"),
-        ("keep_fulls_every", 0, "greater than or equal to 1"),
-        ("chain_delta_budget", 0.0, "greater than 0"),
-        ("grace_s", -1.0, "greater than or equal to 0"),
-        ("keep_last_full", 2, "Extra inputs are not permitted"),  # a typo never passes
+        ("keep_last_fulls", 0, "must be >= 1"),
+        ("keep_fulls_every", 0, "must be >= 1"),
+        ("chain_delta_budget", 0.0, "must be > 0"),
+        ("grace_s", -1.0, "must be >= 0"),
+        ("keep_last_full", 2, "not a field .* did you mean keep_last_fulls"),  # a typo never passes
     ],
 )
 def test_policy_is_validated_and_errors_name_the_field(
