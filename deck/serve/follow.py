@@ -123,6 +123,8 @@ class Follower:
         os.makedirs(out_dir, exist_ok=True)
         self.outputs = list(outputs)  # told of every step before the held state is replaced
         self._resume()
+        # Whether each output was checked to hold the resumed state (see _outputs_level)
+        self._outputs_checked = self.state is None
 
     @property
     def tables(self) -> dict[str, tuple[int, int]]:
@@ -143,6 +145,7 @@ class Follower:
         chain = cheapest_chain(graph, latest)
         last = chain[-1]
         if self.state == last.state:
+            self._outputs_level()
             return FollowUpdate(latest, last.state[1], "unchanged")
         held = [i for i, m in enumerate(chain) if m.state == self.state]
         newer = chain[held[-1] + 1 :] if held else []
@@ -161,6 +164,7 @@ class Follower:
         tables; ``parts``: the last one's rank manifests) onto the held tables, then write the
         output once."""
         last = newer[-1]
+        self._outputs_level()
         bytes_read = self._apply_rows(newer, self.targets())
         self.encodings |= {m.encoding for m in newer if m.encoding is not None}
         dense = flatten(eager_state(self.storage, last, parts))
@@ -231,6 +235,7 @@ class Follower:
         self.chain = [m.folder for m in st.chain]
         for out in self.outputs:
             out.full(self)
+        self._outputs_checked = True
         write_s = self._write()
         return FollowUpdate(
             st.step,
@@ -240,6 +245,30 @@ class Follower:
             bytes_read=st.read_bytes,
             write_s=write_s,
         )
+
+    def _outputs_level(self) -> None:
+        """Before the first delta (or the first "unchanged") of a resumed follower: an output
+        that does not hold the resumed state (its ``holds(state)`` says no: an earlier run
+        without it wrote the held state, e.g. ``deck follow`` without ``--format parquet``) is
+        given that state in full first, so what it holds stays a base and its deltas, never
+        deltas on a base it lacks. Outputs without ``holds`` are not checked."""
+        if self._outputs_checked or self.state is None:
+            return
+        for out in self.outputs:
+            holds = getattr(out, "holds", None)
+            if holds is None or holds(self.state):
+                continue
+            where = out.full(self)
+            logger.warning(
+                "deck follow: %s held nothing of step %d, which %s serves (an earlier run "
+                "without this output, e.g. without --format parquet): wrote its full state to "
+                "%s, which later deltas apply on",
+                type(out).__name__,
+                self.state[0],
+                self.out_dir,
+                where,
+            )
+        self._outputs_checked = True
 
     def _set_dense(self, dense: dict[str, Any]) -> None:
         tables = {k: self.tensors[k] for k in self.table_fqns}

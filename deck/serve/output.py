@@ -33,6 +33,11 @@ class Output(Protocol):
         ``follower.tensors`` now hold its values."""
         ...
 
+    # Optional: ``holds(state) -> bool``, whether the output already holds ``state`` (step,
+    # checkpoint id). A follower resumed from an output directory asks it before its first
+    # delta; one that says no is given the held state in full (``full``) first, so it never
+    # gets deltas on a base it lacks (e.g. a directory an earlier run wrote without it).
+
 
 def parquet_outputs(parquet: bool, out_dir: str, uri: str) -> list[Output]:
     """The outputs ``deck follow --format parquet`` asks for (none without it; pyarrow is

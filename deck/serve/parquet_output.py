@@ -58,6 +58,30 @@ class ParquetOutput:
             raise ConfigError(f"{self.root} is not a directory; remove it or use another out_dir")
         os.makedirs(self.root, exist_ok=True)
 
+    def holds(self, state: tuple[int, str]) -> bool:
+        """Whether a folder of ``state`` (step, checkpoint id) is here, full or delta: what
+        a follower resumed on this directory applies its next deltas on. No (an earlier
+        ``deck follow`` without ``--format parquet`` moved the state on, or nothing was
+        written yet): the follower writes the state in full first."""
+        import pyarrow.parquet as pq
+
+        step, ckpt = state
+        for kind in ("full", "delta"):
+            folder = os.path.join(self.root, step_dir_name(step, kind))
+            if not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                if not name.endswith(".parquet"):
+                    continue
+                try:
+                    meta = pq.read_schema(os.path.join(folder, name)).metadata or {}
+                except (OSError, ValueError):  # pyarrow's errors are both: damaged, rewrite it
+                    break
+                if meta.get(b"deck.checkpoint") == ckpt.encode():
+                    return True
+                break  # one file says which checkpoint the folder is of
+        return False
+
     def full(self, follower: Any) -> str:
         """Write every row of the state ``follower`` (a :class:`deck.serve.follow.Follower`) holds,
         as step ``follower.state``."""

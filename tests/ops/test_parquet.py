@@ -264,3 +264,41 @@ def test_follow_parquet_deltas_hold_exactly_the_changed_rows(tmp_path: Path) -> 
     r = _deck("follow", pub, "--out", out, "--once", "--format", "parquet")
     assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
     assert {p: os.stat(os.path.join(root, p)).st_mtime_ns for p in os.listdir(root)} == before
+
+
+def test_follow_parquet_on_an_out_an_earlier_run_wrote_starts_with_a_base(
+    ckpt: str, tmp_path: Path
+) -> None:
+    """An --out an earlier `deck follow` without --format parquet brought to step 10: a run
+    with it first writes step 10 in full (it held nothing of it), then the delta of 15 on it,
+    so the newest -full plus the -deltas after it are the state the follower serves."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from deck.format.parquet import read_table
+
+    src = Path(ckpt)
+    uri, out = tmp_path / "ck", tmp_path / "serving"
+    shutil.copytree(src, uri, ignore=shutil.ignore_patterns("step-000000000015"))
+    first = _deck("follow", str(uri), "--out", str(out), "--once")
+    assert first.returncode == 0 and "step 10 " in first.stdout, first.stdout + first.stderr
+    # Up to date, nothing new: the base is still written (and said), once.
+    again = _deck("follow", str(uri), "--out", str(out), "--once", "--format", "parquet")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "held nothing of step 10" in again.stderr, again.stderr
+    root = out / "parquet"
+    assert sorted(p.name for p in root.iterdir()) == ["000000000010-full"]
+    shutil.copytree(src / "step-000000000015", uri / "step-000000000015")
+    r = _deck("follow", str(uri), "--out", str(out), "--once", "--format", "parquet")
+    assert r.returncode == 0 and "held nothing" not in r.stderr, r.stdout + r.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["000000000010-full", "000000000015-delta"]
+    state = load_file(str(out / "state.safetensors"))
+    for f in sorted((root / "000000000010-full").iterdir()):
+        meta, full = read_table(str(f))
+        dmeta, delta = read_table(str(root / "000000000015-delta" / f.name))
+        assert meta["step"] == "10" and dmeta["parent_step"] == "10"
+        assert dmeta["parent_checkpoint"] == meta["checkpoint"]
+        weight = full["weight"].clone()
+        weight[delta["row"]] = delta["weight"]
+        assert torch.equal(weight, state["model." + meta["table"]]), f.name
