@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from deck.errors import CheckpointNotFoundError
 from deck.read import catalog, lineage
 from deck.stack import require_torchrec
 from deck.storage import Storage, open_storage
@@ -23,20 +24,34 @@ def _store(where: str | os.PathLike[str] | Storage, options: dict[str, Any] | No
     return where if isinstance(where, Storage) else open_storage(os.fspath(where), options)
 
 
+def _existing(where: str | os.PathLike[str] | Storage, options: dict[str, Any] | None) -> Storage:
+    """The store at ``where``, which must exist (as ``deck ls`` requires): a typo raises
+    :class:`CheckpointNotFoundError` naming the URI instead of reading as an empty run."""
+    storage = _store(where, options)
+    why = catalog.missing_uri(storage, storage.uri if isinstance(where, Storage) else str(where))
+    if why is not None:
+        raise CheckpointNotFoundError(why)
+    return storage
+
+
 def list_checkpoints(
     uri: str | os.PathLike[str] | Storage, storage_options: dict[str, Any] | None = None
 ) -> list[catalog.CheckpointInfo]:
-    """Committed checkpoints at ``uri`` (or an open Storage), oldest step first (an empty list
-    for an empty URI)."""
-    return catalog.list_checkpoints(_store(uri, storage_options))
+    """Committed checkpoints at ``uri`` (or an open Storage), oldest step first: an empty list
+    for a URI that exists but holds none. A URI that does not exist (a local path that is not
+    a directory, a remote prefix with no object) raises :class:`CheckpointNotFoundError`
+    naming it, as ``deck ls`` exits 2 for it."""
+    return catalog.list_checkpoints(_existing(uri, storage_options))
 
 
 def lineage_graph(
     uri: str | os.PathLike[str] | Storage, storage_options: dict[str, Any] | None = None
 ) -> lineage.LineageGraph:
     """The lineage graph of every committed checkpoint at ``uri`` (or an open Storage),
-    trainer's and merger's; an empty or missing URI gives an empty graph."""
-    return lineage.lineage_graph(_store(uri, storage_options))
+    trainer's and merger's: an empty graph for a URI that exists but holds none; a URI that
+    does not exist raises :class:`CheckpointNotFoundError` naming it (``deck lineage``: exit
+    2)."""
+    return lineage.lineage_graph(_existing(uri, storage_options))
 
 
 def load(

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -62,19 +61,13 @@ def open_existing(uri: str, storage_options: dict[str, Any] | None) -> Storage:
     least one object. Raises :class:`deck.errors.NotFoundError` saying the URI does not exist
     (exit 2), so a typo is not reported like an empty run ("no checkpoints")."""
     from deck.errors import NotFoundError
+    from deck.read.catalog import missing_uri
     from deck.storage import open_storage
 
     storage = open_storage(uri, storage_options)
-    local = storage.local_path("")
-    if local is not None:
-        if not os.path.isdir(local):
-            what = "is not a directory" if os.path.exists(local) else "does not exist"
-            raise NotFoundError(f"URI {uri} {what}: check the path (a checkpoint URI is a folder)")
-    elif not storage.list_dir(""):
-        raise NotFoundError(
-            f"URI {uri} does not exist (nothing under that prefix): check the bucket, prefix and "
-            "--storage-options"
-        )
+    why = missing_uri(storage, uri, "--storage-options")
+    if why is not None:
+        raise NotFoundError(why)
     return storage
 
 

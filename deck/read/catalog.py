@@ -10,6 +10,7 @@ plain dict they follow trainer parent links only.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -307,6 +308,25 @@ def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
     )
     storage.put(f"{QUARANTINE_ROOT}/{m.id}.json", dump_model(rec))
     logger.warning("quarantined checkpoint %s (%s): %s", m.id, m.folder, reason)
+
+
+def missing_uri(storage: Storage, uri: str, options: str = "storage_options") -> str | None:
+    """Why ``uri`` (opened as ``storage``) is not there: a local path that is not a directory,
+    or a remote prefix with no object under it; None when it exists (holding checkpoints or
+    not). ``options``: how the caller's user passes storage options (named in the remote
+    case). Lets a typo be told from an empty run ("no checkpoints")."""
+    local = storage.local_path("")
+    if local is not None:
+        if os.path.isdir(local):
+            return None
+        what = "is not a directory" if os.path.exists(local) else "does not exist"
+        return f"URI {uri} {what}: check the path (a checkpoint URI is a folder)"
+    if storage.list_dir(""):
+        return None
+    return (
+        f"URI {uri} does not exist (nothing under that prefix): check the bucket, prefix and "
+        f"{options}"
+    )
 
 
 def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:

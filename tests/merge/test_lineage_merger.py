@@ -131,6 +131,7 @@ def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path
     assert isinstance(graph, deck.LineageGraph) and graph.latest() == 6
     chain = deck.read.lineage.cheapest_chain(graph, 6)
     assert [m.step for m in chain] == [0, 2, 4, 6] and chain[0].kind is Kind.FULL
+    (tmp_path / "empty").mkdir()
     assert not deck.lineage_graph(str(tmp_path / "empty")).nodes
     assert deck.read.lineage.lineage_graph(storage).to_dict() == graph.to_dict()
 
