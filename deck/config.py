@@ -396,10 +396,11 @@ class DeckConfig(Settings):
     """
 
     uri: str = Field(
-        description="Where checkpoints go: a local directory (a str or pathlib.Path), file://, "
-        "or an object store URI whose put is atomic (s3://bucket/prefix, s3a://, gs://, gcs://, "
-        "az://, abfs://, abfss://, memory:// for one-process jobs); other schemes (sftp, ftp, "
-        "smb, hdfs, http, ...) are refused at construction: mount them and give the path.",
+        description="Where checkpoints go: a local directory (a str or pathlib.Path, file:// or "
+        "local://), or an object store URI whose put is atomic (s3://bucket/prefix, s3a://, "
+        "gs://, gcs://, az://, abfs://, abfss://, memory:// for one-process jobs); other "
+        "schemes (sftp, ftp, smb, hdfs, http, ...) are refused at construction: mount them and "
+        "give the path.",
         json_schema_extra={"constraints": "non-empty; a path or a supported scheme"},
     )
     delta_every_steps: int = Field(

@@ -238,14 +238,18 @@ def lookup(uri: str, role: Role = "storage") -> Scheme:
 
 
 def _supported(role: Role) -> str:
+    """What a refusal lists: every scheme ``lookup`` accepts for ``role``, the local ones
+    (``file://``, ``local://``: a folder on this host, like a plain path) apart."""
     with _lock:
         usable = sorted(
-            n
+            (n, s.opener == _LOCAL)
             for n, s in _registry.items()
-            if s.atomic_put and (s.role == "storage" or s.role == role) and n != LOCAL
+            if s.atomic_put and (s.role == "storage" or s.role == role)
         )
+    local = " or ".join(n + "://" for n, here in usable if here)
+    stores = ", ".join(n + "://" for n, here in usable if not here)
     return (
-        f"use a local path or one of {', '.join(n + '://' for n in usable)} (stores whose put is "
+        f"use a local path ({local} also name one) or one of {stores} (stores whose put is "
         "atomic; mount any other store and give its path, or register a backend: deck.schemes)"
     )
 

@@ -408,3 +408,23 @@ def test_a_scheme_declared_as_an_entry_point_works_in_the_cli(tmp_path: Path) ->
     )
     assert r.returncode == 0, r.stderr
     assert [row["kind"] for row in json.loads(r.stdout)] == ["full", "delta"]
+
+
+def test_the_refusal_and_the_readme_list_the_accepted_schemes() -> None:
+    """What a refused scheme's ConfigError lists is what is accepted (file:// and local://
+    included), and README's `uri` row names the same built-in schemes."""
+    import re
+
+    from deck import schemes
+
+    accepted = {s.name for s in schemes.registered() if s.atomic_put and s.role == "storage"}
+    with pytest.raises(ConfigError) as e:
+        DeckConfig(uri="sftp://host/run1")
+    said = str(e.value).split("not supported here: ", 1)[1].split(" (got ")[0]
+    assert set(re.findall(r"\b([a-z0-9]+)://", said)) == accepted, said
+    for name in accepted:
+        assert DeckConfig(uri=f"{name}://bucket/run1").uri == f"{name}://bucket/run1"
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| `uri` |"))
+    listed = set(re.findall(r"`([a-z0-9]+)://`", row.split("; any other")[0]))
+    assert listed == accepted & schemes._BUILTIN, row
