@@ -343,3 +343,60 @@ def test_a_damaged_commit_record_is_damage_not_absence(ckpt: Path, tmp_path: Pat
     assert "export it by number (`deck export --step 5`)" in latest.stderr
     assert not (out / "latest").exists() and not (out / "10").exists()
     assert at5.returncode == 0, at5.stderr
+
+
+def test_every_printing_command_ends_quietly_on_a_closed_pipe(ckpt: Path, tmp_path: Path) -> None:
+    """Each command's reader goes away before it prints (`deck ... | head -1` once head has its
+    line), with Python's usual buffered stdout (no PYTHONUNBUFFERED: the write then comes at
+    exit, where a closed pipe used to print "Exception ignored ... BrokenPipeError" and exit
+    120): exit 141, as a process killed by SIGPIPE, and nothing on stderr. A follower that is
+    not --once ends too, instead of retrying its print at every poll."""
+    import os
+
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    uri = str(ckpt)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    calls = [
+        ("ls", uri, "--json"),
+        ("ls", uri),
+        ("ls", uri, "--tree"),
+        ("show", uri, "10", "--json"),
+        ("show", uri, "10"),
+        ("lineage", uri),
+        ("verify", uri, "--all"),
+        ("history", uri, "--table", "t0", "--row", "3"),
+        ("gc", str(copy), "--dry-run"),
+        ("export", uri, "--out", str(tmp_path / "e"), "--format", "safetensors"),
+        ("follow", uri, "--out", str(tmp_path / "f"), "--poll", "0.2"),
+        ("--help",),
+        ("ls", "--help"),
+        ("--version",),
+    ]
+    procs = []
+    for c in calls:
+        p = subprocess.Popen(
+            [EXE, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        assert p.stdout is not None
+        p.stdout.close()
+        procs.append(p)
+    for c, p in zip(calls, procs, strict=True):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 141, (c, p.returncode, err)
+        assert "Broken" not in err and "Traceback" not in err and "Exception" not in err, (c, err)
+    # A reader that takes the first line and goes (head -1): 0 when deck had written it all
+    # by then, 141 when not; never a traceback.
+    for _ in range(3):
+        p = subprocess.Popen(
+            [EXE, "ls", uri, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert p.stdout is not None and p.stderr is not None
+        assert p.stdout.readline() == "[\n"
+        p.stdout.close()
+        err = p.stderr.read()
+        assert p.wait(timeout=120) in (0, 141) and err == "", err

@@ -44,8 +44,9 @@ Exit codes (for scripts), the same for every command:
 
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
-terminal. A reader that closes the pipe early (``deck ls --json | head -1``) ends the command
-quietly (exit 141, as a process killed by SIGPIPE).
+terminal. A reader that closes the pipe early (``deck ls --json | head -1``) ends any command
+quietly, nothing on stderr: exit 141, as a process killed by SIGPIPE, or 0 when everything was
+written before the reader left (``deck follow`` without ``--once`` ends too).
 """
 
 from __future__ import annotations
@@ -122,18 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     nothing there, or another :class:`DeckError` (printed to stderr as one
     ``deck <command>: ...`` line). A closed stdout pipe ends it quietly. Only the command's own
     modules are imported: ``deck ls`` never imports torch."""
-    a = build_parser().parse_args(argv)
-    if a.cmd in ("merge", "gc", "follow"):
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        # Which worker a merger is, and where that came from (flags or launcher variables).
-        logging.getLogger("deck.merge.launch").setLevel(logging.INFO)
     try:
-        return int(a.fn(a))
+        try:
+            a = build_parser().parse_args(argv)
+        except SystemExit:
+            sys.stdout.flush()  # --help / --version: into the pipe now, not at exit
+            raise
+        if a.cmd in ("merge", "gc", "follow"):
+            logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+            # Which worker a merger is, and where that came from (flags or launcher variables).
+            logging.getLogger("deck.merge.launch").setLevel(logging.INFO)
+        try:
+            code = int(a.fn(a))
+        except DeckError as e:
+            code = EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
+            sys.stdout.flush()  # what the command printed before it goes first
+            print(f"deck {a.cmd}: {e}", file=sys.stderr)
+        # What is still buffered is written here, where a closed pipe is caught, not by the
+        # interpreter at exit (which would print "Exception ignored ... BrokenPipeError" and
+        # exit 120).
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:
         return _closed_pipe()
-    except DeckError as e:
-        print(f"deck {a.cmd}: {e}", file=sys.stderr)
-        return EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
 
 
 def _closed_pipe() -> int:

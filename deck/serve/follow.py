@@ -473,8 +473,9 @@ def follow(
     parquet: bool = False,
 ) -> Follower:
     """Run the loading service: catch up, then (unless ``once``) poll every ``poll_s`` seconds.
-    ``on_update(FollowUpdate)`` is called after each catch-up. With ``once``, errors are raised;
-    otherwise they are logged and retried at the next poll."""
+    ``on_update(FollowUpdate)`` is called after each catch-up (an error it raises ends the
+    service). With ``once``, errors of a catch-up are raised; otherwise they are logged and
+    retried at the next poll."""
     outputs = parquet_outputs(parquet, out_dir, storage.uri)
     follower = Follower(storage, out_dir, allow_quantized, outputs)
     waiting = Waiting(storage.uri, poll_s, max_s=poll_s)  # --poll is the promise: no back-off
@@ -482,13 +483,15 @@ def follow(
         try:
             update = follower.catch_up()
             waiting.ok()
-            if on_update is not None:
-                on_update(update)
         except Exception as e:
             if once:
                 raise
             time.sleep(waiting.failed(e))
             continue
+        # The caller's own errors (a closed stdout pipe of `deck follow | head`) are not the
+        # store's: they end the service instead of being retried at every poll.
+        if on_update is not None:
+            on_update(update)
         if once:
             return follower
         time.sleep(poll_s)
