@@ -308,7 +308,7 @@ def test_merge_and_gc_say_what_they_do(ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_a_damaged_commit_record_is_damage_not_absence(ckpt: Path, tmp_path: Path) -> None:
-    """ls and export meet a step whose manifest.json is truncated (and a merger folder whose
+    """ls, export and show meet a step whose manifest.json is truncated (and a merger folder whose
     record is garbage): exit 1 (damage), one ``deck <command>:`` line naming the file; ls still
     lists the rest, and the damaged folders as state ``damaged``."""
     copy = tmp_path / "ck"
@@ -318,14 +318,15 @@ def test_a_damaged_commit_record_is_damage_not_absence(ckpt: Path, tmp_path: Pat
     merged = next((copy / "merged").iterdir()) / "manifest.json"
     merged.write_text("garbage")
     uri, out = str(copy), tmp_path / "out"
-    ls, ls_json, latest, at10, at5 = _decks(
+    ls, ls_json, latest, at10, at5, show = _decks(
         ("ls", uri),
         ("ls", uri, "--json"),
         ("export", uri, "--out", str(out / "latest")),
         ("export", uri, "--step", "10", "--out", str(out / "10")),
         ("export", uri, "--step", "5", "--out", str(out / "5"), "--format", "safetensors"),
+        ("show", uri, "10"),
     )
-    for r in (ls, ls_json, latest, at10):
+    for r in (ls, ls_json, latest, at10, show):
         assert r.returncode == 1, (r.args, r.returncode, r.stdout, r.stderr)
         err = r.stderr.splitlines()
         assert len(err) == 1 and err[0].startswith(f"deck {r.args[1]}: "), r.stderr

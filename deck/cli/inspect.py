@@ -89,7 +89,8 @@ def cmd_show(a: argparse.Namespace) -> int:
     from deck.ops.listing import describe_checkpoint, find_checkpoint
 
     storage = open_existing(a.uri, a.storage_options)
-    d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
+    with quiet_catalog():  # a damaged record of the step asked for is this command's error
+        d = describe_checkpoint(storage, find_checkpoint(storage, a.checkpoint))
     if a.no_chunks:
         for r in d["ranks"]:
             for s in r["shards"]:

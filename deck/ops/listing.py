@@ -228,12 +228,18 @@ def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
 def find_checkpoint(storage: Storage, which: str) -> CheckpointManifest:
     """The committed checkpoint named by ``which``: a trainer step number, a checkpoint id, or
     a merger folder (``merged/L01-...`` or its last part). Raises
-    :class:`CheckpointNotFoundError` listing what there is."""
+    :class:`CheckpointNotFoundError` listing what there is, :class:`CorruptCheckpointError`
+    naming the file for a step whose commit record is damaged."""
     manifests = read_manifests(storage)
     if which.isdigit():
         m = manifests.get(int(which))
         if m is not None:
             return m
+        if int(which) in manifests.damaged:  # damage, not absence
+            raise CorruptCheckpointError(
+                f"step {which}: {manifests.damaged[int(which)]}; repair it, or delete it to give "
+                "the step up"
+            )
     for cand in manifests.all():
         if which in (cand.id, cand.folder) or cand.folder.endswith(f"/{which}"):
             return cand
