@@ -60,3 +60,13 @@ def test_light_commands_on_a_real_checkpoint_load_no_torch(
     out = _run(args[0], str(ckpt), *args[1:])
     assert out["code"] == 0
     assert out["loaded"] == [], f"deck {' '.join(args)} imported {out['loaded']}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by basename (the test folders are no packages): a second
+    ``test_x.py`` anywhere under tests/ stops the whole run at collection."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in Path(__file__).parent.rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], names.most_common(3)
