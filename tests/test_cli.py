@@ -163,6 +163,23 @@ def test_verify_names_a_damaged_file(ckpt: Path, tmp_path: Path) -> None:
     assert nothing.returncode == 2 and nothing.stderr.startswith("deck verify: URI ")
 
 
+def test_verify_finds_a_step_whose_chain_lost_a_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    """Every file of every committed checkpoint intact, but a step's chain lacks one (its
+    record deleted under a trainer that went on building on it): that step, and each after it
+    on the chain, is damage for ``verify --all`` and ``--step``."""
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    steps = sorted(read_manifests(open_storage(str(copy))))
+    gone, after = steps[-3], steps[-2:]
+    shutil.rmtree(copy / f"step-{gone:012d}")
+    shutil.rmtree(copy / "merged", ignore_errors=True)  # nothing bridges the gap
+    r, one = _decks(("verify", str(copy), "--all"), ("verify", str(copy), "--step", str(after[0])))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert [f"step {s}: not restorable" in r.stdout for s in after] == [True, True], r.stdout
+    assert f"step {gone}" in r.stdout and "2 with problems" in r.stdout, r.stdout
+    assert one.returncode == 1 and f"step {after[0]}: not restorable" in one.stdout, one.stdout
+
+
 def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
     import matplotlib.image
 

@@ -189,6 +189,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     be read. ``--quarantine`` also records each damaged checkpoint, so restores and the merger
     avoid it: only damage that reads back a second time, never a read error."""
     from deck.read.catalog import quarantine, read_manifests
+    from deck.read.lineage import build_graph
     from deck.read.verify import confirmed_damage, verify_checkpoint
 
     storage = open_existing(a.uri, a.storage_options)
@@ -224,6 +225,16 @@ def cmd_verify(a: argparse.Namespace) -> int:
             else:
                 print("  not quarantined: the damage did not read back a second time")
         bad += not report.ok
+    # Files intact is not restorable: a step whose chain lacks a checkpoint (deleted under a
+    # trainer that went on building on it) restores nothing.
+    broken = {
+        s: why
+        for s, why in build_graph(manifests).unrestorable().items()
+        if s not in damaged and (a.all or s in {m.step for m in targets if not m.is_merged})
+    }
+    for s, why in broken.items():
+        print(f"step {s}: not restorable\n  BAD {why}")
+    bad += len(broken)
     print(
         f"verified {len(targets) + len(damaged)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; "
         f"{bad} with problems"

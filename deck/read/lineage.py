@@ -367,6 +367,17 @@ class LineageGraph:
         """Trainer steps that have a complete chain, ascending."""
         return [s for s in sorted(self.trainer) if self._chain_ids(s, frozenset()) is not None]
 
+    def unrestorable(self) -> dict[int, str]:
+        """Trainer steps of the newest epoch without a complete chain, each with what its chain
+        lacks. Older epochs' steps are left out: a rollback abandons a timeline, and the steps
+        it re-saved make the old ones after them unrestorable by design."""
+        newest = max((n.epoch for n in self.trainer.values()), default=None)
+        return {
+            s: self._why_not(s, frozenset())
+            for s, n in sorted(self.trainer.items())
+            if n.epoch == newest and self._chain_ids(s, frozenset()) is None
+        }
+
     def latest(self) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain;
         checkpoints skipped on the way are logged with the reason."""
