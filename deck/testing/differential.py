@@ -35,7 +35,21 @@ from deck.testing.managed_collision import remapper_state
 LOOP_ORDERS = ("ZFBSL", "FZBSL", "FBSZL", "LZFBS", "LFZBS", "LFBSZ")
 PIPELINE = "pipeline"  # TorchRec's TrainPipelineSparseDist (zero_grad, forward, backward, step)
 
-SHARDINGS_EBC = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+SHARDINGS_EBC = (
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "data_parallel",
+)
+# Variable batch per feature (VBE): EBC tables only (TorchRec's EC and MC collections take one
+# batch size), under the sharding types whose output dist expands it back.
+# (row_wise fails in gloo's allgather of uneven sizes in the backward, TorchRec alone.)
+SHARDINGS_VBE = ("table_wise", "column_wise", "table_column_wise")
+# Quantised comms (TorchRec's qcomm codecs): the precision of the forward and backward
+# AllToAlls of every sharded collection.
+QCOMMS = ("none", "fp16", "bf16")
 # TorchRec 1.8's sharded EmbeddingCollection fails on CPU without deck with a data_parallel
 # table ("split_with_sizes expects split_sizes to sum exactly to ..." in its output dist).
 SHARDINGS_EC = ("table_wise", "row_wise", "column_wise")
@@ -101,6 +115,12 @@ class Setup:
     batchnorm: bool = False
     batch: int = 4
     copy_on_write: str = "deltas"  # staging.copy_on_write
+    vbe: bool = False  # each feature its own batch size, expanded by inverse indices
+    qcomms: str = "none"  # one of QCOMMS
+    # Restore into this many ranks (another plan): compared is the global state right after the
+    # restore (tables and fused optimizer states assembled from every rank's shards, dense
+    # state, user state); what training does next is another computation. None: the same.
+    restore_world_size: int | None = None
 
     def checkpoint_steps(self) -> list[int]:
         return [s for s in range(self.steps + 1) if s % self.every == 0]
@@ -166,23 +186,40 @@ def make_batch(setup: Setup, step: int, rank: int, seed: int = 7) -> Any:
         )
         for f in keys
     }
-    lengths = rng.integers(0, 4, size=(len(keys), setup.batch))
+    # VBE: feature k has its own batch size; inverse indices map the batch's samples onto them.
+    sizes = rng.integers(1, setup.batch + 1, size=len(keys)) if setup.vbe else None
+    lengths: list[np.ndarray] = (
+        list(rng.integers(0, 4, size=(len(keys), setup.batch)))  # the draws before VBE came
+        if sizes is None
+        else [rng.integers(0, 4, size=int(b)) for b in sizes]
+    )
+    per_key = [int(x.sum()) for x in lengths]
     mc = {t.feature for t in setup.tables if t.collection in MC_COLLECTIONS}
     # Hot raw ids spread over the id space (they land on every rank's remapper).
     ids = [
         ((rng.zipf(1.3, size=int(n)) - 1) * (0x9E3779B1 if f in mc else 1)) % smallest[f]
-        for f, n in zip(keys, lengths.sum(1), strict=True)
+        for f, n in zip(keys, per_key, strict=True)
     ]
     values = torch.from_numpy(np.concatenate(ids).astype(np.int64))
     weights = torch.from_numpy(rng.random(values.numel(), dtype=np.float32)) + 0.5
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=keys,
-        values=values,
-        lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int32)),
-        weights=weights
-        if setup.weighted or any(t.collection == "fp" for t in setup.tables)
-        else None,
-    )
+    weighted = setup.weighted or any(t.collection == "fp" for t in setup.tables)
+    if sizes is None:
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys,
+            values=values,
+            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+            weights=weights if weighted else None,
+        )
+    else:
+        inverse = np.stack([rng.integers(0, int(b), size=setup.batch) for b in sizes])
+        kjt = KeyedJaggedTensor(
+            keys=keys,
+            values=values,
+            weights=weights if weighted else None,
+            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+            stride_per_key_per_rank=[[int(b)] for b in sizes],
+            inverse_indices=(keys, torch.from_numpy(inverse.astype(np.int64))),
+        )
     dense = torch.from_numpy(rng.standard_normal((setup.batch, DENSE_IN), dtype=np.float32))
     labels = torch.from_numpy((rng.random(setup.batch) < 0.4).astype(np.float32))
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
@@ -219,6 +256,53 @@ def _fused_params(setup: Setup) -> dict[str, Any]:
     return params
 
 
+def _qcomms(setup: Setup) -> dict[str, Any]:
+    """The sharders' keyword for the setup's quantised comms (none: no keyword)."""
+    if setup.qcomms == "none":
+        return {}
+    from torchrec.distributed.fbgemm_qcomm_codec import (
+        CommType,
+        QCommsConfig,
+        get_qcomm_codecs_registry,
+    )
+
+    kind = {"fp16": CommType.FP16, "bf16": CommType.BF16}[setup.qcomms]
+    config = QCommsConfig(forward_precision=kind, backward_precision=kind)
+    return {"qcomm_codecs_registry": get_qcomm_codecs_registry(config)}
+
+
+def _table_column_wise(ranks: list[int]) -> Any:
+    """TorchRec's column_wise generator with the table_column_wise sharding type (the plan
+    helpers have none for it): ``len(ranks)`` column shards, one per listed rank."""
+    from torchrec.distributed.sharding_plan import (
+        _get_parameter_sharding,
+        _get_parameter_size_offsets,
+    )
+    from torchrec.distributed.types import ShardingType
+
+    def generate(
+        param: torch.nn.Parameter, local_size: int, world_size: int, device_type: str, sharder: Any
+    ) -> Any:
+        sizes = _get_parameter_size_offsets(
+            param,
+            ShardingType.COLUMN_WISE,
+            local_size,
+            world_size,
+            col_wise_shard_dim=param.shape[1] // len(ranks),
+        )
+        return _get_parameter_sharding(
+            param,
+            ShardingType.TABLE_COLUMN_WISE.value,
+            [(size, offset, rank) for (size, offset), rank in zip(sizes, ranks, strict=True)],
+            local_size,
+            device_type,
+            sharder,
+            compute_kernel="fused",
+        )
+
+    return generate
+
+
 def _per_table(t: Table, ws: int, index: int) -> Any:
     from torchrec.distributed.sharding_plan import (
         column_wise,
@@ -228,12 +312,12 @@ def _per_table(t: Table, ws: int, index: int) -> Any:
         table_wise,
     )
 
+    two = [index % ws, (index + 1) % ws]  # two column shards (on one rank when ws is 1)
     return {
         "table_wise": lambda: table_wise(rank=index % ws, compute_kernel="fused"),
         "row_wise": lambda: row_wise(compute_kernel="fused"),
-        "column_wise": lambda: column_wise(
-            ranks=[index % ws, (index + 1) % ws], compute_kernel="fused"
-        ),
+        "column_wise": lambda: column_wise(ranks=two, compute_kernel="fused"),
+        "table_column_wise": lambda: _table_column_wise(two),
         "table_row_wise": lambda: table_row_wise(host_index=0),
         "data_parallel": data_parallel,
     }[t.sharding]()
@@ -283,6 +367,7 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
         }
 
     fused = _fused_params(setup)
+    qcomms = _qcomms(setup)
     sparse: dict[str, torch.nn.Module] = {}
     sharders: list[Any] = []
     out_dim = 0
@@ -290,7 +375,7 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
     for coll, items in by_coll.items():
         if coll in MC_COLLECTIONS:
             sparse[coll], sharder_mc, weights_of[coll] = _managed_collision(
-                coll, items, common, fused
+                coll, items, common, fused, qcomms
             )
             sharders.append(sharder_mc)
             out_dim += sum(t.dim for _, t in items)
@@ -300,7 +385,7 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
                 tables=[EmbeddingConfig(**common(i, t)) for i, t in items], device=meta
             )
             sparse["ec"] = ec
-            sharders.append(EmbeddingCollectionSharder(fused_params=fused))
+            sharders.append(EmbeddingCollectionSharder(fused_params=fused, **qcomms))
             weights_of["ec"] = [(i, t, ec.embeddings[f"t{i}"].weight) for i, t in items]
             out_dim += sum(t.dim for _, t in items)
             continue
@@ -327,12 +412,12 @@ def build(setup: Setup, seed: int) -> tuple[Any, Any, Any]:
             sparse["fp"] = fp
             sharders.append(
                 FeatureProcessedEmbeddingBagCollectionSharder(
-                    EmbeddingBagCollectionSharder(fused_params=fused)
+                    EmbeddingBagCollectionSharder(fused_params=fused, **qcomms)
                 )
             )
         else:
             sparse["ebc"] = ebc
-            sharders.append(EmbeddingBagCollectionSharder(fused_params=fused))
+            sharders.append(EmbeddingBagCollectionSharder(fused_params=fused, **qcomms))
     if setup.fused == "in_backward":
         classes: dict[str, Any] = {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}
         for items3 in weights_of.values():
@@ -396,6 +481,7 @@ def _managed_collision(
     items: list[tuple[int, Table]],
     common: Callable[[int, Table], dict[str, Any]],
     fused: dict[str, Any],
+    qcomms: dict[str, Any],
 ) -> tuple[torch.nn.Module, Any, list[tuple[int, Table, torch.nn.Parameter]]]:
     """A managed-collision EC ("mc_ec") or EBC ("mc_ebc") of ``items`` with an MCH remapper
     per table, its sharder, and its tables' weights (for in-backward optimizers)."""
@@ -456,7 +542,7 @@ def _managed_collision(
         return (
             ManagedCollisionEmbeddingBagCollection(inner, mcc),
             ManagedCollisionEmbeddingBagCollectionSharder(
-                EmbeddingBagCollectionSharder(fused_params=fused),
+                EmbeddingBagCollectionSharder(fused_params=fused, **qcomms),
                 ManagedCollisionCollectionSharder(),
             ),
             weights,
@@ -464,7 +550,8 @@ def _managed_collision(
     return (
         ManagedCollisionEmbeddingCollection(inner, mcc),
         ManagedCollisionEmbeddingCollectionSharder(
-            EmbeddingCollectionSharder(fused_params=fused), ManagedCollisionCollectionSharder()
+            EmbeddingCollectionSharder(fused_params=fused, **qcomms),
+            ManagedCollisionCollectionSharder(),
         ),
         weights,
     )
@@ -573,6 +660,65 @@ def _config(setup: Setup, uri: str) -> deck.DeckConfig:
     )
 
 
+def _global(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
+    """Collective: the state as one process would hold it, independent of the plan: on rank 0,
+    every sharded tensor of the model's and the fused optimizer's state dicts assembled from
+    all ranks' shards, and the dense and user state (rank 0's); on other ranks, empty. RNG and
+    the TBE kernels' own arguments are per rank, so not here."""
+    shards: dict[str, tuple[list[int], list[tuple[list[int], torch.Tensor]]]] = {}
+    plain: dict[str, torch.Tensor] = {}
+
+    def put(prefix: str, v: Any) -> None:
+        if hasattr(v, "local_shards"):
+            shards[prefix] = (
+                list(v.size()),
+                [(list(sh.metadata.shard_offsets), sh.tensor.detach()) for sh in v.local_shards()],
+            )
+        elif isinstance(v, torch.Tensor):
+            plain[prefix] = v.detach().clone()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                put(f"{prefix}.{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                put(f"{prefix}[{i}]", x)
+        elif isinstance(v, (int, float)):
+            plain[prefix] = torch.tensor(v, dtype=torch.float64)
+
+    put("model", model.state_dict())
+    put("fused", model.fused_optimizer.state_dict())
+    put("dense_opt", opt.state_dict())
+    # Hyperparameters by parameter name: how params fall into groups depends on the plan (the
+    # fused optimizer's groups are per kernel of each rank)
+    names = {id(p): n for n, p in getattr(opt, "params", {}).items()}
+    hyper = {
+        names[id(p)]: {k: v for k, v in g.items() if k != "params"}
+        for g in opt.param_groups
+        for p in g["params"]
+        if id(p) in names
+    }
+    if len(hyper) != len(names):
+        raise AssertionError(f"{len(names) - len(hyper)} parameter(s) in no param group")
+    plain.update({f"user.{k}": torch.tensor(float(v)) for k, v in _flat(user.state_dict())})
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (shards, hyper))
+    if dist.get_rank() != 0:
+        return {}
+    for _, ranks_hyper in reversed(every):  # rank 0's last: it wins where ranks agree anyway
+        for name, hp in ranks_hyper.items():
+            put(f"hyper.{name}", hp)
+    every = [ranks_shards for ranks_shards, _ in every]
+    # A table's fused optimizer state is only on the ranks holding a shard of it
+    sizes = {name: size for ranks in every for name, (size, _) in ranks.items()}
+    for name, size in sizes.items():
+        parts = [piece for ranks in every for piece in ranks.get(name, (size, []))[1]]
+        whole = torch.zeros(size, dtype=parts[0][1].dtype)
+        for offsets, t in parts:
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
+        plain[name] = whole
+    return plain
+
+
 def train_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
     """The uninterrupted run with checkpoints: ``(live state at the restore point, losses of the
     steps after it, state at the end)``, or ``("refused", class, message)``."""
@@ -596,15 +742,21 @@ def train_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
             if step <= setup.steps:
                 ck.step(step)
             if step == target:
-                live = _capture(model, opt, user)
+                live = (_capture if setup.restore_world_size is None else _global)(model, opt, user)
         if not ck.flush():
             raise AssertionError("checkpoints did not commit")
+    if setup.restore_world_size is not None:
+        return live, [], {}
     return live, losses, _capture(model, opt, user)
 
 
 def restore_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
-    """A process that never trained this setup: build with other weights, restore the target
-    step, train on. ``(state right after the restore, losses, state at the end)``."""
+    """A process that never trained this setup: build with other weights (into
+    ``restore_world_size`` ranks when set), restore the target step, train on. ``(state right
+    after the restore, losses, state at the end)``; into another world size only the first,
+    global (:func:`_global`)."""
+    if setup.restore_world_size is not None:
+        setup = dataclasses.replace(setup, world_size=world_size)
     model, opt, sched = build(setup, seed=2)
     user = UserState(sched)
     torch.manual_seed(1000 + rank)
@@ -617,6 +769,8 @@ def restore_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
         got = ck.restore(target)
         if got != target:
             raise AssertionError(f"restore({target}) returned {got}")
+        if setup.restore_world_size is not None:
+            return _global(model, opt, user), [], {}
         restored = _capture(model, opt, user)
         loop = Loop(setup, model, opt, sched, first=target + 1)
         losses = []
@@ -634,6 +788,8 @@ def compare(trained: list[Any], restored: list[Any]) -> list[str]:
         if len(refused_a) != len(trained) or len({r[1] for r in refused_a}) != 1:
             problems.append(f"refused on some ranks only: {trained!r:.600}")
         return problems
+    if len(trained) != len(restored):  # into another world size: rank 0's global states
+        trained, restored = trained[:1], restored[:1]
     for rank, (a, b) in enumerate(zip(trained, restored, strict=True)):
         if isinstance(b, tuple) and b and b[0] == "refused":
             problems.append(f"rank {rank}: the restore's enable refused: {b}")

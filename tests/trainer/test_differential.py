@@ -1,11 +1,13 @@
 """The generative differential test: Hypothesis draws a TorchRec setup (collections, managed-
 collision ones with MCH remappers, evicting or not, among them; table sizes
-down to 1 row and empty row shards, fp32/fp16, pooling, weighted and shared features, a sharding
-type per table, a fused optimizer for all tables or one in-backward optimizer per table, the dense
+down to 1 row and empty row shards, fp32/fp16, pooling, weighted and shared features, variable
+batch per feature (VBE), a sharding type per table (table_column_wise among them), quantised
+fp16/bf16 comms, a fused optimizer for all tables or one in-backward optimizer per table, the dense
 optimizer and TorchRec's wrappers, an LR scheduler, the loop order or TorchRec's train pipeline,
 1-4 ranks, checkpoint intervals, the restore point, eval forwards, dropout and BatchNorm), trains
-it with deck on real gloo ranks, restores in other processes into a fresh build and compares
-with the run that never stopped: the state right after the restore bitwise on every rank
+it with deck on real gloo ranks, restores in other processes into a fresh build (of the same
+world size, or of another: then the global state right after the restore is compared) and
+compares with the run that never stopped: the state right after the restore bitwise on every rank
 (weights, fused optimizer state and the TBE kernel's own hyperparameters, dense parameters,
 buffers and optimizer state, every param group, RNG, user state), the losses of the steps after
 it, and the state at the end. A setup deck refuses must be refused on every rank alike.
@@ -33,9 +35,11 @@ from deck.testing.differential import (
     MC_COLLECTIONS,
     MC_POLICIES,
     PIPELINE,
+    QCOMMS,
     SHARDINGS_EBC,
     SHARDINGS_EC,
     SHARDINGS_FP,
+    SHARDINGS_VBE,
     Setup,
     Table,
     bare_phase,
@@ -173,6 +177,44 @@ PINNED: list[Setup] = [
         steps=6,
         every=3,
     ),
+    # Restored into another world size (2 -> 3, 4 -> 1)
+    Setup(
+        tables=(
+            Table(sharding="row_wise", rows=37),
+            Table(feature="f1", sharding="column_wise"),
+            Table(feature="f2", sharding="table_wise"),
+        ),
+        restore_world_size=3,
+        scheduler="steplr",
+        restore_at=4,
+    ),
+    Setup(
+        tables=(Table(sharding="table_column_wise"), Table(feature="f1", sharding="data_parallel")),
+        world_size=4,
+        restore_world_size=1,
+        fused="in_backward",
+    ),
+    # Variable batch per feature, quantised comms, table_column_wise plans
+    Setup(
+        tables=(Table(sharding="table_wise"), Table(feature="f1", sharding="column_wise")),
+        vbe=True,
+        qcomms="bf16",
+        loop=PIPELINE,
+        weighted=True,
+    ),
+    Setup(
+        tables=(Table(sharding="table_column_wise"), Table(feature="f1", sharding="row_wise")),
+        world_size=4,
+        qcomms="fp16",
+    ),
+    Setup(
+        tables=(
+            Table(sharding="row_wise"),
+            Table(collection="ec", feature="ec1", sharding="table_wise"),
+        ),
+        qcomms="fp16",
+        scheduler="steplr",
+    ),
     # A loop-order finding: one rank refused the shared feature while the other went into a collective.
     *(
         Setup(tables=SHARED_FEATURE, scheduler="steplr", loop=loop, world_size=ws)
@@ -219,7 +261,8 @@ def check(pools: Pools, setup: Setup, root: Path, drawn: bool = False) -> None:
         if all(isinstance(r, tuple) and r and r[0] == "refused" for r in trained):
             problems, verdict = compare(trained, trained), "refused"
         else:
-            restored = pools.get("restore", setup.world_size).run(restore_phase, setup, uri)
+            ranks = setup.restore_world_size or setup.world_size
+            restored = pools.get("restore", ranks).run(restore_phase, setup, uri)
             problems = compare(trained, restored)
     except RankFailure as e:
         problems = [str(e)[-6000:]]
@@ -264,16 +307,17 @@ def _no_empty_shard(rows: int, world_size: int) -> bool:
 def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
     # "mc": managed-collision collections (TorchRec's MC sharder: row_wise only), maybe beside
     # plain EBC tables.
-    mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp", "mc"]))
+    mode = draw(st.sampled_from(["ebc", "ebc", "ec", "both", "fp", "mc", "vbe"]))
     n = draw(st.integers(1, 4))
     out = []
     for i in range(n):
         coll = {
             "both": lambda: draw(st.sampled_from(["ebc", "ec"])),
             "mc": lambda: draw(st.sampled_from(["ebc", *MC_COLLECTIONS])),
+            "vbe": lambda: "ebc",
         }.get(mode, lambda: mode)()
         shardings = {
-            "ebc": SHARDINGS_EBC,
+            "ebc": SHARDINGS_VBE if mode == "vbe" else SHARDINGS_EBC,
             "ec": SHARDINGS_EC,
             "fp": SHARDINGS_FP,
             **dict.fromkeys(MC_COLLECTIONS, ("row_wise",)),
@@ -293,7 +337,7 @@ def tables(draw: st.DrawFn, world_size: int) -> tuple[Table, ...]:
         # Column shards need 2 x 4 columns; an EmbeddingCollection's tables share one dim.
         dim = (
             8
-            if sharding == "column_wise" or coll in ("ec", "mc_ec")
+            if "column_wise" in sharding or coll in ("ec", "mc_ec")
             else draw(st.sampled_from([4, 8]))
         )
         # EBC tables may share a feature; an EC's, a feature processor's or a managed-collision
@@ -328,17 +372,42 @@ def setups(draw: st.DrawFn) -> Setup:
     steps = draw(st.integers(2, 7))
     every = draw(st.integers(1, 3))
     checkpoints = [s for s in range(steps + 1) if s % every == 0]
+    vbe = all(t.sharding in SHARDINGS_VBE and t.collection == "ebc" for t in tabs) and draw(
+        st.booleans()
+    )
+    scheduler = (
+        "none"
+        if wrapper.startswith("warmup")
+        else draw(st.sampled_from(["none", "steplr", "lambdalr", "plateau"]))
+    )
+    batchnorm = draw(st.booleans())
+    # Into another world size: tables whose row shards stay non-empty there; not a remapper's
+    # state (refused: tests/trainer/test_managed_collision.py), nor what is per rank by design
+    # (BatchNorm statistics, rates a plateau scheduler set from each rank's own loss).
+    others = [
+        w
+        for w in (1, 2, 3, 4)
+        if w != world_size
+        and all("row_wise" not in t.sharding or _no_empty_shard(t.rows, w) for t in tabs)
+    ]
+    reshardable = (
+        others
+        and not batchnorm
+        and scheduler != "plateau"
+        and not any(t.collection in MC_COLLECTIONS for t in tabs)
+    )
+    restore_ws = draw(st.sampled_from([None, None, None, *others])) if reshardable else None
     return Setup(
         tables=tabs,
         world_size=world_size,
+        vbe=vbe,
+        qcomms=draw(st.sampled_from(QCOMMS)) if world_size > 1 else "none",
         fused=draw(st.sampled_from([*FUSED, "in_backward"])),
         # One KJT feeds every collection, and an EmbeddingCollection takes no per-id weights.
         weighted=all(t.collection == "ebc" for t in tabs) and draw(st.booleans()),
         dense_optimizer=draw(st.sampled_from(["sgd", "adam", "adagrad"])),
         wrapper=wrapper,
-        scheduler="none"
-        if wrapper.startswith("warmup")
-        else draw(st.sampled_from(["none", "steplr", "lambdalr", "plateau"])),
+        scheduler=scheduler,
         loop=loop,
         steps=steps,
         every=every,
@@ -347,7 +416,8 @@ def setups(draw: st.DrawFn) -> Setup:
         more=draw(st.integers(1, 3)),
         eval_every=0 if loop == PIPELINE else draw(st.sampled_from([0, 0, 1, 2])),
         dropout=draw(st.booleans()),
-        batchnorm=draw(st.booleans()),
+        batchnorm=batchnorm,
+        restore_world_size=restore_ws,
         batch=draw(st.integers(2, 5)),
         copy_on_write=draw(st.sampled_from(["deltas", "all", "off"])),
     )
