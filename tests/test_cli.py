@@ -418,3 +418,38 @@ def test_every_printing_command_ends_quietly_on_a_closed_pipe(ckpt: Path, tmp_pa
         p.stdout.close()
         err = p.stderr.read()
         assert p.wait(timeout=120) in (0, 141) and err == "", err
+
+
+def test_ls_shows_the_recent_steps_and_the_fulls_by_default(tmp_path: Path) -> None:
+    """A long history: ``deck ls`` shows the newest 20 steps' checkpoints and every full, and
+    says how many it left out; ``--all``, ``--since`` and ``--last`` choose others, and
+    ``--json`` stays complete unless narrowed."""
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "long"
+    tr = SynthTrainer(open_storage(str(uri)))
+    tr.save("full")
+    for step in range(1, 31):
+        tr.train()
+        tr.save("full" if step % 10 == 0 else "delta")
+    default, every, since, last, js, js_last = _decks(
+        ("ls", str(uri)),
+        ("ls", str(uri), "--all"),
+        ("ls", str(uri), "--since", "25"),
+        ("ls", str(uri), "--last", "3"),
+        ("ls", str(uri), "--json"),
+        ("ls", str(uri), "--json", "--last", "3"),
+    )
+
+    def steps(r: subprocess.CompletedProcess[str]) -> list[int]:
+        lines = r.stdout.splitlines()[1:]
+        return [int(line.split()[1]) for line in lines if not line.startswith("(")]
+
+    assert all(r.returncode == 0 for r in (default, every, since, last, js, js_last))
+    assert steps(default) == [0, 10, *range(11, 31)], default.stdout
+    assert "9 more checkpoint(s) not shown" in default.stdout
+    assert steps(every) == list(range(31)) and "not shown" not in every.stdout
+    assert steps(since) == list(range(25, 31))
+    assert steps(last) == [28, 29, 30]
+    assert [r["step"] for r in json.loads(js.stdout)] == list(range(31))
+    assert [r["step"] for r in json.loads(js_last.stdout)] == [28, 29, 30]

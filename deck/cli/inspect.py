@@ -49,6 +49,35 @@ def _tree_line(r: Any, now: float) -> str:
     )
 
 
+LS_RECENT_STEPS = 20  # the default view: every checkpoint of the newest steps, and the fulls
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
+    return n
+
+
+def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
+    """The rows ``deck ls`` shows: ``--all`` (and ``--json`` unless narrowed) every one;
+    ``--since STEP`` those of STEP and later; ``--last N`` those of the newest N steps; by
+    default those of the newest :data:`LS_RECENT_STEPS` steps and every full (the points a
+    restore starts from). Pending and damaged folders are always shown."""
+    if a.all or (a.json and a.since is None and a.last is None):
+        return rows
+    steps = sorted({r.step for r in rows})
+    newest = steps[-min(len(steps), a.last or LS_RECENT_STEPS)]
+    first = a.since if a.since is not None else newest
+    fulls = a.since is None and a.last is None
+    return [
+        r
+        for r in rows
+        if r.step >= first or r.state in ("pending", "damaged") or (fulls and r.kind == "full")
+    ]
+
+
 def cmd_ls(a: argparse.Namespace) -> int:
     """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.listing import list_rows, tree_lines
@@ -58,17 +87,23 @@ def cmd_ls(a: argparse.Namespace) -> int:
     if not rows:
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri} (it exists, but holds none)")
     now = time.time()
+    shown = _ls_view(rows, a)
     if a.json:
-        print(json.dumps([r.to_dict(now) for r in rows], indent=1))
+        print(json.dumps([r.to_dict(now) for r in shown], indent=1))
     elif a.tree:
-        print("\n".join(tree_lines(graph, rows, lambda r: _tree_line(r, now))))
+        print("\n".join(tree_lines(graph, shown, lambda r: _tree_line(r, now))))
     else:
         print(
             f"{'kind':>6} {'step':>10} {'layer':>5} {'covers':>21} {'ranks':>5} {'bytes':>11} "
             f"{'age':>5}  {'state':<11} id / folder"
         )
-        for r in rows:
+        for r in shown:
             print(_ls_line(r, now))
+    if len(shown) < len(rows) and not a.json:
+        print(
+            f"({len(rows) - len(shown)} more checkpoint(s) not shown: --all lists every one, "
+            "--since STEP or --last N others)"
+        )
     damaged = [r for r in rows if r.state == "damaged"]
     if damaged:
         sys.stdout.flush()  # the table first, then the finding about it
@@ -312,11 +347,20 @@ def ls_parser(sub: Subparsers) -> None:
         "state (committed | pending | quarantined | damaged), id and folder (`deck show` gives a checkpoint's "
         "parent and base, `--tree` draws the parent links). Exit 2 when the URI does not exist "
         "or holds no checkpoint; exit 1 (the rest listed, state damaged) when a commit record "
-        "(manifest.json) cannot be read.",
+        "(manifest.json) cannot be read. By default the checkpoints of the newest "
+        f"{LS_RECENT_STEPS} steps and every full (--json: every checkpoint).",
     )
     ls.add_argument("uri")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")
     ls.add_argument("--tree", action="store_true", help="as a tree of parent links")
+    view = ls.add_mutually_exclusive_group()
+    view.add_argument("--all", action="store_true", help="every checkpoint")
+    view.add_argument(
+        "--since", type=int, metavar="STEP", help="the checkpoints of STEP and later steps"
+    )
+    view.add_argument(
+        "--last", type=_positive, metavar="N", help="the checkpoints of the newest N steps"
+    )
     ls.set_defaults(fn=cmd_ls)
 
 
