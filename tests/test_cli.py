@@ -180,6 +180,22 @@ def test_verify_finds_a_step_whose_chain_lost_a_checkpoint(ckpt: Path, tmp_path:
     assert one.returncode == 1 and f"step {after[0]}: not restorable" in one.stdout, one.stdout
 
 
+def test_gc_with_nothing_restorable_says_so_and_deletes_nothing(ckpt: Path, tmp_path: Path) -> None:
+    """Committed checkpoints but no complete chain (every full gone): damage to look at (exit
+    1, naming verify), not 'no checkpoints' (exit 2, what a wrong URI gives)."""
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    for m in read_manifests(open_storage(str(copy))).values():
+        if m.kind.value == "full":
+            shutil.rmtree(copy / m.folder)
+    shutil.rmtree(copy / "merged", ignore_errors=True)
+    before = sorted(p for p in copy.rglob("*"))
+    r = _deck("gc", str(copy), "--grace", "0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "but none restorable" in r.stderr and "deck verify" in r.stderr, r.stderr
+    assert sorted(p for p in copy.rglob("*")) == before
+
+
 def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
     import matplotlib.image
 

@@ -230,6 +230,14 @@ def cmd_gc(a: argparse.Namespace) -> int:
     if rep.latest is None and not (
         rep.deleted or rep.orphans or rep.kept or rep.busy or rep.errors
     ):
+        if rep.committed:
+            print(
+                f"{rep.committed} committed checkpoint(s) at {a.uri} but none restorable (a "
+                f"chain lacks a checkpoint: `deck verify {a.uri} --all` says which); nothing "
+                "deleted",
+                file=sys.stderr,
+            )
+            return 1
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to collect")
     if rep.latest is None:
         print(f"no restorable checkpoint at {a.uri}: nothing deleted but orphans")

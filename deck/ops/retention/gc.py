@@ -53,6 +53,7 @@ class GcReport:
 
     dry_run: bool
     latest: int | None = None
+    committed: int = 0  # trainer checkpoints committed at the start of the run
     retained_steps: list[int] = field(default_factory=list)
     deleted: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
     orphans: list[tuple[str, str]] = field(default_factory=list)  # (prefix, why)
@@ -257,7 +258,10 @@ class _Collector:
         # id -> why, for every checkpoint this run deletes
         plan, self.doomed = self._checked_plan(set(keys))
         self.report = GcReport(
-            dry_run=dry_run, latest=plan.latest, retained_steps=plan.retained_steps
+            dry_run=dry_run,
+            latest=plan.latest,
+            retained_steps=plan.retained_steps,
+            committed=len(self.manifests),
         )
         self.report.kept = [(self._label(i), why) for i, why in sorted(plan.held.items())]
         self.report.grace_held = self._grace_held(plan)
