@@ -55,16 +55,7 @@ def first_missing_file(
     want: dict[str, tuple[int, bool]] = {}  # key -> (size, exact); at least, in a bundle
     for ref, part in parts:
         want[f"{folder}/{ref.path}"] = (ref.nbytes, True)
-        for f in (part.dense, part.extra):
-            if f is not None:
-                want[f"{folder}/{f.path}"] = (f.nbytes, True)
-        for shard in part.shards:
-            for c in shard.chunks:
-                key = f"{folder}/{c.path}"
-                if c.offset is None:
-                    want[key] = (c.nbytes, True)
-                else:
-                    want[key] = (max(want.get(key, (0, False))[0], c.offset + c.nbytes), False)
+        part.file_sizes(folder, want)
     listed = set(storage.list(f"{folder}/"))
     for key in sorted(want):
         if key not in listed:

@@ -326,6 +326,21 @@ class RankManifest(_Strict):
     def _omit_exact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return _omit_none(handler(self), "encoding")
 
+    def file_sizes(self, folder: str, into: dict[str, tuple[int, bool]]) -> None:
+        """Add the data files this part names, under ``folder``, to ``into`` as key -> (bytes,
+        exact): a chunk file's size, or for a bundle of chunks the least size that holds its
+        last chunk (exact False)."""
+        for rec in self.shards:
+            for c in rec.chunks:
+                key = f"{folder}/{c.path}"
+                if c.offset is None:
+                    into[key] = (c.nbytes, True)
+                else:
+                    into[key] = (max(into.get(key, (0, False))[0], c.offset + c.nbytes), False)
+        for f in (self.dense, self.extra):
+            if f is not None:
+                into[f"{folder}/{f.path}"] = (f.nbytes, True)
+
 
 class RankRef(_Strict):
     rank: NonNeg

@@ -164,17 +164,7 @@ def check_files(
         return [str(e)]
     sizes: dict[str, tuple[int, bool]] = {}  # key -> (bytes, exact)
     for part in parts:
-        for rec in part.shards:
-            for c in rec.chunks:
-                key = f"{m.folder}/{c.path}"
-                if c.offset is None:
-                    sizes[key] = (c.nbytes, True)
-                else:
-                    end = max(sizes.get(key, (0, False))[0], c.offset + c.nbytes)
-                    sizes[key] = (end, False)
-        for f in (part.dense, part.extra):
-            if f is not None:
-                sizes[f"{m.folder}/{f.path}"] = (f.nbytes, True)
+        part.file_sizes(m.folder, sizes)
 
     def size(key: str) -> int:
         if listing is not None and key not in listing:
