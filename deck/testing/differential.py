@@ -697,8 +697,8 @@ def _global(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
         for p in g["params"]
         if id(p) in names
     }
-    if len(hyper) != len(names):
-        raise AssertionError(f"{len(names) - len(hyper)} parameter(s) in no param group")
+    if not hyper:  # (a wrapper's own state, TorchRec's warmup's, is a param of no group)
+        raise AssertionError("no parameter of the optimizer is in a param group")
     plain.update({f"user.{k}": torch.tensor(float(v)) for k, v in _flat(user.state_dict())})
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (shards, hyper))
