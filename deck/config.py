@@ -415,7 +415,8 @@ class DeckConfig(Settings):
         description="Also take a full when step % n == 0. None: no scheduled fulls; the "
         "trainer takes a full only when it has no committed checkpoint to build a delta on: "
         "its first checkpoint when the process restored none (after restore() the next one is "
-        "a delta of the restored step, or a full when the restore changed any rank's shards), "
+        "a delta of the restored step, or a full when the restore changed any rank's shards "
+        "or was a rollback to a step older than the newest committed one), "
         "and the one after a checkpoint that failed or whose chain broke (damage, GC). Later "
         "fulls come from the merger (deck merge).",
         json_schema_extra={"constraints": "or None; a multiple of delta_every_steps"},

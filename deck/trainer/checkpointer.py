@@ -512,7 +512,9 @@ class DeltaCheckpointer:
     def restore(self, step: int | None = None, *, allow_fallback: bool = False) -> int | None:
         """Load committed ``step`` (the latest restorable one when None) into the live model,
         optimizers and user state, bitwise. Returns the step restored, or None when the URI
-        holds no checkpoint. Later checkpoints are deltas relative to the restored one.
+        holds no checkpoint. Later checkpoints are deltas relative to the restored one when it
+        is the newest committed step; after a rollback (an older step) the next checkpoint is
+        a full, so the new timeline never depends on a chain GC may be deleting.
         Collective: call it on all ranks; they load the same step or all raise.
 
         A damaged or missing file raises :class:`CorruptCheckpointError` naming it. With

@@ -162,6 +162,23 @@ class StateLoader:
         )
         votes = [v.result for v in gather_votes(self.coord, _LoadVote(mine))]
         if all(v == LoadResult.LOADED for v in votes):
+            assert done is not None
+            # A rollback (a step older than the newest committed one) starts its timeline with
+            # a full: a GC run that planned before this restore may be deleting the restored
+            # chain right now (it was retained by no policy then), and deltas on it would be
+            # committed on a deleted parent. Rank 0 decides, so that every rank agrees.
+            newer = max(manifests, default=target) if self.coord.rank == 0 else target
+            newest = self.coord.broadcast_int(newer)
+            if newest > target and done.parent is not None:
+                done.parent = None
+                if self.coord.rank == 0:
+                    logger.info(
+                        "deck: restored step %d of %s, older than its newest step %d: the "
+                        "next checkpoint is a full",
+                        target,
+                        self.storage.uri,
+                        newest,
+                    )
             return done, None, False
         recoverable = all(v != LoadResult.FAILED for v in votes)
         if error is None:
