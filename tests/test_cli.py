@@ -448,14 +448,23 @@ def test_ls_shows_the_recent_steps_and_the_fulls_by_default(tmp_path: Path) -> N
     for step in range(1, 31):
         tr.train()
         tr.save("full" if step % 10 == 0 else "delta")
-    default, every, since, last, js, js_last = _decks(
+    default, every, since, last, js, js_last, tree, tree_last = _decks(
         ("ls", str(uri)),
         ("ls", str(uri), "--all"),
         ("ls", str(uri), "--since", "25"),
         ("ls", str(uri), "--last", "3"),
         ("ls", str(uri), "--json"),
         ("ls", str(uri), "--json", "--last", "3"),
+        ("ls", str(uri), "--tree"),
+        ("ls", str(uri), "--tree", "--last", "3"),
     )
+    # The tree of a narrowed view: what is shown, under the nearest shown checkpoint
+    assert tree.returncode == 0 and tree_last.returncode == 0, tree.stderr + tree_last.stderr
+    assert len(tree.stdout.splitlines()) == 22 + 1, tree.stdout  # rows and the line left out
+    tree_steps = [
+        re.search(r"(?:full|delta) (\d+)", line) for line in tree_last.stdout.splitlines()
+    ]
+    assert [int(m.group(1)) for m in tree_steps if m] == [28, 29, 30], tree_last.stdout
 
     def steps(r: subprocess.CompletedProcess[str]) -> list[int]:
         lines = r.stdout.splitlines()[1:]

@@ -181,20 +181,29 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
 def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
     """The lineage as an ASCII tree: each trainer full with the trainer deltas built on it
     (and on them), and under each state the merger checkpoints that apply on it or reproduce
-    it. ``fmt(row)`` renders one line. Pending checkpoints come last, then damaged ones."""
+    it. ``fmt(row)`` renders one line. Pending checkpoints come last, then damaged ones.
+    ``rows`` may be a narrowed view: a checkpoint not among them is left out, and what hangs
+    under it hangs under the nearest one shown (or is a root)."""
     by_id = {r.id: r for r in rows}
     children: dict[str, list[LineageNode]] = {}
     roots: list[LineageNode] = []
-    for n in sorted(graph.nodes.values(), key=lambda n: (n.step, n.layer, n.first_step, n.id)):
+
+    def parent(n: LineageNode) -> LineageNode | None:
         if n.merged:
             # A merged delta hangs under the state it applies on, a merger full under the
             # trainer checkpoint whose state it reproduces.
-            anchor = graph.trainer_at(n.start if n.start is not None else n.state)
-        elif n.start is not None:
-            anchor = graph.trainer_at(n.start)
-        else:
-            anchor = None
-        if anchor is None:
+            return graph.trainer_at(n.start if n.start is not None else n.state)
+        return graph.trainer_at(n.start) if n.start is not None else None
+
+    for n in sorted(graph.nodes.values(), key=lambda n: (n.step, n.layer, n.first_step, n.id)):
+        if n.id not in by_id:
+            continue  # not shown (a narrowed view): its children hang under what is
+        anchor = parent(n)
+        seen = set()
+        while anchor is not None and anchor.id not in by_id and anchor.id not in seen:
+            seen.add(anchor.id)
+            anchor = parent(anchor)
+        if anchor is None or anchor.id not in by_id:
             roots.append(n)
         else:
             children.setdefault(anchor.id, []).append(n)
