@@ -34,8 +34,9 @@
 Exit codes (for scripts), the same for every command:
 
     0  ok
-    1  a finding that needs a look: damage (verify, or a damaged file met by any command),
-       differences (doctor), work left undone (merge work waiting or failed, gc errors or
+    1  a finding that needs a look: damage (verify; ls, show, gc and report on any damaged
+       commit record; export, lineage, follow, history and merge when the damage is on what
+       they read -- elsewhere they warn and go on), differences (doctor), work left undone (merge work waiting or failed, gc errors or
        things gc kept because of damage or read errors)
     2  a usage error (bad arguments, an export target that is not empty), nothing there (a URI
        that does not exist, no checkpoints, an unknown step, table or row, a step no valid
