@@ -178,6 +178,9 @@ def test_verify_finds_a_step_whose_chain_lost_a_checkpoint(ckpt: Path, tmp_path:
     assert [f"step {s}: not restorable" in r.stdout for s in after] == [True, True], r.stdout
     assert f"step {gone}" in r.stdout and "2 with problems" in r.stdout, r.stdout
     assert one.returncode == 1 and f"step {after[0]}: not restorable" in one.stdout, one.stdout
+    # Plain verify checks the newest restorable step, and says the newer ones are not
+    plain = _deck("verify", str(copy))
+    assert plain.returncode == 1 and f"step {after[-1]}: not restorable" in plain.stdout
 
 
 def test_gc_with_nothing_restorable_says_so_and_deletes_nothing(ckpt: Path, tmp_path: Path) -> None:
@@ -478,3 +481,37 @@ def test_ls_shows_the_recent_steps_and_the_fulls_by_default(tmp_path: Path) -> N
     assert steps(last) == [28, 29, 30]
     assert [r["step"] for r in json.loads(js.stdout)] == list(range(31))
     assert [r["step"] for r in json.loads(js_last.stdout)] == [28, 29, 30]
+
+
+def test_ls_says_which_steps_a_rollback_left_and_which_are_broken(tmp_path: Path) -> None:
+    """After a rollback the old timeline's later steps are ``abandoned`` (no restore reaches
+    them, by design); a step of the newest timeline whose chain lost a checkpoint is
+    ``broken``: damage, exit 1."""
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "rb"
+    tr = SynthTrainer(open_storage(str(uri)))
+    tr.save("full")
+    for _ in range(5):
+        tr.train()
+        tr.save()
+    tr.rollback(2)
+    for _ in range(2):  # steps 3 and 4 again: old 5 is left on the abandoned timeline
+        tr.train()
+        tr.save()
+    r = _deck("ls", str(uri), "--json")
+    assert r.returncode == 0, r.stderr
+    states = {row["step"]: row["state"] for row in json.loads(r.stdout)}
+    assert states == {
+        0: "committed",
+        1: "committed",
+        2: "committed",
+        3: "committed",
+        4: "committed",
+        5: "abandoned",
+    }, states
+    shutil.rmtree(uri / "step-000000000003")
+    r = _deck("ls", str(uri), "--json")
+    states = {row["step"]: row["state"] for row in json.loads(r.stdout)}
+    assert states[4] == "broken" and states[5] == "abandoned", states
+    assert r.returncode == 1 and "step(s) [4]" in r.stderr, r.stderr

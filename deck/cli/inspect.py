@@ -104,6 +104,14 @@ def cmd_ls(a: argparse.Namespace) -> int:
             f"({len(rows) - len(shown)} more checkpoint(s) not shown: --all lists every one, "
             "--since STEP or --last N others)"
         )
+    broken = sorted({r.step for r in rows if r.state == "broken"})
+    if broken:
+        sys.stdout.flush()
+        print(
+            f"deck ls: step(s) {broken} of the newest timeline cannot be restored: a "
+            f"checkpoint their chain needs is gone (`deck verify {a.uri} --all` names it)",
+            file=sys.stderr,
+        )
     damaged = [r for r in rows if r.state == "damaged"]
     if damaged:
         sys.stdout.flush()  # the table first, then the finding about it
@@ -116,7 +124,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return 0
+    return 1 if broken else 0
 
 
 def cmd_show(a: argparse.Namespace) -> int:
@@ -197,8 +205,9 @@ def _verify_targets(
     a: argparse.Namespace, manifests: ManifestSet, damaged: dict[int, str]
 ) -> list[CheckpointManifest]:
     """What ``deck verify`` checks: every committed checkpoint (``--all``), ``--step``, or the
-    latest restorable step; none when the step asked for has a damaged commit record (that is
-    the finding). Raises :class:`CheckpointNotFoundError` when there is nothing to check."""
+    latest restorable step; none when the step asked for has a damaged commit record, or when
+    no committed step is restorable (those are the findings). Raises
+    :class:`CheckpointNotFoundError` when there is nothing to check."""
     from deck.read.lineage import latest_restorable
 
     if not manifests and not damaged:
@@ -210,6 +219,8 @@ def _verify_targets(
     if a.step in damaged:
         return []
     step = a.step if a.step is not None else latest_restorable(manifests)
+    if step is None and a.step is None and manifests:
+        return []  # committed steps, none restorable: the chain check says why (damage)
     if step is None or step not in manifests:
         which = (
             "no restorable step" if a.step is None else f"no committed checkpoint at step {a.step}"
@@ -262,10 +273,14 @@ def cmd_verify(a: argparse.Namespace) -> int:
         bad += not report.ok
     # Files intact is not restorable: a step whose chain lacks a checkpoint (deleted under a
     # trainer that went on building on it) restores nothing.
+    # Checked: every step (--all), the one asked for, or by default the newest restorable
+    # one and every newer step (which a restore of "the latest" passes by).
+    checked = {m.step for m in targets if not m.is_merged}
     broken = {
         s: why
         for s, why in build_graph(manifests).unrestorable().items()
-        if s not in damaged and (a.all or s in {m.step for m in targets if not m.is_merged})
+        if s not in damaged
+        and (a.all or s in checked or (a.step is None and s > max(checked, default=-1)))
     }
     for s, why in broken.items():
         print(f"step {s}: not restorable\n  BAD {why}")
@@ -344,7 +359,8 @@ def ls_parser(sub: Subparsers) -> None:
         description="Every checkpoint at URI: trainer fulls and deltas, the merger's merged deltas "
         "and fulls, and pending trainer steps (rank parts written, manifest.json not yet). "
         "Columns: kind, step, layer, covered steps, rank parts present / world size, bytes, age, "
-        "state (committed | pending | quarantined | damaged), id and folder (`deck show` gives a checkpoint's "
+        "state (committed | pending | quarantined | damaged | abandoned: a timeline a rollback left "
+        "| broken: the newest timeline lacks a checkpoint), id and folder (`deck show` gives a checkpoint's "
         "parent and base, `--tree` draws the parent links). Exit 2 when the URI does not exist "
         "or holds no checkpoint; exit 1 (the rest listed, state damaged) when a commit record "
         "(manifest.json) cannot be read. By default the checkpoints of the newest "

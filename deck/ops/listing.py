@@ -47,7 +47,9 @@ class Row:
     first_step: int  # first trainer step whose rows it holds (covers first_step..step)
     bytes: int  # all its files, all ranks
     created_unix: float | None  # commit time (pending: newest rank part's file time, if known)
-    state: str  # committed | pending | quarantined | damaged
+    # committed | pending | quarantined | damaged, or for a committed trainer checkpoint with
+    # no complete chain: abandoned (a timeline a rollback left) | broken (the newest timeline)
+    state: str
     ranks: int  # rank parts present
     world_size: int
     merged: bool  # written by the merger
@@ -90,11 +92,20 @@ def _row(n: LineageNode) -> Row:
 def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     """The lineage graph of ``storage`` and one :class:`Row` per committed checkpoint (trainer's
     and merger's), per pending trainer checkpoint and per folder whose commit record is
-    damaged (state ``damaged``, ``problem`` naming the file), ordered by step, then layer."""
+    damaged (state ``damaged``, ``problem`` naming the file), ordered by step, then layer. A
+    committed trainer checkpoint without a complete chain is ``abandoned`` (an older timeline
+    a rollback left) or ``broken`` (the newest timeline: damage, ``deck verify`` says what)."""
     keys = storage.list("")
     manifests = read_manifests(storage, keys)
     graph = build_graph(manifests, storage.uri)
     rows = [_row(n) for n in graph.nodes.values()]
+    restorable, broken = set(graph.restorable_steps()), graph.unrestorable()
+    rows = [
+        replace(r, state="broken" if r.step in broken else "abandoned")
+        if not r.merged and r.state == "committed" and r.step not in restorable
+        else r
+        for r in rows
+    ]
     for step, why in manifests.damaged.items():
         rows.append(_damaged(step, 0, step_dir(step), "", why))
     for k in keys:
