@@ -28,13 +28,23 @@ from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DeckError,
     IncompatibleModelError,
+    NotFoundError,
 )
+from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
 from deck.model import ModelAdapter, Optimizers, copy_dense_state
-from deck.read.catalog import ManifestSet, damaged_records, read_manifests, read_rank_manifests
+from deck.read.catalog import (
+    ManifestSet,
+    checkpoint_label,
+    damaged_records,
+    read_manifests,
+    read_rank_manifests,
+)
 from deck.read.lineage import best_valid_chain, chain_for, latest_restorable
 from deck.read.restore import RestoreStats, apply_chain, read_state_file
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 from deck.trainer.coordination import Coordinator, gather_votes
 from deck.trainer.fitting import (
     fill_from_dense,
@@ -150,6 +160,10 @@ class StateLoader:
         error: BaseException | None = None
         try:
             done = self._load(manifests, target)
+        except CorruptCheckpointError as e:
+            error = self._deleted_meanwhile(manifests, target) or e
+            if error is not e:
+                error.__cause__ = e
         except Exception as e:
             error = e
         damaged = isinstance(error, CorruptCheckpointError | CheckpointNotFoundError)
@@ -187,6 +201,34 @@ class StateLoader:
                 f"restore from {self.storage.uri} failed on rank(s) {failed}; see their errors"
             )
         return None, error, recoverable
+
+    def _deleted_meanwhile(
+        self, manifests: ManifestSet | dict, target: int
+    ) -> CheckpointNotFoundError | None:
+        """A file of ``target``'s chain missing or short may be a GC deleting that chain while
+        it was read (a step no policy retains): then its commit record is gone or names another
+        checkpoint now, and that is what to say, not damage. None when every record of the
+        chain is still the one read (or cannot be read now: the damage stands)."""
+        try:
+            chain = chain_for(manifests, target)
+        except DeckError:
+            return None
+        for m in chain:
+            key = f"{m.folder}/{MANIFEST}"
+            try:
+                data = get_bounded(self.storage, key)
+                now = load_model(CheckpointManifest, data, self.storage.describe(key)).id
+            except NotFoundError:
+                now = None
+            except DeckError:
+                return None
+            if now != m.id:
+                return CheckpointNotFoundError(
+                    f"step {target} at {self.storage.uri}: {checkpoint_label(m)} of its chain was "
+                    "deleted (by GC: no policy retains it) while it was being read; restore it "
+                    "again for a clear answer, or restore a retained step"
+                )
+        return None
 
     def _fallback_target(self, target: int, error: BaseException) -> tuple[int | None, str]:
         """Rank 0 verifies chains, from ``target`` back to older steps, and picks the first with

@@ -16,8 +16,10 @@ import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.storage import open_storage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
+from deck.trainer.load import load_step
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -120,3 +122,41 @@ def test_a_failed_restore_makes_the_next_checkpoint_a_full(tmp_path: Path) -> No
     """Before: the later deltas were relative to the last checkpoint while the model held a
     half-restored state, and their restore differed from the live model."""
     run_ranks(_failed_restore, str(tmp_path), world_size=2)
+
+
+class _GcDeletesStepMidRead(StorageWrapper):
+    """A reader's view of the store: at its first read of a data file of ``step``, GC deletes that
+    checkpoint (its record first, then its files), as a bounded policy does to a step it no
+    longer retains."""
+
+    def __init__(self, inner: Any, step: int) -> None:
+        super().__init__(inner)
+        self.folder = f"step-{step:012d}/"
+        self.done = False
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        if not self.done and path.startswith(self.folder) and path.endswith(".safetensors"):
+            self.done = True
+            self.inner.delete(f"{self.folder}manifest.json")
+            self.inner.delete_prefix(self.folder)
+        return super().get(path, start, end)
+
+
+def _load_while_gc_deletes(rank: int, world_size: int, root: str) -> None:
+    spec = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
+    model, opt = build_model(spec)
+    uri = f"{root}/ck"
+    with deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=1)) as ck:
+        for step in range(4):
+            train_step(model, opt, spec, step)
+            ck.step(step)
+    reader, ropt = build_model(spec, seed=9)
+    store = _GcDeletesStepMidRead(open_storage(uri), 3)
+    with pytest.raises(CheckpointNotFoundError, match=r"deleted .* while it was being read"):
+        load_step(reader, [ropt], store, step=3)
+
+
+def test_a_step_gc_deletes_while_it_is_read_is_not_found_not_damaged(tmp_path: Path) -> None:
+    """A reader loading a step GC deletes meanwhile (no policy retains it) is told so, as
+    CheckpointNotFoundError, not CorruptCheckpointError: nothing is damaged."""
+    run_ranks(_load_while_gc_deletes, str(tmp_path), world_size=1)
