@@ -44,13 +44,15 @@ test: $(STAMP)
 # The generative differential test with a random seed and many more examples than CI's fixed
 # budget; a failure prints the setup as a line to paste into the test's PINNED list.
 # FUZZ_SEED=N repeats a run.
+# --timeout=0 here and below: the suite's per-test limit (900 s) would end a long run, whose
+# examples are one test; each example keeps the rank pool's own limit.
 FUZZ_EXAMPLES ?= 500
 ifndef FUZZ_SEED
 FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 fuzz: $(STAMP)
 	@echo "make fuzz: $(FUZZ_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
-	DECK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	DECK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 \
 		tests/trainer/test_differential.py -k drawn --hypothesis-show-statistics \
 		--hypothesis-seed=$(FUZZ_SEED)
 
@@ -59,7 +61,7 @@ fuzz: $(STAMP)
 OPS_EXAMPLES ?= 1000
 fuzz-ops: $(STAMP)
 	@echo "make fuzz-ops: $(OPS_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz-ops FUZZ_SEED=$(FUZZ_SEED))"
-	DECK_OPS_EXAMPLES=$(OPS_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	DECK_OPS_EXAMPLES=$(OPS_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 \
 		tests/ops/test_operations_machine.py --hypothesis-seed=$(FUZZ_SEED)
 
 # The Kafka loader's state machine (tests/ops/test_kafka_machine.py) with random sequences;
@@ -69,7 +71,7 @@ KAFKA_STEPS ?= 30
 fuzz-kafka: $(STAMP)
 	@echo "make fuzz-kafka: $(KAFKA_EXAMPLES) examples of up to $(KAFKA_STEPS) rules, seed $(FUZZ_SEED)"
 	DECK_KAFKA_EXAMPLES=$(KAFKA_EXAMPLES) DECK_KAFKA_STEPS=$(KAFKA_STEPS) DECK_KAFKA_RANDOM=1 \
-		$(BIN)/python -m pytest -q -p no:cacheprovider tests/ops/test_kafka_machine.py \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 tests/ops/test_kafka_machine.py \
 		--hypothesis-seed=$(FUZZ_SEED)
 
 test-fast: $(STAMP)
