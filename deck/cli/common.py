@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -47,12 +48,18 @@ def json_options(text: str | None) -> dict[str, Any] | None:
     """Parse ``--storage-options`` JSON into a dict (None for no text); a usage error names what is wrong."""
     if not text:
         return None
+    # argparse passes the default through this too: say where a bad value came from
+    source = (
+        "$DECK_STORAGE_OPTIONS"
+        if text == os.environ.get("DECK_STORAGE_OPTIONS")
+        else "--storage-options"
+    )
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--storage-options is not JSON: {e}") from None
+        raise argparse.ArgumentTypeError(f"{source} is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+        raise argparse.ArgumentTypeError(f"{source} must be a JSON object")
     return value
 
 

@@ -31,7 +31,7 @@ def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) ->
         return MergeConfig(
             stride=a.stride,
             full=FullPolicy(
-                every=a.full_every,
+                every=a.full_every or None,  # 0: off, as for the other rules
                 max_live_fraction=None if a.full_live_fraction <= 0 else a.full_live_fraction,
                 cost_ratio=a.full_cost_ratio,
             ),
@@ -380,7 +380,11 @@ def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
         help=f"items per merge, s ({merge['stride']})",
     )
     p.add_argument(
-        "--full-every", type=int, default=full["every"], metavar="N", help="new full every N deltas"
+        "--full-every",
+        type=int,
+        default=full["every"],
+        metavar="N",
+        help=f"new full every N deltas ({full['every'] or 'off'}; 0: off)",
     )
     p.add_argument(
         "--full-live-fraction",
