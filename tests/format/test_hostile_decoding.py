@@ -412,7 +412,7 @@ def test_a_chain_of_3000_deltas_lists_as_a_tree(tmp_path: Path) -> None:
     lines = tree_lines(graph, rows, lambda r: r.folder)
     assert len(lines) == 3001 and lines[0] == step_dir(0)
     assert lines[3000] == "   " * 2999 + "`- " + step_dir(3000)
-    r = _deck("ls", str(root), "--tree")
+    r = _deck("ls", str(root), "--tree", "--all")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(r.stdout.splitlines()) == 3001
 
