@@ -52,12 +52,17 @@ def _tree_line(r: Any, now: float) -> str:
 LS_RECENT_STEPS = 20  # the default view: every checkpoint of the newest steps, and the fulls
 
 
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
-    return n
+def _at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {n})")
+        return n
+
+    return parse
+
+
+_positive, _non_negative = _at_least(1), _at_least(0)  # argparse types
 
 
 def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
@@ -161,7 +166,7 @@ def _show_headline(d: dict[str, Any]) -> str:
         lineage_txt += f", {len(d['inputs'])} inputs"
     return (
         f"{d['kind']} checkpoint of step {d['step']}: id {d['id']}, folder {d['folder']}{lineage_txt}, "
-        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} ranks, {human(d['bytes'])}, "
+        f"base {d['base']}, epoch {d['epoch']}, {d['world_size']} rank(s), {human(d['bytes'])}, "
         f"committed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d['created_unix']))} "
         f"({age_text(time.time() - d['created_unix'])} ago) by deck {d['deck_version']}"
     )
@@ -372,7 +377,10 @@ def ls_parser(sub: Subparsers) -> None:
     view = ls.add_mutually_exclusive_group()
     view.add_argument("--all", action="store_true", help="every checkpoint")
     view.add_argument(
-        "--since", type=int, metavar="STEP", help="the checkpoints of STEP and later steps"
+        "--since",
+        type=_non_negative,
+        metavar="STEP",
+        help="the checkpoints of STEP and later steps",
     )
     view.add_argument(
         "--last", type=_positive, metavar="N", help="the checkpoints of the newest N steps"

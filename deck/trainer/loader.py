@@ -131,7 +131,9 @@ class StateLoader:
         done, error, recoverable = self._agreed(manifests, target)
         if done is not None:
             if skipped:
-                logger.warning("deck: restored step %d; skipped %s", target, skipped)
+                logger.warning(
+                    "deck: restored step %d, passing newer steps by: %s", target, skipped
+                )
                 done.stats.fallback = f"skipped {skipped}"
             return done
         assert error is not None
