@@ -13,6 +13,7 @@ from typing import Any
 from deck.errors import NotFoundError
 from deck.format.checksum import checksum
 from deck.format.manifest import FORMAT_VERSION, CheckpointManifest, RankManifest, RankRef
+from deck.format.stream import is_stream_file
 from deck.storage import Storage
 from deck.version import __version__
 
@@ -56,6 +57,8 @@ def first_missing_file(
     for ref, part in parts:
         want[f"{folder}/{ref.path}"] = (ref.nbytes, True)
         part.file_sizes(folder, want)
+    if not storage.lists_table_files:  # they are in a stream, not in the folder
+        want = {k: v for k, v in want.items() if not is_stream_file(k)}
     listed = set(storage.list(f"{folder}/"))
     for key in sorted(want):
         if key not in listed:

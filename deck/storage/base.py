@@ -158,6 +158,13 @@ class Storage(abc.ABC):
         return None
 
     @property
+    def lists_table_files(self) -> bool:
+        """Whether the table files a writer puts here (chunks, bundles) are then listed here.
+        False for a sink that routes them elsewhere (a publisher's Kafka topic): a writer's
+        check before its commit record then looks only at the rest."""
+        return True
+
+    @property
     def overlap_reads(self) -> bool:
         """Whether independent reads are worth overlapping (each request pays a round trip):
         readers of many small objects then keep several in flight. Default: when the store is

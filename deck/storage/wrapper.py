@@ -83,6 +83,10 @@ class StorageWrapper(Storage):
         return self.inner.local_path(path)
 
     @property
+    def lists_table_files(self) -> bool:
+        return self.inner.lists_table_files
+
+    @property
     def overlap_reads(self) -> bool:
         # The store's latency, not the wrapper's: a wrapper that hides a local store's path
         # (faults, counts) still reads a local disk, and its tests want one request at a time.

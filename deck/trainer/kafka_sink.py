@@ -115,6 +115,10 @@ class KafkaSinkStorage(StorageWrapper):
         return f"KafkaSinkStorage({self.target.uri}, state={self.inner!r})"
 
     # Table files are not at the state URI: nobody may map or copy them from there.
+    @property
+    def lists_table_files(self) -> bool:
+        return False  # they went to the topic
+
     def local_path(self, path: str = "") -> str | None:
         return None
 
