@@ -744,7 +744,8 @@ def train_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
             if step == target:
                 live = (_capture if setup.restore_world_size is None else _global)(model, opt, user)
         if not ck.flush():
-            raise AssertionError("checkpoints did not commit")
+            failed = [(e.step, e.error) for e in ck.history if e.state == "failed"]
+            raise AssertionError(f"checkpoints did not commit: {failed}")
     if setup.restore_world_size is not None:
         return live, [], {}
     return live, losses, _capture(model, opt, user)
