@@ -416,7 +416,7 @@ class DeckConfig(Settings):
         "trainer takes a full only when it has no committed checkpoint to build a delta on: "
         "its first checkpoint when the process restored none (after restore() the next one is "
         "a delta of the restored step, or a full when the restore changed any rank's shards "
-        "or was a rollback to a step older than the newest committed one), "
+        "or was a rollback: a restore of any step but the latest), "
         "and the one after a checkpoint that failed or whose chain broke (damage, GC). Later "
         "fulls come from the merger (deck merge).",
         json_schema_extra={"constraints": "or None; a multiple of delta_every_steps"},

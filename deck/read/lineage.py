@@ -292,6 +292,10 @@ class LineageGraph:
         quarantined = manifests.quarantined if isinstance(manifests, ManifestSet) else {}
         merged = manifests.merged if isinstance(manifests, ManifestSet) else {}
         self.uri = uri or (manifests.uri if isinstance(manifests, ManifestSet) else "")
+        # Steps whose commit record cannot be read: a chain that needs one says so, not "missing"
+        self.damaged: dict[int, str] = (
+            dict(manifests.damaged) if isinstance(manifests, ManifestSet) else {}
+        )
         self._index(_node(m, quarantined) for m in [*manifests.values(), *merged.values()])
 
     def _index(self, nodes: Iterable[LineageNode]) -> None:
@@ -315,6 +319,7 @@ class LineageGraph:
     def _derived(self, nodes: Iterable[LineageNode]) -> LineageGraph:
         graph = LineageGraph.__new__(LineageGraph)
         graph.uri = self.uri
+        graph.damaged = self.damaged
         graph._index(nodes)
         return graph
 
@@ -545,7 +550,13 @@ class LineageGraph:
                 return (
                     f"step {step} cannot be restored: its chain needs checkpoint {node.start[1]} at "
                     f"step {node.start[0]} (for delta {node.step}), which is "
-                    + ("missing" if other is None else "from another timeline")
+                    + (
+                        f"unreadable ({self.damaged[node.start[0]]})"
+                        if other is None and node.start[0] in self.damaged
+                        else "missing"
+                        if other is None
+                        else "from another timeline"
+                    )
                     + "; restore an older step or take a new full checkpoint"
                 )
             node = parent

@@ -179,18 +179,19 @@ class StateLoader:
         votes = [v.result for v in gather_votes(self.coord, _LoadVote(mine))]
         if all(v == LoadResult.LOADED for v in votes):
             assert done is not None
-            # A rollback (a step older than the newest committed one) starts its timeline with
-            # a full: a GC run that planned before this restore may be deleting the restored
-            # chain right now (it was retained by no policy then), and deltas on it would be
-            # committed on a deleted parent. Rank 0 decides, so that every rank agrees.
-            newer = max(manifests, default=target) if self.coord.rank == 0 else target
-            newest = self.coord.broadcast_int(newer)
-            if newest > target and done.parent is not None:
+            # A rollback (a step other than the latest restorable one) starts its timeline
+            # with a full: a GC run that planned before this restore may be deleting the
+            # restored chain right now (the latest's it retains; this one maybe by no policy),
+            # and deltas on it would be committed on a deleted parent. Rank 0 decides, so that
+            # every rank agrees.
+            latest = latest_restorable(manifests) if self.coord.rank == 0 else None
+            newest = self.coord.broadcast_int(-1 if latest is None else latest)
+            if newest != target and done.parent is not None:
                 done.parent = None
                 if self.coord.rank == 0:
                     logger.info(
-                        "deck: restored step %d of %s, older than its newest step %d: the "
-                        "next checkpoint is a full",
+                        "deck: restored step %d of %s, not its latest step %d: the next "
+                        "checkpoint is a full",
                         target,
                         self.storage.uri,
                         newest,
