@@ -96,7 +96,9 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     committed trainer checkpoint without a complete chain is ``abandoned`` (an older timeline
     a rollback left) or ``broken`` (the newest timeline: damage, ``deck verify`` says what)."""
     keys = storage.list("")
-    manifests = read_manifests(storage, keys)
+    # Not from ``keys``: a listing of regular files leaves out a manifest.json that is a link
+    # or a FIFO, and that is a damaged record, not a pending checkpoint.
+    manifests = read_manifests(storage)
     graph = build_graph(manifests, storage.uri)
     rows = [_row(n) for n in graph.nodes.values()]
     restorable, broken = set(graph.restorable_steps()), graph.unrestorable()
