@@ -241,6 +241,23 @@ class TrainState:
         torch.set_rng_state(sd["rng"])
 
 
+def state_leaves(prefix: str, v: Any) -> list[tuple[str, Any]]:
+    """The leaves of a nested state (dicts, lists, tuples) by name (keys joined with ".",
+    indices as ``[i]``): a sharded tensor as it is (anything with ``local_shards``), a tensor
+    as a detached copy, a number as a float64 tensor; anything else is left out."""
+    if hasattr(v, "local_shards"):
+        return [(prefix, v)]
+    if isinstance(v, torch.Tensor):
+        return [(prefix, v.detach().clone())]
+    if isinstance(v, (int, float)):
+        return [(prefix, torch.tensor(v, dtype=torch.float64))]
+    if isinstance(v, dict):
+        return [leaf for k, x in v.items() for leaf in state_leaves(f"{prefix}.{k}", x)]
+    if isinstance(v, (list, tuple)):
+        return [leaf for i, x in enumerate(v) for leaf in state_leaves(f"{prefix}[{i}]", x)]
+    return []
+
+
 def capture_state(
     model: Any, dense_opt: Any, user: TrainState | None = None, *, full: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -251,20 +268,13 @@ def capture_state(
     rank's own; non-persistent ones are derived, e.g. TorchRec's lazily built feature order.)"""
     out: dict[str, torch.Tensor] = {}
 
-    def put(prefix: str, v: Any) -> None:
-        if hasattr(v, "local_shards"):
-            for s in v.local_shards():
-                out[f"{prefix}@{list(s.metadata.shard_offsets)}"] = s.tensor.detach().clone()
-        elif isinstance(v, torch.Tensor):
-            out[prefix] = v.detach().clone()
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                put(f"{prefix}.{k}", x)
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                put(f"{prefix}[{i}]", x)
-        elif isinstance(v, (int, float)):
-            out[prefix] = torch.tensor(v, dtype=torch.float64)
+    def put(prefix: str, state: Any) -> None:
+        for name, v in state_leaves(prefix, state):
+            if not hasattr(v, "local_shards"):  # (a ShardedTensor is a Tensor too)
+                out[name] = v
+            else:
+                for s in v.local_shards():
+                    out[f"{name}@{list(s.metadata.shard_offsets)}"] = s.tensor.detach().clone()
 
     put("model", model.state_dict())
     put("fused", model.fused_optimizer.state_dict())

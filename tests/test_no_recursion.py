@@ -34,7 +34,7 @@ BOUNDED = {
         "a model's state_dict and the user's state the doctor is checking: the nesting of that "
         "one state (the user's state is saved through treecodec, which caps it)"
     ),
-    ("deck/demo.py", "capture_state.put"): (
+    ("deck/demo.py", "state_leaves"): (
         "TorchRec / torch optimizer state_dicts of the demo model: a fixed few levels"
     ),
     ("deck/testing/differential.py", "_flat"): "the test harness's own user state: two levels",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import deck
 from deck.config import StagingConfig
-from deck.demo import capture_state, diff_states
+from deck.demo import capture_state, diff_states, state_leaves
 from deck.errors import DeckError
 from deck.testing.fbgemm_cpu import enable_cpu_eviction
 from deck.testing.managed_collision import remapper_state
@@ -668,22 +668,18 @@ def _global(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
     shards: dict[str, tuple[list[int], list[tuple[list[int], torch.Tensor]]]] = {}
     plain: dict[str, torch.Tensor] = {}
 
-    def put(prefix: str, v: Any) -> None:
-        if hasattr(v, "local_shards"):
-            shards[prefix] = (
-                list(v.size()),
-                [(list(sh.metadata.shard_offsets), sh.tensor.detach()) for sh in v.local_shards()],
-            )
-        elif isinstance(v, torch.Tensor):
-            plain[prefix] = v.detach().clone()
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                put(f"{prefix}.{k}", x)
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                put(f"{prefix}[{i}]", x)
-        elif isinstance(v, (int, float)):
-            plain[prefix] = torch.tensor(v, dtype=torch.float64)
+    def put(prefix: str, state: Any) -> None:
+        for name, v in state_leaves(prefix, state):
+            if not hasattr(v, "local_shards"):  # (a ShardedTensor is a Tensor too)
+                plain[name] = v
+            else:
+                shards[name] = (
+                    list(v.size()),
+                    [
+                        (list(sh.metadata.shard_offsets), sh.tensor.detach())
+                        for sh in v.local_shards()
+                    ],
+                )
 
     put("model", model.state_dict())
     put("fused", model.fused_optimizer.state_dict())
