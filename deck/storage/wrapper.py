@@ -98,7 +98,10 @@ class StorageWrapper(Storage):
     def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
         # A subclass that changes list() or modified() (faults, counts) must see this call
         # through them; otherwise the inner store's one listing is as good.
-        if type(self).list is StorageWrapper.list and type(self).modified is StorageWrapper.modified:
+        if (
+            type(self).list is StorageWrapper.list
+            and type(self).modified is StorageWrapper.modified
+        ):
             return self.inner.list_modified(prefix)
         return Storage.list_modified(self, prefix)
 
