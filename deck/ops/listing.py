@@ -96,14 +96,18 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     committed trainer checkpoint without a complete chain is ``abandoned`` (an older timeline
     a rollback left) or ``broken`` (the newest timeline: damage, ``deck verify`` says what)."""
     keys = storage.list("")
-    # Not from ``keys``: a listing of regular files leaves out a manifest.json that is a link
-    # or a FIFO, and that is a damaged record, not a pending checkpoint.
-    manifests = read_manifests(storage)
+    # Every folder's record too, listed or not: a listing of regular files leaves out a
+    # manifest.json that is a link or a FIFO, and that is a damaged record, not a pending
+    # checkpoint. (One listing: the folders are those of the listed files.)
+    depth = {True: 2, False: 1}  # merged/<name>/..., step-N/...
+    folders = {"/".join(k.split("/")[: depth[k.startswith(f"{MERGED_ROOT}/")]]) for k in keys}
+    manifests = read_manifests(storage, sorted(set(keys) | {f"{f}/{MANIFEST}" for f in folders}))
     graph = build_graph(manifests, storage.uri)
     rows = [_row(n) for n in graph.nodes.values()]
-    restorable, broken = set(graph.restorable_steps()), graph.unrestorable()
+    restorable = set(graph.restorable_steps())
+    newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
     rows = [
-        replace(r, state="broken" if r.step in broken else "abandoned")
+        replace(r, state="broken" if r.epoch == newest else "abandoned")
         if not r.merged and r.state == "committed" and r.step not in restorable
         else r
         for r in rows
