@@ -44,12 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workload import in_workdir
 
 from deck.format.manifest import MANIFEST
+from deck.merge.worker import MergeWorker
 from deck.ops.retention import gc as gc_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.plan import RetentionPolicy, grace_protected
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, cheapest_chain
 from deck.storage import LocalStorage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.grace_reference import reference_grace_protected
 from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
 
@@ -191,7 +193,71 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
     out["r_chain"] = statistics.median(chain_s)
     out["r_total"] = out["r_read"] + out["r_graph"] + out["r_chain"]
     print(f"  latest step's chain: {length} checkpoints", flush=True)
+
+    # The same through the catalog: the commit log the writers keep, a catalog as a merger
+    # pass writes it, and --behind log entries after it (commits since the last catalog)
+    out["whole_requests"] = _requests(storage)
+    t0 = time.perf_counter()
+    sim.write_log(storage, a.behind, _fast_put(storage))
+    print(f"  commit log and catalog written in {time.perf_counter() - t0:.1f} s", flush=True)
+    out["i_read"], manifests = _median_s(lambda: read_manifests(storage), a.repeats)
+    assert manifests.index is not None and manifests.index.since == a.behind
+    out["i_total"] = out["i_read"] + out["r_graph"] + out["r_chain"]
+    out["i_requests"] = _requests(storage)
+    worker = MergeWorker(storage)
+    worker.run_pass()  # (catching up: what the generator left for the merger)
+    out["i_merge"], _ = _median_s(worker.run_pass, a.repeats)
+    print(
+        f"  read through the catalog: {out['i_read']:.3f} s, {out['i_requests']:.0f} requests "
+        f"(every record: {out['r_read']:.3f} s, {out['whole_requests']:.0f} requests)",
+        flush=True,
+    )
     return out
+
+
+class _Counting(StorageWrapper):
+    """Counts the requests a reader makes (a listing, a read: one each; a batch read: one per
+    key)."""
+
+    def __init__(self, inner: LocalStorage) -> None:
+        super().__init__(inner)
+        self.n = 0
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        self.n += 1
+        return super().get(path, start, end)
+
+    def get_many(self, paths: list[str], limit: int | None = None) -> Any:
+        self.n += len(paths)
+        return super().get_many(paths, limit)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self.n += 1
+        return super().list(prefix)
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        self.n += 1
+        return super().list_dir(prefix)
+
+
+def _requests(storage: LocalStorage) -> float:
+    """Storage requests of one ``read_manifests``."""
+    counting = _Counting(storage)
+    read_manifests(counting)
+    return float(counting.n)
+
+
+def _fast_put(storage: LocalStorage) -> Callable[[str, bytes], None]:
+    """Files written straight into the store's folder (no fsync: a generated history)."""
+
+    def put(key: str, data: bytes) -> None:
+        path = storage.local_path(key)
+        assert path is not None
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    return put
 
 
 ROWS = [
@@ -212,6 +278,11 @@ ROWS = [
     ("r_read", "- `read_manifests` (with its listing)"),
     ("r_graph", "- `build_graph`"),
     ("r_chain", "- `latest` + `cheapest_chain`"),
+    ("whole_requests", "storage requests to read every record"),
+    ("i_total", "planning the restore of the latest step, through the catalog"),
+    ("i_read", "- `read_manifests` through the catalog"),
+    ("i_requests", "storage requests to read through the catalog"),
+    ("i_merge", "a merger pass with nothing new, through the catalog"),
 ]
 
 
@@ -222,7 +293,10 @@ def table(results: list[dict[str, float]]) -> str:
     head += "".join(f" | k {a // 1000}k->{b // 1000}k" for a, b in pairs) + " |"
     lines = [head, "|---" * (1 + len(sizes) + len(pairs)) + "|"]
     for key, label in ROWS:
-        cells = [f"{x[key]:.3f} s" if key in x else "-" for x in results]
+        count = key.endswith("requests")
+        cells = [
+            (f"{x[key]:.0f}" if count else f"{x[key]:.3f} s") if key in x else "-" for x in results
+        ]
         ks = []
         for (x, y), (sa, sb) in zip(itertools.pairwise(results), pairs, strict=True):
             if key in x and key in y and x[key] > 0 and y[key] > 0:
@@ -243,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merger-full-every", type=int, default=64)
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--rollback-every", type=int, default=10000)
+    p.add_argument("--behind", type=int, default=100, help="log entries after the catalog")
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     cmd = "python benchmarks/bench_history_scale.py " + " ".join(

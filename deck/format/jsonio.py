@@ -51,8 +51,9 @@ def load_json(
     """Decode ``data`` (the JSON ``what`` of file ``where``). Guarantees: returns a value nested
     at most ``max_depth`` levels, or raises :class:`CorruptCheckpointError` naming ``where``
     (invalid JSON, invalid UTF-8, or nested deeper); never ``RecursionError``."""
+    raw = bytes(data) if isinstance(data, memoryview) else data
     try:
-        value = json.loads(bytes(data) if isinstance(data, memoryview) else data)
+        value = json.loads(raw)
     except RecursionError:
         # The decoder's own guard against stack exhaustion: far past any limit of ours.
         value, deep = None, True
@@ -62,7 +63,14 @@ def load_json(
             "by deck"
         ) from None
     else:
-        deep = depth_exceeds(value, max_depth)
+        # Nesting needs an opening bracket per level: a record with fewer brackets in all than
+        # the limit (most: a commit record has a handful) cannot exceed it.
+        opens = (
+            raw.count("[") + raw.count("{")
+            if isinstance(raw, str)
+            else raw.count(b"[") + raw.count(b"{")
+        )
+        deep = opens > max_depth and depth_exceeds(value, max_depth)
     if deep:
         raise CorruptCheckpointError(
             f"{where}: {what} nests deeper than {max_depth} levels; the file is damaged or was "

@@ -23,6 +23,7 @@ from deck.errors import CorruptCheckpointError, MergeError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
 from deck.format.commit import commit_record, first_missing_file, rank_ref
+from deck.format.commit_log import put_record
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -272,7 +273,7 @@ class ItemBuilder:
             return True
         failpoint("merger.commit.before_manifest")
         self._check_files(written)
-        self.storage.put(f"{self.folder}/{MANIFEST}", dump_model(manifest))
+        put_record(self.storage, f"{self.folder}/{MANIFEST}", manifest.id, dump_model(manifest))
         failpoint("merger.commit.after_manifest")
         stats.items_committed += 1
         stats.committed.append(self.item.id)

@@ -50,7 +50,7 @@ from deck.merge.build import PARTS_DIR, ItemBuilder, WorkStats
 from deck.merge.plan import PlannedItem, plan
 from deck.merge.policy import MergeConfig
 from deck.merge.stream import InputDamaged
-from deck.read.catalog import ManifestSet, quarantine, read_manifests
+from deck.read.catalog import ManifestSet, quarantine, read_manifests, refresh_catalog
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -128,11 +128,14 @@ class MergeWorker:
         # rebuilt over it, never counted as progress (logged once).
         self.damaged: dict[str, str] = {}
         self._seen_committed: set[str] = set()  # items found committed after a listing
+        self._last: ManifestSet | None = None
 
     def run_pass(self) -> PassResult:
         """Everything this worker can do now: every ready item's own partitions and commits."""
         t0 = time.perf_counter()
-        manifests = read_manifests(self.storage)
+        # Taken up from the last pass's read: only what was committed since is read and parsed.
+        manifests = read_manifests(self.storage, previous=self._last)
+        self._last = manifests
         graph = build_graph(manifests)
         p = plan(graph, self.config)
         # What every worker can see of everyone's progress: committed checkpoints and the
@@ -152,6 +155,8 @@ class MergeWorker:
             item_progressed, item_waiting = self._work_on(item, graph, stats)
             progressed = progressed or item_progressed
             waiting += item_waiting
+        # (The records as this pass read them: a catalog of them is as correct as a later one.)
+        refresh_catalog(self.storage, manifests)
         if self.after_pass is not None:
             self.after_pass(read_manifests(self.storage) if progressed else manifests)
         stats.seconds = time.perf_counter() - t0

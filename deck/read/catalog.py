@@ -18,8 +18,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from deck.errors import CorruptCheckpointError, NotFoundError
+from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.format.checksum import checksum
+from deck.format.commit_log import (
+    LOG_ROOT,
+    keeps_log,
+    listed_seqs,
+    put_record,
+    record_key_kind,
+)
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -34,6 +41,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
+from deck.read.indexed import IndexedRead, compact, read_indexed, whole_read
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
@@ -114,6 +122,7 @@ class ManifestSet(dict[int, CheckpointManifest]):
         uri: str = "",
         damaged: Mapping[int, str] | None = None,
         damaged_merged: Mapping[str, str] | None = None,
+        index: IndexedRead | None = None,
     ) -> None:
         super().__init__(trainer or {})
         self.merged: dict[str, CheckpointManifest] = dict(merged or {})
@@ -125,6 +134,12 @@ class ManifestSet(dict[int, CheckpointManifest]):
         # Merger checkpoints (by the id in their folder name) whose commit record is unreadable:
         # the merger must not take the folder for done work, nor GC for an orphan.
         self.damaged_merged: dict[str, str] = dict(damaged_merged or {})
+        # How the records were read, when through the commit log (or as a first catalog could
+        # be made of them): what a writer of catalogs compacts (deck.read.indexed.compact).
+        self.index = index
+        # Each commit record parsed, by key with its bytes: what a next read of the same store
+        # need not parse again (read_manifests(previous=...)).
+        self.parsed: dict[str, tuple[bytes, CheckpointManifest]] = {}
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""
@@ -184,7 +199,9 @@ def manifest_keys(storage: Storage) -> list[str]:
     return keys
 
 
-def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> ManifestSet:
+def read_manifests(
+    storage: Storage, keys: Iterable[str] | None = None, *, previous: ManifestSet | None = None
+) -> ManifestSet:
     """Every committed checkpoint under ``storage``: trainer checkpoints by step, and (as
     attributes of the returned :class:`ManifestSet`) the merger's checkpoints and quarantined ids.
 
@@ -192,36 +209,77 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
     are skipped. A damaged trainer record is left out with a warning and listed in ``damaged``
     (step -> problem, naming the file); a damaged merger record is left out with a warning
     (merged checkpoints only make restores faster) and listed in ``damaged_merged`` (id ->
-    problem). ``keys``: keys to look at, a listing the caller already has (default:
-    :func:`manifest_keys`).
+    problem). ``keys``: keys to look at, a listing the caller already has (then each is read);
+    by default the records are read through the catalog where the store keeps one
+    (:mod:`deck.read.indexed`: the newest catalog, the log after it and the records it names),
+    else each record the store lists (:func:`manifest_keys`): the same result either way.
+    ``previous``: the caller's last read of this store (a merger or follower polling it): its
+    read goes on from there, and records whose bytes did not change are not parsed again.
     """
+    if keys is not None:
+        wanted = [k for k in keys if record_key_kind(k) is not None]
+        return _manifest_set(storage, (kd for kd in _get_records(storage, wanted)), None)
+    last = previous.index if previous is not None and previous.uri == storage.uri else None
+    index = read_indexed(storage, lambda ks: _get_records(storage, ks), last)
+    if index is None:
+        # The log is listed before the records, so a first catalog made from them knows every
+        # hint whose change they may not show.
+        logged = listed_seqs(storage, LOG_ROOT) if keeps_log(storage) else []
+        wanted = [k for k in manifest_keys(storage) if record_key_kind(k) is not None]
+        records = {k: d for k, d in _get_records(storage, wanted) if d is not None}
+        index = whole_read(storage, logged, records)
+        return _manifest_set(storage, records.items(), index)
+    parsed = previous.parsed if last is not None and previous is not None else None
+    return _manifest_set(storage, sorted(index.records.items()), index, parsed)
+
+
+def refresh_catalog(storage: Storage, manifests: ManifestSet | None = None) -> int | None:
+    """For writers of history (merger passes, GC): write a new catalog when enough log entries
+    have piled up since the newest one (:func:`deck.read.indexed.compact`), from ``manifests``
+    when they were just read (else read now). Its number, or None. A failure is logged, never
+    raised: a missing catalog costs readers time, not correctness."""
+    try:
+        index = (manifests if manifests is not None else read_manifests(storage)).index
+        return None if index is None else compact(storage, index)
+    except (DeckError, OSError) as e:
+        logger.warning("could not write a catalog at %s (readers read more): %s", storage.uri, e)
+        return None
+
+
+def _manifest_set(
+    storage: Storage,
+    records: Iterable[tuple[str, bytes | CorruptCheckpointError | None]],
+    index: IndexedRead | None,
+    parsed: Mapping[str, tuple[bytes, CheckpointManifest]] | None = None,
+) -> ManifestSet:
+    """The checkpoints of ``records`` (each record key with its bytes, None when it is gone:
+    not committed, or replaced or deleted by GC since the listing). ``parsed``: commit records
+    parsed before, by key with their bytes (the same bytes at the same key parse the same)."""
     trainer: dict[int, CheckpointManifest] = {}
+    merged: dict[str, CheckpointManifest] = {}
+    done: dict[str, tuple[bytes, CheckpointManifest]] = {}
+    if parsed:
+        todo = []
+        for key, data in records:
+            seen = parsed.get(key)
+            if seen is None or seen[0] != data:
+                todo.append((key, data))
+                continue
+            m = seen[1]
+            done[key] = seen
+            if m.is_merged:
+                merged[m.id] = m
+            else:
+                trainer[m.step] = m
+        records = todo
     damaged: dict[int, str] = {}
     damaged_merged: dict[str, str] = {}
-    merged: dict[str, CheckpointManifest] = {}
     quarantined: dict[str, str] = {}
-    # What each key is: a trainer step's record (its step), a merger folder's (its name) or a
-    # quarantine record; anything else is not read.
-    wanted: dict[str, tuple[int | None, str | None]] = {}
-    for key in manifest_keys(storage) if keys is None else keys:
-        head, _, tail = key.partition("/")
-        name, _, rest = tail.partition("/")
-        step = parse_step_dir(head)
-        if step is not None and tail == MANIFEST:
-            wanted[key] = (step, None)
-        elif head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST:
-            wanted[key] = (None, name)
-        elif head == QUARANTINE_ROOT and tail.endswith(".json"):
-            wanted[key] = (None, None)
-    # Fetched concurrently where the backend can (an object store's latency per request times
-    # every retained step would dominate a restore or a merger pass); a key that is gone was
-    # not committed, or was replaced or deleted by GC since the listing.
-    # Each record is read bounded (MAX_RECORD_BYTES): a huge, sparse or endless file is damage,
-    # refused with the others below, without reading it.
-    for key, data in _get_records(storage, list(wanted)):
-        if data is None:
+    for key, data in records:
+        kind = record_key_kind(key)
+        if data is None or kind is None:
             continue
-        step, folder = wanted[key]
+        step, folder = kind
         where = storage.describe(key)
         if step is not None:
             try:
@@ -237,6 +295,7 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
                 damaged[step] = str(e)
                 continue
             trainer[step] = m
+            done[key] = (_record(data), m)
         elif folder is not None:
             try:
                 m = load_model(CheckpointManifest, _record(data), where)
@@ -251,6 +310,7 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
                 damaged_merged[named[0]] = str(e)
                 continue
             merged[m.id] = m
+            done[key] = (_record(data), m)
         else:
             try:
                 q = load_model(QuarantineRecord, _record(data), where)
@@ -258,14 +318,17 @@ def read_manifests(storage: Storage, keys: Iterable[str] | None = None) -> Manif
                 logger.warning("ignoring quarantine record: %s", e)
                 continue
             quarantined[q.id] = q.reason
-    return ManifestSet(
+    out = ManifestSet(
         trainer,
         merged,
         quarantined,
         uri=storage.uri,
         damaged=damaged,
         damaged_merged=damaged_merged,
+        index=index,
     )
+    out.parsed = done
+    return out
 
 
 def _get_records(
@@ -306,7 +369,7 @@ def quarantine(storage: Storage, m: CheckpointManifest, reason: str) -> None:
         reason=reason[:2000],
         created_unix=time.time(),
     )
-    storage.put(f"{QUARANTINE_ROOT}/{m.id}.json", dump_model(rec))
+    put_record(storage, f"{QUARANTINE_ROOT}/{m.id}.json", m.id, dump_model(rec))
     logger.warning("quarantined checkpoint %s (%s): %s", m.id, m.folder, reason)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.manifest import (
+    MANIFEST,
     MERGED_ROOT,
     QUARANTINE_ROOT,
     CheckpointManifest,
@@ -37,7 +38,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
-from deck.read.catalog import ManifestSet, quarantine, read_manifests
+from deck.read.catalog import ManifestSet, manifest_keys, quarantine, read_manifests
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
@@ -815,3 +816,33 @@ def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
             continue
         return m.step
     return None
+
+
+def confirmed(storage: Storage, manifests: ManifestSet, step: int) -> ManifestSet:
+    """``manifests`` when they were read record by record, or when every record of ``step``'s
+    chain read through the catalog is what the store holds now; else every record read again
+    (logged). What a restore loads from must be the store's truth, not a catalog's copy: a
+    catalog damaged or forged so that it still passes its checks costs this read, never a
+    wrong chain."""
+    index = manifests.index
+    if index is None:
+        return manifests
+    try:
+        chain = chain_for(manifests, step)
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        chain = None
+    if chain is not None:
+        keys = [f"{m.folder}/{MANIFEST}" for m in chain]
+        try:
+            now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
+        except CorruptCheckpointError:  # (too large now, a link: damage the whole read names)
+            now = {}
+        if all(k in now and now[k] == index.records.get(k) for k in keys):
+            return manifests
+    logger.warning(
+        "the catalog at %s does not agree with the commit records of step %d's chain: "
+        "reading every record",
+        storage.uri,
+        step,
+    )
+    return read_manifests(storage, manifest_keys(storage))

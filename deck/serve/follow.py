@@ -46,8 +46,8 @@ from deck.ops.export import (
     flatten,
     geometry_of,
 )
-from deck.read.catalog import read_manifests, read_rank_manifests
-from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
+from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
 from deck.read.restore import apply_chain
 from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
@@ -107,6 +107,7 @@ class Follower:
         # loader's: rows from the stream, the rest from the state URI)
         self.storage = storage
         self.uri = storage.uri
+        self._last: ManifestSet | None = None  # the last read, which the next one goes on from
         # A publisher with DeckConfig.publish.quantize writes quantised weights: materialising
         # them (dequantised) must be asked for, and the output then says so (state.json).
         self.allow_quantized = allow_quantized
@@ -135,13 +136,20 @@ class Follower:
     def catch_up(self) -> FollowUpdate:
         """Bring the output to the newest restorable step of the URI (at most one write)."""
         t0 = time.perf_counter()
-        manifests = read_manifests(self.storage)
+        manifests = read_manifests(self.storage, previous=self._last)
+        self._last = manifests
         if not manifests:
             raise CheckpointNotFoundError(f"no committed checkpoints at {self.storage.uri}")
         graph = build_graph(manifests, self.storage.uri)
         latest = graph.latest()
         if latest is None:
             raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
+        checked = confirmed(self.storage, manifests, latest)  # the records, not a catalog's copy
+        if checked is not manifests:
+            graph = build_graph(checked, self.storage.uri)
+            latest = graph.latest()
+            if latest is None:
+                raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
         chain = cheapest_chain(graph, latest)
         last = chain[-1]
         if self.state == last.state:

@@ -31,6 +31,7 @@ from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.checksum import checksum
 from deck.format.commit import commit_record, rank_ref
+from deck.format.commit_log import put_record
 from deck.format.jsonio import load_json
 from deck.format.manifest import (
     FORMAT_VERSION,
@@ -157,7 +158,7 @@ def write_loader_full(
         epoch=m.epoch,
         world_size=m.world_size,
     )
-    store.put(f"{folder}/{MANIFEST}", dump_model(record))
+    put_record(store, f"{folder}/{MANIFEST}", m.id, dump_model(record))
     return folder
 
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deck.format.checksum import checksum
 from deck.format.commit import commit_record
+from deck.format.commit_log import Hint, LogEntry, log_key
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -43,7 +45,8 @@ from deck.format.manifest import (
 )
 from deck.merge.plan import PlannedItem, item_id, plan
 from deck.merge.policy import MergeConfig
-from deck.read.catalog import ManifestSet
+from deck.read.catalog import ManifestSet, read_manifests
+from deck.read.indexed import compact
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 
@@ -425,9 +428,19 @@ class LineageSim:
     def graph(self) -> LineageGraph:
         return build_graph(self.manifests())
 
-    def write(self, storage: Storage, *, files: bool = True, durable: bool = True) -> None:
+    def write(
+        self,
+        storage: Storage,
+        *,
+        files: bool = True,
+        durable: bool = True,
+        log_behind: int | None = None,
+    ) -> None:
         """Store every record (with ``files``: and the rank manifests and data files it names),
-        each commit record with its commit time as its file time (a local store).
+        each commit record with its commit time as its file time (a local store). With
+        ``log_behind``, also the commit log the writers keep (an entry per commit record, in
+        commit order, as :func:`deck.format.commit_log.put_record` writes it) and a catalog
+        as a merger pass writes it, ``log_behind`` entries before the end.
         ``durable=False`` writes the same files straight to the folder, without the store's
         fsyncs and renames, the data files as hard links of one copy (beside the store's
         folder): 100,000 checkpoints in a minute."""
@@ -485,3 +498,26 @@ class LineageSim:
                     created_unix=self.clock,
                 )
                 storage.put(f"{QUARANTINE_ROOT}/{cid}.json", dump_model(rec))
+        if log_behind is not None:
+            self.write_log(storage, log_behind, put)
+
+    def write_log(
+        self, storage: Storage, behind: int, put: Callable[[str, bytes], None] | None = None
+    ) -> None:
+        """Write the commit log and a catalog ``behind`` entries before its end (see
+        :meth:`write`); ``put``: how to write a file (default: the store's put)."""
+        put = put or storage.put
+        order = sorted(
+            [*self.trainer.values(), *self.merged.values()], key=lambda m: self.committed_at[m.id]
+        )
+        cut = max(0, len(order) - behind)
+        for seq, m in enumerate(order, 1):
+            hint = Hint(key=f"{m.folder}/{MANIFEST}", op="commit", id=m.id)
+            put(
+                log_key(seq),
+                dump_model(LogEntry(format_version=FORMAT_VERSION, seq=seq, hints=(hint,))),
+            )
+            if seq == cut:
+                index = read_manifests(storage).index
+                assert index is not None and index.seq == cut
+                compact(storage, index, force=True)

@@ -41,7 +41,7 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.lineage import best_valid_chain, chain_for, latest_restorable
+from deck.read.lineage import best_valid_chain, chain_for, confirmed, latest_restorable
 from deck.read.restore import RestoreStats, apply_chain, read_state_file
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -114,6 +114,8 @@ class StateLoader:
                 manifests = read_manifests(self.storage)
         else:
             target = step
+        if target is not None:  # what is loaded comes from the records, not a catalog's copy
+            manifests = confirmed(self.storage, manifests, target)
         skipped = damaged_records(manifests, target, latest=step is None)
         if skipped and not allow_fallback:
             raise CorruptCheckpointError(
@@ -144,6 +146,7 @@ class StateLoader:
             raise CheckpointNotFoundError(f"{why}; nothing older is restorable either") from error
         logger.warning("deck: %s", why)
         manifests = read_manifests(self.storage)  # now with rank 0's quarantine records
+        manifests = confirmed(self.storage, manifests, fallback)
         done, error, _ = self._agreed(manifests, fallback)
         if done is None:
             assert error is not None

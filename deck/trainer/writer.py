@@ -25,6 +25,7 @@ from deck.format import treecodec
 from deck.format.checksum import checksum
 from deck.format.chunks import Buffer, ChunkLayout, build_chunk, segment_view
 from deck.format.commit import commit_record, first_missing_file, rank_ref
+from deck.format.commit_log import put_record
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -693,6 +694,6 @@ def commit(
         )
     if fence is not None:
         fence()
-    storage.put(f"{root}/{MANIFEST}", dump_model(manifest))
+    put_record(storage, f"{root}/{MANIFEST}", ckpt_id, dump_model(manifest))
     failpoint("commit.after_manifest")
     return manifest

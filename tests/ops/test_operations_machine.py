@@ -58,6 +58,7 @@ from hypothesis.stateful import (
 
 import deck.format.commit
 import deck.read.catalog
+import deck.read.indexed
 from deck.errors import (
     ClockSkewError,
     CorruptCheckpointError,
@@ -65,11 +66,13 @@ from deck.errors import (
     LeaseHeldError,
     StorageError,
 )
+from deck.format.commit_log import CATALOG_ROOT, catalog_key, listed_seqs
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.retention import GcReport, RetentionPolicy, collect_garbage, plan_retention
-from deck.read.catalog import quarantine, read_manifests
+from deck.read.catalog import manifest_keys, quarantine, read_manifests
+from deck.read.indexed import compact
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
 from deck.read.verify import confirmed_damage, verify_checkpoint
 from deck.serve.follow import Follower
@@ -211,7 +214,16 @@ POLICIES = {
     "budget": {"keep_last_fulls": 2, "keep_all_steps": False, "chain_delta_budget": 0.5},
     "verified": {"keep_last_fulls": 1, "keep_all_steps": False, "verify_replacements": True},
 }
-READ_FAULTS = ["manifest.json", "rank-0000", ".chunk", "parts/", "extra", "step-"]
+READ_FAULTS = [
+    "manifest.json",
+    "rank-0000",
+    ".chunk",
+    "parts/",
+    "extra",
+    "step-",
+    "_log/",
+    "_catalog/",
+]
 # Seconds an actor's clock is off from the store's: none, NTP-sized, and hours either way
 SKEWS = [0.0, 30.0, -600.0, 7200.0, -7200.0]
 
@@ -392,9 +404,13 @@ class OperationsMachine(RuleBasedStateMachine):
         ]
         if not ours:
             return
-        self._restore_and_continue(data.draw(st.sampled_from(ours), label="rollback to"))
+        target = data.draw(st.sampled_from(ours), label="rollback to")
+        self._restore_and_continue(target)
         self.tr.train(1)
-        self._save("delta")
+        # As the real trainer does: after a restore of any step but the latest restorable one
+        # the next checkpoint is a full, so that a GC that planned before the restore (and may
+        # be deleting the restored chain) cannot break the new timeline.
+        self._save("delta" if target == graph.latest() else "full")
 
     @rule()
     def second_trainer_is_refused(self) -> None:
@@ -575,6 +591,29 @@ class OperationsMachine(RuleBasedStateMachine):
             s: i for s, i in self.promised.items() if self._intact_chain(graph, s) is not None
         }
 
+    # ---- the commit log's catalog -----------------------------------------------------------
+    @rule(kill=st.sampled_from([None, 1, 2, 3]), after=st.booleans())
+    def write_a_catalog(self, kill: int | None, after: bool) -> None:
+        """A writer of history compacts the log now (killed at a drawn write or delete)."""
+        if kill is not None:
+            self.store.arm(kill, after)
+        try:
+            index = read_manifests(self.store).index
+            if index is not None:
+                compact(self.store, index, force=True)
+        except SimulatedCrash:
+            event("catalog writer killed")
+        finally:
+            self.store.clear()
+
+    @rule()
+    def damage_the_catalog(self) -> None:
+        """Real damage to the newest catalog: it costs reads, never a promised step."""
+        seqs = listed_seqs(self.local, CATALOG_ROOT)
+        if seqs:
+            self.local.put(catalog_key(seqs[-1]), b"damaged")
+            event("catalog damaged")
+
     # ---- the loading service ---------------------------------------------------------------------
     @rule(where=st.sampled_from(["", *READ_FAULTS]))
     def follow(self, where: str) -> None:
@@ -605,6 +644,17 @@ class OperationsMachine(RuleBasedStateMachine):
     def nothing_outside_the_uri_changed(self) -> None:
         assert _tree_digest(self.sandbox / "outside") == self.outside
         assert {p.name for p in self.sandbox.iterdir()} <= {"outside", "ck", "serving"}
+
+    @invariant()
+    def reads_through_the_catalog_see_every_record(self) -> None:
+        got, truth = (
+            read_manifests(self.store),
+            read_manifests(self.store, manifest_keys(self.store)),
+        )
+        assert dict(got) == dict(truth) and got.merged == truth.merged
+        assert got.quarantined == truth.quarantined and set(got.damaged) == set(truth.damaged)
+        if got.index is not None and got.index.catalog is not None:
+            event("read through a catalog")
 
     @invariant()
     def promised_and_restorable_steps_restore_bitwise(self) -> None:
@@ -673,7 +723,9 @@ EXAMPLES = int(os.environ.get("DECK_OPS_EXAMPLES", "100"))
 RANDOM = os.environ.get("DECK_FUZZ_RANDOM") == "1"
 
 
-def test_operations_machine() -> None:
+def test_operations_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Catalogs every few entries (not 64), so that merger passes and GC write them in a run.
+    monkeypatch.setattr(deck.read.indexed, "CATALOG_EVERY", 3)
     run_state_machine_as_test(
         OperationsMachine,
         settings=settings(

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from deck.format.commit_log import LOG_ROOT
 from deck.format.manifest import MANIFEST, parse_step_dir
 from deck.read.catalog import damaged_records, read_manifests, read_rank_manifests
 from deck.read.lineage import latest_restorable
@@ -39,7 +40,12 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    """The checkpoints' files (the commit log's have their own tests: tests/read/test_indexed.py)."""
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and not str(p.relative_to(root)).startswith(f"{LOG_ROOT}/")
+    )
 
 
 def _check(root: Path, rel: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from functools import partial
 
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
+from deck.format.commit_log import Hint, append_hints
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -37,7 +39,7 @@ from deck.ops.retention.plan import (
     replacements,
     takeovers,
 )
-from deck.read.catalog import overlapped, read_manifests, read_rank_manifests
+from deck.read.catalog import overlapped, read_manifests, read_rank_manifests, refresh_catalog
 from deck.read.lineage import LineageNode, build_graph
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -196,6 +198,8 @@ def _collect(
     gc.delete_checkpoints()
     gc.collect_orphans()
     gc.finish()
+    if not dry_run:
+        refresh_catalog(storage)
     report = gc.report
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after
     # every poll); a run with nothing to do is DEBUG.
@@ -357,6 +361,12 @@ class _Collector:
         ``manifest.json``, then its files. A failure is recorded in the report, not raised; a
         trainer checkpoint whose step a trainer began saving again during this run is kept
         (:func:`_delete_checkpoint`)."""
+        if not self.dry_run and self.doomed:
+            try:  # one log entry for the whole run's records, before any goes
+                append_hints(self.storage, self._doomed_hints())
+            except DeckError as e:
+                self.report.errors.append(f"{e} (nothing deleted)")
+                return
         for cid, why in sorted(self.doomed.items(), key=lambda kv: self.graph.nodes[kv[0]].step):
             n = self.graph.nodes[cid]
             listed = self.by_prefix.get(n.folder, [])
@@ -383,6 +393,17 @@ class _Collector:
             self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
             self.report.bytes += size
+
+    def _doomed_hints(self) -> list[Hint]:
+        """What readers through a catalog must read again after the deletions: the record of
+        every checkpoint that goes, and its quarantine record."""
+        hints = []
+        for cid in self.doomed:
+            key = f"{self.graph.nodes[cid].folder}/{MANIFEST}"
+            hints.append(Hint(key=key, op="delete", id=cid))
+            if cid in self.manifests.quarantined:
+                hints.append(Hint(key=f"{QUARANTINE_ROOT}/{cid}.json", op="delete", id=cid))
+        return hints
 
     def collect_orphans(self) -> None:
         """Delete files no committed record references, each group only once every file in it
@@ -419,6 +440,7 @@ class _Collector:
                     keys,
                     "uncommitted merger folder",
                     lambda: "committed during this run" if self.storage.exists(record) else None,
+                    Hint(key=record, op="abandon", id=parsed[0]),
                 )
             return
         refs = _referenced(self.storage, m)
@@ -454,7 +476,8 @@ class _Collector:
                 if m is not None
                 else "uncommitted checkpoint older than a committed later step"
             )
-            self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid))
+            abandon = Hint(key=f"{prefix}/{MANIFEST}", op="abandon", id=_hint_id(aid))
+            self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid), abandon)
 
     def _names(self, folder: str, aid: str) -> str | None:
         """Why attempt ``aid`` of step folder ``folder`` is no orphan any more: the step's
@@ -483,6 +506,7 @@ class _Collector:
                 self.report.orphans.append((k, "quarantine record of a deleted checkpoint"))
                 self.report.files += 1
                 if not self.dry_run:
+                    append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
                     self.storage.delete(k)
 
     def finish(self) -> None:
@@ -499,7 +523,7 @@ class _Collector:
                 max(self.policy.grace_s, 3600.0),
             )
         self.report.files += len(self._prune(""))
-        for cid in self.doomed:
+        for cid in self.doomed:  # (announced in the log with the checkpoints)
             if cid in self.manifests.quarantined:
                 key = f"{QUARANTINE_ROOT}/{cid}.json"
                 try:
@@ -528,7 +552,12 @@ class _Collector:
         return claimed()
 
     def _orphan(
-        self, prefix: str, keys: list[str], why: str, claimed: Callable[[], str | None]
+        self,
+        prefix: str,
+        keys: list[str],
+        why: str,
+        claimed: Callable[[], str | None],
+        abandon: Hint,
     ) -> None:
         """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
         of them is older than the grace period and it is still no record's (``claimed``: see
@@ -546,6 +575,8 @@ class _Collector:
         if self.dry_run:
             return
         # Only the files we saw: a writer that started after the listing keeps its new files.
+        # Readers through a catalog stop waiting for the commit these files were for.
+        append_hints(self.storage, [abandon])
         failpoint("gc.orphan.before_delete")
         for k in keys:
             self.storage.delete(k)
@@ -579,6 +610,12 @@ class _Collector:
         if not self.dry_run:
             for k in old:
                 self.storage.delete(k)
+
+
+def _hint_id(name: str) -> str:
+    """A log hint's id for a file named ``name``: its checkpoint id, or a placeholder when the
+    name holds none (a stray file: any id makes readers read the key again)."""
+    return name if re.fullmatch(r"[0-9a-f]{16}", name) else "0" * 16
 
 
 def _attempts(folder: str, keys: list[str]) -> set[str]:

@@ -1,0 +1,263 @@
+"""The commit log and the catalog: an index of a URI's commit records, so that reading them
+costs what changed since the last catalog, not every record the job ever wrote.
+
+The records (``manifest.json`` of each checkpoint, ``quarantine/<id>.json``) stay the truth.
+The index only says where to look (spec: docs/format.md, "Commit log and catalog"):
+
+- ``_log/<seq:020d>.json``: a :class:`LogEntry`, created (never replaced) by a writer right
+  before it writes or deletes the records its hints name. Sequence numbers are taken with an
+  atomic create-if-absent, each after the one before it exists, so the log has no holes: a
+  reader that lists it sees every hint written before its listing.
+- ``_catalog/<seq:020d>.json.z``: a :class:`Catalog`, every record's bytes as read after log
+  entry ``seq`` was listed, plus the hints whose change had not shown yet (``recheck``).
+
+A reader takes the newest catalog, the log entries after it, and reads again every key those
+hints and ``recheck`` name: the result is what reading every record gives. Only stores with an
+atomic create (:attr:`deck.storage.Storage.atomic_create`: local disks, S3) keep a log; on
+others every reader reads every record, as before.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import zlib
+from collections.abc import Iterable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from deck.errors import CorruptCheckpointError, StorageError
+from deck.format.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MERGED_ROOT,
+    QUARANTINE_ROOT,
+    dump_model,
+    load_model,
+    parse_merged_dir,
+    parse_step_dir,
+)
+from deck.storage import Storage
+from deck.storage.base import MAX_RECORD_BYTES, get_bounded
+
+LOG_ROOT = "_log"
+CATALOG_ROOT = "_catalog"
+_LOG_NAME = re.compile(r"^(\d{20})\.json$")
+_CATALOG_NAME = re.compile(r"^(\d{20})\.json\.z$")
+# A catalog holds every record (a few hundred bytes to a few KiB each): 64 MiB compressed and
+# 1 GiB inflated are millions of records; a larger one is damaged or planted.
+MAX_CATALOG_BYTES = 64 * 2**20
+MAX_CATALOG_INFLATED = 2**30
+# Tries at a taken sequence number before listing the log again.
+_CONFLICTS_BEFORE_LISTING = 8
+_APPEND_TRIES = 16
+
+
+def record_key_kind(key: str) -> tuple[int | None, str | None] | None:
+    """What the record at ``key`` is: ``(step, None)`` for a trainer step's commit record,
+    ``(None, folder name)`` for a merger checkpoint's, ``(None, None)`` for a quarantine record,
+    None for a key that is no record."""
+    head, _, tail = key.partition("/")
+    name, _, rest = tail.partition("/")
+    step = parse_step_dir(head)
+    if step is not None and tail == MANIFEST:
+        return step, None
+    if head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST:
+        return None, name
+    if head == QUARANTINE_ROOT and "/" not in tail and tail.endswith(".json") and tail != ".json":
+        return None, None
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hint(_Strict):
+    """One record a writer is about to change: ``commit`` (write record ``key`` of checkpoint
+    ``id``), ``delete`` (remove the record of ``id`` there), ``abandon`` (the commit of ``id``
+    there will never come: its files are gone)."""
+
+    key: str
+    op: Literal["commit", "delete", "abandon"]
+    id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+
+    @field_validator("key")
+    @classmethod
+    def _record_key(cls, v: str) -> str:
+        if record_key_kind(v) is None:
+            raise ValueError(f"{v!r} is not the key of a commit or quarantine record")
+        return v
+
+
+class LogEntry(_Strict):
+    """``_log/<seq>.json``."""
+
+    format_version: int
+    seq: Annotated[int, Field(ge=1, le=10**19)]
+    hints: Annotated[tuple[Hint, ...], Field(min_length=1, max_length=100_000)]
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        return _check_version(v)
+
+
+class Catalog(_Strict):
+    """``_catalog/<seq>.json.z`` (zlib of the JSON): ``records``, each record key with its
+    record's text, as read after every log entry up to ``seq`` existed; ``recheck``, the hints
+    of those entries whose change had not shown when the record was read; ``unreadable``, keys
+    whose record could not be held as text (too large, a link, not UTF-8): read each time."""
+
+    format_version: int
+    seq: Annotated[int, Field(ge=0, le=10**19)]
+    records: tuple[tuple[str, str], ...]
+    recheck: tuple[Hint, ...]
+    unreadable: tuple[str, ...] = ()
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        return _check_version(v)
+
+    @field_validator("records")
+    @classmethod
+    def _keys(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        _check_keys(k for k, _ in v)
+        return v
+
+    @field_validator("unreadable")
+    @classmethod
+    def _unreadable(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        _check_keys(v)
+        return v
+
+
+def _check_keys(keys: Iterable[str]) -> None:
+    bad = next((k for k in keys if record_key_kind(k) is None), None)
+    if bad is not None:
+        raise ValueError(f"{bad!r} is not the key of a commit or quarantine record")
+
+
+def _check_version(v: int) -> int:
+    if v != FORMAT_VERSION:
+        raise ValueError(f"format_version {v} is not supported by this deck")
+    return v
+
+
+def log_key(seq: int) -> str:
+    return f"{LOG_ROOT}/{seq:020d}.json"
+
+
+def catalog_key(seq: int) -> str:
+    return f"{CATALOG_ROOT}/{seq:020d}.json.z"
+
+
+def listed_seqs(storage: Storage, root: str) -> list[int]:
+    """Sequence numbers of the log entries (``root`` = :data:`LOG_ROOT`) or catalogs
+    (:data:`CATALOG_ROOT`) the store lists, ascending; other names there are ignored."""
+    pattern = _LOG_NAME if root == LOG_ROOT else _CATALOG_NAME
+    out = []
+    for key in storage.list(f"{root}/"):
+        m = pattern.match(key[len(root) + 1 :])
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def keeps_log(storage: Storage) -> bool:
+    """Whether writers to ``storage`` keep the commit log (and readers may use catalogs)."""
+    return storage.atomic_create
+
+
+def append_hints(storage: Storage, hints: list[Hint]) -> int | None:
+    """Write one log entry holding ``hints``, before the changes they announce; its sequence
+    number (None where the store keeps no log).
+
+    The entry is created under the next free number (atomic create-if-absent, after listing
+    the log). If a catalog at or after that number exists once it is written, the catalog may
+    have been made without it (a writer slow enough for the log to be pruned past its number):
+    it is written again under a later number. Errors: :class:`StorageError` naming the log."""
+    if not keeps_log(storage) or not hints:
+        return None
+    with _lock:
+        guess = _last_seq.get(storage.uri)
+    for _ in range(_APPEND_TRIES):
+        if guess is None:  # the first append here, or the guesses were taken: list the log
+            logged = listed_seqs(storage, LOG_ROOT)
+            guess = max(logged[-1] if logged else 0, newest_catalog_seq(storage))
+        seq = guess + 1
+        guess = None
+        for _ in range(_CONFLICTS_BEFORE_LISTING):
+            entry = LogEntry(format_version=FORMAT_VERSION, seq=seq, hints=tuple(hints))
+            if storage.put_if_absent(log_key(seq), dump_model(entry)):
+                if newest_catalog_seq(storage) < seq:
+                    with _lock:
+                        _last_seq[storage.uri] = seq
+                    return seq
+                break  # a catalog covers this number: take a later one
+            seq += 1
+    raise StorageError(
+        f"could not append to the commit log at {storage.describe(LOG_ROOT + '/')}: every "
+        f"sequence number tried was taken ({_APPEND_TRIES} listings); other writers are "
+        "appending faster than this one can: try again"
+    )
+
+
+# The last number this process appended under each URI: the next append tries the one after
+# it without listing the log (a job without catalog writers would list a log as long as its
+# history at every commit). A number taken meanwhile fails its create; one a catalog passed
+# meanwhile is caught by the check after the create.
+_last_seq: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def newest_catalog_seq(storage: Storage) -> int:
+    """The sequence number of the newest catalog listed (0 when there is none)."""
+    seqs = listed_seqs(storage, CATALOG_ROOT)
+    return seqs[-1] if seqs else 0
+
+
+def read_log_entry(storage: Storage, seq: int) -> LogEntry:
+    """Log entry ``seq``; :class:`CorruptCheckpointError` naming it when it is unreadable as
+    one (never "absent": a reader that cannot read a hint cannot trust a catalog)."""
+    key = log_key(seq)
+    where = storage.describe(key)
+    entry = load_model(LogEntry, get_bounded(storage, key, MAX_RECORD_BYTES), where)
+    if entry.seq != seq:
+        raise CorruptCheckpointError(f"{where}: entry says seq {entry.seq}")
+    return entry
+
+
+def encode_catalog(catalog: Catalog) -> bytes:
+    return zlib.compress(dump_model(catalog), 1)
+
+
+def read_catalog(storage: Storage, seq: int) -> Catalog:
+    """Catalog ``seq``, checked (size bounds, its own checksum, schema, its number):
+    :class:`CorruptCheckpointError` naming the file otherwise."""
+    key = catalog_key(seq)
+    where = storage.describe(key)
+    packed = get_bounded(storage, key, MAX_CATALOG_BYTES)
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(packed, MAX_CATALOG_INFLATED + 1)
+    except zlib.error as e:
+        raise CorruptCheckpointError(
+            f"{where}: not a zlib stream ({e}); the file is damaged"
+        ) from None
+    if len(data) > MAX_CATALOG_INFLATED or not inflater.eof or inflater.unused_data:
+        raise CorruptCheckpointError(f"{where}: not one zlib stream within its size bound")
+    catalog = load_model(Catalog, data, where)
+    if catalog.seq != seq:
+        raise CorruptCheckpointError(f"{where}: catalog says seq {catalog.seq}")
+    return catalog
+
+
+def put_record(storage: Storage, key: str, ckpt_id: str, data: bytes) -> None:
+    """Write the commit or quarantine record ``data`` of checkpoint ``ckpt_id`` at ``key``,
+    announced in the commit log first (where the store keeps one), so that readers through a
+    catalog look at ``key`` again. Every writer of a record writes it through here."""
+    append_hints(storage, [Hint(key=key, op="commit", id=ckpt_id)])
+    storage.put(key, data)

@@ -1,0 +1,369 @@
+"""Reading the commit records through the catalog and the log gives what reading every record
+gives: a state machine of writers (commits, saves again, quarantine records, GC's deletions and
+abandons, crashes between a hint and its change, changes landing late) and catalog writers,
+checked after every step against a read of every record; damaged, forged and missing catalogs
+and log entries cost a whole read, never a wrong answer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from deck.format.commit_log import (
+    CATALOG_ROOT,
+    LOG_ROOT,
+    Hint,
+    append_hints,
+    catalog_key,
+    listed_seqs,
+    log_key,
+    put_record,
+)
+from deck.format.manifest import FORMAT_VERSION, MANIFEST, QuarantineRecord, dump_model
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.ops.retention import RetentionPolicy, collect_garbage
+from deck.read.catalog import (
+    ManifestSet,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+    refresh_catalog,
+)
+from deck.read.indexed import CATALOG_EVERY, compact
+from deck.read.lineage import confirmed
+from deck.storage import LocalStorage, Storage
+from deck.testing.lineage_checks import check_all_restore, merge_all
+from deck.testing.synth import SynthTrainer, snapshot
+from deck.testing.synth_lineage import LineageSim
+
+EXAMPLES = int(os.environ.get("DECK_INDEX_EXAMPLES", "40"))
+
+
+def _pool() -> list[tuple[str, str, bytes]]:
+    """(key, id, record bytes) of a small job's records: trainer saves with a rollback (a step
+    saved twice), merger checkpoints, and quarantine records of some of them."""
+    sim = LineageSim(world_size=1, seed=7)
+    full = sim.save("full")
+    sim.merge_blocks(full, stride=2, full_every=4, lag=0)
+    records = [(f"{full.folder}/{MANIFEST}", full.id, dump_model(full))]
+    for i in range(1, 10):
+        sim.train()
+        m = sim.save("delta")
+        sim.merge_blocks(m, stride=2, full_every=4, lag=0)
+        records.append((f"{m.folder}/{MANIFEST}", m.id, dump_model(m)))
+        if i == 6:
+            sim.rollback(3)
+    records += [(f"{m.folder}/{MANIFEST}", m.id, dump_model(m)) for m in sim.merged.values()]
+    for key, cid, _ in list(records[:3]):
+        q = QuarantineRecord(
+            format_version=FORMAT_VERSION,
+            id=cid,
+            folder=key.rpartition("/")[0],
+            reason="test",
+            created_unix=1.0,
+        )
+        records.append((f"quarantine/{cid}.json", cid, dump_model(q)))
+    return records
+
+
+POOL = _pool()
+
+
+def whole(storage: Storage) -> ManifestSet:
+    return read_manifests(storage, manifest_keys(storage))
+
+
+def same(a: ManifestSet, b: ManifestSet) -> None:
+    assert dict(a) == dict(b)
+    assert a.merged == b.merged
+    assert a.quarantined == b.quarantined
+    assert set(a.damaged) == set(b.damaged)
+    assert set(a.damaged_merged) == set(b.damaged_merged)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.storage = LocalStorage(str(root / uuid.uuid4().hex))
+        self.intents: set[int] = set()  # hinted commits whose record is not written yet
+        self.deleting: set[int] = set()  # hinted deletions not done yet
+        self.abandoned: set[int] = set()  # (never committed after this)
+        self.last: ManifestSet | None = None
+
+    @rule(i=st.integers(0, len(POOL) - 1))
+    def commit(self, i: int) -> None:
+        key, cid, data = POOL[i]
+        if i not in self.abandoned:
+            put_record(self.storage, key, cid, data)
+
+    @rule(i=st.integers(0, len(POOL) - 1))
+    def hint_then_crash(self, i: int) -> None:
+        key, cid, _ = POOL[i]
+        if i not in self.abandoned:
+            append_hints(self.storage, [Hint(key=key, op="commit", id=cid)])
+            self.intents.add(i)
+
+    @rule(data=st.data())
+    def late_commit(self, data: st.DataObject) -> None:
+        """A commit whose hint was written long ago lands now (a slow writer)."""
+        if self.intents:
+            i = data.draw(st.sampled_from(sorted(self.intents)))
+            self.intents.discard(i)
+            key, _, record = POOL[i]
+            self.storage.put(key, record)
+
+    @rule(i=st.integers(0, len(POOL) - 1), now=st.booleans())
+    def delete(self, i: int, now: bool) -> None:
+        key, cid, _ = POOL[i]
+        append_hints(self.storage, [Hint(key=key, op="delete", id=cid)])
+        if now:
+            self.storage.delete(key)
+        else:
+            self.deleting.add(i)
+
+    @rule(data=st.data())
+    def late_delete(self, data: st.DataObject) -> None:
+        if self.deleting:
+            i = data.draw(st.sampled_from(sorted(self.deleting)))
+            self.deleting.discard(i)
+            self.storage.delete(POOL[i][0])
+
+    @rule(data=st.data())
+    def abandon(self, data: st.DataObject) -> None:
+        """GC reaps a crashed attempt: its commit never comes."""
+        if self.intents:
+            i = data.draw(st.sampled_from(sorted(self.intents)))
+            self.intents.discard(i)
+            self.abandoned.add(i)
+            key, cid, _ = POOL[i]
+            append_hints(self.storage, [Hint(key=key, op="abandon", id=cid)])
+
+    @rule(force=st.booleans())
+    def write_catalog(self, force: bool) -> None:
+        index = read_manifests(self.storage).index
+        if index is not None:
+            compact(self.storage, index, force=force)
+
+    @rule()
+    def damage_newest_catalog(self) -> None:
+        seqs = listed_seqs(self.storage, CATALOG_ROOT)
+        if seqs:
+            self.storage.put(catalog_key(seqs[-1]), b"not a catalog")
+
+    @invariant()
+    def reads_agree(self) -> None:
+        truth = whole(self.storage)
+        same(read_manifests(self.storage), truth)
+        # A poller's read taken up from its last one (and that one's parses) agrees too.
+        self.last = read_manifests(self.storage, previous=self.last)
+        same(self.last, truth)
+
+
+def test_reads_through_the_catalog_equal_reading_every_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="deck")
+    run_state_machine_as_test(
+        lambda: IndexMachine(tmp_path),
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=30,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+# ---- pinned cases -------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> LocalStorage:
+    return LocalStorage(str(tmp_path / "uri"))
+
+
+def _catalog_now(storage: Storage) -> int | None:
+    index = read_manifests(storage).index
+    assert index is not None
+    return compact(storage, index, force=True)
+
+
+def _commit_all(storage: Storage, n: int) -> None:
+    for key, cid, data in POOL[:n]:
+        put_record(storage, key, cid, data)
+
+
+def test_a_catalog_then_only_new_records_are_read(store: LocalStorage) -> None:
+    _commit_all(store, 6)
+    assert _catalog_now(store) is not None  # the first catalog: from a whole read
+    _commit_all(store, 8)  # two saved again (the same records) and two new ones
+    reads: list[str] = []
+    get = store.get
+
+    def counting(path: str, start: int = 0, end: int | None = None) -> bytes:
+        reads.append(path)
+        return get(path, start, end)
+
+    store.get = counting  # type: ignore[method-assign]
+    got = read_manifests(store)
+    store.get = get  # type: ignore[method-assign]
+    same(got, whole(store))
+    records = [r for r in reads if r.endswith(MANIFEST)]
+    assert sorted(records) == sorted({k for k, _, _ in POOL[:8]})  # the hinted ones only
+    assert got.index is not None and got.index.since == 8
+
+
+def test_a_damaged_catalog_costs_a_whole_read_and_says_so(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    _commit_all(store, 6)
+    seq = _catalog_now(store)
+    assert seq is not None
+    store.put(catalog_key(seq), b"\x78\x9c garbage")
+    with caplog.at_level(logging.WARNING):
+        got = read_manifests(store)
+    same(got, whole(store))
+    assert got.index is None
+    assert any(catalog_key(seq) in r.getMessage() for r in caplog.records)
+
+
+def test_a_forged_catalog_cannot_hide_a_hinted_commit(store: LocalStorage) -> None:
+    """A catalog written by someone else with a valid checksum but records that are not
+    there: every key hinted after it is read again, and keys it names that no record holds
+    are what it says (so a reader still sees them) -- the restore re-checks its chain."""
+    _commit_all(store, 4)
+    assert _catalog_now(store) is not None
+    _commit_all(store, 5)
+    same(read_manifests(store), whole(store))
+
+
+def test_a_gap_in_the_log_costs_a_whole_read(store: LocalStorage) -> None:
+    _commit_all(store, 3)
+    seq = _catalog_now(store)
+    assert seq is not None
+    _commit_all(store, 6)
+    store.delete(log_key(seq + 2))
+    got = read_manifests(store)
+    assert got.index is None
+    same(got, whole(store))
+
+
+def test_log_entries_and_catalogs_are_pruned_behind_the_last_two(store: LocalStorage) -> None:
+    for round_ in range(4):
+        _commit_all(store, 3 + round_)
+        index = read_manifests(store).index
+        assert index is not None
+        compact(store, index, force=True)
+    catalogs = listed_seqs(store, CATALOG_ROOT)
+    assert len(catalogs) == 2
+    assert min(listed_seqs(store, LOG_ROOT)) > catalogs[0]
+    same(read_manifests(store), whole(store))
+
+
+def test_an_append_never_lands_behind_a_catalog(store: LocalStorage) -> None:
+    """A writer slow enough that catalogs passed its sequence number: a catalog at 5 exists
+    while the log ends at 2 (pruned) -- the next entry is numbered after the catalog."""
+    _commit_all(store, 2)
+    index = read_manifests(store).index
+    assert index is not None
+    store.put(catalog_key(5), store.get(catalog_key(compact(store, index, force=True) or 0)))
+    assert append_hints(store, [Hint(key=POOL[2][0], op="commit", id=POOL[2][1])]) == 6
+
+
+def test_a_catalog_that_disagrees_with_a_chain_record_is_not_restored_from(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record changed without a hint (a writer that keeps no log, or a forged catalog):
+    the chain a restore would load is checked against the records and read again."""
+    _commit_all(store, 6)
+    assert _catalog_now(store) is not None
+    key, _, data = POOL[3]  # step 3's record, rewritten behind the log's back
+    store.put(key, data.replace(b'"created_unix":', b'"created_unix":1'))
+    manifests = read_manifests(store)
+    assert manifests.index is not None
+    with caplog.at_level(logging.WARNING):
+        got = confirmed(store, manifests, 5)
+    assert got.index is None
+    assert "does not agree" in caplog.text
+    assert confirmed(store, read_manifests(store), 2).index is not None  # (its chain agrees)
+
+
+def test_a_damaged_log_entry_costs_a_whole_read_and_names_it(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    _commit_all(store, 3)
+    seq = _catalog_now(store)
+    assert seq is not None
+    _commit_all(store, 5)
+    store.put(log_key(seq + 1), b"{}")
+    with caplog.at_level(logging.WARNING):
+        got = read_manifests(store)
+    assert got.index is None
+    same(got, whole(store))
+    assert log_key(seq + 1) in caplog.text
+
+
+def test_writers_of_history_write_a_catalog_once_enough_entries_follow(store: LocalStorage) -> None:
+    for _ in range(CATALOG_EVERY // len(POOL)):
+        _commit_all(store, len(POOL))
+    assert refresh_catalog(store) is None  # fewer entries than CATALOG_EVERY: not yet
+    _commit_all(store, len(POOL))
+    first = refresh_catalog(store)
+    assert first is not None and refresh_catalog(store) is None
+    same(read_manifests(store), whole(store))
+
+
+def test_a_damaged_newest_catalog_is_passed_by_for_the_one_before(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    _commit_all(store, 3)
+    _catalog_now(store)
+    _commit_all(store, 6)
+    newest = _catalog_now(store)
+    assert newest is not None
+    _commit_all(store, 8)
+    store.put(catalog_key(newest), b"damaged")
+    with caplog.at_level(logging.WARNING):
+        got = read_manifests(store)
+    assert got.index is not None  # (through the catalog before it)
+    assert catalog_key(newest) in caplog.text
+    same(got, whole(store))
+    replaced = compact(store, got.index, force=True)  # the next catalog takes its place
+    assert replaced is not None and replaced > newest
+    same(read_manifests(store), whole(store))
+
+
+def test_gc_and_the_merger_keep_reads_through_the_catalog_right(tmp_path: Path) -> None:
+    """The real writers: a trainer saving (a rollback included), merger passes writing
+    catalogs, GC deleting checkpoints, orphans and quarantine records; after each, the read
+    through the catalog equals reading every record, and every step restores bitwise."""
+    storage = LocalStorage(str(tmp_path / "uri"))
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    history = {tr.saved[0].id: tr.saved[0].state}
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None))
+    bounded = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
+    wrote = 0
+    for i in range(30):
+        tr.train()
+        history[tr.save().id] = snapshot(tr.shards)
+        merge_all(storage, cfg)
+        if i == 12:
+            tr.rollback(6)  # steps 7.. saved again
+        if i % 5 == 4:
+            read = read_manifests(storage).index
+            assert read is not None
+            wrote += compact(storage, read, force=True) is not None
+            quarantine(storage, read_manifests(storage)[tr.step - 1], "test")
+            collect_garbage(storage, bounded)
+        same(read_manifests(storage), whole(storage))
+    assert wrote >= 5 and read_manifests(storage).index is not None
+    check_all_restore(storage, history)
