@@ -367,3 +367,16 @@ def test_gc_and_the_merger_keep_reads_through_the_catalog_right(tmp_path: Path) 
         same(read_manifests(storage), whole(storage))
     assert wrote >= 5 and read_manifests(storage).index is not None
     check_all_restore(storage, history)
+
+
+def test_gc_deletes_stray_files_among_quarantine_records(store: LocalStorage) -> None:
+    """Files in quarantine/ that are no records (nested, another suffix) go as orphans without
+    a log hint (a hint names records only): GC neither fails nor leaves the catalog behind."""
+    tr = SynthTrainer(store)
+    tr.save("full")
+    for name in ("quarantine/notes.txt", "quarantine/sub/0123456789abcdef.json"):
+        store.put(name, b"stray")
+    report = collect_garbage(store, RetentionPolicy(grace_s=0))
+    assert not report.errors
+    assert not store.list("quarantine/")
+    same(read_manifests(store), whole(store))

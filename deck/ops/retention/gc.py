@@ -20,7 +20,7 @@ from functools import partial
 
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
-from deck.format.commit_log import Hint, append_hints
+from deck.format.commit_log import Hint, append_hints, record_key_kind
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -506,7 +506,8 @@ class _Collector:
                 self.report.orphans.append((k, "quarantine record of a deleted checkpoint"))
                 self.report.files += 1
                 if not self.dry_run:
-                    append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
+                    if record_key_kind(k) is not None:  # (a stray file there is no record)
+                        append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
                     self.storage.delete(k)
 
     def finish(self) -> None:
