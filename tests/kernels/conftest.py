@@ -1,8 +1,8 @@
 """Every kernel test runs twice: against the C extension (``kernels/_native.c``) and against the
 torch/numpy fallbacks an install without a C compiler runs (``deck.kernels.native.use_native``),
 so CI, which has the compiler, tests both. A test of the extension's own interface (its argument
-checks, its journal, calls of ``native._native``) is marked ``native_only`` and skips in the
-fallback run."""
+checks, its journal, calls of ``native._native``) is marked ``native_only`` and is not
+collected for the fallback."""
 
 from __future__ import annotations
 
@@ -28,8 +28,15 @@ def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         native._native = saved
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    callspec = getattr(item, "callspec", None)
-    backend = callspec.params.get("kernel_backend") if callspec is not None else None
-    if backend == "fallback" and item.get_closest_marker("native_only") is not None:
-        pytest.skip("tests the C extension itself; the fallback has no such interface")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``native_only`` test is not collected for the fallback backend (it tests the C
+    extension itself; the fallback has no such interface): not a skip, there is nothing to run."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("kernel_backend") if callspec is not None else None
+        native_only = item.get_closest_marker("native_only") is not None
+        (drop if backend == "fallback" and native_only else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
