@@ -239,12 +239,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     checksum; exit 1 when any has a problem, a damaged commit record or a file that could not
     be read. ``--quarantine`` also records each damaged checkpoint, so restores and the merger
     avoid it: only damage that reads back a second time, never a read error."""
-    from deck.read.catalog import quarantine, read_manifests
+    from deck.read.catalog import manifest_keys, quarantine, read_manifests
     from deck.read.lineage import build_graph
     from deck.read.verify import confirmed_damage, verify_checkpoint
 
     storage = open_existing(a.uri, a.storage_options)
-    manifests = read_manifests(storage)
+    # Every record read (not through the catalog): verify is where damage to them is found.
+    manifests = read_manifests(storage, manifest_keys(storage))
     # Unreadable commit records are problems of the steps they name (the rest is still checked).
     damaged = {s: why for s, why in manifests.damaged.items() if a.all or a.step in (None, s)}
     for s, why in sorted(damaged.items()):

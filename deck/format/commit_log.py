@@ -43,8 +43,11 @@ from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 LOG_ROOT = "_log"
 CATALOG_ROOT = "_catalog"
-_LOG_NAME = re.compile(r"^(\d{20})\.json$")
-_CATALOG_NAME = re.compile(r"^(\d{20})\.json\.z$")
+# ASCII digits, whole names (no trailing newline): anything else there is not deck's.
+_LOG_NAME = re.compile(r"([0-9]{20})\.json")
+_CATALOG_NAME = re.compile(r"([0-9]{20})\.json\.z")
+# The largest sequence number: names above it are not deck's (and are ignored).
+MAX_SEQ = 10**18
 # A catalog holds every record (a few hundred bytes to a few KiB each): 64 MiB compressed and
 # 1 GiB inflated are millions of records; a larger one is damaged or planted.
 MAX_CATALOG_BYTES = 64 * 2**20
@@ -95,7 +98,7 @@ class LogEntry(_Strict):
     """``_log/<seq>.json``."""
 
     format_version: int
-    seq: Annotated[int, Field(ge=1, le=10**19)]
+    seq: Annotated[int, Field(ge=1, le=MAX_SEQ)]
     hints: Annotated[tuple[Hint, ...], Field(min_length=1, max_length=100_000)]
 
     @field_validator("format_version")
@@ -108,13 +111,16 @@ class Catalog(_Strict):
     """``_catalog/<seq>.json.z`` (zlib of the JSON): ``records``, each record key with its
     record's text, as read after every log entry up to ``seq`` existed; ``recheck``, the hints
     of those entries whose change had not shown when the record was read; ``unreadable``, keys
-    whose record could not be held as text (too large, a link, not UTF-8): read each time."""
+    whose record could not be held as text (too large, a link, not UTF-8): read each time;
+    ``log_from``: the log holds every entry from this number to ``seq`` while this catalog is
+    the newest (a log emptied or cut by hand is told from one with nothing new)."""
 
     format_version: int
-    seq: Annotated[int, Field(ge=0, le=10**19)]
+    seq: Annotated[int, Field(ge=0, le=MAX_SEQ)]
     records: tuple[tuple[str, str], ...]
     recheck: tuple[Hint, ...]
     unreadable: tuple[str, ...] = ()
+    log_from: Annotated[int, Field(ge=1, le=MAX_SEQ + 1)] = 1
 
     @field_validator("format_version")
     @classmethod
@@ -157,12 +163,18 @@ def catalog_key(seq: int) -> str:
 def listed_seqs(storage: Storage, root: str) -> list[int]:
     """Sequence numbers of the log entries (``root`` = :data:`LOG_ROOT`) or catalogs
     (:data:`CATALOG_ROOT`) the store lists, ascending; other names there are ignored."""
+    return seqs_in(storage.list(f"{root}/"), root)
+
+
+def seqs_in(keys: Iterable[str], root: str) -> list[int]:
+    """:func:`listed_seqs` of a listing the caller has (keys of the whole store, say)."""
     pattern = _LOG_NAME if root == LOG_ROOT else _CATALOG_NAME
     out = []
-    for key in storage.list(f"{root}/"):
-        m = pattern.match(key[len(root) + 1 :])
-        if m:
-            out.append(int(m.group(1)))
+    for key in keys:
+        if key.startswith(f"{root}/"):
+            m = pattern.fullmatch(key[len(root) + 1 :])
+            if m and int(m.group(1)) <= MAX_SEQ:
+                out.append(int(m.group(1)))
     return sorted(out)
 
 
@@ -219,15 +231,17 @@ def newest_catalog_seq(storage: Storage) -> int:
     return seqs[-1] if seqs else 0
 
 
-def read_log_entry(storage: Storage, seq: int) -> LogEntry:
-    """Log entry ``seq``; :class:`CorruptCheckpointError` naming it when it is unreadable as
-    one (never "absent": a reader that cannot read a hint cannot trust a catalog)."""
+def read_log_entry(storage: Storage, seq: int) -> tuple[LogEntry, bytes]:
+    """Log entry ``seq`` and its bytes; :class:`CorruptCheckpointError` naming it when it is
+    unreadable as one (never "absent": a reader that cannot read a hint cannot trust a
+    catalog); :class:`NotFoundError` when it is gone (pruned since it was listed)."""
     key = log_key(seq)
     where = storage.describe(key)
-    entry = load_model(LogEntry, get_bounded(storage, key, MAX_RECORD_BYTES), where)
+    data = get_bounded(storage, key, MAX_RECORD_BYTES)
+    entry = load_model(LogEntry, data, where)
     if entry.seq != seq:
         raise CorruptCheckpointError(f"{where}: entry says seq {entry.seq}")
-    return entry
+    return entry, data
 
 
 def encode_catalog(catalog: Catalog) -> bytes:

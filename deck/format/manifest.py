@@ -50,7 +50,7 @@ from deck.format.jsonio import load_json
 FORMAT_VERSION = 1
 PAGE_ALIGN = 4096
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
+_STEP_DIR = re.compile(r"step-([0-9]{12})")  # whole names only (fullmatch): ASCII digits
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -58,7 +58,7 @@ NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
-_MERGED_DIR = re.compile(r"^(?:F-(\d{12})|L(\d{2})-(\d{12})-(\d{12}))-([0-9a-f]{16})$")
+_MERGED_DIR = re.compile(r"(?:F-([0-9]{12})|L([0-9]{2})-([0-9]{12})-([0-9]{12}))-([0-9a-f]{16})")
 # Quantised encodings of a chunk segment (deck.format.quantize); None everywhere means exact.
 Encoding = Literal["fp16", "bf16", "int8"]
 _ENCODED_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
@@ -570,7 +570,7 @@ def step_dir(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-<n>`` folder name, or None for anything else."""
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -592,7 +592,7 @@ def merged_dir(
 
 def parse_merged_dir(name: str) -> tuple[str, int] | None:
     """(id, step) of a ``merged/`` child folder name, or None for anything else."""
-    m = _MERGED_DIR.match(name)
+    m = _MERGED_DIR.fullmatch(name)
     if not m:
         return None
     step = m.group(1) if m.group(1) is not None else m.group(4)

@@ -22,10 +22,12 @@ from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.format.checksum import checksum
 from deck.format.commit_log import (
     LOG_ROOT,
+    Hint,
     keeps_log,
     listed_seqs,
     put_record,
     record_key_kind,
+    seqs_in,
 )
 from deck.format.manifest import (
     FORMAT_VERSION,
@@ -41,7 +43,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
-from deck.read.indexed import IndexedRead, compact, read_indexed, whole_read
+from deck.read.indexed import IndexedRead, compact, read_indexed, repair, whole_read
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
@@ -140,6 +142,9 @@ class ManifestSet(dict[int, CheckpointManifest]):
         # Each commit record parsed, by key with its bytes: what a next read of the same store
         # need not parse again (read_manifests(previous=...)).
         self.parsed: dict[str, tuple[bytes, CheckpointManifest]] = {}
+        # Each record's bytes as read, when every record was read from a listing (GC's): what
+        # the catalog is checked against (repair_catalog).
+        self.raw: dict[str, bytes | CorruptCheckpointError] = {}
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""
@@ -218,7 +223,10 @@ def read_manifests(
     """
     if keys is not None:
         wanted = [k for k in keys if record_key_kind(k) is not None]
-        return _manifest_set(storage, (kd for kd in _get_records(storage, wanted)), None)
+        read = dict(_get_records(storage, wanted))
+        out = _manifest_set(storage, read.items(), None)
+        out.raw = {k: v for k, v in read.items() if v is not None}
+        return out
     last = previous.index if previous is not None and previous.uri == storage.uri else None
     index = read_indexed(storage, lambda ks: _get_records(storage, ks), last)
     if index is None:
@@ -243,6 +251,26 @@ def refresh_catalog(storage: Storage, manifests: ManifestSet | None = None) -> i
         return None if index is None else compact(storage, index)
     except (DeckError, OSError) as e:
         logger.warning("could not write a catalog at %s (readers read more): %s", storage.uri, e)
+        return None
+
+
+def repair_catalog(
+    storage: Storage, manifests: ManifestSet, listing: list[str], pending: list[Hint]
+) -> int | None:
+    """For GC: check the catalog against ``manifests`` (every record read from ``listing``, a
+    listing of the whole store) and write one from them where it disagrees
+    (:func:`deck.read.indexed.repair`). Its number, or None. A failure is logged, never
+    raised: the catalog only costs readers time while it waits for the next run."""
+    try:
+        return repair(
+            storage,
+            manifests.raw,
+            seqs_in(listing, LOG_ROOT),
+            pending,
+            lambda ks: _get_records(storage, ks),
+        )
+    except (DeckError, OSError) as e:
+        logger.warning("could not check the catalog at %s: %s", storage.uri, e)
         return None
 
 

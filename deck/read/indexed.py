@@ -14,7 +14,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from deck.errors import CorruptCheckpointError, DeckError
+from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
+from deck.format.checksum import checksum
 from deck.format.commit_log import (
     CATALOG_ROOT,
     FORMAT_VERSION,
@@ -32,6 +33,7 @@ from deck.format.commit_log import (
 )
 from deck.format.manifest import CheckpointManifest, QuarantineRecord, load_model
 from deck.storage import Storage
+from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,11 @@ class IndexedRead:
     catalog: int | None = None
     # Keys whose record could not be held as text: read every time (a catalog's `unreadable`).
     unreadable: set[str] = field(default_factory=set)
+    # The checksum of log entry `seq` as read: a later read goes on from here only while the
+    # entry there is still this one.
+    tail: str | None = None
+    # The first log entry a catalog of this read may say is kept (see Catalog.log_from).
+    log_from: int = 1
 
 
 _warned: set[tuple[str, str]] = set()
@@ -85,63 +92,102 @@ def read_indexed(
     """The records through the newest usable catalog (see the module doc); None when none can
     be used. ``read_keys(keys)``: the current bytes of each of ``keys`` (None: absent).
     ``previous``: this reader's last read of the same store, taken up from where it ended (only
-    the log entries since, no catalog) while those entries are all still there.
+    the log entries since, no catalog) while its last entry is still there, unchanged.
 
     A damaged newest catalog is passed by for the one before it (the log after that one is
     kept until a catalog after the damaged one is written), so one damaged file costs one
-    catalog's worth of log entries, and the next catalog written replaces it."""
+    catalog's worth of log entries, and the next catalog written replaces it. The log must
+    still hold every entry the newest catalog's writer kept (after the catalog before it): a
+    log emptied or cut by hand is not taken for one with nothing new."""
     if not keeps_log(storage):
         return None
     for _ in range(3):
         catalogs = listed_seqs(storage, CATALOG_ROOT)
         if not catalogs:
             return None
-        # Entries after the older of the last two catalogs are never pruned before a newer
-        # catalog is listed: a previous read from there on needs no catalog.
-        floor = catalogs[-2] if len(catalogs) > 1 else 0
-        if previous is not None and previous.seq >= floor:
-            start: IndexedRead | None = previous
-            passed: list[int] = []
-        else:
-            found = _newest_readable(storage, catalogs)
-            if found is None:
-                _fall_back(storage, "no catalog is readable", catalog_key(catalogs[-1]))
-                return None
-            start, passed = _from_catalog(found[0]), found[1]
-        assert start is not None
-        base = start.seq
-        logged = [s for s in listed_seqs(storage, LOG_ROOT) if s > base]
-        if listed_seqs(storage, CATALOG_ROOT)[-1:] != catalogs[-1:]:
-            continue  # a newer catalog (which may have pruned the log after ours): again
-        if logged != list(range(base + 1, base + 1 + len(logged))) or (
-            passed and (not logged or logged[-1] < passed[-1])
-        ):
-            _fall_back(storage, "the commit log after the catalog has a gap", catalog_key(base))
-            return None
-        hints = list(start.recheck)
-        for s in logged:
-            try:
-                hints += read_log_entry(storage, s).hints
-            except CorruptCheckpointError as e:
-                _fall_back(storage, "commit log entry unusable", e)
-                return None
-        records = dict(start.records)
-        again = sorted({h.key for h in hints} | start.unreadable)
-        for key, data in read_keys(again):
-            if data is None:
-                records.pop(key, None)
-            else:
-                records[key] = data
-        seq = logged[-1] if logged else base
-        return IndexedRead(
-            seq=seq,
-            records=records,
-            recheck=unresolved(hints, records),
-            since=seq - catalogs[-1],
-            catalog=catalogs[-1],
-            unreadable={k for k in again if k in records and _as_text(records[k]) is None},
-        )
+        try:
+            got = _read_from(storage, read_keys, catalogs, previous)
+        except NotFoundError:  # a catalog or entry pruned since it was listed
+            continue
+        if got is not None or listed_seqs(storage, CATALOG_ROOT)[-1:] == catalogs[-1:]:
+            return got
     return None
+
+
+def _read_from(
+    storage: Storage, read_keys: ReadKeys, catalogs: list[int], previous: IndexedRead | None
+) -> IndexedRead | None:
+    # Entries after the older of the last two catalogs are never pruned before a newer
+    # catalog is listed: a previous read from there on needs no catalog.
+    floor = catalogs[-2] if len(catalogs) > 1 else 0
+    start: IndexedRead | None = None
+    passed: list[int] = []
+    if previous is not None and previous.seq >= floor and _same_tail(storage, previous):
+        start = previous
+    else:
+        found = _newest_readable(storage, catalogs)
+        if found is None:
+            _fall_back(storage, "no catalog is readable", catalog_key(catalogs[-1]))
+            return None
+        start, passed = _from_catalog(found[0]), found[1]
+    base = start.seq
+    listed = listed_seqs(storage, LOG_ROOT)
+    if listed_seqs(storage, CATALOG_ROOT)[-1:] != catalogs[-1:]:
+        raise NotFoundError("a newer catalog")  # it may have pruned the log after ours: again
+    logged = [s for s in listed if s > base]
+    # The entries the newest catalog's writer kept are all there (counted, not enumerated: a
+    # name can claim any number).
+    low = base + 1 if start is previous or passed else start.log_from
+    kept = sum(1 for n in listed if low <= n <= catalogs[-1]) == max(0, catalogs[-1] - low + 1)
+    if (
+        logged != list(range(base + 1, base + 1 + len(logged)))
+        or (passed and (not logged or logged[-1] < passed[-1]))
+        or not kept
+    ):
+        _fall_back(storage, "the commit log has a gap", catalog_key(catalogs[-1]))
+        return None
+    hints = list(start.recheck)
+    tail = start.tail
+    for s in logged:
+        try:
+            entry, data = read_log_entry(storage, s)
+        except CorruptCheckpointError as e:
+            _fall_back(storage, "commit log entry unusable", e)
+            return None
+        hints += entry.hints
+        tail = checksum(data)
+    if tail is None and base > 0:  # (a catalog's own entry: what the next read checks)
+        tail = checksum(get_bounded(storage, log_key(base), MAX_RECORD_BYTES))
+    records = dict(start.records)
+    again = sorted({h.key for h in hints} | start.unreadable)
+    for key, value in read_keys(again):
+        if value is None:
+            records.pop(key, None)
+        else:
+            records[key] = value
+    seq = logged[-1] if logged else base
+    return IndexedRead(
+        seq=seq,
+        records=records,
+        recheck=unresolved(hints, records),
+        since=seq - catalogs[-1],
+        catalog=catalogs[-1],
+        unreadable={k for k in again if k in records and _as_text(records[k]) is None},
+        tail=tail,
+        log_from=catalogs[-1] + 1,
+    )
+
+
+def _same_tail(storage: Storage, previous: IndexedRead) -> bool:
+    """Whether the log entry ``previous`` ended at is still the one it read (a log deleted
+    and started again by hand holds another entry there, or none)."""
+    if previous.tail is None or previous.seq == 0:
+        return False
+    try:
+        data = get_bounded(storage, log_key(previous.seq), MAX_RECORD_BYTES)
+    except (NotFoundError, CorruptCheckpointError):
+        return False
+    return checksum(data) == previous.tail
 
 
 def _from_catalog(catalog: Catalog) -> IndexedRead:
@@ -154,6 +200,7 @@ def _from_catalog(catalog: Catalog) -> IndexedRead:
         recheck=list(catalog.recheck),
         catalog=catalog.seq,
         unreadable=set(catalog.unreadable),
+        log_from=catalog.log_from,
     )
 
 
@@ -235,6 +282,8 @@ def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int 
         records=tuple(texts),
         recheck=tuple(read.recheck),
         unreadable=tuple(unreadable),
+        # What the pruning below keeps: the entries after the catalog before this one.
+        log_from=min(read.log_from, read.seq + 1),
     )
     storage.put(catalog_key(read.seq), encode_catalog(catalog))
     catalogs = listed_seqs(storage, CATALOG_ROOT)
@@ -269,8 +318,8 @@ def whole_read(
     hints: list[Hint] = []
     for s in logged:
         try:
-            hints += read_log_entry(storage, s).hints
-        except CorruptCheckpointError:
+            hints += read_log_entry(storage, s)[0].hints
+        except (CorruptCheckpointError, NotFoundError):
             return None
     return IndexedRead(
         seq=logged[-1] if logged else 0,
@@ -278,3 +327,81 @@ def whole_read(
         recheck=unresolved(hints, records),
         since=len(logged),
     )
+
+
+def repair(
+    storage: Storage,
+    truth: Mapping[str, RecordBytes],
+    logged: list[int],
+    pending: list[Hint],
+    read_keys: ReadKeys,
+) -> int | None:
+    """For GC, which read every record (``truth``: each record key with its bytes, read after
+    it listed the log as ``logged``): the read through the catalog is compared with ``truth``,
+    and when they disagree on a key no later hint explains (a log cut or emptied by hand, a
+    damaged or forged catalog, a record changed behind the log's back), or no catalog can be
+    used while one exists, a catalog is written from ``truth`` in its place. ``pending``: the
+    commits the listing shows begun but not committed (attempt folders without a record).
+    Returns the new catalog's number, or None when none was needed (or the log moved past
+    what ``truth`` can vouch for: the next run decides)."""
+    if not keeps_log(storage):
+        return None
+    catalogs = listed_seqs(storage, CATALOG_ROOT)
+    if not catalogs:
+        return None  # the first catalog is made from a whole read (whole_read), as ever
+    seen = logged[-1] if logged else 0
+    view = read_indexed(storage, read_keys)
+    now = listed_seqs(storage, LOG_ROOT)
+    later: list[Hint] = []  # hints of entries after the listing: what truth may not show
+    for s in now:
+        if s > seen:
+            try:
+                later += read_log_entry(storage, s)[0].hints
+            except (CorruptCheckpointError, NotFoundError):
+                return None
+    if view is not None:
+        explained = {h.key for h in later} | {h.key for h in view.recheck}
+        keys = (set(view.records) | set(truth)) - explained
+        if all(_same_bytes(view.records.get(k), truth.get(k)) for k in keys):
+            return None
+    readable = [seq for seq in catalogs if _readable(storage, seq)]
+    top = max([now[-1] if now else 0, *readable[-1:]])
+    hints = [*pending, *later]
+    for s in now:
+        if s <= seen:
+            try:
+                hints += read_log_entry(storage, s)[0].hints
+            except (CorruptCheckpointError, NotFoundError):
+                continue  # (its commit, if it is one, is an attempt folder in `pending`)
+    if readable:
+        hints += read_catalog(storage, readable[-1]).recheck
+    records = dict(truth)
+    fixed = IndexedRead(
+        seq=top, records=records, recheck=unresolved(hints, records), log_from=top + 1
+    )
+    logger.warning(
+        "the catalog at %s did not agree with the commit records%s: writing catalog %d from "
+        "every record read",
+        storage.uri,
+        "" if view is not None else " (none could be used)",
+        top,
+    )
+    written = compact(storage, fixed, force=True)
+    for seq in catalogs:  # the ones it replaces, damaged or not
+        if seq != top:
+            storage.delete(catalog_key(seq))
+    return written
+
+
+def _same_bytes(a: RecordBytes | None, b: RecordBytes | None) -> bool:
+    if isinstance(a, CorruptCheckpointError) or isinstance(b, CorruptCheckpointError):
+        return isinstance(a, CorruptCheckpointError) and isinstance(b, CorruptCheckpointError)
+    return a == b
+
+
+def _readable(storage: Storage, seq: int) -> bool:
+    try:
+        read_catalog(storage, seq)
+    except (CorruptCheckpointError, NotFoundError):
+        return False
+    return True

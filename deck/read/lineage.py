@@ -37,6 +37,7 @@ from deck.format.manifest import (
     load_model,
     parse_merged_dir,
     parse_step_dir,
+    step_dir,
 )
 from deck.read.catalog import ManifestSet, manifest_keys, quarantine, read_manifests
 from deck.storage import Storage
@@ -818,31 +819,53 @@ def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
     return None
 
 
-def confirmed(storage: Storage, manifests: ManifestSet, step: int) -> ManifestSet:
-    """``manifests`` when they were read record by record, or when every record of ``step``'s
-    chain read through the catalog is what the store holds now; else every record read again
-    (logged). What a restore loads from must be the store's truth, not a catalog's copy: a
-    catalog damaged or forged so that it still passes its checks costs this read, never a
-    wrong chain."""
+def confirmed(
+    storage: Storage, manifests: ManifestSet, step: int | None, *, latest: bool = False
+) -> ManifestSet:
+    """``manifests`` when they were read record by record, or when what a restore of ``step``
+    relies on, read through the catalog, is what the store holds now: the commit records of
+    its chain and their quarantine records and, with ``latest`` (``step`` was chosen as the
+    latest restorable, None: none was), the record of every step folder above it. Else every
+    record read again (logged). A catalog damaged or forged so that it still passes its checks
+    costs this read, never another chain or another step than the records give."""
     index = manifests.index
     if index is None:
         return manifests
-    try:
-        chain = chain_for(manifests, step)
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        chain = None
-    if chain is not None:
-        keys = [f"{m.folder}/{MANIFEST}" for m in chain]
+    keys: list[str] = []
+    if step is not None:
         try:
-            now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
-        except CorruptCheckpointError:  # (too large now, a link: damage the whole read names)
-            now = {}
-        if all(k in now and now[k] == index.records.get(k) for k in keys):
-            return manifests
+            chain = chain_for(manifests, step)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            chain = []
+        if not chain:
+            return _read_every_record(storage, step)
+        keys += [f"{m.folder}/{MANIFEST}" for m in chain]
+        keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]
+    if latest:
+        above = -1 if step is None else step
+        steps = {s for s in manifests if s > above} | {s for s in manifests.damaged if s > above}
+        for name in storage.list_dir(""):
+            listed = parse_step_dir(name.rstrip("/"))
+            if listed is not None and listed > above and name.endswith("/"):
+                steps.add(listed)
+        keys += [f"{step_dir(s)}/{MANIFEST}" for s in sorted(steps)]
+    try:
+        now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
+    except CorruptCheckpointError:  # (too large now, a link: damage the whole read names)
+        now = {}
+    if all(k in now and now[k] == _indexed_bytes(index.records.get(k)) for k in keys):
+        return manifests
+    return _read_every_record(storage, step)
+
+
+def _indexed_bytes(value: bytes | CorruptCheckpointError | None) -> bytes | None:
+    return None if value is None or isinstance(value, CorruptCheckpointError) else value
+
+
+def _read_every_record(storage: Storage, step: int | None) -> ManifestSet:
     logger.warning(
-        "the catalog at %s does not agree with the commit records of step %d's chain: "
-        "reading every record",
+        "the catalog at %s does not agree with the commit records %s: reading every record",
         storage.uri,
-        step,
+        "a restore of the latest step relies on" if step is None else f"of step {step}",
     )
     return read_manifests(storage, manifest_keys(storage))

@@ -107,7 +107,13 @@ class StateLoader:
         raise (see :meth:`deck.trainer.checkpointer.DeltaCheckpointer.restore`)."""
         manifests = read_manifests(self.storage)
         if step is None:
-            chosen = latest_restorable(manifests) if self.coord.rank == 0 else None
+            chosen = None
+            if self.coord.rank == 0:
+                chosen = latest_restorable(manifests)
+                # Which step is the latest is the records' answer, not a catalog's copy.
+                checked = confirmed(self.storage, manifests, chosen, latest=True)
+                if checked is not manifests:
+                    manifests, chosen = checked, latest_restorable(checked)
             chosen_all = self.coord.broadcast_int(-1 if chosen is None else chosen)
             target = None if chosen_all < 0 else chosen_all
             if target is not None and target not in manifests:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from deck import cli
+from deck.format import commit_log
 from deck.format.commit_log import (
     CATALOG_ROOT,
     LOG_ROOT,
@@ -36,8 +39,8 @@ from deck.read.catalog import (
     read_manifests,
     refresh_catalog,
 )
-from deck.read.indexed import CATALOG_EVERY, compact
-from deck.read.lineage import confirmed
+from deck.read.indexed import CATALOG_EVERY, IndexedRead, compact
+from deck.read.lineage import confirmed, latest_restorable
 from deck.storage import LocalStorage, Storage
 from deck.testing.lineage_checks import check_all_restore, merge_all
 from deck.testing.synth import SynthTrainer, snapshot
@@ -124,16 +127,23 @@ class IndexMachine(RuleBasedStateMachine):
         key, cid, _ = POOL[i]
         append_hints(self.storage, [Hint(key=key, op="delete", id=cid)])
         if now:
-            self.storage.delete(key)
+            self._delete_if_still(i)
         else:
             self.deleting.add(i)
+
+    def _delete_if_still(self, i: int) -> None:
+        """As GC deletes: only the record of the id it announced (a step saved again since
+        names another, and stays)."""
+        key, _, record = POOL[i]
+        if self.storage.get_or_none(key) == record:
+            self.storage.delete(key)
 
     @rule(data=st.data())
     def late_delete(self, data: st.DataObject) -> None:
         if self.deleting:
             i = data.draw(st.sampled_from(sorted(self.deleting)))
             self.deleting.discard(i)
-            self.storage.delete(POOL[i][0])
+            self._delete_if_still(i)
 
     @rule(data=st.data())
     def abandon(self, data: st.DataObject) -> None:
@@ -380,3 +390,138 @@ def test_gc_deletes_stray_files_among_quarantine_records(store: LocalStorage) ->
     assert not report.errors
     assert not store.list("quarantine/")
     same(read_manifests(store), whole(store))
+
+
+# ---- what a break-it run found (each one pinned) -------------------------------------------------
+
+
+def _trained(store: LocalStorage, steps: int) -> SynthTrainer:
+    tr = SynthTrainer(store)
+    tr.save("full")
+    for _ in range(steps):
+        tr.train()
+        tr.save()
+    return tr
+
+
+def _latest_as_a_restore_picks(store: LocalStorage) -> int | None:
+    manifests = read_manifests(store)
+    chosen = latest_restorable(manifests)
+    checked = confirmed(store, manifests, chosen, latest=True)
+    return latest_restorable(checked) if checked is not manifests else chosen
+
+
+def test_a_log_deleted_by_hand_neither_hides_steps_nor_stays_wrong(store: LocalStorage) -> None:
+    """`_log/` deleted with the writers stopped, the catalog kept, writers started again: the
+    entries the catalog's writer kept are missing, so readers read every record (a restarted
+    writer numbering after the catalog made the log look whole); a restore of the latest picks
+    the records' latest; GC then writes a catalog from every record, and reads through it agree."""
+    tr = _trained(store, 3)
+    _catalog_now(store)
+    tr.train()
+    tr.save()
+    tr.train()
+    tr.save()  # steps 4, 5: only in the log
+    shutil.rmtree(Path(store.local_path(LOG_ROOT) or ""))
+    commit_log._last_seq.clear()  # (new processes)
+    for _ in range(3):
+        tr.train()
+        tr.save()
+    assert read_manifests(store).index is None  # not taken for a log with nothing new
+    same(read_manifests(store), whole(store))
+    assert _latest_as_a_restore_picks(store) == 8
+    collect_garbage(store, RetentionPolicy(grace_s=0))
+    got = read_manifests(store)
+    assert got.index is not None
+    same(got, whole(store))
+
+
+def test_a_forged_catalog_cannot_choose_the_step_or_hide_a_quarantine(
+    store: LocalStorage,
+) -> None:
+    """A catalog with a valid checksum that leaves out the newest step, or a quarantine
+    record: what a restore of the latest step loads is still the records' answer."""
+    _trained(store, 5)
+    read = read_manifests(store).index
+    assert read is not None
+    for hidden in ("step-000000000005/manifest.json", None):
+        records = {k: v for k, v in read.records.items() if k != hidden}
+        if hidden is None:  # a quarantine record of step 5 that the catalog leaves out
+            quarantine(store, read_manifests(store, manifest_keys(store))[5], "test")
+            records = dict(read.records)
+        seq = listed_seqs(store, LOG_ROOT)[-1]
+        forged = IndexedRead(seq=seq, records=records, log_from=seq + 1)
+        compact(store, forged, force=True)
+        truth = whole(store)
+        assert _latest_as_a_restore_picks(store) == latest_restorable(truth)
+        assert latest_restorable(truth) == (5 if hidden else 4)
+
+
+def test_damage_after_the_catalog_is_found_by_verify_and_gc_repairs_the_catalog(
+    store: LocalStorage,
+) -> None:
+    _trained(store, 4)
+    _catalog_now(store)
+    path = Path(store.local_path("step-000000000004/manifest.json") or "")
+    path.write_bytes(path.read_bytes().replace(b'"step":4', b'"step":9'))
+    assert cli.main(["verify", store.uri]) == 1  # every record read: the damage is found
+    collect_garbage(store, RetentionPolicy(grace_s=0), dry_run=False)
+    got = read_manifests(store)
+    assert got.index is not None and 4 in got.damaged
+    same(got, whole(store))
+
+
+def test_a_poller_does_not_go_on_from_a_log_started_again(store: LocalStorage) -> None:
+    tr = _trained(store, 3)
+    _catalog_now(store)
+    last = read_manifests(store)
+    for root in (LOG_ROOT, CATALOG_ROOT):
+        shutil.rmtree(Path(store.local_path(root) or ""))
+    commit_log._last_seq.clear()
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    _catalog_now(store)
+    same(read_manifests(store, previous=last), whole(store))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "00000000000000000009.json.z\n",
+        "\u0660" * 19 + "\u0669.json.z",
+        "99999999999999999999.json.z",
+        "00000000000000000009.json.z.tmp",
+    ],
+)
+def test_names_that_are_not_a_catalogs_are_ignored(store: LocalStorage, name: str) -> None:
+    _trained(store, 2)
+    _catalog_now(store)
+    Path(store.local_path(CATALOG_ROOT) or "", name).write_bytes(b"junk")
+    same(read_manifests(store), whole(store))
+    tr = SynthTrainer(store)  # (a writer numbers its entries past the real ones only)
+    tr.save("full")
+    assert listed_seqs(store, LOG_ROOT)[-1] < 10
+    same(read_manifests(store), whole(store))
+
+
+def test_a_blocked_log_entry_costs_reads_until_gc_writes_a_catalog_past_it(
+    store: LocalStorage,
+) -> None:
+    tr = _trained(store, 2)
+    _catalog_now(store)
+    for _ in range(2):
+        tr.train()
+        tr.save()
+    entry = Path(store.local_path(log_key(listed_seqs(store, LOG_ROOT)[-2])) or "")
+    entry.unlink()
+    os.mkfifo(entry)  # a FIFO where an entry was: not listed, a gap (never "nothing there")
+    assert read_manifests(store).index is None
+    same(read_manifests(store), whole(store))
+    entry.unlink()
+    collect_garbage(store, RetentionPolicy(grace_s=0))
+    tr.train()
+    tr.save()
+    got = read_manifests(store)
+    assert got.index is not None
+    same(got, whole(store))

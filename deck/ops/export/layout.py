@@ -22,7 +22,7 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.lineage import build_graph, chain_bytes, cheapest_chain
+from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
 from deck.read.restore import apply_chain, part_where
 from deck.read.verify import check_files
 from deck.storage import Storage
@@ -92,10 +92,15 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
     (the newest step cannot be told: an older one is exported only when asked for by number).
     """
     manifests = read_manifests(storage)
-    if not manifests and not manifests.damaged:
-        raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
     graph = build_graph(manifests, storage.uri)
     chosen = graph.latest() if step is None else step
+    # What is exported comes from the records, not a catalog's copy (as for a restore).
+    checked = confirmed(storage, manifests, chosen, latest=step is None)
+    if checked is not manifests:
+        manifests, graph = checked, build_graph(checked, storage.uri)
+        chosen = graph.latest() if step is None else step
+    if not manifests and not manifests.damaged:
+        raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
     skipped = damaged_records(manifests, chosen, latest=step is None)
     if skipped:
         other = (

@@ -39,7 +39,13 @@ from deck.ops.retention.plan import (
     replacements,
     takeovers,
 )
-from deck.read.catalog import overlapped, read_manifests, read_rank_manifests, refresh_catalog
+from deck.read.catalog import (
+    overlapped,
+    read_manifests,
+    read_rank_manifests,
+    refresh_catalog,
+    repair_catalog,
+)
 from deck.read.lineage import LineageNode, build_graph
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -198,7 +204,7 @@ def _collect(
     gc.delete_checkpoints()
     gc.collect_orphans()
     gc.finish()
-    if not dry_run:
+    if not dry_run and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is None:
         refresh_catalog(storage)
     report = gc.report
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after
@@ -252,6 +258,7 @@ class _Collector:
         listing = storage.list_modified("")
         self.times = dict(listing)
         keys = [k for k, _ in listing]
+        self.keys = keys
         self.manifests = read_manifests(storage, keys)
         self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
         self.by_prefix = _by_prefix(keys)
@@ -393,6 +400,24 @@ class _Collector:
             self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
             self.report.bytes += size
+
+    def pending_commits(self) -> list[Hint]:
+        """The commits the listing shows begun and not committed: attempt folders of a step
+        whose record names another id (or none), merger folders without a record."""
+        hints = []
+        for prefix, keys in self.by_prefix.items():
+            if prefix.startswith(f"{MERGED_ROOT}/"):
+                parsed = parse_merged_dir(prefix.partition("/")[2])
+                record = f"{prefix}/{MANIFEST}"
+                if parsed is not None and record not in keys:
+                    hints.append(Hint(key=record, op="commit", id=parsed[0]))
+            elif (step := parse_step_dir(prefix)) is not None:
+                m = self.manifests.get(step)
+                for attempt in _attempts(prefix, keys):
+                    aid = attempt.rstrip("/")
+                    if _hint_id(aid) == aid and (m is None or m.id != aid):
+                        hints.append(Hint(key=f"{prefix}/{MANIFEST}", op="commit", id=aid))
+        return hints
 
     def _doomed_hints(self) -> list[Hint]:
         """What readers through a catalog must read again after the deletions: the record of
