@@ -88,7 +88,7 @@ def _restored(storage: Storage, rows: int, step: int) -> tuple[list[str], torch.
     return [m.folder for m in chain], target.states["weight"]
 
 
-# The suite's longest test: 2-3 minutes of CPU on an idle 2-core VM, over 900 s (the suite's
+# The suite's longest test: about 10 minutes of CPU here, over 900 s (the suite's
 # per-test limit) with a core busy beside it; 10,000 deltas is the size the merger must handle.
 @pytest.mark.timeout(3600)
 def test_merge_once_catches_up_on_ten_thousand_deltas() -> None:
