@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.format.checksum import checksum
@@ -72,6 +72,9 @@ class IndexedRead:
     tail: str | None = None
     # The first log entry a catalog of this read may say is kept (see Catalog.log_from).
     log_from: int = 1
+    # Log entries whose hints are still to be read into `recheck` (a whole read's: see
+    # whole_read), before a catalog is made of it.
+    unread_log: list[int] | None = None
 
 
 _warned: set[tuple[str, str]] = set()
@@ -268,6 +271,10 @@ def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int 
     due = max(CATALOG_EVERY, len(read.records) // 1000)
     if not force and read.since < due:
         return None
+    ready = _with_log_read(storage, read)
+    if ready is None:
+        return None
+    read = ready
     texts: list[tuple[str, str]] = []
     unreadable: list[str] = []
     for key in sorted(read.records):
@@ -315,18 +322,25 @@ def whole_read(
         return None
     if logged != list(range(1, len(logged) + 1)):
         return None
-    hints: list[Hint] = []
-    for s in logged:
+    # The entries' hints are read only when a catalog is written (compact): a reader that
+    # writes none (a restore, a job without merger or GC) pays no read per entry.
+    return IndexedRead(
+        seq=logged[-1] if logged else 0, records=records, since=len(logged), unread_log=logged
+    )
+
+
+def _with_log_read(storage: Storage, read: IndexedRead) -> IndexedRead | None:
+    """``read`` with the hints of its not yet read log entries resolved into ``recheck``;
+    None when one cannot be read (no catalog is made of it then)."""
+    if not read.unread_log:
+        return read
+    hints = list(read.recheck)
+    for s in read.unread_log:
         try:
             hints += read_log_entry(storage, s)[0].hints
         except (CorruptCheckpointError, NotFoundError):
             return None
-    return IndexedRead(
-        seq=logged[-1] if logged else 0,
-        records=records,
-        recheck=unresolved(hints, records),
-        since=len(logged),
-    )
+    return replace(read, recheck=unresolved(hints, read.records), unread_log=None)
 
 
 def repair(

@@ -525,3 +525,22 @@ def test_a_blocked_log_entry_costs_reads_until_gc_writes_a_catalog_past_it(
     got = read_manifests(store)
     assert got.index is not None
     same(got, whole(store))
+
+
+def test_a_reader_without_a_catalog_reads_no_log_entry(store: LocalStorage) -> None:
+    """Before any catalog (a job without merger or GC), a read reads the records only: the log
+    entries' hints are read when a catalog is written of it."""
+    _commit_all(store, 6)
+    reads: list[str] = []
+    get = store.get
+
+    def counting(path: str, start: int = 0, end: int | None = None) -> bytes:
+        reads.append(path)
+        return get(path, start, end)
+
+    store.get = counting  # type: ignore[method-assign]
+    got = read_manifests(store)
+    store.get = get  # type: ignore[method-assign]
+    assert got.index is not None and not [r for r in reads if r.startswith(f"{LOG_ROOT}/")]
+    assert compact(store, got.index, force=True) is not None  # (reads them now)
+    same(read_manifests(store), whole(store))
