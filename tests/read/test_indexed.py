@@ -206,6 +206,22 @@ def _catalog_now(storage: Storage) -> int | None:
     return compact(storage, index, force=True)
 
 
+def _read_counting(store: LocalStorage) -> tuple[ManifestSet, list[str]]:
+    """``read_manifests(store)`` and the keys it read, in order."""
+    reads: list[str] = []
+    get = store.get
+
+    def counting(path: str, start: int = 0, end: int | None = None) -> bytes:
+        reads.append(path)
+        return get(path, start, end)
+
+    store.get = counting  # type: ignore[method-assign]
+    try:
+        return read_manifests(store), reads
+    finally:
+        store.get = get  # type: ignore[method-assign]
+
+
 def _commit_all(storage: Storage, n: int) -> None:
     for key, cid, data in POOL[:n]:
         put_record(storage, key, cid, data)
@@ -215,16 +231,7 @@ def test_a_catalog_then_only_new_records_are_read(store: LocalStorage) -> None:
     _commit_all(store, 6)
     assert _catalog_now(store) is not None  # the first catalog: from a whole read
     _commit_all(store, 8)  # two saved again (the same records) and two new ones
-    reads: list[str] = []
-    get = store.get
-
-    def counting(path: str, start: int = 0, end: int | None = None) -> bytes:
-        reads.append(path)
-        return get(path, start, end)
-
-    store.get = counting  # type: ignore[method-assign]
-    got = read_manifests(store)
-    store.get = get  # type: ignore[method-assign]
+    got, reads = _read_counting(store)
     same(got, whole(store))
     records = [r for r in reads if r.endswith(MANIFEST)]
     assert sorted(records) == sorted({k for k, _, _ in POOL[:8]})  # the hinted ones only
@@ -531,16 +538,7 @@ def test_a_reader_without_a_catalog_reads_no_log_entry(store: LocalStorage) -> N
     """Before any catalog (a job without merger or GC), a read reads the records only: the log
     entries' hints are read when a catalog is written of it."""
     _commit_all(store, 6)
-    reads: list[str] = []
-    get = store.get
-
-    def counting(path: str, start: int = 0, end: int | None = None) -> bytes:
-        reads.append(path)
-        return get(path, start, end)
-
-    store.get = counting  # type: ignore[method-assign]
-    got = read_manifests(store)
-    store.get = get  # type: ignore[method-assign]
+    got, reads = _read_counting(store)
     assert got.index is not None and not [r for r in reads if r.startswith(f"{LOG_ROOT}/")]
     assert compact(store, got.index, force=True) is not None  # (reads them now)
     same(read_manifests(store), whole(store))
