@@ -12,7 +12,7 @@ FBGEMM_gpu := fbgemm-gpu==1.8.0
 TORCHREC  := torchrec==1.8.0
 STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
-.PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka lint ruff mypy bench clean
+.PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka long lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_native.c
 	@echo "deck install: setting up $(VENV) (5 steps; about 1 GB to download, several minutes the first time)"
@@ -73,6 +73,12 @@ fuzz-kafka: $(STAMP)
 	DECK_KAFKA_EXAMPLES=$(KAFKA_EXAMPLES) DECK_KAFKA_STEPS=$(KAFKA_STEPS) DECK_KAFKA_RANDOM=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 tests/ops/test_kafka_machine.py \
 		--hypothesis-seed=$(FUZZ_SEED)
+
+# The long-history merge test at the size the merger must handle (10,000 deltas, ~10 min of CPU;
+# CI runs it at 1,500 under a tight recursion limit).
+long: $(STAMP)
+	DECK_LONG_DELTAS=10000 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 \
+		tests/merge/test_long_history.py -k catches_up_on_a_long_history
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -837,9 +837,10 @@ def confirmed(
             chain = chain_for(manifests, step)
         except (CheckpointNotFoundError, CorruptCheckpointError):
             chain = []
-        if not chain:
+        if not chain and (step in manifests or step in manifests.damaged):
             return _read_every_record(storage, step)
-        keys += [f"{m.folder}/{MANIFEST}" for m in chain]
+        # A step the catalog does not hold: agreed when the store holds no record of it either.
+        keys += [f"{m.folder}/{MANIFEST}" for m in chain] or [f"{step_dir(step)}/{MANIFEST}"]
         keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]
     if latest:
         above = -1 if step is None else step
