@@ -314,28 +314,45 @@ CASES: dict[str, Case] = {
 }
 
 
-def _deck(*args: str) -> subprocess.CompletedProcess[str]:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+def _limit() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    return subprocess.run(
-        [sys.executable, "-m", "deck.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=limit,
-    )
+
+def _decks(calls: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Independent read-only ``deck`` runs at once, by name (each spends seconds importing
+    torch; one after another they were most of this file's time)."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "deck.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_limit,
+        )
+        for name, args in calls.items()
+    }
+    done = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return done
+
+
+def _deck(*args: str) -> subprocess.CompletedProcess[str]:
+    return _decks({"": args})[""]
 
 
 def _replay_cli(root: Path, out: Path, named: str, fails: frozenset[str]) -> None:
     uri = str(root)
-    runs = {
-        "ls": _deck("ls", uri),
-        "tree": _deck("ls", uri, "--tree"),
-        "verify": _deck("verify", uri, "--all"),
-        "export": _deck("export", uri, "--out", str(out / "exp"), "--format", "safetensors"),
-        "follow": _deck("follow", uri, "--out", str(out / "follow"), "--once"),
-    }
+    runs = _decks(
+        {
+            "ls": ("ls", uri),
+            "tree": ("ls", uri, "--tree"),
+            "verify": ("verify", uri, "--all"),
+            "export": ("export", uri, "--out", str(out / "exp"), "--format", "safetensors"),
+            "follow": ("follow", uri, "--out", str(out / "follow"), "--once"),
+        }
+    )
     for cmd, r in runs.items():
         said = r.stdout + r.stderr
         assert "Traceback" not in said and r.returncode in (0, 1, 2), (cmd, said[-3000:])
