@@ -18,6 +18,7 @@ from deck.cli import main
 from deck.demo import ModelSpec, build_model, train_step
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import open_storage
+from deck.testing.cli_runs import run_at_once
 from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -43,15 +44,8 @@ def _deck(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _decks(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
     """Several independent console-script runs at once (each spends seconds importing torch)."""
-    procs = [
-        subprocess.Popen([EXE, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c in calls
-    ]
-    out = []
-    for c, p in zip(calls, procs, strict=True):
-        stdout, stderr = p.communicate(timeout=120)
-        out.append(subprocess.CompletedProcess([EXE, *c], p.returncode, stdout, stderr))
-    return out
+    done = run_at_once({i: (EXE, *c) for i, c in enumerate(calls)}, timeout=120)
+    return [done[i] for i in range(len(calls))]
 
 
 @pytest.fixture(scope="module")

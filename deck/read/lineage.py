@@ -839,8 +839,9 @@ def confirmed(
             chain = []
         if not chain and (step in manifests or step in manifests.damaged):
             return _read_every_record(storage, step)
-        # A step the catalog does not hold: agreed when the store holds no record of it either.
-        keys += [f"{m.folder}/{MANIFEST}" for m in chain] or [f"{step_dir(step)}/{MANIFEST}"]
+        if not chain:  # a step the catalog does not hold: agreed if the store holds none either
+            keys.append(f"{step_dir(step)}/{MANIFEST}")
+        keys += [f"{m.folder}/{MANIFEST}" for m in chain]
         keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]
     if latest:
         above = -1 if step is None else step

@@ -48,6 +48,7 @@ from deck.format.manifest import (
 from deck.ops.listing import list_rows, tree_lines
 from deck.read.lineage import best_valid_chain
 from deck.storage import LocalStorage
+from deck.testing.cli_runs import run_at_once
 from deck.testing.synth import State, SynthTrainer, restore_step, same
 
 STEPS = [0, 1, 2, 3]
@@ -319,23 +320,10 @@ def _limit() -> None:
 
 
 def _decks(calls: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Independent read-only ``deck`` runs at once, by name (each spends seconds importing
-    torch; one after another they were most of this file's time)."""
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "deck.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=_limit,
-        )
-        for name, args in calls.items()
-    }
-    done = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=300)
-        done[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
-    return done
+    """Independent read-only ``deck`` runs at once, by name (one after another, their torch
+    imports were most of this file's time)."""
+    argvs = {name: (sys.executable, "-m", "deck.cli", *args) for name, args in calls.items()}
+    return run_at_once(argvs, preexec_fn=_limit)
 
 
 def _deck(*args: str) -> subprocess.CompletedProcess[str]:

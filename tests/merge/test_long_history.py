@@ -101,12 +101,13 @@ DELTAS = int(os.environ.get("DECK_LONG_DELTAS", "1500"))
 @pytest.mark.timeout(3600)
 def test_merge_once_catches_up_on_a_long_history() -> None:
     """`deck merge --once` (the default policy) over one full and N deltas (1,500 in CI, 10,000
-    with `make long`): one pass plans N fulls in a row and builds only the newest, from the full and every delta in order;
-    the latest step then restores from it, bitwise, and the next pass finds nothing to do."""
+    with `make long`): one pass plans N fulls in a row and builds only the newest, from the
+    full and every delta in order; the latest step then restores from it, bitwise, and the next
+    pass finds nothing to do."""
     storage = mem()
     deltas = DELTAS
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(min(limit, len(inspect.stack()) + deltas // 2))
+    sys.setrecursionlimit(min(limit, len(inspect.stack(0)) + deltas // 2))
     try:
         _merge_once_catches_up(storage, deltas)
     finally:
