@@ -27,6 +27,21 @@ def _checkpointers_closed() -> Iterator[None]:
     assert not left, f"the test left {len(left)} checkpointer(s) open: close() them"
 
 
+@pytest.fixture(autouse=True)
+def _memory_stores_emptied() -> Iterator[None]:
+    """What a test put in ``memory://`` stores is dropped after it. fsspec keeps every memory
+    store of the process in one dict and its listings scan all of it, so objects left behind
+    slowed every later memory-store test (the storage state machines ran ~100x slower at the
+    end of the suite than alone). Module fixtures' stores are set up before this runs: kept."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    objects, dirs = set(MemoryFileSystem.store), set(MemoryFileSystem.pseudo_dirs)
+    yield
+    for key in set(MemoryFileSystem.store) - objects:
+        del MemoryFileSystem.store[key]
+    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if d in dirs]
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     """A real SeaweedFS S3 server, started once per session (about 4 s) and stopped at the end."""
