@@ -47,7 +47,7 @@ import xxhash
 from deck.errors import CorruptCheckpointError, MergeError, NotFoundError, StorageError
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
 from deck.merge.build import PARTS_DIR, ItemBuilder, WorkStats
-from deck.merge.plan import PlannedItem, plan
+from deck.merge.plan import Plan, PlannedItem, plan
 from deck.merge.policy import MergeConfig
 from deck.merge.stream import InputDamaged
 from deck.read.catalog import ManifestSet, quarantine, read_manifests, refresh_catalog
@@ -129,15 +129,14 @@ class MergeWorker:
         self.damaged: dict[str, str] = {}
         self._seen_committed: set[str] = set()  # items found committed after a listing
         self._last: ManifestSet | None = None
+        self._plan: tuple[LineageGraph, Plan] | None = None
 
     def run_pass(self) -> PassResult:
         """Everything this worker can do now: every ready item's own partitions and commits."""
         t0 = time.perf_counter()
         # Taken up from the last pass's read: only what was committed since is read and parsed.
         manifests = read_manifests(self.storage, previous=self._last)
-        self._last = manifests
-        graph = build_graph(manifests)
-        p = plan(graph, self.config)
+        graph, p = self._planned(manifests)
         # What every worker can see of everyone's progress: committed checkpoints and the
         # finished partitions of the items that can be built now. A worker waiting for others
         # watches it change.
@@ -184,6 +183,23 @@ class MergeWorker:
             progressed=progressed,
             fingerprint=fingerprint,
         )
+
+    def _planned(self, manifests: ManifestSet) -> tuple[LineageGraph, Plan]:
+        """The lineage graph and plan of ``manifests``: the last pass's when the records read
+        are the same bytes (a graph and a plan are functions of the records alone), so a pass
+        with nothing new costs its reads, not a node per checkpoint of the history."""
+        last, self._last = self._last, manifests
+        if (
+            last is not None
+            and self._plan is not None
+            and manifests.index is not None
+            and last.index is not None
+            and manifests.index.records == last.index.records
+        ):
+            return self._plan
+        graph = build_graph(manifests)
+        self._plan = (graph, plan(graph, self.config))
+        return self._plan
 
     def _work_on(
         self, item: PlannedItem, graph: LineageGraph, stats: WorkStats

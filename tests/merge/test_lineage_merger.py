@@ -136,6 +136,42 @@ def test_deck_lineage_is_the_module_and_lineage_graph_reads_a_uri(tmp_path: Path
     assert deck.read.lineage.lineage_graph(storage).to_dict() == graph.to_dict()
 
 
+def test_a_pass_with_nothing_new_plans_nothing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph and a plan are functions of the records: a pass that reads the same records
+    takes the last pass's (a follower polling a long history built a node per checkpoint every
+    poll), and a pass after a new commit plans again and merges it."""
+    import deck.merge.worker as worker_module
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(5):
+        tr.train(2)
+        tr.save()
+    built: list[int] = []
+    real = worker_module.build_graph
+
+    def counted(m: Any) -> Any:
+        built.append(len(m))
+        return real(m)
+
+    monkeypatch.setattr(worker_module, "build_graph", counted)
+    w = MergeWorker(storage, MergeConfig(stride=2, full=NO_FULLS))
+    while w.run_pass().progressed:
+        pass
+    planned = len(built)
+    assert not w.run_pass().progressed and len(built) == planned  # nothing new: no new graph
+    tr.train(2)
+    tr.save()  # step 12: pairs with step 10
+    while w.run_pass().progressed:
+        pass
+    assert built[planned] == 7  # planned again, with the new step
+    covers = {n.covers for n in build_graph(read_manifests(storage)).nodes.values()}
+    assert (10, 12) in covers
+
+
 def test_rollback_timelines_never_mix() -> None:
     storage = mem()
     tr = SynthTrainer(storage)
