@@ -366,6 +366,11 @@ def repair(
     seen = logged[-1] if logged else 0
     view = read_indexed(storage, read_keys)
     now = listed_seqs(storage, LOG_ROOT)
+    high = max([seen, *now[-1:], *listed_seqs(storage, CATALOG_ROOT)[-1:]])
+    if not set(range(seen + 1, high + 1)) <= set(now):
+        # A writer of catalogs pruned entries written after ``truth`` was read: what they
+        # announced is neither in ``truth`` nor in a hint left to read. The next run decides.
+        return None
     later: list[Hint] = []  # hints of entries after the listing: what truth may not show
     for s in now:
         if s > seen:

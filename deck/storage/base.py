@@ -102,6 +102,28 @@ class Storage(abc.ABC):
         """Whether :meth:`put_if_absent` is atomic on this store (see there). Default False."""
         return False
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        """Delete ``path`` only while it holds exactly ``data``: True when it was deleted (or
+        was already gone), False when another object is there (left in place).
+
+        Where :attr:`atomic_delete_if` is True no write that lands meanwhile is deleted (a local
+        disk: the file is taken aside with a rename, compared, and put back when it is not
+        ``data``; the key is absent for that moment). This default reads, compares, then
+        deletes: a write landing between the read and the delete is deleted."""
+        try:
+            now = self.get(path)
+        except NotFoundError:
+            return True
+        if now != data:
+            return False
+        self.delete(path)
+        return True
+
+    @property
+    def atomic_delete_if(self) -> bool:
+        """Whether :meth:`delete_if` never deletes a write that lands during it. Default False."""
+        return False
+
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
         objects as named, sub-folders with a trailing "/". An absent folder is empty.

@@ -524,6 +524,54 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise self._error("delete", path, exc, _WRITE_HINT) from exc
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        """:meth:`Storage.delete_if`, atomic: the file is renamed aside (a write landing after
+        that is untouched), compared, then removed, or linked back unless a newer file is
+        there by then."""
+        names = validate_key(path).split("/")
+        try:
+            dfd = self._open_folder(names[:-1], path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise self._error("delete", path, exc, _WRITE_HINT) from exc
+        aside = os.path.basename(temp_path(names[-1]))
+        try:
+            try:
+                os.rename(names[-1], aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except FileNotFoundError:
+                return True
+            same = False
+            with contextlib.suppress(OSError):  # (a link, a folder: not ``data``)
+                fd = os.open(aside, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                try:
+                    same = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(data) + 1) == data
+                finally:
+                    os.close(fd)
+            if same:
+                os.unlink(aside, dir_fd=dfd)
+            else:
+                try:
+                    os.link(aside, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    os.unlink(aside, dir_fd=dfd)
+                except FileExistsError:  # a newer write is there: it wins
+                    os.unlink(aside, dir_fd=dfd)
+                except OSError:  # not a file (a folder): back under its name
+                    os.rename(aside, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            return same
+        except OSError as exc:
+            raise self._error("delete", path, exc, _WRITE_HINT) from exc
+        finally:
+            os.close(dfd)
+
+    @property
+    def atomic_delete_if(self) -> bool:
+        """True: :meth:`delete_if` renames the file aside first."""
+        return True
+
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys of all regular files under the root whose key starts with ``prefix``.
 

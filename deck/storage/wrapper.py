@@ -50,6 +50,13 @@ class StorageWrapper(Storage):
     def atomic_create(self) -> bool:
         return self.inner.atomic_create
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        return self.inner.delete_if(path, data)
+
+    @property
+    def atomic_delete_if(self) -> bool:
+        return self.inner.atomic_delete_if
+
     def size(self, path: str) -> int:
         return self.inner.size(path)
 

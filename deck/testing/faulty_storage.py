@@ -87,6 +87,11 @@ class FaultyStorage(StorageWrapper):
             raise StorageError(f"injected failure of delete ({self.describe(path)})")
         self.inner.delete(path)
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        if self.fail_delete(path):
+            raise StorageError(f"injected failure of delete ({self.describe(path)})")
+        return self.inner.delete_if(path, data)
+
     def delete_prefix(self, prefix: str) -> None:
         if self.fail_delete(prefix):
             raise StorageError(f"injected failure of delete ({self.describe(prefix)})")

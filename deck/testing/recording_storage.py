@@ -72,6 +72,10 @@ class RecordingStorage(StorageWrapper):
         self._note("delete", path)
         self.inner.delete(path)
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        self._note("delete", path)
+        return self.inner.delete_if(path, data)
+
     def list(self, prefix: str = "") -> builtins.list[str]:
         self._note("list", prefix)
         return self.inner.list(prefix)

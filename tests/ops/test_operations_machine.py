@@ -172,6 +172,9 @@ class Faults(StorageWrapper):
     def delete(self, path: str) -> None:
         self._write(lambda: self.inner.delete(path))
 
+    def delete_if(self, path: str, data: bytes) -> bool:
+        return bool(self._write(lambda: self.inner.delete_if(path, data)))
+
     def delete_prefix(self, prefix: str) -> None:
         for key in self.inner.list(prefix):
             self.delete(key)

@@ -542,3 +542,29 @@ def test_a_reader_without_a_catalog_reads_no_log_entry(store: LocalStorage) -> N
     assert got.index is not None and not [r for r in reads if r.startswith(f"{LOG_ROOT}/")]
     assert compact(store, got.index, force=True) is not None  # (reads them now)
     same(read_manifests(store), whole(store))
+
+
+def test_a_repair_after_a_writer_pruned_the_log_keeps_what_that_writer_committed(
+    store: LocalStorage,
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=4271791481``: GC read every record,
+    then (while it ran) the merger committed a pass's checkpoints and wrote two catalogs,
+    pruning the log entries that announced them. GC's check of the catalog saw records it had
+    not read and no hint explaining them, took the catalog for wrong, and wrote one from its
+    older read: readers through it no longer saw the merger's checkpoints."""
+    from deck.read.indexed import repair
+
+    _commit_all(store, 4)
+    _catalog_now(store)
+    # GC's read: the store listed and every record read, the log as it was then
+    listing = store.list("")
+    truth = {k: store.get(k) for k in manifest_keys(store)}
+    logged = commit_log.seqs_in(listing, LOG_ROOT)
+    # Meanwhile a writer commits and writes catalogs until the log after GC's listing is pruned
+    for key, cid, data in POOL[4:12]:
+        put_record(store, key, cid, data)
+        _catalog_now(store)
+    assert listed_seqs(store, LOG_ROOT)[0] > logged[-1] + 1
+    read_keys = lambda ks: ((k, store.get_or_none(k)) for k in ks)  # noqa: E731
+    assert repair(store, truth, logged, [], read_keys) is None  # not GC's to judge now
+    same(read_manifests(store), whole(store))

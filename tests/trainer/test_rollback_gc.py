@@ -76,11 +76,18 @@ class _PausedAtFirstDelete(StorageWrapper):
         super().__init__(inner)
         self.paused, self.go = threading.Event(), threading.Event()
 
-    def delete(self, path: str) -> None:
+    def _first(self) -> None:
         if not self.paused.is_set():
             self.paused.set()
             assert self.go.wait(120), "the test never let GC go on"
+
+    def delete(self, path: str) -> None:
+        self._first()
         super().delete(path)
+
+    def delete_if(self, path: str, data: bytes) -> bool:
+        self._first()
+        return super().delete_if(path, data)
 
 
 def _gc_planned_before_the_rollback(rank: int, world_size: int, uri: str) -> None:

@@ -658,8 +658,10 @@ def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> 
     folder is listed again *before* the record is read, and a save that began since GC listed
     (an attempt folder it did not see: a trainer writes its parts before their record) keeps
     this checkpoint whole until the next run; a record that names another checkpoint already is
-    left alone. What remains is a save that writes all its parts and commits between these two
-    reads and the delete, a few requests apart."""
+    left alone. The record is then deleted only while it holds the bytes read
+    (:meth:`~deck.storage.Storage.delete_if`): a save committed after that read keeps its
+    record. Where that delete is not atomic (object stores) what remains is a save that
+    commits between the read and the delete, one request apart."""
     man = f"{n.folder}/{MANIFEST}"
     if n.merged:
         storage.delete(man)
@@ -670,7 +672,8 @@ def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> 
         return None
     started = {a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - attempts
     try:
-        current = load_model(CheckpointManifest, get_bounded(storage, man), storage.describe(man))
+        raw = get_bounded(storage, man)
+        current = load_model(CheckpointManifest, raw, storage.describe(man))
     except NotFoundError:
         current = None
     if current is not None and current.id == n.id:
@@ -679,7 +682,9 @@ def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> 
                 f"a new save of step {n.step} began during this run ({', '.join(sorted(started))}); "
                 "the next run decides"
             )
-        storage.delete(man)
+        # (False: a save of this step committed since the read; its record stays, and this
+        # checkpoint, no longer committed, goes)
+        storage.delete_if(man, raw)
     failpoint("gc.checkpoint.after_uncommit")
     storage.delete_prefix(f"{n.folder}/{n.id}/")
     return None
