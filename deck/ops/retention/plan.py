@@ -108,8 +108,9 @@ class RetentionPolicy(Settings):
         description="Before deleting what a kept merger checkpoint replaces, re-read that "
         "checkpoint's files and check their checksums. False: check that every file it names "
         "exists with its recorded size (no chunk is read). Either way a damaged replacement is "
-        "kept, and so is what it replaces. The trainer deltas that take over the steps of a "
-        "deleted merger checkpoint are always checked by their checksums (once: when it goes).",
+        "kept, and so is what it replaces. The trainer checkpoints (deltas, and the full they "
+        "start from) that take over the steps of a deleted merger checkpoint are always checked "
+        "by their checksums (once: when it goes).",
         json_schema_extra={"cli": "deck gc --verify-replacements"},
     )
 
@@ -431,10 +432,12 @@ def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str])
 
 
 def takeovers(graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str]) -> set[str]:
-    """The kept trainer deltas that become the only way to a retained step when the doomed
-    merger checkpoints go: the deltas of that step's chain without them, for every retained
-    step a doomed merged delta covers or a doomed merger full is at. Each is needed once, when
-    what it takes over from goes, so reading it whole is affordable."""
+    """The kept trainer checkpoints that become the only way to a retained step when the doomed
+    merger checkpoints go: that step's chain without them (its full and its deltas), for every
+    retained step a doomed merged delta covers or a doomed merger full is at. Each is read
+    whole when what it takes over from goes: a full too (a fuzz finding: a trainer full with a
+    flipped byte took over from a merger full that was deleted, and the steps after it lost
+    their only intact chain)."""
     gone = [i for i in doomed if graph.nodes[i].merged]
     if not gone:
         return set()
@@ -453,6 +456,4 @@ def takeovers(graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str
         way = graph.chain_way(step, exclude)
         if way is not None:
             keep_chain(way, on_chains, walked)
-    return {
-        i for i in on_chains if not graph.nodes[i].merged and graph.nodes[i].kind is not Kind.FULL
-    }
+    return {i for i in on_chains if not graph.nodes[i].merged}
