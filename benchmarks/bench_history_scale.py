@@ -19,7 +19,9 @@ For each size, at a local store (medians of ``--repeats``, warm page cache):
   (deck/testing/grace_reference.py: every moment planned again) alongside, up to
   ``--reference-up-to`` checkpoints, checked to protect the same ids;
 - planning the restore of the latest step: ``read_manifests`` (with its listing), ``build_graph``,
-  ``latest`` + ``cheapest_chain``, each timed on its own;
+  ``latest`` + ``cheapest_chain``, each timed on its own; then through the catalog; then from
+  the newest segments of the catalog (``deck.read.window.read_window``, what a restore does),
+  checked to plan the same chain;
 
 and the growth exponent between sizes (time ~ n**k).
 
@@ -49,7 +51,8 @@ from deck.ops.retention import gc as gc_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.plan import RetentionPolicy, grace_protected
 from deck.read.catalog import read_manifests
-from deck.read.lineage import build_graph, cheapest_chain
+from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
+from deck.read.window import read_window
 from deck.storage import LocalStorage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.grace_reference import reference_grace_protected
@@ -204,6 +207,23 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
     assert manifests.index is not None and manifests.index.since == a.behind
     out["i_total"] = out["i_read"] + out["r_graph"] + out["r_chain"]
     out["i_requests"] = _requests(storage)
+
+    # Restore planning from the newest segments (what a restore of the latest step reads)
+    def windowed() -> list[str]:
+        got = read_window(storage)
+        assert got is not None  # (a short history: one segment, read whole)
+        latest = latest_restorable(got)
+        assert latest is not None
+        return [m.id for m in cheapest_chain(build_graph(got), latest)]
+
+    out["w_total"], w_chain = _median_s(windowed, a.repeats)
+    every = build_graph(manifests)
+    latest = every.latest()
+    assert latest is not None
+    assert w_chain == [m.id for m in cheapest_chain(every, latest)], "a window planned another"
+    counting = _Counting(storage)
+    read_window(counting)
+    out["w_requests"] = float(counting.n)
     worker = MergeWorker(storage)
     # Catching up on what the generator left for the merger: passes until one has nothing to
     # do. (A merger full over generated inputs, whose rank manifests are copies of one real
@@ -288,6 +308,8 @@ ROWS = [
     ("i_total", "planning the restore of the latest step, through the catalog"),
     ("i_read", "- `read_manifests` through the catalog"),
     ("i_requests", "storage requests to read through the catalog"),
+    ("w_total", "planning the restore of the latest step, from the newest segments"),
+    ("w_requests", "storage requests of that plan"),
     ("i_merge", "a merger pass with nothing new, through the catalog"),
 ]
 

@@ -9,7 +9,11 @@ The index only says where to look (spec: docs/format.md, "Commit log and catalog
   atomic create-if-absent, each after the one before it exists, so the log has no holes: a
   reader that lists it sees every hint written before its listing.
 - ``_catalog/<seq:020d>.json.z``: a :class:`Catalog`, every record's bytes as read after log
-  entry ``seq`` was listed, plus the hints whose change had not shown yet (``recheck``).
+  entry ``seq`` was listed, plus the hints whose change had not shown yet (``recheck``). The
+  records of checkpoints are in segments (``_catalog/segments/<checksum>.json.z``, a
+  :class:`Segment` each, named by the checksum of its content and shared by the catalogs that
+  hold the same records), cut by the step their key names, so that a reader that plans one
+  chain reads the segments it reaches back to, not the whole history.
 
 A reader takes the newest catalog, the log entries after it, and reads again every key those
 hints and ``recheck`` name: the result is what reading every record gives. Only stores with an
@@ -19,15 +23,17 @@ others every reader reads every record, as before.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import zlib
 from collections.abc import Iterable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deck.errors import CorruptCheckpointError, StorageError
+from deck.format.checksum import checksum
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -43,9 +49,11 @@ from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 LOG_ROOT = "_log"
 CATALOG_ROOT = "_catalog"
+SEGMENT_ROOT = f"{CATALOG_ROOT}/segments"
 # ASCII digits, whole names (no trailing newline): anything else there is not deck's.
 _LOG_NAME = re.compile(r"([0-9]{20})\.json")
 _CATALOG_NAME = re.compile(r"([0-9]{20})\.json\.z")
+_SEGMENT_NAME = re.compile(r"([0-9a-f]{16})\.json\.z")
 # The largest sequence number: names above it are not deck's (and are ignored).
 MAX_SEQ = 10**18
 # A catalog holds every record (a few hundred bytes to a few KiB each): 64 MiB compressed and
@@ -107,13 +115,58 @@ class LogEntry(_Strict):
         return _check_version(v)
 
 
+class SegmentRef(_Strict):
+    """One segment of a catalog, as the catalog describes it: ``name``, the checksum of the
+    segment's inflated bytes (its file is ``_catalog/segments/<name>.json.z``); ``first`` /
+    ``last``, the lowest and highest step its record keys name; ``count``, its records;
+    ``newest``, ``(epoch, step)`` of its newest trainer record (None: it holds none);
+    ``max_epoch``, the highest epoch of its records. A reader checks a segment against this
+    when it reads it."""
+
+    name: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    first: Annotated[int, Field(ge=0)]
+    last: Annotated[int, Field(ge=0)]
+    count: Annotated[int, Field(ge=1)]
+    newest: tuple[int, int] | None
+    max_epoch: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _steps(self) -> SegmentRef:
+        if self.first > self.last or (
+            self.newest is not None and not self.first <= self.newest[1] <= self.last
+        ):
+            raise ValueError("a segment's steps are out of order")
+        return self
+
+
+class Segment(_Strict):
+    """``_catalog/segments/<name>.json.z`` (zlib of the JSON): record keys with their text,
+    sorted by the step the key names, then the key."""
+
+    format_version: int
+    records: Annotated[tuple[tuple[str, str], ...], Field(min_length=1)]
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        return _check_version(v)
+
+    @field_validator("records")
+    @classmethod
+    def _keys(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        _check_keys(k for k, _ in v)
+        return v
+
+
 class Catalog(_Strict):
     """``_catalog/<seq>.json.z`` (zlib of the JSON): ``records``, each record key with its
     record's text, as read after every log entry up to ``seq`` existed; ``recheck``, the hints
     of those entries whose change had not shown when the record was read; ``unreadable``, keys
     whose record could not be held as text (too large, a link, not UTF-8): read each time;
     ``log_from``: the log holds every entry from this number to ``seq`` while this catalog is
-    the newest (a log emptied or cut by hand is told from one with nothing new)."""
+    the newest (a log emptied or cut by hand is told from one with nothing new);
+    ``segments``: where the records of checkpoints are, in step order (``records`` holds the
+    others: quarantine records)."""
 
     format_version: int
     seq: Annotated[int, Field(ge=0, le=MAX_SEQ)]
@@ -121,6 +174,14 @@ class Catalog(_Strict):
     recheck: tuple[Hint, ...]
     unreadable: tuple[str, ...] = ()
     log_from: Annotated[int, Field(ge=1, le=MAX_SEQ + 1)] = 1
+    segments: tuple[SegmentRef, ...] = ()
+
+    @field_validator("segments")
+    @classmethod
+    def _in_order(cls, v: tuple[SegmentRef, ...]) -> tuple[SegmentRef, ...]:
+        if any(a.last >= b.first for a, b in itertools.pairwise(v)):
+            raise ValueError("segments overlap or are out of step order")
+        return v
 
     @field_validator("format_version")
     @classmethod
@@ -158,6 +219,33 @@ def log_key(seq: int) -> str:
 
 def catalog_key(seq: int) -> str:
     return f"{CATALOG_ROOT}/{seq:020d}.json.z"
+
+
+def segment_key(name: str) -> str:
+    return f"{SEGMENT_ROOT}/{name}.json.z"
+
+
+def listed_segments(storage: Storage) -> set[str]:
+    """Names of the segments the store lists; other names there are ignored."""
+    out = set()
+    for key in storage.list(f"{SEGMENT_ROOT}/"):
+        m = _SEGMENT_NAME.fullmatch(key[len(SEGMENT_ROOT) + 1 :])
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+def key_step(key: str) -> int | None:
+    """The step the record key ``key`` names (a trainer step's folder, a merger folder's step);
+    None for a quarantine record (or a key that is no record)."""
+    kind = record_key_kind(key)
+    if kind is None:
+        return None
+    step, merged = kind
+    if merged is not None:
+        parsed = parse_merged_dir(merged)
+        return None if parsed is None else parsed[1]
+    return step
 
 
 def listed_seqs(storage: Storage, root: str) -> list[int]:
@@ -248,12 +336,13 @@ def encode_catalog(catalog: Catalog) -> bytes:
     return zlib.compress(dump_model(catalog), 1)
 
 
-def read_catalog(storage: Storage, seq: int) -> Catalog:
-    """Catalog ``seq``, checked (size bounds, its own checksum, schema, its number):
-    :class:`CorruptCheckpointError` naming the file otherwise."""
-    key = catalog_key(seq)
-    where = storage.describe(key)
-    packed = get_bounded(storage, key, MAX_CATALOG_BYTES)
+def encode_segment(segment: Segment) -> tuple[str, bytes]:
+    """A segment's name (the checksum of its inflated bytes) and its file's bytes."""
+    data = dump_model(segment)
+    return checksum(data), zlib.compress(data, 1)
+
+
+def _inflated(packed: bytes, where: str) -> bytes:
     inflater = zlib.decompressobj()
     try:
         data = inflater.decompress(packed, MAX_CATALOG_INFLATED + 1)
@@ -263,6 +352,34 @@ def read_catalog(storage: Storage, seq: int) -> Catalog:
         ) from None
     if len(data) > MAX_CATALOG_INFLATED or not inflater.eof or inflater.unused_data:
         raise CorruptCheckpointError(f"{where}: not one zlib stream within its size bound")
+    return data
+
+
+def check_segment(packed: bytes, ref: SegmentRef, where: str) -> Segment:
+    """The segment ``ref`` describes, from its file's bytes ``packed``: refused with
+    :class:`CorruptCheckpointError` naming ``where`` unless its content is the one named
+    (checksum) and holds what ``ref`` says (count, steps)."""
+    data = _inflated(packed, where)
+    if checksum(data) != ref.name:
+        raise CorruptCheckpointError(f"{where}: content does not match its name; damaged")
+    segment = load_model(Segment, data, where)
+    steps = [key_step(k) for k, _ in segment.records]
+    if (
+        len(steps) != ref.count
+        or any(s is None or not ref.first <= s <= ref.last for s in steps)
+        or steps[0] != ref.first
+        or steps[-1] != ref.last
+    ):
+        raise CorruptCheckpointError(f"{where}: not the segment its catalog describes")
+    return segment
+
+
+def read_catalog(storage: Storage, seq: int) -> Catalog:
+    """Catalog ``seq``, checked (size bounds, its own checksum, schema, its number):
+    :class:`CorruptCheckpointError` naming the file otherwise."""
+    key = catalog_key(seq)
+    where = storage.describe(key)
+    data = _inflated(get_bounded(storage, key, MAX_CATALOG_BYTES), where)
     catalog = load_model(Catalog, data, where)
     if catalog.seq != seq:
         raise CorruptCheckpointError(f"{where}: catalog says seq {catalog.seq}")

@@ -111,6 +111,26 @@ def overlapped(
                 fut.cancel()
 
 
+@dataclass(frozen=True)
+class Window:
+    """The part of a URI's records a windowed read holds (:mod:`deck.read.window`): every
+    record of a step at or above ``floor``, those a later read named, and no trainer record
+    newer (epoch, step) than ``horizon`` left out (None: none left out)."""
+
+    floor: int
+    horizon: tuple[int, int] | None
+
+
+class OutsideWindow(Exception):
+    """A question about a windowed :class:`ManifestSet` needs records of steps below its
+    floor (``step``; -1: every record). Not a :class:`DeckError`: it never means damage or
+    absence, and no caller may take it for either (the windowed reader reads more)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"needs the records of step {step}" if step >= 0 else "needs every record")
+        self.step = step
+
+
 class ManifestSet(dict[int, CheckpointManifest]):
     """Committed trainer checkpoints by step (what :func:`read_manifests` always returned), plus
     ``merged``: the merger's committed checkpoints by id, and ``quarantined``: ids that failed
@@ -145,6 +165,8 @@ class ManifestSet(dict[int, CheckpointManifest]):
         # Each record's bytes as read, when every record was read from a listing (GC's): what
         # the catalog is checked against (repair_catalog).
         self.raw: dict[str, bytes | CorruptCheckpointError] = {}
+        # Set when only part of the records were read (deck.read.window).
+        self.window: Window | None = None
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""
@@ -223,22 +245,22 @@ def read_manifests(
     """
     if keys is not None:
         wanted = [k for k in keys if record_key_kind(k) is not None]
-        read = dict(_get_records(storage, wanted))
-        out = _manifest_set(storage, read.items(), None)
+        read = dict(get_records(storage, wanted))
+        out = manifest_set(storage, read.items(), None)
         out.raw = {k: v for k, v in read.items() if v is not None}
         return out
     last = previous.index if previous is not None and previous.uri == storage.uri else None
-    index = read_indexed(storage, lambda ks: _get_records(storage, ks), last)
+    index = read_indexed(storage, lambda ks: get_records(storage, ks), last)
     if index is None:
         # The log is listed before the records, so a first catalog made from them knows every
         # hint whose change they may not show.
         logged = listed_seqs(storage, LOG_ROOT) if keeps_log(storage) else []
         wanted = [k for k in manifest_keys(storage) if record_key_kind(k) is not None]
-        records = {k: d for k, d in _get_records(storage, wanted) if d is not None}
+        records = {k: d for k, d in get_records(storage, wanted) if d is not None}
         index = whole_read(storage, logged, records)
-        return _manifest_set(storage, records.items(), index)
+        return manifest_set(storage, records.items(), index)
     parsed = previous.parsed if last is not None and previous is not None else None
-    return _manifest_set(storage, sorted(index.records.items()), index, parsed)
+    return manifest_set(storage, sorted(index.records.items()), index, parsed)
 
 
 def refresh_catalog(storage: Storage, manifests: ManifestSet | None = None) -> int | None:
@@ -247,8 +269,10 @@ def refresh_catalog(storage: Storage, manifests: ManifestSet | None = None) -> i
     when they were just read (else read now). Its number, or None. A failure is logged, never
     raised: a missing catalog costs readers time, not correctness."""
     try:
-        index = (manifests if manifests is not None else read_manifests(storage)).index
-        return None if index is None else compact(storage, index)
+        if manifests is None:
+            manifests = read_manifests(storage)
+        index = manifests.index
+        return None if index is None else compact(storage, index, parsed=manifests.parsed)
     except (DeckError, OSError) as e:
         logger.warning("could not write a catalog at %s (readers read more): %s", storage.uri, e)
         return None
@@ -267,14 +291,15 @@ def repair_catalog(
             manifests.raw,
             seqs_in(listing, LOG_ROOT),
             pending,
-            lambda ks: _get_records(storage, ks),
+            lambda ks: get_records(storage, ks),
+            manifests.parsed,
         )
     except (DeckError, OSError) as e:
         logger.warning("could not check the catalog at %s: %s", storage.uri, e)
         return None
 
 
-def _manifest_set(
+def manifest_set(
     storage: Storage,
     records: Iterable[tuple[str, bytes | CorruptCheckpointError | None]],
     index: IndexedRead | None,
@@ -359,7 +384,7 @@ def _manifest_set(
     return out
 
 
-def _get_records(
+def get_records(
     storage: Storage, keys: list[str]
 ) -> Iterator[tuple[str, bytes | CorruptCheckpointError | None]]:
     """``(key, record)`` for each of ``keys`` in order: its bytes (read concurrently where the

@@ -20,16 +20,24 @@ from deck.format.commit_log import (
     CATALOG_ROOT,
     FORMAT_VERSION,
     LOG_ROOT,
+    MAX_CATALOG_BYTES,
     Catalog,
     Hint,
+    Segment,
+    SegmentRef,
     catalog_key,
+    check_segment,
     encode_catalog,
+    encode_segment,
     keeps_log,
+    key_step,
+    listed_segments,
     listed_seqs,
     log_key,
     read_catalog,
     read_log_entry,
     record_key_kind,
+    segment_key,
 )
 from deck.format.manifest import CheckpointManifest, QuarantineRecord, load_model
 from deck.storage import Storage
@@ -41,6 +49,10 @@ logger = logging.getLogger(__name__)
 # records it holds, whichever is more: its size grows with the history, its readers' savings do
 # not).
 CATALOG_EVERY = 64
+# A segment ends after a step whose hash is 0 modulo this (about this many steps per segment:
+# what a reader planning one chain reads at least), or once it holds this many records.
+SEGMENT_STEPS = 1024
+SEGMENT_MAX_RECORDS = 8192
 # Catalogs kept: the newest and the one before it (a reader that listed just before a new one
 # was written still finds the log entries after its catalog).
 _KEEP_CATALOGS = 2
@@ -75,6 +87,12 @@ class IndexedRead:
     # Log entries whose hints are still to be read into `recheck` (a whole read's: see
     # whole_read), before a catalog is made of it.
     unread_log: list[int] | None = None
+    # The catalog's segments (Catalog.segments), and those whose records are in `records`
+    # (a lazy read leaves the others to load_segments).
+    segments: tuple[SegmentRef, ...] = ()
+    loaded: set[str] = field(default_factory=set)
+    # Keys read after the catalog: a segment's copy of one is out of date.
+    shadow: set[str] = field(default_factory=set)
 
 
 _warned: set[tuple[str, str]] = set()
@@ -90,12 +108,19 @@ def _fall_back(storage: Storage, what: str, problem: object = None) -> None:
 
 
 def read_indexed(
-    storage: Storage, read_keys: ReadKeys, previous: IndexedRead | None = None
+    storage: Storage,
+    read_keys: ReadKeys,
+    previous: IndexedRead | None = None,
+    *,
+    lazy: bool = False,
 ) -> IndexedRead | None:
     """The records through the newest usable catalog (see the module doc); None when none can
     be used. ``read_keys(keys)``: the current bytes of each of ``keys`` (None: absent).
     ``previous``: this reader's last read of the same store, taken up from where it ended (only
     the log entries since, no catalog) while its last entry is still there, unchanged.
+    ``lazy``: the catalog's segments are left unread (:func:`load_segments` reads those a
+    caller needs): ``records`` then holds the records outside segments and those read after
+    the catalog.
 
     A damaged newest catalog is passed by for the one before it (the log after that one is
     kept until a catalog after the damaged one is written), so one damaged file costs one
@@ -109,7 +134,7 @@ def read_indexed(
         if not catalogs:
             return None
         try:
-            got = _read_from(storage, read_keys, catalogs, previous)
+            got = _read_from(storage, read_keys, catalogs, previous, lazy)
         except NotFoundError:  # a catalog or entry pruned since it was listed
             continue
         if got is not None or listed_seqs(storage, CATALOG_ROOT)[-1:] == catalogs[-1:]:
@@ -118,7 +143,11 @@ def read_indexed(
 
 
 def _read_from(
-    storage: Storage, read_keys: ReadKeys, catalogs: list[int], previous: IndexedRead | None
+    storage: Storage,
+    read_keys: ReadKeys,
+    catalogs: list[int],
+    previous: IndexedRead | None,
+    lazy: bool,
 ) -> IndexedRead | None:
     # Entries after the older of the last two catalogs are never pruned before a newer
     # catalog is listed: a previous read from there on needs no catalog.
@@ -128,11 +157,11 @@ def _read_from(
     if previous is not None and previous.seq >= floor and _same_tail(storage, previous):
         start = previous
     else:
-        found = _newest_readable(storage, catalogs)
+        found = _newest_readable(storage, catalogs, lazy)
         if found is None:
             _fall_back(storage, "no catalog is readable", catalog_key(catalogs[-1]))
             return None
-        start, passed = _from_catalog(found[0]), found[1]
+        start, passed = found
     base = start.seq
     listed = listed_seqs(storage, LOG_ROOT)
     if listed_seqs(storage, CATALOG_ROOT)[-1:] != catalogs[-1:]:
@@ -170,6 +199,9 @@ def _read_from(
             records[key] = value
     seq = logged[-1] if logged else base
     return IndexedRead(
+        segments=start.segments,
+        loaded=set(start.loaded),
+        shadow=start.shadow | set(again),
         seq=seq,
         records=records,
         recheck=unresolved(hints, records),
@@ -204,16 +236,40 @@ def _from_catalog(catalog: Catalog) -> IndexedRead:
         catalog=catalog.seq,
         unreadable=set(catalog.unreadable),
         log_from=catalog.log_from,
+        segments=catalog.segments,
     )
 
 
-def _newest_readable(storage: Storage, catalogs: list[int]) -> tuple[Catalog, list[int]] | None:
-    """The newest of ``catalogs`` that reads, and the newer ones passed by as damaged (each
-    logged once per URI); None when none reads."""
+def load_segments(storage: Storage, read: IndexedRead, refs: Iterable[SegmentRef]) -> None:
+    """Read the segments ``refs`` (of ``read.segments``) into ``read.records``, each record
+    unless a later read of its key is there. :class:`CorruptCheckpointError` naming the file
+    when one is not what its catalog describes or is gone (the catalog cannot be used)."""
+    todo = [ref for ref in refs if ref.name not in read.loaded]
+    keys = [segment_key(ref.name) for ref in todo]
+    for (key, packed), ref in zip(
+        storage.get_many(keys, limit=MAX_CATALOG_BYTES), todo, strict=True
+    ):
+        where = storage.describe(key)
+        if packed is None:
+            raise CorruptCheckpointError(f"{where}: a segment its catalog names is gone")
+        for k, text in check_segment(packed, ref, where).records:
+            if k not in read.shadow:
+                read.records[k] = text.encode()
+        read.loaded.add(ref.name)
+
+
+def _newest_readable(
+    storage: Storage, catalogs: list[int], lazy: bool
+) -> tuple[IndexedRead, list[int]] | None:
+    """The newest of ``catalogs`` that reads (with its segments, unless ``lazy``), and the newer
+    ones passed by as damaged (each logged once per URI); None when none reads."""
     passed: list[int] = []
     for seq in reversed(catalogs):
         try:
-            return read_catalog(storage, seq), passed
+            start = _from_catalog(read_catalog(storage, seq))
+            if not lazy:
+                load_segments(storage, start, start.segments)
+            return start, passed
         except CorruptCheckpointError as e:
             if (storage.uri, str(seq)) not in _warned:
                 _warned.add((storage.uri, str(seq)))
@@ -261,11 +317,19 @@ def unresolved(hints: Iterable[Hint], records: Mapping[str, RecordBytes]) -> lis
     return out
 
 
-def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int | None:
+def compact(
+    storage: Storage,
+    read: IndexedRead,
+    *,
+    force: bool = False,
+    parsed: Mapping[str, tuple[bytes, CheckpointManifest]] | None = None,
+) -> int | None:
     """Write catalog ``read.seq`` from ``read`` when enough log entries follow the newest
     catalog (or ``force``), then prune: catalogs before the last two, and log entries the
-    older of those covers. Its number, or None when none was written. ``read`` must come from
-    :func:`read_indexed` or :func:`whole_read` of this store, just before."""
+    older of those covers, and segments neither names. Its number, or None when none was
+    written. ``read`` must come from :func:`read_indexed` or :func:`whole_read` of this store,
+    just before. ``parsed``: commit records the caller parsed, by key with their bytes (a
+    segment's description needs their epochs: those not given are parsed here)."""
     if not keeps_log(storage) or read.seq == read.catalog:
         return None
     due = max(CATALOG_EVERY, len(read.records) // 1000)
@@ -275,14 +339,20 @@ def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int 
     if ready is None:
         return None
     read = ready
+    load_segments(storage, read, read.segments)
     texts: list[tuple[str, str]] = []
     unreadable: list[str] = []
+    stepped: list[tuple[int, str, str]] = []
     for key in sorted(read.records):
         text = _as_text(read.records[key])
+        step = key_step(key)
         if text is None:
             unreadable.append(key)
-        else:
+        elif step is None:
             texts.append((key, text))
+        else:
+            stepped.append((step, key, text))
+    refs = _write_segments(storage, sorted(stepped), read.segments, parsed or {})
     catalog = Catalog(
         format_version=FORMAT_VERSION,
         seq=read.seq,
@@ -291,6 +361,7 @@ def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int 
         unreadable=tuple(unreadable),
         # What the pruning below keeps: the entries after the catalog before this one.
         log_from=min(read.log_from, read.seq + 1),
+        segments=refs,
     )
     storage.put(catalog_key(read.seq), encode_catalog(catalog))
     catalogs = listed_seqs(storage, CATALOG_ROOT)
@@ -302,14 +373,101 @@ def compact(storage: Storage, read: IndexedRead, *, force: bool = False) -> int 
             if seq > floor:
                 break
             storage.delete(log_key(seq))
+    _prune_segments(storage, catalogs[-_KEEP_CATALOGS:], read.seq, refs)
     logger.info(
-        "catalog %d written at %s: %d record(s), %d to read again",
+        "catalog %d written at %s: %d record(s) in %d segment(s), %d to read again",
         read.seq,
         storage.uri,
-        len(texts),
+        len(stepped) + len(texts),
+        len(refs),
         len(catalog.recheck) + len(unreadable),
     )
     return read.seq
+
+
+def _cut_after(step: int) -> bool:
+    """Whether a segment ends after ``step``: decided by the step alone, so that the segments
+    of a history cut the same way whatever was added or deleted elsewhere (a new catalog
+    writes only the segments whose records changed)."""
+    return int(checksum(step.to_bytes(8, "little")), 16) % SEGMENT_STEPS == 0
+
+
+def _write_segments(
+    storage: Storage,
+    stepped: list[tuple[int, str, str]],
+    before: tuple[SegmentRef, ...],
+    parsed: Mapping[str, tuple[bytes, CheckpointManifest]],
+) -> tuple[SegmentRef, ...]:
+    """The segments of ``stepped`` (step, key, text; sorted), each written unless the store
+    holds it already (by its name: the checksum of its content)."""
+    known = {ref.name: ref for ref in before}
+    present = listed_segments(storage) if stepped else set()
+    refs: list[SegmentRef] = []
+    start = 0
+    for i, (step, _, _) in enumerate(stepped):
+        last = i + 1 == len(stepped) or stepped[i + 1][0] != step
+        if not last or not (
+            _cut_after(step) or i + 1 - start >= SEGMENT_MAX_RECORDS or i + 1 == len(stepped)
+        ):
+            continue
+        part = stepped[start : i + 1]
+        start = i + 1
+        segment = Segment(format_version=FORMAT_VERSION, records=tuple((k, t) for _, k, t in part))
+        name, packed = encode_segment(segment)
+        ref = known.get(name) or _describe(name, part, parsed, storage)
+        if name not in present:
+            storage.put(segment_key(name), packed)
+        refs.append(ref)
+    return tuple(refs)
+
+
+def _describe(
+    name: str,
+    part: list[tuple[int, str, str]],
+    parsed: Mapping[str, tuple[bytes, CheckpointManifest]],
+    storage: Storage,
+) -> SegmentRef:
+    """The description of the segment ``name`` of records ``part`` (a record that does not
+    parse counts for nothing: it is no checkpoint)."""
+    newest: tuple[int, int] | None = None
+    top = 0
+    for step, key, text in part:
+        data = text.encode()
+        seen = parsed.get(key)
+        if seen is not None and seen[0] == data:
+            m = seen[1]
+        else:
+            try:
+                m = load_model(CheckpointManifest, data, storage.describe(key))
+            except DeckError:
+                continue
+        top = max(top, m.epoch)
+        if not m.is_merged and (newest is None or (m.epoch, step) > newest):
+            newest = (m.epoch, step)
+    return SegmentRef(
+        name=name,
+        first=part[0][0],
+        last=part[-1][0],
+        count=len(part),
+        newest=newest,
+        max_epoch=top,
+    )
+
+
+def _prune_segments(
+    storage: Storage, catalogs: list[int], written: int, refs: tuple[SegmentRef, ...]
+) -> None:
+    """Delete the segments none of ``catalogs`` (the ones kept; ``written``, with ``refs``,
+    among them) names. A kept catalog that cannot be read names none: readers pass it by."""
+    named = {ref.name for ref in refs}
+    for seq in catalogs:
+        if seq != written:
+            try:
+                named |= {ref.name for ref in read_catalog(storage, seq).segments}
+            except (CorruptCheckpointError, NotFoundError):
+                continue
+    for name in sorted(listed_segments(storage) - named):
+        storage.delete(segment_key(name))
 
 
 def whole_read(
@@ -349,6 +507,7 @@ def repair(
     logged: list[int],
     pending: list[Hint],
     read_keys: ReadKeys,
+    parsed: Mapping[str, tuple[bytes, CheckpointManifest]] | None = None,
 ) -> int | None:
     """For GC, which read every record (``truth``: each record key with its bytes, read after
     it listed the log as ``logged``): the read through the catalog is compared with ``truth``,
@@ -405,7 +564,7 @@ def repair(
         "" if view is not None else " (none could be used)",
         top,
     )
-    written = compact(storage, fixed, force=True)
+    written = compact(storage, fixed, force=True, parsed=parsed)
     for seq in catalogs:  # the ones it replaces, damaged or not
         if seq != top:
             storage.delete(catalog_key(seq))

@@ -39,7 +39,14 @@ from deck.format.manifest import (
     parse_step_dir,
     step_dir,
 )
-from deck.read.catalog import ManifestSet, manifest_keys, quarantine, read_manifests
+from deck.read.catalog import (
+    ManifestSet,
+    OutsideWindow,
+    Window,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+)
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES
 
@@ -298,6 +305,10 @@ class LineageGraph:
         self.damaged: dict[int, str] = (
             dict(manifests.damaged) if isinstance(manifests, ManifestSet) else {}
         )
+        # Only part of the lineage was read: questions that reach below it raise OutsideWindow
+        self.window: Window | None = (
+            manifests.window if isinstance(manifests, ManifestSet) else None
+        )
         self._index(_node(m, quarantined) for m in [*manifests.values(), *merged.values()])
 
     def _index(self, nodes: Iterable[LineageNode]) -> None:
@@ -322,6 +333,7 @@ class LineageGraph:
         graph = LineageGraph.__new__(LineageGraph)
         graph.uri = self.uri
         graph.damaged = self.damaged
+        graph.window = self.window
         graph._index(nodes)
         return graph
 
@@ -388,7 +400,10 @@ class LineageGraph:
     def latest(self) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain;
         checkpoints skipped on the way are logged with the reason."""
+        horizon = self.window.horizon if self.window is not None else None
         for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
+            if horizon is not None and (n.epoch, n.step) < horizon:
+                raise OutsideWindow(horizon[1])  # a newer one may be among those not read
             if self._chain_ids(n.step, frozenset()) is not None:
                 return n.step
             logger.warning("skipping step %d: %s", n.step, self._why_not(n.step, frozenset()))
@@ -423,6 +438,8 @@ class LineageGraph:
             self._best_excluding is exclude or self._best_excluding == exclude
         ):
             return self._best
+        if self.window is not None:
+            raise OutsideWindow(-1)
         best: dict[StateKey, PathLink] = {}
         fulls_at, ending_at = self.fulls_at, self.ending_at
         for st in sorted({*fulls_at, *ending_at}):
@@ -437,6 +454,8 @@ class LineageGraph:
         ``prev``, then ``last`` (if not None), then ``t`` (see :func:`chain_way_from`); None when
         there is none. Nothing is copied: O(in-degree) once the paths are known."""
         t = self.trainer.get(step)
+        if self.window is not None and step < self.window.floor:
+            raise OutsideWindow(step)
         if t is None:
             return None
         st = t.state
@@ -484,6 +503,8 @@ class LineageGraph:
                     continue  # (a stale entry)
                 if bound is not None and b > bound:
                     break
+                if self.window is not None and st[0] < self.window.floor:
+                    raise OutsideWindow(st[0])
                 near.add(st)
                 for f in self.fulls_at.get(st, ()):
                     if usable(f) and (bound is None or b + f.bytes < bound):

@@ -504,7 +504,8 @@ class LineageSim:
     def write_log(
         self, storage: Storage, behind: int, put: Callable[[str, bytes], None] | None = None
     ) -> None:
-        """Write the commit log and a catalog ``behind`` entries before its end (see
+        """Write the commit log and catalogs ``2 * behind`` and ``behind`` entries before its
+        end, the log pruned behind the first as the writers of catalogs leave it (see
         :meth:`write`); ``put``: how to write a file (default: the store's put)."""
         put = put or storage.put
         order = sorted(
@@ -517,7 +518,7 @@ class LineageSim:
                 log_key(seq),
                 dump_model(LogEntry(format_version=FORMAT_VERSION, seq=seq, hints=(hint,))),
             )
-            if seq == cut:
-                index = read_manifests(storage).index
-                assert index is not None and index.seq == cut
+            if seq in (cut - behind, cut) and seq > 0:  # two catalogs: the log is pruned
+                index = read_manifests(storage).index  # up to the first, as writers leave it
+                assert index is not None and index.seq == seq
                 compact(storage, index, force=True)

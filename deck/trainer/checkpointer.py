@@ -34,6 +34,7 @@ from deck.read.catalog import (
 from deck.read.restore import (
     RestoreStats,
 )
+from deck.read.window import read_window
 from deck.stack import require_torchrec
 from deck.storage import Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter, lineage_changed
@@ -561,8 +562,12 @@ class DeltaCheckpointer:
         return done.step
 
     def _next_epoch(self, storage: Storage) -> int:
-        """Collective: the epoch after every checkpoint committed at ``storage`` (rank 0 reads)."""
-        manifests = read_manifests(storage) if self.coord.rank == 0 else {}
+        """Collective: the epoch after every checkpoint committed at ``storage`` (rank 0 reads:
+        the newest part of the history where that answers: no trainer checkpoint left unread
+        is newer than the latest one read, so none has a higher epoch)."""
+        manifests = (
+            (read_window(storage) or read_manifests(storage)) if self.coord.rank == 0 else {}
+        )
         return self.coord.broadcast_int(next_epoch(manifests))
 
     # ---- lifetime ----------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from deck.read.catalog import (
 )
 from deck.read.lineage import best_valid_chain, chain_for, confirmed, latest_restorable
 from deck.read.restore import RestoreStats, apply_chain, read_state_file
+from deck.read.window import read_window
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.trainer.coordination import Coordinator, gather_votes
@@ -105,7 +106,9 @@ class StateLoader:
         """Load committed ``step`` (the latest restorable one when None) bitwise. Returns None
         when the URI holds no checkpoint. Collective: every rank loads the same step or all
         raise (see :meth:`deck.trainer.checkpointer.DeltaCheckpointer.restore`)."""
-        manifests = read_manifests(self.storage)
+        # The newest part of a long history where that answers (deck.read.window), else every
+        # record: the same step and chain either way.
+        manifests = read_window(self.storage, step) or read_manifests(self.storage)
         if step is None:
             chosen = None
             if self.coord.rank == 0:

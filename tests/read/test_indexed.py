@@ -13,10 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+import deck.read.indexed
+import deck.read.window
 from deck import cli
 from deck.format import commit_log
 from deck.format.commit_log import (
@@ -40,7 +42,8 @@ from deck.read.catalog import (
     refresh_catalog,
 )
 from deck.read.indexed import CATALOG_EVERY, IndexedRead, compact
-from deck.read.lineage import confirmed, latest_restorable
+from deck.read.lineage import chain_for, confirmed, latest_restorable
+from deck.read.window import read_window
 from deck.storage import LocalStorage, Storage
 from deck.testing.lineage_checks import check_all_restore, merge_all
 from deck.testing.synth import SynthTrainer, snapshot
@@ -167,6 +170,13 @@ class IndexMachine(RuleBasedStateMachine):
         if seqs:
             self.storage.put(catalog_key(seqs[-1]), b"not a catalog")
 
+    @rule(data=st.data())
+    def damage_a_segment(self, data: st.DataObject) -> None:
+        names = sorted(commit_log.listed_segments(self.storage))
+        if names:
+            name = data.draw(st.sampled_from(names))
+            self.storage.put(commit_log.segment_key(name), b"not a segment")
+
     @invariant()
     def reads_agree(self) -> None:
         truth = whole(self.storage)
@@ -175,11 +185,32 @@ class IndexMachine(RuleBasedStateMachine):
         self.last = read_manifests(self.storage, previous=self.last)
         same(self.last, truth)
 
+    @invariant()
+    def windows_plan_what_every_record_plans(self) -> None:
+        """A windowed read, where it answers, picks the latest step and the chains that every
+        record's read picks."""
+        truth = whole(self.storage)
+        latest = latest_restorable(truth)
+        for step in [None, *sorted(truth)]:
+            got = read_window(self.storage, step)
+            if got is None:
+                continue
+            event("a window answered" + ("" if got.window is None else " (partial)"))
+            assert latest_restorable(got) == latest
+            if step is not None:
+                assert [m.id for m in chain_for(got, step)] == [
+                    m.id for m in chain_for(truth, step)
+                ]
+
 
 def test_reads_through_the_catalog_equal_reading_every_record(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.ERROR, logger="deck")
+    # A segment per step, and windows over most of them: in a history of ten steps, windows
+    # that leave some out
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 1)
+    monkeypatch.setattr(deck.read.window, "_MOST", 0.9)
     run_state_machine_as_test(
         lambda: IndexMachine(tmp_path),
         settings=settings(
@@ -568,3 +599,32 @@ def test_a_repair_after_a_writer_pruned_the_log_keeps_what_that_writer_committed
     read_keys = lambda ks: ((k, store.get_or_none(k)) for k in ks)  # noqa: E731
     assert repair(store, truth, logged, [], read_keys) is None  # not GC's to judge now
     same(read_manifests(store), whole(store))
+
+
+def test_a_damaged_or_forged_segment_costs_a_read_never_a_wrong_answer(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A segment is checked against its name (the checksum of its content) and against what
+    its catalog says of it: damaged, replaced by another segment's valid content, or gone, its
+    catalog is passed by (logged) and the records read another way."""
+    _commit_all(store, len(POOL))
+    _catalog_now(store)
+    names = sorted(commit_log.listed_segments(store))
+    assert names
+    truth = whole(store)
+    victim = commit_log.segment_key(names[0])
+    good = store.get(victim)
+    forged = commit_log.encode_segment(
+        commit_log.Segment(
+            format_version=FORMAT_VERSION, records=((POOL[0][0], POOL[0][2].decode()),)
+        )
+    )[1]
+    for bad in (b"not zlib", forged, None):
+        if bad is None:
+            store.delete(victim)
+        else:
+            store.put(victim, bad)
+        with caplog.at_level(logging.WARNING, logger="deck"):
+            same(read_manifests(store), truth)
+        assert read_window(store) is None
+        store.put(victim, good)
