@@ -119,16 +119,14 @@ class SegmentRef(_Strict):
     """One segment of a catalog, as the catalog describes it: ``name``, the checksum of the
     segment's inflated bytes (its file is ``_catalog/segments/<name>.json.z``); ``first`` /
     ``last``, the lowest and highest step its record keys name; ``count``, its records;
-    ``newest``, ``(epoch, step)`` of its newest trainer record (None: it holds none);
-    ``max_epoch``, the highest epoch of its records. A reader checks a segment against this
-    when it reads it."""
+    ``newest``, ``(epoch, step)`` of its newest trainer record (None: it holds none). A reader
+    checks a segment against this when it reads it."""
 
     name: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
     first: Annotated[int, Field(ge=0)]
     last: Annotated[int, Field(ge=0)]
     count: Annotated[int, Field(ge=1)]
     newest: tuple[int, int] | None
-    max_epoch: Annotated[int, Field(ge=0)]
 
     @model_validator(mode="after")
     def _steps(self) -> SegmentRef:
@@ -139,12 +137,11 @@ class SegmentRef(_Strict):
         return self
 
 
-class Segment(_Strict):
-    """``_catalog/segments/<name>.json.z`` (zlib of the JSON): record keys with their text,
-    sorted by the step the key names, then the key."""
+class _Records(_Strict):
+    """A versioned list of record keys with their text (what catalogs and segments hold)."""
 
     format_version: int
-    records: Annotated[tuple[tuple[str, str], ...], Field(min_length=1)]
+    records: tuple[tuple[str, str], ...]
 
     @field_validator("format_version")
     @classmethod
@@ -158,7 +155,14 @@ class Segment(_Strict):
         return v
 
 
-class Catalog(_Strict):
+class Segment(_Records):
+    """``_catalog/segments/<name>.json.z`` (zlib of the JSON): record keys with their text,
+    sorted by the step the key names, then the key."""
+
+    records: Annotated[tuple[tuple[str, str], ...], Field(min_length=1)]
+
+
+class Catalog(_Records):
     """``_catalog/<seq>.json.z`` (zlib of the JSON): ``records``, each record key with its
     record's text, as read after every log entry up to ``seq`` existed; ``recheck``, the hints
     of those entries whose change had not shown when the record was read; ``unreadable``, keys
@@ -168,9 +172,7 @@ class Catalog(_Strict):
     ``segments``: where the records of checkpoints are, in step order (``records`` holds the
     others: quarantine records)."""
 
-    format_version: int
     seq: Annotated[int, Field(ge=0, le=MAX_SEQ)]
-    records: tuple[tuple[str, str], ...]
     recheck: tuple[Hint, ...]
     unreadable: tuple[str, ...] = ()
     log_from: Annotated[int, Field(ge=1, le=MAX_SEQ + 1)] = 1
@@ -181,17 +183,6 @@ class Catalog(_Strict):
     def _in_order(cls, v: tuple[SegmentRef, ...]) -> tuple[SegmentRef, ...]:
         if any(a.last >= b.first for a, b in itertools.pairwise(v)):
             raise ValueError("segments overlap or are out of step order")
-        return v
-
-    @field_validator("format_version")
-    @classmethod
-    def _version(cls, v: int) -> int:
-        return _check_version(v)
-
-    @field_validator("records")
-    @classmethod
-    def _keys(cls, v: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-        _check_keys(k for k, _ in v)
         return v
 
     @field_validator("unreadable")

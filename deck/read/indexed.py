@@ -405,9 +405,10 @@ def _write_segments(
     refs: list[SegmentRef] = []
     start = 0
     for i, (step, _, _) in enumerate(stepped):
-        last = i + 1 == len(stepped) or stepped[i + 1][0] != step
-        if not last or not (
-            _cut_after(step) or i + 1 - start >= SEGMENT_MAX_RECORDS or i + 1 == len(stepped)
+        end = i + 1 == len(stepped)
+        if not end and (
+            stepped[i + 1][0] == step  # (a step's records stay together)
+            or not (_cut_after(step) or i + 1 - start >= SEGMENT_MAX_RECORDS)
         ):
             continue
         part = stepped[start : i + 1]
@@ -430,7 +431,6 @@ def _describe(
     """The description of the segment ``name`` of records ``part`` (a record that does not
     parse counts for nothing: it is no checkpoint)."""
     newest: tuple[int, int] | None = None
-    top = 0
     for step, key, text in part:
         data = text.encode()
         seen = parsed.get(key)
@@ -441,7 +441,6 @@ def _describe(
                 m = load_model(CheckpointManifest, data, storage.describe(key))
             except DeckError:
                 continue
-        top = max(top, m.epoch)
         if not m.is_merged and (newest is None or (m.epoch, step) > newest):
             newest = (m.epoch, step)
     return SegmentRef(
@@ -450,7 +449,6 @@ def _describe(
         last=part[-1][0],
         count=len(part),
         newest=newest,
-        max_epoch=top,
     )
 
 
