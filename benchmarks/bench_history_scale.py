@@ -22,6 +22,7 @@ For each size, at a local store (medians of ``--repeats``, warm page cache):
   ``latest`` + ``cheapest_chain``, each timed on its own; then through the catalog; then from
   the newest segments of the catalog (``deck.read.window.read_window``, what a restore does),
   checked to plan the same chain;
+- ``deck ls``'s default view (:func:`deck.ops.listing.list_recent_rows`);
 
 and the growth exponent between sizes (time ~ n**k).
 
@@ -45,8 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _workload import in_workdir
 
+from deck.cli.inspect import LS_RECENT_STEPS
 from deck.format.manifest import MANIFEST
 from deck.merge.worker import MergeWorker
+from deck.ops.listing import list_recent_rows
 from deck.ops.retention import gc as gc_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.plan import RetentionPolicy, grace_protected
@@ -224,6 +227,15 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
     counting = _Counting(storage)
     read_window(counting)
     out["w_requests"] = float(counting.n)
+
+    # `deck ls`'s default view (the newest steps and the fulls of the newest segments)
+    out["ls_total"], recent = _median_s(
+        lambda: list_recent_rows(storage, LS_RECENT_STEPS), a.repeats
+    )
+    assert recent is not None, "the default view read every record"
+    counting = _Counting(storage)
+    list_recent_rows(counting, LS_RECENT_STEPS)
+    out["ls_requests"] = float(counting.n)
     worker = MergeWorker(storage)
     # Catching up on what the generator left for the merger: passes until one has nothing to
     # do. (A merger full over generated inputs, whose rank manifests are copies of one real
@@ -310,6 +322,8 @@ ROWS = [
     ("i_requests", "storage requests to read through the catalog"),
     ("w_total", "planning the restore of the latest step, from the newest segments"),
     ("w_requests", "storage requests of that plan"),
+    ("ls_total", "`deck ls` (default view: newest steps, fulls of the newest segments)"),
+    ("ls_requests", "storage requests of that view"),
     ("i_merge", "a merger pass with nothing new, through the catalog"),
 ]
 

@@ -69,7 +69,7 @@ def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
     """The rows ``deck ls`` shows: ``--all`` (and ``--json`` unless narrowed) every one;
     ``--since STEP`` those of STEP and later; ``--last N`` those of the newest N steps; by
     default those of the newest :data:`LS_RECENT_STEPS` steps and every full (the points a
-    restore starts from). Pending and damaged folders are always shown."""
+    restore starts from) among ``rows``. Pending and damaged folders are always shown."""
     if a.all or (a.json and a.since is None and a.last is None):
         return rows
     steps = sorted({r.step for r in rows})
@@ -85,10 +85,15 @@ def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
 
 def cmd_ls(a: argparse.Namespace) -> int:
     """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
-    from deck.ops.listing import list_rows, tree_lines
+    from deck.ops.listing import list_recent_rows, list_rows, tree_lines
 
+    storage = open_existing(a.uri, a.storage_options)
+    default = not (a.all or a.json or a.since is not None or a.last is not None)
     with quiet_catalog():  # a damaged record is reported below, once
-        graph, rows = list_rows(open_existing(a.uri, a.storage_options))
+        # The default view from the newest part of the history (a long one is not read whole)
+        recent = list_recent_rows(storage, LS_RECENT_STEPS) if default else None
+        graph, rows = (recent.graph, recent.rows) if recent else list_rows(storage)
+    hidden = recent.older if recent else 0
     if not rows:
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri} (it exists, but holds none)")
     now = time.time()
@@ -104,10 +109,10 @@ def cmd_ls(a: argparse.Namespace) -> int:
         )
         for r in shown:
             print(_ls_line(r, now))
-    if len(shown) < len(rows) and not a.json:
+    if len(shown) < len(rows) + hidden and not a.json:
         print(
-            f"({len(rows) - len(shown)} more checkpoint(s) not shown: --all lists every one, "
-            "--since STEP or --last N others)"
+            f"({len(rows) - len(shown) + hidden} more checkpoint(s) not shown: --all lists "
+            "every one, --since STEP or --last N others)"
         )
     broken = sorted({r.step for r in rows if r.state == "broken"})
     if broken:
@@ -370,7 +375,9 @@ def ls_parser(sub: Subparsers) -> None:
         "parent and base, `--tree` draws the parent links). Exit 2 when the URI does not exist "
         "or holds no checkpoint; exit 1 (the rest listed, state damaged) when a commit record "
         "(manifest.json) cannot be read. By default the checkpoints of the newest "
-        f"{LS_RECENT_STEPS} steps and every full (--json: every checkpoint).",
+        f"{LS_RECENT_STEPS} steps and every full; of a long history (a catalog of several "
+        "segments) the fulls of its newest segments only, read without reading every record "
+        "(--all and --json: every checkpoint).",
     )
     ls.add_argument("uri")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a list)")

@@ -20,14 +20,16 @@ from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
     CheckpointManifest,
+    Kind,
     RankManifest,
     RankRef,
     ShardRecord,
     load_model,
     parse_merged_dir,
+    parse_step_dir,
     step_dir,
 )
-from deck.read.catalog import read_manifests, read_rank_manifests
+from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
 from deck.read.lineage import LineageGraph, LineageNode, build_graph
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -112,6 +114,71 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
         else r
         for r in rows
     ]
+    rows.extend(_unreadable_rows(manifests, keys))
+    rows.extend(_pending_rows(storage, keys))
+    rows.sort(key=_row_order)
+    return graph, rows
+
+
+@dataclass(frozen=True)
+class RecentRows:
+    """What :func:`list_recent_rows` found: the graph of the records it read (every one of
+    steps ``floor`` and later), the rows of the newest steps and of the fulls among them, and
+    how many other checkpoints there are (``older``: the catalog's count of those not read,
+    and those read but not in ``rows``)."""
+
+    graph: LineageGraph
+    rows: list[Row]
+    floor: int
+    older: int
+
+
+def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
+    """The rows of :func:`list_rows` for the newest ``steps`` steps (every checkpoint of them,
+    and the pending ones), for the fulls of the newest part of the history, and for the damaged
+    records among those read, read
+    from the newest segments of the catalog (:func:`deck.read.window.read_window`): what a
+    long history costs to list does not grow with its length. The same rows as
+    :func:`list_rows` gives for those checkpoints, or None where a windowed read cannot say
+    (no catalog with segments, a history of one segment, or a shown trainer checkpoint with
+    no chain among the records read: whether it is broken or abandoned takes every record):
+    the caller lists every record then."""
+    from deck.read.window import read_window
+
+    got = read_window(storage)
+    if got is None or got.window is None or got.index is None:
+        return None
+    floor = got.window.floor
+    unread = [r for r in got.index.segments if r.name not in got.index.loaded]
+    # A chain among the records read is a chain (an answer without the window's limits)
+    got.window = None
+    graph = build_graph(got, storage.uri)
+    every = sorted({n.step for n in graph.nodes.values()})
+    first = every[-min(len(every), steps)] if every else floor
+    nodes = [n for n in graph.nodes.values() if n.step >= first or n.kind is Kind.FULL]
+    restorable = set(graph.restorable_steps())
+    if any(not n.merged and not n.quarantined and n.step not in restorable for n in nodes):
+        return None
+    rows = [_row(n) for n in nodes]
+    rows.extend(_unreadable_rows(got, list(got.index.records)))
+    # Pending checkpoints: the step folders of the shown steps and after, listed one by one
+    names = [n.rstrip("/") for n in storage.list_dir("")]
+    recent = [n for n in names if (s := parse_step_dir(n)) is not None and s >= first]
+    listed = [k for n in recent for k in storage.list(f"{n}/")]
+    rows.extend(_pending_rows(storage, listed))
+    rows.sort(key=_row_order)
+    older = sum(r.count for r in unread) + len(graph.nodes) - len(nodes)
+    return RecentRows(graph, rows, floor, older)
+
+
+def _row_order(r: Row) -> tuple[int, int, int, bool, str]:
+    return (r.step, r.layer, r.first_step, r.state != "committed", r.id)
+
+
+def _unreadable_rows(manifests: ManifestSet, keys: list[str]) -> list[Row]:
+    """A ``damaged`` row per trainer record of ``manifests`` that cannot be read, and per
+    merger record among ``keys`` that cannot be (its folder's name says its layer and steps)."""
+    rows = []
     for step, why in manifests.damaged.items():
         rows.append(_damaged(step, 0, step_dir(step), "", why))
     for k in keys:
@@ -124,16 +191,19 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
             layer, first = (int(hit.group(1)), int(hit.group(2))) if hit else (0, named[1])
             row = _damaged(named[1], layer, folder, named[0], manifests.damaged_merged[named[0]])
             rows.append(replace(row, first_step=first))
+    return rows
+
+
+def _pending_rows(storage: Storage, keys: list[str]) -> list[Row]:
+    """A ``pending`` row per attempt of a step folder among ``keys`` with rank parts and no
+    ``manifest.json``."""
     have = set(keys)
     parts: dict[tuple[str, str], list[str]] = {}
     for k in keys:
         hit = _PART.match(k)
         if hit and f"{hit.group(1)}/{MANIFEST}" not in have:
             parts.setdefault((hit.group(1), hit.group(2)), []).append(k)
-    for (folder, ckpt_id), found in parts.items():
-        rows.append(_pending(storage, folder, ckpt_id, found))
-    rows.sort(key=lambda r: (r.step, r.layer, r.first_step, r.state != "committed", r.id))
-    return graph, rows
+    return [_pending(storage, folder, ckpt_id, found) for (folder, ckpt_id), found in parts.items()]
 
 
 def _damaged(step: int, layer: int, folder: str, ckpt_id: str, why: str) -> Row:

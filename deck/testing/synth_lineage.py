@@ -504,9 +504,10 @@ class LineageSim:
     def write_log(
         self, storage: Storage, behind: int, put: Callable[[str, bytes], None] | None = None
     ) -> None:
-        """Write the commit log and catalogs ``2 * behind`` and ``behind`` entries before its
-        end, the log pruned behind the first as the writers of catalogs leave it (see
-        :meth:`write`); ``put``: how to write a file (default: the store's put)."""
+        """Write the commit log and catalogs ``3 * behind``, ``2 * behind`` and ``behind``
+        entries before its end: the last catalog prunes the first and the log up to the second,
+        as a job's writers of catalogs leave it (see :meth:`write`); ``put``: how to write a
+        file (default: the store's put)."""
         put = put or storage.put
         order = sorted(
             [*self.trainer.values(), *self.merged.values()], key=lambda m: self.committed_at[m.id]
@@ -518,7 +519,7 @@ class LineageSim:
                 log_key(seq),
                 dump_model(LogEntry(format_version=FORMAT_VERSION, seq=seq, hints=(hint,))),
             )
-            if seq in (cut - behind, cut) and seq > 0:  # two catalogs: the log is pruned
-                index = read_manifests(storage).index  # up to the first, as writers leave it
+            if seq in (cut - 2 * behind, cut - behind, cut) and seq > 0:
+                index = read_manifests(storage).index
                 assert index is not None and index.seq == seq
                 compact(storage, index, force=True)

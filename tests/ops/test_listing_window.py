@@ -1,0 +1,101 @@
+"""``deck ls``'s default view of a long history is read from the newest segments of the
+catalog, and shows what a read of every record shows for the checkpoints it lists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deck.read.indexed
+from deck.format.manifest import MANIFEST
+from deck.ops.listing import list_recent_rows, list_rows
+from deck.storage import LocalStorage
+from deck.testing.synth_lineage import LineageSim
+
+
+def _history(root: Path, steps: int, rollback_at: int | None = None) -> LocalStorage:
+    sim = LineageSim(world_size=2, seed=steps)
+    last = sim.save("full")
+    sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    for _ in range(1, steps):
+        if sim.step == rollback_at:
+            sim.rollback(sim.step - 3)
+            rollback_at = None
+        sim.train()
+        last = sim.save("full" if sim.step % 25 == 0 else "delta")
+        sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    storage = LocalStorage(str(root))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 10)
+    return storage
+
+
+def _pending_attempt(storage: LocalStorage, step: int) -> None:
+    """Rank parts of an attempt at ``step`` with no commit record (a save in progress)."""
+    src = storage.local_path("step-000000000000")
+    assert src is not None
+    (part,) = [k for k in storage.list("step-000000000000/") if k.endswith("rank-00000.json")]
+    storage.put(f"step-{step:012d}/00000000deadbeef/rank-00000.json", storage.get(part))
+
+
+def test_the_recent_rows_are_those_of_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage = _history(tmp_path / "uri", 300)
+    _pending_attempt(storage, 300)
+    recent = list_recent_rows(storage, 10)
+    _, every = list_rows(storage)
+    assert recent is not None and recent.floor > 0  # a part of the history only
+    by_id = {(r.id, r.state): r for r in every}
+    assert [by_id[(r.id, r.state)] for r in recent.rows] == recent.rows
+    steps = sorted({r.step for r in every if r.state == "committed"})
+    shown = {r.step for r in recent.rows if r.kind != "full"}
+    assert shown == set(steps[-10:]) | {300}  # the newest 10 steps, and the pending one
+    assert any(r.state == "pending" and r.step == 300 for r in recent.rows)
+    assert {r.step for r in recent.rows if r.kind == "full"} >= {275}  # the newest full
+    assert len(recent.rows) + recent.older == len(every)
+    assert recent.graph.nodes.keys() < {r.id for r in every}  # (not every record read)
+
+
+def test_a_recent_step_without_a_chain_takes_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a rollback the newest steps are those it left: whether they are abandoned
+    (or broken) takes every record, so the view is not taken from the window; once the new
+    timeline is past them, it is again."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    assert list_recent_rows(_history(tmp_path / "a", 300, rollback_at=298), 1) is None
+    recent = list_recent_rows(_history(tmp_path / "b", 300, rollback_at=280), 20)
+    assert recent is not None and all(r.state == "committed" for r in recent.rows)
+
+
+def test_deck_ls_of_a_long_history(tmp_path: Path) -> None:
+    """The command, on a history of several segments as the catalog cuts them by default: the
+    newest 20 steps and the fulls of the part read, and how many more there are."""
+    storage = _history(tmp_path / "uri", 6000)
+    _, every = list_rows(storage)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    got = subprocess.run(
+        [sys.executable, "-m", "deck.cli", "ls", str(tmp_path / "uri")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    rows = [line.split() for line in lines[1:-1]]
+    steps = sorted({r.step for r in every})
+    assert [int(r[1]) for r in rows if r[0] != "full"][-1] == steps[-1]
+    assert {int(r[1]) for r in rows if r[0] != "full"} == set(steps[-20:])
+    assert len(rows) < 200  # (not every full of the history)
+    assert lines[-1] == (
+        f"({len(every) - len(rows)} more checkpoint(s) not shown: --all lists every one, "
+        "--since STEP or --last N others)"
+    )
+    assert f"{steps[0]}/{MANIFEST}" not in got.stdout
