@@ -9,8 +9,7 @@ from deck.config import Settings
 
 
 class LiveConfig(Settings):
-    """How a serving process applies a publish URI's steps to its live model
-    (``deck.serve.live.LiveModel``)."""
+    """How a serving process applies a publish URI's steps to its live model."""
 
     keep_versions: int = Field(
         default=4,
