@@ -87,7 +87,9 @@ class Readers:
 
     def __init__(self, live: Any, models: dict[str, torch.nn.Module], reqs: list[Any], n: int):
         self.live, self.reqs = live, reqs
-        self.ebcs = [m.get_submodule("sparse_arch.embedding_bag_collection") for m in models.values()]
+        self.ebcs = [
+            m.get_submodule("sparse_arch.embedding_bag_collection") for m in models.values()
+        ]
         self.phase: list[float] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
@@ -214,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         if rates
         else "rows/s: no deltas replayed"
     )
+    if deltas:
+        print(
+            f"per delta while training: prepare (read, check, encode) median "
+            f"{statistics.median(s.prepare_s for s in deltas):.3f} s, write (first slice to "
+            f"switch) median {statistics.median(s.apply_s for s in deltas):.3f} s"
+        )
     stale = [s.staleness_s for s in deltas if s.staleness_s is not None]
     if stale:
         print(

@@ -168,6 +168,7 @@ class LiveModel:
     def prepare(self, plan: Plan) -> PreparedVersion:
         """Read, check and encode ``plan``'s version (nothing is written). A whole version keeps
         only the rows that differ from the served ones."""
+        t0 = time.perf_counter()
         shapes = self.tables.shapes
         got = read_rows(
             self.source.storage,
@@ -197,6 +198,7 @@ class LiveModel:
             commit_unix=plan.commit_unix,
             bytes_read=got.bytes_read,
             checkpoints=tuple(m.folder for m in plan.chain),
+            prepare_s=time.perf_counter() - t0,
         )
 
     def begin(self, version: PreparedVersion) -> Applying:

@@ -41,6 +41,7 @@ class PreparedVersion:
     commit_unix: float | None = None  # when the publisher committed it (None: a rollback)
     bytes_read: int = 0
     checkpoints: tuple[str, ...] = ()  # the folders read
+    prepare_s: float = 0.0  # reading, checking and encoding it
 
     @property
     def rows(self) -> int:
@@ -63,6 +64,7 @@ class VersionSwitch:
     commit_unix: float | None
     bytes_read: int = 0
     checkpoints: tuple[str, ...] = ()
+    prepare_s: float = 0.0  # reading, checking and encoding the version before its first slice
 
     @property
     def staleness_s(self) -> float | None:
@@ -171,4 +173,5 @@ class Applying:
             commit_unix=v.commit_unix,
             bytes_read=v.bytes_read,
             checkpoints=v.checkpoints,
+            prepare_s=v.prepare_s,
         )
