@@ -5,7 +5,8 @@
 
 Every field of :class:`deck.DeckConfig`, :class:`deck.StagingConfig`,
 :class:`deck.PublishConfig`, :class:`deck.merge.policy.MergeConfig`,
-:class:`deck.merge.policy.FullPolicy` and :class:`deck.ops.retention.RetentionPolicy` (all
+:class:`deck.merge.policy.FullPolicy`, :class:`deck.ops.retention.RetentionPolicy` and
+:class:`deck.serve.live_config.LiveConfig` (all
 pydantic models) is listed with its type, default, constraints and description. The descriptions
 live on the fields themselves (``Field(description=...)``, with
 ``json_schema_extra={"constraints": ..., "cli": ...}`` for what validators check and which flag
@@ -29,6 +30,7 @@ from pydantic_core import PydanticUndefined
 from deck.config import DeckConfig, PublishConfig, StagingConfig
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy
+from deck.serve.live_config import LiveConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 REGENERATE = "python -m deck.docgen"
@@ -44,6 +46,11 @@ MODELS: list[tuple[type[BaseModel], str, str]] = [
         RetentionPolicy,
         "deck.ops.retention.RetentionPolicy",
         "GC: `deck gc` / `deck merge --gc` flags",
+    ),
+    (
+        LiveConfig,
+        "deck.serve.live_config.LiveConfig",
+        "a serving process: `deck.serve.live.LiveModel(models, source, config)`",
     ),
 ]
 

@@ -1,0 +1,239 @@
+"""Live apply (``deck.serve.live.LiveModel``): rows/s written into a serving model, request
+latency with and without applies, and staleness (publish commit -> visible to requests).
+
+The 2-rank gloo DLRM of ``deck.demo`` (``--tables`` x ``--rows`` x ``--dim`` fp32, Zipf ids,
+batch ``--batch`` per rank) trains ``--steps`` steps publishing a delta every
+``--publish-every`` steps to a local directory. Meanwhile this process serves a float copy and
+TorchRec's int8 quantisation of its tables (an unsharded DLRM), applies every publish with a
+background applier (``LiveModel.start``, polling every ``--poll`` s), and ``--readers`` threads
+send requests (``--request-batch`` samples, Zipf ids) alternately to the float and int8 copies
+under ``live.serving(kjt)``, timing each. Then, training over, the same readers run as long
+again with no applies (the baseline), and the applies are repeated without training beside them
+(rollback to the oldest kept step, resume, apply forward: the same deltas) for rows/s.
+
+    python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--rows-per-s N]
+
+Prints: rows/s per switch (median, and the total rows over the total apply time), latency
+p50/p99 of requests while training + applying, while only applying, and idle, the slices and
+the waits, staleness per switch (median / max). The machine is shared (2 vCPUs for training
+ranks, applier and readers together): compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _trainer(rank: int, world_size: int, port: int, a: dict[str, Any], ckpt: str, pub: str) -> None:
+    import deck
+    from deck.demo import ModelSpec, build_model, train_step
+    from deck.processes import end_rank, init_process_group
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)
+    init_process_group(rank, world_size, port)
+    spec = ModelSpec(num_tables=a["tables"], rows=a["rows"], dim=a["dim"], batch=a["batch"])
+    model, opt = build_model(spec)
+    config = deck.DeckConfig(
+        uri=ckpt,
+        delta_every_steps=10_000,
+        publish=deck.PublishConfig(uri=pub, every_steps=a["publish_every"]),
+    )
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(a["steps"] + 1):
+            if step:
+                train_step(model, opt, spec, step)
+            ck.step(step)
+        ck.flush()
+    end_rank()
+
+
+def _serving(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.models.dlrm import DLRM
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=a.dim, num_embeddings=a.rows, feature_names=[f"f{i}"]
+        )
+        for i in range(a.tables)
+    ]
+    dlrm = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables),
+        dense_in_features=13,
+        dense_arch_layer_sizes=[32, a.dim],
+        over_arch_layer_sizes=[32, 1],
+    )
+    q8 = quantize_embeddings(copy.deepcopy(dlrm), dtype=torch.qint8, inplace=False)
+    return {"float": dlrm, "int8": q8}
+
+
+class Readers:
+    """Request threads; each latency goes to the list of the current phase."""
+
+    def __init__(self, live: Any, models: dict[str, torch.nn.Module], reqs: list[Any], n: int):
+        self.live, self.reqs = live, reqs
+        self.ebcs = [
+            m.get_submodule("sparse_arch.embedding_bag_collection") for m in models.values()
+        ]
+        self.phase: list[float] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        k = i
+        while not self.stop.is_set():
+            kjt = self.reqs[k % len(self.reqs)]
+            ebc = self.ebcs[k % len(self.ebcs)]
+            t0 = time.perf_counter()
+            with self.live.serving(kjt), torch.no_grad():
+                ebc(kjt)
+            self.phase.append(time.perf_counter() - t0)
+            k += 1
+
+    def measure(self) -> list[float]:
+        out, self.phase = self.phase, []
+        return out
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
+
+def _line(what: str, lat: list[float]) -> str:
+    return (
+        f"{what:<28} {len(lat):>7} requests  p50 {_pct(lat, 50) * 1e3:7.3f} ms  "
+        f"p99 {_pct(lat, 99) * 1e3:7.3f} ms  max {max(lat, default=0) * 1e3:7.2f} ms"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tables", type=int, default=4)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--publish-every", type=int, default=5)
+    p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--request-batch", type=int, default=64)
+    p.add_argument("--slice-rows", type=int, default=4096)
+    p.add_argument("--rows-per-s", type=float, default=None)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)
+    from deck.demo import ModelSpec, make_batch
+    from deck.processes import free_port
+    from deck.serve.live import LiveConfig, LiveModel, VersionSwitch
+    from deck.storage import LocalStorage
+
+    small = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.request_batch)
+    reqs = [make_batch(small, 10_000 + i, 0)[1] for i in range(64)]
+    with tempfile.TemporaryDirectory() as work:
+        ckpt, pub = os.path.join(work, "ckpt"), os.path.join(work, "pub")
+        os.makedirs(pub)
+        models = _serving(a)
+        switches: list[VersionSwitch] = []
+        live = LiveModel(
+            list(models.values()),
+            LocalStorage(pub),
+            LiveConfig(
+                poll_s=a.poll,
+                slice_rows=a.slice_rows,
+                rows_per_s=a.rows_per_s,
+                keep_versions=a.steps // a.publish_every + 1,
+            ),
+            on_switch=switches.append,
+        )
+        ctx = mp.spawn(
+            _trainer,
+            args=(2, free_port(), vars(a), ckpt, pub),
+            nprocs=2,
+            join=False,
+        )
+        readers = Readers(live, models, reqs, a.readers)
+        t0 = time.perf_counter()
+        live.start()
+        while not ctx.join(timeout=0.5):
+            pass
+        live.stop()
+        live.poll()  # the last publishes
+        train_s = time.perf_counter() - t0
+        with_training = readers.measure()
+        live_switches = list(switches)
+        # Applies alone: back to the oldest kept step, forward again (the same deltas).
+        kept = live.kept_steps()
+        switches.clear()
+        t1 = time.perf_counter()
+        rounds = 0
+        while time.perf_counter() - t1 < max(5.0, train_s / 3) and kept:
+            live.rollback(kept[-1])
+            live.resume()
+            live.poll()
+            rounds += 1
+        applying = readers.measure()
+        apply_only_s = time.perf_counter() - t1
+        replay = [s for s in switches if s.kind == "delta"]
+        time.sleep(apply_only_s)  # idle: no applies
+        idle = readers.measure()
+        readers.close()
+    print(f"command: python {' '.join(sys.argv)}")
+    deltas = [s for s in live_switches if s.kind == "delta"]
+    rates = [s.rows / s.apply_s for s in replay if s.apply_s > 0]
+    total = sum(s.rows for s in replay) / max(sum(s.apply_s for s in replay), 1e-9)
+    print(
+        f"switches while training: {len(live_switches)} ({len(deltas)} deltas, "
+        f"median {statistics.median(s.rows for s in deltas) if deltas else 0:.0f} rows, "
+        f"{statistics.median(s.slices for s in deltas) if deltas else 0:.0f} slices); "
+        f"replayed without training: {len(replay)} deltas in {rounds} rounds"
+    )
+    print(
+        f"rows/s written (2 served copies, float + int8): median {statistics.median(rates):,.0f} "
+        f"per switch, {total:,.0f} overall"
+        if rates
+        else "rows/s: no deltas replayed"
+    )
+    if deltas:
+        print(
+            f"per delta while training: prepare (read, check, encode) median "
+            f"{statistics.median(s.prepare_s for s in deltas):.3f} s, write (first slice to "
+            f"switch) median {statistics.median(s.apply_s for s in deltas):.3f} s"
+        )
+    stale = [s.staleness_s for s in deltas if s.staleness_s is not None]
+    if stale:
+        print(
+            f"staleness (publish commit -> visible) while training, poll {a.poll} s: median "
+            f"{statistics.median(stale):.3f} s, max {max(stale):.3f} s"
+        )
+    print(_line("latency, training + applies", with_training))
+    print(_line("latency, applies only", applying))
+    print(_line("latency, idle", idle))
+    print(f"requests that waited for their rows: {live.gate.waits}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Published steps applied in place to a live serving model: :class:`LiveModel`.
+
+::
+
+    live = LiveModel([float_model, quant_model], LocalStorage("/publish"), LiveConfig())
+    live.poll()                  # or live.start(): a background applier every poll_s
+    with live.serving(kjt) as v: # v.step: the version every row of this request is at
+        out = quant_model(kjt)
+
+Guarantees:
+
+- **Exact.** After a switch to step t, each served float table holds bitwise the weights
+  ``restore(t)`` gives, and each quantised table (row-wise INT8, FP16, FP32 on the CPU) the
+  bytes TorchRec's own quantize of those weights gives (:mod:`deck.serve.live_tables`).
+- **All or nothing.** A version is read, checked and encoded whole before its first row is
+  written (:mod:`deck.serve.live_read`); a damaged, foreign or out-of-order update raises
+  there, is logged (ERROR) and reported to ``on_fault``, and the model keeps serving its
+  version; that checkpoint is never tried again. Requests under :meth:`serving` never read rows
+  of two versions (:mod:`deck.serve.live_gate`).
+- **Rollback.** The rows replaced by the last ``keep_versions`` versions are kept, so
+  :meth:`rollback` to any of them writes them back without reading storage; further back it
+  rebuilds the step from storage (the newest full at or before it, then its deltas). Either way
+  the model is then held at that step until :meth:`resume`.
+- **Reported.** Every switch is one INFO line and a :class:`VersionSwitch` to ``on_switch``
+  (step, rows, slices, seconds, staleness: publish commit -> visible).
+
+One applier at a time (``poll``, ``rollback`` and the background thread take one lock);
+requests from any number of threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from deck.errors import CheckpointNotFoundError, DeckError
+from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, VersionSwitch
+from deck.serve.live_config import LiveConfig
+from deck.serve.live_gate import INITIAL, Served, ServingGate, State
+from deck.serve.live_read import RefusedUpdateError, last_wins, read_rows
+from deck.serve.live_source import Plan, PublishSource
+from deck.serve.live_tables import ServedTables, find_tables, request_rows
+from deck.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LiveConfig", "LiveFault", "LiveModel", "Served", "VersionSwitch"]
+
+
+@dataclass(frozen=True)
+class LiveFault:
+    """An update that did not reach the served model (what ``on_fault`` receives)."""
+
+    step: int
+    checkpoint: str  # the folder of the checkpoint refused
+    uri: str
+    error: str
+    serving: State  # the version served instead
+
+
+@dataclass
+class Replaced:
+    """What one applied version replaced: the rows of each served copy before it."""
+
+    before: State
+    after: State
+    tables: dict[str, PreparedTable]  # ids and ``old`` rows
+
+
+class LiveModel:
+    """Applies the published steps of ``source`` to the served tables of ``models`` (see the
+    module doc). ``prefix``: the serving models' path inside the trained model, when they are a
+    part of it (e.g. ``"sparse_arch"`` for a served ``SparseArch``). ``clock``/``sleep`` pace
+    ``rows_per_s``."""
+
+    def __init__(
+        self,
+        models: torch.nn.Module | Iterable[torch.nn.Module],
+        source: Storage | PublishSource,
+        config: LiveConfig | None = None,
+        *,
+        prefix: str = "",
+        on_switch: Callable[[VersionSwitch], None] | None = None,
+        on_fault: Callable[[LiveFault], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        mods = [models] if isinstance(models, torch.nn.Module) else list(models)
+        self.tables: ServedTables = find_tables(mods, prefix)
+        self.source = source if isinstance(source, PublishSource) else PublishSource(source)
+        self.config = config or LiveConfig()
+        self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})
+        self.history: deque[Replaced] = deque()
+        self.bad: set[str] = set()  # ids of checkpoints refused (never tried again)
+        self.held = False
+        self.faults: list[LiveFault] = []
+        self.on_switch, self.on_fault = on_switch, on_fault
+        self.clock, self.sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- what is served ---------------------------------------------------------------------
+    @property
+    def version(self) -> State:
+        """(step, checkpoint id) served; ``(-1, "")`` before the first switch."""
+        return self.gate.version
+
+    @property
+    def step(self) -> int:
+        """The served step (the ``deck_version`` a response can be labelled with)."""
+        return self.gate.version[0]
+
+    def serving(self, batch: object = None) -> AbstractContextManager[Served]:
+        """Run a request on one version: ``with live.serving(kjt) as v: model(kjt)``.
+
+        ``batch``: the request's ``KeyedJaggedTensor`` (or ids by table key); its ids are
+        counted (apply priority) and decide whether it may run while a version is written.
+        Without it the request waits for any version being written."""
+        rows = None if batch is None else request_rows(self.tables, batch)
+        return self.gate.read(rows)
+
+    # ---- applying -----------------------------------------------------------------------------
+    def poll(self) -> list[VersionSwitch]:
+        """Apply every version published since the served one, one switch each (a held model,
+        see :meth:`rollback`, applies nothing). Refused updates are logged and skipped; a store
+        that cannot be read is raised (:class:`deck.errors.StorageError`), nothing changed."""
+        out: list[VersionSwitch] = []
+        with self._lock:
+            while not self.held:
+                served = None if self.version == INITIAL else self.version
+                plans = self.source.next_plans(served, frozenset(self.bad))
+                if not plans:
+                    break
+                prepared = self._prepare_or_refuse(plans[0])
+                if prepared is None:
+                    continue  # refused: plan again around it
+                out.append(self._apply(prepared))
+        return out
+
+    def _prepare_or_refuse(self, plan: Plan) -> PreparedVersion | None:
+        try:
+            return self.prepare(plan)
+        except RefusedUpdateError as e:
+            culprit = e.checkpoint
+            self.bad.add(culprit.id)
+            fault = LiveFault(plan.step, culprit.folder, self.source.uri, str(e), self.version)
+            self.faults.append(fault)
+            logger.error(
+                "deck live: %s of %s not applied (%s); serving step %d (checkpoint %s)",
+                culprit.folder,
+                self.source.uri,
+                e,
+                self.version[0],
+                self.version[1] or "-",
+            )
+            if self.on_fault is not None:
+                self.on_fault(fault)
+            return None
+
+    def prepare(self, plan: Plan) -> PreparedVersion:
+        """Read, check and encode ``plan``'s version (nothing is written). A whole version keeps
+        only the rows that differ from the served ones."""
+        t0 = time.perf_counter()
+        shapes = self.tables.shapes
+        got = read_rows(
+            self.source.storage,
+            list(plan.chain),
+            shapes,
+            whole=plan.whole,
+            allow_quantized=self.config.allow_quantized,
+        )
+        tables: dict[str, PreparedTable] = {}
+        for key, rows in got.tables.items():
+            targets = self.tables.by_key[key]
+            ids = rows.ids
+            new = [t.encode(rows.values) for t in targets]
+            if plan.whole:
+                differs = torch.zeros(ids.numel(), dtype=torch.bool)
+                for t, n in zip(targets, new, strict=True):
+                    differs |= t.differs(ids, n)
+                sel = torch.nonzero(differs).view(-1)
+                ids, new = ids.index_select(0, sel), [n.index_select(0, sel) for n in new]
+            keep = self.config.keep_versions > 0
+            old = [t.read(ids) for t in targets] if keep else []
+            tables[key] = PreparedTable(ids, new, old)
+        return PreparedVersion(
+            state=plan.state,
+            kind="full" if plan.whole else "delta",
+            tables=tables,
+            commit_unix=plan.commit_unix,
+            bytes_read=got.bytes_read,
+            checkpoints=tuple(m.folder for m in plan.chain),
+            prepare_s=time.perf_counter() - t0,
+        )
+
+    def begin(self, version: PreparedVersion) -> Applying:
+        """Start writing ``version`` slice by slice (:meth:`Applying.step`); the caller holds
+        no other apply meanwhile. :meth:`poll` is this with the config's pacing."""
+        return Applying(version, self.tables, self.gate)
+
+    def _apply(self, version: PreparedVersion) -> VersionSwitch:
+        applying = self.begin(version)
+        switch = applying.run(
+            self.config.slice_rows, self.config.rows_per_s, self.clock, self.sleep
+        )
+        self.finished(applying)
+        return switch
+
+    def finished(self, applying: Applying) -> None:
+        """Book a written version (its replaced rows into the history) and report the switch."""
+        v = applying.version
+        if v.kind in ("delta", "full") and self.config.keep_versions:
+            self.history.append(Replaced(applying.previous, v.state, v.tables))
+            while len(self.history) > self.config.keep_versions:
+                self.history.popleft()
+        switch = applying.switched()
+        stale = switch.staleness_s
+        logger.info(
+            "deck live: serving step %d (checkpoint %s) of %s: %s, %d rows in %d slice(s), "
+            "%.3f s%s",
+            switch.step,
+            switch.ckpt_id,
+            self.source.uri,
+            switch.kind,
+            switch.rows,
+            switch.slices,
+            switch.apply_s,
+            "" if stale is None else f"; visible {stale:.3f} s after its publish",
+        )
+        if self.on_switch is not None:
+            self.on_switch(switch)
+
+    # ---- rollback -----------------------------------------------------------------------------
+    def kept_steps(self) -> list[int]:
+        """Steps :meth:`rollback` restores without reading storage (newest first)."""
+        return [r.before[0] for r in reversed(self.history) if r.before != INITIAL]
+
+    def rollback(self, step: int) -> VersionSwitch | None:
+        """Serve ``step`` again, in place, and hold it there until :meth:`resume`.
+
+        A step among :meth:`kept_steps` is written back from the kept rows (no storage read);
+        an older one is rebuilt from storage (its cheapest chain: the newest full at or before
+        it, then deltas; only rows that differ are written), which drops the kept rows. Raises
+        :class:`CheckpointNotFoundError` for a step after the served one or not restorable;
+        a refused chain raises its error, the served version unchanged. None when ``step`` is
+        served already (it is held)."""
+        with self._lock:
+            if step == self.step:
+                self.held = True
+                return None
+            if step > self.step:
+                raise CheckpointNotFoundError(
+                    f"rollback to step {step}: the served step is {self.step} of "
+                    f"{self.source.uri}; rollback goes back (resume() goes forward)"
+                )
+            at = [i for i, r in enumerate(self.history) if r.before[0] == step]
+            if at:
+                version = self._from_kept(at[-1])
+            else:
+                plan = self.source.chain_to(step, frozenset(self.bad))
+                version = self.prepare(plan)
+                version.kind, version.commit_unix = "reload", None
+            applying = self.begin(version)
+            switch = applying.run(
+                self.config.slice_rows, self.config.rows_per_s, self.clock, self.sleep
+            )
+            if at:
+                for _ in range(len(self.history) - at[-1]):
+                    self.history.pop()
+            else:
+                self.history.clear()  # kept rows lead back from states no longer served
+            self.held = True
+            self.finished(applying)
+            return switch
+
+    def _from_kept(self, first: int) -> PreparedVersion:
+        """The version before ``history[first]``, from the rows it and every later version
+        replaced (for a row replaced several times, the oldest value)."""
+        records = list(self.history)[first:]
+        keys = {k for r in records for k in r.tables}
+        tables: dict[str, PreparedTable] = {}
+        for key in keys:
+            newest_first = [r.tables[key] for r in reversed(records) if key in r.tables]
+            ids = torch.cat([t.ids for t in newest_first])
+            copies = []
+            for c in range(len(self.tables.by_key[key])):
+                old = torch.cat([t.old[c] for t in newest_first])
+                # last_wins keeps the last occurrence: the oldest record's row
+                uids, rows = last_wins(ids, old)
+                copies.append(rows)
+            tables[key] = PreparedTable(uids, copies)
+        return PreparedVersion(records[0].before, "rollback", tables)
+
+    def resume(self) -> None:
+        """Let :meth:`poll` go forward again from the held step."""
+        with self._lock:
+            self.held = False
+
+    # ---- background ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Poll every ``poll_s`` seconds in a background thread (errors logged, retried)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="deck-live", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (after the version it is writing, if any)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except DeckError as e:
+                logger.warning(
+                    "deck live: %s: %s; retrying in %.1f s", self.source.uri, e, self.config.poll_s
+                )
+            self._stop.wait(self.config.poll_s)

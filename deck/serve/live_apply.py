@@ -1,0 +1,177 @@
+"""Writing one prepared version into the served tables: in slices, most-requested rows first,
+each slice under the gate's exclusive side, the version switched when its last row is written.
+
+Guarantees: rows are written only from a :class:`PreparedVersion`, which holds every row of the
+version already read, checked and encoded (nothing here reads storage or can fail on the data);
+the served version changes exactly once, after every row of every served copy is written
+(:meth:`deck.serve.live_gate.ServingGate.switch`); requests never see a row of the version
+before the request's other rows of it (the gate).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from deck.serve.live_gate import ServingGate, State
+from deck.serve.live_tables import ServedTables
+
+
+@dataclass
+class PreparedTable:
+    """One table's rows of a version: ``ids`` ascending; ``new`` the stored rows of each
+    served copy (in :attr:`ServedTables.by_key` order); ``old`` what they replace (kept for
+    rollback; empty when not kept)."""
+
+    ids: torch.Tensor
+    new: list[torch.Tensor]
+    old: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class PreparedVersion:
+    """A version ready to be written: rows by table key, and where it comes from."""
+
+    state: State
+    kind: str  # "delta", "full", "rollback", "reload"
+    tables: dict[str, PreparedTable]
+    commit_unix: float | None = None  # when the publisher committed it (None: a rollback)
+    bytes_read: int = 0
+    checkpoints: tuple[str, ...] = ()  # the folders read
+    prepare_s: float = 0.0  # reading, checking and encoding it
+
+    @property
+    def rows(self) -> int:
+        return sum(int(t.ids.numel()) for t in self.tables.values())
+
+
+@dataclass
+class VersionSwitch:
+    """One switch of the served version (what ``on_switch`` receives)."""
+
+    step: int
+    ckpt_id: str
+    previous: State
+    kind: str  # "delta" | "full" (a whole step: only rows that differ written) | "rollback"
+    #            (kept rows, no storage read) | "reload" (a rollback read from storage)
+    rows: int  # rows written (each served copy of a row counts once)
+    slices: int
+    apply_s: float  # first slice to switch
+    visible_unix: float
+    commit_unix: float | None
+    bytes_read: int = 0
+    checkpoints: tuple[str, ...] = ()
+    prepare_s: float = 0.0  # reading, checking and encoding the version before its first slice
+
+    @property
+    def staleness_s(self) -> float | None:
+        """Publish commit -> visible to requests (None for a rollback)."""
+        return None if self.commit_unix is None else self.visible_unix - self.commit_unix
+
+
+class Applying:
+    """The writing of ``version`` into ``tables`` through ``gate`` (one at a time)."""
+
+    def __init__(self, version: PreparedVersion, tables: ServedTables, gate: ServingGate) -> None:
+        self.version = version
+        self.tables = tables
+        self.gate = gate
+        self.keys = list(version.tables)
+        # positions (into each table's ids) not written yet
+        self.rest = {k: torch.arange(version.tables[k].ids.numel()) for k in self.keys}
+        self.previous = gate.version
+        self.slices = 0
+        self.written = 0
+        self.started: float | None = None
+        self.done = False
+        gate.begin(version.state, {k: t.ids for k, t in version.tables.items()})
+
+    @property
+    def remaining(self) -> int:
+        return sum(int(r.numel()) for r in self.rest.values())
+
+    def _pick(self, max_rows: int) -> dict[str, torch.Tensor]:
+        """Up to ``max_rows`` unwritten rows by table (indices into :attr:`rest`): the rows
+        requests looked up most (rows a waiting request needs first), all of them when they
+        fit."""
+        if self.remaining <= max_rows:
+            return {k: torch.arange(r.numel()) for k, r in self.rest.items() if r.numel()}
+        scores = torch.cat(
+            [
+                self.gate.counts[k].index_select(
+                    0, self.version.tables[k].ids.index_select(0, self.rest[k])
+                )
+                for k in self.keys
+            ]
+        )
+        top = torch.topk(scores, max_rows, sorted=False).indices
+        out, at = {}, 0
+        for k in self.keys:
+            n = int(self.rest[k].numel())
+            mine = top[(top >= at) & (top < at + n)] - at
+            if mine.numel():
+                out[k] = mine
+            at += n
+        return out
+
+    def step(self, max_rows: int) -> bool:
+        """Write the next slice (at most ``max_rows`` rows); True once the version is served."""
+        if self.done:
+            return True
+        if self.started is None:
+            self.started = time.perf_counter()
+        chosen = self._pick(max_rows)
+        with self.gate.exclusive():
+            for k, positions in chosen.items():
+                t = self.version.tables[k]
+                pos = self.rest[k].index_select(0, positions)
+                ids = t.ids.index_select(0, pos)
+                for target, new in zip(self.tables.by_key[k], t.new, strict=True):
+                    target.write(ids, new.index_select(0, pos))
+                self.gate.written(k, ids)
+                keep = torch.ones(self.rest[k].numel(), dtype=torch.bool)
+                keep[positions] = False
+                self.rest[k] = self.rest[k][keep]
+                self.written += int(ids.numel())
+            self.slices += 1
+            if not self.remaining:
+                self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
+                self.done = True
+        return self.done
+
+    def run(
+        self,
+        slice_rows: int,
+        rows_per_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> VersionSwitch:
+        """Write every slice, paced to ``rows_per_s`` (None: back to back), and say so."""
+        t0, base = clock(), self.written
+        while not self.step(slice_rows):
+            if rows_per_s is not None:
+                wait = t0 + (self.written - base) / rows_per_s - clock()
+                if wait > 0:
+                    sleep(wait)
+        return self.switched()
+
+    def switched(self) -> VersionSwitch:
+        assert self.done
+        v = self.version
+        return VersionSwitch(
+            step=v.state[0],
+            ckpt_id=v.state[1],
+            previous=self.previous,
+            kind=v.kind,
+            rows=self.written,
+            slices=self.slices,
+            apply_s=time.perf_counter() - (self.started or time.perf_counter()),
+            visible_unix=time.time(),
+            commit_unix=v.commit_unix,
+            bytes_read=v.bytes_read,
+            checkpoints=v.checkpoints,
+            prepare_s=v.prepare_s,
+        )

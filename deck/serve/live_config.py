@@ -1,0 +1,46 @@
+"""The settings of a live apply (:class:`deck.serve.live.LiveModel`); torch-free, so the
+configuration reference is generated without it."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from deck.config import Settings
+
+
+class LiveConfig(Settings):
+    """How a serving process applies a publish URI's steps to its live model."""
+
+    keep_versions: int = Field(
+        default=4,
+        ge=0,
+        description="How many applied versions keep the rows they replaced, so rollback(step) "
+        "to any of them restores in place without reading storage; further back reloads from "
+        "the newest full at or before the step. Memory: the replaced rows of that many "
+        "versions, in the served form (int8 rows are 4 + dim bytes).",
+    )
+    rows_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Cap on rows written per second (all served copies of a row count once). "
+        "When capped, the rows requests looked up most are written first; requests keep "
+        "reading the previous version of their rows meanwhile. None: no cap.",
+        json_schema_extra={"constraints": "> 0, or None"},
+    )
+    slice_rows: int = Field(
+        default=4096,
+        ge=1,
+        description="Rows written per exclusive section: requests run between slices, so this "
+        "bounds how long a request waits for an apply (a slice of 4096 dim-64 rows is well "
+        "under a millisecond of copying).",
+    )
+    poll_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the background applier (LiveModel.start) looks for new steps.",
+    )
+    allow_quantized: bool = Field(
+        default=False,
+        description="Apply steps a publisher wrote with PublishConfig.quantize (dequantised "
+        "first, so the served rows are not the exact trained ones).",
+    )

@@ -1,0 +1,122 @@
+"""Which published checkpoints a live model applies next: the publish URI's lineage, read as
+``deck follow`` reads it (committed records, the cheapest chain of the newest step).
+
+Guarantees: a plan never moves the served step backwards (a newest step at or below the served
+one, e.g. a publisher restarted from an older checkpoint, is left alone and logged once); a
+delta is planned only onto the exact state it was written on (step and id); a checkpoint the
+caller marked bad is never planned again (``exclude``), so a damaged delta is skipped until a
+chain around it exists (the next full, or a merged checkpoint covering it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deck.errors import CheckpointNotFoundError
+from deck.format.manifest import CheckpointManifest
+from deck.read.catalog import ManifestSet, read_manifests
+from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
+from deck.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+State = tuple[int, str]  # (step, trainer checkpoint id): a served version
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next version: apply ``chain`` (oldest first). ``whole``: it starts with a full and
+    gives the complete state (the served rows are compared and only those that differ are
+    written); otherwise it applies onto the served state (a delta or merged delta)."""
+
+    chain: tuple[CheckpointManifest, ...]
+    whole: bool
+
+    @property
+    def state(self) -> State:
+        s = self.chain[-1].state
+        return (int(s[0]), str(s[1]))
+
+    @property
+    def step(self) -> int:
+        return int(self.chain[-1].step)
+
+    @property
+    def commit_unix(self) -> float:
+        """When the version's trainer checkpoint was committed by the publisher."""
+        return float(self.chain[-1].created_unix)
+
+
+class PublishSource:
+    """The published checkpoints at ``storage`` (a publish URI, or any deck checkpoint URI)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.uri = storage.uri
+        self._last: ManifestSet | None = None
+        self._said_behind: State | None = None
+
+    def _graph(self) -> LineageGraph | None:
+        manifests = read_manifests(self.storage, previous=self._last)
+        self._last = manifests
+        if not manifests:
+            return None
+        graph = build_graph(manifests, self.uri)
+        latest = graph.latest()
+        if latest is None:
+            return None
+        checked = confirmed(self.storage, manifests, latest)  # the records, not a catalog copy
+        return graph if checked is manifests else build_graph(checked, self.uri)
+
+    def next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
+        """The versions after ``served``, in order, one per checkpoint of the newest step's
+        chain after the served state (or one whole version when the chain does not pass
+        through it). Empty when nothing newer is restorable without ``exclude``."""
+        graph = self._graph()
+        if graph is None:
+            return []
+        for step in sorted(graph.restorable_steps(), reverse=True):
+            if served is not None and step < served[0]:
+                return []
+            try:
+                chain = cheapest_chain(graph, step, exclude=exclude)
+            except CheckpointNotFoundError:
+                continue  # through a bad checkpoint: an older step may still be newer than ours
+            return self._plans(chain, served)
+        return []
+
+    def _plans(self, chain: list[CheckpointManifest], served: State | None) -> list[Plan]:
+        last = chain[-1]
+        if served is not None and last.state == served:
+            return []
+        held = [i for i, m in enumerate(chain) if m.state == served]
+        if held:
+            plans, parent = [], served
+            for m in chain[held[-1] + 1 :]:
+                if m.state == parent:
+                    continue  # a trainer checkpoint after the merger checkpoint of its state
+                plans.append(Plan((m,), whole=False))
+                parent = m.state
+            return plans
+        if served is not None and last.step <= served[0]:
+            if self._said_behind != last.state:
+                logger.warning(
+                    "deck live: the newest step at %s is %d (checkpoint %s), not after the served "
+                    "step %d: left alone (out of order; the served version stays)",
+                    self.uri,
+                    last.step,
+                    last.state[1],
+                    served[0],
+                )
+                self._said_behind = last.state
+            return []
+        return [Plan(tuple(chain), whole=True)]
+
+    def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan:
+        """A whole version of committed ``step`` (its cheapest chain from a full): what a
+        rollback further back than the kept versions restores from storage."""
+        graph = self._graph()
+        if graph is None:
+            raise CheckpointNotFoundError(f"no committed checkpoints at {self.uri}")
+        return Plan(tuple(cheapest_chain(graph, step, exclude=exclude)), whole=True)
