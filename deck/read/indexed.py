@@ -93,6 +93,9 @@ class IndexedRead:
     loaded: set[str] = field(default_factory=set)
     # Keys read after the catalog: a segment's copy of one is out of date.
     shadow: set[str] = field(default_factory=set)
+    # The segment each record not in `shadow` was loaded from, by key: a new catalog names
+    # that segment again without encoding it while it still holds exactly these records.
+    origin: dict[str, str] = field(default_factory=dict)
 
 
 _warned: set[tuple[str, str]] = set()
@@ -202,6 +205,7 @@ def _read_from(
         segments=start.segments,
         loaded=set(start.loaded),
         shadow=start.shadow | set(again),
+        origin=dict(start.origin),
         seq=seq,
         records=records,
         recheck=unresolved(hints, records),
@@ -255,6 +259,7 @@ def load_segments(storage: Storage, read: IndexedRead, refs: Iterable[SegmentRef
         for k, text in check_segment(packed, ref, where).records:
             if k not in read.shadow:
                 read.records[k] = text.encode()
+                read.origin[k] = ref.name
         read.loaded.add(ref.name)
 
 
@@ -352,7 +357,7 @@ def compact(
             texts.append((key, text))
         else:
             stepped.append((step, key, text))
-    refs = _write_segments(storage, sorted(stepped), read.segments, parsed or {})
+    refs = _write_segments(storage, sorted(stepped), read, parsed or {})
     catalog = Catalog(
         format_version=FORMAT_VERSION,
         seq=read.seq,
@@ -395,12 +400,14 @@ def _cut_after(step: int) -> bool:
 def _write_segments(
     storage: Storage,
     stepped: list[tuple[int, str, str]],
-    before: tuple[SegmentRef, ...],
+    read: IndexedRead,
     parsed: Mapping[str, tuple[bytes, CheckpointManifest]],
 ) -> tuple[SegmentRef, ...]:
     """The segments of ``stepped`` (step, key, text; sorted), each written unless the store
-    holds it already (by its name: the checksum of its content)."""
-    known = {ref.name: ref for ref in before}
+    holds it already (by its name: the checksum of its content). One of ``read``'s segments
+    that still holds exactly the same records is named again as it is (not encoded again: a
+    long history's catalog costs what changed, not every record)."""
+    known = {ref.name: ref for ref in read.segments}
     present = listed_segments(storage) if stepped else set()
     refs: list[SegmentRef] = []
     start = 0
@@ -413,6 +420,10 @@ def _write_segments(
             continue
         part = stepped[start : i + 1]
         start = i + 1
+        same = _unchanged(part, read, known)
+        if same is not None and same.name in present:
+            refs.append(same)
+            continue
         segment = Segment(format_version=FORMAT_VERSION, records=tuple((k, t) for _, k, t in part))
         name, packed = encode_segment(segment)
         ref = known.get(name) or _describe(name, part, parsed, storage)
@@ -420,6 +431,20 @@ def _write_segments(
             storage.put(segment_key(name), packed)
         refs.append(ref)
     return tuple(refs)
+
+
+def _unchanged(
+    part: list[tuple[int, str, str]], read: IndexedRead, known: Mapping[str, SegmentRef]
+) -> SegmentRef | None:
+    """The segment of ``known`` whose records ``part`` is (every one loaded from it, as many
+    as it holds, none read again since), or None."""
+    names = {read.origin.get(key) for _, key, _ in part}
+    if len(names) != 1:
+        return None
+    ref = known.get(next(iter(names)) or "")
+    if ref is None or ref.count != len(part) or any(key in read.shadow for _, key, _ in part):
+        return None
+    return ref
 
 
 def _describe(

@@ -628,3 +628,60 @@ def test_a_damaged_or_forged_segment_costs_a_read_never_a_wrong_answer(
             same(read_manifests(store), truth)
         assert read_window(store) is None
         store.put(victim, good)
+
+
+def test_a_new_catalog_encodes_only_the_segments_that_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catalog over a long history names its unchanged segments again without encoding
+    them; what it names is what a catalog encoded from scratch names."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    sim = LineageSim(world_size=1, seed=7)
+    sim.save("full")
+    for _ in range(200):
+        sim.train()
+        sim.save("full" if sim.step % 50 == 0 else "delta")
+    storage = LocalStorage(str(tmp_path / "uri"))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 5)
+    before = read_manifests(storage).index
+    assert before is not None and len(before.segments) > 10
+    sim.train()
+    sim.save("delta")  # one more commit: the newest segment changes
+    sim.write(storage, durable=False)
+    order = sorted(sim.committed_at, key=lambda i: sim.committed_at[i])
+    m = sim.trainer[sim.step]
+    assert order[-1] == m.id
+    commit_log.append_hints(storage, [Hint(key=f"{m.folder}/{MANIFEST}", op="commit", id=m.id)])
+    encoded: list[str] = []
+    real = commit_log.encode_segment
+
+    def counting(segment: commit_log.Segment) -> tuple[str, bytes]:
+        name, packed = real(segment)
+        encoded.append(name)
+        return name, packed
+
+    # The same compaction encoding every segment (as one from a read of every record does)
+    copy = LocalStorage(str(tmp_path / "copy"))
+    shutil.copytree(tmp_path / "uri", tmp_path / "copy", symlinks=True)
+    whole = read_manifests(copy).index
+    assert whole is not None
+    whole.origin.clear()
+    seq = compact(copy, whole, force=True)
+    assert seq is not None
+    from_scratch = [r.name for r in commit_log.read_catalog(copy, seq).segments]
+
+    monkeypatch.setattr(deck.read.indexed, "encode_segment", counting)
+    index = read_manifests(storage).index
+    assert index is not None
+    assert compact(storage, index, force=True) == seq
+    again = [r.name for r in commit_log.read_catalog(storage, seq).segments]
+    assert 1 <= len(encoded) <= 2 < len(again)  # the changed segment (and a new one)
+    assert again == from_scratch
+    assert reads_agree_with_every_record(storage)
+
+
+def reads_agree_with_every_record(storage: Storage) -> bool:
+    got = read_manifests(storage)
+    truth = read_manifests(storage, manifest_keys(storage))
+    return dict(got) == dict(truth) and got.merged == truth.merged
