@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--publish-every", type=int, default=5)
-    p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--poll", type=float, default=None, help="default: LiveConfig's poll_s")
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--request-batch", type=int, default=64)
     p.add_argument("--slice-rows", type=int, default=4096)
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         models = _serving(a)
         switches: list[VersionSwitch] = []
         ready = os.path.join(work, "serving")
+        if a.poll is None:
+            a.poll = LiveConfig().poll_s
         cap = {"default": LiveConfig().rows_per_s, "none": None}.get(a.rows_per_s)
         rows_per_s = cap if a.rows_per_s in ("default", "none") else float(a.rows_per_s)
 
