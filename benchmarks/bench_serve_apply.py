@@ -5,18 +5,22 @@ The 2-rank gloo DLRM of ``deck.demo`` (``--tables`` x ``--rows`` x ``--dim`` fp3
 batch ``--batch`` per rank) trains ``--steps`` steps publishing a delta every
 ``--publish-every`` steps to a local directory. Meanwhile this process serves a float copy and
 TorchRec's int8 quantisation of its tables (an unsharded DLRM), applies every publish with a
-background applier (``LiveModel.start``, polling every ``--poll`` s), and ``--readers`` threads
-send requests (``--request-batch`` samples, Zipf ids) alternately to the float and int8 copies
-under ``live.serving(kjt)``, timing each. Then, training over, the same readers run as long
-again with no applies (the baseline), and the applies are repeated without training beside them
-(rollback to the oldest kept step, resume, apply forward: the same deltas) for rows/s.
+background applier (``LiveModel.start``, polling every ``--poll`` s, LiveConfig's by default),
+and ``--readers`` threads send requests (``--request-batch`` samples, Zipf ids) alternately to
+the float and int8 copies under ``live.serving(kjt)``, timing each. The trainer waits after its
+first publish (a full) until the serving model serves it: the deltas' staleness is the steady
+state's. Then, training over, ``--repeats`` rounds of: the applies repeated without training
+(rollback to the oldest kept step, resume, apply forward: the same deltas), then as long idle.
 
-    python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--rows-per-s N]
+    python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--repeats 3]
+        [--rows-per-s N|none|default]
 
-Prints: rows/s per switch (median, and the total rows over the total apply time), latency
-p50/p99 of requests while training + applying, while only applying, and idle, the slices and
-the waits, staleness per switch (median / max). The machine is shared (2 vCPUs for training
-ranks, applier and readers together): compare within one run.
+Prints: rows/s per switch (median, and the total rows over the total apply time), staleness of
+the deltas (the commit record's file time -> visible; median / max, and the part until the poll
+found it), latency p50/p99 of requests while training + applying, and of each round applying
+and idle, the median of the rounds' p99s and their ratio, the requests that waited for their
+rows. The machine is shared (2 vCPUs for training ranks, applier and readers together):
+compare within one run.
 """
 
 from __future__ import annotations
