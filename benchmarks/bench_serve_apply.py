@@ -5,18 +5,22 @@ The 2-rank gloo DLRM of ``deck.demo`` (``--tables`` x ``--rows`` x ``--dim`` fp3
 batch ``--batch`` per rank) trains ``--steps`` steps publishing a delta every
 ``--publish-every`` steps to a local directory. Meanwhile this process serves a float copy and
 TorchRec's int8 quantisation of its tables (an unsharded DLRM), applies every publish with a
-background applier (``LiveModel.start``, polling every ``--poll`` s), and ``--readers`` threads
-send requests (``--request-batch`` samples, Zipf ids) alternately to the float and int8 copies
-under ``live.serving(kjt)``, timing each. Then, training over, the same readers run as long
-again with no applies (the baseline), and the applies are repeated without training beside them
-(rollback to the oldest kept step, resume, apply forward: the same deltas) for rows/s.
+background applier (``LiveModel.start``, polling every ``--poll`` s, LiveConfig's by default),
+and ``--readers`` threads send requests (``--request-batch`` samples, Zipf ids) alternately to
+the float and int8 copies under ``live.serving(kjt)``, timing each. The trainer waits after its
+first publish (a full) until the serving model serves it: the deltas' staleness is the steady
+state's. Then, training over, ``--repeats`` rounds of: the applies repeated without training
+(rollback to the oldest kept step, resume, apply forward: the same deltas), then as long idle.
 
-    python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--rows-per-s N]
+    python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--repeats 3]
+        [--rows-per-s N|none|default]
 
-Prints: rows/s per switch (median, and the total rows over the total apply time), latency
-p50/p99 of requests while training + applying, while only applying, and idle, the slices and
-the waits, staleness per switch (median / max). The machine is shared (2 vCPUs for training
-ranks, applier and readers together): compare within one run.
+Prints: rows/s per switch (median, and the total rows over the total apply time), staleness of
+the deltas (the commit record's file time -> visible; median / max, and the part until the poll
+found it), latency p50/p99 of requests while training + applying, and of each round applying
+and idle, the median of the rounds' p99s and their ratio, the requests that waited for their
+rows. The machine is shared (2 vCPUs for training ranks, applier and readers together):
+compare within one run.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _trainer(rank: int, world_size: int, port: int, a: dict[str, Any], ckpt: str, pub: str) -> None:
+def _trainer(
+    rank: int, world_size: int, port: int, a: dict[str, Any], ckpt: str, pub: str, ready: str
+) -> None:
     import deck
     from deck.demo import ModelSpec, build_model, train_step
     from deck.processes import end_rank, init_process_group
@@ -57,6 +63,13 @@ def _trainer(rank: int, world_size: int, port: int, a: dict[str, Any], ckpt: str
             if step:
                 train_step(model, opt, spec, step)
             ck.step(step)
+            if step == 0:
+                # The serving model loads the first full before the deltas are timed: staleness
+                # is the steady state's, not a catch-up's (a delta committed while the first
+                # full of 400k rows is read and written waits for it).
+                ck.flush()
+                while not os.path.exists(ready):
+                    time.sleep(0.05)
         ck.flush()
     end_rank()
 
@@ -137,11 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--publish-every", type=int, default=5)
-    p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--poll", type=float, default=None, help="default: LiveConfig's poll_s")
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--request-batch", type=int, default=64)
     p.add_argument("--slice-rows", type=int, default=4096)
-    p.add_argument("--rows-per-s", type=float, default=None)
+    p.add_argument("--rows-per-s", default="default", help="a number, none, or default")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of (applies only, idle) after training; latency: the median of their p99s",
+    )
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
@@ -157,20 +176,31 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(pub)
         models = _serving(a)
         switches: list[VersionSwitch] = []
+        ready = os.path.join(work, "serving")
+        if a.poll is None:
+            a.poll = LiveConfig().poll_s
+        cap = {"default": LiveConfig().rows_per_s, "none": None}.get(a.rows_per_s)
+        rows_per_s = cap if a.rows_per_s in ("default", "none") else float(a.rows_per_s)
+
+        def switched(s: VersionSwitch) -> None:
+            switches.append(s)
+            if not os.path.exists(ready):
+                open(ready, "w").close()
+
         live = LiveModel(
             list(models.values()),
             LocalStorage(pub),
             LiveConfig(
                 poll_s=a.poll,
                 slice_rows=a.slice_rows,
-                rows_per_s=a.rows_per_s,
+                rows_per_s=rows_per_s,
                 keep_versions=a.steps // a.publish_every + 1,
             ),
-            on_switch=switches.append,
+            on_switch=switched,
         )
         ctx = mp.spawn(
             _trainer,
-            args=(2, free_port(), vars(a), ckpt, pub),
+            args=(2, free_port(), vars(a), ckpt, pub, ready),
             nprocs=2,
             join=False,
         )
@@ -184,21 +214,24 @@ def main(argv: list[str] | None = None) -> int:
         train_s = time.perf_counter() - t0
         with_training = readers.measure()
         live_switches = list(switches)
-        # Applies alone: back to the oldest kept step, forward again (the same deltas).
+        # Applies alone: back to the oldest kept step, forward again (the same deltas), then
+        # as long idle (no applies), ``--repeats`` times.
         kept = live.kept_steps()
         switches.clear()
-        t1 = time.perf_counter()
-        rounds = 0
-        while time.perf_counter() - t1 < max(5.0, train_s / 3) and kept:
-            live.rollback(kept[-1])
-            live.resume()
-            live.poll()
-            rounds += 1
-        applying = readers.measure()
-        apply_only_s = time.perf_counter() - t1
+        rounds, applying, idle, apply_only_s = 0, [], [], 0.0
+        phase_s = max(5.0, train_s / 3)
+        for _ in range(a.repeats):
+            t1 = time.perf_counter()
+            while time.perf_counter() - t1 < phase_s and kept:
+                live.rollback(kept[-1])
+                live.resume()
+                live.poll()
+                rounds += 1
+            applying.append(readers.measure())
+            apply_only_s += time.perf_counter() - t1
+            time.sleep(phase_s)  # idle: no applies
+            idle.append(readers.measure())
         replay = [s for s in switches if s.kind == "delta"]
-        time.sleep(apply_only_s)  # idle: no applies
-        idle = readers.measure()
         readers.close()
     print(f"command: python {' '.join(sys.argv)}")
     deltas = [s for s in live_switches if s.kind == "delta"]
@@ -208,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         f"switches while training: {len(live_switches)} ({len(deltas)} deltas, "
         f"median {statistics.median(s.rows for s in deltas) if deltas else 0:.0f} rows, "
         f"{statistics.median(s.slices for s in deltas) if deltas else 0:.0f} slices); "
-        f"replayed without training: {len(replay)} deltas in {rounds} rounds"
+        f"replayed without training: {len(replay)} deltas in {rounds} rounds (with rollbacks)"
     )
     print(
         f"rows/s written (2 served copies, float + int8): median {statistics.median(rates):,.0f} "
@@ -224,13 +257,23 @@ def main(argv: list[str] | None = None) -> int:
         )
     stale = [s.staleness_s for s in deltas if s.staleness_s is not None]
     if stale:
+        found = [s.found_s for s in deltas if s.found_s is not None]
         print(
-            f"staleness (publish commit -> visible) while training, poll {a.poll} s: median "
-            f"{statistics.median(stale):.3f} s, max {max(stale):.3f} s"
+            f"staleness (the commit record's file time -> visible to requests) of the deltas "
+            f"while training, poll {a.poll} s, cap {rows_per_s} rows/s: median "
+            f"{statistics.median(stale):.3f} s, max {max(stale):.3f} s; of which found by the "
+            f"poll: median {statistics.median(found) if found else float('nan'):.3f} s"
         )
     print(_line("latency, training + applies", with_training))
-    print(_line("latency, applies only", applying))
-    print(_line("latency, idle", idle))
+    for i, (ap, no) in enumerate(zip(applying, idle, strict=True)):
+        print(_line(f"latency, applies only #{i + 1}", ap))
+        print(_line(f"latency, idle #{i + 1}", no))
+    p99_ap = statistics.median(_pct(x, 99) for x in applying)
+    p99_no = statistics.median(_pct(x, 99) for x in idle)
+    print(
+        f"p99, median of {a.repeats} rounds: {p99_ap * 1e3:.3f} ms applying, "
+        f"{p99_no * 1e3:.3f} ms idle: {p99_ap / p99_no:.2f}x ({apply_only_s:.1f} s of applies)"
+    )
     print(f"requests that waited for their rows: {live.gate.waits}")
     return 0
 

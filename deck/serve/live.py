@@ -22,7 +22,8 @@ Guarantees:
   rebuilds the step from storage (the newest full at or before it, then its deltas). Either way
   the model is then held at that step until :meth:`resume`.
 - **Reported.** Every switch is one INFO line and a :class:`VersionSwitch` to ``on_switch``
-  (step, rows, slices, seconds, staleness: publish commit -> visible).
+  (step, rows, slices, seconds, staleness: the publisher's commit of the version, the file time
+  of its commit record, -> visible to requests).
 
 One applier at a time (``poll``, ``rollback`` and the background thread take one lock);
 requests from any number of threads.
@@ -78,7 +79,7 @@ class LiveModel:
     """Applies the published steps of ``source`` to the served tables of ``models`` (see the
     module doc). ``prefix``: the serving models' path inside the trained model, when they are a
     part of it (e.g. ``"sparse_arch"`` for a served ``SparseArch``). ``clock``/``sleep`` pace
-    ``rows_per_s``."""
+    ``rows_per_s`` (``sleep`` None: a pause a request waiting for its rows cuts short)."""
 
     def __init__(
         self,
@@ -90,7 +91,7 @@ class LiveModel:
         on_switch: Callable[[VersionSwitch], None] | None = None,
         on_fault: Callable[[LiveFault], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         mods = [models] if isinstance(models, torch.nn.Module) else list(models)
         self.tables: ServedTables = find_tables(mods, prefix)
@@ -99,6 +100,7 @@ class LiveModel:
         self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})
         self.history: deque[Replaced] = deque()
         self.bad: set[str] = set()  # ids of checkpoints refused (never tried again)
+        self._seen: dict[str, float] = {}  # checkpoint id -> when a poll first planned it
         self.held = False
         self.faults: list[LiveFault] = []
         self.on_switch, self.on_fault = on_switch, on_fault
@@ -137,6 +139,8 @@ class LiveModel:
             while not self.held:
                 served = None if self.version == INITIAL else self.version
                 plans = self.source.next_plans(served, frozenset(self.bad))
+                now = time.time()
+                self._seen = {p.chain[-1].id: self._seen.get(p.chain[-1].id, now) for p in plans}
                 if not plans:
                     break
                 prepared = self._prepare_or_refuse(plans[0])
@@ -195,7 +199,8 @@ class LiveModel:
             state=plan.state,
             kind="full" if plan.whole else "delta",
             tables=tables,
-            commit_unix=plan.commit_unix,
+            commit_unix=self.source.committed_at(plan),
+            seen_unix=self._seen.get(plan.chain[-1].id),
             bytes_read=got.bytes_read,
             checkpoints=tuple(m.folder for m in plan.chain),
             prepare_s=time.perf_counter() - t0,
@@ -225,7 +230,7 @@ class LiveModel:
         stale = switch.staleness_s
         logger.info(
             "deck live: serving step %d (checkpoint %s) of %s: %s, %d rows in %d slice(s), "
-            "%.3f s%s",
+            "%.3f s%s%s",
             switch.step,
             switch.ckpt_id,
             self.source.uri,
@@ -233,7 +238,8 @@ class LiveModel:
             switch.rows,
             switch.slices,
             switch.apply_s,
-            "" if stale is None else f"; visible {stale:.3f} s after its publish",
+            "" if stale is None else f"; visible {stale:.3f} s after its commit",
+            "" if switch.found_s is None else f" (found after {switch.found_s:.3f} s)",
         )
         if self.on_switch is not None:
             self.on_switch(switch)
@@ -267,7 +273,7 @@ class LiveModel:
             else:
                 plan = self.source.chain_to(step, frozenset(self.bad))
                 version = self.prepare(plan)
-                version.kind, version.commit_unix = "reload", None
+                version.kind, version.commit_unix, version.seen_unix = "reload", None, None
             applying = self.begin(version)
             switch = applying.run(
                 self.config.slice_rows, self.config.rows_per_s, self.clock, self.sleep

@@ -39,6 +39,7 @@ class PreparedVersion:
     kind: str  # "delta", "full", "rollback", "reload"
     tables: dict[str, PreparedTable]
     commit_unix: float | None = None  # when the publisher committed it (None: a rollback)
+    seen_unix: float | None = None  # when a poll first found its commit record
     bytes_read: int = 0
     checkpoints: tuple[str, ...] = ()  # the folders read
     prepare_s: float = 0.0  # reading, checking and encoding it
@@ -61,15 +62,26 @@ class VersionSwitch:
     slices: int
     apply_s: float  # first slice to switch
     visible_unix: float
+    # When the publisher committed the version: its commit record's file time on the store's
+    # clock (the record's created_unix on a store that tells no times). None for a rollback.
     commit_unix: float | None
     bytes_read: int = 0
     checkpoints: tuple[str, ...] = ()
     prepare_s: float = 0.0  # reading, checking and encoding the version before its first slice
+    seen_unix: float | None = None  # when a poll first found the version's commit record
 
     @property
     def staleness_s(self) -> float | None:
-        """Publish commit -> visible to requests (None for a rollback)."""
+        """Publish commit -> visible to requests (None for a rollback): ``found_s``, then the
+        wait for versions before it, ``prepare_s`` and ``apply_s``."""
         return None if self.commit_unix is None else self.visible_unix - self.commit_unix
+
+    @property
+    def found_s(self) -> float | None:
+        """Publish commit -> a poll found it (at most the poll interval, plus the poll)."""
+        if self.commit_unix is None or self.seen_unix is None:
+            return None
+        return self.seen_unix - self.commit_unix
 
 
 class Applying:
@@ -123,18 +135,23 @@ class Applying:
             return True
         if self.started is None:
             self.started = time.perf_counter()
-        chosen = self._pick(max_rows)
+        # Everything but the copies themselves is done before taking the exclusive side:
+        # requests wait only for the rows' copying.
+        writes = []
+        for k, positions in self._pick(max_rows).items():
+            t = self.version.tables[k]
+            pos = self.rest[k].index_select(0, positions)
+            ids = t.ids.index_select(0, pos)
+            rows = [new.index_select(0, pos) for new in t.new]
+            keep = torch.ones(self.rest[k].numel(), dtype=torch.bool)
+            keep[positions] = False
+            writes.append((k, ids, rows, self.rest[k][keep]))
         with self.gate.exclusive():
-            for k, positions in chosen.items():
-                t = self.version.tables[k]
-                pos = self.rest[k].index_select(0, positions)
-                ids = t.ids.index_select(0, pos)
-                for target, new in zip(self.tables.by_key[k], t.new, strict=True):
-                    target.write(ids, new.index_select(0, pos))
+            for k, ids, rows, rest in writes:
+                for target, stored in zip(self.tables.by_key[k], rows, strict=True):
+                    target.write(ids, stored)
                 self.gate.written(k, ids)
-                keep = torch.ones(self.rest[k].numel(), dtype=torch.bool)
-                keep[positions] = False
-                self.rest[k] = self.rest[k][keep]
+                self.rest[k] = rest
                 self.written += int(ids.numel())
             self.slices += 1
             if not self.remaining:
@@ -147,15 +164,21 @@ class Applying:
         slice_rows: int,
         rows_per_s: float | None,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> VersionSwitch:
-        """Write every slice, paced to ``rows_per_s`` (None: back to back), and say so."""
+        """Write every slice, paced to ``rows_per_s`` (None: back to back), and say so.
+
+        The pause before a slice is ``sleep`` (default: the gate's :meth:`ServingGate.nap`,
+        cut short when a request starts waiting for rows of this version); none is taken while
+        a request waits for its rows: those are in the next slice, and the pace is made up by
+        the pauses after it."""
+        pause = self.gate.nap if sleep is None else sleep
         t0, base = clock(), self.written
         while not self.step(slice_rows):
-            if rows_per_s is not None:
+            if rows_per_s is not None and not self.gate.row_waiters:
                 wait = t0 + (self.written - base) / rows_per_s - clock()
                 if wait > 0:
-                    sleep(wait)
+                    pause(wait)
         return self.switched()
 
     def switched(self) -> VersionSwitch:
@@ -174,4 +197,5 @@ class Applying:
             bytes_read=v.bytes_read,
             checkpoints=v.checkpoints,
             prepare_s=v.prepare_s,
+            seen_unix=v.seen_unix,
         )

@@ -69,23 +69,31 @@ class ServingGate:
         self._waiting: dict[int, int] = {}
         self.version: State = INITIAL
         self.flight: Flight | None = None
-        # per table, how often requests looked each row up (int64; only orders the applier's
-        # queue)
-        self.counts = {k: torch.zeros(n, dtype=torch.int64) for k, n in tables.items()}
-        self._marks = {k: torch.zeros(n, dtype=torch.uint8) for k, n in tables.items()}
+        # Every table's rows in one flat index (a table's rows from its offset on), so that a
+        # request is counted and checked with a few tensor operations, not a few per table.
+        self._offset: dict[str, int] = {}
+        at = 0
+        for k, n in tables.items():
+            self._offset[k] = at
+            at += n
+        self._all_counts = torch.zeros(at, dtype=torch.int64)
+        self._all_marks = torch.zeros(at, dtype=torch.uint8)
+        # per table (views of the flat ones), how often requests looked each row up (int64;
+        # only orders the applier's queue), and its mark in the version in flight
+        self.counts = {k: self._all_counts[o : o + tables[k]] for k, o in self._offset.items()}
+        self._marks = {k: self._all_marks[o : o + tables[k]] for k, o in self._offset.items()}
         self.waits = 0  # requests that had to wait for their rows (a statistic)
+        self.row_waiters = 0  # requests waiting for their rows now (the applier does not nap)
 
     # ---- requests ---------------------------------------------------------------------------
     @contextmanager
     def read(self, rows: Mapping[str, torch.Tensor] | None) -> Iterator[Served]:
         """Run a request on one version (see the module doc); ``rows``: the ids it looks up by
         table key (None: unknown, it then waits for any version being applied)."""
+        flat = None if rows is None else self._flat(rows)
         with self._cond:
-            if rows:
-                for table, ids in rows.items():
-                    c = self.counts.get(table)
-                    if c is not None and ids.numel():
-                        c.index_add_(0, ids, torch.ones_like(ids))
+            if flat is not None and flat.numel():
+                self._all_counts.index_add_(0, flat, torch.ones_like(flat))
             gen = self._enter_queue()
             waited = False
             try:
@@ -93,19 +101,24 @@ class ServingGate:
                     if self._writer or (self._writer_waiting and gen >= self._releases):
                         self._cond.wait()
                         continue
-                    seen = self._version_of(rows)
+                    seen = self._version_of(flat)
                     if seen is not None:
                         break
                     # Waiting for its rows, not for a turn: out of the queue meanwhile, so the
-                    # applier (which writes them) is not held up by it.
+                    # applier (which writes them) is not held up by it, nor paced (nap).
                     self._leave_queue(gen)
                     gen = -1
-                    waited = True
+                    if not waited:
+                        waited = True
+                        self.row_waiters += 1
+                        self._cond.notify_all()
                     self._cond.wait()
                     gen = self._enter_queue()
             finally:
                 if gen >= 0:
                     self._leave_queue(gen)
+                if waited:
+                    self.row_waiters -= 1
             self.waits += waited
             self._readers += 1
         try:
@@ -129,28 +142,31 @@ class ServingGate:
             del self._waiting[gen]
             self._cond.notify_all()
 
-    def _version_of(self, rows: Mapping[str, torch.Tensor] | None) -> State | None:
-        """The version a request on ``rows`` reads now, or None when it must wait (some of its
-        rows written, some not: those are marked urgent)."""
+    def _flat(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A request's rows as indices into the flat index (tables not served left out)."""
+        parts = []
+        for table, ids in rows.items():
+            at = self._offset.get(table)
+            if at is not None and ids.numel():
+                parts.append(ids + at if at else ids)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def _version_of(self, flat: torch.Tensor | None) -> State | None:
+        """The version a request on rows ``flat`` (None: unknown) reads now, or None when it
+        must wait (some of its rows written, some not: those are marked urgent)."""
         f = self.flight
         if f is None:
             return self.version
-        if rows is None:
+        if flat is None:
             return None
-        pending = written = False
-        for table, ids in rows.items():
-            m = f.marks.get(table)
-            if m is None or not ids.numel():
-                continue
-            states = m.index_select(0, ids)
-            pending |= bool((states == PENDING).any())
-            written |= bool((states == WRITTEN).any())
+        if not flat.numel():
+            return f.old
+        states = self._all_marks.index_select(0, flat)
+        _, pending, written = torch.bincount(states, minlength=3).tolist()[:3]
         if pending and written:
-            for table, ids in rows.items():
-                m = f.marks.get(table)
-                if m is not None and ids.numel():
-                    waiting = ids[m.index_select(0, ids) == PENDING]
-                    self.counts[table].index_fill_(0, waiting, URGENT)
+            self._all_counts.index_fill_(0, flat[states == PENDING], URGENT)
             return None
         if written:
             return f.new
@@ -164,6 +180,12 @@ class ServingGate:
                 self._marks[table].index_fill_(0, ids, PENDING)
             self.flight = Flight(self.version, new, dict(self._marks))
             return self.flight
+
+    def nap(self, seconds: float) -> None:
+        """The applier's pause between slices (pacing): ``seconds``, or less if a request
+        waits for rows of the version in flight meanwhile (they are written next)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.row_waiters > 0, timeout=seconds)
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from deck.errors import CheckpointNotFoundError
-from deck.format.manifest import CheckpointManifest
+from deck.format.manifest import MANIFEST, CheckpointManifest
 from deck.read.catalog import ManifestSet, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
 from deck.storage import Storage
@@ -43,9 +43,9 @@ class Plan:
         return int(self.chain[-1].step)
 
     @property
-    def commit_unix(self) -> float:
-        """When the version's trainer checkpoint was committed by the publisher."""
-        return float(self.chain[-1].created_unix)
+    def record(self) -> str:
+        """The key of the commit record (``manifest.json``) of the version's last checkpoint."""
+        return f"{self.chain[-1].folder}/{MANIFEST}"
 
 
 class PublishSource:
@@ -112,6 +112,14 @@ class PublishSource:
                 self._said_behind = last.state
             return []
         return [Plan(tuple(chain), whole=True)]
+
+    def committed_at(self, plan: Plan) -> float:
+        """When ``plan``'s version was committed: the file time of its commit record on the
+        store's clock (the moment the publisher's commit landed), or, on a store that tells no
+        times, the record's own ``created_unix`` (the publisher's clock, taken as it built the
+        record)."""
+        t = self.storage.modified(plan.record)
+        return float(plan.chain[-1].created_unix) if t is None else t
 
     def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan:
         """A whole version of committed ``step`` (its cheapest chain from a full): what a

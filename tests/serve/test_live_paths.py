@@ -1,0 +1,290 @@
+"""Live apply (deck.serve.live) on the paths beside the main run of test_live_apply.py:
+
+- a foreign update (another model's full committed later in the same publish URI) is refused
+  whole: the served version and every served byte unchanged, one ERROR line, a ``LiveFault``;
+- an ``EmbeddingCollection`` model (float and TorchRec's int8 quantisation) served live, each
+  version bitwise ``restore(step)`` / the quantisation of it;
+- the background applier (``start``/``stop``): outcomes decided by the switch events it
+  reports, never by a sleep; a store that fails a poll is logged and polled again.
+
+One 2-rank job writes the publish URIs: an EC model publishing every 2 steps, and a model with
+other table shapes publishing a full at a later step into a copy of a DLRM's publish URI.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from live_helpers import bitwise_diff, reference, serving_models
+
+import deck
+from deck.demo import ModelSpec, build_model, make_batch, train_step
+from deck.model import TableShard
+from deck.read.catalog import read_manifests
+from deck.read.lineage import cheapest_chain, lineage_graph
+from deck.read.restore import apply_chain
+from deck.serve.live import LiveConfig, LiveFault, LiveModel, VersionSwitch
+from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
+from deck.testing.faulty_storage import FaultyStorage
+
+pytestmark = pytest.mark.slow
+
+SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16, sharding="table_wise")  # the DLRM served
+FOREIGN = ModelSpec(
+    num_tables=2, rows=120, dim=8, batch=16, sharding="table_wise"
+)  # same table names, other shapes
+EC = ModelSpec(num_tables=2, rows=150, dim=8, batch=16, collection="ec", sharding="table_wise")
+EC_LAST = 6
+FOREIGN_STEP = 20
+
+
+def _publish(spec: ModelSpec, ckpt: str, pub: str, steps: range, every: int) -> None:
+    model, opt = build_model(spec)
+    config = deck.DeckConfig(uri=ckpt, publish=deck.PublishConfig(uri=pub, every_steps=every))
+    with deck.enable(model, [opt], config) as ck:
+        for step in steps:
+            if step:
+                train_step(model, opt, spec, step)
+            ck.step(step)
+        assert ck.flush()
+
+
+def _jobs(rank: int, world_size: int, root: str) -> None:
+    _publish(SPEC, f"{root}/ckpt", f"{root}/pub", range(0, 5), 2)
+    _publish(EC, f"{root}/ckpt-ec", f"{root}/pub-ec", range(0, EC_LAST + 1), 2)
+    # Another model's job pointed at (a copy of) the DLRM's publish URI: its first publish, a
+    # full, is the newest step there.
+    if rank == 0:
+        shutil.copytree(f"{root}/pub", f"{root}/pub-foreign")
+    torch.distributed.barrier()
+    _publish(
+        FOREIGN,
+        f"{root}/ckpt-foreign",
+        f"{root}/pub-foreign",
+        range(FOREIGN_STEP, FOREIGN_STEP + 1),
+        FOREIGN_STEP,
+    )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = str(tmp_path_factory.mktemp("live-paths"))
+    run_ranks(_jobs, tmp)
+    return tmp
+
+
+# ---- a foreign update -------------------------------------------------------------------------
+def test_a_foreign_update_is_refused_and_the_served_version_stays(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(pub), on_fault=faults.append)
+    assert [s.step for s in live.poll()] == [4]
+    before = {k: copy.deepcopy(m.state_dict()) for k, m in served.items()}
+    version = live.version
+
+    # The same model's URI, now with another model's full (120-row tables) committed at step 20.
+    shutil.rmtree(pub)
+    shutil.copytree(f"{root}/pub-foreign", pub)
+    assert sorted(read_manifests(LocalStorage(pub))) == [0, 2, 4, FOREIGN_STEP]
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == []
+    assert live.version == version and live.step == 4
+    for kind, model in served.items():
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[kind][key]), (kind, key)
+    assert len(faults) == 1
+    fault = faults[0]
+    assert fault.step == FOREIGN_STEP and fault.serving == version and fault.uri == pub
+    assert "step-000000000020" in fault.checkpoint
+    assert "(120, 8)" in fault.error and "(200, 8)" in fault.error
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "not applied" in errors[0] and "serving step 4" in errors[0]
+    # It is not tried again: nothing read, nothing logged.
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == []
+    assert live.step == 4 and len(faults) == 1 and not caplog.records
+
+
+def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:
+    # A model whose tables are not the publisher's: nothing is served from it.
+    served = serving_models(FOREIGN)
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"))
+    assert live.poll() == []
+    assert live.step == -1 and [f.step for f in live.faults] == [4]
+    assert "(200, 8)" in live.faults[0].error
+
+
+# ---- EmbeddingCollection ----------------------------------------------------------------------
+def _ec_configs(spec: ModelSpec) -> list[Any]:
+    from torchrec import EmbeddingConfig
+
+    return [
+        EmbeddingConfig(
+            name=f"t{i}", embedding_dim=spec.dim, num_embeddings=spec.rows, feature_names=[f"f{i}"]
+        )
+        for i in range(spec.num_tables)
+    ]
+
+
+def _ec_models(seed: int = 7) -> dict[str, torch.nn.Module]:
+    """A float EmbeddingCollection at ``ec`` (the trained SequenceModel's path) and TorchRec's
+    int8 quantisation of it."""
+    from torchrec import EmbeddingCollection
+    from torchrec.inference.modules import quantize_embeddings
+
+    torch.manual_seed(seed)
+    holder = torch.nn.ModuleDict({"ec": EmbeddingCollection(tables=_ec_configs(EC))})
+    return {
+        "float": holder,
+        "int8": quantize_embeddings(copy.deepcopy(holder), dtype=torch.qint8, inplace=False),
+    }
+
+
+def _ec_reference(pub: str, step: int) -> dict[str, torch.nn.Module]:
+    from torchrec import EmbeddingCollection
+    from torchrec.inference.modules import quantize_embeddings
+
+    storage = LocalStorage(pub)
+    chain = cheapest_chain(lineage_graph(storage), step)
+    ec = EmbeddingCollection(tables=_ec_configs(EC))
+    shards = [
+        TableShard.whole(
+            f"ec.embeddings.{c.name}.weight",
+            {"weight": ec.embeddings[c.name].weight.data},
+            replicated=True,
+        )
+        for c in _ec_configs(EC)
+    ]
+    apply_chain(storage, chain, shards, {s.table: (EC.rows, EC.dim) for s in shards})
+    holder = torch.nn.ModuleDict({"ec": ec})
+    return {
+        "float": holder,
+        "int8": quantize_embeddings(copy.deepcopy(holder), dtype=torch.qint8, inplace=False),
+    }
+
+
+def _ec_diff(served: dict[str, torch.nn.Module], ref: dict[str, torch.nn.Module]) -> list[str]:
+    bad = []
+    for kind in ("float", "int8"):
+        got, want = served[kind].state_dict(), ref[kind].state_dict()
+        assert set(got) == set(want) and got, kind
+        for k, w in want.items():
+            g = got[k]
+            if g.dtype != w.dtype or not torch.equal(
+                g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+            ):
+                bad.append(f"{kind}:{k}")
+    return bad
+
+
+def test_an_embedding_collection_is_served_live_float_and_int8(root: str) -> None:
+    pub = f"{root}/pub-ec"
+    served = _ec_models()
+    live = LiveModel(list(served.values()), LocalStorage(pub), LiveConfig(keep_versions=2))
+    assert set(live.tables.by_key) == {"ec.embeddings.t0.weight", "ec.embeddings.t1.weight"}
+    assert [s.step for s in live.poll()] == [EC_LAST]
+    assert not _ec_diff(served, _ec_reference(pub, EC_LAST))
+    # A request's answer is the reference's, on each copy.
+    kjt = make_batch(dataclasses.replace(EC, batch=4), 99, 0)[1]
+    ref = _ec_reference(pub, EC_LAST)
+    for kind in ("float", "int8"):
+        with live.serving(kjt) as v, torch.no_grad():
+            got = served[kind]["ec"](kjt)
+            want = ref[kind]["ec"](kjt)
+        assert v.step == EC_LAST
+        for f in ("f0", "f1"):
+            assert torch.equal(got[f].values(), want[f].values()), (kind, f)
+    # Back one published step (from storage: nothing kept yet), then forward by its delta.
+    switch = live.rollback(4)
+    assert switch is not None and switch.kind == "reload"
+    assert not _ec_diff(served, _ec_reference(pub, 4))
+    live.resume()
+    assert [(s.step, s.kind) for s in live.poll()] == [(EC_LAST, "delta")]
+    assert not _ec_diff(served, _ec_reference(pub, EC_LAST))
+
+
+# ---- the background applier -------------------------------------------------------------------
+class Switches:
+    """``on_switch``: records each switch and lets a test wait for one (the outcome is the
+    event's, the timeout only ends a hung test)."""
+
+    def __init__(self) -> None:
+        self.got: list[VersionSwitch] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, s: VersionSwitch) -> None:
+        with self.cond:
+            self.got.append(s)
+            self.cond.notify_all()
+
+    def wait_for(self, n: int) -> list[VersionSwitch]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.got) >= n, timeout=120), self.got
+            return list(self.got)
+
+
+def test_the_background_applier_applies_and_stops(root: str) -> None:
+    pub = f"{root}/pub"
+    served = serving_models(SPEC)
+    switches = Switches()
+    # One poll at start, then the next in an hour: stop() must not wait for it.
+    live = LiveModel(
+        list(served.values()), LocalStorage(pub), LiveConfig(poll_s=3600), on_switch=switches
+    )
+    live.start()
+    live.start()  # already running: no second thread
+    got = switches.wait_for(1)
+    live.stop()
+    assert not [t for t in threading.enumerate() if t.name == "deck-live"]
+    assert [(s.step, s.kind) for s in got] == [(4, "full")]
+    assert live.step == 4
+    assert not bitwise_diff(served, reference(pub, 4, SPEC))
+    live.stop()  # stopping a stopped applier is a no-op
+    # A held model: the applier runs but applies nothing until resume().
+    live.rollback(2)
+    live.start()
+    live.stop()
+    assert live.step == 2 and live.held
+
+
+def test_a_failed_poll_is_logged_and_polled_again(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = f"{root}/pub"
+    served = serving_models(SPEC)
+    failures: list[str] = []
+
+    def fail_first_reads(key: str, n: int) -> bool:
+        if len(failures) < 2:
+            failures.append(key)
+            return True
+        return False
+
+    store = FaultyStorage(LocalStorage(pub), fail_get=fail_first_reads)
+    switches = Switches()
+    live = LiveModel(list(served.values()), store, LiveConfig(poll_s=0.01), on_switch=switches)
+    with caplog.at_level(logging.WARNING, logger="deck.serve.live"):
+        live.start()
+        try:
+            got = switches.wait_for(1)
+        finally:
+            live.stop()
+    assert got[0].step == 4 and live.step == 4
+    assert len(failures) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and all("retrying" in w and pub in w for w in warnings)
+    assert not live.faults  # a store error is not a refused update
