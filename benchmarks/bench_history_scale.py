@@ -225,8 +225,10 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
     assert latest is not None
     assert w_chain == [m.id for m in cheapest_chain(every, latest)], "a window planned another"
     counting = _Counting(storage)
-    read_window(counting)
+    got = read_window(counting)
+    assert got is not None
     out["w_requests"] = float(counting.n)
+    out["w_records"] = float(len(got) + len(got.merged))
 
     # `deck ls`'s default view (the newest steps and the fulls of the newest segments)
     out["ls_total"], recent = _median_s(
@@ -322,6 +324,7 @@ ROWS = [
     ("i_requests", "storage requests to read through the catalog"),
     ("w_total", "planning the restore of the latest step, from the newest segments"),
     ("w_requests", "storage requests of that plan"),
+    ("w_records", "records it read (the newest segments back to the full its chain needs)"),
     ("ls_total", "`deck ls` (default view: newest steps, fulls of the newest segments)"),
     ("ls_requests", "storage requests of that view"),
     ("i_merge", "a merger pass with nothing new, through the catalog"),
@@ -335,7 +338,7 @@ def table(results: list[dict[str, float]]) -> str:
     head += "".join(f" | k {a // 1000}k->{b // 1000}k" for a, b in pairs) + " |"
     lines = [head, "|---" * (1 + len(sizes) + len(pairs)) + "|"]
     for key, label in ROWS:
-        count = key.endswith("requests")
+        count = key.endswith(("requests", "records"))
         cells = [
             (f"{x[key]:.0f}" if count else f"{x[key]:.3f} s") if key in x else "-" for x in results
         ]

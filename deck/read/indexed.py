@@ -50,9 +50,11 @@ logger = logging.getLogger(__name__)
 # not).
 CATALOG_EVERY = 64
 # A segment ends after a step whose hash is 0 modulo this (about this many steps per segment:
-# what a reader planning one chain reads at least), or once it holds this many records.
-SEGMENT_STEPS = 1024
-SEGMENT_MAX_RECORDS = 8192
+# what a reader planning one chain reads at least), or once it holds this many records. Where
+# the cuts fall is random (a hash), so a window's size varies around this whatever the history's
+# length: small keeps a restore's read small (at the cost of one segment file per ~256 steps).
+SEGMENT_STEPS = 256
+SEGMENT_MAX_RECORDS = 2048
 # Catalogs kept: the newest and the one before it (a reader that listed just before a new one
 # was written still finds the log entries after its catalog).
 _KEEP_CATALOGS = 2
