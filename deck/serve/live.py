@@ -25,6 +25,11 @@ Guarantees:
   (step, rows, slices, seconds, staleness: the publisher's commit of the version, the file time
   of its commit record, -> visible to requests).
 
+The source is a publish URI's files (a :class:`deck.storage.Storage`, read by
+:class:`deck.serve.live_source.PublishSource`) or a Kafka topic
+(:class:`deck.serve.live_kafka.KafkaSource`); what a source passes over (out of order; on a
+topic also damaged or foreign messages) is reported like a refused update.
+
 One applier at a time (``poll``, ``rollback`` and the background thread take one lock);
 requests from any number of threads.
 """
