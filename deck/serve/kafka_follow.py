@@ -154,7 +154,7 @@ def _step_of(key: str) -> tuple[int, str]:
     return int(head[5:]), ckpt_id
 
 
-class _Reader:
+class PartitionReader:
     """One partition's consumer, read on demand; messages read past the current need wait in
     :attr:`ahead`."""
 
@@ -232,9 +232,112 @@ class _StreamFollower(Follower):
         return {"stream": self.stream}
 
 
-class _Unprovable(StreamGapError):
+class UnprovableStepError(StreamGapError):
     """A marked step's rows cannot all be read (a message of its partition was quarantined, or
     retention removed them): the step is skipped, not applied."""
+
+
+def consumer_conf(
+    target: KafkaTarget, group: str, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The consumer settings of a stream reader: ``group`` (offsets are committed by hand, for
+    lag monitoring), end-of-partition events, a bounded prefetch; ``options`` added last."""
+    return {
+        "bootstrap.servers": target.bootstrap,
+        "group.id": group,
+        "logger": kafka_client_log(),
+        "enable.auto.commit": False,
+        # End-of-partition events tell "nothing more" exactly (see PartitionReader.at_end).
+        "enable.partition.eof": True,
+        # librdkafka prefetches: bound it, a reader holds about one step anyway.
+        "queued.max.messages.kbytes": 16384,
+        **(options or {}),
+    }
+
+
+def marker_manifest(view: StreamView, marker: Marker) -> CheckpointManifest | None:
+    """The commit record ``marker`` names, at the state URI ``view`` reads; None (logged) when
+    that step's record is missing or is another checkpoint's (replaced by a later publish of the
+    same step, a rollback: its own marker follows)."""
+    key = f"{step_dir(marker.step)}/{MANIFEST}"
+    try:
+        m = load_model(CheckpointManifest, get_bounded(view, key), view.describe(key))
+    except NotFoundError:
+        m = None
+    if m is None or m.id != marker.ckpt_id:
+        logger.warning(
+            "deck follow: marker of step %d (%s) names no commit record at %s: skipped",
+            marker.step,
+            marker.ckpt_id,
+            view.describe(key),
+        )
+        return None
+    return m
+
+
+def pull_files(
+    reader: PartitionReader,
+    rank: int,
+    marker: Marker,
+    need: set[str],
+    quarantine: QuarantineLog,
+    poisoned: set[int],
+    wait_s: float,
+) -> dict[str, bytes]:
+    """The files ``need`` of ``rank`` (all of the marker's step), off its partition ``reader``.
+
+    Every segment is checksummed (:func:`deck.format.stream.decode_segment`); one that fails is
+    quarantined and its partition added to ``poisoned``. Segments of later steps wait in
+    ``reader.ahead`` for their markers; those of unmarked (failed) publishes are dropped. Raises
+    :class:`UnprovableStepError` when a file cannot be completed: the partition held a
+    quarantined message and reached its end, or after ``wait_s`` nothing more is there."""
+    pieces: dict[str, dict[int, bytes]] = {}
+    counts: dict[str, int] = {}
+    keep: list[Segment] = []
+
+    def take(seg: Segment) -> None:
+        step, _ = _step_of(seg.key)
+        if step > marker.step:
+            keep.append(seg)  # a later step's: its marker comes later
+        elif seg.key in need:
+            pieces.setdefault(seg.key, {})[seg.seg] = seg.data
+            counts[seg.key] = seg.segs
+        # else: a publish that never got a marker (failed), or older than held: dropped
+
+    def complete() -> bool:
+        return all(len(pieces.get(k, ())) == counts.get(k, -1) for k in need)
+
+    ahead, reader.ahead = reader.ahead, []
+    for seg in ahead:
+        take(seg)
+    deadline = time.monotonic() + wait_s
+    while not complete():
+        msg = reader.poll(0.2)
+        if msg is not None:
+            try:
+                seg = decode_segment(
+                    msg.headers(), msg.value(), reader.topic, reader.partition, msg.offset()
+                )
+            except CorruptStreamError as e:
+                quarantine.add("poison", reader.partition, int(msg.offset()), msg.value(), str(e))
+                poisoned.add(reader.partition)
+                continue
+            take(seg)
+            continue
+        bad = reader.partition in poisoned
+        # Segments are acknowledged before their marker is produced: once a fetch after the
+        # marker was read reached the end, what is missing is not coming. A quarantined
+        # message explains it at once; otherwise wait_s allows for a lagging broker.
+        if (bad and reader.at_end()) or (time.monotonic() > deadline and reader.drained()):
+            missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
+            reader.ahead = keep  # later steps' segments stay for their markers
+            raise UnprovableStepError(
+                f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
+                f"files (first: {missing[0]}): "
+                + ("it held a quarantined message" if bad else "retention removed them?")
+            )
+    reader.ahead = keep
+    return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
 
 
 @dataclass
@@ -285,17 +388,9 @@ class KafkaFollower:
             raise ConfigError(
                 "full_every needs full_store (--full-uri: where the loader's fulls go)"
             )
-        self.conf = {
-            "bootstrap.servers": self.target.bootstrap,
-            "group.id": group or f"deck-follow-{self.target.topic}",
-            "logger": kafka_client_log(),
-            "enable.auto.commit": False,
-            # End-of-partition events tell "nothing more" exactly (see _Reader.at_end).
-            "enable.partition.eof": True,
-            # librdkafka prefetches: bound it, the loader holds about one step anyway.
-            "queued.max.messages.kbytes": 16384,
-            **(consumer_options or {}),
-        }
+        self.conf = consumer_conf(
+            self.target, group or f"deck-follow-{self.target.topic}", consumer_options
+        )
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ConfigError(f"--out {out_dir} is not a directory: name a folder for the state")
         os.makedirs(out_dir, exist_ok=True)
@@ -326,7 +421,7 @@ class KafkaFollower:
         self.offsets: dict[int, int] = self._saved_offsets(record)
         self._state_fixed = self.state_uri is not None
         self._check_resume_point(stream)
-        self.readers: dict[int, _Reader] = {}
+        self.readers: dict[int, PartitionReader] = {}
         self.follower: _StreamFollower | None = None
         self.view: StreamView | None = None
         # Steps applied since the newest loader full, from the state record (on disk), so a
@@ -442,10 +537,10 @@ class KafkaFollower:
         )
         return self._record()
 
-    def _reader(self, partition: int) -> _Reader:
+    def _reader(self, partition: int) -> PartitionReader:
         r = self.readers.get(partition)
         if r is None:
-            r = _Reader(self.conf, self.target, partition, self.offsets.get(partition, 0))
+            r = PartitionReader(self.conf, self.target, partition, self.offsets.get(partition, 0))
             self.readers[partition] = r
             if r.gap is not None:
                 self._lose(r.gap)
@@ -584,7 +679,7 @@ class KafkaFollower:
             for rank in range(manifest.world_size):
                 mine = {k for k in files if f"/rank-{rank:05d}/" in k}
                 self.view.files.update(self._pull(rank, marker, mine))
-        except _Unprovable as e:
+        except UnprovableStepError as e:
             self.view.files.clear()
             self.stats.unproven.append(marker.step)
             self._lose(f"step {marker.step} ({marker.ckpt_id}) cannot be applied: {e}")
@@ -622,74 +717,12 @@ class KafkaFollower:
 
     def _manifest(self, marker: Marker) -> CheckpointManifest | None:
         assert self.view is not None
-        key = f"{step_dir(marker.step)}/{MANIFEST}"
-        try:
-            m = load_model(CheckpointManifest, get_bounded(self.view, key), self.view.describe(key))
-        except NotFoundError:
-            m = None
-        if m is None or m.id != marker.ckpt_id:
-            # Replaced by a later publish of the same step (a rollback): its own marker follows.
-            logger.warning(
-                "deck follow: marker of step %d (%s) names no commit record at %s: skipped",
-                marker.step,
-                marker.ckpt_id,
-                self.view.describe(key),
-            )
-            return None
-        return m
+        return marker_manifest(self.view, marker)
 
     def _pull(self, rank: int, marker: Marker, need: set[str]) -> dict[str, bytes]:
         """The files ``need`` of ``rank`` (all of the marker's step), off its partition."""
         reader = self._reader(rank_partition(rank))
-        pieces: dict[str, dict[int, bytes]] = {}
-        counts: dict[str, int] = {}
-        keep: list[Segment] = []
-
-        def take(seg: Segment) -> None:
-            step, _ = _step_of(seg.key)
-            if step > marker.step:
-                keep.append(seg)  # a later step's: its marker comes later
-            elif seg.key in need:
-                pieces.setdefault(seg.key, {})[seg.seg] = seg.data
-                counts[seg.key] = seg.segs
-            # else: a publish that never got a marker (failed), or older than held: dropped
-
-        def complete() -> bool:
-            return all(len(pieces.get(k, ())) == counts.get(k, -1) for k in need)
-
-        ahead, reader.ahead = reader.ahead, []
-        for seg in ahead:
-            take(seg)
-        deadline = time.monotonic() + self.wait_s
-        while not complete():
-            msg = reader.poll(0.2)
-            if msg is not None:
-                try:
-                    seg = decode_segment(
-                        msg.headers(), msg.value(), reader.topic, reader.partition, msg.offset()
-                    )
-                except CorruptStreamError as e:
-                    self.quarantine.add(
-                        "poison", reader.partition, int(msg.offset()), msg.value(), str(e)
-                    )
-                    self._poisoned.add(reader.partition)
-                    continue
-                take(seg)
-                continue
-            poisoned = reader.partition in self._poisoned
-            # Segments are acknowledged before their marker is produced: once a fetch after the
-            # marker was read reached the end, what is missing is not coming. A quarantined
-            # message explains it at once; otherwise wait_s allows for a lagging broker.
-            if (poisoned and reader.at_end()) or (time.monotonic() > deadline and reader.drained()):
-                missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
-                reader.ahead = keep  # later steps' segments stay for their markers
-                raise _Unprovable(
-                    f"partition {reader.partition} lacks {len(missing)} of rank {rank}'s "
-                    f"files (first: {missing[0]}): "
-                    + ("it held a quarantined message" if poisoned else "retention removed them?")
-                )
-        reader.ahead = keep
-        return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
+        return pull_files(reader, rank, marker, need, self.quarantine, self._poisoned, self.wait_s)
 
     def _stream_record(self, marker: Marker, since_full: int) -> dict[str, Any]:
         """The resume point written with the state: offsets after the step, the marker applied

@@ -52,12 +52,17 @@ class Quarantined:
 
 class QuarantineLog:
     """``<out>/quarantine.json``: ``{"topic": ..., "entries": [{kind, partition, offset, digest,
-    error}, ...]}``, oldest first, rewritten atomically on every new entry (entries are rare)."""
+    error}, ...]}``, oldest first, rewritten atomically on every new entry (entries are rare).
+    Without ``out_dir`` the entries are only kept in memory (and logged)."""
 
-    def __init__(self, out_dir: str, topic: str) -> None:
-        self.path = os.path.join(out_dir, QUARANTINE)
+    def __init__(self, out_dir: str | None, topic: str, who: str = "deck follow") -> None:
+        # out_dir None: entries are kept in memory and logged, no file (a live model's source)
+        self.path = None if out_dir is None else os.path.join(out_dir, QUARANTINE)
         self.topic = topic
+        self.who = who
         self.entries: list[Quarantined] = []
+        if self.path is None:
+            return
         try:
             with open(self.path, "rb") as f:
                 doc = load_json(f.read(), self.path, "deck follow quarantine log")
@@ -65,7 +70,7 @@ class QuarantineLog:
         except FileNotFoundError:
             pass
         except (CorruptCheckpointError, KeyError, TypeError) as e:
-            logger.warning("deck follow: %s unreadable (%s): starting a new one", self.path, e)
+            logger.warning("%s: %s unreadable (%s): starting a new one", who, self.path, e)
 
     def add(self, kind: str, partition: int, offset: int, value: bytes | None, error: str) -> bool:
         """Record a skipped message (once per partition, offset and content) and log it as an
@@ -73,21 +78,23 @@ class QuarantineLog:
         digest = xxhash.xxh3_64_hexdigest(value or b"")
         entry = Quarantined(kind, partition, offset, digest, error[:500])
         logger.error(
-            "deck follow: kafka topic %s partition %d offset %d %s: %s (recorded in %s)",
+            "%s: kafka topic %s partition %d offset %d %s: %s%s",
+            self.who,
             self.topic,
             partition,
             offset,
             "skipped (another run's marker)" if kind == "foreign" else "quarantined",
             error,
-            self.path,
+            "" if self.path is None else f" (recorded in {self.path})",
         )
         if any(
             (e.partition, e.offset, e.digest) == (partition, offset, digest) for e in self.entries
         ):
             return False
         self.entries = [*self.entries, entry][-MAX_ENTRIES:]
-        doc = {"topic": self.topic, "entries": [e.__dict__ for e in self.entries]}
-        atomic_write(self.path, json.dumps(doc, indent=1).encode())
+        if self.path is not None:
+            doc = {"topic": self.topic, "entries": [e.__dict__ for e in self.entries]}
+            atomic_write(self.path, json.dumps(doc, indent=1).encode())
         return True
 
 

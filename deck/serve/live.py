@@ -25,6 +25,11 @@ Guarantees:
   (step, rows, slices, seconds, staleness: the publisher's commit of the version, the file time
   of its commit record, -> visible to requests).
 
+The source is a publish URI's files (a :class:`deck.storage.Storage`, read by
+:class:`deck.serve.live_source.PublishSource`) or a Kafka topic
+(:class:`deck.serve.live_kafka.KafkaSource`); what a source passes over (out of order; on a
+topic also damaged or foreign messages) is reported like a refused update.
+
 One applier at a time (``poll``, ``rollback`` and the background thread take one lock);
 requests from any number of threads.
 """
@@ -46,7 +51,7 @@ from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, Vers
 from deck.serve.live_config import LiveConfig
 from deck.serve.live_gate import INITIAL, Served, ServingGate, State
 from deck.serve.live_read import RefusedUpdateError, last_wins, read_rows
-from deck.serve.live_source import Plan, PublishSource
+from deck.serve.live_source import LiveSource, Plan, PublishSource
 from deck.serve.live_tables import ServedTables, find_tables, request_rows
 from deck.storage import Storage
 
@@ -60,7 +65,7 @@ class LiveFault:
     """An update that did not reach the served model (what ``on_fault`` receives)."""
 
     step: int
-    checkpoint: str  # the folder of the checkpoint refused
+    checkpoint: str  # the folder of the checkpoint refused (or where its message was: Kafka)
     uri: str
     error: str
     serving: State  # the version served instead
@@ -84,7 +89,7 @@ class LiveModel:
     def __init__(
         self,
         models: torch.nn.Module | Iterable[torch.nn.Module],
-        source: Storage | PublishSource,
+        source: Storage | LiveSource,
         config: LiveConfig | None = None,
         *,
         prefix: str = "",
@@ -95,7 +100,7 @@ class LiveModel:
     ) -> None:
         mods = [models] if isinstance(models, torch.nn.Module) else list(models)
         self.tables: ServedTables = find_tables(mods, prefix)
-        self.source = source if isinstance(source, PublishSource) else PublishSource(source)
+        self.source: LiveSource = PublishSource(source) if isinstance(source, Storage) else source
         self.config = config or LiveConfig()
         self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})
         self.history: deque[Replaced] = deque()
@@ -139,6 +144,8 @@ class LiveModel:
             while not self.held:
                 served = None if self.version == INITIAL else self.version
                 plans = self.source.next_plans(served, frozenset(self.bad))
+                for f in self.source.take_faults():
+                    self._refused(f.step, f.checkpoint, f.error)
                 now = time.time()
                 self._seen = {p.chain[-1].id: self._seen.get(p.chain[-1].id, now) for p in plans}
                 if not plans:
@@ -155,19 +162,24 @@ class LiveModel:
         except RefusedUpdateError as e:
             culprit = e.checkpoint
             self.bad.add(culprit.id)
-            fault = LiveFault(plan.step, culprit.folder, self.source.uri, str(e), self.version)
-            self.faults.append(fault)
-            logger.error(
-                "deck live: %s of %s not applied (%s); serving step %d (checkpoint %s)",
-                culprit.folder,
-                self.source.uri,
-                e,
-                self.version[0],
-                self.version[1] or "-",
-            )
-            if self.on_fault is not None:
-                self.on_fault(fault)
+            self._refused(plan.step, culprit.folder, str(e))
             return None
+
+    def _refused(self, step: int, checkpoint: str, error: str) -> None:
+        """An update that will not be applied: logged (ERROR), kept in :attr:`faults`, told to
+        ``on_fault``; the served version stays."""
+        fault = LiveFault(step, checkpoint, self.source.uri, error, self.version)
+        self.faults.append(fault)
+        logger.error(
+            "deck live: %s of %s not applied (%s); serving step %d (checkpoint %s)",
+            checkpoint,
+            self.source.uri,
+            error,
+            self.version[0],
+            self.version[1] or "-",
+        )
+        if self.on_fault is not None:
+            self.on_fault(fault)
 
     def prepare(self, plan: Plan) -> PreparedVersion:
         """Read, check and encode ``plan``'s version (nothing is written). A whole version keeps

@@ -2,7 +2,8 @@
 ``deck follow`` reads it (committed records, the cheapest chain of the newest step).
 
 Guarantees: a plan never moves the served step backwards (a newest step at or below the served
-one, e.g. a publisher restarted from an older checkpoint, is left alone and logged once); a
+one, e.g. a publisher restarted from an older checkpoint, is left alone and reported once as a
+:class:`SourceFault`, which the live model logs and passes to its ``on_fault``); a
 delta is planned only onto the exact state it was written on (step and id); a checkpoint the
 caller marked bad is never planned again (``exclude``), so a damaged delta is skipped until a
 chain around it exists (the next full, or a merged checkpoint covering it).
@@ -10,16 +11,15 @@ chain around it exists (the next full, or a merged checkpoint covering it).
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, CheckpointManifest
 from deck.read.catalog import ManifestSet, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
 from deck.storage import Storage
-
-logger = logging.getLogger(__name__)
 
 State = tuple[int, str]  # (step, trainer checkpoint id): a served version
 
@@ -48,14 +48,66 @@ class Plan:
         return f"{self.chain[-1].folder}/{MANIFEST}"
 
 
+@dataclass(frozen=True)
+class SourceFault:
+    """An update a source passed over without planning it (out of order; for a Kafka source
+    also a damaged or foreign message): the served version stays."""
+
+    step: int  # the update's step (-1: unknown, e.g. a message that does not decode)
+    checkpoint: str  # the checkpoint's folder, or where the message was
+    error: str
+
+
+class LiveSource(Protocol):
+    """Where a :class:`deck.serve.live.LiveModel` gets its versions: :class:`PublishSource`
+    (a publish URI's files) or :class:`deck.serve.live_kafka.KafkaSource` (a Kafka topic)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def storage(self) -> Storage: ...
+
+    def next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]: ...
+
+    def take_faults(self) -> list[SourceFault]: ...
+
+    def committed_at(self, plan: Plan) -> float: ...
+
+    def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan: ...
+
+
+def committed_at(storage: Storage, plan: Plan) -> float:
+    """When ``plan``'s version was committed: the file time of its commit record on the
+    store's clock (the moment the publisher's commit landed), or, on a store that tells no
+    times, the record's own ``created_unix`` (the publisher's clock, taken as it built the
+    record)."""
+    t = storage.modified(plan.record)
+    return float(plan.chain[-1].created_unix) if t is None else t
+
+
 class PublishSource:
     """The published checkpoints at ``storage`` (a publish URI, or any deck checkpoint URI)."""
 
     def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-        self.uri = storage.uri
+        self._storage = storage
+        self._uri = storage.uri
         self._last: ManifestSet | None = None
         self._said_behind: State | None = None
+        self._faults: list[SourceFault] = []
+
+    @property
+    def uri(self) -> str:
+        return self._uri
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    def take_faults(self) -> list[SourceFault]:
+        """The updates passed over since the last call (each reported once)."""
+        out, self._faults = self._faults, []
+        return out
 
     def _graph(self) -> LineageGraph | None:
         manifests = read_manifests(self.storage, previous=self._last)
@@ -76,8 +128,12 @@ class PublishSource:
         graph = self._graph()
         if graph is None:
             return []
-        for step in sorted(graph.restorable_steps(), reverse=True):
+        for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
             if served is not None and step < served[0]:
+                if i == 0:  # the newest step is older than the served one
+                    # (only through refused checkpoints: nothing to report)
+                    with contextlib.suppress(CheckpointNotFoundError):
+                        self._behind(cheapest_chain(graph, step, exclude=exclude)[-1], served)
                 return []
             try:
                 chain = cheapest_chain(graph, step, exclude=exclude)
@@ -100,26 +156,28 @@ class PublishSource:
                 parent = m.state
             return plans
         if served is not None and last.step <= served[0]:
-            if self._said_behind != last.state:
-                logger.warning(
-                    "deck live: the newest step at %s is %d (checkpoint %s), not after the served "
-                    "step %d: left alone (out of order; the served version stays)",
-                    self.uri,
-                    last.step,
-                    last.state[1],
-                    served[0],
-                )
-                self._said_behind = last.state
+            self._behind(last, served)
             return []
         return [Plan(tuple(chain), whole=True)]
 
+    def _behind(self, last: CheckpointManifest, served: State) -> None:
+        """The newest checkpoint offered is not after the served one: reported once."""
+        if self._said_behind == last.state:
+            return
+        self._said_behind = last.state
+        self._faults.append(
+            SourceFault(
+                last.step,
+                last.folder,
+                f"out of order: the newest step at {self.uri} is {last.step} (checkpoint "
+                f"{last.state[1]}), not after the served step {served[0]} (checkpoint "
+                f"{served[1]}); it is left alone",
+            )
+        )
+
     def committed_at(self, plan: Plan) -> float:
-        """When ``plan``'s version was committed: the file time of its commit record on the
-        store's clock (the moment the publisher's commit landed), or, on a store that tells no
-        times, the record's own ``created_unix`` (the publisher's clock, taken as it built the
-        record)."""
-        t = self.storage.modified(plan.record)
-        return float(plan.chain[-1].created_unix) if t is None else t
+        """When ``plan``'s version was committed (:func:`committed_at`)."""
+        return committed_at(self.storage, plan)
 
     def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan:
         """A whole version of committed ``step`` (its cheapest chain from a full): what a

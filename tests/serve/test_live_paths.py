@@ -2,6 +2,8 @@
 
 - a foreign update (another model's full committed later in the same publish URI) is refused
   whole: the served version and every served byte unchanged, one ERROR line, a ``LiveFault``;
+- an out-of-order update (the served step's folder deleted: the source offers an older step,
+  a delta whose parent is not the served version) likewise;
 - an ``EmbeddingCollection`` model (float and TorchRec's int8 quantisation) served live, each
   version bitwise ``restore(step)`` / the quantisation of it;
 - the background applier (``start``/``stop``): outcomes decided by the switch events it
@@ -27,6 +29,7 @@ from live_helpers import bitwise_diff, reference, serving_models
 
 import deck
 from deck.demo import ModelSpec, build_model, make_batch, train_step
+from deck.format.manifest import step_dir
 from deck.model import TableShard
 from deck.read.catalog import read_manifests
 from deck.read.lineage import cheapest_chain, lineage_graph
@@ -117,6 +120,46 @@ def test_a_foreign_update_is_refused_and_the_served_version_stays(
     with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
         assert live.poll() == []
     assert live.step == 4 and len(faults) == 1 and not caplog.records
+
+
+def test_an_out_of_order_update_is_refused_and_the_served_version_stays(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 4 served, then its folder deleted: the source offers step 2, whose delta's parent is
+    not the served version and whose step is behind it. Nothing changes, one ERROR, a fault."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(pub), on_fault=faults.append)
+    assert [(s.step, s.kind) for s in live.poll()] == [(4, "full")]
+    before = {k: copy.deepcopy(m.state_dict()) for k, m in served.items()}
+    version = live.version
+    shutil.rmtree(Path(pub, step_dir(4)))
+    m2 = read_manifests(LocalStorage(pub))[2]
+    assert sorted(read_manifests(LocalStorage(pub))) == [0, 2]
+    assert (m2.parent, m2.parent_id) != version  # a delta of a state not served
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == []
+    assert live.version == version and live.step == 4
+    for kind, model in served.items():
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[kind][key]), (kind, key)
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+    assert len(faults) == 1, faults
+    fault = faults[0]
+    assert fault.step == 2 and fault.serving == version and fault.checkpoint == m2.folder
+    assert "out of order" in fault.error and "served step 4" in fault.error
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and m2.folder in errors[0] and "serving step 4" in errors[0]
+    # Told once: polling again reports nothing new and changes nothing.
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == []
+    assert live.step == 4 and len(faults) == 1 and not caplog.records
+    # The step comes back (a newer one would do too): nothing to apply, nothing refused.
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    assert live.poll() == [] and live.version == version and len(faults) == 1
 
 
 def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:

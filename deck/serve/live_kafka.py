@@ -1,0 +1,279 @@
+"""A Kafka topic as the source of a live serving model: :class:`KafkaSource`.
+
+::
+
+    source = KafkaSource("kafka://broker:9092/recsys-publish")
+    live = LiveModel([float_model, quant_model], source, LiveConfig())
+    live.poll()                  # every marked step since the served one, one switch each
+    ...
+    source.close()
+
+The topic a ``PublishConfig(uri="kafka://...")`` publisher writes is read the way ``deck
+follow kafka://`` reads it (:mod:`deck.serve.kafka_follow`: the markers of the control
+partition in order, each step's rank manifests at the state URI the marker names, its table
+files pulled off the rank partitions, every segment checksummed) and each marked step becomes
+one version of the live model: a full a whole version (only the rows that differ are
+written), a delta one applied onto the served state. The rows are then read and checked whole
+by the live model as from a publish URI (:mod:`deck.serve.live_read`), so each applied step is
+bitwise the step the file source gives.
+
+What never reaches the served model (each one a :class:`deck.serve.live_source.SourceFault`:
+the live model logs an ERROR, tells ``on_fault`` and keeps its version):
+
+- **damaged**: a message that does not decode (quarantined as by ``deck follow``,
+  :class:`deck.serve.kafka_guard.QuarantineLog`, in ``quarantine_dir`` when given), or a step
+  whose table files cannot all be pulled and checked;
+- **foreign**: a marker of another run than the one served (``run``, else the newest marker's
+  when the source starts), or naming another state URI;
+- **out of order**: a marker at or before the served step (a publisher restarted from an older
+  checkpoint), or a delta whose parent is not the served version (its parent was refused, or
+  the model was rolled back): the model moves on at the next full of the topic.
+
+The source keeps no offsets: a serving process starts from the oldest message the topic holds
+(deltas before its first full wait for it, one WARNING) and applies the marked steps since.
+A rollback reaches the kept versions only (``LiveConfig.keep_versions``): the stream is not
+read backwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from deck.errors import CheckpointNotFoundError, ConfigError
+from deck.format.manifest import Kind
+from deck.format.stream import (
+    CONTROL_PARTITION,
+    CorruptStreamError,
+    Marker,
+    decode_marker,
+    parse_kafka_uri,
+    rank_partition,
+    valid_run,
+)
+from deck.read.catalog import read_rank_manifests
+from deck.serve.kafka_follow import (
+    PartitionReader,
+    StreamView,
+    UnprovableStepError,
+    consumer_conf,
+    marker_manifest,
+    pull_files,
+)
+from deck.serve.kafka_guard import QuarantineLog, newest_run
+from deck.serve.live_source import Plan, SourceFault, State, committed_at
+from deck.storage import Storage, open_storage
+
+logger = logging.getLogger(__name__)
+
+
+class KafkaSource:
+    """The marked steps of a Kafka publish topic, for :class:`deck.serve.live.LiveModel` (see
+    the module doc). ``state_uri``: read the commit records there instead of at the URI the
+    markers name; ``open_store`` opens it (the caller's credentials); ``run``: serve this run
+    only; ``quarantine_dir``: where ``quarantine.json`` goes (None: logged only); ``wait_s``: how
+    long a step's rows may take to show up after its marker."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        state_uri: str | None = None,
+        open_store: Callable[[str], Storage] = open_storage,
+        run: str | None = None,
+        group: str | None = None,
+        consumer_options: dict[str, Any] | None = None,
+        quarantine_dir: str | None = None,
+        wait_s: float = 10.0,
+        poll_timeout_s: float = 0.5,
+    ) -> None:
+        self.target = parse_kafka_uri(uri)
+        if run is not None and not valid_run(run):
+            raise ConfigError(f"run {run!r}: a run identity is 1-64 of [0-9a-zA-Z._-]")
+        topic = self.target.topic
+        self.conf = consumer_conf(self.target, group or f"deck-live-{topic}", consumer_options)
+        if quarantine_dir is not None:
+            os.makedirs(quarantine_dir, exist_ok=True)
+        self.quarantine = QuarantineLog(quarantine_dir, topic, who="deck live")
+        self.open_store = open_store
+        self.wait_s, self.poll_timeout_s = wait_s, poll_timeout_s
+        self.run, self.run_known = run, run is not None
+        self.state_uri = state_uri
+        self.state_given = state_uri is not None  # markers' state URIs are not used
+        self.state_fixed = state_uri is not None  # a marker's record was found there
+        self.view: StreamView | None = None
+        self.readers: dict[int, PartitionReader] = {}
+        self.poisoned: set[int] = set()  # partitions with a quarantined message
+        self.pending: Plan | None = None  # the plan last offered (its files in the view)
+        self.faults: list[SourceFault] = []
+        self.said_waiting = False
+
+    @property
+    def uri(self) -> str:
+        return self.target.uri
+
+    @property
+    def storage(self) -> Storage:
+        """The state URI with the offered step's table files (what the live model reads)."""
+        if self.view is None:
+            raise CheckpointNotFoundError(f"{self.uri}: no marked step read yet")
+        return self.view
+
+    def take_faults(self) -> list[SourceFault]:
+        """The messages passed over since the last call (each reported once)."""
+        out, self.faults = self.faults, []
+        return out
+
+    # ---- the next step ----------------------------------------------------------------------
+    def next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
+        """The next marked step after ``served`` the model can apply (one plan), or none when
+        the topic holds nothing more now. Every message passed over on the way is a fault
+        (:meth:`take_faults`). A plan offered before and neither applied (``served``) nor
+        refused (``exclude``), e.g. its read failed on a store error, is offered again."""
+        p = self.pending
+        if p is not None and served != p.state and p.chain[-1].id not in exclude:
+            return [p]
+        self.pending = None
+        if self.view is not None:
+            self.view.files.clear()
+        if not self.run_known:
+            found, run = newest_run(self.conf, self.target)
+            if found:
+                self.run, self.run_known = run, True
+                logger.info("deck live: %s: serving run %s (the newest marker's)", self.uri, run)
+        ctl = self._reader(CONTROL_PARTITION)
+        ctl.eof = None  # only an end reached in this call counts
+        while True:
+            msg = ctl.poll(self.poll_timeout_s)
+            if msg is None:
+                if ctl.drained():
+                    return []
+                continue
+            plan = self._plan(msg, served, exclude)
+            if plan is not None:
+                self.pending = plan
+                return [plan]
+
+    def _where(self, offset: int) -> str:
+        return f"kafka topic {self.target.topic} partition {CONTROL_PARTITION} offset {offset}"
+
+    def _fault(self, step: int, where: str, error: str) -> None:
+        self.faults.append(SourceFault(step, where, error))
+
+    def _plan(self, msg: Any, served: State | None, exclude: frozenset[str]) -> Plan | None:
+        offset = int(msg.offset())
+        topic = self.target.topic
+        try:
+            marker = decode_marker(msg.headers(), msg.value(), topic, CONTROL_PARTITION, offset)
+        except CorruptStreamError as e:
+            self.quarantine.add("poison", CONTROL_PARTITION, offset, msg.value(), str(e))
+            self._fault(-1, self._where(offset), f"damaged: {e}")
+            return None
+        if self.run_known and marker.run != self.run:
+            why = (
+                f"foreign: marker of step {marker.step} ({marker.ckpt_id}) of run {marker.run}, "
+                f"but this source serves run {self.run}"
+            )
+            self.quarantine.add("foreign", CONTROL_PARTITION, offset, msg.value(), why)
+            self._fault(marker.step, self._where(offset), why)
+            return None
+        if marker.ckpt_id in exclude or (marker.step, marker.ckpt_id) == served:
+            return None  # refused already / served already
+        if self.state_fixed and not self.state_given and marker.state_uri != self.state_uri:
+            why = (
+                f"foreign: marker of step {marker.step} ({marker.ckpt_id}) names the state URI "
+                f"{marker.state_uri}, but this source's state is at {self.state_uri}"
+            )
+            self.quarantine.add("poison", CONTROL_PARTITION, offset, None, why)
+            self._fault(marker.step, self._where(offset), why)
+            return None
+        view = self._open(marker)
+        manifest = marker_manifest(view, marker)
+        if manifest is None:
+            return None  # replaced by a later publish of its step: its own marker follows
+        self.state_fixed = True
+        where = f"{manifest.folder} ({self._where(offset)})"
+        if served is not None and marker.step <= served[0]:
+            self._fault(
+                marker.step,
+                where,
+                f"out of order: step {marker.step} ({marker.ckpt_id}) is not after the served "
+                f"step {served[0]} ({served[1]})",
+            )
+            return None
+        if manifest.kind is Kind.DELTA and served != (manifest.parent, manifest.parent_id):
+            if served is None:
+                if not self.said_waiting:
+                    logger.warning(
+                        "deck live: %s: step %d is a delta and nothing is served yet: waiting "
+                        "for a full",
+                        self.uri,
+                        marker.step,
+                    )
+                    self.said_waiting = True
+                return None
+            self._fault(
+                marker.step,
+                where,
+                f"out of order: step {marker.step} is a delta of step {manifest.parent} "
+                f"({manifest.parent_id}), not of the served step {served[0]} ({served[1]}); "
+                "the model moves on at the next full",
+            )
+            return None
+        parts = read_rank_manifests(view, manifest)
+        files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
+        for p, r in self.readers.items():
+            if p != CONTROL_PARTITION:
+                r.eof = None  # an end seen before this marker says nothing about its rows
+        try:
+            for rank in range(manifest.world_size):
+                mine = {k for k in files if f"/rank-{rank:05d}/" in k}
+                reader = self._reader(rank_partition(rank))
+                got = pull_files(
+                    reader, rank, marker, mine, self.quarantine, self.poisoned, self.wait_s
+                )
+                view.files.update(got)
+        except UnprovableStepError as e:
+            view.files.clear()
+            self._fault(marker.step, where, f"damaged: step {marker.step} cannot be read: {e}")
+            return None
+        if not self.run_known:
+            self.run, self.run_known = marker.run, True
+        return Plan((manifest,), whole=manifest.kind is Kind.FULL)
+
+    def _reader(self, partition: int) -> PartitionReader:
+        r = self.readers.get(partition)
+        if r is None:
+            r = PartitionReader(self.conf, self.target, partition, 0)
+            self.readers[partition] = r
+        return r
+
+    def _open(self, marker: Marker) -> StreamView:
+        # Until a marker's commit record was found at its state URI (or one was given), each
+        # marker's own URI is tried: a stray marker cannot pin a wrong one.
+        if self.view is None or not self.state_fixed:
+            state_uri = (self.state_fixed and self.state_uri) or marker.state_uri
+            self.view = StreamView(self.open_store(state_uri), self.target.uri)
+            self.state_uri = state_uri
+        return self.view
+
+    # ---- the rest of the source protocol ------------------------------------------------------
+    def committed_at(self, plan: Plan) -> float:
+        """When ``plan``'s step was committed: its commit record's file time at the state URI
+        (:func:`deck.serve.live_source.committed_at`)."""
+        return committed_at(self.storage, plan)
+
+    def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan:
+        """Not possible from a topic: a rollback reaches the kept versions only."""
+        raise CheckpointNotFoundError(
+            f"{self.uri}: step {step} is not among the kept versions, and a Kafka source does "
+            "not read its topic backwards; keep more versions (LiveConfig.keep_versions)"
+        )
+
+    def close(self) -> None:
+        """Close the partition consumers (when the model is done with this source)."""
+        for r in self.readers.values():
+            r.close()
+        self.readers = {}

@@ -1,0 +1,308 @@
+"""Live apply (deck.serve.live) fed from a Kafka topic (deck.serve.live_kafka.KafkaSource), on a
+real broker (Tansu): a 2-rank DMP DLRM publishes every 2 steps to a topic (a full every 4) and
+checkpoints every 2 steps to files; rank 0 serves float, int8 and fp16 copies of its tables
+twice, one set fed from the topic and one from the checkpoint files.
+
+- after every published step both sets switched to it and are bitwise equal (and equal to
+  ``restore(step)`` / TorchRec's quantize of it, built from scratch);
+- the topic replayed into another one with a byte flipped in one of a full's segments, a
+  garbage marker, another run's publishes in between, a delta whose parent was refused and
+  markers of older steps again: none of them reaches the served model (version and bytes stay,
+  an ERROR line, ``on_fault`` told, the damaged and foreign messages quarantined); the next full
+  moves it on, bitwise;
+- a fresh model on the topic applies every marked step from the first full, and rolls back to
+  its kept versions (no further: the stream is not read backwards).
+
+Outcomes are decided by what the topic holds (its end is the broker's end-of-partition event),
+never by a sleep.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from live_helpers import bitwise_diff, collection, reference, serving_models
+
+import deck
+from deck.demo import ModelSpec, build_model, train_step
+from deck.errors import CheckpointNotFoundError
+from deck.format.stream import decode_marker, decode_segment, parse_kafka_uri
+from deck.serve.live import LiveConfig, LiveFault, LiveModel
+from deck.serve.live_kafka import KafkaSource
+from deck.storage import LocalStorage
+from deck.testing.dist_harness import run_ranks
+from deck.testing.kafka_broker import TansuBroker
+from deck.testing.kafka_stream import SynthPublisher, inject
+
+pytestmark = pytest.mark.slow
+
+SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16, sharding="table_wise")
+LAST = 8
+PUBLISHED = list(range(0, LAST + 1, 2))  # fulls at 0, 4, 8
+PARTITIONS = 3  # the control partition and one per rank
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[TansuBroker]:
+    with TansuBroker() as b:
+        yield b
+
+
+def _served_equal(a: dict[str, torch.nn.Module], b: dict[str, torch.nn.Module]) -> list[str]:
+    """Tables whose bytes differ between two sets of served models."""
+    bad = []
+    for kind, model in a.items():
+        got, want = collection(model).state_dict(), collection(b[kind]).state_dict()
+        for k, w in want.items():
+            g = got[k]
+            if g.dtype != w.dtype or not torch.equal(
+                g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+            ):
+                bad.append(f"{kind}:{k}")
+    return bad
+
+
+def _train(rank: int, world_size: int, topic_uri: str, tmp: str) -> None:
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=f"{tmp}/ckpt",
+        delta_every_steps=2,
+        publish=deck.PublishConfig(
+            uri=topic_uri,
+            state_uri=f"{tmp}/state",
+            every_steps=2,
+            full_every_steps=4,
+            max_message_bytes=4096,  # table files travel in several segments
+        ),
+    )
+    from_topic = serving_models(SPEC) if rank == 0 else {}
+    from_files = serving_models(SPEC, seed=5) if rank == 0 else {}
+    source = KafkaSource(topic_uri, wait_s=5) if rank == 0 else None
+    live_k = live_f = None
+    try:
+        with deck.enable(model, [opt], config) as ck:
+            for step in range(0, LAST + 1):
+                if step:
+                    train_step(model, opt, SPEC, step)
+                ck.step(step)
+                if step % 2:
+                    continue
+                assert ck.flush()
+                dist.barrier()
+                if rank == 0:
+                    assert source is not None
+                    if live_k is None:
+                        live_k = LiveModel(list(from_topic.values()), source)
+                        live_f = LiveModel(list(from_files.values()), LocalStorage(f"{tmp}/ckpt"))
+                    assert live_f is not None
+                    kind = "full" if step % 4 == 0 else "delta"
+                    assert [(s.step, s.kind) for s in live_k.poll()] == [(step, kind)], step
+                    assert [s.step for s in live_f.poll()] == [step]
+                    bad = _served_equal(from_topic, from_files)
+                    assert not bad, (step, bad[:5])
+                    bad = bitwise_diff(from_topic, reference(f"{tmp}/ckpt", step, SPEC))
+                    assert not bad, (step, bad[:5])
+                    assert not live_k.faults, live_k.faults
+                dist.barrier()
+    finally:
+        if source is not None:
+            source.close()
+
+
+@pytest.fixture(scope="module")
+def published(broker: TansuBroker, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(topic URI, folder with ckpt/ and state/)."""
+    tmp = str(tmp_path_factory.mktemp("live-kafka"))
+    topic_uri = broker.uri(f"live-{uuid.uuid4().hex[:10]}")
+    run_ranks(_train, topic_uri, tmp)
+    return topic_uri, tmp
+
+
+def test_each_step_from_the_topic_is_bitwise_the_file_sources(
+    published: tuple[str, str],
+) -> None:
+    # (the checks run in rank 0 while training, see _train)
+    topic_uri, _ = published
+    assert [m.step for m in _markers(topic_uri)] == PUBLISHED
+
+
+# ---- a replayed, damaged topic ------------------------------------------------------------------
+Message = tuple[bytes | None, bytes | None, list[Any]]  # key, value, headers
+
+
+def _read_topic(topic_uri: str) -> dict[int, list[Message]]:
+    """Every message of every partition, in order (to the broker's end-of-partition event)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    target = parse_kafka_uri(topic_uri)
+    out: dict[int, list[Message]] = {}
+    for p in range(PARTITIONS):
+        c = Consumer(
+            {
+                "bootstrap.servers": target.bootstrap,
+                "group.id": f"test-{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+            }
+        )
+        try:
+            c.assign([TopicPartition(target.topic, p, 0)])
+            got: list[Message] = []
+            while True:
+                msg = c.poll(10)
+                assert msg is not None, f"partition {p}: no message nor end within 10 s"
+                if msg.error() is not None:
+                    assert msg.error().code() == -191, msg.error()  # _PARTITION_EOF
+                    break
+                got.append((msg.key(), msg.value(), list(msg.headers() or [])))
+            out[p] = got
+        finally:
+            c.close()
+    return out
+
+
+def _markers(topic_uri: str) -> list[Any]:
+    topic = parse_kafka_uri(topic_uri).topic
+    return [
+        decode_marker(h, v, topic, 0, i) for i, (_, v, h) in enumerate(_read_topic(topic_uri)[0])
+    ]
+
+
+def _create(topic_uri: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    target = parse_kafka_uri(topic_uri)
+    admin = AdminClient({"bootstrap.servers": target.bootstrap})
+    admin.create_topics([NewTopic(target.topic, PARTITIONS, 1)])[target.topic].result(timeout=30)
+
+
+def _produce(topic_uri: str, partition: int, messages: list[Message]) -> None:
+    from confluent_kafka import Producer
+
+    target = parse_kafka_uri(topic_uri)
+    p = Producer({"bootstrap.servers": target.bootstrap, "acks": "all"})
+    for key, value, headers in messages:
+        p.produce(target.topic, value=value, key=key, partition=partition, headers=headers)
+    assert p.flush(30) == 0, f"{topic_uri} partition {partition}: not acknowledged"
+
+
+def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
+    broker: TansuBroker,
+    published: tuple[str, str],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic_uri, tmp = published
+    original = _read_topic(topic_uri)
+    markers = {m.step: original[0][i] for i, m in enumerate(_markers(topic_uri))}
+    replay = broker.uri(f"replay-{uuid.uuid4().hex[:10]}")
+    _create(replay)
+    # Rank 1's partition, with one byte of the first segment of full 4's files flipped (its
+    # checksum header is the original's: damage on the way).
+    name = parse_kafka_uri(topic_uri).topic
+    rank1 = list(original[2])
+    for i, (key, value, headers) in enumerate(rank1):
+        assert value is not None
+        seg = decode_segment(headers, value, name, 2, i)
+        if seg.key.startswith("step-000000000004/"):
+            raw = bytearray(value)
+            raw[len(raw) // 2] ^= 0x10
+            rank1[i] = (key, bytes(raw), headers)
+            break
+    else:
+        raise AssertionError("no segment of step 4 on partition 2")
+    _produce(replay, 1, original[1])
+    _produce(replay, 2, rank1)
+    # Markers 0 and 2, a garbage marker, another run's full and delta, markers 4 and 6.
+    _produce(replay, 0, [markers[0], markers[2]])
+    bootstrap, rname = broker.bootstrap, parse_kafka_uri(replay).topic
+    inject(bootstrap, rname, 0, b"{not a marker", [("deck", b"1"), ("type", b"marker")])
+    other = SynthPublisher(replay, str(tmp_path / "other-state"), seed=7)
+    other.publish("full")
+    other.publish()
+    other.close()
+    _produce(replay, 0, [markers[4], markers[6]])
+
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    source = KafkaSource(replay, wait_s=5, quarantine_dir=str(tmp_path / "q"))
+    live = LiveModel(list(served.values()), source, LiveConfig(), on_fault=faults.append)
+    try:
+        with caplog.at_level(logging.ERROR, logger="deck"):
+            assert [(s.step, s.kind) for s in live.poll()] == [(0, "full"), (2, "delta")]
+        version = live.version
+        assert live.step == 2 and not bitwise_diff(served, reference(f"{tmp}/ckpt", 2, SPEC))
+        # garbage; the other run's 2 markers; full 4 damaged; delta 6 of the refused 4
+        assert [f.step for f in faults] == [-1, 1, 2, 4, 6], faults
+        assert all(f.serving == version and f.uri == replay for f in faults), faults
+        assert "damaged" in faults[0].error and "partition 0 offset 2" in faults[0].checkpoint
+        assert all("foreign" in f.error and other.run in f.error for f in faults[1:3])
+        assert "damaged" in faults[3].error and "quarantined" in faults[3].error
+        assert "out of order" in faults[4].error and "delta of step 4" in faults[4].error
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        not_applied = [e for e in errors if "not applied" in e]
+        assert len(not_applied) == 5 and all("serving step 2" in e for e in not_applied)
+        with open(tmp_path / "q" / "quarantine.json") as f:
+            entries = json.load(f)["entries"]
+        assert [(e["kind"], e["partition"]) for e in entries] == [
+            ("poison", 0),
+            ("foreign", 0),
+            ("foreign", 0),
+            ("poison", 2),
+        ], entries
+        # Nothing more on the topic: nothing changes, nothing is reported again.
+        faults.clear()
+        before = {k: copy.deepcopy(m.state_dict()) for k, m in served.items()}
+        assert live.poll() == [] and live.version == version and not faults
+        for kind, model in served.items():
+            for key, value in model.state_dict().items():
+                assert torch.equal(value, before[kind][key]), (kind, key)
+
+        # The next full moves it on; markers of older steps after it (the delta 2, the full 4)
+        # are out of order.
+        _produce(replay, 0, [markers[8], markers[2], markers[4]])
+        assert [(s.step, s.kind) for s in live.poll()] == [(8, "full")]
+        assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 8, SPEC))
+        assert [f.step for f in faults] == [2, 4], faults
+        assert all("out of order" in f.error and "served step 8" in f.error for f in faults)
+        assert live.step == 8
+    finally:
+        source.close()
+
+
+def test_a_fresh_model_applies_every_marked_step_and_rolls_back_to_kept_ones(
+    published: tuple[str, str],
+) -> None:
+    topic_uri, tmp = published
+    served = serving_models(SPEC, seed=9)
+    source = KafkaSource(topic_uri, wait_s=5)
+    live = LiveModel(list(served.values()), source, LiveConfig(keep_versions=2))
+    try:
+        got = live.poll()
+        assert [(s.step, s.kind) for s in got] == [
+            (0, "full"),
+            (2, "delta"),
+            (4, "full"),
+            (6, "delta"),
+            (LAST, "full"),
+        ]
+        assert not bitwise_diff(served, reference(f"{tmp}/ckpt", LAST, SPEC))
+        assert live.poll() == [] and not live.faults
+        assert live.kept_steps() == [6, 4]
+        switch = live.rollback(4)
+        assert switch is not None and switch.kind == "rollback"
+        assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 4, SPEC))
+        with pytest.raises(CheckpointNotFoundError, match="not read its topic backwards"):
+            live.rollback(2)
+        assert live.step == 4
+    finally:
+        source.close()
