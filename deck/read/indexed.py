@@ -399,7 +399,10 @@ def _write_segments(
     parsed: Mapping[str, tuple[bytes, CheckpointManifest]],
 ) -> tuple[SegmentRef, ...]:
     """The segments of ``stepped`` (step, key, text; sorted), each written unless the store
-    holds it already (by its name: the checksum of its content)."""
+    holds it already (by its name: the checksum of its content) and ``before`` (segments this
+    writer read and checked) names it: a file of that name it did not check may be damaged
+    (flipped, cut short), and, its name being that of the right content, would never be
+    written again, every catalog naming it passed by for good."""
     known = {ref.name: ref for ref in before}
     present = listed_segments(storage) if stepped else set()
     refs: list[SegmentRef] = []
@@ -416,7 +419,7 @@ def _write_segments(
         segment = Segment(format_version=FORMAT_VERSION, records=tuple((k, t) for _, k, t in part))
         name, packed = encode_segment(segment)
         ref = known.get(name) or _describe(name, part, parsed, storage)
-        if name not in present:
+        if name not in present or name not in known:
             storage.put(segment_key(name), packed)
         refs.append(ref)
     return tuple(refs)

@@ -47,6 +47,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -66,15 +67,37 @@ from deck.errors import (
     LeaseHeldError,
     StorageError,
 )
-from deck.format.commit_log import CATALOG_ROOT, catalog_key, listed_seqs
+from deck.format.commit_log import (
+    CATALOG_ROOT,
+    catalog_key,
+    key_step,
+    listed_segments,
+    listed_seqs,
+    read_catalog,
+    segment_key,
+)
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.retention import GcReport, RetentionPolicy, collect_garbage, plan_retention
-from deck.read.catalog import manifest_keys, quarantine, read_manifests
-from deck.read.indexed import compact
-from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
+from deck.read.catalog import (
+    ManifestSet,
+    damaged_records,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+)
+from deck.read.indexed import IndexedRead, compact
+from deck.read.lineage import (
+    LineageGraph,
+    build_graph,
+    chain_for,
+    cheapest_chain,
+    confirmed,
+    latest_restorable,
+)
 from deck.read.verify import confirmed_damage, verify_checkpoint
+from deck.read.window import read_window
 from deck.serve.follow import Follower
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
@@ -231,6 +254,52 @@ READ_FAULTS = [
 SKEWS = [0.0, 30.0, -600.0, 7200.0, -7200.0]
 
 
+def _note(what: str) -> None:
+    """Hypothesis' ``event`` (counted in its statistics), also from a pinned sequence."""
+    with contextlib.suppress(InvalidArgument):
+        event(what)
+
+
+Plan = tuple[int | None, tuple[str, ...] | str, str | None]
+
+
+def _plan(manifests: ManifestSet, step: int | None, target: int | None = None) -> Plan:
+    """What a restore of ``step`` (None: the latest) plans from ``manifests``: the step
+    (``target`` when chosen already), its chain's ids (or the error that refuses it), and the
+    damaged records it passes by (or refuses for)."""
+    if step is not None:
+        target = step
+    elif target is None:
+        target = latest_restorable(manifests)
+    chain: tuple[str, ...] | str = ()
+    if target is not None:
+        try:
+            chain = tuple(m.id for m in chain_for(manifests, target))
+        except DeckError as e:
+            chain = type(e).__name__
+    return target, chain, damaged_records(manifests, target, latest=step is None)
+
+
+def _plan_restore(store: Storage, step: int | None) -> Plan | None:
+    """:func:`_plan` as a trainer's restore makes it (deck.trainer.loader.StateLoader.restore,
+    on one rank): from a windowed read, the latest step checked against the records, then the
+    chain's records; None when there is no window (the restore reads every record)."""
+    manifests = read_window(store, step)
+    if manifests is None:
+        return None
+    target = step
+    if step is None:
+        target = latest_restorable(manifests)
+        checked = confirmed(store, manifests, target, latest=True)
+        if checked is not manifests:
+            manifests, target = checked, latest_restorable(checked)
+        if target is not None and target not in manifests:
+            manifests = read_manifests(store)
+    if target is not None:
+        manifests = confirmed(store, manifests, target)
+    return _plan(manifests, step, target)
+
+
 class _Clock:
     """``time`` as a module sees it on a host whose clock is ``offset`` seconds off."""
 
@@ -274,6 +343,11 @@ class OperationsMachine(RuleBasedStateMachine):
         self.seen: set[tuple[str, ...]] = set()
         self.lease = Lease(self.store, ttl_s=3600, settle_s=0.0)
         self.lease.acquire()
+        # The machine forged the catalog (valid checksums, wrong records) and no run of GC has
+        # repaired it since: reads through it may differ from the records until one does.
+        self.forged = False
+        # Each record key's text when the machine first saw it: what a stale catalog holds.
+        self.first_texts: dict[str, str] = {}
 
     def teardown(self) -> None:
         self.store.clear()
@@ -318,11 +392,18 @@ class OperationsMachine(RuleBasedStateMachine):
             m = self.tr.save(kind)
         self._saved(m.step, m.id, snapshot(self.tr.shards))
 
+    def _read(self) -> ManifestSet:
+        """The commit records as the model sees them: through the catalog, or every record
+        while the machine's forgery may still be in it (the model knows the truth)."""
+        if self.forged:
+            return read_manifests(self.store, manifest_keys(self.store))
+        return read_manifests(self.store)
+
     def _saved(self, step: int, cid: str, state: State) -> None:
         """Record a committed save; promise it when it has a chain the machine did not damage."""
         self.history[cid] = state
         self.promised.pop(step, None)
-        if self._intact_chain(build_graph(read_manifests(self.store)), step) is not None:
+        if self._intact_chain(build_graph(self._read()), step) is not None:
             self.promised[step] = cid
 
     def _intact_chain(self, graph: LineageGraph, step: int) -> list[CheckpointManifest] | None:
@@ -364,7 +445,7 @@ class OperationsMachine(RuleBasedStateMachine):
         self._saved(m.step, m.id, state)
 
     def _restart(self, step: int, state: State, kind: str) -> None:
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         m = manifests.get(step)
         if m is not None and m.id not in self.history:  # the commit record landed
             self._saved(step, m.id, state)
@@ -384,7 +465,7 @@ class OperationsMachine(RuleBasedStateMachine):
 
     def _restore_and_continue(self, step: int) -> None:
         """Restore ``step`` (bitwise) and continue from it: a new timeline."""
-        chain = self._intact_chain(build_graph(read_manifests(self.store)), step)
+        chain = self._intact_chain(build_graph(self._read()), step)
         assert chain is not None
         got, user = restore_state(self.store, chain)
         assert user == step and not same(got, self.history[chain[-1].id])
@@ -396,7 +477,7 @@ class OperationsMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         """Restore an older step and train on from it, saving its later steps again."""
-        graph = build_graph(read_manifests(self.store))
+        graph = build_graph(self._read())
         ours = [
             s
             for s in graph.restorable_steps()
@@ -477,6 +558,10 @@ class OperationsMachine(RuleBasedStateMachine):
         rep = self._gc()
         if rep is not None:
             self._retain(rep.retained_steps)
+            # Damage or forgery costs reads until GC (which reads every record) repairs the
+            # catalog: after a whole run, reads go through one again.
+            if listed_seqs(self.local, CATALOG_ROOT):
+                assert read_manifests(self.store).index is not None, "no catalog usable after GC"
 
     @rule(
         n=st.integers(1, 60),
@@ -553,7 +638,7 @@ class OperationsMachine(RuleBasedStateMachine):
         if where:
             self.store.read_faults = {where: times}
         try:
-            manifests = read_manifests(self.store)
+            manifests = read_manifests(self.store, manifest_keys(self.store))
             for m in manifests.all():
                 report = verify_checkpoint(self.store, m)
                 if report.problems:
@@ -570,7 +655,7 @@ class OperationsMachine(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["flip", "lose"]))
     def damage_a_file(self, data: st.DataObject, how: str) -> None:
         """Real damage: a byte of a chunk flipped, or a chunk lost."""
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         candidates = sorted(
             (k, m.id)
             for m in manifests.all()
@@ -617,6 +702,71 @@ class OperationsMachine(RuleBasedStateMachine):
             self.local.put(catalog_key(seqs[-1]), b"damaged")
             event("catalog damaged")
 
+    @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "delete"]))
+    def damage_a_segment(self, data: st.DataObject, how: str) -> None:
+        """Real damage to a segment file: the catalogs naming it are passed by (a read of
+        every record at worst) until a catalog is written without it; never a wrong plan."""
+        seqs = listed_seqs(self.local, CATALOG_ROOT)
+        try:  # the newest catalog's, in step order (their names are checksums: drawn by place)
+            names = [ref.name for ref in read_catalog(self.local, seqs[-1]).segments]
+        except (IndexError, CorruptCheckpointError):
+            return
+        names = [n for n in names if n in listed_segments(self.local)]
+        if not names:
+            return
+        name = data.draw(st.sampled_from(names), label="damaged segment")
+        path = self.sandbox / "ck" / segment_key(name)
+        raw = path.read_bytes()
+        if how == "flip":
+            path.write_bytes(
+                raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0x40]) + raw[len(raw) // 2 + 1 :]
+            )
+        elif how == "truncate":
+            path.write_bytes(raw[: len(raw) // 2])
+        else:
+            path.unlink()
+        _note(f"segment damaged: {how}")
+
+    @rule(data=st.data(), how=st.sampled_from(["omit", "swap", "stale"]))
+    def forge_the_catalog(self, data: st.DataObject, how: str) -> None:
+        """A catalog whose segments pass every check (zlib, the checksum that names them, what
+        the catalog says of them) but hold the wrong records: one left out, one holding
+        another record's text (another id), or one as it was when the machine first saw it
+        (a stale copy: an abandoned timeline's, or one GC deleted since). A restore must still
+        plan what every record plans; GC (every record read) repairs it."""
+        index = read_manifests(self.store).index
+        if index is None or index.catalog is None:
+            return
+        records = dict(index.records)
+        stepped = sorted(k for k in records if key_step(k) is not None)
+        if how == "stale":
+            now = {k: records.get(k) for k in self.first_texts}
+            stepped = sorted(
+                k
+                for k, t in self.first_texts.items()
+                if key_step(k) is not None and now[k] != t.encode()
+            )
+        if not stepped or (how == "swap" and len(stepped) < 2):
+            return
+        key = data.draw(st.sampled_from(stepped), label="forged record")
+        if how == "omit":
+            del records[key]
+        elif how == "swap":
+            other = data.draw(st.sampled_from([k for k in stepped if k != key]), label="its text")
+            records[key] = records[other]
+        else:
+            records[key] = self.first_texts[key].encode()
+        forged = IndexedRead(
+            seq=index.seq,
+            records=records,
+            recheck=list(index.recheck),
+            unreadable=set(index.unreadable),
+            log_from=index.log_from,
+        )
+        compact(self.store, forged, force=True)
+        self.forged = True
+        _note(f"catalog forged: {how}")
+
     # ---- the loading service ---------------------------------------------------------------------
     @rule(where=st.sampled_from(["", *READ_FAULTS]))
     def follow(self, where: str) -> None:
@@ -654,16 +804,47 @@ class OperationsMachine(RuleBasedStateMachine):
             read_manifests(self.store),
             read_manifests(self.store, manifest_keys(self.store)),
         )
+        if self.forged:  # until a GC run repairs it (or later reads shadow every forged key)
+            if dict(got) != dict(truth) or got.merged != truth.merged:
+                return
+            if got.quarantined != truth.quarantined or set(got.damaged) != set(truth.damaged):
+                return
+            self.forged = False
         assert dict(got) == dict(truth) and got.merged == truth.merged
         assert got.quarantined == truth.quarantined and set(got.damaged) == set(truth.damaged)
         if got.index is not None and got.index.catalog is not None:
             event("read through a catalog")
 
     @invariant()
+    def windowed_restores_plan_what_every_record_plans(self) -> None:
+        """A restore plans from the newest segments only (deck.read.window); whatever the
+        catalog holds (damaged, stale, forged), it picks the step and the chain that a read
+        of every record picks, or reads more."""
+        if not self.history:
+            return
+        truth = read_manifests(self.store, manifest_keys(self.store))
+        for key, data in truth.raw.items():
+            if isinstance(data, bytes):
+                self.first_texts.setdefault(key, data.decode(errors="replace"))
+        if not deck.read.indexed.keeps_log(self.store):
+            return
+        retained = plan_retention(truth, self.policy).retained_steps
+        # The latest step and a few others (each costs a windowed read): the newest and the
+        # oldest promised or retained step (the one most likely to need a wider window).
+        others = sorted(set(self.promised) | set(retained))
+        for step in [None, *others[-1:], *others[:1]]:
+            planned = _plan_restore(self.store, step)
+            if planned is None:
+                continue  # no window: the restore reads every record
+            _note("restore planned from a window")
+            want = _plan(truth, step)
+            assert planned == want, f"restore of {step}: window plans {planned}, records {want}"
+
+    @invariant()
     def promised_and_restorable_steps_restore_bitwise(self) -> None:
         if not self.history:
             return
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         graph = build_graph(manifests)
         restorable = set(graph.restorable_steps())
         chains = {}
@@ -698,7 +879,7 @@ class OperationsMachine(RuleBasedStateMachine):
         period stay whole."""
         if self.grace <= 0 or not self.history:
             return
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         graph = build_graph(manifests)
         for then, step, chain, files in self.readers.values():
             if (self.now - then + 1) * 1000 >= self.grace or {m.id for m in chain} & self.damaged:
@@ -729,6 +910,10 @@ RANDOM = os.environ.get("DECK_FUZZ_RANDOM") == "1"
 def test_operations_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     # Catalogs every few entries (not 64), so that merger passes and GC write them in a run.
     monkeypatch.setattr(deck.read.indexed, "CATALOG_EVERY", 3)
+    # Segments of a step or two (at most 4 records), so that a history has many of them and a
+    # restore plans from a part of it (deck.read.window).
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 2)
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_MAX_RECORDS", 4)
     run_state_machine_as_test(
         OperationsMachine,
         settings=settings(
@@ -817,5 +1002,27 @@ def test_gc_read_error_on_a_takeover_deletes_nothing_the_plan_kept() -> None:
         assert any("could not be read" in why for _, why in rep.kept), rep.kept
         m.promised_and_restorable_steps_restore_bitwise()
         assert set(m.promised) == promised
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_gc_writes_a_damaged_segment_again(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Found by the windowed-restore rules (``make fuzz-ops``, segments of a step or two): a
+    segment file cut short or with a bit flipped, then GC. GC saw no usable catalog and wrote
+    one from every record, but its segment of those records has the damaged file's name (the
+    checksum of the right content), so it was not written again: every catalog named the
+    damaged file, and every read read every record from then on."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 2)
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_MAX_RECORDS", 4)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.write_a_catalog(kill=None, after=False)
+        m.damage_a_segment(_Nth(0), how=how)
+        assert read_manifests(m.store).index is None  # (passed by: every record read)
+        m.gc()  # asserts that reads go through a catalog again
+        m.windowed_restores_plan_what_every_record_plans()
     finally:
         m.teardown()
