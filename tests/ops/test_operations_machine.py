@@ -804,6 +804,9 @@ class OperationsMachine(RuleBasedStateMachine):
             read_manifests(self.store),
             read_manifests(self.store, manifest_keys(self.store)),
         )
+        for key, data in truth.raw.items():  # (what a stale catalog may hold)
+            if isinstance(data, bytes):
+                self.first_texts.setdefault(key, data.decode(errors="replace"))
         if self.forged:  # until a GC run repairs it (or later reads shadow every forged key)
             if dict(got) != dict(truth) or got.merged != truth.merged:
                 return
@@ -820,18 +823,12 @@ class OperationsMachine(RuleBasedStateMachine):
         """A restore plans from the newest segments only (deck.read.window); whatever the
         catalog holds (damaged, stale, forged), it picks the step and the chain that a read
         of every record picks, or reads more."""
-        if not self.history:
-            return
+        if not self.history or not listed_seqs(self.local, CATALOG_ROOT):
+            return  # (no catalog: every restore reads every record)
         truth = read_manifests(self.store, manifest_keys(self.store))
-        for key, data in truth.raw.items():
-            if isinstance(data, bytes):
-                self.first_texts.setdefault(key, data.decode(errors="replace"))
-        if not deck.read.indexed.keeps_log(self.store):
-            return
-        retained = plan_retention(truth, self.policy).retained_steps
         # The latest step and a few others (each costs a windowed read): the newest and the
-        # oldest promised or retained step (the one most likely to need a wider window).
-        others = sorted(set(self.promised) | set(retained))
+        # oldest promised step (one GC retained, most likely to need a wider window).
+        others = sorted(self.promised)
         for step in [None, *others[-1:], *others[:1]]:
             planned = _plan_restore(self.store, step)
             if planned is None:
