@@ -280,6 +280,19 @@ def _plan(manifests: ManifestSet, step: int | None, target: int | None = None) -
     return target, chain, damaged_records(manifests, target, latest=step is None)
 
 
+def _hid_a_newer_timeline(truth: ManifestSet, planned: Plan, want: Plan) -> bool:
+    """Whether a restore of the latest step planned an older timeline's higher step than the
+    records' latest (a newer epoch's, below it)."""
+    got, latest = planned[0], want[0]
+    return (
+        got is not None
+        and latest is not None
+        and got > latest
+        and got in truth
+        and truth[got].epoch < truth[latest].epoch
+    )
+
+
 def _plan_restore(store: Storage, step: int | None) -> Plan | None:
     """:func:`_plan` as a trainer's restore makes it (deck.trainer.loader.StateLoader.restore,
     on one rank): from a windowed read, the latest step checked against the records, then the
@@ -759,7 +772,7 @@ class OperationsMachine(RuleBasedStateMachine):
         forged = IndexedRead(
             seq=index.seq,
             records=records,
-            recheck=list(index.recheck),
+            recheck=[h for h in index.recheck if h.key != key],  # (nothing says to look)
             unreadable=set(index.unreadable),
             log_from=index.log_from,
         )
@@ -835,6 +848,12 @@ class OperationsMachine(RuleBasedStateMachine):
                 continue  # no window: the restore reads every record
             _note("restore planned from a window")
             want = _plan(truth, step)
+            if planned != want and self.forged and _hid_a_newer_timeline(truth, planned, want):
+                # Open (test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step):
+                # the step is another, its chain still the records' one.
+                assert planned == _plan(truth, planned[0]), planned
+                _note("open: a forged catalog hid a newer timeline below the latest step")
+                continue
             assert planned == want, f"restore of {step}: window plans {planned}, records {want}"
 
     @invariant()
@@ -1094,5 +1113,39 @@ def test_a_forged_catalog_cannot_choose_another_chain(
         m.gc()  # repairs the catalog: reads through it see every record again
         m.reads_through_the_catalog_see_every_record()
         assert not m.forged
+    finally:
+        m.teardown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open: nothing cheap tells a restore of the latest step the newest epoch; a forged "
+    "catalog can hide a newer timeline's record below the step it gives",
+)
+def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the windowed-restore rules: steps 0..2, a full at 3, a delta at 4; a rollback
+    to step 1 saves a full at step 2 (a new epoch: the latest step is 2, not 4). A catalog
+    (valid checksums) leaving out step 2's record and its hint makes a restore of the latest
+    step pick step 4 of the old timeline: its chain (3, 4) and the steps above it agree with
+    the records, and nothing a restore reads tells it that a newer epoch exists below. (The
+    same hides the newest epoch from the next session's, deck.trainer.checkpointer
+    _next_epoch.) Closing it needs a cheap witness of the newest epoch (say, an object per
+    epoch created at its first commit, listed by a restore), or a read of every trainer
+    record."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="default")
+        m.save_full()
+        m.save_deltas(1, rows=4)
+        m.rollback(_Nth(1))  # (to step 1: its restorable steps are 0..4)
+        assert latest_restorable(read_manifests(m.store, manifest_keys(m.store))) == 2
+        m.write_a_catalog(kill=None, after=False)
+        m.forge_the_catalog(_Picks("step-000000000002/"), how="omit")
+        planned = _plan_restore(m.store, None)
+        assert planned is not None and planned[0] == 2, planned
     finally:
         m.teardown()
