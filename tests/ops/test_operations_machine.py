@@ -22,6 +22,11 @@ After every rule, with the faults cleared:
 - every step the lineage calls restorable restores bitwise, or fails with a DeckError only when
   its chain holds a checkpoint the machine damaged;
 - every chain a restore picked within the grace period is still whole;
+- a restore planned from the newest segments of the catalog (deck.read.window; segments of a
+  step or two here, so that histories have many) picks the step and the chain a read of every
+  record picks, whatever the rules did to the catalog: segments damaged (a flipped byte, cut
+  short, deleted) or the catalog forged (valid checksums; a record left out, another record's
+  text, a stale copy);
 - nothing outside the URI changed.
 Rules allow only DeckErrors (and the simulated crash where one is armed); a hang is caught by the
 test's timeout.
