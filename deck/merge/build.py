@@ -293,6 +293,10 @@ class ItemBuilder:
         deleted (the item is built again from scratch next pass, what is left of its files
         being orphans) and :class:`FilesGoneError` names the folder and the file."""
         problem = first_missing_file(self.storage, self.folder, written, sizes=True)
+        if problem is None and self.missing_parts():
+            # GC deletes an abandoned-looking folder's partition records first: one gone means
+            # it is deleting here, the chunks they name next (committed, they would be lost).
+            problem = "a partition record is gone"
         if problem is None:
             return
         for p in self.partitions:

@@ -406,9 +406,12 @@ def _write_segments(
     parsed: Mapping[str, tuple[bytes, CheckpointManifest]],
 ) -> tuple[SegmentRef, ...]:
     """The segments of ``stepped`` (step, key, text; sorted), each written unless the store
-    holds it already (by its name: the checksum of its content). One of ``read``'s segments
-    that still holds exactly the same records is named again as it is (not encoded again: a
-    long history's catalog costs what changed, not every record)."""
+    holds it already (by its name: the checksum of its content) and ``read``'s segments (those
+    this writer read and checked) name it: a file of that name it did not check may be damaged
+    (flipped, cut short), and, its name being that of the right content, would never be
+    written again, every catalog naming it passed by for good. One of ``read``'s segments that
+    still holds exactly the same records is named again as it is (not encoded again: a long
+    history's catalog costs what changed, not every record)."""
     known = {ref.name: ref for ref in read.segments}
     present = listed_segments(storage) if stepped else set()
     refs: list[SegmentRef] = []
@@ -429,7 +432,7 @@ def _write_segments(
         segment = Segment(format_version=FORMAT_VERSION, records=tuple((k, t) for _, k, t in part))
         name, packed = encode_segment(segment)
         ref = known.get(name) or _describe(name, part, parsed, storage)
-        if name not in present:
+        if name not in present or name not in known:
             storage.put(segment_key(name), packed)
         refs.append(ref)
     return tuple(refs)

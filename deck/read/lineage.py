@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from deck.format.commit_log import key_step
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -487,6 +488,32 @@ class LineageGraph:
         step order over those states alone: the paths it finds into them may be dearer than
         the lineage's, but not on the cheapest ones, which lie wholly among them. A long
         history costs the bytes of one or two fulls' worth of steps back, not every state."""
+        targets, near = self._near_states(t, exclude)
+        best: dict[StateKey, PathLink] = {}
+        for st in sorted(near):
+            way = cheapest_way_in(
+                st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude
+            )
+            if way is not None:
+                best[st] = PathLink(*way)
+        return {st: best[st] for st in targets if st in best}
+
+    def chain_reach(self, step: int) -> int:
+        """The lowest step whose checkpoints can be on the cheapest chain of trainer step
+        ``step`` (the search of :meth:`_near_paths` goes no lower): which chain is cheapest
+        depends on the records of the steps from there to ``step`` only (and their quarantine
+        records). A read that holds those as the store does plans what every record plans."""
+        t = self.trainer.get(step)
+        if t is None:
+            return step
+        _, near = self._near_states(t, frozenset())
+        return min((st[0] for st in near), default=step)
+
+    def _near_states(
+        self, t: LineageNode, exclude: frozenset[str]
+    ) -> tuple[set[StateKey], set[StateKey]]:
+        """The states a chain of ``t`` goes on from, and those a cheapest path into one of them
+        can pass through (see :meth:`_near_paths`)."""
         targets = {t.start} if t.start is not None else set()
         for d in self.ending_at.get(t.state, ()):
             if d.id != t.id and d.start is not None:
@@ -515,14 +542,7 @@ class LineageGraph:
                         if nb < back.get(e.start, nb + 1):
                             back[e.start] = nb
                             heapq.heappush(heap, (nb, e.start))
-        best: dict[StateKey, PathLink] = {}
-        for st in sorted(near):
-            way = cheapest_way_in(
-                st, self.fulls_at.get(st, ()), self.ending_at.get(st, ()), best, exclude
-            )
-            if way is not None:
-                best[st] = PathLink(*way)
-        return {st: best[st] for st in targets if st in best}
+        return targets, near
 
     def chain_ways(self, steps: Iterable[int], exclude: frozenset[str]) -> dict[int, ChainWay]:
         """:meth:`chain_way` of each of ``steps`` that has a chain, by step (one lookup of
@@ -845,18 +865,24 @@ def confirmed(
 ) -> ManifestSet:
     """``manifests`` when they were read record by record, or when what a restore of ``step``
     relies on, read through the catalog, is what the store holds now: the commit records of
-    its chain and their quarantine records and, with ``latest`` (``step`` was chosen as the
-    latest restorable, None: none was), the record of every step folder above it. Else every
-    record read again (logged). A catalog damaged or forged so that it still passes its checks
-    costs this read, never another chain or another step than the records give."""
+    its chain and their quarantine records; every commit record of the steps its chain was
+    chosen among (:meth:`LineageGraph.chain_reach` up to ``step``: a record left out, changed
+    or added there may make another chain the cheapest, with every record of the chosen one
+    intact), with the quarantine records of those the catalog says are quarantined; and, with
+    ``latest`` (``step`` was chosen as the latest restorable, None: none was), the record of
+    every step folder above it. Else every record read again (logged). A catalog damaged or
+    forged so that it still passes its checks costs this read, never another chain or
+    another step than the records give."""
     index = manifests.index
     if index is None:
         return manifests
     keys: list[str] = []
+    listing: list[str] | None = None
     if step is not None:
         try:
             chain = chain_for(manifests, step)
-        except (CheckpointNotFoundError, CorruptCheckpointError):
+            low = build_graph(manifests).chain_reach(step)
+        except (CheckpointNotFoundError, CorruptCheckpointError, OutsideWindow):
             chain = []
         if not chain and (step in manifests or step in manifests.damaged):
             return _read_every_record(storage, step)
@@ -864,14 +890,18 @@ def confirmed(
             keys.append(f"{step_dir(step)}/{MANIFEST}")
         keys += [f"{m.folder}/{MANIFEST}" for m in chain]
         keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]
+        if chain:
+            listing = storage.list_dir("")
+            keys += _records_between(storage, manifests, listing, low, step)
     if latest:
         above = -1 if step is None else step
         steps = {s for s in manifests if s > above} | {s for s in manifests.damaged if s > above}
-        for name in storage.list_dir(""):
+        for name in listing if listing is not None else storage.list_dir(""):
             listed = parse_step_dir(name.rstrip("/"))
             if listed is not None and listed > above and name.endswith("/"):
                 steps.add(listed)
         keys += [f"{step_dir(s)}/{MANIFEST}" for s in sorted(steps)]
+    keys = list(dict.fromkeys(keys))
     try:
         now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
     except CorruptCheckpointError:  # (too large now, a link: damage the whole read names)
@@ -879,6 +909,30 @@ def confirmed(
     if all(k in now and now[k] == _indexed_bytes(index.records.get(k)) for k in keys):
         return manifests
     return _read_every_record(storage, step)
+
+
+def _records_between(
+    storage: Storage, manifests: ManifestSet, listing: list[str], low: int, high: int
+) -> list[str]:
+    """The commit record keys of steps ``low..high`` (trainer step folders, and merger
+    folders by the step they end at) that ``manifests`` (read through the catalog) holds or
+    the store lists (``listing``: the root's; ``merged/`` is listed here), and the quarantine
+    records of those ``manifests`` says are quarantined."""
+    index = manifests.index
+    assert index is not None
+    keys = {k for k in index.records if (s := key_step(k)) is not None and low <= s <= high}
+    for name in listing:
+        listed = parse_step_dir(name.rstrip("/"))
+        if listed is not None and low <= listed <= high and name.endswith("/"):
+            keys.add(f"{step_dir(listed)}/{MANIFEST}")
+    if f"{MERGED_ROOT}/" in listing:
+        for name in storage.list_dir(f"{MERGED_ROOT}/"):
+            named = parse_merged_dir(name.rstrip("/"))
+            if named is not None and low <= named[1] <= high and name.endswith("/"):
+                keys.add(f"{MERGED_ROOT}/{name.rstrip('/')}/{MANIFEST}")
+    held = [m.id for m in manifests.all() if low <= m.step <= high]
+    quarantined = [f"{QUARANTINE_ROOT}/{i}.json" for i in held if i in manifests.quarantined]
+    return sorted(keys) + quarantined
 
 
 def _indexed_bytes(value: bytes | CorruptCheckpointError | None) -> bytes | None:

@@ -14,7 +14,10 @@ Rules (each example has its own topic and directories):
 - ``run_loader``: the loader catches up (in this process, a new one each time: a restart);
 - ``kill_loader``: a loader in a forked child SIGKILLed at a drawn failpoint of its apply, its
   state switch or its loader full (:data:`POINTS`), on its 1st..3rd hit;
-- ``lose_out``: the loader's --out is wiped (a new machine): it starts from its loader full.
+- ``lose_out``: the loader's --out is wiped (a new machine): it starts from its loader full;
+- ``catalog`` / ``damage``: a catalog of the commit log is written at the loader fulls' URI
+  or the publisher's state URI (as ``deck gc`` there does), or the newest one or a segment of
+  it damaged: the loader reads its newest full through it.
 
 Invariants, after every loader run: the output is a committed step of the served run, bitwise
 (:func:`_check_served`); a loader holding state never raises. At the end a clean full is
@@ -44,8 +47,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from deck.format.commit_log import (
+    CATALOG_ROOT,
+    catalog_key,
+    listed_segments,
+    listed_seqs,
+    segment_key,
+)
 from deck.format.stream import marker_value
+from deck.read.catalog import manifest_keys, read_manifests
+from deck.read.indexed import compact
 from deck.serve.kafka_follow import KafkaFollower
+from deck.storage import LocalStorage
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_child import LoaderChildren, loader_from
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
@@ -111,7 +124,9 @@ _WORLD = st.one_of(
     _PUBLISH,  # publishes twice as often as faults: the loader has steps to apply
     st.tuples(
         st.just("fault"),
-        st.sampled_from(["inject", "foreign publish", "restart broker", "wipe --out"]),
+        st.sampled_from(
+            ["inject", "foreign publish", "restart broker", "wipe --out", "catalog", "damage"]
+        ),
         st.integers(0, 2),
         st.sampled_from(["bytes", "bad-checksum", "forged"]),
         st.booleans(),
@@ -185,6 +200,26 @@ class LoaderMachine(RuleBasedStateMachine):
                     p.reconnect()
         elif fault == "wipe --out":
             shutil.rmtree(self.out, ignore_errors=True)  # a new machine: from the loader full
+        elif fault == "catalog":
+            # A writer of history (``deck gc`` there) compacts the commit log at the loader
+            # fulls' URI or at the publisher's state URI: the loader (which reads its newest
+            # full through it) must see every record.
+            store = LocalStorage(self.fulls if partition else str(self.dir / "state"))
+            index = read_manifests(store).index
+            if index is not None and compact(store, index, force=True) is not None:
+                event("catalog written")
+        elif fault == "damage":
+            # Real damage to the newest catalog or one of its segments there: it costs reads.
+            store = LocalStorage(self.fulls if partition else str(self.dir / "state"))
+            seqs = listed_seqs(store, CATALOG_ROOT)
+            names = sorted(listed_segments(store))
+            if form == "bytes" and seqs:
+                store.put(catalog_key(seqs[-1]), b"damaged")
+                event("catalog damaged")
+            elif names:
+                key = segment_key(names[0])
+                store.put(key, store.get(key)[:-7] if foreign else b"\x00")
+                event("catalog segment damaged")
 
     # ---- the loader -------------------------------------------------------------------------
     def _loader_args(self) -> dict[str, Any]:
@@ -223,7 +258,12 @@ class LoaderMachine(RuleBasedStateMachine):
 
     # ---- invariants -------------------------------------------------------------------------
     def _check_served(self) -> None:
-        """What the output serves is a committed step of the served run, bitwise."""
+        """What the output serves is a committed step of the served run, bitwise; reads
+        through a catalog (written or damaged by the rules) see every record."""
+        for where in (self.fulls, str(self.dir / "state")):
+            store = LocalStorage(where)
+            got, truth = read_manifests(store), read_manifests(store, manifest_keys(store))
+            assert dict(got) == dict(truth) and got.merged == truth.merged, where
         got = read_output(self.out)
         if got is None:
             return

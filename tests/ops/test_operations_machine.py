@@ -22,6 +22,11 @@ After every rule, with the faults cleared:
 - every step the lineage calls restorable restores bitwise, or fails with a DeckError only when
   its chain holds a checkpoint the machine damaged;
 - every chain a restore picked within the grace period is still whole;
+- a restore planned from the newest segments of the catalog (deck.read.window; segments of a
+  step or two here, so that histories have many) picks the step and the chain a read of every
+  record picks, whatever the rules did to the catalog: segments damaged (a flipped byte, cut
+  short, deleted) or the catalog forged (valid checksums; a record left out, another record's
+  text, a stale copy);
 - nothing outside the URI changed.
 Rules allow only DeckErrors (and the simulated crash where one is armed); a hang is caught by the
 test's timeout.
@@ -47,6 +52,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -66,15 +72,37 @@ from deck.errors import (
     LeaseHeldError,
     StorageError,
 )
-from deck.format.commit_log import CATALOG_ROOT, catalog_key, listed_seqs
+from deck.format.commit_log import (
+    CATALOG_ROOT,
+    catalog_key,
+    key_step,
+    listed_segments,
+    listed_seqs,
+    read_catalog,
+    segment_key,
+)
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.retention import GcReport, RetentionPolicy, collect_garbage, plan_retention
-from deck.read.catalog import manifest_keys, quarantine, read_manifests
-from deck.read.indexed import compact
-from deck.read.lineage import LineageGraph, build_graph, cheapest_chain
+from deck.read.catalog import (
+    ManifestSet,
+    damaged_records,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+)
+from deck.read.indexed import IndexedRead, compact
+from deck.read.lineage import (
+    LineageGraph,
+    build_graph,
+    chain_for,
+    cheapest_chain,
+    confirmed,
+    latest_restorable,
+)
 from deck.read.verify import confirmed_damage, verify_checkpoint
+from deck.read.window import read_window
 from deck.serve.follow import Follower
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
@@ -231,6 +259,65 @@ READ_FAULTS = [
 SKEWS = [0.0, 30.0, -600.0, 7200.0, -7200.0]
 
 
+def _note(what: str) -> None:
+    """Hypothesis' ``event`` (counted in its statistics), also from a pinned sequence."""
+    with contextlib.suppress(InvalidArgument):
+        event(what)
+
+
+Plan = tuple[int | None, tuple[str, ...] | str, str | None]
+
+
+def _plan(manifests: ManifestSet, step: int | None, target: int | None = None) -> Plan:
+    """What a restore of ``step`` (None: the latest) plans from ``manifests``: the step
+    (``target`` when chosen already), its chain's ids (or the error that refuses it), and the
+    damaged records it passes by (or refuses for)."""
+    if step is not None:
+        target = step
+    elif target is None:
+        target = latest_restorable(manifests)
+    chain: tuple[str, ...] | str = ()
+    if target is not None:
+        try:
+            chain = tuple(m.id for m in chain_for(manifests, target))
+        except DeckError as e:
+            chain = type(e).__name__
+    return target, chain, damaged_records(manifests, target, latest=step is None)
+
+
+def _hid_a_newer_timeline(truth: ManifestSet, planned: Plan, want: Plan) -> bool:
+    """Whether a restore of the latest step planned an older timeline's higher step than the
+    records' latest (a newer epoch's, below it)."""
+    got, latest = planned[0], want[0]
+    return (
+        got is not None
+        and latest is not None
+        and got > latest
+        and got in truth
+        and truth[got].epoch < truth[latest].epoch
+    )
+
+
+def _plan_restore(store: Storage, step: int | None) -> Plan | None:
+    """:func:`_plan` as a trainer's restore makes it (deck.trainer.loader.StateLoader.restore,
+    on one rank): from a windowed read, the latest step checked against the records, then the
+    chain's records; None when there is no window (the restore reads every record)."""
+    manifests = read_window(store, step)
+    if manifests is None:
+        return None
+    target = step
+    if step is None:
+        target = latest_restorable(manifests)
+        checked = confirmed(store, manifests, target, latest=True)
+        if checked is not manifests:
+            manifests, target = checked, latest_restorable(checked)
+        if target is not None and target not in manifests:
+            manifests = read_manifests(store)
+    if target is not None:
+        manifests = confirmed(store, manifests, target)
+    return _plan(manifests, step, target)
+
+
 class _Clock:
     """``time`` as a module sees it on a host whose clock is ``offset`` seconds off."""
 
@@ -274,6 +361,11 @@ class OperationsMachine(RuleBasedStateMachine):
         self.seen: set[tuple[str, ...]] = set()
         self.lease = Lease(self.store, ttl_s=3600, settle_s=0.0)
         self.lease.acquire()
+        # The machine forged the catalog (valid checksums, wrong records) and no run of GC has
+        # repaired it since: reads through it may differ from the records until one does.
+        self.forged = False
+        # Each record key's text when the machine first saw it: what a stale catalog holds.
+        self.first_texts: dict[str, str] = {}
 
     def teardown(self) -> None:
         self.store.clear()
@@ -318,11 +410,18 @@ class OperationsMachine(RuleBasedStateMachine):
             m = self.tr.save(kind)
         self._saved(m.step, m.id, snapshot(self.tr.shards))
 
+    def _read(self) -> ManifestSet:
+        """The commit records as the model sees them: through the catalog, or every record
+        while the machine's forgery may still be in it (the model knows the truth)."""
+        if self.forged:
+            return read_manifests(self.store, manifest_keys(self.store))
+        return read_manifests(self.store)
+
     def _saved(self, step: int, cid: str, state: State) -> None:
         """Record a committed save; promise it when it has a chain the machine did not damage."""
         self.history[cid] = state
         self.promised.pop(step, None)
-        if self._intact_chain(build_graph(read_manifests(self.store)), step) is not None:
+        if self._intact_chain(build_graph(self._read()), step) is not None:
             self.promised[step] = cid
 
     def _intact_chain(self, graph: LineageGraph, step: int) -> list[CheckpointManifest] | None:
@@ -355,7 +454,7 @@ class OperationsMachine(RuleBasedStateMachine):
             with _host_clock(self.trainer_skew):
                 m = self.tr.save(kind)
         except SimulatedCrash:
-            event("trainer killed mid-save")
+            _note("trainer killed mid-save")
             self.store.clear()
             self._restart(step, state, kind)
             return
@@ -364,7 +463,7 @@ class OperationsMachine(RuleBasedStateMachine):
         self._saved(m.step, m.id, state)
 
     def _restart(self, step: int, state: State, kind: str) -> None:
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         m = manifests.get(step)
         if m is not None and m.id not in self.history:  # the commit record landed
             self._saved(step, m.id, state)
@@ -384,7 +483,7 @@ class OperationsMachine(RuleBasedStateMachine):
 
     def _restore_and_continue(self, step: int) -> None:
         """Restore ``step`` (bitwise) and continue from it: a new timeline."""
-        chain = self._intact_chain(build_graph(read_manifests(self.store)), step)
+        chain = self._intact_chain(build_graph(self._read()), step)
         assert chain is not None
         got, user = restore_state(self.store, chain)
         assert user == step and not same(got, self.history[chain[-1].id])
@@ -396,7 +495,7 @@ class OperationsMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         """Restore an older step and train on from it, saving its later steps again."""
-        graph = build_graph(read_manifests(self.store))
+        graph = build_graph(self._read())
         ours = [
             s
             for s in graph.restorable_steps()
@@ -438,7 +537,7 @@ class OperationsMachine(RuleBasedStateMachine):
             with _host_clock(self.merger_skew):
                 MergeWorker(self.store, self.cfg).run_once(wait_s=0)
         except SimulatedCrash:
-            event("merger killed")
+            _note("merger killed")
         except DeckError:
             pass  # damage the machine made: the merger quarantines or reports it
         finally:
@@ -460,7 +559,7 @@ class OperationsMachine(RuleBasedStateMachine):
             )
         except ClockSkewError:
             assert refused, f"GC refused at a skew of {self.gc_skew} s (bound {bound})"
-            event("gc refused: its clock is off")
+            _note("gc refused: its clock is off")
             return None
         assert not refused, f"GC ran at a skew of {self.gc_skew} s (bound {bound})"
         return rep
@@ -477,6 +576,19 @@ class OperationsMachine(RuleBasedStateMachine):
         rep = self._gc()
         if rep is not None:
             self._retain(rep.retained_steps)
+            # Damage or forgery costs reads until GC (which reads every record) repairs the
+            # catalog: after a whole run, reads go through one again.
+            catalogs = listed_seqs(self.local, CATALOG_ROOT)
+            if catalogs:
+                got = read_manifests(self.store)
+                assert got.index is not None, "no catalog usable after GC"
+                # A forgery is gone once GC's repair replaced every catalog (one is left) and
+                # reads through it see every record. (Reads that agree prove nothing while a
+                # damaged newest catalog is passed by: the forged one before it may be read
+                # again once a new one is written; nor do two catalogs, one maybe forged.)
+                truth = read_manifests(self.store, manifest_keys(self.store))
+                if len(catalogs) == 1 and dict(got) == dict(truth) and got.merged == truth.merged:
+                    self.forged = False
 
     @rule(
         n=st.integers(1, 60),
@@ -507,7 +619,7 @@ class OperationsMachine(RuleBasedStateMachine):
             rep = self._gc()
         finally:
             self.store.clear()
-        event(f"gc while the {what} worked: {'during' if ran else 'after'} the run")
+        _note(f"gc while the {what} worked: {'during' if ran else 'after'} the run")
         if not ran:
             meanwhile()
         if rep is not None:
@@ -521,7 +633,7 @@ class OperationsMachine(RuleBasedStateMachine):
         try:
             self._gc()
         except SimulatedCrash:
-            event("gc killed")
+            _note("gc killed")
         finally:
             self.store.clear()
 
@@ -534,9 +646,9 @@ class OperationsMachine(RuleBasedStateMachine):
         try:
             rep = self._gc()
             if rep is not None:
-                event(f"gc under read errors: {'errors' if rep.errors else 'clean'}")
+                _note(f"gc under read errors: {'errors' if rep.errors else 'clean'}")
         except DeckError:
-            event("gc under read errors: refused")
+            _note("gc under read errors: refused")
         finally:
             self.store.clear()
 
@@ -553,7 +665,7 @@ class OperationsMachine(RuleBasedStateMachine):
         if where:
             self.store.read_faults = {where: times}
         try:
-            manifests = read_manifests(self.store)
+            manifests = read_manifests(self.store, manifest_keys(self.store))
             for m in manifests.all():
                 report = verify_checkpoint(self.store, m)
                 if report.problems:
@@ -561,16 +673,16 @@ class OperationsMachine(RuleBasedStateMachine):
                     if proven.problems:
                         assert m.id in self.damaged, (m.folder, proven.problems)
                         quarantine(self.store, m, proven.problems[0])
-                        event("quarantined real damage")
+                        _note("quarantined real damage")
         except DeckError:
-            event("verify stopped by a read error")
+            _note("verify stopped by a read error")
         finally:
             self.store.clear()
 
     @rule(data=st.data(), how=st.sampled_from(["flip", "lose"]))
     def damage_a_file(self, data: st.DataObject, how: str) -> None:
         """Real damage: a byte of a chunk flipped, or a chunk lost."""
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         candidates = sorted(
             (k, m.id)
             for m in manifests.all()
@@ -605,7 +717,7 @@ class OperationsMachine(RuleBasedStateMachine):
             if index is not None:
                 compact(self.store, index, force=True)
         except SimulatedCrash:
-            event("catalog writer killed")
+            _note("catalog writer killed")
         finally:
             self.store.clear()
 
@@ -615,7 +727,72 @@ class OperationsMachine(RuleBasedStateMachine):
         seqs = listed_seqs(self.local, CATALOG_ROOT)
         if seqs:
             self.local.put(catalog_key(seqs[-1]), b"damaged")
-            event("catalog damaged")
+            _note("catalog damaged")
+
+    @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "delete"]))
+    def damage_a_segment(self, data: st.DataObject, how: str) -> None:
+        """Real damage to a segment file: the catalogs naming it are passed by (a read of
+        every record at worst) until a catalog is written without it; never a wrong plan."""
+        seqs = listed_seqs(self.local, CATALOG_ROOT)
+        try:  # the newest catalog's, in step order (their names are checksums: drawn by place)
+            names = [ref.name for ref in read_catalog(self.local, seqs[-1]).segments]
+        except (IndexError, CorruptCheckpointError):
+            return
+        names = [n for n in names if n in listed_segments(self.local)]
+        if not names:
+            return
+        name = data.draw(st.sampled_from(names), label="damaged segment")
+        path = self.sandbox / "ck" / segment_key(name)
+        raw = path.read_bytes()
+        if how == "flip":
+            path.write_bytes(
+                raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0x40]) + raw[len(raw) // 2 + 1 :]
+            )
+        elif how == "truncate":
+            path.write_bytes(raw[: len(raw) // 2])
+        else:
+            path.unlink()
+        _note(f"segment damaged: {how}")
+
+    @rule(data=st.data(), how=st.sampled_from(["omit", "swap", "stale"]))
+    def forge_the_catalog(self, data: st.DataObject, how: str) -> None:
+        """A catalog whose segments pass every check (zlib, the checksum that names them, what
+        the catalog says of them) but hold the wrong records: one left out, one holding
+        another record's text (another id), or one as it was when the machine first saw it
+        (a stale copy: an abandoned timeline's, or one GC deleted since). A restore must still
+        plan what every record plans; GC (every record read) repairs it."""
+        index = read_manifests(self.store).index
+        if index is None or index.catalog is None:
+            return
+        records = dict(index.records)
+        stepped = sorted(k for k in records if key_step(k) is not None)
+        if how == "stale":
+            now = {k: records.get(k) for k in self.first_texts}
+            stepped = sorted(
+                k
+                for k, t in self.first_texts.items()
+                if key_step(k) is not None and now[k] != t.encode()
+            )
+        if not stepped or (how == "swap" and len(stepped) < 2):
+            return
+        key = data.draw(st.sampled_from(stepped), label="forged record")
+        if how == "omit":
+            del records[key]
+        elif how == "swap":
+            other = data.draw(st.sampled_from([k for k in stepped if k != key]), label="its text")
+            records[key] = records[other]
+        else:
+            records[key] = self.first_texts[key].encode()
+        forged = IndexedRead(
+            seq=index.seq,
+            records=records,
+            recheck=[h for h in index.recheck if h.key != key],  # (nothing says to look)
+            unreadable=set(index.unreadable),
+            log_from=index.log_from,
+        )
+        compact(self.store, forged, force=True)
+        self.forged = True
+        _note(f"catalog forged: {how}")
 
     # ---- the loading service ---------------------------------------------------------------------
     @rule(where=st.sampled_from(["", *READ_FAULTS]))
@@ -629,7 +806,7 @@ class OperationsMachine(RuleBasedStateMachine):
             f = Follower(self.store, out)
             f.catch_up()
         except DeckError:
-            event("follow stopped by a read error or damage")
+            _note("follow stopped by a read error or damage")
         finally:
             self.store.clear()
         f = Follower(self.store, out)  # what it serves now
@@ -654,16 +831,46 @@ class OperationsMachine(RuleBasedStateMachine):
             read_manifests(self.store),
             read_manifests(self.store, manifest_keys(self.store)),
         )
+        for key, data in truth.raw.items():  # (what a stale catalog may hold)
+            if isinstance(data, bytes):
+                self.first_texts.setdefault(key, data.decode(errors="replace"))
+        if self.forged:  # until a GC run repairs it (see gc)
+            return
         assert dict(got) == dict(truth) and got.merged == truth.merged
         assert got.quarantined == truth.quarantined and set(got.damaged) == set(truth.damaged)
         if got.index is not None and got.index.catalog is not None:
-            event("read through a catalog")
+            _note("read through a catalog")
+
+    @invariant()
+    def windowed_restores_plan_what_every_record_plans(self) -> None:
+        """A restore plans from the newest segments only (deck.read.window); whatever the
+        catalog holds (damaged, stale, forged), it picks the step and the chain that a read
+        of every record picks, or reads more."""
+        if not self.history or not listed_seqs(self.local, CATALOG_ROOT):
+            return  # (no catalog: every restore reads every record)
+        truth = read_manifests(self.store, manifest_keys(self.store))
+        # The latest step and a few others (each costs a windowed read): the newest and the
+        # oldest promised step (one GC retained, most likely to need a wider window).
+        others = sorted(self.promised)
+        for step in [None, *others[-1:], *others[:1]]:
+            planned = _plan_restore(self.store, step)
+            if planned is None:
+                continue  # no window: the restore reads every record
+            _note("restore planned from a window")
+            want = _plan(truth, step)
+            if planned != want and self.forged and _hid_a_newer_timeline(truth, planned, want):
+                # Open (test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step):
+                # the step is another, its chain still the records' one.
+                assert planned == _plan(truth, planned[0]), planned
+                _note("open: a forged catalog hid a newer timeline below the latest step")
+                continue
+            assert planned == want, f"restore of {step}: window plans {planned}, records {want}"
 
     @invariant()
     def promised_and_restorable_steps_restore_bitwise(self) -> None:
         if not self.history:
             return
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         graph = build_graph(manifests)
         restorable = set(graph.restorable_steps())
         chains = {}
@@ -698,7 +905,7 @@ class OperationsMachine(RuleBasedStateMachine):
         period stay whole."""
         if self.grace <= 0 or not self.history:
             return
-        manifests = read_manifests(self.store)
+        manifests = self._read()
         graph = build_graph(manifests)
         for then, step, chain, files in self.readers.values():
             if (self.now - then + 1) * 1000 >= self.grace or {m.id for m in chain} & self.damaged:
@@ -726,9 +933,17 @@ EXAMPLES = int(os.environ.get("DECK_OPS_EXAMPLES", "100"))
 RANDOM = os.environ.get("DECK_FUZZ_RANDOM") == "1"
 
 
-def test_operations_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+def _small_catalogs(monkeypatch: pytest.MonkeyPatch) -> None:
     # Catalogs every few entries (not 64), so that merger passes and GC write them in a run.
     monkeypatch.setattr(deck.read.indexed, "CATALOG_EVERY", 3)
+    # Segments of a step or two (at most 4 records), so that a history has many of them and a
+    # restore plans from a part of it (deck.read.window).
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 2)
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_MAX_RECORDS", 4)
+
+
+def test_operations_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    _small_catalogs(monkeypatch)
     run_state_machine_as_test(
         OperationsMachine,
         settings=settings(
@@ -775,6 +990,18 @@ def test_gc_keeps_a_merged_delta_whose_trainer_deltas_are_damaged(how: str) -> N
         m.teardown()
 
 
+class _Picks:
+    """Stands for Hypothesis' ``data``: each draw takes the first candidate starting with the
+    next of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        self.prefixes = list(prefixes)
+
+    def draw(self, strategy: Any, label: str = "") -> str:
+        prefix = self.prefixes.pop(0)
+        return next(c for c in strategy.elements if c.startswith(prefix))
+
+
 class _Nth:
     """Stands for Hypothesis' ``data``: draws the ``n``-th element (modulo their number)."""
 
@@ -817,5 +1044,114 @@ def test_gc_read_error_on_a_takeover_deletes_nothing_the_plan_kept() -> None:
         assert any("could not be read" in why for _, why in rep.kept), rep.kept
         m.promised_and_restorable_steps_restore_bitwise()
         assert set(m.promised) == promised
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_gc_writes_a_damaged_segment_again(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Found by the windowed-restore rules (``make fuzz-ops``, segments of a step or two): a
+    segment file cut short or with a bit flipped, then GC. GC saw no usable catalog and wrote
+    one from every record, but its segment of those records has the damaged file's name (the
+    checksum of the right content), so it was not written again: every catalog named the
+    damaged file, and every read read every record from then on."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.write_a_catalog(kill=None, after=False)
+        m.damage_a_segment(_Nth(0), how=how)
+        assert read_manifests(m.store).index is None  # (passed by: every record read)
+        m.gc()  # asserts that reads go through a catalog again
+        m.windowed_restores_plan_what_every_record_plans()
+    finally:
+        m.teardown()
+
+
+def test_gc_deleting_a_merger_folder_a_pass_resumes_loses_nothing() -> None:
+    """Found by the windowed-restore run (``make fuzz-ops``) once verify read every record
+    (as ``deck verify`` does: through the catalog, the ``_log/`` read error stopped it first).
+    A merger pass killed mid-build leaves partition records and their chunks; GC (no grace
+    period) takes the folder for an abandoned one, checks it once more and starts deleting its
+    files; meanwhile a pass resumes the item from the partition records still there, checks
+    their chunks and commits; GC then deletes the rest of the files it listed: the committed
+    merged checkpoint names chunks that are gone. GC now deletes the partition records first
+    and looks for the record again before the chunks; the merger does not commit once one of
+    its partition records is gone."""
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.crash_merger(after=False, n=1)
+        m.gc_while_others_work(n=20, pick=1067, what="merge")
+        m.crash_gc(after=False, n=29)
+        m.crash_gc(after=True, n=28)
+        m.save_deltas(count=4, rows=4)
+        m.write_a_catalog(after=True, kill=None)
+        m.crash_merger(after=True, n=18)
+        m.gc_while_others_work(n=44, pick=402, what="merge")
+        m.verify_quarantine(times=1, where="")
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("how", ["omit", "swap"])
+def test_a_forged_catalog_cannot_choose_another_chain(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Found by the windowed-restore rules (``make fuzz-ops``): a catalog (valid checksums,
+    segments as it describes them) that leaves out the merged delta of steps 1..2, or gives
+    its key another record's text. A restore of the latest step planned the trainer deltas
+    1 and 2 instead: every record of that chain agreed with the store, so the check of what
+    the restore relies on passed, and it read a chain a read of every record does not plan
+    (one GC may delete meanwhile). The check now reads the records of every step the chain
+    was chosen among."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        # (swap: the merged record's key holds the text of step 0's record)
+        m.forge_the_catalog(_Picks("merged/L01-", "step-000000000000/"), how=how)
+        assert m.forged
+        m.windowed_restores_plan_what_every_record_plans()
+        m.gc()  # repairs the catalog: reads through it see every record again
+        assert not m.forged
+        m.reads_through_the_catalog_see_every_record()
+    finally:
+        m.teardown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open: nothing cheap tells a restore of the latest step the newest epoch; a forged "
+    "catalog can hide a newer timeline's record below the step it gives",
+)
+def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the windowed-restore rules: steps 0..2, a full at 3, a delta at 4; a rollback
+    to step 1 saves a full at step 2 (a new epoch: the latest step is 2, not 4). A catalog
+    (valid checksums) leaving out step 2's record and its hint makes a restore of the latest
+    step pick step 4 of the old timeline: its chain (3, 4) and the steps above it agree with
+    the records, and nothing a restore reads tells it that a newer epoch exists below. (The
+    same hides the newest epoch from the next session's, deck.trainer.checkpointer
+    _next_epoch.) Closing it needs a cheap witness of the newest epoch (say, an object per
+    epoch created at its first commit, listed by a restore), or a read of every trainer
+    record."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="default")
+        m.save_full()
+        m.save_deltas(1, rows=4)
+        m.rollback(_Nth(1))  # (to step 1: its restorable steps are 0..4)
+        assert latest_restorable(read_manifests(m.store, manifest_keys(m.store))) == 2
+        m.write_a_catalog(kill=None, after=False)
+        m.forge_the_catalog(_Picks("step-000000000002/"), how="omit")
+        planned = _plan_restore(m.store, None)
+        assert planned is not None and planned[0] == 2, planned
     finally:
         m.teardown()

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 import deck.read.indexed
+from deck.format.manifest import MANIFEST
 from deck.read.catalog import manifest_keys, read_manifests
-from deck.read.lineage import chain_for, latest_restorable
+from deck.read.indexed import IndexedRead, compact
+from deck.read.lineage import chain_for, confirmed, latest_restorable
 from deck.read.window import read_window
 from deck.storage import LocalStorage
 from deck.testing.synth_lineage import LineageSim
@@ -62,3 +64,41 @@ def test_a_window_plans_what_every_record_plans(
         assert latest_restorable(got) == latest
         assert [m.id for m in chain_for(got, step)] == [m.id for m in chain_for(truth, step)]
     assert answered > 0  # (the steps near the newest: older ones need most of the history)
+
+
+@pytest.mark.parametrize("how", ["omit", "stale"])
+def test_a_forged_catalog_costs_a_read_never_another_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A catalog with valid checksums whose segments leave out a merged checkpoint of the
+    cheapest chain of the latest step (or hold its record as another one's: a stale copy):
+    the planned chain is checked against the records of every step it was chosen among, so a
+    restore plans the records' chain, not the next cheapest one the catalog still holds."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage = _history(tmp_path / "uri", 200, 1000, None, 4)
+    truth = read_manifests(storage, manifest_keys(storage))
+    latest = latest_restorable(truth)
+    assert latest is not None
+    want = [m.id for m in chain_for(truth, latest)]
+    merged = [m for m in chain_for(truth, latest) if m.is_merged]
+    assert merged
+    victim = f"{merged[-1].folder}/{MANIFEST}"
+    index = read_manifests(storage).index
+    assert index is not None
+    records = dict(index.records)
+    if how == "omit":
+        del records[victim]
+    else:  # the record of another merged checkpoint of the same steps' range, renamed
+        records[victim] = records[victim].replace(merged[-1].id.encode(), b"0" * 16)
+    forged = IndexedRead(
+        seq=index.seq, records=records, recheck=list(index.recheck), log_from=index.log_from
+    )
+    compact(storage, forged, force=True)
+    assert read_manifests(storage).merged != truth.merged  # (the catalog is forged)
+    for step in (None, latest):
+        got = read_window(storage, step)
+        assert got is not None
+        target = latest_restorable(got) if step is None else step
+        checked = confirmed(storage, got, target, latest=step is None)
+        assert latest_restorable(checked) == latest
+        assert [m.id for m in chain_for(confirmed(storage, checked, latest), latest)] == want

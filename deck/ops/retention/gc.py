@@ -30,6 +30,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
 )
+from deck.merge.build import PARTS_DIR
 from deck.ops.retention.clock import CLOCK_DIR, delete_stale_markers, read_store_clock
 from deck.ops.retention.plan import (
     RetentionPlan,
@@ -604,9 +605,19 @@ class _Collector:
         # Readers through a catalog stop waiting for the commit these files were for.
         append_hints(self.storage, [abandon])
         failpoint("gc.orphan.before_delete")
-        for k in keys:
+        # A merger folder's partition records go first, then its record is looked for once
+        # more: a merger pass resuming the item from them (reusing their chunks, which may be
+        # as old as they are) has either committed by then (the rest stays) or finds one gone
+        # right before it commits (deck.merge.build: it builds the item again, in files this
+        # run did not list). Deleting everything it listed, GC deleted the chunks of an item
+        # committed meanwhile.
+        parts = [k for k in keys if f"/{PARTS_DIR}/" in k]
+        for k in [*parts, *[k for k in keys if f"/{PARTS_DIR}/" not in k]]:
             self.storage.delete(k)
             failpoint("gc.orphan.after_delete_file")
+            if parts and k == parts[-1] and (kept := claimed()) is not None:
+                self.report.busy.append((prefix, kept))
+                return
         # The folders its deletions emptied go now, fresh as the deletions made them: no writer
         # fills an attempt folder no record references once all its files are that old (a new
         # file a writer put there since the listing keeps its folder: only empty ones go).
