@@ -15,10 +15,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, DeckError, NotFoundError
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
+    QUARANTINE_ROOT,
     CheckpointManifest,
     Kind,
     RankManifest,
@@ -30,9 +31,9 @@ from deck.format.manifest import (
     step_dir,
 )
 from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
-from deck.read.lineage import LineageGraph, LineageNode, build_graph
+from deck.read.lineage import LineageGraph, LineageNode, PathLink, build_graph, keep_chain
 from deck.storage import Storage
-from deck.storage.base import get_bounded
+from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 _PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
 # A merged delta's folder: its layer and first step.
@@ -159,6 +160,8 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     restorable = set(graph.restorable_steps())
     if any(not n.merged and not n.quarantined and n.step not in restorable for n in nodes):
         return None
+    if not _as_stored(storage, got, graph, nodes):
+        return None
     rows = [_row(n) for n in nodes]
     rows.extend(_unreadable_rows(got, list(got.index.records)))
     # Pending checkpoints: the step folders of the shown steps and after, listed one by one
@@ -169,6 +172,33 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     rows.sort(key=_row_order)
     older = sum(r.count for r in unread) + len(graph.nodes) - len(nodes)
     return RecentRows(graph, rows, floor, older)
+
+
+def _as_stored(
+    storage: Storage, got: ManifestSet, graph: LineageGraph, nodes: list[LineageNode]
+) -> bool:
+    """Whether what the rows of ``nodes`` say, read through the catalog, is what the store
+    holds now: the commit records of those checkpoints and of the chains of the trainer steps
+    among them (a damaged full there makes the steps after it broken), and their quarantine
+    records. A catalog is an index, never the truth: any difference and the caller lists every
+    record."""
+    assert got.index is not None
+    ways = graph.chain_ways(sorted({n.step for n in nodes if not n.merged}), frozenset())
+    ids = {n.id for n in nodes}
+    walked: set[PathLink] = set()
+    for way in ways.values():
+        keep_chain(way, ids, walked)
+    records = {i: f"{graph.nodes[i].folder}/{MANIFEST}" for i in ids}
+    marks = {i: f"{QUARANTINE_ROOT}/{i}.json" for i in ids}
+    try:
+        now = dict(storage.get_many([*records.values(), *marks.values()], limit=MAX_RECORD_BYTES))
+    except DeckError:  # (a record too large now, a link: every record's read says what)
+        return False
+    return all(
+        now.get(records[i]) == got.index.records.get(records[i])
+        and (now.get(marks[i]) is not None) == (i in got.quarantined)
+        for i in ids
+    )
 
 
 def _row_order(r: Row) -> tuple[int, int, int, bool, str]:

@@ -99,3 +99,27 @@ def test_deck_ls_of_a_long_history(tmp_path: Path) -> None:
         "--since STEP or --last N others)"
     )
     assert f"{steps[0]}/{MANIFEST}" not in got.stdout
+
+
+@pytest.mark.parametrize("damage", ["flip", "quarantine"])
+def test_the_recent_rows_are_checked_against_the_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """Found by a user trying to break it: a full of the window (not among the newest steps)
+    whose commit record was damaged after the catalog was written showed as committed, and the
+    steps after it as restorable, where a read of every record says damaged and broken. The
+    view's records (and their chains', and their quarantine records) are read, and any
+    difference lists every record."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage = _history(tmp_path / "uri", 300)
+    recent = list_recent_rows(storage, 5)
+    assert recent is not None
+    full = max(r for r in recent.rows if r.kind == "full" and not r.merged and r.step < 295)
+    key = f"{full.folder}/{MANIFEST}"
+    if damage == "flip":
+        data = bytearray(storage.get(key))
+        data[len(data) // 2] ^= 0x01
+        storage.put(key, bytes(data))
+    else:  # a quarantine record the catalog does not know of
+        storage.put(f"quarantine/{full.id}.json", b"{}")
+    assert list_recent_rows(storage, 5) is None
