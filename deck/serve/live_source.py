@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deck.errors import CheckpointNotFoundError
-from deck.format.manifest import MANIFEST, CheckpointManifest
+from deck.format.manifest import MANIFEST, CheckpointManifest, step_dir
 from deck.read.catalog import ManifestSet, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
 from deck.storage import Storage
@@ -94,6 +94,7 @@ class PublishSource:
         self._uri = storage.uri
         self._last: ManifestSet | None = None
         self._said_behind: State | None = None
+        self._said_damaged: set[tuple[int, str]] = set()
         self._faults: list[SourceFault] = []
 
     @property
@@ -126,6 +127,7 @@ class PublishSource:
         chain after the served state (or one whole version when the chain does not pass
         through it). Empty when nothing newer is restorable without ``exclude``."""
         graph = self._graph()
+        self._damaged(served)
         if graph is None:
             return []
         for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
@@ -159,6 +161,23 @@ class PublishSource:
             self._behind(last, served)
             return []
         return [Plan(tuple(chain), whole=True)]
+
+    def _damaged(self, served: State | None) -> None:
+        """A commit record newer than the served step that cannot be read: reported once (its
+        step is not applied, nor anything built on it, until it is repaired or a newer full
+        comes)."""
+        damaged = self._last.damaged if self._last is not None else {}
+        for step, problem in sorted(damaged.items()):
+            if (served is None or step > served[0]) and (step, problem) not in self._said_damaged:
+                self._said_damaged.add((step, problem))
+                self._faults.append(
+                    SourceFault(
+                        step,
+                        step_dir(step),
+                        f"damaged commit record: {problem}; step {step} (and what builds on "
+                        "it) is left alone until it is repaired or a newer full is published",
+                    )
+                )
 
     def _behind(self, last: CheckpointManifest, served: State) -> None:
         """The newest checkpoint offered is not after the served one: reported once."""

@@ -162,6 +162,35 @@ def test_an_out_of_order_update_is_refused_and_the_served_version_stays(
     assert live.poll() == [] and live.version == version and len(faults) == 1
 
 
+def test_a_damaged_commit_record_is_a_fault_and_the_served_version_stays(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a user trying to break it: a newer step whose manifest.json had a flipped byte
+    was only two WARNING lines from the readers, on every poll, and never reached ``on_fault``,
+    so serving stalled unseen. It is a fault (one ERROR, told once); the version stays."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    shutil.rmtree(Path(pub, step_dir(4)))
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(pub), on_fault=faults.append)
+    live.poll()
+    assert live.step == 2
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    record = Path(pub, step_dir(4), "manifest.json")
+    data = bytearray(record.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    record.write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == []
+        assert live.poll() == []
+    assert live.step == 2 and not bitwise_diff(served, reference(f"{root}/pub", 2, SPEC))
+    assert [f.step for f in faults] == [4], faults
+    assert "damaged commit record" in faults[0].error and step_dir(4) in faults[0].error
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and step_dir(4) in errors[0], errors
+
+
 def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:
     # A model whose tables are not the publisher's: nothing is served from it.
     served = serving_models(FOREIGN)
