@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deck.errors import IncompatibleModelError, UnsupportedError
+from deck.errors import ConfigError, IncompatibleModelError, UnsupportedError
 
 # fbgemm's inference TBE keeps an INT8 row as [fp16 scale, fp16 bias, codes...] on the CPU
 # (its reverse_qparam layout, [codes..., scale, bias], is MTIA's); quantize_state_dict produces
@@ -204,9 +204,27 @@ def _served(
 
 def request_rows(tables: ServedTables, batch: object) -> dict[str, torch.Tensor]:
     """The rows a request looks up, by table key, from its ``KeyedJaggedTensor`` (or a mapping
-    of table key to ids). Features no served table reads are ignored."""
+    of table key to ids). Features no served table reads are ignored. Raises
+    :class:`deck.errors.ConfigError` naming the table for an id outside it (the gate would
+    otherwise track another table's row)."""
     if isinstance(batch, Mapping):
-        return {k: torch.as_tensor(v).reshape(-1).long() for k, v in batch.items()}
+        rows = {k: torch.as_tensor(v).reshape(-1).long() for k, v in batch.items()}
+    else:
+        rows = _kjt_rows(tables, batch)
+    shapes = tables.shapes
+    for key, ids in rows.items():
+        if key not in shapes:
+            raise ConfigError(f"a request names table {key!r}, which is not served")
+        bad = ids[(ids < 0) | (ids >= shapes[key][0])]
+        if bad.numel():
+            raise ConfigError(
+                f"a request looks up row {int(bad[0])} of table {key!r}, which has rows 0.."
+                f"{shapes[key][0] - 1}"
+            )
+    return rows
+
+
+def _kjt_rows(tables: ServedTables, batch: object) -> dict[str, torch.Tensor]:
     out: dict[str, list[torch.Tensor]] = {}
     keys = batch.keys()  # type: ignore[attr-defined]
     lengths = batch.length_per_key()  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from live_helpers import bitwise_diff, reference, serving_models
 
 import deck
 from deck.demo import ModelSpec, build_model, make_batch, train_step
+from deck.errors import ConfigError
 from deck.format.manifest import step_dir
 from deck.model import TableShard
 from deck.read.catalog import read_manifests
@@ -189,6 +190,19 @@ def test_a_damaged_commit_record_is_a_fault_and_the_served_version_stays(
     assert "damaged commit record" in faults[0].error and step_dir(4) in faults[0].error
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and step_dir(4) in errors[0], errors
+
+
+def test_a_request_outside_a_table_is_refused_naming_it(root: str) -> None:
+    """Found by a user trying to break it: ids past a table's end went through the gate as
+    another table's rows (or raised a bare IndexError)."""
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"))
+    (key, (rows, _)), *_ = live.tables.shapes.items()
+    for bad in (rows, -1, 10**6):
+        with pytest.raises(ConfigError, match=f"row {bad} of table"), live.serving({key: [0, bad]}):
+            pass
+    with live.serving({key: [0, rows - 1]}) as v:
+        assert v.step == -1
 
 
 def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:
