@@ -114,7 +114,8 @@ def test_the_recent_rows_are_checked_against_the_records(
     storage = _history(tmp_path / "uri", 300)
     recent = list_recent_rows(storage, 5)
     assert recent is not None
-    full = max(r for r in recent.rows if r.kind == "full" and not r.merged and r.step < 295)
+    fulls = [r for r in recent.rows if r.kind == "full" and not r.merged and r.step < 295]
+    full = max(fulls, key=lambda r: r.step)
     key = f"{full.folder}/{MANIFEST}"
     if damage == "flip":
         data = bytearray(storage.get(key))
@@ -122,4 +123,19 @@ def test_the_recent_rows_are_checked_against_the_records(
         storage.put(key, bytes(data))
     else:  # a quarantine record the catalog does not know of
         storage.put(f"quarantine/{full.id}.json", b"{}")
+    assert list_recent_rows(storage, 5) is None
+
+
+def test_a_recent_record_the_catalog_does_not_hold_takes_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit record among the newest steps written without the log (by hand, by a deck
+    without it): the catalog does not know it, so the view is not taken from the window."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage = _history(tmp_path / "uri", 300)
+    recent = list_recent_rows(storage, 5)
+    assert recent is not None
+    newest = max((r for r in recent.rows if not r.merged), key=lambda r: r.step)
+    record = storage.get(f"{newest.folder}/{MANIFEST}")
+    storage.put(f"step-{newest.step + 1:012d}/{MANIFEST}", record)  # (another step's: damaged)
     assert list_recent_rows(storage, 5) is None
