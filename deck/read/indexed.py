@@ -582,9 +582,12 @@ def repair(
     if readable:
         hints += read_catalog(storage, readable[-1]).recheck
     records = dict(truth)
-    fixed = IndexedRead(
-        seq=top, records=records, recheck=unresolved(hints, records), log_from=top + 1
-    )
+    # The hints of entries after the listing stay to be read again, resolved or not: ``truth``
+    # was read before them and cannot say which came last (a merger commit that landed before
+    # GC's abandon hint of the same folder was taken for abandoned: a fuzz finding).
+    recheck = unresolved(hints, records)
+    recheck += [h for h in later if h not in recheck]
+    fixed = IndexedRead(seq=top, records=records, recheck=recheck, log_from=top + 1)
     logger.warning(
         "the catalog at %s did not agree with the commit records%s: writing catalog %d from "
         "every record read",

@@ -1155,3 +1155,27 @@ def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
         assert planned is not None and planned[0] == 2, planned
     finally:
         m.teardown()
+
+
+def test_gc_repair_keeps_a_merger_commit_that_landed_before_its_abandon_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=1380611365``: a merger killed before
+    committing, then GC (grace 0) with a merger pass resuming that item during it. The pass
+    committed (its log hint), then GC, taking the folder for abandoned, logged an abandon hint
+    of the same record and found it committed. GC's catalog repair, made from records read
+    before both, took the last hint (abandon) as resolved, and readers through the catalog
+    stopped seeing the merged checkpoint."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(
+            stride=2, every=None, grace=0.0, policy="bounded", skews=(0.0, 0.0, 30.0), bound=900.0
+        )
+        m.gc_while_others_work(n=1, pick=0, what="save")
+        m.damage_the_catalog()
+        m.crash_merger(after=False, n=17)
+        m.gc_while_others_work(n=10, pick=0, what="merge")
+        m.reads_through_the_catalog_see_every_record()
+    finally:
+        m.teardown()
