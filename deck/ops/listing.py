@@ -168,12 +168,8 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     names = [n.rstrip("/") for n in storage.list_dir("")]
     recent = [n for n in names if (s := parse_step_dir(n)) is not None and s >= first]
     listed = [k for n in recent for k in storage.list(f"{n}/")]
-    if any(
-        k.endswith(f"/{MANIFEST}")
-        and parse_step_dir(k.partition("/")[0]) not in got
-        and parse_step_dir(k.partition("/")[0]) not in got.damaged
-        for k in listed
-    ):
+    committed = {parse_step_dir(k.partition("/")[0]) for k in listed if k.endswith(MANIFEST)}
+    if committed - set(got) - set(got.damaged):
         return None  # a record the catalog does not hold (written without the log)
     rows.extend(_pending_rows(storage, listed))
     rows.sort(key=_row_order)

@@ -80,6 +80,19 @@ def reference(pub: str, step: int, spec: ModelSpec) -> dict[str, torch.nn.Module
     }
 
 
+def state_diff(kind: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """``kind:key`` of each tensor of ``want`` whose bytes (or dtype, shape) differ in ``got``."""
+    bad = []
+    for k, w in want.items():
+        g = got[k]
+        same = g.dtype == w.dtype and g.shape == w.shape
+        if not same or not torch.equal(
+            g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+        ):
+            bad.append(f"{kind}:{k}")
+    return bad
+
+
 def bitwise_diff(served: dict[str, torch.nn.Module], ref: dict[str, torch.nn.Module]) -> list[str]:
     """Tables whose bytes differ between the served models and the references."""
     bad = []
@@ -87,13 +100,7 @@ def bitwise_diff(served: dict[str, torch.nn.Module], ref: dict[str, torch.nn.Mod
         got = collection(served[kind]).state_dict()
         want = ref[kind].state_dict()
         assert set(got) == set(want), (kind, set(got) ^ set(want))
-        for k, w in want.items():
-            g = got[k]
-            same = g.dtype == w.dtype and g.shape == w.shape
-            if not same or not torch.equal(
-                g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
-            ):
-                bad.append(f"{kind}:{k}")
+        bad += state_diff(kind, got, want)
     return bad
 
 

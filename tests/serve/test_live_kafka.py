@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from live_helpers import bitwise_diff, collection, reference, serving_models
+from live_helpers import bitwise_diff, collection, reference, serving_models, state_diff
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
@@ -61,13 +61,7 @@ def _served_equal(a: dict[str, torch.nn.Module], b: dict[str, torch.nn.Module]) 
     """Tables whose bytes differ between two sets of served models."""
     bad = []
     for kind, model in a.items():
-        got, want = collection(model).state_dict(), collection(b[kind]).state_dict()
-        for k, w in want.items():
-            g = got[k]
-            if g.dtype != w.dtype or not torch.equal(
-                g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
-            ):
-                bad.append(f"{kind}:{k}")
+        bad += state_diff(kind, collection(model).state_dict(), collection(b[kind]).state_dict())
     return bad
 
 

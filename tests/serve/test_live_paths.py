@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from live_helpers import bitwise_diff, reference, serving_models
+from live_helpers import bitwise_diff, reference, serving_models, state_diff
 
 import deck
 from deck.demo import ModelSpec, build_model, make_batch, train_step
@@ -268,12 +268,7 @@ def _ec_diff(served: dict[str, torch.nn.Module], ref: dict[str, torch.nn.Module]
     for kind in ("float", "int8"):
         got, want = served[kind].state_dict(), ref[kind].state_dict()
         assert set(got) == set(want) and got, kind
-        for k, w in want.items():
-            g = got[k]
-            if g.dtype != w.dtype or not torch.equal(
-                g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
-            ):
-                bad.append(f"{kind}:{k}")
+        bad += state_diff(kind, got, want)
     return bad
 
 
