@@ -523,7 +523,9 @@ def test_no_private_names_across_modules() -> None:
     )
 
 
-@pytest.mark.parametrize("module", ["deck", "deck.ops.listing", "deck.read.lineage"])
+@pytest.mark.parametrize(
+    "module", ["deck", "deck.cli", "deck.ops.listing", "deck.ops.retention", "deck.read.lineage"]
+)
 def test_reading_tools_start_without_torch(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'torchrec', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -58,6 +58,8 @@ NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
+# A merger item's partition records, inside its folder under merged/.
+PARTS_DIR = "parts"
 _MERGED_DIR = re.compile(r"(?:F-([0-9]{12})|L([0-9]{2})-([0-9]{12})-([0-9]{12}))-([0-9a-f]{16})")
 # Quantised encodings of a chunk segment (deck.format.quantize); None everywhere means exact.
 Encoding = Literal["fp16", "bf16", "int8"]

@@ -27,6 +27,7 @@ from deck.format.commit_log import put_record
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
+    PARTS_DIR,
     CheckpointManifest,
     FileRecord,
     Kind,
@@ -50,7 +51,6 @@ from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
-PARTS_DIR = "parts"
 DENSE_FILE = "dense.safetensors"
 EXTRA_FILE = "extra.safetensors"
 

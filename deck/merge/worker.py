@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import xxhash
 
 from deck.errors import CorruptCheckpointError, MergeError, NotFoundError, StorageError
-from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
-from deck.merge.build import PARTS_DIR, ItemBuilder, WorkStats
+from deck.format.manifest import MANIFEST, PARTS_DIR, CheckpointManifest, load_model
+from deck.merge.build import ItemBuilder, WorkStats
 from deck.merge.plan import Plan, PlannedItem, plan
 from deck.merge.policy import MergeConfig
 from deck.merge.stream import InputDamaged

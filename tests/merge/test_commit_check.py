@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from deck.format.manifest import MANIFEST
-from deck.merge.build import PARTS_DIR
+from deck.format.manifest import MANIFEST, PARTS_DIR
 from deck.merge.plan import PlannedItem, plan
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker

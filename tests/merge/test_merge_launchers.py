@@ -15,8 +15,8 @@ import pytest
 
 from deck import cli
 from deck.errors import ConfigError
-from deck.format.manifest import Kind
-from deck.merge.build import PARTS_DIR, Partition
+from deck.format.manifest import PARTS_DIR, Kind
+from deck.merge.build import Partition
 from deck.merge.launch import resolve_worker
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for

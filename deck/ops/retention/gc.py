@@ -24,13 +24,13 @@ from deck.format.commit_log import Hint, append_hints, record_key_kind
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
+    PARTS_DIR,
     QUARANTINE_ROOT,
     CheckpointManifest,
     load_model,
     parse_merged_dir,
     parse_step_dir,
 )
-from deck.merge.build import PARTS_DIR
 from deck.ops.retention.clock import CLOCK_DIR, delete_stale_markers, read_store_clock
 from deck.ops.retention.plan import (
     RetentionPlan,
