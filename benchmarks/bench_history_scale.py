@@ -24,14 +24,21 @@ For each size, at a local store (medians of ``--repeats``, warm page cache):
   checked to plan the same chain;
 - ``deck ls``'s default view (:func:`deck.ops.listing.list_recent_rows`);
 
-and the growth exponent between sizes (time ~ n**k).
+and the growth exponent between sizes (time ~ n**k). With ``--s3-up-to N``, the sizes up to N
+again at the S3 test server (SeaweedFS, started here, on this host: requests are what the
+numbers compare; a remote store adds its round trip to each), on a copy of the local store as
+the local measurements left it: the restore plan from the newest segments, ``deck ls``'s
+default view, a merger pass with nothing new (a new worker, which reads its window first) and
+``deck gc --dry-run`` (grace over the last hour), each with the storage requests it made.
 
-    python benchmarks/bench_history_scale.py [--sizes 1000,10000,100000] [--repeats 3]
+    python benchmarks/bench_history_scale.py [--sizes 1000,10000,100000] [--repeats 3] [--s3-up-to 10000]
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import functools
 import itertools
 import math
 import os
@@ -40,6 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +64,13 @@ from deck.ops.retention.plan import RetentionPolicy, grace_protected
 from deck.read.catalog import read_manifests
 from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
 from deck.read.window import read_window
-from deck.storage import LocalStorage
+from deck.storage import LocalStorage, Storage, open_storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.grace_reference import reference_grace_protected
 from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
+
+# Concurrent requests of the copy to S3 (and the S3 client's connection pool).
+S3_WORKERS = 64
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -137,7 +148,9 @@ class _Split:
         return self.s, report
 
 
-def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) -> dict[str, float]:
+def measure(
+    n: int, a: argparse.Namespace, files: CheckpointFiles, work: str
+) -> tuple[dict[str, float], LocalStorage, float]:
     t0 = time.perf_counter()
     sim = generate(n, a, files)
     storage = LocalStorage(os.path.join(work, f"run-{n}"))
@@ -220,10 +233,10 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
         return [m.id for m in cheapest_chain(build_graph(got), latest)]
 
     out["w_total"], w_chain = _median_s(windowed, a.repeats)
-    every = build_graph(manifests)
-    latest = every.latest()
+    whole = build_graph(manifests)
+    latest = whole.latest()
     assert latest is not None
-    assert w_chain == [m.id for m in cheapest_chain(every, latest)], "a window planned another"
+    assert w_chain == [m.id for m in cheapest_chain(whole, latest)], "a window planned another"
     counting = _Counting(storage)
     got = read_window(counting)
     assert got is not None
@@ -252,14 +265,59 @@ def measure(n: int, a: argparse.Namespace, files: CheckpointFiles, work: str) ->
         f"(every record: {out['r_read']:.3f} s, {out['whole_requests']:.0f} requests)",
         flush=True,
     )
+    return out, storage, now
+
+
+def measure_s3(
+    n: int, local: LocalStorage, now: float, a: argparse.Namespace, server: Any
+) -> dict[str, float]:
+    """The routine operations at the S3 test server, on a copy of the local store as
+    :func:`measure` left it (commit log, catalog, the merger caught up), and at the local store
+    in that same state: each timed, with the requests it made (a listing counted once per call;
+    on S3 it is a request per 1,000 keys)."""
+    uri = server.uri(f"history-{n}")
+    options = dict(server.storage_options)
+    options["config_kwargs"] = {**options["config_kwargs"], "max_pool_connections": S3_WORKERS}
+    s3 = open_storage(uri, options)
+    t0 = time.perf_counter()
+    keys = local.list("")
+    with ThreadPoolExecutor(S3_WORKERS) as pool:
+        for fut in [pool.submit(_copy, local, s3, k) for k in keys]:
+            fut.result()
+    print(f"  {len(keys)} objects copied to {uri} in {time.perf_counter() - t0:.1f} s", flush=True)
+    out: dict[str, float] = {}
+
+    def timed(key: str, fn: Callable[[Storage], object]) -> None:
+        for where, store in (("local", local), ("s3", s3)):
+            counting = _Counting(store)
+            fn(counting)  # (the requests of one run; the time: median over the repeats)
+            out[f"{where}_{key}_requests"] = float(counting.n)
+            out[f"{where}_{key}_total"], _ = _median_s(functools.partial(fn, store), a.repeats)
+
+    timed("w", read_window)
+    timed("ls", lambda st: list_recent_rows(st, LS_RECENT_STEPS))
+    timed("merge", lambda st: MergeWorker(st).run_pass())
+    hour = RetentionPolicy(grace_s=3600.0)
+    timed("gc", lambda st: collect_garbage(st, hour, dry_run=True, now=now))
+    for key in ("w", "ls", "merge", "gc"):
+        print(
+            f"  {key}: local {out[f'local_{key}_total']:.3f} s "
+            f"({out[f'local_{key}_requests']:.0f} requests), S3 {out[f's3_{key}_total']:.3f} s "
+            f"({out[f's3_{key}_requests']:.0f} requests)",
+            flush=True,
+        )
     return out
 
 
-class _Counting(StorageWrapper):
-    """Counts the requests a reader makes (a listing, a read: one each; a batch read: one per
-    key)."""
+def _copy(src: Storage, dst: Storage, key: str) -> None:
+    dst.put(key, src.get(key))
 
-    def __init__(self, inner: LocalStorage) -> None:
+
+class _Counting(StorageWrapper):
+    """Counts the requests a reader makes (a listing, a read, a size or time asked: one each;
+    a batch read: one per key)."""
+
+    def __init__(self, inner: Storage) -> None:
         super().__init__(inner)
         self.n = 0
 
@@ -271,11 +329,35 @@ class _Counting(StorageWrapper):
         self.n += len(paths)
         return super().get_many(paths, limit)
 
+    def get_or_none(self, path: str, limit: int | None = None) -> bytes | None:
+        self.n += 1
+        return super().get_or_none(path, limit)
+
+    def iter_get(self, paths: list[str]) -> Any:
+        self.n += len(paths)
+        return super().iter_get(paths)
+
+    def size(self, path: str) -> int:
+        self.n += 1
+        return super().size(path)
+
+    def exists(self, path: str) -> bool:
+        self.n += 1
+        return super().exists(path)
+
+    def modified(self, path: str) -> float | None:
+        self.n += 1
+        return super().modified(path)
+
+    def list_modified(self, prefix: str = "") -> list[tuple[str, float | None]]:
+        self.n += 1
+        return super().list_modified(prefix)
+
     def list(self, prefix: str = "") -> list[str]:
         self.n += 1
         return super().list(prefix)
 
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         self.n += 1
         return super().list_dir(prefix)
 
@@ -328,6 +410,33 @@ ROWS = [
     ("ls_total", "`deck ls` (default view: newest steps, fulls of the newest segments)"),
     ("ls_requests", "storage requests of that view"),
     ("i_merge", "a merger pass with nothing new, through the catalog"),
+    (
+        "local_w_total",
+        "same store state, local: planning the restore of the latest step, from the newest segments",
+    ),
+    (
+        "s3_w_total",
+        "same store state, S3: planning the restore of the latest step, from the newest segments",
+    ),
+    ("s3_w_requests", "- storage requests (S3)"),
+    ("local_ls_total", "same store state, local: `deck ls` (default view)"),
+    ("s3_ls_total", "same store state, S3: `deck ls` (default view)"),
+    ("s3_ls_requests", "- storage requests (S3)"),
+    (
+        "local_merge_total",
+        "same store state, local: a merger pass with nothing new (a new worker: reads its window first)",
+    ),
+    (
+        "s3_merge_total",
+        "same store state, S3: a merger pass with nothing new (a new worker: reads its window first)",
+    ),
+    ("s3_merge_requests", "- storage requests (S3)"),
+    (
+        "local_gc_total",
+        "same store state, local: `deck gc --dry-run`, grace covering the last hour",
+    ),
+    ("s3_gc_total", "same store state, S3: `deck gc --dry-run`, grace covering the last hour"),
+    ("s3_gc_requests", "- storage requests (S3)"),
 ]
 
 
@@ -363,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--rollback-every", type=int, default=10000)
     p.add_argument("--behind", type=int, default=100, help="log entries after the catalog")
+    p.add_argument(
+        "--s3-up-to",
+        type=int,
+        default=0,
+        help="also measure at the S3 test server (SeaweedFS, started here) the sizes up to this",
+    )
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
     cmd = "python benchmarks/bench_history_scale.py " + " ".join(
@@ -372,7 +487,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(work: str) -> int:
         files = writer_checkpoint()
-        results = [measure(int(s), a, files, work) for s in a.sizes.split(",")]
+        server = None
+        if a.s3_up_to:
+            from deck.testing.s3_server import SeaweedS3
+
+            server = SeaweedS3(workdir=os.path.join(work, "seaweed")).start()
+        try:
+            results = []
+            for size in (int(x) for x in a.sizes.split(",")):
+                out, local, now = measure(size, a, files, work)
+                if server is not None and size <= a.s3_up_to:
+                    out.update(measure_s3(size, local, now, a, server))
+                results.append(out)
+        finally:
+            if server is not None:
+                server.stop()
         print()
         print(cmd)
         print(table(results))
