@@ -59,6 +59,7 @@ from deck.format.manifest import MANIFEST
 from deck.merge.worker import MergeWorker
 from deck.ops.listing import list_recent_rows
 from deck.ops.retention import gc as gc_module
+from deck.ops.retention import view as view_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.plan import RetentionPolicy, grace_protected
 from deck.read.catalog import read_manifests
@@ -104,7 +105,7 @@ class _Split:
     runs (each call's wall time added to its part)."""
 
     PARTS = {
-        "read": (gc_module, "read_manifests"),
+        "read": (view_module, "read_manifests"),
         "graph": (gc_module, "build_graph"),
         "protect": (gc_module, "grace_protected"),
         "plan": (gc_module, "plan_lineage"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import multiprocessing
 import re
@@ -76,10 +77,14 @@ def _run_worker(
     after_pass = None
     if a.gc and worker_index == 0:
         policy = _retention(a)
+        runs = itertools.count()
 
         def after_pass(_manifests: Any) -> None:
+            # The first run and every --gc-whole-every-th look at the whole store; the others
+            # at the newest steps (what a run leaves below them waits for a whole one)
+            whole = next(runs) % a.gc_whole_every == 0
             try:
-                collect_garbage(storage, policy)
+                collect_garbage(storage, policy, whole=whole)
             except ClockSkewError as e:  # merging goes on; GC waits for a sane clock
                 logging.getLogger("deck.ops.retention.gc").warning("deck merge --gc: %s", e)
 
@@ -225,7 +230,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
     from deck.ops.retention import collect_garbage
 
     storage = open_existing(a.uri, a.storage_options)
-    rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run)
+    rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run, whole=a.whole)
     verb = "would delete" if a.dry_run else "deleted"
     if rep.latest is None and not (
         rep.deleted or rep.orphans or rep.kept or rep.busy or rep.errors
@@ -244,7 +249,13 @@ def cmd_gc(a: argparse.Namespace) -> int:
     else:
         steps = rep.retained_steps
         shown = ", ".join(map(str, steps[:12])) + (", ..." if len(steps) > 12 else "")
-        print(f"latest step {rep.latest}; {len(steps)} step(s) stay restorable: {shown}")
+        since = f" from step {rep.floor} on" if rep.floor is not None else ""
+        print(f"latest step {rep.latest}; {len(steps)} step(s){since} stay restorable: {shown}")
+    if rep.floor is not None:
+        print(
+            f"looked at the folders of steps {rep.floor} and later (older ones: "
+            f"`deck gc {a.uri} --whole`)"
+        )
     for folder, why in rep.deleted:
         print(f"  {verb} {folder}: {why}")
     for prefix, why in rep.orphans:
@@ -431,6 +442,13 @@ def merge_parser(sub: Subparsers) -> None:
         help="hosts running workers (default: $WORLD_SIZE, $DECK_NUM_WORKERS or $SLURM_NTASKS)",
     )
     mer.add_argument("--gc", action="store_true", help="worker 0 also runs GC after each pass")
+    mer.add_argument(
+        "--gc-whole-every",
+        type=int,
+        default=100,
+        help="--gc: the first run and every N-th look at the whole store; the others at the "
+        "newest steps (100)",
+    )
     mer.add_argument("--poll", type=float, default=5.0, help="--follow: seconds between scans")
     mer.add_argument(
         "--wait",
@@ -447,5 +465,11 @@ def gc_parser(sub: Subparsers) -> None:
     gc = sub.add_parser("gc", help="delete what no retained step needs (retention)")
     gc.add_argument("uri")
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
+    gc.add_argument(
+        "--whole",
+        action="store_true",
+        help="list the whole store and read every commit record (default: where the catalog "
+        "allows, only the folders of the newest steps)",
+    )
     _add_retention_args(gc)
     gc.set_defaults(fn=cmd_gc)

@@ -40,9 +40,9 @@ from deck.ops.retention.plan import (
     replacements,
     takeovers,
 )
+from deck.ops.retention.view import StoreView, newest_view, whole_view
 from deck.read.catalog import (
     overlapped,
-    read_manifests,
     read_rank_manifests,
     refresh_catalog,
     repair_catalog,
@@ -61,6 +61,8 @@ class GcReport:
     """What :func:`collect_garbage` deleted (or would delete, with ``dry_run``)."""
 
     dry_run: bool
+    # The lowest step whose folders the run looked at (None: the whole store)
+    floor: int | None = None
     latest: int | None = None
     committed: int = 0  # trainer checkpoints committed at the start of the run
     retained_steps: list[int] = field(default_factory=list)
@@ -120,6 +122,7 @@ def collect_garbage(
     now: float | None = None,
     progress: Callable[[str], None] | None = None,
     local_clock: Callable[[], float] = time.time,
+    whole: bool = False,
 ) -> GcReport:
     """Apply ``policy`` at ``storage``: delete checkpoints no retained step needs, then orphans.
 
@@ -148,6 +151,15 @@ def collect_garbage(
     (an attempt or merger folder, stray files) is re-listed, and its step's or folder's
     record read again, right before it goes: a save or merger commit that landed during the
     run keeps it.
+
+    Reach: where the store keeps a catalog with segments, the run plans from the folders of
+    the newest steps only, down to the highest step at which that plan decides about each of
+    them what a plan of every record decides (:mod:`deck.ops.retention.view`), so its cost
+    follows the grace period and the newest fulls, not the history's length; what it leaves
+    below that step (old orphans, a full that fell out of ``keep_last_fulls`` and no rule
+    keeps, damage found there) waits for a run with ``whole`` (``deck gc --whole``), which
+    lists the whole store, reads every commit record and repairs the catalog from them.
+    ``report.floor`` says which one ran (None: the whole store).
     """
     policy = policy if policy is not None else RetentionPolicy()
     skew = None
@@ -157,7 +169,7 @@ def collect_garbage(
         )
         now, skew = clock.now, clock.skew_s
     with warned_once(_READERS):
-        report = _collect(storage, policy, dry_run=dry_run, now=now, progress=progress)
+        report = _collect(storage, policy, dry_run=dry_run, now=now, progress=progress, whole=whole)
     report.clock_skew_s = None if skew is None else -skew
     return report
 
@@ -200,12 +212,36 @@ def _collect(
     dry_run: bool,
     now: float | None,
     progress: Callable[[str], None] | None,
+    whole: bool,
 ) -> GcReport:
-    gc = _Collector(storage, policy, dry_run=dry_run, now=now, progress=progress)
+    view = None
+    if not whole:
+        cutoff = now - policy.grace_s if now is not None and policy.grace_s > 0 else None
+        view = newest_view(
+            storage,
+            keep_last_fulls=policy.keep_last_fulls,
+            keep_fulls_every=policy.keep_fulls_every,
+            cutoff=cutoff,
+            now=now,
+        )
+    gc = _Collector(
+        storage,
+        policy,
+        view if view is not None else whole_view(storage),
+        dry_run=dry_run,
+        now=now,
+        progress=progress,
+    )
     gc.delete_checkpoints()
     gc.collect_orphans()
     gc.finish()
-    if not dry_run and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is None:
+    # Only a run that read every record can tell the catalog what it lacks
+    repaired = (
+        not dry_run
+        and gc.floor is None
+        and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is not None
+    )
+    if not dry_run and not repaired:
         refresh_catalog(storage)
     report = gc.report
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after
@@ -246,6 +282,7 @@ class _Collector:
         self,
         storage: Storage,
         policy: RetentionPolicy,
+        view: StoreView,
         *,
         dry_run: bool,
         now: float | None,
@@ -256,11 +293,11 @@ class _Collector:
         self.dry_run = dry_run
         self.now = now
         self.progress = progress
-        listing = storage.list_modified("")
-        self.times = dict(listing)
-        keys = [k for k, _ in listing]
+        self.floor = view.floor
+        self.times = dict(view.listing)
+        keys = [k for k, _ in view.listing]
         self.keys = keys
-        self.manifests = read_manifests(storage, keys)
+        self.manifests = view.manifests
         self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
         self.by_prefix = _by_prefix(keys)
         committed_at = {
@@ -270,6 +307,7 @@ class _Collector:
         # id -> why, for every checkpoint this run deletes
         plan, self.doomed = self._checked_plan(set(keys))
         self.report = GcReport(
+            floor=view.floor,
             dry_run=dry_run,
             latest=plan.latest,
             retained_steps=plan.retained_steps,
@@ -549,7 +587,12 @@ class _Collector:
                 self.now,
                 max(self.policy.grace_s, 3600.0),
             )
-        self.report.files += len(self._prune(""))
+        if self.floor is None:
+            self.report.files += len(self._prune(""))
+        else:  # the folders it looked at
+            for prefix in sorted(self.by_prefix):
+                if prefix.startswith(f"{MERGED_ROOT}/") or parse_step_dir(prefix) is not None:
+                    self.report.files += len(self._prune(f"{prefix}/"))
         for cid in self.doomed:  # (announced in the log with the checkpoints)
             if cid in self.manifests.quarantined:
                 key = f"{QUARANTINE_ROOT}/{cid}.json"

@@ -6,7 +6,8 @@ exactly what the plan of every record decides. :func:`is_cut` says when a step `
 a place, from the records at or above it and three facts about those below (the newest trainer
 record below it, and whether a full below it shares its ``keep_fulls_every`` period):
 
-1. the trainer's record at ``floor`` is a usable full, and no checkpoint at or above ``floor``
+1. the trainer's record at ``floor`` is a usable full committed before the grace period began
+   (every moment of it saw that record), and no checkpoint at or above ``floor``
    applies on a state below it: no path into a state at or above ``floor`` passes below it, so
    every cheapest chain, restricted chain and restorability question about those states has the
    same answer in both graphs;
@@ -56,6 +57,8 @@ def is_cut(
     anchor = trainer.get(floor)
     if anchor is None or anchor.kind is not Kind.FULL or anchor.quarantined is not None:
         return False
+    if cutoff is not None and when(anchor.id) > cutoff:
+        return False  # (a moment of the grace period saw another record of its step, or none)
     if any(n.start is not None and n.start[0] < floor for n in nodes):
         return False
     if keep_fulls_every is not None and full_in_period_below:

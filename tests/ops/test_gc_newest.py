@@ -1,0 +1,137 @@
+"""GC of a long history plans from the folders of the newest steps (down to a cut where that
+decides as every record does: tests/ops/test_gc_window.py), and deletes there what a run over
+the whole store deletes; below the cut it leaves everything to the whole run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import deck.read.indexed
+from deck.cli import main
+from deck.format.manifest import parse_merged_dir, parse_step_dir
+from deck.ops.retention import RetentionPolicy, collect_garbage
+from deck.ops.retention.gc import GcReport
+from deck.read.catalog import read_manifests
+from deck.read.lineage import build_graph, cheapest_chain
+from deck.read.window import read_window
+from deck.storage import LocalStorage
+from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
+
+POLICY = RetentionPolicy(grace_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def files() -> CheckpointFiles:
+    """The files of a checkpoint the real writer wrote (GC checks those it relies on)."""
+    return writer_checkpoint(world_size=2)
+
+
+def _history(root: Path, steps: int, files: CheckpointFiles) -> tuple[LocalStorage, float]:
+    sim = LineageSim(seed=steps, files=files)
+    last = sim.save("full")
+    sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    for _ in range(1, steps):
+        sim.train()
+        last = sim.save("full" if sim.step % 25 == 0 else "delta")
+        sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    storage = LocalStorage(str(root))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 10)
+    return storage, sim.clock + 1.0
+
+
+def _step(label: str) -> int:
+    folder = label.split(" ")[0].rstrip("/")
+    head, _, rest = folder.partition("/")
+    step = parse_step_dir(head)
+    if step is not None:
+        return step
+    parsed = parse_merged_dir(rest.partition("/")[0])
+    assert parsed is not None, label
+    return parsed[1]
+
+
+def _abandoned(storage: LocalStorage, step: int, at: float) -> str:
+    """An attempt folder of ``step`` no record names, its file written at ``at``."""
+    (part,) = [k for k in storage.list("step-000000000000/") if k.endswith("rank-00000.json")]
+    key = f"step-{step:012d}/00000000deadbeef/rank-00000.json"
+    storage.put(key, storage.get(part))
+    path = storage.local_path(key)
+    assert path is not None
+    os.utime(path, (at, at))
+    return f"step-{step:012d}/00000000deadbeef/"
+
+
+def _in_window(report: GcReport, floor: int) -> set[tuple[str, str]]:
+    return {d for d in report.deleted if _step(d[0]) >= floor}
+
+
+def test_gc_of_the_newest_steps_deletes_what_the_whole_run_deletes_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
+) -> None:
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage, now = _history(tmp_path / "uri", 400, files)
+    old, new = _abandoned(storage, 3, now - 1000), _abandoned(storage, 396, now - 1000)
+    whole = collect_garbage(storage, POLICY, dry_run=True, now=now, whole=True)
+    newest = collect_garbage(storage, POLICY, dry_run=True, now=now)
+    assert whole.floor is None and newest.floor is not None and 0 < newest.floor < 396
+    assert newest.deleted and set(newest.deleted) == _in_window(whole, newest.floor)
+    assert len(whole.deleted) > len(newest.deleted)  # (older ones wait for a whole run)
+    assert {o for o, _ in whole.orphans} == {old, new}
+    assert [o for o, _ in newest.orphans] == [new]
+
+    done = collect_garbage(storage, POLICY, now=now)
+    assert done.floor == newest.floor and set(done.deleted) == set(newest.deleted)
+    after = collect_garbage(storage, POLICY, dry_run=True, now=now, whole=True)
+    assert not _in_window(after, newest.floor) and {o for o, _ in after.orphans} == {old}
+    # what is left restores as before: the newest segments plan the chain every record plans
+    got = read_window(storage)
+    assert got is not None
+    whole_graph = build_graph(read_manifests(storage))
+    latest = whole_graph.latest()
+    assert latest is not None and latest == build_graph(got).latest()
+    assert [m.id for m in cheapest_chain(build_graph(got), latest)] == [
+        m.id for m in cheapest_chain(whole_graph, latest)
+    ]
+    assert set(whole_graph.restorable_steps()) >= set(range(400))
+
+
+def test_a_history_of_one_segment_is_collected_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
+) -> None:
+    storage, now = _history(tmp_path / "uri", 60, files)
+    assert collect_garbage(storage, POLICY, dry_run=True, now=now).floor is None
+
+
+def test_no_cut_without_enough_old_fulls_reads_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
+) -> None:
+    """A grace period covering nearly every commit leaves no full older than it above any
+    cut: the run reads the whole store."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage, now = _history(tmp_path / "uri", 200, files)
+    policy = RetentionPolicy(grace_s=180.0)
+    report = collect_garbage(storage, policy, dry_run=True, now=now)
+    assert report.floor is None
+
+
+def test_deck_gc_says_how_far_it_looked(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    files: CheckpointFiles,
+) -> None:
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    _history(tmp_path / "uri", 400, files)
+    uri = str(tmp_path / "uri")
+    # (the store's clock: the generated commit times are in the past; a grace period of 0)
+    assert main(["gc", uri, "--dry-run", "--grace", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "looked at the folders of steps " in out and f"`deck gc {uri} --whole`" in out
+    assert main(["gc", uri, "--dry-run", "--grace", "0", "--whole"]) == 0
+    whole = capsys.readouterr().out
+    assert "looked at" not in whole
+    assert len(whole.splitlines()) > len(out.splitlines())  # more to delete in the whole store
