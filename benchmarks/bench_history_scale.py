@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workload import in_workdir
 
 from deck.cli.inspect import LS_RECENT_STEPS
-from deck.format.manifest import MANIFEST
+from deck.format.manifest import MANIFEST, parse_merged_dir, parse_step_dir
 from deck.merge.worker import MergeWorker
 from deck.ops.listing import list_recent_rows
 from deck.ops.retention import gc as gc_module
@@ -128,6 +128,7 @@ class _Split:
         return wrapper
 
     def run(self, policy: RetentionPolicy, now: float) -> tuple[dict[str, float], Any]:
+        """A run over the whole store (``deck gc --whole``), its parts timed."""
         self.s = {}
         saved = {k: getattr(owner, name) for k, (owner, name) in self.PARTS.items()}
         listing = self.storage.list_modified
@@ -136,7 +137,7 @@ class _Split:
                 setattr(owner, name, self._timed(k, saved[k]))
             self.storage.list_modified = self._timed("list", listing)  # type: ignore[method-assign]
             t0 = time.perf_counter()
-            report = collect_garbage(self.storage, policy, dry_run=True, now=now)
+            report = collect_garbage(self.storage, policy, dry_run=True, now=now, whole=True)
             self.s["total"] = time.perf_counter() - t0
         finally:
             for k, (owner, name) in self.PARTS.items():
@@ -166,33 +167,6 @@ def measure(
     every = RetentionPolicy(grace_s=now - min(sim.committed_at.values()) + 1.0)
     hour = RetentionPolicy(grace_s=3600.0)
     out: dict[str, float] = {"n": total}
-
-    # GC end to end, split into its parts as it runs them (medians over the repeats)
-    split = _Split(storage)
-    for name, policy in (("all", every), ("hour", hour)):
-        runs = []
-        for _ in range(a.repeats):
-            parts, report = split.run(policy, now)
-            runs.append(parts)
-        for k in runs[0]:
-            out[f"{k}_{name}"] = statistics.median(x.get(k, 0.0) for x in runs)
-        print(
-            f"  gc --dry-run, grace {name}: {out[f'total_{name}']:.3f} s, would delete "
-            f"{len(report.deleted)} checkpoint(s), {report.grace_held} held by the grace period",
-            flush=True,
-        )
-        if total <= a.reference_up_to:  # the protection before this one, on the same lineage
-            manifests = read_manifests(storage)
-            graph = build_graph(manifests)
-            times = dict(storage.list_modified(""))
-            committed_at = {
-                cid: times.get(f"{node.folder}/{MANIFEST}") for cid, node in graph.nodes.items()
-            }
-            t0 = time.perf_counter()
-            ref = reference_grace_protected(graph, policy, now, committed_at)
-            out[f"ref_protect_{name}"] = time.perf_counter() - t0
-            new = grace_protected(build_graph(manifests), policy, now, committed_at)
-            assert new == ref, f"grace {name}: not the reference's decisions"
 
     # Planning the restore of the latest step
     out["r_read"], manifests = _median_s(lambda: read_manifests(storage), a.repeats)
@@ -224,6 +198,48 @@ def measure(
     assert manifests.index is not None and manifests.index.since == a.behind
     out["i_total"] = out["i_read"] + out["r_graph"] + out["r_chain"]
     out["i_requests"] = _requests(storage)
+
+    # GC end to end, split into its parts as it runs them (medians over the repeats)
+    split = _Split(storage)
+    for name, policy in (("all", every), ("hour", hour)):
+        runs = []
+        for _ in range(a.repeats):
+            parts, report = split.run(policy, now)
+            runs.append(parts)
+        for k in runs[0]:
+            out[f"{k}_{name}"] = statistics.median(x.get(k, 0.0) for x in runs)
+        # The default run: the folders of the newest steps, where the catalog allows
+        out[f"gcw_{name}"], newest = _median_s(
+            lambda: collect_garbage(storage, policy, dry_run=True, now=now),
+            a.repeats,  # noqa: B023
+        )
+        counting = _Counting(storage)
+        collect_garbage(counting, policy, dry_run=True, now=now)
+        out[f"gcw_requests_{name}"] = float(counting.n)
+        floor = newest.floor if newest.floor is not None else 0
+        out[f"gcw_steps_{name}"] = float(sim.step - floor + 1)
+        assert set(newest.deleted) == {d for d in report.deleted if _folder_step(d[0]) >= floor}, (
+            "the newest steps' run decided otherwise"
+        )
+        print(
+            f"  gc --dry-run, grace {name}: whole store {out[f'total_{name}']:.3f} s, would "
+            f"delete {len(report.deleted)} checkpoint(s), {report.grace_held} held by the grace "
+            f"period; newest steps ({newest.floor} on) {out[f'gcw_{name}']:.3f} s, "
+            f"{out[f'gcw_requests_{name}']:.0f} requests, would delete {len(newest.deleted)}",
+            flush=True,
+        )
+        if total <= a.reference_up_to:  # the protection before this one, on the same lineage
+            manifests = read_manifests(storage)
+            graph = build_graph(manifests)
+            times = dict(storage.list_modified(""))
+            committed_at = {
+                cid: times.get(f"{node.folder}/{MANIFEST}") for cid, node in graph.nodes.items()
+            }
+            t0 = time.perf_counter()
+            ref = reference_grace_protected(graph, policy, now, committed_at)
+            out[f"ref_protect_{name}"] = time.perf_counter() - t0
+            new = grace_protected(build_graph(manifests), policy, now, committed_at)
+            assert new == ref, f"grace {name}: not the reference's decisions"
 
     # Restore planning from the newest segments (what a restore of the latest step reads)
     def windowed() -> list[str]:
@@ -310,6 +326,17 @@ def measure_s3(
     return out
 
 
+def _folder_step(label: str) -> int:
+    """The step of a GC report's folder label (a step folder, or a merger folder)."""
+    head, _, rest = label.split(" ")[0].partition("/")
+    step = parse_step_dir(head)
+    if step is not None:
+        return step
+    parsed = parse_merged_dir(rest.rstrip("/"))
+    assert parsed is not None, label
+    return parsed[1]
+
+
 def _copy(src: Storage, dst: Storage, key: str) -> None:
     dst.put(key, src.get(key))
 
@@ -384,8 +411,14 @@ def _fast_put(storage: LocalStorage) -> Callable[[str, bytes], None]:
 
 
 ROWS = [
-    ("total_all", "`deck gc --dry-run`, grace covering every commit"),
-    ("total_hour", "`deck gc --dry-run`, grace covering the last hour"),
+    ("gcw_all", "`deck gc --dry-run`, grace covering every commit"),
+    ("gcw_requests_all", "- storage requests"),
+    ("gcw_steps_all", "- steps whose folders it looked at"),
+    ("gcw_hour", "`deck gc --dry-run`, grace covering the last hour"),
+    ("gcw_requests_hour", "- storage requests"),
+    ("gcw_steps_hour", "- steps whose folders it looked at"),
+    ("total_all", "`deck gc --dry-run --whole`, grace covering every commit"),
+    ("total_hour", "`deck gc --dry-run --whole`, grace covering the last hour"),
     ("list_hour", "- listing the store (`list_modified`)"),
     ("read_hour", "- reading the commit records (`read_manifests`)"),
     ("graph_hour", "- lineage graph (`build_graph`)"),
@@ -448,7 +481,7 @@ def table(results: list[dict[str, float]]) -> str:
     head += "".join(f" | k {a // 1000}k->{b // 1000}k" for a, b in pairs) + " |"
     lines = [head, "|---" * (1 + len(sizes) + len(pairs)) + "|"]
     for key, label in ROWS:
-        count = key.endswith(("requests", "records"))
+        count = key.endswith(("requests", "records")) or "_steps_" in key or "_requests_" in key
         cells = [
             (f"{x[key]:.0f}" if count else f"{x[key]:.3f} s") if key in x else "-" for x in results
         ]

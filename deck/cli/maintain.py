@@ -232,8 +232,10 @@ def cmd_gc(a: argparse.Namespace) -> int:
     storage = open_existing(a.uri, a.storage_options)
     rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run, whole=a.whole)
     verb = "would delete" if a.dry_run else "deleted"
-    if rep.latest is None and not (
-        rep.deleted or rep.orphans or rep.kept or rep.busy or rep.errors
+    if (
+        rep.latest is None
+        and rep.floor is None
+        and not (rep.deleted or rep.orphans or rep.kept or rep.busy or rep.errors)
     ):
         if rep.committed:
             print(
@@ -244,7 +246,9 @@ def cmd_gc(a: argparse.Namespace) -> int:
             )
             return 1
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to collect")
-    if rep.latest is None:
+    if rep.latest is None and rep.floor is not None:
+        print(f"every checkpoint of step {rep.floor} and later is in the grace period")
+    elif rep.latest is None:
         print(f"no restorable checkpoint at {a.uri}: nothing deleted but orphans")
     else:
         steps = rep.retained_steps

@@ -29,13 +29,15 @@ def files() -> CheckpointFiles:
     return writer_checkpoint(world_size=2)
 
 
-def _history(root: Path, steps: int, files: CheckpointFiles) -> tuple[LocalStorage, float]:
+def _history(
+    root: Path, steps: int, files: CheckpointFiles, full_every: int = 25
+) -> tuple[LocalStorage, float]:
     sim = LineageSim(seed=steps, files=files)
     last = sim.save("full")
     sim.merge_blocks(last, stride=4, full_every=16, lag=3)
     for _ in range(1, steps):
         sim.train()
-        last = sim.save("full" if sim.step % 25 == 0 else "delta")
+        last = sim.save("full" if sim.step % full_every == 0 else "delta")
         sim.merge_blocks(last, stride=4, full_every=16, lag=3)
     storage = LocalStorage(str(root))
     sim.write(storage, durable=False)
@@ -106,16 +108,33 @@ def test_a_history_of_one_segment_is_collected_whole(
     assert collect_garbage(storage, POLICY, dry_run=True, now=now).floor is None
 
 
-def test_no_cut_without_enough_old_fulls_reads_every_record(
+def test_a_grace_period_over_every_commit_reads_the_newest_segment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
 ) -> None:
-    """A grace period covering nearly every commit leaves no full older than it above any
-    cut: the run reads the whole store."""
+    """No checkpoint can go (each is in the grace period): the newest segment's folders are
+    all the run looks at, for their orphans."""
     monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
     storage, now = _history(tmp_path / "uri", 200, files)
-    policy = RetentionPolicy(grace_s=180.0)
+    new = _abandoned(storage, 199, now - 5)
+    policy = RetentionPolicy(grace_s=now + 10.0)
     report = collect_garbage(storage, policy, dry_run=True, now=now)
-    assert report.floor is None
+    whole = collect_garbage(storage, policy, dry_run=True, now=now, whole=True)
+    assert report.floor is not None and report.floor > 150
+    assert not report.deleted and not whole.deleted and whole.grace_held > 0
+    assert not report.orphans and not whole.orphans and report.grace_held_orphans == 1
+    shorter = RetentionPolicy(grace_s=2.0)  # the orphan's file is older
+    assert [o for o, _ in collect_garbage(storage, shorter, dry_run=True, now=now).orphans] == [new]
+
+
+def test_no_cut_reads_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
+) -> None:
+    """One full in the whole history (no two fulls that could be rollback points above any
+    step), and no grace period: the run reads the whole store."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    storage, now = _history(tmp_path / "uri", 200, files, full_every=1000)
+    policy = RetentionPolicy(grace_s=0.0)
+    assert collect_garbage(storage, policy, dry_run=True, now=now).floor is None
 
 
 def test_deck_gc_says_how_far_it_looked(
@@ -135,3 +154,18 @@ def test_deck_gc_says_how_far_it_looked(
     whole = capsys.readouterr().out
     assert "looked at" not in whole
     assert len(whole.splitlines()) > len(out.splitlines())  # more to delete in the whole store
+
+
+def test_deck_gc_when_the_newest_steps_are_all_in_the_grace_period(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    files: CheckpointFiles,
+) -> None:
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    _history(tmp_path / "uri", 200, files)
+    uri = str(tmp_path / "uri")
+    # (the generated commits are at the start of 1970 on the store's clock)
+    assert main(["gc", uri, "--dry-run", "--grace", "1e12"]) == 0
+    out = capsys.readouterr().out
+    assert "and later is in the grace period" in out and "would delete 0 checkpoint(s)" in out

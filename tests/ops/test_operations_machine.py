@@ -544,18 +544,27 @@ class OperationsMachine(RuleBasedStateMachine):
             self.store.clear()
 
     # ---- GC ------------------------------------------------------------------------------------
-    def _retain(self, steps: list[int]) -> None:
-        """GC retained ``steps``: promises hold for those, the rest may go."""
-        self.promised = {s: i for s, i in self.promised.items() if s in steps}
+    def _retain(self, steps: list[int], floor: int | None = None) -> None:
+        """GC retained ``steps``: promises hold for those, the rest may go (but those below
+        ``floor``, the lowest step a run of the newest steps looked at: it left them alone)."""
+        self.promised = {
+            s: i
+            for s, i in self.promised.items()
+            if s in steps or (floor is not None and s < floor)
+        }
 
-    def _gc(self, dry_run: bool = False) -> GcReport | None:
+    def _gc(self, dry_run: bool = False, whole: bool = False) -> GcReport | None:
         """A GC run on GC's host clock: refused (None) exactly when that clock is further from
         the store's than the policy allows."""
         bound = self.policy.max_clock_skew_s
         refused = bound is not None and abs(self.gc_skew) > bound
         try:
             rep = collect_garbage(
-                self.store, self.policy, dry_run=dry_run, local_clock=_Clock(self.gc_skew).time
+                self.store,
+                self.policy,
+                dry_run=dry_run,
+                local_clock=_Clock(self.gc_skew).time,
+                whole=whole,
             )
         except ClockSkewError:
             assert refused, f"GC refused at a skew of {self.gc_skew} s (bound {bound})"
@@ -569,17 +578,18 @@ class OperationsMachine(RuleBasedStateMachine):
         what the plan retains (its dry run, with no fault)."""
         rep = self._gc(dry_run=True)
         if rep is not None:
-            self._retain(rep.retained_steps)
+            self._retain(rep.retained_steps, rep.floor)
 
-    @rule()
-    def gc(self) -> None:
-        rep = self._gc()
+    @rule(whole=st.booleans())
+    def gc(self, whole: bool) -> None:
+        rep = self._gc(whole=whole)
         if rep is not None:
-            self._retain(rep.retained_steps)
-            # Damage or forgery costs reads until GC (which reads every record) repairs the
-            # catalog: after a whole run, reads go through one again.
+            self._retain(rep.retained_steps, rep.floor)
+            event(f"gc of the newest steps: {rep.floor is not None}")
+            # Damage or forgery costs reads until GC over the whole store (which reads every
+            # record) repairs the catalog: after such a run, reads go through one again.
             catalogs = listed_seqs(self.local, CATALOG_ROOT)
-            if catalogs:
+            if catalogs and rep.floor is None:
                 got = read_manifests(self.store)
                 assert got.index is not None, "no catalog usable after GC"
                 # A forgery is gone once GC's repair replaced every catalog (one is left) and
@@ -624,7 +634,7 @@ class OperationsMachine(RuleBasedStateMachine):
             meanwhile()
         if rep is not None:
             saved_during = {s: i for s, i in self.promised.items() if before.get(s) != i}
-            self._retain(sorted(set(rep.retained_steps) | set(saved_during)))
+            self._retain(sorted(set(rep.retained_steps) | set(saved_during)), rep.floor)
 
     @rule(n=st.integers(1, 30), after=st.booleans())
     def crash_gc(self, n: int, after: bool) -> None:

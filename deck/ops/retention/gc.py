@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -216,7 +217,9 @@ def _collect(
 ) -> GcReport:
     view = None
     if not whole:
-        cutoff = now - policy.grace_s if now is not None and policy.grace_s > 0 else None
+        cutoff = None
+        if policy.grace_s > 0:  # (a store that tells no times: everything is in the period)
+            cutoff = now - policy.grace_s if now is not None else -math.inf
         view = newest_view(
             storage,
             keep_last_fulls=policy.keep_last_fulls,
@@ -235,13 +238,11 @@ def _collect(
     gc.delete_checkpoints()
     gc.collect_orphans()
     gc.finish()
-    # Only a run that read every record can tell the catalog what it lacks
-    repaired = (
-        not dry_run
-        and gc.floor is None
-        and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is not None
-    )
-    if not dry_run and not repaired:
+    # Only a run that read every record can tell the catalog what it lacks; a run of the
+    # newest steps leaves new catalogs to the merger's passes (writing one here would read every
+    # record through the catalog), its deletions logged for readers
+    whole_run = not dry_run and gc.floor is None
+    if whole_run and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is None:
         refresh_catalog(storage)
     report = gc.report
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after

@@ -5,19 +5,22 @@ catalog and reaches every old folder). :func:`newest_view` reads only the folder
 steps: it takes the catalog's segments (their step ranges and newest trainer record, never their
 records) to know what lies below, then lists and reads the commit records of the step and merger
 folders from the newest segment down, one segment at a time, until a step
-:func:`deck.ops.retention.window.is_cut` accepts. The records themselves are the truth there as
+:func:`deck.ops.retention.window.is_cut` accepts, or one above which every checkpoint is in
+the grace period (none of them can go, whatever the rest of the lineage says). The records themselves are the truth there as
 in a whole read; what the catalog contributes is only the newest trainer record below the cut
 (a merger full's epoch is the one of the trainer record of its state, which is at or below that).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
 from deck.errors import DeckError
-from deck.format.commit_log import record_key_kind
+from deck.format.commit_log import SegmentRef, record_key_kind
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -31,8 +34,8 @@ from deck.format.manifest import (
 )
 from deck.ops.retention.clock import CLOCK_DIR
 from deck.ops.retention.window import is_cut
-from deck.read.catalog import ManifestSet, get_records, overlapped, read_manifests
-from deck.read.indexed import read_indexed
+from deck.read.catalog import ManifestSet, get_records, manifest_set, overlapped, read_manifests
+from deck.read.indexed import RecordBytes, read_indexed
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 
@@ -71,7 +74,7 @@ def newest_view(
     quarantine records of their checkpoints and the clock markers; None when the store keeps no
     catalog with segments, or no cut is found in the newer half of its segments: the caller
     reads the whole store. ``cutoff``: the grace period's start on the store's clock (None: no
-    grace period); ``now``: the store's time (a commit whose time is unknown counts as made
+    grace period; -inf: a store that tells no times, where everything is in it); ``now``: the store's time (a commit whose time is unknown counts as made
     now)."""
     index = read_indexed(storage, lambda ks: get_records(storage, ks), lazy=True)
     if index is None or not index.segments:
@@ -91,22 +94,48 @@ def newest_view(
             merged[f"{MERGED_ROOT}/{name.rstrip('/')}"] = parsed[1]
     extra = storage.list_modified(f"{QUARANTINE_ROOT}/") + storage.list_modified(f"{CLOCK_DIR}/")
     listed: dict[str, Listing] = {}
-    lowest = len(refs) - 1
-    while lowest >= 1 and len(refs) - lowest <= max(2, int(len(refs) * _MOST)):
-        start = refs[lowest].first
-        folders = [step_dir(s) for s in steps if s >= start]
-        folders += [f for f, s in merged.items() if s >= start]
+
+    def view_at(floor: int, manifests: ManifestSet) -> StoreView:
+        kept = _folders(steps, merged, floor)
+        ids = {m.id for m in manifests.all() if m.step >= floor}
+        listing = [kt for f in sorted(kept) for kt in listed[f]]
+        listing += [kt for kt in extra if _quarantined_id(kt[0]) in ids or CLOCK_DIR in kt[0]]
+        gone = {parsed[0] for f in kept if (parsed := parse_merged_dir(f.partition("/")[2]))}
+        return StoreView(listing, _above(manifests, floor, gone), floor)
+
+    raw: dict[str, RecordBytes | None] = {}
+    seen: dict[str, tuple[bytes, CheckpointManifest]] = {}  # records parsed, by key
+
+    def read_down_to(start: int) -> tuple[ManifestSet, LineageGraph, dict[str, float | None]]:
+        """The records of the folders at and above ``start`` (each folder listed and each
+        record read once in the whole search)."""
+        folders = _folders(steps, merged, start)
         todo = [f for f in folders if f not in listed]
         for folder, got in overlapped(storage, lambda f: storage.list_modified(f"{f}/"), todo):
             if isinstance(got, Exception):
                 raise got
             listed[folder] = got
-        keys = [k for f in folders for k, _ in listed[f]] + [k for k, _ in extra]
-        manifests = read_manifests(storage, keys)
-        graph = build_graph(manifests)
+        keys = [k for f in todo for k, _ in listed[f]] + ([] if raw else [k for k, _ in extra])
+        raw.update(get_records(storage, [k for k in keys if record_key_kind(k) is not None]))
+        manifests = manifest_set(storage, raw.items(), None, seen)
+        seen.update(manifests.parsed)
+        times = {k: t for f in folders for k, t in listed[f]}
+        return manifests, build_graph(manifests), times
+
+    # Where a cut can be: below the newest step committed before the grace period began (the
+    # newest fulls older than it), found by the store's times of a few records
+    newest = len(refs) - 1
+    young = cutoff is not None and _committed_after(storage, steps, cutoff)
+    # The lowest segment a window may start at (further down, reading every record is as cheap)
+    limit = max(1, len(refs) - max(2, int(len(refs) * _MOST)))
+    lowest = max(
+        limit, newest if young else _segment_of(refs, _last_before(storage, steps, cutoff))
+    )
+    while not young and newest >= limit:
+        start = refs[lowest].first
+        manifests, graph, times = read_down_to(start)
         below = [r.newest for r in refs[:lowest] if r.newest is not None]
         below += [es for es in logged if es[1] < start]
-        times = {k: t for f in folders for k, t in listed[f]}
         floor = _highest_cut(
             graph,
             start,
@@ -117,14 +146,60 @@ def newest_view(
             when=partial(_when, graph, times, now),
         )
         if floor is not None:
-            kept = {f for f in folders if _folder_step(f, merged) >= floor}
-            ids = {n.id for n in graph.nodes.values() if n.step >= floor}
-            listing = [kt for f in sorted(kept) for kt in listed[f]]
-            listing += [kt for kt in extra if _quarantined_id(kt[0]) in ids or CLOCK_DIR in kt[0]]
-            gone = {parsed[0] for f in kept if (parsed := parse_merged_dir(f.partition("/")[2]))}
-            return StoreView(listing, _above(manifests, floor, gone), floor)
-        lowest -= 1
+            return view_at(floor, manifests)
+        if lowest == limit:
+            break
+        # Twice the segments each time: a window growing by one would build its graph again
+        # for each
+        lowest = max(limit, lowest - (len(refs) - lowest))
+    if cutoff is None:
+        return None
+    # No cut, but where every checkpoint of the newest segment is in the grace period none of
+    # them goes, whatever a plan of every record says (their folders' orphans are decided folder
+    # by folder). A cut, where there is one, is preferred: this deletes no checkpoint.
+    start = refs[newest].first
+    manifests, graph, times = read_down_to(start)
+    when = partial(_when, graph, times, now)
+    if all(when(n.id) > cutoff for n in graph.nodes.values() if n.step >= start):
+        return view_at(start, manifests)
     return None
+
+
+def _committed_after(storage: Storage, steps: list[int], cutoff: float) -> bool:
+    """Whether the oldest step's commit record is younger than ``cutoff`` (then, but for
+    records written back there later, so is every other: a hint, never a decision)."""
+    return bool(steps) and _time(storage, steps[0]) > cutoff
+
+
+def _last_before(storage: Storage, steps: list[int], cutoff: float | None) -> int:
+    """About the newest step committed at or before ``cutoff`` (None: the newest step): a
+    binary search of the steps' record times, which grow with the step but where a rollback
+    wrote again (a hint where to look, never a decision)."""
+    if cutoff is None or not steps:
+        return steps[-1] if steps else 0
+    lo, hi = 0, len(steps) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _time(storage, steps[mid]) <= cutoff:
+            lo = mid
+        else:
+            hi = mid - 1
+    return steps[lo]
+
+
+def _time(storage: Storage, step: int) -> float:
+    t = storage.modified(f"{step_dir(step)}/{MANIFEST}")
+    return t if t is not None else math.inf  # (unknown or absent: young)
+
+
+def _segment_of(refs: tuple[SegmentRef, ...], step: int) -> int:
+    """The index of the segment holding ``step`` (the last one starting at or below it)."""
+    return max(0, bisect.bisect_right([r.first for r in refs], step) - 1)
+
+
+def _folders(steps: list[int], merged: dict[str, int], start: int) -> list[str]:
+    """The step folders and merger folders of the steps at and above ``start``."""
+    return [step_dir(s) for s in steps if s >= start] + [f for f, s in merged.items() if s >= start]
 
 
 def _when(
@@ -197,11 +272,6 @@ def _logged_trainer(records: Iterable[tuple[str, object]]) -> list[tuple[int, in
             return None
         out.append((m.epoch, m.step))
     return out
-
-
-def _folder_step(folder: str, merged: dict[str, int]) -> int:
-    step = parse_step_dir(folder)
-    return step if step is not None else merged[folder]
 
 
 def _quarantined_id(key: str) -> str:
