@@ -581,11 +581,11 @@ class OperationsMachine(RuleBasedStateMachine):
             self._retain(rep.retained_steps, rep.floor)
 
     @rule(whole=st.booleans())
-    def gc(self, whole: bool) -> None:
+    def gc(self, whole: bool = False) -> None:
         rep = self._gc(whole=whole)
         if rep is not None:
             self._retain(rep.retained_steps, rep.floor)
-            event(f"gc of the newest steps: {rep.floor is not None}")
+            _note(f"gc of the newest steps: {rep.floor is not None}")
             # Damage or forgery costs reads until GC over the whole store (which reads every
             # record) repairs the catalog: after such a run, reads go through one again.
             catalogs = listed_seqs(self.local, CATALOG_ROOT)
