@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
@@ -58,6 +59,25 @@ def _retention(a: argparse.Namespace) -> Any:
         )
 
 
+def gc_schedule(every: int, whole_every: int) -> Callable[[], bool | None]:
+    """For ``deck merge --gc``: called after each pass, says whether GC runs now (None: not)
+    and over the whole store (True) or the newest steps (False): after every ``every``-th pass,
+    the first run and every ``whole_every``-th over the whole store (what a run of the newest
+    steps leaves below them waits for such a run)."""
+    if every < 1 or whole_every < 1:
+        raise ConfigError(
+            f"--gc-every and --gc-whole-every must be >= 1 (got {every}, {whole_every})"
+        )
+    passes, runs = itertools.count(), itertools.count()
+
+    def now() -> bool | None:
+        if next(passes) % every:
+            return None
+        return next(runs) % whole_every == 0
+
+    return now
+
+
 def _run_worker(
     a: argparse.Namespace,
     worker_index: int,
@@ -77,12 +97,12 @@ def _run_worker(
     after_pass = None
     if a.gc and worker_index == 0:
         policy = _retention(a)
-        runs = itertools.count()
+        schedule = gc_schedule(a.gc_every, a.gc_whole_every)
 
         def after_pass(_manifests: Any) -> None:
-            # The first run and every --gc-whole-every-th look at the whole store; the others
-            # at the newest steps (what a run leaves below them waits for a whole one)
-            whole = next(runs) % a.gc_whole_every == 0
+            whole = schedule()
+            if whole is None:
+                return
             try:
                 collect_garbage(storage, policy, whole=whole)
             except ClockSkewError as e:  # merging goes on; GC waits for a sane clock
@@ -134,6 +154,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
     if k < 1:
         raise ConfigError(f"--workers must be >= 1, got {k}")
     _merge_config(a, 0, 1)  # validate the options before starting anything
+    gc_schedule(a.gc_every, a.gc_whole_every)
     indices = [first * k + j for j in range(k)]
     total = hosts * k
     if k > 1:  # which workers this process runs (its slot times --workers)
@@ -446,6 +467,12 @@ def merge_parser(sub: Subparsers) -> None:
         help="hosts running workers (default: $WORLD_SIZE, $DECK_NUM_WORKERS or $SLURM_NTASKS)",
     )
     mer.add_argument("--gc", action="store_true", help="worker 0 also runs GC after each pass")
+    mer.add_argument(
+        "--gc-every",
+        type=int,
+        default=1,
+        help="--gc: run GC after every N-th pass (1; on an object store each run costs requests)",
+    )
     mer.add_argument(
         "--gc-whole-every",
         type=int,

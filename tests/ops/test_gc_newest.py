@@ -11,6 +11,8 @@ import pytest
 
 import deck.read.indexed
 from deck.cli import main
+from deck.cli.maintain import gc_schedule
+from deck.errors import ConfigError
 from deck.format.manifest import parse_merged_dir, parse_step_dir
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.ops.retention.gc import GcReport
@@ -169,3 +171,23 @@ def test_deck_gc_when_the_newest_steps_are_all_in_the_grace_period(
     assert main(["gc", uri, "--dry-run", "--grace", "1e12"]) == 0
     out = capsys.readouterr().out
     assert "and later is in the grace period" in out and "would delete 0 checkpoint(s)" in out
+
+
+def test_merge_gc_schedule() -> None:
+    """``deck merge --gc --gc-every 3 --gc-whole-every 2``: GC after passes 0, 3, 6, 9, ...,
+    the first of those and every second over the whole store; 0 is refused."""
+    now = gc_schedule(3, 2)
+    assert [now() for _ in range(10)] == [
+        True,
+        None,
+        None,
+        False,
+        None,
+        None,
+        True,
+        None,
+        None,
+        False,
+    ]
+    with pytest.raises(ConfigError, match="--gc-every"):
+        gc_schedule(0, 100)
