@@ -255,6 +255,18 @@ class StagingConfig(Settings):
         "checkpoint just taken.",
     )
 
+    mode: Literal["threads", "process"] = Field(
+        default="threads",
+        description="Where the background staging runs. threads: background threads of the "
+        "training process. process: a staging process per rank (started at enable, spawned, not "
+        "forked), fed through shared-memory chunk buffers, so the training thread never waits "
+        "for the GIL while chunks are checksummed, written, uploaded and committed; the "
+        "training process keeps the stall, the copy-on-write copy and the lookup guard. Falls "
+        "back to threads (logged) without memfd shared memory (non-Linux), for a storage "
+        "object passed to enable() instead of a URI, for GPU tables (pinned buffers) and for "
+        "a kafka:// publisher.",
+    )
+
     @field_validator("spool_dir", mode="before")
     @classmethod
     def _spool_path(cls, v: Any) -> Any:
