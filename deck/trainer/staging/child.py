@@ -118,27 +118,31 @@ class MappedPool(BufferPool):
 
 
 class ForwardingProgress(PartProgress):
-    """A part's progress, told to the training process at every move."""
+    """A part's progress, told to the training process at every move; a failure with what the
+    training process's next collective needs (whether the next checkpoint is a full, which parts
+    rank 0 must stop waiting for), so it never asks."""
 
-    def __init__(self, started: float, number: int, chan: Channel):
+    def __init__(self, started: float, number: int, chan: Channel, stager: Stager):
         super().__init__(started)
         self.number = number
         self.chan = chan
+        self.stager = stager
 
     def _tell(self, ended: bool) -> None:
         now = self.get()
+        body: dict[str, Any] = {
+            "part": self.number,
+            "state": now.state,
+            "error": now.error,
+            "durable_local_s": now.durable_local_s,
+            "committed_s": now.committed_s,
+            "ended": ended,
+        }
+        if now.state == "failed":
+            self.stager.take_failure()  # the training process keeps the flag from here on
+            body["failed_parts"] = [list(x) for x in self.stager.take_failed()]
         with contextlib.suppress(OSError):
-            self.chan.send(
-                Kind.PROGRESS,
-                {
-                    "part": self.number,
-                    "state": now.state,
-                    "error": now.error,
-                    "durable_local_s": now.durable_local_s,
-                    "committed_s": now.committed_s,
-                    "ended": ended,
-                },
-            )
+            self.chan.send(Kind.PROGRESS, body)
 
     def advance(self, state: str, *, durable: bool = False, committed: bool = False) -> None:
         super().advance(state, durable=durable, committed=committed)
@@ -370,7 +374,7 @@ class StagingProcess:
             part.enqueued = True
             if part.handed.done():  # nothing more comes for it
                 del self.parts[number]
-            progress = ForwardingProgress(float(body["started"]), number, self.chan)
+            progress = ForwardingProgress(float(body["started"]), number, self.chan, self.stager)
             self.stager.hand_on(part.staged, progress)
         elif kind is Kind.DISCARD:
             part = self.parts.pop(int(body["part"]))
@@ -379,7 +383,9 @@ class StagingProcess:
             self.helpers.submit(self.stager.discard, part.staged)
         elif kind is Kind.RECOVERED:
             p = PendingPart.model_validate(body["info"])
-            progress = ForwardingProgress(float(body["started"]), int(body["part"]), self.chan)
+            progress = ForwardingProgress(
+                float(body["started"]), int(body["part"]), self.chan, self.stager
+            )
             progress.advance("recovering")
             self.stager.hand_on_recovered(p, progress, int(body["reserved"]))
         elif kind is Kind.ANSWER:
@@ -397,11 +403,7 @@ class StagingProcess:
 
     def _request(self, req: int, op: str, args: dict[str, Any]) -> None:
         stager = self.stager
-        if op == "take_failure":
-            self._reply(req, stager.take_failure)
-        elif op == "take_failed":
-            self._reply(req, lambda: [list(x) for x in stager.take_failed()])
-        elif op == "abandon":
+        if op == "abandon":
             self._reply(
                 req,
                 functools.partial(

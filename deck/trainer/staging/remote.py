@@ -75,6 +75,8 @@ def process_unsupported(
         return "the storage was passed as an object, which a staging process cannot open again"
     if pinned:
         return "tables on a GPU fill pinned buffers, which are not shared with a process yet"
+    if reopen[0].startswith("memory://"):
+        return "a memory:// store lives in the training process"
     if storage.uri.startswith("kafka://"):
         return "the kafka publish sink runs in the training process"
     return None
@@ -324,7 +326,9 @@ class ProcessStager:
         self._progress: dict[int, tuple[PendingPart, PartProgress, int]] = {}
         self._waiting: dict[int, Future[Any]] = {}
         self._failed_after_death = False
-        self._dead_parts: list[tuple[int, str]] = []
+        # Told by the staging process as parts fail (take_failure, take_failed)
+        self._failure = False
+        self._failed_parts: list[tuple[int, str]] = []
         self._death: str | None = None
         self._closed = False
         self._ready = threading.Event()
@@ -416,6 +420,10 @@ class ProcessStager:
                 entry = self._progress.get(body["part"])
                 if entry is not None and body["ended"]:
                     del self._progress[body["part"]]
+            if body["state"] == "failed":
+                with self._lock:
+                    self._failure = True
+                    self._failed_parts += [(int(st), str(i)) for st, i in body["failed_parts"]]
             if entry is not None:
                 progress = entry[1]
                 progress.apply(
@@ -484,7 +492,7 @@ class ProcessStager:
                 self._failed_after_death = True
             if not closing:
                 self._failed_after_death = True
-                self._dead_parts += [(p.step, p.ckpt_id) for p, _, _ in parts if p.rank != 0]
+                self._failed_parts += [(p.step, p.ckpt_id) for p, _, _ in parts if p.rank != 0]
         chan.close()
         if not closing:
             logger.error(
@@ -557,6 +565,11 @@ class ProcessStager:
                 self._waiting.pop(req, None)
             raise
         return fut.result(timeout)
+
+    def tell(self, op: str, **args: Any) -> None:
+        """A request whose reply nobody waits for (none when the staging process is gone)."""
+        with contextlib.suppress(DeckError):
+            self._chan_send(Kind.REQUEST, {"req": 0, "op": op, "args": args})
 
     @property
     def dead(self) -> str | None:
@@ -650,26 +663,22 @@ class ProcessStager:
         self._settle_pool(writing=staged.pooled)
 
     def forget_committed(self) -> None:
-        with contextlib.suppress(DeckError):
-            self.call("forget_committed")
+        self.tell("forget_committed")
 
     def take_failure(self) -> bool:
-        failed = self._failed_after_death
-        try:
-            return bool(self.call("take_failure")) or failed
-        except DeckError:
-            return True
+        """Whether a part failed since the last call (the staging process said so as it
+        happened), or the staging process died and no part was handed on since."""
+        with self._lock:
+            failure, self._failure = self._failure, False
+            return failure or self._failed_after_death
 
     def take_failed(self) -> list[tuple[int, str]]:
         with self._lock:
-            out, self._dead_parts = self._dead_parts, []
-        with contextlib.suppress(DeckError):
-            out += [(int(s), str(i)) for s, i in self.call("take_failed")]
+            out, self._failed_parts = self._failed_parts, []
         return out
 
     def abandon(self, step: int, ckpt_id: str, why: str) -> None:
-        with contextlib.suppress(DeckError):
-            self.call("abandon", step=step, ckpt_id=ckpt_id, why=why)
+        self.tell("abandon", step=step, ckpt_id=ckpt_id, why=why)
 
     def discard(self, staged: RemotePart) -> None:
         staged.drop_held()
