@@ -28,6 +28,7 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ENV = "DECK_FAILPOINTS"
@@ -46,6 +47,7 @@ class _Point:
 _armed: dict[str, _Point] = {}
 _lock = threading.Lock()
 _kill_first: int | None = None  # a staging process: its training process, killed first
+_watchers: list[Callable[[str], None]] = []  # told each new spec (staging processes)
 
 
 def parse(spec: str) -> dict[str, tuple[int, bool, str]]:
@@ -66,11 +68,28 @@ def parse(spec: str) -> dict[str, tuple[int, bool, str]]:
 
 
 def configure(spec: str | None) -> None:
-    """Arm exactly the points of ``spec`` (None or "" disarms all); hit counts restart at 0."""
+    """Arm exactly the points of ``spec`` (None or "" disarms all); hit counts restart at 0.
+    The staging processes of this process are armed the same way (their counts restart too)."""
     with _lock:
         _armed.clear()
         for name, (nth, repeat, action) in parse(spec or "").items():
             _armed[name] = _Point(nth, repeat, action)
+        watchers = list(_watchers)
+    for tell in watchers:
+        tell(spec or "")
+
+
+def watch(tell: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``tell(spec)`` at every :func:`configure` from now on; returns how to stop."""
+    with _lock:
+        _watchers.append(tell)
+
+    def stop() -> None:
+        with _lock:
+            if tell in _watchers:
+                _watchers.remove(tell)
+
+    return stop
 
 
 def spec() -> str:

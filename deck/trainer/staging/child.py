@@ -326,7 +326,9 @@ class StagingProcess:
             self._dispatch(kind, body, raw)
 
     def _dispatch(self, kind: Kind, body: dict[str, Any], raw: bytearray) -> None:
-        if kind is Kind.FORGET:
+        if kind is Kind.FAILPOINTS:
+            failpoints.configure(str(body["spec"]))
+        elif kind is Kind.FORGET:
             for slot in body["slots"]:
                 self.pool.forget(int(slot))
         elif kind is Kind.BEGIN:

@@ -332,6 +332,7 @@ class ProcessStager:
         self._death: str | None = None
         self._closed = False
         self._ready = threading.Event()
+        self._unwatch: Callable[[], None] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._chan: Channel | None = None
         self._rx: threading.Thread | None = None
@@ -379,9 +380,16 @@ class ProcessStager:
             target=self._receive, args=(proc, chan), name="deck-stager-rx", daemon=True
         )
         self._rx.start()
+        if self._unwatch is None:
+            self._unwatch = failpoints.watch(self._arm)
         logger.debug(
             "deck: %s staging process %d started for rank %d", self.label, proc.pid, self.rank
         )
+
+    def _arm(self, spec: str) -> None:
+        """A test armed failpoints here: the staging process is armed alike."""
+        with contextlib.suppress(DeckError):
+            self._chan_send(Kind.FAILPOINTS, {"spec": spec})
 
     @property
     def pid(self) -> int | None:
@@ -717,6 +725,8 @@ class ProcessStager:
             chan.close()
         if self._rx is not None:
             self._rx.join(timeout=CLOSE_S)
+        if self._unwatch is not None:
+            self._unwatch()
         self._aside.shutdown()
         self._copier.shutdown()
         self.guard_runner.shutdown()

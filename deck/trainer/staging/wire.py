@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     RECOVERED = 12  # a part found pending in the spool at start: finish it
     REQUEST = 13  # a call answered by REPLY: req, op, args
     ANSWER = 14  # the answer to an ASK
+    FAILPOINTS = 15  # arm these failpoints (a test hook: deck.failpoints)
     # staging process -> training process
     READY = 32
     RELEASED = 33  # slots written: back to the pool
