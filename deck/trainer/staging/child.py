@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from deck import failpoints
 from deck.config import StagingConfig
 from deck.errors import DeckError
+from deck.failpoints import configure as configure_failpoints
+from deck.failpoints import kill_first
 from deck.format.checksum import checksum
 from deck.format.chunks import Buffer
 from deck.format.manifest import ChunkRecord, FileRecord
@@ -327,7 +328,7 @@ class StagingProcess:
 
     def _dispatch(self, kind: Kind, body: dict[str, Any], raw: bytearray) -> None:
         if kind is Kind.FAILPOINTS:
-            failpoints.configure(str(body["spec"]))
+            configure_failpoints(str(body["spec"]))
         elif kind is Kind.FORGET:
             for slot in body["slots"]:
                 self.pool.forget(int(slot))
@@ -458,8 +459,8 @@ def main(argv: list[str]) -> None:
         raise ProtocolError(f"a staging process got {kind.name} first")
     parent = int(hello["parent_pid"])
     _die_with_parent(parent)
-    failpoints.configure(hello["failpoints"])
-    failpoints.kill_first(parent)
+    configure_failpoints(hello["failpoints"])
+    kill_first(parent)
     torch.set_num_threads(1)
     root = logging.getLogger("deck")
     root.setLevel(int(hello["log_level"]))

@@ -34,9 +34,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from deck import failpoints
 from deck.config import StagingConfig
+from deck.schemes import is_publish_sink, lookup
 from deck.errors import DeckError
+from deck.failpoints import spec as failpoint_spec
+from deck.failpoints import watch as watch_failpoints
 from deck.format.chunks import Buffer
 from deck.format.pending import PendingPart
 from deck.storage import Storage
@@ -75,10 +77,10 @@ def process_unsupported(
         return "the storage was passed as an object, which a staging process cannot open again"
     if pinned:
         return "tables on a GPU fill pinned buffers, which are not shared with a process yet"
-    if reopen[0].startswith("memory://"):
-        return "a memory:// store lives in the training process"
-    if storage.uri.startswith("kafka://"):
-        return "the kafka publish sink runs in the training process"
+    if is_publish_sink(reopen[0]):
+        return "a publish sink runs in the training process"
+    if not lookup(reopen[0]).shared:
+        return f"{reopen[0]} is a store only the training process sees"
     return None
 
 
@@ -341,9 +343,8 @@ class ProcessStager:
     # ---- the process -----------------------------------------------------------------------------
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        import deck
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(deck.__file__)))
+        # deck's folder, so the staging process imports this very deck
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -371,7 +372,7 @@ class ProcessStager:
                 "rank": self.rank,
                 "label": self.label,
                 "fenced": self._fence is not None,
-                "failpoints": failpoints.spec(),
+                "failpoints": failpoint_spec(),
                 "parent_pid": os.getpid(),
                 "log_level": level,
             },
@@ -381,7 +382,7 @@ class ProcessStager:
         )
         self._rx.start()
         if self._unwatch is None:
-            self._unwatch = failpoints.watch(self._arm)
+            self._unwatch = watch_failpoints(self._arm)
         logger.debug(
             "deck: %s staging process %d started for rank %d", self.label, proc.pid, self.rank
         )

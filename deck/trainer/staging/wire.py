@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from deck import errors
+import deck.errors as errors
 from deck.errors import DeckError
 
 MAGIC = b"DKSP"
