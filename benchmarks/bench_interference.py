@@ -98,7 +98,8 @@ def _pin_others(core: int) -> None:
             with contextlib.suppress(OSError):  # the thread ended
                 os.sched_setaffinity(int(tid), {core})
     with contextlib.suppress(OSError):
-        children = open(f"/proc/self/task/{me}/children").read().split()
+        with open(f"/proc/self/task/{me}/children") as f:
+            children = f.read().split()
         for pid in children:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):

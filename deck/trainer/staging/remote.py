@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from deck.config import StagingConfig
-from deck.schemes import is_publish_sink, lookup
 from deck.errors import DeckError
 from deck.failpoints import spec as failpoint_spec
 from deck.failpoints import watch as watch_failpoints
 from deck.format.chunks import Buffer
 from deck.format.pending import PendingPart
+from deck.schemes import is_publish_sink, lookup
 from deck.storage import Storage
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.pool import BufferPool
