@@ -309,6 +309,7 @@ class ProcessStager:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="deck-copy")
         self.guard_runner = ThreadPoolExecutor(1, thread_name_prefix="deck-guard")
         self._answers = ThreadPoolExecutor(1, thread_name_prefix="deck-lease-answer")
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="deck-spawn")
         # The spool's space is counted here (training reserves it), and restart recovery reads
         # the spool here before the staging process gets the parts it finds.
         self._spool = (
@@ -348,13 +349,17 @@ class ProcessStager:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
+        # Spawned from a thread of its own that lives until close(): the kernel kills the
+        # staging process when the thread that started it ends (PR_SET_PDEATHSIG), and the
+        # thread that calls enable() or a checkpoint need not outlive the job.
         try:
-            proc = subprocess.Popen(
+            proc = self._spawner.submit(
+                subprocess.Popen,
                 [sys.executable, "-m", "deck.trainer.staging.child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
-            )
+            ).result()
         finally:
             theirs.close()
         chan = Channel(ours)
@@ -733,6 +738,7 @@ class ProcessStager:
         self.guard_runner.shutdown()
         self._background.shutdown()
         self._answers.shutdown()
+        self._spawner.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
     def recover(self, coord: Coordinator | None = None) -> list[CheckpointStats]:
