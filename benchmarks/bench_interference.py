@@ -12,7 +12,9 @@ commit threads; the plain writer) pinned to core 1, and in one run, over the sam
   at the same steps (``bench_stall._PlainWriter``, niced like deck's threads);
 - ``deck``: deck with copy-on-write (the default), a full first and a delta every
   ``--delta-every`` steps;
-- ``deck, copy-on-write off``: the same with the rows copied in the stall.
+- ``deck, copy-on-write off``: the same with the rows copied in the stall;
+- ``deck (process)``, ``deck, copy-on-write all (process)``: as ``deck`` and ``deck,
+  copy-on-write all`` with ``staging.mode="process"`` (the staging process pinned to core 1 too).
 
 Phases run in turn, ``--repeats`` times (medians over repeats). Per phase: the median step time
 of the ``AFTER`` steps after each delta (the stall itself excluded: it is the call, not a step)
@@ -53,8 +55,14 @@ from deck.demo import ModelSpec, build_model, train_step
 from deck.processes import end_rank, free_port, init_process_group
 
 AFTER = 10  # steps after a checkpoint counted
-# deck's phases: staging.copy_on_write of each (the default first)
-PHASES = {"deck": "deltas", "deck, copy-on-write all": "all", "deck, copy-on-write off": "off"}
+# deck's phases: staging.copy_on_write and staging.mode of each (the default first)
+PHASES = {
+    "deck": ("deltas", "threads"),
+    "deck, copy-on-write all": ("all", "threads"),
+    "deck, copy-on-write off": ("off", "threads"),
+    "deck (process)": ("deltas", "process"),
+    "deck, copy-on-write all (process)": ("all", "process"),
+}
 
 
 def model_args(p: argparse.ArgumentParser, rows: int = 1_000_000) -> None:
@@ -82,12 +90,20 @@ def pinned_rank(spec: ModelSpec) -> tuple[Any, Any]:
 
 def _pin_others(core: int) -> None:
     """Every thread of this process but the calling one onto ``core`` (new threads inherit the
-    creating thread's cores, so this runs again after each checkpoint call, outside the step)."""
+    creating thread's cores, so this runs again after each checkpoint call, outside the step),
+    and every thread of its child processes (deck's staging processes)."""
     me = threading.get_native_id()
     for tid in os.listdir("/proc/self/task"):
         if int(tid) != me:
             with contextlib.suppress(OSError):  # the thread ended
                 os.sched_setaffinity(int(tid), {core})
+    with contextlib.suppress(OSError):
+        with open(f"/proc/self/task/{me}/children") as f:
+            children = f.read().split()
+        for pid in children:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), {core})
 
 
 def _waits(task: str = "thread-self") -> int:
@@ -130,7 +146,8 @@ def _phase(
     ckpt: Any = None
     writer: _PlainWriter | None = None
     if kind.startswith("deck"):
-        staging = StagingConfig(copy_on_write=PHASES[kind])
+        cow, mode = PHASES[kind]
+        staging = StagingConfig(copy_on_write=cow, mode=mode)
         cfg = deck.DeckConfig(
             uri=os.path.join(work, f"ck-{first}"), delta_every_steps=a.delta_every, staging=staging
         )

@@ -129,6 +129,18 @@ class Settings(BaseModel):
         return type(self).model_validate({**fields, **update})
 
 
+STAGING_MODE_ENV = "DECK_STAGING_MODE"
+
+
+def _default_staging_mode() -> Literal["threads", "process"]:
+    """``StagingConfig.mode`` when not given: ``DECK_STAGING_MODE`` if set (a whole test suite
+    or fleet switched at once), else threads."""
+    value = os.environ.get(STAGING_MODE_ENV, "threads")
+    if value not in ("threads", "process"):
+        raise ConfigError(f"{STAGING_MODE_ENV}={value!r}: use threads or process")
+    return value  # type: ignore[return-value]
+
+
 class StagingConfig(Settings):
     """How checkpoint bytes travel: CPU chunk buffers -> local SSD spool -> destination URI.
 
@@ -253,6 +265,19 @@ class StagingConfig(Settings):
         "embedding rows outside a step's lookup (a max-norm clamp, re-initialised rows) must "
         "wait for the copy (flush() or wait_for(step)) or use off: until then they reach the "
         "checkpoint just taken.",
+    )
+
+    mode: Literal["threads", "process"] = Field(
+        default_factory=lambda: _default_staging_mode(),
+        description="Where the background staging runs (default: threads, or the environment "
+        "variable DECK_STAGING_MODE). threads: background threads of the "
+        "training process. process: a staging process per rank (started at enable, spawned, not "
+        "forked), fed through shared-memory chunk buffers, so the training thread never waits "
+        "for the GIL while chunks are checksummed, written, uploaded and committed; the "
+        "training process keeps the stall, the copy-on-write copy and the lookup guard. Falls "
+        "back to threads (logged) without memfd shared memory (non-Linux), for a storage "
+        "object passed to enable() instead of a URI, for GPU tables (pinned buffers) and for "
+        "a kafka:// publisher.",
     )
 
     @field_validator("spool_dir", mode="before")

@@ -11,7 +11,10 @@ the process was started with ``DECK_FAILPOINTS`` naming that point::
 
 Spec: ``name[:nth[+]][:action]``; ``nth`` counts hits of that name in this process from 1
 (default 1); ``action`` is ``kill`` (default: ``os.kill(os.getpid(), SIGKILL)``, nothing after
-it runs, no cleanup, like ``kill -9``), ``enospc`` (raise ``OSError(ENOSPC)`` as a full disk
+it runs, no cleanup, like ``kill -9``; hit in a staging process of
+``StagingConfig(mode="process")``, its training process is killed first: the rank dies there, as
+with the staging threads), ``kill-self`` (SIGKILL only the process that hits it: a staging
+process dies alone and its training process goes on), ``enospc`` (raise ``OSError(ENOSPC)`` as a full disk
 would) or ``interrupt`` (raise ``KeyboardInterrupt``, as a Ctrl-C landing there would). With ``DECK_FAILPOINT_MARKER=<path>`` a killed process first creates ``<path>``
 holding the point's name, so a test knows the kill happened there and nowhere else.
 
@@ -25,11 +28,12 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ENV = "DECK_FAILPOINTS"
 MARKER_ENV = "DECK_FAILPOINT_MARKER"
-ACTIONS = ("kill", "enospc", "interrupt")
+ACTIONS = ("kill", "kill-self", "enospc", "interrupt")
 
 
 @dataclass
@@ -42,6 +46,8 @@ class _Point:
 
 _armed: dict[str, _Point] = {}
 _lock = threading.Lock()
+_kill_first: int | None = None  # a staging process: its training process, killed first
+_watchers: list[Callable[[str], None]] = []  # told each new spec (staging processes)
 
 
 def parse(spec: str) -> dict[str, tuple[int, bool, str]]:
@@ -62,11 +68,43 @@ def parse(spec: str) -> dict[str, tuple[int, bool, str]]:
 
 
 def configure(spec: str | None) -> None:
-    """Arm exactly the points of ``spec`` (None or "" disarms all); hit counts restart at 0."""
+    """Arm exactly the points of ``spec`` (None or "" disarms all); hit counts restart at 0.
+    The staging processes of this process are armed the same way (their counts restart too)."""
     with _lock:
         _armed.clear()
         for name, (nth, repeat, action) in parse(spec or "").items():
             _armed[name] = _Point(nth, repeat, action)
+        watchers = list(_watchers)
+    for tell in watchers:
+        tell(spec or "")
+
+
+def watch(tell: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``tell(spec)`` at every :func:`configure` from now on; returns how to stop."""
+    with _lock:
+        _watchers.append(tell)
+
+    def stop() -> None:
+        with _lock:
+            if tell in _watchers:
+                _watchers.remove(tell)
+
+    return stop
+
+
+def spec() -> str:
+    """The armed points as a ``DECK_FAILPOINTS`` value (hit counts not included): what a staging
+    process is armed with when it starts."""
+    with _lock:
+        return ",".join(
+            f"{name}:{p.nth}{'+' if p.repeat else ''}:{p.action}" for name, p in _armed.items()
+        )
+
+
+def kill_first(pid: int | None) -> None:
+    """In a staging process: a ``kill`` kills the training process ``pid`` first."""
+    global _kill_first
+    _kill_first = pid
 
 
 def armed() -> list[str]:
@@ -101,6 +139,8 @@ def failpoint(name: str, path: str | None = None) -> None:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, f"{name}:{point.nth}\n".encode())
         os.close(fd)
+    if point.action == "kill" and _kill_first is not None:
+        os.kill(_kill_first, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

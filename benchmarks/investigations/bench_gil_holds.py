@@ -18,7 +18,7 @@ that held the GIL; each background thread's milliseconds holding the GIL (all, i
 30 us, and its CPU time in them); the longest-held stretches by where they began and ended.
 CPython 3.11 on Linux only (the probe reads 3.11's frame structs); deck is unchanged by it.
 
-    python benchmarks/investigations/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away]
+    python benchmarks/investigations/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away] [--mode process]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _measure(a: argparse.Namespace, out: Path) -> tuple[dict[int, str], dict[str
     cfg = deck.DeckConfig(
         uri=str(out / "ck"),
         delta_every_steps=a.delta_every,
-        staging=StagingConfig(copy_on_write=a.copy_on_write),
+        staging=StagingConfig(copy_on_write=a.copy_on_write, mode=a.mode),
     )
     ckpt = deck.enable(model, [dense], cfg)
     ckpt.step(0)
@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--after", type=int, default=3, help="steps recorded after each delta")
     p.add_argument("--away", action="store_true", help="also record as many steps before it")
     p.add_argument("--copy-on-write", default="deltas", choices=["deltas", "all", "off"])
+    p.add_argument("--mode", default="threads", choices=["threads", "process"], help="staging.mode")
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args()
     if a.after >= a.delta_every // 2:

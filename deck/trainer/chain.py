@@ -70,7 +70,14 @@ from deck.trainer.cow import DeferredCopy
 from deck.trainer.cycles import collect_cycles
 from deck.trainer.events import CheckpointEvent, log_event
 from deck.trainer.lease import Lease
-from deck.trainer.staging import CheckpointStats, PendingPart, StagedPart, Stager
+from deck.trainer.staging import (
+    CheckpointStats,
+    PendingPart,
+    ProcessStager,
+    RemotePart,
+    StagedPart,
+    Stager,
+)
 from deck.trainer.staging.committer import lower_priority
 from deck.trainer.tracker import ClaimedSpan, ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
@@ -328,7 +335,7 @@ class Vote:
 class _Snapshot:
     """What step 3 left: the staged part and its writer (None when skipped or failed)."""
 
-    staged: StagedPart | None = None
+    staged: StagedPart | RemotePart | None = None
     writer: RankPartWriter | None = None
     error: BaseException | None = None
     pool_capped: bool = False  # the part needed more chunk buffers than the memory cap
@@ -346,7 +353,7 @@ class ChainWriter:
     label: str  # "checkpoint" or "publish", for logs and errors
     consumer: str
     storage: Storage
-    stager: Stager
+    stager: Stager | ProcessStager
     epoch: int
     coord: Coordinator
     tracker: TrackerStore
@@ -484,7 +491,8 @@ class ChainWriter:
             protect = snap.deferred.protect
             self.tracker.add_guard(protect, self.stager.guard_runner)
             copied = functools.partial(self.tracker.remove_guard, protect)
-        self.stager.enqueue(snap.staged, stats, copied)
+        # (a stager's begin() made the part: a StagedPart of threads, a RemotePart of a process)
+        self.stager.enqueue(snap.staged, stats, copied)  # type: ignore[arg-type]
         failpoint("checkpointer.save.enqueued")
         # The rows are in the stager's hands: later deltas are relative to this snapshot. If the
         # part fails in the background, ``stager.take_failure()`` makes the next one a full.
@@ -663,7 +671,7 @@ class ChainWriter:
         """Undo a snapshot that will not be committed: its rows stay pending, its files go."""
         self.tracker.abort(token)
         if snap.staged is not None:
-            self.stager.discard(snap.staged)
+            self.stager.discard(snap.staged)  # type: ignore[arg-type]
 
     def _differing(self, digests: dict[str, int]) -> set[str]:
         """Collective: the names whose hash differs on some rank."""
@@ -773,7 +781,9 @@ class ChainWriter:
                 quantize=self.quantize,
             )
             snap.pool_capped = self.stager.size_pool(
-                snap.staged, writer.buffers_needed(shards, counts), full
+                snap.staged,  # type: ignore[arg-type]
+                writer.buffers_needed(shards, counts),
+                full,
             )
             if deferred:
                 snap.deferred = DeferredCopy(snap.staged.buffer, self.stager.pool.release)

@@ -43,7 +43,7 @@ from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.rng import capture_rng
-from deck.trainer.staging import CheckpointStats, Stager
+from deck.trainer.staging import CheckpointStats, ProcessStager, Stager, process_unsupported
 from deck.trainer.tracker import TrackerStore
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class DeltaCheckpointer:
         # thread or writer lease outlives it.
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
-        self._stagers: list[Stager] = []
+        self._stagers: list[Stager | ProcessStager] = []
         self._writers: list[ChainWriter] = []  # their lineage checks stop after the stagers
         # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
         # on_checkpoint (set at any time), on the events' own thread (deck.trainer.events).
@@ -109,7 +109,9 @@ class DeltaCheckpointer:
             self.adapter.pin_reduction_order()
             self._last_step: int | None = None
             on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
-            self._ckpt = self._chain(CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu)
+            self._ckpt = self._chain(
+                CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu, self._reopen
+            )
             self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
             self._closed = False
             self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
@@ -138,6 +140,8 @@ class DeltaCheckpointer:
         # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
         # fault-injecting wrapper in tests); everything goes through this one interface.
         self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
+        # How a staging process opens the same store (None: it cannot, the store was given)
+        self._reopen = None if storage is not None else (config.uri, config.storage_options)
         _require_shared(config.uri, "DeckConfig.uri", self.coord.world_size)
         check_writable(self.storage)
         self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
@@ -216,7 +220,7 @@ class DeltaCheckpointer:
         )
 
     @property
-    def stager(self) -> Stager:
+    def stager(self) -> Stager | ProcessStager:
         """The checkpoint chain's stager (its tier, spool and background threads)."""
         return self._ckpt.stager
 
@@ -240,20 +244,41 @@ class DeltaCheckpointer:
         consumer: str,
         storage: Storage,
         on_gpu: bool,
+        reopen: tuple[str, dict[str, Any]] | None,
         quantize: str | None = None,
     ) -> ChainWriter:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
         # Commit records are fenced by the checkpoint URI's writer lease, the publish chain's
         # too: a job taken over (or whose URI was replaced) publishes nothing more either.
         lease = self._lease
-        stager = Stager(
-            storage,
-            self.config.staging,
-            self.coord.rank,
-            pinned=on_gpu,
-            fence=None if lease is None else lease.check,
-            gone=None if lease is None else lease.gone,
-            label=label,
+        staging = self.config.staging
+        fence = None if lease is None else lease.check
+        gone = None if lease is None else lease.gone
+        stager: Stager | ProcessStager
+        why = None
+        if staging.mode == "process":
+            why = process_unsupported(staging, storage, reopen, on_gpu)
+        if staging.mode == "process" and why is None:
+            assert reopen is not None
+            stager = ProcessStager(
+                storage, staging, self.coord.rank, reopen, fence=fence, gone=gone, label=label
+            )
+        else:
+            stager = Stager(
+                storage,
+                staging,
+                self.coord.rank,
+                pinned=on_gpu,
+                fence=fence,
+                gone=gone,
+                label=label,
+            )
+        logger.log(
+            logging.INFO if self.coord.rank == 0 else logging.DEBUG,
+            "deck: %s staging runs in %s%s",
+            label,
+            "a staging process per rank" if isinstance(stager, ProcessStager) else "threads",
+            f" (staging.mode='process' is not used: {why})" if why else "",
         )
         self._stagers.append(stager)  # close() (or a failed construction) stops it
         chain = ChainWriter(
@@ -300,6 +325,7 @@ class DeltaCheckpointer:
         sink = schemes.lookup(cfg.uri, "publish")
         sink_only = sink.role == "publish"
         place = cfg.state_uri if sink_only and cfg.state_uri else cfg.uri
+        publish_storage_given = storage is not None
         storage = storage or open_storage(place, cfg.storage_options)
         _require_shared(place, "DeckConfig.publish", self.coord.world_size)
         if sink_only:
@@ -309,7 +335,8 @@ class DeltaCheckpointer:
             storage = sink.open(cfg, storage, self.coord.world_size, timeout_s)
         check_writable(storage)
         quantize = None if cfg.quantize == "none" else cfg.quantize
-        return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, quantize)
+        reopen = None if publish_storage_given or sink_only else (place, cfg.storage_options)
+        return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, quantize)
 
     def _take_lease(self) -> Lease | None:
         if self.config.lease_ttl_s is None:

@@ -11,6 +11,7 @@ still held (:class:`Sink`): training does not wait for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -23,7 +24,7 @@ from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.failpoints import failpoint
 from deck.format import treecodec
 from deck.format.checksum import checksum
-from deck.format.chunks import Buffer, ChunkLayout, build_chunk, segment_view
+from deck.format.chunks import DTYPES, Buffer, ChunkLayout, build_chunk, dtype_name, segment_view
 from deck.format.commit import commit_record, first_missing_file, rank_ref
 from deck.format.commit_log import put_record
 from deck.format.manifest import (
@@ -92,6 +93,148 @@ class Later(Generic[T]):
         return self._value
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """What the record of one chunk is made from besides its bytes (:func:`chunk_record`):
+    plain data, so that another process (a staging process) can make it from a shared buffer.
+    ``key``: the chunk's number in its part (:class:`ShardPlan` lists them)."""
+
+    key: int
+    rel: str
+    rows: int
+    segments: tuple[tuple[str, str, tuple[int, ...]], ...]  # name, dtype name, row shape
+    pad_to: int | None
+    encoded: tuple[tuple[str, str, str], ...]  # state, encoding, the dtype it decodes to
+    offset: int | None  # in its bundle
+
+    @staticmethod
+    def of(
+        key: int,
+        rel: str,
+        layout: ChunkLayout,
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        pad_to: int | None,
+        encoded: dict[str, tuple[Encoding, torch.dtype]],
+        offset: int | None,
+    ) -> ChunkSpec:
+        return ChunkSpec(
+            key,
+            rel,
+            layout.rows,
+            tuple((n, dtype_name(d), shape) for n, d, shape in segs),
+            pad_to,
+            tuple((n, e, dtype_name(d)) for n, (e, d) in sorted(encoded.items())),
+            offset,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """A shard's record but for its chunks' records, which ``chunks`` names by key."""
+
+    table: str
+    num_rows: int
+    num_cols: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    full: bool
+    states: tuple[str, ...]
+    chunks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartPlan:
+    """How a rank manifest is built from its files' records, as plain data (:func:`build_part`)."""
+
+    step: int
+    ckpt_id: str
+    rank: int
+    world_size: int
+    shards: tuple[ShardPlan, ...]
+    dense: str | None  # the state files' paths
+    extra: str
+    encoding: str | None
+
+
+_layouts: dict[tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]], ChunkLayout] = {}
+
+
+def chunk_record(buf: Buffer, spec: ChunkSpec) -> ChunkRecord:
+    """The record of the chunk ``spec`` describes, filled in ``buf`` (as the writing thread of
+    a :class:`RankPartWriter` makes it: its padding zeroed, its checksum, its row index)."""
+    key = (spec.rows, spec.segments)
+    layout = _layouts.get(key)
+    if layout is None:  # one per shape: a layout keeps its segments' records
+        if len(_layouts) > 4096:
+            _layouts.clear()
+        segs = [(n, DTYPES[d], tuple(shape)) for n, d, shape in spec.segments]
+        layout = _layouts[key] = ChunkLayout(spec.rows, segs)
+    encoded: dict[str, tuple[Encoding, torch.dtype]] = {
+        n: (e, DTYPES[d])  # type: ignore[misc]
+        for n, e, d in spec.encoded
+    }
+    return _chunk_record(buf, spec.rel, layout, spec.pad_to, encoded, spec.offset)
+
+
+def build_part(
+    plan: PartPlan, chunks: Mapping[int, ChunkRecord], files: Mapping[str, FileRecord]
+) -> RankManifest:
+    """The rank manifest of ``plan`` from its files' records (chunks by key, state files by
+    path); :class:`DeckError` when one was never made (the part was cut short)."""
+    try:
+        shards = tuple(
+            ShardRecord(
+                table=sp.table,
+                num_rows=sp.num_rows,
+                num_cols=sp.num_cols,
+                row_offset=sp.row_offset,
+                rows=sp.rows,
+                col_offset=sp.col_offset,
+                cols=sp.cols,
+                full=sp.full,
+                states=sp.states,
+                chunks=tuple(chunks[k] for k in sp.chunks),
+            )
+            for sp in plan.shards
+        )
+        dense = None if plan.dense is None else files[plan.dense]
+        extra = files[plan.extra]
+    except KeyError:
+        raise DeckError(
+            f"a file record of step {plan.step}'s part was never made: the checkpoint that "
+            "staged it was cut short before all its files were written, so the part is not "
+            "committed; the next checkpoint is a full"
+        ) from None
+    return RankManifest(
+        format_version=FORMAT_VERSION,
+        step=plan.step,
+        ckpt_id=plan.ckpt_id,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        shards=shards,
+        dense=dense,
+        extra=extra,
+        encoding=plan.encoding,  # type: ignore[arg-type]
+    )
+
+
+def _shard_plan(shard: TableShard, full: bool, keys: list[int]) -> ShardPlan:
+    return ShardPlan(
+        shard.table,
+        shard.num_rows,
+        shard.num_cols,
+        shard.row_offset,
+        shard.rows,
+        shard.col_offset,
+        shard.cols,
+        full,
+        tuple(shard.states),
+        tuple(keys),
+    )
+
+
 def _run_all(items: list[Later[Any]]) -> Callable[[], None]:
     def run() -> None:
         for item in items:
@@ -106,16 +249,29 @@ class Sink(Protocol):
 
     Contract: ``make_record`` of a file runs before that file is written, on the writing thread,
     while ``buf`` is still the sink's; :meth:`finish_part`'s ``build`` runs after every file
-    submitted before it was written (it reads their records)."""
+    submitted before it was written (it reads their records). The same as plain data, for a
+    sink that makes the records in another process: ``specs`` (a chunk file's chunks),
+    ``state`` (a state file's captured tree) and ``plan`` (the rank manifest)."""
 
     def buffer(self) -> Buffer: ...
     def submit(
-        self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]
+        self,
+        rel: str,
+        buf: Buffer,
+        nbytes: int,
+        make_record: Callable[[], None],
+        specs: tuple[ChunkSpec, ...] = (),
     ) -> None: ...
     def submit_bytes(
-        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
+        self,
+        rel: str,
+        data: Callable[[], bytes],
+        make_record: Callable[[], None],
+        state: treecodec.CapturedTree | None = None,
     ) -> None: ...
-    def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest | None: ...
+    def finish_part(
+        self, build: Callable[[], RankManifest], plan: PartPlan | None = None
+    ) -> RankManifest | None: ...
 
 
 class DirectSink:
@@ -130,17 +286,30 @@ class DirectSink:
     def buffer(self) -> Buffer:
         return bytearray(self.buffer_bytes)
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
+    def submit(
+        self,
+        rel: str,
+        buf: Buffer,
+        nbytes: int,
+        make_record: Callable[[], None],
+        specs: tuple[ChunkSpec, ...] = (),
+    ) -> None:
         make_record()
         self.storage.put(f"{self.root}/{rel}", memoryview(buf)[:nbytes])
 
     def submit_bytes(
-        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
+        self,
+        rel: str,
+        data: Callable[[], bytes],
+        make_record: Callable[[], None],
+        state: treecodec.CapturedTree | None = None,
     ) -> None:
         make_record()
         self.storage.put(f"{self.root}/{rel}", data())
 
-    def finish_part(self, build: Callable[[], RankManifest]) -> RankManifest:
+    def finish_part(
+        self, build: Callable[[], RankManifest], plan: PartPlan | None = None
+    ) -> RankManifest:
         part = build()
         self.storage.put(f"{self.root}/{part_manifest_path(part)}", dump_model(part))
         return part
@@ -190,6 +359,7 @@ class RankPartWriter:
         self._bundle: Buffer | None = None
         self._bundle_fill = 0
         self._bundle_chunks: list[Later[ChunkRecord]] = []
+        self._bundle_specs: list[ChunkSpec] = []
         self._bundles = 0
         self.quantize: Encoding | None = check_encoding(quantize)
         self.encoded_any = False
@@ -203,6 +373,7 @@ class RankPartWriter:
         self.bytes_written = 0
         self.chunks_written = 0
         self.rows_written = 0
+        self.plans: list[ShardPlan] = []  # the shards' records as plain data (PartPlan)
 
     def _state_file(self, rel: str, state: treecodec.CapturedTree) -> Later[FileRecord]:
         # Encoded (safetensors + JSON) and checksummed by the thread that writes it: the capture
@@ -211,7 +382,7 @@ class RankPartWriter:
         rec = Later(
             lambda: FileRecord(path=rel, nbytes=len(encoded()), checksum=checksum(encoded()))
         )
-        self.sink.submit_bytes(rel, encoded, rec.run)
+        self.sink.submit_bytes(rel, encoded, rec.run, state)
         self.bytes_written += state.nbytes
         return rec
 
@@ -236,6 +407,7 @@ class RankPartWriter:
         deferred = self._deferrable(shard, rows, encoded)
         if deferred is not None:
             return self._defer_shard(shard, rows, full, base, segs, per_chunk, deferred)
+        keys: list[int] = []
         if isinstance(rows, ClaimedSpan):
             rows = rows.rows()  # copied now: its positions now
         n = shard.rows if rows is None else int(rows.numel())
@@ -268,17 +440,21 @@ class RankPartWriter:
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
+            spec = ChunkSpec.of(self.chunks_written, rel, layout, segs, pad_to, encoded, offset)
+            keys.append(spec.key)
             if offset is None:
-                self.sink.submit(rel, buf, nbytes, rec.run)
+                self.sink.submit(rel, buf, nbytes, rec.run, (spec,))
             else:
                 self._bundle_fill += nbytes
                 self._bundle_chunks.append(rec)
+                self._bundle_specs.append(spec)
             failpoint("writer.chunk.after_submit")
             self.bytes_written += nbytes
             self.chunks_written += 1
             chunks.append(rec)
         self.encoded_any |= bool(encoded) and n > 0
         self.rows_written += n
+        self.plans.append(_shard_plan(shard, full, keys))
         return functools.partial(_shard_record, shard, full, chunks)
 
     def _chunks(
@@ -339,11 +515,14 @@ class RankPartWriter:
         else:
             n = shard.rows
         chunks: list[Later[ChunkRecord]] = []
+        keys: list[int] = []
         for start, stop, layout, pad_to, nbytes, rel in self._chunks(shard, n, segs, per_chunk):
             filled: list[Buffer] = []  # the buffer, once the copy took one
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_filled_record, filled, rel, layout, pad_to)
             )
+            spec = ChunkSpec.of(self.chunks_written, rel, layout, segs, pad_to, {}, None)
+            keys.append(spec.key)
             self.deferred.add_chunk(
                 RowSlice(picked, start, stop)
                 if picked is not None
@@ -352,12 +531,13 @@ class RankPartWriter:
                 shard.row_offset - base,
                 sources,
                 functools.partial(_segments, layout=layout, rows=stop - start),
-                functools.partial(_hand_over, self.sink, filled, rel, nbytes, rec),
+                functools.partial(_hand_over, self.sink, filled, rel, nbytes, rec, spec),
             )
             self.bytes_written += nbytes
             self.chunks_written += 1
             chunks.append(rec)
         self.rows_written += n
+        self.plans.append(_shard_plan(shard, full, keys))
         return functools.partial(_shard_record, shard, full, chunks)
 
     def _chunking(
@@ -419,8 +599,9 @@ class RankPartWriter:
         if self._bundle is None:
             return
         make_record = _run_all(self._bundle_chunks)
-        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record)
-        self._bundle, self._bundle_chunks = None, []
+        specs = tuple(self._bundle_specs)
+        self.sink.submit(self._bundle_path(), self._bundle, self._bundle_fill, make_record, specs)
+        self._bundle, self._bundle_chunks, self._bundle_specs = None, [], []
         self._bundles += 1
 
     def _encoded(self, shard: TableShard) -> dict[str, tuple[Encoding, torch.dtype]]:
@@ -477,8 +658,18 @@ class RankPartWriter:
                 encoding=encoding,
             )
 
+        plan = PartPlan(
+            self.step,
+            self.ckpt_id,
+            self.rank,
+            self.world_size,
+            tuple(self.plans),
+            None if dense_rec is None else f"{self.part}/{DENSE_FILE}",
+            f"{self.part}/{EXTRA_FILE}",
+            encoding,
+        )
         failpoint("writer.part.before_manifest")
-        return self.sink.finish_part(build)
+        return self.sink.finish_part(build, plan)
 
 
 def _row_sources(shard: TableShard) -> list[RowSource] | None:
@@ -553,11 +744,17 @@ def _filled_record(
 
 
 def _hand_over(
-    sink: Sink, filled: list[Buffer], rel: str, nbytes: int, rec: Later[ChunkRecord], buf: Buffer
+    sink: Sink,
+    filled: list[Buffer],
+    rel: str,
+    nbytes: int,
+    rec: Later[ChunkRecord],
+    spec: ChunkSpec,
+    buf: Buffer,
 ) -> None:
     """A deferred chunk is filled in ``buf``: its record is made from it, and the sink has it."""
     filled.append(buf)
-    sink.submit(rel, buf, nbytes, rec.run)
+    sink.submit(rel, buf, nbytes, rec.run, (spec,))
 
 
 def _ids(buf: Buffer, layout: ChunkLayout, rows: int) -> np.ndarray:

@@ -15,7 +15,9 @@ from deck.format.pending import PendingPart
 from deck.trainer.staging.pool import BufferPool
 
 if TYPE_CHECKING:
+    from deck.format.treecodec import CapturedTree
     from deck.trainer.cow import DeferredCopy
+    from deck.trainer.writer import ChunkSpec, PartPlan
 
 
 class PartStager(Protocol):
@@ -108,22 +110,39 @@ class StagedPart:
         self.pooled += 1
         return buf
 
-    def submit(self, rel: str, buf: Buffer, nbytes: int, make_record: Callable[[], None]) -> None:
+    def submit(
+        self,
+        rel: str,
+        buf: Buffer,
+        nbytes: int,
+        make_record: Callable[[], None],
+        specs: tuple[ChunkSpec, ...] = (),
+    ) -> None:
         """Hand a filled pool buffer over; it returns to the pool once written."""
         self.files.append(rel)
         step, write_out = self.info.step, self.stager.write_out
         self._write(lambda: write_out(step, rel, buf, nbytes, make_record, True), buf)
 
     def submit_bytes(
-        self, rel: str, data: Callable[[], bytes], make_record: Callable[[], None]
+        self,
+        rel: str,
+        data: Callable[[], bytes],
+        make_record: Callable[[], None],
+        state: CapturedTree | None = None,
     ) -> None:
         """Hand over a small file whose bytes ``data()`` makes on the writing thread."""
         self.files.append(rel)
         step, write_out = self.info.step, self.stager.write_out
         self._write(lambda: write_out(step, rel, data, None, make_record, False), None)
 
-    def finish_part(self, build: Callable[[], RankManifest]) -> None:
+    def finish_part(self, build: Callable[[], RankManifest], plan: PartPlan | None = None) -> None:
         self._build = build
+
+    def after(self, handed: Future[None]) -> None:
+        """The part's files are all submitted only once ``handed`` is done (a staging process:
+        its training process sealed the part); its error is the part's. Call before it is
+        enqueued."""
+        self._copied = handed
 
     @property
     def part(self) -> RankManifest | None:

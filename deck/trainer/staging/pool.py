@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import mmap
+import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,14 +30,29 @@ class BufferPool:
 
     With ``pinned`` (tables on a GPU) buffers are page-locked host memory, so device-to-host
     copies into them are true DMA transfers that can run on a side stream.
+
+    With ``shared`` each buffer is a memfd (Linux shared memory) mapped here, numbered by a
+    slot that is never reused (:meth:`shared_slot`), so that a staging process can map the same
+    pages; ``on_forget(slot)`` runs when the pool frees one (the other side unmaps it too).
     """
 
-    def __init__(self, floor: int, size: int, cap: int | None = None, pinned: bool = False):
+    def __init__(
+        self,
+        floor: int,
+        size: int,
+        cap: int | None = None,
+        pinned: bool = False,
+        shared: bool = False,
+    ):
         self.size = size
         self.floor = floor
         self.cap = max(floor, cap if cap is not None else floor)
         self.count = floor
         self.pinned = pinned
+        self.shared = shared
+        self.on_forget: Callable[[int], None] | None = None
+        self._slots: dict[int, tuple[int, int]] = {}  # id(buffer) -> (slot, memfd)
+        self._next_slot = itertools.count()
         self._owners: dict[int, torch.Tensor] = {}  # id(buffer) -> owner of a pinned buffer
         self._free: list[Buffer] = []  # last in, first out: the warmest buffer first
         self._allocated = 0
@@ -52,6 +71,17 @@ class BufferPool:
         return self._allocated * self.size
 
     def _new(self) -> Buffer:
+        if self.shared:
+            fd = os.memfd_create("deck-chunk", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, self.size)
+                view = memoryview(mmap.mmap(fd, self.size))
+            except BaseException:
+                os.close(fd)
+                raise
+            with self._cond:
+                self._slots[id(view)] = (next(self._next_slot), fd)
+            return view
         if not self.pinned:
             return aligned_buffer(self.size)
         owner = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
@@ -59,6 +89,21 @@ class BufferPool:
         with self._cond:
             self._owners[id(buf)] = owner
         return buf
+
+    def shared_slot(self, buf: Buffer) -> tuple[int, int]:
+        """A shared buffer's (slot, memfd)."""
+        with self._cond:
+            return self._slots[id(buf)]
+
+    def _forget(self, buf: Buffer) -> None:
+        """``buf`` is freed (under the lock): a shared one's memfd is closed and its slot
+        forgotten (the pages go once every mapping is gone)."""
+        self._owners.pop(id(buf), None)
+        got = self._slots.pop(id(buf), None)
+        if got is not None:
+            os.close(got[1])
+            if self.on_forget is not None:
+                self.on_forget(got[0])
 
     def size_for(self, needed: int) -> bool:
         """Make the pool ``needed`` buffers (within ``floor`` .. ``cap``). Returns whether the
@@ -77,7 +122,7 @@ class BufferPool:
                     return
                 buf = self._free.pop(0)  # the coldest
                 self._allocated -= 1
-                self._owners.pop(id(buf), None)
+                self._forget(buf)
             del buf
 
     def prefault(self) -> None:
@@ -128,7 +173,7 @@ class BufferPool:
             self.in_use -= 1
             if self._allocated > self.count and not self._waiting and len(self._free) >= self.count:
                 self._allocated -= 1
-                self._owners.pop(id(buf), None)
+                self._forget(buf)
                 return
             self._free.append(buf)
             self._cond.notify()

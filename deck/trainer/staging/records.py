@@ -64,6 +64,11 @@ class PartProgress:
                 committed_s=elapsed if committed else now.committed_s,
             )
 
+    def apply(self, now: Progress) -> None:
+        """Take ``now`` as the progress (a staging process moved it on)."""
+        with self._lock:
+            self._now = now
+
     def fail(self, error: str) -> None:
         """The part failed with ``error`` (its times so far are kept)."""
         with self._lock:

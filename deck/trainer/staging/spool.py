@@ -43,8 +43,16 @@ class SpoolDir:
     """
 
     def __init__(
-        self, root: str, cfg: StagingConfig, scratch: bool, syncer: ThreadPoolExecutor
+        self,
+        root: str,
+        cfg: StagingConfig,
+        scratch: bool,
+        syncer: ThreadPoolExecutor,
+        released: Callable[[int], None] | None = None,
     ) -> None:
+        """``released``: where space given back is counted instead (a staging process's spool:
+        its training process reserves it)."""
+        self._released = released
         self.root = root
         # Every read, delete and folder of the spool goes through a store rooted at it, so that
         # nothing a restart finds there (in the local tier: the URI) makes it follow a link out.
@@ -84,6 +92,9 @@ class SpoolDir:
             self._bytes += nbytes
 
     def release(self, nbytes: int) -> None:
+        if nbytes and self.scratch and self._released is not None:
+            self._released(nbytes)
+            return
         if nbytes and self.scratch:
             with self._space:
                 self._bytes = max(0, self._bytes - nbytes)

@@ -25,7 +25,7 @@ from deck.trainer.staging.committer import Committer, lower_priority
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
-from deck.trainer.staging.records import CheckpointStats
+from deck.trainer.staging.records import CheckpointStats, PartProgress
 from deck.trainer.staging.recovery import recover
 from deck.trainer.staging.spool import SpoolDir
 
@@ -40,6 +40,34 @@ T = TypeVar("T")
 STALL_GATE_MAX_S = 1.0
 
 RECENT_PARTS = 8  # the pool holds the largest of this many recent delta parts
+
+
+def new_pool(staging: StagingConfig, pinned: bool = False, shared: bool = False) -> BufferPool:
+    """The chunk buffer pool of a stager: a buffer holds one chunk, or one bundle of chunks
+    filled in place (bundle_bytes)."""
+    size = max(staging.chunk_bytes, staging.bundle_bytes)
+    return BufferPool(
+        staging.chunks_in_flight,
+        size,
+        cap=staging.snapshot_memory_bytes // size,
+        pinned=pinned,
+        shared=shared,
+    )
+
+
+def spool_root(tier: str, cfg: StagingConfig, storage: Storage) -> str | None:
+    """The spool folder of ``storage`` in ``tier`` (made if needed); None: no spool."""
+    if tier == "local":
+        root = storage.local_path()
+        assert root is not None
+        return root
+    if tier == "cpu-ssd-remote":
+        base = cfg.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
+        key = hashlib.sha1(storage.uri.encode()).hexdigest()[:16]
+        root = os.path.join(base, key)
+        os.makedirs(root, exist_ok=True)
+        return root
+    return None
 
 
 def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
@@ -87,19 +115,16 @@ class Stager:
         fence: Callable[[], None] | None = None,
         gone: Callable[[], bool] | None = None,
         label: str = "checkpoint",
+        pool: BufferPool | None = None,
+        spool_space: Callable[[int], None] | None = None,
     ):
+        """``pool`` and ``spool_space``: in a staging process, the training process's shared
+        buffers as mapped here, and where the spool space a part gives back is counted."""
         self.storage = storage
         self.cfg = staging
         self.rank = rank
         self.tier = resolve_tier(staging, storage)
-        # A buffer holds one chunk, or one bundle of chunks filled in place (bundle_bytes).
-        size = max(staging.chunk_bytes, staging.bundle_bytes)
-        self.pool = BufferPool(
-            staging.chunks_in_flight,
-            size,
-            cap=staging.snapshot_memory_bytes // size,
-            pinned=pinned,
-        )
+        self.pool = pool or new_pool(staging, pinned)
         self._recent_needs: collections.deque[int] = collections.deque(maxlen=RECENT_PARTS)
         self.spool_root: str | None = self._spool_root()
         lower = functools.partial(lower_priority, staging.background_nice)
@@ -134,7 +159,11 @@ class Stager:
             None
             if self.spool_root is None
             else SpoolDir(
-                self.spool_root, staging, self.tier == "cpu-ssd-remote", syncer=self._syncer
+                self.spool_root,
+                staging,
+                self.tier == "cpu-ssd-remote",
+                syncer=self._syncer,
+                released=spool_space,
             )
         )
         self._dest = Destination(storage, staging, fence, gone)
@@ -143,17 +172,7 @@ class Stager:
         )
 
     def _spool_root(self) -> str | None:
-        if self.tier == "local":
-            root = self.storage.local_path()
-            assert root is not None
-            return root
-        if self.tier == "cpu-ssd-remote":
-            base = self.cfg.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
-            key = hashlib.sha1(self.storage.uri.encode()).hexdigest()[:16]
-            root = os.path.join(base, key)
-            os.makedirs(root, exist_ok=True)
-            return root
-        return None
+        return spool_root(self.tier, self.cfg, self.storage)
 
     # ---- training thread -------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> bool:
@@ -301,6 +320,16 @@ class Stager:
         staged.start_copy(self._copier, copied)
         self._committer.submit(staged.info, stats.progress, staged.reserved, staged)
         self._settle_pool(writing=staged.pooled)
+
+    def hand_on(self, staged: StagedPart, progress: PartProgress) -> None:
+        """A staging process: the part its training process staged goes to the commit thread
+        (:meth:`enqueue` without the training process's side)."""
+        staged.start_writes()
+        self._committer.submit(staged.info, progress, staged.reserved, staged)
+
+    def hand_on_recovered(self, p: PendingPart, progress: PartProgress, reserved: int) -> None:
+        """A staging process: a part its training process found pending in the spool."""
+        self._committer.submit(p, progress, reserved)
 
     def forget_committed(self) -> None:
         """After a restore: the next delta's commit checks its parent in the store
