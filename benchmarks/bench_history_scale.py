@@ -210,8 +210,8 @@ def measure(
             out[f"{k}_{name}"] = statistics.median(x.get(k, 0.0) for x in runs)
         # The default run: the folders of the newest steps, where the catalog allows
         out[f"gcw_{name}"], newest = _median_s(
-            lambda: collect_garbage(storage, policy, dry_run=True, now=now),
-            a.repeats,  # noqa: B023
+            functools.partial(collect_garbage, storage, policy, dry_run=True, now=now),
+            a.repeats,
         )
         counting = _Counting(storage)
         collect_garbage(counting, policy, dry_run=True, now=now)
