@@ -14,6 +14,7 @@ from deck.ops.retention.plan import RetentionPolicy, grace_protected, plan_linea
 from deck.ops.retention.window import is_cut
 from deck.read.catalog import ManifestSet
 from deck.read.lineage import LineageGraph, build_graph
+from deck.testing.synth_lineage import LineageSim
 from tests.ops.test_grace_incremental import draw_any_lineage, draw_policy, draw_times, hyp
 
 
@@ -72,7 +73,13 @@ def _cuts(
 def check_every_cut(data: st.DataObject) -> int:
     sim = draw_any_lineage(data)
     now, times = draw_times(data, sim)
-    policy = draw_policy(data, sim.clock)
+    return assert_cuts_decide_alike(sim, now, times, draw_policy(data, sim.clock))
+
+
+def assert_cuts_decide_alike(
+    sim: LineageSim, now: float | None, times: dict[str, float | None], policy: RetentionPolicy
+) -> int:
+    """Every cut of ``sim``'s lineage decides as the whole; returns how many there are."""
     ms = sim.manifests()
     graph = build_graph(ms)
     keep, doomed = _decisions(graph, policy, now, times)
@@ -90,3 +97,62 @@ def check_every_cut(data: st.DataObject) -> int:
 @given(st.data())
 def test_a_cut_lineage_decides_as_the_whole(data: st.DataObject) -> None:
     event(f"cuts tried: {min(check_every_cut(data), 3)}+")
+
+
+def test_a_cut_below_a_full_saved_again_during_the_grace_period() -> None:
+    """Found by the test above (15,000 examples): the full at the cut was committed during the
+    grace period (a rollback saved its step again), so a moment of the period saw another
+    record there, whose chain went below the cut; the cut's plan protected a checkpoint the
+    whole plan deletes. A cut's full is now one committed before the period began."""
+    sim = LineageSim(seed=473)
+    sim.save("full", nbytes=2)
+
+    def delta() -> None:
+        sim.train()
+        sim.save("delta", nbytes=1)
+
+    def merged(i: int, j: int) -> None:
+        states = sorted(m.state for m in sim.trainer.values())
+        start, end = states[i], states[j]
+        sim.commit_merger(Kind.MERGED, start=start, state=end, first_step=1, layer=1, nbytes=1)
+
+    delta()
+    sim.quarantine("01c49fc10dc7becd")
+    delta()
+    delta()
+    merged(0, 1)
+    sim.rollback(0)
+    sim.train()
+    sim.save("delta", nbytes=2)
+    delta()
+    delta()
+    sim.commit_merger(Kind.FULL, start=None, state=(0, "57bf3cef56199df3"), nbytes=1)
+    delta()
+    delta()
+    sim.train()
+    sim.save("full", nbytes=2)
+    delta()
+    merged(0, 1)
+    delta()
+    sim.commit_merger(Kind.FULL, start=None, state=(6, "48aace495fdad0ef"), nbytes=4)
+    sim.commit_merger(Kind.FULL, start=None, state=(0, "57bf3cef56199df3"), nbytes=1)
+    sim.quarantine("01b310a1e5867a9c")
+    delta()
+    delta()
+    sim.rollback(7)
+    sim.train()
+    sim.save("delta", nbytes=2)
+    delta()
+    ids = sorted(sim.committed_at)
+    times: dict[str, float | None] = {i: sim.committed_at[i] for i in ids}
+    times[ids[5]] = sim.committed_at["01b310a1e5867a9c"]
+    policy = RetentionPolicy(
+        keep_last_fulls=1,
+        keep_fulls_every=None,
+        keep_all_steps=False,
+        chain_delta_budget=None,
+        keep_merged_deltas=False,
+        grace_s=0.5,
+        max_clock_skew_s=None,
+    )
+    assert assert_cuts_decide_alike(sim, 10.0, times, policy) >= 1
