@@ -12,7 +12,7 @@ FBGEMM_gpu := fbgemm-gpu==1.8.0
 TORCHREC  := torchrec==1.8.0
 STAMP     := $(VENV)/.deck-installed-$(VARIANT)
 
-.PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka long lint ruff mypy bench clean
+.PHONY: install demo test test-fast fuzz fuzz-ops fuzz-kafka fuzz-gc long lint ruff mypy bench clean
 
 $(STAMP): pyproject.toml Makefile kernels/_native.c
 	@echo "deck install: setting up $(VENV) (5 steps; about 1 GB to download, several minutes the first time)"
@@ -63,6 +63,15 @@ fuzz-ops: $(STAMP)
 	@echo "make fuzz-ops: $(OPS_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz-ops FUZZ_SEED=$(FUZZ_SEED))"
 	DECK_OPS_EXAMPLES=$(OPS_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 \
 		tests/ops/test_operations_machine.py --hypothesis-seed=$(FUZZ_SEED)
+
+# GC's plans against their references on generated lineages: the grace period replayed against
+# every moment planned again, and the plan of the newest steps against the plan of every record
+# (tests/ops/test_grace_incremental.py, test_gc_window.py). GC_EXAMPLES per test.
+GC_EXAMPLES ?= 5000
+fuzz-gc: $(STAMP)
+	@echo "make fuzz-gc: $(GC_EXAMPLES) examples, seed $(FUZZ_SEED) (repeat: make fuzz-gc FUZZ_SEED=$(FUZZ_SEED))"
+	DECK_GRACE_EXAMPLES=$(GC_EXAMPLES) DECK_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=0 \
+		tests/ops/test_grace_incremental.py tests/ops/test_gc_window.py --hypothesis-seed=$(FUZZ_SEED)
 
 # The Kafka loader's state machine (tests/ops/test_kafka_machine.py) with random sequences;
 # a failure prints the shrunk sequence of rules. KAFKA_EXAMPLES / KAFKA_STEPS size the run.
