@@ -285,6 +285,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
         print(f"  {verb} {folder}: {why}")
     for prefix, why in rep.orphans:
         print(f"  {_orphan_line(verb, prefix, why)}")
+    for folder, why in rep.left:
+        print(f"  left {folder}: {why}")
     for folder, why in rep.kept:
         print(f"  KEPT {folder}: {why}")
     for folder, why in rep.busy:

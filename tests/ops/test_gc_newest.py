@@ -191,3 +191,88 @@ def test_merge_gc_schedule() -> None:
     ]
     with pytest.raises(ConfigError, match="--gc-every"):
         gc_schedule(0, 100)
+
+
+def _compare(storage: LocalStorage, policy: RetentionPolicy, now: float) -> GcReport:
+    """The default run, checked against the whole run: it deletes what the whole run deletes
+    at its steps, nothing the whole run keeps, but what it keeps for want of a chain (said in
+    ``left``)."""
+    whole = collect_garbage(storage, policy, dry_run=True, now=now, whole=True)
+    newest = collect_garbage(storage, policy, dry_run=True, now=now)
+    assert newest.floor is not None
+    assert set(newest.deleted) <= _in_window(whole, newest.floor)
+    missing = _in_window(whole, newest.floor) - set(newest.deleted)
+    assert {m[0] for m in missing} == {k[0] for k in newest.left} and not newest.kept
+    return newest
+
+
+@pytest.mark.parametrize("damaged_step", [5, 340])  # far below / just under the cut
+def test_a_damaged_record_below_the_cut_keeps_what_lacks_a_chain_above(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles, damaged_step: int
+) -> None:
+    """Found by a break-it run: bit rot in an old step's commit record (after the catalog was
+    written) makes the whole run keep every checkpoint after it without a complete chain (here
+    epoch 0's steps 393..398, left by a rollback to 390); the run of the newest steps, which
+    does not read that record, deleted them. It now keeps what lacks a chain above its cut,
+    damage below or not (the whole run deletes it where there is none)."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    sim = LineageSim(seed=1, files=files)
+    last = sim.save("full")
+    sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    while sim.step < 398:
+        sim.train()
+        last = sim.save("full" if sim.step % 25 == 0 else "delta")
+        if sim.step < 380:
+            sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    sim.rollback(390)
+    for _ in range(2):
+        sim.train()
+        sim.save("delta")
+    storage = LocalStorage(str(tmp_path / "uri"))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 10)
+    now, policy = sim.clock + 1000.0, RetentionPolicy(grace_s=30.0)
+    before = collect_garbage(storage, policy, dry_run=True, now=now)
+    whole = collect_garbage(storage, policy, dry_run=True, now=now, whole=True)
+    assert before.floor is not None
+    chainless = {f"step-{s:012d}" for s in range(393, 399)}
+    assert set(before.deleted) == {
+        d for d in _in_window(whole, before.floor) if d[0].split(" ")[0] not in chainless
+    }  # the whole run deletes those: no record it read is unreadable
+    assert {k[0].split(" ")[0] for k in before.left} == chainless and not before.kept
+    path = storage.local_path(f"step-{damaged_step:012d}/manifest.json")
+    assert path is not None
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0x20
+    t = os.stat(path).st_mtime
+    Path(path).write_bytes(bytes(data))
+    os.utime(path, (t, t))  # (bit rot keeps the file time)
+    after = collect_garbage(storage, policy, dry_run=True, now=now)
+    whole = collect_garbage(storage, policy, dry_run=True, now=now, whole=True)
+    assert after.floor is not None
+    assert set(after.deleted) <= set(whole.deleted)
+    assert not any(d[0].startswith("step-00000000039") for d in after.deleted + whole.deleted)
+
+
+def test_a_quarantine_record_keeps_the_run_to_the_newest_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: CheckpointFiles
+) -> None:
+    """Found by a break-it run: a quarantine record (the catalog keeps them beside its
+    segments) was parsed as a trainer's commit record, failed, and made every run read the
+    whole store. Quarantined checkpoints above the cut are planned around as in the whole run."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    sim = LineageSim(seed=400, files=files)
+    last = sim.save("full")
+    sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+    for _ in range(1, 400):
+        sim.train()
+        last = sim.save("full" if sim.step % 25 == 0 else "delta")
+        sim.merge_blocks(last, stride=4, full_every=16, lag=3)
+        if sim.step in (120, 390):
+            sim.quarantine(sim.trainer[sim.step - 19].id)
+    storage = LocalStorage(str(tmp_path / "uri"))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 10)
+    report = _compare(storage, RetentionPolicy(grace_s=30.0), sim.clock + 1.0)
+    assert report.floor is not None and report.floor <= 371
+    assert any(k[0].startswith("step-000000000371") for k in report.left)

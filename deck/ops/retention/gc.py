@@ -77,6 +77,9 @@ class GcReport:
     # (folder, why): what the rules would delete, kept because a writer was at work on it during
     # this run (a save, a merger commit); no damage, the next run decides
     busy: list[tuple[str, str]] = field(default_factory=list)
+    # (folder, why): what lacks a chain above a run's floor: kept for a run over the whole store
+    # to decide (a record it did not read may be what the chain needs)
+    left: list[tuple[str, str]] = field(default_factory=list)
     # What the rules would delete but the grace period holds back (a later run deletes it)
     grace_held: int = 0  # checkpoints
     grace_held_orphans: int = 0  # orphan folders or stray files
@@ -314,7 +317,10 @@ class _Collector:
             retained_steps=plan.retained_steps,
             committed=len(self.manifests),
         )
-        self.report.kept = [(self._label(i), why) for i, why in sorted(plan.held.items())]
+        self.report.kept = [
+            (self._label(i), why) for i, why in sorted(plan.held.items()) if i not in plan.unread
+        ]
+        self.report.left = [(self._label(i), plan.held[i]) for i in sorted(plan.unread)]
         self.report.grace_held = self._grace_held(plan)
 
     def _doomed(self, plan: RetentionPlan) -> dict[str, str]:
@@ -333,7 +339,9 @@ class _Collector:
         cannot be trusted only ever keeps more: a checkpoint is deleted only if the first plan
         deletes it too (planning around one, e.g. a delta that could not be read, may move the
         latest step and the window and would otherwise delete what the first plan kept)."""
-        plan = plan_lineage(self.graph, self.policy, damaged=self.manifests.damaged)
+        plan = plan_lineage(
+            self.graph, self.policy, damaged=self.manifests.damaged, unread_below=self.floor
+        )
         doomed = first = self._doomed(plan)
         retained = set(plan.retained_steps)  # every plan's chains stay: see above
         bad: dict[str, str] = {}
@@ -351,7 +359,11 @@ class _Collector:
                 break
             bad.update(found)
             plan = plan_lineage(
-                self.graph, self.policy, damaged=self.manifests.damaged, unusable=bad
+                self.graph,
+                self.policy,
+                damaged=self.manifests.damaged,
+                unusable=bad,
+                unread_below=self.floor,
             )
             doomed = {cid: why for cid, why in self._doomed(plan).items() if cid in first}
             retained |= set(plan.retained_steps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -127,6 +127,8 @@ class RetentionPlan:
     delete: dict[str, str]  # id -> why it can go
     # id -> why it is kept although the rules alone would delete it (damage: see plan_retention)
     held: dict[str, str] = field(default_factory=dict)
+    # ids of ``held`` kept only because records below ``unread_below`` were not read (no damage)
+    unread: set[str] = field(default_factory=set)
 
 
 def _eligible_full(graph: LineageGraph, n: LineageNode) -> bool:
@@ -152,6 +154,7 @@ def plan_lineage(
     *,
     damaged: Mapping[int, str] | None = None,
     unusable: Mapping[str, str] | None = None,
+    unread_below: int | None = None,
 ) -> RetentionPlan:
     """Apply ``policy`` to the committed lineage ``graph`` (no grace period: see
     :func:`grace_protected`). Pure: reads nothing, and ``graph`` is unchanged.
@@ -165,7 +168,9 @@ def plan_lineage(
     a complete chain (a later delta may build on it), and the chains of the steps before it back
     to a full (it may build on them); ``unusable`` (id -> problem: checkpoints found damaged)
     are planned around like quarantined ones but kept themselves. ``held`` says what either kept
-    that the rules alone would delete, and why.
+    that the rules alone would delete, and why. ``unread_below``: ``graph`` holds the records
+    of the steps at and above it only (GC of the newest steps); one below may be unreadable, so
+    every checkpoint here without a complete chain is kept as for damage.
     """
     if unusable:
         graph = graph.marked(unusable)
@@ -195,6 +200,14 @@ def plan_lineage(
     retained_steps = _add_chains(graph, sorted(retained), allowed, keep, cheapest)
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, damaged or {}, delete)
+    unread: set[str] = set()
+    if unread_below is not None:
+        why = (
+            f"no complete chain; a commit record below step {unread_below}, which this run did "
+            "not read, may be what it needs (`deck gc --whole` decides)"
+        )
+        unread = {i for i in _incomplete(graph, delete) if i not in held}
+        held.update((i, why) for i in unread)
     held.update(
         (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
         for i, p in (unusable or {}).items()
@@ -210,6 +223,7 @@ def plan_lineage(
         keep=keep | set(held),
         delete=delete,
         held=held,
+        unread=unread,
     )
 
 
@@ -228,17 +242,11 @@ def _damage_holds(
     holds: dict[str, str] = {}
     if not damaged:
         return holds
-    restorable, reached = set(_restorable(graph)), graph.best_paths()
-
-    def complete(n: LineageNode) -> bool:  # it has what it applies on
-        if n.kind is Kind.FULL:
-            return True
-        return n.step in restorable if not n.merged else n.start in reached
-
+    incomplete = _incomplete(graph, delete)
     for d, problem in sorted(damaged.items()):
         fix = f"repair or delete {step_dir(d)}/{MANIFEST}"
         for n in graph.nodes.values():
-            if n.id in delete and n.step >= d and not complete(n):
+            if n.id in incomplete and n.step >= d:
                 why = f"may need step {d}, whose commit record is unreadable ({problem}); {fix}"
                 holds.setdefault(n.id, why)
         fulls = [
@@ -251,6 +259,20 @@ def _damage_holds(
                         why = f"step {d}, whose commit record is unreadable, may build on it; {fix}"
                         holds.setdefault(m.id, why)
     return holds
+
+
+def _incomplete(graph: LineageGraph, ids: Iterable[str]) -> set[str]:
+    """Those of ``ids`` that lack what they apply on (a trainer delta whose step has no chain, a
+    merged delta whose start no path reaches)."""
+    restorable, reached = set(_restorable(graph)), graph.best_paths()
+    out = set()
+    for i in ids:
+        n = graph.nodes[i]
+        if n.kind is Kind.FULL:
+            continue
+        if not (n.step in restorable if not n.merged else n.start in reached):
+            out.add(i)
+    return out
 
 
 def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], tuple[int, str] | None]:

@@ -262,7 +262,7 @@ def _logged_trainer(records: Iterable[tuple[str, object]]) -> list[tuple[int, in
     out = []
     for key, data in records:
         kind = record_key_kind(key)
-        if kind is None or kind[1] is not None:
+        if kind is None or kind[0] is None or kind[1] is not None:
             continue  # a quarantine record or a merger's
         if not isinstance(data, bytes):
             return None

@@ -20,9 +20,11 @@ record below it, and whether a full below it shares its ``keep_fulls_every`` per
 4. the chain-budget walk is reset by the full at ``floor`` (every trainer full is kept and starts
    the count again), so it keeps the same fulls above it.
 
-Damaged records and quarantined checkpoints below ``floor`` change nothing above it (what they
-hold is at or below their step, or on chains that pass below ``floor``, which (1) excludes).
-What is below ``floor`` is left for a run that reads every record.
+Quarantined checkpoints below ``floor`` change nothing above it (chains above do not pass
+below it: (1)). An unreadable commit record below it does: the plan of every record then keeps
+every checkpoint after it that has no complete chain; so the plan of the part above keeps every
+checkpoint there without one (``plan_lineage(unread_below=floor)``), whether or not a record
+below is damaged. What is below ``floor`` is left for a run that reads every record.
 """
 
 from __future__ import annotations
