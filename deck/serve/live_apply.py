@@ -1,5 +1,6 @@
 """Writing one prepared version into the served tables: in slices, most-requested rows first,
-each slice under the gate's exclusive side, the version switched when its last row is written.
+each slice's rows locked in the gate while they are written (requests on other rows run), the
+version switched when its last row is written.
 
 Guarantees: rows are written only from a :class:`PreparedVersion`, which holds every row of the
 version already read, checked and encoded (nothing here reads storage or can fail on the data);
@@ -135,8 +136,8 @@ class Applying:
             return True
         if self.started is None:
             self.started = time.perf_counter()
-        # Everything but the copies themselves is done before taking the exclusive side:
-        # requests wait only for the rows' copying.
+        # Everything but the copies themselves is done before locking the rows: requests
+        # reading them wait only for the copying (requests on other rows do not wait).
         writes = []
         for k, positions in self._pick(max_rows).items():
             t = self.version.tables[k]
@@ -146,17 +147,17 @@ class Applying:
             keep = torch.ones(self.rest[k].numel(), dtype=torch.bool)
             keep[positions] = False
             writes.append((k, ids, rows, self.rest[k][keep]))
-        with self.gate.exclusive():
-            for k, ids, rows, rest in writes:
+        with self.gate.writing({k: ids for k, ids, _, _ in writes}):
+            for k, ids, rows, _ in writes:
                 for target, stored in zip(self.tables.by_key[k], rows, strict=True):
                     target.write(ids, stored)
-                self.gate.written(k, ids)
-                self.rest[k] = rest
-                self.written += int(ids.numel())
-            self.slices += 1
-            if not self.remaining:
-                self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
-                self.done = True
+        for k, ids, _, rest in writes:
+            self.rest[k] = rest
+            self.written += int(ids.numel())
+        self.slices += 1
+        if not self.remaining:
+            self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
+            self.done = True
         return self.done
 
     def run(

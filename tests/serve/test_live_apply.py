@@ -308,3 +308,54 @@ def test_a_capped_apply_writes_the_most_requested_rows_first(published: str) -> 
     last = rest % 10 or 10  # no wait after the last slice
     assert sum(slept) == pytest.approx((rest - last) / 100.0)
     assert not bitwise_diff(served, _at(published, LAST))
+
+
+def test_requests_on_other_rows_run_while_a_slice_is_written(published: str) -> None:
+    """A slice's rows are locked while written: a request on rows outside it runs meanwhile
+    (on the old version), one on its rows waits and then reads the new version whole."""
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(published), LiveConfig(rows_per_s=None))
+    live.poll()
+    live.rollback(12)
+    live.resume()
+    plan = live.source.next_plans(live.version, frozenset())[0]
+    version = live.prepare(plan)
+    key = "sparse_arch.embedding_bag_collection.embedding_bags.t1.weight"
+    ids = version.tables[key].ids
+    outside = [r for r in range(SPEC.rows) if r not in set(ids.tolist())][:3]
+    inside = ids[:3]
+    # failpoint: the float copy's write of the slice stops until `go`
+    target = live.tables.by_key[key][0]
+    write, in_write, go = target.write, threading.Event(), threading.Event()
+
+    def paused(rows: torch.Tensor, stored: torch.Tensor) -> None:
+        in_write.set()
+        assert go.wait(60)
+        write(rows, stored)
+
+    target.write = paused  # type: ignore[method-assign]
+    applying = live.begin(version)
+    writer = threading.Thread(target=applying.step, args=(version.rows,))  # one slice: all
+    writer.start()
+    assert in_write.wait(60)
+    seen: dict[str, int] = {}
+    ran = threading.Event()
+
+    def request(name: str, rows: Any, done: threading.Event | None = None) -> None:
+        with live.serving({key: rows}) as v:
+            seen[name] = v.step
+        if done is not None:
+            done.set()
+
+    other = threading.Thread(target=request, args=("outside", outside, ran))
+    other.start()
+    # it does not wait for the slice (before, every request waited for every slice)
+    assert ran.wait(60), "a request on rows outside the slice waited for its writing"
+    assert seen["outside"] == 12
+    blocked = threading.Thread(target=request, args=("inside", inside))
+    blocked.start()
+    go.set()
+    for t in (writer, other, blocked):
+        t.join()
+    assert seen["inside"] == LAST and live.step == LAST
+    assert not bitwise_diff(served, _at(published, LAST))
