@@ -96,7 +96,9 @@ class KafkaSource:
         self.conf = consumer_conf(self.target, group or f"deck-live-{topic}", consumer_options)
         if quarantine_dir is not None:
             os.makedirs(quarantine_dir, exist_ok=True)
-        self.quarantine = QuarantineLog(quarantine_dir, topic, who="deck live")
+        # Its entries are not logged on their own: each is in the ERROR line of the update the
+        # live model refuses (one line per refused update).
+        self.quarantine = QuarantineLog(quarantine_dir, topic, who="deck live", log=False)
         self.open_store = open_store
         self.wait_s, self.poll_timeout_s = wait_s, poll_timeout_s
         self.run, self.run_known = run, run is not None
@@ -169,7 +171,9 @@ class KafkaSource:
             marker = decode_marker(msg.headers(), msg.value(), topic, CONTROL_PARTITION, offset)
         except CorruptStreamError as e:
             self.quarantine.add("poison", CONTROL_PARTITION, offset, msg.value(), str(e))
-            self._fault(-1, self._where(offset), f"damaged: {e}")
+            self._fault(
+                -1, self._where(offset), f"damaged: {e}; quarantined{self.quarantine.recorded()}"
+            )
             return None
         if self.run_known and marker.run != self.run:
             why = (
@@ -177,7 +181,7 @@ class KafkaSource:
                 f"but this source serves run {self.run}"
             )
             self.quarantine.add("foreign", CONTROL_PARTITION, offset, msg.value(), why)
-            self._fault(marker.step, self._where(offset), why)
+            self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
             return None
         if marker.ckpt_id in exclude or (marker.step, marker.ckpt_id) == served:
             return None  # refused already / served already
@@ -187,7 +191,7 @@ class KafkaSource:
                 f"{marker.state_uri}, but this source's state is at {self.state_uri}"
             )
             self.quarantine.add("poison", CONTROL_PARTITION, offset, None, why)
-            self._fault(marker.step, self._where(offset), why)
+            self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
             return None
         view = self._open(marker)
         manifest = marker_manifest(view, marker)
@@ -227,6 +231,7 @@ class KafkaSource:
         for p, r in self.readers.items():
             if p != CONTROL_PARTITION:
                 r.eof = None  # an end seen before this marker says nothing about its rows
+        known = len(self.quarantine.entries)
         try:
             for rank in range(manifest.world_size):
                 mine = {k for k in files if f"/rank-{rank:05d}/" in k}
@@ -237,7 +242,16 @@ class KafkaSource:
                 view.files.update(got)
         except UnprovableStepError as e:
             view.files.clear()
-            self._fault(marker.step, where, f"damaged: step {marker.step} cannot be read: {e}")
+            new = self.quarantine.entries[known:]
+            said = "".join(
+                f"; quarantined partition {q.partition} offset {q.offset}: {q.error}" for q in new
+            )
+            self._fault(
+                marker.step,
+                where,
+                f"damaged: step {marker.step} cannot be read: {e}{said}"
+                + (self.quarantine.recorded() if new else ""),
+            )
             return None
         if not self.run_known:
             self.run, self.run_known = marker.run, True

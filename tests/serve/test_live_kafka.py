@@ -243,8 +243,12 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
         assert "damaged" in faults[3].error and "quarantined" in faults[3].error
         assert "out of order" in faults[4].error and "delta of step 4" in faults[4].error
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        not_applied = [e for e in errors if "not applied" in e]
-        assert len(not_applied) == 5 and all("serving step 2" in e for e in not_applied)
+        # one ERROR line per refused update, naming the quarantined message (not a second line
+        # for its quarantining)
+        assert len(errors) == 5, errors
+        assert all("not applied" in e and "serving step 2" in e for e in errors), errors
+        assert "quarantined partition 2 offset" in errors[3], errors[3]
+        assert all("quarantine.json" in errors[i] for i in (0, 1, 2, 3)), errors
         with open(tmp_path / "q" / "quarantine.json") as f:
             entries = json.load(f)["entries"]
         assert [(e["kind"], e["partition"]) for e in entries] == [
