@@ -235,27 +235,31 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
             assert [(s.step, s.kind) for s in live.poll()] == [(0, "full"), (2, "delta")]
         version = live.version
         assert live.step == 2 and not bitwise_diff(served, reference(f"{tmp}/ckpt", 2, SPEC))
-        # garbage; the other run's 2 markers; full 4 damaged; delta 6 of the refused 4
-        assert [f.step for f in faults] == [-1, 1, 2, 4, 6], faults
-        assert all(f.serving == version and f.uri == replay for f in faults), faults
-        assert "damaged" in faults[0].error and "partition 0 offset 2" in faults[0].checkpoint
-        assert all("foreign" in f.error and other.run in f.error for f in faults[1:3])
-        assert "damaged" in faults[3].error and "quarantined" in faults[3].error
+        # A fresh source starts at the newest full (4: damaged), nothing servable from there,
+        # so it reads again from the full before it (0): delta 2, garbage, the other run's 2
+        # markers, (4 told already), delta 6 of the refused 4.
+        assert [f.step for f in faults] == [4, -1, 1, 2, 6], faults
+        assert faults[0].serving == (-1, "") and all(f.serving == version for f in faults[1:])
+        assert all(f.uri == replay for f in faults), faults
+        assert "damaged" in faults[1].error and "partition 0 offset 2" in faults[1].checkpoint
+        assert all("foreign" in f.error and other.run in f.error for f in faults[2:4])
+        assert "damaged" in faults[0].error and "quarantined" in faults[0].error
         assert "out of order" in faults[4].error and "delta of step 4" in faults[4].error
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         # one ERROR line per refused update, naming the quarantined message (not a second line
         # for its quarantining)
         assert len(errors) == 5, errors
-        assert all("not applied" in e and "serving step 2" in e for e in errors), errors
-        assert "quarantined partition 2 offset" in errors[3], errors[3]
+        assert all("not applied" in e for e in errors), errors
+        assert "serving step -1" in errors[0] and all("serving step 2" in e for e in errors[1:])
+        assert "quarantined partition 2 offset" in errors[0], errors[0]
         assert all("quarantine.json" in errors[i] for i in (0, 1, 2, 3)), errors
         with open(tmp_path / "q" / "quarantine.json") as f:
             entries = json.load(f)["entries"]
         assert [(e["kind"], e["partition"]) for e in entries] == [
+            ("poison", 2),
             ("poison", 0),
             ("foreign", 0),
             ("foreign", 0),
-            ("poison", 2),
         ], entries
         # Nothing more on the topic: nothing changes, nothing is reported again.
         faults.clear()
@@ -277,22 +281,29 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
         source.close()
 
 
-def test_a_fresh_model_applies_every_marked_step_and_rolls_back_to_kept_ones(
-    published: tuple[str, str],
+def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
+    broker: TansuBroker, published: tuple[str, str]
 ) -> None:
+    """A serving process (re)started on a topic reads from the newest full of its markers, not
+    from the topic's oldest message: it serves the newest step after one whole version and the
+    deltas since; a restart does the same again."""
     topic_uri, tmp = published
+    original = _read_topic(topic_uri)
+    markers = {m.step: original[0][i] for i, m in enumerate(_markers(topic_uri))}
+    replay = broker.uri(f"fresh-{uuid.uuid4().hex[:10]}")
+    _create(replay)
+    _produce(replay, 1, original[1])
+    _produce(replay, 2, original[2])
+    _produce(replay, 0, [markers[s] for s in (0, 2, 4, 6)])  # fulls at 0 and 4
     served = serving_models(SPEC, seed=9)
-    source = KafkaSource(topic_uri, wait_s=5)
+    source = KafkaSource(replay, wait_s=5)
     live = LiveModel(list(served.values()), source, LiveConfig(keep_versions=2))
     try:
-        got = live.poll()
-        assert [(s.step, s.kind) for s in got] == [
-            (0, "full"),
-            (2, "delta"),
-            (4, "full"),
-            (6, "delta"),
-            (LAST, "full"),
-        ]
+        # the full of step 4, then its delta; the full of step 0 and its delta are not read
+        assert [(s.step, s.kind) for s in live.poll()] == [(4, "full"), (6, "delta")]
+        assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 6, SPEC))
+        _produce(replay, 0, [markers[LAST]])
+        assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
         assert not bitwise_diff(served, reference(f"{tmp}/ckpt", LAST, SPEC))
         assert live.poll() == [] and not live.faults
         assert live.kept_steps() == [6, 4]
@@ -302,5 +313,16 @@ def test_a_fresh_model_applies_every_marked_step_and_rolls_back_to_kept_ones(
         with pytest.raises(CheckpointNotFoundError, match="not read its topic backwards"):
             live.rollback(2)
         assert live.step == 4
+    finally:
+        source.close()
+    # A restart: a new process's model (other random tables) serves the newest step again
+    # after one whole version.
+    again = serving_models(SPEC, seed=11)
+    source = KafkaSource(replay, wait_s=5)
+    live = LiveModel(list(again.values()), source)
+    try:
+        assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
+        assert not bitwise_diff(again, reference(f"{tmp}/ckpt", LAST, SPEC))
+        assert not live.faults
     finally:
         source.close()
