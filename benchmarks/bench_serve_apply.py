@@ -161,7 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="rounds of (applies only, idle) after training; latency: the median of their p99s",
     )
+    p.add_argument("--phase", type=float, default=None, help="seconds per phase of a round")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the serving process (0: torch's default, one per "
+        "core); 1 is how a process serving from several request threads runs",
+    )
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
     from deck.demo import ModelSpec, make_batch
@@ -219,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         kept = live.kept_steps()
         switches.clear()
         rounds, applying, idle, apply_only_s = 0, [], [], 0.0
-        phase_s = max(5.0, train_s / 3)
+        phase_s = a.phase if a.phase is not None else max(5.0, train_s / 3)
+        load = [os.getloadavg()[0]]
         for _ in range(a.repeats):
             t1 = time.perf_counter()
             while time.perf_counter() - t1 < phase_s and kept:
@@ -231,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
             apply_only_s += time.perf_counter() - t1
             time.sleep(phase_s)  # idle: no applies
             idle.append(readers.measure())
+        load.append(os.getloadavg()[0])
         replay = [s for s in switches if s.kind == "delta"]
         readers.close()
     print(f"command: python {' '.join(sys.argv)}")
+    print(
+        f"torch intra-op threads {torch.get_num_threads()}; load average (1 min) at the "
+        f"rounds' start and end: {load[0]:.2f}, {load[-1]:.2f} on {os.cpu_count()} cores"
+    )
     deltas = [s for s in live_switches if s.kind == "delta"]
     rates = [s.rows / s.apply_s for s in replay if s.apply_s > 0]
     total = sum(s.rows for s in replay) / max(sum(s.apply_s for s in replay), 1e-9)
@@ -270,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(f"latency, idle #{i + 1}", no))
     p99_ap = statistics.median(_pct(x, 99) for x in applying)
     p99_no = statistics.median(_pct(x, 99) for x in idle)
+    ratios = [_pct(x, 99) / _pct(y, 99) for x, y in zip(applying, idle, strict=True)]
     print(
         f"p99, median of {a.repeats} rounds: {p99_ap * 1e3:.3f} ms applying, "
-        f"{p99_no * 1e3:.3f} ms idle: {p99_ap / p99_no:.2f}x ({apply_only_s:.1f} s of applies)"
+        f"{p99_no * 1e3:.3f} ms idle: {p99_ap / p99_no:.2f}x ({apply_only_s:.1f} s of applies); "
+        f"per round {', '.join(f'{r:.2f}' for r in ratios)}x (median "
+        f"{statistics.median(ratios):.2f}x)"
     )
     print(f"requests that waited for their rows: {live.gate.waits}")
     return 0

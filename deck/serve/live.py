@@ -110,6 +110,7 @@ class LiveModel:
         self.faults: list[LiveFault] = []
         self.on_switch, self.on_fault = on_switch, on_fault
         self.clock, self.sleep = clock, sleep
+        self._due: float | None = None  # when the pace allows the next version (_pace)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,11 +151,21 @@ class LiveModel:
                 self._seen = {p.chain[-1].id: self._seen.get(p.chain[-1].id, now) for p in plans}
                 if not plans:
                     break
+                self._pace()
                 prepared = self._prepare_or_refuse(plans[0])
                 if prepared is None:
                     continue  # refused: plan again around it
                 out.append(self._apply(prepared))
         return out
+
+    def _pace(self) -> None:
+        """Wait out the pace of the version written last (the pause its last slice would take)
+        before the next one is read: ``rows_per_s`` bounds the applier's rows per second
+        across versions, their reading included."""
+        due, self._due = self._due, None
+        wait = 0.0 if due is None else due - self.clock()
+        if wait > 0:
+            (self.gate.nap if self.sleep is None else self.sleep)(wait)
 
     def _prepare_or_refuse(self, plan: Plan) -> PreparedVersion | None:
         try:
@@ -228,6 +239,7 @@ class LiveModel:
         switch = applying.run(
             self.config.slice_rows, self.config.rows_per_s, self.clock, self.sleep
         )
+        self._due = applying.due
         self.finished(applying)
         return switch
 

@@ -100,6 +100,7 @@ class Applying:
         self.written = 0
         self.started: float | None = None
         self.done = False
+        self.due: float | None = None  # (``run``, capped) the clock time of the pace after it
         gate.begin(version.state, {k: t.ids for k, t in version.tables.items()})
 
     @property
@@ -172,7 +173,9 @@ class Applying:
         The pause before a slice is ``sleep`` (default: the gate's :meth:`ServingGate.nap`,
         cut short when a request starts waiting for rows of this version); none is taken while
         a request waits for its rows: those are in the next slice, and the pace is made up by
-        the pauses after it."""
+        the pauses after it. No pause follows the last slice (the switch is reported at
+        once): :attr:`due` says when it ends, and the live model waits for it before its
+        next version (reading it included)."""
         pause = self.gate.nap if sleep is None else sleep
         t0, base = clock(), self.written
         while not self.step(slice_rows):
@@ -180,6 +183,9 @@ class Applying:
                 wait = t0 + (self.written - base) / rows_per_s - clock()
                 if wait > 0:
                     pause(wait)
+        if rows_per_s is not None:
+            # when the pace allows the applier's next work (the last slice's pause)
+            self.due = t0 + (self.written - base) / rows_per_s
         return self.switched()
 
     def switched(self) -> VersionSwitch:

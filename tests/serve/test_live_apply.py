@@ -359,3 +359,45 @@ def test_requests_on_other_rows_run_while_a_slice_is_written(published: str) -> 
         t.join()
     assert seen["inside"] == LAST and live.step == LAST
     assert not bitwise_diff(served, _at(published, LAST))
+
+
+def test_the_cap_paces_across_versions_their_reading_included(published: str) -> None:
+    """A capped poll applying two versions waits out the first one's last slice before
+    reading the second: rows_per_s bounds the rows written per second across versions."""
+    served = serving_models(SPEC)
+    now = [0.0]
+    log: list[tuple[str, float]] = []
+
+    def sleep(s: float) -> None:
+        log.append(("sleep", s))
+        now[0] += s
+
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(published),
+        LiveConfig(rows_per_s=100.0, slice_rows=10),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    live.poll()
+    live.rollback(10)
+    live.resume()
+    prepare = live.prepare
+
+    def logged(plan: Any) -> Any:
+        log.append(("prepare", now[0]))
+        return prepare(plan)
+
+    live.prepare = logged  # type: ignore[method-assign]
+    log.clear()
+    switches = live.poll()
+    assert [s.step for s in switches] == [12, LAST]
+    first, second = switches[0].rows, switches[1].rows
+    starts = [t for what, t in log if what == "prepare"]
+    # the second version is read once the first one's rows are due at 100 rows/s
+    assert starts[1] == pytest.approx(starts[0] + first / 100.0)
+    last = second % 10 or 10  # its own last slice's pause comes before a next version
+    assert sum(t for what, t in log if what == "sleep") == pytest.approx(
+        (first + second - last) / 100
+    )
+    assert not bitwise_diff(served, _at(published, LAST))
