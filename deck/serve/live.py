@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deck.errors import CheckpointNotFoundError, DeckError
+from deck.errors import CheckpointNotFoundError, ConfigError, DeckError
 from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, VersionSwitch
 from deck.serve.live_config import LiveConfig
 from deck.serve.live_gate import INITIAL, Served, ServingGate, State
@@ -279,10 +279,23 @@ class LiveModel:
         A step among :meth:`kept_steps` is written back from the kept rows (no storage read);
         an older one is rebuilt from storage (its cheapest chain: the newest full at or before
         it, then deltas; only rows that differ are written), which drops the kept rows. Raises
-        :class:`CheckpointNotFoundError` for a step after the served one or not restorable;
-        a refused chain raises its error, the served version unchanged. None when ``step`` is
-        served already (it is held)."""
+        :class:`deck.errors.ConfigError` for a negative step, and
+        :class:`CheckpointNotFoundError` before any version is served, for a step after the
+        served one or one not restorable (naming the served and kept steps); a refused chain
+        raises its error, the served version unchanged. None when ``step`` is served already
+        (it is held)."""
         with self._lock:
+            kept = self.kept_steps()
+            if step < 0:
+                raise ConfigError(
+                    f"rollback to step {step}: steps are 0 or more; the served step is "
+                    f"{self.step} of {self.source.uri}, the kept steps {kept}"
+                )
+            if self.version == INITIAL:
+                raise CheckpointNotFoundError(
+                    f"rollback to step {step}: no version of {self.source.uri} is served yet "
+                    "(nothing applied: the model serves what it was built with); poll() first"
+                )
             if step == self.step:
                 self.held = True
                 return None
@@ -295,7 +308,13 @@ class LiveModel:
             if at:
                 version = self._from_kept(at[-1])
             else:
-                plan = self.source.chain_to(step, frozenset(self.bad))
+                try:
+                    plan = self.source.chain_to(step, frozenset(self.bad))
+                except CheckpointNotFoundError as e:
+                    raise CheckpointNotFoundError(
+                        f"rollback to step {step}: {e} (the served step is {self.step}, the "
+                        f"kept steps {kept})"
+                    ) from e
                 version = self.prepare(plan)
                 version.kind, version.commit_unix, version.seen_unix = "reload", None, None
             applying = self.begin(version)
