@@ -56,7 +56,12 @@ def _trainer(
     config = deck.DeckConfig(
         uri=ckpt,
         delta_every_steps=10_000,
-        publish=deck.PublishConfig(uri=pub, every_steps=a["publish_every"]),
+        publish=deck.PublishConfig(
+            uri=pub,
+            every_steps=a["publish_every"],
+            # a Kafka topic: the commit records go to a state URI beside the checkpoints
+            state_uri=f"{ckpt}-state" if pub.startswith("kafka://") else None,
+        ),
     )
     with deck.enable(model, [opt], config) as ck:
         for step in range(a["steps"] + 1):
@@ -161,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="rounds of (applies only, idle) after training; latency: the median of their p99s",
     )
+    p.add_argument(
+        "--source",
+        choices=("files", "kafka"),
+        default="files",
+        help="publish to a local directory (files) or to a Kafka topic on a local Tansu broker "
+        "(kafka: staleness and rows/s while training only; a topic is not replayed)",
+    )
     p.add_argument("--phase", type=float, default=None, help="seconds per phase of a round")
     p.add_argument(
         "--threads",
@@ -184,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         ckpt, pub = os.path.join(work, "ckpt"), os.path.join(work, "pub")
         os.makedirs(pub)
+        broker = source = None
+        if a.source == "kafka":
+            from deck.serve.live_kafka import KafkaSource
+            from deck.testing.kafka_broker import TansuBroker
+
+            broker = TansuBroker().start()
+            pub = broker.uri("bench-serve-apply")
+            source = KafkaSource(pub, wait_s=30)
+            a.repeats = 0
         models = _serving(a)
         switches: list[VersionSwitch] = []
         ready = os.path.join(work, "serving")
@@ -199,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
         live = LiveModel(
             list(models.values()),
-            LocalStorage(pub),
+            LocalStorage(pub) if source is None else source,
             LiveConfig(
                 poll_s=a.poll,
                 slice_rows=a.slice_rows,
@@ -245,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         load.append(os.getloadavg()[0])
         replay = [s for s in switches if s.kind == "delta"]
         readers.close()
+        if source is not None:
+            source.close()
+        if broker is not None:
+            broker.stop()
     print(f"command: python {' '.join(sys.argv)}")
     print(
         f"torch intra-op threads {torch.get_num_threads()}; load average (1 min) at the "
@@ -259,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(s.slices for s in deltas) if deltas else 0:.0f} slices); "
         f"replayed without training: {len(replay)} deltas in {rounds} rounds (with rollbacks)"
     )
+    if not rates:  # no replay (a Kafka source): the deltas applied while training
+        rates = [s.rows / s.apply_s for s in live_switches if s.kind == "delta" and s.apply_s > 0]
+        total = sum(s.rows for s in live_switches if s.kind == "delta") / max(
+            sum(s.apply_s for s in live_switches if s.kind == "delta"), 1e-9
+        )
     print(
         f"rows/s written (2 served copies, float + int8): median {statistics.median(rates):,.0f} "
         f"per switch, {total:,.0f} overall"
@@ -275,12 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     if stale:
         found = [s.found_s for s in deltas if s.found_s is not None]
         print(
-            f"staleness (the commit record's file time -> visible to requests) of the deltas "
-            f"while training, poll {a.poll} s, cap {rows_per_s} rows/s: median "
+            f"staleness ({a.source} source; the commit record's file time -> visible to "
+            f"requests) of the deltas while training, poll {a.poll} s, cap {rows_per_s} rows/s: median "
             f"{statistics.median(stale):.3f} s, max {max(stale):.3f} s; of which found by the "
             f"poll: median {statistics.median(found) if found else float('nan'):.3f} s"
         )
     print(_line("latency, training + applies", with_training))
+    if not applying:
+        return 0
     for i, (ap, no) in enumerate(zip(applying, idle, strict=True)):
         print(_line(f"latency, applies only #{i + 1}", ap))
         print(_line(f"latency, idle #{i + 1}", no))
