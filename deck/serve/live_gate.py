@@ -2,21 +2,24 @@
 
 A lock on rows, plus the rows of the version being applied:
 
-- the applier writes a version in slices. The rows of a slice are locked while they are
-  written: a request reading any of them waits (and the applier waits for the requests already
-  reading one), while requests on other rows run meanwhile (a row's bytes are only written
-  while no request reads it);
+- the applier writes a version in slices. Before a slice's copy it waits only for the requests
+  in flight that read one of its rows (requests on other rows run on); requests that would
+  read one of its rows wait from then on; during the copy itself no request starts (a copy is
+  a fraction of a millisecond, and requests starting beside it would take the GIL turns it
+  needs between its tensor operations, stretching it for the requests that wait for it). So a
+  row's bytes are only written while no request reads it;
 - a request declares the rows it reads (its ``KeyedJaggedTensor``). Rows outside the version
   being applied hold the same value in the old and the new version, so what decides is the
   request's rows *in* that version: none written yet -> it reads the old version, all written
   -> the new one, some written and some not -> it waits (its rows are moved to the front of
   the applier's queue) until they are all written. A request that declares no rows waits for
   the whole version (and the applier for it). So no request reads rows of two versions, while
-  requests not touching the rows being written never wait for them;
+  requests not touching the rows being written wait at most for a copy, never for other
+  requests;
 - neither side starves: a request waits for at most the slice being written and then its
   version's rows it still lacks (which are written next); the applier waits only for requests
-  that started before it locked its slice; a version starts only once the requests waiting for
-  a whole version have run.
+  on its slice's rows that started before it locked them; a version starts only once the
+  requests waiting for a whole version have run.
 
 It also counts the ids requests read (which rows are applied first when the apply is capped).
 """
@@ -72,6 +75,7 @@ class ServingGate:
         self._wanted = threading.Condition(lock)  # a request started waiting for its rows
         self._drained = threading.Condition(lock)  # a request the applier waits for ended
         self._applier_waits = False
+        self._copying = False  # a slice is being copied: requests wait to start
         self._tokens = itertools.count()
         # The requests running: their rows as flat indices (None: not declared).
         self._active: dict[int, torch.Tensor | None] = {}
@@ -150,6 +154,8 @@ class ServingGate:
     def _version_of(self, flat: torch.Tensor | None) -> tuple[State | None, bool]:
         """The version a request on rows ``flat`` (None: unknown) reads now, or None when it
         must wait; and whether it waits for rows not written yet (those are marked urgent)."""
+        if self._copying:
+            return None, False  # no request starts during a copy (see writing)
         f = self.flight
         if f is None:
             return self.version, False
@@ -200,7 +206,8 @@ class ServingGate:
     def writing(self, rows: Mapping[str, torch.Tensor]) -> Iterator[None]:
         """The writer's side for ``rows`` (ids by table) of the version in flight: inside,
         no request reads any of them (those reading one when it is called are waited for,
-        later ones wait); on leaving they are written (they hold the new version's values)."""
+        later ones wait) and none starts (those running on other rows go on); on leaving they
+        are written (they hold the new version's values)."""
         flat = self._flat(rows)
         with self._cond:
             self._all_marks.index_fill_(0, flat, WRITING)
@@ -209,11 +216,13 @@ class ServingGate:
                 self._drained.wait_for(lambda: not self._conflicts(flat))
             finally:
                 self._applier_waits = False
+            self._copying = True
         try:
             yield
         finally:
             with self._cond:
                 self._all_marks.index_fill_(0, flat, WRITTEN)
+                self._copying = False
                 self._cond.notify_all()
 
     def switch(self, rows: Mapping[str, torch.Tensor]) -> None:
