@@ -8,7 +8,8 @@ serves float, int8 and fp16 copies of its tables and applies each publish right 
   reference response of the version the gate said it read;
 - (module fixture's folder) rollback to each kept step without storage reads, further back
   from storage, forward again; a byte-flipped update leaves the served version, logged;
-  a capped apply writes the most-requested rows first.
+  a capped apply writes the most-requested rows first and paces across versions; a slice's
+  copy does not wait for a request in flight on other rows.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ twice, one set fed from the topic and one from the checkpoint files.
   ``restore(step)`` / TorchRec's quantize of it, built from scratch);
 - the topic replayed into another one with a byte flipped in one of a full's segments, a
   garbage marker, another run's publishes in between, a delta whose parent was refused and
-  markers of older steps again: none of them reaches the served model (version and bytes stay,
+  markers of older steps again (a fresh source starts at the damaged newest full, then at the
+  full before it): none of them reaches the served model (version and bytes stay,
   an ERROR line, ``on_fault`` told, the damaged and foreign messages quarantined); the next full
   moves it on, bitwise;
-- a fresh model on the topic applies every marked step from the first full, and rolls back to
-  its kept versions (no further: the stream is not read backwards).
+- a fresh model on the topic starts at its newest full (not its oldest message), applies the
+  steps after it and rolls back to its kept versions (no further: the stream is not read
+  backwards); a restarted one serves the newest step again after one whole version; a
+  quarantined message is one ERROR line, not two.
 
 Outcomes are decided by what the topic holds (its end is the broker's end-of-partition event),
 never by a sleep.

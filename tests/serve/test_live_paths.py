@@ -7,7 +7,9 @@
 - an ``EmbeddingCollection`` model (float and TorchRec's int8 quantisation) served live, each
   version bitwise ``restore(step)`` / the quantisation of it;
 - the background applier (``start``/``stop``): outcomes decided by the switch events it
-  reports, never by a sleep; a store that fails a poll is logged and polled again.
+  reports, never by a sleep; a store that fails a poll is logged and polled again;
+- a URI with nothing published (a typo) is one WARNING naming it; rollback before any version
+  or to a step that is not there says why, naming the served and kept steps.
 
 One 2-rank job writes the publish URIs: an EC model publishing every 2 steps, and a model with
 other table shapes publishing a full at a later step into a copy of a DLRM's publish URI.
