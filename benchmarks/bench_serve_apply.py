@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads",
         type=int,
-        default=1,
+        default=0,
         help="torch intra-op threads of the serving process (0: torch's default, one per "
-        "core); 1 is how a process serving from several request threads runs",
+        "core)",
     )
     a = p.parse_args(argv)
     if a.threads:

@@ -95,7 +95,7 @@ class ServingGate:
         # only orders the applier's queue), and its mark in the version in flight
         self.counts = {k: self._all_counts[o : o + tables[k]] for k, o in self._offset.items()}
         self._marks = {k: self._all_marks[o : o + tables[k]] for k, o in self._offset.items()}
-        self.waits = 0  # requests that had to wait for rows (a statistic)
+        self.waits = 0  # requests that waited for their rows not written yet (a statistic)
         self.row_waiters = 0  # requests waiting for rows not written yet (the applier does not nap)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class ServingGate:
                 if waited and flat is None:
                     self._blind_waiting -= 1
                     self._cond.notify_all()  # begin() may wait for it
-            self.waits += waited
+            self.waits += urgent
             token = next(self._tokens)
             self._active[token] = flat
         try:
