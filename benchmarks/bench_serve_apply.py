@@ -13,14 +13,18 @@ state's. Then, training over, ``--repeats`` rounds of: the applies repeated with
 (rollback to the oldest kept step, resume, apply forward: the same deltas), then as long idle.
 
     python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--repeats 3]
-        [--rows-per-s N|none|default]
+        [--rows-per-s N|none|default] [--threads N] [--phase S] [--source files|kafka]
+
+``--source kafka`` publishes to a topic of a local Tansu broker (the tests' broker) and serves
+from it with ``KafkaSource``: staleness and rows/s while training only (a topic is not
+replayed). ``--threads``: torch's intra-op threads in the serving process (0: torch's default).
 
 Prints: rows/s per switch (median, and the total rows over the total apply time), staleness of
 the deltas (the commit record's file time -> visible; median / max, and the part until the poll
 found it), latency p50/p99 of requests while training + applying, and of each round applying
 and idle, the median of the rounds' p99s and their ratio, the requests that waited for their
-rows. The machine is shared (2 vCPUs for training ranks, applier and readers together):
-compare within one run.
+rows, the load average around the rounds and each round's ratio. The machine is shared (2
+vCPUs for training ranks, applier and readers together): compare within one run.
 """
 
 from __future__ import annotations
@@ -178,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=0,
-        help="torch intra-op threads of the serving process (0: torch's default, one per "
-        "core)",
+        help="torch intra-op threads of the serving process (0: torch's default, one per core)",
     )
     a = p.parse_args(argv)
     if a.threads:
