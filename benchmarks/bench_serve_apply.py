@@ -13,14 +13,18 @@ state's. Then, training over, ``--repeats`` rounds of: the applies repeated with
 (rollback to the oldest kept step, resume, apply forward: the same deltas), then as long idle.
 
     python benchmarks/bench_serve_apply.py [--rows 100000] [--steps 60] [--repeats 3]
-        [--rows-per-s N|none|default]
+        [--rows-per-s N|none|default] [--threads N] [--phase S] [--source files|kafka]
+
+``--source kafka`` publishes to a topic of a local Tansu broker (the tests' broker) and serves
+from it with ``KafkaSource``: staleness and rows/s while training only (a topic is not
+replayed). ``--threads``: torch's intra-op threads in the serving process (0: torch's default).
 
 Prints: rows/s per switch (median, and the total rows over the total apply time), staleness of
 the deltas (the commit record's file time -> visible; median / max, and the part until the poll
 found it), latency p50/p99 of requests while training + applying, and of each round applying
 and idle, the median of the rounds' p99s and their ratio, the requests that waited for their
-rows. The machine is shared (2 vCPUs for training ranks, applier and readers together):
-compare within one run.
+rows, the load average around the rounds and each round's ratio. The machine is shared (2
+vCPUs for training ranks, applier and readers together): compare within one run.
 """
 
 from __future__ import annotations
@@ -56,7 +60,12 @@ def _trainer(
     config = deck.DeckConfig(
         uri=ckpt,
         delta_every_steps=10_000,
-        publish=deck.PublishConfig(uri=pub, every_steps=a["publish_every"]),
+        publish=deck.PublishConfig(
+            uri=pub,
+            every_steps=a["publish_every"],
+            # a Kafka topic: the commit records go to a state URI beside the checkpoints
+            state_uri=f"{ckpt}-state" if pub.startswith("kafka://") else None,
+        ),
     )
     with deck.enable(model, [opt], config) as ck:
         for step in range(a["steps"] + 1):
@@ -161,7 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="rounds of (applies only, idle) after training; latency: the median of their p99s",
     )
+    p.add_argument(
+        "--source",
+        choices=("files", "kafka"),
+        default="files",
+        help="publish to a local directory (files) or to a Kafka topic on a local Tansu broker "
+        "(kafka: staleness and rows/s while training only; a topic is not replayed)",
+    )
+    p.add_argument("--phase", type=float, default=None, help="seconds per phase of a round")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of the serving process (0: torch's default, one per core)",
+    )
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
     from deck.demo import ModelSpec, make_batch
@@ -174,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         ckpt, pub = os.path.join(work, "ckpt"), os.path.join(work, "pub")
         os.makedirs(pub)
+        broker = source = None
+        if a.source == "kafka":
+            from deck.serve.live_kafka import KafkaSource
+            from deck.testing.kafka_broker import TansuBroker
+
+            broker = TansuBroker().start()
+            pub = broker.uri("bench-serve-apply")
+            source = KafkaSource(pub, wait_s=30)
+            a.repeats = 0
         models = _serving(a)
         switches: list[VersionSwitch] = []
         ready = os.path.join(work, "serving")
@@ -189,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
         live = LiveModel(
             list(models.values()),
-            LocalStorage(pub),
+            LocalStorage(pub) if source is None else source,
             LiveConfig(
                 poll_s=a.poll,
                 slice_rows=a.slice_rows,
@@ -219,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         kept = live.kept_steps()
         switches.clear()
         rounds, applying, idle, apply_only_s = 0, [], [], 0.0
-        phase_s = max(5.0, train_s / 3)
+        phase_s = a.phase if a.phase is not None else max(5.0, train_s / 3)
+        load = [os.getloadavg()[0]]
         for _ in range(a.repeats):
             t1 = time.perf_counter()
             while time.perf_counter() - t1 < phase_s and kept:
@@ -231,9 +266,18 @@ def main(argv: list[str] | None = None) -> int:
             apply_only_s += time.perf_counter() - t1
             time.sleep(phase_s)  # idle: no applies
             idle.append(readers.measure())
+        load.append(os.getloadavg()[0])
         replay = [s for s in switches if s.kind == "delta"]
         readers.close()
+        if source is not None:
+            source.close()
+        if broker is not None:
+            broker.stop()
     print(f"command: python {' '.join(sys.argv)}")
+    print(
+        f"torch intra-op threads {torch.get_num_threads()}; load average (1 min) at the "
+        f"rounds' start and end: {load[0]:.2f}, {load[-1]:.2f} on {os.cpu_count()} cores"
+    )
     deltas = [s for s in live_switches if s.kind == "delta"]
     rates = [s.rows / s.apply_s for s in replay if s.apply_s > 0]
     total = sum(s.rows for s in replay) / max(sum(s.apply_s for s in replay), 1e-9)
@@ -243,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(s.slices for s in deltas) if deltas else 0:.0f} slices); "
         f"replayed without training: {len(replay)} deltas in {rounds} rounds (with rollbacks)"
     )
+    if not rates:  # no replay (a Kafka source): the deltas applied while training
+        rates = [s.rows / s.apply_s for s in live_switches if s.kind == "delta" and s.apply_s > 0]
+        total = sum(s.rows for s in live_switches if s.kind == "delta") / max(
+            sum(s.apply_s for s in live_switches if s.kind == "delta"), 1e-9
+        )
     print(
         f"rows/s written (2 served copies, float + int8): median {statistics.median(rates):,.0f} "
         f"per switch, {total:,.0f} overall"
@@ -259,20 +308,25 @@ def main(argv: list[str] | None = None) -> int:
     if stale:
         found = [s.found_s for s in deltas if s.found_s is not None]
         print(
-            f"staleness (the commit record's file time -> visible to requests) of the deltas "
-            f"while training, poll {a.poll} s, cap {rows_per_s} rows/s: median "
+            f"staleness ({a.source} source; the commit record's file time -> visible to "
+            f"requests) of the deltas while training, poll {a.poll} s, cap {rows_per_s} rows/s: median "
             f"{statistics.median(stale):.3f} s, max {max(stale):.3f} s; of which found by the "
             f"poll: median {statistics.median(found) if found else float('nan'):.3f} s"
         )
     print(_line("latency, training + applies", with_training))
+    if not applying:
+        return 0
     for i, (ap, no) in enumerate(zip(applying, idle, strict=True)):
         print(_line(f"latency, applies only #{i + 1}", ap))
         print(_line(f"latency, idle #{i + 1}", no))
     p99_ap = statistics.median(_pct(x, 99) for x in applying)
     p99_no = statistics.median(_pct(x, 99) for x in idle)
+    ratios = [_pct(x, 99) / _pct(y, 99) for x, y in zip(applying, idle, strict=True)]
     print(
         f"p99, median of {a.repeats} rounds: {p99_ap * 1e3:.3f} ms applying, "
-        f"{p99_no * 1e3:.3f} ms idle: {p99_ap / p99_no:.2f}x ({apply_only_s:.1f} s of applies)"
+        f"{p99_no * 1e3:.3f} ms idle: {p99_ap / p99_no:.2f}x ({apply_only_s:.1f} s of applies); "
+        f"per round {', '.join(f'{r:.2f}' for r in ratios)}x (median "
+        f"{statistics.median(ratios):.2f}x)"
     )
     print(f"requests that waited for their rows: {live.gate.waits}")
     return 0

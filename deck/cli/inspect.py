@@ -29,11 +29,12 @@ def _ls_line(r: Any, now: float) -> str:
         unknown = f"{'?':>21} {'?':>5} {'?':>11} {'?':>5}"  # covers, ranks, bytes, age
         return f"{r.kind:>6} {r.step:>10} {r.layer:>5} {unknown}  {r.state:<11} {r.id or '?'} {r.folder}"
     covers = str(r.step) if r.first_step == r.step else f"{r.first_step}..{r.step}"
-    ranks = f"{r.ranks}/{r.world_size}"
+    ranks = r.ranks_text
     age = age_text(None if r.created_unix is None else now - r.created_unix)
+    why = f"  ({r.problem})" if r.state == "pending" and r.problem else ""
     return (
         f"{r.kind:>6} {r.step:>10} {r.layer:>5} {covers:>21} {ranks:>5} {human(r.bytes):>11} "
-        f"{age:>5}  {r.state:<11} {r.id} {r.folder}"
+        f"{age:>5}  {r.state:<11} {r.id} {r.folder}{why}"
     )
 
 
@@ -44,7 +45,7 @@ def _tree_line(r: Any, now: float) -> str:
     layer = f" L{r.layer}" if r.layer else ""
     age = age_text(None if r.created_unix is None else now - r.created_unix)
     return (
-        f"{r.kind}{layer} {covers}  {r.ranks}/{r.world_size} ranks  {human(r.bytes)}  {age}  "
+        f"{r.kind}{layer} {covers}  {r.ranks_text} ranks  {human(r.bytes)}  {age}  "
         f"{r.state}  {r.folder}"
     )
 

@@ -54,14 +54,21 @@ class Row:
     # no complete chain: abandoned (a timeline a rollback left) | broken (the newest timeline)
     state: str
     ranks: int  # rank parts present
-    world_size: int
+    world_size: int  # 0: unknown (a pending checkpoint none of whose rank parts could be read)
     merged: bool  # written by the merger
     parent: int | None
     base: int | None
     epoch: int | None
     id: str
     folder: str
-    problem: str | None = None  # damaged: what is wrong with its commit record, naming the file
+    # damaged: what is wrong with its commit record, naming the file; pending: its rank parts
+    # that could not be read
+    problem: str | None = None
+
+    @property
+    def ranks_text(self) -> str:
+        """``ranks/world_size`` as shown (``?`` for a world size not known)."""
+        return f"{self.ranks}/{self.world_size or '?'}"
 
     def to_dict(self, now: float) -> dict[str, Any]:
         """JSON-ready, with ``age_s`` and ``covers``."""
@@ -265,11 +272,13 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
     from deck.ops.retention import file_age_s
 
     parsed: list[RankManifest] = []
+    unreadable: list[str] = []
     for k in keys:
         try:
             parsed.append(load_model(RankManifest, get_bounded(storage, k), storage.describe(k)))
         except (CorruptCheckpointError, NotFoundError):
-            continue  # being replaced or deleted right now; still pending
+            # being written, replaced or deleted right now; still pending
+            unreadable.append(k.rsplit("/", 1)[-1])
     now = time.time()
     ages = [a for a in (file_age_s(storage, k, now) for k in keys) if a is not None]
     nbytes = sum(
@@ -288,6 +297,7 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
         created_unix=now - min(ages) if ages else None,
         state="pending",
         ranks=len(keys),
+        # 0: unknown (no part could be read: its job's size is written in the parts)
         world_size=parsed[0].world_size if parsed else 0,
         merged=False,
         parent=None,
@@ -295,6 +305,11 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
         epoch=None,
         id=ckpt_id,
         folder=f"{folder}/{ckpt_id}",
+        problem=(
+            f"rank part(s) {', '.join(sorted(unreadable))} not readable (being written?)"
+            if unreadable
+            else None
+        ),
     )
 
 

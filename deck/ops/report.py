@@ -304,7 +304,7 @@ def _checkpoint_table(rows: list[Row]) -> list[str]:
         "<th>covers</th><th>ranks</th><th>bytes</th><th>state</th><th>folder</th></tr>",
         *(
             f"<tr><td>{e(_label(r))}</td><td>{r.step}</td><td>{r.layer}</td>"
-            f"<td>{r.first_step}..{r.step}</td><td>{r.ranks}/{r.world_size}</td>"
+            f"<td>{r.first_step}..{r.step}</td><td>{r.ranks_text}</td>"
             f"<td>{r.bytes}</td><td>{e(r.state)}</td>"
             f"<td style='text-align:left'><code>{e(r.folder)}</code></td></tr>"
             for r in rows

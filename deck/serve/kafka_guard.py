@@ -55,11 +55,16 @@ class QuarantineLog:
     error}, ...]}``, oldest first, rewritten atomically on every new entry (entries are rare).
     Without ``out_dir`` the entries are only kept in memory (and logged)."""
 
-    def __init__(self, out_dir: str | None, topic: str, who: str = "deck follow") -> None:
+    def __init__(
+        self, out_dir: str | None, topic: str, who: str = "deck follow", *, log: bool = True
+    ) -> None:
         # out_dir None: entries are kept in memory and logged, no file (a live model's source)
         self.path = None if out_dir is None else os.path.join(out_dir, QUARANTINE)
         self.topic = topic
         self.who = who
+        # log False: the caller reports each entry itself (a live model logs the update it
+        # refused, naming the message: one ERROR line, not two)
+        self.log = log
         self.entries: list[Quarantined] = []
         if self.path is None:
             return
@@ -72,21 +77,26 @@ class QuarantineLog:
         except (CorruptCheckpointError, KeyError, TypeError) as e:
             logger.warning("%s: %s unreadable (%s): starting a new one", who, self.path, e)
 
+    def recorded(self) -> str:
+        """Where entries are recorded, for a message (empty when only in memory)."""
+        return "" if self.path is None else f" (recorded in {self.path})"
+
     def add(self, kind: str, partition: int, offset: int, value: bytes | None, error: str) -> bool:
         """Record a skipped message (once per partition, offset and content) and log it as an
-        ERROR; returns whether it was new."""
+        ERROR (unless made with ``log=False``); returns whether it was new."""
         digest = xxhash.xxh3_64_hexdigest(value or b"")
         entry = Quarantined(kind, partition, offset, digest, error[:500])
-        logger.error(
-            "%s: kafka topic %s partition %d offset %d %s: %s%s",
-            self.who,
-            self.topic,
-            partition,
-            offset,
-            "skipped (another run's marker)" if kind == "foreign" else "quarantined",
-            error,
-            "" if self.path is None else f" (recorded in {self.path})",
-        )
+        if self.log:
+            logger.error(
+                "%s: kafka topic %s partition %d offset %d %s: %s%s",
+                self.who,
+                self.topic,
+                partition,
+                offset,
+                "skipped (another run's marker)" if kind == "foreign" else "quarantined",
+                error,
+                self.recorded(),
+            )
         if any(
             (e.partition, e.offset, e.digest) == (partition, offset, digest) for e in self.entries
         ):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deck.errors import CheckpointNotFoundError, DeckError
+from deck.errors import CheckpointNotFoundError, ConfigError, DeckError
 from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, VersionSwitch
 from deck.serve.live_config import LiveConfig
 from deck.serve.live_gate import INITIAL, Served, ServingGate, State
@@ -110,6 +110,7 @@ class LiveModel:
         self.faults: list[LiveFault] = []
         self.on_switch, self.on_fault = on_switch, on_fault
         self.clock, self.sleep = clock, sleep
+        self._due: float | None = None  # when the pace allows the next version (_pace)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,11 +151,21 @@ class LiveModel:
                 self._seen = {p.chain[-1].id: self._seen.get(p.chain[-1].id, now) for p in plans}
                 if not plans:
                     break
+                self._pace()
                 prepared = self._prepare_or_refuse(plans[0])
                 if prepared is None:
                     continue  # refused: plan again around it
                 out.append(self._apply(prepared))
         return out
+
+    def _pace(self) -> None:
+        """Wait out the pace of the version written last (the pause its last slice would take)
+        before the next one is read: ``rows_per_s`` bounds the applier's rows per second
+        across versions, their reading included."""
+        due, self._due = self._due, None
+        wait = 0.0 if due is None else due - self.clock()
+        if wait > 0:
+            (self.gate.nap if self.sleep is None else self.sleep)(wait)
 
     def _prepare_or_refuse(self, plan: Plan) -> PreparedVersion | None:
         try:
@@ -228,6 +239,7 @@ class LiveModel:
         switch = applying.run(
             self.config.slice_rows, self.config.rows_per_s, self.clock, self.sleep
         )
+        self._due = applying.due
         self.finished(applying)
         return switch
 
@@ -267,10 +279,23 @@ class LiveModel:
         A step among :meth:`kept_steps` is written back from the kept rows (no storage read);
         an older one is rebuilt from storage (its cheapest chain: the newest full at or before
         it, then deltas; only rows that differ are written), which drops the kept rows. Raises
-        :class:`CheckpointNotFoundError` for a step after the served one or not restorable;
-        a refused chain raises its error, the served version unchanged. None when ``step`` is
-        served already (it is held)."""
+        :class:`deck.errors.ConfigError` for a negative step, and
+        :class:`CheckpointNotFoundError` before any version is served, for a step after the
+        served one or one not restorable (naming the served and kept steps); a refused chain
+        raises its error, the served version unchanged. None when ``step`` is served already
+        (it is held)."""
         with self._lock:
+            kept = self.kept_steps()
+            if step < 0:
+                raise ConfigError(
+                    f"rollback to step {step}: steps are 0 or more; the served step is "
+                    f"{self.step} of {self.source.uri}, the kept steps {kept}"
+                )
+            if self.version == INITIAL:
+                raise CheckpointNotFoundError(
+                    f"rollback to step {step}: no version of {self.source.uri} is served yet "
+                    "(nothing applied: the model serves what it was built with); poll() first"
+                )
             if step == self.step:
                 self.held = True
                 return None
@@ -283,7 +308,13 @@ class LiveModel:
             if at:
                 version = self._from_kept(at[-1])
             else:
-                plan = self.source.chain_to(step, frozenset(self.bad))
+                try:
+                    plan = self.source.chain_to(step, frozenset(self.bad))
+                except CheckpointNotFoundError as e:
+                    raise CheckpointNotFoundError(
+                        f"rollback to step {step}: {e} (the served step is {self.step}, the "
+                        f"kept steps {kept})"
+                    ) from e
                 version = self.prepare(plan)
                 version.kind, version.commit_unix, version.seen_unix = "reload", None, None
             applying = self.begin(version)

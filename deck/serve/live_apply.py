@@ -1,5 +1,6 @@
 """Writing one prepared version into the served tables: in slices, most-requested rows first,
-each slice under the gate's exclusive side, the version switched when its last row is written.
+each slice's rows locked in the gate while they are written (requests on other rows run), the
+version switched when its last row is written.
 
 Guarantees: rows are written only from a :class:`PreparedVersion`, which holds every row of the
 version already read, checked and encoded (nothing here reads storage or can fail on the data);
@@ -99,6 +100,7 @@ class Applying:
         self.written = 0
         self.started: float | None = None
         self.done = False
+        self.due: float | None = None  # (``run``, capped) the clock time of the pace after it
         gate.begin(version.state, {k: t.ids for k, t in version.tables.items()})
 
     @property
@@ -135,8 +137,8 @@ class Applying:
             return True
         if self.started is None:
             self.started = time.perf_counter()
-        # Everything but the copies themselves is done before taking the exclusive side:
-        # requests wait only for the rows' copying.
+        # Everything but the copies themselves is done before locking the rows: requests
+        # reading them wait only for the copying (requests on other rows do not wait).
         writes = []
         for k, positions in self._pick(max_rows).items():
             t = self.version.tables[k]
@@ -146,17 +148,17 @@ class Applying:
             keep = torch.ones(self.rest[k].numel(), dtype=torch.bool)
             keep[positions] = False
             writes.append((k, ids, rows, self.rest[k][keep]))
-        with self.gate.exclusive():
-            for k, ids, rows, rest in writes:
+        with self.gate.writing({k: ids for k, ids, _, _ in writes}):
+            for k, ids, rows, _ in writes:
                 for target, stored in zip(self.tables.by_key[k], rows, strict=True):
                     target.write(ids, stored)
-                self.gate.written(k, ids)
-                self.rest[k] = rest
-                self.written += int(ids.numel())
-            self.slices += 1
-            if not self.remaining:
-                self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
-                self.done = True
+        for k, ids, _, rest in writes:
+            self.rest[k] = rest
+            self.written += int(ids.numel())
+        self.slices += 1
+        if not self.remaining:
+            self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
+            self.done = True
         return self.done
 
     def run(
@@ -171,7 +173,9 @@ class Applying:
         The pause before a slice is ``sleep`` (default: the gate's :meth:`ServingGate.nap`,
         cut short when a request starts waiting for rows of this version); none is taken while
         a request waits for its rows: those are in the next slice, and the pace is made up by
-        the pauses after it."""
+        the pauses after it. No pause follows the last slice (the switch is reported at
+        once): :attr:`due` says when it ends, and the live model waits for it before its
+        next version (reading it included)."""
         pause = self.gate.nap if sleep is None else sleep
         t0, base = clock(), self.written
         while not self.step(slice_rows):
@@ -179,6 +183,9 @@ class Applying:
                 wait = t0 + (self.written - base) / rows_per_s - clock()
                 if wait > 0:
                     pause(wait)
+        if rows_per_s is not None:
+            # when the pace allows the applier's next work (the last slice's pause)
+            self.due = t0 + (self.written - base) / rows_per_s
         return self.switched()
 
     def switched(self) -> VersionSwitch:

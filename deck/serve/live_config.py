@@ -32,9 +32,9 @@ class LiveConfig(Settings):
     slice_rows: int = Field(
         default=4096,
         ge=1,
-        description="Rows written per exclusive section: requests run between slices, so this "
-        "bounds how long a request waits for an apply (a slice of 4096 dim-64 rows is well "
-        "under a millisecond of copying).",
+        description="Rows written per slice. No request starts while a slice is copied (a "
+        "slice of 4096 dim-64 rows is well under a millisecond of copying), and the applier "
+        "waits only for the requests in flight that read rows of it.",
     )
     poll_s: float = Field(
         default=0.5,

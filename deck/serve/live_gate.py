@@ -1,25 +1,32 @@
 """The version switch between a live apply and the requests it serves.
 
-A reader-writer lock with alternating turns, plus the rows of the version being applied:
+A lock on rows, plus the rows of the version being applied:
 
-- the applier writes a version in slices, each under the exclusive side (no request runs while
-  rows are written); between slices requests run;
+- the applier writes a version in slices. Before a slice's copy it waits only for the requests
+  in flight that read one of its rows (requests on other rows run on); requests that would
+  read one of its rows wait from then on; during the copy itself no request starts (a copy is
+  a fraction of a millisecond, and requests starting beside it would take the GIL turns it
+  needs between its tensor operations, stretching it for the requests that wait for it). So a
+  row's bytes are only written while no request reads it;
 - a request declares the rows it reads (its ``KeyedJaggedTensor``). Rows outside the version
   being applied hold the same value in the old and the new version, so what decides is the
   request's rows *in* that version: none written yet -> it reads the old version, all written
-  -> the new one, some written -> it waits (its rows are moved to the front of the applier's
-  queue) until they are all written. A request that declares no rows waits for the whole
-  version. So no request reads rows of two versions, while requests not touching the rows
-  being written never wait for them;
-- the turns alternate: when the applier gives the exclusive side back, the requests waiting at
-  that moment run before it takes it again, and requests arriving while the applier waits do
-  not pass it (neither side starves).
+  -> the new one, some written and some not -> it waits (its rows are moved to the front of
+  the applier's queue) until they are all written. A request that declares no rows waits for
+  the whole version (and the applier for it). So no request reads rows of two versions, while
+  requests not touching the rows being written wait at most for a copy, never for other
+  requests;
+- neither side starves: a request waits for at most the slice being written and then its
+  version's rows it still lacks (which are written next); the applier waits only for requests
+  on its slice's rows that started before it locked them; a version starts only once the
+  requests waiting for a whole version have run.
 
 It also counts the ids requests read (which rows are applied first when the apply is capped).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,7 +42,8 @@ INITIAL: State = (-1, "")
 # Rows a waiting request needs are applied before any other row (a count no request reaches).
 URGENT = 1 << 60
 
-PENDING, WRITTEN = 1, 2
+# A row's mark in the version in flight: not in it (0), to write, written, being written now.
+PENDING, WRITTEN, WRITING = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,20 @@ class ServingGate:
     """See the module doc. ``tables``: the number of rows of each served table key."""
 
     def __init__(self, tables: Mapping[str, int]) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writer_waiting = False
-        # The turns: requests waiting to enter, by how many times the applier had given the
-        # exclusive side back when they arrived. Those that arrived before the last give-back
-        # go before the applier; later ones wait behind it.
-        self._releases = 0
-        self._waiting: dict[int, int] = {}
+        lock = threading.RLock()
+        # Requests waiting for rows wait on _cond (told when rows are written or a version
+        # switches); the applier waits on its own conditions, told only what it waits for
+        # (one shared condition would wake it at every request's end, thousands of times a
+        # second, each a turn at the GIL the requests wait for).
+        self._cond = threading.Condition(lock)
+        self._wanted = threading.Condition(lock)  # a request started waiting for its rows
+        self._drained = threading.Condition(lock)  # a request the applier waits for ended
+        self._applier_waits = False
+        self._copying = False  # a slice is being copied: requests wait to start
+        self._tokens = itertools.count()
+        # The requests running: their rows as flat indices (None: not declared).
+        self._active: dict[int, torch.Tensor | None] = {}
+        self._blind_waiting = 0  # requests without rows waiting for the version in flight
         self.version: State = INITIAL
         self.flight: Flight | None = None
         # Every table's rows in one flat index (a table's rows from its offset on), so that a
@@ -82,8 +95,8 @@ class ServingGate:
         # only orders the applier's queue), and its mark in the version in flight
         self.counts = {k: self._all_counts[o : o + tables[k]] for k, o in self._offset.items()}
         self._marks = {k: self._all_marks[o : o + tables[k]] for k, o in self._offset.items()}
-        self.waits = 0  # requests that had to wait for their rows (a statistic)
-        self.row_waiters = 0  # requests waiting for their rows now (the applier does not nap)
+        self.waits = 0  # requests that waited for their rows not written yet (a statistic)
+        self.row_waiters = 0  # requests waiting for rows not written yet (the applier does not nap)
 
     # ---- requests ---------------------------------------------------------------------------
     @contextmanager
@@ -94,56 +107,41 @@ class ServingGate:
         with self._cond:
             if flat is not None and flat.numel():
                 self._all_counts.index_add_(0, flat, torch.ones_like(flat))
-            gen = self._enter_queue()
-            waited = False
+            waited = urgent = False
             try:
                 while True:
-                    if self._writer or (self._writer_waiting and gen >= self._releases):
-                        self._cond.wait()
-                        continue
-                    seen = self._version_of(flat)
+                    seen, lacks = self._version_of(flat)
                     if seen is not None:
                         break
-                    # Waiting for its rows, not for a turn: out of the queue meanwhile, so the
-                    # applier (which writes them) is not held up by it, nor paced (nap).
-                    self._leave_queue(gen)
-                    gen = -1
                     if not waited:
                         waited = True
+                        self._blind_waiting += flat is None
+                    if lacks and not urgent:
+                        # waiting for rows not written yet: the applier writes them next and
+                        # does not pause meanwhile
+                        urgent = True
                         self.row_waiters += 1
-                        self._cond.notify_all()
+                        self._wanted.notify_all()
                     self._cond.wait()
-                    gen = self._enter_queue()
             finally:
-                if gen >= 0:
-                    self._leave_queue(gen)
-                if waited:
+                if urgent:
                     self.row_waiters -= 1
-            self.waits += waited
-            self._readers += 1
+                if waited and flat is None:
+                    self._blind_waiting -= 1
+                    self._cond.notify_all()  # begin() may wait for it
+            self.waits += urgent
+            token = next(self._tokens)
+            self._active[token] = flat
         try:
             yield Served(*seen)
         finally:
             with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
-
-    def _enter_queue(self) -> int:
-        gen = self._releases
-        self._waiting[gen] = self._waiting.get(gen, 0) + 1
-        return gen
-
-    def _leave_queue(self, gen: int) -> None:
-        n = self._waiting[gen] - 1
-        if n:
-            self._waiting[gen] = n
-        else:
-            del self._waiting[gen]
-            self._cond.notify_all()
+                del self._active[token]
+                if self._applier_waits:
+                    self._drained.notify_all()
 
     def _flat(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A request's rows as indices into the flat index (tables not served left out)."""
+        """Rows as indices into the flat index (tables not served left out)."""
         parts = []
         for table, ids in rows.items():
             at = self._offset.get(table)
@@ -153,29 +151,46 @@ class ServingGate:
             return parts[0]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def _version_of(self, flat: torch.Tensor | None) -> State | None:
+    def _version_of(self, flat: torch.Tensor | None) -> tuple[State | None, bool]:
         """The version a request on rows ``flat`` (None: unknown) reads now, or None when it
-        must wait (some of its rows written, some not: those are marked urgent)."""
+        must wait; and whether it waits for rows not written yet (those are marked urgent)."""
+        if self._copying:
+            return None, False  # no request starts during a copy (see writing)
         f = self.flight
         if f is None:
-            return self.version
+            return self.version, False
         if flat is None:
-            return None
+            return None, False
         if not flat.numel():
-            return f.old
+            return f.old, False
         states = self._all_marks.index_select(0, flat)
-        _, pending, written = torch.bincount(states, minlength=3).tolist()[:3]
-        if pending and written:
+        _, pending, written, writing = torch.bincount(states, minlength=4).tolist()[:4]
+        if pending and (written or writing):
             self._all_counts.index_fill_(0, flat[states == PENDING], URGENT)
-            return None
+            return None, True
+        if writing:
+            return None, False  # its rows are being written: they are written next
         if written:
-            return f.new
-        return f.old
+            return f.new, False
+        return f.old, False
+
+    def _conflicts(self, marked: torch.Tensor) -> bool:
+        """Whether a running request reads a row being written (``marked``: the rows locked)."""
+        if not marked.numel():
+            return False
+        for flat in self._active.values():
+            if flat is None:
+                return True  # it may read any row
+            if flat.numel() and bool((self._all_marks.index_select(0, flat) == WRITING).any()):
+                return True
+        return False
 
     # ---- the applier ------------------------------------------------------------------------
     def begin(self, new: State, rows: Mapping[str, torch.Tensor]) -> Flight:
-        """Start applying version ``new``: ``rows`` (ids by table) are pending from now on."""
+        """Start applying version ``new``: ``rows`` (ids by table) are pending from now on.
+        Requests waiting for a whole version (no rows declared) run first."""
         with self._cond:
+            self._cond.wait_for(lambda: self._blind_waiting == 0)
             for table, ids in rows.items():
                 self._marks[table].index_fill_(0, ids, PENDING)
             self.flight = Flight(self.version, new, dict(self._marks))
@@ -185,42 +200,45 @@ class ServingGate:
         """The applier's pause between slices (pacing): ``seconds``, or less if a request
         waits for rows of the version in flight meanwhile (they are written next)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.row_waiters > 0, timeout=seconds)
+            self._wanted.wait_for(lambda: self.row_waiters > 0, timeout=seconds)
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """The writer's side: no request runs inside."""
+    def writing(self, rows: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """The writer's side for ``rows`` (ids by table) of the version in flight: inside,
+        no request reads any of them (those reading one when it is called are waited for,
+        later ones wait) and none starts (those running on other rows go on); on leaving they
+        are written (they hold the new version's values)."""
+        flat = self._flat(rows)
         with self._cond:
-            self._writer_waiting = True
-            while self._writer or self._readers or any(g < self._releases for g in self._waiting):
-                self._cond.wait()
-            self._writer_waiting = False
-            self._writer = True
+            self._all_marks.index_fill_(0, flat, WRITING)
+            self._applier_waits = True
+            try:
+                self._drained.wait_for(lambda: not self._conflicts(flat))
+            finally:
+                self._applier_waits = False
+            self._copying = True
         try:
             yield
         finally:
             with self._cond:
-                self._writer = False
-                self._releases += 1
+                self._all_marks.index_fill_(0, flat, WRITTEN)
+                self._copying = False
                 self._cond.notify_all()
 
-    def written(self, table: str, ids: torch.Tensor) -> None:
-        """Rows ``ids`` of ``table`` of the version in flight hold its values (call inside
-        :meth:`exclusive`)."""
-        self._marks[table].index_fill_(0, ids, WRITTEN)
-
     def switch(self, rows: Mapping[str, torch.Tensor]) -> None:
-        """Every row of the version in flight is written: it is the served version (call
-        inside :meth:`exclusive`); its marks and the urgent counts of its rows are cleared."""
-        f = self.flight
-        assert f is not None
-        for table, ids in rows.items():
-            self._marks[table].index_fill_(0, ids, 0)
-            c = self.counts[table]
-            urgent = ids[c.index_select(0, ids) >= URGENT]
-            c.index_fill_(0, urgent, 0)
-        self.version = f.new
-        self.flight = None
+        """Every row of the version in flight is written (``rows``: its ids by table): it is
+        the served version; its marks and the urgent counts of its rows are cleared."""
+        with self._cond:
+            f = self.flight
+            assert f is not None
+            for table, ids in rows.items():
+                self._marks[table].index_fill_(0, ids, 0)
+                c = self.counts[table]
+                urgent = ids[c.index_select(0, ids) >= URGENT]
+                c.index_fill_(0, urgent, 0)
+            self.version = f.new
+            self.flight = None
+            self._cond.notify_all()
 
     def start(self, version: State) -> None:
         """The version served before any apply (a model the caller loaded itself)."""

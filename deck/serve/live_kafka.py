@@ -29,14 +29,20 @@ the live model logs an ERROR, tells ``on_fault`` and keeps its version):
   checkpoint), or a delta whose parent is not the served version (its parent was refused, or
   the model was rolled back): the model moves on at the next full of the topic.
 
-The source keeps no offsets: a serving process starts from the oldest message the topic holds
-(deltas before its first full wait for it, one WARNING) and applies the marked steps since.
-A rollback reaches the kept versions only (``LiveConfig.keep_versions``): the stream is not
-read backwards.
+Where a source starts: the served state is the serving process's memory, so a source keeps
+no offsets; a (re)started process serving nothing starts at the newest full of its run's
+markers (its commit record says it is a full) and applies it whole, then the deltas and fulls
+after it: it serves the newest step after one whole version, whatever the topic's length.
+Should nothing be servable from there (that full damaged or refused), it starts again at the
+full before (up to :data:`START_FULLS`), last at the topic's oldest message. The rank
+partitions are read from their oldest messages (a segment names no marker offset): the
+segments of earlier steps are checked and dropped. A rollback reaches the kept versions only
+(``LiveConfig.keep_versions``): the stream is not read backwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -68,6 +74,10 @@ from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
+# The newest fulls a source serving nothing may start from, in turn (each found by reading the
+# commit records of the markers back to it), before it reads from the topic's oldest message.
+START_FULLS = 3
+
 
 class KafkaSource:
     """The marked steps of a Kafka publish topic, for :class:`deck.serve.live.LiveModel` (see
@@ -96,7 +106,9 @@ class KafkaSource:
         self.conf = consumer_conf(self.target, group or f"deck-live-{topic}", consumer_options)
         if quarantine_dir is not None:
             os.makedirs(quarantine_dir, exist_ok=True)
-        self.quarantine = QuarantineLog(quarantine_dir, topic, who="deck live")
+        # Its entries are not logged on their own: each is in the ERROR line of the update the
+        # live model refuses (one line per refused update).
+        self.quarantine = QuarantineLog(quarantine_dir, topic, who="deck live", log=False)
         self.open_store = open_store
         self.wait_s, self.poll_timeout_s = wait_s, poll_timeout_s
         self.run, self.run_known = run, run is not None
@@ -109,6 +121,10 @@ class KafkaSource:
         self.pending: Plan | None = None  # the plan last offered (its files in the view)
         self.faults: list[SourceFault] = []
         self.said_waiting = False
+        self.unreadable: set[str] = set()  # steps whose rows could not all be pulled (told once)
+        # Where a source serving nothing reads markers from, in turn (see _start_offsets)
+        self.starts: list[int] = []
+        self.start: int | None = None
 
     @property
     def uri(self) -> str:
@@ -143,13 +159,31 @@ class KafkaSource:
             if found:
                 self.run, self.run_known = run, True
                 logger.info("deck live: %s: serving run %s (the newest marker's)", self.uri, run)
+        if CONTROL_PARTITION not in self.readers and served is None:
+            self.starts = self._start_offsets()
+            self._reader(CONTROL_PARTITION, self.starts.pop(0))
         ctl = self._reader(CONTROL_PARTITION)
         ctl.eof = None  # only an end reached in this call counts
         while True:
             msg = ctl.poll(self.poll_timeout_s)
             if msg is None:
-                if ctl.drained():
+                if not ctl.drained():
+                    continue
+                if served is not None or not self.starts:
                     return []
+                # Nothing servable from the full started at (it was refused): an older one.
+                start = self.starts.pop(0)
+                logger.warning(
+                    "deck live: %s: nothing could be served from the full at offset %d of "
+                    "partition %d; reading from offset %d",
+                    self.uri,
+                    ctl.position if self.start is None else self.start,
+                    CONTROL_PARTITION,
+                    start,
+                )
+                self.close()
+                ctl = self._reader(CONTROL_PARTITION, start)
+                ctl.eof = None
                 continue
             plan = self._plan(msg, served, exclude)
             if plan is not None:
@@ -169,7 +203,9 @@ class KafkaSource:
             marker = decode_marker(msg.headers(), msg.value(), topic, CONTROL_PARTITION, offset)
         except CorruptStreamError as e:
             self.quarantine.add("poison", CONTROL_PARTITION, offset, msg.value(), str(e))
-            self._fault(-1, self._where(offset), f"damaged: {e}")
+            self._fault(
+                -1, self._where(offset), f"damaged: {e}; quarantined{self.quarantine.recorded()}"
+            )
             return None
         if self.run_known and marker.run != self.run:
             why = (
@@ -177,7 +213,7 @@ class KafkaSource:
                 f"but this source serves run {self.run}"
             )
             self.quarantine.add("foreign", CONTROL_PARTITION, offset, msg.value(), why)
-            self._fault(marker.step, self._where(offset), why)
+            self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
             return None
         if marker.ckpt_id in exclude or (marker.step, marker.ckpt_id) == served:
             return None  # refused already / served already
@@ -187,7 +223,7 @@ class KafkaSource:
                 f"{marker.state_uri}, but this source's state is at {self.state_uri}"
             )
             self.quarantine.add("poison", CONTROL_PARTITION, offset, None, why)
-            self._fault(marker.step, self._where(offset), why)
+            self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
             return None
         view = self._open(marker)
         manifest = marker_manifest(view, marker)
@@ -222,11 +258,14 @@ class KafkaSource:
                 "the model moves on at the next full",
             )
             return None
+        if marker.ckpt_id in self.unreadable:
+            return None  # reported when first read
         parts = read_rank_manifests(view, manifest)
         files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
         for p, r in self.readers.items():
             if p != CONTROL_PARTITION:
                 r.eof = None  # an end seen before this marker says nothing about its rows
+        known = len(self.quarantine.entries)
         try:
             for rank in range(manifest.world_size):
                 mine = {k for k in files if f"/rank-{rank:05d}/" in k}
@@ -237,18 +276,86 @@ class KafkaSource:
                 view.files.update(got)
         except UnprovableStepError as e:
             view.files.clear()
-            self._fault(marker.step, where, f"damaged: step {marker.step} cannot be read: {e}")
+            self.unreadable.add(marker.ckpt_id)
+            new = self.quarantine.entries[known:]
+            said = "".join(
+                f"; quarantined partition {q.partition} offset {q.offset}: {q.error}" for q in new
+            )
+            self._fault(
+                marker.step,
+                where,
+                f"damaged: step {marker.step} cannot be read: {e}{said}"
+                + (self.quarantine.recorded() if new else ""),
+            )
             return None
         if not self.run_known:
             self.run, self.run_known = marker.run, True
         return Plan((manifest,), whole=manifest.kind is Kind.FULL)
 
-    def _reader(self, partition: int) -> PartitionReader:
+    def _reader(self, partition: int, offset: int = 0) -> PartitionReader:
         r = self.readers.get(partition)
         if r is None:
-            r = PartitionReader(self.conf, self.target, partition, 0)
+            r = PartitionReader(self.conf, self.target, partition, offset)
             self.readers[partition] = r
+            if partition == CONTROL_PARTITION:
+                self.start = r.position
         return r
+
+    def _start_offsets(self) -> list[int]:
+        """Where a source serving nothing reads markers from: the newest marker of its run
+        whose step is a full; should nothing from there be served (that full refused), the one
+        before (up to :data:`START_FULLS` fulls); last the oldest message. The markers are read, and the commit
+        records of the newest ones down to each full. The rank partitions are read from their
+        oldest messages (segments carry no marker offsets), the segments of earlier steps
+        dropped unused."""
+        scan = PartitionReader(self.conf, self.target, CONTROL_PARTITION, 0)
+        low = scan.position
+        found: list[Marker] = []
+        idle = 0
+        try:
+            # To the broker's end-of-partition event (the high watermark it lists may lag
+            # behind a batch); without one, after 20 empty polls at or past it.
+            while not scan.at_end():
+                msg = scan.poll(self.poll_timeout_s)
+                if msg is None:
+                    idle += 1
+                    if idle >= 20 and scan.drained():
+                        break
+                    continue
+                with contextlib.suppress(CorruptStreamError):  # quarantined if read in order
+                    found.append(
+                        decode_marker(
+                            msg.headers(),
+                            msg.value(),
+                            self.target.topic,
+                            CONTROL_PARTITION,
+                            int(msg.offset()),
+                        )
+                    )
+        finally:
+            scan.close()
+        fulls: list[Marker] = []
+        for marker in reversed(found):
+            if self.run_known and marker.run != self.run:
+                continue
+            if not self.state_given and marker.state_uri != (self.state_uri or marker.state_uri):
+                continue
+            manifest = marker_manifest(self._open(marker), marker)
+            if manifest is not None and manifest.kind is Kind.FULL:
+                fulls.append(marker)
+                if len(fulls) == START_FULLS:
+                    break
+        if fulls and fulls[0].offset > low:
+            logger.info(
+                "deck live: %s: starting at the newest full, step %d (marker at offset %d of "
+                "partition %d)",
+                self.uri,
+                fulls[0].step,
+                fulls[0].offset,
+                CONTROL_PARTITION,
+            )
+        starts = [m.offset for m in fulls]
+        return starts if starts and starts[-1] == low else [*starts, low]
 
     def _open(self, marker: Marker) -> StreamView:
         # Until a marker's commit record was found at its state URI (or one was given), each

@@ -12,6 +12,7 @@ chain around it exists (the next full, or a merged checkpoint covering it).
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +21,8 @@ from deck.format.manifest import MANIFEST, CheckpointManifest, step_dir
 from deck.read.catalog import ManifestSet, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
 from deck.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 State = tuple[int, str]  # (step, trainer checkpoint id): a served version
 
@@ -96,6 +99,8 @@ class PublishSource:
         self._said_behind: State | None = None
         self._said_damaged: set[tuple[int, str]] = set()
         self._faults: list[SourceFault] = []
+        self._found = False  # a poll found a committed step here
+        self._said_empty = False
 
     @property
     def uri(self) -> str:
@@ -128,6 +133,7 @@ class PublishSource:
         through it). Empty when nothing newer is restorable without ``exclude``."""
         graph = self._graph()
         self._damaged(served)
+        self._empty(graph is None)
         if graph is None:
             return []
         for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
@@ -161,6 +167,25 @@ class PublishSource:
             self._behind(last, served)
             return []
         return [Plan(tuple(chain), whole=True)]
+
+    def _empty(self, empty: bool) -> None:
+        """A URI with nothing committed (a publisher not started yet, or a typo'd URI that
+        will never hold anything): one WARNING at the first such poll, one INFO when a step
+        shows up after it."""
+        if not empty:
+            if self._said_empty and not self._found:
+                logger.info("deck live: %s: a committed step is there now", self.uri)
+            self._found = True
+            return
+        if self._found or self._said_empty:
+            return
+        self._said_empty = True
+        logger.warning(
+            "deck live: nothing is published at %s: no committed step there (no "
+            "step-*/manifest.json, no catalog); polling on. If this lasts, check the URI: it "
+            "is the publisher's PublishConfig.uri (or a checkpoint URI)",
+            self.uri,
+        )
 
     def _damaged(self, served: State | None) -> None:
         """A commit record newer than the served step that cannot be read: reported once (its

@@ -8,7 +8,8 @@ serves float, int8 and fp16 copies of its tables and applies each publish right 
   reference response of the version the gate said it read;
 - (module fixture's folder) rollback to each kept step without storage reads, further back
   from storage, forward again; a byte-flipped update leaves the served version, logged;
-  a capped apply writes the most-requested rows first.
+  a capped apply writes the most-requested rows first and paces across versions; a slice's
+  copy does not wait for a request in flight on other rows.
 """
 
 from __future__ import annotations
@@ -307,4 +308,106 @@ def test_a_capped_apply_writes_the_most_requested_rows_first(published: str) -> 
     assert switch.step == LAST and live.step == LAST
     last = rest % 10 or 10  # no wait after the last slice
     assert sum(slept) == pytest.approx((rest - last) / 100.0)
+    assert not bitwise_diff(served, _at(published, LAST))
+
+
+def test_a_request_in_flight_on_other_rows_does_not_hold_up_a_slice(published: str) -> None:
+    """A slice's rows are locked while written: the applier waits only for the requests in
+    flight that read one of them, not for one on other rows (it reads the old version
+    meanwhile); a request on its rows, started during the copy, reads the new version whole."""
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(published), LiveConfig(rows_per_s=None))
+    live.poll()
+    live.rollback(12)
+    live.resume()
+    plan = live.source.next_plans(live.version, frozenset())[0]
+    version = live.prepare(plan)
+    key = "sparse_arch.embedding_bag_collection.embedding_bags.t1.weight"
+    ids = version.tables[key].ids
+    outside = [r for r in range(SPEC.rows) if r not in set(ids.tolist())][:3]
+    inside = ids[:3]
+    # failpoint: the float copy's write of the slice stops until `go`
+    target = live.tables.by_key[key][0]
+    write, in_write, go = target.write, threading.Event(), threading.Event()
+
+    def paused(rows: torch.Tensor, stored: torch.Tensor) -> None:
+        in_write.set()
+        assert go.wait(60)
+        write(rows, stored)
+
+    target.write = paused  # type: ignore[method-assign]
+    seen: dict[str, int] = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def in_flight() -> None:
+        with live.serving({key: outside}) as v:
+            seen["outside"] = v.step
+            entered.set()
+            assert release.wait(60)
+
+    other = threading.Thread(target=in_flight)
+    other.start()
+    assert entered.wait(60)
+    applying = live.begin(version)
+    writer = threading.Thread(target=applying.step, args=(version.rows,))  # one slice: all
+    writer.start()
+    # the copy starts while the request on other rows is still running (before, the applier
+    # waited for every request in flight before each slice)
+    assert in_write.wait(60), "the slice waited for a request on other rows"
+    release.set()
+    other.join()
+    assert seen["outside"] == 12
+
+    def request() -> None:
+        with live.serving({key: inside}) as v:
+            seen["inside"] = v.step
+
+    blocked = threading.Thread(target=request)
+    blocked.start()
+    go.set()
+    for t in (writer, blocked):
+        t.join()
+    assert seen["inside"] == LAST and live.step == LAST
+    assert not bitwise_diff(served, _at(published, LAST))
+
+
+def test_the_cap_paces_across_versions_their_reading_included(published: str) -> None:
+    """A capped poll applying two versions waits out the first one's last slice before
+    reading the second: rows_per_s bounds the rows written per second across versions."""
+    served = serving_models(SPEC)
+    now = [0.0]
+    log: list[tuple[str, float]] = []
+
+    def sleep(s: float) -> None:
+        log.append(("sleep", s))
+        now[0] += s
+
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(published),
+        LiveConfig(rows_per_s=100.0, slice_rows=10),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    live.poll()
+    live.rollback(10)
+    live.resume()
+    prepare = live.prepare
+
+    def logged(plan: Any) -> Any:
+        log.append(("prepare", now[0]))
+        return prepare(plan)
+
+    live.prepare = logged  # type: ignore[method-assign]
+    log.clear()
+    switches = live.poll()
+    assert [s.step for s in switches] == [12, LAST]
+    first, second = switches[0].rows, switches[1].rows
+    starts = [t for what, t in log if what == "prepare"]
+    # the second version is read once the first one's rows are due at 100 rows/s
+    assert starts[1] == pytest.approx(starts[0] + first / 100.0)
+    last = second % 10 or 10  # its own last slice's pause comes before a next version
+    assert sum(t for what, t in log if what == "sleep") == pytest.approx(
+        (first + second - last) / 100
+    )
     assert not bitwise_diff(served, _at(published, LAST))

@@ -7,11 +7,14 @@ twice, one set fed from the topic and one from the checkpoint files.
   ``restore(step)`` / TorchRec's quantize of it, built from scratch);
 - the topic replayed into another one with a byte flipped in one of a full's segments, a
   garbage marker, another run's publishes in between, a delta whose parent was refused and
-  markers of older steps again: none of them reaches the served model (version and bytes stay,
+  markers of older steps again (a fresh source starts at the damaged newest full, then at the
+  full before it): none of them reaches the served model (version and bytes stay,
   an ERROR line, ``on_fault`` told, the damaged and foreign messages quarantined); the next full
   moves it on, bitwise;
-- a fresh model on the topic applies every marked step from the first full, and rolls back to
-  its kept versions (no further: the stream is not read backwards).
+- a fresh model on the topic starts at its newest full (not its oldest message), applies the
+  steps after it and rolls back to its kept versions (no further: the stream is not read
+  backwards); a restarted one serves the newest step again after one whole version; a
+  quarantined message is one ERROR line, not two.
 
 Outcomes are decided by what the topic holds (its end is the broker's end-of-partition event),
 never by a sleep.
@@ -235,23 +238,31 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
             assert [(s.step, s.kind) for s in live.poll()] == [(0, "full"), (2, "delta")]
         version = live.version
         assert live.step == 2 and not bitwise_diff(served, reference(f"{tmp}/ckpt", 2, SPEC))
-        # garbage; the other run's 2 markers; full 4 damaged; delta 6 of the refused 4
-        assert [f.step for f in faults] == [-1, 1, 2, 4, 6], faults
-        assert all(f.serving == version and f.uri == replay for f in faults), faults
-        assert "damaged" in faults[0].error and "partition 0 offset 2" in faults[0].checkpoint
-        assert all("foreign" in f.error and other.run in f.error for f in faults[1:3])
-        assert "damaged" in faults[3].error and "quarantined" in faults[3].error
+        # A fresh source starts at the newest full (4: damaged), nothing servable from there,
+        # so it reads again from the full before it (0): delta 2, garbage, the other run's 2
+        # markers, (4 told already), delta 6 of the refused 4.
+        assert [f.step for f in faults] == [4, -1, 1, 2, 6], faults
+        assert faults[0].serving == (-1, "") and all(f.serving == version for f in faults[1:])
+        assert all(f.uri == replay for f in faults), faults
+        assert "damaged" in faults[1].error and "partition 0 offset 2" in faults[1].checkpoint
+        assert all("foreign" in f.error and other.run in f.error for f in faults[2:4])
+        assert "damaged" in faults[0].error and "quarantined" in faults[0].error
         assert "out of order" in faults[4].error and "delta of step 4" in faults[4].error
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        not_applied = [e for e in errors if "not applied" in e]
-        assert len(not_applied) == 5 and all("serving step 2" in e for e in not_applied)
+        # one ERROR line per refused update, naming the quarantined message (not a second line
+        # for its quarantining)
+        assert len(errors) == 5, errors
+        assert all("not applied" in e for e in errors), errors
+        assert "serving step -1" in errors[0] and all("serving step 2" in e for e in errors[1:])
+        assert "quarantined partition 2 offset" in errors[0], errors[0]
+        assert all("quarantine.json" in errors[i] for i in (0, 1, 2, 3)), errors
         with open(tmp_path / "q" / "quarantine.json") as f:
             entries = json.load(f)["entries"]
         assert [(e["kind"], e["partition"]) for e in entries] == [
+            ("poison", 2),
             ("poison", 0),
             ("foreign", 0),
             ("foreign", 0),
-            ("poison", 2),
         ], entries
         # Nothing more on the topic: nothing changes, nothing is reported again.
         faults.clear()
@@ -273,22 +284,29 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
         source.close()
 
 
-def test_a_fresh_model_applies_every_marked_step_and_rolls_back_to_kept_ones(
-    published: tuple[str, str],
+def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
+    broker: TansuBroker, published: tuple[str, str]
 ) -> None:
+    """A serving process (re)started on a topic reads from the newest full of its markers, not
+    from the topic's oldest message: it serves the newest step after one whole version and the
+    deltas since; a restart does the same again."""
     topic_uri, tmp = published
+    original = _read_topic(topic_uri)
+    markers = {m.step: original[0][i] for i, m in enumerate(_markers(topic_uri))}
+    replay = broker.uri(f"fresh-{uuid.uuid4().hex[:10]}")
+    _create(replay)
+    _produce(replay, 1, original[1])
+    _produce(replay, 2, original[2])
+    _produce(replay, 0, [markers[s] for s in (0, 2, 4, 6)])  # fulls at 0 and 4
     served = serving_models(SPEC, seed=9)
-    source = KafkaSource(topic_uri, wait_s=5)
+    source = KafkaSource(replay, wait_s=5)
     live = LiveModel(list(served.values()), source, LiveConfig(keep_versions=2))
     try:
-        got = live.poll()
-        assert [(s.step, s.kind) for s in got] == [
-            (0, "full"),
-            (2, "delta"),
-            (4, "full"),
-            (6, "delta"),
-            (LAST, "full"),
-        ]
+        # the full of step 4, then its delta; the full of step 0 and its delta are not read
+        assert [(s.step, s.kind) for s in live.poll()] == [(4, "full"), (6, "delta")]
+        assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 6, SPEC))
+        _produce(replay, 0, [markers[LAST]])
+        assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
         assert not bitwise_diff(served, reference(f"{tmp}/ckpt", LAST, SPEC))
         assert live.poll() == [] and not live.faults
         assert live.kept_steps() == [6, 4]
@@ -298,5 +316,16 @@ def test_a_fresh_model_applies_every_marked_step_and_rolls_back_to_kept_ones(
         with pytest.raises(CheckpointNotFoundError, match="not read its topic backwards"):
             live.rollback(2)
         assert live.step == 4
+    finally:
+        source.close()
+    # A restart: a new process's model (other random tables) serves the newest step again
+    # after one whole version.
+    again = serving_models(SPEC, seed=11)
+    source = KafkaSource(replay, wait_s=5)
+    live = LiveModel(list(again.values()), source)
+    try:
+        assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
+        assert not bitwise_diff(again, reference(f"{tmp}/ckpt", LAST, SPEC))
+        assert not live.faults
     finally:
         source.close()

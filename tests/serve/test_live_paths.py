@@ -7,7 +7,9 @@
 - an ``EmbeddingCollection`` model (float and TorchRec's int8 quantisation) served live, each
   version bitwise ``restore(step)`` / the quantisation of it;
 - the background applier (``start``/``stop``): outcomes decided by the switch events it
-  reports, never by a sleep; a store that fails a poll is logged and polled again.
+  reports, never by a sleep; a store that fails a poll is logged and polled again;
+- a URI with nothing published (a typo) is one WARNING naming it; rollback before any version
+  or to a step that is not there says why, naming the served and kept steps.
 
 One 2-rank job writes the publish URIs: an EC model publishing every 2 steps, and a model with
 other table shapes publishing a full at a later step into a copy of a DLRM's publish URI.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -29,7 +32,7 @@ from live_helpers import bitwise_diff, reference, serving_models, state_diff
 
 import deck
 from deck.demo import ModelSpec, build_model, make_batch, train_step
-from deck.errors import ConfigError
+from deck.errors import CheckpointNotFoundError, ConfigError
 from deck.format.manifest import step_dir
 from deck.model import TableShard
 from deck.read.catalog import read_manifests
@@ -369,3 +372,46 @@ def test_a_failed_poll_is_logged_and_polled_again(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and all("retrying" in w and pub in w for w in warnings)
     assert not live.faults  # a store error is not a refused update
+
+
+def test_a_uri_with_nothing_published_is_said_once(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo'd publish URI used to be polled forever without a word."""
+    typo = str(tmp_path / "pbu")
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(typo))
+    with caplog.at_level(logging.INFO, logger="deck"):
+        assert live.poll() == [] and live.poll() == [] and live.poll() == []
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1, warned
+        assert f"nothing is published at {typo}" in warned[0] and "PublishConfig.uri" in warned[0]
+        assert not live.faults and live.step == -1
+        # the publisher shows up there after all: served, and said
+        shutil.copytree(f"{root}/pub", typo, dirs_exist_ok=True)
+        assert live.poll()
+        assert any("a committed step is there now" in r.getMessage() for r in caplog.records)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_rollback_before_any_version_or_to_a_bad_step_says_why(root: str) -> None:
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"), LiveConfig())
+    with pytest.raises(CheckpointNotFoundError, match=r"no version .* is served yet"):
+        live.rollback(0)
+    assert not live.held
+    live.poll()
+    live.rollback(0)
+    live.resume()
+    live.poll()
+    kept = live.kept_steps()
+    assert kept
+    with pytest.raises(
+        ConfigError, match=rf"rollback to step -1: .*kept steps {re.escape(str(kept))}"
+    ):
+        live.rollback(-1)
+    with pytest.raises(
+        CheckpointNotFoundError, match=rf"rollback to step 1: .*kept steps {re.escape(str(kept))}"
+    ):
+        live.rollback(1)  # never published
+    assert not live.held
