@@ -4,11 +4,12 @@
 catalog and reaches every old folder). :func:`newest_view` reads only the folders of the newest
 steps: it takes the catalog's segments (their step ranges and newest trainer record, never their
 records) to know what lies below, then lists and reads the commit records of the step and merger
-folders from the newest segment down, one segment at a time, until a step
-:func:`deck.ops.retention.window.is_cut` accepts, or one above which every checkpoint is in
-the grace period (none of them can go, whatever the rest of the lineage says). The records themselves are the truth there as
-in a whole read; what the catalog contributes is only the newest trainer record below the cut
-(a merger full's epoch is the one of the trainer record of its state, which is at or below that).
+folders from about where the grace period starts down, twice as many segments each time, until
+a step :func:`deck.ops.retention.window.is_cut` accepts; failing that, the newest segment where
+every checkpoint in it is in the grace period (none of them can go, whatever the rest of the
+lineage says). The records themselves are the truth there as in a whole read; what the catalog
+contributes is only the newest trainer record below the cut (a merger full's epoch is the one
+of the trainer record of its state, which is at or below that).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def newest_view(
     quarantine records of their checkpoints and the clock markers; None when the store keeps no
     catalog with segments, or no cut is found in the newer half of its segments: the caller
     reads the whole store. ``cutoff``: the grace period's start on the store's clock (None: no
-    grace period; -inf: a store that tells no times, where everything is in it); ``now``: the store's time (a commit whose time is unknown counts as made
-    now)."""
+    grace period; -inf: a store that tells no times, where everything is in it); ``now``: the
+    store's time (a commit whose time is unknown counts as made now)."""
     index = read_indexed(storage, lambda ks: get_records(storage, ks), lazy=True)
     if index is None or not index.segments:
         return None
