@@ -251,7 +251,11 @@ class Sink(Protocol):
     while ``buf`` is still the sink's; :meth:`finish_part`'s ``build`` runs after every file
     submitted before it was written (it reads their records). The same as plain data, for a
     sink that makes the records in another process: ``specs`` (a chunk file's chunks),
-    ``state`` (a state file's captured tree) and ``plan`` (the rank manifest)."""
+    ``state`` (a state file's captured tree) and ``plan`` (the rank manifest). ``wants_specs``:
+    whether it reads ``specs`` (else the writer does not make them: per chunk, on the training
+    thread)."""
+
+    wants_specs: bool
 
     def buffer(self) -> Buffer: ...
     def submit(
@@ -277,6 +281,8 @@ class Sink(Protocol):
 class DirectSink:
     """Writes each file straight to storage on the calling thread (no staging): used by tools
     and tests. :meth:`finish_part` returns the rank manifest it wrote."""
+
+    wants_specs = False
 
     def __init__(self, storage: Storage, step: int, buffer_bytes: int):
         self.storage = storage
@@ -375,6 +381,20 @@ class RankPartWriter:
         self.rows_written = 0
         self.plans: list[ShardPlan] = []  # the shards' records as plain data (PartPlan)
 
+    def _spec(
+        self,
+        rel: str,
+        layout: ChunkLayout,
+        segs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        pad_to: int | None,
+        encoded: dict[str, tuple[Encoding, torch.dtype]],
+        offset: int | None,
+    ) -> tuple[ChunkSpec, ...]:
+        """The next chunk's spec for a sink that reads them (none for the others)."""
+        if not self.sink.wants_specs:
+            return ()
+        return (ChunkSpec.of(self.chunks_written, rel, layout, segs, pad_to, encoded, offset),)
+
     def _state_file(self, rel: str, state: treecodec.CapturedTree) -> Later[FileRecord]:
         # Encoded (safetensors + JSON) and checksummed by the thread that writes it: the capture
         # already copied the state, so the training thread only pays for that copy.
@@ -440,14 +460,14 @@ class RankPartWriter:
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_chunk_record, buf, rel, layout, pad_to, encoded, offset)
             )
-            spec = ChunkSpec.of(self.chunks_written, rel, layout, segs, pad_to, encoded, offset)
-            keys.append(spec.key)
+            specs = self._spec(rel, layout, segs, pad_to, encoded, offset)
+            keys.append(self.chunks_written)
             if offset is None:
-                self.sink.submit(rel, buf, nbytes, rec.run, (spec,))
+                self.sink.submit(rel, buf, nbytes, rec.run, specs)
             else:
                 self._bundle_fill += nbytes
                 self._bundle_chunks.append(rec)
-                self._bundle_specs.append(spec)
+                self._bundle_specs += specs
             failpoint("writer.chunk.after_submit")
             self.bytes_written += nbytes
             self.chunks_written += 1
@@ -521,8 +541,8 @@ class RankPartWriter:
             rec: Later[ChunkRecord] = Later(
                 functools.partial(_filled_record, filled, rel, layout, pad_to)
             )
-            spec = ChunkSpec.of(self.chunks_written, rel, layout, segs, pad_to, {}, None)
-            keys.append(spec.key)
+            specs = self._spec(rel, layout, segs, pad_to, {}, None)
+            keys.append(self.chunks_written)
             self.deferred.add_chunk(
                 RowSlice(picked, start, stop)
                 if picked is not None
@@ -531,7 +551,7 @@ class RankPartWriter:
                 shard.row_offset - base,
                 sources,
                 functools.partial(_segments, layout=layout, rows=stop - start),
-                functools.partial(_hand_over, self.sink, filled, rel, nbytes, rec, spec),
+                functools.partial(_hand_over, self.sink, filled, rel, nbytes, rec, specs),
             )
             self.bytes_written += nbytes
             self.chunks_written += 1
@@ -749,12 +769,12 @@ def _hand_over(
     rel: str,
     nbytes: int,
     rec: Later[ChunkRecord],
-    spec: ChunkSpec,
+    specs: tuple[ChunkSpec, ...],
     buf: Buffer,
 ) -> None:
     """A deferred chunk is filled in ``buf``: its record is made from it, and the sink has it."""
     filled.append(buf)
-    sink.submit(rel, buf, nbytes, rec.run, (spec,))
+    sink.submit(rel, buf, nbytes, rec.run, specs)
 
 
 def _ids(buf: Buffer, layout: ChunkLayout, rows: int) -> np.ndarray:

@@ -72,6 +72,8 @@ class StagedPart:
     pool's bound).
     """
 
+    wants_specs = False  # (it makes the records itself, from the writer's callables)
+
     def __init__(self, stager: PartStager, info: PendingPart, reserved: int):
         self.stager = stager
         self.info = info

@@ -131,6 +131,8 @@ class RemotePart:
     :class:`~deck.trainer.staging.StagedPart`. Files go out as messages naming their shared
     buffer; held (:meth:`hold`), they wait here until :meth:`start_writes`."""
 
+    wants_specs = True  # (the staging process makes the chunk records from them)
+
     def __init__(self, stager: ProcessStager, number: int, info: PendingPart, reserved: int):
         self.stager = stager
         self.number = number
