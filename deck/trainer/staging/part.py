@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from deck.trainer.writer import ChunkSpec, PartPlan
 
 
+def pool_buffer(pool: BufferPool, start_writes: Callable[[], None]) -> tuple[Buffer, float]:
+    """A buffer of ``pool`` for a part's next file, and the seconds waited for it: when none is
+    free, the part's held buffers are sent to be written first (they must come back)."""
+    t0 = time.perf_counter()
+    buf = pool.try_acquire()
+    if buf is None:
+        start_writes()
+        buf = pool.acquire()
+    return buf, time.perf_counter() - t0
+
+
 class PartStager(Protocol):
     """What a :class:`StagedPart` needs of the stager that made it
     (:class:`~deck.trainer.staging.Stager`): the seam between the part and the stager's threads."""
@@ -102,13 +113,8 @@ class StagedPart:
 
     # -- sink interface used by deck.trainer.writer.RankPartWriter --
     def buffer(self) -> Buffer:
-        t0 = time.perf_counter()
-        pool = self.stager.pool
-        buf = pool.try_acquire()
-        if buf is None:
-            self.start_writes()  # the held buffers must come back to be reused
-            buf = pool.acquire()
-        self.buffer_wait_s += time.perf_counter() - t0
+        buf, waited = pool_buffer(self.stager.pool, self.start_writes)
+        self.buffer_wait_s += waited
         self.pooled += 1
         return buf
 

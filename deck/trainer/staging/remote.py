@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,6 +42,7 @@ from deck.format.pending import PendingPart
 from deck.schemes import is_publish_sink, lookup
 from deck.storage import Storage
 from deck.trainer.staging.destination import Destination
+from deck.trainer.staging.part import pool_buffer
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import CheckpointStats, NeverCommits, PartProgress, Progress
 from deck.trainer.staging.recovery import recover
@@ -150,13 +150,8 @@ class RemotePart:
 
     # -- sink --
     def buffer(self) -> Buffer:
-        t0 = time.perf_counter()
-        pool = self.stager.pool
-        buf = pool.try_acquire()
-        if buf is None:
-            self.start_writes()  # the held buffers must come back to be reused
-            buf = pool.acquire()
-        self.buffer_wait_s += time.perf_counter() - t0
+        buf, waited = pool_buffer(self.stager.pool, self.start_writes)
+        self.buffer_wait_s += waited
         self.pooled += 1
         return buf
 
