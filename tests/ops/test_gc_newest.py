@@ -47,7 +47,8 @@ def _history(
     return storage, sim.clock + 1.0
 
 
-def _step(label: str) -> int:
+def label_step(label: str) -> int:
+    """The step of a GC report's folder label (a step folder, or a merger folder)."""
     folder = label.split(" ")[0].rstrip("/")
     head, _, rest = folder.partition("/")
     step = parse_step_dir(head)
@@ -70,7 +71,7 @@ def _abandoned(storage: LocalStorage, step: int, at: float) -> str:
 
 
 def _in_window(report: GcReport, floor: int) -> set[tuple[str, str]]:
-    return {d for d in report.deleted if _step(d[0]) >= floor}
+    return {d for d in report.deleted if label_step(d[0]) >= floor}
 
 
 def test_gc_of_the_newest_steps_deletes_what_the_whole_run_deletes_there(

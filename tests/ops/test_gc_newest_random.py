@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import deck.read.indexed
-from deck.format.manifest import parse_merged_dir, parse_step_dir
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.ops.retention.gc import GcReport
 from deck.read.catalog import read_manifests
@@ -21,6 +20,7 @@ from deck.read.lineage import build_graph, cheapest_chain
 from deck.read.window import read_window
 from deck.storage import LocalStorage
 from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
+from tests.ops.test_gc_newest import label_step
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +108,6 @@ def test_gc_of_the_newest_steps_on_random_histories(
             ]
 
 
-def step_of(label: str) -> int:
-    folder = label.split(" ")[0].rstrip("/")
-    head, _, rest = folder.partition("/")
-    step = parse_step_dir(head)
-    if step is not None:
-        return step
-    parsed = parse_merged_dir(rest.partition("/")[0])
-    assert parsed is not None, label
-    return parsed[1]
-
-
 def compare(
     storage: LocalStorage, policy: RetentionPolicy, now: float
 ) -> tuple[GcReport, GcReport]:
@@ -131,7 +120,7 @@ def compare(
         assert set(newest.deleted) == set(whole.deleted)
         assert set(newest.orphans) == set(whole.orphans)
         return whole, newest
-    w_del = {d[0] for d in whole.deleted if step_of(d[0]) >= newest.floor}
+    w_del = {d[0] for d in whole.deleted if label_step(d[0]) >= newest.floor}
     n_del = {d[0] for d in newest.deleted}
     assert n_del <= {d[0] for d in whole.deleted}, (
         f"default (floor {newest.floor}) deletes what whole keeps: "
@@ -142,7 +131,7 @@ def compare(
     w_orph = {
         o[0]
         for o in whole.orphans
-        if not o[0].startswith("quarantine/") and step_of(o[0]) >= newest.floor
+        if not o[0].startswith("quarantine/") and label_step(o[0]) >= newest.floor
     }
     n_orph = {o[0] for o in newest.orphans if not o[0].startswith("quarantine/")}
     assert n_orph <= {o[0] for o in whole.orphans}, sorted(n_orph - {o[0] for o in whole.orphans})
