@@ -51,9 +51,10 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
         parsed = out.parsed
         out.window = window if lowest > 0 else None  # (from the first segment on: all of it)
         try:
-            if latest_restorable(out) is None and lowest > 0:
-                # Nothing restorable in what was read: a record it needs may be below (or
-                # left out of a forged catalog); only every record's read can say there is none
+            if latest_restorable(out) is None:
+                # Nothing restorable in what was read: a record it needs may be below, or left
+                # out of a forged catalog (even one read whole); only every record's read can
+                # say there is none
                 return None
             if step is not None and step >= window.floor:
                 chain_for(out, step)

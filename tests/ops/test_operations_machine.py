@@ -1133,6 +1133,32 @@ def test_a_forged_catalog_cannot_choose_another_chain(
         m.teardown()
 
 
+def test_a_catalog_read_whole_leaving_out_the_only_restorable_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by CI's operations machine: the trainer's chain broken by crashed saves and GC,
+    only a merged full at step 4 restorable; a catalog (valid checksums) leaving that record
+    out. The window grew to the first segment, read it all, found nothing restorable and gave
+    that as the answer ("nothing to restore"), where a read of every record restores step 4.
+    Nothing restorable in what a window holds, however wide, now means: read every record."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=3, grace=0.0, policy="bounded", bound=900.0, every=4)
+        m.crash_during_save(after=False, kind="delta", n=39)
+        m.crash_merger(after=False, n=21)
+        m.crash_during_save(after=False, kind="delta", n=17)
+        m.crash_merger(after=False, n=11)
+        m.crash_merger(after=False, n=12)
+        m.crash_merger(after=False, n=16)
+        m.crash_gc(after=False, n=30)
+        m.forge_the_catalog(_Picks("merged/F-000000000004-"), how="omit")
+        assert m.forged
+        m.windowed_restores_plan_what_every_record_plans()
+    finally:
+        m.teardown()
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
