@@ -88,16 +88,20 @@ def generate(n: int, a: argparse.Namespace, files: CheckpointFiles) -> LineageSi
     sim = LineageSim(files=files, seed=n)
     last = sim.save("full")
     sim.merge_blocks(last, stride=a.stride, full_every=a.merger_full_every, lag=a.lag)
-    saves = 0
+    extend(sim, a, n)
+    return sim
+
+
+def extend(sim: LineageSim, a: argparse.Namespace, n: int) -> None:
+    """The job goes on until its lineage holds ``n`` commit records."""
     while len(sim.committed_at) < n:
-        saves += 1
+        saves = sim.saves  # (the first full's among them: this is the save after as many)
         if a.rollback_every and saves % a.rollback_every == 0:
             sim.rollback(sim.step - 50)  # a restore of 50 steps back: a new timeline
         sim.train()
         kind = "full" if sim.step % a.full_every == 0 else "delta"
         last = sim.save(kind)
         sim.merge_blocks(last, stride=a.stride, full_every=a.merger_full_every, lag=a.lag)
-    return sim
 
 
 class _Split:
@@ -268,6 +272,7 @@ def measure(
     counting = _Counting(storage)
     list_recent_rows(counting, LS_RECENT_STEPS)
     out["ls_requests"] = float(counting.n)
+    at_positions(sim, storage, a, out)
     worker = MergeWorker(storage)
     # Catching up on what the generator left for the merger: passes until one has nothing to
     # do. (A merger full over generated inputs, whose rank manifests are copies of one real
@@ -283,6 +288,65 @@ def measure(
         flush=True,
     )
     return out, storage, now
+
+
+# What depends on where the history ends rather than on its length: the size of the catalog's
+# newest segment (cut where a step's hash says: ~256 steps, of random length) and of the grace
+# period's window. Measured where the history ends and --positions - 1 times again as it goes on.
+MOVING = (
+    *("w_total", "w_requests", "w_records", "ls_total", "ls_requests"),
+    *(f"gcw{x}_{g}" for x in ("", "_requests", "_steps") for g in ("all", "hour")),
+)
+
+
+def at_positions(
+    sim: LineageSim, storage: LocalStorage, a: argparse.Namespace, out: dict[str, float]
+) -> None:
+    """The operations of :data:`MOVING` again after the job went on by ``--position-records``
+    commits (the writers' commit log and a catalog written as they write them), ``--positions``
+    places in all: each figure is their median; the spread is printed."""
+    seen = {k: [out[k]] for k in MOVING}
+    for _ in range(a.positions - 1):
+        extend(sim, a, len(sim.committed_at) + a.position_records)
+        sim.write(storage, durable=False, only_new=True)
+        sim.write_log(storage, a.behind, _fast_put(storage), only_new=True)
+        now = sim.clock + 1.0
+        every = RetentionPolicy(grace_s=now - min(sim.committed_at.values()) + 1.0)
+        for name, policy in (("all", every), ("hour", RetentionPolicy(grace_s=3600.0))):
+            t, newest = _median_s(
+                functools.partial(collect_garbage, storage, policy, dry_run=True, now=now),
+                a.repeats,
+            )
+            seen[f"gcw_{name}"].append(t)
+            counting = _Counting(storage)
+            collect_garbage(counting, policy, dry_run=True, now=now)
+            seen[f"gcw_requests_{name}"].append(float(counting.n))
+            floor = newest.floor if newest.floor is not None else 0
+            seen[f"gcw_steps_{name}"].append(float(sim.step - floor + 1))
+        t, got = _median_s(lambda: read_window(storage), a.repeats)
+        assert got is not None
+        seen["w_total"].append(t)  # (the read: what grows with the window)
+        counting = _Counting(storage)
+        got = read_window(counting)
+        assert got is not None
+        seen["w_requests"].append(float(counting.n))
+        seen["w_records"].append(float(len(got) + len(got.merged)))
+        t, _ = _median_s(lambda: list_recent_rows(storage, LS_RECENT_STEPS), a.repeats)
+        seen["ls_total"].append(t)
+        counting = _Counting(storage)
+        list_recent_rows(counting, LS_RECENT_STEPS)
+        seen["ls_requests"].append(float(counting.n))
+    for k, xs in seen.items():
+        out[k] = statistics.median(xs)
+    print(
+        f"  at {a.positions} places (every {a.position_records} commits): "
+        + "; ".join(
+            f"{k} {min(xs):.3g}..{max(xs):.3g}"
+            for k, xs in seen.items()
+            if k in ("w_total", "w_records", "ls_total", "gcw_all", "gcw_hour")
+        ),
+        flush=True,
+    )
 
 
 def measure_s3(
@@ -506,6 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--rollback-every", type=int, default=10000)
     p.add_argument("--behind", type=int, default=100, help="log entries after the catalog")
+    p.add_argument(
+        "--positions",
+        type=int,
+        default=5,
+        help="where the history ends: the operations whose cost depends on it are measured at "
+        "this many places, --position-records commits apart (medians)",
+    )
+    p.add_argument("--position-records", type=int, default=150)
     p.add_argument(
         "--s3-up-to",
         type=int,

@@ -155,6 +155,12 @@ class LineageSim:
         self._bytes: dict[str, int] = {}
         self._epochs: dict[str, int] = {}
         self._saves = 0
+        # write() and write_log(): what went to the store so far, so that a history can go on
+        self._written: set[str] = set()
+        self._linked = 0  # data files linked (a copy of them every 50,000 links)
+        self._copies = ""
+        self._logged_ids: set[str] = set()
+        self._logged = 0
 
     # ---- records -------------------------------------------------------------------------
     def _refs(self, attempt: str, nbytes: int) -> tuple[RankRef, ...]:
@@ -225,6 +231,11 @@ class LineageSim:
             self.base = self.step
         self._saves += 1
         return m
+
+    @property
+    def saves(self) -> int:
+        """The trainer's saves so far."""
+        return self._saves
 
     def rollback(self, step: int) -> None:
         """Continue from saved ``step`` (a restore): a new epoch; re-saving a later step
@@ -435,6 +446,7 @@ class LineageSim:
         files: bool = True,
         durable: bool = True,
         log_behind: int | None = None,
+        only_new: bool = False,
     ) -> None:
         """Store every record (with ``files``: and the rank manifests and data files it names),
         each commit record with its commit time as its file time (a local store). With
@@ -443,7 +455,8 @@ class LineageSim:
         as a merger pass writes it, ``log_behind`` entries before the end.
         ``durable=False`` writes the same files straight to the folder, without the store's
         fsyncs and renames, the data files as hard links of one copy (beside the store's
-        folder): 100,000 checkpoints in a minute."""
+        folder): 100,000 checkpoints in a minute. ``only_new``: only the records this simulator
+        has not written yet (to the store it wrote before: a history going on)."""
         root = storage.local_path("")
         assert root is not None, "write() sets file times on a local store"
         beside = os.path.join(os.path.dirname(os.path.abspath(root)), ".deck-synth-files")
@@ -470,23 +483,28 @@ class LineageSim:
                     f.write(data)
             return where
 
-        copies = ""
-        for i, m in enumerate([*self.trainer.values(), *self.merged.values()]):
+        todo = [*self.trainer.values(), *self.merged.values()]
+        if only_new:
+            todo = [m for m in todo if m.id not in self._written]
+        for m in todo:
             if files:
                 attempt = m.ranks[0].path.partition("/")[0]
                 for r, part in zip(m.ranks, self.files.parts_in(attempt), strict=False):
                     put(f"{m.folder}/{r.path}", part)
-                if not durable and i % 50_000 == 0:
-                    copies = copy(i // 50_000)
+                if not durable and self._linked % 50_000 == 0:
+                    self._copies = copy(self._linked // 50_000)
+                self._linked += 1
                 for rel, data in self.files.data.items():
                     where = rel.replace(self.files.attempt, attempt, 1)
-                    put(f"{m.folder}/{where}", data, None if durable else os.path.join(copies, rel))
+                    link = None if durable else os.path.join(self._copies, rel)
+                    put(f"{m.folder}/{where}", data, link)
             key = f"{m.folder}/{MANIFEST}"
             put(key, dump_model(m))
             path = storage.local_path(key)
             assert path is not None
             t = self.committed_at[m.id]
             os.utime(path, (t, t))
+            self._written.add(m.id)
         by_id = {m.id: m for m in [*self.trainer.values(), *self.merged.values()]}
         for cid, why in self.quarantined.items():
             if cid in by_id:  # (a record replaced since names nothing any more)
@@ -502,18 +520,30 @@ class LineageSim:
             self.write_log(storage, log_behind, put)
 
     def write_log(
-        self, storage: Storage, behind: int, put: Callable[[str, bytes], None] | None = None
+        self,
+        storage: Storage,
+        behind: int,
+        put: Callable[[str, bytes], None] | None = None,
+        *,
+        only_new: bool = False,
     ) -> None:
         """Write the commit log and catalogs ``3 * behind``, ``2 * behind`` and ``behind``
         entries before its end: the last catalog prunes the first and the log up to the second,
         as a job's writers of catalogs leave it (see :meth:`write`); ``put``: how to write a
-        file (default: the store's put)."""
+        file (default: the store's put). ``only_new``: the log goes on with the commits not
+        logged yet (a catalog where ``behind`` entries before the end falls among them)."""
         put = put or storage.put
         order = sorted(
             [*self.trainer.values(), *self.merged.values()], key=lambda m: self.committed_at[m.id]
         )
-        cut = max(0, len(order) - behind)
-        for seq, m in enumerate(order, 1):
+        first = 0
+        if only_new:
+            first = self._logged
+            order = [m for m in order if m.id not in self._logged_ids]
+        cut = max(0, first + len(order) - behind)
+        for seq, m in enumerate(order, first + 1):
+            self._logged_ids.add(m.id)
+            self._logged = seq
             hint = Hint(key=f"{m.folder}/{MANIFEST}", op="commit", id=m.id)
             put(
                 log_key(seq),
