@@ -16,14 +16,8 @@ import torch
 
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError
 from deck.failpoints import failpoint
-from deck.format.chunks import (
-    ChunkLayout,
-    aligned_buffer,
-    chunk_where,
-    decode_chunk,
-    encode_chunk,
-    read_chunks,
-)
+from deck.format.chunk_io import chunk_where, read_chunks
+from deck.format.chunks import ChunkLayout, aligned_buffer, decode_chunk, encode_chunk
 from deck.format.manifest import CheckpointManifest, ChunkRecord, ShardRecord
 from deck.format.rowindex import build_index
 from deck.storage import Storage

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleModelError
-from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.chunk_io import read_chunks
+from deck.format.chunks import decode_chunk
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.format.rowindex import may_contain
 from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests

@@ -16,7 +16,8 @@ import torch
 from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFoundError
 from deck.format import treecodec
 from deck.format.checksum import checksum
-from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.chunk_io import read_chunks
+from deck.format.chunks import decode_chunk
 from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,

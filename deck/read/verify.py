@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError, StorageError
-from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.checksum import checksum
+from deck.format.chunk_io import check_chunk, read_chunks
 from deck.format.manifest import CheckpointManifest, ChunkRecord, FileRecord, ShardRecord
 from deck.read.catalog import checkpoint_label, overlapped, read_rank_manifests
-from deck.read.restore import decode_state_file
 from deck.storage import Storage
 
 
@@ -41,13 +41,22 @@ class VerifyReport:
 
 
 def verify_checkpoint(
-    storage: Storage, m: CheckpointManifest, progress: Callable[[int], None] | None = None
+    storage: Storage,
+    m: CheckpointManifest,
+    progress: Callable[[int], None] | None = None,
+    *,
+    decode: bool = True,
 ) -> VerifyReport:
     """Read every file of checkpoint ``m`` and check sizes and checksums, and what a restore
     relies on besides (chunk layouts, row ids against their shard's record, state trees that
     decode); never raises for corruption, it reports it (naming the file). On a remote store
     the files are read concurrently (:func:`~deck.read.catalog.overlapped`), and checked in
-    order as they come."""
+    order as they come. ``decode=False``: sizes, checksums and chunk layouts only (what
+    storage can damage), without torch (``deck gc`` checks so)."""
+    if decode:
+        # Imported here: decoding needs torch, which the readers of records do not load
+        from deck.format.chunks import decode_chunk
+        from deck.read.restore import decode_state_file
     report = VerifyReport(step=m.step)
     try:
         parts = read_rank_manifests(storage, m)
@@ -97,7 +106,12 @@ def verify_checkpoint(
                 report.bytes += len(done.data)
                 # What a restore checks: size, checksum, and a state tree it can read.
                 where = f"{storage.describe(key)} ({checkpoint_label(m)})"
-                decode_state_file(done.data, f, where)
+                if decode:
+                    decode_state_file(done.data, f, where)
+                elif len(done.data) != f.nbytes or checksum(done.data) != f.checksum:
+                    raise CorruptCheckpointError(
+                        f"{where}: size or checksum mismatch (file is corrupt)"
+                    )
             except DeckError as e:
                 report.note(e)
             report.files += 1
@@ -105,9 +119,12 @@ def verify_checkpoint(
         for c, at, data in done.chunks:
             where = f"{at} (table {f.rec.table}, chunk {f.index[id(c)]}, {checkpoint_label(m)})"
             try:
-                # Checks checksums, layout and the ids against the shard's record (what a
-                # restore relies on); quantised chunks are valid ones.
-                decode_chunk(data, c, where, allow_quantized=True, shard=f.rec)
+                if decode:
+                    # Checks checksums, layout and the ids against the shard's record (what a
+                    # restore relies on); quantised chunks are valid ones.
+                    decode_chunk(data, c, where, allow_quantized=True, shard=f.rec)
+                else:
+                    check_chunk(data, c, where)
                 report.bytes += len(data)
             except DeckError as e:
                 report.note(e)
@@ -147,3 +164,40 @@ def confirmed_damage(storage: Storage, m: CheckpointManifest, report: VerifyRepo
     if not report.problems:
         return report
     return verify_checkpoint(storage, m)
+
+
+def check_files(
+    storage: Storage, m: CheckpointManifest, listing: Collection[str] | None = None
+) -> list[str]:
+    """The cheap check of checkpoint ``m`` (no chunk is read): its rank manifests verify, and
+    every file they name exists with its recorded size (a bundle: at least up to its last
+    chunk). Returns the problems, each naming the file; never raises for damage (a storage
+    error is a problem too: what cannot be checked is not intact). ``listing``: keys the
+    caller listed already; a file not in it is missing without a request.
+    :func:`verify_checkpoint` is the full check (every checksum)."""
+    try:
+        parts = read_rank_manifests(storage, m)
+    except DeckError as e:
+        return [str(e)]
+    sizes: dict[str, tuple[int, bool]] = {}  # key -> (bytes, exact)
+    for part in parts:
+        part.file_sizes(m.folder, sizes)
+
+    def size(key: str) -> int:
+        if listing is not None and key not in listing:
+            raise NotFoundError(storage.describe(key))
+        return storage.size(key)
+
+    problems = []
+    for key, have in overlapped(storage, size, list(sizes)):  # sized concurrently when remote
+        want, exact = sizes[key]
+        where = f"{storage.describe(key)} ({checkpoint_label(m)})"
+        if isinstance(have, NotFoundError):
+            problems.append(f"{where}: file is missing")
+        elif isinstance(have, DeckError):
+            problems.append(f"{where}: cannot be checked ({have})")
+        elif isinstance(have, Exception):
+            raise have
+        elif have != want if exact else have < want:
+            problems.append(f"{where}: {have} bytes, its record says {want}")
+    return problems

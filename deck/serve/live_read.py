@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deck.errors import CorruptCheckpointError, DeckError, IncompatibleModelError, NotFoundError
-from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.chunk_io import read_chunks
+from deck.format.chunks import decode_chunk
 from deck.format.manifest import CheckpointManifest, RankManifest, ShardRecord
 from deck.read.catalog import checkpoint_label, read_rank_manifests
 from deck.storage import Storage

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from deck.errors import ConfigError
-from deck.format.chunks import decode_chunk, read_chunks
+from deck.format.chunk_io import read_chunks
+from deck.format.chunks import decode_chunk
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.format.parquet import (
     FORMAT,

@@ -336,7 +336,7 @@ class RankPartWriter:
 
     ``bundle_bytes`` (0 = off) appends the chunks of this part, page-aligned and back to back,
     into bundle files ``bundle-<n:06d>.bin`` of at most that many bytes; each chunk record then
-    names the bundle and its ``offset`` (readers go through :func:`deck.format.chunks.read_chunks`).
+    names the bundle and its ``offset`` (readers go through :func:`deck.format.chunk_io.read_chunks`).
     A sink buffer holds one bundle, filled in place: bundling copies nothing extra.
     """
 

@@ -16,7 +16,7 @@ import pytest
 
 from deck.config import StagingConfig
 from deck.errors import ConfigError, CorruptCheckpointError
-from deck.format.chunks import read_chunks
+from deck.format.chunk_io import read_chunks
 from deck.format.manifest import ChunkRecord, Kind, RankManifest, load_model
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker

@@ -373,3 +373,11 @@ def test_a_filter_that_is_not_base64_is_refused(bloom: str) -> None:
 @pytest.mark.parametrize("bloom", ["ABC=", "AB==", "a+/9"])
 def test_a_base64_filter_is_accepted(bloom: str) -> None:
     assert RowIndex(min_id=0, max_id=9, bits=24, k=1, bloom=bloom).bloom == bloom
+
+
+def test_the_torch_free_item_sizes_are_torchs() -> None:
+    """chunk_io checks layouts without torch: its sizes per dtype name are the torch dtypes'."""
+    from deck.format.chunk_io import ITEMSIZE
+    from deck.format.chunks import DTYPES
+
+    assert {k: v.itemsize for k, v in DTYPES.items()} == ITEMSIZE

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import tests.ops.test_operations_machine as machine
@@ -33,5 +37,51 @@ def test_a_damaged_trainer_full_never_takes_over_from_a_deleted_merger_full(
         m.gc()
         m.promised_and_restorable_steps_restore_bitwise()
         assert promised <= set(m.promised)
+    finally:
+        m.teardown()
+
+
+_GC_IN_A_FRESH_PROCESS = """
+import json, sys
+import deck.ops.retention.gc as gc
+from deck.ops.retention.plan import RetentionPolicy
+from deck.storage import open_storage
+
+checked = []
+real = gc.verify_checkpoint
+gc.verify_checkpoint = lambda storage, m, **kw: checked.append(m.id) or real(storage, m, **kw)
+report = gc.collect_garbage(
+    open_storage(sys.argv[1]), RetentionPolicy(grace_s=0.0, max_clock_skew_s=900.0), dry_run=True
+)
+print(json.dumps({
+    "deleted": [folder for folder, _ in report.deleted],
+    "checked": checked,
+    "loaded": sorted(m for m in ("torch", "numpy") if m in sys.modules),
+}))
+"""
+
+
+def test_gc_checks_what_takes_over_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC reads the trainer checkpoints that take over a deleted merger full's steps with their
+    checksums (what storage can damage), not decoded: a `deck gc` run does not load torch
+    (whose import was most of a run's time)."""
+    monkeypatch.setattr(machine, "event", lambda *a, **k: None)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=4, grace=0.0, policy="default")
+        m.save_deltas(4, rows=4)
+        m.merge(workers=1)
+        m.save_full()
+        m.save_full()
+        out = subprocess.run(
+            [sys.executable, "-c", _GC_IN_A_FRESH_PROCESS, m.store.uri],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert any(f.startswith("merged/F-") for f in got["deleted"]), got
+        assert got["checked"], got  # what takes over was read with its checksums
+        assert got["loaded"] == [], got
     finally:
         m.teardown()

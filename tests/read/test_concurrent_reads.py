@@ -17,8 +17,7 @@ from deck.errors import CorruptCheckpointError, StorageError
 from deck.format.manifest import CheckpointManifest, rank_manifest_name
 from deck.format.stream import is_stream_file
 from deck.read.catalog import overlapped, read_manifests, read_rank_manifests
-from deck.read.file_check import check_files
-from deck.read.verify import verify_checkpoint
+from deck.read.verify import check_files, verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.testing.faulty_storage import FaultyStorage
 from deck.testing.synth import SynthTrainer

@@ -22,9 +22,9 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.file_check import check_files
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
 from deck.read.restore import apply_chain, part_where
+from deck.read.verify import check_files
 from deck.storage import Storage
 
 

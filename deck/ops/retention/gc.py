@@ -48,8 +48,8 @@ from deck.read.catalog import (
     refresh_catalog,
     repair_catalog,
 )
-from deck.read.file_check import check_files
 from deck.read.lineage import LineageNode, build_graph
+from deck.read.verify import check_files, verify_checkpoint
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
@@ -392,11 +392,9 @@ class _Collector:
         """Problems of checkpoint ``m``'s files: sizes (or checksums with ``checksums`` or
         ``verify_replacements``)."""
         if checksums or self.policy.verify_replacements:
-            # Imported here: the chunk decoder needs torch, which `deck gc` otherwise does not
-            # load (some 2.5 s of a run's start)
-            from deck.read.verify import verify_checkpoint
-
-            report = verify_checkpoint(self.storage, m)
+            # What storage can damage (sizes, checksums, layouts), not decoded: deck gc runs
+            # without torch (whose import would be most of a run's time)
+            report = verify_checkpoint(self.storage, m, decode=False)
             # What cannot be read holds too, said as such (a read error is not damage)
             return report.problems + [f"could not be read: {p}" for p in report.unreadable]
         return check_files(self.storage, m, listing)
