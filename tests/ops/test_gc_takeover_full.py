@@ -14,6 +14,12 @@ from deck.read.lineage import build_graph
 from tests.ops.test_operations_machine import OperationsMachine, _Pick
 
 
+def _with_a_merger_full(m: OperationsMachine) -> None:
+    m.setup(stride=2, every=4, grace=0.0, policy="default")
+    m.save_deltas(4, rows=4)
+    m.merge(workers=1)
+
+
 def test_a_damaged_trainer_full_never_takes_over_from_a_deleted_merger_full(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -24,9 +30,7 @@ def test_a_damaged_trainer_full_never_takes_over_from_a_deleted_merger_full(
     monkeypatch.setattr(machine, "event", lambda *a, **k: None)
     m = OperationsMachine()
     try:
-        m.setup(stride=2, every=4, grace=0.0, policy="default")
-        m.save_deltas(4, rows=4)
-        m.merge(workers=1)
+        _with_a_merger_full(m)
         graph = build_graph(read_manifests(m.store))
         assert any(n.merged and n.kind.value == "full" for n in graph.nodes.values())
         m.damage_a_file(_Pick(lambda c: c[0].startswith("step-000000000000/")), how="flip")
@@ -68,9 +72,7 @@ def test_gc_checks_what_takes_over_without_torch(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(machine, "event", lambda *a, **k: None)
     m = OperationsMachine()
     try:
-        m.setup(stride=2, every=4, grace=0.0, policy="default")
-        m.save_deltas(4, rows=4)
-        m.merge(workers=1)
+        _with_a_merger_full(m)
         m.save_full()
         m.save_full()
         out = subprocess.run(
