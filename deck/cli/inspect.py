@@ -13,11 +13,13 @@ from deck.cli.common import (
     Subparsers,
     age_text,
     human,
+    json_list,
     open_existing,
     progress_bar,
     quiet_catalog,
 )
 from deck.errors import CheckpointNotFoundError
+from deck.format.jsonio import paused_gc
 
 if TYPE_CHECKING:
     from deck.format.manifest import CheckpointManifest
@@ -100,7 +102,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
     now = time.time()
     shown = _ls_view(rows, a)
     if a.json:
-        print(json.dumps([r.to_dict(now) for r in shown], indent=1))
+        with paused_gc():  # (a dict per row: see paused_gc)
+            text = json_list([r.to_dict(now) for r in shown])
+        print(text)
     elif a.tree:
         print("\n".join(tree_lines(graph, shown, lambda r: _tree_line(r, now))))
     else:
