@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deck.cli.common import json_list
+from deck.cli.common import _flat, json_list
 from deck.ops.listing import Row
 
 scalars = st.one_of(
@@ -82,18 +82,29 @@ def test_anything(items: list[Any]) -> None:
 
 
 def test_tricky_strings_and_numbers() -> None:
+    flat = [
+        {
+            "a": 'x"covers": [1,\n  2]',
+            "covers": [1, 2],
+            "b": "\\",
+            "c": math.nan,
+            "d": -math.inf,
+            "e": True,
+            "f": 10**30,
+            "g": "\u2028\ud800é",
+            "h": '"},\n  {"',
+            "i": [-(2**70)],
+            "j": [],
+            "k": '\n  "x": [1]',
+        },
+        {"covers": [3, 4, 5], "x": None},
+        {"a b": 1},
+    ]
+    assert all(_flat(x) for x in flat)  # (written at C speed)
+    _same(flat)
     _same(
         [
-            {
-                "a": 'x"covers": [1,\n  2]',
-                "covers": [1, 2],
-                "b": "\\",
-                "c": math.nan,
-                "d": -math.inf,
-                "e": True,
-                "f": 10**30,
-                "g": "\u2028\ud800é",
-            },
+            *flat,
             {"covers": [True, 1]},
             {"covers": []},
             {},

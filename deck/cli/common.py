@@ -123,44 +123,44 @@ Subparsers = argparse._SubParsersAction  # what add_subparsers returns
 
 # json.dumps with an indent runs json's pure-Python encoder (~15 us a row of `deck ls --json`:
 # seconds over a long history); without one, its C encoder. Given the indented form's
-# separators, the C encoder writes a flat dict's members as the indented form does; the
-# braces' lines and the lists of ints inside it (a row's "covers") are put in here.
+# separators, the C encoder writes the members of flat dicts as the indented form does; the
+# lines of the list's and the dicts' brackets, and the lists of ints inside (a row's
+# "covers"), are put in here.
 _MEMBERS = json.JSONEncoder(separators=(",\n  ", ": "))
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 _SIMPLE_KEY = re.compile(r"[A-Za-z0-9_]+")
+# A member whose value is a list of ints, as _MEMBERS writes it after the line break before
+# each member: a raw line break is only ever a separator (strings escape theirs), and in flat
+# dicts one followed by a quote starts a member's key.
+_INTS_MEMBER = re.compile(r'\n  ("[A-Za-z0-9_]+": )\[(-?[0-9]+(?:,\n  -?[0-9]+)*)\]')
 
 
 def json_list(items: list[Any]) -> str:
-    """``json.dumps(items, indent=1)``, the same text, written at C speed for dicts whose values
-    are numbers, strings, bools, None or lists of ints (under simple keys); any other item the
-    usual way (tests/test_cli_json.py compares the two on generated rows)."""
-    if not items:
-        return "[]"
-    return "[\n" + ",\n".join([_json_item(x) for x in items]) + "\n]"
+    """``json.dumps(items, indent=1)``, the same text, written at C speed when every item is a
+    non-empty dict with string keys whose values are numbers, strings, bools, None or lists of
+    ints (under simple keys); else the usual way (tests/test_cli_json.py compares the two)."""
+    if not items or not all(_flat(x) for x in items):
+        return json.dumps(items, indent=1)
+    text = _MEMBERS.encode(items)  # '[{"a": 1,\n  "b": 2},\n  {"a": ...}]'
+    # A member's value is never a dict: '},\n  {' is where an item ends and the next begins.
+    text = "[\n {\n  " + text[2:-2].replace("},\n  {", "\n },\n {\n  ") + "\n }\n]"
+    return _INTS_MEMBER.sub(_ints_indented, text)
 
 
-def _json_item(x: Any) -> str:
-    """One item of :func:`json_list`, indented as an element of the top-level list."""
-    if type(x) is dict and x:
-        lists = [k for k, v in x.items() if type(v) in (list, tuple, dict)]
-        if all(
-            type(k) is str
-            and _SIMPLE_KEY.fullmatch(k)
-            and type(x[k]) is list
-            and all(type(e) is int for e in x[k])
-            for k in lists
-        ):
-            text = _MEMBERS.encode(x)
-            for k in lists:
-                if x[k]:  # (an empty one is "[]" either way)
-                    ints = [str(e) for e in x[k]]
-                    # The key is simple and a string's quotes are escaped: only the member
-                    # itself reads '"key": ['.
-                    text = text.replace(
-                        f'"{k}": [' + ",\n  ".join(ints) + "]",
-                        f'"{k}": [\n   ' + ",\n   ".join(ints) + "\n  ]",
-                        1,
-                    )
-            return " {\n  " + text[1:-1] + "\n }"
-    # One level deeper than on its own: a space more at the start of each line (a string's
-    # newlines are escaped, never in the text).
-    return " " + json.dumps(x, indent=1).replace("\n", "\n ")
+def _flat(x: Any) -> bool:
+    """Whether ``x`` is a dict :func:`json_list` writes at C speed."""
+    if type(x) is not dict or not x:
+        return False
+    for k, v in x.items():
+        if type(k) is not str:
+            return False
+        if type(v) is list:
+            if not _SIMPLE_KEY.fullmatch(k) or not all(type(e) is int for e in v):
+                return False
+        elif type(v) not in _SCALARS:
+            return False
+    return True
+
+
+def _ints_indented(m: re.Match[str]) -> str:
+    return f"\n  {m.group(1)}[\n   " + m.group(2).replace(",\n  ", ",\n   ") + "\n  ]"

@@ -53,6 +53,7 @@ MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step-([0-9]{12})")  # whole names only (fullmatch): ASCII digits
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_BAD_PARTS = frozenset(("", ".", ".."))  # path components a record may not hold
 
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
 CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
@@ -93,11 +94,7 @@ def check_rel_path(v: str) -> str:
     """``v`` if it is a safe file name for a record to hold (a relative '/'-path of letters,
     digits, ``_.-`` without empty, ``.`` or ``..`` components), else ValueError: a record from
     an untrusted place must not make deck read, write or delete outside the folder it names."""
-    if (
-        not _SAFE_PATH.match(v)
-        or v.startswith("/")
-        or any(p in ("", ".", "..") for p in v.split("/"))
-    ):
+    if not _SAFE_PATH.match(v) or v.startswith("/") or not _BAD_PARTS.isdisjoint(v.split("/")):
         raise ValueError(f"unsafe file name {v!r}: must be a relative path without '..'")
     return v
 
