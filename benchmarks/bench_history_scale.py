@@ -23,6 +23,11 @@ For each size, at a local store (medians of ``--repeats``, warm page cache):
   the newest segments of the catalog (``deck.read.window.read_window``, what a restore does),
   checked to plan the same chain;
 - ``deck ls``'s default view (:func:`deck.ops.listing.list_recent_rows`);
+- the full-history reads: ``deck ls --all --json`` as the command runs it (``deck.cli.main`` in
+  this process, its output written to ``/dev/null``: all of the command but the interpreter's
+  start), and reading and parsing every record through the catalog
+  (:func:`deck.read.catalog.read_manifests`), each as time and records per second
+  (``--full-history-only``: only these, after generating each size);
 
 and the growth exponent between sizes (time ~ n**k). With ``--s3-up-to N``, the sizes up to N
 again at the S3 test server (SeaweedFS, started here, on this host: requests are what the
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import functools
 import itertools
 import math
@@ -54,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _workload import in_workdir
 
+from deck.cli import main as deck_main
 from deck.cli.inspect import LS_RECENT_STEPS
 from deck.format.manifest import MANIFEST, parse_merged_dir, parse_step_dir
 from deck.merge.worker import MergeWorker
@@ -168,6 +175,9 @@ def measure(
         flush=True,
     )
     now = sim.clock + 1.0
+    if a.full_history_only:
+        sim.write_log(storage, a.behind, _fast_put(storage))
+        return {"n": total, **measure_full_history(storage, total, a)}, storage, now
     every = RetentionPolicy(grace_s=now - min(sim.committed_at.values()) + 1.0)
     hour = RetentionPolicy(grace_s=3600.0)
     out: dict[str, float] = {"n": total}
@@ -202,6 +212,7 @@ def measure(
     assert manifests.index is not None and manifests.index.since == a.behind
     out["i_total"] = out["i_read"] + out["r_graph"] + out["r_chain"]
     out["i_requests"] = _requests(storage)
+    out.update(measure_full_history(storage, total, a))
 
     # GC end to end, split into its parts as it runs them (medians over the repeats)
     split = _Split(storage)
@@ -347,6 +358,41 @@ def at_positions(
         ),
         flush=True,
     )
+
+
+def measure_full_history(
+    storage: LocalStorage, total: int, a: argparse.Namespace
+) -> dict[str, float]:
+    """The readers of every record: ``deck ls --all --json`` end to end (the CLI's own function,
+    its output written to /dev/null), and :func:`read_manifests` through the catalog; each
+    with the records it handled per second."""
+    out: dict[str, float] = {}
+
+    def ls_all() -> int:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            return deck_main(["ls", storage.root, "--all", "--json"])
+
+    # The process's CPU time too: on a shared 2-core VM the wall time is mostly what the other
+    # jobs leave, the CPU time what the command costs.
+    c0 = time.process_time()
+    out["fh_ls"], code = _median_s(ls_all, a.repeats)
+    out["fh_ls_cpu"] = (time.process_time() - c0) / a.repeats
+    assert code == 0, f"deck ls --all --json exited {code}"
+    c0 = time.process_time()
+    out["fh_read"], got = _median_s(lambda: read_manifests(storage), a.repeats)
+    out["fh_read_cpu"] = (time.process_time() - c0) / a.repeats
+    assert got.index is not None, "not read through the catalog"
+    assert len(got) + len(got.merged) == total, "not every record"
+    out["fh_ls_rate"] = total / out["fh_ls"]
+    out["fh_read_rate"] = total / out["fh_read"]
+    print(
+        f"  deck ls --all --json: {out['fh_ls']:.3f} s ({out['fh_ls_rate']:,.0f} records/s); "
+        f"every record through the catalog: {out['fh_read']:.3f} s "
+        f"({out['fh_read_rate']:,.0f} records/s); CPU {out['fh_ls_cpu']:.3f} s / "
+        f"{out['fh_read_cpu']:.3f} s",
+        flush=True,
+    )
+    return out
 
 
 def measure_s3(
@@ -507,6 +553,12 @@ ROWS = [
     ("w_records", "records it read (the newest segments back to the full its chain needs)"),
     ("ls_total", "`deck ls` (default view: newest steps, fulls of the newest segments)"),
     ("ls_requests", "storage requests of that view"),
+    ("fh_ls", "`deck ls --all --json` (every record, end to end but the interpreter's start)"),
+    ("fh_ls_rate", "- records/s"),
+    ("fh_ls_cpu", "- CPU time of the process (mean of the repeats)"),
+    ("fh_read", "every record read and parsed through the catalog (`read_manifests`)"),
+    ("fh_read_rate", "- records/s"),
+    ("fh_read_cpu", "- CPU time of the process (mean of the repeats)"),
     ("i_merge", "a merger pass with nothing new, through the catalog"),
     (
         "local_w_total",
@@ -545,13 +597,19 @@ def table(results: list[dict[str, float]]) -> str:
     head += "".join(f" | k {a // 1000}k->{b // 1000}k" for a, b in pairs) + " |"
     lines = [head, "|---" * (1 + len(sizes) + len(pairs)) + "|"]
     for key, label in ROWS:
+        if not any(key in x for x in results):
+            continue  # (a part not measured in this run)
         count = key.endswith(("requests", "records")) or "_steps_" in key or "_requests_" in key
+        rate = key.endswith("_rate")  # (records/s: no growth exponent, that of its time is)
         cells = [
-            (f"{x[key]:.0f}" if count else f"{x[key]:.3f} s") if key in x else "-" for x in results
+            (f"{x[key]:,.0f}" if rate else f"{x[key]:.0f}" if count else f"{x[key]:.3f} s")
+            if key in x
+            else "-"
+            for x in results
         ]
         ks = []
         for (x, y), (sa, sb) in zip(itertools.pairwise(results), pairs, strict=True):
-            if key in x and key in y and x[key] > 0 and y[key] > 0:
+            if not rate and key in x and key in y and x[key] > 0 and y[key] > 0:
                 ks.append(f"{math.log(y[key] / x[key]) / math.log(sb / sa):.2f}")
             else:
                 ks.append("-")
@@ -583,6 +641,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="also measure at the S3 test server (SeaweedFS, started here) the sizes up to this",
+    )
+    p.add_argument(
+        "--full-history-only",
+        action="store_true",
+        help="measure only the full-history reads (deck ls --all --json, every record through "
+        "the catalog)",
     )
     p.add_argument("--out", default=None, help="work directory (default: a temp dir, removed)")
     a = p.parse_args(argv)

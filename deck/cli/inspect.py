@@ -13,11 +13,13 @@ from deck.cli.common import (
     Subparsers,
     age_text,
     human,
+    json_list,
     open_existing,
     progress_bar,
     quiet_catalog,
 )
 from deck.errors import CheckpointNotFoundError
+from deck.format.jsonio import paused_gc
 
 if TYPE_CHECKING:
     from deck.format.manifest import CheckpointManifest
@@ -86,6 +88,13 @@ def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
 
 def cmd_ls(a: argparse.Namespace) -> int:
     """Run ``deck ls`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
+    # One pause for the records, the rows and their text (each pause's end costs a collection
+    # of what was made in it: see paused_gc)
+    with paused_gc():
+        return _ls(a)
+
+
+def _ls(a: argparse.Namespace) -> int:
     from deck.ops.listing import list_recent_rows, list_rows, tree_lines
 
     storage = open_existing(a.uri, a.storage_options)
@@ -100,7 +109,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     now = time.time()
     shown = _ls_view(rows, a)
     if a.json:
-        print(json.dumps([r.to_dict(now) for r in shown], indent=1))
+        print(json_list([r.to_dict(now) for r in shown]))
     elif a.tree:
         print("\n".join(tree_lines(graph, shown, lambda r: _tree_line(r, now))))
     else:

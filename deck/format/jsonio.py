@@ -10,7 +10,11 @@ tree decoder, ``json.dumps`` for a checksum) may too. Here any such file is
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from deck.errors import CorruptCheckpointError
@@ -77,3 +81,33 @@ def load_json(
             "not written by deck"
         )
     return value
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0  # the paused_gc blocks running now, in every thread
+_gc_resume = False  # whether the collector ran before the first of them
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while a reader makes many long-lived objects
+    at once: every commit record of a long history (some ten tracked objects each), its
+    lineage graph, a listing's rows. While objects pile up the collector keeps walking all of
+    them (a full collection each time they grew by a quarter): at 100,000 records that was
+    as long as parsing them. Nothing is kept longer than it would be: reference counting frees
+    what it always frees, and garbage in cycles waits for the first collection after the
+    block. Nested and concurrent blocks (threads) count: the collector runs again when the
+    last one ends, if it ran before the first began."""
+    global _gc_pausers, _gc_resume
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_resume:
+                gc.enable()

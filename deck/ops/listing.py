@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, DeckError, NotFoundError
+from deck.format.commit_log import record_key_kind
+from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -30,7 +32,14 @@ from deck.format.manifest import (
     parse_step_dir,
     step_dir,
 )
-from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
+from deck.read.catalog import (
+    ManifestSet,
+    get_records,
+    manifest_keys,
+    manifest_set,
+    read_manifests,
+    read_rank_manifests,
+)
 from deck.read.lineage import LineageGraph, LineageNode, PathLink, build_graph, keep_chain
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -72,10 +81,16 @@ class Row:
 
     def to_dict(self, now: float) -> dict[str, Any]:
         """JSON-ready, with ``age_s`` and ``covers``."""
-        d = asdict(self)
+        # Every field holds a number, a string, a bool or None: a shallow copy is what
+        # dataclasses.asdict's deep one gives, at a tenth of its cost (a row per checkpoint
+        # for `deck ls --all --json`).
+        d = {name: getattr(self, name) for name in _ROW_FIELDS}
         d["covers"] = [self.first_step, self.step]
         d["age_s"] = None if self.created_unix is None else round(now - self.created_unix, 3)
         return d
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(Row))
 
 
 def _row(n: LineageNode) -> Row:
@@ -105,27 +120,57 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     damaged (state ``damaged``, ``problem`` naming the file), ordered by step, then layer. A
     committed trainer checkpoint without a complete chain is ``abandoned`` (an older timeline
     a rollback left) or ``broken`` (the newest timeline: damage, ``deck verify`` says what)."""
-    keys = storage.list("")
-    # Every folder's record too, listed or not: a listing of regular files leaves out a
-    # manifest.json that is a link or a FIFO, and that is a damaged record, not a pending
-    # checkpoint. (One listing: the folders are those of the listed files.)
-    depth = {True: 2, False: 1}  # merged/<name>/..., step-N/...
-    folders = {"/".join(k.split("/")[: depth[k.startswith(f"{MERGED_ROOT}/")]]) for k in keys}
-    manifests = read_manifests(storage, sorted(set(keys) | {f"{f}/{MANIFEST}" for f in folders}))
-    graph = build_graph(manifests, storage.uri)
-    rows = [_row(n) for n in graph.nodes.values()]
-    restorable = set(graph.restorable_steps())
-    newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
-    rows = [
-        replace(r, state="broken" if r.epoch == newest else "abandoned")
-        if not r.merged and r.state == "committed" and r.step not in restorable
-        else r
-        for r in rows
-    ]
-    rows.extend(_unreadable_rows(manifests, keys))
-    rows.extend(_pending_rows(storage, keys))
-    rows.sort(key=_row_order)
+    with paused_gc():  # (100,000 records make millions of objects: see paused_gc)
+        keys, records = _listed_records(storage)
+        manifests = manifest_set(storage, records, None)
+        graph = build_graph(manifests, storage.uri)
+        rows = [_row(n) for n in graph.nodes.values()]
+        restorable = set(graph.restorable_steps())
+        newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
+        rows = [
+            replace(r, state="broken" if r.epoch == newest else "abandoned")
+            if not r.merged and r.state == "committed" and r.step not in restorable
+            else r
+            for r in rows
+        ]
+        rows.extend(_unreadable_rows(manifests, keys))
+        rows.extend(_pending_rows(storage, keys))
+        rows.sort(key=_row_order)
     return graph, rows
+
+
+def _listed_records(
+    storage: Storage,
+) -> tuple[list[str], list[tuple[str, bytes | CorruptCheckpointError]]]:
+    """What a listing of every file of ``storage`` says for :func:`list_rows`, and the records
+    it names, read: the keys of the regular files among the records and in the folders that
+    hold no readable record (their rank parts: pending checkpoints), and each record key (of
+    a folder holding any file, and every quarantine record) with its bytes, sorted by key.
+
+    A listing of every file walks every chunk folder of every checkpoint (500,000 files at
+    100,000 checkpoints: seconds, most of ``deck ls --all``). So the folders are listed (the
+    root, ``merged/``, ``quarantine/``), each folder's record read, and only the folders whose
+    record is not a file that was read are listed whole: there the listing decides, as it
+    did, whether the record is a regular file (a link, a FIFO is not: damaged, and its rank
+    parts pending) and whether the folder holds anything at all (else it was never looked
+    at)."""
+    wanted = sorted(k for k in manifest_keys(storage) if record_key_kind(k) is not None)
+    read = list(get_records(storage, wanted))
+    keys = [k for k, data in read if isinstance(data, bytes)]
+    odd = [k for k, data in read if not isinstance(data, bytes) and not _quarantine_key(k)]
+    listed = {k: storage.list(k[: -len(MANIFEST)]) for k in odd}
+    keys += [f for found in listed.values() for f in found]
+    keys.sort()
+    records = [
+        (k, data)
+        for k, data in read
+        if data is not None and (k not in listed or listed[k])  # (an empty folder: nothing)
+    ]
+    return keys, records
+
+
+def _quarantine_key(key: str) -> bool:
+    return key.startswith(f"{QUARANTINE_ROOT}/")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from deck.format.commit_log import (
     record_key_kind,
     seqs_in,
 )
+from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -243,6 +244,13 @@ def read_manifests(
     ``previous``: the caller's last read of this store (a merger or follower polling it): its
     read goes on from there, and records whose bytes did not change are not parsed again.
     """
+    with paused_gc():  # (some ten objects per record, 100,000 records: see paused_gc)
+        return _read_manifests(storage, keys, previous)
+
+
+def _read_manifests(
+    storage: Storage, keys: Iterable[str] | None, previous: ManifestSet | None
+) -> ManifestSet:
     if keys is not None:
         wanted = [k for k in keys if record_key_kind(k) is not None]
         read = dict(get_records(storage, wanted))

@@ -28,6 +28,7 @@ from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.commit_log import key_step
+from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -614,7 +615,8 @@ def build_graph(
     manifests: ManifestSet | dict[int, CheckpointManifest], uri: str = ""
 ) -> LineageGraph:
     """The lineage graph of what :func:`deck.read.catalog.read_manifests` returned."""
-    return LineageGraph(manifests, uri)
+    with paused_gc():  # (a node per checkpoint: see paused_gc)
+        return LineageGraph(manifests, uri)
 
 
 def lineage_graph(storage: Storage) -> LineageGraph:
@@ -623,7 +625,7 @@ def lineage_graph(storage: Storage) -> LineageGraph:
     An empty store gives an empty graph. Folders without ``manifest.json`` are not checkpoints
     and are not in it. ``deck.lineage_graph(uri)`` opens a URI for it.
     """
-    return LineageGraph(read_manifests(storage), storage.uri)
+    return build_graph(read_manifests(storage), storage.uri)
 
 
 def cheapest_chain(

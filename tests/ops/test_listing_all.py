@@ -1,0 +1,169 @@
+"""``deck ls --all``'s rows (``list_rows``) from the folders' listings are the rows the listing of
+every file gave (the way it was done before: tests keep it here as the reference), on a store
+holding every odd thing a folder can hold: pending attempts, damaged and oversized records,
+records that are links, FIFOs or folders, folders with nothing but such a record, empty
+folders, quarantine records good and bad. A damaged record is a damaged row naming its file,
+and ``deck ls --all --json`` prints the rows as ``json.dumps(..., indent=1)`` did."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deck.cli import main
+from deck.format.manifest import MANIFEST, MERGED_ROOT
+from deck.ops import listing
+from deck.ops.listing import Row, list_rows
+from deck.read.catalog import read_manifests
+from deck.read.lineage import LineageGraph, build_graph
+from deck.storage import LocalStorage
+from deck.storage.base import MAX_RECORD_BYTES
+from deck.testing.synth_lineage import LineageSim, writer_checkpoint
+
+
+def reference_list_rows(storage: LocalStorage) -> tuple[LineageGraph, list[Row]]:
+    """``list_rows`` as it was: a listing of every file, the records of the folders it names."""
+    keys = storage.list("")
+    depth = {True: 2, False: 1}
+    folders = {"/".join(k.split("/")[: depth[k.startswith(f"{MERGED_ROOT}/")]]) for k in keys}
+    manifests = read_manifests(storage, sorted(set(keys) | {f"{f}/{MANIFEST}" for f in folders}))
+    graph = build_graph(manifests, storage.uri)
+    rows = [listing._row(n) for n in graph.nodes.values()]
+    restorable = set(graph.restorable_steps())
+    newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
+    rows = [
+        replace(r, state="broken" if r.epoch == newest else "abandoned")
+        if not r.merged and r.state == "committed" and r.step not in restorable
+        else r
+        for r in rows
+    ]
+    rows.extend(listing._unreadable_rows(manifests, keys))
+    rows.extend(listing._pending_rows(storage, keys))
+    rows.sort(key=listing._row_order)
+    return graph, rows
+
+
+def _timeless(rows: list[Row]) -> list[Row]:
+    """(A pending row's time is its parts' age, read at the call.)"""
+    return [replace(r, created_unix=None) if r.state == "pending" else r for r in rows]
+
+
+@pytest.fixture(scope="module")
+def files() -> object:
+    return writer_checkpoint()
+
+
+def _store(tmp_path: Path, files: object) -> LocalStorage:
+    sim = LineageSim(files=files, seed=5)  # type: ignore[arg-type]
+    last = sim.save("full")
+    for i in range(30):
+        if i == 20:
+            sim.rollback(sim.step - 4)
+        sim.train()
+        last = sim.save("full" if i % 11 == 10 else "delta")
+        sim.merge_blocks(last, stride=2, full_every=6, lag=1)
+    sim.quarantine(sim.trainer[sim.step - 1].id)
+    storage = LocalStorage(str(tmp_path / "uri"))
+    sim.write(storage, durable=False)
+    return storage
+
+
+def _vandalise(storage: LocalStorage) -> dict[str, str]:
+    """Every odd thing, each in a folder of its own; what it did, by folder."""
+    root = Path(storage.root)
+    steps = sorted(p for p in root.iterdir() if p.name.startswith("step-"))
+    merged = sorted((root / MERGED_ROOT).iterdir())
+    done: dict[str, str] = {}
+
+    def part_of(step: Path) -> Path:
+        return next(p for p in step.rglob("rank-00000.json"))
+
+    # damaged records: garbage, cut short, another step's, too large
+    (steps[3] / MANIFEST).write_bytes(b"garbage")
+    (steps[4] / MANIFEST).write_bytes((steps[4] / MANIFEST).read_bytes()[:50])
+    (steps[5] / MANIFEST).write_bytes((steps[6] / MANIFEST).read_bytes())
+    (steps[7] / MANIFEST).write_bytes(b" " * (MAX_RECORD_BYTES + 1))
+    # records that are not regular files: with the folder's other files, and alone
+    target = steps[8] / MANIFEST
+    os.replace(target, root / "elsewhere.json")
+    target.symlink_to(root / "elsewhere.json")
+    (steps[9] / MANIFEST).unlink()
+    os.mkfifo(steps[9] / MANIFEST)
+    (steps[10] / MANIFEST).unlink()
+    (steps[10] / MANIFEST).mkdir()
+    (steps[10] / MANIFEST / "x").write_bytes(b"{}")
+    lonely = root / "step-000000009000"
+    lonely.mkdir()
+    (lonely / MANIFEST).symlink_to(root / "elsewhere.json")
+    fifo_alone = root / "step-000000009001"
+    fifo_alone.mkdir()
+    os.mkfifo(fifo_alone / MANIFEST)
+    (root / "step-000000009002").mkdir()  # empty
+    (root / "step-000000009003" / "sub").mkdir(parents=True)  # nothing but a folder
+    # pending attempts: a step without a record, and a new attempt beside a committed one
+    pending = root / "step-000000009004" / "00000000deadbeef"
+    pending.mkdir(parents=True)
+    (pending / "rank-00000.json").write_bytes(part_of(steps[11]).read_bytes())
+    beside = steps[12] / "00000000feedbeef"
+    beside.mkdir()
+    (beside / "rank-00000.json").write_bytes(part_of(steps[12]).read_bytes())
+    # a pending attempt in the folder whose record is a link
+    other = steps[8] / "00000000abcdabcd"
+    other.mkdir()
+    (other / "rank-00000.json").write_bytes(part_of(steps[12]).read_bytes())
+    # merger records: garbage, a link (with the folder's files), a link alone, gone
+    (merged[0] / MANIFEST).write_bytes(b"[")
+    os.replace(merged[1] / MANIFEST, root / "elsewhere-merged.json")
+    (merged[1] / MANIFEST).symlink_to(root / "elsewhere-merged.json")
+    alone = root / MERGED_ROOT / (merged[2].name[:-16] + "0123456789abcdef")
+    alone.mkdir()
+    (alone / MANIFEST).symlink_to(root / "elsewhere-merged.json")
+    (merged[3] / MANIFEST).unlink()
+    (root / MERGED_ROOT / "not-a-merger-folder").mkdir()
+    (root / MERGED_ROOT / "not-a-merger-folder" / MANIFEST).write_bytes(b"{}")
+    # quarantine records: a good one (the simulator's), garbage, one in a sub-folder
+    (root / "quarantine" / "0123456789abcdef.json").write_bytes(b"garbage")
+    (root / "quarantine" / "sub").mkdir()
+    (root / "quarantine" / "sub" / "fedcba9876543210.json").write_bytes(b"garbage")
+    # files at the top that look like folders
+    (root / "step-000000009005").write_bytes(b"")
+    done["steps"] = ",".join(p.name for p in steps[3:13])
+    return done
+
+
+def test_the_rows_are_those_of_a_listing_of_every_file(tmp_path: Path, files: object) -> None:
+    storage = _store(tmp_path, files)
+    graph_a, clean = list_rows(storage)
+    graph_b, want = reference_list_rows(storage)
+    assert clean == want and list(graph_a.nodes) == list(graph_b.nodes)
+    _vandalise(storage)
+    graph_a, got = list_rows(storage)
+    graph_b, want = reference_list_rows(storage)
+    assert _timeless(got) == _timeless(want)
+    assert list(graph_a.nodes) == list(graph_b.nodes)
+    states = {r.state for r in got}
+    assert {"damaged", "pending", "quarantined", "committed"} <= states
+    damaged = {r.folder: r.problem for r in got if r.state == "damaged"}
+    # Each damaged record is reported as such, naming its file
+    for folder, problem in damaged.items():
+        assert problem is not None and f"{folder}/{MANIFEST}" in problem, (folder, problem)
+    assert len(damaged) == 7, damaged  # steps 3, 4, 5, 7, 8, 9, a merger folder
+
+
+def test_ls_all_json_prints_what_json_dumps_printed(
+    tmp_path: Path,
+    files: object,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = _store(tmp_path, files)
+    _vandalise(storage)
+    monkeypatch.setattr("time.time", lambda: 1e9)  # the rows' ages: one clock for both
+    assert main(["ls", storage.uri, "--all", "--json"]) == 1  # (damaged records)
+    out = capsys.readouterr().out
+    _, rows = reference_list_rows(storage)
+    assert out == json.dumps([r.to_dict(1e9) for r in rows], indent=1) + "\n"
