@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, reject, settings
 from hypothesis import strategies as st
 
+from deck.config import STAGING_MODE_ENV
 from deck.testing.differential import (
     FUSED,
     IN_BACKWARD,
@@ -434,7 +435,18 @@ def setups(draw: st.DrawFn) -> Setup:
         restore_world_size=restore_ws,
         batch=draw(st.integers(2, 5)),
         copy_on_write=draw(st.sampled_from(["deltas", "all", "off"])),
+        staging_mode=draw(STAGING_MODES),
     )
+
+
+# The staging mode of a drawn setup: DECK_STAGING_MODE's where set (a whole run in one mode),
+# else a draw, the staging process one time in four (each of its examples starts a staging
+# process per rank in both phases: ~1.3 s of CPU each on CI's 2 cores)
+STAGING_MODES = (
+    st.just(os.environ[STAGING_MODE_ENV])
+    if os.environ.get(STAGING_MODE_ENV)
+    else st.sampled_from(["threads", "threads", "threads", "process"])
+)
 
 
 @settings(
