@@ -22,10 +22,14 @@ import torch.distributed as dist
 import deck
 from deck import failpoints
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
-from deck.errors import CheckpointError
+from deck.errors import CheckpointError, DeckError
+from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
 from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
+from deck.testing.staging import full_part_info
+from deck.trainer.staging import CheckpointStats
+from deck.trainer.staging.remote import CLOSE_S, ProcessStager
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -190,8 +194,60 @@ def test_rank_0_stops_waiting_for_a_part_whose_staging_process_died(tmp_path: Pa
     ``commit_timeout_s``, where a part failing with staging threads writes a
     failure record that stops rank 0 at once. Rank 1's training process now writes that record
     for each part the dead process held (best effort, as the staging threads do): rank 0 gives
-    the step up at once, naming rank 1's dead staging process, with no collective between."""
+    the step up at once, naming rank 1's dead staging process, with no collective between.
+    Both ways it can go are covered: the process dying after the part was handed on (the
+    death handler writes the record) and while its files were still being sent, before the
+    hand-over (a cold pool sends them during the stall; the hand-over that finds it dead
+    writes it: the first version of the fix missed this one, seen on a loaded machine; both
+    made to happen in the test after this one)."""
     run_ranks(_rank0_stops_waiting, str(tmp_path))
+
+
+@pytest.mark.parametrize("handed_on", [True, False], ids=["after_hand_over", "before_hand_over"])
+def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
+    tmp_path: Path, handed_on: bool
+) -> None:
+    """The fix pinned above, both ways the death can meet a part, each made to happen (not
+    left to timing): rank 1's staging process killed after its part was handed on (the death
+    handler writes the record) and before (the hand-over finds it dead and writes it; the first
+    version of the fix missed this one: on a loaded machine the process died writing files sent
+    during the stall, before the hand-over). A part whose rank manifest is up gets none."""
+    uri = str(tmp_path / "ck")
+    stager = ProcessStager(
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, (uri, {})
+    )
+    try:
+        for step, manifest_up in ((1, False), (2, True)):
+            info = full_part_info(uri, step, f"{step:016x}", rank=1, world_size=2)
+            folder = tmp_path / "ck" / step_dir(step) / info.ckpt_id
+            if manifest_up:  # (as if the part had gone up just before the death)
+                folder.mkdir(parents=True)
+                (folder / rank_manifest_name(1)).write_bytes(b"{}")
+            staged = stager.begin(info, reserved=0)
+            stats = CheckpointStats(step=step, kind="full", id=info.ckpt_id)
+            if handed_on:
+                stager.enqueue(staged, stats)
+            pid = stager.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while stager.dead is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            if not handed_on:
+                stager.enqueue(staged, stats)
+            assert stats.progress.wait(60), stats  # (the death handler ends it)
+            assert stats.state == "failed" and "died" in (stats.error or ""), stats
+            record = folder / rank_failure_name(1)  # (written before the part is failed)
+            if manifest_up:
+                assert not record.exists()
+            else:
+                text = record.read_text()
+                assert text.startswith("rank 1: ") and "staging process" in text, text
+            with pytest.raises(DeckError, match=f"step {step + 10}"):  # a new one starts
+                stager.begin(full_part_info(uri, step + 10, "f" * 16, 1, 2), reserved=0)
+    finally:
+        stager.close()
 
 
 # ---- killed alone at each of its failpoints ------------------------------------------------------
@@ -294,6 +350,12 @@ def _killed_alone(
             assert step + 1 not in states or states[step + 1] == "failed", states
             assert states[step + 2] in ("committed", "uploaded"), (point, states)
             step += 3
+        # close() drains the (replaced) staging process within its bound and stops it
+        last = ck.stager.pid
+        t0 = time.monotonic()
+        ck.close()
+        assert time.monotonic() - t0 < CLOSE_S, time.monotonic() - t0
+        assert last is not None and _gone(last)
     dist.all_gather_object(every, outcome)
     if rank == 0:
         print(f"\nkilled alone at (rank: point -> the step in flight): {every}")

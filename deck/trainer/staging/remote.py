@@ -516,6 +516,8 @@ class ProcessStager:
             self.pool.release(buf)
         err = DeckError(self._death)
         for p, progress, reserved in parts:
+            if not closing and p.rank != 0:  # (out before the part is told it failed)
+                self._report_failed(p, self._death)
             progress.fail(f"step {p.step} was not committed: {self._death}")
             if self._spool is not None:
                 self._spool.release(reserved)
@@ -523,10 +525,6 @@ class ProcessStager:
         for fut in waiting:
             fut.set_exception(err)
         self._ready.set()
-        if not closing:
-            for p, _, _ in parts:
-                if p.rank != 0:
-                    self._report_failed(p, self._death)
 
     def _report_failed(self, p: PendingPart, why: str) -> None:
         """A part of this rank (not 0) died with the staging process: its failure record tells
@@ -699,6 +697,8 @@ class ProcessStager:
             with self._lock:
                 gone = self._progress.pop(staged.number, None)
             if gone is not None:  # else the death handler failed it
+                if self.rank != 0:  # it died before this part was handed on
+                    self._report_failed(staged.info, str(e))
                 stats.progress.fail(str(e))
                 stats.progress.end()
             self._failed_after_death = True
