@@ -16,7 +16,10 @@ it runs, no cleanup, like ``kill -9``; hit in a staging process of
 with the staging threads), ``kill-self`` (SIGKILL only the process that hits it: a staging
 process dies alone and its training process goes on), ``enospc`` (raise ``OSError(ENOSPC)`` as a full disk
 would) or ``interrupt`` (raise ``KeyboardInterrupt``, as a Ctrl-C landing there would). With ``DECK_FAILPOINT_MARKER=<path>`` a killed process first creates ``<path>``
-holding the point's name, so a test knows the kill happened there and nowhere else.
+holding the point's name and hit (``name:nth``; ``name:nth staging`` when a staging process hit
+it), so a test knows the kill happened there and nowhere else. A staging process's own hit
+counts are asked with ``ProcessStager.failpoint_hits()``: how a test enumerates the points it
+passes.
 
 The environment is parsed once, at import; :func:`configure` re-arms (a test's forked child).
 Disarmed, a call is one lookup in an empty dict. Never set these variables in production.
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 ENV = "DECK_FAILPOINTS"
 MARKER_ENV = "DECK_FAILPOINT_MARKER"
 ACTIONS = ("kill", "kill-self", "enospc", "interrupt")
+STAGING = "staging"  # how a marker says a staging process hit the point
 
 
 @dataclass
@@ -136,8 +140,9 @@ def failpoint(name: str, path: str | None = None) -> None:
         raise KeyboardInterrupt(name)
     marker = os.environ.get(MARKER_ENV)
     if marker:
+        where = "" if _kill_first is None else f" {STAGING}"
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, f"{name}:{point.nth}\n".encode())
+        os.write(fd, f"{name}:{point.nth}{where}\n".encode())
         os.close(fd)
     if point.action == "kill" and _kill_first is not None:
         os.kill(_kill_first, signal.SIGKILL)

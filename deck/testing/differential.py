@@ -115,6 +115,8 @@ class Setup:
     batchnorm: bool = False
     batch: int = 4
     copy_on_write: str = "deltas"  # staging.copy_on_write
+    # staging.mode ("threads" | "process"); None: StagingConfig's default (DECK_STAGING_MODE)
+    staging_mode: str | None = None
     vbe: bool = False  # each feature its own batch size, expanded by inverse indices
     qcomms: str = "none"  # one of QCOMMS
     # Restore into this many ranks (another plan): compared is the global state right after the
@@ -656,7 +658,10 @@ def _config(setup: Setup, uri: str) -> deck.DeckConfig:
         delta_every_steps=setup.every,
         full_every_steps=setup.full_every,
         lease_ttl_s=None,
-        staging=StagingConfig(copy_on_write=setup.copy_on_write),  # type: ignore[arg-type]
+        staging=StagingConfig.model_validate(
+            {"copy_on_write": setup.copy_on_write}
+            | ({} if setup.staging_mode is None else {"mode": setup.staging_mode})
+        ),
     )
 
 

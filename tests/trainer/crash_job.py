@@ -1,7 +1,16 @@
 """Crash-consistency driver: SIGKILL a real 2-rank DMP trainer, merger workers and GC at named
 failpoints (deck.failpoints), restart, and check what survived.
 
-    python tests/trainer/crash_job.py ROOT          # writes ROOT/results.json
+    python tests/trainer/crash_job.py ROOT [threads|process [staging|all]]   # ROOT/results.json
+
+The second argument is ``StagingConfig.mode`` (default ``threads``). With ``process`` the points
+of :data:`STAGING_POINTS` are hit in each rank's staging process, whose ``kill`` kills its
+training process first (the rank dies there, as with threads): the driver checks from the
+marker that each kill came from the process it should (the staging process exactly for
+:data:`STAGING_POINTS`). The third argument picks the plan: ``all`` (default) every point below;
+``staging`` (what CI runs in process mode) one (point, nth) per point the staging process
+passes, in the plan's order, the recovery points with the kills they follow, and no merger or
+GC kills (those never stage).
 
 One driver process imports torch, TorchRec and deck once and forks every incarnation from
 itself, so a restart costs a process group and a model, not a Python start (a 2-rank job start
@@ -118,6 +127,38 @@ TRAINER_POINTS: list[tuple[str, int, int]] = [
     ("lease.acquire.before_put", 1, 0),
     ("lease.acquire.after_put", 1, 0),
 ]
+# The points a staging process (StagingConfig(mode="process")) passes; the rest of the trainer's
+# are hit in the training process in both modes. tests/trainer/test_staging_process.py checks
+# this list against what a staging process reports it reached (ProcessStager.failpoint_hits).
+STAGING_POINTS = frozenset(
+    {
+        "stager.spool.before_write",
+        "stager.spool.write",
+        "stager.spool.after_write",
+        "stager.pending.before_write",
+        "stager.pending.write",
+        "stager.pending.before_rename",
+        "stager.pending.after_write",
+        "stager.fsync.before",
+        "stager.fsync.after",
+        "stager.recover.before_check",
+        "stager.upload.before_put",
+        "stager.upload.after_put",
+        "stager.part_manifest.before_put",
+        "stager.part_manifest.after_put",
+        "stager.commit.before",
+        "commit.before_manifest",
+        "commit.after_manifest",
+        "stager.cleanup.before",
+        "stager.cleanup.after_files",
+    }
+)
+# Test hooks a staging process passes too, armed with "enospc" by other tests (a spool fsync
+# that fails, a full local disk): no kill of this run arms them, the staging process's
+# kill-self test does.
+STAGING_HOOKS = frozenset({"stager.spool.fsync", "storage.local.write"})
+MODE = "threads"  # StagingConfig.mode of every incarnation (main's second argument)
+PLAN = "all"  # which incarnations (main's third argument)
 # New fulls: incarnations that take every checkpoint as a full (a trainer full after restore).
 FULL_POINTS: list[tuple[str, int, int]] = [
     ("writer.chunk.before_fill", 2, 1),
@@ -158,11 +199,13 @@ GC_POINTS: list[tuple[str, int]] = [
 AFTER_RESTORE = ("writer.", "checkpointer.save.", "stager.spool.", "stager.pending.")
 
 
-def restarts_always_checked() -> int:
+def restarts_always_checked(plan: str = "all") -> int:
     """How many restarts :func:`drive` checks however threads interleave: the incarnations armed
-    with an :data:`AFTER_RESTORE` point, the clean restart after the trainer kills and the last
-    one."""
-    return sum(p.startswith(AFTER_RESTORE) for p, _, _ in TRAINER_POINTS + FULL_POINTS) + 2
+    with an :data:`AFTER_RESTORE` point, the clean restart after the trainer kills and (plan
+    "all") the last one. (A staging process passes the spool and pending points only for parts
+    staged after the restore too: recovery writes neither.)"""
+    armed = sum(p.startswith(AFTER_RESTORE) for p, _, _, _ in plan_for(plan))
+    return armed + (2 if plan == "all" else 1)
 
 
 MERGE = MergeConfig(stride=2, full=FullPolicy(every=6, max_live_fraction=None), chunk_bytes=4096)
@@ -219,6 +262,7 @@ def config(p: Paths, release: str = "in_memory") -> deck.DeckConfig:
             retry_max_s=0.2,
             commit_timeout_s=60,
             release=release,
+            mode=MODE,  # type: ignore[arg-type]
         ),
     )
 
@@ -340,6 +384,8 @@ def _tool_entry(p: Paths, name: str, spec: str | None, what: str, uri: str) -> N
 @dataclass
 class Results:
     kills: list[str] = field(default_factory=list)  # "<process>:<point>:<nth>" that fired
+    staging_kills: list[str] = field(default_factory=list)  # of those, hit in a staging process
+    mode: str = "threads"
     not_reached: list[str] = field(default_factory=list)
     restarts_checked: int = 0
     recovered_parts: int = 0
@@ -442,7 +488,33 @@ def _trainer_run(p: Paths, inc: int, spec: str | None, armed: int, mode: str = "
         )
     if fired is not None and codes[armed] != -signal.SIGKILL:
         raise Failure(f"incarnation {inc}: {fired} fired but rank {armed} exited {codes[armed]}")
-    return "killed" if fired else "completed"
+    if fired is not None:
+        # Where it fired: a staging process exactly for its points (process mode)
+        where = fired.split()[1:]
+        want = [failpoints.STAGING] if MODE == "process" and spec in _staging_specs() else []
+        if where != want:
+            raise Failure(f"incarnation {inc}: {spec} fired as {fired!r}; expected where {want}")
+    return ("killed-staging" if fired.split()[1:] else "killed") if fired else "completed"
+
+
+def _staging_specs() -> set[str | None]:
+    return {f"{p}:{n}" for p, n, _ in TRAINER_POINTS + FULL_POINTS if p in STAGING_POINTS}
+
+
+def plan_for(which: str) -> list[tuple[str, int, int, str]]:
+    """The trainer incarnations of ``which`` ("all" or "staging": see the module docstring)."""
+    plan = [(*x, "train") for x in TRAINER_POINTS] + [(*x, "full") for x in FULL_POINTS]
+    if which == "all":
+        return plan
+    seen: set[str] = set()
+    out = []
+    for point, nth, rank, mode in plan:
+        # Each recovery point with the kill it follows (both of them: one per rank)
+        pair = point in ("stager.fsync.before", "stager.recover.before_check")
+        if point in STAGING_POINTS and (pair or point not in seen):
+            seen.add(point)
+            out.append((point, nth, rank, mode))
+    return out
 
 
 def _check_restart(
@@ -507,6 +579,14 @@ def _verify_all(p: Paths, what: str, uri: str | None = None) -> None:
             raise Failure(f"after {what}: {m.folder} fails verification: {problems[:3]}")
 
 
+def _no_leftovers(p: Paths) -> None:
+    leftovers = [
+        os.path.join(d, f) for d, _, fs in os.walk(p.uri) for f in fs if f.startswith(".tmp-")
+    ] + [os.path.join(d, f) for d, _, fs in os.walk(p.spool) for f in fs]
+    if leftovers:
+        raise Failure(f"temp or spool files left behind: {leftovers[:10]}")
+
+
 def drive(root: str) -> Results:
     p = Paths(root)
     for d in (p.refs, p.logs):
@@ -517,15 +597,17 @@ def drive(root: str) -> Results:
     before: dict[int, str] = {}
     must: set[tuple[int, str]] = set()
     only = os.environ.get("CRASH_ONLY")  # debugging: a comma-separated subset of points
-    plan = [(*x, "train") for x in TRAINER_POINTS] + [(*x, "full") for x in FULL_POINTS]
-    for point, nth, rank, mode in plan:
+    res.mode = MODE
+    for point, nth, rank, mode in plan_for(PLAN):
         if only and point not in only.split(","):
             continue
         inc += 1
         outcome = _trainer_run(p, inc, f"{point}:{nth}", rank, mode)
         carried = _check_restart(p, inc, before, must, res)
         tag = f"trainer-r{rank}{'-full' if mode == 'full' else ''}:{point}:{nth}"
-        (res.kills if outcome == "killed" else res.not_reached).append(tag)
+        (res.kills if outcome.startswith("killed") else res.not_reached).append(tag)
+        if outcome == "killed-staging":
+            res.staging_kills.append(tag)
         before = _committed(p)
         must = carried | _must_commit(before, _pending(p))
     # A clean restart finishes whatever the last kill left.
@@ -533,6 +615,12 @@ def drive(root: str) -> Results:
     _trainer_run(p, inc, None, 0)
     _check_restart(p, inc, before, must, res)
     _verify_all(p, "the trainer kills")
+    if PLAN == "staging":  # merger and GC never stage: the "all" plan kills them
+        _tool_run(p, "gc-last", None, "gc")  # (the killed writes' temp files are GC's)
+        _verify_all(p, "the last GC")
+        _no_leftovers(p)
+        res.seconds = time.perf_counter() - t0
+        return res
 
     # Merger kills: each on a copy of the trainer's URI as it is now (so every point finds
     # work), then rerun unarmed; the result must be exactly the uninterrupted merge's.
@@ -577,11 +665,7 @@ def drive(root: str) -> Results:
     _check_restart(p, inc, before, set(), res)
     _tool_run(p, "gc-last", None, "gc")
     _verify_all(p, "the last GC")
-    leftovers = [
-        os.path.join(d, f) for d, _, fs in os.walk(p.uri) for f in fs if f.startswith(".tmp-")
-    ] + [os.path.join(d, f) for d, _, fs in os.walk(p.spool) for f in fs]
-    if leftovers:
-        raise Failure(f"temp or spool files left behind: {leftovers[:10]}")
+    _no_leftovers(p)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -602,7 +686,11 @@ def _preload() -> None:
 
 
 def main() -> None:
+    global MODE, PLAN
     root = sys.argv[1]
+    MODE = sys.argv[2] if len(sys.argv) > 2 else "threads"
+    PLAN = sys.argv[3] if len(sys.argv) > 3 else "all"
+    assert MODE in ("threads", "process") and PLAN in ("all", "staging"), sys.argv
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     _preload()

@@ -55,13 +55,28 @@ def test_failpoint_spec_parsing_and_enospc_action() -> None:
     assert failpoints.armed() == []
 
 
-def test_sigkill_at_every_failpoint_then_restart(tmp_path: Path) -> None:
+# The plan of the process-mode run: "staging" in CI (each point a staging process passes, once;
+# ~25 s), DECK_CRASH_PLAN=all for every point of the threads run
+PROCESS_PLAN = os.environ.get("DECK_CRASH_PLAN", "staging")
+
+
+@pytest.mark.parametrize(
+    "mode,plan", [("threads", "all"), ("process", PROCESS_PLAN)], ids=["threads", "process"]
+)
+def test_sigkill_at_every_failpoint_then_restart(tmp_path: Path, mode: str, plan: str) -> None:
     """At least 50 distinct (point, nth) kills across trainer ranks, merger workers and GC; all
-    survived. The counts go to docs/reliability.md."""
+    survived. The counts go to docs/reliability.md.
+
+    ``process``: the trainers stage through a staging process per rank
+    (``StagingConfig(mode="process")``) and are killed at each point that process passes (19
+    points, plan "staging"): the kill is hit in the staging process (its marker says so),
+    which kills its training process first, so the rank dies at that moment as with threads;
+    the same restarts, recoveries and bitwise restores are checked."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(failpoints.ENV, None)
+    env.pop("DECK_STAGING_MODE", None)
     proc = subprocess.run(
-        [sys.executable, JOB, str(tmp_path)],
+        [sys.executable, JOB, str(tmp_path), mode, plan],
         env=env,
         capture_output=True,
         text=True,
@@ -73,20 +88,28 @@ def test_sigkill_at_every_failpoint_then_restart(tmp_path: Path) -> None:
     assert res["ok"], res.get("error", "")[-6000:]
     kills = set(res["kills"])
     print(
-        f"\ncrash points: {len(kills)} distinct kills survived "
-        f"({sum(k.startswith('trainer') for k in kills)} trainer, "
+        f"\ncrash points ({mode}, plan {plan}): {len(kills)} distinct kills survived "
+        f"({sum(k.startswith('trainer') for k in kills)} trainer, of them "
+        f"{len(res['staging_kills'])} hit in a staging process, "
         f"{sum(k.startswith('merger') for k in kills)} merger, "
         f"{sum(k.startswith('gc') for k in kills)} gc); not reached: {res['not_reached']}; "
         f"{res['restarts_checked']} restarts checked, {res['recovered_parts']} spooled parts "
         f"recovered; {res['seconds']:.0f} s"
     )
+    assert res["mode"] == mode
     assert len(kills) == len(res["kills"])  # each point armed once
     # Every armed point fires: each is reached on every run, whatever the timing (the recovery
     # points follow kills that always leave a part in the spool; see crash_job.TRAINER_POINTS).
     assert not res["not_reached"], res["not_reached"]
-    assert len(kills) >= 50, sorted(kills)
     assert res["recovered_parts"] > 0
-    assert res["restarts_checked"] >= crash_job.restarts_always_checked()
+    assert res["restarts_checked"] >= crash_job.restarts_always_checked(plan)
+    staged = {k.split(":")[1] for k in res["staging_kills"]}
+    if mode == "threads":
+        assert not staged
+    else:  # every point the staging process passes was killed there, and only those
+        assert staged == crash_job.STAGING_POINTS, sorted(staged ^ crash_job.STAGING_POINTS)
+    if plan == "all":
+        assert len(kills) >= 50, sorted(kills)
 
 
 # ---- disk full on the spool ----------------------------------------------------------------------

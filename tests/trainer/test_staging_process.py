@@ -7,6 +7,7 @@ comes from a failpoint in the staging process, never from timing."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,16 +15,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import crash_job
 import pytest
 import torch.distributed as dist
 
 import deck
 from deck import failpoints
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
-from deck.errors import CheckpointError
+from deck.errors import CheckpointError, DeckError
+from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
 from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
+from deck.testing.staging import full_part_info
+from deck.trainer.staging import CheckpointStats
+from deck.trainer.staging.remote import CLOSE_S, ProcessStager
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -145,6 +151,246 @@ def _dies(rank: int, world_size: int, root: str) -> None:
 
 def test_a_dead_staging_process_fails_the_next_checkpoint_on_every_rank(tmp_path: Path) -> None:
     run_ranks(_dies, str(tmp_path))
+
+
+def _rank0_stops_waiting(rank: int, world_size: int, root: str) -> None:
+    # (Without the record rank 0 gives up after 90 s: the test fails at 45 s, not hangs)
+    config = _config(root, "cpu-ssd-remote", commit_timeout_s=90)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        ck.step(0)
+        assert ck.flush(timeout=120)
+        if rank == 1:
+            failpoints.configure("stager.spool.before_write:1:kill-self")
+        _train(model, opt, user, 1)
+        assert ck.step(1) is not None
+        # No collective of deck's from here until rank 0 gave step 1 up
+        deadline = time.monotonic() + 45
+        states: dict[int, str] = {}
+        done = ("failed", "committed" if rank == 0 else "uploaded")  # where the part ends
+        while states.get(1) not in done:
+            assert time.monotonic() < deadline, f"rank {rank}: step 1 still {states.get(1)}"
+            time.sleep(0.05)
+            states = {h.step: h.state for h in ck.history}
+        failpoints.configure(None)
+        assert states[1] == "failed", states
+        errors = {h.step: h.error or "" for h in ck.history}
+        if rank == 0:  # the failure record rank 1's training process wrote says why
+            assert "rank 1" in errors[1] and "staging process" in errors[1], errors
+        dist.barrier()
+        with pytest.raises(CheckpointError):
+            ck.step(2)
+        stats = ck.step(3)
+        assert stats is not None and stats.kind == "full"
+        assert not ck.flush(timeout=120)
+    dist.barrier()
+    assert sorted(read_manifests(LocalStorage(f"{root}/ck"))) == [0, 3]
+
+
+def test_rank_0_stops_waiting_for_a_part_whose_staging_process_died(tmp_path: Path) -> None:
+    """Found by the kill-self test below: a staging process of rank 1 that died with a part in
+    its hands left rank 0's commit of that step waiting until the next collective or
+    ``commit_timeout_s``, where a part failing with staging threads writes a
+    failure record that stops rank 0 at once. Rank 1's training process now writes that record
+    for each part the dead process held (best effort, as the staging threads do): rank 0 gives
+    the step up at once, naming rank 1's dead staging process, with no collective between.
+    Both ways it can go are covered: the process dying after the part was handed on (the
+    death handler writes the record) and while its files were still being sent, before the
+    hand-over (a cold pool sends them during the stall; the hand-over that finds it dead
+    writes it: the first version of the fix missed this one, seen on a loaded machine; both
+    made to happen in the test after this one)."""
+    run_ranks(_rank0_stops_waiting, str(tmp_path))
+
+
+@pytest.mark.parametrize("handed_on", [True, False], ids=["after_hand_over", "before_hand_over"])
+def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
+    tmp_path: Path, handed_on: bool
+) -> None:
+    """The fix pinned above, both ways the death can meet a part, each made to happen (not
+    left to timing): rank 1's staging process killed after its part was handed on (the death
+    handler writes the record) and before (the hand-over finds it dead and writes it; the first
+    version of the fix missed this one: on a loaded machine the process died writing files sent
+    during the stall, before the hand-over). A part whose rank manifest is up gets none."""
+    uri = str(tmp_path / "ck")
+    stager = ProcessStager(
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, (uri, {})
+    )
+    try:
+        for step, manifest_up in ((1, False), (2, True)):
+            info = full_part_info(uri, step, f"{step:016x}", rank=1, world_size=2)
+            folder = tmp_path / "ck" / step_dir(step) / info.ckpt_id
+            if manifest_up:  # (as if the part had gone up just before the death)
+                folder.mkdir(parents=True)
+                (folder / rank_manifest_name(1)).write_bytes(b"{}")
+            staged = stager.begin(info, reserved=0)
+            stats = CheckpointStats(step=step, kind="full", id=info.ckpt_id)
+            if handed_on:
+                stager.enqueue(staged, stats)
+            pid = stager.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while stager.dead is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            if not handed_on:
+                stager.enqueue(staged, stats)
+            assert stats.progress.wait(60), stats  # (the death handler ends it)
+            assert stats.state == "failed" and "died" in (stats.error or ""), stats
+            record = folder / rank_failure_name(1)  # (written before the part is failed)
+            if manifest_up:
+                assert not record.exists()
+            else:
+                text = record.read_text()
+                assert text.startswith("rank 1: ") and "staging process" in text, text
+            with pytest.raises(DeckError, match=f"step {step + 10}"):  # a new one starts
+                stager.begin(full_part_info(uri, step + 10, "f" * 16, 1, 2), reserved=0)
+    finally:
+        stager.close()
+
+
+# ---- killed alone at each of its failpoints ------------------------------------------------------
+
+# Every failpoint named in deck's code (as tests/test_docs.py counts them)
+ALL_POINTS = sorted(
+    {
+        m
+        for f in Path(deck.__file__).parent.rglob("*.py")
+        for m in re.findall(r"failpoint\(\s*\"([^\"]+)\"", f.read_text())
+    }
+)
+UNREACHED = 10**9  # an nth no run reaches: armed only to count hits
+EVERY_POINT = os.environ.get("DECK_STAGING_KILLS") == "all"
+
+
+def _probe(ck: Any, model: Any, opt: Any, user: TrainState, live: dict, steps: range) -> set[str]:
+    """Checkpoint ``steps`` with every point armed and never fired; the points this rank's
+    staging process reached (asked from it), checked against the training process's."""
+    failpoints.configure(",".join(f"{p}:{UNREACHED}" for p in ALL_POINTS))
+    for step in steps:
+        live[step] = _train(model, opt, user, step)
+        assert ck.step(step) is not None
+    assert ck.flush(timeout=120)
+    staged = {p for p, n in ck.stager.failpoint_hits().items() if n}
+    here = {p for p, n in failpoints.hits().items() if n}
+    failpoints.configure(None)
+    assert not staged & here, sorted(staged & here)  # each point is one process's
+    return staged
+
+
+def _killed_alone(
+    rank: int, world_size: int, root: str, declared: list[str], every_point: bool
+) -> None:
+    config = _config(root, "cpu-ssd-remote", commit_timeout_s=120)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live: dict[int, Any] = {}
+    every: list[Any] = [None] * world_size
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        # 1. Which points the staging processes pass (a full and two deltas): exactly those
+        #    crash_job declares (STAGING_POINTS, STAGING_HOOKS), but the recovery point (a
+        #    restart's)
+        dist.all_gather_object(every, sorted(_probe(ck, model, opt, user, live, range(3))))
+        reached = [set(x) for x in every]
+        want = set(declared) - {"stager.recover.before_check"}
+        assert set.union(*reached) == want, sorted(set.union(*reached) ^ want)
+        # 2. Kill each rank's staging process alone at those points. The points only rank 0
+        #    passes (the commit's) alone: rank 0 commits only once rank 1's part is up. The
+        #    others two at once, one per rank (rank 1's never wait for rank 0).
+        rounds: list[tuple[str | None, str | None]] = [
+            (x, None) for x in sorted(reached[0] - reached[1])
+        ]
+        shared = sorted(reached[1])
+        ones, zeros = shared[::2], [x for x in shared[1::2] if x in reached[0]]
+        ones += [x for x in shared[1::2] if x not in reached[0]]
+        pairs = [
+            (zeros[i] if i < len(zeros) else None, ones[i] if i < len(ones) else None)
+            for i in range(max(len(zeros), len(ones)))
+        ]
+        rounds += pairs if every_point else pairs[:1]
+        step = 3
+        outcome: dict[str | None, str] = {}
+        for pair in rounds:
+            point = pair[rank]
+            first = ck.stager.pid
+            dist.all_gather_object(every, point)
+            victims = [r for r, x in enumerate(every) if x is not None]
+            if point is not None:  # (in the staging process alone: the training process
+                # passes storage.local.write too once its staging process died)
+                ck.stager.arm_failpoints(f"{point}:1:kill-self")
+            live[step] = _train(model, opt, user, step)
+            assert ck.step(step) is not None  # staged: the death comes after, in the background
+            if point is not None:
+                deadline = time.monotonic() + 120
+                while ck.stager.dead is None:
+                    assert time.monotonic() < deadline, f"{point} was not reached"
+                    time.sleep(0.01)
+            dist.barrier()
+            # The next checkpoint raises on every rank, naming its step and the dead ranks
+            live[step + 1] = _train(model, opt, user, step + 1)
+            with pytest.raises(CheckpointError) as e:
+                ck.step(step + 1)
+            text = str(e.value)
+            assert f"step {step + 1}" in text and f"rank(s) {victims}" in text, text
+            if point is not None:
+                assert "staging process" in text and "died" in text, text
+                assert ck.stager.pid != first
+                with pytest.raises(ProcessLookupError):
+                    os.kill(first, 0)  # reaped
+            # ... a new staging process takes the one after: a full
+            live[step + 2] = _train(model, opt, user, step + 2)
+            stats = ck.step(step + 2)
+            assert stats is not None and stats.kind == "full", (point, stats)
+            assert not ck.flush(timeout=120)  # the step in flight at the death failed
+            assert ck.stager.pool.in_use == 0  # every buffer lent to the dead process came back
+            states = {h.step: h.state for h in ck.history}
+            if point is not None:
+                outcome[point] = states[step]
+            assert step + 1 not in states or states[step + 1] == "failed", states
+            assert states[step + 2] in ("committed", "uploaded"), (point, states)
+            step += 3
+        # close() drains the (replaced) staging process within its bound and stops it
+        last = ck.stager.pid
+        t0 = time.monotonic()
+        ck.close()
+        assert time.monotonic() - t0 < CLOSE_S, time.monotonic() - t0
+        assert last is not None and _gone(last)
+    dist.all_gather_object(every, outcome)
+    if rank == 0:
+        print(f"\nkilled alone at (rank: point -> the step in flight): {every}")
+    # Nothing the training process did not hand over is committed (the refused steps); what
+    # is committed restores bitwise: the steps in flight at a death (committed only where the
+    # death came after the commit record) and each full after one
+    committed = sorted(read_manifests(LocalStorage(f"{root}/ck")))
+    refused = set(range(4, step, 3))
+    assert not refused & set(committed), committed
+    fulls = set(range(5, step, 3))
+    assert fulls <= set(committed), committed
+    assert {0, 1, 2} <= set(committed), committed
+    threads = config.model_copy(
+        update={"staging": config.staging.model_copy(update={"mode": "threads"})}
+    )
+    # (each full after a death is the same code: the last one stands for them)
+    _restores_bitwise(threads, live, [s for s in committed if s > 2 and s not in fulls])
+    _restores_bitwise(threads, live, [max(fulls)])
+
+
+def test_a_staging_process_killed_alone_at_each_of_its_points(tmp_path: Path) -> None:
+    """Each rank's staging process is killed alone (``kill-self``) at each failpoint it passes,
+    the two ranks' at two points at once (rank 0 alone passes the commit's): the checkpoint in
+    flight fails, the next raises a CheckpointError naming its step and the dead ranks on every
+    rank, a new staging process stages the one after as a full, the dead one's buffers come
+    back to the pool, nothing refused is committed, and every committed step restores bitwise.
+    CI kills at the commit's points and one pair of the others (5 of 20 points: each death
+    costs a staging process's start, ~1.5 s on CI's 2 cores); ``DECK_STAGING_KILLS=all`` at
+    every point (the crash test kills the rank at each of them in every CI run).
+    The points are those the staging processes report reaching in a probe run
+    (``ProcessStager.failpoint_hits``), checked against the crash test's lists
+    (``crash_job.STAGING_POINTS``, ``STAGING_HOOKS``), so a point moving between the processes
+    fails here."""
+    declared = crash_job.STAGING_POINTS | crash_job.STAGING_HOOKS
+    run_ranks(_killed_alone, str(tmp_path), sorted(declared), EVERY_POINT)
 
 
 # ---- kill -9 of the training process -------------------------------------------------------------

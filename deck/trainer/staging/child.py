@@ -32,6 +32,7 @@ import torch
 from deck.config import StagingConfig
 from deck.errors import DeckError
 from deck.failpoints import configure as configure_failpoints
+from deck.failpoints import hits as failpoint_hits
 from deck.failpoints import kill_first
 from deck.format.checksum import checksum
 from deck.format.chunks import Buffer
@@ -415,6 +416,8 @@ class StagingProcess:
             )
         elif op == "forget_committed":
             self._reply(req, stager.forget_committed)
+        elif op == "failpoint_hits":
+            self._reply(req, failpoint_hits)
         elif op == "flush":
             timeout = args.get("timeout_s")
             self.helpers.submit(self._reply, req, functools.partial(stager.flush, timeout))

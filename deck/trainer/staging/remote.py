@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from deck.config import StagingConfig
-from deck.errors import DeckError
+from deck.errors import DeckError, StorageError
 from deck.failpoints import spec as failpoint_spec
 from deck.failpoints import watch as watch_failpoints
 from deck.format.chunks import Buffer
+from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
 from deck.format.pending import PendingPart
 from deck.schemes import is_publish_sink, lookup
 from deck.storage import Storage
@@ -384,13 +385,15 @@ class ProcessStager:
         )
         self._rx.start()
         if self._unwatch is None:
-            self._unwatch = watch_failpoints(self._arm)
+            self._unwatch = watch_failpoints(self.arm_failpoints)
         logger.debug(
             "deck: %s staging process %d started for rank %d", self.label, proc.pid, self.rank
         )
 
-    def _arm(self, spec: str) -> None:
-        """A test armed failpoints here: the staging process is armed alike."""
+    def arm_failpoints(self, spec: str) -> None:
+        """TEST HOOK: arm exactly the failpoints of ``spec`` in the staging process (hit counts
+        restart there). Called at every :func:`deck.failpoints.configure` here, which arms both
+        processes; a test calls it to arm the staging process alone."""
         with contextlib.suppress(DeckError):
             self._chan_send(Kind.FAILPOINTS, {"spec": spec})
 
@@ -513,6 +516,8 @@ class ProcessStager:
             self.pool.release(buf)
         err = DeckError(self._death)
         for p, progress, reserved in parts:
+            if not closing and p.rank != 0:  # (out before the part is told it failed)
+                self._report_failed(p, self._death)
             progress.fail(f"step {p.step} was not committed: {self._death}")
             if self._spool is not None:
                 self._spool.release(reserved)
@@ -520,6 +525,27 @@ class ProcessStager:
         for fut in waiting:
             fut.set_exception(err)
         self._ready.set()
+
+    def _report_failed(self, p: PendingPart, why: str) -> None:
+        """A part of this rank (not 0) died with the staging process: its failure record tells
+        rank 0 at once not to wait for it, as the staging threads' record of a failed part does
+        (best effort, one attempt; the next collective tells it too). Not for a part whose rank
+        manifest went up before the death (rank 0 may commit it, or have: nothing more goes into
+        its folder); the dead process puts nothing after this look."""
+        folder = f"{step_dir(p.step)}/{p.ckpt_id}"
+        key = f"{folder}/{rank_failure_name(p.rank)}"
+        try:
+            if self._dest.exists_once(f"{folder}/{rank_manifest_name(p.rank)}"):
+                return
+            self._dest.put_once(key, f"rank {p.rank}: {why}".encode())
+        except (StorageError, OSError) as e:
+            logger.warning(
+                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
+                "the next checkpoint or flush",
+                self._dest.describe(key),
+                p.step,
+                e,
+            )
 
     def _chan_send(
         self,
@@ -581,6 +607,11 @@ class ProcessStager:
         """A request whose reply nobody waits for (none when the staging process is gone)."""
         with contextlib.suppress(DeckError):
             self._chan_send(Kind.REQUEST, {"req": 0, "op": op, "args": args})
+
+    def failpoint_hits(self) -> dict[str, int]:
+        """TEST HOOK: :func:`deck.failpoints.hits` of the staging process (how often it reached
+        each armed point): how a test enumerates the failpoints the staging process passes."""
+        return {str(k): int(v) for k, v in self.call("failpoint_hits", timeout=60).items()}
 
     @property
     def dead(self) -> str | None:
@@ -666,6 +697,8 @@ class ProcessStager:
             with self._lock:
                 gone = self._progress.pop(staged.number, None)
             if gone is not None:  # else the death handler failed it
+                if self.rank != 0:  # it died before this part was handed on
+                    self._report_failed(staged.info, str(e))
                 stats.progress.fail(str(e))
                 stats.progress.end()
             self._failed_after_death = True
