@@ -7,7 +7,8 @@ rank) trains windows of ``--window`` steps, each window in one mode:
 
 - ``none``: no checkpoints;
 - ``deck N``: a DeltaCheckpointer (tier ``local``, a fresh directory) taking a delta every N
-  steps; its first full is taken and committed before the window starts;
+  steps; its first full is taken and committed before the window starts (with
+  ``--staging-mode process``, so is its staging process's start);
 - ``dcp M``: a blocking ``torch.distributed.checkpoint.save`` of the model + dense optimizer
   state (the same state deck saves: TorchRec's ShardedTensors carry the fused optimizer's rows)
   every M steps, each into a fresh directory.
@@ -84,12 +85,22 @@ def _window_none(model: Any, opt: Any, spec: ModelSpec, s0: int, w: int) -> Wind
 
 
 def _window_deck(
-    model: Any, opt: Any, spec: ModelSpec, s0: int, w: int, every: int, uri: str
+    model: Any,
+    opt: Any,
+    spec: ModelSpec,
+    s0: int,
+    w: int,
+    every: int,
+    uri: str,
+    staging_mode: str | None = None,
 ) -> Window:
     import deck
     from deck.config import StagingConfig
 
-    config = deck.DeckConfig(uri=uri, delta_every_steps=every, staging=StagingConfig(tiers="local"))
+    mode = {"mode": staging_mode} if staging_mode else {}
+    config = deck.DeckConfig(
+        uri=uri, delta_every_steps=every, staging=StagingConfig(tiers="local", **mode)
+    )
     train_s: list[float] = []
     calls: list[float] = []
     with deck.enable(model, [opt], config) as ckpt:
@@ -157,7 +168,9 @@ def _worker(
             if kind == "none":
                 dt, calls, train_s = _window_none(model, opt, spec, s0, a.window)
             elif kind == "deck":
-                dt, calls, train_s = _window_deck(model, opt, spec, s0, a.window, every, scratch)
+                dt, calls, train_s = _window_deck(
+                    model, opt, spec, s0, a.window, every, scratch, a.staging_mode
+                )
             else:
                 dt, calls, train_s = _window_dcp(model, opt, spec, s0, a.window, every, scratch)
             dist.barrier()
@@ -204,6 +217,13 @@ def _excess(r: dict[str, Any]) -> float:
     return (sum(r["train_s"]) + sum(r["ckpt_s"])) / (len(r["train_s"]) * med) - 1
 
 
+def _staging_mode(a: argparse.Namespace) -> str:
+    """The StagingConfig.mode deck's checkpointers run with."""
+    from deck.config import StagingConfig
+
+    return a.staging_mode or StagingConfig().mode
+
+
 def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]) -> None:
     nones = {r["rep"]: r for r in runs if r["kind"] == "none"}
     model_bytes = a.tables * a.rows * (a.dim * 4 + 4)
@@ -211,7 +231,8 @@ def _report(a: argparse.Namespace, runs: list[dict[str, Any]], modes: list[Mode]
         f"DLRM {a.tables} tables x {a.rows} rows x {a.dim} dim fp32 + rowwise momentum "
         f"({model_bytes / 2**20:.0f} MiB), EXACT_ROWWISE_ADAGRAD, Zipf ids, batch {a.batch}/rank, "
         f"2 gloo ranks (1 thread each), windows of {a.window} steps, {a.repeats} repeats "
-        f"(Williams order), deck tier local; machine: {os.cpu_count()} cores"
+        f"(Williams order), deck tier local, staging mode {_staging_mode(a)}; machine: "
+        f"{os.cpu_count()} cores"
     )
     step_ms = statistics.median(statistics.median(r["train_s"]) for r in nones.values()) * 1e3
     print(f"no checkpoints: median step {step_ms:.1f} ms")
@@ -300,6 +321,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--staging-mode",
+        choices=["threads", "process"],
+        default=None,
+        help="StagingConfig.mode of deck's checkpointers (default: the config's default, "
+        "$DECK_STAGING_MODE or threads)",
+    )
     a = p.parse_args()
     for n in [*a.deck_every, *a.dcp_every]:
         if a.window % n:

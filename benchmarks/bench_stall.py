@@ -29,6 +29,8 @@ the no-deck baseline phase (a plain O_DIRECT writer of each delta's bytes; ``--n
 skips it).
 
 ``--settle`` waits for the full to commit first, so the deltas show the steady state.
+``--staging-mode process`` runs deck's background work in a staging process per rank
+(``StagingConfig.mode``; default: the config's, ``$DECK_STAGING_MODE`` or threads).
 ``--server-nice 19`` runs the co-located SeaweedFS server at the lowest CPU priority, standing in
 for object storage on other machines (in production the S3 server does not share the trainer's
 cores).
@@ -163,6 +165,7 @@ def _run_target(
         release=target["release"],
         copy_on_write=target.get("cow", "deltas"),
         **extra,
+        **({"mode": a.staging_mode} if a.staging_mode else {}),
     )
     config = deck.DeckConfig(
         uri=target["uri"],
@@ -428,6 +431,13 @@ def _own_cpu_line(phase: dict[str, Any], after: set[int], skip: set[int]) -> str
     )
 
 
+def _staging_mode(a: argparse.Namespace) -> str:
+    """The StagingConfig.mode deck's checkpointers run with."""
+    from deck.config import StagingConfig
+
+    return a.staging_mode or StagingConfig().mode
+
+
 def _report(
     a: argparse.Namespace, ranks: list[dict], asyncs: list[dict | None]
 ) -> list[tuple[str, dict[str, float] | None]]:
@@ -438,7 +448,8 @@ def _report(
     print(
         f"DLRM {a.tables} tables x {a.rows} rows x {a.dim} dim fp32 ({_mib(model_bytes)} of table "
         f"weights + momentum1), EXACT_ROWWISE_ADAGRAD, Zipf ids, batch {a.batch}/rank, 2 gloo ranks, "
-        f"{a.steps} steps per target, a delta every {a.delta_every} steps; "
+        f"{a.steps} steps per target, a delta every {a.delta_every} steps, staging mode "
+        f"{_staging_mode(a)}; "
         + (
             "first full committed before training on (--settle)"
             if a.settle
@@ -716,6 +727,13 @@ def main() -> int:
         "deltas,all,off",
     )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--staging-mode",
+        choices=["threads", "process"],
+        default=None,
+        help="StagingConfig.mode of deck's checkpointers (default: the config's default, "
+        "$DECK_STAGING_MODE or threads)",
+    )
     p.add_argument(
         "--runs",
         type=int,
