@@ -50,6 +50,9 @@ pytestmark = pytest.mark.slow
 
 SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16, sharding="table_wise")
 LAST = 8
+# How long a step's rows may take to show up after its marker: every row of these topics does
+# show up, so this bounds a slow machine's reads, not a wait (5 s failed on a loaded 2-core VM)
+WAIT_S = 120.0
 PUBLISHED = list(range(0, LAST + 1, 2))  # fulls at 0, 4, 8
 PARTITIONS = 3  # the control partition and one per rank
 
@@ -83,7 +86,7 @@ def _train(rank: int, world_size: int, topic_uri: str, tmp: str) -> None:
     )
     from_topic = serving_models(SPEC) if rank == 0 else {}
     from_files = serving_models(SPEC, seed=5) if rank == 0 else {}
-    source = KafkaSource(topic_uri, wait_s=5) if rank == 0 else None
+    source = KafkaSource(topic_uri, wait_s=WAIT_S) if rank == 0 else None
     live_k = live_f = None
     try:
         with deck.enable(model, [opt], config) as ck:
@@ -231,7 +234,7 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
 
     served = serving_models(SPEC)
     faults: list[LiveFault] = []
-    source = KafkaSource(replay, wait_s=5, quarantine_dir=str(tmp_path / "q"))
+    source = KafkaSource(replay, wait_s=WAIT_S, quarantine_dir=str(tmp_path / "q"))
     live = LiveModel(list(served.values()), source, LiveConfig(), on_fault=faults.append)
     try:
         with caplog.at_level(logging.ERROR, logger="deck"):
@@ -299,7 +302,7 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
     _produce(replay, 2, original[2])
     _produce(replay, 0, [markers[s] for s in (0, 2, 4, 6)])  # fulls at 0 and 4
     served = serving_models(SPEC, seed=9)
-    source = KafkaSource(replay, wait_s=5)
+    source = KafkaSource(replay, wait_s=WAIT_S)
     live = LiveModel(list(served.values()), source, LiveConfig(keep_versions=2))
     try:
         # the full of step 4, then its delta; the full of step 0 and its delta are not read
@@ -321,7 +324,7 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
     # A restart: a new process's model (other random tables) serves the newest step again
     # after one whole version.
     again = serving_models(SPEC, seed=11)
-    source = KafkaSource(replay, wait_s=5)
+    source = KafkaSource(replay, wait_s=WAIT_S)
     live = LiveModel(list(again.values()), source)
     try:
         assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
