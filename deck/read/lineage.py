@@ -898,11 +898,17 @@ def confirmed(
     if latest:
         above = -1 if step is None else step
         steps = {s for s in manifests if s > above} | {s for s in manifests.damaged if s > above}
-        for name in listing if listing is not None else storage.list_dir(""):
+        if listing is None:
+            listing = storage.list_dir("")
+        for name in listing:
             listed = parse_step_dir(name.rstrip("/"))
             if listed is not None and listed > above and name.endswith("/"):
                 steps.add(listed)
         keys += [f"{step_dir(s)}/{MANIFEST}" for s in sorted(steps)]
+        # And every merger checkpoint ending above it: one left out (a forged catalog) may be
+        # what makes a newer step restorable
+        keys += [f"{m.folder}/{MANIFEST}" for m in manifests.merged.values() if m.step > above]
+        keys += _merged_records(storage, listing, above + 1, None)
     keys = list(dict.fromkeys(keys))
     try:
         now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
@@ -927,14 +933,25 @@ def _records_between(
         listed = parse_step_dir(name.rstrip("/"))
         if listed is not None and low <= listed <= high and name.endswith("/"):
             keys.add(f"{step_dir(listed)}/{MANIFEST}")
-    if f"{MERGED_ROOT}/" in listing:
-        for name in storage.list_dir(f"{MERGED_ROOT}/"):
-            named = parse_merged_dir(name.rstrip("/"))
-            if named is not None and low <= named[1] <= high and name.endswith("/"):
-                keys.add(f"{MERGED_ROOT}/{name.rstrip('/')}/{MANIFEST}")
+    keys.update(_merged_records(storage, listing, low, high))
     held = [m.id for m in manifests.all() if low <= m.step <= high]
     quarantined = [f"{QUARANTINE_ROOT}/{i}.json" for i in held if i in manifests.quarantined]
     return sorted(keys) + quarantined
+
+
+def _merged_records(storage: Storage, listing: list[str], low: int, high: int | None) -> list[str]:
+    """The commit record keys of the merger folders ``merged/`` lists (when the root's
+    ``listing`` holds it) that end at steps ``low..high`` (None: any above ``low``)."""
+    if f"{MERGED_ROOT}/" not in listing:
+        return []
+    keys = []
+    for name in storage.list_dir(f"{MERGED_ROOT}/"):
+        named = parse_merged_dir(name.rstrip("/"))
+        if named is None or not name.endswith("/") or named[1] < low:
+            continue
+        if high is None or named[1] <= high:
+            keys.append(f"{MERGED_ROOT}/{name.rstrip('/')}/{MANIFEST}")
+    return keys
 
 
 def _indexed_bytes(value: bytes | CorruptCheckpointError | None) -> bytes | None:

@@ -1159,6 +1159,42 @@ def test_a_catalog_read_whole_leaving_out_the_only_restorable_chain(
         m.teardown()
 
 
+def test_a_catalog_leaving_out_the_merger_full_a_newer_step_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the operations machine (a fresh clone's run on a loaded machine): the trainer's
+    chains above step 0 broken by crashed saves, step 4 restorable through a merger full only; a
+    catalog (valid checksums) leaving that record out. A restore of the latest step planned
+    step 0: the check of what it relies on read the trainer records above it, all intact, but
+    not the merger folders above it. It now reads those too."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=3, grace=0.0, policy="budget", bound=900.0, every=4)
+        m.crash_during_save(after=False, kind="full", n=17)
+        m.crash_during_save(after=False, kind="delta", n=39)
+        m.crash_merger(after=False, n=21)
+        m.crash_gc(after=False, n=5)
+        m.crash_during_save(after=False, kind="delta", n=17)
+        m.forge_the_catalog(_Picks(), how="omit")
+        m.crash_gc(after=False, n=4)
+        m.crash_merger(after=False, n=11)
+        m.forge_the_catalog(_Picks(), how="omit")
+        m.forge_the_catalog(_Picks(), how="swap")
+        m.crash_merger(after=True, n=1)
+        m.crash_merger(after=True, n=16)
+        m.crash_merger(after=False, n=12)
+        m.crash_gc(after=True, n=30)
+        m.forge_the_catalog(_Picks("merged/F-000000000004-"), how="omit")
+        m.crash_gc(after=False, n=1)
+        m.crash_gc(after=False, n=1)
+        m.verify_quarantine(times=3, where="_log/")
+        m.crash_gc(after=False, n=30)
+        m.windowed_restores_plan_what_every_record_plans()
+    finally:
+        m.teardown()
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
