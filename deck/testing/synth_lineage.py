@@ -475,8 +475,9 @@ class LineageSim:
                     f.write(data)
 
         def copy(n: int) -> str:
-            """The n-th copy of the data files (a file system allows some 65,000 links)."""
-            where = os.path.join(beside, str(n))
+            """The n-th copy of the data files (a file system allows some 65,000 links), this
+            simulator's own (others writing beside the same folder link theirs)."""
+            where = os.path.join(beside, f"{id(self):x}-{n}")
             for rel, data in self.files.data.items():
                 os.makedirs(os.path.dirname(os.path.join(where, rel)), exist_ok=True)
                 with open(os.path.join(where, rel), "wb") as f:
