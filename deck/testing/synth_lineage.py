@@ -522,8 +522,11 @@ class LineageSim:
                 )
                 storage.put(f"{QUARANTINE_ROOT}/{cid}.json", dump_model(rec))
         # The epoch witnesses the trainer's committer leaves (the newest few)
-        for epoch in sorted(self.first_steps)[-KEEP_WITNESSES:]:
+        epochs = sorted(self.first_steps)
+        for epoch in epochs[-KEEP_WITNESSES:]:
             put(witness_key(epoch), witness_body(epoch, self.first_steps[epoch]))
+        for epoch in epochs[:-KEEP_WITNESSES]:  # (written by an earlier call: pruned since)
+            storage.delete(witness_key(epoch))
         if log_behind is not None:
             self.write_log(storage, log_behind, put)
 
