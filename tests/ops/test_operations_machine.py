@@ -1163,7 +1163,7 @@ def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
 ) -> None:
     """Found by the windowed-restore rules: steps 0..2, a full at 3, a delta at 4; a rollback
     to step 1 saves a full at step 2 (a new epoch: the latest step is 2, not 4). A catalog
-    (valid checksums) leaving out step 2's record and its hint makes a restore of the latest
+    (valid checksums) leaving out step 2's record and its hint made a restore of the latest
     step pick step 4 of the old timeline: its chain (3, 4) and the steps above it agree with
     the records, and nothing a restore read told it that a newer epoch exists below (the
     same hid the newest epoch from the next session's, deck.trainer.checkpointer
