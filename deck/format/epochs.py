@@ -28,8 +28,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from deck.errors import StorageError
+from deck.errors import CorruptCheckpointError, NotFoundError, StorageError
 from deck.storage import Storage
+from deck.storage.base import get_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,22 @@ def newest_witness(storage: Storage) -> int | None:
     return found[-1] if found else None
 
 
+def witnessed_step(storage: Storage, epoch: int) -> int | None:
+    """The step the witness of ``epoch`` says its first commit record is at (every record of
+    the epoch is at or above it: steps only go forward within one); None when it is gone or
+    does not say (a planted or damaged one: the caller assumes the least). A read that fails
+    otherwise raises."""
+    try:
+        got = json.loads(get_bounded(storage, witness_key(epoch), 4096))
+    except NotFoundError:
+        return None
+    except (CorruptCheckpointError, ValueError):
+        return None
+    step = got.get("step") if isinstance(got, dict) else None
+    ok = got.get("epoch") == epoch and type(step) is int and 0 <= step < 10**12
+    return step if ok else None
+
+
 @dataclass
 class EpochWitnesses:
     """One committing writer's witnesses (the trainer's rank 0, in its commit thread): the
@@ -86,7 +103,9 @@ class EpochWitnesses:
         Raises when the put fails: the record must not come without it."""
         if epoch in self.done:
             return
-        self.storage.put(witness_key(epoch), witness_body(epoch, step))
+        # (if absent: one there already, from an earlier writer of this epoch, names the
+        # lower step)
+        self.storage.put_if_absent(witness_key(epoch), witness_body(epoch, step))
         self.done.add(epoch)
         self._prune(epoch)
 
