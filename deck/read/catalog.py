@@ -168,6 +168,10 @@ class ManifestSet(dict[int, CheckpointManifest]):
         self.raw: dict[str, bytes | CorruptCheckpointError] = {}
         # Set when only part of the records were read (deck.read.window).
         self.window: Window | None = None
+        # The newest epoch witness (deck.format.epochs) listed with this read, when listed
+        # (``witness_listed``): what the checks of the latest step and the next epoch take.
+        self.witness: int | None = None
+        self.witness_listed = False
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.commit_log import key_step
+from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key
 from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     MANIFEST,
@@ -872,12 +873,16 @@ def confirmed(
     or added there may make another chain the cheapest, with every record of the chosen one
     intact), with the quarantine records of those the catalog says are quarantined; and, with
     ``latest`` (``step`` was chosen as the latest restorable, None: none was), the record of
-    every step folder above it. Else every record read again (logged). A catalog damaged or
-    forged so that it still passes its checks costs this read, never another chain or
-    another step than the records give."""
+    every step folder and merger folder above it, and ``step``'s epoch at least the newest one
+    witnessed (:mod:`deck.format.epochs`: a newer timeline may have re-saved a step below it;
+    no witness at all, a store of a deck before them, cannot tell). Else every record read
+    again (logged). A catalog damaged or forged so that it still passes its checks costs this
+    read, never another chain or another step than the records give."""
     index = manifests.index
     if index is None:
         return manifests
+    if latest and index.catalog is not None and not _newest_epoch_held(storage, manifests, step):
+        return _read_every_record(storage, step, said=True)
     keys: list[str] = []
     listing: list[str] | None = None
     if step is not None:
@@ -958,10 +963,42 @@ def _indexed_bytes(value: bytes | CorruptCheckpointError | None) -> bytes | None
     return None if value is None or isinstance(value, CorruptCheckpointError) else value
 
 
-def _read_every_record(storage: Storage, step: int | None) -> ManifestSet:
-    logger.warning(
-        "the catalog at %s does not agree with the commit records %s: reading every record",
-        storage.uri,
-        "a restore of the latest step relies on" if step is None else f"of step {step}",
-    )
+def _newest_epoch_held(storage: Storage, manifests: ManifestSet, step: int | None) -> bool:
+    """Whether ``step`` (the latest restorable step of ``manifests``, read through the catalog)
+    is of the newest epoch the store's witnesses name (listed now unless the read did); when
+    not, says why (once per URI where there is no witness at all)."""
+    witness = manifests.witness if manifests.witness_listed else newest_witness(storage)
+    m = manifests.get(step) if step is not None else None
+    if witness is not None and m is not None and m.epoch >= witness:
+        return True
+    if witness is not None:
+        logger.warning(
+            "the catalog at %s holds no restorable step of epoch %d, the newest one witnessed "
+            "(%s): reading every record",
+            storage.uri,
+            witness,
+            storage.describe(witness_key(witness)),
+        )
+    elif storage.uri not in _TOLD_NO_WITNESS:
+        _TOLD_NO_WITNESS.add(storage.uri)
+        logger.info(
+            "deck: %s holds no epoch witness (%s/: written by a deck before them): the latest "
+            "step is chosen from every commit record until a trainer commits there",
+            storage.uri,
+            EPOCH_ROOT,
+        )
+    return False
+
+
+# URIs already said to hold no epoch witness (logged once each)
+_TOLD_NO_WITNESS: set[str] = set()
+
+
+def _read_every_record(storage: Storage, step: int | None, *, said: bool = False) -> ManifestSet:
+    if not said:
+        logger.warning(
+            "the catalog at %s does not agree with the commit records %s: reading every record",
+            storage.uri,
+            "a restore of the latest step relies on" if step is None else f"of step {step}",
+        )
     return read_manifests(storage, manifest_keys(storage))

@@ -5,7 +5,8 @@ every record the job ever wrote. :func:`read_window` reads the catalog lazily
 (:func:`deck.read.indexed.read_indexed` with ``lazy=True``) and its segments from the newest
 step back, until the question asked can be answered inside what was read: the cheapest chain
 of the step (:meth:`deck.read.lineage.LineageGraph._near_paths` reaches back only as far as a
-full bounds it) and, for the latest step, no unread segment holding a newer trainer checkpoint.
+full bounds it) and, for the latest step, no unread segment holding a newer trainer checkpoint
+and the newest epoch its witness names (:mod:`deck.format.epochs`) among what was read.
 A graph built from the result answers the same as one built from every record, or raises
 :class:`~deck.read.catalog.OutsideWindow` (never a wrong answer); the reader then reads more.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from deck.errors import DeckError
+from deck.format.epochs import newest_witness
 from deck.format.manifest import CheckpointManifest
 from deck.read.catalog import ManifestSet, OutsideWindow, Window, get_records, manifest_set
 from deck.read.indexed import load_segments, read_indexed
@@ -30,10 +32,17 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
     """The records a restore of ``step`` needs (and, always, of the latest step: a restore
     checks whether it rolls back), as a :class:`ManifestSet` whose ``window`` says what it
     holds; None when a windowed read cannot be used or would not save much (no catalog with
-    segments, damage in one, a window reaching back over most of the history): the caller
+    segments, damage in one, no epoch witness, a window reaching back over most of the
+    history, the newest epoch's witness naming an epoch the records read do not hold): the caller
     reads every record (:func:`deck.read.catalog.read_manifests`)."""
     index = read_indexed(storage, lambda ks: get_records(storage, ks), lazy=True)
     if index is None or not index.segments:
+        return None
+    # The newest epoch (one listing): a catalog leaving out a newer timeline's records below
+    # the steps it gives must not make an older timeline's step the latest. None: no witness
+    # (a store of a deck before them): only every record says which epoch is the newest.
+    witness = newest_witness(storage)
+    if witness is None:
         return None
     refs = index.segments
     lowest = len(refs) - 1
@@ -50,11 +59,19 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
         out = manifest_set(storage, sorted(index.records.items()), index, parsed)
         parsed = out.parsed
         out.window = window if lowest > 0 else None  # (from the first segment on: all of it)
+        out.witness, out.witness_listed = witness, True
         try:
-            if latest_restorable(out) is None:
+            latest = latest_restorable(out)
+            if latest is None:
                 # Nothing restorable in what was read: a record it needs may be below, or left
                 # out of a forged catalog (even one read whole); only every record's read can
                 # say there is none
+                return None
+            if out[latest].epoch < witness:
+                # A newer epoch was witnessed than the latest step found: a catalog that tells
+                # the truth says where its records are (an unread segment's ``newest`` would
+                # have widened the window), so this one left them out (or none was committed
+                # after its witness, or none is restorable): only every record can say
                 return None
             if step is not None and step >= window.floor:
                 chain_for(out, step)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from deck.format.epochs import EpochWitnesses
 from deck.format.manifest import CheckpointManifest, Kind
 from deck.format.statefile import scalar_key
 from deck.model import TableShard
@@ -116,6 +117,7 @@ class SynthTrainer:
         self.epoch = 0
         self.step = 0
         self.saved: dict[int, Saved] = {}
+        self.witnesses = EpochWitnesses(storage)  # as the trainer's committer puts them
 
     def train(self, steps: int = 1, rows: int = 12) -> None:
         """Change ``rows`` Zipf-ish random rows of every shard per step (like lookups + update)."""
@@ -150,6 +152,7 @@ class SynthTrainer:
             epoch=self.epoch,
             world_size=self.world_size,
             deck_version="test",
+            witnesses=self.witnesses,
         )
         self.saved_as(ckpt_id, kind)
         return m

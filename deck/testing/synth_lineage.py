@@ -14,7 +14,8 @@ deltas a few percent of it, merged deltas less than the sum of their inputs). Wi
 (:func:`writer_checkpoint`: one checkpoint the real trainer writer wrote) the rank manifests are
 that checkpoint's, renamed into each checkpoint's folder, and :meth:`LineageSim.write` stores
 them with the data files they name (hard links of one copy): GC's checks of what it keeps find
-them intact. Without, a rank reference names a placeholder (commit records only).
+them intact. Without, a rank reference names a placeholder (commit records only). The store
+also gets the epoch witnesses the trainer leaves (:mod:`deck.format.epochs`: the newest few).
 
 Commit times are the simulator's clock (one tick per commit unless told otherwise), kept per id
 in :attr:`LineageSim.committed_at`; :meth:`LineageSim.write` gives each record that file time.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from deck.format.checksum import checksum
 from deck.format.commit import commit_record
 from deck.format.commit_log import Hint, LogEntry, log_key
+from deck.format.epochs import KEEP_WITNESSES, witness_body, witness_key
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -154,6 +156,8 @@ class LineageSim:
         self._by_id: dict[str, CheckpointManifest] = {}
         self._bytes: dict[str, int] = {}
         self._epochs: dict[str, int] = {}
+        # Each epoch's first saved step: its witness, as the trainer's committer puts it
+        self.first_steps: dict[int, int] = {}
         self._saves = 0
         # write() and write_log(): what went to the store so far, so that a history can go on
         self._written: set[str] = set()
@@ -226,6 +230,7 @@ class LineageSim:
             encoding=None,
         )
         self._commit(m, at)
+        self.first_steps.setdefault(self.epoch, self.step)
         self.parent = (self.step, cid)
         if full:
             self.base = self.step
@@ -517,6 +522,12 @@ class LineageSim:
                     created_unix=self.clock,
                 )
                 storage.put(f"{QUARANTINE_ROOT}/{cid}.json", dump_model(rec))
+        # The epoch witnesses the trainer's committer leaves (the newest few)
+        epochs = sorted(self.first_steps)
+        for epoch in epochs[-KEEP_WITNESSES:]:
+            put(witness_key(epoch), witness_body(epoch, self.first_steps[epoch]))
+        for epoch in epochs[:-KEEP_WITNESSES]:  # (written by an earlier call: pruned since)
+            storage.delete(witness_key(epoch))
         if log_behind is not None:
             self.write_log(storage, log_behind, put)
 

@@ -589,13 +589,14 @@ class DeltaCheckpointer:
         return done.step
 
     def _next_epoch(self, storage: Storage) -> int:
-        """Collective: the epoch after every checkpoint committed at ``storage`` (rank 0 reads:
-        the newest part of the history where that answers: no trainer checkpoint left unread
-        is newer than the latest one read, so none has a higher epoch)."""
-        manifests = (
-            (read_window(storage) or read_manifests(storage)) if self.coord.rank == 0 else {}
-        )
-        return self.coord.broadcast_int(next_epoch(manifests))
+        """Collective: the epoch after every checkpoint committed at ``storage`` and every
+        epoch witnessed there (rank 0 reads: the newest part of the history where that
+        answers: no trainer checkpoint left unread is newer than the latest one read, nor of
+        an epoch newer than the newest witness, which it lists)."""
+        epoch = 0
+        if self.coord.rank == 0:
+            epoch = next_epoch(read_window(storage) or read_manifests(storage), storage)
+        return self.coord.broadcast_int(epoch)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self, collective: bool = True) -> None:

@@ -32,12 +32,14 @@ from deck.errors import (
     IncompatibleModelError,
     NotFoundError,
 )
+from deck.format.epochs import newest_witness
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
 from deck.model import ModelAdapter, Optimizers, copy_dense_state
 from deck.read.catalog import (
     ManifestSet,
     checkpoint_label,
     damaged_records,
+    manifest_keys,
     read_manifests,
     read_rank_manifests,
 )
@@ -86,9 +88,24 @@ class Restored:
     stats: RestoreStats
 
 
-def next_epoch(manifests: ManifestSet | dict) -> int:
-    """The epoch after every committed checkpoint's (0 for an empty URI)."""
-    return max((m.epoch for m in manifests.values()), default=-1) + 1
+def next_epoch(manifests: ManifestSet | dict, storage: Storage | None = None) -> int:
+    """The epoch after every committed checkpoint's (0 for an empty URI) and, with
+    ``storage``, after the newest one witnessed there (:mod:`deck.format.epochs`: listed unless
+    the read of ``manifests`` did), so that a catalog leaving out a newer timeline's records
+    never makes a new one reuse its epoch. A store with no witness (written by a deck before
+    them) read through a catalog is read record by record here: only that names its newest
+    epoch."""
+    if storage is None:
+        return max((m.epoch for m in manifests.values()), default=-1) + 1
+    listed = isinstance(manifests, ManifestSet) and manifests.witness_listed
+    witness = manifests.witness if isinstance(manifests, ManifestSet) and listed else None
+    if not listed:
+        witness = newest_witness(storage)
+    index = manifests.index if isinstance(manifests, ManifestSet) else None
+    if witness is None and index is not None and index.catalog is not None:
+        manifests = read_manifests(storage, manifest_keys(storage))
+    newest = max((m.epoch for m in manifests.values()), default=-1)
+    return max(newest, -1 if witness is None else witness) + 1
 
 
 @dataclass
@@ -361,7 +378,7 @@ class StateLoader:
             step=target,
             parent=(target, last.id) if same else None,
             base=chain[0].step,
-            epoch=next_epoch(manifests),
+            epoch=next_epoch(manifests, self.storage),
             stats=stats,
         )
 

@@ -27,6 +27,7 @@ from deck.format.checksum import checksum
 from deck.format.chunks import DTYPES, Buffer, ChunkLayout, build_chunk, dtype_name, segment_view
 from deck.format.commit import commit_record, first_missing_file, rank_ref
 from deck.format.commit_log import put_record
+from deck.format.epochs import EpochWitnesses
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -864,6 +865,7 @@ def commit(
     own: tuple[RankManifest, bytes] | None = None,
     fence: Callable[[], None] | None = None,
     read: Mapping[int, bytes] | None = None,
+    witnesses: EpochWitnesses | None = None,
 ) -> CheckpointManifest:
     """Rank 0, after every rank's part is durable: verify the parts and write the commit record.
     ``own``: rank 0's part manifest and the bytes this process just wrote for it (not read
@@ -871,7 +873,10 @@ def commit(
     manifest as the caller read it from ``storage``) or read from ``storage``. ``fence`` (the
     writer lease's :meth:`~deck.trainer.lease.Lease.check`) runs right before the record is
     written and raises when this job may no longer commit. Before it, one listing of the step's
-    folder checks that every file the parts name is there (:class:`CheckpointError` if not)."""
+    folder checks that every file the parts name is there (:class:`CheckpointError` if not).
+    ``witnesses``: the writer's epoch witnesses (:mod:`deck.format.epochs`): the witness of
+    ``epoch`` is put before its first commit record (None: none, a store readers then read
+    record by record where the newest epoch matters)."""
     root = step_dir(step)
     refs = []
     parts = []
@@ -911,6 +916,8 @@ def commit(
         )
     if fence is not None:
         fence()
+    if witnesses is not None:
+        witnesses.before_commit(epoch, step)  # (once per epoch: this thread, not the stall)
     put_record(storage, f"{root}/{MANIFEST}", ckpt_id, dump_model(manifest))
     failpoint("commit.after_manifest")
     return manifest

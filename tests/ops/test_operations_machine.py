@@ -81,6 +81,7 @@ from deck.format.commit_log import (
     read_catalog,
     segment_key,
 )
+from deck.format.epochs import EPOCH_ROOT, witnesses_in
 from deck.format.manifest import CheckpointManifest
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
@@ -109,6 +110,7 @@ from deck.storage.wrapper import StorageWrapper
 from deck.testing.lineage_checks import age_commits, merge_all
 from deck.testing.synth import LAYOUT, Saved, State, SynthTrainer, restore_state, same, snapshot
 from deck.trainer.lease import Lease
+from deck.trainer.loader import next_epoch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -285,19 +287,6 @@ def _plan(manifests: ManifestSet, step: int | None, target: int | None = None) -
     return target, chain, damaged_records(manifests, target, latest=step is None)
 
 
-def _hid_a_newer_timeline(truth: ManifestSet, planned: Plan, want: Plan) -> bool:
-    """Whether a restore of the latest step planned an older timeline's higher step than the
-    records' latest (a newer epoch's, below it)."""
-    got, latest = planned[0], want[0]
-    return (
-        got is not None
-        and latest is not None
-        and got > latest
-        and got in truth
-        and truth[got].epoch < truth[latest].epoch
-    )
-
-
 def _plan_restore(store: Storage, step: int | None) -> Plan | None:
     """:func:`_plan` as a trainer's restore makes it (deck.trainer.loader.StateLoader.restore,
     on one rank): from a windowed read, the latest step checked against the records, then the
@@ -316,6 +305,18 @@ def _plan_restore(store: Storage, step: int | None) -> Plan | None:
     if target is not None:
         manifests = confirmed(store, manifests, target)
     return _plan(manifests, step, target)
+
+
+def _latest_as_a_restore_picks(store: Storage) -> tuple[int | None, int]:
+    """The step a trainer's restore of the latest step loads, and the epoch it writes next
+    (deck.trainer.loader.StateLoader.restore, on one rank): from a windowed read or else a
+    read through the catalog, the latest step checked against the records."""
+    manifests = read_window(store) or read_manifests(store)
+    chosen = latest_restorable(manifests)
+    checked = confirmed(store, manifests, chosen, latest=True)
+    if checked is not manifests:
+        manifests, chosen = checked, latest_restorable(checked)
+    return chosen, next_epoch(manifests, store)
 
 
 class _Clock:
@@ -859,6 +860,10 @@ class OperationsMachine(RuleBasedStateMachine):
         if not self.history or not listed_seqs(self.local, CATALOG_ROOT):
             return  # (no catalog: every restore reads every record)
         truth = read_manifests(self.store, manifest_keys(self.store))
+        if self.forged:  # (without a window too: through the catalog, checked)
+            chosen, epoch = _latest_as_a_restore_picks(self.store)
+            assert chosen == latest_restorable(truth), f"restore picks {chosen}"
+            assert epoch > max((m.epoch for m in truth.values()), default=-1), epoch
         # The latest step and a few others (each costs a windowed read): the newest and the
         # oldest promised step (one GC retained, most likely to need a wider window).
         others = sorted(self.promised)
@@ -868,12 +873,6 @@ class OperationsMachine(RuleBasedStateMachine):
                 continue  # no window: the restore reads every record
             _note("restore planned from a window")
             want = _plan(truth, step)
-            if planned != want and self.forged and _hid_a_newer_timeline(truth, planned, want):
-                # Open (test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step):
-                # the step is another, its chain still the records' one.
-                assert planned == _plan(truth, planned[0]), planned
-                _note("open: a forged catalog hid a newer timeline below the latest step")
-                continue
             assert planned == want, f"restore of {step}: window plans {planned}, records {want}"
 
     @invariant()
@@ -1195,24 +1194,18 @@ def test_a_catalog_leaving_out_the_merger_full_a_newer_step_needs(
         m.teardown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="open: nothing cheap tells a restore of the latest step the newest epoch; a forged "
-    "catalog can hide a newer timeline's record below the step it gives",
-)
 def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Found by the windowed-restore rules: steps 0..2, a full at 3, a delta at 4; a rollback
     to step 1 saves a full at step 2 (a new epoch: the latest step is 2, not 4). A catalog
-    (valid checksums) leaving out step 2's record and its hint makes a restore of the latest
+    (valid checksums) leaving out step 2's record and its hint made a restore of the latest
     step pick step 4 of the old timeline: its chain (3, 4) and the steps above it agree with
-    the records, and nothing a restore reads tells it that a newer epoch exists below. (The
-    same hides the newest epoch from the next session's, deck.trainer.checkpointer
-    _next_epoch.) Closing it needs a cheap witness of the newest epoch (say, an object per
-    epoch created at its first commit, listed by a restore), or a read of every trainer
-    record."""
+    the records, and nothing a restore read told it that a newer epoch exists below (the
+    same hid the newest epoch from the next session's, deck.trainer.checkpointer
+    _next_epoch). Closed by the epoch witnesses (deck.format.epochs): the trainer puts
+    ``_epochs/<epoch>.json`` before an epoch's first commit record, a restore lists them, and
+    a newest witnessed epoch newer than the latest step found makes it read every record."""
     _small_catalogs(monkeypatch)
     m = OperationsMachine()
     try:
@@ -1223,8 +1216,14 @@ def test_a_forged_catalog_hiding_a_newer_timeline_below_the_latest_step(
         assert latest_restorable(read_manifests(m.store, manifest_keys(m.store))) == 2
         m.write_a_catalog(kill=None, after=False)
         m.forge_the_catalog(_Picks("step-000000000002/"), how="omit")
-        planned = _plan_restore(m.store, None)
-        assert planned is not None and planned[0] == 2, planned
+        assert witnesses_in(m.local.list(f"{EPOCH_ROOT}/")) == [0, 1]
+        # The witness of epoch 1 names an epoch the window's latest step (4) is older than:
+        # the restore reads every record (no window), and picks step 2
+        assert _plan_restore(m.store, None) is None
+        assert _latest_as_a_restore_picks(m.store) == (2, 2)
+        # The next session's epoch (deck.trainer.checkpointer._next_epoch) is after epoch 1
+        assert next_epoch(read_window(m.store) or read_manifests(m.store), m.store) == 2
+        m.windowed_restores_plan_what_every_record_plans()
     finally:
         m.teardown()
 

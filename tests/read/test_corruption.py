@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.commit_log import LOG_ROOT
+from deck.format.epochs import EPOCH_ROOT
 from deck.format.manifest import MANIFEST, parse_step_dir
 from deck.read.catalog import damaged_records, read_manifests, read_rank_manifests
 from deck.read.lineage import latest_restorable
@@ -40,11 +41,13 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _files(root: Path) -> list[str]:
-    """The checkpoints' files (the commit log's have their own tests: tests/read/test_indexed.py)."""
+    """The checkpoints' files (the commit log's have their own tests: tests/read/test_indexed.py;
+    the epoch witnesses', whose content no reader reads: tests/read/test_epoch_witness.py)."""
     return sorted(
         str(p.relative_to(root))
         for p in root.rglob("*")
-        if p.is_file() and not str(p.relative_to(root)).startswith(f"{LOG_ROOT}/")
+        if p.is_file()
+        and not str(p.relative_to(root)).startswith((f"{LOG_ROOT}/", f"{EPOCH_ROOT}/"))
     )
 
 

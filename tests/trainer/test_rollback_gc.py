@@ -8,6 +8,7 @@ timeline never depends on a chain GC may be deleting."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
+from deck.format.epochs import EPOCH_ROOT, witness_key, witnesses_in
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.ops.retention.gc import GcReport
 from deck.read.catalog import read_manifests
@@ -66,6 +68,11 @@ def _rollback_then_gc(rank: int, world_size: int, uri: str) -> None:
     restorable = set(build_graph(read_manifests(open_storage(uri))).restorable_steps())
     assert {4, 5, 6, 7} <= restorable, restorable
     assert latest == 7
+    # The epoch witnesses (deck.format.epochs): rank 0's commit thread put one before the
+    # first record of each epoch that committed (the last restore's epoch committed none)
+    storage = open_storage(uri)
+    assert witnesses_in(storage.list(f"{EPOCH_ROOT}/")) == [0, 1]
+    assert json.loads(storage.get(witness_key(1))) == {"epoch": 1, "step": 4}
 
 
 class _PausedAtFirstDelete(StorageWrapper):

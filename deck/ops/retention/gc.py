@@ -22,6 +22,7 @@ from functools import partial
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.commit_log import Hint, append_hints, record_key_kind
+from deck.format.epochs import witness_body, witness_key, witnesses_in
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -43,6 +44,7 @@ from deck.ops.retention.plan import (
 )
 from deck.ops.retention.view import StoreView, newest_view, whole_view
 from deck.read.catalog import (
+    ManifestSet,
     overlapped,
     read_rank_manifests,
     refresh_catalog,
@@ -248,6 +250,8 @@ def _collect(
     whole_run = not dry_run and gc.floor is None
     if whole_run and repair_catalog(storage, gc.manifests, gc.keys, gc.pending_commits()) is None:
         refresh_catalog(storage)
+    if whole_run:
+        _witness_newest_epoch(storage, gc.manifests, gc.keys)
     report = gc.report
     # One INFO line per run that found something (`deck merge --follow --gc` runs it after
     # every poll); a run with nothing to do is DEBUG.
@@ -263,6 +267,22 @@ def _collect(
         report.bytes / 2**20,
     )
     return report
+
+
+def _witness_newest_epoch(storage: Storage, manifests: ManifestSet, keys: list[str]) -> None:
+    """Put the witness of the newest epoch of ``manifests`` (every record, read after the
+    listing ``keys``) where no witness that new is listed: a store a deck before witnesses
+    wrote (deck.format.epochs), whose restores read every record until one is there. A failure
+    is logged, never raised (it costs readers time only)."""
+    newest = max((m.epoch for m in manifests.values()), default=None)
+    witnessed = witnesses_in(keys)
+    if newest is None or (witnessed and witnessed[-1] >= newest):
+        return
+    first = min(m.step for m in manifests.values() if m.epoch == newest)
+    try:
+        storage.put(witness_key(newest), witness_body(newest, first))
+    except (DeckError, OSError) as e:
+        logger.warning("could not put the epoch witness at %s: %s", storage.uri, e)
 
 
 def _by_prefix(keys: list[str]) -> dict[str, list[str]]:

@@ -9,7 +9,12 @@ a step :func:`deck.ops.retention.window.is_cut` accepts; failing that, the newes
 every checkpoint in it is in the grace period (none of them can go, whatever the rest of the
 lineage says). The records themselves are the truth there as in a whole read; what the catalog
 contributes is only the newest trainer record below the cut (a merger full's epoch is the one
-of the trainer record of its state, which is at or below that).
+of the trainer record of its state, which is at or below that). A catalog is not trusted to
+say that: the newest epoch witnessed (:mod:`deck.format.epochs`, one listing and one read)
+counts as newest below the cut at the step under it unless its witness says the epoch began
+at or above the cut, so a newer timeline left out of the catalog can only make fewer cuts
+(what it counts as newest is never older than the truth); a store with no witness is read
+whole.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from functools import partial
 
 from deck.errors import DeckError
 from deck.format.commit_log import SegmentRef, record_key_kind
+from deck.format.epochs import newest_witness, witnessed_step
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -85,6 +91,12 @@ def newest_view(
     logged = _logged_trainer(index.records.items())
     if logged is None:
         return None  # a record of unknown epoch below: the whole read decides about it
+    # The newest epoch witnessed (deck.format.epochs): a catalog may leave out the records of
+    # a newer timeline below the cut; none (a store of a deck before them): the whole read
+    witness = newest_witness(storage)
+    if witness is None:
+        return None
+    first = witnessed_step(storage, witness)  # (its records are all at or above it)
     steps = sorted(
         s for n in storage.list_dir("") if (s := parse_step_dir(n.rstrip("/"))) is not None
     )
@@ -137,6 +149,8 @@ def newest_view(
         manifests, graph, times = read_down_to(start)
         below = [r.newest for r in refs[:lowest] if r.newest is not None]
         below += [es for es in logged if es[1] < start]
+        if start > 0 and (first is None or first < start):
+            below.append((witness, start - 1))  # (what the newest epoch may hold below)
         floor = _highest_cut(
             graph,
             start,

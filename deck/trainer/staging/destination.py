@@ -17,6 +17,7 @@ from deck.errors import (
     StorageError,
     UnsafePathError,
 )
+from deck.format.epochs import EpochWitnesses
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_dir
 from deck.format.pending import PendingPart
 from deck.storage import Storage
@@ -66,6 +67,8 @@ class Destination:
         self.cfg = cfg
         self._fence = fence  # raises when this job may no longer commit (the writer lease)
         self._gone = gone  # the same, known without reading the store (lost or expired)
+        # The witness of each epoch goes before its first commit record (deck.format.epochs)
+        self._witnesses = EpochWitnesses(storage)
 
     @property
     def uri(self) -> str:
@@ -169,6 +172,7 @@ class Destination:
             own=None if own_bytes is None or p.part is None else (p.part, own_bytes),
             read=parts,
             fence=fence,
+            witnesses=self._witnesses,
         )
 
     # ---- best effort -------------------------------------------------------------------------------
