@@ -6,11 +6,11 @@ newest (epoch, step): a re-saved step below the old timeline's highest one wins.
 plans from the newest segments of the catalog (:mod:`deck.read.window`) or reads through the
 catalog learns epochs only from the records the catalog gives, and a catalog is not trusted
 (a forged one, valid checksums and wrong contents, may leave a record out). The witness of
-epoch ``e``, ``_epochs/<e:020d>-<step:012d>.json``, is created by the committing writer before
-the first commit record of ``e`` it writes (``step``: that record's step, the lowest step of
-the epoch, since steps only go forward within one); readers list ``_epochs/`` and take the
-newest epoch and its lowest step from the names alone (the content, the same fields as JSON,
-is for people). Spec: docs/format.md, "Epoch witnesses".
+epoch ``e``, ``_epochs/<e:020d>.json`` holding ``{"epoch": e, "step": s}``, is created by the
+committing writer before the first commit record of ``e`` it writes (``s``: that record's step,
+the lowest step of the epoch, since steps only go forward within one); readers list
+``_epochs/`` and take the newest epoch from the names, and GC of the newest steps reads its
+``step`` (:func:`witnessed_step`). Spec: docs/format.md, "Epoch witnesses".
 
 The records stay the truth; a witness only says where to look. One naming an epoch no record
 holds (a crash between the witness and its record, a witness planted by hand) makes a reader
@@ -45,7 +45,7 @@ KEEP_WITNESSES = 4
 
 
 def witness_body(epoch: int, step: int) -> bytes:
-    """What a witness holds (for people: readers take only its name)."""
+    """What a witness holds (restores take only its name; GC reads its ``step``)."""
     return json.dumps({"epoch": epoch, "step": step}, sort_keys=True).encode()
 
 

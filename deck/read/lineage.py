@@ -884,7 +884,8 @@ def confirmed(
     if latest and index.catalog is not None and not _newest_epoch_held(storage, manifests, step):
         return _read_every_record(storage, step, said=True)
     keys: list[str] = []
-    listing: list[str] | None = None
+    chain: list[CheckpointManifest] = []
+    low = 0
     if step is not None:
         try:
             chain = chain_for(manifests, step)
@@ -897,15 +898,18 @@ def confirmed(
             keys.append(f"{step_dir(step)}/{MANIFEST}")
         keys += [f"{m.folder}/{MANIFEST}" for m in chain]
         keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]
-        if chain:
-            listing = storage.list_dir("")
-            keys += _records_between(storage, manifests, listing, low, step)
+    root: list[str] = []
+    merged: list[str] = []
+    if chain or latest:  # (each listed once, whichever of the two looks)
+        root = storage.list_dir("")
+        merged = storage.list_dir(f"{MERGED_ROOT}/") if f"{MERGED_ROOT}/" in root else []
+    if chain:
+        assert step is not None
+        keys += _records_between(manifests, root, merged, low, step)
     if latest:
         above = -1 if step is None else step
         steps = {s for s in manifests if s > above} | {s for s in manifests.damaged if s > above}
-        if listing is None:
-            listing = storage.list_dir("")
-        for name in listing:
+        for name in root:
             listed = parse_step_dir(name.rstrip("/"))
             if listed is not None and listed > above and name.endswith("/"):
                 steps.add(listed)
@@ -913,7 +917,7 @@ def confirmed(
         # And every merger checkpoint ending above it: one left out (a forged catalog) may be
         # what makes a newer step restorable
         keys += [f"{m.folder}/{MANIFEST}" for m in manifests.merged.values() if m.step > above]
-        keys += _merged_records(storage, listing, above + 1, None)
+        keys += _merged_records(merged, above + 1, None)
     keys = list(dict.fromkeys(keys))
     try:
         now: dict[str, bytes | None] = dict(storage.get_many(keys, limit=MAX_RECORD_BYTES))
@@ -925,32 +929,30 @@ def confirmed(
 
 
 def _records_between(
-    storage: Storage, manifests: ManifestSet, listing: list[str], low: int, high: int
+    manifests: ManifestSet, root: list[str], merged: list[str], low: int, high: int
 ) -> list[str]:
     """The commit record keys of steps ``low..high`` (trainer step folders, and merger
     folders by the step they end at) that ``manifests`` (read through the catalog) holds or
-    the store lists (``listing``: the root's; ``merged/`` is listed here), and the quarantine
-    records of those ``manifests`` says are quarantined."""
+    the store lists (``root``, ``merged``: the listings of the root and of ``merged/``), and
+    the quarantine records of those ``manifests`` says are quarantined."""
     index = manifests.index
     assert index is not None
     keys = {k for k in index.records if (s := key_step(k)) is not None and low <= s <= high}
-    for name in listing:
+    for name in root:
         listed = parse_step_dir(name.rstrip("/"))
         if listed is not None and low <= listed <= high and name.endswith("/"):
             keys.add(f"{step_dir(listed)}/{MANIFEST}")
-    keys.update(_merged_records(storage, listing, low, high))
+    keys.update(_merged_records(merged, low, high))
     held = [m.id for m in manifests.all() if low <= m.step <= high]
     quarantined = [f"{QUARANTINE_ROOT}/{i}.json" for i in held if i in manifests.quarantined]
     return sorted(keys) + quarantined
 
 
-def _merged_records(storage: Storage, listing: list[str], low: int, high: int | None) -> list[str]:
-    """The commit record keys of the merger folders ``merged/`` lists (when the root's
-    ``listing`` holds it) that end at steps ``low..high`` (None: any above ``low``)."""
-    if f"{MERGED_ROOT}/" not in listing:
-        return []
+def _merged_records(merged: list[str], low: int, high: int | None) -> list[str]:
+    """The commit record keys of the merger folders in ``merged`` (a listing of ``merged/``)
+    that end at steps ``low..high`` (None: any above ``low``)."""
     keys = []
-    for name in storage.list_dir(f"{MERGED_ROOT}/"):
+    for name in merged:
         named = parse_merged_dir(name.rstrip("/"))
         if named is None or not name.endswith("/") or named[1] < low:
             continue

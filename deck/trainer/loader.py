@@ -97,12 +97,10 @@ def next_epoch(manifests: ManifestSet | dict, storage: Storage | None = None) ->
     epoch."""
     if storage is None:
         return max((m.epoch for m in manifests.values()), default=-1) + 1
-    listed = isinstance(manifests, ManifestSet) and manifests.witness_listed
-    witness = manifests.witness if isinstance(manifests, ManifestSet) and listed else None
-    if not listed:
-        witness = newest_witness(storage)
-    index = manifests.index if isinstance(manifests, ManifestSet) else None
-    if witness is None and index is not None and index.catalog is not None:
+    read = manifests if isinstance(manifests, ManifestSet) else None
+    witness = read.witness if read is not None and read.witness_listed else newest_witness(storage)
+    catalog = read is not None and read.index is not None and read.index.catalog is not None
+    if witness is None and catalog:
         manifests = read_manifests(storage, manifest_keys(storage))
     newest = max((m.epoch for m in manifests.values()), default=-1)
     return max(newest, -1 if witness is None else witness) + 1

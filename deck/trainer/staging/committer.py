@@ -353,18 +353,7 @@ class Committer:
         tells it at the next collective."""
         with self._idle:
             self._failed_parts.append((p.step, p.ckpt_id))
-        key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
-        try:
-            failpoint("stager.failure_record.put", key)
-            self.dest.put_once(key, f"rank {p.rank}: {e}".encode())
-        except (StorageError, OSError) as put_error:
-            logger.warning(
-                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
-                "the next checkpoint or flush",
-                self.dest.describe(key),
-                p.step,
-                put_error,
-            )
+        self.dest.put_failure_record(p, str(e))
 
     # ---- stage 1: the part's files and manifest (deck-part threads) -------------------------------
     def _put_part(self, item: _Item) -> _Put:

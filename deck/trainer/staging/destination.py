@@ -4,6 +4,7 @@ best-effort calls, each named for how it meets an outage."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -17,14 +18,23 @@ from deck.errors import (
     StorageError,
     UnsafePathError,
 )
+from deck.failpoints import failpoint
 from deck.format.epochs import EpochWitnesses
-from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, step_dir
+from deck.format.manifest import (
+    MANIFEST,
+    CheckpointManifest,
+    load_model,
+    rank_failure_name,
+    step_dir,
+)
 from deck.format.pending import PendingPart
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 from deck.storage.retry import RetryPolicy, call_with_retry, is_out_of_space
 from deck.trainer.writer import commit
 from deck.version import __version__
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -104,6 +114,26 @@ class Destination:
             return None
 
     # ---- once --------------------------------------------------------------------------------------
+    def put_failure_record(self, p: PendingPart, why: str, unless: str | None = None) -> None:
+        """Tell rank 0 that part ``p`` (of another rank) failed, so that it stops waiting for
+        it: a failure record in the part's folder, unless key ``unless`` (its rank manifest)
+        is there. One attempt: the store may be what failed, and rank 0 learns at the next
+        collective anyway; a warning when it cannot be put."""
+        key = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_failure_name(p.rank)}"
+        try:
+            if unless is not None and self.exists_once(unless):
+                return
+            failpoint("stager.failure_record.put", key)
+            self.put_once(key, f"rank {p.rank}: {why}".encode())
+        except (StorageError, OSError) as e:
+            logger.warning(
+                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
+                "the next checkpoint or flush",
+                self.describe(key),
+                p.step,
+                e,
+            )
+
     def put_once(self, key: str, data: bytes | bytearray) -> None:
         self._storage.put(key, data)
 

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from deck.config import StagingConfig
-from deck.errors import DeckError, StorageError
+from deck.errors import DeckError
 from deck.failpoints import spec as failpoint_spec
 from deck.failpoints import watch as watch_failpoints
 from deck.format.chunks import Buffer
-from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
+from deck.format.manifest import rank_manifest_name, step_dir
 from deck.format.pending import PendingPart
 from deck.schemes import is_publish_sink, lookup
 from deck.storage import Storage
@@ -532,20 +532,8 @@ class ProcessStager:
         (best effort, one attempt; the next collective tells it too). Not for a part whose rank
         manifest went up before the death (rank 0 may commit it, or have: nothing more goes into
         its folder); the dead process puts nothing after this look."""
-        folder = f"{step_dir(p.step)}/{p.ckpt_id}"
-        key = f"{folder}/{rank_failure_name(p.rank)}"
-        try:
-            if self._dest.exists_once(f"{folder}/{rank_manifest_name(p.rank)}"):
-                return
-            self._dest.put_once(key, f"rank {p.rank}: {why}".encode())
-        except (StorageError, OSError) as e:
-            logger.warning(
-                "deck: could not tell rank 0 through %s that step %d failed (%s); it learns at "
-                "the next checkpoint or flush",
-                self._dest.describe(key),
-                p.step,
-                e,
-            )
+        manifest = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
+        self._dest.put_failure_record(p, why, unless=manifest)
 
     def _chan_send(
         self,
