@@ -50,7 +50,13 @@ from deck.merge.build import ItemBuilder, WorkStats
 from deck.merge.plan import Plan, PlannedItem, plan
 from deck.merge.policy import MergeConfig
 from deck.merge.stream import InputDamaged
-from deck.read.catalog import ManifestSet, quarantine, read_manifests, refresh_catalog
+from deck.read.catalog import (
+    ManifestSet,
+    manifest_keys,
+    quarantine,
+    read_manifests,
+    refresh_catalog,
+)
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -59,17 +65,31 @@ from deck.units import human_bytes
 logger = logging.getLogger(__name__)
 
 
-def _still_committed(storage: Storage, m: CheckpointManifest) -> bool:
-    """Whether ``m`` is still the committed record of its folder (GC deletes the record first,
-    so a missing file of a still-committed checkpoint is damage, not a deletion in progress)."""
+def _record_state(storage: Storage, m: CheckpointManifest) -> str:
+    """``m``'s commit record now: ``committed`` (still ``m``: a missing file of it is damage,
+    since GC deletes the record first), ``gone`` (no record, or another checkpoint's: the view
+    that planned with ``m`` is stale), or ``unknown`` (unreadable: neither)."""
     try:
         data = get_bounded(storage, f"{m.folder}/{MANIFEST}")
+        return (
+            "committed"
+            if load_model(CheckpointManifest, data, storage.describe(m.folder)).id == m.id
+            else "gone"
+        )
     except NotFoundError:
-        return False
-    try:
-        return load_model(CheckpointManifest, data, storage.describe(m.folder)).id == m.id
-    except CorruptCheckpointError:
-        return False
+        return "gone"
+    except (CorruptCheckpointError, StorageError):
+        return "unknown"
+
+
+def _same_records(a: ManifestSet, b: ManifestSet) -> bool:
+    return (
+        dict(a) == dict(b)
+        and a.merged == b.merged
+        and a.quarantined == b.quarantined
+        and a.damaged.keys() == b.damaged.keys()
+        and a.damaged_merged.keys() == b.damaged_merged.keys()
+    )
 
 
 @dataclass
@@ -130,12 +150,15 @@ class MergeWorker:
         self._seen_committed: set[str] = set()  # items found committed after a listing
         self._last: ManifestSet | None = None
         self._plan: tuple[LineageGraph, Plan] | None = None
+        # A pass planned with a record that was gone (a stale catalog, or one GC deleted since):
+        # passes read every record until the catalog agrees with them again.
+        self._distrust_catalog = False
+        self._went_stale: set[str] = set()  # items planned with a gone input (once each)
 
     def run_pass(self) -> PassResult:
         """Everything this worker can do now: every ready item's own partitions and commits."""
         t0 = time.perf_counter()
-        # Taken up from the last pass's read: only what was committed since is read and parsed.
-        manifests = read_manifests(self.storage, previous=self._last)
+        manifests = self._read()
         graph, p = self._planned(manifests)
         # What every worker can see of everyone's progress: committed checkpoints and the
         # finished partitions of the items that can be built now. A worker waiting for others
@@ -183,6 +206,21 @@ class MergeWorker:
             progressed=progressed,
             fingerprint=fingerprint,
         )
+
+    def _read(self) -> ManifestSet:
+        """The committed records: taken up from the last pass's read (only what was committed
+        since is read and parsed); every record while the catalog is distrusted."""
+        manifests = read_manifests(self.storage, previous=self._last)
+        if not self._distrust_catalog:
+            return manifests
+        truth = read_manifests(self.storage, manifest_keys(self.storage))
+        if manifests.index is not None and _same_records(manifests, truth):
+            self._distrust_catalog = False
+            logger.info(
+                "deck merge: the catalog at %s agrees with every record again", self.storage.uri
+            )
+            return manifests
+        return truth
 
     def _planned(self, manifests: ManifestSet) -> tuple[LineageGraph, Plan]:
         """The lineage graph and plan of ``manifests``: the last pass's when the records read
@@ -239,8 +277,24 @@ class MergeWorker:
             elif self.progress:
                 self.progress("commit", stats)
         except InputDamaged as e:
+            state = _record_state(self.storage, e.manifest)
+            if state == "gone" and item.id not in self._went_stale:
+                # Planned from a view that still held the input (a catalog that is stale or
+                # forged, or GC deleted it since): not a failure; plan again from every record.
+                self._went_stale.add(item.id)
+                if not self._distrust_catalog:
+                    logger.warning(
+                        "deck merge: %s was planned with %s, which is no longer committed (%s); "
+                        "reading every commit record at %s until the catalog agrees with them",
+                        item.describe(),
+                        self.storage.describe(e.manifest.folder),
+                        e.error,
+                        self.storage.uri,
+                    )
+                self._distrust_catalog = True
+                return True, False
             self._fail(item, str(e), stats)
-            if _still_committed(self.storage, e.manifest):
+            if state == "committed":
                 quarantine(self.storage, e.manifest, f"found by the merger: {e.error}")
                 progressed = True
         except (MergeError, CorruptCheckpointError) as e:

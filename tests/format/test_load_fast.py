@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -167,6 +167,7 @@ def test_forged_records_with_a_right_checksum_fare_alike(edit: object, which: st
     how=st.sampled_from(["flip", "cut", "insert", "delete", "reseal-flip", "reseal-insert"]),
     byte=st.integers(0, 255),
 )
+@example(pick=0, at=0.0, how="insert", byte=13)  # a carriage return before the record
 def test_damaged_records_fare_alike(pick: int, at: float, how: str, byte: int) -> None:
     cls, data = RECORDS[pick]
     body = _body(data)
@@ -182,10 +183,11 @@ def test_damaged_records_fare_alike(pick: int, at: float, how: str, byte: int) -
         edited = target[:i] + target[i + 1 :]
     if how.startswith("reseal"):
         edited = _resealed(edited)
-    kind, _ = _same_both_ways(cls, edited)
+    kind, got = _same_both_ways(cls, edited)
     if how in ("flip", "insert", "delete") and edited != data:
-        # A byte changed behind the checksum's back is always found.
-        assert kind == "error"
+        # A byte changed behind the checksum's back is found, or changed nothing the record
+        # says (JSON whitespace inserted between tokens).
+        assert kind == "error" or got == load_model(cls, data, WHERE), edited
 
 
 def test_a_record_without_its_checksum_or_in_another_layout_is_still_read() -> None:

@@ -1070,6 +1070,10 @@ def test_gc_writes_a_damaged_segment_again(monkeypatch: pytest.MonkeyPatch, how:
         m.setup(stride=2, every=None, grace=0.0, policy="bounded")
         m.merge(workers=1)
         m.write_a_catalog(kill=None, after=False)
+        # Only the newest catalog: an older one not naming the damaged segment (the merger's
+        # pass may have written one, or not) would be read instead.
+        for seq in listed_seqs(m.local, CATALOG_ROOT)[:-1]:
+            m.local.delete(catalog_key(seq))
         m.damage_a_segment(_Nth(0), how=how)
         assert read_manifests(m.store).index is None  # (passed by: every record read)
         m.gc()  # asserts that reads go through a catalog again
@@ -1248,5 +1252,45 @@ def test_gc_repair_keeps_a_merger_commit_that_landed_before_its_abandon_hint(
         m.crash_merger(after=False, n=17)
         m.gc_while_others_work(n=10, pick=0, what="merge")
         m.reads_through_the_catalog_see_every_record()
+    finally:
+        m.teardown()
+
+
+def _check_invariants(m: OperationsMachine) -> None:
+    """What Hypothesis checks after each rule (a replay without it misses their side effects:
+    the first text of each record, which a stale forgery uses)."""
+    for name, attr in vars(OperationsMachine).items():
+        if getattr(attr, "hypothesis_stateful_invariant", None) is not None:
+            getattr(m, name)()
+
+
+def test_a_merger_planning_from_a_stale_catalog_reads_every_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=777001``: a rollback to step 7 saved
+    step 8 again (a full, a new timeline); GC deleted the abandoned delta 8; a catalog (valid
+    checksums) then gave step 8's key the abandoned delta's record. A merger pass planned from
+    it, found that delta's files gone and failed the item, pass after pass, until a GC wrote the
+    catalog again. An input that is no longer committed now means: the plan is stale, plan
+    again from every record."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    steps = [
+        lambda: m.setup(stride=2, every=None, grace=0.0, policy="bounded", bound=900.0),
+        lambda: m.save_deltas(3, rows=4),
+        lambda: m.save_deltas(4, rows=30),
+        lambda: m.advance_time(1),
+        lambda: m.rollback(_Nth(7)),
+        lambda: m.write_a_catalog(after=False, kill=None),
+        lambda: m.crash_gc(after=False, n=22),
+        lambda: m.forge_the_catalog(_Picks("step-000000000008/"), how="stale"),
+        lambda: m.advance_time(4),
+        lambda: m.gc_while_others_work(n=1, pick=0, what="merge"),
+        lambda: m.merge(workers=1),  # asserts no item failed
+    ]
+    try:
+        for step in steps:
+            step()
+            _check_invariants(m)
     finally:
         m.teardown()

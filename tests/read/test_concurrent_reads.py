@@ -8,6 +8,7 @@ store (no local path: reads overlap) or passes the local path on (reads one by o
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -30,6 +31,11 @@ class _Remote(FaultyStorage):
     @property
     def overlap_reads(self) -> bool:
         return True
+
+
+def _unnumbered(messages: list[str]) -> list[str]:
+    """The injector numbers each get it fails; overlapped reads issue them in another order."""
+    return [re.sub(r"get #\d+", "get #N", m) for m in messages]
 
 
 class _Local(FaultyStorage):
@@ -81,9 +87,9 @@ def test_overlapped_reads_report_what_serial_reads_report(
         seen: dict[str, list[int]] = {"remote": [], "local": []}
         a = verify_checkpoint(remote, m, progress=seen["remote"].append)
         b = verify_checkpoint(local, m, progress=seen["local"].append)
-        assert (a.problems, a.unreadable, a.files, a.bytes) == (
+        assert (a.problems, _unnumbered(a.unreadable), a.files, a.bytes) == (
             b.problems,
-            b.unreadable,
+            _unnumbered(b.unreadable),
             b.files,
             b.bytes,
         ), step

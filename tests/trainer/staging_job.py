@@ -94,7 +94,8 @@ def _run(rank: int, world_size: int, a: argparse.Namespace) -> None:
     if a.then == "die":
         time.sleep(3600)
     _wait(os.path.join(a.markers, "resumed"))
-    assert ck.flush(timeout=240)
+    flushed = ck.flush(timeout=240)
+    assert flushed, [(h.step, h.state, h.error) for h in ck.history]
     states = [h.state for h in ck.history]
     assert states == ["committed"] * 5 or rank > 0, states
     ck.close()
