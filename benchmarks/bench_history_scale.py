@@ -77,6 +77,8 @@ from deck.storage.wrapper import StorageWrapper
 from deck.testing.grace_reference import reference_grace_protected
 from deck.testing.synth_lineage import CheckpointFiles, LineageSim, writer_checkpoint
 
+# Names per page of an S3 listing (ListObjectsV2): what a listing costs in requests.
+LIST_PAGE = 1000
 # Concurrent requests of the copy to S3 (and the S3 client's connection pool).
 S3_WORKERS = 64
 
@@ -400,8 +402,7 @@ def measure_s3(
 ) -> dict[str, float]:
     """The routine operations at the S3 test server, on a copy of the local store as
     :func:`measure` left it (commit log, catalog, the merger caught up), and at the local store
-    in that same state: each timed, with the requests it made (a listing counted once per call;
-    on S3 it is a request per 1,000 keys)."""
+    in that same state: each timed, with the requests it made (a listing: one per 1,000 names)."""
     uri = server.uri(f"history-{n}")
     options = dict(server.storage_options)
     options["config_kwargs"] = {**options["config_kwargs"], "max_pool_connections": S3_WORKERS}
@@ -452,8 +453,8 @@ def _copy(src: Storage, dst: Storage, key: str) -> None:
 
 
 class _Counting(StorageWrapper):
-    """Counts the requests a reader makes (a listing, a read, a size or time asked: one each;
-    a batch read: one per key)."""
+    """Counts the requests a reader makes (a read, a size or time asked: one each; a batch
+    read: one per key; a listing: one per 1,000 names, as S3 pages it)."""
 
     def __init__(self, inner: Storage) -> None:
         super().__init__(inner)
@@ -487,17 +488,23 @@ class _Counting(StorageWrapper):
         self.n += 1
         return super().modified(path)
 
+    def _listed(self, names: list[Any]) -> None:
+        self.n += max(1, -(-len(names) // LIST_PAGE))
+
     def list_modified(self, prefix: str = "") -> list[tuple[str, float | None]]:
-        self.n += 1
-        return super().list_modified(prefix)
+        got = super().list_modified(prefix)
+        self._listed(got)
+        return got
 
     def list(self, prefix: str = "") -> list[str]:
-        self.n += 1
-        return super().list(prefix)
+        got = super().list(prefix)
+        self._listed(got)
+        return got
 
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        self.n += 1
-        return super().list_dir(prefix)
+        got = super().list_dir(prefix)
+        self._listed(got)
+        return got
 
 
 def _requests(storage: LocalStorage) -> float:
