@@ -40,6 +40,7 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
+from deck.read.indexed import read_indexed
 from deck.read.lineage import LineageGraph, LineageNode, PathLink, build_graph, keep_chain
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -155,7 +156,7 @@ def _listed_records(
     parts pending) and whether the folder holds anything at all (else it was never looked
     at)."""
     wanted = sorted(k for k in manifest_keys(storage) if record_key_kind(k) is not None)
-    read = list(get_records(storage, wanted))
+    read = _records_of(storage, wanted)
     keys = [k for k, data in read if isinstance(data, bytes)]
     odd = [k for k, data in read if not isinstance(data, bytes) and not _quarantine_key(k)]
     listed = {k: storage.list(k[: -len(MANIFEST)]) for k in odd}
@@ -167,6 +168,19 @@ def _listed_records(
         if data is not None and (k not in listed or listed[k])  # (an empty folder: nothing)
     ]
     return keys, records
+
+
+def _records_of(
+    storage: Storage, wanted: list[str]
+) -> list[tuple[str, bytes | CorruptCheckpointError | None]]:
+    """Each of ``wanted`` (sorted) with its record: through the catalog where the store keeps
+    one (the log since it says what changed), each one the catalog does not hold read from
+    its file (a pending folder, a record a catalog left out)."""
+    index = read_indexed(storage, lambda ks: get_records(storage, ks))
+    held = {} if index is None else index.records
+    rest = [k for k in wanted if k not in held]
+    got = dict(get_records(storage, rest))
+    return [(k, held[k] if k in held else got[k]) for k in wanted]
 
 
 def _quarantine_key(key: str) -> bool:

@@ -18,7 +18,8 @@ from deck.cli import main
 from deck.format.manifest import MANIFEST, MERGED_ROOT
 from deck.ops import listing
 from deck.ops.listing import Row, list_rows
-from deck.read.catalog import read_manifests
+from deck.read.catalog import get_records, read_manifests
+from deck.read.indexed import read_indexed
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import LocalStorage
 from deck.storage.base import MAX_RECORD_BYTES
@@ -57,7 +58,7 @@ def files() -> object:
     return writer_checkpoint()
 
 
-def _store(tmp_path: Path, files: object) -> LocalStorage:
+def _store(tmp_path: Path, files: object, *, log: bool = False) -> LocalStorage:
     sim = LineageSim(files=files, seed=5)  # type: ignore[arg-type]
     last = sim.save("full")
     for i in range(30):
@@ -69,6 +70,8 @@ def _store(tmp_path: Path, files: object) -> LocalStorage:
     sim.quarantine(sim.trainer[sim.step - 1].id)
     storage = LocalStorage(str(tmp_path / "uri"))
     sim.write(storage, durable=False)
+    if log:  # (a commit log and catalogs, the newest 5 commits before the log's end)
+        sim.write_log(storage, 5)
     return storage
 
 
@@ -167,3 +170,31 @@ def test_ls_all_json_prints_what_json_dumps_printed(
     out = capsys.readouterr().out
     _, rows = reference_list_rows(storage)
     assert out == json.dumps([r.to_dict(1e9) for r in rows], indent=1) + "\n"
+
+
+def test_through_the_catalog_the_rows_are_those_of_a_listing_of_every_file(
+    tmp_path: Path, files: object
+) -> None:
+    """With a catalog ``ls --all`` takes the records it holds from it; the folders it does not
+    hold (pending attempts, records a catalog left out, odd files) are read as before."""
+    storage = _store(tmp_path, files, log=True)
+    assert read_indexed(storage, lambda ks: get_records(storage, ks)) is not None
+    _, got = list_rows(storage)
+    _, want = reference_list_rows(storage)
+    assert got == want
+    root = Path(storage.root)
+    step = next(p for p in sorted(root.iterdir()) if p.name.startswith("step-"))
+    part = next(step.rglob("rank-00000.json")).read_bytes()
+    pending = root / "step-000000009004" / "00000000deadbeef"
+    pending.mkdir(parents=True)
+    (pending / "rank-00000.json").write_bytes(part)
+    (root / "step-000000009000").mkdir()
+    (root / "step-000000009000" / MANIFEST).symlink_to(step / MANIFEST)
+    os.mkfifo(root / "step-000000009001")
+    (root / "step-000000009002").mkdir()
+    (root / "step-000000009003").mkdir()
+    (root / "step-000000009003" / MANIFEST).write_bytes(b"garbage")  # written without the log
+    _, got = list_rows(storage)
+    _, want = reference_list_rows(storage)
+    assert _timeless(got) == _timeless(want)
+    assert {"pending", "damaged"} <= {r.state for r in got}
