@@ -6,6 +6,8 @@
  *   gather_rows              the snapshot's copy of rows into chunk buffers (kernels/gather.py)
  *   copy_once                a copy-on-write snapshot's copy: each row once, by whichever thread
  *                            claims it first (kernels/gather.py)
+ *   copy_chunks              copy_once over several chunks at once, for the background copy
+ *   pending_slots            the copy-on-write guard's lookup of the rows it must copy first
  *   bloom_fill               a chunk's row index: min, max, Bloom bits (kernels/bloom.py)
  *
  * Each checks its arguments (buffer sizes, the bit, row positions) and releases the GIL for its
@@ -630,6 +632,297 @@ done:
     return result;
 }
 
+/* One chunk of copy_chunks, parsed: what it holds (have_*, parsed) is released whatever the
+ * outcome. */
+typedef struct {
+    Py_buffer ids_b, out_b, src_b[GATHER_STATES], dst_b[GATHER_STATES];
+    Py_ssize_t row_bytes[GATHER_STATES], k, parsed;
+    int width, have_ids;
+    long long base, slot0, id_offset;
+    int64_t m, n;
+} chunk_copy_t;
+
+/* Parses and checks one (ids, states, width, base, slot0, out_ids, id_offset) of copy_chunks
+ * against `f` flags; 0 with an exception set when it is malformed. */
+static int parse_chunk(PyObject *item, chunk_copy_t *c, const int64_t f)
+{
+    PyObject *states;
+    if (!PyArg_ParseTuple(item, "y*OiLLw*L", &c->ids_b, &states, &c->width, &c->base, &c->slot0,
+                          &c->out_b, &c->id_offset))
+        return 0;
+    c->have_ids = 1;
+    PyObject *seq = PySequence_Fast(states, "copy_chunks: states must be a sequence");
+    if (seq == NULL)
+        return 0;
+    c->k = PySequence_Fast_GET_SIZE(seq);
+    int64_t rows_out = 0;
+    int ok = c->k <= GATHER_STATES && (c->width == 4 || c->width == 8) &&
+             c->ids_b.len % c->width == 0;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "copy_chunks: inconsistent arguments");
+    else
+        ok = parse_states(seq, c->k, "copy_chunks: inconsistent arguments", c->src_b, c->row_bytes,
+                          c->dst_b, &c->parsed, &c->n, &rows_out);
+    Py_DECREF(seq); /* (each state's buffer holds its own reference) */
+    if (!ok)
+        return 0;
+    c->m = c->ids_b.len / c->width;
+    if (c->out_b.len < c->m * 8 || (c->k > 0 && rows_out < c->m)) {
+        PyErr_SetString(PyExc_ValueError, "copy_chunks: an out is shorter than the chunk's rows");
+        return 0;
+    }
+    if (c->m > 0 && (c->slot0 < 0 || c->slot0 + c->m > f)) {
+        PyErr_SetString(PyExc_IndexError, "copy_chunks: a slot is outside the flags");
+        return 0;
+    }
+    return 1;
+}
+
+static void release_chunk(chunk_copy_t *c)
+{
+    release_states(c->src_b, c->dst_b, c->parsed);
+    if (c->have_ids) {
+        PyBuffer_Release(&c->ids_b);
+        PyBuffer_Release(&c->out_b);
+    }
+}
+
+/* Whether every row of chunk c lies in its sources; then its ids segment (ids[i] + id_offset,
+ * int64) and its rows (copy_once), GIL released. */
+static int chunk_rows_in(const chunk_copy_t *c)
+{
+    return c->width == 8 ? rows_in64(c->ids_b.buf, c->base, c->m, c->n)
+                         : rows_in32(c->ids_b.buf, c->base, c->m, c->n);
+}
+
+static int64_t copy_chunk(const chunk_copy_t *c, uint8_t *flags)
+{
+    int64_t *out = c->out_b.buf;
+    for (int64_t i = 0; i < c->m; ++i)
+        out[i] = (c->width == 8 ? ((const int64_t *)c->ids_b.buf)[i]
+                                : (int64_t)((const int32_t *)c->ids_b.buf)[i]) +
+                 c->id_offset;
+    if (c->width == 8)
+        return copy_once64(c->ids_b.buf, c->base, c->m, c->k, c->src_b, c->row_bytes, c->dst_b,
+                           flags, NULL, c->slot0);
+    return copy_once32(c->ids_b.buf, c->base, c->m, c->k, c->src_b, c->row_bytes, c->dst_b, flags,
+                       NULL, c->slot0);
+}
+
+/* copy_chunks(flags, chunks) -> copied: the background copy of several chunks of one
+ * copy-on-write snapshot in one call, the GIL released once for them all (each release is a
+ * chance for the training thread to find the GIL taken when it comes back). For every
+ * (ids, states, width, base, slot0, out_ids, id_offset) of `chunks`: out_ids[i] = ids[i] +
+ * id_offset (int64: the chunk's ids segment), then copy_once of ids into states with row i in
+ * slot slot0 + i. Every chunk is checked before anything is written: a malformed one raises
+ * ValueError, a slot outside `flags` or a row outside a source IndexError. */
+static PyObject *copy_chunks(PyObject *self, PyObject *args)
+{
+    Py_buffer flags_b;
+    PyObject *chunks;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*O", &flags_b, &chunks))
+        return NULL;
+    PyObject *result = NULL, *seq = PySequence_Fast(chunks, "copy_chunks: chunks must be a sequence");
+    chunk_copy_t *c = NULL;
+    Py_ssize_t nc = 0, parsed = 0;
+    if (seq == NULL)
+        goto done;
+    nc = PySequence_Fast_GET_SIZE(seq);
+    c = PyMem_Calloc(nc > 0 ? (size_t)nc : 1, sizeof *c);
+    if (c == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    while (parsed < nc) {
+        const int ok = parse_chunk(PySequence_Fast_GET_ITEM(seq, parsed), &c[parsed], flags_b.len);
+        ++parsed; /* (released below, whatever it holds) */
+        if (!ok)
+            goto done;
+    }
+    int in = 1;
+    int64_t copied = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; in && i < nc; ++i)
+        in = chunk_rows_in(&c[i]);
+    for (Py_ssize_t i = 0; in && i < nc; ++i)
+        copied += copy_chunk(&c[i], flags_b.buf);
+    Py_END_ALLOW_THREADS
+    if (!in) {
+        PyErr_SetString(PyExc_IndexError, "copy_chunks: a row index is outside the table");
+        goto done;
+    }
+    result = PyLong_FromLongLong((long long)copied);
+done:
+    for (Py_ssize_t i = 0; i < parsed; ++i)
+        release_chunk(&c[i]);
+    PyMem_Free(c);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&flags_b);
+    return result;
+}
+
+/* A row found pending by pending_slots: its slot and its position. */
+typedef struct {
+    int64_t slot, pos;
+} slot_pos_t;
+
+static int by_slot(const void *a, const void *b)
+{
+    const int64_t x = ((const slot_pos_t *)a)->slot, y = ((const slot_pos_t *)b)->slot;
+    return (x > y) - (x < y);
+}
+
+/* The first index of rows[0, n) (ascending, int64 or int32 by width) not below p. */
+static int64_t lower_bound(const void *rows, const int width, int64_t n, const int64_t p)
+{
+    int64_t lo = 0;
+    while (n > 0) {
+        const int64_t half = n / 2;
+        const int64_t v = width == 8 ? ((const int64_t *)rows)[lo + half]
+                                     : (int64_t)((const int32_t *)rows)[lo + half];
+        if (v < p) {
+            lo += half + 1;
+            n -= half + 1;
+        } else {
+            n = half;
+        }
+    }
+    return lo;
+}
+
+/* One delta shard's claim of pending_slots: its rows (ascending) and the slot of the first. */
+typedef struct {
+    Py_buffer rows_b;
+    int width;
+    long long slot0;
+    int64_t n, first, last;
+} claim_rows_t;
+
+/* pending_slots(positions, claims, spans, flags, out_slots, out_pos) -> n: the copy-on-write
+ * guard's lookup (deck/trainer/cow.py), in one call with the GIL released. The slots of the
+ * snapshot's rows among `positions` (int64, any order, repeats) whose flag is still below 2
+ * (pending or being copied) go to out_slots[:n], ascending and each once, their positions to
+ * out_pos[:n] (int64, each at least as long as positions).
+ *   claims  a delta's shards, by first row: (rows, width, slot0), rows ascending int64 or int32
+ *           (width 8 or 4): a position found there at index i is slot slot0 + i
+ *   spans   int64 (S, 3) by first position: (first, count, slot0), a full's chunks: position p
+ *           in [first, first + count) is slot slot0 + p - first
+ * A slot outside the flags raises IndexError. */
+static PyObject *pending_slots(PyObject *self, PyObject *args)
+{
+    Py_buffer pos_b, spans_b, flags_b, out_s_b, out_p_b;
+    PyObject *claims;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*Oy*y*w*w*", &pos_b, &claims, &spans_b, &flags_b, &out_s_b,
+                          &out_p_b))
+        return NULL;
+    PyObject *result = NULL, *seq = PySequence_Fast(claims, "pending_slots: claims must be a sequence");
+    claim_rows_t *c = NULL;
+    slot_pos_t *found = NULL;
+    Py_ssize_t nc = 0, parsed = 0;
+    const int64_t m = pos_b.len / 8, ns = spans_b.len / 24, f = flags_b.len;
+    if (seq == NULL)
+        goto done;
+    if (pos_b.len % 8 || spans_b.len % 24 || out_s_b.len < pos_b.len || out_p_b.len < pos_b.len) {
+        PyErr_SetString(PyExc_ValueError, "pending_slots: inconsistent arguments");
+        goto done;
+    }
+    nc = PySequence_Fast_GET_SIZE(seq);
+    c = PyMem_Calloc(nc > 0 ? (size_t)nc : 1, sizeof *c);
+    found = PyMem_Malloc((m > 0 ? (size_t)m : 1) * sizeof *found);
+    if (c == NULL || found == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; parsed < nc; ++parsed) {
+        claim_rows_t *r = &c[parsed];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, parsed), "y*iL", &r->rows_b, &r->width,
+                              &r->slot0))
+            goto done;
+        if ((r->width != 4 && r->width != 8) || r->rows_b.len % r->width || r->slot0 < 0) {
+            ++parsed;
+            PyErr_SetString(PyExc_ValueError, "pending_slots: inconsistent arguments");
+            goto done;
+        }
+        r->n = r->rows_b.len / r->width;
+        if (r->n > 0) {
+            r->first = r->width == 8 ? ((const int64_t *)r->rows_b.buf)[0]
+                                     : ((const int32_t *)r->rows_b.buf)[0];
+            r->last = r->width == 8 ? ((const int64_t *)r->rows_b.buf)[r->n - 1]
+                                    : ((const int32_t *)r->rows_b.buf)[r->n - 1];
+        }
+    }
+    int64_t k = 0, bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *pos = pos_b.buf, *spans = spans_b.buf;
+    const uint8_t *flags = flags_b.buf;
+    for (int64_t i = 0; i < m && !bad; ++i) {
+        const int64_t p = pos[i];
+        int64_t slot = -1;
+        for (Py_ssize_t j = 0; j < nc && slot < 0; ++j) { /* (a few shards) */
+            const claim_rows_t *r = &c[j];
+            if (r->n == 0 || p < r->first || p > r->last)
+                continue;
+            const int64_t at = lower_bound(r->rows_b.buf, r->width, r->n, p);
+            const int64_t v = r->width == 8 ? ((const int64_t *)r->rows_b.buf)[at]
+                                            : ((const int32_t *)r->rows_b.buf)[at];
+            if (v == p)
+                slot = r->slot0 + at;
+        }
+        if (slot < 0 && ns > 0) { /* the last span whose first is at most p */
+            int64_t lo = 0, hi = ns;
+            while (lo < hi) {
+                const int64_t mid = (lo + hi) / 2;
+                if (spans[3 * mid] <= p)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            if (lo > 0 && p < spans[3 * (lo - 1)] + spans[3 * (lo - 1) + 1])
+                slot = spans[3 * (lo - 1) + 2] + p - spans[3 * (lo - 1)];
+        }
+        if (slot < 0)
+            continue;
+        if (slot >= f) {
+            bad = 1;
+            break;
+        }
+        /* (a snapshot of the flag: a row seen pending is then copied once by copy_once) */
+        if (__atomic_load_n(flags + slot, __ATOMIC_RELAXED) < 2)
+            found[k++] = (slot_pos_t){slot, p};
+    }
+    if (!bad && k > 1)
+        qsort(found, (size_t)k, sizeof *found, by_slot);
+    int64_t n = 0;
+    for (int64_t i = 0; !bad && i < k; ++i) {
+        if (n > 0 && ((int64_t *)out_s_b.buf)[n - 1] == found[i].slot)
+            continue;
+        ((int64_t *)out_s_b.buf)[n] = found[i].slot;
+        ((int64_t *)out_p_b.buf)[n] = found[i].pos;
+        ++n;
+    }
+    k = n;
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "pending_slots: a slot is outside the flags");
+        goto done;
+    }
+    result = PyLong_FromLongLong((long long)k);
+done:
+    for (Py_ssize_t i = 0; i < parsed; ++i)
+        PyBuffer_Release(&c[i].rows_b);
+    PyMem_Free(c);
+    PyMem_Free(found);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&pos_b);
+    PyBuffer_Release(&spans_b);
+    PyBuffer_Release(&flags_b);
+    PyBuffer_Release(&out_s_b);
+    PyBuffer_Release(&out_p_b);
+    return result;
+}
+
 /* Standard base64 (RFC 4648, '=' padding) of src[0:n] into dst (4 * ceil(n / 3) bytes). */
 static void base64_encode(const uint8_t *src, size_t n, uint8_t *dst)
 {
@@ -726,6 +1019,10 @@ static PyMethodDef methods[] = {
      "The snapshot's copy: rows of a table by index into a buffer, prefetching ahead."},
     {"copy_once", copy_once, METH_VARARGS,
      "A copy-on-write snapshot's copy: each row once, by whichever thread claims it first."},
+    {"pending_slots", pending_slots, METH_VARARGS,
+     "The copy-on-write guard's lookup: the pending slots of positions, ascending, GIL released."},
+    {"copy_chunks", copy_chunks, METH_VARARGS,
+     "copy_once over several chunks of one snapshot, ids segments written, GIL released once."},
     {"bloom_fill", bloom_fill, METH_VARARGS,
      "A chunk's row index: min, max and its ids' bloom filter bits in one pass."},
     {"clear_rows", clear_rows, METH_VARARGS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -109,6 +110,69 @@ def copy_once(
     empty = np.zeros(0, np.int64)
     picked = empty if slots is None else np.ascontiguousarray(slots, np.int64)
     return int(kernel.copy_once(rows, states, rows.itemsize, base, flags, picked, slot0))
+
+
+class ChunkCopy(NamedTuple):
+    """One chunk of :func:`copy_chunks`: rows ``rows - base`` of ``sources`` into ``outs``, in
+    slots ``slot0 ..``, and their ids (``rows + id_offset``) into ``ids``."""
+
+    rows: np.ndarray  # contiguous int64 or int32
+    sources: Sequence[RowSource]
+    outs: Sequence[Out]
+    ids: np.ndarray  # the chunk's int64 ids segment (writable)
+    id_offset: int
+    slot0: int
+    base: int
+
+
+def copy_chunks(flags: np.ndarray, chunks: Sequence[ChunkCopy]) -> int:
+    """:func:`copy_once` of several chunks of one snapshot (row ``i`` of a chunk in slot
+    ``slot0 + i``), each chunk's ids segment written too, in one native call that releases the
+    GIL once for them all: a background copy that takes the GIL back after each chunk lets the
+    training thread find it taken each time. Same guarantees as :func:`copy_once`; every chunk
+    is checked (IndexError, ValueError) before anything is written. Returns how many rows this
+    call copied. Needs the native kernel."""
+    kernel = native.native_module()
+    if kernel is None:
+        raise RuntimeError("copy-on-write snapshots need deck's native kernel (kernels/_native.c)")
+    items = [
+        (
+            c.rows,
+            [(src, b, out) for (src, b), out in zip(c.sources, c.outs, strict=True)],
+            c.rows.itemsize,
+            c.base,
+            c.slot0,
+            c.ids,
+            c.id_offset,
+        )
+        for c in chunks
+    ]
+    return int(kernel.copy_chunks(flags, items))
+
+
+def pending_slots(
+    positions: np.ndarray,
+    claims: Sequence[tuple[np.ndarray, int]],
+    spans: np.ndarray,
+    flags: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A copy-on-write guard's lookup, in one native call that releases the GIL once: the
+    slots of the snapshot's rows among ``positions`` (int64, any order, repeats allowed) whose
+    flag is still below 2 (not copied, not saved aside), ascending and each once, and their
+    positions. A delta's rows are in ``claims``, ``(rows, slot0)`` per shard by first row (rows
+    ascending, int64 or int32; ``rows[i]`` is slot ``slot0 + i``); a full's in ``spans``, int64
+    ``(S, 3)`` rows ``(first, count, slot0)`` by ``first``. Raises IndexError for a slot
+    outside ``flags``. Needs the native kernel."""
+    kernel = native.native_module()
+    if kernel is None:
+        raise RuntimeError("copy-on-write snapshots need deck's native kernel (kernels/_native.c)")
+    pos = np.ascontiguousarray(positions, np.int64)
+    out_slots, out_pos = np.empty(len(pos), np.int64), np.empty(len(pos), np.int64)
+    items = [(rows, rows.itemsize, slot0) for rows, slot0 in claims]
+    n = kernel.pending_slots(
+        pos, items, np.ascontiguousarray(spans, np.int64), flags, out_slots, out_pos
+    )
+    return out_slots[:n], out_pos[:n]
 
 
 def _fits(src: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:

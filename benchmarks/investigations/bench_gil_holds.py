@@ -6,19 +6,20 @@ One training rank as in ``bench_interference.py`` (world size 1, the demo's DLRM
 thread on core 0, every other thread on core 1) trains with deck (a full, then a delta every
 ``--delta-every`` steps). An LD_PRELOAD probe (``gil_holds.c``, compiled here with the system C
 compiler) records, over the ``--after`` steps after each delta (and, with ``--away``, over as
-many steps away from it):
+many steps away from it; with ``--fulls``, after each of that many fulls taken after the
+deltas):
 
 - each wait of the training thread for the GIL: how long, and which thread released the GIL
   that ended it, at which Python frames;
 - each stretch a background thread held the GIL: its wall and CPU time, the frames where it took
   the GIL (back from a call that had released it) and where it let it go.
 
-Printed per delta: the training thread's waits and the milliseconds it waited, by the thread
+Printed per delta (and per full): the training thread's waits and the milliseconds it waited, by the thread
 that held the GIL; each background thread's milliseconds holding the GIL (all, in stretches over
 30 us, and its CPU time in them); the longest-held stretches by where they began and ended.
 CPython 3.11 on Linux only (the probe reads 3.11's frame structs); deck is unchanged by it.
 
-    python benchmarks/investigations/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away] [--mode process]
+    python benchmarks/investigations/bench_gil_holds.py [--deltas 20] [--rows 1000000] [--after 3] [--away] [--fulls 3] [--mode process]
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _measure(a: argparse.Namespace, out: Path) -> tuple[dict[int, str], dict[str
     _pin_others(1)
     names: dict[int, str] = {}
     files = {
-        kind: (str(out / f"{kind}.waits"), str(out / f"{kind}.holds")) for kind in ("after", "away")
+        kind: (str(out / f"{kind}.waits"), str(out / f"{kind}.holds"))
+        for kind in ("after", "away", "full")
     }
 
     probe.gil_holds_background_waits.restype = ctypes.c_long
@@ -101,18 +103,21 @@ def _measure(a: argparse.Namespace, out: Path) -> tuple[dict[int, str], dict[str
         w, h = files[kind]
         probe.gil_holds_dump(w.encode(), h.encode())
 
-    for d in range(1, a.deltas + 1):
+    for d in range(1, a.deltas + a.fulls + 1):
         at = d * a.delta_every
+        full = d > a.deltas
         _steps(model, dense, spec, range(at - a.delta_every + 1, at - a.after))
-        if a.away:  # the steps just before the delta: deck's background long idle
+        if a.away and not full:  # the steps just before the delta: deck's background long idle
             record("away", range(at - a.after, at))
         else:
             _steps(model, dense, spec, range(at - a.after, at))
-        ckpt.step(at)
+        ckpt.save("full" if full else "delta", step=at)
         _pin_others(1)
         names.update({t.native_id: _kind(t.name) for t in threading.enumerate() if t.native_id})
-        record("after", range(at + 1, at + 1 + a.after))
+        record("full" if full else "after", range(at + 1, at + 1 + a.after))
         names.update({t.native_id: _kind(t.name) for t in threading.enumerate() if t.native_id})
+        if full:  # each full's window its own, not the previous full's writes
+            ckpt.flush()
     ckpt.flush()
     ckpt.close()
     return names, dict(bg_waits)
@@ -125,17 +130,19 @@ def _site(fields: list[str]) -> str:
 def _report(
     a: argparse.Namespace, out: Path, names: dict[int, str], bg_waits: int, kind: str
 ) -> None:
-    per = 1 / a.deltas
+    n, what = (a.fulls, "full") if kind == "full" else (a.deltas, "delta")
+    per = 1 / n
 
     def who(t: str) -> str:
         return names.get(int(t), f"tid {t}") if t != "0" else "(unknown)"
 
     waited: collections.Counter[str] = collections.Counter()
-    n_waits = 0
+    times: collections.Counter[str] = collections.Counter()
     for line in Path(out / f"{kind}.waits").read_text().splitlines():
         f = line.split("\t")
         waited[who(f[2])] += float(f[1]) / 1e3
-        n_waits += 1
+        times[who(f[2])] += 1
+    n_waits = sum(times.values())
     held: collections.Counter[str] = collections.Counter()
     held_long: collections.Counter[str] = collections.Counter()
     held_cpu: collections.Counter[str] = collections.Counter()
@@ -151,14 +158,14 @@ def _report(
         site = f"{thread}: took at {_site(f[4:7])}; let go at {_site(f[7:10])}"
         by_site[site] += us / 1e3
         count[site] += 1
-    title = f"the {a.after} steps after each delta" if kind == "after" else f"{a.after} steps away"
-    print(f"\n== {title} ({a.deltas} deltas; per delta)")
+    title = f"{a.after} steps away" if kind == "away" else f"the {a.after} steps after each {what}"
+    print(f"\n== {title} ({n} {what}s; per {what})")
     print(
         f"training thread: {n_waits * per:.1f} waits for the GIL, "
-        f"{sum(waited.values()) * per:.2f} ms waited; by the thread that held it:"
+        f"{sum(waited.values()) * per:.2f} ms waited; by the thread that held it (waits, ms):"
     )
-    for t, ms in waited.most_common():
-        print(f"  {t:<16} {ms * per:6.2f} ms")
+    for t, n in times.most_common():
+        print(f"  {t:<16} {n * per:5.1f} {waited[t] * per:6.2f}")
     print(
         f"background threads waited for the GIL {bg_waits * per:.0f} times (each woken by the "
         "holder, mostly the training thread: a futex wake-up on its CPU)"
@@ -168,7 +175,7 @@ def _report(
     )
     for t, ms in held.most_common():
         print(f"  {t:<16} {ms * per:6.2f} / {held_long[t] * per:6.2f} / {held_cpu[t] * per:6.2f}")
-    print(f"the {a.top} stretches held longest in all (ms per delta, times per delta, mean us):")
+    print(f"the {a.top} stretches held longest in all (ms per {what}, times per {what}, mean us):")
     for site, ms in by_site.most_common(a.top):
         n = count[site]
         print(f"  {ms * per:6.3f} {n * per:5.1f}x {ms * 1e3 / n:7.1f}  {site}")
@@ -181,6 +188,12 @@ def main() -> None:
     p.add_argument("--delta-every", type=int, default=25)
     p.add_argument("--after", type=int, default=3, help="steps recorded after each delta")
     p.add_argument("--away", action="store_true", help="also record as many steps before it")
+    p.add_argument(
+        "--fulls",
+        type=int,
+        default=0,
+        help="then this many fulls (each flushed before the next), their steps after recorded",
+    )
     p.add_argument("--copy-on-write", default="deltas", choices=["deltas", "all", "off"])
     p.add_argument("--mode", default="threads", choices=["threads", "process"], help="staging.mode")
     p.add_argument("--top", type=int, default=15)
@@ -207,7 +220,8 @@ def main() -> None:
         f"{a.rows} rows x {a.dim} dim, batch {a.batch}, a delta every {a.delta_every} steps, "
         f"copy_on_write={a.copy_on_write}"
     )
-    for kind in ("after", "away") if a.away else ("after",):
+    kinds = ["after", *(["away"] if a.away else []), *(["full"] if a.fulls else [])]
+    for kind in kinds:
         _report(a, out, names, bg_waits.get(kind, 0), kind)
     print(
         "\nreproduce: python benchmarks/investigations/bench_gil_holds.py " + " ".join(sys.argv[1:])

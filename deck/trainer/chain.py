@@ -786,7 +786,10 @@ class ChainWriter:
                 full,
             )
             if deferred:
-                snap.deferred = DeferredCopy(snap.staged.buffer, self.stager.pool.release)
+                staged = snap.staged
+                snap.deferred = DeferredCopy(
+                    staged.buffer, self.stager.pool.release, staged.try_buffer, staged.together
+                )
                 writer.deferred = snap.deferred
             order = {id(sh): i for i, sh in enumerate(shards)}
             extra = self.extra_state(shards)

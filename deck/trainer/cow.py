@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,12 @@ import torch
 
 from deck.failpoints import failpoint
 from deck.format.chunks import Buffer
-from deck.kernels.gather import RowSource, copy_once
+from deck.kernels.gather import ChunkCopy, RowSource, copy_chunks, copy_once, pending_slots
+
+# Chunks copied per native call at most: one GIL release for them all (a delta of the demo's
+# DLRM is 8 chunks), while a full's writes start after its first 16 chunks (64 MiB at the
+# default chunk_bytes), not its last.
+COPY_BATCH = 16
 
 # TEST HOOK: when set, the background copy waits for it before its first row, so a test can
 # train steps while every row is still pending (only the lookups' copy-before-update runs).
@@ -88,12 +94,18 @@ class _Chunk:
             return np.arange(first, first + count, dtype=np.int64)
         return self.rows.get()
 
-    def fill(self, flags: np.ndarray) -> None:
-        """Copy every row not copied yet (by a lookup) into the chunk's buffer."""
+    def copy(self) -> ChunkCopy:
+        """What :func:`copy_chunks` copies of it: every row not copied yet (by a lookup), and
+        its ids."""
         assert self.ids is not None and self.outs is not None
         rows = self.positions()
-        np.add(rows, self.id_offset, out=self.ids, dtype=np.int64)
-        copy_once(rows, self.sources, self.outs, flags, self.slot0, base=self.base)
+        return ChunkCopy(
+            rows, self.sources, self.outs, self.ids, self.id_offset, self.slot0, self.base
+        )
+
+    def put_early(self) -> None:
+        """Put the rows lookups saved aside (before it had a buffer) into the chunk's buffer."""
+        assert self.outs is not None
         for slots, saved in self.early:
             lo, hi = np.searchsorted(slots, [self.slot0, self.slot0 + self.count])
             at = slots[lo:hi] - self.slot0
@@ -117,14 +129,23 @@ class DeferredCopy:
     by ``staging.snapshot_memory_bytes`` as before.
     """
 
-    def __init__(self, acquire: Callable[[], Buffer], release: Callable[[Buffer], None]) -> None:
+    def __init__(
+        self,
+        acquire: Callable[[], Buffer],
+        release: Callable[[Buffer], None],
+        try_acquire: Callable[[], Buffer | None] | None = None,
+        together: Callable[[], AbstractContextManager[None]] = nullcontext,
+    ) -> None:
         self._acquire = acquire  # a pool buffer (may wait for the part's own writes)
         self._release = release  # gives one back
+        # A free pool buffer at once or None (without it, one chunk is copied at a time)
+        self._try_acquire = try_acquire
+        self._together = together  # the hand-overs made inside go out together
         self._chunks: list[_Chunk] = []
         self.rows = 0
         self._flags = np.zeros(0, np.uint8)
-        # A delta's rows per shard: (first position, last, its rows ascending, its first slot)
-        self._claims: list[tuple[int, int, np.ndarray, int]] = []
+        # A delta's rows per shard, by first position: (its rows ascending, its first slot)
+        self._claim_rows: list[tuple[np.ndarray, int]] = []
         self._spans = np.zeros((0, 3), np.int64)  # a full's (first position, count, slot0)
         self._starts = np.zeros(0, np.int64)  # each chunk's first slot
         self._has_buffer = np.zeros(0, bool)  # each chunk's: set under the lock
@@ -176,44 +197,14 @@ class DeferredCopy:
         for c in self._chunks:
             if isinstance(c.rows, RowSlice):
                 shards.setdefault(id(c.rows.source), (c.rows.source, c.slot0 - c.rows.start))
-        claims = []
-        for source, slot0 in shards.values():
-            rows = source()
-            if len(rows):
-                claims.append((int(rows[0]), int(rows[-1]), rows, slot0))
-        self._claims = sorted(claims, key=lambda c: c[0])
+        claims = [(source(), slot0) for source, slot0 in shards.values()]
+        self._claim_rows = sorted(
+            ((np.ascontiguousarray(rows), slot0) for rows, slot0 in claims if len(rows)),
+            key=lambda c: int(c[0][0]),
+        )
         self._indexed = True
 
     # ---- after the stall ---------------------------------------------------------------------
-    def _slots(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The part's slots of the positions in ``pos`` it holds (ascending, each once), and
-        those positions."""
-        found = []
-        pos = np.sort(pos)  # each once, in order: the search then walks the index in order
-        pos = pos[np.concatenate(([True], pos[1:] != pos[:-1]))] if len(pos) else pos
-        for lowest, highest, rows, rows_slot0 in self._claims:
-            lo, hi = np.searchsorted(pos, [lowest, highest + 1]).tolist()
-            if lo == hi:
-                continue
-            sub = pos[lo:hi]  # within the shard's rows: found below its last, or not at all
-            at = np.searchsorted(rows, sub.astype(rows.dtype, copy=False))
-            hit = rows[at] == sub
-            found.append(np.stack([rows_slot0 + at[hit], sub[hit]]))
-        if len(self._spans):
-            first, count, slot0 = self._spans.T
-            k = np.searchsorted(first, pos, side="right") - 1
-            ok = k >= 0
-            ok[ok] &= pos[ok] < first[k[ok]] + count[k[ok]]
-            found.append(np.stack([slot0[k[ok]] + pos[ok] - first[k[ok]], pos[ok]]))
-        if not found:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        both = np.concatenate(found, axis=1)
-        if (np.diff(both[0]) < 0).any():
-            # By slot, so grouped by chunk (a delta's slots follow its positions when its
-            # shards were written in the order of the tracker's positions: no sort then)
-            both = both[:, np.argsort(both[0], kind="stable")]
-        return both[0], both[1]
-
     def protect(self, positions: torch.Tensor) -> None:
         """Before the rows ``positions`` (tracker positions, int64, any order) are updated: every
         one of them this part still has pending is copied now (or its copy waited for)."""
@@ -223,15 +214,13 @@ class DeferredCopy:
             with self._lock:
                 if not self._indexed:
                     self._index()
-        slots, pos = self._slots(positions.detach().numpy().astype(np.int64, copy=False))
+        # Copied (2) or saved aside (3) already: nothing to do (most rows, once the copy ran);
+        # found natively, the GIL given up once (numpy's searches give it up at every call)
+        slots, pos = pending_slots(
+            positions.detach().numpy(), self._claim_rows, self._spans, self._flags
+        )
         if not len(slots):
             return
-        # Copied (2) or saved aside (3) already: nothing to do (most rows, once the copy ran)
-        live = self._flags[slots]
-        todo = live < 2
-        if not todo.any():
-            return
-        slots, pos = slots[todo], pos[todo]
         # Ascending slots: the chunks (and their shards) come in runs, no grouping sort needed
         chunk_of = np.searchsorted(self._starts, slots, side="right") - 1
         with self._lock:
@@ -265,33 +254,56 @@ class DeferredCopy:
                 self._flags[slots[mine]] = 3
 
     def run(self, done: Callable[[], None]) -> None:
-        """Copy every chunk: take its buffer, copy its rows not copied yet, hand it over.
+        """Copy every chunk: take its buffer, copy its rows not copied yet, hand it over; in
+        batches of the chunks whose buffers are free at once (up to :data:`COPY_BATCH`), each
+        copied in one native call (the GIL given up once) and handed over together.
         ``done()`` is called once no row can be written any more (the guard comes off). On
-        failure the buffer taken and not handed over goes back, and it raises."""
-        held: Buffer | None = None
+        failure the buffers taken and not handed over go back, and it raises."""
+        held: list[Buffer] = []  # taken, not handed over yet (in chunk order)
         try:
             with self._lock:
                 if not self._indexed:
                     self._index()
             if FILL_GATE is not None:
                 FILL_GATE.wait()
-            for i, chunk in enumerate(self._chunks):
-                held = self._acquire()
-                ids, outs = chunk.segments(held)
-                with self._lock:
-                    chunk.ids, chunk.outs = ids, outs
-                    self._has_buffer[i] = True
-                failpoint("writer.chunk.before_fill")  # the moments the copy in the stall has
-                chunk.fill(self._flags)
-                buf, held = held, None
-                chunk.hand(buf)
-                failpoint("writer.chunk.after_submit")
+            first = 0
+            while first < len(self._chunks):
+                batch = self._take(first, held)
+                for _ in batch:
+                    failpoint("writer.chunk.before_fill")  # the moments the copy in the stall has
+                copy_chunks(self._flags, [chunk.copy() for chunk in batch])
+                with self._together():
+                    for chunk in batch:
+                        chunk.put_early()
+                        chunk.hand(held.pop(0))
+                        failpoint("writer.chunk.after_submit")
+                first += len(batch)
             self._close(done)
         except BaseException:
             self._close(done)
-            if held is not None:
-                self._release(held)
+            for buf in held:
+                self._release(buf)
             raise
+
+    def _take(self, first: int, held: list[Buffer]) -> list[_Chunk]:
+        """Buffers for the chunks from ``first`` on, into ``held``: the first may wait, the
+        others only those free now (never waiting while holding buffers not handed over: those
+        come back only once handed). Returns the chunks that got one (lookups now copy their
+        rows into it)."""
+        held.append(self._acquire())
+        wanted = min(COPY_BATCH, len(self._chunks) - first)
+        while self._try_acquire is not None and len(held) < wanted:
+            buf = self._try_acquire()
+            if buf is None:
+                break
+            held.append(buf)
+        batch = self._chunks[first : first + len(held)]
+        views = [chunk.segments(buf) for chunk, buf in zip(batch, held, strict=True)]
+        with self._lock:
+            for chunk, (ids, outs) in zip(batch, views, strict=True):
+                chunk.ids, chunk.outs = ids, outs
+            self._has_buffer[first : first + len(batch)] = True
+        return batch
 
     def drop(self) -> None:
         """The part will not be committed (nothing ran, no buffer was taken)."""

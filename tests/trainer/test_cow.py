@@ -9,6 +9,7 @@ comparisons below would fail. Nothing waits on time: the gate is opened by the t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from deck.kernels.gather import copy_once, row_sources
+from deck.kernels.gather import ChunkCopy, copy_chunks, copy_once, pending_slots, row_sources
 
 import deck
 import deck.trainer.cow as cow
@@ -74,6 +75,82 @@ def test_copy_once_refuses_a_slot_outside_and_copies_nothing() -> None:
     assert not flags.any()
 
 
+def test_copy_chunks_copies_each_row_once_beside_copy_once_and_writes_the_ids() -> None:
+    """Chunks copied in one call while another thread copies some of their rows: every row
+    lands once, each chunk's ids are its rows plus its offset."""
+    table = torch.randn(5000, 16)
+    sources = row_sources([table])
+    assert sources is not None
+    rows = np.sort(np.random.default_rng(0).choice(5000, 2000, replace=False)).astype(np.int32)
+    flags = np.zeros(len(rows), np.uint8)
+    arrays, outs = _outs(len(rows), 16)
+    ids = np.zeros(len(rows), np.int64)
+    halves = [(0, 1200), (1200, 2000)]
+    chunks = [
+        ChunkCopy(rows[a:b], sources, [outs[0][a * 64 : b * 64]], ids[a:b], 7, a, 0)
+        for a, b in halves
+    ]
+    picked = np.random.default_rng(1).choice(len(rows), 1500, replace=False)
+    counts: list[int] = []
+    other = threading.Thread(
+        target=lambda: counts.append(
+            copy_once(rows[picked].astype(np.int64), sources, outs, flags, 0, picked)
+        )
+    )
+    other.start()
+    counts.append(copy_chunks(flags, chunks))
+    other.join()
+    assert sum(counts) == len(rows)
+    assert (flags == 2).all()
+    assert np.array_equal(arrays[0], table.numpy()[rows])
+    assert np.array_equal(ids, rows.astype(np.int64) + 7)
+
+
+def test_copy_chunks_checks_every_chunk_before_writing_any() -> None:
+    table = torch.randn(10, 4)
+    sources = row_sources([table])
+    assert sources is not None
+    flags = np.zeros(4, np.uint8)
+    _, outs = _outs(4, 4)
+    ids = np.zeros(4, np.int64)
+    good = ChunkCopy(np.array([1, 2], np.int64), sources, [outs[0][:32]], ids[:2], 0, 0, 0)
+    for bad in (
+        ChunkCopy(np.array([3, 12], np.int64), sources, [outs[0][32:]], ids[2:], 0, 2, 0),
+        ChunkCopy(np.array([3, 4], np.int64), sources, [outs[0][32:]], ids[2:], 0, 3, 0),
+    ):
+        with pytest.raises(IndexError):
+            copy_chunks(flags, [good, bad])
+    with pytest.raises(ValueError):  # an out shorter than its rows
+        copy_chunks(flags, [good._replace(outs=[outs[0][:16]])])
+    assert not flags.any() and not ids.any()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pending_slots_finds_what_a_search_of_the_index_finds(seed: int) -> None:
+    """Claims (int32 and int64 rows), spans and flags at random: the slots of the positions
+    still pending (flag below 2), ascending, once each, with their positions."""
+    rng = np.random.default_rng(seed)
+    claims, slot = [], 0
+    where: dict[int, int] = {}
+    for k, dtype in enumerate([np.int64, np.int32, np.int64]):
+        rows = np.sort(rng.choice(1000, 300, replace=False)) + 1000 * k
+        claims.append((rows.astype(dtype), slot))
+        where.update({int(r): slot + i for i, r in enumerate(rows)})
+        slot += len(rows)
+    spans = []
+    for first, count in [(3000, 50), (3100, 80)]:
+        spans.append((first, count, slot))
+        where.update({first + i: slot + i for i in range(count)})
+        slot += count
+    flags = rng.integers(0, 4, slot).astype(np.uint8)
+    positions = rng.integers(0, 3300, 2000)
+    slots, pos = pending_slots(positions, claims, np.array(spans, np.int64), flags)
+    want = sorted({(where[p], p) for p in positions.tolist() if p in where and flags[where[p]] < 2})
+    assert list(zip(slots.tolist(), pos.tolist(), strict=True)) == want
+    with pytest.raises(IndexError):
+        pending_slots(positions, claims, np.array(spans, np.int64), flags[:10])
+
+
 class _Buffers:
     """The pool of a unit test: plain byte buffers; ``acquire`` of the k-th waits for
     ``allow[k]`` when given."""
@@ -97,15 +174,29 @@ def _segments(buf: bytearray, rows: int, width: int) -> tuple[np.ndarray, list[m
 
 
 def _deferred(
-    table: torch.Tensor, rows: np.ndarray | None, per_chunk: int, pool: _Buffers
+    table: torch.Tensor,
+    rows: np.ndarray | None,
+    per_chunk: int,
+    pool: _Buffers,
+    free: int = 0,
+    together: Callable[[], Any] = contextlib.nullcontext,
 ) -> tuple[DeferredCopy, list[tuple[int, bytearray]]]:
     """A DeferredCopy of ``rows`` of ``table`` (None: every row, as a full) in chunks of
-    ``per_chunk``; returns it and the (chunk, buffer) hand-overs as they happen."""
+    ``per_chunk``; returns it and the (chunk, buffer) hand-overs as they happen. With ``free``,
+    that many buffers can be taken without waiting (batches); without, one chunk at a time."""
     sources = row_sources([table])
     assert sources is not None
     width = table.shape[1]
     handed: list[tuple[int, bytearray]] = []
-    d = DeferredCopy(pool.acquire, pool.released.append)
+    spare = [free]
+
+    def try_acquire() -> bytearray | None:
+        if not spare[0]:
+            return None
+        spare[0] -= 1
+        return pool.acquire()
+
+    d = DeferredCopy(pool.acquire, pool.released.append, try_acquire if free else None, together)
     n = len(table) if rows is None else len(rows)
     source = lambda: rows  # noqa: E731  (one per shard, as the writer's)
     for i, start in enumerate(range(0, n, per_chunk)):
@@ -177,6 +268,47 @@ def test_protect_saves_the_rows_as_they_were_while_the_copy_goes_on(full: bool) 
     assert np.array_equal(saved, at_snapshot.numpy()[want])
     assert not torch.equal(table, at_snapshot)  # the steps did update saved rows
     d.protect(torch.arange(4000))  # after the copy: nothing to do
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_chunks_whose_buffers_are_free_are_copied_and_handed_over_together(full: bool) -> None:
+    """With buffers free at once, chunks go in batches (one native copy, their hand-overs
+    inside one ``together``), the first of each batch waiting for its buffer: the same bytes,
+    handed over in order."""
+    table = torch.randn(4000, 8)
+    rows = None if full else np.sort(np.random.default_rng(2).choice(4000, 900, replace=False))
+    per_chunk = 500 if full else 100
+    chunks = -(-(4000 if full else 900) // per_chunk)
+    pool = _Buffers(per_chunk * (8 + 4 * 8))
+    batches: list[int] = []
+
+    @contextlib.contextmanager
+    def together() -> Any:
+        before = len(handed)
+        yield
+        batches.append(len(handed) - before)
+
+    d, handed = _deferred(table, rows, per_chunk, pool, free=chunks - 3, together=together)
+    d.run(lambda: None)
+    # 1 waited for + (chunks - 3) free: one batch of all but 2; then the 2 left one by one
+    assert batches == [chunks - 2, 1, 1]
+    assert [i for i, _ in handed] == list(range(chunks))
+    ids, saved = _saved(handed, 8)
+    want = np.arange(4000) if rows is None else rows
+    assert np.array_equal(ids, want)
+    assert np.array_equal(saved, table.numpy()[want])
+
+
+def test_a_failed_batch_gives_back_every_buffer_it_held_and_hands_none() -> None:
+    table = torch.randn(1000, 4)
+    pool = _Buffers(50 * (8 + 16))
+    d, handed = _deferred(table, np.arange(0, 1000, 3, dtype=np.int64), 50, pool, free=3)
+    outside = np.array([5000] * d._chunks[2].count, np.int64)  # outside the table
+    d._chunks[2].rows = RowSlice(lambda: outside, 0, len(outside))
+    with pytest.raises(IndexError):
+        d.run(lambda: None)
+    assert not handed
+    assert pool.released == pool.taken[:4]
 
 
 def test_a_failed_copy_gives_back_the_buffer_it_held_and_stops_guarding() -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 from deck.errors import DeckError
@@ -117,6 +118,18 @@ class StagedPart:
         self.buffer_wait_s += waited
         self.pooled += 1
         return buf
+
+    def try_buffer(self) -> Buffer | None:
+        """A free pool buffer at once, or None (never waits, starts no held write)."""
+        buf = self.stager.pool.try_acquire()
+        if buf is not None:
+            self.pooled += 1
+        return buf
+
+    def together(self) -> AbstractContextManager[None]:
+        """Files submitted inside go to the spool writer's queue as they come: nothing to
+        gather (a staging process's part sends them in one message write)."""
+        return nullcontext()
 
     def submit(
         self,

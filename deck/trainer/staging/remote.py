@@ -124,6 +124,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _Send = tuple[Kind, dict[str, Any], list[memoryview], Buffer | None]
+_Frame = tuple[Kind, dict[str, Any], list[memoryview]]
 
 
 class RemotePart:
@@ -155,6 +156,29 @@ class RemotePart:
         self.buffer_wait_s += waited
         self.pooled += 1
         return buf
+
+    def try_buffer(self) -> Buffer | None:
+        """A free pool buffer at once, or None (never waits, sends no held message)."""
+        buf = self.stager.pool.try_acquire()
+        if buf is not None:
+            self.pooled += 1
+        return buf
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """The messages sent inside go out in one socket write as it ends (one wake-up of the
+        staging process, and one GIL release here instead of one per message), or earlier
+        should a buffer be waited for (:func:`pool_buffer` starts held writes first). Messages
+        held already (:meth:`hold`) stay held until :meth:`start_writes`."""
+        with self._lock:
+            mine = self._held is None
+            if mine:
+                self._held = []
+        try:
+            yield
+        finally:
+            if mine:
+                self.start_writes()
 
     def submit(
         self,
@@ -221,8 +245,8 @@ class RemotePart:
     def start_writes(self) -> None:
         with self._lock:
             held, self._held = self._held, None
-            for msg in held or ():
-                self.stager.send_part(msg)
+            if held:
+                self.stager.send_parts(held)
 
     def defer(self, copy: DeferredCopy) -> None:
         self._deferred = copy
@@ -360,7 +384,7 @@ class ProcessStager:
             ).result()
         finally:
             theirs.close()
-        chan = Channel(ours)
+        chan = Channel(ours, takes_fds=False)  # (the staging process sends none)
         self._ready.clear()
         with self._lock:
             self._proc, self._chan, self._death = proc, chan, None
@@ -542,11 +566,19 @@ class ProcessStager:
         blobs: list[memoryview] | None = None,
         fds: tuple[int, ...] = (),
     ) -> None:
+        self._over_channel(lambda chan: chan.send(kind, body, blobs or (), fds))
+
+    def _chan_send_many(self, frames: list[_Frame]) -> None:
+        if frames:
+            self._over_channel(lambda chan: chan.send_many(frames))
+
+    def _over_channel(self, send: Callable[[Channel], None]) -> None:
+        """``send`` on the running staging process's channel (DeckError once it is gone)."""
         chan = self._chan
         if chan is None or self._death is not None:
             raise DeckError(self._death or f"the {self.label} staging process is closed")
         try:
-            chan.send(kind, body, blobs or (), fds)
+            send(chan)
         except OSError as e:
             raise DeckError(
                 f"the {self.label} staging process of rank {self.rank} is gone ({e})"
@@ -561,21 +593,28 @@ class ProcessStager:
     def send_part(self, msg: _Send) -> None:
         """Send a part's message (a file's buffer is lent to the staging process until it says
         the file is written; one it does not map yet goes with its memfd first)."""
-        kind, body, blobs, buf = msg
+        self.send_parts([msg])
+
+    def send_parts(self, msgs: list[_Send]) -> None:
+        """:meth:`send_part` of each of ``msgs`` in order, in one socket write where no new
+        buffer's memfd must go between them."""
         with self._lock:
             forgot, self._forgot = self._forgot, []
-        if forgot:
-            self._chan_send(Kind.FORGET, {"slots": forgot})
-        if buf is not None:
-            slot, fd = self.pool.shared_slot(buf)
-            with self._lock:
-                new = slot not in self._known
-                self._known.add(slot)
-                self._lent[slot] = buf
-            if new:
-                self._chan_send(Kind.BUFFER, {"slot": slot, "size": self.pool.size}, fds=(fd,))
-            body = {**body, "slot": slot}
-        self._chan_send(kind, body, blobs)
+        out: list[_Frame] = [(Kind.FORGET, {"slots": forgot}, [])] if forgot else []
+        for kind, body, blobs, buf in msgs:
+            if buf is not None:
+                slot, fd = self.pool.shared_slot(buf)
+                with self._lock:
+                    new = slot not in self._known
+                    self._known.add(slot)
+                    self._lent[slot] = buf
+                if new:  # (the messages before it first: its FILE must not overtake them)
+                    self._chan_send_many(out)
+                    out = []
+                    self._chan_send(Kind.BUFFER, {"slot": slot, "size": self.pool.size}, fds=(fd,))
+                body = {**body, "slot": slot}
+            out.append((kind, body, blobs))
+        self._chan_send_many(out)
 
     def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
         """A request the staging process answers (its reply's value, or its error raised)."""
