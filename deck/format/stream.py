@@ -8,7 +8,12 @@ service (``deck.serve.kafka_follow``) decodes. Layout of the topic:
   every rank's rows were acknowledged by the broker;
 - partition ``rank + 1`` holds that rank's table files (deck chunk files and bundles, exactly
   the bytes the file publisher writes, checksummed per chunk in the rank manifest), split into
-  segments of at most ``max_message_bytes``; the message key is the rank.
+  segments of at most ``max_message_bytes``; the message key is the rank;
+- beside each rank manifest at the state URI, that rank's :class:`StepStart` (a record with its
+  own ``format_version``): the lowest offset of the step's segments on its partition, where a
+  reader that starts at this step begins instead of the partition's oldest message. A hint,
+  never trusted: what is read from there is checked as any segment is, and a step whose files
+  are not all found from there is read again from the oldest message.
 
 Every message carries the xxh3 of its value in a header, so a damaged message is refused where it
 is read (topic, partition, offset), before its bytes reach a chunk decoder.
@@ -27,8 +32,13 @@ from urllib.parse import urlsplit
 import xxhash
 
 from deck.errors import ConfigError, CorruptCheckpointError, DeckError, StorageError
+from deck.format.manifest import step_dir
 
 STREAM_VERSION = b"1"
+START_VERSION = 1
+"""The ``format_version`` of :class:`StepStart` records this deck writes and reads (a record of
+another version is not used: its partition is read from the oldest message)."""
+MAX_START_BYTES = 4096  # a StepStart record is about 100 bytes; a larger one is not read
 CONTROL_PARTITION = 0
 RUN_FILE = "_stream_run.json"
 """At the state URI: ``{"run": "<id>"}``, the publishing run's identity, created by the first
@@ -36,6 +46,7 @@ marker's producer when missing; every marker carries it (``"run"``)."""
 _RUN = re.compile(r"[0-9A-Za-z._\-]{1,64}")
 _RANK_PART = re.compile(r"/rank-(\d{5})/")
 _COMMIT = re.compile(r"^step-(\d{12})/manifest\.json$")
+_PART = re.compile(r"^step-(\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
 
 
 class CorruptStreamError(CorruptCheckpointError):
@@ -134,6 +145,80 @@ def commit_step(key: str) -> int | None:
     """The step of a trainer commit record key (``step-N/manifest.json``), else None."""
     m = _COMMIT.match(key)
     return int(m.group(1)) if m else None
+
+
+def file_attempt(key: str) -> tuple[int, str] | None:
+    """(step, checkpoint id) of a rank's publish file key ``step-N/<id>/rank-.../...``."""
+    m = re.match(r"^step-(\d{12})/([0-9a-f]{16})/rank-\d{5}/", key)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def part_manifest_of(key: str) -> tuple[int, str, int] | None:
+    """(step, checkpoint id, rank) of a rank manifest key ``step-N/<id>/rank-<r>.json``."""
+    m = _PART.match(key)
+    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """Where rank ``rank``'s segments of the publish ``(step, ckpt_id)`` begin on its partition:
+    the lowest offset the broker acknowledged for one of them. Written by the rank's sink at the
+    state URI (:meth:`key`) before its rank manifest, so it is there when the marker is."""
+
+    step: int
+    ckpt_id: str
+    rank: int
+    offset: int
+
+    def key(self) -> str:
+        return start_key(self.step, self.ckpt_id, self.rank)
+
+    def begins(self, offset: int, key: str) -> bool:
+        """Whether the message at ``offset``, a segment of the file ``key``, is where this
+        record says the rows begin: the lowest offset of the attempt's segments is one."""
+        return (
+            offset == self.offset
+            and file_attempt(key) == (self.step, self.ckpt_id)
+            and rank_of(key) == self.rank
+        )
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "format_version": START_VERSION,
+                "step": self.step,
+                "id": self.ckpt_id,
+                "rank": self.rank,
+                "offset": self.offset,
+            },
+            sort_keys=True,
+        ).encode()
+
+
+def start_key(step: int, ckpt_id: str, rank: int) -> str:
+    """The key of rank ``rank``'s :class:`StepStart` of the publish ``(step, ckpt_id)``."""
+    return f"{step_dir(step)}/{ckpt_id}/stream-{rank:05d}.json"
+
+
+def decode_start(raw: bytes, step: int, ckpt_id: str, rank: int) -> StepStart:
+    """The :class:`StepStart` in ``raw``, which must be the one of rank ``rank`` of ``(step,
+    ckpt_id)`` (a record copied from elsewhere is refused); ValueError saying why not."""
+    try:
+        d = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from e
+    if not isinstance(d, dict) or d.get("format_version") != START_VERSION:
+        raise ValueError(f"not a version {START_VERSION} stream start record")
+    offset = d.get("offset")
+    # bool is an int in Python; an offset is a plain non-negative integer
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"offset {offset!r} is not an offset")
+    if (d.get("step"), d.get("id"), d.get("rank")) != (step, ckpt_id, rank):
+        raise ValueError(
+            f"it is the record of step {d.get('step')!r} ({d.get('id')!r}) rank "
+            f"{d.get('rank')!r}, not of step {step} ({ckpt_id}) rank {rank}"
+        )
+    return StepStart(step, ckpt_id, rank, offset)
 
 
 def _digest(data: bytes | memoryview) -> bytes:

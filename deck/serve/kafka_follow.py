@@ -8,7 +8,11 @@ held state's or the newest marker's at start, is refused):
 
 1. read the step's commit record and rank manifests from the state URI the marker names;
 2. pull each rank's table files of that step from its partition (segments checksummed; files
-   of steps without a marker -- failed publishes -- are dropped as they pass);
+   of steps without a marker -- failed publishes -- are dropped as they pass). A partition
+   without a resume point (a fresh loader) is opened at where the step's segments begin, as
+   the publisher recorded it beside the rank manifest (:func:`recorded_start`), not at its
+   oldest message; a hint only: should the step's files not all be found from there, the
+   partition is read again from its oldest message (:class:`PartitionReader`);
 3. a full is materialised, a delta of the held state is applied onto it -- the same
    :class:`deck.serve.follow.Follower` and output (``state.safetensors`` + ``state.json``) as
    ``deck follow`` of a directory, reading through :class:`StreamView`;
@@ -51,6 +55,7 @@ from typing import Any
 from deck.errors import (
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
     DeckError,
     NotFoundError,
     StorageError,
@@ -60,17 +65,21 @@ from deck.failpoints import failpoint
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
 from deck.format.stream import (
     CONTROL_PARTITION,
+    MAX_START_BYTES,
     CorruptStreamError,
     KafkaTarget,
     Marker,
     Segment,
+    StepStart,
     StreamGapError,
     decode_marker,
     decode_segment,
+    decode_start,
     is_stream_file,
     kafka_client_log,
     parse_kafka_uri,
     rank_partition,
+    start_key,
     valid_run,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
@@ -83,6 +92,12 @@ from deck.storage.base import get_bounded
 from deck.storage.wrapper import StorageWrapper
 
 logger = logging.getLogger(__name__)
+
+# How long a reader opened at a recorded start at or past the partition's listed end waits for
+# the message there before it reads from the oldest one instead. The record may be right (the
+# listed end may lag: docs/operations.md, the Tansu quirk); a broker that offers nothing past
+# the real end (Tansu) sends no end-of-partition event to say it is wrong.
+HINT_WAIT_S = 2.0
 
 
 class _Named(StorageWrapper):
@@ -156,13 +171,28 @@ def _step_of(key: str) -> tuple[int, str]:
 
 class PartitionReader:
     """One partition's consumer, read on demand; messages read past the current need wait in
-    :attr:`ahead`."""
+    :attr:`ahead`.
 
-    def __init__(self, conf: dict[str, Any], target: KafkaTarget, partition: int, offset: int):
-        from confluent_kafka import Consumer, TopicPartition
+    ``first``: where the step the reader is opened for begins on the partition, as its
+    publisher recorded it (:func:`recorded_start`). A hint, so past ``offset`` only: the reader
+    starts there, :attr:`hint` holds it until the first message read proves it (that message is
+    at its offset and a segment of its step and rank) and :attr:`rewind_to` keeps ``offset``,
+    where :func:`pull_files` reads from again if it does not, or if a step's files are not all
+    found from there (a forged, stale or foreign record). No upper bound is checked here: the
+    partition's end that ListOffsets lists may lag (see :meth:`at_end`); an offset past the real
+    end reads nothing and reaches an end, which rewinds."""
+
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        target: KafkaTarget,
+        partition: int,
+        offset: int,
+        first: StepStart | None = None,
+    ):
+        from confluent_kafka import Consumer
 
         self.target, self.topic, self.partition = target, target.topic, partition
-        self._tp = TopicPartition(target.topic, partition)
         self.consumer = Consumer(conf)
         low, _ = self.watermarks()
         # Retention removed messages the loader needs: it reads from the oldest one left and
@@ -174,13 +204,42 @@ class PartitionReader:
                 f"message is {low} (retention removed {low - offset})"
             )
             offset = low
+        self.rewind_to: int | None = None
+        self.hint: StepStart | None = None
+        if first is not None and first.offset > offset:
+            self.rewind_to, self.hint, offset = offset, first, first.offset
+        self.messages = 0  # messages read, and their value bytes: what a start costs
+        self.bytes = 0
+        self.ahead: list[Segment] = []
         self.position = offset
         self.eof: int | None = None
-        self.consumer.assign([TopicPartition(target.topic, partition, offset)])
-        self.ahead: list[Segment] = []
+        self.consumer.assign([self._at(offset)])
+
+    def _at(self, offset: int) -> Any:
+        from confluent_kafka import TopicPartition
+
+        return TopicPartition(self.topic, self.partition, offset)
+
+    def rewind(self, why: str) -> None:
+        """Read again from :attr:`rewind_to` (once): the recorded start the reader began at
+        was wrong (``why``)."""
+        assert self.rewind_to is not None
+        logger.warning(
+            "deck follow: kafka topic %s partition %d: %s: reading the partition again from "
+            "offset %d",
+            self.topic,
+            self.partition,
+            why,
+            self.rewind_to,
+        )
+        offset, self.rewind_to, self.hint, self.ahead = self.rewind_to, None, None, []
+        self.position = offset
+        self.eof = None
+        # A seek, not a new assignment: librdkafka drops what it fetched before the seek.
+        self.consumer.seek(self._at(offset))
 
     def watermarks(self) -> tuple[int, int]:
-        return watermarks(self.consumer, self._tp, self.target)
+        return watermarks(self.consumer, self._at(0), self.target)
 
     def poll(self, timeout: float) -> Any | None:
         msg = self.consumer.poll(timeout)
@@ -193,6 +252,8 @@ class PartitionReader:
                 return None
             raise StorageError(f"kafka topic {self.topic} partition {self.partition}: {err}")
         self.position = int(msg.offset() or 0) + 1
+        self.messages += 1
+        self.bytes += len(msg.value() or b"")
         return msg
 
     def at_end(self) -> bool:
@@ -275,6 +336,33 @@ def marker_manifest(view: StreamView, marker: Marker) -> CheckpointManifest | No
     return m
 
 
+def recorded_start(view: Storage, manifest: CheckpointManifest, rank: int) -> StepStart | None:
+    """Where ``rank``'s segments of the step of ``manifest`` begin on its partition, as its
+    publisher recorded it at the state URI (:class:`deck.format.stream.StepStart`); None when
+    there is no usable record (a publisher before them: the partition is read from its oldest
+    message). A usable record is still only a hint (see :class:`PartitionReader`)."""
+    key = start_key(manifest.step, manifest.id, rank)
+    try:
+        raw = view.get_or_none(key, MAX_START_BYTES)
+        if raw is None:
+            logger.info(
+                "deck follow: %s: no recorded start of rank %d's rows (a publisher before "
+                "them): its partition is read from its oldest message",
+                view.describe(key),
+                rank,
+            )
+            return None
+        return decode_start(raw, manifest.step, manifest.id, rank)
+    except (ValueError, CorruptCheckpointError) as e:
+        logger.warning(
+            "deck follow: %s: not used (%s): rank %d's partition is read from its oldest message",
+            view.describe(key),
+            e,
+            rank,
+        )
+        return None
+
+
 def pull_files(
     reader: PartitionReader,
     rank: int,
@@ -288,7 +376,10 @@ def pull_files(
 
     Every segment is checksummed (:func:`deck.format.stream.decode_segment`); one that fails is
     quarantined and its partition added to ``poisoned``. Segments of later steps wait in
-    ``reader.ahead`` for their markers; those of unmarked (failed) publishes are dropped. Raises
+    ``reader.ahead`` for their markers; those of unmarked (failed) publishes are dropped. A
+    reader opened at a recorded start (:attr:`PartitionReader.rewind_to`) whose first message
+    is not the step's segment there, or that reaches an end with a file incomplete, reads the
+    partition again from where it would have begun. Raises
     :class:`UnprovableStepError` when a file cannot be completed: the partition held a
     quarantined message and reached its end, or after ``wait_s`` nothing more is there."""
     pieces: dict[str, dict[int, bytes]] = {}
@@ -307,10 +398,16 @@ def pull_files(
     def complete() -> bool:
         return all(len(pieces.get(k, ())) == counts.get(k, -1) for k in need)
 
+    def rewind(why: str) -> None:
+        reader.rewind(why)
+        pieces.clear()
+        keep.clear()
+
     ahead, reader.ahead = reader.ahead, []
     for seg in ahead:
         take(seg)
     deadline = time.monotonic() + wait_s
+    hint_deadline = time.monotonic() + min(wait_s, HINT_WAIT_S)
     while not complete():
         msg = reader.poll(0.2)
         if msg is not None:
@@ -322,13 +419,29 @@ def pull_files(
                 quarantine.add("poison", reader.partition, int(msg.offset()), msg.value(), str(e))
                 poisoned.add(reader.partition)
                 continue
+            hint, reader.hint = reader.hint, None
+            if hint is not None and not hint.begins(int(msg.offset()), seg.key):
+                rewind(
+                    f"offset {msg.offset()} ({seg.key}) is not where the recorded start of "
+                    f"step {hint.step} ({hint.ckpt_id}) says its rows begin ({hint.offset})"
+                )
+                continue
             take(seg)
             continue
         bad = reader.partition in poisoned
         # Segments are acknowledged before their marker is produced: once a fetch after the
-        # marker was read reached the end, what is missing is not coming. A quarantined
-        # message explains it at once; otherwise wait_s allows for a lagging broker.
-        if (bad and reader.at_end()) or (time.monotonic() > deadline and reader.drained()):
+        # marker was read reached the end, what is missing is not coming. A reader that began
+        # at a recorded start reads from where it would have begun instead (the record may
+        # lie; the files found are checked whatever their offsets). A quarantined message
+        # explains it at once; otherwise wait_s allows for a lagging broker.
+        waited = time.monotonic() > deadline and reader.drained()
+        if reader.rewind_to is not None and (reader.eof is not None or waited):
+            rewind(f"the files of step {marker.step} are not all after the recorded start")
+            continue
+        if reader.hint is not None and time.monotonic() > hint_deadline and reader.drained():
+            rewind(f"nothing at the recorded start {reader.hint.offset} (past the end?)")
+            continue
+        if (bad and reader.at_end()) or waited:
             missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
             reader.ahead = keep  # later steps' segments stay for their markers
             raise UnprovableStepError(
@@ -537,10 +650,11 @@ class KafkaFollower:
         )
         return self._record()
 
-    def _reader(self, partition: int) -> PartitionReader:
+    def _reader(self, partition: int, first: StepStart | None = None) -> PartitionReader:
         r = self.readers.get(partition)
         if r is None:
-            r = PartitionReader(self.conf, self.target, partition, self.offsets.get(partition, 0))
+            offset = self.offsets.get(partition, 0)
+            r = PartitionReader(self.conf, self.target, partition, offset, first)
             self.readers[partition] = r
             if r.gap is not None:
                 self._lose(r.gap)
@@ -678,7 +792,8 @@ class KafkaFollower:
         try:
             for rank in range(manifest.world_size):
                 mine = {k for k in files if f"/rank-{rank:05d}/" in k}
-                self.view.files.update(self._pull(rank, marker, mine))
+                if mine:  # else its reader opens at the first step it has rows of
+                    self.view.files.update(self._pull(rank, marker, manifest, mine))
         except UnprovableStepError as e:
             self.view.files.clear()
             self.stats.unproven.append(marker.step)
@@ -719,15 +834,27 @@ class KafkaFollower:
         assert self.view is not None
         return marker_manifest(self.view, marker)
 
-    def _pull(self, rank: int, marker: Marker, need: set[str]) -> dict[str, bytes]:
-        """The files ``need`` of ``rank`` (all of the marker's step), off its partition."""
-        reader = self._reader(rank_partition(rank))
+    def _pull(
+        self, rank: int, marker: Marker, manifest: CheckpointManifest, need: set[str]
+    ) -> dict[str, bytes]:
+        """The files ``need`` of ``rank`` (all of the marker's step), off its partition. A
+        partition with no resume point (a fresh loader, a rank first seen) is opened at the
+        step's recorded start: the segments before it are of steps the loader never applies
+        (another run's, deltas of a parent it never held, failed publishes)."""
+        p = rank_partition(rank)
+        first: StepStart | None = None
+        if p not in self.readers and p not in self.offsets:
+            assert self.view is not None
+            first = recorded_start(self.view, manifest, rank)
+        reader = self._reader(p, first)
         return pull_files(reader, rank, marker, need, self.quarantine, self._poisoned, self.wait_s)
 
     def _stream_record(self, marker: Marker, since_full: int) -> dict[str, Any]:
         """The resume point written with the state: offsets after the step, the marker applied
         (to recognise a recreated topic), the run, and the steps since the last loader full."""
-        offsets = {str(p): r.resume_offset() for p, r in self.readers.items()}
+        # A partition not read since the start (its rank had no rows since) keeps its offset.
+        offsets = {str(p): o for p, o in self.offsets.items()}
+        offsets.update({str(p): r.resume_offset() for p, r in self.readers.items()})
         offsets[str(CONTROL_PARTITION)] = marker.offset + 1
         return {
             "topic": self.target.topic,

@@ -34,10 +34,17 @@ no offsets; a (re)started process serving nothing starts at the newest full of i
 markers (its commit record says it is a full) and applies it whole, then the deltas and fulls
 after it: it serves the newest step after one whole version, whatever the topic's length.
 Should nothing be servable from there (that full damaged or refused), it starts again at the
-full before (up to :data:`START_FULLS`), last at the topic's oldest message. The rank
-partitions are read from their oldest messages (a segment names no marker offset): the
-segments of earlier steps are checked and dropped. A rollback reaches the kept versions only
-(``LiveConfig.keep_versions``): the stream is not read backwards.
+full before (up to :data:`START_FULLS`), last at the topic's oldest message. Each rank
+partition is read from where the first step whose rows the source reads begins: the offset
+its publisher recorded beside the rank manifest (:class:`deck.format.stream.StepStart`), so a
+restart reads the control partition's markers and about one full's rows, not the topic. That
+offset is a hint, never trusted: the first message read there must be a segment of that step
+and rank at that very offset, the segments read from it are checked as any (key, checksum, the
+rank manifest's records), and should the first message not be that one or the step's files not
+all be found from there (a forged, stale or foreign record, an offset past the end) the
+partition is read again from its oldest message, as it is for a step without a record (a
+publisher before them). A bad record costs reading the partition, never a wrong row. A rollback reaches the kept versions
+only (``LiveConfig.keep_versions``): the stream is not read backwards.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, ConfigError
-from deck.format.manifest import Kind
+from deck.format.manifest import CheckpointManifest, Kind
 from deck.format.stream import (
     CONTROL_PARTITION,
     CorruptStreamError,
@@ -67,6 +74,7 @@ from deck.serve.kafka_follow import (
     consumer_conf,
     marker_manifest,
     pull_files,
+    recorded_start,
 )
 from deck.serve.kafka_guard import QuarantineLog, newest_run
 from deck.serve.live_source import Plan, SourceFault, State, committed_at
@@ -161,8 +169,8 @@ class KafkaSource:
                 logger.info("deck live: %s: serving run %s (the newest marker's)", self.uri, run)
         if CONTROL_PARTITION not in self.readers and served is None:
             self.starts = self._start_offsets()
-            self._reader(CONTROL_PARTITION, self.starts.pop(0))
-        ctl = self._reader(CONTROL_PARTITION)
+            self._control(self.starts.pop(0))
+        ctl = self._control()
         ctl.eof = None  # only an end reached in this call counts
         while True:
             msg = ctl.poll(self.poll_timeout_s)
@@ -182,7 +190,7 @@ class KafkaSource:
                     start,
                 )
                 self.close()
-                ctl = self._reader(CONTROL_PARTITION, start)
+                ctl = self._control(start)
                 ctl.eof = None
                 continue
             plan = self._plan(msg, served, exclude)
@@ -269,7 +277,9 @@ class KafkaSource:
         try:
             for rank in range(manifest.world_size):
                 mine = {k for k in files if f"/rank-{rank:05d}/" in k}
-                reader = self._reader(rank_partition(rank))
+                if not mine:
+                    continue  # its reader opens at the first step it has rows of
+                reader = self._rank_reader(view, manifest, rank)
                 got = pull_files(
                     reader, rank, marker, mine, self.quarantine, self.poisoned, self.wait_s
                 )
@@ -292,22 +302,32 @@ class KafkaSource:
             self.run, self.run_known = marker.run, True
         return Plan((manifest,), whole=manifest.kind is Kind.FULL)
 
-    def _reader(self, partition: int, offset: int = 0) -> PartitionReader:
-        r = self.readers.get(partition)
+    def _control(self, offset: int = 0) -> PartitionReader:
+        r = self.readers.get(CONTROL_PARTITION)
         if r is None:
-            r = PartitionReader(self.conf, self.target, partition, offset)
-            self.readers[partition] = r
-            if partition == CONTROL_PARTITION:
-                self.start = r.position
+            r = PartitionReader(self.conf, self.target, CONTROL_PARTITION, offset)
+            self.readers[CONTROL_PARTITION] = r
+            self.start = r.position
+        return r
+
+    def _rank_reader(
+        self, view: StreamView, manifest: CheckpointManifest, rank: int
+    ) -> PartitionReader:
+        """``rank``'s partition reader; opened for the step of ``manifest`` (the first one
+        whose rows this source reads) at its recorded start, else at the oldest message."""
+        p = rank_partition(rank)
+        r = self.readers.get(p)
+        if r is None:
+            r = PartitionReader(self.conf, self.target, p, 0, recorded_start(view, manifest, rank))
+            self.readers[p] = r
         return r
 
     def _start_offsets(self) -> list[int]:
         """Where a source serving nothing reads markers from: the newest marker of its run
         whose step is a full; should nothing from there be served (that full refused), the one
-        before (up to :data:`START_FULLS` fulls); last the oldest message. The markers are read, and the commit
-        records of the newest ones down to each full. The rank partitions are read from their
-        oldest messages (segments carry no marker offsets), the segments of earlier steps
-        dropped unused."""
+        before (up to :data:`START_FULLS` fulls); last the oldest message. The markers are
+        read, and the commit records of the newest ones down to each full (the rank partitions
+        are opened later, at the recorded start of the step first read: :meth:`_rank_reader`)."""
         scan = PartitionReader(self.conf, self.target, CONTROL_PARTITION, 0)
         low = scan.position
         found: list[Marker] = []

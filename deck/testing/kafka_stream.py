@@ -40,14 +40,14 @@ class _DamagingSink(KafkaSinkStorage):
 
     def _produce(
         self, partition: int, msg_key: bytes, messages: list[tuple[Any, list[Any]]], what: str
-    ) -> None:
+    ) -> int | None:
         if partition in self.damage and messages:
             self.damage.discard(partition)
             value, headers = messages[0]
             raw = bytearray(bytes(value))
             raw[len(raw) // 2] ^= 0x10
             messages = [(bytes(raw), headers), *messages[1:]]
-        super()._produce(partition, msg_key, messages, what)
+        return super()._produce(partition, msg_key, messages, what)
 
 
 class SynthPublisher:

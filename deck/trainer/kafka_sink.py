@@ -10,7 +10,12 @@ unchanged: :class:`KafkaSinkStorage` is the destination they write to. It routes
 - everything else (dense and user state, rank manifests, the commit record) to ``state_uri``;
 - after rank 0's commit record (written only once every rank's part manifest is at the state URI)
   a marker to partition 0. So a marker follows every rank's acknowledged rows, without a
-  collective: the commit thread learns it from the part manifests, as for files.
+  collective: the commit thread learns it from the part manifests, as for files;
+- before a rank's part manifest, its :class:`deck.format.stream.StepStart` at the state URI:
+  the lowest offset the broker acknowledged for the step's segments on its partition, so a
+  reader starting at that step seeks there rather than reading the partition from its start.
+  Each rank knows only its own offsets, and writes them beside its own manifest: no rank reads
+  another's records to publish.
 
 Why a Storage and not a second pipeline: the stall, the memory bound (chunk buffers, spool),
 back-pressure (an upload thread waits for its acks), retries until ``upload_timeout_s`` and "a
@@ -34,7 +39,9 @@ from deck.format.stream import (
     RUN_FILE,
     KafkaTarget,
     MessageTooLargeError,
+    StepStart,
     commit_step,
+    file_attempt,
     file_step,
     is_stream_file,
     kafka_client_log,
@@ -42,6 +49,7 @@ from deck.format.stream import (
     marker_value,
     new_run_id,
     parse_kafka_uri,
+    part_manifest_of,
     rank_of,
     rank_partition,
     segment_headers,
@@ -60,6 +68,9 @@ METADATA_TIMEOUT_S = 10.0
 # How long the first TCP connection to each bootstrap address may take before it counts as
 # unreachable (a refused one fails at once)
 CONNECT_TIMEOUT_S = 5.0
+# Publish attempts whose first offsets are held until their part manifest is written: an attempt
+# that failed before it never writes one, and only the newest this many are kept for it.
+STARTS_KEPT = 256
 
 
 def _kafka() -> Any:
@@ -110,6 +121,8 @@ class KafkaSinkStorage(StorageWrapper):
         }
         self._topic_ok = False
         self._run: str | None = None
+        # (step, id, rank) of a publish attempt -> the lowest offset acknowledged for its segments
+        self._starts: dict[tuple[int, str, int], int] = {}
 
     def __repr__(self) -> str:
         return f"KafkaSinkStorage({self.target.uri}, state={self.inner!r})"
@@ -131,7 +144,14 @@ class KafkaSinkStorage(StorageWrapper):
         if is_stream_file(path):
             self._produce_file(path, data)
             return
+        part = part_manifest_of(path)
+        start = None if part is None else self._start_of(part)
+        if start is not None:  # before the manifest: whoever reads the manifest finds it
+            self.inner.put(start.key(), start.encode())
         self.inner.put(path, data)
+        if part is not None:
+            with self._lock:
+                self._starts.pop(part, None)
         step = commit_step(path)
         if step is None:
             return
@@ -195,12 +215,31 @@ class KafkaSinkStorage(StorageWrapper):
         rank = rank_of(key)
         pieces = split(data, self.max_message_bytes)
         size = sum(len(p) for p in pieces)
-        self._produce(
+        first = self._produce(
             rank_partition(rank),
             str(rank).encode(),
             [(p, segment_headers(key, i, len(pieces), size, p)) for i, p in enumerate(pieces)],
             key,
         )
+        attempt = file_attempt(key)
+        if attempt is not None and first is not None:
+            self._note_start((*attempt, rank), first)
+
+    def _note_start(self, part: tuple[int, str, int], offset: int) -> None:
+        """Lower the first offset of the attempt ``part`` to ``offset`` (files are produced by
+        several upload threads, in no set order)."""
+        with self._lock:
+            held = self._starts.pop(part, offset)
+            self._starts[part] = min(held, offset)  # re-inserted: the newest attempt is last
+            while len(self._starts) > STARTS_KEPT:
+                del self._starts[next(iter(self._starts))]
+
+    def _start_of(self, part: tuple[int, str, int]) -> StepStart | None:
+        """The first offset record of the attempt ``part`` (None: no segment of it was
+        produced by this sink, e.g. a rank without rows in the step)."""
+        with self._lock:
+            offset = self._starts.get(part)
+        return None if offset is None else StepStart(*part, offset)
 
     def run_id(self) -> str:
         """The publishing run's identity (:data:`deck.format.stream.RUN_FILE` at the state URI,
@@ -231,15 +270,17 @@ class KafkaSinkStorage(StorageWrapper):
 
     def _produce(
         self, partition: int, msg_key: bytes, messages: list[tuple[Any, list[Any]]], what: str
-    ) -> None:
-        """Produce ``messages`` in order and wait for the broker's acks; StorageError (so the
-        stager retries, then fails the publish) on any delivery error or timeout."""
+    ) -> int | None:
+        """Produce ``messages`` in order and wait for the broker's acks; returns the lowest
+        offset acknowledged (None if the broker named none). StorageError (so the stager
+        retries, then fails the publish) on any delivery error or timeout."""
         self.ensure_topic()
         producer = self._producer
         done = threading.Event()
         left = [len(messages)]
         errors: list[str] = []
         too_large: list[int] = []
+        offsets: list[int] = []
         lock = threading.Lock()
 
         def delivered(err: Any, msg: Any) -> None:
@@ -248,6 +289,8 @@ class KafkaSinkStorage(StorageWrapper):
                     errors.append(str(err))
                     if _too_large(err):
                         too_large.append(len(msg.value() or b""))
+                elif msg.offset() is not None and msg.offset() >= 0:
+                    offsets.append(int(msg.offset()))
                 left[0] -= 1
                 if left[0] == 0:
                     done.set()
@@ -289,6 +332,7 @@ class KafkaSinkStorage(StorageWrapper):
                 f"{self.target.uri} partition {partition}: {what} not acknowledged: "
                 f"{errors[0] if errors else 'timed out'}"
             )
+        return min(offsets, default=None)
 
     def _too_large_error(
         self, partition: int, what: str, size: int, cause: object

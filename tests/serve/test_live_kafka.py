@@ -13,7 +13,8 @@ twice, one set fed from the topic and one from the checkpoint files.
   moves it on, bitwise;
 - a fresh model on the topic starts at its newest full (not its oldest message), applies the
   steps after it and rolls back to its kept versions (no further: the stream is not read
-  backwards); a restarted one serves the newest step again after one whole version; a
+  backwards); a restarted one serves the newest step again after one whole version, reading
+  of the rank partitions that full's rows only (where each rank recorded they begin); a
   quarantined message is one ERROR line, not two.
 
 Outcomes are decided by what the topic holds (its end is the broker's end-of-partition event),
@@ -322,7 +323,8 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
     finally:
         source.close()
     # A restart: a new process's model (other random tables) serves the newest step again
-    # after one whole version.
+    # after one whole version, reading of each rank partition that step's rows only (from the
+    # start its rank recorded; the replay keeps the partitions' offsets).
     again = serving_models(SPEC, seed=11)
     source = KafkaSource(replay, wait_s=WAIT_S)
     live = LiveModel(list(again.values()), source)
@@ -330,5 +332,10 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
         assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
         assert not bitwise_diff(again, reference(f"{tmp}/ckpt", LAST, SPEC))
         assert not live.faults
+        name = parse_kafka_uri(topic_uri).topic
+        for p in (1, 2):
+            keys = [decode_segment(h, v, name, p, i).key for i, (_, v, h) in enumerate(original[p])]
+            newest = sum(k.startswith(f"step-{LAST:012d}/") for k in keys)
+            assert source.readers[p].messages == newest < len(keys), (p, newest, len(keys))
     finally:
         source.close()

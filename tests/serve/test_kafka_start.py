@@ -1,0 +1,262 @@
+"""Where a (re)started reader of a Kafka publish topic begins on the rank partitions, on a real
+broker (Tansu), with a synthetic 2-rank publisher on the real sink:
+
+- a restarted :class:`deck.serve.live_kafka.KafkaSource` reads each rank partition from where
+  the newest full's rows begin (the offset its publisher recorded beside the rank manifest), so
+  the messages it reads are that step's and the later ones', not the topic's, and serves the
+  newest step bitwise;
+- a forged, damaged, out-of-range or foreign record (one whose offset is not exactly where the
+  step's rows begin) never makes it serve a wrong row: it reads the partition from its oldest
+  message instead, and serves the same bytes;
+- steps without records (a publisher before them) are read from the oldest message, as before;
+- a fresh ``deck follow`` loader (:class:`deck.serve.kafka_follow.KafkaFollower`) on a topic an
+  older run filled reads the rank partitions from the served run's first step, and a forged
+  record costs it a read from the oldest message, not a row.
+
+Rows are checked by materialising what the source offers with ``deck follow``'s
+:class:`deck.serve.follow.Follower` and comparing with the publisher's exact state.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deck.format.stream import CONTROL_PARTITION, decode_segment, parse_kafka_uri, start_key
+from deck.read.catalog import read_rank_manifests
+from deck.serve.follow import Follower
+from deck.serve.kafka_follow import KafkaFollower
+from deck.serve.live_kafka import KafkaSource
+from deck.testing.kafka_broker import TansuBroker
+from deck.testing.kafka_stream import SynthPublisher, differences, read_output
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24  # published steps: fulls at the 1st, 9th and 17th, deltas between
+FULL_EVERY = 8
+WAIT_S = 60.0  # bounds a slow machine's reads: every row of these topics does show up
+RANKS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[TansuBroker]:
+    with TansuBroker() as b:
+        yield b
+
+
+@dataclass
+class Topic:
+    uri: str
+    pub: SynthPublisher
+    steps: list[int]
+    segments: dict[int, list[tuple[int, str]]]  # partition -> (offset, file key) of each message
+
+    def fulls(self) -> list[int]:
+        return [s for i, s in enumerate(self.steps) if i % FULL_EVERY == 0]
+
+    def count(self, partition: int, steps: set[int]) -> int:
+        """How many messages of ``partition`` are segments of this publisher's ``steps``."""
+        ids = {self.pub.expected(s)[0] for s in steps}
+        return sum(key.split("/")[1] in ids for _, key in self.segments[partition])
+
+
+def _segments(uri: str, partition: int) -> list[tuple[int, str]]:
+    """(offset, file key) of every message of a rank partition (to its end-of-partition event)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    target = parse_kafka_uri(uri)
+    c = Consumer(
+        {
+            "bootstrap.servers": target.bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex[:8]}",
+            "enable.partition.eof": True,
+        }
+    )
+    out = []
+    try:
+        c.assign([TopicPartition(target.topic, partition, 0)])
+        while True:
+            msg = c.poll(10)
+            assert msg is not None, f"partition {partition}: no message nor end within 10 s"
+            if msg.error() is not None:
+                assert msg.error().code() == -191, msg.error()  # _PARTITION_EOF
+                return out
+            seg = decode_segment(msg.headers(), msg.value(), target.topic, partition, 0)
+            out.append((int(msg.offset()), seg.key))
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def topic(broker: TansuBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topic]:
+    uri = broker.uri(f"start-{uuid.uuid4().hex[:10]}")
+    pub = SynthPublisher(uri, str(tmp_path_factory.mktemp("start") / "state"))
+    steps = [pub.publish("full" if i % FULL_EVERY == 0 else "delta") for i in range(STEPS)]
+    yield Topic(uri, pub, steps, {r + 1: _segments(uri, r + 1) for r in RANKS})
+    pub.close()
+
+
+@dataclass
+class Served:
+    steps: list[int]  # the steps the source offered, in order, each applied
+    read: dict[int, int]  # rank partition -> messages the source read
+    faults: list[Any]
+
+
+def _serve(t: Topic, out: str, **kw: Any) -> Served:
+    """A fresh source on ``t``, every step it offers applied in ``out`` as the live model
+    would (a full whole, a delta onto the served step), until the topic holds no more."""
+    source = KafkaSource(t.uri, wait_s=WAIT_S, **kw)
+    follower: Follower | None = None
+    steps: list[int] = []
+    try:
+        served = None
+        while plans := source.next_plans(served, frozenset()):
+            (plan,) = plans
+            m = plan.chain[-1]
+            view = source.storage
+            follower = follower or Follower(view, out)
+            if plan.whole:
+                view.visible = {m.step}
+                follower.materialise(m.step)
+            else:
+                follower.apply([m], read_rank_manifests(view, m))
+            served = m.state
+            steps.append(m.step)
+        read = {p: r.messages for p, r in source.readers.items() if p != CONTROL_PARTITION}
+        return Served(steps, read, source.take_faults())
+    finally:
+        source.close()
+
+
+def _serves(out: str, t: Topic, step: int) -> None:
+    got = read_output(out)
+    assert got is not None, f"{out}: no output"
+    want_id, want = t.pub.expected(step)
+    assert (got[0], got[1]) == (step, want_id), (got[:2], step)
+    assert not differences(got[2], want), differences(got[2], want)[:5]
+
+
+def _state_copy(t: Topic, tmp_path: Path) -> Path:
+    """A copy of the publisher's state URI (the source reads it with ``state_uri=``)."""
+    copy = tmp_path / "state"
+    shutil.copytree(t.pub.state_dir, copy)
+    return copy
+
+
+def _record(state: Path, t: Topic, step: int, rank: int) -> Path:
+    return state / start_key(step, t.pub.expected(step)[0], rank)
+
+
+def test_a_restart_reads_the_rank_partitions_from_the_newest_full(
+    topic: Topic, tmp_path: Path
+) -> None:
+    newest = topic.fulls()[-1]
+    after = {s for s in topic.steps if s >= newest}
+    for attempt in range(2):  # a restart does the same again
+        out = str(tmp_path / f"out-{attempt}")
+        got = _serve(topic, out)
+        assert got.steps == sorted(after) and not got.faults, got
+        _serves(out, topic, topic.steps[-1])
+        # each partition: the newest full's and the later deltas' segments, nothing before
+        for p in (1, 2):
+            assert got.read[p] == topic.count(p, after), (p, got.read)
+            assert got.read[p] < len(topic.segments[p]) / 2, (p, got.read)
+
+
+def _past_the_step(t: Topic, p: int, step: int) -> int:
+    """The offset after the first segment of ``step``: its first file misses a segment there."""
+    ckpt_id = t.pub.expected(step)[0]
+    return next(off for off, key in t.segments[p] if key.split("/")[1] == ckpt_id) + 1
+
+
+FORGED: dict[str, Any] = {
+    "past the end": lambda t, p, step, rec: {**rec, "offset": 10**9},
+    "before the step": lambda t, p, step, rec: {**rec, "offset": rec["offset"] - 10},
+    "inside the step": lambda t, p, step, rec: {**rec, "offset": _past_the_step(t, p, step)},
+    "the last message": lambda t, p, step, rec: {**rec, "offset": t.segments[p][-1][0]},
+    "another step's": lambda t, p, step, rec: {**rec, "step": step - 1},
+    "a bool": lambda t, p, step, rec: {**rec, "offset": True},
+    "a newer version": lambda t, p, step, rec: {**rec, "format_version": 2},
+    "garbage": lambda t, p, step, rec: b"\x00{not json",
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED))
+def test_a_forged_start_record_costs_a_read_from_the_oldest_message_never_a_row(
+    topic: Topic, tmp_path: Path, forgery: str
+) -> None:
+    newest = topic.fulls()[-1]
+    state = _state_copy(topic, tmp_path)
+    for rank in RANKS:
+        path = _record(state, topic, newest, rank)
+        forged = FORGED[forgery](topic, rank + 1, newest, json.loads(path.read_bytes()))
+        path.write_bytes(forged if isinstance(forged, bytes) else json.dumps(forged).encode())
+    out = str(tmp_path / "out")
+    got = _serve(topic, out, state_uri=str(state))
+    assert got.steps == [s for s in topic.steps if s >= newest] and not got.faults, got
+    _serves(out, topic, topic.steps[-1])
+    for p in (1, 2):  # read from the oldest message (after the forged offset, where it read)
+        assert got.read[p] >= len(topic.segments[p]), (p, got.read)
+
+
+def test_steps_without_records_are_read_from_the_oldest_message(
+    topic: Topic, tmp_path: Path
+) -> None:
+    """A topic a deck before the records published: the source serves it as before."""
+    state = _state_copy(topic, tmp_path)
+    for step in topic.steps:
+        for rank in RANKS:
+            _record(state, topic, step, rank).unlink()
+    out = str(tmp_path / "out")
+    got = _serve(topic, out, state_uri=str(state))
+    assert got.steps == [s for s in topic.steps if s >= topic.fulls()[-1]], got
+    _serves(out, topic, topic.steps[-1])
+    assert all(got.read[p] == len(topic.segments[p]) for p in (1, 2)), got.read
+
+
+@pytest.mark.parametrize("record", ["recorded", "forged"])
+def test_a_fresh_loader_reads_the_served_runs_rows_only(
+    broker: TansuBroker, tmp_path: Path, record: str
+) -> None:
+    """``deck follow`` from an empty --out on a topic another run filled first: it serves the
+    newest run, and opens each rank partition at that run's first step (the older run's
+    segments are not read); a forged record costs a read from the oldest message."""
+    uri = broker.uri(f"runs-{uuid.uuid4().hex[:10]}")
+    old = SynthPublisher(uri, str(tmp_path / "old-state"), seed=3)
+    for i in range(STEPS):
+        old.publish("full" if i % FULL_EVERY == 0 else "delta")
+    old.close()
+    pub = SynthPublisher(uri, str(tmp_path / "state"), seed=4)
+    steps = [pub.publish("full"), pub.publish(), pub.publish()]
+    t = Topic(uri, pub, steps, {r + 1: _segments(uri, r + 1) for r in RANKS})
+    if record == "forged":  # the first step's records point at the second step's rows
+        for rank in RANKS:
+            path = _record(Path(pub.state_dir), t, steps[0], rank)
+            second = json.loads(_record(Path(pub.state_dir), t, steps[1], rank).read_bytes())
+            path.write_bytes(
+                json.dumps({**json.loads(path.read_bytes()), "offset": second["offset"]}).encode()
+            )
+    out = str(tmp_path / "out")
+    kf = KafkaFollower(uri, out, wait_s=WAIT_S)
+    try:
+        kf.catch_up()
+        read = {p: r.messages for p, r in kf.readers.items() if p != CONTROL_PARTITION}
+    finally:
+        kf.close()
+        pub.close()
+    assert kf.stats.applied == steps, kf.stats
+    _serves(out, t, steps[-1])
+    for p in (1, 2):
+        mine = t.count(p, set(steps))
+        if record == "recorded":
+            assert read[p] == mine, (p, read, mine)
+        else:  # the first step's files are not found from there: read again from the oldest
+            assert read[p] > len(t.segments[p]), (p, read)
