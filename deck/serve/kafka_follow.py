@@ -173,7 +173,9 @@ class PartitionReader:
     """One partition's consumer, read on demand; messages read past the current need wait in
     :attr:`ahead`.
 
-    ``first``: where the step the reader is opened for begins on the partition, as its
+    ``offset``: where it reads from (a resume point: a step whose files are not all found
+    past it is read again from the oldest message, once). ``first``: where the step the
+    reader is opened for begins on the partition, as its
     publisher recorded it (:func:`recorded_start`). A hint, so past ``offset`` only: the reader
     starts there, :attr:`hint` holds it until the first message read proves it (that message is
     at its offset and a segment of its step and rank) and :attr:`rewind_to` keeps ``offset``,
@@ -208,6 +210,11 @@ class PartitionReader:
         self.hint: StepStart | None = None
         if first is not None and first.offset > offset:
             self.rewind_to, self.hint, offset = offset, first, first.offset
+        elif offset > low:
+            # A resume point saved after a recorded start can lie past segments of later
+            # steps (publishes interleaved on the partition, a forged record): a step whose
+            # files are not all found from it is read again from the oldest message, once.
+            self.rewind_to = low
         self.messages = 0  # messages read, and their value bytes: what a start costs
         self.bytes = 0
         self.ahead: list[Segment] = []
@@ -310,6 +317,10 @@ def consumer_conf(
         "enable.auto.commit": False,
         # End-of-partition events tell "nothing more" exactly (see PartitionReader.at_end).
         "enable.partition.eof": True,
+        # An offset retention removed since it was chosen (a seek back, a resume point) reads
+        # from the oldest message left, whose rows are checked like any others; librdkafka's
+        # default would jump to the end and lose the step.
+        "auto.offset.reset": "earliest",
         # librdkafka prefetches: bound it, a reader holds about one step anyway.
         "queued.max.messages.kbytes": 16384,
         **(options or {}),

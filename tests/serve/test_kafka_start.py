@@ -29,13 +29,19 @@ from typing import Any
 
 import pytest
 
-from deck.format.stream import CONTROL_PARTITION, decode_segment, parse_kafka_uri, start_key
+from deck.format.stream import (
+    CONTROL_PARTITION,
+    decode_segment,
+    parse_kafka_uri,
+    rank_partition,
+    start_key,
+)
 from deck.read.catalog import read_rank_manifests
 from deck.serve.follow import Follower
 from deck.serve.kafka_follow import KafkaFollower
 from deck.serve.live_kafka import KafkaSource
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_stream import SynthPublisher, differences, read_output
+from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
 
 pytestmark = pytest.mark.slow
 
@@ -260,3 +266,69 @@ def test_a_fresh_loader_reads_the_served_runs_rows_only(
             assert read[p] == mine, (p, read, mine)
         else:  # the first step's files are not found from there: read again from the oldest
             assert read[p] > len(t.segments[p]), (p, read)
+
+
+def _raw(uri: str, partition: int) -> list[tuple[int, bytes, list[Any]]]:
+    """(offset, value, headers) of every message of a partition (to its end)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    target = parse_kafka_uri(uri)
+    c = Consumer(
+        {
+            "bootstrap.servers": target.bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex[:8]}",
+            "enable.partition.eof": True,
+        }
+    )
+    out = []
+    try:
+        c.assign([TopicPartition(target.topic, partition, 0)])
+        while True:
+            msg = c.poll(10)
+            assert msg is not None, f"partition {partition}: no message nor end within 10 s"
+            if msg.error() is not None:
+                return out
+            out.append((int(msg.offset()), msg.value(), list(msg.headers() or [])))
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_loader_resumed_past_later_steps_rows_reads_them_from_the_oldest_message(
+    broker: TansuBroker, tmp_path: Path, restart: bool
+) -> None:
+    """Found by trying to break the recorded starts: step 1's record points at exact copies of
+    its segments sent again after steps 2 and 3 (a start that proves itself; what publishes
+    interleaved on a partition, or a forged record, give). A fresh loader applies step 1 from
+    there. Restarted, it resumed past the segments of steps 2 and 3 and took them for lost
+    (applied nothing more until the next full); it now reads a step whose files are not all
+    after its resume point again from the oldest message, as a reader does in memory."""
+    uri = broker.uri(f"resume-{uuid.uuid4().hex[:10]}")
+    pub = SynthPublisher(uri, str(tmp_path / "state"), seed=5)
+    steps = [pub.publish("full"), pub.publish(), pub.publish()]
+    target = parse_kafka_uri(uri)
+    first_id = pub.expected(steps[0])[0]
+    for rank in RANKS:
+        p = rank_partition(rank)
+        copies = [m for m in _raw(uri, p) if dict(m[2])["key"].decode().split("/")[1] == first_id]
+        for _, value, headers in copies:
+            inject(target.bootstrap, target.topic, p, value, headers)
+        moved = _raw(uri, p)[-len(copies)][0]
+        path = Path(pub.state_dir) / start_key(steps[0], first_id, rank)
+        path.write_bytes(json.dumps({**json.loads(path.read_bytes()), "offset": moved}).encode())
+    out = str(tmp_path / "out")
+    t = Topic(uri, pub, steps, {})
+    kf = KafkaFollower(uri, out, wait_s=WAIT_S)
+    try:
+        if restart:
+            try:
+                assert kf.poll(WAIT_S) is not None  # step 1, from the recorded start
+            finally:
+                kf.close()
+            kf = KafkaFollower(uri, out, wait_s=WAIT_S)
+        kf.catch_up()
+    finally:
+        kf.close()
+        pub.close()
+    assert kf.stats.applied == (steps[1:] if restart else steps), kf.stats
+    _serves(out, t, steps[-1])
