@@ -44,6 +44,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -756,9 +757,7 @@ class OperationsMachine(RuleBasedStateMachine):
         path = self.sandbox / "ck" / segment_key(name)
         raw = path.read_bytes()
         if how == "flip":
-            path.write_bytes(
-                raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0x40]) + raw[len(raw) // 2 + 1 :]
-            )
+            path.write_bytes(_flipped(raw))
         elif how == "truncate":
             path.write_bytes(raw[: len(raw) // 2])
         else:
@@ -1070,10 +1069,6 @@ def test_gc_writes_a_damaged_segment_again(monkeypatch: pytest.MonkeyPatch, how:
         m.setup(stride=2, every=None, grace=0.0, policy="bounded")
         m.merge(workers=1)
         m.write_a_catalog(kill=None, after=False)
-        # Only the newest catalog: an older one not naming the damaged segment (the merger's
-        # pass may have written one, or not) would be read instead.
-        for seq in listed_seqs(m.local, CATALOG_ROOT)[:-1]:
-            m.local.delete(catalog_key(seq))
         m.damage_a_segment(_Nth(0), how=how)
         assert read_manifests(m.store).index is None  # (passed by: every record read)
         m.gc()  # asserts that reads go through a catalog again
@@ -1254,6 +1249,20 @@ def test_gc_repair_keeps_a_merger_commit_that_landed_before_its_abandon_hint(
         m.reads_through_the_catalog_see_every_record()
     finally:
         m.teardown()
+
+
+def _flipped(packed: bytes) -> bytes:
+    """``packed`` (a zlib stream) with a bit flipped from its middle on where the stream no
+    longer inflates to the same bytes: some bits of a deflate stream change nothing it holds
+    (~1 in 20 flips in the middle of a small segment file; a CI flake)."""
+    for i in range(len(packed) // 2, len(packed)):
+        edited = packed[:i] + bytes([packed[i] ^ 0x40]) + packed[i + 1 :]
+        try:
+            if zlib.decompress(edited) != zlib.decompress(packed):
+                return edited
+        except zlib.error:
+            return edited
+    raise AssertionError("no flip damages this stream")
 
 
 def _check_invariants(m: OperationsMachine) -> None:
