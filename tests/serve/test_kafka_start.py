@@ -73,8 +73,8 @@ class Topic:
         return sum(key.split("/")[1] in ids for _, key in self.segments[partition])
 
 
-def _segments(uri: str, partition: int) -> list[tuple[int, str]]:
-    """(offset, file key) of every message of a rank partition (to its end-of-partition event)."""
+def _raw(uri: str, partition: int) -> list[tuple[int, bytes, list[Any]]]:
+    """(offset, value, headers) of every message of a partition (to its end)."""
     from confluent_kafka import Consumer, TopicPartition
 
     target = parse_kafka_uri(uri)
@@ -94,10 +94,18 @@ def _segments(uri: str, partition: int) -> list[tuple[int, str]]:
             if msg.error() is not None:
                 assert msg.error().code() == -191, msg.error()  # _PARTITION_EOF
                 return out
-            seg = decode_segment(msg.headers(), msg.value(), target.topic, partition, 0)
-            out.append((int(msg.offset()), seg.key))
+            out.append((int(msg.offset()), msg.value(), list(msg.headers() or [])))
     finally:
         c.close()
+
+
+def _segments(uri: str, partition: int) -> list[tuple[int, str]]:
+    """(offset, file key) of every message of a rank partition (to its end-of-partition event)."""
+    topic = parse_kafka_uri(uri).topic
+    return [
+        (offset, decode_segment(headers, value, topic, partition, 0).key)
+        for offset, value, headers in _raw(uri, partition)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -266,31 +274,6 @@ def test_a_fresh_loader_reads_the_served_runs_rows_only(
             assert read[p] == mine, (p, read, mine)
         else:  # the first step's files are not found from there: read again from the oldest
             assert read[p] > len(t.segments[p]), (p, read)
-
-
-def _raw(uri: str, partition: int) -> list[tuple[int, bytes, list[Any]]]:
-    """(offset, value, headers) of every message of a partition (to its end)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    target = parse_kafka_uri(uri)
-    c = Consumer(
-        {
-            "bootstrap.servers": target.bootstrap,
-            "group.id": f"test-{uuid.uuid4().hex[:8]}",
-            "enable.partition.eof": True,
-        }
-    )
-    out = []
-    try:
-        c.assign([TopicPartition(target.topic, partition, 0)])
-        while True:
-            msg = c.poll(10)
-            assert msg is not None, f"partition {partition}: no message nor end within 10 s"
-            if msg.error() is not None:
-                return out
-            out.append((int(msg.offset()), msg.value(), list(msg.headers() or [])))
-    finally:
-        c.close()
 
 
 @pytest.mark.parametrize("restart", [True, False])
