@@ -211,10 +211,12 @@ class MergeWorker:
         """The committed records: taken up from the last pass's read (only what was committed
         since is read and parsed); every record while the catalog is distrusted."""
         manifests = read_manifests(self.storage, previous=self._last)
+        if manifests.index is None or manifests.index.catalog is None:
+            self._distrust_catalog = False  # (no catalog was read: that was every record)
         if not self._distrust_catalog:
             return manifests
         truth = read_manifests(self.storage, manifest_keys(self.storage))
-        if manifests.index is not None and _same_records(manifests, truth):
+        if _same_records(manifests, truth):
             self._distrust_catalog = False
             logger.info(
                 "deck merge: the catalog at %s agrees with every record again", self.storage.uri
