@@ -88,7 +88,7 @@ from deck.serve.kafka_full import newest_loader_full, stream_record_path, write_
 from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
 from deck.serve.output import parquet_outputs
 from deck.storage import Storage, open_storage
-from deck.storage.base import get_bounded
+from deck.storage.base import get_bounded, names_after
 from deck.storage.wrapper import StorageWrapper
 
 logger = logging.getLogger(__name__)
@@ -151,10 +151,10 @@ class StreamView(StorageWrapper):
     def exists(self, path: str) -> bool:
         return path in self.files if is_stream_file(path) else self.inner.exists(path)
 
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "", after: str | None = None) -> list[str]:
         if prefix:
-            return self.inner.list_dir(prefix)
-        return [f"{step_dir(s)}/" for s in sorted(self.visible)]
+            return self.inner.list_dir(prefix, after)
+        return names_after([f"{step_dir(s)}/" for s in sorted(self.visible)], after)
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         raise StorageError(f"{self._uri}: the loader's view is read-only")
@@ -268,6 +268,20 @@ class PartitionReader:
         fetch response's high watermark is exact; the ListOffsets one :meth:`watermarks` reads
         is not always (Tansu 0.6 reports a multi-message batch's first offset + 1)."""
         return self.eof is not None and self.eof >= self.position
+
+    def end_confirmed(self) -> bool:
+        """:meth:`at_end`, and the broker lists nothing past that end. An end event queued
+        before messages that arrived since (a previous step's pull waited at the end) says
+        nothing about them: it is dropped here, so a reader with a rewind armed does not read
+        the whole partition again on it. One ListOffsets request, made only when a rewind
+        would otherwise follow."""
+        if not self.at_end():
+            return False
+        assert self.eof is not None
+        if self.eof < self.watermarks()[1]:
+            self.eof = None
+            return False
+        return True
 
     def drained(self) -> bool:
         """Nothing more to read now: :meth:`at_end`, or the position at the high watermark
@@ -446,7 +460,7 @@ def pull_files(
         # lie; the files found are checked whatever their offsets). A quarantined message
         # explains it at once; otherwise wait_s allows for a lagging broker.
         waited = time.monotonic() > deadline and reader.drained()
-        if reader.rewind_to is not None and (reader.eof is not None or waited):
+        if reader.rewind_to is not None and (waited or reader.end_confirmed()):
             rewind(f"the files of step {marker.step} are not all after the recorded start")
             continue
         if reader.hint is not None and time.monotonic() > hint_deadline and reader.drained():

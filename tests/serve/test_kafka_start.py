@@ -38,7 +38,7 @@ from deck.format.stream import (
 )
 from deck.read.catalog import read_rank_manifests
 from deck.serve.follow import Follower
-from deck.serve.kafka_follow import KafkaFollower
+from deck.serve.kafka_follow import KafkaFollower, PartitionReader
 from deck.serve.live_kafka import KafkaSource
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
@@ -315,3 +315,52 @@ def test_a_loader_resumed_past_later_steps_rows_reads_them_from_the_oldest_messa
         pub.close()
     assert kf.stats.applied == (steps[1:] if restart else steps), kf.stats
     _serves(out, t, steps[-1])
+
+
+def test_an_end_event_from_before_a_steps_rows_does_not_make_a_resumed_loader_read_again(
+    broker: TansuBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A resumed loader keeps a rewind armed (a later step's rows may lie before its resume
+    point). librdkafka can hand over an end-of-partition event it queued before the next
+    step's rows were fetched; the poll after it can time out while they are in flight. That
+    stale end made the loader read the whole partition again (once per restart). It now asks
+    the broker whether anything lies past the end before it reads again. The event order is
+    forced: each reader's first poll delivers an end at its position and nothing else."""
+    uri = broker.uri(f"stale-end-{uuid.uuid4().hex[:10]}")
+    pub = SynthPublisher(uri, str(tmp_path / "state"), seed=7)
+    steps = [pub.publish("full"), pub.publish()]
+    out = str(tmp_path / "out")
+    kf = KafkaFollower(uri, out, wait_s=WAIT_S)
+    try:
+        kf.catch_up()
+    finally:
+        kf.close()
+    steps.append(pub.publish())
+    real_poll = PartitionReader.poll
+    ended: set[int] = set()
+
+    def poll(self: PartitionReader, timeout: float) -> Any:
+        if self.partition != CONTROL_PARTITION and self.partition not in ended:
+            ended.add(self.partition)
+            self.eof = self.position
+            return None
+        return real_poll(self, timeout)
+
+    monkeypatch.setattr(PartitionReader, "poll", poll)
+    kf = KafkaFollower(uri, out, wait_s=WAIT_S)
+    try:
+        caplog.set_level("WARNING", logger="deck")
+        kf.catch_up()
+        read = {p: r.messages for p, r in kf.readers.items() if p != CONTROL_PARTITION}
+        armed = {p: r.rewind_to for p, r in kf.readers.items() if p != CONTROL_PARTITION}
+    finally:
+        kf.close()
+        pub.close()
+    assert kf.stats.applied == steps[2:], kf.stats
+    assert ended == {rank_partition(r) for r in RANKS}
+    assert not [r for r in caplog.records if "reading the partition again" in r.getMessage()]
+    assert all(a is not None for a in armed.values()), armed
+    segs = {r + 1: _segments(uri, rank_partition(r)) for r in RANKS}
+    new_id = pub.expected(steps[2])[0]
+    assert read == {p: sum(k.split("/")[1] == new_id for _, k in s) for p, s in segs.items()}
+    _serves(out, Topic(uri, pub, steps, segs), steps[2])
