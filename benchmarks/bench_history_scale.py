@@ -501,8 +501,8 @@ class _Counting(StorageWrapper):
         self._listed(got)
         return got
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        got = super().list_dir(prefix)
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+        got = super().list_dir(prefix, after)
         self._listed(got)
         return got
 

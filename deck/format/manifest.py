@@ -567,6 +567,13 @@ def step_dir(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def step_dirs_from(step: int) -> str:
+    """A name every step folder of ``step`` or above sorts after, and no lower one does: the
+    ``after`` of a :meth:`deck.storage.Storage.list_dir` of the root that lists those folders
+    (names are zero-padded, so their order is the steps')."""
+    return step_dir(step - 1) if step > 0 else "step-"
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-<n>`` folder name, or None for anything else."""
     m = _STEP_DIR.fullmatch(name)

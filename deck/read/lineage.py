@@ -41,6 +41,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
     step_dir,
+    step_dirs_from,
 )
 from deck.read.catalog import (
     ManifestSet,
@@ -901,8 +902,9 @@ def confirmed(
     root: list[str] = []
     merged: list[str] = []
     if chain or latest:  # (each listed once, whichever of the two looks)
-        root = storage.list_dir("")
-        merged = storage.list_dir(f"{MERGED_ROOT}/") if f"{MERGED_ROOT}/" in root else []
+        # (the step folders from the lowest step either looks at: a bounded listing on S3)
+        root = storage.list_dir("", after=step_dirs_from(low))
+        merged = storage.list_dir(f"{MERGED_ROOT}/")
     if chain:
         assert step is not None
         keys += _records_between(manifests, root, merged, low, step)

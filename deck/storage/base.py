@@ -124,9 +124,12 @@ class Storage(abc.ABC):
         """Whether :meth:`delete_if` never deletes a write that lands during it. Default False."""
         return False
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
         """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
         objects as named, sub-folders with a trailing "/". An absent folder is empty.
+        ``after``: only the names that sort after it (compared without the trailing "/"), so
+        that a store listing in key order reads only those (S3: ``StartAfter``): a bounded
+        listing of a folder of step folders costs the steps above the bound, not the history.
 
         This default derives it from :meth:`list` (everything below); backends override it to
         read one level only, so that finding manifests costs the same however many chunk
@@ -136,7 +139,7 @@ class Storage(abc.ABC):
         for key in self.list(prefix):
             head, sep, _ = key[len(prefix) :].partition("/")
             names.add(head + sep)
-        return sorted(names)
+        return names_after(sorted(names), after)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix`` (not atomic: a failure part-way leaves the rest;
@@ -305,3 +308,10 @@ def check_folder(prefix: str) -> None:
     if prefix and not prefix.endswith("/"):
         raise ConfigError(f"list_dir wants a folder ('' or ending in '/'), got {prefix!r}")
     check_prefix(prefix)
+
+
+def names_after(names: list[str], after: str | None) -> list[str]:
+    """The names of a :meth:`Storage.list_dir` result that sort after ``after`` (None: all)."""
+    if after is None:
+        return names
+    return [n for n in names if n.rstrip("/") > after]

@@ -26,11 +26,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 import fsspec.core
 
 import deck.schemes as schemes
 from deck.errors import ConfigError, DeckError, NotFoundError, StorageError
-from deck.storage.base import Storage, check_folder, check_prefix, is_valid_key, validate_key
+from deck.storage.base import (
+    Storage,
+    check_folder,
+    check_prefix,
+    is_valid_key,
+    names_after,
+    validate_key,
+)
 from deck.storage.retry import RetryPolicy, call_with_retry, is_transient, status_of
 
 logger = logging.getLogger(__name__)
@@ -302,10 +310,15 @@ class FsspecStorage(Storage):
         keys.sort()
         return keys
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        """One level of :meth:`Storage.list_dir` (``fs.ls``: one delimited LIST on S3)."""
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+        """One level of :meth:`Storage.list_dir` (``fs.ls``: one delimited LIST on S3, per
+        1,000 names; with ``after``, S3 lists from ``StartAfter``, so only the names above it
+        cost requests; other filesystems list the folder and drop the rest)."""
         check_folder(prefix)
         base = "/".join(p for p in (self._root, prefix.rstrip("/")) if p)
+        if after is not None and _lists_from_key(self._fs):
+            listed = self._call("list", prefix, lambda: self._s3_names_after(base, after))
+            return names_after(sorted(set(listed)), after)
 
         def ls() -> builtins.list[dict[str, Any]]:
             self._fs.invalidate_cache(base)
@@ -321,7 +334,36 @@ class FsspecStorage(Storage):
             if not name or full.lstrip("/") == base.lstrip("/"):
                 continue  # the folder itself (some servers report it)
             names.add(name + "/" if entry.get("type") == "directory" else name)
-        return sorted(names)
+        return names_after(sorted(names), after)
+
+    def _s3_names_after(self, base: str, after: str) -> builtins.list[str]:
+        """The names in folder ``base`` (bucket/key) after ``after``: delimited
+        ``ListObjectsV2`` pages from ``StartAfter``, each page through s3fs's own retried
+        call. (s3fs's ``ls`` has no start; its paginated listing is the same request.)"""
+        fs: Any = self._fs
+        bucket, key, _ = fs.split_path(base)
+        folder = f"{key.strip('/')}/" if key.strip("/") else ""
+        kwargs: dict[str, Any] = {
+            "Bucket": bucket,
+            "Prefix": folder,
+            "Delimiter": "/",
+            "StartAfter": folder + after,
+            **fs.req_kw,
+        }
+        names: builtins.list[str] = []
+
+        async def pages() -> None:
+            while True:
+                out = await fs._call_s3("list_objects_v2", **kwargs)
+                names.extend(p["Prefix"][len(folder) :] for p in out.get("CommonPrefixes", []))
+                names.extend(c["Key"][len(folder) :] for c in out.get("Contents", []))
+                if not out.get("IsTruncated"):
+                    return
+                kwargs["ContinuationToken"] = out["NextContinuationToken"]
+
+        fsspec.asyn.sync(fs.loop, pages)
+        # A key ending in "/" (a folder marker) or with an empty name is no name of the folder
+        return [n for n in names if n and n.count("/") <= (1 if n.endswith("/") else 0)]
 
     def _map_ordered(
         self, fn: Callable[[str], T], paths: builtins.list[str]
@@ -365,6 +407,16 @@ class FsspecStorage(Storage):
         """Delete every object under ``prefix``, several requests in flight."""
         for _ in self._map_ordered(self.delete, self.list(prefix)):
             pass
+
+
+def _lists_from_key(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs with the requests :meth:`FsspecStorage._s3_names_after` makes
+    (a versioned bucket lists versions instead: the plain listing, filtered, serves it)."""
+    return (
+        type(fs).__module__.startswith("s3fs")
+        and callable(getattr(fs, "_call_s3", None))
+        and not getattr(fs, "version_aware", False)
+    )
 
 
 def _find_takes_prefix(fs: fsspec.AbstractFileSystem) -> bool:

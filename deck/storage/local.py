@@ -619,9 +619,10 @@ class LocalStorage(Storage):
         out.sort()
         return out
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files, links and
-        special files are left out, a folder reached through a link is empty."""
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+        """One level of :meth:`Storage.list_dir` (a ``scandir``; with ``after``, the names at
+        or below it are passed over before any other look at them); ``.tmp-*`` files, links
+        and special files are left out, a folder reached through a link is empty."""
         check_folder(prefix)
         names = prefix.rstrip("/").split("/") if prefix else []
         try:
@@ -632,9 +633,10 @@ class LocalStorage(Storage):
             raise self._error("list", prefix, exc, _READ_HINT) from exc
         try:
             with os.scandir(fd) as it:
+                entries = it if after is None else (e for e in it if e.name > after)
                 out = [
                     e.name + "/" if e.is_dir(follow_symlinks=False) else e.name
-                    for e in it
+                    for e in entries
                     if not e.name.startswith(TEMP_PREFIX)
                     and (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False))
                 ]

@@ -69,8 +69,8 @@ class StorageWrapper(Storage):
     def list(self, prefix: str = "") -> builtins.list[str]:
         return self.inner.list(prefix)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        return self.inner.list_dir(prefix)
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+        return self.inner.list_dir(prefix, after)
 
     def delete_prefix(self, prefix: str) -> None:
         self.inner.delete_prefix(prefix)

@@ -80,9 +80,9 @@ class RecordingStorage(StorageWrapper):
         self._note("list", prefix)
         return self.inner.list(prefix)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
         self._note("list_dir", prefix)
-        return self.inner.list_dir(prefix)
+        return self.inner.list_dir(prefix, after)
 
     def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
         self._note("list_modified", prefix)

@@ -284,6 +284,25 @@ class StorageTests:
         with pytest.raises(ValueError, match="folder"):
             store.list_dir("a")
 
+    def test_list_dir_after_lists_the_names_above_a_bound(self, store: Storage) -> None:
+        keys = ["a/b/c", "a/bb", "a/ba/x", "ab", "z", "step-000000000005/m"]
+        keys += ["step-000000000010/m", "step-000000000010/n", "step-000000000011"]
+        for k in keys:
+            store.put(k, k.encode())
+        bounds = ["", "a", "a/", "ab", "b", "step-", "step-000000000005", "step-000000000009"]
+        bounds += ["step-000000000010", "step-000000000011", "zz", "a/b", "bb"]
+        for prefix in ["", "a/", "step-000000000010/", "nothing/"]:
+            every = store.list_dir(prefix)
+            for after in bounds:
+                want = [n for n in every if n.rstrip("/") > after]
+                assert store.list_dir(prefix, after=after) == want, (prefix, after)
+                assert Storage.list_dir(store, prefix, after) == want, (prefix, after)
+        assert store.list_dir("", after="step-000000000005") == [
+            "step-000000000010/",
+            "step-000000000011",
+            "z",
+        ]
+
     def test_exists_and_directories(self, store: Storage) -> None:
         store.put("dir/obj", b"1")
         assert store.exists("dir/obj")

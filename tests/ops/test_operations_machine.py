@@ -167,9 +167,9 @@ class Faults(StorageWrapper):
         self._tick()
         return self.inner.list_modified(prefix)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
         self._tick()
-        return self.inner.list_dir(prefix)
+        return self.inner.list_dir(prefix, after)
 
     def exists(self, path: str) -> bool:
         self._tick()

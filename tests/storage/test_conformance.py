@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -484,6 +485,36 @@ class TestRetry:
 
 @pytest.mark.slow
 class TestS3:
+    def test_a_bounded_listing_reads_the_pages_above_its_bound(
+        self, s3_server: Any, s3_uri: str
+    ) -> None:
+        """Over 1,000 folders (more than one page of S3's answer): ``list_dir(after=)`` gives
+        what the whole listing gives above the bound, from ``StartAfter`` (one request for the
+        few names above it, as many pages as names / 1,000 from the start)."""
+        s = FsspecStorage(s3_uri, s3_server.storage_options)
+        names = [f"step-{i:012d}" for i in range(1_010)]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda n: s.put(f"{n}/manifest.json", b"{}"), names))
+        s.put("merged/F-000000000001-x/manifest.json", b"{}")
+        every = s.list_dir("")
+        assert every == ["merged/", *[f"{n}/" for n in names]]
+        for after in ["", "step-", names[3], names[1_000], names[-2], names[-1]]:
+            assert s.list_dir("", after=after) == [n for n in every if n.rstrip("/") > after]
+        calls: list[dict[str, Any]] = []
+        real = s._fs._call_s3
+
+        async def counted(method: str, **kw: Any) -> Any:
+            calls.append({"method": method, **kw})
+            return await real(method, **kw)
+
+        s._fs._call_s3 = counted
+        try:
+            assert s.list_dir("", after=names[-3]) == [f"{n}/" for n in names[-2:]]
+        finally:
+            del s._fs._call_s3
+        assert [c["method"] for c in calls] == ["list_objects_v2"], calls
+        assert calls[0]["StartAfter"].endswith(f"/{names[-3]}"), calls
+
     def test_bad_credentials_not_writable(self, s3_server: Any, s3_uri: str) -> None:
         opts = dict(s3_server.storage_options, secret="wrong")
         s = FsspecStorage(s3_uri, opts, retry=FAST_RETRY)
