@@ -277,7 +277,8 @@ class StagingConfig(Settings):
         "training process keeps the stall, the copy-on-write copy and the lookup guard. Falls "
         "back to threads (logged) without memfd shared memory (non-Linux), for a storage "
         "object passed to enable() instead of a URI, for GPU tables (pinned buffers) and for "
-        "a kafka:// publisher.",
+        "a publish sink that cannot be opened again by a process (a kafka:// publisher's sink "
+        "runs in the staging process).",
     )
 
     @field_validator("spool_dir", mode="before")

@@ -50,20 +50,33 @@ class Scheme:
     atomic_create: bool = False
     shared: bool = True
     role: Role = "storage"
+    # A publish sink opened again by a staging process (``staging.mode="process"``) over that
+    # process's own state store, with the opener's arguments; without it the publisher's
+    # staging runs in the training process.
+    reopener: str | Callable[..., Any] | None = None
 
     def open(self, *args: Any) -> Any:
         """Call the opener (importing it first when given as ``"module:attribute"``); a
         backend that cannot be loaded is a :class:`ConfigError` naming the scheme."""
-        opener = self.opener
-        if isinstance(opener, str):
-            module, _, attr = opener.partition(":")
-            try:
-                opener = getattr(import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(
-                    f"the backend of {self.name}:// ({self.opener}) cannot be loaded: {e}"
-                ) from e
-        return opener(*args)
+        return self._call(self.opener, *args)
+
+    def reopen(self, *args: Any) -> Any:
+        """Call the :attr:`reopener` as :meth:`open` calls the opener."""
+        if self.reopener is None:
+            raise ConfigError(f"{self.name}:// cannot be opened by a staging process")
+        return self._call(self.reopener, *args)
+
+    def _call(self, opener: str | Callable[..., Any], *args: Any) -> Any:
+        if not isinstance(opener, str):
+            return opener(*args)
+        module, _, attr = opener.partition(":")
+        try:
+            found = getattr(import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                f"the backend of {self.name}:// ({opener}) cannot be loaded: {e}"
+            ) from e
+        return found(*args)
 
 
 _FSSPEC = "deck.storage.fsspec_store:FsspecStorage"
@@ -144,7 +157,12 @@ for _s in (
     Scheme("abfs", _FSSPEC),
     Scheme("abfss", _FSSPEC),
     Scheme("memory", _FSSPEC, shared=False),
-    Scheme("kafka", "deck.trainer.kafka_sink:open_kafka_sink", role="publish"),
+    Scheme(
+        "kafka",
+        "deck.trainer.kafka_sink:open_kafka_sink",
+        role="publish",
+        reopener="deck.trainer.kafka_sink:reopen_kafka_sink",
+    ),
 ):
     register(_s)
     _BUILTIN.add(_s.name)

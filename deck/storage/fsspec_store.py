@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
-import fsspec.asyn
 import fsspec.core
 
 import deck.schemes as schemes
@@ -339,7 +338,7 @@ class FsspecStorage(Storage):
     def _s3_names_after(self, base: str, after: str) -> builtins.list[str]:
         """The names in folder ``base`` (bucket/key) after ``after``: delimited
         ``ListObjectsV2`` pages from ``StartAfter``, each page through s3fs's own retried
-        call. (s3fs's ``ls`` has no start; its paginated listing is the same request.)"""
+        call (``call_s3``). (s3fs's ``ls`` has no start; its listing is the same request.)"""
         fs: Any = self._fs
         bucket, key, _ = fs.split_path(base)
         folder = f"{key.strip('/')}/" if key.strip("/") else ""
@@ -351,17 +350,13 @@ class FsspecStorage(Storage):
             **fs.req_kw,
         }
         names: builtins.list[str] = []
-
-        async def pages() -> None:
-            while True:
-                out = await fs._call_s3("list_objects_v2", **kwargs)
-                names.extend(p["Prefix"][len(folder) :] for p in out.get("CommonPrefixes", []))
-                names.extend(c["Key"][len(folder) :] for c in out.get("Contents", []))
-                if not out.get("IsTruncated"):
-                    return
-                kwargs["ContinuationToken"] = out["NextContinuationToken"]
-
-        fsspec.asyn.sync(fs.loop, pages)
+        while True:
+            out = fs.call_s3("list_objects_v2", **kwargs)
+            names.extend(p["Prefix"][len(folder) :] for p in out.get("CommonPrefixes", []))
+            names.extend(c["Key"][len(folder) :] for c in out.get("Contents", []))
+            if not out.get("IsTruncated"):
+                break
+            kwargs["ContinuationToken"] = out["NextContinuationToken"]
         # A key ending in "/" (a folder marker) or with an empty name is no name of the folder
         return [n for n in names if n and n.count("/") <= (1 if n.endswith("/") else 0)]
 
@@ -414,7 +409,7 @@ def _lists_from_key(fs: fsspec.AbstractFileSystem) -> bool:
     (a versioned bucket lists versions instead: the plain listing, filtered, serves it)."""
     return (
         type(fs).__module__.startswith("s3fs")
-        and callable(getattr(fs, "_call_s3", None))
+        and callable(getattr(fs, "call_s3", None))
         and not getattr(fs, "version_aware", False)
     )
 

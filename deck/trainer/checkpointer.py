@@ -43,7 +43,13 @@ from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.rng import capture_rng
-from deck.trainer.staging import CheckpointStats, ProcessStager, Stager, process_unsupported
+from deck.trainer.staging import (
+    CheckpointStats,
+    ProcessStager,
+    Reopen,
+    Stager,
+    process_unsupported,
+)
 from deck.trainer.tracker import TrackerStore
 
 logger = logging.getLogger(__name__)
@@ -141,7 +147,7 @@ class DeltaCheckpointer:
         # fault-injecting wrapper in tests); everything goes through this one interface.
         self.storage: Storage = storage or open_storage(config.uri, config.storage_options)
         # How a staging process opens the same store (None: it cannot, the store was given)
-        self._reopen = None if storage is not None else (config.uri, config.storage_options)
+        self._reopen = None if storage is not None else Reopen(config.uri, config.storage_options)
         _require_shared(config.uri, "DeckConfig.uri", self.coord.world_size)
         check_writable(self.storage)
         self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
@@ -244,7 +250,7 @@ class DeltaCheckpointer:
         consumer: str,
         storage: Storage,
         on_gpu: bool,
-        reopen: tuple[str, dict[str, Any]] | None,
+        reopen: Reopen | None,
         quantize: str | None = None,
     ) -> ChainWriter:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
@@ -328,14 +334,18 @@ class DeltaCheckpointer:
         publish_storage_given = storage is not None
         storage = storage or open_storage(place, cfg.storage_options)
         _require_shared(place, "DeckConfig.publish", self.coord.world_size)
+        timeout_s = self.config.staging.upload_timeout_s
         if sink_only:
             # Table rows go through the sink (kafka: deck.trainer.kafka_sink), the rest to
             # state_uri.
-            timeout_s = self.config.staging.upload_timeout_s
             storage = sink.open(cfg, storage, self.coord.world_size, timeout_s)
         check_writable(storage)
         quantize = None if cfg.quantize == "none" else cfg.quantize
-        reopen = None if publish_storage_given or sink_only else (place, cfg.storage_options)
+        # A staging process opens the same destination again: the store, and the sink over it
+        reopen = None
+        if not publish_storage_given:
+            publish = cfg if sink_only else None
+            reopen = Reopen(place, cfg.storage_options, publish, self.coord.world_size, timeout_s)
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, quantize)
 
     def _take_lease(self) -> Lease | None:

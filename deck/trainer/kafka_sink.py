@@ -380,6 +380,23 @@ def unreachable(bootstrap: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | N
     return "; ".join(failures)
 
 
+def reopen_kafka_sink(
+    cfg: PublishConfig, state: Storage, world_size: int, timeout_s: float
+) -> KafkaSinkStorage:
+    """The sink :func:`open_kafka_sink` opened, opened again by a rank's staging process over
+    that process's own state store, with a producer of its own: no collective (every rank
+    agreed on the sink at ``enable``); the topic was found or created then (rank 0 checks it
+    again before its first marker, as in the training process)."""
+    return KafkaSinkStorage(
+        state,
+        parse_kafka_uri(cfg.uri),
+        world_size,
+        max_message_bytes=cfg.max_message_bytes,
+        producer_options=cfg.kafka,
+        timeout_s=timeout_s,
+    )
+
+
 def open_kafka_sink(
     cfg: PublishConfig, state: Storage, world_size: int, timeout_s: float
 ) -> KafkaSinkStorage:

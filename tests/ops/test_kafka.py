@@ -14,6 +14,7 @@ producer's message.max.bytes fails at once naming topic, partition and step."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -79,6 +80,7 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
             retry_initial_s=0.05,
             retry_max_s=0.2,
             upload_timeout_s=2.0,
+            mode="process",  # the sink runs in each rank's staging process
         ),
         publish=deck.PublishConfig(
             uri=topic_uri,
@@ -98,7 +100,15 @@ def _run(rank: int, world_size: int, topic_uri: str, tmp: str, broker_pid: int) 
             parquet=True,
         )
     held: dict[str, torch.Tensor] | None = None
+    said: list[str] = []
+    logs = logging.getLogger("deck")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logs.addHandler(handler)
+    logs.setLevel(logging.INFO)
     with deck.enable(model, [opt], config) as ck:
+        if rank == 0:
+            assert "deck: publish staging runs in a staging process per rank" in said, said
         for step in range(0, LAST + 1):
             if step:
                 train_step(model, opt, SPEC, step)

@@ -22,14 +22,14 @@ import torch.distributed as dist
 import deck
 from deck import failpoints
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
-from deck.errors import CheckpointError, DeckError
+from deck.errors import CheckpointError, ConfigError, DeckError
 from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
 from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.staging import full_part_info
 from deck.trainer.staging import CheckpointStats
-from deck.trainer.staging.remote import CLOSE_S, ProcessStager
+from deck.trainer.staging.remote import CLOSE_S, ProcessStager, Reopen
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -214,7 +214,7 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
     during the stall, before the hand-over). A part whose rank manifest is up gets none."""
     uri = str(tmp_path / "ck")
     stager = ProcessStager(
-        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, (uri, {})
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, Reopen(uri, {})
     )
     try:
         for step, manifest_up in ((1, False), (2, True)):
@@ -445,3 +445,36 @@ def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_where_a_staging_process_cannot_open_the_destination_the_threads_do_it(
+    tmp_path: Path,
+) -> None:
+    """The reasons logged at enable: a store passed as an object, a store only this process
+    sees, and a publish sink registered without a way to open it again; a Kafka publisher's
+    sink opens again (its reopener), so it runs in the staging process."""
+    from deck import schemes
+    from deck.config import PublishConfig, StagingConfig
+    from deck.storage import open_storage
+    from deck.trainer.staging import Reopen, process_unsupported
+
+    cfg = StagingConfig(mode="process")
+    store = open_storage(str(tmp_path / "store"))
+    assert process_unsupported(cfg, store, Reopen(str(tmp_path / "store"), {}), False) is None
+    assert "passed as an object" in str(process_unsupported(cfg, store, None, False))
+    assert "only the training process sees" in str(
+        process_unsupported(cfg, store, Reopen("memory://x", {}), False)
+    )
+    kafka = PublishConfig(uri="kafka://127.0.0.1:1/t", state_uri=str(tmp_path / "state"))
+    reopen = Reopen(str(tmp_path / "state"), {}, kafka, 2, 5.0)
+    assert process_unsupported(cfg, store, reopen, False) is None
+    assert Reopen.from_json(reopen.to_json()) == reopen
+    schemes.register(schemes.Scheme("onlyhere", lambda *a: None, role="publish"))
+    try:
+        mine = PublishConfig(uri="onlyhere://x/t", state_uri=str(tmp_path / "state"))
+        why = process_unsupported(cfg, store, Reopen(str(tmp_path / "state"), {}, mine), False)
+        assert why == "the publish sink of onlyhere://x/t runs in the training process"
+        with pytest.raises(ConfigError, match="cannot be opened by a staging process"):
+            schemes.lookup("onlyhere://x/t", "publish").reopen(mine, store, 1, 1.0)
+    finally:
+        schemes.unregister("onlyhere")

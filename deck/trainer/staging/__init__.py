@@ -30,7 +30,7 @@ from deck.format.pending import PENDING_SUFFIX, PendingPart
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import CheckpointStats
-from deck.trainer.staging.remote import ProcessStager, RemotePart, process_unsupported
+from deck.trainer.staging.remote import ProcessStager, RemotePart, Reopen, process_unsupported
 from deck.trainer.staging.stager import Stager, resolve_tier
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "PendingPart",
     "ProcessStager",
     "RemotePart",
+    "Reopen",
     "StagedPart",
     "Stager",
     "process_unsupported",

@@ -39,10 +39,10 @@ from deck.format.chunks import Buffer
 from deck.format.manifest import ChunkRecord, FileRecord
 from deck.format.pending import PendingPart
 from deck.format.treecodec import CapturedTree
-from deck.storage import open_storage
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import PartProgress
+from deck.trainer.staging.remote import Reopen
 from deck.trainer.staging.stager import Stager
 from deck.trainer.staging.wire import Channel, Kind, ProtocolError, error_body, rebuild_error
 from deck.trainer.writer import ChunkSpec, PartPlan, ShardPlan, build_part, chunk_record
@@ -262,7 +262,7 @@ class StagingProcess:
         self.chan = chan
         self.cfg = StagingConfig.model_validate(hello["staging"])
         self.parent = int(hello["parent_pid"])
-        storage = open_storage(str(hello["uri"]), dict(hello["storage_options"]))
+        storage = Reopen.from_json(hello["store"]).open()
         self.pool = MappedPool(chan)
         self._asks: dict[int, Future[Any]] = {}
         self._ask_numbers = iter(range(1, 2**62))

@@ -29,19 +29,20 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from deck.config import StagingConfig
+from deck.config import PublishConfig, StagingConfig
 from deck.errors import DeckError
 from deck.failpoints import spec as failpoint_spec
 from deck.failpoints import watch as watch_failpoints
 from deck.format.chunks import Buffer
 from deck.format.manifest import rank_manifest_name, step_dir
 from deck.format.pending import PendingPart
-from deck.schemes import is_publish_sink, lookup
-from deck.storage import Storage
+from deck.schemes import lookup
+from deck.storage import Storage, open_storage
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.part import pool_buffer
 from deck.trainer.staging.pool import BufferPool
@@ -65,10 +66,52 @@ STARTUP_S = 120.0  # the longest a request waits for a staging process that has 
 CLOSE_S = 30.0  # after its last flush, the longest close() waits for the process to exit
 
 
+@dataclass(frozen=True)
+class Reopen:
+    """How a staging process opens the training process's destination again: the store of
+    ``uri``, and over it, for a publisher whose rows go to a sink (``kafka://``), that sink
+    (``publish``: the publisher's config; ``world_size`` and ``timeout_s`` as the training
+    process opened it)."""
+
+    uri: str
+    storage_options: dict[str, Any]
+    publish: PublishConfig | None = None
+    world_size: int = 1
+    timeout_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uri": self.uri,
+            "storage_options": self.storage_options,
+            "publish": None if self.publish is None else self.publish.model_dump(mode="json"),
+            "world_size": self.world_size,
+            "timeout_s": self.timeout_s,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Reopen:
+        publish = raw["publish"]
+        return cls(
+            str(raw["uri"]),
+            dict(raw["storage_options"]),
+            None if publish is None else PublishConfig.model_validate(publish),
+            int(raw["world_size"]),
+            float(raw["timeout_s"]),
+        )
+
+    def open(self) -> Storage:
+        storage = open_storage(self.uri, self.storage_options)
+        if self.publish is None:
+            return storage
+        sink = lookup(self.publish.uri, "publish")
+        opened: Storage = sink.reopen(self.publish, storage, self.world_size, self.timeout_s)
+        return opened
+
+
 def process_unsupported(
     staging: StagingConfig,
     storage: Storage,
-    reopen: tuple[str, dict[str, Any]] | None,
+    reopen: Reopen | None,
     pinned: bool,
 ) -> str | None:
     """Why this stager cannot run in a process of its own (None: it can)."""
@@ -78,10 +121,10 @@ def process_unsupported(
         return "the storage was passed as an object, which a staging process cannot open again"
     if pinned:
         return "tables on a GPU fill pinned buffers, which are not shared with a process yet"
-    if is_publish_sink(reopen[0]):
-        return "a publish sink runs in the training process"
-    if not lookup(reopen[0]).shared:
-        return f"{reopen[0]} is a store only the training process sees"
+    if reopen.publish is not None and lookup(reopen.publish.uri, "publish").reopener is None:
+        return f"the publish sink of {reopen.publish.uri} runs in the training process"
+    if not lookup(reopen.uri).shared:
+        return f"{reopen.uri} is a store only the training process sees"
     return None
 
 
@@ -309,7 +352,7 @@ class ProcessStager:
         storage: Storage,
         staging: StagingConfig,
         rank: int,
-        reopen: tuple[str, dict[str, Any]],
+        reopen: Reopen,
         fence: Callable[[], None] | None = None,
         gone: Callable[[], bool] | None = None,
         label: str = "checkpoint",
@@ -394,8 +437,7 @@ class ProcessStager:
             Kind.HELLO,
             {
                 "staging": self.cfg.model_dump(mode="json"),
-                "uri": self._reopen[0],
-                "storage_options": self._reopen[1],
+                "store": self._reopen.to_json(),
                 "rank": self.rank,
                 "label": self.label,
                 "fenced": self._fence is not None,
