@@ -10,7 +10,9 @@ applied as the live model applies it) twice:
   deck published, read as every restart read it before the records (from the oldest message).
 
 Reported per case: the messages and value bytes the source read on the rank partitions (with no
-records: the whole partitions), the first and last step it served, and seconds to serve.
+records: the whole partitions), the markers it read on the control partition to find where to
+start (back from the end until the fulls it may start at), the first and last step it served,
+and seconds to serve.
 
     python benchmarks/bench_kafka_restart.py [--steps 200] [--full-every 20] [--rows 12]
 """
@@ -42,6 +44,7 @@ def _serve(uri: str, state_uri: str) -> dict[str, Any]:
         ranks = [r for p, r in source.readers.items() if p != CONTROL_PARTITION]
         return {
             "messages": sum(r.messages for r in ranks),
+            "markers read to find the start": source.scanned,
             "bytes": sum(r.bytes for r in ranks),
             "steps": [steps[0], steps[-1]] if steps else [],
             "seconds": round(time.perf_counter() - t0, 3),

@@ -85,6 +85,9 @@ logger = logging.getLogger(__name__)
 # The newest fulls a source serving nothing may start from, in turn (each found by reading the
 # commit records of the markers back to it), before it reads from the topic's oldest message.
 START_FULLS = 3
+# Markers read back from the control partition's end first when a source starts (then 4x more
+# each time until START_FULLS fulls are found)
+START_WINDOW = 256
 
 
 class KafkaSource:
@@ -133,6 +136,7 @@ class KafkaSource:
         # Where a source serving nothing reads markers from, in turn (see _start_offsets)
         self.starts: list[int] = []
         self.start: int | None = None
+        self.scanned = 0  # markers read to find where the last start began
 
     @property
     def uri(self) -> str:
@@ -326,45 +330,27 @@ class KafkaSource:
         """Where a source serving nothing reads markers from: the newest marker of its run
         whose step is a full; should nothing from there be served (that full refused), the one
         before (up to :data:`START_FULLS` fulls); last the oldest message. The markers are
-        read, and the commit records of the newest ones down to each full (the rank partitions
-        are opened later, at the recorded start of the step first read: :meth:`_rank_reader`)."""
-        scan = PartitionReader(self.conf, self.target, CONTROL_PARTITION, 0)
-        low = scan.position
-        found: list[Marker] = []
-        idle = 0
+        read back from the partition's end in windows growing fourfold (the first
+        :data:`START_WINDOW` messages) until those fulls are found or the oldest message is
+        reached, so a restart reads the markers since the fulls it starts at, not the topic's;
+        and the commit records of the newest ones down to each full (the rank partitions are
+        opened later, at the recorded start of the step first read: :meth:`_rank_reader`)."""
+        probe = PartitionReader(self.conf, self.target, CONTROL_PARTITION, 0)
         try:
-            # To the broker's end-of-partition event (the high watermark it lists may lag
-            # behind a batch); without one, after 20 empty polls at or past it.
-            while not scan.at_end():
-                msg = scan.poll(self.poll_timeout_s)
-                if msg is None:
-                    idle += 1
-                    if idle >= 20 and scan.drained():
-                        break
-                    continue
-                with contextlib.suppress(CorruptStreamError):  # quarantined if read in order
-                    found.append(
-                        decode_marker(
-                            msg.headers(),
-                            msg.value(),
-                            self.target.topic,
-                            CONTROL_PARTITION,
-                            int(msg.offset()),
-                        )
-                    )
+            low, high = probe.watermarks()
         finally:
-            scan.close()
+            probe.close()
         fulls: list[Marker] = []
-        for marker in reversed(found):
-            if self.run_known and marker.run != self.run:
-                continue
-            if not self.state_given and marker.state_uri != (self.state_uri or marker.state_uri):
-                continue
-            manifest = marker_manifest(self._open(marker), marker)
-            if manifest is not None and manifest.kind is Kind.FULL:
-                fulls.append(marker)
-                if len(fulls) == START_FULLS:
-                    break
+        self.scanned = 0
+        window, stop, begin = START_WINDOW, None, max(low, high - START_WINDOW)
+        while True:
+            for marker in reversed(self._markers(begin, stop)):
+                if len(fulls) < START_FULLS and self._is_start(marker):
+                    fulls.append(marker)
+            if len(fulls) == START_FULLS or begin <= low:
+                break
+            window *= 4
+            stop, begin = begin, max(low, high - window)
         if fulls and fulls[0].offset > low:
             logger.info(
                 "deck live: %s: starting at the newest full, step %d (marker at offset %d of "
@@ -376,6 +362,44 @@ class KafkaSource:
             )
         starts = [m.offset for m in fulls]
         return starts if starts and starts[-1] == low else [*starts, low]
+
+    def _markers(self, begin: int, stop: int | None) -> list[Marker]:
+        """The readable markers at offsets ``begin`` up to ``stop`` (None: to the partition's
+        end: its end-of-partition event, since the high watermark the broker lists may lag
+        behind a batch; without one, after 20 empty polls at or past it), read by a consumer
+        of their own. Undecodable ones are passed over (quarantined when read in order)."""
+        scan = PartitionReader(self.conf, self.target, CONTROL_PARTITION, begin)
+        found: list[Marker] = []
+        idle = 0
+        try:
+            while not (scan.at_end() if stop is None else scan.position >= stop):
+                msg = scan.poll(self.poll_timeout_s)
+                if msg is None:
+                    idle += 1
+                    if idle >= 20 and scan.drained():
+                        break
+                    continue
+                offset = int(msg.offset())
+                if stop is not None and offset >= stop:
+                    break
+                with contextlib.suppress(CorruptStreamError):
+                    topic = self.target.topic
+                    found.append(
+                        decode_marker(msg.headers(), msg.value(), topic, CONTROL_PARTITION, offset)
+                    )
+        finally:
+            self.scanned += scan.messages
+            scan.close()
+        return found
+
+    def _is_start(self, marker: Marker) -> bool:
+        """Whether a source may start at ``marker``: a full of its run (and state URI)."""
+        if self.run_known and marker.run != self.run:
+            return False
+        if not self.state_given and marker.state_uri != (self.state_uri or marker.state_uri):
+            return False
+        manifest = marker_manifest(self._open(marker), marker)
+        return manifest is not None and manifest.kind is Kind.FULL
 
     def _open(self, marker: Marker) -> StreamView:
         # Until a marker's commit record was found at its state URI (or one was given), each

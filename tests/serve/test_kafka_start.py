@@ -37,6 +37,7 @@ from deck.format.stream import (
     start_key,
 )
 from deck.read.catalog import read_rank_manifests
+from deck.serve import live_kafka
 from deck.serve.follow import Follower
 from deck.serve.kafka_follow import KafkaFollower, PartitionReader
 from deck.serve.live_kafka import KafkaSource
@@ -122,6 +123,7 @@ class Served:
     steps: list[int]  # the steps the source offered, in order, each applied
     read: dict[int, int]  # rank partition -> messages the source read
     faults: list[Any]
+    scanned: int  # markers read to find where to start
 
 
 def _serve(t: Topic, out: str, **kw: Any) -> Served:
@@ -145,7 +147,7 @@ def _serve(t: Topic, out: str, **kw: Any) -> Served:
             served = m.state
             steps.append(m.step)
         read = {p: r.messages for p, r in source.readers.items() if p != CONTROL_PARTITION}
-        return Served(steps, read, source.take_faults())
+        return Served(steps, read, source.take_faults(), source.scanned)
     finally:
         source.close()
 
@@ -183,6 +185,24 @@ def test_a_restart_reads_the_rank_partitions_from_the_newest_full(
         for p in (1, 2):
             assert got.read[p] == topic.count(p, after), (p, got.read)
             assert got.read[p] < len(topic.segments[p]) / 2, (p, got.read)
+
+
+@pytest.mark.parametrize("fulls", [1, 2])
+def test_a_restart_reads_the_markers_back_to_the_fulls_it_may_start_at(
+    topic: Topic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fulls: int
+) -> None:
+    """The control partition is read back from its end in growing windows (here 2, 8, 32
+    markers) until the fulls a start may fall back to are found, not from its oldest message:
+    with one full wanted, the 8 newest markers (the newest full is 8 from the end); with two,
+    the window reaching the one before (32: the whole topic of 24)."""
+    monkeypatch.setattr(live_kafka, "START_WINDOW", 2)
+    monkeypatch.setattr(live_kafka, "START_FULLS", fulls)
+    out = str(tmp_path / "out")
+    got = _serve(topic, out)
+    assert got.steps == [s for s in topic.steps if s >= topic.fulls()[-1]], got
+    assert not got.faults, got
+    _serves(out, topic, topic.steps[-1])
+    assert got.scanned == (8 if fulls == 1 else STEPS), got
 
 
 def _past_the_step(t: Topic, p: int, step: int) -> int:
