@@ -117,6 +117,9 @@ class Setup:
     copy_on_write: str = "deltas"  # staging.copy_on_write
     # staging.mode ("threads" | "process"); None: StagingConfig's default (DECK_STAGING_MODE)
     staging_mode: str | None = None
+    # Chunks of 16 KiB bundled into 64 KiB files (staging.chunk_bytes / bundle_bytes): the
+    # shards of these small tables share bundles, at offsets other than 0
+    bundled: bool = False
     vbe: bool = False  # each feature its own batch size, expanded by inverse indices
     qcomms: str = "none"  # one of QCOMMS
     # Restore into this many ranks (another plan): compared is the global state right after the
@@ -661,6 +664,7 @@ def _config(setup: Setup, uri: str) -> deck.DeckConfig:
         staging=StagingConfig.model_validate(
             {"copy_on_write": setup.copy_on_write}
             | ({} if setup.staging_mode is None else {"mode": setup.staging_mode})
+            | ({"chunk_bytes": 16 * 1024, "bundle_bytes": 64 * 1024} if setup.bundled else {})
         ),
     )
 

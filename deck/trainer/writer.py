@@ -176,6 +176,9 @@ def chunk_record(buf: Buffer, spec: ChunkSpec) -> ChunkRecord:
         n: (e, DTYPES[d])  # type: ignore[misc]
         for n, e, d in spec.encoded
     }
+    if spec.offset is not None:  # a chunk of a bundle: its bytes in the bundle's buffer
+        size = layout.nbytes if spec.pad_to is None else max(spec.pad_to, layout.nbytes)
+        buf = memoryview(buf)[spec.offset : spec.offset + size]
     return _chunk_record(buf, spec.rel, layout, spec.pad_to, encoded, spec.offset)
 
 
