@@ -501,8 +501,13 @@ class _Counting(StorageWrapper):
         self._listed(got)
         return got
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
-        got = super().list_dir(prefix, after)
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        got = super().list_dir(prefix)
+        self._listed(got)
+        return got
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        got = super().list_dir_after(prefix, after)
         self._listed(got)
         return got
 

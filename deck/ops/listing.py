@@ -232,7 +232,7 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     rows = [_row(n) for n in nodes]
     rows.extend(_unreadable_rows(got, list(got.index.records)))
     # Pending checkpoints: the step folders of the shown steps and after, listed one by one
-    names = [n.rstrip("/") for n in storage.list_dir("", after=step_dirs_from(first))]
+    names = [n.rstrip("/") for n in storage.list_dir_after("", step_dirs_from(first))]
     recent = [n for n in names if (s := parse_step_dir(n)) is not None and s >= first]
     listed = [k for n in recent for k in storage.list(f"{n}/")]
     committed = {parse_step_dir(k.partition("/")[0]) for k in listed if k.endswith(MANIFEST)}

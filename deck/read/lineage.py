@@ -903,7 +903,7 @@ def confirmed(
     merged: list[str] = []
     if chain or latest:  # (each listed once, whichever of the two looks)
         # (the step folders from the lowest step either looks at: a bounded listing on S3)
-        root = storage.list_dir("", after=step_dirs_from(low))
+        root = storage.list_dir_after("", step_dirs_from(low))
         merged = storage.list_dir(f"{MERGED_ROOT}/")
     if chain:
         assert step is not None

@@ -151,10 +151,13 @@ class StreamView(StorageWrapper):
     def exists(self, path: str) -> bool:
         return path in self.files if is_stream_file(path) else self.inner.exists(path)
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> list[str]:
+    def list_dir(self, prefix: str = "") -> list[str]:
         if prefix:
-            return self.inner.list_dir(prefix, after)
-        return names_after([f"{step_dir(s)}/" for s in sorted(self.visible)], after)
+            return self.inner.list_dir(prefix)
+        return [f"{step_dir(s)}/" for s in sorted(self.visible)]
+
+    def list_dir_after(self, prefix: str, after: str) -> list[str]:
+        return names_after(self.list_dir(prefix), after)
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         raise StorageError(f"{self._uri}: the loader's view is read-only")

@@ -237,7 +237,13 @@ class KafkaSource:
             self.quarantine.add("poison", CONTROL_PARTITION, offset, None, why)
             self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
             return None
-        view = self._open(marker)
+        try:
+            view = self._open(marker)
+        except ConfigError as e:  # a state URI this host cannot open: never the served one
+            why = f"marker of step {marker.step} ({marker.ckpt_id}): {e}"
+            self.quarantine.add("poison", CONTROL_PARTITION, offset, None, why)
+            self._fault(marker.step, self._where(offset), why + self.quarantine.recorded())
+            return None
         manifest = marker_manifest(view, marker)
         if manifest is None:
             return None  # replaced by a later publish of its step: its own marker follows
@@ -396,9 +402,15 @@ class KafkaSource:
         """Whether a source may start at ``marker``: a full of its run (and state URI)."""
         if self.run_known and marker.run != self.run:
             return False
-        if not self.state_given and marker.state_uri != (self.state_uri or marker.state_uri):
+        # (a state URI is held against markers only once a record was found there: a stray
+        # marker read first must not make every real one look foreign)
+        if self.state_fixed and not self.state_given and marker.state_uri != self.state_uri:
             return False
-        manifest = marker_manifest(self._open(marker), marker)
+        try:
+            view = self._open(marker)
+        except ConfigError:  # a URI this host cannot open: reported if read in order
+            return False
+        manifest = marker_manifest(view, marker)
         return manifest is not None and manifest.kind is Kind.FULL
 
     def _open(self, marker: Marker) -> StreamView:

@@ -124,12 +124,9 @@ class Storage(abc.ABC):
         """Whether :meth:`delete_if` never deletes a write that lands during it. Default False."""
         return False
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """Sorted names of what lies directly in the folder ``prefix`` ("" or ending in "/"):
         objects as named, sub-folders with a trailing "/". An absent folder is empty.
-        ``after``: only the names that sort after it (compared without the trailing "/"), so
-        that a store listing in key order reads only those (S3: ``StartAfter``): a bounded
-        listing of a folder of step folders costs the steps above the bound, not the history.
 
         This default derives it from :meth:`list` (everything below); backends override it to
         read one level only, so that finding manifests costs the same however many chunk
@@ -139,7 +136,15 @@ class Storage(abc.ABC):
         for key in self.list(prefix):
             head, sep, _ = key[len(prefix) :].partition("/")
             names.add(head + sep)
-        return names_after(sorted(names), after)
+        return sorted(names)
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        """The names of :meth:`list_dir` that sort after ``after`` (compared without the
+        trailing "/"). This default lists the whole folder; a backend whose listing is in key
+        order overrides it to read only those names (S3: ``StartAfter``), so that a bounded
+        listing of a folder of step folders costs the steps above the bound, not the
+        history."""
+        return names_after(self.list_dir(prefix), after)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix`` (not atomic: a failure part-way leaves the rest;
@@ -310,8 +315,6 @@ def check_folder(prefix: str) -> None:
     check_prefix(prefix)
 
 
-def names_after(names: list[str], after: str | None) -> list[str]:
-    """The names of a :meth:`Storage.list_dir` result that sort after ``after`` (None: all)."""
-    if after is None:
-        return names
+def names_after(names: list[str], after: str) -> list[str]:
+    """The names of a :meth:`Storage.list_dir` result that sort after ``after``."""
     return [n for n in names if n.rstrip("/") > after]

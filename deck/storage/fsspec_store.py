@@ -309,15 +309,21 @@ class FsspecStorage(Storage):
         keys.sort()
         return keys
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        """:meth:`Storage.list_dir_after`: S3 lists from ``StartAfter``, so only the names
+        above it cost requests; other filesystems list the folder and drop the rest."""
+        check_folder(prefix)
+        if not _lists_from_key(self._fs):
+            return names_after(self.list_dir(prefix), after)
+        base = "/".join(p for p in (self._root, prefix.rstrip("/")) if p)
+        listed = self._call("list", prefix, lambda: self._s3_names_after(base, after))
+        return names_after(sorted(set(listed)), after)
+
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """One level of :meth:`Storage.list_dir` (``fs.ls``: one delimited LIST on S3, per
-        1,000 names; with ``after``, S3 lists from ``StartAfter``, so only the names above it
-        cost requests; other filesystems list the folder and drop the rest)."""
+        1,000 names)."""
         check_folder(prefix)
         base = "/".join(p for p in (self._root, prefix.rstrip("/")) if p)
-        if after is not None and _lists_from_key(self._fs):
-            listed = self._call("list", prefix, lambda: self._s3_names_after(base, after))
-            return names_after(sorted(set(listed)), after)
 
         def ls() -> builtins.list[dict[str, Any]]:
             self._fs.invalidate_cache(base)
@@ -333,7 +339,7 @@ class FsspecStorage(Storage):
             if not name or full.lstrip("/") == base.lstrip("/"):
                 continue  # the folder itself (some servers report it)
             names.add(name + "/" if entry.get("type") == "directory" else name)
-        return names_after(sorted(names), after)
+        return sorted(names)
 
     def _s3_names_after(self, base: str, after: str) -> builtins.list[str]:
         """The names in folder ``base`` (bucket/key) after ``after``: delimited

@@ -619,10 +619,17 @@ class LocalStorage(Storage):
         out.sort()
         return out
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
-        """One level of :meth:`Storage.list_dir` (a ``scandir``; with ``after``, the names at
-        or below it are passed over before any other look at them); ``.tmp-*`` files, links
-        and special files are left out, a folder reached through a link is empty."""
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        """One level of :meth:`Storage.list_dir` (a ``scandir``); ``.tmp-*`` files, links and
+        special files are left out, a folder reached through a link is empty."""
+        return self._scan(prefix, None)
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        """:meth:`list_dir`, the names at or below ``after`` passed over before any other look
+        at them (the directory is still read whole: no order on disk to start from)."""
+        return self._scan(prefix, after)
+
+    def _scan(self, prefix: str, after: str | None) -> builtins.list[str]:
         check_folder(prefix)
         names = prefix.rstrip("/").split("/") if prefix else []
         try:

@@ -69,8 +69,11 @@ class StorageWrapper(Storage):
     def list(self, prefix: str = "") -> builtins.list[str]:
         return self.inner.list(prefix)
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
-        return self.inner.list_dir(prefix, after)
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list_dir(prefix)
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        return self.inner.list_dir_after(prefix, after)
 
     def delete_prefix(self, prefix: str) -> None:
         self.inner.delete_prefix(prefix)

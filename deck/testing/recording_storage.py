@@ -80,9 +80,13 @@ class RecordingStorage(StorageWrapper):
         self._note("list", prefix)
         return self.inner.list(prefix)
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         self._note("list_dir", prefix)
-        return self.inner.list_dir(prefix, after)
+        return self.inner.list_dir(prefix)
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        self._note("list_dir", prefix)
+        return self.inner.list_dir_after(prefix, after)
 
     def list_modified(self, prefix: str = "") -> builtins.list[tuple[str, float | None]]:
         self._note("list_modified", prefix)

@@ -295,9 +295,9 @@ class StorageTests:
             every = store.list_dir(prefix)
             for after in bounds:
                 want = [n for n in every if n.rstrip("/") > after]
-                assert store.list_dir(prefix, after=after) == want, (prefix, after)
-                assert Storage.list_dir(store, prefix, after) == want, (prefix, after)
-        assert store.list_dir("", after="step-000000000005") == [
+                assert store.list_dir_after(prefix, after) == want, (prefix, after)
+                assert Storage.list_dir_after(store, prefix, after) == want, (prefix, after)
+        assert store.list_dir_after("", "step-000000000005") == [
             "step-000000000010/",
             "step-000000000011",
             "z",

@@ -13,7 +13,9 @@ import pytest
 import deck.read.indexed
 from deck.format.manifest import MANIFEST
 from deck.ops.listing import list_recent_rows, list_rows
-from deck.storage import LocalStorage
+from deck.read.lineage import confirmed, latest_restorable
+from deck.read.window import read_window
+from deck.storage import LocalStorage, Storage
 from deck.testing.synth_lineage import LineageSim
 
 
@@ -139,3 +141,33 @@ def test_a_recent_record_the_catalog_does_not_hold_takes_every_record(
     record = storage.get(f"{newest.folder}/{MANIFEST}")
     storage.put(f"step-{newest.step + 1:012d}/{MANIFEST}", record)  # (another step's: damaged)
     assert list_recent_rows(storage, 5) is None
+
+
+class _OneLevelBackend(LocalStorage):
+    """A backend written before ``Storage.list_dir_after`` existed: its one-level listing is
+    its own, and it knows nothing of bounds."""
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        return super().list_dir(prefix)
+
+    list_dir_after = Storage.list_dir_after
+
+
+def test_a_backend_without_a_bounded_listing_lists_and_restores_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by trying to break the bounded listing: when the bound was a new argument of
+    ``list_dir``, a backend overriding ``list_dir(prefix)`` alone failed ``deck ls`` and every
+    restore with a TypeError. The bounded listing is a method of its own whose default lists
+    the folder and drops the names below the bound."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    made = _history(tmp_path / "uri", 120)
+    _pending_attempt(made, 120)
+    old = _OneLevelBackend(str(tmp_path / "uri"))
+    recent, want = list_recent_rows(old, 5), list_recent_rows(made, 5)
+    assert recent is not None and want is not None
+    assert (recent.rows, recent.floor, recent.older) == (want.rows, want.floor, want.older)
+    got = read_window(old, None)
+    assert got is not None
+    step = latest_restorable(got)
+    assert confirmed(old, got, step, latest=True) is got  # the catalog agrees: no full read

@@ -167,9 +167,13 @@ class Faults(StorageWrapper):
         self._tick()
         return self.inner.list_modified(prefix)
 
-    def list_dir(self, prefix: str = "", after: str | None = None) -> builtins.list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         self._tick()
-        return self.inner.list_dir(prefix, after)
+        return self.inner.list_dir(prefix)
+
+    def list_dir_after(self, prefix: str, after: str) -> builtins.list[str]:
+        self._tick()
+        return self.inner.list_dir_after(prefix, after)
 
     def exists(self, path: str) -> bool:
         self._tick()

@@ -32,6 +32,8 @@ import pytest
 from deck.format.stream import (
     CONTROL_PARTITION,
     decode_segment,
+    marker_headers,
+    marker_value,
     parse_kafka_uri,
     rank_partition,
     start_key,
@@ -384,3 +386,31 @@ def test_an_end_event_from_before_a_steps_rows_does_not_make_a_resumed_loader_re
     new_id = pub.expected(steps[2])[0]
     assert read == {p: sum(k.split("/")[1] == new_id for _, k in s) for p, s in segs.items()}
     _serves(out, Topic(uri, pub, steps, segs), steps[2])
+
+
+@pytest.mark.parametrize("state", ["file:///nonexistent/deck-stray-state", "nope://x/y"])
+def test_a_stray_marker_of_the_run_naming_another_state_uri_costs_no_start(
+    broker: TansuBroker, tmp_path: Path, state: str
+) -> None:
+    """Found by trying to break the windowed start: one marker of the served run at the
+    partition's end naming another state URI (a folder without the record, or a scheme this
+    host cannot open). The first pinned the source's state URI to it, so every real marker
+    looked foreign and each restart read the whole topic from its oldest message; the second
+    raised from every start. Now it is no start, and reported when read in order."""
+    uri = broker.uri(f"stray-{uuid.uuid4().hex[:10]}")
+    pub = SynthPublisher(uri, str(tmp_path / "state"), seed=9)
+    steps = [pub.publish("full" if i in (0, 10) else "delta", rows=4) for i in range(12)]
+    target = parse_kafka_uri(uri)
+    stray = marker_value(50, "e" * 16, state, 2, pub.run)
+    inject(target.bootstrap, target.topic, CONTROL_PARTITION, stray, marker_headers(stray))
+    t = Topic(uri, pub, steps, {r + 1: _segments(uri, r + 1) for r in RANKS})
+    try:
+        out = str(tmp_path / "out")
+        got = _serve(t, out)
+    finally:
+        pub.close()
+    assert got.steps == steps[10:], got
+    assert [f.step for f in got.faults] == [50], got.faults
+    _serves(out, t, steps[-1])
+    for p in (1, 2):
+        assert got.read[p] == t.count(p, set(steps[10:])), got.read

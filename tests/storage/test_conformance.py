@@ -488,7 +488,7 @@ class TestS3:
     def test_a_bounded_listing_reads_the_pages_above_its_bound(
         self, s3_server: Any, s3_uri: str
     ) -> None:
-        """Over 1,000 folders (more than one page of S3's answer): ``list_dir(after=)`` gives
+        """Over 1,000 folders (more than one page of S3's answer): ``list_dir_after`` gives
         what the whole listing gives above the bound, from ``StartAfter`` (one request for the
         few names above it, as many pages as names / 1,000 from the start)."""
         s = FsspecStorage(s3_uri, s3_server.storage_options)
@@ -499,7 +499,7 @@ class TestS3:
         every = s.list_dir("")
         assert every == ["merged/", *[f"{n}/" for n in names]]
         for after in ["", "step-", names[3], names[1_000], names[-2], names[-1]]:
-            assert s.list_dir("", after=after) == [n for n in every if n.rstrip("/") > after]
+            assert s.list_dir_after("", after) == [n for n in every if n.rstrip("/") > after]
         calls: list[dict[str, Any]] = []
         fs = s._fs
         real = fs.call_s3
@@ -510,7 +510,7 @@ class TestS3:
 
         fs.call_s3 = counted
         try:
-            assert s.list_dir("", after=names[-3]) == [f"{n}/" for n in names[-2:]]
+            assert s.list_dir_after("", names[-3]) == [f"{n}/" for n in names[-2:]]
         finally:
             del fs.call_s3
         assert [c["method"] for c in calls] == ["list_objects_v2"], calls
