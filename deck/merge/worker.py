@@ -150,6 +150,7 @@ class MergeWorker:
         self._seen_committed: set[str] = set()  # items found committed after a listing
         self._last: ManifestSet | None = None
         self._plan: tuple[LineageGraph, Plan] | None = None
+        self._committed = ""  # the ids of the planned graph's checkpoints, sorted and joined
         # A pass planned with a record that was gone (a stale catalog, or one GC deleted since):
         # passes read every record until the catalog agrees with them again.
         self._distrust_catalog = False
@@ -164,7 +165,7 @@ class MergeWorker:
         # finished partitions of the items that can be built now. A worker waiting for others
         # watches it change.
         parts = [k for it in p.ready for k in self.storage.list(f"{it.folder}/{PARTS_DIR}/")]
-        fingerprint = xxhash.xxh3_64_hexdigest("|".join([*sorted(graph.nodes), *parts]).encode())
+        fingerprint = xxhash.xxh3_64_hexdigest("|".join([self._committed, *parts]).encode())
         stats = WorkStats()
         waiting = 0
         progressed = False
@@ -229,16 +230,19 @@ class MergeWorker:
         are the same bytes (a graph and a plan are functions of the records alone), so a pass
         with nothing new costs its reads, not a node per checkpoint of the history."""
         last, self._last = self._last, manifests
-        if (
-            last is not None
-            and self._plan is not None
-            and manifests.index is not None
-            and last.index is not None
-            and manifests.index.records == last.index.records
+        if self._plan is not None and (
+            manifests is last
+            or (
+                last is not None
+                and manifests.index is not None
+                and last.index is not None
+                and manifests.index.records == last.index.records
+            )
         ):
             return self._plan
         graph = build_graph(manifests)
         self._plan = (graph, plan(graph, self.config))
+        self._committed = "|".join(sorted(graph.nodes))
         return self._plan
 
     def _work_on(

@@ -246,7 +246,9 @@ def read_manifests(
     (:mod:`deck.read.indexed`: the newest catalog, the log after it and the records it names),
     else each record the store lists (:func:`manifest_keys`): the same result either way.
     ``previous``: the caller's last read of this store (a merger or follower polling it): its
-    read goes on from there, and records whose bytes did not change are not parsed again.
+    read goes on from there, and records whose bytes did not change are not parsed again;
+    when nothing was committed since, ``previous`` itself is returned (with this read's
+    ``index``), so a poll that finds nothing new costs its few reads, not the history's length.
     """
     with paused_gc():  # (some ten objects per record, 100,000 records: see paused_gc)
         return _read_manifests(storage, keys, previous)
@@ -271,6 +273,9 @@ def _read_manifests(
         records = {k: d for k, d in get_records(storage, wanted) if d is not None}
         index = whole_read(storage, logged, records)
         return manifest_set(storage, records.items(), index)
+    if previous is not None and last is not None and index.records is last.records:
+        previous.index = index  # (nothing new: the same records, so the same set)
+        return previous
     parsed = previous.parsed if last is not None and previous is not None else None
     return manifest_set(storage, sorted(index.records.items()), index, parsed)
 

@@ -195,8 +195,17 @@ def _read_from(
         tail = checksum(data)
     if tail is None and base > 0:  # (a catalog's own entry: what the next read checks)
         tail = checksum(get_bounded(storage, log_key(base), MAX_RECORD_BYTES))
-    records = dict(start.records)
     again = sorted({h.key for h in hints} | start.unreadable)
+    if start is previous and not logged and not again:
+        # Nothing logged since the caller's last read: the same records (shared, not copied:
+        # a reader polling a long history pays for what is new, not for its length)
+        return replace(
+            previous,
+            since=previous.seq - catalogs[-1],
+            catalog=catalogs[-1],
+            log_from=catalogs[-1] + 1,
+        )
+    records = dict(start.records)
     for key, value in read_keys(again):
         if value is None:
             records.pop(key, None)

@@ -509,6 +509,22 @@ def test_damage_after_the_catalog_is_found_by_verify_and_gc_repairs_the_catalog(
     same(got, whole(store))
 
 
+def test_a_poll_that_finds_nothing_new_is_the_last_read_itself(store: LocalStorage) -> None:
+    """A merger or follower polling a long history pays for what is new: with nothing logged
+    since its last read, that read (not a copy parsed again) comes back, still the truth."""
+    tr = _trained(store, 3)
+    _catalog_now(store)
+    last = read_manifests(store, previous=read_manifests(store))
+    again = read_manifests(store, previous=last)
+    assert again is last
+    same(again, whole(store))
+    tr.train()
+    tr.save()
+    after = read_manifests(store, previous=again)
+    assert after is not again and max(after) == max(again) + 1
+    same(after, whole(store))
+
+
 def test_a_poller_does_not_go_on_from_a_log_started_again(store: LocalStorage) -> None:
     tr = _trained(store, 3)
     _catalog_now(store)

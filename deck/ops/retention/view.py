@@ -38,6 +38,7 @@ from deck.format.manifest import (
     parse_merged_dir,
     parse_step_dir,
     step_dir,
+    step_dirs_from,
 )
 from deck.ops.retention.clock import CLOCK_DIR
 from deck.ops.retention.window import is_cut
@@ -97,13 +98,21 @@ def newest_view(
     if witness is None:
         return None
     first = witnessed_step(storage, witness)  # (its records are all at or above it)
+    # The lowest segment a window may start at (further down, reading every record is as
+    # cheap): every folder the view may hold is of its first step or above, and so are the
+    # steps the searches below look at (hints, which a bound changes in nothing they decide)
+    newest = len(refs) - 1
+    limit = max(1, len(refs) - max(2, int(len(refs) * _MOST)))
+    bound = refs[min(limit, newest)].first
     steps = sorted(
-        s for n in storage.list_dir("") if (s := parse_step_dir(n.rstrip("/"))) is not None
+        s
+        for n in storage.list_dir_after("", step_dirs_from(bound))
+        if (s := parse_step_dir(n.rstrip("/"))) is not None and s >= bound
     )
     merged: dict[str, int] = {}
     for name in storage.list_dir(f"{MERGED_ROOT}/"):
         parsed = parse_merged_dir(name.rstrip("/"))
-        if parsed is not None:
+        if parsed is not None and parsed[1] >= bound:
             merged[f"{MERGED_ROOT}/{name.rstrip('/')}"] = parsed[1]
     extra = storage.list_modified(f"{QUARANTINE_ROOT}/") + storage.list_modified(f"{CLOCK_DIR}/")
     listed: dict[str, Listing] = {}
@@ -137,10 +146,7 @@ def newest_view(
 
     # Where a cut can be: below the newest step committed before the grace period began (the
     # newest fulls older than it), found by the store's times of a few records
-    newest = len(refs) - 1
     young = cutoff is not None and _committed_after(storage, steps, cutoff)
-    # The lowest segment a window may start at (further down, reading every record is as cheap)
-    limit = max(1, len(refs) - max(2, int(len(refs) * _MOST)))
     lowest = max(
         limit, newest if young else _segment_of(refs, _last_before(storage, steps, cutoff))
     )
