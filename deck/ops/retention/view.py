@@ -99,21 +99,29 @@ def newest_view(
         return None
     first = witnessed_step(storage, witness)  # (its records are all at or above it)
     # The lowest segment a window may start at (further down, reading every record is as
-    # cheap): every folder the view may hold is of its first step or above, and so are the
-    # steps the searches below look at (hints, which a bound changes in nothing they decide)
+    # cheap): every folder the view may hold is of its first step or above
     newest = len(refs) - 1
     limit = max(1, len(refs) - max(2, int(len(refs) * _MOST)))
     bound = refs[min(limit, newest)].first
-    steps = sorted(
-        s
-        for n in storage.list_dir_after("", step_dirs_from(bound))
-        if (s := parse_step_dir(n.rstrip("/"))) is not None and s >= bound
+    # Where a cut can be: below the newest step committed before the grace period began (the
+    # newest fulls older than it), found by the store's times of a few records: the segments'
+    # first steps' (hints, never decisions: a step gone since its catalog counts as young)
+    firsts = [r.first for r in refs[min(limit, newest) :]]
+    young = cutoff is not None and _time(storage, firsts[0]) > cutoff
+    lowest = max(
+        limit, newest if young else _segment_of(refs, _last_before(storage, firsts, cutoff))
     )
+    # The step folders, listed from the lowest step a window reads (again if it grows: a
+    # listing's cost on an object store follows the names above its bound, not the history)
+    steps = _StepFolders(storage)
     merged: dict[str, int] = {}
+    above = f"{bound:012d}"
     for name in storage.list_dir(f"{MERGED_ROOT}/"):
-        parsed = parse_merged_dir(name.rstrip("/"))
-        if parsed is not None and parsed[1] >= bound:
-            merged[f"{MERGED_ROOT}/{name.rstrip('/')}"] = parsed[1]
+        name = name.rstrip("/")
+        # (a merger folder's step is the 12 digits before its id: most names are passed over
+        # without a parse)
+        if name[-29:-17] >= above and (parsed := parse_merged_dir(name)) is not None:
+            merged[f"{MERGED_ROOT}/{name}"] = parsed[1]
     extra = storage.list_modified(f"{QUARANTINE_ROOT}/") + storage.list_modified(f"{CLOCK_DIR}/")
     listed: dict[str, Listing] = {}
 
@@ -144,12 +152,6 @@ def newest_view(
         times = {k: t for f in folders for k, t in listed[f]}
         return manifests, build_graph(manifests), times
 
-    # Where a cut can be: below the newest step committed before the grace period began (the
-    # newest fulls older than it), found by the store's times of a few records
-    young = cutoff is not None and _committed_after(storage, steps, cutoff)
-    lowest = max(
-        limit, newest if young else _segment_of(refs, _last_before(storage, steps, cutoff))
-    )
     while not young and newest >= limit:
         start = refs[lowest].first
         manifests, graph, times = read_down_to(start)
@@ -186,12 +188,6 @@ def newest_view(
     return None
 
 
-def _committed_after(storage: Storage, steps: list[int], cutoff: float) -> bool:
-    """Whether the oldest step's commit record is younger than ``cutoff`` (then, but for
-    records written back there later, so is every other: a hint, never a decision)."""
-    return bool(steps) and _time(storage, steps[0]) > cutoff
-
-
 def _last_before(storage: Storage, steps: list[int], cutoff: float | None) -> int:
     """About the newest step committed at or before ``cutoff`` (None: the newest step): a
     binary search of the steps' record times, which grow with the step but where a rollback
@@ -218,9 +214,30 @@ def _segment_of(refs: tuple[SegmentRef, ...], step: int) -> int:
     return max(0, bisect.bisect_right([r.first for r in refs], step) - 1)
 
 
-def _folders(steps: list[int], merged: dict[str, int], start: int) -> list[str]:
+class _StepFolders:
+    """The store's step folders, listed from the lowest step asked for so far."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.start: int | None = None
+        self.steps: list[int] = []
+
+    def from_step(self, start: int) -> list[int]:
+        """The steps of the folders at and above ``start`` (ascending)."""
+        if self.start is None or start < self.start:
+            names = self.storage.list_dir_after("", step_dirs_from(start))
+            self.steps = sorted(
+                s for n in names if (s := parse_step_dir(n.rstrip("/"))) is not None
+            )
+            self.start = start
+        return self.steps[bisect.bisect_left(self.steps, start) :]
+
+
+def _folders(steps: _StepFolders, merged: dict[str, int], start: int) -> list[str]:
     """The step folders and merger folders of the steps at and above ``start``."""
-    return [step_dir(s) for s in steps if s >= start] + [f for f, s in merged.items() if s >= start]
+    return [step_dir(s) for s in steps.from_step(start)] + [
+        f for f, s in merged.items() if s >= start
+    ]
 
 
 def _when(
