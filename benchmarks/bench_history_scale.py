@@ -290,11 +290,12 @@ def measure(
     # Catching up on what the generator left for the merger: passes until one has nothing to
     # do. (A merger full over generated inputs, whose rank manifests are copies of one real
     # checkpoint's, fails its retries and then waits out its back-off, as any failing item.)
-    for _ in range(worker.max_failures + 2):
+    for _ in range(4 * (worker.max_failures + 2)):
         caught_up = worker.run_pass()
         if not caught_up.progressed and not caught_up.stats.failed:
             break
-    out["i_merge"], _ = _median_s(worker.run_pass, a.repeats)
+    # (five passes at least: one may still be a failing item's retry)
+    out["i_merge"], _ = _median_s(worker.run_pass, max(5, a.repeats))
     print(
         f"  read through the catalog: {out['i_read']:.3f} s, {out['i_requests']:.0f} requests "
         f"(every record: {out['r_read']:.3f} s, {out['whole_requests']:.0f} requests)",
