@@ -61,3 +61,35 @@ def test_a_header_not_ours_is_refused(takes_fds: bool) -> None:
     out.sock.sendall(HEADER.pack(b"XXXX", 1, int(Kind.READY), 2, 0) + b"{}")
     with pytest.raises(ProtocolError):
         inn.recv()
+
+
+def test_the_staging_process_batches_what_nobody_waits_for_and_keeps_the_order() -> None:
+    """Its buffers written and progress go out batched (fewer wake-ups of the training
+    process's receiver), a reply at once after them: whatever the batches' timing, the other
+    end reads every slot and message in the order sent."""
+    from deck.trainer.staging.child import BatchingChannel
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    out, inn = BatchingChannel(a), Channel(b, takes_fds=False)
+    for slot in (1, 2, 3):
+        out.send(Kind.RELEASED, {"slots": [slot]})
+    out.send(Kind.PROGRESS, {"part": 1, "state": "durable"})
+    out.send(Kind.RELEASED, {"slots": [4]})
+    out.send(Kind.REPLY, {"req": 7, "value": True})
+    got: list[tuple[Kind, dict[str, object]]] = []
+    while not got or got[-1][0] is not Kind.REPLY:
+        m = inn.recv()
+        assert m is not None
+        kind, body = m[0], m[1]
+        if got and kind is Kind.RELEASED and got[-1][0] is Kind.RELEASED:
+            got[-1][1]["slots"] += body["slots"]  # (batches' cuts depend on timing)
+        else:
+            got.append((kind, body))
+    assert got == [
+        (Kind.RELEASED, {"slots": [1, 2, 3]}),
+        (Kind.PROGRESS, {"part": 1, "state": "durable"}),
+        (Kind.RELEASED, {"slots": [4]}),
+        (Kind.REPLY, {"req": 7, "value": True}),
+    ]
+    out.close()
+    inn.close()

@@ -50,22 +50,73 @@ from deck.trainer.writer import ChunkSpec, PartPlan, ShardPlan, build_part, chun
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-RELEASE_BATCH_S = 0.002  # buffers written within this long go back to the pool in one message
+# Messages to the training process within this long of the first one waiting go in one write:
+# each write wakes its receiving thread, which takes that process's GIL from training. A
+# delta's buffers come back a few ms apart and its progress moves (durable, uploaded,
+# committed, ended) within a few ms of each other.
+BATCH_S = 0.005
+# Sent at once (with whatever waits before them, in order): something waits for these, or (a
+# log record) the process may end right after it.
+_URGENT = frozenset((Kind.READY, Kind.REPLY, Kind.ASK, Kind.LOG))
+
+
+class BatchingChannel(Channel):
+    """The staging process's end of the socket: messages nobody waits for (buffers written,
+    progress, spool space, log records) go out in batches of :data:`BATCH_S`, the buffers of a
+    batch in one :data:`Kind.RELEASED` message; the others at once, after those before them."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__(sock)
+        self._queued: list[tuple[Kind, dict[str, Any], Any]] = []
+        self._wake = threading.Condition()
+        threading.Thread(target=self._batches, name="deck-outbox", daemon=True).start()
+
+    def send(
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        blobs: Any = (),
+        fds: Any = (),
+    ) -> None:
+        if fds or blobs or kind in _URGENT:
+            with self._wake:
+                self._flush()
+                super().send(kind, body, blobs, fds)
+            return
+        with self._wake:
+            last = self._queued[-1] if self._queued else None
+            if kind is Kind.RELEASED and last is not None and last[0] is Kind.RELEASED:
+                last[1]["slots"] += body["slots"]
+                return
+            self._queued.append((kind, dict(body), ()))
+            if len(self._queued) == 1:
+                self._wake.notify()
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        if queued:
+            super().send_many(queued)
+
+    def _batches(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queued:
+                    self._wake.wait()
+            threading.Event().wait(BATCH_S)  # (let the messages of the next few ms join)
+            with self._wake, contextlib.suppress(OSError):
+                self._flush()
 
 
 class MappedPool(BufferPool):
-    """The training process's shared buffers as mapped here. A buffer written goes back with the
-    next :data:`Kind.RELEASED` message (batched: each wakes a thread of the training process).
-    Sizing is the training process's business: no-ops here."""
+    """The training process's shared buffers as mapped here. A buffer written goes back with a
+    :data:`Kind.RELEASED` message (batched by the channel). Sizing is the training process's
+    business: no-ops here."""
 
     def __init__(self, chan: Channel):
         super().__init__(1, 1)
         self.chan = chan
         self._views: dict[int, memoryview] = {}
         self._slot_of: dict[int, int] = {}
-        self._back: list[int] = []
-        self._wake = threading.Condition()
-        threading.Thread(target=self._send_back, name="deck-release", daemon=True).start()
 
     def map(self, slot: int, fd: int, size: int) -> None:
         try:
@@ -90,24 +141,9 @@ class MappedPool(BufferPool):
 
     def release(self, buf: Buffer) -> None:
         slot = self._slot_of.get(id(buf))
-        if slot is None:
-            return
-        with self._wake:
-            self._back.append(slot)
-            if len(self._back) == 1:
-                self._wake.notify()
-
-    def _send_back(self) -> None:
-        while True:
-            with self._wake:
-                while not self._back:
-                    self._wake.wait()
-            # Let the writes finishing now join this message
-            threading.Event().wait(RELEASE_BATCH_S)
-            with self._wake:
-                slots, self._back = self._back, []
+        if slot is not None:
             with contextlib.suppress(OSError):
-                self.chan.send(Kind.RELEASED, {"slots": slots})
+                self.chan.send(Kind.RELEASED, {"slots": [slot]})
 
     def size_for(self, needed: int) -> bool:
         return False
@@ -453,7 +489,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    chan = Channel(socket.socket(fileno=int(argv[1])))
+    chan = BatchingChannel(socket.socket(fileno=int(argv[1])))
     msg = chan.recv()
     if msg is None:
         os._exit(0)
