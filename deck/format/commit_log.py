@@ -88,10 +88,12 @@ class _Strict(BaseModel):
 class Hint(_Strict):
     """One record a writer is about to change: ``commit`` (write record ``key`` of checkpoint
     ``id``), ``delete`` (remove the record of ``id`` there), ``abandon`` (the commit of ``id``
-    there will never come: its files are gone)."""
+    there will never come: its files are gone); or one whose change GC found behind the log's
+    back: ``reread`` (read ``key`` again; ``id``, the record's as the catalog held it, says
+    nothing more)."""
 
     key: str
-    op: Literal["commit", "delete", "abandon"]
+    op: Literal["commit", "delete", "abandon", "reread"]
     id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 
     @field_validator("key")

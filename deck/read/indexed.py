@@ -25,6 +25,7 @@ from deck.format.commit_log import (
     Hint,
     Segment,
     SegmentRef,
+    append_hints,
     catalog_key,
     check_segment,
     encode_catalog,
@@ -325,7 +326,7 @@ def unresolved(hints: Iterable[Hint], records: Mapping[str, RecordBytes]) -> lis
     abandoned = {(h.key, h.id) for h in hints if h.op == "abandon"}
     out = []
     for h in hints:
-        if h.op == "abandon" or (h.key, h.id) in abandoned:
+        if h.op in ("abandon", "reread") or (h.key, h.id) in abandoned:
             continue
         there = _record_id(h.key, records.get(h.key))
         if (h.op == "commit") == (there != h.id):
@@ -574,11 +575,29 @@ def repair(
                 later += read_log_entry(storage, s)[0].hints
             except (CorruptCheckpointError, NotFoundError):
                 return None
+    changed: list[str] = []
     if view is not None:
         explained = {h.key for h in later} | {h.key for h in view.recheck}
         keys = (set(view.records) | set(truth)) - explained
-        if all(_same_bytes(view.records.get(k), truth.get(k)) for k in keys):
+        changed = sorted(k for k in keys if not _same_bytes(view.records.get(k), truth.get(k)))
+        if not changed:
             return None
+    # A reader polling from its last read goes on from its log entry, not from a catalog: the
+    # records changed behind the log's back are announced in it, so that it reads them again.
+    if changed:
+        old = view.records if view is not None else {}
+        announced = append_hints(
+            storage,
+            [
+                Hint(
+                    key=k,
+                    op="reread",
+                    id=_record_id(k, old.get(k)) or _record_id(k, truth.get(k)) or "0" * 16,
+                )
+                for k in changed
+            ],
+        )
+        now += [] if announced is None else [announced]
     readable = [seq for seq in catalogs if _readable(storage, seq)]
     top = max([now[-1] if now else 0, *readable[-1:]])
     hints = [*pending, *later]

@@ -31,7 +31,7 @@ from deck.format.commit_log import (
     log_key,
     put_record,
 )
-from deck.format.manifest import FORMAT_VERSION, MANIFEST, QuarantineRecord, dump_model
+from deck.format.manifest import FORMAT_VERSION, MANIFEST, QuarantineRecord, dump_model, step_dir
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import (
@@ -523,6 +523,25 @@ def test_a_poll_that_finds_nothing_new_is_the_last_read_itself(store: LocalStora
     after = read_manifests(store, previous=again)
     assert after is not again and max(after) == max(again) + 1
     same(after, whole(store))
+
+
+def test_a_record_changed_behind_the_log_reaches_a_poller_after_gc_repairs_the_catalog(
+    store: LocalStorage,
+) -> None:
+    """A poller goes on from its last log entry, never from a catalog: the repair of a whole
+    GC run announces the records it found changed (``reread`` hints), so a poller sees the
+    damage as a fresh reader does (it kept the record as valid forever before)."""
+    _trained(store, 4)
+    _catalog_now(store)
+    last = read_manifests(store)
+    record = Path(store.local_path(f"{step_dir(4)}/{MANIFEST}") or "")
+    data = bytearray(record.read_bytes())
+    data[20] ^= 1
+    record.write_bytes(bytes(data))
+    collect_garbage(store, RetentionPolicy(grace_s=0), whole=True)
+    got = read_manifests(store, previous=last)
+    assert 4 in got.damaged and 4 not in got
+    same(got, whole(store))
 
 
 def test_a_poller_does_not_go_on_from_a_log_started_again(store: LocalStorage) -> None:
