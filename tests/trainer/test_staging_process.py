@@ -237,8 +237,11 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
             if not handed_on:
                 stager.enqueue(staged, stats)
             assert stats.progress.wait(60), stats  # (the death handler ends it)
-            assert stats.state == "failed" and "died" in (stats.error or ""), stats
             record = folder / rank_failure_name(1)  # (written before the part is failed)
+            if manifest_up and handed_on:  # its work done: reported done (its news died with it)
+                assert stats.state == "uploaded" and stats.error is None, stats
+            else:  # (not handed on: none of it can have gone up but in this test's fake)
+                assert stats.state == "failed" and "died" in (stats.error or ""), stats
             if manifest_up:
                 assert not record.exists()
             else:
@@ -310,7 +313,7 @@ def _killed_alone(
         ]
         rounds += pairs if every_point else pairs[:1]
         step = 3
-        outcome: dict[str | None, str] = {}
+        outcome: dict[str | None, tuple[int, str]] = {}
         for pair in rounds:
             point = pair[rank]
             first = ck.stager.pid
@@ -342,11 +345,17 @@ def _killed_alone(
             live[step + 2] = _train(model, opt, user, step + 2)
             stats = ck.step(step + 2)
             assert stats is not None and stats.kind == "full", (point, stats)
-            assert not ck.flush(timeout=120)  # the step in flight at the death failed
+            flushed = ck.flush(timeout=120)
             assert ck.stager.pool.in_use == 0  # every buffer lent to the dead process came back
             states = {h.step: h.state for h in ck.history}
+            # The step in flight failed unless its part had gone up (rank 0: committed) before
+            # the death, and flush() (a collective) says whether every rank's parts did
+            done = ("committed", "uploaded")
+            mine = all(states[s] in done for s in (step, step + 1, step + 2) if s in states)
+            dist.all_gather_object(every, mine)
+            assert flushed == all(every), (point, flushed, states, every)
             if point is not None:
-                outcome[point] = states[step]
+                outcome[point] = (step, states[step])
             assert step + 1 not in states or states[step + 1] == "failed", states
             assert states[step + 2] in ("committed", "uploaded"), (point, states)
             step += 3
@@ -363,6 +372,15 @@ def _killed_alone(
     # is committed restores bitwise: the steps in flight at a death (committed only where the
     # death came after the commit record) and each full after one
     committed = sorted(read_manifests(LocalStorage(f"{root}/ck")))
+    # What a rank reports of the step in flight at its staging process's death is what
+    # happened: rank 0's "committed" exactly where the step is committed, a "failed" part never
+    # committed (found by a break-it run: a part that had gone up was reported failed)
+    for r, seen in enumerate(every):
+        for point, (at, state) in seen.items():
+            if r == 0:
+                assert (state == "committed") == (at in committed), (point, at, state)
+            if state == "failed":
+                assert at not in committed, (r, point, at)
     refused = set(range(4, step, 3))
     assert not refused & set(committed), committed
     fulls = set(range(5, step, 3))

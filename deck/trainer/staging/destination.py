@@ -140,6 +140,17 @@ class Destination:
     def exists_once(self, key: str) -> bool:
         return self._storage.exists(key)
 
+    def commit_id(self, step: int) -> str | None:
+        """The id of the checkpoint whose commit record is at ``step`` now (None: none, or
+        unreadable). One read: what a part's owner reached, never a restore's check."""
+        data = self._storage.get_or_none(f"{step_dir(step)}/{MANIFEST}", MAX_RECORD_BYTES)
+        if data is None:
+            return None
+        try:
+            return load_model(CheckpointManifest, data, f"{step_dir(step)}/{MANIFEST}").id
+        except DeckError:
+            return None
+
     def list_once(self, folder: str) -> list[str]:
         """What lies directly in ``folder`` (:meth:`~deck.storage.Storage.list_dir`)."""
         return self._storage.list_dir(folder)

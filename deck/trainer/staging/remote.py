@@ -555,6 +555,12 @@ class ProcessStager:
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
+        # What its parts had reached at the destination before it died (its last progress
+        # messages may not have gone out): a part that did its work is not reported failed
+        with self._lock:
+            mine = self._chan is chan and not self._closed
+            seen = list(self._progress.values()) if mine else []
+        reached = {id(p): state for p, _, _ in seen if (state := self._reached(p)) is not None}
         with self._lock:
             if self._chan is not chan:
                 return
@@ -572,7 +578,9 @@ class ProcessStager:
                 self._failed_after_death = True
             if not closing:
                 self._failed_after_death = True
-                self._failed_parts += [(p.step, p.ckpt_id) for p, _, _ in parts if p.rank != 0]
+                self._failed_parts += [
+                    (p.step, p.ckpt_id) for p, _, _ in parts if p.rank != 0 and id(p) not in reached
+                ]
         chan.close()
         if not closing:
             logger.error(
@@ -582,15 +590,30 @@ class ProcessStager:
             self.pool.release(buf)
         err = DeckError(self._death)
         for p, progress, reserved in parts:
-            if not closing and p.rank != 0:  # (out before the part is told it failed)
-                self._report_failed(p, self._death)
-            progress.fail(f"step {p.step} was not committed: {self._death}")
+            if id(p) in reached:
+                progress.advance(reached[id(p)], committed=True)
+            else:
+                if not closing and p.rank != 0:  # (out before the part is told it failed)
+                    self._report_failed(p, self._death)
+                progress.fail(f"step {p.step} was not committed: {self._death}")
             if self._spool is not None:
                 self._spool.release(reserved)
             progress.end()
         for fut in waiting:
             fut.set_exception(err)
         self._ready.set()
+
+    def _reached(self, p: PendingPart) -> str | None:
+        """How far part ``p`` got at the destination: ``committed`` (rank 0: its step's commit
+        record is this checkpoint's), ``uploaded`` (another rank: its rank manifest is there),
+        else None (a read that fails, too: then it failed, as before this look)."""
+        try:
+            if p.rank == 0:
+                return "committed" if self._dest.commit_id(p.step) == p.ckpt_id else None
+            manifest = f"{step_dir(p.step)}/{p.ckpt_id}/{rank_manifest_name(p.rank)}"
+            return "uploaded" if self._dest.exists_once(manifest) else None
+        except (DeckError, OSError):
+            return None
 
     def _report_failed(self, p: PendingPart, why: str) -> None:
         """A part of this rank (not 0) died with the staging process: its failure record tells
