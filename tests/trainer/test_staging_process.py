@@ -253,6 +253,35 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
         stager.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_staging_process_lowers_its_background_threads_once(tmp_path: Path) -> None:
+    """Priorities as with staging threads: the spool writer, fsync, parts and records threads
+    at ``background_nice``, the rest of the staging process at the training process's. It was
+    niced whole as well, so its writer ran at 19 and a full's stall waited for its buffers (2.45
+    s against 1.64 s in bench_stall)."""
+    uri = str(tmp_path / "ck")
+    cfg = deck.StagingConfig(mode="process", tiers="local", background_nice=5)
+    stager = ProcessStager(LocalStorage(uri), cfg, 0, Reopen(uri, {}))
+    try:
+        stager.flush(timeout=60)  # (an answer: it is up, its Stager made)
+        pid = stager.pid
+        assert pid is not None
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+
+        def nice(tid: str) -> int:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except FileNotFoundError:  # (a thread that ended since the listing)
+                return mine
+            return int(stat.rsplit(") ", 1)[1].split()[16])  # (field 19: nice)
+
+        assert nice(str(pid)) == mine  # its main thread: the training process's priority
+        tasks = os.listdir(f"/proc/{pid}/task")
+        assert all(nice(t) in (mine, min(19, mine + 5)) for t in tasks), [nice(t) for t in tasks]
+    finally:
+        stager.close()
+
+
 # ---- killed alone at each of its failpoints ------------------------------------------------------
 
 # Every failpoint named in deck's code (as tests/test_docs.py counts them)
