@@ -584,8 +584,8 @@ def repair(
             return None
     # A reader polling from its last read goes on from its log entry, not from a catalog: the
     # records changed behind the log's back are announced in it, so that it reads them again.
-    if changed:
-        old = view.records if view is not None else {}
+    if view is not None and changed:
+        old = view.records
         announced = append_hints(
             storage,
             [

@@ -62,8 +62,9 @@ _URGENT = frozenset((Kind.READY, Kind.REPLY, Kind.ASK, Kind.LOG))
 
 class BatchingChannel(Channel):
     """The staging process's end of the socket: messages nobody waits for (buffers written,
-    progress, spool space, log records) go out in batches of :data:`BATCH_S`, the buffers of a
-    batch in one :data:`Kind.RELEASED` message; the others at once, after those before them."""
+    progress, spool space) go out in batches of :data:`BATCH_S`, a batch's adjacent buffers in
+    one :data:`Kind.RELEASED` message; the others (:data:`_URGENT`, or with raw bytes or fds) at
+    once, after those queued before them."""
 
     def __init__(self, sock: socket.socket):
         super().__init__(sock)
