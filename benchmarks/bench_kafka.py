@@ -8,9 +8,11 @@ directory) and the Kafka sink (a Tansu broker on loopback, the test fixture), wi
 - publish stall: median ``stall_s`` of the publish deltas, Kafka vs file (the ratio);
 - freshness: seconds from the start of ``ckpt.step(s)`` to the loader's output holding step
   ``s`` (the loader prints each applied step; its line is timestamped as it arrives);
-- sink throughput: ``--files`` files of ``chunk_bytes`` through ``KafkaSinkStorage.put`` vs a
-  plain confluent-kafka producer (same settings: acks=all, idempotent, same message size)
-  sending the same bytes to the same broker; median of ``--repeats``.
+- sink throughput: ``--files`` files of 4 MiB through ``KafkaSinkStorage.put`` from the stager's
+  ``upload_concurrency`` threads vs a plain confluent-kafka producer (same settings: acks=all,
+  idempotent, same message size) sending the same bytes to the same broker and waiting once at
+  the end; both warm (topic made, connected) before the clock; medians of ``--repeats``.
+  ``--throughput-only`` measures just this.
 
     python benchmarks/bench_kafka.py [--rows 50000] [--steps 60] [--rounds 2]
 """
@@ -104,8 +106,19 @@ def _loader(uri: str, out: str, arrived: dict[int, float]) -> subprocess.Popen[s
     return proc
 
 
-def _throughput(bootstrap: str, files: int, size: int, repeats: int) -> tuple[float, float]:
-    """(sink MB/s, plain producer MB/s), medians of ``repeats``, interleaved."""
+def _throughput(
+    bootstrap: str, files: int, size: int, repeats: int, threads: int
+) -> tuple[float, float]:
+    """(sink MB/s, plain producer MB/s), medians of ``repeats``, taken in alternating order.
+
+    The sink is driven as the stager drives it: ``threads`` upload threads (the default
+    ``upload_concurrency``) each putting whole files, a put returning once the broker
+    acknowledged the file. The plain producer sends the same bytes in the same 1 MB messages
+    and waits for them once, at the end (the most a producer can do without per-file acks).
+    Both start warm: their topic created and one message acknowledged before the clock starts
+    (a topic's creation and a producer's first connection are not throughput)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from confluent_kafka import Producer
 
     from deck.format.stream import KafkaTarget, split
@@ -113,34 +126,45 @@ def _throughput(bootstrap: str, files: int, size: int, repeats: int) -> tuple[fl
     from deck.trainer.kafka_sink import KafkaSinkStorage
 
     payload = os.urandom(size)
-    sink_rates, plain_rates = [], []
+    rates: dict[str, list[float]] = {"sink": [], "plain": []}
+
+    def chunk(n: int) -> str:
+        return f"step-{n:012d}/0123456789abcdef/rank-00000/t/c0-r0-000000.chunk"
+
+    def run_sink(d: str, topic: str) -> float:
+        sink = KafkaSinkStorage(LocalStorage(d), KafkaTarget(bootstrap, topic), 1)
+        sink.put(chunk(files), b"warm")
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda n: sink.put(chunk(n), payload), range(files)))
+            return time.perf_counter() - t0
+
+    def run_plain(d: str, topic: str) -> float:
+        KafkaSinkStorage(LocalStorage(d), KafkaTarget(bootstrap, topic), 1).ensure_topic()
+        plain = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 2,
+                "message.max.bytes": 1_000_000 + 4096,  # the sink's setting
+            }
+        )
+        plain.produce(topic, b"warm", partition=1)
+        plain.flush()
+        t0 = time.perf_counter()
+        for _ in range(files):
+            for piece in split(payload, 1_000_000):
+                plain.produce(topic, bytes(piece), partition=1)
+        plain.flush()
+        return time.perf_counter() - t0
+
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
-            sink = KafkaSinkStorage(LocalStorage(d), KafkaTarget(bootstrap, f"tp-sink-{i}"), 1)
-            t0 = time.perf_counter()
-            for n in range(files):
-                sink.put(f"step-{n:012d}/0123456789abcdef/rank-00000/t/c0-r0-000000.chunk", payload)
-            sink_rates.append(files * size / (time.perf_counter() - t0) / 1e6)
-            sink.ensure_topic()
-            plain = Producer(
-                {
-                    "bootstrap.servers": bootstrap,
-                    "enable.idempotence": True,
-                    "acks": "all",
-                    "linger.ms": 2,
-                    "message.max.bytes": 1_000_000 + 4096,  # the sink's setting
-                }
-            )
-            KafkaSinkStorage(
-                LocalStorage(d), KafkaTarget(bootstrap, f"tp-plain-{i}"), 1
-            ).ensure_topic()
-            t0 = time.perf_counter()
-            for _ in range(files):
-                for piece in split(payload, 1_000_000):
-                    plain.produce(f"tp-plain-{i}", bytes(piece), partition=1)
-                plain.flush()  # per file, as the sink waits per put
-            plain_rates.append(files * size / (time.perf_counter() - t0) / 1e6)
-    return statistics.median(sink_rates), statistics.median(plain_rates)
+            order = [("sink", run_sink), ("plain", run_plain)]
+            for name, run in order if i % 2 == 0 else order[::-1]:
+                rates[name].append(files * size / run(d, f"tp-{name}-{i}") / 1e6)
+    return statistics.median(rates["sink"]), statistics.median(rates["plain"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--files", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--throughput-only", action="store_true", help="only the sink's throughput")
     a = p.parse_args(argv)
+    from deck.config import StagingConfig
     from deck.processes import free_port
     from deck.testing.kafka_broker import TansuBroker
 
     with TansuBroker() as broker, tempfile.TemporaryDirectory() as work:
+        print(f"command: python {' '.join(sys.argv)}  (broker: Tansu on loopback)")
+        threads = StagingConfig().upload_concurrency
+        if a.throughput_only:
+            _print_throughput(broker.bootstrap, a.files, a.repeats, threads)
+            return 0
         args = {**vars(a), "bootstrap": broker.bootstrap}
         arrived: dict[str, dict[int, float]] = {}
         loaders = []
@@ -178,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=30)
         with open(out) as f:
             res = json.load(f)
-        print(f"command: python {' '.join(sys.argv)}  (broker: Tansu on loopback)")
         stall = {
             k: statistics.median(s for r in res if r["kind"] == k for s in r["stalls"])
             for k in ("file", "kafka")
@@ -199,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"freshness step() -> loader output: median {statistics.median(fresh):.2f} s, "
                 f"max {max(fresh):.2f} s over {len(fresh)} publishes"
             )
-        sink, plain = _throughput(broker.bootstrap, a.files, 4 * 2**20, a.repeats)
-        print(
-            f"throughput, {a.files} x 4 MiB files: sink {sink:.0f} MB/s, plain producer "
-            f"{plain:.0f} MB/s, ratio {sink / plain:.2f}"
-        )
+        _print_throughput(broker.bootstrap, a.files, a.repeats, threads)
     return 0
+
+
+def _print_throughput(bootstrap: str, files: int, repeats: int, threads: int) -> None:
+    sink, plain = _throughput(bootstrap, files, 4 * 2**20, repeats, threads)
+    print(
+        f"throughput, {files} x 4 MiB files: sink ({threads} upload threads) {sink:.0f} MB/s, "
+        f"plain producer {plain:.0f} MB/s, ratio {sink / plain:.2f}"
+    )
 
 
 if __name__ == "__main__":
