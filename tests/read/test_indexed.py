@@ -304,6 +304,23 @@ def test_a_gap_in_the_log_costs_a_whole_read(store: LocalStorage) -> None:
     same(got, whole(store))
 
 
+def test_a_segment_ends_at_the_step_bound_where_no_hash_cut_falls(
+    store: LocalStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The newest segment, which every routine reader reads, is bounded in steps whatever the
+    # hash says: here no hash cut falls, and the segments end one below multiples of 4
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 2**62)
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_MAX_STEPS", 4)
+    _commit_all(store, len(POOL))
+    assert _catalog_now(store) is not None
+    index = read_manifests(store).index
+    assert index is not None and len(index.segments) >= 2
+    for ref in index.segments:
+        assert ref.first // 4 == ref.last // 4, ref
+    assert [r.last % 4 for r in index.segments[:-1]] == [3] * (len(index.segments) - 1)
+    same(read_manifests(store), whole(store))
+
+
 def test_log_entries_and_catalogs_are_pruned_behind_the_last_two(store: LocalStorage) -> None:
     for round_ in range(4):
         _commit_all(store, 3 + round_)
