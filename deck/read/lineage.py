@@ -401,16 +401,18 @@ class LineageGraph:
             if n.epoch == newest and self._chain_ids(s, frozenset()) is None
         }
 
-    def latest(self) -> int | None:
+    def latest(self, log: bool = True) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain;
-        checkpoints skipped on the way are logged with the reason."""
+        checkpoints skipped on the way are logged with the reason (unless not ``log``: a
+        caller that reports them itself)."""
         horizon = self.window.horizon if self.window is not None else None
         for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
             if horizon is not None and (n.epoch, n.step) < horizon:
                 raise OutsideWindow(horizon[1])  # a newer one may be among those not read
             if self._chain_ids(n.step, frozenset()) is not None:
                 return n.step
-            logger.warning("skipping step %d: %s", n.step, self._why_not(n.step, frozenset()))
+            if log:
+                logger.warning("skipping step %d: %s", n.step, self._why_not(n.step, frozenset()))
         return None
 
     def chain(self, step: int, exclude: Iterable[str] = ()) -> list[CheckpointManifest]:

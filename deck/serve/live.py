@@ -215,9 +215,9 @@ class LiveModel:
                     differs |= t.differs(ids, n)
                 sel = torch.nonzero(differs).view(-1)
                 ids, new = ids.index_select(0, sel), [n.index_select(0, sel) for n in new]
-            keep = self.config.keep_versions > 0
-            old = [t.read(ids) for t in targets] if keep else []
-            tables[key] = PreparedTable(ids, new, old)
+            # (the rows replaced: what rollback restores, and what an apply that fails part
+            # way writes back)
+            tables[key] = PreparedTable(ids, new, [t.read(ids) for t in targets])
         return PreparedVersion(
             state=plan.state,
             kind="full" if plan.whole else "delta",
@@ -284,6 +284,8 @@ class LiveModel:
         served one or one not restorable (naming the served and kept steps); a refused chain
         raises its error, the served version unchanged. None when ``step`` is served already
         (it is held)."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ConfigError(f"rollback(step): a step is an int, got {step!r}")
         with self._lock:
             kept = self.kept_steps()
             if step < 0:
@@ -345,7 +347,8 @@ class LiveModel:
                 # last_wins keeps the last occurrence: the oldest record's row
                 uids, rows = last_wins(ids, old)
                 copies.append(rows)
-            tables[key] = PreparedTable(uids, copies)
+            served = [t.read(uids) for t in self.tables.by_key[key]]
+            tables[key] = PreparedTable(uids, copies, served)
         return PreparedVersion(records[0].before, "rollback", tables)
 
     def resume(self) -> None:
@@ -376,5 +379,11 @@ class LiveModel:
             except DeckError as e:
                 logger.warning(
                     "deck live: %s: %s; retrying in %.1f s", self.source.uri, e, self.config.poll_s
+                )
+            except Exception:  # (a bug: said with its traceback; the served version is whole)
+                logger.exception(
+                    "deck live: %s: the apply failed; retrying in %.1f s",
+                    self.source.uri,
+                    self.config.poll_s,
                 )
             self._stop.wait(self.config.poll_s)

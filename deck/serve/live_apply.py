@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,12 +24,12 @@ from deck.serve.live_tables import ServedTables
 @dataclass
 class PreparedTable:
     """One table's rows of a version: ``ids`` ascending; ``new`` the stored rows of each
-    served copy (in :attr:`ServedTables.by_key` order); ``old`` what they replace (kept for
-    rollback; empty when not kept)."""
+    served copy (in :attr:`ServedTables.by_key` order); ``old`` what they replace (what
+    rollback restores, and what an apply that fails part way writes back)."""
 
     ids: torch.Tensor
     new: list[torch.Tensor]
-    old: list[torch.Tensor] = field(default_factory=list)
+    old: list[torch.Tensor]
 
 
 @dataclass
@@ -178,15 +178,39 @@ class Applying:
         next version (reading it included)."""
         pause = self.gate.nap if sleep is None else sleep
         t0, base = clock(), self.written
-        while not self.step(slice_rows):
-            if rows_per_s is not None and not self.gate.row_waiters:
-                wait = t0 + (self.written - base) / rows_per_s - clock()
-                if wait > 0:
-                    pause(wait)
+        try:
+            while not self.step(slice_rows):
+                if rows_per_s is not None and not self.gate.row_waiters:
+                    wait = t0 + (self.written - base) / rows_per_s - clock()
+                    if wait > 0:
+                        pause(wait)
+        except BaseException:
+            self.abort()
+            raise
         if rows_per_s is not None:
             # when the pace allows the applier's next work (the last slice's pause)
             self.due = t0 + (self.written - base) / rows_per_s
         return self.switched()
+
+    def abort(self) -> None:
+        """Give the version up part way (an error, an interrupt): its rows written so far get
+        their previous values back while no request reads them, and the served version stays
+        the one before it (requests never see it). Nothing to do once it is served."""
+        if self.done:
+            return
+        tables = self.version.tables
+        self.gate.abort(
+            {k: t.ids for k, t in tables.items()},
+            lambda: self._write_back(tables),
+        )
+        self.done = True  # (nothing more is written)
+
+    def _write_back(self, tables: dict[str, PreparedTable]) -> None:
+        # Every row of the version, not only those written: a slice may have failed part way
+        # through its copy, and the rows not written hold their previous values already
+        for k, t in tables.items():
+            for target, old in zip(self.tables.by_key[k], t.old, strict=True):
+                target.write(t.ids, old)
 
     def switched(self) -> VersionSwitch:
         assert self.done

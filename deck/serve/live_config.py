@@ -21,13 +21,13 @@ class LiveConfig(Settings):
     )
     rows_per_s: float | None = Field(
         default=100_000,
-        gt=0,
+        ge=1,
         description="Cap on rows written per second (all served copies of a row count once), "
         "so that an apply takes little of the CPU the requests need: a delta of 20,000 rows is "
         "written over 0.2 s. The rows requests looked up most are written first; requests keep "
         "reading the previous version of their rows meanwhile, and one waiting for its rows "
         "has them written at once. None: no cap (each version written back to back).",
-        json_schema_extra={"constraints": "> 0, or None"},
+        json_schema_extra={"constraints": ">= 1, or None"},
     )
     slice_rows: int = Field(
         default=4096,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -202,12 +202,9 @@ class ServingGate:
         with self._cond:
             self._wanted.wait_for(lambda: self.row_waiters > 0, timeout=seconds)
 
-    @contextmanager
-    def writing(self, rows: Mapping[str, torch.Tensor]) -> Iterator[None]:
-        """The writer's side for ``rows`` (ids by table) of the version in flight: inside,
-        no request reads any of them (those reading one when it is called are waited for,
-        later ones wait) and none starts (those running on other rows go on); on leaving they
-        are written (they hold the new version's values)."""
+    def _lock_rows(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Mark ``rows`` being written, wait for the requests reading one of them, and stop
+        requests from starting (the copy follows); their flat indices."""
         flat = self._flat(rows)
         with self._cond:
             self._all_marks.index_fill_(0, flat, WRITING)
@@ -217,11 +214,35 @@ class ServingGate:
             finally:
                 self._applier_waits = False
             self._copying = True
+        return flat
+
+    @contextmanager
+    def writing(self, rows: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """The writer's side for ``rows`` (ids by table) of the version in flight: inside,
+        no request reads any of them (those reading one when it is called are waited for,
+        later ones wait) and none starts (those running on other rows go on); on leaving they
+        are written (they hold the new version's values)."""
+        flat = self._lock_rows(rows)
         try:
             yield
         finally:
             with self._cond:
                 self._all_marks.index_fill_(0, flat, WRITTEN)
+                self._copying = False
+                self._cond.notify_all()
+
+    def abort(self, rows: Mapping[str, torch.Tensor], write_back: Callable[[], None]) -> None:
+        """The version in flight is given up: ``write_back`` gives ``rows`` (its ids by table)
+        their previous values while no request reads any of them (those reading one are waited
+        for) and none starts; then the served version stays what it was and the waiting
+        requests read it."""
+        flat = self._lock_rows(rows)
+        try:
+            write_back()
+        finally:
+            with self._cond:
+                self._all_marks.index_fill_(0, flat, 0)
+                self.flight = None
                 self._copying = False
                 self._cond.notify_all()
 

@@ -98,7 +98,8 @@ def read_rows(
             for table, rows in _checkpoint_rows(storage, m, parts, shapes, out).items():
                 pieces.setdefault(table, []).append((rows.ids, rows.values))
             if whole and m is chain[0]:
-                _check_full(storage, m, shapes, pieces)
+                stored = {rec.table for part in parts for rec in part.shards}
+                _check_full(storage, m, shapes, pieces, stored)
         except (CorruptCheckpointError, IncompatibleModelError) as e:
             raise RefusedUpdateError(str(e), m) from e
     for table, got in pieces.items():
@@ -114,11 +115,21 @@ def _check_full(
     m: CheckpointManifest,
     shapes: dict[str, tuple[int, int]],
     pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+    stored: set[str],
 ) -> None:
-    """The full a whole version starts from sets every row of every served table."""
+    """The full a whole version starts from sets every row of every served table (``stored``:
+    the tables it holds)."""
     for table, (num_rows, _) in shapes.items():
         got = pieces.get(table, [])
         n = int(got[0][0].numel()) if got else 0
+        if table not in stored:
+            raise IncompatibleModelError(
+                f"full {checkpoint_label(m)} at {storage.uri} holds no table {table} (it holds "
+                f"{', '.join(sorted(stored)[:4]) or 'none'}{', ...' if len(stored) > 4 else ''}): "
+                "the served model's tables are named by their module path in it; build "
+                "LiveModel with prefix= the path of the trained model's collections; a "
+                "data_parallel table is published with the dense state and is not served live"
+            )
         if n != num_rows:
             raise IncompatibleModelError(
                 f"full {checkpoint_label(m)} at {storage.uri} holds {n} of the {num_rows} rows "

@@ -98,6 +98,7 @@ class PublishSource:
         self._last: ManifestSet | None = None
         self._said_behind: State | None = None
         self._said_damaged: set[tuple[int, str]] = set()
+        self._said_unrestorable: set[str] = set()  # checkpoint ids
         self._faults: list[SourceFault] = []
         self._found = False  # a poll found a committed step here
         self._said_empty = False
@@ -121,7 +122,7 @@ class PublishSource:
         if not manifests:
             return None
         graph = build_graph(manifests, self.uri)
-        latest = graph.latest()
+        latest = graph.latest(log=False)  # (steps passed over: _unrestorable says so once)
         if latest is None:
             return None
         checked = confirmed(self.storage, manifests, latest)  # the records, not a catalog copy
@@ -136,6 +137,7 @@ class PublishSource:
         self._empty(graph is None)
         if graph is None:
             return []
+        self._unrestorable(graph, served)
         for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
             if served is not None and step < served[0]:
                 if i == 0:  # the newest step is older than the served one
@@ -203,6 +205,24 @@ class PublishSource:
                         "it) is left alone until it is repaired or a newer full is published",
                     )
                 )
+
+    def _unrestorable(self, graph: LineageGraph, served: State | None) -> None:
+        """A committed step newer than the served one whose chain is not all there (a delta on
+        a state this URI does not hold: another job's, or a parent missing or quarantined):
+        reported once per checkpoint; it is applied if its chain is completed."""
+        for step, why in graph.unrestorable().items():
+            node = graph.trainer[step]
+            if (served is not None and step <= served[0]) or node.id in self._said_unrestorable:
+                continue
+            self._said_unrestorable.add(node.id)
+            self._faults.append(
+                SourceFault(
+                    step,
+                    node.folder,
+                    f"{why} (at {self.uri}: is another job publishing there?); it is left "
+                    "alone, and applied only if the checkpoints its chain needs appear",
+                )
+            )
 
     def _behind(self, last: CheckpointManifest, served: State) -> None:
         """The newest checkpoint offered is not after the served one: reported once."""

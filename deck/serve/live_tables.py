@@ -90,11 +90,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class ServedTables:
     """Every served table, by deck's table key (a key may be served by several modules: a
-    float and a quantised copy of the same model); ``feature_table``: which table key each
-    input feature name is looked up in."""
+    float and a quantised copy of the same model); ``feature_tables``: the table keys each input
+    feature name is looked up in (several when tables of a collection share a feature)."""
 
     by_key: dict[str, list[ServedTable]]
-    feature_table: dict[str, str]
+    feature_tables: dict[str, tuple[str, ...]]
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -115,7 +115,7 @@ def find_tables(models: Iterable[torch.nn.Module], prefix: str = "") -> ServedTa
     from torchrec.quant import embedding_modules as quant
 
     by_key: dict[str, list[ServedTable]] = {}
-    feature_table: dict[str, str] = {}
+    feature_tables: dict[str, tuple[str, ...]] = {}
     found = 0
     for model in models:
         for path, module in model.named_modules():
@@ -149,13 +149,14 @@ def find_tables(models: Iterable[torch.nn.Module], prefix: str = "") -> ServedTa
                         )
                 by_key.setdefault(key, []).append(table)
                 for f in table.features:
-                    feature_table[f] = key
+                    if key not in feature_tables.get(f, ()):
+                        feature_tables[f] = (*feature_tables.get(f, ()), key)
     if not found:
         raise IncompatibleModelError(
             "no TorchRec EmbeddingBagCollection / EmbeddingCollection (float or torchrec.quant) "
             "in the served model(s)"
         )
-    return ServedTables(by_key, feature_table)
+    return ServedTables(by_key, feature_tables)
 
 
 def _served(
@@ -231,8 +232,8 @@ def _kjt_rows(tables: ServedTables, batch: object) -> dict[str, torch.Tensor]:
     values = batch.values()  # type: ignore[attr-defined]
     at = 0
     for key, n in zip(keys, lengths, strict=True):
-        table = tables.feature_table.get(key)
-        if table is not None and n:
+        # (every table reading the feature: a request reads its ids in each of them)
+        for table in tables.feature_tables.get(key, ()) if n else ():
             out.setdefault(table, []).append(values[at : at + n])
         at += n
     return {k: torch.cat(v).long() for k, v in out.items()}

@@ -414,4 +414,164 @@ def test_rollback_before_any_version_or_to_a_bad_step_says_why(root: str) -> Non
         CheckpointNotFoundError, match=rf"rollback to step 1: .*kept steps {re.escape(str(kept))}"
     ):
         live.rollback(1)  # never published
+    for wrong in ("2", None, 2.0, True):  # (a bare TypeError from a comparison before)
+        with pytest.raises(ConfigError, match=r"rollback\(step\): a step is an int"):
+            live.rollback(wrong)  # type: ignore[arg-type]
     assert not live.held
+    with pytest.raises(ConfigError, match="rows_per_s"):
+        LiveConfig(rows_per_s=0.5)  # (1e-300 used to be taken, then overflow mid-version)
+
+
+# ---- found by a user trying to break it -----------------------------------------------------------
+def _shared_feature_models() -> dict[str, torch.nn.Module]:
+    """The served DLRM's tables (same keys and shapes), both read by feature f0."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=SPEC.dim, num_embeddings=SPEC.rows, feature_names=["f0"]
+        )
+        for i in range(SPEC.num_tables)
+    ]
+    torch.manual_seed(5)
+    return {
+        "float": torch.nn.ModuleDict(
+            {"embedding_bag_collection": EmbeddingBagCollection(tables=configs)}
+        )
+    }
+
+
+def test_a_feature_two_served_tables_read_declares_its_rows_in_both(
+    root: str, tmp_path: Path
+) -> None:
+    """A request's ids of a feature two tables read were declared in one of them only: let in
+    while the other table's rows of it were half written, it read rows of two versions under
+    one version's label. It waits now, and reads the version it is labelled with."""
+    from torchrec import KeyedJaggedTensor
+
+    from deck.serve.live_tables import request_rows
+
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    shutil.rmtree(Path(pub, step_dir(4)))
+    served = _shared_feature_models()
+    weights = {
+        t: served["float"]["embedding_bag_collection"].embedding_bags[t].weight
+        for t in ("t0", "t1")
+    }
+    live = LiveModel(
+        list(served.values()), LocalStorage(pub), LiveConfig(rows_per_s=None), prefix="sparse_arch"
+    )
+    assert [s.step for s in live.poll()] == [2]
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    (plan,) = live.source.next_plans(live.version, frozenset())
+    version = live.prepare(plan)
+    keys = sorted(version.tables)
+    assert len(keys) == 2  # the delta has rows in both tables
+    applying = live.begin(version)
+    applying.step(1)  # one row of the version written
+    table, row = next(
+        (k, int(version.tables[k].ids[i]))
+        for k in keys
+        for i in range(version.tables[k].ids.numel())
+        if i not in set(applying.rest[k].tolist())
+    )
+    other = next(k for k in keys if k != table)
+    pending = int(version.tables[other].ids[0])
+    ids = torch.tensor([row, pending])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0"], values=ids, lengths=torch.tensor([2], dtype=torch.int32)
+    )
+    declared = request_rows(live.tables, kjt)
+    assert sorted(declared) == keys and all(torch.equal(v, ids) for v in declared.values())
+    seen: dict[str, Any] = {}
+
+    def request() -> None:
+        with live.serving(kjt) as v:
+            seen["step"] = v.step
+            seen["rows"] = {t: w[ids].clone() for t, w in weights.items()}
+
+    reader = threading.Thread(target=request)
+    reader.start()
+    while reader.is_alive() and not live.gate.row_waiters:  # (no timing: either happens)
+        threading.Event().wait(0.001)
+    assert reader.is_alive(), f"a request on rows of two versions ran: {seen}"
+    while not applying.step(1):
+        pass
+    live.finished(applying)
+    reader.join()
+    ref = reference(pub, seen["step"], SPEC)["float"]
+    for t, got in seen["rows"].items():
+        assert torch.equal(got, ref.embedding_bags[t].weight[ids]), (t, seen["step"])
+
+
+def test_an_apply_that_fails_part_way_leaves_the_served_version_whole(
+    root: str, tmp_path: Path
+) -> None:
+    """An error between two slices (a pause that overflowed, with rows_per_s=1e-300) left half
+    the version written under the old label and the gate stuck: every later request and poll
+    hung. The rows written go back, the version in flight is dropped, and the next poll
+    applies it whole."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    shutil.rmtree(Path(pub, step_dir(4)))
+    served = serving_models(SPEC)
+    broken = [False]
+    raised_in_flight = []
+
+    def sleep(seconds: float) -> None:
+        # (the pause between two slices of a version: not the one before it is read)
+        if broken[0] and live.gate.flight is not None:
+            broken[0] = False
+            raised_in_flight.append(live.gate.flight.new)
+            raise OverflowError("timestamp out of range for platform time_t")
+
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(pub),
+        LiveConfig(rows_per_s=1.0, slice_rows=8, keep_versions=0),
+        sleep=sleep,
+        clock=lambda: 0.0,
+    )
+    assert [s.step for s in live.poll()] == [2]
+    before = {k: copy.deepcopy(m.state_dict()) for k, m in served.items()}
+    version = live.version
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    broken[0] = True
+    with pytest.raises(OverflowError):
+        live.poll()
+    assert [s for s, _ in raised_in_flight] == [4]
+    assert live.version == version and live.gate.flight is None
+    for kind, model in served.items():
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[kind][key]), (kind, key)
+    with live.serving(None) as v:  # (a request that declares no rows: it hung)
+        assert (v.step, v.ckpt_id) == version
+    assert [s.step for s in live.poll()] == [4]
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+
+
+def test_a_delta_of_another_job_is_a_fault_once_and_not_applied(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another job's delta copied into the publish URI (its parent a state this URI does not
+    hold) was passed over with a WARNING of the lineage on every poll, advice for a trainer,
+    and never reached on_fault: serving stalled unseen. One ERROR and one LiveFault now."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(pub), on_fault=faults.append)
+    assert [s.step for s in live.poll()] == [4]
+    version = live.version
+    shutil.copytree(Path(root, "pub-ec", step_dir(EC_LAST)), Path(pub, step_dir(EC_LAST)))
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        assert live.poll() == [] and live.poll() == [] and live.poll() == []
+    assert live.version == version
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+    assert len(faults) == 1, faults
+    assert faults[0].step == EC_LAST and step_dir(EC_LAST) in faults[0].checkpoint
+    assert "another timeline" in faults[0].error and pub in faults[0].error
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert len(logged) == 1 and logged[0][0] == logging.ERROR, logged
+    assert step_dir(EC_LAST) in logged[0][1] and "serving step 4" in logged[0][1]
