@@ -133,9 +133,10 @@ STAGING_MODE_ENV = "DECK_STAGING_MODE"
 
 
 def _default_staging_mode() -> Literal["threads", "process"]:
-    """``StagingConfig.mode`` when not given: ``DECK_STAGING_MODE`` if set (a whole test suite
-    or fleet switched at once), else threads."""
-    value = os.environ.get(STAGING_MODE_ENV, "threads")
+    """``StagingConfig.mode`` when not given: ``DECK_STAGING_MODE`` if set and not empty (a
+    whole test suite or fleet switched at once; an empty value, as templated environments
+    leave it, is unset), else threads."""
+    value = os.environ.get(STAGING_MODE_ENV) or "threads"
     if value not in ("threads", "process"):
         raise ConfigError(f"{STAGING_MODE_ENV}={value!r}: use threads or process")
     return value  # type: ignore[return-value]

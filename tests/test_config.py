@@ -428,3 +428,16 @@ def test_the_refusal_and_the_readme_list_the_accepted_schemes() -> None:
     row = next(ln for ln in readme.splitlines() if ln.startswith("| `uri` |"))
     listed = set(re.findall(r"`([a-z0-9]+)://`", row.split("; any other")[0]))
     assert listed == accepted & schemes._BUILTIN, row
+
+
+def test_an_empty_staging_mode_variable_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templated environments leave variables empty: that is no choice (it was refused)."""
+    from deck.config import STAGING_MODE_ENV
+
+    monkeypatch.setenv(STAGING_MODE_ENV, "")
+    assert StagingConfig().mode == "threads"
+    monkeypatch.setenv(STAGING_MODE_ENV, "process")
+    assert StagingConfig().mode == "process"
+    monkeypatch.setenv(STAGING_MODE_ENV, "proc")
+    with pytest.raises(ConfigError, match="DECK_STAGING_MODE='proc': use threads or process"):
+        StagingConfig()

@@ -78,7 +78,7 @@ from deck.trainer.staging import (
     StagedPart,
     Stager,
 )
-from deck.trainer.staging.committer import lower_priority
+from deck.trainer.staging.committer import UNKNOWN_FAILURE, lower_priority
 from deck.trainer.tracker import ClaimedSpan, ReadToken, TrackerStore
 from deck.trainer.writer import RankPartWriter
 from deck.units import human_bytes
@@ -531,6 +531,14 @@ class ChainWriter:
         self._states[state] = None
         self.parent = state
 
+    def _chain_failed(self, failed: set[StateKey]) -> bool:
+        """Whether one of the parts that ``failed`` is of the chain a delta would extend (or
+        which failed is not known). A part of an older chain does not matter: one given up
+        in the background after a full was taken since (rank 0 gives a step up once it knows
+        another rank's part of it failed) used to make one more full."""
+        chain = self._chain_states()
+        return any(f == UNKNOWN_FAILURE or f in chain for f in failed)
+
     def _chain_states(self) -> Collection[StateKey]:
         """The states of the chain ending at :attr:`parent` this process knows: those it saved
         since the full, or the parent alone (it came from a restore)."""
@@ -584,7 +592,7 @@ class ChainWriter:
             id_seed=self.coord.new_id_seed(),
             full=kind == "full",
             # Taken, not peeked: a part failing from here on is kept for the next vote.
-            parent_failed=take and self.stager.take_failure(),
+            parent_failed=take and self._chain_failed(self.stager.take_failure()),
             lease_lost=self.lease is not None and self.lease.lost.is_set(),
             no_parent=self.parent is None or (take and broken),
             failed_parts=len(failed),

@@ -392,6 +392,7 @@ class DeltaCheckpointer:
         The checkpoint is full when there is no committed parent in this process (the first one,
         or after an unrecoverable error) or ``step`` is a multiple of ``full_every_steps``.
         """
+        self._check_open("step")
         self._last_step = step
         stats = None
         if step % self.config.delta_every_steps == 0:
@@ -414,6 +415,7 @@ class DeltaCheckpointer:
         chain = self._pub
         if chain is None:
             raise ConfigError("publish() needs DeckConfig(publish=PublishConfig(uri=...))")
+        self._check_open("publish")
         if step is None:
             step = self._last_step
         if step is None:
@@ -438,6 +440,7 @@ class DeltaCheckpointer:
         and :class:`CheckpointError` names the step and the cause. A ``kind`` other than those
         two, or no ``step`` before the first call to ``step()``, is a :class:`ConfigError`.
         """
+        self._check_open("save")
         if kind not in ("delta", "full"):
             raise ConfigError(f"kind must be 'delta' or 'full', got {kind!r}")
         if step is None:
@@ -445,6 +448,14 @@ class DeltaCheckpointer:
         if step is None:
             raise ConfigError("save() needs step=... before the first call to step()")
         return self._ckpt.save(kind, step)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(
+                f"{what}() after close(): this checkpointer of {self.config.uri} is closed "
+                "(the end of its `with deck.enable(...)` block, or close()); enable deck again "
+                "to go on checkpointing"
+            )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every staged checkpoint is committed (or failed), on every rank: when it

@@ -108,6 +108,55 @@ def test_failed_spool_fsync_fails_the_part_and_the_next_is_a_full(tmp_path: Path
     run_ranks(_fsync_fails, str(tmp_path), world_size=1)
 
 
+def _rank0_learns_late(rank: int, world_size: int, root: str) -> None:
+    config = _config(root)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        live[0] = _train(model, opt, user, 0)
+        ck.step(0)
+        assert ck.flush(timeout=600)
+        if rank == 1:
+            # Rank 1's part of step 1 fails in the background, and its failure record cannot be
+            # put: rank 0 learns of it at the next checkpoint's collective only
+            failpoints.configure("stager.spool.fsync:1:enospc,stager.failure_record.put:1:enospc")
+        live[1] = _train(model, opt, user, 1)
+        assert ck.step(1) is not None
+        if rank == 1:
+            deadline = time.monotonic() + 600
+            while {h.step: h.state for h in ck.history}.get(1) != "failed":
+                assert time.monotonic() < deadline, ck.history
+                time.sleep(0.01)
+            failpoints.configure(None)
+        live[2] = _train(model, opt, user, 2)
+        assert ck.step(2) is not None  # a full: rank 1's part of its parent failed
+        # Rank 0 gives step 1 up now (told at step 2's vote), after the full was decided
+        assert not ck.flush(timeout=600)
+        live[3] = _train(model, opt, user, 3)
+        assert ck.step(3) is not None
+        assert ck.flush(timeout=600)
+        history = {h.step: (h.kind, h.state) for h in ck.history}
+    assert history == {
+        0: ("full", "committed" if rank == 0 else "uploaded"),
+        1: ("delta", "failed"),
+        2: ("full", "committed" if rank == 0 else "uploaded"),
+        # Step 1 is not of the chain step 3 extends: no second full (there was one)
+        3: ("delta", "committed" if rank == 0 else "uploaded"),
+    }, history
+    assert sorted(read_manifests(LocalStorage(config.uri))) == [0, 2, 3]
+    _restores_bitwise(config, live, [2, 3])
+
+
+def test_a_part_given_up_after_a_full_was_taken_makes_no_second_full(tmp_path: Path) -> None:
+    """Found by a user trying to break it (a staging process killed): rank 0 gave up an old step
+    only after the full that followed it was taken, and the next checkpoint was a full again
+    ("the last one failed in the background"), though the chain it extended was whole; up to
+    three fulls followed one failure. A failed part makes the next checkpoint a full only when
+    it is of that checkpoint's chain."""
+    run_ranks(_rank0_learns_late, str(tmp_path))
+
+
 # ---- a full local destination --------------------------------------------------------------------
 
 

@@ -185,6 +185,11 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
         assert ck.save("delta", step=3) is not None
         assert ck.flush()
     assert {c.step for c in deck.list_checkpoints(f"{root}/ck")} == {0, 2, 3, 4}
+    # After close (a break-it finding: a staging process said it "died (exit code 0)", staging
+    # threads "cannot schedule new futures after shutdown")
+    for call in (lambda: ck.step(6), lambda: ck.save("full", step=6), lambda: ck.publish(6)):
+        with pytest.raises(ConfigError, match=r"after close\(\): .* is closed"):
+            call()
 
 
 def test_a_step_older_than_the_last_checkpoint_is_refused_at_the_call(tmp_path: Path) -> None:

@@ -253,6 +253,52 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
         stager.close()
 
 
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (its sockets are closed), reaped or not yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Path) -> None:
+    """Found by a user trying to break it: a staging process killed just before a checkpoint
+    failed it with "is gone ([Errno 32] Broken pipe)" when the send found it dead before its
+    receiver did, and then the next checkpoint failed too (only a death the receiver had
+    recorded started a new process); and parts failed by the death said "not committed: None"
+    when the next checkpoint's new process cleared the reason meanwhile. Whichever sees the
+    death first, one checkpoint fails naming why it died, a new process starts, the next one
+    goes on; every part in the dead one's hands says why."""
+    uri = str(tmp_path / "ck")
+    stager = ProcessStager(
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, Reopen(uri, {})
+    )
+    try:
+        parts = []
+        for step in (1, 2, 3):
+            info = full_part_info(uri, step, f"{step:016x}", rank=1, world_size=2)
+            stats = CheckpointStats(step=step, kind="full", id=info.ckpt_id)
+            stager.enqueue(stager.begin(info, reserved=0), stats)
+            parts.append(stats)
+        pid = stager.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not _exited(pid):  # its socket closed; the receiver may not have seen it yet
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.raises(DeckError, match=r"step 10 on rank 1: .*died \(signal 9"):
+            stager.begin(full_part_info(uri, 10, "a" * 16, 1, 2), reserved=0)
+        assert stager.pid not in (None, pid)
+        stager.begin(full_part_info(uri, 11, "b" * 16, 1, 2), reserved=0)  # goes on
+        for stats in parts:
+            assert stats.progress.wait(60), stats
+            assert stats.state == "failed" and "died (signal 9" in (stats.error or ""), stats
+    finally:
+        stager.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_staging_process_lowers_its_background_threads_once(tmp_path: Path) -> None:
     """Priorities as with staging threads: the spool writer, fsync, parts and records threads

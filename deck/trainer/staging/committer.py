@@ -110,14 +110,19 @@ class _Ready:
     fenced_at: float | None = None  # when the fence's read began (monotonic)
 
 
+# In what take_failure() returns: a part failed, which one is not known (the next checkpoint is
+# a full whatever its chain).
+UNKNOWN_FAILURE = (-1, "")
+
+
 class Committer:
     """The background threads that finish one rank's parts, committed in order.
 
     The training thread (through :class:`~deck.trainer.staging.Stager`) calls:
 
     1. :meth:`submit` -- a part every rank staged, or one found pending on restart;
-    2. :meth:`take_failure` -- whether a part failed since the last call (the next checkpoint
-       is then a full) and :meth:`take_failed` -- this rank's parts that failed since, to tell
+    2. :meth:`take_failure` -- the parts that failed since the last call (the next checkpoint
+       is a full if one of them is in its chain) and :meth:`take_failed` -- this rank's parts that failed since, to tell
        rank 0 at the next collective; on rank 0, :meth:`abandon` for the parts other ranks told
        it about;
     3. :meth:`flush` -- wait until every submitted part is committed or failed;
@@ -183,8 +188,9 @@ class Committer:
         )
         self._idle = threading.Condition()
         self._busy = 0
-        # A part failed after training moved on (a full next), until take_failure() takes it.
-        self._failure = False
+        # (step, id) of the parts that failed after training moved on (a full next if one is
+        # in the chain), until take_failure() takes them.
+        self._failure: set[tuple[int, str]] = set()
         self._thread = threading.Thread(target=self._run, name="deck-commit", daemon=True)
         self._thread.start()
 
@@ -222,11 +228,12 @@ class Committer:
             for key in [k for k, v in self._outcomes.items() if v is not None]:
                 del self._outcomes[key]
 
-    def take_failure(self) -> bool:
-        """Whether a part failed since the last call, and forget it: read and cleared in one step
-        under the lock, so a failure recorded right after is kept for the next call."""
+    def take_failure(self) -> set[tuple[int, str]]:
+        """(step, id) of the parts that failed since the last call, and forget them: read and
+        cleared in one step under the lock, so a failure recorded right after is kept for the
+        next call."""
         with self._idle:
-            failure, self._failure = self._failure, False
+            failure, self._failure = self._failure, set()
         return failure
 
     def abandon(self, step: int, ckpt_id: str, why: str) -> None:
@@ -319,7 +326,7 @@ class Committer:
             )
         item.progress.fail(error)
         with self._idle:
-            self._failure = True
+            self._failure.add((pending.step, pending.ckpt_id))
         logger.error(
             "deck: %s of step %d (%s) at %s failed in the background: %s",
             self.label,

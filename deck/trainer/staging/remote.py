@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from deck.format.manifest import rank_manifest_name, step_dir
 from deck.format.pending import PendingPart
 from deck.schemes import lookup
 from deck.storage import Storage, open_storage
+from deck.trainer.staging.committer import UNKNOWN_FAILURE
 from deck.trainer.staging.destination import Destination
 from deck.trainer.staging.part import pool_buffer
 from deck.trainer.staging.pool import BufferPool
@@ -395,9 +396,12 @@ class ProcessStager:
         self._waiting: dict[int, Future[Any]] = {}
         self._failed_after_death = False
         # Told by the staging process as parts fail (take_failure, take_failed)
-        self._failure = False
+        self._failure: set[tuple[int, str]] = set()
         self._failed_parts: list[tuple[int, str]] = []
         self._death: str | None = None
+        # A checkpoint failed on the death already (a send of its stall found the process
+        # gone): the next begin() starts a new one without failing a second checkpoint
+        self._death_told = False
         self._closed = False
         self._ready = threading.Event()
         self._unwatch: Callable[[], None] | None = None
@@ -430,7 +434,7 @@ class ProcessStager:
         chan = Channel(ours, takes_fds=False)  # (the staging process sends none)
         self._ready.clear()
         with self._lock:
-            self._proc, self._chan, self._death = proc, chan, None
+            self._proc, self._chan, self._death, self._death_told = proc, chan, None, False
             self._known, self._lent = set(), {}
         level = logging.getLogger("deck").getEffectiveLevel()
         chan.send(
@@ -502,7 +506,9 @@ class ProcessStager:
                     del self._progress[body["part"]]
             if body["state"] == "failed":
                 with self._lock:
-                    self._failure = True
+                    self._failure.add(
+                        UNKNOWN_FAILURE if entry is None else (entry[0].step, entry[0].ckpt_id)
+                    )
                     self._failed_parts += [(int(st), str(i)) for st, i in body["failed_parts"]]
             if entry is not None:
                 progress = entry[1]
@@ -566,7 +572,9 @@ class ProcessStager:
                 return
             closing = self._closed
             what = f"exit code {code}" if code >= 0 else f"signal {-code}"
-            self._death = (
+            # (a local: the next checkpoint's begin() may start a new process, and clear
+            # _death, while the parts below are still being failed with it)
+            death = self._death = (
                 f"the {self.label} staging process ({proc.pid}) of rank {self.rank} died "
                 f"({what}; {why})"
             )
@@ -574,8 +582,7 @@ class ProcessStager:
             parts, self._progress = list(self._progress.values()), {}
             waiting, self._waiting = list(self._waiting.values()), {}
             self._known = set()
-            if parts:
-                self._failed_after_death = True
+            self._failure |= {(p.step, p.ckpt_id) for p, _, _ in parts if id(p) not in reached}
             if not closing:
                 self._failed_after_death = True
                 self._failed_parts += [
@@ -584,18 +591,18 @@ class ProcessStager:
         chan.close()
         if not closing:
             logger.error(
-                "deck: %s; the next %s raises, and the one after is a full", self._death, self.label
+                "deck: %s; the next %s raises, and the one after is a full", death, self.label
             )
         for buf in lent:
             self.pool.release(buf)
-        err = DeckError(self._death)
+        err = DeckError(death)
         for p, progress, reserved in parts:
             if id(p) in reached:
                 progress.advance(reached[id(p)], committed=True)
             else:
                 if not closing and p.rank != 0:  # (out before the part is told it failed)
-                    self._report_failed(p, self._death)
-                progress.fail(f"step {p.step} was not committed: {self._death}")
+                    self._report_failed(p, death)
+                progress.fail(f"step {p.step} was not committed: {death}")
             if self._spool is not None:
                 self._spool.release(reserved)
             progress.end()
@@ -639,14 +646,19 @@ class ProcessStager:
 
     def _over_channel(self, send: Callable[[Channel], None]) -> None:
         """``send`` on the running staging process's channel (DeckError once it is gone)."""
-        chan = self._chan
+        chan, rx = self._chan, self._rx
         if chan is None or self._death is not None:
             raise DeckError(self._death or f"the {self.label} staging process is closed")
         try:
             send(chan)
         except OSError as e:
+            # The process is gone and its receiver is about to say how (the socket's end):
+            # waited for, so the error says why it died and begin() knows it is dead
+            if rx is not None and rx is not threading.current_thread():
+                rx.join(timeout=CLOSE_S)
+            death = self._death if self._chan is chan else None
             raise DeckError(
-                f"the {self.label} staging process of rank {self.rank} is gone ({e})"
+                death or f"the {self.label} staging process of rank {self.rank} is gone ({e})"
             ) from e
 
     def _forgotten(self, slot: int) -> None:
@@ -749,22 +761,34 @@ class ProcessStager:
     def begin(self, info: PendingPart, reserved: int) -> RemotePart:
         """Start staging a part. A staging process found dead is replaced first, and this
         checkpoint fails (every rank raises, through the vote): the next one is a full."""
-        death = self._death
-        if death is not None and not self._closed:
-            if self._spool is not None:
-                self._spool.release(reserved)
-            self._start()
-            raise DeckError(
-                f"{self.label} of step {info.step} on rank {self.rank}: {death}. Whatever it "
-                "had not committed is not committed; a new staging process was started and the "
-                f"next {self.label} is a full"
-            )
+        if self._death is not None and not self._closed:
+            if self._death_told:  # a checkpoint failed on it already: the next is a full
+                self._start()
+            else:
+                self._replace(info, reserved)
         part = RemotePart(self, next(self._numbers), info, reserved)
-        self._chan_send(
-            Kind.BEGIN,
-            {"part": part.number, "info": info.model_dump(mode="json"), "reserved": reserved},
-        )
+        try:
+            self._chan_send(
+                Kind.BEGIN,
+                {"part": part.number, "info": info.model_dump(mode="json"), "reserved": reserved},
+            )
+        except DeckError:
+            if self._death is not None and not self._closed:  # it died before anyone saw it
+                self._replace(info, reserved)
+            raise
         return part
+
+    def _replace(self, info: PendingPart, reserved: int) -> NoReturn:
+        """The staging process died: start a new one, and fail this checkpoint saying so."""
+        death = self._death
+        if self._spool is not None:
+            self._spool.release(reserved)
+        self._start()
+        raise DeckError(
+            f"{self.label} of step {info.step} on rank {self.rank}: {death}. Whatever it "
+            "had not committed is not committed; a new staging process was started and the "
+            f"next {self.label} is a full"
+        )
 
     def enqueue(
         self,
@@ -801,12 +825,13 @@ class ProcessStager:
     def forget_committed(self) -> None:
         self.tell("forget_committed")
 
-    def take_failure(self) -> bool:
-        """Whether a part failed since the last call (the staging process said so as it
-        happened), or the staging process died and no part was handed on since."""
+    def take_failure(self) -> set[tuple[int, str]]:
+        """(step, id) of the parts that failed since the last call (the staging process said so
+        as it happened, or died with them), and :data:`UNKNOWN_FAILURE` while the staging
+        process died and no part was handed on since."""
         with self._lock:
-            failure, self._failure = self._failure, False
-            return failure or self._failed_after_death
+            failure, self._failure = self._failure, set()
+            return failure | {UNKNOWN_FAILURE} if self._failed_after_death else failure
 
     def take_failed(self) -> list[tuple[int, str]]:
         with self._lock:
@@ -817,6 +842,8 @@ class ProcessStager:
         self.tell("abandon", step=step, ckpt_id=ckpt_id, why=why)
 
     def discard(self, staged: RemotePart) -> None:
+        if self._death is not None:  # this checkpoint failed on the death: it was told
+            self._death_told = True
         staged.drop_held()
         with contextlib.suppress(DeckError):
             self._chan_send(Kind.DISCARD, {"part": staged.number})

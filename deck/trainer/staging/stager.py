@@ -336,10 +336,11 @@ class Stager:
         (:meth:`Committer.forget_committed`)."""
         self._committer.forget_committed()
 
-    def take_failure(self) -> bool:
-        """Whether a part failed after training moved on since the last call (the next
-        checkpoint must be a full); taken atomically, so a failure recorded while the ranks vote
-        is kept for the next vote instead of being cleared with this one."""
+    def take_failure(self) -> set[tuple[int, str]]:
+        """(step, id) of the parts that failed after training moved on since the last call (the
+        next checkpoint must be a full if one is in its chain; :data:`UNKNOWN_FAILURE`: some
+        part did, which one is not known); taken atomically, so a failure recorded while the
+        ranks vote is kept for the next vote instead of being cleared with this one."""
         return self._committer.take_failure()
 
     def take_failed(self) -> list[tuple[int, str]]:
