@@ -243,9 +243,9 @@ def _failure_during_vote(rank: int, world_size: int, root: str) -> None:
     marker = Path(root, "rank1-part-failed")
 
     def fail(key: str, n: int) -> bool:
-        # Rank 1's uploads of step 1 wait at the gate, then fail for good (its failure record,
-        # which tells rank 0, goes through).
-        if rank == 1 and key.startswith(f"{step_dir(1)}/") and not key.endswith(".failed"):
+        # Rank 1's uploads of step 1 wait at the gate, then fail for good, and so does its
+        # failure record: rank 0 learns of it at a collective only (it must not at step 2's)
+        if rank == 1 and key.startswith(f"{step_dir(1)}/"):
             gate.wait()
             return True
         return False
@@ -270,11 +270,6 @@ def _failure_during_vote(rank: int, world_size: int, root: str) -> None:
             if step == 2 and rank == 1:
                 failpoints.configure(f"{VOTING}:{10**9}")  # counts the hits, never fires
                 helper.start()
-            if step == 2 and rank == 0:
-                # Join step 2's vote only once rank 1's part failed while rank 1 was in it, and
-                # once rank 0 learnt that too (rank 1's failure record): step 2 is a full.
-                _wait_for("rank 1's failure", marker.exists)
-                ck.stager.flush()
             assert ck.step(step) is not None
             if step == 2 and rank == 1:
                 helper.join()
@@ -283,22 +278,26 @@ def _failure_during_vote(rank: int, world_size: int, root: str) -> None:
                 ck.flush()
         ck.flush()
         kinds = {h.step: (h.kind, h.state) for h in ck.history}
+    assert marker.exists()
 
     done = "committed" if rank == 0 else "uploaded"
     assert kinds == {
         0: ("full", done),
         1: ("delta", "failed"),
-        2: ("full", done),  # rank 0 voted parent_failed
-        3: ("full", done),  # rank 1 did: its failure came during step 2's vote and was kept
+        # No rank knew at its vote: a delta of step 1, which rank 0 cannot commit (its parent
+        # failed); rank 1's part of it went up
+        2: ("delta", "failed" if rank == 0 else "uploaded"),
+        3: ("full", done),  # rank 1's failure came during step 2's vote and was kept for this
+        # (rank 0 gave steps 1 and 2 up after step 3's vote: not of step 4's chain, no full)
         4: ("delta", done),
     }, kinds
-    assert [c.step for c in deck.list_checkpoints(config.uri)] == [0, 2, 3, 4]
-    _restores_bitwise(config, live, [4])
+    assert [c.step for c in deck.list_checkpoints(config.uri)] == [0, 3, 4]
+    _restores_bitwise(config, live, [3, 4])
 
 
 def test_a_failure_recorded_during_the_vote_is_kept_for_the_next(tmp_path: Path) -> None:
     """A part that fails between a rank taking its failure flag and the all-gather of the vote
-    (rank 1 waits in it for rank 0) is not cleared with that vote: the next checkpoint is a full
-    on every rank. The ``checkpointer.agree.voting`` failpoint, armed never to fire, tells a
+    (rank 1 waits in it for rank 0) is not cleared with that vote: the next checkpoint, whose
+    chain holds it, is a full on every rank. The ``checkpointer.agree.voting`` failpoint, armed never to fire, tells a
     helper thread when rank 1 is there; the part's uploads wait for it at a gate."""
     run_ranks(_failure_during_vote, str(tmp_path))
