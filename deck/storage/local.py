@@ -347,13 +347,37 @@ class LocalStorage(Storage):
         link (:class:`UnsafePathError` naming it), and return its filesystem path. Writers of
         files of their own there (the stager's spool) then create them with
         :func:`write_new_file`, which refuses a link at the file itself."""
-        try:
-            os.close(self._open_folder(validate_key(key).split("/"), key, create=True))
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise self._error("create", key, exc, _WRITE_HINT) from exc
+        names = validate_key(key).split("/")
+        for attempt in range(3):
+            try:
+                os.close(self._open_folder(names, key, create=True))
+                break
+            except StorageError:
+                raise
+            except FileNotFoundError as exc:
+                # A parent left empty was removed between its creation and its child's by a
+                # cleaner of empty folders (remove_empty_folder): made again
+                if attempt == 2:
+                    raise self._error("create", key, exc, _WRITE_HINT) from exc
+            except OSError as exc:
+                raise self._error("create", key, exc, _WRITE_HINT) from exc
         return self._file(key)
+
+    def remove_empty_folder(self, key: str) -> bool:
+        """Remove the folder ``key`` if it is empty (never through a link: a link there is not
+        a folder, and one on the way is not followed); whether it went."""
+        names = validate_key(key).split("/")
+        try:
+            fd = self._open_folder(names[:-1], key)
+        except (OSError, StorageError):
+            return False
+        try:
+            os.rmdir(names[-1], dir_fd=fd)
+            return True
+        except OSError:  # not empty, not a folder, gone
+            return False
+        finally:
+            os.close(fd)
 
     # ---- the Storage interface ------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -478,3 +479,35 @@ def _trainer_job(rank: int, world_size: int, root: str) -> None:
 def test_trainer_restart_refuses_forged_pending_records_and_linked_step(tmp_path: Path) -> None:
     """Findings 2 and 3 on a real 2-rank TorchRec trainer (local tier: the URI is its spool)."""
     run_ranks(_trainer_job, str(tmp_path))
+
+
+def test_an_empty_folder_is_removed_never_through_a_link(tmp_path: Path) -> None:
+    """The spool's cleaner of empty folders (LocalStorage.remove_empty_folder): an empty folder
+    goes; one holding anything stays; a link there, or on the way, is neither followed nor
+    removed; and a folder a cleaner removes between a writer's making of it and of its child
+    is made again (make_folder)."""
+    outside = tmp_path / "outside"
+    (outside / "empty").mkdir(parents=True)
+    store = LocalStorage(str(tmp_path / "root"))
+    store.make_folder("a/b")
+    store.put("a/file", b"x")
+    assert store.remove_empty_folder("a/b") and not (tmp_path / "root/a/b").exists()
+    assert not store.remove_empty_folder("a")  # holds a file
+    os.symlink(outside, tmp_path / "root/link")
+    os.symlink(outside / "empty", tmp_path / "root/a/linked")
+    assert not store.remove_empty_folder("link/empty")  # through a link
+    assert not store.remove_empty_folder("a/linked")  # a link itself
+    assert (outside / "empty").is_dir() and (tmp_path / "root/a/linked").is_symlink()
+    store.make_folder("c")
+    real = os.mkdir
+    removed = []
+
+    def raced(name: Any, *args: Any, **kwargs: Any) -> None:
+        if name == "d" and not removed:  # the parent emptied and removed just before
+            removed.append(store.remove_empty_folder("c"))
+        real(name, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "mkdir", raced)
+        store.make_folder("c/d")
+    assert removed == [True] and (tmp_path / "root/c/d").is_dir()

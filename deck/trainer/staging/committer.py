@@ -594,6 +594,7 @@ class Committer:
             self.spool.remove_files(p.step, list(p.files))
         failpoint("stager.cleanup.after_files")
         self.spool.remove_pending(p)
+        self.spool.remove_folders(p)
         self.spool.release(item.spool_reserved)
 
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from deck.config import StagingConfig
-from deck.errors import SpoolError, UnsafePathError
+from deck.errors import SpoolError, StorageError, UnsafePathError
 from deck.failpoints import failpoint
 from deck.format.chunks import Buffer
-from deck.format.manifest import dump_model, step_dir
+from deck.format.manifest import dump_model, rank_dir, step_dir
 from deck.format.pending import PendingPart, pending_name
 from deck.storage.atomic import atomic_file
 from deck.storage.local import LocalStorage, write_new_file
@@ -205,6 +205,23 @@ class SpoolDir:
 
     def remove_pending(self, p: PendingPart) -> None:
         self.store.delete(self.pending_key(p))
+
+    def remove_folders(self, p: PendingPart) -> None:
+        """A scratch spool's folders of part ``p``, once its files and record are gone: its own
+        (with any file a failed write left there), then its attempt's and its step's if nothing
+        else is in them. Left, they were a few empty folders per checkpoint that a restart's
+        recovery lists, each time, for as long as the job ran. (In the local tier the spool is
+        the destination: its folders are the checkpoint's.)"""
+        if not self.scratch:
+            return
+        step = step_dir(p.step)
+        try:
+            self.store.delete_prefix(f"{step}/{p.ckpt_id}/{rank_dir(p.rank)}/")
+        except (StorageError, OSError) as e:
+            logger.debug("deck: spool folders of step %d left: %s", p.step, e)
+            return
+        if self.store.remove_empty_folder(f"{step}/{p.ckpt_id}"):
+            self.store.remove_empty_folder(step)
 
     def error(self, step: int, key: str, e: OSError) -> SpoolError:
         full = is_out_of_space(e)  # a folder's creation fails as a StorageError raised from it
