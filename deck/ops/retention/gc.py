@@ -446,7 +446,13 @@ class _Collector:
             except DeckError as e:
                 self.report.errors.append(f"{e} (nothing deleted)")
                 return
-        for cid, why in sorted(self.doomed.items(), key=lambda kv: self.graph.nodes[kv[0]].step):
+        # Newest first (at a step, the trainer's before the merger's): a run that stops part
+        # way (killed, a store error) leaves only older checkpoints of those it meant to
+        # delete, each still restorable from what is older still; oldest first left deltas
+        # whose parent was gone, which ls and verify reported as broken steps
+        order = sorted(self.doomed, key=lambda c: _newest_first(self.graph.nodes[c]))
+        for cid in order:
+            why = self.doomed[cid]
             n = self.graph.nodes[cid]
             listed = self.by_prefix.get(n.folder, [])
             if n.merged:
@@ -734,6 +740,10 @@ def _hint_id(name: str) -> str:
 def _attempts(folder: str, keys: list[str]) -> set[str]:
     """The attempt folders (``<id>/``) among the listed ``keys`` of step folder ``folder``."""
     return {k[len(folder) + 1 :].partition("/")[0] + "/" for k in keys if k.count("/") >= 2}
+
+
+def _newest_first(n: LineageNode) -> tuple[int, bool, int]:
+    return (-n.step, n.merged, -n.layer)
 
 
 def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> str | None:
