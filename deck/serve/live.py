@@ -11,7 +11,9 @@ Guarantees:
 
 - **Exact.** After a switch to step t, each served float table holds bitwise the weights
   ``restore(t)`` gives, and each quantised table (row-wise INT8, FP16, FP32 on the CPU) the
-  bytes TorchRec's own quantize of those weights gives (:mod:`deck.serve.live_tables`).
+  bytes TorchRec's own quantize of those weights gives (:mod:`deck.serve.live_tables`); the
+  model's dense part (parameters and buffers outside its collections) holds ``restore(t)``'s
+  (:mod:`deck.serve.live_dense`: written at the switch, while no request runs).
 - **All or nothing.** A version is read, checked and encoded whole before its first row is
   written (:mod:`deck.serve.live_read`); a damaged, foreign or out-of-order update raises
   there, is logged (ERROR) and reported to ``on_fault``, and the model keeps serving its
@@ -46,9 +48,17 @@ from dataclasses import dataclass
 
 import torch
 
-from deck.errors import CheckpointNotFoundError, ConfigError, DeckError
+from deck.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DeckError,
+    IncompatibleModelError,
+)
+from deck.read.catalog import checkpoint_label
 from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, VersionSwitch
 from deck.serve.live_config import LiveConfig
+from deck.serve.live_dense import PreparedDense, find_dense, read_dense
 from deck.serve.live_gate import INITIAL, Served, ServingGate, State
 from deck.serve.live_read import RefusedUpdateError, last_wins, read_rows
 from deck.serve.live_source import LiveSource, Plan, PublishSource
@@ -78,6 +88,7 @@ class Replaced:
     before: State
     after: State
     tables: dict[str, PreparedTable]  # ids and ``old`` rows
+    dense: PreparedDense  # ``old`` values
 
 
 class LiveModel:
@@ -100,6 +111,7 @@ class LiveModel:
     ) -> None:
         mods = [models] if isinstance(models, torch.nn.Module) else list(models)
         self.tables: ServedTables = find_tables(mods, prefix)
+        self.dense = find_dense(mods, prefix)
         self.source: LiveSource = PublishSource(source) if isinstance(source, Storage) else source
         self.config = config or LiveConfig()
         self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})
@@ -140,9 +152,10 @@ class LiveModel:
         """Apply every version published since the served one, one switch each (a held model,
         see :meth:`rollback`, applies nothing). Refused updates are logged and skipped; a store
         that cannot be read is raised (:class:`deck.errors.StorageError`), nothing changed."""
+        self.gate.refuse_inside("poll()")
         out: list[VersionSwitch] = []
         with self._lock:
-            while not self.held:
+            while not self.held and not self._stop.is_set():
                 served = None if self.version == INITIAL else self.version
                 plans = self.source.next_plans(served, frozenset(self.bad))
                 for f in self.source.take_faults():
@@ -218,10 +231,19 @@ class LiveModel:
             # (the rows replaced: what rollback restores, and what an apply that fails part
             # way writes back)
             tables[key] = PreparedTable(ids, new, [t.read(ids) for t in targets])
+        last = plan.chain[-1]
+        dense = PreparedDense()
+        if self.dense.by_key:
+            where = f"{checkpoint_label(last)} at {self.source.uri}"
+            try:
+                dense = self.dense.prepare(read_dense(self.source.storage, last, got.parts), where)
+            except (CorruptCheckpointError, IncompatibleModelError) as e:
+                raise RefusedUpdateError(str(e), last) from e
         return PreparedVersion(
             state=plan.state,
             kind="full" if plan.whole else "delta",
             tables=tables,
+            dense=dense,
             commit_unix=self.source.committed_at(plan),
             seen_unix=self._seen.get(plan.chain[-1].id),
             bytes_read=got.bytes_read,
@@ -232,7 +254,7 @@ class LiveModel:
     def begin(self, version: PreparedVersion) -> Applying:
         """Start writing ``version`` slice by slice (:meth:`Applying.step`); the caller holds
         no other apply meanwhile. :meth:`poll` is this with the config's pacing."""
-        return Applying(version, self.tables, self.gate)
+        return Applying(version, self.tables, self.gate, self.dense)
 
     def _apply(self, version: PreparedVersion) -> VersionSwitch:
         applying = self.begin(version)
@@ -247,7 +269,7 @@ class LiveModel:
         """Book a written version (its replaced rows into the history) and report the switch."""
         v = applying.version
         if v.kind in ("delta", "full") and self.config.keep_versions:
-            self.history.append(Replaced(applying.previous, v.state, v.tables))
+            self.history.append(Replaced(applying.previous, v.state, v.tables, v.dense))
             while len(self.history) > self.config.keep_versions:
                 self.history.popleft()
         switch = applying.switched()
@@ -286,6 +308,7 @@ class LiveModel:
         (it is held)."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise ConfigError(f"rollback(step): a step is an int, got {step!r}")
+        self.gate.refuse_inside("rollback()")
         with self._lock:
             kept = self.kept_steps()
             if step < 0:
@@ -349,7 +372,18 @@ class LiveModel:
                 copies.append(rows)
             served = [t.read(uids) for t in self.tables.by_key[key]]
             tables[key] = PreparedTable(uids, copies, served)
-        return PreparedVersion(records[0].before, "rollback", tables)
+        # each dense tensor as the oldest record that changed it found it
+        dense = PreparedDense()
+        for r in reversed(records):
+            for key, was in zip(r.dense.keys, r.dense.old, strict=True):
+                if key in dense.keys:
+                    dense.old[dense.keys.index(key)] = was
+                else:
+                    dense.keys.append(key)
+                    dense.old.append(was)
+        dense.new = dense.old
+        dense.old = [[t.detach().clone() for t in self.dense.by_key[k]] for k in dense.keys]
+        return PreparedVersion(records[0].before, "rollback", tables, dense)
 
     def resume(self) -> None:
         """Let :meth:`poll` go forward again from the held step."""
@@ -361,16 +395,19 @@ class LiveModel:
         """Poll every ``poll_s`` seconds in a background thread (errors logged, retried)."""
         if self._thread is not None:
             return
-        self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="deck-live", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the background thread (after the version it is writing, if any)."""
+        """Stop the background thread after the version it is writing, if any, which is then
+        written without the cap's pauses (a capped version took seconds to stop)."""
         self._stop.set()
+        self.gate.hurry()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._stop.clear()  # (poll() by hand goes on as before)
+        self.gate.hurry(False)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

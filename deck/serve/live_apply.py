@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from deck.serve.live_dense import PreparedDense, ServedDense
 from deck.serve.live_gate import ServingGate, State
 from deck.serve.live_tables import ServedTables
 
@@ -39,6 +40,7 @@ class PreparedVersion:
     state: State
     kind: str  # "delta", "full", "rollback", "reload"
     tables: dict[str, PreparedTable]
+    dense: PreparedDense = field(default_factory=PreparedDense)  # written at the switch
     commit_unix: float | None = None  # when the publisher committed it (None: a rollback)
     seen_unix: float | None = None  # when a poll first found its commit record
     bytes_read: int = 0
@@ -88,10 +90,17 @@ class VersionSwitch:
 class Applying:
     """The writing of ``version`` into ``tables`` through ``gate`` (one at a time)."""
 
-    def __init__(self, version: PreparedVersion, tables: ServedTables, gate: ServingGate) -> None:
+    def __init__(
+        self,
+        version: PreparedVersion,
+        tables: ServedTables,
+        gate: ServingGate,
+        dense: ServedDense | None = None,
+    ) -> None:
         self.version = version
         self.tables = tables
         self.gate = gate
+        self.dense = dense or ServedDense({})
         self.keys = list(version.tables)
         # positions (into each table's ids) not written yet
         self.rest = {k: torch.arange(version.tables[k].ids.numel()) for k in self.keys}
@@ -101,7 +110,9 @@ class Applying:
         self.started: float | None = None
         self.done = False
         self.due: float | None = None  # (``run``, capped) the clock time of the pace after it
-        gate.begin(version.state, {k: t.ids for k, t in version.tables.items()})
+        gate.begin(
+            version.state, {k: t.ids for k, t in version.tables.items()}, bool(version.dense)
+        )
 
     @property
     def remaining(self) -> int:
@@ -157,7 +168,11 @@ class Applying:
             self.written += int(ids.numel())
         self.slices += 1
         if not self.remaining:
-            self.gate.switch({k: t.ids for k, t in self.version.tables.items()})
+            dense = self.version.dense
+            self.gate.switch(
+                {k: t.ids for k, t in self.version.tables.items()},
+                (lambda: self.dense.write(dense)) if dense else None,
+            )
             self.done = True
         return self.done
 
@@ -180,7 +195,7 @@ class Applying:
         t0, base = clock(), self.written
         try:
             while not self.step(slice_rows):
-                if rows_per_s is not None and not self.gate.row_waiters:
+                if rows_per_s is not None and not (self.gate.row_waiters or self.gate.hurried):
                     wait = t0 + (self.written - base) / rows_per_s - clock()
                     if wait > 0:
                         pause(wait)
@@ -211,6 +226,7 @@ class Applying:
         for k, t in tables.items():
             for target, old in zip(self.tables.by_key[k], t.old, strict=True):
                 target.write(t.ids, old)
+        self.dense.write(self.version.dense, old=True)  # (a switch that failed part way)
 
     def switched(self) -> VersionSwitch:
         assert self.done

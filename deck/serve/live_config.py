@@ -26,7 +26,11 @@ class LiveConfig(Settings):
         "so that an apply takes little of the CPU the requests need: a delta of 20,000 rows is "
         "written over 0.2 s. The rows requests looked up most are written first; requests keep "
         "reading the previous version of their rows meanwhile, and one waiting for its rows "
-        "has them written at once. None: no cap (each version written back to back).",
+        "has them written at once. A version that changes the served model's dense part (a "
+        "DLRM's MLPs: every step of a trained one) is seen whole or not at all, so a request "
+        "whose rows are written waits for its switch and the rest of it is written at once: "
+        "with requests running, such versions are not paced, only the time between them. "
+        "None: no cap (each version written back to back).",
         json_schema_extra={"constraints": ">= 1, or None"},
     )
     slice_rows: int = Field(

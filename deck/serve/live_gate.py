@@ -16,6 +16,10 @@ A lock on rows, plus the rows of the version being applied:
   the whole version (and the applier for it). So no request reads rows of two versions, while
   requests not touching the rows being written wait at most for a copy, never for other
   requests;
+- a version that changes the model's dense state (its MLPs: read by every request) is seen
+  whole or not at all: a request whose rows of it are all written waits for its switch (and
+  the applier then writes the rest without pausing), and the switch writes the dense state
+  while no request runs (those running are waited for, none starts);
 - neither side starves: a request waits for at most the slice being written and then its
   version's rows it still lacks (which are written next); the applier waits only for requests
   on its slice's rows that started before it locked them; a version starts only once the
@@ -33,6 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from deck.errors import ConfigError
 
 State = tuple[int, str]
 
@@ -57,9 +63,12 @@ class Served:
 class Flight:
     """The version being applied: its rows by table key, each pending or written."""
 
-    def __init__(self, old: State, new: State, marks: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, old: State, new: State, marks: dict[str, torch.Tensor], whole: bool = False
+    ) -> None:
         self.old, self.new = old, new
         self.marks = marks  # table -> uint8 per row of the table (0: not in this version)
+        self.whole = whole  # no request reads it before its switch (it changes the dense state)
 
 
 class ServingGate:
@@ -95,14 +104,17 @@ class ServingGate:
         # only orders the applier's queue), and its mark in the version in flight
         self.counts = {k: self._all_counts[o : o + tables[k]] for k, o in self._offset.items()}
         self._marks = {k: self._all_marks[o : o + tables[k]] for k, o in self._offset.items()}
+        self._thread = threading.local()  # .inside: this thread runs a request now
         self.waits = 0  # requests that waited for their rows not written yet (a statistic)
         self.row_waiters = 0  # requests waiting for rows not written yet (the applier does not nap)
+        self.hurried = False  # (hurry) the applier does not nap either
 
     # ---- requests ---------------------------------------------------------------------------
     @contextmanager
     def read(self, rows: Mapping[str, torch.Tensor] | None) -> Iterator[Served]:
         """Run a request on one version (see the module doc); ``rows``: the ids it looks up by
         table key (None: unknown, it then waits for any version being applied)."""
+        self.refuse_inside("live.serving()")
         flat = None if rows is None else self._flat(rows)
         with self._cond:
             if flat is not None and flat.numel():
@@ -132,13 +144,26 @@ class ServingGate:
             self.waits += urgent
             token = next(self._tokens)
             self._active[token] = flat
+        self._thread.inside = True
         try:
             yield Served(*seen)
         finally:
+            self._thread.inside = False
             with self._cond:
                 del self._active[token]
                 if self._applier_waits:
                     self._drained.notify_all()
+
+    def refuse_inside(self, what: str) -> None:
+        """Raise :class:`ConfigError` when the calling thread runs a request: ``what`` would
+        wait for that request to end (the applier waits for requests in flight; a nested
+        request may wait for the version the applier cannot finish) -- a deadlock, said."""
+        if getattr(self._thread, "inside", False):
+            raise ConfigError(
+                f"{what} called inside a request (within `with live.serving(...)` on this "
+                "thread): it would wait for that request to end; declare all of a request's "
+                "ids in one serving() and call poll()/rollback() outside requests"
+            )
 
     def _flat(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rows as indices into the flat index (tables not served left out)."""
@@ -171,7 +196,8 @@ class ServingGate:
         if writing:
             return None, False  # its rows are being written: they are written next
         if written:
-            return f.new, False
+            # (a version with dense state: its rows' requests wait for the switch, at once)
+            return (None, True) if f.whole else (f.new, False)
         return f.old, False
 
     def _conflicts(self, marked: torch.Tensor) -> bool:
@@ -186,21 +212,30 @@ class ServingGate:
         return False
 
     # ---- the applier ------------------------------------------------------------------------
-    def begin(self, new: State, rows: Mapping[str, torch.Tensor]) -> Flight:
+    def begin(self, new: State, rows: Mapping[str, torch.Tensor], whole: bool = False) -> Flight:
         """Start applying version ``new``: ``rows`` (ids by table) are pending from now on.
-        Requests waiting for a whole version (no rows declared) run first."""
+        Requests waiting for a whole version (no rows declared) run first. ``whole``: no
+        request reads the version before its switch (it changes the dense state)."""
         with self._cond:
             self._cond.wait_for(lambda: self._blind_waiting == 0)
             for table, ids in rows.items():
                 self._marks[table].index_fill_(0, ids, PENDING)
-            self.flight = Flight(self.version, new, dict(self._marks))
+            self.flight = Flight(self.version, new, dict(self._marks), whole)
             return self.flight
 
     def nap(self, seconds: float) -> None:
         """The applier's pause between slices (pacing): ``seconds``, or less if a request
-        waits for rows of the version in flight meanwhile (they are written next)."""
+        waits for rows of the version in flight meanwhile (they are written next), or the
+        applier is told to :meth:`hurry`."""
         with self._cond:
-            self._wanted.wait_for(lambda: self.row_waiters > 0, timeout=seconds)
+            self._wanted.wait_for(lambda: self.row_waiters > 0 or self.hurried, timeout=seconds)
+
+    def hurry(self, on: bool = True) -> None:
+        """Write the version in flight without pauses from now on (``on=False``: pace again):
+        a stopping applier finishes it at once instead of at its cap."""
+        with self._cond:
+            self.hurried = on
+            self._wanted.notify_all()
 
     def _lock_rows(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Mark ``rows`` being written, wait for the requests reading one of them, and stop
@@ -246,12 +281,25 @@ class ServingGate:
                 self._copying = False
                 self._cond.notify_all()
 
-    def switch(self, rows: Mapping[str, torch.Tensor]) -> None:
+    def switch(
+        self, rows: Mapping[str, torch.Tensor], write: Callable[[], None] | None = None
+    ) -> None:
         """Every row of the version in flight is written (``rows``: its ids by table): it is
-        the served version; its marks and the urgent counts of its rows are cleared."""
+        the served version; its marks and the urgent counts of its rows are cleared. ``write``
+        (the dense state) runs first, while no request runs (those running are waited for,
+        none starts); if it raises, the version is still in flight (the caller aborts it)."""
         with self._cond:
             f = self.flight
             assert f is not None
+            if write is not None:
+                self._copying = True
+                self._applier_waits = True
+                try:
+                    self._drained.wait_for(lambda: not self._active)
+                    write()
+                finally:
+                    self._applier_waits = self._copying = False
+                    self._cond.notify_all()
             for table, ids in rows.items():
                 self._marks[table].index_fill_(0, ids, 0)
                 c = self.counts[table]

@@ -101,6 +101,21 @@ class ServedTables:
         return {k: (ts[0].num_rows, ts[0].num_cols) for k, ts in self.by_key.items()}
 
 
+def is_collection(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a collection of tables a live apply serves (float or quantised
+    EmbeddingBagCollection / EmbeddingCollection)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.quant import embedding_modules as quant
+
+    return isinstance(
+        module,
+        EmbeddingBagCollection
+        | EmbeddingCollection
+        | quant.EmbeddingBagCollection
+        | quant.EmbeddingCollection,
+    )
+
+
 def find_tables(models: Iterable[torch.nn.Module], prefix: str = "") -> ServedTables:
     """The served tables of ``models`` (each a serving model, or a collection itself).
 

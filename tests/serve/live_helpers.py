@@ -113,8 +113,65 @@ def requests(spec: ModelSpec, n: int = 6, batch: int = 4) -> list[Any]:
     return [make_batch(small, 1000 + i, 0)[1] for i in range(n)]
 
 
+def dense_inputs(spec: ModelSpec, n: int = 6, batch: int = 4) -> list[torch.Tensor]:
+    """The dense features of :func:`requests`' batches."""
+    from deck.demo import make_batch
+
+    small = copy.deepcopy(spec)
+    small.batch = batch
+    return [make_batch(small, 1000 + i, 0)[0] for i in range(n)]
+
+
+def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s dense state (its state_dict's plain tensors outside the tables):
+    of a trained DMP, what ``restore`` gives the dense part at this step."""
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if (type(v) is torch.Tensor or isinstance(v, torch.nn.Parameter))
+        and not k.startswith(f"{EBC}.")
+    }
+
+
+def dense_diff(served: dict[str, torch.nn.Module], want: dict[str, torch.Tensor]) -> list[str]:
+    """``kind:key`` of each dense tensor of the served models whose bytes differ from ``want``
+    (every served dense tensor must be in ``want``)."""
+    bad = []
+    for kind in KINDS:
+        got = dense_state(served[kind])
+        assert got and set(got) == set(want), (kind, set(got) ^ set(want))
+        bad += state_diff(kind, got, want)
+    return bad
+
+
+def score(
+    dlrm: torch.nn.Module,
+    dense_x: torch.Tensor,
+    kjt: Any,
+    tables: torch.nn.Module,
+    dense: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The answer of DLRM ``dlrm`` (a float serving DLRM) for ``dense_x`` and ``kjt`` with the
+    collection ``tables`` and the dense state ``dense`` (from-scratch references of a step)."""
+    dlrm.load_state_dict(dense, strict=False)
+    dlrm.sparse_arch.embedding_bag_collection = tables  # type: ignore[union-attr]
+    with torch.no_grad():
+        return dlrm(dense_x, kjt)
+
+
 def lookup(model: torch.nn.Module, kjt: Any) -> torch.Tensor:
     """A request's answer: the pooled embeddings of its ids (what the DLRM's dense part
     consumes)."""
     with torch.no_grad():
         return collection(model)(kjt).values().clone()
+
+
+def until(check: Any) -> None:
+    """Wait (up to a minute) for ``check()`` to hold: another thread reaching its wait."""
+    import time
+
+    for _ in range(60_000):
+        if check():
+            return
+        time.sleep(0.001)
+    raise AssertionError("never reached")

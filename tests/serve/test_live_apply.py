@@ -26,14 +26,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from live_helpers import (
+    EBC,
     KINDS,
     bitwise_diff,
     collection,
+    dense_diff,
+    dense_inputs,
+    dense_state,
     lookup,
     reference,
     requests,
+    score,
     serving_models,
 )
+from safetensors.torch import load_file, save_file
 
 import deck
 from deck.demo import ModelSpec, build_model, train_step
@@ -56,16 +62,18 @@ def _hammer(
     reqs: list[Any],
     stop: threading.Event,
     seed: int,
-    out: list[tuple[str, int, int, torch.Tensor]],
+    out: list[tuple[str, int, int, torch.Tensor, torch.Tensor]],
 ) -> None:
     rng = random.Random(seed)
+    xs = dense_inputs(SPEC)
     while not stop.is_set():
         kind, i = rng.choice(KINDS), rng.randrange(len(reqs))
         # a third of the requests do not say which rows they read: they wait for whole versions
         batch = reqs[i] if rng.random() < 0.67 else None
-        with live.serving(batch) as v:
+        with live.serving(batch) as v, torch.no_grad():
             got = lookup(models[kind], reqs[i])
-        out.append((kind, i, v.step, got))
+            answer = models[kind](xs[i], reqs[i]).clone()  # tables and dense state
+        out.append((kind, i, v.step, got, answer))
 
 
 def _train_and_serve(rank: int, world_size: int, ckpt: str, pub: str) -> None:
@@ -79,7 +87,8 @@ def _train_and_serve(rank: int, world_size: int, ckpt: str, pub: str) -> None:
     switches: list[VersionSwitch] = []
     served = serving_models(SPEC) if rank == 0 else {}
     reqs = requests(SPEC)
-    answers: list[tuple[str, int, int, torch.Tensor]] = []
+    answers: list[tuple[str, int, int, torch.Tensor, torch.Tensor]] = []
+    dense_at: dict[int, dict[str, torch.Tensor]] = {}  # the trained model's, at each publish
     stop = threading.Event()
     live: LiveModel | None = None
     readers: list[threading.Thread] = []
@@ -94,6 +103,8 @@ def _train_and_serve(rank: int, world_size: int, ckpt: str, pub: str) -> None:
                 assert ck.flush()
                 dist.barrier()
                 if rank == 0:
+                    dense_at[step] = dense_state(model)
+                    save_file(dense_at[step], _dense_file(pub, step))
                     if live is None:
                         # small slices: requests interleave with the writes of every version
                         live = LiveModel(
@@ -116,6 +127,7 @@ def _train_and_serve(rank: int, world_size: int, ckpt: str, pub: str) -> None:
                     assert [s.step for s in got] == [step], (step, got)
                     assert live.step == step
                     bad = bitwise_diff(served, reference(pub, step, SPEC))
+                    bad += dense_diff(served, dense_at[step])
                     assert not bad, (step, bad[:5])
                 dist.barrier()
     finally:
@@ -131,15 +143,19 @@ def _train_and_serve(rank: int, world_size: int, ckpt: str, pub: str) -> None:
     ]
     assert all(s.staleness_s is not None and s.staleness_s >= 0 for s in switches)
     assert all(s.rows > 0 for s in switches)
-    # No response mixes versions: each equals the reference answer of the version it read.
+    # No response mixes versions: each equals the reference answer of the version it read, its
+    # embeddings and the model's answer from them and the step's dense state.
     refs: dict[int, dict[str, torch.nn.Module]] = {s: reference(pub, s, SPEC) for s in PUBLISHED}
+    xs, dlrm = dense_inputs(SPEC), serving_models(SPEC)["float"]
     seen = set()
-    for kind, i, step, got in answers:
+    for kind, i, step, got, answer in answers:
         if step < 0:
             continue  # before the first version (the serving models' own random tables)
         with torch.no_grad():
             want = refs[step][kind](reqs[i]).values()
         assert torch.equal(got, want), (kind, i, step)
+        want = score(dlrm, xs[i], reqs[i], refs[step][kind], dense_at[step])
+        assert torch.equal(answer, want), (kind, i, step)
         seen.add(step)
     assert len(answers) > 0 and seen, "the readers never ran"
 
@@ -163,6 +179,21 @@ def _at(pub: str, step: int) -> dict[str, torch.nn.Module]:
     return reference(pub, step, SPEC)
 
 
+def _dense_file(pub: str, step: int) -> str:
+    """Where the trainer kept its dense state at a published step (beside the publish URI)."""
+    return f"{pub}-dense-{step}.safetensors"
+
+
+def _wrong(
+    served: dict[str, torch.nn.Module], pub: str, step: int, trained: str | None = None
+) -> list[str]:
+    """What of the served models (tables and dense state) is not bitwise step ``step`` of
+    ``pub`` (a copy of ``trained``, the module fixture's publish URI)."""
+    return bitwise_diff(served, _at(pub, step)) + dense_diff(
+        served, load_file(_dense_file(trained or pub, step))
+    )
+
+
 def test_rollback_to_kept_steps_in_place_then_from_storage_then_forward(published: str) -> None:
     gets: list[str] = []
     store = FaultyStorage(
@@ -174,12 +205,12 @@ def test_rollback_to_kept_steps_in_place_then_from_storage_then_forward(publishe
         list(served.values()), store, LiveConfig(keep_versions=3), on_switch=events.append
     )
     assert [s.step for s in live.poll()] == [LAST]  # a fresh model: one whole version
-    assert not bitwise_diff(served, _at(published, LAST))
+    assert not _wrong(served, published, LAST)
     # Back to the periodic full of step 8 (not kept: read from storage), then forward again
     # one delta at a time: 10, 12, 14, each keeping what it replaced.
     switch = live.rollback(8)
     assert switch is not None and switch.kind == "reload" and live.held
-    assert not bitwise_diff(served, _at(published, 8))
+    assert not _wrong(served, published, 8)
     assert live.poll() == []  # held
     live.resume()
     assert [(s.step, s.kind) for s in live.poll()] == [
@@ -193,26 +224,28 @@ def test_rollback_to_kept_steps_in_place_then_from_storage_then_forward(publishe
         gets.clear()
         switch = live.rollback(step)
         assert switch is not None and switch.kind == "rollback" and gets == []
-        assert live.step == step and not bitwise_diff(served, _at(published, step)), step
+        assert live.step == step and not _wrong(served, published, step), step
     # Further back than kept: from storage (the full of step 0 and its deltas).
     switch = live.rollback(4)
     assert switch is not None and switch.kind == "reload" and gets
-    assert not bitwise_diff(served, _at(published, 4))
+    assert not _wrong(served, published, 4)
     with pytest.raises(deck.errors.CheckpointNotFoundError, match="rollback goes back"):
         live.rollback(6)
     # Forward again to the newest step.
     live.resume()
     got = live.poll()
     assert got and got[-1].step == LAST
-    assert not bitwise_diff(served, _at(published, LAST))
+    assert not _wrong(served, published, LAST)
 
 
-def _flip_a_byte(pub: str, step: int) -> str:
+def _flip_a_byte(pub: str, step: int, file: str = "chunk") -> str:
+    """Flip a byte of step ``step``'s first chunk (``file="dense"``: of its dense state)."""
     storage = LocalStorage(pub)
     m = read_manifests(storage)[step]
     part = read_rank_manifests(storage, m)[0]
-    chunk = part.shards[0].chunks[0]
-    path = os.path.join(pub, m.folder, chunk.path)
+    assert part.dense is not None
+    rel = part.shards[0].chunks[0].path if file == "chunk" else part.dense.path
+    path = os.path.join(pub, m.folder, rel)
     data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= 0x40
     Path(path).write_bytes(bytes(data))
@@ -234,7 +267,7 @@ def test_a_poisoned_update_never_reaches_the_served_model(
     # Step 10 is damaged: the newest chain that avoids it ends at the full of step 8; 12 and 14
     # build on 10 and are not applied either.
     assert [s.step for s in switches] == [8]
-    assert live.step == 8 and not bitwise_diff(served, _at(pub, 8))
+    assert live.step == 8 and not _wrong(served, pub, 8, published)
     assert len(faults) == 1 and faults[0].step == LAST and "checksum" in faults[0].error
     assert "step-000000000010" in faults[0].checkpoint
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -245,20 +278,30 @@ def test_a_poisoned_update_never_reaches_the_served_model(
     assert not [r for r in caplog.records if r.levelno == logging.ERROR]
 
 
+@pytest.mark.parametrize("file", ["chunk", "dense"])
 def test_a_poisoned_delta_after_the_served_step_keeps_the_version(
-    published: str, tmp_path: Path
+    published: str, tmp_path: Path, file: str
 ) -> None:
+    """Damage in a chunk or in the dense state file: the step is refused whole (its tables
+    and its dense state), the served version stays, bitwise."""
     pub = str(tmp_path / "pub")
     shutil.copytree(published, pub)
     served = serving_models(SPEC)
     live = LiveModel(list(served.values()), LocalStorage(pub))
     live.poll()
     live.rollback(10)
-    _flip_a_byte(pub, 12)
+    path = _flip_a_byte(pub, 12, file)
     live.resume()
     assert live.poll() == []  # 12 refused, 14 builds on it
-    assert live.step == 10 and not bitwise_diff(served, _at(pub, 10))
+    assert live.step == 10 and not _wrong(served, pub, 10, published)
     assert [f.step for f in live.faults] == [12]
+    assert "checksum" in live.faults[0].error and os.path.basename(path) in live.faults[0].error
+
+
+def _tables_only(served: dict[str, torch.nn.Module]) -> list[torch.nn.Module]:
+    """The served models' collections alone: versions without dense state, whose rows requests
+    may read slice by slice (a version changing the dense state is read whole or not at all)."""
+    return [collection(m) for m in served.values()]
 
 
 def test_a_capped_apply_writes_the_most_requested_rows_first(published: str) -> None:
@@ -271,9 +314,10 @@ def test_a_capped_apply_writes_the_most_requested_rows_first(published: str) -> 
         now[0] += s
 
     live = LiveModel(
-        list(served.values()),
+        _tables_only(served),
         LocalStorage(published),
         LiveConfig(rows_per_s=100.0, slice_rows=10),
+        prefix=EBC,
         clock=lambda: now[0],
         sleep=sleep,
     )
@@ -316,7 +360,9 @@ def test_a_request_in_flight_on_other_rows_does_not_hold_up_a_slice(published: s
     flight that read one of them, not for one on other rows (it reads the old version
     meanwhile); a request on its rows, started during the copy, reads the new version whole."""
     served = serving_models(SPEC)
-    live = LiveModel(list(served.values()), LocalStorage(published), LiveConfig(rows_per_s=None))
+    live = LiveModel(
+        _tables_only(served), LocalStorage(published), LiveConfig(rows_per_s=None), prefix=EBC
+    )
     live.poll()
     live.rollback(12)
     live.resume()
@@ -383,9 +429,10 @@ def test_the_cap_paces_across_versions_their_reading_included(published: str) ->
         now[0] += s
 
     live = LiveModel(
-        list(served.values()),
+        _tables_only(served),
         LocalStorage(published),
         LiveConfig(rows_per_s=100.0, slice_rows=10),
+        prefix=EBC,
         clock=lambda: now[0],
         sleep=sleep,
     )

@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 import torch
-from live_helpers import bitwise_diff, reference, serving_models, state_diff
+from live_helpers import bitwise_diff, reference, serving_models, state_diff, until
 
 import deck
 from deck.demo import ModelSpec, build_model, make_batch, train_step
-from deck.errors import CheckpointNotFoundError, ConfigError
+from deck.errors import CheckpointNotFoundError, ConfigError, UnsupportedError
 from deck.format.manifest import step_dir
 from deck.model import TableShard
 from deck.read.catalog import read_manifests
@@ -575,3 +575,33 @@ def test_a_delta_of_another_job_is_a_fault_once_and_not_applied(
     logged = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert len(logged) == 1 and logged[0][0] == logging.ERROR, logged
     assert step_dir(EC_LAST) in logged[0][1] and "serving step 4" in logged[0][1]
+
+
+def test_a_serving_model_with_dynamically_quantised_mlps_is_refused(tmp_path: Path) -> None:
+    """From a break-it run: MLPs under torch's dynamic quantisation hold packed weights, not
+    tensors; they were passed over, and each version's tables were served under the MLPs the
+    model was built with, labelled with the version's step. Refused at construction now."""
+    served = serving_models(SPEC)
+    mlps = torch.ao.quantization.quantize_dynamic(
+        copy.deepcopy(served["int8"]), {torch.nn.Linear}, dtype=torch.qint8
+    )
+    with pytest.raises(UnsupportedError, match="not a plain tensor"):
+        LiveModel([served["float"], mlps], LocalStorage(str(tmp_path)))
+
+
+@pytest.mark.timeout(120)
+def test_stop_writes_the_version_in_flight_without_the_caps_pauses(root: str) -> None:
+    """From a break-it run: stop() waited for the version being written at its cap (seconds
+    for a capped full). The rest of that version is written at once; the model serves it
+    whole, and poll() by hand goes on afterwards."""
+    served = serving_models(SPEC)
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(f"{root}/pub"),
+        LiveConfig(rows_per_s=1.0, slice_rows=1, poll_s=0.01),  # ~400 s for the first version
+    )
+    live.start()
+    until(lambda: live.gate.flight is not None and live.gate.flight.new[0] == 4)
+    live.stop()
+    assert live.step == 4 and not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+    assert live.poll() == []  # nothing newer; poll() after stop() polls as before
