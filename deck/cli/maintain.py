@@ -397,10 +397,11 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--verify-replacements",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=default["verify_replacements"],
         help="check every checksum of a kept merger checkpoint before deleting what it "
-        "replaces (default: that its files exist with their sizes)",
+        "replaces, reading it once (the default); --no-verify-replacements: only that its "
+        "files exist with their sizes",
     )
 
 

@@ -159,9 +159,9 @@ def test_damaged_merger_full_keeps_the_deltas_it_replaces(tmp_path: Path, damage
         chunk.write_bytes(chunk.read_bytes()[:-1])
     else:
         _flip(chunk)
-    # Sizes are checked by default; a flipped byte only by reading it (--verify-replacements).
-    extra = ["--verify-replacements"] if damage == "flipped" else []
-    p = _deck("gc", str(root), "--no-keep-all-steps", "--grace", "0", *extra)
+    # Checksums by default: a flipped byte too (an operator's break-it run: with sizes only,
+    # this GC deleted the trainer full and every delta, and no step restored any more).
+    p = _deck("gc", str(root), "--no-keep-all-steps", "--grace", "0")
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"KEPT {full}" in p.stdout and "what would replace it is damaged" in p.stdout, p.stdout
     storage = LocalStorage(root)
@@ -173,10 +173,24 @@ def test_damaged_merger_full_keeps_the_deltas_it_replaces(tmp_path: Path, damage
     got, _ = restore_state(storage, found.chain)
     assert not same(got, history[found.chain[-1].id])
     # Once quarantined, GC deletes the damaged full and still keeps every step restorable.
-    p = _deck("gc", str(root), "--no-keep-all-steps", "--grace", "0", *extra)
+    p = _deck("gc", str(root), "--no-keep-all-steps", "--grace", "0")
     assert p.returncode == 0 and "KEPT" not in p.stdout, p.stdout + p.stderr
     assert f"deleted {full}" in p.stdout, p.stdout
     assert 12 in check_all_restore(storage, history)
+
+
+def test_without_checksums_a_flipped_merger_full_is_not_seen(tmp_path: Path) -> None:
+    """What --no-verify-replacements gives up (sizes only): the flipped full is trusted, what
+    it replaces goes, and step 12 no longer restores."""
+    root = tmp_path / "ck"
+    _written(root)
+    p = _deck("merge", str(root), "--once", *MERGE_ARGS)
+    assert p.returncode == 0, p.stdout + p.stderr
+    full, _ = _merger_full(root)
+    _flip(sorted((root / full).rglob("*.chunk"))[0])
+    p = _deck("gc", str(root), "--no-keep-all-steps", "--grace", "0", "--no-verify-replacements")
+    assert p.returncode == 0 and "KEPT" not in p.stdout, p.stdout + p.stderr
+    assert sorted(read_manifests(LocalStorage(root))) == [0, 12]
 
 
 def test_without_damage_the_replaced_deltas_go(tmp_path: Path) -> None:

@@ -184,6 +184,7 @@ def collect_garbage(
 # The loggers whose warnings (a step that is not restorable, a skipped merged checkpoint) a GC
 # run would otherwise repeat once per moment of the grace period it replays.
 _READERS = ("deck.read.lineage", "deck.read.catalog", "deck.ops.retention.plan")
+_QUARANTINE_NAME = re.compile(rf"{QUARANTINE_ROOT}/[0-9a-f]{{16}}\.json")
 
 
 class _Once(logging.Filter):
@@ -605,13 +606,19 @@ class _Collector:
         """Quarantine records of checkpoints that are gone (or go in this run)."""
         for k in keys:
             qid = k.rpartition("/")[2].removesuffix(".json")
-            if qid not in self.graph.nodes or qid in self.doomed:
-                self.report.orphans.append((k, "quarantine record of a deleted checkpoint"))
-                self.report.files += 1
-                if not self.dry_run:
-                    if record_key_kind(k) is not None:  # (a stray file there is no record)
-                        append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
-                    self.storage.delete(k)
+            if not _QUARANTINE_NAME.fullmatch(k):
+                # (quarantine/ is deck's: a file there that no quarantine could have written)
+                why = "not a quarantine record (a stray file)"
+            elif qid not in self.graph.nodes or qid in self.doomed:
+                why = "quarantine record of a deleted checkpoint"
+            else:
+                continue
+            self.report.orphans.append((k, why))
+            self.report.files += 1
+            if not self.dry_run:
+                if record_key_kind(k) is not None:  # (a stray file there is no record)
+                    append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
+                self.storage.delete(k)
 
     def finish(self) -> None:
         """Prune what interrupted writes left in the whole store (:meth:`_prune`). Then drop the

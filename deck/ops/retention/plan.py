@@ -104,14 +104,16 @@ class RetentionPolicy(Settings):
         json_schema_extra={"constraints": ">= 0 or None", "cli": "deck gc --max-clock-skew S"},
     )
     verify_replacements: bool = Field(
-        default=False,
+        default=True,
         description="Before deleting what a kept merger checkpoint replaces, re-read that "
-        "checkpoint's files and check their checksums. False: check that every file it names "
-        "exists with its recorded size (no chunk is read). Either way a damaged replacement is "
-        "kept, and so is what it replaces. The trainer checkpoints (deltas, and the full they "
-        "start from) that take over the steps of a deleted merger checkpoint are always checked "
-        "by their checksums (once: when it goes).",
-        json_schema_extra={"cli": "deck gc --verify-replacements"},
+        "checkpoint's files and check their checksums: it becomes the only copy of those "
+        "steps (each is read once, when what it replaces goes). False: only check that every "
+        "file it names exists with its recorded size (no chunk is read; a flipped byte is not "
+        "seen). Either way a damaged replacement is kept, and so is what it replaces. The "
+        "trainer checkpoints (deltas, and the full they start from) that take over the steps "
+        "of a deleted merger checkpoint are always checked by their checksums (once: when it "
+        "goes).",
+        json_schema_extra={"cli": "deck gc --no-verify-replacements"},
     )
 
 
