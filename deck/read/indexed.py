@@ -387,15 +387,25 @@ def compact(
     )
     storage.put(catalog_key(read.seq), encode_catalog(catalog))
     catalogs = listed_seqs(storage, CATALOG_ROOT)
+    kept = {
+        seq: catalog if seq == read.seq else _catalog_or_none(storage, seq)
+        for seq in catalogs[-_KEEP_CATALOGS:]
+    }
     if len(catalogs) > _KEEP_CATALOGS:
-        floor = catalogs[-_KEEP_CATALOGS]
+        # Never an entry the newest catalog says its log holds: another writer's catalog,
+        # written beside this one from an older read, may need entries before the older kept
+        # one (a break-it run: two mergers and GC left the newest catalog needing pruned
+        # entries, and every reader read every record). (Readers passing a damaged newest one
+        # by need the entries after the one before it: those are kept anyway.)
+        newest = kept[catalogs[-1]]
+        floor = min(catalogs[-_KEEP_CATALOGS], *([newest.log_from - 1] if newest else []))
         for seq in catalogs[:-_KEEP_CATALOGS]:
             storage.delete(catalog_key(seq))
         for seq in listed_seqs(storage, LOG_ROOT):
             if seq > floor:
                 break
             storage.delete(log_key(seq))
-    _prune_segments(storage, catalogs[-_KEEP_CATALOGS:], read.seq, refs)
+    _prune_segments(storage, kept)
     logger.info(
         "catalog %d written at %s: %d record(s) in %d segment(s), %d to read again",
         read.seq,
@@ -499,20 +509,19 @@ def _describe(
     )
 
 
-def _prune_segments(
-    storage: Storage, catalogs: list[int], written: int, refs: tuple[SegmentRef, ...]
-) -> None:
-    """Delete the segments none of ``catalogs`` (the ones kept; ``written``, with ``refs``,
-    among them) names. A kept catalog that cannot be read names none: readers pass it by."""
-    named = {ref.name for ref in refs}
-    for seq in catalogs:
-        if seq != written:
-            try:
-                named |= {ref.name for ref in read_catalog(storage, seq).segments}
-            except (CorruptCheckpointError, NotFoundError):
-                continue
+def _prune_segments(storage: Storage, kept: Mapping[int, Catalog | None]) -> None:
+    """Delete the segments none of the ``kept`` catalogs names. A kept catalog that cannot be
+    read (None) names none: readers pass it by."""
+    named = {ref.name for c in kept.values() if c is not None for ref in c.segments}
     for name in sorted(listed_segments(storage) - named):
         storage.delete(segment_key(name))
+
+
+def _catalog_or_none(storage: Storage, seq: int) -> Catalog | None:
+    try:
+        return read_catalog(storage, seq)
+    except (CorruptCheckpointError, NotFoundError):
+        return None
 
 
 def whole_read(
@@ -570,7 +579,13 @@ def repair(
     seen = logged[-1] if logged else 0
     view = read_indexed(storage, read_keys)
     now = listed_seqs(storage, LOG_ROOT)
-    high = max([seen, *now[-1:], *listed_seqs(storage, CATALOG_ROOT)[-1:]])
+    # A catalog listed before the log and numbered past its every entry is no writer's (its
+    # entry is written first and outlives it while it is the newest): garbage or forged, it
+    # is replaced like a damaged one, not taken for a writer that pruned the log meanwhile
+    # (which left such a store read whole by every reader, however often GC ran)
+    forged = {seq for seq in catalogs if seq > max([seen, *now[-1:]])}
+    again = [seq for seq in listed_seqs(storage, CATALOG_ROOT) if seq not in forged]
+    high = max([seen, *now[-1:], *again[-1:]])
     if not set(range(seen + 1, high + 1)) <= set(now):
         # A writer of catalogs pruned entries written after ``truth`` was read: what they
         # announced is neither in ``truth`` nor in a hint left to read. The next run decides.
@@ -605,7 +620,9 @@ def repair(
             ],
         )
         now += [] if announced is None else [announced]
-    readable = [seq for seq in catalogs if _readable(storage, seq)]
+    readable = [
+        seq for seq in catalogs if seq not in forged and _catalog_or_none(storage, seq) is not None
+    ]
     top = max([now[-1] if now else 0, *readable[-1:]])
     hints = [*pending, *later]
     for s in now:
@@ -641,11 +658,3 @@ def _same_bytes(a: RecordBytes | None, b: RecordBytes | None) -> bool:
     if isinstance(a, CorruptCheckpointError) or isinstance(b, CorruptCheckpointError):
         return isinstance(a, CorruptCheckpointError) and isinstance(b, CorruptCheckpointError)
     return a == b
-
-
-def _readable(storage: Storage, seq: int) -> bool:
-    try:
-        read_catalog(storage, seq)
-    except (CorruptCheckpointError, NotFoundError):
-        return False
-    return True

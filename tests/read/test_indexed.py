@@ -444,6 +444,8 @@ def test_gc_deletes_stray_files_among_quarantine_records(store: LocalStorage) ->
     report = collect_garbage(store, RetentionPolicy(grace_s=0))
     assert not report.errors
     assert not store.list("quarantine/")
+    # said as what they are (an operator's run: "quarantine record of a deleted checkpoint")
+    assert {why for _, why in report.orphans} == {"not a quarantine record (a stray file)"}
     same(read_manifests(store), whole(store))
 
 
@@ -737,3 +739,48 @@ def reads_agree_with_every_record(storage: Storage) -> bool:
     got = read_manifests(storage)
     truth = read_manifests(storage, manifest_keys(storage))
     return dict(got) == dict(truth) and got.merged == truth.merged
+
+
+def test_a_catalog_written_beside_another_keeps_the_log_the_newest_needs(
+    store: LocalStorage,
+) -> None:
+    """From an operator's break-it run (two merger workers and GC, killed and restarted): a
+    writer's catalog from an older read, written after another writer's newer one, pruned the
+    log up to itself, entries the newer catalog says its log holds: every reader then found a
+    gap and read every record, and no later catalog could be written through it."""
+
+    def commit(first: int, last: int) -> None:
+        for key, cid, data in POOL[first:last]:
+            put_record(store, key, cid, data)
+
+    commit(0, 4)
+    assert _catalog_now(store) == 4
+    commit(4, 8)
+    older = read_manifests(store).index  # writer A reads through catalog 4 (seq 8)
+    assert older is not None and older.seq == 8
+    commit(8, 10)
+    assert _catalog_now(store) == 10  # writer B: its catalog holds the log from entry 5
+    assert compact(store, older, force=True) == 8  # A's, written after B's
+    assert listed_seqs(store, commit_log.CATALOG_ROOT) == [8, 10]
+    got = read_manifests(store)
+    assert got.index is not None and got.index.catalog == 10  # no gap: through the catalog
+    same(got, whole(store))
+
+
+def test_a_garbage_catalog_numbered_past_the_log_is_replaced_by_gc_over_the_whole_store(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From an operator's break-it run: garbage put at _catalog/<9999> made every read a read
+    of every record, and GC over the whole store left it there (it took the number for a
+    writer that had pruned the log since its listing)."""
+    _trained(store, 4)
+    seq = _catalog_now(store)
+    assert seq is not None
+    store.put(catalog_key(9999), b"\x78\x9c garbage")
+    assert read_manifests(store).index is None
+    with caplog.at_level(logging.WARNING):
+        collect_garbage(store, RetentionPolicy(grace_s=0), dry_run=False, whole=True)
+    assert 9999 not in listed_seqs(store, commit_log.CATALOG_ROOT)
+    got = read_manifests(store)
+    assert got.index is not None
+    same(got, whole(store))
