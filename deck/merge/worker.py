@@ -60,6 +60,7 @@ from deck.read.catalog import (
 from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import Storage
 from deck.storage.base import get_bounded
+from deck.storage.outage import Waiting
 from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -370,10 +371,19 @@ class MergeWorker:
             time.sleep(poll_s)
 
     def follow(self, stop: threading.Event, poll_s: float = 5.0) -> WorkStats:
-        """Keep merging as the trainer commits, until ``stop`` is set."""
+        """Keep merging as the trainer commits, until ``stop`` is set. A pass the store fails
+        (an outage, a read-only bucket) is said once per distinct problem and tried again after
+        a pause that doubles up to 60 s: a service outlives the store's outages (it exited
+        with status 2 after the store was down for a minute)."""
         total = WorkStats()
+        waiting = Waiting(f"deck merge {self.storage.uri}", poll_s, logger, max_s=60.0)
         while not stop.is_set():
-            r = self.run_pass()
+            try:
+                r = self.run_pass()
+            except StorageError as e:
+                stop.wait(waiting.failed(e))
+                continue
+            waiting.ok()
             total.add(r.stats)
             if not r.progressed:
                 stop.wait(poll_s)

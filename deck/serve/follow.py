@@ -52,6 +52,7 @@ from deck.read.restore import apply_chain
 from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
 from deck.storage.atomic import atomic_file, atomic_write
+from deck.storage.outage import Waiting
 
 logger = logging.getLogger(__name__)
 
@@ -439,37 +440,6 @@ def _block(t: torch.Tensor, p: _Piece) -> torch.Tensor:
     return t[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))]
 
 
-class Waiting:
-    """What a loading service says while it cannot go on (the publisher has not written yet, the
-    store or broker is down): the first occurrence of each problem at WARNING, repeats at DEBUG,
-    and a wait that doubles up to ``max_s``; :meth:`ok` after a success resets both."""
-
-    def __init__(self, what: str, poll_s: float, max_s: float = 30.0) -> None:
-        self.what, self.poll_s, self.max_s = what, poll_s, max(max_s, poll_s)
-        self.wait_s = poll_s
-        self.last: str | None = None
-
-    def failed(self, e: Exception) -> float:
-        """Log ``e`` (once per distinct problem) and return how long to wait now."""
-        text = str(e)
-        level = logging.DEBUG if text == self.last else logging.WARNING
-        logger.log(
-            level,
-            "deck follow %s: %s; retrying (every %.0f s at most)",
-            self.what,
-            text,
-            self.max_s,
-        )
-        self.last = text
-        wait, self.wait_s = self.wait_s, min(self.wait_s * 2, self.max_s)
-        return wait
-
-    def ok(self) -> None:
-        if self.last is not None:
-            logger.info("deck follow %s: going on (the problem above is gone)", self.what)
-        self.last, self.wait_s = None, self.poll_s
-
-
 def follow(
     storage: Storage,
     out_dir: str,
@@ -486,7 +456,8 @@ def follow(
     retried at the next poll."""
     outputs = parquet_outputs(parquet, out_dir, storage.uri)
     follower = Follower(storage, out_dir, allow_quantized, outputs)
-    waiting = Waiting(storage.uri, poll_s, max_s=poll_s)  # --poll is the promise: no back-off
+    # (--poll is the promise: no back-off)
+    waiting = Waiting(f"deck follow {storage.uri}", poll_s, logger, max_s=poll_s)
     while True:
         try:
             update = follower.catch_up()

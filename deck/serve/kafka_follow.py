@@ -83,12 +83,13 @@ from deck.format.stream import (
     valid_run,
 )
 from deck.read.catalog import read_manifests, read_rank_manifests
-from deck.serve.follow import Follower, FollowUpdate, Waiting, state_record
+from deck.serve.follow import Follower, FollowUpdate, state_record
 from deck.serve.kafka_full import newest_loader_full, stream_record_path, write_loader_full
 from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run, watermarks
 from deck.serve.output import parquet_outputs
 from deck.storage import Storage, open_storage
 from deck.storage.base import get_bounded, names_after
+from deck.storage.outage import Waiting
 from deck.storage.wrapper import StorageWrapper
 
 logger = logging.getLogger(__name__)
@@ -954,7 +955,7 @@ def follow_kafka(
         if once:
             kf.catch_up(on_update)
             return kf
-        waiting = Waiting(uri, poll_s)
+        waiting = Waiting(f"deck follow {uri}", poll_s, logger)
         while True:
             try:
                 update = kf.poll(1.0)

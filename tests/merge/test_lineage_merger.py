@@ -78,6 +78,50 @@ def test_merged_manifest_fields_round_trip_and_trainer_records_unchanged() -> No
         load_model(CheckpointManifest, dump_model_dict(bad), "x")
 
 
+def test_a_following_worker_outlives_a_store_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """From an operator's break-it run: `deck merge --follow` exited (status 2) when the store
+    was down for a minute, where `deck follow` waits it out. A pass the store fails is said
+    once and tried again; the worker merges once the store answers."""
+    import threading
+
+    from deck.errors import StorageError
+    from deck.storage.wrapper import StorageWrapper
+
+    storage = mem()
+    saved_chain(storage, 4)
+    stop = threading.Event()
+
+    class Down(StorageWrapper):
+        """Every listing fails for the first 5 tries (the store down), then works; the worker
+        is stopped once it committed something."""
+
+        fails = 5
+
+        def _up(self, prefix: str) -> None:
+            if self.fails:
+                self.fails -= 1
+                raise StorageError(f"could not list {prefix!r}: connection refused")
+            if any(k.endswith(MANIFEST) for k in self.inner.list("merged/")):
+                stop.set()
+
+        def list(self, prefix: str = "") -> list[str]:
+            self._up(prefix)
+            return self.inner.list(prefix)
+
+        def list_dir(self, prefix: str = "") -> list[str]:
+            self._up(prefix)
+            return self.inner.list_dir(prefix)
+
+    down = Down(storage)
+    worker = MergeWorker(down, MergeConfig(stride=2, full=NO_FULLS))
+    with caplog.at_level(logging.DEBUG, logger="deck.merge.worker"):
+        worker.follow(stop, poll_s=0.001)
+    assert down.fails == 0 and any(k.endswith(MANIFEST) for k in storage.list("merged/"))
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([m for m in said if "connection refused" in m]) == 1, said
+    assert any("going on" in r.getMessage() for r in caplog.records)
+
+
 def dump_model_dict(d: dict) -> bytes:
     import json
 

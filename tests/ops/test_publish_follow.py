@@ -260,23 +260,3 @@ def _quantized_publish(rank: int, world_size: int, ckpt: str, pub: str, out: str
 def test_quantized_publish_needs_opt_in(tmp_path: Path) -> None:
     ckpt, pub, out = str(tmp_path / "ckpt"), str(tmp_path / "pub"), str(tmp_path / "serving")
     run_ranks(_quantized_publish, ckpt, pub, out)
-
-
-def test_a_waiting_loading_service_says_each_problem_once_and_backs_off(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    import logging
-
-    from deck.serve.follow import Waiting
-
-    w = Waiting("kafka://h:1/t", poll_s=2.0, max_s=10.0)
-    with caplog.at_level(logging.DEBUG, logger="deck.serve.follow"):
-        waits = [w.failed(RuntimeError("the topic does not exist (yet)")) for _ in range(5)]
-        assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
-        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warned) == 1 and "does not exist" in warned[0].getMessage()
-        assert w.failed(RuntimeError("no broker answers")) == 10.0  # a new problem: said again
-        w.ok()
-        assert w.failed(RuntimeError("no broker answers")) == 2.0  # back to the poll interval
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 3 and not any("going on" in w for w in warned), warned
