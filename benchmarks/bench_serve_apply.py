@@ -7,7 +7,8 @@ batch ``--batch`` per rank) trains ``--steps`` steps publishing a delta every
 TorchRec's int8 quantisation of its tables (an unsharded DLRM), applies every publish with a
 background applier (``LiveModel.start``, polling every ``--poll`` s, LiveConfig's by default),
 and ``--readers`` threads send requests (``--request-batch`` samples, Zipf ids) alternately to
-the float and int8 copies under ``live.serving(kjt)``, timing each. The trainer waits after its
+the float and int8 copies under ``live.serving(kjt)`` (the whole DLRM's forward: the dense part
+is applied with each version too), timing each. The trainer waits after its
 first publish (a full) until the serving model serves it: the deltas' staleness is the steady
 state's. Then, training over, ``--repeats`` rounds of: the applies repeated without training
 (rollback to the oldest kept step, resume, apply forward: the same deltas), then as long idle.
@@ -107,11 +108,15 @@ def _serving(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
 class Readers:
     """Request threads; each latency goes to the list of the current phase."""
 
-    def __init__(self, live: Any, models: dict[str, torch.nn.Module], reqs: list[Any], n: int):
+    def __init__(
+        self,
+        live: Any,
+        models: dict[str, torch.nn.Module],
+        reqs: list[tuple[torch.Tensor, Any]],
+        n: int,
+    ):
         self.live, self.reqs = live, reqs
-        self.ebcs = [
-            m.get_submodule("sparse_arch.embedding_bag_collection") for m in models.values()
-        ]
+        self.models = list(models.values())
         self.phase: list[float] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
@@ -121,11 +126,11 @@ class Readers:
     def _run(self, i: int) -> None:
         k = i
         while not self.stop.is_set():
-            kjt = self.reqs[k % len(self.reqs)]
-            ebc = self.ebcs[k % len(self.ebcs)]
+            dense, kjt = self.reqs[k % len(self.reqs)]
+            model = self.models[k % len(self.models)]
             t0 = time.perf_counter()
             with self.live.serving(kjt), torch.no_grad():
-                ebc(kjt)
+                model(dense, kjt)
             self.phase.append(time.perf_counter() - t0)
             k += 1
 
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from deck.storage import LocalStorage
 
     small = ModelSpec(num_tables=a.tables, rows=a.rows, dim=a.dim, batch=a.request_batch)
-    reqs = [make_batch(small, 10_000 + i, 0)[1] for i in range(64)]
+    reqs = [make_batch(small, 10_000 + i, 0)[:2] for i in range(64)]
     with tempfile.TemporaryDirectory() as work:
         ckpt, pub = os.path.join(work, "ckpt"), os.path.join(work, "pub")
         os.makedirs(pub)
