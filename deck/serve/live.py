@@ -372,17 +372,18 @@ class LiveModel:
                 copies.append(rows)
             served = [t.read(uids) for t in self.tables.by_key[key]]
             tables[key] = PreparedTable(uids, copies, served)
-        # each dense tensor as the oldest record that changed it found it
-        dense = PreparedDense()
-        for r in reversed(records):
-            for key, was in zip(r.dense.keys, r.dense.old, strict=True):
-                if key in dense.keys:
-                    dense.old[dense.keys.index(key)] = was
-                else:
-                    dense.keys.append(key)
-                    dense.old.append(was)
-        dense.new = dense.old
-        dense.old = [[t.detach().clone() for t in self.dense.by_key[k]] for k in dense.keys]
+        # each dense tensor as the oldest record that changed it found it (newest first: the
+        # oldest value written last)
+        oldest = {
+            k: was
+            for r in reversed(records)
+            for k, was in zip(r.dense.keys, r.dense.old, strict=True)
+        }
+        dense = PreparedDense(
+            keys=list(oldest),
+            new=list(oldest.values()),
+            old=[[t.detach().clone() for t in self.dense.by_key[k]] for k in oldest],
+        )
         return PreparedVersion(records[0].before, "rollback", tables, dense)
 
     def resume(self) -> None:
