@@ -326,17 +326,21 @@ def _record_id(key: str, data: RecordBytes | None) -> str | None:
 def unresolved(hints: Iterable[Hint], records: Mapping[str, RecordBytes]) -> list[Hint]:
     """The hints whose change ``records`` (the bytes of each key read after the hints were
     listed) does not show yet: a commit whose record is not there with its id, a delete whose
-    record is still there with its id. An abandon drops the commit of its id and key."""
+    record is still there with its id, or whose id's commit has not shown yet (the slow commit
+    may land before the delete does). An abandon drops the commit of its id and key."""
     hints = list(dict.fromkeys(hints))
     abandoned = {(h.key, h.id) for h in hints if h.op == "abandon"}
-    out = []
+    out = set()
     for h in hints:
-        if h.op in ("abandon", "reread") or (h.key, h.id) in abandoned:
+        if h.op in ("abandon", "reread") or (h.op == "commit" and (h.key, h.id) in abandoned):
             continue
         there = _record_id(h.key, records.get(h.key))
         if (h.op == "commit") == (there != h.id):
-            out.append(h)
-    return out
+            out.add(h)
+    # A delete seen done before its record's late commit landed is not done: the record comes,
+    # then goes (a state-machine run: a reader kept a record the store no longer had).
+    pending = {(h.key, h.id) for h in out if h.op == "commit"}
+    return [h for h in hints if h in out or (h.op == "delete" and (h.key, h.id) in pending)]
 
 
 def compact(
