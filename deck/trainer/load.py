@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from deck.at_exit import still_open
-from deck.errors import CheckpointNotFoundError, ConfigError
+from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.model import ModelAdapter
 from deck.storage import Storage
 from deck.trainer.checkpointer import (
@@ -72,7 +72,16 @@ def load_step(
     # A rank that refused must not leave the others waiting in the loader's collectives.
     coord.agree_on_failure(refused, "deck.load")
     assert loader is not None
-    done = loader.restore(step, allow_fallback=False)
+    try:
+        done = loader.restore(step, allow_fallback=False)
+    except CorruptCheckpointError as e:
+        # Every rank raises this (the ranks agree on the outcome).
+        which = "the latest step" if step is None else f"step {step}"
+        raise CorruptCheckpointError(
+            f"deck.load of {which} of {storage.uri}: {e}. deck.load never falls back to "
+            f"another step: `deck verify {storage.uri} --all --quarantine` marks the damaged "
+            "checkpoints (the latest step then avoids them), or pass an older step="
+        ) from e
     if done is None:
         raise CheckpointNotFoundError(
             f"deck.load: nothing is committed at {storage.uri} (a wrong or empty URI?)"

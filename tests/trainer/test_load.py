@@ -113,6 +113,9 @@ def _failed_restore(rank: int, world_size: int, root: str) -> None:
         assert [(h.step, h.kind) for h in ck.history][-1] == (6, "full")
     fresh, fresh_opt = build_model(SPEC, seed=7)
     fresh_user = TrainState()
+    # deck.load does not fall back: it says what to do
+    with pytest.raises(CorruptCheckpointError, match=r"deck.load of step 4 .* --quarantine"):
+        deck.load(fresh, [fresh_opt], uri, step=4, state=fresh_user)
     assert deck.load(fresh, [fresh_opt], uri, state=fresh_user) == 6
     bad = diff_states(live[6], capture_state(fresh, fresh_opt, fresh_user, full=True))
     assert not bad, bad[:5]
