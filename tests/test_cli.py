@@ -266,6 +266,10 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
         ("export", uri, "--step", "7", "--out", str(out / "e")): "step 7",
         ("export", missing, "--out", str(out / "m")): "does not exist",
         ("follow", str(empty), "--out", str(out / "f"), "--once"): "no committed checkpoints",
+        # (a break-it run: taken and ignored on a directory, exit 0 with no loader full)
+        ("follow", uri, "--out", str(out / "k"), "--full-uri", str(out / "u"), "--run", "r"): (
+            "--full-uri, --run: for kafka:// URIs only"
+        ),
         ("report", str(empty), "--out", str(out / "r.html")): "no checkpoints",
         ("gc", missing): "does not exist",
         ("gc", str(empty)): "no checkpoints",
@@ -279,6 +283,14 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
         assert r.stdout == "", (cmd, _, r.stdout)
     # deck follow made no --out folder for a start that failed, report wrote no empty page
     assert not (out / "f").exists() and not (out / "r.html").exists()
+    assert not (out / "k").exists()
+    # A negative poll is a usage error, not a traceback after the first catch-up.
+    polls = _decks(
+        ("follow", uri, "--out", str(out / "p"), "--poll", "-1"),
+        ("merge", uri, "--follow", "--poll", "-1"),
+    )
+    for r in polls:
+        assert r.returncode == 2 and "--poll: must be a number of seconds >= 0" in r.stderr, r
 
 
 def test_history_takes_the_torchrec_table_name(ckpt: Path) -> None:

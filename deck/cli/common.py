@@ -45,6 +45,17 @@ def progress_bar(
     return tqdm(desc=desc, total=total, unit=unit, unit_scale=unit_scale, leave=False)
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (got {text})")
+    return value
+
+
 def json_options(text: str | None) -> dict[str, Any] | None:
     """Parse ``--storage-options`` JSON into a dict (None for no text); a usage error names what is wrong."""
     if not text:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
-from deck.cli.common import Subparsers, flags_of, human, open_existing, progress_bar
+from deck.cli.common import Subparsers, flags_of, human, open_existing, progress_bar, seconds
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
@@ -483,7 +483,7 @@ def merge_parser(sub: Subparsers) -> None:
         help="--gc: the first run and every N-th look at the whole store; the others at the "
         "newest steps (100)",
     )
-    mer.add_argument("--poll", type=float, default=5.0, help="--follow: seconds between scans")
+    mer.add_argument("--poll", type=seconds, default=5.0, help="--follow: seconds between scans")
     mer.add_argument(
         "--wait",
         type=float,

@@ -10,7 +10,15 @@ import shutil
 import time
 
 import deck.schemes as schemes
-from deck.cli.common import Subparsers, human, open_existing, progress_bar, quiet_catalog
+from deck.cli.common import (
+    Subparsers,
+    human,
+    open_existing,
+    progress_bar,
+    quiet_catalog,
+    seconds,
+)
+from deck.errors import ConfigError
 from deck.storage import open_storage
 
 
@@ -58,11 +66,28 @@ def cmd_follow(a: argparse.Namespace) -> int:
     try:
         if schemes.is_publish_sink(a.uri):  # kafka://: its own loading service
             return cmd_follow_kafka(a)
+        given = [f for f, v in _KAFKA_ONLY.items() if getattr(a, v) not in (None, 0)]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: for kafka:// URIs only ({a.uri} is a directory of "
+                "published checkpoints: its follower keeps no loader fulls, runs or groups); "
+                "drop them"
+            )
         return _follow_uri(a)
     except BaseException:
         if created:
             _remove_empty_tree(a.out)
         raise
+
+
+# deck follow's flags for a Kafka topic only, by their argparse names
+_KAFKA_ONLY = {
+    "--state-uri": "state_uri",
+    "--group": "group",
+    "--full-uri": "full_uri",
+    "--full-every": "full_every",
+    "--run": "run",
+}
 
 
 def _remove_empty_tree(path: str) -> None:
@@ -205,7 +230,7 @@ def follow_parser(sub: Subparsers) -> None:
     fol.add_argument("--out", required=True, help="output directory (created if missing)")
     fol.add_argument("--once", action="store_true", help="catch up once and exit")
     fol.add_argument(
-        "--poll", type=float, default=10.0, help="seconds between checks for new steps (10)"
+        "--poll", type=seconds, default=10.0, help="seconds between checks for new steps (10)"
     )
     fol.add_argument(
         "--allow-quantized",

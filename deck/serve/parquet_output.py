@@ -4,6 +4,7 @@ the rows each applied checkpoint changed (layout: :mod:`deck.format.parquet`).""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any
@@ -28,6 +29,11 @@ from deck.read.catalog import checkpoint_label
 from deck.storage import Storage
 from deck.storage.atomic import TEMP_PREFIX, fsync_dir
 
+logger = logging.getLogger(__name__)
+
+# Beside ``parquet/``: folders a publisher's rollback left behind, by the full that replaced them
+ROLLED_BACK_DIR = "parquet-rolled-back"
+
 
 def changed_rows(
     storage: Storage, m: CheckpointManifest, parts: list[RankManifest], allow_quantized: bool
@@ -43,6 +49,24 @@ def changed_rows(
                 arrays = decode_chunk(data, chunk, where, allow_quantized, shard=rec)
                 ids.setdefault(rec.table, []).append(arrays["ids"].to(torch.int64).clone())
     return {t: torch.unique(torch.cat(v)) for t, v in ids.items()}
+
+
+def _checkpoint_of(folder: str) -> str | None:
+    """The checkpoint id a step folder's files are of (one file says); None when there is
+    none or it cannot be read."""
+    import pyarrow.parquet as pq
+
+    if not os.path.isdir(folder):
+        return None
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".parquet"):
+            try:
+                meta = pq.read_schema(os.path.join(folder, name)).metadata or {}
+            except (OSError, ValueError):  # pyarrow's errors are both: damaged
+                return None
+            found = meta.get(b"deck.checkpoint")
+            return None if found is None else found.decode(errors="replace")
+    return None
 
 
 class ParquetOutput:
@@ -64,29 +88,54 @@ class ParquetOutput:
         a follower resumed on this directory applies its next deltas on. No (an earlier
         ``deck follow`` without ``--format parquet`` moved the state on, or nothing was
         written yet): the follower writes the state in full first."""
-        import pyarrow.parquet as pq
-
         step, ckpt = state
-        for kind in ("full", "delta"):
-            folder = os.path.join(self.root, step_dir_name(step, kind))
-            if not os.path.isdir(folder):
-                continue
-            for name in sorted(os.listdir(folder)):
-                if not name.endswith(".parquet"):
-                    continue
-                try:
-                    meta = pq.read_schema(os.path.join(folder, name)).metadata or {}
-                except (OSError, ValueError):  # pyarrow's errors are both: damaged, rewrite it
-                    break
-                if meta.get(b"deck.checkpoint") == ckpt.encode():
-                    return True
-                break  # one file says which checkpoint the folder is of
-        return False
+        return any(
+            _checkpoint_of(os.path.join(self.root, step_dir_name(step, kind))) == ckpt
+            for kind in ("full", "delta")
+        )
 
     def full(self, follower: Any) -> str:
         """Write every row of the state ``follower`` (a :class:`deck.serve.follow.Follower`) holds,
-        as step ``follower.state``."""
+        as step ``follower.state``. Folders of another timeline after it (the publisher rolled
+        back: restored an older step and trained on) are moved out of ``parquet/`` first, so
+        that the newest full and the deltas after it are always one timeline."""
+        self._set_aside(follower.state)
         return self.write("full", follower.state, None, self._layouts(follower), follower.tensors)
+
+    def _set_aside(self, state: tuple[int, str]) -> None:
+        """Move the folders of steps after ``state`` (and a delta at its step of another
+        checkpoint) to ``<out>/parquet-rolled-back/<step>-<id>/``: not deleted (a consumer may
+        want what it read of them), not where a consumer of ``parquet/`` looks."""
+        step, ckpt = state
+        names = []
+        for name in sorted(os.listdir(self.root)):
+            at, _, kind = name.partition("-")
+            if not at.isdigit() or kind not in ("full", "delta"):
+                continue  # (temp folders, anything not ours)
+            if int(at) > step or (
+                int(at) == step
+                and kind == "delta"
+                and _checkpoint_of(os.path.join(self.root, name)) != ckpt
+            ):
+                names.append(name)
+        if not names:
+            return
+        aside = os.path.join(os.path.dirname(self.root), ROLLED_BACK_DIR, f"{step:012d}-{ckpt}")
+        os.makedirs(aside, exist_ok=True)
+        for name in names:
+            shutil.rmtree(os.path.join(aside, name), ignore_errors=True)  # (a redo's)
+            os.rename(os.path.join(self.root, name), os.path.join(aside, name))
+        fsync_dir(aside)
+        fsync_dir(self.root)
+        logger.warning(
+            "deck follow: %s rolled back to step %d (%s): moved the Parquet folders of the "
+            "timeline it left (%s) to %s",
+            self.uri,
+            step,
+            ckpt,
+            ", ".join(names),
+            aside,
+        )
 
     def delta(
         self,

@@ -153,6 +153,34 @@ def test_poison_message_is_quarantined(
     pub.close()
 
 
+def test_a_running_loader_moves_on_at_the_next_full_after_stray_messages(
+    broker: TansuBroker, tmp_path: Path
+) -> None:
+    """Messages that belong to no step on the rank partitions, read by a loader that keeps
+    running: the next full and its deltas are applied (a break-it run: the running loader
+    took an end of partition seen before the full's files for the end, skipped the full
+    silently and every delta after it; a restarted one got past)."""
+    topic = _topic(broker)
+    name = topic.rsplit("/", 1)[1]
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    s0, s1 = pub.publish("full"), pub.publish()
+    out = str(tmp_path / "out")
+    kf = _loader(topic, out)
+    try:
+        kf.catch_up()
+        for p in (1, 2):
+            inject(broker.bootstrap, name, p, b"garbage-not-deck", [])
+        for _ in range(6):  # running: its readers fetch the stray messages meanwhile
+            assert kf.poll(0.3) is None
+        s2, s3 = pub.publish("full"), pub.publish()
+        kf.catch_up()
+    finally:
+        kf.close()
+    assert kf.stats.applied == [s0, s1, s2, s3], kf.stats
+    _serves(out, pub, s3)
+    pub.close()
+
+
 def test_foreign_stream_is_refused(
     broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -250,23 +278,40 @@ def test_a_publisher_rollback_is_followed(broker: TansuBroker, tmp_path: Path) -
     its first publish a full at a lower step than the loader held); the loader dropped that
     full as "already held" and refused every later delta, serving the rolled-back model until
     the next full. A full published after the held step's marker, at a lower or equal step, is a
-    rollback: the loader serves it, then the new timeline's deltas."""
+    rollback: the loader serves it, then the new timeline's deltas. Its Parquet output holds
+    one timeline: the folders of the one left are moved aside (a break-it run: a consumer
+    following the documented rule read the abandoned timeline's newest full)."""
+    from deck.format.parquet import read_table
+
     topic = _topic(broker)
     pub = SynthPublisher(topic, str(tmp_path / "state"))
     pub.publish("full")
     for _ in range(4):
         pub.publish()
     out = str(tmp_path / "out")
-    _catch_up(topic, out)
+    _catch_up(topic, out, parquet=True)
     _serves(out, pub, 5)
+    old_ids = {s: pub.expected(s)[0] for s in range(2, 6)}
     pub.trainer.rollback(2)  # restore step 2, then train on: steps 3.. again
     s3 = pub.publish("full")  # a restored publisher's first publish is a full
     s4 = pub.publish()
     assert (s3, s4) == (3, 4)
-    kf = _catch_up(topic, out)
+    kf = _catch_up(topic, out, parquet=True)
     assert kf.stats.applied == [s3, s4], kf.stats
     _serves(out, pub, s4)
-    kf = _catch_up(topic, out)  # a restart re-reads nothing it already applied
+    kf = _catch_up(topic, out, parquet=True)  # a restart re-reads nothing it already applied
     assert kf.stats.applied == [], kf.stats
     _serves(out, pub, s4)
+    root = Path(out, "parquet")
+    names = ["000000000001-full", "000000000002-delta", "000000000003-full", "000000000004-delta"]
+    assert sorted(p.name for p in root.iterdir()) == names
+    for name, step in [(names[2], s3), (names[3], s4)]:
+        for f in (root / name).iterdir():
+            assert read_table(str(f))[0]["checkpoint"] == pub.expected(step)[0], (name, f)
+    aside = Path(out, "parquet-rolled-back", f"{s3:012d}-{pub.expected(s3)[0]}")
+    moved = sorted(p.name for p in aside.iterdir())
+    assert moved == ["000000000003-delta", "000000000004-delta", "000000000005-delta"]
+    for name in moved:
+        for f in (aside / name).iterdir():
+            assert read_table(str(f))[0]["checkpoint"] == old_ids[int(name[:12])], (name, f)
     pub.close()
