@@ -9,6 +9,7 @@ adapters need nothing of the trainer and the trainer nothing of a particular ada
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from deck.errors import IncompatibleModelError
+
+logger = logging.getLogger(__name__)
 
 
 class RowRecorder(Protocol):
@@ -250,15 +253,63 @@ def hyperparameters(opt: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
-def load_hyperparameters(opt: Any, groups: list[dict[str, Any]], what: str) -> None:
-    """Put :func:`hyperparameters` back into ``opt``'s param groups, in order. Raises
-    :class:`deck.errors.IncompatibleModelError` naming ``what`` when the group counts differ."""
+def load_hyperparameters(
+    opt: Any, groups: list[dict[str, Any]], what: str, *, said: bool = False
+) -> None:
+    """Put :func:`hyperparameters` back into ``opt``'s param groups, in order, saying which
+    ones they replace (:func:`say_edited`; ``said``: the caller did, before it loaded more).
+    Raises :class:`deck.errors.IncompatibleModelError` naming ``what`` when the group counts
+    differ."""
     if len(groups) != len(opt.param_groups):
         raise IncompatibleModelError(
             f"{what}: {len(groups)} param groups saved, {len(opt.param_groups)} in the model"
         )
+    if not said:
+        say_edited(opt, groups, what)
     for live, hyper in zip(opt.param_groups, groups, strict=True):
         live.update(hyper)
+
+
+def say_edited(opt: Any, groups: list[dict[str, Any]], what: str) -> None:
+    """Log a WARNING for each param group of ``opt`` built with hyperparameters other than
+    the saved ``groups`` (called before they are loaded): the restore replaces the edit."""
+    for i, (live, hyper) in enumerate(zip(opt.param_groups, groups, strict=False)):
+        changed = _edited(live, hyper)
+        if changed:
+            logger.warning(
+                "deck: %s, param group %d: the checkpoint's %s replace what the optimizer was "
+                "built with (%s): hyperparameters are restored with the state, so that a "
+                "schedule resumes; to change one, set it after the restore",
+                what,
+                i,
+                ", ".join(f"{k}={hyper[k]!r}" for k in changed),
+                ", ".join(f"{k}={live[k]!r}" for k in changed),
+            )
+
+
+def _edited(live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """The hyperparameters ``live`` was built with that differ from ``saved``'s: an edit
+    before the restart, which the restore discards. A scheduler's progress is not one: where
+    both hold an ``initial_lr`` (the scheduler's base), the lr is compared through it."""
+    scheduled = "initial_lr" in live and "initial_lr" in saved
+    return [
+        k
+        for k in sorted(live)
+        if k in saved
+        and k != "params"
+        and not (scheduled and k == "lr")
+        and _plain(live[k]) != _plain(saved[k])
+    ]
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as a comparable value (a tensor lr: its number; a tuple, as a saved one
+    reads back: a list)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def copy_dense_state(

@@ -473,9 +473,8 @@ def pull_files(
         if reader.hint is not None and time.monotonic() > hint_deadline and reader.drained():
             rewind(f"nothing at the recorded start {reader.hint.offset} (past the end?)")
             continue
-        # (Confirmed: an end event queued before this step's files arrived, behind a stray
-        # message read meanwhile, said the files were missing: a running loader skipped a
-        # good full and every delta after it.)
+        # Confirmed, not a bare at_end(): an end event queued behind a stray message, before
+        # this step's files arrived, made a running loader skip a good full.
         if (bad and reader.end_confirmed()) or waited:
             missing = sorted(k for k in need if len(pieces.get(k, ())) != counts.get(k, -1))
             reader.ahead = keep  # later steps' segments stay for their markers

@@ -22,7 +22,7 @@ import torch
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.format.statefile import scalar_key
-from deck.model import TableShard, load_hyperparameters
+from deck.model import TableShard, load_hyperparameters, say_edited
 from deck.read.catalog import read_rank_manifests
 from deck.read.restore import read_state_file, span
 from deck.storage import Storage
@@ -98,6 +98,7 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
     state of the same parameters) is first given state for exactly the saved parameters.
     """
     sd = saved["state_dict"]
+    say_edited(opt, saved.get("param_groups", []), f"optimizer {name}")  # (before the load)
     params = getattr(opt, "params", None)
     init = getattr(opt, "init_state", None)
     if isinstance(params, Mapping) and init is not None:
@@ -105,8 +106,12 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
     try:
         opt.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise IncompatibleModelError(f"optimizer {name}: saved state does not fit ({e})") from None
-    load_hyperparameters(opt, saved.get("param_groups", []), f"optimizer {name}")
+        raise IncompatibleModelError(
+            f"optimizer {name}: saved state does not fit ({e}): the model's optimizer is not the "
+            "one that saved it (another class, or settings that change its state); build the "
+            "optimizer the job saved with, or start a new URI for the new one"
+        ) from None
+    load_hyperparameters(opt, saved.get("param_groups", []), f"optimizer {name}", said=True)
 
 
 def _match_keyed_state(

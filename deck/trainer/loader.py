@@ -438,7 +438,7 @@ class StateLoader:
                     f"{sorted(saved_all)})"
                 )
             try:
-                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), name)
+                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), f"{name} ({where})")
             except IncompatibleModelError as e:
                 if not moved:
                     raise

@@ -4,6 +4,7 @@ KeyedOptimizerWrapper, whatever state the optimizer held before the load."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -80,7 +81,9 @@ FACTORIES = {
 @pytest.mark.parametrize("keyed", [True, False], ids=["KeyedOptimizerWrapper", "torch"])
 @pytest.mark.parametrize("before", ["empty", "all-params-have-state"])
 @pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_restore_gives_exactly_the_saved_subset(keyed: bool, before: str, name: str) -> None:
+def test_restore_gives_exactly_the_saved_subset(
+    keyed: bool, before: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     factory = FACTORIES[name]
     live = _Net(0)
     opt: torch.optim.Optimizer = (
@@ -110,7 +113,9 @@ def test_restore_gives_exactly_the_saved_subset(keyed: bool, before: str, name: 
         opt2.step()
         assert len(opt2.state) == 3
     grads = [p.grad for p in fresh.parameters()]
-    load_optimizer(opt2, saved, "0")
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        load_optimizer(opt2, saved, "0")
+    assert not caplog.records, caplog.text  # built as saved: nothing to say
     assert [p.grad for p in fresh.parameters()] == grads  # the load leaves gradients alone
     assert _same(want, _flat(opt2.state_dict()))
     assert (fresh.dummy_param in opt2.state) == unused_has_state  # none saved, none now
@@ -129,3 +134,57 @@ def test_saved_state_for_a_parameter_the_model_lacks_is_refused() -> None:
     opt2 = _keyed(_Net(1), FACTORIES["adam"])
     with pytest.raises(IncompatibleModelError, match=r"gone\.weight"):
         load_optimizer(opt2, saved, "0")
+
+
+EDITED = "replace what the optimizer was built with"
+
+
+def test_an_edited_hyperparameter_is_replaced_by_the_checkpoints_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job restarted with another lr: the checkpoint's lr is what it trains with (so a
+    schedule resumes), and a WARNING says the edit was replaced and how to make one (a
+    break-it run: the edit was dropped without a word)."""
+    live = _Net(0)
+    opt = FACTORIES["adam"](list(live.parameters()))
+    _train(live, opt, range(2))
+    saved = _saved(opt)
+    edited = torch.optim.Adam(list(_Net(1).parameters()), lr=0.5, weight_decay=1e-3)
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        load_optimizer(edited, saved, "0")
+    assert edited.param_groups[0]["lr"] == 0.01
+    assert [r.getMessage() for r in caplog.records if EDITED in r.getMessage()] == [
+        "deck: optimizer 0, param group 0: the checkpoint's lr=0.01 replace what the optimizer "
+        "was built with (lr=0.5): hyperparameters are restored with the state, so that a "
+        "schedule resumes; to change one, set it after the restore"
+    ]
+
+
+@pytest.mark.parametrize("base_lr", [0.01, 0.3], ids=["as-saved", "edited"])
+def test_a_schedulers_progress_is_not_an_edit(
+    base_lr: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    live = _Net(0)
+    opt = FACTORIES["adam"](list(live.parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        _train(live, opt, range(1))
+        sched.step()
+    saved = _saved(opt)
+    fresh = torch.optim.Adam(list(_Net(1).parameters()), lr=base_lr, weight_decay=1e-3)
+    torch.optim.lr_scheduler.StepLR(fresh, step_size=1, gamma=0.5)
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        load_optimizer(fresh, saved, "0")
+    assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.01 * 0.5**3
+    said = [r.getMessage() for r in caplog.records if EDITED in r.getMessage()]
+    assert len(said) == (base_lr != 0.01), said
+    assert all("initial_lr=0.01" in m and "initial_lr=0.3" in m for m in said), said
+
+
+def test_another_optimizer_class_is_refused_saying_what_to_do() -> None:
+    live = _Net(0)
+    opt = _keyed(live, FACTORIES["adagrad"])
+    _train(live, opt, range(2))
+    other = _keyed(_Net(1), FACTORIES["adam"])
+    with pytest.raises(IncompatibleModelError, match="build the optimizer the job saved with"):
+        load_optimizer(other, _saved(opt), "0 (step 2 at /ck)")
