@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -270,13 +272,30 @@ def load_hyperparameters(
         live.update(hyper)
 
 
+_edits_level: ContextVar[int] = ContextVar("deck_edits_level", default=logging.WARNING)
+
+
+@contextmanager
+def edits_logged_at(level: int) -> Iterator[None]:
+    """:func:`say_edited` logs at ``level`` inside: INFO where a wrapper sets the lr itself
+    (TorchRec's WarmupOptimizer moves it from its own base each step, with no ``initial_lr``
+    to tell its progress from an edit)."""
+    token = _edits_level.set(level)
+    try:
+        yield
+    finally:
+        _edits_level.reset(token)
+
+
 def say_edited(opt: Any, groups: list[dict[str, Any]], what: str) -> None:
-    """Log a WARNING for each param group of ``opt`` built with hyperparameters other than
-    the saved ``groups`` (called before they are loaded): the restore replaces the edit."""
+    """Log (a WARNING, or see :func:`edits_logged_at`) each param group of ``opt`` built with
+    hyperparameters other than the saved ``groups`` (called before they are loaded): the
+    restore replaces the edit."""
     for i, (live, hyper) in enumerate(zip(opt.param_groups, groups, strict=False)):
         changed = _edited(live, hyper)
         if changed:
-            logger.warning(
+            logger.log(
+                _edits_level.get(),
                 "deck: %s, param group %d: the checkpoint's %s replace what the optimizer was "
                 "built with (%s): hyperparameters are restored with the state, so that a "
                 "schedule resumes; to change one, set it after the restore",

@@ -34,7 +34,7 @@ from deck.errors import (
 )
 from deck.format.epochs import newest_witness
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
-from deck.model import ModelAdapter, Optimizers, copy_dense_state
+from deck.model import ModelAdapter, Optimizers, copy_dense_state, edits_logged_at
 from deck.read.catalog import (
     ManifestSet,
     checkpoint_label,
@@ -421,6 +421,10 @@ class StateLoader:
         restore_rng(saved, where)
 
     def _load_optimizers(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
+        with edits_logged_at(logging.INFO if self.optimizers.wrappers else logging.WARNING):
+            self._load_each_optimizer(extra, target, moved)
+
+    def _load_each_optimizer(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
         where = f"step {target} at {self.storage.uri}"
         for name, wrapper in self.optimizers.wrappers.items():
             saved_wrapper = extra.get("wrappers", {}).get(name)

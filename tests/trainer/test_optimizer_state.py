@@ -13,6 +13,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from deck.errors import IncompatibleModelError
 from deck.format import treecodec
+from deck.model import edits_logged_at
 from deck.trainer.fitting import load_optimizer
 
 
@@ -158,6 +159,23 @@ def test_an_edited_hyperparameter_is_replaced_by_the_checkpoints_and_said(
         "was built with (lr=0.5): hyperparameters are restored with the state, so that a "
         "schedule resumes; to change one, set it after the restore"
     ]
+
+
+def test_under_a_wrapper_that_sets_the_lr_an_edit_is_an_info_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """TorchRec's WarmupOptimizer moves the lr from its own base each step: a restore of its
+    job always finds an lr other than the one built, so it says so at INFO, not as a WARNING
+    on every restore."""
+    live = _Net(0)
+    opt = FACTORIES["adam"](list(live.parameters()))
+    _train(live, opt, range(2))
+    saved = _saved(opt)
+    warmed = torch.optim.Adam(list(_Net(1).parameters()), lr=0.001, weight_decay=1e-3)
+    with caplog.at_level(logging.INFO, logger="deck"), edits_logged_at(logging.INFO):
+        load_optimizer(warmed, saved, "0")
+    said = [r for r in caplog.records if EDITED in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], caplog.text
 
 
 @pytest.mark.parametrize("base_lr", [0.01, 0.3], ids=["as-saved", "edited"])
