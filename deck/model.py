@@ -327,7 +327,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
+        return [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
     return value
 
 
