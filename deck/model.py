@@ -317,18 +317,26 @@ def _edited(live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
         if k in saved
         and k != "params"
         and not (scheduled and k == "lr")
-        and _plain(live[k]) != _plain(saved[k])
+        and _differs(live[k], saved[k])
     ]
 
 
-def _plain(value: Any) -> Any:
-    """A hyperparameter as a comparable value (a tensor lr: its number; a tuple, as a saved one
-    reads back: a list)."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, tuple | list):
-        return [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
-    return value
+def _differs(a: Any, b: Any) -> bool:
+    """Whether two values of a hyperparameter differ, a tensor taken as its numbers and a
+    tuple as a list (as a saved one reads back); values that cannot be compared (an array's
+    ambiguous truth) are not said to."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, tuple | list):
+            return [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
+        return value
+
+    try:
+        return bool(plain(a) != plain(b))
+    except (ValueError, TypeError, RuntimeError):
+        return False
 
 
 def copy_dense_state(
