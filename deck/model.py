@@ -248,6 +248,24 @@ class ModelAdapter(abc.ABC):
         its ``intact()`` says whether they are still the ones the model calls."""
 
 
+def optimizer_record(opt: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of a dense optimizer (docs/format.md, "Dense and extra state"):
+    its ``state_dict``, its :func:`hyperparameters` and its :func:`optimizer_class`."""
+    return {
+        "state_dict": opt.state_dict(),
+        "param_groups": hyperparameters(opt),
+        "class": optimizer_class(opt),
+    }
+
+
+def optimizer_class(opt: Any) -> str:
+    """The qualified class name of the algorithm behind ``opt``: TorchRec's
+    ``KeyedOptimizerWrapper`` is opened (its class says nothing of the update it makes)."""
+    inner = getattr(opt, "_optimizer", None)
+    algo = inner if isinstance(inner, torch.optim.Optimizer) else opt
+    return f"{type(algo).__module__}.{type(algo).__qualname__}"
+
+
 def hyperparameters(opt: Any) -> list[dict[str, Any]]:
     """Every param group of ``opt`` without its parameters: lr, betas, weight decay, ... and
     whatever a scheduler added (``initial_lr``). Read from ``param_groups`` itself: TorchRec's

@@ -26,7 +26,7 @@ from deck.model import (
     ModelAdapter,
     RemovableHandle,
     TableShard,
-    hyperparameters,
+    optimizer_record,
 )
 from deck.read.catalog import (
     read_manifests,
@@ -538,8 +538,7 @@ class DeltaCheckpointer:
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "optimizers": {
-                name: {"state_dict": opt.state_dict(), "param_groups": hyperparameters(opt)}
-                for name, opt in self._optimizers.dense.items()
+                name: optimizer_record(opt) for name, opt in self._optimizers.dense.items()
             },
             "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},
             "fused_hyperparameters": self.adapter.fused_hyperparameters(),

@@ -22,7 +22,7 @@ import torch
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.format.statefile import scalar_key
-from deck.model import TableShard, load_hyperparameters, say_edited
+from deck.model import TableShard, load_hyperparameters, optimizer_class, say_edited
 from deck.read.catalog import read_rank_manifests
 from deck.read.restore import read_state_file, span
 from deck.storage import Storage
@@ -98,6 +98,14 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
     state of the same parameters) is first given state for exactly the saved parameters.
     """
     sd = saved["state_dict"]
+    saved_class, live_class = saved.get("class"), optimizer_class(opt)
+    if saved_class is not None and saved_class != live_class:
+        # torch loads another class's state without a word (the first step then fails, or
+        # the param groups make one algorithm behave as the other): refuse it here
+        raise IncompatibleModelError(
+            f"optimizer {name}: saved by {saved_class}, the model's is {live_class}; build the "
+            "optimizer the job saved with, or start a new URI for the new one"
+        )
     say_edited(opt, saved.get("param_groups", []), f"optimizer {name}")  # (before the load)
     params = getattr(opt, "params", None)
     init = getattr(opt, "init_state", None)

@@ -13,7 +13,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from deck.errors import IncompatibleModelError
 from deck.format import treecodec
-from deck.model import edits_logged_at
+from deck.model import edits_logged_at, optimizer_class, optimizer_record
 from deck.trainer.fitting import load_optimizer
 
 
@@ -45,10 +45,7 @@ def _train(net: _Net, opt: torch.optim.Optimizer, steps: range) -> list[float]:
 
 def _saved(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What deck writes for a dense optimizer, through its on-disk encoding (no pickle)."""
-    saved = {
-        "state_dict": opt.state_dict(),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-    }
+    saved = optimizer_record(opt)
     return treecodec.decode(treecodec.encode(saved, "test"), "test")  # type: ignore[no-any-return]
 
 
@@ -199,10 +196,40 @@ def test_a_schedulers_progress_is_not_an_edit(
     assert all("initial_lr=0.01" in m and "initial_lr=0.3" in m for m in said), said
 
 
-def test_another_optimizer_class_is_refused_saying_what_to_do() -> None:
+@pytest.mark.parametrize("keyed", [True, False], ids=["KeyedOptimizerWrapper", "torch"])
+@pytest.mark.parametrize(
+    ("saved_as", "built_as"),
+    [
+        ("adagrad", lambda p: torch.optim.Adam(p, lr=0.01)),
+        # Same state keys: torch loads it without a word, and the saved param groups would
+        # make the AdamW an Adam (decoupled weight decay off).
+        ("adam", lambda p: torch.optim.AdamW(p, lr=0.01)),
+        ("sgd-momentum", lambda p: torch.optim.Adam(p, lr=0.01)),
+    ],
+    ids=["adagrad-to-adam", "adam-to-adamw", "sgd-to-adam"],
+)
+def test_another_optimizer_class_is_refused_saying_what_to_do(
+    keyed: bool, saved_as: str, built_as: Any
+) -> None:
+    def build(net: _Net, factory: Any) -> torch.optim.Optimizer:
+        return _keyed(net, factory) if keyed else factory(list(net.parameters()))
+
     live = _Net(0)
-    opt = _keyed(live, FACTORIES["adagrad"])
+    opt = build(live, FACTORIES[saved_as])
     _train(live, opt, range(2))
-    other = _keyed(_Net(1), FACTORIES["adam"])
-    with pytest.raises(IncompatibleModelError, match="build the optimizer the job saved with"):
+    other = build(_Net(1), built_as)
+    with pytest.raises(IncompatibleModelError, match="build the optimizer the job saved with") as e:
         load_optimizer(other, _saved(opt), "0 (step 2 at /ck)")
+    assert "step 2 at /ck" in str(e.value) and optimizer_class(other) in str(e.value)
+
+
+def test_a_checkpoint_written_before_classes_were_kept_still_loads() -> None:
+    live = _Net(0)
+    opt = torch.optim.Adam(list(live.parameters()), lr=0.01)
+    _train(live, opt, range(2))
+    saved = _saved(opt)
+    del saved["class"]
+    fresh = _Net(1)
+    opt2 = torch.optim.Adam(list(fresh.parameters()), lr=0.01)
+    load_optimizer(opt2, saved, "0")
+    assert _same(_flat(opt2.state_dict()), _flat(opt.state_dict()))
