@@ -19,6 +19,7 @@ from deck.cli.common import (
     seconds,
 )
 from deck.errors import ConfigError
+from deck.serve.out_lock import LOCK_NAME, OutLock
 from deck.storage import open_storage
 
 
@@ -60,24 +61,32 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def cmd_follow(a: argparse.Namespace) -> int:
     """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok; a failure
-    raises). An ``--out`` folder this call created is removed again when the call fails
-    before writing any file into it."""
+    raises). Holds ``--out``'s lock (deck.serve.out_lock) while it runs. An ``--out`` folder
+    this call created is removed again when the call fails before writing any file into it."""
     created = not os.path.exists(a.out)
+    lock: OutLock | None = None
     try:
-        if schemes.is_publish_sink(a.uri):  # kafka://: its own loading service
-            return cmd_follow_kafka(a)
         given = [f for f, v in _KAFKA_ONLY.items() if getattr(a, v) not in (None, 0)]
-        if given:
+        if given and not schemes.is_publish_sink(a.uri):
             raise ConfigError(
                 f"{', '.join(given)}: for kafka:// URIs only ({a.uri} is a directory of "
                 "published checkpoints: its follower keeps no loader fulls, runs or groups); "
                 "drop them"
             )
+        if os.path.exists(a.out) and not os.path.isdir(a.out):
+            raise ConfigError(f"--out {a.out} is not a directory: name a folder for the state")
+        os.makedirs(a.out, exist_ok=True)
+        lock = OutLock(a.out)
+        if schemes.is_publish_sink(a.uri):  # kafka://: its own loading service
+            return cmd_follow_kafka(a)
         return _follow_uri(a)
     except BaseException:
         if created:
             _remove_empty_tree(a.out)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 # deck follow's flags for a Kafka topic only, by their argparse names
@@ -95,7 +104,7 @@ def _remove_empty_tree(path: str) -> None:
     start left, never anything a follower wrote."""
     if not os.path.isdir(path):
         return
-    if any(files for _dir, _subdirs, files in os.walk(path)):
+    if any(set(files) - {LOCK_NAME} for _dir, _subdirs, files in os.walk(path)):
         return
     shutil.rmtree(path, ignore_errors=True)
 

@@ -694,15 +694,16 @@ def user_state_pair(
     state: UserState | None,
 ) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
     """The ``(get, set)`` functions of user state given as an object with
-    ``state_dict()``/``load_state_dict()`` or as such a pair (None: no user state); TypeError
-    for anything else."""
+    ``state_dict()``/``load_state_dict()`` or as such a pair (None: no user state);
+    :class:`ConfigError` for anything else (a DeckError, so every rank of a refusing ``enable``
+    raises the same class)."""
     if state is None:
         return None
     if isinstance(state, tuple) and len(state) == 2 and all(callable(f) for f in state):
         return state
     if isinstance(state, Stateful):
         return state.state_dict, state.load_state_dict
-    raise TypeError(
+    raise ConfigError(
         "state must be an object with state_dict()/load_state_dict() or a (get_state, set_state) pair, "
         f"got {type(state).__name__}"
     )
