@@ -31,6 +31,7 @@ from deck.adapters.torchrec_compat import (
 from deck.adapters.torchrec_hooks import chain_hooks, lookup_forward_hooks
 from deck.adapters.torchrec_mc import ManagedCollision, module_state, prepare_restore
 from deck.adapters.torchrec_optim import (
+    algorithm_class,
     check_dense_leaf,
     flatten,
     fused_leaves,
@@ -355,6 +356,7 @@ class TorchRecAdapter(ModelAdapter):
                     continue
                 check_dense_leaf(name, leaf)
                 out.dense[f"{name}.{j}"] = leaf
+                out.classes[f"{name}.{j}"] = algorithm_class(leaf)
         return out
 
     def fused_hyperparameters(self) -> dict[str, dict[str, Any]]:

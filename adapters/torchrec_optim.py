@@ -17,7 +17,7 @@ from deck.adapters.torchrec_compat import (
     wrapped_optimizer,
 )
 from torchrec.optim.clipping import GradientClippingOptimizer
-from torchrec.optim.keyed import CombinedOptimizer, OptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
 from torchrec.optim.warmup import WarmupOptimizer
 
 from deck.errors import UnsupportedError
@@ -48,6 +48,13 @@ def flatten(opt: Any) -> list[Any]:
     if isinstance(opt, OptimizerWrapper):
         return flatten(wrapped_optimizer(opt))
     return [opt]
+
+
+def algorithm_class(leaf: Any) -> str:
+    """The qualified class name of the algorithm a dense leaf runs: a KeyedOptimizerWrapper's
+    inner optimizer (the wrapper's own class says nothing of the update it makes)."""
+    algo = wrapped_optimizer(leaf) if isinstance(leaf, KeyedOptimizerWrapper) else leaf
+    return f"{type(algo).__module__}.{type(algo).__qualname__}"
 
 
 def wrappers(opt: Any) -> list[Any]:

@@ -129,6 +129,9 @@ class Optimizers:
     own (by name)."""
 
     dense: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    # the qualified class name of the algorithm each dense leaf runs (by the same names; a
+    # restore refuses another): what the adapter knows of wrappers whose class says nothing
+    classes: dict[str, str] = field(default_factory=dict)
     wrappers: dict[str, WrapperState] = field(default_factory=dict)
 
 
@@ -248,22 +251,15 @@ class ModelAdapter(abc.ABC):
         its ``intact()`` says whether they are still the ones the model calls."""
 
 
-def optimizer_record(opt: Any) -> dict[str, Any]:
+def optimizer_record(opt: Any, algorithm: str) -> dict[str, Any]:
     """What a checkpoint keeps of a dense optimizer (docs/format.md, "Dense and extra state"):
-    its ``state_dict``, its :func:`hyperparameters` and its :func:`optimizer_class`."""
+    its ``state_dict``, its :func:`hyperparameters` and ``algorithm``, the qualified class name
+    of the algorithm it runs (:attr:`Optimizers.classes`)."""
     return {
         "state_dict": opt.state_dict(),
         "param_groups": hyperparameters(opt),
-        "class": optimizer_class(opt),
+        "class": algorithm,
     }
-
-
-def optimizer_class(opt: Any) -> str:
-    """The qualified class name of the algorithm behind ``opt``: TorchRec's
-    ``KeyedOptimizerWrapper`` is opened (its class says nothing of the update it makes)."""
-    inner = getattr(opt, "_optimizer", None)
-    algo = inner if isinstance(inner, torch.optim.Optimizer) else opt
-    return f"{type(algo).__module__}.{type(algo).__qualname__}"
 
 
 def hyperparameters(opt: Any) -> list[dict[str, Any]]:

@@ -538,7 +538,8 @@ class DeltaCheckpointer:
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "optimizers": {
-                name: optimizer_record(opt) for name, opt in self._optimizers.dense.items()
+                name: optimizer_record(opt, self._optimizers.classes[name])
+                for name, opt in self._optimizers.dense.items()
             },
             "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},
             "fused_hyperparameters": self.adapter.fused_hyperparameters(),

@@ -22,7 +22,7 @@ import torch
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import CheckpointManifest, RankManifest
 from deck.format.statefile import scalar_key
-from deck.model import TableShard, load_hyperparameters, optimizer_class, say_edited
+from deck.model import TableShard, load_hyperparameters, say_edited
 from deck.read.catalog import read_rank_manifests
 from deck.read.restore import read_state_file, span
 from deck.storage import Storage
@@ -88,8 +88,12 @@ def shard_scalars(
     return out
 
 
-def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str) -> None:
-    """Load a saved ``{"state_dict", "param_groups"}`` into ``opt`` exactly.
+def load_optimizer(
+    opt: torch.optim.Optimizer, saved: dict[str, Any], name: str, algorithm: str
+) -> None:
+    """Load a saved :func:`deck.model.optimizer_record` into ``opt`` exactly; one saved by
+    another ``algorithm`` than ``opt``'s (a record without one is not checked) raises
+    :class:`IncompatibleModelError`.
 
     Afterwards exactly the parameters that had optimizer state when it was saved have state,
     with the saved values: a parameter that never got a gradient (no state yet) has none after
@@ -98,12 +102,12 @@ def load_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], name: str)
     state of the same parameters) is first given state for exactly the saved parameters.
     """
     sd = saved["state_dict"]
-    saved_class, live_class = saved.get("class"), optimizer_class(opt)
-    if saved_class is not None and saved_class != live_class:
+    saved_class = saved.get("class")
+    if saved_class is not None and saved_class != algorithm:
         # torch loads another class's state without a word (the first step then fails, or
         # the param groups make one algorithm behave as the other): refuse it here
         raise IncompatibleModelError(
-            f"optimizer {name}: saved by {saved_class}, the model's is {live_class}; build the "
+            f"optimizer {name}: saved by {saved_class}, the model's is {algorithm}; build the "
             "optimizer the job saved with, or start a new URI for the new one"
         )
     say_edited(opt, saved.get("param_groups", []), f"optimizer {name}")  # (before the load)

@@ -442,7 +442,12 @@ class StateLoader:
                     f"{sorted(saved_all)})"
                 )
             try:
-                load_optimizer(opt, reconcile_optimizer(opt, saved, moved), f"{name} ({where})")
+                load_optimizer(
+                    opt,
+                    reconcile_optimizer(opt, saved, moved),
+                    f"{name} ({where})",
+                    self.optimizers.classes[name],
+                )
             except IncompatibleModelError as e:
                 if not moved:
                     raise

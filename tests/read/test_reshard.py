@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from deck.adapters.torchrec_optim import algorithm_class
 from safetensors.torch import load_file, save_file
 
 import deck
@@ -22,7 +23,7 @@ from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_st
 from deck.errors import IncompatibleModelError
 from deck.format.manifest import Kind
 from deck.format.statefile import scalar_key
-from deck.model import TableShard
+from deck.model import TableShard, optimizer_record
 from deck.read.catalog import read_manifests
 from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
@@ -678,8 +679,7 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
         return opt
 
     def saved(opt: KeyedOptimizerWrapper) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        return {"state_dict": opt.state_dict(), "param_groups": groups}
+        return optimizer_record(opt, algorithm_class(opt))
 
     old = make(["mlp.w", "sparse.embedding_bags.t2.weight"], 1)  # t2 was data_parallel
     new = make(["mlp.w", "sparse.embedding_bags.t1.weight"], 2)  # t1 is data_parallel now
@@ -691,9 +691,9 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
     with pytest.raises(
         IncompatibleModelError, match=r"Different parameter count|not found|does not have"
     ):
-        load_optimizer(new, src, "0.0")
+        load_optimizer(new, src, "0.0", algorithm_class(new))
     moved = {"sparse.embedding_bags.t1.weight", "sparse.embedding_bags.t2.weight"}
-    load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0")
+    load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0", algorithm_class(new))
     state = new.state_dict()["state"]
     assert torch.equal(state["mlp.w"]["sum"], old.state_dict()["state"]["mlp.w"]["sum"])
     assert torch.equal(state["sparse.embedding_bags.t1.weight"]["sum"], t1_live)

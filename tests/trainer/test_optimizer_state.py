@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from deck.adapters.torchrec_optim import algorithm_class
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from deck.errors import IncompatibleModelError
 from deck.format import treecodec
-from deck.model import edits_logged_at, optimizer_class, optimizer_record
+from deck.model import edits_logged_at, optimizer_record
 from deck.trainer.fitting import load_optimizer
 
 
@@ -45,7 +46,7 @@ def _train(net: _Net, opt: torch.optim.Optimizer, steps: range) -> list[float]:
 
 def _saved(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What deck writes for a dense optimizer, through its on-disk encoding (no pickle)."""
-    saved = optimizer_record(opt)
+    saved = optimizer_record(opt, algorithm_class(opt))
     return treecodec.decode(treecodec.encode(saved, "test"), "test")  # type: ignore[no-any-return]
 
 
@@ -112,7 +113,7 @@ def test_restore_gives_exactly_the_saved_subset(
         assert len(opt2.state) == 3
     grads = [p.grad for p in fresh.parameters()]
     with caplog.at_level(logging.WARNING, logger="deck"):
-        load_optimizer(opt2, saved, "0")
+        load_optimizer(opt2, saved, "0", algorithm_class(opt2))
     assert not caplog.records, caplog.text  # built as saved: nothing to say
     assert [p.grad for p in fresh.parameters()] == grads  # the load leaves gradients alone
     assert _same(want, _flat(opt2.state_dict()))
@@ -131,7 +132,7 @@ def test_saved_state_for_a_parameter_the_model_lacks_is_refused() -> None:
     saved["state_dict"]["state"]["gone.weight"] = saved["state_dict"]["state"]["lin.bias"]
     opt2 = _keyed(_Net(1), FACTORIES["adam"])
     with pytest.raises(IncompatibleModelError, match=r"gone\.weight"):
-        load_optimizer(opt2, saved, "0")
+        load_optimizer(opt2, saved, "0", algorithm_class(opt2))
 
 
 EDITED = "replace what the optimizer was built with"
@@ -149,7 +150,7 @@ def test_an_edited_hyperparameter_is_replaced_by_the_checkpoints_and_said(
     saved = _saved(opt)
     edited = torch.optim.Adam(list(_Net(1).parameters()), lr=0.5, weight_decay=1e-3)
     with caplog.at_level(logging.WARNING, logger="deck"):
-        load_optimizer(edited, saved, "0")
+        load_optimizer(edited, saved, "0", algorithm_class(edited))
     assert edited.param_groups[0]["lr"] == 0.01
     assert [r.getMessage() for r in caplog.records if EDITED in r.getMessage()] == [
         "deck: optimizer 0, param group 0: the checkpoint's lr=0.01 replace what the optimizer "
@@ -170,7 +171,7 @@ def test_under_a_wrapper_that_sets_the_lr_an_edit_is_an_info_line(
     saved = _saved(opt)
     warmed = torch.optim.Adam(list(_Net(1).parameters()), lr=0.001, weight_decay=1e-3)
     with caplog.at_level(logging.INFO, logger="deck"), edits_logged_at(logging.INFO):
-        load_optimizer(warmed, saved, "0")
+        load_optimizer(warmed, saved, "0", algorithm_class(warmed))
     said = [r for r in caplog.records if EDITED in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO], caplog.text
 
@@ -189,7 +190,7 @@ def test_a_schedulers_progress_is_not_an_edit(
     fresh = torch.optim.Adam(list(_Net(1).parameters()), lr=base_lr, weight_decay=1e-3)
     torch.optim.lr_scheduler.StepLR(fresh, step_size=1, gamma=0.5)
     with caplog.at_level(logging.WARNING, logger="deck"):
-        load_optimizer(fresh, saved, "0")
+        load_optimizer(fresh, saved, "0", algorithm_class(fresh))
     assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.01 * 0.5**3
     said = [r.getMessage() for r in caplog.records if EDITED in r.getMessage()]
     assert len(said) == (base_lr != 0.01), said
@@ -219,8 +220,8 @@ def test_another_optimizer_class_is_refused_saying_what_to_do(
     _train(live, opt, range(2))
     other = build(_Net(1), built_as)
     with pytest.raises(IncompatibleModelError, match="build the optimizer the job saved with") as e:
-        load_optimizer(other, _saved(opt), "0 (step 2 at /ck)")
-    assert "step 2 at /ck" in str(e.value) and optimizer_class(other) in str(e.value)
+        load_optimizer(other, _saved(opt), "0 (step 2 at /ck)", algorithm_class(other))
+    assert "step 2 at /ck" in str(e.value) and algorithm_class(other) in str(e.value)
 
 
 def test_a_checkpoint_written_before_classes_were_kept_still_loads() -> None:
@@ -231,5 +232,5 @@ def test_a_checkpoint_written_before_classes_were_kept_still_loads() -> None:
     del saved["class"]
     fresh = _Net(1)
     opt2 = torch.optim.Adam(list(fresh.parameters()), lr=0.01)
-    load_optimizer(opt2, saved, "0")
+    load_optimizer(opt2, saved, "0", algorithm_class(opt2))
     assert _same(_flat(opt2.state_dict()), _flat(opt.state_dict()))
