@@ -593,7 +593,8 @@ class ChainWriter:
             full=kind == "full",
             # Taken, not peeked: a part failing from here on is kept for the next vote.
             parent_failed=take and self._chain_failed(self.stager.take_failure()),
-            lease_lost=self.lease is not None and self.lease.lost.is_set(),
+            # Gone by the clock too: a renewal blocked in a store that hangs sets no flag
+            lease_lost=self.lease is not None and self.lease.gone(),
             no_parent=self.parent is None or (take and broken),
             failed_parts=len(failed),
             dense_digest=_combine(self._digests(dense)),
@@ -644,7 +645,7 @@ class ChainWriter:
             # dropped after its snapshot), the next one must still be a full
             self.parent = None
         if any(v.lease_lost for v in votes):
-            why = self.lease.lost_why if self.lease is not None else None
+            why = self.lease.why_gone() if self.lease is not None else None
             raise CheckpointError(
                 f"step {step}: this job lost the writer lease of {self.storage.uri}, so this "
                 "checkpoint is not written: "
@@ -711,7 +712,7 @@ class ChainWriter:
         """Step 3. Never raises: a failure must still reach the release vote, or the other
         ranks would wait in it forever."""
         snap = _Snapshot()
-        if self.lease is not None and self.lease.lost.is_set():
+        if self.lease is not None and self.lease.gone():
             snap.error = CheckpointError("the writer lease is lost")  # the vote says so to all
             return snap
         ahead = self.adapter.rows_written_before_lookup()

@@ -257,6 +257,22 @@ class Lease:
         the lease was found lost, or its last record expired by the clock."""
         return self.lost.is_set() or time.monotonic() >= self._expires
 
+    def why_gone(self) -> str | None:
+        """What :meth:`gone` found, in words (None while the lease is held): a checkpoint
+        refused for it says this."""
+        if self.lost.is_set():
+            return self.lost_why or f"the writer lease of {self.storage.uri} is lost"
+        return self._lapse_text() if self.gone() else None
+
+    def _lapse_text(self) -> str:
+        return (
+            f"the writer lease of {self.storage.uri} lapsed: it could not be renewed for "
+            f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over. This "
+            "job commits nothing until deck takes the lease again, once the store answers "
+            "and if no other trainer took it (rank 0's log says when); check the store's "
+            "availability, or whether this process was paused (stopped, swapping)"
+        )
+
     def check(self) -> None:
         """The fence, called before every commit record: raise :class:`LeaseHeldError` (and set
         :attr:`lost`) unless this lease's epoch is still the newest and its record unexpired.
@@ -265,17 +281,14 @@ class Lease:
             raise LeaseHeldError(f"the writer lease of {self.storage.uri} is not held")
         for_good = self.lost.is_set() and not self.lapsed  # never a lapse (to take again) now
         if not for_good and time.monotonic() >= self._expires:
-            raise self._lose(
-                f"the writer lease of {self.storage.uri} lapsed: it could not be renewed for "
-                f"{self.ttl_s:g} s (lease_ttl_s), so another trainer may have taken over. This "
-                "job commits nothing until deck takes the lease again, once the store answers "
-                "and if no other trainer took it (rank 0's log says when); check the store's "
-                "availability, or whether this process was paused (stopped, swapping)",
-                lapsed=True,
-            )
+            raise self._lose(self._lapse_text(), lapsed=True)
         self._fence(*self.newest())  # what the store shows now, said first
         if for_good:
             raise LeaseHeldError(self.lost_why or f"the writer lease of {self.storage.uri} is lost")
+        if time.monotonic() >= self._expires:
+            # The read outlasted the lease (a store that hangs rather than fails): what it
+            # showed may be stale by more than the lease's lifetime
+            raise self._lose(self._lapse_text(), lapsed=True)
 
     def _fence(self, epoch: int, held: LeaseRecord | None) -> None:
         """Raise (the lease lost for good) unless ``epoch`` (the newest) is ours and ``held``

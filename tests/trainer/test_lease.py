@@ -194,6 +194,49 @@ def test_a_lease_that_could_not_be_renewed_fences_itself_then_takes_it_again(
     lease.release()
 
 
+def test_a_fence_read_that_outlasts_the_lease_closes_the_fence(tmp_path: Path) -> None:
+    """A store that hangs rather than fails (an S3 endpoint that is down: each call waits for
+    its timeouts and retries): the fence's read of the newest record began while the lease was
+    valid and ended after it expired. What it showed may be stale by then, so the fence closes
+    (a lapse, taken again once the store answers); before, the commit went on."""
+    hanging, back = threading.Event(), threading.Event()
+    entered: set[int] = set()
+
+    def hang(key: str, n: int) -> bool:
+        if hanging.is_set():
+            entered.add(threading.get_ident())
+            back.wait()
+        return False
+
+    storage = FaultyStorage(open_storage(str(tmp_path)), fail_get=hang)
+    lease = Lease(storage, ttl_s=0.3, settle_s=0.01)
+    lease.acquire()
+    caught: list[BaseException] = []
+
+    def fence() -> None:
+        try:
+            lease.check()
+        except BaseException as e:
+            caught.append(e)
+
+    hanging.set()
+    checker = threading.Thread(target=fence)
+    checker.start()
+    try:
+        _until(lambda: checker.ident in entered)  # the fence is reading the store
+        _until(lease.gone)  # ... and the lease expires meanwhile
+        assert "could not be renewed" in (lease.why_gone() or "")
+    finally:
+        hanging.clear()
+        back.set()
+        checker.join()
+    assert len(caught) == 1 and isinstance(caught[0], LeaseHeldError), caught
+    assert "could not be renewed" in str(caught[0]) and lease.lapsed
+    _until(lambda: not lease.gone())  # the store answers: taken again
+    assert lease.epoch == 2 and lease.why_gone() is None
+    lease.release()
+
+
 def test_a_lapsed_lease_whose_new_record_could_not_be_read_back_is_still_ours(
     tmp_path: Path,
 ) -> None:
@@ -506,3 +549,62 @@ def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.slow
 def test_an_outage_longer_than_the_lease_stops_the_uploads_waiting(tmp_path: Path) -> None:
     run_ranks(_outage_outlives_the_lease, str(tmp_path / "ck"), world_size=1)
+
+
+def _store_hangs_longer_than_the_lease(rank: int, world_size: int, root: str) -> None:
+    """The store hangs (every write waits, as calls to an S3 endpoint that is down wait for
+    their timeouts and retries) for longer than the lease: the lease's renewal is stuck in its
+    write, so nothing marks it lost, yet the lease is gone by the clock. A checkpoint then is
+    refused at once on every rank, saying the lease lapsed (before: checkpoints went on being
+    staged as if nothing happened, and failed long after). Once the store answers, the lease
+    is taken again and the next checkpoint, a delta holding the refused one's rows too,
+    restores bitwise."""
+    from deck.demo import capture_state
+    from deck.errors import CheckpointError
+
+    hanging, back = threading.Event(), threading.Event()
+
+    def hangs(key: str, n: int) -> bool:
+        if hanging.is_set():
+            back.wait()
+        return False
+
+    store = FaultyStorage(open_storage(root), fail_put=hangs)
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=2)
+    with deck.DeltaCheckpointer(model, [opt], config, storage=store) as ck:
+        lease = ck._lease
+        assert lease is not None
+        ck.step(0)
+        assert ck.flush()
+        try:
+            hanging.set()
+            _until(lease.gone)  # the renewal is stuck in its write
+            assert not lease.lost.is_set()
+            train_step(model, opt, SPEC, 1)
+            with pytest.raises(
+                CheckpointError, match=r"lost the writer lease.*could not be renewed"
+            ):
+                ck.step(1)
+        finally:
+            hanging.clear()
+            back.set()
+        _until(lambda: lease.epoch == 2 and not lease.gone())  # taken again
+        train_step(model, opt, SPEC, 2)
+        ck.step(2)
+        assert ck.flush(), ck.history[-1].error
+        # Refused before its snapshot: step 1's rows are still tracked, in this delta
+        assert ck.history[-1].kind == "delta"
+        live = capture_state(model, opt)
+    assert [c.step for c in deck.list_checkpoints(root)] == [0, 2]
+    fresh, fresh_opt = build_model(SPEC, seed=7)
+    deck.load(fresh, [fresh_opt], root)
+    restored = capture_state(fresh, fresh_opt)
+    assert restored.keys() == live.keys()
+    for name, tensor in live.items():
+        assert torch.equal(restored[name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_store_that_hangs_longer_than_the_lease_refuses_checkpoints(tmp_path: Path) -> None:
+    run_ranks(_store_hangs_longer_than_the_lease, str(tmp_path / "ck"), world_size=1)
