@@ -522,3 +522,53 @@ def test_ls_says_which_steps_a_rollback_left_and_which_are_broken(tmp_path: Path
     states = {row["step"]: row["state"] for row in json.loads(r.stdout)}
     assert states[4] == "broken" and states[5] == "abandoned", states
     assert r.returncode == 1 and "step(s) [4]" in r.stderr, r.stderr
+
+
+def test_ls_says_which_merger_checkpoints_a_rollback_left(tmp_path: Path) -> None:
+    """A merger checkpoint of the old timeline is ``abandoned`` once no step's chain can use it
+    (the rollback re-saved its step and every step that builds on it); before, two committed
+    merger fulls of one step, of two timelines, were listed alike. One that an old step not
+    saved again still builds on stays ``committed`` (it restores that step)."""
+    from deck.merge.policy import FullPolicy, MergeConfig
+    from deck.merge.worker import MergeWorker
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "rb"
+    store = open_storage(str(uri))
+    merge = MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None))
+    tr = SynthTrainer(store)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    MergeWorker(store, merge).run_once(wait_s=0)
+
+    def merged() -> dict[str, tuple[str, list[int], str]]:
+        r = _deck("ls", str(uri), "--json")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        return {
+            row["id"]: (row["kind"], row["covers"], row["state"]) for row in rows if row["merged"]
+        }
+
+    def full_of_4(rows: dict[str, tuple[str, list[int], str]]) -> bool:
+        return any(k == "full" and c[1] == 4 for k, c, _ in rows.values())
+
+    old = merged()
+    assert full_of_4(old), old
+    assert {s for _, _, s in old.values()} == {"committed"}, old
+    tr.rollback(2)
+    tr.train()
+    tr.save()  # step 3 again: old 4 builds on old 3, old 5 on old 4: all still restorable
+    assert merged() == old
+    for _ in range(4):  # steps 4..7: no old step builds on what the merger made after step 2
+        tr.train()
+        tr.save()
+    MergeWorker(store, merge).run_once(wait_s=0)
+    now = merged()
+    for i, (_, covers, _) in old.items():
+        want = "abandoned" if covers[1] >= 3 else "committed"
+        assert now[i][2] == want, (i, covers, now)
+    new = {i: v for i, v in now.items() if i not in old}
+    assert full_of_4(new), now  # the new timeline's full of step 4, beside the old one
+    assert {s for _, _, s in new.values()} == {"committed"}, now

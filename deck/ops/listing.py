@@ -42,7 +42,14 @@ from deck.read.catalog import (
     read_rank_manifests,
 )
 from deck.read.indexed import read_indexed
-from deck.read.lineage import LineageGraph, LineageNode, PathLink, build_graph, keep_chain
+from deck.read.lineage import (
+    LineageGraph,
+    LineageNode,
+    PathLink,
+    StateKey,
+    build_graph,
+    keep_chain,
+)
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
@@ -62,7 +69,8 @@ class Row:
     bytes: int  # all its files, all ranks
     created_unix: float | None  # commit time (pending: newest rank part's file time, if known)
     # committed | pending | quarantined | damaged, or for a committed trainer checkpoint with
-    # no complete chain: abandoned (a timeline a rollback left) | broken (the newest timeline)
+    # no complete chain: abandoned (a timeline a rollback left) | broken (the newest timeline);
+    # a merger checkpoint no step's chain can use any more: abandoned
     state: str
     ranks: int  # rank parts present
     world_size: int  # 0: unknown (a pending checkpoint none of whose rank parts could be read)
@@ -133,12 +141,38 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
             replace(r, state="broken" if r.epoch == newest else "abandoned")
             if not r.merged and r.state == "committed" and r.step not in restorable
             else r
-            for r in rows
+            for r in _left_merged_abandoned(graph, rows)
         ]
         rows.extend(_unreadable_rows(manifests, keys))
         rows.extend(_pending_rows(storage, keys))
         rows.sort(key=_row_order)
     return graph, rows
+
+
+def _left_merged_abandoned(graph: LineageGraph, rows: list[Row]) -> list[Row]:
+    """``rows`` with the committed merger checkpoints that no step's chain can use any more
+    marked ``abandoned``: each reproduces a state that no trainer checkpoint holds or builds on,
+    nor a merger checkpoint those can use (a rollback re-saved its step and the steps after
+    it). A merger full of a step the new timeline has not saved again still restores that
+    step's old state, and stays ``committed``. What it takes of the graph are the records of
+    its own step and later ones, all of which a windowed read holds when it holds it."""
+    live = {t.state for t in graph.trainer.values()}
+    live |= {t.start for t in graph.trainer.values() if t.start is not None}
+    by_state: dict[StateKey, list[LineageNode]] = {}
+    for n in graph.nodes.values():
+        if n.merged:
+            by_state.setdefault(n.state, []).append(n)
+    todo = list(live)
+    while todo:  # the starts of merged deltas that live states' chains may take
+        for n in by_state.get(todo.pop(), ()):
+            if n.start is not None and n.start not in live:
+                live.add(n.start)
+                todo.append(n.start)
+    left = {n.id for ns in by_state.values() for n in ns if n.state not in live}
+    return [
+        replace(r, state="abandoned") if r.id in left and r.state == "committed" else r
+        for r in rows
+    ]
 
 
 def _listed_records(
@@ -229,7 +263,7 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
         return None
     if not _as_stored(storage, got, graph, nodes):
         return None
-    rows = [_row(n) for n in nodes]
+    rows = _left_merged_abandoned(graph, [_row(n) for n in nodes])
     rows.extend(_unreadable_rows(got, list(got.index.records)))
     # Pending checkpoints: the step folders of the shown steps and after, listed one by one
     names = [n.rstrip("/") for n in storage.list_dir_after("", step_dirs_from(first))]

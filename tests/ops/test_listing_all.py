@@ -40,7 +40,7 @@ def reference_list_rows(storage: LocalStorage) -> tuple[LineageGraph, list[Row]]
         replace(r, state="broken" if r.epoch == newest else "abandoned")
         if not r.merged and r.state == "committed" and r.step not in restorable
         else r
-        for r in rows
+        for r in listing._left_merged_abandoned(graph, rows)
     ]
     rows.extend(listing._unreadable_rows(manifests, keys))
     rows.extend(listing._pending_rows(storage, keys))

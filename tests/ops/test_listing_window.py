@@ -72,8 +72,14 @@ def test_a_recent_step_without_a_chain_takes_every_record(
     timeline is past them, it is again."""
     monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
     assert list_recent_rows(_history(tmp_path / "a", 300, rollback_at=298), 1) is None
-    recent = list_recent_rows(_history(tmp_path / "b", 300, rollback_at=280), 20)
-    assert recent is not None and all(r.state == "committed" for r in recent.rows)
+    storage = _history(tmp_path / "b", 300, rollback_at=280)
+    recent = list_recent_rows(storage, 20)
+    assert recent is not None and all(r.state == "committed" for r in recent.rows if not r.merged)
+    # The merger's work on the steps the rollback saved again is abandoned, as a listing of
+    # every record says
+    every = {r.id: r.state for r in list_rows(storage)[1]}
+    assert {r.id: r.state for r in recent.rows} == {r.id: every[r.id] for r in recent.rows}
+    assert "abandoned" in {r.state for r in recent.rows if r.merged}
 
 
 def test_deck_ls_of_a_long_history(tmp_path: Path) -> None:
