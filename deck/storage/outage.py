@@ -22,7 +22,7 @@ class Waiting:
         """Log ``e`` (once per distinct problem) and return how long to wait now."""
         text = str(e)
         level = logging.DEBUG if text == self.last else logging.WARNING
-        self.log.log(level, "%s: %s; retrying (every %.0f s at most)", self.what, text, self.max_s)
+        self.log.log(level, "%s: %s; retrying (every %g s at most)", self.what, text, self.max_s)
         self.last = text
         wait, self.wait_s = self.wait_s, min(self.wait_s * 2, self.max_s)
         return wait

@@ -82,6 +82,7 @@ class Lease:
         # renewing thread takes it again once the store answers and no one else did (_retake)
         self.lapsed = False
         self._expires = 0.0  # monotonic time our last written record expires at
+        self._said_waiting: tuple[str, str] | None = None  # the holder acquire() said it waits for
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -208,12 +209,16 @@ class Lease:
             )
         if time.monotonic() >= deadline:
             raise self._held_error(held)
-        logger.warning(
-            "waiting for the writer lease of %s held by %s (host %s)",
+        said = (held.owner, held.host)
+        logger.log(
+            logging.DEBUG if said == self._said_waiting else logging.WARNING,  # once per holder
+            "waiting for the writer lease of %s held by %s (host %s), up to %.0f s more",
             self.storage.uri,
             held.owner,
             held.host,
+            max(0.0, deadline - time.monotonic()),
         )
+        self._said_waiting = said
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _create(self, epoch: int) -> bool:

@@ -62,7 +62,9 @@ def test_crashed_local_holder_is_taken_over_at_once(tmp_path: Path) -> None:
             holder.kill()
 
 
-def test_other_host_lease_is_waited_for_until_it_expires(tmp_path: Path) -> None:
+def test_other_host_lease_is_waited_for_until_it_expires(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     storage = open_storage(str(tmp_path))
     # Far from expiry however slow this machine is: refused.
     other = LeaseRecord(
@@ -74,8 +76,11 @@ def test_other_host_lease_is_waited_for_until_it_expires(tmp_path: Path) -> None
     renewed = other.model_copy(update={"expires_unix": time.time() + 1.0})
     storage.put(lease_key(1), renewed.model_dump_json().encode())
     waiter = Lease(storage, ttl_s=30, settle_s=0.01, wait_s=300)
-    waiter.acquire()  # waits for the expiry, then takes over
+    with caplog.at_level("WARNING", logger="deck"):
+        waiter.acquire()  # waits for the expiry, then takes over
     assert time.time() >= renewed.expires_unix  # not before it
+    said = [r for r in caplog.records if "waiting for the writer lease" in r.getMessage()]
+    assert len(said) == 1, caplog.text  # once, not once a second
     current = waiter.read()
     assert current is not None and current.owner == waiter.owner
     waiter.release()
