@@ -421,7 +421,10 @@ class StateLoader:
         restore_rng(saved, where)
 
     def _load_optimizers(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
-        with edits_logged_at(logging.INFO if self.optimizers.wrappers else logging.WARNING):
+        # Rank 0 says what the checkpoint replaces (every rank built the same optimizers: one
+        # line per job, not per rank)
+        level = logging.INFO if self.optimizers.wrappers else logging.WARNING
+        with edits_logged_at(level if self.coord.rank == 0 else logging.DEBUG):
             self._load_each_optimizer(extra, target, moved)
 
     def _load_each_optimizer(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:

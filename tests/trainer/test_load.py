@@ -163,3 +163,30 @@ def test_a_step_gc_deletes_while_it_is_read_is_not_found_not_damaged(tmp_path: P
     """A reader loading a step GC deletes meanwhile (no policy retains it) is told so, as
     CheckpointNotFoundError, not CorruptCheckpointError: nothing is damaged."""
     run_ranks(_load_while_gc_deletes, str(tmp_path), world_size=1)
+
+
+def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deck").addHandler(handler)
+    spec = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
+    model, opt = build_model(spec)
+    config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=None)
+    with deck.DeltaCheckpointer(model, [opt], config) as ck:
+        train_step(model, opt, spec, 0)
+        ck.step(0)
+        assert ck.flush()
+    fresh, fresh_opt = build_model(spec, seed=3)
+    for group in fresh_opt.param_groups:
+        group["lr"] = group["lr"] * 10  # an edit the checkpoint's lr replaces
+    deck.load(fresh, [fresh_opt], root)
+    edits = [m for m in said if "replace what the optimizer was built with" in m]
+    assert len(edits) == (1 if rank == 0 else 0), (rank, edits)  # one line per job
+
+
+@pytest.mark.slow
+def test_a_replaced_hyperparameter_is_said_once_per_job_not_per_rank(tmp_path: Path) -> None:
+    run_ranks(_edited_lr_restore, str(tmp_path / "ck"), world_size=2)
