@@ -43,6 +43,8 @@ def check_storage_uri(value: str, *, publish: bool = False) -> str:
     value = value.strip()
     if not value:
         raise ValueError("must be a non-empty local path or URI such as s3://bucket/prefix")
+    if "\x00" in value:
+        raise ValueError("holds a NUL character, which no path or URI can")
     schemes.lookup(value, "publish" if publish else "storage")
     return value
 
@@ -204,7 +206,13 @@ class StagingConfig(Settings):
         "persistent local disk: a restarted process finishes uploads it finds there.",
     )
     spool_max_bytes: int = Field(
-        default=64 * 2**30, ge=0, description="Spool capacity (bytes staged but not uploaded)."
+        default=64 * 2**30,
+        ge=0,
+        description="Spool capacity (bytes staged but not uploaded). A part that would take the "
+        "spool past it waits (spool_full) only while other parts are in it: an empty spool takes "
+        "the next part whatever its size, so the cap bounds the backlog an outage builds, not a "
+        "single checkpoint (0: one part in flight at a time). Not used by tiers='local', which "
+        "writes into the destination itself.",
     )
     spool_full: Literal["block", "skip"] = Field(
         default="block",
@@ -474,7 +482,10 @@ class DeckConfig(Settings):
     )
     lease_ttl_s: float | None = Field(
         default=60.0,
-        gt=0,
+        # Below a second a renewal cannot keep up with its own lifetime (every checkpoint would
+        # be refused); above 1e9 s (31 years) the lease record cannot hold it
+        ge=1.0,
+        le=1e9,
         description="Writer lease lifetime, renewed every third of it: a second trainer on the URI "
         "waits up to this long for it, then is refused; a crashed holder on the same host is taken "
         "over at once. Renewals failing for longer (a store outage) refuse checkpoints until the "

@@ -33,6 +33,13 @@ def test_defaults() -> None:
         ({"uri": "x", "consumers": ("bad name",)}, "consumers"),
         ({"uri": "x", "unknown": 1}, "unknown"),
         ({"uri": "x", "staging": {"chunk_bytes": 1000}}, "chunk_bytes"),
+        # Accepted before, then the lease record refused it on rank 0 alone, inside enable,
+        # while the other ranks waited in a collective
+        ({"uri": "x", "lease_ttl_s": 2e9}, r"lease_ttl_s: must be <= 1000000000"),
+        ({"uri": "x", "lease_ttl_s": float("inf")}, r"lease_ttl_s: must be <= 1000000000"),
+        # A lease renewed every third of a microsecond: every checkpoint refused, for ever
+        ({"uri": "x", "lease_ttl_s": 1e-9}, r"lease_ttl_s: must be >= 1.0"),
+        ({"uri": "/tmp/ck\x00x"}, r"uri: holds a NUL character"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
@@ -209,7 +216,7 @@ def test_errors_of_several_fields_one_line_each() -> None:
         ),
         (
             lambda: DeckConfig(uri="x", lease_ttl_s=0),
-            "DeckConfig.lease_ttl_s: must be > 0.0 (got 0)",
+            "DeckConfig.lease_ttl_s: must be >= 1.0 (got 0)",
         ),
         (lambda: DeckConfig(), "DeckConfig.uri: is required"),
         (
@@ -292,7 +299,8 @@ def test_json_schema_has_the_bounds() -> None:
     props = DeckConfig.model_json_schema()["properties"]
     assert props["delta_every_steps"]["minimum"] == 1
     assert {"minimum": 1, "type": "integer"} in props["full_every_steps"]["anyOf"]
-    assert props["lease_ttl_s"]["anyOf"][0]["exclusiveMinimum"] == 0
+    assert props["lease_ttl_s"]["anyOf"][0]["minimum"] == 1.0
+    assert props["lease_ttl_s"]["anyOf"][0]["maximum"] == 1e9
 
 
 def test_validate_strings_is_strict_too() -> None:

@@ -408,7 +408,16 @@ class StateLoader:
         """Every rank's RNG states, into the same world size (another one keeps its own, logged:
         no rule maps one rank's random stream onto another's)."""
         saved = extra.get("rng")
-        if not self.restore_rng or saved is None:
+        if not self.restore_rng:
+            return
+        if saved is None:
+            if self.coord.rank == 0:
+                logger.warning(
+                    "deck: %s holds no RNG states (it was saved with save_rng=False): they are "
+                    "left as this process has them, so training on does not repeat the saved "
+                    "run's random draws (dropout, ...)",
+                    where,
+                )
             return
         if len(parts) != self.coord.world_size:
             logger.warning(

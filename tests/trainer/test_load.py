@@ -190,3 +190,42 @@ def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.slow
 def test_a_replaced_hyperparameter_is_said_once_per_job_not_per_rank(tmp_path: Path) -> None:
     run_ranks(_edited_lr_restore, str(tmp_path / "ck"), world_size=2)
+
+
+def _restore_without_rng(rank: int, world_size: int, root: str) -> None:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deck").addHandler(handler)
+    spec = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
+    model, opt = build_model(spec)
+    for save_rng in (True, False):
+        config = deck.DeckConfig(
+            uri=f"{root}/{save_rng}", delta_every_steps=1, lease_ttl_s=None, save_rng=save_rng
+        )
+        with deck.DeltaCheckpointer(model, [opt], config) as ck:
+            train_step(model, opt, spec, 0)
+            ck.step(0)
+            assert ck.flush()
+    fresh, fresh_opt = build_model(spec, seed=3)
+    deck.load(fresh, [fresh_opt], f"{root}/True")
+    assert not [m for m in said if "RNG" in m], said
+    deck.load(fresh, [fresh_opt], f"{root}/False")
+    no_rng = [m for m in said if "holds no RNG states (it was saved with save_rng=False)" in m]
+    assert len(no_rng) == (1 if rank == 0 else 0), (rank, said)
+    said.clear()
+    # A job that saves none restores none, and says nothing of it
+    off = deck.DeckConfig(uri=f"{root}/False", lease_ttl_s=None, save_rng=False)
+    with deck.DeltaCheckpointer(fresh, [fresh_opt], off) as ck:
+        assert ck.restore() == 0
+    assert not [m for m in said if "RNG" in m], said
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_rng_states_says_so_when_restored(tmp_path: Path) -> None:
+    """A checkpoint saved with save_rng=False, loaded by a job that restores RNG states: the
+    states are left as the process has them (training on does not repeat the saved run's
+    random draws), and rank 0 says so; before, nothing was said."""
+    run_ranks(_restore_without_rng, str(tmp_path / "ck"), world_size=2)
