@@ -19,7 +19,6 @@ from deck.errors import (
     CheckpointNotFoundError,
     ConfigError,
     LeaseHeldError,
-    StorageError,
 )
 from deck.format.statefile import scalar_key
 from deck.model import (
@@ -356,7 +355,7 @@ class DeltaCheckpointer:
             lease = Lease(self.storage, self.config.lease_ttl_s, wait_s=self.config.lease_ttl_s)
             try:
                 lease.acquire()
-            except (LeaseHeldError, StorageError) as e:
+            except Exception as e:  # whatever it is, the other ranks must not wait in the broadcast
                 error = e
         try:
             ok = self.coord.broadcast_int(0 if error else 1)

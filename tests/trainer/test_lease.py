@@ -615,3 +615,35 @@ def _store_hangs_longer_than_the_lease(rank: int, world_size: int, root: str) ->
 @pytest.mark.slow
 def test_a_store_that_hangs_longer_than_the_lease_refuses_checkpoints(tmp_path: Path) -> None:
     run_ranks(_store_hangs_longer_than_the_lease, str(tmp_path / "ck"), world_size=1)
+
+
+class _BrokenLeaseWrites(FaultyStorage):
+    """A storage plugin with a bug in its create-if-absent: not a StorageError."""
+
+    def put_if_absent(self, path: str, data: bytes | bytearray | memoryview) -> bool:
+        raise RuntimeError(f"plugin bug writing {path}")
+
+
+def _lease_failing_otherwise(rank: int, world_size: int, root: str) -> None:
+    model, opt = build_model(SPEC)
+    store = open_storage(root)
+    config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=60)
+    with pytest.raises(Exception) as caught:
+        deck.DeltaCheckpointer(model, [opt], config, storage=_BrokenLeaseWrites(store))
+    if rank == 0:
+        assert isinstance(caught.value, RuntimeError) and "plugin bug" in str(caught.value)
+    else:
+        assert isinstance(caught.value, LeaseHeldError), caught.value
+        assert "see rank 0's error" in str(caught.value)
+    # The group is in step: a good setup enables and checkpoints
+    with deck.DeltaCheckpointer(model, [opt], config) as ck:
+        assert ck.step(0) is not None
+        assert ck.flush()
+
+
+@pytest.mark.slow
+def test_any_failure_to_take_the_lease_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 takes the lease alone, then tells the others: an error other than the lease's
+    own (a storage plugin's bug; a lease record that refused a value) left the other ranks
+    waiting in that broadcast for ever."""
+    run_ranks(_lease_failing_otherwise, str(tmp_path / "ck"), world_size=2)
