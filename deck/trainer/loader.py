@@ -413,9 +413,9 @@ class StateLoader:
         if saved is None:
             if self.coord.rank == 0:
                 logger.warning(
-                    "deck: %s holds no RNG states (it was saved with save_rng=False): they are "
-                    "left as this process has them, so training on does not repeat the saved "
-                    "run's random draws (dropout, ...)",
+                    "deck: %s holds no RNG states (saved with save_rng=False, or by a deck that "
+                    "did not save them): they are left as this process has them, so training on "
+                    "does not repeat the saved run's random draws (dropout, ...)",
                     where,
                 )
             return
