@@ -156,19 +156,21 @@ def _left_merged_abandoned(graph: LineageGraph, rows: list[Row]) -> list[Row]:
     it). A merger full of a step the new timeline has not saved again still restores that
     step's old state, and stays ``committed``. What it takes of the graph are the records of
     its own step and later ones, all of which a windowed read holds when it holds it."""
-    live = {t.state for t in graph.trainer.values()}
-    live |= {t.start for t in graph.trainer.values() if t.start is not None}
-    by_state: dict[StateKey, list[LineageNode]] = {}
-    for n in graph.nodes.values():
-        if n.merged:
-            by_state.setdefault(n.state, []).append(n)
-    todo = list(live)
-    while todo:  # the starts of merged deltas that live states' chains may take
-        for n in by_state.get(todo.pop(), ()):
-            if n.start is not None and n.start not in live:
-                live.add(n.start)
-                todo.append(n.start)
-    left = {n.id for ns in by_state.values() for n in ns if n.state not in live}
+
+    def held(state: StateKey) -> bool:  # by the step's trainer checkpoint
+        t = graph.trainer.get(state[0])
+        return t is not None and t.state == state
+
+    # States something builds on that no trainer checkpoint holds (few: a rollback's)
+    wanted = {t.start for t in graph.trainer.values() if t.start is not None and not held(t.start)}
+    left: set[str] = set()
+    # Newest first: what a merged delta builds on is older than what it reproduces, so one
+    # pass sees every use of a state before the checkpoints that reproduce it
+    for n in sorted((n for n in graph.nodes.values() if n.merged), key=lambda n: -n.step):
+        if not (held(n.state) or n.state in wanted):
+            left.add(n.id)
+        elif n.start is not None and not held(n.start):
+            wanted.add(n.start)
     return [
         replace(r, state="abandoned") if r.id in left and r.state == "committed" else r
         for r in rows
