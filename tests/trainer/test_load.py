@@ -5,6 +5,7 @@ read-only mount or bucket does) -- bitwise equal to the trainer's live state of 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -165,21 +166,27 @@ def test_a_step_gc_deletes_while_it_is_read_is_not_found_not_damaged(tmp_path: P
     run_ranks(_load_while_gc_deletes, str(tmp_path), world_size=1)
 
 
-def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
-    import logging
+SMALL = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
 
+
+def _deck_lines() -> list[str]:
+    """The messages deck logs from now on in this (rank's) process, at INFO and above."""
     said: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("deck").addHandler(handler)
-    spec = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
-    model, opt = build_model(spec)
+    return said
+
+
+def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
+    said = _deck_lines()
+    model, opt = build_model(SMALL)
     config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=None)
     with deck.DeltaCheckpointer(model, [opt], config) as ck:
-        train_step(model, opt, spec, 0)
+        train_step(model, opt, SMALL, 0)
         ck.step(0)
         assert ck.flush()
-    fresh, fresh_opt = build_model(spec, seed=3)
+    fresh, fresh_opt = build_model(SMALL, seed=3)
     for group in fresh_opt.param_groups:
         group["lr"] = group["lr"] * 10  # an edit the checkpoint's lr replaces
     deck.load(fresh, [fresh_opt], root)
@@ -193,23 +200,17 @@ def test_a_replaced_hyperparameter_is_said_once_per_job_not_per_rank(tmp_path: P
 
 
 def _restore_without_rng(rank: int, world_size: int, root: str) -> None:
-    import logging
-
-    said: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("deck").addHandler(handler)
-    spec = ModelSpec(num_tables=2, rows=64, dim=8, batch=8)
-    model, opt = build_model(spec)
+    said = _deck_lines()
+    model, opt = build_model(SMALL)
     for save_rng in (True, False):
         config = deck.DeckConfig(
             uri=f"{root}/{save_rng}", delta_every_steps=1, lease_ttl_s=None, save_rng=save_rng
         )
         with deck.DeltaCheckpointer(model, [opt], config) as ck:
-            train_step(model, opt, spec, 0)
+            train_step(model, opt, SMALL, 0)
             ck.step(0)
             assert ck.flush()
-    fresh, fresh_opt = build_model(spec, seed=3)
+    fresh, fresh_opt = build_model(SMALL, seed=3)
     deck.load(fresh, [fresh_opt], f"{root}/True")
     assert not [m for m in said if "RNG" in m], said
     deck.load(fresh, [fresh_opt], f"{root}/False")
