@@ -345,14 +345,13 @@ def manifest_set(
     damaged: dict[int, str] = {}
     damaged_merged: dict[str, str] = {}
     quarantined: dict[str, str] = {}
-    for key, data in records:
-        kind = record_key_kind(key)
-        if data is None or kind is None:
-            continue
-        step, folder = kind
+
+    def take(key: str, data: bytes | CorruptCheckpointError) -> CorruptCheckpointError | None:
+        """Take the record at ``key``; the problem that refused it, if any."""
+        step, folder = record_key_kind(key) or (None, None)
         where = storage.describe(key)
-        if step is not None:
-            try:
+        try:
+            if step is not None:
                 m = load_model(CheckpointManifest, _record(data), where)
                 if m.step != step or m.is_merged:
                     raise CorruptCheckpointError(
@@ -360,34 +359,62 @@ def manifest_set(
                         + (" and was written by the merger" if m.is_merged else "")
                         + f", folder says trainer step {step}"
                     )
-            except CorruptCheckpointError as e:
-                logger.warning("step %d is not restorable: %s", step, e)
-                damaged[step] = str(e)
-                continue
-            trainer[step] = m
-            done[key] = (_record(data), m)
-        elif folder is not None:
-            try:
+                trainer[step] = m
+            elif folder is not None:
                 m = load_model(CheckpointManifest, _record(data), where)
                 if f"{MERGED_ROOT}/{folder}" != m.folder or (m.id, m.step) != parse_merged_dir(
                     folder
                 ):
                     raise CorruptCheckpointError(f"{where}: record does not match its folder name")
-            except CorruptCheckpointError as e:
-                logger.warning("ignoring merged checkpoint: %s", e)
-                named = parse_merged_dir(folder)
-                assert named is not None  # checked when the key was chosen
-                damaged_merged[named[0]] = str(e)
-                continue
-            merged[m.id] = m
-            done[key] = (_record(data), m)
-        else:
-            try:
+                merged[m.id] = m
+            else:
                 q = load_model(QuarantineRecord, _record(data), where)
-            except CorruptCheckpointError as e:
-                logger.warning("ignoring quarantine record: %s", e)
-                continue
-            quarantined[q.id] = q.reason
+                quarantined[q.id] = q.reason
+                return None
+        except CorruptCheckpointError as e:
+            return e
+        done[key] = (_record(data), m)
+        return None
+
+    def refuse(key: str, e: CorruptCheckpointError) -> None:
+        step, folder = record_key_kind(key) or (None, None)
+        if step is not None:
+            logger.warning("step %d is not restorable: %s", step, e)
+            damaged[step] = str(e)
+        elif folder is not None:
+            logger.warning("ignoring merged checkpoint: %s", e)
+            named = parse_merged_dir(folder)
+            assert named is not None  # checked when the key was chosen
+            damaged_merged[named[0]] = str(e)
+        else:
+            logger.warning("ignoring quarantine record: %s", e)
+
+    # A record a catalog gave that fails its checks may be the catalog's fault (damaged in a
+    # way its checksums cannot see, or forged): the record's own file decides.
+    from_catalog = index is not None and index.catalog is not None
+    suspects: dict[str, CorruptCheckpointError] = {}
+    for key, data in records:
+        if data is None or record_key_kind(key) is None:
+            continue
+        problem = take(key, data)
+        if problem is None:
+            continue
+        if from_catalog and index is not None and key not in index.shadow:
+            suspects[key] = problem
+        else:
+            refuse(key, problem)
+    if suspects and index is not None:
+        for key, data in get_records(storage, list(suspects)):
+            if not _same_record(data, index.records.get(key)):
+                _catalog_disagrees(storage, key)
+                if data is None:
+                    index.records.pop(key, None)
+                else:
+                    index.records[key] = data
+            index.shadow.add(key)  # (read after the catalog: its copy is out of date)
+            problem = None if data is None else take(key, data)
+            if problem is not None:
+                refuse(key, problem)
     out = ManifestSet(
         trainer,
         merged,
@@ -418,6 +445,28 @@ def get_records(
         except CorruptCheckpointError as e:  # the next key's: go on after it
             yield keys[i], e
             i += 1
+
+
+def _same_record(a: bytes | CorruptCheckpointError | None, b: object) -> bool:
+    if isinstance(a, CorruptCheckpointError) or isinstance(b, CorruptCheckpointError):
+        return str(a) == str(b)
+    return a == b
+
+
+_disagreed: set[str] = set()
+
+
+def _catalog_disagrees(storage: Storage, key: str) -> None:
+    """Say once per URI that its catalog holds a record that is not its file's (the file is
+    taken; GC writes the catalog again from every record)."""
+    if storage.uri not in _disagreed:
+        _disagreed.add(storage.uri)
+        logger.warning(
+            "the catalog at %s disagrees with %s (damaged or forged): the record's own file is "
+            "read instead; the next `deck gc` writes the catalog again",
+            storage.uri,
+            storage.describe(key),
+        )
 
 
 def _record(data: bytes | CorruptCheckpointError) -> bytes:

@@ -1307,3 +1307,31 @@ def test_a_merger_planning_from_a_stale_catalog_reads_every_record(
             _check_invariants(m)
     finally:
         m.teardown()
+
+
+@pytest.mark.parametrize("text_of", ["step-000000000000/", "step-000000000002/"])
+def test_a_merger_reading_a_forged_catalog_takes_the_record_itself(
+    monkeypatch: pytest.MonkeyPatch, text_of: str
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=200 FUZZ_SEED=566226822``: a catalog that gives the
+    merged delta 1..2's key the text of a trainer record. The merger took the catalog's copy for
+    the record, found it did not match its folder and skipped the item as one with an
+    unreadable commit record: a failed pass for a record that reads fine. A record from a
+    catalog that fails its checks is now read again from its own file."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.save_deltas(1, rows=4)
+        m.merge(workers=1)
+        m.forge_the_catalog(_Picks("merged/L01-", text_of), how="swap")
+        assert m.forged
+        got = read_manifests(m.store)
+        assert got.index is not None and got.index.catalog is not None
+        truth = read_manifests(m.store, manifest_keys(m.store))
+        assert got.merged == truth.merged and not got.damaged_merged
+        m.merge(workers=1)  # asserts that no item failed
+        m.windowed_restores_plan_what_every_record_plans()
+    finally:
+        m.teardown()

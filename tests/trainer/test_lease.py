@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import deck
-from deck.demo import ModelSpec, build_model, train_step
-from deck.errors import LeaseHeldError
-from deck.storage import open_storage
+from deck.demo import ModelSpec, build_model, capture_state, train_step
+from deck.errors import LeaseHeldError, StorageError
+from deck.storage import Storage, open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
 from deck.testing.lineage_checks import set_store_time
@@ -506,7 +506,6 @@ def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
     Once the store answers again the lease is taken again (no one else took it) and
     checkpointing resumes with a full that restores bitwise (before: no checkpoint until a
     restart)."""
-    from deck.demo import capture_state
     from deck.errors import CheckpointError
 
     outage = threading.Event()
@@ -548,8 +547,6 @@ def _outage_outlives_the_lease(rank: int, world_size: int, root: str) -> None:
 
 def _assert_restores(root: str, live: dict[str, torch.Tensor]) -> None:
     """The latest step of ``root``, loaded into a fresh model, is bitwise ``live``."""
-    from deck.demo import capture_state
-
     fresh, fresh_opt = build_model(SPEC, seed=7)
     deck.load(fresh, [fresh_opt], root)
     restored = capture_state(fresh, fresh_opt)
@@ -571,7 +568,6 @@ def _store_hangs_longer_than_the_lease(rank: int, world_size: int, root: str) ->
     staged as if nothing happened, and failed long after). Once the store answers, the lease
     is taken again and the next checkpoint, a delta holding the refused one's rows too,
     restores bitwise."""
-    from deck.demo import capture_state
     from deck.errors import CheckpointError
 
     hanging, back = threading.Event(), threading.Event()
@@ -647,3 +643,55 @@ def test_any_failure_to_take_the_lease_is_raised_on_every_rank(tmp_path: Path) -
     own (a storage plugin's bug; a lease record that refused a value) left the other ranks
     waiting in that broadcast for ever."""
     run_ranks(_lease_failing_otherwise, str(tmp_path / "ck"), world_size=2)
+
+
+class _Outage(FaultyStorage):
+    """A store that is down while ``down`` is set: every write fails, and so does the listing
+    of the lease records; ``fence_failed`` is set once a commit's fence read (a ``deck-read``
+    thread's) failed."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.down = threading.Event()
+        self.fence_failed = threading.Event()
+        super().__init__(inner, fail_put=lambda key, n: self.down.is_set())
+
+    def list_dir(self, folder: str) -> list[str]:
+        if self.down.is_set() and folder.startswith("_lease"):
+            if threading.current_thread().name.startswith("deck-read"):
+                self.fence_failed.set()
+            raise StorageError(f"injected outage listing {self.describe(folder)}")
+        return super().list_dir(folder)
+
+
+def _fence_read_during_an_outage(rank: int, world_size: int, root: str) -> None:
+    store = _Outage(open_storage(root))
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=root,
+        delta_every_steps=1,
+        lease_ttl_s=600,
+        staging=deck.StagingConfig(retry_initial_s=0.05, retry_max_s=0.2),
+    )
+    with deck.DeltaCheckpointer(model, [opt], config, storage=store) as ck:
+        ck.step(0)
+        assert ck.flush()
+        store.down.set()
+        train_step(model, opt, SPEC, 1)
+        ck.step(1)  # its uploads wait the outage out; its fence read meets it
+        assert store.fence_failed.wait(120)
+        store.down.clear()
+        assert ck.flush(), ck.history[-1].error
+        live = capture_state(model, opt)
+    assert [c.step for c in deck.list_checkpoints(root)] == [0, 1]
+    _assert_restores(root, live)
+
+
+@pytest.mark.slow
+def test_a_fence_read_during_an_outage_that_the_uploads_wait_out_is_read_again(
+    tmp_path: Path,
+) -> None:
+    """Found by the S3 outage test (a flake): rank 0 reads the commit fence beside the part's
+    uploads; the uploads wait an outage out, but a fence read that met the outage failed the
+    checkpoint (and with it every delta after it) once the store was back. The commit now reads
+    the fence again."""
+    run_ranks(_fence_read_during_an_outage, str(tmp_path / "ck"), world_size=1)

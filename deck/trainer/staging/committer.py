@@ -454,11 +454,19 @@ class Committer:
         except BaseException:
             reads.wait()
             raise
+        fenced_at = None
+        if reads.fence is not None:
+            try:
+                fenced_at = reads.fence.result()
+            except StorageError as e:
+                # Read while the store was down, beside uploads that waited the outage out: the
+                # commit reads the fence again (a failure then fails the part)
+                logger.info("deck: step %d reads its commit fence again: %s", p.step, e)
         return _Ready(
             parts,
             parent_read=reads.parent is not None,
             parent_id=None if reads.parent is None else reads.parent.result(),
-            fenced_at=None if reads.fence is None else reads.fence.result(),
+            fenced_at=fenced_at,
         )
 
     def _fence(self) -> float:
