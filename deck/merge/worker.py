@@ -261,6 +261,14 @@ class MergeWorker:
                 # stale (items built on it may be ready now), so this pass counts as progress --
                 # once: a record still missing from the next listing is not a race but unreadable.
                 if item.id in self._seen_committed:
+                    if self._through_catalog():
+                        # A catalog that leaves the record out (forged, or damaged in a way its
+                        # checksums cannot see): plan again from every record
+                        self._distrust(
+                            f"{item.describe()} is committed ({self.storage.describe(b.folder)}) "
+                            "but the catalog does not hold its record"
+                        )
+                        return True, False
                     why = f"{self.storage.describe(b.folder)}: its record exists but is not listed"
                     self._skip_damaged(item, why, stats)
                     return False, False
@@ -289,16 +297,11 @@ class MergeWorker:
                 # Planned from a view that still held the input (a catalog that is stale or
                 # forged, or GC deleted it since): not a failure; plan again from every record.
                 self._went_stale.add(item.id)
-                if not self._distrust_catalog:
-                    logger.warning(
-                        "deck merge: %s was planned with %s, which is no longer committed (%s); "
-                        "reading every commit record at %s until the catalog agrees with them",
-                        item.describe(),
-                        self.storage.describe(e.manifest.folder),
-                        e.error,
-                        self.storage.uri,
-                    )
-                self._distrust_catalog = True
+                self._distrust(
+                    f"{item.describe()} was planned with "
+                    f"{self.storage.describe(e.manifest.folder)}, which is no longer committed "
+                    f"({e.error})"
+                )
                 return True, False
             self._fail(item, str(e), stats)
             if state == "committed":
@@ -310,6 +313,29 @@ class MergeWorker:
             # Transient or not, nothing was committed: try again next pass.
             self._fail(item, f"storage error: {e}", stats)
         return progressed, False
+
+    def _through_catalog(self) -> bool:
+        """Whether this pass planned from a read through a catalog not checked against every
+        record."""
+        last = self._last
+        return (
+            not self._distrust_catalog
+            and last is not None
+            and last.index is not None
+            and last.index.catalog is not None
+        )
+
+    def _distrust(self, why: str) -> None:
+        """Read every commit record from the next pass on, until the catalog agrees with them
+        (said once while distrusted)."""
+        if not self._distrust_catalog:
+            logger.warning(
+                "deck merge: %s; reading every commit record at %s until the catalog agrees "
+                "with them",
+                why,
+                self.storage.uri,
+            )
+        self._distrust_catalog = True
 
     def _skip_damaged(self, item: PlannedItem, why: str, stats: WorkStats) -> None:
         """``item``'s folder has a commit record that cannot be read: "cannot read" is

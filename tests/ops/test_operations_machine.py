@@ -1335,3 +1335,26 @@ def test_a_merger_reading_a_forged_catalog_takes_the_record_itself(
         m.windowed_restores_plan_what_every_record_plans()
     finally:
         m.teardown()
+
+
+def test_a_merger_reading_a_catalog_that_leaves_out_its_commit_reads_every_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=200 FUZZ_SEED=566226822``: a catalog that leaves out
+    the merged delta 1..3. The merger planned it again, found it committed, counted that once
+    as another worker's commit, and at the next pass (the catalog unchanged) skipped it as an
+    item whose record exists but cannot be read: a failed pass. A catalog that leaves out a
+    committed record now makes the merger read every record, as a stale one does."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=3, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.save_deltas(3, rows=4)
+        m.merge(workers=1)
+        m.forge_the_catalog(_Picks("merged/L01-000000000001-000000000003"), how="omit")
+        assert m.forged
+        m.merge(workers=1)  # asserts that no item failed
+        m.windowed_restores_plan_what_every_record_plans()
+    finally:
+        m.teardown()
