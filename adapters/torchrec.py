@@ -28,6 +28,7 @@ from deck.adapters.torchrec_compat import (
     lookups,
     tbe_reset_step_cache,
 )
+from deck.adapters.torchrec_grads import GradientWatch
 from deck.adapters.torchrec_hooks import chain_hooks, lookup_forward_hooks
 from deck.adapters.torchrec_mc import ManagedCollision, module_state, prepare_restore
 from deck.adapters.torchrec_optim import (
@@ -98,6 +99,7 @@ class TorchRecAdapter(ModelAdapter):
         self._tables = self._discover_tables()
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
+        self._grads: GradientWatch | None = None
         # table_shards() and dense_state(), with the generation of the model's tensors they were
         # read in: reused while no tensor moved (a state_dict walk would sit in every stall)
         self._slots: TensorSlots | None = None
@@ -359,6 +361,22 @@ class TorchRecAdapter(ModelAdapter):
                 out.classes[f"{name}.{j}"] = algorithm_class(leaf)
         return out
 
+    def watch_gradients(self, optimizers: Optimizers) -> RemovableHandle | None:
+        if self._grads is not None:
+            self._grads.handle.remove()
+        watched = {
+            id(p)
+            for opt in optimizers.dense.values()
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+        names = [(n, p) for n, p in self.model.named_parameters() if id(p) in watched]
+        self._grads = GradientWatch(names)
+        return self._grads.handle
+
+    def unapplied_gradients(self) -> list[str]:
+        return [] if self._grads is None else self._grads.unapplied()
+
     def fused_hyperparameters(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
@@ -398,7 +416,9 @@ class TorchRecAdapter(ModelAdapter):
                 # The rate the kernel held at the checkpoint, which the next forward's backward
                 # uses: not param_groups[0]["lr"] (a scheduler may have moved that since the
                 # last zero_grad()/step() copied it into the kernel).
-                load_tbe_kernel_hyperparameters(tbe, kernel)
+                load_tbe_kernel_hyperparameters(
+                    tbe, kernel, f"{where}: the fused optimizer of tables {sorted(keys)[:4]}"
+                )
             else:
                 # Written before deck saved the kernel's own values: the param group's rate is
                 # the best there is. zero_grad() of a fused optimizer only sets the rate.

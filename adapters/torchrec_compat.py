@@ -425,3 +425,10 @@ def ddp_rebuild_buckets_now(ddp: Any) -> None:
     if _call(reducer, "_rebuild_buckets"):
         ddp._has_rebuilt_buckets = True
     ddp._deck_pinned_buckets = True
+
+
+# ---- torch tensors ------------------------------------------------------------------------
+def tensor_version(t: torch.Tensor) -> int:
+    """autograd's version counter of ``t``: it grows with every in-place change (an optimizer
+    step's update of a parameter)."""
+    return int(_get(t, "_version"))

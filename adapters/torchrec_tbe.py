@@ -20,6 +20,8 @@ from deck.adapters.torchrec_compat import (
     tbe_split_buffer,
 )
 
+from deck.model import say_kernel_edited
+
 # optimizer_args fields that describe the TBE's layout, not the optimizer: a restore into another
 # plan keeps its own.
 _LAYOUT_ARGUMENTS = {"total_hash_size"}
@@ -155,12 +157,15 @@ def tbe_kernel_hyperparameters(tbe: Any) -> dict[str, Any]:
     return {"learning_rate": float(tbe.get_learning_rate()), "optimizer_args": args}
 
 
-def load_tbe_kernel_hyperparameters(tbe: Any, saved: dict[str, Any]) -> None:
+def load_tbe_kernel_hyperparameters(tbe: Any, saved: dict[str, Any], what: str) -> None:
     """Put :func:`tbe_kernel_hyperparameters` back into ``tbe`` exactly (the float32 rate the
-    kernel held, not the param group's)."""
+    kernel held, not the param group's), saying which arguments the kernel (``what``) was built
+    with otherwise (the rate: see the param groups' own line)."""
     # fill_ of the float32 tensor with the value read from it is exact.
     tbe.learning_rate_tensor.fill_(float(saved["learning_rate"]))
     live = tbe_kernel_arguments(tbe)
-    set_tbe_kernel_arguments(
-        tbe, {k: v for k, v in saved.get("optimizer_args", {}).items() if k in live}
+    args = {k: v for k, v in saved.get("optimizer_args", {}).items() if k in live}
+    say_kernel_edited(
+        live, args, what, "call fbgemm's update_hyper_parameters() on the embedding kernel"
     )
+    set_tbe_kernel_arguments(tbe, args)

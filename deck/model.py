@@ -230,6 +230,19 @@ class ModelAdapter(abc.ABC):
         caches it derives from that state (e.g. a step counter kept outside its buffers)."""
         return None
 
+    def watch_gradients(self, optimizers: Optimizers) -> RemovableHandle | None:
+        """Watch the dense parameters of ``optimizers`` for gradients no optimizer step has
+        applied (:meth:`unapplied_gradients`), replacing an earlier watch; the handle stops it.
+        None: not watched."""
+        return None
+
+    def unapplied_gradients(self) -> list[str]:
+        """The dense parameters (by name) holding a gradient, not zero, that a backward
+        accumulated since an optimizer step last changed them: a checkpoint saves no
+        gradients, so one now is refused (gradient accumulation; a checkpoint between
+        ``backward()`` and ``optimizer.step()``). Asked at every checkpoint."""
+        return []
+
     def rows_written_before_lookup(self) -> str | None:
         """Why a batch may have been looked up before the previous batch's update (a pipeline
         that looks the next batch up ahead): a checkpoint then is refused, its lookup output
@@ -315,9 +328,33 @@ def say_edited(opt: Any, groups: list[dict[str, Any]], what: str) -> None:
                 "schedule resumes; to change one, set it after the restore",
                 what,
                 i,
-                ", ".join(f"{k}={hyper[k]!r}" for k in changed),
-                ", ".join(f"{k}={live[k]!r}" for k in changed),
+                _values(hyper, changed),
+                _values(live, changed),
             )
+
+
+def say_kernel_edited(
+    live: Mapping[str, Any], saved: Mapping[str, Any], what: str, how_to_change: str
+) -> None:
+    """Log (as :func:`say_edited`) the arguments a fused kernel (``what``) was built with that
+    differ from the checkpoint's ``saved`` (called before they are loaded): the restore
+    replaces them, as the kernel held them. ``how_to_change``: how to set one after it."""
+    changed = [k for k in sorted(live) if k in saved and _differs(live[k], saved[k])]
+    if changed:
+        logger.log(
+            _edits_level.get(),
+            "deck: %s: the checkpoint's %s replace what the kernel was built with (%s): the "
+            "fused optimizer's arguments are restored as the kernel held them; to train on "
+            "with others, %s after the restore",
+            what,
+            _values(saved, changed),
+            _values(live, changed),
+            how_to_change,
+        )
+
+
+def _values(of: Mapping[str, Any], keys: list[str]) -> str:
+    return ", ".join(f"{k}={of[k]!r}" for k in keys)
 
 
 def _edited(live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:

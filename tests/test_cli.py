@@ -221,9 +221,18 @@ def test_help_on_every_command_and_export_usage_errors(
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    h, r = _decks(("export", "--help"), ("export", str(ckpt), "--out", str(busy)))
+    h, r, f, u = _decks(
+        ("export", "--help"),
+        ("export", str(ckpt), "--out", str(busy)),
+        ("export", str(ckpt), "--out", str(busy / "x")),
+        ("export", str(ckpt), "--out", str(busy / "x" / "sub")),
+    )
     assert h.returncode == 0 and "--format {dcp,safetensors,parquet}" in h.stdout
-    assert r.returncode == 2 and "not an empty directory" in r.stderr
+    assert r.returncode == 2 and "is a non-empty directory, not an empty directory" in r.stderr
+    assert f.returncode == 2 and "is a file, not an empty directory" in f.stderr
+    # An --out this host cannot write (a break-it finding: a traceback, exit 1): one line
+    assert u.returncode == 2 and "Traceback" not in u.stderr, u.stderr
+    assert u.stderr.startswith("deck export: ") and str(busy / "x" / "sub") in u.stderr
     assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
     assert "step 7" in capsys.readouterr().err
 
@@ -572,3 +581,17 @@ def test_ls_says_which_merger_checkpoints_a_rollback_left(tmp_path: Path) -> Non
     new = {i: v for i, v in now.items() if i not in old}
     assert full_of_4(new), now  # the new timeline's full of step 4, beside the old one
     assert {s for _, _, s in new.values()} == {"committed"}, now
+
+
+def test_ctrl_c_is_one_line_and_exit_130(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A break-it finding: Ctrl-C in gc, export or follow --once printed a traceback."""
+    import deck.cli.maintain
+
+    def interrupted(_a: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deck.cli.maintain, "cmd_gc", interrupted)
+    assert main(["gc", str(ckpt), "--dry-run"]) == 130
+    assert capsys.readouterr().err == "deck gc: interrupted\n"

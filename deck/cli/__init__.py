@@ -41,7 +41,9 @@ Exit codes (for scripts), the same for every command:
     2  a usage error (bad arguments, an export target that is not empty), nothing there (a URI
        that does not exist, no checkpoints, an unknown step, table or row, a step no valid
        chain reaches: e.g. through a quarantined checkpoint, which the message names) or an
-       error that stopped the command (storage unreachable, ...)
+       error that stopped the command (storage unreachable, an --out that cannot be written, ...)
+  130  interrupted (Ctrl-C): one line, no traceback; what it left is as after a kill (run it
+       again)
 
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
@@ -140,6 +142,17 @@ def main(argv: list[str] | None = None) -> int:
             code = EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
             sys.stdout.flush()  # what the command printed before it goes first
             print(f"deck {a.cmd}: {e}", file=sys.stderr)
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # this host's own files (an --out that cannot be written, ...)
+            code = EXIT_USAGE
+            sys.stdout.flush()
+            print(f"deck {a.cmd}: {e}", file=sys.stderr)
+        except KeyboardInterrupt:
+            # (What a command leaves when interrupted is as after a kill: safe to run again)
+            sys.stdout.flush()
+            print(f"deck {a.cmd}: interrupted", file=sys.stderr)
+            return 130
         # What is still buffered is written here, where a closed pipe is caught, not by the
         # interpreter at exit (which would print "Exception ignored ... BrokenPipeError" and
         # exit 120).

@@ -6,6 +6,7 @@ import argparse
 import itertools
 import logging
 import multiprocessing
+import os
 import re
 import signal
 import sys
@@ -123,7 +124,12 @@ def _run_worker(
     return 1 if waiting or stats.failed or worker.failures else 0
 
 
-def _child(a: argparse.Namespace, index: int, num: int, queue: Any) -> None:
+def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int) -> None:
+    from deck.processes import die_with_parent
+
+    # A `deck merge` killed with -9 stops its workers too (SIGTERM: a --follow worker ends
+    # after its pass, as when stopped by hand)
+    die_with_parent(parent, signal.SIGTERM)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         code = _run_worker(
@@ -211,17 +217,30 @@ def _run_workers(a: argparse.Namespace, indices: list[int], total: int, tally: _
     returns the highest exit code (2 for a worker that died without saying)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(a, i, total, queue)) for i in indices]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_child, args=(a, i, total, queue, os.getpid())) for i in indices]
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # (SIGTERM: kill, systemd, Kubernetes) stop the workers too
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     codes: dict[int, int] = {}
+    by_index = dict(zip(indices, procs, strict=True))
     try:
-        _collect_workers(queue, dict(zip(indices, procs, strict=True)), codes, tally)
-    except KeyboardInterrupt:
         for p in procs:
-            p.terminate()
-    for p in procs:
-        p.join()
+            p.start()
+        try:
+            _collect_workers(queue, by_index, codes, tally)
+        except KeyboardInterrupt:
+            # Each worker stops (a --follow one after its pass, saying how it ended)
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            _collect_workers(queue, by_index, codes, tally)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in procs:
+            if p.pid is not None:
+                p.join()
     return max(codes.values(), default=2)
 
 
@@ -237,8 +256,9 @@ def _collect_workers(
             if not isinstance(e, Empty):
                 logger.debug("deck merge: reading the workers' events: %r", e)
             for i, p in procs.items():
-                if not p.is_alive() and i not in codes and p.exitcode not in (0, None):
-                    codes[i] = 2
+                if not p.is_alive() and i not in codes and p.exitcode is not None:
+                    # (its last words were sent before it exited: none came)
+                    codes[i] = 0 if p.exitcode == 0 else 2
             continue
         if kind == "exit":
             codes[x] = y

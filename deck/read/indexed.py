@@ -395,6 +395,11 @@ def compact(
         seq: catalog if seq == read.seq else _catalog_or_none(storage, seq)
         for seq in catalogs[-_KEEP_CATALOGS:]
     }
+    # The segments the catalogs this writer drops name (read before they go): the only ones it
+    # prunes, so a segment another writer just wrote for a catalog it has not listed yet is not
+    # taken for garbage (a break-it run: two writers' catalogs 36 ms apart left the newest
+    # naming a segment the other had deleted, and every read passed it by from then on)
+    dropped = [_catalog_or_none(storage, seq) for seq in catalogs[:-_KEEP_CATALOGS]]
     if len(catalogs) > _KEEP_CATALOGS:
         # Never an entry the newest catalog says its log holds: another writer's catalog,
         # written beside this one from an older read, may need entries before the older kept
@@ -409,7 +414,7 @@ def compact(
             if seq > floor:
                 break
             storage.delete(log_key(seq))
-    _prune_segments(storage, kept)
+    _prune_segments(storage, kept, dropped)
     logger.info(
         "catalog %d written at %s: %d record(s) in %d segment(s), %d to read again",
         read.seq,
@@ -513,11 +518,14 @@ def _describe(
     )
 
 
-def _prune_segments(storage: Storage, kept: Mapping[int, Catalog | None]) -> None:
-    """Delete the segments none of the ``kept`` catalogs names. A kept catalog that cannot be
-    read (None) names none: readers pass it by."""
+def _prune_segments(
+    storage: Storage, kept: Mapping[int, Catalog | None], dropped: Iterable[Catalog | None]
+) -> None:
+    """Delete the segments the ``dropped`` catalogs name and none of the ``kept`` catalogs
+    does. A catalog that cannot be read (None) names none: readers pass it by."""
     named = {ref.name for c in kept.values() if c is not None for ref in c.segments}
-    for name in sorted(listed_segments(storage) - named):
+    old = {ref.name for c in dropped if c is not None for ref in c.segments}
+    for name in sorted((old - named) & listed_segments(storage)):
         storage.delete(segment_key(name))
 
 
@@ -602,11 +610,15 @@ def repair(
             except (CorruptCheckpointError, NotFoundError):
                 return None
     changed: list[str] = []
+    # A newest catalog readers pass by (damaged, a segment it names gone) stays the newest, and
+    # is passed by (and said so) at every read, until one is written after it
+    usable = [seq for seq in catalogs if seq not in forged][-1:]
+    passed_by = bool(usable) and _newest_readable(storage, usable, lazy=False) is None
     if view is not None:
         explained = {h.key for h in later} | {h.key for h in view.recheck}
         keys = (set(view.records) | set(truth)) - explained
         changed = sorted(k for k in keys if not _same_bytes(view.records.get(k), truth.get(k)))
-        if not changed:
+        if not changed and not passed_by:
             return None
     # A reader polling from its last read goes on from its log entry, not from a catalog: the
     # records changed behind the log's back are announced in it, so that it reads them again.
@@ -648,7 +660,11 @@ def repair(
         "the catalog at %s did not agree with the commit records%s: writing catalog %d from "
         "every record read",
         storage.uri,
-        "" if view is not None else " (none could be used)",
+        " (none could be used)"
+        if view is None
+        else " (the newest could not be used)"
+        if passed_by and not changed
+        else "",
         top,
     )
     written = compact(storage, fixed, force=True, parsed=parsed)

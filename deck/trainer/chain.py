@@ -386,16 +386,17 @@ class ChainWriter:
         if self.coord.rank == 0:
             self._watch = LineageWatch(self.storage, self.label, self.staging.background_nice)
 
-    def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
-        """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
-        part is staged (``staging.release``); None when skipped for a full spool. Raises
-        :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
-        claimed rows stay pending."""
+    def refuse_going_back(self, step: int, *, again: bool) -> None:
+        """Raise :class:`ConfigError` when ``step`` is older than the newest step this process
+        checkpointed or restored (``again``: or that very step, checkpointed): steps only go
+        forward."""
         newest = self.newest
-        if newest is not None and (step < newest or (step == newest and self.newest_saved)):
+        if newest is not None and (
+            step < newest or (again and step == newest and self.newest_saved)
+        ):
             # Caught here, not by the manifest's checks in the background (where it failed
             # while flush() still said all was well, and took the next delta with it).
-            again = (
+            itself = (
                 f" (step {step} itself is saved: a second checkpoint of a step, e.g. a final "
                 "save() right after step() took one, would be a delta of itself)"
                 if step == newest
@@ -410,9 +411,16 @@ class ChainWriter:
             raise ConfigError(
                 f"{self.label} of step {step} at {self.storage.uri}: this process already "
                 f"{'restored' if newest == self.restored else 'checkpointed'} step "
-                f"{newest}, and steps only go forward{again}; to go back, restore({step}) (or an "
-                "older step) first"
+                f"{newest}, and steps only go forward{itself}; to go back, restore() a committed "
+                f"step at or before {step} first"
             )
+
+    def save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
+        """Checkpoint ``step`` (a delta of :attr:`parent`, or a full). Returns once every rank's
+        part is staged (``staging.release``); None when skipped for a full spool. Raises
+        :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
+        claimed rows stay pending."""
+        self.refuse_going_back(step, again=True)
         try:
             with gc_paused(), self.stager.stall(), LineageWatch.paused():
                 stats = self._save(kind, step)
@@ -745,6 +753,19 @@ class ChainWriter:
                 "semi-sync and prefetch pipelines), nor while the output of a forward that "
                 "requires grad is kept without a backward, in train or eval mode and under "
                 "pause() alike (run evaluation forwards under torch.no_grad())"
+            )
+            return snap
+        unapplied = self.adapter.unapplied_gradients()
+        if unapplied:
+            # Every rank accumulates in the same loop, so every rank refuses (and the vote
+            # tells the others if not)
+            snap.error = CheckpointError(
+                f"{len(unapplied)} dense parameter(s) ({', '.join(unapplied[:3])}) hold a "
+                "gradient no optimizer step has applied yet (gradient accumulation, or a "
+                "checkpoint between backward() and optimizer.step()): checkpoints save no "
+                "gradients, so training on from this one would differ. Take checkpoints after "
+                "optimizer.step(); with gradient accumulation, only at the steps where the "
+                "optimizer steps"
             )
             return snap
         try:

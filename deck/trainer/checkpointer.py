@@ -89,6 +89,7 @@ class DeltaCheckpointer:
         # thread or writer lease outlives it.
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
+        self._gradients: RemovableHandle | None = None  # the watch of unapplied gradients
         self._stagers: list[Stager | ProcessStager] = []
         self._writers: list[ChainWriter] = []  # their lineage checks stop after the stagers
         # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
@@ -185,6 +186,7 @@ class DeltaCheckpointer:
         built after it (:meth:`deck.trainer.wrapper.ModelCheckpointer.attach`). Local, not
         collective."""
         self._optimizers = self.adapter.optimizers(optimizers)
+        self._gradients = self.adapter.watch_gradients(self._optimizers)
         if state is not None:
             self._state = user_state_pair(state)
 
@@ -392,6 +394,8 @@ class DeltaCheckpointer:
         or after an unrecoverable error) or ``step`` is a multiple of ``full_every_steps``.
         """
         self._check_open("step")
+        # (A step not due is refused too: the save() that may follow would take it)
+        self._ckpt.refuse_going_back(step, again=False)
         self._last_step = step
         stats = None
         if step % self.config.delta_every_steps == 0:
@@ -661,6 +665,7 @@ class DeltaCheckpointer:
         and release the writer lease: each is done whatever the ones before raise (an error
         propagates once all ran), only what was taken, and nothing twice."""
         hooks, stagers, self._hooks, self._stagers = self._hooks, self._stagers, None, []
+        gradients, self._gradients = self._gradients, None
         writers, self._writers = self._writers, []
         with contextlib.ExitStack() as stack:  # runs its callbacks last-in first-out
             stack.callback(self._events.close)  # after the stagers: their last events too
@@ -672,6 +677,8 @@ class DeltaCheckpointer:
                 stack.callback(stager.close)
             if hooks is not None:
                 stack.callback(hooks.remove)
+            if gradients is not None:
+                stack.callback(gradients.remove)
 
     def __enter__(self) -> DeltaCheckpointer:
         return self

@@ -1,11 +1,20 @@
-"""GC deleting a trainer checkpoint while a rollback saves the same step again."""
+"""GC deleting a trainer checkpoint while a rollback saves the same step again, or stopped
+after uncommitting an abandoned one."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 import deck.read.indexed
 import tests.ops.test_operations_machine as machine
+from deck import failpoints
+from deck.ops.retention import RetentionPolicy, collect_garbage
+from deck.ops.retention.gc import GC_DELETING
+from deck.read.catalog import read_manifests
+from deck.storage import LocalStorage
+from deck.testing.synth import SynthTrainer
 from tests.ops.test_operations_machine import OperationsMachine
 
 
@@ -29,3 +38,36 @@ def test_a_save_of_the_step_gc_is_deleting_keeps_its_record(
         m.reads_through_the_catalog_see_every_record()
     finally:
         m.teardown()
+
+
+def test_a_gc_stopped_after_uncommitting_the_newest_abandoned_step_is_finished_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A break-it finding: after a rollback, GC deletes the abandoned timeline's steps above the
+    new timeline's newest; stopped right after one's commit record went, it left an attempt
+    folder above every committed step, which every later run kept as a save still uploading
+    (and ``deck ls`` showed as pending). GC marks such an attempt before uncommitting it, and a
+    later run deletes a marked one as an orphan."""
+    store = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(store)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save("delta")
+    abandoned = tr.saved[4].id
+    tr.rollback(2)
+    tr.train()
+    tr.save("delta")  # the new timeline's step 3: step 4 is above it
+    policy = RetentionPolicy(grace_s=0)
+    failpoints.configure("gc.checkpoint.after_uncommit:1:interrupt")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collect_garbage(store, policy)
+    finally:
+        failpoints.configure(None)
+    assert not store.exists("step-000000000004/manifest.json")
+    assert store.exists(f"step-000000000004/{abandoned}/{GC_DELETING}")
+    rep = collect_garbage(store, policy)
+    assert any("stopped part way" in why for _, why in rep.orphans), rep.orphans
+    assert not store.list("step-000000000004/")
+    assert [m.step for m in read_manifests(store).values()] == [0, 1, 2, 3]

@@ -1358,3 +1358,60 @@ def test_a_merger_reading_a_catalog_that_leaves_out_its_commit_reads_every_recor
         m.windowed_restores_plan_what_every_record_plans()
     finally:
         m.teardown()
+
+
+def _segments_of(store: Storage, seq: int) -> set[str]:
+    return {ref.name for ref in read_catalog(store, seq).segments}
+
+
+def test_gc_replaces_a_newest_catalog_readers_pass_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A break-it finding: the newest catalog named a segment that was gone (another writer
+    had pruned it), the one before it read fine, so GC over the whole store found the read
+    through the catalogs agreeing with every record and left it: every read passed it by, and
+    said so, for good. GC now writes a catalog in its place."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        m.merge(workers=1)
+        m.write_a_catalog(kill=None, after=False)
+        m.save_deltas(2, rows=30)
+        m.write_a_catalog(kill=None, after=False)
+        older, newest = listed_seqs(m.local, CATALOG_ROOT)[-2:]
+        gone = sorted(_segments_of(m.local, newest) - _segments_of(m.local, older))
+        assert gone
+        m.local.delete(segment_key(gone[0]))
+        assert read_manifests(m.store).index is not None  # (through the older one)
+        collect_garbage(m.store, m.policy, whole=True)
+        newest = listed_seqs(m.local, CATALOG_ROOT)[-1]
+        assert _segments_of(m.local, newest) <= listed_segments(m.local)
+        m.reads_through_the_catalog_see_every_record()
+    finally:
+        m.teardown()
+
+
+def test_a_catalog_writer_prunes_no_segment_another_writer_just_wrote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How the break-it run's newest catalog lost its segment: a writer pruned every segment
+    its listed catalogs did not name, among them one another writer had just written for a
+    catalog it was about to put. A writer now prunes only what the catalogs it drops named."""
+    _small_catalogs(monkeypatch)
+    m = OperationsMachine()
+    try:
+        m.setup(stride=2, every=None, grace=0.0, policy="bounded")
+        for _ in range(3):
+            m.merge(workers=1)
+            m.save_deltas(1, rows=4)
+            m.write_a_catalog(kill=None, after=False)
+        fresh = segment_key("0123456789abcdef")  # (another writer's, its catalog not put yet)
+        m.local.put(fresh, b"...")
+        before = listed_segments(m.local)
+        m.save_deltas(1, rows=4)
+        m.write_a_catalog(kill=None, after=False)
+        assert m.local.exists(fresh)
+        # What the dropped catalogs alone named went
+        named = set().union(*(_segments_of(m.local, s) for s in listed_seqs(m.local, CATALOG_ROOT)))
+        assert listed_segments(m.local) - named == {"0123456789abcdef"}, before
+    finally:
+        m.teardown()

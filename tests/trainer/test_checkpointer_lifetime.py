@@ -155,6 +155,12 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
             ck.step(2)
         with pytest.raises(ConfigError, match="steps only go forward"):
             ck.save("full", step=3)
+        # One not due too (a break-it finding: step(3) was taken, and the save() after it then
+        # said to restore(3), which was never committed)
+        with pytest.raises(
+            ConfigError, match=r"step 3 .*restore\(\) a committed step at or before 3"
+        ):
+            ck.step(3)
         # The same step again (a final save() after step() took one) too: it was accepted and
         # failed in the background as a delta of itself, taking the next delta with it.
         with pytest.raises(ConfigError, match=r"step 4 itself is saved"):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from deck.adapters.torchrec_optim import fused_kernels
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
@@ -180,18 +182,31 @@ def _deck_lines() -> list[str]:
 
 def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
     said = _deck_lines()
-    model, opt = build_model(SMALL)
+    spec = replace(SMALL, sharding="table_wise")  # (a fused kernel: not data_parallel tables)
+    model, opt = build_model(spec)
     config = deck.DeckConfig(uri=root, delta_every_steps=1, lease_ttl_s=None)
     with deck.DeltaCheckpointer(model, [opt], config) as ck:
-        train_step(model, opt, SMALL, 0)
+        train_step(model, opt, spec, 0)
         ck.step(0)
         assert ck.flush()
-    fresh, fresh_opt = build_model(SMALL, seed=3)
+    # Edits the checkpoint's values replace: the dense lr, and the fused kernel's eps and
+    # weight decay (fbgemm's optimizer_args: a break-it run found those replaced silently)
+    fresh, fresh_opt = build_model(
+        replace(spec, fused_params={"eps": 0.1, "weight_decay": 0.5}), seed=3
+    )
     for group in fresh_opt.param_groups:
-        group["lr"] = group["lr"] * 10  # an edit the checkpoint's lr replaces
+        group["lr"] = group["lr"] * 10
     deck.load(fresh, [fresh_opt], root)
     edits = [m for m in said if "replace what the optimizer was built with" in m]
     assert len(edits) == (1 if rank == 0 else 0), (rank, edits)  # one line per job
+    kernel = [m for m in said if "replace what the kernel was built with" in m]
+    assert bool(kernel) == (rank == 0), (rank, kernel)
+    assert all("eps=1e-08" in m and "eps=0.1" in m and "weight_decay=0.5" in m for m in kernel)
+    assert all("update_hyper_parameters()" in m for m in kernel), kernel
+    assert {
+        (k.optimizer_args.eps, k.optimizer_args.weight_decay)
+        for k in fused_kernels(fresh.fused_optimizer)
+    } == {(1e-8, 0.0)}
 
 
 @pytest.mark.slow

@@ -95,7 +95,8 @@ def writing_out_dir(out_dir: str) -> Iterator[None]:
 
 def check_out_dir(out_dir: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        what = "a non-empty directory" if os.path.isdir(out_dir) else "a file"
         raise ConfigError(
-            f"out_dir {out_dir} exists and is not an empty directory; choose a new or empty "
-            "directory"
+            f"the export target {out_dir} is {what}, not an empty directory; choose a new or "
+            "empty directory"
         )

@@ -184,6 +184,11 @@ def collect_garbage(
 # The loggers whose warnings (a step that is not restorable, a skipped merged checkpoint) a GC
 # run would otherwise repeat once per moment of the grace period it replays.
 _READERS = ("deck.read.lineage", "deck.read.catalog", "deck.ops.retention.plan")
+# Put in a trainer checkpoint's attempt folder before its record goes when no step above it stays
+# committed: a run stopped part way leaves a record-less attempt folder at or above the newest
+# committed step, which looks like a save still uploading (kept) unless it says GC was
+# deleting it (an orphan then, like any other).
+GC_DELETING = "gc-deleting"
 _QUARANTINE_NAME = re.compile(rf"{QUARANTINE_ROOT}/[0-9a-f]{{16}}\.json")
 
 
@@ -452,6 +457,9 @@ class _Collector:
         # delete, each still restorable from what is older still; oldest first left deltas
         # whose parent was gone, which ls and verify reported as broken steps
         order = sorted(self.doomed, key=lambda c: _newest_first(self.graph.nodes[c]))
+        # The newest step that stays committed: a checkpoint above it, once uncommitted, would
+        # look like a save in progress (see GC_DELETING)
+        head = max((m.step for m in self.manifests.values() if m.id not in self.doomed), default=-1)
         for cid in order:
             why = self.doomed[cid]
             n = self.graph.nodes[cid]
@@ -468,7 +476,9 @@ class _Collector:
             if not self.dry_run:
                 try:
                     failpoint("gc.checkpoint.before_delete")
-                    kept = _delete_checkpoint(self.storage, n, _attempts(n.folder, listed))
+                    kept = _delete_checkpoint(
+                        self.storage, n, _attempts(n.folder, listed), mark=n.step >= head
+                    )
                     failpoint("gc.checkpoint.after_delete")
                 except DeckError as e:
                     self.report.errors.append(f"{n.folder}: {e}")
@@ -573,10 +583,13 @@ class _Collector:
         for aid, aks in sorted(attempts.items()):
             if m is not None and aid == m.id:
                 continue  # the committed attempt (kept, or deleted with its record)
-            if m is None and step >= latest_step:
+            deleting = f"{prefix}/{aid}/{GC_DELETING}" in aks
+            if m is None and step >= latest_step and not deleting:
                 continue  # may be a checkpoint still being uploaded: keep it
             why = (
-                "attempt folder no record references"
+                "a checkpoint a GC run stopped part way was deleting"
+                if deleting
+                else "attempt folder no record references"
                 if m is not None
                 else "uncommitted checkpoint older than a committed later step"
             )
@@ -753,9 +766,12 @@ def _newest_first(n: LineageNode) -> tuple[int, bool, int]:
     return (-n.step, n.merged, -n.layer)
 
 
-def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> str | None:
+def _delete_checkpoint(
+    storage: Storage, n: LineageNode, attempts: set[str], *, mark: bool = False
+) -> str | None:
     """Uncommit (delete ``manifest.json``), then delete the checkpoint's files; returns why it
-    kept the checkpoint instead, or None.
+    kept the checkpoint instead, or None. ``mark``: a trainer checkpoint's attempt folder first
+    gets :data:`GC_DELETING` (no step above it stays committed).
 
     A trainer step folder is shared by every save of that step (a trainer that rolled back saves
     it again), and no store deletes conditionally, so the record is re-checked and kept: the
@@ -786,6 +802,8 @@ def _delete_checkpoint(storage: Storage, n: LineageNode, attempts: set[str]) -> 
                 f"a new save of step {n.step} began during this run ({', '.join(sorted(started))}); "
                 "the next run decides"
             )
+        if mark:
+            storage.put(f"{n.folder}/{n.id}/{GC_DELETING}", b"deck gc deletes this checkpoint\n")
         # (False: a save of this step committed since the read; its record stays, and this
         # checkpoint, no longer committed, goes)
         storage.delete_if(man, raw)

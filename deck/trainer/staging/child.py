@@ -15,12 +15,10 @@ process alone.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import mmap
 import os
-import signal
 import socket
 import sys
 import threading
@@ -39,6 +37,7 @@ from deck.format.chunks import Buffer
 from deck.format.manifest import ChunkRecord, FileRecord
 from deck.format.pending import PendingPart
 from deck.format.treecodec import CapturedTree
+from deck.processes import die_with_parent
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import PartProgress
@@ -49,7 +48,6 @@ from deck.trainer.writer import ChunkSpec, PartPlan, ShardPlan, build_part, chun
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 # Messages to the training process within this long of the first one waiting go in one write:
 # each write wakes its receiving thread, which takes that process's GIL from training. A
 # delta's buffers come back a few ms apart and its progress moves (durable, uploaded,
@@ -478,17 +476,6 @@ class StagingProcess:
         self.stager.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Killed by the kernel when the training process exits (Linux); the socket's end closing
-    ends it too, wherever this cannot be used."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the call above
-        os._exit(0)
-
-
 def main(argv: list[str]) -> None:
     chan = BatchingChannel(socket.socket(fileno=int(argv[1])))
     msg = chan.recv()
@@ -498,7 +485,9 @@ def main(argv: list[str]) -> None:
     if kind is not Kind.HELLO:
         raise ProtocolError(f"a staging process got {kind.name} first")
     parent = int(hello["parent_pid"])
-    _die_with_parent(parent)
+    # Killed by the kernel when the training process exits (Linux); the socket's end closing
+    # ends it too, wherever this cannot be used.
+    die_with_parent(parent)
     configure_failpoints(hello["failpoints"])
     kill_first(parent)
     torch.set_num_threads(1)
