@@ -283,6 +283,8 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
         ("gc", missing): "does not exist",
         ("gc", str(empty)): "no checkpoints",
         ("merge", missing, "--once"): "does not exist",
+        # (a break-it run: taken, the negative fraction acting as "off")
+        ("merge", uri, "--once", "--full-live-fraction", "-0.5"): "--full-live-fraction must be",
     }
     for (cmd, *_), r in zip(calls, _decks(*calls), strict=True):
         what = calls[(cmd, *_)]
@@ -297,9 +299,10 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
     polls = _decks(
         ("follow", uri, "--out", str(out / "p"), "--poll", "-1"),
         ("merge", uri, "--follow", "--poll", "-1"),
+        ("merge", uri, "--once", "--wait", "-5"),
     )
     for r in polls:
-        assert r.returncode == 2 and "--poll: must be a number of seconds >= 0" in r.stderr, r
+        assert r.returncode == 2 and "must be a number of seconds >= 0" in r.stderr, r
 
 
 def test_history_takes_the_torchrec_table_name(ckpt: Path) -> None:

@@ -30,6 +30,8 @@ def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) ->
     off)."""
     from deck.merge.policy import FullPolicy, MergeConfig
 
+    if not a.full_live_fraction >= 0:  # (NaN too)
+        raise ConfigError(f"--full-live-fraction must be >= 0 (0: off), got {a.full_live_fraction}")
     with flags_of("MergeConfig", MergeConfig, FullPolicy):
         return MergeConfig(
             stride=a.stride,
@@ -147,6 +149,8 @@ def cmd_merge(a: argparse.Namespace) -> int:
 
     if a.gc is False:
         _retention(a)  # the retention flags are validated even when --gc does not use them
+    _merge_config(a, 0, 1)  # validate the options before starting (or saying) anything
+    gc_schedule(a.gc_every, a.gc_whole_every)
     if not a.follow:
         # A catch-up on a URI that is not there is a typo; a --follow worker may start before
         # the trainer has written anything.
@@ -159,8 +163,6 @@ def cmd_merge(a: argparse.Namespace) -> int:
     first, hosts = slot.index, slot.count
     if k < 1:
         raise ConfigError(f"--workers must be >= 1, got {k}")
-    _merge_config(a, 0, 1)  # validate the options before starting anything
-    gc_schedule(a.gc_every, a.gc_whole_every)
     indices = [first * k + j for j in range(k)]
     total = hosts * k
     if k > 1:  # which workers this process runs (its slot times --workers)
@@ -506,7 +508,7 @@ def merge_parser(sub: Subparsers) -> None:
     mer.add_argument("--poll", type=seconds, default=5.0, help="--follow: seconds between scans")
     mer.add_argument(
         "--wait",
-        type=float,
+        type=seconds,
         default=60.0,
         help="--once: seconds to wait for other workers' partitions (60)",
     )
