@@ -391,20 +391,20 @@ def manifest_set(
 
     # A record a catalog gave that fails its checks may be the catalog's fault (damaged in a
     # way its checksums cannot see, or forged): the record's own file decides.
-    from_catalog = index is not None and index.catalog is not None
-    suspects: dict[str, CorruptCheckpointError] = {}
+    catalogued = index if index is not None and index.catalog is not None else None
+    suspects: list[str] = []
     for key, data in records:
         if data is None or record_key_kind(key) is None:
             continue
         problem = take(key, data)
         if problem is None:
             continue
-        if from_catalog and index is not None and key not in index.shadow:
-            suspects[key] = problem
+        if catalogued is not None and key not in catalogued.shadow:
+            suspects.append(key)
         else:
             refuse(key, problem)
     if suspects and index is not None:
-        for key, data in get_records(storage, list(suspects)):
+        for key, data in get_records(storage, suspects):
             if not _same_record(data, index.records.get(key)):
                 _catalog_disagrees(storage, key)
                 if data is None:
