@@ -40,6 +40,7 @@ LEAVES = {
     "deck.at_exit",  # open checkpointers closed at interpreter exit (and by end_rank)
     "deck.units",  # sizes as log lines and the deck command print them
     "deck.stack",  # whether TorchRec's stack is installed, and what to install when not
+    "deck.child_process",  # a child process ends with its parent (staging, merger workers)
 }
 ALLOWED = {
     "deck.storage": set(),

@@ -583,11 +583,14 @@ def test_readme_exit_codes_are_the_cli_table() -> None:
     table = doc[doc.index("Exit codes") : doc.index("Results go to stdout")]
     want = {
         int(code): " ".join(text.split())
-        for code, text in re.findall(r"^\s+([012])  (.*?)(?=^\s+[012]  |\Z)", table, re.S | re.M)
+        for code, text in re.findall(
+            r"^\s+(0|1|2|130)  (.*?)(?=^\s+(?:0|1|2|130)  |\Z)", table, re.S | re.M
+        )
     }
     readme = (ROOT / "README.md").read_text()
-    got = {int(c): t.strip() for c, t in re.findall(r"^\| ([012]) \| (.*) \|$", readme, re.M)}
-    assert set(want) == {0, 1, 2} and got == want, (got, want)
+    rows = re.findall(r"^\| (0|1|2|130) \| (.*) \|$", readme, re.M)
+    got = {int(c): t.strip() for c, t in rows}
+    assert set(want) == {0, 1, 2, 130} and got == want, (got, want)
 
 
 def test_readme_command_summary_lists_every_option() -> None:

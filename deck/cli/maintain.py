@@ -127,7 +127,7 @@ def _run_worker(
 
 
 def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int) -> None:
-    from deck.processes import die_with_parent
+    from deck.child_process import die_with_parent
 
     # A `deck merge` killed with -9 stops its workers too (SIGTERM: a --follow worker ends
     # after its pass, as when stopped by hand)

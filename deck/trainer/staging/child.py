@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from deck.child_process import die_with_parent
 from deck.config import StagingConfig
 from deck.errors import DeckError
 from deck.failpoints import configure as configure_failpoints
@@ -37,7 +38,6 @@ from deck.format.chunks import Buffer
 from deck.format.manifest import ChunkRecord, FileRecord
 from deck.format.pending import PendingPart
 from deck.format.treecodec import CapturedTree
-from deck.processes import die_with_parent
 from deck.trainer.staging.part import StagedPart
 from deck.trainer.staging.pool import BufferPool
 from deck.trainer.staging.records import PartProgress
