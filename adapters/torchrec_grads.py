@@ -22,12 +22,15 @@ class GradientWatch:
     """The dense parameters ``params`` (name -> parameter) watched from now on."""
 
     def __init__(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._params = {id(p): (name, p) for name, p in params if p.requires_grad}
-        self._at: dict[int, int] = {}  # id -> the parameter's version at its last accumulation
-        hooks = [
-            p.register_post_accumulate_grad_hook(self._accumulated)
-            for _, p in self._params.values()
-        ]
+        self._params = [(name, p) for name, p in params if p.requires_grad]
+        # each parameter's version at its last accumulation (in every backward: kept lean)
+        at: dict[torch.Tensor, int] = {}
+        self._at = at
+
+        def accumulated(p: torch.Tensor) -> None:
+            at[p] = tensor_version(p)
+
+        hooks = [p.register_post_accumulate_grad_hook(accumulated) for _, p in self._params]
 
         def remove() -> None:
             for h in hooks:
@@ -35,14 +38,10 @@ class GradientWatch:
 
         self.handle = RemovableHandle(remove)
 
-    def _accumulated(self, p: torch.Tensor) -> None:
-        self._at[id(p)] = tensor_version(p)
-
     def unapplied(self) -> list[str]:
         """The names of the parameters holding a gradient no step has applied (not zero)."""
-        out = []
-        for key, (name, p) in self._params.items():
-            g = p.grad
-            if g is not None and self._at.get(key) == tensor_version(p) and bool(g.any()):
-                out.append(name)
-        return out
+        return [
+            name
+            for name, p in self._params
+            if p.grad is not None and self._at.get(p) == tensor_version(p) and bool(p.grad.any())
+        ]

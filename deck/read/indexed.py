@@ -101,6 +101,9 @@ class IndexedRead:
     loaded: set[str] = field(default_factory=set)
     # Keys read after the catalog: a segment's copy of one is out of date.
     shadow: set[str] = field(default_factory=set)
+    # Newer catalogs this read passed by as unusable (damaged, a segment they name gone; a
+    # lazy read does not read segments): GC writes one in their place
+    passed: tuple[int, ...] = ()
     # The segment each record not in `shadow` was loaded from, by key: a new catalog names
     # that segment again without encoding it while it still holds exactly these records.
     origin: dict[str, str] = field(default_factory=dict)
@@ -207,6 +210,7 @@ def _read_from(
         # a reader polling a long history pays for what is new, not for its length)
         return replace(
             previous,
+            passed=(),
             since=previous.seq - catalogs[-1],
             catalog=catalogs[-1],
             log_from=catalogs[-1] + 1,
@@ -231,6 +235,7 @@ def _read_from(
         unreadable={k for k in again if k in records and _as_text(records[k]) is None},
         tail=tail,
         log_from=catalogs[-1] + 1,
+        passed=tuple(passed),
     )
 
 
@@ -612,8 +617,7 @@ def repair(
     changed: list[str] = []
     # A newest catalog readers pass by (damaged, a segment it names gone) stays the newest, and
     # is passed by (and said so) at every read, until one is written after it
-    usable = [seq for seq in catalogs if seq not in forged][-1:]
-    passed_by = bool(usable) and _newest_readable(storage, usable, lazy=False) is None
+    passed_by = view is not None and bool(view.passed)
     if view is not None:
         explained = {h.key for h in later} | {h.key for h in view.recheck}
         keys = (set(view.records) | set(truth)) - explained
