@@ -1,5 +1,6 @@
 """End-to-end cost of tracking: steps/s of the 2-rank gloo DLRM with no tracking, with deck's
-tracking hooks, and with TorchRec's ModelDeltaTracker(auto_compact=True), in one run.
+hooks (tracking, and the watch of dense gradients no optimizer step applied), and with TorchRec's
+ModelDeltaTracker(auto_compact=True), in one run.
 
 Windows of each mode are interleaved (A B C A B C ...) so machine noise hits all modes alike;
 the median step time per mode is reported with ratios to no tracking.
@@ -47,10 +48,13 @@ def _worker(rank: int, world_size: int, port: int, a: argparse.Namespace, out: s
         train_step(model, opt, spec, step)
     for _ in range(a.rounds):
         for mode in ("none", "deck", "torchrec"):
-            handle = trec = None
+            handle = grads = trec = None
             if mode == "deck":
                 store = TrackerStore(sum(s.rows for s in shards), ("checkpoint",))
                 handle = adapter.install_tracking(store, shards, lambda m: True)
+                # (and the watch of gradients no optimizer step applied: a hook per dense
+                # parameter in every backward)
+                grads = adapter.watch_gradients(adapter.optimizers([opt]))
             elif mode == "torchrec":
                 trec = ModelDeltaTrackerTrec(model, auto_compact=True)
             for _ in range(a.steps):
@@ -63,6 +67,8 @@ def _worker(rank: int, world_size: int, port: int, a: argparse.Namespace, out: s
                 times[mode].append(time.perf_counter() - t0)
             if handle is not None:
                 handle.remove()
+            if grads is not None:
+                grads.remove()
             for m in modules:
                 m.post_lookup_tracker_fn = None
                 m.post_odist_tracker_fn = None
