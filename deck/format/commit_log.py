@@ -37,12 +37,12 @@ from deck.format.checksum import checksum
 from deck.format.manifest import (
     FORMAT_VERSION,
     MANIFEST,
+    MERGED_NAME_PATTERN,
     MERGED_ROOT,
     QUARANTINE_ROOT,
     dump_model,
     load_model,
     parse_merged_dir,
-    parse_step_dir,
 )
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -52,6 +52,11 @@ CATALOG_ROOT = "_catalog"
 SEGMENT_ROOT = f"{CATALOG_ROOT}/segments"
 # ASCII digits, whole names (no trailing newline): anything else there is not deck's.
 _LOG_NAME = re.compile(r"([0-9]{20})\.json")
+_RECORD_KEY = re.compile(
+    rf"step-([0-9]{{12}})/{re.escape(MANIFEST)}"
+    rf"|{re.escape(MERGED_ROOT)}/({MERGED_NAME_PATTERN})/{re.escape(MANIFEST)}"
+    rf"|{re.escape(QUARANTINE_ROOT)}/[^/]+\.json"
+)
 _CATALOG_NAME = re.compile(r"([0-9]{20})\.json\.z")
 _SEGMENT_NAME = re.compile(r"([0-9a-f]{16})\.json\.z")
 # The largest sequence number: names above it are not deck's (and are ignored).
@@ -69,16 +74,14 @@ def record_key_kind(key: str) -> tuple[int | None, str | None] | None:
     """What the record at ``key`` is: ``(step, None)`` for a trainer step's commit record,
     ``(None, folder name)`` for a merger checkpoint's, ``(None, None)`` for a quarantine record,
     None for a key that is no record."""
-    head, _, tail = key.partition("/")
-    name, _, rest = tail.partition("/")
-    step = parse_step_dir(head)
-    if step is not None and tail == MANIFEST:
-        return step, None
-    if head == MERGED_ROOT and parse_merged_dir(name) is not None and rest == MANIFEST:
-        return None, name
-    if head == QUARANTINE_ROOT and "/" not in tail and tail.endswith(".json") and tail != ".json":
-        return None, None
-    return None
+    # One match per key (every reader of the whole history asks this of each record, often):
+    # the forms of step_dir, merged_dir and a quarantine record's name, whole keys only.
+    m = _RECORD_KEY.fullmatch(key)
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        return int(m.group(1)), None
+    return None, m.group(2)
 
 
 class _Strict(BaseModel):

@@ -61,7 +61,9 @@ MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
 # A merger item's partition records, inside its folder under merged/.
 PARTS_DIR = "parts"
-_MERGED_DIR = re.compile(r"(?:F-([0-9]{12})|L([0-9]{2})-([0-9]{12})-([0-9]{12}))-([0-9a-f]{16})")
+# A merger folder's name under merged/ (merged_dir): groups full step, layer, first step, step, id
+MERGED_NAME_PATTERN = r"(?:F-([0-9]{12})|L([0-9]{2})-([0-9]{12})-([0-9]{12}))-([0-9a-f]{16})"
+_MERGED_DIR = re.compile(MERGED_NAME_PATTERN)
 # Quantised encodings of a chunk segment (deck.format.quantize); None everywhere means exact.
 Encoding = Literal["fp16", "bf16", "int8"]
 _ENCODED_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}
