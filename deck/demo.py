@@ -64,6 +64,7 @@ class ModelSpec:
     dense_optimizer: str = "adagrad"  # "adagrad" or "adam"
     fused_params: dict[str, Any] = field(default_factory=dict)  # more fbgemm TBE options
     seed: int = 0
+    dense_hidden: int = 32  # width of the DLRM's dense and over arches' hidden layer
     extra_constraints: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,8 +114,8 @@ def build_model(
                 tables=tables_b, device=torch.device("meta")
             ),
             dense_in_features=13,
-            dense_arch_layer_sizes=[32, spec.dim],
-            over_arch_layer_sizes=[32, 1],
+            dense_arch_layer_sizes=[spec.dense_hidden, spec.dim],
+            over_arch_layer_sizes=[spec.dense_hidden, 1],
             dense_device=torch.device("cpu"),
         )
         sharder: Any = EmbeddingBagCollectionSharder(fused_params=fused)

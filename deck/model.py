@@ -344,8 +344,9 @@ def say_kernel_edited(
         logger.log(
             _edits_level.get(),
             "deck: %s: the checkpoint's %s replace what the kernel was built with (%s): the "
-            "fused optimizer's arguments are restored as the kernel held them; to train on "
-            "with others, %s after the restore",
+            "fused optimizer's arguments are restored as the kernel held them (on every rank: "
+            "the tables named are the ones this rank holds); to train on with others, %s after "
+            "the restore",
             what,
             _values(saved, changed),
             _values(live, changed),
@@ -390,16 +391,24 @@ def _differs(a: Any, b: Any) -> bool:
         return False
 
 
-def copy_dense_state(
+def dense_state_problems(
     live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
 ) -> list[str]:
-    """Copy ``saved`` into ``live`` in place; returns the problems (missing/unexpected/shape)."""
+    """Why ``saved`` cannot be copied into ``live`` (missing/unexpected keys, other shapes)."""
     problems = [f"missing in checkpoint: {k}" for k in live if k not in saved]
     problems += [f"not in model: {k}" for k in saved if k not in live]
     for k, t in live.items():
         s = saved.get(k)
         if s is not None and s.shape != t.shape:
             problems.append(f"{k}: shape {tuple(s.shape)} in checkpoint, {tuple(t.shape)} in model")
+    return problems
+
+
+def copy_dense_state(
+    live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """Copy ``saved`` into ``live`` in place; returns the problems (missing/unexpected/shape)."""
+    problems = dense_state_problems(live, saved)
     if not problems:
         with torch.no_grad():
             for k, t in live.items():

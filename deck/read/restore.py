@@ -208,8 +208,8 @@ def _refuse_quantized(
             f"checkpoint {checkpoint_label(q)} at {storage.uri} holds {q.encoding}-quantised "
             "weights "
             f"({len(quantized)} of the chain's {len(chain)} checkpoints do); restoring it would "
-            "not give the exact state: pass allow_quantized=True to accept that, or restore a "
-            "chain of exact checkpoints"
+            "not give the exact state: pass allow_quantized=True (`deck follow "
+            "--allow-quantized`) to accept that, or restore a chain of exact checkpoints"
         )
 
 

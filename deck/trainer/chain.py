@@ -368,6 +368,9 @@ class ChainWriter:
     newest: int | None = None
     newest_saved: bool = False  # whether ``newest`` was checkpointed (or restored), not skipped
     restored: int | None = None  # the step the last restore loaded
+    # The newest trainer step committed at the URI before this process (None: none): a process
+    # that restored nothing may not checkpoint over that history (set after construction)
+    stored_newest: int | None = None
     flushed: int = 0  # entries of ``history`` a flush has reported on
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)
     # Dense tensors found to differ across ranks: saved by every rank, hashed at every checkpoint
@@ -390,6 +393,18 @@ class ChainWriter:
         """Raise :class:`ConfigError` when ``step`` is older than the newest step this process
         checkpointed or restored (``again``: or that very step, checkpointed): steps only go
         forward."""
+        stored = self.stored_newest
+        if self.restored is None and stored is not None and step <= stored:
+            # Its first checkpoint would be a new timeline's full at `step`: the records of the
+            # steps from there to `stored` replaced or abandoned, the URI's latest state lost
+            raise ConfigError(
+                f"{self.label} of step {step} at {self.storage.uri}: the URI holds checkpoints "
+                f"up to step {stored} and this process restored none; checkpointing step "
+                f"{step} would start a new timeline there and leave steps {step}..{stored} of "
+                "the old one unrestorable. Call restore() before training (it loads the latest "
+                "step; resume the loop after it), restore(step) to go back on purpose, or give "
+                "this run a URI of its own"
+            )
         newest = self.newest
         if newest is not None and (
             step < newest or (again and step == newest and self.newest_saved)

@@ -90,6 +90,7 @@ class DeltaCheckpointer:
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
         self._gradients: RemovableHandle | None = None  # the watch of unapplied gradients
+        self._read_newest: int | None = None  # rank 0: the newest trainer step _next_epoch read
         self._stagers: list[Stager | ProcessStager] = []
         self._writers: list[ChainWriter] = []  # their lineage checks stop after the stagers
         # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
@@ -121,6 +122,7 @@ class DeltaCheckpointer:
             self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
             self._closed = False
             self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
+            self._ckpt.stored_newest = self._stored_newest()
             if self._pub is not None:
                 # Parts of an earlier process's publishes are finished (or dropped); the first
                 # publish of this process is a full all the same.
@@ -616,11 +618,28 @@ class DeltaCheckpointer:
         """Collective: the epoch after every checkpoint committed at ``storage`` and every
         epoch witnessed there (rank 0 reads: the newest part of the history where that
         answers: no trainer checkpoint left unread is newer than the latest one read, nor of
-        an epoch newer than the newest witness, which it lists)."""
+        an epoch newer than the newest witness, which it lists). Rank 0 keeps the newest
+        trainer step of that read of the checkpoint URI (:meth:`_stored_newest`)."""
         epoch = 0
         if self.coord.rank == 0:
-            epoch = next_epoch(read_window(storage) or read_manifests(storage), storage)
+            read = read_window(storage) or read_manifests(storage)
+            epoch = next_epoch(read, storage)
+            if storage is self.storage:  # (not the publish chain's)
+                self._read_newest = max([*read, *read.damaged], default=None)
         return self.coord.broadcast_int(epoch)
+
+    def _stored_newest(self) -> int | None:
+        """Collective: the newest trainer step committed at the URI before this process, or
+        being committed by the recovery of a crashed one's parts (rank 0's read, for every
+        rank); None for none."""
+        newest = -1
+        if self.coord.rank == 0:
+            steps = [s.step for s in self.recovered]
+            if self._read_newest is not None:
+                steps.append(self._read_newest)
+            newest = max(steps, default=-1)
+        newest = self.coord.broadcast_int(newest)
+        return None if newest < 0 else newest
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self, collective: bool = True) -> None:

@@ -34,7 +34,13 @@ from deck.errors import (
 )
 from deck.format.epochs import newest_witness
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
-from deck.model import ModelAdapter, Optimizers, copy_dense_state, edits_logged_at
+from deck.model import (
+    ModelAdapter,
+    Optimizers,
+    copy_dense_state,
+    dense_state_problems,
+    edits_logged_at,
+)
 from deck.read.catalog import (
     ManifestSet,
     checkpoint_label,
@@ -321,6 +327,18 @@ class StateLoader:
         )
         moved = moves.tables
         where = f"step {target} at {self.storage.uri}"
+        # The dense layers first, before anything is written: a model whose dense layers changed
+        # would otherwise be refused by its dense optimizer's state, blamed on the optimizer.
+        live_dense = self.adapter.dense_state()
+        problems = dense_state_problems(
+            {k: v for k, v in live_dense.items() if k not in moves.to_replicated},
+            {k: v for k, v in saved_dense.items() if k not in moves.from_replicated},
+        )
+        if problems:
+            raise IncompatibleModelError(
+                f"dense state of {where} does not fit the model: {problems[:5]}; build the model "
+                "with the dense layers the job saved with"
+            )
         extra = read_state_file(self.storage, last, rank_part(last_parts, self.coord.rank).extra)
         # Checked before anything is written: module state that cannot be put back exactly
         # (e.g. managed-collision remappers into another world size) refuses the restore.

@@ -223,7 +223,7 @@ def _quantized_publish(rank: int, world_size: int, ckpt: str, pub: str, out: str
     if rank == 0:
         # The loading service refuses quantised weights unless asked, then says what it holds.
         r = _deck("follow", pub, "--out", out, "--once")
-        assert r.returncode == 2 and "allow_quantized" in r.stderr, r.stdout + r.stderr
+        assert r.returncode == 2 and "--allow-quantized" in r.stderr, r.stdout + r.stderr
         r = _deck("follow", pub, "--out", out, "--once", "--allow-quantized")
         assert r.returncode == 0, r.stdout + r.stderr
         with open(os.path.join(out, "state.json")) as f:

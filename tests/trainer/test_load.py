@@ -17,7 +17,12 @@ from deck.adapters.torchrec_optim import fused_kernels
 
 import deck
 from deck.demo import ModelSpec, TrainState, build_model, capture_state, diff_states, train_step
-from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompatibleModelError,
+)
 from deck.storage import open_storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.dist_harness import run_ranks
@@ -203,14 +208,25 @@ def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
     assert bool(kernel) == (rank == 0), (rank, kernel)
     assert all("eps=1e-08" in m and "eps=0.1" in m and "weight_decay=0.5" in m for m in kernel)
     assert all("update_hyper_parameters()" in m for m in kernel), kernel
+    # (Rank 0 says it for every rank: the line says its tables are rank 0's)
+    assert all("the tables named are the ones this rank holds" in m for m in kernel), kernel
     assert {
         (k.optimizer_args.eps, k.optimizer_args.weight_decay)
         for k in fused_kernels(fresh.fused_optimizer)
     } == {(1e-8, 0.0)}
+    # Dense layers changed: refused for what it is (it was blamed on the dense optimizer, whose
+    # state no longer fit), before anything is written (the tables were by then)
+    other, other_opt = build_model(replace(spec, dense_hidden=16), seed=5)
+    before = capture_state(other, other_opt)
+    with pytest.raises(IncompatibleModelError, match=r"dense state of step 0 at .* does not fit"):
+        deck.load(other, [other_opt], root)
+    assert not diff_states(before, capture_state(other, other_opt))
 
 
 @pytest.mark.slow
-def test_a_replaced_hyperparameter_is_said_once_per_job_not_per_rank(tmp_path: Path) -> None:
+def test_a_replaced_hyperparameter_is_said_once_per_job_and_changed_dense_layers_are_refused(
+    tmp_path: Path,
+) -> None:
     run_ranks(_edited_lr_restore, str(tmp_path / "ck"), world_size=2)
 
 

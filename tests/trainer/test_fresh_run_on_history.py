@@ -1,0 +1,58 @@
+"""A run that restored nothing may not checkpoint over a URI's history: its first checkpoint
+would start a new timeline there, replacing the records of the steps from its own on and
+leaving the URI's latest state unrestorable (a break-it finding: a job restarted with a new
+config that skipped restore() lost the old one silently). Refused at the call on every rank;
+a step after the URI's newest, or a restore() first, goes on as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import deck
+from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
+from deck.errors import ConfigError
+from deck.testing.dist_harness import run_ranks
+
+SPEC = ModelSpec(num_tables=2, rows=300, dim=8, batch=16, sharding="table_wise")
+
+
+def _restarts(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=root, delta_every_steps=1)
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(5):
+            train_step(model, opt, SPEC, step)
+            ck.step(step)
+        assert ck.flush()
+    at_4 = capture_state(model, opt)
+
+    # A new run on the same URI that skips restore(): its steps 0..4 are refused, saying why
+    fresh, fresh_opt = build_model(SPEC, seed=3)
+    with deck.enable(fresh, [fresh_opt], config) as ck:
+        for step in (0, 4):
+            with pytest.raises(ConfigError, match=r"holds checkpoints up to step 4 and this "):
+                ck.step(step)
+        with pytest.raises(ConfigError, match=r"restore\(\) before training"):
+            ck.save("full", step=2)
+        # After the URI's newest step it is a new timeline's full: nothing of the old replaced
+        train_step(fresh, fresh_opt, SPEC, 5)
+        assert ck.step(5) is not None
+        assert ck.flush()
+    steps = {c.step: c for c in deck.list_checkpoints(root)}
+    assert sorted(steps) == [0, 1, 2, 3, 4, 5]
+    assert steps[5].kind == "full" and steps[5].epoch > steps[4].epoch == steps[0].epoch
+    again, again_opt = build_model(SPEC, seed=4)
+    with deck.enable(again, [again_opt], config) as ck:
+        assert ck.restore(4) == 4
+        assert not diff_states(at_4, capture_state(again, again_opt))
+        # Restored: the steps after it are this run's (a rollback's new timeline)
+        train_step(again, again_opt, SPEC, 5)
+        assert ck.step(5) is not None
+        assert ck.flush()
+
+
+@pytest.mark.slow
+def test_a_run_that_restored_nothing_may_not_checkpoint_over_the_history(tmp_path: Path) -> None:
+    run_ranks(_restarts, str(tmp_path / "ck"), world_size=2)
