@@ -302,7 +302,9 @@ def reference_takeovers(
     graph: LineageGraph, plan: RetentionPlan, doomed: Mapping[str, str]
 ) -> set[str]:
     """:func:`deck.ops.retention.plan.takeovers` as it was (a chain per doomed checkpoint and
-    step it covers)."""
+    step it covers), with the trainer full such a chain starts from, which GC reads whole too
+    since a damaged one took over from a deleted merger full (a fuzz-ops finding; this
+    reference kept the deltas alone until make fuzz-gc drew a chain from a trainer full)."""
     gone = [i for i in doomed if graph.nodes[i].merged]
     if not gone:
         return set()
@@ -315,11 +317,7 @@ def reference_takeovers(
         for step in retained[lo : bisect.bisect_right(retained, n.step)]:
             with contextlib.suppress(CheckpointNotFoundError):
                 chain = paths.chain(step, frozenset(doomed))
-                out.update(
-                    i
-                    for i in chain
-                    if not graph.nodes[i].merged and graph.nodes[i].kind is not Kind.FULL
-                )
+                out.update(i for i in chain if not graph.nodes[i].merged)
     return out
 
 

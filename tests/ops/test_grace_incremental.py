@@ -235,6 +235,26 @@ def test_grace_protection_and_plan_match_the_reference(data: st.DataObject) -> N
     assert takeovers(graph, plan, doomed) == reference_takeovers(graph, plan, doomed)
 
 
+def test_a_takeover_from_a_trainer_full_reads_that_full_in_the_reference_too() -> None:
+    """Found by ``make fuzz-gc GC_EXAMPLES=300 FUZZ_SEED=3162808934``: the reference of the
+    takeovers still left out the trainer full a takeover's chain starts from, which GC reads
+    whole since a damaged one took over from a deleted merger full."""
+    sim = LineageSim(seed=0)
+    sim.save("full")
+    for _ in range(6):
+        sim.train()
+        sim.save("delta")
+    sim.merge(MergeConfig(stride=2, full=FullPolicy(every=None, max_live_fraction=None)))
+    graph = sim.graph()
+    merged = [i for i, n in graph.nodes.items() if n.merged and n.kind is not Kind.FULL]
+    assert merged
+    plan = plan_lineage(graph, RetentionPolicy(grace_s=0.0, keep_all_steps=True))
+    doomed = dict.fromkeys(merged, "drawn")
+    got = takeovers(graph, plan, doomed)
+    assert got == reference_takeovers(graph, plan, doomed)
+    assert any(graph.nodes[i].kind is Kind.FULL for i in got)
+
+
 @hyp
 @given(st.data())
 def test_each_moment_of_the_replay_matches_the_reference(data: st.DataObject) -> None:
