@@ -132,7 +132,9 @@ class TorchRecAdapter(ModelAdapter):
                     continue
                 if ps.sharding_type not in _TRACKED_TYPES:
                     raise UnsupportedError(
-                        f"table {key}: sharding type {ps.sharding_type} is not supported"
+                        f"table {key}: sharding type {ps.sharding_type} is not supported (deck "
+                        f"checkpoints {', '.join(sorted(_TRACKED_TYPES))} and data_parallel "
+                        "tables): shard this table with one of those"
                     )
                 if ps.compute_kernel not in _FUSED_KERNELS:
                     raise UnsupportedError(

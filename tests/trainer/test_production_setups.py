@@ -64,10 +64,13 @@ def _module(seed: int, norm_and_dropout: bool) -> Any:
     return DLRMTrain(dlrm)
 
 
-def _build(seed: int, recipe: str, norm_and_dropout: bool) -> tuple[Any, Any, Any]:
+def _build(
+    seed: int, recipe: str, norm_and_dropout: bool, grid: bool = False
+) -> tuple[Any, Any, Any]:
     """(model, the optimizer the pipeline steps and deck saves, the LR scheduler or None): t0
-    table_wise, t1 row_wise, t2 column_wise over two ranks, t3 data_parallel; fused rowwise
-    Adagrad; dense Adam in a KeyedOptimizerWrapper, combined with the fused one."""
+    table_wise (``grid``: grid_shard), t1 row_wise, t2 column_wise over two ranks, t3
+    data_parallel; fused rowwise Adagrad; dense Adam in a KeyedOptimizerWrapper, combined with
+    the fused one."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -75,6 +78,7 @@ def _build(seed: int, recipe: str, norm_and_dropout: bool) -> tuple[Any, Any, An
         column_wise,
         construct_module_sharding_plan,
         data_parallel,
+        grid_shard,
         row_wise,
         table_wise,
     )
@@ -95,6 +99,8 @@ def _build(seed: int, recipe: str, norm_and_dropout: bool) -> tuple[Any, Any, An
         "t2": column_wise(ranks=[max(ws - 2, 0), ws - 1], compute_kernel="fused"),
         "t3": data_parallel(),
     }
+    if grid:
+        per_table["t0"] = grid_shard(host_indexes=[0])
     plan = ShardingPlan(
         {
             "model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
@@ -218,6 +224,9 @@ def _refusals(uri: str) -> None:
         deck.enable(model, [over_tables], config)
     # Nothing was left installed: a later enable on the same model works.
     deck.enable(model, [opt], config).close()
+    grid, grid_opt, _ = _build(3, "steplr", False, grid=True)
+    with pytest.raises(UnsupportedError, match=r"grid_shard is not supported \(deck checkpoints"):
+        deck.enable(grid, [grid_opt], config)
 
 
 def _rank_local(rank: int, world_size: int, root: str, recipes: tuple[str, ...]) -> None:
