@@ -398,12 +398,12 @@ class ChainWriter:
             # Its first checkpoint would be a new timeline's full at `step`: the records of the
             # steps from there to `stored` replaced or abandoned, the URI's latest state lost
             raise ConfigError(
-                f"{self.label} of step {step} at {self.storage.uri}: the URI holds checkpoints "
-                f"up to step {stored} and this process restored none; checkpointing step "
-                f"{step} would start a new timeline there and leave steps {step}..{stored} of "
-                "the old one unrestorable. Call restore() before training (it loads the latest "
-                "step; resume the loop after it), restore(step) to go back on purpose, or give "
-                "this run a URI of its own"
+                f"{self.label} of step {step} at {self.storage.uri}: the URI's latest "
+                f"restorable step is {stored} and this process restored none; checkpointing "
+                f"step {step} would start a new timeline there and leave steps {step}..{stored} "
+                "of the old one unrestorable. Call restore() before training (it loads the "
+                "latest step; resume the loop after it), restore(step) to go back on purpose, "
+                f"start this run's steps after {stored}, or give this run a URI of its own"
             )
         newest = self.newest
         if newest is not None and (

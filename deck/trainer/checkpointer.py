@@ -28,8 +28,11 @@ from deck.model import (
     optimizer_record,
 )
 from deck.read.catalog import (
+    ManifestSet,
+    OutsideWindow,
     read_manifests,
 )
+from deck.read.lineage import build_graph
 from deck.read.restore import (
     RestoreStats,
 )
@@ -618,20 +621,20 @@ class DeltaCheckpointer:
         """Collective: the epoch after every checkpoint committed at ``storage`` and every
         epoch witnessed there (rank 0 reads: the newest part of the history where that
         answers: no trainer checkpoint left unread is newer than the latest one read, nor of
-        an epoch newer than the newest witness, which it lists). Rank 0 keeps the newest
-        trainer step of that read of the checkpoint URI (:meth:`_stored_newest`)."""
+        an epoch newer than the newest witness, which it lists). Rank 0 keeps the latest
+        restorable step of that read of the checkpoint URI (:meth:`_stored_newest`)."""
         epoch = 0
         if self.coord.rank == 0:
             read = read_window(storage) or read_manifests(storage)
             epoch = next_epoch(read, storage)
             if storage is self.storage:  # (not the publish chain's)
-                self._read_newest = max([*read, *read.damaged], default=None)
+                self._read_newest = _newest_restorable(read)
         return self.coord.broadcast_int(epoch)
 
     def _stored_newest(self) -> int | None:
-        """Collective: the newest trainer step committed at the URI before this process, or
-        being committed by the recovery of a crashed one's parts (rank 0's read, for every
-        rank); None for none."""
+        """Collective: the latest restorable step at the URI before this process, or the
+        newest being committed by the recovery of a crashed one's parts (rank 0's read, for
+        every rank); None for none."""
         newest = -1
         if self.coord.rank == 0:
             steps = [s.step for s in self.recovered]
@@ -780,3 +783,13 @@ def _steps(steps: list[int]) -> str:
         return "none"
     shown = ", ".join(map(str, steps[-5:]))
     return f"steps {'..., ' if len(steps) > 5 else ''}{shown}"
+
+
+def _newest_restorable(read: ManifestSet) -> int | None:
+    """The latest restorable step of ``read`` (what ``restore()`` would load; checkpoints no
+    chain reaches are not history a new run could lose), or its newest step where the part of
+    the history read cannot tell."""
+    try:
+        return build_graph(read).latest(log=False)
+    except OutsideWindow:
+        return max(read, default=None)

@@ -155,7 +155,8 @@ class StateLoader:
             if manifests:
                 raise CheckpointNotFoundError(
                     f"{self.storage.uri} has checkpoints {sorted(manifests)} but none has a "
-                    "complete chain"
+                    "complete chain (`deck verify URI --all` says why): give this run a URI of "
+                    f"its own, or start its steps after {max(manifests)}"
                 )
             if skipped:
                 raise CheckpointNotFoundError(f"{skipped}; nothing else is committed")
@@ -169,11 +170,18 @@ class StateLoader:
                 done.stats.fallback = f"skipped {skipped}"
             return done
         assert error is not None
-        if not (allow_fallback and recoverable):
+        if recoverable and not allow_fallback:
+            raise type(error)(
+                f"{error}; restore(allow_fallback=True) restores the newest valid step instead"
+            ) from error
+        if not recoverable:
             raise error
         fallback, why = self._fallback_target(target, error)
         if fallback is None:
-            raise CheckpointNotFoundError(f"{why}; nothing older is restorable either") from error
+            raise CheckpointNotFoundError(
+                f"{why}; nothing older is restorable either: give this run a URI of its own, or "
+                f"start its steps after {max(manifests, default=target)} (the newest committed)"
+            ) from error
         logger.warning("deck: %s", why)
         manifests = read_manifests(self.storage)  # now with rank 0's quarantine records
         manifests = confirmed(self.storage, manifests, fallback)
@@ -231,10 +239,13 @@ class StateLoader:
                     )
             return done, None, False
         recoverable = all(v != LoadResult.FAILED for v in votes)
+        # Every rank says why (rank 0's log is the one read): the first failed rank's message
+        said = self.coord.gather_bytes(b"" if error is None else str(error)[:2000].encode())
         if error is None:
             failed = [r for r, v in enumerate(votes) if v != LoadResult.LOADED]
             error = (CorruptCheckpointError if recoverable else CheckpointError)(
-                f"restore from {self.storage.uri} failed on rank(s) {failed}; see their errors"
+                f"restore of step {target} from {self.storage.uri} failed on rank(s) {failed}; "
+                f"rank {failed[0]}: {said[failed[0]].decode(errors='replace')}"
             )
         return None, error, recoverable
 

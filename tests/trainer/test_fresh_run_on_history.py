@@ -9,10 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
-from deck.errors import ConfigError
+from deck.errors import CheckpointNotFoundError, ConfigError
+from deck.read.catalog import quarantine, read_manifests
+from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
 
 SPEC = ModelSpec(num_tables=2, rows=300, dim=8, batch=16, sharding="table_wise")
@@ -32,7 +35,7 @@ def _restarts(rank: int, world_size: int, root: str) -> None:
     fresh, fresh_opt = build_model(SPEC, seed=3)
     with deck.enable(fresh, [fresh_opt], config) as ck:
         for step in (0, 4):
-            with pytest.raises(ConfigError, match=r"holds checkpoints up to step 4 and this "):
+            with pytest.raises(ConfigError, match=r"latest restorable step is 4 and this "):
                 ck.step(step)
         with pytest.raises(ConfigError, match=r"restore\(\) before training"):
             ck.save("full", step=2)
@@ -51,6 +54,40 @@ def _restarts(rank: int, world_size: int, root: str) -> None:
         train_step(again, again_opt, SPEC, 5)
         assert ck.step(5) is not None
         assert ck.flush()
+
+
+def _nothing_restorable(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=root, delta_every_steps=1)
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(3):
+            train_step(model, opt, SPEC, step)
+            ck.step(step)
+        assert ck.flush()
+    if rank == 0:  # the chains' full found damaged: no step restores
+        storage = open_storage(root)
+        quarantine(storage, read_manifests(storage)[0], "damaged (test)")
+    dist.barrier()
+    fresh, fresh_opt = build_model(SPEC, seed=3)
+    # What to do instead is said (a break-it finding: restore() was advised, which fails)
+    with (
+        deck.enable(fresh, [fresh_opt], config) as ck,
+        pytest.raises(CheckpointNotFoundError, match=r"URI of its own, or start its steps"),
+    ):
+        ck.restore()
+    # Nothing a new run could lose: it starts over (a new timeline's full at its first step)
+    again, again_opt = build_model(SPEC, seed=4)
+    with deck.enable(again, [again_opt], config) as ck:
+        train_step(again, again_opt, SPEC, 0)
+        stats = ck.step(0)
+        assert stats is not None and stats.kind == "full"
+        assert ck.flush()
+        assert ck.restore() == 0
+
+
+@pytest.mark.slow
+def test_a_run_with_no_restorable_step_before_it_may_start_over(tmp_path: Path) -> None:
+    run_ranks(_nothing_restorable, str(tmp_path / "ck"), world_size=2)
 
 
 @pytest.mark.slow
