@@ -7,6 +7,7 @@ a step after the URI's newest, or a restore() first, goes on as before."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -21,15 +22,20 @@ from deck.testing.dist_harness import run_ranks
 SPEC = ModelSpec(num_tables=2, rows=300, dim=8, batch=16, sharding="table_wise")
 
 
-def _restarts(rank: int, world_size: int, root: str) -> None:
-    config = deck.DeckConfig(uri=root, delta_every_steps=1)
+def _history(config: deck.DeckConfig, steps: int) -> Any:
+    """A first run checkpointing steps 0..steps-1; its state at the last."""
     model, opt = build_model(SPEC)
     with deck.enable(model, [opt], config) as ck:
-        for step in range(5):
+        for step in range(steps):
             train_step(model, opt, SPEC, step)
             ck.step(step)
         assert ck.flush()
-    at_4 = capture_state(model, opt)
+    return capture_state(model, opt)
+
+
+def _restarts(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=root, delta_every_steps=1)
+    at_4 = _history(config, 5)
 
     # A new run on the same URI that skips restore(): its steps 0..4 are refused, saying why
     fresh, fresh_opt = build_model(SPEC, seed=3)
@@ -58,12 +64,7 @@ def _restarts(rank: int, world_size: int, root: str) -> None:
 
 def _nothing_restorable(rank: int, world_size: int, root: str) -> None:
     config = deck.DeckConfig(uri=root, delta_every_steps=1)
-    model, opt = build_model(SPEC)
-    with deck.enable(model, [opt], config) as ck:
-        for step in range(3):
-            train_step(model, opt, SPEC, step)
-            ck.step(step)
-        assert ck.flush()
+    _history(config, 3)
     if rank == 0:  # the chains' full found damaged: no step restores
         storage = open_storage(root)
         quarantine(storage, read_manifests(storage)[0], "damaged (test)")
