@@ -368,8 +368,8 @@ class ChainWriter:
     newest: int | None = None
     newest_saved: bool = False  # whether ``newest`` was checkpointed (or restored), not skipped
     restored: int | None = None  # the step the last restore loaded
-    # The newest trainer step committed at the URI before this process (None: none): a process
-    # that restored nothing may not checkpoint over that history (set after construction)
+    # The URI's latest restorable step before this process (None: none): a process that
+    # restored nothing may not checkpoint over that history (set after construction)
     stored_newest: int | None = None
     flushed: int = 0  # entries of ``history`` a flush has reported on
     quantize: str | None = None  # weight encoding of its checkpoints (None: exact)

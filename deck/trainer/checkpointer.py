@@ -93,7 +93,7 @@ class DeltaCheckpointer:
         self._lease: Lease | None = None
         self._hooks: RemovableHandle | None = None
         self._gradients: RemovableHandle | None = None  # the watch of unapplied gradients
-        self._read_newest: int | None = None  # rank 0: the newest trainer step _next_epoch read
+        self._read_newest: int | None = None  # rank 0: the latest restorable step _next_epoch read
         self._stagers: list[Stager | ProcessStager] = []
         self._writers: list[ChainWriter] = []  # their lineage checks stop after the stagers
         # Each checkpoint's and publish's CheckpointEvent, once it is done, on every rank: to
