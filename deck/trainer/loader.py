@@ -338,18 +338,6 @@ class StateLoader:
         )
         moved = moves.tables
         where = f"step {target} at {self.storage.uri}"
-        # The dense layers first, before anything is written: a model whose dense layers changed
-        # would otherwise be refused by its dense optimizer's state, blamed on the optimizer.
-        live_dense = self.adapter.dense_state()
-        problems = dense_state_problems(
-            {k: v for k, v in live_dense.items() if k not in moves.to_replicated},
-            {k: v for k, v in saved_dense.items() if k not in moves.from_replicated},
-        )
-        if problems:
-            raise IncompatibleModelError(
-                f"dense state of {where} does not fit the model: {problems[:5]}; build the model "
-                "with the dense layers the job saved with"
-            )
         extra = read_state_file(self.storage, last, rank_part(last_parts, self.coord.rank).extra)
         # Checked before anything is written: module state that cannot be put back exactly
         # (e.g. managed-collision remappers into another world size) refuses the restore.
@@ -368,6 +356,16 @@ class StateLoader:
         for key, staged in moves.to_replicated.items():
             saved_dense[key] = staged.states["weight"]
         mine = rank_part(parts, self.coord.rank)
+        # The dense layers before their optimizer (the tables were checked by apply_chain): a
+        # model whose dense layers changed was refused by its dense optimizer's state, blamed
+        # on the optimizer
+        live_dense = self.adapter.dense_state()
+        problems = dense_state_problems(live_dense, saved_dense)
+        if problems:
+            raise IncompatibleModelError(
+                f"dense state of {where} does not fit the model: {problems[:5]}; build the model "
+                "with the dense layers the job saved with"
+            )
         self._load_optimizers(extra, target, moved)
         live_dense = self.adapter.dense_state()
         problems = copy_dense_state(live_dense, saved_dense)

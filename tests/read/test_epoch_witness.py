@@ -51,7 +51,7 @@ def _trainer_epoch(storage: Storage) -> int:
     """The epoch a trainer starting at ``storage`` writes (DeltaCheckpointer._next_epoch on
     rank 0 of one)."""
     coord = types.SimpleNamespace(rank=0, broadcast_int=lambda v: v)
-    return DeltaCheckpointer._next_epoch(types.SimpleNamespace(coord=coord), storage)  # type: ignore[arg-type]
+    return DeltaCheckpointer._next_epoch(types.SimpleNamespace(coord=coord, storage=None), storage)  # type: ignore[arg-type]
 
 
 def _rolled_back(root: Path) -> LocalStorage:
