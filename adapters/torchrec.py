@@ -349,15 +349,20 @@ class TorchRecAdapter(ModelAdapter):
         else:
             items = [("0", optimizers)]
         out = Optimizers()
+        # An optimizer reached twice (listed twice, or also inside a combined one) is saved
+        # and restored once, under its first name.
+        seen = set(fused)
         for name, opt in items:
             for k, wrapper in enumerate(wrappers(opt)):
-                if id(wrapper) not in fused:
+                if id(wrapper) not in seen:
+                    seen.add(id(wrapper))
                     out.wrappers[f"{name}.w{k}"] = wrapper_state(name, wrapper)
             # Leaves are named by their position among every leaf (fused ones included), as
             # checkpoints written before wrappers were unwrapped named them.
             for j, leaf in enumerate(flatten(opt)):
-                if id(leaf) in fused:
+                if id(leaf) in seen:
                     continue
+                seen.add(id(leaf))
                 check_dense_leaf(name, leaf)
                 out.dense[f"{name}.{j}"] = leaf
                 out.classes[f"{name}.{j}"] = algorithm_class(leaf)
