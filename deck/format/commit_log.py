@@ -382,9 +382,18 @@ def read_catalog(storage: Storage, seq: int) -> Catalog:
     return catalog
 
 
-def put_record(storage: Storage, key: str, ckpt_id: str, data: bytes) -> None:
+def put_record(
+    storage: Storage, key: str, ckpt_id: str, data: bytes, *, exclusive: bool = False
+) -> bool:
     """Write the commit or quarantine record ``data`` of checkpoint ``ckpt_id`` at ``key``,
     announced in the commit log first (where the store keeps one), so that readers through a
-    catalog look at ``key`` again. Every writer of a record writes it through here."""
+    catalog look at ``key`` again. Every writer of a record writes it through here.
+
+    With ``exclusive`` an existing record stays (:meth:`Storage.put_if_absent`; of writers
+    racing on a store without atomic creates, the last still wins): returns whether this call
+    wrote it."""
     append_hints(storage, [Hint(key=key, op="commit", id=ckpt_id)])
+    if exclusive:
+        return storage.put_if_absent(key, data)
     storage.put(key, data)
+    return True

@@ -273,7 +273,9 @@ class ItemBuilder:
             return True
         failpoint("merger.commit.before_manifest")
         self._check_files(written)
-        put_record(self.storage, f"{self.folder}/{MANIFEST}", manifest.id, dump_model(manifest))
+        key = f"{self.folder}/{MANIFEST}"
+        if not put_record(self.storage, key, manifest.id, dump_model(manifest), exclusive=True):
+            return True  # another worker's record landed since the check above: it stands
         failpoint("merger.commit.after_manifest")
         stats.items_committed += 1
         stats.committed.append(self.item.id)

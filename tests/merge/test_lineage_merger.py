@@ -772,6 +772,56 @@ def test_single_worker_goes_on_when_another_committed_its_items_during_its_commi
     _assert_complete_and_exact(root, history)
 
 
+class _OtherWorkerCommitsInTheWindow(LocalStorage):
+    """A local store where another worker's commit of an item lands between this worker's last
+    check that the item is uncommitted and its own commit record."""
+
+    others: dict[str, Any] = {}
+    ids: dict[str, str] = {}  # folder -> the id of the other worker's record
+
+    def put_if_absent(self, key: str, data: Any) -> bool:
+        folder = key.rsplit("/", 1)[0]
+        other = self.others.pop(folder, None)
+        if other is not None and key.endswith(f"/{MANIFEST}"):
+            other.try_commit(WorkStats())
+            self.ids[folder] = load_model(CheckpointManifest, self.get(key), key).id
+        return super().put_if_absent(key, data)
+
+
+def test_a_commit_that_loses_the_race_leaves_the_winners_record_and_counts_nothing(
+    tmp_path: Path,
+) -> None:
+    """Of two workers committing one item at once, one record stands (the first's) and only its
+    worker says it committed the item."""
+    root = tmp_path / "ck"
+    history = _written(root, 20)
+    config = MergeConfig(stride=2, full=FullPolicy(every=8, max_live_fraction=None))
+    racing = _OtherWorkerCommitsInTheWindow(root)
+    graph = build_graph(read_manifests(racing))
+    ready = plan(graph, config).ready
+    racing.others = {}
+    racing.ids = {}
+    for item in ready:
+        other = ItemBuilder(
+            LocalStorage(root), item, [graph.nodes[i].manifest for i in item.inputs], config
+        )
+        for part in other.mine():
+            other.build_partition(part, WorkStats())
+        racing.others[item.folder] = other
+    stats = WorkStats()
+    for item in ready:
+        b = ItemBuilder(racing, item, [graph.nodes[i].manifest for i in item.inputs], config)
+        assert b.try_commit(stats)
+    assert not racing.others and len(racing.ids) == len(ready)
+    assert stats.committed == [] and stats.items_committed == 0
+    for folder, won in racing.ids.items():
+        record = (root / folder / MANIFEST).read_bytes()
+        assert load_model(CheckpointManifest, record, folder).id == won
+    _, left = MergeWorker(LocalStorage(root), config).run_once(wait_s=0)
+    assert left == 0
+    _assert_complete_and_exact(root, history)
+
+
 @pytest.mark.slow
 def test_workers_option_runs_processes(tmp_path: Path) -> None:
     root = tmp_path / "ck"
