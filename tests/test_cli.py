@@ -193,6 +193,52 @@ def test_gc_with_nothing_restorable_says_so_and_deletes_nothing(ckpt: Path, tmp_
     assert sorted(p for p in copy.rglob("*")) == before
 
 
+def test_gc_and_merge_touch_nothing_in_a_folder_without_checkpoints(tmp_path: Path) -> None:
+    """A mistyped URI (a parent folder of runs, another tool's folder): exit 2 and nothing
+    written or deleted there -- not another writer's old temp file, nor a clock marker."""
+    import os
+    import time
+
+    root = tmp_path / "runs"
+    (root / "other-tool" / "sub").mkdir(parents=True)
+    for temp in (root / ".tmp-a", root / "other-tool" / "sub" / ".tmp-b"):
+        temp.write_bytes(b"x")
+        old = time.time() - 7200
+        os.utime(temp, (old, old))
+    before = sorted(root.rglob("*"))
+    runs = _decks(
+        ("gc", str(root)),
+        ("gc", str(root), "--grace", "0"),
+        ("gc", str(root), "--dry-run"),
+        ("merge", str(root), "--once"),
+    )
+    for r in runs:
+        assert r.returncode == 2 and "no checkpoints at" in r.stderr, r.args
+    assert sorted(root.rglob("*")) == before
+
+
+def test_lineage_and_history_exit_1_on_a_damaged_record_they_depend_on(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """A break-it finding: with step 10's commit record truncated, `deck lineage` showed step
+    5's chain as the latest and `deck history` left steps out, both exit 0. Now exit 1 and a
+    line naming the record; a step below the damage is not affected (exit 0)."""
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    record = copy / "step-000000000010" / "manifest.json"
+    record.write_bytes(record.read_bytes()[:20])
+    lin, below, hist = _decks(
+        ("lineage", str(copy)),
+        ("lineage", str(copy), "--step", "5"),
+        ("history", str(copy), "--table", "t0", "--row", "3", "--json"),
+    )
+    assert lin.returncode == 1 and "cheapest chain of step 5" in lin.stdout, lin.stderr
+    assert "deck lineage: the commit record(s) of step(s) [10] cannot be read" in lin.stderr
+    assert below.returncode == 0, below.stderr
+    assert hist.returncode == 1 and "deck history: " in hist.stderr, hist.stderr
+    assert [s["step"] for s in json.loads(hist.stdout)["steps"]] == [0, 5]
+
+
 def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
     import matplotlib.image
 
@@ -235,6 +281,29 @@ def test_help_on_every_command_and_export_usage_errors(
     assert u.stderr.startswith("deck export: ") and str(busy / "x" / "sub") in u.stderr
     assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
     assert "step 7" in capsys.readouterr().err
+    # An --out that is a URI (it became a local folder named "s3:") or inside the checkpoint
+    # URI (deck wrote its export and its follower's state into the store): refused, nothing
+    # written (break-it findings)
+    before = sorted(ckpt.rglob("*"))
+    for argv in (
+        ["export", str(ckpt), "--out", "s3://bucket/x", "--format", "safetensors"],
+        ["report", str(ckpt), "--out", "gs://bucket/r.html"],
+        ["follow", str(ckpt), "--out", "s3://bucket/f", "--once"],
+        ["export", str(ckpt), "--out", str(ckpt / "exp")],
+        ["follow", f"file://{ckpt}", "--out", str(ckpt), "--once"],
+        ["report", str(ckpt), "--out", str(ckpt / "merged" / "r.html")],
+    ):
+        assert main(argv) == 2, argv
+        assert "--out" in capsys.readouterr().err, argv
+    assert sorted(ckpt.rglob("*")) == before and not Path("s3:").exists()
+    # A poll of 0 s would list the store in a tight loop
+    for cmd in (
+        ["follow", str(ckpt), "--out", str(tmp_path / "f")],
+        ["merge", str(ckpt), "--follow"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([*cmd, "--poll", "0"])
+        assert exc.value.code == 2 and "--poll" in capsys.readouterr().err
 
 
 def test_version_and_a_closed_pipe(ckpt: Path) -> None:

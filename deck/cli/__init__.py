@@ -43,7 +43,8 @@ Exit codes (for scripts), the same for every command:
        chain reaches: e.g. through a quarantined checkpoint, which the message names) or an
        error that stopped the command (storage unreachable, an --out that cannot be written, ...)
   130  interrupted (Ctrl-C): one line, no traceback; what it left is as after a kill (run it
-       again)
+       again). `deck merge --follow`, whose way to stop is SIGINT or SIGTERM, finishes its
+       pass and exits 0
 
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a

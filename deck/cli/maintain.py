@@ -16,7 +16,15 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
-from deck.cli.common import Subparsers, flags_of, human, open_existing, progress_bar, seconds
+from deck.cli.common import (
+    Subparsers,
+    flags_of,
+    human,
+    open_existing,
+    poll_seconds,
+    progress_bar,
+    seconds,
+)
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
@@ -49,6 +57,10 @@ def _merge_config(a: argparse.Namespace, worker_index: int, num_workers: int) ->
 def _retention(a: argparse.Namespace) -> Any:
     from deck.ops.retention import RetentionPolicy
 
+    if a.max_clock_skew < 0 and a.max_clock_skew != -1:
+        raise ConfigError(
+            f"--max-clock-skew must be >= 0, or -1 for no bound; got {a.max_clock_skew:g}"
+        )
     with flags_of("RetentionPolicy", RetentionPolicy):
         return RetentionPolicy(
             keep_last_fulls=a.keep_last_fulls,
@@ -58,6 +70,7 @@ def _retention(a: argparse.Namespace) -> Any:
             chain_delta_budget=a.chain_delta_budget or None,
             grace_s=a.grace,
             verify_replacements=a.verify_replacements,
+            drop_quarantined=a.drop_quarantined,
             max_clock_skew_s=None if a.max_clock_skew == -1 else a.max_clock_skew,
         )
 
@@ -152,9 +165,12 @@ def cmd_merge(a: argparse.Namespace) -> int:
     _merge_config(a, 0, 1)  # validate the options before starting (or saying) anything
     gc_schedule(a.gc_every, a.gc_whole_every)
     if not a.follow:
-        # A catch-up on a URI that is not there is a typo; a --follow worker may start before
-        # the trainer has written anything.
-        open_existing(a.uri, a.storage_options)
+        # A catch-up on a URI that is not there, or holds nothing of deck's, is a typo; a
+        # --follow worker may start before the trainer has written anything.
+        from deck.ops.retention.gc import holds_a_store
+
+        if not holds_a_store(open_existing(a.uri, a.storage_options)):
+            raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to merge")
     # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
     k = a.workers
     slot = resolve_worker(
@@ -425,6 +441,12 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
         "replaces, reading it once (the default); --no-verify-replacements: only that its "
         "files exist with their sizes",
     )
+    p.add_argument(
+        "--drop-quarantined",
+        action="store_true",
+        help="delete quarantined checkpoints and the steps that restore only through them "
+        "(default: they stay, reported as kept, until repaired)",
+    )
 
 
 def _add_merge_config_args(p: argparse.ArgumentParser) -> None:
@@ -505,7 +527,9 @@ def merge_parser(sub: Subparsers) -> None:
         help="--gc: the first run and every N-th look at the whole store; the others at the "
         "newest steps (100)",
     )
-    mer.add_argument("--poll", type=seconds, default=5.0, help="--follow: seconds between scans")
+    mer.add_argument(
+        "--poll", type=poll_seconds, default=5.0, help="--follow: seconds between scans"
+    )
     mer.add_argument(
         "--wait",
         type=seconds,

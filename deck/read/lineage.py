@@ -350,6 +350,14 @@ class LineageGraph:
             for n in self.nodes.values()
         )
 
+    def unmarked(self) -> LineageGraph:
+        """This graph without its quarantine marks, in memory only: what a chain or a plan
+        would do were nothing quarantined. This graph is unchanged."""
+        return self._derived(
+            replace(n, quarantined=None) if n.quarantined is not None else n
+            for n in self.nodes.values()
+        )
+
     def as_of(
         self, cutoff: float, committed_at: Callable[[str], float] | None = None
     ) -> LineageGraph:

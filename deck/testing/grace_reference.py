@@ -136,7 +136,9 @@ def reference_plan_lineage(
     damaged: Mapping[int, str] | None = None,
     unusable: Mapping[str, str] | None = None,
 ) -> RetentionPlan:
-    """:func:`deck.ops.retention.plan.plan_lineage` as it was (no logging)."""
+    """:func:`deck.ops.retention.plan.plan_lineage` as it was (no logging), and the steps only a
+    quarantined checkpoint restores held (unless ``policy.drop_quarantined``)."""
+    quarantine_holds = {} if policy.drop_quarantined else _quarantine_holds(graph)
     if unusable:
         graph = graph.marked(unusable)
     paths = _Paths(graph)
@@ -169,6 +171,7 @@ def reference_plan_lineage(
         retained_steps.append(step)
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, paths, damaged or {}, delete)
+    held.update((i, why) for i, why in quarantine_holds.items() if i in delete and i not in held)
     held.update(
         (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
         for i, p in (unusable or {}).items()
@@ -185,6 +188,31 @@ def reference_plan_lineage(
         delete=delete,
         held=held,
     )
+
+
+def _quarantine_holds(graph: LineageGraph) -> dict[str, str]:
+    """Every checkpoint on the chain (were nothing quarantined) of a step that only quarantined
+    checkpoints make restorable, with why."""
+    if all(n.quarantined is None for n in graph.nodes.values()):
+        return {}
+    lifted = _Paths(graph.unmarked())
+    lost = set(lifted.restorable_steps()) - set(_Paths(graph).restorable_steps())
+    holds: dict[str, str] = {}
+    for step in sorted(lost):
+        chain = lifted.chain(step)
+        bad = [graph.nodes[i] for i in chain if graph.nodes[i].quarantined is not None]
+        for q in bad:
+            holds.setdefault(
+                q.id,
+                f"quarantined ({q.quarantined}); it and the steps only it restores are kept to "
+                f"be repaired (restore its files, then delete quarantine/{q.id}.json) or "
+                "given up (`deck gc --drop-quarantined`)",
+            )
+        for i in chain:
+            holds.setdefault(
+                i, f"step {step} restores only through quarantined {bad[0].folder}, kept with it"
+            )
+    return holds
 
 
 def _problem(p: str) -> str:
@@ -338,7 +366,8 @@ class ReferenceMoment:
 
 def reference_moment(graph: LineageGraph, policy: RetentionPolicy) -> ReferenceMoment:
     paths = _Paths(graph)
-    plan = reference_plan_lineage(graph, policy)
+    # (what a quarantine holds is the plan's alone: a grace period protects no more for it)
+    plan = reference_plan_lineage(graph, policy.model_copy(update={"drop_quarantined": True}))
     protected = set(plan.keep)
     for step in plan.retained_steps:
         protected.update(paths.chain(step))
@@ -388,7 +417,7 @@ def reference_grace_protected(
     protected = set(recent)
     for moment in sorted({cutoff} | {when(i) for i in recent if when(i) <= now}):
         then = graph.as_of(moment, when)
-        plan = reference_plan_lineage(then, policy)
+        plan = reference_plan_lineage(then, policy.model_copy(update={"drop_quarantined": True}))
         protected |= plan.keep
         paths = _Paths(then)
         for step in plan.retained_steps:

@@ -197,13 +197,14 @@ def test_merge_gc_schedule() -> None:
 def _compare(storage: LocalStorage, policy: RetentionPolicy, now: float) -> GcReport:
     """The default run, checked against the whole run: it deletes what the whole run deletes
     at its steps, nothing the whole run keeps, but what it keeps for want of a chain (said in
-    ``left``)."""
+    ``left``); what it keeps for damage (a quarantine) the whole run keeps too."""
     whole = collect_garbage(storage, policy, dry_run=True, now=now, whole=True)
     newest = collect_garbage(storage, policy, dry_run=True, now=now)
     assert newest.floor is not None
     assert set(newest.deleted) <= _in_window(whole, newest.floor)
     missing = _in_window(whole, newest.floor) - set(newest.deleted)
-    assert {m[0] for m in missing} == {k[0] for k in newest.left} and not newest.kept
+    assert {m[0] for m in missing} == {k[0] for k in newest.left}
+    assert {k[0] for k in newest.kept} <= {k[0] for k in whole.kept}
     return newest
 
 
@@ -276,4 +277,5 @@ def test_a_quarantine_record_keeps_the_run_to_the_newest_steps(
     sim.write_log(storage, 10)
     report = _compare(storage, RetentionPolicy(grace_s=30.0), sim.clock + 1.0)
     assert report.floor is not None and report.floor <= 371
-    assert any(k[0].startswith("step-000000000371") for k in report.left)
+    # (the quarantined delta and the steps only it restores: kept, by both runs)
+    assert any(k[0].startswith("step-000000000371") for k in report.kept)

@@ -179,6 +179,47 @@ def test_damaged_merger_full_keeps_the_deltas_it_replaces(tmp_path: Path, damage
     assert 12 in check_all_restore(storage, history)
 
 
+def test_a_quarantined_delta_keeps_the_steps_after_it_until_repaired_or_given_up(
+    tmp_path: Path,
+) -> None:
+    """An operator's break-it run: one flipped byte in delta 6, found by the merger (which
+    quarantined it), and its `deck merge --gc` deleted steps 6-12 for good, the newest included:
+    a file restored from a backup could no longer repair anything. Now they stay (exit 1, each
+    named) while the quarantine stands; repaired, every step restores again; given up
+    (--drop-quarantined), they go."""
+    root = tmp_path / "ck"
+    history = _written(root)
+    storage = LocalStorage(root)
+    delta6 = read_manifests(storage)[6]
+    chunk = sorted((root / delta6.folder).rglob("*.chunk"))[0]
+    original = _flip(chunk)
+    p = _deck("merge", str(root), "--once", "--gc", "--grace", "0", *NO_FULL_ARGS)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert delta6.id in read_manifests(storage).quarantined
+    assert sorted(read_manifests(storage)) == STEPS  # nothing deleted
+    p = _deck("gc", str(root), "--grace", "0")
+    assert p.returncode == 1, p.stdout + p.stderr
+    for step in (6, 9, 12):
+        assert f"KEPT {step_dir(step)}" in p.stdout, p.stdout
+    assert f"quarantine/{delta6.id}.json" in p.stdout and "--drop-quarantined" in p.stdout
+    assert sorted(read_manifests(storage)) == STEPS
+    assert check_all_restore(storage, history) == [0, 3]
+
+    # Repaired: the file restored, its quarantine record deleted by hand.
+    chunk.write_bytes(original)
+    (root / "quarantine" / f"{delta6.id}.json").unlink()
+    assert check_all_restore(storage, history) == STEPS
+    p = _deck("gc", str(root), "--grace", "0")
+    assert p.returncode == 0 and "KEPT" not in p.stdout, p.stdout + p.stderr
+
+    # Given up: the quarantined delta and the steps only it restored go.
+    _flip(chunk)
+    quarantine(storage, delta6, "flipped again")
+    p = _deck("gc", str(root), "--grace", "0", "--drop-quarantined")
+    assert p.returncode == 0 and "KEPT" not in p.stdout, p.stdout + p.stderr
+    assert sorted(read_manifests(storage)) == [0, 3]
+
+
 def test_without_checksums_a_flipped_merger_full_is_not_seen(tmp_path: Path) -> None:
     """What --no-verify-replacements gives up (sizes only): the flipped full is trusted, what
     it replaces goes, and step 12 no longer restores."""

@@ -21,8 +21,8 @@ from functools import partial
 
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
-from deck.format.commit_log import Hint, append_hints, record_key_kind
-from deck.format.epochs import witness_body, witness_key, witnesses_in
+from deck.format.commit_log import CATALOG_ROOT, LOG_ROOT, Hint, append_hints, record_key_kind
+from deck.format.epochs import EPOCH_ROOT, witness_body, witness_key, witnesses_in
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -169,6 +169,10 @@ def collect_garbage(
     ``report.floor`` says which one ran (None: the whole store).
     """
     policy = policy if policy is not None else RetentionPolicy()
+    if not holds_a_store(storage):
+        # A mistyped URI (a parent folder, another tool's): not even the clock marker is written
+        # there, nor a temp file deleted that some other writer's put is still filling.
+        return GcReport(dry_run=dry_run)
     skew = None
     if now is None:
         clock = read_store_clock(
@@ -179,6 +183,18 @@ def collect_garbage(
         report = _collect(storage, policy, dry_run=dry_run, now=now, progress=progress, whole=whole)
     report.clock_skew_s = None if skew is None else -skew
     return report
+
+
+def holds_a_store(storage: Storage) -> bool:
+    """Whether anything deck writes lies at the top of ``storage``: a catalog (one short
+    listing), else a name of deck's in the top folder (listed only where no catalog is)."""
+    if storage.list_dir(f"{CATALOG_ROOT}/"):
+        return True
+    tops = (MERGED_ROOT, QUARANTINE_ROOT, LOG_ROOT, EPOCH_ROOT)
+    return any(
+        name.rstrip("/") in tops or parse_step_dir(name.rstrip("/")) is not None
+        for name in storage.list_dir("")
+    )
 
 
 # The loggers whose warnings (a step that is not restorable, a skipped merged checkpoint) a GC

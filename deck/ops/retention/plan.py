@@ -19,7 +19,7 @@ from pydantic import Field
 
 from deck.config import Settings
 from deck.errors import CheckpointNotFoundError
-from deck.format.manifest import MANIFEST, Kind, step_dir
+from deck.format.manifest import MANIFEST, QUARANTINE_ROOT, Kind, step_dir
 from deck.ops.retention.grace import replay_protected
 from deck.read.catalog import ManifestSet
 from deck.read.lineage import (
@@ -103,6 +103,14 @@ class RetentionPolicy(Settings):
         "send would otherwise mix clocks). None: no bound.",
         json_schema_extra={"constraints": ">= 0 or None", "cli": "deck gc --max-clock-skew S"},
     )
+    drop_quarantined: bool = Field(
+        default=False,
+        description="Delete quarantined checkpoints, and the steps that restore only through "
+        "them. False: a quarantine never makes GC delete more -- a quarantined checkpoint and "
+        "what only it made restorable stay (reported as kept) until it is repaired or given up "
+        "with this.",
+        json_schema_extra={"cli": "deck gc --drop-quarantined"},
+    )
     verify_replacements: bool = Field(
         default=True,
         description="Before deleting what a kept merger checkpoint replaces, re-read that "
@@ -174,6 +182,7 @@ def plan_lineage(
     of the steps at and above it only (GC of the newest steps); one below may be unreadable, so
     every checkpoint here without a complete chain is kept as for damage.
     """
+    quarantine_holds = {} if policy.drop_quarantined else _quarantine_holds(graph)
     if unusable:
         graph = graph.marked(unusable)
     latest = graph.latest()
@@ -202,6 +211,7 @@ def plan_lineage(
     retained_steps = _add_chains(graph, sorted(retained), allowed, keep, cheapest)
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, damaged or {}, delete)
+    held.update((i, why) for i, why in quarantine_holds.items() if i in delete and i not in held)
     unread: set[str] = set()
     if unread_below is not None:
         why = (
@@ -227,6 +237,32 @@ def plan_lineage(
         held=held,
         unread=unread,
     )
+
+
+def _quarantine_holds(graph: LineageGraph) -> dict[str, str]:
+    """The checkpoints of the steps only a quarantined checkpoint makes restorable -- each such
+    step's chain were nothing quarantined, that checkpoint included -- with why: a quarantine
+    (damage found) must not make GC delete what an intact copy of it would let restore, so a
+    repair stays possible (``drop_quarantined`` gives them up)."""
+    if all(n.quarantined is None for n in graph.nodes.values()):
+        return {}
+    lifted = graph.unmarked()
+    lost = sorted(set(_restorable(lifted)) - set(_restorable(graph)))
+    holds: dict[str, str] = {}
+    for step in lost:
+        chain = lifted.chain(step)
+        bad = [graph.nodes[m.id] for m in chain if graph.nodes[m.id].quarantined is not None]
+        for q in bad:
+            holds.setdefault(
+                q.id,
+                f"quarantined ({q.quarantined}); it and the steps only it restores are kept to "
+                f"be repaired (restore its files, then delete {QUARANTINE_ROOT}/{q.id}.json) or "
+                "given up (`deck gc --drop-quarantined`)",
+            )
+        why = f"step {step} restores only through quarantined {bad[0].folder}, kept with it"
+        for m in chain:
+            holds.setdefault(m.id, why)
+    return holds
 
 
 def _problem(p: str) -> str:
