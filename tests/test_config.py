@@ -9,6 +9,7 @@ import pytest
 import deck
 from deck import DeckConfig, PublishConfig, StagingConfig
 from deck.errors import ConfigError
+from deck.serve.live_config import LiveConfig
 from deck.storage.fsspec_store import FsspecStorage
 
 
@@ -219,6 +220,10 @@ def test_errors_of_several_fields_one_line_each() -> None:
             "DeckConfig.lease_ttl_s: must be >= 1.0 (got 0)",
         ),
         (lambda: DeckConfig(), "DeckConfig.uri: is required"),
+        (  # a break-it finding: accepted, then the applier's thread died on its first wait
+            lambda: LiveConfig(poll_s=float("inf")),
+            "LiveConfig.poll_s: must be a finite number (got inf)",
+        ),
         (
             lambda: DeckConfig(uri="x", staging=5),
             "DeckConfig.staging: must be a StagingConfig or a dict of its fields (got 5)",

@@ -56,6 +56,37 @@ def seconds(text: str) -> float:
     return value
 
 
+def check_out(out: str, uri: str) -> None:
+    """Refuse an ``--out`` that is not a local path (a URI: it would become a folder named
+    ``s3:``) or that lies inside the checkpoint folder ``uri`` (deck would write into the
+    store it reads, where GC takes the files for strays)."""
+    from deck.errors import ConfigError
+
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", out):
+        raise ConfigError(
+            f"--out {out}: a local path is needed (written with local file calls, not to an "
+            "object store); write to a local folder and copy it there"
+        )
+    if "://" in uri and not uri.startswith(("file://", "local://")):
+        return
+    root = os.path.realpath(uri.split("://", 1)[-1])
+    target = os.path.realpath(out)
+    if target == root or target.startswith(root + os.sep):
+        raise ConfigError(
+            f"--out {out} is inside the checkpoint URI {uri}: choose a folder outside it "
+            "(deck writes only its own files there)"
+        )
+
+
+def poll_seconds(text: str) -> float:
+    """An argparse type: seconds between polls, more than 0 (0 would poll the store in a
+    tight loop) and at most a day."""
+    value = seconds(text)
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be seconds > 0 and <= 86400 (got {text})")
+    return value
+
+
 def json_options(text: str | None) -> dict[str, Any] | None:
     """Parse ``--storage-options`` JSON into a dict (None for no text); a usage error names what is wrong."""
     if not text:

@@ -12,11 +12,12 @@ import time
 import deck.schemes as schemes
 from deck.cli.common import (
     Subparsers,
+    check_out,
     human,
     open_existing,
+    poll_seconds,
     progress_bar,
     quiet_catalog,
-    seconds,
 )
 from deck.errors import ConfigError
 from deck.serve.out_lock import LOCK_NAME, OutLock
@@ -27,6 +28,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     """Run ``deck export`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
+    check_out(a.out, a.uri)
     with quiet_catalog():  # a damaged commit record is this command's error, said once
         state = StepState(open_existing(a.uri, a.storage_options), a.step)
     total = sum(math.prod(p.sizes) * p.dtype.itemsize for p in state.pieces)
@@ -63,6 +65,7 @@ def cmd_follow(a: argparse.Namespace) -> int:
     """Run ``deck follow`` with parsed arguments ``a``; returns its exit code (0 ok; a failure
     raises). Holds ``--out``'s lock (deck.serve.out_lock) while it runs. An ``--out`` folder
     this call created is removed again when the call fails before writing any file into it."""
+    check_out(a.out, a.uri)
     created = not os.path.exists(a.out)
     lock: OutLock | None = None
     try:
@@ -239,7 +242,7 @@ def follow_parser(sub: Subparsers) -> None:
     fol.add_argument("--out", required=True, help="output directory (created if missing)")
     fol.add_argument("--once", action="store_true", help="catch up once and exit")
     fol.add_argument(
-        "--poll", type=seconds, default=10.0, help="seconds between checks for new steps (10)"
+        "--poll", type=poll_seconds, default=10.0, help="seconds between checks for new steps (10)"
     )
     fol.add_argument(
         "--allow-quantized",

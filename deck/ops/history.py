@@ -64,6 +64,9 @@ class RowHistory:
     table: str
     row: int
     steps: list[RowAt] = field(default_factory=list)
+    # Steps whose commit record could not be read (step -> problem): missing from ``steps``, as
+    # are the steps whose chain may need them
+    damaged: dict[int, str] = field(default_factory=dict)
     chunks_present: int = 0
     chunks_read: int = 0
     skipped_range: int = 0
@@ -208,7 +211,7 @@ def row_history(
     table or row is not in it, and :class:`CorruptCheckpointError` naming the file on damage.
     """
     graph = LineageGraph(read_manifests(storage), storage.uri)
-    out = RowHistory(uri=storage.uri, table=table, row=row)
+    out = RowHistory(uri=storage.uri, table=table, row=row, damaged=dict(graph.damaged))
     todo = graph.restorable_steps() if steps is None else sorted(steps)
     if not todo:
         raise CheckpointNotFoundError(f"no restorable checkpoints at {storage.uri}")

@@ -300,7 +300,8 @@ def _newest_readable(
         except CorruptCheckpointError as e:
             if (storage.uri, str(seq)) not in _warned:
                 _warned.add((storage.uri, str(seq)))
-                logger.warning("catalog unusable, an older one is read instead: %s", e)
+                older = "an older one is read instead" if seq != catalogs[0] else "no older one"
+                logger.warning("catalog unusable (%s): %s", older, e)
             passed.insert(0, seq)
     return None
 

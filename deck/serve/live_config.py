@@ -43,6 +43,8 @@ class LiveConfig(Settings):
     poll_s: float = Field(
         default=0.5,
         gt=0,
+        le=86400,
+        allow_inf_nan=False,
         description="How often the background applier (LiveModel.start) looks for new steps: "
         "a step is found on average poll_s / 2 after its commit, then read and written. A poll "
         "that finds nothing new reads only what changed at the URI since the last one (on a "
