@@ -255,6 +255,33 @@ def test_a_takeover_from_a_trainer_full_reads_that_full_in_the_reference_too() -
     assert any(graph.nodes[i].kind is Kind.FULL for i in got)
 
 
+def test_a_merger_full_below_which_everything_is_quarantined_opens_the_states_after_it() -> None:
+    """Found by ``make fuzz-gc GC_EXAMPLES=300 FUZZ_SEED=3013470780``: with the only trainer
+    full quarantined no state had a way in, and the replay took the first update that found one
+    (a merger full committed later, at step 1) for the first of all, which needs no following:
+    the delta of step 2 built on step 1 stayed unreachable, the latest was step 1 and its chain
+    went unprotected. Every moment now matches the reference."""
+    sim = LineageSim(seed=0)
+    full = sim.save("full")
+    sim.quarantine(full.id)
+    sim.train()
+    one = sim.save("delta")
+    sim.train()
+    sim.save("delta")
+    sim.commit_merger(Kind.FULL, start=None, state=one.state, nbytes=1)
+    graph = sim.graph()
+    times = {i: t for i, t in sim.committed_at.items() if i in graph.nodes}
+    policy = RetentionPolicy(grace_s=sim.clock, keep_all_steps=False)
+    replay = _Replay(graph, policy, set())
+    for moment in sorted(set(times.values())):
+        replay.add([n for n in graph.nodes.values() if times[n.id] == moment])
+        ref = reference_moment(graph.as_of(moment, times.__getitem__), policy)
+        assert (replay.latest.step if replay.latest else None) == ref.latest
+        assert {st: b.path for st, b in replay.any.best.items()} == ref.paths
+    assert ref.latest == 2
+    assert_same_protection(graph, policy, sim.clock + 1.0, dict(times))
+
+
 @hyp
 @given(st.data())
 def test_each_moment_of_the_replay_matches_the_reference(data: st.DataObject) -> None:

@@ -117,6 +117,7 @@ class _Tree:
         self.replay = replay
         self.exclude = exclude
         self.best: dict[StateKey, PathLink] = {}
+        self.started = False  # whether an update ran (then states outside it may have ways)
 
     def update(self, dirty: Iterable[StateKey]) -> set[StateKey]:
         """Recompute the states ``dirty`` (a checkpoint into them was added or changed its
@@ -126,8 +127,12 @@ class _Tree:
         change."""
         r = self.replay
         best = self.best
-        if not best:
-            # Every state with a way in is dirty: one pass in step order, nothing to follow
+        first, self.started = not self.started and not best, True
+        if first:
+            # Every state with a way in is dirty: one pass in step order, nothing to follow.
+            # (Not so for a later update that finds no way known yet: a full quarantined below
+            # leaves every state without one, and a merger full then arriving at one of them
+            # opens the way to the states after it, which were added before; a fuzz finding.)
             for st in sorted(set(dirty)):
                 way = cheapest_way_in(
                     st, r.fulls_at.get(st, ()), r.ending_at.get(st, ()), best, self.exclude
