@@ -217,21 +217,25 @@ def test_gc_and_merge_touch_nothing_in_a_folder_without_checkpoints(tmp_path: Pa
     assert sorted(root.rglob("*")) == before
 
 
-def test_lineage_and_history_exit_1_on_a_damaged_record_they_depend_on(
+def test_lineage_history_and_follow_exit_1_on_a_damaged_record_they_depend_on(
     ckpt: Path, tmp_path: Path
 ) -> None:
     """A break-it finding: with step 10's commit record truncated, `deck lineage` showed step
-    5's chain as the latest and `deck history` left steps out, both exit 0. Now exit 1 and a
-    line naming the record; a step below the damage is not affected (exit 0)."""
+    5's chain as the latest, `deck history` left steps out and `deck follow --once` served step
+    5, all exit 0. Now exit 1 and a line naming the record; a step below the damage is not
+    affected (exit 0)."""
     copy = tmp_path / "ck"
     shutil.copytree(ckpt, copy)
     record = copy / "step-000000000010" / "manifest.json"
     record.write_bytes(record.read_bytes()[:20])
-    lin, below, hist = _decks(
+    lin, below, hist, fol = _decks(
         ("lineage", str(copy)),
         ("lineage", str(copy), "--step", "5"),
         ("history", str(copy), "--table", "t0", "--row", "3", "--json"),
+        ("follow", str(copy), "--out", str(tmp_path / "served"), "--once"),
     )
+    assert fol.returncode == 1 and "deck follow: the commit record(s) of step(s) [10]" in fol.stderr
+    assert json.loads((tmp_path / "served" / "state.json").read_text())["step"] == 5
     assert lin.returncode == 1 and "cheapest chain of step 5" in lin.stdout, lin.stderr
     assert "deck lineage: the commit record(s) of step(s) [10] cannot be read" in lin.stderr
     assert below.returncode == 0, below.stderr

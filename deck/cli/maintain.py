@@ -136,7 +136,17 @@ def _run_worker(
         worker.follow(stop, poll_s=a.poll)
         return 0
     stats, waiting = worker.run_once(wait_s=a.wait)
-    return 1 if waiting or stats.failed or worker.failures else 0
+    damaged = worker.damaged_records
+    if damaged:
+        logger.warning(
+            "deck merge: the commit record(s) of step(s) %s at %s cannot be read (%s): what "
+            "builds on them is not merged (`deck verify %s --all`)",
+            sorted(damaged),
+            a.uri,
+            next(iter(damaged.values())),
+            a.uri,
+        )
+    return 1 if waiting or stats.failed or worker.failures or damaged else 0
 
 
 def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int) -> None:

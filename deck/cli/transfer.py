@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 
 import deck.schemes as schemes
@@ -146,7 +147,7 @@ def _follow_uri(a: argparse.Namespace) -> int:
             )
 
     try:
-        follow(
+        follower = follow(
             storage,
             a.out,
             once=a.once,
@@ -157,6 +158,15 @@ def _follow_uri(a: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return 0
+    ahead = follower.damaged_ahead
+    if ahead:  # damage on what it serves: the newest step may be newer than the one held
+        print(
+            f"deck follow: the commit record(s) of step(s) {sorted(ahead)} cannot be read "
+            f"({next(iter(ahead.values()))}); the newest step may be newer than the one served "
+            f"(`deck verify {a.uri} --all`)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -157,6 +157,12 @@ class MergeWorker:
         self._distrust_catalog = False
         self._went_stale: set[str] = set()  # items planned with a gone input (once each)
 
+    @property
+    def damaged_records(self) -> dict[int, str]:
+        """The trainer commit records the last pass could not read (step -> problem): what
+        builds on them is not merged."""
+        return dict(self._last.damaged) if self._last is not None else {}
+
     def run_pass(self) -> PassResult:
         """Everything this worker can do now: every ready item's own partitions and commits."""
         t0 = time.perf_counter()

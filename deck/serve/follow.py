@@ -129,6 +129,14 @@ class Follower:
         self._outputs_checked = self.state is None
 
     @property
+    def damaged_ahead(self) -> dict[int, str]:
+        """The commit records newer than the held step that the last catch-up could not read
+        (step -> problem): the newest step may be one of them or later."""
+        damaged = self._last.damaged if self._last is not None else {}
+        held = -1 if self.state is None else self.state[0]
+        return {step: why for step, why in damaged.items() if step > held}
+
+    @property
     def tables(self) -> dict[str, tuple[int, int]]:
         """The held tables' shapes (what a chain applied onto them must match)."""
         return {s.table: (s.num_rows, s.num_cols) for s in self.shards}

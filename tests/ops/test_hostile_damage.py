@@ -282,6 +282,18 @@ def test_merge_once_returns_on_a_damaged_merger_record(tmp_path: Path, which: st
     assert check_all_restore(LocalStorage(root), history) == STEPS
 
 
+def test_merge_once_exits_1_on_a_damaged_trainer_record(tmp_path: Path) -> None:
+    """A break-it finding: with a trainer delta's commit record truncated, `deck merge --once`
+    merged nothing past it and exited 0 ("0 committed"). Now exit 1, the record named."""
+    root = tmp_path / "ck"
+    _written(root)
+    record = root / step_dir(9) / MANIFEST
+    record.write_bytes(record.read_bytes()[:20])
+    p = _deck("merge", str(root), "--once", *NO_FULL_ARGS)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "deck merge: the commit record(s) of step(s) [9]" in p.stderr, p.stderr
+
+
 # ---- GC's orphan and finish paths record their errors ----------------------------------------
 
 
