@@ -216,8 +216,9 @@ def decode_chunk(
         if not allow_quantized:
             raise QuantizedStateError(
                 f"{where}: segment {seg.name} holds {seg.encoding}-quantised values, not the "
-                "exact state; pass allow_quantized=True (`deck follow --allow-quantized`) to "
-                "accept approximate rows"
+                "exact state (a publish URI written with PublishConfig.quantize); only a "
+                "follower accepts approximate rows, when asked: `deck follow --allow-quantized`, "
+                "LiveConfig(allow_quantized=True); restore and export read the checkpoint URI"
             )
         assert seg.source_dtype is not None  # the record's validator requires it
         scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None

@@ -207,9 +207,10 @@ def _refuse_quantized(
         raise QuantizedStateError(
             f"checkpoint {checkpoint_label(q)} at {storage.uri} holds {q.encoding}-quantised "
             "weights "
-            f"({len(quantized)} of the chain's {len(chain)} checkpoints do); restoring it would "
-            "not give the exact state: pass allow_quantized=True (`deck follow "
-            "--allow-quantized`) to accept that, or restore a chain of exact checkpoints"
+            f"({len(quantized)} of the chain's {len(chain)} checkpoints do), not the exact "
+            "state (a publish URI written with PublishConfig.quantize): restore or export the "
+            "checkpoint URI, whose chain is exact; only a follower takes approximate rows, when "
+            "asked (`deck follow --allow-quantized`, LiveConfig(allow_quantized=True))"
         )
 
 

@@ -248,5 +248,8 @@ class PublishSource:
         rollback further back than the kept versions restores from storage."""
         graph = self._graph()
         if graph is None:
-            raise CheckpointNotFoundError(f"no committed checkpoints at {self.uri}")
+            if not self._last:
+                raise CheckpointNotFoundError(f"no committed checkpoints at {self.uri}")
+            # Committed, none restorable: the chain's own error says what the step lacks
+            graph = build_graph(self._last, self.uri)
         return Plan(tuple(cheapest_chain(graph, step, exclude=exclude)), whole=True)

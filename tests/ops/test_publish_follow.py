@@ -229,6 +229,10 @@ def _quantized_publish(rank: int, world_size: int, ckpt: str, pub: str, out: str
         with open(os.path.join(out, "state.json")) as f:
             meta = json.load(f)
         assert meta["step"] == 6 and meta["quantized"] == ["int8"], meta
+        # deck export has no opt-in: its refusal points at the exact checkpoint URI (it named
+        # the follower's flag as if export took it: a break-it finding)
+        r = _deck("export", pub, "--out", f"{out}-export", "--format", "safetensors")
+        assert r.returncode == 2 and "export the checkpoint URI" in r.stderr, r.stderr
     dist.barrier()
     with safe_open(os.path.join(out, "state.safetensors"), "pt") as f:
         for key, value in model.state_dict().items():

@@ -422,6 +422,26 @@ def test_rollback_before_any_version_or_to_a_bad_step_says_why(root: str) -> Non
         LiveConfig(rows_per_s=0.5)  # (1e-300 used to be taken, then overflow mid-version)
 
 
+def test_a_rollback_whose_chain_is_gone_names_what_is_missing(root: str, tmp_path: Path) -> None:
+    """A break-it finding: with the full of the chain deleted, a rollback further back than the
+    kept versions said "no committed checkpoints at URI", though newer steps were committed
+    there. It now names the checkpoint the chain lacks; the served version stays."""
+    pub = tmp_path / "pub"
+    shutil.copytree(f"{root}/pub", pub)
+    live = LiveModel(
+        list(serving_models(SPEC).values()), LocalStorage(str(pub)), LiveConfig(keep_versions=0)
+    )
+    live.poll()
+    served = live.step
+    manifests = read_manifests(LocalStorage(str(pub)))
+    first_full = min(s for s, m in manifests.items() if m.kind.value == "full")
+    older = max(s for s in manifests if first_full < s < served)
+    shutil.rmtree(pub / manifests[first_full].folder)
+    with pytest.raises(CheckpointNotFoundError, match=rf"rollback to step {older}: .*missing"):
+        live.rollback(older)
+    assert live.step == served and not live.held
+
+
 # ---- found by a user trying to break it -----------------------------------------------------------
 def _shared_feature_models() -> dict[str, torch.nn.Module]:
     """The served DLRM's tables (same keys and shapes), both read by feature f0."""
