@@ -729,6 +729,22 @@ def test_single_worker_goes_on_when_another_committed_during_its_pass(tmp_path: 
     _assert_complete_and_exact(root, history)
 
 
+def _built_by_another(
+    root: Path, graph: Any, ready: list[Any], config: MergeConfig
+) -> dict[str, ItemBuilder]:
+    """Another worker's builders of the ``ready`` items, every partition built (not committed),
+    by folder."""
+    others = {}
+    for item in ready:
+        other = ItemBuilder(
+            LocalStorage(root), item, [graph.nodes[i].manifest for i in item.inputs], config
+        )
+        for part in other.mine():
+            other.build_partition(part, WorkStats())
+        others[item.folder] = other
+    return others
+
+
 class _OtherWorkerCommitsFirst(LocalStorage):
     """A local store where another worker on the same partition already built every partition
     of the ready items, and commits each one right when this worker writes its first rank
@@ -758,14 +774,7 @@ def test_single_worker_goes_on_when_another_committed_its_items_during_its_commi
     graph = build_graph(read_manifests(racing))
     ready = plan(graph, config).ready
     assert ready and len(plan(graph, config).wanted) > len(ready)  # later items wait for them
-    racing.others = {}
-    for item in ready:
-        other = ItemBuilder(
-            LocalStorage(root), item, [graph.nodes[i].manifest for i in item.inputs], config
-        )
-        for part in other.mine():
-            other.build_partition(part, WorkStats())
-        racing.others[item.folder] = other
+    racing.others = _built_by_another(root, graph, ready, config)
     _, left = MergeWorker(racing, config).run_once(wait_s=0)
     assert not racing.others  # the other worker committed every ready item, during the pass
     assert left == 0
@@ -799,15 +808,8 @@ def test_a_commit_that_loses_the_race_leaves_the_winners_record_and_counts_nothi
     racing = _OtherWorkerCommitsInTheWindow(root)
     graph = build_graph(read_manifests(racing))
     ready = plan(graph, config).ready
-    racing.others = {}
+    racing.others = _built_by_another(root, graph, ready, config)
     racing.ids = {}
-    for item in ready:
-        other = ItemBuilder(
-            LocalStorage(root), item, [graph.nodes[i].manifest for i in item.inputs], config
-        )
-        for part in other.mine():
-            other.build_partition(part, WorkStats())
-        racing.others[item.folder] = other
     stats = WorkStats()
     for item in ready:
         b = ItemBuilder(racing, item, [graph.nodes[i].manifest for i in item.inputs], config)
