@@ -60,16 +60,17 @@ def check_out(out: str, uri: str) -> None:
     """Refuse an ``--out`` that is not a local path (a URI: it would become a folder named
     ``s3:``) or that lies inside the checkpoint folder ``uri`` (deck would write into the
     store it reads, where GC takes the files for strays)."""
+    from deck import schemes
     from deck.errors import ConfigError
 
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", out):
+    if schemes.path_of(out) != out:  # (a scheme: file:// too, which would be a folder "file:")
         raise ConfigError(
             f"--out {out}: a local path is needed (written with local file calls, not to an "
             "object store); write to a local folder and copy it there"
         )
-    if "://" in uri and not uri.startswith(("file://", "local://")):
+    if not schemes.is_local(uri):
         return
-    root = os.path.realpath(uri.split("://", 1)[-1])
+    root = os.path.realpath(os.path.expanduser(schemes.path_of(uri)))
     target = os.path.realpath(out)
     if target == root or target.startswith(root + os.sep):
         raise ConfigError(

@@ -17,7 +17,7 @@ from deck.errors import CorruptCheckpointError, IncompatibleModelError, NotFound
 from deck.format import treecodec
 from deck.format.checksum import checksum
 from deck.format.chunk_io import read_chunks
-from deck.format.chunks import decode_chunk
+from deck.format.chunks import DTYPES, decode_chunk
 from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,
@@ -80,6 +80,32 @@ def _match(
             )
         out.append(shard)
     return out
+
+
+def _check_states(
+    parts: list[RankManifest], by_table: dict[str, list[TableShard]], where: str
+) -> None:
+    """Before anything is written: every saved shard's states fit the local shards it lands in
+    -- the same names (:func:`_match`), and rows of the same rank and dtype (a fused optimizer
+    changed between save and restore, e.g. row-wise to element-wise Adagrad, was found only
+    while writing, the tables written before it overwritten)."""
+    for p in parts:
+        for rec in p.shards:
+            targets = _match(rec, by_table, where)
+            saved = {seg.name: seg for c in rec.chunks[:1] for seg in c.segments}
+            for shard in targets:
+                for name, view in shard.states.items():
+                    seg = saved.get(name)
+                    if seg is None:
+                        continue
+                    dtype = DTYPES.get(seg.source_dtype or seg.dtype)
+                    if len(seg.shape) != view.dim() or dtype != view.dtype:
+                        raise IncompatibleModelError(
+                            f"table {rec.table}: checkpoint {where} saved state {name} as "
+                            f"{seg.source_dtype or seg.dtype} rows of shape {tuple(seg.shape[1:])}, "
+                            f"the model has {str(view.dtype).removeprefix('torch.')} rows of shape "
+                            f"{tuple(view.shape[1:])}; use the same fused optimizer and dtypes"
+                        )
 
 
 def _same_extent(rec: ShardRecord, shard: TableShard) -> bool:
@@ -188,6 +214,7 @@ def apply_chain(
         if first_full:
             saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
             _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
+            _check_states(parts, by_table, checkpoint_label(m))
         covered = _apply_checkpoint(
             storage, m, parts, by_table, tables, stats, zero_copy, allow_quantized
         )

@@ -168,7 +168,21 @@ class LiveModel:
                 prepared = self._prepare_or_refuse(plans[0])
                 if prepared is None:
                     continue  # refused: plan again around it
+                before = self.version
                 out.append(self._apply(prepared))
+                if plans[0].timeline:
+                    # The kept rows lead back to versions of the abandoned timeline
+                    self.history.clear()
+                    logger.warning(
+                        "deck live: the trainer rolled back: step %d (checkpoint %s) of a newer "
+                        "timeline at %s replaces the served step %d (checkpoint %s), which it "
+                        "abandoned; the kept versions are dropped",
+                        plans[0].step,
+                        plans[0].state[1],
+                        self.source.uri,
+                        before[0],
+                        before[1],
+                    )
         return out
 
     def _pace(self) -> None:

@@ -1,9 +1,11 @@
 """Which published checkpoints a live model applies next: the publish URI's lineage, read as
 ``deck follow`` reads it (committed records, the cheapest chain of the newest step).
 
-Guarantees: a plan never moves the served step backwards (a newest step at or below the served
-one, e.g. a publisher restarted from an older checkpoint, is left alone and reported once as a
-:class:`SourceFault`, which the live model logs and passes to its ``on_fault``); a
+Guarantees: a plan moves the served step backwards only to follow a newer timeline (the trainer
+rolled back past the served checkpoint, still committed on its older timeline: the newest step
+is planned whole); any other newest step at or below the served one (the served folder deleted,
+a store restored from an older copy) is left alone and reported once as a
+:class:`SourceFault`, which the live model logs and passes to its ``on_fault``; a
 delta is planned only onto the exact state it was written on (step and id); a checkpoint the
 caller marked bad is never planned again (``exclude``), so a damaged delta is skipped until a
 chain around it exists (the next full, or a merged checkpoint covering it).
@@ -35,6 +37,9 @@ class Plan:
 
     chain: tuple[CheckpointManifest, ...]
     whole: bool
+    # The served version's timeline was abandoned (the trainer rolled back past it): this whole
+    # version of the newer timeline replaces it, though its step may be lower
+    timeline: bool = False
 
     @property
     def state(self) -> State:
@@ -138,6 +143,12 @@ class PublishSource:
         if graph is None:
             return []
         self._unrestorable(graph, served)
+        if self._abandoned(graph, served):
+            with contextlib.suppress(CheckpointNotFoundError):
+                latest = graph.latest(log=False)
+                if latest is not None:
+                    chain = cheapest_chain(graph, latest, exclude=exclude)
+                    return [Plan(tuple(chain), whole=True, timeline=True)]
         for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
             if served is not None and step < served[0]:
                 if i == 0:  # the newest step is older than the served one
@@ -151,6 +162,16 @@ class PublishSource:
                 continue  # through a bad checkpoint: an older step may still be newer than ours
             return self._plans(chain, served)
         return []
+
+    @staticmethod
+    def _abandoned(graph: LineageGraph, served: State | None) -> bool:
+        """Whether the served version's checkpoint is still committed on a timeline older than
+        the latest step's (a rollback of the trainer left it behind)."""
+        node = None if served is None else graph.nodes.get(served[1])
+        if node is None:
+            return False
+        latest = graph.latest(log=False)
+        return latest is not None and node.epoch < graph.trainer[latest].epoch
 
     def _plans(self, chain: list[CheckpointManifest], served: State | None) -> list[Plan]:
         last = chain[-1]

@@ -857,7 +857,9 @@ class ChainWriter:
             # else a write that fails fails the step in the background, always there (not here
             # or there by timing): the commit thread reports it, the next one is a full
             failpoint("checkpointer.save.staged")
-        except Exception as e:
+        except BaseException as e:
+            # An interrupt on this rank alone (raised by the user's state_dict, say) must reach
+            # the vote too, or the others wait in it forever; it is raised again after it
             snap.error = e
         return snap
 
@@ -899,6 +901,8 @@ class ChainWriter:
                 self.stager.spool_root,
             )
             return None
+        if snap.error is not None and not isinstance(snap.error, Exception):
+            raise snap.error  # (an interrupt here: the others were told by the vote)
         failed = [r for r, v in enumerate(votes) if v.status == Staged.FAILED]
         raise CheckpointError(
             f"{self.label} of step {step} at {self.storage.uri} was not committed: rank(s) "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -51,7 +52,9 @@ from deck.trainer.staging import (
     Reopen,
     Stager,
     process_unsupported,
+    resolve_tier,
 )
+from deck.trainer.staging.stager import spool_root
 from deck.trainer.tracker import TrackerStore
 
 logger = logging.getLogger(__name__)
@@ -155,6 +158,8 @@ class DeltaCheckpointer:
         self._reopen = None if storage is not None else Reopen(config.uri, config.storage_options)
         _require_shared(config.uri, "DeckConfig.uri", self.coord.world_size)
         check_writable(self.storage)
+        # (the spool folder made here: a rank that cannot is refused with the others)
+        spool_root(resolve_tier(config.staging, self.storage), config.staging, self.storage)
         self._state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
         self._use(optimizers, state)
         shards = self.adapter.table_shards()
@@ -396,9 +401,12 @@ class DeltaCheckpointer:
         """Call after the optimizer step of ``step``; saves when ``step % delta_every_steps == 0``.
 
         The checkpoint is full when there is no committed parent in this process (the first one,
-        or after an unrecoverable error) or ``step`` is a multiple of ``full_every_steps``.
+        or after an unrecoverable error) or ``step`` is a multiple of ``full_every_steps``. A
+        ``step`` that is not an int >= 0 (numpy and 0-d tensor integers count) is a
+        :class:`ConfigError`.
         """
         self._check_open("step")
+        step = _as_step(step, "step")
         # (A step not due is refused too: the save() that may follow would take it)
         self._ckpt.refuse_going_back(step, again=False)
         self._last_step = step
@@ -428,6 +436,7 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ConfigError("publish() needs step=... before the first call to step()")
+        step = _as_step(step, "publish")
         full_every = self.config.publish.full_every_steps if self.config.publish else None
         try:
             return chain.save("full" if full_every and step % full_every == 0 else "delta", step)
@@ -446,7 +455,8 @@ class DeltaCheckpointer:
         stats fill in as they go). Returns None when the spool is full and the policy is ``skip``.
         On failure nothing is committed, the tracked rows stay pending for the next checkpoint,
         and :class:`CheckpointError` names the step and the cause. A ``kind`` other than those
-        two, or no ``step`` before the first call to ``step()``, is a :class:`ConfigError`.
+        two, a ``step`` that is not an int >= 0, or no ``step`` before the first call to
+        ``step()``, is a :class:`ConfigError`.
         """
         self._check_open("save")
         if kind not in ("delta", "full"):
@@ -455,7 +465,7 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ConfigError("save() needs step=... before the first call to step()")
-        return self._ckpt.save(kind, step)
+        return self._ckpt.save(kind, _as_step(step, "save"))
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -471,7 +481,9 @@ class DeltaCheckpointer:
         Returns True only if every checkpoint taken since the last flush committed: False if
         any rank timed out or any of them failed (``history`` says which and why; a failed
         publish is logged, it does not count), and always False once this job lost its writer
-        lease."""
+        lease. A checkpoint whose ``step()``/``save()`` raised was never taken and does not
+        count either: True after calls that all raised means nothing is in flight, not that
+        anything was saved."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -749,6 +761,23 @@ def enable(
     """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``.
     ``on_checkpoint`` gets each checkpoint's :class:`~deck.trainer.events.CheckpointEvent`."""
     return DeltaCheckpointer(model, optimizers, config, state, on_checkpoint=on_checkpoint)
+
+
+def _as_step(step: object, call: str) -> int:
+    """``step`` as an int (numpy and 0-d tensor integers too), or a :class:`ConfigError` for
+    anything else -- a float, a bool, a negative number -- naming the call."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"{call}(step={step!r}): a step is the training step's number, an int >= 0, not "
+            f"{type(step).__name__}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"{call}(step={value}): steps are numbered from 0")
+    return value
 
 
 def _require_shared(uri: str, field: str, world_size: int) -> None:

@@ -126,6 +126,52 @@ def test_a_foreign_update_is_refused_and_the_served_version_stays(
     assert live.step == 4 and len(faults) == 1 and not caplog.records
 
 
+def _timelines(rank: int, world_size: int, root: str, rollback: bool) -> None:
+    """A trainer checkpointing and publishing steps 0..6; with ``rollback``, rolled back to
+    step 2 (bad data found, say) and trained on to step 4: a newer timeline whose steps are
+    below the one served."""
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=f"{root}/ckpt",
+        delta_every_steps=2,
+        publish=deck.PublishConfig(uri=f"{root}/pub", every_steps=2),
+    )
+    with deck.enable(model, [opt], config) as ck:
+        if rollback:
+            assert ck.restore(2) == 2
+        for step in (3, 4) if rollback else range(0, 7):
+            if step:
+                train_step(model, opt, SPEC, step + 100 * rollback)  # (other data then)
+            ck.step(step)
+        assert ck.flush()
+
+
+def test_a_rollback_of_the_trainer_is_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: after the trainer rolled back (restore(2), trained on to step 4) the
+    live model kept serving step 6 of the abandoned timeline -- a fault "out of order" -- while
+    `deck follow` went to the new timeline. The newer timeline's step is served now, bitwise,
+    the kept versions (of the old timeline) dropped, said once."""
+    root = str(tmp_path)
+    run_ranks(_timelines, root, False)
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"), on_fault=faults.append)
+    assert [s.step for s in live.poll()] == [6]
+    live.rollback(4)  # a kept version, then on again
+    live.resume()
+    assert [s.step for s in live.poll()] == [6] and live.kept_steps()
+    run_ranks(_timelines, root, True)
+    with caplog.at_level(logging.WARNING, logger="deck.serve.live"):
+        assert [(s.step, s.kind) for s in live.poll()] == [(4, "full")]
+        assert live.poll() == []
+    assert not faults and live.kept_steps() == []
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+    said = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    assert len(said) == 1 and "replaces the served step 6" in said[0], said
+
+
 def test_an_out_of_order_update_is_refused_and_the_served_version_stays(
     root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

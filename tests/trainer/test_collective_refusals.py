@@ -61,6 +61,24 @@ def _one_rank_refuses(rank: int, world_size: int, root: str) -> None:
         update={"staging": config.staging.model_copy(update={"spool_dir": f"{root}/spool{rank}"})}
     )
     deck.enable(model, [opt], spool).close()
+    # One host's spool folder cannot be made (a read-only or mistyped path; a break-it finding:
+    # a bare OSError from enable, the other ranks left waiting): refused on every rank
+    if rank == odd:
+        Path(f"{root}/a-file").write_text("x")
+    remote = config.model_copy(
+        update={
+            "staging": config.staging.model_copy(
+                update={
+                    "tiers": "cpu-ssd-remote",
+                    "spool_dir": f"{root}/a-file/spool" if rank == odd else f"{root}/s{rank}",
+                }
+            )
+        }
+    )
+    with pytest.raises(ConfigError) as caught:
+        deck.enable(model, [opt], remote)
+    said = str(caught.value)
+    assert "staging.spool_dir" in said if rank == odd else f"failed on rank {odd}" in said, said
     # The group is in step and nothing was left installed: a good setup enables and checkpoints.
     dist.barrier()
     with deck.enable(model, [opt], config) as ck:

@@ -219,6 +219,14 @@ def _edited_lr_restore(rank: int, world_size: int, root: str) -> None:
     other, other_opt = build_model(replace(spec, dense_hidden=16), seed=5)
     with pytest.raises(IncompatibleModelError, match=r"dense state of step 0 at .* does not fit"):
         deck.load(other, [other_opt], root)
+    # Another fused optimizer with states of the same names (row-wise -> element-wise Adagrad):
+    # refused before anything is written (a break-it run found the tables written before the
+    # state that did not fit was met)
+    exact, exact_opt = build_model(replace(spec, fused_optimizer="EXACT_ADAGRAD"), seed=7)
+    before = capture_state(exact, exact_opt, full=True)
+    with pytest.raises(IncompatibleModelError, match=r"momentum1 .* use the same fused optimizer"):
+        deck.load(exact, [exact_opt], root)
+    assert not diff_states(before, capture_state(exact, exact_opt, full=True))
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from deck.demo import (
     make_batch,
     train_step,
 )
-from deck.errors import CheckpointError
+from deck.errors import CheckpointError, ConfigError
 from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_a_checkpoint_while_a_forward_awaits_its_backward_is_refused(tmp_path: P
     run_ranks(_orders, str(tmp_path), world_size=2)
 
 
-def _interrupted(rank: int, world_size: int, root: str, point: str) -> None:
+def _interrupted(rank: int, world_size: int, root: str, point: str, alone: bool = False) -> None:
     config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=1, lease_ttl_s=None)
     model, opt = build_model(SPEC)
     user = TrainState()
@@ -122,12 +122,22 @@ def _interrupted(rank: int, world_size: int, root: str, point: str) -> None:
             user.step = step
             live[step] = capture_state(model, opt, user, full=True)
             if step == 3:
-                failpoints.configure(f"{point}:1:interrupt")  # a Ctrl-C lands there
-                with pytest.raises(KeyboardInterrupt):
+                here = not alone or rank == 1
+                if here:
+                    failpoints.configure(f"{point}:1:interrupt")  # a Ctrl-C lands there
+                # (on one rank alone: the others are told by the vote, and wait for nothing)
+                with pytest.raises(KeyboardInterrupt if here else CheckpointError):
                     ckpt.step(step)
                 failpoints.configure(None)
                 continue  # the job caught it and trains on
             ckpt.step(step)
+        # Not a step number (a break-it finding: 2.0 was saved as step 2, 3.5 ignored, True
+        # taken for step 1, 7.25 failed deep in a pydantic model): refused at the call
+        for bad in (6.0, 3.5, True, -5, "7"):
+            with pytest.raises(ConfigError, match=r"step=.*(an int|numbered from 0)"):
+                ckpt.step(bad)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match=r"step=.*(an int|numbered from 0)"):
+                ckpt.save(step=bad)  # type: ignore[arg-type]
         assert ckpt.flush()
         kinds = [(h.step, h.kind) for h in ckpt.history]
     # What the interrupted checkpoint had claimed is unknown: the next one is a full.
@@ -135,14 +145,23 @@ def _interrupted(rank: int, world_size: int, root: str, point: str) -> None:
     _restores_bitwise(config, live, (4, 6))
 
 
-@pytest.mark.parametrize("point", ["checkpointer.save.staged", "checkpointer.save.enqueued"])
+@pytest.mark.parametrize(
+    ("point", "alone"),
+    [
+        ("checkpointer.save.staged", False),
+        ("checkpointer.save.enqueued", False),
+        ("checkpointer.save.staged", True),
+    ],
+)
 def test_a_checkpoint_interrupted_by_ctrl_c_makes_the_next_one_a_full(
-    tmp_path: Path, point: str
+    tmp_path: Path, point: str, alone: bool
 ) -> None:
     """A KeyboardInterrupt in the snapshot, or once its part is enqueued (deck.failpoints):
     the next checkpoint is a full and the steps after restore bitwise. Before: the claimed rows
-    were lost to the next delta, whose restore differed from the live model."""
-    run_ranks(_interrupted, str(tmp_path), point, world_size=2)
+    were lost to the next delta, whose restore differed from the live model. On one rank alone
+    (raised by a user state's state_dict, a break-it finding): the other rank waited forever in
+    the vote; now it fails the checkpoint with a CheckpointError."""
+    run_ranks(_interrupted, str(tmp_path), point, alone, world_size=2)
 
 
 def _untracked_modes(rank: int, world_size: int, root: str) -> None:

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from deck.config import StagingConfig
-from deck.errors import DeckError
+from deck.errors import ConfigError, DeckError
 from deck.format.chunks import Buffer
 from deck.format.manifest import step_dir
 from deck.format.pending import PendingPart
@@ -65,7 +65,13 @@ def spool_root(tier: str, cfg: StagingConfig, storage: Storage) -> str | None:
         base = cfg.spool_dir or os.path.join(tempfile.gettempdir(), "deck-spool")
         key = hashlib.sha1(storage.uri.encode()).hexdigest()[:16]
         root = os.path.join(base, key)
-        os.makedirs(root, exist_ok=True)
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"staging.spool_dir: cannot make the spool folder {root} ({e.strerror}): name a "
+                "writable local folder, on a local SSD, in StagingConfig(spool_dir=...)"
+            ) from e
         return root
     return None
 
