@@ -309,8 +309,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
         if rep.committed:
             print(
                 f"{rep.committed} committed checkpoint(s) at {a.uri} but none restorable (a "
-                f"chain lacks a checkpoint: `deck verify {a.uri} --all` says which); nothing "
-                "deleted",
+                "chain lacks a checkpoint or passes through a quarantined one: `deck verify "
+                f"{a.uri} --all` says which); nothing deleted",
                 file=sys.stderr,
             )
             return 1
