@@ -175,17 +175,19 @@ def cmd_merge(a: argparse.Namespace) -> int:
     _merge_config(a, 0, 1)  # validate the options before starting (or saying) anything
     gc_schedule(a.gc_every, a.gc_whole_every)
     if not a.follow:
-        # A catch-up on a URI that is not there, or holds nothing of deck's, is a typo; a
-        # --follow worker may start before the trainer has written anything.
-        from deck.ops.retention.gc import holds_a_store
-
-        if not holds_a_store(open_existing(a.uri, a.storage_options)):
-            raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to merge")
+        # A catch-up on a URI that is not there is a typo; a --follow worker may start before
+        # the trainer has written anything.
+        storage = open_existing(a.uri, a.storage_options)
     # Flags, else torchrun / Kubernetes Indexed Job / SLURM variables (deck.merge.launch).
     k = a.workers
     slot = resolve_worker(
         a.worker_index, a.num_workers, names=("--worker-index", "--num-workers"), announce=k == 1
     )
+    if not a.follow:
+        from deck.ops.retention.gc import holds_a_store
+
+        if not holds_a_store(storage):  # (a folder with nothing of deck's: a typo too)
+            raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: nothing to merge")
     first, hosts = slot.index, slot.count
     if k < 1:
         raise ConfigError(f"--workers must be >= 1, got {k}")

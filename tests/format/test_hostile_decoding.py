@@ -266,9 +266,9 @@ CASES: dict[str, Case] = {
     # Finding 8: JSON and state trees nested without bound.
     # A damaged commit record is damage to every command that meets it (exit 1): ls lists it
     # as damaged, export refuses to pass it by for an older step; follow serves the step
-    # before it.
+    # before it and says why it may not be the newest.
     "deep-commit-record": Case(
-        _deep_commit, 3, frozenset({"verify", "ls", "tree", "export"}), "nests deeper"
+        _deep_commit, 3, frozenset({"verify", "ls", "tree", "export", "follow"}), "nests deeper"
     ),
     "deep-rank-manifest": Case(_deep_part, 2, ALL, "nests deeper"),
     "deep-quarantine-record": Case(_deep_quarantine, 4, frozenset()),
