@@ -79,6 +79,21 @@ def check_out(out: str, uri: str) -> None:
         )
 
 
+def say_damaged(command: str, uri: str, damaged: dict[int, str], what: str) -> bool:
+    """One stderr line after the output when commit records a command depends on cannot be
+    read (``damaged``: step -> problem), saying ``what`` that means; returns whether it said
+    one (the command then exits 1: damage on what it reads)."""
+    if not damaged:
+        return False
+    sys.stdout.flush()
+    print(
+        f"deck {command}: the commit record(s) of step(s) {sorted(damaged)} cannot be read "
+        f"({next(iter(damaged.values()))}); {what} (`deck verify {uri} --all`)",
+        file=sys.stderr,
+    )
+    return True
+
+
 def poll_seconds(text: str) -> float:
     """An argparse type: seconds between polls, more than 0 (0 would poll the store in a
     tight loop) and at most a day."""

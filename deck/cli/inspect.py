@@ -18,6 +18,7 @@ from deck.cli.common import (
     open_existing,
     progress_bar,
     quiet_catalog,
+    say_damaged,
 )
 from deck.errors import CheckpointNotFoundError
 from deck.format.jsonio import paused_gc
@@ -321,13 +322,10 @@ def cmd_history(a: argparse.Namespace) -> int:
     from deck.ops.history import row_history
 
     h = row_history(open_existing(a.uri, a.storage_options), a.table, a.row)
-    code = 1 if h.damaged else 0  # steps are missing: damage on what it reads
+    missing = "they and the steps that build on them are not listed"
     if a.json:
         print(json.dumps(h.to_dict(), indent=1))
-        _say_damaged(
-            "history", a.uri, h.damaged, "they and the steps that build on them are not listed"
-        )
-        return code
+        return int(say_damaged("history", a.uri, h.damaged, missing))
     print(
         f"table {h.table} row {h.row}: {len(h.steps)} steps; read {h.chunks_read} of "
         f"{h.chunks_present} chunks (skipped {h.skipped_range} by id range, {h.skipped_bloom} "
@@ -339,21 +337,7 @@ def cmd_history(a: argparse.Namespace) -> int:
             for k, v in s.values.items()
         )
         print(f"step {s.step:>8}  {vals}  from {', '.join(s.sources)}")
-    _say_damaged(
-        "history", a.uri, h.damaged, "they and the steps that build on them are not listed"
-    )
-    return code
-
-
-def _say_damaged(command: str, uri: str, damaged: dict[int, str], what: str) -> None:
-    """One stderr line after the output: the commit records ``damaged`` (step -> problem)."""
-    if damaged:
-        sys.stdout.flush()
-        print(
-            f"deck {command}: the commit record(s) of step(s) {sorted(damaged)} cannot be read "
-            f"({next(iter(damaged.values()))}); {what} (`deck verify {uri} --all`)",
-            file=sys.stderr,
-        )
+    return int(say_damaged("history", a.uri, h.damaged, missing))
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
@@ -365,24 +349,19 @@ def cmd_lineage(a: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"no committed checkpoints at {a.uri}")
     step = a.step if a.step is not None else graph.latest()
     # Damage on what it shows: an unreadable record newer than the latest step shown (the
-    # latest may be that one or later) or at or below the step asked for (its chain may need it)
-    damaged = {
-        s: why
-        for s, why in graph.damaged.items()
-        if step is None or (s > step if a.step is None else s <= step)
-    }
-    what = (
-        "the latest step may be newer than the one shown"
-        if a.step is None
-        else f"step {step}'s chain may need them"
-    )
+    # latest may be that one or later), or at or below the step asked for (its chain may need it)
+    if a.step is None:
+        what = "the latest step may be newer than the one shown"
+        damaged = {s: why for s, why in graph.damaged.items() if step is None or s > step}
+    else:
+        what = f"step {step}'s chain may need them"
+        damaged = {s: why for s, why in graph.damaged.items() if s <= a.step}
     # The chain is looked up before anything is printed: an unknown step is an error alone,
     # not a table followed by one.
     chain = None if step is None else cheapest_chain(graph, step)
     if a.json:
         print(json.dumps(graph.to_dict(), indent=1))
-        _say_damaged("lineage", a.uri, damaged, what)
-        return 1 if damaged else 0
+        return int(say_damaged("lineage", a.uri, damaged, what))
     print(f"{'kind':>6} {'layer':>5} {'covers':>21} {'epoch':>5} {'bytes':>11}  id / folder")
     for n in sorted(graph.nodes.values(), key=lambda n: (n.step, n.first_step, n.layer, n.id)):
         covers = f"{n.covers[0]}..{n.covers[1]}" if n.covers[0] != n.covers[1] else str(n.step)
@@ -403,8 +382,7 @@ def cmd_lineage(a: argparse.Namespace) -> int:
         note = "  (same rows as above: its dense and extra state only)" if same else ""
         print(f"  {m.kind.value:>6} {m.covers[0]}..{m.covers[1]}  {m.folder}{note}")
         prev = m
-    _say_damaged("lineage", a.uri, damaged, what)
-    return 1 if damaged else 0
+    return int(say_damaged("lineage", a.uri, damaged, what))
 
 
 def ls_parser(sub: Subparsers) -> None:

@@ -23,6 +23,7 @@ from deck.cli.common import (
     open_existing,
     poll_seconds,
     progress_bar,
+    say_damaged,
     seconds,
 )
 
@@ -136,16 +137,9 @@ def _run_worker(
         worker.follow(stop, poll_s=a.poll)
         return 0
     stats, waiting = worker.run_once(wait_s=a.wait)
-    damaged = worker.damaged_records
-    if damaged:
-        logger.warning(
-            "deck merge: the commit record(s) of step(s) %s at %s cannot be read (%s): what "
-            "builds on them is not merged (`deck verify %s --all`)",
-            sorted(damaged),
-            a.uri,
-            next(iter(damaged.values())),
-            a.uri,
-        )
+    damaged = say_damaged(
+        "merge", a.uri, worker.damaged_records, "what builds on them is not merged"
+    )
     return 1 if waiting or stats.failed or worker.failures or damaged else 0
 
 

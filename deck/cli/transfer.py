@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 
 import deck.schemes as schemes
@@ -19,6 +18,7 @@ from deck.cli.common import (
     poll_seconds,
     progress_bar,
     quiet_catalog,
+    say_damaged,
 )
 from deck.errors import ConfigError
 from deck.serve.out_lock import LOCK_NAME, OutLock
@@ -158,16 +158,9 @@ def _follow_uri(a: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return 0
-    ahead = follower.damaged_ahead
-    if ahead:  # damage on what it serves: the newest step may be newer than the one held
-        print(
-            f"deck follow: the commit record(s) of step(s) {sorted(ahead)} cannot be read "
-            f"({next(iter(ahead.values()))}); the newest step may be newer than the one served "
-            f"(`deck verify {a.uri} --all`)",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    # Damage on what it serves: the newest step may be newer than the one held
+    newer = "the newest step may be newer than the one served"
+    return int(say_damaged("follow", a.uri, follower.damaged_ahead, newer))
 
 
 def cmd_follow_kafka(a: argparse.Namespace) -> int:

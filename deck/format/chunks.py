@@ -18,7 +18,12 @@ from deck.errors import CorruptCheckpointError
 from deck.format.checksum import checksum
 from deck.format.chunk_io import check_chunk
 from deck.format.manifest import PAGE_ALIGN, ChunkRecord, Encoding, Segment, ShardRecord
-from deck.format.quantize import QuantizedStateError, decode_rows, scale_name
+from deck.format.quantize import (
+    QUANTIZED_ADVICE,
+    QuantizedStateError,
+    decode_rows,
+    scale_name,
+)
 
 _ALIGN = 64
 Buffer = bytearray | memoryview  # a writable chunk buffer (memoryview: pinned host memory)
@@ -216,9 +221,7 @@ def decode_chunk(
         if not allow_quantized:
             raise QuantizedStateError(
                 f"{where}: segment {seg.name} holds {seg.encoding}-quantised values, not the "
-                "exact state (a publish URI written with PublishConfig.quantize); only a "
-                "follower accepts approximate rows, when asked: `deck follow --allow-quantized`, "
-                "LiveConfig(allow_quantized=True); restore and export read the checkpoint URI"
+                f"exact state {QUANTIZED_ADVICE}"
             )
         assert seg.source_dtype is not None  # the record's validator requires it
         scale = out.pop(scale_name(seg.name)) if seg.encoding == "int8" else None

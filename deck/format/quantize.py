@@ -39,6 +39,14 @@ class QuantizedStateError(IncompatibleModelError, MergeError):
     as exact ones). Raised before anything is changed by the call that found it."""
 
 
+# What a refusal of quantised state says to do (restore, export and the chunk reader alike)
+QUANTIZED_ADVICE = (
+    "(a publish URI written with PublishConfig.quantize): restore or export the checkpoint URI, "
+    "whose chain is exact; only a follower takes approximate rows, when asked (`deck follow "
+    "--allow-quantized`, LiveConfig(allow_quantized=True))"
+)
+
+
 def check_encoding(encoding: str | None) -> Encoding | None:
     """``encoding`` as an :data:`Encoding` (None = exact); raises ConfigError for other names."""
     if encoding is None:

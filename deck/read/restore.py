@@ -26,7 +26,7 @@ from deck.format.manifest import (
     ShardRecord,
     step_dir,
 )
-from deck.format.quantize import QuantizedStateError
+from deck.format.quantize import QUANTIZED_ADVICE, QuantizedStateError
 from deck.format.statefile import EXTRA_MAPPINGS, is_scalar_key
 from deck.model import TableShard
 from deck.read.catalog import checkpoint_label, read_rank_manifests
@@ -235,9 +235,7 @@ def _refuse_quantized(
             f"checkpoint {checkpoint_label(q)} at {storage.uri} holds {q.encoding}-quantised "
             "weights "
             f"({len(quantized)} of the chain's {len(chain)} checkpoints do), not the exact "
-            "state (a publish URI written with PublishConfig.quantize): restore or export the "
-            "checkpoint URI, whose chain is exact; only a follower takes approximate rows, when "
-            "asked (`deck follow --allow-quantized`, LiveConfig(allow_quantized=True))"
+            f"state {QUANTIZED_ADVICE}"
         )
 
 

@@ -143,12 +143,11 @@ class PublishSource:
         if graph is None:
             return []
         self._unrestorable(graph, served)
-        if self._abandoned(graph, served):
-            with contextlib.suppress(CheckpointNotFoundError):
-                latest = graph.latest(log=False)
-                if latest is not None:
-                    chain = cheapest_chain(graph, latest, exclude=exclude)
-                    return [Plan(tuple(chain), whole=True, timeline=True)]
+        newer = self._newer_timeline(graph, served)
+        if newer is not None:
+            with contextlib.suppress(CheckpointNotFoundError):  # (through refused checkpoints)
+                chain = cheapest_chain(graph, newer, exclude=exclude)
+                return [Plan(tuple(chain), whole=True, timeline=True)]
         for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
             if served is not None and step < served[0]:
                 if i == 0:  # the newest step is older than the served one
@@ -164,14 +163,14 @@ class PublishSource:
         return []
 
     @staticmethod
-    def _abandoned(graph: LineageGraph, served: State | None) -> bool:
-        """Whether the served version's checkpoint is still committed on a timeline older than
-        the latest step's (a rollback of the trainer left it behind)."""
+    def _newer_timeline(graph: LineageGraph, served: State | None) -> int | None:
+        """The latest step, when the served version's checkpoint is still committed on an older
+        timeline than its (a rollback of the trainer left it behind); else None."""
         node = None if served is None else graph.nodes.get(served[1])
         if node is None:
-            return False
+            return None
         latest = graph.latest(log=False)
-        return latest is not None and node.epoch < graph.trainer[latest].epoch
+        return latest if latest is not None and node.epoch < graph.trainer[latest].epoch else None
 
     def _plans(self, chain: list[CheckpointManifest], served: State | None) -> list[Plan]:
         last = chain[-1]

@@ -127,7 +127,8 @@ class _Tree:
         change."""
         r = self.replay
         best = self.best
-        first, self.started = not self.started and not best, True
+        first = not self.started and not best
+        self.started = True
         if first:
             # Every state with a way in is dirty: one pass in step order, nothing to follow.
             # (Not so for a later update that finds no way known yet: a full quarantined below

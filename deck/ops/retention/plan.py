@@ -182,7 +182,7 @@ def plan_lineage(
     of the steps at and above it only (GC of the newest steps); one below may be unreadable, so
     every checkpoint here without a complete chain is kept as for damage.
     """
-    quarantine_holds = {} if policy.drop_quarantined else _quarantine_holds(graph)
+    original = graph
     if unusable:
         graph = graph.marked(unusable)
     latest = graph.latest()
@@ -211,7 +211,12 @@ def plan_lineage(
     retained_steps = _add_chains(graph, sorted(retained), allowed, keep, cheapest)
     delete = _delete_reasons(graph, keep)
     held = _damage_holds(graph, damaged or {}, delete)
-    held.update((i, why) for i, why in quarantine_holds.items() if i in delete and i not in held)
+    if not policy.drop_quarantined:
+        # (the restorable steps of the graph without ``unusable`` marks: found above when none)
+        restorable = set(cheapest) if graph is original else None
+        for i, why in _quarantine_holds(original, restorable).items():
+            if i in delete:
+                held.setdefault(i, why)
     unread: set[str] = set()
     if unread_below is not None:
         why = (
@@ -239,17 +244,25 @@ def plan_lineage(
     )
 
 
-def _quarantine_holds(graph: LineageGraph) -> dict[str, str]:
+def _quarantine_holds(graph: LineageGraph, restorable: set[int] | None) -> dict[str, str]:
     """The checkpoints of the steps only a quarantined checkpoint makes restorable -- each such
     step's chain were nothing quarantined, that checkpoint included -- with why: a quarantine
     (damage found) must not make GC delete what an intact copy of it would let restore, so a
-    repair stays possible (``drop_quarantined`` gives them up)."""
-    if all(n.quarantined is None for n in graph.nodes.values()):
+    repair stays possible (``drop_quarantined`` gives them up). ``restorable``: the steps of
+    ``graph`` that restore as it is, if known."""
+    marked = [n.step for n in graph.nodes.values() if n.quarantined is not None]
+    if not marked:
+        return {}
+    if restorable is None:
+        restorable = set(_restorable(graph))
+    # (a chain only reaches forward: no step before the first quarantined one passes through it)
+    first = min(marked)
+    candidates = [s for s in graph.trainer if s >= first and s not in restorable]
+    if not candidates:
         return {}
     lifted = graph.unmarked()
-    lost = sorted(set(_restorable(lifted)) - set(_restorable(graph)))
     holds: dict[str, str] = {}
-    for step in lost:
+    for step in sorted(lifted.chain_ways(candidates, frozenset())):
         chain = lifted.chain(step)
         bad = [graph.nodes[m.id] for m in chain if graph.nodes[m.id].quarantined is not None]
         for q in bad:
