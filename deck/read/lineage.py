@@ -338,7 +338,8 @@ class LineageGraph:
         graph.uri = self.uri
         graph.damaged = self.damaged
         graph.window = self.window
-        graph._index(nodes)
+        with paused_gc():  # (a node per checkpoint, as build_graph makes them)
+            graph._index(nodes)
         return graph
 
     def marked(self, unusable: Mapping[str, str]) -> LineageGraph:
@@ -456,10 +457,13 @@ class LineageGraph:
             raise OutsideWindow(-1)
         best: dict[StateKey, PathLink] = {}
         fulls_at, ending_at = self.fulls_at, self.ending_at
-        for st in sorted({*fulls_at, *ending_at}):
-            way = cheapest_way_in(st, fulls_at.get(st, ()), ending_at.get(st, ()), best, exclude)
-            if way is not None:
-                best[st] = PathLink(*way)
+        with paused_gc():  # (a link per state, kept: see paused_gc)
+            for st in sorted({*fulls_at, *ending_at}):
+                way = cheapest_way_in(
+                    st, fulls_at.get(st, ()), ending_at.get(st, ()), best, exclude
+                )
+                if way is not None:
+                    best[st] = PathLink(*way)
         self._best, self._best_excluding = best, exclude
         return best
 
