@@ -9,22 +9,13 @@ writers keep them and, for comparison, with every witness kept.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
+
+from _timing import median_s
 
 from deck.format.epochs import EpochWitnesses, newest_witness, witness_body, witness_key
 from deck.storage import LocalStorage
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -47,7 +38,7 @@ def main() -> None:
         print(f"  writer, per epoch (commit thread): {per_epoch * 1e3:.2f} ms")
         for name, store in (("as writers keep them", kept), ("every one kept", every)):
             names = len(store.list("_epochs/"))
-            took = _median_s(lambda s=store: newest_witness(s), a.repeats)  # type: ignore[misc]
+            took = median_s(lambda s=store: newest_witness(s), a.repeats)  # type: ignore[misc]
             print(f"  newest_witness, {name} ({names} names): {took * 1e6:.0f} us")
 
 

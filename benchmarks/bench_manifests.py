@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _timing import median_s
 from _workload import Workload, ZipfTrainer, in_workdir
 
 from deck.read.catalog import manifest_keys, read_manifests
@@ -34,15 +33,6 @@ class _OneByOne(StorageWrapper):
     """A store whose ``get_many`` issues one request after the other (the base class's)."""
 
     get_many = Storage.get_many
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,18 +73,16 @@ def _run(a: argparse.Namespace, work: str) -> int:
         found = len(manifest_keys(storage))
         one_by_one = _OneByOne(storage)
         results = {
-            f"find: list everything ({objects} objects)": _median_s(
+            f"find: list everything ({objects} objects)": median_s(
                 lambda: storage.list(""), a.repeats
             ),
-            f"find: manifest_keys ({found} keys)": _median_s(
+            f"find: manifest_keys ({found} keys)": median_s(
                 lambda: manifest_keys(storage), a.repeats
             ),
-            "read: one request after the other": _median_s(
+            "read: one request after the other": median_s(
                 lambda: read_manifests(one_by_one), a.repeats
             ),
-            "read: read_manifests (get_many)": _median_s(
-                lambda: read_manifests(storage), a.repeats
-            ),
+            "read: read_manifests (get_many)": median_s(lambda: read_manifests(storage), a.repeats),
         }
         assert len(read_manifests(storage)) == a.steps + 1
     finally:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import statistics
+import os
 import sys
-import time
-from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _timing import median_s
 
 from deck.ops.retention.plan import RetentionPolicy, _quarantine_holds, plan_lineage
 from deck.read.lineage import LineageGraph
@@ -39,15 +40,6 @@ def _lineages(n: int) -> tuple[LineageGraph, LineageGraph]:
     return plain, sim.graph()
 
 
-def _median_s(f: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000")
@@ -58,9 +50,9 @@ def main() -> None:
     rows = []
     for n in map(int, a.sizes.split(",")):
         plain, marked = _lineages(n)
-        base = _median_s(lambda: plan_lineage(plain, policy), a.repeats)  # noqa: B023
-        with_q = _median_s(lambda: plan_lineage(marked, policy), a.repeats)  # noqa: B023
-        holds = _median_s(lambda: _quarantine_holds(marked, None), a.repeats)  # noqa: B023
+        base = median_s(lambda: plan_lineage(plain, policy), a.repeats)  # noqa: B023
+        with_q = median_s(lambda: plan_lineage(marked, policy), a.repeats)  # noqa: B023
+        holds = median_s(lambda: _quarantine_holds(marked, None), a.repeats)  # noqa: B023
         held = len(plan_lineage(marked, policy).held)
         rows.append((n, base, with_q, holds))
         print(
