@@ -151,10 +151,18 @@ def test_verify_names_a_damaged_file(ckpt: Path, tmp_path: Path) -> None:
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    r, nothing = _decks(("verify", str(copy), "--step", "5"), ("verify", str(tmp_path / "no")))
+    r, nothing, export = _decks(
+        ("verify", str(copy), "--step", "5"),
+        ("verify", str(tmp_path / "no")),
+        ("export", str(copy), "--step", "5", "--out", str(tmp_path / "out"), "--format", "dcp"),
+    )
     assert r.returncode == 1
     assert chunk.name in r.stdout and "checksum" in r.stdout
     assert nothing.returncode == 2 and nothing.stderr.startswith("deck verify: URI ")
+    # A command that meets the damage names the file and says what to do next, on its one line
+    assert export.returncode == 1 and len(export.stderr.splitlines()) == 1, export.stderr
+    assert chunk.name in export.stderr, export.stderr
+    assert f"next: `deck verify {copy} --all --quarantine`" in export.stderr, export.stderr
 
 
 def test_verify_finds_a_step_whose_chain_lost_a_checkpoint(ckpt: Path, tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         except DeckError as e:
             code = EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
             sys.stdout.flush()  # what the command printed before it goes first
-            print(f"deck {a.cmd}: {e}", file=sys.stderr)
+            print(f"deck {a.cmd}: {e}{_next_step(a, e)}", file=sys.stderr)
         except BrokenPipeError:
             raise
         except OSError as e:  # this host's own files (an --out that cannot be written, ...)
@@ -161,6 +161,25 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return _closed_pipe()
+
+
+# The commands whose URI is a checkpoint store `deck verify` can check (follow's may be a
+# publish URI or a topic; verify's own damage is its answer).
+_VERIFIABLE = frozenset({"ls", "show", "lineage", "history", "report", "export", "merge", "gc"})
+
+
+def _next_step(a: argparse.Namespace, e: DeckError) -> str:
+    """What to do about damage a command met, appended to its one line: the error names the
+    file; this says how to see the rest of the damage and read around it."""
+    if not isinstance(e, CorruptCheckpointError) or a.cmd not in _VERIFIABLE:
+        return ""
+    if "deck verify" in str(e):
+        return ""
+    return (
+        f"; next: `deck verify {a.uri} --all --quarantine` names every damaged file and sets"
+        " its checkpoint aside, so restores, exports and mergers go around it (an older"
+        " `--step` where nothing else reaches it; docs/operations.md, Disaster recovery)"
+    )
 
 
 def _closed_pipe() -> int:

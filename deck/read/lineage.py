@@ -415,14 +415,34 @@ class LineageGraph:
         checkpoints skipped on the way are logged with the reason (unless not ``log``: a
         caller that reports them itself)."""
         horizon = self.window.horizon if self.window is not None else None
-        for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
-            if horizon is not None and (n.epoch, n.step) < horizon:
-                raise OutsideWindow(horizon[1])  # a newer one may be among those not read
-            if self._chain_ids(n.step, frozenset()) is not None:
-                return n.step
-            if log:
-                logger.warning("skipping step %d: %s", n.step, self._why_not(n.step, frozenset()))
-        return None
+        skipped: list[int] = []
+        try:
+            for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
+                if horizon is not None and (n.epoch, n.step) < horizon:
+                    raise OutsideWindow(horizon[1])  # a newer one may be among those not read
+                if self._chain_ids(n.step, frozenset()) is not None:
+                    return n.step
+                skipped.append(n.step)
+            return None
+        finally:
+            if log and skipped:
+                self._log_skipped(skipped)
+
+    def _log_skipped(self, skipped: list[int]) -> None:
+        """One warning for the steps :meth:`latest` went past (newest first): the newest one's
+        reason, and how many more there were (one damaged full can leave thousands)."""
+        why = self._why_not(skipped[0], frozenset())
+        if len(skipped) == 1:
+            logger.warning("skipping step %d: %s", skipped[0], why)
+        else:
+            logger.warning(
+                "skipping %d steps without a complete chain (%d to %d); the newest, step %d: %s",
+                len(skipped),
+                min(skipped),
+                max(skipped),
+                skipped[0],
+                why,
+            )
 
     def chain(self, step: int, exclude: Iterable[str] = ()) -> list[CheckpointManifest]:
         """Shorthand for :func:`cheapest_chain` ``(self, step, exclude=exclude)``."""

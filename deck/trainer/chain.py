@@ -159,6 +159,7 @@ class LineageWatch:
         self._busy = False
         self._closed = False
         self._broken: dict[StateKey, str] = {}  # states found broken -> why
+        self._warned: set[int] = set()  # the bases of the broken chains warned about
         # One check at a time: the thread's, or lineage_changed()'s on its caller's thread
         self._checking = threading.Lock()
         self._known: dict[str, int | None] = {}  # quarantine records read (needs_new_full)
@@ -272,7 +273,10 @@ class LineageWatch:
         if why is None:
             return
         with self._cond:
-            new = state not in self._broken
+            # The deltas committed before the check learned of it are of the same chain (the
+            # same full): one warning for them all
+            new = base not in self._warned
+            self._warned.add(base)
             self._broken[state] = why
         if new:
             logger.warning(

@@ -425,3 +425,29 @@ def test_a_gc_stopped_part_way_leaves_every_committed_step_restorable(stop_after
     assert 0 in left and 29 in left  # the oldest doomed ones are what is left
     collect_garbage(storage, policy)
     assert check_all_restore(storage, history) == list(range(20, 30))
+
+
+def test_latest_logs_the_steps_it_skips_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lost full leaves every delta after it without a chain: `latest()` names them in one
+    warning (the newest one's reason and how many), not a line per step (thousands, in a long
+    history, before any command's own output)."""
+    storage = LocalStorage(str(tmp_path))
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    tr.train(1)
+    good = tr.save().step
+    tr.train(1)
+    lost = tr.save("full")
+    after = []
+    for _ in range(30):
+        tr.train(1)
+        after.append(tr.save().step)
+    storage.delete_prefix(f"{lost.folder}/")
+    with caplog.at_level("WARNING", logger="deck.read.lineage"):
+        assert build_graph(read_manifests(storage)).latest() == good
+    lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"skipping 30 steps without a complete chain ({after[0]} to ")
+    assert f"the newest, step {after[-1]}: " in lines[0], lines[0]

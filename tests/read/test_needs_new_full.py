@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from deck.format.manifest import MANIFEST
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.read.catalog import quarantine, read_manifests
@@ -15,6 +17,7 @@ from deck.storage import LocalStorage
 from deck.testing.lineage_checks import merge_all
 from deck.testing.recording_storage import RecordingStorage
 from deck.testing.synth import SynthTrainer
+from deck.trainer.chain import LineageWatch
 
 
 def _requests(store: RecordingStorage) -> list[tuple[str, str]]:
@@ -79,3 +82,40 @@ def test_on_chain_quarantine_covered_by_a_merged_delta_is_no_break(tmp_path: Pat
     # A delta of step 5 itself is not
     why = needs_new_full(storage, (5, ms[5].id), base=0, known={})
     assert why is not None and ms[5].id in why, why
+
+
+def test_the_watch_warns_once_for_the_deltas_of_one_broken_chain(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deltas committed before the trainer's watch learned of a quarantine follow the broken
+    chain: each is broken (the next checkpoint a full) but they share the cause, so one
+    warning, not one per commit; a new full's chain broken later warns again."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")  # 0
+    saved = []
+    for _ in range(4):
+        tr.train()
+        saved.append(tr.save())  # 1..4
+    quarantine(storage, saved[0], "damaged (test)")
+    watch = LineageWatch(storage, "checkpoint", 0)
+    try:
+        with caplog.at_level("WARNING", logger="deck.trainer.chain"):
+            for m in saved[1:]:
+                watch.committed((m.step, m.id), 0)
+                assert watch.wait(60)
+            assert watch.broken([(saved[-1].step, saved[-1].id)]) is not None
+            tr.train()
+            full = tr.save("full")  # 5
+            tr.train()
+            delta = tr.save()  # 6
+            quarantine(storage, delta, "damaged (test)")
+            tr.train()
+            after = tr.save()  # 7
+            watch.committed((after.step, after.id), full.step)
+            assert watch.wait(60)
+    finally:
+        watch.close()
+    lines = [r.getMessage() for r in caplog.records if "is broken" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert f"step {saved[1].step} " in lines[0] and f"step {after.step} " in lines[1], lines
