@@ -461,7 +461,7 @@ class DeckConfig(Settings):
         description="Tracking tenants that read their own deltas from one tracker store at their "
         "own pace (e.g. a publisher); checkpoint is always added.",
         json_schema_extra={
-            "constraints": "unique names of [A-Za-z0-9_-], at most 8 with checkpoint (7 of yours)"
+            "constraints": "unique names of [A-Za-z0-9_-], at most 8 with checkpoint (7 of yours; 6 with publish)"
         },
     )
     storage_options: dict[str, Any] = Field(
@@ -543,6 +543,13 @@ class DeckConfig(Settings):
     @classmethod
     def _publish_uri(cls, v: PublishConfig | None, info: ValidationInfo) -> PublishConfig | None:
         uri = info.data.get("uri")
+        consumers = info.data.get("consumers", ())
+        if v is not None and len(consumers) == 8 and PUBLISH_CONSUMER not in consumers:
+            # (publishing tracks its rows as one more tenant of the tracker's 8 bits)
+            raise ValueError(
+                "publishing takes a tracker consumer of its own (publish) and consumers already "
+                "names 8: at most 6 of your own with publish"
+            )
         if v is None or uri is None:
             return v
         # Compared as places, not strings: /r, file:///r and /tmp/../r are one folder

@@ -95,7 +95,7 @@ for bad in ({{"uri": "http://host/ckpt"}}, {{"uri": pathlib.Path("ckpt"), "delta
     try:
         deck.DeckConfig.model_validate(bad)
     except deck.ConfigError as e:
-        print(e)  # DeckConfig.uri: scheme 'http://' is not supported ... / must be an integer
+        print(e)  # DeckConfig.uri: scheme 'http' is not supported here ... / must be an integer
     else:
         raise AssertionError(f"{{bad}} was accepted")
 ```
@@ -149,8 +149,12 @@ def _constraints(info: FieldInfo) -> str:
                 parts.append(f"{op} {getattr(m, attr)}")
     extra = info.json_schema_extra
     if isinstance(extra, dict) and extra.get("constraints"):
-        parts.append(str(extra["constraints"]))
-    return ", ".join(parts)
+        said = str(extra["constraints"])
+        for part in parts:  # (a bound the metadata gave already: once)
+            if said.startswith(part):
+                said = said[len(part) :].lstrip(" ,")
+        parts.append(said)
+    return ", ".join(p for p in parts if p)
 
 
 def _description(info: FieldInfo) -> str:
@@ -187,7 +191,7 @@ def _cell(text: str) -> str:
 
 def _summary(cls: type) -> str:
     doc = (cls.__doc__ or "").strip()
-    return doc.split("\n\n")[0].replace("\n", " ") if doc else ""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def undocumented() -> list[str]:

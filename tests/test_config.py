@@ -41,6 +41,11 @@ def test_defaults() -> None:
         # A lease renewed every third of a microsecond: every checkpoint refused, for ever
         ({"uri": "x", "lease_ttl_s": 1e-9}, r"lease_ttl_s: must be >= 1.0"),
         ({"uri": "/tmp/ck\x00x"}, r"uri: holds a NUL character"),
+        # Publishing is a tracker tenant too: accepted, then refused at enable (9 of 8 bits)
+        (
+            {"uri": "x", "consumers": tuple("abcdefg"), "publish": {"uri": "p"}},
+            r"publish: publishing takes a tracker consumer .* at most 6 of your own",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
@@ -50,6 +55,8 @@ def test_invalid_values_name_the_field(kwargs: dict, field: str) -> None:
 
 def test_checkpoint_consumer_always_present() -> None:
     assert DeckConfig(uri="x", consumers=("publish",)).consumers == ("checkpoint", "publish")
+    six = DeckConfig(uri="x", consumers=tuple("abcdef"), publish={"uri": "p"})
+    assert len(six.tracking_consumers) == 8
 
 
 def test_staging_page_multiple() -> None:
