@@ -293,6 +293,21 @@ def test_help_on_every_command_and_export_usage_errors(
     assert u.stderr.startswith("deck export: ") and str(busy / "x" / "sub") in u.stderr
     assert main(["export", str(ckpt), "--step", "7", "--out", str(tmp_path / "e")]) == 2
     assert "step 7" in capsys.readouterr().err
+    # A step below 0 was a traceback (exit 1, as damage); not an integer: argparse's words
+    for argv in (
+        ["export", str(ckpt), "--step", "-1", "--out", str(tmp_path / "e")],
+        ["verify", str(ckpt), "--step", "x"],
+        ["lineage", str(ckpt), "--step", "-3"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --step: " in err, (argv, err)
+        assert "must be >= 0" in err or "not an integer: 'x'" in err, err
+    # 0 is off, as --help says: the message said "must be > 0.0"
+    with pytest.raises(SystemExit) as exc:
+        main(["gc", str(ckpt), "--chain-delta-budget", "-1", "--dry-run"])
+    assert exc.value.code == 2 and "must be a number >= 0 (0: off)" in capsys.readouterr().err
     # An --out that is a URI (it became a local folder named "s3:") or inside the checkpoint
     # URI (deck wrote its export and its follower's state into the store): refused, nothing
     # written (break-it findings)

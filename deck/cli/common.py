@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from deck.units import human_bytes
@@ -47,12 +47,21 @@ def progress_bar(
 
 def seconds(text: str) -> float:
     """An argparse type: a finite number of seconds, not negative."""
+    return _finite_at_least_0(text, "a number of seconds")
+
+
+def budget(text: str) -> float:
+    """An argparse type: a finite number, not negative (0: off)."""
+    return _finite_at_least_0(text, "a number", " (0: off)")
+
+
+def _finite_at_least_0(text: str, what: str, note: str = "") -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (got {text})")
+        raise argparse.ArgumentTypeError(f"must be {what} >= 0{note} (got {text})")
     return value
 
 
@@ -92,6 +101,24 @@ def say_damaged(command: str, uri: str, damaged: dict[int, str], what: str) -> b
         file=sys.stderr,
     )
     return True
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {n})")
+        return n
+
+    return parse
+
+
+step_number = at_least(0)  # an argparse type: a training step (steps are numbered from 0)
 
 
 def poll_seconds(text: str) -> float:

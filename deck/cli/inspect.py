@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from deck.cli.common import (
     Subparsers,
     age_text,
+    at_least,
     check_out,
     human,
     json_list,
@@ -19,6 +20,7 @@ from deck.cli.common import (
     progress_bar,
     quiet_catalog,
     say_damaged,
+    step_number,
 )
 from deck.errors import CheckpointNotFoundError
 from deck.format.jsonio import paused_gc
@@ -57,17 +59,7 @@ def _tree_line(r: Any, now: float) -> str:
 LS_RECENT_STEPS = 20  # the default view: every checkpoint of the newest steps, and the fulls
 
 
-def _at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        n = int(text)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low} (got {n})")
-        return n
-
-    return parse
-
-
-_positive, _non_negative = _at_least(1), _at_least(0)  # argparse types
+_positive = at_least(1)  # an argparse type
 
 
 def _ls_view(rows: list[Any], a: argparse.Namespace) -> list[Any]:
@@ -232,6 +224,7 @@ def _verify_targets(
     latest restorable step; none when the step asked for has a damaged commit record, or when
     no committed step is restorable (those are the findings). Raises
     :class:`CheckpointNotFoundError` when there is nothing to check."""
+    from deck.format.manifest import steps_text
     from deck.read.lineage import latest_restorable
 
     if not manifests and not damaged:
@@ -249,7 +242,9 @@ def _verify_targets(
         which = (
             "no restorable step" if a.step is None else f"no committed checkpoint at step {a.step}"
         )
-        raise CheckpointNotFoundError(f"{which} in {a.uri}; committed steps: {sorted(manifests)}")
+        raise CheckpointNotFoundError(
+            f"{which} in {a.uri}; committed steps: {steps_text(manifests, a.step)}"
+        )
     return [manifests[step]]
 
 
@@ -409,7 +404,7 @@ def ls_parser(sub: Subparsers) -> None:
     view.add_argument("--all", action="store_true", help="every checkpoint")
     view.add_argument(
         "--since",
-        type=_non_negative,
+        type=step_number,
         metavar="STEP",
         help="the checkpoints of STEP and later steps",
     )
@@ -441,7 +436,7 @@ def verify_parser(sub: Subparsers) -> None:
     ver = sub.add_parser("verify", help="re-read files and check checksums")
     ver.add_argument("uri")
     g = ver.add_mutually_exclusive_group()
-    g.add_argument("--step", type=int, help="one step (default: the latest restorable)")
+    g.add_argument("--step", type=step_number, help="one step (default: the latest restorable)")
     g.add_argument("--all", action="store_true", help="every committed checkpoint")
     ver.add_argument(
         "--quarantine",
@@ -456,7 +451,7 @@ def lineage_parser(sub: Subparsers) -> None:
     lin = sub.add_parser("lineage", help="the lineage graph and the cheapest chain of a step")
     lin.add_argument("uri")
     lin.add_argument("--json", action="store_true", help="machine-readable graph")
-    lin.add_argument("--step", type=int, help="chain of this step (default: the latest)")
+    lin.add_argument("--step", type=step_number, help="chain of this step (default: the latest)")
     lin.set_defaults(fn=cmd_lineage)
 
 

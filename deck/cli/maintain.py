@@ -18,6 +18,7 @@ from typing import Any
 
 from deck.cli.common import (
     Subparsers,
+    budget,
     flags_of,
     human,
     open_existing,
@@ -415,7 +416,7 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--chain-delta-budget",
-        type=float,
+        type=budget,
         default=default["chain_delta_budget"],
         metavar="F",
         help="with every step kept: keep a full wherever the deltas since the last kept one add "

@@ -19,6 +19,7 @@ from deck.cli.common import (
     progress_bar,
     quiet_catalog,
     say_damaged,
+    step_number,
 )
 from deck.errors import ConfigError
 from deck.serve.out_lock import LOCK_NAME, OutLock
@@ -217,7 +218,9 @@ def export_parser(sub: Subparsers) -> None:
         "parquet: the shards holding the same rows).",
     )
     exp.add_argument("uri")
-    exp.add_argument("--step", type=int, help="step to export (default: the latest restorable)")
+    exp.add_argument(
+        "--step", type=step_number, help="step to export (default: the latest restorable)"
+    )
     exp.add_argument(
         "--out",
         required=True,

@@ -24,9 +24,12 @@ escape the checkpoint folder are rejected with :class:`deck.errors.CorruptCheckp
 
 from __future__ import annotations
 
+import bisect
 import json
+import operator
 import os
 import re
+from collections.abc import Iterable
 from enum import Enum
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -44,7 +47,7 @@ from pydantic import (
     model_validator,
 )
 
-from deck.errors import CorruptCheckpointError
+from deck.errors import ConfigError, CorruptCheckpointError
 from deck.format.jsonio import MAX_RECORD_DEPTH, load_json
 
 FORMAT_VERSION = 1
@@ -567,6 +570,43 @@ def step_dir(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step-{step:012d}"
+
+
+def as_step(step: object, call: str) -> int:
+    """``step`` as an int (numpy and 0-d tensor integers too), or a :class:`ConfigError` for
+    anything else -- a float, a bool, a negative number -- naming the call: what every API
+    that takes a step from its caller checks first."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"{call}(step={step!r}): a step is the training step's number, an int >= 0, not "
+            f"{type(step).__name__}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"{call}(step={value}): steps are numbered from 0")
+    return value
+
+
+def steps_text(steps: Iterable[int], near: int | None = None) -> str:
+    """``steps`` for an error message: all of them when few (``[0, 5, 10]``), else the first
+    and last three and those around ``near`` (the step asked for), with the count: a message
+    about a history of 100,000 checkpoints stays one short line."""
+    s = sorted(steps)
+    if len(s) <= 12:
+        return str(s)
+    keep = {0, 1, 2, len(s) - 3, len(s) - 2, len(s) - 1}
+    if near is not None:
+        i = bisect.bisect_left(s, near)
+        keep.update(range(max(0, i - 3), min(len(s), i + 3)))
+    parts: list[str] = []
+    for i in sorted(keep):
+        if parts and i - 1 not in keep:
+            parts.append("...")
+        parts.append(str(s[i]))
+    return f"[{', '.join(parts)}] ({len(s)} steps)"
 
 
 def step_dirs_from(step: int) -> str:

@@ -389,7 +389,9 @@ class MergeWorker:
                     logger.warning(
                         "deck merge: %d checkpoint(s) still wait for inputs or partitions of "
                         "other workers after %.0f s without progress; run the other workers "
-                        "(worker_index 0..%d)",
+                        "(worker_index 0..%d), all with the same merge policy (--stride, "
+                        "--full-*: a worker plans its items from it, and one with another "
+                        "policy waits for partitions of items no other worker plans)",
                         r.wanted,
                         wait_s,
                         self.config.num_workers - 1,

@@ -32,6 +32,7 @@ from deck.format.manifest import (
     parse_step_dir,
     step_dir,
     step_dirs_from,
+    steps_text,
 )
 from deck.read.catalog import (
     ManifestSet,
@@ -484,7 +485,8 @@ def find_checkpoint(storage: Storage, which: str) -> CheckpointManifest:
         if which in (cand.id, cand.folder) or cand.folder.endswith(f"/{which}"):
             return cand
     raise CheckpointNotFoundError(
-        f"no committed checkpoint {which!r} at {storage.uri}; trainer steps: {sorted(manifests)}"
+        f"no committed checkpoint {which!r} at {storage.uri}; trainer steps: "
+        f"{steps_text(manifests)}"
         + (
             f", merger checkpoints: {len(manifests.merged)} (see `deck ls`)"
             if manifests.merged

@@ -42,6 +42,7 @@ from deck.format.manifest import (
     parse_step_dir,
     step_dir,
     step_dirs_from,
+    steps_text,
 )
 from deck.read.catalog import (
     ManifestSet,
@@ -609,7 +610,10 @@ class LineageGraph:
         """Why trainer step ``step`` has no chain: the first link that is missing."""
         t = self.trainer.get(step)
         if t is None:
-            return f"no committed checkpoint at step {step}; committed: {sorted(self.trainer)}"
+            return (
+                f"no committed checkpoint at step {step}; "
+                f"committed: {steps_text(self.trainer, step)}"
+            )
         best = self.best_paths(exclude)
         node: LineageNode | None = t
         while node is not None:
@@ -867,7 +871,7 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
         return cheapest_chain(build_graph(manifests), step)
     if step not in manifests:
         raise CheckpointNotFoundError(
-            f"no committed checkpoint at step {step}; committed: {sorted(manifests)}"
+            f"no committed checkpoint at step {step}; committed: {steps_text(manifests, step)}"
         )
     chain = [manifests[step]]
     while chain[-1].kind is not Kind.FULL:
@@ -928,7 +932,14 @@ def confirmed(
         except (CheckpointNotFoundError, CorruptCheckpointError, OutsideWindow):
             chain = []
         if not chain and (step in manifests or step in manifests.damaged):
-            return _read_every_record(storage, step)
+            # No chain by the catalog (a quarantine, damage): whether the records say so too
+            # is read, not taken from an index. Not a disagreement: no warning.
+            logger.info(
+                "step %d has no valid chain by the catalog at %s: reading every record to see",
+                step,
+                storage.uri,
+            )
+            return _read_every_record(storage, step, said=True)
         if not chain:  # a step the catalog does not hold: agreed if the store holds none either
             keys.append(f"{step_dir(step)}/{MANIFEST}")
         keys += [f"{m.folder}/{MANIFEST}" for m in chain]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -21,6 +20,7 @@ from deck.errors import (
     ConfigError,
     LeaseHeldError,
 )
+from deck.format.manifest import as_step
 from deck.format.statefile import scalar_key
 from deck.model import (
     ModelAdapter,
@@ -406,7 +406,7 @@ class DeltaCheckpointer:
         :class:`ConfigError`.
         """
         self._check_open("step")
-        step = _as_step(step, "step")
+        step = as_step(step, "step")
         # (A step not due is refused too: the save() that may follow would take it)
         self._ckpt.refuse_going_back(step, again=False)
         self._last_step = step
@@ -436,7 +436,7 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ConfigError("publish() needs step=... before the first call to step()")
-        step = _as_step(step, "publish")
+        step = as_step(step, "publish")
         full_every = self.config.publish.full_every_steps if self.config.publish else None
         try:
             return chain.save("full" if full_every and step % full_every == 0 else "delta", step)
@@ -465,7 +465,7 @@ class DeltaCheckpointer:
             step = self._last_step
         if step is None:
             raise ConfigError("save() needs step=... before the first call to step()")
-        return self._ckpt.save(kind, _as_step(step, "save"))
+        return self._ckpt.save(kind, as_step(step, "save"))
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -592,6 +592,8 @@ class DeltaCheckpointer:
         it has none, of the newest older step that has one; ``last_restore.fallback`` and a
         warning say what was skipped and why.
         """
+        if step is not None:
+            step = as_step(step, "restore")
         # Every rank's pending parts first (rank 0's flush is the commit), then rank 0 alone picks
         # the target so that all ranks load the same step even while other writers commit.
         self.flush()
@@ -761,23 +763,6 @@ def enable(
     """The one-line way in: returns a :class:`DeltaCheckpointer` tracking ``model``.
     ``on_checkpoint`` gets each checkpoint's :class:`~deck.trainer.events.CheckpointEvent`."""
     return DeltaCheckpointer(model, optimizers, config, state, on_checkpoint=on_checkpoint)
-
-
-def _as_step(step: object, call: str) -> int:
-    """``step`` as an int (numpy and 0-d tensor integers too), or a :class:`ConfigError` for
-    anything else -- a float, a bool, a negative number -- naming the call."""
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        value = operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(
-            f"{call}(step={step!r}): a step is the training step's number, an int >= 0, not "
-            f"{type(step).__name__}"
-        ) from None
-    if value < 0:
-        raise ConfigError(f"{call}(step={value}): steps are numbered from 0")
-    return value
 
 
 def _require_shared(uri: str, field: str, world_size: int) -> None:

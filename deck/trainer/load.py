@@ -10,6 +10,7 @@ import torch
 
 from deck.at_exit import still_open
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deck.format.manifest import as_step
 from deck.model import ModelAdapter
 from deck.storage import Storage
 from deck.trainer.checkpointer import (
@@ -47,6 +48,8 @@ def load_step(
     checkpoints, restore through ``deck.enable(...).restore()``. ``adapter`` replaces
     TorchRec's adapter.
     """
+    if step is not None:
+        step = as_step(step, "deck.load")
     coord = Coordinator()
     refused: Exception | None = None
     loader: StateLoader | None = None

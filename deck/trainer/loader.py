@@ -33,7 +33,7 @@ from deck.errors import (
     NotFoundError,
 )
 from deck.format.epochs import newest_witness
-from deck.format.manifest import MANIFEST, CheckpointManifest, load_model
+from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, steps_text
 from deck.model import (
     ModelAdapter,
     Optimizers,
@@ -154,7 +154,7 @@ class StateLoader:
         if target is None:
             if manifests:
                 raise CheckpointNotFoundError(
-                    f"{self.storage.uri} has checkpoints {sorted(manifests)} but none has a "
+                    f"{self.storage.uri} has checkpoints {steps_text(manifests)} but none has a "
                     "complete chain (`deck verify URI --all` says why): give this run a URI of "
                     f"its own, or start its steps after {max(manifests)}"
                 )

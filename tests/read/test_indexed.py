@@ -371,6 +371,25 @@ def test_log_entries_and_catalogs_are_pruned_behind_the_last_two(store: LocalSto
     same(read_manifests(store), whole(store))
 
 
+def test_a_step_whose_chain_a_quarantine_broke_is_read_again_without_a_warning(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: after `deck verify --quarantine`, every export of a step whose chain
+    the quarantine broke warned that the catalog "does not agree with the commit records" (it
+    agrees): the records are still read to confirm there is no chain, said at INFO."""
+    _commit_all(store, 6)
+    manifests = read_manifests(store)
+    quarantine(store, manifests[2], "damaged (test)")
+    manifests = read_manifests(store)
+    assert manifests.index is not None and manifests[2].id in manifests.quarantined
+    with caplog.at_level(logging.INFO, logger="deck.read.lineage"):
+        got = confirmed(store, manifests, 3)
+    assert got.index is None  # every record read
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "deck.read.lineage"]
+    assert not any(level >= logging.WARNING for level, _ in said), said
+    assert any("step 3 has no valid chain by the catalog" in m for _, m in said), said
+
+
 def test_an_append_never_lands_behind_a_catalog(store: LocalStorage) -> None:
     """A writer slow enough that catalogs passed its sequence number: a catalog at 5 exists
     while the log ends at 2 (pruned) -- the next entry is numbered after the catalog."""

@@ -138,6 +138,11 @@ def _interrupted(rank: int, world_size: int, root: str, point: str, alone: bool 
                 ckpt.step(bad)  # type: ignore[arg-type]
             with pytest.raises(ConfigError, match=r"step=.*(an int|numbered from 0)"):
                 ckpt.save(step=bad)  # type: ignore[arg-type]
+            # (a negative step reached the store's folder naming as a bare ValueError)
+            with pytest.raises(ConfigError, match=r"restore\(step=.*(an int|numbered from 0)"):
+                ckpt.restore(bad)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match=r"deck.load\(step=.*(an int|numbered from 0)"):
+                deck.load(model, [opt], config.uri, step=bad)  # type: ignore[arg-type]
         assert ckpt.flush()
         kinds = [(h.step, h.kind) for h in ckpt.history]
     # What the interrupted checkpoint had claimed is unknown: the next one is a full.

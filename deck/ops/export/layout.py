@@ -13,7 +13,13 @@ import torch
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
 from deck.format.chunks import DTYPES
-from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
+from deck.format.manifest import (
+    CheckpointManifest,
+    ChunkRecord,
+    RankManifest,
+    ShardRecord,
+    steps_text,
+)
 from deck.model import TableShard
 from deck.ops.export.dense import eager_state, table_name
 from deck.read.catalog import (
@@ -106,7 +112,7 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
         other = (
             f"; the newest readable step is {chosen}: export it by number (`deck export --step {chosen}`), or repair the record"
             if chosen is not None and step is None
-            else f"; repair it, or export another step (committed: {sorted(manifests)})"
+            else f"; repair it, or export another step (committed: {steps_text(manifests, step)})"
         )
         raise CorruptCheckpointError(f"{storage.uri}: {skipped}{other}")
     if chosen is None:
