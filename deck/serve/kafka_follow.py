@@ -567,6 +567,16 @@ class KafkaFollower:
         self._state_given = state_uri is not None  # --state-uri: markers' URIs are not used
         self.offsets: dict[int, int] = self._saved_offsets(record)
         self._state_fixed = self.state_uri is not None
+        # The held step's marker (offset, step, id) and epoch, as the state record says (a
+        # record of a deck before epochs were kept: None, and a copy of an old full is taken
+        # for a rollback as it was then)
+        held_marker = stream.get("marker")
+        self._held_marker: dict[str, Any] | None = (
+            held_marker if isinstance(held_marker, dict) else None
+        )
+        epoch = (self._held_marker or {}).get("epoch")
+        self._held_epoch: int | None = epoch if isinstance(epoch, int) else None
+        self._kept_at: tuple[int, int] | None = None  # (position, end) found kept
         self._check_resume_point(stream)
         self.readers: dict[int, PartitionReader] = {}
         self.follower: _StreamFollower | None = None
@@ -717,6 +727,7 @@ class KafkaFollower:
         ctl = self._reader(CONTROL_PARTITION)
         msg = ctl.poll(timeout)
         if msg is None:
+            self._check_topic_kept(ctl)
             return None
         try:
             marker = decode_marker(
@@ -743,6 +754,42 @@ class KafkaFollower:
             return None
         return self._apply_marker(marker)
 
+    def _check_topic_kept(self, ctl: PartitionReader) -> None:
+        """While idle: the control partition's end lies before where the loader reads (a
+        broker that lost its data, a topic deleted and made again while the loader ran) and
+        the held step's marker is no longer at its offset: the topic was recreated. Read it
+        from its start then, waiting for a full the loader can prove, as at start; else the
+        loader would wait, silently stale, for the new topic to pass its old offsets. The
+        end listed is checked first (one request): a broker's listed end may lag behind the
+        last message read, so the marker decides (once per position and end: a lag lasts
+        until the next message). Nothing held: nothing to be stale, nothing checked."""
+        end = ctl.watermarks()[1]
+        mk = self._held_marker
+        if ctl.position <= end or mk is None or not isinstance(mk.get("offset"), int):
+            return
+        if self._kept_at == (ctl.position, end):
+            return
+        what, m = marker_at(self.conf, self.target, int(mk["offset"]))
+        if what == "gone" or (
+            what == "marker" and (m.step, m.ckpt_id) == (mk.get("step"), mk.get("id"))
+        ):
+            self._kept_at = (ctl.position, end)  # the listed end lagged (or retention)
+            return
+        held = self.follower.state if self.follower is not None else self._held_at_start
+        logger.error(
+            "deck follow: kafka topic %s partition 0 ends at offset %d, before the loader's "
+            "position %d: the topic was recreated or truncated while the loader ran; reading "
+            "it from its start and serving step %s until a full the loader can prove",
+            self.target.topic,
+            end,
+            ctl.position,
+            held[0] if held else "(none)",
+        )
+        for r in self.readers.values():
+            r.close()
+        self.readers, self.offsets = {}, {}
+        self._lost = "the topic was recreated or truncated"
+
     def _adopt_run(self) -> None:
         """A loader with no state and no ``--run`` serves the run of the newest marker of the
         topic (a fresh run reusing a topic wins over an older one, and a stray full of another
@@ -757,8 +804,8 @@ class KafkaFollower:
         if self._lost is None:
             held = self.follower.state if self.follower is not None else self._held_at_start
             logger.error(
-                "deck follow: kafka topic %s: %s; serving step %s until a full the loader can "
-                "prove",
+                "deck follow: kafka topic %s: %s; serving step %s (and the deltas that build on "
+                "it); a step that does not waits for a full the loader can prove",
                 self.target.topic,
                 why,
                 held[0] if held else "(none)",
@@ -791,6 +838,22 @@ class KafkaFollower:
         if manifest is None:
             return None
         self._state_fixed = True
+        if rollback and self._held_epoch is not None and manifest.epoch <= self._held_epoch:
+            # A rollback starts a newer epoch; within one, steps only go forward: this is a
+            # copy of a marker already passed (a replay, a mirror's at-least-once delivery)
+            logger.warning(
+                "deck follow: kafka topic %s: the marker at offset %d (step %d, %s, epoch %d) "
+                "is a copy of one of the held timeline (step %s, epoch %d): ignored",
+                self.target.topic,
+                marker.offset,
+                marker.step,
+                marker.ckpt_id,
+                manifest.epoch,
+                held[0] if held else None,
+                self._held_epoch,
+            )
+            self.stats.skipped.append(marker.step)
+            return None
         if rollback and manifest.kind is Kind.FULL:
             logger.warning(
                 "deck follow: kafka topic %s: the publisher rolled back: step %d (%s, a full of a "
@@ -834,7 +897,7 @@ class KafkaFollower:
             self._lose(f"step {marker.step} ({marker.ckpt_id}) cannot be applied: {e}")
             return None
         failpoint("kafka_follow.fetched")
-        fol.stream = self._stream_record(marker, self._since_full + 1)
+        fol.stream = self._stream_record(marker, manifest.epoch, self._since_full + 1)
         try:
             if manifest.kind is Kind.FULL:
                 self.view.visible = {marker.step}
@@ -848,6 +911,7 @@ class KafkaFollower:
         for p, off in fol.stream["offsets"].items():
             self._reader(int(p)).commit(int(off))
         self.stats.applied.append(marker.step)
+        self._held_marker, self._held_epoch = fol.stream["marker"], manifest.epoch
         self._last = (manifest, parts)
         self._since_full += 1
         if manifest.kind is Kind.FULL and self._lost is not None:
@@ -883,7 +947,7 @@ class KafkaFollower:
         reader = self._reader(p, first)
         return pull_files(reader, rank, marker, need, self.quarantine, self._poisoned, self.wait_s)
 
-    def _stream_record(self, marker: Marker, since_full: int) -> dict[str, Any]:
+    def _stream_record(self, marker: Marker, epoch: int, since_full: int) -> dict[str, Any]:
         """The resume point written with the state: offsets after the step, the marker applied
         (to recognise a recreated topic), the run, and the steps since the last loader full."""
         # A partition not read since the start (its rank had no rows since) keeps its offset.
@@ -895,7 +959,12 @@ class KafkaFollower:
             "state_uri": self.state_uri,
             "offsets": offsets,
             "run": marker.run,
-            "marker": {"offset": marker.offset, "step": marker.step, "id": marker.ckpt_id},
+            "marker": {
+                "offset": marker.offset,
+                "step": marker.step,
+                "id": marker.ckpt_id,
+                "epoch": epoch,
+            },
             "since_full": since_full,
         }
 
@@ -924,15 +993,14 @@ class KafkaFollower:
     def catch_up(self, on_update: Callable[[FollowUpdate], None] | None = None) -> int:
         """Apply every marker in the topic now; returns how many steps were applied."""
         n = 0
-        ctl = self._reader(CONTROL_PARTITION)
-        ctl.eof = None  # only an end reached in this catch-up counts
+        self._reader(CONTROL_PARTITION).eof = None  # only an end reached in this catch-up counts
         while True:
             update = self.poll(0.5)
             if update is not None:
                 n += 1
                 if on_update is not None:
                     on_update(update)
-            elif ctl.drained():
+            elif self._reader(CONTROL_PARTITION).drained():  # (a new one after a recreation)
                 return n
 
     def close(self) -> None:

@@ -136,7 +136,7 @@ def test_poison_message_is_quarantined(
     _serves(out, pub, s1)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("partition 2 offset" in e and "quarantined" in e for e in errors), errors
-    assert any(f"serving step {s1} until a full" in e for e in errors), errors
+    assert any(f"serving step {s1} (and the deltas that build on it)" in e for e in errors), errors
     with open(os.path.join(out, "quarantine.json")) as f:
         entries = json.load(f)["entries"]
     assert {(e["partition"], e["kind"]) for e in entries} == {(0, "poison"), (2, "poison")}
@@ -314,4 +314,73 @@ def test_a_publisher_rollback_is_followed(broker: TansuBroker, tmp_path: Path) -
     for name in moved:
         for f in (aside / name).iterdir():
             assert read_table(str(f))[0]["checkpoint"] == old_ids[int(name[:12])], (name, f)
+    pub.close()
+
+
+def test_a_copy_of_an_old_marker_does_not_roll_serving_back(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a byte-identical copy of an old full's marker appended to the topic
+    (a replay tool, a mirror's at-least-once delivery) was taken for the publisher's rollback:
+    serving went back to that step. A rollback starts a newer epoch; a marker of the held
+    timeline at a step not newer is a copy: ignored, the held step still served."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    topic = _topic(broker)
+    name = topic.rsplit("/", 1)[1]
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    first = pub.publish("full")
+    newest = [pub.publish() for _ in range(3)][-1]
+    out = str(tmp_path / "out")
+    _catch_up(topic, out)
+    _serves(out, pub, newest)
+    c = Consumer(
+        {"bootstrap.servers": broker.bootstrap, "group.id": "copy", "enable.partition.eof": True}
+    )
+    try:
+        c.assign([TopicPartition(name, 0, 0)])
+        msg = c.poll(30)
+        assert msg is not None and msg.error() is None and msg.offset() == 0
+    finally:
+        c.close()
+    inject(broker.bootstrap, name, 0, msg.value(), msg.headers())  # the full of `first`, again
+    with caplog.at_level(logging.WARNING, logger="deck"):
+        kf = _catch_up(topic, out)
+    assert kf.stats.applied == [] and kf.stats.skipped == [first], kf.stats
+    _serves(out, pub, newest)
+    assert any("is a copy of one of the held timeline" in r.getMessage() for r in caplog.records)
+    after = pub.publish()  # and the stream goes on from the held step
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [after], kf.stats
+    _serves(out, pub, after)
+    pub.close()
+
+
+def test_a_running_loader_notices_a_recreated_topic(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a loader that kept running while the broker lost its data (the
+    topic made again, its offsets from 0) waited silently, stale, for the new topic to pass its
+    old offsets. The control partition's end before its position, and the held marker gone from
+    its offset: it reads the new topic from its start and moves on at its first full."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    pub.publish("full")
+    held = [pub.publish() for _ in range(4)][-1]
+    out = str(tmp_path / "out")
+    kf = _loader(topic, out)
+    try:
+        kf.catch_up()
+        _serves(out, pub, held)
+        broker.restart()  # every topic gone
+        pub.reconnect()
+        full, delta = pub.publish("full"), pub.publish()  # two markers: below the old position
+        with caplog.at_level(logging.ERROR, logger="deck"):
+            kf.catch_up()
+    finally:
+        kf.close()
+    assert kf.stats.applied[-2:] == [full, delta], kf.stats
+    _serves(out, pub, delta)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("recreated or truncated while the loader ran" in m for m in said), said
     pub.close()
