@@ -663,8 +663,15 @@ def rank_failure_name(rank: int) -> str:
 
 
 def table_dir(table: str) -> str:
-    """A file-system-safe folder name for a table key (state_dict key of its weight)."""
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", table)
+    """A file-system-safe folder name for a table key (state_dict key of its weight), one per
+    key: a key with other characters has them replaced by ``_`` and the xxh3-64 of the key
+    appended (``user/id`` and ``user_id`` are two tables TorchRec accepts; one folder would
+    have had each overwrite the other's chunks). Readers take paths from the records, never
+    from this."""
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", table)
+    if safe == table:
+        return safe
+    return f"{safe}-{xxhash.xxh3_64_hexdigest(table.encode())}"
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -381,3 +381,28 @@ def test_the_torch_free_item_sizes_are_torchs() -> None:
     from deck.format.chunks import DTYPES
 
     assert {k: v.itemsize for k, v in DTYPES.items()} == ITEMSIZE
+
+
+def test_every_table_key_has_a_folder_of_its_own() -> None:
+    """A break-it finding: tables `user_id` and `user/id` (TorchRec accepts both) shared one
+    chunk folder, each overwriting the other's chunks: every checkpoint committed, none
+    restorable ("checksum mismatch"). A key with unsafe characters gets its hash appended."""
+    import re
+
+    from deck.format.manifest import table_dir
+
+    safe = "sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+    assert table_dir(safe) == safe  # (the folders of every checkpoint written so far)
+    keys = [
+        "e.user_id.weight",
+        "e.user/id.weight",
+        "e.user:id.weight",
+        "e.user id.weight",
+        "e.café.weight",
+        "e.caf_.weight",
+        "e.user_id.weight-",
+    ]
+    dirs = [table_dir(k) for k in keys]
+    assert len(set(dirs)) == len(keys), dirs
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+", d) for d in dirs), dirs
+    assert table_dir("e.user/id.weight") == table_dir("e.user/id.weight")  # stable
