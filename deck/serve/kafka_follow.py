@@ -63,6 +63,7 @@ from deck.errors import (
 )
 from deck.failpoints import failpoint
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
+from deck.format.quantize import QuantizedStateError
 from deck.format.stream import (
     CONTROL_PARTITION,
     MAX_START_BYTES,
@@ -904,6 +905,12 @@ class KafkaFollower:
                 update = fol.materialise(marker.step)
             else:
                 update = fol.apply([manifest], parts)
+        except QuantizedStateError as e:
+            # (refused before anything changed) Skipped like a step it cannot prove, so that
+            # --once ends where the service would, not failing at this step on every run
+            self.stats.unproven.append(marker.step)
+            self._lose(f"step {marker.step} ({marker.ckpt_id}) is not applied: {e}")
+            return None
         finally:
             self.view.files.clear()
         update.seconds = time.perf_counter() - t0

@@ -25,6 +25,7 @@ import pytest
 from deck.errors import ConfigError
 from deck.serve.kafka_follow import KafkaFollower, loader_fulls
 from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_child import LoaderChildren, loader_from
 from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
@@ -384,3 +385,58 @@ def test_a_running_loader_notices_a_recreated_topic(
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("recreated or truncated while the loader ran" in m for m in said), said
     pub.close()
+
+
+def _publish_exact_then_quantized(rank: int, world_size: int, root: str, topic: str) -> None:
+    """Steps 0..4 published exact, 5..8 by a restarted trainer with int8 publishing, then 9..12
+    exact again (a full first: a new publisher's first publish); each returns its step's
+    tables, compared by the caller through a fresh model."""
+    import torch.distributed as dist
+
+    import deck
+    from deck.demo import ModelSpec, build_model, train_step
+
+    spec = ModelSpec(num_tables=2, rows=100, dim=8, batch=8, sharding="table_wise")
+    model, opt = build_model(spec)
+    step = 0
+    for quantize, steps in (("none", 5), ("int8", 4), ("none", 4)):
+        config = deck.DeckConfig(
+            uri=f"{root}/ck",
+            lease_ttl_s=None,
+            publish=deck.PublishConfig(
+                uri=topic, state_uri=f"{root}/pub", every_steps=1, quantize=quantize
+            ),
+        )
+        with deck.enable(model, [opt], config) as ck:
+            if step:
+                ck.restore()
+            for _ in range(steps):
+                if step:
+                    train_step(model, opt, spec, step)
+                ck.step(step)
+                step += 1
+            assert ck.flush()
+    dist.barrier()
+
+
+def test_a_quantized_stretch_is_skipped_by_once_as_by_the_service(
+    broker: TansuBroker, tmp_path: Path
+) -> None:
+    """A break-it finding: `deck follow kafka:// --once` without --allow-quantized failed (exit
+    2) at the first quantised step on every run, even after exact fulls followed, while the
+    service skipped the stretch and moved on at the next full. --once now ends where the
+    service does: the quantised steps skipped (ERROR naming the opt-in), the exact ones after
+    the next full applied."""
+    topic = _topic(broker)
+    run_ranks(_publish_exact_then_quantized, str(tmp_path), topic)
+    out = str(tmp_path / "out")
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied[:5] == [0, 1, 2, 3, 4], kf.stats
+    assert kf.stats.applied[-4:] == [9, 10, 11, 12], kf.stats
+    assert {5, 6, 7, 8} <= set(kf.stats.unproven), kf.stats
+    with open(os.path.join(out, "state.json")) as f:
+        meta = json.load(f)
+    assert meta["step"] == 12 and meta.get("quantized", []) == [], meta
+    allowed = str(tmp_path / "allowed")
+    kf = _catch_up(topic, allowed, allow_quantized=True)
+    assert kf.stats.applied == list(range(13)), kf.stats
