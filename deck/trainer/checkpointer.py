@@ -127,12 +127,14 @@ class DeltaCheckpointer:
             )
             self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
             self._closed = False
-            self.recovered = self.stager.recover(self.coord)  # collective: ranks agree on parts
+            # Collective: ranks agree on parts; those of an older epoch than this process's
+            # previous one (a newer timeline was written since) are dropped
+            self.recovered = self.stager.recover(self.coord, self._ckpt.epoch - 1)
             self._ckpt.stored_newest = self._stored_newest()
             if self._pub is not None:
                 # Parts of an earlier process's publishes are finished (or dropped); the first
                 # publish of this process is a full all the same.
-                self._pub.stager.recover(self.coord)
+                self._pub.stager.recover(self.coord, self._pub.epoch - 1)
             self.last_restore: RestoreStats | None = None  # what the last restore() read here
         except BaseException:
             self._release()

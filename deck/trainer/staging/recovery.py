@@ -37,14 +37,20 @@ def recover(
     rank: int,
     coord: Coordinator | None,
     submit: Callable[[PendingPart, PartProgress, int], None],
+    newest_epoch: int | None = None,
 ) -> list[CheckpointStats]:
     """:meth:`Stager.recover <deck.trainer.staging.Stager.recover>`: find rank ``rank``'s
-    pending parts in the spool, drop those another rank does not have (``coord``), and
-    ``submit`` the others to the commit thread (:meth:`Committer.submit
-    <deck.trainer.staging.committer.Committer.submit>`: the part, its progress, the spool space
-    it holds), which finishes them (or discards those it finds committed or useless)."""
+    pending parts in the spool, drop those of an epoch older than ``newest_epoch`` (the newest
+    committed or witnessed at the URI: a newer timeline was written since, which committing
+    them would replace) and those another rank does not have (``coord``; a rank of another
+    world size included), and ``submit`` the others to the commit thread
+    (:meth:`Committer.submit <deck.trainer.staging.committer.Committer.submit>`: the part, its
+    progress, the spool space it holds), which finishes them (or discards those it finds
+    committed or useless)."""
     found = [] if spool is None else _scan_spool(spool, dest.uri, rank)
-    if coord is not None and coord.world_size > 1:
+    if newest_epoch is not None:
+        found = [p for p in found if not _superseded(p, newest_epoch, spool)]
+    if coord is not None:  # (on one rank too: a part of a larger world waits for no one)
         found = _agree_on_pending(found, coord, spool, dest)
     out = []
     for p in sorted(found, key=lambda p: p.step):
@@ -62,6 +68,35 @@ def recover(
         submit(p, stats.progress, reserved)
         out.append(stats)
     return out
+
+
+def _superseded(p: PendingPart, newest_epoch: int, spool: SpoolDir | None) -> bool:
+    """Whether ``p`` is of an epoch older than the newest at its URI, and then discarded: a
+    later job restored and wrote a newer timeline there (from another spool, or on another
+    world size), and committing this part now would replace that timeline's checkpoint of its
+    step, breaking every step after it."""
+    if p.epoch >= newest_epoch:
+        return False
+    assert spool is not None  # p was found in it
+    _discard(
+        spool,
+        p,
+        f"a newer timeline (epoch {newest_epoch}) was written at the URI since; committing it "
+        f"(epoch {p.epoch}) would replace that timeline's step {p.step}",
+    )
+    return True
+
+
+def _discard(spool: SpoolDir, p: PendingPart, why: str) -> None:
+    logger.warning(
+        "deck: discarding the spooled part of step %d (%s) in %s: %s",
+        p.step,
+        p.ckpt_id,
+        spool.root,
+        why,
+    )
+    spool.remove_files(p.step, list(p.files))
+    spool.remove_pending(p)
 
 
 def _scan_spool(spool: SpoolDir, uri: str, rank: int) -> list[PendingPart]:
@@ -140,16 +175,12 @@ def _agree_on_pending(
         ]
         if missing and dest.patient_committed_id(p.step) != p.ckpt_id:
             assert spool is not None  # p was found in it
-            logger.warning(
-                "deck: discarding the spooled part of step %d (%s) in %s: rank(s) %s never "
-                "staged theirs before the crash, so it cannot be committed",
-                p.step,
-                p.ckpt_id,
-                spool.root,
-                missing,
+            _discard(
+                spool,
+                p,
+                f"rank(s) {missing} of its {p.world_size} are not in this job or never staged "
+                "theirs before the crash, so it cannot be committed",
             )
-            spool.remove_files(p.step, list(p.files))
-            spool.remove_pending(p)
             continue
         keep.append(p)
     return keep

@@ -890,7 +890,9 @@ class ProcessStager:
         self._spawner.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
-    def recover(self, coord: Coordinator | None = None) -> list[CheckpointStats]:
+    def recover(
+        self, coord: Coordinator | None = None, newest_epoch: int | None = None
+    ) -> list[CheckpointStats]:
         """As :meth:`Stager.recover <deck.trainer.staging.Stager.recover>` (collective): the
         spool is read here, the parts found go to the staging process."""
 
@@ -908,4 +910,4 @@ class ProcessStager:
                 },
             )
 
-        return recover(self._spool, self._dest, self.rank, coord, submit)
+        return recover(self._spool, self._dest, self.rank, coord, submit, newest_epoch)

@@ -390,12 +390,18 @@ class Stager:
         self._uploads.shutdown()
 
     # ---- restart ---------------------------------------------------------------------------------
-    def recover(self, coord: Coordinator | None = None) -> list[CheckpointStats]:
+    def recover(
+        self, coord: Coordinator | None = None, newest_epoch: int | None = None
+    ) -> list[CheckpointStats]:
         """Find this rank's pending parts in the spool and finish or discard them.
 
         Collective when ``coord`` is given (call it on every rank, on the training thread): a
         crash can leave a part pending on some ranks only (a rank died before finishing its
         snapshot). Such a part can never commit, so it is discarded at once instead of rank 0
         waiting ``commit_timeout_s`` for the missing rank. Spool files of this rank without a
-        pending record (a snapshot cut short) and torn record temps are removed."""
-        return recover(self._spool, self._dest, self.rank, coord, self._committer.submit)
+        pending record (a snapshot cut short) and torn record temps are removed. A part of an
+        epoch older than ``newest_epoch`` (the newest at the URI) is discarded: a newer timeline
+        was written since."""
+        return recover(
+            self._spool, self._dest, self.rank, coord, self._committer.submit, newest_epoch
+        )

@@ -1,0 +1,65 @@
+"""A restart must never commit what an earlier process left in its spool over a newer timeline.
+
+A break-it finding: a job killed with a part pending in its spool (``release="first_tier"``),
+restarted with another spool (another host, another config) that restored and committed the
+same steps again, then restarted once more with the first spool: the first job's part was
+"resumed" and its commit record replaced the newer timeline's, breaking every step after it and
+restoring the old state silently. Parts of an epoch older than the newest at the URI are
+discarded now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+import deck
+from deck import failpoints
+from deck.demo import ModelSpec, build_model, train_step
+from deck.read.catalog import read_manifests
+from deck.storage import open_storage
+from deck.testing.dist_harness import run_ranks
+
+pytestmark = pytest.mark.slow
+SPEC = ModelSpec(num_tables=2, rows=200, dim=8, batch=16, sharding="table_wise")
+
+
+def _job(rank: int, world_size: int, uri: str, spool: str, seed: int, point: str) -> None:
+    if point:
+        failpoints.configure(point)
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=2,
+        staging=deck.StagingConfig(release="first_tier", spool_dir=spool, tiers="cpu-ssd-remote"),
+    )
+    with deck.enable(model, [opt], config) as ck:
+        start = ck.restore()
+        first = 0 if start is None else start + 2
+        for step in range(first, 3):
+            if step:
+                train_step(model, opt, SPEC, seed + step)
+            ck.step(step)
+            if step == 0:
+                assert ck.flush()  # committed before step 2's part is staged
+        assert ck.flush()
+        if point == "" and seed == 0:  # the last restart: nothing was resumed
+            assert ck.recovered == [], ck.recovered
+
+
+def test_a_stale_spooled_part_never_replaces_a_newer_timeline(tmp_path: Path) -> None:
+    uri, first, second = str(tmp_path / "ck"), str(tmp_path / "spool1"), str(tmp_path / "spool2")
+    # Job A: step 0 committed, step 2 staged (step() returned) and killed before its commit
+    with pytest.raises(mp.ProcessExitedException):
+        run_ranks(_job, uri, first, 0, "stager.part_manifest.before_put:2", world_size=1)
+    assert sorted(read_manifests(open_storage(uri))) == [0]
+    assert list(Path(first).rglob("*.pending.json")), sorted(Path(first).rglob("*"))
+    # Job B, another spool: restores step 0, trains other batches, commits step 2
+    run_ranks(_job, uri, second, 100, "", world_size=1)
+    newer = read_manifests(open_storage(uri))[2]
+    # Job C, A's spool again: A's part of step 2 is of an older epoch, discarded
+    run_ranks(_job, uri, first, 0, "", world_size=1)
+    now = read_manifests(open_storage(uri))
+    assert sorted(now) == [0, 2] and now[2].id == newer.id, (now[2].id, newer.id)
+    assert not list(Path(first).rglob("*.pending.json"))
