@@ -63,3 +63,29 @@ def test_a_stale_spooled_part_never_replaces_a_newer_timeline(tmp_path: Path) ->
     now = read_manifests(open_storage(uri))
     assert sorted(now) == [0, 2] and now[2].id == newer.id, (now[2].id, newer.id)
     assert not list(Path(first).rglob("*.pending.json"))
+
+
+def _shrunk(rank: int, world_size: int, uri: str, spool: str) -> None:
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=2,
+        staging=deck.StagingConfig(
+            release="first_tier", spool_dir=spool, tiers="cpu-ssd-remote", commit_timeout_s=3600
+        ),
+    )
+    with deck.enable(model, [opt], config) as ck:  # waited commit_timeout_s for rank 1 before
+        assert ck.recovered == [], ck.recovered
+        assert ck.restore() == 0
+
+
+def test_a_restart_on_fewer_ranks_drops_a_part_it_cannot_finish_at_once(tmp_path: Path) -> None:
+    """A break-it finding: a 2-rank job killed with step 2 staged on both ranks, restarted on 1
+    rank with the same spool: the constructor waited commit_timeout_s (an hour) for rank 1's
+    part, which no rank of the new job can upload. Dropped at once now (step 0 restores)."""
+    uri, spool = str(tmp_path / "ck"), str(tmp_path / "spool")
+    with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
+        run_ranks(_job, uri, spool, 0, "stager.part_manifest.before_put:2")
+    assert sorted(read_manifests(open_storage(uri))) == [0]
+    assert len(list(Path(spool).rglob("*.pending.json"))) >= 1
+    run_ranks(_shrunk, uri, spool, world_size=1)
