@@ -257,7 +257,8 @@ class StagingConfig(Settings):
         "once the ranks agreed (nothing competes with the stalled job) and go on in the "
         "background, and a write that fails there makes the step uncommitted and the next "
         "checkpoint a full. first_tier: once every rank's part is written to the first tier "
-        "with its pending record, so a checkpoint save() returned survives a process crash.",
+        "with its pending record, so a checkpoint save() returned survives a process crash "
+        "(restarted on the same world size, with the same spool).",
     )
     copy_on_write: Literal["off", "deltas", "all"] = Field(
         default="deltas",
