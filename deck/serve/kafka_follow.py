@@ -568,15 +568,11 @@ class KafkaFollower:
         self._state_given = state_uri is not None  # --state-uri: markers' URIs are not used
         self.offsets: dict[int, int] = self._saved_offsets(record)
         self._state_fixed = self.state_uri is not None
-        # The held step's marker (offset, step, id) and epoch, as the state record says (a
-        # record of a deck before epochs were kept: None, and a copy of an old full is taken
-        # for a rollback as it was then)
+        # The held step's marker (offset, step, id, epoch), as the state record says
         held_marker = stream.get("marker")
         self._held_marker: dict[str, Any] | None = (
             held_marker if isinstance(held_marker, dict) else None
         )
-        epoch = (self._held_marker or {}).get("epoch")
-        self._held_epoch: int | None = epoch if isinstance(epoch, int) else None
         self._kept_at: tuple[int, int] | None = None  # (position, end) found kept
         self._check_resume_point(stream)
         self.readers: dict[int, PartitionReader] = {}
@@ -755,6 +751,13 @@ class KafkaFollower:
             return None
         return self._apply_marker(marker)
 
+    @property
+    def _held_epoch(self) -> int | None:
+        """The held step's epoch (None: a record of a deck before epochs were kept, where a
+        copy of an old full is taken for a rollback as it was then)."""
+        epoch = (self._held_marker or {}).get("epoch")
+        return epoch if isinstance(epoch, int) else None
+
     def _check_topic_kept(self, ctl: PartitionReader) -> None:
         """While idle: the control partition's end lies before where the loader reads (a
         broker that lost its data, a topic deleted and made again while the loader ran) and
@@ -918,7 +921,7 @@ class KafkaFollower:
         for p, off in fol.stream["offsets"].items():
             self._reader(int(p)).commit(int(off))
         self.stats.applied.append(marker.step)
-        self._held_marker, self._held_epoch = fol.stream["marker"], manifest.epoch
+        self._held_marker = fol.stream["marker"]
         self._last = (manifest, parts)
         self._since_full += 1
         if manifest.kind is Kind.FULL and self._lost is not None:
