@@ -159,30 +159,49 @@ def newest_run(conf: dict[str, Any], target: KafkaTarget) -> tuple[bool, str | N
 
 def marker_at(conf: dict[str, Any], target: KafkaTarget, offset: int) -> tuple[str, Any]:
     """What the control partition holds at ``offset``: ``("marker", Marker)``, ``("other",
-    None)`` (an undecodable message), ``("gone", None)`` (below the oldest message: retention)
-    or ``("beyond", None)`` (at or past the end: the topic was recreated or truncated)."""
+    None)`` (an undecodable message, or no message at that offset), ``("gone", None)`` (below
+    the oldest message: retention) or ``("beyond", None)`` (at or past the end: the topic was
+    recreated or truncated). The end is the one a fetch at ``offset`` finds, not the listed
+    one, which may lag behind the last message (Tansu 0.6 lists a batch's first offset + 1)."""
     from confluent_kafka import Consumer, TopicPartition
 
     tp = TopicPartition(target.topic, CONTROL_PARTITION)
-    c = Consumer({**conf, "enable.auto.commit": False})
+    c = Consumer(
+        {
+            **conf,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
     try:
         low, high = watermarks(c, tp, target)
-        if offset >= high:
-            return "beyond", None
         if offset < low:
             return "gone", None
-        c.assign([TopicPartition(target.topic, CONTROL_PARTITION, offset)])
-        msg: Any = c.poll(10)
-        if msg is None or msg.error() is not None or msg.offset() != offset:
-            raise StorageError(
-                f"kafka topic {target.topic} partition 0: cannot read offset {offset} "
-                f"(below the end {high}): {msg.error() if msg is not None else 'timed out'}"
-            )
-        try:
-            return "marker", decode_marker(
-                msg.headers(), msg.value(), target.topic, CONTROL_PARTITION, offset
-            )
-        except CorruptStreamError:
-            return "other", None
+        # From the last message listed (or the offset, if below it) forward: a message at the
+        # offset, or the fetch's end-of-partition event before it, whatever the listed end.
+        c.assign([TopicPartition(target.topic, CONTROL_PARTITION, min(offset, max(low, high - 1)))])
+        while True:
+            msg: Any = c.poll(10)
+            err = msg.error() if msg is not None else None
+            if msg is not None and err is not None and err.code() == -191:
+                if msg.offset() <= offset:
+                    return "beyond", None
+                continue
+            if msg is None or err is not None:
+                raise StorageError(
+                    f"kafka topic {target.topic} partition 0: cannot read offset {offset}: "
+                    f"{err if err is not None else 'timed out'}"
+                )
+            if msg.offset() < offset:
+                continue
+            if msg.offset() > offset:
+                return "other", None  # no message at that offset (a gap the broker left)
+            try:
+                return "marker", decode_marker(
+                    msg.headers(), msg.value(), target.topic, CONTROL_PARTITION, offset
+                )
+            except CorruptStreamError:
+                return "other", None
     finally:
         c.close()

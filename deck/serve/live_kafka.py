@@ -29,6 +29,9 @@ the live model logs an ERROR, tells ``on_fault`` and keeps its version):
   checkpoint), or a delta whose parent is not the served version (its parent was refused, or
   the model was rolled back): the model moves on at the next full of the topic.
 
+A topic recreated while serving (its control partition ending before the source's position,
+the marker offered last gone from its offset) is read again from its newest full (an ERROR).
+
 Where a source starts: the served state is the serving process's memory, so a source keeps
 no offsets; a (re)started process serving nothing starts at the newest full of its run's
 markers (its commit record says it is a full) and applies it whole, then the deltas and fulls
@@ -76,7 +79,7 @@ from deck.serve.kafka_follow import (
     pull_files,
     recorded_start,
 )
-from deck.serve.kafka_guard import QuarantineLog, newest_run
+from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run
 from deck.serve.live_source import Plan, SourceFault, State, committed_at
 from deck.storage import Storage, open_storage
 
@@ -130,6 +133,8 @@ class KafkaSource:
         self.readers: dict[int, PartitionReader] = {}
         self.poisoned: set[int] = set()  # partitions with a quarantined message
         self.pending: Plan | None = None  # the plan last offered (its files in the view)
+        self.offered: Marker | None = None  # the marker of the plan last offered
+        self.kept_at: tuple[int, int] | None = None  # (position, end) found not recreated
         self.faults: list[SourceFault] = []
         self.said_waiting = False
         self.unreadable: set[str] = set()  # steps whose rows could not all be pulled (told once)
@@ -181,6 +186,12 @@ class KafkaSource:
             if msg is None:
                 if not ctl.drained():
                     continue
+                if served is not None and self._recreated(ctl):
+                    self.close()
+                    self.starts = self._start_offsets()
+                    ctl = self._control(self.starts.pop(0))
+                    ctl.eof = None
+                    continue
                 if served is not None or not self.starts:
                     return []
                 # Nothing servable from the full started at (it was refused): an older one.
@@ -201,6 +212,34 @@ class KafkaSource:
             if plan is not None:
                 self.pending = plan
                 return [plan]
+
+    def _recreated(self, ctl: PartitionReader) -> bool:
+        """While idle: the control partition ends before where the source reads (a broker
+        that lost its data, a topic deleted and made again while serving) and the marker of
+        the step offered last is no longer at its offset: the topic was recreated, and the
+        source would otherwise wait, silently stale, for it to pass its old offsets. The
+        listed end is checked first (one request); a broker's listed end may lag behind the
+        last message read, so the marker decides, once per position and end."""
+        end = ctl.watermarks()[1]
+        mk = self.offered
+        if ctl.position <= end or mk is None or self.kept_at == (ctl.position, end):
+            return False
+        what, m = marker_at(self.conf, self.target, mk.offset)
+        if what == "gone" or (what == "marker" and (m.step, m.ckpt_id) == (mk.step, mk.ckpt_id)):
+            self.kept_at = (ctl.position, end)  # the listed end lagged (or retention)
+            return False
+        logger.error(
+            "deck live: %s: kafka topic %s partition %d ends at offset %d, before the source's "
+            "position %d: the topic was recreated or truncated while serving; reading it from "
+            "its newest full, and the served version stays until a step after it",
+            self.uri,
+            self.target.topic,
+            CONTROL_PARTITION,
+            end,
+            ctl.position,
+        )
+        self.offered = None
+        return True
 
     def _where(self, offset: int) -> str:
         return f"kafka topic {self.target.topic} partition {CONTROL_PARTITION} offset {offset}"
@@ -310,6 +349,7 @@ class KafkaSource:
             return None
         if not self.run_known:
             self.run, self.run_known = marker.run, True
+        self.offered = marker
         return Plan((manifest,), whole=manifest.kind is Kind.FULL)
 
     def _control(self, offset: int = 0) -> PartitionReader:

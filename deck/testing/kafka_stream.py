@@ -18,6 +18,7 @@ Needs confluent-kafka and a broker (:class:`deck.testing.kafka_broker.TansuBroke
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -159,3 +160,59 @@ def inject(bootstrap: str, topic: str, partition: int, value: bytes, headers: li
     p.produce(topic, value=value, partition=partition, headers=headers)
     if p.flush(30) != 0:
         raise RuntimeError(f"kafka topic {topic} partition {partition}: inject not acknowledged")
+
+
+RawMessage = tuple[bytes | None, bytes | None, list[Any]]  # key, value, headers
+
+
+def read_partition(topic_uri: str, partition: int) -> list[RawMessage]:
+    """Every message of a partition from offset 0, in order, to the broker's end-of-partition
+    event (the index in the list is the offset on a topic nothing was deleted from)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    target = parse_kafka_uri(topic_uri)
+    c = Consumer(
+        {
+            "bootstrap.servers": target.bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    got: list[RawMessage] = []
+    try:
+        c.assign([TopicPartition(target.topic, partition, 0)])
+        while True:
+            msg = c.poll(10)
+            if msg is None:
+                raise RuntimeError(f"{topic_uri} partition {partition}: no message nor end in 10 s")
+            err = msg.error()
+            if err is not None:
+                if err.code() != -191:  # _PARTITION_EOF
+                    raise RuntimeError(f"{topic_uri} partition {partition}: {err}")
+                return got
+            got.append((msg.key(), msg.value(), list(msg.headers() or [])))
+    finally:
+        c.close()
+
+
+def produce_batch(topic_uri: str, partition: int, messages: list[RawMessage]) -> None:
+    """Produce ``messages`` to ``partition`` in order, flushed once (so they travel in one
+    batch, as a replay or mirror tool sends them), acknowledged before returning."""
+    from confluent_kafka import Producer
+
+    target = parse_kafka_uri(topic_uri)
+    p = Producer({"bootstrap.servers": target.bootstrap, "acks": "all"})
+    for key, value, headers in messages:
+        p.produce(target.topic, value=value, key=key, partition=partition, headers=headers)
+    if p.flush(30) != 0:
+        raise RuntimeError(f"{topic_uri} partition {partition}: not acknowledged")
+
+
+def create_topic(topic_uri: str, partitions: int) -> None:
+    """Create the topic with ``partitions`` partitions (replication 1)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    target = parse_kafka_uri(topic_uri)
+    admin = AdminClient({"bootstrap.servers": target.bootstrap})
+    admin.create_topics([NewTopic(target.topic, partitions, 1)])[target.topic].result(timeout=30)

@@ -20,6 +20,7 @@ Rows are checked by materialising what the source offers with ``deck follow``'s
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -44,7 +45,13 @@ from deck.serve.follow import Follower
 from deck.serve.kafka_follow import KafkaFollower, PartitionReader
 from deck.serve.live_kafka import KafkaSource
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_stream import SynthPublisher, differences, inject, read_output
+from deck.testing.kafka_stream import (
+    SynthPublisher,
+    differences,
+    inject,
+    read_output,
+    read_partition,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -76,38 +83,12 @@ class Topic:
         return sum(key.split("/")[1] in ids for _, key in self.segments[partition])
 
 
-def _raw(uri: str, partition: int) -> list[tuple[int, bytes, list[Any]]]:
-    """(offset, value, headers) of every message of a partition (to its end)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    target = parse_kafka_uri(uri)
-    c = Consumer(
-        {
-            "bootstrap.servers": target.bootstrap,
-            "group.id": f"test-{uuid.uuid4().hex[:8]}",
-            "enable.partition.eof": True,
-        }
-    )
-    out = []
-    try:
-        c.assign([TopicPartition(target.topic, partition, 0)])
-        while True:
-            msg = c.poll(10)
-            assert msg is not None, f"partition {partition}: no message nor end within 10 s"
-            if msg.error() is not None:
-                assert msg.error().code() == -191, msg.error()  # _PARTITION_EOF
-                return out
-            out.append((int(msg.offset()), msg.value(), list(msg.headers() or [])))
-    finally:
-        c.close()
-
-
 def _segments(uri: str, partition: int) -> list[tuple[int, str]]:
     """(offset, file key) of every message of a rank partition (to its end-of-partition event)."""
     topic = parse_kafka_uri(uri).topic
     return [
         (offset, decode_segment(headers, value, topic, partition, 0).key)
-        for offset, value, headers in _raw(uri, partition)
+        for offset, (_, value, headers) in enumerate(read_partition(uri, partition))
     ]
 
 
@@ -132,26 +113,39 @@ def _serve(t: Topic, out: str, **kw: Any) -> Served:
     """A fresh source on ``t``, every step it offers applied in ``out`` as the live model
     would (a full whole, a delta onto the served step), until the topic holds no more."""
     source = KafkaSource(t.uri, wait_s=WAIT_S, **kw)
-    follower: Follower | None = None
-    steps: list[int] = []
     try:
-        served = None
-        while plans := source.next_plans(served, frozenset()):
-            (plan,) = plans
-            m = plan.chain[-1]
-            view = source.storage
-            follower = follower or Follower(view, out)
-            if plan.whole:
-                view.visible = {m.step}
-                follower.materialise(m.step)
-            else:
-                follower.apply([m], read_rank_manifests(view, m))
-            served = m.state
-            steps.append(m.step)
+        steps = _Applier(source, out).catch_up()
         read = {p: r.messages for p, r in source.readers.items() if p != CONTROL_PARTITION}
         return Served(steps, read, source.take_faults(), source.scanned)
     finally:
         source.close()
+
+
+class _Applier:
+    """Applies what a source offers in ``out`` as the live model would (a full whole, a delta
+    onto the served step)."""
+
+    def __init__(self, source: KafkaSource, out: str) -> None:
+        self.source, self.out = source, out
+        self.follower: Follower | None = None
+        self.served: tuple[int, str] | None = None
+
+    def catch_up(self) -> list[int]:
+        """The steps offered and applied until the topic holds no more now."""
+        steps = []
+        while plans := self.source.next_plans(self.served, frozenset()):
+            (plan,) = plans
+            m = plan.chain[-1]
+            view = self.source.storage
+            self.follower = self.follower or Follower(view, self.out)
+            if plan.whole:
+                view.visible = {m.step}
+                self.follower.materialise(m.step)
+            else:
+                self.follower.apply([m], read_rank_manifests(view, m))
+            self.served = m.state
+            steps.append(m.step)
+        return steps
 
 
 def _serves(out: str, t: Topic, step: int) -> None:
@@ -315,10 +309,14 @@ def test_a_loader_resumed_past_later_steps_rows_reads_them_from_the_oldest_messa
     first_id = pub.expected(steps[0])[0]
     for rank in RANKS:
         p = rank_partition(rank)
-        copies = [m for m in _raw(uri, p) if dict(m[2])["key"].decode().split("/")[1] == first_id]
+        copies = [
+            m
+            for m in read_partition(uri, p)
+            if dict(m[2])["key"].decode().split("/")[1] == first_id
+        ]
         for _, value, headers in copies:
             inject(target.bootstrap, target.topic, p, value, headers)
-        moved = _raw(uri, p)[-len(copies)][0]
+        moved = len(read_partition(uri, p)) - len(copies)
         path = Path(pub.state_dir) / start_key(steps[0], first_id, rank)
         path.write_bytes(json.dumps({**json.loads(path.read_bytes()), "offset": moved}).encode())
     out = str(tmp_path / "out")
@@ -414,3 +412,38 @@ def test_a_stray_marker_of_the_run_naming_another_state_uri_costs_no_start(
     _serves(out, t, steps[-1])
     for p in (1, 2):
         assert got.read[p] == t.count(p, set(steps[10:])), got.read
+
+
+def test_a_serving_source_notices_a_recreated_topic(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A source that kept serving while the broker lost its data (the topic made again, its
+    offsets from 0) waited silently, stale, for the new topic to pass its old offsets. The
+    control partition's end before its position and the last offered marker gone from its
+    offset: it reads the new topic from its newest full and serves the steps after, bitwise."""
+    with TansuBroker() as own:
+        uri = own.uri(f"recreated-{uuid.uuid4().hex[:10]}")
+        pub = SynthPublisher(uri, str(tmp_path / "state"))
+        try:
+            pub.publish("full")
+            held = [pub.publish() for _ in range(4)][-1]
+            source = KafkaSource(uri, wait_s=WAIT_S)
+            out = str(tmp_path / "out")
+            try:
+                applier = _Applier(source, out)
+                assert applier.catch_up()[-1] == held
+                own.restart()  # every topic gone
+                pub.reconnect()
+                full, delta = pub.publish("full"), pub.publish()  # below the old position
+                with caplog.at_level(logging.ERROR, logger="deck"):
+                    assert applier.catch_up() == [full, delta]
+                assert source.take_faults() == []
+            finally:
+                source.close()
+            got = read_output(out)
+            assert got is not None and (got[0], got[1]) == (delta, pub.expected(delta)[0])
+            assert not differences(got[2], pub.expected(delta)[1])
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert any("recreated or truncated while serving" in m for m in said), said
+        finally:
+            pub.close()

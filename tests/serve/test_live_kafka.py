@@ -45,7 +45,14 @@ from deck.serve.live_kafka import KafkaSource
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.kafka_broker import TansuBroker
-from deck.testing.kafka_stream import SynthPublisher, inject
+from deck.testing.kafka_stream import (
+    RawMessage,
+    SynthPublisher,
+    create_topic,
+    inject,
+    produce_batch,
+    read_partition,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,38 +144,9 @@ def test_each_step_from_the_topic_is_bitwise_the_file_sources(
 
 
 # ---- a replayed, damaged topic ------------------------------------------------------------------
-Message = tuple[bytes | None, bytes | None, list[Any]]  # key, value, headers
-
-
-def _read_topic(topic_uri: str) -> dict[int, list[Message]]:
+def _read_topic(topic_uri: str) -> dict[int, list[RawMessage]]:
     """Every message of every partition, in order (to the broker's end-of-partition event)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    target = parse_kafka_uri(topic_uri)
-    out: dict[int, list[Message]] = {}
-    for p in range(PARTITIONS):
-        c = Consumer(
-            {
-                "bootstrap.servers": target.bootstrap,
-                "group.id": f"test-{uuid.uuid4().hex[:8]}",
-                "enable.auto.commit": False,
-                "enable.partition.eof": True,
-            }
-        )
-        try:
-            c.assign([TopicPartition(target.topic, p, 0)])
-            got: list[Message] = []
-            while True:
-                msg = c.poll(10)
-                assert msg is not None, f"partition {p}: no message nor end within 10 s"
-                if msg.error() is not None:
-                    assert msg.error().code() == -191, msg.error()  # _PARTITION_EOF
-                    break
-                got.append((msg.key(), msg.value(), list(msg.headers() or [])))
-            out[p] = got
-        finally:
-            c.close()
-    return out
+    return {p: read_partition(topic_uri, p) for p in range(PARTITIONS)}
 
 
 def _markers(topic_uri: str) -> list[Any]:
@@ -176,24 +154,6 @@ def _markers(topic_uri: str) -> list[Any]:
     return [
         decode_marker(h, v, topic, 0, i) for i, (_, v, h) in enumerate(_read_topic(topic_uri)[0])
     ]
-
-
-def _create(topic_uri: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    target = parse_kafka_uri(topic_uri)
-    admin = AdminClient({"bootstrap.servers": target.bootstrap})
-    admin.create_topics([NewTopic(target.topic, PARTITIONS, 1)])[target.topic].result(timeout=30)
-
-
-def _produce(topic_uri: str, partition: int, messages: list[Message]) -> None:
-    from confluent_kafka import Producer
-
-    target = parse_kafka_uri(topic_uri)
-    p = Producer({"bootstrap.servers": target.bootstrap, "acks": "all"})
-    for key, value, headers in messages:
-        p.produce(target.topic, value=value, key=key, partition=partition, headers=headers)
-    assert p.flush(30) == 0, f"{topic_uri} partition {partition}: not acknowledged"
 
 
 def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
@@ -206,7 +166,7 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
     original = _read_topic(topic_uri)
     markers = {m.step: original[0][i] for i, m in enumerate(_markers(topic_uri))}
     replay = broker.uri(f"replay-{uuid.uuid4().hex[:10]}")
-    _create(replay)
+    create_topic(replay, PARTITIONS)
     # Rank 1's partition, with one byte of the first segment of full 4's files flipped (its
     # checksum header is the original's: damage on the way).
     name = parse_kafka_uri(topic_uri).topic
@@ -221,17 +181,17 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
             break
     else:
         raise AssertionError("no segment of step 4 on partition 2")
-    _produce(replay, 1, original[1])
-    _produce(replay, 2, rank1)
+    produce_batch(replay, 1, original[1])
+    produce_batch(replay, 2, rank1)
     # Markers 0 and 2, a garbage marker, another run's full and delta, markers 4 and 6.
-    _produce(replay, 0, [markers[0], markers[2]])
+    produce_batch(replay, 0, [markers[0], markers[2]])
     bootstrap, rname = broker.bootstrap, parse_kafka_uri(replay).topic
     inject(bootstrap, rname, 0, b"{not a marker", [("deck", b"1"), ("type", b"marker")])
     other = SynthPublisher(replay, str(tmp_path / "other-state"), seed=7)
     other.publish("full")
     other.publish()
     other.close()
-    _produce(replay, 0, [markers[4], markers[6]])
+    produce_batch(replay, 0, [markers[4], markers[6]])
 
     served = serving_models(SPEC)
     faults: list[LiveFault] = []
@@ -278,7 +238,7 @@ def test_damaged_foreign_and_out_of_order_messages_never_reach_the_served_model(
 
         # The next full moves it on; markers of older steps after it (the delta 2, the full 4)
         # are out of order.
-        _produce(replay, 0, [markers[8], markers[2], markers[4]])
+        produce_batch(replay, 0, [markers[8], markers[2], markers[4]])
         assert [(s.step, s.kind) for s in live.poll()] == [(8, "full")]
         assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 8, SPEC))
         assert [f.step for f in faults] == [2, 4], faults
@@ -298,10 +258,10 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
     original = _read_topic(topic_uri)
     markers = {m.step: original[0][i] for i, m in enumerate(_markers(topic_uri))}
     replay = broker.uri(f"fresh-{uuid.uuid4().hex[:10]}")
-    _create(replay)
-    _produce(replay, 1, original[1])
-    _produce(replay, 2, original[2])
-    _produce(replay, 0, [markers[s] for s in (0, 2, 4, 6)])  # fulls at 0 and 4
+    create_topic(replay, PARTITIONS)
+    produce_batch(replay, 1, original[1])
+    produce_batch(replay, 2, original[2])
+    produce_batch(replay, 0, [markers[s] for s in (0, 2, 4, 6)])  # fulls at 0 and 4
     served = serving_models(SPEC, seed=9)
     source = KafkaSource(replay, wait_s=WAIT_S)
     live = LiveModel(list(served.values()), source, LiveConfig(keep_versions=2))
@@ -309,7 +269,7 @@ def test_a_fresh_model_starts_at_the_newest_full_and_rolls_back_to_kept_ones(
         # the full of step 4, then its delta; the full of step 0 and its delta are not read
         assert [(s.step, s.kind) for s in live.poll()] == [(4, "full"), (6, "delta")]
         assert not bitwise_diff(served, reference(f"{tmp}/ckpt", 6, SPEC))
-        _produce(replay, 0, [markers[LAST]])
+        produce_batch(replay, 0, [markers[LAST]])
         assert [(s.step, s.kind) for s in live.poll()] == [(LAST, "full")]
         assert not bitwise_diff(served, reference(f"{tmp}/ckpt", LAST, SPEC))
         assert live.poll() == [] and not live.faults
