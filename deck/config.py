@@ -31,6 +31,7 @@ import deck.schemes as schemes
 from deck.errors import ConfigError
 
 PAGE_BYTES = 4096
+MAX_CHUNK_BYTES = 2**30
 CHECKPOINT_CONSUMER = "checkpoint"
 PUBLISH_CONSUMER = "publish"
 
@@ -76,7 +77,9 @@ class Settings(BaseModel):
     Fields carry ``description`` and ``json_schema_extra`` (``constraints``, ``cli``), from which
     :mod:`deck.docgen` writes docs/configuration.md."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # (NaN and infinities are refused as what they are: a bound's message would say a NaN
+    # was too large; None is the way to say "no limit")
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -169,7 +172,7 @@ class StagingConfig(Settings):
         default=4 * 1024 * 1024,
         description="Size of one chunk file; every chunk of a shard but the last is exactly this "
         "long (SSD-page aligned).",
-        json_schema_extra={"constraints": "a positive multiple of 4096"},
+        json_schema_extra={"constraints": "a positive multiple of 4096, at most 1 GiB"},
     )
     chunks_in_flight: int = Field(
         default=4,
@@ -260,6 +263,17 @@ class StagingConfig(Settings):
         "with its pending record, so a checkpoint save() returned survives a process crash "
         "(restarted on the same world size, with the same spool).",
     )
+    max_unwritten: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description="Most checkpoints of a rank whose parts are still only in memory (not yet "
+        "written to the first tier) at once, with release=in_memory: a checkpoint beyond it "
+        "first waits for the oldest to be written (CheckpointStats.backlog_wait_s, a warning "
+        "once). So a job checkpointing faster than its first tier writes slows down instead of "
+        "building a backlog that a crash would lose: a crash loses at most this many "
+        "checkpoints. Those in the first tier are finished by a restart.",
+    )
     copy_on_write: Literal["off", "deltas", "all"] = Field(
         default="deltas",
         description="With release=in_memory, a checkpoint's rows are copied after the stall: "
@@ -301,6 +315,30 @@ class StagingConfig(Settings):
     def _page_multiple(cls, v: int) -> int:
         if v < PAGE_BYTES or v % PAGE_BYTES:
             raise ValueError(f"must be a positive multiple of {PAGE_BYTES} bytes")
+        if v > MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"must be at most {MAX_CHUNK_BYTES} bytes (1 GiB): each chunk buffer is "
+                "allocated whole"
+            )
+        return v
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _spool_absolute(cls, v: str | None) -> str | None:
+        # Resolved now: a restart (or a rank) in another working directory finds the same spool
+        if v is not None and not v.strip():
+            raise ValueError("must name a folder (None: $TMPDIR/deck-spool)")
+        return None if v is None else os.path.abspath(v)
+
+    @field_validator("retry_max_s")
+    @classmethod
+    def _retry_order(cls, v: float, info: ValidationInfo) -> float:
+        first = info.data.get("retry_initial_s")  # absent when it was invalid itself
+        if first is not None and first > v:
+            raise ValueError(
+                f"must be at least retry_initial_s ({first:g}): the first backoff doubles up "
+                "to the longest"
+            )
         return v
 
     @field_validator("bundle_bytes")

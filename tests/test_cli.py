@@ -632,6 +632,43 @@ def test_ls_says_which_steps_a_rollback_left_and_which_are_broken(tmp_path: Path
     assert r.returncode == 1 and "step(s) [4]" in r.stderr, r.stderr
 
 
+def test_ls_notes_the_restorable_steps_of_a_timeline_a_rollback_left(tmp_path: Path) -> None:
+    """A break-it finding: after a rollback, a full of the old timeline after the rollback's
+    step (and the deltas on it) still restore as themselves and were listed as committed
+    beside the newest timeline's steps, with nothing to say that `restore()` and `deck lineage`
+    take the newest timeline's latest step. A note names them."""
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "rb"
+    tr = SynthTrainer(open_storage(str(uri)))
+    tr.save("full")
+    for kind in ("delta", "delta", "delta", "delta", "full", "delta"):  # steps 1..6, full at 5
+        tr.train()
+        tr.save(kind)
+    tr.rollback(2)
+    tr.train()
+    tr.save("full")  # step 3 of the new timeline
+    r = _deck("ls", str(uri))
+    assert r.returncode == 0, r.stderr
+    assert "step(s) [5, 6] are of an older timeline that a rollback left" in r.stdout, r.stdout
+    assert "the newest timeline (epoch 1) starts at step 3" in r.stdout, r.stdout
+    h = _deck("history", str(uri), "--table", "t0", "--row", "0")
+    assert h.returncode == 0, h.stderr
+    marked = [ln.split()[1] for ln in h.stdout.splitlines() if "an older timeline" in ln]
+    assert marked == ["5", "6"], h.stdout
+    tr.train(3)
+    tr.save()  # step 6 of the new timeline replaces the old one's; 5 stays
+    r = _deck("ls", str(uri))
+    assert "step(s) [5] are of an older timeline" in r.stdout, r.stdout
+    # No rollback, no note
+    plain = tmp_path / "plain"
+    tr = SynthTrainer(open_storage(str(plain)))
+    tr.save("full")
+    tr.train()
+    tr.save()
+    assert "older timeline" not in _deck("ls", str(plain)).stdout
+
+
 def test_ls_says_which_merger_checkpoints_a_rollback_left(tmp_path: Path) -> None:
     """A merger checkpoint of the old timeline is ``abandoned`` once no step's chain can use it
     (the rollback re-saved its step and every step that builds on it); before, two committed

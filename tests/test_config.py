@@ -37,7 +37,15 @@ def test_defaults() -> None:
         # Accepted before, then the lease record refused it on rank 0 alone, inside enable,
         # while the other ranks waited in a collective
         ({"uri": "x", "lease_ttl_s": 2e9}, r"lease_ttl_s: must be <= 1000000000"),
-        ({"uri": "x", "lease_ttl_s": float("inf")}, r"lease_ttl_s: must be <= 1000000000"),
+        ({"uri": "x", "lease_ttl_s": float("inf")}, r"lease_ttl_s: must be a finite number"),
+        # break-it findings: NaN was "too large"; a 1 TiB chunk failed every checkpoint later
+        ({"uri": "x", "lease_ttl_s": float("nan")}, r"lease_ttl_s: must be a finite number"),
+        ({"uri": "x", "staging": {"chunk_bytes": 2**40}}, r"chunk_bytes: must be at most"),
+        ({"uri": "x", "staging": {"spool_dir": " "}}, r"spool_dir: must name a folder"),
+        (
+            {"uri": "x", "staging": {"retry_initial_s": 10.0, "retry_max_s": 1.0}},
+            r"retry_max_s: must be at least retry_initial_s \(10\)",
+        ),
         # A lease renewed every third of a microsecond: every checkpoint refused, for ever
         ({"uri": "x", "lease_ttl_s": 1e-9}, r"lease_ttl_s: must be >= 1.0"),
         ({"uri": "/tmp/ck\x00x"}, r"uri: holds a NUL character"),

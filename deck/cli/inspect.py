@@ -118,6 +118,9 @@ def _ls(a: argparse.Namespace) -> int:
             f"({len(rows) - len(shown) + hidden} more checkpoint(s) not shown: --all lists "
             "every one, --since STEP or --last N others)"
         )
+    left = _left_by_a_rollback(rows)
+    if left and not a.json:
+        print(left)
     broken = sorted({r.step for r in rows if r.state == "broken"})
     if broken:
         sys.stdout.flush()
@@ -140,6 +143,28 @@ def _ls(a: argparse.Namespace) -> int:
         )
         return 1
     return 1 if broken else 0
+
+
+def _left_by_a_rollback(rows: list[Any]) -> str | None:
+    """A note on the committed trainer checkpoints of older timelines at or after the step
+    where the newest timeline starts (a break-it finding: listed as committed beside a newer
+    timeline's, with nothing to say that `restore()` and `deck lineage` take the newest
+    timeline's latest step): what a rollback left, restorable by step, off the newest line."""
+    from deck.format.manifest import steps_text
+    from deck.read.lineage import left_by_a_rollback
+
+    trainer = [(r.step, r.epoch) for r in rows if not r.merged and r.state == "committed"]
+    old = sorted(left_by_a_rollback(trainer))
+    if not old:
+        return None
+    newest = max(e for _, e in trainer if e is not None)
+    start = min(s for s, e in trainer if e == newest)
+    return (
+        f"(step(s) {steps_text(old)} are of an older timeline that a rollback left: each "
+        f"restores as itself, but the newest timeline (epoch {newest}) starts at step {start}, "
+        "restore() and `deck lineage` take its latest step, and its checkpoints replace "
+        "those as it reaches their steps)"
+    )
 
 
 def cmd_show(a: argparse.Namespace) -> int:
@@ -315,6 +340,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 def cmd_history(a: argparse.Namespace) -> int:
     """Run ``deck history`` with parsed arguments ``a``; returns its exit code (the table of :mod:`deck.cli`)."""
     from deck.ops.history import row_history
+    from deck.read.lineage import left_by_a_rollback
 
     h = row_history(open_existing(a.uri, a.storage_options), a.table, a.row)
     missing = "they and the steps that build on them are not listed"
@@ -326,12 +352,15 @@ def cmd_history(a: argparse.Namespace) -> int:
         f"{h.chunks_present} chunks (skipped {h.skipped_range} by id range, {h.skipped_bloom} "
         f"by bloom filter; {h.false_positives} false positives)"
     )
+    left = left_by_a_rollback([(s.step, s.epoch) for s in h.steps])
     for s in h.steps:
         vals = "  ".join(
             f"{k}=[{', '.join(f'{x:.6g}' for x in v[:8])}{', ...' if len(v) > 8 else ''}]"
             for k, v in s.values.items()
         )
-        print(f"step {s.step:>8}  {vals}  from {', '.join(s.sources)}")
+        # (a break-it finding: steps of two timelines listed as one history)
+        old = f"  (epoch {s.epoch}: an older timeline a rollback left)" if s.step in left else ""
+        print(f"step {s.step:>8}  {vals}  from {', '.join(s.sources)}{old}")
     return int(say_damaged("history", a.uri, h.damaged, missing))
 
 

@@ -39,10 +39,12 @@ class RowAt:
     values: dict[str, list[float]]
     columns: list[Columns]
     sources: list[str]
+    epoch: int | None = None  # the timeline of the step's trainer checkpoint
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "epoch": self.epoch,
             "values": self.values,
             "columns": [list(c) for c in self.columns],
             "sources": self.sources,
@@ -220,7 +222,10 @@ def row_history(
         chain = cheapest_chain(graph, step)
         if step == todo[0]:
             _check_table(reader, chain[0], storage.uri)
-        out.steps.append(_value_at(reader, chain, step))
+        at = _value_at(reader, chain, step)
+        node = graph.trainer.get(step)
+        at.epoch = node.epoch if node is not None else None
+        out.steps.append(at)
     return out
 
 
@@ -234,7 +239,7 @@ def resolve_table(name: str, tables: Iterable[str], uri: str, where: str) -> str
     keys = sorted(tables)
     if name in keys:
         return name
-    matches = [k for k in keys if k.endswith(f".{name}") or k.endswith(f".{name}.weight")]
+    matches = [k for k in keys if f".{k}".endswith((f".{name}", f".{name}.weight"))]
     if len(matches) == 1:
         return matches[0]
     if matches:

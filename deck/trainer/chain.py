@@ -388,6 +388,9 @@ class ChainWriter:
     # saved them): a state on it found broken breaks every later one
     _states: dict[StateKey, None] = field(default_factory=dict)
     _watch: LineageWatch | None = None  # rank 0's (see LineageWatch)
+    # Checkpoints this rank handed on whose parts may still be only in memory (oldest first)
+    _unwritten: list[CheckpointStats] = field(default_factory=list)
+    _said_backlog: bool = False  # the backlog warning is logged once
 
     def __post_init__(self) -> None:
         if self.coord.rank == 0:
@@ -440,6 +443,7 @@ class ChainWriter:
         :class:`CheckpointError` when any rank failed: then nothing is committed and every rank's
         claimed rows stay pending."""
         self.refuse_going_back(step, again=True)
+        waited = self._wait_for_backlog(step)
         try:
             with gc_paused(), self.stager.stall(), LineageWatch.paused():
                 stats = self._save(kind, step)
@@ -451,7 +455,41 @@ class ChainWriter:
                 self.parent = None
             raise
         self.newest, self.newest_saved = step, stats is not None
+        if stats is not None:
+            stats.backlog_wait_s = waited
+            self._unwritten.append(stats)
         return stats
+
+    def _wait_for_backlog(self, step: int) -> float:
+        """Wait (seconds waited) while ``staging.max_unwritten`` checkpoints of this rank are
+        still only in memory: a job that checkpoints faster than its first tier writes must
+        not build a backlog a crash would lose. Local (no collective): the ranks meet at the
+        vote anyway."""
+        self._unwritten = [s for s in self._unwritten if not s.progress.in_first_tier()]
+        cap = self.staging.max_unwritten
+        if len(self._unwritten) < cap:
+            return 0.0
+        t0 = time.perf_counter()
+        oldest = self._unwritten[0]
+        oldest.progress.wait_in_first_tier()
+        waited = time.perf_counter() - t0
+        self._unwritten = [s for s in self._unwritten if not s.progress.in_first_tier()]
+        if not self._said_backlog:
+            self._said_backlog = True
+            logger.warning(
+                "deck: %s of step %d at %s waited %.3f s for step %d's part to be written: "
+                "%d checkpoints of this rank were still only in memory "
+                "(staging.max_unwritten), so checkpoints are taken faster than the first tier "
+                "writes them. Checkpoint less often, or raise max_unwritten (a crash loses up "
+                "to that many); said once",
+                self.label,
+                step,
+                self.storage.uri,
+                waited,
+                oldest.step,
+                cap,
+            )
+        return waited
 
     def _save(self, kind: Literal["delta", "full"], step: int) -> CheckpointStats | None:
         t0, arrived = time.perf_counter(), time.time()

@@ -25,10 +25,11 @@ import threading
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from deck.errors import CorruptCheckpointError, LeaseHeldError, NotFoundError, StorageError
 from deck.failpoints import failpoint
+from deck.format.manifest import load_model
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.storage.clock import store_now
@@ -111,13 +112,14 @@ class Lease:
             return 0, None
         key = lease_key(epochs[-1])
         try:
-            return epochs[-1], LeaseRecord.model_validate_json(get_bounded(self.storage, key))
+            record = get_bounded(self.storage, key)
+            return epochs[-1], load_model(LeaseRecord, record, self.storage.describe(key))
         except NotFoundError:  # deleted since the listing (someone removed _lease/): free
             return epochs[-1], None
-        except (ValidationError, CorruptCheckpointError) as e:
+        except CorruptCheckpointError as e:
             # Unreadable (invalid values, too large, a link or a FIFO): taking the lease creates
             # the next epoch's record, never writing through this one.
-            logger.warning("ignoring a damaged lease record %s: %s", self.storage.describe(key), e)
+            logger.warning("deck: ignoring a damaged lease record: %s", e)
             return epochs[-1], None
 
     def read(self) -> LeaseRecord | None:
@@ -235,11 +237,13 @@ class Lease:
             # A simultaneous taker's check-then-write lands within about one write's time.
             time.sleep(max(self.settle_s, 2 * took))
         try:
-            mine = LeaseRecord.model_validate_json(get_bounded(self.storage, key))
+            mine = load_model(
+                LeaseRecord, get_bounded(self.storage, key), self.storage.describe(key)
+            )
         except NotFoundError:
             return False
-        except (ValidationError, CorruptCheckpointError) as e:  # not a record we could write
-            logger.warning("ignoring a damaged lease record %s: %s", self.storage.describe(key), e)
+        except CorruptCheckpointError as e:  # not a record we could write
+            logger.warning("deck: ignoring a damaged lease record: %s", e)
             return False
         if mine.owner != self.owner or self._epochs()[-1:] != [epoch]:
             return False

@@ -506,6 +506,18 @@ def test_gc_deletes_stray_files_among_quarantine_records(store: LocalStorage) ->
     same(read_manifests(store), whole(store))
 
 
+def test_gc_leaves_an_object_named_like_the_quarantine_folder(tmp_path: Path) -> None:
+    """A break-it finding (on S3): an object whose key is ``quarantine`` itself, beside the
+    folder, was deleted as "a stray file" of deck's quarantine folder. It is not in it."""
+    store = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(store)
+    tr.save("full")
+    store.put("quarantine", b"someone else's")
+    report = collect_garbage(store, RetentionPolicy(grace_s=0))
+    assert not report.errors and not report.orphans, report
+    assert store.get("quarantine") == b"someone else's"
+
+
 # ---- what a break-it run found (each one pinned) -------------------------------------------------
 
 

@@ -634,6 +634,8 @@ class _Collector:
     def _quarantine_orphans(self, keys: list[str]) -> None:
         """Quarantine records of checkpoints that are gone (or go in this run)."""
         for k in keys:
+            if not k.startswith(f"{QUARANTINE_ROOT}/"):
+                continue  # an object named like the folder, beside it: not in deck's folder
             qid = k.rpartition("/")[2].removesuffix(".json")
             if not _QUARANTINE_NAME.fullmatch(k):
                 # (quarantine/ is deck's: a file there that no quarantine could have written)

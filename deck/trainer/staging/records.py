@@ -21,6 +21,10 @@ class NeverCommits(DeckError):
     commit thread drops it, or every restart would retry it."""
 
 
+# The states of a part whose files are written to the first tier (or that failed)
+FIRST_TIER_STATES = frozenset({"durable", "uploaded", "committed", "failed"})
+
+
 @dataclass(frozen=True)
 class Progress:
     """One moment of a part's background progress (:class:`PartProgress`)."""
@@ -42,6 +46,7 @@ class PartProgress:
     def __init__(self, started: float) -> None:
         self.started = started  # the snapshot's start: what the times count from
         self._lock = threading.Lock()
+        self._moved = threading.Condition(self._lock)  # notified at every change
         self._now = Progress()
         self._ended = threading.Event()
         self._on_end: Callable[[], None] | None = None
@@ -63,16 +68,19 @@ class PartProgress:
                 durable_local_s=elapsed if durable else now.durable_local_s,
                 committed_s=elapsed if committed else now.committed_s,
             )
+            self._moved.notify_all()
 
     def apply(self, now: Progress) -> None:
         """Take ``now`` as the progress (a staging process moved it on)."""
         with self._lock:
             self._now = now
+            self._moved.notify_all()
 
     def fail(self, error: str) -> None:
         """The part failed with ``error`` (its times so far are kept)."""
         with self._lock:
             self._now = dataclasses.replace(self._now, state="failed", error=error)
+            self._moved.notify_all()
 
     def end(self) -> None:
         """The commit thread is done with the part (its state is final): wake :meth:`wait`
@@ -80,6 +88,7 @@ class PartProgress:
         with self._lock:
             self._ended.set()
             call, self._on_end = self._on_end, None
+            self._moved.notify_all()
         if call is not None:
             call()
 
@@ -95,6 +104,19 @@ class PartProgress:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the part has ended; False on timeout."""
         return self._ended.wait(timeout)
+
+    def in_first_tier(self) -> bool:
+        """Whether the part's files are in the first tier (a restart finishes it from there),
+        or the part ended: nothing of it is only in memory any more."""
+        with self._lock:
+            return self._ended.is_set() or self._now.state in FIRST_TIER_STATES
+
+    def wait_in_first_tier(self, timeout: float | None = None) -> bool:
+        """Wait for :meth:`in_first_tier`; False on timeout."""
+        with self._moved:
+            return self._moved.wait_for(
+                lambda: self._ended.is_set() or self._now.state in FIRST_TIER_STATES, timeout
+            )
 
 
 @dataclass
@@ -118,6 +140,10 @@ class CheckpointStats:
     # was larger than the pool (the first part of a size the pool had not seen, or a part over
     # staging.snapshot_memory_bytes: ``pool_capped``), which then bounds the stall.
     buffer_wait_s: float = 0.0
+    # Before the checkpoint began (not in ``stall_s``), how long this rank waited for the
+    # checkpoints before it to be written to the first tier (staging.max_unwritten of them
+    # were still only in memory).
+    backlog_wait_s: float = 0.0
     pool_bytes: int = 0  # the largest chunk buffer pool of any rank for this part
     pool_capped: bool = False  # a rank's part needed more than staging.snapshot_memory_bytes
     # Where the stall went (each the longest of any rank): agreeing before the snapshot (only

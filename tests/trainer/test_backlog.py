@@ -1,0 +1,84 @@
+"""A job that checkpoints faster than its first tier writes waits instead of building a backlog
+(a break-it finding: with a delta every step the parts still only in memory grew to ~200
+checkpoints, and a kill lost all of them while ``release="in_memory"`` promised the one being
+written). At most ``staging.max_unwritten`` checkpoints of a rank are only in memory: the next
+one first waits for the oldest to be written, says so once, and what is saved restores bitwise.
+
+The first tier is held deterministically: the local tier's writer thread is kept busy until the
+training thread starts waiting (the spy on ``PartProgress.wait_in_first_tier`` opens it), so
+the checkpoints before are certainly unwritten when the cap is reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import deck
+from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
+from deck.testing.dist_harness import run_ranks
+from deck.trainer.staging.records import PartProgress
+
+SPEC = ModelSpec(num_tables=2, rows=300, dim=8, batch=16, sharding="table_wise")
+CAP = 2
+STEPS = 6
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _rank(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(
+        uri=root,
+        delta_every_steps=1,
+        staging=deck.StagingConfig(mode="threads", max_unwritten=CAP),
+    )
+    gate = threading.Event()
+    at: dict[str, Any] = {"step": None, "waits": []}
+    original = PartProgress.wait_in_first_tier
+
+    def spy(self: PartProgress, timeout: float | None = None) -> bool:
+        at["waits"].append(at["step"])
+        gate.set()  # the training thread waits: the first tier may write now
+        return original(self, timeout)
+
+    PartProgress.wait_in_first_tier = spy  # type: ignore[method-assign]
+    said = _Said()
+    logging.getLogger("deck").addHandler(said)
+    model, opt = build_model(SPEC)
+    stats = []
+    with deck.enable(model, [opt], config) as ck:
+        ck._ckpt.stager._writer.submit(gate.wait)  # the first tier's writer, held
+        for step in range(STEPS):
+            train_step(model, opt, SPEC, step)
+            at["step"] = step
+            stats.append(ck.step(step))
+            if step < CAP:
+                assert not gate.is_set() and at["waits"] == [], (step, at["waits"])
+        gate.set()  # (opened by the first wait; else the assertions below fail, not hang)
+        assert ck.flush()
+        final = capture_state(model, opt)
+    # The first wait was the checkpoint after CAP unwritten ones; no checkpoint before it waited
+    assert at["waits"][:1] == [CAP], at["waits"]
+    assert [s.backlog_wait_s > 0 for s in stats[: CAP + 1]] == [False] * CAP + [True]
+    assert all(s.state == "committed" for s in stats) or rank != 0, [s.state for s in stats]
+    backlog = [m for m in said.lines if "staging.max_unwritten" in m]
+    assert len(backlog) == 1, said.lines  # said once, whatever the waits after
+    assert f"step {CAP} at {root} waited" in backlog[0], backlog[0]
+
+    fresh, fresh_opt = build_model(SPEC, seed=7)
+    with deck.enable(fresh, [fresh_opt], config) as ck:
+        assert ck.restore() == STEPS - 1
+        assert not diff_states(final, capture_state(fresh, fresh_opt))
+
+
+def test_a_checkpoint_waits_for_the_unwritten_ones_before_it(tmp_path: Path) -> None:
+    run_ranks(_rank, str(tmp_path / "ckpt"), world_size=1)
