@@ -261,7 +261,8 @@ class StagingConfig(Settings):
         "background, and a write that fails there makes the step uncommitted and the next "
         "checkpoint a full. first_tier: once every rank's part is written to the first tier "
         "with its pending record, so a checkpoint save() returned survives a process crash "
-        "(restarted on the same world size, with the same spool).",
+        "(restarted on the same world size, with the same spool); not with tiers='cpu-remote', "
+        "which has no spool for that record.",
     )
     max_unwritten: int = Field(
         default=4,
@@ -338,6 +339,20 @@ class StagingConfig(Settings):
             raise ValueError(
                 f"must be at least retry_initial_s ({first:g}): the first backoff doubles up "
                 "to the longest"
+            )
+        return v
+
+    @field_validator("release")
+    @classmethod
+    def _release_needs_a_record(cls, v: str, info: ValidationInfo) -> str:
+        # (a break-it finding: the pending record that lets a restart finish a part lives in
+        # the spool, and cpu-remote has none, so a checkpoint step() returned was lost)
+        if v == "first_tier" and info.data.get("tiers") == "cpu-remote":
+            raise ValueError(
+                "first_tier keeps a checkpoint across a crash by the pending record written "
+                "beside its files in the spool or local destination, and tiers='cpu-remote' "
+                "has neither: use tiers='cpu-ssd-remote' (or 'auto') with first_tier, or "
+                "release='in_memory'"
             )
         return v
 

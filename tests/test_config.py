@@ -42,6 +42,10 @@ def test_defaults() -> None:
         ({"uri": "x", "lease_ttl_s": float("nan")}, r"lease_ttl_s: must be a finite number"),
         ({"uri": "x", "staging": {"chunk_bytes": 2**40}}, r"chunk_bytes: must be at most"),
         ({"uri": "x", "staging": {"spool_dir": " "}}, r"spool_dir: must name a folder"),
+        (  # a checkpoint step() returned was lost: cpu-remote has no place for its record
+            {"uri": "x", "staging": {"tiers": "cpu-remote", "release": "first_tier"}},
+            r"release: first_tier keeps a checkpoint across a crash by the pending record",
+        ),
         (
             {"uri": "x", "staging": {"retry_initial_s": 10.0, "retry_max_s": 1.0}},
             r"retry_max_s: must be at least retry_initial_s \(10\)",

@@ -115,6 +115,8 @@ def _combine(digests: dict[str, int]) -> int:
 
 
 logger = logging.getLogger(__name__)
+# How often a checkpoint waiting for the parts before it says so
+BACKLOG_SAY_S = 60.0
 
 StateKey = tuple[int, str]  # (step, id) of a trainer checkpoint: a training state
 
@@ -391,6 +393,7 @@ class ChainWriter:
     # Checkpoints this rank handed on whose parts may still be only in memory (oldest first)
     _unwritten: list[CheckpointStats] = field(default_factory=list)
     _said_backlog: bool = False  # the backlog warning is logged once
+    _said_capped: bool = False  # the pool-capped warning too
 
     def __post_init__(self) -> None:
         if self.coord.rank == 0:
@@ -471,7 +474,21 @@ class ChainWriter:
             return 0.0
         t0 = time.perf_counter()
         oldest = self._unwritten[0]
-        oldest.progress.wait_in_first_tier()
+        while not oldest.progress.wait_in_first_tier(BACKLOG_SAY_S):
+            # Said, never given up on here: the other ranks may be in the vote already, and a
+            # rank that left alone would hold them there (a break-it finding: a staging process
+            # that stopped answering held training here without a word)
+            logger.warning(
+                "deck: %s of step %d at %s has waited %.0f s for step %d's part to be written "
+                "to the first tier (its state: %s): a stopped or hung staging process or "
+                "first-tier disk holds it; training goes on once it is written",
+                self.label,
+                step,
+                self.storage.uri,
+                time.perf_counter() - t0,
+                oldest.step,
+                oldest.state,
+            )
         waited = time.perf_counter() - t0
         self._unwritten = [s for s in self._unwritten if not s.progress.in_first_tier()]
         if not self._said_backlog:
@@ -1003,7 +1020,13 @@ class ChainWriter:
 
     def _log(self, stats: CheckpointStats) -> None:
         if stats.pool_capped:
-            logger.warning(
+            # Said once at WARNING, and only for a wait (a break-it finding: a line per rank and
+            # checkpoint, "waited 0.000 s", with a checkpoint every step); then at DEBUG
+            waited = stats.buffer_wait_s >= 0.001
+            level = logging.WARNING if waited and not self._said_capped else logging.DEBUG
+            self._said_capped = self._said_capped or waited
+            logger.log(
+                level,
                 "deck: %s step %d: a rank's part needs more chunk buffers than "
                 "staging.snapshot_memory_bytes (%s) allows; it waited %.3f s of its %.3f s "
                 "stall for buffers. Raise snapshot_memory_bytes to trade CPU memory for stall",

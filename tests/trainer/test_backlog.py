@@ -5,8 +5,9 @@ written). At most ``staging.max_unwritten`` checkpoints of a rank are only in me
 one first waits for the oldest to be written, says so once, and what is saved restores bitwise.
 
 The first tier is held deterministically: the local tier's writer thread is kept busy until the
-training thread starts waiting (the spy on ``PartProgress.wait_in_first_tier`` opens it), so
-the checkpoints before are certainly unwritten when the cap is reached.
+training thread has waited once without result (the spy on ``PartProgress.wait_in_first_tier``
+opens it at its second call), so the checkpoints before are certainly unwritten when the cap is
+reached, and the wait that cannot end says so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
 from deck.testing.dist_harness import run_ranks
+from deck.trainer import chain
 from deck.trainer.staging.records import PartProgress
 
 SPEC = ModelSpec(num_tables=2, rows=300, dim=8, batch=16, sharding="table_wise")
@@ -47,10 +49,12 @@ def _rank(rank: int, world_size: int, root: str) -> None:
 
     def spy(self: PartProgress, timeout: float | None = None) -> bool:
         at["waits"].append(at["step"])
-        gate.set()  # the training thread waits: the first tier may write now
+        if len(at["waits"]) == 2:  # the first wait ran out (and said so): now it may write
+            gate.set()
         return original(self, timeout)
 
     PartProgress.wait_in_first_tier = spy  # type: ignore[method-assign]
+    chain.BACKLOG_SAY_S = 0.01  # a wait that cannot end (the writer is held) says so at once
     said = _Said()
     logging.getLogger("deck").addHandler(said)
     model, opt = build_model(SPEC)
@@ -73,6 +77,11 @@ def _rank(rank: int, world_size: int, root: str) -> None:
     backlog = [m for m in said.lines if "staging.max_unwritten" in m]
     assert len(backlog) == 1, said.lines  # said once, whatever the waits after
     assert f"step {CAP} at {root} waited" in backlog[0], backlog[0]
+    # A wait that lasts is said while it lasts (a break-it finding: a stopped staging process
+    # held training here without a word)
+    waiting = [m for m in said.lines if "has waited" in m]
+    assert waiting and f"step {CAP} at {root} has waited" in waiting[0], said.lines
+    assert "stopped or hung staging process" in waiting[0], waiting[0]
 
     fresh, fresh_opt = build_model(SPEC, seed=7)
     with deck.enable(fresh, [fresh_opt], config) as ck:

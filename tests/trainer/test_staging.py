@@ -324,3 +324,27 @@ def test_a_full_disk_while_making_a_folder_gets_the_full_disk_hint(
             message = str(spool.error(3, "step-000000000003/x/rank-00000/t.chunk", e))
     assert "free space on" in message, message
     assert ("move the URI" in message) != scratch and ("spool_max_bytes" in message) == scratch
+
+
+def test_a_full_spool_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A break-it finding: "spool ... is full" was a WARNING for every second of every wait
+    (30 lines for 16 checkpoints with spool_max_bytes=0). Said once; each wait still waits."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deck.trainer.staging.spool import SpoolDir
+
+    caplog.set_level(logging.WARNING, logger="deck")
+    with ThreadPoolExecutor(1) as syncer:
+        spool = SpoolDir(str(tmp_path), StagingConfig(spool_max_bytes=0), True, syncer)
+        assert spool.reserve(10)  # an empty spool takes any part
+        for _ in range(3):
+            waits = threading.Event()
+            waiting = threading.Thread(target=spool.reserve, args=(10, waits.set))
+            waiting.start()
+            assert waits.wait(120)  # (a guard: it waits until the release below)
+            spool.release(10)  # the part before it is uploaded: room for it
+            waiting.join(120)
+            assert not waiting.is_alive()
+    full = [r for r in caplog.records if "is full" in r.getMessage()]
+    assert len(full) == 1, [r.getMessage() for r in full]

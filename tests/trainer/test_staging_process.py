@@ -6,11 +6,13 @@ comes from a failpoint in the staging process, never from timing."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.staging import full_part_info
-from deck.trainer.staging import CheckpointStats
+from deck.trainer.staging import CheckpointStats, remote
 from deck.trainer.staging.remote import CLOSE_S, ProcessStager, Reopen
 
 pytestmark = pytest.mark.slow
@@ -297,6 +299,60 @@ def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Pat
             assert stats.state == "failed" and "died (signal 9" in (stats.error or ""), stats
     finally:
         stager.close()
+
+
+def _until(what: str, done: Any) -> None:
+    """Wait for ``done()``, which a stopped process makes certain (the bound only guards a
+    regression from hanging the suite)."""
+    deadline = time.monotonic() + 120
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_a_stopped_staging_process_neither_holds_a_timed_flush_nor_a_silent_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a staging process that stopped reading its socket (SIGSTOP, as a
+    hung one) held ``flush(timeout)`` in the send, past its limit, and ``close()`` without a
+    word. The timed request is sent aside and given up at its limit; close() says it waits."""
+    uri = str(tmp_path / "ck")
+    stager = ProcessStager(
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, Reopen(uri, {})
+    )
+    stager.failpoint_hits()  # it runs and answers
+    pid = stager.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # A message the stopped process cannot take: the socket fills and its sender holds
+        # the channel, as checkpoints sent to a hung staging process do
+        pad = threading.Thread(
+            target=stager.tell, args=("failpoint_hits",), kwargs={"pad": "x" * (64 << 20)}
+        )
+        pad.start()
+        chan = stager._chan
+        assert chan is not None
+        _until("the pad holds the channel", chan._lock.locked)
+        got: list[bool] = []
+        flushing = threading.Thread(target=lambda: got.append(stager.flush(0.5)), daemon=True)
+        flushing.start()
+        _until("flush(0.5) returns", lambda: not flushing.is_alive())
+        assert got == [False]
+        monkeypatch.setattr(remote, "CLOSE_SAY_S", 0.05)
+        caplog.set_level(logging.WARNING, logger="deck")
+        closing = threading.Thread(target=stager.close)
+        closing.start()
+        _until(
+            "close() says it waits",
+            lambda: any("close() has waited" in r.getMessage() for r in caplog.records),
+        )
+        assert closing.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    pad.join(120)
+    closing.join(120)
+    assert not pad.is_alive() and not closing.is_alive()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")

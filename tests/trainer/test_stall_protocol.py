@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import logging
 import threading
 import time
 from pathlib import Path
@@ -95,6 +96,10 @@ def _protocol(rank: int, world_size: int, root: str, cap: int) -> None:
         staging=deck.StagingConfig(chunk_bytes=4096, chunks_in_flight=1, snapshot_memory_bytes=cap),
     )
     calls: list[int] = []
+    capped_said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: capped_said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deck").addHandler(handler)
     with deck.enable(model, [opt], config) as ck:
         gather = ck.coord.gather
 
@@ -126,6 +131,8 @@ def _protocol(rank: int, world_size: int, root: str, cap: int) -> None:
     assert [(k, n) for k, n, _ in per_step[1:]] == [("delta", 1)] * 5, per_step
     capped = [c for _, _, c in per_step[1:]]
     assert all(capped) if cap == 4096 else not any(capped), per_step
+    # Said once at most (a break-it finding: a WARNING per rank and checkpoint, waited or not)
+    assert len([m for m in capped_said if "needs more chunk buffers" in m]) <= 1, capped_said
     assert set(states) == {"committed" if rank == 0 else "uploaded"}, states
 
 

@@ -27,8 +27,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -65,6 +67,7 @@ T = TypeVar("T")
 
 STARTUP_S = 120.0  # the longest a request waits for a staging process that has not said READY
 CLOSE_S = 30.0  # after its last flush, the longest close() waits for the process to exit
+CLOSE_SAY_S = 60.0  # how often close() says it still waits for the staging process's parts
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,9 @@ class ProcessStager:
         self.guard_runner = ThreadPoolExecutor(1, thread_name_prefix="deck-guard")
         self._answers = ThreadPoolExecutor(1, thread_name_prefix="deck-lease-answer")
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="deck-spawn")
+        # A request with a time limit is sent from here: a staging process that stopped reading
+        # (stopped, hung) leaves the socket full, and a send would block past the limit
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="deck-send")
         # The spool's space is counted here (training reserves it), and restart recovery reads
         # the spool here before the staging process gets the parts it finds.
         self._spool = (
@@ -699,13 +705,25 @@ class ProcessStager:
         fut: Future[Any] = Future()
         with self._lock:
             self._waiting[req] = fut
+        message = {"req": req, "op": op, "args": args}
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._chan_send(Kind.REQUEST, {"req": req, "op": op, "args": args})
+            if deadline is None:
+                self._chan_send(Kind.REQUEST, message)
+            else:
+                self._sender.submit(self._chan_send, Kind.REQUEST, message).result(timeout)
         except DeckError:
             with self._lock:
                 self._waiting.pop(req, None)
             raise
-        return fut.result(timeout)
+        except (TimeoutError, FutureTimeout):
+            with self._lock:
+                self._waiting.pop(req, None)
+            raise TimeoutError(
+                f"the {self.label} staging process of rank {self.rank} took no request "
+                f"({op}) in {timeout:g} s: it does not read its socket (stopped or hung)"
+            ) from None
+        return fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def tell(self, op: str, **args: Any) -> None:
         """A request whose reply nobody waits for (none when the staging process is gone)."""
@@ -862,8 +880,20 @@ class ProcessStager:
             return False
 
     def close(self) -> None:
-        """Drain the staging process (every part committed or failed), then stop it."""
-        self.flush()
+        """Drain the staging process (every part committed or failed), then stop it. The
+        drain has no limit (as the threads' close has none): while it lasts it is said every
+        :data:`CLOSE_SAY_S` seconds."""
+        t0 = time.monotonic()
+        while not self.flush(CLOSE_SAY_S):
+            # (a break-it finding: a stopped staging process held close() without a word)
+            logger.warning(
+                "deck: close() has waited %.0f s for the %s staging process of rank %d to "
+                "finish its parts (uploads and commits still running, or a stopped or hung "
+                "staging process); still waiting",
+                time.monotonic() - t0,
+                self.label,
+                self.rank,
+            )
         with self._lock:
             self._closed = True
             proc, chan = self._proc, self._chan
@@ -888,6 +918,7 @@ class ProcessStager:
         self._background.shutdown()
         self._answers.shutdown()
         self._spawner.shutdown()
+        self._sender.shutdown(wait=False)  # (a send to a killed process has failed by now)
 
     # ---- restart ---------------------------------------------------------------------------------
     def recover(

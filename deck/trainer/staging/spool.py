@@ -68,6 +68,7 @@ class SpoolDir:
         self._made_dirs: set[str] = set()
         self._space = threading.Condition()
         self._bytes = 0
+        self._said_full = False  # the full spool is said once
 
     # ---- space (scratch spools only) -------------------------------------------------------------
     def reserve(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> bool:
@@ -81,7 +82,14 @@ class SpoolDir:
                     return False
                 if on_wait is not None:
                     on_wait()
-                logger.warning("deck spool %s is full: training waits for uploads", self.root)
+                # Once at WARNING (a break-it finding: a line per second of every wait)
+                logger.log(
+                    logging.DEBUG if self._said_full else logging.WARNING,
+                    "deck spool %s is full (staging.spool_max_bytes): training waits for "
+                    "uploads; said once",
+                    self.root,
+                )
+                self._said_full = True
                 self._space.wait(1.0)
             self._bytes += nbytes
         return True
