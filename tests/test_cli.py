@@ -97,6 +97,21 @@ def test_ls_table_tree_json_and_pending(ckpt: Path, tmp_path: Path) -> None:
     assert [(x["step"], x["kind"], x["ranks"], x["world_size"]) for x in pending] == [
         (10, "delta", 2, 2)
     ]
+    # One whose files are still being written in a local destination (its pending records
+    # there, no rank part up yet): pending too, with what its record says (a break-it finding:
+    # not listed at all, though a restart commits it)
+    from deck.format.manifest import dump_model
+    from deck.testing.staging import full_part_info
+
+    info = full_part_info(str(copy), 11, "b" * 16, rank=1, world_size=2)
+    storage = open_storage(str(copy))
+    storage.put(f"step-000000000011/{'b' * 16}/rank-00001.pending.json", dump_model(info))
+    rows = json.loads(_deck("ls", str(copy), "--json").stdout)
+    pending = [x for x in rows if x["state"] == "pending"]
+    assert [(x["step"], x["kind"], x["ranks"], x["world_size"]) for x in pending] == [
+        (10, "delta", 2, 2),
+        (11, "full", 0, 2),
+    ], pending
 
     # A URI that is not there is said so (exit 2, like every "nothing there").
     assert empty.returncode == 2 and "does not exist" in empty.stderr, empty.stderr

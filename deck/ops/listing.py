@@ -34,6 +34,7 @@ from deck.format.manifest import (
     step_dirs_from,
     steps_text,
 )
+from deck.format.pending import PENDING_SUFFIX, PendingPart
 from deck.read.catalog import (
     ManifestSet,
     get_records,
@@ -55,6 +56,7 @@ from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
 
 _PART = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.json$")
+_PENDING_RECORD = re.compile(r"^(step-\d{12})/([0-9a-f]{16})/rank-(\d{5})\.pending\.json$")
 # A merged delta's folder: its layer and first step.
 _MERGED_NAME = re.compile(rf"^{MERGED_ROOT}/L(\d+)-(\d{{12}})-")
 
@@ -332,15 +334,24 @@ def _unreadable_rows(manifests: ManifestSet, keys: list[str]) -> list[Row]:
 
 
 def _pending_rows(storage: Storage, keys: list[str]) -> list[Row]:
-    """A ``pending`` row per attempt of a step folder among ``keys`` with rank parts and no
-    ``manifest.json``."""
+    """A ``pending`` row per attempt of a step folder among ``keys`` with rank parts, or
+    pending records (a local destination's first tier: files being written, no rank part up
+    yet), and no ``manifest.json``."""
     have = set(keys)
     parts: dict[tuple[str, str], list[str]] = {}
+    records: dict[tuple[str, str], list[str]] = {}
     for k in keys:
-        hit = _PART.match(k)
+        hit = _PART.match(k) or _PENDING_RECORD.match(k)
         if hit and f"{hit.group(1)}/{MANIFEST}" not in have:
-            parts.setdefault((hit.group(1), hit.group(2)), []).append(k)
-    return [_pending(storage, folder, ckpt_id, found) for (folder, ckpt_id), found in parts.items()]
+            parts.setdefault((hit.group(1), hit.group(2)), [])
+            if k.endswith(PENDING_SUFFIX):
+                records.setdefault((hit.group(1), hit.group(2)), []).append(k)
+            else:
+                parts[(hit.group(1), hit.group(2))].append(k)
+    return [
+        _pending(storage, folder, ckpt_id, found, records.get((folder, ckpt_id), []))
+        for (folder, ckpt_id), found in parts.items()
+    ]
 
 
 def _damaged(step: int, layer: int, folder: str, ckpt_id: str, why: str) -> Row:
@@ -365,7 +376,9 @@ def _damaged(step: int, layer: int, folder: str, ckpt_id: str, why: str) -> Row:
     )
 
 
-def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Row:
+def _pending(
+    storage: Storage, folder: str, ckpt_id: str, keys: list[str], records: list[str]
+) -> Row:
     from deck.ops.retention import file_age_s
 
     parsed: list[RankManifest] = []
@@ -376,8 +389,10 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
         except (CorruptCheckpointError, NotFoundError):
             # being written, replaced or deleted right now; still pending
             unreadable.append(k.rsplit("/", 1)[-1])
+    # No part up yet: what its pending record says (kind, world size), if one reads
+    record = next(filter(None, (_pending_record(storage, k) for k in records[:1])), None)
     now = time.time()
-    ages = [a for a in (file_age_s(storage, k, now) for k in keys) if a is not None]
+    ages = [a for a in (file_age_s(storage, k, now) for k in keys + records) if a is not None]
     nbytes = sum(
         sum(c.nbytes for rec in p.shards for c in rec.chunks)
         + sum(f.nbytes for f in (p.dense, p.extra) if f is not None)
@@ -385,8 +400,12 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
     )
     shards = [rec for p in parsed for rec in p.shards]
     step = int(folder.split("-")[1])
+    if not parsed and record is not None:
+        kind = record.kind.value
+    else:
+        kind = "full" if shards and all(r.full for r in shards) else "delta"
     return Row(
-        kind="full" if shards and all(r.full for r in shards) else "delta",
+        kind=kind,
         step=step,
         layer=0,
         first_step=step,
@@ -395,7 +414,9 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
         state="pending",
         ranks=len(keys),
         # 0: unknown (no part could be read: its job's size is written in the parts)
-        world_size=parsed[0].world_size if parsed else 0,
+        world_size=(
+            parsed[0].world_size if parsed else record.world_size if record is not None else 0
+        ),
         merged=False,
         parent=None,
         base=None,
@@ -408,6 +429,14 @@ def _pending(storage: Storage, folder: str, ckpt_id: str, keys: list[str]) -> Ro
             else None
         ),
     )
+
+
+def _pending_record(storage: Storage, key: str) -> PendingPart | None:
+    """The pending record at ``key`` (None: unreadable now, being written or gone)."""
+    try:
+        return load_model(PendingPart, get_bounded(storage, key), storage.describe(key))
+    except (CorruptCheckpointError, NotFoundError):
+        return None
 
 
 def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
