@@ -112,6 +112,13 @@ class LiveModel:
         mods = [models] if isinstance(models, torch.nn.Module) else list(models)
         self.tables: ServedTables = find_tables(mods, prefix)
         self.dense = find_dense(mods, prefix)
+        if not isinstance(source, Storage) and not callable(getattr(source, "next_plans", None)):
+            # (a break-it finding: a URI string was taken, and the first poll failed on it)
+            raise ConfigError(
+                f"LiveModel source {source!r}: give a Storage (open_storage(uri) for a publish "
+                "URI) or a source such as deck.serve.live_kafka.KafkaSource(uri), not "
+                f"{type(source).__name__}"
+            )
         self.source: LiveSource = PublishSource(source) if isinstance(source, Storage) else source
         self.config = config or LiveConfig()
         self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})

@@ -107,6 +107,7 @@ class PublishSource:
         self._faults: list[SourceFault] = []
         self._found = False  # a poll found a committed step here
         self._said_empty = False
+        self._said_stuck: frozenset[str] = frozenset()  # refused ids last said to hold steps
 
     @property
     def uri(self) -> str:
@@ -158,9 +159,26 @@ class PublishSource:
             try:
                 chain = cheapest_chain(graph, step, exclude=exclude)
             except CheckpointNotFoundError:
+                node = graph.trainer.get(step)
+                if node is not None and node.id not in exclude:  # (not itself the refused one)
+                    self._stuck(step, exclude)
                 continue  # through a bad checkpoint: an older step may still be newer than ours
             return self._plans(chain, served)
         return []
+
+    def _stuck(self, step: int, exclude: frozenset[str]) -> None:
+        """A newer step whose every chain goes through a refused checkpoint: said once per set
+        of refused checkpoints (a break-it finding: the deltas after a refused step were passed
+        over without a word, the model silently stale until the next full)."""
+        if exclude and exclude != self._said_stuck:
+            self._said_stuck = exclude
+            logger.warning(
+                "deck live: %s: step %d builds on a refused checkpoint (the ERROR above): "
+                "the served version stays until a full (or a merger checkpoint) gives a chain "
+                "around it",
+                self.uri,
+                step,
+            )
 
     @staticmethod
     def _newer_timeline(graph: LineageGraph, served: State | None) -> int | None:

@@ -241,6 +241,32 @@ def test_a_damaged_commit_record_is_a_fault_and_the_served_version_stays(
     assert len(errors) == 1 and step_dir(4) in errors[0], errors
 
 
+def test_the_deltas_after_a_refused_step_are_said_to_wait(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a delta built on a refused (damaged) step was passed over without
+    a word, the model silently stale until the next full. Said once; the version stays."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    for step in (2, 4):
+        shutil.rmtree(Path(pub, step_dir(step)))
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(pub))
+    assert [s.step for s in live.poll()] == [0]
+    shutil.copytree(Path(root, "pub", step_dir(2)), Path(pub, step_dir(2)))
+    chunk = next(p for p in sorted(Path(pub, step_dir(2)).rglob("*")) if p.suffix == ".chunk")
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    assert live.poll() == [] and [f.step for f in live.faults] == [2]
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    with caplog.at_level(logging.WARNING, logger="deck.serve"):
+        assert live.poll() == [] and live.poll() == []
+    said = [r.getMessage() for r in caplog.records if "builds on a refused" in r.getMessage()]
+    assert len(said) == 1 and "step 4" in said[0], said
+    assert live.step == 0 and not bitwise_diff(served, reference(f"{root}/pub", 0, SPEC))
+
+
 def test_a_request_outside_a_table_is_refused_naming_it(root: str) -> None:
     """Found by a user trying to break it: ids past a table's end went through the gate as
     another table's rows (or raised a bare IndexError)."""
@@ -261,6 +287,14 @@ def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:
     assert live.poll() == []
     assert live.step == -1 and [f.step for f in live.faults] == [4]
     assert "(200, 8)" in live.faults[0].error
+
+
+def test_a_uri_string_as_the_source_is_refused_at_construction(root: str) -> None:
+    """A break-it finding: ``LiveModel(models, "path")`` was taken, then every poll failed
+    (and the background applier's thread died on it)."""
+    served = serving_models(SPEC)
+    with pytest.raises(ConfigError, match=r"give a Storage \(open_storage\(uri\)"):
+        LiveModel(list(served.values()), f"{root}/pub")  # type: ignore[arg-type]
 
 
 # ---- EmbeddingCollection ----------------------------------------------------------------------
