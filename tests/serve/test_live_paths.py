@@ -278,6 +278,12 @@ def test_a_request_outside_a_table_is_refused_naming_it(root: str) -> None:
             pass
     with live.serving({key: [0, rows - 1]}) as v:
         assert v.step == -1
+    # Break-it findings: float ids were truncated to rows (1.7 served row 1), and a list as
+    # the batch was an AttributeError from inside
+    with pytest.raises(ConfigError, match="must be integers"), live.serving({key: [0.0, 1.7]}):
+        pass
+    with pytest.raises(ConfigError, match="KeyedJaggedTensor or a mapping"), live.serving([0, 1]):
+        pass
 
 
 def test_a_foreign_uri_is_refused_before_the_first_version(root: str) -> None:
