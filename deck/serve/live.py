@@ -133,6 +133,7 @@ class LiveModel:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     # ---- what is served ---------------------------------------------------------------------
     @property
@@ -160,6 +161,7 @@ class LiveModel:
         see :meth:`rollback`, applies nothing). Refused updates are logged and skipped; a store
         that cannot be read is raised (:class:`deck.errors.StorageError`), nothing changed."""
         self.gate.refuse_inside("poll()")
+        self._check_open("poll()")
         out: list[VersionSwitch] = []
         with self._lock:
             while not self.held and not self._stop.is_set():
@@ -415,6 +417,7 @@ class LiveModel:
     # ---- background ---------------------------------------------------------------------------
     def start(self) -> None:
         """Poll every ``poll_s`` seconds in a background thread (errors logged, retried)."""
+        self._check_open("start()")
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._loop, name="deck-live", daemon=True)
@@ -430,6 +433,23 @@ class LiveModel:
             self._thread = None
         self._stop.clear()  # (poll() by hand goes on as before)
         self.gate.hurry(False)
+
+    def close(self) -> None:
+        """:meth:`stop`, then close the source (a Kafka source's consumers); the served
+        version stays readable (``serving()``), and :meth:`poll` / :meth:`start` after it raise
+        :class:`ConfigError`."""
+        self.stop()
+        self._closed = True
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(
+                f"{what} after close(): this LiveModel of {self.source.uri} is closed; build a "
+                "new one to apply more versions"
+            )
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -429,6 +429,15 @@ def test_the_background_applier_applies_and_stops(root: str) -> None:
     live.start()
     live.stop()
     assert live.step == 2 and live.held
+    # close(): stopped for good (a break-it finding: there was none); what is served stays
+    live.start()
+    live.close()
+    assert not [t for t in threading.enumerate() if t.name == "deck-live"]
+    with live.serving() as v:
+        assert v.step == 2
+    for call in (live.poll, live.start):
+        with pytest.raises(ConfigError, match=r"after close\(\): this LiveModel"):
+            call()
 
 
 def test_a_failed_poll_is_logged_and_polled_again(
