@@ -154,11 +154,10 @@ def _left_by_a_rollback(rows: list[Any]) -> str | None:
     from deck.read.lineage import left_by_a_rollback
 
     trainer = [(r.step, r.epoch) for r in rows if not r.merged and r.state == "committed"]
-    old = sorted(left_by_a_rollback(trainer))
-    if not old:
+    left, newest, start = left_by_a_rollback(trainer)
+    if not left:
         return None
-    newest = max(e for _, e in trainer if e is not None)
-    start = min(s for s, e in trainer if e == newest)
+    old = sorted(left)
     return (
         f"(step(s) {steps_text(old)} are of an older timeline that a rollback left: each "
         f"restores as itself, but the newest timeline (epoch {newest}) starts at step {start}, "
@@ -352,7 +351,7 @@ def cmd_history(a: argparse.Namespace) -> int:
         f"{h.chunks_present} chunks (skipped {h.skipped_range} by id range, {h.skipped_bloom} "
         f"by bloom filter; {h.false_positives} false positives)"
     )
-    left = left_by_a_rollback([(s.step, s.epoch) for s in h.steps])
+    left = left_by_a_rollback([(s.step, s.epoch) for s in h.steps])[0]
     for s in h.steps:
         vals = "  ".join(
             f"{k}=[{', '.join(f'{x:.6g}' for x in v[:8])}{', ...' if len(v) > 8 else ''}]"

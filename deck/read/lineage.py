@@ -888,16 +888,17 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
     return chain[::-1]
 
 
-def left_by_a_rollback(steps: list[tuple[int, int | None]]) -> set[int]:
+def left_by_a_rollback(steps: list[tuple[int, int | None]]) -> tuple[set[int], int, int]:
     """Of ``(step, epoch)`` pairs, the steps of older timelines at or after the step where the
-    newest timeline starts: what a rollback left (each restores as itself, off the newest
-    line, which replaces them as it reaches their steps)."""
+    newest timeline starts (what a rollback left: each restores as itself, off the newest
+    line, which replaces them as it reaches their steps), with that epoch and start step
+    (``(set(), -1, -1)`` without epochs)."""
     known = [(s, e) for s, e in steps if e is not None]
     if not known:
-        return set()
+        return set(), -1, -1
     newest = max(e for _, e in known)
     start = min(s for s, e in known if e == newest)
-    return {s for s, e in known if e < newest and s >= start}
+    return {s for s, e in known if e < newest and s >= start}, newest, start
 
 
 def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
