@@ -69,7 +69,7 @@ from deck.trainer.coordination import Coordinator, gather_votes
 from deck.trainer.cow import DeferredCopy
 from deck.trainer.cycles import collect_cycles
 from deck.trainer.events import CheckpointEvent, log_event
-from deck.trainer.lease import Lease
+from deck.trainer.lease import Lease, Leases
 from deck.trainer.staging import (
     CheckpointStats,
     PendingPart,
@@ -366,7 +366,7 @@ class ChainWriter:
     adapter: ModelAdapter
     staging: StagingConfig
     extra_state: Callable[[list[TableShard]], dict[str, Any]]
-    lease: Lease | None = None
+    lease: Lease | Leases | None = None
     parent: tuple[int, str] | None = None  # the last committed (step, id) a delta builds on
     base: int | None = None  # step of the full the chain starts from
     history: list[CheckpointStats] = field(default_factory=list)

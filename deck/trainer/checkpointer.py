@@ -43,7 +43,7 @@ from deck.storage import Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter, lineage_changed
 from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
-from deck.trainer.lease import Lease
+from deck.trainer.lease import Lease, Leases
 from deck.trainer.loader import StateLoader, next_epoch
 from deck.trainer.rng import capture_rng
 from deck.trainer.staging import (
@@ -94,6 +94,7 @@ class DeltaCheckpointer:
         # construction that fails gives back exactly what it took: no tracking hook, stager
         # thread or writer lease outlives it.
         self._lease: Lease | None = None
+        self._pub_lease: Lease | None = None  # the publish URI's, when publishing
         self._hooks: RemovableHandle | None = None
         self._gradients: RemovableHandle | None = None  # the watch of unapplied gradients
         self._read_newest: int | None = None  # rank 0: the latest restorable step _next_epoch read
@@ -116,14 +117,19 @@ class DeltaCheckpointer:
                 refused = e
             self.coord.agree_on_failure(refused, "deck.enable")
             self.coord.agree_on_values(self._what_ranks_share(config), "deck.enable")
-            self._lease = self._take_lease()
+            self._lease = self._take_lease(self.storage)
             # Collective, before any training step: both the run that saves and the one that
             # restores sum gradients across ranks in the same order.
             self.adapter.pin_reduction_order()
             self._last_step: int | None = None
             on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
             self._ckpt = self._chain(
-                CHECKPOINT_CONSUMER, CHECKPOINT_CONSUMER, self.storage, on_gpu, self._reopen
+                CHECKPOINT_CONSUMER,
+                CHECKPOINT_CONSUMER,
+                self.storage,
+                on_gpu,
+                self._reopen,
+                self._lease,
             )
             self._pub: ChainWriter | None = self._open_publisher(on_gpu, publish_storage)
             self._closed = False
@@ -264,12 +270,10 @@ class DeltaCheckpointer:
         storage: Storage,
         on_gpu: bool,
         reopen: Reopen | None,
+        lease: Lease | Leases | None,
         quantize: str | None = None,
     ) -> ChainWriter:
         epoch = self._next_epoch(storage)  # collective: before the stager starts its thread
-        # Commit records are fenced by the checkpoint URI's writer lease, the publish chain's
-        # too: a job taken over (or whose URI was replaced) publishes nothing more either.
-        lease = self._lease
         staging = self.config.staging
         fence = None if lease is None else lease.check
         gone = None if lease is None else lease.gone
@@ -311,7 +315,7 @@ class DeltaCheckpointer:
             adapter=self.adapter,
             staging=self.config.staging,
             extra_state=self._extra_state,
-            lease=self._lease,
+            lease=lease,
             quantize=quantize,
         )
         chain.notify = self._events.put
@@ -348,6 +352,14 @@ class DeltaCheckpointer:
         storage = storage or open_storage(place, cfg.storage_options)
         _require_shared(place, "DeckConfig.publish", self.coord.world_size)
         timeout_s = self.config.staging.upload_timeout_s
+        # One job per publish URI, as per checkpoint URI: two jobs publishing to one place would
+        # each start a timeline there in turn, and a follower or live model would switch from
+        # one job's model to the other's without a word. The publish chain's commits are
+        # fenced by both leases: a job taken over at either URI publishes nothing more.
+        self._pub_lease = self._take_lease(storage)
+        lease: Lease | Leases | None = self._lease
+        if self._lease is not None and self._pub_lease is not None:
+            lease = Leases(self._lease, self._pub_lease)
         if sink_only:
             # Table rows go through the sink (kafka: deck.trainer.kafka_sink), the rest to
             # state_uri.
@@ -359,14 +371,16 @@ class DeltaCheckpointer:
         if not publish_storage_given:
             publish = cfg if sink_only else None
             reopen = Reopen(place, cfg.storage_options, publish, self.coord.world_size, timeout_s)
-        return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, quantize)
+        return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, lease, quantize)
 
-    def _take_lease(self) -> Lease | None:
+    def _take_lease(self, storage: Storage) -> Lease | None:
+        """Rank 0 takes the writer lease of ``storage`` (collective: every rank raises if it
+        could not); None on other ranks, or without ``lease_ttl_s``."""
         if self.config.lease_ttl_s is None:
             return None
         lease, error = None, None
         if self.coord.rank == 0:
-            lease = Lease(self.storage, self.config.lease_ttl_s, wait_s=self.config.lease_ttl_s)
+            lease = Lease(storage, self.config.lease_ttl_s, wait_s=self.config.lease_ttl_s)
             try:
                 lease.acquire()
             except Exception as e:  # whatever it is, the other ranks must not wait in the broadcast
@@ -379,7 +393,7 @@ class DeltaCheckpointer:
             raise
         if ok == 0:
             raise error or LeaseHeldError(
-                f"rank 0 could not take the writer lease of {self.storage.uri}; see rank 0's error"
+                f"rank 0 could not take the writer lease of {storage.uri}; see rank 0's error"
             )
         return lease
 
@@ -709,6 +723,8 @@ class DeltaCheckpointer:
             stack.callback(self._events.close)  # after the stagers: their last events too
             if self._lease is not None:
                 stack.callback(self._lease.release)
+            if self._pub_lease is not None:
+                stack.callback(self._pub_lease.release)
             for writer in writers:  # after the stagers: their last commits start checks
                 stack.callback(writer.close)
             for stager in stagers:

@@ -414,6 +414,28 @@ class Lease:
                 )
 
 
+class Leases:
+    """The leases that fence one chain together: a publish chain commits only while its job
+    holds both the checkpoint URI's lease and the publish URI's (the same interface as one
+    :class:`Lease` to a chain and its committer)."""
+
+    def __init__(self, *leases: Lease):
+        self.leases = leases
+
+    def check(self) -> None:
+        """Every lease's :meth:`Lease.check`, in order: the first that refuses raises."""
+        for lease in self.leases:
+            lease.check()
+
+    def gone(self) -> bool:
+        """Whether any of the leases is gone (:meth:`Lease.gone`)."""
+        return any(lease.gone() for lease in self.leases)
+
+    def why_gone(self) -> str | None:
+        """What the first lease that is gone found, in words; None while all are held."""
+        return next((why for lease in self.leases if (why := lease.why_gone())), None)
+
+
 def _pid_namespace() -> str | None:
     """This process's pid namespace (``pid:[inode]`` on Linux), or None where it cannot be told."""
     try:

@@ -357,6 +357,35 @@ def test_second_trainer_on_a_uri_is_refused(tmp_path: Path) -> None:
     run_ranks(_two_trainers, str(tmp_path / "ck"))
 
 
+def _two_publishers(rank: int, world_size: int, root: str) -> None:
+    """Two jobs with checkpoint URIs of their own and one publish URI (a break-it finding: both
+    published, each starting a timeline there in turn, and a live model following it switched
+    from one job's model to the other's without a word)."""
+    model, opt = build_model(SPEC)
+    pub = deck.PublishConfig(uri=f"{root}/pub", every_steps=1)
+    first = deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/a", publish=pub))
+    try:
+        first.step(0)
+        assert first.flush()
+        with pytest.raises(LeaseHeldError, match="pub"):
+            deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=pub))
+        train_step(model, opt, SPEC, 1)
+        first.step(1)  # the refused job took nothing from the first: it goes on publishing
+        assert first.flush()
+    finally:
+        first.close()
+    assert [c.step for c in deck.list_checkpoints(f"{root}/pub")] == [0, 1]
+    assert deck.list_checkpoints(f"{root}/b") == []
+    # Its lease released with the first job's close, the publish URI is free for another
+    model2, opt2 = build_model(SPEC)
+    deck.enable(model2, [opt2], deck.DeckConfig(uri=f"{root}/b", publish=pub)).close()
+
+
+@pytest.mark.slow
+def test_a_second_job_publishing_to_the_same_uri_is_refused(tmp_path: Path) -> None:
+    run_ranks(_two_publishers, str(tmp_path))
+
+
 def _fenced_out(rank: int, world_size: int, uri: str) -> None:
     """A trainer whose lease was taken over (as when it was paused past its expiry and another
     job started): its next commit record is refused by the fence, flush() says so, and the
