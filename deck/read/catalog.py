@@ -272,12 +272,12 @@ def _read_manifests(
         wanted = [k for k in manifest_keys(storage) if record_key_kind(k) is not None]
         records = {k: d for k, d in get_records(storage, wanted) if d is not None}
         index = whole_read(storage, logged, records)
-        return manifest_set(storage, records.items(), index)
+        return manifest_set(storage, records.items(), index, said=previous)
     if previous is not None and last is not None and index.records is last.records:
         previous.index = index  # (nothing new: the same records, so the same set)
         return previous
     parsed = previous.parsed if last is not None and previous is not None else None
-    return manifest_set(storage, sorted(index.records.items()), index, parsed)
+    return manifest_set(storage, sorted(index.records.items()), index, parsed, said=previous)
 
 
 def refresh_catalog(storage: Storage, manifests: ManifestSet | None = None) -> int | None:
@@ -321,10 +321,14 @@ def manifest_set(
     records: Iterable[tuple[str, bytes | CorruptCheckpointError | None]],
     index: IndexedRead | None,
     parsed: Mapping[str, tuple[bytes, CheckpointManifest]] | None = None,
+    said: ManifestSet | None = None,
 ) -> ManifestSet:
     """The checkpoints of ``records`` (each record key with its bytes, None when it is gone:
     not committed, or replaced or deleted by GC since the listing). ``parsed``: commit records
-    parsed before, by key with their bytes (the same bytes at the same key parse the same)."""
+    parsed before, by key with their bytes (the same bytes at the same key parse the same).
+    ``said``: the caller's last read, whose damaged records were logged then: the same problem
+    again is logged at DEBUG (a follower polling every second would otherwise say it forever),
+    a new or changed one at WARNING."""
     trainer: dict[int, CheckpointManifest] = {}
     merged: dict[str, CheckpointManifest] = {}
     done: dict[str, tuple[bytes, CheckpointManifest]] = {}
@@ -379,12 +383,21 @@ def manifest_set(
     def refuse(key: str, e: CorruptCheckpointError) -> None:
         step, folder = record_key_kind(key) or (None, None)
         if step is not None:
-            logger.warning("step %d is not restorable: %s", step, e)
+            known = said is not None and said.damaged.get(step) == str(e)
+            logger.log(
+                logging.DEBUG if known else logging.WARNING,
+                "step %d is not restorable: %s",
+                step,
+                e,
+            )
             damaged[step] = str(e)
         elif folder is not None:
-            logger.warning("ignoring merged checkpoint: %s", e)
             named = parse_merged_dir(folder)
             assert named is not None  # checked when the key was chosen
+            known = said is not None and said.damaged_merged.get(named[0]) == str(e)
+            logger.log(
+                logging.DEBUG if known else logging.WARNING, "ignoring merged checkpoint: %s", e
+            )
             damaged_merged[named[0]] = str(e)
         else:
             logger.warning("ignoring quarantine record: %s", e)

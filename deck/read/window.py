@@ -49,6 +49,7 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
     if step is not None:
         lowest = min(lowest, max(0, sum(1 for r in refs if r.first <= step) - 1))
     parsed: Mapping[str, tuple[bytes, CheckpointManifest]] = {}
+    out: ManifestSet | None = None  # (each damaged record said by the first round only)
     while len(refs) - lowest <= max(2, int(len(refs) * _MOST)):
         try:
             load_segments(storage, index, refs[lowest:])
@@ -56,7 +57,7 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
             return None
         unread = [r.newest for r in refs[:lowest] if r.newest is not None]
         window = Window(floor=refs[lowest].first, horizon=max(unread) if unread else None)
-        out = manifest_set(storage, sorted(index.records.items()), index, parsed)
+        out = manifest_set(storage, sorted(index.records.items()), index, parsed, said=out)
         parsed = out.parsed
         out.window = window if lowest > 0 else None  # (from the first segment on: all of it)
         out.witness, out.witness_listed = witness, True
