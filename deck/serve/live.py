@@ -25,7 +25,8 @@ Guarantees:
   the model is then held at that step until :meth:`resume`.
 - **Reported.** Every switch is one INFO line and a :class:`VersionSwitch` to ``on_switch``
   (step, rows, slices, seconds, staleness: the publisher's commit of the version, the file time
-  of its commit record, -> visible to requests).
+  of its commit record, -> visible to requests). A callback that raises is logged with its
+  traceback and changes nothing: the switch (or the refusal) and its bookkeeping stand.
 
 The source is a publish URI's files (a :class:`deck.storage.Storage`, read by
 :class:`deck.serve.live_source.PublishSource`) or a Kafka topic
@@ -45,6 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -225,8 +227,7 @@ class LiveModel:
             self.version[0],
             self.version[1] or "-",
         )
-        if self.on_fault is not None:
-            self.on_fault(fault)
+        _tell(self.on_fault, fault, "on_fault")
 
     def prepare(self, plan: Plan) -> PreparedVersion:
         """Read, check and encode ``plan``'s version (nothing is written). A whole version keeps
@@ -310,8 +311,7 @@ class LiveModel:
             "" if stale is None else f"; visible {stale:.3f} s after its commit",
             "" if switch.found_s is None else f" (found after {switch.found_s:.3f} s)",
         )
-        if self.on_switch is not None:
-            self.on_switch(switch)
+        _tell(self.on_switch, switch, "on_switch")
 
     # ---- rollback -----------------------------------------------------------------------------
     def kept_steps(self) -> list[int]:
@@ -466,3 +466,15 @@ class LiveModel:
                     self.config.poll_s,
                 )
             self._stop.wait(self.config.poll_s)
+
+
+def _tell(callback: Callable[[Any], None] | None, what: Any, name: str) -> None:
+    """Call a user's callback: one that raises is logged, never raised into the applier (the
+    version is switched already; the bookkeeping after the call, such as dropping the kept
+    versions of a timeline the trainer abandoned, must still run)."""
+    if callback is None:
+        return
+    try:
+        callback(what)
+    except Exception:
+        logger.exception("deck live: the %s callback raised (the applier goes on)", name)

@@ -146,18 +146,30 @@ def _timelines(rank: int, world_size: int, root: str, rollback: bool) -> None:
         assert ck.flush()
 
 
+def _raise(switch: VersionSwitch) -> None:
+    raise RuntimeError(f"a user's callback failed at step {switch.step}")
+
+
+@pytest.mark.parametrize("on_switch", [None, _raise], ids=["quiet", "raising_callback"])
 def test_a_rollback_of_the_trainer_is_followed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, on_switch: Any
 ) -> None:
     """A break-it finding: after the trainer rolled back (restore(2), trained on to step 4) the
     live model kept serving step 6 of the abandoned timeline -- a fault "out of order" -- while
     `deck follow` went to the new timeline. The newer timeline's step is served now, bitwise,
-    the kept versions (of the old timeline) dropped, said once."""
+    the kept versions (of the old timeline) dropped, said once. An ``on_switch`` that raises
+    changes none of it (before, it skipped the drop: a rollback could go back to a step of the
+    abandoned timeline)."""
     root = str(tmp_path)
     run_ranks(_timelines, root, False)
     served = serving_models(SPEC)
     faults: list[LiveFault] = []
-    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"), on_fault=faults.append)
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(f"{root}/pub"),
+        on_fault=faults.append,
+        on_switch=on_switch,
+    )
     assert [s.step for s in live.poll()] == [6]
     live.rollback(4)  # a kept version, then on again
     live.resume()
