@@ -480,7 +480,8 @@ class DeckConfig(Settings):
     - ``track_eval``: also record ids looked up by eval-mode forwards under ``no_grad`` (off:
       nothing updates their rows; an eval-mode forward a backward may follow is always tracked).
     - ``save_rng``: save and restore every rank's torch RNG states (on by default).
-    - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI (None: no lease).
+    - ``lease_ttl_s``: the writer lease that keeps a second trainer off the URI and the publish
+      URI (None: no lease).
     - ``publish``: an optional publisher tenant (:class:`PublishConfig`).
     """
 
@@ -543,7 +544,9 @@ class DeckConfig(Settings):
         description="Writer lease lifetime, renewed every third of it: a second trainer on the URI "
         "waits up to this long for it, then is refused; a crashed holder on the same host is taken "
         "over at once. Renewals failing for longer (a store outage) refuse checkpoints until the "
-        "store answers and deck takes the lease again. None disables the lease.",
+        "store answers and deck takes the lease again. The publish URI (publish.uri, or its "
+        "state_uri for a Kafka topic) has a lease of its own, taken the same way. None disables "
+        "both.",
     )
     staging: StagingConfig = Field(
         default_factory=StagingConfig,
