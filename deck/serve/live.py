@@ -39,11 +39,12 @@ requests from any number of threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -133,9 +134,13 @@ class LiveModel:
         self.clock, self.sleep = clock, sleep
         self._due: float | None = None  # when the pace allows the next version (_pace)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set while stop() waits: the applier ends its poll
         self._thread: threading.Thread | None = None
+        self._thread_stop = threading.Event()  # the background thread's own: it exits
         self._closed = False
+        # Callbacks to call once the applier's lock is released (_deliver): a callback may call
+        # rollback(), resume(), stop() or close() (a canary's automatic rollback)
+        self._told: deque[tuple[str, Any]] = deque()
 
     # ---- what is served ---------------------------------------------------------------------
     @property
@@ -165,8 +170,8 @@ class LiveModel:
         self.gate.refuse_inside("poll()")
         self._check_open("poll()")
         out: list[VersionSwitch] = []
-        with self._lock:
-            while not self.held and not self._stop.is_set():
+        with self._delivering(), self._lock:
+            while not self.held and not self._stop.is_set() and not self._closed:
                 served = None if self.version == INITIAL else self.version
                 plans = self.source.next_plans(served, frozenset(self.bad))
                 for f in self.source.take_faults():
@@ -176,18 +181,21 @@ class LiveModel:
                 if not plans:
                     break
                 self._pace()
+                if self._stop.is_set() or self._closed:
+                    break  # (stopped or closed during the pace: no further version)
                 prepared = self._prepare_or_refuse(plans[0])
                 if prepared is None:
                     continue  # refused: plan again around it
                 before = self.version
                 out.append(self._apply(prepared))
                 if plans[0].timeline:
-                    # The kept rows lead back to versions of the abandoned timeline
+                    # The kept rows lead back to versions of a timeline that may be abandoned
                     self.history.clear()
                     logger.warning(
-                        "deck live: the trainer rolled back: step %d (checkpoint %s) of a newer "
-                        "timeline at %s replaces the served step %d (checkpoint %s), which it "
-                        "abandoned; the kept versions are dropped",
+                        "deck live: the publisher started a newer timeline (its trainer "
+                        "restarted or rolled back): step %d (checkpoint %s) of it at %s replaces "
+                        "the served step %d (checkpoint %s) of the older one; the kept versions "
+                        "are dropped",
                         plans[0].step,
                         plans[0].state[1],
                         self.source.uri,
@@ -227,7 +235,7 @@ class LiveModel:
             self.version[0],
             self.version[1] or "-",
         )
-        _tell(self.on_fault, fault, "on_fault")
+        self._tell("on_fault", fault)
 
     def prepare(self, plan: Plan) -> PreparedVersion:
         """Read, check and encode ``plan``'s version (nothing is written). A whole version keeps
@@ -261,8 +269,13 @@ class LiveModel:
             where = f"{checkpoint_label(last)} at {self.source.uri}"
             try:
                 dense = self.dense.prepare(read_dense(self.source.storage, last, got.parts), where)
-            except (CorruptCheckpointError, IncompatibleModelError) as e:
+            except CorruptCheckpointError as e:
                 raise RefusedUpdateError(str(e), last) from e
+            except IncompatibleModelError as e:
+                # Another model's dense state: so is the rest of the chain from its full, which
+                # is marked, not each step built on it in turn (a break-it finding: the first
+                # poll read every step's whole chain, newest first, back to the full)
+                raise RefusedUpdateError(str(e), plan.chain[0] if plan.whole else last) from e
         return PreparedVersion(
             state=plan.state,
             kind="full" if plan.whole else "delta",
@@ -311,7 +324,39 @@ class LiveModel:
             "" if stale is None else f"; visible {stale:.3f} s after its commit",
             "" if switch.found_s is None else f" (found after {switch.found_s:.3f} s)",
         )
-        _tell(self.on_switch, switch, "on_switch")
+        self._tell("on_switch", switch)
+
+    def _tell(self, name: str, what: Any) -> None:
+        """Queue a callback's call; delivered once no applier holds the lock (at once when
+        none does: :meth:`finished` called by hand)."""
+        self._told.append((name, what))
+        if not self._lock.locked():
+            self._deliver()
+
+    @contextlib.contextmanager
+    def _delivering(self) -> Iterator[None]:
+        """Around an applier's ``with self._lock``: the callbacks it queued are called after the
+        lock is released, whatever it raised."""
+        try:
+            yield
+        finally:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Call the queued callbacks, in order. One that raises is logged, never raised into
+        the applier (the version is switched already; the bookkeeping after it stands)."""
+        while True:
+            try:
+                name, what = self._told.popleft()
+            except IndexError:
+                return
+            callback = getattr(self, name)
+            if callback is None:
+                continue
+            try:
+                callback(what)
+            except Exception:
+                logger.exception("deck live: the %s callback raised (the applier goes on)", name)
 
     # ---- rollback -----------------------------------------------------------------------------
     def kept_steps(self) -> list[int]:
@@ -332,7 +377,7 @@ class LiveModel:
         if not isinstance(step, int) or isinstance(step, bool):
             raise ConfigError(f"rollback(step): a step is an int, got {step!r}")
         self.gate.refuse_inside("rollback()")
-        with self._lock:
+        with self._delivering(), self._lock:
             kept = self.kept_steps()
             if step < 0:
                 raise ConfigError(
@@ -420,26 +465,37 @@ class LiveModel:
         self._check_open("start()")
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._loop, name="deck-live", daemon=True)
+        self._thread_stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(self._thread_stop,), name="deck-live", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
         """Stop the background thread after the version it is writing, if any, which is then
-        written without the cap's pauses (a capped version took seconds to stop)."""
+        written without the cap's pauses (a capped version took seconds to stop). From a
+        callback on that thread, it stops once the callback returns."""
+        thread, self._thread = self._thread, None
+        self._thread_stop.set()
+        if thread is threading.current_thread():
+            return  # (its poll is over: the callbacks run after it)
         self._stop.set()
         self.gate.hurry()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if thread is not None:
+            thread.join()
         self._stop.clear()  # (poll() by hand goes on as before)
         self.gate.hurry(False)
 
     def close(self) -> None:
-        """:meth:`stop`, then close the source (a Kafka source's consumers); the served
-        version stays readable (``serving()``), and :meth:`poll` / :meth:`start` after it raise
-        :class:`ConfigError`."""
+        """:meth:`stop`, wait for a :meth:`poll` running on another thread to end its version,
+        then close the source (a Kafka source's consumers); the served version stays readable
+        (``serving()``), and :meth:`poll` / :meth:`start` after it raise :class:`ConfigError`."""
+        self._closed = True  # (a poll on another thread applies no further version)
         self.stop()
-        self._closed = True
+        self.gate.hurry()
+        with self._lock:  # the version in flight, written without the cap's pauses
+            pass
+        self.gate.hurry(False)
         close = getattr(self.source, "close", None)
         if callable(close):
             close()
@@ -451,8 +507,8 @@ class LiveModel:
                 "new one to apply more versions"
             )
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
                 self.poll()
             except DeckError as e:
@@ -465,16 +521,4 @@ class LiveModel:
                     self.source.uri,
                     self.config.poll_s,
                 )
-            self._stop.wait(self.config.poll_s)
-
-
-def _tell(callback: Callable[[Any], None] | None, what: Any, name: str) -> None:
-    """Call a user's callback: one that raises is logged, never raised into the applier (the
-    version is switched already; the bookkeeping after the call, such as dropping the kept
-    versions of a timeline the trainer abandoned, must still run)."""
-    if callback is None:
-        return
-    try:
-        callback(what)
-    except Exception:
-        logger.exception("deck live: the %s callback raised (the applier goes on)", name)
+            stop.wait(self.config.poll_s)

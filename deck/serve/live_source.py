@@ -2,8 +2,8 @@
 ``deck follow`` reads it (committed records, the cheapest chain of the newest step).
 
 Guarantees: a plan moves the served step backwards only to follow a newer timeline (the trainer
-rolled back past the served checkpoint, still committed on its older timeline: the newest step
-is planned whole); any other newest step at or below the served one (the served folder deleted,
+restarted or rolled back since the served checkpoint, which may still be committed on its older
+timeline or have had its step re-saved by the newer one: the newest step is planned whole); any other newest step at or below the served one (the served folder deleted,
 a store restored from an older copy) is left alone and reported once as a
 :class:`SourceFault`, which the live model logs and passes to its ``on_fault``; a
 delta is planned only onto the exact state it was written on (step and id); a checkpoint the
@@ -27,6 +27,7 @@ from deck.storage import Storage
 logger = logging.getLogger(__name__)
 
 State = tuple[int, str]  # (step, trainer checkpoint id): a served version
+KEEP_EPOCHS = 256  # versions whose epoch a source remembers (the served one among them)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class Plan:
 
     chain: tuple[CheckpointManifest, ...]
     whole: bool
-    # The served version's timeline was abandoned (the trainer rolled back past it): this whole
-    # version of the newer timeline replaces it, though its step may be lower
+    # The served version is of an older timeline (the trainer restarted or rolled back since):
+    # this whole version of the newer timeline replaces it, though its step may be lower
     timeline: bool = False
 
     @property
@@ -108,6 +109,9 @@ class PublishSource:
         self._found = False  # a poll found a committed step here
         self._said_empty = False
         self._said_stuck: frozenset[str] = frozenset()  # refused ids last said to hold steps
+        # The epoch of each version planned lately (checkpoint id -> epoch): the served one's
+        # commit record may be gone from the graph (a newer timeline re-saved its step, or GC)
+        self._epochs: dict[str, int] = {}
 
     @property
     def uri(self) -> str:
@@ -138,6 +142,19 @@ class PublishSource:
         """The versions after ``served``, in order, one per checkpoint of the newest step's
         chain after the served state (or one whole version when the chain does not pass
         through it). Empty when nothing newer is restorable without ``exclude``."""
+        plans = self._next_plans(served, exclude)
+        for plan in plans:
+            self._remember(plan)
+        return plans
+
+    def _remember(self, plan: Plan) -> None:
+        """Keep the epoch of ``plan``'s version (the newest few only)."""
+        self._epochs.pop(plan.state[1], None)
+        self._epochs[plan.state[1]] = int(plan.chain[-1].epoch)
+        while len(self._epochs) > KEEP_EPOCHS:
+            del self._epochs[next(iter(self._epochs))]
+
+    def _next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
         graph = self._graph()
         self._damaged(served)
         self._empty(graph is None)
@@ -180,15 +197,18 @@ class PublishSource:
                 step,
             )
 
-    @staticmethod
-    def _newer_timeline(graph: LineageGraph, served: State | None) -> int | None:
-        """The latest step, when the served version's checkpoint is still committed on an older
-        timeline than its (a rollback of the trainer left it behind); else None."""
-        node = None if served is None else graph.nodes.get(served[1])
-        if node is None:
+    def _newer_timeline(self, graph: LineageGraph, served: State | None) -> int | None:
+        """The latest step, when it is of a newer timeline than the served version (the trainer
+        restarted or rolled back since; the served checkpoint may still be committed on its
+        older timeline, or its step re-saved by the newer one); else None."""
+        if served is None:
             return None
+        node = graph.nodes.get(served[1])
+        epoch = self._epochs.get(served[1]) if node is None else node.epoch
         latest = graph.latest(log=False)
-        return latest if latest is not None and node.epoch < graph.trainer[latest].epoch else None
+        if epoch is None or latest is None:
+            return None
+        return latest if epoch < graph.trainer[latest].epoch else None
 
     def _plans(self, chain: list[CheckpointManifest], served: State | None) -> list[Plan]:
         last = chain[-1]
@@ -290,4 +310,6 @@ class PublishSource:
                 raise CheckpointNotFoundError(f"no committed checkpoints at {self.uri}")
             # Committed, none restorable: the chain's own error says what the step lacks
             graph = build_graph(self._last, self.uri)
-        return Plan(tuple(cheapest_chain(graph, step, exclude=exclude)), whole=True)
+        plan = Plan(tuple(cheapest_chain(graph, step, exclude=exclude)), whole=True)
+        self._remember(plan)
+        return plan

@@ -126,10 +126,10 @@ def test_a_foreign_update_is_refused_and_the_served_version_stays(
     assert live.step == 4 and len(faults) == 1 and not caplog.records
 
 
-def _timelines(rank: int, world_size: int, root: str, rollback: bool) -> None:
+def _timelines(rank: int, world_size: int, root: str, rollback: bool, last: int = 4) -> None:
     """A trainer checkpointing and publishing steps 0..6; with ``rollback``, rolled back to
-    step 2 (bad data found, say) and trained on to step 4: a newer timeline whose steps are
-    below the one served."""
+    step 2 (bad data found, say) and trained on to step ``last``: a newer timeline whose steps
+    are below the one served (or, ``last`` 6, re-save the served step)."""
     model, opt = build_model(SPEC)
     config = deck.DeckConfig(
         uri=f"{root}/ckpt",
@@ -139,7 +139,7 @@ def _timelines(rank: int, world_size: int, root: str, rollback: bool) -> None:
     with deck.enable(model, [opt], config) as ck:
         if rollback:
             assert ck.restore(2) == 2
-        for step in (3, 4) if rollback else range(0, 7):
+        for step in range(3, last + 1) if rollback else range(0, 7):
             if step:
                 train_step(model, opt, SPEC, step + 100 * rollback)  # (other data then)
             ck.step(step)
@@ -180,8 +180,26 @@ def test_a_rollback_of_the_trainer_is_followed(
         assert live.poll() == []
     assert not faults and live.kept_steps() == []
     assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
-    said = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "newer timeline" in r.getMessage()]
     assert len(said) == 1 and "replaces the served step 6" in said[0], said
+
+
+def test_a_rollback_that_re_saves_the_served_step_is_followed(tmp_path: Path) -> None:
+    """A break-it finding: the trainer restarted from an older checkpoint (or rolled back) and
+    published the served step again, replacing its commit record: the live model took the
+    newer timeline's step for one "out of order" and served the abandoned weights for good
+    (``deck follow`` moved on)."""
+    root = str(tmp_path)
+    run_ranks(_timelines, root, False)
+    served = serving_models(SPEC)
+    faults: list[LiveFault] = []
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"), on_fault=faults.append)
+    assert [s.step for s in live.poll()] == [6]
+    old = live.version
+    run_ranks(_timelines, root, True, 6)
+    assert [(s.step, s.kind) for s in live.poll()] == [(6, "full")]
+    assert not faults and live.version != old and live.kept_steps() == []
+    assert not bitwise_diff(served, reference(f"{root}/pub", 6, SPEC))
 
 
 def test_an_out_of_order_update_is_refused_and_the_served_version_stays(
@@ -736,3 +754,135 @@ def test_stop_writes_the_version_in_flight_without_the_caps_pauses(root: str) ->
     live.stop()
     assert live.step == 4 and not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
     assert live.poll() == []  # nothing newer; poll() after stop() polls as before
+
+
+# ---- callbacks, stop and close ----------------------------------------------------------------
+def _in_thread(call: Any) -> None:
+    """Run ``call`` on a thread of its own; a hang guard, not a timing: it fails the test
+    instead of hanging the suite."""
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(300)
+    assert not t.is_alive(), "hung"
+
+
+def test_callbacks_may_call_back_into_the_live_model(root: str) -> None:
+    """A break-it finding: ``on_switch`` calling ``rollback()`` (a canary's automatic rollback)
+    and ``on_fault`` calling ``resume()`` hung for good (the callbacks ran under the applier's
+    lock). They are called once it is released."""
+    pub = f"{root}/pub"
+    served = serving_models(SPEC)
+    calls: list[str] = []
+
+    def canary(switch: VersionSwitch) -> None:
+        calls.append(f"switch {switch.step}")
+        if switch.step == 4:
+            live.rollback(2)
+
+    live = LiveModel(list(served.values()), LocalStorage(pub), on_switch=canary)
+    assert [s.step for s in live.poll()] == [4]  # (the whole version of the newest step)
+    live.rollback(0)
+    live.resume()
+    _in_thread(live.poll)
+    assert live.step == 2 and live.held, calls
+    assert not bitwise_diff(served, reference(pub, 2, SPEC))
+
+    faulty = serving_models(SPEC)
+    foreign = LiveModel(
+        list(faulty.values()),
+        LocalStorage(f"{root}/pub-foreign"),
+        on_fault=lambda f: (calls.append(f"fault {f.step}"), foreign.resume()),
+    )
+    _in_thread(foreign.poll)
+    assert foreign.step == 4 and f"fault {FOREIGN_STEP}" in calls
+
+
+def test_stop_from_a_callback_on_the_applier_thread_stops_it_and_start_starts_it_again(
+    root: str, tmp_path: Path
+) -> None:
+    """A break-it finding: ``stop()`` from ``on_switch`` on the background thread raised
+    "cannot join current thread" (logged as "the applier goes on"), the thread ended, and
+    ``start()`` did nothing after it (a stale handle): nothing was applied again."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    shutil.rmtree(Path(pub, step_dir(4)))
+    served = serving_models(SPEC)
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(pub),
+        LiveConfig(poll_s=0.05),
+        on_switch=lambda s: live.stop(),
+    )
+    live.start()
+    until(lambda: live._thread is None)  # stopped by its own callback
+    assert live.step == 2
+    shutil.copytree(Path(root, "pub", step_dir(4)), Path(pub, step_dir(4)))
+    live.on_switch = None
+    live.start()
+    until(lambda: live.step == 4)
+    live.close()
+    assert not bitwise_diff(served, reference(pub, 4, SPEC))
+
+
+def test_close_ends_a_poll_running_on_another_thread(root: str, tmp_path: Path) -> None:
+    """A break-it finding: ``close()`` returned at once while a ``poll()`` on another thread
+    went on switching versions (and would read a Kafka source it closed). It waits for the
+    version in flight; no further version is applied."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    for step in (2, 4):
+        shutil.rmtree(Path(pub, step_dir(step)))
+    served = serving_models(SPEC)
+    closing: list[threading.Thread] = []
+
+    paces: list[float] = []
+
+    def pace(wait_s: float) -> None:  # the cap's pause before each version after the first
+        paces.append(wait_s)
+        if len(paces) == 2:  # before the second version of the poll: close() from elsewhere
+            closing.append(threading.Thread(target=live.close))
+            closing[0].start()
+            until(lambda: live._closed)  # close() began
+
+    live = LiveModel(
+        list(served.values()),
+        LocalStorage(pub),
+        LiveConfig(rows_per_s=1000),
+        clock=lambda: 0.0,  # (time stands still: every version after the first waits)
+        sleep=pace,
+    )
+    assert [s.step for s in live.poll()] == [0]
+    for step in (2, 4):
+        shutil.copytree(Path(root, "pub", step_dir(step)), Path(pub, step_dir(step)))
+    switched: list[VersionSwitch] = []
+    _in_thread(lambda: switched.extend(live.poll()))
+    closing[0].join(300)
+    assert [s.step for s in switched] == [2] and live.step == 2
+    with pytest.raises(ConfigError, match="closed"):
+        live.poll()
+
+
+def test_a_serving_model_of_other_dense_shapes_is_refused_once_not_per_step(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a serving model whose MLPs are of other shapes than the trained
+    one's was refused step by step, newest first, each step's whole chain read again back to
+    the full (a quadratic first poll over a long publish chain, an ERROR per step). The full
+    the chain starts from is refused: one fault, one read."""
+    from live_helpers import table_configs
+    from torchrec import EmbeddingBagCollection
+    from torchrec.models.dlrm import DLRM
+
+    served = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=table_configs(SPEC)),
+        dense_in_features=13,
+        dense_arch_layer_sizes=[16, SPEC.dim],  # (trained with 32)
+        over_arch_layer_sizes=[32, 1],
+    )
+    faults: list[LiveFault] = []
+    live = LiveModel(served, LocalStorage(f"{root}/pub"), on_fault=faults.append)
+    with caplog.at_level(logging.ERROR, logger="deck.serve.live"):
+        assert live.poll() == [] and live.poll() == []
+    assert len(faults) == 1 and "dense tensor" in faults[0].error, faults
+    assert faults[0].step == 4 and step_dir(0) in faults[0].checkpoint
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
