@@ -401,6 +401,13 @@ class PublishConfig(Settings):
         default_factory=dict,
         description="Passed to fsspec for the publish URI: credentials, endpoint.",
     )
+    take_over: bool = Field(
+        default=False,
+        description="Publish to a URI where another job (another checkpoint URI) published: "
+        "followers and live models there move to this job's model at its first publish. "
+        "False: such a URI is refused at enable (its _job.json names the other job's "
+        "checkpoints); this job's own restarts are never refused.",
+    )
     quantize: Literal["none", "fp16", "bf16", "int8"] = Field(
         default="none",
         description="Row-wise encoding of the weights in published checkpoints (Check-N-Run): "

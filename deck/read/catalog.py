@@ -245,8 +245,8 @@ def read_manifests(
     by default the records are read through the catalog where the store keeps one
     (:mod:`deck.read.indexed`: the newest catalog, the log after it and the records it names),
     else each record the store lists (:func:`manifest_keys`): the same result either way.
-    ``previous``: the caller's last read of this store (a merger or follower polling it): its
-    read goes on from there, and records whose bytes did not change are not parsed again;
+    ``previous``: the caller's last read of this store (a merger or follower polling it; with
+    ``keys``, only what it said is not said again): its read goes on from there, and records whose bytes did not change are not parsed again;
     when nothing was committed since, ``previous`` itself is returned (with this read's
     ``index``), so a poll that finds nothing new costs its few reads, not the history's length.
     """
@@ -260,7 +260,7 @@ def _read_manifests(
     if keys is not None:
         wanted = [k for k in keys if record_key_kind(k) is not None]
         read = dict(get_records(storage, wanted))
-        out = manifest_set(storage, read.items(), None)
+        out = manifest_set(storage, read.items(), None, said=previous)
         out.raw = {k: v for k, v in read.items() if v is not None}
         return out
     last = previous.index if previous is not None and previous.uri == storage.uri else None

@@ -934,7 +934,7 @@ def confirmed(
     if index is None:
         return manifests
     if latest and index.catalog is not None and not _newest_epoch_held(storage, manifests, step):
-        return _read_every_record(storage, step, said=True)
+        return _read_every_record(storage, step, manifests, said=True)
     keys: list[str] = []
     chain: list[CheckpointManifest] = []
     low = 0
@@ -952,7 +952,7 @@ def confirmed(
                 step,
                 storage.uri,
             )
-            return _read_every_record(storage, step, said=True)
+            return _read_every_record(storage, step, manifests, said=True)
         if not chain:  # a step the catalog does not hold: agreed if the store holds none either
             keys.append(f"{step_dir(step)}/{MANIFEST}")
         keys += [f"{m.folder}/{MANIFEST}" for m in chain]
@@ -985,7 +985,7 @@ def confirmed(
         now = {}
     if all(k in now and now[k] == _indexed_bytes(index.records.get(k)) for k in keys):
         return manifests
-    return _read_every_record(storage, step)
+    return _read_every_record(storage, step, manifests)
 
 
 def _records_between(
@@ -1056,11 +1056,15 @@ def _newest_epoch_held(storage: Storage, manifests: ManifestSet, step: int | Non
 _TOLD_NO_WITNESS: set[str] = set()
 
 
-def _read_every_record(storage: Storage, step: int | None, *, said: bool = False) -> ManifestSet:
+def _read_every_record(
+    storage: Storage, step: int | None, known: ManifestSet, *, said: bool = False
+) -> ManifestSet:
+    """Every commit record at ``storage`` again (``known``: the read it replaces, whose damaged
+    records were said then)."""
     if not said:
         logger.warning(
             "the catalog at %s does not agree with the commit records %s: reading every record",
             storage.uri,
             "a restore of the latest step relies on" if step is None else f"of step {step}",
         )
-    return read_manifests(storage, manifest_keys(storage))
+    return read_manifests(storage, manifest_keys(storage), previous=known)

@@ -171,7 +171,7 @@ class Follower:
         if newer and same_tables == self.tables:
             update = self.apply(newer, parts)
         else:
-            update = self.materialise(latest)
+            update = self.materialise(latest, chain)
         update.chain_bytes = chain_bytes(chain)
         update.seconds = time.perf_counter() - t0
         return update
@@ -229,10 +229,11 @@ class Follower:
             parent = m.state
         return total
 
-    def materialise(self, step: int) -> FollowUpdate:
-        """Rebuild the held state from committed ``step`` (its cheapest chain), then write the
-        output once (a full update)."""
-        st = StepState(self.storage, step, self.allow_quantized)
+    def materialise(self, step: int, chain: list[CheckpointManifest] | None = None) -> FollowUpdate:
+        """Rebuild the held state from committed ``step`` (its cheapest chain: ``chain`` when
+        the caller just chose it from the records), then write the output once (a full
+        update)."""
+        st = StepState(self.storage, step, self.allow_quantized, chain)
         self.encodings = {m.encoding for m in st.chain if m.encoding is not None}
         tensors: dict[str, torch.Tensor] = {}
         shards: list[_Shard] = []

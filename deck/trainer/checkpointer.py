@@ -45,6 +45,7 @@ from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease, Leases
 from deck.trainer.loader import StateLoader, next_epoch
+from deck.trainer.publish_owner import claim
 from deck.trainer.rng import capture_rng
 from deck.trainer.staging import (
     CheckpointStats,
@@ -349,14 +350,18 @@ class DeltaCheckpointer:
         sink_only = sink.role == "publish"
         place = cfg.state_uri if sink_only and cfg.state_uri else cfg.uri
         publish_storage_given = storage is not None
-        storage = storage or open_storage(place, cfg.storage_options)
+        store = storage or open_storage(place, cfg.storage_options)
         _require_shared(place, "DeckConfig.publish", self.coord.world_size)
         timeout_s = self.config.staging.upload_timeout_s
-        # One job per publish URI, as per checkpoint URI: two jobs publishing to one place would
-        # each start a timeline there in turn, and a follower or live model would switch from
-        # one job's model to the other's without a word. The publish chain's commits are
-        # fenced by both leases: a job taken over at either URI publishes nothing more.
-        self._pub_lease = self._take_lease(storage)
+        # One job per publish URI, as per checkpoint URI: two jobs publishing to one place
+        # (at once, or one after the other: deck.trainer.publish_owner) would each start a
+        # timeline there in turn, and a follower or live model would switch from one job's
+        # model to the other's without a word. The publish chain's commits are fenced by both
+        # leases: a job taken over at either URI publishes nothing more.
+        self._pub_lease = self._take_lease(
+            store, then=lambda: claim(store, self.config.uri, cfg.take_over)
+        )
+        storage = store
         lease: Lease | Leases | None = self._lease
         if self._lease is not None and self._pub_lease is not None:
             lease = Leases(self._lease, self._pub_lease)
@@ -373,26 +378,38 @@ class DeltaCheckpointer:
             reopen = Reopen(place, cfg.storage_options, publish, self.coord.world_size, timeout_s)
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, lease, quantize)
 
-    def _take_lease(self, storage: Storage) -> Lease | None:
-        """Rank 0 takes the writer lease of ``storage`` (collective: every rank raises if it
-        could not); None on other ranks, or without ``lease_ttl_s``."""
-        if self.config.lease_ttl_s is None:
-            return None
+    def _take_lease(self, storage: Storage, then: Callable[[], None] | None = None) -> Lease | None:
+        """Rank 0 takes the writer lease of ``storage``, then runs ``then`` holding it
+        (collective: every rank raises if either failed, and the lease is given back); None on
+        other ranks, or without ``lease_ttl_s`` (``then`` still runs)."""
         lease, error = None, None
         if self.coord.rank == 0:
-            lease = Lease(storage, self.config.lease_ttl_s, wait_s=self.config.lease_ttl_s)
             try:
-                lease.acquire()
+                if self.config.lease_ttl_s is not None:
+                    ttl = self.config.lease_ttl_s
+                    lease = Lease(storage, ttl, wait_s=ttl)
+                    lease.acquire()
+                if then is not None:
+                    then()
             except Exception as e:  # whatever it is, the other ranks must not wait in the broadcast
                 error = e
+                if lease is not None:
+                    lease.release()
+                lease = None
+        # (1: taken; 2: refused by ``then`` with a ConfigError; 0: any other failure)
+        code = 1 if error is None else 2 if isinstance(error, ConfigError) else 0
         try:
-            ok = self.coord.broadcast_int(0 if error else 1)
+            code = self.coord.broadcast_int(code)
         except BaseException:
             if lease is not None:
                 lease.release()  # not returned, so construction could not give it back
             raise
-        if ok == 0:
-            raise error or LeaseHeldError(
+        if error is not None:
+            raise error
+        if code == 2:
+            raise ConfigError(f"rank 0 refused {storage.uri}; see rank 0's error")
+        if code == 0:
+            raise LeaseHeldError(
                 f"rank 0 could not take the writer lease of {storage.uri}; see rank 0's error"
             )
         return lease

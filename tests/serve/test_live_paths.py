@@ -54,9 +54,12 @@ EC_LAST = 6
 FOREIGN_STEP = 20
 
 
-def _publish(spec: ModelSpec, ckpt: str, pub: str, steps: range, every: int) -> None:
+def _publish(
+    spec: ModelSpec, ckpt: str, pub: str, steps: range, every: int, take_over: bool = False
+) -> None:
     model, opt = build_model(spec)
-    config = deck.DeckConfig(uri=ckpt, publish=deck.PublishConfig(uri=pub, every_steps=every))
+    publish = deck.PublishConfig(uri=pub, every_steps=every, take_over=take_over)
+    config = deck.DeckConfig(uri=ckpt, publish=publish)
     with deck.enable(model, [opt], config) as ck:
         for step in steps:
             if step:
@@ -68,8 +71,8 @@ def _publish(spec: ModelSpec, ckpt: str, pub: str, steps: range, every: int) -> 
 def _jobs(rank: int, world_size: int, root: str) -> None:
     _publish(SPEC, f"{root}/ckpt", f"{root}/pub", range(0, 5), 2)
     _publish(EC, f"{root}/ckpt-ec", f"{root}/pub-ec", range(0, EC_LAST + 1), 2)
-    # Another model's job pointed at (a copy of) the DLRM's publish URI: its first publish, a
-    # full, is the newest step there.
+    # Another model's job pointed at (a copy of) the DLRM's publish URI, told to take it over:
+    # its first publish, a full, is the newest step there.
     if rank == 0:
         shutil.copytree(f"{root}/pub", f"{root}/pub-foreign")
     torch.distributed.barrier()
@@ -79,6 +82,7 @@ def _jobs(rank: int, world_size: int, root: str) -> None:
         f"{root}/pub-foreign",
         range(FOREIGN_STEP, FOREIGN_STEP + 1),
         FOREIGN_STEP,
+        take_over=True,
     )
 
 
@@ -886,3 +890,24 @@ def test_a_serving_model_of_other_dense_shapes_is_refused_once_not_per_step(
     assert len(faults) == 1 and "dense tensor" in faults[0].error, faults
     assert faults[0].step == 4 and step_dir(0) in faults[0].checkpoint
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+def test_deck_follow_says_a_damaged_record_once(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: ``deck follow`` said a damaged commit record's WARNING again at
+    every full it materialised (it read the records again to choose the chain it had)."""
+    from deck.serve.follow import Follower
+
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    record = Path(pub, step_dir(4), "manifest.json")
+    data = bytearray(record.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    record.write_bytes(bytes(data))
+    follower = Follower(LocalStorage(pub), str(tmp_path / "out"))
+    with caplog.at_level(logging.WARNING):
+        assert follower.catch_up().step == 2
+        assert follower.catch_up().how == "unchanged"
+    said = [r for r in caplog.records if "step 4 is not restorable" in r.getMessage()]
+    assert len(said) == 1, said

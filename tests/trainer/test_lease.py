@@ -18,7 +18,7 @@ import torch
 
 import deck
 from deck.demo import ModelSpec, build_model, capture_state, train_step
-from deck.errors import LeaseHeldError, StorageError
+from deck.errors import ConfigError, LeaseHeldError, StorageError
 from deck.storage import Storage, open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
@@ -358,8 +358,9 @@ def test_second_trainer_on_a_uri_is_refused(tmp_path: Path) -> None:
 
 
 def _two_publishers(rank: int, world_size: int, root: str) -> None:
-    """Two jobs with checkpoint URIs of their own and one publish URI (a break-it finding: both
-    published, each starting a timeline there in turn, and a live model following it switched
+    """Two jobs with checkpoint URIs of their own and one publish URI (break-it findings: both
+    published at once, each starting a timeline there in turn; or one after the other, the
+    second job's steps replacing the first's records; and a live model following it switched
     from one job's model to the other's without a word)."""
     model, opt = build_model(SPEC)
     pub = deck.PublishConfig(uri=f"{root}/pub", every_steps=1)
@@ -376,14 +377,33 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
         first.close()
     assert [c.step for c in deck.list_checkpoints(f"{root}/pub")] == [0, 1]
     assert deck.list_checkpoints(f"{root}/b") == []
-    # Its lease released with the first job's close, the publish URI is free for another
-    model2, opt2 = build_model(SPEC)
-    deck.enable(model2, [opt2], deck.DeckConfig(uri=f"{root}/b", publish=pub)).close()
+
+    # The first job ended: the publish URI is still its (a follower there would otherwise take
+    # the second job's first publish for a restart of the first); its own restart goes on, the
+    # same place spelt otherwise too
+    def says(text: str) -> str:  # (rank 0 says why; the others point at it)
+        return text if rank == 0 else "rank 0 refused"
+
+    with pytest.raises(ConfigError, match=says(r"another job \(checkpoints at file://.*/a;")):
+        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=pub))
+    deck.enable(model, [opt], deck.DeckConfig(uri=f"file://{root}/./a", publish=pub)).close()
+    # Told to take it over, the second job does, and it is the second's from then on
+    over = pub.model_copy(update={"take_over": True})
+    deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=over)).close()
+    with pytest.raises(ConfigError, match=says(r"another job \(checkpoints at file://.*/b;")):
+        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/a", publish=pub))
+    # A record that cannot be read is not taken for none
+    if rank == 0:
+        Path(root, "pub", "_job.json").write_bytes(b"{not json")
+    torch.distributed.barrier()
+    with pytest.raises(ConfigError, match=says(r"_job.json .*cannot be read")):
+        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=pub))
+    deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=over)).close()
 
 
 @pytest.mark.slow
 def test_a_second_job_publishing_to_the_same_uri_is_refused(tmp_path: Path) -> None:
-    run_ranks(_two_publishers, str(tmp_path))
+    run_ranks(_two_publishers, str(tmp_path))  # (2 ranks: every rank refuses)
 
 
 def _fenced_out(rank: int, world_size: int, uri: str) -> None:

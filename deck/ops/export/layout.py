@@ -160,6 +160,7 @@ class StepState:
         storage: Storage,
         step: int | None = None,
         allow_quantized: bool = False,
+        chain: list[CheckpointManifest] | None = None,
     ):
         # A chain with quantised weights (deck.format.quantize) is refused unless allowed: its tables
         # are then the dequantised values, not the exact state.
@@ -170,7 +171,11 @@ class StepState:
         self.storage = storage
         self.step: int
         self.chain: list[CheckpointManifest]
-        self.step, self.chain = _chain_of(self.storage, step)
+        # (``chain``: ``step``'s, as a caller that just read and checked the records chose it)
+        if chain is not None and step is not None:
+            self.step, self.chain = step, chain
+        else:
+            self.step, self.chain = _chain_of(self.storage, step)
         self.last = self.chain[-1]
         # Exporting shard by shard applies the chain once per shard: its rank manifests are
         # read (and checksum-verified) once, here.

@@ -1,0 +1,77 @@
+"""Which job publishes at a publish URI: ``_job.json``, naming the checkpoint URI of the job
+that publishes there.
+
+A job is its checkpoint URI: its restarts and rollbacks write there and publish on from it.
+Another job publishing to the same place, even after the first one ended, would start a
+timeline there that a follower or live model takes for a restart of the first: it would switch
+from one job's model to the other's without a word, and the second job's steps would replace
+the first one's commit records at the same steps. So rank 0, holding the publish URI's writer
+lease, reads the record at ``enable`` and refuses another job's unless told to take the URI
+over (``PublishConfig.take_over``); then writes its own. A publish URI written before these
+records (none there) is taken as this job's. A record that cannot be read is never taken for
+absent: it refuses the job, naming the file, unless it is taken over.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deck import schemes
+from deck.errors import ConfigError, CorruptCheckpointError, NotFoundError
+from deck.format.manifest import load_model
+from deck.storage import Storage
+from deck.storage.base import get_bounded
+
+logger = logging.getLogger(__name__)
+
+JOB_RECORD = "_job.json"
+
+
+class PublishJob(BaseModel):
+    """``_job.json``: the place of the checkpoint URI of the job that publishes here, as
+    :func:`deck.schemes.location` spells it (two spellings of one place compare equal)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoints: str = Field(min_length=1, max_length=4096)
+
+
+def claim(storage: Storage, checkpoint_uri: str, take_over: bool) -> None:
+    """Make ``storage`` (a publish URI, or a Kafka publisher's state URI) this job's: refuse
+    with :class:`ConfigError` when its record names another job's checkpoints or cannot be read,
+    unless ``take_over``; write this job's record when it is not there yet."""
+    ours = PublishJob(checkpoints=schemes.location(checkpoint_uri))
+    where = storage.describe(JOB_RECORD)
+    try:
+        held: PublishJob | None = load_model(PublishJob, get_bounded(storage, JOB_RECORD), where)
+    except NotFoundError:
+        held = None
+    except CorruptCheckpointError as e:
+        if not take_over:
+            raise ConfigError(
+                f"{where} (which job publishes at {storage.uri}) cannot be read: {e}. If no "
+                "other job publishes there, set PublishConfig(take_over=True) to make it this "
+                "job's"
+            ) from e
+        held = None
+    if held == ours:
+        return
+    if held is not None and not take_over:
+        raise ConfigError(
+            f"{storage.uri} holds the publishes of another job (checkpoints at "
+            f"{held.checkpoints}; this job's are at {ours.checkpoints}): a follower or live "
+            "model there would switch from that job's model to this one's without a word. Give "
+            "PublishConfig.uri a place of its own, or set PublishConfig(take_over=True) if that "
+            "job is retired and this one replaces it"
+        )
+    if held is not None:
+        logger.warning(
+            "deck: taking over the publish URI %s from the job with checkpoints at %s "
+            "(PublishConfig.take_over): followers and live models there move to this job's "
+            "model at its first publish",
+            storage.uri,
+            held.checkpoints,
+        )
+    storage.put(JOB_RECORD, ours.model_dump_json().encode())
