@@ -171,7 +171,25 @@ class Follower:
         if newer and same_tables == self.tables:
             update = self.apply(newer, parts)
         else:
+            held_tables = self.tables
             update = self.materialise(latest, chain)
+            if held_tables and self.tables != held_tables:
+                # (a break-it finding: another model's tables replaced the held ones unsaid)
+                now = self.tables
+                changed = [
+                    f"{t} {_shape(held_tables.get(t))} -> {_shape(now.get(t))}"
+                    for t in sorted(held_tables.keys() | now.keys())
+                    if held_tables.get(t) != now.get(t)
+                ]
+                logger.warning(
+                    "deck follow: the tables at %s changed at step %d: %s (another model "
+                    "publishes there now, e.g. a job that took the publish URI over); %s holds "
+                    "the new ones",
+                    self.storage.uri,
+                    latest,
+                    ", ".join(changed[:6]) + (", ..." if len(changed) > 6 else ""),
+                    self.out_dir,
+                )
         update.chain_bytes = chain_bytes(chain)
         update.seconds = time.perf_counter() - t0
         return update
@@ -483,3 +501,7 @@ def follow(
         if once:
             return follower
         time.sleep(poll_s)
+
+
+def _shape(rows_cols: tuple[int, int] | None) -> str:
+    return "none" if rows_cols is None else f"{rows_cols[0]}x{rows_cols[1]}"

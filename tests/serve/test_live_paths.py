@@ -911,3 +911,22 @@ def test_deck_follow_says_a_damaged_record_once(
         assert follower.catch_up().how == "unchanged"
     said = [r for r in caplog.records if "step 4 is not restorable" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_deck_follow_says_when_another_models_tables_replace_the_held_ones(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: after another model's job took the publish URI over, ``deck follow``
+    wrote its 120-row tables over the held 200-row ones without a word."""
+    from deck.serve.follow import Follower
+
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    follower = Follower(LocalStorage(pub), str(tmp_path / "out"))
+    assert follower.catch_up().step == 4
+    shutil.rmtree(pub)
+    shutil.copytree(f"{root}/pub-foreign", pub)
+    with caplog.at_level(logging.WARNING, logger="deck.serve.follow"):
+        assert follower.catch_up().step == FOREIGN_STEP
+    said = [r.getMessage() for r in caplog.records if "tables at" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"t0\.weight 200x8 -> 120x8", said[0]), said
