@@ -161,13 +161,20 @@ class PublishSource:
         if graph is None:
             return []
         self._unrestorable(graph, served)
-        newer = self._newer_timeline(graph, served)
-        if newer is not None:
-            with contextlib.suppress(CheckpointNotFoundError):  # (through refused checkpoints)
-                chain = cheapest_chain(graph, newer, exclude=exclude)
-                return [Plan(tuple(chain), whole=True, timeline=True)]
-        for i, step in enumerate(sorted(graph.restorable_steps(), reverse=True)):
-            if served is not None and step < served[0]:
+        served_epoch = self._served_epoch(graph, served)
+        # Newest first as restore() takes the latest: by timeline, then step. A step of an
+        # older timeline than the served one is never planned (a break-it finding: steps above
+        # a restart's first full, left by the older timeline, were taken by step alone, and the
+        # model swapped between the two timelines at every version).
+        order = sorted(
+            graph.restorable_steps(), key=lambda s: (graph.trainer[s].epoch, s), reverse=True
+        )
+        for i, step in enumerate(order):
+            epoch = graph.trainer[step].epoch
+            if served_epoch is not None and epoch < served_epoch:
+                return []
+            newer = served_epoch is not None and epoch > served_epoch
+            if served is not None and not newer and step < served[0]:
                 if i == 0:  # the newest step is older than the served one
                     # (only through refused checkpoints: nothing to report)
                     with contextlib.suppress(CheckpointNotFoundError):
@@ -180,6 +187,8 @@ class PublishSource:
                 if node is not None and node.id not in exclude:  # (not itself the refused one)
                     self._stuck(step, exclude)
                 continue  # through a bad checkpoint: an older step may still be newer than ours
+            if newer:  # (the restart or rollback's step, whole, though it may be lower)
+                return [Plan(tuple(chain), whole=True, timeline=True)]
             return self._plans(chain, served)
         return []
 
@@ -197,18 +206,14 @@ class PublishSource:
                 step,
             )
 
-    def _newer_timeline(self, graph: LineageGraph, served: State | None) -> int | None:
-        """The latest step, when it is of a newer timeline than the served version (the trainer
-        restarted or rolled back since; the served checkpoint may still be committed on its
-        older timeline, or its step re-saved by the newer one); else None."""
+    def _served_epoch(self, graph: LineageGraph, served: State | None) -> int | None:
+        """The served version's timeline: its checkpoint's epoch in ``graph``, or as planned
+        (its record may be gone: a newer timeline re-saved its step, or GC); None when not
+        known (nothing served)."""
         if served is None:
             return None
         node = graph.nodes.get(served[1])
-        epoch = self._epochs.get(served[1]) if node is None else node.epoch
-        latest = graph.latest(log=False)
-        if epoch is None or latest is None:
-            return None
-        return latest if epoch < graph.trainer[latest].epoch else None
+        return self._epochs.get(served[1]) if node is None else int(node.epoch)
 
     def _plans(self, chain: list[CheckpointManifest], served: State | None) -> list[Plan]:
         last = chain[-1]

@@ -45,7 +45,7 @@ from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease, Leases
 from deck.trainer.loader import StateLoader, next_epoch
-from deck.trainer.publish_owner import claim
+from deck.trainer.publish_owner import claim, refuse_publish_uri
 from deck.trainer.rng import capture_rng
 from deck.trainer.staging import (
     CheckpointStats,
@@ -118,7 +118,9 @@ class DeltaCheckpointer:
                 refused = e
             self.coord.agree_on_failure(refused, "deck.enable")
             self.coord.agree_on_values(self._what_ranks_share(config), "deck.enable")
-            self._lease = self._take_lease(self.storage)
+            self._lease = self._take_lease(
+                self.storage, then=lambda _: refuse_publish_uri(self.storage)
+            )
             # Collective, before any training step: both the run that saves and the one that
             # restores sum gradients across ranks in the same order.
             self.adapter.pin_reduction_order()
@@ -359,7 +361,7 @@ class DeltaCheckpointer:
         # model to the other's without a word. The publish chain's commits are fenced by both
         # leases: a job taken over at either URI publishes nothing more.
         self._pub_lease = self._take_lease(
-            store, then=lambda: claim(store, self.config.uri, cfg.take_over)
+            store, then=lambda epoch: claim(store, self.config.uri, cfg.take_over, epoch)
         )
         storage = store
         lease: Lease | Leases | None = self._lease
@@ -378,11 +380,14 @@ class DeltaCheckpointer:
             reopen = Reopen(place, cfg.storage_options, publish, self.coord.world_size, timeout_s)
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, lease, quantize)
 
-    def _take_lease(self, storage: Storage, then: Callable[[], None] | None = None) -> Lease | None:
-        """Rank 0 takes the writer lease of ``storage``, then runs ``then`` holding it
-        (collective: every rank raises if either failed, and the lease is given back); None on
-        other ranks, or without ``lease_ttl_s`` (``then`` still runs)."""
-        lease, error = None, None
+    def _take_lease(
+        self, storage: Storage, then: Callable[[int | None], None] | None = None
+    ) -> Lease | None:
+        """Rank 0 takes the writer lease of ``storage``, then runs ``then`` holding it (given
+        the lease's epoch; collective: every rank raises if either failed, and the lease is
+        given back); None on other ranks, or without ``lease_ttl_s`` (``then`` still runs,
+        given None)."""
+        lease, error, claiming = None, None, False
         if self.coord.rank == 0:
             try:
                 if self.config.lease_ttl_s is not None:
@@ -390,14 +395,15 @@ class DeltaCheckpointer:
                     lease = Lease(storage, ttl, wait_s=ttl)
                     lease.acquire()
                 if then is not None:
-                    then()
+                    claiming = True
+                    then(None if lease is None else lease.epoch)
             except Exception as e:  # whatever it is, the other ranks must not wait in the broadcast
                 error = e
                 if lease is not None:
                     lease.release()
                 lease = None
-        # (1: taken; 2: refused by ``then`` with a ConfigError; 0: any other failure)
-        code = 1 if error is None else 2 if isinstance(error, ConfigError) else 0
+        # (1: taken; 2: ``then`` refused or failed; 0: the lease could not be taken)
+        code = 1 if error is None else 2 if claiming else 0
         try:
             code = self.coord.broadcast_int(code)
         except BaseException:
@@ -407,7 +413,9 @@ class DeltaCheckpointer:
         if error is not None:
             raise error
         if code == 2:
-            raise ConfigError(f"rank 0 refused {storage.uri}; see rank 0's error")
+            raise ConfigError(
+                f"rank 0 refused or could not claim {storage.uri}; see rank 0's error"
+            )
         if code == 0:
             raise LeaseHeldError(
                 f"rank 0 could not take the writer lease of {storage.uri}; see rank 0's error"

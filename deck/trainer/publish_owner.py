@@ -18,7 +18,7 @@ import logging
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deck import schemes
+import deck.schemes as schemes
 from deck.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from deck.format.manifest import load_model
 from deck.storage import Storage
@@ -38,10 +38,14 @@ class PublishJob(BaseModel):
     checkpoints: str = Field(min_length=1, max_length=4096)
 
 
-def claim(storage: Storage, checkpoint_uri: str, take_over: bool) -> None:
+def claim(
+    storage: Storage, checkpoint_uri: str, take_over: bool, lease_epoch: int | None = None
+) -> None:
     """Make ``storage`` (a publish URI, or a Kafka publisher's state URI) this job's: refuse
     with :class:`ConfigError` when its record names another job's checkpoints or cannot be read,
-    unless ``take_over``; write this job's record when it is not there yet."""
+    or when it has none but writer leases were taken there before this job's (``lease_epoch``,
+    the epoch of the publish lease it holds: above the first, it is a trainer's checkpoint
+    URI), unless ``take_over``; write this job's record when it is not there yet."""
     ours = PublishJob(checkpoints=schemes.location(checkpoint_uri))
     where = storage.describe(JOB_RECORD)
     try:
@@ -56,7 +60,7 @@ def claim(storage: Storage, checkpoint_uri: str, take_over: bool) -> None:
                 "job's"
             ) from e
         held = None
-    if held == ours:
+    if held is not None and schemes.location(held.checkpoints) == ours.checkpoints:
         return
     if held is not None and not take_over:
         raise ConfigError(
@@ -64,14 +68,47 @@ def claim(storage: Storage, checkpoint_uri: str, take_over: bool) -> None:
             f"{held.checkpoints}; this job's are at {ours.checkpoints}): a follower or live "
             "model there would switch from that job's model to this one's without a word. Give "
             "PublishConfig.uri a place of its own, or set PublishConfig(take_over=True) if that "
-            "job is retired and this one replaces it"
+            "job is retired and this one replaces it (or if it is this job, its checkpoint "
+            "folder moved or mounted at another path)"
         )
+    if held is None and lease_epoch is not None and lease_epoch > 1 and not take_over:
+        # (a break-it finding: a job's publish.uri set to another job's checkpoint URI
+        # replaced that job's commit records with its publishes)
+        raise ConfigError(
+            f"{storage.uri} has writer lease records of a trainer before this job but no "
+            f"{JOB_RECORD}: it is another job's checkpoint URI (or a publish URI of a deck "
+            "before these records). A publish URI is a place of its own: give PublishConfig.uri "
+            "another one, or set PublishConfig(take_over=True) if it is this job's publish URI"
+        )
+    storage.put(JOB_RECORD, ours.model_dump_json().encode())
     if held is not None:
         logger.warning(
-            "deck: taking over the publish URI %s from the job with checkpoints at %s "
+            "deck: took over the publish URI %s from the job with checkpoints at %s "
             "(PublishConfig.take_over): followers and live models there move to this job's "
             "model at its first publish",
             storage.uri,
             held.checkpoints,
         )
-    storage.put(JOB_RECORD, ours.model_dump_json().encode())
+
+
+def refuse_publish_uri(storage: Storage) -> None:
+    """Refuse ``storage`` as a checkpoint URI when it is a job's publish URI (its
+    :data:`JOB_RECORD` is there, readable or not): raise :class:`ConfigError` naming that job."""
+    where = storage.describe(JOB_RECORD)
+    try:
+        data = get_bounded(storage, JOB_RECORD)
+    except NotFoundError:
+        return
+    except CorruptCheckpointError:
+        data = b""
+    try:
+        job = load_model(PublishJob, data, where).checkpoints
+    except CorruptCheckpointError:
+        job = "unknown: the record cannot be read"
+    # (a break-it finding: a job checkpointing into another job's publish URI interleaved its
+    # commits with that job's publishes, and followers moved between the two)
+    raise ConfigError(
+        f"{storage.uri} is the publish URI of a job (checkpoints at {job}; {where}): a "
+        "checkpoint URI is a place of its own. Give DeckConfig.uri another place (or delete "
+        f"{JOB_RECORD} there if that job is retired and the folder is to hold checkpoints)"
+    )

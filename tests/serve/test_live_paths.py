@@ -930,3 +930,47 @@ def test_deck_follow_says_when_another_models_tables_replace_the_held_ones(
         assert follower.catch_up().step == FOREIGN_STEP
     said = [r.getMessage() for r in caplog.records if "tables at" in r.getMessage()]
     assert len(said) == 1 and re.search(r"t0\.weight 200x8 -> 120x8", said[0]), said
+
+
+def _restart_below_a_full(rank: int, world_size: int, root: str, restart: bool) -> None:
+    """Steps 0..16 published every 2 steps with a full every 6; with ``restart``, the job
+    restarts from its checkpoint of step 8 and publishes step 10 (a full of a newer timeline),
+    while the older timeline's steps 12..16 stay restorable through its full of step 12."""
+    model, opt = build_model(SPEC)
+    config = deck.DeckConfig(
+        uri=f"{root}/ckpt",
+        delta_every_steps=2,
+        publish=deck.PublishConfig(uri=f"{root}/pub", every_steps=2, full_every_steps=6),
+    )
+    with deck.enable(model, [opt], config) as ck:
+        if restart:
+            assert ck.restore(8) == 8
+        for step in range(9, 11) if restart else range(0, 17):
+            if step:
+                train_step(model, opt, SPEC, step + 100 * restart)
+            ck.step(step)
+        assert ck.flush()
+
+
+def test_a_restart_below_the_last_published_full_is_followed_once(tmp_path: Path) -> None:
+    """A break-it finding: with the older timeline's steps above the restart's step still
+    restorable (through a full of their own), the live model planned by step alone: one poll
+    swapped between the older timeline's step 16 and the newer one's step 10 forever (and a
+    new live model served step 16, where restore() gives 10)."""
+    root = str(tmp_path)
+    run_ranks(_restart_below_a_full, root, False)
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"))
+    assert [s.step for s in live.poll()] == [16]
+    run_ranks(_restart_below_a_full, root, True)
+    switched: list[VersionSwitch] = []
+    _in_thread(lambda: switched.extend(live.poll()))
+    assert [(s.step, s.kind) for s in switched] == [(10, "full")]
+    assert live.poll() == []
+    assert not bitwise_diff(served, reference(f"{root}/pub", 10, SPEC))
+    fresh_models = serving_models(SPEC)
+    fresh = LiveModel(list(fresh_models.values()), LocalStorage(f"{root}/pub"))
+    switched.clear()
+    _in_thread(lambda: switched.extend(fresh.poll()))
+    assert [s.step for s in switched] == [10] and fresh.poll() == []
+    assert not bitwise_diff(fresh_models, reference(f"{root}/pub", 10, SPEC))
