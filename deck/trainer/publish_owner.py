@@ -89,26 +89,3 @@ def claim(
             storage.uri,
             held.checkpoints,
         )
-
-
-def refuse_publish_uri(storage: Storage) -> None:
-    """Refuse ``storage`` as a checkpoint URI when it is a job's publish URI (its
-    :data:`JOB_RECORD` is there, readable or not): raise :class:`ConfigError` naming that job."""
-    where = storage.describe(JOB_RECORD)
-    try:
-        data = get_bounded(storage, JOB_RECORD)
-    except NotFoundError:
-        return
-    except CorruptCheckpointError:
-        data = b""
-    try:
-        job = load_model(PublishJob, data, where).checkpoints
-    except CorruptCheckpointError:
-        job = "unknown: the record cannot be read"
-    # (a break-it finding: a job checkpointing into another job's publish URI interleaved its
-    # commits with that job's publishes, and followers moved between the two)
-    raise ConfigError(
-        f"{storage.uri} is the publish URI of a job (checkpoints at {job}; {where}): a "
-        "checkpoint URI is a place of its own. Give DeckConfig.uri another place (or delete "
-        f"{JOB_RECORD} there if that job is retired and the folder is to hold checkpoints)"
-    )
