@@ -246,7 +246,8 @@ def read_manifests(
     (:mod:`deck.read.indexed`: the newest catalog, the log after it and the records it names),
     else each record the store lists (:func:`manifest_keys`): the same result either way.
     ``previous``: the caller's last read of this store (a merger or follower polling it; with
-    ``keys``, only what it said is not said again): its read goes on from there, and records whose bytes did not change are not parsed again;
+    ``keys``, only what it said is not said again): its read goes on from there, and records
+    whose bytes did not change are not parsed again;
     when nothing was committed since, ``previous`` itself is returned (with this read's
     ``index``), so a poll that finds nothing new costs its few reads, not the history's length.
     """

@@ -3,8 +3,10 @@
 
 Guarantees: a plan moves the served step backwards only to follow a newer timeline (the trainer
 restarted or rolled back since the served checkpoint, which may still be committed on its older
-timeline or have had its step re-saved by the newer one: the newest step is planned whole); any other newest step at or below the served one (the served folder deleted,
-a store restored from an older copy) is left alone and reported once as a
+timeline or have had its step re-saved by the newer one: the newest step is planned whole), and
+never to a step of an older timeline than the served one; any other newest step at or below the
+served one (the served folder deleted, a store restored from an older copy) is left alone and
+reported once as a
 :class:`SourceFault`, which the live model logs and passes to its ``on_fault``; a
 delta is planned only onto the exact state it was written on (step and id); a checkpoint the
 caller marked bad is never planned again (``exclude``), so a damaged delta is skipped until a
@@ -27,7 +29,7 @@ from deck.storage import Storage
 logger = logging.getLogger(__name__)
 
 State = tuple[int, str]  # (step, trainer checkpoint id): a served version
-KEEP_EPOCHS = 256  # versions whose epoch a source remembers (the served one among them)
+KEEP_PLANNED = 256  # versions whose epoch a source remembers (the served one among them)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class PublishSource:
         """Keep the epoch of ``plan``'s version (the newest few only)."""
         self._epochs.pop(plan.state[1], None)
         self._epochs[plan.state[1]] = int(plan.chain[-1].epoch)
-        while len(self._epochs) > KEEP_EPOCHS:
+        while len(self._epochs) > KEEP_PLANNED:
             del self._epochs[next(iter(self._epochs))]
 
     def _next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
