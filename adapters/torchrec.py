@@ -25,6 +25,7 @@ from deck.adapters.torchrec_compat import (
     ddp_rebuild_buckets_now,
     fp_inner_collection_path,
     fused_optimizer_tbe,
+    lookup_callers,
     lookups,
     tbe_reset_step_cache,
 )
@@ -434,9 +435,11 @@ class TorchRecAdapter(ModelAdapter):
     def pin_reduction_order(self) -> None:
         # The dense part's DDP is a submodule; a data_parallel lookup's DDP is not (sharded
         # collections keep their lookups in a plain list), yet its gradient sum depends on its
-        # bucket layout just the same. Every rank walks them in the same order.
+        # bucket layout just the same. Every collection is walked, not only those holding
+        # tracked tables: one of data_parallel tables alone has a DDP too. Every rank walks
+        # them in the same order.
         found = [m for m in self.model.modules() if isinstance(m, DistributedDataParallel)]
-        for module in self.sharded_modules().values():
+        for module in lookup_callers(self.model):
             found += [m for m in called_lookups(module) if isinstance(m, DistributedDataParallel)]
         for ddp in {id(d): d for d in found}.values():
             _pin_buckets(ddp)

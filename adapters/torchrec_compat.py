@@ -165,6 +165,12 @@ def lookups(module: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def lookup_callers(model: torch.nn.Module) -> list[Any]:
+    """Every module of ``model`` that calls lookups (sharded collections, those holding only
+    data_parallel tables too), in module order: the same on every rank."""
+    return [m for m in model.modules() if hasattr(m, "_lookups")]
+
+
 def called_lookups(module: Any) -> list[torch.nn.Module]:
     """The lookup modules a sharded collection calls, in the order of :func:`lookups`, as it
     calls them (data_parallel ones still inside their DDP wrapper)."""
