@@ -38,8 +38,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m deck.demo
 
+# Two test processes: about half of a sequential run's time goes to waiting (process starts,
+# servers, storage), so two keep a 2-core machine busy (40 -> ~26 min). A test module stays in
+# one process (--dist loadfile): its rank pools and servers start once. TEST_WORKERS=0 runs
+# sequentially (one process, as pytest alone does).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The generative differential test with a random seed and many more examples than CI's fixed
 # budget; a failure prints the setup as a line to paste into the test's PINNED list.
@@ -90,7 +95,7 @@ long: $(STAMP)
 		tests/merge/test_long_history.py -k catches_up_on_a_long_history
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 ruff: $(STAMP)
 	$(BIN)/ruff check deck kernels adapters tests benchmarks

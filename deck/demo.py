@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import deck
 from deck.errors import MissingDependencyError
-from deck.processes import end_rank, free_port, init_process_group
+from deck.processes import end_rank, init_process_group, rendezvous
 from deck.stack import require_torchrec
 from deck.units import human_bytes
 
@@ -339,7 +339,7 @@ class DemoArgs:
     compare_dcp: bool
 
 
-def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_file: str) -> None:
+def _demo_worker(rank: int, world_size: int, where: str, args: DemoArgs, result_file: str) -> None:
     # TorchRec / fbgemm emit deprecation and planner warnings on every run; the demo's output is
     # its summary.
     warnings.filterwarnings("ignore")
@@ -347,7 +347,7 @@ def _demo_worker(rank: int, world_size: int, port: int, args: DemoArgs, result_f
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
     logging.getLogger("torch.fx").setLevel(logging.ERROR)  # TorchRec's tracing check, each run
-    init_process_group(rank, world_size, port)
+    init_process_group(rank, world_size, where)
     say = _progress if rank == 0 else _quiet
     spec = args.spec
     say(f"building the model on {world_size} ranks")
@@ -422,7 +422,9 @@ def run_demo(args: DemoArgs, world_size: int = 2) -> dict[str, Any]:
     fd, result_file = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(_demo_worker, args=(world_size, free_port(), args, result_file), nprocs=world_size)
+        mp.spawn(
+            _demo_worker, args=(world_size, rendezvous(), args, result_file), nprocs=world_size
+        )
         with open(result_file) as f:
             return dict(json.load(f))
     finally:

@@ -1,5 +1,5 @@
-"""Ranks spawned on one machine over gloo: a free loopback port, the process group, and the
-clean end of a rank that finished its work.
+"""Ranks spawned on one machine over gloo: where they meet (a file, or a free loopback port),
+the process group, and the clean end of a rank that finished its work.
 
 Used by every process that spawns its own ranks: ``deck doctor`` (deck.doctor.run), the demo
 (deck.demo), the test harnesses (deck.testing) and the benchmarks; and by user scripts, which end
@@ -13,6 +13,8 @@ import gc
 import os
 import socket
 import sys
+import tempfile
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -27,13 +29,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_process_group(rank: int, world_size: int, port: int) -> None:
-    """gloo on loopback; one compute thread per rank keeps 2-core machines responsive and runs
+def rendezvous(folder: str | None = None) -> str:
+    """Where the ranks of a new process group, all on this machine, meet: a file of a fresh name
+    in ``folder`` (default: the temp folder) for torch's FileStore. A free port can be taken by
+    another process between picking and binding (two test runs, or jobs, starting groups at
+    once); a fresh file name cannot. The file goes when the group ends cleanly."""
+    name = f"deck-group-{uuid.uuid4().hex}"
+    return "file://" + os.path.join(folder or tempfile.gettempdir(), name)
+
+
+def init_process_group(rank: int, world_size: int, where: str | int) -> None:
+    """gloo on loopback, the ranks meeting at ``where`` (:func:`rendezvous`, or a port from
+    :func:`free_port`); one compute thread per rank keeps 2-core machines responsive and runs
     deterministic."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    init_method = where if isinstance(where, str) else f"tcp://127.0.0.1:{where}"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
 
 
 def end_rank() -> None:

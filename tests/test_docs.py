@@ -60,11 +60,10 @@ import os
 import torch
 import torch.distributed as dist
 from deck.demo import ModelSpec, TrainState, build_model, train_step
-from deck.processes import free_port
+from deck.processes import init_process_group, rendezvous
 
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-os.environ["MASTER_PORT"] = str(free_port())
-dist.init_process_group("gloo")
+init_process_group(0, 1, rendezvous())
 _spec = ModelSpec(num_tables=2, rows=1000, dim=8, batch=64)
 model, dense_optimizer = build_model(_spec)  # a DistributedModelParallel and its dense optimizer
 train_state = TrainState()                   # state_dict()/load_state_dict()
@@ -99,11 +98,10 @@ from torchrec.models.dlrm import DLRM
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from deck.demo import ModelSpec, TrainState, make_batch, train_step
-from deck.processes import free_port
+from deck.processes import init_process_group, rendezvous
 
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-os.environ["MASTER_PORT"] = str(free_port())
-dist.init_process_group("gloo")
+init_process_group(0, 1, rendezvous())
 _spec = ModelSpec(num_tables=2, rows=1000, dim=8, batch=64)
 module = DLRM(
     embedding_bag_collection=EmbeddingBagCollection(

@@ -40,7 +40,7 @@ from deck.doctor.report import (
 )
 from deck.doctor.setup import DoctorSetup, build_setup, load_entry, normalize_entry
 from deck.errors import DeckError, DoctorError
-from deck.processes import end_rank, free_port, init_process_group
+from deck.processes import end_rank, init_process_group, rendezvous
 from deck.read.catalog import list_checkpoints
 from deck.storage import open_storage
 from deck.trainer.checkpointer import DeltaCheckpointer, enable
@@ -98,7 +98,7 @@ def run_doctor(
         plan = DoctorPlan(entry, steps, every, more, target, storage_options, work, progress)
         _say(plan, f"starting {ranks} gloo ranks; checkpoints go to {target}")
         try:
-            mp.spawn(_rank_main, args=(ranks, free_port(), plan), nprocs=ranks, join=True)
+            mp.spawn(_rank_main, args=(ranks, rendezvous(work), plan), nprocs=ranks, join=True)
         except ProcessException as e:
             report = _failed(plan, ranks, e)
         else:
@@ -149,9 +149,9 @@ def _phase(who: str, phase: str) -> Iterator[None]:
         raise _Failure(who, phase, e) from e
 
 
-def _rank_main(rank: int, world_size: int, port: int, plan: DoctorPlan) -> None:
+def _rank_main(rank: int, world_size: int, where: str, plan: DoctorPlan) -> None:
     _quiet_rank()
-    init_process_group(rank, world_size, port)
+    init_process_group(rank, world_size, where)
     try:
         results = _gather_json(_check_rank(plan, rank))
     except _Failure as f:

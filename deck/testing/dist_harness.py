@@ -12,17 +12,17 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.processes import end_rank, free_port, init_process_group
+from deck.processes import end_rank, init_process_group, rendezvous
 
 
 def _entry(
-    rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
+    rank: int, world_size: int, where: str, fn: Callable[..., None], args: tuple[Any, ...]
 ) -> None:
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    init_process_group(rank, world_size, port)
+    init_process_group(rank, world_size, where)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -36,4 +36,4 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
 
     ``fn`` must be a module-level function (spawned processes import it by name).
     """
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, rendezvous(), fn, args), nprocs=world_size, join=True)

@@ -14,10 +14,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.processes import end_rank, free_port
+from deck.processes import end_rank, rendezvous
 
 
-def _serve(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, world_size: int, where: str, inbox: Any, outbox: Any) -> None:
     import faulthandler
     import logging
     import signal
@@ -34,7 +34,7 @@ def _serve(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> No
     # A collective one rank never joins fails after this long instead of hanging the pool.
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=where,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=30),
@@ -61,11 +61,11 @@ class RankPool:
         self.world_size = world_size
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        where = rendezvous()
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, world_size, port, self.inboxes[r], self.outbox),
+                args=(r, world_size, where, self.inboxes[r], self.outbox),
                 daemon=True,
             )
             for r in range(world_size)

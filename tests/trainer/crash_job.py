@@ -58,7 +58,7 @@ from deck.format.manifest import load_model
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
-from deck.processes import free_port, init_process_group
+from deck.processes import init_process_group, rendezvous
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage
@@ -294,7 +294,7 @@ def _save_ref(p: Paths, step: int, rank: int, state: dict[str, torch.Tensor]) ->
 
 
 def _trainer(
-    rank: int, port: int, p: Paths, spec: str | None, inc: int, mode: str, release: str
+    rank: int, where: str, p: Paths, spec: str | None, inc: int, mode: str, release: str
 ) -> None:
     """One rank of one incarnation; ``mode``: train (deltas), full (every checkpoint a full),
     verify-all (restore each step of $CRASH_VERIFY_STEPS, compare, no training); ``release``:
@@ -306,7 +306,7 @@ def _trainer(
         print(f"{time.perf_counter() - t0:7.3f} s  {what}", flush=True)
 
     log(f"incarnation {inc} rank {rank}: failpoint {spec}")
-    init_process_group(rank, RANKS, port)
+    init_process_group(rank, RANKS, where)
     model, opt = build_model(SPEC)
     log("model built")
     user = TrainState()
@@ -472,11 +472,11 @@ def _must_commit(
 
 def _trainer_run(p: Paths, inc: int, spec: str | None, armed: int, mode: str = "train") -> str:
     ctx = mp.get_context("fork")
-    port = free_port()
+    where = rendezvous(p.root)  # in the run's folder: a killed incarnation leaves its file there
     procs = [
         ctx.Process(
             target=_trainer_entry,
-            args=(r, port, p, spec if r == armed else None, inc, mode, release_for(spec)),
+            args=(r, where, p, spec if r == armed else None, inc, mode, release_for(spec)),
         )
         for r in range(RANKS)
     ]

@@ -1,8 +1,8 @@
 """A training script that ends without ``close()``: one rank of it, started as its own Python
 process (as torchrun starts ranks), so that the process really exits the way the mode says.
 
-    python tests/trainer/exit_job.py train MODE ROOT RANK WORLD PORT
-    python tests/trainer/exit_job.py restore ROOT RANK WORLD PORT MODE...
+    python tests/trainer/exit_job.py train MODE ROOT RANK WORLD WHERE
+    python tests/trainer/exit_job.py restore ROOT RANK WORLD WHERE MODE...
 
 ``train`` checkpoints a delta every 2 steps of 8 and writes the live state at the end to
 ``ROOT/MODE/live-RANK.safetensors``, then leaves by MODE:
@@ -91,11 +91,11 @@ def main() -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     what, args = sys.argv[1], sys.argv[2:]
     if what == "train":
-        mode, root, rank, world, port = args[0], args[1], int(args[2]), int(args[3]), args[4]
+        mode, root, rank, world, where = args[0], args[1], int(args[2]), int(args[3]), args[4]
     else:
-        root, rank, world, port, modes = args[0], int(args[1]), int(args[2]), args[3], args[4:]
+        root, rank, world, where, modes = args[0], int(args[1]), int(args[2]), args[3], args[4:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    init_process_group(rank, world, int(port))
+    init_process_group(rank, world, where)
     if what == "train":
         train(mode, root, rank)
     else:

@@ -16,7 +16,7 @@ import deck
 from deck import failpoints
 from deck.demo import ModelSpec, build_model, train_step
 from deck.errors import DeckError, StorageError
-from deck.processes import free_port, init_process_group
+from deck.processes import init_process_group, rendezvous
 from deck.storage import LocalStorage, open_storage
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
@@ -123,7 +123,7 @@ def _close_fails(rank: int, world_size: int, root: str) -> None:
         with pytest.raises(Exception) as info:
             ck.close()
     finally:
-        init_process_group(rank, world_size, free_port())  # a new group, for what follows
+        init_process_group(rank, world_size, rendezvous())  # a new group, for what follows
     assert not isinstance(info.value, DeckError), info.value  # the collective's own error
     ck.close()  # idempotent: nothing left to give back, nothing raised
     _assert_nothing_left(model, uri, hooks_before)

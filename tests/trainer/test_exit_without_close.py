@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import deck
-from deck.processes import free_port
+from deck.processes import rendezvous
 
 pytestmark = pytest.mark.slow
 JOB = str(Path(__file__).with_name("exit_job.py"))
@@ -22,12 +22,12 @@ MODES = {"fall_off": 0, "raise": 1, "dropped": 0, "end_rank": 0}  # mode -> each
 
 def _ranks(*args: str) -> list[subprocess.CompletedProcess[str]]:
     """Run the job's two ranks at once; their results by rank."""
-    port = str(free_port())
+    where = rendezvous()
     procs = [
         subprocess.Popen(
-            [sys.executable, JOB, args[0], *args[1:2], str(rank), "2", port, *args[2:]]
+            [sys.executable, JOB, args[0], *args[1:2], str(rank), "2", where, *args[2:]]
             if args[0] == "restore"
-            else [sys.executable, JOB, *args[:3], str(rank), "2", port],
+            else [sys.executable, JOB, *args[:3], str(rank), "2", where],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

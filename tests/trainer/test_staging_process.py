@@ -546,10 +546,10 @@ def test_a_staging_process_killed_alone_at_each_of_its_points(tmp_path: Path) ->
 
 ORPHAN_JOB = """
 import os, sys, time
-from deck.processes import free_port, init_process_group
+from deck.processes import init_process_group, rendezvous
 import deck
 from deck.demo import ModelSpec, build_model
-init_process_group(0, 1, free_port())
+init_process_group(0, 1, rendezvous())
 model, opt = build_model(ModelSpec(num_tables=2, rows=400, dim=8, batch=32))
 cfg = deck.DeckConfig(uri=sys.argv[1], lease_ttl_s=None,
                       staging=deck.StagingConfig(mode="process"))
