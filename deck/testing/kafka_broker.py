@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deck.testing.s3_server import die_with_parent, free_ports, port_open
+from deck.testing.s3_server import die_with_parent, free_ports, listening
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class TansuBroker:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
-            if port_open(self.port):
+            if listening(self._proc.pid, self.port):
                 admin = AdminClient({"bootstrap.servers": self.bootstrap})
                 try:
                     admin.list_topics(timeout=2)

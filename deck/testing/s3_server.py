@@ -99,6 +99,28 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` listens on TCP ``port``: a server started on a picked port waits
+    for its own listener, never for another process's that took the same port (two test
+    processes start servers at once). Where there is no /proc (not Linux): whether anything
+    accepts on the port."""
+    if not os.path.exists("/proc/net/tcp"):
+        return port_open(port)
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()  # sl local remote state ... inode (10th)
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    with contextlib.suppress(FileNotFoundError, PermissionError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+    return False
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """A ``preexec_fn`` for a server's process: killed when the process that started it dies."""
     # Linux: the server gets SIGKILL if the test process dies without calling stop().
@@ -269,7 +291,7 @@ class SeaweedS3:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise SeaweedError(f"weed exited with code {code}\n{self.log_tail()}")
-            if port_open(self.ports["s3"]):
+            if listening(self._proc.pid, self.ports["s3"]):
                 try:
                     if not fs.exists(self.bucket):
                         fs.mkdir(self.bucket)
