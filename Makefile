@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(BIN)/python -m deck.demo
 
 # Two test processes: about half of a sequential run's time goes to waiting (process starts,
-# servers, storage), so two keep a 2-core machine busy (40 -> ~26 min). A test module stays in
+# servers, storage), so two keep a 2-core machine busy (40 -> 22 min here). A test module stays in
 # one process (--dist loadfile): its rank pools and servers start once. TEST_WORKERS=0 runs
 # sequentially (one process, as pytest alone does).
 TEST_WORKERS ?= 2
