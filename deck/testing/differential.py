@@ -693,6 +693,7 @@ def _global(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
     put("model", model.state_dict())
     put("fused", model.fused_optimizer.state_dict())
     put("dense_opt", opt.state_dict())
+    _place_row_states_by_their_weights(shards)
     # Hyperparameters by parameter name: how params fall into groups depends on the plan (the
     # fused optimizer's groups are per kernel of each rank)
     names = {id(p): n for n, p in getattr(opt, "params", {}).items()}
@@ -722,6 +723,35 @@ def _global(model: Any, opt: Any, user: UserState) -> dict[str, torch.Tensor]:
             whole[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
         plain[name] = whole
     return plain
+
+
+# Where a table's fused optimizer state sits in the global state: the fused optimizer's own, and
+# a CombinedOptimizer's (the loop's optimizer, which holds the fused one).
+ROW_STATE_PREFIXES = ("fused.state.", "dense_opt.state.")
+
+
+def _place_row_states_by_their_weights(
+    shards: dict[str, tuple[list[int], list[tuple[list[int], torch.Tensor]]]],
+) -> None:
+    """Give each one-value-per-row fused state of this rank its weight's row offset and row count.
+
+    TorchRec 1.8 builds the ShardedTensors of the counter-based optimizers' states
+    (``prev_iter``, ``row_counter``) with wrong metadata on the last rank of an uneven row-wise
+    split (3 rows on 2 ranks: rank 1 says offset 1 of 2 rows, not offset 2 of 3), so a global
+    state assembled from their own metadata drops or overwrites rows. The weight's shard of the
+    same table on this rank has the layout every state of that table shares."""
+    for name, (size, parts) in shards.items():
+        prefix = next((p for p in ROW_STATE_PREFIXES if name.startswith(p)), None)
+        if prefix is None or ".weight." not in name or len(size) != 1:
+            continue
+        weight = "model." + name.removeprefix(prefix).split(".weight.")[0] + ".weight"
+        if weight not in shards or len(parts) != 1 or len(shards[weight][1]) != 1:
+            continue
+        weight_size, [(weight_offsets, weight_shard)] = shards[weight]
+        (_, tensor) = parts[0]
+        whole_rows = weight_shard.dim() == 2 and weight_shard.shape[1] == weight_size[1]
+        if whole_rows and tensor.shape[0] == weight_shard.shape[0]:  # a block of rows
+            shards[name] = ([weight_size[0]], [([weight_offsets[0]], tensor)])
 
 
 def train_phase(rank: int, world_size: int, setup: Setup, uri: str) -> Any:
