@@ -45,7 +45,7 @@ from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
 from deck.trainer.lease import Lease, Leases
 from deck.trainer.loader import StateLoader, next_epoch
-from deck.trainer.publish_owner import claim
+from deck.trainer.publish_owner import claim, refuse_publish_uri
 from deck.trainer.rng import capture_rng
 from deck.trainer.staging import (
     CheckpointStats,
@@ -118,7 +118,9 @@ class DeltaCheckpointer:
                 refused = e
             self.coord.agree_on_failure(refused, "deck.enable")
             self.coord.agree_on_values(self._what_ranks_share(config), "deck.enable")
-            self._lease = self._take_lease(self.storage)
+            self._lease = self._take_lease(
+                self.storage, then=lambda _epoch: refuse_publish_uri(self.storage)
+            )
             # Collective, before any training step: both the run that saves and the one that
             # restores sum gradients across ranks in the same order.
             self.adapter.pin_reduction_order()

@@ -10,6 +10,10 @@ lease, reads the record at ``enable`` and refuses another job's unless told to t
 over (``PublishConfig.take_over``); then writes its own. A publish URI written before these
 records (none there) is taken as this job's. A record that cannot be read is never taken for
 absent: it refuses the job, naming the file, unless it is taken over.
+
+The other way round, a job whose checkpoint URI holds a ``_job.json`` is refused at ``enable``
+too (:func:`refuse_publish_uri`): its commits would start a timeline among another job's
+publishes, which followers and live models would serve as that job's model.
 """
 
 from __future__ import annotations
@@ -36,6 +40,27 @@ class PublishJob(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoints: str = Field(min_length=1, max_length=4096)
+
+
+def refuse_publish_uri(storage: Storage) -> None:
+    """Refuse ``storage`` as a checkpoint URI with :class:`ConfigError` when it holds a
+    ``_job.json`` (readable or not: only publish URIs hold one), naming the file."""
+    where = storage.describe(JOB_RECORD)
+    try:
+        data = get_bounded(storage, JOB_RECORD)
+    except NotFoundError:
+        return
+    try:
+        held = f"the job with checkpoints at {load_model(PublishJob, data, where).checkpoints}"
+    except CorruptCheckpointError as e:
+        held = f"a job its record does not say ({e})"
+    raise ConfigError(
+        f"{storage.uri} is a publish URI ({where} names {held}): checkpoints there would "
+        "start a timeline among that job's publishes, and followers and live models would "
+        "serve it as that job's model. Give DeckConfig.uri a place of its own; to start from "
+        "a published step, read it with deck.load(model, optimizers, uri) and enable deck "
+        f"with another URI (or delete {where} if no job publishes there any more)"
+    )
 
 
 def claim(

@@ -227,26 +227,25 @@ def _check_follow(rank: int, world_size: int, pub: str, root: str) -> None:
     sizes = _sizes(model)
     num_rows = {k: s[0] for (k, st), s in sizes.items() if st == "weight"}
     prev: tuple[int, dict[Any, Any]] | None = None
-    with deck.DeltaCheckpointer(model, [opt], deck.DeckConfig(uri=pub, lease_ttl_s=None)) as rc:
-        for name in folders:
-            folder = os.path.join(root, name)
-            metas = {k: _read(folder, k)[0] for k in num_rows}
-            step = int(metas[next(iter(num_rows))]["step"])
-            assert rc.restore(step) == step
-            local = _local(model)
-            held = _from_files(folder, local, sizes)
-            _assert_holds(held, local, (rank, name))
-            if prev is None:
-                assert name.endswith("-full") and all(bool(c.all()) for _, c in held.values())
-            else:
-                assert name.endswith("-delta")
-                changed = _changed(prev[1], local, num_rows)
-                for key, meta in metas.items():
-                    assert int(meta["parent_step"]) == prev[0], (name, meta)
-                    rows = _read(folder, key)[1]["row"]
-                    assert torch.equal(rows, changed[key]), (rank, name, key)
-                    assert 0 < rows.numel() < num_rows[key]  # a real delta, not a full
-            prev = (step, local)
+    for name in folders:
+        folder = os.path.join(root, name)
+        metas = {k: _read(folder, k)[0] for k in num_rows}
+        step = int(metas[next(iter(num_rows))]["step"])
+        assert deck.load(model, [opt], pub, step=step) == step
+        local = _local(model)
+        held = _from_files(folder, local, sizes)
+        _assert_holds(held, local, (rank, name))
+        if prev is None:
+            assert name.endswith("-full") and all(bool(c.all()) for _, c in held.values())
+        else:
+            assert name.endswith("-delta")
+            changed = _changed(prev[1], local, num_rows)
+            for key, meta in metas.items():
+                assert int(meta["parent_step"]) == prev[0], (name, meta)
+                rows = _read(folder, key)[1]["row"]
+                assert torch.equal(rows, changed[key]), (rank, name, key)
+                assert 0 < rows.numel() < num_rows[key]  # a real delta, not a full
+        prev = (step, local)
     dist.barrier()
 
 

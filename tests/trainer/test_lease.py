@@ -364,6 +364,10 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
     from one job's model to the other's without a word)."""
     model, opt = build_model(SPEC)
     pub = deck.PublishConfig(uri=f"{root}/pub", every_steps=1)
+
+    def says(text: str) -> str:  # (rank 0 says why; the others point at it)
+        return text if rank == 0 else "rank 0 refused"
+
     first = deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/a", publish=pub))
     try:
         first.step(0)
@@ -377,13 +381,17 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
         first.close()
     assert [c.step for c in deck.list_checkpoints(f"{root}/pub")] == [0, 1]
     assert deck.list_checkpoints(f"{root}/b") == []
+    # A job checkpointing into a publish URI is refused too (its commits would be served as the
+    # publishing job's model there), before it commits anything
+    with pytest.raises(
+        ConfigError, match=says(r"is a publish URI .* checkpoints at file://.*/a\)")
+    ):
+        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/pub"))
+    assert [c.step for c in deck.list_checkpoints(f"{root}/pub")] == [0, 1]
 
     # The first job ended: the publish URI is still its (a follower there would otherwise take
     # the second job's first publish for a restart of the first); its own restart goes on, the
     # same place spelt otherwise too
-    def says(text: str) -> str:  # (rank 0 says why; the others point at it)
-        return text if rank == 0 else "rank 0 refused"
-
     with pytest.raises(ConfigError, match=says(r"another job \(checkpoints at file://.*/a;")):
         deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=pub))
     deck.enable(model, [opt], deck.DeckConfig(uri=f"file://{root}/./a", publish=pub)).close()
@@ -398,6 +406,8 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
     torch.distributed.barrier()
     with pytest.raises(ConfigError, match=says(r"_job.json .*cannot be read")):
         deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=pub))
+    with pytest.raises(ConfigError, match=says(r"is a publish URI .*a job its record does not")):
+        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/pub"))
     deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/b", publish=over)).close()
     # A record naming the place as a plain path is the same place
     torch.distributed.barrier()
