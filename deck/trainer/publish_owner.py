@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import deck.schemes as schemes
 from deck.errors import ConfigError, CorruptCheckpointError, NotFoundError
+from deck.format.epochs import newest_witness
 from deck.format.manifest import load_model
 from deck.storage import Storage
 from deck.storage.base import get_bounded
@@ -59,7 +60,7 @@ def refuse_publish_uri(storage: Storage) -> None:
         "start a timeline among that job's publishes, and followers and live models would "
         "serve it as that job's model. Give DeckConfig.uri a place of its own; to start from "
         "a published step, read it with deck.load(model, optimizers, uri) and enable deck "
-        f"with another URI (or delete {where} if no job publishes there any more)"
+        "with another URI"
     )
 
 
@@ -68,9 +69,9 @@ def claim(
 ) -> None:
     """Make ``storage`` (a publish URI, or a Kafka publisher's state URI) this job's: refuse
     with :class:`ConfigError` when its record names another job's checkpoints or cannot be read,
-    or when it has none but writer leases were taken there before this job's (``lease_epoch``,
-    the epoch of the publish lease it holds: above the first, it is a trainer's checkpoint
-    URI), unless ``take_over``; write this job's record when it is not there yet."""
+    or when it has none but a trainer committed there (an epoch witness) or took writer leases
+    there before this job's (``lease_epoch``, the epoch of the publish lease it holds: above the
+    first, it is a trainer's checkpoint URI), unless ``take_over``; write this job's record when it is not there yet."""
     ours = PublishJob(checkpoints=schemes.location(checkpoint_uri))
     where = storage.describe(JOB_RECORD)
     try:
@@ -96,15 +97,19 @@ def claim(
             "job is retired and this one replaces it (or if it is this job, its checkpoint "
             "folder moved or mounted at another path)"
         )
-    if held is None and lease_epoch is not None and lease_epoch > 1 and not take_over:
+    if held is None and not take_over:
         # (a break-it finding: a job's publish.uri set to another job's checkpoint URI
-        # replaced that job's commit records with its publishes)
-        raise ConfigError(
-            f"{storage.uri} has writer lease records of a trainer before this job but no "
-            f"{JOB_RECORD}: it is another job's checkpoint URI (or a publish URI of a deck "
-            "before these records). A publish URI is a place of its own: give PublishConfig.uri "
-            "another one, or set PublishConfig(take_over=True) if it is this job's publish URI"
-        )
+        # replaced that job's commit records with its publishes.) Leases may be off: the epoch
+        # witnesses a trainer puts before its first commit say it too.
+        leased = lease_epoch is not None and lease_epoch > 1
+        if leased or newest_witness(storage) is not None:
+            what = "writer lease records" if leased else "commit records"
+            raise ConfigError(
+                f"{storage.uri} has {what} of a trainer before this job but no {JOB_RECORD}: it "
+                "is another job's checkpoint URI (or a publish URI of a deck before these "
+                "records). A publish URI is a place of its own: give PublishConfig.uri another "
+                "one, or set PublishConfig(take_over=True) if it is this job's publish URI"
+            )
     storage.put(JOB_RECORD, ours.model_dump_json().encode())
     if held is not None:
         logger.warning(

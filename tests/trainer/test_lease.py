@@ -422,6 +422,11 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
     assert before
     with pytest.raises(ConfigError, match=says(r"lease records of a trainer before this job")):
         deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/c", publish=elsewhere))
+    # ... and with the leases off, by the commits there (their epoch witnesses)
+    with pytest.raises(ConfigError, match=says(r"commit records of a trainer before this job")):
+        deck.enable(
+            model, [opt], deck.DeckConfig(uri=f"{root}/c", publish=elsewhere, lease_ttl_s=None)
+        )
     assert deck.list_checkpoints(f"{root}/a") == before
 
 
