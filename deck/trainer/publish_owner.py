@@ -68,16 +68,19 @@ def claim(
     storage: Storage, checkpoint_uri: str, take_over: bool, lease_epoch: int | None = None
 ) -> None:
     """Make ``storage`` (a publish URI, or a Kafka publisher's state URI) this job's: refuse
-    with :class:`ConfigError` when its record names another job's checkpoints or cannot be read,
-    or when it has none but a trainer committed there (an epoch witness) or took writer leases
-    there before this job's (``lease_epoch``, the epoch of the publish lease it holds: above the
-    first, it is a trainer's checkpoint URI), unless ``take_over``; write this job's record when it is not there yet."""
+    with :class:`ConfigError` when its record names another job's checkpoints or cannot be
+    read, or when it has none but writer leases were taken there before this job's
+    (``lease_epoch``, the epoch of the publish lease it holds: above the first, it may be a
+    trainer's checkpoint URI), unless ``take_over``; and, ``take_over`` or not, when it has none
+    but commits (an epoch witness): a publish URI gets its record before its first commit, so
+    that is a trainer's checkpoint URI. Write this job's record when it is not there yet."""
     ours = PublishJob(checkpoints=schemes.location(checkpoint_uri))
     where = storage.describe(JOB_RECORD)
+    absent = False
     try:
         held: PublishJob | None = load_model(PublishJob, get_bounded(storage, JOB_RECORD), where)
     except NotFoundError:
-        held = None
+        held, absent = None, True
     except CorruptCheckpointError as e:
         if not take_over:
             raise ConfigError(
@@ -97,19 +100,25 @@ def claim(
             "job is retired and this one replaces it (or if it is this job, its checkpoint "
             "folder moved or mounted at another path)"
         )
-    if held is None and not take_over:
-        # (a break-it finding: a job's publish.uri set to another job's checkpoint URI
-        # replaced that job's commit records with its publishes.) Leases may be off: the epoch
-        # witnesses a trainer puts before its first commit say it too.
-        leased = lease_epoch is not None and lease_epoch > 1
-        if leased or newest_witness(storage) is not None:
-            what = "writer lease records" if leased else "commit records"
-            raise ConfigError(
-                f"{storage.uri} has {what} of a trainer before this job but no {JOB_RECORD}: it "
-                "is another job's checkpoint URI (or a publish URI of a deck before these "
-                "records). A publish URI is a place of its own: give PublishConfig.uri another "
-                "one, or set PublishConfig(take_over=True) if it is this job's publish URI"
-            )
+    # (break-it findings: a job's publish.uri set to another job's checkpoint URI replaced that
+    # job's commit records with its publishes; with take_over, told to by this very refusal,
+    # it did too.) The epoch witnesses a trainer puts before its first commit say it whether
+    # leases are on or not; a lease taken before this job's alone may be this job's own, from
+    # an enable that failed before it wrote the record.
+    if absent and newest_witness(storage) is not None:
+        raise ConfigError(
+            f"{storage.uri} holds a trainer's commits but no {where}: it is a checkpoint URI "
+            "(a publish URI gets that record before its first publish), and publishing there "
+            "would replace that job's checkpoints, take_over or not. Give PublishConfig.uri a "
+            "place of its own"
+        )
+    if absent and not take_over and lease_epoch is not None and lease_epoch > 1:
+        raise ConfigError(
+            f"{storage.uri} has writer lease records of a trainer before this job but no "
+            f"{where}: it may be another job's checkpoint URI. A publish URI is a place of its "
+            "own: give PublishConfig.uri another one, or set PublishConfig(take_over=True) if "
+            "it is this job's publish URI and nothing was published there yet"
+        )
     storage.put(JOB_RECORD, ours.model_dump_json().encode())
     if held is not None:
         logger.warning(

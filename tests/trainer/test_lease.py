@@ -420,14 +420,19 @@ def _two_publishers(rank: int, world_size: int, root: str) -> None:
     elsewhere = deck.PublishConfig(uri=f"{root}/a", every_steps=1)
     before = deck.list_checkpoints(f"{root}/a")
     assert before
-    with pytest.raises(ConfigError, match=says(r"lease records of a trainer before this job")):
-        deck.enable(model, [opt], deck.DeckConfig(uri=f"{root}/c", publish=elsewhere))
-    # ... and with the leases off, by the commits there (their epoch witnesses)
-    with pytest.raises(ConfigError, match=says(r"commit records of a trainer before this job")):
-        deck.enable(
-            model, [opt], deck.DeckConfig(uri=f"{root}/c", publish=elsewhere, lease_ttl_s=None)
-        )
+    # By the commits there (their epoch witnesses), with the leases off too, and take_over
+    # cannot make it a publish URI (a break-it finding: the refusal offered take_over, which
+    # replaced that job's checkpoints with the publishes)
+    for leases in (60.0, None):
+        for taking in (False, True):
+            there = elsewhere.model_copy(update={"take_over": taking})
+            cfg = deck.DeckConfig(uri=f"{root}/c", publish=there, lease_ttl_s=leases)
+            with pytest.raises(
+                ConfigError, match=says(r"holds a trainer's commits but no .*take_over or not")
+            ):
+                deck.enable(model, [opt], cfg)
     assert deck.list_checkpoints(f"{root}/a") == before
+    assert not Path(root, "a", "_job.json").exists()
 
 
 @pytest.mark.slow
