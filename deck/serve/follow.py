@@ -118,6 +118,11 @@ class Follower:
         self.table_fqns: list[str] = []
         self.shards: list[_Shard] = []
         self.state: tuple[int, str] | None = None  # (step, trainer checkpoint id) held
+        # The held checkpoint's timeline (None: an output of a deck that did not record it):
+        # a newest step of the same timeline below the held one, or of an older timeline, is
+        # not followed back (a store restored from an older copy, a held record deleted)
+        self.epoch: int | None = None
+        self._said_behind: tuple[int, str] | None = None
         self.chain: list[str] = []
         self.resumed: dict[str, Any] = {}  # state.json of the output resumed from
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -161,6 +166,9 @@ class Follower:
                 raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
         chain = cheapest_chain(graph, latest)
         last = chain[-1]
+        if self._behind(last):
+            assert self.state is not None
+            return FollowUpdate(self.state[0], self.state[1], "unchanged")
         if self.state == last.state:
             self._outputs_level()
             return FollowUpdate(latest, last.state[1], "unchanged")
@@ -194,6 +202,34 @@ class Follower:
         update.seconds = time.perf_counter() - t0
         return update
 
+    def _behind(self, last: CheckpointManifest) -> bool:
+        """Whether the newest restorable checkpoint, ``last``, is not after the held one (an
+        older timeline, or a lower step of the held one's): it is left alone, said once, as a
+        live model does (a break-it finding: the follower went back to an older step without a
+        word when the held step's folder was deleted)."""
+        if self.state is None or self.epoch is None:
+            return False
+        if (last.epoch, last.step) >= (self.epoch, self.state[0]):
+            return False
+        if self._said_behind != last.state:
+            self._said_behind = last.state
+            logger.warning(
+                "deck follow: out of order: the newest step at %s is %d (checkpoint %s, epoch "
+                "%d), not after the held step %d (checkpoint %s, epoch %d); %s keeps step %d "
+                "until a newer step is published (a store restored from an older copy, or the "
+                "held checkpoint deleted?)",
+                self.storage.uri,
+                last.step,
+                last.state[1],
+                last.epoch,
+                self.state[0],
+                self.state[1],
+                self.epoch,
+                self.out_dir,
+                self.state[0],
+            )
+        return True
+
     def apply(self, newer: list[CheckpointManifest], parts: list[Any]) -> FollowUpdate:
         """Apply ``newer`` (the checkpoints after the held state, oldest first, of the same
         tables; ``parts``: the last one's rank manifests) onto the held tables, then write the
@@ -205,7 +241,7 @@ class Follower:
         dense = flatten(eager_state(self.storage, last, parts))
         self._set_dense(dense)
         self.chain = self.chain + [m.folder for m in newer]
-        self.state = last.state
+        self.state, self.epoch = last.state, last.epoch
         write_s = self._write()
         return FollowUpdate(
             last.step,
@@ -267,7 +303,7 @@ class Follower:
         self.tensors, self.shards = tensors, shards
         self.table_fqns = list(tensors)
         self._set_dense(flatten(st.eager_state()))
-        self.state = st.last.state
+        self.state, self.epoch = st.last.state, st.last.epoch
         self.chain = [m.folder for m in st.chain]
         for out in self.outputs:
             out.full(self)
@@ -337,6 +373,7 @@ class Follower:
             "uri": self.storage.uri,
             "step": step,
             "checkpoint": ckpt_id,
+            "epoch": self.epoch,
             "chain": self.chain,
             "tables": self.table_fqns,
             "shards": [asdict(s) for s in self.shards],
@@ -397,6 +434,8 @@ class Follower:
         self.table_fqns = list(meta["tables"])
         self.tensors = tensors
         self.state = (int(meta["step"]), str(meta["checkpoint"]))
+        epoch = meta.get("epoch")
+        self.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
         self.chain = list(meta["chain"])
         self.encodings = set(meta.get("quantized", ()))
         self.resumed = meta

@@ -97,3 +97,44 @@ def _once(uri: Path, out: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
     )
+
+
+def test_a_follower_never_goes_back_to_an_older_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The held step's folder deleted (a store restored from an older copy): the newest step
+    is then an older one of the same timeline, which the follower leaves alone, says once, and
+    keeps held through a restart, as a live model does (a break-it finding: it went back to
+    step 1 without a word); a newer step, or a newer timeline's lower one, is followed."""
+    from deck.serve.follow import Follower, state_record
+
+    uri, out = tmp_path / "pub", tmp_path / "serving"
+    store = LocalStorage(uri)
+    trainer = SynthTrainer(store)
+    trainer.save("full")
+    trainer.train()
+    trainer.save()
+    trainer.train()
+    trainer.save()
+    follower = Follower(store, str(out))
+    assert follower.catch_up().step == 2
+    shutil.rmtree(uri / "step-000000000002")
+    for f in (follower, Follower(LocalStorage(uri), str(out)), follower):
+        with caplog.at_level("WARNING", logger="deck.serve.follow"):
+            update = f.catch_up()
+        assert (update.step, update.how) == (2, "unchanged")
+        record = state_record(str(out))
+        assert record is not None and record["step"] == 2 and record["epoch"] == 0
+    said = [r.getMessage() for r in caplog.records if "out of order" in r.getMessage()]
+    assert len(said) == 2, said  # once per follower
+    assert "the newest step at" in said[0] and "is 1 " in said[0] and "held step 2" in said[0]
+    trainer.train()
+    trainer.save("full")  # (a delta would need the deleted step 2)
+    assert follower.catch_up().step == 3
+    trainer.rollback(1)  # a newer timeline: its step 2 is after the held step 3 of epoch 0
+    trainer.train()
+    trainer.save()
+    update = follower.catch_up()
+    assert (update.step, update.how) == (2, "full")
+    record = state_record(str(out))
+    assert record is not None and record["epoch"] == 1
