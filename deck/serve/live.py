@@ -129,6 +129,8 @@ class LiveModel:
         self.bad: set[str] = set()  # ids of checkpoints refused (never tried again)
         self._seen: dict[str, float] = {}  # checkpoint id -> when a poll first planned it
         self.held = False
+        # Whether the served version is one rollback() chose (not the newest the source had)
+        self._rolled_back = False
         self.faults: list[LiveFault] = []
         self.on_switch, self.on_fault = on_switch, on_fault
         self.clock, self.sleep = clock, sleep
@@ -186,16 +188,22 @@ class LiveModel:
                 prepared = self._prepare_or_refuse(plans[0])
                 if prepared is None:
                     continue  # refused: plan again around it
-                before = self.version
+                before, rolled_back = self.version, self._rolled_back
                 out.append(self._apply(prepared))
+                self._rolled_back = False
                 if plans[0].timeline:
                     # The kept rows lead back to versions of a timeline that may be abandoned
                     self.history.clear()
-                    logger.warning(
-                        "deck live: the publisher started a newer timeline (its trainer "
-                        "restarted or rolled back): step %d (checkpoint %s) of it at %s replaces "
-                        "the served step %d (checkpoint %s) of the older one; the kept versions "
-                        "are dropped",
+                    # (a break-it finding: after a rollback() to an older timeline's step and
+                    # resume(), this blamed the publisher for the operator's own rollback)
+                    logger.log(
+                        logging.INFO if rolled_back else logging.WARNING,
+                        "deck live: %s: step %d (checkpoint %s) of it at %s replaces the served "
+                        "step %d (checkpoint %s) of an older one; the kept versions are dropped",
+                        "resumed after a rollback, onto the newest timeline"
+                        if rolled_back
+                        else "the publisher started a newer timeline (its trainer restarted "
+                        "or rolled back)",
                         plans[0].step,
                         plans[0].state[1],
                         self.source.uri,
@@ -377,7 +385,9 @@ class LiveModel:
         if not isinstance(step, int) or isinstance(step, bool):
             raise ConfigError(f"rollback(step): a step is an int, got {step!r}")
         self.gate.refuse_inside("rollback()")
+        self._check_open("rollback()")
         with self._delivering(), self._lock:
+            self._check_open("rollback()")  # (closed while it waited for a poll's version)
             kept = self.kept_steps()
             if step < 0:
                 raise ConfigError(
@@ -419,7 +429,7 @@ class LiveModel:
                     self.history.pop()
             else:
                 self.history.clear()  # kept rows lead back from states no longer served
-            self.held = True
+            self.held, self._rolled_back = True, True
             self.finished(applying)
             return switch
 
@@ -489,7 +499,8 @@ class LiveModel:
     def close(self) -> None:
         """:meth:`stop`, wait for a :meth:`poll` running on another thread to end its version,
         then close the source (a Kafka source's consumers); the served version stays readable
-        (``serving()``), and :meth:`poll` / :meth:`start` after it raise :class:`ConfigError`."""
+        (``serving()``), and :meth:`poll` / :meth:`start` / :meth:`rollback` after it raise
+        :class:`ConfigError`."""
         self._closed = True  # (a poll on another thread applies no further version)
         self.stop()
         self.gate.hurry()

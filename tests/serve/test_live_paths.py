@@ -186,6 +186,16 @@ def test_a_rollback_of_the_trainer_is_followed(
     assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
     said = [r.getMessage() for r in caplog.records if "newer timeline" in r.getMessage()]
     assert len(said) == 1 and "replaces the served step 6" in said[0], said
+    # The operator's own rollback to the older timeline's step 2, then resume(): the newest
+    # timeline comes back, said as what it is, not blamed on the publisher (a break-it finding)
+    caplog.clear()
+    assert live.rollback(2) is not None
+    live.resume()
+    with caplog.at_level(logging.INFO, logger="deck.serve.live"):
+        assert [s.step for s in live.poll()] == [4]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "timeline" in r.getMessage()]
+    assert len(said) == 1 and said[0][0] == logging.INFO, said
+    assert "resumed after a rollback, onto the newest timeline" in said[0][1], said
 
 
 def test_a_rollback_that_re_saves_the_served_step_is_followed(tmp_path: Path) -> None:
@@ -864,6 +874,10 @@ def test_close_ends_a_poll_running_on_another_thread(root: str, tmp_path: Path) 
     assert [s.step for s in switched] == [2] and live.step == 2
     with pytest.raises(ConfigError, match="closed"):
         live.poll()
+    # Nor a rollback (a break-it finding: it read the closed source and switched the version)
+    with pytest.raises(ConfigError, match=r"rollback\(\) after close\(\)"):
+        live.rollback(0)
+    assert live.step == 2
 
 
 def test_a_serving_model_of_other_dense_shapes_is_refused_once_not_per_step(
