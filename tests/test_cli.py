@@ -412,8 +412,22 @@ def test_exit_codes_one_table(ckpt: Path, tmp_path: Path) -> None:
         ("merge", uri, "--follow", "--poll", "-1"),
         ("merge", uri, "--once", "--wait", "-5"),
     )
-    for r in polls:
-        assert r.returncode == 2 and "must be a number of seconds >= 0" in r.stderr, r
+    # (--poll says its own range: a negative poll and 0 alike, a break-it finding)
+    wants = ("must be seconds > 0 and <= 86400 (got -1)",) * 2 + (
+        "must be a number of seconds >= 0",
+    )
+    for r, want in zip(polls, wants, strict=True):
+        assert r.returncode == 2 and want in r.stderr, r
+    # An empty URI or --out is said as such (a break-it finding: "--out X is inside the
+    # checkpoint URI ", and a bare errno)
+    empty = _decks(
+        ("follow", "", "--out", str(out / "e"), "--once"),
+        ("follow", uri, "--out", "", "--once"),
+        ("export", uri, "--out", ""),
+    )
+    said = ("storage URI must be a non-empty string", "--out is empty", "--out is empty")
+    for r, want in zip(empty, said, strict=True):
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r
 
 
 def test_history_takes_the_torchrec_table_name(ckpt: Path) -> None:

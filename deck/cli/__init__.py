@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # this host's own files (an --out that cannot be written, ...)
             code = EXIT_USAGE
             sys.stdout.flush()
-            print(f"deck {a.cmd}: {e}", file=sys.stderr)
+            print(
+                f"deck {a.cmd}: {e} (a file of this host: check the path, that its folder "
+                "exists and that it can be written)",
+                file=sys.stderr,
+            )
         except KeyboardInterrupt:
             # (What a command leaves when interrupted is as after a kill: safe to run again)
             sys.stdout.flush()

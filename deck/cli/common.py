@@ -72,6 +72,10 @@ def check_out(out: str, uri: str) -> None:
     from deck import schemes
     from deck.errors import ConfigError
 
+    if not uri:  # (the store's own words, as every command without --out says them)
+        raise ConfigError(f"storage URI must be a non-empty string, got {uri!r}")
+    if not out:
+        raise ConfigError("--out is empty: name the local folder to write")
     if schemes.path_of(out) != out:  # (a scheme: file:// too, which would be a folder "file:")
         raise ConfigError(
             f"--out {out}: a local path is needed (written with local file calls, not to an "
@@ -124,7 +128,10 @@ step_number = at_least(0)  # an argparse type: a training step (steps are number
 def poll_seconds(text: str) -> float:
     """An argparse type: seconds between polls, more than 0 (0 would poll the store in a
     tight loop) and at most a day."""
-    value = seconds(text)
+    try:
+        value = seconds(text)
+    except argparse.ArgumentTypeError:
+        value = float("nan")  # (one message for every value out of range: this one's)
     if not 0 < value <= 86400:
         raise argparse.ArgumentTypeError(f"must be seconds > 0 and <= 86400 (got {text})")
     return value

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 
 import deck.schemes as schemes
@@ -161,7 +162,18 @@ def _follow_uri(a: argparse.Namespace) -> int:
         return 0
     # Damage on what it serves: the newest step may be newer than the one held
     newer = "the newest step may be newer than the one served"
-    return int(say_damaged("follow", a.uri, follower.damaged_ahead, newer))
+    code = int(say_damaged("follow", a.uri, follower.damaged_ahead, newer))
+    if follower.refused and follower.state is not None:
+        sys.stdout.flush()
+        step, why = max(follower.refused.items())
+        print(
+            f"deck follow: the checkpoint(s) of step(s) {sorted(follower.refused)} of {a.uri} "
+            f"are damaged (step {step}: {why}); step {follower.state[0]} is served instead "
+            f"(`deck verify {a.uri} --all`)",
+            file=sys.stderr,
+        )
+        code = 1
+    return code
 
 
 def cmd_follow_kafka(a: argparse.Namespace) -> int:

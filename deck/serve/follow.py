@@ -22,6 +22,7 @@ that checkpoint changed, before the safetensors state is replaced.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,8 +48,9 @@ from deck.ops.export import (
     geometry_of,
 )
 from deck.read.catalog import ManifestSet, read_manifests, read_rank_manifests
-from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
+from deck.read.lineage import LineageGraph, build_graph, chain_bytes, cheapest_chain, confirmed
 from deck.read.restore import apply_chain
+from deck.read.verify import verify_checkpoint
 from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
 from deck.storage.atomic import atomic_file, atomic_write
@@ -123,6 +125,10 @@ class Follower:
         # not followed back (a store restored from an older copy, a held record deleted)
         self.epoch: int | None = None
         self._said_behind: tuple[int, str] | None = None
+        # Checkpoints whose files were found damaged (by id; step -> the problem): no chain
+        # through them is served, in this process (a repaired file is read again on restart)
+        self.bad: set[str] = set()
+        self.refused: dict[int, str] = {}
         self.chain: list[str] = []
         self.resumed: dict[str, Any] = {}  # state.json of the output resumed from
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -164,8 +170,63 @@ class Follower:
             latest = graph.latest()
             if latest is None:
                 raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
-        chain = cheapest_chain(graph, latest)
+        chain = self._chain_to_serve(graph, latest)
+        if chain is None:
+            if self.state is not None:
+                return FollowUpdate(self.state[0], self.state[1], "unchanged")
+            raise CorruptCheckpointError(
+                f"every restorable step at {self.storage.uri} needs a damaged checkpoint "
+                f"({_said(self.refused)}): nothing to serve until a newer full is published "
+                f"(`deck verify {self.storage.uri} --all`)"
+            )
+        try:
+            return self._serve(chain, t0)
+        except CorruptCheckpointError:
+            if not self._found_damaged(chain):
+                raise
+        return self.catch_up()  # around it (each pass finds one more: it ends)
+
+    def _chain_to_serve(self, graph: LineageGraph, latest: int) -> list[CheckpointManifest] | None:
+        """The cheapest chain of ``latest``; with checkpoints found damaged, of the newest
+        restorable step (by timeline, then step) whose chain needs none of them."""
+        if not self.bad:
+            return cheapest_chain(graph, latest)
+        exclude = frozenset(self.bad)
+        for step in sorted(
+            graph.restorable_steps(), key=lambda s: (graph.trainer[s].epoch, s), reverse=True
+        ):
+            with contextlib.suppress(CheckpointNotFoundError):
+                return cheapest_chain(graph, step, exclude=exclude)
+        return None
+
+    def _found_damaged(self, chain: list[CheckpointManifest]) -> bool:
+        """After a chunk or file of ``chain`` failed its check: verify its checkpoints, newest
+        first, up to the first damaged one, which is then never served again (said once, as a
+        live model refuses a damaged update); False when none is (the error is raised)."""
+        for m in reversed(chain):
+            if m.id in self.bad:
+                continue
+            problems = verify_checkpoint(self.storage, m).problems
+            if problems:
+                self.bad.add(m.id)
+                self.refused[m.step] = problems[0]
+                logger.error(
+                    "deck follow: %s of %s is damaged (%s): the steps whose chains need it "
+                    "are not served; %s",
+                    m.folder,
+                    self.storage.uri,
+                    problems[0],
+                    "looking for the newest step without it"
+                    if self.state is None
+                    else f"{self.out_dir} keeps step {self.state[0]} or moves to a newer one",
+                )
+                return True
+        return False
+
+    def _serve(self, chain: list[CheckpointManifest], t0: float) -> FollowUpdate:
+        """Bring the output to the state of ``chain`` (its last checkpoint's)."""
         last = chain[-1]
+        latest = last.step
         if self._behind(last):
             assert self.state is not None
             return FollowUpdate(self.state[0], self.state[1], "unchanged")
@@ -236,13 +297,23 @@ class Follower:
         output once."""
         last = newer[-1]
         self._outputs_level()
-        bytes_read = self._apply_rows(newer, self.targets())
-        self.encodings |= {m.encoding for m in newer if m.encoding is not None}
-        dense = flatten(eager_state(self.storage, last, parts))
-        self._set_dense(dense)
-        self.chain = self.chain + [m.folder for m in newer]
-        self.state, self.epoch = last.state, last.epoch
-        write_s = self._write()
+        try:
+            bytes_read = self._apply_rows(newer, self.targets())
+            self.encodings |= {m.encoding for m in newer if m.encoding is not None}
+            dense = flatten(eager_state(self.storage, last, parts))
+            self._set_dense(dense)
+            self.chain = self.chain + [m.folder for m in newer]
+            self.state, self.epoch = last.state, last.epoch
+            write_s = self._write()
+        except BaseException:
+            # The held tables are half-written (a damaged chunk, a read error, a kill part-way)
+            # and this chain starts with a delta: another one applied onto them would carry
+            # the rows written so far (a checkpoint quarantined meanwhile, a step below it
+            # then applied, served with rows of the refused one). Back to the output's files,
+            # which hold the held state exactly.
+            self.tensors, self.shards, self.state = {}, [], None
+            self._resume()
+            raise
         return FollowUpdate(
             last.step,
             last.state[1],
@@ -540,6 +611,10 @@ def follow(
         if once:
             return follower
         time.sleep(poll_s)
+
+
+def _said(refused: dict[int, str]) -> str:
+    return "; ".join(f"step {s}: {why}" for s, why in sorted(refused.items())[:3])
 
 
 def _shape(rows_cols: tuple[int, int] | None) -> str:

@@ -138,3 +138,56 @@ def test_a_follower_never_goes_back_to_an_older_step(
     assert (update.step, update.how) == (2, "full")
     record = state_record(str(out))
     assert record is not None and record["epoch"] == 1
+
+
+def test_a_damaged_newest_step_is_passed_by_and_the_step_below_served_exactly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chunk of the newest delta fails its checksum while the follower applies it (rows of
+    its other chunks already written into the held tables): the checkpoint is found damaged,
+    said once, and the newest step without it is served, bitwise what materialising it from
+    scratch gives (break-it findings: a fresh follower served nothing; and the held tables kept
+    the rows written before the damage, which a step below it applied onto would serve). A
+    fresh follower serves that step too; a newer full is followed."""
+    import torch
+
+    from deck.serve.follow import Follower
+
+    uri, out = tmp_path / "pub", tmp_path / "serving"
+    store = LocalStorage(uri)
+    trainer = SynthTrainer(store)
+    trainer.save("full")
+    trainer.train()
+    trainer.save()
+    follower = Follower(store, str(out))
+    assert follower.catch_up().step == 1
+    for _ in range(2):
+        trainer.train(rows=40)
+        trainer.save()
+    chunks = sorted((uri / "step-000000000003").glob("*/rank-*/*/*.chunk"))
+    assert len(chunks) > 2
+    data = bytearray(chunks[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunks[-1].write_bytes(bytes(data))
+
+    reference = Follower(LocalStorage(uri), str(tmp_path / "ref"))
+    reference.materialise(2)
+    with caplog.at_level("ERROR", logger="deck.serve.follow"):
+        update = follower.catch_up()
+        assert (update.step, update.how) == (2, "delta")
+        assert follower.catch_up().how == "unchanged"
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and "step-000000000003" in said[0], said
+    assert follower.refused.keys() == {3}
+    for tensors in (follower.tensors, Follower(LocalStorage(uri), str(out)).tensors):
+        assert tensors.keys() == reference.tensors.keys()
+        for name, t in reference.tensors.items():
+            assert torch.equal(tensors[name], t), name
+    fresh = Follower(LocalStorage(uri), str(tmp_path / "fresh"))
+    assert (fresh.catch_up().step, fresh.refused.keys()) == (2, {3})
+    r = _once(uri, tmp_path / "cli")  # (--once: served, and the damage said, exit 1)
+    assert r.returncode == 1 and r.stdout.startswith("step 2 "), r.stdout + r.stderr
+    assert "step(s) [3]" in r.stderr and "step 2 is served instead" in r.stderr, r.stderr
+    trainer.train()
+    trainer.save("full")
+    assert follower.catch_up().step == 4
