@@ -12,11 +12,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from deck.storage import LocalStorage
 from deck.testing.synth import SynthTrainer
+
+if TYPE_CHECKING:
+    from deck.serve.follow import Follower
 
 pytestmark = pytest.mark.slow
 
@@ -99,6 +103,21 @@ def _once(uri: Path, out: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _following(tmp_path: Path, deltas: int) -> tuple[Path, Path, SynthTrainer, Follower]:
+    """A publish URI holding a full and ``deltas`` deltas, and a follower serving the newest."""
+    from deck.serve.follow import Follower
+
+    uri, out = tmp_path / "pub", tmp_path / "serving"
+    trainer = SynthTrainer(LocalStorage(uri))
+    trainer.save("full")
+    for _ in range(deltas):
+        trainer.train()
+        trainer.save()
+    follower = Follower(trainer.storage, str(out))
+    assert follower.catch_up().step == deltas
+    return uri, out, trainer, follower
+
+
 def test_a_follower_never_goes_back_to_an_older_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -108,16 +127,7 @@ def test_a_follower_never_goes_back_to_an_older_step(
     step 1 without a word); a newer step, or a newer timeline's lower one, is followed."""
     from deck.serve.follow import Follower, state_record
 
-    uri, out = tmp_path / "pub", tmp_path / "serving"
-    store = LocalStorage(uri)
-    trainer = SynthTrainer(store)
-    trainer.save("full")
-    trainer.train()
-    trainer.save()
-    trainer.train()
-    trainer.save()
-    follower = Follower(store, str(out))
-    assert follower.catch_up().step == 2
+    uri, out, trainer, follower = _following(tmp_path, 2)
     shutil.rmtree(uri / "step-000000000002")
     for f in (follower, Follower(LocalStorage(uri), str(out)), follower):
         with caplog.at_level("WARNING", logger="deck.serve.follow"):
@@ -153,14 +163,7 @@ def test_a_damaged_newest_step_is_passed_by_and_the_step_below_served_exactly(
 
     from deck.serve.follow import Follower
 
-    uri, out = tmp_path / "pub", tmp_path / "serving"
-    store = LocalStorage(uri)
-    trainer = SynthTrainer(store)
-    trainer.save("full")
-    trainer.train()
-    trainer.save()
-    follower = Follower(store, str(out))
-    assert follower.catch_up().step == 1
+    uri, out, trainer, follower = _following(tmp_path, 1)
     for _ in range(2):
         trainer.train(rows=40)
         trainer.save()
