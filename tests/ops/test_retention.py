@@ -451,3 +451,42 @@ def test_latest_logs_the_steps_it_skips_once(
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"skipping 30 steps without a complete chain ({after[0]} to ")
     assert f"the newest, step {after[-1]}: " in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("lost", [3, 0])
+def test_a_lost_commit_record_makes_gc_keep_what_builds_on_it(
+    tmp_path: Path, lost: int, whole: bool
+) -> None:
+    """One ``manifest.json`` lost (a copy or sync that missed it), its files still there: the
+    later steps of the newest timeline have no chain, which `deck verify` calls damage. GC keeps
+    them, and the lost record's files, saying why (a break-it finding: the default GC deleted
+    every step after it, or before it, and the files that restoring the record would bring
+    back). Restoring the record restores every step."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    record = tmp_path / f"ck/step-{lost:012d}/manifest.json"
+    saved = record.read_bytes()
+    record.unlink()
+    files = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step-" in str(p))
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0), whole=whole)
+    assert not rep.deleted and not rep.orphans, (rep.deleted, rep.orphans)
+    assert (
+        sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step-" in str(p))
+        == files
+    )
+    kept = dict(rep.kept)
+    assert any(
+        f"step-{lost:012d}/" in k and "parent of committed step" in w for k, w in kept.items()
+    ), kept
+    if lost:
+        assert any(
+            "commit record step-000000000003/manifest.json is missing" in w for w in kept.values()
+        ), kept
+    record.write_bytes(saved)
+    history = {s.id: s.state for s in tr.saved.values()}
+    assert check_all_restore(storage, history) == list(range(7))

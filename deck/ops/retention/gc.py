@@ -201,9 +201,10 @@ def holds_a_store(storage: Storage) -> bool:
 # run would otherwise repeat once per moment of the grace period it replays.
 _READERS = ("deck.read.lineage", "deck.read.catalog", "deck.ops.retention.plan")
 # Put in a trainer checkpoint's attempt folder before its record goes when no step above it stays
-# committed: a run stopped part way leaves a record-less attempt folder at or above the newest
-# committed step, which looks like a save still uploading (kept) unless it says GC was
-# deleting it (an orphan then, like any other).
+# committed, or when a committed delta names it as its parent: a run stopped part way leaves a
+# record-less attempt folder, which looks like a save still uploading (at or above the newest
+# committed step) or like a lost record (a parent), both kept, unless it says GC was deleting it
+# (an orphan then, like any other).
 GC_DELETING = "gc-deleting"
 _QUARANTINE_NAME = re.compile(rf"{QUARANTINE_ROOT}/[0-9a-f]{{16}}\.json")
 
@@ -346,6 +347,11 @@ class _Collector:
         self.keys = keys
         self.manifests = view.manifests
         self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
+        # checkpoint id -> the committed trainer checkpoints naming it as their parent
+        self.children: dict[str, list[CheckpointManifest]] = {}
+        for m in self.manifests.values():
+            if m.parent_id is not None:
+                self.children.setdefault(m.parent_id, []).append(m)
         self.by_prefix = _by_prefix(keys)
         committed_at = {
             cid: self.times.get(f"{n.folder}/{MANIFEST}") for cid, n in self.graph.nodes.items()
@@ -493,7 +499,11 @@ class _Collector:
                 try:
                     failpoint("gc.checkpoint.before_delete")
                     kept = _delete_checkpoint(
-                        self.storage, n, _attempts(n.folder, listed), mark=n.step >= head
+                        self.storage,
+                        n,
+                        _attempts(n.folder, listed),
+                        # (a parent too: once uncommitted, it would look like a lost record)
+                        mark=n.step >= head or cid in self.children,
                     )
                     failpoint("gc.checkpoint.after_delete")
                 except DeckError as e:
@@ -600,6 +610,20 @@ class _Collector:
             if m is not None and aid == m.id:
                 continue  # the committed attempt (kept, or deleted with its record)
             deleting = f"{prefix}/{aid}/{GC_DELETING}" in aks
+            staying = [c.step for c in self.children.get(aid, ()) if c.id not in self.doomed]
+            if m is None and staying and not deleting:
+                # A committed delta that stays builds on it: its record is lost, not never
+                # written (a trainer commits a delta after its parent; GC marks what it
+                # deletes under a record that stays)
+                self.report.kept.append(
+                    (
+                        f"{prefix}/{aid}/",
+                        f"the parent of committed step {min(staying)}, but its commit record "
+                        f"{prefix}/{MANIFEST} is missing: restore it from a backup (or delete "
+                        "the steps built on it by hand)",
+                    )
+                )
+                continue
             if m is None and step >= latest_step and not deleting:
                 continue  # may be a checkpoint still being uploaded: keep it
             why = (

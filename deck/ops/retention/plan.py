@@ -225,6 +225,8 @@ def plan_lineage(
         )
         unread = {i for i in _incomplete(graph, delete) if i not in held}
         held.update((i, why) for i in unread)
+    for i, why in _broken_chain_holds(original, delete).items():
+        held.setdefault(i, why)
     held.update(
         (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
         for i, p in (unusable or {}).items()
@@ -309,6 +311,50 @@ def _damage_holds(
                     if m.id in delete:
                         why = f"step {d}, whose commit record is unreadable, may build on it; {fix}"
                         holds.setdefault(m.id, why)
+    return holds
+
+
+def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str, str]:
+    """Which of ``delete`` belong to the newest timeline's steps whose chain lacks a trainer
+    checkpoint no record stands for any more (no commit record at its step at all: lost, not
+    replaced by a newer timeline's save), with why: damage, as `deck verify` says, never made
+    by deck (a trainer commits a delta after its parent; GC deletes the newest first), so kept
+    with what they build on until repaired (a break-it finding: one lost manifest.json made GC
+    delete every step after it, and its files)."""
+    lost: dict[int, int] = {}  # broken step -> the step whose record is gone
+    # trainer checkpoint id -> the step of the lost record its parent links reach, or None
+    # (ascending steps: a walk stops at the first checkpoint already walked)
+    reach: dict[str, int | None] = {}
+    for step in sorted(graph.unmarked().unrestorable()):
+        walked, start, found = [], graph.trainer[step].start, None
+        walked.append(graph.trainer[step].id)
+        while start is not None:
+            if start[1] in reach:
+                found = reach[start[1]]
+                break
+            n = graph.trainer_at(start)
+            if n is None:
+                found = start[0] if start[0] not in graph.trainer else None
+                break
+            walked.append(n.id)
+            start = n.start
+        reach.update((i, found) for i in walked)
+        if found is not None:
+            lost[step] = found
+    if not lost:
+        return {}
+    first = min(lost)
+    incomplete = _incomplete(graph, delete)
+    holds: dict[str, str] = {}
+    for i in delete:
+        n = graph.nodes[i]
+        if n.step >= first and (i in incomplete or (not n.merged and n.step in lost)):
+            gone = lost.get(n.step, lost[first])
+            holds[i] = (
+                f"the newest timeline's steps from {min(lost)} on need step {gone}, whose "
+                f"commit record {step_dir(gone)}/{MANIFEST} is missing: damage, kept to be "
+                "repaired (restore the record from a backup), or deleted by hand"
+            )
     return holds
 
 
