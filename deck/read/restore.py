@@ -356,7 +356,7 @@ def _committed_chunks(
     except NotFoundError as e:
         raise CorruptCheckpointError(
             f"{e} (table {rec.table}, {checkpoint_label(m)}): a file of this committed "
-            "checkpoint is missing; restore(allow_fallback=True) restores around it"
+            "checkpoint is missing"
         ) from None
 
 

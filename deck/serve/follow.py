@@ -170,21 +170,20 @@ class Follower:
             latest = graph.latest()
             if latest is None:
                 raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
-        chain = self._chain_to_serve(graph, latest)
-        if chain is None:
-            if self.state is not None:
-                return FollowUpdate(self.state[0], self.state[1], "unchanged")
-            raise CorruptCheckpointError(
-                f"every restorable step at {self.storage.uri} needs a damaged checkpoint "
-                f"({_said(self.refused)}): nothing to serve until a newer full is published "
-                f"(`deck verify {self.storage.uri} --all`)"
-            )
-        try:
-            return self._serve(chain, t0)
-        except CorruptCheckpointError:
-            if not self._found_damaged(chain):
-                raise
-        return self.catch_up()  # around it (each pass finds one more: it ends)
+        # Around each checkpoint found damaged (one more per pass: it ends)
+        while (chain := self._chain_to_serve(graph, latest)) is not None:
+            try:
+                return self._serve(chain, t0)
+            except CorruptCheckpointError:
+                if not self._found_damaged(chain):
+                    raise
+        if self.state is not None:
+            return FollowUpdate(self.state[0], self.state[1], "unchanged")
+        raise CorruptCheckpointError(
+            f"every restorable step at {self.storage.uri} needs a damaged checkpoint "
+            f"({_said(self.refused)}): nothing to serve until a newer full is published "
+            f"(`deck verify {self.storage.uri} --all`)"
+        )
 
     def _chain_to_serve(self, graph: LineageGraph, latest: int) -> list[CheckpointManifest] | None:
         """The cheapest chain of ``latest``; with checkpoints found damaged, of the newest

@@ -69,6 +69,7 @@ def load_step(
             found.optimizers(optimizers),
             None if pair is None else pair[1],
             restore_rng=restore_rng,
+            fallback_hint="",
         )
     except Exception as e:
         refused = e

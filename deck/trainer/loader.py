@@ -122,6 +122,9 @@ class StateLoader:
     optimizers: Optimizers
     set_user_state: Callable[[Any], None] | None
     restore_rng: bool = True
+    # What a refusal says the caller can do instead (deck.load, which never falls back, says
+    # its own)
+    fallback_hint: str = "; restore(allow_fallback=True) restores the newest valid step instead"
 
     def restore(self, step: int | None, allow_fallback: bool) -> Restored | None:
         """Load committed ``step`` (the latest restorable one when None) bitwise. Returns None
@@ -148,9 +151,7 @@ class StateLoader:
             manifests = confirmed(self.storage, manifests, target)
         skipped = damaged_records(manifests, target, latest=step is None)
         if skipped and not allow_fallback:
-            raise CorruptCheckpointError(
-                f"{skipped}; restore(allow_fallback=True) restores the newest valid step instead"
-            )
+            raise CorruptCheckpointError(f"{skipped}{self.fallback_hint}")
         if target is None:
             if manifests:
                 raise CheckpointNotFoundError(
@@ -171,9 +172,7 @@ class StateLoader:
             return done
         assert error is not None
         if recoverable and not allow_fallback:
-            raise type(error)(
-                f"{error}; restore(allow_fallback=True) restores the newest valid step instead"
-            ) from error
+            raise type(error)(f"{error}{self.fallback_hint}") from error
         if not recoverable:
             raise error
         fallback, why = self._fallback_target(target, error)

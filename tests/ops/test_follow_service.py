@@ -194,3 +194,26 @@ def test_a_damaged_newest_step_is_passed_by_and_the_step_below_served_exactly(
     trainer.train()
     trainer.save("full")
     assert follower.catch_up().step == 4
+
+
+def test_a_fresh_follower_of_a_damaged_full_says_nothing_can_be_served(tmp_path: Path) -> None:
+    """Every step needs the damaged full: nothing to serve, said naming it, not retried in a
+    loop around it (each checkpoint is verified once)."""
+    from deck.errors import CorruptCheckpointError
+    from deck.serve.follow import Follower
+
+    uri = tmp_path / "pub"
+    trainer = SynthTrainer(LocalStorage(uri))
+    trainer.save("full")
+    trainer.train()
+    trainer.save()
+    chunk = sorted((uri / "step-000000000000").glob("*/rank-*/*/*.chunk"))[0]
+    chunk.write_bytes(b"\0" * len(chunk.read_bytes()))
+    fresh = Follower(LocalStorage(uri), str(tmp_path / "out"))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"every restorable step .*\(step 0: .*checksum"
+    ):
+        fresh.catch_up()
+    assert fresh.refused.keys() == {0} and fresh.state is None
+    r = _once(uri, tmp_path / "cli")
+    assert r.returncode == 1 and "every restorable step" in r.stderr, r.stdout + r.stderr

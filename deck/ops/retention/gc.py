@@ -502,8 +502,9 @@ class _Collector:
                         self.storage,
                         n,
                         _attempts(n.folder, listed),
-                        # (a parent too: once uncommitted, it would look like a lost record)
-                        mark=n.step >= head or cid in self.children,
+                        # (a parent of a delta that stays too: once uncommitted, it would
+                        # look like a lost record)
+                        mark=n.step >= head or bool(self._staying_children(cid)),
                     )
                     failpoint("gc.checkpoint.after_delete")
                 except DeckError as e:
@@ -610,7 +611,7 @@ class _Collector:
             if m is not None and aid == m.id:
                 continue  # the committed attempt (kept, or deleted with its record)
             deleting = f"{prefix}/{aid}/{GC_DELETING}" in aks
-            staying = [c.step for c in self.children.get(aid, ()) if c.id not in self.doomed]
+            staying = self._staying_children(aid)
             if m is None and staying and not deleting:
                 # A committed delta that stays builds on it: its record is lost, not never
                 # written (a trainer commits a delta after its parent; GC marks what it
@@ -635,6 +636,11 @@ class _Collector:
             )
             abandon = Hint(key=f"{prefix}/{MANIFEST}", op="abandon", id=_hint_id(aid))
             self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid), abandon)
+
+    def _staying_children(self, cid: str) -> list[int]:
+        """The steps of the committed trainer deltas naming ``cid`` as their parent that this
+        run does not delete."""
+        return [c.step for c in self.children.get(cid, ()) if c.id not in self.doomed]
 
     def _names(self, folder: str, aid: str) -> str | None:
         """Why attempt ``aid`` of step folder ``folder`` is no orphan any more: the step's
