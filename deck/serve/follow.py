@@ -129,6 +129,7 @@ class Follower:
         # through them is served, in this process (a repaired file is read again on restart)
         self.bad: set[str] = set()
         self.refused: dict[int, str] = {}
+        self._intact: set[str] = set()  # checkpoints verified whole after such an error
         self.chain: list[str] = []
         self.resumed: dict[str, Any] = {}  # state.json of the output resumed from
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -203,10 +204,15 @@ class Follower:
         first, up to the first damaged one, which is then never served again (said once, as a
         live model refuses a damaged update); False when none is (the error is raised)."""
         for m in reversed(chain):
-            if m.id in self.bad:
+            if m.id in self.bad or m.id in self._intact:
                 continue
-            problems = verify_checkpoint(self.storage, m).problems
-            if problems:
+            report = verify_checkpoint(self.storage, m)
+            problems = report.problems
+            if report.ok:
+                # (committed files do not change: an error that is not theirs, raised again
+                # at every poll, does not read the chain again each time)
+                self._intact.add(m.id)
+            elif problems:  # (what could not be read is not damage: the error is raised)
                 self.bad.add(m.id)
                 self.refused[m.step] = problems[0]
                 logger.error(
