@@ -165,7 +165,10 @@ class Follower:
         latest = graph.latest()
         if latest is None:
             raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
-        checked = confirmed(self.storage, manifests, latest)  # the records, not a catalog's copy
+        # The records, not a catalog's copy, and every step folder above the step it would
+        # serve, as a restore of the latest does (a log whose newest entries are lost must not
+        # hide the newest steps: a break-it finding)
+        checked = confirmed(self.storage, manifests, latest, latest=True)
         if checked is not manifests:
             graph = build_graph(checked, self.storage.uri)
             latest = graph.latest()

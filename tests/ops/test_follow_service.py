@@ -217,3 +217,33 @@ def test_a_fresh_follower_of_a_damaged_full_says_nothing_can_be_served(tmp_path:
     assert fresh.refused.keys() == {0} and fresh.state is None
     r = _once(uri, tmp_path / "cli")
     assert r.returncode == 1 and "every restorable step" in r.stderr, r.stdout + r.stderr
+
+
+def test_a_fresh_follower_sees_steps_whose_log_entries_are_lost(tmp_path: Path) -> None:
+    """The newest commit log entries lost (a copy that missed them): the catalog and the log
+    left say an older step is the newest, but a follower serves the newest step there is, as a
+    restore does: it lists the step folders above the one it would serve (a break-it finding:
+    a fresh follower served step 88 of 95 and stayed there)."""
+    from deck.format.commit_log import LOG_ROOT, listed_seqs, log_key
+    from deck.read.catalog import read_manifests
+    from deck.read.indexed import CATALOG_EVERY, compact
+    from deck.serve.follow import Follower
+
+    uri = tmp_path / "pub"
+    store = LocalStorage(uri)
+    trainer = SynthTrainer(store)
+    trainer.save("full")
+    for _ in range(CATALOG_EVERY):
+        trainer.train(rows=4)
+        trainer.save()
+    index = read_manifests(store).index
+    assert index is not None and compact(store, index, force=True) is not None
+    for _ in range(4):
+        trainer.train(rows=4)
+        trainer.save()
+    for seq in listed_seqs(store, LOG_ROOT)[-2:]:
+        store.delete(log_key(seq))
+    newest = CATALOG_EVERY + 4
+    fresh = Follower(LocalStorage(uri), str(tmp_path / "out"))
+    assert fresh.catch_up().step == newest
+    assert fresh.catch_up().how == "unchanged"

@@ -455,38 +455,47 @@ def test_latest_logs_the_steps_it_skips_once(
 
 @pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("lost", [3, 0])
+@pytest.mark.parametrize("all_steps", [True, False])
 def test_a_lost_commit_record_makes_gc_keep_what_builds_on_it(
-    tmp_path: Path, lost: int, whole: bool
+    tmp_path: Path, lost: int, whole: bool, all_steps: bool
 ) -> None:
     """One ``manifest.json`` lost (a copy or sync that missed it), its files still there: the
     later steps of the newest timeline have no chain, which `deck verify` calls damage. GC keeps
     them, and the lost record's files, saying why (a break-it finding: the default GC deleted
     every step after it, or before it, and the files that restoring the record would bring
-    back). Restoring the record restores every step."""
+    back; and, with the bounded policy, what the lost step builds on). Restoring the record
+    restores every step."""
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(6):
+    for i in range(1, 9):
         tr.train()
-        tr.save()
+        tr.save("full" if i == 2 else "delta")
     record = tmp_path / f"ck/step-{lost:012d}/manifest.json"
     saved = record.read_bytes()
     record.unlink()
-    files = sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step-" in str(p))
-    rep = collect_garbage(storage, RetentionPolicy(grace_s=0), whole=whole)
-    assert not rep.deleted and not rep.orphans, (rep.deleted, rep.orphans)
-    assert (
-        sorted(p for p in (tmp_path / "ck").rglob("*") if p.is_file() and "step-" in str(p))
-        == files
-    )
+    # (the bounded policy drops the steps below the full of step 2 that the lost step 3 and
+    # what builds on it restore from, as with the record there)
+    first = 0 if all_steps or not lost else 2
+
+    def files() -> list[Path]:
+        return sorted(
+            p
+            for p in (tmp_path / "ck").glob("step-*/**/*")
+            if p.is_file() and int(p.relative_to(tmp_path / "ck").parts[0][5:]) >= first
+        )
+
+    before = files()
+    policy = RetentionPolicy(grace_s=0, keep_all_steps=all_steps, keep_last_fulls=1)
+    rep = collect_garbage(storage, policy, whole=whole)
+    assert sorted(int(f[5:17]) for f, _ in rep.deleted) == list(range(first)), rep
+    assert not rep.orphans and files() == before, rep
     kept = dict(rep.kept)
     assert any(
         f"step-{lost:012d}/" in k and "parent of committed step" in w for k, w in kept.items()
     ), kept
-    if lost:
-        assert any(
-            "commit record step-000000000003/manifest.json is missing" in w for w in kept.values()
-        ), kept
+    said = f"may need step {lost}, whose commit record is missing"
+    assert any(said in w for w in kept.values()), kept
     record.write_bytes(saved)
     history = {s.id: s.state for s in tr.saved.values()}
-    assert check_all_restore(storage, history) == list(range(7))
+    assert check_all_restore(storage, history) == list(range(first, 9))

@@ -286,21 +286,24 @@ def _problem(p: str) -> str:
 
 
 def _damage_holds(
-    graph: LineageGraph, damaged: Mapping[int, str], delete: dict[str, str]
+    graph: LineageGraph, damaged: Mapping[int, str], delete: dict[str, str], *, lost: bool = False
 ) -> dict[str, str]:
-    """Which of ``delete`` the unreadable trainer commit records ``damaged`` (step -> problem)
-    may be needed for, with why: at or after such a step, every checkpoint whose chain is not
-    complete without it; before it, the chains of the readable steps back to the newest full
-    (its epoch and parent cannot be read, so every timeline counts)."""
+    """Which of ``delete`` the unreadable trainer commit records ``damaged`` (step -> problem;
+    with ``lost``, records that are missing) may be needed for, with why: at or after such a
+    step, every checkpoint whose chain is not complete without it; before it, the chains of the
+    readable steps back to the newest full (its epoch and parent cannot be read, so every
+    timeline counts)."""
     holds: dict[str, str] = {}
     if not damaged:
         return holds
     incomplete = _incomplete(graph, delete)
+    state = "missing" if lost else "unreadable"
     for d, problem in sorted(damaged.items()):
-        fix = f"repair or delete {step_dir(d)}/{MANIFEST}"
+        record = f"{step_dir(d)}/{MANIFEST}"
+        fix = f"restore {record} from a backup" if lost else f"repair or delete {record}"
         for n in graph.nodes.values():
             if n.id in incomplete and n.step >= d:
-                why = f"may need step {d}, whose commit record is unreadable ({problem}); {fix}"
+                why = f"may need step {d}, whose commit record is {state} ({problem}); {fix}"
                 holds.setdefault(n.id, why)
         fulls = [
             st[0] for st, fs in graph.fulls_at.items() if st[0] < d and any(f.usable for f in fs)
@@ -309,7 +312,7 @@ def _damage_holds(
             with contextlib.suppress(CheckpointNotFoundError):
                 for m in graph.chain(step):
                     if m.id in delete:
-                        why = f"step {d}, whose commit record is unreadable, may build on it; {fix}"
+                        why = f"step {d}, whose commit record is {state}, may build on it; {fix}"
                         holds.setdefault(m.id, why)
     return holds
 
@@ -343,19 +346,9 @@ def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str
             lost[step] = found
     if not lost:
         return {}
-    first = min(lost)
-    incomplete = _incomplete(graph, delete)
-    holds: dict[str, str] = {}
-    for i in delete:
-        n = graph.nodes[i]
-        if n.step >= first and (i in incomplete or (not n.merged and n.step in lost)):
-            gone = lost.get(n.step, lost[first])
-            holds[i] = (
-                f"the newest timeline's steps from {min(lost)} on need step {gone}, whose "
-                f"commit record {step_dir(gone)}/{MANIFEST} is missing: damage, kept to be "
-                "repaired (restore the record from a backup), or deleted by hand"
-            )
-    return holds
+    return _damage_holds(
+        graph, {d: "a committed delta builds on it" for d in lost.values()}, delete, lost=True
+    )
 
 
 def _incomplete(graph: LineageGraph, ids: Iterable[str]) -> set[str]:
