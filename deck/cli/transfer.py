@@ -167,9 +167,9 @@ def _follow_uri(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         step, why = max(follower.refused.items())
         print(
-            f"deck follow: the checkpoint(s) of step(s) {sorted(follower.refused)} of {a.uri} "
-            f"are damaged (step {step}: {why}); step {follower.state[0]} is served instead "
-            f"(`deck verify {a.uri} --all`)",
+            f"deck follow: passed by damaged checkpoint(s) of step(s) {sorted(follower.refused)} "
+            f"of {a.uri} (step {step}: {why}); serving step {follower.state[0]} (`deck verify "
+            f"{a.uri} --all`)",
             file=sys.stderr,
         )
         code = 1

@@ -190,7 +190,8 @@ def test_a_damaged_newest_step_is_passed_by_and_the_step_below_served_exactly(
     assert (fresh.catch_up().step, fresh.refused.keys()) == (2, {3})
     r = _once(uri, tmp_path / "cli")  # (--once: served, and the damage said, exit 1)
     assert r.returncode == 1 and r.stdout.startswith("step 2 "), r.stdout + r.stderr
-    assert "step(s) [3]" in r.stderr and "step 2 is served instead" in r.stderr, r.stderr
+    assert "damaged checkpoint(s) of step(s) [3]" in r.stderr, r.stderr
+    assert "step-000000000003" in r.stderr and "serving step 2" in r.stderr, r.stderr
     trainer.train()
     trainer.save("full")
     assert follower.catch_up().step == 4
