@@ -44,7 +44,8 @@ Exit codes (for scripts), the same for every command:
        error that stopped the command (storage unreachable, an --out that cannot be written, ...)
   130  interrupted (Ctrl-C): one line, no traceback; what it left is as after a kill (run it
        again). `deck merge --follow`, whose way to stop is SIGINT or SIGTERM, finishes its
-       pass and exits 0
+       pass and exits 0 (stopped while it is still starting, before its workers run, it exits
+       130 like any interrupted command)
 
 Results go to stdout (``--json`` where offered), errors to stderr as one line
 ``deck <command>: <what happened and what to do>``; progress bars only when stderr is a
