@@ -853,3 +853,42 @@ def test_a_garbage_catalog_numbered_past_the_log_is_replaced_by_gc_over_the_whol
     got = read_manifests(store)
     assert got.index is not None
     same(got, whole(store))
+
+
+def test_a_commit_announced_before_gc_listed_and_landing_after_its_read_is_no_disagreement(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a whole-store GC beside a trainer took the newest step's commit --
+    announced in the log before GC listed it, its record written after GC read every record --
+    for a catalog that disagrees with the records, and replaced every catalog (a third of its
+    runs, each with a warning). A record a hint after the catalog names is read again by every
+    reader: no disagreement. A repair leaves no segment no catalog names."""
+    from deck.format.commit_log import SEGMENT_ROOT, listed_segments, read_catalog
+    from deck.read.indexed import repair
+
+    _commit_all(store, 4)
+    _catalog_now(store)
+    key, cid, data = POOL[4]
+    append_hints(store, [Hint(key=key, op="commit", id=cid)])  # announced ...
+    listing = store.list("")
+    truth = {k: store.get(k) for k in manifest_keys(store)}  # ... GC reads every record ...
+    logged = commit_log.seqs_in(listing, LOG_ROOT)
+    store.put(key, data)  # ... and the record lands
+    read_keys = lambda ks: ((k, store.get_or_none(k)) for k in ks)  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        assert repair(store, truth, logged, [], read_keys) is None
+    assert not [r for r in caplog.records if "did not agree" in r.getMessage()]
+    same(read_manifests(store), whole(store))
+    # A record changed behind the log's back is one: repaired, and the segments of the
+    # catalogs it replaced (and any an earlier repair left) go with them
+    store.put(f"{SEGMENT_ROOT}/{'0' * 16}.json.z", b"left by an earlier repair")
+    path = Path(store.local_path(POOL[1][0]) or "")
+    path.write_bytes(path.read_bytes() + b" ")
+    truth = {k: store.get(k) for k in manifest_keys(store)}
+    logged = listed_seqs(store, LOG_ROOT)
+    assert repair(store, truth, logged, [], read_keys) is not None
+    catalogs = listed_seqs(store, CATALOG_ROOT)
+    assert len(catalogs) == 1
+    named = {ref.name for ref in read_catalog(store, catalogs[0]).segments}
+    assert listed_segments(store) == named
+    same(read_manifests(store), whole(store))
