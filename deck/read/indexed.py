@@ -592,8 +592,11 @@ def repair(
     if not keeps_log(storage):
         return None
     catalogs = listed_seqs(storage, CATALOG_ROOT)
-    if not catalogs:
+    if not catalogs and logged == list(range(1, len(logged) + 1)):
         return None  # the first catalog is made from a whole read (whole_read), as ever
+    # (No catalog and a log pruned behind catalogs that are gone: made from this read, its
+    # hints those of the entries left and the commits begun, or no catalog ever again: a
+    # break-it finding)
     seen = logged[-1] if logged else 0
     view = read_indexed(storage, read_keys)
     now = listed_seqs(storage, LOG_ROOT)
@@ -670,14 +673,17 @@ def repair(
     recheck += [h for h in later if h not in recheck]
     fixed = IndexedRead(seq=top, records=records, recheck=recheck, log_from=top + 1)
     logger.warning(
-        "the catalog at %s did not agree with the commit records%s: writing catalog %d from "
-        "every record read",
-        storage.uri,
-        " (none could be used)"
-        if view is None
-        else " (the newest could not be used)"
-        if passed_by and not changed
-        else "",
+        "%s: writing catalog %d from every record read",
+        f"no catalog at {storage.uri} (its commit log was pruned behind catalogs that are gone)"
+        if not catalogs
+        else f"the catalog at {storage.uri} did not agree with the commit records"
+        + (
+            " (none could be used)"
+            if view is None
+            else " (the newest could not be used)"
+            if passed_by and not changed
+            else ""
+        ),
         top,
     )
     written = compact(storage, fixed, force=True, parsed=parsed)

@@ -892,3 +892,29 @@ def test_a_commit_announced_before_gc_listed_and_landing_after_its_read_is_no_di
     named = {ref.name for ref in read_catalog(store, catalogs[0]).segments}
     assert listed_segments(store) == named
     same(read_manifests(store), whole(store))
+
+
+def test_a_catalog_is_written_again_after_the_catalogs_of_a_pruned_log_are_deleted(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: `_catalog/` deleted on a long-running job whose log was pruned behind
+    its catalogs: no catalog was ever written again (a first one needs the log from entry 1),
+    so every reader read every record for good, the log grew without end, and nothing said so.
+    The next GC over the whole store writes one, says so, and reads through it are right."""
+    _commit_all(store, 4)
+    _catalog_now(store)
+    _commit_all(store, 8)
+    _catalog_now(store)
+    _commit_all(store, 10)
+    _catalog_now(store)
+    assert listed_seqs(store, LOG_ROOT)[0] > 1  # pruned behind the catalogs
+    shutil.rmtree(Path(store.local_path(CATALOG_ROOT) or ""))
+    _commit_all(store, 12)
+    with caplog.at_level(logging.WARNING):
+        collect_garbage(store, RetentionPolicy(grace_s=0), whole=True)
+    assert listed_seqs(store, CATALOG_ROOT)
+    said = [r.getMessage() for r in caplog.records if "no catalog at" in r.getMessage()]
+    assert len(said) == 1 and "pruned behind catalogs that are gone" in said[0], said
+    got = read_manifests(store)
+    assert got.index is not None and got.index.catalog is not None
+    same(got, whole(store))
