@@ -189,6 +189,12 @@ class LocalStorage(Storage):
     def _error(self, action: str, path: str, exc: OSError, hint: str) -> StorageError:
         reason = exc.strerror or str(exc)
         where = f" ({exc.filename})" if exc.filename else ""
+        if hint == _WRITE_HINT and isinstance(exc, FileNotFoundError):
+            # (a break-it finding: a folder GC pruned under a writer was said as permissions)
+            hint = (
+                "its folder was removed while it was written (a `deck gc` with a grace period "
+                "shorter than a save takes?)"
+            )
         return StorageError(f"could not {action} {self.describe(path)}: {reason}{where}; {hint}")
 
     # ---- containment: walking keys without following links -------------------------------------

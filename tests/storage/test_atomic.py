@@ -71,3 +71,26 @@ def test_fsync_dir(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(NotADirectoryError):
         fsync_dir(str(tmp_path / "file"))
+
+
+def test_a_folder_removed_under_a_put_is_said_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder a put writes into removed between opening it and writing the file (a GC with
+    a grace period shorter than a save, in a break-it run): the error says that, not "check
+    permissions / free space"."""
+    from deck.errors import StorageError
+    from deck.storage import LocalStorage
+
+    store = LocalStorage(tmp_path / "ck")
+    opened = LocalStorage._open_folder
+
+    def then_removed(self: LocalStorage, names: list[str], key: str, **kw: bool) -> int:
+        fd = opened(self, names, key, **kw)
+        if names:
+            os.rmdir(tmp_path / "ck" / "/".join(names))
+        return fd
+
+    monkeypatch.setattr(LocalStorage, "_open_folder", then_removed)
+    with pytest.raises(StorageError, match=r"step-1/a.*its folder was removed while it was"):
+        store.put("step-1/a", b"x")
