@@ -1061,10 +1061,17 @@ def _read_every_record(
 ) -> ManifestSet:
     """Every commit record at ``storage`` again (``known``: the read it replaces, whose damaged
     records were said then)."""
-    if not said:
+    if not said and storage.uri not in _disagreed:
+        # Once per URI: a follower polling a store whose catalog lacks what the log lost said
+        # it at every poll (a break-it run); the next GC over the whole store repairs it
+        _disagreed.add(storage.uri)
         logger.warning(
-            "the catalog at %s does not agree with the commit records %s: reading every record",
+            "the catalog at %s does not agree with the commit records %s: reading every record "
+            "(until the next `deck gc` over the whole store writes it again)",
             storage.uri,
             "a restore of the latest step relies on" if step is None else f"of step {step}",
         )
     return read_manifests(storage, manifest_keys(storage), previous=known)
+
+
+_disagreed: set[str] = set()
