@@ -618,26 +618,17 @@ def repair(
                 later += read_log_entry(storage, s)[0].hints
             except (CorruptCheckpointError, NotFoundError):
                 return None
-    earlier: list[tuple[int, Hint]] = []  # the hints of the entries it listed, by entry
-    for s in now:
-        if s <= seen:
-            try:
-                earlier += [(s, h) for h in read_log_entry(storage, s)[0].hints]
-            except (CorruptCheckpointError, NotFoundError):
-                continue  # (its commit, if it is one, is an attempt folder in `pending`)
     changed: list[str] = []
     # A newest catalog readers pass by (damaged, a segment it names gone) stays the newest, and
     # is passed by (and said so) at every read, until one is written after it
     passed_by = view is not None and bool(view.passed)
     if view is not None:
-        # Every key a hint after the catalog names is read again by every reader: a record
-        # committed after ``truth`` was read, announced before the log was listed, is no
-        # disagreement (a break-it finding: a whole-store GC beside a trainer took the newest
-        # step's commit for one, and replaced every catalog, a third of its runs)
-        after_catalog = [h for s, h in earlier if view.catalog is None or s > view.catalog]
-        explained = (
-            {h.key for h in later} | {h.key for h in view.recheck} | {h.key for h in after_catalog}
-        )
+        # What every reader reads again (``shadow``: the keys the catalog's recheck and the
+        # hints after it name) is no disagreement: a record committed after ``truth`` was
+        # read, announced before the log was listed (a break-it finding: a whole-store GC
+        # beside a trainer took the newest step's commit for one, and replaced every catalog,
+        # a third of its runs)
+        explained = {h.key for h in later} | view.shadow
         keys = (set(view.records) | set(truth)) - explained
         changed = sorted(k for k in keys if not _same_bytes(view.records.get(k), truth.get(k)))
         if not changed and not passed_by:
@@ -662,7 +653,13 @@ def repair(
         seq for seq in catalogs if seq not in forged and _catalog_or_none(storage, seq) is not None
     ]
     top = max([now[-1] if now else 0, *readable[-1:]])
-    hints = [*pending, *later, *(h for _, h in earlier)]
+    hints = [*pending, *later]
+    for s in now:
+        if s <= seen:
+            try:
+                hints += read_log_entry(storage, s)[0].hints
+            except (CorruptCheckpointError, NotFoundError):
+                continue  # (its commit, if it is one, is an attempt folder in `pending`)
     if readable:
         hints += read_catalog(storage, readable[-1]).recheck
     records = dict(truth)
