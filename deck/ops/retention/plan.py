@@ -225,8 +225,12 @@ def plan_lineage(
         )
         unread = {i for i in _incomplete(graph, delete) if i not in held}
         held.update((i, why) for i in unread)
-    for i, why in _broken_chain_holds(original, delete).items():
-        held.setdefault(i, why)
+    newest = max((n.epoch for n in graph.trainer.values()), default=None)
+    if any(s not in cheapest for s, n in graph.trainer.items() if n.epoch == newest):
+        # (only where a step of the newest timeline has no chain: the walk is not paid by a
+        # whole lineage)
+        for i, why in _broken_chain_holds(original, delete).items():
+            held.setdefault(i, why)
     held.update(
         (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
         for i, p in (unusable or {}).items()
