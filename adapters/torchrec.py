@@ -350,6 +350,7 @@ class TorchRecAdapter(ModelAdapter):
         else:
             items = [("0", optimizers)]
         out = Optimizers()
+        names = {id(p): n for n, p in self.model.named_parameters()}
         # An optimizer reached twice (listed twice, or also inside a combined one) is saved
         # and restored once, under its first name.
         seen = set(fused)
@@ -367,6 +368,9 @@ class TorchRecAdapter(ModelAdapter):
                 check_dense_leaf(name, leaf)
                 out.dense[f"{name}.{j}"] = leaf
                 out.classes[f"{name}.{j}"] = algorithm_class(leaf)
+                out.param_names[f"{name}.{j}"] = [
+                    [names.get(id(p)) for p in g["params"]] for g in leaf.param_groups
+                ]
         return out
 
     def watch_gradients(self, optimizers: Optimizers) -> RemovableHandle | None:

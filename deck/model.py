@@ -133,6 +133,10 @@ class Optimizers:
     # restore refuses another): what the adapter knows of wrappers whose class says nothing
     classes: dict[str, str] = field(default_factory=dict)
     wrappers: dict[str, WrapperState] = field(default_factory=dict)
+    # the model's name of each parameter of each dense leaf, by param group and position (None:
+    # not one of the model's): a plain torch optimizer keys its state by position, so a model
+    # built with its parameters in another order restores by these names
+    param_names: dict[str, list[list[str | None]]] = field(default_factory=dict)
 
 
 class RemovableHandle:
@@ -264,15 +268,21 @@ class ModelAdapter(abc.ABC):
         its ``intact()`` says whether they are still the ones the model calls."""
 
 
-def optimizer_record(opt: Any, algorithm: str) -> dict[str, Any]:
+def optimizer_record(
+    opt: Any, algorithm: str, param_names: list[list[str | None]] | None = None
+) -> dict[str, Any]:
     """What a checkpoint keeps of a dense optimizer (docs/format.md, "Dense and extra state"):
     its ``state_dict``, its :func:`hyperparameters` and ``algorithm``, the qualified class name
-    of the algorithm it runs (:attr:`Optimizers.classes`)."""
-    return {
+    of the algorithm it runs (:attr:`Optimizers.classes`), and the model's names of its
+    parameters (:attr:`Optimizers.param_names`)."""
+    out = {
         "state_dict": opt.state_dict(),
         "param_groups": hyperparameters(opt),
         "class": algorithm,
     }
+    if param_names is not None:
+        out["param_names"] = param_names
+    return out
 
 
 def hyperparameters(opt: Any) -> list[dict[str, Any]]:

@@ -276,6 +276,7 @@ def _read_manifests(
         return manifest_set(storage, records.items(), index, said=previous)
     if previous is not None and last is not None and index.records is last.records:
         previous.index = index  # (nothing new: the same records, so the same set)
+        previous.witness_listed = False  # (this read listed no witness: the checks list again)
         return previous
     parsed = previous.parsed if last is not None and previous is not None else None
     return manifest_set(storage, sorted(index.records.items()), index, parsed, said=previous)

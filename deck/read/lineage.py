@@ -332,6 +332,7 @@ class LineageGraph:
                 self.ending_at.setdefault(n.state, []).append(n)
         self._best: dict[StateKey, PathLink] | None = None
         self._best_excluding: frozenset[str] = frozenset()
+        self._merged_from: dict[str, list[LineageNode]] | None = None
 
     # ---- derived graphs (the same nodes, no manifest read or parsed again) ---------------------
     def _derived(self, nodes: Iterable[LineageNode]) -> LineageGraph:
@@ -376,6 +377,16 @@ class LineageGraph:
         n = self.trainer.get(state[0])
         return n if n is not None and n.id == state[1] else None
 
+    def merged_from(self, cid: str) -> list[LineageNode]:
+        """The merged deltas naming ``cid`` among their inputs."""
+        if self._merged_from is None:
+            self._merged_from = {}
+            for n in self.nodes.values():
+                if n.kind is Kind.MERGED:
+                    for i in n.inputs:
+                        self._merged_from.setdefault(i, []).append(n)
+        return self._merged_from.get(cid, [])
+
     def parents(self, node_id: str) -> list[LineageNode]:
         """What a checkpoint was made from / applies on: a merger checkpoint's inputs, or the
         trainer checkpoint a delta's parent link names (those still committed)."""
@@ -398,17 +409,22 @@ class LineageGraph:
 
     def restorable_steps(self) -> list[int]:
         """Trainer steps that have a complete chain, ascending."""
-        return [s for s in sorted(self.trainer) if self._chain_ids(s, frozenset()) is not None]
+        return [s for s in sorted(self.trainer) if self.restorable(s)]
 
-    def unrestorable(self) -> dict[int, str]:
-        """Trainer steps of the newest epoch without a complete chain, each with what its chain
-        lacks. Older epochs' steps are left out: a rollback abandons a timeline, and the steps
-        it re-saved make the old ones after them unrestorable by design."""
+    def restorable(self, step: int) -> bool:
+        """Whether trainer step ``step`` has a complete chain."""
+        return self._chain_ids(step, frozenset()) is not None
+
+    def unrestorable(self, above: int = -1) -> dict[int, str]:
+        """Trainer steps of the newest epoch (those after ``above`` only) without a complete
+        chain, each with what its chain lacks. Older epochs' steps are left out: a rollback
+        abandons a timeline, and the steps it re-saved make the old ones after them
+        unrestorable by design."""
         newest = max((n.epoch for n in self.trainer.values()), default=None)
         return {
             s: self._why_not(s, frozenset())
             for s, n in sorted(self.trainer.items())
-            if n.epoch == newest and self._chain_ids(s, frozenset()) is None
+            if s > above and n.epoch == newest and not self.restorable(s)
         }
 
     def latest(self, log: bool = True) -> int | None:
@@ -1012,9 +1028,14 @@ def _merged_records(merged: list[str], low: int, high: int | None) -> list[str]:
     """The commit record keys of the merger folders in ``merged`` (a listing of ``merged/``)
     that end at steps ``low..high`` (None: any above ``low``)."""
     keys = []
+    floor = f"{low:012d}"
     for name in merged:
+        # (every merger folder's name ends with the step it ends at, 12 digits, and its id: a
+        # long history's are passed over without a parse)
+        if not name.endswith("/") or name[-30:-18] < floor:
+            continue
         named = parse_merged_dir(name.rstrip("/"))
-        if named is None or not name.endswith("/") or named[1] < low:
+        if named is None or named[1] < low:
             continue
         if high is None or named[1] <= high:
             keys.append(f"{MERGED_ROOT}/{name.rstrip('/')}/{MANIFEST}")

@@ -13,15 +13,25 @@ A graph built from the result answers the same as one built from every record, o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from deck.errors import DeckError
 from deck.format.epochs import newest_witness
 from deck.format.manifest import CheckpointManifest
-from deck.read.catalog import ManifestSet, OutsideWindow, Window, get_records, manifest_set
+from deck.read.catalog import (
+    ManifestSet,
+    OutsideWindow,
+    Window,
+    get_records,
+    manifest_set,
+    read_manifests,
+)
 from deck.read.indexed import load_segments, read_indexed
 from deck.read.lineage import chain_for, latest_restorable
 from deck.storage import Storage
+
+T = TypeVar("T")
 
 # A window reaching back over more than this share of the segments reads every record instead
 # (as cheap by then, and one code path fewer).
@@ -89,3 +99,21 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
         if lowest < 0:
             return None
     return None
+
+
+def ask_newest(
+    storage: Storage, ask: Callable[[ManifestSet], T], previous: ManifestSet | None = None
+) -> T:
+    """``ask(records)``, with the records of the newest part of the history (:func:`read_window`,
+    for the latest step) where it answers there, else with every record
+    (:func:`deck.read.catalog.read_manifests`, going on from ``previous``, an earlier such
+    read): the same answer, at the cost of what is new rather than of the history, for a
+    reader that asks again and again (a follower's poll). ``ask`` may run twice: what it does
+    before it raises :class:`~deck.read.catalog.OutsideWindow` must bear being done again."""
+    window = read_window(storage)
+    if window is not None:
+        try:
+            return ask(window)
+        except OutsideWindow:
+            pass
+    return ask(read_manifests(storage, previous=previous))

@@ -24,6 +24,7 @@ from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, CheckpointManifest, step_dir
 from deck.read.catalog import ManifestSet, read_manifests
 from deck.read.lineage import LineageGraph, build_graph, cheapest_chain, confirmed
+from deck.read.window import ask_newest
 from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class PublishSource:
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
         self._uri = storage.uri
-        self._last: ManifestSet | None = None
+        self._last: ManifestSet | None = None  # the last read (maybe of the newest records)
+        self._whole: ManifestSet | None = None  # the last read of every record
         self._said_behind: State | None = None
         self._said_damaged: set[tuple[int, str]] = set()
         self._said_unrestorable: set[str] = set()  # checkpoint ids
@@ -128,16 +130,21 @@ class PublishSource:
         out, self._faults = self._faults, []
         return out
 
-    def _graph(self) -> LineageGraph | None:
-        manifests = read_manifests(self.storage, previous=self._last)
+    def _graph(self, manifests: ManifestSet) -> LineageGraph | None:
         self._last = manifests
+        if manifests.window is None:
+            self._whole = manifests
         if not manifests:
             return None
         graph = build_graph(manifests, self.uri)
         latest = graph.latest(log=False)  # (steps passed over: _unrestorable says so once)
         if latest is None:
             return None
-        checked = confirmed(self.storage, manifests, latest)  # the records, not a catalog copy
+        # The records, not a catalog's copy, and every step folder above the latest and the
+        # newest epoch witnessed, as a restore of the latest does (a break-it finding: with
+        # the newest log entries lost a live model stayed a step behind, or, after a rollback,
+        # on the abandoned timeline)
+        checked = confirmed(self.storage, manifests, latest, latest=True)
         return graph if checked is manifests else build_graph(checked, self.uri)
 
     def next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
@@ -157,7 +164,16 @@ class PublishSource:
             del self._epochs[next(iter(self._epochs))]
 
     def _next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
-        graph = self._graph()
+        # From the newest part of a long history, as a restore of the latest plans: a poll
+        # costs what is new, not every record the publisher wrote
+        return ask_newest(
+            self.storage, lambda ms: self._plans_from(ms, served, exclude), self._whole
+        )
+
+    def _plans_from(
+        self, manifests: ManifestSet, served: State | None, exclude: frozenset[str]
+    ) -> list[Plan]:
+        graph = self._graph(manifests)
         self._damaged(served)
         self._empty(graph is None)
         if graph is None:
@@ -168,10 +184,9 @@ class PublishSource:
         # older timeline than the served one is never planned (a break-it finding: steps above
         # a restart's first full, left by the older timeline, were taken by step alone, and the
         # model swapped between the two timelines at every version).
-        order = sorted(
-            graph.restorable_steps(), key=lambda s: (graph.trainer[s].epoch, s), reverse=True
-        )
-        for i, step in enumerate(order):
+        # (steps taken one by one, down to the served one: a windowed read holds no others)
+        order = sorted(graph.trainer, key=lambda s: (graph.trainer[s].epoch, s), reverse=True)
+        for i, step in enumerate(s for s in order if graph.restorable(s)):
             epoch = graph.trainer[step].epoch
             if served_epoch is not None and epoch < served_epoch:
                 return []
@@ -275,9 +290,9 @@ class PublishSource:
         """A committed step newer than the served one whose chain is not all there (a delta on
         a state this URI does not hold: another job's, or a parent missing or quarantined):
         reported once per checkpoint; it is applied if its chain is completed."""
-        for step, why in graph.unrestorable().items():
+        for step, why in graph.unrestorable(-1 if served is None else served[0]).items():
             node = graph.trainer[step]
-            if (served is not None and step <= served[0]) or node.id in self._said_unrestorable:
+            if node.id in self._said_unrestorable:
                 continue
             self._said_unrestorable.add(node.id)
             self._faults.append(
@@ -311,7 +326,7 @@ class PublishSource:
     def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan:
         """A whole version of committed ``step`` (its cheapest chain from a full): what a
         rollback further back than the kept versions restores from storage."""
-        graph = self._graph()
+        graph = self._graph(read_manifests(self.storage, previous=self._whole))
         if graph is None:
             if not self._last:
                 raise CheckpointNotFoundError(f"no committed checkpoints at {self.uri}")

@@ -257,8 +257,48 @@ def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], StateKe
         window.append(node.step)
         if node.kind is Kind.FULL or any(f.usable for f in graph.fulls_at.get(node.state, ())):
             break
-        node = graph.trainer_at(node.start) if node.start is not None else None
+        if node.start is None:
+            return window, None
+        prev = graph.trainer_at(node.start)
+        if prev is None:
+            # The record before replaced (a rollback) or deleted: on through the usable merged
+            # delta starting last that merged it, with the committed trainer steps it merged
+            through = [
+                m
+                for m in graph.nodes.values()
+                if m.kind is Kind.MERGED
+                and m.usable
+                and m.start
+                and graph.trainer_at(m.start)
+                and node.start[1] in _merged_ids(graph, m)
+            ]
+            if through:
+                merged = max(through, key=lambda m: (m.start, m.id))
+                assert merged.start is not None
+                steps = {
+                    graph.nodes[i].step
+                    for i in _merged_ids(graph, merged)
+                    if i in graph.nodes
+                    and not graph.nodes[i].merged
+                    and graph.trainer_at(graph.nodes[i].state)
+                }
+                window += sorted(steps - set(window), reverse=True)
+                prev = graph.trainer_at(merged.start)
+        node = prev
     return window, node.state if node is not None else None
+
+
+def _merged_ids(graph: LineageGraph, merged: LineageNode) -> set[str]:
+    """Every id ``merged`` merged, through the merged deltas it merged that are committed."""
+    ids: set[str] = set()
+    todo = list(merged.inputs)
+    while todo:
+        i = todo.pop()
+        ids.add(i)
+        n = graph.nodes.get(i)
+        if n is not None and n.merged:
+            todo += n.inputs
+    return ids
 
 
 def _kept_fulls(
@@ -415,6 +455,14 @@ def reference_grace_protected(
 
     recent = [i for i in graph.nodes if when(i) > cutoff]
     protected = set(recent)
+    # A timeline begun in the period (its lowest record recent): what the older ones hold from
+    # its first step on stays (the records it replaced are gone: no moment's plan sees them)
+    for epoch in {graph.trainer[s].epoch for s in graph.trainer}:
+        low = min((n for n in graph.trainer.values() if n.epoch == epoch), key=lambda n: n.step)
+        if when(low.id) > cutoff:
+            protected |= {
+                n.id for n in graph.nodes.values() if n.epoch < epoch and n.step >= low.step
+            }
     for moment in sorted({cutoff} | {when(i) for i in recent if when(i) <= now}):
         then = graph.as_of(moment, when)
         plan = reference_plan_lineage(then, policy.model_copy(update={"drop_quarantined": True}))

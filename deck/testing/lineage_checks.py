@@ -8,7 +8,7 @@ import os
 import uuid
 from datetime import datetime, timezone
 
-from deck.format.manifest import MANIFEST, Kind
+from deck.format.manifest import MANIFEST, PARTS_DIR, CheckpointManifest, Kind
 from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
 from deck.read.catalog import read_manifests
@@ -16,6 +16,7 @@ from deck.read.lineage import build_graph, chain_for
 from deck.storage import FsspecStorage, Storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.synth import State, restore_state, same
+from deck.trainer.lease import LEASE_DIR
 
 
 def mem() -> FsspecStorage:
@@ -76,11 +77,23 @@ def check_all_restore(
     return steps
 
 
+def chain_files(storage: Storage, chain: list[CheckpointManifest]) -> list[str]:
+    """The keys a restore of ``chain`` reads: each record and the files of its attempt (a step
+    folder's other attempts and a merger folder's partition records are leftovers GC may
+    delete once old)."""
+    out = []
+    for m in chain:
+        prefix = f"{m.folder}/" if m.is_merged else f"{m.folder}/{m.id}/"
+        out += [f"{m.folder}/{MANIFEST}", *storage.list(prefix)]
+    return [k for k in dict.fromkeys(out) if f"/{PARTS_DIR}/" not in k]
+
+
 def age_commits(storage: Storage, seconds: float) -> None:
-    """Let ``seconds`` pass for GC's grace period: every commit record at ``storage`` becomes
-    that much older on the store's clock (its file time, which GC ages it by)."""
+    """Let ``seconds`` pass for GC's grace period: every object at ``storage`` becomes that much
+    older on the store's clock (its file time, which GC ages commits by: a record's and its
+    attempt's files'), but the writer lease, which the trainer renews meanwhile."""
     for key, stamp in storage.list_modified():
-        if key.endswith(f"/{MANIFEST}") and stamp is not None:
+        if stamp is not None and not key.startswith(f"{LEASE_DIR}/"):
             set_store_time(storage, key, stamp - seconds)
 
 

@@ -487,16 +487,20 @@ class LineageSim:
                 os.makedirs(os.path.dirname(os.path.join(where, rel)), exist_ok=True)
                 with open(os.path.join(where, rel), "wb") as f:
                     f.write(data)
+                # (linked into every attempt: as old as the oldest commit, the clock's start)
+                os.utime(os.path.join(where, rel), (0.0, 0.0))
             return where
 
         todo = [*self.trainer.values(), *self.merged.values()]
         if only_new:
             todo = [m for m in todo if m.id not in self._written]
         for m in todo:
+            t = self.committed_at[m.id]
             if files:
                 attempt = m.ranks[0].path.partition("/")[0]
                 for r, part in zip(m.ranks, self.files.parts_in(attempt), strict=False):
                     put(f"{m.folder}/{r.path}", part)
+                    _set_time(storage, f"{m.folder}/{r.path}", t)
                 if not durable and self._linked % 50_000 == 0:
                     self._copies = copy(self._linked // 50_000)
                 self._linked += 1
@@ -504,12 +508,12 @@ class LineageSim:
                     where = rel.replace(self.files.attempt, attempt, 1)
                     link = None if durable else os.path.join(self._copies, rel)
                     put(f"{m.folder}/{where}", data, link)
+                    if link is None:
+                        _set_time(storage, f"{m.folder}/{where}", t)
+            # (each file of an attempt is written before its record: no newer than it)
             key = f"{m.folder}/{MANIFEST}"
             put(key, dump_model(m))
-            path = storage.local_path(key)
-            assert path is not None
-            t = self.committed_at[m.id]
-            os.utime(path, (t, t))
+            _set_time(storage, key, t)
             self._written.add(m.id)
         by_id = {m.id: m for m in [*self.trainer.values(), *self.merged.values()]}
         for cid, why in self.quarantined.items():
@@ -565,3 +569,9 @@ class LineageSim:
                 index = read_manifests(storage).index
                 assert index is not None and index.seq == seq
                 compact(storage, index, force=True)
+
+
+def _set_time(storage: Storage, key: str, t: float) -> None:
+    path = storage.local_path(key)
+    assert path is not None
+    os.utime(path, (t, t))

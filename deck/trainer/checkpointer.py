@@ -599,7 +599,9 @@ class DeltaCheckpointer:
     def _extra_state(self, shards: list[TableShard]) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "optimizers": {
-                name: optimizer_record(opt, self._optimizers.classes[name])
+                name: optimizer_record(
+                    opt, self._optimizers.classes[name], self._optimizers.param_names.get(name)
+                )
                 for name, opt in self._optimizers.dense.items()
             },
             "wrappers": {name: w.get() for name, w in self._optimizers.wrappers.items()},

@@ -89,11 +89,18 @@ def shard_scalars(
 
 
 def load_optimizer(
-    opt: torch.optim.Optimizer, saved: dict[str, Any], name: str, algorithm: str
+    opt: torch.optim.Optimizer,
+    saved: dict[str, Any],
+    name: str,
+    algorithm: str,
+    param_names: list[list[str | None]] | None = None,
 ) -> None:
     """Load a saved :func:`deck.model.optimizer_record` into ``opt`` exactly; one saved by
     another ``algorithm`` than ``opt``'s (a record without one is not checked) raises
-    :class:`IncompatibleModelError`.
+    :class:`IncompatibleModelError`. ``param_names``: the model's names of ``opt``'s
+    parameters (:attr:`deck.model.Optimizers.param_names`): a state keyed by position (a plain
+    torch optimizer's) saved with its names goes to the parameters of the same names, in
+    whatever order the model hands them over now; another set of parameters raises.
 
     Afterwards exactly the parameters that had optimizer state when it was saved have state,
     with the saved values: a parameter that never got a gradient (no state yet) has none after
@@ -101,7 +108,7 @@ def load_optimizer(
     a keyed optimizer (TorchRec's ``KeyedOptimizer``, whose strict load copies into existing
     state of the same parameters) is first given state for exactly the saved parameters.
     """
-    sd = saved["state_dict"]
+    sd = _by_name(opt, saved["state_dict"], saved.get("param_names"), param_names, name)
     saved_class = saved.get("class")
     if saved_class is not None and saved_class != algorithm:
         # torch loads another class's state without a word (the first step then fails, or
@@ -124,6 +131,62 @@ def load_optimizer(
             "optimizer the job saved with, or start a new URI for the new one"
         ) from None
     load_hyperparameters(opt, saved.get("param_groups", []), f"optimizer {name}", said=True)
+
+
+def _by_name(
+    opt: torch.optim.Optimizer,
+    sd: dict[str, Any],
+    saved: list[list[str | None]] | None,
+    live: list[list[str | None]] | None,
+    name: str,
+) -> dict[str, Any]:
+    """``sd`` (a state keyed by position) with each parameter's state and place at the
+    position the parameter of its name has in ``opt`` now: the same state, moved; ``sd`` itself
+    when the names agree, are not known on both sides (a checkpoint written before they were
+    kept), or the state is keyed by name (a TorchRec KeyedOptimizer's). Parameters of other
+    names, another count per group, or a parameter without a name in a changed order raise
+    :class:`IncompatibleModelError` (the positional load would give one parameter another's
+    state, silently where the shapes agree: a break-it finding)."""
+    groups = sd.get("param_groups", [])
+    positional = all(isinstance(k, int) for g in groups for k in g.get("params", []))
+    if saved is None or live is None or saved == live or not positional:
+        return sd
+    if [len(g) for g in saved] != [len(g.get("params", [])) for g in groups]:
+        raise IncompatibleModelError(
+            f"optimizer {name}: the saved parameter names do not match its saved state (a "
+            "damaged or hand-edited checkpoint?)"
+        )
+    if [sorted(map(str, g)) for g in saved] != [sorted(map(str, g)) for g in live] or any(
+        None in g for g in (*saved, *live)
+    ):
+        gone = sorted({n for g in saved for n in g if n} - {n for g in live for n in g if n})
+        new = sorted({n for g in live for n in g if n} - {n for g in saved for n in g if n})
+        raise IncompatibleModelError(
+            f"optimizer {name}: its parameters are not the ones it saved state for (saved only: "
+            f"{gone[:4]}, the model's only: {new[:4]}, or moved between param groups, or of no "
+            "name in the model): its state is keyed by position, so it cannot be matched; "
+            "build the optimizer over the parameters the job saved with"
+        )
+    index = {
+        n: k
+        for g, names in zip(groups, saved, strict=True)
+        for k, n in zip(g["params"], names, strict=True)
+    }
+    now = opt.state_dict()["param_groups"]
+    state = sd.get("state", {})
+    moved_state: dict[int, Any] = {}
+    moved_groups = []
+    for g, live_g, names in zip(groups, now, live, strict=True):
+        for k, n in zip(live_g["params"], names, strict=True):
+            if index[n] in state:
+                moved_state[k] = state[index[n]]
+        moved_groups.append({**g, "params": list(live_g["params"])})
+    logger.info(
+        "deck: optimizer %s holds its parameters in another order than when it saved: its "
+        "state is loaded by parameter name",
+        name,
+    )
+    return {**sd, "state": moved_state, "param_groups": moved_groups}
 
 
 def _match_keyed_state(

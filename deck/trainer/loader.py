@@ -481,6 +481,7 @@ class StateLoader:
                     reconcile_optimizer(opt, saved, moved),
                     f"{name} ({where})",
                     self.optimizers.classes[name],
+                    self.optimizers.param_names.get(name),
                 )
             except IncompatibleModelError as e:
                 if not moved:

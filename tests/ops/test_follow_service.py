@@ -253,3 +253,44 @@ def test_a_fresh_follower_sees_steps_whose_log_entries_are_lost(
         assert fresh.catch_up().how == "unchanged"  # (said once, not at every poll)
     said = [r for r in caplog.records if "does not agree" in r.getMessage()]
     assert len(said) == 1, said
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_live_source_sees_steps_whose_log_entries_are_lost(
+    tmp_path: Path, rollback: bool
+) -> None:
+    """Break-it findings: the newest commit log entries lost (a copy that missed them), a live
+    model's source planned the older step the catalog and the log left say is the newest --
+    a step behind for good once the trainer stopped -- or, when the lost entries were a
+    rollback's, the abandoned timeline's newest step, which a fresh serving process then
+    served. It now checks what it plans against the records as a restore of the latest does
+    (the step folders above it, the newest epoch witnessed)."""
+    from deck.format.commit_log import LOG_ROOT, listed_seqs, log_key
+    from deck.read.catalog import read_manifests
+    from deck.read.indexed import compact
+    from deck.serve.live_source import PublishSource
+
+    store = LocalStorage(tmp_path / "pub")
+    trainer = SynthTrainer(store)
+    trainer.save("full")
+    for i in range(40):
+        trainer.train(rows=4)
+        trainer.save("full" if i == 30 else "delta")
+    index = read_manifests(store).index
+    assert index is not None and compact(store, index, force=True) is not None
+    source = PublishSource(LocalStorage(tmp_path / "pub"))
+    served = source.next_plans(None, frozenset())[-1].state
+    assert served[0] == trainer.step
+    before = len(listed_seqs(store, LOG_ROOT))
+    if rollback:
+        trainer.rollback(10)
+    for _ in range(3):
+        trainer.train(rows=4)
+        trainer.save()
+    for seq in listed_seqs(store, LOG_ROOT)[before:]:
+        store.delete(log_key(seq))
+    want = (trainer.step, trainer.saved[trainer.step].id)
+    plans = source.next_plans(served, frozenset())
+    assert plans and plans[-1].state == want, [p.state for p in plans]
+    fresh = PublishSource(LocalStorage(tmp_path / "pub")).next_plans(None, frozenset())
+    assert fresh[-1].state == want

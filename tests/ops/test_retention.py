@@ -16,12 +16,26 @@ from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
 from deck.read.catalog import read_manifests
-from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
+from deck.read.lineage import build_graph, chain_for, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
 from deck.storage.wrapper import StorageWrapper
-from deck.testing.lineage_checks import age_commits, check_all_restore, mem, merge_all
-from deck.testing.synth import State, SynthTrainer, saved_chain, snapshot, zero_a_chunk
+from deck.testing.lineage_checks import (
+    age_commits,
+    chain_files,
+    check_all_restore,
+    mem,
+    merge_all,
+)
+from deck.testing.synth import (
+    State,
+    SynthTrainer,
+    restore_state,
+    same,
+    saved_chain,
+    snapshot,
+    zero_a_chunk,
+)
 
 
 @pytest.mark.parametrize(
@@ -170,6 +184,8 @@ def test_gc_removes_an_old_orphan_attempt_whole_in_one_run(tmp_path: Path) -> No
     tr.save("full")
     tr.train(steps=2)  # step 1 is never saved: its crash below is older than the latest
     tr.save()
+    # (saved days ago: an attempt of a step committed again within the grace period waits)
+    age_commits(storage, 3 * 86400)
     committed = sorted((tmp_path / "ck").glob("step-*"))[-1]
     crashed = [
         committed / "0123456789abcdef" / "rank-00000" / "t0",  # in a committed step's folder
@@ -331,7 +347,7 @@ def test_gc_grace_keeps_every_chain_a_reader_may_be_reading() -> None:
         graph = build_graph(manifests)
         for step in plan_retention(manifests, policy).retained_steps:
             chain = cheapest_chain(graph, step)
-            files = [k for m in chain for k in storage.list(f"{m.folder}/")]
+            files = chain_files(storage, chain)
             readers.append((now, step, [m.folder for m in chain], files))
         age_commits(storage, 1000)
         collect_garbage(storage, policy)
@@ -499,3 +515,52 @@ def test_a_lost_commit_record_makes_gc_keep_what_builds_on_it(
     record.write_bytes(saved)
     history = {s.id: s.state for s in tr.saved.values()}
     assert check_all_restore(storage, history) == list(range(first, 9))
+
+
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("keep_all_steps", [True, False])
+def test_a_rollback_leaves_the_abandoned_timeline_for_the_grace_period(
+    tmp_path: Path, merge: bool, keep_all_steps: bool
+) -> None:
+    """Break-it finding: a restore of the latest step started, then the trainer rolled back and
+    saved a step again (a new timeline); `deck gc --grace 3600` right after deleted the older
+    timeline's steps above the rollback and the attempt folder the new record replaced: the
+    restore, started within the grace period, failed part way (rank 0 part missing). The
+    replaced record is gone, so no replayed moment saw what it kept: what the older timelines
+    hold from where a timeline begun within the period starts now stays for the period, and
+    so does an attempt folder whose step was committed again within it. Past the period both
+    go."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    history: dict[str, State] = {}
+
+    def save(kind: str = "delta") -> None:
+        m = tr.save(kind)
+        history[m.id] = snapshot(tr.shards)
+
+    save("full")
+    for _ in range(12):
+        tr.train(rows=4)
+        save()
+    if merge:
+        merge_all(storage, MergeConfig(stride=4, full=FullPolicy(every=None)))
+    age_commits(storage, 86400)
+    manifests = read_manifests(storage)
+    policy = RetentionPolicy(grace_s=3600, keep_all_steps=keep_all_steps)
+    # Restores started before the rollback, of steps the policy retained then
+    retained = plan_retention(manifests, policy).retained_steps
+    readers = {s: chain_for(manifests, s) for s in (12, 9) if s in retained}
+    assert 12 in readers
+    tr.rollback(6)
+    tr.train(rows=4)
+    save("full")
+    collect_garbage(storage, policy)
+    for step, chain in readers.items():
+        got, user = restore_state(storage, chain)
+        assert user == step and not same(got, history[chain[-1].id]), step
+    age_commits(storage, 3601)
+    report = collect_garbage(storage, policy)
+    gone = [label for label, _ in report.deleted] + [p for p, _ in report.orphans]
+    assert any(g.startswith("step-000000000008 ") for g in gone), gone
+    assert any(g.startswith("step-000000000007/") for g in gone), gone
+    assert 7 in check_all_restore(storage, history)

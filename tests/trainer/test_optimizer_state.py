@@ -234,3 +234,71 @@ def test_a_checkpoint_written_before_classes_were_kept_still_loads() -> None:
     opt2 = torch.optim.Adam(list(fresh.parameters()), lr=0.01)
     load_optimizer(opt2, saved, "0", algorithm_class(opt2))
     assert _same(_flat(opt2.state_dict()), _flat(opt.state_dict()))
+
+
+class _Twins(torch.nn.Module):
+    """Two parameters of one shape: a plain optimizer given them in another order loads each
+    one's state into the other without an error."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Parameter(torch.randn(3))
+        self.b = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a * x).sum() + (self.b * x * x).sum()
+
+
+def _names(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str | None]]:
+    """What the adapter records (Optimizers.param_names)."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    return [[names.get(id(p)) for p in g["params"]] for g in opt.param_groups]
+
+
+def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for s in steps:
+        opt.zero_grad()
+        loss = net(torch.randn(3, generator=torch.Generator().manual_seed(s)))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_plain_optimizer_given_its_parameters_in_another_order_restores_by_name(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Break-it finding: a plain torch optimizer keys its state by position; a model built
+    with two parameters of one shape handed over in the other order (a refactor, towers built
+    in another order) got each one's state in the other, silently, and trained on to other
+    losses. The state now goes by the parameters' names."""
+    factory = FACTORIES[name]
+    live = _Twins(0)
+    opt = factory([live.a, live.b])
+    _steps(live, opt, range(3))
+    record = optimizer_record(opt, algorithm_class(opt), _names(live, opt))
+    saved = treecodec.decode(treecodec.encode(record, "test"), "test")
+    fresh = _Twins(1)
+    fresh.load_state_dict(live.state_dict())
+    opt2 = factory([fresh.b, fresh.a])
+    with caplog.at_level(logging.INFO, logger="deck"):
+        load_optimizer(opt2, saved, "0", algorithm_class(opt2), _names(fresh, opt2))
+    assert "by parameter name" in caplog.text
+    for mine, theirs in [(live.a, fresh.a), (live.b, fresh.b)]:
+        assert opt.state[mine].keys() == opt2.state[theirs].keys()
+        for k, v in opt.state[mine].items():
+            assert torch.equal(v, opt2.state[theirs][k]), k
+    assert _steps(fresh, opt2, range(3, 6)) == _steps(live, opt, range(3, 6))
+
+
+def test_a_plain_optimizer_over_other_parameters_is_refused_naming_them() -> None:
+    live = _Twins(0)
+    opt = FACTORIES["adam"]([live.a, live.b])
+    _steps(live, opt, range(2))
+    saved = optimizer_record(opt, algorithm_class(opt), [["a", "b"]])
+    opt2 = FACTORIES["adam"]([live.a, live.b])
+    with pytest.raises(IncompatibleModelError, match=r"saved only: \['b'\].*only: \['c'\]"):
+        load_optimizer(opt2, saved, "0", algorithm_class(opt2), [["c", "a"]])

@@ -42,7 +42,7 @@ from deck.ops.retention.plan import (
     replacements,
     takeovers,
 )
-from deck.ops.retention.view import StoreView, newest_view, whole_view
+from deck.ops.retention.view import StoreView, commit_times, newest_view, whole_view
 from deck.read.catalog import (
     ManifestSet,
     overlapped,
@@ -353,10 +353,8 @@ class _Collector:
             if m.parent_id is not None:
                 self.children.setdefault(m.parent_id, []).append(m)
         self.by_prefix = _by_prefix(keys)
-        committed_at = {
-            cid: self.times.get(f"{n.folder}/{MANIFEST}") for cid, n in self.graph.nodes.items()
-        }
-        self.protected = grace_protected(self.graph, policy, now, committed_at)
+        self.committed_at = commit_times(self.graph, self.times)
+        self.protected = grace_protected(self.graph, policy, now, self.committed_at)
         # id -> why, for every checkpoint this run deletes
         plan, self.doomed = self._checked_plan(set(keys))
         self.report = GcReport(
@@ -627,6 +625,11 @@ class _Collector:
                 continue
             if m is None and step >= latest_step and not deleting:
                 continue  # may be a checkpoint still being uploaded: keep it
+            if m is not None and not deleting and self._young(m.id):
+                # The step was saved again lately (a rollback's newer timeline): a restore
+                # started before may be reading the attempt its record replaced
+                self.report.grace_held_orphans += 1
+                continue
             why = (
                 "a checkpoint a GC run stopped part way was deleting"
                 if deleting
@@ -636,6 +639,14 @@ class _Collector:
             )
             abandon = Hint(key=f"{prefix}/{MANIFEST}", op="abandon", id=_hint_id(aid))
             self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid), abandon)
+
+    def _young(self, cid: str) -> bool:
+        """Whether checkpoint ``cid`` was committed within the grace period (or when is not
+        known)."""
+        if self.policy.grace_s <= 0:
+            return False
+        t = self.committed_at.get(cid)
+        return self.now is None or t is None or self.now - t < self.policy.grace_s
 
     def _staying_children(self, cid: str) -> list[int]:
         """The steps of the committed trainer deltas naming ``cid`` as their parent that this

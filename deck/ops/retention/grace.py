@@ -41,6 +41,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Protocol
 
 from deck.format.manifest import Kind
+from deck.ops.retention.active import active_window
 from deck.read.lineage import (
     ChainWay,
     LineageGraph,
@@ -191,6 +192,7 @@ class _Replay:
         self.starts_from: dict[StateKey, list[LineageNode]] = {}
         self.merged_at: dict[str, list[LineageNode]] = {}  # merged deltas by their state's id
         self.consumed: set[str] = set()  # inputs of merged deltas
+        self._merged_from: dict[str, list[LineageNode]] = {}  # input id -> merged deltas
         self.any = _Tree(self, frozenset())
         # the plan's restricted chains: not through ``excluded`` (merger checkpoints neither
         # kept as a full nor on the latest chain; see plan_lineage's ``allowed``)
@@ -223,6 +225,9 @@ class _Replay:
     def trainer_at(self, state: StateKey) -> LineageNode | None:
         n = self.trainer.get(state[0])
         return n if n is not None and n.id == state[1] else None
+
+    def merged_from(self, cid: str) -> list[LineageNode]:
+        return self._merged_from.get(cid, [])
 
     def restrictable(self, n: LineageNode) -> bool:
         """Left out of the restricted chains unless kept or on the latest chain."""
@@ -314,6 +319,8 @@ class _Replay:
         if n.kind is Kind.MERGED:
             self.merged_at.setdefault(n.state[1], []).append(n)
             self.consumed.update(n.inputs)
+            for i in n.inputs:
+                self._merged_from.setdefault(i, []).append(n)
 
     def _touched(
         self, changed: set[StateKey], nodes: Iterable[LineageNode]
@@ -357,14 +364,7 @@ class _Replay:
                 self.window.append(latest)
                 self.window_ids.add(latest.id)
                 return [latest], True
-        window: list[LineageNode] = []
-        node: LineageNode | None = latest
-        while node is not None:
-            window.append(node)
-            if node.kind is Kind.FULL or any(f.usable for f in self.fulls_at.get(node.state, ())):
-                break
-            node = self.trainer_at(node.start) if node.start is not None else None
-        self.anchor = node.state if node is not None else None
+        window, self.anchor = active_window(self, latest)
         added = [w for w in window if w.id not in self.window_ids]
         self.window = window[::-1]
         self.window_ids = {w.id for w in window}

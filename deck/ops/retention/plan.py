@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -20,6 +20,7 @@ from pydantic import Field
 from deck.config import Settings
 from deck.errors import CheckpointNotFoundError
 from deck.format.manifest import MANIFEST, QUARANTINE_ROOT, Kind, step_dir
+from deck.ops.retention.active import active_window
 from deck.ops.retention.grace import replay_protected
 from deck.read.catalog import ManifestSet
 from deck.read.lineage import (
@@ -370,16 +371,10 @@ def _incomplete(graph: LineageGraph, ids: Iterable[str]) -> set[str]:
 
 
 def _active_window(graph: LineageGraph, latest: int) -> tuple[list[int], tuple[int, str] | None]:
-    """The trainer steps from ``latest`` back along parent links to the newest state with a
-    usable full, newest first; and that state (None when the walk found none)."""
-    window: list[int] = []
-    node: LineageNode | None = graph.trainer[latest]
-    while node is not None:
-        window.append(node.step)
-        if node.kind is Kind.FULL or any(f.usable for f in graph.fulls_at.get(node.state, ())):
-            break
-        node = graph.trainer_at(node.start) if node.start is not None else None
-    return window, node.state if node is not None else None
+    """The trainer steps of the active window (:func:`deck.ops.retention.active.active_window`),
+    newest first; and the state it ends at."""
+    window, anchor = active_window(graph, graph.trainer[latest])
+    return [n.step for n in window], anchor
 
 
 def _kept_fulls(
@@ -528,7 +523,33 @@ def grace_protected(
 
     # Replayed commit by commit, each moment's plan from the last one's (deck.ops.retention.
     # grace): O(what each commit changes), where planning every moment again was O(n) each.
-    return replay_protected(graph, policy, now, when)
+    protected = replay_protected(graph, policy, now, when)
+    return protected | abandoned_in_period(graph, now - policy.grace_s, when)
+
+
+def abandoned_in_period(
+    graph: LineageGraph, cutoff: float, when: Callable[[str], float]
+) -> set[str]:
+    """The checkpoints of older timelines at or after the step where a timeline began after
+    ``cutoff`` (its lowest trainer record committed then: a rollback or a restart).
+
+    Until that timeline began, the older one was the latest, and a restore started then may be
+    reading any of its steps; the records the rollback replaced are gone, so a replay of those
+    moments (:func:`replay_protected`) cannot see what they kept: the steps after a replaced
+    one have no chain in it. They stay for the grace period instead, as docs/operations.md
+    says of a rollback's abandoned steps."""
+    first: dict[int, LineageNode] = {}  # epoch -> its lowest trainer record
+    for n in graph.trainer.values():
+        if n.epoch not in first or n.step < first[n.epoch].step:
+            first[n.epoch] = n
+    began = [(n.epoch, n.step) for n in first.values() if when(n.id) > cutoff]
+    if not began:
+        return set()
+    return {
+        n.id
+        for n in graph.nodes.values()
+        if any(n.epoch < epoch and n.step >= step for epoch, step in began)
+    }
 
 
 def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str]) -> set[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -166,7 +166,7 @@ def newest_view(
             keep_last_fulls=keep_last_fulls,
             keep_fulls_every=keep_fulls_every,
             cutoff=cutoff,
-            when=partial(_when, graph, times, now),
+            when=partial(_when, commit_times(graph, times), now),
         )
         if floor is not None:
             return view_at(floor, manifests)
@@ -182,7 +182,7 @@ def newest_view(
     # by folder). A cut, where there is one, is preferred: this deletes no checkpoint.
     start = refs[newest].first
     manifests, graph, times = read_down_to(start)
-    when = partial(_when, graph, times, now)
+    when = partial(_when, commit_times(graph, times), now)
     if all(when(n.id) > cutoff for n in graph.nodes.values() if n.step >= start):
         return view_at(start, manifests)
     return None
@@ -240,13 +240,37 @@ def _folders(steps: _StepFolders, merged: dict[str, int], start: int) -> list[st
     ]
 
 
-def _when(
-    graph: LineageGraph, times: dict[str, float | None], now: float | None, cid: str
-) -> float:
-    """Checkpoint ``cid``'s commit time (its record's file time); unknown: ``now``, as
+def commit_times(graph: LineageGraph, times: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Checkpoint id -> when the store wrote its commit record, by a listing's ``times`` (None:
+    unknown, counted as just committed).
+
+    A run lists before it reads the records, and a step's record is written again when a new
+    timeline saves the step again: the listed time of ``step-N/manifest.json`` may be the
+    replaced record's, hours older than the record read. A trainer record is dated no earlier
+    than the newest listed file of its own attempt folder (written before it), and unknown when
+    the listing shows none: it came after the listing."""
+    attempts: dict[str, float | None] = {}
+    for key, t in times.items():
+        folder, _, rest = key.partition("/")
+        aid, sep, _ = rest.partition("/")
+        if sep:
+            name = f"{folder}/{aid}"
+            was = attempts.get(name, -math.inf)
+            attempts[name] = None if t is None or was is None else max(t, was)
+    out: dict[str, float | None] = {}
+    for cid, n in graph.nodes.items():
+        t = times.get(f"{n.folder}/{MANIFEST}")
+        if t is not None and not n.merged:
+            files = attempts.get(f"{n.folder}/{cid}")
+            t = None if files is None else max(t, files)
+        out[cid] = t
+    return out
+
+
+def _when(committed: Mapping[str, float | None], now: float | None, cid: str) -> float:
+    """Checkpoint ``cid``'s commit time (:func:`commit_times`); unknown: ``now``, as
     :func:`deck.ops.retention.plan.grace_protected` counts it."""
-    n = graph.nodes[cid]
-    t = times.get(f"{n.folder}/{MANIFEST}")
+    t = committed.get(cid)
     return t if t is not None else (now if now is not None else float("inf"))
 
 

@@ -18,7 +18,10 @@ record below it, and whether a full below it shares its ``keep_fulls_every`` per
 3. with ``keep_fulls_every``: no full below ``floor`` in its period, so the oldest full of each
    period above it is the same in both;
 4. the chain-budget walk is reset by the full at ``floor`` (every trainer full is kept and starts
-   the count again), so it keeps the same fulls above it.
+   the count again), so it keeps the same fulls above it;
+5. with a grace period: no checkpoint at or above ``floor`` is of an older timeline than the
+   newest record below it, so no timeline begun below it within the period holds back one of
+   them (what older timelines hold from where a timeline began within the period stays).
 
 Quarantined checkpoints below ``floor`` change nothing above it (chains above do not pass
 below it: (1)). An unreadable commit record below it does: the plan of every record then keeps
@@ -64,6 +67,15 @@ def is_cut(
     if any(n.start is not None and n.start[0] < floor for n in nodes):
         return False
     if keep_fulls_every is not None and full_in_period_below:
+        return False
+    if (
+        cutoff is not None
+        and newest_below is not None
+        and any(n.epoch < newest_below[0] for n in nodes)
+    ):
+        # A newer timeline below may have begun within the grace period: what the older ones
+        # hold from its first step on, some of it here, stays for the period
+        # (plan.abandoned_in_period), which only its records below can say
         return False
     rollback_points = {
         n.state
