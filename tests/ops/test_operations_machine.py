@@ -1417,49 +1417,10 @@ def test_a_catalog_writer_prunes_no_segment_another_writer_just_wrote(
         m.teardown()
 
 
-def test_gc_dates_a_step_saved_again_during_its_run_by_the_record_it_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=3200483737``: a GC run listed the
-    store, then a rollback to step 0 saved step 1 again (a full, a new timeline) before the run
-    read the records. The run dated the new record by the listed time of ``manifest.json`` --
-    the replaced record's, older than the grace period -- so the moments of the period were
-    planned as if the new timeline were old, and step 0, which a restore started within the
-    period reads, was deleted. A record is now dated no earlier than the newest listed file of
-    its own attempt folder, and counts as just committed when the listing shows none."""
-    _small_catalogs(monkeypatch)
-    m = OperationsMachine()
-    steps = [
-        lambda: m.setup(stride=2, every=None, grace=3600.0, policy="bounded", bound=900.0),
-        lambda: m.save_deltas(1, rows=4),
-        lambda: m.crash_merger(after=False, n=25),
-        lambda: m.advance_time(4),
-        lambda: m.crash_during_save(after=False, kind="delta", n=34),
-        lambda: m.gc_while_others_work(n=29, pick=731, what="resave"),
-        lambda: m.crash_during_save(after=True, kind="delta", n=12),
-        lambda: m.merge(workers=1),
-        lambda: m.gc_while_others_work(n=28, pick=0, what="resave"),
-    ]
-    try:
-        for step in steps:
-            step()
-            _check_invariants(m)
-    finally:
-        m.teardown()
-
-
-@pytest.mark.parametrize("stride", [2, 3])
-def test_gc_replays_a_moment_before_a_rollback_through_the_merged_delta_it_left(
-    monkeypatch: pytest.MonkeyPatch, stride: int
-) -> None:
-    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=3200483737``: steps 0..4 with the
-    merged delta 1..2 (stride 3: 1..3), a restore of step 1 started (step 1 was in the active
-    window), then a rollback to step 1 saved step 2 again (a full, a new timeline). GC's replay
-    of the moment before the rollback saw the older timeline without step 2's replaced record:
-    the window walk from step 3 stopped there, step 1 was not retained at any moment, and GC
-    deleted it under the running restore. The walk now goes on through a merged delta that
-    merged the replaced record, keeping the trainer steps it merged that are still committed."""
-    _small_catalogs(monkeypatch)
+def _a_rollback_beside_gc(stride: int, n: int, pick: int) -> None:
+    """Seed 3200483737's sequence (``make fuzz-ops OPS_EXAMPLES=300``): steps 0..4 and a merged
+    delta, a rollback re-saving step 4, then a GC run whose ``n``-th request a rollback to the
+    ``pick``-th step the trainer can restore (re-saving the step after it) runs beside."""
     m = OperationsMachine()
     steps = [
         lambda: m.setup(stride=stride, every=None, grace=3600.0, policy="bounded", bound=900.0),
@@ -1470,7 +1431,7 @@ def test_gc_replays_a_moment_before_a_rollback_through_the_merged_delta_it_left(
         lambda: m.gc_while_others_work(n=29, pick=731, what="resave"),
         lambda: m.crash_during_save(after=True, kind="delta", n=12),
         lambda: m.merge(workers=1),
-        lambda: m.gc_while_others_work(n=1, pick=577, what="resave"),
+        lambda: m.gc_while_others_work(n=n, pick=pick, what="resave"),
     ]
     try:
         for step in steps:
@@ -1478,3 +1439,32 @@ def test_gc_replays_a_moment_before_a_rollback_through_the_merged_delta_it_left(
             _check_invariants(m)
     finally:
         m.teardown()
+
+
+def test_gc_dates_a_step_saved_again_during_its_run_by_the_record_it_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GC run listed the store, then a rollback to step 0 saved step 1 again (a full, a new
+    timeline) before the run read the records. The run dated the new record by the listed time
+    of ``manifest.json`` -- the replaced record's, older than the grace period -- so the moments
+    of the period were planned as if the new timeline were old, and step 0, which a restore
+    started within the period reads, was deleted. A record is now dated no earlier than the
+    newest listed file of its own attempt folder, and counts as just committed when the
+    listing shows none."""
+    _small_catalogs(monkeypatch)
+    _a_rollback_beside_gc(stride=2, n=28, pick=0)
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+def test_gc_replays_a_moment_before_a_rollback_through_the_merged_delta_it_left(
+    monkeypatch: pytest.MonkeyPatch, stride: int
+) -> None:
+    """The merged delta 1..2 (stride 3: 1..3), a restore of step 1 started (step 1 was in the
+    active window), then a rollback to step 1 saved step 2 again (a full, a new timeline). GC's
+    replay of the moment before the rollback saw the older timeline without step 2's replaced
+    record: the window walk from step 3 stopped there, step 1 was not retained at any moment,
+    and GC deleted it under the running restore. The walk now goes on through a merged delta
+    that merged the replaced record, keeping the trainer steps it merged that are still
+    committed."""
+    _small_catalogs(monkeypatch)
+    _a_rollback_beside_gc(stride=stride, n=1, pick=577)
