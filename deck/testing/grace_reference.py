@@ -455,14 +455,27 @@ def reference_grace_protected(
 
     recent = [i for i in graph.nodes if when(i) > cutoff]
     protected = set(recent)
-    # A timeline begun in the period (its lowest record recent): what the older ones hold from
-    # its first step on stays (the records it replaced are gone: no moment's plan sees them)
-    for epoch in {graph.trainer[s].epoch for s in graph.trainer}:
-        low = min((n for n in graph.trainer.values() if n.epoch == epoch), key=lambda n: n.step)
-        if when(low.id) > cutoff:
-            protected |= {
-                n.id for n in graph.nodes.values() if n.epoch < epoch and n.step >= low.step
-            }
+    # A timeline that saved steps again in the period, at or below a step an older timeline
+    # holds: what the older ones hold from its first step on, and the chains of their steps
+    # from its first recent one, stay (the records it replaced are gone: no moment sees them)
+    for epoch in {n.epoch for n in graph.trainer.values()}:
+        mine = [n for n in graph.trainer.values() if n.epoch == epoch]
+        young = [n.step for n in mine if when(n.id) > cutoff]
+        older = [n for n in graph.nodes.values() if n.epoch < epoch]
+        if not young or all(n.step < min(young) for n in older):
+            continue
+        low = min(n.step for n in mine)
+        held = [n for n in older if n.step >= low]
+        protected |= {n.id for n in held}
+        paths = _Paths(graph)
+        steps = {n.step for n in older if not n.merged and n.step >= min(young)}
+        for n in held:
+            t = graph.trainer.get(n.start[0]) if n.start else None
+            if t is not None and n.start is not None and t.id == n.start[1]:
+                steps.add(t.step)
+        for step in steps:
+            with contextlib.suppress(CheckpointNotFoundError):
+                protected.update(paths.chain(step))
     for moment in sorted({cutoff} | {when(i) for i in recent if when(i) <= now}):
         then = graph.as_of(moment, when)
         plan = reference_plan_lineage(then, policy.model_copy(update={"drop_quarantined": True}))

@@ -564,3 +564,40 @@ def test_a_rollback_leaves_the_abandoned_timeline_for_the_grace_period(
     assert any(g.startswith("step-000000000008 ") for g in gone), gone
     assert any(g.startswith("step-000000000007/") for g in gone), gone
     assert 7 in check_all_restore(storage, history)
+
+
+def test_a_restore_of_an_abandoned_step_survives_the_new_timeline_saving_it(
+    tmp_path: Path,
+) -> None:
+    """Break-it finding: a merger full of an abandoned timeline's step still restores that step
+    (docs: until the new timeline saves it). A restore of it started, the new timeline -- begun
+    two hours earlier -- saved the step again ten minutes later, and GC right after deleted the
+    merger full under the restore. What older timelines hold from the newer one's first step
+    on, and the chains it applies on, stay for the grace period after such a save."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    history: dict[str, State] = {}
+
+    def save() -> None:
+        tr.train(rows=6)
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+
+    tr.save("full")
+    for _ in range(8):
+        save()
+    merge_all(storage, MergeConfig(stride=2, full=FullPolicy(every=8, max_live_fraction=None)))
+    age_commits(storage, 86400)
+    tr.rollback(6)
+    save()  # the new timeline's first save: step 7
+    age_commits(storage, 2 * 3600)
+    chain = chain_for(read_manifests(storage), 8)  # a restore of the abandoned step 8 starts
+    assert chain[0].is_merged and chain[-1].epoch == 0
+    age_commits(storage, 600)
+    save()  # the new timeline saves step 8
+    collect_garbage(storage, RetentionPolicy(grace_s=3600))
+    got, user = restore_state(storage, chain)
+    assert user == 8 and not same(got, history[chain[-1].id])
+    age_commits(storage, 3601)
+    report = collect_garbage(storage, RetentionPolicy(grace_s=3600))
+    assert any(label.startswith(chain[0].folder) for label, _ in report.deleted), report.deleted

@@ -530,26 +530,39 @@ def grace_protected(
 def abandoned_in_period(
     graph: LineageGraph, cutoff: float, when: Callable[[str], float]
 ) -> set[str]:
-    """The checkpoints of older timelines at or after the step where a timeline began after
-    ``cutoff`` (its lowest trainer record committed then: a rollback or a restart).
+    """What older timelines hold that a restore started in the grace period (after ``cutoff``)
+    may be reading, where a newer timeline saved steps again in it: for each timeline with a
+    record committed then at a step an older timeline holds a checkpoint at or above, every
+    checkpoint of the older timelines from the newer one's first step on, the cheapest chains
+    of the trainer steps those apply on, and of their trainer steps at or above that record's.
 
-    Until that timeline began, the older one was the latest, and a restore started then may be
-    reading any of its steps; the records the rollback replaced are gone, so a replay of those
-    moments (:func:`replay_protected`) cannot see what they kept: the steps after a replaced
-    one have no chain in it. They stay for the grace period instead, as docs/operations.md
-    says of a rollback's abandoned steps."""
-    first: dict[int, LineageNode] = {}  # epoch -> its lowest trainer record
+    Until the newer timeline saved such a step, the older one's record of it was there, and a
+    restore of it (or of the latest, before the rollback) may have started; the records saved
+    again are gone, so a replay of those moments (:func:`replay_protected`) cannot see what
+    they kept. They stay for the grace period instead, as docs/operations.md says of a
+    rollback's abandoned steps: once the newer timeline's saves are past every step the older
+    ones hold, nothing here is kept any more."""
+    first: dict[int, int] = {}  # epoch -> its lowest trainer step
+    recent: dict[int, int] = {}  # epoch -> its lowest trainer step committed after ``cutoff``
     for n in graph.trainer.values():
-        if n.epoch not in first or n.step < first[n.epoch].step:
-            first[n.epoch] = n
-    began = [(n.epoch, n.step) for n in first.values() if when(n.id) > cutoff]
-    if not began:
-        return set()
-    return {
-        n.id
-        for n in graph.nodes.values()
-        if any(n.epoch < epoch and n.step >= step for epoch, step in began)
-    }
+        first[n.epoch] = min(first.get(n.epoch, n.step), n.step)
+        if when(n.id) > cutoff:
+            recent[n.epoch] = min(recent.get(n.epoch, n.step), n.step)
+    out: set[str] = set()
+    for epoch, step in recent.items():
+        older = [n for n in graph.nodes.values() if n.epoch < epoch]
+        if not any(n.step >= step for n in older):
+            continue  # (saves past every step the older timelines hold: nothing replaced)
+        held = [n for n in older if n.step >= first[epoch]]
+        out.update(n.id for n in held)
+        # ... and the chains they apply on (the full an abandoned merged delta starts from) and
+        # of the older steps still committed
+        below = {t.step for n in held if n.start and (t := graph.trainer_at(n.start))}
+        below |= {n.step for n in older if not n.merged and n.step >= step}
+        for s in below:
+            with contextlib.suppress(CheckpointNotFoundError):
+                out.update(m.id for m in graph.chain(s))
+    return out
 
 
 def replacements(graph: LineageGraph, keep: set[str], doomed: Mapping[str, str]) -> set[str]:
