@@ -148,7 +148,9 @@ def _by_name(
     :class:`IncompatibleModelError` (the positional load would give one parameter another's
     state, silently where the shapes agree: a break-it finding)."""
     groups = sd.get("param_groups", [])
-    positional = all(isinstance(k, int) for g in groups for k in g.get("params", []))
+    # (a KeyedOptimizer's state_dict keys by name, and may hold no param groups at all)
+    keys = [k for g in groups for k in g.get("params", [])]
+    positional = bool(keys) and all(isinstance(k, int) for k in keys)
     if saved is None or live is None or saved == live or not positional:
         return sd
     if [len(g) for g in saved] != [len(g.get("params", [])) for g in groups]:
