@@ -14,6 +14,7 @@ from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.ops.retention.gc import GC_DELETING
 from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
+from deck.testing.lineage_checks import age_commits
 from deck.testing.synth import SynthTrainer
 from tests.ops.test_operations_machine import OperationsMachine
 
@@ -40,14 +41,16 @@ def test_a_save_of_the_step_gc_is_deleting_keeps_its_record(
         m.teardown()
 
 
+@pytest.mark.parametrize("grace", [0.0, 3600.0])
 def test_a_gc_stopped_after_uncommitting_the_newest_abandoned_step_is_finished_by_the_next(
-    tmp_path: Path,
+    tmp_path: Path, grace: float
 ) -> None:
     """A break-it finding: after a rollback, GC deletes the abandoned timeline's steps above the
     new timeline's newest; stopped right after one's commit record went, it left an attempt
     folder above every committed step, which every later run kept as a save still uploading
     (and ``deck ls`` showed as pending). GC marks such an attempt before uncommitting it, and a
-    later run deletes a marked one as an orphan."""
+    later run deletes a marked one as an orphan -- the next run, not one a grace period later
+    (another break-it finding: the marker's own fresh time held it back)."""
     store = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(store)
     tr.save("full")
@@ -58,7 +61,8 @@ def test_a_gc_stopped_after_uncommitting_the_newest_abandoned_step_is_finished_b
     tr.rollback(2)
     tr.train()
     tr.save("delta")  # the new timeline's step 3: step 4 is above it
-    policy = RetentionPolicy(grace_s=0)
+    age_commits(store, 2 * 86400)
+    policy = RetentionPolicy(grace_s=grace)
     failpoints.configure("gc.checkpoint.after_uncommit:1:interrupt")
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -638,7 +638,16 @@ class _Collector:
                 else "uncommitted checkpoint older than a committed later step"
             )
             abandon = Hint(key=f"{prefix}/{MANIFEST}", op="abandon", id=_hint_id(aid))
-            self._orphan(f"{prefix}/{aid}/", aks, why, partial(self._names, prefix, aid), abandon)
+            self._orphan(
+                f"{prefix}/{aid}/",
+                aks,
+                why,
+                partial(self._names, prefix, aid),
+                abandon,
+                # (GC's own marker is as young as the run that stopped: what it marks was
+                # doomed past the grace period then)
+                aged=[k for k in aks if not k.endswith(f"/{GC_DELETING}")] if deleting else aks,
+            )
 
     def _young(self, cid: str) -> bool:
         """Whether checkpoint ``cid`` was committed within the grace period (or when is not
@@ -746,11 +755,13 @@ class _Collector:
         why: str,
         claimed: Callable[[], str | None],
         abandon: Hint,
+        aged: list[str] | None = None,
     ) -> None:
         """Delete the orphan folder ``prefix`` (only ``keys``, the files listed) when every one
-        of them is older than the grace period and it is still no record's (``claimed``: see
-        :meth:`_still_orphans`)."""
-        if not _old_enough((self.times.get(k) for k in keys), self.policy.grace_s, self.now):
+        of them (of ``aged``, when given) is older than the grace period and it is still no
+        record's (``claimed``: see :meth:`_still_orphans`)."""
+        ages = keys if aged is None else aged
+        if not _old_enough((self.times.get(k) for k in ages), self.policy.grace_s, self.now):
             self.report.grace_held_orphans += 1
             return
         kept = self._still_orphans(prefix, keys, claimed)
