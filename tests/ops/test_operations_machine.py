@@ -45,7 +45,7 @@ import shutil
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1269,6 +1269,16 @@ def _flipped(packed: bytes) -> bytes:
     raise AssertionError("no flip damages this stream")
 
 
+def _replay(m: OperationsMachine, steps: Sequence[Callable[[], object]]) -> None:
+    """Run a pinned sequence's rules, checking the invariants after each, as Hypothesis does."""
+    try:
+        for step in steps:
+            step()
+            _check_invariants(m)
+    finally:
+        m.teardown()
+
+
 def _check_invariants(m: OperationsMachine) -> None:
     """What Hypothesis checks after each rule (a replay without it misses their side effects:
     the first text of each record, which a stale forgery uses)."""
@@ -1301,12 +1311,7 @@ def test_a_merger_planning_from_a_stale_catalog_reads_every_record(
         lambda: m.gc_while_others_work(n=1, pick=0, what="merge"),
         lambda: m.merge(workers=1),  # asserts no item failed
     ]
-    try:
-        for step in steps:
-            step()
-            _check_invariants(m)
-    finally:
-        m.teardown()
+    _replay(m, steps)
 
 
 @pytest.mark.parametrize("text_of", ["step-000000000000/", "step-000000000002/"])
@@ -1433,12 +1438,7 @@ def _a_rollback_beside_gc(stride: int, n: int, pick: int) -> None:
         lambda: m.merge(workers=1),
         lambda: m.gc_while_others_work(n=n, pick=pick, what="resave"),
     ]
-    try:
-        for step in steps:
-            step()
-            _check_invariants(m)
-    finally:
-        m.teardown()
+    _replay(m, steps)
 
 
 def test_gc_dates_a_step_saved_again_during_its_run_by_the_record_it_read(

@@ -652,10 +652,8 @@ class _Collector:
     def _young(self, cid: str) -> bool:
         """Whether checkpoint ``cid`` was committed within the grace period (or when is not
         known)."""
-        if self.policy.grace_s <= 0:
-            return False
-        t = self.committed_at.get(cid)
-        return self.now is None or t is None or self.now - t < self.policy.grace_s
+        grace = self.policy.grace_s
+        return grace > 0 and not _old_enough([self.committed_at.get(cid)], grace, self.now)
 
     def _staying_children(self, cid: str) -> list[int]:
         """The steps of the committed trainer deltas naming ``cid`` as their parent that this

@@ -191,8 +191,8 @@ class _Replay:
         self.ending_at: dict[StateKey, list[LineageNode]] = {}
         self.starts_from: dict[StateKey, list[LineageNode]] = {}
         self.merged_at: dict[str, list[LineageNode]] = {}  # merged deltas by their state's id
-        self.consumed: set[str] = set()  # inputs of merged deltas
-        self._merged_from: dict[str, list[LineageNode]] = {}  # input id -> merged deltas
+        # input id -> the merged deltas that merged it (its keys: what merged deltas consumed)
+        self._merged_from: dict[str, list[LineageNode]] = {}
         self.any = _Tree(self, frozenset())
         # the plan's restricted chains: not through ``excluded`` (merger checkpoints neither
         # kept as a full nor on the latest chain; see plan_lineage's ``allowed``)
@@ -318,7 +318,6 @@ class _Replay:
             self.starts_from.setdefault(n.start, []).append(n)
         if n.kind is Kind.MERGED:
             self.merged_at.setdefault(n.state[1], []).append(n)
-            self.consumed.update(n.inputs)
             for i in n.inputs:
                 self._merged_from.setdefault(i, []).append(n)
 
@@ -572,4 +571,4 @@ class _Replay:
         cands = [n for n in batch if n.kind is Kind.MERGED and n.state[1] in self.window_ids]
         for w in window_added or ():
             cands.extend(self.merged_at.get(w.id, ()))
-        self.protected.update(n.id for n in cands if n.usable and n.id not in self.consumed)
+        self.protected.update(n.id for n in cands if n.usable and n.id not in self._merged_from)
