@@ -294,6 +294,8 @@ def _merged_ids(graph: LineageGraph, merged: LineageNode) -> set[str]:
     todo = list(merged.inputs)
     while todo:
         i = todo.pop()
+        if i in ids:
+            continue
         ids.add(i)
         n = graph.nodes.get(i)
         if n is not None and n.merged:

@@ -26,7 +26,7 @@ from deck.ops.retention import gc as gc_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.grace import _Replay
 from deck.ops.retention.plan import RetentionPolicy, grace_protected, plan_lineage, takeovers
-from deck.read.lineage import LineageGraph
+from deck.read.lineage import LineageGraph, build_graph
 from deck.storage import LocalStorage
 from deck.testing.grace_reference import (
     reference_chain_ids,
@@ -404,3 +404,24 @@ def test_a_long_job_with_a_merger_and_rollbacks_protects_what_the_reference_does
             RetentionPolicy(grace_s=grace, keep_all_steps=False, keep_fulls_every=200),
         ):
             assert_same_protection(graph, policy, now, dict(sim.committed_at))
+
+
+def test_the_active_window_ends_on_merged_records_naming_each_other() -> None:
+    """Hostile storage: two merged records naming each other as inputs (forged or damaged)
+    end the window walk's look through merged deltas instead of looping for ever."""
+    from dataclasses import replace
+
+    from deck.ops.retention.active import _merged_trainer
+
+    sim = LineageSim(seed=5)
+    sim.save("full", nbytes=2)
+    for _ in range(2):
+        sim.train()
+        sim.save("delta", nbytes=1)
+    graph = build_graph(sim.manifests())
+    a, b = (
+        replace(n, merged=True, inputs=(other,))
+        for n, other in [(graph.trainer[1], "b"), (graph.trainer[2], "a")]
+    )
+    graph.nodes["a"], graph.nodes["b"] = replace(a, id="a"), replace(b, id="b")
+    assert _merged_trainer(graph, graph.nodes["a"]) == []

@@ -88,10 +88,13 @@ def _merged_trainer(lineage: Lineage, merged: LineageNode) -> list[LineageNode]:
     records are committed, newest first."""
     out: dict[str, LineageNode] = {}
     todo = list(merged.inputs)
+    seen: set[str] = set()  # (records naming each other as inputs, forged or damaged: it ends)
     while todo:
-        n = lineage.nodes.get(todo.pop())
-        if n is None:
+        cid = todo.pop()
+        n = lineage.nodes.get(cid)
+        if n is None or cid in seen:
             continue
+        seen.add(cid)
         if n.merged:
             todo += n.inputs
         elif lineage.trainer_at(n.state) is not None:
