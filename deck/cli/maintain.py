@@ -328,6 +328,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
         )
     for folder, why in rep.deleted:
         print(f"  {verb} {folder}: {why}")
+    for folder, why in rep.retired:
+        print(f"  {'would retire' if a.dry_run else 'retired'} {folder}: {why}")
     for prefix, why in rep.orphans:
         print(f"  {_orphan_line(verb, prefix, why)}")
     for folder, why in rep.left:
@@ -361,6 +363,11 @@ def cmd_gc(a: argparse.Namespace) -> int:
         print(
             "not counted by a dry run: temp files of interrupted writes and empty folders (the "
             "real run removes those older than the grace period)"
+        )
+    if rep.retire_wait_s is not None:
+        print(
+            "a run retired merger checkpoints less than the grace period ago: no checkpoint is "
+            f"deleted or retired for another {rep.retire_wait_s:.0f} s"
         )
     if rep.grace_held or rep.grace_held_orphans:
         print(

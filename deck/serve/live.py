@@ -374,8 +374,10 @@ class LiveModel:
     def rollback(self, step: int) -> VersionSwitch | None:
         """Serve ``step`` again, in place, and hold it there until :meth:`resume`.
 
-        A step among :meth:`kept_steps` is written back from the kept rows (no storage read);
-        an older one is rebuilt from storage (its cheapest chain: the newest full at or before
+        A step among :meth:`kept_steps` is written back from the kept rows (no rows read; its
+        commit record is: a kept step the trainer has saved again since is rebuilt from its
+        new chain, or raises on a source that cannot read backwards); an older one is rebuilt
+        from storage (its cheapest chain: the newest full at or before
         it, then deltas; only rows that differ are written), which drops the kept rows. Raises
         :class:`deck.errors.ConfigError` for a negative step, and
         :class:`CheckpointNotFoundError` before any version is served, for a step after the
@@ -408,15 +410,17 @@ class LiveModel:
                     f"{self.source.uri}; rollback goes back (resume() goes forward)"
                 )
             at = [i for i, r in enumerate(self.history) if r.before[0] == step]
-            if at:
+            replaced = self._replaced(self.history[at[-1]].before) if at else None
+            if at and replaced is None:
                 version = self._from_kept(at[-1])
             else:
+                at = []
                 try:
                     plan = self.source.chain_to(step, frozenset(self.bad))
                 except CheckpointNotFoundError as e:
                     raise CheckpointNotFoundError(
-                        f"rollback to step {step}: {e} (the served step is {self.step}, the "
-                        f"kept steps {kept})"
+                        f"rollback to step {step}: {replaced or e} (the served step is "
+                        f"{self.step}, the kept steps {kept})"
                     ) from e
                 version = self.prepare(plan)
                 version.kind, version.commit_unix, version.seen_unix = "reload", None, None
@@ -432,6 +436,22 @@ class LiveModel:
             self.held, self._rolled_back = True, True
             self.finished(applying)
             return switch
+
+    def _replaced(self, kept: State) -> str | None:
+        """Why the kept version ``kept`` is no longer its step's (the trainer saved the step
+        again since: a rollback's newer timeline), or None. Its commit record is read: a
+        break-it finding served the abandoned timeline's rows under the step's number."""
+        now = self.source.saved_at(kept[0])
+        if now is None or now == kept[1]:
+            return None
+        why = (
+            f"the kept version of step {kept[0]} (checkpoint {kept[1]}) is of an abandoned "
+            f"timeline: the trainer saved step {kept[0]} again (checkpoint {now})"
+        )
+        logger.info(
+            "deck live: %s: %s; rebuilding it from %s", self.source.uri, why, self.source.uri
+        )
+        return why
 
     def _from_kept(self, first: int) -> PreparedVersion:
         """The version before ``history[first]``, from the rows it and every later version

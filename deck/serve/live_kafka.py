@@ -25,9 +25,11 @@ the live model logs an ERROR, tells ``on_fault`` and keeps its version):
   whose table files cannot all be pulled and checked;
 - **foreign**: a marker of another run than the one served (``run``, else the newest marker's
   when the source starts), or naming another state URI;
-- **out of order**: a marker at or before the served step (a publisher restarted from an older
-  checkpoint), or a delta whose parent is not the served version (its parent was refused, or
-  the model was rolled back): the model moves on at the next full of the topic.
+- **out of order**: a marker at or before the served step of its timeline or an older one (a
+  copy, a replay), or a delta whose parent is not the served version (its parent was refused,
+  or the model was rolled back): the model moves on at the next full of the topic. A full of a
+  newer timeline at or before the served step is the publisher's rollback: offered as a whole
+  version of that timeline (``Plan.timeline``), as ``deck follow`` follows it.
 
 A topic recreated while serving (its control partition ending before the source's position,
 the marker offered last gone from its offset) is read again from its newest full (an ERROR).
@@ -80,7 +82,14 @@ from deck.serve.kafka_follow import (
     recorded_start,
 )
 from deck.serve.kafka_guard import QuarantineLog, marker_at, newest_run
-from deck.serve.live_source import Plan, SourceFault, State, committed_at
+from deck.serve.live_source import (
+    Plan,
+    PlannedEpochs,
+    SourceFault,
+    State,
+    committed_at,
+    saved_at,
+)
 from deck.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
@@ -142,6 +151,7 @@ class KafkaSource:
         self.starts: list[int] = []
         self.start: int | None = None
         self.scanned = 0  # markers read to find where the last start began
+        self.epochs = PlannedEpochs()
 
     @property
     def uri(self) -> str:
@@ -288,12 +298,26 @@ class KafkaSource:
             return None  # replaced by a later publish of its step: its own marker follows
         self.state_fixed = True
         where = f"{manifest.folder} ({self._where(offset)})"
-        if served is not None and marker.step <= served[0]:
+        # At or before the served step: a full of a newer timeline is the publisher's rollback
+        # (a restore, then a new timeline), which replaces the served version as deck follow's
+        # does (a break-it finding: both fulls after a rollback were refused as out of order
+        # and the abandoned timeline served until the topic passed its step); anything else
+        # there is a copy, a replay or an older timeline
+        timeline = served is not None and marker.step <= served[0]
+        served_epoch = None if served is None else self.epochs.get(served[1])
+        if timeline and not (
+            manifest.kind is Kind.FULL
+            and served_epoch is not None
+            and manifest.epoch > served_epoch
+        ):
+            assert served is not None
             self._fault(
                 marker.step,
                 where,
-                f"out of order: step {marker.step} ({marker.ckpt_id}) is not after the served "
-                f"step {served[0]} ({served[1]})",
+                f"out of order: step {marker.step} ({marker.ckpt_id}, epoch {manifest.epoch}) is "
+                f"not after the served step {served[0]} ({served[1]}"
+                + (f", epoch {served_epoch})" if served_epoch is not None else ")")
+                + ", nor a full of a newer timeline",
             )
             return None
         if manifest.kind is Kind.DELTA and served != (manifest.parent, manifest.parent_id):
@@ -350,7 +374,9 @@ class KafkaSource:
         if not self.run_known:
             self.run, self.run_known = marker.run, True
         self.offered = marker
-        return Plan((manifest,), whole=manifest.kind is Kind.FULL)
+        plan = Plan((manifest,), whole=manifest.kind is Kind.FULL, timeline=timeline)
+        self.epochs.remember(plan)
+        return plan
 
     def _control(self, offset: int = 0) -> PartitionReader:
         r = self.readers.get(CONTROL_PARTITION)
@@ -474,6 +500,11 @@ class KafkaSource:
             f"{self.uri}: step {step} is not among the kept versions, and a Kafka source does "
             "not read its topic backwards; keep more versions (LiveConfig.keep_versions)"
         )
+
+    def saved_at(self, step: int) -> str | None:
+        """The trainer checkpoint committed at ``step`` now, at the state URI
+        (:func:`deck.serve.live_source.saved_at`); None before any marked step was read."""
+        return None if self.view is None else saved_at(self.view, step)
 
     def close(self) -> None:
         """Close the partition consumers (when the model is done with this source)."""

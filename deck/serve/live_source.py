@@ -70,6 +70,30 @@ class SourceFault:
     error: str
 
 
+class PlannedEpochs:
+    """The epoch of each version a source planned lately (checkpoint id -> epoch, the newest
+    :data:`KEEP_PLANNED`): the served version's timeline, which its commit record may no longer
+    tell (a newer timeline re-saved its step, or GC)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, int] = {}
+
+    def remember(self, plan: Plan) -> None:
+        self._by_id.pop(plan.state[1], None)
+        self._by_id[plan.state[1]] = int(plan.chain[-1].epoch)
+        while len(self._by_id) > KEEP_PLANNED:
+            del self._by_id[next(iter(self._by_id))]
+
+    def get(self, cid: str) -> int | None:
+        return self._by_id.get(cid)
+
+
+def saved_at(storage: Storage, step: int) -> str | None:
+    """The id of the trainer checkpoint committed at ``step`` now, by its commit record (None:
+    none is, or its record is damaged: nothing to tell). A read error is raised."""
+    return getattr(read_manifests(storage, [f"{step_dir(step)}/{MANIFEST}"]).get(step), "id", None)
+
+
 class LiveSource(Protocol):
     """Where a :class:`deck.serve.live.LiveModel` gets its versions: :class:`PublishSource`
     (a publish URI's files) or :class:`deck.serve.live_kafka.KafkaSource` (a Kafka topic)."""
@@ -87,6 +111,8 @@ class LiveSource(Protocol):
     def committed_at(self, plan: Plan) -> float: ...
 
     def chain_to(self, step: int, exclude: frozenset[str] = frozenset()) -> Plan: ...
+
+    def saved_at(self, step: int) -> str | None: ...
 
 
 def committed_at(storage: Storage, plan: Plan) -> float:
@@ -113,9 +139,7 @@ class PublishSource:
         self._found = False  # a poll found a committed step here
         self._said_empty = False
         self._said_stuck: frozenset[str] = frozenset()  # refused ids last said to hold steps
-        # The epoch of each version planned lately (checkpoint id -> epoch): the served one's
-        # commit record may be gone from the graph (a newer timeline re-saved its step, or GC)
-        self._epochs: dict[str, int] = {}
+        self._epochs = PlannedEpochs()
 
     @property
     def uri(self) -> str:
@@ -153,15 +177,12 @@ class PublishSource:
         through it). Empty when nothing newer is restorable without ``exclude``."""
         plans = self._next_plans(served, exclude)
         for plan in plans:
-            self._remember(plan)
+            self._epochs.remember(plan)
         return plans
 
-    def _remember(self, plan: Plan) -> None:
-        """Keep the epoch of ``plan``'s version (the newest few only)."""
-        self._epochs.pop(plan.state[1], None)
-        self._epochs[plan.state[1]] = int(plan.chain[-1].epoch)
-        while len(self._epochs) > KEEP_PLANNED:
-            del self._epochs[next(iter(self._epochs))]
+    def saved_at(self, step: int) -> str | None:
+        """The trainer checkpoint committed at ``step`` now (:func:`saved_at`)."""
+        return saved_at(self.storage, step)
 
     def _next_plans(self, served: State | None, exclude: frozenset[str]) -> list[Plan]:
         # From the newest part of a long history, as a restore of the latest plans: a poll
@@ -333,5 +354,5 @@ class PublishSource:
             # Committed, none restorable: the chain's own error says what the step lacks
             graph = build_graph(self._last, self.uri)
         plan = Plan(tuple(cheapest_chain(graph, step, exclude=exclude)), whole=True)
-        self._remember(plan)
+        self._epochs.remember(plan)
         return plan

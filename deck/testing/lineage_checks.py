@@ -78,13 +78,17 @@ def check_all_restore(
 
 
 def chain_files(storage: Storage, chain: list[CheckpointManifest]) -> list[str]:
-    """The keys a restore of ``chain`` reads: each record and the files of its attempt (a step
-    folder's other attempts and a merger folder's partition records are leftovers GC may
-    delete once old)."""
+    """The keys a restore of ``chain`` reads once it has chosen it: each trainer record and
+    the files of each checkpoint (a step folder's other attempts and a merger folder's
+    partition records are leftovers GC may delete once old). A merger checkpoint's record is
+    read as the restore chooses; GC may retire it then (deck.ops.retention.gc.GC_RETIRED:
+    its files stay)."""
     out = []
     for m in chain:
-        prefix = f"{m.folder}/" if m.is_merged else f"{m.folder}/{m.id}/"
-        out += [f"{m.folder}/{MANIFEST}", *storage.list(prefix)]
+        if m.is_merged:
+            out += [k for k in storage.list(f"{m.folder}/") if k != f"{m.folder}/{MANIFEST}"]
+        else:
+            out += [f"{m.folder}/{MANIFEST}", *storage.list(f"{m.folder}/{m.id}/")]
     return [k for k in dict.fromkeys(out) if f"/{PARTS_DIR}/" not in k]
 
 

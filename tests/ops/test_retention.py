@@ -600,4 +600,106 @@ def test_a_restore_of_an_abandoned_step_survives_the_new_timeline_saving_it(
     assert user == 8 and not same(got, history[chain[-1].id])
     age_commits(storage, 3601)
     report = collect_garbage(storage, RetentionPolicy(grace_s=3600))
-    assert any(label.startswith(chain[0].folder) for label, _ in report.deleted), report.deleted
+    # (retired by the first run: its files go as an orphan's now)
+    gone = [label for label, _ in report.deleted] + [p for p, _ in report.orphans]
+    assert any(label.startswith(chain[0].folder) for label in gone), gone
+
+
+def _merger_following(tmp_path: Path) -> tuple[Storage, dict[str, State]]:
+    """18 steps saved, a merger pass after each (deck merge --follow, a merger full every 3),
+    and the state each checkpoint saved."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage, seed=1, id_seed=1)
+    m = tr.save("full")
+    history = {m.id: snapshot(tr.shards)}
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
+    for _ in range(18):
+        tr.train(rows=6)
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+        merge_all(storage, cfg)
+    return storage, history
+
+
+@pytest.mark.parametrize("keep_merged_deltas", [True, False])
+def test_merger_checkpoints_restores_pick_are_retired_then_deleted(
+    tmp_path: Path, keep_merged_deltas: bool
+) -> None:
+    """Break-it finding: with a grace period, the merger fulls and merged deltas the rules
+    delete but which are on the chain restores pick (a merger following the trainer leaves
+    many) were held for ever -- a restore may always have started on them a moment ago. GC
+    now retires them (uncommits them, so restores pick other chains; their files stay) and
+    deletes their files a grace period later: everything the rules delete goes within two runs
+    a grace period apart, and a restore chosen before the retirement reads its chain whole."""
+    storage, history = _merger_following(tmp_path)
+    policy = RetentionPolicy(keep_merged_deltas=keep_merged_deltas)
+    manifests = read_manifests(storage)
+    doomed = plan_retention(manifests, policy).delete
+    graph = build_graph(manifests)
+    assert any(graph.nodes[c].merged for c in doomed)
+    # Restores that chose their chains before any GC ran
+    readers = {s: cheapest_chain(graph, s) for s in graph.restorable_steps()}
+    assert any(m.id in doomed for chain in readers.values() for m in chain)
+    files = {s: chain_files(storage, ch) for s, ch in readers.items()}
+    age_commits(storage, 86400)
+    first = collect_garbage(storage, policy)
+    assert first.retired and not first.deleted, (first.retired, first.deleted)
+    assert {label for label, _ in first.retired} == {
+        graph.nodes[c].folder for c in doomed if graph.nodes[c].merged
+    }
+    for step, chain in readers.items():  # still whole, while the retirement is young
+        assert all(storage.exists(k) for k in files[step]), step
+        got, user = restore_state(storage, chain)
+        assert user == step and not same(got, history[chain[-1].id]), step
+    # New restores pick chains without what was retired
+    after = read_manifests(storage)
+    assert not set(after.merged) & set(doomed)
+    assert check_all_restore(storage, history) == graph.restorable_steps()
+    # A run within the grace period of the retirement deletes and retires nothing
+    age_commits(storage, 1800)
+    held = collect_garbage(storage, policy)
+    assert held.retire_wait_s is not None and 0 < held.retire_wait_s <= 1800
+    assert not held.deleted and not held.retired
+    assert not [p for p, why in held.orphans if why == "retired by GC"]
+    age_commits(storage, 1801)
+    last = collect_garbage(storage, policy)
+    assert last.retire_wait_s is None
+    assert {p for p, why in last.orphans if why == "retired by GC"} == {
+        f"{graph.nodes[c].folder}/" for c in doomed if graph.nodes[c].merged
+    }
+    for c in doomed:
+        assert not storage.list(f"{graph.nodes[c].folder}/"), graph.nodes[c].folder
+    assert not plan_retention(read_manifests(storage), policy).delete
+    assert check_all_restore(storage, history) == graph.restorable_steps()
+
+
+@pytest.mark.parametrize("nth", [1, 3])
+def test_a_gc_stopped_while_retiring_loses_nothing_and_a_later_run_finishes(
+    tmp_path: Path, nth: int
+) -> None:
+    """A GC stopped between a retirement's marker and the record it removes: every step still
+    restores bitwise; runs within the grace period of the stopped one delete and retire
+    nothing (its retirements' moments are unknown), and runs a grace period apart after it
+    finish the work."""
+    from deck import failpoints
+
+    storage, history = _merger_following(tmp_path)
+    policy = RetentionPolicy()
+    steps = build_graph(read_manifests(storage)).restorable_steps()
+    age_commits(storage, 86400)
+    failpoints.configure(f"gc.retire.before_uncommit:{nth}:interrupt")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collect_garbage(storage, policy)
+    finally:
+        failpoints.configure(None)
+    assert check_all_restore(storage, history) == steps
+    held = collect_garbage(storage, policy)
+    assert held.retire_wait_s is not None and not held.retired and not held.deleted
+    for _ in range(2):
+        age_commits(storage, 3601)
+        collect_garbage(storage, policy)
+        assert check_all_restore(storage, history) == steps
+    assert not plan_retention(read_manifests(storage), policy).delete
+    retired = [k for k in storage.list("merged/") if k.endswith("/gc-retired")]
+    assert not retired, retired

@@ -44,6 +44,7 @@ from deck.serve import live_kafka
 from deck.serve.follow import Follower
 from deck.serve.kafka_follow import KafkaFollower, PartitionReader
 from deck.serve.live_kafka import KafkaSource
+from deck.serve.live_source import Plan
 from deck.testing.kafka_broker import TansuBroker
 from deck.testing.kafka_stream import (
     SynthPublisher,
@@ -129,12 +130,14 @@ class _Applier:
         self.source, self.out = source, out
         self.follower: Follower | None = None
         self.served: tuple[int, str] | None = None
+        self.plans: list[Plan] = []  # every plan offered
 
     def catch_up(self) -> list[int]:
         """The steps offered and applied until the topic holds no more now."""
         steps = []
         while plans := self.source.next_plans(self.served, frozenset()):
             (plan,) = plans
+            self.plans.append(plan)
             m = plan.chain[-1]
             view = self.source.storage
             self.follower = self.follower or Follower(view, self.out)
@@ -447,3 +450,37 @@ def test_a_serving_source_notices_a_recreated_topic(
             assert any("recreated or truncated while serving" in m for m in said), said
         finally:
             pub.close()
+
+
+def test_a_serving_source_follows_a_publisher_rollback(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Break-it finding: a trainer restored an older step and published on (a new timeline, its
+    first publish a full at a step at or below the served one); a live model fed from the topic
+    refused that full and the next as out of order and served the abandoned timeline's step
+    until the topic passed it, where ``deck follow`` of the same topic followed the rollback.
+    A full of a newer timeline at or below the served step is offered as a whole version of
+    that timeline (the live model drops its kept versions and says so), then its deltas."""
+    pub = SynthPublisher(broker.uri(f"rollback-{uuid.uuid4().hex[:10]}"), str(tmp_path / "state"))
+    source = KafkaSource(pub.topic_uri, wait_s=WAIT_S)
+    try:
+        pub.publish("full")
+        held = [pub.publish() for _ in range(4)][-1]
+        applier = _Applier(source, str(tmp_path / "out"))
+        assert applier.catch_up()[-1] == held
+        pub.trainer.rollback(2)  # restore step 2, then train on: steps 3.. again
+        full, delta = pub.publish("full"), pub.publish()
+        assert full < held
+        with caplog.at_level(logging.ERROR, logger="deck"):
+            assert applier.catch_up() == [full, delta]
+        assert source.take_faults() == [] and not caplog.records
+        assert [(p.step, p.whole, p.timeline) for p in applier.plans[-2:]] == [
+            (full, True, True),
+            (delta, False, False),
+        ]
+        got = read_output(str(tmp_path / "out"))
+        assert got is not None and (got[0], got[1]) == (delta, pub.expected(delta)[0])
+        assert not differences(got[2], pub.expected(delta)[1])
+    finally:
+        source.close()
+        pub.close()

@@ -216,6 +216,32 @@ def test_a_rollback_that_re_saves_the_served_step_is_followed(tmp_path: Path) ->
     assert not bitwise_diff(served, reference(f"{root}/pub", 6, SPEC))
 
 
+def test_a_rollback_to_a_kept_step_the_trainer_saved_again_serves_the_new_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: the trainer rolled back (restore(2)) and published step 4 again
+    before the live model polled; ``rollback(4)`` then wrote back the kept rows of the
+    abandoned step 4 and served them as step 4. A kept version whose step's commit record now
+    names another checkpoint is rebuilt from storage instead: ``restore(4)``, bitwise."""
+    root = str(tmp_path)
+    run_ranks(_timelines, root, False)
+    served = serving_models(SPEC)
+    live = LiveModel(list(served.values()), LocalStorage(f"{root}/pub"))
+    assert [s.step for s in live.poll()] == [6]
+    live.rollback(4)
+    live.resume()
+    assert [s.step for s in live.poll()] == [6] and live.kept_steps() == [4]
+    run_ranks(_timelines, root, True)  # the trainer publishes step 4 again
+    now = read_manifests(LocalStorage(f"{root}/pub"))[4].id
+    with caplog.at_level(logging.INFO, logger="deck.serve.live"):
+        switch = live.rollback(4)
+    assert switch is not None and switch.kind == "reload"
+    assert live.version == (4, now) and live.kept_steps() == []
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+    said = [r.getMessage() for r in caplog.records if "abandoned timeline" in r.getMessage()]
+    assert len(said) == 1 and now in said[0], said
+
+
 def test_an_out_of_order_update_is_refused_and_the_served_version_stays(
     root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -83,6 +83,12 @@ class GcReport:
     # (folder, why): what lacks a chain above a run's floor: kept for a run over the whole store
     # to decide (a record it did not read may be what the chain needs)
     left: list[tuple[str, str]] = field(default_factory=list)
+    # (folder, why): merger checkpoints uncommitted for the rules, whose files wait for the grace
+    # period (a restore started before may be reading them: see GC_RETIRED)
+    retired: list[tuple[str, str]] = field(default_factory=list)
+    # Seconds until the checkpoints of the rules are deleted again, while a run's retirement is
+    # younger than the grace period (None: none is)
+    retire_wait_s: float | None = None
     # What the rules would delete but the grace period holds back (a later run deletes it)
     grace_held: int = 0  # checkpoints
     grace_held_orphans: int = 0  # orphan folders or stray files
@@ -206,6 +212,16 @@ _READERS = ("deck.read.lineage", "deck.read.catalog", "deck.ops.retention.plan")
 # committed step) or like a lost record (a parent), both kept, unless it says GC was deleting it
 # (an orphan then, like any other).
 GC_DELETING = "gc-deleting"
+# A merger checkpoint the rules delete but which is on the chain restores pick (so a restore
+# may have started on it a moment ago, and one always may: the grace period alone would keep it
+# for ever) is *retired*: this marker goes into its folder, then its record (readers pick other
+# chains from then on); its files go as an orphan's once the marker is older than the grace
+# period. The lineage a run replays lacks what was retired, so the moments before a retirement
+# are not replayed as they were: while RETIRE_MARK (put before and after each retirement) is
+# younger than the grace period, no run deletes or retires a checkpoint.
+GC_RETIRED = "gc-retired"
+RETIRE_MARK = f"{CLOCK_DIR}/{GC_RETIRED}"
+_RETIRED_NOTE = b"deck gc retired merger checkpoints; their files go after the grace period\n"
 _QUARANTINE_NAME = re.compile(rf"{QUARANTINE_ROOT}/[0-9a-f]{{16}}\.json")
 
 
@@ -355,8 +371,11 @@ class _Collector:
         self.by_prefix = _by_prefix(keys)
         self.committed_at = commit_times(self.graph, self.times)
         self.protected = grace_protected(self.graph, policy, now, self.committed_at)
-        # id -> why, for every checkpoint this run deletes
+        self.retire_wait = self._retire_wait()
+        # id -> why, for every checkpoint this run takes out of the lineage: deletes, or retires
+        # (those of them the grace period protects: their files stay, see GC_RETIRED)
         plan, self.doomed = self._checked_plan(set(keys))
+        self.retiring = {cid for cid in self.doomed if cid in self.protected}
         self.report = GcReport(
             floor=view.floor,
             dry_run=dry_run,
@@ -368,16 +387,39 @@ class _Collector:
             (self._label(i), why) for i, why in sorted(plan.held.items()) if i not in plan.unread
         ]
         self.report.left = [(self._label(i), plan.held[i]) for i in sorted(plan.unread)]
-        self.report.grace_held = self._grace_held(plan)
+        self.report.retire_wait_s = self.retire_wait
+        self.report.grace_held = sum(
+            1
+            for cid in plan.delete
+            if cid not in plan.keep
+            and cid not in self.doomed
+            and (cid in self.protected or self.retire_wait is not None)
+        )
+
+    def _retire_wait(self) -> float | None:
+        """Seconds until a run's retirement (RETIRE_MARK) is older than the grace period, or
+        None when none is younger (or the grace period is 0)."""
+        if self.policy.grace_s <= 0 or RETIRE_MARK not in self.times:
+            return None
+        stamp = self.times[RETIRE_MARK]
+        if stamp is None or self.now is None:
+            return self.policy.grace_s
+        left = self.policy.grace_s - (self.now - stamp)
+        return left if left > 0 else None
 
     def _doomed(self, plan: RetentionPlan) -> dict[str, str]:
-        """id -> why, for every checkpoint of ``plan.delete`` that the grace period allows."""
-        protected = plan.keep | self.protected
-        return {cid: why for cid, why in plan.delete.items() if cid not in protected}
-
-    def _grace_held(self, plan: RetentionPlan) -> int:
-        """How many checkpoints ``plan`` deletes that the grace period keeps for now."""
-        return sum(1 for cid in plan.delete if cid in self.protected and cid not in plan.keep)
+        """id -> why, for every checkpoint of ``plan.delete`` that the grace period allows to
+        go, or to retire (a merger checkpoint it protects that was not committed within it)."""
+        if self.retire_wait is not None:
+            return {}
+        return {
+            cid: why
+            for cid, why in plan.delete.items()
+            if cid not in plan.keep
+            and (
+                cid not in self.protected or (self.graph.nodes[cid].merged and not self._young(cid))
+            )
+        }
 
     def _checked_plan(self, listing: set[str]) -> tuple[RetentionPlan, dict[str, str]]:
         """The retention plan and what it deletes now, once every kept merger checkpoint that
@@ -476,13 +518,20 @@ class _Collector:
         # way (killed, a store error) leaves only older checkpoints of those it meant to
         # delete, each still restorable from what is older still; oldest first left deltas
         # whose parent was gone, which ls and verify reported as broken steps
-        order = sorted(self.doomed, key=lambda c: _newest_first(self.graph.nodes[c]))
+        # (Retirements last: until what goes now is gone, a restore must not pick a chain
+        # through it for want of what is retired)
+        order = sorted(
+            self.doomed, key=lambda c: (c in self.retiring, _newest_first(self.graph.nodes[c]))
+        )
         # The newest step that stays committed: a checkpoint above it, once uncommitted, would
         # look like a save in progress (see GC_DELETING)
         head = max((m.step for m in self.manifests.values() if m.id not in self.doomed), default=-1)
         for cid in order:
             why = self.doomed[cid]
             n = self.graph.nodes[cid]
+            if cid in self.retiring:
+                self._retire(n, why)
+                continue
             listed = self.by_prefix.get(n.folder, [])
             if n.merged:
                 files = listed
@@ -514,6 +563,29 @@ class _Collector:
             self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
             self.report.bytes += size
+
+    def _retire(self, n: LineageNode, why: str) -> None:
+        """Retire merger checkpoint ``n`` (see GC_RETIRED): its marker, then its record and
+        partition records (a merger rebuilding the id must not trust those); its files stay."""
+        if self.progress:
+            self.progress(n.folder)
+        if not self.dry_run:
+            try:
+                self.storage.put(f"{n.folder}/{GC_RETIRED}", _RETIRED_NOTE)
+                self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
+                failpoint("gc.retire.before_uncommit")
+                self.storage.delete(f"{n.folder}/{MANIFEST}")
+                failpoint("gc.checkpoint.after_uncommit")
+                self.storage.delete_prefix(f"{n.folder}/{PARTS_DIR}/")
+                self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
+            except DeckError as e:
+                self.report.errors.append(f"{n.folder}: {e}")
+        self.report.retired.append(
+            (
+                self._label(n.id),
+                f"{why}; restores read it lately: its files wait for the grace period",
+            )
+        )
 
     def pending_commits(self) -> list[Hint]:
         """The commits the listing shows begun and not committed: attempt folders of a step
@@ -574,10 +646,11 @@ class _Collector:
                 self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
             elif f"{prefix}/{MANIFEST}" not in keys:
                 record = f"{prefix}/{MANIFEST}"
+                retired = f"{prefix}/{GC_RETIRED}" in keys
                 self._orphan(
                     prefix + "/",
                     keys,
-                    "uncommitted merger folder",
+                    "retired by GC" if retired else "uncommitted merger folder",
                     lambda: "committed during this run" if self.storage.exists(record) else None,
                     Hint(key=record, op="abandon", id=parsed[0]),
                 )
@@ -708,7 +781,8 @@ class _Collector:
         if self.now is not None:
             delete_stale_markers(
                 self.storage,
-                [(k, self.times[k]) for k in self.by_prefix.get(CLOCK_DIR, [])],
+                # (the retire mark: put again by this run maybe, and harmless once old)
+                [(k, self.times[k]) for k in self.by_prefix.get(CLOCK_DIR, []) if k != RETIRE_MARK],
                 self.now,
                 max(self.policy.grace_s, 3600.0),
             )
