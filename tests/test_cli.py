@@ -216,6 +216,33 @@ def test_gc_with_nothing_restorable_says_so_and_deletes_nothing(ckpt: Path, tmp_
     assert sorted(p for p in copy.rglob("*")) == before
 
 
+def test_an_interrupted_gc_says_how_far_it_got_and_the_next_run_finishes(tmp_path: Path) -> None:
+    """An operator's Ctrl-C during a long `deck gc` printed only "interrupted": how far it got
+    and what to do is said now (what a stopped run leaves restores; the next run finishes)."""
+    import os
+
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "ck"
+    tr = SynthTrainer(open_storage(str(uri)))
+    for step in range(12):
+        if step:
+            tr.train()
+        tr.save("full" if step % 4 == 0 else None)
+    argv = [EXE, "gc", str(uri), "--grace", "0", "--no-keep-all-steps", "--keep-last-fulls", "1"]
+    env = {**os.environ, "DECK_FAILPOINTS": "gc.checkpoint.after_delete:2:interrupt"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 130, r.stdout + r.stderr
+    said = re.search(
+        r"deck gc interrupted at (\S+) \(checkpoint 2 it deleted or retired\)", r.stderr
+    )
+    assert said and "run it again to finish" in r.stderr, r.stderr
+    assert not (uri / said.group(1) / "manifest.json").exists()
+    r = _deck("gc", *argv[2:])
+    assert r.returncode == 0 and "deleted" in r.stdout, r.stdout + r.stderr
+    assert sorted(read_manifests(open_storage(str(uri)))) == [8, 9, 10, 11]
+
+
 def test_gc_and_merge_touch_nothing_in_a_folder_without_checkpoints(tmp_path: Path) -> None:
     """A mistyped URI (a parent folder of runs, another tool's folder): exit 2 and nothing
     written or deleted there -- not another writer's old temp file, nor a clock marker."""

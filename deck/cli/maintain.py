@@ -296,7 +296,33 @@ def cmd_gc(a: argparse.Namespace) -> int:
     from deck.ops.retention import collect_garbage
 
     storage = open_existing(a.uri, a.storage_options)
-    rep = collect_garbage(storage, _retention(a), dry_run=a.dry_run, whole=a.whole)
+    reached: list[str] = []  # the checkpoints the run deleted or retired so far
+    bar = progress_bar("deck gc", unit=" ckpt", unit_scale=False)
+
+    def progress(folder: str) -> None:
+        reached.append(folder)
+        if bar:
+            bar.update(1)
+
+    try:
+        rep = collect_garbage(
+            storage, _retention(a), dry_run=a.dry_run, whole=a.whole, progress=progress
+        )
+    except KeyboardInterrupt:
+        where = (
+            f"at {reached[-1]} (checkpoint {len(reached)} it deleted or retired)"
+            if reached
+            else "before it deleted a checkpoint"
+        )
+        print(
+            f"deck gc interrupted {where}: every step it retains still restores; run it "
+            "again to finish",
+            file=sys.stderr,
+        )
+        raise
+    finally:
+        if bar:
+            bar.close()
     verb = "would delete" if a.dry_run else "deleted"
     if (
         rep.latest is None

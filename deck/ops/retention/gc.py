@@ -589,13 +589,15 @@ class _Collector:
 
     def pending_commits(self) -> list[Hint]:
         """The commits the listing shows begun and not committed: attempt folders of a step
-        whose record names another id (or none), merger folders without a record."""
+        whose record names another id (or none), merger folders without a record (but those
+        GC retired)."""
         hints = []
         for prefix, keys in self.by_prefix.items():
             if prefix.startswith(f"{MERGED_ROOT}/"):
                 parsed = parse_merged_dir(prefix.partition("/")[2])
                 record = f"{prefix}/{MANIFEST}"
-                if parsed is not None and record not in keys:
+                # (a folder GC retired is no commit begun)
+                if parsed is not None and not {record, f"{prefix}/{GC_RETIRED}"} & set(keys):
                     hints.append(Hint(key=record, op="commit", id=parsed[0]))
             elif (step := parse_step_dir(prefix)) is not None:
                 m = self.manifests.get(step)
