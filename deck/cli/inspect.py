@@ -22,7 +22,7 @@ from deck.cli.common import (
     say_damaged,
     step_number,
 )
-from deck.errors import CheckpointNotFoundError
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from deck.format.jsonio import paused_gc
 
 if TYPE_CHECKING:
@@ -381,6 +381,8 @@ def cmd_lineage(a: argparse.Namespace) -> int:
         damaged = {s: why for s, why in graph.damaged.items() if s <= a.step}
     # The chain is looked up before anything is printed: an unknown step is an error alone,
     # not a table followed by one.
+    if step in graph.damaged:  # damage, not absence (exit 1, naming the file)
+        raise CorruptCheckpointError(f"step {step}: {graph.damaged[step]}")
     chain = None if step is None else cheapest_chain(graph, step)
     if a.json:
         print(json.dumps(graph.to_dict(), indent=1))

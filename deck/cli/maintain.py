@@ -141,6 +141,10 @@ def _run_worker(
     damaged = say_damaged(
         "merge", a.uri, worker.damaged_records, "what builds on them is not merged"
     )
+    if waiting and worker.storage_error is not None:
+        # The store failed the pass (down, unreachable, refusing writes): exit 2 with its error
+        # (a break-it finding: a read-only store exited 1, "some work is left")
+        raise worker.storage_error
     return 1 if waiting or stats.failed or worker.failures or damaged else 0
 
 

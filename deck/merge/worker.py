@@ -143,6 +143,9 @@ class MergeWorker:
         self.after_pass = after_pass
         self.progress = progress
         self.failures: dict[str, int] = {}
+        # The last error of the store an item failed on (``deck merge --once`` exits 2 with it
+        # when work is left: the store is down, or refuses writes)
+        self.storage_error: StorageError | None = None
         self._retry_at: dict[str, float] = {}
         self.max_failures = 3
         # Items whose folder holds an unreadable commit record (id -> problem): skipped, never
@@ -317,6 +320,7 @@ class MergeWorker:
             self._fail(item, str(e), stats)
         except StorageError as e:
             # Transient or not, nothing was committed: try again next pass.
+            self.storage_error = e
             self._fail(item, f"storage error: {e}", stats)
         return progressed, False
 

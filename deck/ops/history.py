@@ -21,7 +21,7 @@ from deck.format.chunk_io import read_chunks
 from deck.format.chunks import decode_chunk
 from deck.format.manifest import CheckpointManifest, ChunkRecord, RankManifest, ShardRecord
 from deck.format.rowindex import may_contain
-from deck.read.catalog import checkpoint_label, read_manifests, read_rank_manifests
+from deck.read.catalog import checkpoint_label, read_every_record, read_rank_manifests
 from deck.read.lineage import LineageGraph, cheapest_chain
 from deck.storage import Storage
 
@@ -212,7 +212,7 @@ def row_history(
     :class:`CheckpointNotFoundError` naming the URI when there is no restorable step, or the
     table or row is not in it, and :class:`CorruptCheckpointError` naming the file on damage.
     """
-    graph = LineageGraph(read_manifests(storage), storage.uri)
+    graph = LineageGraph(read_every_record(storage), storage.uri)
     out = RowHistory(uri=storage.uri, table=table, row=row, damaged=dict(graph.damaged))
     todo = graph.restorable_steps() if steps is None else sorted(steps)
     if not todo:

@@ -40,10 +40,10 @@ from deck.read.catalog import (
     get_records,
     manifest_keys,
     manifest_set,
+    read_every_record,
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.indexed import read_indexed
 from deck.read.lineage import (
     LineageGraph,
     LineageNode,
@@ -196,7 +196,9 @@ def _listed_records(
     parts pending) and whether the folder holds anything at all (else it was never looked
     at)."""
     wanted = sorted(k for k in manifest_keys(storage) if record_key_kind(k) is not None)
-    read = _records_of(storage, wanted)
+    # Each from its file, not a catalog's copy: a record damaged or replaced behind the log's
+    # back is what ls reports (a break-it finding: taken from the catalog it showed as committed)
+    read = list(get_records(storage, wanted))
     keys = [k for k, data in read if isinstance(data, bytes)]
     odd = [k for k, data in read if not isinstance(data, bytes) and not _quarantine_key(k)]
     listed = {k: storage.list(k[: -len(MANIFEST)]) for k in odd}
@@ -205,22 +207,12 @@ def _listed_records(
     records = [
         (k, data)
         for k, data in read
-        if data is not None and (k not in listed or listed[k])  # (an empty folder: nothing)
+        # (an empty folder: nothing; but a record refused as it is, a link, is damage whatever
+        # the listing, which shows regular files only: a break-it finding left it out)
+        if data is not None
+        and (k not in listed or listed[k] or isinstance(data, CorruptCheckpointError))
     ]
     return keys, records
-
-
-def _records_of(
-    storage: Storage, wanted: list[str]
-) -> list[tuple[str, bytes | CorruptCheckpointError | None]]:
-    """Each of ``wanted`` (sorted) with its record: through the catalog where the store keeps
-    one (the log since it says what changed), each one the catalog does not hold read from
-    its file (a pending folder, a record a catalog left out)."""
-    index = read_indexed(storage, lambda ks: get_records(storage, ks))
-    held = {} if index is None else index.records
-    rest = [k for k in wanted if k not in held]
-    got = dict(get_records(storage, rest))
-    return [(k, held[k] if k in held else got[k]) for k in wanted]
 
 
 def _quarantine_key(key: str) -> bool:
@@ -497,10 +489,37 @@ def tree_lines(graph: LineageGraph, rows: list[Row], fmt: Any) -> list[str]:
 
 def find_checkpoint(storage: Storage, which: str) -> CheckpointManifest:
     """The committed checkpoint named by ``which``: a trainer step number, a checkpoint id, or
-    a merger folder (``merged/L01-...`` or its last part). Raises
-    :class:`CheckpointNotFoundError` listing what there is, :class:`CorruptCheckpointError`
-    naming the file for a step whose commit record is damaged."""
+    a merger folder (``merged/L01-...`` or its last part), as its record's file says (read
+    through the catalog, the record found is read again from its file, and any difference, or
+    nothing found, reads every record: a break-it finding showed a record damaged behind the
+    log's back as the catalog held it). Raises :class:`CheckpointNotFoundError` listing what
+    there is, :class:`CorruptCheckpointError` naming the file for a step whose commit record
+    is damaged."""
     manifests = read_manifests(storage)
+    if manifests.index is None:
+        return _find(manifests, which, storage.uri)
+    try:
+        m = _find(manifests, which, storage.uri)
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        m = None
+    if m is not None and _as_stored_record(storage, m):
+        return m
+    return _find(read_every_record(storage), which, storage.uri)
+
+
+def _as_stored_record(storage: Storage, m: CheckpointManifest) -> bool:
+    """Whether ``m``'s commit record reads back from its file as ``m``."""
+    key = f"{m.folder}/{MANIFEST}"
+    data = dict(get_records(storage, [key])).get(key)
+    if not isinstance(data, bytes):
+        return False
+    try:
+        return load_model(CheckpointManifest, data, storage.describe(key)) == m
+    except DeckError:
+        return False
+
+
+def _find(manifests: ManifestSet, which: str, uri: str) -> CheckpointManifest:
     if which.isdigit():
         m = manifests.get(int(which))
         if m is not None:
@@ -514,7 +533,7 @@ def find_checkpoint(storage: Storage, which: str) -> CheckpointManifest:
         if which in (cand.id, cand.folder) or cand.folder.endswith(f"/{which}"):
             return cand
     raise CheckpointNotFoundError(
-        f"no committed checkpoint {which!r} at {storage.uri}; trainer steps: "
+        f"no committed checkpoint {which!r} at {uri}; trainer steps: "
         f"{steps_text(manifests)}"
         + (
             f", merger checkpoints: {len(manifests.merged)} (see `deck ls`)"

@@ -255,6 +255,14 @@ def read_manifests(
         return _read_manifests(storage, keys, previous)
 
 
+def read_every_record(storage: Storage) -> ManifestSet:
+    """:func:`read_manifests` of every record read from its file, never a catalog's copy: what
+    the readers that report on the whole history take (``deck lineage``, ``deck history``,
+    :func:`deck.lineage_graph`), so that a record damaged or replaced behind the commit log's
+    back is reported as it is (a catalog cannot tell without reading it)."""
+    return read_manifests(storage, manifest_keys(storage))
+
+
 def _read_manifests(
     storage: Storage, keys: Iterable[str] | None, previous: ManifestSet | None
 ) -> ManifestSet:

@@ -50,6 +50,7 @@ from deck.read.catalog import (
     Window,
     manifest_keys,
     quarantine,
+    read_every_record,
     read_manifests,
 )
 from deck.storage import Storage
@@ -679,9 +680,10 @@ def lineage_graph(storage: Storage) -> LineageGraph:
     """The lineage graph of every committed checkpoint at ``storage`` (trainer's and merger's).
 
     An empty store gives an empty graph. Folders without ``manifest.json`` are not checkpoints
-    and are not in it. ``deck.lineage_graph(uri)`` opens a URI for it.
+    and are not in it. Every record is read from its file (:func:`read_every_record`).
+    ``deck.lineage_graph(uri)`` opens a URI for it.
     """
-    return build_graph(read_manifests(storage), storage.uri)
+    return build_graph(read_every_record(storage), storage.uri)
 
 
 def cheapest_chain(

@@ -78,6 +78,26 @@ def test_merged_manifest_fields_round_trip_and_trainer_records_unchanged() -> No
         load_model(CheckpointManifest, dump_model_dict(bad), "x")
 
 
+def test_merge_once_on_a_store_that_refuses_writes_exits_2_with_its_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator's break-it run: `deck merge --once` on a store that refuses writes (a
+    read-only mount) exited 1, "some work is left", where the docs say 2 with the error; it
+    exits 2 naming the store's error now, and merges once the store takes writes again."""
+    storage = LocalStorage(tmp_path / "ck")
+    saved_chain(storage, 4)
+    failpoints.configure("storage.local.write:1+:enospc")  # every write refused
+    try:
+        assert cli.main(["merge", storage.uri, "--once", "--stride", "2"]) == 2
+    finally:
+        failpoints.configure(None)
+    err = capsys.readouterr().err
+    assert "No space left" in err or "full" in err, err
+    assert not read_manifests(storage).merged
+    assert cli.main(["merge", storage.uri, "--once", "--stride", "2"]) == 0
+    assert read_manifests(storage).merged
+
+
 def test_a_following_worker_outlives_a_store_outage(caplog: pytest.LogCaptureFixture) -> None:
     """From an operator's break-it run: `deck merge --follow` exited (status 2) when the store
     was down for a minute, where `deck follow` waits it out. A pass the store fails is said

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deck.cli import main
-from deck.format.manifest import MANIFEST, MERGED_ROOT
+from deck.format.manifest import MANIFEST, MERGED_ROOT, step_dir
 from deck.ops import listing
 from deck.ops.listing import Row, list_rows
 from deck.read.catalog import get_records, read_manifests
@@ -31,6 +31,13 @@ def reference_list_rows(storage: LocalStorage) -> tuple[LineageGraph, list[Row]]
     keys = storage.list("")
     depth = {True: 2, False: 1}
     folders = {"/".join(k.split("/")[: depth[k.startswith(f"{MERGED_ROOT}/")]]) for k in keys}
+    # and the folders whose record is there but no regular file (which the listing leaves out):
+    # damage, whatever else the folder holds
+    root = Path(storage.root)
+    for folder in [*root.glob("step-*"), *root.glob(f"{MERGED_ROOT}/*")]:
+        record = folder / MANIFEST
+        if record.is_symlink() or (record.exists() and not record.is_file()):
+            folders.add(str(folder.relative_to(root)))
     manifests = read_manifests(storage, sorted(set(keys) | {f"{f}/{MANIFEST}" for f in folders}))
     graph = build_graph(manifests, storage.uri)
     rows = [listing._row(n) for n in graph.nodes.values()]
@@ -154,7 +161,8 @@ def test_the_rows_are_those_of_a_listing_of_every_file(tmp_path: Path, files: ob
     # Each damaged record is reported as such, naming its file
     for folder, problem in damaged.items():
         assert problem is not None and f"{folder}/{MANIFEST}" in problem, (folder, problem)
-    assert len(damaged) == 7, damaged  # steps 3, 4, 5, 7, 8, 9, a merger folder
+    # steps 3, 4, 5, 7, 8, 9, a merger folder, and the folders holding a link or a FIFO alone
+    assert len(damaged) == 9, damaged
 
 
 def test_ls_all_json_prints_what_json_dumps_printed(
@@ -175,8 +183,8 @@ def test_ls_all_json_prints_what_json_dumps_printed(
 def test_through_the_catalog_the_rows_are_those_of_a_listing_of_every_file(
     tmp_path: Path, files: object
 ) -> None:
-    """With a catalog ``ls --all`` takes the records it holds from it; the folders it does not
-    hold (pending attempts, records a catalog left out, odd files) are read as before."""
+    """With a catalog ``ls --all`` gives the rows a listing of every file gives: the pending
+    attempts, records a catalog left out, odd files."""
     storage = _store(tmp_path, files, log=True)
     assert read_indexed(storage, lambda ks: get_records(storage, ks)) is not None
     _, got = list_rows(storage)
@@ -198,3 +206,28 @@ def test_through_the_catalog_the_rows_are_those_of_a_listing_of_every_file(
     _, want = reference_list_rows(storage)
     assert _timeless(got) == _timeless(want)
     assert {"pending", "damaged"} <= {r.state for r in got}
+
+
+def test_a_record_damaged_behind_the_catalogs_back_is_reported_as_it_is(
+    tmp_path: Path, files: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Break-it finding: once a merger pass had written a catalog, a commit record damaged (or
+    replaced) behind the commit log's back was shown as the catalog held it: ``ls`` (every
+    view), ``show``, ``lineage`` and ``history`` exited 0 calling it committed, while
+    ``verify`` and ``export`` refused it. What they report is each record's file."""
+    storage = _store(tmp_path, files, log=True)
+    assert read_indexed(storage, lambda ks: get_records(storage, ks)) is not None
+    step = sorted(read_manifests(storage))[-3]
+    record = Path(storage.root) / step_dir(step) / MANIFEST
+    record.write_bytes(b"{")
+    _, rows = list_rows(storage)
+    assert [r.state for r in rows if r.folder == step_dir(step)] == ["damaged"]
+    for argv in (["ls"], ["ls", "--all"], ["show", str(step)], ["lineage", "--step", str(step)]):
+        capsys.readouterr()
+        assert main([argv[0], storage.uri, *argv[1:]]) == 1, argv
+        assert str(record) in capsys.readouterr().err, argv
+    # Another step's record in its place: show says what the file says
+    other = sorted(read_manifests(storage))[-4]
+    record.write_bytes((Path(storage.root) / step_dir(other) / MANIFEST).read_bytes())
+    assert main(["show", storage.uri, str(step)]) == 1
+    assert "not found" not in capsys.readouterr().err

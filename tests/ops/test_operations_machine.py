@@ -592,6 +592,9 @@ class OperationsMachine(RuleBasedStateMachine):
         if rep is not None:
             self._retain(rep.retained_steps, rep.floor)
             _note(f"gc of the newest steps: {rep.floor is not None}")
+            # Only damage keeps what the rules delete (a break-it finding: GC's own deletions
+            # and retirements made a held delta look like a lost record's, kept for good)
+            assert self.damaged or not rep.kept, rep.kept
             # Damage or forgery costs reads until GC over the whole store (which reads every
             # record) repairs the catalog: after such a run, reads go through one again.
             catalogs = listed_seqs(self.local, CATALOG_ROOT)

@@ -703,3 +703,41 @@ def test_a_gc_stopped_while_retiring_loses_nothing_and_a_later_run_finishes(
     assert not plan_retention(read_manifests(storage), policy).delete
     retired = [k for k in storage.list("merged/") if k.endswith("/gc-retired")]
     assert not retired, retired
+
+
+def test_a_retirement_waits_for_the_steps_the_grace_period_holds_that_need_it(
+    tmp_path: Path,
+) -> None:
+    """Break-it finding: with --no-keep-all-steps and a grace period, GC deleted steps 0 and 1
+    and retired the merger full of step 2, while steps 2 and 3 -- held by the grace period,
+    their only chain through that full -- stayed committed: `ls` showed them broken, and every
+    later run kept them as built on a lost record (exit 1, "restore step 1 from a backup").
+    A merger checkpoint a step staying committed restores only through is retired by the run
+    that deletes that step."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage, seed=12)
+    history: dict[str, State] = {}
+    m = tr.save("full")
+    history[m.id] = snapshot(tr.shards)
+    cfg = MergeConfig(stride=2, full=FullPolicy(every=None, max_live_fraction=0.3))
+    policy = RetentionPolicy(keep_all_steps=False, keep_last_fulls=1)
+    for i in range(1, 13):
+        tr.train()
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+        if i % 2 == 0:
+            merge_all(storage, cfg)
+        if i % 3 == 0:
+            age_commits(storage, 1200)
+            report = collect_garbage(storage, policy)
+            assert not report.kept and not report.errors, (i, report.kept, report.errors)
+            graph = build_graph(read_manifests(storage))
+            assert not graph.unrestorable(), (i, graph.unrestorable())
+            check_all_restore(storage, history)
+    age_commits(storage, 100000)
+    for _ in range(2):
+        report = collect_garbage(storage, policy, whole=True)
+        assert not report.kept and not report.errors, (report.kept, report.errors)
+        age_commits(storage, 3601)
+    assert sorted(read_manifests(storage)) == [12]
+    assert check_all_restore(storage, history) == [12]

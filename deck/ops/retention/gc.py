@@ -50,7 +50,7 @@ from deck.read.catalog import (
     refresh_catalog,
     repair_catalog,
 )
-from deck.read.lineage import LineageNode, build_graph
+from deck.read.lineage import LineageNode, PathLink, build_graph, keep_chain
 from deck.read.verify import check_files, verify_checkpoint
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -376,6 +376,7 @@ class _Collector:
         # (those of them the grace period protects: their files stay, see GC_RETIRED)
         plan, self.doomed = self._checked_plan(set(keys))
         self.retiring = {cid for cid in self.doomed if cid in self.protected}
+        self._keep_staying_chains()
         self.report = GcReport(
             floor=view.floor,
             dry_run=dry_run,
@@ -395,6 +396,25 @@ class _Collector:
             and cid not in self.doomed
             and (cid in self.protected or self.retire_wait is not None)
         )
+
+    def _keep_staying_chains(self) -> None:
+        """Retire nothing that a trainer step staying committed after this run (one the grace
+        period holds) restores only through: it waits for the run that deletes those steps (a
+        break-it finding: retiring it left them without a chain, `broken` in ls, and a delta
+        among them whose parent this run deleted kept as a lost record's by every later run)."""
+        if not self.retiring:
+            return
+        gone = frozenset(self.doomed)
+        staying = [s for s, n in self.graph.trainer.items() if n.id not in gone]
+        restorable = set(self.graph.chain_ways(staying, frozenset()))
+        lost = restorable - set(self.graph.chain_ways(restorable, gone))
+        needed: set[str] = set()
+        walked: set[PathLink] = set()
+        for way in self.graph.chain_ways(lost, gone - self.retiring).values():
+            keep_chain(way, needed, walked)
+        for cid in needed & self.retiring:
+            del self.doomed[cid]
+            self.retiring.discard(cid)
 
     def _retire_wait(self) -> float | None:
         """Seconds until a run's retirement (RETIRE_MARK) is older than the grace period, or
