@@ -375,9 +375,12 @@ def cmd_gc(a: argparse.Namespace) -> int:
             f"this host's clock is {rep.clock_skew_s:+.0f} s from the store's; ages were "
             "measured on the store's clock"
         )
+    retired = f"; {'would retire' if a.dry_run else 'retired'} {len(rep.retired)}" * bool(
+        rep.retired
+    )
     print(
         f"{verb} {len(rep.deleted)} checkpoint(s) and {len(rep.orphans)} orphan(s): "
-        f"{rep.files} files, {human(rep.bytes)}"
+        f"{rep.files} files, {human(rep.bytes)}{retired}"
         + (
             f"; kept {len(rep.kept)} because of damage or read errors (KEPT above)"
             if rep.kept

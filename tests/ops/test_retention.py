@@ -5,6 +5,7 @@ merger workers in this process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from deck.errors import ConfigError
 from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
-from deck.read.catalog import read_manifests
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_for, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
 from deck.storage import LocalStorage, Storage
@@ -605,25 +606,29 @@ def test_a_restore_of_an_abandoned_step_survives_the_new_timeline_saving_it(
     assert any(label.startswith(chain[0].folder) for label in gone), gone
 
 
-def _merger_following(tmp_path: Path) -> tuple[Storage, dict[str, State]]:
-    """18 steps saved, a merger pass after each (deck merge --follow, a merger full every 3),
-    and the state each checkpoint saved."""
+MERGER_FOLLOWING = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
+
+
+def _merger_following(
+    tmp_path: Path, steps: int = 18
+) -> tuple[Storage, SynthTrainer, dict[str, State]]:
+    """``steps`` steps saved, a merger pass after each (deck merge --follow, a merger full
+    every 3): the store, the trainer, and the state each checkpoint saved."""
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage, seed=1, id_seed=1)
     m = tr.save("full")
     history = {m.id: snapshot(tr.shards)}
-    cfg = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
-    for _ in range(18):
+    for _ in range(steps):
         tr.train(rows=6)
         m = tr.save()
         history[m.id] = snapshot(tr.shards)
-        merge_all(storage, cfg)
-    return storage, history
+        merge_all(storage, MERGER_FOLLOWING)
+    return storage, tr, history
 
 
 @pytest.mark.parametrize("keep_merged_deltas", [True, False])
 def test_merger_checkpoints_restores_pick_are_retired_then_deleted(
-    tmp_path: Path, keep_merged_deltas: bool
+    tmp_path: Path, keep_merged_deltas: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Break-it finding: with a grace period, the merger fulls and merged deltas the rules
     delete but which are on the chain restores pick (a merger following the trainer leaves
@@ -631,7 +636,7 @@ def test_merger_checkpoints_restores_pick_are_retired_then_deleted(
     now retires them (uncommits them, so restores pick other chains; their files stay) and
     deletes their files a grace period later: everything the rules delete goes within two runs
     a grace period apart, and a restore chosen before the retirement reads its chain whole."""
-    storage, history = _merger_following(tmp_path)
+    storage, _, history = _merger_following(tmp_path)
     policy = RetentionPolicy(keep_merged_deltas=keep_merged_deltas)
     manifests = read_manifests(storage)
     doomed = plan_retention(manifests, policy).delete
@@ -642,8 +647,11 @@ def test_merger_checkpoints_restores_pick_are_retired_then_deleted(
     assert any(m.id in doomed for chain in readers.values() for m in chain)
     files = {s: chain_files(storage, ch) for s, ch in readers.items()}
     age_commits(storage, 86400)
-    first = collect_garbage(storage, policy)
+    with caplog.at_level(logging.INFO, logger="deck.ops.retention.gc"):
+        first = collect_garbage(storage, policy)
     assert first.retired and not first.deleted, (first.retired, first.deleted)
+    # (the one line `deck merge --gc` logs says so too)
+    assert f"retired {len(first.retired)} merger checkpoint(s)" in caplog.text
     assert {label for label, _ in first.retired} == {
         graph.nodes[c].folder for c in doomed if graph.nodes[c].merged
     }
@@ -683,7 +691,7 @@ def test_a_gc_stopped_while_retiring_loses_nothing_and_a_later_run_finishes(
     finish the work."""
     from deck import failpoints
 
-    storage, history = _merger_following(tmp_path)
+    storage, _, history = _merger_following(tmp_path)
     policy = RetentionPolicy()
     steps = build_graph(read_manifests(storage)).restorable_steps()
     age_commits(storage, 86400)
@@ -741,3 +749,52 @@ def test_a_retirement_waits_for_the_steps_the_grace_period_holds_that_need_it(
         age_commits(storage, 3601)
     assert sorted(read_manifests(storage)) == [12]
     assert check_all_restore(storage, history) == [12]
+
+
+def test_a_retired_merger_checkpoint_the_merger_builds_again_keeps_its_old_files(
+    tmp_path: Path,
+) -> None:
+    """Break-it finding: GC retired merger full F-21; the trainer rolled back to step 21 and
+    the merger following built F-21 again (the same inputs: the same id and folder) under new
+    attempt files; the next GC, minutes later, deleted the retired build's files as strays of
+    the committed folder (by their own old times), under restores that had chosen F-21 before.
+    They wait for the retirement's grace period, as the folder would have."""
+    storage, tr, history = _merger_following(tmp_path, steps=30)
+    age_commits(storage, 86400)
+    graph = build_graph(read_manifests(storage))
+    readers = {s: cheapest_chain(graph, s) for s in graph.restorable_steps()}
+    files = {s: chain_files(storage, c) for s, c in readers.items()}
+    report = collect_garbage(storage, RetentionPolicy())
+    assert "merged/F-000000000021" in {label[:21] for label, _ in report.retired}
+    age_commits(storage, 300)
+    tr.rollback(21)
+    for _ in range(4):
+        tr.train(rows=6)
+        m = tr.save()
+        history[m.id] = snapshot(tr.shards)
+        merge_all(storage, MERGER_FOLLOWING)
+    again = [
+        m
+        for m in read_manifests(storage).merged.values()
+        if m.folder.startswith("merged/F-000000000021")
+    ]
+    assert again and storage.exists(f"{again[0].folder}/gc-retired")  # built again, same folder
+    age_commits(storage, 300)
+    for whole in (True, False):
+        collect_garbage(storage, RetentionPolicy(), whole=whole)
+    for step, chain in readers.items():
+        missing = [k for k in files[step] if not storage.exists(k)]
+        assert not missing, (step, [m.folder for m in chain], missing[:3])
+        got, user = restore_state(storage, chain)
+        assert user == step and not same(got, history[chain[-1].id]), step
+    # Past the grace period the old build's files go (and the new build too, once the rules
+    # retire it in its turn)
+    parts = read_rank_manifests(storage, again[0])
+    new = {f"{again[0].folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
+    old = {k for c in files.values() for k in c if k.startswith(again[0].folder)}
+    old = {k for k in old if k.endswith(".chunk")} - new
+    for _ in range(3):
+        age_commits(storage, 3601)
+        collect_garbage(storage, RetentionPolicy(), whole=True)
+    assert old and not [k for k in old if storage.exists(k)]
+    assert check_all_restore(storage, history)

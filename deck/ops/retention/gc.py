@@ -296,14 +296,18 @@ def _collect(
     # every poll); a run with nothing to do is DEBUG.
     logger.log(
         logging.INFO
-        if report.deleted or report.orphans or report.kept or report.busy
+        if report.deleted or report.orphans or report.kept or report.busy or report.retired
         else logging.DEBUG,
-        "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB",
+        "deck gc at %s: %s %d checkpoint(s) and %d orphan folder(s), %.1f MiB%s",
         storage.uri,
         "would delete" if dry_run else "deleted",
         len(report.deleted),
         len(report.orphans),
         report.bytes / 2**20,
+        f"; retired {len(report.retired)} merger checkpoint(s) restores read lately (their "
+        f"files go, and no checkpoint is deleted, for the next {policy.grace_s:g} s)"
+        if report.retired
+        else "",
     )
     return report
 
@@ -662,17 +666,17 @@ class _Collector:
         m = self.manifests.merged.get(parsed[0])
         if m is not None and m.id in self.doomed:
             return  # deleted with its record by delete_checkpoints
+        marker = f"{prefix}/{GC_RETIRED}"
         if m is None:
             problem = self.manifests.damaged_merged.get(parsed[0])
             if problem is not None:  # cannot read is unknown: a person decides
                 self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
             elif f"{prefix}/{MANIFEST}" not in keys:
                 record = f"{prefix}/{MANIFEST}"
-                retired = f"{prefix}/{GC_RETIRED}" in keys
                 self._orphan(
                     prefix + "/",
                     keys,
-                    "retired by GC" if retired else "uncommitted merger folder",
+                    "retired by GC" if marker in keys else "uncommitted merger folder",
                     lambda: "committed during this run" if self.storage.exists(record) else None,
                     Hint(key=record, op="abandon", id=parsed[0]),
                 )
@@ -681,6 +685,14 @@ class _Collector:
         if refs is None:
             return
         stale = [k for k in keys if k not in refs]
+        if marker in keys and not _old_enough(
+            [self.times.get(marker)], self.policy.grace_s, self.now
+        ):
+            # Committed again since GC retired it (a rollback made the merger rebuild the id):
+            # the retired build's files are what restores begun before may be reading (a
+            # break-it finding deleted them as strays, by their own old times)
+            self.report.grace_held_orphans += bool(stale)
+            return
         if stale:
             why = "partition records / attempt files no record references"
             self._orphan_files(prefix, stale, why, m)
