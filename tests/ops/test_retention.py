@@ -418,8 +418,6 @@ def test_a_gc_stopped_part_way_leaves_every_committed_step_restorable(stop_after
     deltas whose parent it had deleted (it went oldest first), and `deck ls` / `verify --all`
     then reported broken steps, advising a new full. Newest first, what a stopped run leaves
     of what it meant to delete restores, every step of it bitwise; the next run finishes."""
-    from deck import failpoints
-
     storage = mem()
     tr = SynthTrainer(storage)
     history = {}
@@ -430,12 +428,7 @@ def test_a_gc_stopped_part_way_leaves_every_committed_step_restorable(stop_after
     cfg = MergeConfig(stride=2, full=FullPolicy(every=None, max_live_fraction=None))
     merge_all(storage, cfg)
     policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
-    failpoints.configure(f"gc.checkpoint.after_delete:{stop_after}:interrupt")
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            collect_garbage(storage, policy)
-    finally:
-        failpoints.configure(None)
+    _gc_interrupted_at(storage, policy, f"gc.checkpoint.after_delete:{stop_after}")
     graph = build_graph(read_manifests(storage))
     assert not graph.unrestorable(), graph.unrestorable()
     left = check_all_restore(storage, history)  # (bitwise, each step)
@@ -606,6 +599,18 @@ def test_a_restore_of_an_abandoned_step_survives_the_new_timeline_saving_it(
     assert any(label.startswith(chain[0].folder) for label in gone), gone
 
 
+def _gc_interrupted_at(storage: Storage, policy: RetentionPolicy, point: str) -> None:
+    """A GC run interrupted (as by a Ctrl-C) at failpoint ``point`` (``name:nth``)."""
+    from deck import failpoints
+
+    failpoints.configure(f"{point}:interrupt")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collect_garbage(storage, policy)
+    finally:
+        failpoints.configure(None)
+
+
 MERGER_FOLLOWING = MergeConfig(stride=2, full=FullPolicy(every=3, max_live_fraction=None))
 
 
@@ -689,18 +694,11 @@ def test_a_gc_stopped_while_retiring_loses_nothing_and_a_later_run_finishes(
     restores bitwise; runs within the grace period of the stopped one delete and retire
     nothing (its retirements' moments are unknown), and runs a grace period apart after it
     finish the work."""
-    from deck import failpoints
-
     storage, _, history = _merger_following(tmp_path)
     policy = RetentionPolicy()
     steps = build_graph(read_manifests(storage)).restorable_steps()
     age_commits(storage, 86400)
-    failpoints.configure(f"gc.retire.before_uncommit:{nth}:interrupt")
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            collect_garbage(storage, policy)
-    finally:
-        failpoints.configure(None)
+    _gc_interrupted_at(storage, policy, f"gc.retire.before_uncommit:{nth}")
     assert check_all_restore(storage, history) == steps
     held = collect_garbage(storage, policy)
     assert held.retire_wait_s is not None and not held.retired and not held.deleted
