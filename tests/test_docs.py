@@ -550,7 +550,7 @@ def _resolve(dotted: str) -> bool:
 
 # ``deck.``-prefixed names that are not Python names: Parquet and safetensors metadata keys
 # (docs/operations.md, docs/format.md).
-NOT_API = {"deck.dtype", "deck.tensor", "deck.state"}
+NOT_API = {"deck.dtype", "deck.tensor", "deck.state", "deck.data_xxh3"}
 
 
 def api_names(doc: Path) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "state.safetensors"
 SIDECAR = "state.json"
 RECORD_KEY = "deck.state"  # the state record in the data file's safetensors metadata
+# xxh3-64 of the tensors' bytes (by name, in name order), in the same metadata: a flipped byte
+# of the data is damage, and the output is rebuilt (a break-it finding served it)
+DATA_KEY = "deck.data_xxh3"
 
 
 @dataclass
@@ -375,6 +379,16 @@ class Follower:
         """Rebuild the held state from committed ``step`` (its cheapest chain: ``chain`` when
         the caller just chose it from the records), then write the output once (a full
         update)."""
+        try:
+            return self._materialise(step, chain)
+        except BaseException:
+            # (part of the held state replaced, a damaged dense file, a kill: back to the
+            # output's files, as apply does)
+            self.tensors, self.shards, self.state = {}, [], None
+            self._resume()
+            raise
+
+    def _materialise(self, step: int, chain: list[CheckpointManifest] | None) -> FollowUpdate:
         st = StepState(self.storage, step, self.allow_quantized, chain)
         self.encodings = {m.encoding for m in st.chain if m.encoding is not None}
         tensors: dict[str, torch.Tensor] = {}
@@ -474,6 +488,7 @@ class Follower:
         # state.json is a copy of that record for readers, rewritten on resume when a crash
         # came between the two renames.
         metadata[RECORD_KEY] = json.dumps(sidecar, separators=(",", ":"))
+        metadata[DATA_KEY] = tensors_digest(self.tensors)
         layout = [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
         head = preamble(metadata, layout)
         with atomic_file(os.path.join(self.out_dir, STATE_FILE)) as f:
@@ -537,6 +552,15 @@ def state_record(out_dir: str) -> dict[str, Any] | None:
     return None if found is None else found[0]
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """xxh3-64 of ``tensors``' bytes, name by name in name order (names included)."""
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
 def read_state(
     out_dir: str, tensors: bool = True
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
@@ -560,6 +584,8 @@ def read_state(
                     out[k] = f.get_tensor(k)
     except Exception as e:  # safetensors' own error types: a damaged or truncated file
         raise CorruptCheckpointError(f"{path}: unreadable: {e}") from e
+    if tensors and DATA_KEY in md and md[DATA_KEY] != tensors_digest(out):
+        raise CorruptCheckpointError(f"{path}: its tensors do not match their checksum")
     raw = md.get(RECORD_KEY)
     if raw is not None:
         meta = load_json(raw.encode(), path, "deck follow state record")

@@ -293,8 +293,21 @@ class PartitionReader:
         watermark (which never lies past the end, so this never waits for messages that do not
         exist). Not a bare :meth:`at_end`: on a loaded host the end event of a fetch made before
         the newest messages arrived can come after the caller cleared :attr:`eof`, and a live
-        source then passed the newest marker by for a poll (seen as a flaky test)."""
-        return self.end_confirmed() or self.position >= self.watermarks()[1]
+        source then passed the newest marker by for a poll (seen as a flaky test). The high
+        watermark is the larger of the broker's ListOffsets answer and the last fetch
+        response's (a break-it finding: Tansu's ListOffsets counts a batch as one message, and
+        `deck follow --once` of a topic a mirror wrote in batches stopped at its first step,
+        "up to date", once a copy of a marker was passed over)."""
+        return self.end_confirmed() or self.position >= max(
+            self.watermarks()[1], self._fetched_high()
+        )
+
+    def _fetched_high(self) -> int:
+        """The high watermark of the last fetch response (-1: none yet)."""
+        try:
+            return int(self.consumer.get_watermark_offsets(self._at(0), cached=True)[1])
+        except Exception:  # (no fetch answered yet: nothing cached)
+            return -1
 
     def resume_offset(self) -> int:
         return min([s.offset for s in self.ahead], default=self.position)
@@ -838,7 +851,11 @@ class KafkaFollower:
                 f"{marker.state_uri}, but run {self.run}'s state is at {self.state_uri}",
             )
             return None
-        manifest = self._manifest(marker)
+        try:
+            manifest = self._manifest(marker)
+        except CorruptCheckpointError as e:
+            self._damaged(marker, e)
+            return None
         if manifest is None:
             return None
         self._state_fixed = True
@@ -888,7 +905,11 @@ class KafkaFollower:
             self.stats.unproven.append(marker.step)
             return None
         t0 = time.perf_counter()
-        parts = read_rank_manifests(self.view, manifest)
+        try:
+            parts = read_rank_manifests(self.view, manifest)
+        except CorruptCheckpointError as e:
+            self._damaged(marker, e)
+            return None
         files = {f"{manifest.folder}/{c.path}" for p in parts for sh in p.shards for c in sh.chunks}
         try:
             for rank in range(manifest.world_size):
@@ -914,6 +935,9 @@ class KafkaFollower:
             self.stats.unproven.append(marker.step)
             self._lose(f"step {marker.step} ({marker.ckpt_id}) is not applied: {e}")
             return None
+        except CorruptCheckpointError as e:  # (the held state is back as it was: Follower)
+            self._damaged(marker, e)
+            return None
         finally:
             self.view.files.clear()
         update.seconds = time.perf_counter() - t0
@@ -937,6 +961,13 @@ class KafkaFollower:
         if self.full_every and self._since_full >= self.full_every:
             self.write_full()
         return update
+
+    def _damaged(self, marker: Marker, e: CorruptCheckpointError) -> None:
+        """Step ``marker`` is passed over: its records at the state URI are damaged. Skipped
+        like a step the loader cannot prove, until a full (a break-it finding: `--once` failed
+        at it on every run for good, a cron's loader serving the step before for ever)."""
+        self.stats.unproven.append(marker.step)
+        self._lose(f"step {marker.step} ({marker.ckpt_id}) cannot be applied: {e}")
 
     def _manifest(self, marker: Marker) -> CheckpointManifest | None:
         assert self.view is not None

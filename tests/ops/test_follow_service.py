@@ -294,3 +294,34 @@ def test_a_live_source_sees_steps_whose_log_entries_are_lost(
     assert plans and plans[-1].state == want, [p.state for p in plans]
     fresh = PublishSource(LocalStorage(tmp_path / "pub")).next_plans(None, frozenset())
     assert fresh[-1].state == want
+
+
+def test_a_flipped_byte_in_the_outputs_data_is_damage_and_the_output_is_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a flipped byte inside the tensor data of ``--out``'s
+    ``state.safetensors`` (not its header) went unseen: the follower resumed from it and served
+    it, "up to date". The data file carries a checksum of its tensors; a mismatch is damage and
+    the output is rebuilt from the checkpoints, bitwise as before."""
+    import torch
+
+    from deck.serve.follow import STATE_FILE, Follower
+    from deck.testing.kafka_stream import read_output
+
+    uri, out, _, _ = _following(tmp_path, 2)
+    before = read_output(str(out))
+    assert before is not None
+    want = {k: t.clone() for k, t in before[2].items()}  # (read_output maps the file)
+    path = out / STATE_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x10  # (a byte of the last tensor's data)
+    path.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="deck.serve.follow"):
+        update = Follower(LocalStorage(uri), str(out)).catch_up()
+    assert update.step == 2 and update.how == "full", update
+    assert any("do not match their checksum" in r.getMessage() for r in caplog.records)
+    after = read_output(str(out))
+    assert after is not None and after[:2] == before[:2]
+    assert after[2].keys() == want.keys()
+    for k, t in want.items():
+        assert torch.equal(after[2][k].view(torch.uint8), t.view(torch.uint8)), k

@@ -475,3 +475,63 @@ def test_a_quantized_stretch_is_skipped_by_once_as_by_the_service(
     allowed = str(tmp_path / "allowed")
     kf = _catch_up(topic, allowed, allow_quantized=True)
     assert kf.stats.applied == list(range(13)), kf.stats
+
+
+def test_a_topic_written_in_batches_with_copied_markers_is_read_to_its_end(
+    broker: TansuBroker, tmp_path: Path
+) -> None:
+    """A break-it finding: a topic a mirror wrote in batches, each marker delivered twice
+    (at-least-once): `deck follow --once` applied step 1, passed the copy of its marker over and
+    stopped, "up to date", on every run (Tansu's ListOffsets counts a batch as one message, and
+    the loader took that for the end). It reads to the topic's end and serves the newest step."""
+    topic = _topic(broker)
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    pub.publish("full")
+    newest = [pub.publish() for _ in range(3)][-1]
+    mirror = _topic(broker)
+    create_topic(mirror, 3)
+    for p in (1, 2):
+        produce_batch(mirror, p, read_partition(topic, p))
+    markers = read_partition(topic, 0)
+    produce_batch(mirror, 0, [m for m in markers for _ in range(2)])  # one batch, each twice
+    out = str(tmp_path / "out")
+    kf = _catch_up(mirror, out)
+    assert kf.stats.applied == [1, 2, 3, newest], kf.stats
+    _serves(out, pub, newest)
+    pub.close()
+
+
+def test_damaged_files_of_a_step_at_the_state_uri_are_passed_over_until_a_full(
+    broker: TansuBroker, tmp_path: Path
+) -> None:
+    """A break-it finding: a flipped byte in a delta's commit record at the state URI (or a
+    rank part missing, or a damaged dense file) made `deck follow --once` fail at that step on
+    every run, for good, though fulls came after it (the service went on). The step is passed
+    over like one the loader cannot prove (ERROR), the deltas on it too, and the next full
+    moves it on; what it held stays as it was meanwhile."""
+    topic = _topic(broker)
+    state = tmp_path / "state"
+    pub = SynthPublisher(topic, str(state))
+    pub.publish("full")
+    pub.publish()
+    pub.publish()
+    full = pub.publish("full")
+    newest = pub.publish()
+    record = state / "step-000000000002" / "manifest.json"
+    raw = bytearray(record.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    record.write_bytes(bytes(raw))
+    dense = next(state.glob("step-000000000005/*/rank-00000/dense.safetensors"))
+    raw = bytearray(dense.read_bytes())
+    raw[-3] ^= 1
+    dense.write_bytes(bytes(raw))
+    out = str(tmp_path / "out")
+    for _ in range(2):  # (again: nothing new, nothing failed)
+        kf = _catch_up(topic, out)
+        _serves(out, pub, full)
+    assert newest == 5
+    later = pub.publish("full")
+    kf = _catch_up(topic, out)
+    assert kf.stats.applied == [later], kf.stats
+    _serves(out, pub, later)
+    pub.close()
