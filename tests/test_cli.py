@@ -787,3 +787,15 @@ def test_ctrl_c_is_one_line_and_exit_130(
     monkeypatch.setattr(deck.cli.maintain, "cmd_gc", interrupted)
     assert main(["gc", str(ckpt), "--dry-run"]) == 130
     assert capsys.readouterr().err == "deck gc: interrupted\n"
+
+
+def test_follow_kafka_with_a_state_uri_that_is_not_there_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator's break-it run: `deck follow kafka://... --state-uri <typo>` exited 0 with
+    "nothing to serve yet" and a WARNING per marker. A state URI that does not exist is an
+    error naming it (exit 2), before any broker is asked."""
+    missing = tmp_path / "does-not-exist"
+    argv = ["follow", "kafka://127.0.0.1:9/t", "--out", str(tmp_path / "out"), "--once"]
+    assert main([*argv, "--state-uri", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err

@@ -186,6 +186,10 @@ def cmd_follow_kafka(a: argparse.Namespace) -> int:
 
     # What it started from (a loader full, the run it serves) is worth a line in a service's log
     logging.getLogger("deck.serve.kafka_follow").setLevel(logging.INFO)
+    if a.state_uri is not None:
+        # A --state-uri that is not there is a typo: said as such (exit 2), not "nothing to
+        # serve yet" with a WARNING per marker (an operator's break-it run)
+        open_existing(a.state_uri, a.storage_options)
     try:
         kf = follow_kafka(
             a.uri,
