@@ -16,6 +16,7 @@ from deck.adapters.torchrec_compat import (
     warmup_state,
     wrapped_optimizer,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torchrec.optim.clipping import GradientClippingOptimizer
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
 from torchrec.optim.warmup import WarmupOptimizer
@@ -124,6 +125,15 @@ def check_dense_leaf(name: str, leaf: Any) -> None:
     table's rows)."""
     if not hasattr(leaf, "state_dict") or not hasattr(leaf, "load_state_dict"):
         raise UnsupportedError(f"optimizer {name!r}: {type(leaf).__name__} has no state_dict()")
+    if isinstance(leaf, ZeroRedundancyOptimizer):
+        # (a break-it finding: accepted, then every checkpoint failed, first blaming a gradient
+        # no step had applied: each rank steps its share of the parameters only)
+        raise UnsupportedError(
+            f"optimizer {name!r}: ZeroRedundancyOptimizer keeps each rank's share of the state "
+            "on that rank (its state_dict() needs consolidate_state_dict() on every rank "
+            "first), which deck does not save: give deck the optimizer it wraps on every rank "
+            "(the dense parameters are small next to the tables)"
+        )
     params = getattr(leaf, "params", None)
     named = (
         list(params.items())

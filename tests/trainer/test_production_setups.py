@@ -212,6 +212,7 @@ def _recipes(rank: int, world_size: int, root: str) -> None:
 def _refusals(uri: str) -> None:
     """What deck cannot save is refused at enable, naming the optimizer and why."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     class Stateful(OptimizerWrapper):  # keeps state deck does not know about
         pass
@@ -225,6 +226,14 @@ def _refusals(uri: str) -> None:
     )
     with pytest.raises(UnsupportedError, match="parameter of a sharded table"):
         deck.enable(model, [over_tables], config)
+    # (a break-it finding: accepted, then every checkpoint failed blaming a gradient no step had
+    # applied)
+    zero = torch.distributed.optim.ZeroRedundancyOptimizer(
+        [p for _, p in in_backward_optimizer_filter(model.named_parameters())],
+        optimizer_class=torch.optim.Adam,
+    )
+    with pytest.raises(UnsupportedError, match="ZeroRedundancyOptimizer keeps each rank's share"):
+        deck.enable(model, [zero], config)
     # Nothing was left installed: a later enable on the same model works.
     deck.enable(model, [opt], config).close()
     grid, grid_opt, _ = _build(3, "steplr", False, grid=True)
