@@ -289,9 +289,10 @@ class StagingConfig(Settings):
         "off the CPU and quantised states are copied in the stall. Your own writes to "
         "embedding rows outside a step's lookup (a max-norm clamp, re-initialised rows) must "
         "wait for the copy (flush() or wait_for(step)) or use off: until then they reach the "
-        "checkpoint just taken. Such writes are not tracked either: take a full checkpoint "
-        "after them (save('full')), else a delta restores the rows they changed that no "
-        "lookup touched since as they were before.",
+        "checkpoint just taken. Such writes are not tracked either: name them with "
+        "mark_rows(table, ids), or take a full checkpoint after them (save('full')), else a "
+        "delta restores the rows they changed that no lookup touched since as they were "
+        "before.",
     )
 
     mode: Literal["threads", "process"] = Field(

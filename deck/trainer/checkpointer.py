@@ -516,6 +516,32 @@ class DeltaCheckpointer:
                 "to go on checkpointing"
             )
 
+    def mark_rows(self, table: str, rows: torch.Tensor | list[int]) -> int:
+        """Record that rows ``rows`` (global row ids) of embedding table ``table`` (its
+        weight's ``model.state_dict()`` key) were changed outside a step's lookup -- a max-norm
+        clamp, re-initialised rows --, so that the next checkpoints of each chain hold them:
+        deltas hold only what lookups touched. Local, not collective: each rank records the
+        rows its shards of the table hold and returns how many (call it on every rank with
+        the ids it changed, or on all with the same ids). With copy-on-write, write the rows
+        once the checkpoint before is copied (``flush()`` or ``wait_for(step)``). An unknown
+        table or an id outside it is a :class:`ConfigError`."""
+        self._check_open("mark_rows")
+        shapes = self.adapter.table_shapes()
+        if table not in shapes:
+            raise ConfigError(f"mark_rows: no embedding table {table!r}; tables: {sorted(shapes)}")
+        ids = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()
+        size = shapes[table][0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            raise ConfigError(f"mark_rows: row ids of {table!r} are 0..{size - 1}")
+        marked = 0
+        # (every shard of it here: row ranges, and column shards holding the same rows)
+        for s in (s for s in self.adapter.table_shards() if s.table == table):
+            mine = ids[(ids >= s.row_offset) & (ids < s.row_offset + s.rows)]
+            if mine.numel():
+                self.tracker.record(mine - s.row_offset + s.track_base)
+                marked += int(mine.numel())
+        return marked
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every staged checkpoint is committed (or failed), on every rank: when it
         returns, ``list_checkpoints`` shows them from any rank. Collective: call it on all ranks.

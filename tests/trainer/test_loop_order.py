@@ -196,3 +196,43 @@ def test_training_in_eval_mode_or_under_pause_is_tracked(tmp_path: Path) -> None
     """The fused optimizer updates rows in any mode: a lookup a backward follows is tracked in
     eval mode and under pause() too. Before: those steps' rows were missing from the deltas."""
     run_ranks(_untracked_modes, str(tmp_path), world_size=2)
+
+
+def _rows_written_outside_a_lookup(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=2, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    key = next(k for k in model.state_dict() if k.endswith(".weight") and "t0" in k)
+    with deck.enable(model, [opt], config, state=user) as ckpt:
+        for step in range(0, 5):
+            if step:
+                train_step(model, opt, SPEC, step)
+            user.step = step
+            if step == 3:
+                assert ckpt.flush()
+                # A max-norm clamp of some rows, outside any lookup: every 7th row halved
+                ids = torch.arange(0, SPEC.rows, 7)
+                with torch.no_grad():
+                    for shard in model.state_dict()[key].local_shards():
+                        first = shard.metadata.shard_offsets[0]
+                        mine = ids[(ids >= first) & (ids < first + shard.tensor.shape[0])]
+                        shard.tensor[mine - first] *= 0.5
+                marked = ckpt.mark_rows(key, ids)
+                held = sum(s.tensor.shape[0] for s in model.state_dict()[key].local_shards())
+                assert marked == (len(ids) if held else 0), (marked, held)
+                with pytest.raises(ConfigError, match="no embedding table 'nope'"):
+                    ckpt.mark_rows("nope", [0])
+                with pytest.raises(ConfigError, match="row ids of"):
+                    ckpt.mark_rows(key, [SPEC.rows])
+            live[step] = capture_state(model, opt, user, full=True)
+            ckpt.step(step)
+        assert ckpt.flush()
+    _restores_bitwise(config, live, (4,))
+
+
+def test_rows_written_outside_a_lookup_and_marked_restore_bitwise(tmp_path: Path) -> None:
+    """A break-it finding: rows a user changes outside a step's lookup (a max-norm clamp) are
+    not tracked, so a delta restored them as they were before, silently. ``mark_rows`` records
+    them: the next delta holds them and a restore of it is bitwise the live state."""
+    run_ranks(_rows_written_outside_a_lookup, str(tmp_path))
