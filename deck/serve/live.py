@@ -448,9 +448,7 @@ class LiveModel:
             f"the kept version of step {kept[0]} (checkpoint {kept[1]}) is of an abandoned "
             f"timeline: the trainer saved step {kept[0]} again (checkpoint {now})"
         )
-        logger.info(
-            "deck live: %s: %s; rebuilding it from %s", self.source.uri, why, self.source.uri
-        )
+        logger.info("deck live: %s: %s; rebuilding it from storage", self.source.uri, why)
         return why
 
     def _from_kept(self, first: int) -> PreparedVersion:

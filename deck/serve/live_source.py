@@ -91,7 +91,8 @@ class PlannedEpochs:
 def saved_at(storage: Storage, step: int) -> str | None:
     """The id of the trainer checkpoint committed at ``step`` now, by its commit record (None:
     none is, or its record is damaged: nothing to tell). A read error is raised."""
-    return getattr(read_manifests(storage, [f"{step_dir(step)}/{MANIFEST}"]).get(step), "id", None)
+    m = read_manifests(storage, [f"{step_dir(step)}/{MANIFEST}"]).get(step)
+    return None if m is None else m.id
 
 
 class LiveSource(Protocol):

@@ -180,6 +180,7 @@ class DeltaCheckpointer:
             starts=[s.track_base for s in shards],
         )
         self._paused = 0
+        self._table_shapes: dict[str, tuple[int, int]] | None = None  # (for mark_rows)
         self._hooks = self.adapter.install_tracking(self.tracker, shards, self._active)
         return shards
 
@@ -526,7 +527,9 @@ class DeltaCheckpointer:
         once the checkpoint before is copied (``flush()`` or ``wait_for(step)``). An unknown
         table or an id outside it is a :class:`ConfigError`."""
         self._check_open("mark_rows")
-        shapes = self.adapter.table_shapes()
+        if self._table_shapes is None:  # (a state_dict of the model: once, not per call)
+            self._table_shapes = self.adapter.table_shapes()
+        shapes = self._table_shapes
         if table not in shapes:
             raise ConfigError(f"mark_rows: no embedding table {table!r}; tables: {sorted(shapes)}")
         ids = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()

@@ -217,7 +217,8 @@ GC_DELETING = "gc-deleting"
 # for ever) is *retired*: this marker goes into its folder, then its record (readers pick other
 # chains from then on); its files go as an orphan's once the marker is older than the grace
 # period. The lineage a run replays lacks what was retired, so the moments before a retirement
-# are not replayed as they were: while RETIRE_MARK (put before and after each retirement) is
+# are not replayed as they were: while RETIRE_MARK (put before a run's first retirement and
+# after each) is
 # younger than the grace period, no run deletes or retires a checkpoint.
 GC_RETIRED = "gc-retired"
 RETIRE_MARK = f"{CLOCK_DIR}/{GC_RETIRED}"
@@ -596,7 +597,8 @@ class _Collector:
         if not self.dry_run:
             try:
                 self.storage.put(f"{n.folder}/{GC_RETIRED}", _RETIRED_NOTE)
-                self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
+                if not self.report.retired:  # (later ones: the last one's put is as recent)
+                    self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
                 failpoint("gc.retire.before_uncommit")
                 self.storage.delete(f"{n.folder}/{MANIFEST}")
                 failpoint("gc.checkpoint.after_uncommit")
@@ -604,6 +606,7 @@ class _Collector:
                 self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
             except DeckError as e:
                 self.report.errors.append(f"{n.folder}: {e}")
+                return
         self.report.retired.append(
             (
                 self._label(n.id),
@@ -620,8 +623,8 @@ class _Collector:
             if prefix.startswith(f"{MERGED_ROOT}/"):
                 parsed = parse_merged_dir(prefix.partition("/")[2])
                 record = f"{prefix}/{MANIFEST}"
-                # (a folder GC retired is no commit begun)
-                if parsed is not None and not {record, f"{prefix}/{GC_RETIRED}"} & set(keys):
+                retired = f"{prefix}/{GC_RETIRED}" in keys  # (no commit begun)
+                if parsed is not None and record not in keys and not retired:
                     hints.append(Hint(key=record, op="commit", id=parsed[0]))
             elif (step := parse_step_dir(prefix)) is not None:
                 m = self.manifests.get(step)

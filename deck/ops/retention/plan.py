@@ -559,9 +559,9 @@ def abandoned_in_period(
         # of the older steps still committed
         below = {t.step for n in held if n.start and (t := graph.trainer_at(n.start))}
         below |= {n.step for n in older if not n.merged and n.step >= step}
-        for s in below:
-            with contextlib.suppress(CheckpointNotFoundError):
-                out.update(m.id for m in graph.chain(s))
+        walked: set[PathLink] = set()
+        for way in graph.chain_ways(sorted(below), frozenset()).values():
+            keep_chain(way, out, walked)
     return out
 
 
