@@ -30,7 +30,7 @@ from deck.adapters.torchrec_compat import (
     tbe_reset_step_cache,
 )
 from deck.adapters.torchrec_grads import GradientWatch
-from deck.adapters.torchrec_hooks import chain_hooks, lookup_forward_hooks
+from deck.adapters.torchrec_hooks import chain_hooks, load_hooks, lookup_forward_hooks
 from deck.adapters.torchrec_mc import ManagedCollision, module_state, prepare_restore
 from deck.adapters.torchrec_optim import (
     algorithm_class,
@@ -460,6 +460,9 @@ class TorchRecAdapter(ModelAdapter):
             mc = self._mc.get(path)
             install = chain_hooks if mc is None else lookup_forward_hooks
             hooks.append(install(module, called_lookups(module), key_plans, store, is_active))
+            tables = {tkey for (mpath, _), tkey in by_name.items() if mpath == path}
+            spans = [(s.track_base, s.track_base + s.rows) for s in shards if s.table in tables]
+            hooks.append(load_hooks(module, spans, store))
             if mc is not None:
                 # Row-wise: this rank holds one shard of each table (or none).
                 table_bases = {
@@ -472,7 +475,7 @@ class TorchRecAdapter(ModelAdapter):
                 hooks.append(mc.track_evictions(store, table_bases))
         logger.debug(
             "deck tracking installed on %d sharded module(s), %d rows",
-            len(hooks),
+            len(self.sharded_modules()),
             sum(s.rows for s in shards),
         )
 

@@ -154,3 +154,43 @@ def lookup_forward_hooks(
             h.remove()
 
     return RemovableHandle(remove)
+
+
+LOAD_ROWS_PER_CALL = 1 << 22
+"""Rows handed to the tracker per call when a load marks a whole shard (bounded temporaries on
+shards of billions of rows)."""
+
+
+def load_hooks(
+    module: nn.Module, spans: list[tuple[int, int]], store: RowRecorder
+) -> RemovableHandle:
+    """Track what ``module.load_state_dict`` writes: rows no lookup touched, which a delta would
+    otherwise restore as they were (a warm start or a repair mid-run). Before the load, every
+    copy-on-write snapshot copies its pending rows of ``module`` (the checkpoint just taken keeps
+    its step's values); after it, every row of ``spans`` (tracker positions ``[start, stop)`` of
+    the module's shards on this rank) is recorded, so the next checkpoint of each chain holds
+    them. DMP's ``load_state_dict`` calls a sharded module's own, so both hooks run."""
+
+    def each(fn: Callable[[torch.Tensor], object]) -> None:
+        for start, stop in spans:
+            for lo in range(start, stop, LOAD_ROWS_PER_CALL):
+                fn(torch.arange(lo, min(lo + LOAD_ROWS_PER_CALL, stop), dtype=torch.int64))
+
+    def before(*_: object) -> None:
+        if store.guarding:
+            each(store.guard)
+
+    def after(*_: object) -> None:
+        each(store.record)
+        store.compact()
+
+    handles = [
+        module.register_load_state_dict_pre_hook(before),
+        module.register_load_state_dict_post_hook(after),
+    ]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return RemovableHandle(remove)

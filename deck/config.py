@@ -292,7 +292,8 @@ class StagingConfig(Settings):
         "checkpoint just taken. Such writes are not tracked either: name them with "
         "mark_rows(table, ids), or take a full checkpoint after them (save('full')), else a "
         "delta restores the rows they changed that no lookup touched since as they were "
-        "before.",
+        "before. (model.load_state_dict of sharded tables is handled: it waits for the copy "
+        "of their rows and its rows go into the next delta.)",
     )
 
     mode: Literal["threads", "process"] = Field(

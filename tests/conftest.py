@@ -6,13 +6,23 @@ packages (format/, read/, trainer/, merge/, ops/, storage/, kernels/, adapters/)
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from deck.at_exit import still_open
+from deck.testing.dist_harness import WATCHDOG_ENV
 from deck.testing.s3_server import SeaweedS3
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Spawned ranks give up a minute before pytest's per-test timeout, printing their stacks:
+    a hang in a rank then fails naming the line it waits on."""
+    limit = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    if limit > 0:
+        os.environ.setdefault(WATCHDOG_ENV, str(max(limit - 60, limit / 2)))
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,19 @@ import torch.multiprocessing as mp
 
 from deck.processes import end_rank, init_process_group, rendezvous
 
+WATCHDOG_ENV = "DECK_RANK_WATCHDOG_S"
+"""Seconds after which a spawned rank dumps its threads' stacks and exits (unset or 0: never)."""
+
 
 def _entry(
     rank: int, world_size: int, where: str, fn: Callable[..., None], args: tuple[Any, ...]
 ) -> None:
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
+    watchdog = float(os.environ.get(WATCHDOG_ENV, "0"))
+    if watchdog > 0:
+        # A hung rank prints every thread's stack and exits, so the test fails saying where
+        # it stopped instead of pytest's timeout showing only the parent waiting in spawn.
+        faulthandler.dump_traceback_later(watchdog, exit=True)
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -236,3 +236,42 @@ def test_rows_written_outside_a_lookup_and_marked_restore_bitwise(tmp_path: Path
     not tracked, so a delta restored them as they were before, silently. ``mark_rows`` records
     them: the next delta holds them and a restore of it is bitwise the live state."""
     run_ranks(_rows_written_outside_a_lookup, str(tmp_path))
+
+
+def _loaded_mid_run(rank: int, world_size: int, root: str) -> None:
+    spec = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="column_wise")
+    config = deck.DeckConfig(uri=f"{root}/ck", delta_every_steps=2, lease_ttl_s=None)
+    model, opt = build_model(spec)
+    other, other_opt = build_model(spec, seed=5)
+    for step in (1, 2):  # (its optimizer holds state too)
+        train_step(other, other_opt, spec, 100 + step)
+    user = TrainState()
+    live = {}
+    with deck.enable(model, [opt], config, state=user) as ckpt:
+        for step in range(0, 7):
+            if step:
+                train_step(model, opt, spec, step)
+            user.step = step
+            live[step] = capture_state(model, opt, user, full=True)
+            ckpt.step(step)
+            if step == 2:
+                # A warm start mid-run, right after a delta whose rows may still be copied
+                model.load_state_dict(other.state_dict())
+                opt.load_state_dict(other_opt.state_dict())
+        assert [h.kind for h in ckpt.history] == ["full", "delta", "delta", "delta"]
+        assert ckpt.flush()
+    for step in (2, 4, 6):
+        restored, ropt = build_model(spec, seed=9)
+        ruser = TrainState()
+        with deck.enable(restored, [ropt], config, state=ruser) as again:
+            assert again.restore(step) == step
+            bad = diff_states(live[step], capture_state(restored, ropt, ruser, full=True))
+        assert not bad, (step, bad[:5])
+
+
+def test_a_load_state_dict_mid_run_reaches_the_next_delta(tmp_path: Path) -> None:
+    """A break-it finding: ``model.load_state_dict`` of sharded tables mid-run (a warm start)
+    writes rows no lookup touched, so the next delta restored them as they were before,
+    silently. Its rows are tracked now (and the checkpoint just taken keeps its own values):
+    every checkpoint before and after the load restores bitwise."""
+    run_ranks(_loaded_mid_run, str(tmp_path))
