@@ -27,6 +27,7 @@ from deck.adapters.torchrec_compat import (
     fused_optimizer_tbe,
     lookup_callers,
     lookups,
+    tbe_optimizer_name,
     tbe_reset_step_cache,
 )
 from deck.adapters.torchrec_grads import GradientWatch
@@ -398,6 +399,29 @@ class TorchRecAdapter(ModelAdapter):
                 saved["kernel"] = tbe_kernel_hyperparameters(tbe)
             out.update(dict.fromkeys(keys, saved))
         return out
+
+    def check_fused_optimizers(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+        def rules(values: Any) -> set[str]:
+            return {v["kernel"]["optimizer"] for v in values if "optimizer" in v.get("kernel", {})}
+
+        every = rules(saved.values())  # (none in checkpoints of a deck before it saved them)
+        for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
+            tbe = fused_optimizer_tbe(leaf)
+            if tbe is None:
+                continue
+            # A table the saving rank did not hold (another plan or world size): the rule every
+            # saved table ran, if they agree
+            found = rules(saved[k] for k in keys if k in saved) or (
+                every if len(every) == 1 else set()
+            )
+            live = tbe_optimizer_name(tbe)
+            if found - {live}:
+                raise IncompatibleModelError(
+                    f"{where}: tables {sorted(keys)[:4]} were saved with the fused optimizer "
+                    f"{'/'.join(sorted(found))} and this model's kernel runs {live}: their saved "
+                    "optimizer state would be read by another update rule. Build the tables with "
+                    "the optimizer the job saved with (fused_params / the sharder's optimizer)"
+                )
 
     def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
         if not saved:  # written before deck saved them

@@ -372,7 +372,14 @@ def tbe_kernel_arguments(tbe: Any) -> dict[str, Any]:
     out: dict[str, Any] = dict(args._asdict()) if args is not None else {}
     if hasattr(tbe, "gwd_lower_bound"):
         out["gwd_lower_bound"] = tbe.gwd_lower_bound
+    if tbe_emainplace_mode(tbe):  # (EMAINPLACE_ROWWISE_ADAGRAD's EMA schedule)
+        out["emainplace_mode"] = tbe_emainplace_mode(tbe)
     return out
+
+
+def tbe_optimizer_name(tbe: Any) -> str:
+    """The update rule ``tbe``'s backward kernel runs: fbgemm's ``EmbOptimType`` name."""
+    return str(_get(tbe, "optimizer").name)
 
 
 def set_tbe_kernel_arguments(tbe: Any, values: dict[str, Any]) -> None:
@@ -380,6 +387,10 @@ def set_tbe_kernel_arguments(tbe: Any, values: dict[str, Any]) -> None:
     values = dict(values)
     if "gwd_lower_bound" in values:
         _set(tbe, "gwd_lower_bound", values.pop("gwd_lower_bound"))
+    if "emainplace_mode" in values:
+        _set(
+            tbe, "_emainplace_mode", {k: float(v) for k, v in values.pop("emainplace_mode").items()}
+        )
     if values:
         tbe.optimizer_args = _get(tbe, "optimizer_args")._replace(**values)
 

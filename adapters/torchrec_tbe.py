@@ -17,6 +17,7 @@ from deck.adapters.torchrec_compat import (
     tbe_counter_weight_decay,
     tbe_emainplace_mode,
     tbe_kernel_arguments,
+    tbe_optimizer_name,
     tbe_split_buffer,
 )
 
@@ -154,7 +155,11 @@ def tbe_kernel_hyperparameters(tbe: Any) -> dict[str, Any]:
     the next of those calls) and every ``optimizer_args`` field (eps, betas, weight decay, ...)
     but the layout's."""
     args = {k: v for k, v in tbe_kernel_arguments(tbe).items() if k not in _LAYOUT_ARGUMENTS}
-    return {"learning_rate": float(tbe.get_learning_rate()), "optimizer_args": args}
+    return {
+        "optimizer": tbe_optimizer_name(tbe),
+        "learning_rate": float(tbe.get_learning_rate()),
+        "optimizer_args": args,
+    }
 
 
 def load_tbe_kernel_hyperparameters(tbe: Any, saved: dict[str, Any], what: str) -> None:

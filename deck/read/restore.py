@@ -7,8 +7,9 @@ its optimizers is the trainer's (:mod:`deck.trainer.fitting`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from deck.model import TableShard
 from deck.read.catalog import checkpoint_label, read_rank_manifests
 from deck.storage import Storage
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RestoreStats:
@@ -45,6 +48,9 @@ class RestoreStats:
     resharded: bool = False
     # restore(allow_fallback=True) had to skip damaged checkpoints or steps: what and why.
     fallback: str | None = None
+    # Per-row states joined from column shards whose values differ ("table state": most rows
+    # of one checkpoint): the column-weighted mean, an approximation.
+    approximated: dict[str, int] = field(default_factory=dict)
 
 
 def span(a0: int, an: int, b0: int, bn: int) -> tuple[int, int]:
@@ -124,26 +130,54 @@ class _Joins:
     :meth:`finish` writes the weighted mean once a checkpoint's records are all read. The sums are
     float64, so equal values average to exactly that value (``v * a + v * b`` and its division by
     ``a + b`` are exact for float32 / bfloat16 / float16 values and column counts below 2**29).
+    Rows whose saved values disagree get an approximation, counted in the restore's stats.
     """
 
     def __init__(self) -> None:
-        self._acc: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._acc: dict[int, _Join] = {}
 
-    def add(self, view: torch.Tensor, local: torch.Tensor, src: torch.Tensor, cols: int) -> None:
+    def add(
+        self, view: torch.Tensor, local: torch.Tensor, src: torch.Tensor, cols: int, what: str
+    ) -> None:
         if id(view) not in self._acc:
-            zeros = torch.zeros(view.shape[0], dtype=torch.float64)
-            self._acc[id(view)] = (view, zeros, zeros.clone())
-        _, total, weight = self._acc[id(view)]
-        total.index_add_(0, local, src.to(torch.float64) * cols)
-        weight.index_add_(0, local, torch.full((local.numel(),), float(cols), dtype=torch.float64))
+            self._acc[id(view)] = _Join(view, what)
+        join = self._acc[id(view)]
+        values = src.to(torch.float64)
+        join.total.index_add_(0, local, values * cols)
+        join.weight.index_add_(
+            0, local, torch.full((local.numel(),), float(cols), dtype=torch.float64)
+        )
+        seen = join.first.index_select(0, local)
+        fresh = torch.isnan(seen)
+        join.first.index_copy_(0, local[fresh], values[fresh])
+        join.differs.index_fill_(0, local[~fresh][values[~fresh] != seen[~fresh]], True)
 
-    def finish(self) -> None:
+    def finish(self, stats: RestoreStats) -> None:
+        """Write the means; the states whose saved values differed go into ``stats``."""
         with torch.no_grad():
-            for view, total, weight in self._acc.values():
-                rows = torch.nonzero(weight > 0).view(-1)
-                mean = total.index_select(0, rows) / weight.index_select(0, rows)
-                view.index_copy_(0, rows, mean.to(view.dtype))
+            for join in self._acc.values():
+                rows = torch.nonzero(join.weight > 0).view(-1)
+                mean = join.total.index_select(0, rows) / join.weight.index_select(0, rows)
+                join.view.index_copy_(0, rows, mean.to(join.view.dtype))
+                n = int(join.differs.sum())
+                if n:
+                    stats.approximated[join.what] = max(n, stats.approximated.get(join.what, 0))
         self._acc.clear()
+
+
+@dataclass
+class _Join:
+    """One target state's sums (float64), and which rows' saved values differ."""
+
+    view: torch.Tensor
+    what: str
+
+    def __post_init__(self) -> None:
+        n = self.view.shape[0]
+        self.total = torch.zeros(n, dtype=torch.float64)
+        self.weight = torch.zeros(n, dtype=torch.float64)
+        self.first = torch.full((n,), float("nan"), dtype=torch.float64)
+        self.differs = torch.zeros(n, dtype=torch.bool)
 
 
 def apply_chain(
@@ -220,6 +254,15 @@ def apply_chain(
         )
         if first_full:
             _check_covered(storage, m, shards, covered)
+    if stats.approximated:
+        logger.warning(
+            "deck: restoring %s into another column split joined per-row optimizer state from "
+            "column shards whose saved values differ: %s hold their column-weighted mean, an "
+            "approximation (docs/format.md, 'Restoring into another layout'); restore with the "
+            "writer's column sharding to get them bitwise",
+            checkpoint_label(chain[-1]),
+            ", ".join(f"{k} ({n} rows)" for k, n in sorted(stats.approximated.items())),
+        )
     return stats, parts
 
 
@@ -277,7 +320,7 @@ def _apply_checkpoint(
                 c0, c1 = span(rec.col_offset, rec.cols, t.col_offset, t.cols)
                 covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
                 stats.resharded |= not _same_extent(rec, t)
-    joins.finish()
+    joins.finish(stats)
     return covered
 
 
@@ -434,7 +477,7 @@ def _copy_state(
         if c0 == shard.col_offset and c1 == shard.col_offset + shard.cols:
             view.index_copy_(0, local, src)
         else:
-            joins.add(view, local, src, c1 - c0)
+            joins.add(view, local, src, c1 - c0, f"{rec.table} {name}")
     else:
         raise IncompatibleModelError(
             f"{where}: state {name} (rows of {tuple(src.shape[1:])}) cannot move from columns "

@@ -343,6 +343,7 @@ class StateLoader:
         put_module_state = self.adapter.prepare_module_state(
             extra.get("modules") or {}, len(last_parts), where
         )
+        self.adapter.check_fused_optimizers(extra.get("fused_hyperparameters", {}), where)
         # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
         stats, parts = apply_chain(
             self.storage,
@@ -382,6 +383,16 @@ class StateLoader:
             if "user" not in extra:
                 raise CorruptCheckpointError(f"{where}: {mine.extra.path} holds no user state")
             self.set_user_state(extra["user"])
+            if len(parts) != self.coord.world_size and self.coord.rank == 0:
+                # (a break-it finding: a per-rank data cursor read the same data on two ranks)
+                logger.warning(
+                    "deck: %s was saved by %d ranks, this job has %d: each rank's user state is "
+                    "the saved rank's of its number, or rank 0's where there is none; state that "
+                    "differs per rank (a data loader's position) needs remapping by your code",
+                    where,
+                    len(parts),
+                    self.coord.world_size,
+                )
         self._load_rng(extra, parts, where)
         logger.log(  # one line per restore: rank 0's (the others at DEBUG)
             logging.INFO if self.coord.rank == 0 else logging.DEBUG,

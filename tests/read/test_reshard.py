@@ -8,6 +8,7 @@ other column / row layouts; the slow ones train real 2-rank TorchRec DMP models 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from pathlib import Path
@@ -162,9 +163,12 @@ TARGETS = {
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_columns_move_between_layouts(tmp_path: Path, target: str) -> None:
+def test_columns_move_between_layouts(
+    tmp_path: Path, target: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A column-wise full + delta applies into other column / row splits: weights and
-    per-element states bitwise, per-row states by the split / join rule."""
+    per-element states bitwise, per-row states by the split / join rule. A join of differing
+    values (an approximation) is logged, naming the state (a break-it finding: it was not)."""
     g = torch.Generator().manual_seed(1)
     full = {
         "weight": torch.randn(ROWS, COLS, generator=g),
@@ -189,8 +193,14 @@ def test_columns_move_between_layouts(tmp_path: Path, target: str) -> None:
 
     shards = _empty(TARGETS[target])
     chain = chain_for(read_manifests(storage), 1)
-    stats, _ = apply_chain(storage, chain, shards, {TABLE: (ROWS, COLS)})
+    with caplog.at_level(logging.WARNING, logger="deck.read.restore"):
+        stats, _ = apply_chain(storage, chain, shards, {TABLE: (ROWS, COLS)})
     assert stats.resharded == (target != "same")
+    joined = [r.getMessage() for r in caplog.records if "joined per-row" in r.getMessage()]
+    if target == "same":
+        assert not joined
+    else:  # every row's two saved values differ (random): one line for the chain
+        assert len(joined) == 1 and f"{TABLE} momentum1 (40 rows)" in joined[0], joined
     momentum = {
         (c0, n): _col_mean(full["momentum1"], SAVED_COLS, c0, n)
         for (_, _, c0, n) in TARGETS[target]
@@ -198,7 +208,7 @@ def test_columns_move_between_layouts(tmp_path: Path, target: str) -> None:
     _check(shards, full["weight"], full["exp_avg"], momentum)
 
 
-def test_split_then_join_is_exact(tmp_path: Path) -> None:
+def test_split_then_join_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Per-row states split into column shards and joined back are bitwise the original: a
     table-wise checkpoint -> 3 column shards -> a checkpoint of those -> table-wise again."""
     g = torch.Generator().manual_seed(2)
@@ -216,7 +226,9 @@ def test_split_then_join_is_exact(tmp_path: Path) -> None:
     again = open_storage(str(tmp_path / "cw"))
     _write(again, 0, [cw[:2], cw[2:]], None, None)
     back = _empty([(0, ROWS, 0, COLS)])
-    apply_chain(again, chain_for(read_manifests(again), 0), back, {TABLE: (ROWS, COLS)})
+    with caplog.at_level(logging.WARNING, logger="deck.read.restore"):
+        apply_chain(again, chain_for(read_manifests(again), 0), back, {TABLE: (ROWS, COLS)})
+    assert not [r for r in caplog.records if "joined per-row" in r.getMessage()]  # (exact)
     _check(back, full["weight"], full["exp_avg"], {(0, COLS): full["momentum1"][:, 0]})
 
 

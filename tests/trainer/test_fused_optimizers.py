@@ -147,3 +147,57 @@ def _worker(rank: int, world_size: int, case: str, sharding: str, root: str) -> 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fused_optimizer_restores_bitwise(tmp_path: Path, case: str, sharding: str) -> None:
     run_ranks(_worker, case, sharding, str(tmp_path))
+
+
+def _another_update_rule(rank: int, world_size: int, root: str) -> None:
+    from deck.errors import IncompatibleModelError
+
+    def spec(optimizer: str, extra: dict[str, Any]) -> ModelSpec:
+        return ModelSpec(
+            **SMALL, sharding="table_wise", fused_optimizer=optimizer, fused_params=extra
+        )
+
+    def tbes(model: Any) -> list[Any]:
+        ebc = model.module.sparse_arch.embedding_bag_collection
+        return [e._emb_module for lookup in ebc._lookups for e in lookup._emb_modules]
+
+    saved = spec("EMAINPLACE_ROWWISE_ADAGRAD", _ema())
+    config = deck.DeckConfig(uri=f"{root}/ckpt", delta_every_steps=2)
+    model, opt = build_model(saved)
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(4):
+            if step:
+                train_step(model, opt, saved, step)
+            ck.step(step)
+    # The same state names and shapes ({weight, momentum1}), another rule: refused, named
+    other, other_opt = build_model(spec("EXACT_ROWWISE_ADAGRAD", {}), seed=3)
+    with (
+        deck.enable(other, [other_opt], config) as ck2,
+        pytest.raises(
+            IncompatibleModelError,
+            match="saved with the fused optimizer "
+            "EMAINPLACE_ROWWISE_ADAGRAD and this model's kernel runs "
+            "EXACT_ROWWISE_ADAGRAD",
+        ),
+    ):
+        ck2.restore()
+    # The same rule with another EMA schedule: the saved schedule is the kernel's again
+    from fbgemm_gpu.tbe.config.optimizer_config import EmainplaceModeDefinition
+
+    mode = EmainplaceModeDefinition(step_ema=3, step_start=2, step_ema_coef=0.25)
+    again, again_opt = build_model(
+        spec("EMAINPLACE_ROWWISE_ADAGRAD", {"emainplace_mode": mode}), seed=3
+    )
+    with deck.enable(again, [again_opt], config) as ck3:
+        assert ck3.restore() == 2
+    assert {tuple(sorted(t._emainplace_mode.items())) for t in tbes(again)} == {
+        tuple(sorted(t._emainplace_mode.items())) for t in tbes(model)
+    }
+
+
+def test_a_checkpoint_of_another_fused_optimizer_is_refused(tmp_path: Path) -> None:
+    """A break-it finding: a checkpoint of EMAINPLACE_ROWWISE_ADAGRAD tables restored into
+    EXACT_ROWWISE_ADAGRAD ones without a word (the same states, another update rule) and an
+    EMA schedule was dropped. The rule is saved and checked before anything is written; the
+    EMA schedule is put back like the kernel's other arguments."""
+    run_ranks(_another_update_rule, str(tmp_path), world_size=1)

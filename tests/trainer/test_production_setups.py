@@ -273,6 +273,8 @@ def _into_one_rank(rank: int, world_size: int, root: str) -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     assert any("every rank starts from rank 0's values" in m for m in seen), seen
     assert any("RNG states are not restored" in m for m in seen), seen
+    # (its user state, the scheduler, is rank 0's: said, since a per-rank one would be wrong)
+    assert any("user state is the saved rank's of its number" in m for m in seen), seen
 
 
 def test_lr_schedules_and_warmup_restore_exactly(tmp_path: Path) -> None:
