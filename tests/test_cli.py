@@ -180,6 +180,33 @@ def test_verify_names_a_damaged_file(ckpt: Path, tmp_path: Path) -> None:
     assert f"next: `deck verify {copy} --all --quarantine`" in export.stderr, export.stderr
 
 
+def test_verify_beside_a_gc_skips_what_it_deleted(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A break-it finding: ``verify --all --quarantine`` beside a GC (``merge --follow --gc``)
+    read the records, then found the files of a checkpoint GC deleted since missing, called it
+    damage, exited 1 and quarantined it. A checkpoint whose record went meanwhile is skipped.
+    The interleaving is fixed: GC's deletion (the record, then the folder) happens right
+    before verify checks step 5."""
+    import deck.read.verify as verify
+
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    check = verify.verify_checkpoint
+
+    def gc_first(storage, m, **kw):  # type: ignore[no-untyped-def]
+        if m.step == 5 and not m.is_merged and (copy / "step-000000000005").exists():
+            (copy / "step-000000000005" / "manifest.json").unlink()
+            shutil.rmtree(copy / "step-000000000005")
+        return check(storage, m, **kw)
+
+    monkeypatch.setattr(verify, "verify_checkpoint", gc_first)
+    assert main(["verify", str(copy), "--all", "--quarantine"]) == 0
+    out = capsys.readouterr().out
+    assert "step 5: deleted or replaced while it was verified" in out, out
+    assert "0 with problems" in out and not (copy / "quarantine").exists(), out
+
+
 def test_verify_finds_a_step_whose_chain_lost_a_checkpoint(ckpt: Path, tmp_path: Path) -> None:
     """Every file of every committed checkpoint intact, but a step's chain lacks one (its
     record deleted under a trainer that went on building on it): that step, and each after it

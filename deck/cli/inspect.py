@@ -279,7 +279,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     avoid it: only damage that reads back a second time, never a read error."""
     from deck.read.catalog import manifest_keys, quarantine, read_manifests
     from deck.read.lineage import build_graph
-    from deck.read.verify import confirmed_damage, verify_checkpoint
+    from deck.read.verify import confirmed_damage, uncommitted_meanwhile, verify_checkpoint
 
     storage = open_existing(a.uri, a.storage_options)
     # Every record read (not through the catalog): verify is where damage to them is found.
@@ -297,6 +297,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
         report = verify_checkpoint(storage, m, progress=bar.update if bar else None)
         if bar:
             bar.close()
+        if report.problems and uncommitted_meanwhile(storage, m):
+            # (a break-it finding: a GC beside verify deleted it, and verify called its missing
+            # files damage, and quarantined it)
+            print(f"{label}: deleted or replaced while it was verified (GC, a rollback): skipped")
+            continue
         status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
         if report.unreadable:
             status += f", {len(report.unreadable)} file(s) unreadable"

@@ -741,7 +741,7 @@ def best_valid_chain(
     :class:`deck.errors.CorruptCheckpointError`. Raises :class:`CheckpointNotFoundError` naming
     the damaged checkpoints when no valid chain is left.
     """
-    from deck.read.verify import confirmed_damage, verify_checkpoint
+    from deck.read.verify import confirmed_damage, uncommitted_meanwhile, verify_checkpoint
 
     manifests = manifests if manifests is not None else read_manifests(storage)
     graph = LineageGraph(manifests, storage.uri)
@@ -769,6 +769,19 @@ def best_valid_chain(
                     f"{report.unreadable[0]}. A read error is not damage: nothing was "
                     "quarantined; retry once the storage answers"
                 )
+            if report.problems and uncommitted_meanwhile(storage, m):
+                # GC deleted it (or a rollback's save replaced it) under this restore: not
+                # damage, nothing to quarantine; the chains left are planned again
+                bad = m
+                rejected[m.id] = [f"deleted while it was read: {report.problems[0]}"]
+                logger.warning(
+                    "restore of step %d: checkpoint %s (%s) was deleted or replaced while it "
+                    "was read (a GC with a short grace period?): trying another chain",
+                    step,
+                    m.id,
+                    m.folder,
+                )
+                break
             if report.problems:
                 bad = m
                 rejected[m.id] = report.problems

@@ -9,8 +9,15 @@ from dataclasses import dataclass, field
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError, StorageError
 from deck.format.checksum import checksum
 from deck.format.chunk_io import check_chunk, read_chunks
-from deck.format.manifest import CheckpointManifest, ChunkRecord, FileRecord, ShardRecord
-from deck.read.catalog import checkpoint_label, overlapped, read_rank_manifests
+from deck.format.manifest import (
+    MANIFEST,
+    CheckpointManifest,
+    ChunkRecord,
+    FileRecord,
+    ShardRecord,
+    load_model,
+)
+from deck.read.catalog import checkpoint_label, get_records, overlapped, read_rank_manifests
 from deck.storage import Storage
 
 
@@ -164,6 +171,26 @@ def confirmed_damage(storage: Storage, m: CheckpointManifest, report: VerifyRepo
     if not report.problems:
         return report
     return verify_checkpoint(storage, m)
+
+
+def uncommitted_meanwhile(storage: Storage, m: CheckpointManifest) -> bool:
+    """Whether checkpoint ``m``'s commit record is gone from its folder, or names another
+    checkpoint now: GC deleted it (the record goes before the files), or a rollback's save
+    replaced it, after the caller read it. What its files lack is then no damage. A record that
+    cannot be read, or is damaged, counts as still there (an unreadable record is not absent)."""
+    key = f"{m.folder}/{MANIFEST}"
+    try:
+        _, data = next(get_records(storage, [key]))
+    except DeckError:
+        return False
+    if data is None:
+        return True
+    if isinstance(data, CorruptCheckpointError):
+        return False
+    try:
+        return load_model(CheckpointManifest, data, storage.describe(key)).id != m.id
+    except DeckError:
+        return False
 
 
 def check_files(

@@ -51,7 +51,7 @@ from deck.ops.export import (
 from deck.read.catalog import ManifestSet, read_rank_manifests
 from deck.read.lineage import LineageGraph, build_graph, chain_bytes, cheapest_chain, confirmed
 from deck.read.restore import apply_chain
-from deck.read.verify import verify_checkpoint
+from deck.read.verify import uncommitted_meanwhile, verify_checkpoint
 from deck.read.window import ask_newest
 from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
@@ -228,7 +228,9 @@ class Follower:
                 # (committed files do not change: an error that is not theirs, raised again
                 # at every poll, does not read the chain again each time)
                 self._intact.add(m.id)
-            elif problems:  # (what could not be read is not damage: the error is raised)
+            elif problems and not uncommitted_meanwhile(self.storage, m):
+                # (what could not be read is not damage, nor what GC deleted under it: the
+                # error is raised, and the next poll plans again)
                 self.bad.add(m.id)
                 self.refused[m.step] = problems[0]
                 logger.error(
