@@ -88,6 +88,36 @@ def shard_scalars(
     return out
 
 
+def put_scalars(
+    shards: list[TableShard], saved: dict[int, dict[str, torch.Tensor]], where: str
+) -> None:
+    """Write :func:`shard_scalars` into the shards. Shards may share one live scalar (the
+    tables of one fbgemm TBE); restored into another plan they can bring different saved values
+    of it (tables saved in two TBEs, now in one: COUNTER's ``max_counter``): the largest is
+    kept -- a counter's bound over the rows of both, a step count's newest -- and logged."""
+    found: dict[int, tuple[torch.Tensor, str, list[tuple[str, torch.Tensor]]]] = {}
+    for s in shards:
+        for name, value in saved.get(id(s), {}).items():
+            live = s.scalars[name]
+            found.setdefault(id(live), (live, name, []))[2].append((s.table, value))
+    with torch.no_grad():
+        for live, name, values in found.values():
+            first = values[0][1]
+            if all(torch.equal(v, first) for _, v in values):
+                live.copy_(first)
+                continue
+            top = max((v for _, v in values), key=lambda v: v.item())
+            live.copy_(top)
+            logger.warning(
+                "deck: %s: tables %s, now in one kernel, were saved with different values of "
+                "its %s (%s): the largest is kept",
+                where,
+                sorted({t for t, _ in values})[:4],
+                name,
+                sorted({v.item() for _, v in values}),
+            )
+
+
 def load_optimizer(
     opt: torch.optim.Optimizer,
     saved: dict[str, Any],

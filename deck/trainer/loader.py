@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-import torch
-
 from deck.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -59,6 +57,7 @@ from deck.trainer.fitting import (
     fill_from_dense,
     load_optimizer,
     plan_moves,
+    put_scalars,
     rank_part,
     reconcile_optimizer,
     same_layout,
@@ -373,10 +372,7 @@ class StateLoader:
         scalars = shard_scalars(
             self.storage, target, parts, extra, [s for s in shards if s.table not in moved]
         )
-        with torch.no_grad():
-            for s in shards:
-                for name, t in scalars.get(id(s), {}).items():
-                    s.scalars[name].copy_(t)
+        put_scalars(shards, scalars, where)
         put_module_state()
         self.adapter.after_restore()
         if self.set_user_state is not None:

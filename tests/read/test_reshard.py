@@ -30,7 +30,7 @@ from deck.read.lineage import chain_for
 from deck.read.restore import apply_chain, read_state_file
 from deck.storage import Storage, open_storage
 from deck.testing.dist_harness import run_ranks
-from deck.trainer.fitting import rank_part, shard_scalars
+from deck.trainer.fitting import put_scalars, rank_part, shard_scalars
 from deck.trainer.writer import RankPartWriter, commit
 
 # ---- the rules, on synthetic shards ----------------------------------------------------------
@@ -329,6 +329,39 @@ def test_scalars_and_extra_state_of_other_layouts(tmp_path: Path) -> None:
     )
     with pytest.raises(IncompatibleModelError, match=r"emb\.other\.weight.*\['iter'\]"):
         shard_scalars(storage, 0, parts, own, [other])
+
+
+def test_scalars_of_two_saved_kernels_into_one(caplog: pytest.LogCaptureFixture) -> None:
+    """A break-it reading: tables saved in two fbgemm TBEs restored into one (another plan)
+    bring two saved values of its one scalar (COUNTER's ``max_counter``); the last one written
+    won, whichever it was. The largest is kept (a counter's bound over both tables' rows) and
+    said; equal values are put back without a word."""
+    one = torch.zeros(1)  # the kernel's scalar, shared by its tables' shards
+    a, b = (
+        TableShard(t, ROWS, COLS, 0, ROWS, 0, COLS, states={}, scalars={"max_counter": one})
+        for t in ("t.a", "t.b")
+    )
+    with caplog.at_level(logging.WARNING, logger="deck.trainer.fitting"):
+        put_scalars(
+            [a, b],
+            {
+                id(a): {"max_counter": torch.tensor([9.0])},
+                id(b): {"max_counter": torch.tensor([4.0])},
+            },
+            "step 3",
+        )
+        assert float(one) == 9.0
+        put_scalars(
+            [b, a],
+            {
+                id(a): {"max_counter": torch.tensor([2.0])},
+                id(b): {"max_counter": torch.tensor([2.0])},
+            },
+            "step 4",
+        )
+    assert float(one) == 2.0
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "['t.a', 't.b']" in said[0] and "[4.0, 9.0]" in said[0], said
 
 
 def _empty_weights(layout: list[tuple[int, int, int, int]]) -> list[TableShard]:
