@@ -17,14 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deck.adapters.tensor_slots import TensorSlots
 from deck.adapters.torchrec_compat import (
     called_lookups,
     ddp_buckets_pinned,
+    ddp_comm_hooks,
     ddp_has_rebuilt_buckets,
     ddp_rebuild_buckets_now,
     fp_inner_collection_path,
     fused_optimizer_tbe,
+    in_backward_optimized,
     lookup_callers,
     lookups,
     tbe_optimizer_name,
@@ -99,6 +102,7 @@ class TorchRecAdapter(ModelAdapter):
         # their tables and lookups)
         self._mc: dict[str, ManagedCollision] = {}
         self._tables = self._discover_tables()
+        self._refuse_state_deck_cannot_see()
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
         self._grads: GradientWatch | None = None
@@ -146,6 +150,42 @@ class TorchRecAdapter(ModelAdapter):
                     )
                 tables[key] = _TableInfo(module_path, key, name, ps.sharding_type)
         return tables
+
+    def _refuse_state_deck_cannot_see(self) -> None:
+        """Training state held where no optimizer deck is given can reach it, which a restore
+        would lose (break-it findings: both restored without a word, then trained apart)."""
+        tables = {id(p) for m in self.sharded_modules().values() for p in m.parameters()}
+        tables |= {id(t) for t in self.replicated_tables().values()}
+        hidden = [
+            n
+            for n, p in self.model.named_parameters()
+            if in_backward_optimized(p) and id(p) not in tables and not local_shards(p)
+        ]
+        if hidden:
+            raise UnsupportedError(
+                f"dense parameters {hidden[:4]} are updated by an optimizer applied in backward "
+                "(apply_optimizer_in_backward), whose state deck cannot reach: a restore would "
+                "lose it. Give them an ordinary dense optimizer and pass it to deck.enable"
+            )
+        for ddp in self._ddps():
+            for hook, state in ddp_comm_hooks(ddp):
+                if state is not None and not isinstance(state, dist.ProcessGroup):
+                    raise UnsupportedError(
+                        f"DDP comm hook {getattr(hook, '__name__', hook)!r} keeps state "
+                        f"({type(state).__name__}: PowerSGD's error feedback and iteration "
+                        "count, ...) that deck does not save, so training on after a restore "
+                        "would differ; use a stateless hook (allreduce, fp16/bf16 compression) "
+                        "or none"
+                    )
+
+    def _ddps(self) -> list[DistributedDataParallel]:
+        """Every DDP of the model: its dense part's and those of data_parallel lookups (sharded
+        collections keep their lookups in a plain list), each once, in the same order on every
+        rank."""
+        found = [m for m in self.model.modules() if isinstance(m, DistributedDataParallel)]
+        for module in lookup_callers(self.model):
+            found += [m for m in called_lookups(module) if isinstance(m, DistributedDataParallel)]
+        return list({id(d): d for d in found}.values())
 
     def _lookup_module_path(self, plan_path: str) -> str:
         """Path of the sharded module that owns the lookups of the tables ``plan_path`` shards.
@@ -466,10 +506,7 @@ class TorchRecAdapter(ModelAdapter):
         # bucket layout just the same. Every collection is walked, not only those holding
         # tracked tables: one of data_parallel tables alone has a DDP too. Every rank walks
         # them in the same order.
-        found = [m for m in self.model.modules() if isinstance(m, DistributedDataParallel)]
-        for module in lookup_callers(self.model):
-            found += [m for m in called_lookups(module) if isinstance(m, DistributedDataParallel)]
-        for ddp in {id(d): d for d in found}.values():
+        for ddp in self._ddps():
             _pin_buckets(ddp)
 
     # ---- tracking --------------------------------------------------------------------------

@@ -47,6 +47,7 @@ PRIVATE_ATTRIBUTES = (
     "_warmup_param",  # WarmupOptimizer: the state key its step counter lives under
     "_step_num",  # GradientClippingOptimizer: steps taken
     "_has_rebuilt_buckets",  # DistributedDataParallel
+    "_comm_hooks",  # DistributedDataParallel: (hook, state) pairs of register_comm_hook
     "_push_all_rebuilt_params",  # DDP reducer
     "_rebuild_buckets",  # DDP reducer
     "_deck_pinned_buckets",  # deck's own marker on a DDP module (a second enable)
@@ -429,6 +430,11 @@ def set_clipping_steps(wrapper: Any, steps: int) -> None:
 def ddp_buckets_pinned(ddp: Any) -> bool:
     """Whether deck already pinned the gradient buckets of ``ddp`` (a second enable)."""
     return bool(getattr(ddp, "_deck_pinned_buckets", False))
+
+
+def ddp_comm_hooks(ddp: Any) -> list[tuple[Any, Any]]:
+    """The ``(hook, state)`` pairs registered on ``ddp`` with ``register_comm_hook``."""
+    return list(getattr(ddp, "_comm_hooks", None) or [])
 
 
 def ddp_has_rebuilt_buckets(ddp: Any) -> bool:

@@ -39,9 +39,15 @@ class GradientWatch:
         self.handle = RemovableHandle(remove)
 
     def unapplied(self) -> list[str]:
-        """The names of the parameters holding a gradient no step has applied (not zero)."""
-        return [
-            name
+        """The names of the parameters holding a gradient no step has applied (not zero).
+        None of them when one of those gradients is not finite: a loss scaler (AMP's GradScaler) found
+        the overflow and skipped the step, and the next ``zero_grad()`` drops them all (a
+        break-it finding: such a step's checkpoint was refused, blaming accumulation)."""
+        held = [
+            (name, p)
             for name, p in self._params
             if p.grad is not None and self._at.get(p) == tensor_version(p) and bool(p.grad.any())
         ]
+        if any(not bool(torch.isfinite(p.grad).all()) for _, p in held if p.grad is not None):
+            return []
+        return [name for name, _ in held]

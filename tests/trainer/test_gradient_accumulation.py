@@ -45,11 +45,18 @@ def _accumulating(rank: int, world_size: int, root: str) -> None:
         _backward(model, 3)
         opt.zero_grad(set_to_none=False)
         assert ck.step(2) is not None
+        # A step a loss scaler skipped (AMP's GradScaler found an overflow; the next zero_grad
+        # drops the gradients): checkpointed (a break-it finding: refused, blaming accumulation)
+        _backward(model, 4)
+        grad = next(p.grad for p in opt.param_groups[0]["params"] if p.grad is not None)
+        grad.view(-1)[0] = float("inf")
+        assert ck.step(3) is not None
+        opt.zero_grad()
         assert ck.flush()
         live = capture_state(model, opt)
     fresh, fresh_opt = build_model(SPEC, seed=9)
     with deck.enable(fresh, [fresh_opt], config) as ck:
-        assert ck.restore() == 2
+        assert ck.restore() == 3
         assert not diff_states(live, capture_state(fresh, fresh_opt))
 
 

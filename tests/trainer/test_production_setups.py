@@ -65,7 +65,11 @@ def _module(seed: int, norm_and_dropout: bool) -> Any:
 
 
 def _build(
-    seed: int, recipe: str, norm_and_dropout: bool, grid: bool = False
+    seed: int,
+    recipe: str,
+    norm_and_dropout: bool,
+    grid: bool = False,
+    dense_in_backward: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(model, the optimizer the pipeline steps and deck saves, the LR scheduler or None): t0
     table_wise (``grid``: grid_shard), t1 row_wise, t2 column_wise over two ranks, t3
@@ -108,8 +112,20 @@ def _build(
             )
         }
     )
+    wrapper = None
+    if dense_in_backward:  # (kept out of DDP: its optimizer-in-backward needs an accelerator)
+        from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+        arch = list(module.model.dense_arch.named_parameters(prefix="model.dense_arch"))
+        apply_optimizer_in_backward(torch.optim.Adam, [p for _, p in arch], {"lr": 0.01})
+        wrapper = DefaultDataParallelWrapper(params_to_ignore=[n for n, _ in arch])
     model = DistributedModelParallel(
-        module, device=torch.device("cpu"), sharders=[sharder], plan=plan
+        module,
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=plan,
+        **({"data_parallel_wrapper": wrapper} if wrapper else {}),
     )
     params = dict(in_backward_optimizer_filter(model.named_parameters()))
     dense = KeyedOptimizerWrapper(params, lambda p: torch.optim.Adam(p, lr=0.01))
@@ -239,6 +255,22 @@ def _refusals(uri: str) -> None:
     grid, grid_opt, _ = _build(3, "steplr", False, grid=True)
     with pytest.raises(UnsupportedError, match=r"grid_shard is not supported \(deck checkpoints"):
         deck.enable(grid, [grid_opt], config)
+    # Training state out of every optimizer's reach (break-it findings: both restored without
+    # a word, then trained apart): a DDP comm hook that keeps state (PowerSGD's error feedback)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooked, hooked_opt, _ = _build(4, "steplr", False)
+    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    hooked._dmp_wrapped_module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(UnsupportedError, match="DDP comm hook 'powerSGD_hook' keeps state"):
+        deck.enable(hooked, [hooked_opt], config)
+    stateless, stateless_opt, _ = _build(5, "steplr", False)  # (a stateless hook is fine)
+    stateless._dmp_wrapped_module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    deck.enable(stateless, [stateless_opt], config).close()
+    # ... and dense parameters updated by an optimizer applied in backward
+    inside, inside_opt, _ = _build(6, "steplr", False, dense_in_backward=True)
+    with pytest.raises(UnsupportedError, match=r"dense parameters \['model.dense_arch"):
+        deck.enable(inside, [inside_opt], config)
 
 
 def _rank_local(rank: int, world_size: int, root: str, recipes: tuple[str, ...]) -> None:
