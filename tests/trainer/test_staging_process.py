@@ -301,6 +301,36 @@ def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Pat
         stager.close()
 
 
+@pytest.mark.parametrize("seen", [True, False], ids=["death-seen", "death-unseen"])
+def test_buffers_sent_to_a_dead_staging_process_go_back_to_the_pool(
+    tmp_path: Path, seen: bool
+) -> None:
+    """A break-it finding: with a small pool, a rank whose staging process was killed hung in
+    close() for ever: a copy-on-write copy's chunk buffers sent after the death was handled
+    were never given back, and the copy waited for one. A send that finds the process dead
+    raises and puts its buffers back, whether the receiver saw the death first or not."""
+    uri = str(tmp_path / "ck")
+    stager = ProcessStager(
+        LocalStorage(uri), deck.StagingConfig(mode="process", tiers="local"), 1, Reopen(uri, {})
+    )
+    try:
+        stager.begin(full_part_info(uri, 1, "a" * 16, rank=1, world_size=2), reserved=0)
+        pid = stager.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _until("the staging process exited", lambda: _exited(pid))
+        if seen:
+            _until("the receiver saw the death", lambda: stager.dead is not None)
+        before = stager.pool.in_use
+        bufs = [stager.pool.acquire(), stager.pool.acquire()]
+        body = {"part": 1, "rel": "x.chunk", "nbytes": 0, "specs": []}
+        with pytest.raises(DeckError, match="staging process"):
+            stager.send_parts([(remote.Kind.FILE, body, [], b) for b in bufs])
+        assert stager.pool.in_use == before
+    finally:
+        stager.close()
+
+
 def _until(what: str, done: Any) -> None:
     """Wait for ``done()``, which a stopped process makes certain (the bound only guards a
     regression from hanging the suite)."""

@@ -680,24 +680,48 @@ class ProcessStager:
 
     def send_parts(self, msgs: list[_Send]) -> None:
         """:meth:`send_part` of each of ``msgs`` in order, in one socket write where no new
-        buffer's memfd must go between them."""
+        buffer's memfd must go between them. Raises :class:`DeckError` once the staging process
+        is gone; the buffers of ``msgs`` are then back in the pool."""
         with self._lock:
             forgot, self._forgot = self._forgot, []
         out: list[_Frame] = [(Kind.FORGET, {"slots": forgot}, [])] if forgot else []
-        for kind, body, blobs, buf in msgs:
-            if buf is not None:
-                slot, fd = self.pool.shared_slot(buf)
-                with self._lock:
-                    new = slot not in self._known
-                    self._known.add(slot)
-                    self._lent[slot] = buf
-                if new:  # (the messages before it first: its FILE must not overtake them)
-                    self._chan_send_many(out)
-                    out = []
-                    self._chan_send(Kind.BUFFER, {"slot": slot, "size": self.pool.size}, fds=(fd,))
-                body = {**body, "slot": slot}
-            out.append((kind, body, blobs))
-        self._chan_send_many(out)
+        lent: dict[int, Buffer] = {}
+        try:
+            for kind, body, blobs, buf in msgs:
+                if buf is not None:
+                    slot, fd = self.pool.shared_slot(buf)
+                    with self._lock:
+                        new = slot not in self._known
+                        self._known.add(slot)
+                        self._lent[slot] = lent[slot] = buf
+                    if new:  # (the messages before it first: its FILE must not overtake them)
+                        self._chan_send_many(out)
+                        out = []
+                        self._chan_send(
+                            Kind.BUFFER, {"slot": slot, "size": self.pool.size}, fds=(fd,)
+                        )
+                    body = {**body, "slot": slot}
+                out.append((kind, body, blobs))
+            self._chan_send_many(out)
+        except DeckError:
+            # (a break-it finding: a buffer lent after the process's death was handled was never
+            # back, and with a small pool a copy waited for one for ever, close() behind it)
+            self._take_back(msgs, lent)
+            raise
+
+    def _take_back(self, msgs: list[_Send], lent: dict[int, Buffer]) -> None:
+        """The buffers of ``msgs`` a dead staging process will never give back: those never
+        lent (after the failed send), and those lent that :meth:`_died` did not release."""
+        back = []
+        with self._lock:
+            for slot, buf in lent.items():
+                if self._lent.get(slot) is buf:
+                    del self._lent[slot]
+                    back.append(buf)
+        mine = {id(b) for b in lent.values()}
+        back += [buf for *_, buf in msgs if buf is not None and id(buf) not in mine]
+        for buf in back:
+            self.pool.release(buf)
 
     def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
         """A request the staging process answers (its reply's value, or its error raised)."""
