@@ -40,9 +40,10 @@ class GradientWatch:
 
     def unapplied(self) -> list[str]:
         """The names of the parameters holding a gradient no step has applied (not zero).
-        None of them when one of those gradients is not finite: a loss scaler (AMP's GradScaler) found
-        the overflow and skipped the step, and the next ``zero_grad()`` drops them all (a
-        break-it finding: such a step's checkpoint was refused, blaming accumulation)."""
+        None of them when one of those gradients is not finite: a loss scaler (AMP's
+        GradScaler) found the overflow and skipped the step, and the next ``zero_grad()`` drops
+        them all (a break-it finding: such a step's checkpoint was refused, blaming
+        accumulation)."""
         held = [
             (name, p)
             for name, p in self._params
