@@ -20,7 +20,8 @@ from deck.testing.s3_server import SeaweedS3
 def pytest_configure(config: pytest.Config) -> None:
     """Spawned ranks give up a minute before pytest's per-test timeout, printing their stacks:
     a hang in a rank then fails naming the line it waits on."""
-    limit = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    given = config.getoption("timeout", None)  # (--timeout=0: none, whatever the ini says)
+    limit = float(given if given is not None else config.getini("timeout") or 0)
     if limit > 0:
         os.environ.setdefault(WATCHDOG_ENV, str(max(limit - 60, limit / 2)))
 
