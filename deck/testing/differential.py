@@ -126,6 +126,9 @@ class Setup:
     # restore (tables and fused optimizer states assembled from every rank's shards, dense
     # state, user state); what training does next is another computation. None: the same.
     restore_world_size: int | None = None
+    # After this step's checkpoint call, model.load_state_dict of a model built with other
+    # weights (a warm start mid-run: rows no lookup touched change). None: none.
+    warm_start_at: int | None = None
 
     def checkpoint_steps(self) -> list[int]:
         return [s for s in range(self.steps + 1) if s % self.every == 0]
@@ -589,6 +592,12 @@ class Loop:
         self.setup, self.model, self.opt, self.sched = setup, model, opt, sched
         self.rank = dist.get_rank()
         self.pipeline: Any = None
+        self.warm: dict[str, Any] | None = None
+        if setup.warm_start_at is not None and setup.warm_start_at + 1 >= first:
+            # (built in every phase that trains past it, alike: the same weights; collective;
+            # the RNG it seeds is put back, so that dropout draws as if it had not been built)
+            with torch.random.fork_rng():
+                self.warm = build(setup, seed=3)[0].state_dict()
         if setup.loop == PIPELINE:
             from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -599,6 +608,8 @@ class Loop:
             self.pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
 
     def step(self, step: int) -> float:
+        if self.warm is not None and step == self.setup.warm_start_at + 1:  # type: ignore[operator]
+            self.model.load_state_dict(self.warm)
         if self.pipeline is not None:
             loss = float(self.pipeline.progress(self.it)[0])
             self._schedule(loss)

@@ -286,6 +286,15 @@ PINNED: list[Setup] = [
         restore_at=1,
         restore_world_size=1,
     ),
+    # A break-it finding: a model.load_state_dict mid-run (a warm start) right after a delta
+    # whose rows are still being copied; the delta after it restored the loaded rows old.
+    Setup(
+        tables=(Table(rows=24, feature="f0", sharding="column_wise"),),
+        steps=4,
+        every=2,
+        restore_at=4,
+        warm_start_at=2,
+    ),
 ]
 
 
@@ -487,6 +496,7 @@ def setups(draw: st.DrawFn) -> Setup:
         copy_on_write=draw(st.sampled_from(["deltas", "all", "off"])),
         staging_mode=draw(STAGING_MODES),
         bundled=draw(st.sampled_from([False, False, False, True])),
+        warm_start_at=draw(st.sampled_from([None, None, None, *range(steps)])),
     )
 
 
