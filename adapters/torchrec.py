@@ -154,8 +154,8 @@ class TorchRecAdapter(ModelAdapter):
     def _refuse_state_deck_cannot_see(self) -> None:
         """Training state held where no optimizer deck is given can reach it, which a restore
         would lose (break-it findings: both restored without a word, then trained apart)."""
+        # (data_parallel tables are parameters of their sharded collection too)
         tables = {id(p) for m in self.sharded_modules().values() for p in m.parameters()}
-        tables |= {id(t) for t in self.replicated_tables().values()}
         hidden = [
             n
             for n, p in self.model.named_parameters()
@@ -441,19 +441,17 @@ class TorchRecAdapter(ModelAdapter):
         return out
 
     def check_fused_optimizers(self, saved: dict[str, dict[str, Any]], where: str) -> None:
-        def rules(values: Any) -> set[str]:
-            return {v["kernel"]["optimizer"] for v in values if "optimizer" in v.get("kernel", {})}
-
-        every = rules(saved.values())  # (none in checkpoints of a deck before it saved them)
         for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
             tbe = fused_optimizer_tbe(leaf)
             if tbe is None:
                 continue
-            # A table the saving rank did not hold (another plan or world size): the rule every
-            # saved table ran, if they agree
-            found = rules(saved[k] for k in keys if k in saved) or (
-                every if len(every) == 1 else set()
-            )
+            choices, _ = _saved_for(saved, keys)
+            # (none in checkpoints of a deck before it saved them)
+            found = {
+                c["kernel"]["optimizer"]
+                for c in choices.values()
+                if "optimizer" in c.get("kernel", {})
+            }
             live = tbe_optimizer_name(tbe)
             if found - {live}:
                 raise IncompatibleModelError(
@@ -466,19 +464,15 @@ class TorchRecAdapter(ModelAdapter):
     def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
         if not saved:  # written before deck saved them
             return
-        distinct = {repr(v): v for v in saved.values()}
         for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
-            mine = {repr(saved[k]): saved[k] for k in keys if k in saved}
-            # A table the saving rank did not hold (another plan or world size) takes the value
-            # every saved table agrees on, if they do.
-            choices = mine or distinct
+            choices, own = _saved_for(saved, keys)
             if len(choices) != 1:
                 raise IncompatibleModelError(
                     f"{where}: the fused optimizer of tables {sorted(keys)[:4]} "
                     + (
                         "has no saved hyperparameters and the saved tables disagree"
-                        if not mine
-                        else f"has {len(mine)} different saved hyperparameter sets"
+                        if not own
+                        else f"has {len(choices)} different saved hyperparameter sets"
                     )
                     + "; restore with the plan the checkpoint was written with"
                 )
@@ -581,6 +575,16 @@ def _world_size() -> int:
     """Ranks of the job (the default process group, which deck's collectives use)."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _saved_for(
+    saved: dict[str, dict[str, Any]], keys: list[str]
+) -> tuple[dict[str, dict[str, Any]], bool]:
+    """The distinct saved fused hyperparameter sets of the tables ``keys`` (one fused
+    optimizer's), and whether they are the tables' own: a table the saving rank did not hold
+    (another plan or world size) takes those of every saved table (one, if they agree)."""
+    mine = {repr(saved[k]): saved[k] for k in keys if k in saved}
+    return (mine, True) if mine else ({repr(v): v for v in saved.values()}, False)
 
 
 def _pin_buckets(ddp: DistributedDataParallel) -> None:

@@ -769,30 +769,23 @@ def best_valid_chain(
                     f"{report.unreadable[0]}. A read error is not damage: nothing was "
                     "quarantined; retry once the storage answers"
                 )
-            if report.problems and uncommitted_meanwhile(storage, m):
-                # GC deleted it (or a rollback's save replaced it) under this restore: not
-                # damage, nothing to quarantine; the chains left are planned again
-                bad = m
-                rejected[m.id] = [f"deleted while it was read: {report.problems[0]}"]
-                logger.warning(
-                    "restore of step %d: checkpoint %s (%s) was deleted or replaced while it "
-                    "was read (a GC with a short grace period?): trying another chain",
-                    step,
-                    m.id,
-                    m.folder,
-                )
-                break
             if report.problems:
                 bad = m
-                rejected[m.id] = report.problems
+                # GC deleted it (or a rollback's save replaced it) under this restore: not
+                # damage, nothing to quarantine; the chains left are planned again
+                gone = uncommitted_meanwhile(storage, m)
+                why = f"deleted or replaced while it was read: {report.problems[0]}"
+                rejected[m.id] = [why] if gone else report.problems
                 logger.warning(
-                    "restore of step %d: checkpoint %s (%s) is damaged: %s; trying another chain",
+                    "restore of step %d: checkpoint %s (%s) %s; trying another chain",
                     step,
                     m.id,
                     m.folder,
-                    report.problems[0],
+                    "was deleted or replaced while it was read (a GC with a short grace period?)"
+                    if gone
+                    else f"is damaged: {report.problems[0]}",
                 )
-                if record:
+                if record and not gone:
                     quarantine(storage, m, report.problems[0])
                 break
             verified.add(m.id)
