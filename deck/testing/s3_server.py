@@ -113,7 +113,7 @@ def listening(pid: int, port: int) -> bool:
                 fields = line.split()  # sl local remote state ... inode (10th)
                 if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f"socket:[{fields[9]}]")
-    with contextlib.suppress(FileNotFoundError, PermissionError):
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deck.storage import open_storage
+from deck.testing.procfs import exited
 from deck.testing.synth import SynthTrainer
 
 EXE = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
@@ -32,18 +33,10 @@ def _children(pid: int) -> set[int]:
 def _catches_sigterm(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
     caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
     return bool(int(caught.split()[1], 16) & SIGTERM_BIT)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def _until(done: object, what: str, timeout: float = 120.0) -> None:
@@ -86,4 +79,4 @@ def test_merge_workers_end_with_their_command(tmp_path: Path, how: str) -> None:
     if how == "SIGTERM":
         assert proc.returncode == 0, stdout + stderr
         assert "deck merge:" in stdout and "Traceback" not in stderr, stdout + stderr
-    _until(lambda: not any(_alive(p) for p in descendants), f"left running: {descendants}")
+    _until(lambda: all(exited(p) for p in descendants), f"left running: {descendants}")

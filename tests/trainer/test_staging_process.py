@@ -29,6 +29,7 @@ from deck.format.manifest import rank_failure_name, rank_manifest_name, step_dir
 from deck.read.catalog import read_manifests
 from deck.storage import LocalStorage
 from deck.testing.dist_harness import run_ranks
+from deck.testing.procfs import exited, process_state
 from deck.testing.staging import full_part_info
 from deck.trainer.staging import CheckpointStats, remote
 from deck.trainer.staging.remote import CLOSE_S, ProcessStager, Reopen
@@ -255,14 +256,6 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
         stager.close()
 
 
-def _exited(pid: int) -> bool:
-    """Whether process ``pid`` has exited (its sockets are closed), reaped or not yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
 
 def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Path) -> None:
     """Found by a user trying to break it: a staging process killed just before a checkpoint
@@ -287,7 +280,7 @@ def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Pat
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not _exited(pid):  # its socket closed; the receiver may not have seen it yet
+        while not exited(pid):  # its socket closed; the receiver may not have seen it yet
             assert time.monotonic() < deadline
             time.sleep(0.001)
         with pytest.raises(DeckError, match=r"step 10 on rank 1: .*died \(signal 9"):
@@ -318,7 +311,7 @@ def test_buffers_sent_to_a_dead_staging_process_go_back_to_the_pool(
         pid = stager.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        _until("the staging process exited", lambda: _exited(pid))
+        _until("the staging process exited", lambda: exited(pid))
         if seen:
             _until("the receiver saw the death", lambda: stager.dead is not None)
         before = stager.pool.in_use
@@ -401,11 +394,10 @@ def test_the_staging_process_lowers_its_background_threads_once(tmp_path: Path) 
         mine = os.getpriority(os.PRIO_PROCESS, 0)
 
         def nice(tid: str) -> int:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except FileNotFoundError:  # (a thread that ended since the listing)
+            stat = process_state(pid, int(tid))
+            if stat is None:  # (a thread that ended since the listing)
                 return mine
-            return int(stat.rsplit(") ", 1)[1].split()[16])  # (field 19: nice)
+            return int(stat.split()[16])  # (field 19: nice)
 
         assert nice(str(pid)) == mine  # its main thread: the training process's priority
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -525,7 +517,7 @@ def _killed_alone(
         t0 = time.monotonic()
         ck.close()
         assert time.monotonic() - t0 < CLOSE_S, time.monotonic() - t0
-        assert last is not None and _gone(last)
+        assert last is not None and exited(last)
     dist.all_gather_object(every, outcome)
     if rank == 0:
         print(f"\nkilled alone at (rank: point -> the step in flight): {every}")
@@ -590,13 +582,6 @@ time.sleep(3600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
-    except FileNotFoundError:
-        return True
-
 
 def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> None:
     proc = subprocess.Popen(
@@ -613,11 +598,11 @@ def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> 
                 break
         assert line.startswith("STAGER"), line
         child = int(line.split()[1])
-        assert not _gone(child)
+        assert not exited(child)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 30
-        while not _gone(child):
+        while not exited(child):
             assert time.monotonic() < deadline, f"staging process {child} outlived its trainer"
             time.sleep(0.05)
     finally:
