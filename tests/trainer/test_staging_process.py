@@ -256,7 +256,6 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
         stager.close()
 
 
-
 def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Path) -> None:
     """Found by a user trying to break it: a staging process killed just before a checkpoint
     failed it with "is gone ([Errno 32] Broken pipe)" when the send found it dead before its
@@ -580,7 +579,6 @@ ck.step(0)
 print("STAGER", ck.stager.pid, flush=True)
 time.sleep(3600)
 """
-
 
 
 def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> None:
