@@ -491,7 +491,8 @@ class ChainWriter:
             )
         waited = time.perf_counter() - t0
         self._unwritten = [s for s in self._unwritten if not s.progress.in_first_tier()]
-        if not self._said_backlog:
+        # A part that failed (its own error is reported with it) says nothing of the rate
+        if not self._said_backlog and oldest.state != "failed":
             self._said_backlog = True
             logger.warning(
                 "deck: %s of step %d at %s waited %.3f s for step %d's part to be written: "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import deck
+from deck import failpoints
 from deck.demo import ModelSpec, build_model, capture_state, diff_states, train_step
 from deck.testing.dist_harness import run_ranks
 from deck.trainer import chain
@@ -91,3 +92,42 @@ def _rank(rank: int, world_size: int, root: str) -> None:
 
 def test_a_checkpoint_waits_for_the_unwritten_ones_before_it(tmp_path: Path) -> None:
     run_ranks(_rank, str(tmp_path / "ckpt"), world_size=1)
+
+
+def _rank_failed(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(
+        uri=root,
+        delta_every_steps=1,
+        staging=deck.StagingConfig(mode="threads", max_unwritten=1),
+    )
+    gate = threading.Event()
+    original = PartProgress.wait_in_first_tier
+
+    def spy(self: PartProgress, timeout: float | None = None) -> bool:
+        gate.set()  # the next checkpoint waits for the first: now its write may fail
+        return original(self, timeout)
+
+    PartProgress.wait_in_first_tier = spy  # type: ignore[method-assign]
+    said = _Said()
+    logging.getLogger("deck").addHandler(said)
+    model, opt = build_model(SPEC)
+    failpoints.configure("stager.spool.before_write:1:enospc")
+    try:
+        with deck.enable(model, [opt], config) as ck:
+            ck._ckpt.stager._writer.submit(gate.wait)  # the first tier's writer, held
+            train_step(model, opt, SPEC, 0)
+            first = ck.step(0)
+            train_step(model, opt, SPEC, 1)
+            ck.step(1)
+            assert first is not None and first.state == "failed", first
+            ck.flush()
+    finally:
+        failpoints.configure(None)
+    # The wait ended on a failed part: its error is said with it, not blamed on the rate
+    assert not [m for m in said.lines if "staging.max_unwritten" in m], said.lines
+
+
+def test_a_wait_that_ends_on_a_failed_part_does_not_blame_the_checkpoint_rate(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_rank_failed, str(tmp_path / "ckpt"), world_size=1)
