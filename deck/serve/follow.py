@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from deck.read.lineage import LineageGraph, build_graph, chain_bytes, cheapest_c
 from deck.read.restore import apply_chain
 from deck.read.verify import uncommitted_meanwhile, verify_checkpoint
 from deck.read.window import ask_newest
+from deck.serve.damaged import DamagedCheckpoints
 from deck.serve.output import Output, parquet_outputs
 from deck.storage import Storage
 from deck.storage.atomic import atomic_file, atomic_write
@@ -110,6 +111,7 @@ class Follower:
         out_dir: str,
         allow_quantized: bool = False,
         outputs: Sequence[Output] = (),
+        clock: Callable[[], float] = time.monotonic,
     ):
         # ``storage``: the publish URI's store, or a view to read the chain through (the Kafka
         # loader's: rows from the stream, the rest from the state URI)
@@ -132,9 +134,9 @@ class Follower:
         # not followed back (a store restored from an older copy, a held record deleted)
         self.epoch: int | None = None
         self._said_behind: tuple[int, str] | None = None
-        # Checkpoints whose files were found damaged (by id; step -> the problem): no chain
-        # through them is served, in this process (a repaired file is read again on restart)
-        self.bad: set[str] = set()
+        # Checkpoints whose files were found damaged (step -> the problem): no chain through
+        # them is served until a later try reads them whole (a copy still landing, a repair)
+        self.damaged = DamagedCheckpoints(clock)
         self.refused: dict[int, str] = {}
         self._intact: set[str] = set()  # checkpoints verified whole after such an error
         self.chain: list[str] = []
@@ -190,10 +192,13 @@ class Follower:
         # Around each checkpoint found damaged (one more per pass: it ends)
         while (chain := self._chain_to_serve(graph, latest)) is not None:
             try:
-                return self._serve(chain, t0)
+                update = self._serve(chain, t0)
             except CorruptCheckpointError:
                 if not self._found_damaged(chain):
                     raise
+                continue
+            self._repaired(chain)
+            return update
         if self.state is not None:
             return FollowUpdate(self.state[0], self.state[1], "unchanged")
         raise CorruptCheckpointError(
@@ -205,9 +210,9 @@ class Follower:
     def _chain_to_serve(self, graph: LineageGraph, latest: int) -> list[CheckpointManifest] | None:
         """The cheapest chain of ``latest``; with checkpoints found damaged, of the newest
         restorable step (by timeline, then step) whose chain needs none of them."""
-        if not self.bad:
+        exclude = self.damaged.waiting()
+        if not exclude:
             return cheapest_chain(graph, latest)
-        exclude = frozenset(self.bad)
         for step in sorted(
             graph.restorable_steps(), key=lambda s: (graph.trainer[s].epoch, s), reverse=True
         ):
@@ -217,10 +222,11 @@ class Follower:
 
     def _found_damaged(self, chain: list[CheckpointManifest]) -> bool:
         """After a chunk or file of ``chain`` failed its check: verify its checkpoints, newest
-        first, up to the first damaged one, which is then never served again (said once, as a
-        live model refuses a damaged update); False when none is (the error is raised)."""
+        first, up to the first damaged one, which is then left out for a while (said once per
+        problem, as a live model refuses a damaged update; :mod:`deck.serve.damaged`); False
+        when none is (the error is raised)."""
         for m in reversed(chain):
-            if m.id in self.bad or m.id in self._intact:
+            if m.id in self._intact:
                 continue
             report = verify_checkpoint(self.storage, m)
             problems = report.problems
@@ -231,20 +237,31 @@ class Follower:
             elif problems and not uncommitted_meanwhile(self.storage, m):
                 # (what could not be read is not damage, nor what GC deleted under it: the
                 # error is raised, and the next poll plans again)
-                self.bad.add(m.id)
                 self.refused[m.step] = problems[0]
-                logger.error(
-                    "deck follow: %s of %s is damaged (%s): the steps whose chains need it "
-                    "are not served; %s",
-                    m.folder,
-                    self.storage.uri,
-                    problems[0],
-                    "looking for the newest step without it"
-                    if self.state is None
-                    else f"{self.out_dir} keeps step {self.state[0]} or moves to a newer one",
-                )
+                if self.damaged.found(m.id, problems[0]):
+                    logger.error(
+                        "deck follow: %s of %s is damaged (%s): the steps whose chains need it "
+                        "are not served (it is read again later); %s",
+                        m.folder,
+                        self.storage.uri,
+                        problems[0],
+                        "looking for the newest step without it"
+                        if self.state is None
+                        else f"{self.out_dir} keeps step {self.state[0]} or moves to a newer one",
+                    )
                 return True
         return False
+
+    def _repaired(self, chain: list[CheckpointManifest]) -> None:
+        """``chain`` was served: those of its checkpoints found damaged before read whole."""
+        for m in chain:
+            if self.damaged.repaired(m.id):
+                self.refused.pop(m.step, None)
+                logger.info(
+                    "deck follow: %s of %s, found damaged before, reads whole now",
+                    m.folder,
+                    self.storage.uri,
+                )
 
     def _serve(self, chain: list[CheckpointManifest], t0: float) -> FollowUpdate:
         """Bring the output to the state of ``chain`` (its last checkpoint's)."""

@@ -17,7 +17,8 @@ Guarantees:
 - **All or nothing.** A version is read, checked and encoded whole before its first row is
   written (:mod:`deck.serve.live_read`); a damaged, foreign or out-of-order update raises
   there, is logged (ERROR) and reported to ``on_fault``, and the model keeps serving its
-  version; that checkpoint is never tried again. Requests under :meth:`serving` never read rows
+  version; another model's checkpoint is never tried again, a damaged one after a growing
+  wait (:mod:`deck.serve.damaged`). Requests under :meth:`serving` never read rows
   of two versions (:mod:`deck.serve.live_gate`).
 - **Rollback.** The rows replaced by the last ``keep_versions`` versions are kept, so
   :meth:`rollback` to any of them writes them back without reading storage; further back it
@@ -59,6 +60,7 @@ from deck.errors import (
     IncompatibleModelError,
 )
 from deck.read.catalog import checkpoint_label
+from deck.serve.damaged import DamagedCheckpoints
 from deck.serve.live_apply import Applying, PreparedTable, PreparedVersion, VersionSwitch
 from deck.serve.live_config import LiveConfig
 from deck.serve.live_dense import PreparedDense, find_dense, read_dense
@@ -126,7 +128,8 @@ class LiveModel:
         self.config = config or LiveConfig()
         self.gate = ServingGate({k: ts[0].num_rows for k, ts in self.tables.by_key.items()})
         self.history: deque[Replaced] = deque()
-        self.bad: set[str] = set()  # ids of checkpoints refused (never tried again)
+        self.bad: set[str] = set()  # ids of checkpoints refused (another model's: never again)
+        self.damaged = DamagedCheckpoints(clock)  # and found damaged (tried again later)
         self._seen: dict[str, float] = {}  # checkpoint id -> when a poll first planned it
         self.held = False
         # Whether the served version is one rollback() chose (not the newest the source had)
@@ -175,7 +178,7 @@ class LiveModel:
         with self._delivering(), self._lock:
             while not self.held and not self._stop.is_set() and not self._closed:
                 served = None if self.version == INITIAL else self.version
-                plans = self.source.next_plans(served, frozenset(self.bad))
+                plans = self.source.next_plans(served, self.damaged.waiting() | self.bad)
                 for f in self.source.take_faults():
                     self._refused(f.step, f.checkpoint, f.error)
                 now = time.time()
@@ -223,12 +226,25 @@ class LiveModel:
 
     def _prepare_or_refuse(self, plan: Plan) -> PreparedVersion | None:
         try:
-            return self.prepare(plan)
+            prepared = self.prepare(plan)
         except RefusedUpdateError as e:
             culprit = e.checkpoint
-            self.bad.add(culprit.id)
-            self._refused(plan.step, culprit.folder, str(e))
+            if not e.repairable:
+                self.bad.add(culprit.id)
+                self._refused(plan.step, culprit.folder, str(e))
+            elif self.damaged.found(culprit.id, str(e)):
+                self._refused(plan.step, culprit.folder, f"{e}; read again later")
+            else:
+                logger.debug("deck live: %s still damaged: %s", culprit.folder, e)
             return None
+        for m in plan.chain:
+            if self.damaged.repaired(m.id):
+                logger.info(
+                    "deck live: %s of %s, found damaged before, reads whole now",
+                    m.folder,
+                    self.source.uri,
+                )
+        return prepared
 
     def _refused(self, step: int, checkpoint: str, error: str) -> None:
         """An update that will not be applied: logged (ERROR), kept in :attr:`faults`, told to
@@ -278,7 +294,7 @@ class LiveModel:
             try:
                 dense = self.dense.prepare(read_dense(self.source.storage, last, got.parts), where)
             except CorruptCheckpointError as e:
-                raise RefusedUpdateError(str(e), last) from e
+                raise RefusedUpdateError(str(e), last, repairable=True) from e
             except IncompatibleModelError as e:
                 # Another model's dense state: so is the rest of the chain from its full, which
                 # is marked, not each step built on it in turn (a break-it finding: the first
@@ -416,7 +432,7 @@ class LiveModel:
             else:
                 at = []
                 try:
-                    plan = self.source.chain_to(step, frozenset(self.bad))
+                    plan = self.source.chain_to(step, self.damaged.known() | self.bad)
                 except CheckpointNotFoundError as e:
                     raise CheckpointNotFoundError(
                         f"rollback to step {step}: {replaced or e} (the served step is "

@@ -27,11 +27,16 @@ from deck.storage import Storage
 class RefusedUpdateError(DeckError):
     """A published checkpoint a live apply cannot use: damaged (a file fails its checksum, is
     missing or is not deck's) or foreign (its tables are not the served model's). The message
-    names the file and step; ``checkpoint`` is the one refused. Nothing was written."""
+    names the file and step; ``checkpoint`` is the one refused. Nothing was written.
+    ``repairable``: damage a later read may find gone (a file still being copied, or repaired),
+    not another model's tables."""
 
-    def __init__(self, message: str, checkpoint: CheckpointManifest) -> None:
+    def __init__(
+        self, message: str, checkpoint: CheckpointManifest, *, repairable: bool = False
+    ) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+        self.repairable = repairable
 
 
 @dataclass
@@ -101,7 +106,9 @@ def read_rows(
                 stored = {rec.table for part in parts for rec in part.shards}
                 _check_full(storage, m, shapes, pieces, stored)
         except (CorruptCheckpointError, IncompatibleModelError) as e:
-            raise RefusedUpdateError(str(e), m) from e
+            raise RefusedUpdateError(
+                str(e), m, repairable=isinstance(e, CorruptCheckpointError)
+            ) from e
     for table, got in pieces.items():
         ids = torch.cat([i for i, _ in got])
         values = torch.cat([v for _, v in got])

@@ -197,6 +197,48 @@ def test_a_damaged_newest_step_is_passed_by_and_the_step_below_served_exactly(
     assert follower.catch_up().step == 4
 
 
+def test_a_step_missing_a_chunk_when_first_read_is_served_once_it_lands(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a publish URI filled by a copy that lands the commit record before
+    the chunks (a sync tool) showed the newest delta with a chunk missing; the follower passed
+    it by and never read it again (a restarted one served it). Now it is read again after a
+    wait that doubles, not said again while the problem is the same, and served once whole:
+    bitwise what materialising it from scratch gives."""
+    import torch
+
+    from deck.serve.damaged import RETRY_FIRST_S
+    from deck.serve.follow import Follower
+
+    uri, out, trainer, _ = _following(tmp_path, 1)
+    trainer.train(rows=40)
+    trainer.save()
+    now = [0.0]
+    follower = Follower(LocalStorage(uri), str(out), clock=lambda: now[0])
+    chunk = sorted((uri / "step-000000000002").glob("*/rank-*/*/*.chunk"))[-1]
+    aside = tmp_path / "chunk"
+    chunk.rename(aside)
+    with caplog.at_level("INFO", logger="deck.serve.follow"):
+        assert follower.catch_up().step == 1
+        now[0] += RETRY_FIRST_S  # read again: still missing
+        assert follower.catch_up().how == "unchanged"
+        aside.rename(chunk)  # the copy lands
+        assert follower.catch_up().how == "unchanged"  # (its doubled wait is not over)
+        assert follower.refused.keys() == {2}
+        now[0] += 2 * RETRY_FIRST_S
+        update = follower.catch_up()
+        assert (update.step, update.how) == (2, "delta")
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and "read again later" in said[0], said
+    assert any("reads whole now" in r.getMessage() for r in caplog.records)
+    assert not follower.refused
+    reference = Follower(LocalStorage(uri), str(tmp_path / "ref"))
+    reference.materialise(2)
+    assert follower.tensors.keys() == reference.tensors.keys()
+    for name, t in reference.tensors.items():
+        assert torch.equal(follower.tensors[name], t), name
+
+
 def test_a_fresh_follower_of_a_damaged_full_says_nothing_can_be_served(tmp_path: Path) -> None:
     """Every step needs the damaged full: nothing to serve, said naming it, not retried in a
     loop around it (each checkpoint is verified once)."""

@@ -341,6 +341,44 @@ def test_the_deltas_after_a_refused_step_are_said_to_wait(
     assert live.step == 0 and not bitwise_diff(served, reference(f"{root}/pub", 0, SPEC))
 
 
+def test_a_step_damaged_when_first_read_is_applied_once_it_reads_whole(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a publish URI filled by a copy that lands the commit record before
+    the chunks (a sync tool) showed a step with a chunk missing; it was refused and never read
+    again, the model stale until the next full with nothing said after the first ERROR (a
+    fresh replica served it). Now it is read again after a wait that doubles (not said again
+    while the problem is the same) and applied once whole, bitwise, with what builds on it."""
+    from deck.serve.damaged import RETRY_FIRST_S
+
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    chunk = next(p for p in sorted(Path(pub, step_dir(2)).rglob("*")) if p.suffix == ".chunk")
+    aside = tmp_path / "chunk"
+    chunk.rename(aside)
+    now = [0.0]
+    served = serving_models(SPEC)
+    live = LiveModel(
+        list(served.values()), LocalStorage(pub), clock=lambda: now[0], sleep=lambda s: None
+    )
+    with caplog.at_level(logging.DEBUG, logger="deck.serve"):
+        assert [s.step for s in live.poll()] == [0]
+        (fault,) = live.faults  # (step 4's whole chain refused: its delta of step 2)
+        assert step_dir(2) in fault.checkpoint and "read again later" in fault.error, fault
+        now[0] += RETRY_FIRST_S  # read again: still missing, not said again
+        assert live.poll() == [] and len(live.faults) == 1
+        assert live.poll() == []  # (waiting: not read)
+        aside.rename(chunk)  # the copy lands
+        assert live.poll() == []  # (its wait, doubled, is not over)
+        now[0] += 2 * RETRY_FIRST_S
+        assert [s.step for s in live.poll()] == [2, 4]
+    reads = [r for r in caplog.records if "still damaged" in r.getMessage()]
+    assert len(reads) == 1, [r.getMessage() for r in caplog.records]
+    assert any("reads whole now" in r.getMessage() for r in caplog.records)
+    assert len(live.faults) == 1
+    assert not bitwise_diff(served, reference(f"{root}/pub", 4, SPEC))
+
+
 def test_a_request_outside_a_table_is_refused_naming_it(root: str) -> None:
     """Found by a user trying to break it: ids past a table's end went through the gate as
     another table's rows (or raised a bare IndexError)."""
