@@ -260,10 +260,10 @@ def test_an_interrupted_gc_says_how_far_it_got_and_the_next_run_finishes(tmp_pat
     env = {**os.environ, "DECK_FAILPOINTS": "gc.checkpoint.after_delete:2:interrupt"}
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 130, r.stdout + r.stderr
-    said = re.search(
-        r"deck gc interrupted at (\S+) \(checkpoint 2 it deleted or retired\)", r.stderr
+    said = re.fullmatch(
+        r"deck gc: interrupted at (\S+) \(checkpoint 2 it deleted or retired\): .*\n", r.stderr
     )
-    assert said and "run it again to finish" in r.stderr, r.stderr
+    assert said and "run it again to finish" in r.stderr, r.stderr  # (one line)
     assert not (uri / said.group(1) / "manifest.json").exists()
     r = _deck("gc", *argv[2:])
     assert r.returncode == 0 and "deleted" in r.stdout, r.stdout + r.stderr
@@ -578,6 +578,73 @@ def test_a_damaged_commit_record_is_damage_not_absence(ckpt: Path, tmp_path: Pat
     assert "export it by number (`deck export --step 5`)" in latest.stderr
     assert not (out / "latest").exists() and not (out / "10").exists()
     assert at5.returncode == 0, at5.stderr
+
+
+def _forge_a_table_shape(uri: Path, step: int, num_rows: int) -> Path:
+    """Give the first shard record of step ``step``'s first rank manifest another table height
+    (its shard still inside it), every checksum made to match: a record written by someone
+    else. Returns the rank manifest's path."""
+    from deck.format.checksum import checksum
+    from deck.format.manifest import CheckpointManifest, dump_model
+
+    storage = open_storage(str(uri))
+    m = read_manifests(storage)[step]
+    part = read_rank_manifests(storage, m)[0]
+    shards = list(part.shards)
+    shards[0] = shards[0].model_copy(update={"num_rows": num_rows})
+    data = dump_model(part.model_copy(update={"shards": tuple(shards)}))
+    ref = next(r for r in m.ranks if r.rank == part.rank)
+    (uri / m.folder / ref.path).write_bytes(data)
+    ranks = tuple(
+        r.model_copy(update={"nbytes": len(data), "checksum": checksum(data)}) if r is ref else r
+        for r in m.ranks
+    )
+    record = dump_model(CheckpointManifest.model_validate(m.model_copy(update={"ranks": ranks})))
+    (uri / m.folder / "manifest.json").write_bytes(record)
+    return uri / m.folder / ref.path
+
+
+def test_a_table_shape_its_full_does_not_have_is_damage_to_verify_and_export(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """A break-it finding: a rank manifest of a delta naming a table of another shape than its
+    full's (every checksum made to match) passed `deck verify --all` (exit 0, so neither a
+    quarantine nor a restore's fallback could go around it) while restore refused it as
+    damaged, and export called it a usage error (exit 2) without naming the file. Now verify
+    reports it and quarantines it, export exits 1 naming the file. A full whose records do not
+    cover the shape they claim is itself the damaged one (its deltas are not blamed)."""
+    delta, full = tmp_path / "delta", tmp_path / "full"
+    shutil.copytree(ckpt, delta)
+    shutil.copytree(ckpt, full)
+    forged = _forge_a_table_shape(delta, 10, 10**15)
+    _forge_a_table_shape(full, 0, SPEC.rows + 1)
+    r, export, quarantined, of_full = _decks(
+        ("verify", str(delta), "--all"),
+        (
+            "export",
+            str(delta),
+            "--step",
+            "10",
+            "--out",
+            str(tmp_path / "o"),
+            "--format",
+            "safetensors",
+        ),
+        ("verify", str(delta), "--step", "10", "--quarantine"),
+        ("verify", str(full), "--all"),
+    )
+    assert r.returncode == 1 and "1 with problems" in r.stdout, r.stdout + r.stderr
+    assert re.search(
+        rf"step 10: .*\n  BAD {re.escape(str(forged))} .*not one of the tables its chain restores",
+        r.stdout,
+    ), r.stdout
+    assert export.returncode == 1 and str(forged) in export.stderr, export.stderr
+    assert "not one of the tables its chain restores" in export.stderr, export.stderr
+    assert quarantined.returncode == 1 and "quarantined: restores" in quarantined.stdout
+    assert of_full.returncode == 1, of_full.stdout + of_full.stderr
+    bad = re.findall(r"^(step \d+|\S+ merged/\S+): .*problem", of_full.stdout, re.M)
+    assert bad == ["step 0"], of_full.stdout
+    assert f"of its {SPEC.rows + 1} x" in of_full.stdout, of_full.stdout
 
 
 def test_every_printing_command_ends_quietly_on_a_closed_pipe(ckpt: Path, tmp_path: Path) -> None:

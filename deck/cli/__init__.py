@@ -154,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 "exists and that it can be written)",
                 file=sys.stderr,
             )
-        except KeyboardInterrupt:
-            # (What a command leaves when interrupted is as after a kill: safe to run again)
+        except KeyboardInterrupt as e:
+            # (What a command leaves when interrupted is as after a kill: safe to run again;
+            # a command may say how far it got, as the interrupt's message)
             sys.stdout.flush()
-            print(f"deck {a.cmd}: interrupted", file=sys.stderr)
+            print(f"deck {a.cmd}: {e.args[0] if e.args else 'interrupted'}", file=sys.stderr)
             return 130
         # What is still buffered is written here, where a closed pipe is caught, not by the
         # interpreter at exit (which would print "Exception ignored ... BrokenPipeError" and

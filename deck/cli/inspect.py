@@ -279,7 +279,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
     avoid it: only damage that reads back a second time, never a read error."""
     from deck.read.catalog import manifest_keys, quarantine, read_manifests
     from deck.read.lineage import build_graph
-    from deck.read.verify import confirmed_damage, uncommitted_meanwhile, verify_checkpoint
+    from deck.read.verify import (
+        confirmed_damage,
+        full_tables,
+        uncommitted_meanwhile,
+        verify_checkpoint,
+    )
 
     storage = open_existing(a.uri, a.storage_options)
     # Every record read (not through the catalog): verify is where damage to them is found.
@@ -290,11 +295,18 @@ def cmd_verify(a: argparse.Namespace) -> int:
         print(f"step {s}: commit record damaged\n  BAD {why}")
     targets = _verify_targets(a, manifests, damaged)
     bad = len(damaged)
+    graph = build_graph(manifests)
+    fulls: dict[str, dict[str, tuple[int, int]] | None] = {}  # full id -> its tables
     t0 = time.perf_counter()
     for m in targets:
         label = f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder}"
         bar = progress_bar(f"verify {label}")
-        report = verify_checkpoint(storage, m, progress=bar.update if bar else None)
+        # What a restore checks besides the files: the tables of the full its chains start from
+        full = graph.full_below(m.id)
+        if full is not None and full.id != m.id and full.id not in fulls:
+            fulls[full.id] = full_tables(storage, full)
+        tables = None if full is None or full.id == m.id else fulls[full.id]
+        report = verify_checkpoint(storage, m, progress=bar.update if bar else None, tables=tables)
         if bar:
             bar.close()
         if report.problems and uncommitted_meanwhile(storage, m):
@@ -313,7 +325,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         if report.unreadable:
             print("  a read error is not damage: this checkpoint is kept; verify it again")
         if report.problems and a.quarantine:
-            proven = confirmed_damage(storage, m, report)
+            proven = confirmed_damage(storage, m, report, tables)
             if proven.problems:
                 quarantine(storage, m, proven.problems[0])
                 print("  quarantined: restores and the merger will not use it")
@@ -327,7 +339,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     checked = {m.step for m in targets if not m.is_merged}
     broken = {
         s: why
-        for s, why in build_graph(manifests).unrestorable().items()
+        for s, why in graph.unrestorable().items()
         if s not in damaged
         and (a.all or s in checked or (a.step is None and s > max(checked, default=-1)))
     }

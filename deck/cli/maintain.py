@@ -318,12 +318,10 @@ def cmd_gc(a: argparse.Namespace) -> int:
             if reached
             else "before it deleted a checkpoint"
         )
-        print(
-            f"deck gc interrupted {where}: every step it retains still restores; run it "
-            "again to finish",
-            file=sys.stderr,
-        )
-        raise
+        # (said by the one line every interrupted command prints: a break-it finding saw two)
+        raise KeyboardInterrupt(
+            f"interrupted {where}: every step it retains still restores; run it again to finish"
+        ) from None
     finally:
         if bar:
             bar.close()

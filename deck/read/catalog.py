@@ -569,6 +569,14 @@ def checkpoint_label(m: CheckpointManifest) -> str:
     return f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder} (step {m.step})"
 
 
+def part_where(storage: Storage, m: CheckpointManifest, rank: int) -> str:
+    """How errors name the rank ``rank`` part manifest of checkpoint ``m``: its file's URI."""
+    ref = next((r for r in m.ranks if r.rank == rank), None)
+    if ref is None:
+        return f"rank {rank} part of {checkpoint_label(m)} at {storage.uri}"
+    return f"{storage.describe(f'{m.folder}/{ref.path}')} ({checkpoint_label(m)})"
+
+
 def read_rank_manifests(storage: Storage, m: CheckpointManifest) -> list[RankManifest]:
     """The rank parts of a committed checkpoint, each verified against the commit record (read
     concurrently on a remote store; the first problem in rank order is raised)."""

@@ -399,6 +399,17 @@ class LineageGraph:
                 out.append(p)
         return out
 
+    def full_below(self, node_id: str) -> CheckpointManifest | None:
+        """The full that checkpoint ``node_id``'s chains start from (itself for a full): its
+        parent links (a merger checkpoint's oldest input) followed down; None when one is gone."""
+        node: LineageNode | None = self.nodes.get(node_id)
+        seen: set[str] = set()
+        while node is not None and node.kind is not Kind.FULL and node.id not in seen:
+            seen.add(node.id)
+            below = self.parents(node.id)
+            node = below[0] if below else None
+        return None if node is None or node.kind is not Kind.FULL else node.manifest
+
     def children(self, node_id: str) -> list[LineageNode]:
         """Checkpoints made from this one, or whose parent link names it."""
         n = self.nodes[node_id]
@@ -741,7 +752,12 @@ def best_valid_chain(
     :class:`deck.errors.CorruptCheckpointError`. Raises :class:`CheckpointNotFoundError` naming
     the damaged checkpoints when no valid chain is left.
     """
-    from deck.read.verify import confirmed_damage, uncommitted_meanwhile, verify_checkpoint
+    from deck.read.verify import (
+        confirmed_damage,
+        full_tables,
+        uncommitted_meanwhile,
+        verify_checkpoint,
+    )
 
     manifests = manifests if manifests is not None else read_manifests(storage)
     graph = LineageGraph(manifests, storage.uri)
@@ -758,10 +774,12 @@ def best_valid_chain(
                 + "; ".join(f"{i}: {p[0]}" for i, p in rejected.items())
             ) from None
         bad = None
+        tables = full_tables(storage, chain[0]) if len(chain) > 1 else None
         for m in chain:
             if m.id in verified:
                 continue
-            report = confirmed_damage(storage, m, verify_checkpoint(storage, m))
+            of = None if m is chain[0] else tables  # (what its full names: see verify)
+            report = confirmed_damage(storage, m, verify_checkpoint(storage, m, tables=of), of)
             if report.unreadable and not report.problems:
                 # Unknown is not damage: no fallback, no quarantine; the caller retries.
                 raise StorageError(

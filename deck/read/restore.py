@@ -30,7 +30,7 @@ from deck.format.manifest import (
 from deck.format.quantize import QUANTIZED_ADVICE, QuantizedStateError
 from deck.format.statefile import EXTRA_MAPPINGS, is_scalar_key
 from deck.model import TableShard
-from deck.read.catalog import checkpoint_label, read_rank_manifests
+from deck.read.catalog import checkpoint_label, part_where, read_rank_manifests
 from deck.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -355,14 +355,6 @@ def _check_covered(
             f"row and column of tables {sorted(set(uncovered))}; it is incomplete: run deck verify "
             "and restore another step"
         )
-
-
-def part_where(storage: Storage, m: CheckpointManifest, rank: int) -> str:
-    """How errors name the rank ``rank`` part manifest of checkpoint ``m``: its file's URI."""
-    ref = next((r for r in m.ranks if r.rank == rank), None)
-    if ref is None:
-        return f"rank {rank} part of {checkpoint_label(m)} at {storage.uri}"
-    return f"{storage.describe(f'{m.folder}/{ref.path}')} ({checkpoint_label(m)})"
 
 
 def _check_tables(

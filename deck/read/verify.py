@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from deck.errors import CorruptCheckpointError, DeckError, NotFoundError, StorageError
@@ -14,10 +14,18 @@ from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,
     FileRecord,
+    Kind,
+    RankManifest,
     ShardRecord,
     load_model,
 )
-from deck.read.catalog import checkpoint_label, get_records, overlapped, read_rank_manifests
+from deck.read.catalog import (
+    checkpoint_label,
+    get_records,
+    overlapped,
+    part_where,
+    read_rank_manifests,
+)
 from deck.storage import Storage
 
 
@@ -53,13 +61,17 @@ def verify_checkpoint(
     progress: Callable[[int], None] | None = None,
     *,
     decode: bool = True,
+    tables: Mapping[str, tuple[int, int]] | None = None,
 ) -> VerifyReport:
     """Read every file of checkpoint ``m`` and check sizes and checksums, and what a restore
     relies on besides (chunk layouts, row ids against their shard's record, state trees that
-    decode); never raises for corruption, it reports it (naming the file). On a remote store
-    the files are read concurrently (:func:`~deck.read.catalog.overlapped`), and checked in
-    order as they come. ``decode=False``: sizes, checksums and chunk layouts only (what
-    storage can damage), without torch (``deck gc`` checks so)."""
+    decode, one shape per table, a full's records covering its tables, and with ``tables``,
+    the tables of the full its chain starts from (:func:`full_tables`), that it names only
+    those, with their shapes); never raises for corruption, it reports it (naming the file).
+    On a remote store the files are read concurrently
+    (:func:`~deck.read.catalog.overlapped`), and checked in order as they come.
+    ``decode=False``: sizes, checksums and chunk layouts only (what storage can damage),
+    without torch (``deck gc`` checks so)."""
     if decode:
         # Imported here: decoding needs torch, which the readers of records do not load
         from deck.format.chunks import decode_chunk
@@ -70,6 +82,8 @@ def verify_checkpoint(
     except DeckError as e:
         report.note(e)
         return report
+    for problem in table_problems(storage, m, parts, tables):
+        report.note(CorruptCheckpointError(problem))
     # The rank manifests were read and checked above: counted like the data files, so that
     # verify's bytes are those `deck ls` shows (CheckpointManifest.data_bytes).
     report.files += len(m.ranks)
@@ -164,13 +178,75 @@ class _Read:
     error: DeckError | None = None
 
 
-def confirmed_damage(storage: Storage, m: CheckpointManifest, report: VerifyReport) -> VerifyReport:
+def table_problems(
+    storage: Storage,
+    m: CheckpointManifest,
+    parts: list[RankManifest],
+    tables: Mapping[str, tuple[int, int]] | None,
+) -> list[str]:
+    """What a restore would refuse in the shard records of ``m`` (its rank manifests
+    ``parts``), each naming the file: a table of two shapes; a full whose records do not
+    cover a table; with ``tables`` (those of the full its chain starts from), a table not
+    among them or of another shape. A break-it finding: a rank manifest whose table shape was
+    changed (and every checksum made to match) passed verify, while restore and export refused
+    it as damaged, so neither a quarantine nor a fallback could go around it."""
+    out: list[str] = []
+    shapes: dict[str, tuple[int, int]] = {}
+    area: dict[str, int] = {}
+    for part in parts:
+        where = part_where(storage, m, part.rank)
+        for rec in part.shards:
+            shape = (rec.num_rows, rec.num_cols)
+            if shapes.setdefault(rec.table, shape) != shape:
+                out.append(
+                    f"{where}: table {rec.table!r} is {shape[0]} x {shape[1]} here and "
+                    f"{shapes[rec.table][0]} x {shapes[rec.table][1]} in another record of "
+                    "the checkpoint; the record is damaged or was not written by deck"
+                )
+            elif tables is not None and tables.get(rec.table) != shape:
+                known = tables.get(rec.table)
+                out.append(
+                    f"{where}: table {rec.table!r} of shape {shape} is not one of the tables "
+                    f"its chain restores ({known if known else 'no such table in its full'}); "
+                    "the record is damaged or was not written by deck"
+                )
+            area[rec.table] = area.get(rec.table, 0) + rec.rows * rec.cols
+    if m.kind is Kind.FULL:
+        for table, (rows, cols) in sorted(shapes.items()):
+            if area[table] < rows * cols:
+                out.append(
+                    f"full checkpoint {checkpoint_label(m)} at {storage.uri}: its records of "
+                    f"table {table!r} hold {area[table]} of its {rows} x {cols} values; a "
+                    "record is damaged or was not written by deck"
+                )
+    return out
+
+
+def full_tables(storage: Storage, m: CheckpointManifest) -> dict[str, tuple[int, int]] | None:
+    """The tables (name -> rows, cols) of full checkpoint ``m``, which every later checkpoint of
+    its chains must name only of; None when its records cannot be read or contradict each other
+    (its own verify reports that: nothing to judge the others by)."""
+    try:
+        parts = read_rank_manifests(storage, m)
+    except DeckError:
+        return None
+    if table_problems(storage, m, parts, None):
+        return None
+    return {rec.table: (rec.num_rows, rec.num_cols) for part in parts for rec in part.shards}
+
+
+def confirmed_damage(
+    storage: Storage,
+    m: CheckpointManifest,
+    report: VerifyReport,
+    tables: Mapping[str, tuple[int, int]] | None = None,
+) -> VerifyReport:
     """Damage is proven only when it reads back: ``m`` (whose ``report`` found problems) is
-    verified a second time, and only what that finds counts. Quarantine on the returned report's
-    ``problems``, never on ``unreadable``."""
+    verified a second time (against the same ``tables``), and only what that finds counts.
+    Quarantine on the returned report's ``problems``, never on ``unreadable``."""
     if not report.problems:
         return report
-    return verify_checkpoint(storage, m)
+    return verify_checkpoint(storage, m, tables=tables)
 
 
 def uncommitted_meanwhile(storage: Storage, m: CheckpointManifest) -> bool:

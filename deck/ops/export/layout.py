@@ -25,12 +25,13 @@ from deck.ops.export.dense import eager_state, table_name
 from deck.read.catalog import (
     checkpoint_label,
     damaged_records,
+    part_where,
     read_manifests,
     read_rank_manifests,
 )
 from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
-from deck.read.restore import apply_chain, part_where
-from deck.read.verify import check_files
+from deck.read.restore import apply_chain
+from deck.read.verify import check_files, table_problems
 from deck.storage import Storage
 
 
@@ -183,6 +184,7 @@ class StepState:
             m.folder: read_rank_manifests(self.storage, m) for m in self.chain
         }
         self.parts: list[RankManifest] = self.rank_parts[self.last.folder]
+        self._check_tables()
         self.read_bytes = chain_bytes(self.chain)
         ranked = sorted(self.parts, key=lambda p: p.rank)
         self.tables: dict[str, tuple[int, int]] = {
@@ -268,6 +270,19 @@ class StepState:
                 )
             out.append(Piece(fqn, path, state, size, offsets, sizes, dtype, i))
         return out
+
+    def _check_tables(self) -> None:
+        """The chain's records name one shape per table, the full covers its tables, and each
+        later checkpoint names only the full's tables, with their shapes (what a restore
+        checks; a break-it finding: a forged shape was refused as an unclear usage error)."""
+        tables = None
+        for m in self.chain:
+            parts = self.rank_parts[m.folder]
+            problems = table_problems(self.storage, m, parts, tables)
+            if problems:
+                raise CorruptCheckpointError(f"{problems[0]}: run deck verify")
+            if tables is None:
+                tables = {r.table: (r.num_rows, r.num_cols) for p in parts for r in p.shards}
 
     def _check_cover(self) -> None:
         """Every exported tensor is covered exactly once by its pieces (shards never overlap)."""
