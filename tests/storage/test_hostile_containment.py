@@ -139,7 +139,8 @@ def test_a_linked_step_folder_is_invisible_and_never_written_through(
     ck: Path, written: tuple[Path, dict[int, Saved]], tmp_path: Path
 ) -> None:
     """A ``step-N/`` that is a link: readers do not see it (the other steps restore), GC does
-    not enter it, and a save of that step is refused naming the link, writing nothing there."""
+    not enter it, and a save of that step is refused naming the link, writing nothing there.
+    Each command says it left the link out (a break-it finding: not a word)."""
     outside = tmp_path / "outside"
     linked = ck / step_dir(12)
     shutil.copytree(linked, outside / "s12")
@@ -148,10 +149,11 @@ def test_a_linked_step_folder_is_invisible_and_never_written_through(
     before = _tree(outside)
     assert sorted(read_manifests(LocalStorage(ck))) == STEPS[:-1]
     _restores(ck, written[1], [9])
-    p = _deck("gc", str(ck), "--grace", "0")
-    assert p.returncode == 0, p.stdout + p.stderr
-    p = _deck("verify", str(ck), "--all")
-    assert p.returncode == 0, p.stdout + p.stderr
+    said = f"{linked} is a symbolic link: deck never follows links below its root"
+    for cmd in (("gc", str(ck), "--grace", "0"), ("verify", str(ck), "--all"), ("ls", str(ck))):
+        p = _deck(*cmd)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stderr.count(said) == 1, p.stderr
     tr = SynthTrainer(LocalStorage(ck))
     tr.step = 12
     with pytest.raises(UnsafePathError, match=f"{step_dir(12)} is a symbolic link"):
