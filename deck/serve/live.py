@@ -79,8 +79,8 @@ __all__ = ["LiveConfig", "LiveFault", "LiveModel", "Served", "VersionSwitch"]
 class LiveFault:
     """An update that did not reach the served model (what ``on_fault`` receives)."""
 
-    step: int
-    checkpoint: str  # the folder of the checkpoint refused (or where its message was: Kafka)
+    step: int  # the step not applied
+    checkpoint: str  # the folder of the checkpoint refused, of its chain (or its message: Kafka)
     uri: str
     error: str
     serving: State  # the version served instead
@@ -251,10 +251,13 @@ class LiveModel:
         ``on_fault``; the served version stays."""
         fault = LiveFault(step, checkpoint, self.source.uri, error, self.version)
         self.faults.append(fault)
+        # (the step not applied first, then the checkpoint refused: of its chain, maybe another
+        # step's; a break-it finding read the two as contradicting each other)
         logger.error(
-            "deck live: %s of %s not applied (%s); serving step %d (checkpoint %s)",
-            checkpoint,
+            "deck live: step %d of %s not applied (%s: %s); serving step %d (checkpoint %s)",
+            step,
             self.source.uri,
+            checkpoint,
             error,
             self.version[0],
             self.version[1] or "-",

@@ -372,6 +372,9 @@ def test_a_step_damaged_when_first_read_is_applied_once_it_reads_whole(
         assert live.poll() == []  # (its wait, doubled, is not over)
         now[0] += 2 * RETRY_FIRST_S
         assert [s.step for s in live.poll()] == [2, 4]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(said) == 1 and said[0].startswith(f"deck live: step 4 of {pub} not applied ("), said
+    assert f"{step_dir(2)}/" in said[0], said
     reads = [r for r in caplog.records if "still damaged" in r.getMessage()]
     assert len(reads) == 1, [r.getMessage() for r in caplog.records]
     assert any("reads whole now" in r.getMessage() for r in caplog.records)
