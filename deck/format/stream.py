@@ -303,9 +303,10 @@ def _checked(
         )
     if value is None or h.get("xxh3") != _digest(value):
         raise CorruptStreamError(
-            f"{where}: the message fails its checksum (damaged on the way or on the broker); "
-            "the step cannot be applied from the stream: restore the loader from its full "
-            "(the follower's full_uri) or wait for the next full publish"
+            f"{where}: the message fails its checksum (damaged on the way or on the broker, "
+            "or not a publisher's); a step that needs it cannot be applied from the stream: "
+            "the loader moves on at the next full publish (or restore it from its full, the "
+            "follower's full_uri)"
         )
     return h
 

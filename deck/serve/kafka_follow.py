@@ -100,6 +100,10 @@ logger = logging.getLogger(__name__)
 # listed end may lag: docs/operations.md, the Tansu quirk); a broker that offers nothing past
 # the real end (Tansu) sends no end-of-partition event to say it is wrong.
 HINT_WAIT_S = 2.0
+# The bytes of later steps' segments a partition's reader keeps for their markers. A publisher
+# has a few checkpoints in flight at most; another run publishing higher steps to the topic, or
+# a forged flood, would otherwise grow the loader's memory without end (a break-it finding).
+AHEAD_MAX_BYTES = 1 << 30
 
 
 class _Named(StorageWrapper):
@@ -223,6 +227,7 @@ class PartitionReader:
         self.messages = 0  # messages read, and their value bytes: what a start costs
         self.bytes = 0
         self.ahead: list[Segment] = []
+        self.said_ahead = False  # (the cap on :attr:`ahead` reached: said once)
         self.position = offset
         self.eof: int | None = None
         self.consumer.assign([self._at(offset)])
@@ -431,11 +436,15 @@ def pull_files(
     pieces: dict[str, dict[int, bytes]] = {}
     counts: dict[str, int] = {}
     keep: list[Segment] = []
+    kept = [0]  # bytes in ``keep``
 
     def take(seg: Segment) -> None:
         step, _ = _step_of(seg.key)
         if step > marker.step:
             keep.append(seg)  # a later step's: its marker comes later
+            kept[0] += len(seg.data)
+            if kept[0] > AHEAD_MAX_BYTES:
+                kept[0] = shed(reader, keep, marker)
         elif seg.key in need:
             pieces.setdefault(seg.key, {})[seg.seg] = seg.data
             counts[seg.key] = seg.segs
@@ -448,6 +457,7 @@ def pull_files(
         reader.rewind(why)
         pieces.clear()
         keep.clear()
+        kept[0] = 0
 
     ahead, reader.ahead = reader.ahead, []
     for seg in ahead:
@@ -499,6 +509,38 @@ def pull_files(
             )
     reader.ahead = keep
     return {k: b"".join(v[i] for i in range(counts[k])) for k, v in pieces.items()}
+
+
+def shed(reader: PartitionReader, keep: list[Segment], marker: Marker) -> int:
+    """Cut ``keep`` (later steps' segments, in place) to :data:`AHEAD_MAX_BYTES`, the farthest
+    steps dropped first: the next step's files are what a publisher sends next, far-off steps
+    are most likely not this run's. A step whose segment was dropped cannot be proven from the
+    stream: the loader moves on at the next full, as after a lost message. Returns the bytes
+    left."""
+    keep.sort(key=lambda s: (_step_of(s.key)[0], s.offset))
+    total, cut = 0, len(keep)
+    for i, s in enumerate(keep):
+        if total + len(s.data) > AHEAD_MAX_BYTES:
+            cut = i
+            break
+        total += len(s.data)
+    dropped = keep[cut:]
+    del keep[cut:]
+    if dropped and not reader.said_ahead:
+        reader.said_ahead = True
+        logger.warning(
+            "deck follow: kafka topic %s partition %d: over %d MiB of segments of steps after "
+            "step %d wait for their markers (steps %d-%d); those of the farthest steps are "
+            "dropped (another run publishing higher steps to this topic, or messages not a "
+            "publisher's?); a step that needed them is passed by until the next full. Said once",
+            reader.topic,
+            reader.partition,
+            AHEAD_MAX_BYTES >> 20,
+            marker.step,
+            _step_of(dropped[0].key)[0],
+            _step_of(dropped[-1].key)[0],
+        )
+    return total
 
 
 @dataclass

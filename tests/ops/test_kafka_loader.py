@@ -190,6 +190,49 @@ def test_a_running_loader_moves_on_at_the_next_full_after_stray_messages(
     pub.close()
 
 
+def test_segments_of_far_later_steps_are_held_within_a_bound(
+    broker: TansuBroker,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A break-it finding: valid segments of steps no marker of this run reaches (another run
+    publishing higher steps, a forged flood) were kept for their markers without a bound, the
+    loader's memory growing with them and nothing said. Held up to a cap, the farthest steps
+    dropped first, said once; the run's own steps are applied all the same."""
+    from deck.format.stream import rank_partition, segment_headers
+    from deck.serve import kafka_follow
+
+    cap = 64 << 10
+    monkeypatch.setattr(kafka_follow, "AHEAD_MAX_BYTES", cap)
+    topic = _topic(broker)
+    name = topic.rsplit("/", 1)[1]
+    pub = SynthPublisher(topic, str(tmp_path / "state"))
+    s0, s1 = pub.publish("full"), pub.publish()
+    out = str(tmp_path / "out")
+    kf = _loader(topic, out)
+    try:
+        kf.catch_up()
+        for i in range(12):
+            data = bytes([i]) * (16 << 10)
+            key = f"step-{10**11 + i:012d}/{i:016x}/rank-00000/t0.weight/c0-r0-000000.chunk"
+            headers = segment_headers(key, 0, 1, len(data), memoryview(data))
+            inject(broker.bootstrap, name, rank_partition(0), data, headers)
+        s2, s3 = pub.publish(), pub.publish()
+        with caplog.at_level(logging.WARNING, logger="deck"):
+            kf.catch_up()
+        held = kf.readers[rank_partition(0)].ahead
+        assert 0 < sum(len(s.data) for s in held) <= cap, len(held)
+        assert min(int(s.key[5:17]) for s in held) == 10**11  # (the nearest kept)
+    finally:
+        kf.close()
+    assert kf.stats.applied == [s0, s1, s2, s3], kf.stats
+    _serves(out, pub, s3)
+    said = [r.getMessage() for r in caplog.records if "wait for their markers" in r.getMessage()]
+    assert len(said) == 1 and f"partition {rank_partition(0)}" in said[0], said
+    pub.close()
+
+
 def test_foreign_stream_is_refused(
     broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
