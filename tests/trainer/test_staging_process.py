@@ -256,7 +256,9 @@ def test_a_dead_staging_process_of_rank_1_leaves_a_failure_record(
         stager.close()
 
 
-def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Path) -> None:
+def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Found by a user trying to break it: a staging process killed just before a checkpoint
     failed it with "is gone ([Errno 32] Broken pipe)" when the send found it dead before its
     receiver did, and then the next checkpoint failed too (only a death the receiver had
@@ -289,6 +291,9 @@ def test_a_death_found_by_a_send_fails_one_checkpoint_and_says_why(tmp_path: Pat
         for stats in parts:
             assert stats.progress.wait(60), stats
             assert stats.state == "failed" and "died (signal 9" in (stats.error or ""), stats
+        # The steps it took with it are named where its death is said (a break-it finding)
+        said = [r.getMessage() for r in caplog.records if "died (signal 9" in r.getMessage()]
+        assert len(said) == 1 and "step(s) 1, 2, 3 in its hands are not committed" in said[0]
     finally:
         stager.close()
 

@@ -596,8 +596,16 @@ class ProcessStager:
                 ]
         chan.close()
         if not closing:
+            # (naming the steps it took with it: a break-it finding saw a step that step()
+            # had returned vanish with no line naming it)
+            lost = sorted({p.step for p, _, _ in parts if id(p) not in reached})
             logger.error(
-                "deck: %s; the next %s raises, and the one after is a full", death, self.label
+                "deck: %s; %s; the next %s raises, and the one after is a full",
+                death,
+                f"step(s) {', '.join(map(str, lost))} in its hands are not committed"
+                if lost
+                else "nothing was in its hands",
+                self.label,
             )
         for buf in lent:
             self.pool.release(buf)
