@@ -106,6 +106,9 @@ class TorchRecAdapter(ModelAdapter):
         self._warned_full: set[str] = set()
         self._tbes: list[Any] = []
         self._grads: GradientWatch | None = None
+        # Trainable dense parameters in none of the dense optimizers given (see watch_gradients)
+        self._unwatched: list[tuple[str, torch.nn.Parameter]] = []
+        self._said_unoptimized = False
         # table_shards() and dense_state(), with the generation of the model's tensors they were
         # read in: reused while no tensor moved (a state_dict walk would sit in every stall)
         self._slots: TensorSlots | None = None
@@ -151,16 +154,20 @@ class TorchRecAdapter(ModelAdapter):
                 tables[key] = _TableInfo(module_path, key, name, ps.sharding_type)
         return tables
 
+    def _dense_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters outside its sharded tables, by name."""
+        # (data_parallel tables are parameters of their sharded collection too)
+        tables = {id(p) for m in self.sharded_modules().values() for p in m.parameters()}
+        return [
+            (n, p)
+            for n, p in self.model.named_parameters()
+            if id(p) not in tables and not local_shards(p)
+        ]
+
     def _refuse_state_deck_cannot_see(self) -> None:
         """Training state held where no optimizer deck is given can reach it, which a restore
         would lose (break-it findings: both restored without a word, then trained apart)."""
-        # (data_parallel tables are parameters of their sharded collection too)
-        tables = {id(p) for m in self.sharded_modules().values() for p in m.parameters()}
-        hidden = [
-            n
-            for n, p in self.model.named_parameters()
-            if in_backward_optimized(p) and id(p) not in tables and not local_shards(p)
-        ]
+        hidden = [n for n, p in self._dense_parameters() if in_backward_optimized(p)]
         if hidden:
             raise UnsupportedError(
                 f"dense parameters {hidden[:4]} are updated by an optimizer applied in backward "
@@ -425,7 +432,17 @@ class TorchRecAdapter(ModelAdapter):
         }
         names = [(n, p) for n, p in self.model.named_parameters() if id(p) in watched]
         self._grads = GradientWatch(names)
+        self._unwatched = [
+            (n, p) for n, p in self._dense_parameters() if p.requires_grad and id(p) not in watched
+        ]
         return self._grads.handle
+
+    def unoptimized_parameters(self) -> list[str]:
+        if self._said_unoptimized:
+            return []
+        got = [n for n, p in self._unwatched if p.grad is not None]
+        self._said_unoptimized = bool(got)
+        return got
 
     def unapplied_gradients(self) -> list[str]:
         return [] if self._grads is None else self._grads.unapplied()

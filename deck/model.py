@@ -247,6 +247,13 @@ class ModelAdapter(abc.ABC):
         None: not watched."""
         return None
 
+    def unoptimized_parameters(self) -> list[str]:
+        """The dense parameters (by name) that a backward gave a gradient but that are in none
+        of the optimizers given to :meth:`watch_gradients`: an optimizer deck was not given may
+        update them, whose state a restore would lose. Each list is given once (asked at every
+        checkpoint, said once)."""
+        return []
+
     def unapplied_gradients(self) -> list[str]:
         """The dense parameters (by name) holding a gradient, not zero, that a backward
         accumulated since an optimizer step last changed them: a checkpoint saves no

@@ -565,10 +565,14 @@ def _check_version(v: int) -> int:
     return v
 
 
+# Step folders are named by 12 digits (docs/format.md): the largest step a checkpoint can have
+MAX_STEP = 10**12 - 1
+
+
 def step_dir(step: int) -> str:
     """Folder of the checkpoint of ``step``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
     return f"step-{step:012d}"
 
 
@@ -587,6 +591,13 @@ def as_step(step: object, call: str) -> int:
         ) from None
     if value < 0:
         raise ConfigError(f"{call}(step={value}): steps are numbered from 0")
+    if value > MAX_STEP:
+        # (a break-it finding: step() took it, and the checkpoint failed in the background)
+        raise ConfigError(
+            f"{call}(step={value}): a step is at most {MAX_STEP:,} (a step folder's name "
+            "holds 12 digits); give the training step's number, not a clock's time (Unix "
+            "milliseconds or nanoseconds are larger)"
+        )
     return value
 
 

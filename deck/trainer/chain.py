@@ -830,6 +830,16 @@ class ChainWriter:
                 "pause() alike (run evaluation forwards under torch.no_grad())"
             )
             return snap
+        unoptimized = self.adapter.unoptimized_parameters()
+        if unoptimized:
+            # (a break-it finding: a dense optimizer left out of enable restored without a
+            # word, its state fresh; a parameter frozen by leaving it out is fine, so said)
+            logger.warning(
+                "deck: dense parameter(s) %s get gradients but are in none of the optimizers "
+                "given to deck.enable: if an optimizer updates them, pass it to deck.enable "
+                "(its state is not checkpointed: a restore would start it afresh); said once",
+                ", ".join(unoptimized[:4]) + (", ..." if len(unoptimized) > 4 else ""),
+            )
         unapplied = self.adapter.unapplied_gradients()
         if unapplied:
             # Every rank accumulates in the same loop, so every rank refuses (and the vote

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -39,7 +40,7 @@ from deck.read.restore import (
 )
 from deck.read.window import read_window
 from deck.stack import require_torchrec
-from deck.storage import Storage, check_writable, open_storage
+from deck.storage import PROBE_PREFIX, Storage, check_writable, open_storage
 from deck.trainer.chain import ChainWriter, lineage_changed
 from deck.trainer.coordination import Coordinator
 from deck.trainer.events import CheckpointEvent, EventQueue, OnCheckpoint
@@ -118,6 +119,7 @@ class DeltaCheckpointer:
                 refused = e
             self.coord.agree_on_failure(refused, "deck.enable")
             self.coord.agree_on_values(self._what_ranks_share(config), "deck.enable")
+            self._check_same_store(self.storage, "DeckConfig.uri")
             self._lease = self._take_lease(
                 self.storage, then=lambda _epoch: refuse_publish_uri(self.storage)
             )
@@ -161,6 +163,11 @@ class DeltaCheckpointer:
     ) -> list[TableShard]:
         """The local part of construction (no collective): the adapter, the storage, the
         optimizers and user state, the tracker and its hooks. Raises what this rank refuses."""
+        if not isinstance(config, DeckConfig):  # (a break-it finding: an AttributeError)
+            raise ConfigError(
+                f"config must be a deck.DeckConfig, not {type(config).__name__} (from a dict: "
+                "deck.DeckConfig(**values) or deck.DeckConfig.model_validate(values))"
+            )
         self.adapter = adapter or default_adapter(model)
         # ``storage`` replaces the store opened from ``config.uri`` (a custom backend, or a
         # fault-injecting wrapper in tests); everything goes through this one interface.
@@ -196,7 +203,13 @@ class DeltaCheckpointer:
                 "publish": {"storage_options", "kafka"},
             },
         )
-        out = {f"DeckConfig.{k}": json.dumps(v, sort_keys=True) for k, v in shared.items()}
+        # (each field of a nested config named apart: a break-it finding read "disagree on
+        # DeckConfig.staging" without which of its fields)
+        out = {
+            f"DeckConfig.{k}{f'.{f}' if f else ''}": json.dumps(x, sort_keys=True)
+            for k, v in shared.items()
+            for f, x in (v.items() if isinstance(v, dict) else [("", v)])
+        }
         out["dense optimizers"] = json.dumps(len(self._optimizers.dense))
         out["optimizer wrappers"] = json.dumps(sorted(self._optimizers.wrappers))
         out["state"] = json.dumps(self._state is not None)
@@ -355,6 +368,7 @@ class DeltaCheckpointer:
         publish_storage_given = storage is not None
         store = storage or open_storage(place, cfg.storage_options)
         _require_shared(place, "DeckConfig.publish", self.coord.world_size)
+        self._check_same_store(store, "DeckConfig.publish")
         timeout_s = self.config.staging.upload_timeout_s
         # One job per publish URI, as per checkpoint URI: two jobs publishing to one place
         # (at once, or one after the other: deck.trainer.publish_owner) would each start a
@@ -380,6 +394,41 @@ class DeltaCheckpointer:
             publish = cfg if sink_only else None
             reopen = Reopen(place, cfg.storage_options, publish, self.coord.world_size, timeout_s)
         return self._chain("publish", PUBLISH_CONSUMER, storage, on_gpu, reopen, lease, quantize)
+
+    def _check_same_store(self, storage: Storage, field: str) -> None:
+        """Collective: every rank sees what rank 0 writes at ``storage`` (a probe object, then
+        deleted), or every rank raises. A break-it finding: a relative path (each process's
+        working directory), or a local folder on hosts that share no disk, was taken; each rank
+        wrote its parts where the others never looked, nothing was committed and close() waited
+        an hour for the missing parts."""
+        if self.coord.world_size == 1:
+            return
+        key = ""
+        refused: Exception | None = None
+        if self.coord.rank == 0:
+            key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+            try:
+                storage.put(key, b"deck: every rank must see this\n")
+            except OSError as e:
+                key, refused = "", e
+        key = self.coord.gather_bytes(key.encode())[0].decode()  # rank 0's
+        try:
+            if self.coord.rank != 0 and key and not storage.exists(key):
+                refused = ConfigError(
+                    f"{field}: rank {self.coord.rank} does not see at {storage.uri} what rank 0 "
+                    "wrote at its URI: every rank must reach the same store (a shared file "
+                    "system or an object store); a relative path resolves against each "
+                    "process's working directory, and a local folder is not shared between "
+                    "hosts"
+                )
+        except OSError as e:
+            refused = e
+        try:
+            self.coord.agree_on_failure(refused, "deck.enable")
+        finally:
+            if key and self.coord.rank == 0:
+                with contextlib.suppress(OSError):
+                    storage.delete(key)
 
     def _take_lease(
         self, storage: Storage, then: Callable[[int | None], None] | None = None
