@@ -224,13 +224,15 @@ def table_problems(
 
 def full_tables(storage: Storage, m: CheckpointManifest) -> dict[str, tuple[int, int]] | None:
     """The tables (name -> rows, cols) of full checkpoint ``m``, which every later checkpoint of
-    its chains must name only of; None when its records cannot be read or contradict each other
-    (its own verify reports that: nothing to judge the others by)."""
+    its chains must name only of; None when its records cannot be read, contradict each other
+    or its files their records (:func:`check_files`: a full whose records were all forged
+    alike, whose deltas must not be blamed for it): its own verify reports that, and there is
+    nothing to judge the others by."""
     try:
         parts = read_rank_manifests(storage, m)
     except DeckError:
         return None
-    if table_problems(storage, m, parts, None):
+    if table_problems(storage, m, parts, None) or check_files(storage, m):
         return None
     return {rec.table: (rec.num_rows, rec.num_cols) for part in parts for rec in part.shards}
 

@@ -275,10 +275,15 @@ class StepState:
         """The chain's records name one shape per table, the full covers its tables, and each
         later checkpoint names only the full's tables, with their shapes (what a restore
         checks; a break-it finding: a forged shape was refused as an unclear usage error)."""
+        full = self.chain[0]
         tables = None
         for m in self.chain:
             parts = self.rank_parts[m.folder]
             problems = table_problems(self.storage, m, parts, tables)
+            if problems and m is not full:
+                # The full may be the damaged one (its records all forged alike): its files
+                # are named first, as verify names them
+                problems = check_files(self.storage, full) or problems
             if problems:
                 raise CorruptCheckpointError(f"{problems[0]}: run deck verify")
             if tables is None:
