@@ -19,9 +19,17 @@ from deck.testing.safetensors_checks import assert_holds_model
 
 pytestmark = pytest.mark.slow
 # Column-wise tables (row-wise optimizer state in TorchRec's per-column-shard layout) and a
-# data-parallel table (dense state); small enough to write in a few seconds.
+# data-parallel table (dense state); small enough to write in a few seconds. Adam: a dense
+# optimizer whose state is made at its first step (a break-it finding: the documented DCP
+# recipe, tested with Adagrad only, loaded none of Adam's state into a fresh one)
 SPEC = ModelSpec(
-    num_tables=3, rows=300, dim=16, batch=32, sharding="column_wise", data_parallel_tables=(2,)
+    num_tables=3,
+    rows=300,
+    dim=16,
+    batch=32,
+    sharding="column_wise",
+    data_parallel_tables=(2,),
+    dense_optimizer="adam",
 )
 STEP = 15
 
@@ -68,6 +76,7 @@ def _compare(rank: int, world_size: int, uri: str, dcp_dir: str, st_file: str) -
     # The DCP export loaded into another fresh model, the way a TorchRec user loads DCP.
     model_b, opt_b = build_model(SPEC, seed=202)
     assert diff_states(want, capture_state(model_b, opt_b))  # the fresh model differs
+    opt_b.init_state()  # (TorchRec's way to make lazily made state before an in-place load)
     optim = CombinedOptimizer([model_b.fused_optimizer, opt_b])
     sd = {"model": model_b.state_dict(), "optim": optim.state_dict()}
     dcp.load(sd, checkpoint_id=dcp_dir)
