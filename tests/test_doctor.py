@@ -147,6 +147,14 @@ def test_a_setup_deck_restores_exactly_passes(tmp_path: Path) -> None:
     # --uri keeps the checkpoints, and the doctor refuses a URI that holds some
     assert 4 in {c.step for c in deck.list_checkpoints(str(uri))}
     assert main(["doctor", "tests.doctor_models:passing", "--uri", str(uri)]) == 2
+    # ... and one holding anything, or that cannot be written (break-it findings: a folder of
+    # the user's own files was written into; an unwritable one was a "difference", exit 1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    assert main(["doctor", "tests.doctor_models:passing", "--uri", str(mine)]) == 2
+    assert main(["doctor", "tests.doctor_models:passing", "--uri", "/proc/nope"]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from deck.doctor.setup import DoctorSetup, build_setup, load_entry, normalize_en
 from deck.errors import DeckError, DoctorError
 from deck.processes import end_rank, init_process_group, rendezvous
 from deck.read.catalog import list_checkpoints
-from deck.storage import open_storage
+from deck.storage import check_writable, open_storage
 from deck.trainer.checkpointer import DeltaCheckpointer, enable
 
 _ORDER = (*KINDS, RESTORE, LOSS, DECK_ERROR)
@@ -93,8 +93,8 @@ def run_doctor(
     load_entry(entry)  # an import error is reported before any rank starts
     with tempfile.TemporaryDirectory(prefix="deck-doctor-") as work:
         target = uri or os.path.join(work, "checkpoints")
-        if uri is not None and list_checkpoints(open_storage(uri, storage_options)):
-            raise DoctorError(f"uri {uri} holds checkpoints already: give the doctor an empty one")
+        if uri is not None:
+            _check_uri(uri, storage_options)
         plan = DoctorPlan(entry, steps, every, more, target, storage_options, work, progress)
         _say(plan, f"starting {ranks} gloo ranks; checkpoints go to {target}")
         try:
@@ -105,6 +105,24 @@ def run_doctor(
             report = _report(plan, ranks, json.loads((Path(work) / "result.json").read_text()))
     report.uri = uri  # None: the temporary folder is gone
     return report
+
+
+def _check_uri(uri: str, storage_options: dict[str, Any] | None) -> None:
+    """An empty store the doctor can write, or a :class:`DoctorError` (break-it findings: a
+    folder of the user's own files was written into, and a store that cannot be written was
+    reported as a difference of the setup, exit 1, not as an error that stopped it)."""
+    storage = open_storage(uri, storage_options)
+    if list_checkpoints(storage):
+        raise DoctorError(f"uri {uri} holds checkpoints already: give the doctor an empty one")
+    if storage.list_dir(""):
+        raise DoctorError(
+            f"uri {uri} is not empty: give the doctor an empty folder (it writes its "
+            "checkpoints there and leaves them)"
+        )
+    try:
+        check_writable(storage)
+    except DeckError as e:
+        raise DoctorError(str(e)) from e
 
 
 PARAMETERS = ("ranks", "steps", "every", "more")
