@@ -40,7 +40,8 @@ def _write_tables(
     os.makedirs(out_dir, exist_ok=True)
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
     report.skipped.append(
-        "dense state and dense optimizer state (the dcp and safetensors exports hold them)"
+        "dense state and dense optimizer state, data_parallel tables among them (saved with "
+        "the dense state; the dcp and safetensors exports hold them)"
     )
     by_table = layouts(
         (state.shards[p.shard], p.state, p.fqn, p.size, p.dtype) for p in state.pieces
