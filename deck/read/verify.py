@@ -232,7 +232,7 @@ def full_tables(storage: Storage, m: CheckpointManifest) -> dict[str, tuple[int,
         parts = read_rank_manifests(storage, m)
     except DeckError:
         return None
-    if table_problems(storage, m, parts, None) or check_files(storage, m):
+    if table_problems(storage, m, parts, None) or check_files(storage, m, parts=parts):
         return None
     return {rec.table: (rec.num_rows, rec.num_cols) for part in parts for rec in part.shards}
 
@@ -272,18 +272,23 @@ def uncommitted_meanwhile(storage: Storage, m: CheckpointManifest) -> bool:
 
 
 def check_files(
-    storage: Storage, m: CheckpointManifest, listing: Collection[str] | None = None
+    storage: Storage,
+    m: CheckpointManifest,
+    listing: Collection[str] | None = None,
+    parts: list[RankManifest] | None = None,
 ) -> list[str]:
     """The cheap check of checkpoint ``m`` (no chunk is read): its rank manifests verify, and
     every file they name exists with its recorded size (a bundle: at least up to its last
     chunk). Returns the problems, each naming the file; never raises for damage (a storage
     error is a problem too: what cannot be checked is not intact). ``listing``: keys the
-    caller listed already; a file not in it is missing without a request.
+    caller listed already; a file not in it is missing without a request. ``parts``: its rank
+    manifests, read (and verified) by the caller already.
     :func:`verify_checkpoint` is the full check (every checksum)."""
-    try:
-        parts = read_rank_manifests(storage, m)
-    except DeckError as e:
-        return [str(e)]
+    if parts is None:
+        try:
+            parts = read_rank_manifests(storage, m)
+        except DeckError as e:
+            return [str(e)]
     sizes: dict[str, tuple[int, bool]] = {}  # key -> (bytes, exact)
     for part in parts:
         part.file_sizes(m.folder, sizes)

@@ -283,7 +283,8 @@ class StepState:
             if problems and m is not full:
                 # The full may be the damaged one (its records all forged alike): its files
                 # are named first, as verify names them
-                problems = check_files(self.storage, full) or problems
+                held = self.rank_parts[full.folder]
+                problems = check_files(self.storage, full, parts=held) or problems
             if problems:
                 raise CorruptCheckpointError(f"{problems[0]}: run deck verify")
             if tables is None:
@@ -330,7 +331,7 @@ class StepState:
                     "by deck: run deck verify"
                 )
         if sum(claims.values()) > _CHECK_FILES_ABOVE:
-            problems = check_files(self.storage, full)
+            problems = check_files(self.storage, full, parts=self.rank_parts[full.folder])
             if problems:
                 raise CorruptCheckpointError(
                     f"step {self.step} at {self.storage.uri} claims {sum(claims.values())} bytes "
