@@ -334,6 +334,7 @@ class LineageGraph:
         self._best: dict[StateKey, PathLink] | None = None
         self._best_excluding: frozenset[str] = frozenset()
         self._merged_from: dict[str, list[LineageNode]] | None = None
+        self._full_below: dict[str, CheckpointManifest | None] = {}  # (full_below's answers)
 
     # ---- derived graphs (the same nodes, no manifest read or parsed again) ---------------------
     def _derived(self, nodes: Iterable[LineageNode]) -> LineageGraph:
@@ -401,14 +402,26 @@ class LineageGraph:
 
     def full_below(self, node_id: str) -> CheckpointManifest | None:
         """The full that checkpoint ``node_id``'s chains start from (itself for a full): its
-        parent links (a merger checkpoint's oldest input) followed down; None when one is gone."""
+        parent links (a merger checkpoint's oldest input) followed down; None when one is gone.
+        Every checkpoint the walk passes keeps the answer: asked of every checkpoint (`deck
+        verify --all`), each link is followed once, not once per checkpoint above it."""
         node: LineageNode | None = self.nodes.get(node_id)
-        seen: set[str] = set()
-        while node is not None and node.kind is not Kind.FULL and node.id not in seen:
-            seen.add(node.id)
+        walked: dict[str, None] = {}  # (in order; a set's lookups)
+        found: CheckpointManifest | None = None
+        while node is not None:
+            if node.id in self._full_below:
+                found = self._full_below[node.id]
+                break
+            if node.kind is Kind.FULL:
+                found = node.manifest
+                break
+            if node.id in walked:
+                break  # (a cycle only a forged lineage makes: no full)
+            walked[node.id] = None
             below = self.parents(node.id)
             node = below[0] if below else None
-        return None if node is None or node.kind is not Kind.FULL else node.manifest
+        self._full_below.update(dict.fromkeys(walked, found))
+        return found
 
     def children(self, node_id: str) -> list[LineageNode]:
         """Checkpoints made from this one, or whose parent link names it."""
