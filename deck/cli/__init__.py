@@ -38,8 +38,8 @@ Exit codes (for scripts), the same for every command:
        commit record; export, lineage, follow, history and merge when the damage is on what
        they read -- elsewhere they warn and go on), differences (doctor), work left undone (merge work waiting or failed, gc errors or
        things gc kept because of damage or read errors)
-    2  a usage error (bad arguments, an export target that is not empty), nothing there (a URI
-       that does not exist, no checkpoints, an unknown step, table or row, a step no valid
+    2  a usage error (bad arguments, an export target that is not empty: for safetensors, a
+       file of that name that exists), nothing there (a URI that does not exist, no checkpoints, an unknown step, table or row, a step no valid
        chain reaches: e.g. through a quarantined checkpoint, which the message names) or an
        error that stopped the command (storage unreachable, an --out that cannot be written, ...)
   130  interrupted (Ctrl-C): one line, no traceback; what it left is as after a kill (run it

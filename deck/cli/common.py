@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from deck.format.manifest import MAX_STEP
 from deck.units import human_bytes
 
 if TYPE_CHECKING:
@@ -107,8 +108,8 @@ def say_damaged(command: str, uri: str, damaged: dict[int, str], what: str) -> b
     return True
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``low``."""
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (and <= ``high``)."""
 
     def parse(text: str) -> int:
         try:
@@ -117,12 +118,15 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if n < low:
             raise argparse.ArgumentTypeError(f"must be >= {low} (got {n})")
+        if high is not None and n > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high} (got {n})")
         return n
 
     return parse
 
 
-step_number = at_least(0)  # an argparse type: a training step (steps are numbered from 0)
+# An argparse type: a training step (numbered from 0; a step folder's name holds 12 digits)
+step_number = at_least(0, MAX_STEP)
 
 
 def poll_seconds(text: str) -> float:

@@ -247,7 +247,10 @@ def resolve_table(name: str, tables: Iterable[str], uri: str, where: str) -> str
             f"{uri}: table name {name!r} matches {len(matches)} tables of {where} "
             f"({matches}); give the full key"
         )
-    raise CheckpointNotFoundError(f"{uri}: no table {name!r} in {where}; tables: {keys}")
+    raise CheckpointNotFoundError(
+        f"{uri}: no table {name!r} in {where}; tables: {keys} (a data_parallel table is "
+        "saved with the dense state, not by rows: `deck export` holds its values)"
+    )
 
 
 def _check_table(reader: _Reader, full: CheckpointManifest, uri: str) -> None:

@@ -48,8 +48,8 @@ class RestoreStats:
     resharded: bool = False
     # restore(allow_fallback=True) had to skip damaged checkpoints or steps: what and why.
     fallback: str | None = None
-    # Per-row states joined from column shards whose values differ ("table state": most rows
-    # of one checkpoint): the column-weighted mean, an approximation.
+    # Rows of the restored state whose per-row state is the column-weighted mean of saved
+    # column shards' values that differ, an approximation ("table state": rows).
     approximated: dict[str, int] = field(default_factory=dict)
 
 
@@ -130,11 +130,16 @@ class _Joins:
     :meth:`finish` writes the weighted mean once a checkpoint's records are all read. The sums are
     float64, so equal values average to exactly that value (``v * a + v * b`` and its division by
     ``a + b`` are exact for float32 / bfloat16 / float16 values and column counts below 2**29).
-    Rows whose saved values disagree get an approximation, counted in the restore's stats.
+    Rows whose saved values disagree get an approximation. One instance serves a whole chain:
+    a row stays approximated until a later checkpoint writes it exactly, so :meth:`count` gives
+    the rows approximated in the state restored, not in any one checkpoint.
     """
 
     def __init__(self) -> None:
         self._acc: dict[int, _Join] = {}
+        # By id(view) (the shard's state tensor, alive for the whole chain): its name and which
+        # of its rows hold a mean of values that differ.
+        self._approx: dict[int, tuple[str, torch.Tensor]] = {}
 
     def add(
         self, view: torch.Tensor, local: torch.Tensor, src: torch.Tensor, cols: int, what: str
@@ -152,17 +157,33 @@ class _Joins:
         join.first.index_copy_(0, local[fresh], values[fresh])
         join.differs.index_fill_(0, local[~fresh][values[~fresh] != seen[~fresh]], True)
 
-    def finish(self, stats: RestoreStats) -> None:
-        """Write the means; the states whose saved values differed go into ``stats``."""
+    def exact(self, view: torch.Tensor, local: torch.Tensor) -> None:
+        """Rows ``local`` of ``view`` were written whole from one saved shard."""
+        held = self._approx.get(id(view))
+        if held is not None:
+            held[1].index_fill_(0, local, False)
+
+    def finish(self) -> None:
+        """Write the means of the checkpoint just read."""
         with torch.no_grad():
-            for join in self._acc.values():
+            for key, join in self._acc.items():
                 rows = torch.nonzero(join.weight > 0).view(-1)
                 mean = join.total.index_select(0, rows) / join.weight.index_select(0, rows)
                 join.view.index_copy_(0, rows, mean.to(join.view.dtype))
-                n = int(join.differs.sum())
-                if n:
-                    stats.approximated[join.what] = max(n, stats.approximated.get(join.what, 0))
+                mask = self._approx.setdefault(
+                    key, (join.what, torch.zeros(join.view.shape[0], dtype=torch.bool))
+                )[1]
+                mask.index_copy_(0, rows, join.differs.index_select(0, rows))
         self._acc.clear()
+
+    def count(self) -> dict[str, int]:
+        """Rows holding an approximation now, by ``"<table> <state>"`` (none: left out)."""
+        out: dict[str, int] = {}
+        for what, mask in self._approx.values():
+            n = int(mask.sum())
+            if n:
+                out[what] = out.get(what, 0) + n
+        return out
 
 
 @dataclass
@@ -233,6 +254,7 @@ def apply_chain(
     for s in shards:
         by_table.setdefault(s.table, []).append(s)
     parts: list[RankManifest] = []
+    joins = _Joins()
     for i, m in enumerate(chain):
         parts = _rank_parts(storage, m, rank_parts)
         stats.checkpoints += 1
@@ -250,10 +272,11 @@ def apply_chain(
             _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
             _check_states(parts, by_table, checkpoint_label(m))
         covered = _apply_checkpoint(
-            storage, m, parts, by_table, tables, stats, zero_copy, allow_quantized
+            storage, m, parts, by_table, tables, stats, joins, zero_copy, allow_quantized
         )
         if first_full:
             _check_covered(storage, m, shards, covered)
+    stats.approximated = joins.count()
     if stats.approximated:
         logger.warning(
             "deck: restoring %s into another column split joined per-row optimizer state from "
@@ -300,6 +323,7 @@ def _apply_checkpoint(
     by_table: dict[str, list[TableShard]],
     tables: dict[str, tuple[int, int]],
     stats: RestoreStats,
+    joins: _Joins,
     zero_copy: bool,
     allow_quantized: bool,
 ) -> dict[int, int]:
@@ -307,7 +331,6 @@ def _apply_checkpoint(
     that hold some of them; joined per-row states are written once all its records are read.
     Returns, by ``id(shard)``, how many of the shard's rows x columns its records cover."""
     covered: dict[int, int] = {}
-    joins = _Joins()
     for part in parts:
         for rec in part.shards:
             _check_chain_table(storage, m, part, rec, tables)
@@ -320,7 +343,7 @@ def _apply_checkpoint(
                 c0, c1 = span(rec.col_offset, rec.cols, t.col_offset, t.cols)
                 covered[id(t)] = covered.get(id(t), 0) + (r1 - r0) * (c1 - c0)
                 stats.resharded |= not _same_extent(rec, t)
-    joins.finish(stats)
+    joins.finish()
     return covered
 
 
@@ -450,6 +473,7 @@ def _copy_state(
                 f"{tuple(view.shape[1:])}; use the same fused optimizer"
             )
         view.index_copy_(0, local, src)
+        joins.exact(view, local)
     elif (
         src.dim() == 2
         and view.dim() == 2
@@ -468,6 +492,7 @@ def _copy_state(
         # all the target's columns, else the column-weighted mean of the saved shards (_Joins).
         if c0 == shard.col_offset and c1 == shard.col_offset + shard.cols:
             view.index_copy_(0, local, src)
+            joins.exact(view, local)
         else:
             joins.add(view, local, src, c1 - c0, f"{rec.table} {name}")
     else:

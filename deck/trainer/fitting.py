@@ -341,7 +341,8 @@ def fill_from_dense(
         logger.warning(
             "deck: table %s was sharded in %s and is data_parallel in this model: its weights are "
             "restored exactly; its per-row fused optimizer state is not carried over (the dense "
-            "optimizer keeps its own state for it, as it starts)",
+            "optimizer keeps what it holds for it: a new one that makes its state at its first "
+            "step, as Adam does, starts it fresh then)",
             key,
             where,
         )
@@ -352,8 +353,12 @@ def reconcile_optimizer(
 ) -> dict[str, Any]:
     """The saved state of a TorchRec KeyedOptimizer (``{"state_dict", "param_groups"}``), fitted
     to ``opt`` when the tables ``moved`` changed between data_parallel and sharded: saved states
-    of moved tables the optimizer no longer has are dropped; moved tables it has now keep their
-    live state. Other optimizers, or nothing moved: ``saved`` unchanged."""
+    of moved tables the optimizer no longer has are dropped; moved tables it has now keep the
+    state the live optimizer holds for them, or none where it holds none (a lazily initialised
+    optimizer such as Adam then starts theirs at its next step, as a new one would: a
+    zero-gradient ``init_state()`` step would leave a step count, and with weight decay a
+    momentum, that no fresh optimizer has). Other optimizers, or nothing moved: ``saved``
+    unchanged."""
     params = getattr(opt, "params", None)
     sd = saved["state_dict"]
     if not moved or not isinstance(params, dict) or "state" not in sd:
@@ -369,10 +374,6 @@ def reconcile_optimizer(
         return saved
     for k in dropped:
         del state[k]
-    if added and not opt.state:
-        init = getattr(opt, "init_state", None)
-        if init is not None:
-            init()
     live = opt.state_dict()
     for k in added:
         if k in live["state"]:

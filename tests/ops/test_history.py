@@ -211,3 +211,4 @@ def test_deck_history_matches_full_restores_and_reads_fewer_chunks(tmp_path: Pat
         timeout=120,
     )
     assert bad.returncode == 2 and "no table 'nope'" in bad.stderr, bad.stderr
+    assert "a data_parallel table is saved with the dense state" in bad.stderr, bad.stderr

@@ -208,6 +208,49 @@ def test_columns_move_between_layouts(
     _check(shards, full["weight"], full["exp_avg"], momentum)
 
 
+def test_the_rows_said_approximated_are_those_of_the_state_restored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: the warning counted the rows of the one checkpoint with the most,
+    not of the state restored (half of them after a full and two deltas). A row stays
+    approximated until a later checkpoint writes it whole; rows whose saved values agree never
+    are."""
+    g = torch.Generator().manual_seed(4)
+    full = {
+        "weight": torch.randn(ROWS, COLS, generator=g),
+        "exp_avg": torch.randn(ROWS, COLS, generator=g),
+        # both column shards hold the same value per row (as after a split): exact to join
+        "momentum1": torch.rand(ROWS, 1, generator=g).expand(ROWS, 2).clone(),
+    }
+    storage = open_storage(str(tmp_path / "ckpt"))
+    saved = _shards([(0, ROWS, c0, n) for c0, n in SAVED_COLS], full)
+    parent = _write(storage, 0, [[saved[0]], [saved[1]]], None, None)
+    for step, rows in ((1, [1, 7, 24]), (2, [7, 25, 39])):
+        touched = torch.tensor(rows)
+        for s in saved:  # each column shard's own value: they differ
+            s.states["momentum1"][touched] = torch.rand(len(rows), generator=g)
+        parent = _write(storage, step, [[saved[0]], [saved[1]]], touched, parent)
+    # a delta written table-wise (one shard of every column) holds rows 1 and 25 whole
+    whole = _shards([(0, ROWS, 0, COLS)], full)
+    _write(storage, 3, [whole], torch.tensor([1, 25]), parent)
+
+    for step, want in ((0, None), (2, 5), (3, 3)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="deck.read.restore"):
+            stats, _ = apply_chain(
+                storage,
+                chain_for(read_manifests(storage), step),
+                _empty(TARGETS["table_wise"]),
+                {TABLE: (ROWS, COLS)},
+            )
+        joined = [r.getMessage() for r in caplog.records if "joined per-row" in r.getMessage()]
+        if want is None:
+            assert not joined and not stats.approximated, joined
+        else:
+            assert stats.approximated == {f"{TABLE} momentum1": want}, (step, stats.approximated)
+            assert len(joined) == 1 and f"{TABLE} momentum1 ({want} rows)" in joined[0], joined
+
+
 def test_split_then_join_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Per-row states split into column shards and joined back are bitwise the original: a
     table-wise checkpoint -> 3 column shards -> a checkpoint of those -> table-wise again."""
@@ -744,3 +787,50 @@ def test_keyed_optimizer_state_fits_a_moved_table() -> None:
     assert torch.equal(state["mlp.w"]["sum"], old.state_dict()["state"]["mlp.w"]["sum"])
     assert torch.equal(state["sparse.embedding_bags.t1.weight"]["sum"], t1_live)
     assert "sparse.embedding_bags.t2.weight" not in state
+
+
+def test_a_table_moved_to_data_parallel_starts_a_new_adams_state_fresh() -> None:
+    """A break-it finding: restoring into a new Adam (no state before its first step) with
+    weight decay, the table now data_parallel got the state of a zero-gradient step (step 1, a
+    momentum of (1 - beta1) * wd * w) where the docs promise a fresh one. It has none now, and
+    its first step is a fresh Adam's, bitwise; the other parameters' state is the saved one."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    from deck.trainer.fitting import load_optimizer, reconcile_optimizer
+
+    def adam(params: dict[str, torch.nn.Parameter]) -> KeyedOptimizerWrapper:
+        return KeyedOptimizerWrapper(
+            params, lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.01)
+        )
+
+    g = torch.Generator().manual_seed(5)
+    w, t1 = torch.randn(3, 2, generator=g), torch.randn(4, 2, generator=g)
+    old_params = {"mlp.w": torch.nn.Parameter(w.clone())}  # t1 was sharded
+    old = adam(old_params)
+    old_params["mlp.w"].grad = torch.randn(3, 2, generator=g)
+    old.step()
+    src = optimizer_record(old, algorithm_class(old))
+
+    params = {
+        "mlp.w": torch.nn.Parameter(w.clone()),
+        "sparse.embedding_bags.t1.weight": torch.nn.Parameter(t1.clone()),
+    }
+    new = adam(params)
+    moved = {"sparse.embedding_bags.t1.weight"}
+    load_optimizer(new, reconcile_optimizer(new, src, moved), "0.0", algorithm_class(new))
+    state = new.state_dict()["state"]
+    assert "sparse.embedding_bags.t1.weight" not in state, state.keys()
+    assert torch.equal(state["mlp.w"]["exp_avg"], old.state_dict()["state"]["mlp.w"]["exp_avg"])
+    # its next step is the first step of a fresh Adam on that parameter (the load's
+    # init_state() stepped the parameters: a restore writes the dense state after it)
+    with torch.no_grad():
+        params["sparse.embedding_bags.t1.weight"].copy_(t1)
+    fresh_p = torch.nn.Parameter(t1.clone())
+    fresh = torch.optim.Adam([fresh_p], lr=0.1, weight_decay=0.01)
+    grad = torch.randn(4, 2, generator=g)
+    for p, gr in ((params["sparse.embedding_bags.t1.weight"], grad), (fresh_p, grad)):
+        p.grad = gr.clone()
+    params["mlp.w"].grad = torch.zeros(3, 2)
+    new.step()
+    fresh.step()
+    assert torch.equal(params["sparse.embedding_bags.t1.weight"], fresh_p)

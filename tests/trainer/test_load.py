@@ -80,6 +80,9 @@ def _load_beside_a_trainer(rank: int, world_size: int, root: str) -> None:
             deck.load(empty, [empty_opt], _refusing(f"{root}/empty"))
         with pytest.raises(CheckpointNotFoundError, match="5"):  # a step never committed
             deck.load(empty, [empty_opt], uri, step=5)
+        for beyond in (10**12, -1):  # a step no folder name holds: refused, named
+            with pytest.raises(ConfigError, match=rf"step={beyond}\)"):
+                deck.load(empty, [empty_opt], uri, step=beyond)
         # Into the model the trainer tracks: its next delta would miss what the load changed.
         with pytest.raises(ConfigError, match="restore through that checkpointer"):
             deck.load(model, [opt], uri, step=2)

@@ -30,7 +30,7 @@ def export_safetensors(
     (written under a temporary name, then renamed).
     """
     if os.path.exists(out_path):
-        raise ConfigError(f"out_path {out_path} exists; choose a new file name or remove it")
+        raise ConfigError(f"{out_path} exists; choose a new file name or remove it")
     run = ExportRun(state, out_path, progress)
     first: dict[str, Piece] = {}
     for p in state.pieces:
