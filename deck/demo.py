@@ -65,7 +65,6 @@ class ModelSpec:
     fused_params: dict[str, Any] = field(default_factory=dict)  # more fbgemm TBE options
     seed: int = 0
     dense_hidden: int = 32  # width of the DLRM's dense and over arches' hidden layer
-    extra_constraints: dict[str, Any] = field(default_factory=dict)
 
 
 def build_model(

@@ -269,8 +269,11 @@ def apply_chain(
         first_full = i == 0 and not onto
         if first_full:
             saved = {rec.table: (rec.num_rows, rec.num_cols) for p in parts for rec in p.shards}
-            _check_tables(saved, tables, f"checkpoint {checkpoint_label(m)} at {storage.uri}")
-            _check_states(parts, by_table, checkpoint_label(m))
+            where = f"{checkpoint_label(m)} at {storage.uri}"
+            if m is not chain[-1]:
+                where += f" (the full step {chain[-1].step} is restored from)"
+            _check_tables(saved, tables, f"checkpoint {where}")
+            _check_states(parts, by_table, where)
         covered = _apply_checkpoint(
             storage, m, parts, by_table, tables, stats, joins, zero_copy, allow_quantized
         )

@@ -317,6 +317,19 @@ def test_states_that_cannot_move_are_refused(tmp_path: Path) -> None:
         apply_chain(
             storage, chain, target(0, 24, weight=torch.zeros(ROWS, 24)), {TABLE: (ROWS, COLS)}
         )
+    # A later step's refusal names the store and the step asked for, not only its full's
+    # (a break-it finding: "checkpoint step 0 has states ..." for a restore of step 1)
+    _write(storage, 1, [[shards[0]], [shards[1]]], torch.tensor([3]), (0, chain[0].id))
+    with pytest.raises(
+        IncompatibleModelError,
+        match=rf"step 0 at {storage.uri} \(the full step 1 is restored from\) has states",
+    ):
+        apply_chain(
+            storage,
+            chain_for(read_manifests(storage), 1),
+            target(0, 24, weight=torch.zeros(ROWS, 24)),
+            {TABLE: (ROWS, COLS)},
+        )
     # (found before anything is written: the saved records say each state's dtype)
     with pytest.raises(IncompatibleModelError, match=r"state weight as float32 .*float16"):
         apply_chain(
