@@ -131,3 +131,70 @@ def test_a_wait_that_ends_on_a_failed_part_does_not_blame_the_checkpoint_rate(
     tmp_path: Path,
 ) -> None:
     run_ranks(_rank_failed, str(tmp_path / "ckpt"), world_size=1)
+
+
+def _rank_outage(rank: int, world_size: int, root: str) -> None:
+    """The remote store is down (every upload held) for more checkpoints than the upload slots
+    and the backlog cap together: each part still reaches the first tier (the spool) at once,
+    training never waits for the store, and everything commits once it is back."""
+    from deck.trainer.staging.committer import PARTS_IN_FLIGHT, Committer
+
+    config = deck.DeckConfig(
+        uri=f"{root}/ckpt",
+        delta_every_steps=1,
+        staging=deck.StagingConfig(
+            mode="threads", tiers="cpu-ssd-remote", spool_dir=f"{root}/spool", max_unwritten=CAP
+        ),
+    )
+    down = threading.Event()
+    down.set()
+    back = threading.Event()
+    upload = Committer._upload
+
+    def outage(self: Committer, p: Any) -> None:
+        if down.is_set():
+            back.wait()
+        upload(self, p)
+
+    stuck: list[int | None] = []
+    original = PartProgress.wait_in_first_tier
+
+    def spy(self: PartProgress, timeout: float | None = None) -> bool:
+        done = original(self, timeout)
+        if not done:  # the backlog's wait ran out: the old behaviour (not a hang: open it)
+            stuck.append(at[0])
+            back.set()
+        return done
+
+    Committer._upload = outage  # type: ignore[method-assign]
+    PartProgress.wait_in_first_tier = spy  # type: ignore[method-assign]
+    chain.BACKLOG_SAY_S = 60.0  # (a spool write of these parts takes milliseconds)
+    at: list[int | None] = [None]
+    steps = PARTS_IN_FLIGHT + 2 * CAP + 2
+    model, opt = build_model(SPEC)
+    stats = []
+    with deck.enable(model, [opt], config) as ck:
+        for step in range(steps):
+            train_step(model, opt, SPEC, step)
+            at[0] = step
+            stats.append(ck.step(step))
+        for s in stats:  # every part in the spool, none uploaded: the store is still down
+            assert s is not None and s.progress.wait_in_first_tier(60), (s, stuck)
+        assert not stuck, stuck
+        assert not back.is_set() and all(s.state == "durable" for s in stats), stats
+        down.clear()
+        back.set()  # the store is back
+        assert ck.flush()
+        final = capture_state(model, opt)
+    assert all(s.state == "committed" for s in stats) or rank != 0, [s.state for s in stats]
+    fresh, fresh_opt = build_model(SPEC, seed=7)
+    with deck.enable(fresh, [fresh_opt], config) as ck:
+        assert ck.restore() == steps - 1
+        assert not diff_states(final, capture_state(fresh, fresh_opt))
+
+
+def test_an_outage_of_the_store_keeps_parts_going_to_the_spool(tmp_path: Path) -> None:
+    """A break-it finding: with the store down, the parts whose uploads held every upload slot
+    kept the next ones from being fsynced, so after max_unwritten more checkpoints training
+    waited for the whole outage (told to checkpoint less often)."""
+    run_ranks(_rank_outage, str(tmp_path), world_size=2)

@@ -73,6 +73,9 @@ class _Item:
     progress: PartProgress  # the part's state: written by the commit threads only
     spool_reserved: int  # spool space held for it, given back at cleanup
     staged: StagedPart | None = None
+    # its files written and fsynced (a staged part: taken there in submission order, whatever
+    # the uploads of the parts before it wait for)
+    durable: Future[None] | None = field(default=None, repr=False)
     put: Future[_Put] | None = field(default=None, repr=False)  # its files and part manifest
     recorded: bool = False  # its checkpoint is committed (whatever its cleanup did after)
 
@@ -130,12 +133,19 @@ class Committer:
 
     Each part goes through three stages, on three kinds of threads:
 
+    - **durable** (``deck-durable``, one part after the other, :meth:`_make_durable`): waits
+      for a staged part's writes and pending record (``StagedPart.wait_written``) and fsyncs its
+      spool files (durable-local: in the first tier). Apart from the uploads, so that a store
+      that is down or slow holds no part out of the first tier: training goes on while the
+      spool grows (a break-it finding: with the stage below holding every upload slot through
+      an outage, the next parts were never fsynced, and training waited on
+      ``staging.max_unwritten`` for the whole outage, told to checkpoint less often).
     - **put** (``deck-part``, up to :data:`PARTS_IN_FLIGHT` parts at once, :meth:`_put_part`):
-      waits for the part's writes and pending record (``StagedPart.wait_written``); after a
-      restart, skips the rest when the destination already has it committed, else verifies the
-      spooled files (torn files); fsyncs its spool files (durable-local); uploads them
-      (``cpu-ssd-remote``; on the upload pool, with retries); puts the rank part manifest. A
-      part of a rank other than 0 that fails here writes its failure record at once.
+      once the part is durable -- or, found pending after a restart, skips the rest when the
+      destination already has it committed, else verifies the spooled files (torn files) and
+      fsyncs them -- uploads them (``cpu-ssd-remote``; on the upload pool, with retries); puts
+      the rank part manifest. A part of a rank other than 0 that fails here (or durable) writes
+      its failure record at once.
     - **ready** (``deck-commit``, one part after the other, :meth:`_ready`): rank 0 reads the
       fence and, for a delta of a checkpoint another process committed, the parent's commit
       record (both begun beside the part's uploads), and once its own part is up the other
@@ -168,6 +178,7 @@ class Committer:
         self.spool = spool
         self._uploads = uploads
         lower = functools.partial(lower_priority, cfg.background_nice)
+        self._durable = ThreadPoolExecutor(1, thread_name_prefix="deck-durable", initializer=lower)
         self._parts = ThreadPoolExecutor(
             PARTS_IN_FLIGHT, thread_name_prefix="deck-part", initializer=lower
         )
@@ -210,6 +221,8 @@ class Committer:
             self._busy += 1
             self._outcomes[(pending.step, pending.ckpt_id)] = None
         item = _Item(pending, progress, spool_reserved, staged)
+        if staged is not None:
+            item.durable = self._durable.submit(self._make_durable, item)
         item.put = self._parts.submit(self._put_part, item)
         self._queue.put(item)
 
@@ -258,6 +271,7 @@ class Committer:
         self._thread.join()
         self._records.shutdown()
         self._parts.shutdown()
+        self._durable.shutdown()
         self._reads.shutdown()
 
     # ---- commit thread ---------------------------------------------------------------------------
@@ -362,21 +376,30 @@ class Committer:
             self._failed_parts.append((p.step, p.ckpt_id))
         self.dest.put_failure_record(p, str(e))
 
-    # ---- stage 1: the part's files and manifest (deck-part threads) -------------------------------
+    # ---- stage 1: the part's files and manifest (deck-durable, deck-part threads) -----------------
+    def _make_durable(self, item: _Item) -> None:
+        """A staged part's files written (still running when training was released early) and,
+        in a spool, fsynced: the part is in the first tier."""
+        assert item.staged is not None
+        try:
+            item.staged.wait_written()
+            item.pending = item.staged.pending()
+        except Exception as e:
+            item.pending = item.pending.model_copy(update={"files": tuple(item.staged.files)})
+            raise NeverCommits(str(e)) from e
+        if self.spool is not None:
+            failpoint("stager.fsync.before")
+            self.spool.fsync(item.pending)
+            failpoint("stager.fsync.after")
+            item.progress.advance("durable", durable=True)
+
     def _put_part(self, item: _Item) -> _Put:
         """The part at the destination: its files durable and uploaded, then its rank part
         manifest. A failure of a rank other than 0 is reported at once (not in turn): rank 0
         may be waiting for this very part."""
         try:
-            if item.staged is not None:
-                try:  # its writes (still running when training was released early)
-                    item.staged.wait_written()
-                    item.pending = item.staged.pending()
-                except Exception as e:
-                    item.pending = item.pending.model_copy(
-                        update={"files": tuple(item.staged.files)}
-                    )
-                    raise NeverCommits(str(e)) from e
+            if item.durable is not None:
+                item.durable.result()
             return self._upload_part(item.pending, item)
         except Exception as e:
             done = item.progress.get().state in ("uploaded", "committed")
@@ -398,11 +421,10 @@ class Committer:
         # spool copies already: the part is at the destination, only the commit is left.
         own: bytes | None = None  # the part manifest as written here (rank 0 commits with it)
         if not (recovering and self.dest.patient_exists(part_key)):
-            if recovering:
+            if recovering:  # (a staged part was made durable before: _make_durable)
                 failpoint("stager.recover.before_check")
                 assert self.spool is not None  # a recovered part was found in the spool
                 check_recovered(self.spool, p)
-            if self.spool is not None:
                 failpoint("stager.fsync.before")
                 self.spool.fsync(p)
                 failpoint("stager.fsync.after")
