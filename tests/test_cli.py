@@ -896,3 +896,42 @@ def test_follow_kafka_with_a_state_uri_that_is_not_there_says_so(
     argv = ["follow", "kafka://127.0.0.1:9/t", "--out", str(tmp_path / "out"), "--once"]
     assert main([*argv, "--state-uri", str(missing)]) == 2
     assert str(missing) in capsys.readouterr().err
+
+
+def test_verify_stops_once_the_store_stops_answering(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A break-it finding: during an outage `deck verify --all` spent every checkpoint's retries
+    (~11 s each on S3), days for a long job's history, to report each one unreadable. Once a
+    checkpoint's files cannot be read and the store does not answer for its commit record
+    either, it stops: exit 2, naming where, nothing quarantined. A file that cannot be read
+    while the store answers is still a finding of that checkpoint, and the run goes on."""
+    from deck.cli import inspect
+    from deck.errors import StorageError
+    from deck.testing.faulty_storage import FaultyStorage
+
+    down = {"at": None}
+
+    class Store(FaultyStorage):
+        def exists(self, path: str) -> bool:
+            if down["at"] == "everything":
+                raise StorageError(f"injected: {self.describe(path)} cannot be reached")
+            return super().exists(path)
+
+    def data_files(key: str, n: int) -> bool:  # every rank manifest / chunk of a checkpoint
+        return down["at"] is not None and not key.endswith("manifest.json")
+
+    store = Store(open_storage(str(ckpt)), fail_get=data_files)
+    monkeypatch.setattr(inspect, "open_existing", lambda uri, options: store)
+    total = len(read_manifests(open_storage(str(ckpt))).values())
+
+    down["at"] = "files"  # the store answers: every checkpoint is reported, kept
+    assert main(["verify", str(ckpt), "--all", "--quarantine"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("a read error is not damage") >= total - 1, out
+    down["at"] = "everything"
+    assert main(["verify", str(ckpt), "--all", "--quarantine"]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("a read error is not damage") == 1, out
+    assert f"{ckpt} stopped answering at " in err and "checkpoints checked" in err, err
+    assert "quarantined: " not in out and not (ckpt / "quarantine").exists()
