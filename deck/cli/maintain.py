@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ from deck.cli.common import (
     say_damaged,
     seconds,
 )
+from deck.cli.stopping import stop_on_signals, stop_signals_blocked, unblock_stop_signals
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
@@ -101,9 +103,10 @@ def _run_worker(
     worker_index: int,
     num_workers: int,
     report: Any = None,
+    stop: threading.Event | None = None,
 ) -> int:
     """One merger worker in this process; returns its exit code. ``report(kind, stats)`` gets
-    progress events."""
+    progress events. ``stop``: what ends a --follow worker (None: SIGINT / SIGTERM here)."""
     from deck.merge.worker import MergeWorker
     from deck.ops.retention import collect_garbage
 
@@ -128,14 +131,12 @@ def _run_worker(
 
     worker = MergeWorker(storage, config, after_pass=after_pass, progress=report)
     if a.follow:
+        if stop is not None:
+            worker.follow(stop, poll_s=a.poll)
+            return 0
         stop = threading.Event()
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-        worker.follow(stop, poll_s=a.poll)
+        with stop_on_signals(stop):
+            worker.follow(stop, poll_s=a.poll)
         return 0
     stats, waiting = worker.run_once(wait_s=a.wait)
     damaged = say_damaged(
@@ -155,13 +156,23 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int)
     # after its pass, as when stopped by hand)
     die_with_parent(parent, signal.SIGTERM)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
     try:
-        code = _run_worker(
-            a, index, num, lambda kind, st: queue.put((kind, st.bytes_written, st.items_committed))
-        )
+        # (started with SIGINT / SIGTERM blocked: a stop that came meanwhile arrives now)
+        with stop_on_signals(stop) if a.follow else contextlib.nullcontext():
+            unblock_stop_signals()
+            code = _run_worker(
+                a,
+                index,
+                num,
+                lambda kind, st: queue.put((kind, st.bytes_written, st.items_committed)),
+                stop if a.follow else None,
+            )
     except DeckError as e:
         print(f"deck merge (worker {index} of {num}): {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # (a --once worker, interrupted)
+        code = 130
     queue.put(("exit", index, code))
 
 
@@ -243,56 +254,152 @@ class _MergeTally:
 
 def _run_workers(a: argparse.Namespace, indices: list[int], total: int, tally: _MergeTally) -> int:
     """Merger workers ``indices`` (of ``total``), one process each, until all have exited;
-    returns the highest exit code (2 for a worker that died without saying)."""
+    returns the exit code (:meth:`_Workers.code`)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(a, i, total, queue, os.getpid())) for i in indices]
+    parent = os.getpid()
+
+    def start(i: int) -> Any:
+        p = ctx.Process(target=_child, args=(a, i, total, queue, parent))
+        p.start()
+        return p
 
     def on_term(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # (SIGTERM: kill, systemd, Kubernetes) stop the workers too
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    codes: dict[int, int] = {}
-    by_index = dict(zip(indices, procs, strict=True))
+    workers = _Workers(start, a.follow)
     try:
-        for p in procs:
-            p.start()
         try:
-            _collect_workers(queue, by_index, codes, tally)
+            for i in indices:
+                workers.launch(i)
+            workers.collect(queue, tally)
         except KeyboardInterrupt:
             # Each worker stops (a --follow one after its pass, saying how it ended)
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            _collect_workers(queue, by_index, codes, tally)
+            workers.stop()
+            workers.collect(queue, tally)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for p in procs:
+        workers.join()
+    return workers.code()
+
+
+class _Workers:
+    """The worker processes of one ``deck merge --workers K``, by index, and how each ended.
+
+    With --follow, a worker that dies without saying how (killed, crashed) is started again
+    after a pause that doubles from 1 s to 60 s (back to 1 s once it had run 10 minutes), said
+    at WARNING: the other workers wait for its partitions, so merging would stop (a break-it
+    finding: one worker killed with -9 stopped all merging, said at INFO only, while the
+    command ran on). One that gives up saying why (exit status 2) stops them all: they would
+    wait for it for ever."""
+
+    def __init__(self, start: Callable[[int], Any], follow: bool) -> None:
+        self._start = start
+        self.follow = follow
+        self.procs: dict[int, Any] = {}
+        self.codes: dict[int, int] = {}
+        self._started: dict[int, float] = {}
+        self._pause: dict[int, float] = {}
+        self._restart_at: dict[int, float] = {}
+        self._ended: set[int] = set()  # pids of workers already started again
+        self.stopping = False
+
+    def launch(self, i: int) -> None:
+        # Blocked while it starts (the child unblocks them once it can stop cleanly), and until
+        # it is known here: a stop arriving meanwhile reaches it (SIGTERM raises
+        # KeyboardInterrupt here; one raised before this assignment left it running unknown)
+        with stop_signals_blocked():
+            self.procs[i] = self._start(i)
+            self._started[i] = time.monotonic()
+
+    def collect(self, queue: Any, tally: _MergeTally) -> None:
+        """Pass the workers' events to ``tally`` and record each one's exit code as it comes
+        (an interrupt keeps what has come), until every worker has one."""
+        while len(self.codes) < len(self.procs):
+            self._restart_due()
+            try:
+                kind, x, y = queue.get(timeout=0.5)
+            except Exception as e:  # queue.Empty: check for workers that died without a word
+                if not isinstance(e, Empty):
+                    logger.debug("deck merge: reading the workers' events: %r", e)
+                self._check_dead()
+                continue
+            if kind != "exit":
+                tally.event(kind)
+                continue
+            if self.follow and not self.stopping:
+                if y not in (0, 130):
+                    self.codes[x] = y
+                    logger.warning("deck merge: worker %d gave up (above): stopping the others", x)
+                    self.stop()
+                else:  # (a stop sent to that worker alone: the others would wait for it)
+                    self._again(x, "was stopped alone")
+                continue
+            self.codes[x] = y
+
+    def _again(self, i: int, how: str) -> None:
+        """Start worker ``i`` again after its pause (it ended while the others follow)."""
+        self._ended.add(self.procs[i].pid)
+        lived = time.monotonic() - self._started[i]
+        pause = 1.0 if lived >= 600 else min(self._pause.get(i, 0.5) * 2, 60.0)
+        self._pause[i] = pause
+        self._restart_at[i] = time.monotonic() + pause
+        logger.warning(
+            "deck merge: worker %d %s; starting it again in %.0f s (a worker may be killed at "
+            "any point: what it left is finished or cleaned up)",
+            i,
+            how,
+            pause,
+        )
+
+    def _check_dead(self) -> None:
+        for i, p in self.procs.items():
+            if i in self.codes or p.pid in self._ended or p.is_alive() or p.exitcode is None:
+                continue
+            # (its last words were sent before it exited: none came)
+            how = (
+                f"was killed by {signal.Signals(-p.exitcode).name}"
+                if p.exitcode < 0
+                else f"exited with status {p.exitcode}"
+            )
+            if self.stopping and p.exitcode == -signal.SIGTERM:
+                self.codes[i] = 130  # (stopped before it could say so)
+            elif self.follow and not self.stopping:
+                self._again(i, f"{how} without a word")
+            else:
+                self.codes[i] = 2
+                print(f"deck merge: worker {i} {how} without finishing", file=sys.stderr)
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for i, at in list(self._restart_at.items()):
+            if now >= at:
+                del self._restart_at[i]
+                self.launch(i)
+
+    def stop(self) -> None:
+        """Stop every worker (a --follow one after its pass); one waiting to start again ends
+        as it died (status 2)."""
+        self.stopping = True
+        for i in list(self._restart_at):
+            del self._restart_at[i]
+            self.codes[i] = 2
+            print(f"deck merge: worker {i} had died and was not started again", file=sys.stderr)
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+
+    def join(self) -> None:
+        for p in self.procs.values():
             if p.pid is not None:
                 p.join()
-    return max(codes.values(), default=2)
 
-
-def _collect_workers(
-    queue: Any, procs: dict[int, Any], codes: dict[int, int], tally: _MergeTally
-) -> None:
-    """Pass the events of worker processes ``procs`` (by index) to ``tally`` and record each
-    one's exit code in ``codes`` (filled as they come: an interrupt keeps what has come)."""
-    while len(codes) < len(procs):
-        try:
-            kind, x, y = queue.get(timeout=0.5)
-        except Exception as e:  # queue.Empty: check for workers that died without a word
-            if not isinstance(e, Empty):
-                logger.debug("deck merge: reading the workers' events: %r", e)
-            for i, p in procs.items():
-                if not p.is_alive() and i not in codes and p.exitcode is not None:
-                    # (its last words were sent before it exited: none came)
-                    codes[i] = 0 if p.exitcode == 0 else 2
-            continue
-        if kind == "exit":
-            codes[x] = y
-        else:
-            tally.event(kind)
+    def code(self) -> int:
+        """The worst a worker gave: 2 before 1 before 130 (interrupted) before 0."""
+        codes = list(self.codes.values()) or [2]
+        worse = [c for c in codes if c not in (0, 130)]
+        return max(worse) if worse else (130 if 130 in codes else 0)
 
 
 def cmd_gc(a: argparse.Namespace) -> int:

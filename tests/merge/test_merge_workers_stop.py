@@ -6,6 +6,7 @@ children of init, holding the caller's pipes open)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -80,3 +81,105 @@ def test_merge_workers_end_with_their_command(tmp_path: Path, how: str) -> None:
         assert proc.returncode == 0, stdout + stderr
         assert "deck merge:" in stdout and "Traceback" not in stderr, stdout + stderr
     _until(lambda: all(exited(p) for p in descendants), f"left running: {descendants}")
+
+
+def test_a_stop_signal_landing_inside_the_wait_sets_the_event() -> None:
+    """A break-it finding: a --follow worker's SIGTERM handler called ``stop.set()``; landing
+    while the main thread held the event's lock (inside ``stop.wait()``), it waited on itself
+    for ever, and its parent on it. The handler takes no lock now: a thread sets the event."""
+    import threading
+
+    from deck.cli.stopping import stop_on_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        with stop._cond:  # where stop.wait() holds it, and set() takes it
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # (the handler runs between two of these bytecodes)
+                pass
+            assert not stop.is_set()  # (the thread that sets it waits for the lock)
+        assert stop.wait(120)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_killed_is_started_again_and_merging_goes_on(tmp_path: Path) -> None:
+    """A break-it finding: one of `deck merge --follow --workers 2`'s workers killed with -9,
+    the other waited for its partitions for ever ("waiting for other workers", at INFO) and
+    nothing was merged again, while the command ran on without a word. The command starts it
+    again (said at WARNING), merging goes on, and SIGTERM still ends it with exit 0."""
+    from deck.read.catalog import read_manifests
+
+    uri = str(tmp_path / "ck")
+    storage = open_storage(uri)
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    proc = subprocess.Popen(
+        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05", "--stride", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def following() -> set[int]:
+            assert proc.poll() is None, proc.communicate()
+            return {c for c in _children(proc.pid) if _catches_sigterm(c)}
+
+        _until(lambda: len(following()) >= 2, "the workers did not start following")
+        first = following()
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        _until(
+            lambda: len(following() - first) == 1 and victim not in following(),
+            "the killed worker was not started again",
+        )
+        for _ in range(6):  # work only both workers together can merge
+            tr.train()
+            tr.save("delta")
+        _until(
+            lambda: bool(read_manifests(storage).merged),
+            "nothing was merged after the kill",
+        )
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert re.search(
+        r"worker \d was killed by SIGKILL without a word; starting it again in 1 s", stderr
+    ), stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stopped_while_its_workers_start_it_exits_0(tmp_path: Path) -> None:
+    """A break-it finding: SIGTERM to `deck merge --follow --workers 2`'s process group while
+    its workers were still starting (before their handler) killed them, and the command exited
+    2 with no word of why. A worker starts with the stop signals blocked and takes one that
+    came meanwhile as a stop once it can: exit 0, as for a stop later on."""
+    uri = str(tmp_path / "ck")
+    tr = SynthTrainer(open_storage(uri))
+    tr.save("full")
+    proc = subprocess.Popen(
+        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _until(
+            lambda: proc.poll() is None and _catches_sigterm(proc.pid) and _children(proc.pid),
+            "the workers were not started",
+        )
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert "Traceback" not in stderr and "without finishing" not in stderr, stderr
