@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,23 @@ def _until(done: object, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _merge_follow(uri: str, *extra: str, **popen: Any) -> subprocess.Popen[str]:
+    """`deck merge URI --follow --workers 2`, polling often, its output piped."""
+    return subprocess.Popen(
+        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def _following(proc: subprocess.Popen[str]) -> set[int]:
+    """The worker processes of ``proc`` that follow (their SIGTERM handler is installed)."""
+    assert proc.poll() is None, proc.communicate()
+    return {c for c in _children(proc.pid) if _catches_sigterm(c)}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
@@ -57,20 +75,9 @@ def test_merge_workers_end_with_their_command(tmp_path: Path, how: str) -> None:
     for _ in range(6):
         tr.train()
         tr.save("delta")
-    proc = subprocess.Popen(
-        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05", "--stride", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _merge_follow(uri, "--stride", "2")
     try:
-        # Both workers are following (their SIGTERM handler is installed)
-        def following() -> bool:
-            assert proc.poll() is None, proc.communicate()
-            workers = [c for c in _children(proc.pid) if _catches_sigterm(c)]
-            return len(workers) >= 2
-
-        _until(following, "the workers did not start following")
+        _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
         descendants = _children(proc.pid)
         os.kill(proc.pid, getattr(signal, how))
         stdout, stderr = proc.communicate(timeout=120)
@@ -116,24 +123,14 @@ def test_a_worker_killed_is_started_again_and_merging_goes_on(tmp_path: Path) ->
     storage = open_storage(uri)
     tr = SynthTrainer(storage)
     tr.save("full")
-    proc = subprocess.Popen(
-        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05", "--stride", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _merge_follow(uri, "--stride", "2")
     try:
-
-        def following() -> set[int]:
-            assert proc.poll() is None, proc.communicate()
-            return {c for c in _children(proc.pid) if _catches_sigterm(c)}
-
-        _until(lambda: len(following()) >= 2, "the workers did not start following")
-        first = following()
+        _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
+        first = _following(proc)
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
         _until(
-            lambda: len(following() - first) == 1 and victim not in following(),
+            lambda: len(_following(proc) - first) == 1 and victim not in _following(proc),
             "the killed worker was not started again",
         )
         for _ in range(6):  # work only both workers together can merge
@@ -164,13 +161,7 @@ def test_stopped_while_its_workers_start_it_exits_0(tmp_path: Path) -> None:
     uri = str(tmp_path / "ck")
     tr = SynthTrainer(open_storage(uri))
     tr.save("full")
-    proc = subprocess.Popen(
-        [EXE, "merge", uri, "--follow", "--workers", "2", "--poll", "0.05"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _merge_follow(uri, start_new_session=True)
     try:
         _until(
             lambda: proc.poll() is None and _catches_sigterm(proc.pid) and _children(proc.pid),
