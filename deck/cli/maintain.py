@@ -292,7 +292,7 @@ class _Workers:
     at WARNING: the other workers wait for its partitions, so merging would stop (a break-it
     finding: one worker killed with -9 stopped all merging, said at INFO only, while the
     command ran on). One that gives up saying why (exit status 2) stops them all: they would
-    wait for it for ever."""
+    wait for it for ever. A stop of the command is exit 0 whatever died before it (said)."""
 
     def __init__(self, start: Callable[[int], Any], follow: bool) -> None:
         self._start = start
@@ -367,6 +367,9 @@ class _Workers:
                 self.codes[i] = 130  # (stopped before it could say so)
             elif self.follow and not self.stopping:
                 self._again(i, f"{how} without a word")
+            elif self.follow:  # (a service told to stop: what it left is finished next time)
+                self.codes[i] = 0
+                logger.warning("deck merge: worker %d %s without a word (stopping)", i, how)
             else:
                 self.codes[i] = 2
                 print(f"deck merge: worker {i} {how} without finishing", file=sys.stderr)
@@ -379,13 +382,12 @@ class _Workers:
                 self.launch(i)
 
     def stop(self) -> None:
-        """Stop every worker (a --follow one after its pass); one waiting to start again ends
-        as it died (status 2)."""
+        """Stop every worker (a --follow one after its pass; one waiting to start again is not:
+        a stop of the service at any moment is exit 0, a break-it finding)."""
         self.stopping = True
         for i in list(self._restart_at):
             del self._restart_at[i]
-            self.codes[i] = 2
-            print(f"deck merge: worker {i} had died and was not started again", file=sys.stderr)
+            self.codes[i] = 0
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()

@@ -19,7 +19,11 @@ def _noted(_signum: int, _frame: Any) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM set ``stop`` (from the main thread only).
+    """Inside, SIGINT and SIGTERM set ``stop`` (from the main thread only). A signal this
+    process ignores (inherited: a command started in the background of a shell ignores SIGINT)
+    stays ignored, as Python itself leaves it: its workers must not stop on a group's SIGINT
+    that their command does not take (a break-it finding: they did, and it started them again
+    for ever).
 
     Not by calling ``stop.set()`` in the handler: Python runs a handler on the main thread
     between two bytecodes, possibly inside ``stop.wait()`` while it holds the event's lock,
@@ -30,7 +34,8 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
     r, w = os.pipe()
     os.set_blocking(w, False)
     previous_fd = signal.set_wakeup_fd(w)
-    previous = {s: signal.signal(s, _noted) for s in STOP_SIGNALS}
+    taken = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, _noted) for s in taken}
 
     def watch() -> None:
         while data := os.read(r, 64):

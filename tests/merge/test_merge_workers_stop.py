@@ -32,13 +32,18 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def _catches_sigterm(pid: int) -> bool:
+def _signal_mask(pid: int, field: str) -> int:
+    """A signal set of ``/proc/PID/status`` (``SigCgt``, ``SigIgn``, ...); 0 once it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except (FileNotFoundError, ProcessLookupError):
-        return False
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & SIGTERM_BIT)
+        return 0
+    line = next(line for line in status.splitlines() if line.startswith(f"{field}:"))
+    return int(line.split()[1], 16)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    return bool(_signal_mask(pid, "SigCgt") & SIGTERM_BIT)
 
 
 def _until(done: object, what: str, timeout: float = 120.0) -> None:
@@ -174,3 +179,36 @@ def test_stopped_while_its_workers_start_it_exits_0(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 0, stdout + stderr
     assert "Traceback" not in stderr and "without finishing" not in stderr, stderr
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_started_ignoring_sigint_its_workers_ignore_it_too_and_a_stop_after_a_death_is_0(
+    tmp_path: Path,
+) -> None:
+    """Two break-it findings. Started in a shell's background (SIGINT ignored), the command
+    ignored a group's SIGINT while its workers stopped on it, and it started them again for
+    ever, "stopped alone": they ignore it as their command does. And SIGTERM right after a
+    worker died exited 2: a stop of the service is exit 0 whatever died before it."""
+    uri = str(tmp_path / "ck")
+    tr = SynthTrainer(open_storage(uri))
+    tr.save("full")
+    proc = _merge_follow(uri, start_new_session=True, preexec_fn=_ignore_sigint)
+    try:
+        _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
+        sigint = 1 << (signal.SIGINT - 1)
+        workers = _following(proc)
+        assert all(_signal_mask(w, "SigIgn") & sigint for w in [proc.pid, *workers]), workers
+        os.killpg(proc.pid, signal.SIGINT)  # (ignored by all: nothing to see)
+        os.kill(min(workers), signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGTERM)  # at once: the death may not have been seen yet
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert "stopped alone" not in stderr and "Traceback" not in stderr, stderr
