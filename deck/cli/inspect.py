@@ -274,7 +274,7 @@ def _verify_targets(
 
 
 def _stop_if_unreachable(
-    storage: Storage, m: CheckpointManifest, label: str, targets: list[CheckpointManifest]
+    storage: Storage, m: CheckpointManifest, label: str, done: int, total: int
 ) -> None:
     """After a checkpoint with files that could not be read: whether the store answers at all
     (its commit record, read before). A store that is down ends the run here, exit 2, instead
@@ -286,9 +286,8 @@ def _stop_if_unreachable(
     try:
         storage.exists(f"{m.folder}/{MANIFEST}")
     except StorageError as e:
-        done = next(i for i, t in enumerate(targets) if t is m) + 1
         raise StorageError(
-            f"{storage.uri} stopped answering at {label} ({e}): {done} of {len(targets)} "
+            f"{storage.uri} stopped answering at {label} ({e}): {done} of {total} "
             "checkpoints checked, nothing quarantined for it; verify again once the store "
             "answers"
         ) from None
@@ -320,7 +319,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     graph = build_graph(manifests)
     fulls: dict[str, dict[str, tuple[int, int]] | None] = {}  # full id -> its tables
     t0 = time.perf_counter()
-    for m in targets:
+    for done, m in enumerate(targets, 1):
         label = f"step {m.step}" if not m.is_merged else f"{m.kind.value} {m.folder}"
         bar = progress_bar(f"verify {label}")
         # What a restore checks besides the files: the tables of the full its chains start from
@@ -346,7 +345,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
             print(f"  UNREADABLE {p}")
         if report.unreadable:
             print("  a read error is not damage: this checkpoint is kept; verify it again")
-            _stop_if_unreachable(storage, m, label, targets)
+            _stop_if_unreachable(storage, m, label, done, len(targets))
         if report.problems and a.quarantine:
             proven = confirmed_damage(storage, m, report, tables)
             if proven.problems:

@@ -32,7 +32,6 @@ from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key
 from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     MANIFEST,
-    MAX_STEP,
     MERGED_ROOT,
     QUARANTINE_ROOT,
     CheckpointManifest,
@@ -1009,9 +1008,7 @@ def confirmed(
                 storage.uri,
             )
             return _read_every_record(storage, step, manifests, said=True)
-        if not chain and 0 <= step <= MAX_STEP:
-            # a step the catalog does not hold: agreed if the store holds none either (a step
-            # no folder name can hold has none)
+        if not chain:  # a step the catalog does not hold: agreed if the store holds none either
             keys.append(f"{step_dir(step)}/{MANIFEST}")
         keys += [f"{m.folder}/{MANIFEST}" for m in chain]
         keys += [f"{QUARANTINE_ROOT}/{m.id}.json" for m in chain]

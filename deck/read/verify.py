@@ -276,13 +276,15 @@ def check_files(
     m: CheckpointManifest,
     listing: Collection[str] | None = None,
     parts: list[RankManifest] | None = None,
+    unreadable: list[str] | None = None,
 ) -> list[str]:
     """The cheap check of checkpoint ``m`` (no chunk is read): its rank manifests verify, and
     every file they name exists with its recorded size (a bundle: at least up to its last
     chunk). Returns the problems, each naming the file; never raises for damage (a storage
     error is a problem too: what cannot be checked is not intact). ``listing``: keys the
     caller listed already; a file not in it is missing without a request. ``parts``: its rank
-    manifests, read (and verified) by the caller already.
+    manifests, read (and verified) by the caller already. ``unreadable``: where a file that
+    could not be sized goes instead (a caller that must not call a read error damage).
     :func:`verify_checkpoint` is the full check (every checksum)."""
     if parts is None:
         try:
@@ -305,7 +307,9 @@ def check_files(
         if isinstance(have, NotFoundError):
             problems.append(f"{where}: file is missing")
         elif isinstance(have, DeckError):
-            problems.append(f"{where}: cannot be checked ({have})")
+            (problems if unreadable is None else unreadable).append(
+                f"{where}: cannot be checked ({have})"
+            )
         elif isinstance(have, Exception):
             raise have
         elif have != want if exact else have < want:

@@ -5,6 +5,7 @@ children of init, holding the caller's pipes open)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,16 @@ def _merge_follow(uri: str, *extra: str, **popen: Any) -> subprocess.Popen[str]:
     )
 
 
+@contextlib.contextmanager
+def _running(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc``, killed on the way out if a failed assertion left it running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _following(proc: subprocess.Popen[str]) -> set[int]:
     """The worker processes of ``proc`` that follow (their SIGTERM handler is installed)."""
     assert proc.poll() is None, proc.communicate()
@@ -80,15 +92,11 @@ def test_merge_workers_end_with_their_command(tmp_path: Path, how: str) -> None:
     for _ in range(6):
         tr.train()
         tr.save("delta")
-    proc = _merge_follow(uri, "--stride", "2")
-    try:
+    with _running(_merge_follow(uri, "--stride", "2")) as proc:
         _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
         descendants = _children(proc.pid)
         os.kill(proc.pid, getattr(signal, how))
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     if how == "SIGTERM":
         assert proc.returncode == 0, stdout + stderr
         assert "deck merge:" in stdout and "Traceback" not in stderr, stdout + stderr
@@ -128,8 +136,7 @@ def test_a_worker_killed_is_started_again_and_merging_goes_on(tmp_path: Path) ->
     storage = open_storage(uri)
     tr = SynthTrainer(storage)
     tr.save("full")
-    proc = _merge_follow(uri, "--stride", "2")
-    try:
+    with _running(_merge_follow(uri, "--stride", "2")) as proc:
         _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
         first = _following(proc)
         victim = min(first)
@@ -147,9 +154,6 @@ def test_a_worker_killed_is_started_again_and_merging_goes_on(tmp_path: Path) ->
         )
         os.kill(proc.pid, signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, stdout + stderr
     assert re.search(
         r"worker \d was killed by SIGKILL without a word; starting it again in 1 s", stderr
@@ -166,17 +170,13 @@ def test_stopped_while_its_workers_start_it_exits_0(tmp_path: Path) -> None:
     uri = str(tmp_path / "ck")
     tr = SynthTrainer(open_storage(uri))
     tr.save("full")
-    proc = _merge_follow(uri, start_new_session=True)
-    try:
+    with _running(_merge_follow(uri, start_new_session=True)) as proc:
         _until(
             lambda: proc.poll() is None and _catches_sigterm(proc.pid) and _children(proc.pid),
             "the workers were not started",
         )
         os.killpg(proc.pid, signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, stdout + stderr
     assert "Traceback" not in stderr and "without finishing" not in stderr, stderr
 
@@ -197,8 +197,7 @@ def test_started_ignoring_sigint_its_workers_ignore_it_too_and_a_stop_after_a_de
     uri = str(tmp_path / "ck")
     tr = SynthTrainer(open_storage(uri))
     tr.save("full")
-    proc = _merge_follow(uri, start_new_session=True, preexec_fn=_ignore_sigint)
-    try:
+    with _running(_merge_follow(uri, start_new_session=True, preexec_fn=_ignore_sigint)) as proc:
         _until(lambda: len(_following(proc)) >= 2, "the workers did not start following")
         sigint = 1 << (signal.SIGINT - 1)
         workers = _following(proc)
@@ -207,8 +206,5 @@ def test_started_ignoring_sigint_its_workers_ignore_it_too_and_a_stop_after_a_de
         os.kill(min(workers), signal.SIGKILL)
         os.kill(proc.pid, signal.SIGTERM)  # at once: the death may not have been seen yet
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, stdout + stderr
     assert "stopped alone" not in stderr and "Traceback" not in stderr, stderr

@@ -110,6 +110,9 @@ def test_export_holds_one_shard_at_a_time(ckpt: str, tmp_path: Path) -> None:
     from deck.errors import ConfigError
     from deck.ops.export import StepState, export_dcp, export_safetensors
 
+    # a step no folder name holds is refused, named (was a ValueError of the folder's name)
+    with pytest.raises(ConfigError, match=r"export\(step=1000000000000\)"):
+        StepState(open_storage(ckpt), 10**12)
     state = StepState(open_storage(ckpt), STEP)
     shards = [s.nbytes for s in state.shards]
     tables: dict[str, int] = {}
@@ -203,3 +206,22 @@ def test_a_failed_export_leaves_its_target_as_it_found_it(
         assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 3, r.stderr
     assert not new.exists()
     assert empty.is_dir() and not list(empty.iterdir())
+
+
+def test_a_full_file_that_cannot_be_sized_is_a_read_error_not_damage(
+    ckpt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export's check of its full's file sizes (claims above a bound, or a later record
+    naming another table) took a file it could not size for damage (CorruptCheckpointError:
+    exit 1, "run deck verify"): a read error is StorageError, naming the file."""
+    from deck.errors import StorageError
+    from deck.ops.export import StepState, layout
+    from deck.testing.faulty_storage import FaultyStorage
+
+    class Unsized(FaultyStorage):
+        def size(self, path: str) -> int:
+            raise StorageError(f"injected: {self.describe(path)} timed out")
+
+    monkeypatch.setattr(layout, "_CHECK_FILES_ABOVE", 0)  # (every claim checked)
+    with pytest.raises(StorageError, match=r"timed out.*a read error, not damage"):
+        StepState(Unsized(open_storage(ckpt)), STEP)

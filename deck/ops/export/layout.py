@@ -11,13 +11,19 @@ from typing import Any
 
 import torch
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
+from deck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsupportedError,
+)
 from deck.format.chunks import DTYPES
 from deck.format.manifest import (
     CheckpointManifest,
     ChunkRecord,
     RankManifest,
     ShardRecord,
+    as_step,
     steps_text,
 )
 from deck.model import TableShard
@@ -175,8 +181,10 @@ class StepState:
         # (``chain``: ``step``'s, as a caller that just read and checked the records chose it)
         if chain is not None and step is not None:
             self.step, self.chain = step, chain
-        else:
-            self.step, self.chain = _chain_of(self.storage, step)
+        else:  # (a step no folder name holds is refused here, as deck.load refuses it)
+            self.step, self.chain = _chain_of(
+                self.storage, None if step is None else as_step(step, "export")
+            )
         self.last = self.chain[-1]
         # Exporting shard by shard applies the chain once per shard: its rank manifests are
         # read (and checksum-verified) once, here.
@@ -271,6 +279,16 @@ class StepState:
             out.append(Piece(fqn, path, state, size, offsets, sizes, dtype, i))
         return out
 
+    def _full_files(self, full: CheckpointManifest) -> list[str]:
+        """:func:`check_files` of the chain's full: the damage found; a file it could not read
+        raises :class:`StorageError` (a read error is not damage)."""
+        unreadable: list[str] = []
+        held = self.rank_parts[full.folder]
+        problems = check_files(self.storage, full, parts=held, unreadable=unreadable)
+        if unreadable:
+            raise StorageError(f"{unreadable[0]}: a read error, not damage; export it again")
+        return problems
+
     def _check_tables(self) -> None:
         """The chain's records name one shape per table, the full covers its tables, and each
         later checkpoint names only the full's tables, with their shapes (what a restore
@@ -283,8 +301,7 @@ class StepState:
             if problems and m is not full:
                 # The full may be the damaged one (its records all forged alike): its files
                 # are named first, as verify names them
-                held = self.rank_parts[full.folder]
-                problems = check_files(self.storage, full, parts=held) or problems
+                problems = self._full_files(full) or problems
             if problems:
                 raise CorruptCheckpointError(f"{problems[0]}: run deck verify")
             if tables is None:
@@ -331,7 +348,7 @@ class StepState:
                     "by deck: run deck verify"
                 )
         if sum(claims.values()) > _CHECK_FILES_ABOVE:
-            problems = check_files(self.storage, full, parts=self.rank_parts[full.folder])
+            problems = self._full_files(full)
             if problems:
                 raise CorruptCheckpointError(
                     f"step {self.step} at {self.storage.uri} claims {sum(claims.values())} bytes "
