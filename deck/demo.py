@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import deck
 from deck.errors import MissingDependencyError
-from deck.processes import end_rank, init_process_group, rendezvous
+from deck.processes import end_rank, init_process_group, meeting_file
 from deck.stack import require_torchrec
 from deck.units import human_bytes
 
@@ -421,9 +421,8 @@ def run_demo(args: DemoArgs, world_size: int = 2) -> dict[str, Any]:
     fd, result_file = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(
-            _demo_worker, args=(world_size, rendezvous(), args, result_file), nprocs=world_size
-        )
+        with meeting_file() as where:
+            mp.spawn(_demo_worker, args=(world_size, where, args, result_file), nprocs=world_size)
         with open(result_file) as f:
             return dict(json.load(f))
     finally:

@@ -9,12 +9,14 @@ closes open checkpointers (deck.at_exit).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,25 @@ def rendezvous(folder: str | None = None) -> str:
     once); a fresh file name cannot. The file goes when the group ends cleanly."""
     name = f"deck-group-{uuid.uuid4().hex}"
     return "file://" + os.path.join(folder or tempfile.gettempdir(), name)
+
+
+@contextlib.contextmanager
+def meeting_file(folder: str | None = None) -> Iterator[str]:
+    """:func:`rendezvous`, for the process that spawns the ranks: the file is removed when the
+    block ends, however the ranks ended. torch's FileStore removes it only when every rank's
+    store is destroyed, which :func:`end_rank` (leaving without finalization) and a killed rank
+    never do: without this, each group left a file in the temp folder."""
+    where = rendezvous(folder)
+    try:
+        yield where
+    finally:
+        remove_meeting_file(where)
+
+
+def remove_meeting_file(where: str) -> None:
+    """Remove the file of a :func:`rendezvous` whose ranks have all ended."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(where.removeprefix("file://"))
 
 
 def init_process_group(rank: int, world_size: int, where: str | int) -> None:

@@ -40,7 +40,7 @@ from deck.doctor.report import (
 )
 from deck.doctor.setup import DoctorSetup, build_setup, load_entry, normalize_entry
 from deck.errors import DeckError, DoctorError
-from deck.processes import end_rank, init_process_group, rendezvous
+from deck.processes import end_rank, init_process_group, meeting_file
 from deck.read.catalog import list_checkpoints
 from deck.storage import check_writable, open_storage
 from deck.trainer.checkpointer import DeltaCheckpointer, enable
@@ -98,7 +98,8 @@ def run_doctor(
         plan = DoctorPlan(entry, steps, every, more, target, storage_options, work, progress)
         _say(plan, f"starting {ranks} gloo ranks; checkpoints go to {target}")
         try:
-            mp.spawn(_rank_main, args=(ranks, rendezvous(work), plan), nprocs=ranks, join=True)
+            with meeting_file(work) as where:
+                mp.spawn(_rank_main, args=(ranks, where, plan), nprocs=ranks, join=True)
         except ProcessException as e:
             report = _failed(plan, ranks, e)
         else:

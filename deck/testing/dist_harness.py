@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.processes import end_rank, init_process_group, rendezvous
+from deck.processes import end_rank, init_process_group, meeting_file
 
 WATCHDOG_ENV = "DECK_RANK_WATCHDOG_S"
 """Seconds after which a spawned rank dumps its threads' stacks and exits (unset or 0: never)."""
@@ -44,4 +44,5 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
 
     ``fn`` must be a module-level function (spawned processes import it by name).
     """
-    mp.spawn(_entry, args=(world_size, rendezvous(), fn, args), nprocs=world_size, join=True)
+    with meeting_file() as where:
+        mp.spawn(_entry, args=(world_size, where, fn, args), nprocs=world_size, join=True)

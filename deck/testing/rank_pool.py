@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deck.processes import end_rank, rendezvous
+from deck.processes import end_rank, remove_meeting_file, rendezvous
 
 
 def _serve(rank: int, world_size: int, where: str, inbox: Any, outbox: Any) -> None:
@@ -61,7 +61,7 @@ class RankPool:
         self.world_size = world_size
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        where = rendezvous()
+        self.where = where = rendezvous()
         self.procs = [
             ctx.Process(
                 target=_serve,
@@ -112,6 +112,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        remove_meeting_file(self.where)
 
 
 class RankFailure(AssertionError):

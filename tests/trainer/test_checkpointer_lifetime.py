@@ -123,7 +123,7 @@ def _close_fails(rank: int, world_size: int, root: str) -> None:
         with pytest.raises(Exception) as info:
             ck.close()
     finally:
-        init_process_group(rank, world_size, rendezvous())  # a new group, for what follows
+        init_process_group(rank, world_size, rendezvous(root))  # a new group, for what follows
     assert not isinstance(info.value, DeckError), info.value  # the collective's own error
     ck.close()  # idempotent: nothing left to give back, nothing raised
     _assert_nothing_left(model, uri, hooks_before)

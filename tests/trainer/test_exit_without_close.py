@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import deck
-from deck.processes import rendezvous
+from deck.processes import meeting_file
 
 pytestmark = pytest.mark.slow
 JOB = str(Path(__file__).with_name("exit_job.py"))
@@ -22,23 +22,23 @@ MODES = {"fall_off": 0, "raise": 1, "dropped": 0, "end_rank": 0}  # mode -> each
 
 def _ranks(*args: str) -> list[subprocess.CompletedProcess[str]]:
     """Run the job's two ranks at once; their results by rank."""
-    where = rendezvous()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, JOB, args[0], *args[1:2], str(rank), "2", where, *args[2:]]
-            if args[0] == "restore"
-            else [sys.executable, JOB, *args[:3], str(rank), "2", where],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    out = []
-    for p in procs:
-        text, _ = p.communicate(timeout=600)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, text))
-    return out
+    with meeting_file() as where:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, JOB, args[0], *args[1:2], str(rank), "2", where, *args[2:]]
+                if args[0] == "restore"
+                else [sys.executable, JOB, *args[:3], str(rank), "2", where],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        out = []
+        for p in procs:
+            text, _ = p.communicate(timeout=600)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, text))
+        return out
 
 
 def test_staged_checkpoints_are_finished_when_the_process_exits_without_close(
