@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import logging
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import re
 import signal
@@ -14,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from queue import Empty
 from typing import Any
 
 from deck.cli.common import (
@@ -28,7 +30,12 @@ from deck.cli.common import (
     say_damaged,
     seconds,
 )
-from deck.cli.stopping import stop_on_signals, stop_signals_blocked, unblock_stop_signals
+from deck.cli.stopping import (
+    hold_stop_signals,
+    stop_on_signals,
+    stop_signals_blocked,
+    unblock_stop_signals,
+)
 
 # Command modules are imported inside each cmd_*: `deck ls` must not pay for (or need) torch.
 from deck.errors import CheckpointNotFoundError, ClockSkewError, ConfigError, DeckError
@@ -149,7 +156,7 @@ def _run_worker(
     return 1 if waiting or stats.failed or worker.failures or damaged else 0
 
 
-def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int) -> None:
+def _child(a: argparse.Namespace, index: int, num: int, events: Any, parent: int) -> None:
     from deck.child_process import die_with_parent
 
     # A `deck merge` killed with -9 stops its workers too (SIGTERM: a --follow worker ends
@@ -157,23 +164,31 @@ def _child(a: argparse.Namespace, index: int, num: int, queue: Any, parent: int)
     die_with_parent(parent, signal.SIGTERM)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
+
+    def say(kind: str, x: int, y: int) -> None:
+        events.send_bytes(json.dumps([kind, x, y]).encode())
+
     try:
         # (started with SIGINT / SIGTERM blocked: a stop that came meanwhile arrives now)
         with stop_on_signals(stop) if a.follow else contextlib.nullcontext():
             unblock_stop_signals()
-            code = _run_worker(
-                a,
-                index,
-                num,
-                lambda kind, st: queue.put((kind, st.bytes_written, st.items_committed)),
-                stop if a.follow else None,
-            )
+            try:
+                code = _run_worker(
+                    a,
+                    index,
+                    num,
+                    lambda kind, st: say(kind, st.bytes_written, st.items_committed),
+                    stop if a.follow else None,
+                )
+            finally:
+                if a.follow:  # (seen as an exit 130 "stopped before it could say so")
+                    hold_stop_signals()
     except DeckError as e:
         print(f"deck merge (worker {index} of {num}): {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:  # (a --once worker, interrupted)
         code = 130
-    queue.put(("exit", index, code))
+    say("exit", index, code)
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
@@ -256,28 +271,36 @@ def _run_workers(a: argparse.Namespace, indices: list[int], total: int, tally: _
     """Merger workers ``indices`` (of ``total``), one process each, until all have exited;
     returns the exit code (:meth:`_Workers.code`)."""
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
     parent = os.getpid()
 
-    def start(i: int) -> Any:
-        p = ctx.Process(target=_child, args=(a, i, total, queue, parent))
+    def start(i: int) -> tuple[Any, Any]:
+        # A pipe of its own per worker, not one queue for all: a worker killed while it wrote
+        # to a shared queue left its lock held, and every other worker then hung at its exit
+        # flushing what it had put (and the command with it, at a stop)
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(a, i, total, writer, parent))
         p.start()
-        return p
+        writer.close()  # (the worker's end: the reader sees EOF once the worker is gone)
+        return p, reader
 
     def on_term(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # (SIGTERM: kill, systemd, Kubernetes) stop the workers too
 
+    # Spawning starts multiprocessing's resource tracker at the first start, and starting it
+    # unblocks SIGINT / SIGTERM (Python's own code): a stop then landed inside a worker's
+    # start (exit 2 or 130, no word). Started here, before any stop is taken.
+    multiprocessing.resource_tracker.ensure_running()
     previous = signal.signal(signal.SIGTERM, on_term)
     workers = _Workers(start, a.follow)
     try:
         try:
             for i in indices:
                 workers.launch(i)
-            workers.collect(queue, tally)
+            workers.collect(tally)
         except KeyboardInterrupt:
             # Each worker stops (a --follow one after its pass, saying how it ended)
             workers.stop()
-            workers.collect(queue, tally)
+            workers.collect(tally)
     finally:
         signal.signal(signal.SIGTERM, previous)
         workers.join()
@@ -294,10 +317,11 @@ class _Workers:
     command ran on). One that gives up saying why (exit status 2) stops them all: they would
     wait for it for ever. A stop of the command is exit 0 whatever died before it (said)."""
 
-    def __init__(self, start: Callable[[int], Any], follow: bool) -> None:
+    def __init__(self, start: Callable[[int], tuple[Any, Any]], follow: bool) -> None:
         self._start = start
         self.follow = follow
         self.procs: dict[int, Any] = {}
+        self._events: dict[int, Any] = {}  # index -> the reading end of its pipe, until EOF
         self.codes: dict[int, int] = {}
         self._started: dict[int, float] = {}
         self._pause: dict[int, float] = {}
@@ -310,33 +334,41 @@ class _Workers:
         # it is known here: a stop arriving meanwhile reaches it (SIGTERM raises
         # KeyboardInterrupt here; one raised before this assignment left it running unknown)
         with stop_signals_blocked():
-            self.procs[i] = self._start(i)
+            self.procs[i], self._events[i] = self._start(i)
             self._started[i] = time.monotonic()
 
-    def collect(self, queue: Any, tally: _MergeTally) -> None:
+    def collect(self, tally: _MergeTally) -> None:
         """Pass the workers' events to ``tally`` and record each one's exit code as it comes
         (an interrupt keeps what has come), until every worker has one."""
         while len(self.codes) < len(self.procs):
             self._restart_due()
-            try:
-                kind, x, y = queue.get(timeout=0.5)
-            except Exception as e:  # queue.Empty: check for workers that died without a word
-                if not isinstance(e, Empty):
-                    logger.debug("deck merge: reading the workers' events: %r", e)
-                self._check_dead()
-                continue
-            if kind != "exit":
-                tally.event(kind)
-                continue
-            if self.follow and not self.stopping:
-                if y not in (0, 130):
-                    self.codes[x] = y
-                    logger.warning("deck merge: worker %d gave up (above): stopping the others", x)
-                    self.stop()
-                else:  # (a stop sent to that worker alone: the others would wait for it)
-                    self._again(x, "was stopped alone")
-                continue
-            self.codes[x] = y
+            ready = multiprocessing.connection.wait(list(self._events.values()), timeout=0.5)
+            for i, conn in list(self._events.items()):
+                if conn in ready:
+                    self._read(i, conn, tally)
+            self._check_dead()  # (workers that died without a word)
+
+    def _read(self, i: int, conn: Any, tally: _MergeTally) -> None:
+        try:
+            kind, x, y = json.loads(conn.recv_bytes())
+        except (EOFError, OSError, ValueError) as e:  # gone (a message cut short by a kill)
+            if not isinstance(e, EOFError):
+                logger.debug("deck merge: reading worker %d's events: %r", i, e)
+            conn.close()
+            del self._events[i]
+            return
+        if kind != "exit":
+            tally.event(kind)
+            return
+        if self.follow and not self.stopping:
+            if y not in (0, 130):
+                self.codes[x] = y
+                logger.warning("deck merge: worker %d gave up (above): stopping the others", x)
+                self.stop()
+            else:  # (a stop sent to that worker alone: the others would wait for it)
+                self._again(x, "was stopped alone")
+            return
+        self.codes[x] = y
 
     def _again(self, i: int, how: str) -> None:
         """Start worker ``i`` again after its pause (it ended while the others follow)."""
@@ -355,9 +387,9 @@ class _Workers:
 
     def _check_dead(self) -> None:
         for i, p in self.procs.items():
-            if i in self.codes or p.pid in self._ended or p.is_alive() or p.exitcode is None:
+            if i in self.codes or p.pid in self._ended or i in self._events or p.is_alive():
                 continue
-            # (its last words were sent before it exited: none came)
+            # (its pipe is read to its end, and it held no last words)
             how = (
                 f"was killed by {signal.Signals(-p.exitcode).name}"
                 if p.exitcode < 0

@@ -71,3 +71,10 @@ def stop_signals_blocked() -> Iterator[None]:
 def unblock_stop_signals() -> None:
     """What a child started under :func:`stop_signals_blocked` calls once it can stop."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def hold_stop_signals() -> None:
+    """Block SIGINT and SIGTERM for the rest of this process: what a stopped worker calls once
+    its loop has ended, so that a second stop (its command's, after the group's) cannot kill it
+    before it has said how it ended."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
