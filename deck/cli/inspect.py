@@ -126,7 +126,7 @@ def _ls(a: argparse.Namespace) -> int:
     if broken:
         sys.stdout.flush()
         print(
-            f"deck ls: step(s) {broken} of the newest timeline cannot be restored: a "
+            f"deck ls: step(s) {broken} cannot be restored: a "
             f"checkpoint their chain needs is gone or quarantined (`deck verify {a.uri} --all` "
             "names it)",
             file=sys.stderr,

@@ -72,7 +72,7 @@ class Row:
     bytes: int  # all its files, all ranks
     created_unix: float | None  # commit time (pending: newest rank part's file time, if known)
     # committed | pending | quarantined | damaged, or for a committed trainer checkpoint with
-    # no complete chain: abandoned (a timeline a rollback left) | broken (the newest timeline);
+    # no complete chain: abandoned (a timeline a rollback left) | broken (damage);
     # a merger checkpoint no step's chain can use any more: abandoned
     state: str
     ranks: int  # rank parts present
@@ -132,16 +132,16 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
     and merger's), per pending trainer checkpoint and per folder whose commit record is
     damaged (state ``damaged``, ``problem`` naming the file), ordered by step, then layer. A
     committed trainer checkpoint without a complete chain is ``abandoned`` (an older timeline
-    a rollback left) or ``broken`` (the newest timeline: damage, ``deck verify`` says what)."""
+    a rollback left: :meth:`LineageGraph.abandoned`) or ``broken`` (damage, ``deck verify``
+    says what)."""
     with paused_gc():  # (100,000 records make millions of objects: see paused_gc)
         keys, records = _listed_records(storage)
         manifests = manifest_set(storage, records, None)
         graph = build_graph(manifests, storage.uri)
         rows = [_row(n) for n in graph.nodes.values()]
-        restorable = set(graph.restorable_steps())
-        newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
+        restorable, left = set(graph.restorable_steps()), graph.abandoned()
         rows = [
-            replace(r, state="broken" if r.epoch == newest else "abandoned")
+            replace(r, state="abandoned" if r.step in left else "broken")
             if not r.merged and r.state == "committed" and r.step not in restorable
             else r
             for r in _left_merged_abandoned(graph, rows)

@@ -441,16 +441,36 @@ class LineageGraph:
         return self._chain_ids(step, frozenset()) is not None
 
     def unrestorable(self, above: int = -1) -> dict[int, str]:
-        """Trainer steps of the newest epoch (those after ``above`` only) without a complete
-        chain, each with what its chain lacks. Older epochs' steps are left out: a rollback
-        abandons a timeline, and the steps it re-saved make the old ones after them
-        unrestorable by design."""
-        newest = max((n.epoch for n in self.trainer.values()), default=None)
+        """Trainer steps (those after ``above`` only) without a complete chain that no newer
+        timeline left (:meth:`abandoned`), each with what its chain lacks: damage. A rollback's
+        abandoned steps are left out (the steps it saved again make the old ones after them
+        unrestorable by design)."""
+        left = self.abandoned()
         return {
             s: self._why_not(s, frozenset())
-            for s, n in sorted(self.trainer.items())
-            if s > above and n.epoch == newest and not self.restorable(s)
+            for s in sorted(self.trainer)
+            if s > above and s not in left and not self.restorable(s)
         }
+
+    def abandoned(self) -> set[int]:
+        """Trainer steps a newer timeline left: those above the step a newer epoch's timeline
+        went on from (the parent of that epoch's lowest checkpoint here). The steps below it are
+        that timeline's history, whatever their epoch: a process restarted from the latest step
+        takes a new epoch too (a break-it finding: a commit record lost before a restart hid
+        the steps after it from verify as "abandoned", and GC deleted them). Where a full starts
+        an epoch, where it went on from is not recorded: the steps below the full count as its
+        history (said damaged rather than abandoned, kept rather than deleted)."""
+        went_on: dict[int, int] = {}  # epoch -> the highest step of its history before it
+        for s, n in sorted(self.trainer.items()):
+            if n.epoch not in went_on:
+                went_on[n.epoch] = n.start[0] if n.start is not None else s - 1
+        # A step is left by any newer epoch that went on from below it: the least such start
+        lowest_newer: dict[int, float] = {}
+        least = float("inf")
+        for e in sorted(went_on, reverse=True):
+            lowest_newer[e] = least
+            least = min(least, went_on[e])
+        return {s for s, n in self.trainer.items() if s > lowest_newer[n.epoch]}
 
     def latest(self, log: bool = True) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain;

@@ -41,10 +41,9 @@ def reference_list_rows(storage: LocalStorage) -> tuple[LineageGraph, list[Row]]
     manifests = read_manifests(storage, sorted(set(keys) | {f"{f}/{MANIFEST}" for f in folders}))
     graph = build_graph(manifests, storage.uri)
     rows = [listing._row(n) for n in graph.nodes.values()]
-    restorable = set(graph.restorable_steps())
-    newest = max((r.epoch for r in rows if r.epoch is not None), default=None)
+    restorable, left = set(graph.restorable_steps()), graph.abandoned()
     rows = [
-        replace(r, state="broken" if r.epoch == newest else "abandoned")
+        replace(r, state="abandoned" if r.step in left else "broken")
         if not r.merged and r.state == "committed" and r.step not in restorable
         else r
         for r in listing._left_merged_abandoned(graph, rows)

@@ -511,6 +511,68 @@ def test_a_lost_commit_record_makes_gc_keep_what_builds_on_it(
     assert check_all_restore(storage, history) == list(range(first, 9))
 
 
+def test_a_record_lost_before_a_restart_is_damage_to_gc_verify_and_ls(tmp_path: Path) -> None:
+    """A break-it finding: a commit record lost (step 2), the job restarted after it (a new
+    epoch going on from the latest step) and a merger full above it (step 5) making the newest
+    steps restorable without it (steps 3 and 4 are not). Every step after the lost one and before the restart was
+    taken for a timeline a rollback left: `deck verify --all` said nothing of them, `deck ls`
+    called them abandoned, and the default GC deleted them and the lost record's files, for
+    good. They are broken (damage), kept, and restore again once the record is back."""
+    from deck.ops.listing import list_rows
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(5):
+        tr.train()
+        tr.save()
+    # (a merger full of step 5 and no merged delta: those would restore around the lost record)
+    merge_all(storage, MergeConfig(stride=16, full=FullPolicy(every=5, max_live_fraction=None)))
+    assert {m.kind for m in read_manifests(storage).merged.values()} == {Kind.FULL}
+    tr.rollback(5)  # (a restart from the latest step: a new epoch, the same timeline)
+    for _ in range(3):
+        tr.train()
+        tr.save()
+    record = tmp_path / "ck/step-000000000002/manifest.json"
+    saved = record.read_bytes()
+    record.unlink()
+    graph = build_graph(read_manifests(storage))
+    assert graph.latest() == 8 and graph.abandoned() == set()
+    assert sorted(graph.unrestorable()) == [3, 4]  # (what `deck verify --all` reports)
+    states = {r.step: r.state for r in list_rows(storage)[1] if not r.merged}
+    assert [states[s] for s in (3, 4, 5, 6)] == ["broken"] * 2 + ["committed"] * 2, states
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
+    assert not rep.deleted and not any(o.startswith("step-") for o, _ in rep.orphans), rep
+    kept = dict(rep.kept)
+    said = "may need step 2, whose commit record is missing"
+    assert all(any(f"step-{s:012d}" in k and said in w for k, w in kept.items()) for s in (3, 4))
+    record.write_bytes(saved)
+    history = {s.id: s.state for s in tr.saved.values()}
+    assert check_all_restore(storage, history) == list(range(9))
+
+
+def test_a_rollback_abandons_the_steps_above_where_it_went_on(tmp_path: Path) -> None:
+    """What a rollback leaves: the older timeline's steps above the step the new one went on
+    from (the parent of its first delta); below it, the steps are the new timeline's history.
+    A new epoch that starts with a full went on from where it is not recorded: the steps below
+    the full count as its history."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(6):
+        tr.train()
+        tr.save()
+    tr.rollback(2)
+    tr.train()
+    tr.save()  # step 3 again (epoch 1): 4..6 of epoch 0 are left
+    assert build_graph(read_manifests(storage)).abandoned() == {4, 5, 6}
+    tr.rollback(3)
+    tr.parent = None  # (epoch 2 starts with a full, at step 4: 5, 6 are left, 4 saved again)
+    tr.train()
+    tr.save("full")
+    assert build_graph(read_manifests(storage)).abandoned() == {5, 6}
+
+
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("keep_all_steps", [True, False])
 def test_a_rollback_leaves_the_abandoned_timeline_for_the_grace_period(

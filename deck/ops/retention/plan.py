@@ -226,10 +226,8 @@ def plan_lineage(
         )
         unread = {i for i in _incomplete(graph, delete) if i not in held}
         held.update((i, why) for i in unread)
-    newest = max((n.epoch for n in graph.trainer.values()), default=None)
-    if any(s not in cheapest for s, n in graph.trainer.items() if n.epoch == newest):
-        # (only where a step of the newest timeline has no chain: the walk is not paid by a
-        # whole lineage)
+    if any(s not in cheapest for s in graph.trainer):
+        # (only where a step has no chain: the walk is not paid by a whole lineage)
         for i, why in _broken_chain_holds(original, delete).items():
             held.setdefault(i, why)
     held.update(
@@ -323,7 +321,7 @@ def _damage_holds(
 
 
 def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str, str]:
-    """Which of ``delete`` belong to the newest timeline's steps whose chain lacks a trainer
+    """Which of ``delete`` belong to the steps no rollback left whose chain lacks a trainer
     checkpoint no record stands for any more (no commit record at its step at all: lost, not
     replaced by a newer timeline's save), with why: damage, as `deck verify` says, never made
     by deck (a trainer commits a delta after its parent; GC deletes the newest first), so kept
