@@ -286,6 +286,8 @@ def append_hints(storage: Storage, hints: list[Hint]) -> int | None:
         seq = guess + 1
         guess = None
         for _ in range(_CONFLICTS_BEFORE_LISTING):
+            if seq > MAX_SEQ:
+                raise _no_number_left(storage)
             entry = LogEntry(format_version=FORMAT_VERSION, seq=seq, hints=tuple(hints))
             if storage.put_if_absent(log_key(seq), dump_model(entry)):
                 if newest_catalog_seq(storage) < seq:
@@ -298,6 +300,23 @@ def append_hints(storage: Storage, hints: list[Hint]) -> int | None:
         f"could not append to the commit log at {storage.describe(LOG_ROOT + '/')}: every "
         f"sequence number tried was taken ({_APPEND_TRIES} listings); other writers are "
         "appending faster than this one can: try again"
+    )
+
+
+def _no_number_left(storage: Storage) -> CorruptCheckpointError:
+    """The error of a log whose numbers are used up: by a name that is not deck's (a break-it
+    finding: one forged ``_log/`` entry numbered MAX_SEQ made every later commit fail with a
+    validation error that named no file, and stopped `deck merge` and `deck gc` with a
+    traceback)."""
+    logged, catalogs = listed_seqs(storage, LOG_ROOT), listed_seqs(storage, CATALOG_ROOT)
+    top = [log_key(logged[-1])] if logged else []
+    top += [catalog_key(catalogs[-1])] if catalogs else []
+    return CorruptCheckpointError(
+        f"the commit log at {storage.describe(LOG_ROOT + '/')} has no number left after "
+        f"{' and '.join(top) or 'its newest entry'}: deck numbers its entries one after "
+        f"another from 1 (at most {MAX_SEQ}), so a name that high is not deck's (written by "
+        "someone else, or damaged). Delete the log entries and catalogs numbered far above "
+        "the others; until then nothing can be committed to this URI"
     )
 
 

@@ -400,6 +400,37 @@ def test_an_append_never_lands_behind_a_catalog(store: LocalStorage) -> None:
     assert append_hints(store, [Hint(key=POOL[2][0], op="commit", id=POOL[2][1])]) == 6
 
 
+def test_a_log_with_no_number_left_is_an_error_naming_its_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: one entry numbered MAX_SEQ (forged: deck numbers from 1, one after
+    another) made every later commit fail with a pydantic validation error that named no file,
+    and `deck merge` stop with a traceback. It is a DeckError naming the entry and what to do,
+    at the commit and in the merger's warning."""
+    from deck.errors import CorruptCheckpointError
+    from deck.format.commit_log import MAX_SEQ, LogEntry
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    forged = LogEntry(
+        format_version=FORMAT_VERSION,
+        seq=MAX_SEQ,
+        hints=(Hint(key=POOL[0][0], op="commit", id=POOL[0][1]),),
+    )
+    storage.put(log_key(MAX_SEQ), dump_model(forged))
+    tr.train()
+    monkeypatch.setattr(commit_log, "_last_seq", {})  # (a new process: it lists the log)
+    with pytest.raises(CorruptCheckpointError, match=f"no number left after {log_key(MAX_SEQ)}"):
+        tr.save()
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["merge", storage.root, "--once", "--stride", "2"]) == 1  # (work left)
+    assert f"no number left after {log_key(MAX_SEQ)}" in caplog.text
+
+
 def test_a_catalog_that_disagrees_with_a_chain_record_is_not_restored_from(
     store: LocalStorage, caplog: pytest.LogCaptureFixture
 ) -> None:
