@@ -432,7 +432,8 @@ class PublishConfig(Settings):
     kafka: dict[str, Any] = Field(
         default_factory=dict,
         description="With a kafka:// uri: extra librdkafka producer settings (security, "
-        "compression, timeouts); deck sets bootstrap.servers, acks=all and idempotence.",
+        "compression, timeouts); deck sets bootstrap.servers (from the uri), acks=all, "
+        "idempotence and message.max.bytes (from max_message_bytes), and refuses them here.",
     )
     max_message_bytes: int = Field(
         default=1_000_000,
@@ -457,6 +458,17 @@ class PublishConfig(Settings):
     @classmethod
     def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _multiple_of(v, info, "every_steps", "publish steps")
+
+    @field_validator("kafka")
+    @classmethod
+    def _kafka_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from deck.format.stream import PRODUCER_SETS, check_client_options
+
+        try:
+            check_client_options(v, PRODUCER_SETS, "")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @field_validator("state_uri")
     @classmethod

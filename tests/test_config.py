@@ -188,6 +188,20 @@ def test_strict_types(kwargs: dict, line: str) -> None:
             "chunk_bytes (16384) (got 8192)",
         ),
         ({"publish": {"uri": "kafka://h:1/t"}}, "DeckConfig.publish.state_uri: a kafka:// "),
+        (
+            # (a break-it finding: accepted, they sent every publish to another broker while
+            # the errors named the URI's, and could drop the acknowledgements commits rely on)
+            {
+                "publish": {
+                    "uri": "kafka://h:1/t",
+                    "state_uri": "/tmp/s",
+                    "kafka": {"bootstrap.servers": "b:1", "acks": "0", "linger.ms": 5},
+                }
+            },
+            "DeckConfig.publish.kafka: bootstrap.servers, acks: deck sets them (bootstrap.servers: "
+            "the brokers are the kafka:// URI's; acks: a publish commits only segments every "
+            "in-sync replica acknowledged (acks=all)); leave them out",
+        ),
     ],
 )
 def test_messages_name_the_field_once(kwargs: dict, line: str) -> None:

@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,6 +73,38 @@ class KafkaTarget:
     @property
     def uri(self) -> str:
         return f"kafka://{self.bootstrap}/{self.topic}"
+
+
+_BROKERS = "the brokers are the kafka:// URI's"
+# librdkafka settings deck's clients set themselves, and why: given as extra options they
+# would override them (a break-it finding: a publisher's bootstrap.servers sent every publish to
+# another broker while each error named the URI's; acks=0 went unrefused)
+PRODUCER_SETS = {
+    "bootstrap.servers": _BROKERS,
+    "metadata.broker.list": _BROKERS,
+    "acks": "a publish commits only segments every in-sync replica acknowledged (acks=all)",
+    "request.required.acks": "a publish commits only acknowledged segments (acks=all)",
+    "enable.idempotence": "a retried segment must not be written twice (idempotence)",
+    "message.max.bytes": "set PublishConfig.max_message_bytes instead",
+}
+CONSUMER_SETS = {
+    "bootstrap.servers": _BROKERS,
+    "metadata.broker.list": _BROKERS,
+    "group.id": "pass the reader's group argument instead",
+    "enable.auto.commit": "offsets are committed once a step is applied, by hand",
+    "enable.partition.eof": "the reader needs end-of-partition events to know a step is whole",
+    "auto.offset.reset": "an offset retention removed must read from the oldest message left",
+}
+
+
+def check_client_options(options: Mapping[str, Any], sets: Mapping[str, str], what: str) -> None:
+    """Raise :class:`ConfigError` (its message starting with ``what``) when ``options``, extra
+    librdkafka settings, name one deck sets itself (``sets``: setting -> why)."""
+    taken = [k for k in options if k in sets]
+    if taken:
+        why = "; ".join(f"{k}: {sets[k]}" for k in taken)
+        them = "it" if len(taken) == 1 else "them"
+        raise ConfigError(f"{what}{', '.join(taken)}: deck sets {them} ({why}); leave {them} out")
 
 
 class _DemotedLog(logging.LoggerAdapter):  # type: ignore[type-arg]

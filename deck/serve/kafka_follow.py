@@ -65,6 +65,7 @@ from deck.failpoints import failpoint
 from deck.format.manifest import MANIFEST, CheckpointManifest, Kind, load_model, step_dir
 from deck.format.quantize import QuantizedStateError
 from deck.format.stream import (
+    CONSUMER_SETS,
     CONTROL_PARTITION,
     MAX_START_BYTES,
     CorruptStreamError,
@@ -73,6 +74,7 @@ from deck.format.stream import (
     Segment,
     StepStart,
     StreamGapError,
+    check_client_options,
     decode_marker,
     decode_segment,
     decode_start,
@@ -349,7 +351,9 @@ def consumer_conf(
     target: KafkaTarget, group: str, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The consumer settings of a stream reader: ``group`` (offsets are committed by hand, for
-    lag monitoring), end-of-partition events, a bounded prefetch; ``options`` added last."""
+    lag monitoring), end-of-partition events, a bounded prefetch; ``options`` added last (none
+    of those deck sets: :class:`ConfigError`)."""
+    check_client_options(options or {}, CONSUMER_SETS, f"consumer options of {target.uri}: ")
     return {
         "bootstrap.servers": target.bootstrap,
         "group.id": group,

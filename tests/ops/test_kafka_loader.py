@@ -578,3 +578,17 @@ def test_damaged_files_of_a_step_at_the_state_uri_are_passed_over_until_a_full(
     assert kf.stats.applied == [later], kf.stats
     _serves(out, pub, later)
     pub.close()
+
+
+def test_consumer_options_deck_sets_are_refused() -> None:
+    """Extra consumer settings that would override what deck's reader relies on (the URI's
+    brokers, the group it is given, offsets committed by hand, end-of-partition events, reading
+    from the oldest message left) are refused, naming each and why."""
+    from deck.format.stream import KafkaTarget
+    from deck.serve.kafka_follow import consumer_conf
+
+    target = KafkaTarget("h:1", "t")
+    assert consumer_conf(target, "g", {"fetch.wait.max.ms": 10})["fetch.wait.max.ms"] == 10
+    for key in ("bootstrap.servers", "group.id", "enable.partition.eof", "auto.offset.reset"):
+        with pytest.raises(ConfigError, match=rf"consumer options of kafka://h:1/t: {key}: "):
+            consumer_conf(target, "g", {key: "x"})
