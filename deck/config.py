@@ -184,9 +184,13 @@ class StagingConfig(Settings):
     snapshot_memory_bytes: int = Field(
         default=2**30,
         ge=0,
-        description="Cap on the CPU chunk buffers of one rank's snapshot (the pool never holds "
-        "more, nor fewer than chunks_in_flight). A part larger than it waits for buffers "
-        "while the first tier writes; CheckpointStats.pool_capped and a log line say so.",
+        description="Cap on the CPU chunk buffers of one rank's snapshot: the pool never holds "
+        "more. It holds at least chunks_in_flight buffers (of chunk_bytes, or bundle_bytes "
+        "when bundling), so a cap below those is refused. A part larger than it waits for "
+        "buffers while the first tier writes; CheckpointStats.pool_capped and a log line say "
+        "so.",
+        json_schema_extra={"constraints": ">= chunks_in_flight x chunk_bytes (or bundle_bytes)"},
+        validate_default=True,  # (a chunk_bytes that the default cap cannot hold is refused)
     )
     bundle_bytes: int = Field(
         default=0,
@@ -368,7 +372,41 @@ class StagingConfig(Settings):
             raise ValueError(
                 f"must be 0 (off) or a multiple of {PAGE_BYTES} of at least chunk_bytes ({chunk})"
             )
+        _within_cap(v, "bundle_bytes", info)
         return v
+
+    @field_validator("snapshot_memory_bytes")
+    @classmethod
+    def _cap_holds_the_fewest(cls, v: int, info: ValidationInfo) -> int:
+        # (a break-it finding: a cap below them was accepted and silently exceeded, 1 GiB of
+        # buffers per rank under a cap of 4 KiB)
+        n, chunk = info.data.get("chunks_in_flight"), info.data.get("chunk_bytes")
+        if n is not None and chunk is not None and v < n * chunk:
+            raise ValueError(
+                f"must be at least chunks_in_flight x chunk_bytes ({n} x {chunk} = {n * chunk}): "
+                "the pool never holds fewer buffers; lower chunks_in_flight or chunk_bytes, or "
+                "raise the cap"
+            )
+        return v
+
+
+# (a break-it finding: refused only at enable, as a DeckError that said nothing of what to use)
+LOCAL_TIER_NEEDS = (
+    "writes straight into a local directory: use tiers='auto' or 'cpu-ssd-remote' (a spool, "
+    "then uploads) or 'cpu-remote' for"
+)
+
+
+def _within_cap(buffer: int, name: str, info: ValidationInfo) -> None:
+    """Refuse a buffer size whose ``chunks_in_flight`` buffers exceed ``snapshot_memory_bytes``
+    (validated before it, with the field ``name``)."""
+    n, cap = info.data.get("chunks_in_flight"), info.data.get("snapshot_memory_bytes")
+    if buffer and n is not None and cap is not None and n * buffer > cap:
+        raise ValueError(
+            f"chunks_in_flight x {name} ({n} x {buffer} = {n * buffer}) exceeds "
+            f"snapshot_memory_bytes ({cap}): the pool holds at least that many buffers; lower "
+            f"chunks_in_flight or {name}, or raise snapshot_memory_bytes"
+        )
 
 
 class PublishConfig(Settings):
@@ -595,6 +633,14 @@ class DeckConfig(Settings):
     @classmethod
     def _full_multiple(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _multiple_of(v, info, "delta_every_steps", "checkpoint steps")
+
+    @field_validator("staging")
+    @classmethod
+    def _local_tier(cls, v: StagingConfig, info: ValidationInfo) -> StagingConfig:
+        uri = info.data.get("uri")  # absent when uri itself was invalid
+        if v.tiers == "local" and uri is not None and not schemes.is_local(uri):
+            raise ValueError(f"tiers='local' {LOCAL_TIER_NEEDS} {uri}")
+        return v
 
     @field_validator("consumers", mode="before")
     @classmethod

@@ -189,6 +189,20 @@ def test_strict_types(kwargs: dict, line: str) -> None:
         ),
         ({"publish": {"uri": "kafka://h:1/t"}}, "DeckConfig.publish.state_uri: a kafka:// "),
         (
+            # (a break-it finding: accepted, then 1 GiB of buffers per rank under a 4 KiB cap)
+            {"staging": {"chunk_bytes": 2**28, "snapshot_memory_bytes": 4096}},
+            "DeckConfig.staging.snapshot_memory_bytes: must be at least chunks_in_flight x "
+            "chunk_bytes (4 x 268435456 = 1073741824): the pool never holds fewer buffers; lower "
+            "chunks_in_flight or chunk_bytes, or raise the cap (got 4096)",
+        ),
+        (
+            {"staging": {"bundle_bytes": 2**29}},
+            "DeckConfig.staging.bundle_bytes: chunks_in_flight x bundle_bytes (4 x 536870912 = "
+            "2147483648) exceeds snapshot_memory_bytes (1073741824): the pool holds at least that "
+            "many buffers; lower chunks_in_flight or bundle_bytes, or raise snapshot_memory_bytes "
+            "(got 536870912)",
+        ),
+        (
             # (a break-it finding: accepted, they sent every publish to another broker while
             # the errors named the URI's, and could drop the acknowledgements commits rely on)
             {
@@ -487,3 +501,11 @@ def test_an_empty_staging_mode_variable_is_unset(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(STAGING_MODE_ENV, "proc")
     with pytest.raises(ConfigError, match="DECK_STAGING_MODE='proc': use threads or process"):
         StagingConfig()
+
+
+def test_the_local_tier_with_a_remote_uri_is_refused_at_construction() -> None:
+    """(a break-it finding: accepted, then refused only at enable, as a DeckError that said
+    nothing of the tiers to use)"""
+    with pytest.raises(ConfigError, match=r"^DeckConfig.staging: tiers='local' writes straight "):
+        DeckConfig(uri="s3://b/x", staging={"tiers": "local"})
+    assert DeckConfig(uri="file:///tmp/x", staging={"tiers": "local"}).staging.tiers == "local"

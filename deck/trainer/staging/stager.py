@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from deck.config import StagingConfig
-from deck.errors import ConfigError, DeckError
+from deck.config import LOCAL_TIER_NEEDS, StagingConfig
+from deck.errors import ConfigError
 from deck.format.chunks import Buffer
 from deck.format.manifest import step_dir
 from deck.format.pending import PendingPart
@@ -81,7 +81,7 @@ def resolve_tier(staging: StagingConfig, storage: Storage) -> str:
     if staging.tiers == "auto":
         return "local" if storage.local_path() is not None else "cpu-ssd-remote"
     if staging.tiers == "local" and storage.local_path() is None:
-        raise DeckError(f"staging.tiers='local' needs a local destination, got {storage.uri}")
+        raise ConfigError(f"staging.tiers='local' {LOCAL_TIER_NEEDS} {storage.uri}")
     return staging.tiers
 
 
