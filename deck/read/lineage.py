@@ -976,10 +976,11 @@ def left_by_a_rollback(steps: list[tuple[int, int | None]]) -> tuple[set[int], i
     return {s for s, e in known if e < newest and s >= start}, newest, start
 
 
-def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
-    """The newest trainer checkpoint (highest epoch, then step) whose chain is complete."""
+def latest_restorable(manifests: dict[int, CheckpointManifest], log: bool = True) -> int | None:
+    """The newest trainer checkpoint (highest epoch, then step) whose chain is complete; with
+    ``log``, the steps passed over are said (:meth:`LineageGraph.latest`)."""
     if isinstance(manifests, ManifestSet):
-        return build_graph(manifests).latest()
+        return build_graph(manifests).latest(log)
     for m in sorted(manifests.values(), key=lambda m: (m.epoch, m.step), reverse=True):
         try:
             chain_for(manifests, m.step)
@@ -988,6 +989,15 @@ def latest_restorable(manifests: dict[int, CheckpointManifest]) -> int | None:
             continue
         return m.step
     return None
+
+
+def latest_confirmed(storage: Storage, manifests: ManifestSet) -> tuple[ManifestSet, int | None]:
+    """The latest restorable step as the records say (:func:`confirmed`, with ``latest``), and
+    the manifests it was found in. The steps passed over on the way are said from those, not
+    from a catalog's copies, which may be forged or stale (a break-it finding: a forged catalog
+    made every restore warn that the latest step could not be restored, then restore it)."""
+    checked = confirmed(storage, manifests, latest_restorable(manifests, log=False), latest=True)
+    return checked, latest_restorable(checked)
 
 
 def confirmed(

@@ -72,7 +72,10 @@ def read_window(storage: Storage, step: int | None = None) -> ManifestSet | None
         out.window = window if lowest > 0 else None  # (from the first segment on: all of it)
         out.witness, out.witness_listed = witness, True
         try:
-            latest = latest_restorable(out)
+            # (not said here: a catalog's copies may be forged or stale; the caller's read of
+            # the records says what it passed over, a break-it finding: a forged catalog made
+            # every restore warn that the latest step could not be restored, then restore it)
+            latest = latest_restorable(out, log=False)
             if latest is None:
                 # Nothing restorable in what was read: a record it needs may be below, or left
                 # out of a forged catalog (even one read whole); only every record's read can

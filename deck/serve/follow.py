@@ -49,7 +49,13 @@ from deck.ops.export import (
     geometry_of,
 )
 from deck.read.catalog import ManifestSet, read_rank_manifests
-from deck.read.lineage import LineageGraph, build_graph, chain_bytes, cheapest_chain, confirmed
+from deck.read.lineage import (
+    LineageGraph,
+    build_graph,
+    chain_bytes,
+    cheapest_chain,
+    latest_confirmed,
+)
 from deck.read.restore import apply_chain
 from deck.read.verify import uncommitted_meanwhile, verify_checkpoint
 from deck.read.window import ask_newest
@@ -176,19 +182,13 @@ class Follower:
             self._whole = manifests
         if not manifests:
             raise CheckpointNotFoundError(f"no committed checkpoints at {self.storage.uri}")
-        graph = build_graph(manifests, self.storage.uri)
-        latest = graph.latest()
-        if latest is None:
-            raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
         # The records, not a catalog's copy, and every step folder above the step it would
         # serve, as a restore of the latest does (a log whose newest entries are lost must not
         # hide the newest steps: a break-it finding)
-        checked = confirmed(self.storage, manifests, latest, latest=True)
-        if checked is not manifests:
-            graph = build_graph(checked, self.storage.uri)
-            latest = graph.latest()
-            if latest is None:
-                raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
+        checked, latest = latest_confirmed(self.storage, manifests)
+        if latest is None:
+            raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
+        graph = build_graph(checked, self.storage.uri)
         # Around each checkpoint found damaged (one more per pass: it ends)
         while (chain := self._chain_to_serve(graph, latest)) is not None:
             try:

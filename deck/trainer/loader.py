@@ -47,7 +47,13 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.lineage import best_valid_chain, chain_for, confirmed, latest_restorable
+from deck.read.lineage import (
+    best_valid_chain,
+    chain_for,
+    confirmed,
+    latest_confirmed,
+    latest_restorable,
+)
 from deck.read.restore import RestoreStats, apply_chain, read_state_file
 from deck.read.window import read_window
 from deck.storage import Storage
@@ -135,11 +141,8 @@ class StateLoader:
         if step is None:
             chosen = None
             if self.coord.rank == 0:
-                chosen = latest_restorable(manifests)
-                # Which step is the latest is the records' answer, not a catalog's copy.
-                checked = confirmed(self.storage, manifests, chosen, latest=True)
-                if checked is not manifests:
-                    manifests, chosen = checked, latest_restorable(checked)
+                # Which step is the latest is the records' answer, not a catalog's copy
+                manifests, chosen = latest_confirmed(self.storage, manifests)
             chosen_all = self.coord.broadcast_int(-1 if chosen is None else chosen)
             target = None if chosen_all < 0 else chosen_all
             if target is not None and target not in manifests:

@@ -42,7 +42,7 @@ from deck.read.catalog import (
     refresh_catalog,
 )
 from deck.read.indexed import CATALOG_EVERY, IndexedRead, compact
-from deck.read.lineage import chain_for, confirmed, latest_restorable
+from deck.read.lineage import chain_for, confirmed, latest_confirmed, latest_restorable
 from deck.read.window import read_window
 from deck.storage import LocalStorage, Storage
 from deck.testing.lineage_checks import check_all_restore, merge_all
@@ -562,10 +562,7 @@ def _trained(store: LocalStorage, steps: int) -> SynthTrainer:
 
 
 def _latest_as_a_restore_picks(store: LocalStorage) -> int | None:
-    manifests = read_manifests(store)
-    chosen = latest_restorable(manifests)
-    checked = confirmed(store, manifests, chosen, latest=True)
-    return latest_restorable(checked) if checked is not manifests else chosen
+    return latest_confirmed(store, read_window(store) or read_manifests(store))[1]
 
 
 def test_a_log_deleted_by_hand_neither_hides_steps_nor_stays_wrong(store: LocalStorage) -> None:
@@ -612,6 +609,39 @@ def test_a_forged_catalog_cannot_choose_the_step_or_hide_a_quarantine(
         truth = whole(store)
         assert _latest_as_a_restore_picks(store) == latest_restorable(truth)
         assert latest_restorable(truth) == (5 if hidden else 4)
+
+
+def test_a_forged_catalog_breaking_the_newest_chain_is_not_said_to_the_operator(
+    store: LocalStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a catalog with valid checksums whose copies make the newest steps'
+    chain broken (a full turned into a delta, a record left out) made `deck ls` and every
+    restore warn that they could not be restored ("restore an older step or take a new full
+    checkpoint"), then restore them: the records decide, and only what they say is said."""
+    from deck.format.manifest import CheckpointManifest, Kind, load_model
+
+    tr = _trained(store, 3)
+    tr.train()
+    tr.save("full")
+    for _ in range(3):
+        tr.train()
+        tr.save()
+    read = read_manifests(store).index
+    assert read is not None
+    full_key = f"{step_dir(4)}/{MANIFEST}"
+    full = load_model(CheckpointManifest, read.records[full_key], full_key)
+    as_delta = full.model_copy(
+        update={"kind": Kind.DELTA, "parent": 3, "parent_id": tr.saved[3].id}
+    )
+    records = {k: v for k, v in read.records.items() if k != f"{step_dir(2)}/{MANIFEST}"}
+    records[full_key] = dump_model(as_delta)
+    seq = listed_seqs(store, LOG_ROOT)[-1]
+    compact(store, IndexedRead(seq=seq, records=records, log_from=seq + 1), force=True)
+    with caplog.at_level(logging.INFO):
+        assert _latest_as_a_restore_picks(store) == 7
+        assert cli.main(["ls", store.root]) == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in said if "skipping" in m or "cannot be restored" in m], said
 
 
 def test_damage_after_the_catalog_is_found_by_verify_and_gc_repairs_the_catalog(

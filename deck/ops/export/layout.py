@@ -35,7 +35,13 @@ from deck.read.catalog import (
     read_manifests,
     read_rank_manifests,
 )
-from deck.read.lineage import build_graph, chain_bytes, cheapest_chain, confirmed
+from deck.read.lineage import (
+    build_graph,
+    chain_bytes,
+    cheapest_chain,
+    confirmed,
+    latest_confirmed,
+)
 from deck.read.restore import apply_chain
 from deck.read.verify import check_files, table_problems
 from deck.storage import Storage
@@ -104,14 +110,12 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
     step its chain needs, or (``step`` None) of a step newer than the latest restorable one
     (the newest step cannot be told: an older one is exported only when asked for by number).
     """
-    manifests = read_manifests(storage)
-    graph = build_graph(manifests, storage.uri)
-    chosen = graph.latest() if step is None else step
     # What is exported comes from the records, not a catalog's copy (as for a restore).
-    checked = confirmed(storage, manifests, chosen, latest=step is None)
-    if checked is not manifests:
-        manifests, graph = checked, build_graph(checked, storage.uri)
-        chosen = graph.latest() if step is None else step
+    if step is None:
+        manifests, chosen = latest_confirmed(storage, read_manifests(storage))
+    else:
+        manifests, chosen = confirmed(storage, read_manifests(storage), step), step
+    graph = build_graph(manifests, storage.uri)
     if not manifests and not manifests.damaged:
         raise CheckpointNotFoundError(f"no committed checkpoints at {storage.uri}")
     skipped = damaged_records(manifests, chosen, latest=step is None)
