@@ -858,3 +858,28 @@ def test_a_retired_merger_checkpoint_the_merger_builds_again_keeps_its_old_files
         collect_garbage(storage, RetentionPolicy(), whole=True)
     assert old and not [k for k in old if storage.exists(k)]
     assert check_all_restore(storage, history)
+
+
+def test_a_quarantine_record_under_another_name_is_kept_while_its_checkpoint_stays(
+    tmp_path: Path,
+) -> None:
+    """A break-it finding: a quarantine record whose file name is not the id it holds (renamed,
+    or written by hand) was honoured by restores, yet GC deleted it as "of a deleted checkpoint"
+    (by its name), lifting the quarantine without a word. GC goes by what it says, as readers do:
+    kept while that checkpoint stays (KEPT, saying how to repair it); one of a checkpoint that
+    is gone, or unreadable as a record, is decided as before (deleted / kept)."""
+    from deck.read.catalog import quarantine
+
+    storage = LocalStorage(tmp_path / "ck")
+    tr = saved_chain(storage, 4)
+    quarantine(storage, read_manifests(storage)[2], "test")
+    root = tmp_path / "ck" / "quarantine"
+    renamed = root / "00000000000000aa.json"
+    (root / f"{tr.saved[2].id}.json").rename(renamed)
+    (root / "00000000000000bb.json").write_bytes(b"garbage")
+    assert tr.saved[2].id in read_manifests(storage).quarantined  # (what readers honour)
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
+    kept = dict(rep.kept)
+    assert f"quarantines checkpoint {tr.saved[2].id}" in kept["quarantine/00000000000000aa.json"]
+    assert "cannot be read" in kept["quarantine/00000000000000bb.json"], kept
+    assert renamed.exists() and tr.saved[2].id in read_manifests(storage).quarantined

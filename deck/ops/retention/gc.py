@@ -29,6 +29,7 @@ from deck.format.manifest import (
     PARTS_DIR,
     QUARANTINE_ROOT,
     CheckpointManifest,
+    QuarantineRecord,
     load_model,
     parse_merged_dir,
     parse_step_dir,
@@ -799,6 +800,10 @@ class _Collector:
                 # (quarantine/ is deck's: a file there that no quarantine could have written)
                 why = "not a quarantine record (a stray file)"
             elif qid not in self.graph.nodes or qid in self.doomed:
+                kept = self._quarantines_another(k, qid)
+                if kept is not None:
+                    self.report.kept.append((k, kept))
+                    continue
                 why = "quarantine record of a deleted checkpoint"
             else:
                 continue
@@ -808,6 +813,24 @@ class _Collector:
                 if record_key_kind(k) is not None:  # (a stray file there is no record)
                     append_hints(self.storage, [Hint(key=k, op="delete", id=_hint_id(qid))])
                 self.storage.delete(k)
+
+    def _quarantines_another(self, key: str, named: str) -> str | None:
+        """Why the quarantine record ``key``, named for a checkpoint that is gone, is kept: it
+        cannot be read, or it quarantines another checkpoint, which stays (readers go by what
+        a record says: a break-it finding, GC deleted one that restores still honoured, "of a
+        deleted checkpoint"). None: it is that checkpoint's, or one that is gone too."""
+        try:
+            data = self.storage.get_or_none(key, MAX_RECORD_BYTES)
+            q = None if data is None else load_model(QuarantineRecord, data, key)
+        except DeckError as e:
+            return f"quarantine record that cannot be read ({e}); repair or delete it"
+        if q is None or q.id == named or q.id not in self.graph.nodes or q.id in self.doomed:
+            return None
+        return (
+            f"quarantines checkpoint {q.id} ({q.folder}), which stays, though its name says "
+            f"{named}: restores honour it; rename it to {QUARANTINE_ROOT}/{q.id}.json, or "
+            "delete it to lift that quarantine"
+        )
 
     def finish(self) -> None:
         """Prune what interrupted writes left in the whole store (:meth:`_prune`). Then drop the
