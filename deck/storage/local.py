@@ -332,14 +332,19 @@ class LocalStorage(Storage):
         stack = [base]
         while stack:
             folder = stack.pop()
+            rel = f"{folder}/" if folder else ""
             try:
                 fd = self._open_folder(folder.split("/") if folder else [], folder or ".")
             except (FileNotFoundError, NotADirectoryError, UnsafePathError):
                 continue  # gone, or not a folder of this store
+            except OSError as exc:  # (named: the caller's prefix may be the root)
+                raise self._error("list", rel, exc, _READ_HINT) from exc
             try:
-                with os.scandir(fd) as it:
-                    entries = list(it)
-                rel = f"{folder}/" if folder else ""
+                try:
+                    with os.scandir(fd) as it:
+                        entries = list(it)
+                except OSError as exc:
+                    raise self._error("list", rel, exc, _READ_HINT) from exc
                 yield rel, fd, entries
                 stack += [
                     rel + e.name
@@ -619,6 +624,8 @@ class LocalStorage(Storage):
                     and not e.name.startswith(TEMP_PREFIX)
                     and (rel + e.name).startswith(prefix)
                 ]
+        except StorageError:
+            raise  # (a folder below, named by _tree)
         except OSError as exc:
             raise self._error("list", prefix, exc, _READ_HINT) from exc
         keys.sort()
@@ -645,6 +652,8 @@ class LocalStorage(Storage):
                     except OSError:
                         mtime = None  # unknown, never old
                     out.append((key, mtime))
+        except StorageError:
+            raise  # (a folder below, named by _tree)
         except OSError as exc:
             raise self._error("list", prefix, exc, _READ_HINT) from exc
         out.sort()
