@@ -174,7 +174,11 @@ class StateLoader:
             return done
         assert error is not None
         if recoverable and not allow_fallback:
-            raise type(error)(f"{error}{self.fallback_hint}") from error
+            # (a fallback has nothing to fall back to on an empty URI: not offered there)
+            hint = (
+                self.fallback_hint if manifests else f"; nothing is committed at {self.storage.uri}"
+            )
+            raise type(error)(f"{error}{hint}") from error
         if not recoverable:
             raise error
         fallback, why = self._fallback_target(target, error)

@@ -46,6 +46,10 @@ def _flip(path: Path) -> None:
 def _job(rank: int, world_size: int, root: str) -> None:
     uri = f"{root}/ck"
     config = deck.DeckConfig(uri=uri, delta_every_steps=5, lease_ttl_s=None)
+    # Nothing committed yet: no fallback is offered (a break-it finding: it was)
+    with pytest.raises(deck.CheckpointNotFoundError) as empty:
+        _restore(config, 6)
+    assert str(empty.value).endswith(f"; nothing is committed at {uri}"), empty.value
     model, opt = build_model(SPEC)
     user = TrainState()
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
