@@ -175,11 +175,22 @@ def _agree_on_pending(
         ]
         if missing and dest.patient_committed_id(p.step) != p.ckpt_id:
             assert spool is not None  # p was found in it
+            # (said apart: a break-it finding blamed a part staged whole on a rank the job,
+            # started again on fewer ranks, no longer has)
+            gone = [r for r in missing if r >= coord.world_size]
+            unstaged = [r for r in missing if r < coord.world_size]
+            why = []
+            if gone:
+                why.append(
+                    f"rank(s) {gone} are not in this job of {coord.world_size} (another world "
+                    "size finishes only the parts every old rank had already uploaded)"
+                )
+            if unstaged:
+                why.append(f"rank(s) {unstaged} never staged theirs before the crash")
             _discard(
                 spool,
                 p,
-                f"rank(s) {missing} of its {p.world_size} are not in this job or never staged "
-                "theirs before the crash, so it cannot be committed",
+                f"{' and '.join(why)} (of its {p.world_size}), so it cannot be committed",
             )
             continue
         keep.append(p)
