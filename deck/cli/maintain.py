@@ -229,6 +229,12 @@ def cmd_merge(a: argparse.Namespace) -> int:
             slot.count,
             slot.source,
         )
+    if a.follow and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # (its workers ignore it too: a soak's driver waited a minute for a stop by Ctrl-C)
+        logger.warning(
+            "deck merge: SIGINT is ignored (started ignoring it: a shell's background job?); "
+            "stop it with SIGTERM"
+        )
     t0 = time.perf_counter()
     tally = _MergeTally()
     if k == 1:

@@ -211,3 +211,4 @@ def test_started_ignoring_sigint_its_workers_ignore_it_too_and_a_stop_after_a_de
         stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout + stderr
     assert "stopped alone" not in stderr and "Traceback" not in stderr, stderr
+    assert "SIGINT is ignored" in stderr and "stop it with SIGTERM" in stderr, stderr
