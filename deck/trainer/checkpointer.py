@@ -127,6 +127,7 @@ class DeltaCheckpointer:
             # restores sum gradients across ranks in the same order.
             self.adapter.pin_reduction_order()
             self._last_step: int | None = None
+            self._stepped = False  # (step() was called: close() says when nothing was saved)
             on_gpu = any(t.is_cuda for s in shards for t in s.states.values())
             self._ckpt = self._chain(
                 CHECKPOINT_CONSUMER,
@@ -500,7 +501,7 @@ class DeltaCheckpointer:
         step = as_step(step, "step")
         # (A step not due is refused too: the save() that may follow would take it)
         self._ckpt.refuse_going_back(step, again=False)
-        self._last_step = step
+        self._last_step, self._stepped = step, True
         stats = None
         if step % self.config.delta_every_steps == 0:
             full_every = self.config.full_every_steps
@@ -791,6 +792,17 @@ class DeltaCheckpointer:
             return
         self._closed = True
         forget(self)
+        if self._stepped and not self.history:
+            # (a break-it finding: a job shorter than delta_every_steps ended with nothing
+            # saved and nothing said)
+            logger.warning(
+                "deck: closing %s without a checkpoint: step() was called up to step %s and "
+                "saves at multiples of delta_every_steps (%d); call save() before close() to "
+                "keep this state",
+                self.storage.uri,
+                self._last_step,
+                self.config.delta_every_steps,
+            )
         try:
             if collective:
                 self.flush()

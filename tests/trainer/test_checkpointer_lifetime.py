@@ -200,3 +200,23 @@ def _steps_go_forward(rank: int, world_size: int, root: str) -> None:
 
 def test_a_step_older_than_the_last_checkpoint_is_refused_at_the_call(tmp_path: Path) -> None:
     run_ranks(_steps_go_forward, str(tmp_path), world_size=1)
+
+
+def _short_job(rank: int, world_size: int, uri: str) -> None:
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=100)) as ck:
+        for step in range(1, 4):
+            train_step(model, opt, SPEC, step)
+            assert ck.step(step) is None
+
+
+def test_a_job_closed_before_its_first_checkpoint_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """(a break-it finding: a job shorter than delta_every_steps ended with nothing saved and
+    nothing said)"""
+    uri = str(tmp_path / "ck")
+    run_ranks(_short_job, uri, world_size=1)
+    said = capfd.readouterr().err
+    assert f"closing {uri} without a checkpoint: step() was called up to step 3" in said, said
+    assert "delta_every_steps (100); call save() before close()" in said, said
