@@ -521,11 +521,7 @@ def test_a_record_lost_before_a_restart_is_damage_to_gc_verify_and_ls(tmp_path: 
     from deck.ops.listing import list_rows
 
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(5):
-        tr.train()
-        tr.save()
+    tr = saved_chain(storage, 5)
     # (a merger full of step 5 and no merged delta: those would restore around the lost record)
     merge_all(storage, MergeConfig(stride=16, full=FullPolicy(every=5, max_live_fraction=None)))
     assert {m.kind for m in read_manifests(storage).merged.values()} == {Kind.FULL}
@@ -557,11 +553,7 @@ def test_a_rollback_abandons_the_steps_above_where_it_went_on(tmp_path: Path) ->
     A new epoch that starts with a full went on from where it is not recorded: the steps below
     the full count as its history."""
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(6):
-        tr.train()
-        tr.save()
+    tr = saved_chain(storage, 6)
     tr.rollback(2)
     tr.train()
     tr.save()  # step 3 again (epoch 1): 4..6 of epoch 0 are left

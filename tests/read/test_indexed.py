@@ -411,11 +411,7 @@ def test_a_log_with_no_number_left_is_an_error_naming_its_entry(
     from deck.format.commit_log import MAX_SEQ, LogEntry
 
     storage = LocalStorage(tmp_path / "ck")
-    tr = SynthTrainer(storage)
-    tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    tr = _trained(storage, 4)
     forged = LogEntry(
         format_version=FORMAT_VERSION,
         seq=MAX_SEQ,
