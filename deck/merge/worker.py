@@ -148,6 +148,10 @@ class MergeWorker:
         self.storage_error: StorageError | None = None
         self._retry_at: dict[str, float] = {}
         self.max_failures = 3
+        # A follower waiting this long for other workers' partitions, with nothing of anyone's
+        # changing, says so at WARNING (a worker stopped with SIGSTOP, hung, or never started on
+        # another host held merging silently: "waiting for other workers" only at DEBUG)
+        self.stall_warn_s = 600.0
         # Items whose folder holds an unreadable commit record (id -> problem): skipped, never
         # rebuilt over it, never counted as progress (logged once).
         self.damaged: dict[str, str] = {}
@@ -415,6 +419,8 @@ class MergeWorker:
         with status 2 after the store was down for a minute)."""
         total = WorkStats()
         waiting = Waiting(f"deck merge {self.storage.uri}", poll_s, logger, max_s=60.0)
+        stalled: tuple[str, float] | None = None  # (fingerprint, since) while waiting for others
+        said = False
         while not stop.is_set():
             try:
                 r = self.run_pass()
@@ -423,6 +429,27 @@ class MergeWorker:
                 continue
             waiting.ok()
             total.add(r.stats)
+            same = stalled is not None and stalled[0] == r.fingerprint
+            if not (r.waiting and same) or r.progressed:
+                stalled = (r.fingerprint, time.monotonic()) if r.waiting else None
+                said = False
+            elif (
+                stalled is not None
+                and not said
+                and time.monotonic() - stalled[1] >= self.stall_warn_s
+            ):
+                said = True
+                logger.warning(
+                    "deck merge: worker %d of %d has waited %.0f s for other workers' "
+                    "partitions of %d checkpoint(s) at %s, and none of theirs has appeared: is "
+                    "a worker stopped, hung or not started (every index 0..%d must run)?",
+                    self.config.worker_index,
+                    self.config.num_workers,
+                    time.monotonic() - stalled[1],
+                    r.waiting,
+                    self.storage.uri,
+                    self.config.num_workers - 1,
+                )
             if not r.progressed:
                 stop.wait(poll_s)
         return total

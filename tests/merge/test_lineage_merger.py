@@ -142,6 +142,44 @@ def test_a_following_worker_outlives_a_store_outage(caplog: pytest.LogCaptureFix
     assert any("going on" in r.getMessage() for r in caplog.records)
 
 
+def test_a_worker_waiting_for_one_that_never_comes_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A break-it finding: one of `deck merge --follow --workers 2`'s workers stopped with
+    SIGSTOP (as if hung; or one never started on another host) held all merging, while the
+    other said only "waiting for other workers", at DEBUG. Past ``stall_warn_s`` with nothing
+    of anyone's changing, a WARNING names the worker, what it waits for and what to check,
+    once per stall."""
+    import threading
+
+    storage = mem()
+    saved_chain(storage, 4)
+    stop = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING:
+                stop.set()
+
+    worker = MergeWorker(
+        storage, MergeConfig(stride=2, full=NO_FULLS, worker_index=0, num_workers=2)
+    )
+    worker.stall_warn_s = 0.05
+    watch = Watch()
+    logging.getLogger("deck.merge.worker").addHandler(watch)
+    try:
+        with caplog.at_level(logging.WARNING, logger="deck.merge.worker"):
+            timer = threading.Timer(120, stop.set)  # (a bound, should it never be said)
+            timer.start()
+            worker.follow(stop, poll_s=0.01)
+            timer.cancel()
+    finally:
+        logging.getLogger("deck.merge.worker").removeHandler(watch)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "worker 0 of 2 has waited" in said[0], said
+    assert "is a worker stopped, hung or not started (every index 0..1 must run)?" in said[0]
+
+
 def dump_model_dict(d: dict) -> bytes:
     import json
 
