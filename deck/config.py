@@ -500,12 +500,11 @@ class PublishConfig(Settings):
     @field_validator("kafka")
     @classmethod
     def _kafka_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from deck.format.stream import PRODUCER_SETS, check_client_options
+        from deck.format.stream import PRODUCER_SETS, options_deck_sets
 
-        try:
-            check_client_options(v, PRODUCER_SETS, "")
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        problem = options_deck_sets(v, PRODUCER_SETS)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("state_uri")

@@ -97,14 +97,15 @@ CONSUMER_SETS = {
 }
 
 
-def check_client_options(options: Mapping[str, Any], sets: Mapping[str, str], what: str) -> None:
-    """Raise :class:`ConfigError` (its message starting with ``what``) when ``options``, extra
-    librdkafka settings, name one deck sets itself (``sets``: setting -> why)."""
+def options_deck_sets(options: Mapping[str, Any], sets: Mapping[str, str]) -> str | None:
+    """What is wrong with ``options``, extra librdkafka settings, when they name one deck sets
+    itself (``sets``: setting -> why); None when they name none."""
     taken = [k for k in options if k in sets]
-    if taken:
-        why = "; ".join(f"{k}: {sets[k]}" for k in taken)
-        them = "it" if len(taken) == 1 else "them"
-        raise ConfigError(f"{what}{', '.join(taken)}: deck sets {them} ({why}); leave {them} out")
+    if not taken:
+        return None
+    why = "; ".join(f"{k}: {sets[k]}" for k in taken)
+    them = "it" if len(taken) == 1 else "them"
+    return f"{', '.join(taken)}: deck sets {them} ({why}); leave {them} out"
 
 
 class _DemotedLog(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -74,12 +74,12 @@ from deck.format.stream import (
     Segment,
     StepStart,
     StreamGapError,
-    check_client_options,
     decode_marker,
     decode_segment,
     decode_start,
     is_stream_file,
     kafka_client_log,
+    options_deck_sets,
     parse_kafka_uri,
     rank_partition,
     start_key,
@@ -353,7 +353,9 @@ def consumer_conf(
     """The consumer settings of a stream reader: ``group`` (offsets are committed by hand, for
     lag monitoring), end-of-partition events, a bounded prefetch; ``options`` added last (none
     of those deck sets: :class:`ConfigError`)."""
-    check_client_options(options or {}, CONSUMER_SETS, f"consumer options of {target.uri}: ")
+    problem = options_deck_sets(options or {}, CONSUMER_SETS)
+    if problem is not None:
+        raise ConfigError(f"consumer options of {target.uri}: {problem}")
     return {
         "bootstrap.servers": target.bootstrap,
         "group.id": group,
