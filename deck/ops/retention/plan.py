@@ -226,8 +226,10 @@ def plan_lineage(
         )
         unread = {i for i in _incomplete(graph, delete) if i not in held}
         held.update((i, why) for i in unread)
-    if any(s not in cheapest for s in graph.trainer):
-        # (only where a step has no chain: the walk is not paid by a whole lineage)
+    left = graph.abandoned()
+    if any(s not in cheapest and s not in left for s in graph.trainer):
+        # (only where a step no rollback left has no chain: the walk is not paid by a whole
+        # lineage)
         for i, why in _broken_chain_holds(original, delete).items():
             held.setdefault(i, why)
     held.update(
