@@ -473,15 +473,20 @@ class LineageGraph:
         return {s for s, n in self.trainer.items() if s > lowest_newer[n.epoch]}
 
     def latest(self, log: bool = True) -> int | None:
-        """The newest trainer checkpoint (highest epoch, then step) with a complete chain;
-        checkpoints skipped on the way are logged with the reason (unless not ``log``: a
-        caller that reports them itself)."""
+        """The newest trainer checkpoint (highest epoch, then step) with a complete chain that
+        no newer timeline left (:meth:`abandoned`: a break-it finding, a rollback's new
+        timeline made unrestorable by a lost record sent the latest back onto the timeline the
+        rollback had left, through a merger full of it); checkpoints skipped on the way are
+        logged with the reason (unless not ``log``: a caller that reports them itself)."""
         horizon = self.window.horizon if self.window is not None else None
         skipped: list[int] = []
+        left = self.abandoned()
         try:
             for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
                 if horizon is not None and (n.epoch, n.step) < horizon:
                     raise OutsideWindow(horizon[1])  # a newer one may be among those not read
+                if n.step in left:
+                    continue
                 if self._chain_ids(n.step, frozenset()) is not None:
                     return n.step
                 skipped.append(n.step)
@@ -698,7 +703,7 @@ class LineageGraph:
                     + (
                         f"unreadable ({self.damaged[node.start[0]]})"
                         if other is None and node.start[0] in self.damaged
-                        else "missing"
+                        else f"missing{_LOST_RECORD.format(folder=step_dir(node.start[0]))}"
                         if other is None
                         else "from another timeline"
                     )
@@ -956,7 +961,13 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
             raise CheckpointNotFoundError(
                 f"step {step} cannot be restored: its chain needs checkpoint {child.parent_id} at step "
                 f"{child.parent} (for delta {child.step}), which is "
-                + ("missing" if parent is None else "from another timeline")
+                + (
+                    "from another timeline"
+                    if parent is not None
+                    else "missing"
+                    if child.parent is None
+                    else f"missing{_LOST_RECORD.format(folder=step_dir(child.parent))}"
+                )
                 + "; restore an older step or take a new full checkpoint"
             )
         chain.append(parent)
@@ -974,6 +985,15 @@ def left_by_a_rollback(steps: list[tuple[int, int | None]]) -> tuple[set[int], i
     newest = max(e for _, e in known)
     start = min(s for s, e in known if e == newest)
     return {s for s, e in known if e < newest and s >= start}, newest, start
+
+
+# (a break-it finding: verify and restores said only "restore an older step" for a commit record
+# a sync had missed, which gives up every step after it, where putting the record back restores
+# them all, as GC said)
+_LOST_RECORD = (
+    " (if {folder}/ still holds its folder, its commit record {folder}/manifest.json was lost: "
+    "put it back from a backup and every step after it restores again)"
+)
 
 
 def latest_restorable(manifests: dict[int, CheckpointManifest], log: bool = True) -> int | None:

@@ -535,6 +535,8 @@ def test_a_record_lost_before_a_restart_is_damage_to_gc_verify_and_ls(tmp_path: 
     graph = build_graph(read_manifests(storage))
     assert graph.latest() == 8 and graph.abandoned() == set()
     assert sorted(graph.unrestorable()) == [3, 4]  # (what `deck verify --all` reports)
+    # ... saying to put the record back, not only to give the steps up (as GC says)
+    assert "step-000000000002/manifest.json was lost: put it back" in graph.unrestorable()[3]
     states = {r.step: r.state for r in list_rows(storage)[1] if not r.merged}
     assert [states[s] for s in (3, 4, 5, 6)] == ["broken"] * 2 + ["committed"] * 2, states
     rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
@@ -545,6 +547,28 @@ def test_a_record_lost_before_a_restart_is_damage_to_gc_verify_and_ls(tmp_path: 
     record.write_bytes(saved)
     history = {s.id: s.state for s in tr.saved.values()}
     assert check_all_restore(storage, history) == list(range(9))
+
+
+def test_the_latest_never_goes_back_onto_a_timeline_a_rollback_left(tmp_path: Path) -> None:
+    """A break-it finding: rolled back to step 3 (past bad data), the new timeline's first
+    record lost, "latest" fell to the highest restorable step of any epoch: step 10 of the
+    timeline the rollback left, restorable through a merger full of step 6. The latest is the
+    newest step no newer timeline left (step 3, where the new one went on from)."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = saved_chain(storage, 6)
+    merge_all(storage, MergeConfig(stride=16, full=FullPolicy(every=6, max_live_fraction=None)))
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    tr.rollback(3)
+    for _ in range(2):
+        tr.train()
+        tr.save()  # steps 4 and 5 again (epoch 1)
+    graph = build_graph(read_manifests(storage))
+    assert graph.latest() == 5 and graph.abandoned() == {6, 7, 8, 9, 10}
+    (tmp_path / "ck/step-000000000004/manifest.json").unlink()
+    graph = build_graph(read_manifests(storage))
+    assert graph.restorable(10) and graph.latest() == 3
 
 
 def test_a_rollback_abandons_the_steps_above_where_it_went_on(tmp_path: Path) -> None:
