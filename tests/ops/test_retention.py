@@ -899,3 +899,32 @@ def test_a_quarantine_record_under_another_name_is_kept_while_its_checkpoint_sta
     assert f"quarantines checkpoint {tr.saved[2].id}" in kept["quarantine/00000000000000aa.json"]
     assert "cannot be read" in kept["quarantine/00000000000000bb.json"], kept
     assert renamed.exists() and tr.saved[2].id in read_manifests(storage).quarantined
+
+
+def test_another_jobs_record_copied_over_a_step_is_damage_not_a_rollback(tmp_path: Path) -> None:
+    """A break-it finding (S3): another job's valid commit record copied over step 3's (epoch 0,
+    where what builds on step 3 is of epoch 1) made the default GC delete the deltas built on
+    the record it replaced and that record's attempt folder, as a rollback's leftovers, exit 0.
+    Only a newer epoch saves a step again: GC keeps them, saying what to put back."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = saved_chain(storage, 2)
+    tr.rollback(2)  # (a restart: epoch 1, starting with a full at step 3)
+    tr.parent = None
+    for kind in ("full", "delta", "delta"):
+        tr.train()
+        tr.save(kind)
+    other = LocalStorage(tmp_path / "other")
+    saved_chain(other, 3)
+    record = tmp_path / "ck/step-000000000003/manifest.json"
+    saved = record.read_bytes()
+    record.write_bytes((tmp_path / "other/step-000000000003/manifest.json").read_bytes())
+    rep = collect_garbage(storage, RetentionPolicy(grace_s=0))
+    assert not rep.deleted and not any(o.startswith("step-") for o, _ in rep.orphans), rep
+    kept = dict(rep.kept)
+    said = "may need step 3, whose commit record is another checkpoint's"
+    assert all(any(f"step-{s:012d}" in k and said in w for k, w in kept.items()) for s in (4, 5))
+    attempt = f"step-000000000003/{tr.saved[3].id}/"
+    assert "names checkpoint" in kept[attempt] and "put its own record back" in kept[attempt]
+    record.write_bytes(saved)
+    history = {s.id: s.state for s in tr.saved.values()}
+    assert check_all_restore(storage, history) == list(range(6))

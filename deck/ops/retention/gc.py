@@ -40,6 +40,7 @@ from deck.ops.retention.plan import (
     RetentionPolicy,
     grace_protected,
     plan_lineage,
+    replaced_by_a_rollback,
     replacements,
     takeovers,
 )
@@ -731,6 +732,24 @@ class _Collector:
                         f"the parent of committed step {min(staying)}, but its commit record "
                         f"{prefix}/{MANIFEST} is missing: restore it from a backup (or delete "
                         "the steps built on it by hand)",
+                    )
+                )
+                continue
+            if (
+                m is not None
+                and staying
+                and not deleting
+                and not replaced_by_a_rollback(
+                    m.epoch, [c.epoch for c in self.children[aid] if c.id not in self.doomed]
+                )
+            ):
+                self.report.kept.append(
+                    (
+                        f"{prefix}/{aid}/",
+                        f"the parent of committed step {min(staying)}, but its commit record "
+                        f"{prefix}/{MANIFEST} names checkpoint {m.id} of epoch {m.epoch}, no "
+                        "newer than what builds on this one (not a rollback's save: another "
+                        "job's record, or damage): put its own record back from a backup",
                     )
                 )
                 continue

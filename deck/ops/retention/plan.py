@@ -291,21 +291,28 @@ def _problem(p: str) -> str:
 
 
 def _damage_holds(
-    graph: LineageGraph, damaged: Mapping[int, str], delete: dict[str, str], *, lost: bool = False
+    graph: LineageGraph,
+    damaged: Mapping[int, str],
+    delete: dict[str, str],
+    *,
+    state: str = "unreadable",
 ) -> dict[str, str]:
-    """Which of ``delete`` the unreadable trainer commit records ``damaged`` (step -> problem;
-    with ``lost``, records that are missing) may be needed for, with why: at or after such a
-    step, every checkpoint whose chain is not complete without it; before it, the chains of the
+    """Which of ``delete`` the trainer commit records ``damaged`` (step -> problem), in
+    ``state`` (unreadable; missing, or another checkpoint's: put back from a backup), may be
+    needed for, with why: at or after such a step, every checkpoint whose chain is not complete without it; before it, the chains of the
     readable steps back to the newest full (its epoch and parent cannot be read, so every
     timeline counts)."""
     holds: dict[str, str] = {}
     if not damaged:
         return holds
     incomplete = _incomplete(graph, delete)
-    state = "missing" if lost else "unreadable"
     for d, problem in sorted(damaged.items()):
         record = f"{step_dir(d)}/{MANIFEST}"
-        fix = f"restore {record} from a backup" if lost else f"repair or delete {record}"
+        fix = (
+            f"repair or delete {record}"
+            if state == "unreadable"
+            else f"restore {record} from a backup"
+        )
         for n in graph.nodes.values():
             if n.id in incomplete and n.step >= d:
                 why = f"may need step {d}, whose commit record is {state} ({problem}); {fix}"
@@ -334,26 +341,44 @@ def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str
     # (ascending steps: a walk stops at the first checkpoint already walked)
     reach: dict[str, int | None] = {}
     for step in sorted(graph.unmarked().unrestorable()):
-        walked, start, found = [], graph.trainer[step].start, None
-        walked.append(graph.trainer[step].id)
+        child = graph.trainer[step]
+        walked, start, found = [child.id], child.start, None
         while start is not None:
             if start[1] in reach:
                 found = reach[start[1]]
                 break
             n = graph.trainer_at(start)
             if n is None:
-                found = start[0] if start[0] not in graph.trainer else None
+                other = graph.trainer.get(start[0])
+                if other is None or not replaced_by_a_rollback(other.epoch, [child.epoch]):
+                    found = start[0]
                 break
             walked.append(n.id)
-            start = n.start
+            child, start = n, n.start
         reach.update((i, found) for i in walked)
         if found is not None:
             lost[step] = found
     if not lost:
         return {}
-    return _damage_holds(
-        graph, {d: "a committed delta builds on it" for d in lost.values()}, delete, lost=True
-    )
+    holds: dict[str, str] = {}
+    for d in sorted(set(lost.values()), reverse=True):  # (the nearest one is said)
+        if d in graph.trainer:  # (a record no rollback's save can have replaced)
+            problem = f"epoch {graph.trainer[d].epoch}, no newer than what builds on it"
+            state = "another checkpoint's (another job's record, or damage)"
+        else:
+            problem, state = "a committed delta builds on it", "missing"
+        for i, why in _damage_holds(graph, {d: problem}, delete, state=state).items():
+            holds.setdefault(i, why)
+    return holds
+
+
+def replaced_by_a_rollback(epoch: int, built_on: Iterable[int]) -> bool:
+    """Whether a commit record of ``epoch`` can have replaced, by a rollback's save of its step,
+    the record the checkpoints of epochs ``built_on`` build on: only a newer epoch saves a step
+    again. One no newer is another job's record copied in, or damage (a break-it finding: such
+    a record made GC delete the deltas built on the one it replaced, and their parent's
+    files, as a rollback's leftovers)."""
+    return all(epoch > e for e in built_on)
 
 
 def _incomplete(graph: LineageGraph, ids: Iterable[str]) -> set[str]:
