@@ -225,3 +225,26 @@ def test_a_full_file_that_cannot_be_sized_is_a_read_error_not_damage(
     monkeypatch.setattr(layout, "_CHECK_FILES_ABOVE", 0)  # (every claim checked)
     with pytest.raises(StorageError, match=r"timed out.*a read error, not damage"):
         StepState(Unsized(open_storage(ckpt)), STEP)
+
+
+def test_a_step_gc_deletes_while_it_is_exported_is_not_found_not_damage(
+    ckpt: str, tmp_path: Path
+) -> None:
+    """A break-it finding: `deck export` racing a GC that deleted the step's chain said
+    "a file of this committed checkpoint is missing; next: deck verify --quarantine": as for a
+    restore, a checkpoint uncommitted under the reader is not damage."""
+    from deck.errors import CheckpointNotFoundError
+    from deck.ops.export import StepState
+
+    uri = tmp_path / "ck"
+    shutil.copytree(ckpt, uri)
+    state = StepState(open_storage(str(uri)), STEP)
+    folder = uri / f"step-{STEP:012d}"
+    (folder / "manifest.json").unlink()  # (as GC deletes: the record first, then the files)
+    for chunk in folder.rglob("*.chunk"):
+        chunk.unlink()
+    with pytest.raises(
+        CheckpointNotFoundError, match="was deleted or replaced while it was exported"
+    ):
+        for i in range(len(state.shards)):
+            state.read_shard(i)

@@ -43,7 +43,7 @@ from deck.read.lineage import (
     latest_confirmed,
 )
 from deck.read.restore import apply_chain
-from deck.read.verify import check_files, table_problems
+from deck.read.verify import check_files, table_problems, uncommitted_meanwhile
 from deck.storage import Storage
 
 
@@ -367,14 +367,26 @@ class StepState:
         shard = s.table_shard(
             {n: torch.zeros((s.rows, *shape), dtype=dt) for n, dt, shape in s.states}
         )
-        apply_chain(
-            self.storage,
-            self.chain,
-            [shard],
-            self.tables,
-            allow_quantized=self.allow_quantized,
-            rank_parts=self.rank_parts,
-        )
+        try:
+            apply_chain(
+                self.storage,
+                self.chain,
+                [shard],
+                self.tables,
+                allow_quantized=self.allow_quantized,
+                rank_parts=self.rank_parts,
+            )
+        except CorruptCheckpointError as e:
+            # GC deleted it (or a rollback's save replaced it) under this export: not damage
+            # (a break-it finding: said as damage, "next: deck verify --quarantine")
+            gone = next((m for m in self.chain if uncommitted_meanwhile(self.storage, m)), None)
+            if gone is None:
+                raise
+            raise CheckpointNotFoundError(
+                f"step {self.step} at {self.storage.uri}: checkpoint {gone.id} ({gone.folder}) "
+                f"was deleted or replaced while it was exported (a `deck gc` with a short grace "
+                f"period?): {e}; export a step the retention policy keeps"
+            ) from None
         return shard.states
 
     def eager_state(self, skipped: list[str] | None = None) -> dict[str, Any]:
