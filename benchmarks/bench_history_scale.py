@@ -235,8 +235,11 @@ def measure(
         out[f"gcw_requests_{name}"] = float(counting.n)
         floor = newest.floor if newest.floor is not None else 0
         out[f"gcw_steps_{name}"] = float(sim.step - floor + 1)
-        assert set(newest.deleted) == {d for d in report.deleted if _folder_step(d[0]) >= floor}, (
-            "the newest steps' run decided otherwise"
+        want = {d for d in report.deleted if _folder_step(d[0]) >= floor}
+        assert set(newest.deleted) == want, (
+            "the newest steps' run decided otherwise: only it "
+            f"{sorted(set(newest.deleted) - want)[:5]}, only the whole "
+            f"{sorted(want - set(newest.deleted))[:5]}"
         )
         print(
             f"  gc --dry-run, grace {name}: whole store {out[f'total_{name}']:.3f} s, would "
