@@ -246,10 +246,8 @@ def key_step(key: str) -> int | None:
 
 def listed_seqs(storage: Storage, root: str) -> list[int]:
     """Sequence numbers of the log entries (``root`` = :data:`LOG_ROOT`) or catalogs
-    (:data:`CATALOG_ROOT`) the store lists, ascending; other names there are ignored. One
-    level is listed: a poll of the catalogs does not list the segments beside them, which grow
-    with the history."""
-    return seqs_in((f"{root}/{name}" for name in storage.list_dir(f"{root}/")), root)
+    (:data:`CATALOG_ROOT`) the store lists, ascending; other names there are ignored."""
+    return seqs_in(storage.list(f"{root}/"), root)
 
 
 def seqs_in(keys: Iterable[str], root: str) -> list[int]:
