@@ -335,6 +335,9 @@ class LineageGraph:
         self._best_excluding: frozenset[str] = frozenset()
         self._merged_from: dict[str, list[LineageNode]] | None = None
         self._full_below: dict[str, CheckpointManifest | None] = {}  # (full_below's answers)
+        self._abandoned: frozenset[int] | None = (
+            None  # (abandoned's answer: latest, unrestorable, GC)
+        )
 
     # ---- derived graphs (the same nodes, no manifest read or parsed again) ---------------------
     def _derived(self, nodes: Iterable[LineageNode]) -> LineageGraph:
@@ -452,7 +455,7 @@ class LineageGraph:
             if s > above and s not in left and not self.restorable(s)
         }
 
-    def abandoned(self) -> set[int]:
+    def abandoned(self) -> frozenset[int]:
         """Trainer steps a newer timeline left: those above the step a newer epoch's timeline
         went on from (the parent of that epoch's lowest checkpoint here). The steps below it are
         that timeline's history, whatever their epoch: a process restarted from the latest step
@@ -460,6 +463,8 @@ class LineageGraph:
         the steps after it from verify as "abandoned", and GC deleted them). Where a full starts
         an epoch, where it went on from is not recorded: the steps below the full count as its
         history (said damaged rather than abandoned, kept rather than deleted)."""
+        if self._abandoned is not None:
+            return self._abandoned
         went_on: dict[int, int] = {}  # epoch -> the highest step of its history before it
         for s, n in sorted(self.trainer.items()):
             if n.epoch not in went_on:
@@ -470,7 +475,8 @@ class LineageGraph:
         for e in sorted(went_on, reverse=True):
             lowest_newer[e] = least
             least = min(least, went_on[e])
-        return {s for s, n in self.trainer.items() if s > lowest_newer[n.epoch]}
+        self._abandoned = frozenset(s for s, n in self.trainer.items() if s > lowest_newer[n.epoch])
+        return self._abandoned
 
     def latest(self, log: bool = True) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain that
