@@ -43,10 +43,13 @@ def shard_key(s: TableShard) -> str:
 
 
 def make_shards(world_size: int = 2, fill: float | None = None, seed: int = 0) -> list[TableShard]:
-    """Every shard of every rank (rank = ``track_base``), random or constant values."""
+    """Every shard of every rank (rank = ``track_base``), random or constant values; with one
+    rank, each table whole on it (as a one-rank job holds them)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for table, num_rows, num_cols, places, full_only in LAYOUT:
+        if world_size == 1:
+            places = [(0, 0, num_rows, 0, num_cols)]
         for rank, row_off, rows, col_off, cols in places:
             if rank >= world_size:
                 continue

@@ -11,8 +11,9 @@ layout (:meth:`LineageSim.merge_blocks`: the same aligned blocks and ids without
 whole lineage at every step, for histories of 100,000 checkpoints). Each rank reference names a
 rank manifest by the writer's path, its ``data_bytes`` following a size model (a full's bytes,
 deltas a few percent of it, merged deltas less than the sum of their inputs). With ``files``
-(:func:`writer_checkpoint`: one checkpoint the real trainer writer wrote) the rank manifests are
-that checkpoint's, renamed into each checkpoint's folder, and :meth:`LineageSim.write` stores
+(:func:`writer_checkpoint`: a delta and a full the real trainer writer wrote) the rank manifests
+are those of the checkpoint of the same kind (a full's cover its tables), renamed into each
+checkpoint's folder, and :meth:`LineageSim.write` stores
 them with the data files they name (hard links of one copy): GC's checks of what it keeps find
 them intact. Without, a rank reference names a placeholder (commit records only). The store
 also gets the epoch witnesses the trainer leaves (:mod:`deck.format.epochs`: the newest few).
@@ -62,6 +63,10 @@ class CheckpointFiles:
     attempt: str  # its folder in the step folder (its id): every path its files name starts so
     parts: tuple[bytes, ...]  # its rank manifests, by rank
     data: dict[str, bytes]  # its data files by path (relative to the checkpoint's folder)
+    # The files of a full the same writer wrote, for generated fulls: a full's records must
+    # cover its tables (verify's table checks, which GC runs on what would replace a
+    # checkpoint), which a delta's do not. None: fulls get these files too.
+    full: CheckpointFiles | None = None
 
     def parts_in(self, attempt: str) -> list[bytes]:
         """The rank manifests naming the same files under ``attempt``: what the writer would
@@ -84,22 +89,29 @@ _NO_FILES = CheckpointFiles("0" * 16, (b'{"placeholder": "rank manifest"}',), {}
 
 
 def writer_checkpoint(world_size: int = 1, bundle_bytes: int = 1 << 20) -> CheckpointFiles:
-    """A delta the real trainer writer wrote (deck.testing.synth's SynthTrainer), bundled into
-    one data file per rank by default (fewer files per generated checkpoint)."""
+    """A delta the real trainer writer wrote (deck.testing.synth's SynthTrainer), with the full
+    it was saved after (:attr:`CheckpointFiles.full`), bundled into one data file per rank by
+    default (fewer files per generated checkpoint)."""
     from deck.storage import FsspecStorage
     from deck.testing.synth import SynthTrainer
 
     store = FsspecStorage(f"memory://deck-writer-checkpoint-{os.getpid()}-{id(object())}")
     tr = SynthTrainer(store, world_size=world_size, id_seed=0, bundle_bytes=bundle_bytes)
-    tr.save("full")
+    full = tr.save("full")
     tr.train()
-    m = tr.save()
-    parts = tuple(store.get(f"{m.folder}/{r.path}") for r in m.ranks)
-    refs = {f"{m.folder}/{r.path}" for r in m.ranks} | {f"{m.folder}/{MANIFEST}"}
-    data = {
-        k[len(m.folder) + 1 :]: store.get(k) for k in store.list(f"{m.folder}/") if k not in refs
-    }
-    return CheckpointFiles(m.id, parts, data)
+    delta = tr.save()
+
+    def files_of(m: CheckpointManifest, full: CheckpointFiles | None) -> CheckpointFiles:
+        parts = tuple(store.get(f"{m.folder}/{r.path}") for r in m.ranks)
+        refs = {f"{m.folder}/{r.path}" for r in m.ranks} | {f"{m.folder}/{MANIFEST}"}
+        data = {
+            k[len(m.folder) + 1 :]: store.get(k)
+            for k in store.list(f"{m.folder}/")
+            if k not in refs
+        }
+        return CheckpointFiles(m.id, parts, data, full)
+
+    return files_of(delta, files_of(full, None))
 
 
 @dataclass
@@ -167,10 +179,14 @@ class LineageSim:
         self._logged = 0
 
     # ---- records -------------------------------------------------------------------------
-    def _refs(self, attempt: str, nbytes: int) -> tuple[RankRef, ...]:
-        """The rank references of a checkpoint whose files are under ``attempt``."""
+    def _files(self, kind: Kind) -> CheckpointFiles:
+        """The files a checkpoint of ``kind`` stands on."""
+        return self.files.full if kind is Kind.FULL and self.files.full else self.files
+
+    def _refs(self, attempt: str, nbytes: int, kind: Kind) -> tuple[RankRef, ...]:
+        """The rank references of a checkpoint of ``kind`` whose files are under ``attempt``."""
         per_rank = max(1, nbytes // self.world_size)
-        parts = self.files.parts_in(attempt)
+        parts = self._files(kind).parts_in(attempt)
         return tuple(
             RankRef(
                 rank=r,
@@ -217,7 +233,7 @@ class LineageSim:
         cid = f"{self.rng.getrandbits(64):016x}"
         parent = None if full else self.parent
         m = commit_record(
-            list(self._refs(cid, nbytes)),
+            list(self._refs(cid, nbytes, Kind.FULL if full else Kind.DELTA)),
             deck_version=self.deck_version,
             id=cid,
             step=self.step,
@@ -260,7 +276,7 @@ class LineageSim:
     ) -> CheckpointManifest:
         asm = f"{self.rng.getrandbits(64):016x}"  # the builder's assembly folder
         m = commit_record(  # the merger stamps its own deck version, like build.py
-            list(self._refs(asm, nbytes)),
+            list(self._refs(asm, nbytes, it.kind)),
             id=it.id,
             step=it.step,
             kind=it.kind,
@@ -483,7 +499,9 @@ class LineageSim:
             """The n-th copy of the data files (a file system allows some 65,000 links), this
             simulator's own (others writing beside the same folder link theirs)."""
             where = os.path.join(beside, f"{id(self):x}-{n}")
-            for rel, data in self.files.data.items():
+            kinds = (self.files, self.files.full) if self.files.full else (self.files,)
+            # (each kind's paths start with its own attempt: one folder holds both)
+            for rel, data in ((r, d) for f in kinds for r, d in f.data.items()):
                 os.makedirs(os.path.dirname(os.path.join(where, rel)), exist_ok=True)
                 with open(os.path.join(where, rel), "wb") as f:
                     f.write(data)
@@ -498,14 +516,15 @@ class LineageSim:
             t = self.committed_at[m.id]
             if files:
                 attempt = m.ranks[0].path.partition("/")[0]
-                for r, part in zip(m.ranks, self.files.parts_in(attempt), strict=False):
+                own = self._files(m.kind)
+                for r, part in zip(m.ranks, own.parts_in(attempt), strict=False):
                     put(f"{m.folder}/{r.path}", part)
                     _set_time(storage, f"{m.folder}/{r.path}", t)
                 if not durable and self._linked % 50_000 == 0:
                     self._copies = copy(self._linked // 50_000)
                 self._linked += 1
-                for rel, data in self.files.data.items():
-                    where = rel.replace(self.files.attempt, attempt, 1)
+                for rel, data in own.data.items():
+                    where = rel.replace(own.attempt, attempt, 1)
                     link = None if durable else os.path.join(self._copies, rel)
                     put(f"{m.folder}/{where}", data, link)
                     if link is None:
