@@ -463,19 +463,8 @@ class LineageGraph:
         the steps after it from verify as "abandoned", and GC deleted them). Where a full starts
         an epoch, where it went on from is not recorded: the steps below the full count as its
         history (said damaged rather than abandoned, kept rather than deleted)."""
-        if self._abandoned is not None:
-            return self._abandoned
-        went_on: dict[int, int] = {}  # epoch -> the highest step of its history before it
-        for s, n in sorted(self.trainer.items()):
-            if n.epoch not in went_on:
-                went_on[n.epoch] = n.start[0] if n.start is not None else s - 1
-        # A step is left by any newer epoch that went on from below it: the least such start
-        lowest_newer: dict[int, float] = {}
-        least = float("inf")
-        for e in sorted(went_on, reverse=True):
-            lowest_newer[e] = least
-            least = min(least, went_on[e])
-        self._abandoned = frozenset(s for s, n in self.trainer.items() if s > lowest_newer[n.epoch])
+        if self._abandoned is None:
+            self._abandoned = abandoned_steps(self.trainer)
         return self._abandoned
 
     def latest(self, log: bool = True) -> int | None:
@@ -680,12 +669,29 @@ class LineageGraph:
 
     def _why_not(self, step: int, exclude: frozenset[str]) -> str:
         """Why trainer step ``step`` has no chain: the first link that is missing."""
+        return self._gap(step, exclude)[0]
+
+    def lost_records(self, above: int) -> dict[int, str]:
+        """The steps of :meth:`unrestorable` (after ``above``) whose chain lacks the record of a
+        step after ``above`` (missing or unreadable; not a quarantined checkpoint, which
+        restores go around by the operator's choice): a restore of step ``above`` or older
+        would give them up, where putting the record back restores them all."""
+        lost = {}
+        for s in self.unrestorable(above):
+            why, gap = self._gap(s, frozenset())
+            if gap is not None and gap > above:
+                lost[s] = why
+        return lost
+
+    def _gap(self, step: int, exclude: frozenset[str]) -> tuple[str, int | None]:
+        """:meth:`_why_not`, and the step whose record the chain lacks (None: the link that is
+        missing is a checkpoint that is unusable, or no full starts the chain)."""
         t = self.trainer.get(step)
         if t is None:
             return (
                 f"no committed checkpoint at step {step}; "
                 f"committed: {steps_text(self.trainer, step)}"
-            )
+            ), None
         best = self.best_paths(exclude)
         node: LineageNode | None = t
         while node is not None:
@@ -695,7 +701,7 @@ class LineageGraph:
                     f"step {step} cannot be restored: its chain needs checkpoint {node.id} at step "
                     f"{node.step}, which is unusable ({why}) and no merged or full checkpoint "
                     "covers it; restore an older step or take a new full checkpoint"
-                )
+                ), None
             if node.kind is Kind.FULL or node.start is None:
                 break
             if node.start in best:
@@ -714,9 +720,24 @@ class LineageGraph:
                         else "from another timeline"
                     )
                     + "; restore an older step or take a new full checkpoint"
-                )
+                ), (node.start[0] if other is None else None)
             node = parent
-        return f"step {step} cannot be restored: no full checkpoint starts its chain"
+        return f"step {step} cannot be restored: no full checkpoint starts its chain", None
+
+
+def abandoned_steps(trainer: Mapping[int, LineageNode]) -> frozenset[int]:
+    """:meth:`LineageGraph.abandoned` of the trainer checkpoints ``trainer`` (step -> node)."""
+    went_on: dict[int, int] = {}  # epoch -> the highest step of its history before it
+    for s, n in sorted(trainer.items()):
+        if n.epoch not in went_on:
+            went_on[n.epoch] = n.start[0] if n.start is not None else s - 1
+    # A step is left by any newer epoch that went on from below it: the least such start
+    lowest_newer: dict[int, float] = {}
+    least = float("inf")
+    for e in sorted(went_on, reverse=True):
+        lowest_newer[e] = least
+        least = min(least, went_on[e])
+    return frozenset(s for s, n in trainer.items() if s > lowest_newer[n.epoch])
 
 
 def _order(n: LineageNode) -> tuple[int, int, int, str]:

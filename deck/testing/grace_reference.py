@@ -111,9 +111,13 @@ class _Paths:
         return [s for s in sorted(self.graph.trainer) if self.chain_ids(s) is not None]
 
     def latest(self) -> int | None:
+        # Which steps a newer timeline left is the graph's definition, not an algorithm under
+        # test here: taken from it (a rollback's timeline made unrestorable must not send the
+        # latest back onto the timeline it left)
+        left = self.graph.abandoned()
         nodes = sorted(self.graph.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True)
         for n in nodes:
-            if self.chain_ids(n.step) is not None:
+            if n.step not in left and self.chain_ids(n.step) is not None:
                 return n.step
         return None
 

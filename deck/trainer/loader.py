@@ -49,6 +49,7 @@ from deck.read.catalog import (
 )
 from deck.read.lineage import (
     best_valid_chain,
+    build_graph,
     chain_for,
     confirmed,
     latest_confirmed,
@@ -73,6 +74,10 @@ from deck.trainer.rng import restore_rng
 from deck.units import human_bytes
 
 logger = logging.getLogger(__name__)
+
+
+# Broadcast instead of the latest step: rank 0 refused the restore (it says why)
+_REFUSED = -2
 
 
 class LoadResult(IntEnum):
@@ -140,10 +145,17 @@ class StateLoader:
         manifests = read_window(self.storage, step) or read_manifests(self.storage)
         if step is None:
             chosen = None
+            lost: DeckError | None = None
             if self.coord.rank == 0:
                 # Which step is the latest is the records' answer, not a catalog's copy
                 manifests, chosen = latest_confirmed(self.storage, manifests)
-            chosen_all = self.coord.broadcast_int(-1 if chosen is None else chosen)
+                if chosen is not None and not allow_fallback:
+                    lost = self._lost_after(manifests, chosen)
+            chosen_all = self.coord.broadcast_int(
+                _REFUSED if lost is not None else -1 if chosen is None else chosen
+            )
+            if chosen_all == _REFUSED:
+                self.coord.agree_on_failure(lost, "restore")
             target = None if chosen_all < 0 else chosen_all
             if target is not None and target not in manifests:
                 manifests = read_manifests(self.storage)
@@ -196,6 +208,25 @@ class StateLoader:
             raise error
         done.stats.fallback = why
         return done
+
+    def _lost_after(self, manifests: ManifestSet, latest: int) -> DeckError | None:
+        """The refusal of a restore of ``latest`` that would give up committed steps after it
+        whose chains lack a record (lost, not quarantined): a break-it finding, a job restarted
+        after one commit record was lost restored an older step with a warning and saved its
+        steps again over the ones the record's return would have restored."""
+        lost = build_graph(manifests).lost_records(latest)
+        if not lost:
+            return None
+        return CorruptCheckpointError(
+            f"steps {steps_text(lost)} at {self.storage.uri} are committed after step {latest}, "
+            f"the newest restorable one, and cannot be restored: {lost[max(lost)]}"
+            + (
+                f"; restore(allow_fallback=True) restores step {latest} instead, and training on "
+                "from it saves those steps again"
+                if self.fallback_hint
+                else ""
+            )
+        )
 
     def _agreed(
         self, manifests: ManifestSet | dict, target: int

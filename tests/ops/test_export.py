@@ -3,7 +3,9 @@ safetensors file of unsharded tables, both through the real console script."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +208,37 @@ def test_a_failed_export_leaves_its_target_as_it_found_it(
         assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 3, r.stderr
     assert not new.exists()
     assert empty.is_dir() and not list(empty.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "parquet"])
+def test_an_export_killed_before_it_finished_leaves_nothing_a_rerun_refuses(
+    ckpt: str, tmp_path: Path, fmt: str
+) -> None:
+    """A break-it finding: an export killed with -9 left its files in the target, and every
+    rerun was refused ("not an empty directory"). An export writes into a folder of its own
+    there and moves its files out once all are written; the rerun removes what a killed one
+    left."""
+    from deck.ops.export.run import PARTIAL
+
+    out = tmp_path / "out"
+    args = ("export", ckpt, "--step", str(STEP), "--out", str(out), "--format", fmt)
+    exe = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
+    env = {**os.environ, "DECK_FAILPOINTS": "export.before_publish"}
+    killed = subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert [p.name for p in out.iterdir()] == [PARTIAL]
+    assert list((out / PARTIAL).iterdir())  # (its files, all written)
+    r = _deck(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "killed before it finished" in r.stderr, r.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert PARTIAL not in names and names, names
+    if fmt == "dcp":
+        assert ".metadata" in names
+    # A killed export's folder beside other files is not taken for an empty target
+    (out / PARTIAL).mkdir()
+    r = _deck(*args)
+    assert r.returncode != 0 and "killed there as it finished" in r.stderr, r.stderr
 
 
 def test_a_full_file_that_cannot_be_sized_is_a_read_error_not_damage(

@@ -282,6 +282,64 @@ def test_a_merger_full_below_which_everything_is_quarantined_opens_the_states_af
     assert_same_protection(graph, policy, sim.clock + 1.0, dict(times))
 
 
+def test_a_rollback_to_a_quarantined_full_leaves_no_latest_in_the_reference_either() -> None:
+    """Found by ``make fuzz-gc GC_EXAMPLES=3000 FUZZ_SEED=1937953168``: a rollback from step 8
+    to step 0, whose full was then quarantined. The steps the rollback left (5 to 8) are no
+    latest any more (a rollback's timeline made unrestorable must not send the latest back
+    onto the one it left), so the plan has no latest and keeps everything; the reference still
+    took step 8 for the latest and would have deleted steps 5 to 7."""
+    sim = LineageSim(seed=8, full_bytes=100)
+    full = sim.save("full")
+    for _ in range(7):
+        sim.train()
+        sim.save("delta")
+    sim.train()
+    sim.save("full")
+    sim.rollback(0)
+    for _ in range(4):
+        sim.train()
+        sim.save("delta")
+    sim.quarantine(full.id)
+    graph = sim.graph()
+    policy = RetentionPolicy(keep_last_fulls=1, grace_s=0.0)
+    assert graph.abandoned() >= {5, 6, 7, 8}
+    assert_same_plan(graph, policy)
+    plan = plan_lineage(graph, policy)
+    assert plan.latest is None and not plan.delete
+
+
+def test_a_moment_a_rollback_left_without_a_latest_protects_everything_before_it() -> None:
+    """Found by ``make fuzz-gc GC_EXAMPLES=3000 FUZZ_SEED=1937953168`` once the latest skipped
+    the steps a newer timeline left: with the only full quarantined, a rollback to it left the
+    moment without a latest after moments that had one. The plan of such a moment keeps
+    everything; the replay protected only that moment's commits (it took "no latest" to mean
+    that no moment before had one either) and let the quarantined full go."""
+    sim = LineageSim(seed=7, full_bytes=100)
+    full = sim.save("full")
+
+    def deltas(n: int) -> None:
+        for _ in range(n):
+            sim.train()
+            sim.save("delta")
+
+    deltas(2)
+    sim.quarantine(full.id)
+    deltas(2)
+    for to, after in ((2, 15), (0, 5)):
+        sim.rollback(to)
+        deltas(after)
+    sim.train()
+    sim.save("full")
+    deltas(1)
+    sim.rollback(0)
+    deltas(2)
+    graph = sim.graph()
+    policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=3.0)
+    times: dict[str, float | None] = dict(sim.committed_at)
+    assert full.id in reference_grace_protected(graph, policy, sim.clock, times)
+    assert_same_protection(graph, policy, sim.clock, times)
+
+
 @hyp
 @given(st.data())
 def test_each_moment_of_the_replay_matches_the_reference(data: st.DataObject) -> None:

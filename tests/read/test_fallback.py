@@ -104,6 +104,42 @@ def _job(rank: int, world_size: int, root: str) -> None:
     assert stats.fallback and "instead of step 10" in stats.fallback, stats.fallback
     assert not diff_states(live[5], state)
 
+    # A commit record lost after step 25 (step 30's: a sync that missed it). Step 35 builds on
+    # it: a plain restore of the latest refuses on every rank, naming the steps it would give
+    # up and the record to put back (a break-it finding: a restarted job restored step 25 with
+    # a warning and saved steps 30 and 35 again over what the record's return restores).
+    model, opt = build_model(SPEC)
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        assert ck.restore() == 25
+        for step in range(26, 36):
+            train_step(model, opt, SPEC, step)
+            user.step = step
+            ck.step(step)
+        live[35] = capture_state(model, opt, user)
+        assert ck.flush()
+    record = Path(uri) / "step-000000000030" / "manifest.json"
+    kept = record.read_bytes()
+    dist.barrier()
+    if rank == 0:
+        record.unlink()
+    dist.barrier()
+    with pytest.raises(CorruptCheckpointError) as lost:
+        _restore(config, None)
+    said = str(lost.value)
+    assert "steps [35]" in said and "after step 25" in said, said
+    assert "step-000000000030/manifest.json was lost" in said, said
+    assert "allow_fallback=True) restores step 25" in said, said
+    if rank:
+        assert "on rank 0" in said, said
+    got, (_, state) = _restore(config, None, allow_fallback=True)
+    assert got == 25 and not diff_states(live[25], state)
+    dist.barrier()
+    if rank == 0:
+        record.write_bytes(kept)
+    dist.barrier()
+    got, (_, state) = _restore(config, None)
+    assert got == 35 and not diff_states(live[35], state)
+
 
 def test_fallback_and_new_full(tmp_path: Path) -> None:
     run_ranks(_job, str(tmp_path))

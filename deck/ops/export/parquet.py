@@ -30,14 +30,15 @@ def export_parquet(
     table that hold the same rows: one shard of a row-wise or table-wise table, every column
     shard of a column-wise one). Each file appears atomically.
     """
-    with writing_out_dir(out_dir):
-        return _write_tables(state, out_dir, progress, compression)
+    with writing_out_dir(out_dir) as work:
+        report = _write_tables(state, work, progress, compression)
+    report.path = out_dir
+    return report
 
 
 def _write_tables(
     state: StepState, out_dir: str, progress: Progress | None, compression: str
 ) -> ExportReport:
-    os.makedirs(out_dir, exist_ok=True)
     report = ExportReport(step=state.step, chain=[m.folder for m in state.chain], path=out_dir)
     report.skipped.append(
         "dense state and dense optimizer state, data_parallel tables among them (saved with "

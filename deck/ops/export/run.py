@@ -4,6 +4,7 @@ the check that the output place is new."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -13,8 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deck.errors import ConfigError
+from deck.failpoints import failpoint
 from deck.ops.export.dense import flatten
 from deck.ops.export.layout import Piece, StepState
+from deck.storage.atomic import fsync_dir
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 
@@ -72,31 +77,54 @@ class ExportRun:
         return self.report
 
 
+# Where an export into a directory writes first, inside it: what a killed run left there is
+# this folder alone, which the next export removes (a break-it finding: a killed export's
+# files refused every rerun), and a finished export's files appear in the directory itself
+# (DCP's `.metadata` last), never a directory with some of them
+PARTIAL = ".deck-partial"
+
+
 @contextlib.contextmanager
-def writing_out_dir(out_dir: str) -> Iterator[None]:
-    """:func:`check_out_dir`, then the export's writing: if it fails, what it wrote there goes
-    (the directory too when the export made it), so a rerun finds it new or empty again."""
+def writing_out_dir(out_dir: str) -> Iterator[str]:
+    """:func:`check_out_dir`, then the export's writing into the folder this yields (inside
+    ``out_dir``), whose files go into ``out_dir`` once it is done. If it fails, nothing it
+    wrote stays (nor the directory, when the export made it), so a rerun finds it new or empty
+    again; what a killed export left, the next one removes."""
     check_out_dir(out_dir)
     made = not os.path.exists(out_dir)
+    work = os.path.join(out_dir, PARTIAL)
+    if os.path.lexists(work):
+        logger.warning("deck: removing %s, what an export killed before it finished left", work)
+        shutil.rmtree(work)
+    os.makedirs(work)
     try:
-        yield
+        yield work
+        failpoint("export.before_publish")
+        # (DCP's .metadata last: a crash among the moves leaves no loadable checkpoint)
+        for name in sorted(os.listdir(work), key=lambda n: n == ".metadata"):
+            os.rename(os.path.join(work, name), os.path.join(out_dir, name))
+        os.rmdir(work)
+        fsync_dir(out_dir)
     except BaseException:
-        if made:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        elif os.path.isdir(out_dir):  # it was empty: everything in it is this export's
-            for entry in os.scandir(out_dir):
-                with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
+        shutil.rmtree(out_dir if made else work, ignore_errors=True)
         raise
 
 
 def check_out_dir(out_dir: str) -> None:
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        what = "a non-empty directory" if os.path.isdir(out_dir) else "a file"
+    """Refuse an export target that is not a new or empty directory (one holding only what a
+    killed export left is empty to it)."""
+    if not os.path.exists(out_dir):
+        return
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    if held is None or (held and held != [PARTIAL]):
+        what = "a non-empty directory" if held is not None else "a file"
+        hint = (
+            f" (its {PARTIAL} folder: an export was killed there as it finished; remove the "
+            "directory's contents and export again)"
+            if held and PARTIAL in held
+            else ""
+        )
         raise ConfigError(
-            f"the export target {out_dir} is {what}, not an empty directory; choose a new or "
-            "empty directory"
+            f"the export target {out_dir} is {what}, not an empty directory{hint}; choose a new "
+            "or empty directory"
         )

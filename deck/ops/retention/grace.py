@@ -15,7 +15,8 @@ and each part of the plan is kept up to date from what the new checkpoints chang
   and the plan's restricted set): a new checkpoint recomputes its state and, while that changes
   anything, the states after it (edges go from older to newer steps);
 - which trainer checkpoints are restorable (only ever more, as checkpoints are only added), the
-  latest, the active window (a delta on the latest extends it), the fulls kept (recomputed when
+  latest (the steps newer timelines left recomputed when a timeline starts or a step is saved
+  again: a restart or a rollback, not a commit), the active window (a delta on the latest extends it), the fulls kept (recomputed when
   a full, the window's anchor or the latest chain's full changes; the chain-budget walk resumed
   at the first step whose inputs changed, stopped once it agrees with the last walk again), the
   restricted set (what the kept fulls and the latest chain leave out);
@@ -48,6 +49,7 @@ from deck.read.lineage import (
     LineageNode,
     PathLink,
     StateKey,
+    abandoned_steps,
     chain_way_from,
     cheapest_way_in,
     keep_chain,
@@ -199,6 +201,12 @@ class _Replay:
         self.excluded: set[str] = set()
         self.restricted = _Tree(self, self.excluded)
         self.restorable: set[str] = set()
+        self.left: frozenset[int] = frozenset()  # steps a newer timeline left
+        self._epoch_low: dict[int, int] = {}  # epoch -> its lowest trainer step
+        # Every checkpoint added, in order, and how many of them a moment without a latest
+        # protected (all of those)
+        self._added_ids: list[str] = []
+        self._kept_upto = 0
         self.latest: LineageNode | None = None
         self.window: list[LineageNode] = []  # oldest first
         self.window_ids: set[str] = set()
@@ -257,8 +265,17 @@ class _Replay:
         states no later commit changes: only the others are found)."""
         if not batch:
             return
+        # A timeline starts or loses its lowest step (a rollback's, a restart's first save, a
+        # step saved again): which steps a newer timeline left may change, and the latest with
+        # it (a restart at most, not every commit)
+        timelines = any(
+            not n.merged
+            and (n.step in self.trainer or n.step < self._epoch_low.get(n.epoch, n.step + 1))
+            for n in batch
+        )
         for n in batch:
             self._index(n)
+        self._added_ids.extend(n.id for n in batch)
         initial = not self._added
         self._added = True
         if initial and known:
@@ -278,14 +295,21 @@ class _Replay:
                 if way is not None:
                     ways[t.id] = way
                     fresh.append(t)
-        for t in fresh:
-            self.restorable.add(t.id)
-            if self.latest is None or (t.epoch, t.step) > (self.latest.epoch, self.latest.step):
-                self.latest = t
+        self.restorable.update(t.id for t in fresh)
+        if timelines:
+            self._timelines()
+        else:
+            for t in fresh:
+                if t.step not in self.left and (
+                    self.latest is None or (t.epoch, t.step) > (self.latest.epoch, self.latest.step)
+                ):
+                    self.latest = t
         self._pending.extend(batch)
         if self.latest is None:
-            # Nothing restorable: the plan keeps everything (and nothing before was either)
-            self.protected.update(n.id for n in batch)
+            # Nothing restorable: the plan keeps everything added so far (once: a restart's
+            # new timeline can leave nothing restorable after a moment that had a latest)
+            self.protected.update(self._added_ids[self._kept_upto :])
+            self._kept_upto = len(self._added_ids)
             return
         batch, self._pending = self._pending, []
         first = not self._planned
@@ -305,6 +329,19 @@ class _Replay:
         touched_r = self._touched(self.restricted.update(dirty), toggled)
         self._walk(fresh, touched, touched_r, ways, first, window_added, extended, kept_changed)
         self._in_progress(batch, window_added)
+
+    def _timelines(self) -> None:
+        """The steps newer timelines left, each timeline's lowest step, and the latest: the
+        newest restorable checkpoint no newer timeline left (LineageGraph.latest)."""
+        self.left = abandoned_steps(self.trainer)
+        self._epoch_low = {}
+        for t in self.trainer.values():
+            self._epoch_low[t.epoch] = min(self._epoch_low.get(t.epoch, t.step), t.step)
+        self.latest = max(
+            (t for t in self.trainer.values() if t.id in self.restorable and t.step not in self.left),
+            key=lambda t: (t.epoch, t.step),
+            default=None,
+        )
 
     def _index(self, n: LineageNode) -> None:
         if not n.merged:
