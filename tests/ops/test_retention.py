@@ -928,3 +928,32 @@ def test_another_jobs_record_copied_over_a_step_is_damage_not_a_rollback(tmp_pat
     record.write_bytes(saved)
     history = {s.id: s.state for s in tr.saved.values()}
     assert check_all_restore(storage, history) == list(range(6))
+
+
+def test_a_step_a_save_seems_to_have_begun_at_keeps_its_chain_too(tmp_path: Path) -> None:
+    """A break-it finding (S3): a folder marker in a step folder (`step-4/x/`, as a console's
+    "create folder" makes) read as a save of that step that began during the run; GC kept the
+    step, as it must while a save may be committing there, but deleted its parent, which left
+    it broken for good. What such a step restores through is kept with it."""
+    storage = LocalStorage(str(tmp_path / "ck"))
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    tr.train()
+    tr.save("full")
+    marker = tmp_path / "ck" / "step-000000000004" / "x"
+    marker.mkdir()
+    policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
+    report = collect_garbage(storage, policy, whole=True)
+    assert not report.deleted, report.deleted
+    busy = dict(report.busy)
+    assert "a new save of step 4 began" in busy["step-000000000004 (id " + tr.saved[4].id + ")"]
+    assert len(busy) == 5, busy
+    assert latest_restorable(read_manifests(storage)) == 5
+    assert chain_for(read_manifests(storage), 4)  # still whole
+    assert not marker.exists()  # (an empty folder: this run removed it, the next decides)
+    report = collect_garbage(storage, policy, whole=True)
+    assert len(report.deleted) == 5 and not report.busy, report
+    assert sorted(read_manifests(storage)) == [5]

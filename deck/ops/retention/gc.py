@@ -553,9 +553,13 @@ class _Collector:
         # The newest step that stays committed: a checkpoint above it, once uncommitted, would
         # look like a save in progress (see GC_DELETING)
         head = max((m.step for m in self.manifests.values() if m.id not in self.doomed), default=-1)
+        spared: dict[str, str] = {}  # what a checkpoint kept as busy restores through
         for cid in order:
             why = self.doomed[cid]
             n = self.graph.nodes[cid]
+            if cid in spared:
+                self.report.busy.append((self._label(cid), spared[cid]))
+                continue
             if cid in self.retiring:
                 self._retire(n, why)
                 continue
@@ -586,10 +590,23 @@ class _Collector:
                     kept = None
                 if kept:
                     self.report.busy.append((self._label(cid), kept))
+                    # (a break-it finding: an S3 folder marker in a step folder read as a save
+                    # that began, and the run kept that step but deleted its parent, leaving it
+                    # broken for good)
+                    spared.update(self._chain_of(n))
                     continue
             self.report.deleted.append((self._label(cid), why))
             self.report.files += len(files)
             self.report.bytes += size
+
+    def _chain_of(self, n: LineageNode) -> dict[str, str]:
+        """What trainer checkpoint ``n``, kept as busy, restores through, with why it stays."""
+        try:
+            chain = self.graph.chain(n.step)
+        except DeckError:
+            return {}
+        why = f"on the chain of step {n.step}, which a save that began keeps; the next run decides"
+        return {m.id: why for m in chain if m.id != n.id}
 
     def _retire(self, n: LineageNode, why: str) -> None:
         """Retire merger checkpoint ``n`` (see GC_RETIRED): its marker, then its record and
