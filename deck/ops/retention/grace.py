@@ -338,7 +338,11 @@ class _Replay:
         for t in self.trainer.values():
             self._epoch_low[t.epoch] = min(self._epoch_low.get(t.epoch, t.step), t.step)
         self.latest = max(
-            (t for t in self.trainer.values() if t.id in self.restorable and t.step not in self.left),
+            (
+                t
+                for t in self.trainer.values()
+                if t.id in self.restorable and t.step not in self.left
+            ),
             key=lambda t: (t.epoch, t.step),
             default=None,
         )
