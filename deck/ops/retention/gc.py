@@ -747,7 +747,7 @@ class _Collector:
                     (
                         f"{prefix}/{aid}/",
                         f"the parent of committed step {min(staying)}, but its commit record "
-                        f"{prefix}/{MANIFEST} is missing: restore it from a backup (or delete "
+                        f"{prefix}/{MANIFEST} is missing (or not a regular file): restore it from a backup (or delete "
                         "the steps built on it by hand)",
                     )
                 )

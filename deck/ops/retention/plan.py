@@ -366,7 +366,7 @@ def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str
             problem = f"epoch {graph.trainer[d].epoch}, no newer than what builds on it"
             state = "another checkpoint's (another job's record, or damage)"
         else:
-            problem, state = "a committed delta builds on it", "missing"
+            problem, state = "a committed delta builds on it", "missing (or not a regular file)"
         for i, why in _damage_holds(graph, {d: problem}, delete, state=state).items():
             holds.setdefault(i, why)
     return holds
