@@ -408,8 +408,10 @@ class ChainWriter:
             # Its first checkpoint would be a new timeline's full at `step`: the records of the
             # steps from there to `stored` replaced or abandoned, the URI's latest state lost
             raise ConfigError(
-                f"{self.label} of step {step} at {self.storage.uri}: the URI's latest "
-                f"restorable step is {stored} and this process restored none; checkpointing "
+                f"{self.label} of step {step} at {self.storage.uri}: the URI's history goes "
+                f"up to step {stored} (its latest restorable step, or one that a lost commit "
+                "record put back restores: `deck verify URI --all` says) and this process "
+                "restored none; checkpointing "
                 f"step {step} would start a new timeline there and leave steps {step}..{stored} "
                 "of the old one unrestorable. Call restore() before training (it loads the "
                 "latest step; resume the loop after it), restore(step) to go back on purpose, "

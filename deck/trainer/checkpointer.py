@@ -935,10 +935,16 @@ def _steps(steps: list[int]) -> str:
 
 
 def _newest_restorable(read: ManifestSet) -> int | None:
-    """The latest restorable step of ``read`` (what ``restore()`` would load; checkpoints no
-    chain reaches are not history a new run could lose), or its newest step where the part of
-    the history read cannot tell."""
+    """The latest restorable step of ``read`` (what ``restore()`` would load), or a newer step
+    that a lost commit record's return makes restorable (a break-it finding: with the record
+    of the chains' full lost, a run that skipped restore() saved over every step, which putting
+    the record back would have restored); or its newest step where the part of the history
+    read cannot tell. Checkpoints no chain reaches otherwise (a quarantine, a rollback) are not
+    history a new run could lose."""
     try:
-        return build_graph(read).latest(log=False)
+        graph = build_graph(read)
+        latest = graph.latest(log=False)
+        lost = graph.lost_records(-1 if latest is None else latest)
     except OutsideWindow:
         return max(read, default=None)
+    return max(lost, default=latest)

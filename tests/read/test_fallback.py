@@ -4,6 +4,7 @@ valid chain, bitwise; a trainer whose last chain was broken takes a new full nex
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from deck.demo import (
     train_with_checkpoints,
 )
 from deck.errors import CorruptCheckpointError
+from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
@@ -80,6 +82,12 @@ def _job(rank: int, world_size: int, root: str) -> None:
         assert not bad, f"rank {rank}: {bad[:5]}"
         manifests = read_manifests(open_storage(uri))
         assert list(manifests.quarantined) == [manifests[15].id]
+        # A plain restore goes around the quarantine, and its stats say so on rank 0 (a
+        # break-it finding: only a warning did, which code cannot see)
+        got, (stats, _) = _restore(config, None)
+        assert got == 10
+        if rank == 0:
+            assert stats.fallback and "passed by steps [15, 20]" in stats.fallback, stats
 
         # The trainer was at step 20, a delta of 15: its next checkpoint must be a full.
         for step in range(21, 26):
@@ -143,3 +151,55 @@ def _job(rank: int, world_size: int, root: str) -> None:
 
 def test_fallback_and_new_full(tmp_path: Path) -> None:
     run_ranks(_job, str(tmp_path))
+
+
+def _rollback_job(rank: int, world_size: int, root: str) -> None:
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    live = {}
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        live = train_with_checkpoints(ck, model, opt, SPEC, user, 8)
+    folder = Path(uri) / "step-000000000006"
+    old = (folder / "manifest.json").read_bytes()  # a backup taken before the rollback
+    model, opt = build_model(SPEC)
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        assert ck.restore(4) == 4
+        for step in (5, 6):
+            train_step(model, opt, SPEC, step)
+            user.step = step
+            ck.step(step)  # step 6: a full, epoch 1
+        assert ck.flush()
+    new = (folder / "manifest.json").read_bytes()
+    attempt = folder / json.loads(new)["id"]
+    (folder / "manifest.json").unlink()  # the rollback's first record is lost
+
+    # GC keeps the attempt folder of the epoch no record holds (before: deleted as an
+    # uncommitted checkpoint older than step 8, a step of the timeline the rollback left)
+    collect_garbage(open_storage(uri), RetentionPolicy(grace_s=0), whole=True)
+    assert attempt.is_dir()
+
+    # The pre-rollback record put back: step 8 of the timeline left is restorable again, and a
+    # plain restore refuses to resume it, naming the epoch the witness says began at step 6
+    (folder / "manifest.json").write_bytes(old)
+    with pytest.raises(CorruptCheckpointError) as info:
+        _restore(config, None)
+    said = str(info.value)
+    assert "epoch 1 began at step 6" in said and "Step 8" in said, said
+    assert "allow_fallback=True) restores step 4" in said, said
+    got, (stats, state) = _restore(config, None, allow_fallback=True)
+    assert got == 4 and not diff_states(live[4], state)
+    assert stats.fallback and "epoch 1 began at step 6" in stats.fallback, stats.fallback
+
+    # The rollback's own record back: its full restores
+    (folder / "manifest.json").write_bytes(new)
+    got, _ = _restore(config, None)
+    assert got == 6
+
+
+def test_a_rollback_whose_first_record_is_lost_is_not_undone(tmp_path: Path) -> None:
+    """Break-it findings: after a rollback from step 8 to 4 whose first save (a full at step 6)
+    lost its commit record, GC deleted that full's files, and putting back the record a backup
+    from before the rollback held made a plain restore resume the timeline the rollback left."""
+    run_ranks(_rollback_job, str(tmp_path), world_size=1)

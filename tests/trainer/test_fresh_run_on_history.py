@@ -41,7 +41,7 @@ def _restarts(rank: int, world_size: int, root: str) -> None:
     fresh, fresh_opt = build_model(SPEC, seed=3)
     with deck.enable(fresh, [fresh_opt], config) as ck:
         for step in (0, 4):
-            with pytest.raises(ConfigError, match=r"latest restorable step is 4 and this "):
+            with pytest.raises(ConfigError, match=r"history goes up to step 4 \(its latest"):
                 ck.step(step)
         with pytest.raises(ConfigError, match=r"restore\(\) before training"):
             ck.save("full", step=2)
@@ -84,6 +84,38 @@ def _nothing_restorable(rank: int, world_size: int, root: str) -> None:
         assert stats is not None and stats.kind == "full"
         assert ck.flush()
         assert ck.restore() == 0
+
+
+def _lost_base(rank: int, world_size: int, root: str) -> None:
+    config = deck.DeckConfig(uri=root, delta_every_steps=1)
+    _history(config, 3)
+    record = Path(root) / "step-000000000000" / "manifest.json"
+    kept = record.read_bytes()
+    dist.barrier()
+    if rank == 0:  # the chains' full loses its commit record: no step restores until it is back
+        record.unlink()
+    dist.barrier()
+    fresh, fresh_opt = build_model(SPEC, seed=3)
+    with deck.enable(fresh, [fresh_opt], config) as ck:
+        with pytest.raises(deck.CorruptCheckpointError, match=r"manifest.json was lost"):
+            ck.restore()
+        # A run that skips restore() may not save over what the record's return restores (a
+        # break-it finding: it did, and the record put back then broke its new steps)
+        with pytest.raises(ConfigError, match=r"history goes up to step 2 "):
+            ck.step(0)
+    dist.barrier()
+    if rank == 0:
+        record.write_bytes(kept)
+    dist.barrier()
+    assert sorted(c.step for c in deck.list_checkpoints(root)) == [0, 1, 2]
+    again, again_opt = build_model(SPEC, seed=4)
+    with deck.enable(again, [again_opt], config) as ck:
+        assert ck.restore() == 2
+
+
+@pytest.mark.slow
+def test_a_run_may_not_save_over_steps_a_lost_record_put_back_restores(tmp_path: Path) -> None:
+    run_ranks(_lost_base, str(tmp_path / "ck"), world_size=2)
 
 
 @pytest.mark.slow

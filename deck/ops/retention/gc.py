@@ -22,7 +22,13 @@ from functools import partial
 from deck.errors import CheckpointNotFoundError, DeckError, NotFoundError
 from deck.failpoints import failpoint
 from deck.format.commit_log import CATALOG_ROOT, LOG_ROOT, Hint, append_hints, record_key_kind
-from deck.format.epochs import EPOCH_ROOT, witness_body, witness_key, witnesses_in
+from deck.format.epochs import (
+    EPOCH_ROOT,
+    witness_body,
+    witness_key,
+    witnessed_step,
+    witnesses_in,
+)
 from deck.format.manifest import (
     MANIFEST,
     MERGED_ROOT,
@@ -668,7 +674,9 @@ class _Collector:
         """Delete files no committed record references, each group only once every file in it
         is older than the grace period (its writer may still be running). A failure is
         recorded in the report, not raised, and the other groups go on."""
-        latest_step = max((m.step for m in self.manifests.values()), default=-1)
+        latest_step = min(
+            max((m.step for m in self.manifests.values()), default=-1), self._unrecorded_from()
+        )
         for prefix, keys in sorted(self.by_prefix.items()):
             try:
                 if prefix.startswith(f"{MERGED_ROOT}/"):
@@ -719,7 +727,7 @@ class _Collector:
             why = "partition records / attempt files no record references"
             self._orphan_files(prefix, stale, why, m)
 
-    def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: int) -> None:
+    def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: float) -> None:
         """A step folder's attempt folders that its committed record does not name, or all of
         them when the step is uncommitted and a later step is committed."""
         m = self.manifests.get(step)
@@ -795,6 +803,19 @@ class _Collector:
                 # doomed past the grace period then)
                 aged=[k for k in aks if not k.endswith(f"/{GC_DELETING}")] if deleting else aks,
             )
+
+    def _unrecorded_from(self) -> float:
+        """Where the newest epoch witnessed began, when no commit record of it is there (its
+        first save crashed before its record, or the record was lost: uncommitted attempts
+        from there on are kept, as saves that may still be committing); else no bound. A
+        break-it finding: a rollback's first full whose record was lost was deleted as "older
+        than a committed later step", a step of the timeline the rollback had left."""
+        witnessed = witnesses_in(self.keys)
+        newest = max((m.epoch for m in self.manifests.values()), default=-1)
+        if not witnessed or witnessed[-1] <= newest:
+            return float("inf")
+        step = witnessed_step(self.storage, witnessed[-1])
+        return 0 if step is None else step  # (unknown: every attempt is kept)
 
     def _young(self, cid: str) -> bool:
         """Whether checkpoint ``cid`` was committed within the grace period (or when is not
