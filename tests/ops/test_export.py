@@ -100,6 +100,11 @@ def test_export_dcp_and_safetensors_match_restore(ckpt: str, tmp_path: Path) -> 
     r = _deck("export", ckpt, "--step", str(STEP), "--out", str(out), "--format", "dcp")
     assert r.returncode == 0, r.stdout + r.stderr
     assert (out / ".metadata").is_file()
+    # (the checkpoint id it records is where it is, not the folder it was written in first)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(out)).read_metadata().storage_meta
+    assert meta is not None and str(meta.checkpoint_id) == str(out), meta
     st_dir = tmp_path / "st"
     r = _deck("export", ckpt, "--step", str(STEP), "--out", str(st_dir), "--format", "safetensors")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -239,6 +244,25 @@ def test_an_export_killed_before_it_finished_leaves_nothing_a_rerun_refuses(
     (out / PARTIAL).mkdir()
     r = _deck(*args)
     assert r.returncode != 0 and "killed there as it finished" in r.stderr, r.stderr
+
+
+def test_a_killed_safetensors_export_leaves_nothing_beside_the_file_after_a_rerun(
+    ckpt: str, tmp_path: Path
+) -> None:
+    """A break-it finding: each safetensors export killed before its rename left a temp file
+    as large as the export beside the target, which no rerun removed."""
+    out = tmp_path / "model.safetensors"
+    args = ("export", ckpt, "--step", str(STEP), "--out", str(out), "--format", "safetensors")
+    exe = shutil.which("deck", path=str(Path(sys.executable).parent)) or "deck"
+    env = {**os.environ, "DECK_FAILPOINTS": "export.before_publish"}
+    killed = subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".tmp-model.safetensors."), left
+    r = _deck(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "killed before it finished" in r.stderr, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 
 def test_a_full_file_that_cannot_be_sized_is_a_read_error_not_damage(

@@ -37,7 +37,7 @@ def export_dcp(state: StepState, out_dir: str, progress: Progress | None = None)
     # One file per table shard (in plan order) and one for the dense state: the planner reads a
     # shard when its first piece is asked for and drops it at the next, the writer holds one item.
     with writing_out_dir(out_dir) as work, warnings.catch_warnings():
-        writer = DirectoryWriter(work, group=lambda item: _file_of(by_key, item))
+        writer = DirectoryWriter(work, group=lambda item: _file_of(by_key, item), published=out_dir)
         # DCP warns that no process group is initialised: one process writing is the point.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:

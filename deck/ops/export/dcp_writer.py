@@ -55,13 +55,15 @@ class DirectoryWriter(StorageWriter):
     ``.metadata`` is written (by ``finish``, last, under a temporary name then renamed): a crash
     leaves no loadable checkpoint. Files are created exclusively: nothing is overwritten."""
 
-    def __init__(self, path: str, group: Callable[[WriteItem], Hashable]) -> None:
+    def __init__(
+        self, path: str, group: Callable[[WriteItem], Hashable], published: str | None = None
+    ) -> None:
         super().__init__()
         self.path = path
         self.group = group
         # DCP's own file writer, for what it does publicly: the checkpoint's storage_meta and
         # writing ``.metadata`` in finish.
-        self.meta = FileSystemWriter(path, overwrite=False)
+        self.meta = _MetadataWriter(path, published or path)
 
     @property
     def checkpoint_id(self) -> str:
@@ -136,3 +138,15 @@ def _write_item(f: IO[bytes], name: str, item: WriteItem, data: Any) -> WriteRes
     return WriteResult(
         index=item.index, size_in_bytes=length, storage_data=stored_at(name, offset, length)
     )
+
+
+class _MetadataWriter(FileSystemWriter):
+    """DCP's file writer, whose ``.metadata`` names ``published`` as the checkpoint: where the
+    files end up (an export moves them out of the folder it writes them in)."""
+
+    def __init__(self, path: str, published: str) -> None:
+        super().__init__(path, overwrite=False)
+        self.published = published
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.published, save_id=self.save_id)

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
 from typing import IO
 
 import torch
 
 from deck.errors import ConfigError
+from deck.failpoints import failpoint
 from deck.format.safetensors import Layout, check_dtypes, preamble, write_tensor
 from deck.ops.export.layout import Piece, StepState
 from deck.ops.export.run import ExportReport, ExportRun, Progress
-from deck.storage.atomic import atomic_file
+from deck.storage.atomic import TEMP_PREFIX, atomic_file
+
+logger = logging.getLogger(__name__)
 
 
 def export_safetensors(
@@ -49,18 +54,34 @@ def export_safetensors(
     folder = os.path.dirname(os.path.abspath(out_path))
     made = not os.path.exists(folder)
     os.makedirs(folder, exist_ok=True)
+    _remove_killed_exports(out_path)
     try:
         with atomic_file(out_path) as f:
             f.write(head)
             _write_tables(f, run, list(first))
             for v in run.dense.values():
                 write_tensor(f, v)
+            failpoint("export.before_publish")
     except BaseException:
         if made:  # a failed export leaves no folder of its own behind (rmdir: only if empty)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
         raise
     return run.finish()
+
+
+def _remove_killed_exports(out_path: str) -> None:
+    """Remove the temp files exports of ``out_path`` killed before their rename left beside it
+    (a break-it finding: each kill left one as large as the export, which no rerun removed)."""
+    folder, name = os.path.split(os.path.abspath(out_path))
+    stale = re.compile(re.escape(f"{TEMP_PREFIX}{name}.") + "[0-9a-f]{32}")
+    for entry in os.scandir(folder):
+        if stale.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            logger.warning(
+                "deck: removing %s, what an export killed before it finished left", entry.path
+            )
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 def _write_tables(f: IO[bytes], run: ExportRun, fqns: list[str]) -> None:
