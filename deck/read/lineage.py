@@ -28,7 +28,7 @@ from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from deck.format.commit_log import key_step
-from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key
+from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key, witnessed_step
 from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
     MANIFEST,
@@ -1045,6 +1045,64 @@ def latest_confirmed(storage: Storage, manifests: ManifestSet) -> tuple[Manifest
     made every restore warn that the latest step could not be restored, then restore it)."""
     checked = confirmed(storage, manifests, latest_restorable(manifests, log=False), latest=True)
     return checked, latest_restorable(checked)
+
+
+def latest_checked(
+    storage: Storage, manifests: ManifestSet, latest: int | None
+) -> tuple[ManifestSet, int | None, str | None]:
+    """Whether taking ``latest`` (the latest restorable step of ``manifests``, as
+    :func:`latest_confirmed` gave it; None: none) for the latest would give committed work up,
+    and what (None: nothing): then the step to take instead, and the manifests it is in. Two
+    break-it findings: a job restarted after one commit record was lost restored an older step
+    with a warning and saved its steps again over the ones the record's return would have
+    restored; a rollback whose first record was lost (or whose first save crashed before it)
+    made the latest the timeline it had left."""
+    begun = _unrecorded_epoch(storage, manifests)
+    # (at the latest step itself, a save of the step just restored, whose crash leaves the
+    # same witness, cannot be told from a rollback's: only a step above is refused)
+    if begun is not None and latest is not None and begun[1] < latest:
+        epoch, at = begun
+        passed = (
+            f"epoch {epoch} began at step {at} ({storage.describe(witness_key(epoch))}) and no "
+            f"commit record of it is at {storage.uri}: its first save crashed before its "
+            f"commit, or its record (step {at} or later) was lost. Step {latest}, the newest "
+            f"restorable one, is of epoch {manifests[latest].epoch}, above where epoch {epoch} "
+            "went on from: it is on the timeline that epoch's rollback left. Put the lost "
+            f"record back, or take the step the rollback went on from (below {at})"
+        )
+        every = read_manifests(storage)
+        graph = build_graph(every)
+        left = graph.abandoned()
+        older = sorted(
+            (n for n in graph.trainer.values() if n.step < at and n.step not in left),
+            key=lambda n: (n.epoch, n.step),
+            reverse=True,
+        )
+        return every, next((n.step for n in older if graph.restorable(n.step)), None), passed
+    lost = build_graph(manifests).lost_records(-1 if latest is None else latest)
+    if not lost:
+        return manifests, latest, None
+    passed = (
+        f"steps {steps_text(lost)} at {storage.uri} are committed "
+        + ("" if latest is None else f"after step {latest}, the newest restorable one, ")
+        + f"and cannot be restored: {lost[max(lost)]}"
+    )
+    if begun is not None:  # (the record named is then of the timeline a rollback left)
+        passed += (
+            f" (but epoch {begun[0]} began at step {begun[1]} and no commit record of it is "
+            "there: the lost record may be that rollback's, which replaced the one named)"
+        )
+    return manifests, latest, passed
+
+
+def _unrecorded_epoch(storage: Storage, manifests: ManifestSet) -> tuple[int, int] | None:
+    """The newest epoch witnessed and the step it began at (deck.format.epochs), when no
+    commit record of it is among ``manifests`` and its witness says where it began."""
+    epoch = manifests.witness if manifests.witness_listed else newest_witness(storage)
+    if epoch is None or any(m.epoch >= epoch for m in manifests.values()):
+        return None
+    at = witnessed_step(storage, epoch)
+    return None if at is None else (epoch, at)
 
 
 def confirmed(

@@ -30,7 +30,7 @@ from deck.errors import (
     IncompatibleModelError,
     NotFoundError,
 )
-from deck.format.epochs import newest_witness, witness_key, witnessed_step
+from deck.format.epochs import newest_witness
 from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, steps_text
 from deck.model import (
     ModelAdapter,
@@ -52,6 +52,7 @@ from deck.read.lineage import (
     build_graph,
     chain_for,
     confirmed,
+    latest_checked,
     latest_confirmed,
     latest_restorable,
 )
@@ -150,7 +151,7 @@ class StateLoader:
             if self.coord.rank == 0:
                 # Which step is the latest is the records' answer, not a catalog's copy
                 manifests, chosen = latest_confirmed(self.storage, manifests)
-                manifests, chosen, passed = self._latest_checked(manifests, chosen)
+                manifests, chosen, passed = latest_checked(self.storage, manifests, chosen)
                 if passed is None and chosen is not None:
                     # What a restore goes around (a quarantine) is said in its stats too (a
                     # break-it finding: only a warning said it, which code cannot see)
@@ -222,62 +223,6 @@ class StateLoader:
             raise error
         done.stats.fallback = why
         return done
-
-    def _latest_checked(
-        self, manifests: ManifestSet, latest: int | None
-    ) -> tuple[ManifestSet, int | None, str | None]:
-        """The latest step, unless restoring it would give committed work up, and what it would
-        give up (None: nothing). Two break-it findings: a job restarted after one commit record
-        was lost restored an older step with a warning and saved its steps again over the ones
-        the record's return would have restored; a rollback whose first record was lost (or
-        whose first save crashed before it) made the latest the timeline it had left."""
-        begun = self._unrecorded_epoch(manifests)
-        # (at the latest step itself, a save of the step just restored, whose crash leaves the
-        # same witness, cannot be told from a rollback's: only a step above is refused)
-        if begun is not None and latest is not None and begun[1] < latest:
-            epoch, at = begun
-            passed = (
-                f"epoch {epoch} began at step {at} ({self.storage.describe(witness_key(epoch))}) "
-                f"and no commit record of it is at {self.storage.uri}: its first save crashed "
-                f"before its commit, or its record (step {at} or later) was lost. Step {latest}, "
-                f"the newest restorable one, is of epoch {manifests[latest].epoch}, above "
-                f"where epoch {epoch} went on from: it is on the timeline that epoch's "
-                "rollback left. Put the lost record back, or restore(step) the step the "
-                f"rollback went on from (below {at})"
-            )
-            every = read_manifests(self.storage)
-            graph = build_graph(every)
-            left = graph.abandoned()
-            older = sorted(
-                (n for n in graph.trainer.values() if n.step < at and n.step not in left),
-                key=lambda n: (n.epoch, n.step),
-                reverse=True,
-            )
-            below = next((n.step for n in older if graph.restorable(n.step)), None)
-            return every, below, passed
-        lost = build_graph(manifests).lost_records(-1 if latest is None else latest)
-        if not lost:
-            return manifests, latest, None
-        passed = (
-            f"steps {steps_text(lost)} at {self.storage.uri} are committed "
-            + ("" if latest is None else f"after step {latest}, the newest restorable one, ")
-            + f"and cannot be restored: {lost[max(lost)]}"
-        )
-        if begun is not None:  # (the record named is then of the timeline a rollback left)
-            passed += (
-                f" (but epoch {begun[0]} began at step {begun[1]} and no commit record of it is "
-                "there: the lost record may be that rollback's, which replaced the one named)"
-            )
-        return manifests, latest, passed
-
-    def _unrecorded_epoch(self, manifests: ManifestSet) -> tuple[int, int] | None:
-        """The newest epoch witnessed and the step it began at (deck.format.epochs), when no
-        commit record of it is among ``manifests`` and its witness says where it began."""
-        epoch = manifests.witness if manifests.witness_listed else newest_witness(self.storage)
-        if epoch is None or any(m.epoch >= epoch for m in manifests.values()):
-            return None
-        at = witnessed_step(self.storage, epoch)
-        return None if at is None else (epoch, at)
 
     def _instead(self, step: int | None) -> str:
         """What a refusal of the latest says the caller can do instead."""

@@ -40,6 +40,7 @@ from deck.read.lineage import (
     chain_bytes,
     cheapest_chain,
     confirmed,
+    latest_checked,
     latest_confirmed,
 )
 from deck.read.restore import apply_chain
@@ -126,6 +127,15 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
             else f"; repair it, or export another step (committed: {steps_text(manifests, step)})"
         )
         raise CorruptCheckpointError(f"{storage.uri}: {skipped}{other}")
+    if step is None:
+        # What a plain restore refuses to take for the latest, an export does not take either
+        # (a break-it finding: it exported an older step with a warning, exit 0)
+        manifests, chosen, passed = latest_checked(storage, manifests, chosen)
+        if passed is not None:
+            instead = f" (step {chosen} is the newest before it)" if chosen is not None else ""
+            raise CorruptCheckpointError(
+                f"{passed}; export a step by number (`deck export --step N`){instead}"
+            )
     if chosen is None:
         raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")
     try:
