@@ -1047,14 +1047,24 @@ def latest_confirmed(storage: Storage, manifests: ManifestSet) -> tuple[Manifest
     return checked, latest_restorable(checked)
 
 
-def latest_checked(
-    storage: Storage, manifests: ManifestSet, latest: int | None
-) -> tuple[ManifestSet, int | None, str | None]:
+@dataclass(frozen=True)
+class LatestCheck:
+    """What :func:`latest_checked` found about taking a step for the latest."""
+
+    manifests: ManifestSet  # the read ``step`` is in
+    step: int | None  # the step to take (None: none)
+    # What taking the latest would give up (then ``step`` is the newest step before it), or
+    # None: a plain restore refuses it, a fallback takes ``step``
+    gives_up: str | None = None
+    # Steps after ``step`` it goes around by the operator's choice (a quarantine), or None
+    goes_around: str | None = None
+
+
+def latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None) -> LatestCheck:
     """Whether taking ``latest`` (the latest restorable step of ``manifests``, as
-    :func:`latest_confirmed` gave it; None: none) for the latest would give committed work up,
-    and what (None: nothing): then the step to take instead, and the manifests it is in. Two
-    break-it findings: a job restarted after one commit record was lost restored an older step
-    with a warning and saved its steps again over the ones the record's return would have
+    :func:`latest_confirmed` gave it; None: none) for the latest would give committed work up.
+    Two break-it findings: a job restarted after one commit record was lost restored an older
+    step with a warning and saved its steps again over the ones the record's return would have
     restored; a rollback whose first record was lost (or whose first save crashed before it)
     made the latest the timeline it had left."""
     begun = _unrecorded_epoch(storage, manifests)
@@ -1062,7 +1072,7 @@ def latest_checked(
     # same witness, cannot be told from a rollback's: only a step above is refused)
     if begun is not None and latest is not None and begun[1] < latest:
         epoch, at = begun
-        passed = (
+        gives_up = (
             f"epoch {epoch} began at step {at} ({storage.describe(witness_key(epoch))}) and no "
             f"commit record of it is at {storage.uri}: its first save crashed before its "
             f"commit, or its record (step {at} or later) was lost. Step {latest}, the newest "
@@ -1078,21 +1088,26 @@ def latest_checked(
             key=lambda n: (n.epoch, n.step),
             reverse=True,
         )
-        return every, next((n.step for n in older if graph.restorable(n.step)), None), passed
-    lost = build_graph(manifests).lost_records(-1 if latest is None else latest)
+        below = next((n.step for n in older if graph.restorable(n.step)), None)
+        return LatestCheck(every, below, gives_up)
+    graph = build_graph(manifests)
+    after = -1 if latest is None else latest
+    lost = graph.lost_records(after)
     if not lost:
-        return manifests, latest, None
-    passed = (
+        gone = graph.unrestorable(after) if latest is not None else {}
+        around = f"passed by steps {steps_text(gone)}: {gone[max(gone)]}" if gone else None
+        return LatestCheck(manifests, latest, goes_around=around)
+    gives_up = (
         f"steps {steps_text(lost)} at {storage.uri} are committed "
         + ("" if latest is None else f"after step {latest}, the newest restorable one, ")
         + f"and cannot be restored: {lost[max(lost)]}"
     )
     if begun is not None:  # (the record named is then of the timeline a rollback left)
-        passed += (
+        gives_up += (
             f" (but epoch {begun[0]} began at step {begun[1]} and no commit record of it is "
             "there: the lost record may be that rollback's, which replaced the one named)"
         )
-    return manifests, latest, passed
+    return LatestCheck(manifests, latest, gives_up)
 
 
 def _unrecorded_epoch(storage: Storage, manifests: ManifestSet) -> tuple[int, int] | None:

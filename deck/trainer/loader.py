@@ -49,7 +49,6 @@ from deck.read.catalog import (
 )
 from deck.read.lineage import (
     best_valid_chain,
-    build_graph,
     chain_for,
     confirmed,
     latest_checked,
@@ -144,31 +143,31 @@ class StateLoader:
         # The newest part of a long history where that answers (deck.read.window), else every
         # record: the same step and chain either way.
         manifests = read_window(self.storage, step) or read_manifests(self.storage)
-        passed: str | None = None  # (rank 0) what the latest passes by that it must not
-        around: str | None = None  # (rank 0) what it goes around (quarantined)
+        passed: str | None = None  # (rank 0) what the latest gives up, or goes around
         if step is None:
             chosen = None
+            gives_up = None
             if self.coord.rank == 0:
                 # Which step is the latest is the records' answer, not a catalog's copy
                 manifests, chosen = latest_confirmed(self.storage, manifests)
-                manifests, chosen, passed = latest_checked(self.storage, manifests, chosen)
-                if passed is None and chosen is not None:
-                    # What a restore goes around (a quarantine) is said in its stats too (a
-                    # break-it finding: only a warning said it, which code cannot see)
-                    gone = build_graph(manifests).unrestorable(chosen)
-                    if gone:
-                        around = f"passed by steps {steps_text(gone)}: {gone[max(gone)]}"
-            refused = passed is not None and not allow_fallback
+                check = latest_checked(self.storage, manifests, chosen)
+                manifests, chosen, gives_up = check.manifests, check.step, check.gives_up
+                # (what it goes around, a quarantine, is said in its stats too: a break-it
+                # finding, only a warning said it, which code cannot see)
+                passed = gives_up or check.goes_around
+            refused = gives_up is not None and not allow_fallback
             chosen_all = self.coord.broadcast_int(
                 _REFUSED if refused else -1 if chosen is None else chosen
             )
             if chosen_all == _REFUSED:
                 self.coord.agree_on_failure(
-                    CorruptCheckpointError(f"{passed}{self._instead(chosen)}") if refused else None,
+                    CorruptCheckpointError(f"{gives_up}{self._instead(chosen)}")
+                    if refused
+                    else None,
                     "restore",
                 )
-            if passed is not None and chosen is not None:
-                logger.warning("deck: %s; restoring step %d", passed, chosen)
+            if gives_up is not None and chosen is not None:
+                logger.warning("deck: %s; restoring step %d", gives_up, chosen)
             target = None if chosen_all < 0 else chosen_all
             if target is not None and target not in manifests:
                 manifests = read_manifests(self.storage)
@@ -191,8 +190,8 @@ class StateLoader:
             return None
         done, error, recoverable = self._agreed(manifests, target)
         if done is not None:
-            if passed is not None or around is not None:
-                done.stats.fallback = passed or around
+            if passed is not None:
+                done.stats.fallback = passed
             if skipped:
                 logger.warning(
                     "deck: restored step %d, passing newer steps by: %s", target, skipped

@@ -130,11 +130,12 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
     if step is None:
         # What a plain restore refuses to take for the latest, an export does not take either
         # (a break-it finding: it exported an older step with a warning, exit 0)
-        manifests, chosen, passed = latest_checked(storage, manifests, chosen)
-        if passed is not None:
-            instead = f" (step {chosen} is the newest before it)" if chosen is not None else ""
+        check = latest_checked(storage, manifests, chosen)
+        if check.gives_up is not None:
+            newest = check.step
+            instead = f" (step {newest} is the newest before it)" if newest is not None else ""
             raise CorruptCheckpointError(
-                f"{passed}; export a step by number (`deck export --step N`){instead}"
+                f"{check.gives_up}; export a step by number (`deck export --step N`){instead}"
             )
     if chosen is None:
         raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")
