@@ -299,7 +299,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     be read. ``--quarantine`` also records each damaged checkpoint, so restores and the merger
     avoid it: only damage that reads back a second time, never a read error."""
     from deck.read.catalog import manifest_keys, quarantine, read_manifests
-    from deck.read.lineage import build_graph
+    from deck.read.lineage import build_graph, latest_checked
     from deck.read.verify import (
         confirmed_damage,
         full_tables,
@@ -368,6 +368,15 @@ def cmd_verify(a: argparse.Namespace) -> int:
     for s, why in broken.items():
         print(f"step {s}: not restorable\n  BAD {why}")
     bad += len(broken)
+    if a.all or a.step is None:
+        # A latest step a plain restore refuses though every record checks out: a rollback's
+        # epoch witnessed with no record (a break-it finding: verify passed while restore
+        # refused, after a record from before the rollback was put back)
+        latest = graph.latest(log=False)
+        check = latest_checked(storage, manifests, latest)
+        if check.gives_up is not None and not graph.lost_records(-1 if latest is None else latest):
+            print(f"latest step {latest}: a plain restore refuses it\n  BAD {check.gives_up}")
+            bad += 1
     print(
         f"verified {len(targets) + len(damaged)} checkpoint(s) in {time.perf_counter() - t0:.1f} s; "
         f"{bad} with problems"

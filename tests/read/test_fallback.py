@@ -21,6 +21,7 @@ from deck.demo import (
     train_step,
     train_with_checkpoints,
 )
+from deck.cli import main as deck_cli
 from deck.errors import CorruptCheckpointError
 from deck.ops.export import StepState
 from deck.ops.retention import RetentionPolicy, collect_garbage
@@ -189,9 +190,11 @@ def _rollback_job(rank: int, world_size: int, root: str) -> None:
     said = str(info.value)
     assert "epoch 1 began at step 6" in said and "Step 8" in said, said
     assert "allow_fallback=True) restores step 4" in said, said
-    # An export of the latest refuses it too (it exported an older step, exit 0)
+    # An export of the latest refuses it too (it exported an older step, exit 0), and verify
+    # says so (it passed)
     with pytest.raises(CorruptCheckpointError, match=r"epoch 1 began at step 6.*--step N"):
         StepState(open_storage(uri))
+    assert deck_cli(["verify", uri, "--all"]) == 1
     got, (stats, state) = _restore(config, None, allow_fallback=True)
     assert got == 4 and not diff_states(live[4], state)
     assert stats.fallback and "epoch 1 began at step 6" in stats.fallback, stats.fallback
