@@ -709,17 +709,25 @@ class LineageGraph:
             parent = self.trainer_at(node.start)
             if parent is None:
                 other = self.trainer.get(node.start[0])
+                lost = other is None and node.start[0] not in self.damaged
                 return (
                     f"step {step} cannot be restored: its chain needs checkpoint {node.start[1]} at "
                     f"step {node.start[0]} (for delta {node.step}), which is "
                     + (
                         f"unreadable ({self.damaged[node.start[0]]})"
-                        if other is None and node.start[0] in self.damaged
+                        if other is None and not lost
                         else f"missing{_LOST_RECORD.format(folder=step_dir(node.start[0]))}"
-                        if other is None
+                        if lost
                         else "from another timeline"
                     )
-                    + "; restore an older step or take a new full checkpoint"
+                    # (a lost record's return restores it: an older step trained on from
+                    # saves over it, which is said, not advised)
+                    + (
+                        "; else restore an older step (training on from it saves the steps "
+                        "after it again)"
+                        if lost
+                        else "; restore an older step or take a new full checkpoint"
+                    )
                 ), (node.start[0] if other is None else None)
             node = parent
         return f"step {step} cannot be restored: no full checkpoint starts its chain", None

@@ -921,6 +921,7 @@ def commit(
         fence()
     if witnesses is not None:
         witnesses.before_commit(epoch, step)  # (once per epoch: this thread, not the stall)
+    failpoint("commit.after_witness")
     put_record(storage, f"{root}/{MANIFEST}", ckpt_id, dump_model(manifest))
     failpoint("commit.after_manifest")
     return manifest

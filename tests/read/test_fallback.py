@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import deck
+from deck.cli import main as deck_cli
 from deck.demo import (
     ModelSpec,
     TrainState,
@@ -21,7 +22,6 @@ from deck.demo import (
     train_step,
     train_with_checkpoints,
 )
-from deck.cli import main as deck_cli
 from deck.errors import CorruptCheckpointError
 from deck.ops.export import StepState
 from deck.ops.retention import RetentionPolicy, collect_garbage

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import deck
 from deck import failpoints
 from deck.demo import ModelSpec, build_model, train_step
+from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
 from deck.storage import open_storage
 from deck.testing.dist_harness import run_ranks
@@ -95,3 +96,57 @@ def test_a_restart_on_fewer_ranks_drops_a_part_it_cannot_finish_at_once(
     # Why, said as it is (a break-it finding: "not in this job or never staged theirs", of a
     # part rank 1 had staged whole)
     assert "rank(s) [1] are not in this job of 1" in capfd.readouterr().err
+
+
+def _staged(uri: str, spool: str) -> deck.DeckConfig:
+    return deck.DeckConfig(
+        uri=uri,
+        delta_every_steps=2,
+        staging=deck.StagingConfig(release="first_tier", spool_dir=spool, tiers="cpu-ssd-remote"),
+    )
+
+
+def _history(rank: int, world_size: int, uri: str, spool: str) -> None:
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], _staged(uri, spool)) as ck:
+        for step in range(0, 9):
+            if step:
+                train_step(model, opt, SPEC, step)
+            ck.step(step)
+        assert ck.flush()
+
+
+def _rollback_killed_at_its_first_record(rank: int, world_size: int, uri: str, spool: str) -> None:
+    failpoints.configure("commit.after_witness:1")  # (this process's first commit: step 6)
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], _staged(uri, spool)) as ck:
+        assert ck.restore(4) == 4
+        for step in (5, 6):
+            train_step(model, opt, SPEC, 100 + step)
+            ck.step(step)
+        ck.flush()
+
+
+def _restarted(rank: int, world_size: int, uri: str, spool: str) -> None:
+    model, opt = build_model(SPEC)
+    with deck.enable(model, [opt], _staged(uri, spool)) as ck:
+        assert [s.step for s in ck.recovered] == [6], ck.recovered
+        assert ck.restore() == 6
+
+
+def test_gc_keeps_a_rollbacks_first_save_killed_after_its_witness(tmp_path: Path) -> None:
+    """A break-it finding: a rollback (restore(4) under steps up to 8) killed after its epoch
+    witness and before the record of its first save (a full of step 6, over the old timeline's
+    record of step 6): GC deleted that save's files as an attempt no record references, and the
+    restart, which commits it from the spool otherwise, refused the latest (step 8, of the
+    timeline the rollback left). GC keeps a witnessed epoch's attempts from where it began."""
+    uri, spool = str(tmp_path / "ck"), str(tmp_path / "spool")
+    run_ranks(_history, uri, spool, world_size=1)
+    with pytest.raises(mp.ProcessExitedException):
+        run_ranks(_rollback_killed_at_its_first_record, uri, spool, world_size=1)
+    attempts = [p for p in (Path(uri) / "step-000000000006").iterdir() if p.is_dir()]
+    assert len(attempts) == 2, attempts  # the old timeline's and the rollback's
+    report = collect_garbage(open_storage(uri), RetentionPolicy(grace_s=0), whole=True)
+    assert not report.orphans, report.orphans
+    assert all(p.is_dir() for p in attempts)
+    run_ranks(_restarted, uri, spool, world_size=1)

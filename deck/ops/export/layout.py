@@ -134,8 +134,10 @@ def _chain_of(storage: Storage, step: int | None) -> tuple[int, list[CheckpointM
         if check.gives_up is not None:
             newest = check.step
             instead = f" (step {newest} is the newest before it)" if newest is not None else ""
+            # (no quarantine is advised: nothing may be damaged, a record is missing)
             raise CorruptCheckpointError(
-                f"{check.gives_up}; export a step by number (`deck export --step N`){instead}"
+                f"{check.gives_up}; export a step by number (`deck export --step N`){instead}; "
+                f"`deck verify {storage.uri} --all` reports every step it found so"
             )
     if chosen is None:
         raise CheckpointNotFoundError(f"no restorable step at {storage.uri}")

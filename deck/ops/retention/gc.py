@@ -674,15 +674,14 @@ class _Collector:
         """Delete files no committed record references, each group only once every file in it
         is older than the grace period (its writer may still be running). A failure is
         recorded in the report, not raised, and the other groups go on."""
-        latest_step = min(
-            max((m.step for m in self.manifests.values()), default=-1), self._unrecorded_from()
-        )
+        unrecorded = self._unrecorded_from()
+        latest_step = min(max((m.step for m in self.manifests.values()), default=-1), unrecorded)
         for prefix, keys in sorted(self.by_prefix.items()):
             try:
                 if prefix.startswith(f"{MERGED_ROOT}/"):
                     self._merged_orphans(prefix, keys)
                 elif (step := parse_step_dir(prefix)) is not None:
-                    self._step_orphans(prefix, keys, step, latest_step)
+                    self._step_orphans(prefix, keys, step, latest_step, unrecorded)
                 elif prefix == QUARANTINE_ROOT:
                     self._quarantine_orphans(keys)
             except (DeckError, OSError) as e:
@@ -727,7 +726,9 @@ class _Collector:
             why = "partition records / attempt files no record references"
             self._orphan_files(prefix, stale, why, m)
 
-    def _step_orphans(self, prefix: str, keys: list[str], step: int, latest_step: float) -> None:
+    def _step_orphans(
+        self, prefix: str, keys: list[str], step: int, latest_step: float, unrecorded: float
+    ) -> None:
         """A step folder's attempt folders that its committed record does not name, or all of
         them when the step is uncommitted and a later step is committed."""
         m = self.manifests.get(step)
@@ -780,6 +781,12 @@ class _Collector:
                 continue
             if m is None and step >= latest_step and not deleting:
                 continue  # may be a checkpoint still being uploaded: keep it
+            if m is not None and step >= unrecorded and not deleting:
+                # A save of the epoch no record holds yet, over an older timeline's record:
+                # its restart commits it from the spool, or its record was lost (a break-it
+                # finding: a rollback's first save, killed before its record, was deleted as
+                # an attempt no record references, and the restart refused the latest)
+                continue
             if m is not None and not deleting and self._young(m.id):
                 # The step was saved again lately (a rollback's newer timeline): a restore
                 # started before may be reading the attempt its record replaced
