@@ -493,7 +493,13 @@ class LineageGraph:
     def _log_skipped(self, skipped: list[int]) -> None:
         """One warning for the steps :meth:`latest` went past (newest first): the newest one's
         reason, and how many more there were (one damaged full can leave thousands)."""
-        why = self._why_not(skipped[0], frozenset())
+        try:
+            why = self._why_not(skipped[0], frozenset())
+        except OutsideWindow:  # (a window's answer: the latest is known, the reason is below)
+            why = (
+                f"step {skipped[0]} has no complete chain (`deck verify {self.uri or 'URI'} "
+                "--all` says why)"
+            )
         if len(skipped) == 1:
             logger.warning("skipping step %d: %s", skipped[0], why)
         else:
@@ -1069,6 +1075,15 @@ class LatestCheck:
 
 
 def latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None) -> LatestCheck:
+    """:func:`_latest_checked`; where a window read cannot say why a step has no chain (its
+    reason lies below the window), of every record."""
+    try:
+        return _latest_checked(storage, manifests, latest)
+    except OutsideWindow:
+        return _latest_checked(storage, read_manifests(storage), latest)
+
+
+def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None) -> LatestCheck:
     """Whether taking ``latest`` (the latest restorable step of ``manifests``, as
     :func:`latest_confirmed` gave it; None: none) for the latest would give committed work up.
     Two break-it findings: a job restarted after one commit record was lost restored an older
