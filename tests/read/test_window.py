@@ -107,3 +107,25 @@ def test_a_forged_catalog_costs_a_read_never_another_chain(
         checked = confirmed(storage, got, target, latest=step is None)
         assert latest_restorable(checked) == latest
         assert [m.id for m in chain_for(confirmed(storage, checked, latest), latest)] == want
+
+
+def test_a_window_whose_newest_step_is_quarantined_names_it_without_reading_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by ``make fuzz-ops OPS_EXAMPLES=300 FUZZ_SEED=2086196343``: a window whose newest
+    step restores no more (its checkpoint quarantined) answered the latest, then raised
+    OutsideWindow from the warning about the step it passed (the reason needs every record)."""
+    monkeypatch.setattr(deck.read.indexed, "SEGMENT_STEPS", 8)
+    sim = LineageSim(world_size=1, seed=5)
+    sim.save("full")
+    for _ in range(1, 120):
+        sim.train()
+        last = sim.save("full" if sim.step % 50 == 0 else "delta")
+    sim.quarantine(last.id)
+    storage = LocalStorage(str(tmp_path / "uri"))
+    sim.write(storage, durable=False)
+    sim.write_log(storage, 10)
+    truth = read_manifests(storage, manifest_keys(storage))
+    got = read_window(storage)
+    assert got is not None and got.window is not None
+    assert latest_restorable(got) == latest_restorable(truth) == sim.step - 1
