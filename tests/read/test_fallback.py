@@ -160,7 +160,6 @@ def _rollback_job(rank: int, world_size: int, root: str) -> None:
     config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
     model, opt = build_model(SPEC)
     user = TrainState()
-    live = {}
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
         live = train_with_checkpoints(ck, model, opt, SPEC, user, 8)
     folder = Path(uri) / "step-000000000006"
