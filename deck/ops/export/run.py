@@ -95,7 +95,10 @@ def writing_out_dir(out_dir: str) -> Iterator[str]:
     work = os.path.join(out_dir, PARTIAL)
     if os.path.lexists(work):
         logger.warning("deck: removing %s, what an export killed before it finished left", work)
-        shutil.rmtree(work)
+        if os.path.isdir(work) and not os.path.islink(work):
+            shutil.rmtree(work)
+        else:  # (not deck's: a file or link by that name is removed, never followed)
+            os.unlink(work)
     os.makedirs(work)
     try:
         yield work
