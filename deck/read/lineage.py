@@ -448,9 +448,14 @@ class LineageGraph:
         timeline left (:meth:`abandoned`), each with what its chain lacks: damage. A rollback's
         abandoned steps are left out (the steps it saved again make the old ones after them
         unrestorable by design)."""
+        return {s: why for s, (why, _) in self.gaps(above).items()}
+
+    def gaps(self, above: int = -1) -> dict[int, tuple[str, int | None]]:
+        """:meth:`unrestorable`, each with the step whose record its chain lacks (None: the
+        link missing is an unusable checkpoint, or no full starts the chain)."""
         left = self.abandoned()
         return {
-            s: self._why_not(s, frozenset())
+            s: self._gap(s, frozenset())
             for s in sorted(self.trainer)
             if s > above and s not in left and not self.restorable(s)
         }
@@ -467,12 +472,13 @@ class LineageGraph:
             self._abandoned = abandoned_steps(self.trainer)
         return self._abandoned
 
-    def latest(self, log: bool = True) -> int | None:
+    def latest(self, log: bool = True, below: int | None = None) -> int | None:
         """The newest trainer checkpoint (highest epoch, then step) with a complete chain that
         no newer timeline left (:meth:`abandoned`: a break-it finding, a rollback's new
         timeline made unrestorable by a lost record sent the latest back onto the timeline the
         rollback had left, through a merger full of it); checkpoints skipped on the way are
-        logged with the reason (unless not ``log``: a caller that reports them itself)."""
+        logged with the reason (unless not ``log``: a caller that reports them itself).
+        ``below``: the newest such checkpoint of a step below it."""
         horizon = self.window.horizon if self.window is not None else None
         skipped: list[int] = []
         left = self.abandoned()
@@ -480,7 +486,7 @@ class LineageGraph:
             for n in sorted(self.trainer.values(), key=lambda n: (n.epoch, n.step), reverse=True):
                 if horizon is not None and (n.epoch, n.step) < horizon:
                     raise OutsideWindow(horizon[1])  # a newer one may be among those not read
-                if n.step in left:
+                if n.step in left or (below is not None and n.step >= below):
                     continue
                 if self._chain_ids(n.step, frozenset()) is not None:
                     return n.step
@@ -682,12 +688,7 @@ class LineageGraph:
         step after ``above`` (missing or unreadable; not a quarantined checkpoint, which
         restores go around by the operator's choice): a restore of step ``above`` or older
         would give them up, where putting the record back restores them all."""
-        lost = {}
-        for s in self.unrestorable(above):
-            why, gap = self._gap(s, frozenset())
-            if gap is not None and gap > above:
-                lost[s] = why
-        return lost
+        return _lost(self.gaps(above), above)
 
     def _gap(self, step: int, exclude: frozenset[str]) -> tuple[str, int | None]:
         """:meth:`_why_not`, and the step whose record the chain lacks (None: the link that is
@@ -1072,6 +1073,7 @@ class LatestCheck:
     gives_up: str | None = None
     # Steps after ``step`` it goes around by the operator's choice (a quarantine), or None
     goes_around: str | None = None
+    lost: bool = False  # whether what it gives up is steps whose chain lacks a record
 
 
 def latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None) -> LatestCheck:
@@ -1090,35 +1092,29 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
     step with a warning and saved its steps again over the ones the record's return would have
     restored; a rollback whose first record was lost (or whose first save crashed before it)
     made the latest the timeline it had left."""
-    begun = _unrecorded_epoch(storage, manifests)
+    witnessed = manifests.witness if manifests.witness_listed else newest_witness(storage)
+    begun = unrecorded_epoch(storage, witnessed, manifests.values())
+    at = None if begun is None else begun[1]
     # (at the latest step itself, a save of the step just restored, whose crash leaves the
     # same witness, cannot be told from a rollback's: only a step above is refused)
-    if begun is not None and latest is not None and begun[1] < latest:
-        epoch, at = begun
+    if begun is not None and at is not None and latest is not None and at < latest:
         gives_up = (
-            f"epoch {epoch} began at step {at} ({storage.describe(witness_key(epoch))}) and no "
-            f"commit record of it is at {storage.uri}: its first save crashed before its "
+            f"epoch {begun[0]} began at step {at} ({storage.describe(witness_key(begun[0]))}) "
+            f"and no commit record of it is at {storage.uri}: its first save crashed before its "
             f"commit, or its record (step {at} or later) was lost. Step {latest}, the newest "
-            f"restorable one, is of epoch {manifests[latest].epoch}, above where epoch {epoch} "
-            "went on from: it is on the timeline that epoch's rollback left. Put the lost "
-            f"record back, or take the step the rollback went on from (below {at})"
+            f"restorable one, is of epoch {manifests[latest].epoch}, above where epoch "
+            f"{begun[0]} went on from: it is on the timeline that epoch's rollback left. Put the "
+            f"lost record back, or take the step the rollback went on from (below {at})"
         )
         every = read_manifests(storage)
-        graph = build_graph(every)
-        left = graph.abandoned()
-        older = sorted(
-            (n for n in graph.trainer.values() if n.step < at and n.step not in left),
-            key=lambda n: (n.epoch, n.step),
-            reverse=True,
-        )
-        below = next((n.step for n in older if graph.restorable(n.step)), None)
-        return LatestCheck(every, below, gives_up)
+        return LatestCheck(every, build_graph(every).latest(log=False, below=at), gives_up)
     graph = build_graph(manifests)
     after = -1 if latest is None else latest
-    lost = graph.lost_records(after)
+    gaps = graph.gaps(after)
+    lost = _lost(gaps, after)
     if not lost:
-        gone = graph.unrestorable(after) if latest is not None else {}
-        around = f"passed by steps {steps_text(gone)}: {gone[max(gone)]}" if gone else None
+        gone = gaps if latest is not None else {}
+        around = f"passed by steps {steps_text(gone)}: {gone[max(gone)][0]}" if gone else None
         return LatestCheck(manifests, latest, goes_around=around)
     gives_up = (
         f"steps {steps_text(lost)} at {storage.uri} are committed "
@@ -1127,20 +1123,28 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
     )
     if begun is not None:  # (the record named is then of the timeline a rollback left)
         gives_up += (
-            f" (but epoch {begun[0]} began at step {begun[1]} and no commit record of it is "
-            "there: the lost record may be that rollback's, which replaced the one named)"
+            f" (but epoch {begun[0]} began at step {at} and no commit record of it is there: "
+            "the lost record may be that rollback's, which replaced the one named)"
         )
-    return LatestCheck(manifests, latest, gives_up)
+    return LatestCheck(manifests, latest, gives_up, lost=True)
 
 
-def _unrecorded_epoch(storage: Storage, manifests: ManifestSet) -> tuple[int, int] | None:
-    """The newest epoch witnessed and the step it began at (deck.format.epochs), when no
-    commit record of it is among ``manifests`` and its witness says where it began."""
-    epoch = manifests.witness if manifests.witness_listed else newest_witness(storage)
-    if epoch is None or any(m.epoch >= epoch for m in manifests.values()):
+def _lost(gaps: Mapping[int, tuple[str, int | None]], above: int) -> dict[int, str]:
+    """Of :meth:`LineageGraph.gaps` after ``above``, the steps whose chain lacks the record of
+    a step after ``above``, with why."""
+    return {s: why for s, (why, gap) in gaps.items() if gap is not None and gap > above}
+
+
+def unrecorded_epoch(
+    storage: Storage, witnessed: int | None, records: Iterable[CheckpointManifest]
+) -> tuple[int, int | None] | None:
+    """Epoch ``witnessed`` (the newest one witnessed at ``storage``; None: none) and the step
+    its witness says it began at (None: it does not say), when no commit record of it is among
+    the trainer ``records``: its first save crashed before its record, or the record was lost
+    (deck.format.epochs). One read of the witness, only then."""
+    if witnessed is None or any(m.epoch >= witnessed for m in records):
         return None
-    at = witnessed_step(storage, epoch)
-    return None if at is None else (epoch, at)
+    return witnessed, witnessed_step(storage, witnessed)
 
 
 def confirmed(

@@ -26,7 +26,6 @@ from deck.format.epochs import (
     EPOCH_ROOT,
     witness_body,
     witness_key,
-    witnessed_step,
     witnesses_in,
 )
 from deck.format.manifest import (
@@ -58,7 +57,7 @@ from deck.read.catalog import (
     refresh_catalog,
     repair_catalog,
 )
-from deck.read.lineage import LineageNode, PathLink, build_graph, keep_chain
+from deck.read.lineage import LineageNode, PathLink, build_graph, keep_chain, unrecorded_epoch
 from deck.read.verify import check_files, verify_checkpoint
 from deck.storage import Storage
 from deck.storage.base import MAX_RECORD_BYTES, get_bounded
@@ -818,11 +817,12 @@ class _Collector:
         break-it finding: a rollback's first full whose record was lost was deleted as "older
         than a committed later step", a step of the timeline the rollback had left."""
         witnessed = witnesses_in(self.keys)
-        newest = max((m.epoch for m in self.manifests.values()), default=-1)
-        if not witnessed or witnessed[-1] <= newest:
+        begun = unrecorded_epoch(
+            self.storage, witnessed[-1] if witnessed else None, self.manifests.values()
+        )
+        if begun is None:
             return float("inf")
-        step = witnessed_step(self.storage, witnessed[-1])
-        return 0 if step is None else step  # (unknown: every attempt is kept)
+        return 0 if begun[1] is None else begun[1]  # (unknown: every attempt is kept)
 
     def _young(self, cid: str) -> bool:
         """Whether checkpoint ``cid`` was committed within the grace period (or when is not
