@@ -70,7 +70,7 @@ from deck.ops.retention import view as view_module
 from deck.ops.retention.gc import collect_garbage
 from deck.ops.retention.plan import RetentionPolicy, grace_protected
 from deck.read.catalog import read_manifests
-from deck.read.lineage import build_graph, cheapest_chain, latest_restorable
+from deck.read.lineage import build_graph, cheapest_chain, latest_checked, latest_restorable
 from deck.read.window import read_window
 from deck.storage import LocalStorage, Storage, open_storage
 from deck.storage.wrapper import StorageWrapper
@@ -267,6 +267,9 @@ def measure(
         assert got is not None  # (a short history: one segment, read whole)
         latest = latest_restorable(got)
         assert latest is not None
+        # (what the restore checks before taking it: nothing newer given up)
+        check = latest_checked(storage, got, latest)
+        assert check.gives_up is None and check.step == latest, check.gives_up
         return [m.id for m in cheapest_chain(build_graph(got), latest)]
 
     out["w_total"], w_chain = _median_s(windowed, a.repeats)
@@ -564,7 +567,10 @@ ROWS = [
     ("i_total", "planning the restore of the latest step, through the catalog"),
     ("i_read", "- `read_manifests` through the catalog"),
     ("i_requests", "storage requests to read through the catalog"),
-    ("w_total", "planning the restore of the latest step, from the newest segments"),
+    (
+        "w_total",
+        "planning the restore of the latest step, from the newest segments (and the check of what it passes by)",
+    ),
     ("w_requests", "storage requests of that plan"),
     ("w_records", "records it read (the newest segments back to the full its chain needs)"),
     ("ls_total", "`deck ls` (default view: newest steps, fulls of the newest segments)"),

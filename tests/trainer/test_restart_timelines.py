@@ -17,9 +17,12 @@ import torch.multiprocessing as mp
 import deck
 from deck import failpoints
 from deck.demo import ModelSpec, build_model, train_step
+from deck.errors import StorageError
+from deck.format.epochs import EPOCH_ROOT
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
 from deck.storage import open_storage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -146,7 +149,25 @@ def test_gc_keeps_a_rollbacks_first_save_killed_after_its_witness(tmp_path: Path
         run_ranks(_rollback_killed_at_its_first_record, uri, spool, world_size=1)
     attempts = [p for p in (Path(uri) / "step-000000000006").iterdir() if p.is_dir()]
     assert len(attempts) == 2, attempts  # the old timeline's and the rollback's
+    # A witness that cannot be read now is not a witness that is gone: every attempt is kept,
+    # and the run says why.
+    report = collect_garbage(
+        _WitnessUnreadable(open_storage(uri)), RetentionPolicy(grace_s=0), whole=True
+    )
+    assert not report.orphans, report.orphans
+    assert any("uncommitted attempts kept" in e and "epochs" in e for e in report.errors), (
+        report.errors
+    )
     report = collect_garbage(open_storage(uri), RetentionPolicy(grace_s=0), whole=True)
     assert not report.orphans, report.orphans
     assert all(p.is_dir() for p in attempts)
     run_ranks(_restarted, uri, spool, world_size=1)
+
+
+class _WitnessUnreadable(StorageWrapper):
+    """The store, with every read of an epoch witness failing (a transient error)."""
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        if path.startswith(f"{EPOCH_ROOT}/"):
+            raise StorageError(f"{self.describe(path)}: read failed (injected)")
+        return self.inner.get(path, start, end)

@@ -817,9 +817,14 @@ class _Collector:
         break-it finding: a rollback's first full whose record was lost was deleted as "older
         than a committed later step", a step of the timeline the rollback had left."""
         witnessed = witnesses_in(self.keys)
-        begun = unrecorded_epoch(
-            self.storage, witnessed[-1] if witnessed else None, self.manifests.values()
-        )
+        try:
+            begun = unrecorded_epoch(
+                self.storage, witnessed[-1] if witnessed else None, self.manifests.values()
+            )
+        except DeckError as e:  # (a witness that cannot be read now: every attempt is kept)
+            self.report.errors.append(f"{e} (uncommitted attempts kept)")
+            return 0
+
         if begun is None:
             return float("inf")
         return 0 if begun[1] is None else begun[1]  # (unknown: every attempt is kept)
