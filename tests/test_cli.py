@@ -785,6 +785,32 @@ def test_ls_says_which_steps_a_rollback_left_and_which_are_broken(tmp_path: Path
     assert r.returncode == 1 and "step(s) [4]" in r.stderr, r.stderr
 
 
+def test_ls_names_the_lost_record_a_broken_step_needs(tmp_path: Path) -> None:
+    """A break-it finding: the attempt whose commit record was lost was listed as ``pending``,
+    like a save in progress, with nothing to say that the broken steps after it need its
+    record back. Its row says so (in every view), and ``ls`` exits 1."""
+    from deck.testing.synth import SynthTrainer
+
+    uri = tmp_path / "lost"
+    tr = SynthTrainer(open_storage(str(uri)))
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    (uri / "step-000000000002" / "manifest.json").unlink()
+    for view in ([], ["--all"]):
+        r = _deck("ls", str(uri), "--json", *view)
+        assert r.returncode == 1, r.stderr
+        rows = {row["step"]: row for row in json.loads(r.stdout)}
+        assert rows[2]["state"] == "pending", rows[2]
+        assert "step-000000000002/manifest.json is lost" in rows[2]["problem"], rows[2]
+        assert "step(s) [3] build on it" in rows[2]["problem"], rows[2]
+        assert rows[3]["state"] == rows[4]["state"] == "broken", rows
+        assert rows[1].get("problem") is None, rows[1]
+    r = _deck("ls", str(uri))
+    assert "manifest.json is lost" in r.stdout and "without its commit record" in r.stderr, r
+
+
 def test_ls_notes_the_restorable_steps_of_a_timeline_a_rollback_left(tmp_path: Path) -> None:
     """A break-it finding: after a rollback, a full of the old timeline after the rollback's
     step (and the deltas on it) still restore as themselves and were listed as committed

@@ -127,8 +127,8 @@ def _ls(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(
             f"deck ls: step(s) {broken} cannot be restored: a "
-            f"checkpoint their chain needs is gone or quarantined (`deck verify {a.uri} --all` "
-            "names it)",
+            f"checkpoint their chain needs is gone, quarantined or without its commit record "
+            f"(`deck verify {a.uri} --all` names it)",
             file=sys.stderr,
         )
     damaged = [r for r in rows if r.state == "damaged"]

@@ -147,9 +147,31 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
             for r in _left_merged_abandoned(graph, rows)
         ]
         rows.extend(_unreadable_rows(manifests, keys))
-        rows.extend(_pending_rows(storage, keys))
+        rows.extend(_built_on(graph, _pending_rows(storage, keys)))
         rows.sort(key=_row_order)
     return graph, rows
+
+
+def _built_on(graph: LineageGraph, pending: list[Row]) -> list[Row]:
+    """``pending`` rows, those a committed checkpoint applies on saying that their commit
+    record is lost: not a save in progress (a break-it finding: listed as pending, nothing
+    said which record to put back for the ``broken`` steps after it)."""
+    users: dict[str, list[int]] = {}
+    for n in graph.nodes.values():
+        if n.start is not None:
+            users.setdefault(n.start[1], []).append(n.step)
+    return [
+        replace(
+            r,
+            problem=(
+                f"its commit record {r.folder.split('/')[0]}/{MANIFEST} is lost: committed "
+                f"step(s) {steps_text(users[r.id])} build on it; put it back from a backup"
+            ),
+        )
+        if r.id in users
+        else r
+        for r in pending
+    ]
 
 
 def _left_merged_abandoned(graph: LineageGraph, rows: list[Row]) -> list[Row]:
@@ -269,7 +291,7 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     committed = {parse_step_dir(k.partition("/")[0]) for k in listed if k.endswith(MANIFEST)}
     if committed - set(got) - set(got.damaged):
         return None  # a record the catalog does not hold (written without the log)
-    rows.extend(_pending_rows(storage, listed))
+    rows.extend(_built_on(graph, _pending_rows(storage, listed)))
     rows.sort(key=_row_order)
     older = sum(r.count for r in unread) + len(graph.nodes) - len(nodes)
     return RecentRows(graph, rows, floor, older)
