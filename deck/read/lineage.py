@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import heapq
 import logging
+import re
 import weakref
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from deck.format.commit_log import key_step
+from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError, StorageError
+from deck.format.commit_log import LOG_ROOT, key_step, listed_seqs, read_log_entry
 from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key, witnessed_step
 from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
@@ -1112,6 +1113,15 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
     after = -1 if latest is None else latest
     gaps = graph.gaps(after)
     lost = _lost(gaps, after)
+    if not lost and (unrecorded := _announced_unrecorded(storage, manifests, latest)):
+        step, why = unrecorded
+        gives_up = (
+            f"step {step} at {storage.uri} "
+            + ("" if latest is None else f"(after step {latest}, the newest restorable one) ")
+            + f"{why}: its record was lost (put it back from a backup), or the save was killed "
+            "between the two"
+        )
+        return LatestCheck(manifests, latest, gives_up)
     if not lost:
         gone = gaps if latest is not None else {}
         around = f"passed by steps {steps_text(gone)}: {gone[max(gone)][0]}" if gone else None
@@ -1127,6 +1137,58 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
             "the lost record may be that rollback's, which replaced the one named)"
         )
     return LatestCheck(manifests, latest, gives_up, lost=True)
+
+
+def _announced_unrecorded(
+    storage: Storage, manifests: ManifestSet, latest: int | None
+) -> tuple[int, str] | None:
+    """The newest trainer step after ``latest`` whose commit record the commit log announced
+    after ``latest``'s own (a timeline a rollback left announced its records before), with the
+    rank parts of that checkpoint at the URI and no record there now; with what was found.
+    A break-it finding: the newest step's record lost, nothing builds on it, and a restore took
+    the step before it without a word (training on saved the lost step again). The log is read
+    from its newest entry back to ``latest``'s commit, at most :data:`LOG_LOOKBACK` entries;
+    None where the store keeps no log."""
+    own = None if latest is None else (f"{step_dir(latest)}/{MANIFEST}", manifests[latest].id)
+    dropped: set[tuple[str, str]] = set()  # (key, id) abandoned or deleted later
+    announced: dict[int, str] = {}
+    for seq in reversed(listed_seqs(storage, LOG_ROOT)[-LOG_LOOKBACK:]):
+        try:
+            hints = read_log_entry(storage, seq)[0].hints
+        except NotFoundError:  # (pruned since it was listed: older than any catalog)
+            break
+        for hint in reversed(hints):
+            if (hint.key, hint.id) == own and hint.op == "commit":
+                return _with_parts(storage, announced)
+            if hint.op != "commit":
+                dropped.add((hint.key, hint.id))
+                continue
+            step = None if hint.key.startswith(f"{MERGED_ROOT}/") else key_step(hint.key)
+            held = step in manifests or step in manifests.damaged  # (damage is refused as such)
+            if step is not None and not held and (hint.key, hint.id) not in dropped:
+                announced.setdefault(step, hint.id)
+    return _with_parts(storage, announced)
+
+
+# Log entries a restore of the latest step reads back, at most, for records announced after it
+LOG_LOOKBACK = 256
+
+
+def _with_parts(storage: Storage, announced: Mapping[int, str]) -> tuple[int, str] | None:
+    """Of ``announced`` (step -> checkpoint id), the newest whose rank parts are at the URI."""
+    for step in sorted(announced, reverse=True):
+        folder = f"{step_dir(step)}/{announced[step]}/"
+        parts = [k for k in storage.list(folder) if _RANK_PART.fullmatch(k[len(folder) :])]
+        if parts:
+            return step, (
+                f"has the rank parts of checkpoint {announced[step]} "
+                f"({storage.describe(parts[0])}, ...) and the commit log announced its commit "
+                f"record, but {storage.describe(f'{step_dir(step)}/{MANIFEST}')} is not there"
+            )
+    return None
+
+
+_RANK_PART = re.compile(r"rank-[0-9]{5}\.json")
 
 
 def _lost(gaps: Mapping[int, tuple[str, int | None]], above: int) -> dict[int, str]:

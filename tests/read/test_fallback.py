@@ -209,3 +209,55 @@ def test_a_rollback_whose_first_record_is_lost_is_not_undone(tmp_path: Path) -> 
     lost its commit record, GC deleted that full's files, and putting back the record a backup
     from before the rollback held made a plain restore resume the timeline the rollback left."""
     run_ranks(_rollback_job, str(tmp_path), world_size=1)
+
+
+def _newest_record_lost_job(rank: int, world_size: int, root: str) -> None:
+    uri = f"{root}/ck"
+    config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
+    model, opt = build_model(SPEC)
+    user = TrainState()
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        live = train_with_checkpoints(ck, model, opt, SPEC, user, 8)
+    record = Path(uri) / "step-000000000008" / "manifest.json"
+    kept = record.read_bytes()
+    record.unlink()  # the newest step's record lost: nothing builds on it
+
+    with pytest.raises(CorruptCheckpointError) as info:
+        _restore(config, None)
+    said = str(info.value)
+    assert "step 8" in said and "after step 6" in said, said
+    assert "commit log announced" in said and "step-000000000008/manifest.json" in said, said
+    assert "allow_fallback=True) restores step 6" in said, said
+    with pytest.raises(CorruptCheckpointError, match=r"step 8 .*--step N"):
+        StepState(open_storage(uri))
+    assert deck_cli(["verify", uri]) == 1
+    got, (stats, state) = _restore(config, None, allow_fallback=True)
+    assert got == 6 and not diff_states(live[6], state)
+    assert stats.fallback and "step 8" in stats.fallback, stats.fallback
+
+    record.write_bytes(kept)  # put back: step 8 restores, and nothing is said
+    got, (stats, state) = _restore(config, None)
+    assert got == 8 and not diff_states(live[8], state) and not stats.fallback
+    assert deck_cli(["verify", uri]) == 0
+
+    # Lost again, then a rollback to step 4 saves step 6 again on a new timeline: step 8's
+    # parts are older than the latest's record, of the timeline left, and nothing is refused
+    record.unlink()
+    model, opt = build_model(SPEC)
+    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
+        assert ck.restore(4) == 4
+        for step in (5, 6):
+            train_step(model, opt, SPEC, step)
+            user.step = step
+            ck.step(step)
+        assert ck.flush()
+    got, (stats, _) = _restore(config, None)
+    assert got == 6 and not stats.fallback
+
+
+def test_the_newest_steps_lost_record_is_not_passed_by(tmp_path: Path) -> None:
+    """A break-it finding: with the newest step's commit record lost (nothing builds on it),
+    a plain restore took the step before it without a word, and training on saved the lost
+    step again. The commit log announced that record: a plain restore, an export of the latest
+    and ``deck verify`` refuse it, naming the record, until it is put back."""
+    run_ranks(_newest_record_lost_job, str(tmp_path), world_size=1)
