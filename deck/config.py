@@ -291,13 +291,14 @@ class StagingConfig(Settings):
         "2 GiB full ran 30-90% slower for seconds); off: copy in the stall. Copied in the "
         "stall anyway (logged) with release=first_tier or bundle_bytes; tables "
         "off the CPU and quantised states are copied in the stall. Your own writes to "
-        "embedding rows outside a step's lookup (a max-norm clamp, re-initialised rows) must "
-        "wait for the copy (flush() or wait_for(step)) or use off: until then they reach the "
-        "checkpoint just taken. Such writes are not tracked either: name them with "
-        "mark_rows(table, ids), or take a full checkpoint after them (save('full')), else a "
-        "delta restores the rows they changed that no lookup touched since as they were "
-        "before. (model.load_state_dict of sharded tables is handled: it waits for the copy "
-        "of their rows and its rows go into the next delta.)",
+        "embedding rows outside a step's lookup (a max-norm clamp, re-initialised rows) are "
+        "not tracked: name them with mark_rows(table, ids) before writing them (it copies "
+        "what the checkpoint just taken still needs of those rows first; called after, the "
+        "write may reach that checkpoint unless it was copied: flush() or wait_for(step)), "
+        "or take a full checkpoint after them (save('full')), else a delta restores the rows "
+        "they changed that no lookup touched since as they were before. "
+        "(model.load_state_dict of sharded tables is handled: it waits for the copy of their "
+        "rows and its rows go into the next delta.)",
     )
 
     mode: Literal["threads", "process"] = Field(

@@ -569,19 +569,28 @@ class DeltaCheckpointer:
 
     def mark_rows(self, table: str, rows: torch.Tensor | list[int]) -> int:
         """Record that rows ``rows`` (global row ids) of embedding table ``table`` (its
-        weight's ``model.state_dict()`` key) were changed outside a step's lookup -- a max-norm
+        weight's ``model.state_dict()`` key) are changed outside a step's lookup -- a max-norm
         clamp, re-initialised rows --, so that the next checkpoints of each chain hold them:
-        deltas hold only what lookups touched. Local, not collective: each rank records the
-        rows its shards of the table hold and returns how many (call it on every rank with
-        the ids it changed, or on all with the same ids). With copy-on-write, write the rows
-        once the checkpoint before is copied (``flush()`` or ``wait_for(step)``). An unknown
-        table or an id outside it is a :class:`ConfigError`."""
+        deltas hold only what lookups touched. Call it *before* writing them: a checkpoint just
+        taken whose copy-on-write copy is still pending copies those rows first, so it keeps
+        its step's values (called after the write, that checkpoint may hold the new values
+        unless it was copied already: ``flush()`` or ``wait_for(step)``). Local, not
+        collective: each rank records the rows its shards of the table hold and returns how
+        many (call it on every rank with the ids it changes, or on all with the same ids; a
+        data_parallel table is saved whole at every checkpoint: 0). An unknown table or an id
+        outside it is a :class:`ConfigError`."""
         self._check_open("mark_rows")
         if self._table_shapes is None:  # (a state_dict of the model: once, not per call)
             self._table_shapes = self.adapter.table_shapes()
         shapes = self._table_shapes
         if table not in shapes:
-            raise ConfigError(f"mark_rows: no embedding table {table!r}; tables: {sorted(shapes)}")
+            if table in self.adapter.replicated_tables():
+                return 0  # (data_parallel: saved whole with the dense state, nothing to mark)
+            near = [k for k in shapes if k.endswith(f".{table}.weight")]
+            hint = f"did you mean {near[0]!r}?" if near else f"tables: {sorted(shapes)}"
+            raise ConfigError(
+                f"mark_rows: no embedding table {table!r} (its weight's state_dict key); {hint}"
+            )
         ids = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()
         size = shapes[table][0]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size):
@@ -591,7 +600,10 @@ class DeltaCheckpointer:
         for s in (s for s in self.adapter.table_shards() if s.table == table):
             mine = ids[(ids >= s.row_offset) & (ids < s.row_offset + s.rows)]
             if mine.numel():
-                self.tracker.record(mine - s.row_offset + s.track_base)
+                positions = mine - s.row_offset + s.track_base
+                if self.tracker.guarding:  # (a break-it finding: the write reached that copy)
+                    self.tracker.guard(positions)
+                self.tracker.record(positions)
                 marked += int(mine.numel())
         return marked
 

@@ -69,6 +69,8 @@ def _train_and_verify(
             if ckpt.step(step) is not None:
                 captured[step] = capture_state(model, dense_opt, user)
         kinds = [(h.step, h.kind) for h in ckpt.history]
+        for key in ckpt.adapter.replicated_tables():  # (saved whole: nothing to mark)
+            assert ckpt.mark_rows(key, [0]) == 0  # (a break-it finding: "no embedding table")
         # The wait for chunk buffers is part of the stall (the slowest rank's of each).
         assert all(0 <= h.buffer_wait_s <= h.stall_s for h in ckpt.history), ckpt.history
     assert kinds == [(0, "full")] + [(s, "delta") for s in range(EVERY, STEPS + 1, EVERY)], kinds

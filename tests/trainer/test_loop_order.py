@@ -9,6 +9,7 @@ Real 2-rank TorchRec DMP models over gloo, real files."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from deck.demo import (
 )
 from deck.errors import CheckpointError, ConfigError
 from deck.testing.dist_harness import run_ranks
+from deck.trainer import cow
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=2, rows=400, dim=8, batch=32, sharding="table_wise")
@@ -208,31 +210,42 @@ def _rows_written_outside_a_lookup(rank: int, world_size: int, root: str) -> Non
     user = TrainState()
     live = {}
     key = next(k for k in model.state_dict() if k.endswith(".weight") and "t0" in k)
+    gate = threading.Event()
     with deck.enable(model, [opt], config, state=user) as ckpt:
         for step in range(0, 5):
             if step:
                 train_step(model, opt, SPEC, step)
             user.step = step
             if step == 3:
-                assert ckpt.flush()
-                # A max-norm clamp of some rows, outside any lookup: every 7th row halved
+                # A max-norm clamp of some rows, outside any lookup: every 7th row halved, while
+                # the copy of step 2's delta is still pending (its test hook holds it back):
+                # marked before the write, step 2 keeps its values (a break-it finding: the
+                # write reached the checkpoint just taken)
                 ids = torch.arange(0, SPEC.rows, 7)
+                marked = ckpt.mark_rows(key, ids)
                 with torch.no_grad():
                     for shard in model.state_dict()[key].local_shards():
                         first = shard.metadata.shard_offsets[0]
                         mine = ids[(ids >= first) & (ids < first + shard.tensor.shape[0])]
                         shard.tensor[mine - first] *= 0.5
-                marked = ckpt.mark_rows(key, ids)
+                gate.set()
+                cow.FILL_GATE = None
                 held = sum(s.tensor.shape[0] for s in model.state_dict()[key].local_shards())
                 assert marked == (len(ids) if held else 0), (marked, held)
                 with pytest.raises(ConfigError, match="no embedding table 'nope'"):
                     ckpt.mark_rows("nope", [0])
+                with pytest.raises(ConfigError, match=f"did you mean '{key}'"):
+                    ckpt.mark_rows("t0", [0])  # (a break-it finding: a table's short name)
                 with pytest.raises(ConfigError, match="row ids of"):
                     ckpt.mark_rows(key, [SPEC.rows])
             live[step] = capture_state(model, opt, user, full=True)
+            if step == 2:
+                cow.FILL_GATE = gate
             ckpt.step(step)
+            if step == 2:
+                assert ckpt.history[-1].copied_after > 0, ckpt.history[-1]
         assert ckpt.flush()
-    _restores_bitwise(config, live, (4,))
+    _restores_bitwise(config, live, (2, 4))
 
 
 def test_rows_written_outside_a_lookup_and_marked_restore_bitwise(tmp_path: Path) -> None:
