@@ -797,6 +797,16 @@ def test_ls_names_the_lost_record_a_broken_step_needs(tmp_path: Path) -> None:
     for _ in range(4):
         tr.train()
         tr.save()
+    newest = uri / "step-000000000004" / "manifest.json"
+    kept = newest.read_bytes()
+    newest.unlink()  # the newest step's: nothing builds on it, the commit log announced it
+    for view in ([], ["--all"]):
+        r = _deck("ls", str(uri), "--json", *view)
+        assert r.returncode == 1, r.stderr
+        row = {row["step"]: row for row in json.loads(r.stdout)}[4]
+        assert row["state"] == "pending" and "commit log announced" in row["problem"], row
+        assert "step-000000000004/manifest.json is lost" in r.stderr, r.stderr
+    newest.write_bytes(kept)
     (uri / "step-000000000002" / "manifest.json").unlink()
     for view in ([], ["--all"]):
         r = _deck("ls", str(uri), "--json", *view)

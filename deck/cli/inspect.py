@@ -90,7 +90,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def _ls(a: argparse.Namespace) -> int:
-    from deck.ops.listing import list_recent_rows, list_rows, tree_lines
+    from deck.ops.listing import LOST_RECORD, list_recent_rows, list_rows, tree_lines
 
     storage = open_existing(a.uri, a.storage_options)
     default = not (a.all or a.json or a.since is not None or a.last is not None)
@@ -131,6 +131,10 @@ def _ls(a: argparse.Namespace) -> int:
             f"(`deck verify {a.uri} --all` names it)",
             file=sys.stderr,
         )
+    lost = [r for r in rows if r.state == "pending" and (r.problem or "").startswith(LOST_RECORD)]
+    if lost and not broken:  # (with broken steps, said above)
+        sys.stdout.flush()
+        print(f"deck ls: {'; '.join(f'step {r.step}: {r.problem}' for r in lost)}", file=sys.stderr)
     damaged = [r for r in rows if r.state == "damaged"]
     if damaged:
         sys.stdout.flush()  # the table first, then the finding about it
@@ -143,7 +147,7 @@ def _ls(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return 1 if broken else 0
+    return 1 if broken or lost else 0
 
 
 def _left_by_a_rollback(rows: list[Any]) -> str | None:

@@ -49,6 +49,7 @@ from deck.read.lineage import (
     LineageNode,
     PathLink,
     StateKey,
+    announced_unrecorded,
     build_graph,
     keep_chain,
 )
@@ -147,31 +148,43 @@ def list_rows(storage: Storage) -> tuple[LineageGraph, list[Row]]:
             for r in _left_merged_abandoned(graph, rows)
         ]
         rows.extend(_unreadable_rows(manifests, keys))
-        rows.extend(_built_on(graph, _pending_rows(storage, keys)))
+        rows.extend(_built_on(storage, manifests, graph, _pending_rows(storage, keys)))
         rows.sort(key=_row_order)
     return graph, rows
 
 
-def _built_on(graph: LineageGraph, pending: list[Row]) -> list[Row]:
-    """``pending`` rows, those a committed checkpoint applies on saying that their commit
-    record is lost: not a save in progress (a break-it finding: listed as pending, nothing
-    said which record to put back for the ``broken`` steps after it)."""
+def _built_on(
+    storage: Storage, manifests: ManifestSet, graph: LineageGraph, pending: list[Row]
+) -> list[Row]:
+    """``pending`` rows, those whose commit record is lost saying so (:data:`LOST_RECORD`):
+    a committed checkpoint applies on it, or the commit log announced its record after the
+    latest step's (:func:`announced_unrecorded`). Not a save in progress (break-it findings:
+    listed as pending, nothing said which record to put back)."""
     users: dict[str, list[int]] = {}
     for n in graph.nodes.values():
         if n.start is not None:
             users.setdefault(n.start[1], []).append(n.step)
-    return [
-        replace(
-            r,
-            problem=(
-                f"its commit record {r.folder.split('/')[0]}/{MANIFEST} is lost: committed "
-                f"step(s) {steps_text(users[r.id])} build on it; put it back from a backup"
-            ),
-        )
-        if r.id in users
-        else r
-        for r in pending
-    ]
+    newest = (
+        announced_unrecorded(storage, manifests, graph.latest(log=False))
+        if any(r.id not in users for r in pending)
+        else None
+    )
+    out = []
+    for r in pending:
+        record = f"{r.folder.split('/')[0]}/{MANIFEST}"
+        if r.id in users:
+            why = f"committed step(s) {steps_text(users[r.id])} build on it; put it back from a backup"
+        elif newest is not None and newest.id == r.id:
+            why = "the commit log announced it (or its save was killed right then); put it back"
+        else:
+            out.append(r)
+            continue
+        out.append(replace(r, problem=f"{LOST_RECORD} {record} is lost: {why}"))
+    return out
+
+
+# How a pending row whose commit record is lost begins its problem
+LOST_RECORD = "its commit record"
 
 
 def _left_merged_abandoned(graph: LineageGraph, rows: list[Row]) -> list[Row]:
@@ -291,7 +304,7 @@ def list_recent_rows(storage: Storage, steps: int) -> RecentRows | None:
     committed = {parse_step_dir(k.partition("/")[0]) for k in listed if k.endswith(MANIFEST)}
     if committed - set(got) - set(got.damaged):
         return None  # a record the catalog does not hold (written without the log)
-    rows.extend(_built_on(graph, _pending_rows(storage, listed)))
+    rows.extend(_built_on(storage, got, graph, _pending_rows(storage, listed)))
     rows.sort(key=_row_order)
     older = sum(r.count for r in unread) + len(graph.nodes) - len(nodes)
     return RecentRows(graph, rows, floor, older)

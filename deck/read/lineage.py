@@ -1113,13 +1113,11 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
     after = -1 if latest is None else latest
     gaps = graph.gaps(after)
     lost = _lost(gaps, after)
-    if not lost and (unrecorded := _announced_unrecorded(storage, manifests, latest)):
-        step, why = unrecorded
+    if not lost and (unrecorded := announced_unrecorded(storage, manifests, latest)):
         gives_up = (
-            f"step {step} at {storage.uri} "
+            f"step {unrecorded.step} at {storage.uri} "
             + ("" if latest is None else f"(after step {latest}, the newest restorable one) ")
-            + f"{why}: its record was lost (put it back from a backup), or the save was killed "
-            "between the two"
+            + unrecorded.why
         )
         return LatestCheck(manifests, latest, gives_up)
     if not lost:
@@ -1139,9 +1137,19 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
     return LatestCheck(manifests, latest, gives_up, lost=True)
 
 
-def _announced_unrecorded(
+@dataclass(frozen=True)
+class Unrecorded:
+    """A trainer checkpoint whose commit record the commit log announced, with its rank parts
+    at the URI and no record there (:func:`announced_unrecorded`)."""
+
+    step: int
+    id: str
+    why: str  # what was found, and what to do
+
+
+def announced_unrecorded(
     storage: Storage, manifests: ManifestSet, latest: int | None
-) -> tuple[int, str] | None:
+) -> Unrecorded | None:
     """The newest trainer step after ``latest`` whose commit record the commit log announced
     after ``latest``'s own (a timeline a rollback left announced its records before), with the
     rank parts of that checkpoint at the URI and no record there now; with what was found.
@@ -1160,8 +1168,9 @@ def _announced_unrecorded(
         for hint in reversed(hints):
             if (hint.key, hint.id) == own and hint.op == "commit":
                 return _with_parts(storage, announced)
-            if hint.op != "commit":
+            if hint.op in ("delete", "abandon"):  # (a reread says nothing of a commit)
                 dropped.add((hint.key, hint.id))
+            if hint.op != "commit":
                 continue
             step = None if hint.key.startswith(f"{MERGED_ROOT}/") else key_step(hint.key)
             held = step in manifests or step in manifests.damaged  # (damage is refused as such)
@@ -1174,16 +1183,19 @@ def _announced_unrecorded(
 LOG_LOOKBACK = 256
 
 
-def _with_parts(storage: Storage, announced: Mapping[int, str]) -> tuple[int, str] | None:
+def _with_parts(storage: Storage, announced: Mapping[int, str]) -> Unrecorded | None:
     """Of ``announced`` (step -> checkpoint id), the newest whose rank parts are at the URI."""
     for step in sorted(announced, reverse=True):
         folder = f"{step_dir(step)}/{announced[step]}/"
         parts = [k for k in storage.list(folder) if _RANK_PART.fullmatch(k[len(folder) :])]
         if parts:
-            return step, (
+            return Unrecorded(
+                step,
+                announced[step],
                 f"has the rank parts of checkpoint {announced[step]} "
                 f"({storage.describe(parts[0])}, ...) and the commit log announced its commit "
-                f"record, but {storage.describe(f'{step_dir(step)}/{MANIFEST}')} is not there"
+                f"record, but {storage.describe(f'{step_dir(step)}/{MANIFEST}')} is not there: "
+                "it was lost (put it back from a backup), or the save was killed between the two",
             )
     return None
 

@@ -54,6 +54,7 @@ from deck.read.lineage import (
     build_graph,
     chain_bytes,
     cheapest_chain,
+    latest_checked,
     latest_confirmed,
 )
 from deck.read.restore import apply_chain
@@ -126,6 +127,7 @@ class Follower:
         self._last: ManifestSet | None = None  # the last read (maybe of the newest records)
         self._whole: ManifestSet | None = None  # the last read of every record: the next one
         # goes on from it
+        self._said_gives_up: set[str] = set()  # what the latest check gave up, said once
         # A publisher with DeckConfig.publish.quantize writes quantised weights: materialising
         # them (dequantised) must be asked for, and the output then says so (state.json).
         self.allow_quantized = allow_quantized
@@ -186,6 +188,13 @@ class Follower:
         # serve, as a restore of the latest does (a log whose newest entries are lost must not
         # hide the newest steps: a break-it finding)
         checked, latest = latest_confirmed(self.storage, manifests)
+        # What a plain restore refuses to take for the latest, a follower serves around, saying
+        # so once (a break-it finding: the newest step's lost record, not a word)
+        check = latest_checked(self.storage, checked, latest)
+        if check.gives_up is not None and check.gives_up not in self._said_gives_up:
+            self._said_gives_up.add(check.gives_up)
+            logger.warning("deck follow: %s; serving step %s meanwhile", check.gives_up, check.step)
+        checked, latest = check.manifests, check.step
         if latest is None:
             raise CheckpointNotFoundError(f"no restorable step at {self.storage.uri}")
         graph = build_graph(checked, self.storage.uri)

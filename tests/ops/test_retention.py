@@ -957,3 +957,34 @@ def test_a_step_a_save_seems_to_have_begun_at_keeps_its_chain_too(tmp_path: Path
     report = collect_garbage(storage, policy, whole=True)
     assert len(report.deleted) == 5 and not report.busy, report
     assert sorted(read_manifests(storage)) == [5]
+
+
+def test_a_merger_full_whose_record_is_lost_is_kept_while_steps_need_it(tmp_path: Path) -> None:
+    """A break-it finding (S3 and local): after GC deleted the trainer steps a merger full
+    replaced, that full's commit record was lost, and the next GC deleted its folder as an
+    uncommitted merger folder: the only copy, nothing restorable any more. While committed
+    steps cannot be restored, an uncommitted merger folder at or below them is kept (exit 1,
+    naming its record); the record put back, the newest step restores bitwise."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(7):
+        tr.train()
+        tr.save()
+    want = snapshot(tr.shards)
+    merge_all(storage, MergeConfig(stride=16, full=FullPolicy(every=7, max_live_fraction=None)))
+    bounded = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
+    collect_garbage(storage, bounded)
+    manifests = read_manifests(storage)
+    (full,) = [m for m in manifests.merged.values() if m.kind is Kind.FULL]
+    assert sorted(manifests) == [7], sorted(manifests)  # only the merger full restores 7
+    record = tmp_path / "ck" / full.folder / "manifest.json"
+    kept = record.read_bytes()
+    record.unlink()
+    for policy in (bounded, RetentionPolicy(grace_s=0)):
+        rep = collect_garbage(storage, policy)
+        assert not rep.orphans, rep.orphans
+        assert any(full.folder in f and "record was lost" in why for f, why in rep.kept), rep.kept
+    record.write_bytes(kept)
+    got, step = restore_state(storage, cheapest_chain(build_graph(read_manifests(storage)), 7))
+    assert step == 7 and not same(got, want)

@@ -5,6 +5,7 @@ valid chain, bitwise; a trainer whose last chain was broken takes a new full nex
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -231,6 +232,16 @@ def _newest_record_lost_job(rank: int, world_size: int, root: str) -> None:
     with pytest.raises(CorruptCheckpointError, match=r"step 8 .*--step N"):
         StepState(open_storage(uri))
     assert deck_cli(["verify", uri]) == 1
+    # A follower serves the step before it, saying why (it said nothing)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deck").addHandler(handler)
+    try:
+        assert deck_cli(["follow", uri, "--out", f"{root}/followed", "--once"]) == 0
+    finally:
+        logging.getLogger("deck").removeHandler(handler)
+    assert any("step 8" in m and "serving step 6" in m for m in said), said
     got, (stats, state) = _restore(config, None, allow_fallback=True)
     assert got == 6 and not diff_states(live[6], state)
     assert stats.fallback and "step 8" in stats.fallback, stats.fallback

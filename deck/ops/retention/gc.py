@@ -38,6 +38,7 @@ from deck.format.manifest import (
     load_model,
     parse_merged_dir,
     parse_step_dir,
+    steps_text,
 )
 from deck.ops.retention.clock import CLOCK_DIR, delete_stale_markers, read_store_clock
 from deck.ops.retention.plan import (
@@ -375,6 +376,7 @@ class _Collector:
         self.keys = keys
         self.manifests = view.manifests
         self.graph = build_graph(self.manifests)  # the one graph of the run, never changed
+        self._broken: list[int] | None = None  # (see _broken_steps)
         # checkpoint id -> the committed trainer checkpoints naming it as their parent
         self.children: dict[str, list[CheckpointManifest]] = {}
         for m in self.manifests.values():
@@ -701,6 +703,20 @@ class _Collector:
                 self.report.kept.append((f"{prefix}/", f"commit record unreadable ({problem})"))
             elif f"{prefix}/{MANIFEST}" not in keys:
                 record = f"{prefix}/{MANIFEST}"
+                broken = [s for s in self._broken_steps() if s >= parsed[1]]
+                if broken and marker not in keys:
+                    # (a break-it finding: a merger full whose record was lost, the only copy of
+                    # the steps below it once GC had deleted them, went as "uncommitted")
+                    self.report.kept.append(
+                        (
+                            f"{prefix}/",
+                            f"no commit record ({record}), while committed step(s) "
+                            f"{steps_text(broken)} cannot be restored: if it was committed, its "
+                            "record was lost; put it back from a backup, or delete the folder "
+                            "by hand",
+                        )
+                    )
+                    return
                 self._orphan(
                     prefix + "/",
                     keys,
@@ -834,6 +850,13 @@ class _Collector:
         known)."""
         grace = self.policy.grace_s
         return grace > 0 and not _old_enough([self.committed_at.get(cid)], grace, self.now)
+
+    def _broken_steps(self) -> list[int]:
+        """The committed trainer steps no rollback left that cannot be restored (quarantine
+        marks aside): damage, for which no folder that may hold a lost record goes."""
+        if self._broken is None:
+            self._broken = sorted(self.graph.unmarked().unrestorable())
+        return self._broken
 
     def _staying_children(self, cid: str) -> list[int]:
         """The steps of the committed trainer deltas naming ``cid`` as their parent that this
