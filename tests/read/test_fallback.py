@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import deck
@@ -156,13 +157,22 @@ def test_fallback_and_new_full(tmp_path: Path) -> None:
     run_ranks(_job, str(tmp_path))
 
 
-def _rollback_job(rank: int, world_size: int, root: str) -> None:
+def _eight_steps(
+    root: str,
+) -> tuple[str, deck.DeckConfig, TrainState, dict[int, dict[str, torch.Tensor]]]:
+    """Steps 0..8 of a job checkpointing every 2nd step at ``root``/ck: its URI, config, user
+    state and live states."""
     uri = f"{root}/ck"
     config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
     model, opt = build_model(SPEC)
     user = TrainState()
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
         live = train_with_checkpoints(ck, model, opt, SPEC, user, 8)
+    return uri, config, user, live
+
+
+def _rollback_job(rank: int, world_size: int, root: str) -> None:
+    uri, config, user, live = _eight_steps(root)
     folder = Path(uri) / "step-000000000006"
     old = (folder / "manifest.json").read_bytes()  # a backup taken before the rollback
     model, opt = build_model(SPEC)
@@ -213,12 +223,7 @@ def test_a_rollback_whose_first_record_is_lost_is_not_undone(tmp_path: Path) -> 
 
 
 def _newest_record_lost_job(rank: int, world_size: int, root: str) -> None:
-    uri = f"{root}/ck"
-    config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
-    model, opt = build_model(SPEC)
-    user = TrainState()
-    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
-        live = train_with_checkpoints(ck, model, opt, SPEC, user, 8)
+    uri, config, user, live = _eight_steps(root)
     record = Path(uri) / "step-000000000008" / "manifest.json"
     kept = record.read_bytes()
     record.unlink()  # the newest step's record lost: nothing builds on it
