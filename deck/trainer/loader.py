@@ -31,7 +31,7 @@ from deck.errors import (
     NotFoundError,
 )
 from deck.format.epochs import newest_witness
-from deck.format.manifest import MANIFEST, CheckpointManifest, load_model, steps_text
+from deck.format.manifest import MANIFEST, CheckpointManifest, RankManifest, load_model, steps_text
 from deck.model import (
     ModelAdapter,
     Optimizers,
@@ -380,7 +380,9 @@ class StateLoader:
         )
         moved = moves.tables
         where = f"step {target} at {self.storage.uri}"
-        extra = read_state_file(self.storage, last, rank_part(last_parts, self.coord.rank).extra)
+        own = rank_part(last_parts, self.coord.rank)
+        extra = read_state_file(self.storage, last, own.extra)
+        extra["fused_hyperparameters"] = self._fused_saved(last, last_parts, own, extra)
         # Checked before anything is written: module state that cannot be put back exactly
         # (e.g. managed-collision remappers into another world size) refuses the restore.
         put_module_state = self.adapter.prepare_module_state(
@@ -501,6 +503,26 @@ class StateLoader:
             )
             return
         restore_rng(saved, where)
+
+    def _fused_saved(
+        self,
+        last: CheckpointManifest,
+        parts: list[RankManifest],
+        own: RankManifest,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The saved fused hyperparameters of every table this rank's kernels hold: each rank
+        saved its own tables', so into another world size or plan those of the tables the part
+        this rank reads did not hold come from the other parts (a fuzz finding: they took that
+        part's, another kernel's update rule, and the restore was refused)."""
+        saved: dict[str, Any] = extra.get("fused_hyperparameters") or {}
+        if not saved or not set(self.adapter.fused_hyperparameters()) - set(saved):
+            return saved
+        for part in parts:
+            if part is not own:
+                other = read_state_file(self.storage, last, part.extra)
+                saved = {**(other.get("fused_hyperparameters") or {}), **saved}
+        return saved
 
     def _load_optimizers(self, extra: dict[str, Any], target: int, moved: set[str]) -> None:
         # Rank 0 says what the checkpoint replaces (every rank built the same optimizers: one

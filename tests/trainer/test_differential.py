@@ -295,6 +295,33 @@ PINNED: list[Setup] = [
         restore_at=4,
         warm_start_at=2,
     ),
+    # Found by `make fuzz FUZZ_EXAMPLES=120 FUZZ_SEED=897904621`: saved by 4 ranks, restored into
+    # 1, tables with per-table optimizers (in backward): the tables the part rank 0 reads did not
+    # hold took its kernel's update rule (EXACT_SGD) for their own (ROWWISE_ADAGRAD), refused
+    Setup(
+        tables=(
+            Table(rows=37, feature="f3", sharding="column_wise", in_backward="SGD"),
+            Table(rows=37, feature="f0", fp16=True, in_backward="RowWiseAdagrad"),
+            Table(rows=3, dim=4, feature="f1", in_backward="SGD"),
+            Table(rows=2, dim=4, feature="f1", mean_pooling=True, in_backward="RowWiseAdagrad"),
+        ),
+        world_size=4,
+        fused="in_backward",
+        dense_optimizer="adam",
+        wrapper="warmup",
+        loop="LFBSZ",
+        steps=6,
+        every=2,
+        full_every=4,
+        restore_at=2,
+        more=3,
+        eval_every=2,
+        dropout=True,
+        batch=2,
+        vbe=True,
+        staging_mode="threads",
+        restore_world_size=1,
+    ),
 ]
 
 
