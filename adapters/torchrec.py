@@ -607,8 +607,9 @@ def _saved_for(
     saved: dict[str, dict[str, Any]], keys: list[str]
 ) -> tuple[dict[str, dict[str, Any]], bool]:
     """The distinct saved fused hyperparameter sets of the tables ``keys`` (one fused
-    optimizer's), and whether they are the tables' own: a table the saving rank did not hold
-    (another plan or world size) takes those of every saved table (one, if they agree)."""
+    optimizer's), and whether they are the tables' own. The loader gives those of every saved
+    part where this rank's part lacks some; a table no part holds (a checkpoint of a deck before
+    it saved them per table) takes those of every saved table (one, if they agree)."""
     mine = {repr(saved[k]): saved[k] for k in keys if k in saved}
     return (mine, True) if mine else ({repr(v): v for v in saved.values()}, False)
 

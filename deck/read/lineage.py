@@ -1163,18 +1163,21 @@ def announced_unrecorded(
     for seq in reversed(listed_seqs(storage, LOG_ROOT)[-LOG_LOOKBACK:]):
         try:
             hints = read_log_entry(storage, seq)[0].hints
-        except NotFoundError:  # (pruned since it was listed: older than any catalog)
+        except (NotFoundError, CorruptCheckpointError):
+            # (pruned since it was listed, or damaged: what is older cannot be placed after
+            # the latest's commit; what was read so far is after it. A read error is raised.)
             break
         for hint in reversed(hints):
-            if (hint.key, hint.id) == own and hint.op == "commit":
-                return _with_parts(storage, announced)
+            said = (hint.key, hint.id)
             if hint.op in ("delete", "abandon"):  # (a reread says nothing of a commit)
-                dropped.add((hint.key, hint.id))
-            if hint.op != "commit":
+                dropped.add(said)
+            elif hint.op != "commit" or said in dropped or hint.key.startswith(f"{MERGED_ROOT}/"):
                 continue
-            step = None if hint.key.startswith(f"{MERGED_ROOT}/") else key_step(hint.key)
-            held = step in manifests or step in manifests.damaged  # (damage is refused as such)
-            if step is not None and not held and (hint.key, hint.id) not in dropped:
+            elif said == own:
+                return _with_parts(storage, announced)
+            elif (step := key_step(hint.key)) is not None and not (
+                step in manifests or step in manifests.damaged  # (damage: refused as such)
+            ):
                 announced.setdefault(step, hint.id)
     return _with_parts(storage, announced)
 

@@ -24,12 +24,16 @@ from deck.demo import (
     train_step,
     train_with_checkpoints,
 )
-from deck.errors import CorruptCheckpointError
+from deck.errors import CorruptCheckpointError, StorageError
+from deck.format.commit_log import LOG_ROOT, listed_seqs
 from deck.ops.export import StepState
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
-from deck.storage import open_storage
+from deck.read.lineage import latest_checked
+from deck.storage import LocalStorage, open_storage
+from deck.storage.wrapper import StorageWrapper
 from deck.testing.dist_harness import run_ranks
+from deck.testing.synth import SynthTrainer
 
 pytestmark = pytest.mark.slow
 SPEC = ModelSpec(num_tables=3, rows=600, dim=8, batch=32)
@@ -171,18 +175,24 @@ def _eight_steps(
     return uri, config, user, live
 
 
-def _rollback_job(rank: int, world_size: int, root: str) -> None:
-    uri, config, user, live = _eight_steps(root)
-    folder = Path(uri) / "step-000000000006"
-    old = (folder / "manifest.json").read_bytes()  # a backup taken before the rollback
+def _roll_back_to_4(config: deck.DeckConfig, user: TrainState) -> None:
+    """A rollback: restore step 4 of the eight-step job, train on and save steps 5 and 6 (step
+    6: a full, the new epoch's first save)."""
     model, opt = build_model(SPEC)
     with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
         assert ck.restore(4) == 4
         for step in (5, 6):
             train_step(model, opt, SPEC, step)
             user.step = step
-            ck.step(step)  # step 6: a full, epoch 1
+            ck.step(step)
         assert ck.flush()
+
+
+def _rollback_job(rank: int, world_size: int, root: str) -> None:
+    uri, config, user, live = _eight_steps(root)
+    folder = Path(uri) / "step-000000000006"
+    old = (folder / "manifest.json").read_bytes()  # a backup taken before the rollback
+    _roll_back_to_4(config, user)
     new = (folder / "manifest.json").read_bytes()
     attempt = folder / json.loads(new)["id"]
     (folder / "manifest.json").unlink()  # the rollback's first record is lost
@@ -257,16 +267,9 @@ def _newest_record_lost_job(rank: int, world_size: int, root: str) -> None:
     assert deck_cli(["verify", uri]) == 0
 
     # Lost again, then a rollback to step 4 saves step 6 again on a new timeline: step 8's
-    # parts are older than the latest's record, of the timeline left, and nothing is refused
+    # record was announced before the new step 6's, on the timeline left: nothing is refused
     record.unlink()
-    model, opt = build_model(SPEC)
-    with deck.DeltaCheckpointer(model, [opt], config, state=user) as ck:
-        assert ck.restore(4) == 4
-        for step in (5, 6):
-            train_step(model, opt, SPEC, step)
-            user.step = step
-            ck.step(step)
-        assert ck.flush()
+    _roll_back_to_4(config, user)
     got, (stats, _) = _restore(config, None)
     assert got == 6 and not stats.fallback
 
@@ -277,3 +280,33 @@ def test_the_newest_steps_lost_record_is_not_passed_by(tmp_path: Path) -> None:
     step again. The commit log announced that record: a plain restore, an export of the latest
     and ``deck verify`` refuse it, naming the record, until it is put back."""
     run_ranks(_newest_record_lost_job, str(tmp_path), world_size=1)
+
+
+class _LogUnreadable(StorageWrapper):
+    """The store, with every read of a commit-log entry failing (a transient error)."""
+
+    def get(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        if path.startswith(f"{LOG_ROOT}/"):
+            raise StorageError(f"{self.describe(path)}: read failed (injected)")
+        return self.inner.get(path, start, end)
+
+
+def test_the_announcement_check_over_a_damaged_or_unreadable_log(tmp_path: Path) -> None:
+    """The commit log is an index: a damaged entry stops the look back (what was read after
+    it still counts), never the restore; an entry that cannot be read now is an error of the
+    restore naming it, not an entry that is absent."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    (tmp_path / "ck" / "step-000000000004" / "manifest.json").unlink()
+    manifests = read_manifests(storage)
+    check = latest_checked(storage, manifests, 3)
+    assert check.gives_up is not None and "step 4" in check.gives_up, check
+    seqs = listed_seqs(storage, LOG_ROOT)
+    (tmp_path / "ck" / LOG_ROOT / f"{seqs[-1]:020d}.json").write_bytes(b"damaged")
+    assert latest_checked(storage, manifests, 3).gives_up is None  # (its announcement gone)
+    with pytest.raises(StorageError, match="read failed"):
+        latest_checked(_LogUnreadable(storage), manifests, 3)
