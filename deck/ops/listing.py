@@ -175,7 +175,7 @@ def _built_on(
         if r.id in users:
             why = f"committed step(s) {steps_text(users[r.id])} build on it; put it back from a backup"
         elif newest is not None and newest.id == r.id:
-            why = "the commit log announced it (or its save was killed right then); put it back"
+            why = f"{newest.vouched}; put it back"
         else:
             out.append(r)
             continue

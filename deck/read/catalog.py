@@ -172,6 +172,11 @@ class ManifestSet(dict[int, CheckpointManifest]):
         # (``witness_listed``): what the checks of the latest step and the next epoch take.
         self.witness: int | None = None
         self.witness_listed = False
+        # Trainer records a read through the catalog held that a read of every record then did
+        # not find (deck.read.lineage.confirmed): lost since, or never there (a forged
+        # catalog). What the check of the latest step takes as word of a commit
+        # (deck.read.lineage.announced_unrecorded), never as a checkpoint.
+        self.catalog_only: dict[int, CheckpointManifest] = {}
 
     def all(self) -> list[CheckpointManifest]:
         """Every committed checkpoint, trainer's and merger's."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deck.errors import CheckpointNotFoundError, CorruptCheckpointError, NotFoundError, StorageError
-from deck.format.commit_log import LOG_ROOT, key_step, listed_seqs, read_log_entry
+from deck.format.commit_log import LOG_ROOT, key_step, listed_seqs, log_key, read_log_entry
 from deck.format.epochs import EPOCH_ROOT, newest_witness, witness_key, witnessed_step
 from deck.format.jsonio import paused_gc
 from deck.format.manifest import (
@@ -1139,27 +1139,51 @@ def _latest_checked(storage: Storage, manifests: ManifestSet, latest: int | None
 
 @dataclass(frozen=True)
 class Unrecorded:
-    """A trainer checkpoint whose commit record the commit log announced, with its rank parts
-    at the URI and no record there (:func:`announced_unrecorded`)."""
+    """A trainer checkpoint whose commit record was vouched for, with its rank parts at the
+    URI and no record there (:func:`announced_unrecorded`)."""
 
     step: int
     id: str
+    vouched: str  # who vouched for its record ("the commit log announced it (...)", ...)
     why: str  # what was found, and what to do
 
 
 def announced_unrecorded(
     storage: Storage, manifests: ManifestSet, latest: int | None
 ) -> Unrecorded | None:
-    """The newest trainer step after ``latest`` whose commit record the commit log announced
-    after ``latest``'s own (a timeline a rollback left announced its records before), with the
+    """The newest trainer step after ``latest`` whose commit record was vouched for, with the
     rank parts of that checkpoint at the URI and no record there now; with what was found.
-    A break-it finding: the newest step's record lost, nothing builds on it, and a restore took
-    the step before it without a word (training on saved the lost step again). The log is read
-    from its newest entry back to ``latest``'s commit, at most :data:`LOG_LOOKBACK` entries;
-    None where the store keeps no log."""
+    Vouched for: the commit log announced it after ``latest``'s own commit (a timeline a
+    rollback left announced its records before), a merger checkpoint of ``latest``'s epoch or
+    newer was built on it, or the catalog held it (``manifests.catalog_only``, of that epoch or
+    newer): the log is pruned as catalogs are written, so a record lost after that was only in
+    the catalog. A break-it finding: the newest step's record lost, nothing builds on it, and a
+    restore took the step before it without a word (training on saved the lost step again).
+    The log is read from its newest entry back to ``latest``'s commit, at most
+    :data:`LOG_LOOKBACK` entries."""
+    held = {**manifests.damaged, **manifests}  # (damage: refused as such)
+    vouched: dict[int, tuple[str, str]] = {}  # step -> (checkpoint id, who vouched)
+    for step, (cid, said) in _logged_commits(storage, manifests, latest).items():
+        vouched[step] = (cid, f"the commit log announced it ({said}; or its save was killed then)")
+    epoch = -1 if latest is None else manifests[latest].epoch
+    for m in manifests.merged.values():
+        step, cid = m.state
+        if step > (latest or -1) and step not in held and m.epoch >= epoch:
+            vouched.setdefault(step, (cid, f"merger checkpoint {m.folder} was built on it"))
+    for step, m in manifests.catalog_only.items():
+        if step > (latest or -1) and m.epoch >= epoch:
+            vouched.setdefault(step, (m.id, "the catalog held it"))
+    return _with_parts(storage, vouched)
+
+
+def _logged_commits(
+    storage: Storage, manifests: ManifestSet, latest: int | None
+) -> dict[int, tuple[str, str]]:
+    """Trainer steps without a record in ``manifests`` whose commit the log announced after
+    ``latest``'s own: step -> (checkpoint id, the log entry)."""
     own = None if latest is None else (f"{step_dir(latest)}/{MANIFEST}", manifests[latest].id)
     dropped: set[tuple[str, str]] = set()  # (key, id) abandoned or deleted later
-    announced: dict[int, str] = {}
+    announced: dict[int, tuple[str, str]] = {}
     for seq in reversed(listed_seqs(storage, LOG_ROOT)[-LOG_LOOKBACK:]):
         try:
             hints = read_log_entry(storage, seq)[0].hints
@@ -1174,31 +1198,34 @@ def announced_unrecorded(
             elif hint.op != "commit" or said in dropped or hint.key.startswith(f"{MERGED_ROOT}/"):
                 continue
             elif said == own:
-                return _with_parts(storage, announced)
+                return announced
             elif (step := key_step(hint.key)) is not None and not (
-                step in manifests or step in manifests.damaged  # (damage: refused as such)
+                step in manifests or step in manifests.damaged
             ):
-                announced.setdefault(step, hint.id)
-    return _with_parts(storage, announced)
+                announced.setdefault(step, (hint.id, storage.describe(log_key(seq))))
+    return announced
 
 
 # Log entries a restore of the latest step reads back, at most, for records announced after it
 LOG_LOOKBACK = 256
 
 
-def _with_parts(storage: Storage, announced: Mapping[int, str]) -> Unrecorded | None:
-    """Of ``announced`` (step -> checkpoint id), the newest whose rank parts are at the URI."""
-    for step in sorted(announced, reverse=True):
-        folder = f"{step_dir(step)}/{announced[step]}/"
+def _with_parts(storage: Storage, vouched: Mapping[int, tuple[str, str]]) -> Unrecorded | None:
+    """Of ``vouched`` (step -> (checkpoint id, who vouched for its record)), the newest whose
+    rank parts are at the URI."""
+    for step in sorted(vouched, reverse=True):
+        cid, said = vouched[step]
+        folder = f"{step_dir(step)}/{cid}/"
         parts = [k for k in storage.list(folder) if _RANK_PART.fullmatch(k[len(folder) :])]
         if parts:
+            record = storage.describe(f"{step_dir(step)}/{MANIFEST}")
             return Unrecorded(
                 step,
-                announced[step],
-                f"has the rank parts of checkpoint {announced[step]} "
-                f"({storage.describe(parts[0])}, ...) and the commit log announced its commit "
-                f"record, but {storage.describe(f'{step_dir(step)}/{MANIFEST}')} is not there: "
-                "it was lost (put it back from a backup), or the save was killed between the two",
+                cid,
+                said,
+                f"has the rank parts of checkpoint {cid} ({storage.describe(parts[0])}, ...) "
+                f"and its commit record {record} is not there, but {said}: it was lost (put it "
+                "back from a backup)",
             )
     return None
 
@@ -1385,7 +1412,11 @@ def _read_every_record(
             storage.uri,
             "a restore of the latest step relies on" if step is None else f"of step {step}",
         )
-    return read_manifests(storage, manifest_keys(storage), previous=known)
+    every = read_manifests(storage, manifest_keys(storage), previous=known)
+    every.catalog_only = {
+        s: m for s, m in known.items() if s not in every and s not in every.damaged
+    }
+    return every
 
 
 _disagreed: set[str] = set()

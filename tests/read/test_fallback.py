@@ -26,10 +26,13 @@ from deck.demo import (
 )
 from deck.errors import CorruptCheckpointError, StorageError
 from deck.format.commit_log import LOG_ROOT, listed_seqs
+from deck.merge.policy import FullPolicy, MergeConfig
+from deck.merge.worker import MergeWorker
 from deck.ops.export import StepState
 from deck.ops.retention import RetentionPolicy, collect_garbage
 from deck.read.catalog import read_manifests
-from deck.read.lineage import latest_checked
+from deck.read.indexed import compact
+from deck.read.lineage import latest_checked, latest_confirmed
 from deck.storage import LocalStorage, open_storage
 from deck.storage.wrapper import StorageWrapper
 from deck.testing.dist_harness import run_ranks
@@ -310,3 +313,53 @@ def test_the_announcement_check_over_a_damaged_or_unreadable_log(tmp_path: Path)
     assert latest_checked(storage, manifests, 3).gives_up is None  # (its announcement gone)
     with pytest.raises(StorageError, match="read failed"):
         latest_checked(_LogUnreadable(storage), manifests, 3)
+
+
+def _latest_given_up(storage: LocalStorage) -> str | None:
+    """What a plain restore of the latest step would refuse, as it reads the store."""
+    checked, latest = latest_confirmed(storage, read_manifests(storage))
+    assert latest == 7, latest
+    return latest_checked(storage, checked, latest).gives_up
+
+
+def test_the_newest_lost_record_after_the_log_was_pruned(tmp_path: Path) -> None:
+    """With the newest step's commit log entry pruned (catalogs written after it), its lost
+    record was passed by without a word. A merger checkpoint built on it, or the catalog's
+    copy of it, vouches for it as the log did; a forged catalog naming a checkpoint whose
+    parts are not there refuses nothing."""
+    root = tmp_path / "ck"
+    storage = LocalStorage(root)
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(8):
+        tr.train()
+        tr.save()
+    worker = MergeWorker(storage, MergeConfig(stride=2, full=FullPolicy(max_live_fraction=None)))
+    while worker.run_pass().progressed:  # each pass's commits, then a catalog: the log pruned
+        compact(storage, read_manifests(storage).index, force=True)  # type: ignore[arg-type]
+    assert len(listed_seqs(storage, "_catalog")) == 2 and len(listed_seqs(storage, LOG_ROOT)) < 3
+    record = root / "step-000000000008" / "manifest.json"
+    kept = record.read_bytes()
+    record.unlink()
+
+    said = _latest_given_up(storage)  # (before: None, the latest step 7 taken silently)
+    assert said is not None and "step 8" in said and "merger checkpoint merged/" in said, said
+    assert "step-000000000008/manifest.json is not there" in said, said
+    assert deck_cli(["verify", str(root)]) == 1
+
+    # The merger checkpoints built on step 8 gone too (deleted behind the log's back): the
+    # catalog's copy of its record vouches for it
+    for folder in (root / "merged").glob("*-000000000008-*"):
+        shutil.rmtree(folder)
+    said = _latest_given_up(storage)
+    assert said is not None and "step 8" in said and "the catalog held it" in said, said
+
+    # Its parts gone as well (a catalog naming a checkpoint that is not there: forged, or
+    # deleted whole): nothing to put back, nothing refused
+    parts = root / "step-000000000008" / json.loads(kept)["id"]
+    shutil.move(parts, tmp_path / "parts")
+    assert _latest_given_up(storage) is None
+    shutil.move(tmp_path / "parts", parts)
+    record.write_bytes(kept)  # put back: step 8 is the latest again
+    checked, latest = latest_confirmed(storage, read_manifests(storage))
+    assert latest == 8 and latest_checked(storage, checked, latest).gives_up is None
