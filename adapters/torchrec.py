@@ -397,7 +397,13 @@ class TorchRecAdapter(ModelAdapter):
             items = [(str(i), o) for i, o in enumerate(optimizers)]
         else:
             items = [("0", optimizers)]
-        out = Optimizers()
+        out = Optimizers(
+            sparse_grads=frozenset(
+                id(m.weight)
+                for m in self.model.modules()
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+            )
+        )
         names = {id(p): n for n, p in self.model.named_parameters()}
         # An optimizer reached twice (listed twice, or also inside a combined one) is saved
         # and restored once, under its first name.

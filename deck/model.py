@@ -137,6 +137,10 @@ class Optimizers:
     # not one of the model's): a plain torch optimizer keys its state by position, so a model
     # built with its parameters in another order restores by these names
     param_names: dict[str, list[list[str | None]]] = field(default_factory=dict)
+    # ids of the model's parameters whose gradients are sparse (an ``nn.Embedding(sparse=True)``
+    # weight): a keyed optimizer's state is made by a zero-gradient step before a load, and
+    # theirs must be sparse (``torch.optim.SparseAdam`` refuses a dense one: a break-it finding)
+    sparse_grads: frozenset[int] = frozenset()
 
 
 class RemovableHandle:

@@ -33,6 +33,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deck.errors import CorruptCheckpointError, StorageError
+from deck.failpoints import failpoint
 from deck.format.checksum import checksum
 from deck.format.manifest import (
     FORMAT_VERSION,
@@ -412,6 +413,7 @@ def put_record(
     racing on a store without atomic creates, the last still wins): returns whether this call
     wrote it."""
     append_hints(storage, [Hint(key=key, op="commit", id=ckpt_id)])
+    failpoint("commit.after_hint")  # (announced, not written: a restart's recovery commits it)
     if exclusive:
         return storage.put_if_absent(key, data)
     storage.put(key, data)

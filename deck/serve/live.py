@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -403,8 +404,12 @@ class LiveModel:
         served one or one not restorable (naming the served and kept steps); a refused chain
         raises its error, the served version unchanged. None when ``step`` is served already
         (it is held)."""
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ConfigError(f"rollback(step): a step is an int, got {step!r}")
+        try:  # (an integer of numpy or a 0-d tensor, as a step read from a table is)
+            if isinstance(step, bool):
+                raise TypeError
+            step = operator.index(step)
+        except TypeError:
+            raise ConfigError(f"rollback(step): a step is an int, got {step!r}") from None
         self.gate.refuse_inside("rollback()")
         self._check_open("rollback()")
         with self._delivering(), self._lock:
@@ -418,7 +423,8 @@ class LiveModel:
             if self.version == INITIAL:
                 raise CheckpointNotFoundError(
                     f"rollback to step {step}: no version of {self.source.uri} is served yet "
-                    "(nothing applied: the model serves what it was built with); poll() first"
+                    "(nothing applied: the model serves what it was built with, no steps are "
+                    "kept); poll() first"
                 )
             if step == self.step:
                 self.held = True
@@ -426,7 +432,8 @@ class LiveModel:
             if step > self.step:
                 raise CheckpointNotFoundError(
                     f"rollback to step {step}: the served step is {self.step} of "
-                    f"{self.source.uri}; rollback goes back (resume() goes forward)"
+                    f"{self.source.uri}, the kept steps {kept}; rollback goes back (resume() "
+                    "goes forward)"
                 )
             at = [i for i, r in enumerate(self.history) if r.before[0] == step]
             replaced = self._replaced(self.history[at[-1]].before) if at else None

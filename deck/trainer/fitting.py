@@ -13,7 +13,7 @@ other (:class:`PlanMoves`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,7 @@ def load_optimizer(
     name: str,
     algorithm: str,
     param_names: list[list[str | None]] | None = None,
+    sparse_grads: Container[int] = frozenset(),
 ) -> None:
     """Load a saved :func:`deck.model.optimizer_record` into ``opt`` exactly; one saved by
     another ``algorithm`` than ``opt``'s (a record without one is not checked) raises
@@ -136,7 +137,8 @@ def load_optimizer(
     with the saved values: a parameter that never got a gradient (no state yet) has none after
     the load either, whatever ``opt`` held before. Plain torch optimizers do this themselves;
     a keyed optimizer (TorchRec's ``KeyedOptimizer``, whose strict load copies into existing
-    state of the same parameters) is first given state for exactly the saved parameters.
+    state of the same parameters) is first given state for exactly the saved parameters
+    (``sparse_grads``: ids of the parameters whose gradients are sparse).
     """
     sd = _by_name(opt, saved["state_dict"], saved.get("param_names"), param_names, name)
     saved_class = saved.get("class")
@@ -151,7 +153,10 @@ def load_optimizer(
     params = getattr(opt, "params", None)
     init = getattr(opt, "init_state", None)
     if isinstance(params, Mapping) and init is not None:
-        _match_keyed_state(opt, params, init, set(sd.get("state", {})), name)
+        sparse = {k for k, p in params.items() if id(p) in sparse_grads}
+        _match_keyed_state(
+            opt, params, lambda: init(sparse or None), set(sd.get("state", {})), name
+        )
     try:
         opt.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -245,9 +250,16 @@ def _match_keyed_state(
     state = opt.state
     if any(params[k] not in state for k in saved_keys):
         grads = {k: p.grad for k, p in params.items()}
-        init()
-        for k, p in params.items():
-            p.grad = grads[k]
+        try:
+            init()
+        except RuntimeError as e:  # (a torch optimizer refusing the step's gradients)
+            raise IncompatibleModelError(
+                f"optimizer {name}: its state cannot be made for the load by a zero-gradient "
+                f"step ({e}); build the optimizer the job saved with, over the same modules"
+            ) from None
+        finally:
+            for k, p in params.items():
+                p.grad = grads[k]
         missing = sorted(k for k in saved_keys if params[k] not in state)
         if missing:
             raise IncompatibleModelError(

@@ -555,6 +555,7 @@ class StateLoader:
                     f"{name} ({where})",
                     self.optimizers.classes[name],
                     self.optimizers.param_names.get(name),
+                    self.optimizers.sparse_grads,
                 )
             except IncompatibleModelError as e:
                 if not moved:

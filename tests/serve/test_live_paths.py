@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from live_helpers import bitwise_diff, reference, serving_models, state_diff, until
@@ -628,6 +629,16 @@ def test_rollback_before_any_version_or_to_a_bad_step_says_why(root: str) -> Non
         with pytest.raises(ConfigError, match=r"rollback\(step\): a step is an int"):
             live.rollback(wrong)  # type: ignore[arg-type]
     assert not live.held
+    with pytest.raises(
+        CheckpointNotFoundError, match=rf"the served step is .*kept steps {re.escape(str(kept))}"
+    ):
+        live.rollback(live.step + 1)
+    # An integer of numpy or a 0-d tensor is a step (a break-it finding: refused as no int)
+    back = min(kept)
+    assert live.rollback(torch.tensor(back)) is not None and live.step == back  # type: ignore[arg-type]
+    assert live.rollback(numpy.int64(back)) is None and live.held  # type: ignore[arg-type]
+    live.resume()
+    live.poll()
     with pytest.raises(ConfigError, match="rows_per_s"):
         LiveConfig(rows_per_s=0.5)  # (1e-300 used to be taken, then overflow mid-version)
 

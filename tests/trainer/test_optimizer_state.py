@@ -5,6 +5,7 @@ KeyedOptimizerWrapper, whatever state the optimizer held before the load."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from deck.errors import IncompatibleModelError
 from deck.format import treecodec
 from deck.model import edits_logged_at, optimizer_record
+from deck.testing.dist_harness import run_ranks
 from deck.trainer.fitting import load_optimizer
 
 
@@ -302,3 +304,104 @@ def test_a_plain_optimizer_over_other_parameters_is_refused_naming_them() -> Non
     opt2 = FACTORIES["adam"]([live.a, live.b])
     with pytest.raises(IncompatibleModelError, match=r"saved only: \['b'\].*only: \['c'\]"):
         load_optimizer(opt2, saved, "0", algorithm_class(opt2), [["c", "a"]])
+
+
+class _WithSparseEmbedding(torch.nn.Module):
+    """An EmbeddingBagCollection beside a plain ``nn.Embedding(sparse=True)`` in the dense
+    part (small categorical features), the latter trained by ``SparseAdam``."""
+
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        self.over = torch.nn.Linear(8 + 4, 1)
+
+    def forward(self, kjt: Any, cat: torch.Tensor) -> torch.Tensor:
+        pooled = self.ebc(kjt).to_dict()["f0"]
+        return self.over(torch.cat([pooled, self.emb(cat)], 1)).sum()
+
+
+def _sparse_job(seed: int) -> tuple[Any, list[torch.optim.Optimizer], Any]:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim.keyed import CombinedOptimizer
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=20, feature_names=["f0"])
+        ],
+        device=torch.device("meta"),
+    )
+    model = DistributedModelParallel(_WithSparseEmbedding(ebc), device=torch.device("cpu"))
+    params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    sparse = {k: p for k, p in params.items() if k.endswith("emb.weight")}
+    dense = {k: p for k, p in params.items() if k not in sparse}
+    opts: list[torch.optim.Optimizer] = [
+        CombinedOptimizer(
+            [model.fused_optimizer, KeyedOptimizerWrapper(dense, lambda p: torch.optim.Adam(p))]
+        ),
+        KeyedOptimizerWrapper(sparse, lambda p: torch.optim.SparseAdam(p, lr=0.01)),
+    ]
+
+    def train(step: int) -> float:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 20, (8,), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], ids, torch.full((4,), 2))
+        for o in opts:
+            o.zero_grad()
+        loss = model(kjt, torch.randint(0, 10, (4,), generator=g))
+        loss.backward()
+        for o in opts:
+            o.step()
+        return float(loss.detach())
+
+    return model, opts, train
+
+
+def _sparse_adam_job(rank: int, world_size: int, uri: str) -> None:
+    import deck
+    from deck.demo import capture_state, diff_states
+
+    config = deck.DeckConfig(uri=uri, delta_every_steps=2, lease_ttl_s=None)
+    model, opts, train = _sparse_job(0)
+    with deck.enable(model, opts, config) as ck:
+        ck.step(0)
+        for step in range(1, 5):
+            train(step)
+            ck.step(step)
+        live = [capture_state(model, o, full=True) for o in opts]
+        more = [train(step) for step in (5, 6)]
+    model, opts, train = _sparse_job(1)
+    with deck.enable(model, opts, config) as ck:
+        assert ck.restore() == 4  # (before: SparseAdam's RuntimeError from the state's making)
+        for o, want in zip(opts, live, strict=True):
+            assert not diff_states(want, capture_state(model, o, full=True))
+        assert [train(step) for step in (5, 6)] == more
+
+
+def test_a_keyed_sparse_adam_over_a_sparse_embedding_restores(tmp_path: Path) -> None:
+    """A break-it finding: a ``KeyedOptimizerWrapper`` around ``SparseAdam`` was accepted at
+    ``enable`` and every restore failed with a torch traceback: the keyed optimizer's state is
+    made by a zero-gradient step, which SparseAdam refuses when the gradient is dense. The
+    gradients of ``nn.Embedding(sparse=True)`` weights are made sparse for that step."""
+    run_ranks(_sparse_adam_job, str(tmp_path / "ck"), world_size=1)
+
+
+def test_a_state_the_zero_gradient_step_cannot_make_is_refused_saying_so() -> None:
+    """Where the step that makes a keyed optimizer's state fails (SparseAdam's parameter not
+    known to have sparse gradients), the load raises IncompatibleModelError, not torch's
+    traceback, and leaves the gradients as they were."""
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = KeyedOptimizerWrapper({"emb": emb.weight}, lambda p: torch.optim.SparseAdam(p))
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    saved = _saved(opt)
+    fresh = torch.nn.Embedding(10, 4, sparse=True)
+    opt2 = KeyedOptimizerWrapper({"emb": fresh.weight}, lambda p: torch.optim.SparseAdam(p))
+    with pytest.raises(IncompatibleModelError, match="zero-gradient step"):
+        load_optimizer(opt2, saved, "0", algorithm_class(opt2))
+    assert fresh.weight.grad is None
+    load_optimizer(opt2, saved, "0", algorithm_class(opt2), sparse_grads={id(fresh.weight)})
+    assert _same(_flat(opt.state_dict()), _flat(opt2.state_dict()))
