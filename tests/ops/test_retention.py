@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from deck.errors import ConfigError
 from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
+from deck.ops.retention.gc import GC_DELETING
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_for, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
@@ -825,6 +827,11 @@ def test_a_retirement_waits_for_the_steps_the_grace_period_holds_that_need_it(
         age_commits(storage, 3601)
     assert sorted(read_manifests(storage)) == [12]
     assert check_all_restore(storage, history) == [12]
+    # GC's marker stays in the folder of step 11, deleted under step 12 that builds on it
+    parent = read_manifests(storage)[12].parent_id
+    assert [k for k in storage.list("") if k.endswith(GC_DELETING)] == [
+        f"step-000000000011/{parent}/{GC_DELETING}"
+    ]
 
 
 def test_a_retired_merger_checkpoint_the_merger_builds_again_keeps_its_old_files(
@@ -988,3 +995,39 @@ def test_a_merger_full_whose_record_is_lost_is_kept_while_steps_need_it(tmp_path
     record.write_bytes(kept)
     got, step = restore_state(storage, cheapest_chain(build_graph(read_manifests(storage)), 7))
     assert step == 7 and not same(got, want)
+
+
+def test_steps_broken_by_a_parent_gc_deleted_go_when_the_rules_delete_them(
+    tmp_path: Path,
+) -> None:
+    """A break-it finding (two GC runs at once on S3, `deck merge --follow --gc` beside a
+    `deck gc` loop): one deleted trainer full 0 while its deltas, held by the grace period,
+    stayed, restorable through a merger full the other run retired. Every later run kept the
+    deltas as built on a lost record (exit 1 for ever, "restore step 0 from a backup" of a
+    record GC had deleted). GC leaves its marker in the folder of a parent it deletes under
+    deltas that stay; a step broken only by such a parent is no damage: the rules delete it,
+    then the marker goes."""
+    storage = LocalStorage(tmp_path / "ck")
+    tr = SynthTrainer(storage)
+    tr.save("full")
+    for _ in range(4):
+        tr.train()
+        tr.save()
+    parent = tr.saved[0].id
+    tr.train()
+    tr.save("full")  # step 5
+    tr.train()
+    tr.save()
+    # Where the race leaves it: step 0 deleted by a GC run (its marker kept), 1..4 committed
+    marker = tmp_path / "ck" / "step-000000000000" / parent / GC_DELETING
+    (tmp_path / "ck" / "step-000000000000" / "manifest.json").unlink()
+    shutil.rmtree(marker.parent)
+    marker.parent.mkdir()
+    marker.write_bytes(b"deck gc deletes this checkpoint\n")
+    age_commits(storage, 7200)
+    policy = RetentionPolicy(keep_all_steps=False, keep_last_fulls=1)
+    rep = collect_garbage(storage, policy)
+    assert not rep.kept and not rep.errors, (rep.kept, rep.errors)
+    assert sorted(read_manifests(storage)) == [5, 6]
+    collect_garbage(storage, policy)
+    assert not marker.exists() and not marker.parent.exists()

@@ -383,6 +383,7 @@ class _Collector:
             if m.parent_id is not None:
                 self.children.setdefault(m.parent_id, []).append(m)
         self.by_prefix = _by_prefix(keys)
+        self.tombstones = _tombstones(keys)
         self.committed_at = commit_times(self.graph, self.times)
         self.protected = grace_protected(self.graph, policy, now, self.committed_at)
         self.retire_wait = self._retire_wait()
@@ -463,7 +464,11 @@ class _Collector:
         deletes it too (planning around one, e.g. a delta that could not be read, may move the
         latest step and the window and would otherwise delete what the first plan kept)."""
         plan = plan_lineage(
-            self.graph, self.policy, damaged=self.manifests.damaged, unread_below=self.floor
+            self.graph,
+            self.policy,
+            damaged=self.manifests.damaged,
+            unread_below=self.floor,
+            deleted=self.tombstones,
         )
         doomed = first = self._doomed(plan)
         retained = set(plan.retained_steps)  # every plan's chains stay: see above
@@ -487,6 +492,7 @@ class _Collector:
                 damaged=self.manifests.damaged,
                 unusable=bad,
                 unread_below=self.floor,
+                deleted=self.tombstones,
             )
             doomed = {cid: why for cid, why in self._doomed(plan).items() if cid in first}
             retained |= set(plan.retained_steps)
@@ -587,9 +593,12 @@ class _Collector:
                         self.storage,
                         n,
                         _attempts(n.folder, listed),
-                        # (a parent of a delta that stays too: once uncommitted, it would
-                        # look like a lost record)
-                        mark=n.step >= head or bool(self._staying_children(cid)),
+                        mark=n.step >= head,
+                        # (a parent of a delta that stays: once uncommitted, it would look
+                        # like a lost record, and that delta, broken for good if what else
+                        # it restored through goes (another GC run retiring it, a break-it
+                        # finding), would be kept as damage for ever)
+                        tombstone=bool(self._staying_children(cid)),
                     )
                     failpoint("gc.checkpoint.after_delete")
                 except DeckError as e:
@@ -761,8 +770,22 @@ class _Collector:
         for aid, aks in sorted(attempts.items()):
             if m is not None and aid == m.id:
                 continue  # the committed attempt (kept, or deleted with its record)
-            deleting = f"{prefix}/{aid}/{GC_DELETING}" in aks
+            marker = f"{prefix}/{aid}/{GC_DELETING}"
+            deleting = marker in aks
             staying = self._staying_children(aid)
+            if m is None and staying and deleting:
+                # GC's tombstone of a parent it deleted (what else stays of it: a run stopped
+                # part way)
+                if left := [k for k in aks if k != marker]:
+                    self._orphan(
+                        f"{prefix}/{aid}/",
+                        left,
+                        "a checkpoint a GC run stopped part way was deleting",
+                        partial(self._names, prefix, aid),
+                        Hint(key=f"{prefix}/{MANIFEST}", op="abandon", id=_hint_id(aid)),
+                        aged=[],
+                    )
+                continue
             if m is None and staying and not deleting:
                 # A committed delta that stays builds on it: its record is lost, not never
                 # written (a trainer commits a delta after its parent; GC marks what it
@@ -1056,16 +1079,34 @@ def _attempts(folder: str, keys: list[str]) -> set[str]:
     return {k[len(folder) + 1 :].partition("/")[0] + "/" for k in keys if k.count("/") >= 2}
 
 
+def _tombstones(keys: Iterable[str]) -> frozenset[str]:
+    """The ids of the trainer checkpoints whose attempt folders among ``keys`` hold
+    :data:`GC_DELETING`: deleted by GC (or being deleted by a run that stopped)."""
+    out = set()
+    for k in keys:
+        folder, _, rest = k.partition("/")
+        aid, _, name = rest.partition("/")
+        if name == GC_DELETING and parse_step_dir(folder) is not None:
+            out.add(aid)
+    return frozenset(out)
+
+
 def _newest_first(n: LineageNode) -> tuple[int, bool, int]:
     return (-n.step, n.merged, -n.layer)
 
 
 def _delete_checkpoint(
-    storage: Storage, n: LineageNode, attempts: set[str], *, mark: bool = False
+    storage: Storage,
+    n: LineageNode,
+    attempts: set[str],
+    *,
+    mark: bool = False,
+    tombstone: bool = False,
 ) -> str | None:
     """Uncommit (delete ``manifest.json``), then delete the checkpoint's files; returns why it
     kept the checkpoint instead, or None. ``mark``: a trainer checkpoint's attempt folder first
-    gets :data:`GC_DELETING` (no step above it stays committed).
+    gets :data:`GC_DELETING` (no step above it stays committed); ``tombstone``: and keeps it
+    (committed deltas that stay name it as their parent).
 
     A trainer step folder is shared by every save of that step (a trainer that rolled back saves
     it again), and no store deletes conditionally, so the record is re-checked and kept: the
@@ -1096,11 +1137,17 @@ def _delete_checkpoint(
                 f"a new save of step {n.step} began during this run ({', '.join(sorted(started))}); "
                 "the next run decides"
             )
-        if mark:
+        if mark or tombstone:
             storage.put(f"{n.folder}/{n.id}/{GC_DELETING}", b"deck gc deletes this checkpoint\n")
         # (False: a save of this step committed since the read; its record stays, and this
         # checkpoint, no longer committed, goes)
         storage.delete_if(man, raw)
     failpoint("gc.checkpoint.after_uncommit")
-    storage.delete_prefix(f"{n.folder}/{n.id}/")
+    if tombstone:
+        marker = f"{n.folder}/{n.id}/{GC_DELETING}"
+        for k in storage.list(f"{n.folder}/{n.id}/"):
+            if k != marker:
+                storage.delete(k)
+    else:
+        storage.delete_prefix(f"{n.folder}/{n.id}/")
     return None

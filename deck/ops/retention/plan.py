@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -166,6 +166,7 @@ def plan_lineage(
     damaged: Mapping[int, str] | None = None,
     unusable: Mapping[str, str] | None = None,
     unread_below: int | None = None,
+    deleted: Container[str] = frozenset(),
 ) -> RetentionPlan:
     """Apply ``policy`` to the committed lineage ``graph`` (no grace period: see
     :func:`grace_protected`). Pure: reads nothing, and ``graph`` is unchanged.
@@ -181,7 +182,10 @@ def plan_lineage(
     are planned around like quarantined ones but kept themselves. ``held`` says what either kept
     that the rules alone would delete, and why. ``unread_below``: ``graph`` holds the records
     of the steps at and above it only (GC of the newest steps); one below may be unreadable, so
-    every checkpoint here without a complete chain is kept as for damage.
+    every checkpoint here without a complete chain is kept as for damage. ``deleted``: ids of
+    trainer checkpoints a GC run deleted while committed deltas named them as their parent
+    (their folders keep GC's tombstone): a step whose chain lacks one is not damage (a record
+    to put back), and goes when the rules delete it.
     """
     original = graph
     if unusable:
@@ -230,7 +234,7 @@ def plan_lineage(
     if any(s not in cheapest and s not in left for s in graph.trainer):
         # (only where a step no rollback left has no chain: the walk is not paid by a whole
         # lineage)
-        for i, why in _broken_chain_holds(original, delete).items():
+        for i, why in _broken_chain_holds(original, delete, deleted).items():
             held.setdefault(i, why)
     held.update(
         (i, f"{_problem(p)}; kept, and planned around: `deck verify --quarantine` decides")
@@ -329,7 +333,9 @@ def _damage_holds(
     return holds
 
 
-def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str, str]:
+def _broken_chain_holds(
+    graph: LineageGraph, delete: dict[str, str], deleted: Container[str] = frozenset()
+) -> dict[str, str]:
     """Which of ``delete`` belong to the steps no rollback left whose chain lacks a trainer
     checkpoint no record stands for any more (no commit record at its step at all: lost, not
     replaced by a newer timeline's save), with why: damage, as `deck verify` says, never made
@@ -350,7 +356,9 @@ def _broken_chain_holds(graph: LineageGraph, delete: dict[str, str]) -> dict[str
             n = graph.trainer_at(start)
             if n is None:
                 other = graph.trainer.get(start[0])
-                if other is None or not replaced_by_a_rollback(other.epoch, [child.epoch]):
+                if start[1] in deleted:  # (by GC: nothing to put back)
+                    pass
+                elif other is None or not replaced_by_a_rollback(other.epoch, [child.epoch]):
                     found = start[0]
                 break
             walked.append(n.id)
