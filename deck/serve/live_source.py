@@ -240,7 +240,8 @@ class PublishSource:
             logger.warning(
                 "deck live: %s: step %d builds on a refused checkpoint (the ERROR above): "
                 "the served version stays until a full (or a merger checkpoint) gives a chain "
-                "around it",
+                "around it, where that checkpoint alone was refused (a served model that does "
+                "not fit the published one refuses every step: build it as the trainer did)",
                 self.uri,
                 step,
             )
@@ -313,6 +314,9 @@ class PublishSource:
         a state this URI does not hold: another job's, or a parent missing or quarantined):
         reported once per checkpoint; it is applied if its chain is completed."""
         for step, why in graph.unrestorable(-1 if served is None else served[0]).items():
+            # (what a trainer's restore would do instead is no advice to a serving process)
+            why = why.partition("; else restore an older step")[0]
+            why = why.partition("; restore an older step or take a new full")[0]
             node = graph.trainer[step]
             if node.id in self._said_unrestorable:
                 continue

@@ -1066,3 +1066,19 @@ def test_a_restart_below_the_last_published_full_is_followed_once(tmp_path: Path
     _in_thread(lambda: switched.extend(fresh.poll()))
     assert [s.step for s in switched] == [10] and fresh.poll() == []
     assert not bitwise_diff(fresh_models, reference(f"{root}/pub", 10, SPEC))
+
+
+def test_a_step_whose_parent_is_missing_is_said_without_a_trainers_advice(
+    root: str, tmp_path: Path
+) -> None:
+    """A break-it finding: the fault of a published step whose chain lacks a checkpoint ended
+    with what a trainer's restore would do ("else restore an older step ..."), no advice to a
+    serving process; it says the step is applied once its chain is there."""
+    pub = str(tmp_path / "pub")
+    shutil.copytree(f"{root}/pub", pub)
+    shutil.rmtree(Path(pub, step_dir(2)))
+    live = LiveModel(list(serving_models(SPEC).values()), LocalStorage(pub))
+    live.poll()
+    errors = [f.error for f in live.faults if f.step == 4]
+    assert errors and "applied only if the checkpoints its chain needs appear" in errors[0], errors
+    assert "restore an older step" not in errors[0], errors
