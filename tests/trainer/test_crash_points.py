@@ -68,7 +68,7 @@ def test_sigkill_at_every_failpoint_then_restart(tmp_path: Path, mode: str, plan
     survived. The counts go to docs/reliability.md.
 
     ``process``: the trainers stage through a staging process per rank
-    (``StagingConfig(mode="process")``) and are killed at each point that process passes (19
+    (``StagingConfig(mode="process")``) and are killed at each point that process passes (20
     points, plan "staging"): the kill is hit in the staging process (its marker says so),
     which kills its training process first, so the rank dies at that moment as with threads;
     the same restarts, recoveries and bitwise restores are checked."""
