@@ -454,6 +454,10 @@ def cmd_gc(a: argparse.Namespace) -> int:
         reached.append(folder)
         if bar:
             bar.update(1)
+        elif not a.dry_run:
+            # (a cron job's log of a run killed or timed out says what it was deleting: the
+            # report comes only at the end; a break-it finding found such logs empty)
+            print(f"deck gc: deleting {folder}", file=sys.stderr, flush=True)
 
     try:
         rep = collect_garbage(

@@ -160,6 +160,12 @@ def test_deck_gc_says_how_far_it_looked(
     whole = capsys.readouterr().out
     assert "looked at" not in whole
     assert len(whole.splitlines()) > len(out.splitlines())  # more to delete in the whole store
+    # Run for real, each checkpoint is said on stderr as it goes (a killed run's log says what
+    # it was deleting: a break-it finding found such logs empty), once for each one reported
+    assert main(["gc", uri, "--grace", "0"]) == 0
+    run = capsys.readouterr()
+    said = [line for line in run.err.splitlines() if line.startswith("deck gc: deleting ")]
+    assert said and len(said) == run.out.count("  deleted ") + run.out.count("  retired "), run
 
 
 def test_deck_gc_when_the_newest_steps_are_all_in_the_grace_period(
