@@ -1165,13 +1165,13 @@ def announced_unrecorded(
     vouched: dict[int, tuple[str, str]] = {}  # step -> (checkpoint id, who vouched)
     for step, (cid, said) in _logged_commits(storage, manifests, latest).items():
         vouched[step] = (cid, f"the commit log announced it ({said}; or its save was killed then)")
-    epoch = -1 if latest is None else manifests[latest].epoch
+    above, epoch = (-1, -1) if latest is None else (latest, manifests[latest].epoch)
     for m in manifests.merged.values():
         step, cid = m.state
-        if step > (latest or -1) and step not in held and m.epoch >= epoch:
+        if step > above and step not in held and m.epoch >= epoch:
             vouched.setdefault(step, (cid, f"merger checkpoint {m.folder} was built on it"))
     for step, m in manifests.catalog_only.items():
-        if step > (latest or -1) and m.epoch >= epoch:
+        if step > above and m.epoch >= epoch:
             vouched.setdefault(step, (m.id, "the catalog held it"))
     return _with_parts(storage, vouched)
 

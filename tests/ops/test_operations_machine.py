@@ -101,6 +101,8 @@ from deck.read.lineage import (
     chain_for,
     cheapest_chain,
     confirmed,
+    latest_checked,
+    latest_confirmed,
     latest_restorable,
 )
 from deck.read.verify import confirmed_damage, verify_checkpoint
@@ -387,6 +389,9 @@ class OperationsMachine(RuleBasedStateMachine):
         self.forged = False
         # Each record key's text when the machine first saw it: what a stale catalog holds.
         self.first_texts: dict[str, str] = {}
+        # A save killed after its commit-log entry, before its record: a plain restore of the
+        # latest refuses (a lost record reads the same) until the trainer saves again
+        self.killed_before_record = False
 
     def teardown(self) -> None:
         self.store.clear()
@@ -430,6 +435,7 @@ class OperationsMachine(RuleBasedStateMachine):
         with _host_clock(self.trainer_skew):
             m = self.tr.save(kind)
         self._saved(m.step, m.id, snapshot(self.tr.shards))
+        self.killed_before_record = False
 
     def _read(self) -> ManifestSet:
         """The commit records as the model sees them: through the catalog, or every record
@@ -477,11 +483,13 @@ class OperationsMachine(RuleBasedStateMachine):
         except SimulatedCrash:
             _note("trainer killed mid-save")
             self.store.clear()
+            self.killed_before_record = step not in self._read()
             self._restart(step, state, kind)
             return
         finally:
             self.store.clear()
         self._saved(m.step, m.id, state)
+        self.killed_before_record = False
 
     def _restart(self, step: int, state: State, kind: str) -> None:
         manifests = self._read()
@@ -626,14 +634,16 @@ class OperationsMachine(RuleBasedStateMachine):
 
     @rule(
         n=st.integers(1, 60),
-        what=st.sampled_from(["save", "resave", "merge"]),
+        what=st.sampled_from(["save", "resave", "merge", "gc"]),
         pick=st.integers(0, 2**16),
     )
     def gc_while_others_work(self, n: int, what: str, pick: int) -> None:
         """A slow GC run: at its n-th request the trainer saves a step (or rolls back and saves
-        a step again, to the ``pick``-th step it can), or the merger commits. What they commit
-        during the run survives it. (Everything is drawn before the run: the moment the act
-        runs must not change what is drawn.)"""
+        a step again, to the ``pick``-th step it can), the merger commits, or another GC run
+        (`deck gc` beside `deck merge --follow --gc`; of the whole store for an odd ``pick``)
+        runs through. What they commit during the run survives it; what either run retains
+        stays restorable. (Everything is drawn before the run: the moment the act runs must
+        not change what is drawn.)"""
         self._planned()
         before = dict(self.promised)
         ran: list[str] = []
@@ -645,6 +655,10 @@ class OperationsMachine(RuleBasedStateMachine):
                     self.merge(workers=1)
             elif what == "resave" and len(self.tr.saved) > 2:
                 self.rollback(_Nth(pick))
+            elif what == "gc":
+                other = self._gc(whole=pick % 2 == 1)
+                if other is not None:
+                    self._retain(other.retained_steps, other.floor)
             else:
                 self.save_deltas(1, rows=4)
 
@@ -895,6 +909,20 @@ class OperationsMachine(RuleBasedStateMachine):
             _note("restore planned from a window")
             want = _plan(truth, step)
             assert planned == want, f"restore of {step}: window plans {planned}, records {want}"
+
+    @invariant()
+    def a_plain_restore_of_the_latest_refuses_only_for_a_cause(self) -> None:
+        """What a trainer's restore of the latest step checks before it takes it (the commit
+        records, the log, merger checkpoints and the catalog vouching for a record that is
+        gone): it gives committed work up only after a save killed before its record, or
+        through a forged catalog; else it takes the newest step it promises."""
+        if not self.history:
+            return
+        manifests, latest = latest_confirmed(self.store, read_manifests(self.store))
+        check = latest_checked(self.store, manifests, latest)
+        if check.gives_up is not None:
+            _note("a plain restore refuses the latest")
+            assert self.killed_before_record or self.forged or self.damaged, check.gives_up
 
     @invariant()
     def promised_and_restorable_steps_restore_bitwise(self) -> None:
