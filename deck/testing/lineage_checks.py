@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from deck.format.manifest import MANIFEST, PARTS_DIR, CheckpointManifest, Kind
 from deck.merge.policy import MergeConfig
 from deck.merge.worker import MergeWorker
-from deck.read.catalog import read_manifests
+from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_for
 from deck.storage import FsspecStorage, Storage
 from deck.storage.wrapper import StorageWrapper
@@ -79,14 +79,18 @@ def check_all_restore(
 
 def chain_files(storage: Storage, chain: list[CheckpointManifest]) -> list[str]:
     """The keys a restore of ``chain`` reads once it has chosen it: each trainer record and
-    the files of each checkpoint (a step folder's other attempts and a merger folder's
-    partition records are leftovers GC may delete once old). A merger checkpoint's record is
-    read as the restore chooses; GC may retire it then (deck.ops.retention.gc.GC_RETIRED:
-    its files stay)."""
+    the files of each checkpoint (a step folder's other attempts, a merger folder's partition
+    records and the files of builds its record does not name are leftovers GC may delete once
+    old: a fuzz finding, seed 1876252891, counted a crashed build's files as read). A merger
+    checkpoint's record is read as the restore chooses; GC may retire it then
+    (deck.ops.retention.gc.GC_RETIRED: its files stay)."""
     out = []
     for m in chain:
         if m.is_merged:
-            out += [k for k in storage.list(f"{m.folder}/") if k != f"{m.folder}/{MANIFEST}"]
+            out += [f"{m.folder}/{r.path}" for r in m.ranks]
+            for part in read_rank_manifests(storage, m):
+                out += [f"{m.folder}/{c.path}" for rec in part.shards for c in rec.chunks]
+                out += [f"{m.folder}/{f.path}" for f in (part.dense, part.extra) if f is not None]
         else:
             out += [f"{m.folder}/{MANIFEST}", *storage.list(f"{m.folder}/{m.id}/")]
     return [k for k in dict.fromkeys(out) if f"/{PARTS_DIR}/" not in k]
