@@ -86,6 +86,7 @@ class LoadResult(IntEnum):
     LOADED = 0
     FAILED = 1  # any other error: no fallback can help
     DAMAGED = 2  # a damaged or missing checkpoint: an older valid chain may
+    INCOMPATIBLE = 3  # the model does not fit the checkpoint (IncompatibleModelError)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,8 @@ class StateLoader:
             if error is None
             else LoadResult.DAMAGED
             if damaged
+            else LoadResult.INCOMPATIBLE
+            if isinstance(error, IncompatibleModelError)
             else LoadResult.FAILED
         )
         votes = [v.result for v in gather_votes(self.coord, _LoadVote(mine))]
@@ -280,12 +283,21 @@ class StateLoader:
                         newest,
                     )
             return done, None, False
-        recoverable = all(v != LoadResult.FAILED for v in votes)
+        recoverable = all(v in (LoadResult.LOADED, LoadResult.DAMAGED) for v in votes)
         # Every rank says why (rank 0's log is the one read): the first failed rank's message
         said = self.coord.gather_bytes(b"" if error is None else str(error)[:2000].encode())
         if error is None:
             failed = [r for r, v in enumerate(votes) if v != LoadResult.LOADED]
-            error = (CorruptCheckpointError if recoverable else CheckpointError)(
+            # (the class every rank raises: a model that does not fit one rank's part is
+            # IncompatibleModelError on all, a break-it finding saw CheckpointError elsewhere)
+            kind = (
+                CorruptCheckpointError
+                if recoverable
+                else IncompatibleModelError
+                if {votes[r] for r in failed} == {LoadResult.INCOMPATIBLE}
+                else CheckpointError
+            )
+            error = kind(
                 f"restore of step {target} from {self.storage.uri} failed on rank(s) {failed}; "
                 f"rank {failed[0]}: {said[failed[0]].decode(errors='replace')}"
             )

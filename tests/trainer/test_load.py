@@ -25,6 +25,7 @@ from deck.errors import (
 )
 from deck.storage import open_storage
 from deck.storage.wrapper import StorageWrapper
+from deck.testing.differential import Setup, Table, UserState, build, train_phase
 from deck.testing.dist_harness import run_ranks
 from deck.testing.faulty_storage import FaultyStorage
 from deck.trainer.load import load_step
@@ -276,3 +277,24 @@ def test_a_checkpoint_without_rng_states_says_so_when_restored(tmp_path: Path) -
     states are left as the process has them (training on does not repeat the saved run's
     random draws), and rank 0 says so; before, nothing was said."""
     run_ranks(_restore_without_rng, str(tmp_path / "ck"), world_size=2)
+
+
+def _into_fp16(rank: int, world_size: int, uri: str) -> None:
+    train_phase(rank, world_size, Setup(), uri)  # one fp32 table, table_wise: on rank 0 only
+    setup = Setup(tables=(Table(fp16=True),))
+    model, opt, sched = build(setup, seed=2)
+    config = deck.DeckConfig(uri=uri, delta_every_steps=setup.every)
+    with (
+        deck.enable(model, [opt], config, state=UserState(sched)) as ck,
+        pytest.raises(IncompatibleModelError, match="t0"),
+    ):
+        ck.restore()
+
+
+def test_a_model_one_ranks_part_does_not_fit_is_refused_alike_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """A break-it finding: restoring fp32 tables into a model whose table (held by rank 0
+    alone) is fp16 raised IncompatibleModelError on rank 0 and CheckpointError on rank 1. The
+    class is the failing rank's on every rank (code catching IncompatibleModelError)."""
+    run_ranks(_into_fp16, str(tmp_path / "ck"), world_size=2)
