@@ -444,19 +444,20 @@ class LineageGraph:
         """Whether trainer step ``step`` has a complete chain."""
         return self._chain_ids(step, frozenset()) is not None
 
-    def unrestorable(self, above: int = -1) -> dict[int, str]:
+    def unrestorable(self, above: int = -1, *, advice: bool = True) -> dict[int, str]:
         """Trainer steps (those after ``above`` only) without a complete chain that no newer
-        timeline left (:meth:`abandoned`), each with what its chain lacks: damage. A rollback's
-        abandoned steps are left out (the steps it saved again make the old ones after them
-        unrestorable by design)."""
-        return {s: why for s, (why, _) in self.gaps(above).items()}
+        timeline left (:meth:`abandoned`), each with what its chain lacks: damage (and, with
+        ``advice``, what a trainer's restore may do instead). A rollback's abandoned steps are
+        left out (the steps it saved again make the old ones after them unrestorable by
+        design)."""
+        return {s: why for s, (why, _) in self.gaps(above, advice=advice).items()}
 
-    def gaps(self, above: int = -1) -> dict[int, tuple[str, int | None]]:
+    def gaps(self, above: int = -1, *, advice: bool = True) -> dict[int, tuple[str, int | None]]:
         """:meth:`unrestorable`, each with the step whose record its chain lacks (None: the
         link missing is an unusable checkpoint, or no full starts the chain)."""
         left = self.abandoned()
         return {
-            s: self._gap(s, frozenset())
+            s: self._gap(s, frozenset(), advice)
             for s in sorted(self.trainer)
             if s > above and s not in left and not self.restorable(s)
         }
@@ -691,7 +692,9 @@ class LineageGraph:
         would give them up, where putting the record back restores them all."""
         return _lost(self.gaps(above), above)
 
-    def _gap(self, step: int, exclude: frozenset[str]) -> tuple[str, int | None]:
+    def _gap(
+        self, step: int, exclude: frozenset[str], advice: bool = True
+    ) -> tuple[str, int | None]:
         """:meth:`_why_not`, and the step whose record the chain lacks (None: the link that is
         missing is a checkpoint that is unusable, or no full starts the chain)."""
         t = self.trainer.get(step)
@@ -708,7 +711,7 @@ class LineageGraph:
                 return (
                     f"step {step} cannot be restored: its chain needs checkpoint {node.id} at step "
                     f"{node.step}, which is unusable ({why}) and no merged or full checkpoint "
-                    "covers it; restore an older step or take a new full checkpoint"
+                    "covers it" + (_OLDER if advice else "")
                 ), None
             if node.kind is Kind.FULL or node.start is None:
                 break
@@ -731,10 +734,12 @@ class LineageGraph:
                     # (a lost record's return restores it: an older step trained on from
                     # saves over it, which is said, not advised)
                     + (
-                        "; else restore an older step (training on from it saves the steps "
-                        "after it again)"
+                        ""
+                        if not advice
+                        else "; else restore an older step (training on from it saves the "
+                        "steps after it again)"
                         if lost
-                        else "; restore an older step or take a new full checkpoint"
+                        else _OLDER
                     )
                 ), (node.start[0] if other is None else None)
             node = parent
@@ -1011,7 +1016,7 @@ def chain_for(manifests: dict[int, CheckpointManifest], step: int) -> list[Check
                     if child.parent is None
                     else f"missing{_LOST_RECORD.format(folder=step_dir(child.parent))}"
                 )
-                + "; restore an older step or take a new full checkpoint"
+                + _OLDER
             )
         chain.append(parent)
     return chain[::-1]
@@ -1030,6 +1035,8 @@ def left_by_a_rollback(steps: list[tuple[int, int | None]]) -> tuple[set[int], i
     return {s for s, e in known if e < newest and s >= start}, newest, start
 
 
+# What a trainer may do about a step without a chain (not said to a serving process)
+_OLDER = "; restore an older step or take a new full checkpoint"
 # (a break-it finding: verify and restores said only "restore an older step" for a commit record
 # a sync had missed, which gives up every step after it, where putting the record back restores
 # them all, as GC said)

@@ -313,10 +313,9 @@ class PublishSource:
         """A committed step newer than the served one whose chain is not all there (a delta on
         a state this URI does not hold: another job's, or a parent missing or quarantined):
         reported once per checkpoint; it is applied if its chain is completed."""
-        for step, why in graph.unrestorable(-1 if served is None else served[0]).items():
-            # (what a trainer's restore would do instead is no advice to a serving process)
-            why = why.partition("; else restore an older step")[0]
-            why = why.partition("; restore an older step or take a new full")[0]
+        above = -1 if served is None else served[0]
+        # (what a trainer's restore would do instead is no advice to a serving process)
+        for step, why in graph.unrestorable(above, advice=False).items():
             node = graph.trainer[step]
             if node.id in self._said_unrestorable:
                 continue

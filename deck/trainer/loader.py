@@ -528,9 +528,10 @@ class StateLoader:
         this rank reads did not hold come from the other parts (a fuzz finding: they took that
         part's, another kernel's update rule, and the restore was refused)."""
         saved: dict[str, Any] = extra.get("fused_hyperparameters") or {}
-        if not saved or not set(self.adapter.fused_hyperparameters()) - set(saved):
-            return saved
+        wanted = set(self.adapter.fused_hyperparameters())
         for part in parts:
+            if not saved or wanted <= set(saved):  # (each other part read only while needed)
+                break
             if part is not own:
                 other = read_state_file(self.storage, last, part.extra)
                 saved = {**(other.get("fused_hyperparameters") or {}), **saved}
