@@ -160,6 +160,12 @@ class SynthTrainer:
         self.saved_as(ckpt_id, kind)
         return m
 
+    def save_deltas(self, count: int) -> None:
+        """``count`` times: train a step, then save a delta of it."""
+        for _ in range(count):
+            self.train()
+            self.save()
+
     def next_checkpoint(self, kind: str = "delta") -> tuple[str, str]:
         """The kind (a full when there is no parent yet) and a new id of the next checkpoint."""
         return ("full" if self.parent is None else kind), f"{self.ids.getrandbits(64):016x}"

@@ -215,9 +215,7 @@ def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(8):
-        tr.train()
-        tr.save()
+    tr.save_deltas(8)
     merge_all(storage, MergeConfig(stride=2, full=FullPolicy(every=4, max_live_fraction=None)))
     # Orphans: a crashed save (no manifest) at an older step, an unreferenced attempt folder of
     # a committed step, an uncommitted merger folder, and a crashed put's temp file.
@@ -292,9 +290,7 @@ def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
     storage = mem()
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(6):
-        tr.train()
-        tr.save()
+    tr.save_deltas(6)
     old6 = tr.saved[6].id
     old_record = storage.get("step-000000000006/manifest.json")
     tr.rollback(3)
@@ -945,9 +941,7 @@ def test_a_step_a_save_seems_to_have_begun_at_keeps_its_chain_too(tmp_path: Path
     storage = LocalStorage(str(tmp_path / "ck"))
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    tr.save_deltas(4)
     tr.train()
     tr.save("full")
     marker = tmp_path / "ck" / "step-000000000004" / "x"
@@ -975,9 +969,7 @@ def test_a_merger_full_whose_record_is_lost_is_kept_while_steps_need_it(tmp_path
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(7):
-        tr.train()
-        tr.save()
+    tr.save_deltas(7)
     want = snapshot(tr.shards)
     merge_all(storage, MergeConfig(stride=16, full=FullPolicy(every=7, max_live_fraction=None)))
     bounded = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
@@ -1010,9 +1002,7 @@ def test_steps_broken_by_a_parent_gc_deleted_go_when_the_rules_delete_them(
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    tr.save_deltas(4)
     parent = tr.saved[0].id
     tr.train()
     tr.save("full")  # step 5

@@ -301,9 +301,7 @@ def test_the_announcement_check_over_a_damaged_or_unreadable_log(tmp_path: Path)
     storage = LocalStorage(tmp_path / "ck")
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(4):
-        tr.train()
-        tr.save()
+    tr.save_deltas(4)
     (tmp_path / "ck" / "step-000000000004" / "manifest.json").unlink()
     manifests = read_manifests(storage)
     check = latest_checked(storage, manifests, 3)
@@ -331,9 +329,7 @@ def test_the_newest_lost_record_after_the_log_was_pruned(tmp_path: Path) -> None
     storage = LocalStorage(root)
     tr = SynthTrainer(storage)
     tr.save("full")
-    for _ in range(8):
-        tr.train()
-        tr.save()
+    tr.save_deltas(8)
     worker = MergeWorker(storage, MergeConfig(stride=2, full=FullPolicy(max_live_fraction=None)))
     while worker.run_pass().progressed:  # each pass's commits, then a catalog: the log pruned
         compact(storage, read_manifests(storage).index, force=True)  # type: ignore[arg-type]
