@@ -463,16 +463,19 @@ class TorchRecAdapter(ModelAdapter):
             out.update(dict.fromkeys(keys, saved))
         return out
 
-    def check_fused_optimizers(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+    def check_fused_optimizers(
+        self, saved: dict[str, dict[str, Any]], where: str, fresh: set[str]
+    ) -> None:
         # Every kernel's difference in one error (an EmbeddingCollection's kernel beside an
         # EmbeddingBagCollection's was left out of it: a break-it finding)
         tables: list[str] = []
         rules: set[tuple[str, str]] = set()
         for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
             tbe = fused_optimizer_tbe(leaf)
-            if tbe is None:
+            held = [k for k in keys if k not in fresh]
+            if tbe is None or not held:
                 continue
-            choices, _ = _saved_for(saved, keys)
+            choices, _ = _saved_for(saved, held)
             # (none in checkpoints of a deck before it saved them)
             found = {
                 c["kernel"]["optimizer"]
@@ -481,7 +484,7 @@ class TorchRecAdapter(ModelAdapter):
             }
             live = tbe_optimizer_name(tbe)
             if found - {live}:
-                tables += keys
+                tables += held
                 rules.add(("/".join(sorted(found)), live))
         if tables:
             more = f" and {len(tables) - 6} more" if len(tables) > 6 else ""
@@ -493,11 +496,18 @@ class TorchRecAdapter(ModelAdapter):
                 "the optimizer the job saved with (fused_params / the sharder's optimizer)"
             )
 
-    def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+    def load_fused_hyperparameters(
+        self, saved: dict[str, dict[str, Any]], where: str, fresh: set[str]
+    ) -> None:
         if not saved:  # written before deck saved them
             return
         for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
-            choices, own = _saved_for(saved, keys)
+            # (a break-it finding: a table data_parallel in the checkpoint took every saved
+            # table's hyperparameters, and was refused where their update rules differ)
+            held = [k for k in keys if k not in fresh]
+            if not held:
+                continue
+            choices, own = _saved_for(saved, held)
             if len(choices) != 1:
                 raise IncompatibleModelError(
                     f"{where}: the fused optimizer of tables {sorted(keys)[:4]} "

@@ -200,16 +200,22 @@ class ModelAdapter(abc.ABC):
         the schedule-driven part of their state, which their ``state_dict`` may leave out."""
         return {}
 
-    def check_fused_optimizers(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+    def check_fused_optimizers(
+        self, saved: dict[str, dict[str, Any]], where: str, fresh: set[str]
+    ) -> None:
         """Before a restore writes anything: raise :class:`deck.errors.IncompatibleModelError`
         when ``saved`` (:meth:`fused_hyperparameters` of the checkpoint) names an update rule
         other than the one a table's kernel runs here (its saved state would be read by
-        another rule); ``where`` names the checkpoint."""
+        another rule); ``where`` names the checkpoint. Tables in ``fresh`` had no fused
+        optimizer in the checkpoint (data_parallel there): their kernels start fresh, unchecked."""
         return None
 
-    def load_fused_hyperparameters(self, saved: dict[str, dict[str, Any]], where: str) -> None:
+    def load_fused_hyperparameters(
+        self, saved: dict[str, dict[str, Any]], where: str, fresh: set[str]
+    ) -> None:
         """Put :meth:`fused_hyperparameters` back and make the kernels use them from the next
-        step on; ``where`` names the checkpoint in errors."""
+        step on; ``where`` names the checkpoint in errors. A fused optimizer of ``fresh`` tables
+        only keeps the model's own hyperparameters."""
         return None
 
     def module_state(self) -> dict[str, Any]:

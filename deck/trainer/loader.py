@@ -400,7 +400,9 @@ class StateLoader:
         put_module_state = self.adapter.prepare_module_state(
             extra.get("modules") or {}, len(last_parts), where
         )
-        self.adapter.check_fused_optimizers(extra.get("fused_hyperparameters", {}), where)
+        self.adapter.check_fused_optimizers(
+            extra.get("fused_hyperparameters", {}), where, set(moves.from_replicated)
+        )
         # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
         stats, parts = apply_chain(
             self.storage,
@@ -551,7 +553,9 @@ class StateLoader:
             if saved_wrapper is None:
                 raise IncompatibleModelError(f"optimizer wrapper {name} is not in {where}")
             wrapper.set(saved_wrapper)
-        self.adapter.load_fused_hyperparameters(extra.get("fused_hyperparameters", {}), where)
+        self.adapter.load_fused_hyperparameters(
+            extra.get("fused_hyperparameters", {}), where, moved
+        )
         saved_all = extra.get("optimizers", {})
         names = _match_names(list(self.optimizers.dense), list(saved_all))
         for name, opt in self.optimizers.dense.items():

@@ -847,3 +847,130 @@ def test_a_table_moved_to_data_parallel_starts_a_new_adams_state_fresh() -> None
     new.step()
     fresh.step()
     assert torch.equal(params["sparse.embedding_bags.t1.weight"], fresh_p)
+
+
+class _Tower(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.out = torch.nn.Linear(24, 1)
+
+    def forward(self, kjt: Any) -> torch.Tensor:
+        return self.out(self.ebc(kjt).values())
+
+
+def _per_table_optimizer_model(data_parallel: bool) -> tuple[Any, Any]:
+    """An EBC of three tables under a linear layer: t0 with its own fused rowwise Adagrad
+    (``apply_optimizer_in_backward``), t1 (mean pooling) data_parallel (trained by the dense
+    Adagrad) or table-wise under the sharder's fused EXACT_ADAGRAD, t2 under the sharder's."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.modules.embedding_configs import PoolingType
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    torch.manual_seed(3)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t{i}",
+                embedding_dim=8,
+                num_embeddings=32,
+                feature_names=[f"f{i}"],
+                # (a kernel of its own when sharded: with t2's it would take t2's state)
+                pooling=PoolingType.MEAN if i == 1 else PoolingType.SUM,
+            )
+            for i in range(3)
+        ],
+        device=torch.device("meta"),
+    )
+    apply_optimizer_in_backward(RowWiseAdagrad, [ebc.embedding_bags["t0"].weight], {"lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.03}
+    )
+    kinds = {"t0": "table_wise", "t1": "data_parallel" if data_parallel else "table_wise"}
+    constraints = {
+        n: ParameterConstraints(
+            sharding_types=[kinds.get(n, "table_wise")],
+            compute_kernels=["dense" if kinds.get(n) == "data_parallel" else "fused"],
+        )
+        for n in ("t0", "t1", "t2")
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
+    )
+    tower = _Tower(ebc)
+    plan = planner.collective_plan(tower, [sharder], torch.distributed.GroupMember.WORLD)
+    model = DistributedModelParallel(
+        tower, device=torch.device("cpu"), sharders=[sharder], plan=plan
+    )
+    params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    return model, KeyedOptimizerWrapper(params, lambda p: torch.optim.Adagrad(p, lr=0.02))
+
+
+def _train_per_table(model: Any, opt: Any, step: int) -> None:
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(step)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2"],
+        values=torch.randint(0, 32, (24,), generator=g),
+        lengths=torch.full((12,), 2, dtype=torch.int32),
+    )
+    opt.zero_grad()
+    model(kjt).pow(2).sum().backward()
+    opt.step()
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.local_shards()[0].tensor if hasattr(t, "local_shards") else t
+
+
+def _data_parallel_into_per_table_optimizers(rank: int, world_size: int, uri: str) -> None:
+    model, opt = _per_table_optimizer_model(data_parallel=True)
+    with deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=1)) as ck:
+        for step in range(1, 4):
+            _train_per_table(model, opt, step)
+            ck.step(step)
+        live = {k: _local(v).detach().clone() for k, v in model.state_dict().items()}
+        fused = model.fused_optimizer.state_dict()["state"]
+        saved = {
+            t: {k: _local(v).clone() for k, v in fused[f"ebc.embedding_bags.{t}.weight"].items()}
+            for t in ("t0", "t2")
+        }
+    assert set(saved["t0"]) and set(saved["t2"])
+    model, opt = _per_table_optimizer_model(data_parallel=False)
+    with deck.enable(model, [opt], deck.DeckConfig(uri=uri, delta_every_steps=1)) as ck:
+        assert ck.restore() == 3
+        got = model.state_dict()
+        for key, want in live.items():
+            assert torch.equal(_bits(_local(got[key])), _bits(want)), key
+        state = model.fused_optimizer.state_dict()["state"]
+        for t, states in saved.items():
+            for k, v in states.items():
+                assert torch.equal(_local(state[f"ebc.embedding_bags.{t}.weight"][k]), v), (t, k)
+        t1 = state["ebc.embedding_bags.t1.weight"]
+        assert t1 and not any(_local(v).any() for v in t1.values()), "t1 starts fresh"
+        _train_per_table(model, opt, 4)
+        ck.step(4)
+
+
+@pytest.mark.slow
+def test_a_data_parallel_table_restores_into_a_kernel_beside_other_update_rules(
+    tmp_path: Path,
+) -> None:
+    """A break-it finding: a table data_parallel in the checkpoint and sharded in the model took
+    the saved fused optimizers of every other table as its own, so where those differed (t0 its
+    own rowwise Adagrad, t2 the sharder's Adagrad) the restore was refused as "saved with another fused
+    optimizer". Its kernel now starts fresh, as documented: its weight bitwise, its state zero,
+    the other tables' weights and states bitwise, and training goes on."""
+    run_ranks(_data_parallel_into_per_table_optimizers, str(tmp_path / "ckpt"), world_size=1)
