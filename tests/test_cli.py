@@ -339,6 +339,29 @@ def test_report_images_decode(ckpt: Path, tmp_path: Path) -> None:
     assert "merged/L01-000000000005-000000000010-" in page  # the checkpoint table
 
 
+def test_report_of_a_damaged_record_and_images_that_are_links(ckpt: Path, tmp_path: Path) -> None:
+    """Break-it findings: a damaged commit record made `deck report` fail with a traceback
+    (its kind, "?", has no marker), and links named like the report's images made matplotlib
+    write the PNGs through them, into a commit record of the URI. Now the page lists the damaged
+    step (exit 1, one line naming it), and each image replaces whatever is at its name."""
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    (copy / "step-000000000010" / "manifest.json").write_bytes(b"{")
+    victim = copy / "step-000000000005" / "manifest.json"
+    before = victim.read_bytes()
+    out = tmp_path / "rep"
+    out.mkdir()
+    for name in ("r-lineage.png", "r-bytes.png", "r-restore-cost.png"):
+        (out / name).symlink_to(victim)
+    r = _deck("report", str(copy), "--out", str(out / "r.html"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "deck report: the commit record(s) of step(s) [10] cannot be read" in r.stderr
+    assert victim.read_bytes() == before
+    for name in ("r-lineage.png", "r-bytes.png", "r-restore-cost.png"):
+        assert not (out / name).is_symlink() and (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert "damaged" in (out / "r.html").read_text()
+
+
 def test_help_on_every_command_and_export_usage_errors(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -351,15 +374,18 @@ def test_help_on_every_command_and_export_usage_errors(
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    h, r, f, u = _decks(
+    h, r, f, u, sf = _decks(
         ("export", "--help"),
         ("export", str(ckpt), "--out", str(busy)),
         ("export", str(ckpt), "--out", str(busy / "x")),
         ("export", str(ckpt), "--out", str(busy / "x" / "sub")),
+        ("export", str(ckpt), "--out", str(busy / "x"), "--format", "safetensors"),
     )
     assert h.returncode == 0 and "--format {dcp,safetensors,parquet}" in h.stdout
     assert r.returncode == 2 and "is a non-empty directory, not an empty directory" in r.stderr
     assert f.returncode == 2 and "is a file, not an empty directory" in f.stderr
+    # (a break-it finding: said as "[Errno 17] File exists")
+    assert sf.returncode == 2 and "is a file: name a folder" in sf.stderr, sf.stderr
     # An --out this host cannot write (a break-it finding: a traceback, exit 1): one line
     assert u.returncode == 2 and "Traceback" not in u.stderr, u.stderr
     assert u.stderr.startswith("deck export: ") and str(busy / "x" / "sub") in u.stderr

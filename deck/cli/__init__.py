@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit:
             sys.stdout.flush()  # --help / --version: into the pipe now, not at exit
             raise
+        except KeyboardInterrupt:  # (while the parser imports: a traceback, a break-it finding)
+            print("deck: interrupted", file=sys.stderr)
+            return 130
         if a.cmd in ("merge", "gc", "follow"):
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
             # Which worker a merger is, and where that came from (flags or launcher variables).

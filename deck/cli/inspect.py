@@ -243,7 +243,7 @@ def cmd_report(a: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"no checkpoints at {a.uri}: no report written")
     rep = write_report(storage, a.out)
     print(f"wrote {rep.html} ({len(rep.images)} images: {', '.join(rep.images)})")
-    return 0
+    return int(say_damaged("report", a.uri, rep.damaged, "the report lists them as damaged"))
 
 
 def _verify_targets(

@@ -48,6 +48,12 @@ def cmd_export(a: argparse.Namespace) -> int:
         else:
             out = a.out
             if not out.endswith(".safetensors"):
+                if os.path.lexists(out) and not os.path.isdir(out):
+                    # (a break-it finding: said as "[Errno 17] File exists")
+                    raise ConfigError(
+                        f"--out {out} is a file: name a folder (the file is written into it) "
+                        "or a path ending in .safetensors"
+                    )
                 out = os.path.join(out, f"deck-step-{state.step:012d}.safetensors")
             rep = export_safetensors(state, out, progress)
     finally:

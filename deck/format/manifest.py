@@ -59,6 +59,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _BAD_PARTS = frozenset(("", ".", ".."))  # path components a record may not hold
 
 NonNeg = Annotated[int, Field(ge=0, le=2**62)]
+# A wall-clock time written by a host: finite, not before 1970 and not past the year 5000 (a
+# break-it finding: a re-signed NaN or 1e308 was a traceback in `deck show`, and `ls --json`
+# printed NaN, which is not JSON)
+UnixTime = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 CkptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 MERGED_ROOT = "merged"
 QUARANTINE_ROOT = "quarantine"
@@ -279,6 +283,16 @@ class ShardRecord(_Strict):
                 f"shard of {self.table}: rows {self.row_offset}+{self.rows}, columns "
                 f"{self.col_offset}+{self.cols} lie outside the {self.num_rows} x {self.num_cols} table"
             )
+        for c in self.chunks:
+            for seg in c.segments:
+                # (a break-it finding: a re-signed [rows, 4] weight of an 8-column shard passed
+                # verify, and `deck history` printed its 4 values as the row; other states may
+                # have any row shape: one that does not fit the model is refused there)
+                if seg.name == "weight" and tuple(seg.shape) != (c.rows, self.cols):
+                    raise ValueError(
+                        f"shard of {self.table}: segment weight of {c.path} has shape "
+                        f"{list(seg.shape)}, not {c.rows} rows of the shard's {self.cols} columns"
+                    )
         held = sum(c.rows for c in self.chunks)
         if held > self.rows or (self.full and held != self.rows):
             raise ValueError(
@@ -387,7 +401,7 @@ class CheckpointManifest(_Strict):
     epoch: NonNeg
     world_size: int = Field(ge=1)
     ranks: tuple[RankRef, ...]
-    created_unix: float
+    created_unix: UnixTime
     deck_version: str
     first_step: NonNeg | None = None
     layer: int = Field(default=0, ge=0, le=64)
@@ -546,7 +560,7 @@ class QuarantineRecord(_Strict):
     id: CkptId
     folder: str
     reason: str
-    created_unix: float
+    created_unix: UnixTime
 
     @field_validator("format_version")
     @classmethod

@@ -9,6 +9,7 @@ its cheapest chain reads, next to the trainer-only chain and a full's size).
 from __future__ import annotations
 
 import html
+import io
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class ReportFiles:
     html: str
     images: list[str] = field(default_factory=list)
     checkpoints: int = 0
+    damaged: dict[int, str] = field(default_factory=dict)  # step -> its record's problem
 
 
 def _figure(width: float, height: float) -> Any:
@@ -41,6 +43,15 @@ def _figure(width: float, height: float) -> Any:
             "deck report needs matplotlib: pip install matplotlib (deck's report extra)"
         ) from None
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _save(fig: Any, path: str) -> None:
+    """``fig`` as a PNG at ``path``, replaced atomically: a link there is replaced, never
+    written through (a break-it finding: links named like the images made matplotlib write
+    them into a commit record of the URI)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write(path, buf.getbuffer())
 
 
 def _label(r: Row) -> str:
@@ -72,7 +83,7 @@ def _lineage_png(graph: LineageGraph, rows: list[Row], path: str) -> None:
     ax.set_title("lineage: checkpoints by step and layer; arrows: applies on / merged from")
     ax.legend(loc="upper left", fontsize=8, ncols=3)
     ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _draw_edges(ax: Any, graph: LineageGraph, pos: dict[str, tuple[float, float]]) -> None:
@@ -156,7 +167,7 @@ def _bytes_png(rows: list[Row], path: str) -> None:
     ax.set_title("bytes per checkpoint")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def restore_costs(graph: LineageGraph) -> list[tuple[int, int, int | None]]:
@@ -196,7 +207,7 @@ def _cost_png(graph: LineageGraph, costs: list[tuple[int, int, int | None]], pat
     ax.set_title("restore cost per step")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def write_report(storage: Storage, out_html: str) -> ReportFiles:
@@ -205,6 +216,7 @@ def write_report(storage: Storage, out_html: str) -> ReportFiles:
     whole before the page that references it. An empty URI gives a page that says so (no
     images)."""
     graph, rows = list_rows(storage)
+    damaged = {r.step: r.problem or "unreadable" for r in rows if r.state == "damaged"}
     out_html = os.path.abspath(out_html)
     folder = os.path.dirname(out_html)
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -212,7 +224,8 @@ def write_report(storage: Storage, out_html: str) -> ReportFiles:
     os.makedirs(folder, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out_html))[0]
     costs = restore_costs(graph) if graph.nodes else []
-    figures = _draw_figures(graph, rows, costs, folder, stem)
+    # (a damaged record has no kind to draw: the table lists it)
+    figures = _draw_figures(graph, [r for r in rows if r.state != "damaged"], costs, folder, stem)
     parts = [
         *_page_head(storage.uri),
         *_summary(graph, rows),
@@ -222,7 +235,9 @@ def write_report(storage: Storage, out_html: str) -> ReportFiles:
         "</body></html>",
     ]
     atomic_write(out_html, "\n".join(parts) + "\n")
-    return ReportFiles(html=out_html, images=[f for f, _ in figures], checkpoints=len(rows))
+    return ReportFiles(
+        html=out_html, images=[f for f, _ in figures], checkpoints=len(rows), damaged=damaged
+    )
 
 
 def _draw_figures(

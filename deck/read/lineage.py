@@ -1413,11 +1413,14 @@ def _read_every_record(
         # Once per URI: a follower polling a store whose catalog lacks what the log lost said
         # it at every poll (a break-it run); the next GC over the whole store repairs it
         _disagreed.add(storage.uri)
+        # (a break-it finding: a store without a catalog was said to have one)
+        catalog = known.index is not None and known.index.catalog is not None
         logger.warning(
-            "the catalog at %s does not agree with the commit records %s: reading every record "
-            "(until the next `deck gc` over the whole store writes it again)",
+            "the %s at %s does not agree with the commit records %s: reading every record%s",
+            "catalog" if catalog else "commit log",
             storage.uri,
             "a restore of the latest step relies on" if step is None else f"of step {step}",
+            " (until the next `deck gc` over the whole store writes it again)" if catalog else "",
         )
     every = read_manifests(storage, manifest_keys(storage), previous=known)
     every.catalog_only = {

@@ -373,6 +373,11 @@ def consumer_conf(
     }
 
 
+# Steps of left timelines remembered (see KafkaFollower._rollback_around): a rollback leaves at
+# most the steps its publisher had gone past, and the loader meets them once
+LEFT_KEPT = 4096
+
+
 def marker_manifest(view: StreamView, marker: Marker) -> CheckpointManifest | None:
     """The commit record ``marker`` names, at the state URI ``view`` reads; None (logged) when
     that step's record is missing or is another checkpoint's (replaced by a later publish of the
@@ -608,6 +613,9 @@ class KafkaFollower:
         # Why the loader waits for a full it can prove (a quarantined message, a recreated or
         # retention-trimmed topic, a delta whose parent it never held); None: it does not.
         self._lost: str | None = None
+        # Deltas skipped as steps of a timeline the publisher left by a rollback (the newest
+        # LEFT_KEPT): a delta on one of them is of that timeline too
+        self._left: dict[tuple[int, str], None] = {}
         self._poisoned: set[int] = set()  # partitions with a quarantined message
         record = self._record()
         held_run = ((record or {}).get("stream") or {}).get("run")
@@ -865,6 +873,36 @@ class KafkaFollower:
             self.run, self._run_known = run, True
             logger.info("deck follow: serving run %s (the newest marker's)", run)
 
+    def _rollback_around(self, delta: CheckpointManifest) -> str | None:
+        """How a publisher's rollback explains that ``delta``'s parent is not held (said
+        instead of lost messages), or None: ``delta`` is of a newer timeline than the held
+        step, or of one the publisher left (its parent step was published again since, or is
+        itself such a step)."""
+        if self._held_epoch is not None and delta.epoch > self._held_epoch:
+            return "builds on a step of its new timeline this loader never held"
+        assert self.view is not None and delta.parent is not None
+        parent = (delta.parent, delta.parent_id or "")
+        if parent in self._left:
+            why = f"is of a timeline it left, as its parent step {delta.parent} is"
+        else:
+            key = f"{step_dir(delta.parent)}/{MANIFEST}"
+            try:
+                now = load_model(
+                    CheckpointManifest, get_bounded(self.view, key), self.view.describe(key)
+                )
+            except (NotFoundError, CorruptCheckpointError):
+                return None
+            if now.id == delta.parent_id or now.epoch <= delta.epoch:
+                return None
+            why = (
+                f"is of a timeline it left: its parent step {delta.parent} was published again "
+                f"(epoch {now.epoch})"
+            )
+        self._left[(delta.step, delta.id)] = None
+        while len(self._left) > LEFT_KEPT:
+            del self._left[next(iter(self._left))]
+        return why
+
     def _lose(self, why: str) -> None:
         if self._lost is None:
             held = self.follower.state if self.follower is not None else self._held_at_start
@@ -936,12 +974,23 @@ class KafkaFollower:
             # Its parent was never applied here (the head of the topic is gone, a step was
             # quarantined, a publish lost its marker): waiting cannot bring it back, and a
             # restart would meet the same delta, so it is skipped until a full.
-            self._lose(
-                f"step {marker.step} (marker at offset {marker.offset}) is a delta of step "
-                f"{manifest.parent} ({manifest.parent_id}), but the loader holds "
-                f"{held or 'nothing'}: the messages between are gone (retention, a quarantined "
-                "message) or were never marked"
-            )
+            rolled = self._rollback_around(manifest)
+            if rolled is not None:
+                # (a break-it finding: a publisher's rollback was said as lost messages)
+                logger.warning(
+                    "deck follow: kafka topic %s: the publisher rolled back: step %d (epoch %d) %s",
+                    self.target.topic,
+                    marker.step,
+                    manifest.epoch,
+                    rolled,
+                )
+            else:
+                self._lose(
+                    f"step {marker.step} (marker at offset {marker.offset}) is a delta of step "
+                    f"{manifest.parent} ({manifest.parent_id}), but the loader holds "
+                    f"{held or 'nothing'}: the messages between are gone (retention, a "
+                    "quarantined message) or were never marked"
+                )
             logger.warning(
                 "deck follow: kafka topic %s: step %d (a delta of step %s) skipped: the loader "
                 "holds %s and waits for a full it can prove",

@@ -151,6 +151,14 @@ def _page_aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
 
 
+class _FolderGone(Exception):
+    """The folder a temp file was to be created in was removed after it was opened."""
+
+    def __init__(self, exc: FileNotFoundError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
 class LocalStorage(Storage):
     """A :class:`Storage` rooted at a local directory (created on the first ``put``).
 
@@ -425,10 +433,23 @@ class LocalStorage(Storage):
     def _commit(self, path: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> bool:
         """Write a fsynced temp file, then rename it over ``path`` or (``exclusive``) link it to
         ``path`` if nothing is there; fsync the folder. False: ``exclusive`` and taken."""
-        names = validate_key(path).split("/")
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
+        for attempt in range(3):
+            try:
+                return self._commit_once(path, view, exclusive=exclusive)
+            except _FolderGone as gone:
+                # A cleaner of empty folders (GC's pruning, remove_empty_folder) removed the
+                # folder between its opening and the temp file's creation (a break-it finding:
+                # a trainer's commit-log entry failed so, under `deck gc` of an emptied _log/):
+                # made again, as make_folder does
+                if attempt == 2:
+                    raise self._error("write", path, gone.exc, _WRITE_HINT) from gone.exc
+        raise AssertionError("unreachable")
+
+    def _commit_once(self, path: str, view: memoryview, *, exclusive: bool) -> bool:
+        names = validate_key(path).split("/")
         try:
             dfd = self._open_folder(names[:-1], path, create=True, durable=True)
         except StorageError:
@@ -439,7 +460,10 @@ class LocalStorage(Storage):
         created = True
         try:
             failpoint("storage.local.write", path)  # test hook: a full disk (enospc)
-            write_new_file(tmp, view, exclusive=True, fsync=True, dir_fd=dfd)
+            try:
+                write_new_file(tmp, view, exclusive=True, fsync=True, dir_fd=dfd)
+            except FileNotFoundError as exc:
+                raise _FolderGone(exc) from exc
             if exclusive:
                 try:
                     os.link(tmp, names[-1], src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)

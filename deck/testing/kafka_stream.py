@@ -54,10 +54,18 @@ class _DamagingSink(KafkaSinkStorage):
 class SynthPublisher:
     """A synthetic 2-rank trainer publishing through the real Kafka sink (see the module doc)."""
 
-    def __init__(self, topic_uri: str, state_dir: str, seed: int = 0, world_size: int = 2):
+    def __init__(
+        self,
+        topic_uri: str,
+        state_dir: str,
+        seed: int = 0,
+        world_size: int = 2,
+        timeout_s: float = 20.0,
+    ):
         self.topic_uri = topic_uri
         self.state_dir = state_dir
         self.world_size = world_size
+        self.timeout_s = timeout_s  # the sink's (a trainer's upload_timeout_s)
         self.trainer = SynthTrainer(self._sink(), world_size=world_size, seed=seed)
 
     def _sink(self) -> _DamagingSink:
@@ -66,7 +74,7 @@ class SynthPublisher:
             parse_kafka_uri(self.topic_uri),
             self.world_size,
             max_message_bytes=MAX_MESSAGE,
-            timeout_s=20,
+            timeout_s=self.timeout_s,
         )
         sink.damage = set()
         sink.ensure_topic()  # as open_kafka_sink does when a publisher starts

@@ -68,6 +68,9 @@ METADATA_TIMEOUT_S = 10.0
 # How long the first TCP connection to each bootstrap address may take before it counts as
 # unreachable (a refused one fails at once)
 CONNECT_TIMEOUT_S = 5.0
+# The longest one attempt to deliver a file's messages may take (librdkafka's message.timeout.ms,
+# unless PublishConfig.kafka sets it): then a new producer tries again, within upload_timeout_s
+ATTEMPT_TIMEOUT_S = 60.0
 # Publish attempts whose first offsets are held until their part manifest is written: an attempt
 # that failed before it never writes one, and only the newest this many are kept for it.
 STARTS_KEPT = 256
@@ -107,9 +110,12 @@ class KafkaSinkStorage(StorageWrapper):
             "acks": "all",
             "linger.ms": 2,
             "message.max.bytes": max_message_bytes + _HEADER_SLACK,
-            # A put fails (and is retried by the stager, then fails the publish) rather
-            # than waiting forever on an unreachable broker.
-            "message.timeout.ms": int(timeout_s * 1000),
+            # A put fails (and is retried by the stager with a new producer, then fails the
+            # publish) rather than waiting forever on an unreachable broker; each attempt at
+            # most ATTEMPT_TIMEOUT_S (a break-it finding: a broker restarted in 3 s had lost the
+            # producer's id, which librdkafka retried for the whole upload_timeout_s, an hour,
+            # without a word, while every later publish queued behind it)
+            "message.timeout.ms": int(min(timeout_s, ATTEMPT_TIMEOUT_S) * 1000),
             "logger": kafka_client_log(),
             **(producer_options or {}),
         }
@@ -319,7 +325,7 @@ class KafkaSinkStorage(StorageWrapper):
         while not done.is_set():
             producer.poll(0.05)
             waited += 0.05
-            if waited > self.timeout_s + 30:  # librdkafka's message.timeout.ms comes first
+            if waited > self._conf["message.timeout.ms"] / 1000 + 30:  # librdkafka's first
                 break
         if too_large:  # the broker's limit: retrying sends the same bytes again
             self._reset(producer)

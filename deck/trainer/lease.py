@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deck.errors import CorruptCheckpointError, LeaseHeldError, NotFoundError, StorageError
 from deck.failpoints import failpoint
-from deck.format.manifest import load_model
+from deck.format.manifest import UnixTime, load_model
 from deck.storage import Storage
 from deck.storage.base import get_bounded
 from deck.storage.clock import store_now
@@ -57,7 +57,7 @@ class LeaseRecord(BaseModel):
     owner: str = Field(max_length=256)
     host: str = Field(max_length=1024)
     pid: int = Field(ge=1, le=2**31 - 1)  # a pid_t: os.kill takes nothing larger
-    expires_unix: float = Field(ge=0, le=1e11, allow_inf_nan=False)
+    expires_unix: UnixTime
     # The holder's pid namespace: a pid is only checked for life in the namespace it names
     # (containers sharing a hostname see other pids, or none).
     pidns: str | None = Field(default=None, max_length=64)

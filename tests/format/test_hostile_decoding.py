@@ -171,6 +171,19 @@ def _deep_commit(root: Path) -> str:
     return f"{step_dir(3)}/{MANIFEST}"
 
 
+def _commit_time(value: float) -> Callable[[Path], str]:
+    """Step 3's commit record, re-sealed, says it was made at ``value`` (NaN, 1e308, -1e18: a
+    traceback in `deck show`, NaN in `ls --json`, before they were refused as damage)."""
+
+    def attack(root: Path) -> str:
+        commit = json.loads(_commit_path(root, 3).read_bytes())
+        commit["created_unix"] = value
+        _commit_path(root, 3).write_bytes(_seal(commit))
+        return f"{step_dir(3)}/{MANIFEST}"
+
+    return attack
+
+
 def _deep_part(root: Path) -> str:
     return _write_part(root, 2, 0, ('{"shards":' + _deep_list(DEEP) + "}").encode())
 
@@ -232,6 +245,20 @@ def _lose_state(chunk: Json) -> None:
             s["name"] = "momentum2"
 
 
+def _narrow_weight(root: Path) -> str:
+    """The first t0 chunk of step 3 says its weight has half the shard's columns (its bytes
+    halved, so the layout fits the file): a reader took the first half of each row as the row."""
+
+    def edit(part: Json) -> None:
+        (weight,) = [
+            s for s in _shard(part, "t0.weight")["chunks"][0]["segments"] if s["name"] == "weight"
+        ]
+        rows, cols = weight["shape"]
+        weight["shape"], weight["nbytes"] = [rows, cols // 2], weight["nbytes"] // 2
+
+    return _edit_part(root, 3, 0, edit)
+
+
 def _shard_record(table: str, edit: Callable[[Json], None], rank: int = 1) -> Callable[[Path], str]:
     def attack(root: Path) -> str:
         return _edit_part(root, 3, rank, lambda p: edit(_shard(p, table)))
@@ -245,19 +272,18 @@ def _set(**values: Any) -> Callable[[Json], None]:
 
 def _claim_rows(root: Path) -> str:
     """t1 (rank 1's only table) claims 2**31 rows in the full and at step 3, consistently: the
-    full's chunk says it holds them in 2**40 bytes; the file holds 4 KiB. Errors name that
-    chunk (its size contradicts its record); a restore finds the model's table smaller."""
+    full's chunk says it holds them in 2**40 bytes; the file holds 4 KiB, and its weight
+    segment the rows it held. Errors name the full's rank manifest, whose chunk record
+    contradicts itself (before that check, the chunk, whose size contradicts its record)."""
     big = 2**31
-    chunk: list[Json] = []
 
     def full(rec: Json) -> None:
         rec.update(num_rows=big, rows=big)
         rec["chunks"][0].update(rows=big - sum(c["rows"] for c in rec["chunks"][1:]), nbytes=2**40)
-        chunk.append(rec["chunks"][0])
 
     _edit_part(root, 0, 1, lambda p: full(_shard(p, "t1.weight")))
     _edit_part(root, 3, 1, lambda p: _shard(p, "t1.weight").update(num_rows=big, rows=big))
-    return f"{step_dir(0)}/{chunk[0]['path']}"
+    return _part_rel(root, 0, 1)
 
 
 ALL = frozenset({"verify", "export", "follow"})
@@ -270,6 +296,12 @@ CASES: dict[str, Case] = {
         _deep_commit, 3, frozenset({"verify", "ls", "tree", "export", "follow"}), "nests deeper"
     ),
     "deep-rank-manifest": Case(_deep_part, 2, ALL, "nests deeper"),
+    **{
+        f"commit-time-{v}": Case(
+            _commit_time(v), 3, frozenset({"verify", "ls", "tree", "export", "follow"}), "created"
+        )
+        for v in (float("nan"), 1e308, -1e18)
+    },
     "deep-quarantine-record": Case(_deep_quarantine, 4, frozenset()),
     "state-tree-800-deep": Case(
         lambda r: _edit_state_file(r, 3, 0, _deep_list(800)), 3, ALL, "nests deeper"
@@ -290,6 +322,7 @@ CASES: dict[str, Case] = {
     "unsorted-ids": Case(_unsorted_ids, 3, ALL, "strictly ascending"),
     "overlapping-segments": Case(_chunk_record(_overlap), 3, ALL, "overlaps"),
     "state-without-a-segment": Case(_chunk_record(_lose_state), 3, ALL, "no segment"),
+    "weight-of-half-the-columns": Case(_narrow_weight, 3, ALL, "of the shard's 4 columns"),
     "row-offset-past-the-table": Case(
         _shard_record("t0.weight", _set(row_offset=300)), 3, ALL, "outside the"
     ),
@@ -311,7 +344,7 @@ CASES: dict[str, Case] = {
     "claims-2**31-rows": Case(
         _shard_record("t1.weight", _set(num_rows=2**31, rows=2**31)), 3, ALL, "not one of"
     ),
-    "claims-2**31-rows-consistently": Case(_claim_rows, 0, ALL, "does not fit the model", False),
+    "claims-2**31-rows-consistently": Case(_claim_rows, 0, ALL, "rows of the shard's"),
 }
 
 

@@ -409,3 +409,48 @@ def test_follow_with_no_broker_fails_in_one_line(tmp_path: Path) -> None:
     r = _deck("follow", f"kafka://127.0.0.1:{port}/t", "--out", str(tmp_path / "o"), "--once")
     assert r.returncode == 2 and "no broker answers at 127.0.0.1" in r.stderr, r.stderr
     assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_a_publisher_goes_on_after_the_broker_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A break-it finding: a broker restarted in seconds had forgotten the idempotent producer's
+    id, which librdkafka retried for the sink's whole timeout (the trainer's upload_timeout_s, an
+    hour by default) without a word, while every later publish queued behind it and flush()
+    waited. Now one delivery attempt ends after ATTEMPT_TIMEOUT_S (60 s, 3 s here), the put
+    fails naming the file, a new producer takes over and the next publish is acknowledged at
+    once: the stager's retry of the put is that next try."""
+    import threading
+
+    import deck.trainer.kafka_sink as kafka_sink
+    from deck.storage import StorageError
+    from deck.testing.kafka_stream import SynthPublisher
+
+    assert kafka_sink.ATTEMPT_TIMEOUT_S == 60.0
+    monkeypatch.setattr(kafka_sink, "ATTEMPT_TIMEOUT_S", 3.0)
+    with TansuBroker() as restarted:
+        pub = SynthPublisher(restarted.uri("t"), str(tmp_path / "state"), timeout_s=3600)
+        assert pub.sink._conf["message.timeout.ms"] == 3000
+        pub.publish("full")
+        restarted.restart()  # memory storage: the topic is made again by the next produce
+        outcomes: list[BaseException | int] = []
+
+        def publish() -> None:
+            try:
+                outcomes.append(pub.publish())
+            except BaseException as e:
+                outcomes.append(e)
+
+        for _ in range(2):
+            t = threading.Thread(target=publish, daemon=True)
+            t.start()
+            t.join(120)  # (a bound on a hang, far above the 3 s attempt: no timing is asserted)
+            assert not t.is_alive(), "a publish after the broker's restart hangs"
+        # Either the first attempt met the forgotten producer id and failed, naming its file,
+        # or it went through; the publish after it is acknowledged either way.
+        first, second = outcomes
+        assert isinstance(first, int) or (
+            isinstance(first, StorageError) and "not acknowledged" in str(first)
+        ), first
+        assert isinstance(second, int), second
+        pub.close()

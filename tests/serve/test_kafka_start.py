@@ -484,3 +484,59 @@ def test_a_serving_source_follows_a_publisher_rollback(
     finally:
         source.close()
         pub.close()
+
+
+def test_a_fresh_loader_starts_where_the_listed_end_is_past_the_last_message(
+    broker: TansuBroker, tmp_path: Path
+) -> None:
+    """A break-it finding: on a topic whose control partition lists an end past its last
+    readable message (there: deleted and made again on a live Tansu; here, deterministically, a
+    transaction's commit marker, which occupies the last offset and is never delivered), a
+    fresh loader's look for the newest run met the fetch's end-of-partition event before the
+    listed end and raised it (`deck follow --once` exit 2 with librdkafka's _PARTITION_EOF, a
+    service never served). That event is the end now: the loader serves the newest step."""
+    from confluent_kafka import Producer
+
+    uri = broker.uri(f"txend-{uuid.uuid4().hex[:10]}")
+    pub = SynthPublisher(uri, str(tmp_path / "state"))
+    steps = [pub.publish("full"), pub.publish()]
+    tx = Producer({"bootstrap.servers": broker.bootstrap, "transactional.id": uuid.uuid4().hex})
+    tx.init_transactions(30)
+    tx.begin_transaction()
+    tx.produce(parse_kafka_uri(uri).topic, value=b"not a marker", partition=CONTROL_PARTITION)
+    tx.commit_transaction(30)
+    kf = KafkaFollower(uri, str(tmp_path / "out"), wait_s=WAIT_S)
+    try:
+        kf.catch_up()
+    finally:
+        kf.close()
+        pub.close()
+    assert kf.stats.applied == steps, kf.stats
+
+
+def test_a_fresh_loader_says_a_publishers_rollback_as_one(
+    broker: TansuBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: a fresh loader reading a topic whose publisher rolled back (steps
+    0-4, then a restore of step 1 and steps 2-3 again) met the left timeline's step 4, whose
+    parent's record the new step 3 replaced, and logged an ERROR blaming retention ("the
+    messages between are gone"). It is a WARNING that says the publisher rolled back now; the
+    loader serves the new timeline's newest step all the same."""
+    pub = SynthPublisher(broker.uri(f"left-{uuid.uuid4().hex[:10]}"), str(tmp_path / "state"))
+    pub.publish("full")
+    for _ in range(4):
+        pub.publish()
+    pub.trainer.rollback(1)  # restore step 1, then train on: steps 2.. again
+    new = [pub.publish(), pub.publish()]
+    kf = KafkaFollower(pub.topic_uri, str(tmp_path / "out"), wait_s=WAIT_S)
+    try:
+        with caplog.at_level(logging.WARNING, logger="deck"):
+            kf.catch_up()
+    finally:
+        kf.close()
+        pub.close()
+    assert kf.stats.applied[-2:] == new, kf.stats
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "the publisher rolled back: step 4 (epoch 0) is of a timeline it left" in caplog.text
+    got = read_output(str(tmp_path / "out"))
+    assert got is not None and (got[0], got[1]) == (new[-1], pub.expected(new[-1])[0])

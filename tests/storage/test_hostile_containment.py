@@ -36,7 +36,7 @@ from deck.demo import (
     train_step,
     train_with_checkpoints,
 )
-from deck.errors import CorruptCheckpointError, DeckError, UnsafePathError
+from deck.errors import CorruptCheckpointError, DeckError, StorageError, UnsafePathError
 from deck.format.manifest import MANIFEST, QUARANTINE_ROOT, step_dir
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.storage import FsspecStorage, LocalStorage
@@ -516,3 +516,38 @@ def test_an_empty_folder_is_removed_never_through_a_link(tmp_path: Path) -> None
         mp.setattr(os, "mkdir", raced)
         store.make_folder("c/d")
     assert removed == [True] and (tmp_path / "root/c/d").is_dir()
+
+
+def test_a_put_into_a_folder_a_cleaner_removes_under_it_makes_it_again(tmp_path: Path) -> None:
+    """A break-it finding: `deck gc` pruned an emptied `_log/` between a trainer's opening of it
+    and its entry's temp file, and the commit failed ("its folder was removed while it was
+    written"). A put (and put_if_absent) now opens the folder again and writes; a folder that
+    keeps vanishing still fails, naming the file."""
+    import deck.storage.local as local
+
+    store = LocalStorage(str(tmp_path / "root"))
+    real = local.write_new_file
+    removed: list[bool] = []
+
+    def raced(name: str, *args: Any, **kwargs: Any) -> None:
+        if len(removed) < 1:  # the folder emptied and removed just before
+            removed.append(store.remove_empty_folder("_log"))
+        real(name, *args, **kwargs)
+
+    for put in (store.put, store.put_if_absent):
+        removed.clear()
+        store.make_folder("_log")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(local, "write_new_file", raced)
+            put("_log/1.json", b"entry")
+        assert removed == [True] and (tmp_path / "root/_log/1.json").read_bytes() == b"entry"
+        (tmp_path / "root/_log/1.json").unlink()
+
+    def always(name: str, *args: Any, **kwargs: Any) -> None:
+        store.remove_empty_folder("_log")
+        real(name, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local, "write_new_file", always)
+        with pytest.raises(StorageError, match=r"_log/1.json.*folder was removed"):
+            store.put("_log/1.json", b"entry")

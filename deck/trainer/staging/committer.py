@@ -609,7 +609,8 @@ class Committer:
         if not committed:
             raise CheckpointNotFoundError(
                 f"step {p.step} is a delta of step {p.parent} ({p.parent_id}), which is not committed at "
-                f"{self.dest.uri}; the next checkpoint will be a full"
+                f"{self.dest.uri}; the first checkpoint taken once this is known is a full (deltas "
+                "taken before then on this one fail alike)"
             )
 
     def _cleanup(self, p: PendingPart, item: _Item, drop: bool = False) -> None:
