@@ -308,11 +308,15 @@ class StagingConfig(Settings):
         "training process. process: a staging process per rank (started at enable, spawned, not "
         "forked), fed through shared-memory chunk buffers, so the training thread never waits "
         "for the GIL while chunks are checksummed, written, uploaded and committed; the "
-        "training process keeps the stall, the copy-on-write copy and the lookup guard. Falls "
-        "back to threads (logged) without memfd shared memory (non-Linux), for a storage "
-        "object passed to enable() instead of a URI, for GPU tables (pinned buffers) and for "
+        "training process keeps the stall, the copy-on-write copy and the lookup guard; it is in "
+        "a process group of its own (a terminal's Ctrl-C reaches the training process, whose "
+        "close drains it). Falls back to threads (a WARNING on rank 0) without memfd shared "
+        "memory (non-Linux), for a storage object passed to enable() instead of a URI, a "
+        "memory:// store, storage_options that are not JSON, GPU tables (pinned buffers) and "
         "a publish sink that cannot be opened again by a process (a kafka:// publisher's sink "
-        "runs in the staging process).",
+        "runs in the staging process). A staging process that dies fails the parts it held "
+        "(release='first_tier' too: the training process goes on, and the next checkpoint is a "
+        "full).",
     )
 
     @field_validator("spool_dir", mode="before")

@@ -315,7 +315,8 @@ class DeltaCheckpointer:
                 label=label,
             )
         logger.log(
-            logging.INFO if self.coord.rank == 0 else logging.DEBUG,
+            # (asked for and not used: a break-it finding, said at INFO it went unseen)
+            (logging.WARNING if why else logging.INFO) if self.coord.rank == 0 else logging.DEBUG,
             "deck: %s staging runs in %s%s",
             label,
             "a staging process per rank" if isinstance(stager, ProcessStager) else "threads",

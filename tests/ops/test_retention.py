@@ -17,7 +17,7 @@ from deck.errors import ConfigError
 from deck.format.manifest import Kind
 from deck.merge.policy import FullPolicy, MergeConfig
 from deck.ops.retention import RetentionPolicy, collect_garbage, plan_retention
-from deck.ops.retention.gc import GC_DELETING
+from deck.ops.retention.gc import GC_DELETING, RETIRE_MARK
 from deck.read.catalog import read_manifests, read_rank_manifests
 from deck.read.lineage import build_graph, chain_for, cheapest_chain, latest_restorable
 from deck.read.verify import verify_checkpoint
@@ -29,6 +29,7 @@ from deck.testing.lineage_checks import (
     check_all_restore,
     mem,
     merge_all,
+    set_store_time,
 )
 from deck.testing.synth import (
     State,
@@ -255,20 +256,22 @@ def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
 
 class _ResaveDuringGc(StorageWrapper):
     """A trainer that rolled back re-saves step ``step`` while GC runs: its parts appear right
-    after GC's first listing, its commit record right after GC read the step's old record (the
-    moment the old check-then-delete lost it)."""
+    after GC's first look into the step's folder (the run's own check that no save began there
+    passes), its commit record right after GC read the step's old record (the moment the old
+    check-then-delete lost it)."""
 
     def __init__(self, inner: Storage, step_folder: str, files: dict[str, bytes], record: bytes):
         super().__init__(inner)
+        self.folder = f"{step_folder}/"
         self.man = f"{step_folder}/manifest.json"
         self.files = files
         self.record = record
         self.listed = False
         self.committed = False
 
-    def list(self, prefix: str = "") -> list[str]:
-        keys = self.inner.list(prefix)
-        if not self.listed:
+    def list_dir(self, prefix: str = "") -> list[str]:
+        keys = self.inner.list_dir(prefix)
+        if prefix == self.folder and not self.listed:
             self.listed = True
             for k, v in self.files.items():
                 self.inner.put(k, v)
@@ -311,7 +314,7 @@ def test_gc_keeps_a_step_saved_again_while_it_deletes_the_old_save() -> None:
     assert racing.committed and not rep.errors
     manifests = read_manifests(storage)
     assert 6 in manifests and manifests[6].id == m.id  # the re-save's commit record survived
-    assert any("a new save of step 6 began" in why for _, why in rep.busy), rep.busy
+    assert any("a save of step 6 may have begun" in why for _, why in rep.busy), rep.busy
     assert latest_restorable(manifests) == 6
     check_all_restore(storage, history)
     # The next run deletes what the abandoned timeline left.
@@ -762,6 +765,35 @@ def test_merger_checkpoints_restores_pick_are_retired_then_deleted(
     assert check_all_restore(storage, history) == graph.restorable_steps()
 
 
+def test_a_retirement_mark_dated_in_the_future_holds_deletions_one_grace_period(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A break-it finding: `_clock/gc-retired` dated years ahead (copied with its times from a
+    host whose clock was ahead) made every run delete and retire nothing until that date, with
+    exit 0. A run now writes it again and holds deletions for one grace period from there; a
+    dry run says so and writes nothing; a run a grace period later deletes."""
+    storage, _, history = _merger_following(tmp_path)
+    policy = RetentionPolicy()
+    steps = build_graph(read_manifests(storage)).restorable_steps()
+    age_commits(storage, 86400)
+    assert collect_garbage(storage, policy).retired
+    ahead = time.time() + 5 * 365 * 86400
+    set_store_time(storage, RETIRE_MARK, ahead)
+    with caplog.at_level(logging.WARNING, logger="deck.ops.retention.gc"):
+        dry = collect_garbage(storage, policy, dry_run=True)
+        assert "in the store's future: a run without --dry-run writes it again" in caplog.text
+        assert dry.retire_wait_s == policy.grace_s
+        assert storage.modified(RETIRE_MARK) == ahead
+        held = collect_garbage(storage, policy)
+    assert "written again now" in caplog.text
+    assert held.retire_wait_s == policy.grace_s and not held.deleted and not held.retired
+    assert (storage.modified(RETIRE_MARK) or ahead) < time.time() + 60
+    age_commits(storage, policy.grace_s + 1)
+    last = collect_garbage(storage, policy)
+    assert last.retire_wait_s is None and [w for p, w in last.orphans if w == "retired by GC"]
+    assert check_all_restore(storage, history) == steps
+
+
 @pytest.mark.parametrize("nth", [1, 3])
 def test_a_gc_stopped_while_retiring_loses_nothing_and_a_later_run_finishes(
     tmp_path: Path, nth: int
@@ -947,10 +979,15 @@ def test_a_step_a_save_seems_to_have_begun_at_keeps_its_chain_too(tmp_path: Path
     marker = tmp_path / "ck" / "step-000000000004" / "x"
     marker.mkdir()
     policy = RetentionPolicy(keep_last_fulls=1, keep_all_steps=False, grace_s=0)
-    report = collect_garbage(storage, policy, whole=True)
+    said: list[str] = []
+    report = collect_garbage(storage, policy, whole=True, progress=said.append)
     assert not report.deleted, report.deleted
+    # (a break-it finding: `deck gc: deleting step-...4` went to stderr for the step it kept)
+    assert not said, said
     busy = dict(report.busy)
-    assert "a new save of step 4 began" in busy["step-000000000004 (id " + tr.saved[4].id + ")"]
+    assert (
+        "a save of step 4 may have begun" in busy["step-000000000004 (id " + tr.saved[4].id + ")"]
+    )
     assert len(busy) == 5, busy
     assert latest_restorable(read_manifests(storage)) == 5
     assert chain_for(read_manifests(storage), 4)  # still whole

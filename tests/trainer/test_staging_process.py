@@ -614,6 +614,57 @@ def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> 
             proc.wait()
 
 
+INTERRUPTED_JOB = """
+import sys, time
+from deck.processes import init_process_group, rendezvous
+import deck
+from deck.demo import ModelSpec, build_model
+init_process_group(0, 1, rendezvous())
+model, opt = build_model(ModelSpec(num_tables=2, rows=400, dim=8, batch=32))
+cfg = deck.DeckConfig(uri=sys.argv[1], lease_ttl_s=None,
+                      staging=deck.StagingConfig(mode="process"))
+ck = deck.enable(model, [opt], cfg)
+ck.step(0)
+try:  # (entered before the line the test waits for: the signal may come at once)
+    print("STAGER", ck.stager.pid, flush=True)
+    time.sleep(3600)
+except KeyboardInterrupt:
+    ck.close()
+    print("COMMITTED", [c.step for c in deck.list_checkpoints(sys.argv[1])], flush=True)
+"""
+
+
+def test_a_ctrl_c_at_the_terminal_reaches_the_training_process_alone(tmp_path: Path) -> None:
+    """A break-it finding: a terminal's Ctrl-C (SIGINT to the job's process group) killed the
+    staging process too (a KeyboardInterrupt traceback in it), and the checkpoints it held were
+    lost though the training process closed its checkpointer. The staging process is in a
+    group of its own: the training process alone gets the signal, and its close commits."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_JOB, str(tmp_path / "ck")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # (the job's group, as a terminal's; pytest's is not in it)
+    )
+    try:
+        assert proc.stdout is not None
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("STAGER"):
+                break
+        assert line.startswith("STAGER"), line
+        child = int(line.split()[1])
+        assert os.getpgid(child) != os.getpgid(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(120) == 0, rest
+        assert "COMMITTED [0]" in rest and "Traceback" not in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_where_a_staging_process_cannot_open_the_destination_the_threads_do_it(
     tmp_path: Path,
 ) -> None:
@@ -645,3 +696,17 @@ def test_where_a_staging_process_cannot_open_the_destination_the_threads_do_it(
             schemes.lookup("onlyhere://x/t", "publish").reopen(mine, store, 1, 1.0)
     finally:
         schemes.unregister("onlyhere")
+
+
+def test_storage_options_a_process_cannot_be_sent_keep_the_threads(tmp_path: Path) -> None:
+    """A break-it finding: storage_options holding an object (a credentials session) made
+    `enable` with staging.mode="process" fail with a bare TypeError and left a staging process
+    behind. It is one of the reasons the threads stage instead (said at enable)."""
+    from deck.storage import open_storage
+    from deck.trainer.staging.remote import Reopen, process_unsupported
+
+    uri = str(tmp_path / "ck")
+    staging = deck.StagingConfig(mode="process")
+    assert process_unsupported(staging, open_storage(uri), Reopen(uri, {}), False) is None
+    why = process_unsupported(staging, open_storage(uri), Reopen(uri, {"s": object()}), False)
+    assert why is not None and "storage_options cannot be sent to a process as JSON" in why

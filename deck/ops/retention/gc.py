@@ -231,6 +231,9 @@ GC_DELETING = "gc-deleting"
 GC_RETIRED = "gc-retired"
 RETIRE_MARK = f"{CLOCK_DIR}/{GC_RETIRED}"
 _RETIRED_NOTE = b"deck gc retired merger checkpoints; their files go after the grace period\n"
+# How far in the store's future (by the run's reading of the store's clock) a file's time may lie
+# before the run takes it for a time copied from elsewhere, not one the store gave it
+FUTURE_SLACK_S = 60.0
 _QUARANTINE_NAME = re.compile(rf"{QUARANTINE_ROOT}/[0-9a-f]{{16}}\.json")
 
 
@@ -439,6 +442,22 @@ class _Collector:
         stamp = self.times[RETIRE_MARK]
         if stamp is None or self.now is None:
             return self.policy.grace_s
+        if stamp - self.now > FUTURE_SLACK_S:
+            # Dated in the store's future (copied with its times from a host whose clock was
+            # ahead, or the store's clock stepped back): a break-it finding, it held every
+            # deletion for years. Written again now, it holds them one grace period from here,
+            # which is at least what the retirement it marks needs.
+            logger.warning(
+                "%s is dated %.0f s in the store's future: %s",
+                self.storage.describe(RETIRE_MARK),
+                stamp - self.now,
+                "a run without --dry-run writes it again, so its grace period starts then"
+                if self.dry_run
+                else "written again now; its grace period starts from this run",
+            )
+            if not self.dry_run:
+                self.storage.put(RETIRE_MARK, _RETIRED_NOTE)
+            return self.policy.grace_s
         left = self.policy.grace_s - (self.now - stamp)
         return left if left > 0 else None
 
@@ -584,6 +603,13 @@ class _Collector:
                 files = [k for k in listed if k.startswith(prefix)]
                 files.append(f"{n.folder}/{MANIFEST}")
             size = self.size(files)
+            began = None if n.merged else _unlisted_attempts(self.storage, n, listed)
+            if began:
+                # Said before `progress` names it as deleted (a break-it finding: a cron log of
+                # stderr said "deleting" a step the run then kept); the deletion checks again
+                self.report.busy.append((self._label(cid), began))
+                spared.update(self._chain_of(n))
+                continue
             if self.progress:
                 self.progress(n.folder)
             if not self.dry_run:
@@ -592,7 +618,7 @@ class _Collector:
                     kept = _delete_checkpoint(
                         self.storage,
                         n,
-                        _attempts(n.folder, listed),
+                        listed,
                         mark=n.step >= head,
                         # (a parent of a delta that stays: once uncommitted, it would look
                         # like a lost record, and that delta, broken for good if what else
@@ -1095,10 +1121,24 @@ def _newest_first(n: LineageNode) -> tuple[int, bool, int]:
     return (-n.step, n.merged, -n.layer)
 
 
+def _unlisted_attempts(storage: Storage, n: LineageNode, listed: list[str]) -> str | None:
+    """Why trainer checkpoint ``n`` is kept because its step folder holds an attempt folder the
+    run's ``listed`` keys of it did not show (a save of that step may have begun since: its
+    parts come before its record), or None. Listed again now, one short listing."""
+    seen = _attempts(n.folder, listed)
+    new = sorted({a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - seen)
+    if not new:
+        return None
+    return (
+        f"its step folder holds attempt folder(s) {', '.join(new)} this run had not listed (a "
+        f"save of step {n.step} may have begun, or one left them empty); the next run decides"
+    )
+
+
 def _delete_checkpoint(
     storage: Storage,
     n: LineageNode,
-    attempts: set[str],
+    listed: list[str],
     *,
     mark: bool = False,
     tombstone: bool = False,
@@ -1110,8 +1150,8 @@ def _delete_checkpoint(
 
     A trainer step folder is shared by every save of that step (a trainer that rolled back saves
     it again), and no store deletes conditionally, so the record is re-checked and kept: the
-    folder is listed again *before* the record is read, and a save that began since GC listed
-    (an attempt folder it did not see: a trainer writes its parts before their record) keeps
+    folder is listed again *before* the record is read, and a save that began since GC listed it
+    (``listed``: an attempt folder it did not see; a trainer writes its parts before their record) keeps
     this checkpoint whole until the next run; a record that names another checkpoint already is
     left alone. The record is then deleted only while it holds the bytes read
     (:meth:`~deck.storage.Storage.delete_if`): a save committed after that read keeps its
@@ -1125,18 +1165,15 @@ def _delete_checkpoint(
         storage.delete_prefix(f"{n.folder}/parts/")
         storage.delete_prefix(f"{n.folder}/")
         return None
-    started = {a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - attempts
+    began = _unlisted_attempts(storage, n, listed)
     try:
         raw = get_bounded(storage, man)
         current = load_model(CheckpointManifest, raw, storage.describe(man))
     except NotFoundError:
         current = None
     if current is not None and current.id == n.id:
-        if started:
-            return (
-                f"a new save of step {n.step} began during this run ({', '.join(sorted(started))}); "
-                "the next run decides"
-            )
+        if began:
+            return began
         if mark or tombstone:
             storage.put(f"{n.folder}/{n.id}/{GC_DELETING}", b"deck gc deletes this checkpoint\n")
         # (False: a save of this step committed since the read; its record stays, and this

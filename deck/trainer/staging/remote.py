@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -129,6 +130,11 @@ def process_unsupported(
         return f"the publish sink of {reopen.publish.uri} runs in the training process"
     if not lookup(reopen.uri).shared:
         return f"{reopen.uri} is a store only the training process sees"
+    try:
+        json.dumps(reopen.to_json())
+    except (TypeError, ValueError) as e:
+        # (a break-it finding: a TypeError traceback from enable, and a staging process left)
+        return f"its storage_options cannot be sent to a process as JSON ({e})"
     return None
 
 
@@ -434,6 +440,10 @@ class ProcessStager:
                 pass_fds=(theirs.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
+                # A group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) goes
+                # to the training process, which closes the checkpointer and drains what this
+                # process holds; it killed this one too, and lost it (a break-it finding)
+                process_group=0,
             ).result()
         finally:
             theirs.close()
