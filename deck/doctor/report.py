@@ -30,8 +30,11 @@ _OPTIMIZER_HINT = (
     "included) to deck.enable; if they all are, this is a deck defect: report it with this output"
 )
 HINTS = {
-    TENSOR: "in model.state_dict() but not restored bitwise: a deck defect; report it with this "
-    "output",
+    # (a break-it finding: a train_step writing rows outside lookups was told "a deck defect")
+    TENSOR: "in model.state_dict() but not restored bitwise: if train_step writes table rows "
+    "outside a lookup (a max-norm clamp, rows re-initialised by hand), deck does not see them: "
+    "name them with ck.mark_rows(table, ids) in your job (README, Limits); else a deck defect: "
+    "report it with this output",
     BUFFER: "a buffer in model.state_dict() not restored bitwise: deck saves one copy of the dense "
     "state unless it keeps rank-local buffers per rank; report it with this output",
     HIDDEN_BUFFER: "registered with persistent=False, so model.state_dict() leaves it out and deck "

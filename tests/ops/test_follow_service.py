@@ -118,6 +118,25 @@ def _following(tmp_path: Path, deltas: int) -> tuple[Path, Path, SynthTrainer, F
     return uri, out, trainer, follower
 
 
+def test_an_out_resumes_when_its_publish_folder_is_reached_through_a_link(tmp_path: Path) -> None:
+    """A break-it finding: the same publish folder through a link (a "current" symlink, a moved
+    mount) was refused as another URI's output, forcing a rebuild into a new folder. The same
+    place resumes; another folder is still refused, naming --out."""
+    from deck.errors import ConfigError
+    from deck.serve.follow import Follower
+
+    uri, out, trainer, _ = _following(tmp_path, 2)
+    (tmp_path / "current").symlink_to(uri)
+    trainer.train()
+    trainer.save()
+    update = Follower(LocalStorage(tmp_path / "current"), str(out)).catch_up()
+    assert (update.step, update.how) == (3, "delta"), update
+    other = SynthTrainer(LocalStorage(tmp_path / "other"))
+    other.save("full")
+    with pytest.raises(ConfigError, match=r"--out .* follows .*; use another directory"):
+        Follower(other.storage, str(out))
+
+
 def test_a_follower_never_goes_back_to_an_older_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -603,7 +603,10 @@ class _Collector:
                 files = [k for k in listed if k.startswith(prefix)]
                 files.append(f"{n.folder}/{MANIFEST}")
             size = self.size(files)
-            began = None if n.merged else _unlisted_attempts(self.storage, n, listed)
+            # (a dry run lists nothing more: its requests stay those of its plan)
+            began = (
+                None if n.merged or self.dry_run else _unlisted_attempts(self.storage, n, listed)
+            )
             if began:
                 # Said before `progress` names it as deleted (a break-it finding: a cron log of
                 # stderr said "deleting" a step the run then kept); the deletion checks again
