@@ -570,7 +570,8 @@ def test_a_staging_process_killed_alone_at_each_of_its_points(tmp_path: Path) ->
 
 # ---- kill -9 of the training process -------------------------------------------------------------
 
-ORPHAN_JOB = """
+# A 1-rank job with a staging process that took step 0 (the jobs below go on from there)
+_STAGED_JOB = """
 import os, sys, time
 from deck.processes import init_process_group, rendezvous
 import deck
@@ -581,9 +582,25 @@ cfg = deck.DeckConfig(uri=sys.argv[1], lease_ttl_s=None,
                       staging=deck.StagingConfig(mode="process"))
 ck = deck.enable(model, [opt], cfg)
 ck.step(0)
+"""
+ORPHAN_JOB = (
+    _STAGED_JOB
+    + """
 print("STAGER", ck.stager.pid, flush=True)
 time.sleep(3600)
 """
+)
+
+
+def _staging_pid(job: subprocess.Popen[str]) -> int:
+    """The staging process's pid, from the job's ``STAGER <pid>`` line."""
+    assert job.stdout is not None
+    line = ""
+    for line in job.stdout:
+        if line.startswith("STAGER"):
+            break
+    assert line.startswith("STAGER"), line
+    return int(line.split()[1])
 
 
 def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> None:
@@ -594,13 +611,7 @@ def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> 
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        line = ""
-        for line in proc.stdout:
-            if line.startswith("STAGER"):
-                break
-        assert line.startswith("STAGER"), line
-        child = int(line.split()[1])
+        child = _staging_pid(proc)
         assert not exited(child)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -614,17 +625,9 @@ def test_a_training_process_killed_leaves_no_staging_process(tmp_path: Path) -> 
             proc.wait()
 
 
-INTERRUPTED_JOB = """
-import sys, time
-from deck.processes import init_process_group, rendezvous
-import deck
-from deck.demo import ModelSpec, build_model
-init_process_group(0, 1, rendezvous())
-model, opt = build_model(ModelSpec(num_tables=2, rows=400, dim=8, batch=32))
-cfg = deck.DeckConfig(uri=sys.argv[1], lease_ttl_s=None,
-                      staging=deck.StagingConfig(mode="process"))
-ck = deck.enable(model, [opt], cfg)
-ck.step(0)
+INTERRUPTED_JOB = (
+    _STAGED_JOB
+    + """
 try:  # (entered before the line the test waits for: the signal may come at once)
     print("STAGER", ck.stager.pid, flush=True)
     time.sleep(3600)
@@ -632,6 +635,7 @@ except KeyboardInterrupt:
     ck.close()
     print("COMMITTED", [c.step for c in deck.list_checkpoints(sys.argv[1])], flush=True)
 """
+)
 
 
 def test_a_ctrl_c_at_the_terminal_reaches_the_training_process_alone(tmp_path: Path) -> None:
@@ -647,16 +651,10 @@ def test_a_ctrl_c_at_the_terminal_reaches_the_training_process_alone(tmp_path: P
         start_new_session=True,  # (the job's group, as a terminal's; pytest's is not in it)
     )
     try:
-        assert proc.stdout is not None
-        line = ""
-        for line in proc.stdout:
-            if line.startswith("STAGER"):
-                break
-        assert line.startswith("STAGER"), line
-        child = int(line.split()[1])
+        child = _staging_pid(proc)
         assert os.getpgid(child) != os.getpgid(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.stdout.read()
+        rest = proc.stdout.read() if proc.stdout else ""
         assert proc.wait(120) == 0, rest
         assert "COMMITTED [0]" in rest and "Traceback" not in rest, rest
     finally:
