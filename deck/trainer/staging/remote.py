@@ -440,10 +440,11 @@ class ProcessStager:
                 pass_fds=(theirs.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
-                # A group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) goes
-                # to the training process, which closes the checkpointer and drains what this
-                # process holds; it killed this one too, and lost it (a break-it finding)
-                process_group=0,
+                # A process group (session) of its own: a terminal's Ctrl-C (SIGINT to the
+                # foreground group) goes to the training process, which closes the checkpointer
+                # and drains what this process holds; it killed this one too, and lost it (a
+                # break-it finding). (Popen's process_group needs Python 3.11.)
+                start_new_session=True,
             ).result()
         finally:
             theirs.close()
