@@ -1042,12 +1042,17 @@ class ChainWriter:
                 level,
                 "deck: %s step %d: a rank's part needs more chunk buffers than "
                 "staging.snapshot_memory_bytes (%s) allows; it waited %.3f s of its %.3f s "
-                "stall for buffers. Raise snapshot_memory_bytes to trade CPU memory for stall",
+                "stall for buffers%s. Raise snapshot_memory_bytes to trade CPU memory for stall",
                 self.label,
                 stats.step,
                 human_bytes(self.staging.snapshot_memory_bytes),
                 stats.buffer_wait_s,
                 stats.stall_s,
+                # (a break-it finding: seconds of a staging process's start said as the cap's)
+                " (freed as the staging process writes them: the first checkpoints also wait "
+                "for it to start)"
+                if isinstance(self.stager, ProcessStager)
+                else "",
             )
         logger.debug(
             "deck: %s %s step %d staged (%s tier): %d rows, %s, stall %.3f s (job %.3f s), "
