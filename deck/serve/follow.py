@@ -35,7 +35,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from deck import schemes
+import deck.schemes as schemes
 from deck.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deck.failpoints import failpoint
 from deck.format.jsonio import load_json
