@@ -12,7 +12,7 @@ checkpoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -470,10 +470,9 @@ class TorchRecAdapter(ModelAdapter):
         # EmbeddingBagCollection's was left out of it: a break-it finding)
         tables: list[str] = []
         rules: set[tuple[str, str]] = set()
-        for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
+        for leaf, held in self._saved_leaves(fresh):
             tbe = fused_optimizer_tbe(leaf)
-            held = [k for k in keys if k not in fresh]
-            if tbe is None or not held:
+            if tbe is None:
                 continue
             choices, _ = _saved_for(saved, held)
             # (none in checkpoints of a deck before it saved them)
@@ -496,21 +495,26 @@ class TorchRecAdapter(ModelAdapter):
                 "the optimizer the job saved with (fused_params / the sharder's optimizer)"
             )
 
+    def _saved_leaves(self, fresh: set[str]) -> Iterator[tuple[Any, list[str]]]:
+        """Each fused optimizer with its tables the checkpoint holds state of: those not in
+        ``fresh`` (a break-it finding: a table data_parallel in the checkpoint took every saved
+        table's update rule and hyperparameters, and was refused where they differed); one of
+        ``fresh`` tables only keeps the model's own."""
+        for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
+            held = [k for k in keys if k not in fresh]
+            if held:
+                yield leaf, held
+
     def load_fused_hyperparameters(
         self, saved: dict[str, dict[str, Any]], where: str, fresh: set[str]
     ) -> None:
         if not saved:  # written before deck saved them
             return
-        for leaf, keys in fused_leaves(self.model.fused_optimizer, ""):
-            # (a break-it finding: a table data_parallel in the checkpoint took every saved
-            # table's hyperparameters, and was refused where their update rules differ)
-            held = [k for k in keys if k not in fresh]
-            if not held:
-                continue
+        for leaf, held in self._saved_leaves(fresh):
             choices, own = _saved_for(saved, held)
             if len(choices) != 1:
                 raise IncompatibleModelError(
-                    f"{where}: the fused optimizer of tables {sorted(keys)[:4]} "
+                    f"{where}: the fused optimizer of tables {sorted(held)[:4]} "
                     + (
                         "has no saved hyperparameters and the saved tables disagree"
                         if not own
@@ -520,7 +524,7 @@ class TorchRecAdapter(ModelAdapter):
                 )
             groups = next(iter(choices.values()))["param_groups"]
             load_hyperparameters(
-                leaf, groups, f"{where}: the fused optimizer of tables {sorted(keys)[:4]}"
+                leaf, groups, f"{where}: the fused optimizer of tables {sorted(held)[:4]}"
             )
             kernel = next(iter(choices.values())).get("kernel")
             tbe = fused_optimizer_tbe(leaf)
@@ -529,7 +533,7 @@ class TorchRecAdapter(ModelAdapter):
                 # uses: not param_groups[0]["lr"] (a scheduler may have moved that since the
                 # last zero_grad()/step() copied it into the kernel).
                 load_tbe_kernel_hyperparameters(
-                    tbe, kernel, f"{where}: the fused optimizer of tables {sorted(keys)[:4]}"
+                    tbe, kernel, f"{where}: the fused optimizer of tables {sorted(held)[:4]}"
                 )
             else:
                 # Written before deck saved the kernel's own values: the param group's rate is

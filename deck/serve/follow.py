@@ -548,7 +548,9 @@ class Follower:
         if found is None:
             return
         meta, tensors = found
-        if _same_place(meta["uri"]) != _same_place(self.storage.uri):
+        # (compared as places: a break-it finding, the same publish folder through a link was
+        # refused as another URI's output)
+        if schemes.location(meta["uri"]) != schemes.location(self.storage.uri):
             raise ConfigError(
                 f"--out {self.out_dir} follows {meta['uri']}, not {self.storage.uri}; use "
                 "another directory"
@@ -691,9 +693,3 @@ def _said(refused: dict[int, str]) -> str:
 
 def _shape(rows_cols: tuple[int, int] | None) -> str:
     return "none" if rows_cols is None else f"{rows_cols[0]}x{rows_cols[1]}"
-
-
-def _same_place(uri: str) -> str:
-    """``uri`` as one spelling per place: a local folder by its real path (a break-it finding:
-    the same publish folder through a link was refused as another URI's output)."""
-    return os.path.realpath(schemes.path_of(uri)) if schemes.is_local(uri) else uri

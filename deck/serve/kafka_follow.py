@@ -382,20 +382,26 @@ def marker_manifest(view: StreamView, marker: Marker) -> CheckpointManifest | No
     """The commit record ``marker`` names, at the state URI ``view`` reads; None (logged) when
     that step's record is missing or is another checkpoint's (replaced by a later publish of the
     same step, a rollback: its own marker follows)."""
-    key = f"{step_dir(marker.step)}/{MANIFEST}"
-    try:
-        m = load_model(CheckpointManifest, get_bounded(view, key), view.describe(key))
-    except NotFoundError:
-        m = None
+    m = record_at(view, marker.step)
     if m is None or m.id != marker.ckpt_id:
         logger.warning(
             "deck follow: marker of step %d (%s) names no commit record at %s: skipped",
             marker.step,
             marker.ckpt_id,
-            view.describe(key),
+            view.describe(f"{step_dir(marker.step)}/{MANIFEST}"),
         )
         return None
     return m
+
+
+def record_at(view: StreamView, step: int) -> CheckpointManifest | None:
+    """The commit record of trainer step ``step`` at the state URI ``view`` reads; None when
+    there is none."""
+    key = f"{step_dir(step)}/{MANIFEST}"
+    try:
+        return load_model(CheckpointManifest, get_bounded(view, key), view.describe(key))
+    except NotFoundError:
+        return None
 
 
 def recorded_start(view: Storage, manifest: CheckpointManifest, rank: int) -> StepStart | None:
@@ -885,14 +891,11 @@ class KafkaFollower:
         if parent in self._left:
             why = f"is of a timeline it left, as its parent step {delta.parent} is"
         else:
-            key = f"{step_dir(delta.parent)}/{MANIFEST}"
             try:
-                now = load_model(
-                    CheckpointManifest, get_bounded(self.view, key), self.view.describe(key)
-                )
-            except (NotFoundError, CorruptCheckpointError):
+                now = record_at(self.view, delta.parent)
+            except CorruptCheckpointError:
                 return None
-            if now.id == delta.parent_id or now.epoch <= delta.epoch:
+            if now is None or now.id == delta.parent_id or now.epoch <= delta.epoch:
                 return None
             why = (
                 f"is of a timeline it left: its parent step {delta.parent} was published again "

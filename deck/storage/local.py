@@ -28,7 +28,8 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from deck.errors import ConfigError, NotFoundError, StorageError, UnsafePathError
 from deck.failpoints import failpoint
@@ -151,8 +152,11 @@ def _page_aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
 
 
+_T = TypeVar("_T")
+
+
 class _FolderGone(Exception):
-    """The folder a temp file was to be created in was removed after it was opened."""
+    """A folder a write made or opened was removed before the write's file was in it."""
 
     def __init__(self, exc: FileNotFoundError) -> None:
         super().__init__(str(exc))
@@ -368,20 +372,34 @@ class LocalStorage(Storage):
         files of their own there (the stager's spool) then create them with
         :func:`write_new_file`, which refuses a link at the file itself."""
         names = validate_key(key).split("/")
-        for attempt in range(3):
+
+        def make() -> None:
             try:
                 os.close(self._open_folder(names, key, create=True))
-                break
             except StorageError:
                 raise
-            except FileNotFoundError as exc:
-                # A parent left empty was removed between its creation and its child's by a
-                # cleaner of empty folders (remove_empty_folder): made again
-                if attempt == 2:
-                    raise self._error("create", key, exc, _WRITE_HINT) from exc
+            except (
+                FileNotFoundError
+            ) as exc:  # a parent removed between its creation and its child's
+                raise _FolderGone(exc) from exc
             except OSError as exc:
                 raise self._error("create", key, exc, _WRITE_HINT) from exc
+
+        self._while_folders_go(key, "create", make)
         return self._file(key)
+
+    def _while_folders_go(self, key: str, action: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, called again (3 tries in all) while it raises :class:`_FolderGone`: a
+        cleaner of empty folders (remove_empty_folder, GC's pruning) removed a folder it had
+        just made or opened, which is made again (a break-it finding: a trainer's commit-log
+        entry failed so under `deck gc` of an emptied _log/)."""
+        for attempt in range(3):
+            try:
+                return fn()
+            except _FolderGone as gone:
+                if attempt == 2:
+                    raise self._error(action, key, gone.exc, _WRITE_HINT) from gone.exc
+        raise AssertionError("unreachable")
 
     def remove_empty_folder(self, key: str) -> bool:
         """Remove the folder ``key`` if it is empty (never through a link: a link there is not
@@ -436,17 +454,9 @@ class LocalStorage(Storage):
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-        for attempt in range(3):
-            try:
-                return self._commit_once(path, view, exclusive=exclusive)
-            except _FolderGone as gone:
-                # A cleaner of empty folders (GC's pruning, remove_empty_folder) removed the
-                # folder between its opening and the temp file's creation (a break-it finding:
-                # a trainer's commit-log entry failed so, under `deck gc` of an emptied _log/):
-                # made again, as make_folder does
-                if attempt == 2:
-                    raise self._error("write", path, gone.exc, _WRITE_HINT) from gone.exc
-        raise AssertionError("unreachable")
+        return self._while_folders_go(
+            path, "write", lambda: self._commit_once(path, view, exclusive=exclusive)
+        )
 
     def _commit_once(self, path: str, view: memoryview, *, exclusive: bool) -> bool:
         names = validate_key(path).split("/")

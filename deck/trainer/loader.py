@@ -394,15 +394,13 @@ class StateLoader:
         where = f"step {target} at {self.storage.uri}"
         own = rank_part(last_parts, self.coord.rank)
         extra = read_state_file(self.storage, last, own.extra)
-        extra["fused_hyperparameters"] = self._fused_saved(last, last_parts, own, extra)
+        extra["fused_hyperparameters"] = self._fused_saved(last, last_parts, own, extra, moved)
         # Checked before anything is written: module state that cannot be put back exactly
         # (e.g. managed-collision remappers into another world size) refuses the restore.
         put_module_state = self.adapter.prepare_module_state(
             extra.get("modules") or {}, len(last_parts), where
         )
-        self.adapter.check_fused_optimizers(
-            extra.get("fused_hyperparameters", {}), where, set(moves.from_replicated)
-        )
+        self.adapter.check_fused_optimizers(extra.get("fused_hyperparameters", {}), where, moved)
         # Another world size or plan is fine: rows go by global id (deck.read.restore.apply_chain).
         stats, parts = apply_chain(
             self.storage,
@@ -524,13 +522,15 @@ class StateLoader:
         parts: list[RankManifest],
         own: RankManifest,
         extra: dict[str, Any],
+        moved: set[str],
     ) -> dict[str, Any]:
         """The saved fused hyperparameters of every table this rank's kernels hold: each rank
         saved its own tables', so into another world size or plan those of the tables the part
         this rank reads did not hold come from the other parts (a fuzz finding: they took that
         part's, another kernel's update rule, and the restore was refused)."""
         saved: dict[str, Any] = extra.get("fused_hyperparameters") or {}
-        wanted = set(self.adapter.fused_hyperparameters())
+        # (a table data_parallel in the checkpoint is in no part: its kernel starts fresh)
+        wanted = set(self.adapter.fused_hyperparameters()) - moved
         for part in parts:
             if not saved or wanted <= set(saved):  # (each other part read only while needed)
                 break

@@ -256,22 +256,20 @@ def test_gc_grace_protects_recent_changes_and_orphans(tmp_path: Path) -> None:
 
 class _ResaveDuringGc(StorageWrapper):
     """A trainer that rolled back re-saves step ``step`` while GC runs: its parts appear right
-    after GC's first look into the step's folder (the run's own check that no save began there
-    passes), its commit record right after GC read the step's old record (the moment the old
-    check-then-delete lost it)."""
+    after GC's first listing, its commit record right after GC read the step's old record (the
+    moment the old check-then-delete lost it)."""
 
     def __init__(self, inner: Storage, step_folder: str, files: dict[str, bytes], record: bytes):
         super().__init__(inner)
-        self.folder = f"{step_folder}/"
         self.man = f"{step_folder}/manifest.json"
         self.files = files
         self.record = record
         self.listed = False
         self.committed = False
 
-    def list_dir(self, prefix: str = "") -> list[str]:
-        keys = self.inner.list_dir(prefix)
-        if prefix == self.folder and not self.listed:
+    def list(self, prefix: str = "") -> list[str]:
+        keys = self.inner.list(prefix)
+        if not self.listed:
             self.listed = True
             for k, v in self.files.items():
                 self.inner.put(k, v)

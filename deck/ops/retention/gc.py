@@ -603,17 +603,7 @@ class _Collector:
                 files = [k for k in listed if k.startswith(prefix)]
                 files.append(f"{n.folder}/{MANIFEST}")
             size = self.size(files)
-            # (a dry run lists nothing more: its requests stay those of its plan)
-            began = (
-                None if n.merged or self.dry_run else _unlisted_attempts(self.storage, n, listed)
-            )
-            if began:
-                # Said before `progress` names it as deleted (a break-it finding: a cron log of
-                # stderr said "deleting" a step the run then kept); the deletion checks again
-                self.report.busy.append((self._label(cid), began))
-                spared.update(self._chain_of(n))
-                continue
-            if self.progress:
+            if self.dry_run and self.progress:
                 self.progress(n.folder)
             if not self.dry_run:
                 try:
@@ -621,7 +611,8 @@ class _Collector:
                     kept = _delete_checkpoint(
                         self.storage,
                         n,
-                        listed,
+                        _attempts(n.folder, listed),
+                        self.progress,
                         mark=n.step >= head,
                         # (a parent of a delta that stays: once uncommitted, it would look
                         # like a lost record, and that delta, broken for good if what else
@@ -1124,37 +1115,26 @@ def _newest_first(n: LineageNode) -> tuple[int, bool, int]:
     return (-n.step, n.merged, -n.layer)
 
 
-def _unlisted_attempts(storage: Storage, n: LineageNode, listed: list[str]) -> str | None:
-    """Why trainer checkpoint ``n`` is kept because its step folder holds an attempt folder the
-    run's ``listed`` keys of it did not show (a save of that step may have begun since: its
-    parts come before its record), or None. Listed again now, one short listing."""
-    seen = _attempts(n.folder, listed)
-    new = sorted({a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - seen)
-    if not new:
-        return None
-    return (
-        f"its step folder holds attempt folder(s) {', '.join(new)} this run had not listed (a "
-        f"save of step {n.step} may have begun, or one left them empty); the next run decides"
-    )
-
-
 def _delete_checkpoint(
     storage: Storage,
     n: LineageNode,
-    listed: list[str],
+    attempts: set[str],
+    progress: Callable[[str], None] | None,
     *,
     mark: bool = False,
     tombstone: bool = False,
 ) -> str | None:
     """Uncommit (delete ``manifest.json``), then delete the checkpoint's files; returns why it
-    kept the checkpoint instead, or None. ``mark``: a trainer checkpoint's attempt folder first
-    gets :data:`GC_DELETING` (no step above it stays committed); ``tombstone``: and keeps it
+    kept the checkpoint instead, or None. ``progress(folder)`` is called once it is decided,
+    before anything is deleted (a break-it finding: a cron log of stderr said "deleting" a step
+    the run then kept). ``mark``: a trainer checkpoint's attempt folder first gets
+    :data:`GC_DELETING` (no step above it stays committed); ``tombstone``: and keeps it
     (committed deltas that stay name it as their parent).
 
     A trainer step folder is shared by every save of that step (a trainer that rolled back saves
     it again), and no store deletes conditionally, so the record is re-checked and kept: the
-    folder is listed again *before* the record is read, and a save that began since GC listed it
-    (``listed``: an attempt folder it did not see; a trainer writes its parts before their record) keeps
+    folder is listed again *before* the record is read, and a save that began since GC listed
+    (an attempt folder not in ``attempts``: a trainer writes its parts before their record) keeps
     this checkpoint whole until the next run; a record that names another checkpoint already is
     left alone. The record is then deleted only while it holds the bytes read
     (:meth:`~deck.storage.Storage.delete_if`): a save committed after that read keeps its
@@ -1162,21 +1142,30 @@ def _delete_checkpoint(
     commits between the read and the delete, one request apart."""
     man = f"{n.folder}/{MANIFEST}"
     if n.merged:
+        if progress:
+            progress(n.folder)
         storage.delete(man)
         failpoint("gc.checkpoint.after_uncommit")
         # Partition records first: a merger rebuilding this id must not trust stale ones.
         storage.delete_prefix(f"{n.folder}/parts/")
         storage.delete_prefix(f"{n.folder}/")
         return None
-    began = _unlisted_attempts(storage, n, listed)
+    began = sorted({a for a in storage.list_dir(f"{n.folder}/") if a.endswith("/")} - attempts)
     try:
         raw = get_bounded(storage, man)
         current = load_model(CheckpointManifest, raw, storage.describe(man))
     except NotFoundError:
         current = None
-    if current is not None and current.id == n.id:
-        if began:
-            return began
+    ours = current is not None and current.id == n.id
+    if ours and began:
+        return (
+            f"its step folder holds attempt folder(s) {', '.join(began)} this run had not "
+            f"listed (a save of step {n.step} may have begun, or one left them empty); the next "
+            "run decides"
+        )
+    if progress:
+        progress(n.folder)
+    if ours:
         if mark or tombstone:
             storage.put(f"{n.folder}/{n.id}/{GC_DELETING}", b"deck gc deletes this checkpoint\n")
         # (False: a save of this step committed since the read; its record stays, and this
